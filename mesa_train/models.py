@@ -1,0 +1,62 @@
+"""Short model names used by the configs and benchmarks, mapped onto timm architectures.
+
+timm has no PVT v1; the paper's PVT-Ti is approximated by ``pvt_v2_b1``, which has the
+same size (about 13-14M parameters).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+# short name -> timm model name
+MODEL_NAMES = {
+    "deit_ti": "deit_tiny_patch16_224",
+    "deit_s": "deit_small_patch16_224",
+    "deit_b": "deit_base_patch16_224",
+    "swin_ti": "swin_tiny_patch4_window7_224",
+    "swin_s": "swin_small_patch4_window7_224",
+    "swin_b": "swin_base_patch4_window7_224",
+    "swin_l": "swin_large_patch4_window7_224",
+    "pvt_v2_b0": "pvt_v2_b0",
+    "pvt_v2_b1": "pvt_v2_b1",
+    "pvt_v2_b2": "pvt_v2_b2",
+}
+
+
+def timm_name(name: str) -> str:
+    """Resolve a short name (``deit_ti``) or a full timm name to the timm name."""
+    if name in MODEL_NAMES:
+        return MODEL_NAMES[name]
+    if name in MODEL_NAMES.values():
+        return name
+    raise ValueError(
+        f"unknown model {name!r}; valid choices: {', '.join(MODEL_NAMES)} "
+        f"(or their timm names: {', '.join(MODEL_NAMES.values())})"
+    )
+
+
+def build_model(name: str, *, fused_attn: bool | None = None, **overrides) -> nn.Module:
+    """``timm.create_model`` with our short names. ``overrides`` (``num_classes``,
+    ``img_size``, ``depth``, ``embed_dim``, ``num_heads``, ``drop_path_rate``, ...) are passed
+    to timm when not None. ``fused_attn`` forces timm's fused (sdpa) or explicit attention."""
+    import timm
+
+    kwargs = {k: v for k, v in overrides.items() if v is not None}
+    kwargs.setdefault("pretrained", False)  # no network here; weights come from checkpoints
+    try:
+        model = timm.create_model(timm_name(name), **kwargs)
+    except TypeError as err:  # an override the architecture does not take
+        raise ValueError(f"model {name!r} cannot take overrides {sorted(kwargs)}: {err}") from err
+    if fused_attn is not None:
+        set_fused_attention(model, fused_attn)
+    return model
+
+
+def set_fused_attention(model: nn.Module, enabled: bool) -> int:
+    """Switch every timm attention module between fused sdpa and the explicit
+    ``softmax(q @ k^T) @ v`` path. Returns how many modules were switched."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = bool(enabled)
+            count += 1
+    return count
