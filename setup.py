@@ -6,6 +6,30 @@ import shutil
 
 from setuptools import setup
 
+
+def _cuda_home_with_libs():
+    """torch derives CUDA_HOME from `which nvcc`; when nvcc is a wrapper script outside the
+    toolkit (e.g. /usr/local/bin/nvcc) that gives a prefix without lib64/libcudart.so and
+    linking fails. Prefer a real toolkit directory in that case."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.exists(os.path.join(prefix, "lib64", "libcudart.so")):
+        return
+    for cand in ("/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)):
+        if os.path.exists(os.path.join(cand, "bin", "nvcc")) and (
+            os.path.exists(os.path.join(cand, "lib64", "libcudart.so"))
+            or os.path.exists(os.path.join(cand, "lib", "libcudart.so"))
+        ):
+            os.environ["CUDA_HOME"] = cand
+            return
+
+
+_cuda_home_with_libs()
+
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
 
 # Common training GPUs (A100, A10/3090, H100). Users can override with the env var.
@@ -19,10 +43,18 @@ with_cuda = os.environ.get("MESA_NO_CUDA", "0") != "1" and CUDA_HOME is not None
     shutil.which("nvcc") is not None or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
 )
 
-extra_compile_args = {"cxx": ["-O3", "-fopenmp", "-DPy_LIMITED_API=0x03090000"]}
+# -ffp-contract=off: no FMA contraction, so the kernels match the reference bit for bit.
+extra_compile_args = {"cxx": ["-O3", "-fopenmp", "-ffp-contract=off"]}
 extra_link_args = ["-fopenmp"]
 if with_cuda:
-    extra_compile_args["nvcc"] = ["-O3", "-DMESA_WITH_CUDA"]  # no fast-math: bytes must match the reference
+    # no fast-math and no FMA contraction: the bytes must match the reference
+    # --threads: compile the target architectures in parallel (one nvcc job otherwise).
+    extra_compile_args["nvcc"] = [
+        "-O3",
+        "--fmad=false",
+        f"--threads={os.environ.get('MESA_NVCC_THREADS', '2')}",
+        "-DMESA_WITH_CUDA",
+    ]
     extra_compile_args["cxx"].append("-DMESA_WITH_CUDA")
     ext = CUDAExtension(
         "mesa_train._C",
@@ -43,5 +75,5 @@ else:
 setup(
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

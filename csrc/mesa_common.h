@@ -1,0 +1,135 @@
+// Shared declarations and scalar math of the mesa quantization kernels.
+//
+// The arithmetic here is the contract of docs/DESIGN.md ("Exact arithmetic"): every
+// operation is a separately rounded fp32 operation (no FMA contraction, no fast-math), so
+// the CPU kernels, the CUDA kernels and mesa_train/quant/reference.py agree bit for bit.
+// On the device the `__f*_rn` intrinsics make that explicit (they are never contracted);
+// on the host the build passes -ffp-contract=off.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+
+// fp32 / fp16 / bf16 only (no double instantiations: shorter builds).
+#define MESA_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                        \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                          \
+                     AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
+
+#if defined(__CUDACC__)
+#define MESA_HD __host__ __device__ __forceinline__
+#else
+#define MESA_HD inline
+#endif
+
+namespace mesa {
+
+// ----------------------------------------------------------------------------- fp32 ops
+MESA_HD float f_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+MESA_HD float f_sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+MESA_HD float f_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+MESA_HD float f_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// NaN-propagating min / max (fminf/fmaxf would drop NaN). `acc` is the accumulator.
+MESA_HD float nan_min(float acc, float v) { return ((v < acc) | (v != v)) ? v : acc; }
+MESA_HD float nan_max(float acc, float v) { return ((v > acc) | (v != v)) ? v : acc; }
+
+// ----------------------------------------------------------------------------- RNG hash
+MESA_HD uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// u in [0, 1) for flat element index i (DESIGN.md): seed_lo = uint32(seed),
+// seed_hi = uint32(seed >> 32).
+MESA_HD float hash_uniform(uint64_t i, uint32_t seed_lo, uint32_t seed_hi) {
+  const uint32_t hi_mix = static_cast<uint32_t>(i >> 32) * 0x9E3779B9u;
+  const uint32_t h = lowbias32(lowbias32(static_cast<uint32_t>(i) ^ seed_lo) ^ seed_hi ^ hi_mix);
+  return static_cast<float>(h >> 8) * 5.9604644775390625e-08f;  // 2^-24, exact
+}
+
+// ----------------------------------------------------------------------------- quant math
+// inv = alpha > 1e-12 ? 255 / alpha : 0  (a NaN alpha also gives 0)
+MESA_HD float inv_scale(float alpha) { return alpha > 1e-12f ? f_div(255.0f, alpha) : 0.0f; }
+// step = alpha / 255
+MESA_HD float dequant_step(float alpha) { return f_div(alpha, 255.0f); }
+
+// q = NaN -> 0, else clamp(round(v), 0, 255) with v = (x - beta) * inv and
+// round = floor(v + u) (stochastic) or rint (nearest, half to even).
+// Clamping before rounding is equivalent (rint/floor are monotone, the bounds are
+// integers) and lets the rounding be an exact, vectorisable float trick:
+//   c in [0, 255]: (c + 2^23) - 2^23 == rint(c), and int(c) == floor(c).
+template <bool STOCHASTIC>
+MESA_HD uint8_t quantize_value(float x, float beta, float inv, float u) {
+  float v = f_mul(f_sub(x, beta), inv);
+  if (STOCHASTIC) v = f_add(v, u);
+  v = v > 0.0f ? v : 0.0f;  // NaN -> 0 (comparison with NaN is false)
+  v = v < 255.0f ? v : 255.0f;
+  if (!STOCHASTIC) v = f_sub(f_add(v, 8388608.0f), 8388608.0f);
+  return static_cast<uint8_t>(static_cast<int>(v));
+}
+
+// xhat = q * step + beta, as two rounded operations.
+MESA_HD float dequantize_value(uint8_t q, float step, float beta) {
+  return f_add(f_mul(static_cast<float>(q), step), beta);
+}
+
+// ----------------------------------------------------------------------------- layout
+// Contiguous x viewed as (outer, D, inner). Element i: j = i % inner, row = i / inner,
+// d = row % D, o = row / D. With per-sample statistics over dim > 0 the sample is
+// s = o / outer_per_s (== i / (numel / S)). With per-sample statistics over dim == 0
+// the sample *is* d; kernels then use a table indexed by d alone (s_eff = 1).
+struct Layout {
+  int64_t numel = 0;
+  int64_t outer = 1, D = 1, inner = 1;
+  int64_t dim = 0;
+  int64_t G = 1;
+  int64_t S = 1;            // rows of the statistics / parameters (1 or x.shape[0])
+  int64_t s_eff = 1;        // rows of the per-(s, d) tables: S when dim > 0, else 1
+  int64_t outer_per_s = 1;  // outer / s_eff
+  bool dim0_per_sample = false;
+};
+
+Layout make_layout(const at::Tensor& x, int64_t dim, int64_t num_groups, int64_t S);
+
+// Argument checks (ValueError on the Python side); return the layout.
+Layout check_minmax(const at::Tensor& x, int64_t dim, int64_t num_groups, bool per_sample);
+Layout check_quantize(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                      int64_t dim, int64_t num_groups);
+Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
+                        int64_t dim, int64_t num_groups, at::ScalarType dtype);
+
+inline int64_t group_of(int64_t d, int64_t G, int64_t D) { return (d * G) / D; }
+
+}  // namespace mesa

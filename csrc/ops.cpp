@@ -1,0 +1,117 @@
+// Operator definitions (TORCH_LIBRARY(mesa, m)), argument checks shared by the CPU and
+// CUDA kernels, and the (empty) Python module `mesa_train._C`.
+//
+// Importing mesa_train._C runs the static registrations below; the Python side
+// (mesa_train/quant/__init__.py) adds the fake implementations and the autograd
+// registration. Kernels: csrc/quant_cpu.cpp (CPU), csrc/cuda/quant_cuda.cu (CUDA).
+#include <Python.h>
+
+#include <torch/library.h>
+
+#include "mesa_common.h"
+
+extern "C" {
+// Empty module: all functionality is reached through torch.ops.mesa.*. Built against the
+// limited API (abi3), so one wheel serves every CPython >= 3.9.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT,
+      "_C",  // name
+      "mesa_train C++/CUDA kernels; the ops live in torch.ops.mesa",
+      -1,    // size
+      NULL,  // methods
+  };
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace mesa {
+
+static bool is_quant_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+static int64_t normalize_dim(const at::Tensor& x, int64_t dim) {
+  const int64_t nd = x.dim();
+  TORCH_CHECK_VALUE(nd > 0, "mesa: quantization ops need a tensor with at least one dimension");
+  TORCH_CHECK_VALUE(dim >= -nd && dim < nd, "mesa: dim ", dim, " out of range for a ", nd,
+                    "-d tensor of shape ", x.sizes());
+  return dim < 0 ? dim + nd : dim;
+}
+
+Layout make_layout(const at::Tensor& x, int64_t dim, int64_t num_groups, int64_t S) {
+  Layout L;
+  L.dim = normalize_dim(x, dim);
+  L.D = x.size(L.dim);
+  TORCH_CHECK_VALUE(num_groups >= 1 && (L.D == 0 || num_groups <= L.D), "mesa: num_groups=",
+                    num_groups, " must be in [1, ", L.D, "] (size of dim ", L.dim, " of shape ",
+                    x.sizes(), ")");
+  L.G = num_groups;
+  L.numel = x.numel();
+  for (int64_t k = 0; k < L.dim; ++k) L.outer *= x.size(k);
+  for (int64_t k = L.dim + 1; k < x.dim(); ++k) L.inner *= x.size(k);
+  L.S = S;
+  L.dim0_per_sample = (S > 1 && L.dim == 0);
+  L.s_eff = (S > 1 && L.dim > 0) ? S : 1;
+  L.outer_per_s = L.s_eff > 0 ? L.outer / L.s_eff : 0;
+  return L;
+}
+
+static int64_t check_params(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                            int64_t num_groups) {
+  for (const at::Tensor* p : {&alpha, &beta}) {
+    const char* name = p == &alpha ? "alpha" : "beta";
+    TORCH_CHECK_VALUE(p->scalar_type() == at::kFloat, "mesa: ", name, " must be float32, got ",
+                      p->scalar_type());
+    TORCH_CHECK_VALUE(p->device() == x.device(), "mesa: ", name, " is on ", p->device(),
+                      " but the input is on ", x.device());
+  }
+  TORCH_CHECK_VALUE(alpha.dim() == 2 && alpha.sizes() == beta.sizes(),
+                    "mesa: alpha and beta must both have shape (S, ", num_groups, "); got ",
+                    alpha.sizes(), " and ", beta.sizes());
+  const int64_t S = alpha.size(0);
+  TORCH_CHECK_VALUE(alpha.size(1) == num_groups && (S == 1 || S == x.size(0)),
+                    "mesa: alpha/beta shape ", alpha.sizes(), " invalid: expected (S, ", num_groups,
+                    ") with S in {1, ", x.size(0), "} (shared or per-sample statistics)");
+  return S;
+}
+
+Layout check_minmax(const at::Tensor& x, int64_t dim, int64_t num_groups, bool per_sample) {
+  TORCH_CHECK_VALUE(is_quant_dtype(x.scalar_type()),
+                    "mesa: group_minmax supports float32, float16 and bfloat16 inputs, got ",
+                    x.scalar_type());
+  const int64_t nd = normalize_dim(x, dim);
+  const int64_t S = per_sample ? x.size(0) : 1;
+  return make_layout(x, nd, num_groups, S);
+}
+
+Layout check_quantize(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                      int64_t dim, int64_t num_groups) {
+  TORCH_CHECK_VALUE(is_quant_dtype(x.scalar_type()),
+                    "mesa: quantize supports float32, float16 and bfloat16 inputs, got ",
+                    x.scalar_type());
+  normalize_dim(x, dim);
+  const int64_t S = check_params(x, alpha, beta, num_groups);
+  return make_layout(x, dim, num_groups, S);
+}
+
+Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
+                        int64_t dim, int64_t num_groups, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kByte, "mesa: dequantize expects a uint8 tensor, got ",
+                    q.scalar_type());
+  TORCH_CHECK_VALUE(is_quant_dtype(dtype),
+                    "mesa: dequantize can produce float32, float16 or bfloat16, got ", dtype);
+  normalize_dim(q, dim);
+  const int64_t S = check_params(q, alpha, beta, num_groups);
+  return make_layout(q, dim, num_groups, S);
+}
+
+}  // namespace mesa
+
+TORCH_LIBRARY(mesa, m) {
+  // Fake (meta) implementations and autograd live in this Python module.
+  m.set_python_module("mesa_train.quant");
+  m.def("group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)");
+  m.def("quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, int seed) -> Tensor");
+  m.def("dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype) -> Tensor");
+}

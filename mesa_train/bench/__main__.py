@@ -1,0 +1,62 @@
+"""``python -m mesa_train.bench preset=NAME [key=value ...]``
+
+Presets: see ``configs/bench/preset/`` (``preset=auto``, the default, picks ``table1``
+when CUDA is available and ``cpu-quick`` otherwise). Useful overrides: ``device=cpu``,
+``output_dir=DIR``, ``only=SUBSTRING``, ``dry_run=true``, ``allow_cpu=true``,
+``preset.common.batch_size=N``, ``preset.search.cap_gb=24``.
+Exit status: 0 ok, 1 a configuration failed while running, 2 a bad configuration (the
+message names the valid choices), 3 Mesa is not importable.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from mesa_train.bench import CONFIG_DIR
+
+
+def _error(msg: str, code: int) -> None:
+    print(f"mesa_train.bench: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from mesa_train.bench.measure import MesaUnavailable
+    from mesa_train.bench.presets import BenchConfigError
+    from mesa_train.bench.runner import run_app
+
+    overrides = list(HydraConfig.get().overrides.task)
+    if cfg.preset.get("name") == "auto":
+        cfg = _resolve_auto(cfg, overrides)
+        overrides = [o for o in overrides if not o.startswith("preset=")] + [f"preset={cfg.preset.name}"]
+    command = "python -m mesa_train.bench " + " ".join(shlex.quote(o) for o in overrides)
+    try:
+        code = run_app(cfg, command=command.strip())
+    except BenchConfigError as err:
+        _error(str(err), 2)
+    except MesaUnavailable as err:
+        _error(str(err), 3)
+    sys.exit(code)
+
+
+def _resolve_auto(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """preset=auto: a GPU preset when CUDA is visible (and device is not cpu), else cpu-quick."""
+    import torch
+    from hydra import compose
+
+    device = str(cfg.get("device") or "auto")
+    on_gpu = torch.cuda.is_available() and not device.startswith("cpu")
+    target = cfg.preset.on_cuda if on_gpu else cfg.preset.on_cpu
+    print(f"preset=auto -> preset={target} ({'CUDA' if on_gpu else 'no CUDA device'})", file=sys.stderr)
+    rest = [o for o in overrides if not o.startswith("preset=")]
+    return compose(config_name="config", overrides=[f"preset={target}", *rest])
+
+
+if __name__ == "__main__":
+    main()

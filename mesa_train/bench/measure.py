@@ -1,0 +1,415 @@
+"""Measure one training configuration: peak memory and throughput of a full training step
+(forward, backward, optimizer step) after warm-up.
+
+Order for each row, all in this process:
+
+1. build the model (timm), switch attention kind, patch it with Mesa, turn on gradient
+   checkpointing, move it to the device; AdamW (or SGD) over random images and labels;
+2. ``warmup`` steps (the optimizer state exists afterwards, so the later peak includes it);
+3. one forward under `mesa_train.memory.SavedTensorMeter`: the bytes saved for backward
+   (device independent; one micro-batch when accumulating gradients);
+4. one memory step: on CUDA ``reset_peak_memory_stats`` then ``max_memory_allocated``
+   (what the paper reports: weights, gradients, optimizer state and activations); on CPU
+   the process's peak RSS during the step (``VmHWM`` after resetting it through
+   ``/proc/self/clear_refs``), and that peak minus the RSS when the step started;
+5. ``steps`` timed steps, synchronizing the device around each; images/s = batch size /
+   the median step time (robust to other processes on a shared machine; the mean-based
+   figure is kept as ``throughput_mean``).
+
+Out-of-memory (CUDA OOM or a failed CPU allocation) is caught and reported as "oom".
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import gc
+import math
+import os
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mesa_train.bench.presets import BenchConfigError, RowConfig
+from mesa_train.models import build_model, set_fused_attention
+
+MB = 1024 * 1024
+
+
+class MesaUnavailable(RuntimeError):
+    """A Mesa row was requested but `mesa_train.patch.patch_model` cannot be imported."""
+
+
+@dataclass
+class Measurement:
+    status: str = "ok"  # ok | oom | error | skipped
+    error: str = ""
+    n_params: int | None = None
+    saved_mb: float | None = None  # activation bytes saved for backward (one micro-batch)
+    param_mb: float | None = None  # parameter bytes seen by the meter
+    peak_mb: float | None = None  # CUDA max_memory_allocated / CPU peak RSS during the step
+    peak_kind: str = ""
+    step_rss_mb: float | None = None  # CPU: peak RSS during the step minus RSS at its start
+    reserved_mb: float | None = None  # CUDA max_memory_reserved
+    throughput: float | None = None  # images/s: batch / median step time
+    throughput_mean: float | None = None  # images/s: all timed images / total time
+    step_ms_mean: float | None = None
+    step_ms_median: float | None = None
+    timed_steps: int = 0
+    final_loss: float | None = None
+    wall_s: float | None = None  # the whole measurement, build included
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- devices
+
+def resolve_device(name: str) -> torch.device:
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BenchConfigError(f"device={name!r} requested but no CUDA device is visible; "
+                               "valid choices here: auto, cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise BenchConfigError(f"device={name!r} is not supported; valid choices: auto, cpu, cuda, cuda:N")
+    return dev
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import platform
+
+    return f"CPU ({model or platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class CpuRss:
+    """Per-step peak RSS on Linux. glibc is told to serve every allocation above 128 KiB
+    with mmap (fixed threshold, no dynamic growth), and freed heap is trimmed before each
+    measurement, so RSS follows the live tensors instead of what malloc keeps cached."""
+
+    _configured = False
+
+    def __init__(self) -> None:
+        self.libc = None
+        name = ctypes.util.find_library("c")
+        try:
+            self.libc = ctypes.CDLL(name) if name else None
+        except OSError:
+            self.libc = None
+        if self.libc is not None and not CpuRss._configured and hasattr(self.libc, "mallopt"):
+            M_MMAP_THRESHOLD = -3
+            self.libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+            CpuRss._configured = True
+        self.can_reset = os.path.exists("/proc/self/clear_refs")
+
+    @staticmethod
+    def _status_kb(key: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    def trim(self) -> None:
+        gc.collect()
+        if self.libc is not None and hasattr(self.libc, "malloc_trim"):
+            self.libc.malloc_trim(0)
+
+    def reset_peak(self) -> bool:
+        if not self.can_reset:
+            return False
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            return True
+        except OSError:
+            self.can_reset = False
+            return False
+
+    def current_mb(self) -> float | None:
+        kb = self._status_kb("VmRSS")
+        return None if kb is None else kb / 1024
+
+    def peak_mb(self) -> float | None:
+        kb = self._status_kb("VmHWM")
+        if kb is None:
+            import resource
+
+            kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return kb / 1024
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def is_oom(err: BaseException) -> bool:
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    if isinstance(err, MemoryError):
+        return True
+    msg = str(err)
+    # cuBLAS / cuDNN report a failed workspace allocation under a memory cap this way
+    return isinstance(err, RuntimeError) and (
+        "out of memory" in msg.lower() or "can't allocate memory" in msg
+        or "ALLOC_FAILED" in msg or "NOT_ENOUGH_WORKSPACE" in msg)
+
+
+# --------------------------------------------------------------------------- model
+
+def mesa_patch_model():
+    """`mesa_train.patch.patch_model`, or MesaUnavailable with the reason."""
+    try:
+        from mesa_train.patch import patch_model
+    except Exception as err:  # ImportError, or the package failing to import
+        raise MesaUnavailable(
+            "Mesa rows need mesa_train.patch.patch_model, which cannot be imported here "
+            f"({type(err).__name__}: {err}); run only the stock rows with only=<label>, or "
+            "install the package with `make install`") from None
+    return patch_model
+
+
+def build_for_row(row: RowConfig, device: torch.device | str = "cpu", patch: bool = True):
+    """The row's model: timm build with its overrides, attention kind, Mesa patch,
+    gradient checkpointing; on ``device``. ``patch=False`` skips Mesa (validation)."""
+    overrides = row.model_overrides()
+    fused = row.attention == "fused"
+    device = torch.device(device)
+    # On a GPU, initialise the weights there (a CPU init of a 40-block DeiT-B takes seconds)
+    with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        try:
+            model = build_model(row.model, fused_attn=fused, **overrides)
+        except ValueError as err:
+            if "img_size" in str(err) and "img_size" in overrides and "img_size" not in row.model_kwargs:
+                # resolution-agnostic architectures (PVT-v2) take no img_size
+                overrides.pop("img_size")
+                model = build_model(row.model, fused_attn=fused, **overrides)
+            else:
+                raise BenchConfigError(str(err)) from None
+    n_attn = set_fused_attention(model, fused)
+    if fused and n_attn == 0:
+        raise BenchConfigError(f"model {row.model!r} has no timm attention module with a fused "
+                               "(sdpa) path; valid attention choices for it: explicit")
+    if row.mesa and patch:
+        patch_model = mesa_patch_model()
+        try:
+            patch_model(model, ops=tuple(row.ops), modules=tuple(row.modules), **dict(row.quant))
+        except ValueError as err:  # unknown op / module / option: the message lists choices
+            raise BenchConfigError(f"patch_model: {err}") from None
+        kinds = {bool(m.fused_attn) for m in model.modules() if hasattr(m, "fused_attn")}
+        if kinds and kinds != {fused}:
+            if fused:
+                raise BenchConfigError(
+                    f"mesa ops {list(row.ops)} switch the attention to the explicit path "
+                    "(matmul and softmax exist only there; 'all' includes them), but the row "
+                    "asks for attention=fused; for fused attention use ops: "
+                    "[linear, gelu, layernorm, conv, relu, sdpa]")
+            raise BenchConfigError(
+                f"mesa ops {list(row.ops)} switch the attention to the fused (sdpa) path, but "
+                "the row asks for attention=explicit; add matmul/softmax to the ops or set "
+                "attention: fused")
+    if row.grad_checkpointing:
+        if not hasattr(model, "set_grad_checkpointing"):
+            raise BenchConfigError(f"model {row.model!r} has no set_grad_checkpointing(); "
+                                   "valid grad_checkpointing choices for it: false")
+        try:
+            model.set_grad_checkpointing(True)
+        except (AssertionError, NotImplementedError) as err:
+            raise BenchConfigError(f"model {row.model!r} cannot use gradient checkpointing: {err}") from None
+    if device.type != "meta":
+        model = model.to(device)
+    model.train()
+    return model
+
+
+def make_optimizer(row: RowConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if row.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=row.lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=row.lr, weight_decay=0.05)
+
+
+def amp_context(row: RowConfig, device: torch.device):
+    if row.amp == "fp32":
+        return torch.autocast(device.type, enabled=False)
+    dtype = torch.float16 if row.amp == "fp16" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+class TrainStep:
+    """forward + backward over ``accum_steps`` micro-batches, then one optimizer step."""
+
+    def __init__(self, row: RowConfig, model, device: torch.device, seed: int = 0):
+        self.row, self.model, self.device = row, model, device
+        self.optimizer = make_optimizer(row, model)
+        self.scaler = torch.amp.GradScaler(device.type) if row.amp == "fp16" else None
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(row.batch_size, 3, row.img_size, row.img_size, generator=gen)
+        y = torch.randint(0, row.num_classes, (row.batch_size,), generator=gen)
+        self.x, self.y = x.to(device), y.to(device)
+        self.last_loss: torch.Tensor | None = None
+
+    def micro_batches(self):
+        m = self.row.micro_batch
+        for i in range(self.row.accum_steps):
+            yield self.x[i * m:(i + 1) * m], self.y[i * m:(i + 1) * m]
+
+    def forward_loss(self, x, y):
+        with amp_context(self.row, self.device):
+            return F.cross_entropy(self.model(x), y) / self.row.accum_steps
+
+    def __call__(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for x, y in self.micro_batches():
+            loss = self.forward_loss(x, y)
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            self.last_loss = loss.detach()
+            del loss
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+
+def saved_bytes(step: TrainStep) -> tuple[float | None, float | None, str]:
+    """(activation MB, parameter MB, note) of one micro-batch forward, via the meter."""
+    try:
+        from mesa_train.memory import SavedTensorMeter
+    except Exception as err:  # not landed yet / broken: measure the rest anyway
+        return None, None, f"saved bytes not measured: mesa_train.memory unavailable ({err})"
+    x, y = next(step.micro_batches())
+    with SavedTensorMeter(step.model) as meter:
+        loss = step.forward_loss(x, y)
+    # Backward releases the saved tensors. Dropping a graph whose pack hook returned the
+    # tensors unchanged without running backward leaks it (C++ reference cycle through the
+    # hook), and with it the model: measured RSS then grew ~1 model per row.
+    loss.backward()
+    del loss
+    step.optimizer.zero_grad(set_to_none=True)
+    return meter.activation_bytes / MB, meter.parameter_bytes / MB, ""
+
+
+# --------------------------------------------------------------------------- measure
+
+def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: bool,
+             timed: bool, rss: CpuRss | None) -> Measurement:
+    result = Measurement()
+    torch.manual_seed(seed)
+    model = build_for_row(row, device)
+    result.n_params = sum(p.numel() for p in model.parameters())
+    step = TrainStep(row, model, device, seed=seed)
+
+    for _ in range(row.warmup):
+        step()
+    synchronize(device)
+
+    if measure_saved:
+        result.saved_mb, result.param_mb, note = saved_bytes(step)
+        if note:
+            result.notes.append(note)
+
+    # memory step
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        synchronize(device)
+        result.peak_mb = torch.cuda.max_memory_allocated(device) / MB
+        result.reserved_mb = torch.cuda.max_memory_reserved(device) / MB
+        result.peak_kind = "cuda_max_memory_allocated"
+    else:
+        assert rss is not None
+        rss.trim()
+        exact = rss.reset_peak()
+        start = rss.current_mb()
+        step()
+        result.peak_mb = rss.peak_mb()
+        result.peak_kind = "cpu_peak_rss" if exact else "cpu_lifetime_peak_rss"
+        if exact and start is not None and result.peak_mb is not None:
+            result.step_rss_mb = max(result.peak_mb - start, 0.0)
+
+    if timed:
+        times = []
+        for _ in range(row.steps):
+            synchronize(device)
+            t0 = time.perf_counter()
+            step()
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+        result.timed_steps = len(times)
+        # images/s from the median step: robust to other processes on a shared machine
+        result.throughput = row.batch_size / statistics.median(times)
+        result.throughput_mean = row.batch_size * len(times) / sum(times)
+        result.step_ms_mean = 1000 * statistics.fmean(times)
+        result.step_ms_median = 1000 * statistics.median(times)
+
+    if step.last_loss is not None:
+        loss = float(step.last_loss) * row.accum_steps
+        result.final_loss = loss
+        if not math.isfinite(loss):
+            result.notes.append("non-finite loss")
+    return result
+
+
+def run_row(row: RowConfig, device: torch.device, *, seed: int = 0, measure_saved: bool = True,
+            timed: bool = True) -> Measurement:
+    """Measure one row. OOM -> status "oom"; MesaUnavailable and BenchConfigError
+    propagate (the run cannot be meaningful); other failures -> status "error"."""
+    rss = CpuRss() if device.type == "cpu" else None
+    if rss is not None:
+        rss.trim()
+    started = time.perf_counter()
+    result: Measurement
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.utils.checkpoint.*")
+            result = _measure(row, device, seed=seed, measure_saved=measure_saved,
+                              timed=timed, rss=rss)
+    except (MesaUnavailable, BenchConfigError):
+        raise
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        if is_oom(err):
+            result = Measurement(status="oom", error=_first_line(err))
+        else:
+            result = Measurement(status="error", error=f"{type(err).__name__}: {_first_line(err)}")
+    # the exception (and the frames holding the model) is gone here
+    release(device)
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__

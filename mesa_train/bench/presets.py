@@ -1,0 +1,290 @@
+"""Benchmark configurations: one `RowConfig` per measured training setup, expanded from a
+preset (``configs/bench/preset/*.yaml``) and validated before anything is measured.
+
+A preset has ``common`` (fields shared by every row), ``rows`` (each a partial
+`RowConfig`, merged over ``common``) and optionally ``search`` (the Table 9 largest-model
+search, see `mesa_train.bench.search`). Rows are grouped (``group``, default: the model);
+exactly one row per group is its ``baseline`` and every ratio is taken against it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mesa_train.bench.paper_numbers import paper_row
+from mesa_train.models import MODEL_NAMES, timm_name
+
+AMP_CHOICES = ("fp32", "fp16", "bf16")
+ATTENTION_CHOICES = ("explicit", "fused")
+OPTIMIZER_CHOICES = ("adamw", "sgd")
+# The names patch_model takes (docs/DESIGN.md); the patch module's own lists win when it
+# exports them (see `valid_ops`).
+_DESIGN_OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa", "all")
+_DESIGN_MODULES = ("msa", "ffn", "other", "all")
+# Short op names for plot labels (paper Figure 6: G, LN, S, M).
+OP_ABBREV = {"linear": "L", "matmul": "M", "softmax": "S", "gelu": "G", "layernorm": "LN",
+             "conv": "C", "relu": "R", "sdpa": "SDPA", "all": "all"}
+
+
+class BenchConfigError(ValueError):
+    """A preset or row the benchmark cannot run (bad name, a value the model cannot take)."""
+
+
+def _patch_names(attr_candidates: tuple[str, ...], fallback: tuple[str, ...]) -> tuple[str, ...]:
+    try:
+        import mesa_train.patch as patch  # noqa: PLC0415  (optional until it lands)
+    except Exception:  # pragma: no cover - depends on the work of others
+        return fallback
+    for attr in attr_candidates:
+        value = getattr(patch, attr, None)
+        if isinstance(value, (tuple, list, frozenset, set, dict)) and value:
+            names = tuple(value)
+            return names if "all" in names else names + ("all",)
+    return fallback
+
+
+def valid_ops() -> tuple[str, ...]:
+    return _patch_names(("OPS", "VALID_OPS", "OP_NAMES"), _DESIGN_OPS)
+
+
+def valid_modules() -> tuple[str, ...]:
+    return _patch_names(("MODULES", "VALID_MODULES", "MODULE_NAMES"), _DESIGN_MODULES)
+
+
+@dataclass
+class RowConfig:
+    """One training setup to measure. ``batch_size`` is images per optimizer step;
+    with ``accum_steps > 1`` it is split into that many micro-batches."""
+
+    label: str
+    model: str
+    group: str | None = None
+    baseline: bool = False
+    mesa: bool = False
+    ops: tuple[str, ...] = ("all",)
+    modules: tuple[str, ...] = ("all",)
+    quant: dict[str, Any] = field(default_factory=dict)  # extra patch_model options
+    short: str | None = None  # plot label (defaults to the ops, Figure 6 style)
+    batch_size: int = 128
+    img_size: int = 224
+    num_classes: int = 1000
+    amp: str = "fp16"
+    attention: str = "explicit"
+    grad_checkpointing: bool = False
+    accum_steps: int = 1
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    warmup: int = 2
+    steps: int = 10
+    paper: str | None = None  # key into paper_numbers.PAPER_ROWS
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch_size // self.accum_steps
+
+    @property
+    def group_name(self) -> str:
+        return self.group or self.model
+
+    @property
+    def plot_label(self) -> str:
+        if self.short:
+            return self.short
+        if not self.mesa:
+            return "baseline"
+        label = "+".join(OP_ABBREV.get(o, o) for o in self.ops)
+        if tuple(self.modules) != ("all",):
+            label += " [" + "+".join(m.upper() for m in self.modules) + "]"
+        return label
+
+    def model_overrides(self) -> dict[str, Any]:
+        kw = {"num_classes": self.num_classes, "img_size": self.img_size}
+        kw.update(self.model_kwargs)
+        return kw
+
+    def describe(self) -> str:
+        bits = [self.model, f"b{self.batch_size}", f"{self.img_size}px", self.amp, self.attention]
+        if self.mesa:
+            bits.append("mesa[" + ",".join(self.ops) + ("|" + ",".join(self.modules)
+                                                         if tuple(self.modules) != ("all",) else "") + "]")
+        if self.grad_checkpointing:
+            bits.append("ckpt")
+        if self.accum_steps > 1:
+            bits.append(f"accum{self.accum_steps}")
+        return " ".join(bits)
+
+
+_FIELDS = {f.name for f in dataclasses.fields(RowConfig)}
+
+
+def make_row(common: dict, row: dict) -> RowConfig:
+    """Merge ``row`` over ``common`` into a RowConfig. ``quant`` options are merged key by
+    key; a row's ``model_kwargs`` replaces common's (they belong to one architecture)."""
+    merged: dict[str, Any] = {}
+    for src in (common or {}, row or {}):
+        for key, value in src.items():
+            if key == "quant" and isinstance(value, dict):
+                merged[key] = {**merged.get(key, {}), **value}
+            else:
+                merged[key] = value
+    unknown = sorted(set(merged) - _FIELDS)
+    if unknown:
+        raise BenchConfigError(
+            f"row {merged.get('label', '?')!r}: unknown field(s) {unknown}; valid fields: "
+            f"{', '.join(sorted(_FIELDS))}")
+    for key in ("label", "model"):
+        if key not in merged:
+            raise BenchConfigError(f"row {row!r}: missing required field {key!r}")
+    for key in ("ops", "modules"):
+        if key in merged:
+            value = merged[key]
+            merged[key] = (value,) if isinstance(value, str) else tuple(value)
+    return RowConfig(**merged)
+
+
+def check_row(row: RowConfig) -> None:
+    """Validate names and numbers (cheap, no model built). Raises BenchConfigError."""
+    where = f"row {row.label!r}"
+    try:
+        timm_name(row.model)
+    except ValueError as err:
+        raise BenchConfigError(f"{where}: {err}") from None
+    for name, value, choices in (("amp", row.amp, AMP_CHOICES),
+                                 ("attention", row.attention, ATTENTION_CHOICES),
+                                 ("optimizer", row.optimizer, OPTIMIZER_CHOICES)):
+        if value not in choices:
+            raise BenchConfigError(f"{where}: {name}={value!r} is not valid; valid choices: "
+                                   f"{', '.join(choices)}")
+    if row.mesa:
+        for name, values, choices in (("ops", row.ops, valid_ops()),
+                                      ("modules", row.modules, valid_modules())):
+            bad = [v for v in values if v not in choices]
+            if bad or not values:
+                raise BenchConfigError(f"{where}: mesa {name} {bad or list(values)} not valid; "
+                                       f"valid choices: {', '.join(choices)}")
+    for name in ("batch_size", "img_size", "num_classes", "accum_steps", "steps"):
+        value = getattr(row, name)
+        if not isinstance(value, int) or value < 1:
+            raise BenchConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+    if not isinstance(row.warmup, int) or row.warmup < 0:
+        raise BenchConfigError(f"{where}: warmup must be an integer >= 0, got {row.warmup!r}")
+    if row.batch_size % row.accum_steps:
+        raise BenchConfigError(f"{where}: batch_size={row.batch_size} is not divisible by "
+                               f"accum_steps={row.accum_steps} (micro-batches must be equal)")
+    paper = row.paper
+    if paper is not None:
+        try:
+            paper_row(paper)
+        except KeyError as err:
+            raise BenchConfigError(f"{where}: {err.args[0]}") from None
+
+
+def _shape_key(row: RowConfig) -> tuple:
+    return (row.model, repr(sorted(row.model_overrides().items())), row.attention,
+            row.grad_checkpointing, row.micro_batch)
+
+
+_CHECKED: set[tuple] = set()
+
+
+def check_model(row: RowConfig) -> None:
+    """Build the model on the meta device and run one forward with the row's input shape,
+    so a value the architecture cannot take fails here with a clear message, before any
+    measurement starts. Also checks that checkpointing / fused attention are available.
+    Rows that differ only in Mesa options, AMP or step counts share one check."""
+    where = f"row {row.label!r} ({row.describe()})"
+    _check_stock(row, where)
+    if row.mesa:
+        _check_patch(row, where)
+
+
+def _check_stock(row: RowConfig, where: str) -> None:
+    import torch
+
+    from mesa_train.bench.measure import build_for_row
+
+    key = _shape_key(row)
+    if key in _CHECKED:
+        return
+    try:
+        with torch.device("meta"):
+            model = build_for_row(row, device="meta", patch=False)
+            x = torch.empty(row.micro_batch, 3, row.img_size, row.img_size)
+            out = model(x)
+    except BenchConfigError as err:
+        raise BenchConfigError(f"{where}: {err}") from None
+    except Exception as err:  # timm asserts, shape errors, bad kwargs
+        raise BenchConfigError(f"{where}: the model cannot take this configuration: "
+                               f"{type(err).__name__}: {err}") from None
+    if tuple(out.shape) != (row.micro_batch, row.num_classes):
+        raise BenchConfigError(f"{where}: unexpected output shape {tuple(out.shape)}")
+    _CHECKED.add(key)
+
+
+def _check_patch(row: RowConfig, where: str) -> None:
+    """Patch the meta model (no forward: the quantizers need real tensors) to check the
+    ops/modules for this model and that the attention kind stays the row's."""
+    import torch
+
+    from mesa_train.bench.measure import MesaUnavailable, build_for_row
+
+    key = _shape_key(row) + (tuple(row.ops), tuple(row.modules), repr(sorted(row.quant.items())))
+    if key in _CHECKED:
+        return
+    try:
+        with torch.device("meta"):
+            build_for_row(row, device="meta", patch=True)
+    except MesaUnavailable:
+        return  # reported (or skipped) by the runner
+    except BenchConfigError as err:
+        raise BenchConfigError(f"{where}: {err}") from None
+    except Exception:  # noqa: BLE001 - patching on meta unsupported here; the real run reports
+        return
+    _CHECKED.add(key)
+
+
+def validate_groups(rows: list[RowConfig]) -> None:
+    groups: dict[str, list[RowConfig]] = {}
+    for row in rows:
+        groups.setdefault(row.group_name, []).append(row)
+    labels = [r.label for r in rows]
+    dup = sorted({lab for lab in labels if labels.count(lab) > 1})
+    if dup:
+        raise BenchConfigError(f"duplicate row labels: {dup}")
+    for name, members in groups.items():
+        base = [r.label for r in members if r.baseline]
+        if len(base) != 1:
+            raise BenchConfigError(
+                f"group {name!r} must have exactly one baseline row, found {base or 'none'} "
+                f"among {[r.label for r in members]}")
+
+
+def expand_preset(preset: dict, only: str | None = None) -> list[RowConfig]:
+    """The preset's rows as validated RowConfigs (names only; see `check_model`).
+    ``only`` keeps rows whose label contains it, plus their groups' baselines."""
+    common = dict(preset.get("common") or {})
+    rows = [make_row(common, r) for r in (preset.get("rows") or [])]
+    for row in rows:
+        check_row(row)
+    validate_groups(rows)
+    labels = [r.label for r in rows]
+    for target in preset.get("targets") or []:
+        if target.get("row") not in labels:
+            raise BenchConfigError(f"target {target!r} names no row; rows: {', '.join(labels)}")
+        unknown = set(target) - {"row", "memory_ratio_max", "throughput_ratio_min"}
+        if unknown:
+            raise BenchConfigError(f"target {target!r}: unknown keys {sorted(unknown)}; valid: "
+                                   "row, memory_ratio_max, throughput_ratio_min")
+    if only:
+        keep = {r.group_name for r in rows if only in r.label}
+        if not keep:
+            raise BenchConfigError(f"only={only!r} matches no row; rows: "
+                                   f"{', '.join(r.label for r in rows)}")
+        rows = [r for r in rows if r.group_name in keep and (r.baseline or only in r.label)]
+    return rows
+
+
+__all__ = ["AMP_CHOICES", "ATTENTION_CHOICES", "BenchConfigError", "MODEL_NAMES", "RowConfig",
+           "check_model", "check_row", "expand_preset", "make_row", "valid_modules", "valid_ops"]

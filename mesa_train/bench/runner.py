@@ -1,0 +1,216 @@
+"""The benchmark app without Hydra: `run_app(cfg)` takes the composed config (the preset
+under ``cfg.preset``), validates every configuration, measures, writes the files."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mesa_train.bench import measure as _measure
+from mesa_train.bench import report
+from mesa_train.bench.measure import Measurement, MesaUnavailable, resolve_device, run_row
+from mesa_train.bench.plot import tradeoff_plot
+from mesa_train.bench.presets import BenchConfigError, RowConfig, check_model, expand_preset
+from mesa_train.bench.search import Searcher, check_search, parse_search, summarize
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="cfg", disable=not enabled, file=sys.stderr,
+                dynamic_ncols=True, leave=True)
+
+
+def _say(msg: str, bar=None) -> None:
+    if bar is not None and not bar.disable:
+        bar.write(msg, file=sys.stderr)
+    else:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def prepare(cfg: Any) -> tuple[dict, torch.device, list[RowConfig], Any]:
+    """Everything that can fail before measuring: device, rows, search, model shapes."""
+    from omegaconf import OmegaConf
+
+    preset = OmegaConf.to_container(cfg.preset, resolve=True) if not isinstance(cfg.preset, dict) else dict(cfg.preset)
+    name = preset.get("name")
+    if not name:
+        raise BenchConfigError("the preset has no name")
+    device = resolve_device(_get(cfg, "device") or preset.get("device") or "auto")
+    if device.type == "cpu" and preset.get("requires_cuda") and not _get(cfg, "allow_cpu", False):
+        extra = ""
+        if preset.get("search"):
+            extra = (" Its search enforces the memory cap with torch.cuda.set_per_process_memory_fraction "
+                     "and treats CUDA out-of-memory as 'does not fit'; on CPU add "
+                     "allow_cpu=true preset.search.emulate_on_cpu=true to emulate it with the "
+                     "saved-bytes budget (an estimate), or see the emulated search in preset=cpu-quick.")
+        raise BenchConfigError(
+            f"preset {name!r} is a GPU preset and no CUDA device is in use (device={device}).{extra} "
+            "Run preset=cpu-quick on CPU, or force this preset with allow_cpu=true (slow; shrink it "
+            "with e.g. preset.common.batch_size=2 preset.common.img_size=64).")
+    rows = expand_preset(preset, only=_get(cfg, "only"))
+    search = parse_search(preset.get("search"), dict(preset.get("common") or {}))
+    if search is not None and device.type == "cpu" and not search.emulate_on_cpu:
+        raise BenchConfigError(
+            f"preset {name!r}: the largest-model search needs a CUDA GPU (the cap is enforced with "
+            "torch.cuda.set_per_process_memory_fraction); set preset.search.emulate_on_cpu=true "
+            "to emulate it on CPU with the saved-bytes budget")
+    if search is not None and _get(cfg, "only"):
+        search = None  # only= narrows the table rows; skip the search
+    if not rows and search is None:
+        raise BenchConfigError(f"preset {name!r} has no rows and no search")
+    t0 = time.perf_counter()
+    for row in rows:
+        check_model(row)
+    if search is not None:
+        check_search(search)
+    _say(f"preset {name}: {len(rows)} configurations validated in {time.perf_counter() - t0:.1f} s")
+    return preset, device, rows, search
+
+
+def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
+    """Returns the exit status: 0 ok, 1 when a row failed with an error (OOM is a result,
+    not a failure). Raises BenchConfigError / MesaUnavailable for bad configurations."""
+    threads = _get(cfg, "threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    preset, device, rows, search = prepare(cfg)
+    name = preset["name"]
+    mesa_missing = _get(cfg, "mesa_missing", "error")
+    if mesa_missing not in ("error", "skip"):
+        raise BenchConfigError(f"mesa_missing={mesa_missing!r}; valid choices: error, skip")
+    needs_mesa = any(r.mesa for r in rows) or (search is not None)
+    mesa_error = None
+    if needs_mesa:
+        try:
+            _measure.mesa_patch_model()
+        except MesaUnavailable as err:
+            if mesa_missing == "error":
+                raise
+            mesa_error = str(err)
+            search = None  # the search compares stock with Mesa: nothing to do without it
+    if mesa_error and any(r.mesa and r.baseline for r in rows):
+        raise MesaUnavailable(mesa_error)
+
+    if _get(cfg, "dry_run", False):
+        print(f"preset {name}: {len(rows)} configurations on {device} (validated, not run)")
+        for row in rows:
+            print(f"  {'*' if row.baseline else ' '} {row.label:<36} {row.describe()}")
+        if search is not None:
+            print(f"  search: {', '.join(d.name for d in search.dims)} for "
+                  f"{' vs '.join(v.label for v in search.variants)}, cap {search.cap_gb:g} GB")
+        return 0
+
+    seed = int(_get(cfg, "seed", 0))
+    env = report.environment(device)
+    show = bool(_get(cfg, "progress", True))
+    started = time.perf_counter()
+    # Everything imported so far lives for the whole run: keep it out of the collections
+    # that run between configurations (a full gc pass over timm + torch takes ~0.4 s).
+    gc.collect()
+    gc.freeze()
+    if rows and _get(cfg, "process_warmup", True):
+        # first-use costs (thread pools, allocator, lazy imports) must not land on the first row
+        first = next((r for r in rows if not (r.mesa and mesa_error)), None)
+        if first is not None:
+            run_row(dataclasses.replace(first, warmup=1, steps=1), device, seed=seed,
+                    measure_saved=False, timed=False)
+    results: list[Measurement] = []
+    bar = _progress(len(rows), show, f"bench {name}")
+    try:
+        for row in rows:
+            bar.set_postfix_str(row.label[:40])
+            if row.mesa and mesa_error:
+                m = Measurement(status="skipped", error="Mesa unavailable (mesa_missing=skip)")
+            else:
+                m = run_row(row, device, seed=seed)
+            results.append(m)
+            if m.status == "ok":
+                mem = f"peak {m.peak_mb:,.0f} MB" if m.peak_mb is not None else ""
+                saved = f", saved {m.saved_mb:,.1f} MB" if m.saved_mb is not None else ""
+                _say(f"{row.label}: {mem}{saved}, {m.throughput:,.1f} img/s", bar)
+            else:
+                _say(f"{row.label}: {m.status} {m.error}", bar)
+            bar.update(1)
+    finally:
+        bar.close()
+    rows_s = time.perf_counter() - started
+
+    search_summary: list[dict[str, Any]] = []
+    search_notes: list[str] = []
+    searcher = None
+    if search is not None:
+        _say(f"search: largest {', '.join(d.name for d in search.dims)} under {search.cap_gb:g} GB", None)
+        searcher = Searcher(search, device, seed=seed, on_probe=lambda msg: _say("  " + msg))
+        outcomes = searcher.run()
+        search_summary = summarize(search, outcomes)
+        search_notes = searcher.notes
+
+    search_s = time.perf_counter() - started - rows_s
+    _say(f"measured {len(rows)} configurations in {rows_s:.1f} s"
+         + (f", search in {search_s:.1f} s" if search is not None else ""))
+    records = report.build_records(name, rows, results, env)
+    out_dir = Path(_get(cfg, "output_dir", "results")) / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = report.device_slug(device)
+    files = {k: out_dir / f"{slug}.{k}" for k in ("md", "csv", "json", "png")}
+    search_csv = out_dir / f"{slug}.search.csv"
+
+    png = tradeoff_plot(files["png"], records, [r.plot_label for r in rows],
+                        title=preset.get("title") or name, device=env["device"],
+                        device_type=device.type, search=search_summary or None)
+    if records:
+        report.write_csv(files["csv"], records, report.CSV_COLUMNS)
+    if search_summary:
+        mode = "cuda" if device.type == "cuda" else "cpu-emulated"
+        cap = searcher.effective_cap_gb if searcher else search.cap_gb
+        srecs = [{**s, "preset": name, "cap_gb": cap, "mode": mode,
+                  **{k: env[k] for k in ("device", "torch", "timm", "mesa_train", "cuda", "date")}}
+                 for s in search_summary]
+        report.write_csv(search_csv if records else files["csv"], srecs, report.SEARCH_CSV_COLUMNS)
+    notes = report.standard_notes(device.type) + list(preset.get("notes") or []) + search_notes
+    if mesa_error:
+        notes.append("Mesa rows skipped: " + mesa_error)
+    notes.append(f"Wall time of this run: {time.perf_counter() - started:.0f} s.")
+    search_md = ""
+    if search_summary:
+        search_md = report.markdown_search(
+            search_summary, searcher.effective_cap_gb if searcher else search.cap_gb,
+            "cuda" if device.type == "cuda" else "cpu")
+    md = report.render_markdown(preset=preset, env=env, records=records, search_md=search_md,
+                                notes=notes, command=command,
+                                files={"png": files["png"].name if png else ""})
+    files["md"].write_text(md)
+    meta = {"preset": preset, "environment": env, "command": command,
+            "rows": [{"config": _row_dict(r), "measurement": m.as_dict()} for r, m in zip(rows, results)],
+            "search": search_summary}
+    files["json"].write_text(json.dumps(meta, indent=2, default=str))
+    report.write_index(out_dir.parent)
+
+    print(md)
+    written = [p for p in (files["md"], files["csv"], search_csv, files["json"], files["png"]) if p.exists()]
+    _say("wrote " + ", ".join(str(p) for p in written))
+    failed = [r.label for r, m in zip(rows, results) if m.status == "error"]
+    if failed:
+        _say(f"error: {len(failed)} configuration(s) failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def _row_dict(row: RowConfig) -> dict[str, Any]:
+    import dataclasses
+
+    d = dataclasses.asdict(row)
+    d["ops"], d["modules"] = list(row.ops), list(row.modules)
+    return d

@@ -1,0 +1,29 @@
+"""Drop-in Mesa layers: exact forward, 8-bit activations saved for backward.
+
+Each layer subclasses its ``torch.nn`` twin (``MatMul`` has none), takes the twin's
+constructor arguments plus keyword-only quantization options (:class:`QuantOptions`:
+``num_groups``, ``decay``, ``estimator``, ``symmetric``, ``rounding``, ``enabled``) and has
+``from_module(stock, **quant_options)`` keeping weights, ``eps``, dtype and device. In eval
+mode, with ``enabled=False`` or when no gradient is needed, the stock forward runs.
+
+Estimates live in ``ActivationQuantizer`` submodules: ``<layer>.quantizer`` (``Linear``,
+``Conv2d``, ``LayerNorm``, ``GELU``, ``Softmax``) and ``<layer>.quantizer_a`` /
+``<layer>.quantizer_b`` (``MatMul``); ``ReLU`` has none (it saves a 1-bit mask).
+"""
+from .conv import Conv2d
+from .gelu import GELU
+from .layernorm import LayerNorm
+from .linear import Linear
+from .matmul import MatMul
+from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
+from .relu import ReLU
+from .softmax import Softmax
+from ._common import MesaLayer
+
+LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU)
+
+__all__ = [
+    "ActivationQuantizer", "Packed", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
+    "Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "ReLU",
+]
+from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)

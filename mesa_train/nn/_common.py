@@ -1,0 +1,167 @@
+"""Shared pieces of the Mesa layers: the layer mixin and autograd helpers.
+
+Every layer's custom ``autograd.Function`` keeps *everything* it needs for backward through
+``ctx.save_for_backward`` (so saved-tensor hooks, activation checkpointing and
+:class:`mesa_train.memory.SavedTensorMeter` see it), via :func:`save` / :func:`load`.
+Backward runs with autocast disabled and computes in the dtype the forward computed in,
+casting each gradient to the dtype of the input it belongs to (what autograd expects, and
+what the stock ``ToCopyBackward`` of autocast would produce).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .quantizer import ActivationQuantizer, Packed, QuantOptions
+
+__all__ = ["MesaLayer", "save", "load", "no_autocast", "group_dim_4d", "grad_to"]
+
+
+# ----------------------------------------------------------------------------- autograd
+def save(ctx, packs: Sequence[Packed | None], *extra: torch.Tensor | None) -> None:
+    """``ctx.save_for_backward`` the tensors of ``packs`` (None allowed) and ``extra``."""
+    tensors: list = []
+    meta: list = []
+    for p in packs:
+        if p is None:
+            meta.append(None)
+        else:
+            meta.append((p.dim, p.num_groups))
+            tensors.extend((p.q, p.alpha, p.beta))
+    ctx.mesa_meta = meta
+    ctx.save_for_backward(*tensors, *extra)
+
+
+def load(ctx) -> tuple[list[Packed | None], list[torch.Tensor | None]]:
+    saved = ctx.saved_tensors
+    packs: list[Packed | None] = []
+    i = 0
+    for m in ctx.mesa_meta:
+        if m is None:
+            packs.append(None)
+        else:
+            packs.append(Packed(saved[i], saved[i + 1], saved[i + 2], m[0], m[1]))
+            i += 3
+    return packs, list(saved[i:])
+
+
+def no_autocast(device_type: str):
+    """Disable autocast for the device (backward computes in explicit dtypes)."""
+    try:
+        return torch.autocast(device_type=device_type, enabled=False)
+    except RuntimeError:  # a device type autocast does not know
+        return contextlib.nullcontext()
+
+
+def grad_to(g: torch.Tensor | None, like: torch.Tensor | None):
+    if g is None or like is None:
+        return g
+    return g if g.dtype == like.dtype else g.to(like.dtype)
+
+
+def group_dim_4d(x: torch.Tensor) -> int:
+    """Per-head groups (dim 1) for 4-D ``(B, H, N, M)`` tensors, channel groups (-1) otherwise."""
+    return 1 if x.dim() == 4 else x.dim() - 1
+
+
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+# ----------------------------------------------------------------------------- layer mixin
+class MesaLayer:
+    """Mixin for the Mesa layers: options, quantizers, repr, train/eval dispatch."""
+
+    _quantizer_names: tuple[str, ...] = ("quantizer",)
+
+    def _init_mesa(self, quant_options: dict, device=None) -> None:
+        opts = quant_options.pop("options", None)
+        if opts is None:
+            opts = QuantOptions.from_kwargs(**quant_options)
+        elif quant_options:
+            opts = opts.replace(**quant_options)
+        if not isinstance(opts, QuantOptions):
+            raise ValueError(f"options must be a QuantOptions, got {type(opts).__name__}")
+        self._mesa_options = opts
+        for name in self._quantizer_names:
+            setattr(self, name, ActivationQuantizer(opts, device=device))
+
+    @property
+    def quant_options(self) -> QuantOptions:
+        return self._mesa_options
+
+    def set_quant_options(self, **kwargs) -> None:
+        """Change quantization options on this layer (and its quantizers)."""
+        self._mesa_options = self._mesa_options.replace(**kwargs)
+        for name in self._quantizer_names:
+            getattr(self, name).set_options(**kwargs)
+
+    def quantizers(self) -> list[ActivationQuantizer]:
+        return [getattr(self, n) for n in self._quantizer_names]
+
+    def _mesa_active(self, *tensors) -> bool:
+        """True when this call must compress (training, enabled, and a gradient is needed)."""
+        return self.training and self._mesa_options.enabled and needs_grad(*tensors)
+
+    def _mesa_repr(self) -> str:
+        return f"mesa({self._mesa_options})"
+
+    def _rebind_quantizers(self, device) -> None:
+        for name in self._quantizer_names:
+            setattr(self, name, ActivationQuantizer(self._mesa_options, device=device))
+
+
+def stock_device(module: nn.Module, device=None) -> torch.device:
+    """Where ``from_module`` puts the new layer's estimates: ``device`` when given, else
+    the device of ``module``'s parameters or buffers (a Mesa layer's estimates included),
+    else CPU. A stock ``GELU``/``ReLU``/``Softmax`` has neither, so the patcher passes the
+    device of the module that holds it; the quantizers still follow their first input's
+    device (``ActivationQuantizer.statistics``) as a safety net."""
+    if device is not None:
+        return torch.device(device)
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def check_stock(stock: nn.Module, base: type) -> None:
+    if not isinstance(stock, base):
+        raise TypeError(f"expected an instance of {base.__module__}.{base.__name__}, got {type(stock).__name__}")
+
+
+def inherit_options(stock: nn.Module, quant_options: dict) -> dict:
+    """Options for ``from_module``: a Mesa ``stock`` keeps its own, overridden by ``quant_options``."""
+    if isinstance(stock, MesaLayer):
+        return {**stock.quant_options.as_dict(), **quant_options}
+    return dict(quant_options)
+
+
+def copy_estimates(stock: nn.Module, new: "MesaLayer", device) -> None:
+    """Give ``new`` quantizers on ``device``; copy estimates from a Mesa ``stock`` when they fit."""
+    new._rebind_quantizers(device)
+    if isinstance(stock, MesaLayer):
+        for name in new._quantizer_names:
+            old = getattr(stock, name, None)
+            q = getattr(new, name)
+            if isinstance(old, ActivationQuantizer) and old.alpha.shape == q.alpha.shape:
+                with torch.no_grad():
+                    q.alpha.copy_(old.alpha)
+                    q.beta.copy_(old.beta)
+                    q.initialized.copy_(old.initialized)
+
+
+@torch.compiler.disable
+def apply_fn(fn, *args):
+    """Run a Mesa ``autograd.Function`` eagerly, also inside ``torch.compile``.
+
+    The stochastic-rounding seed is a Python ``int`` drawn per call (the ``mesa::quantize``
+    schema takes ``int seed``); tracing it would either bake one seed into the graph or
+    recompile per seed. So each compressed op is a graph break: it runs eagerly (custom
+    ops included) and everything between the Mesa layers is compiled.
+    """
+    return fn.apply(*args)

@@ -1,0 +1,58 @@
+"""Mesa ``GELU`` (erf and tanh forms): exact forward, saves the 8-bit input."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import (MesaLayer, apply_fn, check_stock, copy_estimates, group_dim_4d, inherit_options, load,
+                      no_autocast, save, stock_device)
+from .quantizer import decompress
+
+__all__ = ["GELU"]
+
+
+class _GeluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, approximate, quantizer):
+        y = F.gelu(x, approximate=approximate)  # exactly nn.GELU.forward
+        packed = quantizer.compress(x, group_dim_4d(x))
+        ctx.cdt, ctx.x_dtype, ctx.approximate = y.dtype, x.dtype, approximate
+        save(ctx, [packed])
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (packed,), _ = load(ctx)
+        with no_autocast(g.device.type):
+            xh = decompress(packed, ctx.cdt)
+            gx = torch.ops.aten.gelu_backward(g.to(ctx.cdt), xh, approximate=ctx.approximate)
+        return gx.to(ctx.x_dtype), None, None
+
+
+class GELU(MesaLayer, nn.GELU):
+    """``torch.nn.GELU`` whose saved input is 8-bit (channel groups; dim 1 for 4-D inputs)."""
+
+    def __init__(self, approximate: str = "none", *, device=None, **quant_options):
+        super().__init__(approximate=approximate)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.GELU, *, device=None, **quant_options) -> "GELU":
+        """``device``: where the estimates go (a stock ``nn.GELU`` has no parameters to
+        tell; ``patch_model`` passes the device of the module holding it). Default: the
+        device of ``stock``'s buffers (a Mesa ``stock``), else CPU; the estimates move to the
+        input's device on the first compressed call anyway."""
+        check_stock(stock, nn.GELU)
+        new = cls(stock.approximate, device="meta", **inherit_options(stock, quant_options))
+        copy_estimates(stock, new, stock_device(stock, device))
+        return new.train(stock.training)
+
+    def forward(self, input):
+        if not self._mesa_active(input):
+            return super().forward(input)
+        return apply_fn(_GeluFn, input, self.approximate, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"{nn.GELU.extra_repr(self)}, {self._mesa_repr()}"
+

@@ -1,0 +1,128 @@
+"""Mesa ``LayerNorm``: exact forward; saves the 8-bit *normalised* input plus per-row rstd.
+
+What is kept for backward (DESIGN.md, "Layers"): ``x_hat = (x - mean) * rstd`` as uint8
+(channel groups over the last dim, running estimates like every other layer) and the
+per-row ``rstd`` (one float per row). The per-row ``mean`` is not needed. Backward, with
+``gw = grad_out * weight`` and means over the normalised dims::
+
+    dx      = rstd * (gw - mean(gw) - x_hat * mean(gw * x_hat))
+    dweight = sum_rows(grad_out * x_hat)
+    dbias   = sum_rows(grad_out)
+
+Why ``x_hat`` and not the input (the paper's / issue's "int8 input plus mean/rstd"): the
+8-bit grid of a channel group is shared by all rows, but rebuilding ``(x - mean) * rstd``
+from a quantized *input* multiplies a row's rounding error by that row's ``rstd``. A row
+with much less spread than the others (DeiT's class token before the first attention,
+~20x smaller std at init) then gets a huge relative error, and the LayerNorm weight
+gradients of the first DeiT blocks only reach cosine ~0.97 vs exact. Every row of
+``x_hat`` has unit variance, so all rows use the grid equally well (cosine >= 0.999 there).
+Same memory as before, minus the mean (one float per row).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ._common import (MesaLayer, apply_fn, check_stock, copy_estimates, inherit_options, load, no_autocast, save,
+                      stock_device)
+from .quantizer import decompress
+
+__all__ = ["LayerNorm"]
+
+# Device types whose autocast runs layer_norm in float32 ("fp32" cast policy). On CPU
+# layer_norm is not in any autocast list and runs in the input dtype. The layer tests check
+# bit equality with F.layer_norm under autocast on CPU and (when present) CUDA.
+_FP32_POLICY = ("cuda", "xpu")
+
+
+def _autocast_fp32(t):
+    if t is None or not (t.is_floating_point() and t.dtype in (torch.float16, torch.bfloat16)):
+        return t
+    return t.float()
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Backward (and ``x_hat``) arithmetic: at least float32, like ATen's LayerNorm kernels."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps, quantizer):
+        dev = x.device.type
+        cast = dev in _FP32_POLICY and torch.is_autocast_enabled(dev)
+        xc, wc, bc = (_autocast_fp32(t) for t in (x, weight, bias)) if cast else (x, weight, bias)
+        with no_autocast(dev):
+            # F.layer_norm == native_layer_norm(...)[0]; this also gives mean and rstd
+            out, mean, rstd = torch.native_layer_norm(xc, normalized_shape, wc, bc, eps)
+            mdt = _math_dtype(xc.dtype)
+            # the normalised input, from the very statistics the stock backward would use
+            # (a transient tensor: only its uint8 codes are kept)
+            x_hat = (xc.to(mdt) - mean.to(mdt)) * rstd.to(mdt)
+        packed = quantizer.compress(x_hat, x_hat.dim() - 1)
+        del x_hat
+        ctx.x_dtype, ctx.mdt = x.dtype, mdt
+        ctx.normalized_shape = tuple(normalized_shape)
+        ctx.w_dtype = weight.dtype if weight is not None else None
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        ctx.has_bias = bias is not None
+        need_x = ctx.needs_input_grad[0]
+        save(ctx, [packed], rstd, weight if (need_x and weight is not None) else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (packed,), (rstd, weight) = load(ctx)
+        mdt = ctx.mdt
+        n = math.prod(ctx.normalized_shape)
+        gx = gw = gb = None
+        with no_autocast(g.device.type):
+            g2 = g.to(mdt).reshape(-1, n)
+            xh = decompress(packed, mdt).reshape(-1, n)
+            if ctx.needs_input_grad[0]:
+                gwx = g2 * weight.to(mdt).reshape(1, n) if weight is not None else g2
+                m1 = gwx.mean(1, keepdim=True)
+                m2 = (gwx * xh).mean(1, keepdim=True)
+                gx = (gwx - m1 - xh * m2) * rstd.to(mdt).reshape(-1, 1)
+                gx = gx.reshape(g.shape).to(ctx.x_dtype)
+            if ctx.w_dtype is not None and ctx.needs_input_grad[2]:
+                gw = (g2 * xh).sum(0).reshape(ctx.normalized_shape).to(ctx.w_dtype)
+            if ctx.has_bias and ctx.needs_input_grad[3]:
+                gb = g2.sum(0).reshape(ctx.normalized_shape).to(ctx.b_dtype)
+        return gx, None, gw, gb, None, None
+
+
+class LayerNorm(MesaLayer, nn.LayerNorm):
+    """``torch.nn.LayerNorm`` that keeps, for backward, its normalised input ``(x - mean) *
+    rstd`` in 8 bits (channel groups over the last dim) and the per-row ``rstd``."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None,
+                 **quant_options):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
+                         device=device, dtype=dtype)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.LayerNorm, *, device=None, **quant_options) -> "LayerNorm":
+        """``device``: where the estimates go when ``stock`` has no parameters
+        (``elementwise_affine=False``); default: the device of ``stock``'s parameters or
+        buffers, else CPU (the estimates then follow the first input's device)."""
+        check_stock(stock, nn.LayerNorm)
+        ref = stock.weight if stock.weight is not None else None
+        new = cls(stock.normalized_shape, eps=stock.eps, elementwise_affine=stock.elementwise_affine,
+                  bias=stock.bias is not None, device="meta",
+                  dtype=ref.dtype if ref is not None else None, **inherit_options(stock, quant_options))
+        new.weight = stock.weight
+        new.bias = stock.bias
+        copy_estimates(stock, new, ref.device if ref is not None else stock_device(stock, device))
+        return new.train(stock.training)
+
+    def forward(self, input):
+        if not self._mesa_active(input, self.weight, self.bias):
+            return super().forward(input)
+        return apply_fn(_LayerNormFn, input, self.normalized_shape, self.weight, self.bias, self.eps, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"{nn.LayerNorm.extra_repr(self)}, {self._mesa_repr()}"

@@ -1,0 +1,67 @@
+"""Mesa ``Linear``: exact forward, saves the 8-bit input (plus the weight, a parameter)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import MesaLayer, apply_fn, check_stock, copy_estimates, inherit_options, load, no_autocast, save
+from .quantizer import decompress
+
+__all__ = ["Linear"]
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, quantizer):
+        out = F.linear(x, weight, bias)  # exactly nn.Linear.forward (autocast applies here)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        packed = quantizer.compress(x, x.dim() - 1) if need_w else None
+        ctx.cdt, ctx.x_dtype, ctx.w_dtype = out.dtype, x.dtype, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
+        save(ctx, [packed], weight if need_x else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (packed,), (weight,) = load(ctx)
+        gx = gw = gb = None
+        with no_autocast(g.device.type):
+            g = g.to(ctx.cdt)
+            if ctx.needs_input_grad[0]:
+                gx = g.matmul(weight.to(ctx.cdt)).to(ctx.x_dtype)
+            g2 = g.reshape(-1, ctx.out_features)
+            if ctx.needs_input_grad[1]:
+                xh = decompress(packed, ctx.cdt).reshape(-1, ctx.in_features)
+                gw = g2.t().matmul(xh).to(ctx.w_dtype)  # one GEMM over all tokens
+            if ctx.needs_input_grad[2]:
+                gb = g2.sum(0).to(ctx.b_dtype)
+        return gx, gw, gb, None
+
+
+class Linear(MesaLayer, nn.Linear):
+    """``torch.nn.Linear`` whose saved input is 8-bit (channel groups over the last dim)."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, **quant_options):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.Linear, **quant_options) -> "Linear":
+        check_stock(stock, nn.Linear)
+        new = cls(stock.in_features, stock.out_features, bias=stock.bias is not None, device="meta",
+                  dtype=stock.weight.dtype, **inherit_options(stock, quant_options))
+        new.weight = stock.weight
+        new.bias = stock.bias
+        copy_estimates(stock, new, stock.weight.device)
+        return new.train(stock.training)
+
+    def forward(self, input):
+        if not self._mesa_active(input, self.weight, self.bias):
+            return super().forward(input)
+        return apply_fn(_LinearFn, input, self.weight, self.bias, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"{nn.Linear.extra_repr(self)}, {self._mesa_repr()}"
+

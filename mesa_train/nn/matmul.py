@@ -1,0 +1,178 @@
+"""Mesa ``MatMul``: ``forward(a, b) = a @ b`` exactly; operands kept 8-bit for backward.
+
+Groups: per head (dim 1) for 4-D ``(B, H, N, M)`` operands, channel blocks of the last
+dim otherwise.
+
+``operands`` (default ``("a", "b")``) names the operands this layer quantizes itself
+(one :class:`ActivationQuantizer` each: ``quantizer_a`` / ``quantizer_b``). For each
+operand the backward needs, the layer keeps, in this order of preference:
+
+1. a *shared* copy: when the operand is the output of a Mesa ``Softmax`` (``attn @ v``),
+   the Softmax's own uint8 copy is reused through :mod:`mesa_train.nn.sharing`, so the map
+   is stored once, in 8 bits (the stock ``attn @ v`` likewise shares the softmax's saved
+   output). This applies whether or not the operand is in ``operands``; a quantizer whose
+   operand was shared is not updated for that call;
+2. its own uint8 copy, if the operand is in ``operands``;
+3. otherwise the operand as the stock ``a @ b`` keeps it (full precision, in the dtype the
+   product is computed in; a view into a bigger tensor, like ``v`` of the fused qkv
+   output, is kept as a compact copy, as the stock batched matmul does).
+
+So ``MatMul(operands=())`` compresses nothing itself: it is what ``patch_model`` puts at
+``attn @ v`` when only ``softmax`` is requested (the map kept once, in 8 bits, ``v`` as
+usual, the paper's Table 7 "Softmax" row). When no operand is compressed or shared in a
+call, it simply runs the stock ``a @ b`` (stock gradients).
+
+After each compressed call ``last_saved`` records what was kept per operand
+(``("shared" | "int8" | "full" | None, ...)``, ``None``: not needed for backward), which
+:func:`mesa_train.patch.describe` reports.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import sharing
+from ._common import (MesaLayer, copy_estimates, group_dim_4d, inherit_options, load, no_autocast, save,
+                      stock_device)
+from .quantizer import Packed, decompress
+
+__all__ = ["MatMul", "OPERANDS"]
+
+OPERANDS = ("a", "b")
+
+
+def _check_operands(operands) -> Tuple[str, ...]:
+    if isinstance(operands, str):
+        operands = (operands,) if operands else ()
+    try:
+        names = tuple(operands)
+    except TypeError:
+        raise ValueError(f"operands must be a subset of {OPERANDS}, got {operands!r}") from None
+    bad = [o for o in names if o not in OPERANDS]
+    if bad:
+        raise ValueError(f"operands must be a subset of {OPERANDS}, got {operands!r}")
+    return tuple(o for o in OPERANDS if o in names)
+
+
+def _full_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The operand as the stock matmul keeps it: in the compute dtype (under autocast the
+    stock op keeps its cast copy), and compact when ``t`` views a bigger storage."""
+    if t.dtype != dtype:
+        return t.to(dtype)
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
+
+
+class _MatMulFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, shared_a: Optional[Packed], shared_b: Optional[Packed], quantizer_a, quantizer_b, record):
+        out = torch.matmul(a, b)  # autocast applies here, exactly like the stock `a @ b`
+        cdt = out.dtype
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        kept = []
+        for t, shared, qz, needed in ((a, shared_a, quantizer_a, need_b), (b, shared_b, quantizer_b, need_a)):
+            if not needed:  # the gradient of a needs b and vice versa
+                kept.append((None, None, None))
+            elif shared is not None:
+                kept.append((shared, None, "shared"))
+            elif qz is not None:
+                kept.append((qz.compress(t, group_dim_4d(t)), None, "int8"))
+            else:
+                kept.append((None, _full_copy(t, cdt), "full"))
+        (pa, ra, ka), (pb, rb, kb) = kept
+        record[:] = [ka, kb]
+        ctx.cdt, ctx.a_dtype, ctx.b_dtype = cdt, a.dtype, b.dtype
+        ctx.a_shape, ctx.b_shape = a.shape, b.shape
+        save(ctx, [pa, pb], ra, rb)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (pa, pb), (ra, rb) = load(ctx)
+        ga = gb = None
+        a_shape, b_shape = ctx.a_shape, ctx.b_shape
+        cdt = ctx.cdt
+        with no_autocast(g.device.type):
+            g = g.to(cdt)
+            if len(a_shape) == 1:
+                g = g.unsqueeze(-2)
+            if len(b_shape) == 1:
+                g = g.unsqueeze(-1)
+            if ctx.needs_input_grad[0]:
+                bh = decompress(pb, cdt) if pb is not None else rb.to(cdt)
+                bh = bh.unsqueeze(-1) if len(b_shape) == 1 else bh
+                ga = g.matmul(bh.transpose(-1, -2))
+                a2 = (1,) + tuple(a_shape) if len(a_shape) == 1 else tuple(a_shape)
+                ga = ga.sum_to_size(a2).reshape(a_shape).to(ctx.a_dtype)
+            if ctx.needs_input_grad[1]:
+                ah = decompress(pa, cdt) if pa is not None else ra.to(cdt)
+                ah = ah.unsqueeze(0) if len(a_shape) == 1 else ah
+                gb = ah.transpose(-1, -2).matmul(g)
+                b2 = tuple(b_shape) + (1,) if len(b_shape) == 1 else tuple(b_shape)
+                gb = gb.sum_to_size(b2).reshape(b_shape).to(ctx.b_dtype)
+        return ga, gb, None, None, None, None, None
+
+
+def _take_shared(layer: "MatMul", t: torch.Tensor, quantizer) -> Optional[Packed]:
+    dim = group_dim_4d(t)
+    if quantizer is not None:
+        groups = quantizer.effective_groups(t, dim % t.dim())
+    else:
+        groups = max(1, min(layer.quant_options.num_groups, t.shape[dim]))
+    return sharing.take(t, dim, groups)
+
+
+@torch.compiler.disable
+def _compressed_matmul(layer: "MatMul", a, b):
+    """Eager also under ``torch.compile`` (see ``_common.apply_fn``: per-call seeds)."""
+    qa = getattr(layer, "quantizer_a", None)
+    qb = getattr(layer, "quantizer_b", None)
+    sa = _take_shared(layer, a, qa) if a.dim() else None
+    sb = _take_shared(layer, b, qb) if b.dim() else None
+    if qa is None and qb is None and sa is None and sb is None:
+        layer.last_saved = ("full", "full")
+        return torch.matmul(a, b)  # nothing to compress or share: the stock op
+    record: list = []
+    out = _MatMulFn.apply(a, b, sa, sb, qa, qb, record)
+    layer.last_saved = tuple(record) if record else None
+    return out
+
+
+class MatMul(MesaLayer, nn.Module):
+    """``a @ b`` as a module that keeps the operands named in ``operands`` 8-bit
+    (buffers under ``quantizer_a`` / ``quantizer_b``) and reuses a producer's shared 8-bit
+    copy of either operand (see the module doc)."""
+
+    _quantizer_names = ("quantizer_a", "quantizer_b")
+
+    def __init__(self, *, operands=OPERANDS, device=None, **quant_options):
+        super().__init__()
+        self.operands = _check_operands(operands)
+        self._quantizer_names = tuple(f"quantizer_{o}" for o in self.operands)
+        self.last_saved: Optional[tuple] = None
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.Module | None = None, *, operands=None, device=None,
+                    **quant_options) -> "MatMul":
+        """A Mesa MatMul; ``stock`` may be ``None``, a stock ``a @ b`` module or another
+        ``MatMul`` (options, ``operands`` unless given, and matching estimates kept).
+        ``device``: where the estimates go (default: ``stock``'s buffers' device, else CPU)."""
+        if operands is None:
+            operands = stock.operands if isinstance(stock, MatMul) else OPERANDS
+        new = cls(operands=operands, device="meta", **inherit_options(stock, quant_options))
+        dev = stock_device(stock, device) if isinstance(stock, nn.Module) else torch.device(device or "cpu")
+        copy_estimates(stock, new, dev)
+        return new.train(stock.training) if isinstance(stock, nn.Module) else new
+
+    def forward(self, a, b):
+        if not self._mesa_active(a, b):
+            return torch.matmul(a, b)
+        return _compressed_matmul(self, a, b)
+
+    def extra_repr(self) -> str:
+        ops = "" if self.operands == OPERANDS else f"operands={self.operands}, "
+        return ops + self._mesa_repr()

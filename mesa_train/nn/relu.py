@@ -1,0 +1,79 @@
+"""Mesa ``ReLU``: exact forward, saves a 1-bit mask (8 booleans per byte)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import MesaLayer, check_stock, inherit_options, load, save
+
+__all__ = ["ReLU", "pack_bits", "unpack_bits"]
+
+
+def _shifts(device):
+    return torch.arange(8, dtype=torch.uint8, device=device)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean tensor into uint8, 8 elements per byte (little-endian bits), flat."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8) << _shifts(flat.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, shape) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: a boolean tensor of ``shape``."""
+    n = 1
+    for s in shape:
+        n *= s
+    bits = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 1
+    return bits.reshape(-1)[:n].view(shape).bool()
+
+
+class _ReLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, inplace):
+        if inplace:
+            ctx.mark_dirty(x)
+        y = F.relu(x, inplace=inplace)  # exactly nn.ReLU.forward
+        ctx.shape = y.shape
+        save(ctx, [], pack_bits(y > 0))
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        _, (bits,) = load(ctx)
+        mask = unpack_bits(bits, ctx.shape)
+        return g.masked_fill(~mask, 0), None  # == threshold_backward(g, y, 0)
+
+
+class ReLU(MesaLayer, nn.ReLU):
+    """``torch.nn.ReLU`` that saves a 1-bit mask instead of its output.
+
+    Accepts the common quantization options (only ``enabled`` matters: there are no
+    estimates to keep, so it has no buffers).
+    """
+
+    _quantizer_names = ()
+
+    def __init__(self, inplace: bool = False, *, device=None, **quant_options):
+        super().__init__(inplace=inplace)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.ReLU, *, device=None, **quant_options) -> "ReLU":
+        """``device`` is accepted like the other parameter-free layers' (a ReLU keeps no
+        estimates, so there is nothing to place)."""
+        check_stock(stock, nn.ReLU)
+        return cls(stock.inplace, **inherit_options(stock, quant_options)).train(stock.training)
+
+    def forward(self, input):
+        if not self._mesa_active(input):
+            return super().forward(input)
+        return _ReLUFn.apply(input, self.inplace)  # no seed: traceable by torch.compile
+
+    def extra_repr(self) -> str:
+        base = nn.ReLU.extra_repr(self)
+        return f"{base}, {self._mesa_repr()}" if base else self._mesa_repr()

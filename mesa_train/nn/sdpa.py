@@ -1,0 +1,198 @@
+"""Mesa fused attention: ``F.scaled_dot_product_attention`` in forward, int8 q, k, v for backward.
+
+The stock fused kernels keep q, k, v, the output and the per-row log-sum-exp (lse) in
+16/32 bit for their backward. :class:`ScaledDotProductAttention` runs exactly the same
+``F.scaled_dot_product_attention`` call in forward (the output is bitwise the stock one)
+but keeps only
+
+* q, k, v as uint8 codes with per-head statistics (groups over the head dim, ``dim=-3``
+  of a ``(..., heads, L, E)`` tensor; the last dim for 3-D inputs),
+* the additive attention bias / mask as given (for Swin: the ``(1, heads, N, N)`` relative
+  position bias and the ``(nW, N, N)`` window mask, not their ``(B*nW, heads, N, N)`` sum).
+
+Backward dequantizes q, k, v and recomputes the attention from them with autograd
+enabled, then backpropagates ``grad_output`` through that recomputation. The softmax
+statistics (the lse a fused kernel would reuse) therefore belong to the dequantized q and
+k actually used for the gradients: the backward is the exact gradient of attention at
+``(q_hat, k_hat, v_hat)``, never a mix of exact lse and approximate inputs. The output is
+not saved at all: its one compressed copy is the input kept by the following projection
+(``proj``), so no tensor is stored twice. The price is one extra attention forward per
+backward (like activation checkpointing of the attention core).
+
+Dropout (``dropout_p > 0``): the RNG state (CPU, and the device's for CUDA) is captured
+right before the forward call and restored for the recomputation, so the same mask is
+drawn, provided the backend choice is the same with grad enabled (it is on CPU; on CUDA
+keep ``dropout_p = 0`` if exactness of the dropout mask matters — DeiT/Swin/PVT train with
+attention dropout 0).
+
+Autocast: the autocast state of the forward is re-entered for the recomputation, so the
+dtypes match the forward.
+
+Eval mode, ``enabled=False``, or no input requiring grad: the stock call, stock gradients.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from mesa_train import quant
+from mesa_train.nn._common import MesaLayer
+
+__all__ = ["ScaledDotProductAttention", "build_window_mask"]
+
+
+def build_window_mask(attn_mask: Optional[torch.Tensor], window_mask: Optional[torch.Tensor],
+                      batch_windows: int, num_heads: int) -> Optional[torch.Tensor]:
+    """The additive mask Swin hands to sdpa: ``attn_mask`` (broadcastable to
+    ``(B*nW, heads, N, N)``) plus the ``(nW, N, N)`` window mask repeated over the batch
+    (window ``w`` of image ``b`` is batch row ``b * nW + w``). Same arithmetic as timm."""
+    if window_mask is None:
+        return attn_mask
+    num_win, N = window_mask.shape[0], window_mask.shape[-1]
+    m = window_mask.view(1, num_win, 1, N, N).expand(batch_windows // num_win, -1, num_heads, -1, -1)
+    m = m.reshape(-1, num_heads, N, N)
+    return m if attn_mask is None else attn_mask + m
+
+
+def _group_dim(x: torch.Tensor) -> int:
+    return x.dim() - 3 if x.dim() >= 4 else x.dim() - 1
+
+
+def _autocast_state(device_type: str):
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # very old torch
+        enabled = torch.is_autocast_enabled()
+    dtype = torch.get_autocast_dtype(device_type) if enabled else None
+    return enabled, dtype
+
+
+class _MesaSDPA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, window_mask,
+                qq, qa, qb, kq, ka, kb, vq, va, vb,
+                dims, dropout_p, is_causal, scale):
+        # q, k, v: the real inputs (used for the forward only); *q/*a/*b: their uint8 codes
+        # and (S, G) statistics, computed by the module before this call.
+        mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
+        if mask is not attn_mask and attn_mask is not None and attn_mask.requires_grad:
+            # The backend choice depends on whether the mask requires grad (a mask that does
+            # rules out the fused CPU kernel): keep the flag the stock call would see, so the
+            # forward is bitwise the stock one.
+            mask.requires_grad_(True)
+        device_type = q.device.type
+        ctx.autocast = (device_type,) + _autocast_state(device_type)
+        ctx.rng = None
+        if dropout_p > 0.0:
+            cpu_state = torch.get_rng_state()
+            dev_state = torch.cuda.get_rng_state(q.device) if q.is_cuda else None
+            ctx.rng = (cpu_state, dev_state, q.device)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        ctx.dims = dims
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.opts = (dropout_p, is_causal, scale)
+        ctx.has_mask = (attn_mask is not None, window_mask is not None)
+        saved = [qq, qa, qb, kq, ka, kb, vq, va, vb]
+        if attn_mask is not None:
+            saved.append(attn_mask)
+        if window_mask is not None:
+            saved.append(window_mask)
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        saved = list(ctx.saved_tensors)
+        (qq, qa, qb, kq, ka, kb, vq, va, vb), rest = saved[:9], saved[9:]
+        attn_mask = rest.pop(0) if ctx.has_mask[0] else None
+        window_mask = rest.pop(0) if ctx.has_mask[1] else None
+        (dq_, Gq), (dk_, Gk), (dv_, Gv) = ctx.dims
+        tq, tk, tv = ctx.dtypes
+        dropout_p, is_causal, scale = ctx.opts
+        needs = ctx.needs_input_grad
+
+        q = quant.dequantize(qq, qa, qb, dq_, Gq, tq).requires_grad_(needs[0])
+        k = quant.dequantize(kq, ka, kb, dk_, Gk, tk).requires_grad_(needs[1])
+        v = quant.dequantize(vq, va, vb, dv_, Gv, tv).requires_grad_(needs[2])
+        mask_needs_grad = attn_mask is not None and needs[3] and attn_mask.is_floating_point()
+        if attn_mask is not None:
+            attn_mask = attn_mask.detach().requires_grad_(mask_needs_grad)
+
+        device_type, ac_enabled, ac_dtype = ctx.autocast
+        inputs = [t for t, n in ((q, needs[0]), (k, needs[1]), (v, needs[2]), (attn_mask, mask_needs_grad)) if n]
+        with torch.enable_grad(), torch.autocast(device_type, dtype=ac_dtype, enabled=ac_enabled):
+            if ctx.rng is not None:
+                cpu_state, dev_state, device = ctx.rng
+                devices = [device] if dev_state is not None else []
+                with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+                    torch.set_rng_state(cpu_state)
+                    if dev_state is not None:
+                        torch.cuda.set_rng_state(dev_state, device)
+                    out = _recompute(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
+            else:
+                out = _recompute(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
+            grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype)) if inputs else ()
+        grads = list(grads)
+        gq = grads.pop(0) if needs[0] else None
+        gk = grads.pop(0) if needs[1] else None
+        gv = grads.pop(0) if needs[2] else None
+        gm = grads.pop(0) if mask_needs_grad else None
+        return (gq, gk, gv, gm) + (None,) * 14
+
+
+def _recompute(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale):
+    mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+
+class ScaledDotProductAttention(MesaLayer, nn.Module):
+    """``F.scaled_dot_product_attention`` that keeps int8 q, k, v for backward.
+
+    ``forward(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+    window_mask=None)`` takes the arguments of ``F.scaled_dot_product_attention``; the
+    optional ``window_mask`` (``(nW, N, N)``, additive) is added to ``attn_mask`` per window
+    the way Swin builds its shifted-window mask (see :func:`build_window_mask`).
+
+    Quantization options are those of :class:`mesa_train.nn.QuantOptions`; ``num_groups``
+    is the number of head groups (``patch_model`` sets it to the number of heads). One
+    :class:`ActivationQuantizer` per operand: ``q_quantizer``, ``k_quantizer``,
+    ``v_quantizer``.
+    """
+
+    _quantizer_names = ("q_quantizer", "k_quantizer", "v_quantizer")
+
+    def __init__(self, *, device=None, **quant_options):
+        super().__init__()
+        self._init_mesa(quant_options, device)
+
+    def extra_repr(self) -> str:
+        return self._mesa_repr()
+
+    def forward(self, q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                scale: Optional[float] = None, *, window_mask: Optional[torch.Tensor] = None):
+        if not self._mesa_active(q, k, v, attn_mask):
+            mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        return _compressed_sdpa(self, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
+
+
+@torch.compiler.disable
+def _compressed_sdpa(module, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale):
+    # Eager also under torch.compile (like the other Mesa layers): the stochastic-rounding
+    # seed is a Python int drawn per call.
+    pq = module.q_quantizer.compress(q.detach(), _group_dim(q))
+    pk = module.k_quantizer.compress(k.detach(), _group_dim(k))
+    pv = module.v_quantizer.compress(v.detach(), _group_dim(v))
+    dims = ((pq.dim, pq.num_groups), (pk.dim, pk.num_groups), (pv.dim, pv.num_groups))
+    return _MesaSDPA.apply(
+        q, k, v, attn_mask, window_mask,
+        pq.q, pq.alpha, pq.beta, pk.q, pk.alpha, pk.beta, pv.q, pv.alpha, pv.beta,
+        dims, float(dropout_p), bool(is_causal), scale)

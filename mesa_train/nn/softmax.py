@@ -1,0 +1,67 @@
+"""Mesa ``Softmax``: exact forward, saves only its 8-bit output (per-head groups for 4-D).
+
+The compressed output is offered to :mod:`mesa_train.nn.sharing`, so a Mesa ``MatMul``
+whose left operand is this output (``attn @ v``) reuses it instead of quantizing again.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import sharing
+from ._common import (MesaLayer, apply_fn, check_stock, copy_estimates, group_dim_4d, inherit_options, load,
+                      no_autocast, save, stock_device)
+from .quantizer import decompress
+
+__all__ = ["Softmax"]
+
+
+class _SoftmaxFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, quantizer):
+        y = F.softmax(x, dim)  # exactly nn.Softmax.forward (dim already resolved)
+        packed = quantizer.compress(y, group_dim_4d(y))
+        sharing.offer(y, packed)
+        ctx.y_dtype, ctx.x_dtype, ctx.dim = y.dtype, x.dtype, dim
+        save(ctx, [packed])
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (packed,), _ = load(ctx)
+        with no_autocast(g.device.type):
+            yh = decompress(packed, ctx.y_dtype)
+            gx = torch._softmax_backward_data(g.to(ctx.y_dtype), yh, ctx.dim, ctx.y_dtype)
+        return gx.to(ctx.x_dtype), None, None
+
+
+class Softmax(MesaLayer, nn.Softmax):
+    """``torch.nn.Softmax`` that saves only its output, 8-bit (dim 1 groups for 4-D tensors)."""
+
+    def __init__(self, dim=None, *, device=None, **quant_options):
+        super().__init__(dim=dim)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.Softmax, *, device=None, **quant_options) -> "Softmax":
+        """``device``: where the estimates go (a stock ``nn.Softmax`` has no parameters to
+        tell; ``patch_model`` passes the device of the module holding it). Default: the
+        device of ``stock``'s buffers (a Mesa ``stock``), else CPU; the estimates move to the
+        input's device on the first compressed call anyway."""
+        check_stock(stock, nn.Softmax)
+        new = cls(stock.dim, device="meta", **inherit_options(stock, quant_options))
+        copy_estimates(stock, new, stock_device(stock, device))
+        return new.train(stock.training)
+
+    def forward(self, input):
+        if not self._mesa_active(input):
+            return super().forward(input)
+        dim = self.dim
+        if dim is None:
+            dim = F._get_softmax_dim("softmax", input.dim(), 5)  # same implicit choice and warning
+        return apply_fn(_SoftmaxFn, input, dim % input.dim() if input.dim() else 0, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"{nn.Softmax.extra_repr(self)}, {self._mesa_repr()}"
+

@@ -1,0 +1,229 @@
+"""Mesa forwards for timm's attention modules, installed by swapping the instance's class.
+
+``patch_model`` turns a timm attention module into a Mesa one *in place* by setting
+``module.__class__`` to a subclass defined here (``MesaViTAttention`` for
+``timm.layers.Attention``, ``MesaWindowAttention`` for Swin's ``WindowAttention``,
+``MesaPvtV2Attention`` for ``timm.models.pvt_v2.Attention``). The subclass overrides
+``forward`` only: parameters, buffers, hyper-parameters and every child module stay where
+they are (the Linear/LayerNorm/Conv2d children are swapped for Mesa layers separately, by
+the ordinary leaf conversion), so ``isinstance`` checks, ``state_dict`` keys and pickling
+keep working. No timm model file is copied.
+
+Each patched forward is the stock forward line for line, except that the attention core
+``softmax(q @ k^T * scale + bias) @ v`` goes through child modules:
+
+``qk_matmul``  ``q @ k^T``  (Mesa ``MatMul``: both operands int8, per-head groups)
+``softmax``    softmax over the last dim (Mesa ``Softmax``: int8 output only, per head)
+``av_matmul``  ``attn @ v`` (Mesa ``MatMul``; the map it keeps is ``softmax``'s own int8
+               copy, shared through ``mesa_train.nn.sharing``, so it is stored once. With
+               ``softmax`` but not ``matmul`` requested it is ``MatMul(operands=())``: the
+               shared int8 map, ``v`` kept as the stock matmul keeps it)
+``sdpa``       fused attention (Mesa ``ScaledDotProductAttention``: int8 q, k, v)
+
+Which path runs is ``module.mesa_attn_path``:
+
+* ``"explicit"``: the three explicit ops above (chosen when ``matmul`` or ``softmax`` is
+  patched; an op not requested is a plain stock op, e.g. ``a @ b``). The output equals the
+  stock module's *explicit* path (``fused_attn=False``) bit for bit.
+* ``"fused"``: ``sdpa`` (chosen when ``sdpa`` is patched but neither ``matmul`` nor
+  ``softmax``). The output equals the stock *fused* path (``fused_attn=True``) bit for bit.
+* ``"stock"``: the module's own forward (its ``fused_attn`` flag decides), nothing in the
+  attention core is compressed (the qkv/proj linears still may be).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from timm.layers import Attention as _TimmAttention
+from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
+from timm.models.pvt_v2 import Attention as _PvtAttention
+from timm.models.swin_transformer import WindowAttention as _SwinWindowAttention
+
+__all__ = [
+    "PlainMatMul",
+    "PlainSoftmax",
+    "MesaViTAttention",
+    "MesaWindowAttention",
+    "MesaPvtV2Attention",
+    "ATTENTION_CLASSES",
+    "STOCK_ATTENTION_CLASSES",
+]
+
+
+class PlainMatMul(nn.Module):
+    """``a @ b`` as a module: the stand-in for an attention matmul that is not compressed."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a @ b
+
+
+class PlainSoftmax(nn.Module):
+    """``x.softmax(dim)`` as a module: the stand-in for a softmax that is not compressed
+    (bitwise the same as ``torch.nn.Softmax`` and ``Tensor.softmax``)."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.softmax(dim=self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+def _dropout_p(module: nn.Module) -> float:
+    return module.attn_drop.p if module.training else 0.0
+
+
+def _explicit_core(module, q, k, v, bias_fn=None):
+    """``softmax(q*scale @ k^T (+ bias)) @ v`` through the module's core children, with the
+    exact arithmetic order of timm's explicit paths."""
+    q = q * module.scale
+    attn = module.qk_matmul(q, k.transpose(-2, -1))
+    if bias_fn is not None:
+        attn = bias_fn(attn)
+    attn = module.softmax(attn)
+    attn = module.attn_drop(attn)
+    return module.av_matmul(attn, v)
+
+
+class MesaViTAttention(_TimmAttention):
+    """``timm.layers.Attention`` (ViT/DeiT) with the Mesa attention core.
+
+    Supports everything the stock forward does: ``qk_norm``, ``scale_norm``, ``gated``,
+    ``attn_mask`` (bool or additive) and ``is_causal``."""
+
+    mesa_attn_path: str = "stock"
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        path = self.mesa_attn_path
+        if path == "stock":
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        B, N, C = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+
+        if path == "fused":
+            x = self.sdpa(q, k, v, attn_mask=attn_mask, dropout_p=_dropout_p(self), is_causal=is_causal)
+        else:
+            def bias_fn(attn):
+                return maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
+
+            x = _explicit_core(self, q, k, v, bias_fn if (attn_mask is not None or is_causal) else None)
+
+        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+class MesaWindowAttention(_SwinWindowAttention):
+    """Swin ``WindowAttention`` with the Mesa attention core: per-head groups within
+    windows (tensors are ``(num_windows*B, heads, N, N)``, groups over dim 1), the relative
+    position bias added after ``q @ k^T`` and the shifted-window mask after that, exactly as
+    timm does. The fused path gives the Mesa sdpa op the bias and the ``(nW, N, N)`` window
+    mask separately, so backward keeps the small parts instead of the full
+    ``(num_windows*B, heads, N, N)`` mask."""
+
+    mesa_attn_path: str = "stock"
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        path = self.mesa_attn_path
+        if path == "stock":
+            return super().forward(x, mask=mask)
+        B_, N, C = x.shape
+        qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+
+        if path == "fused":
+            x = self.sdpa(
+                q, k, v,
+                attn_mask=self._get_rel_pos_bias(),
+                dropout_p=_dropout_p(self),
+                window_mask=mask,
+            )
+        else:
+            num_heads = self.num_heads
+
+            def bias_fn(attn):
+                attn = attn + self._get_rel_pos_bias()
+                if mask is not None:
+                    num_win = mask.shape[0]
+                    attn = attn.view(-1, num_win, num_heads, N, N) + mask.unsqueeze(1).unsqueeze(0)
+                    attn = attn.view(-1, num_heads, N, N)
+                return attn
+
+            x = _explicit_core(self, q, k, v, bias_fn)
+
+        x = x.transpose(1, 2).reshape(B_, N, -1)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+class MesaPvtV2Attention(_PvtAttention):
+    """PVT-v2 ``Attention`` with the Mesa attention core (timm has no PVT v1: the paper's
+    PVT-Ti is approximated by ``pvt_v2_b1``, which has the same size). Queries come from all ``N``
+    tokens, keys and values from the spatially reduced map (``sr`` conv + ``norm``, or the
+    pooled ``linear`` variant), so ``q @ k^T`` is ``(B, heads, N, N/R^2)``. The ``sr``
+    conv, its norm and the ``act`` of the linear variant are ordinary children: they are
+    converted by the leaf conversion and belong to the MSA module set."""
+
+    mesa_attn_path: str = "stock"
+
+    def forward(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
+        path = self.mesa_attn_path
+        if path == "stock":
+            return super().forward(x, feat_size)
+        B, N, C = x.shape
+        H, W = feat_size
+        q = self.q(x).reshape(B, N, self.num_heads, -1).permute(0, 2, 1, 3)
+
+        if self.pool is not None:
+            x = x.permute(0, 2, 1).reshape(B, C, H, W)
+            x = self.sr(self.pool(x)).reshape(B, C, -1).permute(0, 2, 1)
+            x = self.norm(x)
+            x = self.act(x)
+            kv = self.kv(x).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        else:
+            if self.sr is not None:
+                x = x.permute(0, 2, 1).reshape(B, C, H, W)
+                x = self.sr(x).reshape(B, C, -1).permute(0, 2, 1)
+                x = self.norm(x)
+            kv = self.kv(x).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        k, v = kv.unbind(0)
+
+        if path == "fused":
+            x = self.sdpa(q, k, v, dropout_p=_dropout_p(self))
+        else:
+            x = _explicit_core(self, q, k, v)
+
+        x = x.transpose(1, 2).reshape(B, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+# stock class -> Mesa subclass. Only exact types are swapped (a user subclass may have its
+# own forward; it is reported as unreached instead).
+ATTENTION_CLASSES = {
+    _TimmAttention: MesaViTAttention,
+    _SwinWindowAttention: MesaWindowAttention,
+    _PvtAttention: MesaPvtV2Attention,
+}
+STOCK_ATTENTION_CLASSES = {v: k for k, v in ATTENTION_CLASSES.items()}

@@ -1,0 +1,113 @@
+"""Move checkpoints between stock and Mesa-patched models.
+
+A patched model's ``state_dict`` is the stock one (same keys, same tensors: weights are the
+same ``Parameter`` objects) plus the Mesa estimate buffers (``alpha``, ``beta``,
+``initialized``) of every ``ActivationQuantizer``, e.g. ``blocks.0.attn.qkv.quantizer.alpha``
+or ``blocks.0.attn.qk_matmul.quantizer_a.beta``.
+
+* :func:`stock_to_patched_state_dict` completes a stock checkpoint with *fresh* estimates
+  (``initialized = False``), so a patched model loads it strictly and the estimates start
+  from the first training batch. :func:`load_stock_checkpoint` does both steps.
+* :func:`patched_to_stock_state_dict` drops the Mesa buffers, so a stock model loads it
+  strictly. :func:`load_patched_checkpoint` does both steps.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping, Optional, Set
+
+import torch
+from torch import nn
+
+from .core import _unwrap
+
+__all__ = [
+    "mesa_state_keys",
+    "stock_to_patched_state_dict",
+    "patched_to_stock_state_dict",
+    "load_stock_checkpoint",
+    "load_patched_checkpoint",
+]
+
+_QUANTIZER_BUFFERS = ("alpha", "beta", "initialized")
+
+
+def _strip(key: str) -> str:
+    # DDP ("module.") and torch.compile ("_orig_mod.") prefixes
+    for p in ("module.", "_orig_mod."):
+        while key.startswith(p):
+            key = key[len(p):]
+    return key
+
+
+def mesa_state_keys(model: nn.Module) -> Set[str]:
+    """The ``state_dict`` keys of ``model`` (unwrapped) that belong to Mesa quantizers."""
+    from mesa_train.nn.quantizer import ActivationQuantizer
+
+    root = _unwrap(model)
+    keys = set()
+    for name, m in root.named_modules():
+        if isinstance(m, ActivationQuantizer):
+            for b in _QUANTIZER_BUFFERS:
+                if b in m._buffers:
+                    keys.add(f"{name}.{b}" if name else b)
+    return keys
+
+
+def _is_mesa_key_by_name(key: str) -> bool:
+    parts = key.split(".")
+    return len(parts) >= 2 and parts[-1] in _QUANTIZER_BUFFERS and "quantizer" in parts[-2]
+
+
+def patched_to_stock_state_dict(state_dict: Mapping[str, torch.Tensor],
+                                model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
+    """A copy of ``state_dict`` without the Mesa estimate buffers.
+
+    With ``model`` (the patched model the checkpoint came from, or any model patched the
+    same way), exactly its quantizer keys are dropped; without it, keys ending in
+    ``<...quantizer...>.alpha|beta|initialized`` are. DDP/``torch.compile`` key prefixes are
+    kept as they are."""
+    drop = mesa_state_keys(model) if model is not None else None
+    out = OrderedDict()
+    for k, v in state_dict.items():
+        bare = _strip(k)
+        if (bare in drop) if drop is not None else _is_mesa_key_by_name(bare):
+            continue
+        out[k] = v
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        out._metadata = meta  # type: ignore[attr-defined]
+    return out
+
+
+def stock_to_patched_state_dict(state_dict: Mapping[str, torch.Tensor],
+                                model: nn.Module) -> "OrderedDict[str, torch.Tensor]":
+    """``state_dict`` (stock) completed with fresh Mesa estimates for ``model`` (patched):
+    ``alpha = beta = 0`` and ``initialized = False`` for every quantizer, so the estimates
+    start from the first training batch. Mesa keys already in ``state_dict`` are kept."""
+    root = _unwrap(model)
+    own = root.state_dict()
+    out = OrderedDict(state_dict)
+    for k in sorted(mesa_state_keys(root)):
+        if k in out:
+            continue
+        t = own[k]
+        out[k] = torch.zeros_like(t)  # zeros: alpha/beta 0, initialized False
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        out._metadata = meta  # type: ignore[attr-defined]
+    return out
+
+
+def load_stock_checkpoint(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
+    """Load a stock checkpoint into a patched model; estimates restart from the next batch."""
+    root = _unwrap(model)
+    return root.load_state_dict(stock_to_patched_state_dict({_strip(k): v for k, v in state_dict.items()}, root),
+                                strict=strict)
+
+
+def load_patched_checkpoint(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
+    """Load a patched model's checkpoint into a stock (unpatched) model."""
+    root = _unwrap(model)
+    return root.load_state_dict(patched_to_stock_state_dict({_strip(k): v for k, v in state_dict.items()}),
+                                strict=strict)

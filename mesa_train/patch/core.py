@@ -1,0 +1,361 @@
+"""``patch_model``: turn an unmodified timm model into a Mesa model, in place.
+
+See :func:`patch_model` for the rules. The work is two passes over the model:
+
+1. **Attention modules** of known timm classes (ViT/DeiT ``timm.layers.Attention``, Swin
+   ``WindowAttention``, PVT-v2 ``Attention``) get a Mesa forward by switching the
+   instance's class to a subclass from :mod:`mesa_train.patch.attention`, plus the core
+   children (``qk_matmul``, ``softmax``, ``av_matmul`` or ``sdpa``) built with per-head
+   groups.
+2. **Leaf modules** (``nn.Linear``, ``nn.GELU``, ``nn.LayerNorm`` incl. timm's
+   ``LayerNorm``, ``nn.Conv2d``, ``nn.ReLU``, ``nn.Softmax``) in the selected module sets
+   are replaced by the Mesa layer built with ``from_module`` (weights are the same
+   ``Parameter`` objects; ``eps``, dtype and device kept), with channel groups = the head
+   count of the block (see :mod:`mesa_train.patch.rules`).
+
+Any other module whose forward computes one of the requested ops functionally (``@``,
+``.softmax()``, ``F.scaled_dot_product_attention``, ``F.gelu``, ...) is reported: one
+``UserWarning`` per call, and in :func:`mesa_train.patch.describe`.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
+from .rules import MODULE_SETS, ModuleInfo, classify, scan_functional_ops
+
+__all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
+
+OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa")
+ATTENTION_OPS = ("matmul", "softmax", "sdpa")
+PATCH_INFO_ATTR = "_mesa_patch_info"
+
+
+def _mnn():
+    import mesa_train.nn as mnn  # imported lazily: the layers import the quant ops
+
+    return mnn
+
+
+def _sdpa_cls():
+    from mesa_train.nn.sdpa import ScaledDotProductAttention
+
+    return ScaledDotProductAttention
+
+
+def _leaf_rules():
+    """[(stock type, op, Mesa class)]: exact-type matches only (a subclass may have its own
+    forward, e.g. timm's ``LayerNormFp32``; it is reported instead)."""
+    from timm.layers import LayerNorm as TimmLayerNorm
+
+    mnn = _mnn()
+    return {
+        nn.Linear: ("linear", mnn.Linear),
+        nn.GELU: ("gelu", mnn.GELU),
+        nn.LayerNorm: ("layernorm", mnn.LayerNorm),
+        TimmLayerNorm: ("layernorm", mnn.LayerNorm),
+        nn.Conv2d: ("conv", mnn.Conv2d),
+        nn.ReLU: ("relu", mnn.ReLU),
+        nn.Softmax: ("softmax", mnn.Softmax),
+    }
+
+
+def mesa_layer_op(module: nn.Module) -> Optional[str]:
+    """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
+    mnn = _mnn()
+    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.LayerNorm, "layernorm"),
+                    (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"), (mnn.Softmax, "softmax"),
+                    (mnn.MatMul, "matmul"), (_sdpa_cls(), "sdpa")):
+        if isinstance(module, cls):
+            return op
+    return None
+
+
+# ----------------------------------------------------------------------------- validation
+def _as_names(value, what: str) -> Tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise ValueError(f"{what} must be a string or a sequence of strings, got {value!r}") from None
+    for n in names:
+        if not isinstance(n, str):
+            raise ValueError(f"{what} must be strings, got {n!r}")
+    return names
+
+
+def _resolve(value, valid: Sequence[str], what: str) -> Tuple[str, ...]:
+    names = _as_names(value, what)
+    if not names:
+        raise ValueError(f"{what} is empty; valid choices: {', '.join(valid)}, all")
+    unknown = [n for n in names if n.lower() not in (*valid, "all")]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; valid choices: {', '.join(valid)}, all")
+    lowered = {n.lower() for n in names}
+    if "all" in lowered:
+        return tuple(valid)
+    return tuple(v for v in valid if v in lowered)
+
+
+def _check_options(quant_options: dict) -> dict:
+    from mesa_train.nn.quantizer import QuantOptions
+
+    # raises ValueError naming the valid options / values
+    QuantOptions.from_kwargs(**{k: v for k, v in quant_options.items()})
+    return dict(quant_options)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP / DataParallel / torch.compile wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        else:
+            return model
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if isinstance(module, nn.Conv2d):
+        return module.in_channels
+    if isinstance(module, nn.LayerNorm):
+        return int(module.normalized_shape[-1])
+    return None
+
+
+def _groups_for(module: Optional[nn.Module], heads: Optional[int], quant_options: dict) -> Optional[int]:
+    g = quant_options.get("num_groups", heads)
+    if g is None:
+        return None
+    size = _size_of_grouped_dim(module) if module is not None else None
+    return max(1, min(int(g), size)) if size else int(g)
+
+
+def _options_for(module, heads, quant_options) -> dict:
+    opts = dict(quant_options)
+    g = _groups_for(module, heads, quant_options)
+    if g is not None:
+        opts["num_groups"] = g
+    return opts
+
+
+def _replace_child(parents: Dict[int, List[Tuple[nn.Module, str]]], old: nn.Module, new: nn.Module) -> None:
+    for parent, key in parents.get(id(old), []):
+        parent._modules[key] = new
+
+
+# ----------------------------------------------------------------------------- attention
+def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional[int], quant_options: dict) -> None:
+    """Give a known timm attention module its Mesa forward and core children.
+
+    ``core_ops`` (subset of matmul/softmax/sdpa) are added to what was patched before; the
+    path is explicit if matmul or softmax was ever requested, else fused."""
+    mnn = _mnn()
+    stock_cls = STOCK_ATTENTION_CLASSES.get(type(attn), type(attn))
+    requested = set(getattr(attn, "mesa_core_ops", ())) | set(core_ops)
+    if not requested:
+        return
+    device = _module_device(attn)
+    opts = _options_for(None, heads or getattr(attn, "num_heads", None), quant_options)
+    attn.__class__ = ATTENTION_CLASSES[stock_cls]
+
+    if "matmul" in requested or "softmax" in requested:
+        for name in ("qk_matmul", "av_matmul"):
+            cur = getattr(attn, name, None)
+            full = isinstance(cur, mnn.MatMul) and cur.operands == ("a", "b")
+            if "matmul" in core_ops and not full:
+                # both operands int8 (estimates of a share-only av_matmul are kept: it has none)
+                stock = cur if isinstance(cur, mnn.MatMul) else None
+                setattr(attn, name, mnn.MatMul.from_module(stock, operands=("a", "b"), device=device, **opts))
+            elif name == "av_matmul" and "softmax" in requested and type(cur) in (type(None), PlainMatMul):
+                # softmax without matmul: attn @ v compresses nothing itself but keeps the
+                # map through the Mesa Softmax's shared int8 copy (stored once), v as stock
+                attn.av_matmul = mnn.MatMul(operands=(), device=device, **opts)
+            elif cur is None:
+                setattr(attn, name, PlainMatMul())
+        cur = getattr(attn, "softmax", None)
+        if "softmax" in core_ops and not isinstance(cur, mnn.Softmax):
+            # Swin has its own nn.Softmax(dim=-1); ViT/PVT call Tensor.softmax(dim=-1)
+            attn.softmax = (mnn.Softmax.from_module(cur, device=device, **opts) if isinstance(cur, nn.Softmax)
+                            else mnn.Softmax(dim=-1, device=device, **opts))
+        elif cur is None:
+            attn.softmax = PlainSoftmax(-1)
+        attn.mesa_attn_path = "explicit"
+        attn.fused_attn = False
+    elif "sdpa" in requested:
+        # sdpa only matters on the fused path; with matmul/softmax the explicit path wins
+        if getattr(attn, "sdpa", None) is None:
+            attn.sdpa = _sdpa_cls()(device=device, **opts)
+        attn.mesa_attn_path = "fused"
+        attn.fused_attn = True
+    # the core ops in effect (sdpa is idle on the explicit path)
+    attn.mesa_core_ops = tuple(o for o in ATTENTION_OPS if o in requested
+                               and (o != "sdpa" or attn.mesa_attn_path == "fused"))
+
+
+# ----------------------------------------------------------------------------- main entry
+def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
+                **quant_options) -> nn.Module:
+    """Patch ``model`` in place with Mesa compression and return it.
+
+    Args:
+        model: a timm model (ViT/DeiT, Swin, PVT-v2 get full support, incl. the attention
+            core; any other model gets the generic leaf conversion) or a DDP /
+            ``torch.compile`` wrapper of one. It may already be on a device or in half
+            precision, and may already be patched (patching again adds the newly requested
+            ops; explicitly passed options are applied to the layers patched before).
+        ops: any of ``linear, matmul, softmax, gelu, layernorm, conv, relu, sdpa`` or
+            ``all``. ``matmul``/``softmax`` switch the attention to the explicit path
+            (paper setting); ``sdpa`` without them keeps the fused
+            ``F.scaled_dot_product_attention`` (int8 q, k, v kept for backward; an
+            attention that ran the explicit path, like timm's Swin by default, is switched
+            to fused: its forward then equals the stock ``fused_attn=True`` one). ``all``
+            therefore means the paper's explicit attention; use e.g.
+            ``ops=("linear", "gelu", "layernorm", "conv", "relu", "sdpa")`` for fused.
+        modules: any of ``msa`` (attention branch incl. ``norm1``), ``ffn`` (MLP branch incl.
+            ``norm2``), ``other`` (patch embedding, downsampling, stage/final norms, head)
+            or ``all``.
+        **quant_options: ``num_groups``, ``decay``, ``estimator``, ``symmetric``,
+            ``rounding``, ``enabled`` (see :class:`mesa_train.nn.QuantOptions`). Without
+            ``num_groups``, each layer uses the head count of its block: per head for
+            attention tensors, that many channel blocks otherwise (capped at the channel
+            count, e.g. 3 for an RGB patch embedding).
+
+    Raises:
+        ValueError: unknown op, module set or option name (the message lists the valid
+            choices), or an invalid option value.
+    """
+    op_names = _resolve(ops, OPS, "ops")
+    set_names = _resolve(modules, MODULE_SETS, "modules")
+    quant_options = _check_options(quant_options)
+    explicit = dict(quant_options)
+
+    root = _unwrap(model)
+    info = classify(root)
+    rules = _leaf_rules()
+    mnn = _mnn()
+    sdpa_cls = _sdpa_cls()
+
+    # parents of every module (a module may be registered under several names)
+    parents: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for _, parent in root.named_modules(remove_duplicate=False):
+        for key, child in parent._modules.items():
+            if child is not None:
+                parents.setdefault(id(child), []).append((parent, key))
+
+    core_ops = tuple(o for o in ATTENTION_OPS if o in op_names)
+    patched_attn: List[str] = []
+    skip_prefixes: List[str] = []  # children of modules whose forward does not call them
+    named = list(root.named_modules())
+
+    # 1. attention modules
+    for name, m in named:
+        mi = info.get(name, ModuleInfo("other", None, None))
+        stock_cls = STOCK_ATTENTION_CLASSES.get(type(m), type(m))
+        if stock_cls in ATTENTION_CLASSES and mi.module_set in set_names and core_ops:
+            _patch_attention(m, core_ops, mi.heads, quant_options)
+            patched_attn.append(name)
+        if isinstance(m, nn.MultiheadAttention):
+            skip_prefixes.append(name + ".")
+
+    # 2. leaf modules (the attention pass may have added children: list again)
+    converted: Dict[int, nn.Module] = {}
+    for name, m in list(root.named_modules()):
+        if any(name.startswith(p) for p in skip_prefixes):
+            continue
+        if isinstance(m, mnn.MesaLayer):
+            # patched before: re-apply the options passed explicitly now
+            op = _layer_op(m, mnn, sdpa_cls)
+            if op == "matmul" and not m.operands:
+                op = "softmax"  # the share-only attn @ v follows the softmax whose copy it keeps
+            if explicit and op in op_names:
+                owner = name.rsplit(".", 1)[0] if "." in name else ""
+                mi = info.get(name) or info.get(owner) or ModuleInfo("other", None, None)
+                if mi.module_set in set_names:
+                    m.set_quant_options(**explicit)
+            continue
+        rule = rules.get(type(m))
+        if rule is None:
+            continue
+        op, mesa_cls = rule
+        if op not in op_names:
+            continue
+        if getattr(m, "_fast_norm", False):  # timm fast_norm LayerNorm: different kernel
+            continue
+        mi = info.get(name)
+        if mi is None:  # a child the attention pass added (e.g. Swin softmax): owner's info
+            owner = name.rsplit(".", 1)[0] if "." in name else ""
+            mi = info.get(owner, ModuleInfo("other", None, None))
+        if mi.module_set not in set_names:
+            continue
+        if id(m) in converted:
+            continue
+        kw = {}
+        if not any(True for _ in m.parameters(recurse=False)):
+            # parameter-free layers (GELU, ReLU, Softmax, LayerNorm without affine) cannot
+            # know their device: give them the one of the module that holds them
+            kw["device"] = _module_device(parents.get(id(m), [(root, "")])[0][0])
+        new = mesa_cls.from_module(m, **kw, **_options_for(m, mi.heads, quant_options))
+        converted[id(m)] = new
+        _replace_child(parents, m, new)
+
+    # 3. functional ops no rule reaches (requested ops only, selected module sets only)
+    handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
+               + (PlainMatMul, PlainSoftmax))
+    unreached: Dict[str, Tuple[str, ...]] = {}
+    for name, m in root.named_modules():
+        if type(m) in handled or isinstance(m, mnn.MesaLayer) or any(name.startswith(p) for p in skip_prefixes):
+            continue
+        mi = info.get(name, ModuleInfo("other", None, None))
+        if mi.module_set not in set_names:
+            continue
+        if isinstance(m, nn.MultiheadAttention):  # F.multi_head_attention_forward: all inside
+            found = ("linear", "matmul", "softmax", "sdpa")
+        else:
+            found = scan_functional_ops(type(m))
+        hit = tuple(o for o in found if o in op_names)
+        if hit:
+            unreached[name or "<root>"] = hit
+
+    prev = getattr(root, PATCH_INFO_ATTR, None) or {}
+    record = {
+        "ops": tuple(o for o in OPS if o in set(op_names) | set(prev.get("ops", ()))),
+        "modules": tuple(s for s in MODULE_SETS if s in set(set_names) | set(prev.get("modules", ()))),
+        "options": {**prev.get("options", {}), **explicit},
+        "unreached": {**prev.get("unreached", {}), **unreached},
+        "calls": prev.get("calls", 0) + 1,
+    }
+    object.__setattr__(root, PATCH_INFO_ATTR, record)
+    if unreached:
+        lines = ", ".join(f"{n} ({type(root.get_submodule(n) if n != '<root>' else root).__name__}: "
+                          f"{'/'.join(o)})" for n, o in unreached.items())
+        warnings.warn(
+            f"mesa_train.patch_model: functional ops not reached (they stay uncompressed): {lines}",
+            UserWarning, stacklevel=2)
+    return model
+
+
+def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:
+    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.LayerNorm, "layernorm"),
+                    (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"), (mnn.Softmax, "softmax"),
+                    (mnn.MatMul, "matmul"), (sdpa_cls, "sdpa")):
+        if isinstance(m, cls):
+            return op
+    return None

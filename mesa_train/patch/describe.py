@@ -1,0 +1,152 @@
+"""``describe(model)``: a plain-text table of what is compressed where, for logs."""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from torch import nn
+
+from .attention import STOCK_ATTENTION_CLASSES
+from .core import PATCH_INFO_ATTR, _unwrap, mesa_layer_op
+from .rules import classify
+
+__all__ = ["describe", "describe_rows", "format_table"]
+
+
+def format_table(headers: List[str], rows: List[List[str]], align: Optional[str] = None) -> str:
+    """Fixed-width text table (``align``: one ``l``/``r`` per column)."""
+    align = align or "l" * len(headers)
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(headers)]
+
+    def fmt(cells):
+        out = []
+        for c, w, a in zip(cells, widths, align):
+            c = str(c)
+            out.append(c.rjust(w) if a == "r" else c.ljust(w))
+        return "  ".join(out).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(headers), sep] + [fmt(r) for r in rows])
+
+
+def _matmul_operands(layer, producer: Optional[str]) -> Tuple[List[str], List[str]]:
+    """Per-operand text for a Mesa ``MatMul`` and the quantizer names to count as to
+    initialisation (those of operands the layer quantizes itself, not shared ones).
+
+    What an operand is kept as comes from the layer's last compressed call
+    (``MatMul.last_saved``); before any call, ``producer`` (the Mesa Softmax whose output
+    the ``a`` operand is, for ``attn @ v``) says that ``a`` will be shared."""
+    last = getattr(layer, "last_saved", None)
+    parts, counted = [], []
+    for i, o in enumerate(("a", "b")):
+        mine = o in layer.operands
+        kind = last[i] if last else None
+        if kind is None:
+            kind = "shared" if (o == "a" and producer) else ("int8" if mine else "full")
+        if kind == "shared":
+            parts.append(f"{o}: int8 shared with {producer or 'its producer'}")
+        elif kind == "int8":
+            parts.append(f"{o}: int8")
+            counted.append(f"quantizer_{o}")
+        else:
+            parts.append(f"{o}: full precision (stock)")
+    return parts, counted
+
+
+def _state(layer, producer: Optional[str] = None) -> str:
+    if layer is None or not hasattr(layer, "quant_options"):
+        return ""
+    o = layer.quant_options
+    if not o.enabled:
+        return "disabled (stock)"
+    parts = [o.estimator + (f" decay={o.decay:g}" if o.estimator == "running" else ""), o.rounding]
+    if o.symmetric:
+        parts.append("symmetric")
+    qs = layer.quantizers()
+    if mesa_layer_op(layer) == "matmul":
+        operand_parts, counted = _matmul_operands(layer, producer)
+        parts.extend(operand_parts)
+        qs = [getattr(layer, n) for n in counted]
+    if qs:
+        n_init = sum(bool(q.initialized) for q in qs)
+        parts.append("initialized" if n_init == len(qs) else f"uninitialized ({len(qs) - n_init}/{len(qs)})")
+    if not layer.training:
+        parts.append("eval: stock")
+    return ", ".join(parts)
+
+
+def _groups(layer) -> str:
+    qs = layer.quantizers() if hasattr(layer, "quantizers") else []
+    if not qs:
+        op = mesa_layer_op(layer)
+        if op == "relu":
+            return "-"
+        return str(layer.quant_options.num_groups) if op == "matmul" else ""  # share-only MatMul
+    gs = sorted({q.options.num_groups for q in qs})
+    return "/".join(str(g) for g in gs)
+
+
+def _op_label(layer, op: str) -> str:
+    if op == "matmul" and tuple(layer.operands) != ("a", "b"):
+        return f"matmul[{','.join(layer.operands) or 'share-only'}]"
+    return op
+
+
+def describe_rows(model: nn.Module) -> List[List[str]]:
+    """``[[layer, op, module set, groups, state], ...]`` for every Mesa layer and patched
+    attention module. A ``MatMul`` that does not compress both operands itself is labelled
+    ``matmul[a]``, ``matmul[b]`` or ``matmul[share-only]`` (``operands=()``: the
+    ``attn @ v`` of a softmax-only patch); its state says per operand what is kept."""
+    root = _unwrap(model)
+    info = classify(root)
+    rows = []
+    for name, m in root.named_modules():
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        mi = info.get(name) or info.get(owner)
+        mset = mi.module_set if mi else "other"
+        if type(m) in STOCK_ATTENTION_CLASSES:
+            path = getattr(m, "mesa_attn_path", "stock")
+            core = ",".join(getattr(m, "mesa_core_ops", ())) or "-"
+            detail = {"explicit": "softmax(q@k^T)@v via qk_matmul/softmax/av_matmul",
+                      "fused": "F.scaled_dot_product_attention via sdpa (int8 q,k,v)",
+                      "stock": "stock forward"}[path]
+            rows.append([name, f"attention[{path}]", mset, str(getattr(m, "num_heads", "")),
+                         f"core ops: {core}; {detail}"])
+            continue
+        op = mesa_layer_op(m)
+        if op is None:
+            continue
+        producer = None
+        if op == "matmul" and name.endswith(".av_matmul"):
+            parent = root.get_submodule(owner)
+            if mesa_layer_op(getattr(parent, "softmax", None)) == "softmax":
+                producer = "softmax"
+        rows.append([name, _op_label(m, op), mset, _groups(m), _state(m, producer)])
+    return rows
+
+
+def describe(model: nn.Module) -> str:
+    """A readable table: layer, op, module set, groups, state, then a summary and any
+    functional ops the patcher could not reach."""
+    root = _unwrap(model)
+    rows = describe_rows(root)
+    record = getattr(root, PATCH_INFO_ATTR, None) or {}
+    title = f"Mesa patch of {type(root).__name__}"
+    if record:
+        title += (f": ops={','.join(record.get('ops', ()))} modules={','.join(record.get('modules', ()))}"
+                  + (f" options={record['options']}" if record.get("options") else ""))
+    else:
+        title += " (not patched by patch_model)"
+    lines = [title, format_table(["layer", "op", "set", "groups", "state"], rows)]
+    counts = {}
+    for r in rows:
+        key = r[1] if r[1].startswith("matmul[") else r[1].split("[")[0]  # matmul[share-only] apart
+        counts[key] = counts.get(key, 0) + 1
+    lines.append("total: " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "nothing patched"))
+    unreached = record.get("unreached", {})
+    if unreached:
+        lines.append("functional ops NOT reached (stay uncompressed):")
+        for n, ops in unreached.items():
+            mod = root if n == "<root>" else root.get_submodule(n)
+            lines.append(f"  {n} ({type(mod).__name__}): {', '.join(ops)}")
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""Model rules: which module set (``msa``, ``ffn``, ``other``) each module belongs to, its
+head count (the default number of groups), and which functional ops a generic fallback
+cannot reach.
+
+Module sets follow the paper's Table 8: **MSA** is everything in the attention branch of a
+block (``norm1``, the qkv/q/kv linears, PVT's spatial-reduction conv + norm, the attention
+core, ``proj``); **FFN** is the MLP branch (``norm2``, ``fc1``, activation, PVT's
+depthwise conv, ``fc2``); **other** is everything outside blocks: patch embedding,
+downsampling (Swin patch merging, PVT overlapping patch embeddings), stage/final norms and
+the classifier head.
+
+Blocks are found structurally: a module with an ``attn`` child and an ``mlp`` child (timm's
+ViT/DeiT ``Block`` and ``ResPostBlock``, Swin's ``SwinTransformerBlock``, PVT-v2's
+``Block``, and most other timm transformers). Inside a block, children named ``norm1`` or
+containing ``attn`` are MSA, ``norm2`` or containing ``mlp``/``ffn`` are FFN, anything else
+(layer scale, drop path) is ``other``. A module outside every block takes the head count of
+the next block in module order (patch embedding, downsampling) or, after the last block,
+of the previous one (final norms, head).
+
+Models without such blocks fall back to names: a module path containing ``attn`` /
+``attention`` is MSA, ``mlp`` / ``ffn`` is FFN, the rest is ``other``; head counts come from
+a ``num_heads`` attribute on the way up, else the layers' default (1 group).
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from torch import nn
+
+__all__ = ["ModuleInfo", "classify", "scan_functional_ops", "FUNCTIONAL_OPS"]
+
+MODULE_SETS = ("msa", "ffn", "other")
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    module_set: str  # msa | ffn | other
+    heads: Optional[int]  # head count of the owning/nearest block (None: unknown)
+    block: Optional[str]  # name of the owning block, if any
+
+
+def _heads_of(module: nn.Module) -> Optional[int]:
+    attn = getattr(module, "attn", None)
+    for m in (attn, module):
+        h = getattr(m, "num_heads", None) if m is not None else None
+        if isinstance(h, int) and h > 0:
+            return h
+    return None
+
+
+def _is_block(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "attn", None), nn.Module) and isinstance(getattr(module, "mlp", None), nn.Module)
+
+
+def _child_set(child_name: str) -> str:
+    n = child_name.lower()
+    if n == "norm1" or "attn" in n or "attention" in n:
+        return "msa"
+    if n == "norm2" or "mlp" in n or "ffn" in n:
+        return "ffn"
+    return "other"
+
+
+def _name_set(path: str) -> str:
+    parts = [p.lower() for p in path.split(".")]
+    for p in reversed(parts):
+        if "attn" in p or "attention" in p:
+            return "msa"
+        if "mlp" in p or "ffn" in p:
+            return "ffn"
+    return "other"
+
+
+def classify(model: nn.Module) -> Dict[str, ModuleInfo]:
+    """``{module name: ModuleInfo}`` for every module of ``model`` (names as in
+    ``model.named_modules()``)."""
+    named = list(model.named_modules())
+    blocks: List[Tuple[int, str, nn.Module]] = []
+    for i, (name, m) in enumerate(named):
+        if _is_block(m) and not any(name.startswith(b + ".") for _, b, _ in blocks):
+            blocks.append((i, name, m))
+    info: Dict[str, ModuleInfo] = {}
+    if not blocks:
+        for name, m in named:
+            heads = None
+            # nearest num_heads on the way up
+            parts = name.split(".") if name else []
+            for k in range(len(parts), -1, -1):
+                owner = model.get_submodule(".".join(parts[:k])) if k else model
+                h = getattr(owner, "num_heads", None)
+                if isinstance(h, int) and h > 0:
+                    heads = h
+                    break
+            info[name] = ModuleInfo(_name_set(name) if name else "other", heads, None)
+        return info
+
+    block_names = [b for _, b, _ in blocks]
+    block_heads = {b: _heads_of(m) for _, b, m in blocks}
+    block_pos = [i for i, _, _ in blocks]
+    for i, (name, m) in enumerate(named):
+        owner = next((b for b in block_names if name == b or name.startswith(b + ".")), None)
+        if owner is not None:
+            if name == owner:
+                info[name] = ModuleInfo("other", block_heads[owner], owner)
+                continue
+            child = name[len(owner) + 1:].split(".")[0]
+            info[name] = ModuleInfo(_child_set(child), block_heads[owner], owner)
+            continue
+        # outside blocks: the next block's heads, else the previous block's
+        nxt = next((b for p, b in zip(block_pos, block_names) if p > i), None)
+        ref = nxt if nxt is not None else block_names[-1]
+        info[name] = ModuleInfo("other", block_heads[ref], None)
+    return info
+
+
+# ----------------------------------------------------------------------------- functional ops
+# call name -> op, for calls like F.softmax(...), x.softmax(...), torch.matmul(...)
+FUNCTIONAL_OPS = {
+    "scaled_dot_product_attention": "sdpa",
+    "multi_head_attention_forward": "sdpa",
+    "matmul": "matmul",
+    "bmm": "matmul",
+    "baddbmm": "matmul",
+    "einsum": "matmul",
+    "softmax": "softmax",
+    "log_softmax": "softmax",
+    "gelu": "gelu",
+    "layer_norm": "layernorm",
+    "fast_layer_norm": "layernorm",
+    "linear": "linear",
+    "conv2d": "conv",
+    "relu": "relu",
+    "relu_": "relu",
+}
+
+
+def _methods_reached(cls: type) -> List[Tuple[str, object]]:
+    """``forward`` and the methods of ``cls`` it calls as ``self.name(...)``, transitively."""
+    todo, seen, out = ["forward"], set(), []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        fn = getattr(cls, name, None)
+        if fn is None or not callable(fn) or isinstance(fn, type):
+            continue
+        fn = inspect.unwrap(fn)
+        if getattr(fn, "__module__", "").startswith("torch.nn.modules.module"):
+            continue
+        try:
+            src = textwrap.dedent(inspect.getsource(fn))
+            tree = ast.parse(src)
+        except (OSError, TypeError, SyntaxError, IndentationError):
+            continue
+        out.append((name, tree))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+                todo.append(node.func.attr)
+    return out
+
+
+_SCAN_CACHE: Dict[type, Tuple[str, ...]] = {}
+
+
+def scan_functional_ops(cls: type) -> Tuple[str, ...]:
+    """Ops (``matmul``, ``softmax``, ``sdpa``, ...) that ``cls.forward`` (and the methods it
+    calls on ``self``) computes functionally, i.e. not through a child module. Static: the
+    source is parsed, nothing runs."""
+    if cls in _SCAN_CACHE:
+        return _SCAN_CACHE[cls]
+    found = set()
+    for _, tree in _methods_reached(cls):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+                found.add("matmul")
+            elif isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                # self.softmax(...) etc. are child modules, handled by the leaf conversion
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                    continue
+                if name in FUNCTIONAL_OPS:
+                    found.add(FUNCTIONAL_OPS[name])
+    res = tuple(sorted(found))
+    _SCAN_CACHE[cls] = res
+    return res

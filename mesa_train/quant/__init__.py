@@ -1,0 +1,211 @@
+"""8-bit group quantization ops (``torch.ops.mesa.*``) and their Python wrappers.
+
+Loading order:
+
+1. ``mesa_train._C`` (the compiled C++/CUDA extension) is imported; its
+   ``TORCH_LIBRARY(mesa, m)`` defines the three ops with CPU (and CUDA) kernels.
+   ``BACKEND == "extension"``.
+2. If it cannot be loaded (not built, ABI mismatch, ...) or ``MESA_DISABLE_EXTENSION=1``,
+   the same ops are defined from Python with ``mesa_train.quant.reference`` as the CPU and
+   CUDA implementation, and one ``warnings.warn`` says so. ``BACKEND == "reference"``.
+
+Either way the ops get fake (meta) implementations here, so ``torch.compile`` traces them,
+and an autograd registration that marks every output non-differentiable (they are
+statistics and storage formats, not differentiable functions).
+
+The public wrappers validate their arguments (``ValueError``), normalise negative ``dim``
+and make non-contiguous inputs contiguous (a transient copy, see DESIGN.md). Contract:
+``docs/DESIGN.md``, section "Quantization ops".
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import reference
+from .reference import QUANT_DTYPES, check_dequantize_args, check_minmax_args, check_quantize_args
+
+__all__ = ["group_minmax", "quantize", "dequantize", "BACKEND", "CUDA_BACKEND", "reference", "extension_error"]
+
+_SCHEMAS = {
+    "group_minmax": "group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)",
+    "quantize": "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, int seed) -> Tensor",
+    "dequantize": "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype) -> Tensor",
+}
+
+extension_error: BaseException | None = None  # why the extension was not used, if it was not
+
+
+def _load_extension() -> bool:
+    global extension_error
+    if os.environ.get("MESA_DISABLE_EXTENSION", "0") == "1":
+        extension_error = RuntimeError("disabled by MESA_DISABLE_EXTENSION=1")
+        return False
+    try:
+        from mesa_train import _C  # noqa: F401  (registers torch.ops.mesa.*)
+    except Exception as e:  # ImportError, OSError (undefined symbol), ...
+        extension_error = e
+        return False
+    if not hasattr(torch.ops.mesa, "quantize"):
+        extension_error = RuntimeError("mesa_train._C loaded but did not register torch.ops.mesa")
+        return False
+    return True
+
+
+def _ops_defined() -> bool:
+    try:
+        torch.ops.mesa.quantize.default  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _ref_minmax(x, dim, num_groups, per_sample):
+    return reference.group_minmax(x, dim, num_groups, per_sample)
+
+
+def _ref_quantize(x, alpha, beta, dim, num_groups, stochastic, seed):
+    return reference.quantize(x, alpha, beta, dim, num_groups, stochastic, seed)
+
+
+def _ref_dequantize(q, alpha, beta, dim, num_groups, dtype):
+    return reference.dequantize(q, alpha, beta, dim, num_groups, dtype)
+
+
+_REF_IMPLS = {"group_minmax": _ref_minmax, "quantize": _ref_quantize, "dequantize": _ref_dequantize}
+
+# Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
+# build of the extension (MESA_NO_CUDA=1, or built without nvcc) or the Python fallback.
+CUDA_BACKEND = "reference"
+
+if _load_extension():
+    BACKEND = "extension"
+    if all(torch._C._dispatch_has_kernel_for_dispatch_key(f"mesa::{n}", "CUDA") for n in _SCHEMAS):
+        CUDA_BACKEND = "extension"
+    else:
+        # CPU-only build: CUDA tensors still work, through the reference.
+        _cuda_lib = torch.library.Library("mesa", "IMPL")
+        for _name, _fn in _REF_IMPLS.items():
+            _cuda_lib.impl(_name, _fn, "CUDA")
+        if torch.cuda.is_available():
+            warnings.warn(
+                "mesa_train: the extension was built without CUDA kernels; CUDA tensors use the "
+                "pure-PyTorch reference implementation (rebuild with nvcc for speed).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+elif _ops_defined():
+    # Only possible if the module is re-imported in one process (e.g. importlib.reload):
+    # the Python definitions from the first import are still registered.
+    BACKEND = "reference"
+else:
+    BACKEND = "reference"
+    warnings.warn(
+        f"mesa_train: the compiled extension mesa_train._C could not be loaded ({extension_error}); "
+        "using the pure-PyTorch reference implementation of torch.ops.mesa.* (slower, same results).",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    _lib = torch.library.Library("mesa", "DEF")
+    for _name, _schema in _SCHEMAS.items():
+        _lib.define(_schema)
+
+    for _key in ("CPU", "CUDA"):
+        for _name, _fn in _REF_IMPLS.items():
+            _lib.impl(_name, _fn, _key)
+
+
+# ----------------------------------------------------------------------------- fake impls
+def _fake_minmax(x, dim, num_groups, per_sample):
+    check_minmax_args(x, dim, num_groups)
+    S = x.shape[0] if per_sample else 1
+    return (
+        x.new_empty((S, num_groups), dtype=torch.float32),
+        x.new_empty((S, num_groups), dtype=torch.float32),
+    )
+
+
+def _fake_quantize(x, alpha, beta, dim, num_groups, stochastic, seed):
+    check_quantize_args(x, alpha, beta, dim, num_groups)
+    return x.new_empty(x.shape, dtype=torch.uint8)
+
+
+def _fake_dequantize(q, alpha, beta, dim, num_groups, dtype):
+    check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+def _register_python_side() -> None:
+    # Guard against double registration when the module is reloaded in one process.
+    if getattr(torch.ops.mesa, "_mesa_python_side_registered", False):
+        return
+    torch.library.register_fake("mesa::group_minmax")(_fake_minmax)
+    torch.library.register_fake("mesa::quantize")(_fake_quantize)
+    torch.library.register_fake("mesa::dequantize")(_fake_dequantize)
+
+    # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
+    # and a reconstruction that the layers use inside their own backward).
+    def _setup_nondiff(ctx, inputs, output):
+        outs = output if isinstance(output, tuple) else (output,)
+        ctx.mark_non_differentiable(*outs)
+
+    def _backward_none(ctx, *grads):
+        return None
+
+    for name in ("group_minmax", "quantize", "dequantize"):
+        torch.library.register_autograd(f"mesa::{name}", _backward_none, setup_context=_setup_nondiff)
+    torch.ops.mesa._mesa_python_side_registered = True
+
+
+_register_python_side()
+
+
+# ----------------------------------------------------------------------------- wrappers
+def _wrap_seed(seed) -> int:
+    """Map any Python int onto int64 (same low 64 bits, so the same random bytes)."""
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = False):
+    """Per-group ``(min, max)`` of ``x`` as float32 ``(S, num_groups)`` tensors.
+
+    ``S = x.shape[0]`` when ``per_sample`` else 1. NaN/inf propagate (callers check
+    ``isfinite``).
+    """
+    dim = check_minmax_args(x, dim, num_groups)
+    return torch.ops.mesa.group_minmax(x, dim, num_groups, bool(per_sample))
+
+
+def quantize(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    stochastic: bool = True,
+    seed: int = 0,
+) -> torch.Tensor:
+    """uint8 codes ``clamp(round((x - beta) * 255 / alpha), 0, 255)``, same shape as ``x``.
+
+    ``alpha`` (range) and ``beta`` (min) are float32 ``(S, num_groups)`` with ``S`` in
+    ``{1, x.shape[0]}``. ``stochastic`` rounding uses the counter hash of DESIGN.md keyed
+    by ``seed`` (same seed, same device -> same bytes); otherwise round half to even.
+    """
+    dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
+    return torch.ops.mesa.quantize(x, alpha, beta, dim, num_groups, bool(stochastic), _wrap_seed(seed))
+
+
+def dequantize(
+    q: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``q * (alpha / 255) + beta`` per group, computed in fp32 and returned as ``dtype``."""
+    dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
+    return torch.ops.mesa.dequantize(q, alpha, beta, dim, num_groups, dtype)

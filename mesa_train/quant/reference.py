@@ -1,0 +1,286 @@
+"""Pure-PyTorch reference of the ``mesa`` quantization ops (see ``docs/DESIGN.md``).
+
+This module is the executable specification: the C++/CUDA kernels in ``csrc/`` must
+produce exactly the same bytes (nearest *and* stochastic rounding, same seed, same
+device). It is also the fallback implementation when ``mesa_train._C`` cannot be loaded.
+
+Conventions (DESIGN.md, "Quantization ops"):
+
+* ``x`` is split into ``G`` contiguous groups along ``dim`` (size ``D``); index ``d``
+  belongs to group ``(d * G) // D``.
+* Statistics are ``(S, G)`` float32 with ``S = 1`` (shared) or ``S = x.shape[0]``
+  (per sample). Element ``i`` of the contiguous tensor has sample ``i // (numel // S)``.
+* Non-contiguous inputs are made contiguous first (transient copy).
+* Arithmetic is fp32, every operation a separate (correctly rounded) torch op, so nothing
+  can be contracted into an FMA. Divisions use tensor/tensor operands on purpose: PyTorch
+  turns ``tensor / python_scalar`` into a multiplication by the reciprocal on CUDA and
+  ``scalar / tensor`` into ``reciprocal() * scalar`` everywhere, neither of which is exact.
+
+Everything here validates its inputs and raises ``ValueError`` with a clear message.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "group_minmax",
+    "quantize",
+    "dequantize",
+    "uniform_from_hash",
+    "lowbias32",
+    "group_index",
+    "normalize_dim",
+    "check_quantize_args",
+    "check_dequantize_args",
+    "QUANT_DTYPES",
+]
+
+QUANT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_M32 = 0xFFFFFFFF
+_EPS = 1e-12  # alpha <= _EPS (as float32) counts as a constant group
+_HASH_CHUNK = 1 << 22
+
+
+# ----------------------------------------------------------------------------- validation
+def normalize_dim(x: torch.Tensor, dim: int) -> int:
+    """Return ``dim`` in ``[0, x.dim())`` or raise ``ValueError``."""
+    nd = x.dim()
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ValueError(f"dim must be an int, got {type(dim).__name__}")
+    if nd == 0:
+        raise ValueError("mesa quantization ops need a tensor with at least one dimension")
+    if not -nd <= dim < nd:
+        raise ValueError(f"dim {dim} out of range for a {nd}-d tensor of shape {tuple(x.shape)}")
+    return dim % nd
+
+
+def _check_groups(x: torch.Tensor, dim: int, num_groups: int) -> None:
+    D = x.shape[dim]
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool):
+        raise ValueError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    # D == 0 only happens for empty tensors; any positive group count is accepted then.
+    if num_groups < 1 or (D > 0 and num_groups > D):
+        raise ValueError(
+            f"num_groups={num_groups} must be in [1, {D}] (size of dim {dim} of shape {tuple(x.shape)})"
+        )
+
+
+def _check_params(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, num_groups: int) -> int:
+    """Validate alpha/beta, return S (1 or x.shape[0])."""
+    for name, p in (("alpha", alpha), ("beta", beta)):
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor")
+        if p.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {p.dtype}")
+        if p.device != x.device:
+            raise ValueError(f"{name} is on {p.device} but the input is on {x.device}")
+    if alpha.dim() != 2 or alpha.shape != beta.shape:
+        raise ValueError(
+            f"alpha and beta must both have shape (S, {num_groups}); got {tuple(alpha.shape)} and {tuple(beta.shape)}"
+        )
+    S, G = alpha.shape
+    if G != num_groups or S not in (1, x.shape[0]):
+        raise ValueError(
+            f"alpha/beta shape {tuple(alpha.shape)} invalid: expected (S, {num_groups}) with "
+            f"S in {{1, {x.shape[0]}}} (shared or per-sample statistics)"
+        )
+    return S
+
+
+def check_quantize_args(x, alpha, beta, dim, num_groups) -> tuple[int, int]:
+    """Validate quantize's arguments; return (normalized dim, S)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError("x must be a tensor")
+    if x.dtype not in QUANT_DTYPES:
+        raise ValueError(f"quantize supports float32, float16 and bfloat16 inputs, got {x.dtype}")
+    dim = normalize_dim(x, dim)
+    _check_groups(x, dim, num_groups)
+    return dim, _check_params(x, alpha, beta, num_groups)
+
+
+def check_dequantize_args(q, alpha, beta, dim, num_groups, dtype) -> tuple[int, int]:
+    """Validate dequantize's arguments; return (normalized dim, S)."""
+    if not isinstance(q, torch.Tensor):
+        raise ValueError("q must be a tensor")
+    if q.dtype != torch.uint8:
+        raise ValueError(f"dequantize expects a uint8 tensor, got {q.dtype}")
+    if dtype not in QUANT_DTYPES:
+        raise ValueError(f"dequantize can produce float32, float16 or bfloat16, got {dtype}")
+    dim = normalize_dim(q, dim)
+    _check_groups(q, dim, num_groups)
+    return dim, _check_params(q, alpha, beta, num_groups)
+
+
+def check_minmax_args(x, dim, num_groups) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError("x must be a tensor")
+    if x.dtype not in QUANT_DTYPES:
+        raise ValueError(f"group_minmax supports float32, float16 and bfloat16 inputs, got {x.dtype}")
+    dim = normalize_dim(x, dim)
+    _check_groups(x, dim, num_groups)
+    return dim
+
+
+# ----------------------------------------------------------------------------- helpers
+def group_index(D: int, G: int, device=None) -> torch.Tensor:
+    """int64 ``(D,)``: group of each index ``d`` along the grouped dimension."""
+    return torch.div(torch.arange(D, device=device) * G, D, rounding_mode="floor")
+
+
+def _layout(shape, dim):
+    outer = 1
+    for s in shape[:dim]:
+        outer *= s
+    inner = 1
+    for s in shape[dim + 1 :]:
+        inner *= s
+    return outer, shape[dim], inner
+
+
+def _expand(x: torch.Tensor, params, dim: int, G: int):
+    """View contiguous ``x`` and broadcast each ``(S, G)`` param to it (per element)."""
+    outer, D, inner = _layout(x.shape, dim)
+    S = params[0].shape[0]
+    gidx = group_index(D, G, x.device)
+    if S == 1:
+        xv = x.view(outer, D, inner)
+        return xv, [p[0, gidx].view(1, D, 1) for p in params]
+    if dim > 0:  # per sample: outer = S * (outer // S)
+        xv = x.view(S, outer // S, D, inner)
+        return xv, [p[:, gidx].view(S, 1, D, 1) for p in params]
+    # dim == 0 and per sample: sample s is exactly index d = s
+    xv = x.view(D, inner)
+    ar = torch.arange(D, device=x.device)
+    return xv, [p[ar, gidx].view(D, 1) for p in params]
+
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """(a * c) mod 2**32 for int64 ``a`` in [0, 2**32) without int64 overflow."""
+    lo = a * (c & 0xFFFF)  # < 2**48
+    hi = ((a * (c >> 16)) & 0xFFFF) << 16  # < 2**32
+    return (lo + hi) & _M32
+
+
+def lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """The lowbias32 integer hash on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def uniform_from_hash(numel: int, seed: int, device=None, start: int = 0) -> torch.Tensor:
+    """float32 ``u`` in [0, 1) for flat indices ``start .. start+numel`` (DESIGN.md hash)."""
+    seed = int(seed)
+    if numel > _HASH_CHUNK:  # bound the int64 temporaries (about 6 x 8 bytes per element)
+        out = torch.empty(numel, dtype=torch.float32, device=device)
+        for b in range(0, numel, _HASH_CHUNK):
+            n = min(_HASH_CHUNK, numel - b)
+            out[b : b + n] = uniform_from_hash(n, seed, device, start + b)
+        return out
+    s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
+    i = torch.arange(start, start + numel, dtype=torch.int64, device=device)
+    lo = i & _M32
+    hi = (i >> 32) & _M32
+    h = lowbias32(lo ^ s_lo)
+    h = lowbias32(h ^ s_hi ^ _mul32(hi, 0x9E3779B9))
+    return (h >> 8).to(torch.float32) * (2.0**-24)
+
+
+def _inv_scale(alpha: torch.Tensor) -> torch.Tensor:
+    num = torch.full_like(alpha, 255.0)
+    return torch.where(alpha > _EPS, num / alpha, torch.zeros_like(alpha))
+
+
+# ----------------------------------------------------------------------------- ops
+def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = False):
+    """Per-group min and max, float32 ``(S, G)``; NaN/inf propagate.
+
+    Groups with no elements (only possible for empty tensors, or per-sample statistics
+    over ``dim=0``) get ``min=+inf, max=-inf``.
+    """
+    dim = check_minmax_args(x, dim, num_groups)
+    G = num_groups
+    S = x.shape[0] if per_sample else 1
+    x = x.contiguous()
+    outer, D, inner = _layout(x.shape, dim)
+    mn = torch.full((S, G), float("inf"), dtype=torch.float32, device=x.device)
+    mx = torch.full((S, G), float("-inf"), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return mn, mx
+    # per (sample, d) statistics, shape (S, D)
+    if S == 1:
+        xv = x.view(outer, D, inner)
+        dmn = xv.amin(dim=(0, 2)).float().view(1, D)
+        dmx = xv.amax(dim=(0, 2)).float().view(1, D)
+    elif dim > 0:
+        xv = x.view(S, outer // S, D, inner)
+        dmn = xv.amin(dim=(1, 3)).float()
+        dmx = xv.amax(dim=(1, 3)).float()
+    else:
+        xv = x.view(D, inner)
+        ar = torch.arange(D, device=x.device)
+        dmn = torch.full((S, D), float("inf"), dtype=torch.float32, device=x.device)
+        dmx = torch.full((S, D), float("-inf"), dtype=torch.float32, device=x.device)
+        dmn[ar, ar] = xv.amin(dim=1).float()
+        dmx[ar, ar] = xv.amax(dim=1).float()
+    # reduce the contiguous d-blocks of each group; pad short groups by repeating their
+    # last index (a repeat changes neither min nor max)
+    gidx = group_index(D, G, x.device)
+    counts = torch.bincount(gidx, minlength=G)
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    L = (D + G - 1) // G
+    idx = torch.minimum(starts[:, None] + torch.arange(L, device=x.device), ends[:, None] - 1)
+    mn = dmn[:, idx].amin(dim=2)
+    mx = dmx[:, idx].amax(dim=2)
+    return mn, mx
+
+
+def quantize(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    stochastic: bool = True,
+    seed: int = 0,
+) -> torch.Tensor:
+    """uint8 codes, same shape as ``x``, contiguous (DESIGN.md exact arithmetic)."""
+    dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
+    x = x.contiguous()
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    alpha = alpha.contiguous()
+    beta = beta.contiguous()
+    xv, (inv, b) = _expand(x, [_inv_scale(alpha), beta], dim, num_groups)
+    v = (xv.to(torch.float32) - b) * inv
+    if stochastic:
+        u = uniform_from_hash(x.numel(), seed, x.device).view(xv.shape)
+        v = torch.floor(v + u)
+    else:
+        v = torch.round(v)  # round half to even
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v).clamp_(0.0, 255.0)
+    return v.to(torch.uint8).view(x.shape)
+
+
+def dequantize(
+    q: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``q * (alpha / 255) + beta`` in fp32 (step, product, sum rounded separately), cast to ``dtype``."""
+    dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
+    q = q.contiguous()
+    if q.numel() == 0:
+        return torch.empty(q.shape, dtype=dtype, device=q.device)
+    alpha = alpha.contiguous()
+    step = alpha / torch.full_like(alpha, 255.0)
+    qv, (st, b) = _expand(q, [step, beta.contiguous()], dim, num_groups)
+    t = qv.to(torch.float32) * st
+    return (t + b).to(dtype).view(q.shape)

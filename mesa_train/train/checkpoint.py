@@ -1,0 +1,195 @@
+"""Checkpoints: atomic writes, clear errors on bad files, RNG state capture.
+
+A checkpoint is one ``torch.save`` dict::
+
+    format, version      "mesa-train-checkpoint", 1
+    model                state_dict, Mesa running estimates (alpha/beta buffers) included
+    optimizer, scheduler, scaler, ema      state_dicts (None when unused)
+    state                TrainState as a dict: epoch, batch_in_epoch, step, best_top1
+    rng                  one entry per rank: python, numpy, torch, cuda generator states
+    config               the resolved config (plain dict)
+    metrics              the last evaluation
+
+Files are written to a temporary file in the same directory, fsync-ed, then moved over the
+old one with ``os.replace``: a crash mid-write leaves the previous checkpoint intact.
+Loading uses ``torch.load(weights_only=True)`` (no arbitrary code from a file).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "mesa-train-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, or does not fit the current model/config."""
+
+
+# ------------------------------------------------------------------------ RNG states
+
+
+def rng_state() -> dict:
+    """This process's python, numpy, torch (CPU) and CUDA generator states."""
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _to_tuple(x):
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ----------------------------------------------------------------------- save / load
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, write) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(folder)
+
+
+def save_checkpoint(payload: dict, path: str) -> None:
+    """Write ``payload`` (plus the format tag) to ``path`` atomically."""
+    data = {"format": FORMAT, "version": VERSION, **payload}
+    _atomic_write(path, lambda f: torch.save(data, f))
+
+
+def copy_checkpoint(src: str, dst: str) -> None:
+    """Atomically copy a written checkpoint (last.pt -> best.pt)."""
+    with open(src, "rb") as source:
+        _atomic_write(dst, lambda f: shutil.copyfileobj(source, f, 16 << 20))
+
+
+def load_checkpoint(path: str) -> dict:
+    """Read a checkpoint written by ``save_checkpoint``; ``CheckpointError`` otherwise."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated zip, garbage bytes, pickle errors ...
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: the file is corrupt or truncated, or not a "
+            f"torch checkpoint ({type(err).__name__}: {err})"
+        ) from err
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a mesa-train checkpoint (no '{FORMAT}' tag)")
+    if int(ckpt.get("version", 0)) > VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint version {ckpt['version']}, newer than this code's {VERSION}; "
+            "update mesa-train"
+        )
+    for key in ("model", "config", "state"):
+        if key not in ckpt:
+            raise CheckpointError(f"{path} is incomplete: it has no '{key}' entry")
+    return ckpt
+
+
+# ----------------------------------------------------------------------- compatibility
+
+# Config values that change the model's parameters or buffers: a checkpoint only fits a
+# model built with the same ones.
+_MODEL_KEYS = ("name", "img_size", "depth", "embed_dim", "num_heads", "kwargs")
+_MESA_KEYS = ("enabled", "ops", "modules", "num_groups")
+
+
+def check_compatible(saved_cfg: dict, cfg: dict, path: str) -> None:
+    """Raise ``CheckpointError`` naming every model/Mesa setting that differs."""
+    diffs = []
+    for group, keys in (("model", _MODEL_KEYS), ("mesa", _MESA_KEYS)):
+        for key in keys:
+            old = (saved_cfg.get(group) or {}).get(key)
+            new = (cfg.get(group) or {}).get(key)
+            if old != new:
+                diffs.append(f"{group}.{key}: checkpoint {old!r}, now {new!r}")
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the current config:\n  - " + "\n  - ".join(diffs)
+            + "\nuse the checkpoint's settings, or start a fresh run (trainer.resume=null)"
+        )
+
+
+def load_model_state(model: torch.nn.Module, state_dict: dict, path: str, what: str = "model") -> None:
+    """``load_state_dict(strict=True)`` with a readable error on missing/unexpected keys
+    or shape mismatches (e.g. a stock checkpoint loaded into a Mesa model)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    shapes = [
+        f"{k}: checkpoint {tuple(state_dict[k].shape)}, model {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state_dict and hasattr(state_dict[k], "shape") and tuple(state_dict[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        def head(items):
+            return ", ".join(items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
+
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {head(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {head(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatches: {head(shapes)}")
+        raise CheckpointError(
+            f"the {what} weights in {path} do not fit the model ({'; '.join(parts)}). "
+            "Was it trained with another model or Mesa setting (mesa.enabled/ops/modules)?"
+        )
+    model.load_state_dict(state_dict, strict=True)
+
+
+def to_plain(cfg: Any) -> Any:
+    """A resolved OmegaConf config (or anything) as plain python containers."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(cfg, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return cfg

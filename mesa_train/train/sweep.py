@@ -1,0 +1,106 @@
+"""Sweep summary: after ``train.py -m ...`` every job's ``summary.json`` (and its command
+line overrides) is collected into ``<sweep dir>/summary.csv`` and ``summary.md``.
+
+``SweepSummary`` is a Hydra callback (configs/hydra/default.yaml); Hydra calls
+``on_multirun_end`` once, after the last job. It needs nothing from Hydra itself.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+
+COLUMNS = ["job", "overrides", "status", "epochs", "step", "top1", "top5", "best_top1", "ema_top1",
+           "train_loss", "images_per_s", "saved_bytes", "peak_memory_bytes", "run_dir"]
+
+
+def _overrides(job_dir: str) -> list[str]:
+    path = os.path.join(job_dir, ".hydra", "overrides.yaml")
+    if not os.path.exists(path):
+        return []
+    return [line[2:].strip() for line in open(path) if line.startswith("- ")]
+
+
+def collect(sweep_dir: str) -> tuple[list[dict], list[str]]:
+    """One row per job directory under ``sweep_dir`` (failed jobs included, marked so).
+    A row's ``overrides`` are those that differ between jobs; the second value lists the
+    overrides every job shares."""
+    rows, per_job = [], []
+    for job_dir in sorted(glob.glob(os.path.join(sweep_dir, "*", "")), key=_job_key):
+        job_dir = job_dir.rstrip(os.sep)
+        if not os.path.isdir(os.path.join(job_dir, ".hydra")):
+            continue
+        overrides = _overrides(job_dir)
+        per_job.append(overrides)
+        row = {"job": os.path.basename(job_dir), "run_dir": job_dir}
+        summary_path = os.path.join(job_dir, "summary.json")
+        if os.path.exists(summary_path):
+            with open(summary_path) as f:
+                row.update({k: v for k, v in json.load(f).items() if k in COLUMNS and k not in row})
+        else:
+            row["status"] = "failed (no summary.json)"
+        rows.append(row)
+    common = [o for o in per_job[0] if all(o in job for job in per_job)] if per_job else []
+    for row, overrides in zip(rows, per_job):
+        row["overrides"] = " ".join(o for o in overrides if o not in common)
+    return rows, common
+
+
+def _job_key(path: str):
+    name = os.path.basename(path.rstrip(os.sep))
+    return (0, int(name), name) if name.isdigit() else (1, 0, name)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_summary(sweep_dir: str) -> list[dict]:
+    rows, common = collect(sweep_dir)
+    with open(os.path.join(sweep_dir, "summary.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k) for k in COLUMNS})
+    shown = [c for c in COLUMNS if c != "run_dir"]
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in shown) + " |" for row in rows]
+    with open(os.path.join(sweep_dir, "summary.md"), "w") as f:
+        if common:
+            f.write(f"Overrides of every job: `{' '.join(common)}`\n\n")
+        f.write("\n".join(lines) + "\n")
+    return rows
+
+
+class SweepSummary:
+    """Hydra callback: write the sweep's summary table when a multirun ends. (Hydra calls
+    every hook on every callback, hence the no-op ones.)"""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        pass
+
+    def on_run_end(self, config, **kwargs) -> None:
+        pass
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        pass
+
+    def on_job_start(self, config, **kwargs) -> None:
+        pass
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        pass
+
+    def on_compose_config(self, config, config_name, overrides) -> None:
+        pass
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = str(config.hydra.sweep.dir)
+        if os.path.isdir(sweep_dir):
+            rows = write_summary(sweep_dir)
+            print(f"sweep summary ({len(rows)} jobs): {os.path.join(sweep_dir, 'summary.md')}")

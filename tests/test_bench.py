@@ -1,0 +1,273 @@
+"""The benchmark app (issue 5): cpu-quick end to end in a temp dir, file contents, and the
+errors for an unknown preset or a configuration the model cannot take."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "configs" / "bench"
+PRESETS = sorted(p.stem for p in (CONFIG_DIR / "preset").glob("*.yaml"))
+
+
+def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run([sys.executable, "-m", "mesa_train.bench", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _compose(preset: str, *overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"preset={preset}", *overrides])
+
+
+def _preset_dict(preset: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(_compose(preset).preset, resolve=True)
+
+
+def _float(text: str) -> float | None:
+    return float(text) if text not in ("", None) else None
+
+
+# --------------------------------------------------------------------------- cpu-quick run
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    start = time.perf_counter()
+    proc = _run("preset=cpu-quick", f"output_dir={out}", "progress=false", "threads=1")
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    folder = out / "cpu-quick"
+    rows = list(csv.DictReader(open(folder / "cpu.csv")))
+    return {"dir": folder, "root": out, "proc": proc, "elapsed": elapsed, "rows": rows,
+            "preset": _preset_dict("cpu-quick")}
+
+
+def test_cpu_quick_files_exist(quick):
+    folder = quick["dir"]
+    for name in ("cpu.md", "cpu.csv", "cpu.search.csv", "cpu.json", "cpu.png"):
+        assert (folder / name).is_file() and (folder / name).stat().st_size > 0, name
+    index = (quick["root"] / "README.md").read_text()
+    assert "cpu-quick/cpu.md" in index
+    assert quick["elapsed"] < 240, f"cpu-quick took {quick['elapsed']:.0f} s"
+
+
+def test_every_row_present_and_ok(quick):
+    expected = [r["label"] for r in quick["preset"]["rows"]]
+    rows = quick["rows"]
+    assert [r["label"] for r in rows] == expected
+    md = (quick["dir"] / "cpu.md").read_text()
+    for label in expected:
+        assert f"| {label}" in md, label
+    for r in rows:
+        assert r["status"] == "ok", (r["label"], r["error"])
+        for key in ("saved_mb", "peak_mb", "step_rss_mb", "throughput", "params_m"):
+            assert _float(r[key]) is not None and _float(r[key]) > 0, (r["label"], key)
+        assert r["peak_kind"] == "cpu_peak_rss"
+        assert int(r["timed_steps"]) == 5
+
+
+def test_ratios_consistent_with_raw_numbers(quick):
+    rows = quick["rows"]
+    base = {r["group"]: r for r in rows if r["baseline"] == "true"}
+    assert set(base) == {r["group"] for r in rows}
+    for r in rows:
+        b = base[r["group"]]
+        for value, ratio in (("saved_mb", "saved_ratio"), ("peak_mb", "peak_ratio"),
+                             ("step_rss_mb", "step_rss_ratio"), ("throughput", "throughput_ratio")):
+            got = _float(r[ratio])
+            assert got is not None, (r["label"], ratio)
+            if r is b:
+                assert got == 1.0
+            else:
+                want = _float(r[value]) / _float(b[value])
+                # values are written with 3 decimals, ratios with 4
+                assert got == pytest.approx(want, rel=2e-3, abs=2e-4), (r["label"], ratio)
+        if r["paper_memory_mb"]:
+            pb = base[r["group"]]
+            assert _float(r["paper_memory_ratio"]) == pytest.approx(
+                _float(r["paper_memory_mb"]) / _float(pb["paper_memory_mb"]), abs=1e-4)
+    # compression must show in the device-independent figure: all ops < 0.5x stock
+    by_label = {r["label"]: r for r in rows}
+    assert _float(by_label["DeiT-tiny w/ Mesa all"]["saved_ratio"]) < 0.5
+    assert _float(by_label["DeiT-tiny w/ Mesa all"]["paper_memory_ratio"]) == pytest.approx(1855 / 4149, abs=1e-4)
+
+
+def test_markdown_has_device_versions_date(quick):
+    md = (quick["dir"] / "cpu.md").read_text()
+    meta = json.loads((quick["dir"] / "cpu.json").read_text())
+    env = meta["environment"]
+    assert "Device: **CPU" in md
+    for key in ("torch", "timm", "mesa_train", "cuda", "date"):
+        assert env[key] and str(env[key]) in md, key
+    assert "Paper memory MB" in md and "4,149 (1.00×)" in md
+    assert "![memory vs throughput](cpu.png)" in md
+
+
+def test_search_table(quick):
+    srows = list(csv.DictReader(open(quick["dir"] / "cpu.search.csv")))
+    assert [r["dim"] for r in srows] == ["depth", "width", "resolution"]
+    for r in srows:
+        stock, mesa = int(r["stock_max"]), int(r["mesa_max"])
+        assert stock >= 1 and mesa >= stock  # Mesa saves memory, so it fits at least as much
+        assert _float(r["ratio"]) == pytest.approx(mesa / stock, abs=1e-4)
+        assert r["mode"] == "cpu-emulated"
+    assert [r["paper_ratio"] for r in srows] == ["3.3000", "2.2000", "1.5000"]
+
+
+def test_png_is_valid(quick):
+    data = (quick["dir"] / "cpu.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 400 and height > 200
+    assert struct.unpack(">I", data[29:33])[0] == zlib.crc32(data[12:29])
+    assert data[-8:-4] == b"IEND"
+
+
+# --------------------------------------------------------------------------- errors
+
+def test_unknown_preset_is_a_clear_error():
+    proc = _run("preset=nope", timeout=120)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "nope" in err
+    for name in ("cpu-quick", "table1", "table9", "modern"):
+        assert name in err
+
+
+def test_unknown_model_is_a_clear_error():
+    proc = _run("preset=cpu-quick", "preset.common.model=nope", "dry_run=true", timeout=120)
+    assert proc.returncode == 2
+    assert "unknown model 'nope'" in proc.stderr and "deit_ti" in proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="tests the CPU refusal")
+def test_gpu_preset_on_cpu_is_a_clear_error():
+    proc = _run("preset=table9", timeout=120)
+    assert proc.returncode == 2
+    assert "set_per_process_memory_fraction" in proc.stderr and "cpu-quick" in proc.stderr
+
+
+def test_bad_row_values_name_the_choices():
+    from mesa_train.bench.presets import BenchConfigError, check_row, expand_preset, make_row
+
+    common = {"model": "deit_ti", "batch_size": 8, "img_size": 32}
+    cases = [
+        ({"label": "a", "mesa": True, "ops": ["gelu", "bogus"]}, ["gelu", "layernorm", "sdpa"]),
+        ({"label": "a", "mesa": True, "modules": ["mlp"]}, ["msa", "ffn"]),
+        ({"label": "a", "amp": "fp8"}, ["bf16", "fp16"]),
+        ({"label": "a", "attention": "flash"}, ["explicit", "fused"]),
+        ({"label": "a", "accum_steps": 3}, ["divisible"]),
+        ({"label": "a", "paper": "table7/nope"}, ["table7/+ Mesa w/ GELU"]),
+    ]
+    for row, words in cases:
+        with pytest.raises(BenchConfigError) as info:
+            check_row(make_row(common, row))
+        for word in words:
+            assert word in str(info.value), (row, str(info.value))
+    with pytest.raises(BenchConfigError, match="valid fields"):
+        make_row(common, {"label": "a", "batchsize": 4})
+    with pytest.raises(BenchConfigError, match="exactly one baseline"):
+        expand_preset({"common": common, "rows": [{"label": "a"}, {"label": "b"}]})
+
+
+def test_config_the_model_cannot_take():
+    from mesa_train.bench.presets import BenchConfigError, check_model, make_row
+
+    common = {"model": "deit_ti", "batch_size": 2, "img_size": 32, "num_classes": 10}
+    # 192 channels cannot be split into 5 heads
+    with pytest.raises(BenchConfigError, match="cannot take"):
+        check_model(make_row(common, {"label": "heads", "model_kwargs": {"num_heads": 5}}))
+    with pytest.raises(BenchConfigError, match="cannot take"):
+        check_model(make_row(common, {"label": "kw", "model_kwargs": {"no_such_arg": 1}}))
+    check_model(make_row(common, {"label": "ok", "model_kwargs": {"depth": 1}}))
+
+
+def test_every_preset_is_valid():
+    """Names, numbers, groups, paper keys and the search spec of every preset (no model is
+    built: the GPU presets are exercised on a GPU)."""
+    from mesa_train.bench.presets import expand_preset
+    from mesa_train.bench.search import parse_search
+
+    assert {"auto", "cpu-quick", "table1", "table7", "table8", "table9", "table13", "table14",
+            "modern"} <= set(PRESETS)
+    for name in PRESETS:
+        preset = _preset_dict(name)
+        if name == "auto":
+            assert preset["on_cpu"] == "cpu-quick" and preset["on_cuda"] in PRESETS
+            continue
+        assert preset["name"] == name
+        rows = expand_preset(preset)
+        search = parse_search(preset.get("search"), dict(preset.get("common") or {}))
+        assert rows or search, name
+        if name != "cpu-quick":
+            assert preset.get("requires_cuda") is True, name
+            assert all(r.batch_size in (64, 128) for r in rows), name
+    table9 = parse_search(_preset_dict("table9")["search"], _preset_dict("table9")["common"])
+    assert table9.cap_gb == 32 and [d.name for d in table9.dims] == ["depth", "width", "resolution"]
+
+
+# --------------------------------------------------------------------------- pure logic
+
+def test_largest_fitting_search():
+    from mesa_train.bench.search import largest_fitting
+
+    for limit in (1, 5, 12, 13, 40, 63, 64, 100):
+        calls = []
+
+        def fits(u, limit=limit):
+            calls.append(u)
+            return u <= limit
+
+        got, hit = largest_fitting(fits, 12, 64)
+        assert got == min(limit, 64) and hit == (limit >= 64)
+        assert len(calls) <= 12
+    assert largest_fitting(lambda u: False, 12, 64) == (0, False)
+
+
+def test_ratios_without_a_measured_baseline():
+    from mesa_train.bench.measure import Measurement
+    from mesa_train.bench.presets import make_row
+    from mesa_train.bench.report import build_records
+
+    env = {k: "x" for k in ("device", "torch", "timm", "mesa_train", "cuda", "mesa_extension", "date")}
+    rows = [make_row({"model": "deit_ti"}, {"label": "b", "baseline": True}),
+            make_row({"model": "deit_ti"}, {"label": "m", "mesa": True})]
+    results = [Measurement(status="oom", error="CUDA out of memory"),
+               Measurement(peak_mb=10.0, saved_mb=1.0, throughput=5.0)]
+    recs = build_records("t", rows, results, env)
+    assert recs[0]["peak_ratio"] is None and recs[1]["peak_ratio"] is None
+    assert recs[0]["status"] == "oom"
+
+
+def test_mesa_ops_must_keep_the_attention_kind():
+    """ops=all brings matmul/softmax, which exist only on the explicit path: a fused row
+    with them is an error that names the fused op set (the modern preset uses it)."""
+    from mesa_train.bench.presets import BenchConfigError, check_model, make_row
+
+    common = {"model": "deit_ti", "batch_size": 2, "img_size": 32, "num_classes": 10,
+              "model_kwargs": {"depth": 1}, "attention": "fused", "mesa": True}
+    with pytest.raises(BenchConfigError, match=r"\[linear, gelu, layernorm, conv, relu, sdpa\]"):
+        check_model(make_row(common, {"label": "bad", "ops": ["all"]}))
+    modern = _preset_dict("modern")
+    fused_ops = {tuple(r["ops"]) for r in modern["rows"] if r.get("mesa") and r["attention"] == "fused"}
+    assert len(fused_ops) == 1
+    check_model(make_row(common, {"label": "ok", "ops": list(fused_ops.pop())}))

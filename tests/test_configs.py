@@ -1,0 +1,105 @@
+"""Every config group option and every experiment preset composes and passes the
+start-up checks; config names agree with the code."""
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import CONFIGS
+from mesa_train.models import MODEL_NAMES
+from mesa_train.train import config as config_lib
+
+GROUPS = ["model", "data", "mesa", "optim", "trainer", "logger"]
+
+
+def options(group):
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def test_groups_are_complete():
+    assert set(options("model")) == set(MODEL_NAMES)
+    assert set(options("data")) == set(config_lib.DATASETS)
+    assert {"deit", "cifar100"} <= set(options("optim"))
+    assert {"default", "wandb"} <= set(options("logger"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_group_option_composes(compose_train, group, option):
+    cfg = compose_train([f"{group}={option}"])
+    config_lib.validate(cfg)
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_experiment_composes(compose_train, name):
+    cfg = compose_train([f"experiment={name}"])
+    config_lib.validate(cfg)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert plain["name"] == name  # presets name their runs
+    assert cfg.data.name in config_lib.DATASETS
+    if name.endswith("_mesa") or "_mesa_" in name:
+        assert cfg.mesa.enabled
+    if name.endswith("_baseline"):
+        assert not cfg.mesa.enabled
+
+
+def test_paper_experiment_settings(compose_train):
+    cfg = compose_train(["experiment=cifar100_deit_ti_mesa"])
+    assert cfg.model.name == "deit_ti" and cfg.data.name == "cifar100" and cfg.optim.name == "cifar100"
+    assert list(cfg.mesa.ops) == ["all"] and cfg.mesa.decay == 0.9 and cfg.mesa.rounding == "stochastic"
+    # 2 GPUs x 128 -> lr 2.5e-4 (paper Sec. 5.2); 8 GPUs x 128 on ImageNet -> 1e-3.
+    assert config_lib.learning_rate(cfg, world_size=2) == pytest.approx(2.5e-4)
+    cfg = compose_train(["experiment=imagenet_deit_ti_mesa"])
+    assert config_lib.learning_rate(cfg, world_size=8) == pytest.approx(1e-3)
+    assert compose_train(["experiment=cifar100_deit_ti_mesa_nearest"]).mesa.rounding == "nearest"
+    assert compose_train(["experiment=cifar100_deit_ti_mesa_layerwise"]).mesa.num_groups == 1
+
+
+def test_eval_config_composes(compose_train):
+    cfg = compose_train(["checkpoint=x.pt", "data=digits"], config_name="eval")
+    assert cfg.checkpoint == "x.pt" and cfg.data.name == "digits"
+
+
+def test_valid_names_match_the_library():
+    from mesa_train.patch import MODULE_SETS, OPS
+
+    assert set(config_lib.MESA_OPS) == set(OPS) | {"all"}
+    assert set(config_lib.MESA_MODULES) == set(MODULE_SETS) | {"all"}
+
+
+INVALID = [
+    ("mesa.ops", ["gelu", "foo"], "valid ops: linear"),
+    ("mesa.modules", ["attention"], "valid modules: msa"),
+    ("mesa.estimator", "ema", "running, per_sample"),
+    ("mesa.rounding", "up", "stochastic, nearest"),
+    ("mesa.decay", 1.5, "mesa.decay"),
+    ("trainer.amp", "fp8", "bf16, fp16, none"),
+    ("trainer.device", "tpu", "auto, cpu, cuda"),
+    ("trainer.batch_size", 0, "trainer.batch_size"),
+    ("model.name", "vgg16", "deit_ti, deit_s"),
+]
+
+
+def test_invalid_values_name_valid_choices(compose_train):
+    base = compose_train([])
+    for key, value, needle in INVALID:
+        cfg = base.copy()
+        OmegaConf.update(cfg, key, value)
+        with pytest.raises(config_lib.ConfigError, match=needle.replace("[", r"\[")):
+            config_lib.validate(cfg)
+    # several mistakes are reported together
+    cfg = base.copy()
+    OmegaConf.update(cfg, "mesa.ops", ["foo"])
+    OmegaConf.update(cfg, "trainer.amp", "fp8")
+    with pytest.raises(config_lib.ConfigError, match="(?s)mesa.ops.*trainer.amp"):
+        config_lib.validate(cfg)
+
+
+def test_run_dir_is_shared_under_torchrun(compose_train, monkeypatch):
+    # All ranks resolve hydra.run.dir from rank 0's MESA_RUN_STAMP (see train.py).
+    monkeypatch.setenv("MESA_RUN_STAMP", "2030-01-01/00-00-00")
+    cfg = compose_train([], return_hydra_config=True)
+    assert cfg.hydra.run.dir == "outputs/2030-01-01/00-00-00"
+    monkeypatch.delenv("MESA_RUN_STAMP")
+    cfg = compose_train([], return_hydra_config=True)
+    assert cfg.hydra.run.dir.startswith("outputs/") and "MESA" not in cfg.hydra.run.dir

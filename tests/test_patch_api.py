@@ -1,0 +1,249 @@
+"""patch_model API: validation, re-patching, dtype/device, describe, fallback, checkpoints."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mesa_train
+from mesa_train.patch import (describe, load_patched_checkpoint, load_stock_checkpoint, mesa_state_keys,
+                              patch_model, patched_to_stock_state_dict, stock_to_patched_state_dict)
+
+from test_patch_helpers import build, inputs, loss_of
+
+
+def test_lazy_reexports():
+    assert mesa_train.patch_model is patch_model and mesa_train.describe is describe
+    assert mesa_train.stock_to_patched_state_dict is stock_to_patched_state_dict
+    assert mesa_train.patched_to_stock_state_dict is patched_to_stock_state_dict
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(ops=("linear", "convolution")), ["convolution", "linear", "matmul", "sdpa", "all"]),
+    (dict(ops="bogus"), ["bogus", "layernorm"]),
+    (dict(ops=()), ["empty", "linear"]),
+    (dict(modules=("attention",)), ["attention", "msa", "ffn", "other"]),
+    (dict(num_group=2), ["num_group", "num_groups", "decay", "estimator", "rounding", "enabled"]),
+    (dict(estimator="ema"), ["estimator", "running", "per_sample"]),
+    (dict(rounding="floor"), ["rounding", "stochastic", "nearest"]),
+])
+def test_unknown_names_raise_value_error(kwargs, words):
+    model = build("deit")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError) as e:
+        patch_model(model, **kwargs)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    # nothing was changed
+    assert model.state_dict().keys() == before.keys()
+    assert type(model.blocks[0].attn.qkv) is nn.Linear
+
+
+def test_returns_same_model_and_keeps_parameters():
+    model = build("swin")
+    params = {n: p for n, p in model.named_parameters()}
+    out = patch_model(model)
+    assert out is model
+    assert {n: p for n, p in model.named_parameters()}.keys() == params.keys()
+    for n, p in model.named_parameters():
+        assert p is params[n], n  # the very same Parameter objects (optimizers keep working)
+    assert model.layers[0].blocks[0].norm1.eps == 1e-5 and model.patch_embed.norm.eps == 1e-5
+    d = build("deit")
+    patch_model(d)
+    assert d.blocks[0].norm1.eps == 1e-6  # timm's LayerNorm eps kept
+
+
+def test_patch_twice():
+    x = inputs("deit")
+    stock = build("deit", fused=False)
+    model = patch_model(copy.deepcopy(stock), ops=("gelu",))
+    patch_model(model, ops=("gelu",))  # idempotent
+    assert type(model.blocks[0].mlp.act).__name__ == "GELU" and hasattr(model.blocks[0].mlp.act, "quantizer")
+    patch_model(model, ops=("linear", "matmul"))  # adds ops
+    assert hasattr(model.blocks[0].mlp.fc1, "quantizer") and model.blocks[0].attn.mesa_attn_path == "explicit"
+    model(x)  # initialises the estimates
+    est = model.blocks[0].mlp.fc1.quantizer.alpha.clone()
+    patch_model(model, ops=("all",))  # again: estimates kept, more ops
+    assert torch.equal(model.blocks[0].mlp.fc1.quantizer.alpha, est)
+    patch_model(model, decay=0.5)  # explicit options reach the layers patched before
+    assert model.blocks[0].mlp.fc1.quant_options.decay == 0.5
+    assert model.blocks[0].attn.qk_matmul.quant_options.decay == 0.5
+    assert torch.equal(model(x), stock(x))
+    loss_of(model(x)).backward()
+    text = describe(model)
+    assert "decay=0.5" in text
+
+
+def test_softmax_only_then_matmul():
+    """Softmax without matmul: ``attn @ v`` is ``MatMul(operands=())`` (the map kept once,
+    as the Softmax's int8 copy, v as stock); adding ``matmul`` later upgrades it."""
+    x = inputs("deit")
+    stock = build("deit", fused=False)
+    model = patch_model(copy.deepcopy(stock), ops=("softmax",))
+    attn = model.blocks[0].attn
+    av = attn.av_matmul
+    assert type(av).__name__ == "MatMul" and av.operands == () and list(av.buffers()) == []
+    assert type(attn.qk_matmul).__name__ == "PlainMatMul"
+    assert torch.equal(model(x), stock(x))
+    loss_of(model(x)).backward()
+    assert av.last_saved == ("shared", "full")
+    text = describe(model)
+    print("\n" + text)
+    assert "matmul[share-only]" in text and "a: int8 shared with softmax, b: full precision (stock)" in text
+    assert "uninitialized" not in text
+    patch_model(model, ops=("softmax",), decay=0.5)  # options reach the share-only matmul too
+    assert av.quant_options.decay == 0.5 and attn.softmax.quant_options.decay == 0.5
+    patch_model(model, ops=("matmul",))
+    av2 = attn.av_matmul
+    assert av2 is not av and av2.operands == ("a", "b") and type(attn.qk_matmul).__name__ == "MatMul"
+    assert av2.quant_options.decay == 0.5  # kept from the share-only layer
+    assert torch.equal(model(x), stock(x))
+    loss_of(model(x)).backward()
+    assert av2.last_saved == ("shared", "int8") and not bool(av2.quantizer_a.initialized)
+    text = describe(model)
+    assert "share-only" not in text and "uninitialized" not in text
+    assert "a: int8 shared with softmax, b: int8, initialized" in text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_patch_half_precision_model(dtype):
+    x = inputs("swin").to(dtype)
+    stock = build("swin", fused=False).to(dtype)
+    model = patch_model(copy.deepcopy(stock))
+    assert model.layers[0].blocks[0].attn.qkv.weight.dtype == dtype
+    q = model.layers[0].blocks[0].attn.qk_matmul.quantizer_a
+    assert q.alpha.dtype == torch.float32  # estimates stay fp32
+    out = model(x)
+    assert out.dtype == dtype and torch.equal(out, stock(x))
+    loss_of(out).backward()
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in model.parameters())
+
+
+def test_patch_model_then_move_and_patched_on_device():
+    # devices: the new modules are created on the device of the module they patch; here the
+    # "device" is the meta device (no GPU in CI), where parameters and buffers must follow
+    model = build("deit").to("meta")
+    patch_model(model)
+    for n, b in model.named_buffers():
+        assert b.device.type == "meta", n
+    if torch.cuda.is_available():  # pragma: no cover - GPU runs
+        m = patch_model(build("deit").cuda())
+        assert all(b.is_cuda for b in m.buffers())
+        m(inputs("deit").cuda()).sum().backward()
+
+
+def test_wrapped_models():
+    model = build("deit")
+    wrapped = nn.DataParallel(model)  # CPU: a plain wrapper
+    patch_model(wrapped)
+    assert hasattr(model.blocks[0].attn.qkv, "quantizer")
+    assert "blocks.0.attn.qkv" in describe(wrapped)
+
+
+def test_describe_table():
+    model = patch_model(build("pvt"), ops=("all",), modules=("msa", "ffn"))
+    text = describe(model)
+    print("\n" + text)
+    lines = text.splitlines()
+    assert lines[1].split() == ["layer", "op", "set", "groups", "state"]
+    assert "stages.0.blocks.0.attn.sr" in text and "attention[explicit]" in text
+    assert "stages.0.blocks.0.mlp.dwconv" in text
+    assert "patch_embed" not in text  # 'other' not selected
+    model(inputs("pvt"))
+    assert "uninitialized" not in describe(model)
+
+
+class _Custom(nn.Module):
+    """A model no rule knows, with functional ops inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.norm(self.act(self.fc(x)))
+        a = (h @ h.transpose(-1, -2)).softmax(-1) @ h
+        return F.gelu(a) + self.mha(h, h, h)[0]
+
+
+def test_generic_fallback_reports_functional_ops():
+    model = _Custom().train()
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="not reached") as rec:
+        patch_model(model)
+    msg = str(rec[0].message)
+    assert "<root>" in msg and "matmul" in msg and "softmax" in msg and "gelu" in msg and "mha" in msg
+    assert hasattr(model.fc, "quantizer") and hasattr(model.act, "quantizer") and hasattr(model.norm, "quantizer")
+    assert type(model.mha.out_proj).__name__ == "NonDynamicallyQuantizableLinear"  # left alone
+    text = describe(model)
+    assert "NOT reached" in text and "MultiheadAttention" in text
+    x = torch.randn(2, 5, 8)
+    assert torch.equal(model(x), ref(x))
+    # only the requested ops are reported, and a timm model reports nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(build("deit"))
+        patch_model(build("swin"))
+        patch_model(build("pvt"))
+        patch_model(_Custom(), ops=("layernorm",))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _train_step(model, x):
+    model.train()
+    loss_of(model(x)).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.01 * p.grad
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["deit", "swin", "pvt"])
+def test_state_dict_round_trips(name):
+    x = inputs(name)
+    stock = build(name, fused=False)
+    patched = patch_model(copy.deepcopy(stock))
+    _train_step(patched, x)
+    keys = mesa_state_keys(patched)
+    assert keys and all(k.rsplit(".", 1)[-1] in ("alpha", "beta", "initialized") for k in keys)
+    sd = patched.state_dict()
+    assert set(sd) == set(stock.state_dict()) | keys
+
+    # patched -> stock (strict), both with and without the model
+    fresh_stock = build(name, fused=False, seed=7)
+    load_patched_checkpoint(fresh_stock, sd)
+    assert patched_to_stock_state_dict(sd).keys() == patched_to_stock_state_dict(sd, patched).keys()
+    patched.eval(), fresh_stock.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh_stock(x), patched(x))
+
+    # stock -> patched (strict): weights loaded, estimates reset to "start from the next batch"
+    other = patch_model(build(name, fused=False, seed=9))
+    other(x)  # give it stale estimates
+    load_stock_checkpoint(other, fresh_stock.state_dict())
+    assert all(not bool(t) for k, t in other.state_dict().items() if k.endswith("initialized"))
+    other.eval()
+    with torch.no_grad():
+        assert torch.equal(other(x), fresh_stock(x))
+
+    # patched -> patched keeps the estimates exactly
+    again = patch_model(build(name, fused=False, seed=3))
+    again.load_state_dict(sd)
+    for k in keys:
+        assert torch.equal(again.state_dict()[k], sd[k])
+    # stock_to_patched_state_dict alone
+    full = stock_to_patched_state_dict(stock.state_dict(), patched)
+    assert set(full) == set(sd)
+
+
+def test_state_dict_ddp_prefix():
+    model = patch_model(build("deit"))
+    sd = {"module." + k: v for k, v in model.state_dict().items()}
+    out = patched_to_stock_state_dict(sd)
+    assert all(k.startswith("module.") for k in out)
+    assert not any(k.endswith(".initialized") for k in out)
