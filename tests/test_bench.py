@@ -271,3 +271,43 @@ def test_mesa_ops_must_keep_the_attention_kind():
     fused_ops = {tuple(r["ops"]) for r in modern["rows"] if r.get("mesa") and r["attention"] == "fused"}
     assert len(fused_ops) == 1
     check_model(make_row(common, {"label": "ok", "ops": list(fused_ops.pop())}))
+
+
+def test_cuda_search_control_flow_with_a_simulated_gpu(monkeypatch):
+    """The CUDA branch of the Table 9 search without a GPU: the cap becomes a memory
+    fraction (reset afterwards), an OOM probe means 'does not fit'."""
+    import types
+
+    import torch
+
+    from mesa_train.bench import search as search_mod
+    from mesa_train.bench.measure import Measurement
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: types.SimpleNamespace(total_memory=80 * 1024 ** 3))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda frac, dev=None: fractions.append(frac))
+    monkeypatch.setattr(search_mod, "release", lambda dev: None)
+    limits = {"depth": (20, 45), "width": (15, 26), "resolution": (272, 336)}
+
+    def fake_run_row(row, device, **kw):
+        dim = ("depth" if row.model_kwargs.get("depth") not in (None, 12) else
+               "width" if row.model_kwargs.get("num_heads") not in (None, 12) else "resolution")
+        value = {"depth": row.model_kwargs.get("depth", 12), "width": row.model_kwargs.get("num_heads", 12),
+                 "resolution": row.img_size}[dim]
+        if dim != "resolution" and row.img_size != 224:
+            raise AssertionError("only one dim changes at a time")
+        limit = limits[dim][1 if row.mesa else 0]
+        if value <= limit:
+            return Measurement(peak_mb=1000.0 * value / limit)
+        return Measurement(status="oom", error="CUDA out of memory")
+
+    monkeypatch.setattr(search_mod, "run_row", fake_run_row)
+    spec = search_mod.parse_search(_preset_dict("table9")["search"], _preset_dict("table9")["common"])
+    searcher = search_mod.Searcher(spec, torch.device("cuda", 0))
+    summary = search_mod.summarize(spec, searcher.run())
+    assert fractions == [pytest.approx(32 / 80), 1.0]
+    got = {s["dim"]: (s["stock_max"], s["mesa_max"]) for s in summary}
+    assert got == {"depth": (20, 45), "width": (15, 26), "resolution": (272, 336)}
+    assert summary[0]["paper_ratio"] == 3.3

@@ -276,7 +276,7 @@ def test_layernorm_saves_normalised_values_low_variance_row():
     Regression for a row with ~20x less spread than the others that also carries most of the
     gradient (DeiT's class token at init): rebuilding ``x_hat`` from an 8-bit *input* (the
     previous scheme, emulated below with the same quantizer) multiplies that row's rounding
-    error by its rstd, and the weight gradient drops to cosine ~0.97; with 8-bit ``x_hat``
+    error by its rstd, and the weight gradient drops to cosine ~0.98; with 8-bit ``x_hat``
     it stays >= 0.999 (measured 0.99996)."""
     from mesa_train.nn.quantizer import ActivationQuantizer, decompress
 
@@ -302,6 +302,7 @@ def test_layernorm_saves_normalised_values_low_variance_row():
     y0, gx0, gw0, gb0, _ = out["stock"]
     y1, gx1, gw1, gb1, saved = out["mesa"]
     assert torch.equal(y0, y1)
+    assert _cos(gw1, gw0) >= 0.999 and _cos(gx1, gx0) >= 0.999 and _cos(gb1, gb0) > 0.999999
     # saved: uint8 x_hat (+ its (1, G) stats), rstd (one float per row), the weight
     acts = [t for t in saved if t is not mesa.weight]
     assert sorted(tuple(t.shape) for t in acts if t.numel() >= B * N) == [(B, N, 1), (B, N, C)]
@@ -312,7 +313,6 @@ def test_layernorm_saves_normalised_values_low_variance_row():
     step = (p_alpha / 255).repeat_interleave(C // 4, dim=1).view(C)
     xr = q.float() * step + p_beta.repeat_interleave(C // 4, dim=1).view(C)
     assert ((xr - x_hat).abs() <= step * 1.001 + 1e-6).all()  # the codes are x_hat's, within one step
-    assert _cos(gw1, gw0) >= 0.999 and _cos(gx1, gx0) >= 0.999 and _cos(gb1, gb0) > 0.999999
     # the previous scheme (8-bit input, exact mean/rstd) on the same data
     torch.manual_seed(0)
     xq = decompress(ActivationQuantizer(num_groups=4).compress(x, 2), torch.float32)

@@ -334,6 +334,9 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
     for _ in range(row.warmup):
         step()
     synchronize(device)
+    if row.warmup and not step.optimizer.state:
+        result.notes.append("optimizer state not allocated after warm-up (GradScaler skipped "
+                            "every step): the peak lacks it")
 
     if measure_saved:
         result.saved_mb, result.param_mb, note = saved_bytes(step)

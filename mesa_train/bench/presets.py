@@ -105,7 +105,10 @@ class RowConfig:
         return kw
 
     def describe(self) -> str:
-        bits = [self.model, f"b{self.batch_size}", f"{self.img_size}px", self.amp, self.attention]
+        bits = [self.model]
+        if self.model_kwargs:
+            bits.append("(" + ", ".join(f"{k}={v}" for k, v in self.model_kwargs.items()) + ")")
+        bits += [f"b{self.batch_size}", f"{self.img_size}px", self.amp, self.attention]
         if self.mesa:
             bits.append("mesa[" + ",".join(self.ops) + ("|" + ",".join(self.modules)
                                                          if tuple(self.modules) != ("all",) else "") + "]")

@@ -99,7 +99,9 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
             if mesa_missing == "error":
                 raise
             mesa_error = str(err)
-            search = None  # the search compares stock with Mesa: nothing to do without it
+            if search is not None:  # the search compares stock with Mesa: nothing to do
+                search = None
+                mesa_error += " (the largest-model search was skipped too)"
     if mesa_error and any(r.mesa and r.baseline for r in rows):
         raise MesaUnavailable(mesa_error)
 
@@ -180,6 +182,13 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
                  for s in search_summary]
         report.write_csv(search_csv if records else files["csv"], srecs, report.SEARCH_CSV_COLUMNS)
     notes = report.standard_notes(device.type) + list(preset.get("notes") or []) + search_notes
+    if any(r.grad_checkpointing for r in rows):
+        notes.append("Checkpointing rows: the meter sees only tensors saved outside the "
+                     "checkpointed blocks (each block's input, kept by the checkpoint itself, "
+                     "is not counted), so their saved bytes understate; their peak is exact.")
+    if any(r.accum_steps > 1 for r in rows):
+        notes.append("Gradient accumulation rows: 'Batch' is the micro-batch; throughput counts "
+                     "every image of the optimizer step; saved bytes are for one micro-batch.")
     if mesa_error:
         notes.append("Mesa rows skipped: " + mesa_error)
     notes.append(f"Wall time of this run: {time.perf_counter() - started:.0f} s.")

@@ -8,7 +8,11 @@ mode, with ``enabled=False`` or when no gradient is needed, the stock forward ru
 
 Estimates live in ``ActivationQuantizer`` submodules: ``<layer>.quantizer`` (``Linear``,
 ``Conv2d``, ``LayerNorm``, ``GELU``, ``Softmax``) and ``<layer>.quantizer_a`` /
-``<layer>.quantizer_b`` (``MatMul``); ``ReLU`` has none (it saves a 1-bit mask).
+``<layer>.quantizer_b`` (``MatMul``, for the ``operands`` it compresses itself); ``ReLU``
+has none (it saves a 1-bit mask). ``LayerNorm`` keeps its *normalised* input
+``(x - mean) * rstd`` in 8 bits plus per-row rstd (more accurate than the input, same
+memory; see ``docs/DESIGN.md``). Parameter-free layers take ``from_module(stock, *,
+device=None, ...)``.
 """
 from .conv import Conv2d
 from .gelu import GELU

@@ -36,7 +36,6 @@ from typing import List, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from timm.layers import Attention as _TimmAttention
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
