@@ -59,7 +59,7 @@ def table(results: dict) -> str:
         ("top-1 (val)", pct(stock["top1"]), pct(mesa["top1"])),
         ("top-5 (val)", pct(stock["top5"]), pct(mesa["top5"])),
         ("best top-1", pct(stock["best_top1"]), pct(mesa["best_top1"])),
-        ("train images/s", f"{stock['images_per_s']:.0f}", f"{mesa['images_per_s']:.0f}"),
+        ("train images/s (mean)", f"{stock['images_per_s_mean']:.0f}", f"{mesa['images_per_s_mean']:.0f}"),
         ("saved for backward / batch", mib(stock["saved_bytes"]), mib(mesa["saved_bytes"])),
         ("wall time", f"{stock['wall_s']:.0f} s", f"{mesa['wall_s']:.0f} s"),
     ]

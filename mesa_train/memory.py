@@ -143,7 +143,9 @@ class SavedTensorMeter:
             for name, mod in self.model.named_modules():
                 self._handles.append(mod.register_forward_pre_hook(partial(self._pre, name)))
                 self._handles.append(mod.register_forward_hook(partial(self._post, name), always_call=True))
-        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        # The graph keeps its pack hook alive until it is freed (even without a backward),
+        # so the hook holds the meter only weakly: a dropped graph never pins meter or model.
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(partial(_pack, weakref.ref(self)), _unpack)
         self._hooks_ctx.__enter__()
         return self
 
@@ -199,6 +201,11 @@ class SavedTensorMeter:
             key = self._stack[-1] if self._stack else OUTSIDE
             self.per_module[key] = self.per_module.get(key, 0) + nbytes
         return t
+
+
+def _pack(meter_ref, t: torch.Tensor):
+    meter = meter_ref()
+    return t if meter is None else meter._pack(t)
 
 
 def _unpack(t):

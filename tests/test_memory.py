@@ -108,3 +108,19 @@ def test_block_saved_bytes(amp):
         assert ratio <= 0.55
     else:
         assert ratio <= 0.30
+
+
+def test_meter_is_not_pinned_by_a_graph_that_never_ran_backward():
+    # A forward measured without backward leaves a graph that keeps its saved-tensor hooks;
+    # the meter (and so the model it references) must still be collectable.
+    import gc
+    import weakref
+
+    layer = torch.nn.Linear(4, 4)
+    with SavedTensorMeter(layer) as meter:
+        out = layer(torch.randn(2, 4, requires_grad=True))
+    ref = weakref.ref(meter)
+    del meter
+    gc.collect()
+    assert ref() is None
+    out.sum().backward()  # the graph still works after the meter is gone

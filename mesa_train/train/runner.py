@@ -185,6 +185,7 @@ def fit(cfg, run_dir: str) -> dict:
     measured = False
     last_row: dict = dict(ckpt.get("metrics") or {}) if path is not None else {}  # a finished run
     saved_bytes = last_row.get("saved_bytes")
+    train_images = train_seconds = 0.0  # this process's epochs, for the mean images/s
     status = "done"
     while state.epoch < t.epochs:
         if t.max_steps is not None and state.step >= t.max_steps:
@@ -197,6 +198,9 @@ def fit(cfg, run_dir: str) -> dict:
             measure_saved=not measured and not t.compile, progress=main and bool(t.progress),
         )
         measured = True
+        if train_out["images_per_s"] > 0:
+            train_images += train_out["train_images"]
+            train_seconds += train_out["train_images"] / train_out["images_per_s"]
         saved_bytes = train_out.get("saved_bytes", saved_bytes)
         epoch = state.epoch
         epoch_done = state.batch_in_epoch >= loaders.train_batches
@@ -234,7 +238,9 @@ def fit(cfg, run_dir: str) -> dict:
         "top1": last_row.get("top1"), "top5": last_row.get("top5"),
         "best_top1": state.best_top1 if state.best_top1 >= 0 else None,
         "ema_top1": last_row.get("ema_top1"), "train_loss": last_row.get("train_loss"),
-        "images_per_s": last_row.get("images_per_s"), "saved_bytes": saved_bytes,
+        "images_per_s": last_row.get("images_per_s"),
+        "images_per_s_mean": train_images / train_seconds if train_seconds else last_row.get("images_per_s"),
+        "saved_bytes": saved_bytes,
         "peak_memory_bytes": last_row.get("peak_memory_bytes"),
         "buffers_consistent": dist_utils.buffers_consistent(model, device),
         "run_dir": os.path.abspath(run_dir),

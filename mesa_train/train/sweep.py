@@ -12,7 +12,7 @@ import json
 import os
 
 COLUMNS = ["job", "overrides", "status", "epochs", "step", "top1", "top5", "best_top1", "ema_top1",
-           "train_loss", "images_per_s", "saved_bytes", "peak_memory_bytes", "run_dir"]
+           "train_loss", "images_per_s_mean", "saved_bytes", "peak_memory_bytes", "run_dir"]
 
 
 def _overrides(job_dir: str) -> list[str]:
