@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from mesa_train.bench.presets import BenchConfigError, RowConfig
+from mesa_train.device_info import device_name  # noqa: F401  (re-exported for report.py)
 from mesa_train.models import build_model, set_fused_attention
 
 MB = 1024 * 1024
@@ -81,23 +82,6 @@ def resolve_device(name: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise BenchConfigError(f"device={name!r} is not supported; valid choices: auto, cpu, cuda, cuda:N")
     return dev
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import platform
-
-    return f"CPU ({model or platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def synchronize(device: torch.device) -> None:

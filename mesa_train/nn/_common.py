@@ -155,6 +155,18 @@ def copy_estimates(stock: nn.Module, new: "MesaLayer", device) -> None:
                     q.initialized.copy_(old.initialized)
 
 
+def rebuild_parameter_free(cls, stock: nn.Module, base: type, ctor_args: tuple, device, quant_options: dict):
+    """``from_module`` of a layer without parameters (GELU, Softmax): build it on meta, then
+    give it estimates on ``device`` (a stock module of this kind has no parameters to tell
+    where; ``patch_model`` passes the device of the module holding it). Default: the device
+    of ``stock``'s buffers (a Mesa ``stock``), else CPU; the estimates move to the input's
+    device on the first compressed call anyway."""
+    check_stock(stock, base)
+    new = cls(*ctor_args, device="meta", **inherit_options(stock, quant_options))
+    copy_estimates(stock, new, stock_device(stock, device))
+    return new.train(stock.training)
+
+
 @torch.compiler.disable
 def apply_fn(fn, *args):
     """Run a Mesa ``autograd.Function`` eagerly, also inside ``torch.compile``.

@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import (MesaLayer, apply_fn, check_stock, copy_estimates, group_dim_4d, inherit_options, load,
-                      no_autocast, save, stock_device)
+from ._common import MesaLayer, apply_fn, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
 from .quantizer import decompress
 
 __all__ = ["GELU"]
@@ -39,14 +38,8 @@ class GELU(MesaLayer, nn.GELU):
 
     @classmethod
     def from_module(cls, stock: nn.GELU, *, device=None, **quant_options) -> "GELU":
-        """``device``: where the estimates go (a stock ``nn.GELU`` has no parameters to
-        tell; ``patch_model`` passes the device of the module holding it). Default: the
-        device of ``stock``'s buffers (a Mesa ``stock``), else CPU; the estimates move to the
-        input's device on the first compressed call anyway."""
-        check_stock(stock, nn.GELU)
-        new = cls(stock.approximate, device="meta", **inherit_options(stock, quant_options))
-        copy_estimates(stock, new, stock_device(stock, device))
-        return new.train(stock.training)
+        """See :func:`rebuild_parameter_free` for where the estimates go."""
+        return rebuild_parameter_free(cls, stock, nn.GELU, (stock.approximate,), device, quant_options)
 
     def forward(self, input):
         if not self._mesa_active(input):

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import sharing
-from ._common import (MesaLayer, apply_fn, check_stock, copy_estimates, group_dim_4d, inherit_options, load,
-                      no_autocast, save, stock_device)
+from ._common import MesaLayer, apply_fn, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
 from .quantizer import decompress
 
 __all__ = ["Softmax"]
@@ -45,14 +44,8 @@ class Softmax(MesaLayer, nn.Softmax):
 
     @classmethod
     def from_module(cls, stock: nn.Softmax, *, device=None, **quant_options) -> "Softmax":
-        """``device``: where the estimates go (a stock ``nn.Softmax`` has no parameters to
-        tell; ``patch_model`` passes the device of the module holding it). Default: the
-        device of ``stock``'s buffers (a Mesa ``stock``), else CPU; the estimates move to the
-        input's device on the first compressed call anyway."""
-        check_stock(stock, nn.Softmax)
-        new = cls(stock.dim, device="meta", **inherit_options(stock, quant_options))
-        copy_estimates(stock, new, stock_device(stock, device))
-        return new.train(stock.training)
+        """See :func:`rebuild_parameter_free` for where the estimates go."""
+        return rebuild_parameter_free(cls, stock, nn.Softmax, (stock.dim,), device, quant_options)
 
     def forward(self, input):
         if not self._mesa_active(input):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import re
 import statistics
 import time
@@ -24,6 +23,7 @@ import time
 import torch
 
 from mesa_train import quant as Q
+from mesa_train.device_info import device_name
 
 # (name, shape, dim, groups): DeiT-B/ViT-B activations at batch 64 and smaller variants.
 GPU_CASES = [
@@ -65,21 +65,6 @@ def _timer(device: torch.device, warmup: int, repeat: int):
         return statistics.median(times)
 
     return run
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"CPU {model} ({torch.get_num_threads()} threads)"
 
 
 def _slug(name: str) -> str:
