@@ -51,11 +51,9 @@ def _worker(rank: int, world: int, port: int, result_dir: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_two_processes_train_a_step(tmp_path):
-    # torch.multiprocessing.spawn's machinery; "fork" on Linux reuses this process's imports
-    # (torch, timm: ~10 s per fresh interpreter on the 2-core CI machine). No CUDA context
-    # exists here, so forking is safe.
-    method = "fork" if sys.platform.startswith("linux") and not torch.cuda.is_initialized() else "spawn"
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method=method)
+    # "spawn", not "fork": in a full test session autograd's worker threads already exist,
+    # and forking a process that has run backward is unsupported (and fails).
+    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0["changed"] > 0 and torch.isfinite(torch.tensor(r0["loss"]))
     assert torch.equal(r0["flat"], r1["flat"])  # gradients were all-reduced: same weights
