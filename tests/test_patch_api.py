@@ -97,11 +97,13 @@ def test_softmax_only_then_matmul():
     assert av.quant_options.decay == 0.5 and attn.softmax.quant_options.decay == 0.5
     patch_model(model, ops=("matmul",))
     av2 = attn.av_matmul
-    assert av2 is not av and av2.operands == ("a", "b") and type(attn.qk_matmul).__name__ == "MatMul"
+    # attn @ v quantizes only v itself: the map is the Softmax's shared int8 copy
+    assert av2 is not av and av2.operands == ("b",) and type(attn.qk_matmul).__name__ == "MatMul"
+    assert attn.qk_matmul.operands == ("a", "b")
     assert av2.quant_options.decay == 0.5  # kept from the share-only layer
     assert torch.equal(model(x), stock(x))
     loss_of(model(x)).backward()
-    assert av2.last_saved == ("shared", "int8") and not bool(av2.quantizer_a.initialized)
+    assert av2.last_saved == ("shared", "int8")
     text = describe(model)
     assert "share-only" not in text and "uninitialized" not in text
     assert "a: int8 shared with softmax, b: int8, initialized" in text
@@ -247,3 +249,26 @@ def test_state_dict_ddp_prefix():
     out = patched_to_stock_state_dict(sd)
     assert all(k.startswith("module.") for k in out)
     assert not any(k.endswith(".initialized") for k in out)
+
+
+def test_matmul_without_softmax_never_stores_the_map_twice():
+    """With ``matmul`` but a stock softmax, the stock softmax keeps the full-precision map
+    for its own backward; ``attn @ v`` reuses that storage and adds only an int8 ``v``, so
+    compressing matmul can never save more than stock."""
+    from mesa_train.memory import SavedTensorMeter
+
+    x = inputs("deit")
+    stock = build("deit", fused=False)
+    model = patch_model(copy.deepcopy(stock), ops=("matmul",))
+    av = model.blocks[0].attn.av_matmul
+    assert av.operands == ("b",)
+    for dtype in (None, torch.bfloat16):
+        sizes = []
+        for m in (stock, model):
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                with SavedTensorMeter(m) as meter:
+                    out = m(x)
+            loss_of(out).backward()
+            sizes.append(meter.activation_bytes)
+        assert sizes[1] < sizes[0], (dtype, sizes)
+    assert av.last_saved == ("full", "int8")

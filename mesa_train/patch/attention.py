@@ -14,8 +14,9 @@ Each patched forward is the stock forward line for line, except that the attenti
 
 ``qk_matmul``  ``q @ k^T``  (Mesa ``MatMul``: both operands int8, per-head groups)
 ``softmax``    softmax over the last dim (Mesa ``Softmax``: int8 output only, per head)
-``av_matmul``  ``attn @ v`` (Mesa ``MatMul``; the map it keeps is ``softmax``'s own int8
-               copy, shared through ``mesa_train.nn.sharing``, so it is stored once. With
+``av_matmul``  ``attn @ v`` (Mesa ``MatMul``, int8 ``v``; the map it keeps is ``softmax``'s own
+               int8 copy, shared through ``mesa_train.nn.sharing``, or the full map a stock
+               softmax keeps anyway, so it is stored once (``core._matmul_operands``). With
                ``softmax`` but not ``matmul`` requested it is ``MatMul(operands=())``: the
                shared int8 map, ``v`` kept as the stock matmul keeps it)
 ``sdpa``       fused attention (Mesa ``ScaledDotProductAttention``: int8 q, k, v)

@@ -162,6 +162,16 @@ def _replace_child(parents: Dict[int, List[Tuple[nn.Module, str]]], old: nn.Modu
 
 
 # ----------------------------------------------------------------------------- attention
+def _matmul_operands(attn: nn.Module, name: str) -> Tuple[str, ...]:
+    """Operands a Mesa attention matmul quantizes itself. ``q @ k^T``: both. ``attn @ v``:
+    only ``v`` when the map reaches it straight from the softmax (no attention dropout):
+    that map is then either the Mesa Softmax's shared int8 copy, or the full-precision
+    output a stock softmax keeps for its own backward anyway, so an int8 copy of it would
+    be a second copy (more bytes than stock, and a noisier gradient for nothing)."""
+    drop = getattr(getattr(attn, "attn_drop", None), "p", 0.0)
+    return ("b",) if name == "av_matmul" and not drop else ("a", "b")
+
+
 def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional[int], quant_options: dict) -> None:
     """Give a known timm attention module its Mesa forward and core children.
 
@@ -179,11 +189,12 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
     if "matmul" in requested or "softmax" in requested:
         for name in ("qk_matmul", "av_matmul"):
             cur = getattr(attn, name, None)
-            full = isinstance(cur, mnn.MatMul) and cur.operands == ("a", "b")
+            operands = _matmul_operands(attn, name)
+            full = isinstance(cur, mnn.MatMul) and cur.operands == operands
             if "matmul" in core_ops and not full:
-                # both operands int8 (estimates of a share-only av_matmul are kept: it has none)
+                # int8 operands (estimates of a share-only av_matmul are kept: it has none)
                 stock = cur if isinstance(cur, mnn.MatMul) else None
-                setattr(attn, name, mnn.MatMul.from_module(stock, operands=("a", "b"), device=device, **opts))
+                setattr(attn, name, mnn.MatMul.from_module(stock, operands=operands, device=device, **opts))
             elif name == "av_matmul" and "softmax" in requested and type(cur) in (type(None), PlainMatMul):
                 # softmax without matmul: attn @ v compresses nothing itself but keeps the
                 # map through the Mesa Softmax's shared int8 copy (stored once), v as stock
