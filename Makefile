@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test test-cuda demo bench docker-build clean
+.PHONY: help install test gpu-results demo bench docker-build clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -22,6 +22,13 @@ install: $(STAMP)  ## create .venv and install the project (builds the C++/CUDA 
 
 test: $(STAMP)  ## run the test suite (installs first when .venv is missing)
 	$(PY) -m pytest -q tests
+
+gpu-results: $(STAMP)  ## on a GPU machine: CUDA tests, kernel bandwidth and every GPU benchmark preset into results/
+	$(PY) -m pytest -q -m cuda tests
+	$(PY) -m mesa_train.quant.benchmark
+	for preset in table1 table7 table8 table13 table14 modern table9; do \
+		$(PY) -m mesa_train.bench preset=$$preset || exit 1; \
+	done
 
 demo: $(STAMP)  ## train a small DeiT on the embedded digits data, stock vs Mesa, on CPU
 	$(PY) -m mesa_train.demo

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from mesa_train.bench.presets import BenchConfigError, RowConfig
-from mesa_train.device_info import device_name  # noqa: F401  (re-exported for report.py)
 from mesa_train.models import build_model, set_fused_attention
 
 MB = 1024 * 1024

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from mesa_train.bench.measure import Measurement, device_name
+from mesa_train.bench.measure import Measurement
+from mesa_train.device_info import device_name
 from mesa_train.bench.paper_numbers import TABLES, paper_row
 from mesa_train.bench.presets import RowConfig
 

@@ -155,6 +155,17 @@ def copy_estimates(stock: nn.Module, new: "MesaLayer", device) -> None:
                     q.initialized.copy_(old.initialized)
 
 
+def adopt_parameters(stock: nn.Module, new: "MesaLayer", device=None):
+    """Finish ``from_module`` of a layer with ``weight``/``bias``: share the stock module's
+    parameter objects (no copy: optimizers and tied weights keep working) and place the
+    estimates beside them (``device`` only matters when there are none, e.g. a LayerNorm
+    without affine)."""
+    new.weight = stock.weight
+    new.bias = stock.bias
+    copy_estimates(stock, new, stock.weight.device if stock.weight is not None else stock_device(stock, device))
+    return new.train(stock.training)
+
+
 def rebuild_parameter_free(cls, stock: nn.Module, base: type, ctor_args: tuple, device, quant_options: dict):
     """``from_module`` of a layer without parameters (GELU, Softmax): build it on meta, then
     give it estimates on ``device`` (a stock module of this kind has no parameters to tell

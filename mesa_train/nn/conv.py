@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import MesaLayer, apply_fn, check_stock, copy_estimates, inherit_options, load, no_autocast, save
+from ._common import MesaLayer, adopt_parameters, apply_fn, check_stock, inherit_options, load, no_autocast, save
 
 from .quantizer import decompress
 
@@ -80,10 +80,7 @@ class Conv2d(MesaLayer, nn.Conv2d):
                   padding=stock.padding, dilation=stock.dilation, groups=stock.groups, bias=stock.bias is not None,
                   padding_mode=stock.padding_mode, device="meta", dtype=stock.weight.dtype,
                   **inherit_options(stock, quant_options))
-        new.weight = stock.weight
-        new.bias = stock.bias
-        copy_estimates(stock, new, stock.weight.device)
-        return new.train(stock.training)
+        return adopt_parameters(stock, new)
 
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):

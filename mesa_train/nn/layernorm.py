@@ -25,8 +25,7 @@ import math
 import torch
 from torch import nn
 
-from ._common import (MesaLayer, apply_fn, check_stock, copy_estimates, inherit_options, load, no_autocast, save,
-                      stock_device)
+from ._common import MesaLayer, adopt_parameters, apply_fn, check_stock, inherit_options, load, no_autocast, save
 from .quantizer import decompress
 
 __all__ = ["LayerNorm"]
@@ -114,10 +113,7 @@ class LayerNorm(MesaLayer, nn.LayerNorm):
         new = cls(stock.normalized_shape, eps=stock.eps, elementwise_affine=stock.elementwise_affine,
                   bias=stock.bias is not None, device="meta",
                   dtype=ref.dtype if ref is not None else None, **inherit_options(stock, quant_options))
-        new.weight = stock.weight
-        new.bias = stock.bias
-        copy_estimates(stock, new, ref.device if ref is not None else stock_device(stock, device))
-        return new.train(stock.training)
+        return adopt_parameters(stock, new, device)
 
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import MesaLayer, apply_fn, check_stock, copy_estimates, inherit_options, load, no_autocast, save
+from ._common import MesaLayer, adopt_parameters, apply_fn, check_stock, inherit_options, load, no_autocast, save
 from .quantizer import decompress
 
 __all__ = ["Linear"]
@@ -52,10 +52,7 @@ class Linear(MesaLayer, nn.Linear):
         check_stock(stock, nn.Linear)
         new = cls(stock.in_features, stock.out_features, bias=stock.bias is not None, device="meta",
                   dtype=stock.weight.dtype, **inherit_options(stock, quant_options))
-        new.weight = stock.weight
-        new.bias = stock.bias
-        copy_estimates(stock, new, stock.weight.device)
-        return new.train(stock.training)
+        return adopt_parameters(stock, new)
 
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):

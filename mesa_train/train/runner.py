@@ -18,7 +18,7 @@ from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 from mesa_train.train.config import learning_rate, validate
 from mesa_train.train.data import build_loaders, build_mixup
-from mesa_train.train.engine import Parts, TrainState, build_criterion, evaluate, train_one_epoch, unwrap
+from mesa_train.train.engine import Parts, TrainState, build_criterion, evaluate, train_one_epoch
 from mesa_train.train.loggers import RunLogger
 from mesa_train.train.model import build as build_model_from_cfg
 
