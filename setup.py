@@ -44,8 +44,16 @@ with_cuda = os.environ.get("MESA_NO_CUDA", "0") != "1" and CUDA_HOME is not None
 )
 
 # -ffp-contract=off: no FMA contraction, so the kernels match the reference bit for bit.
-extra_compile_args = {"cxx": ["-O3", "-fopenmp", "-ffp-contract=off"]}
+# -fno-trapping-math: lets GCC if-convert (and so vectorise) the clamps / selects of the CPU
+# kernels instead of branching around fp ops that could raise an exception flag. It changes
+# no results (no fast-math: NaN, inf, signed zeros and rounding are all still honoured);
+# it is Clang's default anyway.
+extra_compile_args = {"cxx": ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]}
 extra_link_args = ["-fopenmp"]
+# The CPU run kernels are multi-versioned (baseline x86-64 + AVX2, csrc/quant_cpu.cpp);
+# MESA_NO_TARGET_CLONES=1 builds the baseline version only (to test it on an AVX2 host).
+if os.environ.get("MESA_NO_TARGET_CLONES", "0") == "1":
+    extra_compile_args["cxx"].append("-DMESA_NO_TARGET_CLONES")
 if with_cuda:
     # no fast-math and no FMA contraction: the bytes must match the reference
     # --threads: compile the target architectures in parallel (one nvcc job otherwise).
