@@ -21,6 +21,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <limits>
 
 #include "../mesa_common.h"
@@ -117,15 +118,16 @@ struct Cursor {
 // no synchronisation). Only c10/cuda headers are used: ATen/cuda/CUDAContext.h needs the
 // cuSPARSE/cuBLAS headers, which minimal CUDA toolkits lack.
 int sm_count() {
-  static int cache[64] = {0};
+  static std::atomic<int> cache[64] = {};  // atomic: ops may be called from several threads
   const int dev = c10::cuda::current_device();
   if (dev < 0 || dev >= 64) return 108;
-  if (cache[dev] == 0) {
-    int n = 0;
+  int n = cache[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cache[dev] = n > 0 ? n : 108;
+    if (n <= 0) n = 108;
+    cache[dev].store(n, std::memory_order_relaxed);
   }
-  return cache[dev];
+  return n;
 }
 
 int grid_for(int64_t work) {
@@ -324,21 +326,23 @@ __global__ void minmax_init_kernel(uint32_t* __restrict__ buf, int64_t n) {
 
 // x viewed as (outer, C = D * inner). Thread = one column c per tile; a block covers
 // `tiles` consecutive tiles of kThreads columns and a chunk of rows of one sample
-// (blockIdx.y = s * chunks + chunk). Reads are coalesced along c. The result per
+// (blockIdx.x = s * blocks_x + column span, blockIdx.y = chunk: grid.y <= 65535 whatever
+// the number of samples). Reads are coalesced along c. The result per
 // (s, d = c / inner) goes to the encoded buffers with atomics: one per block when the
 // block's whole column span has one d (per-head / NCHW layouts: block reduction), one per
 // warp when a warp's columns share one d, else one per thread (channels-last layouts).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 minmax_columns_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ bmn, uint32_t* __restrict__ bmx,
-                      int64_t C, int64_t inner, int64_t D, int64_t rows_per_s, int64_t chunks,
+                      int64_t C, int64_t inner, int64_t D, int64_t rows_per_s, int64_t blocks_x,
                       int64_t rows_per_chunk, int tiles) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  const int64_t s = blockIdx.y / chunks, chunk = blockIdx.y - s * chunks;
+  const int64_t s = int64_t(blockIdx.x) / blocks_x, bx = int64_t(blockIdx.x) - s * blocks_x;
+  const int64_t chunk = blockIdx.y;
   const int64_t r0 = s * rows_per_s + chunk * rows_per_chunk;
   const int64_t r1 = min(r0 + rows_per_chunk, (s + 1) * rows_per_s);
   if (r0 >= r1) return;  // uniform over the block
-  const int64_t span0 = int64_t(blockIdx.x) * tiles * kThreads;
+  const int64_t span0 = bx * tiles * kThreads;
   const int64_t span1 = min(span0 + int64_t(tiles) * kThreads, C);
   const bool uniform = (span0 / inner) == ((span1 - 1) / inner);  // uniform over the block
   const unsigned lane = threadIdx.x & 31u;
@@ -410,6 +414,31 @@ minmax_columns_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ bmn
   }
 }
 
+// Launch configuration of minmax_columns_kernel (host only, no CUDA calls: testable on
+// the host). grid = (blocks_x * s_eff, chunks).
+struct MinmaxConfig {
+  int64_t C = 1, rows_per_s = 1, blocks_x = 1, chunks = 1, rows_per_chunk = 1;
+  int tiles = 1;
+};
+
+MinmaxConfig minmax_config(const Layout& L, int sms) {
+  MinmaxConfig m;
+  m.C = L.D * L.inner;
+  m.rows_per_s = L.outer_per_s;
+  const int64_t target = int64_t(sms) * 8;  // blocks to aim for
+  const int64_t tiles1 = (m.C + kThreads - 1) / kThreads;
+  // Several column tiles per block only pays when a block's span can share one d.
+  m.tiles = L.inner >= kThreads
+      ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(16, tiles1 * L.s_eff / target)))
+      : 1;
+  m.blocks_x = (tiles1 + m.tiles - 1) / m.tiles;
+  m.chunks = std::max<int64_t>(1, (target + m.blocks_x * L.s_eff - 1) / (m.blocks_x * L.s_eff));
+  m.chunks = std::min<int64_t>(m.chunks, std::max<int64_t>(1, m.rows_per_s / 4));  // >= 4 rows per chunk
+  m.chunks = std::min<int64_t>(m.chunks, 65535);
+  m.rows_per_chunk = (m.rows_per_s + m.chunks - 1) / m.chunks;
+  return m;
+}
+
 // (s_eff, D) encoded statistics -> (S, G) float outputs.
 __global__ void minmax_finish_kernel(const uint32_t* __restrict__ bmn, const uint32_t* __restrict__ bmx,
                                      float* __restrict__ omn, float* __restrict__ omx, int64_t S, int64_t G,
@@ -453,28 +482,14 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cuda(const at::Tensor& x_in, int
   minmax_init_kernel<<<(nbuf + kThreads - 1) / kThreads, kThreads, 0, stream>>>(bmn, nbuf);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  const int64_t C = L.D * L.inner;
-  const int64_t rows_per_s = L.outer_per_s;
-  const int sms = sm_count();
-  const int64_t target = int64_t(sms) * 8;  // blocks to aim for
-  const int64_t tiles1 = (C + kThreads - 1) / kThreads;
-  // Several column tiles per block only pays when a block's span can share one d.
-  const int tiles = L.inner >= kThreads
-      ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(16, tiles1 * L.s_eff / target)))
-      : 1;
-  const int64_t blocks_x = (tiles1 + tiles - 1) / tiles;
-  TORCH_CHECK(blocks_x < (int64_t(1) << 31), "mesa: group_minmax: tensor too wide");
-  TORCH_CHECK(L.s_eff <= 65535, "mesa: group_minmax: at most 65535 samples with per-sample statistics, got ",
-              L.s_eff);
-  int64_t chunks = std::max<int64_t>(1, (target + blocks_x * L.s_eff - 1) / (blocks_x * L.s_eff));
-  chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, rows_per_s / 4));  // >= 4 rows per chunk
-  chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, 65535 / L.s_eff));
-  const int64_t rows_per_chunk = (rows_per_s + chunks - 1) / chunks;
-  const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(L.s_eff * chunks));
+  const MinmaxConfig m = minmax_config(L, sm_count());
+  // blocks_x * s_eff <= ceil(C / 256) * s_eff <= numel / 256 + s_eff: never near the limit
+  TORCH_CHECK(m.blocks_x * L.s_eff < (int64_t(1) << 31), "mesa: group_minmax: tensor too large");
+  const dim3 grid(static_cast<unsigned>(m.blocks_x * L.s_eff), static_cast<unsigned>(m.chunks));
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_group_minmax_cuda", [&] {
-    minmax_columns_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), bmn, bmx, C,
-                                                                  L.inner, L.D, rows_per_s, chunks,
-                                                                  rows_per_chunk, tiles);
+    minmax_columns_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), bmn, bmx, m.C,
+                                                                  L.inner, L.D, m.rows_per_s, m.blocks_x,
+                                                                  m.rows_per_chunk, m.tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 
