@@ -60,3 +60,15 @@ def set_fused_attention(model: nn.Module, enabled: bool) -> int:
             module.fused_attn = bool(enabled)
             count += 1
     return count
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain model inside DistributedDataParallel / DataParallel / torch.compile
+    wrappers, in any nesting order."""
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        else:
+            return model

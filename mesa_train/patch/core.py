@@ -25,6 +25,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from mesa_train.models import unwrap_model as _unwrap
+
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, scan_functional_ops
 
@@ -111,23 +113,9 @@ def _check_options(quant_options: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DDP / DataParallel / torch.compile wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        else:
-            return model
-
-
 def _module_device(module: nn.Module) -> torch.device:
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
-    return torch.device("cpu")
+    """Where ``module``'s parameters or buffers live (CPU if none): ``stock_device``."""
+    return _mnn()._common.stock_device(module)
 
 
 def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from mesa_train.models import unwrap_model as unwrap
 from mesa_train.train import distributed as dist_utils
 
 
@@ -45,12 +46,6 @@ class Parts:
     clip_grad: float | None = None
     channels_last: bool = False
     extra: dict = field(default_factory=dict)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under DDP and torch.compile wrappers."""
-    model = getattr(model, "module", model)          # DistributedDataParallel
-    return getattr(model, "_orig_mod", model)        # torch.compile
 
 
 def build_criterion(smoothing: float, mixup_active: bool) -> nn.Module:
