@@ -26,7 +26,11 @@ test: $(STAMP)  ## run the test suite (installs first when .venv is missing)
 gpu-results: $(STAMP)  ## on a GPU machine: CUDA tests, kernel bandwidth and every GPU benchmark preset into results/
 	$(PY) -m pytest -q -m cuda tests
 	$(PY) -m mesa_train.quant.benchmark
-	for preset in table1 table7 table8 table13 table14 modern table9; do \
+	@# table1 and modern also write <device>.profile.md: where Mesa's extra time goes
+	for preset in table1 modern; do \
+		$(PY) -m mesa_train.bench preset=$$preset profile=true || exit 1; \
+	done
+	for preset in table7 table8 table13 table14 table9; do \
 		$(PY) -m mesa_train.bench preset=$$preset || exit 1; \
 	done
 

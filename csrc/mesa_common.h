@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -105,6 +106,55 @@ MESA_HD float dequantize_value(uint8_t q, float step, float beta) {
   return f_add(f_mul(static_cast<float>(q), step), beta);
 }
 
+// ----------------------------------------------------------------------------- estimates
+// One group's step of the running estimates (DESIGN.md, "Running estimates"); the kernels
+// of mesa::update_estimates run it once per group, on the CPU and in one CUDA block.
+
+// false for +-inf and NaN (inf - inf and NaN - NaN are NaN); no <cmath> needed on the device
+MESA_HD bool is_finite(float v) { return f_sub(v, v) == 0.0f; }
+MESA_HD float abs_f(float v) { return v < 0.0f ? -v : v; }  // NaN stays NaN
+
+// (alpha, beta) = (max - min, min), or symmetric (2m, -m) with m = max(|min|, |max|).
+MESA_HD void group_range(float mn, float mx, bool symmetric, float& alpha, float& beta) {
+  if (symmetric) {
+    const float m = nan_max(abs_f(mn), abs_f(mx));
+    alpha = f_mul(m, 2.0f);
+    beta = -m;
+  } else {
+    alpha = f_sub(mx, mn);
+    beta = mn;
+  }
+}
+
+// The batch range of group g that feeds the estimates: the (1, G) statistics, or with
+// per-sample statistics (S, G) their min / max over the samples (+-inf when S == 0).
+MESA_HD void batch_range(const float* mn, const float* mx, int64_t S, int64_t G, int64_t g, bool per_sample,
+                         bool symmetric, float& alpha, float& beta) {
+  float lo, hi;
+  if (per_sample) {
+    lo = std::numeric_limits<float>::infinity();
+    hi = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < S; ++s) {
+      lo = nan_min(lo, mn[s * G + g]);
+      hi = nan_max(hi, mx[s * G + g]);
+    }
+  } else {
+    lo = mn[g];
+    hi = mx[g];
+  }
+  group_range(lo, hi, symmetric, alpha, beta);
+}
+
+// used: the value this batch is quantized with (shared statistics); stored: the buffer's
+// next value. ema = lam * old + (1 - lam) * r as three rounded fp32 operations. A
+// non-finite batch keeps existing estimates and never updates them.
+MESA_HD void estimate_step(float old, float r, bool init, bool finite, float lam, float one_minus_lam,
+                           float& used, float& stored) {
+  const float ema = init ? f_add(f_mul(old, lam), f_mul(r, one_minus_lam)) : r;
+  used = (!finite && init) ? old : ema;
+  stored = finite ? used : old;
+}
+
 // ----------------------------------------------------------------------------- layout
 // Contiguous x viewed as (outer, D, inner). Element i: j = i % inner, row = i / inner,
 // d = row % D, o = row / D. With per-sample statistics over dim > 0 the sample is
@@ -129,6 +179,10 @@ Layout check_quantize(const at::Tensor& x, const at::Tensor& alpha, const at::Te
                       int64_t dim, int64_t num_groups);
 Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
                         int64_t dim, int64_t num_groups, at::ScalarType dtype);
+// update_estimates: returns G (the groups of mn / mx).
+int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
+                               const at::Tensor& beta_est, const at::Tensor& initialized, double decay,
+                               bool per_sample);
 
 inline int64_t group_of(int64_t d, int64_t G, int64_t D) { return (d * G) / D; }
 

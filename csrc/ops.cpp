@@ -106,6 +106,33 @@ Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::
   return make_layout(q, dim, num_groups, S);
 }
 
+int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
+                               const at::Tensor& beta_est, const at::Tensor& initialized, double decay,
+                               bool per_sample) {
+  TORCH_CHECK_VALUE(mn.scalar_type() == at::kFloat && mx.scalar_type() == at::kFloat && mn.dim() == 2 &&
+                        mn.sizes() == mx.sizes(),
+                    "mesa: update_estimates: min and max must be float32 (S, G) tensors of one shape, got ",
+                    mn.scalar_type(), mn.sizes(), " and ", mx.scalar_type(), mx.sizes());
+  TORCH_CHECK_VALUE(per_sample || mn.size(0) == 1,
+                    "mesa: update_estimates: shared statistics must have shape (1, G), got ", mn.sizes());
+  const int64_t G = mn.size(1);
+  for (const at::Tensor* p : {&alpha_est, &beta_est}) {
+    const char* name = p == &alpha_est ? "alpha_est" : "beta_est";
+    TORCH_CHECK_VALUE(p->scalar_type() == at::kFloat && p->dim() == 1 && p->is_contiguous() && p->size(0) >= G,
+                      "mesa: update_estimates: ", name, " must be a contiguous float32 (G_buf,) tensor with G_buf >= ",
+                      G, ", got ", p->scalar_type(), p->sizes());
+  }
+  TORCH_CHECK_VALUE(initialized.scalar_type() == at::kBool && initialized.numel() == 1,
+                    "mesa: update_estimates: initialized must be a one-element bool tensor, got ",
+                    initialized.scalar_type(), initialized.sizes());
+  for (const at::Tensor* p : {&mx, &alpha_est, &beta_est, &initialized}) {
+    TORCH_CHECK_VALUE(p->device() == mn.device(), "mesa: update_estimates: all tensors must be on ", mn.device(),
+                      ", got one on ", p->device());
+  }
+  TORCH_CHECK_VALUE(decay >= 0.0 && decay < 1.0, "mesa: update_estimates: decay must be in [0, 1), got ", decay);
+  return G;
+}
+
 }  // namespace mesa
 
 TORCH_LIBRARY(mesa, m) {
@@ -114,4 +141,10 @@ TORCH_LIBRARY(mesa, m) {
   m.def("group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)");
   m.def("quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, int seed) -> Tensor");
   m.def("dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype) -> Tensor");
+  // One launch for the whole running-estimate update (instead of ~20 small torch ops):
+  // mutates the first G entries of the estimate buffers and `initialized` in place and
+  // returns fresh (S, G) alpha/beta for this batch.
+  m.def(
+      "update_estimates(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
+      "float decay, bool per_sample, bool symmetric, bool valid) -> (Tensor alpha, Tensor beta)");
 }

@@ -1,4 +1,4 @@
-// CPU kernels of torch.ops.mesa.{group_minmax, quantize, dequantize}.
+// CPU kernels of torch.ops.mesa.{group_minmax, quantize, dequantize, update_estimates}.
 //
 // * Inputs are made contiguous first (a transient copy for non-contiguous inputs).
 // * Parallel over the cores with at::parallel_for (OpenMP backend); every element is
@@ -476,12 +476,53 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cpu(const at::Tensor& x_in, int6
   return {omn, omx};
 }
 
+std::tuple<at::Tensor, at::Tensor> update_estimates_cpu(const at::Tensor& mn_in, const at::Tensor& mx_in,
+                                                        const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                                                        const at::Tensor& initialized, double decay, bool per_sample,
+                                                        bool symmetric, bool valid) {
+  const int64_t G = check_update_estimates(mn_in, mx_in, alpha_est, beta_est, initialized, decay, per_sample);
+  const at::Tensor mn = mn_in.contiguous(), mx = mx_in.contiguous();
+  const int64_t S = mn.size(0);
+  at::Tensor out_a = at::empty({S, G}, mn.options()), out_b = at::empty({S, G}, mn.options());
+  const float* pmn = mn.const_data_ptr<float>();
+  const float* pmx = mx.const_data_ptr<float>();
+  float* est_a = alpha_est.mutable_data_ptr<float>();
+  float* est_b = beta_est.mutable_data_ptr<float>();
+  float* oa = out_a.mutable_data_ptr<float>();
+  float* ob = out_b.mutable_data_ptr<float>();
+  bool* init_p = initialized.mutable_data_ptr<bool>();
+  const bool init = *init_p;
+  // (float) decay and (float)(1 - decay): what torch does with a Python float scalar
+  const float lam = static_cast<float>(decay), oml = static_cast<float>(1.0 - decay);
+  std::vector<float> ra(G), rb(G);
+  bool finite = valid;
+  for (int64_t g = 0; g < G; ++g) {
+    batch_range(pmn, pmx, S, G, g, per_sample, symmetric, ra[g], rb[g]);
+    finite = finite && is_finite(ra[g]) && is_finite(rb[g]);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float used_a, used_b;
+    estimate_step(est_a[g], ra[g], init, finite, lam, oml, used_a, est_a[g]);
+    estimate_step(est_b[g], rb[g], init, finite, lam, oml, used_b, est_b[g]);
+    if (!per_sample) {
+      oa[g] = used_a;
+      ob[g] = used_b;
+    }
+  }
+  if (per_sample) {
+    for (int64_t i = 0; i < S * G; ++i) group_range(pmn[i], pmx[i], symmetric, oa[i], ob[i]);
+  }
+  *init_p = init || finite;
+  return {out_a, out_b};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("group_minmax", &group_minmax_cpu);
   m.impl("quantize", &quantize_cpu);
   m.impl("dequantize", &dequantize_cpu);
+  m.impl("update_estimates", &update_estimates_cpu);
 }
 
 }  // namespace mesa

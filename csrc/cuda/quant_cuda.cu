@@ -1,4 +1,4 @@
-// CUDA kernels of torch.ops.mesa.{group_minmax, quantize, dequantize}.
+// CUDA kernels of torch.ops.mesa.{group_minmax, quantize, dequantize, update_estimates}.
 //
 // * One pass over the data per op, grid-stride loops, 16-byte vectorised loads/stores
 //   when the pointers are aligned (scalar fallback otherwise), 32-bit index math with
@@ -504,12 +504,62 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cuda(const at::Tensor& x_in, int
   return {omn, omx};
 }
 
+// The whole running-estimate update in one block (G is small: heads or channel groups).
+// Every thread reads `initialized` before the barrier; thread 0 writes it after.
+__global__ void update_estimates_kernel(const float* __restrict__ mn, const float* __restrict__ mx,
+                                        float* __restrict__ est_a, float* __restrict__ est_b, bool* initialized,
+                                        float* __restrict__ out_a, float* __restrict__ out_b, int64_t S, int64_t G,
+                                        float lam, float one_minus_lam, bool per_sample, bool symmetric, bool valid) {
+  const bool init = *initialized;
+  int ok = valid ? 1 : 0;
+  for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+    float ra, rb;
+    batch_range(mn, mx, S, G, g, per_sample, symmetric, ra, rb);
+    ok &= (is_finite(ra) && is_finite(rb)) ? 1 : 0;
+  }
+  const bool finite = __syncthreads_and(ok) != 0;
+  for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+    float ra, rb, used_a, used_b;
+    batch_range(mn, mx, S, G, g, per_sample, symmetric, ra, rb);
+    estimate_step(est_a[g], ra, init, finite, lam, one_minus_lam, used_a, est_a[g]);
+    estimate_step(est_b[g], rb, init, finite, lam, one_minus_lam, used_b, est_b[g]);
+    if (per_sample) {
+      for (int64_t s = 0; s < S; ++s) group_range(mn[s * G + g], mx[s * G + g], symmetric, out_a[s * G + g], out_b[s * G + g]);
+    } else {
+      out_a[g] = used_a;
+      out_b[g] = used_b;
+    }
+  }
+  if (threadIdx.x == 0) *initialized = init || finite;
+}
+
+std::tuple<at::Tensor, at::Tensor> update_estimates_cuda(const at::Tensor& mn_in, const at::Tensor& mx_in,
+                                                         const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                                                         const at::Tensor& initialized, double decay, bool per_sample,
+                                                         bool symmetric, bool valid) {
+  const int64_t G = check_update_estimates(mn_in, mx_in, alpha_est, beta_est, initialized, decay, per_sample);
+  const c10::cuda::OptionalCUDAGuard guard(mn_in.device());
+  const at::Tensor mn = mn_in.contiguous(), mx = mx_in.contiguous();
+  const int64_t S = mn.size(0);
+  at::Tensor out_a = at::empty({S, G}, mn.options()), out_b = at::empty({S, G}, mn.options());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // (float) decay and (float)(1 - decay): what torch does with a Python float scalar
+  update_estimates_kernel<<<1, kThreads, 0, stream>>>(
+      mn.const_data_ptr<float>(), mx.const_data_ptr<float>(), alpha_est.mutable_data_ptr<float>(),
+      beta_est.mutable_data_ptr<float>(), initialized.mutable_data_ptr<bool>(), out_a.mutable_data_ptr<float>(),
+      out_b.mutable_data_ptr<float>(), S, G, static_cast<float>(decay), static_cast<float>(1.0 - decay), per_sample,
+      symmetric, valid);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out_a, out_b};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("group_minmax", &group_minmax_cuda);
   m.impl("quantize", &quantize_cuda);
   m.impl("dequantize", &dequantize_cuda);
+  m.impl("update_estimates", &update_estimates_cuda);
 }
 
 }  // namespace mesa

@@ -306,17 +306,22 @@ def saved_bytes(step: TrainStep) -> tuple[float | None, float | None, str]:
 
 # --------------------------------------------------------------------------- measure
 
-def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: bool,
-             timed: bool, rss: CpuRss | None) -> Measurement:
-    result = Measurement()
+def warm_step(row: RowConfig, device: torch.device, *, seed: int) -> TrainStep:
+    """The row's model, optimizer and data after its ``warmup`` steps: the state every
+    measurement (and the profile, `mesa_train.bench.profile`) starts from."""
     torch.manual_seed(seed)
-    model = build_for_row(row, device)
-    result.n_params = sum(p.numel() for p in model.parameters())
-    step = TrainStep(row, model, device, seed=seed)
-
+    step = TrainStep(row, build_for_row(row, device), device, seed=seed)
     for _ in range(row.warmup):
         step()
     synchronize(device)
+    return step
+
+
+def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: bool,
+             timed: bool, rss: CpuRss | None) -> Measurement:
+    result = Measurement()
+    step = warm_step(row, device, seed=seed)
+    result.n_params = sum(p.numel() for p in step.model.parameters())
     if row.warmup and not step.optimizer.state:
         result.notes.append("optimizer state not allocated after warm-up (GradScaler skipped "
                             "every step): the peak lacks it")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mesa_train.bench import measure as _measure
+from mesa_train.bench import profile as _profile
 from mesa_train.bench import report
 from mesa_train.bench.measure import Measurement, MesaUnavailable, resolve_device, run_row
 from mesa_train.bench.plot import tradeoff_plot
@@ -104,6 +105,8 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
                 mesa_error += " (the largest-model search was skipped too)"
     if mesa_error and any(r.mesa and r.baseline for r in rows):
         raise MesaUnavailable(mesa_error)
+    profile = bool(_get(cfg, "profile", False))
+    profile_steps = _profile_steps(cfg) if profile else 0
 
     if _get(cfg, "dry_run", False):
         print(f"preset {name}: {len(rows)} configurations on {device} (validated, not run)")
@@ -112,6 +115,9 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
         if search is not None:
             print(f"  search: {', '.join(d.name for d in search.dims)} for "
                   f"{' vs '.join(v.label for v in search.variants)}, cap {search.cap_gb:g} GB")
+        if profile:  # dry_run promises to run nothing: say what profile=true would add
+            print(f"  profile: each row again, {profile_steps} step(s) under torch.profiler "
+                  "after its warm-up (not run: dry_run)")
         return 0
 
     seed = int(_get(cfg, "seed", 0))
@@ -211,10 +217,29 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     written = [p for p in (files["md"], files["csv"], search_csv, files["json"], files["png"]) if p.exists()]
     _say("wrote " + ", ".join(str(p) for p in written))
     failed = [r.label for r, m in zip(rows, results) if m.status == "error"]
+    if profile:
+        # after the measurement files are on disk: a crash here cannot lose them
+        profiles = _profile.run_profiles(
+            rows, [m.status for m in results], device, steps=profile_steps, seed=seed,
+            progress=lambda n, what: _progress(n, show, f"{what} {name}"), say=_say)
+        paths = [out_dir / f"{slug}.profile.md", out_dir / f"{slug}.profile.csv"]
+        print(_profile.write_files(*paths, preset=name, env=env, command=command,
+                                   steps=profile_steps, rows=rows, profiles=profiles))
+        _say("wrote " + ", ".join(str(p) for p in paths))
+        report.write_index(out_dir.parent)  # again: now it links the profile too
+        failed += [f"{p.label} (profile)" for p in profiles if p.status == "error"]
     if failed:
         _say(f"error: {len(failed)} configuration(s) failed: {', '.join(failed)}")
         return 1
     return 0
+
+
+def _profile_steps(cfg: Any) -> int:
+    value = _get(cfg, "profile_steps", 3)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BenchConfigError(f"profile_steps={value!r}: must be a positive integer "
+                               "(training steps under the profiler, per row)")
+    return value
 
 
 def _row_dict(row: RowConfig) -> dict[str, Any]:

@@ -192,38 +192,12 @@ class ActivationQuantizer(nn.Module):
         G = self.effective_groups(x, dim)
         per_sample = opts.estimator == "per_sample"
         mn, mx = quant.group_minmax(x, dim, G, per_sample)
-        if per_sample:
-            b_alpha, b_beta = self._range(mn, mx)  # (S, G), used for this batch
-            # batch-level statistics only feed the buffers (for logs / a later switch)
-            r_alpha, r_beta = self._range(mn.amin(0, keepdim=True), mx.amax(0, keepdim=True))
-        else:
-            r_alpha, r_beta = self._range(mn, mx)  # (1, G)
-        old_a = self.alpha[:G].view(1, G)
-        old_b = self.beta[:G].view(1, G)
-        init = self.initialized
-        finite = torch.isfinite(r_alpha).all() & torch.isfinite(r_beta).all()
-        if x.numel() == 0:
-            finite = torch.zeros_like(finite)
-        lam = opts.decay
-        ema_a = torch.where(init, old_a * lam + r_alpha * (1.0 - lam), r_alpha)
-        ema_b = torch.where(init, old_b * lam + r_beta * (1.0 - lam), r_beta)
-        # a non-finite batch falls back on the existing estimates when there are any
-        keep_old = ~finite & init
-        new_a = torch.where(keep_old, old_a, ema_a)
-        new_b = torch.where(keep_old, old_b, ema_b)
-        if not per_sample:
-            b_alpha, b_beta = new_a, new_b  # fresh tensors, never the buffers
-        # update the buffers only from finite batches
-        self.alpha[:G].copy_(torch.where(finite, new_a, old_a).view(G))
-        self.beta[:G].copy_(torch.where(finite, new_b, old_b).view(G))
-        self.initialized.copy_(init | finite)
-        return b_alpha.contiguous(), b_beta.contiguous(), dim, G
-
-    def _range(self, mn: torch.Tensor, mx: torch.Tensor):
-        if self.options.symmetric:
-            m = torch.maximum(mn.abs(), mx.abs())
-            return m * 2.0, -m
-        return mx - mn, mn
+        # one op (one kernel launch on CUDA) for the whole estimate update; its reference
+        # is mesa_train.quant.reference.update_estimates
+        alpha, beta = quant.update_estimates(
+            mn, mx, self.alpha, self.beta, self.initialized, opts.decay, per_sample, opts.symmetric, x.numel() > 0
+        )
+        return alpha, beta, dim, G
 
     @torch.no_grad()
     def compress(self, x: torch.Tensor, dim: int) -> Packed:

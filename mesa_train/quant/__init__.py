@@ -3,7 +3,7 @@
 Loading order:
 
 1. ``mesa_train._C`` (the compiled C++/CUDA extension) is imported; its
-   ``TORCH_LIBRARY(mesa, m)`` defines the three ops with CPU (and CUDA) kernels.
+   ``TORCH_LIBRARY(mesa, m)`` defines the four ops with CPU (and CUDA) kernels.
    ``BACKEND == "extension"``.
 2. If it cannot be loaded (not built, ABI mismatch, ...) or ``MESA_DISABLE_EXTENSION=1``,
    the same ops are defined from Python with ``mesa_train.quant.reference`` as the CPU and
@@ -25,14 +25,24 @@ import warnings
 import torch
 
 from . import reference
-from .reference import QUANT_DTYPES, check_dequantize_args, check_minmax_args, check_quantize_args
+from .reference import (
+    QUANT_DTYPES,
+    check_dequantize_args,
+    check_estimate_args,
+    check_minmax_args,
+    check_quantize_args,
+)
 
-__all__ = ["group_minmax", "quantize", "dequantize", "BACKEND", "CUDA_BACKEND", "reference", "extension_error"]
+__all__ = ["group_minmax", "quantize", "dequantize", "update_estimates", "BACKEND", "CUDA_BACKEND", "reference", "extension_error"]
 
 _SCHEMAS = {
     "group_minmax": "group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)",
     "quantize": "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, int seed) -> Tensor",
     "dequantize": "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype) -> Tensor",
+    "update_estimates": (
+        "update_estimates(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
+        "float decay, bool per_sample, bool symmetric, bool valid) -> (Tensor alpha, Tensor beta)"
+    ),
 }
 
 extension_error: BaseException | None = None  # why the extension was not used, if it was not
@@ -74,7 +84,16 @@ def _ref_dequantize(q, alpha, beta, dim, num_groups, dtype):
     return reference.dequantize(q, alpha, beta, dim, num_groups, dtype)
 
 
-_REF_IMPLS = {"group_minmax": _ref_minmax, "quantize": _ref_quantize, "dequantize": _ref_dequantize}
+def _ref_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid):
+    return reference.update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid)
+
+
+_REF_IMPLS = {
+    "group_minmax": _ref_minmax,
+    "quantize": _ref_quantize,
+    "dequantize": _ref_dequantize,
+    "update_estimates": _ref_update_estimates,
+}
 
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
 # build of the extension (MESA_NO_CUDA=1, or built without nvcc) or the Python fallback.
@@ -82,6 +101,21 @@ CUDA_BACKEND = "reference"
 
 if _load_extension():
     BACKEND = "extension"
+    _missing = [n for n in _SCHEMAS if not hasattr(torch.ops.mesa, n)]
+    if _missing:
+        # A build from older sources (the package was updated without re-running the
+        # install): serve the ops it lacks from the reference rather than failing.
+        warnings.warn(
+            f"mesa_train: the compiled extension predates ops {_missing}; they use the pure-PyTorch "
+            "reference (rebuild with `make install` or `pip install --no-build-isolation -e .`).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        _frag = torch.library.Library("mesa", "FRAGMENT")
+        for _name in _missing:
+            _frag.define(_SCHEMAS[_name])
+            for _key in ("CPU", "CUDA"):
+                _frag.impl(_name, _REF_IMPLS[_name], _key)
     if all(torch._C._dispatch_has_kernel_for_dispatch_key(f"mesa::{n}", "CUDA") for n in _SCHEMAS):
         CUDA_BACKEND = "extension"
     else:
@@ -137,6 +171,11 @@ def _fake_dequantize(q, alpha, beta, dim, num_groups, dtype):
     return q.new_empty(q.shape, dtype=dtype)
 
 
+def _fake_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid):
+    check_estimate_args(mn, mx, alpha_est, beta_est, initialized, decay, per_sample)
+    return mn.new_empty(mn.shape), mn.new_empty(mn.shape)
+
+
 def _register_python_side() -> None:
     # Guard against double registration when the module is reloaded in one process.
     if getattr(torch.ops.mesa, "_mesa_python_side_registered", False):
@@ -144,6 +183,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::group_minmax")(_fake_minmax)
     torch.library.register_fake("mesa::quantize")(_fake_quantize)
     torch.library.register_fake("mesa::dequantize")(_fake_dequantize)
+    torch.library.register_fake("mesa::update_estimates")(_fake_update_estimates)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
     # and a reconstruction that the layers use inside their own backward).
@@ -154,6 +194,7 @@ def _register_python_side() -> None:
     def _backward_none(ctx, *grads):
         return None
 
+    # (update_estimates mutates buffers and runs under no_grad: no autograd formula.)
     for name in ("group_minmax", "quantize", "dequantize"):
         torch.library.register_autograd(f"mesa::{name}", _backward_none, setup_context=_setup_nondiff)
     torch.ops.mesa._mesa_python_side_registered = True
@@ -209,3 +250,26 @@ def dequantize(
     """``q * (alpha / 255) + beta`` per group, computed in fp32 and returned as ``dtype``."""
     dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
     return torch.ops.mesa.dequantize(q, alpha, beta, dim, num_groups, dtype)
+
+
+def update_estimates(
+    mn: torch.Tensor,
+    mx: torch.Tensor,
+    alpha_est: torch.Tensor,
+    beta_est: torch.Tensor,
+    initialized: torch.Tensor,
+    decay: float,
+    per_sample: bool = False,
+    symmetric: bool = False,
+    valid: bool = True,
+):
+    """One step of the running estimates in one op (one kernel on CUDA); see
+    :func:`mesa_train.quant.reference.update_estimates` for the exact semantics.
+
+    Mutates ``alpha_est[:G]``, ``beta_est[:G]`` and ``initialized``; returns fresh float32
+    ``(S, G)`` ``(alpha, beta)`` for :func:`quantize`.
+    """
+    check_estimate_args(mn, mx, alpha_est, beta_est, initialized, decay, per_sample)
+    return torch.ops.mesa.update_estimates(
+        mn, mx, alpha_est, beta_est, initialized, float(decay), bool(per_sample), bool(symmetric), bool(valid)
+    )

@@ -32,6 +32,8 @@ __all__ = [
     "normalize_dim",
     "check_quantize_args",
     "check_dequantize_args",
+    "check_estimate_args",
+    "update_estimates",
     "QUANT_DTYPES",
 ]
 
@@ -119,6 +121,39 @@ def check_minmax_args(x, dim, num_groups) -> int:
     dim = normalize_dim(x, dim)
     _check_groups(x, dim, num_groups)
     return dim
+
+
+def check_estimate_args(mn, mx, alpha_est, beta_est, initialized, decay, per_sample) -> int:
+    """Validate update_estimates' arguments; return G."""
+    for name, t in (("min", mn), ("max", mx), ("alpha_est", alpha_est), ("beta_est", beta_est),
+                    ("initialized", initialized)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"update_estimates: {name} must be a tensor")
+    if mn.dtype != torch.float32 or mx.dtype != torch.float32 or mn.dim() != 2 or mn.shape != mx.shape:
+        raise ValueError(
+            "update_estimates: min and max must be float32 (S, G) tensors of one shape, got "
+            f"{mn.dtype}{tuple(mn.shape)} and {mx.dtype}{tuple(mx.shape)}"
+        )
+    if not per_sample and mn.shape[0] != 1:
+        raise ValueError(f"update_estimates: shared statistics must have shape (1, G), got {tuple(mn.shape)}")
+    G = mn.shape[1]
+    for name, t in (("alpha_est", alpha_est), ("beta_est", beta_est)):
+        if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous() or t.shape[0] < G:
+            raise ValueError(
+                f"update_estimates: {name} must be a contiguous float32 (G_buf,) tensor with G_buf >= {G}, "
+                f"got {t.dtype}{tuple(t.shape)}"
+            )
+    if initialized.dtype != torch.bool or initialized.numel() != 1:
+        raise ValueError(
+            f"update_estimates: initialized must be a one-element bool tensor, got "
+            f"{initialized.dtype}{tuple(initialized.shape)}"
+        )
+    for t in (mx, alpha_est, beta_est, initialized):
+        if t.device != mn.device:
+            raise ValueError(f"update_estimates: all tensors must be on {mn.device}, got one on {t.device}")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
+        raise ValueError(f"update_estimates: decay must be a number in [0, 1), got {decay!r}")
+    return G
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -284,3 +319,62 @@ def dequantize(
     qv, (st, b) = _expand(q, [step, beta.contiguous()], dim, num_groups)
     t = qv.to(torch.float32) * st
     return (t + b).to(dtype).view(q.shape)
+
+
+def _range(mn: torch.Tensor, mx: torch.Tensor, symmetric: bool):
+    """(alpha, beta): (max - min, min), or symmetric (2m, -m) with m = max(|min|, |max|)."""
+    if symmetric:
+        m = torch.maximum(mn.abs(), mx.abs())
+        return m * 2.0, -m
+    return mx - mn, mn.clone()  # clone: an op's outputs never alias its inputs
+
+
+def update_estimates(
+    mn: torch.Tensor,
+    mx: torch.Tensor,
+    alpha_est: torch.Tensor,
+    beta_est: torch.Tensor,
+    initialized: torch.Tensor,
+    decay: float,
+    per_sample: bool,
+    symmetric: bool,
+    valid: bool = True,
+):
+    """One step of the running estimates (DESIGN.md, "Running estimates").
+
+    ``mn, mx``: this batch's ``(S, G)`` statistics (``S = 1`` unless ``per_sample``).
+    Updates the first ``G`` entries of ``alpha_est`` / ``beta_est`` and ``initialized`` in
+    place and returns fresh ``(S, G)`` ``(alpha, beta)`` to quantize this batch with: the
+    updated estimates (shared), or the batch's own per-sample ranges. The estimates follow
+    ``lam * old + (1 - lam) * batch`` (the batch's range alone on the first call); a batch
+    whose range is not finite, or an empty one (``valid=False``), keeps the old estimates.
+    """
+    G = check_estimate_args(mn, mx, alpha_est, beta_est, initialized, decay, per_sample)
+    if per_sample:
+        b_alpha, b_beta = _range(mn, mx, symmetric)  # (S, G), used for this batch
+        if mn.shape[0] == 0:
+            r_mn = torch.full((1, G), float("inf"), dtype=torch.float32, device=mn.device)
+            r_mx = torch.full((1, G), float("-inf"), dtype=torch.float32, device=mn.device)
+        else:
+            r_mn, r_mx = mn.amin(0, keepdim=True), mx.amax(0, keepdim=True)
+    else:
+        r_mn, r_mx = mn, mx
+    r_alpha, r_beta = _range(r_mn, r_mx, symmetric)
+    old_a = alpha_est[:G].view(1, G)
+    old_b = beta_est[:G].view(1, G)
+    init = initialized.view(())
+    finite = torch.isfinite(r_alpha).all() & torch.isfinite(r_beta).all()
+    if not valid:
+        finite = torch.zeros_like(finite)
+    lam = float(decay)
+    ema_a = torch.where(init, old_a * lam + r_alpha * (1.0 - lam), r_alpha)
+    ema_b = torch.where(init, old_b * lam + r_beta * (1.0 - lam), r_beta)
+    keep_old = ~finite & init
+    new_a = torch.where(keep_old, old_a, ema_a)
+    new_b = torch.where(keep_old, old_b, ema_b)
+    if not per_sample:
+        b_alpha, b_beta = new_a, new_b
+    alpha_est[:G].copy_(torch.where(finite, new_a, old_a).view(G))
+    beta_est[:G].copy_(torch.where(finite, new_b, old_b).view(G))
+    initialized.copy_((init | finite).view(initialized.shape))
+    return b_alpha.contiguous(), b_beta.contiguous()

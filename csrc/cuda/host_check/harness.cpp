@@ -1,8 +1,8 @@
 // Run with csrc/cuda/host_check/run.sh (see there).
 // Host emulation of the CUDA kernels of csrc/cuda/quant_cuda.cu (code extracted verbatim
 // into extracted.inc). quantize/dequantize/tables: sequential over (block, thread).
-// minmax: one std::thread per CUDA thread of a block, barriers for __syncthreads and
-// warp shuffles (asserting that all 32 lanes shuffle at the same source line).
+// minmax, update_estimates: one std::thread per CUDA thread of a block, barriers for
+// __syncthreads(_and) and warp shuffles (asserting that all 32 lanes shuffle at the same source line).
 #include <algorithm>
 #include <atomic>
 #include <barrier>
@@ -74,6 +74,18 @@ T shfl_impl(unsigned mask, T v, int src, int line) {
 #define __shfl_xor_sync(m, v, o) shfl_impl((m), (v), int(threadIdx.x & 31u) ^ (o), __LINE__)
 #define atomicMin(p, v) atomicMin_impl((p), (v), __LINE__)
 inline void __syncthreads() { g_bbar->arrive_and_wait(); }
+// __syncthreads_and: barrier, vote, barrier, read, barrier, reset (the next vote starts with
+// a barrier, so the reset is seen by every thread before anyone votes again).
+static std::atomic<int> g_vote{1};
+inline int __syncthreads_and(int pred) {
+  g_bbar->arrive_and_wait();
+  if (!pred) g_vote.store(0);
+  g_bbar->arrive_and_wait();
+  const int r = g_vote.load();
+  g_bbar->arrive_and_wait();
+  if (threadIdx.x == 0) g_vote.store(1);
+  return r;
+}
 #include <map>
 static std::map<int, long> g_sites;
 inline unsigned atomicMin_impl(uint32_t* p, uint32_t v, int line) {
@@ -358,10 +370,71 @@ int cursor_check(const std::vector<int64_t>& shape, int64_t dim, int64_t S) {
   return errs;
 }
 
+// update_estimates_kernel (one block, SIMT) against a sequential pass of the same scalar
+// steps (what update_estimates_cpu does; tests/test_estimates.py ties that to the reference).
+int estimates_check() {
+  int errs = 0, cases = 0;
+  std::mt19937 r(7);
+  for (int64_t G : {1, 3, 255, 256, 257, 1000})
+    for (int64_t S : {1, 4, 0})
+      for (int flags = 0; flags < 32; ++flags) {
+        const bool per_sample = flags & 1, symmetric = flags & 2, init = flags & 4, valid = flags & 8,
+                   special = flags & 16;
+        if (!per_sample && S != 1) continue;
+        std::normal_distribution<float> nd;
+        std::vector<float> mn(S * G), mx(S * G), ea(G), eb(G);
+        for (int64_t i = 0; i < S * G; ++i) {
+          mn[i] = nd(r);
+          mx[i] = mn[i] + std::fabs(nd(r));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          ea[g] = std::fabs(nd(r));
+          eb[g] = nd(r);
+        }
+        if (special && S * G > 0) mn[r() % (S * G)] = std::numeric_limits<float>::quiet_NaN();
+        const float lam = 0.9f, oml = static_cast<float>(1.0 - 0.9);
+        // expected
+        std::vector<float> xa(G), xb(G), oa(S * G), ob(S * G), ra(G), rb(G);
+        bool finite = valid;
+        for (int64_t g = 0; g < G; ++g) {
+          batch_range(mn.data(), mx.data(), S, G, g, per_sample, symmetric, ra[g], rb[g]);
+          finite = finite && is_finite(ra[g]) && is_finite(rb[g]);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float ua, ub;
+          estimate_step(ea[g], ra[g], init, finite, lam, oml, ua, xa[g]);
+          estimate_step(eb[g], rb[g], init, finite, lam, oml, ub, xb[g]);
+          if (!per_sample) oa[g] = ua, ob[g] = ub;
+        }
+        if (per_sample)
+          for (int64_t i = 0; i < S * G; ++i) group_range(mn[i], mx[i], symmetric, oa[i], ob[i]);
+        // emulated kernel
+        std::vector<float> ka = ea, kb = eb, koa(S * G, -7.f), kob(S * G, -7.f);
+        bool kinit = init;
+        const int64_t out_n = per_sample ? S * G : G;
+        koa.resize(out_n, -7.f), kob.resize(out_n, -7.f);
+        launch_simt({1, 1, 1}, [&] {
+          update_estimates_kernel(mn.data(), mx.data(), ka.data(), kb.data(), &kinit, koa.data(), kob.data(), S, G,
+                                  lam, oml, per_sample, symmetric, valid);
+        });
+        auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+          return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+        };
+        oa.resize(out_n), ob.resize(out_n);
+        const bool ok = same(ka, xa) && same(kb, xb) && same(koa, oa) && same(kob, ob) && kinit == (init || finite);
+        if (!ok && errs < 5) printf("update_estimates mismatch: G=%ld S=%ld flags=%d\n", long(G), long(S), flags);
+        errs += !ok;
+        ++cases;
+      }
+  printf("update_estimates errors: %d (%d cases)\n", errs, cases);
+  return errs;
+}
+
 int main(int argc, char** argv) {
   const int ncases = argc > 1 ? atoi(argv[1]) : 200;
   int errs = fastdiv_check();
   printf("fastdiv errors: %d\n", errs);
+  errs += estimates_check();
   int ce = 0;
   ce += cursor_check<uint32_t>({2147483647}, 0, 1);
   ce += cursor_check<uint32_t>({16, 8388607, 16}, 1, 16);

@@ -1,0 +1,344 @@
+"""Where the time of a training step goes: ``python -m mesa_train.bench ... profile=true``.
+
+For every measured row the model is built again exactly as the measurement builds it
+(`measure.warm_step`: same seed, same warm-up), then ``profile_steps`` training steps run
+under `torch.profiler`. Each op's *self* time (its own time, without the ops it calls) is
+summed into a few categories, so the categories of a row add up to its total with nothing
+counted twice. Time is self CPU time on CPU and self device (CUDA) time on a GPU.
+
+Categories (`RULES`, first match wins): an op is categorised by its name when a rule
+names it (``mesa::*``, matmul, norm, ...); an op no such rule names (a view, a copy, a
+``mul``) goes where the nearest enclosing named op goes. So the multiplies and casts a
+Mesa layer issues to compress its input are Mesa's cost (``mesa-layer``), the transpose
+inside ``aten::linear`` is ``matmul`` and the per-parameter ops of a for-loop AdamW are
+``optimizer``, while a matmul inside a Mesa layer is still ``matmul`` (the same work the
+stock layer does). That needs the event tree, so the events are aggregated here rather
+than with ``prof.key_averages()``, which flattens it (the totals are the same).
+
+Outputs: ``<device>.profile.md`` (per-category table, extra time vs the group's baseline,
+top ops of each Mesa row, the rules) and ``<device>.profile.csv`` (one line per row, op
+and category).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import re
+import time
+import warnings
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mesa_train.bench.measure import is_oom, release, synchronize, warm_step
+from mesa_train.bench.presets import RowConfig
+
+# (category, what the report says, how it matches; first match wins). ``name``: a regex
+# searched in the op name; ``mesa-function``: the name of one of Mesa's autograd
+# Functions (forward: the class name; backward node: class name + "Backward");
+# ``enclosing``: the category of the nearest enclosing op that a rule above (autograd
+# excepted: its wrappers enclose all of backward) names; ``any``: the rest.
+RULES: tuple[tuple[str | None, str, tuple[str, str]], ...] = (
+    ("mesa", "`mesa::*` custom ops (quantize, dequantize, min/max, estimates)",
+     ("name", r"^mesa::")),
+    ("mesa-layer", "Mesa's autograd Functions themselves (the Python of their forward/backward)",
+     ("mesa-function", "")),
+    ("matmul", "mm, addmm, bmm, baddbmm, matmul, linear, einsum, convolutions",
+     ("name", r"^aten::(mm|addmm|bmm|baddbmm|addbmm|addmv|mv|dot|matmul|linear|einsum"
+              r"|_addmm_activation|_scaled_mm|\w*conv\w*)$")),
+    ("attention", "fused attention (scaled_dot_product, flash, efficient, cudnn)",
+     ("name", r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention")),
+    ("norm", "layer/batch/group/rms norm, forward and backward",
+     ("name", r"(layer|batch|group|instance|rms)_norm")),
+    ("softmax", "softmax, log_softmax and their backward",
+     ("name", r"softmax")),
+    ("activation", "gelu, relu (threshold), silu, sigmoid, tanh, ... and their backward",
+     ("name", r"^aten::(gelu|relu|silu|sigmoid|tanh|hardswish|hardsigmoid|hardtanh|elu"
+              r"|leaky_relu|mish|threshold)")),
+    ("optimizer", "`Optimizer.step/zero_grad` scopes, foreach and fused optimizer ops",
+     ("name", r"^Optimizer\.|_foreach_|_fused_(adam|adamw|sgd)")),
+    ("autograd", "autograd engine: backward-node wrappers, AccumulateGrad",
+     ("name", r"^autograd::engine::evaluate_function:|AccumulateGrad|^[\w.]+Backward\d*$")),
+    (None, "any other op: the category of the nearest enclosing op named above (autograd "
+           "excepted), e.g. the casts and multiplies inside a Mesa Function -> mesa-layer, "
+           "the transpose inside aten::linear -> matmul, AdamW's per-parameter ops -> optimizer",
+     ("enclosing", "")),
+    ("copy/cast", "copy_, to, _to_copy, contiguous, clone (not inside an op named above)",
+     ("name", r"^aten::(copy_|_copy_from\w*|to|_to_copy|contiguous|clone|type_as)$")),
+    ("other", "everything else (elementwise, views, allocation, loss, ...)", ("any", "")),
+)
+CATEGORIES: tuple[str, ...] = tuple(dict.fromkeys(c for c, _, _ in RULES if c))
+# categories an unnamed op can take from an enclosing op
+ENCLOSING = frozenset(CATEGORIES[:CATEGORIES.index("autograd")])
+_COMPILED = [(cat, kind, re.compile(arg) if kind == "name" else arg) for cat, _, (kind, arg) in RULES]
+UNATTRIBUTED = "(device time outside any op)"
+TOP_OPS = 12
+
+
+def categorize(name: str, enclosing: str | None = None,
+               mesa_functions: Collection[str] = ()) -> str:
+    """The category of one op (`RULES`, first match wins); ``enclosing`` is the category
+    of the nearest enclosing op with one of the `ENCLOSING` categories (`enclosing_category`)."""
+    for cat, kind, arg in _COMPILED:
+        if kind == "enclosing":
+            if enclosing:
+                return enclosing
+        elif (kind == "any"
+              or (kind == "name" and arg.search(name))
+              or (kind == "mesa-function" and name in mesa_functions)):
+            return cat
+    raise AssertionError("the last rule matches everything")
+
+
+def mesa_function_names() -> frozenset[str]:
+    """Profiler names of Mesa's autograd Functions, found by walking the subclasses of
+    `torch.autograd.Function` defined in mesa_train (so new layers need no list here)."""
+    names: set[str] = set()
+    todo = list(torch.autograd.Function.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.__module__.startswith("mesa_train."):
+            names.update((cls.__name__, cls.__name__ + "Backward"))
+    return frozenset(names)
+
+
+def enclosing_category(event: Any, own: Callable[[str], str]) -> str | None:
+    """The `ENCLOSING` category of the nearest enclosing event that has one; ``own`` maps
+    a name to its category by name alone."""
+    parent = event.cpu_parent
+    while parent is not None:
+        cat = own(parent.name)
+        if cat in ENCLOSING:
+            return cat
+        parent = parent.cpu_parent
+    return None
+
+
+def _self_device_us(event: Any) -> float:
+    value = getattr(event, "self_device_time_total", None)
+    return event.self_cuda_time_total if value is None else value
+
+
+def aggregate(events: Iterable[Any], *, device_time: bool, steps: int,
+              mesa_functions: Collection[str] = ()) -> dict[tuple[str, str], tuple[float, float]]:
+    """``{(op, category): (ms per step, calls per step)}`` from profiler events.
+
+    Only host-side (CPU) events are categorised. On a GPU their self device time is the
+    time of the kernels they launched themselves; the kernel events (device type CUDA)
+    hold the same time once more, so they are not added again. Kernel time no host op
+    claims is kept as `UNATTRIBUTED` so that the total is the GPU's busy time."""
+    from torch.autograd import DeviceType
+
+    us: dict[tuple[str, str], float] = {}
+    calls: dict[tuple[str, str], int] = {}
+    attributed = kernels = 0.0
+    by_name: dict[str, str] = {}
+
+    def own(name: str) -> str:
+        if name not in by_name:
+            by_name[name] = categorize(name, None, mesa_functions)
+        return by_name[name]
+
+    for ev in events:
+        if ev.is_async:
+            continue
+        if ev.device_type != DeviceType.CPU:
+            if device_time and not getattr(ev, "is_user_annotation", False):
+                kernels += _self_device_us(ev)
+            continue
+        t = _self_device_us(ev) if device_time else ev.self_cpu_time_total
+        attributed += t
+        key = (ev.name, categorize(ev.name, enclosing_category(ev, own), mesa_functions))
+        us[key] = us.get(key, 0.0) + t
+        calls[key] = calls.get(key, 0) + 1
+    if device_time and kernels - attributed > 1e-3 * max(kernels, 1.0):
+        key = (UNATTRIBUTED, "other")
+        us[key], calls[key] = kernels - attributed, 0
+    # ops without time of their own (views, wrappers on a GPU) would only lengthen the files
+    return {k: (v / 1000 / steps, calls[k] / steps) for k, v in us.items() if v > 0}
+
+
+@dataclass
+class RowProfile:
+    label: str
+    status: str = "ok"  # ok | oom | error | skipped
+    error: str = ""
+    ops: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    wall_ms: float | None = None  # wall clock per profiled step, profiler overhead included
+
+    def by_category(self) -> dict[str, float]:
+        out = dict.fromkeys(CATEGORIES, 0.0)
+        for (_, cat), (ms, _) in self.ops.items():
+            out[cat] += ms
+        return out
+
+    @property
+    def total_ms(self) -> float:
+        return sum(ms for ms, _ in self.ops.values())
+
+
+def profile_row(row: RowConfig, device: torch.device, *, steps: int, seed: int = 0) -> RowProfile:
+    """Profile ``steps`` training steps of ``row`` after its warm-up. OOM and errors are
+    results (as in `measure.run_row`), not exceptions."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    result = RowProfile(row.label)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.utils.checkpoint.*")
+            step = warm_step(row, device, seed=seed)
+            with profile(activities=activities) as prof:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                synchronize(device)  # the last step's kernels belong to the profile
+                result.wall_ms = 1000 * (time.perf_counter() - t0) / steps
+            del step
+        result.ops = aggregate(prof.events(), device_time=device.type == "cuda", steps=steps,
+                               mesa_functions=mesa_function_names())
+    except Exception as err:  # noqa: BLE001 - reported in the file
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        result.status = "oom" if is_oom(err) else "error"
+        result.error = first if result.status == "oom" else f"{type(err).__name__}: {first}"
+    release(device)
+    return result
+
+
+def run_profiles(rows: list[RowConfig], statuses: list[str], device: torch.device, *,
+                 steps: int, seed: int, progress: Callable[[int, str], Any],
+                 say: Callable[..., None]) -> list[RowProfile]:
+    """Profile every row whose measurement succeeded (``statuses``: the measurement's
+    status per row); a row that failed or ran out of memory would only do so again."""
+    out: list[RowProfile] = []
+    bar = progress(len(rows), "profile")
+    try:
+        for row, status in zip(rows, statuses):
+            bar.set_postfix_str(row.label[:40])
+            if status != "ok":
+                p = RowProfile(row.label, status="skipped", error=f"measurement: {status}")
+            else:
+                p = profile_row(row, device, steps=steps, seed=seed)
+            out.append(p)
+            if p.status == "ok":
+                top = sorted(p.by_category().items(), key=lambda kv: -kv[1])[:3]
+                say(f"profile {row.label}: {p.total_ms:,.1f} ms/step ("
+                    + ", ".join(f"{c} {ms:,.1f}" for c, ms in top) + ")", bar)
+            else:
+                say(f"profile {row.label}: {p.status} {p.error}", bar)
+            bar.update(1)
+    finally:
+        bar.close()
+    return out
+
+
+# --------------------------------------------------------------------------- files
+
+CSV_COLUMNS = ["preset", "label", "op", "category", "ms_per_step", "calls_per_step", "time"]
+
+
+def _ms(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "–"
+    if abs(value) < 0.005:  # no "-0.00" or "+0.00": nothing changed at this precision
+        return "0.00"
+    return f"{value:+,.2f}" if signed else f"{value:,.2f}"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "/")
+
+
+def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: int,
+                    rows: list[RowConfig], profiles: list[RowProfile]) -> str:
+    cuda = env.get("device_type") == "cuda"
+    time_name = "self CUDA time per step" if cuda else "self CPU time per step"
+    by_label = {p.label: p for p in profiles}
+    ok = [(r, by_label[r.label]) for r in rows if by_label[r.label].status == "ok"]
+    baseline = {r.group_name: r.label for r in rows if r.baseline}  # ratios use the same rule
+    cats = {r.label: by_label[r.label].by_category() for r, _ in ok}
+    # a category no row spends time in is only noise in the table
+    shown = [c for c in CATEGORIES if any(cats[r.label][c] > 0.005 for r, _ in ok)] or ["other"]
+    warm = sorted({r.warmup for r in rows})
+
+    out = io.StringIO()
+    w = out.write
+    w(f"# Profile: {preset} (where the time of a training step goes)\n\n")
+    w(f"- Device: **{env['device']}**\n")
+    w(f"- Date: {env['date']}\n")
+    w(f"- Versions: torch {env['torch']}, timm {env['timm']}, mesa_train {env['mesa_train']}, "
+      f"CUDA {env['cuda']}; Mesa extension: {env['mesa_extension']}; git {env['git']}\n")
+    w(f"- Command: `{command}`\n")
+    w(f"- Time: **{time_name}** in ms, from `torch.profiler` over {steps} training step(s) "
+      f"after the row's warm-up ({'/'.join(map(str, warm))} step(s)). Each op's self time "
+      "excludes the ops it calls, so a row's categories add up to its Total. "
+      + "Step wall: wall clock per profiled step (profiler overhead included); Step wall minus "
+      + ("Total is time the GPU sat idle (kernel launches, Python)." if cuda else
+         "Total is Python time outside any op.") + "\n\n")
+
+    w(f"## {time_name[0].upper() + time_name[1:]} by category (ms)\n\n")
+    head = ["Row", *shown, "Total", "Step wall"]
+    w("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
+    for r, p in ok:
+        c = cats[r.label]
+        w("| " + " | ".join([_cell(r.label) + (" (baseline)" if r.baseline else ""),
+                             *[_ms(c[k]) for k in shown], _ms(p.total_ms), _ms(p.wall_ms)]) + " |\n")
+    failed = [p for p in profiles if p.status != "ok"]
+    if failed:
+        w("\nNot profiled: " + "; ".join(f"{p.label} ({p.status}: {p.error})" for p in failed) + "\n")
+
+    deltas = [(r, p) for r, p in ok if not r.baseline and baseline.get(r.group_name) in cats]
+    if deltas:
+        w("\n## Extra time vs the group's baseline (ms/step; + is slower)\n\n")
+        head = ["Row", "Baseline", *shown, "Total", "Step wall"]
+        w("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
+        for r, p in deltas:
+            b = baseline[r.group_name]
+            bp = by_label[b]
+            cells = [_ms(cats[r.label][k] - cats[b][k], signed=True) for k in shown]
+            wall = None if p.wall_ms is None or bp.wall_ms is None else p.wall_ms - bp.wall_ms
+            w("| " + " | ".join([_cell(r.label), _cell(b), *cells,
+                                 _ms(p.total_ms - bp.total_ms, signed=True), _ms(wall, signed=True)]) + " |\n")
+
+    for r, p in ok:
+        if not r.mesa:
+            continue
+        b = baseline.get(r.group_name)
+        bops = by_label[b].ops if b in cats else {}
+        w(f"\n## Top {TOP_OPS} ops by self time: {_cell(r.label)}" + (f" (vs {_cell(b)})" if b else "") + "\n\n")
+        w("| Op | Category | ms/step | calls/step | baseline ms/step |\n|---|---|---|---|---|\n")
+        for (op, cat), (ms, n) in sorted(p.ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]:
+            base = bops.get((op, cat))
+            w(f"| `{_cell(op)}` | {cat} | {_ms(ms)} | {n:g} | {_ms(base[0]) if base else '–'} |\n")
+
+    w("\n## Categories (first matching rule wins)\n\n| Category | Rule |\n|---|---|\n")
+    for cat, text, _ in RULES:
+        w(f"| {cat or '(enclosing op)'} | {text} |\n")
+    w("\nBaseline ms/step in the top-ops tables is the same op in the same category of the "
+      "baseline row (– where it does not occur there).\n")
+    return out.getvalue()
+
+
+def write_files(md_path: Path, csv_path: Path, *, preset: str, env: dict[str, Any],
+                command: str, steps: int, rows: list[RowConfig],
+                profiles: list[RowProfile]) -> str:
+    """Writes ``<device>.profile.md`` and ``.profile.csv``; returns the Markdown."""
+    md = render_markdown(preset=preset, env=env, command=command, steps=steps, rows=rows,
+                         profiles=profiles)
+    md_path.write_text(md)
+    kind = "self_cuda" if env.get("device_type") == "cuda" else "self_cpu"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for p in profiles:
+            for (op, cat), (ms, n) in sorted(p.ops.items(), key=lambda kv: -kv[1][0]):
+                writer.writerow({"preset": preset, "label": p.label, "op": op, "category": cat,
+                                 "ms_per_step": f"{ms:.4f}", "calls_per_step": f"{n:g}",
+                                 "time": kind})
+    return md
