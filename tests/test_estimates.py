@@ -78,13 +78,17 @@ def _check_same(got, want):
         assert torch.equal(_bits(g_), _bits(w)), f"{n}: {g_} != {w}"
 
 
-@needs_ext
+DEVICES = [pytest.param("cpu", marks=needs_ext), pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_sample,symmetric,init,valid,kind", CASES)
-def test_cpu_kernel_matches_reference(per_sample, symmetric, init, valid, kind):
+def test_kernel_matches_reference(per_sample, symmetric, init, valid, kind, device):
+    """The CPU / CUDA kernel against the reference on CPU."""
     i = CASES.index((per_sample, symmetric, init, valid, kind))
     (mn, mx), (a, b, _), decay = _case_args(per_sample, kind, i)
     state = (a, b, torch.tensor(init))
-    got = _run(torch.ops.mesa.update_estimates, mn, mx, state, decay, per_sample, symmetric, valid, "cpu")
+    got = _run(torch.ops.mesa.update_estimates, mn, mx, state, decay, per_sample, symmetric, valid, device)
     want = _run(R.update_estimates, mn, mx, state, decay, per_sample, symmetric, valid, "cpu")
     _check_same(got, want)
 
@@ -215,18 +219,6 @@ def test_quantizer_matches_step_by_step_reference():
         ra, rb = R.update_estimates(mn, mx, a, b, init, 0.8, False, False, True)
         assert torch.equal(_bits(alpha), _bits(ra)) and torch.equal(_bits(beta), _bits(rb))
         assert torch.equal(aq.alpha, a) and torch.equal(aq.beta, b) and bool(aq.initialized) == bool(init)
-
-
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("per_sample,symmetric,init,valid,kind", CASES)
-def test_cuda_kernel_matches_reference(per_sample, symmetric, init, valid, kind):
-    i = CASES.index((per_sample, symmetric, init, valid, kind))
-    (mn, mx), (a, b, _), decay = _case_args(per_sample, kind, i)
-    state = (a, b, torch.tensor(init))
-    got = _run(torch.ops.mesa.update_estimates, mn, mx, state, decay, per_sample, symmetric, valid, "cuda")
-    want = _run(R.update_estimates, mn, mx, state, decay, per_sample, symmetric, valid, "cpu")
-    _check_same(got, want)
 
 
 @pytest.mark.cuda

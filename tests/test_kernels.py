@@ -384,6 +384,8 @@ def test_fallback_when_extension_disabled():
         q = Q.quantize(x, mx - mn, mn, 1, 3, True, 77)
         y = torch.ops.mesa.dequantize(q, mx - mn, mn, 1, 3, torch.float16)
         torch.library.opcheck(torch.ops.mesa.quantize.default, (x, mx - mn, mn, 1, 3, True, 77))
+        torch.library.opcheck(torch.ops.mesa.update_estimates.default,
+                              (mn, mx, torch.zeros(3), torch.zeros(3), torch.tensor(False), 0.9, True, False, True))
         print(hashlib.sha256(q.numpy().tobytes()).hexdigest())
         """
     )

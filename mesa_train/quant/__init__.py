@@ -98,6 +98,20 @@ _REF_IMPLS = {
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
 # build of the extension (MESA_NO_CUDA=1, or built without nvcc) or the Python fallback.
 CUDA_BACKEND = "reference"
+_libs: list = []  # the Library objects own their registrations: keep them alive
+
+
+def _serve_from_reference(kind: str, names, keys) -> None:
+    """Register the reference as the ``keys`` kernels of ``names`` (defining the ops too,
+    unless ``kind`` is ``"IMPL"``)."""
+    lib = torch.library.Library("mesa", kind)
+    for name in names:
+        if kind != "IMPL":
+            lib.define(_SCHEMAS[name])
+        for key in keys:
+            lib.impl(name, _REF_IMPLS[name], key)
+    _libs.append(lib)
+
 
 if _load_extension():
     BACKEND = "extension"
@@ -111,18 +125,13 @@ if _load_extension():
             RuntimeWarning,
             stacklevel=2,
         )
-        _frag = torch.library.Library("mesa", "FRAGMENT")
-        for _name in _missing:
-            _frag.define(_SCHEMAS[_name])
-            for _key in ("CPU", "CUDA"):
-                _frag.impl(_name, _REF_IMPLS[_name], _key)
-    if all(torch._C._dispatch_has_kernel_for_dispatch_key(f"mesa::{n}", "CUDA") for n in _SCHEMAS):
+        _serve_from_reference("FRAGMENT", _missing, ("CPU", "CUDA"))
+    _no_cuda = [n for n in _SCHEMAS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"mesa::{n}", "CUDA")]
+    if not _no_cuda:
         CUDA_BACKEND = "extension"
     else:
         # CPU-only build: CUDA tensors still work, through the reference.
-        _cuda_lib = torch.library.Library("mesa", "IMPL")
-        for _name, _fn in _REF_IMPLS.items():
-            _cuda_lib.impl(_name, _fn, "CUDA")
+        _serve_from_reference("IMPL", _no_cuda, ("CUDA",))
         if torch.cuda.is_available():
             warnings.warn(
                 "mesa_train: the extension was built without CUDA kernels; CUDA tensors use the "
@@ -142,13 +151,7 @@ else:
         RuntimeWarning,
         stacklevel=2,
     )
-    _lib = torch.library.Library("mesa", "DEF")
-    for _name, _schema in _SCHEMAS.items():
-        _lib.define(_schema)
-
-    for _key in ("CPU", "CUDA"):
-        for _name, _fn in _REF_IMPLS.items():
-            _lib.impl(_name, _fn, _key)
+    _serve_from_reference("DEF", list(_SCHEMAS), ("CPU", "CUDA"))
 
 
 # ----------------------------------------------------------------------------- fake impls

@@ -1,0 +1,91 @@
+"""How many ops (kernel launches on a GPU) each Mesa layer adds to the stock layer.
+
+On a GPU every extra eager op is one more kernel launch and one more pass over the
+activation, which is where Mesa's throughput goes (issue 5). These tests pin the op
+sequence of each layer's forward and backward so that a change which adds passes fails
+here rather than silently in a GPU benchmark: a compressed tensor costs exactly
+``group_minmax + update_estimates + quantize`` in forward and one ``dequantize`` in
+backward; everything else must be the stock layer's own ops (plus, for LayerNorm, the
+one documented extra pass each way).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mesa_train.nn as M
+
+# metadata-only ops, allocations, the CPU seed draw and grad accumulation: not passes over data
+NOT_A_PASS = {
+    "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.expand", "aten.unsqueeze",
+    "aten.reshape", "aten.detach", "aten.alias", "aten.permute", "aten.squeeze", "aten.slice",
+    "aten.select", "aten.as_strided", "aten.empty", "aten.new_empty", "aten.empty_strided",
+    "aten.add_", "aten.randint", "aten._local_scalar_dense", "aten.ones_like", "aten.promote_types",
+    # per-row (not per-element) tensors of LayerNorm's backward: rows floats, not the activation
+    "aten.ones", "aten.zeros_like",
+}
+COMPRESS = ["mesa.group_minmax", "mesa.update_estimates", "mesa.quantize"]
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name not in NOT_A_PASS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _fwd_bwd_ops(module, *inputs):
+    xs = [x.clone().requires_grad_() for x in inputs]
+    module(*xs).sum().backward()  # initialise estimates, lazy state
+    with _Ops() as rec:
+        y = module(*xs)
+        n_fwd = len(rec.ops)
+        y.backward(torch.ones_like(y))
+    return rec.ops[:n_fwd], rec.ops[n_fwd:]
+
+
+class _MatMul(nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+def _x():
+    return torch.randn(2, 9, 16)
+
+
+# (stock module, Mesa converter, inputs, compressed tensors, extra non-Mesa ops fwd / bwd)
+CASES = {
+    "Linear": (lambda: nn.Linear(16, 8), M.Linear.from_module, lambda: (_x(),), 1, [], []),
+    "GELU": (nn.GELU, M.GELU.from_module, lambda: (_x(),), 1, [], []),
+    "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [], []),
+    "Conv2d": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
+    # x_hat: a second (affine-free) LayerNorm pass; backward: the row's rstd multiply
+    "LayerNorm": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,
+                  ["aten.native_layer_norm"], ["aten.mul"]),
+    "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2, [], []),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mesa_layer_adds_only_its_compression_ops(name):
+    make_stock, convert, inputs, n_compressed, extra_fwd, extra_bwd = CASES[name]
+    torch.manual_seed(0)
+    stock = make_stock()
+    mesa = convert(stock)
+    xs = inputs()
+    stock_fwd, stock_bwd = _fwd_bwd_ops(stock, *xs)
+    mesa_fwd, mesa_bwd = _fwd_bwd_ops(mesa, *xs)
+
+    assert [o for o in mesa_fwd if o.startswith("mesa.")] == COMPRESS * n_compressed, mesa_fwd
+    assert [o for o in mesa_bwd if o.startswith("mesa.")] == ["mesa.dequantize"] * n_compressed, mesa_bwd
+    assert sorted(o for o in mesa_fwd if not o.startswith("mesa.")) == sorted(stock_fwd + extra_fwd), (
+        f"forward passes beyond the stock layer's: {mesa_fwd} vs stock {stock_fwd}")
+    assert sorted(o for o in mesa_bwd if not o.startswith("mesa.")) == sorted(stock_bwd + extra_bwd), (
+        f"backward passes beyond the stock layer's: {mesa_bwd} vs stock {stock_bwd}")
