@@ -51,6 +51,8 @@ def load(ctx) -> tuple[list[Packed | None], list[torch.Tensor | None]]:
 def no_autocast(device_type: str):
     """Disable autocast for the device (backward computes in explicit dtypes)."""
     try:
+        if not torch.is_autocast_enabled(device_type):
+            return contextlib.nullcontext()  # the common case (backward): skip building a context
         return torch.autocast(device_type=device_type, enabled=False)
     except RuntimeError:  # a device type autocast does not know
         return contextlib.nullcontext()
