@@ -4,14 +4,13 @@ and the aggregation of profiler events (no double counting on CPU or CUDA)."""
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
+
+from test_bench import _run  # the app as a subprocess, as the other bench tests run it
 
 from mesa_train.bench.profile import (CATEGORIES, UNATTRIBUTED, aggregate, categorize,
                                       mesa_function_names)
@@ -21,12 +20,6 @@ MESA_ROW = "DeiT-tiny w/ Mesa all"
 BASE_ROW = "DeiT-tiny"
 
 
-def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run([sys.executable, "-m", "mesa_train.bench", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _table(md: str, heading: str) -> list[dict[str, str]]:
