@@ -207,7 +207,7 @@ def test_every_preset_is_valid():
     from mesa_train.bench.presets import expand_preset
     from mesa_train.bench.search import parse_search
 
-    assert {"auto", "cpu-quick", "table1", "table7", "table8", "table9", "table13", "table14",
+    assert {"auto", "cpu-quick", "cpu-compile", "table1", "table7", "table8", "table9", "table13", "table14",
             "modern"} <= set(PRESETS)
     for name in PRESETS:
         preset = _preset_dict(name)
@@ -218,7 +218,7 @@ def test_every_preset_is_valid():
         rows = expand_preset(preset)
         search = parse_search(preset.get("search"), dict(preset.get("common") or {}))
         assert rows or search, name
-        if name != "cpu-quick":
+        if not name.startswith("cpu-"):
             assert preset.get("requires_cuda") is True, name
             assert all(r.batch_size in (64, 128) for r in rows), name
     table9 = parse_search(_preset_dict("table9")["search"], _preset_dict("table9")["common"])
@@ -311,3 +311,25 @@ def test_cuda_search_control_flow_with_a_simulated_gpu(monkeypatch):
     got = {s["dim"]: (s["stock_max"], s["mesa_max"]) for s in summary}
     assert got == {"depth": (20, 45), "width": (15, 26), "resolution": (272, 336)}
     assert summary[0]["paper_ratio"] == 3.3
+
+
+# --------------------------------------------------------------------------- cpu-compile run
+
+def test_cpu_compile_preset_runs_whole_graph(tmp_path):
+    """Eager and compiled, stock and Mesa, in one run: the compiled Mesa row is one graph
+    with no break, every row has a ratio against its own group's baseline, and the step
+    times were interleaved. (aot_eager here: the committed results use Inductor.)"""
+    proc = _run("preset=cpu-compile", f"output_dir={tmp_path}", "progress=false", "threads=1",
+                "preset.common.steps=3", "preset.common.warmup=1", "preset.common.compile_backend=aot_eager")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    rows = {r["label"]: r for r in csv.DictReader(open(tmp_path / "cpu-compile" / "cpu.csv"))}
+    assert list(rows) == [r["label"] for r in _preset_dict("cpu-compile")["rows"]]
+    for label, r in rows.items():
+        assert r["status"] == "ok", (label, r["error"])
+        assert _float(r["throughput_ratio"]) > 0, label
+        assert "interleaved" in r["error"], label  # the note column
+    mesa = rows["DeiT-tiny compiled w/ Mesa all"]
+    assert mesa["compile"] == "default" and mesa["graphs"] == "1" and mesa["graph_breaks"] == "0", mesa
+    assert rows["DeiT-tiny eager w/ Mesa all"]["compile"] == ""
+    md = (tmp_path / "cpu-compile" / "cpu.md").read_text()
+    assert "default (1 / 0)" in md and "eager" in md

@@ -361,7 +361,7 @@ def test_matmul_operands_option():
         mn.MatMul(operands=("a", "c"))
     assert mn.MatMul().operands == ("a", "b") and mn.MatMul(operands="b").operands == ("b",)
     assert [n for n, _ in mn.MatMul(operands=("b",)).named_buffers()] == \
-        ["quantizer_b.alpha", "quantizer_b.beta", "quantizer_b.initialized"]
+        ["quantizer_b.alpha", "quantizer_b.beta", "quantizer_b.initialized", "quantizer_b.rng"]
     assert list(mn.MatMul(operands=()).buffers()) == [] and "operands=()" in repr(mn.MatMul(operands=()))
     a, b = _mm_inputs()
     gout = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(9))

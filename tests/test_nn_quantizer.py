@@ -33,7 +33,7 @@ def test_options_validation():
 def test_buffers_state_dict_round_trip_and_dtype():
     m = mn.Linear(8, 4, num_groups=2)
     names = dict(m.named_buffers())
-    assert set(names) == {"quantizer.alpha", "quantizer.beta", "quantizer.initialized"}
+    assert set(names) == {"quantizer.alpha", "quantizer.beta", "quantizer.initialized", "quantizer.rng"}
     assert all(not n.startswith("quantizer") for n, _ in m.named_parameters())
     assert names["quantizer.alpha"].shape == (2,) and names["quantizer.initialized"].dtype == torch.bool
     m(torch.randn(5, 8, requires_grad=True)).sum().backward()
@@ -43,6 +43,10 @@ def test_buffers_state_dict_round_trip_and_dtype():
     m2.load_state_dict(sd)
     for k in ("alpha", "beta", "initialized"):
         assert torch.equal(getattr(m2.quantizer, k), getattr(m.quantizer, k))
+    # the rounding counter is state (resume continues the seed sequence); the key belongs
+    # to the module's position and is kept
+    assert m.quantizer.rng[1] == 1 and m2.quantizer.rng[1] == 1  # one compressed call
+    assert m2.quantizer.rng[0] != m.quantizer.rng[0]
     # half() keeps the estimates in float32
     m2.half()
     assert m2.weight.dtype == torch.float16 and m2.quantizer.alpha.dtype == torch.float32

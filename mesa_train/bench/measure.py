@@ -61,6 +61,8 @@ class Measurement:
     step_ms_mean: float | None = None
     step_ms_median: float | None = None
     timed_steps: int = 0
+    graphs: int | None = None  # compiled rows: graphs Dynamo captured (1 = the whole step's forward)
+    graph_breaks: int | None = None  # compiled rows: graph breaks Dynamo took
     final_loss: float | None = None
     wall_s: float | None = None  # the whole measurement, build included
     notes: list[str] = field(default_factory=list)
@@ -252,6 +254,9 @@ class TrainStep:
 
     def __init__(self, row: RowConfig, model, device: torch.device, seed: int = 0):
         self.row, self.model, self.device = row, model, device
+        # what runs forward: the compiled wrapper shares the model's parameters and buffers
+        self.forward_model = (torch.compile(model, mode=row.compile_mode, backend=row.compile_backend)
+                              if row.compile else model)
         self.optimizer = make_optimizer(row, model)
         self.scaler = torch.amp.GradScaler(device.type) if row.amp == "fp16" else None
         gen = torch.Generator().manual_seed(seed)
@@ -267,7 +272,7 @@ class TrainStep:
 
     def forward_loss(self, x, y):
         with amp_context(self.row, self.device):
-            return F.cross_entropy(self.model(x), y) / self.row.accum_steps
+            return F.cross_entropy(self.forward_model(x), y) / self.row.accum_steps
 
     def __call__(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -306,27 +311,40 @@ def saved_bytes(step: TrainStep) -> tuple[float | None, float | None, str]:
 
 # --------------------------------------------------------------------------- measure
 
-def warm_step(row: RowConfig, device: torch.device, *, seed: int) -> TrainStep:
+def warm_step(row: RowConfig, device: torch.device, *, seed: int, fresh_cache: bool = True) -> TrainStep:
     """The row's model, optimizer and data after its ``warmup`` steps: the state every
     measurement (and the profile, `mesa_train.bench.profile`) starts from."""
     torch.manual_seed(seed)
+    if row.compile and fresh_cache:
+        torch._dynamo.reset()  # a fresh cache (and counters) per row: its graphs alone
+        torch._dynamo.utils.counters.clear()
     step = TrainStep(row, build_for_row(row, device), device, seed=seed)
-    for _ in range(row.warmup):
+    for _ in range(max(row.warmup, 1 if row.compile else 0)):  # compiling is not timed
         step()
     synchronize(device)
     return step
+
+
+def dynamo_graphs() -> tuple[int, int]:
+    """(graphs captured, graph breaks taken) since the last ``warm_step`` of a compiled row."""
+    counters = torch._dynamo.utils.counters
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
 
 
 def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: bool,
              timed: bool, rss: CpuRss | None) -> Measurement:
     result = Measurement()
     step = warm_step(row, device, seed=seed)
+    if row.compile:
+        result.graphs, result.graph_breaks = dynamo_graphs()
     result.n_params = sum(p.numel() for p in step.model.parameters())
     if row.warmup and not step.optimizer.state:
         result.notes.append("optimizer state not allocated after warm-up (GradScaler skipped "
                             "every step): the peak lacks it")
 
-    if measure_saved:
+    if measure_saved and not row.compile:
+        # (a compiled step's saved tensors are the partitioner's choice, outside autograd's
+        # saved-tensor hooks: the peak is the measure there)
         result.saved_mb, result.param_mb, note = saved_bytes(step)
         if note:
             result.notes.append(note)
@@ -359,12 +377,8 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
             step()
             synchronize(device)
             times.append(time.perf_counter() - t0)
-        result.timed_steps = len(times)
         # images/s from the median step: robust to other processes on a shared machine
-        result.throughput = row.batch_size / statistics.median(times)
-        result.throughput_mean = row.batch_size * len(times) / sum(times)
-        result.step_ms_mean = 1000 * statistics.fmean(times)
-        result.step_ms_median = 1000 * statistics.median(times)
+        apply_step_times(row, result, times)
 
     if step.last_loss is not None:
         loss = float(step.last_loss) * row.accum_steps
@@ -399,6 +413,37 @@ def run_row(row: RowConfig, device: torch.device, *, seed: int = 0, measure_save
     release(device)
     result.wall_s = time.perf_counter() - started
     return result
+
+
+def interleaved_step_times(rows: list[RowConfig], device: torch.device, *, seed: int = 0) -> list[list[float]]:
+    """Step times (s) of ``rows`` measured round-robin: every row's model is built and warmed
+    up first, then one step of each row in turn, ``max(steps)`` rounds (the starting row
+    rotates), so slow drifts of a shared machine hit every row alike. Used for the
+    throughput ratios of presets with ``interleave: true``."""
+    steps = [warm_step(r, device, seed=seed, fresh_cache=False) for r in rows]
+    times: list[list[float]] = [[] for _ in rows]
+    for k in range(max(r.steps for r in rows)):
+        for j in range(len(rows)):
+            i = (j + k) % len(rows)
+            if len(times[i]) >= rows[i].steps:
+                continue
+            synchronize(device)
+            t0 = time.perf_counter()
+            steps[i]()
+            synchronize(device)
+            times[i].append(time.perf_counter() - t0)
+    del steps
+    release(device)
+    return times
+
+
+def apply_step_times(row: RowConfig, result: Measurement, times: list[float]) -> None:
+    """Replace ``result``'s speed figures by those of ``times`` (see interleaved_step_times)."""
+    result.timed_steps = len(times)
+    result.throughput = row.batch_size / statistics.median(times)
+    result.throughput_mean = row.batch_size * len(times) / sum(times)
+    result.step_ms_mean = 1000 * statistics.fmean(times)
+    result.step_ms_median = 1000 * statistics.median(times)
 
 
 def _first_line(err: BaseException) -> str:

@@ -18,6 +18,8 @@ from mesa_train.models import MODEL_NAMES, timm_name
 AMP_CHOICES = ("fp32", "fp16", "bf16")
 ATTENTION_CHOICES = ("explicit", "fused")
 OPTIMIZER_CHOICES = ("adamw", "sgd")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # The names patch_model takes (docs/DESIGN.md); the patch module's own lists win when it
 # exports them (see `valid_ops`).
 _DESIGN_OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa", "all")
@@ -79,6 +81,9 @@ class RowConfig:
     warmup: int = 2
     steps: int = 10
     paper: str | None = None  # key into paper_numbers.PAPER_ROWS
+    compile: bool = False  # torch.compile the model (Inductor) before the warm-up steps
+    compile_mode: str | None = None  # torch.compile mode, e.g. reduce-overhead (CUDA graphs)
+    compile_backend: str = "inductor"  # torch.compile backend (aot_eager: traced, no codegen; for tests)
 
     @property
     def micro_batch(self) -> int:
@@ -116,6 +121,8 @@ class RowConfig:
             bits.append("ckpt")
         if self.accum_steps > 1:
             bits.append(f"accum{self.accum_steps}")
+        if self.compile:
+            bits.append("compiled" + (f"({self.compile_mode})" if self.compile_mode else ""))
         return " ".join(bits)
 
 
@@ -173,6 +180,14 @@ def check_row(row: RowConfig) -> None:
             raise BenchConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
     if not isinstance(row.warmup, int) or row.warmup < 0:
         raise BenchConfigError(f"{where}: warmup must be an integer >= 0, got {row.warmup!r}")
+    if not isinstance(row.compile, bool):
+        raise BenchConfigError(f"{where}: compile must be true or false, got {row.compile!r}")
+    if row.compile_backend not in COMPILE_BACKENDS:
+        raise BenchConfigError(f"{where}: compile_backend={row.compile_backend!r} is not valid; valid choices: "
+                               + ", ".join(COMPILE_BACKENDS))
+    if row.compile_mode not in COMPILE_MODES:
+        raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} is not valid; valid choices: "
+                               + ", ".join("null" if m is None else m for m in COMPILE_MODES))
     if row.batch_size % row.accum_steps:
         raise BenchConfigError(f"{where}: batch_size={row.batch_size} is not divisible by "
                                f"accum_steps={row.accum_steps} (micro-batches must be equal)")

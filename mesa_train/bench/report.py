@@ -24,7 +24,7 @@ from mesa_train.bench.presets import RowConfig
 CSV_COLUMNS = [
     "preset", "label", "group", "baseline", "model", "mesa", "ops", "modules",
     "batch_size", "micro_batch", "accum_steps", "img_size", "amp", "attention",
-    "grad_checkpointing", "num_classes", "status", "error", "params_m",
+    "grad_checkpointing", "compile", "graphs", "graph_breaks", "num_classes", "status", "error", "params_m",
     "saved_mb", "saved_ratio", "peak_mb", "peak_ratio", "peak_kind", "step_rss_mb",
     "step_rss_ratio", "reserved_mb", "throughput", "throughput_ratio", "throughput_mean",
     "step_ms_median", "timed_steps", "wall_s", "paper_row", "paper_memory_mb", "paper_memory_ratio", "paper_throughput",
@@ -114,6 +114,8 @@ def build_records(preset: str, rows: list[RowConfig], results: list[Measurement]
             "batch_size": row.batch_size, "micro_batch": row.micro_batch, "accum_steps": row.accum_steps,
             "img_size": row.img_size, "amp": row.amp, "attention": row.attention,
             "grad_checkpointing": row.grad_checkpointing, "num_classes": row.num_classes,
+            "compile": (row.compile_mode or "default") if row.compile else "",
+            "graphs": m.graphs, "graph_breaks": m.graph_breaks,
             "status": m.status, "error": m.error or "; ".join(m.notes),
             "params_m": None if m.n_params is None else m.n_params / 1e6,
             "saved_mb": m.saved_mb, "peak_mb": m.peak_mb, "peak_kind": m.peak_kind,
@@ -179,6 +181,8 @@ DESCRIPTIVE_COLUMNS = {
     "ops": ("Mesa ops", lambda r: r["ops"] or "–"),
     "modules": ("Mesa modules", lambda r: r["modules"] or "–"),
     "ckpt": ("Checkpointing", lambda r: "yes" if r["grad_checkpointing"] else "no"),
+    "compile": ("torch.compile (graphs / breaks)",
+                lambda r: f"{r['compile']} ({r['graphs']} / {r['graph_breaks']})" if r["compile"] else "eager"),
 }
 
 

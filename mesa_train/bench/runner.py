@@ -153,6 +153,8 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
             bar.update(1)
     finally:
         bar.close()
+    if preset.get("interleave"):
+        _time_groups_interleaved(rows, results, device, seed=seed, show=show)
     rows_s = time.perf_counter() - started
 
     search_summary: list[dict[str, Any]] = []
@@ -232,6 +234,26 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
         _say(f"error: {len(failed)} configuration(s) failed: {', '.join(failed)}")
         return 1
     return 0
+
+
+def _time_groups_interleaved(rows: list[RowConfig], results: list[Measurement], device: torch.device, *,
+                             seed: int, show: bool) -> None:
+    """Re-time each group's rows round-robin (preset ``interleave: true``): on a shared
+    machine the ratios to the baseline then compare steps taken side by side."""
+    groups: dict[str, list[int]] = {}
+    for i, (r, m) in enumerate(zip(rows, results)):
+        if m.status == "ok":
+            groups.setdefault(r.group_name, []).append(i)
+    bar = _progress(len(groups), show, "interleaved timing")
+    try:
+        for idx in groups.values():
+            times = _measure.interleaved_step_times([rows[i] for i in idx], device, seed=seed)
+            for i, t in zip(idx, times):
+                _measure.apply_step_times(rows[i], results[i], t)
+                results[i].notes.append("throughput: median of steps interleaved with its group's rows")
+            bar.update(1)
+    finally:
+        bar.close()
 
 
 def _profile_steps(cfg: Any) -> int:

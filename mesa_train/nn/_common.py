@@ -178,15 +178,3 @@ def rebuild_parameter_free(cls, stock: nn.Module, base: type, ctor_args: tuple, 
     new = cls(*ctor_args, device="meta", **inherit_options(stock, quant_options))
     copy_estimates(stock, new, stock_device(stock, device))
     return new.train(stock.training)
-
-
-@torch.compiler.disable
-def apply_fn(fn, *args):
-    """Run a Mesa ``autograd.Function`` eagerly, also inside ``torch.compile``.
-
-    The stochastic-rounding seed is a Python ``int`` drawn per call (the ``mesa::quantize``
-    schema takes ``int seed``); tracing it would either bake one seed into the graph or
-    recompile per seed. So each compressed op is a graph break: it runs eagerly (custom
-    ops included) and everything between the Mesa layers is compiled.
-    """
-    return fn.apply(*args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import MesaLayer, adopt_parameters, apply_fn, check_stock, inherit_options, load, no_autocast, save
+from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
 
 from .quantizer import decompress
 
@@ -85,7 +85,7 @@ class Conv2d(MesaLayer, nn.Conv2d):
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
-        return apply_fn(_Conv2dFn, input, self.weight, self.bias, self, self.quantizer)
+        return _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"{nn.Conv2d.extra_repr(self)}, {self._mesa_repr()}"

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import MesaLayer, apply_fn, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
+from ._common import MesaLayer, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
 from .quantizer import decompress
 
 __all__ = ["GELU"]
@@ -44,7 +44,7 @@ class GELU(MesaLayer, nn.GELU):
     def forward(self, input):
         if not self._mesa_active(input):
             return super().forward(input)
-        return apply_fn(_GeluFn, input, self.approximate, self.quantizer)
+        return _GeluFn.apply(input, self.approximate, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"{nn.GELU.extra_repr(self)}, {self._mesa_repr()}"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import MesaLayer, adopt_parameters, apply_fn, check_stock, inherit_options, load, no_autocast, save
+from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
 from .quantizer import decompress
 
 __all__ = ["LayerNorm"]
@@ -126,7 +126,7 @@ class LayerNorm(MesaLayer, nn.LayerNorm):
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
-        return apply_fn(_LayerNormFn, input, self.normalized_shape, self.weight, self.bias, self.eps, self.quantizer)
+        return _LayerNormFn.apply(input, self.normalized_shape, self.weight, self.bias, self.eps, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"{nn.LayerNorm.extra_repr(self)}, {self._mesa_repr()}"

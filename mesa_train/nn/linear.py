@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import MesaLayer, adopt_parameters, apply_fn, check_stock, inherit_options, load, no_autocast, save
+from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
 from .quantizer import decompress
 
 __all__ = ["Linear"]
@@ -57,7 +57,7 @@ class Linear(MesaLayer, nn.Linear):
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
-        return apply_fn(_LinearFn, input, self.weight, self.bias, self.quantizer)
+        return _LinearFn.apply(input, self.weight, self.bias, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"{nn.Linear.extra_repr(self)}, {self._mesa_repr()}"

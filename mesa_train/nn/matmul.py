@@ -58,9 +58,12 @@ def _check_operands(operands) -> Tuple[str, ...]:
 
 def _full_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The operand as the stock matmul keeps it: in the compute dtype (under autocast the
-    stock op keeps its cast copy), and compact when ``t`` views a bigger storage."""
+    stock op keeps its cast copy), and compact when ``t`` views a bigger storage. (Under
+    ``torch.compile`` the partitioner decides what is saved: keep ``t`` itself.)"""
     if t.dtype != dtype:
         return t.to(dtype)
+    if torch.compiler.is_compiling():
+        return t
     if t.untyped_storage().nbytes() > t.numel() * t.element_size():
         return t.contiguous() if not t.is_contiguous() else t.clone()
     return t
@@ -125,12 +128,10 @@ def _take_shared(layer: "MatMul", t: torch.Tensor, quantizer) -> Optional[Packed
     return sharing.take(t, dim, groups)
 
 
-@torch.compiler.disable
-def _compressed_matmul(layer: "MatMul", a, b):
-    """Eager also under ``torch.compile`` (see ``_common.apply_fn``: per-call seeds)."""
+def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None):
     qa = getattr(layer, "quantizer_a", None)
     qb = getattr(layer, "quantizer_b", None)
-    sa = _take_shared(layer, a, qa) if a.dim() else None
+    sa = shared_a if shared_a is not None else (_take_shared(layer, a, qa) if a.dim() else None)
     sb = _take_shared(layer, b, qb) if b.dim() else None
     if qa is None and qb is None and sa is None and sb is None:
         layer.last_saved = ("full", "full")
@@ -168,10 +169,12 @@ class MatMul(MesaLayer, nn.Module):
         copy_estimates(stock, new, dev)
         return new.train(stock.training) if isinstance(stock, nn.Module) else new
 
-    def forward(self, a, b):
+    def forward(self, a, b, shared_a: Optional[Packed] = None):
+        """``a @ b``; ``shared_a``: an 8-bit copy of ``a`` its producer already keeps (see
+        :meth:`mesa_train.nn.Softmax.forward_with_copy`), kept instead of quantizing ``a``."""
         if not self._mesa_active(a, b):
             return torch.matmul(a, b)
-        return _compressed_matmul(self, a, b)
+        return _compressed_matmul(self, a, b, shared_a)
 
     def extra_repr(self) -> str:
         ops = "" if self.operands == OPERANDS else f"operands={self.operands}, "

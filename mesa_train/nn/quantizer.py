@@ -19,14 +19,17 @@ that the layer saves with ``ctx.save_for_backward``; backward calls :func:`decom
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import zlib
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from mesa_train import quant  # noqa: F401  (importing it registers torch.ops.mesa.*)
+from mesa_train.quant import traceable
 
-__all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "draw_seed"]
+__all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS"]
 
 ESTIMATORS = ("running", "per_sample")
 ROUNDINGS = ("stochastic", "nearest")
@@ -102,14 +105,35 @@ class Packed(NamedTuple):
     num_groups: int
 
 
-def draw_seed() -> int:
-    """A fresh stochastic-rounding seed from torch's default CPU generator (no device sync)."""
-    return int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
-
-
 def decompress(p: Packed, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantize a :class:`Packed` into a tensor of ``dtype``."""
+    """Dequantize a :class:`Packed` into a tensor of ``dtype`` (traceable under ``torch.compile``)."""
+    if torch.compiler.is_compiling():
+        return traceable.dequantize(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
     return torch.ops.mesa.dequantize(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
+
+
+# The buffers that make up a quantizer's state (``state_dict`` entries; the checkpoint
+# converters in mesa_train.patch.checkpoint read this list).
+STATE_BUFFERS = ("alpha", "beta", "initialized", "rng")
+
+_M32 = 0xFFFFFFFF
+_HAS_OBSERVE = hasattr(torch.ops.mesa, 'observe')
+_construction_count = itertools.count()
+
+
+def rng_key(name: str) -> int:
+    """A quantizer's stochastic-rounding key from its qualified name (stable across
+    processes and runs, unlike ``hash``)."""
+    return zlib.crc32(name.encode("utf-8")) & _M32
+
+
+def assign_rng_keys(model: nn.Module, prefix: str = "") -> None:
+    """Key every quantizer of ``model`` by its qualified name, so that rounding noise does
+    not depend on how many quantizers the process built before (``patch_model`` calls it)."""
+    for name, m in model.named_modules(prefix=prefix):
+        if isinstance(m, ActivationQuantizer):
+            with torch.no_grad():
+                m.rng[0] = rng_key(name)
 
 
 class ActivationQuantizer(nn.Module):
@@ -134,6 +158,13 @@ class ActivationQuantizer(nn.Module):
         self.register_buffer("alpha", torch.zeros(G, dtype=torch.float32, device=device))
         self.register_buffer("beta", torch.zeros(G, dtype=torch.float32, device=device))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool, device=device))
+        if "rng" not in self._buffers:
+            # [key, counter]: the stochastic-rounding seed of each call is derived on the
+            # device from these (mesa::observe), never from torch's global generator, so
+            # a patched model draws the same dropout masks as the stock one. The key is
+            # replaced by one derived from the module's name when patch_model runs.
+            key = rng_key(f"mesa-quantizer-{next(_construction_count)}")
+            self.register_buffer("rng", torch.tensor([key, 0], dtype=torch.int64, device=device))
 
     def set_options(self, **kwargs) -> None:
         """Change options; a new ``num_groups`` resets the estimates (new buffer size)."""
@@ -148,13 +179,14 @@ class ActivationQuantizer(nn.Module):
         self.initialized.fill_(False)
 
     def _apply(self, fn, recurse=True):
-        # Keep the estimates float32 through .half() / .to(dtype): only move their device.
-        old = {n: self._buffers[n] for n in ("alpha", "beta")}
+        # Keep the estimates float32 (and the rng int64) through .half() / .to(dtype): only
+        # move their device.
+        old = {n: self._buffers[n] for n in ("alpha", "beta", "rng")}
         out = super()._apply(fn, recurse)
         for n, t in old.items():
             new = self._buffers[n]
-            if new is not None and new.dtype != torch.float32:
-                self._buffers[n] = t.to(device=new.device, dtype=torch.float32)
+            if new is not None and new.dtype != t.dtype:
+                self._buffers[n] = t.to(device=new.device)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -169,8 +201,20 @@ class ActivationQuantizer(nn.Module):
             k = prefix + n
             if k in state_dict and state_dict[k].dtype != torch.float32:
                 state_dict[k] = state_dict[k].float()
+        # The rng key belongs to this module's position (see assign_rng_keys): only the
+        # counter is state. A checkpoint from before the rng existed keeps the current one.
+        k = prefix + "rng"
+        if k in state_dict:
+            loaded = state_dict[k]
+            if loaded.shape != (2,):
+                error_msgs.append(f"{k}: expected an int64 tensor of shape (2,), got {tuple(loaded.shape)}")
+                return
+            state_dict[k] = torch.stack([self.rng[0], loaded[1].to(self.rng.device, torch.int64)])
+        n_missing = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if k in missing_keys[n_missing:]:
+            missing_keys.remove(k)
 
     def extra_repr(self) -> str:
         o = self.options
@@ -182,33 +226,32 @@ class ActivationQuantizer(nn.Module):
         return max(1, min(self.options.num_groups, D))
 
     @torch.no_grad()
-    def statistics(self, x: torch.Tensor, dim: int):
-        """Fresh ``(alpha, beta)`` of shape ``(S, G)`` for ``x``; updates the buffers."""
+    def compress(self, x: torch.Tensor, dim: int) -> Packed:
+        """Quantize ``x`` with groups along ``dim``; returns fresh tensors (see module doc).
+
+        Eager: two ops (``mesa::observe``: batch min/max + estimate update + seed step;
+        ``mesa::quantize``), called directly rather than through the checking wrappers of
+        :mod:`mesa_train.quant` (the kernels validate their arguments, and Python checks
+        here would cost real time for every activation of every step). Under
+        ``torch.compile`` the same arithmetic in plain PyTorch (:mod:`mesa_train.quant.traceable`),
+        so Inductor can fuse it with the kernels around it.
+        """
         opts = self.options
         if self.alpha.device != x.device:
             # a layer without parameters cannot know its device at patch time: follow the input
             self._apply(lambda t: t.to(x.device))
         dim = dim % x.dim()
         G = self.effective_groups(x, dim)
-        per_sample = opts.estimator == "per_sample"
-        # torch.ops.mesa.* directly, not the checking wrappers of mesa_train.quant: the
-        # kernels validate their arguments themselves (ValueError), and this runs for every
-        # compressed activation of every step, where Python checks cost real time.
-        mn, mx = torch.ops.mesa.group_minmax(x, dim, G, per_sample)
-        # one op (one kernel launch on CUDA) for the whole estimate update; its reference
-        # is mesa_train.quant.reference.update_estimates
-        alpha, beta = torch.ops.mesa.update_estimates(
-            mn, mx, self.alpha, self.beta, self.initialized, opts.decay, per_sample, opts.symmetric, x.numel() > 0
-        )
-        return alpha, beta, dim, G
-
-    @torch.no_grad()
-    def compress(self, x: torch.Tensor, dim: int) -> Packed:
-        """Quantize ``x`` with groups along ``dim``; returns fresh tensors (see module doc)."""
-        alpha, beta, dim, G = self.statistics(x, dim)
-        stochastic = self.options.rounding == "stochastic"
-        seed = draw_seed() if stochastic else 0
-        q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, seed)
+        x = x.contiguous()  # the one copy a non-contiguous input (k, v of a fused qkv) costs
+        stochastic = opts.rounding == "stochastic"
+        if torch.compiler.is_compiling() or not _HAS_OBSERVE:  # TEMP until the kernels land
+            alpha, beta, seed = traceable.observe(x, self.alpha, self.beta, self.initialized, self.rng, dim, G,
+                                                  opts.decay, opts.estimator == "per_sample", opts.symmetric)
+            q = traceable.quantize(x, alpha, beta, dim, G, stochastic, seed)
+        else:
+            alpha, beta, seed = torch.ops.mesa.observe(x, self.alpha, self.beta, self.initialized, self.rng, dim, G,
+                                                       opts.decay, opts.estimator == "per_sample", opts.symmetric)
+            q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, seed)
         return Packed(q, alpha, beta, dim, G)
 
     @staticmethod

@@ -32,6 +32,7 @@ Eval mode, ``enabled=False``, or no input requiring grad: the stock call, stock 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -124,6 +125,12 @@ class _MesaSDPA(torch.autograd.Function):
         if attn_mask is not None:
             attn_mask = attn_mask.detach().requires_grad_(mask_needs_grad)
 
+        if torch.compiler.is_compiling():
+            # autograd.grad cannot be traced: the same gradient by its formula, which
+            # Inductor fuses (dropout_p > 0 never gets here, see _compressed_sdpa)
+            gq, gk, gv, gm = _attention_backward(q, k, v, attn_mask, window_mask, is_causal, scale, grad_out,
+                                                 mask_needs_grad)
+            return (gq if needs[0] else None, gk if needs[1] else None, gv if needs[2] else None, gm) + (None,) * 14
         device_type, ac_enabled, ac_dtype = ctx.autocast
         inputs = [t for t, n in ((q, needs[0]), (k, needs[1]), (v, needs[2]), (attn_mask, mask_needs_grad)) if n]
         with torch.enable_grad(), torch.autocast(device_type, dtype=ac_dtype, enabled=ac_enabled):
@@ -144,6 +151,30 @@ class _MesaSDPA(torch.autograd.Function):
         gv = grads.pop(0) if needs[2] else None
         gm = grads.pop(0) if mask_needs_grad else None
         return (gq, gk, gv, gm) + (None,) * 14
+
+
+def _attention_backward(q, k, v, attn_mask, window_mask, is_causal, scale, grad_out, mask_needs_grad):
+    """Gradients of ``softmax(q k^T * scale + mask) v`` at ``(q, k, v)`` by their formula,
+    in float32 (no dropout): ``dv = P^T g``, ``dS = P * (g v^T - rowsum(g v^T * P))``,
+    ``dq = dS k * scale``, ``dk = dS^T q * scale``; the additive mask's gradient is ``dS``."""
+    qf, kf, vf, g = q.float(), k.float(), v.float(), grad_out.float()
+    L, S = q.shape[-2], k.shape[-2]
+    sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    logits = qf @ kf.transpose(-2, -1) * sc
+    mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
+    p = logits.softmax(-1)
+    gp = g @ vf.transpose(-2, -1)
+    ds = p * (gp - (gp * p).sum(-1, keepdim=True))
+    gq = (ds @ kf * sc).to(q.dtype)
+    gk = (ds.transpose(-2, -1) @ qf * sc).to(k.dtype)
+    gv = (p.transpose(-2, -1) @ g).to(v.dtype)
+    gm = ds.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_needs_grad else None
+    return gq, gk, gv, gm
 
 
 def _recompute(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale):
@@ -184,10 +215,11 @@ class ScaledDotProductAttention(MesaLayer, nn.Module):
         return _compressed_sdpa(self, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
 
 
-@torch.compiler.disable
 def _compressed_sdpa(module, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale):
-    # Eager also under torch.compile (like the other Mesa layers): the stochastic-rounding
-    # seed is a Python int drawn per call.
+    if dropout_p > 0.0 and torch.compiler.is_compiling():
+        # the backward replays the forward's dropout mask from the captured RNG state,
+        # which cannot be traced: this call runs eagerly (one graph break per call)
+        return _compressed_sdpa_eager(module, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
     pq = module.q_quantizer.compress(q.detach(), _group_dim(q))
     pk = module.k_quantizer.compress(k.detach(), _group_dim(k))
     pv = module.v_quantizer.compress(v.detach(), _group_dim(v))
@@ -196,3 +228,6 @@ def _compressed_sdpa(module, q, k, v, attn_mask, window_mask, dropout_p, is_caus
         q, k, v, attn_mask, window_mask,
         pq.q, pq.alpha, pq.beta, pk.q, pk.alpha, pk.beta, pv.q, pv.alpha, pv.beta,
         dims, float(dropout_p), bool(is_causal), scale)
+
+
+_compressed_sdpa_eager = torch.compiler.disable(_compressed_sdpa)

@@ -1,17 +1,22 @@
 """Mesa ``Softmax``: exact forward, saves only its 8-bit output (per-head groups for 4-D).
 
-The compressed output is offered to :mod:`mesa_train.nn.sharing`, so a Mesa ``MatMul``
-whose left operand is this output (``attn @ v``) reuses it instead of quantizing again.
+The compressed output can be reused by a Mesa ``MatMul`` whose left operand is this output
+(``attn @ v``) instead of quantizing it again: :meth:`Softmax.forward_with_copy` hands it
+over explicitly (what the patched attention modules do; this also works under
+``torch.compile``), and in eager mode it is also offered to :mod:`mesa_train.nn.sharing`
+for consumers that cannot be handed it.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import sharing
-from ._common import MesaLayer, apply_fn, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
-from .quantizer import decompress
+from ._common import MesaLayer, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
+from .quantizer import Packed, decompress
 
 __all__ = ["Softmax"]
 
@@ -24,10 +29,14 @@ class _SoftmaxFn(torch.autograd.Function):
         sharing.offer(y, packed)
         ctx.y_dtype, ctx.x_dtype, ctx.dim = y.dtype, x.dtype, dim
         save(ctx, [packed])
-        return y
+        # the codes and statistics are also outputs, so that a consumer can keep them
+        # instead of quantizing y again (forward_with_copy); they carry no gradient
+        ctx.mark_non_differentiable(packed.q, packed.alpha, packed.beta)
+        ctx.packed_layout = (packed.dim, packed.num_groups)
+        return y, packed.q, packed.alpha, packed.beta
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, *_):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
             yh = decompress(packed, ctx.y_dtype)
@@ -48,12 +57,19 @@ class Softmax(MesaLayer, nn.Softmax):
         return rebuild_parameter_free(cls, stock, nn.Softmax, (stock.dim,), device, quant_options)
 
     def forward(self, input):
+        return self.forward_with_copy(input)[0]
+
+    def forward_with_copy(self, input) -> tuple[torch.Tensor, Optional[Packed]]:
+        """``(output, its 8-bit copy)``; the copy is ``None`` when nothing was compressed
+        (eval mode, disabled, or no gradient needed)."""
         if not self._mesa_active(input):
-            return super().forward(input)
+            return super().forward(input), None
         dim = self.dim
         if dim is None:
             dim = F._get_softmax_dim("softmax", input.dim(), 5)  # same implicit choice and warning
-        return apply_fn(_SoftmaxFn, input, dim % input.dim() if input.dim() else 0, self.quantizer)
+        dim = dim % input.dim() if input.dim() else 0
+        y, q, alpha, beta = _SoftmaxFn.apply(input, dim, self.quantizer)
+        return y, Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1])
 
     def extra_repr(self) -> str:
         return f"{nn.Softmax.extra_repr(self)}, {self._mesa_repr()}"

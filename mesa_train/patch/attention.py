@@ -38,6 +38,8 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 
+from mesa_train.nn.matmul import MatMul as MesaMatMul
+from mesa_train.nn.softmax import Softmax as MesaSoftmax
 from timm.layers import Attention as _TimmAttention
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models.pvt_v2 import Attention as _PvtAttention
@@ -87,6 +89,12 @@ def _explicit_core(module, q, k, v, bias_fn=None):
     attn = module.qk_matmul(q, k.transpose(-2, -1))
     if bias_fn is not None:
         attn = bias_fn(attn)
+    if isinstance(module.softmax, MesaSoftmax) and isinstance(module.av_matmul, MesaMatMul):
+        # hand the softmax's 8-bit copy of the map to `attn @ v` explicitly (stored once;
+        # unlike the eager-only sharing cache this also holds under torch.compile)
+        probs, copy = module.softmax.forward_with_copy(attn)
+        attn = module.attn_drop(probs)
+        return module.av_matmul(attn, v, shared_a=copy if attn is probs else None)
     attn = module.softmax(attn)
     attn = module.attn_drop(attn)
     return module.av_matmul(attn, v)

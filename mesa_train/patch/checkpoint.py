@@ -1,8 +1,8 @@
 """Move checkpoints between stock and Mesa-patched models.
 
 A patched model's ``state_dict`` is the stock one (same keys, same tensors: weights are the
-same ``Parameter`` objects) plus the Mesa estimate buffers (``alpha``, ``beta``,
-``initialized``) of every ``ActivationQuantizer``, e.g. ``blocks.0.attn.qkv.quantizer.alpha``
+same ``Parameter`` objects) plus the Mesa buffers (``alpha``, ``beta``, ``initialized`` and
+the rounding ``rng``) of every ``ActivationQuantizer``, e.g. ``blocks.0.attn.qkv.quantizer.alpha``
 or ``blocks.0.attn.qk_matmul.quantizer_a.beta``.
 
 * :func:`stock_to_patched_state_dict` completes a stock checkpoint with *fresh* estimates
@@ -19,6 +19,8 @@ from typing import Mapping, Optional, Set
 import torch
 from torch import nn
 
+from mesa_train.nn.quantizer import STATE_BUFFERS
+
 from .core import _unwrap
 
 __all__ = [
@@ -29,7 +31,7 @@ __all__ = [
     "load_patched_checkpoint",
 ]
 
-_QUANTIZER_BUFFERS = ("alpha", "beta", "initialized")
+_QUANTIZER_BUFFERS = STATE_BUFFERS
 
 
 def _strip(key: str) -> str:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mesa_train.models import unwrap_model as _unwrap
+from mesa_train.nn.quantizer import assign_rng_keys
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, scan_functional_ops
@@ -342,6 +343,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         "calls": prev.get("calls", 0) + 1,
     }
     object.__setattr__(root, PATCH_INFO_ATTR, record)
+    # rounding seeds keyed by each quantizer's name: the same model patched in any process,
+    # in any order, draws the same rounding noise (and none from torch's global generator)
+    assign_rng_keys(root)
     if unreached:
         lines = ", ".join(f"{n} ({type(root.get_submodule(n) if n != '<root>' else root).__name__}: "
                           f"{'/'.join(o)})" for n, o in unreached.items())

@@ -1,0 +1,162 @@
+"""The ``mesa`` ops in plain, trace-friendly PyTorch: the path ``torch.compile`` sees.
+
+Eager training calls the C++/CUDA ops (``torch.ops.mesa.observe`` / ``quantize`` /
+``dequantize``: two launches per compression in forward, one in backward). Inside
+``torch.compile`` an opaque extension call would stop Inductor from fusing the compression
+into the kernels around it, so :class:`mesa_train.nn.ActivationQuantizer` calls these
+functions instead. They compute exactly the arithmetic of ``docs/DESIGN.md`` ("Quantization
+ops"), bit for bit the same as the kernels when run eagerly (``tests/test_traceable.py``),
+with only static shapes and no host synchronisation:
+
+* group boundaries are Python constants (no ``bincount``), so every shape is static;
+* the stochastic-rounding seed is a device tensor (``[seed_lo, seed_hi]``) derived from the
+  quantizer's ``rng = [key, counter]`` buffer, never a Python int, so one graph serves every
+  step and CUDA graphs can replay it;
+* estimate buffers are updated with in-place ``copy_`` (functionalised by the compiler).
+
+Under Inductor the floating-point results may differ from the kernels in the last bit where
+the compiler contracts a multiply-add; the layers' forward outputs never depend on them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .reference import _M32, lowbias32, update_estimates as _reference_update_estimates
+
+__all__ = ["group_minmax", "observe", "seed_step", "quantize", "dequantize", "canonical"]
+
+_EPS = 1e-12
+_SEED_SALT = 0x68E31DA4
+
+
+def canonical(t: torch.Tensor) -> torch.Tensor:
+    """Every NaN as the quiet NaN 0x7FC00000 and every zero as +0.0 (DESIGN.md): min/max
+    reductions then give the same bits whatever their order or device."""
+    nan = torch.full_like(t, float("nan"))
+    zero = torch.zeros_like(t)
+    return torch.where(torch.isnan(t), nan, torch.where(t == 0, zero, t))
+
+
+def _group_blocks(D: int, G: int) -> list[list[int]]:
+    """Indices ``d`` of each group (``g = d * G // D``), padded to one length by repeating
+    the group's last index (a repeat changes neither min nor max)."""
+    starts = [-(-g * D // G) for g in range(G)] + [D]
+    L = max(starts[g + 1] - starts[g] for g in range(G))
+    return [[min(starts[g] + j, starts[g + 1] - 1) for j in range(L)] for g in range(G)]
+
+
+def _per_d_minmax(x: torch.Tensor, dim: int, S: int):
+    """Min and max over everything but (sample, d): float32 ``(S, D)``."""
+    outer = 1
+    for s in x.shape[:dim]:
+        outer *= s
+    D = x.shape[dim]
+    inner = x.numel() // max(outer * D, 1)
+    if S == 1:
+        xv = x.reshape(outer, D, inner)
+        return xv.amin(dim=(0, 2)).float().view(1, D), xv.amax(dim=(0, 2)).float().view(1, D)
+    if dim > 0:
+        xv = x.reshape(S, outer // S, D, inner)
+        return xv.amin(dim=(1, 3)).float(), xv.amax(dim=(1, 3)).float()
+    # per sample over dim 0: sample s is exactly index d = s, other samples' cells are empty
+    xv = x.reshape(D, inner)
+    eye = torch.eye(D, dtype=torch.bool, device=x.device)
+    inf = torch.full((D, D), float("inf"), dtype=torch.float32, device=x.device)
+    dmn = torch.where(eye, xv.amin(dim=1).float().view(1, D).expand(D, D), inf)
+    dmx = torch.where(eye, xv.amax(dim=1).float().view(1, D).expand(D, D), -inf)
+    return dmn, dmx
+
+
+def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = False):
+    """Per-group ``(min, max)``, float32 ``(S, G)``, canonical bits; ``x`` contiguous."""
+    S = x.shape[0] if per_sample else 1
+    G = num_groups
+    if x.numel() == 0:
+        mn = torch.full((S, G), float("inf"), dtype=torch.float32, device=x.device)
+        return mn, -mn
+    dmn, dmx = _per_d_minmax(x, dim, S)
+    D = x.shape[dim]
+    if D % G == 0:  # equal blocks: a reshape, no gather
+        mn = dmn.view(S, G, D // G).amin(dim=2)
+        mx = dmx.view(S, G, D // G).amax(dim=2)
+    else:
+        idx = torch.tensor(_group_blocks(D, G), dtype=torch.int64, device=x.device)
+        mn = dmn[:, idx].amin(dim=2)
+        mx = dmx[:, idx].amax(dim=2)
+    return canonical(mn), canonical(mx)
+
+
+def seed_step(rng: torch.Tensor) -> torch.Tensor:
+    """This call's ``[seed_lo, seed_hi]`` from ``rng = [key, counter]``; advances the counter."""
+    k = lowbias32(rng[0:1])
+    lo = lowbias32(rng[1:2] ^ k)
+    hi = lowbias32(lo ^ k ^ _SEED_SALT)
+    rng[1:2].copy_((rng[1:2] + 1) & _M32)
+    return torch.cat([lo, hi])
+
+
+def observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
+            per_sample: bool, symmetric: bool):
+    """``mesa::observe``: batch min/max, running-estimate step, seed step (one op when eager)."""
+    mn, mx = group_minmax(x, dim, num_groups, per_sample)
+    alpha, beta = _reference_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample,
+                                              symmetric, x.numel() > 0)
+    return canonical(alpha), canonical(beta), seed_step(rng)
+
+
+def _per_element(t: torch.Tensor, params, dim: int, G: int):
+    """Broadcast each ``(S, G)`` param to ``t``'s shape (per element) without reshaping
+    ``t`` itself: the results are fresh tensors of ``t``'s shape, never views of it (an
+    output aliasing an input cannot leave a compiled autograd.Function)."""
+    D = t.shape[dim]
+    S = params[0].shape[0]
+    if D % G == 0:
+        per_d = [p.repeat_interleave(D // G, dim=1) for p in params]  # (S, D)
+    else:
+        gidx = torch.tensor([d * G // D for d in range(D)], dtype=torch.int64, device=t.device)
+        per_d = [p[:, gidx] for p in params]
+    shape = [1] * t.dim()
+    shape[dim] = D
+    if S == 1:
+        return [p.view(shape) for p in per_d]
+    if dim > 0:  # per sample: S = t.shape[0]
+        shape[0] = S
+        return [p.view(shape) for p in per_d]
+    # per sample over dim 0: sample s is index d = s
+    ar = torch.arange(D, device=t.device)
+    return [p[ar, ar].view(shape) for p in per_d]
+
+
+def _uniform(numel: int, seed: torch.Tensor, device) -> torch.Tensor:
+    """The DESIGN.md counter hash for flat indices ``0 .. numel`` (``numel < 2**32``: the
+    index's high word is 0, so its term vanishes)."""
+    i = torch.arange(numel, dtype=torch.int64, device=device)
+    h = lowbias32(i ^ seed[0])
+    h = lowbias32(h ^ seed[1])
+    return (h >> 8).to(torch.float32) * (2.0**-24)
+
+
+def quantize(x, alpha, beta, dim: int, num_groups: int, stochastic: bool, seed: torch.Tensor):
+    """uint8 codes of contiguous ``x`` (DESIGN.md arithmetic); ``seed`` = ``[lo, hi]`` tensor."""
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    if x.numel() >= 2**32:
+        raise ValueError("the traceable quantize handles tensors of fewer than 2**32 elements")
+    inv = torch.where(alpha > _EPS, torch.full_like(alpha, 255.0) / alpha, torch.zeros_like(alpha))
+    inv, b = _per_element(x, [inv, beta], dim, num_groups)
+    v = (x.to(torch.float32) - b) * inv
+    if stochastic:
+        v = torch.floor(v + _uniform(x.numel(), seed, x.device).view(x.shape))
+    else:
+        v = torch.round(v)  # half to even
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v).clamp(0.0, 255.0)
+    return v.to(torch.uint8)
+
+
+def dequantize(q, alpha, beta, dim: int, num_groups: int, dtype: torch.dtype):
+    """``q * (alpha / 255) + beta`` in fp32 (step, product, sum rounded separately)."""
+    if q.numel() == 0:
+        return torch.empty(q.shape, dtype=dtype, device=q.device)
+    step = alpha / torch.full_like(alpha, 255.0)
+    st, b = _per_element(q, [step, beta], dim, num_groups)
+    return ((q.to(torch.float32) * st) + b).to(dtype)
