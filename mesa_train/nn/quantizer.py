@@ -205,9 +205,20 @@ class ActivationQuantizer(nn.Module):
     @torch.no_grad()
     def compress(self, x: torch.Tensor, dim: int) -> Packed:
         """Quantize ``x`` with groups along ``dim``; returns fresh tensors (see module doc)."""
-        alpha, beta, dim, G = self.statistics(x, dim)
-        stochastic = self.options.rounding == "stochastic"
-        seed = draw_seed() if stochastic else 0
+        opts = self.options
+        if self.alpha.device != x.device:
+            self._apply(lambda t: t.to(x.device))
+        dim = dim % x.dim()
+        G = self.effective_groups(x, dim)
+        stochastic = opts.rounding == "stochastic"
+        # observe = group_minmax + update_estimates + the seed step (one launch on CUDA).
+        # Transitional: the rng key is still one draw per call from torch's CPU generator
+        # (the global RNG stream is consumed exactly as before).
+        rng = torch.tensor([draw_seed() & 0xFFFFFFFF, 0], dtype=torch.int64, device=x.device)
+        alpha, beta, seed = torch.ops.mesa.observe(
+            x, self.alpha, self.beta, self.initialized, rng, dim, G, opts.decay, opts.estimator == "per_sample",
+            opts.symmetric,
+        )
         q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, seed)
         return Packed(q, alpha, beta, dim, G)
 
