@@ -62,6 +62,20 @@ MESA_HD float f_div(float a, float b) {
 MESA_HD float nan_min(float acc, float v) { return ((v < acc) | (v != v)) ? v : acc; }
 MESA_HD float nan_max(float acc, float v) { return ((v > acc) | (v != v)) ? v : acc; }
 
+// Canonical bits (DESIGN.md, "Canonical bits"): every float32 that group_minmax,
+// update_estimates and observe return or store is canonical, so min/max reductions are
+// order-independent and every device writes the same bits: any NaN becomes 0x7FC00000
+// (whatever its payload or sign; GPU arithmetic would give 0x7FFFFFFF), any zero +0.0.
+constexpr uint32_t kCanonicalNaNBits = 0x7FC00000u;
+MESA_HD float canonical(float v) {
+#if defined(__CUDA_ARCH__)
+  const float nan = __uint_as_float(kCanonicalNaNBits);
+#else
+  const float nan = std::numeric_limits<float>::quiet_NaN();  // 0x7FC00000 on IEEE hosts
+#endif
+  return v != v ? nan : (v == 0.0f ? 0.0f : v);
+}
+
 // ----------------------------------------------------------------------------- RNG hash
 MESA_HD uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16;
@@ -78,6 +92,14 @@ MESA_HD float hash_uniform(uint64_t i, uint32_t seed_lo, uint32_t seed_hi) {
   const uint32_t hi_mix = static_cast<uint32_t>(i >> 32) * 0x9E3779B9u;
   const uint32_t h = lowbias32(lowbias32(static_cast<uint32_t>(i) ^ seed_lo) ^ seed_hi ^ hi_mix);
   return static_cast<float>(h >> 8) * 5.9604644775390625e-08f;  // 2^-24, exact
+}
+
+// Seed step of mesa::observe (DESIGN.md, "Seed step"): rng = [key, counter] (uint32 each)
+// -> the quantize seed [seed_lo, seed_hi]; the caller then advances counter by one (mod 2^32).
+MESA_HD void seed_step(uint32_t key, uint32_t counter, uint32_t& seed_lo, uint32_t& seed_hi) {
+  const uint32_t k = lowbias32(key);
+  seed_lo = lowbias32(counter ^ k);
+  seed_hi = lowbias32(seed_lo ^ k ^ 0x68E31DA4u);
 }
 
 // ----------------------------------------------------------------------------- quant math
@@ -115,6 +137,7 @@ MESA_HD bool is_finite(float v) { return f_sub(v, v) == 0.0f; }
 MESA_HD float abs_f(float v) { return v < 0.0f ? -v : v; }  // NaN stays NaN
 
 // (alpha, beta) = (max - min, min), or symmetric (2m, -m) with m = max(|min|, |max|).
+// Not canonicalised here: callers canonicalise what they return or store.
 MESA_HD void group_range(float mn, float mx, bool symmetric, float& alpha, float& beta) {
   if (symmetric) {
     const float m = nan_max(abs_f(mn), abs_f(mx));
@@ -147,12 +170,12 @@ MESA_HD void batch_range(const float* mn, const float* mx, int64_t S, int64_t G,
 
 // used: the value this batch is quantized with (shared statistics); stored: the buffer's
 // next value. ema = lam * old + (1 - lam) * r as three rounded fp32 operations. A
-// non-finite batch keeps existing estimates and never updates them.
+// non-finite batch keeps existing estimates and never updates them. Both canonical.
 MESA_HD void estimate_step(float old, float r, bool init, bool finite, float lam, float one_minus_lam,
                            float& used, float& stored) {
   const float ema = init ? f_add(f_mul(old, lam), f_mul(r, one_minus_lam)) : r;
-  used = (!finite && init) ? old : ema;
-  stored = finite ? used : old;
+  used = canonical((!finite && init) ? old : ema);
+  stored = finite ? used : canonical(old);
 }
 
 // ----------------------------------------------------------------------------- layout
@@ -176,13 +199,19 @@ Layout make_layout(const at::Tensor& x, int64_t dim, int64_t num_groups, int64_t
 // Argument checks (ValueError on the Python side); return the layout.
 Layout check_minmax(const at::Tensor& x, int64_t dim, int64_t num_groups, bool per_sample);
 Layout check_quantize(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
-                      int64_t dim, int64_t num_groups);
+                      int64_t dim, int64_t num_groups, const at::Tensor& seed);
 Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
                         int64_t dim, int64_t num_groups, at::ScalarType dtype);
 // update_estimates: returns G (the groups of mn / mx).
 int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
                                const at::Tensor& beta_est, const at::Tensor& initialized, double decay,
                                bool per_sample);
+// observe: the checks of group_minmax plus the estimate state and rng; returns the layout.
+Layout check_observe(const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                     const at::Tensor& initialized, const at::Tensor& rng, int64_t dim, int64_t num_groups,
+                     double decay, bool per_sample);
+// int64 (2,) tensor on `device` (quantize's seed, observe's rng)
+void check_seed_tensor(const char* what, const at::Tensor& t, const c10::Device& device);
 
 inline int64_t group_of(int64_t d, int64_t G, int64_t D) { return (d * G) / D; }
 

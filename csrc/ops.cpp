@@ -86,12 +86,13 @@ Layout check_minmax(const at::Tensor& x, int64_t dim, int64_t num_groups, bool p
 }
 
 Layout check_quantize(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
-                      int64_t dim, int64_t num_groups) {
+                      int64_t dim, int64_t num_groups, const at::Tensor& seed) {
   TORCH_CHECK_VALUE(is_quant_dtype(x.scalar_type()),
                     "mesa: quantize supports float32, float16 and bfloat16 inputs, got ",
                     x.scalar_type());
   normalize_dim(x, dim);
   const int64_t S = check_params(x, alpha, beta, num_groups);
+  check_seed_tensor("quantize: seed ([lo, hi])", seed, x.device());
   return make_layout(x, dim, num_groups, S);
 }
 
@@ -106,6 +107,26 @@ Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::
   return make_layout(q, dim, num_groups, S);
 }
 
+// The estimate state of update_estimates / observe: (G_buf,) float32 buffers with
+// G_buf >= G, a one-element bool flag, all on `device`, and decay in [0, 1).
+static void check_estimate_state(const char* op, int64_t G, const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                                 const at::Tensor& initialized, const c10::Device& device, double decay) {
+  for (const at::Tensor* p : {&alpha_est, &beta_est}) {
+    const char* name = p == &alpha_est ? "alpha_est" : "beta_est";
+    TORCH_CHECK_VALUE(p->scalar_type() == at::kFloat && p->dim() == 1 && p->is_contiguous() && p->size(0) >= G,
+                      "mesa: ", op, ": ", name, " must be a contiguous float32 (G_buf,) tensor with G_buf >= ", G,
+                      ", got ", p->scalar_type(), p->sizes());
+  }
+  TORCH_CHECK_VALUE(initialized.scalar_type() == at::kBool && initialized.numel() == 1, "mesa: ", op,
+                    ": initialized must be a one-element bool tensor, got ", initialized.scalar_type(),
+                    initialized.sizes());
+  for (const at::Tensor* p : {&alpha_est, &beta_est, &initialized}) {
+    TORCH_CHECK_VALUE(p->device() == device, "mesa: ", op, ": all tensors must be on ", device, ", got one on ",
+                      p->device());
+  }
+  TORCH_CHECK_VALUE(decay >= 0.0 && decay < 1.0, "mesa: ", op, ": decay must be in [0, 1), got ", decay);
+}
+
 int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
                                const at::Tensor& beta_est, const at::Tensor& initialized, double decay,
                                bool per_sample) {
@@ -115,22 +136,29 @@ int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const
                     mn.scalar_type(), mn.sizes(), " and ", mx.scalar_type(), mx.sizes());
   TORCH_CHECK_VALUE(per_sample || mn.size(0) == 1,
                     "mesa: update_estimates: shared statistics must have shape (1, G), got ", mn.sizes());
+  TORCH_CHECK_VALUE(mx.device() == mn.device(), "mesa: update_estimates: all tensors must be on ", mn.device(),
+                    ", got one on ", mx.device());
   const int64_t G = mn.size(1);
-  for (const at::Tensor* p : {&alpha_est, &beta_est}) {
-    const char* name = p == &alpha_est ? "alpha_est" : "beta_est";
-    TORCH_CHECK_VALUE(p->scalar_type() == at::kFloat && p->dim() == 1 && p->is_contiguous() && p->size(0) >= G,
-                      "mesa: update_estimates: ", name, " must be a contiguous float32 (G_buf,) tensor with G_buf >= ",
-                      G, ", got ", p->scalar_type(), p->sizes());
-  }
-  TORCH_CHECK_VALUE(initialized.scalar_type() == at::kBool && initialized.numel() == 1,
-                    "mesa: update_estimates: initialized must be a one-element bool tensor, got ",
-                    initialized.scalar_type(), initialized.sizes());
-  for (const at::Tensor* p : {&mx, &alpha_est, &beta_est, &initialized}) {
-    TORCH_CHECK_VALUE(p->device() == mn.device(), "mesa: update_estimates: all tensors must be on ", mn.device(),
-                      ", got one on ", p->device());
-  }
-  TORCH_CHECK_VALUE(decay >= 0.0 && decay < 1.0, "mesa: update_estimates: decay must be in [0, 1), got ", decay);
+  check_estimate_state("update_estimates", G, alpha_est, beta_est, initialized, mn.device(), decay);
   return G;
+}
+
+void check_seed_tensor(const char* what, const at::Tensor& t, const c10::Device& device) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == 2, "mesa: ", what,
+                    " must be an int64 tensor of shape (2,), got ", t.scalar_type(), t.sizes());
+  TORCH_CHECK_VALUE(t.device() == device, "mesa: ", what, " is on ", t.device(), " but the input is on ", device);
+}
+
+Layout check_observe(const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                     const at::Tensor& initialized, const at::Tensor& rng, int64_t dim, int64_t num_groups,
+                     double decay, bool per_sample) {
+  TORCH_CHECK_VALUE(is_quant_dtype(x.scalar_type()),
+                    "mesa: observe supports float32, float16 and bfloat16 inputs, got ", x.scalar_type());
+  const int64_t nd = normalize_dim(x, dim);
+  const Layout L = make_layout(x, nd, num_groups, per_sample ? x.size(0) : 1);
+  check_estimate_state("observe", num_groups, alpha_est, beta_est, initialized, x.device(), decay);
+  check_seed_tensor("observe: rng ([key, counter])", rng, x.device());
+  return L;
 }
 
 }  // namespace mesa
@@ -139,7 +167,8 @@ TORCH_LIBRARY(mesa, m) {
   // Fake (meta) implementations and autograd live in this Python module.
   m.set_python_module("mesa_train.quant");
   m.def("group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)");
-  m.def("quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, int seed) -> Tensor");
+  // seed: int64 (2,) = [lo, hi] (uint32 each) on x's device, read by the kernel (no host sync)
+  m.def("quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed) -> Tensor");
   m.def("dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype) -> Tensor");
   // One launch for the whole running-estimate update (instead of ~20 small torch ops):
   // mutates the first G entries of the estimate buffers and `initialized` in place and
@@ -147,4 +176,11 @@ TORCH_LIBRARY(mesa, m) {
   m.def(
       "update_estimates(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
       "float decay, bool per_sample, bool symmetric, bool valid) -> (Tensor alpha, Tensor beta)");
+  // group_minmax + update_estimates (valid = numel > 0) + the seed step in one op (one
+  // launch on CUDA): returns this batch's (S, G) alpha/beta and a fresh quantize seed,
+  // advances rng = [key, counter] in place (DESIGN.md, "Seed step").
+  m.def(
+      "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
+      "int dim, int num_groups, float decay, bool per_sample, bool symmetric) -> (Tensor alpha, Tensor beta, "
+      "Tensor seed)");
 }

@@ -361,16 +361,24 @@ void quantize_kernel(const scalar_t* x_, uint8_t* q, const Layout& L, bool stoch
   });
 }
 
+// [lo, hi] of an int64 (2,) seed tensor (uint32 each: the low 32 bits of each entry)
+void read_seed(const at::Tensor& seed, uint32_t& lo, uint32_t& hi) {
+  const int64_t* p = seed.const_data_ptr<int64_t>();
+  const int64_t st = seed.stride(0);
+  lo = static_cast<uint32_t>(p[0]);
+  hi = static_cast<uint32_t>(p[st]);
+}
+
 at::Tensor quantize_cpu(const at::Tensor& x_in, const at::Tensor& alpha, const at::Tensor& beta,
-                        int64_t dim, int64_t num_groups, bool stochastic, int64_t seed) {
-  const Layout L = check_quantize(x_in, alpha, beta, dim, num_groups);
+                        int64_t dim, int64_t num_groups, bool stochastic, const at::Tensor& seed) {
+  const Layout L = check_quantize(x_in, alpha, beta, dim, num_groups, seed);
   const at::Tensor x = x_in.contiguous();
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   if (L.numel == 0) return q;
   std::vector<float> tinv, tbeta;
   build_tables(L, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
-  const uint64_t useed = static_cast<uint64_t>(seed);
-  const uint32_t slo = static_cast<uint32_t>(useed), shi = static_cast<uint32_t>(useed >> 32);
+  uint32_t slo, shi;
+  read_seed(seed, slo, shi);
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_cpu", [&] {
     quantize_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), L, stochastic,
                               tinv.data(), tbeta.data(), slo, shi);
@@ -426,9 +434,14 @@ void reduce_groups(const Layout& L, const float* dmn, const float* dmx, float* o
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> group_minmax_cpu(const at::Tensor& x_in, int64_t dim, int64_t num_groups,
-                                                    bool per_sample) {
-  const Layout L = check_minmax(x_in, dim, num_groups, per_sample);
+// Canonical bits of every returned / stored statistic (mesa_common.h, `canonical`).
+void canonicalize(at::Tensor& t) {
+  float* p = t.mutable_data_ptr<float>();
+  for (int64_t i = 0, n = t.numel(); i < n; ++i) p[i] = canonical(p[i]);
+}
+
+// (S, G) min / max of x (validated layout L); canonical.
+std::tuple<at::Tensor, at::Tensor> group_minmax_impl(const at::Tensor& x_in, const Layout& L) {
   const at::Tensor x = x_in.contiguous();
   auto fopts = x.options().dtype(at::kFloat);
   at::Tensor omn = at::full({L.S, L.G}, kInf, fopts);
@@ -473,14 +486,21 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cpu(const at::Tensor& x_in, int6
       reduce_groups(L, part_mn.data(), part_mx.data(), pmn, pmx);
     }
   });
+  canonicalize(omn);
+  canonicalize(omx);
   return {omn, omx};
 }
 
-std::tuple<at::Tensor, at::Tensor> update_estimates_cpu(const at::Tensor& mn_in, const at::Tensor& mx_in,
-                                                        const at::Tensor& alpha_est, const at::Tensor& beta_est,
-                                                        const at::Tensor& initialized, double decay, bool per_sample,
-                                                        bool symmetric, bool valid) {
-  const int64_t G = check_update_estimates(mn_in, mx_in, alpha_est, beta_est, initialized, decay, per_sample);
+std::tuple<at::Tensor, at::Tensor> group_minmax_cpu(const at::Tensor& x, int64_t dim, int64_t num_groups,
+                                                    bool per_sample) {
+  return group_minmax_impl(x, check_minmax(x, dim, num_groups, per_sample));
+}
+
+// The estimate step on validated arguments (G groups).
+std::tuple<at::Tensor, at::Tensor> update_estimates_impl(const at::Tensor& mn_in, const at::Tensor& mx_in,
+                                                         const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                                                         const at::Tensor& initialized, double decay, bool per_sample,
+                                                         bool symmetric, bool valid, int64_t G) {
   const at::Tensor mn = mn_in.contiguous(), mx = mx_in.contiguous();
   const int64_t S = mn.size(0);
   at::Tensor out_a = at::empty({S, G}, mn.options()), out_b = at::empty({S, G}, mn.options());
@@ -510,10 +530,43 @@ std::tuple<at::Tensor, at::Tensor> update_estimates_cpu(const at::Tensor& mn_in,
     }
   }
   if (per_sample) {
-    for (int64_t i = 0; i < S * G; ++i) group_range(pmn[i], pmx[i], symmetric, oa[i], ob[i]);
+    for (int64_t i = 0; i < S * G; ++i) {
+      group_range(pmn[i], pmx[i], symmetric, oa[i], ob[i]);
+      oa[i] = canonical(oa[i]);
+      ob[i] = canonical(ob[i]);
+    }
   }
   *init_p = init || finite;
   return {out_a, out_b};
+}
+
+std::tuple<at::Tensor, at::Tensor> update_estimates_cpu(const at::Tensor& mn, const at::Tensor& mx,
+                                                        const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                                                        const at::Tensor& initialized, double decay, bool per_sample,
+                                                        bool symmetric, bool valid) {
+  const int64_t G = check_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample);
+  return update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid, G);
+}
+
+// observe = group_minmax + update_estimates(valid = numel > 0) + the seed step.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cpu(const at::Tensor& x, const at::Tensor& alpha_est,
+                                                           const at::Tensor& beta_est, const at::Tensor& initialized,
+                                                           const at::Tensor& rng, int64_t dim, int64_t num_groups,
+                                                           double decay, bool per_sample, bool symmetric) {
+  const Layout L = check_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample);
+  const auto [mn, mx] = group_minmax_impl(x, L);
+  auto [alpha, beta] = update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
+                                             L.numel > 0, L.G);
+  int64_t* r = rng.mutable_data_ptr<int64_t>();
+  const int64_t st = rng.stride(0);
+  uint32_t lo, hi;
+  const uint32_t counter = static_cast<uint32_t>(r[st]);
+  seed_step(static_cast<uint32_t>(r[0]), counter, lo, hi);
+  at::Tensor seed = at::empty({2}, rng.options());
+  seed.mutable_data_ptr<int64_t>()[0] = lo;
+  seed.mutable_data_ptr<int64_t>()[1] = hi;
+  r[st] = static_cast<int64_t>(static_cast<uint32_t>(counter + 1u));
+  return {alpha, beta, seed};
 }
 
 }  // namespace
@@ -523,6 +576,7 @@ TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("quantize", &quantize_cpu);
   m.impl("dequantize", &dequantize_cpu);
   m.impl("update_estimates", &update_estimates_cpu);
+  m.impl("observe", &observe_cpu);
 }
 
 }  // namespace mesa

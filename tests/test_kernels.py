@@ -74,7 +74,7 @@ def test_cpu_kernels_match_reference(shape, dim, G, dtype, per_sample):
     assert torch.equal(mn, rmn) and torch.equal(mx, rmx)
     alpha, beta = _params(x, dim, G, per_sample)
     for stochastic in (False, True):
-        q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, 987654321987)
+        q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, R.seed_tensor(987654321987, x.device))
         rq = R.quantize(x, alpha, beta, dim, G, stochastic, 987654321987)
         assert q.dtype == torch.uint8 and q.shape == x.shape and q.is_contiguous()
         assert torch.equal(q, rq), f"stochastic={stochastic}: {(q != rq).sum()} bytes differ"
@@ -290,7 +290,11 @@ def test_negative_dim_is_normalised():
 
 @pytest.mark.parametrize("impl", ["wrapper", "op"])
 def test_invalid_arguments_raise_value_error(impl):
-    qf = Q.quantize if impl == "wrapper" else torch.ops.mesa.quantize
+    if impl == "wrapper":
+        qf = Q.quantize
+    else:
+        def qf(x, a, b, dim, G, st, seed):
+            return torch.ops.mesa.quantize(x, a, b, dim, G, st, R.seed_tensor(seed))
     mmf = Q.group_minmax if impl == "wrapper" else torch.ops.mesa.group_minmax
     dqf = Q.dequantize if impl == "wrapper" else torch.ops.mesa.dequantize
     x = torch.randn(2, 3, 8)
@@ -335,8 +339,8 @@ def _opcheck_cases(device):
     return [
         (torch.ops.mesa.group_minmax.default, (x, 1, 3, True)),
         (torch.ops.mesa.group_minmax.default, (xg, -1, 4, False)),
-        (torch.ops.mesa.quantize.default, (x, a, b, 1, 3, True, 3)),
-        (torch.ops.mesa.quantize.default, (xg, ag.requires_grad_(), bg, -1, 2, False, 0)),
+        (torch.ops.mesa.quantize.default, (x, a, b, 1, 3, True, R.seed_tensor(3, device))),
+        (torch.ops.mesa.quantize.default, (xg, ag.requires_grad_(), bg, -1, 2, False, R.seed_tensor(0, device))),
         (torch.ops.mesa.dequantize.default, (q, a, b, 1, 3, torch.bfloat16)),
         (torch.ops.mesa.dequantize.default, (q, a.requires_grad_(), b, 1, 3, torch.float32)),
     ]
@@ -364,7 +368,7 @@ def test_torch_compile_traces_ops():
 
     x = torch.randn(3, 5, 8)
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    assert torch.equal(compiled(x, 9), f(x, 9))
+    assert torch.equal(compiled(x, R.seed_tensor(9)), f(x, R.seed_tensor(9)))
 
 
 # ----------------------------------------------------------------------------- fallback
@@ -383,7 +387,9 @@ def test_fallback_when_extension_disabled():
         mn, mx = torch.ops.mesa.group_minmax(x, 1, 3, True)
         q = Q.quantize(x, mx - mn, mn, 1, 3, True, 77)
         y = torch.ops.mesa.dequantize(q, mx - mn, mn, 1, 3, torch.float16)
-        torch.library.opcheck(torch.ops.mesa.quantize.default, (x, mx - mn, mn, 1, 3, True, 77))
+        torch.library.opcheck(torch.ops.mesa.quantize.default, (x, mx - mn, mn, 1, 3, True, Q.seed_tensor(77)))
+        torch.library.opcheck(torch.ops.mesa.observe.default, (x, torch.zeros(3), torch.zeros(3), torch.tensor(False),
+                                                                Q.rng_state(5), 1, 3, 0.9, True, False))
         torch.library.opcheck(torch.ops.mesa.update_estimates.default,
                               (mn, mx, torch.zeros(3), torch.zeros(3), torch.tensor(False), 0.9, True, False, True))
         print(hashlib.sha256(q.numpy().tobytes()).hexdigest())
@@ -416,9 +422,9 @@ def test_cuda_kernels_match_reference_and_cpu(shape, dim, G, dtype, per_sample):
     alpha_c, beta_c = _params(xc, dim, G, per_sample)
     alpha, beta = alpha_c.cuda(), beta_c.cuda()
     for stochastic in (False, True):
-        q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, 123456789)
+        q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, R.seed_tensor(123456789, x.device))
         assert torch.equal(q, R.quantize(x, alpha, beta, dim, G, stochastic, 123456789))
-        assert torch.equal(q.cpu(), torch.ops.mesa.quantize(xc, alpha_c, beta_c, dim, G, stochastic, 123456789))
+        assert torch.equal(q.cpu(), torch.ops.mesa.quantize(xc, alpha_c, beta_c, dim, G, stochastic, R.seed_tensor(123456789, xc.device)))
         for out in DTYPES:
             y = torch.ops.mesa.dequantize(q, alpha, beta, dim, G, out)
             assert torch.equal(y, R.dequantize(q, alpha, beta, dim, G, out))

@@ -54,10 +54,10 @@ def _check_all(xc, dim, G, per_sample, device="cuda"):
     a_c, b_c = _params(xc, dim, G, per_sample)
     a, b = a_c.to(device), b_c.to(device)
     for st in (False, True):
-        q = torch.ops.mesa.quantize(x, a, b, dim, G, st, SEED)
+        q = torch.ops.mesa.quantize(x, a, b, dim, G, st, R.seed_tensor(SEED, x.device))
         assert q.device == x.device and q.is_contiguous()
         assert torch.equal(q, R.quantize(x, a, b, dim, G, st, SEED))
-        assert torch.equal(q.cpu(), torch.ops.mesa.quantize(xc.contiguous(), a_c, b_c, dim, G, st, SEED))
+        assert torch.equal(q.cpu(), torch.ops.mesa.quantize(xc.contiguous(), a_c, b_c, dim, G, st, R.seed_tensor(SEED, xc.device)))
         for out in DTYPES:
             y = torch.ops.mesa.dequantize(q, a, b, dim, G, out)
             assert y.device == x.device
@@ -87,7 +87,7 @@ def test_sliced_inputs_every_op(dtype, offset):
     rmn, rmx = R.group_minmax(x, -1, 4, True)
     assert torch.equal(mn, rmn) and torch.equal(mx, rmx)
     for st in (False, True):
-        q = torch.ops.mesa.quantize(x, a, b, -1, 4, st, 3)
+        q = torch.ops.mesa.quantize(x, a, b, -1, 4, st, R.seed_tensor(3, x.device))
         assert torch.equal(q, R.quantize(x, a, b, -1, 4, st, 3))
     qbase = torch.randint(0, 256, (offset + 50 * 24,), dtype=torch.uint8, device="cuda")
     qs = qbase[offset:].view(50, 24)
@@ -162,7 +162,7 @@ def test_empty_inputs_cuda():
             mn, mx = torch.ops.mesa.group_minmax(x, dim, G, ps)
             assert mn.is_cuda and mn.shape == (S, G) and (mn == float("inf")).all() and (mx == float("-inf")).all()
             a, b = torch.ones(S, G, device="cuda"), torch.zeros(S, G, device="cuda")
-            q = torch.ops.mesa.quantize(x, a, b, dim, G, True, 1)
+            q = torch.ops.mesa.quantize(x, a, b, dim, G, True, R.seed_tensor(1, x.device))
             assert q.is_cuda and q.shape == x.shape and q.dtype == torch.uint8
             y = torch.ops.mesa.dequantize(q, a, b, dim, G, torch.float16)
             assert y.is_cuda and y.shape == x.shape and y.dtype == torch.float16
@@ -172,7 +172,7 @@ def test_side_stream():
     """The kernels run on the current stream (not the legacy default stream)."""
     xc = _randn((8, 197, 192), torch.bfloat16, seed=5)
     a_c, b_c = _params(xc, -1, 3, False)
-    expect_q = torch.ops.mesa.quantize(xc, a_c, b_c, -1, 3, True, 11)
+    expect_q = torch.ops.mesa.quantize(xc, a_c, b_c, -1, 3, True, R.seed_tensor(11, xc.device))
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         x = xc.cuda(non_blocking=False)
@@ -199,6 +199,6 @@ def test_second_device():
 def test_cpu_params_rejected_for_cuda_input():
     x = torch.randn(2, 8, device="cuda")
     with pytest.raises(ValueError, match="is on"):
-        torch.ops.mesa.quantize(x, torch.ones(1, 2), torch.zeros(1, 2, device="cuda"), -1, 2, True, 0)
+        torch.ops.mesa.quantize(x, torch.ones(1, 2), torch.zeros(1, 2, device="cuda"), -1, 2, True, R.seed_tensor(0, x.device))
     with pytest.raises(ValueError, match="float32"):
-        torch.ops.mesa.quantize(x, torch.ones(1, 2, device="cuda").half(), torch.zeros(1, 2, device="cuda"), -1, 2, True, 0)
+        torch.ops.mesa.quantize(x, torch.ones(1, 2, device="cuda").half(), torch.zeros(1, 2, device="cuda"), -1, 2, True, R.seed_tensor(0, x.device))

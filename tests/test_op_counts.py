@@ -22,11 +22,11 @@ NOT_A_PASS = {
     "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.expand", "aten.unsqueeze",
     "aten.reshape", "aten.detach", "aten.alias", "aten.permute", "aten.squeeze", "aten.slice",
     "aten.select", "aten.as_strided", "aten.empty", "aten.new_empty", "aten.empty_strided",
-    "aten.add_", "aten.randint", "aten._local_scalar_dense", "aten.ones_like", "aten.promote_types",
+    "aten.add_", "aten.randint", "aten._local_scalar_dense", "aten.lift_fresh", "aten.ones_like", "aten.promote_types",
     # per-row (not per-element) tensors of LayerNorm's backward: rows floats, not the activation
     "aten.ones", "aten.zeros_like",
 }
-COMPRESS = ["mesa.group_minmax", "mesa.update_estimates", "mesa.quantize"]
+COMPRESS = ["mesa.observe", "mesa.quantize"]
 
 
 class _Ops(TorchDispatchMode):

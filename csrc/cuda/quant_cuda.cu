@@ -170,7 +170,10 @@ template <typename scalar_t, typename IdxT, int VEC, bool STOCH>
 __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const float* __restrict__ tinv,
                 const float* __restrict__ tbeta, const KLayout<IdxT> k, const IdxT numel,
-                const uint32_t slo, const uint32_t shi) {
+                const int64_t* __restrict__ seed, const int64_t seed_stride) {
+  // the seed lives on the device (written by observe): no host sync
+  const uint32_t slo = STOCH ? static_cast<uint32_t>(__ldg(seed)) : 0u;
+  const uint32_t shi = STOCH ? static_cast<uint32_t>(__ldg(seed + seed_stride)) : 0u;
   const IdxT nvec = numel / VEC;
   const IdxT stride = IdxT(gridDim.x) * blockDim.x;
   const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -201,39 +204,37 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
 
 template <typename scalar_t, typename IdxT, int VEC, bool STOCH>
 void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& tables, const Layout& L,
-                     uint32_t slo, uint32_t shi, cudaStream_t stream) {
+                     const at::Tensor& seed, cudaStream_t stream) {
   const int64_t n = L.s_eff * L.D;
   const float* tinv = tables.const_data_ptr<float>();
   quantize_kernel<scalar_t, IdxT, VEC, STOCH><<<grid_for(L.numel / VEC + VEC), kThreads, 0, stream>>>(
       x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), tinv, tinv + n, make_klayout<IdxT>(L),
-      static_cast<IdxT>(L.numel), slo, shi);
+      static_cast<IdxT>(L.numel), seed.const_data_ptr<int64_t>(), seed.stride(0));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
-                         int64_t num_groups, bool stochastic, int64_t seed) {
-  const Layout L = check_quantize(x_in, alpha, beta, dim, num_groups);
+                         int64_t num_groups, bool stochastic, const at::Tensor& seed) {
+  const Layout L = check_quantize(x_in, alpha, beta, dim, num_groups, seed);
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   if (L.numel == 0) return q;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor tables = build_tables(L, alpha, beta, /*inverse=*/true, stream);
-  const uint64_t useed = static_cast<uint64_t>(seed);
-  const uint32_t slo = static_cast<uint32_t>(useed), shi = static_cast<uint32_t>(useed >> 32);
   const bool small = L.numel < (int64_t(1) << 31);
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_cuda", [&] {
     constexpr int V = 16 / sizeof(scalar_t);
     const bool vec = aligned(x.const_data_ptr(), 16) && aligned(q.const_data_ptr(), V);
     if (small && vec) {
-      if (stochastic) launch_quantize<scalar_t, uint32_t, V, true>(x, q, tables, L, slo, shi, stream);
-      else launch_quantize<scalar_t, uint32_t, V, false>(x, q, tables, L, slo, shi, stream);
+      if (stochastic) launch_quantize<scalar_t, uint32_t, V, true>(x, q, tables, L, seed, stream);
+      else launch_quantize<scalar_t, uint32_t, V, false>(x, q, tables, L, seed, stream);
     } else if (small) {
-      if (stochastic) launch_quantize<scalar_t, uint32_t, 1, true>(x, q, tables, L, slo, shi, stream);
-      else launch_quantize<scalar_t, uint32_t, 1, false>(x, q, tables, L, slo, shi, stream);
+      if (stochastic) launch_quantize<scalar_t, uint32_t, 1, true>(x, q, tables, L, seed, stream);
+      else launch_quantize<scalar_t, uint32_t, 1, false>(x, q, tables, L, seed, stream);
     } else {
-      if (stochastic) launch_quantize<scalar_t, uint64_t, 1, true>(x, q, tables, L, slo, shi, stream);
-      else launch_quantize<scalar_t, uint64_t, 1, false>(x, q, tables, L, slo, shi, stream);
+      if (stochastic) launch_quantize<scalar_t, uint64_t, 1, true>(x, q, tables, L, seed, stream);
+      else launch_quantize<scalar_t, uint64_t, 1, false>(x, q, tables, L, seed, stream);
     }
   });
   return q;

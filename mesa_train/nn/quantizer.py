@@ -117,7 +117,6 @@ def decompress(p: Packed, dtype: torch.dtype) -> torch.Tensor:
 STATE_BUFFERS = ("alpha", "beta", "initialized", "rng")
 
 _M32 = 0xFFFFFFFF
-_HAS_OBSERVE = hasattr(torch.ops.mesa, 'observe')
 _construction_count = itertools.count()
 
 
@@ -244,7 +243,7 @@ class ActivationQuantizer(nn.Module):
         G = self.effective_groups(x, dim)
         x = x.contiguous()  # the one copy a non-contiguous input (k, v of a fused qkv) costs
         stochastic = opts.rounding == "stochastic"
-        if torch.compiler.is_compiling() or not _HAS_OBSERVE:  # TEMP until the kernels land
+        if torch.compiler.is_compiling():
             alpha, beta, seed = traceable.observe(x, self.alpha, self.beta, self.initialized, self.rng, dim, G,
                                                   opts.decay, opts.estimator == "per_sample", opts.symmetric)
             q = traceable.quantize(x, alpha, beta, dim, G, stochastic, seed)

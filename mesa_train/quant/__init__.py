@@ -3,7 +3,7 @@
 Loading order:
 
 1. ``mesa_train._C`` (the compiled C++/CUDA extension) is imported; its
-   ``TORCH_LIBRARY(mesa, m)`` defines the four ops with CPU (and CUDA) kernels.
+   ``TORCH_LIBRARY(mesa, m)`` defines the five ops with CPU (and CUDA) kernels.
    ``BACKEND == "extension"``.
 2. If it cannot be loaded (not built, ABI mismatch, ...) or ``MESA_DISABLE_EXTENSION=1``,
    the same ops are defined from Python with ``mesa_train.quant.reference`` as the CPU and
@@ -30,18 +30,40 @@ from .reference import (
     check_dequantize_args,
     check_estimate_args,
     check_minmax_args,
+    check_observe_args,
     check_quantize_args,
+    check_seed,
+    seed_tensor,
 )
 
-__all__ = ["group_minmax", "quantize", "dequantize", "update_estimates", "BACKEND", "CUDA_BACKEND", "reference", "extension_error"]
+__all__ = [
+    "group_minmax",
+    "quantize",
+    "dequantize",
+    "update_estimates",
+    "observe",
+    "rng_state",
+    "seed_tensor",
+    "BACKEND",
+    "CUDA_BACKEND",
+    "reference",
+    "extension_error",
+]
 
 _SCHEMAS = {
     "group_minmax": "group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)",
-    "quantize": "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, int seed) -> Tensor",
+    "quantize": (
+        "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed) -> Tensor"
+    ),
     "dequantize": "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype) -> Tensor",
     "update_estimates": (
         "update_estimates(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
         "float decay, bool per_sample, bool symmetric, bool valid) -> (Tensor alpha, Tensor beta)"
+    ),
+    "observe": (
+        "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
+        "int dim, int num_groups, float decay, bool per_sample, bool symmetric) -> (Tensor alpha, Tensor beta, "
+        "Tensor seed)"
     ),
 }
 
@@ -88,11 +110,16 @@ def _ref_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_s
     return reference.update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid)
 
 
+def _ref_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric):
+    return reference.observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric)
+
+
 _REF_IMPLS = {
     "group_minmax": _ref_minmax,
     "quantize": _ref_quantize,
     "dequantize": _ref_dequantize,
     "update_estimates": _ref_update_estimates,
+    "observe": _ref_observe,
 }
 
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
@@ -166,6 +193,7 @@ def _fake_minmax(x, dim, num_groups, per_sample):
 
 def _fake_quantize(x, alpha, beta, dim, num_groups, stochastic, seed):
     check_quantize_args(x, alpha, beta, dim, num_groups)
+    check_seed(seed, x, "quantize: seed ([lo, hi])")
     return x.new_empty(x.shape, dtype=torch.uint8)
 
 
@@ -179,6 +207,16 @@ def _fake_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_
     return mn.new_empty(mn.shape), mn.new_empty(mn.shape)
 
 
+def _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric):
+    check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
+    S = x.shape[0] if per_sample else 1
+    return (
+        x.new_empty((S, num_groups), dtype=torch.float32),
+        x.new_empty((S, num_groups), dtype=torch.float32),
+        rng.new_empty((2,)),
+    )
+
+
 def _register_python_side() -> None:
     # Guard against double registration when the module is reloaded in one process.
     if getattr(torch.ops.mesa, "_mesa_python_side_registered", False):
@@ -187,6 +225,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::quantize")(_fake_quantize)
     torch.library.register_fake("mesa::dequantize")(_fake_dequantize)
     torch.library.register_fake("mesa::update_estimates")(_fake_update_estimates)
+    torch.library.register_fake("mesa::observe")(_fake_observe)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
     # and a reconstruction that the layers use inside their own backward). A fallthrough
@@ -204,10 +243,9 @@ _register_python_side()
 
 
 # ----------------------------------------------------------------------------- wrappers
-def _wrap_seed(seed) -> int:
-    """Map any Python int onto int64 (same low 64 bits, so the same random bytes)."""
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    return seed - (1 << 64) if seed >= (1 << 63) else seed
+def rng_state(key: int, counter: int = 0, device=None) -> torch.Tensor:
+    """A fresh ``observe`` rng: int64 ``(2,)`` ``[key, counter]``, each taken modulo 2**32."""
+    return torch.tensor([int(key) & 0xFFFFFFFF, int(counter) & 0xFFFFFFFF], dtype=torch.int64, device=device)
 
 
 def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = False):
@@ -227,16 +265,25 @@ def quantize(
     dim: int,
     num_groups: int,
     stochastic: bool = True,
-    seed: int = 0,
+    seed: int | torch.Tensor = 0,
 ) -> torch.Tensor:
     """uint8 codes ``clamp(round((x - beta) * 255 / alpha), 0, 255)``, same shape as ``x``.
 
     ``alpha`` (range) and ``beta`` (min) are float32 ``(S, num_groups)`` with ``S`` in
     ``{1, x.shape[0]}``. ``stochastic`` rounding uses the counter hash of DESIGN.md keyed
     by ``seed`` (same seed, same device -> same bytes); otherwise round half to even.
+    ``seed``: an int64 ``(2,)`` tensor ``[lo, hi]`` on ``x``'s device (e.g. from
+    :func:`observe`), or a Python int ``s`` meaning ``[s & M, (s >> 32) & M]`` (its low 64
+    bits; ``M = 2**32 - 1``).
     """
     dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
-    return torch.ops.mesa.quantize(x, alpha, beta, dim, num_groups, bool(stochastic), _wrap_seed(seed))
+    if isinstance(seed, torch.Tensor):
+        check_seed(seed, x, "quantize: seed ([lo, hi])")
+    else:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"quantize: seed must be an int or an int64 (2,) tensor, got {type(seed).__name__}")
+        seed = seed_tensor(seed, x.device)
+    return torch.ops.mesa.quantize(x, alpha, beta, dim, num_groups, bool(stochastic), seed)
 
 
 def dequantize(
@@ -272,4 +319,29 @@ def update_estimates(
     check_estimate_args(mn, mx, alpha_est, beta_est, initialized, decay, per_sample)
     return torch.ops.mesa.update_estimates(
         mn, mx, alpha_est, beta_est, initialized, float(decay), bool(per_sample), bool(symmetric), bool(valid)
+    )
+
+
+def observe(
+    x: torch.Tensor,
+    alpha_est: torch.Tensor,
+    beta_est: torch.Tensor,
+    initialized: torch.Tensor,
+    rng: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    decay: float,
+    per_sample: bool = False,
+    symmetric: bool = False,
+):
+    """``group_minmax`` + ``update_estimates`` + the seed step in one op (one launch on CUDA).
+
+    Returns ``(alpha, beta, seed)``: this batch's float32 ``(S, G)`` parameters for
+    :func:`quantize` and a fresh int64 ``(2,)`` seed ``[lo, hi]`` derived on the device from
+    ``rng = [key, counter]`` (see :func:`rng_state`), whose counter is advanced in place.
+    Same results and buffer updates as ``update_estimates(*group_minmax(x, ...), valid=x.numel() > 0)``.
+    """
+    dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
+    return torch.ops.mesa.observe(
+        x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay), bool(per_sample), bool(symmetric)
     )

@@ -11,6 +11,9 @@ Conventions (DESIGN.md, "Quantization ops"):
 * Statistics are ``(S, G)`` float32 with ``S = 1`` (shared) or ``S = x.shape[0]``
   (per sample). Element ``i`` of the contiguous tensor has sample ``i // (numel // S)``.
 * Non-contiguous inputs are made contiguous first (transient copy).
+* Canonical bits: every float32 that ``group_minmax``, ``update_estimates`` and
+  ``observe`` return or store is canonical (any NaN is 0x7FC00000, any zero +0.0), so the
+  results do not depend on reduction order or on the input's NaN payloads / zero signs.
 * Arithmetic is fp32, every operation a separate (correctly rounded) torch op, so nothing
   can be contracted into an FMA. Divisions use tensor/tensor operands on purpose: PyTorch
   turns ``tensor / python_scalar`` into a multiplication by the reciprocal on CUDA and
@@ -34,6 +37,12 @@ __all__ = [
     "check_dequantize_args",
     "check_estimate_args",
     "update_estimates",
+    "observe",
+    "seed_step",
+    "seed_tensor",
+    "canonical",
+    "check_seed",
+    "check_observe_args",
     "QUANT_DTYPES",
 ]
 
@@ -41,6 +50,8 @@ QUANT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _M32 = 0xFFFFFFFF
 _EPS = 1e-12  # alpha <= _EPS (as float32) counts as a constant group
 _HASH_CHUNK = 1 << 22
+_SEED_STEP_MIX = 0x68E31DA4
+_CANONICAL_NAN_BITS = 0x7FC00000
 
 
 # ----------------------------------------------------------------------------- validation
@@ -156,7 +167,65 @@ def check_estimate_args(mn, mx, alpha_est, beta_est, initialized, decay, per_sam
     return G
 
 
+def check_seed(seed, x: torch.Tensor, what: str) -> None:
+    """An int64 ``(2,)`` tensor on ``x``'s device (quantize's seed, observe's rng)."""
+    if not isinstance(seed, torch.Tensor):
+        raise ValueError(f"{what} must be an int64 tensor of shape (2,), got {type(seed).__name__}")
+    if seed.dtype != torch.int64 or tuple(seed.shape) != (2,):
+        raise ValueError(f"{what} must be an int64 tensor of shape (2,), got {seed.dtype}{tuple(seed.shape)}")
+    if seed.device != x.device:
+        raise ValueError(f"{what} is on {seed.device} but the input is on {x.device}")
+
+
+def check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample) -> int:
+    """Validate observe's arguments; return the normalized dim."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError("x must be a tensor")
+    if x.dtype not in QUANT_DTYPES:
+        raise ValueError(f"observe supports float32, float16 and bfloat16 inputs, got {x.dtype}")
+    dim = normalize_dim(x, dim)
+    _check_groups(x, dim, num_groups)
+    for name, t in (("alpha_est", alpha_est), ("beta_est", beta_est)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous() \
+                or t.shape[0] < num_groups:
+            got = f"{t.dtype}{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"observe: {name} must be a contiguous float32 (G_buf,) tensor with G_buf >= {num_groups}, got {got}"
+            )
+    if not isinstance(initialized, torch.Tensor) or initialized.dtype != torch.bool or initialized.numel() != 1:
+        raise ValueError("observe: initialized must be a one-element bool tensor")
+    for t in (alpha_est, beta_est, initialized):
+        if t.device != x.device:
+            raise ValueError(f"observe: all tensors must be on {x.device}, got one on {t.device}")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
+        raise ValueError(f"observe: decay must be a number in [0, 1), got {decay!r}")
+    check_seed(rng, x, "observe: rng ([key, counter])")
+    return dim
+
+
 # ----------------------------------------------------------------------------- helpers
+def canonical(t: torch.Tensor) -> torch.Tensor:
+    """float32 ``t`` with canonical bits: any NaN -> 0x7FC00000, any zero -> +0.0."""
+    nan = torch.tensor(_CANONICAL_NAN_BITS, dtype=torch.int32, device=t.device).view(torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=t.device)
+    return torch.where(torch.isnan(t), nan, torch.where(t == 0, zero, t))
+
+
+def seed_tensor(seed, device=None) -> torch.Tensor:
+    """int64 ``(2,)`` ``[lo, hi]`` of a Python int seed (its low 64 bits, as the int form had)."""
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return torch.tensor([seed & _M32, seed >> 32], dtype=torch.int64, device=device)
+
+
+def _seed_words(seed, device):
+    """(lo, hi) as ints or as 0-d int64 tensors (a device seed is never read on the host)."""
+    if isinstance(seed, torch.Tensor):
+        return seed[0] & _M32, seed[1] & _M32
+    seed = int(seed)
+    return seed & _M32, (seed >> 32) & _M32
+
+
+
 def group_index(D: int, G: int, device=None) -> torch.Tensor:
     """int64 ``(D,)``: group of each index ``d`` along the grouped dimension."""
     return torch.div(torch.arange(D, device=device) * G, D, rounding_mode="floor")
@@ -206,16 +275,21 @@ def lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def uniform_from_hash(numel: int, seed: int, device=None, start: int = 0) -> torch.Tensor:
-    """float32 ``u`` in [0, 1) for flat indices ``start .. start+numel`` (DESIGN.md hash)."""
-    seed = int(seed)
+def uniform_from_hash(numel: int, seed, device=None, start: int = 0) -> torch.Tensor:
+    """float32 ``u`` in [0, 1) for flat indices ``start .. start+numel`` (DESIGN.md hash).
+
+    ``seed``: a Python int (``lo = seed & M``, ``hi = (seed >> 32) & M``) or an int64
+    ``(2,)`` tensor ``[lo, hi]`` (read on its device, no host sync).
+    """
+    if not isinstance(seed, torch.Tensor):
+        seed = int(seed)
     if numel > _HASH_CHUNK:  # bound the int64 temporaries (about 6 x 8 bytes per element)
         out = torch.empty(numel, dtype=torch.float32, device=device)
         for b in range(0, numel, _HASH_CHUNK):
             n = min(_HASH_CHUNK, numel - b)
             out[b : b + n] = uniform_from_hash(n, seed, device, start + b)
         return out
-    s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
+    s_lo, s_hi = _seed_words(seed, device)
     i = torch.arange(start, start + numel, dtype=torch.int64, device=device)
     lo = i & _M32
     hi = (i >> 32) & _M32
@@ -244,7 +318,7 @@ def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = 
     mn = torch.full((S, G), float("inf"), dtype=torch.float32, device=x.device)
     mx = torch.full((S, G), float("-inf"), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
-        return mn, mx
+        return mn, mx  # +-inf: canonical already
     # per (sample, d) statistics, shape (S, D)
     if S == 1:
         xv = x.view(outer, D, inner)
@@ -271,7 +345,7 @@ def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = 
     idx = torch.minimum(starts[:, None] + torch.arange(L, device=x.device), ends[:, None] - 1)
     mn = dmn[:, idx].amin(dim=2)
     mx = dmx[:, idx].amax(dim=2)
-    return mn, mx
+    return canonical(mn), canonical(mx)
 
 
 def quantize(
@@ -281,10 +355,16 @@ def quantize(
     dim: int,
     num_groups: int,
     stochastic: bool = True,
-    seed: int = 0,
+    seed=0,
 ) -> torch.Tensor:
-    """uint8 codes, same shape as ``x``, contiguous (DESIGN.md exact arithmetic)."""
+    """uint8 codes, same shape as ``x``, contiguous (DESIGN.md exact arithmetic).
+
+    ``seed``: an int64 ``(2,)`` tensor ``[lo, hi]`` on ``x``'s device (the op's schema) or
+    a Python int (same bytes as ``seed_tensor(seed)``).
+    """
     dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
+    if isinstance(seed, torch.Tensor):
+        check_seed(seed, x, "quantize: seed ([lo, hi])")
     x = x.contiguous()
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
@@ -372,9 +452,46 @@ def update_estimates(
     keep_old = ~finite & init
     new_a = torch.where(keep_old, old_a, ema_a)
     new_b = torch.where(keep_old, old_b, ema_b)
+    new_a, new_b = canonical(new_a), canonical(new_b)
     if not per_sample:
         b_alpha, b_beta = new_a, new_b
-    alpha_est[:G].copy_(torch.where(finite, new_a, old_a).view(G))
-    beta_est[:G].copy_(torch.where(finite, new_b, old_b).view(G))
+    alpha_est[:G].copy_(torch.where(finite, new_a, canonical(old_a)).view(G))
+    beta_est[:G].copy_(torch.where(finite, new_b, canonical(old_b)).view(G))
     initialized.copy_((init | finite).view(initialized.shape))
-    return b_alpha.contiguous(), b_beta.contiguous()
+    return canonical(b_alpha).contiguous(), canonical(b_beta).contiguous()
+
+
+def seed_step(rng: torch.Tensor) -> torch.Tensor:
+    """observe's seed step (DESIGN.md): ``rng = [key, counter]`` -> fresh ``[seed_lo, seed_hi]``;
+    advances ``rng[1]`` by one modulo 2**32 in place. Tensor ops only (no host sync)."""
+    key, counter = rng[0] & _M32, rng[1] & _M32
+    k = lowbias32(key)
+    lo = lowbias32(counter ^ k)
+    hi = lowbias32(lo ^ k ^ _SEED_STEP_MIX)
+    seed = torch.stack([lo, hi])
+    rng[1:].copy_(((counter + 1) & _M32).view(1))
+    return seed
+
+
+def observe(
+    x: torch.Tensor,
+    alpha_est: torch.Tensor,
+    beta_est: torch.Tensor,
+    initialized: torch.Tensor,
+    rng: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    decay: float,
+    per_sample: bool,
+    symmetric: bool,
+):
+    """``group_minmax`` + ``update_estimates(valid=x.numel() > 0)`` + :func:`seed_step`.
+
+    Returns ``(alpha, beta, seed)``; mutates the estimate buffers, ``initialized`` and
+    ``rng[1]`` in place.
+    """
+    dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
+    mn, mx = group_minmax(x, dim, num_groups, per_sample)
+    alpha, beta = update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
+                                   x.numel() > 0)
+    return alpha, beta, seed_step(rng)
