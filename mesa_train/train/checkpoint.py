@@ -105,22 +105,36 @@ def _default_file_mode() -> int:
     return 0o666 & ~mask
 
 
+def _write_file(fd: int, write) -> None:
+    """``write(f)`` into ``fd``, flushed, fsync-ed and closed. A failed write surfaces as
+    the ``OSError`` of the file system (ENOSPC, EDQUOT, EIO ...), whatever torch made of it."""
+    raw = os.fdopen(fd, "wb")
+    f = _WriteRecorder(raw)
+    try:
+        write(f)
+        f.flush()
+        os.fsync(raw.fileno())
+    except (RuntimeError, OSError) as err:
+        cause = f.error if f.error is not None else err
+        if not isinstance(cause, OSError):
+            raise
+        raise OSError(cause.errno, cause.strerror) from err
+    finally:
+        try:
+            raw.close()
+        except OSError:  # the buffered rest could not be written either: already reported
+            pass
+
+
 def _atomic_write(path: str, write) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as raw:
-            f = _WriteRecorder(raw)
-            try:
-                write(f)
-                f.flush()
-                os.fsync(raw.fileno())
-            except (RuntimeError, OSError) as err:
-                cause = f.error if f.error is not None else err
-                if isinstance(cause, OSError):
-                    raise OSError(cause.errno, cause.strerror, folder) from err
-                raise
+        try:
+            _write_file(fd, write)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, folder) from err.__cause__
         os.chmod(tmp, _default_file_mode())
         os.replace(tmp, path)
     except BaseException:

@@ -172,10 +172,10 @@ def train_one_epoch(
     allocated bytes) and, with ``measure_saved``, the bytes saved for backward by the first
     micro-batch (``mesa_train.memory.SavedTensorMeter``).
 
-    A non-finite loss or gradient: ``parts.nonfinite="stop"`` raises ``NonFiniteError`` at
-    the next log step or at the end of the epoch, and the runner refuses to checkpoint
-    (``first_nonfinite_step``); ``"skip"`` drops that update (counted in
-    ``state.skipped_steps``) and stops after ``max_nonfinite_skips`` in a row."""
+    A non-finite loss or gradient: ``parts.nonfinite="stop"`` records its step on the device
+    (``first_nonfinite_step``), ends the epoch at the next log step, and the runner stops
+    without saving; ``"skip"`` drops that update (counted in ``state.skipped_steps``, left
+    out of the mean loss) and raises ``NonFiniteError`` after ``max_nonfinite_skips`` in a row."""
     from mesa_train.train.errors import NonFiniteError
 
     model, optimizer, device = parts.model, parts.optimizer, parts.device
@@ -188,7 +188,10 @@ def train_one_epoch(
     world = dist_utils.world_size()
     # This rank's share of the (all-rank) totals saved at a mid-epoch checkpoint.
     loss_sum = torch.full((), state.epoch_loss_sum / world, device=device, dtype=torch.float64)
-    parts.extra.update(loss_sum=loss_sum, batches=state.epoch_batches / world, step=state.step)
+    # Batches in the mean: all of them (stop mode: a non-finite one ends the run anyway), or
+    # the finite ones (skip mode), counted on the device (no sync).
+    batch_count = torch.full((), state.epoch_batches / world, device=device, dtype=torch.float64)
+    parts.extra.update(loss_sum=loss_sum, batches=batch_count, step=state.step)
     parts.extra.setdefault("first_bad", torch.full((), -1, device=device, dtype=torch.int64))
     step_loss_ok = torch.ones((), device=device, dtype=torch.bool)
     num_images = timed_images = 0
@@ -238,9 +241,14 @@ def train_one_epoch(
                 scaled.backward()
 
         detached = loss.detach()
-        step_loss_ok &= torch.isfinite(detached)
-        loss_sum += detached
-        parts.extra["batches"] += 1
+        finite = torch.isfinite(detached)
+        step_loss_ok &= finite
+        if parts.nonfinite == "skip":
+            loss_sum += torch.where(finite, detached, torch.zeros_like(detached))
+            batch_count += finite
+        else:
+            loss_sum += detached
+            batch_count += 1
         num_images += images.shape[0]
         run_batches += 1
         state.batch_in_epoch = i + 1
@@ -276,8 +284,7 @@ def train_one_epoch(
             if log_every and state.step % log_every == 0:
                 value = loss.item()  # the only host sync of the loop (stop mode)
                 if not math.isfinite(value) and parts.nonfinite == "stop":
-                    raise NonFiniteError(f"loss is {value} at step {state.step} (epoch {state.epoch}); stopped "
-                                         f"without saving this state; {NONFINITE_HINT}")
+                    break  # the runner reports it (first_nonfinite_step) and saves nothing
                 if on_log is not None:
                     on_log({"step": state.step, "epoch": state.epoch, "batch": i + 1, "loss": value,
                             "lr": optimizer.param_groups[0]["lr"]})
@@ -306,14 +313,10 @@ def train_one_epoch(
         timed_images, timed_elapsed = num_images, elapsed
     else:
         timed_elapsed = end - timed_start
-    local_batches = parts.extra["batches"]
     totals = dist_utils.all_reduce_sum(
-        [float(loss_sum), float(local_batches), float(num_images), float(timed_images)], device)
+        [float(loss_sum), float(batch_count), float(num_images), float(timed_images)], device)
     state.epoch_loss_sum, state.epoch_batches = totals[0], int(round(totals[1]))
     mean_loss = totals[0] / max(totals[1], 1.0)
-    if not math.isfinite(mean_loss) and parts.nonfinite == "stop":
-        raise NonFiniteError(f"training loss is {mean_loss} in epoch {state.epoch}; stopped without saving "
-                             f"this state; {NONFINITE_HINT}")
     out = {
         "train_loss": mean_loss,
         "lr": optimizer.param_groups[0]["lr"],

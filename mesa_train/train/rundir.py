@@ -1,9 +1,10 @@
 """Who owns a run directory, and what a new run may do to an existing one.
 
 * ``RunDirLock``: a run holds an exclusive ``flock`` on ``<run dir>/.lock`` while it runs;
-  the file names the owner (pid, host, start time). A second run on the same directory
-  refuses with that owner. The kernel drops the lock when the owner dies (even on
-  ``kill -9``), so a stale lock file never blocks a later run.
+  the file names the owner (pid, host, start time) and is removed when the run ends. A
+  second run on the same directory refuses with that owner. The kernel drops the lock when
+  the owner dies (even on ``kill -9``), so a lock file left by a killed run never blocks
+  a later one.
 * ``existing_run``: the artifacts a previous run left (checkpoints, logs, summary). A fresh
   start (no checkpoint to resume) refuses to replace them unless ``trainer.overwrite=true``.
 * ``clean_stale_temporaries``: ``.last.pt.*.tmp`` files left by a kill mid-write.
@@ -34,44 +35,51 @@ class RunDirLock:
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, LOCK_NAME)
         self._fd: int | None = None
-        self._created = False
 
     def acquire(self) -> None:
         import fcntl
 
         existed_dir = os.path.isdir(self.run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
-        self._created = not os.path.exists(self.path)
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as err:
-            if not existed_dir:
-                _remove_empty(self.run_dir)
-            raise OSError(err.errno, err.strerror, self.run_dir) from err
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = _read_owner(fd)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as err:
+                if not existed_dir:
+                    _remove_empty(self.run_dir)
+                raise OSError(err.errno, err.strerror, self.run_dir) from err
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _read_owner(fd)
+                os.close(fd)
+                raise RunDirError(
+                    f"run directory {os.path.abspath(self.run_dir)} is in use by {owner}; wait for that run "
+                    "to end, or choose another directory (hydra.run.dir=...)"
+                ) from None
+            # The owner removes the file when it ends; a lock taken on a file that was just
+            # removed protects nothing: try again on the new file.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
-            raise RunDirError(
-                f"run directory {os.path.abspath(self.run_dir)} is in use by {owner}; wait for that run to "
-                "end, or choose another directory (hydra.run.dir=...)"
-            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
         self._fd = fd
 
-    def release(self, remove: bool = False) -> None:
-        """Drop the lock; ``remove`` deletes the lock file when this run created it
-        (a run rejected at start-up leaves no trace)."""
+    def release(self) -> None:
+        """Drop the lock and remove the lock file (nothing is left behind, and a run
+        rejected at start-up leaves the directory as it was)."""
         if self._fd is None:
             return
-        if remove and self._created:
-            try:
-                os.remove(self.path)
-            except OSError:
-                pass
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
         os.close(self._fd)  # closing the descriptor drops the flock
         self._fd = None
 

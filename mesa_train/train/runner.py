@@ -123,7 +123,6 @@ def fit(cfg, run_dir: str, on_accept=None) -> dict:
     main = rank == 0
     lock = rundir.RunDirLock(run_dir) if main else None
     _on_rank0(lambda: lock.acquire(), main, world)
-    accepted = False
     try:
         path, ckpt = _read_resume_checkpoint(cfg, run_dir, plain_cfg)
         run = _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt)
@@ -136,11 +135,10 @@ def fit(cfg, run_dir: str, on_accept=None) -> dict:
             _remove(os.path.join(run_dir, "failed.json"))  # an earlier failure of this run dir
         if on_accept is not None:
             on_accept()
-        accepted = True
         return _train(cfg, run_dir, run)
     finally:
         if lock is not None:
-            lock.release(remove=not accepted)
+            lock.release()
 
 
 def _remove(path: str) -> None:
@@ -295,7 +293,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     has_val = len(loaders.val.dataset) > 0
     saved = {"step": state.step if r.path else None}  # the step last.pt holds
 
-    def save(metrics: dict | None, best: bool) -> None:
+    def ensure_finite() -> None:
         # Nothing non-finite reaches a checkpoint: every rank checks, all agree.
         bad = first_nonfinite_step(parts, model)
         any_bad = dist_utils.all_reduce_sum([0.0 if bad is None else 1.0], r.device)[0] > 0
@@ -305,6 +303,9 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
             where = f"at step {bad}" if bad is not None else "on another rank"
             raise NonFiniteError(f"non-finite loss or gradient {where} (epoch {state.epoch}); stopped without "
                                  f"saving it: {kept}. To go on: {NONFINITE_HINT}")
+
+    def save(metrics: dict | None, best: bool) -> None:
+        ensure_finite()
         epoch_totals(parts, state)
         # Every rank takes part (RNG states are gathered); rank 0 writes.
         rngs = [ckpt_lib.rng_state()]
@@ -362,6 +363,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                     stop_requested=stop_signal.requested,
                 )
                 first_epoch, measured = False, True
+                ensure_finite()  # before evaluating or logging a broken state
                 timed_images += train_out.pop("timed_images")
                 timed_seconds += train_out.pop("timed_seconds")
                 saved_bytes = train_out.get("saved_bytes", saved_bytes)
