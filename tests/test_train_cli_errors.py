@@ -98,3 +98,17 @@ def test_evaluate_cli_uses_trainer_names_and_data_values(tmp_path, run_cli):
     assert result.returncode == 2 and "trainer.amp='fp8' is not valid" in result.stderr
     assert "Traceback" not in result.stderr
     assert os.path.exists(ckpt)
+
+
+def test_rejected_run_leaves_the_run_directory_untouched(tmp_path, run_cli):
+    run_dir = tmp_path / "run"
+    base = [sys.executable, TRAIN, f"hydra.run.dir={run_dir}", *TINY_MODELS["deit"], *FAST_TRAINER]
+    first = run_cli(base, cwd=tmp_path, timeout=240)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "train.log").exists()
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    second = run_cli(base + ["optim.lr=0.5", "trainer.max_steps=4"], cwd=tmp_path, timeout=240)
+    assert second.returncode == 2 and "Traceback" not in second.stderr
+    assert "cannot resume from" in second.stderr and "optim.lr: None -> 0.5" in second.stderr
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert after == before  # .hydra/config.yaml, train.log, logs and checkpoints as they were
