@@ -237,3 +237,20 @@ def test_warmup_batches_are_left_out_of_the_throughput(compose_train, tmp_path):
     out = train_one_epoch(parts, loaders.train, TrainState(), batches_per_epoch=loaders.train_batches,
                           log_every=0, warmup_batches=2)
     assert out["train_images"] == 16 and out["timed_images"] == 8  # 4 batches of 4, the first 2 untimed
+
+
+def test_environment_errors_read_as_one_line():
+    import errno
+
+    assert describe(OSError(errno.EROFS, "Read-only file system", "/runs/a")) == (
+        1, "cannot write to /runs/a: read-only file system")
+    assert describe(PermissionError(errno.EACCES, "Permission denied", "/runs/a")) == (
+        1, "cannot write to /runs/a: permission denied")
+    assert describe(KeyboardInterrupt())[0] == 130
+    assert describe(ValueError("a bug")) is None  # bugs keep their traceback
+    from mesa_train.train.data import DataError
+
+    wrapped = DataError("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
+                        "last):\n  File \"x.py\", line 1, in f\nmesa_train.train.data.DataError: cannot read image "
+                        "/d/1.png: boom")
+    assert describe(wrapped) == (2, "cannot read image /d/1.png: boom")

@@ -49,12 +49,13 @@ def check_buildable(cfg, num_classes: int = 10) -> None:
                           f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}{hint}") from None
 
 
-def build(cfg, num_classes: int, drop_path: float | None = None) -> nn.Module:
+def build(cfg, num_classes: int, drop_path: float | None = None, pretrained: bool = True) -> nn.Module:
     """``mesa_train.build_model`` with the ``model`` group's overrides, local weights from
-    ``model.pretrained_path`` when set, then ``mesa_train.patch_model`` when ``mesa.enabled``."""
+    ``model.pretrained_path`` when set (and ``pretrained``: a resumed run takes its weights
+    from the checkpoint), then ``mesa_train.patch_model`` when ``mesa.enabled``."""
     m = cfg.model
     model = build_model(m.name, fused_attn=m.fused_attn, **_overrides(cfg, num_classes, drop_path))
-    if m.get("pretrained_path"):
+    if pretrained and m.get("pretrained_path"):
         load_pretrained(model, str(m.pretrained_path))
     if cfg.mesa.enabled:
         from mesa_train import patch_model

@@ -162,7 +162,7 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
 
     # Data first: a missing dataset fails before the (possibly large) model is built.
     loaders = build_loaders(cfg, rank=rank, world_size=world, train=True)
-    model = build_model_from_cfg(cfg, loaders.num_classes, drop_path=o.drop_path)
+    model = build_model_from_cfg(cfg, loaders.num_classes, drop_path=o.drop_path, pretrained=ckpt is None)
     if t.grad_checkpointing:
         model.set_grad_checkpointing(True)
     model.to(device)

@@ -4,7 +4,7 @@ Inside ``with StopSignal(device):`` the first signal only sets a flag; the train
 asks ``requested()`` after each optimizer step, stops there, and the runner writes
 ``last.pt`` (a consistent state: an update boundary). A second signal raises
 ``KeyboardInterrupt`` at once (nothing saved). Under torchrun the ranks agree (one small
-all-reduce per step), so all of them stop at the same step.
+all-reduce every 10 steps), so all of them stop at the same step.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from mesa_train.train import distributed as dist_utils
 log = logging.getLogger("mesa_train.train")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+DDP_CHECK_EVERY = 10
 
 
 class StopSignal:
@@ -26,6 +27,7 @@ class StopSignal:
         self.device = device
         self.signum: int | None = None
         self._previous: dict = {}
+        self._calls = 0
 
     def _handle(self, signum, _frame) -> None:
         if self.signum is not None:  # second signal: stop now
@@ -46,9 +48,15 @@ class StopSignal:
         self._previous.clear()
 
     def requested(self) -> bool:
+        """Called after every optimizer step, by every rank. Under torchrun the ranks
+        compare notes every ``DDP_CHECK_EVERY`` calls (a small all-reduce and a host sync:
+        not every step)."""
         local = 1.0 if self.signum is not None else 0.0
         if dist_utils.world_size() == 1:
             return bool(local)
+        self._calls += 1
+        if self._calls % DDP_CHECK_EVERY:
+            return False
         agreed = dist_utils.all_reduce_sum([local], self.device)[0] > 0
         if agreed and self.signum is None:
             self.signum = signal.SIGINT  # another rank was interrupted
