@@ -79,20 +79,20 @@ def resume_path(cfg, run_dir: str) -> str | None:
 
 
 def _on_rank0(fn, main: bool, world: int):
-    """Run ``fn`` on rank 0; every rank raises the same ``RunDirError`` when it fails (so
-    that no rank waits forever in a collective)."""
+    """Run ``fn`` on rank 0; when it fails (run directory refused or not writable) every
+    rank raises the same error, so that no rank waits forever in a collective."""
     error = None
     if main:
         try:
             fn()
-        except RunDirError as err:
-            error = str(err)
+        except (RunDirError, OSError) as err:
+            error = err
     if world > 1:
         box = [error]
         torch.distributed.broadcast_object_list(box, src=0)
         error = box[0]
     if error is not None:
-        raise RunDirError(error)
+        raise error
 
 
 def _read_resume_checkpoint(cfg, run_dir: str, plain_cfg: dict):
