@@ -254,3 +254,12 @@ def test_environment_errors_read_as_one_line():
                         "last):\n  File \"x.py\", line 1, in f\nmesa_train.train.data.DataError: cannot read image "
                         "/d/1.png: boom")
     assert describe(wrapped) == (2, "cannot read image /d/1.png: boom")
+
+
+def test_resumed_logs_keep_the_columns_of_their_file(tmp_path):
+    from mesa_train.train.loggers import RunLogger
+
+    (tmp_path / "metrics.csv").write_text("epoch,step,train_loss\n0,2,1.5\n")  # an older version's columns
+    logger = RunLogger(str(tmp_path), resume_step=2)
+    logger.log_epoch({"epoch": 1, "step": 4, "train_loss": 1.25, "stock_saved_bytes": 7})
+    assert (tmp_path / "metrics.csv").read_text() == "epoch,step,train_loss\n0,2,1.5\n1,4,1.25\n"

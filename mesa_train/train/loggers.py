@@ -88,7 +88,10 @@ class RunLogger:
 
     @staticmethod
     def _append_csv(path: str, columns: list[str], row: dict) -> None:
-        new = not os.path.exists(path)
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        if not new:  # a resumed run keeps the file's columns (written by an older version?)
+            with open(path, newline="") as f:
+                columns = next(csv.reader(f), None) or columns
         with open(path, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             if new:
