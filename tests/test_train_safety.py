@@ -263,3 +263,21 @@ def test_resumed_logs_keep_the_columns_of_their_file(tmp_path):
     logger = RunLogger(str(tmp_path), resume_step=2)
     logger.log_epoch({"epoch": 1, "step": 4, "train_loss": 1.25, "stock_saved_bytes": 7})
     assert (tmp_path / "metrics.csv").read_text() == "epoch,step,train_loss\n0,2,1.5\n1,4,1.25\n"
+
+
+def test_unwritable_run_dir_is_refused_before_anything_runs(compose_train, tmp_path, monkeypatch):
+    import errno
+
+    # As root a chmod-ed directory stays writable: simulate the read-only mount instead.
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).startswith(str(tmp_path / "run")) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, flags, *args)
+
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(OSError) as info:
+        fit(compose_train(BASE), str(tmp_path / "run"))
+    assert describe(info.value) == (1, f"cannot write to {tmp_path / 'run'}: read-only file system")
