@@ -2,10 +2,13 @@
 
     python evaluate.py checkpoint=outputs/2025-01-01/12-00-00/checkpoints/best.pt
     python evaluate.py checkpoint=PATH data=cifar100 data.root=data/cifar100 ema=true
+    python evaluate.py checkpoint=PATH data.root=/elsewhere/imagenet trainer.batch_size=256
 
 The model (architecture and Mesa layout) comes from the config stored in the checkpoint;
-the data group defaults to the checkpoint's too. Prints the metrics and writes them to
-<output>/eval.json (default: this call's Hydra run directory).
+the data too, unless a data group or single data.* values are given. Options share
+train.py's names (trainer.batch_size, trainer.num_workers, trainer.device, trainer.amp).
+Prints the metrics and writes them to <output>/eval.json (default: this call's Hydra run
+directory, next to evaluate.log).
 """
 import json
 import logging
@@ -22,26 +25,32 @@ log = logging.getLogger("evaluate")
 def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
-    from mesa_train.train.checkpoint import CheckpointError
-    from mesa_train.train.config import ConfigError
-    from mesa_train.train.data import DataError
+    from mesa_train.train import errors
     from mesa_train.train.evaluation import evaluate_checkpoint
 
+    if OmegaConf.is_missing(cfg, "checkpoint") or not cfg.checkpoint:
+        print("error: evaluate.py needs checkpoint=PATH (a last.pt or best.pt written by train.py, e.g. "
+              "outputs/<date>/<time>/checkpoints/best.pt); see python evaluate.py --help", file=sys.stderr)
+        sys.exit(2)
     output = cfg.output or HydraConfig.get().runtime.output_dir
     data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") is not None else None
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    log.info("evaluating %s (%s weights)", cfg.checkpoint, "EMA" if cfg.ema else "model")
     try:
-        metrics = evaluate_checkpoint(
-            cfg.checkpoint, data=data, ema=cfg.ema, batch_size=cfg.batch_size,
-            num_workers=cfg.num_workers, device=cfg.device, amp=cfg.amp,
-        )
-    except (ConfigError, DataError, CheckpointError) as err:
-        log.error("%s", err)
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    os.makedirs(output, exist_ok=True)
-    path = os.path.join(output, "eval.json")
-    with open(path, "w") as f:
-        json.dump(metrics, f, indent=2)
+        metrics = evaluate_checkpoint(cfg.checkpoint, data=data, ema=cfg.ema, trainer=trainer)
+        os.makedirs(output, exist_ok=True)
+        path = os.path.join(output, "eval.json")
+        with open(path, "w") as f:
+            json.dump(metrics, f, indent=2)
+    except Exception as err:  # noqa: BLE001
+        described = errors.describe(err)
+        if described is None:
+            raise
+        print(f"error: {described[1]}", file=sys.stderr)
+        sys.exit(described[0])
+    log.info("top1 %.2f  top5 %.2f  loss %.4f  (%d images of %s, step %d, amp %s) -> %s", metrics["top1"],
+             metrics["top5"], metrics["loss"], metrics["images"], metrics["data"], metrics["step"],
+             metrics["amp"], path)
     print(f"top1 {metrics['top1']:.2f}  top5 {metrics['top5']:.2f}  loss {metrics['loss']:.4f}  "
           f"({metrics['images']} images, {'EMA' if cfg.ema else 'model'} weights) -> {path}")
     return metrics["top1"]

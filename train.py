@@ -8,6 +8,11 @@
 Configs live in configs/ (see configs/train.yaml); the work is done by
 mesa_train.train.runner.fit. Logs, checkpoints and the resolved config go to the run
 directory (outputs/<date>/<time>/, or hydra.run.dir=...).
+
+A run that fails for a known reason (bad value, missing data, disk full, non-finite loss,
+Ctrl-C) prints one line ``error: ...`` and exits non-zero (see mesa_train/train/errors.py
+for the codes). In a sweep (-m) a failed job is recorded (failed.json) and the sweep goes
+on; the summary table marks it with its error and the sweep exits 1.
 """
 import logging
 import sys
@@ -26,25 +31,49 @@ def _prepare_ranks() -> None:
     if distributed.init_from_env():
         distributed.share_run_stamp()
         if distributed.env_rank() != 0:
-            sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+            sys.argv += ["hydra.output_subdir=null", "hydra.job_logging.root.handlers=[console]"]
+
+
+def _log_to_file(message: str) -> None:
+    """Put the final error into the run's log file too (the console already shows it)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.emit(logging.LogRecord("train", logging.ERROR, __file__, 0, message, None, None))
 
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    from mesa_train.train.checkpoint import CheckpointError
-    from mesa_train.train.config import ConfigError
-    from mesa_train.train.data import DataError
+    from mesa_train.train import errors, rundir
     from mesa_train.train.runner import fit
 
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    accepted = []
     try:
-        summary = fit(cfg, HydraConfig.get().runtime.output_dir)
-    except (ConfigError, DataError, CheckpointError) as err:
-        # A user error: one clear message, no traceback, non-zero exit, no checkpoint.
-        log.error("%s", err)
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        summary = fit(cfg, run_dir, on_accept=lambda: accepted.append(True))
+    except BaseException as err:  # noqa: BLE001 - every failure gets its line and exit code
+        described = errors.describe(err)
+        if described is None and not multirun:
+            raise  # a bug: Hydra prints the traceback
+        code, message = described if described is not None else (1, errors.one_line(err))
+        if described is None:
+            log.exception("job failed")
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if accepted:
+            _log_to_file(f"error: {message}")
+        if not multirun:
+            sys.exit(code)
+        rundir.write_failure(run_dir, message)
+        if code in (130, 143):  # Ctrl-C / SIGTERM ends the sweep, with its summary so far
+            from mesa_train.train.sweep import write_summary
+
+            write_summary(str(hydra_cfg.sweep.dir))
+            sys.exit(code)
+        return None
     return summary.get("top1")  # the objective for Hydra sweepers (e.g. Optuna)
 
 

@@ -1,4 +1,5 @@
-"""Short model names used by the configs and benchmarks, mapped onto timm architectures.
+"""Short model names used by the configs and benchmarks, mapped onto timm architectures
+(any other timm model name is accepted as it is).
 
 timm has no PVT v1; the paper's PVT-Ti is approximated by ``pvt_v2_b1``, which has the
 same size (about 13-14M parameters).
@@ -22,15 +23,22 @@ MODEL_NAMES = {
 }
 
 
+def is_known_model(name: str) -> bool:
+    """A short name of ``MODEL_NAMES`` or any model timm can create."""
+    import timm
+
+    return name in MODEL_NAMES or timm.is_model(name)
+
+
 def timm_name(name: str) -> str:
-    """Resolve a short name (``deit_ti``) or a full timm name to the timm name."""
+    """Resolve a short name (``deit_ti``) to its timm name; any other timm name is kept."""
     if name in MODEL_NAMES:
         return MODEL_NAMES[name]
-    if name in MODEL_NAMES.values():
+    if is_known_model(name):
         return name
     raise ValueError(
-        f"unknown model {name!r}; valid choices: {', '.join(MODEL_NAMES)} "
-        f"(or their timm names: {', '.join(MODEL_NAMES.values())})"
+        f"unknown model {name!r}; valid choices: {', '.join(MODEL_NAMES)} or any timm model name "
+        "(timm.list_models())"
     )
 
 

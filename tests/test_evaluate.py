@@ -42,7 +42,7 @@ def test_evaluate_cli_prints_and_writes(trained, tmp_path, run_cli):
     summary, path = trained
     out_dir = tmp_path / "eval"
     result = run_cli([sys.executable, REPO / "evaluate.py", f"checkpoint={path}", "data=synthetic",
-                      "data.val_size=8", "num_workers=0", "device=cpu", "ema=true", f"output={out_dir}",
+                      "data.val_size=8", "trainer.num_workers=0", "trainer.device=cpu", "ema=true", f"output={out_dir}",
                       f"hydra.run.dir={tmp_path / 'hydra'}"])
     assert result.returncode == 0, result.stderr[-2000:]
     metrics = json.load(open(out_dir / "eval.json"))

@@ -77,15 +77,65 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class _WriteRecorder:
+    """A file wrapper that remembers the ``OSError`` of a failed write: torch.save turns
+    it into "enforce fail at inline_container.cc", which hides "no space left on device"."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def _default_file_mode() -> int:
+    """0666 minus the umask: what ``open()`` would create (mkstemp uses 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _write_file(fd: int, write) -> None:
+    """``write(f)`` into ``fd``, flushed, fsync-ed and closed. A failed write surfaces as
+    the ``OSError`` of the file system (ENOSPC, EDQUOT, EIO ...), whatever torch made of it."""
+    raw = os.fdopen(fd, "wb")
+    f = _WriteRecorder(raw)
+    try:
+        write(f)
+        f.flush()
+        os.fsync(raw.fileno())
+    except (RuntimeError, OSError) as err:
+        cause = f.error if f.error is not None else err
+        if not isinstance(cause, OSError):
+            raise
+        raise OSError(cause.errno, cause.strerror) from err
+    finally:
+        try:
+            raw.close()
+        except OSError:  # the buffered rest could not be written either: already reported
+            pass
+
+
 def _atomic_write(path: str, write) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            _write_file(fd, write)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, folder) from err.__cause__
+        os.chmod(tmp, _default_file_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -150,7 +200,54 @@ def check_compatible(saved_cfg: dict, cfg: dict, path: str) -> None:
     if diffs:
         raise CheckpointError(
             f"checkpoint {path} does not fit the current config:\n  - " + "\n  - ".join(diffs)
-            + "\nuse the checkpoint's settings, or start a fresh run (trainer.resume=null)"
+            + "\nuse the checkpoint's settings, or start the new model in another run directory "
+            "(hydra.run.dir=...)"
+        )
+
+
+# Settings a resumed run may change: they do not enter the arithmetic of training (where
+# and how fast it runs, logging, stopping point). Everything else must match the checkpoint:
+# the optimizer, scheduler and sampler state saved in it were built from those values.
+RESUME_MAY_CHANGE = (
+    "name", "logger", "model.pretrained_path", "data.root", "data.download", "data.verify_md5",
+    "data.skip_corrupt",
+    "trainer.max_steps", "trainer.device", "trainer.num_workers", "trainer.pin_memory",
+    "trainer.progress", "trainer.log_every", "trainer.checkpoint_every", "trainer.eval_every",
+    "trainer.resume", "trainer.overwrite", "trainer.compile", "trainer.channels_last",
+    "trainer.grad_checkpointing", "trainer.nonfinite", "trainer.max_nonfinite_skips",
+)
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
+
+
+def changed_settings(saved_cfg: dict, cfg: dict) -> list[str]:
+    """``key: checkpoint -> now`` for every setting that differs and may not change on
+    resume (see ``RESUME_MAY_CHANGE``)."""
+    old, new = _flatten(saved_cfg or {}), _flatten(cfg or {})
+
+    def allowed(key: str) -> bool:
+        return any(key == p or key.startswith(p + ".") for p in RESUME_MAY_CHANGE)
+
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if not allowed(k) and old.get(k) != new.get(k)]
+
+
+def check_same_settings(saved_cfg: dict, cfg: dict, path: str) -> None:
+    """Resuming keeps the checkpoint's hyper-parameters: refuse, listing the changes."""
+    changes = changed_settings(saved_cfg, cfg)
+    if changes:
+        raise CheckpointError(
+            f"cannot resume from {path} with changed settings (its optimizer, schedule and data order "
+            "follow the old ones):\n  - " + "\n  - ".join(changes)
+            + "\nrestore them to continue this run, or start a new run directory from these weights "
+            f"with model.pretrained_path={path}"
         )
 
 

@@ -5,16 +5,21 @@ written, and all problems are reported together with the valid choices.
 """
 from __future__ import annotations
 
+import difflib
+import os
 from typing import Any
 
-from mesa_train.models import MODEL_NAMES
+from mesa_train.models import MODEL_NAMES, is_known_model
 
 # Valid names, as documented in docs/DESIGN.md (mesa_train.patch).
 MESA_OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa", "all")
 MESA_MODULES = ("msa", "ffn", "other", "all")
 MESA_ESTIMATORS = ("running", "per_sample")
 MESA_ROUNDINGS = ("stochastic", "nearest")
-AMP_MODES = ("bf16", "fp16", "none")
+AMP_MODES = ("auto", "bf16", "fp16", "none")
+NONFINITE_MODES = ("stop", "skip")
+# timm.scheduler.create_scheduler_v2's names
+SCHEDULERS = ("cosine", "tanh", "step", "multistep", "plateau", "poly", "constant", "rsqrt")
 DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("cifar100", "imagenet", "digits", "synthetic")
 
@@ -39,16 +44,10 @@ def validate(cfg) -> None:
         if value not in valid:
             errors.append(f"{path}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
 
-    names = list(MODEL_NAMES) + list(MODEL_NAMES.values())
-    if cfg.model.name not in names:
-        errors.append(
-            f"model.name={cfg.model.name!r} is not a known model; choose one of: "
-            f"{', '.join(MODEL_NAMES)} (config group: model=NAME)"
-        )
-    if not isinstance(cfg.model.img_size, int) or cfg.model.img_size < 1:
-        errors.append(f"model.img_size={cfg.model.img_size!r} must be a positive integer")
-
+    _check_model(cfg, errors)
     choice("data.name", cfg.data.name, DATASETS)
+    _check_data(cfg.data, errors)
+    _check_optim(cfg.optim, errors)
 
     m = cfg.mesa
     if not isinstance(m.enabled, bool):
@@ -79,10 +78,20 @@ def validate(cfg) -> None:
         value = t[key]
         if not (isinstance(value, int) and value >= 1):
             errors.append(f"trainer.{key}={value!r} must be an integer >= 1")
+    for key, meaning in (("checkpoint_every", "0: only at the end of each epoch"),
+                         ("log_every", "0: no steps.csv rows"), ("num_workers", "0: load in the main process")):
+        value = t.get(key, 0)
+        if not (isinstance(value, int) and value >= 0):
+            errors.append(f"trainer.{key}={value!r} must be an integer >= 0 ({meaning})")
     if t.max_steps is not None and not (isinstance(t.max_steps, int) and t.max_steps >= 1):
         errors.append(f"trainer.max_steps={t.max_steps!r} must be null or an integer >= 1")
     if t.clip_grad is not None and not (isinstance(t.clip_grad, (int, float)) and t.clip_grad > 0):
         errors.append(f"trainer.clip_grad={t.clip_grad!r} must be null or a positive number")
+    choice("trainer.nonfinite", t.get("nonfinite", "stop"), NONFINITE_MODES)
+    skips = t.get("max_nonfinite_skips", 1)
+    if not (isinstance(skips, int) and skips >= 1):
+        errors.append(f"trainer.max_nonfinite_skips={skips!r} must be an integer >= 1")
+    _check_wandb(cfg, errors)
     if t.device == "cuda":
         import torch
 
@@ -91,6 +100,68 @@ def validate(cfg) -> None:
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _check_model(cfg, errors: list[str]) -> None:
+    m = cfg.model
+    if not is_known_model(m.name):
+        errors.append(
+            f"model.name={m.name!r} is neither a short name ({', '.join(MODEL_NAMES)}) nor a timm "
+            "model name (see timm.list_models(), e.g. vit_small_patch16_224)"
+        )
+    if not isinstance(m.img_size, int) or m.img_size < 1:
+        errors.append(f"model.img_size={m.img_size!r} must be a positive integer")
+    heads, width = m.get("num_heads"), m.get("embed_dim")
+    if isinstance(heads, int) and isinstance(width, int) and heads >= 1 and width % heads:
+        errors.append(f"model.num_heads={heads} does not divide model.embed_dim={width}: "
+                      "every head needs embed_dim / num_heads channels")
+    path = m.get("pretrained_path")
+    if path is not None and not os.path.isfile(str(path)):
+        errors.append(f"model.pretrained_path={path!r}: no such file")
+
+
+def _check_data(d, errors: list[str]) -> None:
+    for key in ("mean", "std"):
+        values = list(d.get(key) or [])
+        if len(values) != 3 or not all(isinstance(v, (int, float)) for v in values):
+            errors.append(f"data.{key}={values} must be three numbers (one per RGB channel)")
+        elif key == "std" and not all(v > 0 for v in values):
+            errors.append(f"data.std={values} must be positive (images are divided by it)")
+    for key, low in (("train_size", 1), ("val_size", 0)):
+        value = d.get(key)
+        if value is not None and not (isinstance(value, int) and value >= low):
+            errors.append(f"data.{key}={value!r} must be null (all) or an integer >= {low}")
+    if d.get("num_classes") is not None and not (isinstance(d.num_classes, int) and d.num_classes >= 1):
+        errors.append(f"data.num_classes={d.num_classes!r} must be null or an integer >= 1")
+
+
+def _check_optim(o, errors: list[str]) -> None:
+    from timm.optim import list_optimizers
+
+    known = set(list_optimizers())
+    name = str(o.opt).lower()
+    base = name.split("_", 1)[1] if name.startswith("lookahead_") else name
+    if base not in known:
+        close = difflib.get_close_matches(base, sorted(known), n=5)
+        errors.append(f"optim.opt={o.opt!r} is not a timm optimizer; e.g. adamw, sgd, lamb, lion"
+                      + (f" (close: {', '.join(close)})" if close else "")
+                      + "; all: timm.optim.list_optimizers()")
+    if o.sched not in SCHEDULERS:
+        errors.append(f"optim.sched={o.sched!r} is not valid; choose one of: {', '.join(SCHEDULERS)}")
+    decay = o.get("layer_decay")
+    if decay is not None and not (isinstance(decay, (int, float)) and 0 < decay <= 1):
+        errors.append(f"optim.layer_decay={decay!r} must be null (off) or a number in (0, 1]")
+
+
+def _check_wandb(cfg, errors: list[str]) -> None:
+    w = cfg.logger.get("wandb") or {}
+    if not w.get("enabled") or (w.get("mode") or os.environ.get("WANDB_MODE")) != "online":
+        return
+    from mesa_train.train.loggers import wandb_has_key
+
+    if not wandb_has_key():
+        errors.append("logger.wandb.mode=online needs a W&B API key: set WANDB_API_KEY or run `wandb login` "
+                      "(or use logger.wandb.mode=offline and `wandb sync` later)")
 
 
 def mesa_options(cfg) -> dict:

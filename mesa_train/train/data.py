@@ -17,6 +17,7 @@ import contextlib
 import os
 import random
 from dataclasses import dataclass
+from urllib.error import URLError
 
 import numpy as np
 import torch
@@ -108,9 +109,30 @@ def cifar100(root: str, train: bool, transform, download: bool, verify_md5: bool
         )
     try:
         return cls(root, train=train, transform=transform, download=download)
-    except (RuntimeError, KeyError, EOFError, ValueError) as err:
-        raise DataError(f"could not read CIFAR-100 from {os.path.abspath(base)}: {err}\n"
-                        + CIFAR100_HELP.format(root=root)) from err
+    except (URLError, ConnectionError, TimeoutError) as err:  # offline, DNS, proxy ...
+        raise DataError(f"could not download CIFAR-100 ({getattr(err, 'reason', err)}): this machine seems "
+                        f"to be offline. Download {CIFAR100.url} elsewhere and untar it in "
+                        f"{os.path.abspath(root)}, then run without data.download") from None
+    except Exception as err:  # truncated or garbage pickles: name the file
+        bad = _first_unreadable_pickle(base, ("train" if train else "test", "meta")) or base
+        raise DataError(f"could not read CIFAR-100 file {os.path.abspath(bad)}: {type(err).__name__}: {err}. "
+                        "The file is corrupt or truncated; download it again.\n"
+                        + CIFAR100_HELP.format(root=root)) from None
+
+
+def _first_unreadable_pickle(base: str, names) -> str | None:
+    """The first of ``names`` that does not unpickle into a dict (only called after a failure)."""
+    import pickle
+
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            with open(path, "rb") as f:
+                if not isinstance(pickle.load(f, encoding="latin1"), dict):
+                    return path
+        except Exception:
+            return path
+    return None
 
 
 IMAGEFOLDER_HELP = (
@@ -121,18 +143,94 @@ IMAGEFOLDER_HELP = (
 )
 
 
-def image_folder(root: str, split: str, transform):
+class _NamedImageLoader:
+    """ImageFolder's image reader: an unreadable file becomes a ``DataError`` naming it, or,
+    with ``skip``, ``None`` (``SkippingImageFolder`` then takes the next readable image)."""
+
+    def __init__(self, skip: bool):
+        self.skip = skip
+
+    def __call__(self, path: str):
+        from PIL import Image
+
+        try:
+            with open(path, "rb") as f:
+                image = Image.open(f)
+                return image.convert("RGB")
+        except Exception as err:  # truncated, not an image, unreadable ...
+            if self.skip:
+                import logging
+
+                logging.getLogger("mesa_train.train").warning("skipping unreadable image %s (%s)", path, err)
+                return None
+            raise DataError(f"cannot read image {path}: {type(err).__name__}: {err}. Remove or replace it, "
+                            "or skip unreadable images with data.skip_corrupt=true") from None
+
+
+def _image_folder_class(classes: list[str] | None):
     from torchvision.datasets import ImageFolder
 
+    class SkippingImageFolder(ImageFolder):
+        """ImageFolder that can take its class list from another split (val/ labelled as
+        train/), and replaces a skipped image by the next readable one (same label
+        distribution in expectation; deterministic per index)."""
+
+        def find_classes(self, directory):
+            if classes is None:
+                return super().find_classes(directory)
+            return list(classes), {c: i for i, c in enumerate(classes)}
+
+        def __getitem__(self, index: int):
+            for offset in range(len(self.samples)):
+                path, target = self.samples[(index + offset) % len(self.samples)]
+                sample = self.loader(path)
+                if sample is not None:
+                    break
+            else:
+                raise DataError(f"no readable image in {self.root}")
+            if self.transform is not None:
+                sample = self.transform(sample)
+            if self.target_transform is not None:
+                target = self.target_transform(target)
+            return sample, target
+
+    return SkippingImageFolder
+
+
+def _folder_classes(path: str) -> list[str]:
+    return sorted(e.name for e in os.scandir(path) if e.is_dir())
+
+
+def image_folder(root: str, split: str, transform, skip_corrupt: bool = False):
+    """``root/split`` as an ImageFolder. Its class folders must be the training split's:
+    labels are indices into train/'s sorted class list, so a val/ lacking a class would
+    shift every later label."""
     path = os.path.join(root, split)
     if not os.path.isdir(path):
         raise DataError(f"ImageFolder split not found: {os.path.abspath(path)} is not a directory.\n"
                         + IMAGEFOLDER_HELP.format(root=root))
+    classes = None
+    train_path = os.path.join(root, "train")
+    if split != "train" and os.path.isdir(train_path):
+        classes = _folder_classes(train_path)
+        own = _folder_classes(path)
+        if own != classes:
+            missing, extra = sorted(set(classes) - set(own)), sorted(set(own) - set(classes))
+            raise DataError(
+                f"the class folders of {os.path.abspath(path)} differ from train/'s ({len(own)} vs {len(classes)}): "
+                + "; ".join(p for p in (f"missing {_few(missing)}" if missing else "",
+                                        f"not in train/ {_few(extra)}" if extra else "") if p)
+                + ". Labels are positions in train/'s class list, so both splits need the same folders"
+            )
     try:
-        return ImageFolder(path, transform=transform)
+        return _image_folder_class(classes)(path, transform=transform, loader=_NamedImageLoader(skip_corrupt))
     except (FileNotFoundError, RuntimeError) as err:
         raise DataError(f"could not read images from {os.path.abspath(path)}: {err}\n"
                         + IMAGEFOLDER_HELP.format(root=root)) from err
+
+
+def _few(items: list[str], n: int = 5) -> str:
+    return ", ".join(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
 
 
 # ------------------------------------------------------------------------- transforms
@@ -204,7 +302,7 @@ def build_dataset(cfg, train: bool):
     elif d.name == "cifar100":
         dataset = cifar100(d.root, train, transform, bool(d.download), bool(d.verify_md5))
     elif d.name == "imagenet":
-        dataset = image_folder(d.root, "train" if train else "val", transform)
+        dataset = image_folder(d.root, "train" if train else "val", transform, bool(d.get("skip_corrupt", False)))
     else:
         raise DataError(f"unknown data.name={d.name!r}")
     return _limit(dataset, d.get("train_size" if train else "val_size"))
@@ -229,6 +327,32 @@ def num_classes_of(cfg, dataset) -> int:
     if not classes:
         raise DataError("data.num_classes is null and the dataset lists no classes")
     return len(classes)
+
+
+def _targets(dataset) -> list[int] | None:
+    """Every label of ``dataset`` without loading an image (None when unknown)."""
+    if isinstance(dataset, Subset):
+        inner = _targets(dataset.dataset)
+        return None if inner is None else [inner[i] for i in dataset.indices]
+    for attr in ("targets", "labels"):
+        values = getattr(dataset, attr, None)
+        if values is not None:
+            return [int(v) for v in values]
+    return None
+
+
+def check_labels(dataset, num_classes: int, split: str) -> None:
+    """Every label in [0, num_classes): a label out of range would fail at the first
+    batch (IndexError) or, worse, train a wrong head silently."""
+    targets = _targets(dataset)
+    if not targets:
+        return
+    bad = sorted({t for t in targets if not 0 <= t < num_classes})
+    if bad:
+        raise DataError(
+            f"the {split} labels include {_few([str(b) for b in bad])}, outside [0, {num_classes}) "
+            f"(data.num_classes={num_classes}); set data.num_classes to the real class count or fix the labels"
+        )
 
 
 # -------------------------------------------------------------- sampling and loading
@@ -338,8 +462,30 @@ class Loaders:
     train_batches: int  # full-epoch batches per rank (independent of a mid-epoch start)
 
 
-def _loader(dataset, batch_size, sampler, cfg, drop_last, seed):
-    workers = int(cfg.trainer.num_workers)
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_count(requested: int, world_size: int = 1) -> int:
+    """``trainer.num_workers`` capped by this process's share of the CPU cores (more
+    workers than cores only adds contention; PyTorch warns about it)."""
+    per_process = max(usable_cpus() // max(world_size, 1), 1)
+    return min(int(requested), per_process if per_process > 1 else 0)
+
+
+def _ignore_sigint(_worker_id: int) -> None:
+    """Workers leave Ctrl-C to the main process, which stops at the next optimizer step
+    and saves last.pt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _loader(dataset, batch_size, sampler, cfg, drop_last, seed, world_size=1):
+    workers = worker_count(cfg.trainer.num_workers, world_size)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -348,6 +494,7 @@ def _loader(dataset, batch_size, sampler, cfg, drop_last, seed):
         pin_memory=bool(cfg.trainer.pin_memory) and torch.cuda.is_available(),
         drop_last=drop_last,
         persistent_workers=False,
+        worker_init_fn=_ignore_sigint if workers > 0 else None,
         # Own generator: creating an iterator never draws from the global torch RNG.
         generator=torch.Generator().manual_seed(seed),
     )
@@ -355,13 +502,15 @@ def _loader(dataset, batch_size, sampler, cfg, drop_last, seed):
 
 def build_loaders(cfg, rank: int = 0, world_size: int = 1, train: bool = True) -> Loaders:
     """Training loader (shuffled, seeded, resumable, drops the last partial batch) and
-    validation loader (sharded over ranks, in order)."""
+    validation loader (sharded over ranks, in order). Labels are checked against the
+    class count before anything trains."""
     val_set = build_dataset(cfg, train=False)
     seed = int(cfg.trainer.seed)
     train_loader, train_batches = None, 0
     if train:
         train_set = build_dataset(cfg, train=True)
         num_classes = num_classes_of(cfg, train_set)
+        check_labels(train_set, num_classes, "training")
         sampler = ResumableSampler(train_set, world_size, rank, seed=seed, shuffle=True)
         bs = int(cfg.trainer.batch_size)
         train_batches = sampler.num_samples // bs
@@ -370,11 +519,13 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1, train: bool = True) -
                 f"the training set has {len(train_set)} images, {sampler.num_samples} per rank: "
                 f"fewer than trainer.batch_size={bs}; use a smaller batch"
             )
-        train_loader = _loader(SeededDataset(train_set, seed), bs, sampler, cfg, True, seed)
+        train_loader = _loader(SeededDataset(train_set, seed), bs, sampler, cfg, True, seed, world_size)
     else:
         num_classes = num_classes_of(cfg, val_set)
+    check_labels(val_set, num_classes, "validation")
     val_loader = _loader(
-        val_set, int(cfg.trainer.batch_size), ShardSampler(len(val_set), rank, world_size), cfg, False, seed
+        val_set, int(cfg.trainer.batch_size), ShardSampler(len(val_set), rank, world_size), cfg, False, seed,
+        world_size,
     )
     return Loaders(train_loader, val_loader, num_classes, train_batches)
 

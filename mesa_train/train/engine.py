@@ -27,6 +27,11 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of `epoch` already trained (resume starts here)
     step: int = 0            # optimizer steps so far, over all epochs
     best_top1: float = -1.0
+    # The current epoch's loss sum and batch count so far, over all ranks: a resumed epoch's
+    # train_loss still averages every batch of the epoch.
+    epoch_loss_sum: float = 0.0
+    epoch_batches: int = 0
+    skipped_steps: int = 0   # steps not applied: non-finite loss/gradient (trainer.nonfinite=skip)
 
 
 @dataclass
@@ -45,7 +50,37 @@ class Parts:
     grad_accum: int = 1
     clip_grad: float | None = None
     channels_last: bool = False
-    extra: dict = field(default_factory=dict)
+    nonfinite: str = "stop"        # stop | skip (see train_one_epoch)
+    max_nonfinite_skips: int = 10  # consecutive skipped steps before stopping anyway
+    extra: dict = field(default_factory=dict)  # running totals shared with the runner
+
+
+NONFINITE_HINT = ("lower the learning rate (optim.lr / optim.base_lr), clip gradients (trainer.clip_grad=1.0), "
+                  "or skip such steps (trainer.nonfinite=skip)")
+
+
+def epoch_totals(parts: Parts, state: TrainState) -> None:
+    """Write the epoch's loss sum and batch count so far (summed over ranks) into
+    ``state``, for a checkpoint."""
+    loss_sum, batches = parts.extra.get("loss_sum"), parts.extra.get("batches", 0)
+    if loss_sum is None:
+        return
+    totals = dist_utils.all_reduce_sum([float(loss_sum), float(batches)], parts.device)
+    state.epoch_loss_sum, state.epoch_batches = totals[0], int(round(totals[1]))
+
+
+def first_nonfinite_step(parts: Parts, model: nn.Module) -> int | None:
+    """The first step whose loss or gradient was non-finite (``None``: all finite), or
+    the current step when a weight is non-finite. One host sync; called before every
+    checkpoint so that nothing non-finite is ever saved."""
+    flagged = parts.extra.get("first_bad")
+    step = int(flagged) if flagged is not None else -1
+    if step >= 0:
+        return step
+    params = [p for p in unwrap(model).parameters()]
+    if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+        return int(parts.extra.get("step", 0))
+    return None
 
 
 def build_criterion(smoothing: float, mixup_active: bool) -> nn.Module:
@@ -74,6 +109,42 @@ def _to_device(parts: Parts, images, targets):
     return images, targets
 
 
+def _grad_norm(parts: Parts, model: nn.Module) -> torch.Tensor:
+    """Clip to ``clip_grad`` when set; the total norm either way (inf/nan when a gradient is)."""
+    max_norm = parts.clip_grad if parts.clip_grad else float("inf")
+    return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def _optimizer_step(parts: Parts, model: nn.Module, state: TrainState, step_loss_ok: torch.Tensor) -> bool:
+    """One optimizer update. Returns False when the step was skipped (non-finite, skip mode).
+
+    stop mode: no host sync; a device-side flag records the first non-finite step and the
+    runner checks it before any checkpoint. skip mode: one sync per step decides whether
+    the update is applied (like GradScaler does for fp16)."""
+    optimizer, scaler = parts.optimizer, parts.scaler
+    check_grads = parts.nonfinite == "skip" and scaler is None  # fp16: the scaler skips inf grads itself
+    norm = None
+    if scaler is not None and parts.clip_grad:
+        scaler.unscale_(optimizer)
+    if parts.clip_grad or check_grads:
+        norm = _grad_norm(parts, model)
+    ok = step_loss_ok if norm is None or scaler is not None else step_loss_ok & torch.isfinite(norm)
+    if parts.nonfinite == "skip" and not bool(ok):
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.update(scaler.get_scale() / 2)  # the loss itself overflowed
+        return False
+    first_bad = parts.extra["first_bad"]
+    first_bad.copy_(torch.where((first_bad < 0) & ~ok, torch.full_like(first_bad, state.step + 1), first_bad))
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return True
+
+
 def train_one_epoch(
     parts: Parts,
     loader,
@@ -86,28 +157,59 @@ def train_one_epoch(
     on_step: Callable[[TrainState], None] | None = None,
     measure_saved: bool = False,
     progress: bool = False,
+    epochs: int | None = None,
+    warmup_batches: int = 0,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> dict:
     """Train ``state.epoch`` from batch ``state.batch_in_epoch`` to the end of the epoch,
-    or until ``state.step == max_steps``. ``loader`` must already start at that batch.
+    or until ``state.step == max_steps``, or until ``stop_requested()`` (checked after each
+    optimizer step; the result then has ``interrupted=True``). ``loader`` must already
+    start at that batch.
 
-    Returns the epoch's mean loss, learning rate, images/s (all ranks), peak memory
-    (CUDA: max allocated bytes) and, with ``measure_saved``, the bytes saved for backward
-    by the first micro-batch (``mesa_train.memory.SavedTensorMeter``)."""
+    Returns the epoch's mean loss (the batches of a resumed epoch before the resume
+    included), learning rate, images/s over all ranks (the first ``warmup_batches`` of this
+    call excluded: start-up, allocator and compile warm-up), peak memory (CUDA: max
+    allocated bytes) and, with ``measure_saved``, the bytes saved for backward by the first
+    micro-batch (``mesa_train.memory.SavedTensorMeter``).
+
+    A non-finite loss or gradient: ``parts.nonfinite="stop"`` records its step on the device
+    (``first_nonfinite_step``), ends the epoch at the next log step, and the runner stops
+    without saving; ``"skip"`` drops that update (counted in ``state.skipped_steps``, left
+    out of the mean loss) and raises ``NonFiniteError`` after ``max_nonfinite_skips`` in a row."""
+    from mesa_train.train.errors import NonFiniteError
+
     model, optimizer, device = parts.model, parts.optimizer, parts.device
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     accum = parts.grad_accum
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    num_batches = num_images = 0
+    if state.batch_in_epoch == 0:
+        state.epoch_loss_sum, state.epoch_batches = 0.0, 0
+    world = dist_utils.world_size()
+    # This rank's share of the (all-rank) totals saved at a mid-epoch checkpoint.
+    loss_sum = torch.full((), state.epoch_loss_sum / world, device=device, dtype=torch.float64)
+    # Batches in the mean: all of them (stop mode: a non-finite one ends the run anyway), or
+    # the finite ones (skip mode), counted on the device (no sync).
+    batch_count = torch.full((), state.epoch_batches / world, device=device, dtype=torch.float64)
+    parts.extra.update(loss_sum=loss_sum, batches=batch_count, step=state.step)
+    parts.extra.setdefault("first_bad", torch.full((), -1, device=device, dtype=torch.int64))
+    step_loss_ok = torch.ones((), device=device, dtype=torch.bool)
+    num_images = timed_images = 0
+    consecutive_skips = 0
     saved_bytes = None
+    interrupted = False
+    loss_text = ""
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=batches_per_epoch, initial=state.batch_in_epoch, desc=f"epoch {state.epoch}",
-                   dynamic_ncols=True, leave=False)
+        desc = f"epoch {state.epoch + 1}/{epochs}" if epochs else f"epoch {state.epoch + 1}"
+        bar = tqdm(total=batches_per_epoch, initial=state.batch_in_epoch, desc=desc, dynamic_ncols=True,
+                   leave=False)
     start = time.perf_counter()
+    timed_start = start if warmup_batches <= 0 else None
+    run_start, run_batches = start, 0
+    batches_left_after = (epochs - state.epoch - 1) * batches_per_epoch if epochs else 0
 
     for images, targets in loader:
         i = state.batch_in_epoch  # index of this batch in the epoch
@@ -138,65 +240,109 @@ def train_one_epoch(
             else:
                 scaled.backward()
 
-        loss_sum += loss.detach()
-        num_batches += 1
+        detached = loss.detach()
+        finite = torch.isfinite(detached)
+        step_loss_ok &= finite
+        if parts.nonfinite == "skip":
+            loss_sum += torch.where(finite, detached, torch.zeros_like(detached))
+            batch_count += finite
+        else:
+            loss_sum += detached
+            batch_count += 1
         num_images += images.shape[0]
+        run_batches += 1
         state.batch_in_epoch = i + 1
+        if timed_start is None and run_batches >= warmup_batches:
+            timed_start, timed_images = time.perf_counter(), 0
+        elif timed_start is not None:
+            timed_images += images.shape[0]
 
         if update:
-            if parts.scaler is not None:
-                if parts.clip_grad:
-                    parts.scaler.unscale_(optimizer)
-                    nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
-                parts.scaler.step(optimizer)
-                parts.scaler.update()
-            else:
-                if parts.clip_grad:
-                    nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            applied = _optimizer_step(parts, model, state, step_loss_ok)
+            step_loss_ok.fill_(True)
             state.step += 1
-            if parts.ema is not None:
-                parts.ema.update(unwrap(model), step=state.step)
+            parts.extra["step"] = state.step
+            if applied:
+                consecutive_skips = 0
+                if parts.ema is not None:
+                    parts.ema.update(unwrap(model), step=state.step)
+            else:
+                state.skipped_steps += 1
+                consecutive_skips += 1
+                import logging
+
+                logging.getLogger("mesa_train.train").warning(
+                    "step %d skipped: non-finite loss or gradient (%d skipped in total)", state.step,
+                    state.skipped_steps)
+                if consecutive_skips >= parts.max_nonfinite_skips:
+                    raise NonFiniteError(
+                        f"{consecutive_skips} steps in a row had a non-finite loss or gradient (last: step "
+                        f"{state.step}); stopped. The last checkpoint is unaffected; {NONFINITE_HINT}")
             if parts.scheduler is not None:
                 parts.scheduler.step_update(num_updates=state.step)
 
             if log_every and state.step % log_every == 0:
-                value = loss.item()  # the only host sync of the loop
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"loss is {value} at step {state.step}; stopping")
+                value = loss.item()  # the only host sync of the loop (stop mode)
+                if not math.isfinite(value) and parts.nonfinite == "stop":
+                    break  # the runner reports it (first_nonfinite_step) and saves nothing
                 if on_log is not None:
                     on_log({"step": state.step, "epoch": state.epoch, "batch": i + 1, "loss": value,
                             "lr": optimizer.param_groups[0]["lr"]})
-                if bar is not None:
-                    bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+                loss_text = f"loss {value:.4f}  "
             if on_step is not None:
                 on_step(state)
-            if max_steps is not None and state.step >= max_steps:
+            if bar is not None:
+                bar.set_postfix_str(loss_text + _eta(time.perf_counter() - run_start, run_batches,
+                                         batches_per_epoch - state.batch_in_epoch + batches_left_after,
+                                         max_steps, state.step, accum), refresh=False)
+            stop = max_steps is not None and state.step >= max_steps
+            if not stop and stop_requested is not None and stop_requested():
+                stop = interrupted = True
+            if stop:
                 if bar is not None:
                     bar.update(1)
                 break
         if bar is not None:
             bar.update(1)
 
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
+    elapsed = end - start
     if bar is not None:
         bar.close()
-    totals = dist_utils.all_reduce_sum([float(loss_sum), float(num_batches), float(num_images)], device)
+    if timed_start is None or timed_images == 0:  # too few batches to leave the warm-up out
+        timed_images, timed_elapsed = num_images, elapsed
+    else:
+        timed_elapsed = end - timed_start
+    totals = dist_utils.all_reduce_sum(
+        [float(loss_sum), float(batch_count), float(num_images), float(timed_images)], device)
+    state.epoch_loss_sum, state.epoch_batches = totals[0], int(round(totals[1]))
     mean_loss = totals[0] / max(totals[1], 1.0)
-    if not math.isfinite(mean_loss):
-        raise FloatingPointError(f"training loss is {mean_loss} in epoch {state.epoch}; stopping")
     out = {
         "train_loss": mean_loss,
         "lr": optimizer.param_groups[0]["lr"],
-        "images_per_s": totals[2] / elapsed if elapsed > 0 else float("nan"),
+        "images_per_s": totals[3] / timed_elapsed if timed_elapsed > 0 else float("nan"),
         "train_images": int(totals[2]),
+        "train_seconds": elapsed,
+        "timed_images": int(totals[3]),
+        "timed_seconds": timed_elapsed,
     }
+    if interrupted:
+        out["interrupted"] = True
     if device.type == "cuda":
         out["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
     if saved_bytes is not None:
         out["saved_bytes"] = saved_bytes
     return out
+
+
+def _eta(elapsed: float, batches: int, batches_left: int, max_steps: int | None, step: int, accum: int) -> str:
+    """'run ETA h:mm:ss' from this epoch's pace, to the end of training."""
+    if max_steps is not None:
+        batches_left = min(batches_left, max(max_steps - step, 0) * accum)
+    if batches == 0:
+        return ""
+    seconds = int(elapsed / batches * batches_left)
+    return f"run ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 @torch.no_grad()

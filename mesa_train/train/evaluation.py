@@ -9,19 +9,31 @@ from mesa_train.train.config import ConfigError, validate
 from mesa_train.train.data import build_loaders
 from mesa_train.train.engine import evaluate
 from mesa_train.train.model import build as build_model_from_cfg
-from mesa_train.train.runner import AMP_DTYPES, resolve_device
+from mesa_train.train.runner import AMP_DTYPES, resolve_amp, resolve_device
+
+# trainer.* values evaluate.py takes from its own command line (train.py's names)
+TRAINER_KEYS = ("batch_size", "num_workers", "device", "amp", "pin_memory", "channels_last")
 
 
 def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, batch_size: int = 128,
-                        num_workers: int = 4, device: str = "auto", amp: str = "none") -> dict:
-    """Top-1/top-5/loss of checkpoint ``path`` on ``data`` (a data-group dict; default:
-    the checkpoint's own data config)."""
+                        num_workers: int = 4, device: str = "auto", amp: str = "auto",
+                        trainer: dict | None = None) -> dict:
+    """Top-1/top-5/loss of checkpoint ``path``. ``data``: a whole data group (with a
+    ``name``), or single values (no ``name``, nulls ignored) applied to the checkpoint's
+    own data config. ``trainer`` (train.py's ``trainer.*`` names) wins over the keyword
+    defaults ``batch_size``, ``num_workers``, ``device``, ``amp``."""
     ckpt = ckpt_lib.load_checkpoint(path)
     cfg = OmegaConf.create(ckpt["config"])
-    if data is not None:
-        cfg.data = OmegaConf.create(data)
-    cfg.trainer.batch_size, cfg.trainer.num_workers = int(batch_size), int(num_workers)
-    cfg.trainer.device, cfg.trainer.amp = device, amp
+    if data:
+        values = {k: v for k, v in data.items() if v is not None}
+        if values.get("name") is not None:
+            cfg.data = OmegaConf.create(data)
+        else:
+            cfg.data = OmegaConf.merge(cfg.data, values)
+    settings = dict(batch_size=int(batch_size), num_workers=int(num_workers), device=device, amp=amp)
+    settings.update({k: v for k, v in (trainer or {}).items() if k in TRAINER_KEYS and v is not None})
+    for key, value in settings.items():
+        cfg.trainer[key] = value
     validate(cfg)
     loaders = build_loaders(cfg, train=False)
     num_classes = int(ckpt.get("num_classes") or loaders.num_classes)
@@ -30,6 +42,9 @@ def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, 
             f"the checkpoint's model has {num_classes} classes, data {cfg.data.name!r} has "
             f"{loaders.num_classes}; evaluate on data with the same classes"
         )
+    if len(loaders.val.dataset) == 0:
+        raise ConfigError(f"data {cfg.data.name!r} has no validation images (data.val_size=0?)")
+    cfg.model.pretrained_path = None  # the checkpoint's own weights are loaded below
     model = build_model_from_cfg(cfg, num_classes)
     if ema:
         if ckpt.get("ema") is None:
@@ -37,9 +52,10 @@ def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, 
         ckpt_lib.load_model_state(model, ckpt["ema"], path, what="EMA")
     else:
         ckpt_lib.load_model_state(model, ckpt["model"], path)
-    dev = resolve_device(device)
+    dev = resolve_device(cfg.trainer.device)
     model.to(dev)
-    metrics = evaluate(model, loaders.val, dev, AMP_DTYPES[amp], num_classes)
-    metrics.update(checkpoint=str(path), ema=bool(ema), data=cfg.data.name,
+    amp_mode = resolve_amp(cfg.trainer.amp, dev)
+    metrics = evaluate(model, loaders.val, dev, AMP_DTYPES[amp_mode], num_classes, bool(cfg.trainer.channels_last))
+    metrics.update(checkpoint=str(path), ema=bool(ema), data=cfg.data.name, amp=amp_mode,
                    model=cfg.model.name, step=int(ckpt["state"].get("step", 0)))
     return metrics

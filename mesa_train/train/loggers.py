@@ -16,7 +16,7 @@ from typing import Any
 
 EPOCH_COLUMNS = [
     "epoch", "step", "train_loss", "lr", "images_per_s", "val_loss", "top1", "top5",
-    "ema_top1", "ema_top5", "peak_memory_bytes", "saved_bytes", "epoch_time_s",
+    "ema_top1", "ema_top5", "peak_memory_bytes", "saved_bytes", "stock_saved_bytes", "epoch_time_s",
 ]
 STEP_COLUMNS = ["step", "epoch", "batch", "loss", "lr"]
 
@@ -73,7 +73,7 @@ class RunLogger:
 
         mode = wcfg.get("mode") or os.environ.get("WANDB_MODE")
         if not mode:
-            mode = "online" if (os.environ.get("WANDB_API_KEY") or _wandb_logged_in()) else "offline"
+            mode = "online" if wandb_has_key() else "offline"
         # The run id is stored in the run directory, so a resumed run continues the same
         # wandb run.
         id_file = os.path.join(self.run_dir, "wandb_id.txt")
@@ -88,7 +88,10 @@ class RunLogger:
 
     @staticmethod
     def _append_csv(path: str, columns: list[str], row: dict) -> None:
-        new = not os.path.exists(path)
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        if not new:  # a resumed run keeps the file's columns (written by an older version?)
+            with open(path, newline="") as f:
+                columns = next(csv.reader(f), None) or columns
         with open(path, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             if new:
@@ -128,6 +131,11 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def wandb_has_key() -> bool:
+    """An API key in the environment or from `wandb login` (~/.netrc)."""
+    return bool(os.environ.get("WANDB_API_KEY")) or _wandb_logged_in()
 
 
 def _wandb_logged_in() -> bool:

@@ -1,15 +1,28 @@
-"""Build the model a config describes: timm architecture, then Mesa patching."""
+"""Build the model a config describes: timm architecture, optional local weights, then Mesa.
+
+``model.name`` is a short name of mesa_train.models or any timm model. ``model.pretrained_path``
+fine-tunes from a local file: a timm/PyTorch weights file (``.pth``/``.bin``/``.safetensors``,
+nested ``state_dict``/``model`` entries and ``module.`` prefixes are understood) or a
+mesa-train checkpoint (its model weights, Mesa estimates dropped: they restart). The
+weights go into the stock model through the architecture's own timm filter (position
+embeddings resized to ``model.img_size``, original-format keys converted); the classifier
+is re-initialised when its shape differs (another class count). Mesa patches afterwards.
+"""
 from __future__ import annotations
 
+import logging
+import sys
+
+import torch
 import torch.nn as nn
 
 from mesa_train.models import build_model
-from mesa_train.train.config import mesa_options
+from mesa_train.train.config import ConfigError, mesa_options
+
+log = logging.getLogger("mesa_train.train")
 
 
-def build(cfg, num_classes: int, drop_path: float | None = None) -> nn.Module:
-    """``mesa_train.build_model`` with the ``model`` group's overrides, then
-    ``mesa_train.patch_model`` with the ``mesa`` group when ``mesa.enabled``."""
+def _overrides(cfg, num_classes: int, drop_path: float | None) -> dict:
     m = cfg.model
     overrides = dict(m.kwargs or {})
     named = dict(depth=m.depth, embed_dim=m.embed_dim, num_heads=m.num_heads, drop_path_rate=drop_path)
@@ -17,14 +30,120 @@ def build(cfg, num_classes: int, drop_path: float | None = None) -> nn.Module:
     if m.img_size_kwarg:
         overrides["img_size"] = m.img_size
     # OmegaConf lists -> tuples (timm compares/iterates them).
-    overrides = {k: tuple(v) if isinstance(v, (list,)) or type(v).__name__ == "ListConfig" else v
-                 for k, v in overrides.items()}
-    model = build_model(m.name, fused_attn=m.fused_attn, **overrides)
+    return {k: tuple(v) if isinstance(v, (list,)) or type(v).__name__ == "ListConfig" else v
+            for k, v in overrides.items()}
+
+
+def check_buildable(cfg, num_classes: int = 10) -> None:
+    """Build the architecture on the meta device (no memory, no data needed): a value timm
+    cannot take fails at start-up as a ``ConfigError``, not after the data is loaded."""
+    try:
+        with torch.device("meta"):
+            build_model(cfg.model.name, fused_attn=cfg.model.fused_attn,
+                        **_overrides(cfg, num_classes, cfg.optim.drop_path))
+    except Exception as err:  # timm raises assertion/type/value errors for bad shapes
+        hint = ""
+        if "img_size" in str(err) and cfg.model.img_size_kwarg:
+            hint = " (a model without an img_size argument needs model.img_size_kwarg=false)"
+        raise ConfigError(f"model {cfg.model.name!r} cannot be built with these model.* settings: "
+                          f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}{hint}") from None
+
+
+def build(cfg, num_classes: int, drop_path: float | None = None, pretrained: bool = True) -> nn.Module:
+    """``mesa_train.build_model`` with the ``model`` group's overrides, local weights from
+    ``model.pretrained_path`` when set (and ``pretrained``: a resumed run takes its weights
+    from the checkpoint), then ``mesa_train.patch_model`` when ``mesa.enabled``."""
+    m = cfg.model
+    model = build_model(m.name, fused_attn=m.fused_attn, **_overrides(cfg, num_classes, drop_path))
+    if pretrained and m.get("pretrained_path"):
+        load_pretrained(model, str(m.pretrained_path))
     if cfg.mesa.enabled:
         from mesa_train import patch_model
 
         model = patch_model(model, **mesa_options(cfg))
     return model
+
+
+# ---------------------------------------------------------------- local pretrained weights
+
+
+def read_weights(path: str) -> dict:
+    """The model weights in ``path`` (timm/PyTorch file or mesa-train checkpoint), without
+    Mesa estimate buffers and wrapper prefixes."""
+    from mesa_train.patch import patched_to_stock_state_dict
+    from mesa_train.train.checkpoint import FORMAT, CheckpointError
+
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state = load_file(path, device="cpu")
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"model.pretrained_path={path}: cannot read weights ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    if isinstance(state, dict) and state.get("format") == FORMAT:
+        state = state["model"]
+    else:
+        for key in ("state_dict", "model", "module", "model_ema", "state_dict_ema"):
+            if isinstance(state, dict) and isinstance(state.get(key), dict):
+                state = state[key]
+                break
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise CheckpointError(f"model.pretrained_path={path}: no state dict of tensors found")
+    state = {_strip_prefix(k): v for k, v in state.items()}
+    return dict(patched_to_stock_state_dict(state))
+
+
+def _strip_prefix(key: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        while key.startswith(prefix):
+            key = key[len(prefix):]
+    return key
+
+
+def _classifier_keys(model: nn.Module) -> list[str]:
+    names = (getattr(model, "pretrained_cfg", None) or {}).get("classifier") or "head"
+    names = [names] if isinstance(names, str) else list(names)
+    return [k for k in model.state_dict() if any(k == n or k.startswith(n + ".") for n in names)]
+
+
+def load_pretrained(model: nn.Module, path: str) -> None:
+    """Load ``path`` into the (stock, unpatched) ``model`` as described in the module docstring."""
+    from mesa_train.train.checkpoint import CheckpointError
+
+    state = read_weights(path)
+    filter_fn = getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
+    if filter_fn is not None:
+        try:
+            state = filter_fn(state, model)
+        except Exception as err:  # a file of another architecture
+            raise CheckpointError(f"model.pretrained_path={path} does not fit {type(model).__name__}: "
+                                  f"{type(err).__name__}: {err}") from None
+    own = model.state_dict()
+    head = set(_classifier_keys(model))
+    reinit = sorted(k for k in head if k in state and tuple(state[k].shape) != tuple(own[k].shape))
+    for k in reinit:
+        del state[k]
+    missing = [k for k in own if k not in state and k not in head]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k}: file {tuple(state[k].shape)}, model {tuple(own[k].shape)}"
+              for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or shapes:
+        def head_of(items):
+            return ", ".join(items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
+
+        parts = [f"{what}: {head_of(items)}" for what, items in
+                 (("missing", missing), ("unexpected", unexpected), ("shape mismatches", shapes)) if items]
+        raise CheckpointError(f"model.pretrained_path={path} does not fit model {type(model).__name__} "
+                              f"({'; '.join(parts)})")
+    model.load_state_dict(state, strict=False)
+    if reinit:
+        log.info("pretrained weights from %s; classifier re-initialised (%s: other class count)",
+                 path, ", ".join(reinit))
+    else:
+        log.info("pretrained weights from %s (all %d tensors)", path, len(state))
 
 
 def describe(model: nn.Module) -> str:

@@ -2,6 +2,10 @@
 
 ``fit(cfg, run_dir)`` is what ``train.py`` (Hydra) and ``mesa_train.demo`` call. ``cfg`` is
 the composed config (OmegaConf or anything with the same attribute access).
+
+Start-up order (a rejected run writes nothing): config checks -> the model built on the meta
+device -> the run directory locked -> the checkpoint to resume read and compared -> data,
+model, optimizer built -> accepted: ``.hydra/`` written, logs opened, banner printed.
 """
 from __future__ import annotations
 
@@ -16,11 +20,16 @@ import torch
 
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
+from mesa_train.train import rundir
 from mesa_train.train.config import learning_rate, validate
-from mesa_train.train.data import build_loaders, build_mixup
-from mesa_train.train.engine import Parts, TrainState, build_criterion, evaluate, train_one_epoch
+from mesa_train.train.data import build_loaders, build_mixup, worker_count
+from mesa_train.train.engine import (NONFINITE_HINT, Parts, TrainState, build_criterion, epoch_totals, evaluate,
+                                     first_nonfinite_step, train_one_epoch)
+from mesa_train.train.errors import Interrupted, NonFiniteError, RunDirError
 from mesa_train.train.loggers import RunLogger
 from mesa_train.train.model import build as build_model_from_cfg
+from mesa_train.train.model import check_buildable
+from mesa_train.train.signals import StopSignal
 
 log = logging.getLogger("mesa_train.train")
 
@@ -33,6 +42,16 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda":
         return torch.device("cuda", dist_utils.env_local_rank() % max(torch.cuda.device_count(), 1))
     return torch.device(name)
+
+
+def resolve_amp(amp: str, device: torch.device) -> str:
+    """``trainer.amp=auto``: bf16 on a GPU that has it, fp32 otherwise (CPU autocast is slow
+    and changes numerics for no memory gain worth having)."""
+    if amp != "auto":
+        return amp
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "none"
 
 
 def seed_everything(seed: int) -> None:
@@ -59,32 +78,96 @@ def resume_path(cfg, run_dir: str) -> str | None:
     return str(resume)
 
 
-def fit(cfg, run_dir: str) -> dict:
+def _on_rank0(fn, main: bool, world: int):
+    """Run ``fn`` on rank 0; when it fails (run directory refused or not writable) every
+    rank raises the same error, so that no rank waits forever in a collective."""
+    error = None
+    if main:
+        try:
+            fn()
+        except (RunDirError, OSError) as err:
+            error = err
+    if world > 1:
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
+
+
+def _read_resume_checkpoint(cfg, run_dir: str, plain_cfg: dict):
+    """The checkpoint to resume (or None), checked against this run's settings; a fresh
+    start refuses to replace an earlier run's files unless trainer.overwrite=true."""
+    path = resume_path(cfg, run_dir)
+    if path is None:
+        if not cfg.trainer.get("overwrite"):
+            _on_rank0(lambda: rundir.refuse_or_clear(run_dir, overwrite=False), dist_utils.rank() == 0,
+                      dist_utils.world_size())
+        return None, None
+    ckpt = ckpt_lib.load_checkpoint(path)
+    ckpt_lib.check_compatible(ckpt["config"], plain_cfg, path)
+    ckpt_lib.check_same_settings(ckpt["config"], plain_cfg, path)
+    return path, ckpt
+
+
+def fit(cfg, run_dir: str, on_accept=None) -> dict:
     """Train as ``cfg`` says, writing logs and checkpoints under ``run_dir``.
-    Returns the summary (also written to ``run_dir/summary.json`` by rank 0)."""
+    Returns the summary (also written to ``run_dir/summary.json`` by rank 0).
+    ``on_accept()`` runs once the run passed every start-up check (train.py records its
+    Hydra config there)."""
     validate(cfg)  # before anything is built or written
+    check_buildable(cfg, int(cfg.data.num_classes or 10))
     plain_cfg = ckpt_lib.to_plain(cfg)
-    t, o = cfg.trainer, cfg.optim
     dist_utils.init_from_env()
     rank, world = dist_utils.rank(), dist_utils.world_size()
     main = rank == 0
+    lock = rundir.RunDirLock(run_dir) if main else None
+    _on_rank0(lambda: lock.acquire(), main, world)
+    try:
+        path, ckpt = _read_resume_checkpoint(cfg, run_dir, plain_cfg)
+        run = _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt)
+        if main:
+            if path is None:
+                rundir.refuse_or_clear(run_dir, overwrite=True)  # trainer.overwrite=true (or nothing there)
+            for stale in rundir.clean_stale_temporaries(checkpoint_dir(run_dir)):
+                log.info("removed %s (left by an interrupted checkpoint write)", stale)
+            rundir.record_config(run_dir, cfg)
+            _remove(os.path.join(run_dir, "failed.json"))  # an earlier failure of this run dir
+        if on_accept is not None:
+            on_accept()
+        return _train(cfg, run_dir, run)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _remove(path: str) -> None:
+    if os.path.exists(path):
+        os.remove(path)
+
+
+class _Run:
+    """Everything ``_train`` needs (built by ``_build``)."""
+
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
+    t, o = cfg.trainer, cfg.optim
     device = resolve_device(t.device)
-    amp_dtype = AMP_DTYPES[t.amp]
+    amp = resolve_amp(t.amp, device)
+    amp_dtype = AMP_DTYPES[amp]
     seed_everything(int(t.seed) + rank)
 
     # Data first: a missing dataset fails before the (possibly large) model is built.
     loaders = build_loaders(cfg, rank=rank, world_size=world, train=True)
-    model = build_model_from_cfg(cfg, loaders.num_classes, drop_path=o.drop_path)
+    model = build_model_from_cfg(cfg, loaders.num_classes, drop_path=o.drop_path, pretrained=ckpt is None)
     if t.grad_checkpointing:
         model.set_grad_checkpointing(True)
     model.to(device)
     if t.channels_last:
         model.to(memory_format=torch.channels_last)
-    if main:
-        log.info("run directory: %s", os.path.abspath(run_dir))
-        log.info("model %s: %.2fM parameters, %d classes", cfg.model.name,
-                 sum(p.numel() for p in model.parameters()) / 1e6, loaders.num_classes)
-        log.info("Mesa layout:\n%s", _describe(model))
 
     ema = None
     if o.ema:
@@ -106,6 +189,8 @@ def fit(cfg, run_dir: str) -> dict:
 
     lr = learning_rate(cfg, world)
     opt_kwargs = {"eps": o.eps} if o.eps is not None else {}
+    if o.get("layer_decay") is not None:
+        opt_kwargs["layer_decay"] = float(o.layer_decay)
     optimizer = create_optimizer_v2(model, opt=o.opt, lr=lr, weight_decay=o.weight_decay,
                                     momentum=o.momentum, **opt_kwargs)
     updates_per_epoch = math.ceil(loaders.train_batches / t.grad_accum)
@@ -113,62 +198,131 @@ def fit(cfg, run_dir: str) -> dict:
         optimizer, sched=o.sched, num_epochs=t.epochs, warmup_epochs=o.warmup_epochs,
         warmup_lr=o.warmup_lr, min_lr=o.min_lr, step_on_epochs=False, updates_per_epoch=updates_per_epoch,
     )
-    scaler = torch.amp.GradScaler(device.type) if t.amp == "fp16" else None
+    scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     mixup = build_mixup(cfg, loaders.num_classes)
     criterion = build_criterion(o.smoothing, mixup is not None)
 
-    # ---- resume
     state = TrainState()
-    path = resume_path(cfg, run_dir)
-    if path is not None:
-        ckpt = ckpt_lib.load_checkpoint(path)
-        ckpt_lib.check_compatible(ckpt["config"], plain_cfg, path)
-        ckpt_lib.load_model_state(model, ckpt["model"], path)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if ckpt.get("scheduler") is not None:
-            scheduler.load_state_dict(ckpt["scheduler"])
-        if scaler is not None and ckpt.get("scaler") is not None:
-            scaler.load_state_dict(ckpt["scaler"])
-        if ema is not None:
-            if ckpt.get("ema") is not None:
-                ckpt_lib.load_model_state(ema.module, ckpt["ema"], path, what="EMA")
-            else:
-                log.warning("checkpoint has no EMA weights; the EMA restarts from the model")
-                ema = ModelEmaV3(model, decay=o.ema_decay)
+    if ckpt is not None:
+        ema = _restore(ckpt, path, model, optimizer, scheduler, scaler, ema, o, rank, world)
         state = TrainState(**ckpt["state"])
-        rngs = ckpt.get("rng") or []
-        if len(rngs) == world:
-            ckpt_lib.set_rng_state(rngs[rank])
-        else:
-            log.warning("checkpoint was written by %d ranks, now %d: RNG streams restart", len(rngs), world)
-        if main:
-            log.info("resumed from %s: epoch %d, batch %d, step %d", path, state.epoch,
-                     state.batch_in_epoch, state.step)
-
-    logger = RunLogger(run_dir, enabled=main, wandb_cfg=cfg.logger.wandb, config=plain_cfg,
-                       name=str(cfg.name), resume_step=state.step if path else None)
+        if rank == 0:
+            log.info("resumed from %s: epoch %d, batch %d, step %d", path, state.epoch, state.batch_in_epoch,
+                     state.step)
     parts = Parts(model=train_model, optimizer=optimizer, criterion=criterion, device=device,
                   scheduler=scheduler, scaler=scaler, amp_dtype=amp_dtype, mixup=mixup, ema=ema,
-                  grad_accum=t.grad_accum, clip_grad=t.clip_grad, channels_last=t.channels_last)
+                  grad_accum=t.grad_accum, clip_grad=t.clip_grad, channels_last=t.channels_last,
+                  nonfinite=t.get("nonfinite", "stop"), max_nonfinite_skips=int(t.get("max_nonfinite_skips", 10)))
+    return _Run(device=device, amp=amp, amp_dtype=amp_dtype, loaders=loaders, model=model, ema=ema,
+                optimizer=optimizer, scheduler=scheduler, scaler=scaler, parts=parts, state=state, lr=lr,
+                path=path, ckpt=ckpt, rank=rank, world=world, plain_cfg=plain_cfg)
+
+
+def _restore(ckpt, path, model, optimizer, scheduler, scaler, ema, o, rank, world):
+    ckpt_lib.load_model_state(model, ckpt["model"], path)
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt.get("scheduler") is not None:
+        scheduler.load_state_dict(ckpt["scheduler"])
+    if scaler is not None and ckpt.get("scaler") is not None:
+        scaler.load_state_dict(ckpt["scaler"])
+    if ema is not None:
+        if ckpt.get("ema") is not None:
+            ckpt_lib.load_model_state(ema.module, ckpt["ema"], path, what="EMA")
+        else:
+            from timm.utils import ModelEmaV3
+
+            log.warning("checkpoint has no EMA weights; the EMA restarts from the model")
+            ema = ModelEmaV3(model, decay=o.ema_decay)
+    rngs = ckpt.get("rng") or []
+    if len(rngs) == world:
+        ckpt_lib.set_rng_state(rngs[rank])
+    else:
+        log.warning("checkpoint was written by %d ranks, now %d: RNG streams restart", len(rngs), world)
+    return ema
+
+
+def _banner(cfg, run_dir: str, r: _Run) -> None:
+    """What this run is, in a few lines: the facts people otherwise dig out of configs."""
+    t, o = cfg.trainer, cfg.optim
+    total_batch = t.batch_size * r.world * t.grad_accum
+    lr_note = (f"optim.lr as given" if o.lr is not None
+               else f"base_lr {o.base_lr:g} x {total_batch} / {o.base_batch}")
+    n_params = sum(p.numel() for p in r.model.parameters()) / 1e6
+    n_train, n_val = len(r.loaders.train.dataset), len(r.loaders.val.dataset)
+    steps_per_epoch = math.ceil(r.loaders.train_batches / t.grad_accum)
+    total_steps = steps_per_epoch * t.epochs
+    if t.max_steps is not None:
+        total_steps = min(total_steps, t.max_steps)
+    mesa = (f"Mesa ops={','.join(cfg.mesa.ops)} modules={','.join(cfg.mesa.modules)}" if cfg.mesa.enabled
+            else "Mesa off (stock model)")
+    workers = worker_count(t.num_workers, r.world)
+    lines = [
+        f"run directory: {os.path.abspath(run_dir)}",
+        f"model {cfg.model.name}: {n_params:.2f}M parameters, {r.loaders.num_classes} classes, "
+        f"{cfg.model.img_size}px; {mesa}",
+        f"data {cfg.data.name}: {n_train} train / {n_val} val images; {workers} loader workers per process"
+        + (f" (trainer.num_workers={t.num_workers} capped by the CPU cores)" if workers < t.num_workers else ""),
+        f"device {r.device} x {r.world} process(es); AMP {r.amp}" + (" (trainer.amp=auto)" if t.amp == "auto" else ""),
+        f"global batch {total_batch} ({t.batch_size} x {r.world} x {t.grad_accum} accumulation); "
+        f"lr {r.lr:.3g} ({lr_note}); {o.opt}, {o.sched} schedule"
+        + (f", layer decay {o.layer_decay}" if o.get("layer_decay") is not None else ""),
+        f"{t.epochs} epochs x {steps_per_epoch} steps = {total_steps} steps"
+        + (f" (trainer.max_steps={t.max_steps})" if t.max_steps is not None else "")
+        + (f"; resuming at step {r.state.step}" if r.path else ""),
+    ]
+    for line in lines:
+        log.info(line)
+    if n_val == 0:
+        log.warning("no validation images (data.val_size=0): no evaluation, no top-1, no best.pt")
+    if cfg.data.name == "synthetic" and t.max_steps is None and t.epochs > 20:
+        log.warning("data=synthetic is random images with random labels (a smoke test), and this run is %d "
+                    "epochs. Pick a dataset (data=digits|cifar100|imagenet) or shorten it (trainer.epochs=..., "
+                    "trainer.max_steps=...)", t.epochs)
+    log.info("Mesa layout:\n%s", _describe(r.model))
+
+
+def _train(cfg, run_dir: str, r: _Run) -> dict:
+    t = cfg.trainer
+    main = r.rank == 0
+    state, model, parts, loaders = r.state, r.model, r.parts, r.loaders
+    if main:
+        _banner(cfg, run_dir, r)
+    logger = RunLogger(run_dir, enabled=main, wandb_cfg=cfg.logger.wandb, config=r.plain_cfg,
+                       name=str(cfg.name), resume_step=state.step if r.path else None)
     ckpt_dir = checkpoint_dir(run_dir)
+    has_val = len(loaders.val.dataset) > 0
+    saved = {"step": state.step if r.path else None}  # the step last.pt holds
+
+    def ensure_finite() -> None:
+        # Nothing non-finite reaches a checkpoint: every rank checks, all agree.
+        bad = first_nonfinite_step(parts, model)
+        any_bad = dist_utils.all_reduce_sum([0.0 if bad is None else 1.0], r.device)[0] > 0
+        if any_bad:
+            kept = (f"checkpoints/last.pt still holds step {saved['step']}" if saved["step"] is not None
+                    else "no checkpoint was written")
+            where = f"at step {bad}" if bad is not None else "on another rank"
+            raise NonFiniteError(f"non-finite loss or gradient {where} (epoch {state.epoch}); stopped without "
+                                 f"saving it: {kept}. To go on: {NONFINITE_HINT}")
 
     def save(metrics: dict | None, best: bool) -> None:
+        ensure_finite()
+        epoch_totals(parts, state)
         # Every rank takes part (RNG states are gathered); rank 0 writes.
         rngs = [ckpt_lib.rng_state()]
-        if world > 1:
-            gathered = [None] * world
+        if r.world > 1:
+            gathered = [None] * r.world
             torch.distributed.all_gather_object(gathered, rngs[0])
             rngs = gathered
         if main:
             payload = {
                 "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "ema": ema.module.state_dict() if ema is not None else None,
+                "optimizer": r.optimizer.state_dict(),
+                "scheduler": r.scheduler.state_dict(),
+                "scaler": r.scaler.state_dict() if r.scaler is not None else None,
+                "ema": parts.ema.module.state_dict() if parts.ema is not None else None,
                 "state": vars(state).copy(),
                 "rng": rngs,
-                "config": plain_cfg,
+                "config": r.plain_cfg,
                 "num_classes": loaders.num_classes,
                 "metrics": metrics or {},
             }
@@ -176,6 +330,7 @@ def fit(cfg, run_dir: str) -> dict:
             ckpt_lib.save_checkpoint(payload, last)
             if best:
                 ckpt_lib.copy_checkpoint(last, os.path.join(ckpt_dir, "best.pt"))
+        saved["step"] = state.step
 
     def on_step(s: TrainState) -> None:
         if t.checkpoint_every and s.step % t.checkpoint_every == 0 and s.batch_in_epoch < loaders.train_batches:
@@ -183,72 +338,126 @@ def fit(cfg, run_dir: str) -> dict:
 
     sampler = loaders.train.sampler
     measured = False
-    last_row: dict = dict(ckpt.get("metrics") or {}) if path is not None else {}  # a finished run
+    last_row: dict = dict(r.ckpt.get("metrics") or {}) if r.path is not None else {}  # a finished run
     saved_bytes = last_row.get("saved_bytes")
-    train_images = train_seconds = 0.0  # this process's epochs, for the mean images/s
+    stock_bytes = last_row.get("stock_saved_bytes")
+    timed_images = timed_seconds = 0.0  # this process's epochs, warm-up left out, for the mean images/s
+    first_epoch = True
     status = "done"
-    while state.epoch < t.epochs:
-        if t.max_steps is not None and state.step >= t.max_steps:
-            break
-        sampler.set_epoch(state.epoch, start=state.batch_in_epoch * t.batch_size)
-        epoch_start = time.perf_counter()
-        train_out = train_one_epoch(
-            parts, loaders.train, state, batches_per_epoch=loaders.train_batches, max_steps=t.max_steps,
-            log_every=t.log_every, on_log=logger.log_step, on_step=on_step,
-            measure_saved=not measured and not t.compile, progress=main and bool(t.progress),
-        )
-        measured = True
-        if train_out["images_per_s"] > 0:
-            train_images += train_out["train_images"]
-            train_seconds += train_out["train_images"] / train_out["images_per_s"]
-        saved_bytes = train_out.get("saved_bytes", saved_bytes)
-        epoch = state.epoch
-        epoch_done = state.batch_in_epoch >= loaders.train_batches
-        stopped = t.max_steps is not None and state.step >= t.max_steps
-        dist_utils.broadcast_buffers(model)  # rank 0's estimates everywhere before eval/save
-        row = {"epoch": epoch, "step": state.step, **train_out, "saved_bytes": saved_bytes}
-        if epoch_done:
-            state.epoch, state.batch_in_epoch = epoch + 1, 0
-        evaluate_now = stopped or state.epoch >= t.epochs or (epoch_done and state.epoch % t.eval_every == 0)
-        best = False
-        if evaluate_now:
-            val = evaluate(model, loaders.val, device, amp_dtype, loaders.num_classes, t.channels_last)
-            row.update(val_loss=val["loss"], top1=val["top1"], top5=val["top5"])
-            if ema is not None:
-                ema_val = evaluate(ema.module, loaders.val, device, amp_dtype, loaders.num_classes, t.channels_last)
-                row.update(ema_top1=ema_val["top1"], ema_top5=ema_val["top5"])
-            best = val["top1"] > state.best_top1
-            state.best_top1 = max(state.best_top1, val["top1"])
-        row["epoch_time_s"] = time.perf_counter() - epoch_start
-        if main:
-            log.info(_format_row(row))
-        logger.log_epoch(row)
-        save(row, best=best)
-        last_row = row
-        if stopped:
-            status = f"stopped at max_steps={t.max_steps}"
-            break
+    stop_signal = StopSignal(r.device)
+    try:
+        with stop_signal:
+            while state.epoch < t.epochs:
+                if t.max_steps is not None and state.step >= t.max_steps:
+                    break
+                sampler.set_epoch(state.epoch, start=state.batch_in_epoch * t.batch_size)
+                epoch_start = time.perf_counter()
+                measure = not measured and not t.compile
+                if measure and cfg.mesa.enabled and stock_bytes is None:
+                    stock_bytes = _stock_saved_bytes(model, cfg, r)
+                train_out = train_one_epoch(
+                    parts, loaders.train, state, batches_per_epoch=loaders.train_batches, max_steps=t.max_steps,
+                    log_every=t.log_every, on_log=logger.log_step, on_step=on_step, measure_saved=measure,
+                    progress=main and bool(t.progress), epochs=t.epochs,
+                    warmup_batches=min(3, loaders.train_batches // 2) if first_epoch else 0,
+                    stop_requested=stop_signal.requested,
+                )
+                first_epoch, measured = False, True
+                ensure_finite()  # before evaluating or logging a broken state
+                timed_images += train_out.pop("timed_images")
+                timed_seconds += train_out.pop("timed_seconds")
+                saved_bytes = train_out.get("saved_bytes", saved_bytes)
+                if train_out.pop("interrupted", False):
+                    save(None, best=False)
+                    status = f"interrupted at step {state.step}"
+                    break
+                epoch = state.epoch
+                epoch_done = state.batch_in_epoch >= loaders.train_batches
+                stopped = t.max_steps is not None and state.step >= t.max_steps
+                dist_utils.broadcast_buffers(model)  # rank 0's estimates everywhere before eval/save
+                row = {"epoch": epoch, "step": state.step, **train_out, "saved_bytes": saved_bytes,
+                       "stock_saved_bytes": stock_bytes}
+                if epoch_done:
+                    state.epoch, state.batch_in_epoch = epoch + 1, 0
+                evaluate_now = has_val and (stopped or state.epoch >= t.epochs
+                                            or (epoch_done and state.epoch % t.eval_every == 0))
+                best = False
+                if evaluate_now:
+                    val = evaluate(model, loaders.val, r.device, r.amp_dtype, loaders.num_classes, t.channels_last)
+                    row.update(val_loss=val["loss"], top1=val["top1"], top5=val["top5"])
+                    if parts.ema is not None:
+                        ema_val = evaluate(parts.ema.module, loaders.val, r.device, r.amp_dtype,
+                                           loaders.num_classes, t.channels_last)
+                        row.update(ema_top1=ema_val["top1"], ema_top5=ema_val["top5"])
+                    best = val["top1"] > state.best_top1
+                    state.best_top1 = max(state.best_top1, val["top1"])
+                row["epoch_time_s"] = time.perf_counter() - epoch_start
+                if main:
+                    log.info(format_row(row))
+                save(row, best=best)
+                logger.log_epoch(row)
+                last_row = row
+                if stopped:
+                    status = f"stopped at max_steps={t.max_steps}"
+                    break
+    finally:
+        logger.close()
 
     summary = {
         "name": str(cfg.name), "model": cfg.model.name, "data": cfg.data.name,
         "mesa": bool(cfg.mesa.enabled), "mesa_ops": ",".join(cfg.mesa.ops) if cfg.mesa.enabled else "",
         "mesa_modules": ",".join(cfg.mesa.modules) if cfg.mesa.enabled else "",
-        "epochs": state.epoch, "step": state.step, "status": status, "world_size": world,
-        "lr": lr, "batch_size_total": t.batch_size * world * t.grad_accum,
+        "epochs": state.epoch, "step": state.step, "status": status, "world_size": r.world,
+        "lr": r.lr, "batch_size_total": t.batch_size * r.world * t.grad_accum, "amp": r.amp,
         "top1": last_row.get("top1"), "top5": last_row.get("top5"),
         "best_top1": state.best_top1 if state.best_top1 >= 0 else None,
         "ema_top1": last_row.get("ema_top1"), "train_loss": last_row.get("train_loss"),
         "images_per_s": last_row.get("images_per_s"),
-        "images_per_s_mean": train_images / train_seconds if train_seconds else last_row.get("images_per_s"),
-        "saved_bytes": saved_bytes,
+        "images_per_s_mean": timed_images / timed_seconds if timed_seconds else last_row.get("images_per_s"),
+        "saved_bytes": saved_bytes, "stock_saved_bytes": stock_bytes,
+        "skipped_steps": state.skipped_steps,
         "peak_memory_bytes": last_row.get("peak_memory_bytes"),
-        "buffers_consistent": dist_utils.buffers_consistent(model, device),
+        "buffers_consistent": dist_utils.buffers_consistent(model, r.device),
         "run_dir": os.path.abspath(run_dir),
     }
     logger.write_summary(summary)
-    logger.close()
     dist_utils.barrier()
+    if stop_signal.signum is not None:
+        raise Interrupted(f"interrupted at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch}): "
+                          f"saved {os.path.join(ckpt_dir, 'last.pt')}; run the same command to resume",
+                          stop_signal.signum)
     return summary
+
+
+def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
+    """Bytes the stock model would keep for backward for one training batch: one forward of
+    a single image with every Mesa layer switched off, scaled to the batch (activations
+    grow linearly with it). RNG states are restored, so training is unaffected."""
+    try:
+        from mesa_train.memory import SavedTensorMeter
+    except ImportError:
+        return None
+    layers = [m for m in model.modules() if hasattr(m, "set_quant_options") and hasattr(m, "quant_options")]
+    before = [m.quant_options.enabled for m in layers]
+    x = torch.zeros(1, 3, cfg.model.img_size, cfg.model.img_size, device=r.device)
+    devices = [r.device] if r.device.type == "cuda" else []
+    try:
+        for m in layers:
+            m.set_quant_options(enabled=False)
+        with torch.random.fork_rng(devices=devices):
+            model.train()
+            with SavedTensorMeter(model) as meter:
+                from mesa_train.train.engine import autocast
+
+                with autocast(r.device, r.amp_dtype):
+                    model(x)
+        return int(meter.activation_bytes) * int(cfg.trainer.batch_size)
+    except Exception as err:  # a figure for the log only: never stop training for it
+        log.debug("stock saved-bytes estimate failed: %s", err)
+        return None
+    finally:
+        for m, enabled in zip(layers, before):
+            m.set_quant_options(enabled=enabled)
 
 
 def _describe(model) -> str:
@@ -260,10 +469,16 @@ def _describe(model) -> str:
         return f"(mesa_train.describe unavailable: {err})"
 
 
-def _format_row(row: dict) -> str:
+def format_row(row: dict) -> str:
+    """One epoch's log line. ``saved_bytes`` is the activation memory autograd keeps for
+    backward for one batch (not memory "saved"); the stock model's figure sits beside it."""
     def fmt(k, v):
-        if v is None:
+        if v is None or k in ("stock_saved_bytes", "train_images", "train_seconds"):
             return None
+        if k == "saved_bytes":
+            stock = row.get("stock_saved_bytes")
+            beside = f" (stock ~{stock / 2**20:.1f}MiB)" if stock else ""
+            return f"kept_for_backward={v / 2**20:.1f}MiB{beside}"
         if k.endswith("bytes"):
             return f"{k[:-6]}={v / 2**20:.1f}MiB"
         if isinstance(v, float):

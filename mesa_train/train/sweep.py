@@ -1,7 +1,8 @@
 """Sweep summary: after ``train.py -m ...`` every job's ``summary.json`` (and its command
 line overrides) is collected into ``<sweep dir>/summary.csv`` and ``summary.md``.
 
-``SweepSummary`` is a Hydra callback (configs/hydra/default.yaml); Hydra calls
+The throughput column (``images_per_s_mean``) leaves out each job's first few steps
+(process start, allocator and compile warm-up). ``SweepSummary`` is a Hydra callback (configs/hydra/default.yaml); Hydra calls
 ``on_multirun_end`` once, after the last job. It needs nothing from Hydra itself.
 """
 from __future__ import annotations
@@ -10,9 +11,10 @@ import csv
 import glob
 import json
 import os
+import sys
 
 COLUMNS = ["job", "overrides", "status", "epochs", "step", "top1", "top5", "best_top1", "ema_top1",
-           "train_loss", "images_per_s_mean", "saved_bytes", "peak_memory_bytes", "run_dir"]
+           "train_loss", "images_per_s_mean", "saved_bytes", "peak_memory_bytes", "error", "run_dir"]
 
 
 def _overrides(job_dir: str) -> list[str]:
@@ -22,22 +24,34 @@ def _overrides(job_dir: str) -> list[str]:
     return [line[2:].strip() for line in open(path) if line.startswith("- ")]
 
 
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def collect(sweep_dir: str) -> tuple[list[dict], list[str]]:
-    """One row per job directory under ``sweep_dir`` (failed jobs included, marked so).
+    """One row per job directory under ``sweep_dir``, failed jobs included: a job that
+    recorded its failure (``failed.json``, written by train.py) shows ``failed`` and its
+    one-line error; a job without any record shows ``failed (no summary.json)``.
     A row's ``overrides`` are those that differ between jobs; the second value lists the
     overrides every job shares."""
     rows, per_job = [], []
     for job_dir in sorted(glob.glob(os.path.join(sweep_dir, "*", "")), key=_job_key):
         job_dir = job_dir.rstrip(os.sep)
-        if not os.path.isdir(os.path.join(job_dir, ".hydra")):
+        failure = _read_json(os.path.join(job_dir, "failed.json"))
+        if not os.path.isdir(os.path.join(job_dir, ".hydra")) and failure is None:
             continue
-        overrides = _overrides(job_dir)
+        overrides = _overrides(job_dir) or list((failure or {}).get("overrides") or [])
         per_job.append(overrides)
         row = {"job": os.path.basename(job_dir), "run_dir": job_dir}
-        summary_path = os.path.join(job_dir, "summary.json")
-        if os.path.exists(summary_path):
-            with open(summary_path) as f:
-                row.update({k: v for k, v in json.load(f).items() if k in COLUMNS and k not in row})
+        summary = _read_json(os.path.join(job_dir, "summary.json"))
+        if failure is not None:
+            row.update(status="failed", error=failure.get("error"))
+        elif summary is not None:
+            row.update({k: v for k, v in summary.items() if k in COLUMNS and k not in row})
         else:
             row["status"] = "failed (no summary.json)"
         rows.append(row)
@@ -57,7 +71,7 @@ def _fmt(value) -> str:
         return ""
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    return " ".join(str(value).split()).replace("|", "\\|")  # one table cell
 
 
 def write_summary(sweep_dir: str) -> list[dict]:
@@ -101,6 +115,13 @@ class SweepSummary:
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = str(config.hydra.sweep.dir)
-        if os.path.isdir(sweep_dir):
-            rows = write_summary(sweep_dir)
-            print(f"sweep summary ({len(rows)} jobs): {os.path.join(sweep_dir, 'summary.md')}")
+        if not os.path.isdir(sweep_dir):
+            return
+        rows = write_summary(sweep_dir)
+        print(f"sweep summary ({len(rows)} jobs): {os.path.join(sweep_dir, 'summary.md')}")
+        failed = [r for r in rows if str(r.get("status", "")).startswith("failed")]
+        if failed:
+            print(f"error: {len(failed)} of {len(rows)} jobs failed: "
+                  + "; ".join(f"job {r['job']}: {r.get('error') or r['status']}" for r in failed),
+                  file=sys.stderr, flush=True)
+            sys.exit(1)

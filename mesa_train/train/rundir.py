@@ -1,0 +1,175 @@
+"""Who owns a run directory, and what a new run may do to an existing one.
+
+* ``RunDirLock``: a run holds an exclusive ``flock`` on ``<run dir>/.lock`` while it runs;
+  the file names the owner (pid, host, start time) and is removed when the run ends. A
+  second run on the same directory refuses with that owner. The kernel drops the lock when
+  the owner dies (even on ``kill -9``), so a lock file left by a killed run never blocks
+  a later one.
+* ``existing_run``: the artifacts a previous run left (checkpoints, logs, summary). A fresh
+  start (no checkpoint to resume) refuses to replace them unless ``trainer.overwrite=true``.
+* ``clean_stale_temporaries``: ``.last.pt.*.tmp`` files left by a kill mid-write.
+* ``record_config``: the ``.hydra/`` files, written only once a run is accepted (Hydra's
+  own copy is off: ``hydra.output_subdir: null``), so a run rejected at start-up leaves an
+  existing directory as it was.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import time
+
+from mesa_train.train.errors import RunDirError
+
+LOCK_NAME = ".lock"
+# Files a training run writes; their presence means "a run lived here".
+ARTIFACTS = ("checkpoints/last.pt", "checkpoints/best.pt", "metrics.csv", "metrics.jsonl", "steps.csv",
+             "summary.json")
+
+
+class RunDirLock:
+    """Exclusive ownership of a run directory (see the module docstring)."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        existed_dir = os.path.isdir(self.run_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as err:
+                if not existed_dir:
+                    _remove_empty(self.run_dir)
+                raise OSError(err.errno, err.strerror, self.run_dir) from err
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _read_owner(fd)
+                os.close(fd)
+                raise RunDirError(
+                    f"run directory {os.path.abspath(self.run_dir)} is in use by {owner}; wait for that run "
+                    "to end, or choose another directory (hydra.run.dir=...)"
+                ) from None
+            # The owner removes the file when it ends; a lock taken on a file that was just
+            # removed protects nothing: try again on the new file.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Drop the lock and remove the lock file (nothing is left behind, and a run
+        rejected at start-up leaves the directory as it was)."""
+        if self._fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)  # closing the descriptor drops the flock
+        self._fd = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _read_owner(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info:
+        return "another process"
+    return f"pid {info.get('pid')} on host {info.get('host')} (started {info.get('started')})"
+
+
+def _remove_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def existing_run(run_dir: str) -> list[str]:
+    """The artifacts of an earlier run in ``run_dir`` (relative paths)."""
+    return [name for name in ARTIFACTS if os.path.exists(os.path.join(run_dir, name))]
+
+
+def refuse_or_clear(run_dir: str, overwrite: bool) -> None:
+    """A fresh start in ``run_dir``: refuse when it holds an earlier run's files, unless
+    ``overwrite`` (then they are removed, so no old best.pt or log row survives)."""
+    found = existing_run(run_dir)
+    if not found:
+        return
+    if not overwrite:
+        raise RunDirError(
+            f"run directory {os.path.abspath(run_dir)} already holds a run ({', '.join(found)}) and this one "
+            "would start from scratch over it. Continue it with trainer.resume=auto (it needs "
+            "checkpoints/last.pt), choose another directory (hydra.run.dir=...), or replace it with "
+            "trainer.overwrite=true"
+        )
+    for name in found:
+        os.remove(os.path.join(run_dir, name))
+
+
+def clean_stale_temporaries(checkpoint_dir: str) -> list[str]:
+    """Remove ``.<name>.*.tmp`` files of interrupted checkpoint writes (the directory is
+    owned by this run, so no write is in progress). Returns the removed paths."""
+    removed = []
+    for path in glob.glob(os.path.join(checkpoint_dir, ".*.pt.*.tmp")):
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def record_config(run_dir: str, cfg) -> None:
+    """Write ``.hydra/{config,hydra,overrides}.yaml`` as Hydra would, when running under
+    Hydra (a no-op for in-process callers such as the demo and the tests)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    folder = os.path.join(run_dir, ".hydra")
+    os.makedirs(folder, exist_ok=True)
+    OmegaConf.save(cfg, os.path.join(folder, "config.yaml"))
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), os.path.join(folder, "hydra.yaml"))
+    OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), os.path.join(folder, "overrides.yaml"))
+
+
+def write_failure(run_dir: str, message: str) -> None:
+    """A failed sweep job's record (``failed.json``), read by the sweep summary. The job's
+    overrides are kept in it too: a job rejected at start-up has no ``.hydra/``."""
+    overrides: list[str] = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            overrides = list(HydraConfig.get().overrides.task)
+    except ImportError:  # pragma: no cover
+        pass
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "failed.json"), "w") as f:
+        json.dump({"status": "failed", "error": message, "overrides": overrides}, f, indent=2)

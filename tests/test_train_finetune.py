@@ -1,0 +1,64 @@
+"""What a timm user expects (issue 11): any timm model name, fine-tuning from a local file
+(a timm weights file or our checkpoint, head re-initialised for another class count),
+layer-wise lr decay."""
+import pytest
+import torch
+
+from conftest import FAST_TRAINER, TINY_MODELS
+from mesa_train.train import checkpoint as ckpt_lib
+from mesa_train.train.model import build
+from mesa_train.train.runner import fit
+
+
+def _backbone(state):
+    return {k: v for k, v in state.items() if not k.startswith("head.") and "quantizer" not in k}
+
+
+def test_finetune_from_our_checkpoint_reinitialises_a_new_head(compose_train, tmp_path):
+    fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ["mesa.enabled=true"]), str(tmp_path / "pre"))
+    path = tmp_path / "pre" / "checkpoints" / "last.pt"
+    trained = ckpt_lib.load_checkpoint(str(path))["model"]
+    # Another class count (5 instead of 10), Mesa on: backbone from the file, a fresh head.
+    cfg = compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ["data.num_classes=5", f"model.pretrained_path={path}"])
+    model = build(cfg, 5)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in _backbone(trained).items())
+    assert state["head.weight"].shape == (5, 32)
+    # the same class count keeps the head too
+    model = build(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + [f"model.pretrained_path={path}"]), 10)
+    assert torch.equal(model.state_dict()["head.weight"], trained["head.weight"])
+    summary = fit(cfg, str(tmp_path / "fine"))  # and it trains
+    assert summary["step"] == 2
+
+
+def test_finetune_from_a_timm_weights_file(compose_train, tmp_path):
+    import timm
+
+    stock = timm.create_model("deit_tiny_patch16_224", img_size=32, depth=2, embed_dim=32, num_heads=2,
+                              patch_size=8, num_classes=1000)
+    path = tmp_path / "weights.pth"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in stock.state_dict().items()}}, path)
+    cfg = compose_train(TINY_MODELS["deit"] + FAST_TRAINER + [f"model.pretrained_path={path}", "mesa.enabled=true"])
+    state = build(cfg, 10).state_dict()
+    assert all(torch.equal(state[k], v) for k, v in _backbone(stock.state_dict()).items())
+    # a file of another architecture is a clear error
+    other = timm.create_model("deit_tiny_patch16_224", img_size=32, depth=3, embed_dim=32, num_heads=2,
+                              patch_size=8)
+    torch.save(other.state_dict(), tmp_path / "other.pth")
+    cfg = compose_train(TINY_MODELS["deit"] + FAST_TRAINER + [f"model.pretrained_path={tmp_path / 'other.pth'}"])
+    with pytest.raises(ckpt_lib.CheckpointError, match="does not fit model VisionTransformer.*unexpected: blocks.2"):
+        build(cfg, 10)
+
+
+def test_layer_decay_scales_the_lr_per_block(compose_train, tmp_path):
+    fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ["optim.layer_decay=0.5"]), str(tmp_path))
+    groups = ckpt_lib.load_checkpoint(str(tmp_path / "checkpoints" / "last.pt"))["optimizer"]["param_groups"]
+    scales = sorted({round(g["lr_scale"], 6) for g in groups})
+    # timm's layer ids for a 2-block ViT: embeddings 0, blocks 1-2, final norm + head 3 -> 0.5 ** (3 - id)
+    assert scales == [0.125, 0.25, 0.5, 1.0]
+
+
+def test_any_timm_model_trains(compose_train, tmp_path):
+    cfg = compose_train(FAST_TRAINER + ["model.name=vit_tiny_patch16_224", "model.img_size=32", "model.depth=1",
+                                        "+model.kwargs.patch_size=16", "mesa.enabled=true"])
+    assert fit(cfg, str(tmp_path))["step"] == 2
