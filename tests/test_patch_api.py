@@ -212,7 +212,7 @@ def test_state_dict_round_trips(name):
     patched = patch_model(copy.deepcopy(stock))
     _train_step(patched, x)
     keys = mesa_state_keys(patched)
-    assert keys and all(k.rsplit(".", 1)[-1] in ("alpha", "beta", "initialized") for k in keys)
+    assert keys and all(k.rsplit(".", 1)[-1] in ("alpha", "beta", "initialized", "rng") for k in keys)
     sd = patched.state_dict()
     assert set(sd) == set(stock.state_dict()) | keys
 

@@ -1,0 +1,95 @@
+"""The compile path of the quantizer (``mesa_train.quant.traceable``) is bit for bit the
+eager ops (``torch.ops.mesa.observe`` / ``quantize`` / ``dequantize``) when run eagerly, so
+a compiled Mesa model stores the same codes as an eager one, and it traces with static
+shapes (no graph break)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mesa_train.quant import traceable
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (shape, dim, groups): channel groups dividing / not dividing D, per-head groups, dim 0
+LAYOUTS = [((4, 9, 12), -1, 3), ((4, 9, 12), -1, 5), ((2, 3, 5, 7), 1, 3), ((2, 4, 6, 6), 1, 2),
+           ((6, 10), 0, 4), ((3, 16), 1, 16)]
+
+
+def _state(G: int, key: int = 12345, initialized: bool = False):
+    return (torch.rand(G) if initialized else torch.zeros(G), torch.randn(G) if initialized else torch.zeros(G),
+            torch.tensor(initialized), torch.tensor([key, 7], dtype=torch.int64))
+
+
+def _both(x, G, dim, per_sample, symmetric, initialized, decay=0.9):
+    """observe through the op and through the traceable path, each on its own state copy."""
+    out = []
+    for impl in (torch.ops.mesa.observe, traceable.observe):
+        a, b, init, rng = _state(G, initialized=initialized)
+        torch.manual_seed(0)
+        if initialized:
+            a, b = torch.rand(G) * 3, torch.randn(G)
+        res = impl(x, a, b, init, rng, dim % x.dim(), G, decay, per_sample, symmetric)
+        out.append((res, (a, b, init, rng)))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize("per_sample,symmetric,initialized", list(itertools.product((False, True), repeat=3)))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_observe_and_quantize_match_the_ops_bitwise(layout, dtype, per_sample, symmetric, initialized):
+    shape, dim, G = layout
+    x = (torch.randn(shape) * 3).to(dtype).contiguous()
+    (op_res, op_state), (tr_res, tr_state) = _both(x, G, dim, per_sample, symmetric, initialized)
+    for got, want, name in zip(tr_res + tr_state, op_res + op_state,
+                               ("alpha", "beta", "seed", "alpha_est", "beta_est", "initialized", "rng")):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert torch.equal(_bits(got), _bits(want)), f"{name}: {got} vs {want}"
+    alpha, beta, seed = op_res
+    for stochastic in (False, True):
+        q_op = torch.ops.mesa.quantize(x, alpha, beta, dim % x.dim(), G, stochastic, seed)
+        q_tr = traceable.quantize(x, alpha, beta, dim % x.dim(), G, stochastic, seed)
+        assert torch.equal(q_op, q_tr), f"stochastic={stochastic}"
+        for out in DTYPES:
+            d_op = torch.ops.mesa.dequantize(q_op, alpha, beta, dim % x.dim(), G, out)
+            d_tr = traceable.dequantize(q_op, alpha, beta, dim % x.dim(), G, out)
+            assert torch.equal(d_op, d_tr), out
+
+
+def test_non_finite_and_signed_zero_batches_match():
+    x = torch.zeros(4, 8)
+    x[0, 0] = -0.0
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    for per_sample, symmetric in itertools.product((False, True), repeat=2):
+        (op_res, op_state), (tr_res, tr_state) = _both(x, 2, 1, per_sample, symmetric, initialized=True)
+        for got, want in zip(tr_res + tr_state, op_res + op_state):
+            assert torch.equal(_bits(got), _bits(want))
+
+
+def test_seed_step_advances_counter_and_differs_per_key():
+    rng_a = torch.tensor([1, 0], dtype=torch.int64)
+    rng_b = torch.tensor([2, 0], dtype=torch.int64)
+    s0, s1 = traceable.seed_step(rng_a), traceable.seed_step(rng_a)
+    assert rng_a.tolist() == [1, 2] and not torch.equal(s0, s1)
+    assert not torch.equal(traceable.seed_step(rng_b), s0)
+    wrap = torch.tensor([1, 0xFFFFFFFF], dtype=torch.int64)
+    traceable.seed_step(wrap)
+    assert wrap.tolist() == [1, 0]
+    assert all(0 <= int(v) < 2**32 for v in torch.cat([s0, s1]))
+
+
+def test_traces_without_graph_break():
+    def step(x, a, b, init, rng):
+        alpha, beta, seed = traceable.observe(x, a, b, init, rng, 2, 3, 0.9, False, False)
+        q = traceable.quantize(x, alpha, beta, 2, 3, True, seed)
+        return traceable.dequantize(q, alpha, beta, 2, 3, torch.float32)
+
+    x = torch.randn(2, 5, 12)
+    report = torch._dynamo.explain(step)(x, *_state(3))
+    assert report.graph_break_count == 0 and report.graph_count == 1
