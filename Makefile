@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test gpu-results demo bench docker-build clean
+.PHONY: help install test gpu-results gpu-session gpu-wheels demo bench docker-build clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -23,6 +23,9 @@ install: $(STAMP)  ## create .venv and install the project (builds the C++/CUDA 
 test: $(STAMP)  ## run the test suite (installs first when .venv is missing)
 	$(PY) -m pytest -q tests
 
+gpu-session:  ## on a lent GPU machine (own torch, no registry): scripts/gpu_session.sh (make gpu-wheels here first)
+	bash scripts/gpu_session.sh
+
 gpu-results: $(STAMP)  ## on a GPU machine: CUDA tests, kernel bandwidth and every GPU benchmark preset into results/
 	$(PY) -m pytest -q -m cuda tests
 	$(PY) -m mesa_train.quant.benchmark
@@ -33,6 +36,15 @@ gpu-results: $(STAMP)  ## on a GPU machine: CUDA tests, kernel bandwidth and eve
 	for preset in table7 table8 table13 table14 table9; do \
 		$(PY) -m mesa_train.bench preset=$$preset || exit 1; \
 	done
+
+# Pure-Python packages the lent GPU machine's image lacks (it has torch, timm is carried for
+# the pinned version); scripts/gpu_session.sh installs them there with --no-index.
+GPU_WHEELS := hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 timm==1.0.31 expecttest==0.3.0
+gpu-wheels:  ## download the wheels scripts/gpu_session.sh needs on a GPU machine into .whl/ (git-ignored)
+	mkdir -p .whl
+	@# antlr4-python3-runtime 4.9.3 exists only as an sdist: build its (pure-Python) wheel here
+	$(PYTHON) -m pip wheel -q --no-deps -w .whl $(GPU_WHEELS)
+	rm -f .whl/*.tar.gz
 
 demo: $(STAMP)  ## train a small DeiT on the embedded digits data, stock vs Mesa, on CPU
 	$(PY) -m mesa_train.demo

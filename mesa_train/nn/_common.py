@@ -70,7 +70,12 @@ def group_dim_4d(x: torch.Tensor) -> int:
 
 
 def needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # a plain loop: no generator object per call on the hot path
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False
 
 
 # ----------------------------------------------------------------------------- layer mixin

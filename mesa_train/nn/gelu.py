@@ -25,7 +25,7 @@ class _GeluFn(torch.autograd.Function):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
             xh = decompress(packed, ctx.cdt)
-            gx = torch.ops.aten.gelu_backward(g.to(ctx.cdt), xh, approximate=ctx.approximate)
+            gx = torch.ops.aten.gelu_backward.default(g.to(ctx.cdt), xh, approximate=ctx.approximate)
         return gx.to(ctx.x_dtype), None, None
 
 

@@ -105,11 +105,18 @@ class Packed(NamedTuple):
     num_groups: int
 
 
+# The op overloads, resolved once: calling ``torch.ops.mesa.x`` (the overload packet) costs an
+# overload lookup per call, and these run for every compressed activation of every step.
+_OBSERVE = torch.ops.mesa.observe.default
+_QUANTIZE = torch.ops.mesa.quantize.default
+_DEQUANTIZE = torch.ops.mesa.dequantize.default
+
+
 def decompress(p: Packed, dtype: torch.dtype) -> torch.Tensor:
     """Dequantize a :class:`Packed` into a tensor of ``dtype`` (traceable under ``torch.compile``)."""
     if torch.compiler.is_compiling():
         return traceable.dequantize(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
-    return torch.ops.mesa.dequantize(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
+    return _DEQUANTIZE(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
 
 
 # The buffers that make up a quantizer's state (``state_dict`` entries; the checkpoint
@@ -236,21 +243,23 @@ class ActivationQuantizer(nn.Module):
         so Inductor can fuse it with the kernels around it.
         """
         opts = self.options
-        if self.alpha.device != x.device:
+        bufs = self._buffers  # direct: nn.Module.__getattr__ is a slow path, 5 lookups per call
+        if bufs["alpha"].device != x.device:
             # a layer without parameters cannot know its device at patch time: follow the input
             self._apply(lambda t: t.to(x.device))
         dim = dim % x.dim()
-        G = self.effective_groups(x, dim)
+        D = x.shape[dim]
+        G = opts.num_groups if opts.num_groups <= D else max(1, D)
         x = x.contiguous()  # the one copy a non-contiguous input (k, v of a fused qkv) costs
+        args = (x, bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], dim, G, opts.decay,
+                opts.estimator == "per_sample", opts.symmetric)
         stochastic = opts.rounding == "stochastic"
         if torch.compiler.is_compiling():
-            alpha, beta, seed = traceable.observe(x, self.alpha, self.beta, self.initialized, self.rng, dim, G,
-                                                  opts.decay, opts.estimator == "per_sample", opts.symmetric)
+            alpha, beta, seed = traceable.observe(*args)
             q = traceable.quantize(x, alpha, beta, dim, G, stochastic, seed)
         else:
-            alpha, beta, seed = torch.ops.mesa.observe(x, self.alpha, self.beta, self.initialized, self.rng, dim, G,
-                                                       opts.decay, opts.estimator == "per_sample", opts.symmetric)
-            q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, seed)
+            alpha, beta, seed = _OBSERVE(*args)
+            q = _QUANTIZE(x, alpha, beta, dim, G, stochastic, seed)
         return Packed(q, alpha, beta, dim, G)
 
     @staticmethod

@@ -1,0 +1,141 @@
+"""Host time Mesa adds per layer: ``python -m mesa_train.bench.overhead``.
+
+On a GPU, eager Mesa's cost on small and medium tensors is mostly host time: Python in the
+layer and the quantizer, and one dispatcher call per op. This measures it on CPU with tiny
+tensors (so the data itself costs next to nothing): for each Mesa layer, the median time of
+one forward + backward minus the stock layer's, in microseconds.
+
+``--baseline-tree DIR`` runs the same measurement on another checkout of the project
+(with its extension built, e.g. ``git worktree add /tmp/old <commit>`` plus a build), in
+alternating rounds in subprocesses, and prints both side by side with the ratio: a
+before/after comparison taken in one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul")
+
+
+class _MatMul(nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+def _cases():
+    import mesa_train.nn as M
+
+    x = lambda: torch.randn(2, 4, 8)  # noqa: E731 - tiny: the host time is what is measured
+    return {
+        "Linear": (lambda: nn.Linear(8, 8), M.Linear.from_module, lambda: (x(),)),
+        "GELU": (nn.GELU, M.GELU.from_module, lambda: (x(),)),
+        "LayerNorm": (lambda: nn.LayerNorm(8), M.LayerNorm.from_module, lambda: (x(),)),
+        "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 4, 4),)),
+        "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4))),
+    }
+
+
+def _median_us(module: nn.Module, inputs, reps: int) -> float:
+    xs = [t.clone().requires_grad_() for t in inputs]
+    for _ in range(20):  # warm-up: lazy state, estimates initialised
+        module(*xs).sum().backward()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        module(*xs).sum().backward()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def measure(reps: int) -> dict[str, dict[str, float]]:
+    """{layer: {stock_us, mesa_us, added_us}} for this process's mesa_train."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    out = {}
+    for name, (make_stock, convert, inputs) in _cases().items():
+        stock = make_stock()
+        mesa = convert(make_stock())
+        xs = inputs()
+        s = _median_us(stock, xs, reps)
+        m = _median_us(mesa, xs, reps)
+        out[name] = {"stock_us": s, "mesa_us": m, "added_us": m - s}
+    return out
+
+
+def _run_tree(tree: str, reps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    # this file, loaded by path: `import mesa_train` inside it then resolves to `tree`
+    code = ("import importlib.util, json; spec = importlib.util.spec_from_file_location('overhead', %r); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(json.dumps(m.measure(%d)))") % (str(Path(__file__).resolve()), reps)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: measuring in {tree} failed: {proc.stderr.strip().splitlines()[-1]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(this_tree: str, baseline_tree: str, reps: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Alternate subprocess rounds between the two trees; median of each figure over rounds."""
+    runs: dict[str, list[dict]] = {"this": [], "baseline": []}
+    for _ in range(rounds):
+        runs["baseline"].append(_run_tree(baseline_tree, reps))
+        runs["this"].append(_run_tree(this_tree, reps))
+    table = {}
+    for name in LAYERS:
+        row = {}
+        for which, results in runs.items():
+            for key in ("stock_us", "added_us"):
+                row[f"{which}_{key}"] = statistics.median(r[name][key] for r in results)
+        row["added_ratio"] = row["this_added_us"] / row["baseline_added_us"]
+        table[name] = row
+    return table
+
+
+def markdown(table: dict, baseline_tree: str | None, reps: int, rounds: int) -> str:
+    lines = ["| layer | stock fwd+bwd µs | Mesa adds µs" + (" (baseline) | Mesa adds µs (this) | ratio |"
+                                                       if baseline_tree else " |")]
+    lines.append("|---" * (5 if baseline_tree else 3) + "|")
+    for name, r in table.items():
+        if baseline_tree:
+            lines.append(f"| {name} | {r['this_stock_us']:.0f} | {r['baseline_added_us']:.0f} | "
+                         f"{r['this_added_us']:.0f} | {r['added_ratio']:.2f}x |")
+        else:
+            lines.append(f"| {name} | {r['stock_us']:.0f} | {r['added_us']:.0f} |")
+    how = f"median of {reps} forward+backward passes" + (f", median over {rounds} alternating rounds" if baseline_tree else "")
+    return "\n".join(lines) + f"\n\nTensors of 64 elements, 1 CPU thread, {how}.\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=2000, help="timed passes per layer (default 2000)")
+    p.add_argument("--baseline-tree", help="another checkout (extension built) to compare with, same run")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds with --baseline-tree (default 3)")
+    p.add_argument("--output", help="also write the Markdown table here")
+    args = p.parse_args(argv)
+    if args.baseline_tree:
+        if not (Path(args.baseline_tree) / "mesa_train").is_dir():
+            raise SystemExit(f"error: --baseline-tree {args.baseline_tree} has no mesa_train package")
+        table = compare(str(Path(__file__).resolve().parents[2]), args.baseline_tree, args.reps, args.rounds)
+    else:
+        table = measure(args.reps)
+    md = markdown(table, args.baseline_tree, args.reps, args.rounds)
+    print(md)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One command for a lent GPU machine (its own PyTorch, no registry access): install the
+# pure-Python packages carried as wheels in .whl/ (made here by `make gpu-wheels`), build
+# the extension for this GPU's architecture only, then run, in priority order and each
+# bounded in time: the CUDA tests, the kernel bandwidth benchmark, the DeiT-S rows of
+# table1 and modern (eager and compiled) with profile=true. Results land in results/
+# (named after the GPU) and, when $OUT is set (the device tool), also in $OUT.
+#
+#   bash scripts/gpu_session.sh            # everything (about 10 minutes on an H100)
+#   STEPS="tests kernels" bash scripts/gpu_session.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+STEPS=${STEPS:-"tests kernels table1 modern"}
+LOG_DIR=${OUT:-results/gpu-session}
+mkdir -p "$LOG_DIR"
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, never stop the session
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+  echo "=== $name exit ${PIPESTATUS[0]}"
+}
+
+# 1. packages this image lacks (pure Python, carried as wheels)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+# 2. the extension, for this GPU only (one arch: minutes instead of three archs' worth)
+ARCH=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())') || { echo "no CUDA device"; exit 1; }
+echo "GPU: $($PY -c 'import torch; print(torch.cuda.get_device_name())'), arch $ARCH, torch $($PY -c 'import torch; print(torch.__version__)')"
+TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=${MAX_JOBS:-16} $PY setup.py -q build_ext --inplace > "$LOG_DIR/build.log" 2>&1 \
+  || { tail -30 "$LOG_DIR/build.log"; exit 1; }
+$PY -c 'import mesa_train.quant as q; print("mesa backend:", q.BACKEND, "CUDA:", q.CUDA_BACKEND)'
+
+# 3. the work, most important first
+for s in $STEPS; do
+  case $s in
+    tests)   step cuda-tests 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests ;;
+    kernels) step kernel-bandwidth 120 $PY -m mesa_train.quant.benchmark ;;
+    table1)  step table1-deit-s 240 $PY -m mesa_train.bench preset=table1 only=DeiT-S profile=true progress=false ;;
+    modern)  step modern-deit-s 300 $PY -m mesa_train.bench preset=modern only=DeiT-S profile=true progress=false ;;
+    *) echo "unknown step $s; valid: tests kernels table1 modern"; exit 2 ;;
+  esac
+done
+
+# 4. what comes back through the device tool ($OUT keeps at most 8 files, 2 folders deep)
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/results.tgz" results
+  echo "results/ packed into \$OUT/results.tgz"
+fi
