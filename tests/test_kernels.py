@@ -445,11 +445,12 @@ def test_cuda_unaligned_nan_empty_and_no_host_sync():
     e = torch.empty(0, 8, device="cuda")
     assert Q.quantize(e, torch.ones(1, 2, device="cuda"), torch.zeros(1, 2, device="cuda"), -1, 2).shape == (0, 8)
     x = torch.randn(8, 197, 192, device="cuda", dtype=torch.bfloat16)
+    seed = Q.seed_tensor(5, "cuda")  # an int seed would be copied to the device (a sync)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         mn, mx = Q.group_minmax(x, -1, 3, False)
-        q = Q.quantize(x, mx - mn, mn, -1, 3, True, 5)
+        q = Q.quantize(x, mx - mn, mn, -1, 3, True, seed)
         Q.dequantize(q, mx - mn, mn, -1, 3, torch.bfloat16)
     finally:
         torch.cuda.set_sync_debug_mode("default")
