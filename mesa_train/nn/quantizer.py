@@ -213,8 +213,8 @@ class ActivationQuantizer(nn.Module):
         stochastic = opts.rounding == "stochastic"
         # observe = group_minmax + update_estimates + the seed step (one launch on CUDA).
         # Transitional: the rng key is still one draw per call from torch's CPU generator
-        # (the global RNG stream is consumed exactly as before).
-        rng = torch.tensor([draw_seed() & 0xFFFFFFFF, 0], dtype=torch.int64, device=x.device)
+        # (the global RNG stream is consumed exactly as before: only for stochastic rounding).
+        rng = torch.tensor([draw_seed() & 0xFFFFFFFF if stochastic else 0, 0], dtype=torch.int64, device=x.device)
         alpha, beta, seed = torch.ops.mesa.observe(
             x, self.alpha, self.beta, self.initialized, rng, dim, G, opts.decay, opts.estimator == "per_sample",
             opts.symmetric,
