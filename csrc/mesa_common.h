@@ -151,7 +151,8 @@ MESA_HD void group_range(float mn, float mx, bool symmetric, float& alpha, float
 
 // The batch range of group g that feeds the estimates: the (1, G) statistics, or with
 // per-sample statistics (S, G) their min / max over the samples (+-inf when S == 0).
-MESA_HD void batch_range(const float* mn, const float* mx, int64_t S, int64_t G, int64_t g, bool per_sample,
+// Host only (the CUDA kernels reduce the encoded statistics in parallel instead).
+inline void batch_range(const float* mn, const float* mx, int64_t S, int64_t G, int64_t g, bool per_sample,
                          bool symmetric, float& alpha, float& beta) {
   float lo, hi;
   if (per_sample) {

@@ -445,11 +445,12 @@ def test_cuda_unaligned_nan_empty_and_no_host_sync():
     e = torch.empty(0, 8, device="cuda")
     assert Q.quantize(e, torch.ones(1, 2, device="cuda"), torch.zeros(1, 2, device="cuda"), -1, 2).shape == (0, 8)
     x = torch.randn(8, 197, 192, device="cuda", dtype=torch.bfloat16)
+    seed = Q.seed_tensor(5, "cuda")  # an int seed would be copied to the device (a sync)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         mn, mx = Q.group_minmax(x, -1, 3, False)
-        q = Q.quantize(x, mx - mn, mn, -1, 3, True, 5)
+        q = Q.quantize(x, mx - mn, mn, -1, 3, True, seed)
         Q.dequantize(q, mx - mn, mn, -1, 3, torch.bfloat16)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -506,7 +507,16 @@ def test_opcheck_cuda():
 def test_benchmark_runs_on_cpu(tmp_path):
     from mesa_train.quant import benchmark
 
-    table = benchmark.main(["--device", "cpu", "--quick", "--out-dir", str(tmp_path)])
-    assert "quantize" in table and "dequantize" in table
+    table = benchmark.main(["--device", "cpu", "--quick", "--out-dir", str(tmp_path), "--dtypes", "bf16,fp32"])
+    ops = ["clone (baseline)", "forward: observe + quantize", "observe", "quantize (stochastic)",
+           "backward: dequantize"]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 2 * 2 * 6  # 2 layouts x 2 dtypes x 6 rows
+    for op in ops:
+        assert any(f"| {op} |" in r for r in rows), op
+    clone_rows = [r for r in rows if "| clone (baseline) |" in r]
+    assert all(r.rstrip(" |").endswith("1.00") for r in clone_rows)  # the baseline against itself
     files = list(tmp_path.glob("*.md"))
-    assert len(files) == 1 and "copy" in files[0].read_text()
+    assert len(files) == 1 and "fraction of clone bandwidth" in files[0].read_text()
+    with pytest.raises(SystemExit):
+        benchmark.main(["--device", "cpu", "--quick", "--dtypes", "fp64", "--out-dir", str(tmp_path)])

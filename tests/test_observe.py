@@ -336,3 +336,131 @@ def test_quantize_invalid_seed(impl):
     if impl == "wrapper":
         with pytest.raises(ValueError, match="seed must be an int or an int64"):
             fn(x, a, b, -1, 2, True, 1.5)
+
+
+# ----------------------------------------------------------------------------- CUDA only
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape,dim,G,per_sample", [
+    ((64, 197, 384), -1, 6, False),    # token layout, channel groups: many blocks, one group per thread
+    ((64, 197, 384), -1, 6, True),
+    ((16, 6, 197, 197), 1, 6, False),  # attention layout, per-head groups
+    ((16, 6, 197, 197), 1, 6, True),
+    ((4, 3000), -1, 1500, True),       # G > the 1024 shared-memory slots: global atomics path
+    ((3000, 7), 0, 5, True),           # per-sample statistics over dim 0, many samples
+    ((33, 1025, 3), 1, 1025, False),   # G = D > one block's threads
+], ids=["token", "token-ps", "attn", "attn-ps", "g1500", "dim0-ps", "g1025"])
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_observe_large(shape, dim, G, per_sample, dtype):
+    x = _randn(shape, dtype, seed=G)
+    _compare_observe(x, dim, G, per_sample, False, "cuda", steps=2)
+    _compare_observe(x, dim, G, per_sample, True, "cuda", steps=1)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_workspace_grows_and_is_reset():
+    """Different (S, G) sizes in a row share the per-stream workspace: grown, reset, reused."""
+    for S, G in ((2, 3), (300, 40), (4, 2), (600, 20), (1, 1)):
+        x = _randn((S, G * 3, 5), torch.bfloat16, seed=S)
+        _compare_observe(x, 1, G, True, False, "cuda", steps=2)
+        _compare_observe(x, 1, G, False, False, "cuda", steps=1)
+
+
+def _cuda_kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm up (the first call on a stream creates its workspace)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_launches_and_no_host_sync():
+    """forward = observe + quantize = 2 kernels, backward = dequantize = 1; no host sync."""
+    x = torch.randn(8, 197, 192, device="cuda", dtype=torch.bfloat16)
+    st = [torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda"), torch.tensor(False, device="cuda")]
+    rng = Q.rng_state(3, device="cuda")
+
+    def forward():
+        a, b, seed = torch.ops.mesa.observe(x, *st, rng, -1, 3, 0.9, False, False)
+        return a, b, torch.ops.mesa.quantize(x, a, b, -1, 3, True, seed)
+
+    names = _cuda_kernel_names(forward)
+    assert len(names) == 2 and "observe_kernel" in names[0] and "quantize_kernel" in names[1], names
+    a, b, q = forward()
+    names = _cuda_kernel_names(lambda: torch.ops.mesa.dequantize(q, a, b, -1, 3, torch.bfloat16))
+    assert len(names) == 1 and "dequantize_kernel" in names[0], names
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a, b, q = forward()
+        torch.ops.mesa.dequantize(q, a, b, -1, 3, torch.bfloat16)
+        torch.ops.mesa.group_minmax(x, -1, 3, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_concurrent_streams():
+    """Two streams running observe at once use separate workspaces."""
+    xs = [_randn((32, 197, 192), torch.bfloat16, seed=s) for s in range(2)]
+    want = []
+    for x in xs:
+        state = _state(4)
+        want.append(_reference_chain(x, state, Q.rng_state(1), -1, 3, 0.9, True, False)[:2])
+    streams = [torch.cuda.Stream() for _ in xs]
+    got = []
+    xg = [x.cuda() for x in xs]
+    sts = [[t.cuda() for t in _state(4)] for _ in xs]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        got = []
+        for s, x, st in zip(streams, xg, sts):
+            with torch.cuda.stream(s):
+                st_copy = [t.clone() for t in st]
+                got.append(torch.ops.mesa.observe(x, *st_copy, Q.rng_state(1, device="cuda"), -1, 3, 0.9, True,
+                                                  False)[:2])
+        torch.cuda.synchronize()
+        for g_, w in zip(got, want):
+            for a, b in zip(g_, w):
+                assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_graph_capture_of_a_compression():
+    """observe + quantize + dequantize captured in a CUDA graph: each replay advances the
+    device rng and equals the reference chain (no host state baked into the graph)."""
+    x = _randn((8, 6, 33, 35), torch.bfloat16, seed=1).cuda()
+    st = [torch.zeros(6, device="cuda"), torch.zeros(6, device="cuda"), torch.tensor(False, device="cuda")]
+    rng = Q.rng_state(77, device="cuda")
+
+    def step():
+        a, b, seed = torch.ops.mesa.observe(x, *st, rng, 1, 6, 0.9, False, False)
+        q = torch.ops.mesa.quantize(x, a, b, 1, 6, True, seed)
+        return q, torch.ops.mesa.dequantize(q, a, b, 1, 6, torch.bfloat16)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up, as torch.cuda.graph requires
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out, y_out = step()
+    ref_state = [t.cpu() for t in st]
+    ref_rng = rng.cpu()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        ra, rb, rseed = R.observe(x.cpu(), *ref_state, ref_rng, 1, 6, 0.9, False, False)
+        rq = R.quantize(x.cpu(), ra, rb, 1, 6, True, rseed)
+        assert torch.equal(q_out.cpu(), rq)
+        assert torch.equal(y_out.cpu(), R.dequantize(rq, ra, rb, 1, 6, torch.bfloat16))
+        assert torch.equal(rng.cpu(), ref_rng)

@@ -1,19 +1,30 @@
-// CUDA kernels of torch.ops.mesa.{group_minmax, quantize, dequantize, update_estimates}.
+// CUDA kernels of torch.ops.mesa.{observe, quantize, dequantize, group_minmax, update_estimates}.
 //
-// * One pass over the data per op, grid-stride loops, 16-byte vectorised loads/stores
-//   when the pointers are aligned (scalar fallback otherwise), 32-bit index math with
-//   multiply-shift division whenever numel < 2^31 (64-bit otherwise).
-// * Everything runs on the current CUDA stream; nothing synchronises with the host
-//   (temporaries come from the caching allocator, no .item(), no cudaMemcpy to host).
+// Launches per compressed activation: forward observe + quantize = 2, backward dequantize = 1.
+// * Every op is ONE kernel launch and does no host work beyond it: no host sync, no
+//   parameter tables built by a separate kernel, seeds read on the device. Inputs are made
+//   contiguous once (a transient copy for non-contiguous inputs).
+// * 16-element steps per thread: 16-byte loads/stores (one 16-byte store of codes, one or
+//   more 16-byte loads/stores of 16-bit/32-bit data) when the pointers are 16-byte aligned,
+//   a scalar variant otherwise; grid-stride loops; 32-bit index math with multiply-shift
+//   division whenever numel < 2^31 (64-bit otherwise).
+// * quantize / dequantize fetch the group's (alpha, beta) once per 16-element step when the
+//   step lies in one parameter run (see `vec_ok`), and keep it while the parameter index
+//   does not change (one fdiv for 255/alpha per run, not per element).
+// * observe / group_minmax: one launch. Each block reduces a contiguous chunk into per-
+//   parameter min/max (registers -> shared-memory atomics -> one global atomic per
+//   parameter and block, on an order-preserving uint32 encoding); the last block to finish
+//   (threadfence + atomic ticket) turns the totals into the outputs, runs the estimate
+//   update (all threads, per-sample statistics in parallel) and the seed step, and resets
+//   the workspace to zero for the next call (so no init launch is needed).
 // * Exact arithmetic from mesa_common.h: __fadd_rn/__fmul_rn/__fdiv_rn (never contracted
-//   into FMA) plus --fmad=false, so the bytes equal the reference's and the CPU kernel's.
-// * group_minmax: stage 1 reduces per (sample, d) into an order-preserving uint32 encoding
-//   of floats with atomicMin/atomicMax (after a warp-level reduction whenever a warp's
-//   elements share one d); stage 2 folds d into groups. NaN propagates (it is encoded as the
-//   extreme value of each buffer).
+//   into FMA) plus --fmad=false, so the bytes equal the reference's and the CPU kernel's;
+//   statistics are canonical (DESIGN.md, "Canonical bits"), so the reduction order (atomics)
+//   cannot change a bit.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,6 +34,9 @@
 
 #include <atomic>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "../mesa_common.h"
 
@@ -30,11 +44,8 @@ namespace mesa {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
+constexpr int kVec = 16;      // elements per thread step (16 codes = one 16-byte store)
+constexpr int kSlots = 1024;  // shared-memory min/max accumulators per observe block
 
 // ----------------------------------------------------------------------------- division
 // n / d for n < 2^31 by a runtime-constant d in [1, 2^31) (round-up multiply-shift).
@@ -60,60 +71,135 @@ struct Div64 {
 template <typename IdxT>
 using DivT = typename std::conditional<std::is_same<IdxT, uint32_t>::value, FastDiv32, Div64>::type;
 
-// Layout in kernel-friendly form.
+// ----------------------------------------------------------------------------- layout
+// Contiguous x viewed as (outer, D, inner); element i has the parameter index
+// p = s * G + g(d) (DESIGN.md) with g(d) = d * G / D and s its sample (0 for shared
+// statistics, s = d for per-sample statistics over dim 0).
 template <typename IdxT>
 struct KLayout {
-  IdxT inner, D, outer_per_s;
-  bool multi_s;  // s_eff > 1
+  IdxT inner, D, G;
+  bool multi_s;  // per-sample statistics over dim > 0: s = o / outer_per_s
+  bool dim0ps;   // per-sample statistics over dim 0: s = d
+  IdxT min_run;  // every run of consecutive elements with one p is at least this long
   DivT<IdxT> div_inner, div_D, div_ops;
 };
+
+// 32-bit indices need numel < 2^31 and d * G < 2^31 (the g(d) division).
+bool fits_32bit(const Layout& L) {
+  constexpr int64_t kLim = int64_t(1) << 31;
+  return L.numel < kLim && L.D * L.G < kLim;
+}
 
 template <typename IdxT>
 KLayout<IdxT> make_klayout(const Layout& L) {
   KLayout<IdxT> k;
   k.inner = static_cast<IdxT>(L.inner);
   k.D = static_cast<IdxT>(L.D);
-  k.outer_per_s = static_cast<IdxT>(std::max<int64_t>(L.outer_per_s, 1));
+  k.G = static_cast<IdxT>(L.G);
   k.multi_s = L.s_eff > 1;
-  k.div_inner = DivT<IdxT>(static_cast<IdxT>(L.inner));
-  k.div_D = DivT<IdxT>(static_cast<IdxT>(L.D));
-  k.div_ops = DivT<IdxT>(k.outer_per_s);
+  k.dim0ps = L.dim0_per_sample;
+  // each group spans >= floor(D / G) indices d, each d a run of `inner` elements; with
+  // per-sample statistics over dim 0 every d is its own sample
+  const int64_t run = L.dim0_per_sample ? L.inner : (L.D / L.G) * L.inner;
+  k.min_run = static_cast<IdxT>(std::min<int64_t>(run, int64_t(1) << 30));
+  // empty tensors (D or inner may be 0) never index: any divisor >= 1 will do
+  k.div_inner = DivT<IdxT>(static_cast<IdxT>(std::max<int64_t>(L.inner, 1)));
+  k.div_D = DivT<IdxT>(static_cast<IdxT>(std::max<int64_t>(L.D, 1)));
+  k.div_ops = DivT<IdxT>(static_cast<IdxT>(std::max<int64_t>(L.outer_per_s, 1)));
   return k;
 }
 
-// Walks consecutive elements, keeping the (per-sample, d) table index up to date with
-// increments instead of divisions.
 template <typename IdxT>
-struct Cursor {
-  IdxT j, d, o_in_s, s;
-  __device__ __forceinline__ Cursor(const KLayout<IdxT>& k, IdxT i) {
-    const IdxT row = k.div_inner(i);
-    j = i - row * k.inner;
-    const IdxT o = k.div_D(row);
-    d = row - o * k.D;
-    if (k.multi_s) {
-      s = k.div_ops(o);
-      o_in_s = o - s * k.outer_per_s;
-    } else {
-      s = 0;
-      o_in_s = 0;
-    }
-  }
-  __device__ __forceinline__ IdxT table(const KLayout<IdxT>& k) const { return s * k.D + d; }
-  __device__ __forceinline__ void advance(const KLayout<IdxT>& k) {
-    if (++j == k.inner) {
-      j = 0;
-      if (++d == k.D) {
-        d = 0;
-        if (k.multi_s && ++o_in_s == k.outer_per_s) {
-          o_in_s = 0;
-          ++s;
-        }
-      }
-    }
-  }
+__device__ __forceinline__ IdxT param_of(const KLayout<IdxT>& k, IdxT i) {
+  const IdxT row = k.div_inner(i);
+  const IdxT o = k.div_D(row);
+  const IdxT d = row - o * k.D;
+  const IdxT g = k.div_D(d * k.G);
+  if (k.dim0ps) return d * k.G + g;
+  if (k.multi_s) return k.div_ops(o) * k.G + g;
+  return g;
+}
+
+// Whether elements i0 .. i0 + V - 1 share one parameter index. Exact when every run of
+// one p is at least V long (min_run >= V): the window then meets at most two runs, and two
+// adjacent runs have different p.
+template <typename IdxT, int V>
+__device__ __forceinline__ bool one_param(const KLayout<IdxT>& k, IdxT i0, IdxT p0) {
+  return V > 1 && k.min_run >= IdxT(V) && param_of(k, i0 + IdxT(V - 1)) == p0;
+}
+
+template <typename T>
+__device__ __forceinline__ T umin(T a, T b) { return a < b ? a : b; }
+template <typename T>
+__device__ __forceinline__ T umax(T a, T b) { return a > b ? a : b; }
+
+// ----------------------------------------------------------------------------- vector I/O
+// V = kVec: 16-byte loads / stores (pointers 16-byte aligned); V = 1: scalar. Memory is
+// accessed through 16-byte aggregates of the element type (no type punning of registers:
+// strict-aliasing safe, and nvcc emits one 128-bit load / store per chunk).
+template <typename T>
+struct alignas(16) Chunk16 {
+  T e[16 / sizeof(T)];
 };
 
+template <typename scalar_t, int V>
+__device__ __forceinline__ void load_floats(const scalar_t* __restrict__ p, float (&v)[V]) {
+  if constexpr (V == 1) {
+    v[0] = static_cast<float>(p[0]);
+  } else {
+    constexpr int kPer = 16 / sizeof(scalar_t);
+    const Chunk16<scalar_t>* cp = reinterpret_cast<const Chunk16<scalar_t>*>(p);
+#pragma unroll
+    for (int c = 0; c < V / kPer; ++c) {
+      const Chunk16<scalar_t> raw = cp[c];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) v[c * kPer + j] = static_cast<float>(raw.e[j]);
+    }
+  }
+}
+
+template <typename scalar_t, int V>
+__device__ __forceinline__ void store_floats(scalar_t* __restrict__ p, const float (&v)[V]) {
+  if constexpr (V == 1) {
+    p[0] = static_cast<scalar_t>(v[0]);
+  } else {
+    constexpr int kPer = 16 / sizeof(scalar_t);
+    Chunk16<scalar_t>* cp = reinterpret_cast<Chunk16<scalar_t>*>(p);
+#pragma unroll
+    for (int c = 0; c < V / kPer; ++c) {
+      Chunk16<scalar_t> raw;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) raw.e[j] = static_cast<scalar_t>(v[c * kPer + j]);
+      cp[c] = raw;
+    }
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void load_codes(const uint8_t* __restrict__ p, uint8_t (&c)[V]) {
+  if constexpr (V == 1) {
+    c[0] = p[0];
+  } else {
+    static_assert(V == 16, "16 codes = one 16-byte load");
+    const Chunk16<uint8_t> raw = *reinterpret_cast<const Chunk16<uint8_t>*>(p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) c[j] = raw.e[j];
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_codes(uint8_t* __restrict__ p, const uint8_t (&c)[V]) {
+  if constexpr (V == 1) {
+    p[0] = c[0];
+  } else {
+    Chunk16<uint8_t> raw;
+#pragma unroll
+    for (int j = 0; j < V; ++j) raw.e[j] = c[j];
+    *reinterpret_cast<Chunk16<uint8_t>*>(p) = raw;
+  }
+}
+
+// ----------------------------------------------------------------------------- host helpers
 // Streaming multiprocessors of the current device (cached; a host-side attribute query,
 // no synchronisation). Only c10/cuda headers are used: ATen/cuda/CUDAContext.h needs the
 // cuSPARSE/cuBLAS headers, which minimal CUDA toolkits lack.
@@ -130,339 +216,545 @@ int sm_count() {
   return n;
 }
 
-int grid_for(int64_t work) {
-  const int sms = sm_count();
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sms) * 32)));
+// Grid of an elementwise kernel: enough blocks for one step per thread, at most 16 blocks
+// of 256 threads per SM (the grid-stride loop covers the rest).
+int grid_for(int64_t steps, int sms) {
+  const int64_t blocks = (steps + kThreads - 1) / kThreads;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sms) * 16)));
 }
 
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-// ----------------------------------------------------------------------------- tables
-// Per-(s_eff, d) tables: scale (inv = 255/alpha or step = alpha/255) and beta.
-__global__ void build_tables_kernel(const float* __restrict__ alpha, const float* __restrict__ beta,
-                                    float* __restrict__ tscale, float* __restrict__ tbeta, int64_t n,
-                                    int64_t D, int64_t G, int64_t S, bool dim0_per_sample, bool inverse) {
-  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (idx >= n) return;
-  const int64_t s = idx / D, d = idx - s * D;
-  const int64_t src = S == 1 ? 0 : (dim0_per_sample ? d : s);
-  const int64_t k = src * G + (d * G) / D;
-  const float a = alpha[k];
-  tscale[idx] = inverse ? inv_scale(a) : dequant_step(a);
-  tbeta[idx] = beta[k];
-}
-
-at::Tensor build_tables(const Layout& L, const at::Tensor& alpha, const at::Tensor& beta, bool inverse,
-                        cudaStream_t stream) {
-  const int64_t n = L.s_eff * L.D;
-  at::Tensor t = at::empty({2, n}, alpha.options());
-  const at::Tensor a = alpha.contiguous(), b = beta.contiguous();
-  build_tables_kernel<<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      a.const_data_ptr<float>(), b.const_data_ptr<float>(), t.mutable_data_ptr<float>(),
-      t.mutable_data_ptr<float>() + n, n, L.D, L.G, L.S, L.dim0_per_sample, inverse);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return t;
-}
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // ----------------------------------------------------------------------------- quantize
-template <typename scalar_t, typename IdxT, int VEC, bool STOCH>
+// (scale, beta) of parameter p, kept while p does not change.
+struct ParamCache {
+  uint64_t p = ~uint64_t(0);
+  float scale = 0.0f, beta = 0.0f;
+  template <bool INVERSE>
+  __device__ __forceinline__ void fetch(const float* __restrict__ alpha, const float* __restrict__ beta_, uint64_t np) {
+    if (np != p) {
+      p = np;
+      const float a = __ldg(alpha + np);
+      scale = INVERSE ? inv_scale(a) : dequant_step(a);
+      beta = __ldg(beta_ + np);
+    }
+  }
+};
+
+template <typename scalar_t, typename IdxT, int V, bool STOCH>
 __global__ void __launch_bounds__(kThreads)
-quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const float* __restrict__ tinv,
-                const float* __restrict__ tbeta, const KLayout<IdxT> k, const IdxT numel,
+quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const float* __restrict__ alpha,
+                const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel,
                 const int64_t* __restrict__ seed, const int64_t seed_stride) {
   // the seed lives on the device (written by observe): no host sync
   const uint32_t slo = STOCH ? static_cast<uint32_t>(__ldg(seed)) : 0u;
   const uint32_t shi = STOCH ? static_cast<uint32_t>(__ldg(seed + seed_stride)) : 0u;
-  const IdxT nvec = numel / VEC;
+  const IdxT nvec = numel / V;
   const IdxT stride = IdxT(gridDim.x) * blockDim.x;
   const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
+  ParamCache pc;
   for (IdxT v = gid; v < nvec; v += stride) {
-    const IdxT i0 = v * VEC;
-    const Vec<scalar_t, VEC> xv = *reinterpret_cast<const Vec<scalar_t, VEC>*>(x + i0);
-    Vec<uint8_t, VEC> out;
-    Cursor<IdxT> c(k, i0);
+    const IdxT i0 = v * V;
+    float xv[V];
+    load_floats<scalar_t, V>(x + i0, xv);
+    uint8_t out[V];
+    const IdxT p0 = param_of(k, i0);
+    if (one_param<IdxT, V>(k, i0, p0)) {  // one (scale, offset) fetch for the whole step
+      pc.fetch<true>(alpha, beta, p0);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const IdxT t = c.table(k);
-      const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i0) + e, slo, shi) : 0.0f;
-      out.v[e] = quantize_value<STOCH>(static_cast<float>(xv.v[e]), __ldg(tbeta + t), __ldg(tinv + t), u);
-      c.advance(k);
+      for (int e = 0; e < V; ++e) {
+        const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i0 + IdxT(e)), slo, shi) : 0.0f;
+        out[e] = quantize_value<STOCH>(xv[e], pc.beta, pc.scale, u);
+      }
+    } else {  // the step crosses a group / sample boundary: per element
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        pc.fetch<true>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)));
+        const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i0 + IdxT(e)), slo, shi) : 0.0f;
+        out[e] = quantize_value<STOCH>(xv[e], pc.beta, pc.scale, u);
+      }
     }
-    *reinterpret_cast<Vec<uint8_t, VEC>*>(q + i0) = out;
+    store_codes<V>(q + i0, out);
   }
-  if (VEC > 1) {  // tail (< VEC elements)
-    const IdxT i = nvec * VEC + gid;
+  if (V > 1) {  // tail (< V elements)
+    const IdxT i = nvec * V + gid;
     if (i < numel) {
-      Cursor<IdxT> c(k, i);
-      const IdxT t = c.table(k);
+      pc.fetch<true>(alpha, beta, param_of(k, i));
       const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i), slo, shi) : 0.0f;
-      q[i] = quantize_value<STOCH>(static_cast<float>(x[i]), __ldg(tbeta + t), __ldg(tinv + t), u);
+      q[i] = quantize_value<STOCH>(static_cast<float>(x[i]), pc.beta, pc.scale, u);
     }
   }
 }
 
-template <typename scalar_t, typename IdxT, int VEC, bool STOCH>
-void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& tables, const Layout& L,
-                     const at::Tensor& seed, cudaStream_t stream) {
-  const int64_t n = L.s_eff * L.D;
-  const float* tinv = tables.const_data_ptr<float>();
-  quantize_kernel<scalar_t, IdxT, VEC, STOCH><<<grid_for(L.numel / VEC + VEC), kThreads, 0, stream>>>(
-      x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), tinv, tinv + n, make_klayout<IdxT>(L),
-      static_cast<IdxT>(L.numel), seed.const_data_ptr<int64_t>(), seed.stride(0));
+template <typename scalar_t, typename IdxT, int V, bool STOCH>
+void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
+                     const Layout& L, const at::Tensor& seed, cudaStream_t stream) {
+  quantize_kernel<scalar_t, IdxT, V, STOCH><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
+      x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
+      beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
+      seed.const_data_ptr<int64_t>(), seed.stride(0));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
-                         int64_t num_groups, bool stochastic, const at::Tensor& seed) {
-  const Layout L = check_quantize(x_in, alpha, beta, dim, num_groups, seed);
+template <typename scalar_t, bool STOCH>
+void dispatch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& a, const at::Tensor& b,
+                       const Layout& L, const at::Tensor& seed, cudaStream_t stream) {
+  const bool vec = aligned16(x.const_data_ptr()) && aligned16(q.const_data_ptr());
+  if (!fits_32bit(L)) launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, stream);
+  else if (vec) launch_quantize<scalar_t, uint32_t, kVec, STOCH>(x, q, a, b, L, seed, stream);
+  else launch_quantize<scalar_t, uint32_t, 1, STOCH>(x, q, a, b, L, seed, stream);
+}
+
+at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
+                         int64_t dim, int64_t num_groups, bool stochastic, const at::Tensor& seed) {
+  const Layout L = check_quantize(x_in, alpha_in, beta_in, dim, num_groups, seed);
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   if (L.numel == 0) return q;
+  const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor tables = build_tables(L, alpha, beta, /*inverse=*/true, stream);
-  const bool small = L.numel < (int64_t(1) << 31);
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_cuda", [&] {
-    constexpr int V = 16 / sizeof(scalar_t);
-    const bool vec = aligned(x.const_data_ptr(), 16) && aligned(q.const_data_ptr(), V);
-    if (small && vec) {
-      if (stochastic) launch_quantize<scalar_t, uint32_t, V, true>(x, q, tables, L, seed, stream);
-      else launch_quantize<scalar_t, uint32_t, V, false>(x, q, tables, L, seed, stream);
-    } else if (small) {
-      if (stochastic) launch_quantize<scalar_t, uint32_t, 1, true>(x, q, tables, L, seed, stream);
-      else launch_quantize<scalar_t, uint32_t, 1, false>(x, q, tables, L, seed, stream);
-    } else {
-      if (stochastic) launch_quantize<scalar_t, uint64_t, 1, true>(x, q, tables, L, seed, stream);
-      else launch_quantize<scalar_t, uint64_t, 1, false>(x, q, tables, L, seed, stream);
-    }
+    if (stochastic) dispatch_quantize<scalar_t, true>(x, q, alpha, beta, L, seed, stream);
+    else dispatch_quantize<scalar_t, false>(x, q, alpha, beta, L, seed, stream);
   });
   return q;
 }
 
 // ----------------------------------------------------------------------------- dequantize
-template <typename scalar_t, typename IdxT, int VEC>
+template <typename scalar_t, typename IdxT, int V>
 __global__ void __launch_bounds__(kThreads)
-dequantize_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, const float* __restrict__ tstep,
-                  const float* __restrict__ tbeta, const KLayout<IdxT> k, const IdxT numel) {
-  const IdxT nvec = numel / VEC;
+dequantize_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, const float* __restrict__ alpha,
+                  const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel) {
+  const IdxT nvec = numel / V;
   const IdxT stride = IdxT(gridDim.x) * blockDim.x;
   const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
+  ParamCache pc;
   for (IdxT v = gid; v < nvec; v += stride) {
-    const IdxT i0 = v * VEC;
-    const Vec<uint8_t, VEC> qv = *reinterpret_cast<const Vec<uint8_t, VEC>*>(q + i0);
-    Vec<scalar_t, VEC> out;
-    Cursor<IdxT> c(k, i0);
+    const IdxT i0 = v * V;
+    uint8_t qv[V];
+    load_codes<V>(q + i0, qv);
+    float out[V];
+    const IdxT p0 = param_of(k, i0);
+    if (one_param<IdxT, V>(k, i0, p0)) {
+      pc.fetch<false>(alpha, beta, p0);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const IdxT t = c.table(k);
-      out.v[e] = static_cast<scalar_t>(dequantize_value(qv.v[e], __ldg(tstep + t), __ldg(tbeta + t)));
-      c.advance(k);
+      for (int e = 0; e < V; ++e) out[e] = dequantize_value(qv[e], pc.scale, pc.beta);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        pc.fetch<false>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)));
+        out[e] = dequantize_value(qv[e], pc.scale, pc.beta);
+      }
     }
-    *reinterpret_cast<Vec<scalar_t, VEC>*>(y + i0) = out;
+    store_floats<scalar_t, V>(y + i0, out);
   }
-  if (VEC > 1) {
-    const IdxT i = nvec * VEC + gid;
+  if (V > 1) {
+    const IdxT i = nvec * V + gid;
     if (i < numel) {
-      Cursor<IdxT> c(k, i);
-      const IdxT t = c.table(k);
-      y[i] = static_cast<scalar_t>(dequantize_value(q[i], __ldg(tstep + t), __ldg(tbeta + t)));
+      pc.fetch<false>(alpha, beta, param_of(k, i));
+      y[i] = static_cast<scalar_t>(dequantize_value(q[i], pc.scale, pc.beta));
     }
   }
 }
 
-template <typename scalar_t, typename IdxT, int VEC>
-void launch_dequantize(const at::Tensor& q, at::Tensor& y, const at::Tensor& tables, const Layout& L,
-                       cudaStream_t stream) {
-  const int64_t n = L.s_eff * L.D;
-  const float* tstep = tables.const_data_ptr<float>();
-  dequantize_kernel<scalar_t, IdxT, VEC><<<grid_for(L.numel / VEC + VEC), kThreads, 0, stream>>>(
-      q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), tstep, tstep + n, make_klayout<IdxT>(L),
-      static_cast<IdxT>(L.numel));
+template <typename scalar_t, typename IdxT, int V>
+void launch_dequantize(const at::Tensor& q, at::Tensor& y, const at::Tensor& alpha, const at::Tensor& beta,
+                       const Layout& L, cudaStream_t stream) {
+  dequantize_kernel<scalar_t, IdxT, V><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
+      q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), alpha.const_data_ptr<float>(),
+      beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
-                           int64_t num_groups, at::ScalarType dtype) {
-  const Layout L = check_dequantize(q_in, alpha, beta, dim, num_groups, dtype);
+at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
+                           int64_t dim, int64_t num_groups, at::ScalarType dtype) {
+  const Layout L = check_dequantize(q_in, alpha_in, beta_in, dim, num_groups, dtype);
   const c10::cuda::OptionalCUDAGuard guard(q_in.device());
   const at::Tensor q = q_in.contiguous();
   at::Tensor y = at::empty(q.sizes(), q.options().dtype(dtype));
   if (L.numel == 0) return y;
+  const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor tables = build_tables(L, alpha, beta, /*inverse=*/false, stream);
-  const bool small = L.numel < (int64_t(1) << 31);
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cuda", [&] {
-    constexpr int V = 16 / sizeof(scalar_t);
-    const bool vec = aligned(q.const_data_ptr(), V) && aligned(y.const_data_ptr(), 16);
-    if (small && vec) launch_dequantize<scalar_t, uint32_t, V>(q, y, tables, L, stream);
-    else if (small) launch_dequantize<scalar_t, uint32_t, 1>(q, y, tables, L, stream);
-    else launch_dequantize<scalar_t, uint64_t, 1>(q, y, tables, L, stream);
+    const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
+    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, y, alpha, beta, L, stream);
+    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, y, alpha, beta, L, stream);
+    else launch_dequantize<scalar_t, uint32_t, 1>(q, y, alpha, beta, L, stream);
   });
   return y;
 }
 
-// ----------------------------------------------------------------------------- minmax
-// Order-preserving float <-> uint32 maps. NaN maps to the extreme of each buffer so that
-// atomicMin / atomicMax propagate it; both extremes decode to a NaN.
+// ----------------------------------------------------------------------------- min/max encoding
+// Order-preserving float -> uint32 map with 0 as "no element", so that both buffers
+// reduce with atomicMax and start (and are reset) as all-zero memory:
+//   max buffer: ord(v);  min buffer: ~ord(v);  NaN -> 0xFFFFFFFF in both (it dominates).
+// ord(v) of a non-NaN float lies in [ord(-inf), ord(+inf)] = [0x007FFFFF, 0xFF800000],
+// so neither encoding of a number is 0 or 0xFFFFFFFF.
 __device__ __forceinline__ uint32_t ord(float f) {
   const uint32_t b = __float_as_uint(f);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
-__device__ __forceinline__ uint32_t enc_min(float f) { return f != f ? 0u : ord(f); }
-__device__ __forceinline__ uint32_t enc_max(float f) { return f != f ? 0xFFFFFFFFu : ord(f); }
-__device__ __forceinline__ float dec(uint32_t e) {
+__device__ __forceinline__ float unord(uint32_t e) {
   return __uint_as_float((e & 0x80000000u) ? (e & 0x7FFFFFFFu) : ~e);
 }
-constexpr uint32_t kEncPosInf = 0xFF800000u;  // ord(+inf): initial min
-constexpr uint32_t kEncNegInf = 0x007FFFFFu;  // ord(-inf): initial max
-
-__global__ void minmax_init_kernel(uint32_t* __restrict__ buf, int64_t n) {
-  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (idx < n) {
-    buf[idx] = kEncPosInf;
-    buf[n + idx] = kEncNegInf;
-  }
+__device__ __forceinline__ uint32_t enc_max(float f) { return f != f ? 0xFFFFFFFFu : ord(f); }
+__device__ __forceinline__ uint32_t enc_min(float f) { return f != f ? 0xFFFFFFFFu : ~ord(f); }
+// decoded values are canonical: NaN -> 0x7FC00000, zero -> +0.0, empty -> +-inf
+__device__ __forceinline__ float dec_max(uint32_t e) {
+  if (e == 0u) return __uint_as_float(0xFF800000u);  // -inf
+  return canonical(e == 0xFFFFFFFFu ? __uint_as_float(kCanonicalNaNBits) : unord(e));
+}
+__device__ __forceinline__ float dec_min(uint32_t e) {
+  if (e == 0u) return __uint_as_float(0x7F800000u);  // +inf
+  return canonical(e == 0xFFFFFFFFu ? __uint_as_float(kCanonicalNaNBits) : unord(~e));
 }
 
-// x viewed as (outer, C = D * inner). Thread = one column c per tile; a block covers
-// `tiles` consecutive tiles of kThreads columns and a chunk of rows of one sample
-// (blockIdx.x = s * blocks_x + column span, blockIdx.y = chunk: grid.y <= 65535 whatever
-// the number of samples). Reads are coalesced along c. The result per
-// (s, d = c / inner) goes to the encoded buffers with atomics: one per block when the
-// block's whole column span has one d (per-head / NCHW layouts: block reduction), one per
-// warp when a warp's columns share one d, else one per thread (channels-last layouts).
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-minmax_columns_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ bmn, uint32_t* __restrict__ bmx,
-                      int64_t C, int64_t inner, int64_t D, int64_t rows_per_s, int64_t blocks_x,
-                      int64_t rows_per_chunk, int tiles) {
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  const int64_t s = int64_t(blockIdx.x) / blocks_x, bx = int64_t(blockIdx.x) - s * blocks_x;
-  const int64_t chunk = blockIdx.y;
-  const int64_t r0 = s * rows_per_s + chunk * rows_per_chunk;
-  const int64_t r1 = min(r0 + rows_per_chunk, (s + 1) * rows_per_s);
-  if (r0 >= r1) return;  // uniform over the block
-  const int64_t span0 = bx * tiles * kThreads;
-  const int64_t span1 = min(span0 + int64_t(tiles) * kThreads, C);
-  const bool uniform = (span0 / inner) == ((span1 - 1) / inner);  // uniform over the block
-  const unsigned lane = threadIdx.x & 31u;
-  float bmin = kInf, bmax = -kInf;
-  for (int t = 0; t < tiles; ++t) {
-    const int64_t c = span0 + int64_t(t) * kThreads + threadIdx.x;
-    const bool valid = c < C;
-    float mn = kInf, mx = -kInf;
-    if (valid) {
-      const scalar_t* p = x + r0 * C + c;
-      int64_t r = r0;
-      for (; r + 4 <= r1; r += 4, p += 4 * C) {
-        const float v0 = static_cast<float>(p[0]), v1 = static_cast<float>(p[C]);
-        const float v2 = static_cast<float>(p[2 * C]), v3 = static_cast<float>(p[3 * C]);
-        mn = nan_min(nan_min(mn, v0), nan_min(v1, nan_min(v2, v3)));
-        mx = nan_max(nan_max(mx, v0), nan_max(v1, nan_max(v2, v3)));
-      }
-      for (; r < r1; ++r, p += C) {
-        const float v = static_cast<float>(*p);
-        mn = nan_min(mn, v);
-        mx = nan_max(mx, v);
-      }
-    }
-    if (uniform) {
-      bmin = nan_min(bmin, mn);
-      bmax = nan_max(bmax, mx);
-      continue;
-    }
-    const int64_t key = valid ? s * D + c / inner : -1;
-    const int64_t key0 = __shfl_sync(0xFFFFFFFFu, key, 0);
-    const int64_t key31 = __shfl_sync(0xFFFFFFFFu, key, 31);
-    if (key0 >= 0 && key0 == key31) {  // the whole warp shares one (s, d)
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        mn = nan_min(mn, __shfl_xor_sync(0xFFFFFFFFu, mn, off));
-        mx = nan_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
-      }
-      if (lane == 0) {
-        atomicMin(bmn + key0, enc_min(mn));
-        atomicMax(bmx + key0, enc_max(mx));
-      }
-    } else if (valid) {
-      atomicMin(bmn + key, enc_min(mn));
-      atomicMax(bmx + key, enc_max(mx));
-    }
-  }
-  if (uniform) {  // block reduction, one atomic pair per block
-    __shared__ float smn[kThreads / 32], smx[kThreads / 32];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      bmin = nan_min(bmin, __shfl_xor_sync(0xFFFFFFFFu, bmin, off));
-      bmax = nan_max(bmax, __shfl_xor_sync(0xFFFFFFFFu, bmax, off));
-    }
-    if (lane == 0) {
-      smn[threadIdx.x / 32] = bmin;
-      smx[threadIdx.x / 32] = bmax;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int w = 1; w < kThreads / 32; ++w) {
-        bmin = nan_min(bmin, smn[w]);
-        bmax = nan_max(bmax, smx[w]);
-      }
-      const int64_t key = s * D + span0 / inner;
-      atomicMin(bmn + key, enc_min(bmin));
-      atomicMax(bmx + key, enc_max(bmax));
-    }
-  }
-}
+// ----------------------------------------------------------------------------- workspace
+// observe / group_minmax reduce into a zero-initialised uint32 workspace
+//   [ticket, 31 words padding, min[cap], max[cap]]
+// that the last block of each launch resets to zero. Choice: ONE WORKSPACE PER (device,
+// stream), created zeroed on first use and grown on demand (both one-time). Launches on
+// one stream run in order, so they never share it concurrently, and two streams never
+// share one. While the stream is being captured into a CUDA graph a workspace is taken
+// per call from the caching allocator and zeroed by a memset node inside the graph
+// instead (replays stay self-contained; the graph owns that memory's lifetime through
+// the allocator's graph pool).
+constexpr int64_t kWsHeader = 32;
 
-// Launch configuration of minmax_columns_kernel (host only, no CUDA calls: testable on
-// the host). grid = (blocks_x * s_eff, chunks).
-struct MinmaxConfig {
-  int64_t C = 1, rows_per_s = 1, blocks_x = 1, chunks = 1, rows_per_chunk = 1;
-  int tiles = 1;
+struct WsKey {
+  int device;
+  cudaStream_t stream;
+  bool operator<(const WsKey& o) const { return device != o.device ? device < o.device : stream < o.stream; }
 };
 
-MinmaxConfig minmax_config(const Layout& L, int sms) {
-  MinmaxConfig m;
-  m.C = L.D * L.inner;
-  m.rows_per_s = L.outer_per_s;
-  const int64_t target = int64_t(sms) * 8;  // blocks to aim for
-  const int64_t tiles1 = (m.C + kThreads - 1) / kThreads;
-  // Several column tiles per block only pays when a block's span can share one d.
-  m.tiles = L.inner >= kThreads
-      ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(16, tiles1 * L.s_eff / target)))
-      : 1;
-  m.blocks_x = (tiles1 + m.tiles - 1) / m.tiles;
-  m.chunks = std::max<int64_t>(1, (target + m.blocks_x * L.s_eff - 1) / (m.blocks_x * L.s_eff));
-  m.chunks = std::min<int64_t>(m.chunks, std::max<int64_t>(1, m.rows_per_s / 4));  // >= 4 rows per chunk
-  m.chunks = std::min<int64_t>(m.chunks, 65535);
-  m.rows_per_chunk = (m.rows_per_s + m.chunks - 1) / m.chunks;
-  return m;
+at::Tensor workspace(const at::Tensor& like, int64_t params, cudaStream_t stream) {
+  const int64_t need = kWsHeader + 2 * std::max<int64_t>(params, 1);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  auto opts = like.options().dtype(at::kInt);
+  if (capture != cudaStreamCaptureStatusNone) {
+    at::Tensor ws = at::empty({need}, opts);
+    C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, need * sizeof(int32_t), stream));
+    return ws;
+  }
+  // never destroyed: freeing CUDA memory from static destructors at exit can crash
+  static std::mutex* mu = new std::mutex();
+  static std::map<WsKey, at::Tensor>* cache = new std::map<WsKey, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(*mu);
+  at::Tensor& ws = (*cache)[WsKey{like.get_device(), stream}];
+  if (!ws.defined() || ws.numel() < need) {
+    // grow geometrically; at::zeros runs on the current (= this) stream, so the old
+    // buffer's memory is only reused after the launches that used it
+    const int64_t cap = std::max<int64_t>(need, ws.defined() ? 2 * ws.numel() : 4096);
+    ws = at::zeros({cap}, opts);
+  }
+  return ws;
 }
 
-// (s_eff, D) encoded statistics -> (S, G) float outputs.
-__global__ void minmax_finish_kernel(const uint32_t* __restrict__ bmn, const uint32_t* __restrict__ bmx,
-                                     float* __restrict__ omn, float* __restrict__ omx, int64_t S, int64_t G,
-                                     int64_t D, bool multi_s, bool dim0_per_sample) {
-  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (idx >= S * G) return;
-  const int64_t r = idx / G, g = idx - r * G;
-  float mn = std::numeric_limits<float>::infinity(), mx = -std::numeric_limits<float>::infinity();
-  if (dim0_per_sample) {  // sample r is index d = r
-    if ((r * G) / D == g) {
-      mn = dec(bmn[r]);
-      mx = dec(bmx[r]);
+// ----------------------------------------------------------------------------- observe
+struct EstimateArgs {
+  float* est_a;
+  float* est_b;
+  bool* initialized;
+  float lam, one_minus_lam;
+  bool per_sample, symmetric, valid;
+  float* out_a;  // (S, G)
+  float* out_b;
+};
+
+struct SeedArgs {
+  int64_t* rng;  // [key, counter], stride rng_stride; nullptr: no seed step
+  int64_t rng_stride;
+  int64_t* seed_out;  // [lo, hi]
+};
+
+// Batch statistics of the estimate update, from the encoded workspace (observe) or from
+// float (S, G) tensors (update_estimates).
+struct EncodedStats {
+  const uint32_t* emin;
+  const uint32_t* emax;
+  // __ldcg: the totals were written by other blocks' atomics (L2), never through this SM's L1
+  __device__ __forceinline__ uint32_t min_bits(int64_t i) const { return __ldcg(emin + i); }
+  __device__ __forceinline__ uint32_t max_bits(int64_t i) const { return __ldcg(emax + i); }
+};
+struct FloatStats {
+  const float* mn;
+  const float* mx;
+  __device__ __forceinline__ uint32_t min_bits(int64_t i) const { return enc_min(mn[i]); }
+  __device__ __forceinline__ uint32_t max_bits(int64_t i) const { return enc_max(mx[i]); }
+};
+
+// The estimate step (DESIGN.md, "Running estimates") by one block over (S, G) statistics.
+// All reductions run on the encoded values (order-independent, canonical after decoding),
+// so the result equals the sequential CPU / reference step bit for bit. s_bmin / s_bmax:
+// kSlots shared words for the per-group batch range of per-sample statistics.
+template <typename Stats>
+__device__ void estimate_update(const Stats& st, int64_t S, int64_t G, const EstimateArgs& a, uint32_t* s_bmin,
+                                uint32_t* s_bmax) {
+  const bool init = *a.initialized;  // read by every thread before the barrier below
+  const bool smem = a.per_sample && G <= kSlots;
+  if (a.per_sample) {
+    for (int64_t i = threadIdx.x; i < G && smem; i += blockDim.x) s_bmin[i] = s_bmax[i] = 0u;
+    __syncthreads();
+    // this batch's own ranges, all (s, g) in parallel; their per-group extremes on the side
+    for (int64_t i = threadIdx.x; i < S * G; i += blockDim.x) {
+      const uint32_t emn = st.min_bits(i), emx = st.max_bits(i);
+      float ra, rb;
+      group_range(dec_min(emn), dec_max(emx), a.symmetric, ra, rb);
+      a.out_a[i] = canonical(ra);
+      a.out_b[i] = canonical(rb);
+      if (smem) {
+        atomicMax(s_bmin + i % G, emn);
+        atomicMax(s_bmax + i % G, emx);
+      }
     }
-  } else {
-    const int64_t base = multi_s ? r * D : 0;
-    const int64_t d0 = (g * D + G - 1) / G, d1 = ((g + 1) * D + G - 1) / G;
-    for (int64_t d = d0; d < d1; ++d) {
-      mn = nan_min(mn, dec(bmn[base + d]));
-      mx = nan_max(mx, dec(bmx[base + d]));
+    __syncthreads();
+  }
+  // the batch range of group g that feeds the estimates
+  auto batch = [&](int64_t g, float& ra, float& rb) {
+    uint32_t emn = 0u, emx = 0u;
+    if (!a.per_sample) {
+      emn = st.min_bits(g);
+      emx = st.max_bits(g);
+    } else if (smem) {
+      emn = s_bmin[g];
+      emx = s_bmax[g];
+    } else {
+      for (int64_t s = 0; s < S; ++s) {
+        emn = umax(emn, st.min_bits(s * G + g));
+        emx = umax(emx, st.max_bits(s * G + g));
+      }
+    }
+    group_range(dec_min(emn), dec_max(emx), a.symmetric, ra, rb);
+  };
+  int ok = a.valid ? 1 : 0;
+  for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+    float ra, rb;
+    batch(g, ra, rb);
+    ok &= (is_finite(ra) && is_finite(rb)) ? 1 : 0;
+  }
+  const bool finite = __syncthreads_and(ok) != 0;
+  for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+    float ra, rb, used_a, used_b;
+    batch(g, ra, rb);
+    estimate_step(a.est_a[g], ra, init, finite, a.lam, a.one_minus_lam, used_a, a.est_a[g]);
+    estimate_step(a.est_b[g], rb, init, finite, a.lam, a.one_minus_lam, used_b, a.est_b[g]);
+    if (!a.per_sample) {
+      a.out_a[g] = used_a;
+      a.out_b[g] = used_b;
     }
   }
-  omn[idx] = mn;
-  omx[idx] = mx;
+  __syncthreads();  // every thread has read `initialized` and the statistics
+  if (threadIdx.x == 0) *a.initialized = init || finite;
+}
+
+__device__ __forceinline__ void seed_step_device(const SeedArgs& sd) {
+  const uint32_t key = static_cast<uint32_t>(sd.rng[0]);
+  const uint32_t counter = static_cast<uint32_t>(sd.rng[sd.rng_stride]);
+  uint32_t lo, hi;
+  seed_step(key, counter, lo, hi);
+  sd.seed_out[0] = static_cast<int64_t>(lo);
+  sd.seed_out[1] = static_cast<int64_t>(hi);
+  sd.rng[sd.rng_stride] = static_cast<int64_t>(static_cast<uint32_t>(counter + 1u));
+}
+
+// One thread's running (p, min, max) over the elements it visits; flushed (to shared
+// memory when p lies in the block's window of parameters, else to the global totals)
+// whenever p changes, and once at the end.
+struct RunAcc {
+  uint64_t p = ~uint64_t(0);
+  float mn = 0.0f, mx = 0.0f;
+};
+
+struct ReduceTarget {
+  uint32_t* g_min;  // global totals (workspace)
+  uint32_t* g_max;
+  uint32_t* s_min;  // shared window [lo, lo + n), n <= kSlots (n == 0: no window)
+  uint32_t* s_max;
+  uint64_t lo, n;
+  __device__ __forceinline__ void flush(const RunAcc& r) const {
+    if (r.p == ~uint64_t(0)) return;
+    const uint32_t emn = enc_min(r.mn), emx = enc_max(r.mx);
+    if (r.p - lo < n) {  // unsigned: also false for p < lo
+      atomicMax(s_min + (r.p - lo), emn);
+      atomicMax(s_max + (r.p - lo), emx);
+    } else {
+      atomicMax(g_min + r.p, emn);
+      atomicMax(g_max + r.p, emx);
+    }
+  }
+  __device__ __forceinline__ void add(RunAcc& r, uint64_t p, float mn, float mx) const {
+    if (p != r.p) {
+      flush(r);
+      r.p = p;
+      r.mn = mn;
+      r.mx = mx;
+    } else {
+      r.mn = nan_min(r.mn, mn);
+      r.mx = nan_max(r.mx, mx);
+    }
+  }
+};
+
+// MODE_OBSERVE: estimates + seed step; MODE_MINMAX: (S, G) min / max outputs (group_minmax).
+enum ObserveMode { MODE_OBSERVE = 0, MODE_MINMAX = 1 };
+
+template <typename scalar_t, typename IdxT, int V, int MODE>
+__global__ void __launch_bounds__(kThreads)
+observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT numel, const IdxT chunk,
+               const int64_t S, uint32_t* __restrict__ ws, const EstimateArgs est, const SeedArgs sd,
+               float* __restrict__ out_min, float* __restrict__ out_max) {
+  __shared__ uint32_t s_min[kSlots], s_max[kSlots];
+  __shared__ bool s_last;
+  const int64_t G = k.G;
+  const int64_t P = S * G;  // parameters
+  uint32_t* g_min = ws + kWsHeader;
+  uint32_t* g_max = g_min + P;
+
+  // ---- stage 1: this block's chunk [b0, b1) of V-element steps (the tail, < V elements,
+  // belongs to the last block)
+  const IdxT nvec = numel / V;
+  const IdxT b0 = umin(IdxT(blockIdx.x) * chunk, nvec);
+  const IdxT b1 = umin(b0 + chunk, nvec);
+  const bool has_tail = blockIdx.x == gridDim.x - 1 && nvec * V < numel;
+  ReduceTarget t{g_min, g_max, s_min, s_max, 0, 0};
+  if (b0 < b1 || has_tail) {
+    // window of parameters this chunk can touch: samples first..last
+    const IdxT e0 = b0 * V, e1 = has_tail ? numel - 1 : b1 * V - 1;
+    uint64_t lo = 0, hi = G;
+    if (k.multi_s || k.dim0ps) {
+      const IdxT p0 = param_of(k, e0), p1 = param_of(k, e1);
+      lo = k.dim0ps ? p0 : (p0 / G) * G;
+      hi = k.dim0ps ? p1 + 1 : (p1 / G + 1) * G;
+    }
+    if (hi - lo <= kSlots) {
+      t.lo = lo;
+      t.n = hi - lo;
+    }
+  }
+  for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
+  __syncthreads();
+  RunAcc r;
+  for (IdxT v = b0 + threadIdx.x; v < b1; v += blockDim.x) {
+    const IdxT i0 = v * V;
+    float xv[V];
+    load_floats<scalar_t, V>(x + i0, xv);
+    const IdxT p0 = param_of(k, i0);
+    if (one_param<IdxT, V>(k, i0, p0)) {
+      float mn = xv[0], mx = xv[0];
+#pragma unroll
+      for (int e = 1; e < V; ++e) {
+        mn = nan_min(mn, xv[e]);
+        mx = nan_max(mx, xv[e]);
+      }
+      t.add(r, p0, mn, mx);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) t.add(r, e == 0 ? p0 : param_of(k, i0 + IdxT(e)), xv[e], xv[e]);
+    }
+  }
+  if (has_tail) {
+    const IdxT i = nvec * V + threadIdx.x;
+    if (i < numel) {
+      const float xi = static_cast<float>(x[i]);
+      t.add(r, param_of(k, i), xi, xi);
+    }
+  }
+  t.flush(r);
+  __syncthreads();
+  for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) {  // the window -> global totals
+    if (s_min[i] != 0u) atomicMax(g_min + t.lo + i, s_min[i]);
+    if (s_max[i] != 0u) atomicMax(g_max + t.lo + i, s_max[i]);
+  }
+
+  // ---- stage 2: the last block to arrive finishes (threadfence + ticket)
+  __threadfence();  // this thread's global atomics are visible before the ticket moves
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(ws, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();  // acquire: every other block's totals are visible to this block
+  if (MODE == MODE_MINMAX) {
+    for (int64_t i = threadIdx.x; i < P; i += blockDim.x) {
+      out_min[i] = dec_min(__ldcg(g_min + i));
+      out_max[i] = dec_max(__ldcg(g_max + i));
+    }
+  } else {
+    estimate_update(EncodedStats{g_min, g_max}, S, G, est, s_min, s_max);
+    if (threadIdx.x == 0) seed_step_device(sd);
+  }
+  __syncthreads();  // all totals read: reset the workspace for the next launch
+  for (int64_t i = threadIdx.x; i < P; i += blockDim.x) g_min[i] = g_max[i] = 0u;
+  if (threadIdx.x == 0) ws[0] = 0u;
+}
+
+// Launch shape of observe_kernel: blocks of contiguous chunks of V-element steps. When
+// one period of the layout (D * inner elements) is a whole number of steps, the block
+// size is a multiple of it (<= kThreads), so each thread keeps one group while it strides
+// (channels-last layouts: one flush per thread instead of one per step).
+struct ObserveConfig {
+  int threads = kThreads;
+  int64_t blocks = 1, chunk = 1;
+};
+
+ObserveConfig observe_config(const Layout& L, int V, int sms) {
+  ObserveConfig c;
+  const int64_t period = L.D * L.inner;
+  if (V > 1 && L.numel > 0 && period % V == 0) {
+    const int64_t pv = period / V;
+    if (pv <= kThreads && kThreads / pv * pv >= 64) c.threads = static_cast<int>(kThreads / pv * pv);
+  }
+  const int64_t nvec = L.numel / V;
+  const int64_t per_thread = 4;  // steps per thread before more blocks are worth it
+  c.blocks = std::max<int64_t>(1, std::min<int64_t>((nvec + c.threads * per_thread - 1) / (c.threads * per_thread),
+                                                    int64_t(sms) * 8));
+  c.chunk = std::max<int64_t>(1, (nvec + c.blocks - 1) / c.blocks);
+  c.blocks = std::max<int64_t>(1, (nvec + c.chunk - 1) / c.chunk);
+  return c;
+}
+
+template <int MODE>
+void launch_observe(const at::Tensor& x, const Layout& L, uint32_t* ws, const EstimateArgs& est, const SeedArgs& sd,
+                    float* out_min, float* out_max, cudaStream_t stream) {
+  MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_cuda", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    auto go = [&](auto idx_tag, auto v_tag) {
+      using IdxT = decltype(idx_tag);
+      constexpr int V = decltype(v_tag)::value;
+      const ObserveConfig c = observe_config(L, V, sm_count());
+      observe_kernel<scalar_t, IdxT, V, MODE><<<static_cast<unsigned>(c.blocks), c.threads, 0, stream>>>(
+          xp, make_klayout<IdxT>(L), static_cast<IdxT>(L.numel), static_cast<IdxT>(c.chunk), L.S, ws, est, sd,
+          out_min, out_max);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (!fits_32bit(L)) go(uint64_t{}, std::integral_constant<int, 1>{});
+    else if (aligned16(xp)) go(uint32_t{}, std::integral_constant<int, kVec>{});
+    else go(uint32_t{}, std::integral_constant<int, 1>{});
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cuda(const at::Tensor& x_in, const at::Tensor& alpha_est,
+                                                            const at::Tensor& beta_est, const at::Tensor& initialized,
+                                                            const at::Tensor& rng, int64_t dim, int64_t num_groups,
+                                                            double decay, bool per_sample, bool symmetric) {
+  const Layout L = check_observe(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample);
+  const c10::cuda::OptionalCUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const auto fopts = x.options().dtype(at::kFloat);
+  at::Tensor out_a = at::empty({L.S, L.G}, fopts), out_b = at::empty({L.S, L.G}, fopts);
+  at::Tensor seed = at::empty({2}, rng.options());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor ws = workspace(x, L.S * L.G, stream);
+  // (float) decay and (float)(1 - decay): what torch does with a Python float scalar
+  const EstimateArgs est{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
+                         initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
+                         static_cast<float>(1.0 - decay), per_sample, symmetric, L.numel > 0,
+                         out_a.mutable_data_ptr<float>(), out_b.mutable_data_ptr<float>()};
+  const SeedArgs sd{rng.mutable_data_ptr<int64_t>(), rng.stride(0), seed.mutable_data_ptr<int64_t>()};
+  launch_observe<MODE_OBSERVE>(x, L, reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>()), est, sd, nullptr, nullptr,
+                               stream);
+  return {out_a, out_b, seed};
 }
 
 std::tuple<at::Tensor, at::Tensor> group_minmax_cuda(const at::Tensor& x_in, int64_t dim, int64_t num_groups,
@@ -470,68 +762,26 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cuda(const at::Tensor& x_in, int
   const Layout L = check_minmax(x_in, dim, num_groups, per_sample);
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
-  auto fopts = x.options().dtype(at::kFloat);
+  const auto fopts = x.options().dtype(at::kFloat);
   if (L.numel == 0) {
     return {at::full({L.S, L.G}, std::numeric_limits<float>::infinity(), fopts),
             at::full({L.S, L.G}, -std::numeric_limits<float>::infinity(), fopts)};
   }
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t nbuf = L.s_eff * L.D;
-  at::Tensor buf = at::empty({2, nbuf}, x.options().dtype(at::kInt));
-  uint32_t* bmn = reinterpret_cast<uint32_t*>(buf.mutable_data_ptr<int32_t>());
-  uint32_t* bmx = bmn + nbuf;
-  minmax_init_kernel<<<(nbuf + kThreads - 1) / kThreads, kThreads, 0, stream>>>(bmn, nbuf);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-  const MinmaxConfig m = minmax_config(L, sm_count());
-  // blocks_x * s_eff <= ceil(C / 256) * s_eff <= numel / 256 + s_eff: never near the limit
-  TORCH_CHECK(m.blocks_x * L.s_eff < (int64_t(1) << 31), "mesa: group_minmax: tensor too large");
-  const dim3 grid(static_cast<unsigned>(m.blocks_x * L.s_eff), static_cast<unsigned>(m.chunks));
-  MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_group_minmax_cuda", [&] {
-    minmax_columns_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), bmn, bmx, m.C,
-                                                                  L.inner, L.D, m.rows_per_s, m.blocks_x,
-                                                                  m.rows_per_chunk, m.tiles);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-
   at::Tensor omn = at::empty({L.S, L.G}, fopts), omx = at::empty({L.S, L.G}, fopts);
-  const int64_t nout = L.S * L.G;
-  if (nout > 0) {
-    minmax_finish_kernel<<<(nout + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-        bmn, bmx, omn.mutable_data_ptr<float>(), omx.mutable_data_ptr<float>(), L.S, L.G, L.D, L.s_eff > 1,
-        L.dim0_per_sample);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor ws = workspace(x, L.S * L.G, stream);
+  launch_observe<MODE_MINMAX>(x, L, reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>()), EstimateArgs{}, SeedArgs{},
+                              omn.mutable_data_ptr<float>(), omx.mutable_data_ptr<float>(), stream);
   return {omn, omx};
 }
 
+// ----------------------------------------------------------------------------- update_estimates
 // The whole running-estimate update in one block (G is small: heads or channel groups).
-// Every thread reads `initialized` before the barrier; thread 0 writes it after.
-__global__ void update_estimates_kernel(const float* __restrict__ mn, const float* __restrict__ mx,
-                                        float* __restrict__ est_a, float* __restrict__ est_b, bool* initialized,
-                                        float* __restrict__ out_a, float* __restrict__ out_b, int64_t S, int64_t G,
-                                        float lam, float one_minus_lam, bool per_sample, bool symmetric, bool valid) {
-  const bool init = *initialized;
-  int ok = valid ? 1 : 0;
-  for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
-    float ra, rb;
-    batch_range(mn, mx, S, G, g, per_sample, symmetric, ra, rb);
-    ok &= (is_finite(ra) && is_finite(rb)) ? 1 : 0;
-  }
-  const bool finite = __syncthreads_and(ok) != 0;
-  for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
-    float ra, rb, used_a, used_b;
-    batch_range(mn, mx, S, G, g, per_sample, symmetric, ra, rb);
-    estimate_step(est_a[g], ra, init, finite, lam, one_minus_lam, used_a, est_a[g]);
-    estimate_step(est_b[g], rb, init, finite, lam, one_minus_lam, used_b, est_b[g]);
-    if (per_sample) {
-      for (int64_t s = 0; s < S; ++s) group_range(mn[s * G + g], mx[s * G + g], symmetric, out_a[s * G + g], out_b[s * G + g]);
-    } else {
-      out_a[g] = used_a;
-      out_b[g] = used_b;
-    }
-  }
-  if (threadIdx.x == 0) *initialized = init || finite;
+__global__ void __launch_bounds__(kThreads)
+update_estimates_kernel(const float* __restrict__ mn, const float* __restrict__ mx, int64_t S, int64_t G,
+                        const EstimateArgs est) {
+  __shared__ uint32_t s_bmin[kSlots], s_bmax[kSlots];
+  estimate_update(FloatStats{mn, mx}, S, G, est, s_bmin, s_bmax);
 }
 
 std::tuple<at::Tensor, at::Tensor> update_estimates_cuda(const at::Tensor& mn_in, const at::Tensor& mx_in,
@@ -544,12 +794,12 @@ std::tuple<at::Tensor, at::Tensor> update_estimates_cuda(const at::Tensor& mn_in
   const int64_t S = mn.size(0);
   at::Tensor out_a = at::empty({S, G}, mn.options()), out_b = at::empty({S, G}, mn.options());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // (float) decay and (float)(1 - decay): what torch does with a Python float scalar
-  update_estimates_kernel<<<1, kThreads, 0, stream>>>(
-      mn.const_data_ptr<float>(), mx.const_data_ptr<float>(), alpha_est.mutable_data_ptr<float>(),
-      beta_est.mutable_data_ptr<float>(), initialized.mutable_data_ptr<bool>(), out_a.mutable_data_ptr<float>(),
-      out_b.mutable_data_ptr<float>(), S, G, static_cast<float>(decay), static_cast<float>(1.0 - decay), per_sample,
-      symmetric, valid);
+  const EstimateArgs est{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
+                         initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
+                         static_cast<float>(1.0 - decay), per_sample, symmetric, valid,
+                         out_a.mutable_data_ptr<float>(), out_b.mutable_data_ptr<float>()};
+  update_estimates_kernel<<<1, kThreads, 0, stream>>>(mn.const_data_ptr<float>(), mx.const_data_ptr<float>(), S, G,
+                                                      est);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out_a, out_b};
 }
@@ -561,6 +811,7 @@ TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("quantize", &quantize_cuda);
   m.impl("dequantize", &dequantize_cuda);
   m.impl("update_estimates", &update_estimates_cuda);
+  m.impl("observe", &observe_cuda);
 }
 
 }  // namespace mesa

@@ -1,15 +1,21 @@
-"""Micro-benchmark of the quantization kernels: achieved bandwidth vs a plain device copy.
+"""Micro-benchmark of the quantization kernels as a fraction of ``clone()`` bandwidth.
 
-    python -m mesa_train.quant.benchmark            # GPU if visible, else CPU (small sizes)
+    python -m mesa_train.quant.benchmark            # GPU if visible (bf16), else CPU (small sizes)
     python -m mesa_train.quant.benchmark --device cpu --quick
 
-For each activation shape and dtype it times ``quantize`` (stochastic and nearest),
-``dequantize`` and ``group_minmax`` and reports the achieved bandwidth
-``(bytes read + bytes written) / time`` as a fraction of the bandwidth of a plain copy
-(``torch.empty_like(b).copy_(b)``) that moves the same number of bytes (a uint8 buffer of
-half that size: read once, written once). CUDA timings use CUDA events after warm-up and
-report the median. The table is printed and written to
-``results/kernels/<device-name>.md``.
+Per layout it times, with the ops the layers run:
+
+* the forward compression ``observe + quantize`` (2 launches on CUDA; it reads ``x`` twice
+  and writes the uint8 codes), and each of the two ops alone;
+* ``dequantize`` (backward: reads the codes, writes ``x``'s dtype);
+* ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
+
+Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
+bandwidth / clone's bandwidth (1.0 = as fast per byte as a plain copy); "time / clone" =
+time / clone's time. Layouts: the token layout ``(128, 197, 384)`` with channel groups on
+``dim=-1`` and the attention layout ``(128, 6, 197, 197)`` with per-head groups on
+``dim=1`` (DeiT-S at batch 128). CUDA timings use CUDA events after warm-up (median). The
+table is printed and written to ``results/kernels/<device-name>.md``.
 """
 from __future__ import annotations
 
@@ -25,20 +31,18 @@ import torch
 from mesa_train import quant as Q
 from mesa_train.device_info import device_name
 
-# (name, shape, dim, groups): DeiT-B/ViT-B activations at batch 64 and smaller variants.
+# (name, shape, dim, groups)
 GPU_CASES = [
-    ("tokens B64 (64,197,768) C-groups", (64, 197, 768), -1, 12),
-    ("mlp B64 (64,197,3072) C-groups", (64, 197, 3072), -1, 12),
-    ("attn B64 (64,12,197,197) per-head", (64, 12, 197, 197), 1, 12),
-    ("conv (64,64,56,56) C-groups", (64, 64, 56, 56), 1, 8),
+    ("tokens (128,197,384) C-groups dim -1", (128, 197, 384), -1, 6),
+    ("attn (128,6,197,197) per-head dim 1", (128, 6, 197, 197), 1, 6),
 ]
 CPU_CASES = [
-    ("tokens (8,197,192) C-groups", (8, 197, 192), -1, 3),
-    ("attn (8,3,197,197) per-head", (8, 3, 197, 197), 1, 3),
+    ("tokens (8,197,384) C-groups dim -1", (8, 197, 384), -1, 6),
+    ("attn (8,6,197,197) per-head dim 1", (8, 6, 197, 197), 1, 6),
 ]
 QUICK_CASES = [
-    ("tokens (2,65,96) C-groups", (2, 65, 96), -1, 3),
-    ("attn (2,3,65,65) per-head", (2, 3, 65, 65), 1, 3),
+    ("tokens (2,65,96) C-groups dim -1", (2, 65, 96), -1, 3),
+    ("attn (2,3,65,65) per-head dim 1", (2, 3, 65, 65), 1, 3),
 ]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -79,32 +83,37 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
             dtype = DTYPES[dname]
             x = torch.randn(shape, device=device).to(dtype)
             n, es = x.numel(), x.element_size()
-            mn, mx = Q.group_minmax(x, dim, G)
-            alpha, beta = (mx - mn).contiguous(), mn.contiguous()
-            q = Q.quantize(x, alpha, beta, dim, G, True, 0)
-            moved = n * es + n  # read x + write q (and the reverse for dequantize)
-            buf = torch.empty(moved // 2, dtype=torch.uint8, device=device)
-            t_copy = timeit(lambda: torch.empty_like(buf).copy_(buf))
-            copy_bw = 2 * buf.numel() / t_copy
-            ops = [
-                ("quantize (stochastic)", moved, lambda: Q.quantize(x, alpha, beta, dim, G, True, 1)),
-                ("quantize (nearest)", moved, lambda: Q.quantize(x, alpha, beta, dim, G, False, 0)),
-                ("dequantize", moved, lambda: Q.dequantize(q, alpha, beta, dim, G, dtype)),
-                ("group_minmax", n * es, lambda: Q.group_minmax(x, dim, G)),
+            state = [torch.zeros(G, device=device), torch.zeros(G, device=device),
+                     torch.zeros((), dtype=torch.bool, device=device), Q.rng_state(0, device=device)]
+
+            def observe():
+                return torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False)
+
+            alpha, beta, seed = observe()
+            q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, True, seed)
+
+            def compress():
+                a, b, s = observe()
+                return torch.ops.mesa.quantize(x, a, b, dim, G, True, s)
+
+            t_clone = timeit(lambda: x.clone())
+            clone_bw = 2 * n * es / t_clone
+            ops = [  # (name, bytes read + written, fn)
+                ("clone (baseline)", 2 * n * es, lambda: x.clone()),
+                ("forward: observe + quantize", 2 * n * es + n, compress),
+                ("observe", n * es, observe),
+                ("quantize (stochastic)", n * es + n, lambda: torch.ops.mesa.quantize(x, alpha, beta, dim, G, True,
+                                                                                      seed)),
+                ("quantize (nearest)", n * es + n, lambda: torch.ops.mesa.quantize(x, alpha, beta, dim, G, False,
+                                                                                   seed)),
+                ("backward: dequantize", n + n * es, lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G,
+                                                                                        dtype)),
             ]
             for op, nbytes, fn in ops:
-                t = timeit(fn)
-                bw = nbytes / t
-                if op == "group_minmax":  # read-only: compare with a copy moving the same bytes
-                    b2 = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
-                    ref_bw = 2 * b2.numel() / timeit(lambda: torch.empty_like(b2).copy_(b2))
-                else:
-                    ref_bw = copy_bw
-                rows.append(
-                    dict(case=name, dtype=dname, op=op, us=t * 1e6, gbps=bw / 1e9, copy_gbps=ref_bw / 1e9,
-                         frac=bw / ref_bw)
-                )
-            del x, q, buf
+                t = t_clone if op.startswith("clone") else timeit(fn)
+                rows.append(dict(case=name, dtype=dname, op=op, us=t * 1e6, gbps=nbytes / t / 1e9,
+                                 frac=nbytes / t / clone_bw, vs_clone=t / t_clone))
+            del x, q
     return rows
 
 
@@ -112,13 +121,13 @@ def format_table(rows: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| case | dtype | op | time (us) | GB/s | copy GB/s | fraction of copy |",
+        "| case | dtype | op | time (us) | GB/s | fraction of clone bandwidth | time / clone |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['case']} | {r['dtype']} | {r['op']} | {r['us']:.1f} | {r['gbps']:.1f} | "
-            f"{r['copy_gbps']:.1f} | {r['frac']:.2f} |"
+            f"{r['frac']:.2f} | {r['vs_clone']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -126,7 +135,7 @@ def format_table(rows: list[dict], header: str) -> str:
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when visible)")
-    p.add_argument("--dtypes", default="fp32,fp16,bf16")
+    p.add_argument("--dtypes", default="bf16", help="comma-separated subset of fp32,fp16,bf16")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke test)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--repeat", type=int, default=None)
@@ -143,6 +152,9 @@ def main(argv=None) -> str:
     warmup = args.warmup if args.warmup is not None else warmup
     repeat = args.repeat if args.repeat is not None else repeat
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        p.error(f"unknown dtype(s) {bad}; choose from {list(DTYPES)}")
 
     name = device_name(device)
     rows = run_benchmark(device, cases, dtypes, warmup, repeat)
@@ -150,8 +162,8 @@ def main(argv=None) -> str:
         f"# mesa quantization kernels on {name}\n\n"
         f"torch {torch.__version__}, backend `{Q.BACKEND}`, "
         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}. "
-        "Bandwidth = (bytes read + bytes written) / median time; 'fraction of copy' compares with "
-        "`torch.empty_like(b).copy_(b)` moving the same number of bytes."
+        "Bandwidth = (bytes read + bytes written) / median time; 'fraction of clone bandwidth' divides it "
+        "by the bandwidth of `x.clone()` measured in the same run; 'time / clone' is the time over clone's."
     )
     table = format_table(rows, header)
     print(table)
