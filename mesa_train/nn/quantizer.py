@@ -45,6 +45,10 @@ class QuantOptions:
     symmetric: symmetric range ``[-m, m]`` (ablation, Table 4).
     rounding: ``"stochastic"`` (paper, unbiased) or ``"nearest"`` (ablation, Table 3).
     enabled: ``False`` runs the stock layer (stock gradients).
+    row_scale: Linear and LayerNorm scale rows far smaller than the rest by a power of two
+        before quantizing (``mesa_train.nn.rowscale``; DeiT3's class token). ``False`` saves
+        the eager passes it costs (one row-absmax reduction and one scaled copy in forward,
+        one multiply in backward; under ``torch.compile`` they fuse into the compression).
     """
 
     num_groups: int = 1
@@ -53,6 +57,7 @@ class QuantOptions:
     symmetric: bool = False
     rounding: str = "stochastic"
     enabled: bool = True
+    row_scale: bool = True
 
     def __post_init__(self):
         ng = self.num_groups
@@ -66,7 +71,7 @@ class QuantOptions:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
-        for name in ("symmetric", "enabled"):
+        for name in ("symmetric", "enabled", "row_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
