@@ -28,8 +28,7 @@ import torch
 from mesa_train.models import build_model
 from mesa_train.plan import Budget, make_plan, plan_table, profile_model
 from mesa_train.plan.allocate import predict
-from mesa_train.plan.measure import (activation_bytes, interleaved_times, make_batch, median, peak_bytes,
-                                     step_clock, train_step)
+from mesa_train.plan.measure import activation_bytes, fastest, interleaved_times, make_batch, peak_bytes, train_step
 from mesa_train.plan.profile import patch_items
 
 from . import planner_baselines as baselines
@@ -64,6 +63,10 @@ def _configs(model, batch, profile, preset, log) -> List[Dict[str, Any]]:
                dict(label="Mesa all ops", kind="mesa-all", model=patch_items(copy.deepcopy(model), every, profile.quant_options)),
                dict(label="grad checkpointing (timm)", kind="ckpt", model=baselines.grad_checkpointing(model)),
                dict(label="selective AC (save matmuls)", kind="sac", model=baselines.selective_checkpointing(model))]
+    n_blocks = len(profile.units) - 1
+    for k in range(1, n_blocks):  # checkpointing part of the blocks: its points in between
+        configs.append(dict(label=f"checkpointing {k}/{n_blocks} blocks", kind="ckpt",
+                            model=baselines.partial_checkpointing(model, k)))
     backend = preset.get("compile_backend")
     for b in preset.get("compile_budgets") or []:
         log(f"compiling with activation_memory_budget={b} (backend {backend}) ...")
@@ -94,7 +97,7 @@ def _measure(configs, batch, rounds: int) -> None:
         c["peak_bytes"] = peak_bytes(c["model"], batch)
     times = interleaved_times([(lambda m=c["model"]: train_step(m, batch)) for c in configs], batch.device, rounds)
     for c, t in zip(configs, times):
-        c["step_s"] = median(t)
+        c["step_s"] = fastest(t)
         c["step_times"] = t
 
 
@@ -122,9 +125,10 @@ def _records(configs, profile, batch_size) -> List[Dict[str, Any]]:
     return out
 
 
-def _interp_plan_throughput(records, ratio):
-    """Throughput ratio of the plan frontier at a memory ratio (linear between plan points)."""
-    pts = sorted((r["memory_ratio"], r["throughput_ratio"]) for r in records if r["kind"] == "plan")
+def _interp_plan_throughput(records, ratio, kinds=("plan",)):
+    """Throughput ratio of a frontier (the records of ``kinds``) at a memory ratio, linear
+    between its points; None outside them."""
+    pts = sorted((r["memory_ratio"], r["throughput_ratio"]) for r in records if r["kind"] in kinds)
     for (m0, t0), (m1, t1) in zip(pts, pts[1:]):
         if m0 <= ratio <= m1:
             return t0 if m1 == m0 else t0 + (t1 - t0) * (ratio - m0) / (m1 - m0)
@@ -148,6 +152,12 @@ def _targets(records) -> List[str]:
         a = by_kind["mesa-all"]
         lines.append(f"- halfway plan throughput {half['throughput_ratio']:.3f} x stock vs all-ops Mesa "
                      f"{a['throughput_ratio']:.3f} -> {'PASS' if half['throughput_ratio'] > a['throughput_ratio'] else 'FAIL'}")
+    if half:
+        at = _interp_plan_throughput(records, half["memory_ratio"], ("stock", "ckpt"))
+        if at is not None:
+            lines.append(f"- halfway plan vs checkpointing at equal memory ({half['memory_ratio']:.3f} x stock, "
+                         f"interpolated between stock and checkpointing k of n blocks): {half['throughput_ratio']:.3f} "
+                         f"vs {at:.3f} -> {'PASS' if half['throughput_ratio'] > at else 'FAIL'}")
     for kind in ("ckpt", "sac", "compile"):
         for b in [r for r in records if r["kind"] == kind]:
             at = _interp_plan_throughput(records, b["memory_ratio"])
@@ -191,6 +201,8 @@ def _plot(path: Path, records, title: str) -> None:
     plans = sorted((r for r in records if r["kind"] == "plan"), key=lambda r: r["memory_ratio"])
     ax.plot([r["memory_ratio"] for r in plans], [r["throughput_ratio"] for r in plans], "o-", color="C0",
             label="planner (measured)", zorder=3)
+    ckpt = sorted((r for r in records if r["kind"] in ("ckpt", "stock")), key=lambda r: r["memory_ratio"])
+    ax.plot([r["memory_ratio"] for r in ckpt], [r["throughput_ratio"] for r in ckpt], ":", color="C2", alpha=0.7)
     pred = [(r["pred_activation_mb"] / records[0]["activation_mb"], r["throughput_ratio"] / (1 + r["step_error"]))
             for r in plans]
     ax.plot(*zip(*sorted(pred)), "x--", color="C0", alpha=0.6, label="planner (predicted)")
@@ -233,9 +245,9 @@ def run_planner(cfg, command: str = "python -m mesa_train.bench preset=planner")
     targets = _targets(records)
     half = next((c for c in configs if c.get("note") == "halfway"), None)
     table = plan_table(half["plan"], profile) if half else ""
-    clock_note = ("CPU time of this process per forward+backward step (time.process_time, one thread), "
-                  "median of interleaved rounds" if step_clock(device) is not __import__("time").perf_counter
-                  else "wall time per forward+backward step, median of interleaved rounds")
+    clock_note = ("CPU time of this process per forward+backward step (time.process_time, "
+                  f"{torch.get_num_threads()} thread(s))" if device.type == "cpu"
+                  else "wall time per forward+backward step") + ", fastest of the interleaved rounds"
     env = environment(device)
     out_dir = Path(str(_get(cfg, "output_dir", "results"))) / preset["name"]
     out_dir.mkdir(parents=True, exist_ok=True)

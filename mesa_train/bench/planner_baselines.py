@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from mesa_train.models import unwrap_model
 from mesa_train.plan.units import OTHER, find_units
 
-__all__ = ["grad_checkpointing", "selective_checkpointing", "compiled_with_budget"]
+__all__ = ["grad_checkpointing", "partial_checkpointing", "selective_checkpointing", "compiled_with_budget"]
 
 # SAC keeps the outputs of the expensive ops (matmuls, attention) and recomputes the cheap,
 # memory-bound rest (norms, activations, softmax, adds) in backward: the policy from
@@ -37,14 +37,29 @@ def grad_checkpointing(model: nn.Module) -> nn.Module:
     return out
 
 
+def _blocks(root: nn.Module):
+    return [root.get_submodule(u.name) for u in find_units(root) if u.name != OTHER]
+
+
+def partial_checkpointing(model: nn.Module, count: int) -> nn.Module:
+    """The first ``count`` blocks under (non-reentrant) activation checkpointing, the rest
+    stock: checkpointing's memory/speed points between none and timm's all blocks."""
+    out = copy.deepcopy(model)
+    for block in _blocks(unwrap_model(out))[:count]:
+        plain = block.forward
+
+        def forward(self, *args, _plain=plain, **kwargs):
+            return checkpoint(_plain, *args, use_reentrant=False, **kwargs)
+
+        block.forward = types.MethodType(forward, block)
+    return out
+
+
 def selective_checkpointing(model: nn.Module) -> nn.Module:
     """Every block under non-reentrant checkpoint with a selective policy (save matmuls)."""
     out = copy.deepcopy(model)
     root = unwrap_model(out)
-    for unit in find_units(root):
-        if unit.name == OTHER:
-            continue
-        block = root.get_submodule(unit.name)
+    for block in _blocks(root):
         plain = block.forward
 
         def forward(self, *args, _plain=plain, **kwargs):

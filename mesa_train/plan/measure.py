@@ -16,7 +16,7 @@ from torch import nn
 from mesa_train.memory import SavedTensorMeter
 
 __all__ = ["Batch", "make_batch", "train_step", "activation_bytes", "peak_bytes", "interleaved_times",
-           "median", "autocast", "step_clock"]
+           "median", "fastest", "autocast", "step_clock"]
 
 
 @dataclass
@@ -100,15 +100,18 @@ def step_clock(device: torch.device) -> Callable[[], float]:
 
 def interleaved_times(steps: Sequence[Callable[[], None]], device: torch.device, rounds: int,
                       warmup: int = 1) -> List[List[float]]:
-    """Seconds per call of each step (:func:`step_clock`), ``rounds`` times, round-robin."""
+    """Seconds per call of each step (:func:`step_clock`), ``rounds`` times, round-robin; the
+    order rotates every round, so no step always runs first (or after the same one)."""
     clock = step_clock(device)
     for step in steps:
         for _ in range(warmup):
             step()
     _sync(device)
     times: List[List[float]] = [[] for _ in steps]
-    for _ in range(rounds):
-        for i, step in enumerate(steps):
+    for r in range(rounds):
+        for j in range(len(steps)):
+            i = (j + r) % len(steps)
+            step = steps[i]
             _sync(device)
             t0 = clock()
             step()
@@ -119,3 +122,9 @@ def interleaved_times(steps: Sequence[Callable[[], None]], device: torch.device,
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def fastest(values: Sequence[float]) -> float:
+    """The step time the planner uses: the minimum over interleaved rounds (other processes
+    on a shared machine only ever add time; the minimum repeats best across runs)."""
+    return float(min(values))

@@ -10,7 +10,7 @@ from torch import nn
 from mesa_train.patch.describe import format_table
 
 from .allocate import Budget, Key, Prediction, allocate, budget_bytes, predict, to_plan
-from .measure import Batch, activation_bytes, interleaved_times, median, peak_bytes, train_step
+from .measure import Batch, activation_bytes, fastest, interleaved_times, peak_bytes, train_step
 from .planfile import Plan
 from .profile import Profile, patch_items, profile_model
 
@@ -40,7 +40,7 @@ def measure_plans(model: nn.Module, batch: Batch, layer_sets: List[Dict[str, tup
     acts = [activation_bytes(m, batch) for m in models]
     peaks = [peak_bytes(m, batch) for m in models]
     times = interleaved_times([(lambda m=m: train_step(m, batch)) for m in models], batch.device, rounds)
-    return [Measured(a, median(t), p) for a, t, p in zip(acts, times, peaks)]
+    return [Measured(a, fastest(t), p) for a, t, p in zip(acts, times, peaks)]
 
 
 def make_plan(model: nn.Module, batch: Batch, budget: Budget, *, profile: Optional[Profile] = None,

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from .measure import Batch, activation_bytes, gradients, interleaved_times, median, peak_bytes, train_step
+from .measure import Batch, activation_bytes, fastest, gradients, interleaved_times, median, peak_bytes, train_step
 from .units import OTHER, Unit, find_units, model_architecture
 
 __all__ = ["ItemProfile", "Profile", "profile_model", "patch_items"]
@@ -128,10 +128,11 @@ def profile_model(model: nn.Module, batch: Batch, *, rounds: int = 5, quant_opti
     saved = [stock_bytes - activation_bytes(v, batch) for v in variants]
     steps = [lambda: train_step(model, batch)] + [(lambda v=v: train_step(v, batch)) for v in variants]
     times = interleaved_times(steps, batch.device, rounds)
-    stock_t = median(times[0])
-    # each variant against the stock steps of the same rounds: paired differences
-    # (a measured speed-up is timer noise: compression adds work, so costs are clamped at 0)
-    costs = [max(0.0, median([t - s for t, s in zip(tv, times[0])])) for tv in times[1:]]
+    # fastest of the interleaved rounds: on a shared machine other work only ever adds time,
+    # and the minimum is the most repeatable estimate (a measured speed-up is timer noise:
+    # compression adds work, so costs are clamped at 0)
+    stock_t = fastest(times[0])
+    costs = [max(0.0, fastest(tv) - stock_t) for tv in times[1:]]
     del variants
     costs = _calibrate(keys, costs)
 
