@@ -11,7 +11,7 @@ import torch
 import mesa_train
 from mesa_train.models import build_model
 from mesa_train.patch.core import mesa_layer_op
-from mesa_train.plan import (OTHER, Budget, Plan, PlanError, allocate, budget_bytes, find_units, load_plan,
+from mesa_train.plan import (OTHER, Budget, Plan, PlanError, allocate, budget_bytes, describe_plan, find_units, load_plan,
                              make_batch, make_plan, plan_of, predict, profile_model, save_plan)
 from mesa_train.plan.measure import activation_bytes, gradients
 from mesa_train.plan.profile import ItemProfile, Profile
@@ -63,6 +63,8 @@ def test_patch_model_with_a_plan_patches_exactly_the_planned_layers(tmp_path, ba
     assert mesa_ops_in(model, "blocks.1.") == set()
     assert mesa_ops_in(model, "patch_embed") == {"conv"}
     assert mesa_ops_in(model, "head") == set() and mesa_ops_in(model, "norm") == set()
+    shown = describe_plan(model)
+    assert "blocks.0  softmax, gelu" in shown and "blocks.1  (stock)" in shown and describe_plan(stock) == ""
     # forward equals stock; the gradient is close (8-bit activations in backward only)
     with torch.no_grad():
         torch.testing.assert_close(model(batch.x), stock(batch.x), rtol=1e-5, atol=1e-5)
@@ -203,3 +205,26 @@ def test_allocator_does_not_trade_speed_for_precision():
     """The sensitive item is much cheaper: swapping it for the costly one would slow the step."""
     prof = synthetic_profile([("a", "gelu", 300, 0.01, 5e-2), ("b", "linear", 300, 0.5, 1e-3)])
     assert allocate(prof, 700) == {("a", "gelu")}
+
+
+# ----------------------------------------------------------------------------- training hook
+def test_training_hook_plans_auto_or_loads_a_file(tmp_path):
+    from omegaconf import OmegaConf
+
+    from mesa_train.plan.train_hook import apply_plan_from_config
+
+    def cfg(**mesa):
+        return OmegaConf.create({"mesa": {"enabled": True, "decay": 0.9, **mesa},
+                                 "trainer": {"batch_size": 8}, "model": {"img_size": 32}})
+
+    assert apply_plan_from_config(cfg(), tiny(), torch.device("cpu"), None, 5) is None
+    model = tiny()
+    plan = apply_plan_from_config(cfg(plan="auto", budget=0.7), model, torch.device("cpu"), None, 5)
+    assert plan_of(model) is plan and any(plan.layers.values())
+    assert plan.predicted["activation_bytes"] <= 0.7 * activation_bytes(tiny(), make_batch(8, 32, 5, "cpu"))
+    path = save_plan(plan, tmp_path / "p.yaml")
+    again = tiny()
+    assert apply_plan_from_config(cfg(plan=str(path)), again, torch.device("cpu"), None, 5).layers == plan.layers
+    assert [type(m) for m in again.modules()] == [type(m) for m in model.modules()]
+    with pytest.raises(PlanError, match="budget too small"):
+        apply_plan_from_config(cfg(plan="auto", budget=0.01), tiny(), torch.device("cpu"), None, 5)

@@ -10,7 +10,7 @@ from mesa_train.models import unwrap_model
 from .planfile import Plan, PlanError, as_plan
 from .units import OTHER, find_units, model_architecture
 
-__all__ = ["apply_plan", "check_plan", "PLAN_ATTR", "plan_of"]
+__all__ = ["apply_plan", "check_plan", "PLAN_ATTR", "plan_of", "describe_plan"]
 
 PLAN_ATTR = "_mesa_plan"
 
@@ -59,3 +59,20 @@ def apply_plan(model: nn.Module, plan_or_path: Any, **quant_options) -> nn.Modul
 def plan_of(model: nn.Module) -> Plan | None:
     """The plan applied to ``model`` (None if none was)."""
     return getattr(unwrap_model(model), PLAN_ATTR, None)
+
+
+def describe_plan(model: nn.Module) -> str:
+    """The applied plan as a table (layer, compressed ops, budget and predicted figures);
+    an empty string when the model was not patched from a plan."""
+    from mesa_train.patch.describe import format_table
+
+    plan = plan_of(model)
+    if plan is None:
+        return ""
+    rows = [[name, ", ".join(ops) or "(stock)"] for name, ops in plan.layers.items()]
+    lines = [f"plan for {plan.architecture or '?'}" + (f", {plan.budget['asked']}" if plan.budget.get("asked") else "")]
+    pred = plan.predicted
+    if pred.get("activation_bytes") is not None:
+        lines.append(f"predicted: {pred['activation_bytes'] / 2**20:.2f} MiB activations, "
+                     f"{1e3 * pred.get('step_s', 0.0):.1f} ms/step")
+    return "\n".join(lines + [format_table(["layer", "compressed ops"], rows)])
