@@ -228,3 +228,23 @@ def test_training_hook_plans_auto_or_loads_a_file(tmp_path):
     assert [type(m) for m in again.modules()] == [type(m) for m in model.modules()]
     with pytest.raises(PlanError, match="budget too small"):
         apply_plan_from_config(cfg(plan="auto", budget=0.01), tiny(), torch.device("cpu"), None, 5)
+
+
+def test_allocator_matches_brute_force_on_random_profiles():
+    import random
+
+    rng = random.Random(0)
+    worse = 0
+    for trial in range(40):
+        items = [(f"u{i % 3}", op, rng.randint(10, 300), rng.uniform(0.0, 0.3), rng.uniform(1e-4, 1e-2))
+                 for i, op in enumerate(("linear", "gelu", "softmax", "layernorm", "matmul", "conv"))]
+        prof = synthetic_profile(items)
+        floor = predict(prof, {it.key for it in prof.items}).activation_bytes
+        allowed = rng.uniform(floor, 1000)
+        chosen = allocate(prof, allowed)
+        assert predict(prof, chosen).activation_bytes <= allowed
+        best = brute_force_fastest(prof, allowed)[0]
+        got = predict(prof, chosen).step_s
+        assert got <= best + 0.02 * prof.stock_step_s  # within the precision-recovery slack
+        worse += got > best + 1e-9
+    assert worse <= 8  # a greedy heuristic, but mostly optimal

@@ -13,7 +13,9 @@ plan that fits compresses as few bytes' worth of time as possible:
 2. *Speed.* Start from every item compressed and give items back to full precision in
    order of time recovered per byte spent (``time_s / saved_bytes``, largest first),
    skipping any that would no longer fit; items that cost no time come last (given back
-   only for precision), items that save nothing are never compressed.
+   only for precision), items that save nothing are never compressed. Then swap a
+   compressed item for a cheaper uncompressed one while the plan still fits (the ratio
+   order alone can keep a big item where a small one would do).
 3. *Precision recovery.* Then, most sensitive compressed item first, swap it for a
    less sensitive uncompressed item that saves at least as much memory (the plan still
    fits) and costs at most ``time_slack`` more time per step (throughput does not drop
@@ -103,18 +105,33 @@ def allocate(profile: Profile, allowed_bytes: float, *, time_slack: float = 0.02
     # 2. speed: give back items by time recovered per byte, while the savings still cover need
     chosen = set(useful)
     saved = sum(items[k].saved_bytes for k in chosen)
-    order = sorted(chosen, key=lambda k: items[k].time_s / items[k].saved_bytes, reverse=True)
+    # (ties: the bigger item first, then by name, so the result does not depend on set order)
+    order = sorted(chosen, key=lambda k: (-items[k].time_s / items[k].saved_bytes, -items[k].saved_bytes, k))
     for k in order:  # free items (time_s <= 0) come last: given back only if memory allows
         if saved - items[k].saved_bytes >= need:
             chosen.discard(k)
             saved -= items[k].saved_bytes
+    # greedy by ratio can keep a big item where a smaller, cheaper one would do: swap a
+    # compressed item for an uncompressed one while that is faster and still fits
+    improved = True
+    while improved:
+        improved = False
+        swaps = [(items[b].time_s - items[a].time_s, a, b) for a in sorted(chosen) for b in sorted(useful - chosen)
+                 if items[b].time_s < items[a].time_s - 1e-12
+                 and saved - items[a].saved_bytes + items[b].saved_bytes >= need]
+        if swaps:
+            _, a, b = min(swaps)
+            chosen.discard(a)
+            chosen.add(b)
+            saved += items[b].saved_bytes - items[a].saved_bytes
+            improved = True
 
     # 3. precision: swap a sensitive compressed item for a less sensitive free one
     slack = time_slack * profile.stock_step_s
-    for a in sorted(chosen, key=lambda k: items[k].sensitivity, reverse=True):
+    for a in sorted(chosen, key=lambda k: (-items[k].sensitivity, k)):
         if a not in chosen:
             continue
-        candidates = [b for b in useful - chosen
+        candidates = [b for b in sorted(useful - chosen)
                       if items[b].sensitivity < items[a].sensitivity
                       and saved - items[a].saved_bytes + items[b].saved_bytes >= need
                       and items[b].time_s <= items[a].time_s + slack]
