@@ -214,7 +214,9 @@ def _plot(path: Path, records, title: str) -> None:
             ax.scatter(r["memory_ratio"], r["throughput_ratio"], marker=m, color=c, s=80, zorder=4, label=r["label"])
     ax.set_xlabel("activation memory kept for backward (x stock)")
     ax.set_ylabel("throughput (x stock)")
-    ax.set_title(title, fontsize=9)
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
