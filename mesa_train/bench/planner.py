@@ -171,7 +171,34 @@ def _targets(records) -> List[str]:
     return lines
 
 
-def _markdown(records, env, preset, profile, table, targets, clock_note) -> str:
+def _noise(configs) -> List[str]:
+    """Configurations measured twice under different names (a plan equal to stock, to
+    all-ops Mesa, or to another plan): their step-time difference is the run's noise."""
+    every = None
+    keyed: Dict[Any, List[Dict[str, Any]]] = {}
+    for c in configs:
+        if c["kind"] == "stock":
+            key = "stock"
+        elif c["kind"] == "mesa-all":
+            key = every = "all"
+        elif c["kind"] == "plan":
+            layers = tuple(sorted((k, v) for k, v in c["plan"].layers.items() if v))
+            key = "stock" if not layers else layers
+            if every is not None and c["activation_bytes"] == configs[1]["activation_bytes"]:
+                key = "all"
+        else:
+            continue
+        keyed.setdefault(key, []).append(c)
+    lines = []
+    for group in keyed.values():
+        if len(group) > 1:
+            t = [c["step_s"] for c in group]
+            lines.append(f"- same configuration, {' / '.join(c['label'] for c in group)}: "
+                         f"{' / '.join(f'{1e3 * x:.1f}' for x in t)} ms (spread {max(t) / min(t) - 1:.1%})")
+    return lines
+
+
+def _markdown(records, env, preset, profile, table, targets, clock_note, noise=()) -> str:
     head = ["configuration", "act. MiB", "x stock", "pred. MiB", "ms/step", "pred. ms", "img/s", "x stock"]
     rows = []
     for r in records:
@@ -187,7 +214,11 @@ def _markdown(records, env, preset, profile, table, targets, clock_note) -> str:
     md += ["| " + " | ".join(r) + " |" for r in rows]
     md += ["", "Plans (ops compressed per layer):", ""]
     md += [f"- {r['label']}: {r['ops']}" for r in records if r["kind"] == "plan"]
-    md += ["", "Targets:", "", *targets, "", "Halfway plan, per layer:", "", "```", table, "```", ""]
+    md += ["", "Targets:", "", *targets]
+    if noise:
+        md += ["", "Timer noise (the same model measured twice in this run; differences below this are ties):",
+               "", *noise]
+    md += ["", "Halfway plan, per layer:", "", "```", table, "```", ""]
     return "\n".join(md)
 
 
@@ -254,7 +285,7 @@ def run_planner(cfg, command: str = "python -m mesa_train.bench preset=planner")
     out_dir = Path(str(_get(cfg, "output_dir", "results"))) / preset["name"]
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / device.type
-    md = _markdown(records, env, preset, profile, table, targets, clock_note)
+    md = _markdown(records, env, preset, profile, table, targets, clock_note, _noise(configs))
     stem.with_suffix(".md").write_text(md + f"\nCommand: `{command}`\n")
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         keys = [k for k in records[0] if k != "step_times"] + ["saved_error", "step_error"]
