@@ -60,3 +60,18 @@ def test_bench_cli_dispatches_the_planner_preset(run_cli):
     r = run_cli([sys.executable, "-m", "mesa_train.bench", "preset=planner", "dry_run=true"])
     assert r.returncode == 0, r.stderr[-1500:]
     assert "preset planner: deit_ti on cpu" in r.stdout
+
+
+def test_planner_preset_file_has_what_run_planner_reads():
+    from pathlib import Path
+
+    import yaml
+
+    preset = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs/bench/preset/planner.yaml").read_text())
+    assert preset["name"] == "planner" and preset["kind"] == "planner" and preset["device"] == "cpu"
+    for key in ("model", "model_kwargs", "img_size", "num_classes", "batch_size", "budgets", "profile_rounds",
+                "rounds", "compile_backend", "compile_budgets"):
+        assert key in preset, key
+    assert preset["budgets"] % 2 == 1  # odd: the halfway budget is one of them
+    build_model(preset["model"], img_size=preset["img_size"], num_classes=preset["num_classes"],
+                **preset["model_kwargs"])
