@@ -248,3 +248,28 @@ def test_allocator_matches_brute_force_on_random_profiles():
         assert got <= best + 0.02 * prof.stock_step_s  # within the precision-recovery slack
         worse += got > best + 1e-9
     assert worse <= 8  # a greedy heuristic, but mostly optimal
+
+
+FAMILIES = {
+    "deit-fused": lambda: build_model("deit_ti", depth=2, embed_dim=32, num_heads=2, patch_size=8, img_size=32,
+                                      num_classes=5),
+    "swin": lambda: build_model("swin_ti", img_size=32, embed_dim=16, patch_size=4, depths=(1, 1), num_heads=(1, 2),
+                                window_size=4, num_classes=5),
+    "pvt": lambda: build_model("pvt_v2_b0", depths=(1, 1, 1, 1), embed_dims=(8, 16, 16, 16), num_heads=(1, 1, 1, 1),
+                               num_classes=5),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_plans_for_every_model_family_fit_and_predict_memory(family):
+    torch.manual_seed(0)
+    model, batch = FAMILIES[family](), make_batch(4, 32, 5, "cpu")
+    plan, profile, rows = make_plan(model, batch, Budget(fraction=0.7), rounds=1, measure=False, log=lambda *_: None)
+    patched = mesa_train.patch_model(copy.deepcopy(model), plan=plan)
+    measured = activation_bytes(patched, batch)
+    saved_pred = profile.stock_activation_bytes - rows["plan"]["predicted"].activation_bytes
+    assert abs(saved_pred - (profile.stock_activation_bytes - measured)) <= 0.10 * (profile.stock_activation_bytes - measured)
+    assert measured <= 0.7 * profile.stock_activation_bytes  # conservative: never more than predicted
+    full = mesa_train.patch_model(copy.deepcopy(model), plan={"format": "mesa-train-plan/1",
+                                                              "layers": {u.name: list(u.ops) for u in profile.units}})
+    assert activation_bytes(full, batch) == rows["all ops"]["predicted"].activation_bytes  # the floor is measured

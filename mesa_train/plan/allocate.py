@@ -2,7 +2,9 @@
 
 Cost model (additive, on the stock step): a plan compressing the item set C keeps
 ``stock_activation_bytes - sum(saved_bytes[i] for i in C)`` activation bytes and takes
-``stock_step_s + sum(time_s[i] for i in C)`` per step.
+``stock_step_s + sum(time_s[i] for i in C)`` per step. Ops compressed together can share
+int8 copies, so real savings are at least the sum (the model is conservative: a plan never
+keeps more than predicted); the all-ops floor is the measured one.
 
 Allocator. In QSync, lower precision is faster and the allocator starts from the fastest
 setting and recovers precision. In Mesa compression is what costs time, so the fastest
@@ -30,7 +32,7 @@ from typing import Dict, Iterable, List, Set, Tuple
 from .planfile import Plan, PlanError
 from .profile import ItemProfile, Profile
 
-__all__ = ["Prediction", "predict", "allocate", "budget_bytes", "Budget"]
+__all__ = ["Prediction", "predict", "allocate", "budget_bytes", "Budget", "floor_bytes"]
 
 Key = Tuple[str, str]
 
@@ -48,10 +50,21 @@ class Prediction:
                 "peak_bytes": None if self.peak_bytes is None else int(self.peak_bytes)}
 
 
+def _useful(profile: Profile) -> Set[Key]:
+    return {it.key for it in profile.items if it.saved_bytes > 0}
+
+
+def floor_bytes(profile: Profile) -> float:
+    """The fewest activation bytes any plan keeps (every op compressed)."""
+    return predict(profile, _useful(profile)).activation_bytes
+
+
 def predict(profile: Profile, chosen: Iterable[Key]) -> Prediction:
     items = {it.key: it for it in profile.items}
     chosen = list(chosen)
     saved = sum(items[k].saved_bytes for k in chosen)
+    if profile.floor_activation_bytes is not None and set(chosen) >= _useful(profile):
+        saved = profile.stock_activation_bytes - profile.floor_activation_bytes  # measured, not summed
     step = profile.stock_step_s + sum(items[k].time_s for k in chosen)
     peak = None if profile.stock_peak_bytes is None else profile.stock_peak_bytes - saved
     return Prediction(profile.stock_activation_bytes - saved, saved, step, peak)
@@ -94,14 +107,16 @@ def allocate(profile: Profile, allowed_bytes: float, *, time_slack: float = 0.02
     ``time_slack``: fraction of the stock step a precision-recovery swap may cost."""
     items: Dict[Key, ItemProfile] = {it.key: it for it in profile.items}
     need = profile.stock_activation_bytes - allowed_bytes  # bytes the plan must save
-    useful = {k for k, it in items.items() if it.saved_bytes > 0}
-    floor = profile.stock_activation_bytes - sum(items[k].saved_bytes for k in useful)
+    useful = _useful(profile)
+    floor = floor_bytes(profile)
     if floor > allowed_bytes:
         raise PlanError(
             f"budget too small: it allows {allowed_bytes / 2**20:.2f} MiB of activations, but the smallest "
             f"any plan reaches is {floor / 2**20:.2f} MiB (every op compressed, "
             f"{floor / profile.stock_activation_bytes:.3f} x stock); raise the budget to at least that")
 
+    if profile.stock_activation_bytes - sum(items[k].saved_bytes for k in useful) > allowed_bytes:
+        return set(useful)  # only the shared copies of every op compressed together fit
     # 2. speed: give back items by time recovered per byte, while the savings still cover need
     chosen = set(useful)
     saved = sum(items[k].saved_bytes for k in chosen)

@@ -56,6 +56,9 @@ class Profile:
     items: List[ItemProfile] = field(default_factory=list)
     units: List[Unit] = field(default_factory=list)
     quant_options: Dict = field(default_factory=dict)
+    # measured activation bytes with every op compressed: below the additive estimate when
+    # compressed ops share int8 copies (the additive model stays conservative elsewhere)
+    floor_activation_bytes: Optional[int] = None
 
     def item(self, unit: str, op: str) -> ItemProfile:
         for it in self.items:
@@ -147,7 +150,11 @@ def profile_model(model: nn.Module, batch: Batch, *, rounds: int = 5, quant_opti
             variant = patch_items(copy.deepcopy(model), {u.name: (op,)}, quant_options)
             err = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(gradients(variant, batch), exact)))
             items.append(ItemProfile(u.name, op, s / len(members), c / len(members), err / norm))
+    every = patch_items(copy.deepcopy(model), {u.name: u.ops for u in units}, quant_options)
+    floor = activation_bytes(every, batch)
+    del every
     order = {u.name: i for i, u in enumerate(units)}
     items.sort(key=lambda it: (order[it.unit], it.op))
     return Profile(model_architecture(model), str(batch.device), int(batch.x.shape[0]), int(batch.x.shape[-1]),
-                   stock_bytes, stock_t, _spread(times[0]), param_bytes, stock_peak, items, units, quant_options)
+                   stock_bytes, stock_t, _spread(times[0]), param_bytes, stock_peak, items, units, quant_options,
+                   floor)

@@ -60,13 +60,13 @@ def fingerprint(module: nn.Module, skip_prefixes: Tuple[str, ...] = ()) -> str:
     return h.hexdigest()[:10]
 
 
-def _present_ops(module: nn.Module, candidates: Tuple[str, ...]) -> Tuple[str, ...]:
-    """Which of ``candidates`` the module contains (as stock or Mesa layers)."""
+def _present_ops(modules, candidates: Tuple[str, ...]) -> Tuple[str, ...]:
+    """Which of ``candidates`` the modules contain (as stock or Mesa layers)."""
     from mesa_train.patch.core import _leaf_rules, mesa_layer_op  # same rules as patch_model
 
     rules = _leaf_rules()
     found = set()
-    for m in module.modules():
+    for m in modules:
         op = mesa_layer_op(m) or (rules[type(m)][0] if type(m) in rules else None)
         if op is not None:
             found.add(op)
@@ -81,19 +81,16 @@ def find_units(model: nn.Module) -> List[Unit]:
     """The model's units in module order, OTHER first."""
     root = unwrap_model(model)
     blocks = _block_names(root)
-    others = [n for n, m in root.named_children()
-              if not any(b == n or b.startswith(n + ".") for b in blocks)]
-    # the outside-blocks unit: fingerprint of everything not inside a block
-    other_ops = set()
-    for n in others:
-        other_ops.update(_present_ops(root.get_submodule(n), _OTHER_OPS))
-    units = [Unit(OTHER, tuple(o for o in _OTHER_OPS if o in other_ops),
-                  fingerprint(root, tuple(b + "." for b in blocks)), OTHER)]
+    inside = tuple(b + "." for b in blocks)
+    # the outside-blocks unit (patch embedding, downsampling, norms, head): everything
+    # not inside a block
+    outside = [m for n, m in root.named_modules() if n and not (n in blocks or n.startswith(inside))]
+    units = [Unit(OTHER, _present_ops(outside, _OTHER_OPS), fingerprint(root, inside), OTHER)]
     for b in blocks:
         block = root.get_submodule(b)
         attn = getattr(block, "attn", None)
         fused = bool(getattr(attn, "fused_attn", False)) and getattr(attn, "mesa_attn_path", "fused") == "fused"
-        ops = _present_ops(block, _FUSED_OPS if fused else _EXPLICIT_OPS)
+        ops = _present_ops(block.modules(), _FUSED_OPS if fused else _EXPLICIT_OPS)
         fp = fingerprint(block)
         units.append(Unit(b, ops, fp, f"{type(block).__name__}:{fp}"))
     return units
