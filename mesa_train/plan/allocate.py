@@ -27,7 +27,7 @@ plan that fits compresses as few bytes' worth of time as possible:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Set, Tuple
+from typing import Dict, Iterable, Set, Tuple
 
 from .planfile import Plan, PlanError
 from .profile import ItemProfile, Profile

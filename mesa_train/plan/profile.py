@@ -20,11 +20,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
-import torch
 from torch import nn
 
 from .measure import Batch, activation_bytes, fastest, gradients, interleaved_times, median, peak_bytes, train_step
-from .units import OTHER, Unit, find_units, model_architecture
+from .units import Unit, find_units, model_architecture
 
 __all__ = ["ItemProfile", "Profile", "profile_model", "patch_items"]
 
