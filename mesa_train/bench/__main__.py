@@ -38,7 +38,12 @@ def main(cfg: DictConfig) -> None:
         overrides = [o for o in overrides if not o.startswith("preset=")] + [f"preset={cfg.preset.name}"]
     command = "python -m mesa_train.bench " + " ".join(shlex.quote(o) for o in overrides)
     try:
-        code = run_app(cfg, command=command.strip())
+        if cfg.preset.get("kind") == "planner":  # the planner's frontier (mesa_train/bench/planner.py)
+            from mesa_train.bench.planner import run_planner
+
+            code = run_planner(cfg, command=command.strip())
+        else:
+            code = run_app(cfg, command=command.strip())
     except BenchConfigError as err:
         _error(str(err), 2)
     except MesaUnavailable as err:

@@ -212,7 +212,7 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
 
 # ----------------------------------------------------------------------------- main entry
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
-                **quant_options) -> nn.Module:
+                *, plan=None, **quant_options) -> nn.Module:
     """Patch ``model`` in place with Mesa compression and return it.
 
     Args:
@@ -232,6 +232,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         modules: any of ``msa`` (attention branch incl. ``norm1``), ``ffn`` (MLP branch incl.
             ``norm2``), ``other`` (patch embedding, downsampling, stage/final norms, head)
             or ``all``.
+        plan: a :class:`mesa_train.plan.Plan`, its dict or a plan file path (``python -m
+            mesa_train.plan``): patch each layer with the ops the plan gives it instead.
         **quant_options: ``num_groups``, ``decay``, ``estimator``, ``symmetric``,
             ``rounding``, ``enabled`` (see :class:`mesa_train.nn.QuantOptions`). Without
             ``num_groups``, each layer uses the head count of its block: per head for
@@ -242,6 +244,10 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         ValueError: unknown op, module set or option name (the message lists the valid
             choices), or an invalid option value.
     """
+    if plan is not None:  # per-layer ops from a plan (mesa_train.plan); ops/modules unused
+        from mesa_train.plan.apply import apply_plan
+
+        return apply_plan(model, plan, **quant_options)
     op_names = _resolve(ops, OPS, "ops")
     set_names = _resolve(modules, MODULE_SETS, "modules")
     quant_options = _check_options(quant_options)

@@ -1,0 +1,88 @@
+"""``python -m mesa_train.plan budget=0.6``: plan, print, write (see configs/plan.yaml).
+
+Exit codes: 0 ok, 2 bad configuration or budget (one line ``error: ...``)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+
+_AMP = {"none": None, "fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _device(name: str):
+    import torch
+
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(name).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.device={name} but no CUDA device is visible; use trainer.device=cpu")
+    return torch.device(name)
+
+
+def _amp(mode: str, device):
+    import torch
+
+    if mode == "auto":
+        mode = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
+    if mode not in _AMP:
+        raise ValueError(f"trainer.amp={mode!r}; valid: auto, {', '.join(_AMP)}")
+    return None if _AMP[mode] is None else getattr(torch, _AMP[mode])
+
+
+def _quant_options(cfg: DictConfig) -> dict:
+    m = cfg.mesa
+    opts = {k: m.get(k) for k in ("num_groups", "decay", "estimator", "symmetric", "rounding")}
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+def run(cfg: DictConfig) -> str:
+    import torch
+
+    from mesa_train.train.model import build
+
+    from . import Budget, make_batch, make_plan, plan_table, save_plan, summary_table
+
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(int(cfg.seed))
+    budget = Budget(fraction=cfg.budget, gb=cfg.budget_gb)
+    if (budget.fraction is None) == (budget.gb is None):
+        raise ValueError("give exactly one of budget=FRACTION (of stock activation memory, e.g. budget=0.6) "
+                         "or budget_gb=GB (peak memory on the device)")
+    device = _device(cfg.trainer.device)
+    stock_cfg = OmegaConf.merge(cfg, {"mesa": {"enabled": False}})
+    model = build(stock_cfg, num_classes=int(cfg.data.num_classes)).to(device)
+    batch = make_batch(int(cfg.trainer.batch_size), int(cfg.model.img_size), int(cfg.data.num_classes), device,
+                       _amp(str(cfg.trainer.amp), device), seed=int(cfg.seed))
+    plan, profile, rows = make_plan(model, batch, budget, rounds=int(cfg.rounds), quant_options=_quant_options(cfg),
+                                    measure=bool(cfg.measure))
+    clock = "CPU time per step (process_time)" if device.type == "cpu" else "wall time per step"
+    print(f"\nplan for {budget.describe()} = {plan.budget['read_as']}: {profile.architecture}, batch "
+          f"{profile.batch_size} x {profile.img_size}px on {profile.device}")
+    print(plan_table(plan, profile))
+    print(f"\npredicted vs measured (activations kept for backward; {clock}, forward+backward; stock step "
+          f"noise IQR/median {profile.step_noise:.1%})")
+    print(summary_table(rows, profile))
+    path = save_plan(plan, cfg.out)
+    print(f"\nwrote {path}  (use: mesa_train.patch_model(model, plan={path!r}))")
+    return path
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="plan")
+def main(cfg: DictConfig) -> None:
+    from .planfile import PlanError
+
+    try:
+        run(cfg)
+    except (PlanError, ValueError) as err:
+        print(f"mesa_train.plan: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

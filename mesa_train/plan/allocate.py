@@ -1,0 +1,165 @@
+"""Cost model and QSync-style greedy allocator.
+
+Cost model (additive, on the stock step): a plan compressing the item set C keeps
+``stock_activation_bytes - sum(saved_bytes[i] for i in C)`` activation bytes and takes
+``stock_step_s + sum(time_s[i] for i in C)`` per step. Ops compressed together can share
+int8 copies, so real savings are at least the sum (the model is conservative: a plan never
+keeps more than predicted); the all-ops floor is the measured one.
+
+Allocator. In QSync, lower precision is faster and the allocator starts from the fastest
+setting and recovers precision. In Mesa compression is what costs time, so the fastest
+plan that fits compresses as few bytes' worth of time as possible:
+
+1. *Floor.* Compressing every item gives the least memory; a budget below it is an
+   error naming the floor.
+2. *Speed.* Start from every item compressed and give items back to full precision in
+   order of time recovered per byte spent (``time_s / saved_bytes``, largest first),
+   skipping any that would no longer fit; items that cost no time come last (given back
+   only for precision), items that save nothing are never compressed. Then swap a
+   compressed item for a cheaper uncompressed one while the plan still fits (the ratio
+   order alone can keep a big item where a small one would do).
+3. *Precision recovery.* Then, most sensitive compressed item first, swap it for a
+   less sensitive uncompressed item that saves at least as much memory (the plan still
+   fits) and costs at most ``time_slack`` more time per step (throughput does not drop
+   beyond that). This is QSync's "recover precision while memory fits and throughput does
+   not drop", greedy by the sensitivity indicator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, Set, Tuple
+
+from .planfile import Plan, PlanError
+from .profile import ItemProfile, Profile
+
+__all__ = ["Prediction", "predict", "allocate", "budget_bytes", "Budget", "floor_bytes"]
+
+Key = Tuple[str, str]
+
+
+@dataclass
+class Prediction:
+    activation_bytes: float
+    saved_bytes: float
+    step_s: float
+    peak_bytes: float | None  # CUDA: stock peak minus saved bytes
+
+    def as_dict(self) -> Dict:
+        return {"activation_bytes": int(self.activation_bytes), "saved_bytes": int(self.saved_bytes),
+                "step_s": float(self.step_s),
+                "peak_bytes": None if self.peak_bytes is None else int(self.peak_bytes)}
+
+
+def _useful(profile: Profile) -> Set[Key]:
+    return {it.key for it in profile.items if it.saved_bytes > 0}
+
+
+def floor_bytes(profile: Profile) -> float:
+    """The fewest activation bytes any plan keeps (every op compressed)."""
+    return predict(profile, _useful(profile)).activation_bytes
+
+
+def predict(profile: Profile, chosen: Iterable[Key]) -> Prediction:
+    items = {it.key: it for it in profile.items}
+    chosen = list(chosen)
+    saved = sum(items[k].saved_bytes for k in chosen)
+    if profile.floor_activation_bytes is not None and set(chosen) >= _useful(profile):
+        saved = profile.stock_activation_bytes - profile.floor_activation_bytes  # measured, not summed
+    step = profile.stock_step_s + sum(items[k].time_s for k in chosen)
+    peak = None if profile.stock_peak_bytes is None else profile.stock_peak_bytes - saved
+    return Prediction(profile.stock_activation_bytes - saved, saved, step, peak)
+
+
+@dataclass
+class Budget:
+    """A budget, turned into the activation bytes a plan may keep."""
+    fraction: float | None = None  # of stock activation bytes
+    gb: float | None = None  # peak GB (CUDA) or, elsewhere, the estimate below
+
+    def describe(self) -> str:
+        return f"budget={self.fraction}" if self.fraction is not None else f"budget_gb={self.gb}"
+
+
+def budget_bytes(profile: Profile, budget: Budget) -> Tuple[float, str]:
+    """(activation bytes a plan may keep, how the budget was read)."""
+    if (budget.fraction is None) == (budget.gb is None):
+        raise PlanError("give exactly one of budget (fraction of stock activation memory, e.g. budget=0.6) "
+                        "or budget_gb (peak GB on the device)")
+    if budget.fraction is not None:
+        if not 0 < budget.fraction <= 1:
+            raise PlanError(f"budget={budget.fraction} must be a fraction in (0, 1] of stock activation memory")
+        return budget.fraction * profile.stock_activation_bytes, (
+            f"{budget.fraction:g} x stock activation memory ({profile.stock_activation_bytes / 2**20:.2f} MiB)")
+    limit = float(budget.gb) * 2**30
+    if profile.stock_peak_bytes is not None:
+        # peak = everything else at the stock peak + the activations kept
+        rest = profile.stock_peak_bytes - profile.stock_activation_bytes
+        return limit - rest, f"{budget.gb:g} GB peak (max_memory_allocated; stock peak {profile.stock_peak_bytes / 2**30:.3f} GB)"
+    # no peak counter (CPU): estimate peak as activations + parameters, gradients and two
+    # Adam moments (4 x parameter bytes)
+    rest = 4 * profile.parameter_bytes
+    return limit - rest, (f"{budget.gb:g} GB estimated peak on {profile.device} (no peak-memory counter there: "
+                          f"activation bytes kept + 4 x parameter bytes {rest / 2**20:.1f} MiB)")
+
+
+def allocate(profile: Profile, allowed_bytes: float, *, time_slack: float = 0.02) -> Set[Key]:
+    """The compressed item set for a plan keeping at most ``allowed_bytes`` activations.
+    ``time_slack``: fraction of the stock step a precision-recovery swap may cost."""
+    items: Dict[Key, ItemProfile] = {it.key: it for it in profile.items}
+    need = profile.stock_activation_bytes - allowed_bytes  # bytes the plan must save
+    useful = _useful(profile)
+    floor = floor_bytes(profile)
+    if floor > allowed_bytes:
+        raise PlanError(
+            f"budget too small: it allows {allowed_bytes / 2**20:.2f} MiB of activations, but the smallest "
+            f"any plan reaches is {floor / 2**20:.2f} MiB (every op compressed, "
+            f"{floor / profile.stock_activation_bytes:.3f} x stock); raise the budget to at least that")
+
+    if profile.stock_activation_bytes - sum(items[k].saved_bytes for k in useful) > allowed_bytes:
+        return set(useful)  # only the shared copies of every op compressed together fit
+    # 2. speed: give back items by time recovered per byte, while the savings still cover need
+    chosen = set(useful)
+    saved = sum(items[k].saved_bytes for k in chosen)
+    # (ties: the bigger item first, then by name, so the result does not depend on set order)
+    order = sorted(chosen, key=lambda k: (-items[k].time_s / items[k].saved_bytes, -items[k].saved_bytes, k))
+    for k in order:  # free items (time_s <= 0) come last: given back only if memory allows
+        if saved - items[k].saved_bytes >= need:
+            chosen.discard(k)
+            saved -= items[k].saved_bytes
+    # greedy by ratio can keep a big item where a smaller, cheaper one would do: swap a
+    # compressed item for an uncompressed one while that is faster and still fits
+    improved = True
+    while improved:
+        improved = False
+        swaps = [(items[b].time_s - items[a].time_s, a, b) for a in sorted(chosen) for b in sorted(useful - chosen)
+                 if items[b].time_s < items[a].time_s - 1e-12
+                 and saved - items[a].saved_bytes + items[b].saved_bytes >= need]
+        if swaps:
+            _, a, b = min(swaps)
+            chosen.discard(a)
+            chosen.add(b)
+            saved += items[b].saved_bytes - items[a].saved_bytes
+            improved = True
+
+    # 3. precision: swap a sensitive compressed item for a less sensitive free one
+    slack = time_slack * profile.stock_step_s
+    for a in sorted(chosen, key=lambda k: (-items[k].sensitivity, k)):
+        if a not in chosen:
+            continue
+        candidates = [b for b in sorted(useful - chosen)
+                      if items[b].sensitivity < items[a].sensitivity
+                      and saved - items[a].saved_bytes + items[b].saved_bytes >= need
+                      and items[b].time_s <= items[a].time_s + slack]
+        if candidates:
+            b = min(candidates, key=lambda k: (items[k].sensitivity, items[k].time_s))
+            chosen.discard(a)
+            chosen.add(b)
+            saved += items[b].saved_bytes - items[a].saved_bytes
+    return chosen
+
+
+def to_plan(profile: Profile, chosen: Set[Key], **info) -> Plan:
+    layers = {u.name: tuple(op for op in u.ops if (u.name, op) in chosen) for u in profile.units}
+    return Plan(layers=layers, architecture=profile.architecture,
+                fingerprints={u.name: u.fingerprint for u in profile.units},
+                quant_options=dict(profile.quant_options), **info)

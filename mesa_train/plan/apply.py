@@ -1,0 +1,78 @@
+"""Apply a plan to a model: ``patch_model(model, plan=...)`` lands here."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from mesa_train.models import unwrap_model
+
+from .planfile import Plan, PlanError, as_plan
+from .units import OTHER, find_units, model_architecture
+
+__all__ = ["apply_plan", "check_plan", "PLAN_ATTR", "plan_of", "describe_plan"]
+
+PLAN_ATTR = "_mesa_plan"
+
+
+def check_plan(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan made for another model: unknown layer names, a layer whose parameter
+    shapes differ, or an op a layer does not have. Raises :class:`PlanError`."""
+    units = {u.name: u for u in find_units(model)}
+    arch = model_architecture(model)
+    unknown = [n for n in plan.layers if n not in units]
+    if unknown:
+        raise PlanError(f"plan (for {plan.architecture or 'an unknown model'}) names layers this model "
+                        f"({arch}) does not have: {unknown}; its layers: {list(units)}")
+    changed = [n for n, fp in plan.fingerprints.items() if n in units and units[n].fingerprint != fp]
+    if changed:
+        raise PlanError(f"plan was made for another model ({plan.architecture or '?'}, this is {arch}): "
+                        f"layers with other parameter shapes: {changed}")
+    bad = [f"{n}: {o}" for n, ops in plan.layers.items() for o in ops if o not in units[n].ops]
+    if bad:
+        raise PlanError(f"plan asks ops these layers do not have: {bad}")
+
+
+def apply_plan(model: nn.Module, plan_or_path: Any, **quant_options) -> nn.Module:
+    """Patch ``model`` in place as ``plan`` says and return it. ``quant_options`` override
+    the plan's. The plan is kept on the model (:func:`plan_of`)."""
+    from mesa_train.nn.quantizer import assign_rng_keys
+    from mesa_train.patch.core import patch_model
+
+    plan = as_plan(plan_or_path)
+    check_plan(model, plan)
+    root = unwrap_model(model)
+    options = {**plan.quant_options, **quant_options}
+    other = plan.layers.get(OTHER, ())
+    if other:
+        patch_model(root, ops=other, modules=("other",), **options)
+    for name, ops in plan.layers.items():
+        if name != OTHER and ops:
+            patch_model(root.get_submodule(name), ops=ops, **options)
+    # per-block patching keyed the quantizers by block-relative names: key them by their
+    # names in the whole model, as a whole-model patch does
+    assign_rng_keys(root)
+    object.__setattr__(root, PLAN_ATTR, plan)
+    return model
+
+
+def plan_of(model: nn.Module) -> Plan | None:
+    """The plan applied to ``model`` (None if none was)."""
+    return getattr(unwrap_model(model), PLAN_ATTR, None)
+
+
+def describe_plan(model: nn.Module) -> str:
+    """The applied plan as a table (layer, compressed ops, budget and predicted figures);
+    an empty string when the model was not patched from a plan."""
+    from mesa_train.patch.describe import format_table
+
+    plan = plan_of(model)
+    if plan is None:
+        return ""
+    rows = [[name, ", ".join(ops) or "(stock)"] for name, ops in plan.layers.items()]
+    lines = [f"plan for {plan.architecture or '?'}" + (f", {plan.budget['asked']}" if plan.budget.get("asked") else "")]
+    pred = plan.predicted
+    if pred.get("activation_bytes") is not None:
+        lines.append(f"predicted: {pred['activation_bytes'] / 2**20:.2f} MiB activations, "
+                     f"{1e3 * pred.get('step_s', 0.0):.1f} ms/step")
+    return "\n".join(lines + [format_table(["layer", "compressed ops"], rows)])

@@ -1,0 +1,91 @@
+"""Training-side use of plans: ``mesa.plan=auto mesa.budget=0.6`` (plan at start-up) or
+``mesa.plan=FILE`` (reuse one). Called by the training runner after the *stock* model is on
+its device; rank 0 plans, every rank applies the same plan (broadcast).
+
+Wiring (mesa_train/train, owned by the training side):
+* ``model.build``: patch with ``mesa_options`` only when ``mesa.enabled and not mesa.plan``;
+* ``runner._build``, after ``model.to(device)``::
+
+      from mesa_train.plan.train_hook import apply_plan_from_config
+      apply_plan_from_config(cfg, model, device, amp_dtype, loaders.num_classes)
+
+* configs/mesa/default.yaml: ``plan: null``, ``budget: null``, ``budget_gb: null``;
+* checkpoint: store ``plan_of(model).to_dict()``; on resume apply that plan instead.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .planfile import Plan, PlanError, as_plan
+
+__all__ = ["plan_from_config", "apply_plan_from_config"]
+
+log = logging.getLogger("mesa_train.plan")
+
+
+def _get(node: Any, key: str, default=None):
+    value = node.get(key, default) if hasattr(node, "get") else getattr(node, key, default)
+    return default if value is None else value
+
+
+def _quant_options(mesa) -> dict:
+    opts = {k: _get(mesa, k) for k in ("num_groups", "decay", "estimator", "symmetric", "rounding")}
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+def _broadcast(plan: Optional[Plan], error: Optional[str]) -> Plan:
+    """Rank 0's plan (or its error) on every rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        box = [plan.to_dict() if plan is not None else None, error]
+        dist.broadcast_object_list(box, src=0)
+        plan = Plan.from_dict(box[0]) if box[0] is not None else None
+        error = box[1]
+    if error:
+        raise PlanError(error)
+    assert plan is not None
+    return plan
+
+
+def plan_from_config(cfg, model: nn.Module, device: torch.device, amp_dtype: Optional[torch.dtype],
+                     num_classes: int) -> Optional[Plan]:
+    """The plan ``cfg.mesa`` asks for (None without ``mesa.plan``)."""
+    mesa = cfg.mesa
+    source = _get(mesa, "plan")
+    if source is None or not _get(mesa, "enabled", True):
+        return None
+    if str(source) != "auto":
+        return as_plan(str(source))
+    from .allocate import Budget
+    from .measure import make_batch
+    from .planner import make_plan, plan_table
+
+    import torch.distributed as dist
+
+    plan, error = None, None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        try:
+            budget = Budget(fraction=_get(mesa, "budget"), gb=_get(mesa, "budget_gb"))
+            batch = make_batch(int(cfg.trainer.batch_size), int(cfg.model.img_size), num_classes, device, amp_dtype)
+            plan, profile, _ = make_plan(model, batch, budget, rounds=3, quant_options=_quant_options(mesa),
+                                         measure=False, log=log.info)
+            log.info("mesa.plan=auto (%s):\n%s", plan.budget.get("read_as"), plan_table(plan, profile))
+        except PlanError as err:
+            error = str(err)
+    return _broadcast(plan, error)
+
+
+def apply_plan_from_config(cfg, model: nn.Module, device: torch.device, amp_dtype: Optional[torch.dtype],
+                           num_classes: int) -> Optional[Plan]:
+    """Patch the stock ``model`` with the configured plan; returns it (None: no plan)."""
+    plan = plan_from_config(cfg, model, device, amp_dtype, num_classes)
+    if plan is not None:
+        from .apply import apply_plan
+
+        apply_plan(model, plan, **_quant_options(cfg.mesa))
+    return plan
