@@ -118,7 +118,9 @@ def run_app(cfg: Any, command: str) -> int:
     load_end = os.getloadavg()
     facts = [f"{spec.jobs} parallel run(s) x {spec.threads_per_job} thread(s)",
              f"{len(spec.rows)} rows x {len(spec.seeds)} seeds = {len(spec.rows) * len(spec.seeds)} runs",
-             f"wall time {wall:.0f} s",
+             f"wall time {wall:.0f} s"
+             + (f" ({reused} run(s) reused from keep_runs)" if (reused := sum(r.get('reused', False)
+                                                                         for rs in runs.values() for r in rs)) else ""),
              f"load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end "
              f"(1-minute; {os.cpu_count()} CPUs)"]
 

@@ -76,6 +76,24 @@ def read_curves(run_dir: str) -> list[dict[str, Any]]:
     return curves
 
 
+def _task_key(task: Task) -> dict[str, Any]:
+    return {"experiment": task.experiment, "overrides": list(task.overrides), "seed": task.seed}
+
+
+def finished_summary(task: Task) -> dict[str, Any] | None:
+    """The summary of an earlier, finished run of exactly this task in ``task.run_dir``
+    (``keep_runs=DIR``: an interrupted table restarts where it stopped), else None."""
+    key_path, summary_path = (os.path.join(task.run_dir, n) for n in ("task.json", "summary.json"))
+    try:
+        with open(key_path) as f:
+            same = json.load(f) == _task_key(task)
+        with open(summary_path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return summary if same and summary.get("status") == "done" else None
+
+
 def run_task(task: Task) -> dict[str, Any]:
     """Train one (row, seed); never raises: a failure is returned as ``status='error'``."""
     from mesa_train.train.runner import fit
@@ -83,8 +101,17 @@ def run_task(task: Task) -> dict[str, Any]:
     start = time.perf_counter()
     out: dict[str, Any] = {"label": task.label, "seed": task.seed, "run_dir": task.run_dir}
     try:
-        cfg = compose_run(task.experiment, list(task.overrides), task.seed)
-        summary = fit(cfg, task.run_dir)
+        summary = finished_summary(task)
+        out["reused"] = summary is not None
+        if summary is None:
+            cfg = compose_run(task.experiment, list(task.overrides), task.seed)
+            os.makedirs(task.run_dir, exist_ok=True)
+            with open(os.path.join(task.run_dir, "task.json"), "w") as f:
+                json.dump(_task_key(task), f)
+            summary = fit(cfg, task.run_dir)
+            summary["wall_s"] = time.perf_counter() - start
+            with open(os.path.join(task.run_dir, "summary.json"), "w") as f:  # with the wall time
+                json.dump(summary, f, default=str)
         curves = read_curves(task.run_dir)
         last = curves[-1] if curves else {}
         out.update(status="ok", top1=summary.get("top1"), top5=summary.get("top5"),
@@ -92,8 +119,9 @@ def run_task(task: Task) -> dict[str, Any]:
                    best_top1=summary.get("best_top1"), epochs=summary.get("epochs"),
                    steps=summary.get("step"), saved_bytes=summary.get("saved_bytes"),
                    images_per_s=summary.get("images_per_s_mean"), curves=curves)
+        out["wall_s"] = summary.get("wall_s")
     except Exception as err:  # noqa: BLE001 - reported in the table, the other runs go on
         out.update(status="error", error=f"{type(err).__name__}: {err}",
                    traceback=traceback.format_exc(limit=8))
-    out["wall_s"] = time.perf_counter() - start
+        out["wall_s"] = time.perf_counter() - start
     return out
