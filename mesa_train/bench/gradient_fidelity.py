@@ -159,8 +159,8 @@ def build_stock(spec: GradSpec, m: ModelSpec) -> torch.nn.Module:
         kwargs.setdefault("img_size", spec.img_size)
     try:
         return build_model(m.model, fused_attn=False, **kwargs).train()
-    except ValueError as err:
-        raise BenchConfigError(f"model {m.label!r}: {err}") from None
+    except (ValueError, AssertionError, TypeError) as err:  # timm asserts on impossible shapes
+        raise BenchConfigError(f"model {m.label!r} cannot take {m.kwargs}: {type(err).__name__}: {err}") from None
 
 
 def check_models(spec: GradSpec) -> None:
@@ -322,6 +322,24 @@ def markdown(spec: GradSpec, records: list[dict[str, Any]], env: dict[str, Any],
     return "\n".join(lines)
 
 
+def write_csv(path: Path, records: list[dict[str, Any]]) -> None:
+    """Like the benchmark's CSV, but floats with 6 significant digits (errors go down to 1e-6)."""
+    import csv
+
+    def cell(value: Any) -> Any:
+        if value is None:
+            return ""
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return f"{value:.6g}" if isinstance(value, float) else value
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for rec in records:
+            writer.writerow({k: cell(rec.get(k)) for k in CSV_COLUMNS})
+
+
 def run_app(cfg: Any, command: str) -> int:
     from omegaconf import OmegaConf
 
@@ -358,7 +376,7 @@ def run_app(cfg: Any, command: str) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     md = markdown(spec, records, env, command, facts)
     (out_dir / "cpu.md").write_text(md)
-    bench_report.write_csv(out_dir / "cpu.csv", records, CSV_COLUMNS)
+    write_csv(out_dir / "cpu.csv", records)
     (out_dir / "cpu.json").write_text(json.dumps({"preset": preset, "environment": env, "command": command,
                                                   "wall_s": wall, "rows": records}, indent=2, default=str))
     bench_report.write_index(out_dir.parent)
