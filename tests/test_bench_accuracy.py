@@ -164,3 +164,35 @@ def test_verdicts():
     assert verdict("better", paired(runs([1, 2, 3]), runs([3, 4, 5.5])), 1.0).startswith("contradicted")
     assert verdict("on_par", Paired(5, 0.1, 0.1, 1.0, 0.3, -0.2, 0.4), 1.0).startswith("reproduced")
     assert verdict("on_par", Paired(5, 0.1, 1.0, 0.1, 0.9, -2.5, 2.7), 1.0).startswith("inconclusive")
+
+
+def test_keep_runs_restarts_where_it_stopped(tmp_path):
+    """keep_runs=DIR: a second command reuses every finished run (same numbers, no training),
+    and a run whose config changed is trained again."""
+    from mesa_train.bench.accuracy.train import Task, finished_summary
+
+    keep, out = tmp_path / "runs", tmp_path / "out"
+    args = ("preset=accuracy-quick", f"output_dir={out}", f"keep_runs={keep}", "progress=false",
+            "preset.seeds=[0]", "'preset.rows=[{label: stock, mesa: null, baseline: true}, {label: Mesa, mesa: {}}]'",
+            "~preset.tables", "~preset.claims")
+    first = _run(*[a.strip("'") for a in args])
+    assert first.returncode == 0, first.stderr[-3000:]
+    table = (out / "accuracy-quick" / "digits.csv").read_text()
+    second = _run(*[a.strip("'") for a in args])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "2 run(s) reused from keep_runs" in (out / "accuracy-quick" / "digits.md").read_text()
+    assert _top1s(out) == _top1s_text(table)
+    task_dir = str(keep / "00" / "seed0")
+    meta = json.loads((keep / "00" / "seed0" / "task.json").read_text())
+    same = Task("stock", 0, meta["experiment"], tuple(meta["overrides"]), task_dir)
+    assert finished_summary(same) is not None
+    changed = Task("stock", 0, meta["experiment"], tuple(meta["overrides"]) + ("trainer.epochs=3",), task_dir)
+    assert finished_summary(changed) is None
+
+
+def _top1s(out: Path) -> list[str]:
+    return _top1s_text((out / "accuracy-quick" / "digits.csv").read_text())
+
+
+def _top1s_text(text: str) -> list[str]:
+    return [r["top1_by_seed"] for r in csv.DictReader(text.splitlines())]
