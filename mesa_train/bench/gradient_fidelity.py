@@ -314,10 +314,12 @@ def markdown(spec: GradSpec, records: list[dict[str, Any]], env: dict[str, Any],
               "squared error minus the part the pass-to-pass noise explains (s²/N). An unbiased "
               "estimator has bias ≈ 0 and rel. err (mean) ≈ noise/√N; a biased one keeps rel. err "
               "(mean) ≈ bias however many passes are averaged.",
-              "- Stochastic rounding makes the 8-bit copy unbiased, so gradients that are linear in the "
-              "saved activation (the weight gradients of Linear and both attention matmuls) are "
-              "unbiased; the backward of GELU, Softmax and LayerNorm is nonlinear in the saved "
-              "activation, so their gradients keep a small bias even with stochastic rounding.",
+              "- Expected: stochastic rounding makes the 8-bit copy unbiased inside its range, so "
+              "gradients linear in the saved activation (weight gradients of Linear and both attention "
+              "matmuls) are unbiased unless values fall outside the running range (clipped); the backward "
+              "of GELU, Softmax and LayerNorm is nonlinear in the saved activation and can keep a bias. "
+              "The bias column is itself an estimate from N passes: values below about noise/√N are "
+              "not resolved.",
               *(f"- {n}" for n in spec.notes), ""]
     return "\n".join(lines)
 
