@@ -23,11 +23,14 @@ from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
 from .relu import ReLU
 from .softmax import Softmax
 from ._common import MesaLayer
+from .tracing import MesaTracingError, register_fx_leaf
+
+register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as nodes (tracing.py)
 
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU)
 
 __all__ = [
-    "ActivationQuantizer", "Packed", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
+    "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "ReLU",
 ]
 from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)

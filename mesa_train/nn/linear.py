@@ -11,6 +11,17 @@ from .quantizer import decompress
 __all__ = ["Linear"]
 
 
+def _not_a_view(out: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` on a 3-D+ input with a bias is ``addmm(...).view(...)``: a *view*. Autograd
+    forbids modifying a custom Function's view output in place (``ReLU(inplace=True)``,
+    ``x.add_(pos_embed)`` after the layer), which a stock Linear allows. ``_unsafe_view``
+    gives the same memory, bitwise, without the view relation (what ``torch.matmul`` itself
+    returns for folded batch dims)."""
+    if not out._is_view():
+        return out
+    return torch.ops.aten._unsafe_view(out, out.shape) if out.is_contiguous() else out.clone()
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizer):
@@ -21,7 +32,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
         save(ctx, [packed], weight if need_x else None)
-        return out
+        return _not_a_view(out)
 
     @staticmethod
     def backward(ctx, g):
