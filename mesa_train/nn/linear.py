@@ -1,4 +1,5 @@
-"""Mesa ``Linear``: exact forward, saves the 8-bit input (plus the weight, a parameter)."""
+"""Mesa ``Linear``: exact forward, saves the 8-bit input (plus the weight, a parameter) and one
+int8 power-of-two exponent per row (``rowscale.py``: rows far smaller than the rest)."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ from torch import nn
 
 from ._common import MesaLayer, adopt_parameters, apply_fn, check_stock, inherit_options, load, no_autocast, save
 from .quantizer import decompress
+from .rowscale import max_exponent, row_exponents, scale_rows, unscale_rows
 
 __all__ = ["Linear"]
 
@@ -27,16 +29,20 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, quantizer):
         out = F.linear(x, weight, bias)  # exactly nn.Linear.forward (autocast applies here)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        packed = quantizer.compress(x, x.dim() - 1) if need_w else None
+        packed = k = None
+        if need_w:
+            # rows far smaller than the others (DeiT3's class token) scaled by 2**k first
+            k = row_exponents(x, 1, max_exponent(x.dtype, out.dtype))
+            packed = quantizer.compress(scale_rows(x, k), x.dim() - 1)
         ctx.cdt, ctx.x_dtype, ctx.w_dtype = out.dtype, x.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
-        save(ctx, [packed], weight if need_x else None)
+        save(ctx, [packed], weight if need_x else None, k)
         return _not_a_view(out)
 
     @staticmethod
     def backward(ctx, g):
-        (packed,), (weight,) = load(ctx)
+        (packed,), (weight, k) = load(ctx)
         gx = gw = gb = None
         with no_autocast(g.device.type):
             g = g.to(ctx.cdt)
@@ -44,7 +50,7 @@ class _LinearFn(torch.autograd.Function):
                 gx = g.matmul(weight.to(ctx.cdt)).to(ctx.x_dtype)
             g2 = g.reshape(-1, ctx.out_features)
             if ctx.needs_input_grad[1]:
-                xh = decompress(packed, ctx.cdt).reshape(-1, ctx.in_features)
+                xh = unscale_rows(decompress(packed, ctx.cdt), k).reshape(-1, ctx.in_features)
                 gw = g2.t().matmul(xh).to(ctx.w_dtype)  # one GEMM over all tokens
             if ctx.needs_input_grad[2]:
                 gb = g2.sum(0).to(ctx.b_dtype)
