@@ -21,7 +21,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mesa_train.patch import load_patched_checkpoint, load_stock_checkpoint, patch_model
 
@@ -93,21 +92,37 @@ def _exact_grads(stock, x):
     """Gradients of a float64 copy of the stock model (the reference for 'exact')."""
     ref = copy.deepcopy(stock).double()
     try:
-        _loss(ref(x.double())).backward()
+        _loss(_seeded(ref, x.double())).backward()
     except RuntimeError:  # an op without float64 support: fp32 stock is the reference
         ref = copy.deepcopy(stock)
-        _loss(ref(x)).backward()
+        _loss(_seeded(ref, x)).backward()
     return {n: g.double() for n, g in _grads(ref).items()}
 
 
-def _worst_cosines(ref, got, k=3):
+def _cos(a, b):
+    # by hand: F.cosine_similarity clamps each norm at 1e-8, and layer-scale models (DeiT3,
+    # EVA, ...) have whole gradients below that
+    a, b = a.double().flatten(), b.double().flatten()
+    den = a.norm() * b.norm()
+    return (a @ b / den).item() if den > 0 else float(a.norm() == b.norm())
+
+
+def _worst_cosines(exact, got, fp32=None, k=3):
+    """The ``k`` lowest per-parameter cosines of ``got`` against ``exact``. A parameter whose
+    exact gradient fp32 stock itself misses (``fp32`` given, its cosine < 0.999: e.g. a bias
+    whose gradient is a cancellation of float32 rounding errors) counts as passing when
+    ``got`` is no further from exact than twice the fp32 stock's distance."""
     cos = {}
-    scale = max(g.norm().item() for g in ref.values())
-    for n, g in ref.items():
+    scale = max(g.norm().item() for g in exact.values())
+    for n, g in exact.items():
         if g.norm() <= 1e-10 * scale:  # no gradient in exact arithmetic (e.g. zero-init branch)
             cos[n] = 1.0 if got[n].double().norm() <= 1e-6 * scale else 0.0
             continue
-        cos[n] = F.cosine_similarity(g.flatten(), got[n].double().flatten(), 0).item()
+        c = _cos(g, got[n])
+        if fp32 is not None and c < COSINE_MIN and _cos(g, fp32[n]) < 0.999:
+            if (got[n].double() - g).norm() <= 2 * (fp32[n].double() - g).norm():
+                c = 1.0  # as good as stock fp32 can be
+        cos[n] = c
     return sorted(cos.items(), key=lambda kv: kv[1])[:k]
 
 
@@ -119,13 +134,14 @@ def test_gradients_finite_and_close(name):
     patched = _patched(stock)
     x = example(name)
     exact = _exact_grads(stock, x)
-    out = patched(x)
-    _loss(out).backward()
+    fp32 = copy.deepcopy(stock)
+    _loss(_seeded(fp32, x)).backward()
+    _loss(_seeded(patched, x)).backward()
     got = _grads(patched)
     assert set(got) == set(exact), f"{name}: parameters with a gradient differ: {set(got) ^ set(exact)}"
     bad = [n for n, g in got.items() if not torch.isfinite(g).all()]
     assert not bad, f"{name}: non-finite gradients: {bad}"
-    worst = _worst_cosines(exact, got)
+    worst = _worst_cosines(exact, got, _grads(fp32))
     assert worst[0][1] >= COSINE_MIN, f"{name}: worst gradient cosines vs exact {worst}"
 
 
@@ -135,7 +151,7 @@ def test_eval_equal_and_state_dict_round_trip(name):
     stock = build(name)
     patched = _patched(stock)
     x = example(name)
-    patched(x)  # one training step's estimates in the state_dict
+    stock(x), patched(x)  # one training forward: estimates and BatchNorm running stats move alike
     stock.eval(), patched.eval()
     with torch.no_grad():
         assert torch.equal(stock(x), patched(x)), f"{name}: eval output differs"
@@ -157,9 +173,9 @@ def test_timm_api_on_patched_model(name):
     stock = build(name)
     patched = _patched(stock, rounding="nearest")
     x = example(name)
-    feats = [m.forward_features(x) for m in (stock, patched)]
-    assert torch.equal(feats[0], feats[1]), f"{name}: forward_features differs"
-    heads = [m.forward_head(f) for m, f in zip((stock, patched), feats)]
+    feats = [_seeded(m.forward_features, x) for m in (stock, patched)]
+    assert all(torch.equal(a, b) for a, b in zip(_flat(feats[0]), _flat(feats[1]))), f"{name}: forward_features differs"
+    heads = [_seeded(m.forward_head, f) for m, f in zip((stock, patched), feats)]
     assert torch.equal(heads[0], heads[1]), f"{name}: forward_head differs"
 
     try:
@@ -168,7 +184,7 @@ def test_timm_api_on_patched_model(name):
         pass  # the model has no checkpointing: nothing to check
     else:
         patched.set_grad_checkpointing(True)
-        outs = [m(x) for m in (stock, patched)]
+        outs = [_seeded(m, x) for m in (stock, patched)]
         assert torch.equal(outs[0], outs[1]), f"{name}: forward differs with gradient checkpointing"
         _loss(outs[1]).backward()
         assert all(torch.isfinite(g).all() for g in _grads(patched).values())
@@ -190,9 +206,17 @@ def test_features_only(name):
         pytest.skip(f"timm has no features_only for {name}: {e}")
     patched = _patched(stock, rounding="nearest")
     x = example(name)
-    ref, out = stock(x), patched(x)
+    ref, out = _flat(_seeded(stock, x)), _flat(_seeded(patched, x))
     assert len(ref) == len(out)
     for r, o in zip(ref, out):
         assert torch.equal(r, o), f"{name}: feature map differs"
     _loss(sum(o.float().mean() for o in out).reshape(1)).backward()
     assert all(torch.isfinite(g).all() for g in _grads(patched).values())
+
+
+def _flat(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    return [t for o in out for t in _flat(o)]

@@ -94,19 +94,20 @@ DROP = dict(drop_rate=0.1, drop_path_rate=0.1)
 
 
 def build(name: str, seed: int = 0, drop: bool = False, **extra) -> torch.nn.Module:
-    """The small variant of ``name`` in train mode; ``drop`` adds dropout / drop-path where
-    the model takes those arguments."""
+    """The small variant of ``name`` in train mode. ``drop``: dropout / drop-path on (``DROP``)
+    where the model takes those arguments; else set to 0 where it does (some model
+    defaults have drop-path on, and the gradient checks compare runs whose random draws
+    would differ)."""
     kwargs, _ = ZOO[name]
     kwargs = {**kwargs, **extra}
-    torch.manual_seed(seed)
-    if drop:
-        for keys in (("drop_rate", "drop_path_rate"), ("drop_path_rate",), ("drop_rate",)):
-            try:
-                torch.manual_seed(seed)
-                return timm.create_model(name, num_classes=5, **kwargs, **{k: DROP[k] for k in keys}).train()
-            except TypeError:
-                continue
-    return timm.create_model(name, num_classes=5, **kwargs).train()
+    rates = DROP if drop else {k: 0.0 for k in DROP}
+    for keys in (("drop_rate", "drop_path_rate"), ("drop_path_rate",), ("drop_rate",), ()):
+        try:
+            torch.manual_seed(seed)
+            return timm.create_model(name, num_classes=5, **kwargs, **{k: rates[k] for k in keys}).train()
+        except TypeError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def example(name: str, batch: int = 2, seed: int = 1) -> torch.Tensor:

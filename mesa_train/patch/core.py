@@ -160,11 +160,31 @@ def _matmul_operands(attn: nn.Module, name: str) -> Tuple[str, ...]:
     return ("b",) if name == "av_matmul" and not drop else ("a", "b")
 
 
-def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional[int], quant_options: dict) -> None:
+ATTENTION_PATHS = ("auto", "explicit", "fused")
+
+
+def _wants_fused(attn: nn.Module, requested: set, attention: str) -> bool:
+    """The fused (sdpa) path: asked for, or ``auto`` and the module runs fused already
+    (timm's default ``fused_attn=True``; a module patched before keeps its path), so the
+    forward stays bitwise the stock one. Needs ``sdpa`` among the requested ops."""
+    if "sdpa" not in requested:
+        return False
+    if not ({"matmul", "softmax"} & requested) or attention == "fused":
+        return True
+    if attention == "explicit":
+        return False
+    path = getattr(attn, "mesa_attn_path", None)
+    if path in ("explicit", "fused"):
+        return path == "fused"
+    return bool(getattr(attn, "fused_attn", False))
+
+
+def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional[int], quant_options: dict,
+                     attention: str = "auto") -> None:
     """Give a known timm attention module its Mesa forward and core children.
 
-    ``core_ops`` (subset of matmul/softmax/sdpa) are added to what was patched before; the
-    path is explicit if matmul or softmax was ever requested, else fused."""
+    ``core_ops`` (subset of matmul/softmax/sdpa) are added to what was patched before; see
+    :func:`_wants_fused` for the path."""
     mnn = _mnn()
     stock_cls = STOCK_ATTENTION_CLASSES.get(type(attn), type(attn))
     requested = set(getattr(attn, "mesa_core_ops", ())) | set(core_ops)
@@ -172,9 +192,10 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
         return
     device = _module_device(attn)
     opts = _options_for(None, heads or getattr(attn, "num_heads", None), quant_options)
+    fused = _wants_fused(attn, requested, attention)
     attn.__class__ = ATTENTION_CLASSES[stock_cls]
 
-    if "matmul" in requested or "softmax" in requested:
+    if not fused and ("matmul" in requested or "softmax" in requested):
         for name in ("qk_matmul", "av_matmul"):
             cur = getattr(attn, name, None)
             operands = _matmul_operands(attn, name)
@@ -198,20 +219,19 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
             attn.softmax = PlainSoftmax(-1)
         attn.mesa_attn_path = "explicit"
         attn.fused_attn = False
-    elif "sdpa" in requested:
-        # sdpa only matters on the fused path; with matmul/softmax the explicit path wins
+    elif fused:
         if getattr(attn, "sdpa", None) is None:
             attn.sdpa = _sdpa_cls()(device=device, **opts)
         attn.mesa_attn_path = "fused"
         attn.fused_attn = True
     # the core ops in effect (sdpa is idle on the explicit path)
     attn.mesa_core_ops = tuple(o for o in ATTENTION_OPS if o in requested
-                               and (o != "sdpa" or attn.mesa_attn_path == "fused"))
+                               and ((o == "sdpa") == (attn.mesa_attn_path == "fused")))
 
 
 # ----------------------------------------------------------------------------- main entry
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
-                **quant_options) -> nn.Module:
+                *, attention: str = "auto", **quant_options) -> nn.Module:
     """Patch ``model`` in place with Mesa compression and return it.
 
     Args:
@@ -221,13 +241,19 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             precision, and may already be patched (patching again adds the newly requested
             ops; explicitly passed options are applied to the layers patched before).
         ops: any of ``linear, matmul, softmax, gelu, layernorm, conv, relu, sdpa`` or
-            ``all``. ``matmul``/``softmax`` switch the attention to the explicit path
-            (paper setting); ``sdpa`` without them keeps the fused
-            ``F.scaled_dot_product_attention`` (int8 q, k, v kept for backward; an
-            attention that ran the explicit path, like timm's Swin by default, is switched
-            to fused: its forward then equals the stock ``fused_attn=True`` one). ``all``
-            therefore means the paper's explicit attention; use e.g.
-            ``ops=("linear", "gelu", "layernorm", "conv", "relu", "sdpa")`` for fused.
+            ``all``. ``matmul``/``softmax`` compress the explicit attention path (paper
+            setting); ``sdpa`` the fused ``F.scaled_dot_product_attention`` (int8 q, k, v
+            kept for backward). Which path a timm attention module runs: see
+            ``attention``.
+        attention: ``auto`` (default): a module that runs fused attention
+            (``fused_attn=True``, timm's ViT default) stays fused when ``sdpa`` is among
+            the ops, one that runs the explicit path (``fused_attn=False``, Swin's
+            default) is compressed on the explicit path when ``matmul``/``softmax`` are,
+            so the forward stays bitwise the stock one; ``explicit``: the explicit path
+            whenever ``matmul``/``softmax`` are requested (the paper's attention, forward
+            equal to stock ``fused_attn=False``); ``fused``: the fused path whenever
+            ``sdpa`` is requested. With only ``sdpa`` the path is fused, with only
+            ``matmul``/``softmax`` explicit, whatever ``attention`` says.
         modules: any of ``msa`` (attention branch incl. ``norm1``), ``ffn`` (MLP branch incl.
             ``norm2``), ``other`` (patch embedding, downsampling, stage/final norms, head)
             or ``all``.
@@ -241,6 +267,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         ValueError: unknown op, module set or option name (the message lists the valid
             choices), or an invalid option value.
     """
+    if attention not in ATTENTION_PATHS:
+        raise ValueError(f"unknown attention {attention!r}; valid choices: {', '.join(ATTENTION_PATHS)}")
     op_names = _resolve(ops, OPS, "ops")
     set_names = _resolve(modules, MODULE_SETS, "modules")
     quant_options = _check_options(quant_options)
@@ -269,7 +297,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         mi = info.get(name, ModuleInfo("other", None, None))
         stock_cls = STOCK_ATTENTION_CLASSES.get(type(m), type(m))
         if stock_cls in ATTENTION_CLASSES and mi.module_set in set_names and core_ops:
-            _patch_attention(m, core_ops, mi.heads, quant_options)
+            _patch_attention(m, core_ops, mi.heads, quant_options, attention)
             patched_attn.append(name)
         if isinstance(m, nn.MultiheadAttention):
             skip_prefixes.append(name + ".")
