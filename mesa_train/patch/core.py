@@ -28,11 +28,13 @@ from torch import nn
 from mesa_train.models import unwrap_model as _unwrap
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
+from .mlp import MLP_CLASSES, STOCK_MLP_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, scan_functional_ops
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
-OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa")
+OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa",
+       "batchnorm", "silu", "rmsnorm", "glu")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
@@ -52,10 +54,15 @@ def _sdpa_cls():
 def _leaf_rules():
     """[(stock type, op, Mesa class)]: exact-type matches only (a subclass may have its own
     forward, e.g. timm's ``LayerNormFp32``; it is reported instead)."""
-    from timm.layers import LayerNorm as TimmLayerNorm
+    from timm.layers import LayerNorm as TimmLayerNorm, RmsNorm as TimmRmsNorm
+    from timm.layers.activations import QuickGELU as TimmQuickGELU
 
     mnn = _mnn()
     return {
+        nn.BatchNorm2d: ("batchnorm", mnn.BatchNorm2d),
+        nn.SiLU: ("silu", mnn.SiLU),
+        TimmQuickGELU: ("gelu", mnn.QuickGELU),
+        TimmRmsNorm: ("rmsnorm", mnn.RmsNorm),
         nn.Linear: ("linear", mnn.Linear),
         nn.GELU: ("gelu", mnn.GELU),
         nn.LayerNorm: ("layernorm", mnn.LayerNorm),
@@ -68,13 +75,7 @@ def _leaf_rules():
 
 def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
-    mnn = _mnn()
-    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.LayerNorm, "layernorm"),
-                    (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"), (mnn.Softmax, "softmax"),
-                    (mnn.MatMul, "matmul"), (_sdpa_cls(), "sdpa")):
-        if isinstance(module, cls):
-            return op
-    return None
+    return _layer_op(module, _mnn(), _sdpa_cls())
 
 
 # ----------------------------------------------------------------------------- validation
@@ -119,6 +120,10 @@ def _module_device(module: nn.Module) -> torch.device:
 
 
 def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
+    if isinstance(module, nn.BatchNorm2d):
+        return module.num_features
+    if hasattr(module, "normalized_shape") and not isinstance(module, nn.LayerNorm):  # RmsNorm
+        return int(module.normalized_shape[-1])
     if isinstance(module, nn.Linear):
         return module.in_features
     if isinstance(module, nn.Conv2d):
@@ -129,10 +134,20 @@ def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
 
 
 def _groups_for(module: Optional[nn.Module], heads: Optional[int], quant_options: dict) -> Optional[int]:
-    g = quant_options.get("num_groups", heads)
+    """Explicit ``num_groups``, else the block's head count, capped at the channel count.
+    Per channel instead: BatchNorm always (its statistics are per channel: every channel
+    of ``x_hat`` has unit variance) and a conv outside any block with a head count (CNN
+    stages and hybrids: one group for all channels let a depthwise conv's small channels
+    fall below the grid; FastViT / EfficientViT-M gradients reached only cosine 0.9)."""
+    size = _size_of_grouped_dim(module) if module is not None else None
+    g = quant_options.get("num_groups")
+    if g is None and size and (isinstance(module, nn.BatchNorm2d)
+                               or (heads is None and isinstance(module, nn.Conv2d))):
+        return size
+    if g is None:
+        g = heads
     if g is None:
         return None
-    size = _size_of_grouped_dim(module) if module is not None else None
     return max(1, min(int(g), size)) if size else int(g)
 
 
@@ -302,6 +317,21 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         if isinstance(m, nn.MultiheadAttention):
             skip_prefixes.append(name + ".")
 
+    # 1b. gated MLPs (SwiGLU, GluMlp): act(gate) * x through a GatedActivation child; the
+    # MLP's act runs inside it and is not converted on its own
+    gated_acts = set()
+    for name, m in named:
+        stock_cls = STOCK_MLP_CLASSES.get(type(m), type(m))
+        if stock_cls not in MLP_CLASSES:
+            continue
+        mi = info.get(name, ModuleInfo("other", None, None))
+        if "glu" in op_names and mi.module_set in set_names and getattr(m, "gated", None) is None:
+            m.__class__ = MLP_CLASSES[stock_cls]
+            m.gated = mnn.GatedActivation(m.act, gate_last=getattr(m, "gate_last", False),
+                                          device=_module_device(m), **_options_for(None, mi.heads, quant_options))
+        if getattr(m, "gated", None) is not None:
+            gated_acts.add(id(m.act))
+
     # 2. leaf modules (the attention pass may have added children: list again)
     converted: Dict[int, nn.Module] = {}
     for name, m in list(root.named_modules()):
@@ -319,7 +349,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
                     m.set_quant_options(**explicit)
             continue
         rule = rules.get(type(m))
-        if rule is None:
+        if rule is None or id(m) in gated_acts:
             continue
         op, mesa_cls = rule
         if op not in op_names:
@@ -345,7 +375,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
 
     # 3. functional ops no rule reaches (requested ops only, selected module sets only)
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
-               + (PlainMatMul, PlainSoftmax))
+               + tuple(STOCK_MLP_CLASSES) + (PlainMatMul, PlainSoftmax))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in root.named_modules():
         if type(m) in handled or isinstance(m, mnn.MesaLayer) or any(name.startswith(p) for p in skip_prefixes):
@@ -380,9 +410,11 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
 
 
 def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:
-    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.LayerNorm, "layernorm"),
-                    (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"), (mnn.Softmax, "softmax"),
-                    (mnn.MatMul, "matmul"), (sdpa_cls, "sdpa")):
+    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
+                    (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"),
+                    (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (sdpa_cls, "sdpa"),
+                    (mnn.BatchNorm2d, "batchnorm"), (mnn.SiLU, "silu"), (mnn.RmsNorm, "rmsnorm"),
+                    (mnn.GatedActivation, "glu")):
         if isinstance(m, cls):
             return op
     return None
