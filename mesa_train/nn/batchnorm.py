@@ -62,11 +62,16 @@ class _BatchNormFn(torch.autograd.Function):
         with no_autocast(g.device.type):
             xh = decompress(packed, mdt)
             C = xh.shape[1]
-            zeros = torch.zeros(C, dtype=mdt, device=xh.device)
+            # the exact x_hat has zero mean per channel, so dx sums to zero over each channel
+            # and whatever is added per channel before the BatchNorm (a conv bias, the bias
+            # of a previous BatchNorm) gets an exactly-zero gradient; the dequantized x_hat
+            # is off by rounding noise, so it is centred with its own mean (passed as the
+            # "mean" the kernel subtracts: no extra pass over the tensor)
+            xh_mean = xh.mean(dim=[d for d in range(xh.dim()) if d != 1])
             ones = torch.ones(C, dtype=mdt, device=xh.device)
             w = weight.to(mdt) if weight is not None else None
             dx, dw, db = torch.ops.aten.native_batch_norm_backward(
-                g.to(mdt), xh, w, None, None, zeros, ones, True, ctx.eps,
+                g.to(mdt), xh, w, None, None, xh_mean, ones, True, ctx.eps,
                 [need_x, need_w and w is not None, need_b])
             if need_x:
                 gx = (dx * _per_channel(invstd.to(mdt), dx)).to(ctx.x_dtype)

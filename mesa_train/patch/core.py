@@ -29,7 +29,7 @@ from mesa_train.models import unwrap_model as _unwrap
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .mlp import MLP_CLASSES, STOCK_MLP_CLASSES
-from .rules import MODULE_SETS, ModuleInfo, classify, scan_functional_ops
+from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
@@ -314,7 +314,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         if stock_cls in ATTENTION_CLASSES and mi.module_set in set_names and core_ops:
             _patch_attention(m, core_ops, mi.heads, quant_options, attention)
             patched_attn.append(name)
-        if isinstance(m, nn.MultiheadAttention):
+        if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
             skip_prefixes.append(name + ".")
 
     # 1b. gated MLPs (SwiGLU, GluMlp): act(gate) * x through a GatedActivation child; the
