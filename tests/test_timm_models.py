@@ -37,6 +37,9 @@ _SCALE_INVARIANT = ("a 1x1 depthwise conv straight into a train-mode BatchNorm (
 GRADIENT_KNOWN: dict = {
     "fastvit_t8": _SCALE_INVARIANT.format("0.62 on stages.0...conv_scale.conv.weight"),
     "repvit_m1": _SCALE_INVARIANT.format("0.5-0.7 on token_mixer.conv1.c.weight"),
+    "efficientvit_m0": ("the patch-merging conv1.bn.weight gradient is a cancellation (about 5e-6 of the largest "
+                        "parameter gradient: the train-mode BatchNorms after it make the branch nearly scale "
+                        "invariant); with the Mesa BatchNorm2d its cosine is 0.08-0.2 (without it: 1.0)"),
     "vit_relpos_small_patch16_224": ("rel_pos.mlp weights (position-table MLP, left stock) get a gradient that is a "
                                      "sum of attention-logit gradients with heavy cancellation; 8-bit noise from the "
                                      "blocks above gives cosine 0.94-0.96 (nearest rounding: 1.0)"),

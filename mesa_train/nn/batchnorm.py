@@ -62,19 +62,22 @@ class _BatchNormFn(torch.autograd.Function):
         with no_autocast(g.device.type):
             xh = decompress(packed, mdt)
             C = xh.shape[1]
-            # the exact x_hat has zero mean per channel, so dx sums to zero over each channel
-            # and whatever is added per channel before the BatchNorm (a conv bias, the bias
-            # of a previous BatchNorm) gets an exactly-zero gradient; the dequantized x_hat
-            # is off by rounding noise, so it is centred with its own mean (passed as the
-            # "mean" the kernel subtracts: no extra pass over the tensor)
-            xh_mean = xh.mean(dim=[d for d in range(xh.dim()) if d != 1])
-            ones = torch.ones(C, dtype=mdt, device=xh.device)
+            # The exact x_hat has zero mean and unit mean square per channel, which makes dx
+            # orthogonal to both the constant and x_hat itself over each channel: whatever is
+            # added per channel before the BatchNorm gets an exactly-zero gradient, and so does
+            # a pure rescaling of its input (a conv or BatchNorm weight in front: a cancellation
+            # that 8-bit noise would otherwise swamp; EfficientViT-M's conv1.bn.weight went to
+            # cosine 0.08). The dequantized x_hat is off by rounding noise, so it is
+            # standardised again with its own per-channel moments, handed to the kernel as the
+            # mean/invstd it normalises with (no extra pass over the tensor for the scaling).
+            var, xh_mean = torch.var_mean(xh, dim=[d for d in range(xh.dim()) if d != 1], correction=0)
+            s = torch.where(var > 0, var.rsqrt(), torch.ones_like(var))
             w = weight.to(mdt) if weight is not None else None
             dx, dw, db = torch.ops.aten.native_batch_norm_backward(
-                g.to(mdt), xh, w, None, None, xh_mean, ones, True, ctx.eps,
+                g.to(mdt), xh, w, None, None, xh_mean, s, True, ctx.eps,
                 [need_x, need_w and w is not None, need_b])
             if need_x:
-                gx = (dx * _per_channel(invstd.to(mdt), dx)).to(ctx.x_dtype)
+                gx = (dx * _per_channel(invstd.to(mdt) / s, dx)).to(ctx.x_dtype)
             if need_w and dw is not None:
                 gw = dw.to(ctx.w_dtype)
             if need_b and db is not None:

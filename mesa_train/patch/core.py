@@ -28,6 +28,7 @@ from torch import nn
 from mesa_train.models import unwrap_model as _unwrap
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
+from .generic_attention import install as install_generic
 from .mlp import MLP_CLASSES, STOCK_MLP_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops
 
@@ -244,6 +245,18 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
                                and ((o == "sdpa") == (attn.mesa_attn_path == "fused")))
 
 
+def _attention_like(m: nn.Module) -> bool:
+    """A module whose own forward may hold an attention core: not a known timm attention
+    (patched by class), not torch's MultiheadAttention, not a Mesa layer; named like an
+    attention or carrying a head count."""
+    if type(m) in ATTENTION_CLASSES or type(m) in STOCK_ATTENTION_CLASSES or isinstance(m, nn.MultiheadAttention):
+        return False
+    if isinstance(m, _mnn().MesaLayer):
+        return False
+    cls = type(m).__name__.lower()
+    return "attn" in cls or "attention" in cls or "xca" in cls or isinstance(getattr(m, "num_heads", None), int)
+
+
 # ----------------------------------------------------------------------------- main entry
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
                 *, attention: str = "auto", **quant_options) -> nn.Module:
@@ -317,6 +330,24 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
             skip_prefixes.append(name + ".")
 
+    # 1a. any other attention: its F.scaled_dot_product_attention / q @ k^T, softmax, @ v
+    # calls are intercepted while it runs (generic_attention.py)
+    generic: Dict[str, Tuple[str, ...]] = {}
+    if core_ops:
+        for name, m in named:
+            if name in patched_attn or any(name.startswith(p) for p in skip_prefixes) or not _attention_like(m):
+                continue
+            mi = info.get(name, ModuleInfo("other", None, None))
+            if mi.module_set not in set_names:
+                continue
+            found = scan_functional_ops(type(m))
+            wanted = tuple(o for o in core_ops if o in found)
+            if wanted:
+                heads = mi.heads or getattr(m, "num_heads", None)
+                install_generic(m, wanted, heads if isinstance(heads, int) else None, _module_device(m),
+                                lambda h: _options_for(None, h, quant_options))
+                generic[name] = wanted
+
     # 1b. gated MLPs (SwiGLU, GluMlp): act(gate) * x through a GatedActivation child; the
     # MLP's act runs inside it and is not converted on its own
     gated_acts = set()
@@ -387,7 +418,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             found = ("linear", "matmul", "softmax", "sdpa")
         else:
             found = scan_functional_ops(type(m))
-        hit = tuple(o for o in found if o in op_names)
+        hit = tuple(o for o in found if o in op_names and o not in generic.get(name, ()))
         if hit:
             unreached[name or "<root>"] = hit
 
