@@ -58,8 +58,12 @@ def _leaf_rules():
     from timm.layers import LayerNorm as TimmLayerNorm, RmsNorm as TimmRmsNorm
     from timm.layers.activations import QuickGELU as TimmQuickGELU
 
+    from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh
+
     mnn = _mnn()
     return {
+        TimmGELU: ("gelu", _TimmGELU),
+        TimmGELUTanh: ("gelu", _TimmGELUTanh),
         nn.BatchNorm2d: ("batchnorm", mnn.BatchNorm2d),
         nn.SiLU: ("silu", mnn.SiLU),
         TimmQuickGELU: ("gelu", mnn.QuickGELU),
@@ -72,6 +76,20 @@ def _leaf_rules():
         nn.ReLU: ("relu", mnn.ReLU),
         nn.Softmax: ("softmax", mnn.Softmax),
     }
+
+
+class _TimmGELU:
+    """timm's own ``GELU`` module (``F.gelu(x)``, used by SwinV2's MLP) -> Mesa ``GELU``."""
+
+    approximate = "none"
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options):
+        return _mnn().GELU(approximate=cls.approximate, device=device, **quant_options).train(stock.training)
+
+
+class _TimmGELUTanh(_TimmGELU):
+    approximate = "tanh"
 
 
 def mesa_layer_op(module: nn.Module) -> Optional[str]:

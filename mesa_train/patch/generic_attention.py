@@ -69,11 +69,13 @@ class _Capture(TorchFunctionMode):
             names = ("attn_mask", "dropout_p", "is_causal", "scale")
             call = dict(zip(names, rest), **kwargs)
             return owner.mesa_sdpa(q, k, v, **call)
-        if func in _MATMULS and len(args) == 2 and _batched(args[0]) and _batched(args[1]) and not kwargs:
+        if (func in _MATMULS and len(args) == 2 and _batched(args[0]) and _batched(args[1]) and not kwargs
+                and "mesa_qk" in owner._modules):
             self.matmuls += 1
             if self.matmuls <= 2:
                 return (owner.mesa_qk if self.matmuls == 1 else owner.mesa_av)(args[0], args[1])
-        if func in _SOFTMAXES and _batched(args[0]) and "dtype" not in kwargs and self.softmaxes == 0:
+        if (func in _SOFTMAXES and _batched(args[0]) and "dtype" not in kwargs and self.softmaxes == 0
+                and "mesa_softmax" in owner._modules):
             dim = _softmax_dim(args, kwargs)
             if dim is not None and dim % args[0].dim() == args[0].dim() - 1:
                 self.softmaxes += 1
