@@ -123,3 +123,17 @@ def test_torchscript_raises_clearly():
     torch.jit.script(stock)  # the stock model scripts
     with pytest.raises(MesaTracingError, match="torch.compile"):
         torch.jit.script(patch_model(stock))
+
+
+def test_attention_path_auto_keeps_the_stock_default_forward():
+    """timm's default (fused) attention stays fused under ops=all, so the forward is bitwise
+    the stock default; attention='explicit' gives the paper's explicit path."""
+    stock = build("deit")  # timm default: fused_attn=True
+    x = inputs("deit")
+    auto = patch_model(copy.deepcopy(stock), rounding="nearest")
+    assert auto.blocks[0].attn.mesa_attn_path == "fused"
+    assert torch.equal(auto(x), stock(x))
+    explicit = patch_model(copy.deepcopy(stock), attention="explicit")
+    assert explicit.blocks[0].attn.mesa_attn_path == "explicit"
+    with pytest.raises(ValueError, match="auto, explicit, fused"):
+        patch_model(copy.deepcopy(stock), attention="flash")
