@@ -40,6 +40,20 @@ GRADIENT_KNOWN: dict = {
     "efficientvit_m0": ("the patch-merging conv1.bn.weight gradient is a cancellation (about 5e-6 of the largest "
                         "parameter gradient: the train-mode BatchNorms after it make the branch nearly scale "
                         "invariant); with the Mesa BatchNorm2d its cosine is 0.08-0.2 (without it: 1.0)"),
+    # measured in the final sweep (MESA_TIMM_SWEEP=1), after BatchNorm2d and generic attention:
+    "tiny_vit_5m_224": "BatchNorm weight before a train-mode BatchNorm (cancellation): downsample.conv3.bn.weight 0.19",
+    "ghostnet_050": "BatchNorm weights in ghost modules (cancellation through the following BatchNorm): -0.63",
+    "inception_next_tiny": "stem BatchNorm weight (stem.1.weight) 0.16: a cancellation through the next BatchNorm",
+    "hgnetv2_b0": "LearnableAffineBlock scale (lab.scale) after a BatchNorm+ReLU feeding another BatchNorm: -1.0 "
+                  "(exact gradient a cancellation)",
+    "efficientformerv2_s0": "k.bn.bias: exact gradient zero (a bias before a softmax over keys), Mesa's rounding "
+                            "noise makes it nonzero",
+    "efficientformer_l1": "stem.conv1.bias: exact gradient zero (a bias before a train-mode BatchNorm), rounding "
+                          "noise from the Mesa layers above makes it nonzero",
+    "mvitv2_tiny": "attn.norm_k.bias: exact gradient zero (a bias added to every key is cancelled by the softmax), "
+                   "8-bit noise of the attention makes it nonzero",
+    "coat_lite_tiny": "crpe depthwise conv weights 0.97 (the value path of the factorized attention, matmuls now "
+                      "compressed by the generic attention)",
     "vit_relpos_small_patch16_224": ("rel_pos.mlp weights (position-table MLP, left stock) get a gradient that is a "
                                      "sum of attention-logit gradients with heavy cancellation; 8-bit noise from the "
                                      "blocks above gives cosine 0.94-0.96 (nearest rounding: 1.0)"),
