@@ -6,7 +6,7 @@ The compression core (``mesa_train.quant``, ``mesa_train.nn``, ``mesa_train.patc
     import timm, mesa_train
     model = timm.create_model("deit_tiny_patch16_224")
     mesa_train.patch_model(model, ops=("all",))
-    print(mesa_train.describe(model))
+    print(mesa_train.describe(model, example_input))   # + measured coverage of one training forward
 """
 from importlib import import_module
 
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "patch_model": "mesa_train.patch",
     "describe": "mesa_train.patch",
+    "coverage": "mesa_train.patch.coverage",
     "stock_to_patched_state_dict": "mesa_train.patch",
     "patched_to_stock_state_dict": "mesa_train.patch",
     "SavedTensorMeter": "mesa_train.memory",

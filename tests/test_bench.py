@@ -261,14 +261,15 @@ def test_ratios_without_a_measured_baseline():
 
 
 def test_mesa_ops_must_keep_the_attention_kind():
-    """ops=all brings matmul/softmax, which exist only on the explicit path: a fused row
-    with them is an error that names the fused op set (the modern preset uses it)."""
+    """matmul/softmax without sdpa exist only on the explicit path: a fused row with them is
+    an error that names the fused op set (the modern preset uses it). (ops=all includes sdpa
+    and keeps a fused attention fused since issue 10.)"""
     from mesa_train.bench.presets import BenchConfigError, check_model, make_row
 
     common = {"model": "deit_ti", "batch_size": 2, "img_size": 32, "num_classes": 10,
               "model_kwargs": {"depth": 1}, "attention": "fused", "mesa": True}
     with pytest.raises(BenchConfigError, match=r"\[linear, gelu, layernorm, conv, relu, sdpa\]"):
-        check_model(make_row(common, {"label": "bad", "ops": ["all"]}))
+        check_model(make_row(common, {"label": "bad", "ops": ["linear", "softmax"]}))
     modern = _preset_dict("modern")
     fused_ops = {tuple(r["ops"]) for r in modern["rows"] if r.get("mesa") and r["attention"] == "fused"}
     assert len(fused_ops) == 1

@@ -303,9 +303,11 @@ def test_layernorm_saves_normalised_values_low_variance_row():
     y1, gx1, gw1, gb1, saved = out["mesa"]
     assert torch.equal(y0, y1)
     assert _cos(gw1, gw0) >= 0.999 and _cos(gx1, gx0) >= 0.999 and _cos(gb1, gb0) > 0.999999
-    # saved: uint8 x_hat (+ its (1, G) stats), rstd (one float per row), the weight
+    # saved: uint8 x_hat (+ its (1, G) stats), rstd (one float per row), the int8 row
+    # exponents (one byte per row, nn/rowscale.py), the weight
     acts = [t for t in saved if t is not mesa.weight]
-    assert sorted(tuple(t.shape) for t in acts if t.numel() >= B * N) == [(B, N, 1), (B, N, C)]
+    assert sorted(tuple(t.shape) for t in acts if t.numel() >= B * N) == [(B, N, 1), (B, N, 1), (B, N, C)]
+    assert sorted(str(t.dtype) for t in acts if t.shape == (B, N, 1)) == ["torch.float32", "torch.int8"]
     assert [t.dtype for t in acts if t.numel() == B * N * C] == [torch.uint8]
     q = next(t for t in acts if t.dtype == torch.uint8)
     x_hat = torch.nn.functional.layer_norm(x, (C,))

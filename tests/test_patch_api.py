@@ -145,7 +145,7 @@ def test_wrapped_models():
 
 
 def test_describe_table():
-    model = patch_model(build("pvt"), ops=("all",), modules=("msa", "ffn"))
+    model = patch_model(build("pvt", fused=False), ops=("all",), modules=("msa", "ffn"))
     text = describe(model)
     print("\n" + text)
     lines = text.splitlines()

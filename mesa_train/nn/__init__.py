@@ -1,5 +1,10 @@
 """Drop-in Mesa layers: exact forward, 8-bit activations saved for backward.
 
+Also (issue 10): ``BatchNorm2d`` (per-channel 8-bit normalised input), ``QuickGELU`` (CLIP),
+``SiLU``, ``RmsNorm`` (timm's) and ``GatedActivation`` (``act(gate) * x`` of SwiGLU / GLU
+MLPs); ``Linear`` / ``LayerNorm`` / ``RmsNorm`` add one int8 power-of-two exponent per row
+(``rowscale.py``) so rows far smaller than the rest keep their gradient.
+
 Each layer subclasses its ``torch.nn`` twin (``MatMul`` has none), takes the twin's
 constructor arguments plus keyword-only quantization options (:class:`QuantOptions`:
 ``num_groups``, ``decay``, ``estimator``, ``symmetric``, ``rounding``, ``enabled``) and has
@@ -14,6 +19,8 @@ has none (it saves a 1-bit mask). ``LayerNorm`` keeps its *normalised* input
 memory; see ``docs/DESIGN.md``). Parameter-free layers take ``from_module(stock, *,
 device=None, ...)``.
 """
+from .activations import GatedActivation, QuickGELU, SiLU
+from .batchnorm import BatchNorm2d
 from .conv import Conv2d
 from .gelu import GELU
 from .layernorm import LayerNorm
@@ -21,13 +28,19 @@ from .linear import Linear
 from .matmul import MatMul
 from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
 from .relu import ReLU
+from .rmsnorm import RmsNorm
 from .softmax import Softmax
 from ._common import MesaLayer
+from .tracing import MesaTracingError, register_fx_leaf
 
-LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU)
+register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as nodes (tracing.py)
+
+LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, RmsNorm,
+          GatedActivation)
 
 __all__ = [
-    "ActivationQuantizer", "Packed", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
+    "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "ReLU",
+    "BatchNorm2d", "QuickGELU", "SiLU", "RmsNorm", "GatedActivation",
 ]
 from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)

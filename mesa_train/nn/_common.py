@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .quantizer import ActivationQuantizer, Packed, QuantOptions
+from .tracing import refuse_fx_proxy, refuse_script
 
 __all__ = ["MesaLayer", "save", "load", "no_autocast", "group_dim_4d", "grad_to"]
 
@@ -111,7 +112,11 @@ class MesaLayer:
 
     def _mesa_active(self, *tensors) -> bool:
         """True when this call must compress (training, enabled, and a gradient is needed)."""
+        refuse_fx_proxy(self, tensors)  # never a silently stock torch.fx graph (nn/tracing.py)
         return self.training and self._mesa_options.enabled and needs_grad(*tensors)
+
+    def __prepare_scriptable__(self):  # torch.jit.script: a clear error (nn/tracing.py)
+        refuse_script(self)
 
     def _mesa_repr(self) -> str:
         return f"mesa({self._mesa_options})"

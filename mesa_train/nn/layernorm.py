@@ -27,6 +27,7 @@ from torch import nn
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
 from .quantizer import decompress
+from .rowscale import compress_rows, max_exponent, unscale_rows
 
 __all__ = ["LayerNorm"]
 
@@ -61,7 +62,9 @@ class _LayerNormFn(torch.autograd.Function):
             # statistics the stock backward would use), in one pass instead of cast, sub
             # and mul; a transient tensor: only its uint8 codes are kept
             x_hat = torch.native_layer_norm(xc, normalized_shape, None, None, eps)[0]
-        packed = quantizer.compress(x_hat, x_hat.dim() - 1)
+        # rows whose variance is far below eps (DeiT3's class token) have x_hat ~ 1e-3,
+        # below the group's 8-bit step: scaled by 2**k first (rowscale.py)
+        packed, k = compress_rows(quantizer, x_hat, len(normalized_shape), max_exponent(x_hat.dtype, mdt))
         del x_hat
         ctx.x_dtype, ctx.mdt = x.dtype, mdt
         ctx.normalized_shape = tuple(normalized_shape)
@@ -69,19 +72,19 @@ class _LayerNormFn(torch.autograd.Function):
         ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.has_bias = bias is not None
         need_x = ctx.needs_input_grad[0]
-        save(ctx, [packed], rstd, weight if (need_x and weight is not None) else None)
+        save(ctx, [packed], rstd, weight if (need_x and weight is not None) else None, k)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        (packed,), (rstd, weight) = load(ctx)
+        (packed,), (rstd, weight, k) = load(ctx)
         mdt = ctx.mdt
         need_x = ctx.needs_input_grad[0]
         need_w = ctx.w_dtype is not None and ctx.needs_input_grad[2]
         need_b = ctx.has_bias and ctx.needs_input_grad[3]
         gx = gw = gb = None
         with no_autocast(g.device.type):
-            xh = decompress(packed, mdt)
+            xh = unscale_rows(decompress(packed, mdt), k)
             # ATen's fused LayerNorm backward, fed x_hat as the input with mean 0 and rstd 1
             # (so its internal (x - mean) * rstd is x_hat exactly): it returns
             # gw - mean(gw) - x_hat * mean(gw * x_hat) and both parameter gradients in one

@@ -1,4 +1,5 @@
-"""Mesa ``Linear``: exact forward, saves the 8-bit input (plus the weight, a parameter)."""
+"""Mesa ``Linear``: exact forward, saves the 8-bit input (plus the weight, a parameter) and one
+int8 power-of-two exponent per row (``rowscale.py``: rows far smaller than the rest)."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,20 @@ from torch import nn
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
 from .quantizer import decompress
+from .rowscale import compress_rows, max_exponent, unscale_rows
 
 __all__ = ["Linear"]
+
+
+def _not_a_view(out: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` on a 3-D+ input with a bias is ``addmm(...).view(...)``: a *view*. Autograd
+    forbids modifying a custom Function's view output in place (``ReLU(inplace=True)``,
+    ``x.add_(pos_embed)`` after the layer), which a stock Linear allows. ``_unsafe_view``
+    gives the same memory, bitwise, without the view relation (what ``torch.matmul`` itself
+    returns for folded batch dims)."""
+    if not out._is_view():
+        return out
+    return torch.ops.aten._unsafe_view(out, out.shape) if out.is_contiguous() else out.clone()
 
 
 class _LinearFn(torch.autograd.Function):
@@ -16,16 +29,19 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, quantizer):
         out = F.linear(x, weight, bias)  # exactly nn.Linear.forward (autocast applies here)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        packed = quantizer.compress(x, x.dim() - 1) if need_w else None
+        packed = k = None
+        if need_w:
+            # rows far smaller than the others (DeiT3's class token) scaled by 2**k first
+            packed, k = compress_rows(quantizer, x, 1, max_exponent(x.dtype, out.dtype))
         ctx.cdt, ctx.x_dtype, ctx.w_dtype = out.dtype, x.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
-        save(ctx, [packed], weight if need_x else None)
-        return out
+        save(ctx, [packed], weight if need_x else None, k)
+        return _not_a_view(out)
 
     @staticmethod
     def backward(ctx, g):
-        (packed,), (weight,) = load(ctx)
+        (packed,), (weight, k) = load(ctx)
         gx = gw = gb = None
         with no_autocast(g.device.type):
             g = g.to(ctx.cdt)
@@ -33,7 +49,7 @@ class _LinearFn(torch.autograd.Function):
                 gx = g.matmul(weight.to(ctx.cdt)).to(ctx.x_dtype)
             g2 = g.reshape(-1, ctx.out_features)
             if ctx.needs_input_grad[1]:
-                xh = decompress(packed, ctx.cdt).reshape(-1, ctx.in_features)
+                xh = unscale_rows(decompress(packed, ctx.cdt), k).reshape(-1, ctx.in_features)
                 gw = g2.t().matmul(xh).to(ctx.w_dtype)  # one GEMM over all tokens
             if ctx.needs_input_grad[2]:
                 gb = g2.sum(0).to(ctx.b_dtype)

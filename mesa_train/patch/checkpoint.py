@@ -48,7 +48,9 @@ def mesa_state_keys(model: nn.Module) -> Set[str]:
 
     root = _unwrap(model)
     keys = set()
-    for name, m in root.named_modules():
+    # every name a module is registered under: state_dict() lists a shared module's buffers
+    # once per name (CoaT shares one ConvPosEnc between blocks), named_modules() only once
+    for name, m in root.named_modules(remove_duplicate=False):
         if isinstance(m, ActivationQuantizer):
             for b in _QUANTIZER_BUFFERS:
                 if b in m._buffers:

@@ -29,11 +29,14 @@ from mesa_train.models import unwrap_model as _unwrap
 from mesa_train.nn.quantizer import assign_rng_keys
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
-from .rules import MODULE_SETS, ModuleInfo, classify, scan_functional_ops
+from .generic_attention import install as install_generic
+from .mlp import MLP_CLASSES, STOCK_MLP_CLASSES
+from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
-OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa")
+OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa",
+       "batchnorm", "silu", "rmsnorm", "glu")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
@@ -53,10 +56,19 @@ def _sdpa_cls():
 def _leaf_rules():
     """[(stock type, op, Mesa class)]: exact-type matches only (a subclass may have its own
     forward, e.g. timm's ``LayerNormFp32``; it is reported instead)."""
-    from timm.layers import LayerNorm as TimmLayerNorm
+    from timm.layers import LayerNorm as TimmLayerNorm, RmsNorm as TimmRmsNorm
+    from timm.layers.activations import QuickGELU as TimmQuickGELU
+
+    from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh
 
     mnn = _mnn()
     return {
+        TimmGELU: ("gelu", _TimmGELU),
+        TimmGELUTanh: ("gelu", _TimmGELUTanh),
+        nn.BatchNorm2d: ("batchnorm", mnn.BatchNorm2d),
+        nn.SiLU: ("silu", mnn.SiLU),
+        TimmQuickGELU: ("gelu", mnn.QuickGELU),
+        TimmRmsNorm: ("rmsnorm", mnn.RmsNorm),
         nn.Linear: ("linear", mnn.Linear),
         nn.GELU: ("gelu", mnn.GELU),
         nn.LayerNorm: ("layernorm", mnn.LayerNorm),
@@ -67,15 +79,23 @@ def _leaf_rules():
     }
 
 
+class _TimmGELU:
+    """timm's own ``GELU`` module (``F.gelu(x)``, used by SwinV2's MLP) -> Mesa ``GELU``."""
+
+    approximate = "none"
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options):
+        return _mnn().GELU(approximate=cls.approximate, device=device, **quant_options).train(stock.training)
+
+
+class _TimmGELUTanh(_TimmGELU):
+    approximate = "tanh"
+
+
 def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
-    mnn = _mnn()
-    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.LayerNorm, "layernorm"),
-                    (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"), (mnn.Softmax, "softmax"),
-                    (mnn.MatMul, "matmul"), (_sdpa_cls(), "sdpa")):
-        if isinstance(module, cls):
-            return op
-    return None
+    return _layer_op(module, _mnn(), _sdpa_cls())
 
 
 # ----------------------------------------------------------------------------- validation
@@ -120,6 +140,10 @@ def _module_device(module: nn.Module) -> torch.device:
 
 
 def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
+    if isinstance(module, nn.BatchNorm2d):
+        return module.num_features
+    if hasattr(module, "normalized_shape") and not isinstance(module, nn.LayerNorm):  # RmsNorm
+        return int(module.normalized_shape[-1])
     if isinstance(module, nn.Linear):
         return module.in_features
     if isinstance(module, nn.Conv2d):
@@ -130,10 +154,20 @@ def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
 
 
 def _groups_for(module: Optional[nn.Module], heads: Optional[int], quant_options: dict) -> Optional[int]:
-    g = quant_options.get("num_groups", heads)
+    """Explicit ``num_groups``, else the block's head count, capped at the channel count.
+    Per channel instead: BatchNorm always (its statistics are per channel: every channel
+    of ``x_hat`` has unit variance) and a conv outside any block with a head count (CNN
+    stages and hybrids: one group for all channels let a depthwise conv's small channels
+    fall below the grid; FastViT / EfficientViT-M gradients reached only cosine 0.9)."""
+    size = _size_of_grouped_dim(module) if module is not None else None
+    g = quant_options.get("num_groups")
+    if g is None and size and (isinstance(module, nn.BatchNorm2d)
+                               or (heads is None and isinstance(module, nn.Conv2d))):
+        return size
+    if g is None:
+        g = heads
     if g is None:
         return None
-    size = _size_of_grouped_dim(module) if module is not None else None
     return max(1, min(int(g), size)) if size else int(g)
 
 
@@ -161,11 +195,31 @@ def _matmul_operands(attn: nn.Module, name: str) -> Tuple[str, ...]:
     return ("b",) if name == "av_matmul" and not drop else ("a", "b")
 
 
-def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional[int], quant_options: dict) -> None:
+ATTENTION_PATHS = ("auto", "explicit", "fused")
+
+
+def _wants_fused(attn: nn.Module, requested: set, attention: str) -> bool:
+    """The fused (sdpa) path: asked for, or ``auto`` and the module runs fused already
+    (timm's default ``fused_attn=True``; a module patched before keeps its path), so the
+    forward stays bitwise the stock one. Needs ``sdpa`` among the requested ops."""
+    if "sdpa" not in requested:
+        return False
+    if not ({"matmul", "softmax"} & requested) or attention == "fused":
+        return True
+    if attention == "explicit":
+        return False
+    path = getattr(attn, "mesa_attn_path", None)
+    if path in ("explicit", "fused"):
+        return path == "fused"
+    return bool(getattr(attn, "fused_attn", False))
+
+
+def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional[int], quant_options: dict,
+                     attention: str = "auto") -> None:
     """Give a known timm attention module its Mesa forward and core children.
 
-    ``core_ops`` (subset of matmul/softmax/sdpa) are added to what was patched before; the
-    path is explicit if matmul or softmax was ever requested, else fused."""
+    ``core_ops`` (subset of matmul/softmax/sdpa) are added to what was patched before; see
+    :func:`_wants_fused` for the path."""
     mnn = _mnn()
     stock_cls = STOCK_ATTENTION_CLASSES.get(type(attn), type(attn))
     requested = set(getattr(attn, "mesa_core_ops", ())) | set(core_ops)
@@ -173,9 +227,10 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
         return
     device = _module_device(attn)
     opts = _options_for(None, heads or getattr(attn, "num_heads", None), quant_options)
+    fused = _wants_fused(attn, requested, attention)
     attn.__class__ = ATTENTION_CLASSES[stock_cls]
 
-    if "matmul" in requested or "softmax" in requested:
+    if not fused and ("matmul" in requested or "softmax" in requested):
         for name in ("qk_matmul", "av_matmul"):
             cur = getattr(attn, name, None)
             operands = _matmul_operands(attn, name)
@@ -199,20 +254,31 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
             attn.softmax = PlainSoftmax(-1)
         attn.mesa_attn_path = "explicit"
         attn.fused_attn = False
-    elif "sdpa" in requested:
-        # sdpa only matters on the fused path; with matmul/softmax the explicit path wins
+    elif fused:
         if getattr(attn, "sdpa", None) is None:
             attn.sdpa = _sdpa_cls()(device=device, **opts)
         attn.mesa_attn_path = "fused"
         attn.fused_attn = True
     # the core ops in effect (sdpa is idle on the explicit path)
     attn.mesa_core_ops = tuple(o for o in ATTENTION_OPS if o in requested
-                               and (o != "sdpa" or attn.mesa_attn_path == "fused"))
+                               and ((o == "sdpa") == (attn.mesa_attn_path == "fused")))
+
+
+def _attention_like(m: nn.Module) -> bool:
+    """A module whose own forward may hold an attention core: not a known timm attention
+    (patched by class), not torch's MultiheadAttention, not a Mesa layer; named like an
+    attention or carrying a head count."""
+    if type(m) in ATTENTION_CLASSES or type(m) in STOCK_ATTENTION_CLASSES or isinstance(m, nn.MultiheadAttention):
+        return False
+    if isinstance(m, _mnn().MesaLayer):
+        return False
+    cls = type(m).__name__.lower()
+    return "attn" in cls or "attention" in cls or "xca" in cls or isinstance(getattr(m, "num_heads", None), int)
 
 
 # ----------------------------------------------------------------------------- main entry
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
-                *, plan=None, **quant_options) -> nn.Module:
+                *, attention: str = "auto", plan=None, **quant_options) -> nn.Module:
     """Patch ``model`` in place with Mesa compression and return it.
 
     Args:
@@ -222,13 +288,19 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             precision, and may already be patched (patching again adds the newly requested
             ops; explicitly passed options are applied to the layers patched before).
         ops: any of ``linear, matmul, softmax, gelu, layernorm, conv, relu, sdpa`` or
-            ``all``. ``matmul``/``softmax`` switch the attention to the explicit path
-            (paper setting); ``sdpa`` without them keeps the fused
-            ``F.scaled_dot_product_attention`` (int8 q, k, v kept for backward; an
-            attention that ran the explicit path, like timm's Swin by default, is switched
-            to fused: its forward then equals the stock ``fused_attn=True`` one). ``all``
-            therefore means the paper's explicit attention; use e.g.
-            ``ops=("linear", "gelu", "layernorm", "conv", "relu", "sdpa")`` for fused.
+            ``all``. ``matmul``/``softmax`` compress the explicit attention path (paper
+            setting); ``sdpa`` the fused ``F.scaled_dot_product_attention`` (int8 q, k, v
+            kept for backward). Which path a timm attention module runs: see
+            ``attention``.
+        attention: ``auto`` (default): a module that runs fused attention
+            (``fused_attn=True``, timm's ViT default) stays fused when ``sdpa`` is among
+            the ops, one that runs the explicit path (``fused_attn=False``, Swin's
+            default) is compressed on the explicit path when ``matmul``/``softmax`` are,
+            so the forward stays bitwise the stock one; ``explicit``: the explicit path
+            whenever ``matmul``/``softmax`` are requested (the paper's attention, forward
+            equal to stock ``fused_attn=False``); ``fused``: the fused path whenever
+            ``sdpa`` is requested. With only ``sdpa`` the path is fused, with only
+            ``matmul``/``softmax`` explicit, whatever ``attention`` says.
         modules: any of ``msa`` (attention branch incl. ``norm1``), ``ffn`` (MLP branch incl.
             ``norm2``), ``other`` (patch embedding, downsampling, stage/final norms, head)
             or ``all``.
@@ -244,6 +316,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         ValueError: unknown op, module set or option name (the message lists the valid
             choices), or an invalid option value.
     """
+    if attention not in ATTENTION_PATHS:
+        raise ValueError(f"unknown attention {attention!r}; valid choices: {', '.join(ATTENTION_PATHS)}")
     if plan is not None:  # per-layer ops from a plan (mesa_train.plan); ops/modules unused
         from mesa_train.plan.apply import apply_plan
 
@@ -276,10 +350,43 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         mi = info.get(name, ModuleInfo("other", None, None))
         stock_cls = STOCK_ATTENTION_CLASSES.get(type(m), type(m))
         if stock_cls in ATTENTION_CLASSES and mi.module_set in set_names and core_ops:
-            _patch_attention(m, core_ops, mi.heads, quant_options)
+            _patch_attention(m, core_ops, mi.heads, quant_options, attention)
             patched_attn.append(name)
-        if isinstance(m, nn.MultiheadAttention):
+        if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
             skip_prefixes.append(name + ".")
+
+    # 1a. any other attention: its F.scaled_dot_product_attention / q @ k^T, softmax, @ v
+    # calls are intercepted while it runs (generic_attention.py)
+    generic: Dict[str, Tuple[str, ...]] = {}
+    if core_ops:
+        for name, m in named:
+            if name in patched_attn or any(name.startswith(p) for p in skip_prefixes) or not _attention_like(m):
+                continue
+            mi = info.get(name, ModuleInfo("other", None, None))
+            if mi.module_set not in set_names:
+                continue
+            found = scan_functional_ops(type(m))
+            wanted = tuple(o for o in core_ops if o in found)
+            if wanted:
+                heads = mi.heads or getattr(m, "num_heads", None)
+                install_generic(m, wanted, heads if isinstance(heads, int) else None, _module_device(m),
+                                lambda h: _options_for(None, h, quant_options))
+                generic[name] = wanted
+
+    # 1b. gated MLPs (SwiGLU, GluMlp): act(gate) * x through a GatedActivation child; the
+    # MLP's act runs inside it and is not converted on its own
+    gated_acts = set()
+    for name, m in named:
+        stock_cls = STOCK_MLP_CLASSES.get(type(m), type(m))
+        if stock_cls not in MLP_CLASSES:
+            continue
+        mi = info.get(name, ModuleInfo("other", None, None))
+        if "glu" in op_names and mi.module_set in set_names and getattr(m, "gated", None) is None:
+            m.__class__ = MLP_CLASSES[stock_cls]
+            m.gated = mnn.GatedActivation(m.act, gate_last=getattr(m, "gate_last", False),
+                                          device=_module_device(m), **_options_for(None, mi.heads, quant_options))
+        if getattr(m, "gated", None) is not None:
+            gated_acts.add(id(m.act))
 
     # 2. leaf modules (the attention pass may have added children: list again)
     converted: Dict[int, nn.Module] = {}
@@ -298,7 +405,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
                     m.set_quant_options(**explicit)
             continue
         rule = rules.get(type(m))
-        if rule is None:
+        if rule is None or id(m) in gated_acts:
             continue
         op, mesa_cls = rule
         if op not in op_names:
@@ -324,7 +431,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
 
     # 3. functional ops no rule reaches (requested ops only, selected module sets only)
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
-               + (PlainMatMul, PlainSoftmax))
+               + tuple(STOCK_MLP_CLASSES) + (PlainMatMul, PlainSoftmax))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in root.named_modules():
         if type(m) in handled or isinstance(m, mnn.MesaLayer) or any(name.startswith(p) for p in skip_prefixes):
@@ -336,7 +443,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             found = ("linear", "matmul", "softmax", "sdpa")
         else:
             found = scan_functional_ops(type(m))
-        hit = tuple(o for o in found if o in op_names)
+        hit = tuple(o for o in found if o in op_names and o not in generic.get(name, ()))
         if hit:
             unreached[name or "<root>"] = hit
 
@@ -362,9 +469,11 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
 
 
 def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:
-    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.LayerNorm, "layernorm"),
-                    (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"), (mnn.Softmax, "softmax"),
-                    (mnn.MatMul, "matmul"), (sdpa_cls, "sdpa")):
+    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
+                    (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"),
+                    (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (sdpa_cls, "sdpa"),
+                    (mnn.BatchNorm2d, "batchnorm"), (mnn.SiLU, "silu"), (mnn.RmsNorm, "rmsnorm"),
+                    (mnn.GatedActivation, "glu")):
         if isinstance(m, cls):
             return op
     return None

@@ -125,9 +125,21 @@ def describe_rows(model: nn.Module) -> List[List[str]]:
     return rows
 
 
-def describe(model: nn.Module) -> str:
+def describe(model: nn.Module, example_input=None, *, run=None) -> str:
     """A readable table: layer, op, module set, groups, state, then a summary and any
-    functional ops the patcher could not reach."""
+    functional ops the patcher could not reach. With ``example_input``, also the measured
+    coverage (:func:`mesa_train.patch.coverage.coverage`: one training forward, saved bytes
+    per op type, compressed vs left as is, total ratio to stock; the model is left as it
+    was)."""
+    text = _describe_layers(model)
+    if example_input is None:
+        return text
+    from .coverage import coverage, format_coverage
+
+    return text + "\n" + format_coverage(coverage(model, example_input, run=run))
+
+
+def _describe_layers(model: nn.Module) -> str:
     root = _unwrap(model)
     rows = describe_rows(root)
     record = getattr(root, PATCH_INFO_ATTR, None) or {}

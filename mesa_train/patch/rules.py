@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-__all__ = ["ModuleInfo", "classify", "scan_functional_ops", "FUNCTIONAL_OPS"]
+__all__ = ["ModuleInfo", "classify", "scan_functional_ops", "FUNCTIONAL_OPS", "is_position_table_mlp"]
 
 MODULE_SETS = ("msa", "ffn", "other")
 
@@ -190,3 +190,16 @@ def scan_functional_ops(cls: type) -> Tuple[str, ...]:
     res = tuple(sorted(found))
     _SCAN_CACHE[cls] = res
     return res
+
+
+# ----------------------------------------------------------------------------- left stock
+# MLPs that turn a relative-position *table* into an attention bias (timm's ``RelPosMlp``,
+# SwinV2's ``cpb_mlp``): their activations have the size of the table, not of the batch, so
+# compressing them saves next to nothing and only adds rounding noise to sums over a few
+# (2w-1)^2 rows. They are left stock.
+_POSITION_TABLE_CLASSES = ("RelPosMlp",)
+_POSITION_TABLE_CHILDREN = ("cpb_mlp",)
+
+
+def is_position_table_mlp(name: str, module: nn.Module) -> bool:
+    return type(module).__name__ in _POSITION_TABLE_CLASSES or name.rsplit(".", 1)[-1] in _POSITION_TABLE_CHILDREN

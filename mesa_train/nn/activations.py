@@ -1,0 +1,178 @@
+"""Mesa activations beyond GELU: ``QuickGELU`` (CLIP), ``SiLU`` (Swish), and the gated
+``act(gate) * x`` of SwiGLU / GLU MLPs (``GatedActivation``).
+
+Each keeps its input(s) as 8-bit codes (channel groups, dim 1 for 4-D inputs, like
+``GELU``) instead of the full-precision tensors the stock autograd graph keeps (QuickGELU:
+``x`` and ``sigmoid(1.702 x)``; SiLU: ``x``; gated: ``act``'s input *and* both operands of
+the product). Forward is bitwise the stock computation; backward evaluates the derivative at
+the dequantized input.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import MesaLayer, group_dim_4d, load, no_autocast, save
+from .quantizer import decompress
+
+__all__ = ["QuickGELU", "SiLU", "GatedActivation", "quick_gelu"]
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 * x)``, the same ops in the same order as ``timm.layers.quick_gelu``."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _quick_gelu_grad(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(1.702 * x)
+    return s * (1 + 1.702 * x * (1 - s))
+
+
+class _ElementwiseFn(torch.autograd.Function):
+    """``y = f(x)`` keeping 8-bit ``x``; ``kind`` picks f and f'."""
+
+    @staticmethod
+    def forward(ctx, x, kind, quantizer):
+        y = quick_gelu(x) if kind == "quick_gelu" else F.silu(x)
+        packed = quantizer.compress(x, group_dim_4d(x))
+        ctx.cdt, ctx.x_dtype, ctx.kind = y.dtype, x.dtype, kind
+        save(ctx, [packed])
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (packed,), _ = load(ctx)
+        with no_autocast(g.device.type):
+            xh = decompress(packed, ctx.cdt)
+            g = g.to(ctx.cdt)
+            if ctx.kind == "quick_gelu":
+                gx = g * _quick_gelu_grad(xh)
+            else:
+                gx = torch.ops.aten.silu_backward(g, xh)
+        return gx.to(ctx.x_dtype), None, None
+
+
+class _ParameterFreeLayer(MesaLayer):
+    """``from_module`` for activations whose stock twin has no constructor state to copy."""
+
+    _stock_types: tuple = ()
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options):
+        from ._common import copy_estimates, inherit_options, stock_device
+
+        if not isinstance(stock, cls._stock_types):
+            names = ", ".join(t.__name__ for t in cls._stock_types)
+            raise TypeError(f"expected an instance of {names}, got {type(stock).__name__}")
+        new = cls(device="meta", **inherit_options(stock, quant_options))
+        copy_estimates(stock, new, stock_device(stock, device))
+        return new.train(stock.training)
+
+
+def _timm_quick_gelu_types() -> tuple:
+    try:
+        from timm.layers.activations import QuickGELU as TimmQuickGELU
+    except ImportError:
+        return ()
+    return (TimmQuickGELU,)
+
+
+class QuickGELU(_ParameterFreeLayer, nn.Module):
+    """CLIP's ``x * sigmoid(1.702 x)`` (timm's ``QuickGELU``) keeping its 8-bit input."""
+
+    def __init__(self, *, device=None, **quant_options):
+        super().__init__()
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock, *, device=None, **quant_options) -> "QuickGELU":
+        cls._stock_types = (QuickGELU,) + _timm_quick_gelu_types()
+        return super().from_module(stock, device=device, **quant_options)
+
+    def forward(self, input):
+        if not self._mesa_active(input):
+            return quick_gelu(input)
+        return _ElementwiseFn.apply(input, "quick_gelu", self.quantizer)
+
+    def extra_repr(self) -> str:
+        return self._mesa_repr()
+
+
+class SiLU(_ParameterFreeLayer, nn.SiLU):
+    """``torch.nn.SiLU`` keeping its 8-bit input (an ``inplace=True`` stock module computes
+    out of place here: same values, the input is not overwritten)."""
+
+    _stock_types = (nn.SiLU,)
+
+    def __init__(self, inplace: bool = False, *, device=None, **quant_options):
+        super().__init__(inplace=inplace)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.SiLU, *, device=None, **quant_options) -> "SiLU":
+        new = super().from_module(stock, device=device, **quant_options)
+        new.inplace = stock.inplace
+        return new
+
+    def forward(self, input):
+        if not self._mesa_active(input):
+            return super().forward(input)
+        return _ElementwiseFn.apply(input, "silu", self.quantizer)
+
+    def extra_repr(self) -> str:
+        base = nn.SiLU.extra_repr(self)
+        return f"{base}, {self._mesa_repr()}" if base else self._mesa_repr()
+
+
+class _GatedFn(torch.autograd.Function):
+    """``act(a) * b`` (``gate_last``: ``b * act(a)``), keeping 8-bit ``a`` and ``b``."""
+
+    @staticmethod
+    def forward(ctx, a, b, act, gate_last, quantizer_a, quantizer_b):
+        a_in = a.clone() if getattr(act, "inplace", False) else a  # keep a for its codes
+        y = b * act(a_in) if gate_last else act(a_in) * b
+        pa = quantizer_a.compress(a, group_dim_4d(a)) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
+        pb = quantizer_b.compress(b, group_dim_4d(b)) if ctx.needs_input_grad[0] else None
+        ctx.act, ctx.cdt, ctx.dtypes = act, y.dtype, (a.dtype, b.dtype)
+        save(ctx, [pa, pb])
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (pa, pb), _ = load(ctx)
+        ga = gb = None
+        with no_autocast(g.device.type), torch.enable_grad():
+            g = g.to(ctx.cdt)
+            ah = decompress(pa, ctx.cdt).requires_grad_(ctx.needs_input_grad[0])
+            # the activation re-run at the dequantized gate (any act module)
+            h = ctx.act(ah.clone() if getattr(ctx.act, "inplace", False) else ah)
+            if ctx.needs_input_grad[1]:
+                gb = (g * h).detach().to(ctx.dtypes[1])
+            if ctx.needs_input_grad[0]:
+                bh = decompress(pb, ctx.cdt)
+                (ga,) = torch.autograd.grad(h, ah, g * bh)
+                ga = ga.to(ctx.dtypes[0])
+        return ga, gb, None, None, None, None
+
+
+class GatedActivation(MesaLayer, nn.Module):
+    """``act(gate) * x`` of a gated MLP (timm's ``SwiGLU``, ``GluMlp``) as one layer that
+    keeps ``gate`` and ``x`` in 8 bits; ``act`` is the MLP's own activation module (run on
+    the dequantized gate in backward), held as a plain attribute, not a child."""
+
+    _quantizer_names = ("quantizer_a", "quantizer_b")
+
+    def __init__(self, act: nn.Module, *, gate_last: bool = False, device=None, **quant_options):
+        super().__init__()
+        object.__setattr__(self, "act_fn", act)
+        self.gate_last = bool(gate_last)
+        self._init_mesa(quant_options, device)
+
+    def forward(self, gate, x):
+        if not self._mesa_active(gate, x):
+            return x * self.act_fn(gate) if self.gate_last else self.act_fn(gate) * x
+        return _GatedFn.apply(gate, x, self.act_fn, self.gate_last, self.quantizer_a, self.quantizer_b)
+
+    def extra_repr(self) -> str:
+        return f"act={type(self.act_fn).__name__}, gate_last={self.gate_last}, {self._mesa_repr()}"

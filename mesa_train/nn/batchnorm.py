@@ -1,0 +1,129 @@
+"""Mesa ``BatchNorm2d``: exact forward (batch statistics, running-stat update included);
+saves the 8-bit *normalised* input, per channel, plus the per-channel ``invstd``.
+
+Same idea as the Mesa ``LayerNorm`` (see ``layernorm.py``), along the channel dim: in
+training mode BatchNorm normalises every channel with its batch statistics, so
+``x_hat = (x - mean) * invstd`` has unit variance in *every* channel; quantized with one
+group per channel (``num_groups`` = channel count unless given), every channel uses its 8-bit
+grid fully, however different the channels' input scales are (a depthwise conv in front
+of it, as in FastViT / EfficientViT-M, produces channels orders of magnitude apart).
+Backward, with means over ``(N, H, W)`` per channel::
+
+    dx      = invstd * weight * (g - mean(g) - x_hat * mean(g * x_hat))
+    dweight = sum(g * x_hat)          dbias = sum(g)
+
+computed by ATen's ``native_batch_norm_backward`` fed ``x_hat`` with mean 0 and invstd 1,
+then one per-channel multiply by the real ``invstd``. Stock BatchNorm keeps its whole
+input (fp32: 4 bytes per element); this keeps 1 byte per element plus ``2 * C + C`` floats.
+
+Eval mode with running statistics, ``enabled=False`` or no gradient needed: the stock
+forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
+from .quantizer import decompress
+
+__all__ = ["BatchNorm2d"]
+
+
+def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.view((1, -1) + (1,) * (like.dim() - 2))
+
+
+class _BatchNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer):
+        # exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which
+        # also hands back the batch mean and invstd it normalised with
+        out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
+            x, weight, bias, running_mean, running_var, True, momentum, eps, torch.backends.cudnn.enabled)
+        with no_autocast(x.device.type):
+            mdt = torch.promote_types(x.dtype, torch.float32)
+            x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), x)) * _per_channel(invstd.to(mdt), x)
+        packed = quantizer.compress(x_hat, 1)
+        del x_hat
+        ctx.mdt, ctx.eps = mdt, eps
+        ctx.x_dtype = x.dtype
+        ctx.w_dtype = weight.dtype if weight is not None else None
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        save(ctx, [packed], invstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (packed,), (invstd, weight) = load(ctx)
+        mdt = ctx.mdt
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        gx = gw = gb = None
+        with no_autocast(g.device.type):
+            xh = decompress(packed, mdt)
+            C = xh.shape[1]
+            # The exact x_hat has zero mean and unit mean square per channel, which makes dx
+            # orthogonal to both the constant and x_hat itself over each channel: whatever is
+            # added per channel before the BatchNorm gets an exactly-zero gradient, and so does
+            # a pure rescaling of its input (a conv or BatchNorm weight in front: a cancellation
+            # that 8-bit noise would otherwise swamp; EfficientViT-M's conv1.bn.weight went to
+            # cosine 0.08). The dequantized x_hat is off by rounding noise, so it is
+            # standardised again with its own per-channel moments (to the exact x_hat's mean square), handed to the kernel as the
+            # mean/invstd it normalises with (no extra pass over the tensor for the scaling).
+            # (The exact mean square is var / (var + eps) = 1 - eps * invstd^2, not 1, for a
+            # channel whose variance is not far above eps.)
+            var, xh_mean = torch.var_mean(xh, dim=[d for d in range(xh.dim()) if d != 1], correction=0)
+            target = (1 - ctx.eps * invstd.to(mdt).square()).clamp_min(0)
+            s = torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
+            w = weight.to(mdt) if weight is not None else None
+            dx, dw, db = torch.ops.aten.native_batch_norm_backward(
+                g.to(mdt), xh, w, None, None, xh_mean, s, True, ctx.eps,
+                [need_x, need_w and w is not None, need_b])
+            if need_x:
+                gx = (dx * _per_channel(invstd.to(mdt) / s, dx)).to(ctx.x_dtype)
+            if need_w and dw is not None:
+                gw = dw.to(ctx.w_dtype)
+            if need_b and db is not None:
+                gb = db.to(ctx.b_dtype)
+        return gx, gw, gb, None, None, None, None, None
+
+
+class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d`` that keeps, in training mode, its per-channel normalised
+    input in 8 bits (one group per channel by default) plus the per-channel invstd."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 device=None, dtype=None, **quant_options):
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats, device=device, dtype=dtype)
+        quant_options.setdefault("num_groups", num_features)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.BatchNorm2d, *, device=None, **quant_options) -> "BatchNorm2d":
+        check_stock(stock, nn.BatchNorm2d)
+        ref = stock.weight if stock.weight is not None else stock.running_mean
+        new = cls(stock.num_features, eps=stock.eps, momentum=stock.momentum, affine=stock.affine,
+                  track_running_stats=stock.track_running_stats, device="meta",
+                  dtype=ref.dtype if ref is not None else None, **inherit_options(stock, quant_options))
+        # running statistics are the stock module's buffers (same tensors, like the parameters)
+        new.running_mean, new.running_var = stock.running_mean, stock.running_var
+        new.num_batches_tracked = stock.num_batches_tracked
+        return adopt_parameters(stock, new, device)
+
+    def forward(self, input):
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        if not (bn_training and self._mesa_active(input, self.weight, self.bias)):
+            return super().forward(input)
+        self._check_input_dim(input)
+        # nn.BatchNorm2d's momentum bookkeeping, unchanged
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        track = self.running_mean is not None and (not self.training or self.track_running_stats)
+        return _BatchNormFn.apply(input, self.weight, self.bias, self.running_mean if track else None,
+                        self.running_var if track else None, factor, self.eps, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"{nn.BatchNorm2d.extra_repr(self)}, {self._mesa_repr()}"

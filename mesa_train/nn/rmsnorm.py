@@ -1,0 +1,105 @@
+"""Mesa ``RmsNorm`` (timm's ``timm.layers.RmsNorm``): exact forward; saves the 8-bit
+normalised input ``x_hat = x * rrms`` (with power-of-two row scales, ``rowscale.py``) plus
+the per-row ``rrms``, like the Mesa ``LayerNorm``. Backward, with ``gw = grad_out * weight``
+and means over the normalised dims::
+
+    dx      = rrms * (gw - x_hat * mean(gw * x_hat))
+    dweight = sum_rows(grad_out * x_hat)
+
+The stock autograd graph keeps ``x``, ``rrms`` and ``x * rrms`` (two full-size tensors);
+this keeps one byte per element plus two small per-row tensors.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
+from .quantizer import decompress
+from .rowscale import compress_rows, max_exponent, unscale_rows
+
+__all__ = ["RmsNorm"]
+
+
+def _dims(ndim: int):
+    return tuple(range(-1, -ndim - 1, -1))
+
+
+def _rms_norm_parts(x, normalized_shape, weight, eps):
+    """timm's ``rms_norm`` (non-fast path), the same ops in the same order, also returning
+    ``x * rrms`` and ``rrms``."""
+    v = x.pow(2)
+    v = torch.mean(v, dim=_dims(len(normalized_shape)), keepdim=True)
+    rrms = torch.rsqrt(v + eps)
+    x_hat = x * rrms
+    out = x_hat * weight if weight is not None else x_hat
+    return out, x_hat, rrms
+
+
+class _RmsNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps, quantizer):
+        out, x_hat, rrms = _rms_norm_parts(x, normalized_shape, weight, eps)
+        nd = len(normalized_shape)
+        packed, k = compress_rows(quantizer, x_hat, nd, max_exponent(x_hat.dtype))
+        del x_hat
+        ctx.nd, ctx.x_dtype = nd, x.dtype
+        ctx.mdt = torch.promote_types(out.dtype, torch.float32)
+        ctx.w_dtype = weight.dtype if weight is not None else None
+        save(ctx, [packed], rrms, weight, k)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (packed,), (rrms, weight, k) = load(ctx)
+        mdt, dims = ctx.mdt, _dims(ctx.nd)
+        gx = gw = None
+        with no_autocast(g.device.type):
+            xh = unscale_rows(decompress(packed, mdt), k)
+            g = g.to(mdt)
+            gwt = g * weight.to(mdt) if weight is not None else g
+            if ctx.needs_input_grad[0]:
+                gx = (rrms.to(mdt) * (gwt - xh * (gwt * xh).mean(dim=dims, keepdim=True))).to(ctx.x_dtype)
+            if weight is not None and ctx.needs_input_grad[2]:
+                gw = (g * xh).reshape(-1, *weight.shape).sum(0).to(ctx.w_dtype)
+        return gx, None, gw, None, None
+
+
+class RmsNorm(MesaLayer, nn.Module):
+    """timm's ``RmsNorm`` keeping its 8-bit normalised input (channel groups over the last
+    dim) and the per-row ``rrms``. Same parameters and ``state_dict`` keys."""
+
+    def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, device=None, dtype=None,
+                 **quant_options):
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype)) \
+            if elementwise_affine else None
+        if not elementwise_affine:
+            self.register_parameter("weight", None)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "RmsNorm":
+        from timm.layers import RmsNorm as TimmRmsNorm
+
+        if not isinstance(stock, (TimmRmsNorm, RmsNorm)):
+            raise TypeError(f"expected an instance of timm.layers.RmsNorm, got {type(stock).__name__}")
+        w = stock.weight
+        new = cls(stock.normalized_shape, eps=stock.eps, elementwise_affine=w is not None, device="meta",
+                  dtype=w.dtype if w is not None else None, **inherit_options(stock, quant_options))
+        new.weight = w
+        copy_estimates(stock, new, w.device if w is not None else stock_device(stock, device))
+        return new.train(stock.training)
+
+    def forward(self, x):
+        if not self._mesa_active(x, self.weight):
+            return _rms_norm_parts(x, self.normalized_shape, self.weight, self.eps)[0]
+        return _RmsNormFn.apply(x, self.normalized_shape, self.weight, self.eps, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, affine={self.elementwise_affine}, {self._mesa_repr()}"

@@ -1,0 +1,130 @@
+"""What Mesa compresses in *your* model, measured: ``coverage(model, example_input)``.
+
+One training forward of the (patched) model on ``example_input`` under a
+:class:`mesa_train.memory.SavedTensorMeter`; every byte autograd keeps for backward is
+attributed to the innermost module running when it was saved, and grouped by op type:
+
+* **compressed**: bytes kept by a Mesa layer (``linear``, ``layernorm``, ``matmul``, ...);
+* **left as is**: bytes kept by anything else, by module class (``Dropout``,
+  ``EvaAttention``, ``BatchNormAct2d``, ``<outside>`` for bytes saved outside every module,
+  e.g. ``x + pos_embed`` in a model's own forward). These are what Mesa does not cover.
+
+The stock figure is the same forward with every Mesa layer switched to its stock
+computation (``enabled=False``: bitwise the stock forward and stock saved tensors; a patched
+attention keeps its path, so the comparison is with stock on the same path). The model's
+buffers (running estimates, BatchNorm statistics), its Mesa options and the global RNG are
+restored afterwards: measuring changes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from mesa_train.models import unwrap_model as _unwrap
+
+__all__ = ["Coverage", "coverage", "format_coverage"]
+
+
+@dataclass
+class Coverage:
+    """``rows``: ``(kind, op, modules, bytes)`` with kind ``compressed`` / ``left as is``,
+    largest first; ``total`` and ``stock_total`` are activation bytes."""
+
+    rows: List[tuple] = field(default_factory=list)
+    total: int = 0
+    stock_total: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.total / max(self.stock_total, 1)
+
+    @property
+    def compressed_bytes(self) -> int:
+        return sum(r[3] for r in self.rows if r[0] == "compressed")
+
+    @property
+    def uncovered_bytes(self) -> int:
+        return sum(r[3] for r in self.rows if r[0] != "compressed")
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module):
+    """Restore buffers, Mesa options and the RNG after the measuring forwards."""
+    from mesa_train.nn import MesaLayer
+
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    options = {id(m): m.quant_options for m in model.modules() if isinstance(m, MesaLayer)}
+    training = {id(m): m.training for m in model.modules()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, b in model.named_buffers():
+                    if k in saved and b.shape == saved[k].shape:
+                        b.copy_(saved[k])
+            for m in model.modules():
+                if isinstance(m, MesaLayer) and id(m) in options:
+                    m.set_quant_options(enabled=options[id(m)].enabled)
+                m.training = training.get(id(m), m.training)
+
+
+def _set_enabled(model: nn.Module, enabled: bool) -> None:
+    from mesa_train.nn import MesaLayer
+
+    for m in model.modules():
+        if isinstance(m, MesaLayer):
+            m.set_quant_options(enabled=enabled)
+
+
+def _measure(model: nn.Module, example_input, run: Optional[Callable]):
+    from mesa_train.memory import SavedTensorMeter
+
+    model.train()
+    with SavedTensorMeter(model) as meter:
+        out = run(model, example_input) if run is not None else model(example_input)
+    del out
+    return meter
+
+
+def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None) -> Coverage:
+    """Saved bytes per op type of one training forward, compressed vs left as is, and the
+    ratio to stock. ``run(model, example_input)`` replaces ``model(example_input)`` for
+    models that take more than one tensor."""
+    from .core import mesa_layer_op
+
+    root = _unwrap(model)
+    modules: Dict[str, nn.Module] = dict(root.named_modules())
+    with _untouched(root):
+        meter = _measure(root, example_input, run)  # as the user set it up
+    with _untouched(root):
+        _set_enabled(root, False)
+        stock = _measure(root, example_input, run)
+    groups: Dict[tuple, list] = {}
+    for name, nbytes in meter.per_module.items():
+        mod = modules.get(name)
+        op = mesa_layer_op(mod) if mod is not None else None
+        key = ("compressed", op) if op is not None else ("left as is", type(mod).__name__ if mod is not None else name)
+        entry = groups.setdefault(key, [0, 0])
+        entry[0] += nbytes
+        entry[1] += 1
+    rows = sorted(((k[0], k[1], n, b) for k, (b, n) in groups.items()), key=lambda r: -r[3])
+    return Coverage(rows=rows, total=meter.activation_bytes, stock_total=stock.activation_bytes)
+
+
+def format_coverage(cov: Coverage) -> str:
+    from mesa_train.memory import format_bytes
+
+    from .describe import format_table
+
+    total = max(cov.total, 1)
+    body = [[kind, op, str(n), format_bytes(b), f"{100 * b / total:.1f}%"] for kind, op, n, b in cov.rows]
+    table = format_table(["saved as", "op / module type", "modules", "bytes", "share"], body, "llrrr")
+    return (f"saved for backward in one training forward: {format_bytes(cov.total)} "
+            f"= {cov.ratio:.3f}x stock ({format_bytes(cov.stock_total)}); compressed "
+            f"{format_bytes(cov.compressed_bytes)}, left as is {format_bytes(cov.uncovered_bytes)}\n{table}")

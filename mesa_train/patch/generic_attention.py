@@ -1,0 +1,134 @@
+"""Attention reached generically: any module whose forward ends in
+``F.scaled_dot_product_attention``, or in ``q @ k^T``, softmax and ``@ v``, is compressed by
+intercepting those functional calls while the module runs.
+
+No timm code is copied or rewritten, so this reaches EVA (incl. rope), BEiT, CaiT (class and
+talking-heads attention), XCiT, relative-position attention, ``ParallelScalingBlock``,
+attention-pool heads and the like, whatever they do around the core (rope, qk-norm, masks,
+biases). ``install`` gives such a module four Mesa children and a forward pre/post hook
+pair that pushes a ``TorchFunctionMode`` for the duration of its own forward:
+
+``mesa_sdpa``     the module's ``F.scaled_dot_product_attention`` call (int8 q, k, v)
+``mesa_qk``       its first batched (>= 3-D x >= 3-D) matmul of the call: ``q @ k^T``
+``mesa_softmax``  its first softmax over the last dim: the attention map (int8 output,
+                  offered for sharing)
+``mesa_av``       its second batched matmul: ``attn @ v`` (the map is the softmax's shared
+                  int8 copy when it comes straight from it; else quantized itself)
+
+Each is the Mesa layer computing exactly the intercepted call, so the forward stays bitwise
+the stock one. Anything else (a third matmul, a softmax with ``dtype=``, ``enable_gqa``,
+einsum, non-batched products with weights) runs unchanged. Groups are per head (dim 1 of
+``(B, heads, N, d)`` tensors). The Mesa layers fall back to stock in eval mode or without
+grad, and the mode is popped while their own ops run (a mode is never re-entered from its
+handler), so nothing is intercepted twice.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["install", "is_generic_attention", "CHILDREN", "GENERIC_ATTENTION_ATTR"]
+
+CHILDREN = ("mesa_sdpa", "mesa_qk", "mesa_softmax", "mesa_av")
+GENERIC_ATTENTION_ATTR = "_mesa_generic_attention"
+_MATMULS = {torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.bmm}
+_SOFTMAXES = {torch.softmax, torch.Tensor.softmax, F.softmax}
+
+
+def is_generic_attention(module: nn.Module) -> bool:
+    return getattr(module, GENERIC_ATTENTION_ATTR, None) is not None
+
+
+def _batched(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 3 and not isinstance(t, nn.Parameter)
+
+
+def _softmax_dim(args, kwargs) -> Optional[int]:
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return dim if isinstance(dim, int) else None
+
+
+class _Capture(TorchFunctionMode):
+    """Routes one forward's attention calls of ``owner`` to its Mesa children."""
+
+    def __init__(self, owner: nn.Module):
+        super().__init__()
+        self.owner = owner
+        self.matmuls = 0
+        self.softmaxes = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = self.owner
+        if func is F.scaled_dot_product_attention and "mesa_sdpa" in owner._modules and not kwargs.get("enable_gqa"):
+            q, k, v, *rest = args
+            names = ("attn_mask", "dropout_p", "is_causal", "scale")
+            call = dict(zip(names, rest), **kwargs)
+            return owner.mesa_sdpa(q, k, v, **call)
+        if (func in _MATMULS and len(args) == 2 and _batched(args[0]) and _batched(args[1]) and not kwargs
+                and "mesa_qk" in owner._modules):
+            self.matmuls += 1
+            if self.matmuls <= 2:
+                return (owner.mesa_qk if self.matmuls == 1 else owner.mesa_av)(args[0], args[1])
+        if (func in _SOFTMAXES and _batched(args[0]) and "dtype" not in kwargs and self.softmaxes == 0
+                and "mesa_softmax" in owner._modules):
+            dim = _softmax_dim(args, kwargs)
+            if dim is not None and dim % args[0].dim() == args[0].dim() - 1:
+                self.softmaxes += 1
+                return owner.mesa_softmax(args[0])
+        return func(*args, **kwargs)
+
+
+def _enter(module, args, kwargs=None):
+    modes = module.__dict__.setdefault("_mesa_capture_stack", [])
+    mode = _Capture(module)
+    mode.__enter__()
+    modes.append(mode)
+
+
+def _exit(module, args, output):
+    modes = module.__dict__.get("_mesa_capture_stack")
+    if modes:
+        modes.pop().__exit__(None, None, None)
+
+
+def install(module: nn.Module, ops, heads: Optional[int], device, make_options) -> Optional[str]:
+    """Give ``module`` the Mesa children for the requested ``ops`` (``sdpa``, ``matmul``,
+    ``softmax``) and the capture hooks; returns what was installed (for ``describe``)."""
+    from mesa_train.nn import MatMul, Softmax
+    from mesa_train.nn.sdpa import ScaledDotProductAttention
+
+    opts = make_options(heads)
+    added = []
+    if "sdpa" in ops and getattr(module, "mesa_sdpa", None) is None:
+        module.mesa_sdpa = ScaledDotProductAttention(device=device, **opts)
+        added.append("sdpa")
+    if "matmul" in ops and getattr(module, "mesa_qk", None) is None:
+        module.mesa_qk = MatMul(device=device, **opts)
+        module.mesa_av = MatMul(device=device, **opts)
+        added.append("matmul")
+    if "softmax" in ops and getattr(module, "mesa_softmax", None) is None:
+        module.mesa_softmax = Softmax(dim=-1, device=device, **opts)
+        added.append("softmax")
+    if "softmax" in ops and "matmul" not in ops and getattr(module, "mesa_av", None) is None:
+        # the map kept once through the softmax's shared copy, v as stock (share-only)
+        module.mesa_qk = _Plain()
+        module.mesa_av = MatMul(operands=(), device=device, **opts)
+    if not any(n in module._modules for n in CHILDREN):
+        return None
+    if not is_generic_attention(module):
+        module.register_forward_pre_hook(_enter)
+        module.register_forward_hook(_exit, always_call=True)
+        object.__setattr__(module, GENERIC_ATTENTION_ATTR, True)
+    return ",".join(o for o in ("sdpa", "matmul", "softmax") if o in ops)
+
+
+class _Plain(nn.Module):
+    """``a @ b`` unchanged (the ``q @ k^T`` of a softmax-only patch)."""
+
+    def forward(self, a, b):
+        return torch.matmul(a, b)
