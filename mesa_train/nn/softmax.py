@@ -32,11 +32,14 @@ class _SoftmaxFn(torch.autograd.Function):
         # the codes and statistics are also outputs, so that a consumer can keep them
         # instead of quantizing y again (forward_with_copy); they carry no gradient
         ctx.mark_non_differentiable(packed.q, packed.alpha, packed.beta)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for those three outputs
         ctx.packed_layout = (packed.dim, packed.num_groups)
         return y, packed.q, packed.alpha, packed.beta
 
     @staticmethod
     def backward(ctx, g, *_):
+        if g is None:  # y itself did not reach the loss
+            return None, None, None
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
             yh = decompress(packed, ctx.y_dtype)
