@@ -211,7 +211,7 @@ def check_compatible(saved_cfg: dict, cfg: dict, path: str) -> None:
 RESUME_MAY_CHANGE = (
     "name", "logger", "model.pretrained_path", "data.root", "data.download", "data.verify_md5",
     "data.skip_corrupt",
-    "trainer.max_steps", "trainer.device", "trainer.num_workers", "trainer.pin_memory",
+    "trainer.max_steps", "trainer.device", "trainer.fsdp", "trainer.num_workers", "trainer.pin_memory",
     "trainer.progress", "trainer.log_every", "trainer.checkpoint_every", "trainer.eval_every",
     "trainer.resume", "trainer.overwrite", "trainer.compile", "trainer.channels_last",
     "trainer.grad_checkpointing", "trainer.nonfinite", "trainer.max_nonfinite_skips",
