@@ -104,6 +104,16 @@ def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
         dist.broadcast(buf.data, src=src)
 
 
+def broadcast_state(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank (what DDP does when it
+    wraps a model; FSDP2 does not)."""
+    if not is_distributed() or world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src)
+
+
 def buffers_consistent(module: torch.nn.Module, device: torch.device) -> bool:
     """True when every rank holds the same floating-point buffers (compared by sum and
     sum of squares per buffer, gathered in one collective)."""

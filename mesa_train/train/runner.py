@@ -235,6 +235,9 @@ def _wrap(cfg, model, device, amp_dtype, world):
         from mesa_train.train.fsdp import apply_fsdp
 
         options = cfg.trainer.get("fsdp") or {}
+        # Each rank initialised its own weights (seed + rank); fully_shard keeps each rank's
+        # slice of its own copy, so start every rank from rank 0's model, as DDP does.
+        dist_utils.broadcast_state(model)
         return apply_fsdp(model, param_dtype=amp_dtype,
                           reshard_after_forward=bool(options.get("reshard_after_forward", True)),
                           cpu_offload=bool(options.get("cpu_offload", False)))
@@ -244,7 +247,7 @@ def _wrap(cfg, model, device, amp_dtype, world):
         # No buffer broadcast before each forward: the Mesa estimates follow the trainer's
         # cross-rank policy instead (EstimateSync after each optimizer step, as under FSDP).
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       broadcast_buffers=False)
+                                       forward_sync_buffers=False)
     return model
 
 
