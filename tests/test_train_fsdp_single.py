@@ -53,6 +53,10 @@ def test_fsdp_one_process_sharded_checkpoint_converts_both_ways(compose_train, t
     assert os.path.isdir(run / "checkpoints" / "best.dcp") and not os.path.exists(run / "checkpoints" / "last.pt")
     again = fit(compose_train(FSDP), str(run))  # resume=auto finds last.dcp at max_steps
     assert again["step"] == 2 and again["top1"] == summary["top1"]
+    # a crash between save_sharded's two renames leaves last.dcp.old only: resume takes it
+    os.replace(last, str(last) + ".old")
+    assert resume_path(compose_train(FSDP), str(run)) == str(last) + ".old"
+    os.replace(str(last) + ".old", last)
 
     assert convert_main([str(last), str(tmp_path / "one.pt")]) == 0
     assert "sharded -> single file" in capsys.readouterr().out
@@ -66,6 +70,13 @@ def test_fsdp_one_process_sharded_checkpoint_converts_both_ways(compose_train, t
     assert all(_tensors_equal(one["optimizer"]["state"][i], two["optimizer"]["state"][i]) for i in one["optimizer"]["state"])
     assert one["scheduler"] == two["scheduler"] and one["rng"][0]["python"] == two["rng"][0]["python"]
 
+    from mesa_train.train.errors import RunDirError
+
+    with pytest.raises(RunDirError, match="checkpoints/last.dcp"):  # a fresh start never replaces it ...
+        fit(compose_train(FSDP + ["trainer.resume=null"]), str(run))
+    with pytest.raises(RunDirError, match="checkpoints/last.dcp"):  # ... nor resumes it under DDP
+        fit(compose_train(FSDP[:-1]), str(run))
+
     from_file = evaluate_checkpoint(str(tmp_path / "one.pt"), device="cpu", num_workers=0)
     from_dcp = evaluate_checkpoint(str(last), device="cpu", num_workers=0)
     assert from_file["loss"] == from_dcp["loss"] and from_file["top1"] == summary["top1"]
@@ -77,3 +88,11 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "junk.dcp").mkdir()
     assert convert_main([str(tmp_path / "junk.dcp"), str(tmp_path / "x.pt")]) == 2
     assert "not a complete DCP checkpoint" in capsys.readouterr().err
+
+
+def test_checkpoints_from_before_the_strategy_setting_still_resume(compose_train):
+    cfg = ckpt_lib.to_plain(compose_train(TINY_MODELS["deit"]))
+    old = {**cfg, "trainer": {k: v for k, v in cfg["trainer"].items() if k not in ("strategy", "fsdp")}}
+    assert ckpt_lib.changed_settings(old, cfg) == []
+    fsdp = ckpt_lib.to_plain(compose_train(TINY_MODELS["deit"] + ["trainer.strategy=fsdp"]))
+    assert ckpt_lib.changed_settings(old, fsdp) == ["trainer.strategy: 'ddp' -> 'fsdp'"]

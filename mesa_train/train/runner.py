@@ -85,7 +85,10 @@ def resume_path(cfg, run_dir: str) -> str | None:
     fsdp = strategy(cfg) == "fsdp"
     if resume == "auto":
         path = os.path.join(checkpoint_dir(run_dir), last_checkpoint_name(cfg))
-        return path if (sharded.is_sharded(path) if fsdp else os.path.isfile(path)) else None
+        if not fsdp:
+            return path if os.path.isfile(path) else None
+        # A crash between the two renames of sharded.save_sharded leaves only last.dcp.old.
+        return next((p for p in (path, path + ".old") if sharded.is_sharded(p)), None)
     resume = str(resume)
     if not os.path.exists(resume):
         raise ckpt_lib.CheckpointError(f"trainer.resume={resume!r}: no such checkpoint")
@@ -144,6 +147,14 @@ def fit(cfg, run_dir: str, on_accept=None) -> dict:
     dist_utils.init_from_env()
     # FSDP needs a process group even for one process (sharding over one rank).
     own_group = strategy(cfg) == "fsdp" and dist_utils.init_single_process_group()
+    try:
+        return _fit(cfg, run_dir, plain_cfg, on_accept)
+    finally:
+        if own_group:
+            dist_utils.cleanup()
+
+
+def _fit(cfg, run_dir: str, plain_cfg: dict, on_accept) -> dict:
     rank, world = dist_utils.rank(), dist_utils.world_size()
     main = rank == 0
     lock = rundir.RunDirLock(run_dir) if main else None
@@ -164,8 +175,6 @@ def fit(cfg, run_dir: str, on_accept=None) -> dict:
     finally:
         if lock is not None:
             lock.release()
-        if own_group:
-            dist_utils.cleanup()
 
 
 def _remove(path: str) -> None:

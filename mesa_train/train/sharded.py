@@ -78,8 +78,8 @@ def save_sharded(path: str, model: nn.Module, optimizer, meta: dict) -> None:
 
 def _swap_in(tmp: str, path: str) -> None:
     old = path + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
+    if os.path.exists(path):  # (else an .old is the only checkpoint: keep it until tmp is in)
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
     os.replace(tmp, path)
     ckpt_lib._fsync_dir(os.path.dirname(path))
