@@ -96,3 +96,32 @@ def test_checkpoints_from_before_the_strategy_setting_still_resume(compose_train
     assert ckpt_lib.changed_settings(old, cfg) == []
     fsdp = ckpt_lib.to_plain(compose_train(TINY_MODELS["deit"] + ["trainer.strategy=fsdp"]))
     assert ckpt_lib.changed_settings(old, fsdp) == ["trainer.strategy: 'ddp' -> 'fsdp'"]
+
+
+def test_blocks_of_each_family_and_mixed_precision_from_amp(compose_train):
+    from mesa_train.train import distributed as dist_utils
+    from mesa_train.train.fsdp import apply_fsdp, transformer_blocks
+    from mesa_train.train.model import build
+
+    counts = {}
+    for family in ("deit", "swin", "pvt"):
+        model = build(compose_train(TINY_MODELS[family] + ["mesa.enabled=true"]), 10)
+        counts[family] = [type(b).__name__ for b in transformer_blocks(model)]
+    assert counts == {"deit": ["Block"] * 2, "swin": ["SwinTransformerBlock"] * 2, "pvt": ["Block"] * 4}
+
+    own = dist_utils.init_single_process_group()
+    try:
+        model = build(compose_train(TINY_MODELS["deit"] + ["mesa.enabled=true"]), 10)
+        apply_fsdp(model, param_dtype=torch.bfloat16)  # what trainer.amp=bf16 gives
+        seen = []
+        model.blocks[0].mlp.fc1.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 3, 32, 32)).float().sum().backward()
+        assert seen == [torch.bfloat16]  # gathered for compute in bf16 ...
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # ... sharded masters stay fp32
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+        q = model.blocks[0].mlp.fc1.quantizer
+        assert q.alpha.dtype == torch.float32 and bool(q.initialized)  # Mesa estimates untouched by it
+    finally:
+        if own:
+            dist_utils.cleanup()
