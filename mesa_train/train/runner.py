@@ -327,8 +327,8 @@ def _banner(cfg, run_dir: str, r: _Run) -> None:
         f"{cfg.model.img_size}px; {mesa}",
         f"data {cfg.data.name}: {n_train} train / {n_val} val images; {workers} loader workers per process"
         + (f" (trainer.num_workers={t.num_workers} capped by the CPU cores)" if workers < t.num_workers else ""),
-        f"device {r.device} x {r.world} process(es), {_strategy_text(cfg, r.world)}; AMP {r.amp}"
-        + (" (trainer.amp=auto)" if t.amp == "auto" else ""),
+        f"device {r.device} x {r.world} process(es); AMP {r.amp}" + (" (trainer.amp=auto)" if t.amp == "auto" else "")
+        + f"; {_strategy_text(cfg, r.world)}",
         f"global batch {total_batch} ({t.batch_size} x {r.world} x {t.grad_accum} accumulation); "
         f"lr {r.lr:.3g} ({lr_note}); {o.opt}, {o.sched} schedule"
         + (f", layer decay {o.layer_decay}" if o.get("layer_decay") is not None else ""),
