@@ -398,9 +398,8 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                 "num_classes": loaders.num_classes, "metrics": metrics or {},
             }
             last = os.path.join(ckpt_dir, "last.dcp")
-            sharded.save_sharded(last, model, r.optimizer, meta)  # every rank writes its shards
-            if best and main:
-                sharded.copy_sharded(last, os.path.join(ckpt_dir, "best.dcp"))
+            sharded.save_sharded(last, model, r.optimizer, meta,  # every rank writes its shards
+                                 copy_to=os.path.join(ckpt_dir, "best.dcp") if best else None)
         elif main:
             payload = {
                 "model": model.state_dict(),

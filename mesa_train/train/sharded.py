@@ -31,7 +31,6 @@ from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 
 META = "meta.pt"
-SUFFIX = ".dcp"
 
 
 def is_sharded(path: str) -> bool:
@@ -57,23 +56,45 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None):
     return {"model": msd, "optimizer": osd}
 
 
-def save_sharded(path: str, model: nn.Module, optimizer, meta: dict) -> None:
-    """Collective: every rank calls it. ``meta`` (rank 0's) goes to ``meta.pt``."""
+def save_sharded(path: str, model: nn.Module, optimizer, meta: dict, copy_to: str | None = None) -> None:
+    """Collective: every rank calls it. ``meta`` (rank 0's) goes to ``meta.pt``; then
+    rank 0 copies the checkpoint to ``copy_to`` when given (best.dcp)."""
     import torch.distributed.checkpoint as dcp
 
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp")
-    main = dist_utils.rank() == 0
-    if main:
+
+    def prepare():
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist_utils.barrier()
-    with _quiet_single_process():
-        dcp.save(_state_dicts(model, optimizer), checkpoint_id=tmp)
-    if main:
+
+    def finish():
         ckpt_lib.save_checkpoint({"model": None, "sharded": True, **meta}, os.path.join(tmp, META))
         _swap_in(tmp, path)
-    dist_utils.barrier()
+        if copy_to is not None:
+            copy_sharded(path, copy_to)
+
+    _on_rank0(prepare)
+    with _quiet_single_process():
+        dcp.save(_state_dicts(model, optimizer), checkpoint_id=tmp)  # raises on every rank if one fails
+    _on_rank0(finish)
+
+
+def _on_rank0(fn) -> None:
+    """``fn()`` on rank 0; a file-system error there is raised on every rank (no rank is
+    left waiting in the next collective)."""
+    error = None
+    if dist_utils.rank() == 0:
+        try:
+            fn()
+        except OSError as err:
+            error = err
+    if dist_utils.world_size() > 1:
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
 
 
 def _swap_in(tmp: str, path: str) -> None:
