@@ -1,6 +1,7 @@
 """Evaluate a checkpoint written by train.py: top-1 / top-5 on a validation set.
 
     python evaluate.py checkpoint=outputs/2025-01-01/12-00-00/checkpoints/best.pt
+    python evaluate.py checkpoint=outputs/my_fsdp_run/checkpoints/last.dcp   # sharded (FSDP): read whole
     python evaluate.py checkpoint=PATH data=cifar100 data.root=data/cifar100 ema=true
     python evaluate.py checkpoint=PATH data.root=/elsewhere/imagenet trainer.batch_size=256
 

@@ -3,6 +3,9 @@
     python train.py model=deit_ti data=cifar100 data.root=data/cifar100 'mesa.ops=[gelu,softmax]'
     python train.py experiment=cifar100_deit_ti_mesa            # a paper setting
     torchrun --nproc_per_node=8 train.py experiment=imagenet_deit_ti_mesa data.root=/data/imagenet
+    torchrun --nproc_per_node=8 train.py experiment=imagenet_deit_b_mesa trainer.strategy=fsdp ...  # FSDP2
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29400 \
+        --rdzv_id=RUN train.py trainer.strategy=fsdp ...      # on every node (configs/README.md)
     python train.py -m mesa.decay=0,0.9,0.99 trainer.max_steps=100   # sweep + summary table
 
 Configs live in configs/ (see configs/train.yaml); the work is done by

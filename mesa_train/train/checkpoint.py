@@ -211,7 +211,7 @@ def check_compatible(saved_cfg: dict, cfg: dict, path: str) -> None:
 RESUME_MAY_CHANGE = (
     "name", "logger", "model.pretrained_path", "data.root", "data.download", "data.verify_md5",
     "data.skip_corrupt",
-    "trainer.max_steps", "trainer.device", "trainer.num_workers", "trainer.pin_memory",
+    "trainer.max_steps", "trainer.device", "trainer.fsdp", "trainer.num_workers", "trainer.pin_memory",
     "trainer.progress", "trainer.log_every", "trainer.checkpoint_every", "trainer.eval_every",
     "trainer.resume", "trainer.overwrite", "trainer.compile", "trainer.channels_last",
     "trainer.grad_checkpointing", "trainer.nonfinite", "trainer.max_nonfinite_skips",
@@ -227,10 +227,17 @@ def _flatten(tree, prefix: str = "") -> dict:
     return {prefix[:-1]: tree}
 
 
+# Settings added after checkpoints were already being written: one that a checkpoint does
+# not have was this value then (so older runs still resume).
+ADDED_SETTINGS = {"trainer.strategy": "ddp"}
+
+
 def changed_settings(saved_cfg: dict, cfg: dict) -> list[str]:
     """``key: checkpoint -> now`` for every setting that differs and may not change on
     resume (see ``RESUME_MAY_CHANGE``)."""
     old, new = _flatten(saved_cfg or {}), _flatten(cfg or {})
+    for key, value in ADDED_SETTINGS.items():
+        old.setdefault(key, value)
 
     def allowed(key: str) -> bool:
         return any(key == p or key.startswith(p + ".") for p in RESUME_MAY_CHANGE)

@@ -21,6 +21,7 @@ NONFINITE_MODES = ("stop", "skip")
 # timm.scheduler.create_scheduler_v2's names
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "plateau", "poly", "constant", "rsqrt")
 DEVICES = ("auto", "cpu", "cuda")
+STRATEGIES = ("ddp", "fsdp")
 DATASETS = ("cifar100", "imagenet", "digits", "synthetic")
 
 
@@ -92,6 +93,7 @@ def validate(cfg) -> None:
     if not (isinstance(skips, int) and skips >= 1):
         errors.append(f"trainer.max_nonfinite_skips={skips!r} must be an integer >= 1")
     _check_wandb(cfg, errors)
+    _check_strategy(cfg, errors)
     if t.device == "cuda":
         import torch
 
@@ -100,6 +102,30 @@ def validate(cfg) -> None:
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _check_strategy(cfg, errors: list[str]) -> None:
+    """``trainer.strategy`` and the ``trainer.fsdp`` options (see mesa_train/train/fsdp.py)."""
+    t = cfg.trainer
+    strategy = t.get("strategy", "ddp")
+    if strategy not in STRATEGIES:
+        errors.append(f"trainer.strategy={strategy!r} is not valid; choose one of: {', '.join(STRATEGIES)}")
+        return
+    fsdp = t.get("fsdp") or {}
+    for key in ("reshard_after_forward", "cpu_offload"):
+        if not isinstance(fsdp.get(key, False), bool):
+            errors.append(f"trainer.fsdp.{key}={fsdp.get(key)!r} must be true or false")
+    if strategy != "fsdp":
+        return
+    if cfg.optim.get("ema"):
+        errors.append("optim.ema=true is not supported with trainer.strategy=fsdp (the EMA copy would not be "
+                      "sharded); use trainer.strategy=ddp or optim.ema=false")
+    if t.get("compile"):
+        errors.append("trainer.compile=true is not supported with trainer.strategy=fsdp yet; use "
+                      "trainer.strategy=ddp or trainer.compile=false")
+    if fsdp.get("cpu_offload") is True and t.device == "cpu":
+        errors.append("trainer.fsdp.cpu_offload=true needs a GPU (the model already lives in host memory with "
+                      "trainer.device=cpu)")
 
 
 def _check_model(cfg, errors: list[str]) -> None:

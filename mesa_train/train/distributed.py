@@ -59,6 +59,16 @@ def init_from_env() -> bool:
     return True
 
 
+def init_single_process_group() -> bool:
+    """A one-rank process group (FSDP needs one even in a single process). Returns True
+    when it created it (the caller then destroys it); False when a group exists."""
+    if is_distributed():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
 def share_run_stamp() -> None:
     """Give every rank rank 0's timestamp (in ``MESA_RUN_STAMP``), so that the Hydra
     run directory ``outputs/${oc.env:MESA_RUN_STAMP,...}`` is the same on all ranks.
@@ -92,6 +102,16 @@ def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
         return
     for buf in module.buffers():
         dist.broadcast(buf.data, src=src)
+
+
+def broadcast_state(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank (what DDP does when it
+    wraps a model; FSDP2 does not)."""
+    if not is_distributed() or world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src)
 
 
 def buffers_consistent(module: torch.nn.Module, device: torch.device) -> bool:

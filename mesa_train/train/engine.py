@@ -53,6 +53,9 @@ class Parts:
     nonfinite: str = "stop"        # stop | skip (see train_one_epoch)
     max_nonfinite_skips: int = 10  # consecutive skipped steps before stopping anyway
     extra: dict = field(default_factory=dict)  # running totals shared with the runner
+    # Makes the Mesa running estimates identical on all ranks after each optimizer step
+    # (mesa_train.train.estimates.EstimateSync); None in a single process.
+    estimate_sync: Any = None
 
 
 NONFINITE_HINT = ("lower the learning rate (optim.lr / optim.base_lr), clip gradients (trainer.clip_grad=1.0), "
@@ -77,7 +80,10 @@ def first_nonfinite_step(parts: Parts, model: nn.Module) -> int | None:
     step = int(flagged) if flagged is not None else -1
     if step >= 0:
         return step
-    params = [p for p in unwrap(model).parameters()]
+    from mesa_train.train.fsdp import local_tensor
+
+    # FSDP: each rank checks its own shards (the runner combines the ranks' answers).
+    params = [local_tensor(p) for p in unwrap(model).parameters()]
     if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
         return int(parts.extra.get("step", 0))
     return None
@@ -111,8 +117,11 @@ def _to_device(parts: Parts, images, targets):
 
 def _grad_norm(parts: Parts, model: nn.Module) -> torch.Tensor:
     """Clip to ``clip_grad`` when set; the total norm either way (inf/nan when a gradient is)."""
+    from mesa_train.train.fsdp import full_tensor
+
     max_norm = parts.clip_grad if parts.clip_grad else float("inf")
-    return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # FSDP: sharded gradients give a DTensor norm; its full value is the global norm.
+    return full_tensor(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
 def _optimizer_step(parts: Parts, model: nn.Module, state: TrainState, step_loss_ok: torch.Tensor) -> bool:
@@ -217,7 +226,9 @@ def train_one_epoch(
         if parts.mixup is not None:
             images, targets = parts.mixup(images, targets)
         update = (i + 1) % accum == 0 or i + 1 == batches_per_epoch
-        # DDP: only all-reduce gradients on the micro-batch that ends an update.
+        # DDP: only all-reduce gradients on the micro-batch that ends an update. (FSDP
+        # reduce-scatters every micro-batch into the sharded gradients: keeping whole
+        # unsharded gradients between micro-batches would undo its memory saving.)
         sync = model.no_sync() if (not update and hasattr(model, "no_sync")) else contextlib.nullcontext()
         meter = contextlib.nullcontext()
         if measure_saved and saved_bytes is None:
@@ -259,6 +270,8 @@ def train_one_epoch(
 
         if update:
             applied = _optimizer_step(parts, model, state, step_loss_ok)
+            if parts.estimate_sync is not None:  # every rank, applied or skipped: a collective
+                parts.estimate_sync.sync()
             step_loss_ok.fill_(True)
             state.step += 1
             parts.extra["step"] = state.step
@@ -347,16 +360,22 @@ def _eta(elapsed: float, batches: int, batches_left: int, max_steps: int | None,
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, amp_dtype=None,
-             num_classes: int = 1000, channels_last: bool = False) -> dict:
+             num_classes: int = 1000, channels_last: bool = False, lockstep_shape=None) -> dict:
     """Cross-entropy loss, top-1 and top-5 accuracy (%) over the whole loader, summed over
-    ranks. Pass the unwrapped model (no DDP collectives during evaluation)."""
+    ranks. Pass the unwrapped model (no DDP collectives during evaluation).
+
+    ``lockstep_shape`` (an image batch shape, for a sharded FSDP model whose forward is a
+    collective): every rank runs as many forwards as the rank with the most batches, the
+    extra ones on a zero batch of that shape and left out of the metrics."""
     from timm.utils import accuracy
 
     model.eval()
     topk = (1, min(5, num_classes))
     criterion = nn.CrossEntropyLoss(reduction="sum")
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, images
+    batches = 0
     for images, targets in loader:
+        batches += 1
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         if channels_last:
@@ -368,6 +387,12 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp_dtype=None,
         acc1, acc5 = accuracy(outputs, targets, topk=topk)
         sums += torch.stack([criterion(outputs, targets).double(), acc1.double() * n / 100,
                              acc5.double() * n / 100, torch.tensor(float(n), device=device, dtype=torch.float64)])
+    if lockstep_shape is not None and dist_utils.world_size() > 1:
+        most = torch.tensor([batches], device=device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        for _ in range(int(most) - batches):
+            with autocast(device, amp_dtype):
+                model(torch.zeros(tuple(lockstep_shape), device=device))
     loss, top1, top5, total = dist_utils.all_reduce_sum(sums.tolist(), device)
     total = max(total, 1.0)
     return {"loss": loss / total, "top1": 100.0 * top1 / total, "top5": 100.0 * top5 / total, "images": int(total)}

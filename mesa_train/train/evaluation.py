@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+import os
+
 from mesa_train.train import checkpoint as ckpt_lib
+from mesa_train.train import sharded
 from mesa_train.train.config import ConfigError, validate
 from mesa_train.train.data import build_loaders
 from mesa_train.train.engine import evaluate
@@ -22,7 +25,8 @@ def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, 
     ``name``), or single values (no ``name``, nulls ignored) applied to the checkpoint's
     own data config. ``trainer`` (train.py's ``trainer.*`` names) wins over the keyword
     defaults ``batch_size``, ``num_workers``, ``device``, ``amp``."""
-    ckpt = ckpt_lib.load_checkpoint(path)
+    # A sharded FSDP checkpoint (last.dcp/) is read whole into this one process.
+    ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
     cfg = OmegaConf.create(ckpt["config"])
     if data:
         values = {k: v for k, v in data.items() if v is not None}
@@ -50,6 +54,8 @@ def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, 
         if ckpt.get("ema") is None:
             raise ckpt_lib.CheckpointError(f"{path} has no EMA weights (trained with optim.ema=false)")
         ckpt_lib.load_model_state(model, ckpt["ema"], path, what="EMA")
+    elif ckpt.get("sharded"):
+        sharded.load_sharded(path, model)
     else:
         ckpt_lib.load_model_state(model, ckpt["model"], path)
     dev = resolve_device(cfg.trainer.device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -25,7 +26,9 @@ from mesa_train.train.errors import RunDirError
 LOCK_NAME = ".lock"
 # Files a training run writes; their presence means "a run lived here".
 ARTIFACTS = ("checkpoints/last.pt", "checkpoints/best.pt", "metrics.csv", "metrics.jsonl", "steps.csv",
-             "summary.json")
+             "summary.json",
+             # sharded checkpoints (trainer.strategy=fsdp) are directories
+             "checkpoints/last.dcp", "checkpoints/best.dcp", "checkpoints/last.dcp.old")
 
 
 class RunDirLock:
@@ -127,7 +130,11 @@ def refuse_or_clear(run_dir: str, overwrite: bool) -> None:
             "trainer.overwrite=true"
         )
     for name in found:
-        os.remove(os.path.join(run_dir, name))
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def clean_stale_temporaries(checkpoint_dir: str) -> list[str]:
@@ -140,6 +147,10 @@ def clean_stale_temporaries(checkpoint_dir: str) -> list[str]:
             removed.append(path)
         except OSError:
             pass
+    # sharded checkpoints: .last.dcp.tmp/ (a save in progress) and best.dcp's copy
+    for path in glob.glob(os.path.join(checkpoint_dir, ".*.dcp.tmp")):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed
 
 

@@ -21,10 +21,12 @@ import torch
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 from mesa_train.train import rundir
+from mesa_train.train import sharded
 from mesa_train.train.config import learning_rate, validate
 from mesa_train.train.data import build_loaders, build_mixup, worker_count
 from mesa_train.train.engine import (NONFINITE_HINT, Parts, TrainState, build_criterion, epoch_totals, evaluate,
                                      first_nonfinite_step, train_one_epoch)
+from mesa_train.train.estimates import EstimateSync, buffers_identical
 from mesa_train.train.errors import Interrupted, NonFiniteError, RunDirError
 from mesa_train.train.loggers import RunLogger
 from mesa_train.train.model import build as build_model_from_cfg
@@ -64,18 +66,42 @@ def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
 
+def strategy(cfg) -> str:
+    return str(cfg.trainer.get("strategy", "ddp"))
+
+
+def last_checkpoint_name(cfg) -> str:
+    """``last.pt`` (one file, DDP / one process) or ``last.dcp`` (sharded, FSDP)."""
+    return "last.dcp" if strategy(cfg) == "fsdp" else "last.pt"
+
+
 def resume_path(cfg, run_dir: str) -> str | None:
-    """``trainer.resume``: null -> None; auto -> the run dir's last.pt when it exists;
-    anything else is a checkpoint path that must exist."""
+    """``trainer.resume``: null -> None; auto -> the run dir's last.pt (last.dcp/ with
+    trainer.strategy=fsdp) when it exists; anything else is a checkpoint path that must
+    exist and be of the strategy's kind (a file for ddp, a DCP directory for fsdp)."""
     resume = cfg.trainer.resume
     if resume in (None, False, "", "null", "none"):
         return None
+    fsdp = strategy(cfg) == "fsdp"
     if resume == "auto":
-        path = os.path.join(checkpoint_dir(run_dir), "last.pt")
-        return path if os.path.isfile(path) else None
-    if not os.path.isfile(str(resume)):
-        raise ckpt_lib.CheckpointError(f"trainer.resume={resume!r}: no such checkpoint file")
-    return str(resume)
+        path = os.path.join(checkpoint_dir(run_dir), last_checkpoint_name(cfg))
+        if not fsdp:
+            return path if os.path.isfile(path) else None
+        # A crash between the two renames of sharded.save_sharded leaves only last.dcp.old.
+        return next((p for p in (path, path + ".old") if sharded.is_sharded(p)), None)
+    resume = str(resume)
+    if not os.path.exists(resume):
+        raise ckpt_lib.CheckpointError(f"trainer.resume={resume!r}: no such checkpoint")
+    convert = "python -m mesa_train.train.convert"
+    if fsdp and not os.path.isdir(resume):
+        raise ckpt_lib.CheckpointError(
+            f"trainer.resume={resume!r} is a single-file checkpoint; trainer.strategy=fsdp resumes from a sharded "
+            f"one: {convert} {resume} {os.path.splitext(resume)[0]}.dcp")
+    if not fsdp and os.path.isdir(resume):
+        raise ckpt_lib.CheckpointError(
+            f"trainer.resume={resume!r} is a sharded (FSDP) checkpoint; resume it with trainer.strategy=fsdp, or "
+            f"make a single file of it: {convert} {resume} {resume.rstrip('/').removesuffix('.dcp')}.pt")
+    return resume
 
 
 def _on_rank0(fn, main: bool, world: int):
@@ -104,7 +130,7 @@ def _read_resume_checkpoint(cfg, run_dir: str, plain_cfg: dict):
             _on_rank0(lambda: rundir.refuse_or_clear(run_dir, overwrite=False), dist_utils.rank() == 0,
                       dist_utils.world_size())
         return None, None
-    ckpt = ckpt_lib.load_checkpoint(path)
+    ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
     ckpt_lib.check_compatible(ckpt["config"], plain_cfg, path)
     ckpt_lib.check_same_settings(ckpt["config"], plain_cfg, path)
     return path, ckpt
@@ -119,6 +145,16 @@ def fit(cfg, run_dir: str, on_accept=None) -> dict:
     check_buildable(cfg, int(cfg.data.num_classes or 10))
     plain_cfg = ckpt_lib.to_plain(cfg)
     dist_utils.init_from_env()
+    # FSDP needs a process group even for one process (sharding over one rank).
+    own_group = strategy(cfg) == "fsdp" and dist_utils.init_single_process_group()
+    try:
+        return _fit(cfg, run_dir, plain_cfg, on_accept)
+    finally:
+        if own_group:
+            dist_utils.cleanup()
+
+
+def _fit(cfg, run_dir: str, plain_cfg: dict, on_accept) -> dict:
     rank, world = dist_utils.rank(), dist_utils.world_size()
     main = rank == 0
     lock = rundir.RunDirLock(run_dir) if main else None
@@ -174,30 +210,12 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
         from timm.utils import ModelEmaV3
 
         ema = ModelEmaV3(model, decay=o.ema_decay)
-    train_model = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        # DDP's default buffer sync sends rank 0's buffers (the Mesa running estimates) to
-        # every rank before each forward, so all ranks quantize with the same estimates.
-        train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    train_model = _wrap(cfg, model, device, amp_dtype, world)
     if t.compile:
         train_model = torch.compile(train_model)
 
-    from timm.optim import create_optimizer_v2
-    from timm.scheduler import create_scheduler_v2
-
     lr = learning_rate(cfg, world)
-    opt_kwargs = {"eps": o.eps} if o.eps is not None else {}
-    if o.get("layer_decay") is not None:
-        opt_kwargs["layer_decay"] = float(o.layer_decay)
-    optimizer = create_optimizer_v2(model, opt=o.opt, lr=lr, weight_decay=o.weight_decay,
-                                    momentum=o.momentum, **opt_kwargs)
-    updates_per_epoch = math.ceil(loaders.train_batches / t.grad_accum)
-    scheduler, _ = create_scheduler_v2(
-        optimizer, sched=o.sched, num_epochs=t.epochs, warmup_epochs=o.warmup_epochs,
-        warmup_lr=o.warmup_lr, min_lr=o.min_lr, step_on_epochs=False, updates_per_epoch=updates_per_epoch,
-    )
+    optimizer, scheduler = build_optimizer(cfg, model, lr, loaders.train_batches)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     mixup = build_mixup(cfg, loaders.num_classes)
     criterion = build_criterion(o.smoothing, mixup is not None)
@@ -212,15 +230,62 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
     parts = Parts(model=train_model, optimizer=optimizer, criterion=criterion, device=device,
                   scheduler=scheduler, scaler=scaler, amp_dtype=amp_dtype, mixup=mixup, ema=ema,
                   grad_accum=t.grad_accum, clip_grad=t.clip_grad, channels_last=t.channels_last,
-                  nonfinite=t.get("nonfinite", "stop"), max_nonfinite_skips=int(t.get("max_nonfinite_skips", 10)))
+                  nonfinite=t.get("nonfinite", "stop"), max_nonfinite_skips=int(t.get("max_nonfinite_skips", 10)),
+                  estimate_sync=EstimateSync(model) if world > 1 else None)
     return _Run(device=device, amp=amp, amp_dtype=amp_dtype, loaders=loaders, model=model, ema=ema,
                 optimizer=optimizer, scheduler=scheduler, scaler=scaler, parts=parts, state=state, lr=lr,
                 path=path, ckpt=ckpt, rank=rank, world=world, plain_cfg=plain_cfg)
 
 
+def _wrap(cfg, model, device, amp_dtype, world):
+    """The module that trains: FSDP2 shards ``model`` in place (trainer.strategy=fsdp);
+    DDP wraps it (several processes); one process trains ``model`` itself."""
+    if strategy(cfg) == "fsdp":
+        from mesa_train.train.fsdp import apply_fsdp
+
+        options = cfg.trainer.get("fsdp") or {}
+        # Each rank initialised its own weights (seed + rank); fully_shard keeps each rank's
+        # slice of its own copy, so start every rank from rank 0's model, as DDP does.
+        dist_utils.broadcast_state(model)
+        return apply_fsdp(model, param_dtype=amp_dtype,
+                          reshard_after_forward=bool(options.get("reshard_after_forward", True)),
+                          cpu_offload=bool(options.get("cpu_offload", False)))
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # No buffer broadcast before each forward: the Mesa estimates follow the trainer's
+        # cross-rank policy instead (EstimateSync after each optimizer step, as under FSDP).
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       forward_sync_buffers=False)
+    return model
+
+
+def build_optimizer(cfg, model, lr: float, train_batches: int):
+    """timm optimizer and per-update scheduler as ``optim`` says (``model`` may be sharded:
+    the optimizer then holds this rank's shards)."""
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import create_scheduler_v2
+
+    t, o = cfg.trainer, cfg.optim
+    opt_kwargs = {"eps": o.eps} if o.eps is not None else {}
+    if o.get("layer_decay") is not None:
+        opt_kwargs["layer_decay"] = float(o.layer_decay)
+    optimizer = create_optimizer_v2(model, opt=o.opt, lr=lr, weight_decay=o.weight_decay,
+                                    momentum=o.momentum, **opt_kwargs)
+    updates_per_epoch = math.ceil(train_batches / t.grad_accum)
+    scheduler, _ = create_scheduler_v2(
+        optimizer, sched=o.sched, num_epochs=t.epochs, warmup_epochs=o.warmup_epochs,
+        warmup_lr=o.warmup_lr, min_lr=o.min_lr, step_on_epochs=False, updates_per_epoch=updates_per_epoch,
+    )
+    return optimizer, scheduler
+
+
 def _restore(ckpt, path, model, optimizer, scheduler, scaler, ema, o, rank, world):
-    ckpt_lib.load_model_state(model, ckpt["model"], path)
-    optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt.get("sharded"):
+        sharded.load_sharded(path, model, optimizer)  # every rank reads its shards
+    else:
+        ckpt_lib.load_model_state(model, ckpt["model"], path)
+        optimizer.load_state_dict(ckpt["optimizer"])
     if ckpt.get("scheduler") is not None:
         scheduler.load_state_dict(ckpt["scheduler"])
     if scaler is not None and ckpt.get("scaler") is not None:
@@ -262,7 +327,8 @@ def _banner(cfg, run_dir: str, r: _Run) -> None:
         f"{cfg.model.img_size}px; {mesa}",
         f"data {cfg.data.name}: {n_train} train / {n_val} val images; {workers} loader workers per process"
         + (f" (trainer.num_workers={t.num_workers} capped by the CPU cores)" if workers < t.num_workers else ""),
-        f"device {r.device} x {r.world} process(es); AMP {r.amp}" + (" (trainer.amp=auto)" if t.amp == "auto" else ""),
+        f"device {r.device} x {r.world} process(es); AMP {r.amp}" + (" (trainer.amp=auto)" if t.amp == "auto" else "")
+        + f"; {_strategy_text(cfg, r.world)}",
         f"global batch {total_batch} ({t.batch_size} x {r.world} x {t.grad_accum} accumulation); "
         f"lr {r.lr:.3g} ({lr_note}); {o.opt}, {o.sched} schedule"
         + (f", layer decay {o.layer_decay}" if o.get("layer_decay") is not None else ""),
@@ -281,6 +347,14 @@ def _banner(cfg, run_dir: str, r: _Run) -> None:
     log.info("Mesa layout:\n%s", _describe(r.model))
 
 
+def _strategy_text(cfg, world: int) -> str:
+    if strategy(cfg) == "fsdp":
+        o = cfg.trainer.get("fsdp") or {}
+        return (f"FSDP2 per block (reshard_after_forward={o.get('reshard_after_forward', True)}, "
+                f"cpu_offload={o.get('cpu_offload', False)}), sharded checkpoints")
+    return "DDP" if world > 1 else "no data parallelism"
+
+
 def _train(cfg, run_dir: str, r: _Run) -> dict:
     t = cfg.trainer
     main = r.rank == 0
@@ -292,13 +366,16 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     ckpt_dir = checkpoint_dir(run_dir)
     has_val = len(loaders.val.dataset) > 0
     saved = {"step": state.step if r.path else None}  # the step last.pt holds
+    fsdp = strategy(cfg) == "fsdp"
+    # A sharded model's forward is a collective: all ranks evaluate the same number of batches.
+    lockstep = (1, 3, cfg.model.img_size, cfg.model.img_size) if fsdp else None
 
     def ensure_finite() -> None:
         # Nothing non-finite reaches a checkpoint: every rank checks, all agree.
         bad = first_nonfinite_step(parts, model)
         any_bad = dist_utils.all_reduce_sum([0.0 if bad is None else 1.0], r.device)[0] > 0
         if any_bad:
-            kept = (f"checkpoints/last.pt still holds step {saved['step']}" if saved["step"] is not None
+            kept = (f"checkpoints/{last_checkpoint_name(cfg)} still holds step {saved['step']}" if saved["step"] is not None
                     else "no checkpoint was written")
             where = f"at step {bad}" if bad is not None else "on another rank"
             raise NonFiniteError(f"non-finite loss or gradient {where} (epoch {state.epoch}); stopped without "
@@ -313,7 +390,17 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
             gathered = [None] * r.world
             torch.distributed.all_gather_object(gathered, rngs[0])
             rngs = gathered
-        if main:
+        if fsdp:
+            meta = {
+                "scheduler": r.scheduler.state_dict(),
+                "scaler": r.scaler.state_dict() if r.scaler is not None else None,
+                "ema": None, "state": vars(state).copy(), "rng": rngs, "config": r.plain_cfg,
+                "num_classes": loaders.num_classes, "metrics": metrics or {},
+            }
+            last = os.path.join(ckpt_dir, "last.dcp")
+            sharded.save_sharded(last, model, r.optimizer, meta,  # every rank writes its shards
+                                 copy_to=os.path.join(ckpt_dir, "best.dcp") if best else None)
+        elif main:
             payload = {
                 "model": model.state_dict(),
                 "optimizer": r.optimizer.state_dict(),
@@ -352,7 +439,9 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                     break
                 sampler.set_epoch(state.epoch, start=state.batch_in_epoch * t.batch_size)
                 epoch_start = time.perf_counter()
-                measure = not measured and not t.compile
+                # The saved-tensor meter tells parameters from activations by storage: it
+                # cannot see through FSDP's gathered parameters, so FSDP runs skip it.
+                measure = not measured and not t.compile and not fsdp
                 if measure and cfg.mesa.enabled and stock_bytes is None:
                     stock_bytes = _stock_saved_bytes(model, cfg, r)
                 train_out = train_one_epoch(
@@ -374,7 +463,6 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                 epoch = state.epoch
                 epoch_done = state.batch_in_epoch >= loaders.train_batches
                 stopped = t.max_steps is not None and state.step >= t.max_steps
-                dist_utils.broadcast_buffers(model)  # rank 0's estimates everywhere before eval/save
                 row = {"epoch": epoch, "step": state.step, **train_out, "saved_bytes": saved_bytes,
                        "stock_saved_bytes": stock_bytes}
                 if epoch_done:
@@ -383,7 +471,8 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                                             or (epoch_done and state.epoch % t.eval_every == 0))
                 best = False
                 if evaluate_now:
-                    val = evaluate(model, loaders.val, r.device, r.amp_dtype, loaders.num_classes, t.channels_last)
+                    val = evaluate(model, loaders.val, r.device, r.amp_dtype, loaders.num_classes, t.channels_last,
+                                   lockstep_shape=lockstep)
                     row.update(val_loss=val["loss"], top1=val["top1"], top5=val["top5"])
                     if parts.ema is not None:
                         ema_val = evaluate(parts.ema.module, loaders.val, r.device, r.amp_dtype,
@@ -417,14 +506,15 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
         "saved_bytes": saved_bytes, "stock_saved_bytes": stock_bytes,
         "skipped_steps": state.skipped_steps,
         "peak_memory_bytes": last_row.get("peak_memory_bytes"),
-        "buffers_consistent": dist_utils.buffers_consistent(model, r.device),
+        "buffers_consistent": buffers_identical(model, r.device),
+        "strategy": strategy(cfg),
         "run_dir": os.path.abspath(run_dir),
     }
     logger.write_summary(summary)
     dist_utils.barrier()
     if stop_signal.signum is not None:
         raise Interrupted(f"interrupted at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch}): "
-                          f"saved {os.path.join(ckpt_dir, 'last.pt')}; run the same command to resume",
+                          f"saved {os.path.join(ckpt_dir, last_checkpoint_name(cfg))}; run the same command to resume",
                           stop_signal.signum)
     return summary
 
