@@ -154,6 +154,7 @@ def test_fullgraph_under_ddp(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_train_step():
     """mode="reduce-overhead" captures the training step in a CUDA graph: the seeds come
     from the quantizers' device-side counters, so every replay draws fresh rounding noise

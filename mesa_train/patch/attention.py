@@ -89,7 +89,8 @@ def _explicit_core(module, q, k, v, bias_fn=None):
     attn = module.qk_matmul(q, k.transpose(-2, -1))
     if bias_fn is not None:
         attn = bias_fn(attn)
-    if isinstance(module.softmax, MesaSoftmax) and isinstance(module.av_matmul, MesaMatMul):
+    if (isinstance(module.softmax, MesaSoftmax) and isinstance(module.av_matmul, MesaMatMul)
+            and not isinstance(attn, torch.fx.Proxy)):  # (fx: module calls stay leaf nodes)
         # hand the softmax's 8-bit copy of the map to `attn @ v` explicitly (stored once;
         # unlike the eager-only sharing cache this also holds under torch.compile)
         probs, copy = module.softmax.forward_with_copy(attn)
