@@ -10,10 +10,12 @@ import os
 from typing import Any
 
 from mesa_train.models import MODEL_NAMES, is_known_model
+from mesa_train.patch import MODULE_SETS, OPS
 
 # Valid names, as documented in docs/DESIGN.md (mesa_train.patch).
-MESA_OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa", "all")
-MESA_MODULES = ("msa", "ffn", "other", "all")
+# the library's own lists (one source of truth: a new op is valid here the day it lands)
+MESA_OPS = tuple(OPS) + ("all",)
+MESA_MODULES = tuple(MODULE_SETS) + ("all",)
 MESA_ESTIMATORS = ("running", "per_sample")
 MESA_ROUNDINGS = ("stochastic", "nearest")
 AMP_MODES = ("auto", "bf16", "fp16", "none")
@@ -65,6 +67,8 @@ def validate(cfg) -> None:
         )
     choice("mesa.estimator", m.estimator, MESA_ESTIMATORS)
     choice("mesa.rounding", m.rounding, MESA_ROUNDINGS)
+    if not isinstance(m.get("row_scale", True), bool):
+        errors.append(f"mesa.row_scale={m.row_scale!r} must be true or false")
     if not isinstance(m.symmetric, bool):
         errors.append(f"mesa.symmetric={m.symmetric!r} must be true or false")
     if not (isinstance(m.decay, (int, float)) and 0.0 <= m.decay < 1.0):
@@ -202,6 +206,7 @@ def mesa_options(cfg) -> dict:
         "estimator": m.estimator,
         "symmetric": m.symmetric,
         "rounding": m.rounding,
+        "row_scale": m.get("row_scale"),
     }
     return {k: v for k, v in opts.items() if v is not None}
 
