@@ -19,7 +19,9 @@ def _not_a_view(out: torch.Tensor) -> torch.Tensor:
     ``x.add_(pos_embed)`` after the layer), which a stock Linear allows. ``_unsafe_view``
     gives the same memory, bitwise, without the view relation (what ``torch.matmul`` itself
     returns for folded batch dims)."""
-    if not out._is_view():
+    # (Tensor._is_view cannot be traced: under torch.compile take the unconditional form,
+    # an _unsafe_view of a tensor that is not a view is that tensor's memory all the same)
+    if not torch.compiler.is_compiling() and not out._is_view():
         return out
     return torch.ops.aten._unsafe_view(out, out.shape) if out.is_contiguous() else out.clone()
 
