@@ -215,7 +215,8 @@ def test_quantizer_matches_step_by_step_reference():
         x = torch.randn(4, 6, 9, generator=g) * (step + 1)
         if step == 2:
             x[0, 0, 0] = float("inf")
-        alpha, beta, _, G = aq.statistics(x, -1)
+        packed = aq.compress(x, -1)
+        alpha, beta, G = packed.alpha, packed.beta, packed.num_groups
         mn, mx = R.group_minmax(x, -1, G, False)
         ra, rb = R.update_estimates(mn, mx, a, b, init, 0.8, False, False, True)
         assert torch.equal(_bits(alpha), _bits(ra)) and torch.equal(_bits(beta), _bits(rb))

@@ -49,7 +49,12 @@ class TinyBlock(nn.Module):
         H = self.heads
         qkv = self.qkv(self.norm1(x)).reshape(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        attn = self.softmax(self.qk(q * self.scale, k.transpose(-2, -1)))
-        o = self.av(attn, v).transpose(1, 2).reshape(B, N, C)
+        scores = self.qk(q * self.scale, k.transpose(-2, -1))
+        if isinstance(self.softmax, Softmax):  # hand the map's 8-bit copy to attn @ v (also compiled)
+            attn, copy = self.softmax.forward_with_copy(scores)
+            o = self.av(attn, v, shared_a=copy)
+        else:
+            o = self.av(self.softmax(scores), v)
+        o = o.transpose(1, 2).reshape(B, N, C)
         x = x + self.proj(o)
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
