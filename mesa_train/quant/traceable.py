@@ -21,20 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from .reference import _M32, lowbias32, update_estimates as _reference_update_estimates
+# canonical, seed_step and update_estimates are the reference's own: already tensor-only
+from .reference import canonical, lowbias32, seed_step, update_estimates
 
 __all__ = ["group_minmax", "observe", "seed_step", "quantize", "dequantize", "canonical"]
 
 _EPS = 1e-12
-_SEED_SALT = 0x68E31DA4
-
-
-def canonical(t: torch.Tensor) -> torch.Tensor:
-    """Every NaN as the quiet NaN 0x7FC00000 and every zero as +0.0 (DESIGN.md): min/max
-    reductions then give the same bits whatever their order or device."""
-    nan = torch.full_like(t, float("nan"))
-    zero = torch.zeros_like(t)
-    return torch.where(torch.isnan(t), nan, torch.where(t == 0, zero, t))
 
 
 def _group_blocks(D: int, G: int) -> list[list[int]]:
@@ -86,22 +78,15 @@ def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = 
     return canonical(mn), canonical(mx)
 
 
-def seed_step(rng: torch.Tensor) -> torch.Tensor:
-    """This call's ``[seed_lo, seed_hi]`` from ``rng = [key, counter]``; advances the counter."""
-    k = lowbias32(rng[0:1])
-    lo = lowbias32(rng[1:2] ^ k)
-    hi = lowbias32(lo ^ k ^ _SEED_SALT)
-    rng[1:2].copy_((rng[1:2] + 1) & _M32)
-    return torch.cat([lo, hi])
-
-
 def observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
             per_sample: bool, symmetric: bool):
     """``mesa::observe``: batch min/max, running-estimate step, seed step (one op when eager)."""
     mn, mx = group_minmax(x, dim, num_groups, per_sample)
-    alpha, beta = _reference_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample,
-                                              symmetric, x.numel() > 0)
-    return canonical(alpha), canonical(beta), seed_step(rng)
+    alpha, beta = update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
+                                   x.numel() > 0)
+    # fresh tensors (their bits are canonical already): the returned ones alias tensors the
+    # buffer update used, and an alias cannot leave a compiled autograd.Function's forward
+    return alpha.clone(), beta.clone(), seed_step(rng)
 
 
 def _per_element(t: torch.Tensor, params, dim: int, G: int):
