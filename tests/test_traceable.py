@@ -93,3 +93,27 @@ def test_traces_without_graph_break():
     x = torch.randn(2, 5, 12)
     report = torch._dynamo.explain(step)(x, *_state(3))
     assert report.graph_break_count == 0 and report.graph_count == 1
+
+
+# seed words with the top bit set, zero, all ones, and ordinary ones: the int32 hash must
+# reproduce the reference's uint32 arithmetic for every one of them
+EDGE_SEEDS = [(0, 0), (0xFFFFFFFF, 0xFFFFFFFF), (0x80000000, 0x7FFFFFFF), (0xDEADBEEF, 0x12345678), (1, 0x9E3779B9)]
+
+
+@pytest.mark.parametrize("seed", EDGE_SEEDS, ids=lambda s: f"{s[0]:x}-{s[1]:x}")
+def test_int32_hash_equals_the_reference_hash(seed):
+    from mesa_train.quant.reference import lowbias32, uniform_from_hash
+
+    words = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, seed[0], seed[1]], dtype=torch.int64)
+    got = traceable._lowbias32_i32(traceable._as_int32_bits(words))
+    assert torch.equal(got.to(torch.int64) & 0xFFFFFFFF, lowbias32(words))
+    n = 4099  # not a multiple of any vector width
+    t = torch.tensor(seed, dtype=torch.int64)
+    assert torch.equal(traceable._uniform(n, t, "cpu"), uniform_from_hash(n, t))
+
+
+def test_int32_hash_under_inductor_equals_eager():
+    """Inductor's generated C++ (vectorised and tail loops) wraps int32 products as eager does."""
+    seed = torch.tensor(EDGE_SEEDS[2], dtype=torch.int64)
+    fn = torch.compile(lambda s: traceable._uniform(4099, s, "cpu"), backend="inductor", fullgraph=True)
+    assert torch.equal(fn(seed), traceable._uniform(4099, seed, "cpu"))

@@ -161,4 +161,10 @@ def _describe_layers(model: nn.Module) -> str:
         for n, ops in unreached.items():
             mod = root if n == "<root>" else root.get_submodule(n)
             lines.append(f"  {n} ({type(mod).__name__}): {', '.join(ops)}")
+    # a model patched from a plan (patch_model(plan=), mesa.plan=): which layer compresses what
+    from mesa_train.plan.apply import describe_plan  # here: mesa_train.plan imports this package
+
+    plan_text = describe_plan(root)
+    if plan_text:
+        lines.append(plan_text)
     return "\n".join(lines)

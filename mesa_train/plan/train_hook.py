@@ -1,16 +1,9 @@
 """Training-side use of plans: ``mesa.plan=auto mesa.budget=0.6`` (plan at start-up) or
-``mesa.plan=FILE`` (reuse one). Called by the training runner after the *stock* model is on
-its device; rank 0 plans, every rank applies the same plan (broadcast).
-
-Wiring (mesa_train/train, owned by the training side):
-* ``model.build``: patch with ``mesa_options`` only when ``mesa.enabled and not mesa.plan``;
-* ``runner._build``, after ``model.to(device)``::
-
-      from mesa_train.plan.train_hook import apply_plan_from_config
-      apply_plan_from_config(cfg, model, device, amp_dtype, loaders.num_classes)
-
-* configs/mesa/default.yaml: ``plan: null``, ``budget: null``, ``budget_gb: null``;
-* checkpoint: store ``plan_of(model).to_dict()``; on resume apply that plan instead.
+``mesa.plan=FILE`` (reuse one). The training runner calls :func:`apply_plan_from_config`
+after the *stock* model is on its device (``mesa_train.train.model.build`` leaves a model
+with ``mesa.plan`` unpatched); rank 0 plans, every rank applies the same plan (broadcast).
+A resumed run applies the plan its checkpoint stores (``mesa_plan``), never a new one: a
+re-planned model could have other Mesa layers than the saved weights and estimates.
 """
 from __future__ import annotations
 
@@ -22,7 +15,7 @@ from torch import nn
 
 from .planfile import Plan, PlanError, as_plan
 
-__all__ = ["plan_from_config", "apply_plan_from_config"]
+__all__ = ["plan_from_config", "apply_plan_from_config", "plan_for_checkpoint"]
 
 log = logging.getLogger("mesa_train.plan")
 
@@ -33,7 +26,7 @@ def _get(node: Any, key: str, default=None):
 
 
 def _quant_options(mesa) -> dict:
-    opts = {k: _get(mesa, k) for k in ("num_groups", "decay", "estimator", "symmetric", "rounding")}
+    opts = {k: _get(mesa, k) for k in ("num_groups", "decay", "estimator", "symmetric", "rounding", "row_scale")}
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -81,11 +74,24 @@ def plan_from_config(cfg, model: nn.Module, device: torch.device, amp_dtype: Opt
 
 
 def apply_plan_from_config(cfg, model: nn.Module, device: torch.device, amp_dtype: Optional[torch.dtype],
-                           num_classes: int) -> Optional[Plan]:
-    """Patch the stock ``model`` with the configured plan; returns it (None: no plan)."""
-    plan = plan_from_config(cfg, model, device, amp_dtype, num_classes)
+                           num_classes: int, saved_plan: Optional[dict] = None) -> Optional[Plan]:
+    """Patch the stock ``model`` with the configured plan, or with ``saved_plan`` (the dict a
+    checkpoint stores) when resuming; returns the plan applied (None: no plan)."""
+    if saved_plan is not None:
+        plan = Plan.from_dict(saved_plan, source="the checkpoint's mesa_plan")
+        log.info("mesa.plan: the resumed checkpoint's plan (%d layers)", len(plan.layers))
+    else:
+        plan = plan_from_config(cfg, model, device, amp_dtype, num_classes)
     if plan is not None:
         from .apply import apply_plan
 
         apply_plan(model, plan, **_quant_options(cfg.mesa))
     return plan
+
+
+def plan_for_checkpoint(model: nn.Module) -> Optional[dict]:
+    """The applied plan as the plain dict a checkpoint stores (None: no plan)."""
+    from .apply import plan_of
+
+    plan = plan_of(model)
+    return plan.to_dict() if plan is not None else None

@@ -75,6 +75,7 @@ def validate(cfg) -> None:
         errors.append(f"mesa.decay={m.decay!r} must be a number in [0, 1)")
     if m.num_groups is not None and not (isinstance(m.num_groups, int) and m.num_groups >= 1):
         errors.append(f"mesa.num_groups={m.num_groups!r} must be null (one per head) or an integer >= 1")
+    _check_plan(m, errors)
 
     t = cfg.trainer
     choice("trainer.amp", t.amp, AMP_MODES)
@@ -192,6 +193,36 @@ def _check_wandb(cfg, errors: list[str]) -> None:
     if not wandb_has_key():
         errors.append("logger.wandb.mode=online needs a W&B API key: set WANDB_API_KEY or run `wandb login` "
                       "(or use logger.wandb.mode=offline and `wandb sync` later)")
+
+
+def _check_plan(m, errors: list) -> None:
+    """``mesa.plan`` (null | auto | a plan file) with its budget (issue 13's planner)."""
+    import os
+
+    plan, budget, budget_gb = m.get("plan"), m.get("budget"), m.get("budget_gb")
+    if plan is None:
+        if budget is not None or budget_gb is not None:
+            errors.append("mesa.budget / mesa.budget_gb need mesa.plan=auto (plan at start-up for that budget)")
+        return
+    if not isinstance(plan, str) or not plan:
+        errors.append(f"mesa.plan={plan!r} must be null, auto or the path of a plan file (python -m mesa_train.plan)")
+        return
+    if plan != "auto":
+        if not os.path.isfile(plan):
+            errors.append(f"mesa.plan={plan!r}: no such plan file (valid: null, auto, or a file written by "
+                          "python -m mesa_train.plan)")
+        if budget is not None or budget_gb is not None:
+            errors.append("mesa.budget / mesa.budget_gb apply to mesa.plan=auto only, not to a plan file")
+        return
+    if (budget is None) == (budget_gb is None):
+        errors.append("mesa.plan=auto needs exactly one of mesa.budget (fraction of stock activation memory, "
+                      "e.g. 0.6) or mesa.budget_gb (peak GB on the device)")
+    if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool)
+                                   and 0 < budget <= 1):
+        errors.append(f"mesa.budget={budget!r} must be a fraction in (0, 1] of stock activation memory")
+    if budget_gb is not None and not (isinstance(budget_gb, (int, float)) and not isinstance(budget_gb, bool)
+                                      and budget_gb > 0):
+        errors.append(f"mesa.budget_gb={budget_gb!r} must be a positive number of GB")
 
 
 def mesa_options(cfg) -> dict:

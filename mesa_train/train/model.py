@@ -52,12 +52,14 @@ def check_buildable(cfg, num_classes: int = 10) -> None:
 def build(cfg, num_classes: int, drop_path: float | None = None, pretrained: bool = True) -> nn.Module:
     """``mesa_train.build_model`` with the ``model`` group's overrides, local weights from
     ``model.pretrained_path`` when set (and ``pretrained``: a resumed run takes its weights
-    from the checkpoint), then ``mesa_train.patch_model`` when ``mesa.enabled``."""
+    from the checkpoint), then ``mesa_train.patch_model`` when ``mesa.enabled`` (and no
+    ``mesa.plan``: the runner applies a plan after moving the stock model to its device)."""
     m = cfg.model
     model = build_model(m.name, fused_attn=m.fused_attn, **_overrides(cfg, num_classes, drop_path))
     if pretrained and m.get("pretrained_path"):
         load_pretrained(model, str(m.pretrained_path))
-    if cfg.mesa.enabled:
+    # A plan (mesa.plan) patches later, on the device: planning profiles the stock model there.
+    if cfg.mesa.enabled and cfg.mesa.get("plan") is None:
         from mesa_train import patch_model
 
         model = patch_model(model, **mesa_options(cfg))

@@ -22,7 +22,7 @@ from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 from mesa_train.train import rundir
 from mesa_train.train import sharded
-from mesa_train.train.config import learning_rate, validate
+from mesa_train.train.config import ConfigError, learning_rate, validate
 from mesa_train.train.data import build_loaders, build_mixup, worker_count
 from mesa_train.train.engine import (NONFINITE_HINT, Parts, TrainState, build_criterion, epoch_totals, evaluate,
                                      first_nonfinite_step, train_one_epoch)
@@ -31,6 +31,7 @@ from mesa_train.train.errors import Interrupted, NonFiniteError, RunDirError
 from mesa_train.train.loggers import RunLogger
 from mesa_train.train.model import build as build_model_from_cfg
 from mesa_train.train.model import check_buildable
+from mesa_train.plan.train_hook import plan_for_checkpoint
 from mesa_train.train.signals import StopSignal
 
 log = logging.getLogger("mesa_train.train")
@@ -202,6 +203,7 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
     if t.grad_checkpointing:
         model.set_grad_checkpointing(True)
     model.to(device)
+    _apply_plan(cfg, model, device, amp_dtype, loaders.num_classes, ckpt)
     if t.channels_last:
         model.to(memory_format=torch.channels_last)
 
@@ -235,6 +237,20 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
     return _Run(device=device, amp=amp, amp_dtype=amp_dtype, loaders=loaders, model=model, ema=ema,
                 optimizer=optimizer, scheduler=scheduler, scaler=scaler, parts=parts, state=state, lr=lr,
                 path=path, ckpt=ckpt, rank=rank, world=world, plain_cfg=plain_cfg)
+
+
+def _apply_plan(cfg, model, device, amp_dtype, num_classes, ckpt) -> None:
+    """``mesa.plan``: patch the stock model per layer (a resumed run: the checkpoint's plan)."""
+    saved = ckpt.get("mesa_plan") if ckpt is not None else None
+    if not cfg.mesa.enabled or (cfg.mesa.get("plan") is None and saved is None):
+        return
+    from mesa_train.plan.planfile import PlanError
+    from mesa_train.plan.train_hook import apply_plan_from_config
+
+    try:
+        apply_plan_from_config(cfg, model, device, amp_dtype, num_classes, saved_plan=saved)
+    except PlanError as err:
+        raise ConfigError(f"mesa.plan: {err}") from None
 
 
 def _wrap(cfg, model, device, amp_dtype, world):
@@ -396,6 +412,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                 "scaler": r.scaler.state_dict() if r.scaler is not None else None,
                 "ema": None, "state": vars(state).copy(), "rng": rngs, "config": r.plain_cfg,
                 "num_classes": loaders.num_classes, "metrics": metrics or {},
+                "mesa_plan": plan_for_checkpoint(model),
             }
             last = os.path.join(ckpt_dir, "last.dcp")
             sharded.save_sharded(last, model, r.optimizer, meta,  # every rank writes its shards
@@ -412,6 +429,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                 "config": r.plain_cfg,
                 "num_classes": loaders.num_classes,
                 "metrics": metrics or {},
+                "mesa_plan": plan_for_checkpoint(model),  # a resumed run applies this plan again
             }
             last = os.path.join(ckpt_dir, "last.pt")
             ckpt_lib.save_checkpoint(payload, last)
