@@ -23,16 +23,23 @@ plan that fits compresses as few bytes' worth of time as possible:
    fits) and costs at most ``time_slack`` more time per step (throughput does not drop
    beyond that). This is QSync's "recover precision while memory fits and throughput does
    not drop", greedy by the sensitivity indicator.
+4. *Recomputation.* A block may instead be recomputed in backward (activation
+   checkpointing: it keeps only its input, costs one more forward of the block, changes no
+   gradient). For k = 0, 1, ... blocks recomputed, cheapest time per byte first, steps 1-3
+   plan the other layers for what is left of the budget; the plan with the least
+   predicted step time wins. So a plan is never predicted slower than checkpointing alone
+   at the same memory, and mixes the two where that is fastest.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterable, Set, Tuple
+from typing import Dict, Iterable, List, Set, Tuple
 
-from .planfile import Plan, PlanError
+from .planfile import RECOMPUTE, Plan, PlanError
 from .profile import ItemProfile, Profile
 
-__all__ = ["Prediction", "predict", "allocate", "budget_bytes", "Budget", "floor_bytes"]
+__all__ = ["Prediction", "predict", "allocate", "budget_bytes", "Budget", "floor_bytes", "lowest_bytes"]
 
 Key = Tuple[str, str]
 
@@ -51,7 +58,8 @@ class Prediction:
 
 
 def _useful(profile: Profile) -> Set[Key]:
-    return {it.key for it in profile.items if it.saved_bytes > 0}
+    """Compression items that save memory (recompute items are chosen apart, step 4)."""
+    return {it.key for it in profile.items if it.saved_bytes > 0 and it.op != RECOMPUTE}
 
 
 def floor_bytes(profile: Profile) -> float:
@@ -63,7 +71,8 @@ def predict(profile: Profile, chosen: Iterable[Key]) -> Prediction:
     items = {it.key: it for it in profile.items}
     chosen = list(chosen)
     saved = sum(items[k].saved_bytes for k in chosen)
-    if profile.floor_activation_bytes is not None and set(chosen) >= _useful(profile):
+    recomputed = any(k[1] == RECOMPUTE for k in chosen)
+    if profile.floor_activation_bytes is not None and not recomputed and set(chosen) >= _useful(profile):
         saved = profile.stock_activation_bytes - profile.floor_activation_bytes  # measured, not summed
     step = profile.stock_step_s + sum(items[k].time_s for k in chosen)
     peak = None if profile.stock_peak_bytes is None else profile.stock_peak_bytes - saved
@@ -102,8 +111,55 @@ def budget_bytes(profile: Profile, budget: Budget) -> Tuple[float, str]:
                           f"activation bytes kept + 4 x parameter bytes {rest / 2**20:.1f} MiB)")
 
 
+def _recompute_items(profile: Profile) -> List[ItemProfile]:
+    """Blocks that may be recomputed, cheapest time per byte saved first."""
+    rec = [it for it in profile.items if it.op == RECOMPUTE and it.saved_bytes > 0]
+    return sorted(rec, key=lambda it: (it.time_s / it.saved_bytes, it.unit))
+
+
+def _rest_after_recompute(profile: Profile, recomputed: List[ItemProfile]) -> Profile:
+    """The profile of the layers left to compress once ``recomputed`` blocks are checkpointed:
+    their savings and time folded into the "stock" figures, their compression items gone."""
+    if not recomputed:
+        return dataclasses.replace(profile, items=[it for it in profile.items if it.op != RECOMPUTE])
+    units = {it.unit for it in recomputed}
+    return dataclasses.replace(
+        profile, items=[it for it in profile.items if it.op != RECOMPUTE and it.unit not in units],
+        stock_activation_bytes=profile.stock_activation_bytes - sum(it.saved_bytes for it in recomputed),
+        stock_step_s=profile.stock_step_s + sum(it.time_s for it in recomputed),
+        floor_activation_bytes=None)  # the measured floor had every block compressed
+
+
+def lowest_bytes(profile: Profile) -> float:
+    """The fewest activation bytes any plan keeps (compression and recomputation mixed)."""
+    rec = _recompute_items(profile)
+    return min(floor_bytes(_rest_after_recompute(profile, rec[:k])) for k in range(len(rec) + 1))
+
+
 def allocate(profile: Profile, allowed_bytes: float, *, time_slack: float = 0.02) -> Set[Key]:
-    """The compressed item set for a plan keeping at most ``allowed_bytes`` activations.
+    """The item set (compressed ops, recomputed blocks) of the plan with the least predicted
+    step time that keeps at most ``allowed_bytes`` activations (steps 1-4 above)."""
+    rec = _recompute_items(profile)
+    best = None
+    for k in range(len(rec) + 1):
+        rest = _rest_after_recompute(profile, rec[:k])
+        if floor_bytes(rest) > allowed_bytes:
+            continue
+        chosen = _allocate_compression(rest, allowed_bytes, time_slack) | {it.key for it in rec[:k]}
+        step = predict(profile, chosen).step_s
+        if best is None or step < best[0] - 1e-12:
+            best = (step, chosen)
+    if best is None:
+        low = lowest_bytes(profile)
+        raise PlanError(
+            f"budget too small: it allows {allowed_bytes / 2**20:.2f} MiB of activations, but the smallest "
+            f"any plan reaches is {low / 2**20:.2f} MiB ({low / profile.stock_activation_bytes:.3f} x stock, "
+            f"every op compressed{' and blocks recomputed' if rec else ''}); raise the budget to at least that")
+    return best[1]
+
+
+def _allocate_compression(profile: Profile, allowed_bytes: float, time_slack: float) -> Set[Key]:
+    """Steps 1-3: the compressed item set keeping at most ``allowed_bytes`` activations.
     ``time_slack``: fraction of the stock step a precision-recovery swap may cost."""
     items: Dict[Key, ItemProfile] = {it.key: it for it in profile.items}
     need = profile.stock_activation_bytes - allowed_bytes  # bytes the plan must save
@@ -159,7 +215,8 @@ def allocate(profile: Profile, allowed_bytes: float, *, time_slack: float = 0.02
 
 
 def to_plan(profile: Profile, chosen: Set[Key], **info) -> Plan:
-    layers = {u.name: tuple(op for op in u.ops if (u.name, op) in chosen) for u in profile.units}
+    layers = {u.name: ((RECOMPUTE,) if (u.name, RECOMPUTE) in chosen
+                       else tuple(op for op in u.ops if (u.name, op) in chosen)) for u in profile.units}
     return Plan(layers=layers, architecture=profile.architecture,
                 fingerprints={u.name: u.fingerprint for u in profile.units},
                 quant_options=dict(profile.quant_options), **info)

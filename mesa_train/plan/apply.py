@@ -7,7 +7,8 @@ from torch import nn
 
 from mesa_train.models import unwrap_model
 
-from .planfile import Plan, PlanError, as_plan
+from .planfile import RECOMPUTE, Plan, PlanError, as_plan
+from .recompute import recompute_block
 from .units import OTHER, find_units, model_architecture
 
 __all__ = ["apply_plan", "check_plan", "PLAN_ATTR", "plan_of", "describe_plan"]
@@ -28,7 +29,8 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
     if changed:
         raise PlanError(f"plan was made for another model ({plan.architecture or '?'}, this is {arch}): "
                         f"layers with other parameter shapes: {changed}")
-    bad = [f"{n}: {o}" for n, ops in plan.layers.items() for o in ops if o not in units[n].ops]
+    bad = [f"{n}: {o}" for n, ops in plan.layers.items() for o in ops
+           if o not in units[n].ops and not (o == RECOMPUTE and units[n].recomputable)]
     if bad:
         raise PlanError(f"plan asks ops these layers do not have: {bad}")
 
@@ -47,7 +49,11 @@ def apply_plan(model: nn.Module, plan_or_path: Any, **quant_options) -> nn.Modul
     if other:
         patch_model(root, ops=other, modules=("other",), **options)
     for name, ops in plan.layers.items():
-        if name != OTHER and ops:
+        if name == OTHER or not ops:
+            continue
+        if RECOMPUTE in ops:  # the plan file check allows nothing beside it
+            recompute_block(root.get_submodule(name))
+        else:
             patch_model(root.get_submodule(name), ops=ops, **options)
     # per-block patching keyed the quantizers by block-relative names: key them by their
     # names in the whole model, as a whole-model patch does

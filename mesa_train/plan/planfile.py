@@ -7,6 +7,7 @@ quant_options: {}            # passed to patch_model for every unit
 layers:                      # unit -> compressed ops ([] = stock)
   (other): []
   blocks.0: [gelu, softmax]
+  blocks.1: [recompute]      # checkpointed: recomputed in backward
 fingerprints: {(other): a9401eacb2, blocks.0: 3f2e7ce9b8}
 budget: {...}                # what was asked (informational)
 predicted: {...}             # planner's cost model for this plan
@@ -23,9 +24,13 @@ import yaml
 
 from mesa_train.patch.core import OPS
 
-__all__ = ["Plan", "PlanError", "FORMAT", "load_plan", "save_plan", "as_plan"]
+__all__ = ["Plan", "PlanError", "FORMAT", "RECOMPUTE", "PLAN_OPS", "load_plan", "save_plan", "as_plan"]
 
 FORMAT = "mesa-train-plan/1"
+# A plan's per-layer choice besides compressing ops: recompute the block in backward
+# (activation checkpointing, mesa_train.plan.recompute). It replaces compression there.
+RECOMPUTE = "recompute"
+PLAN_OPS = tuple(OPS) + (RECOMPUTE,)
 
 
 class PlanError(ValueError):
@@ -71,10 +76,14 @@ class Plan:
         bad_ops = []
         for name, ops in layers.items():
             ops = [] if ops is None else ([ops] if isinstance(ops, str) else list(ops))
-            bad_ops += [f"{name}: {o}" for o in ops if o not in OPS]
-            parsed[str(name)] = tuple(o for o in OPS if o in ops)
+            bad_ops += [f"{name}: {o}" for o in ops if o not in PLAN_OPS]
+            parsed[str(name)] = tuple(o for o in PLAN_OPS if o in ops)
         if bad_ops:
-            raise PlanError(f"{source}: unknown ops {bad_ops}; valid ops: {', '.join(OPS)}")
+            raise PlanError(f"{source}: unknown ops {bad_ops}; valid ops: {', '.join(PLAN_OPS)}")
+        mixed = [n for n, ops in parsed.items() if RECOMPUTE in ops and len(ops) > 1]
+        if mixed:
+            raise PlanError(f"{source}: layers {mixed} both recompute and compress: a recomputed block keeps only "
+                            f"its input, so list either [{RECOMPUTE}] or the ops to compress")
         model = data.get("model") or {}
         return cls(layers=parsed, architecture=str(model.get("architecture", "")),
                    fingerprints={str(k): str(v) for k, v in (data.get("fingerprints") or {}).items()},

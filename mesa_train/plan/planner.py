@@ -11,7 +11,7 @@ from mesa_train.patch.describe import format_table
 
 from .allocate import Budget, Key, Prediction, allocate, budget_bytes, predict, to_plan
 from .measure import Batch, activation_bytes, fastest, interleaved_times, peak_bytes, train_step
-from .planfile import Plan
+from .planfile import RECOMPUTE, Plan
 from .profile import Profile, patch_items, profile_model
 
 __all__ = ["make_plan", "measure_plans", "plan_table", "summary_table", "Measured"]
@@ -52,7 +52,7 @@ def make_plan(model: nn.Module, batch: Batch, budget: Budget, *, profile: Option
         profile = profile_model(model, batch, rounds=rounds, quant_options=quant_options, log=log)
     allowed, how = budget_bytes(profile, budget)
     chosen = allocate(profile, allowed)
-    every: Set[Key] = {it.key for it in profile.items if it.saved_bytes > 0}
+    every: Set[Key] = {it.key for it in profile.items if it.saved_bytes > 0 and it.op != RECOMPUTE}
     preds = {"stock": predict(profile, ()), "plan": predict(profile, chosen), "all ops": predict(profile, every)}
     plan = to_plan(profile, chosen, budget={"asked": budget.describe(), "read_as": how,
                                              "allowed_activation_bytes": int(allowed)},
@@ -74,7 +74,7 @@ def plan_table(plan: Plan, profile: Profile) -> str:
     for u in profile.units:
         ops = plan.layers.get(u.name, ())
         its = [profile.item(u.name, op) for op in ops]
-        left = [op for op in u.ops if op not in ops]
+        left = ["(recomputed)"] if RECOMPUTE in ops else [op for op in u.ops if op not in ops]
         rows.append([u.name, ",".join(ops) or "(stock)", ",".join(left) or "-",
                      _mib(sum(i.saved_bytes for i in its)), f"{1e3 * sum(i.time_s for i in its):+.2f}",
                      f"{max([i.sensitivity for i in its], default=0.0):.2e}"])

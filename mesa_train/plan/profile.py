@@ -4,7 +4,7 @@ For each item the profile records
 
 * ``saved_bytes``: activation bytes it saves against stock (``SavedTensorMeter``),
 * ``time_s``: what it adds to a training step (forward + backward),
-* ``sensitivity``: the gradient error it introduces, ``||g_item - g|| / ||g||`` over all
+* ``sensitivity``: the gradient error it introduces (0 for ``recompute``: exact), ``||g_item - g|| / ||g||`` over all
   parameter gradients of the model (the exact gradient ``g`` from the stock model on the
   same batch). Relative to the whole model's gradient norm, an item's error counts in
   proportion to the gradient it disturbs, QSync's weighting.
@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
+from .planfile import RECOMPUTE
 from .measure import Batch, activation_bytes, fastest, gradients, interleaved_times, median, peak_bytes, train_step
 from .units import Unit, find_units, model_architecture
 
@@ -94,7 +95,7 @@ def _calibrate(keys, costs: List[float]) -> List[float]:
     for i, ((members, op), c_all) in enumerate(zip(keys, costs)):
         if op != "*":
             continue
-        idx = [j for j, (m, o) in enumerate(keys) if m is members and o != "*"]
+        idx = [j for j, (m, o) in enumerate(keys) if m is members and o not in ("*", RECOMPUTE)]
         total = sum(costs[j] for j in idx)
         factor = min(1.0, max(0.25, c_all / total)) if total > 0 else 1.0
         for j in idx:
@@ -121,7 +122,10 @@ def profile_model(model: nn.Module, batch: Batch, *, rounds: int = 5, quant_opti
     variants, keys = [], []
     for members in groups.values():
         ops = members[0].ops
-        for op in ops + (("*",) if len(ops) > 1 else ()):  # "*": every op at once, for calibration
+        choices = ops + (("*",) if len(ops) > 1 else ())  # "*": every op at once, for calibration
+        if members[0].recomputable:
+            choices += (RECOMPUTE,)  # checkpoint the block instead (no compression in it)
+        for op in choices:
             chosen = ops if op == "*" else (op,)
             variant = patch_items(copy.deepcopy(model), {u.name: chosen for u in members}, quant_options)
             variants.append(variant)
@@ -146,6 +150,9 @@ def profile_model(model: nn.Module, batch: Batch, *, rounds: int = 5, quant_opti
         if op == "*":
             continue
         for u in members:
+            if op == RECOMPUTE:  # the same arithmetic again, RNG state restored: exact gradients
+                items.append(ItemProfile(u.name, op, s / len(members), c / len(members), 0.0))
+                continue
             variant = patch_items(copy.deepcopy(model), {u.name: (op,)}, quant_options)
             err = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(gradients(variant, batch), exact)))
             items.append(ItemProfile(u.name, op, s / len(members), c / len(members), err / norm))

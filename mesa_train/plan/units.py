@@ -7,7 +7,8 @@ A *unit* is one transformer block (a module with ``attn`` and ``mlp`` children, 
 by calling ``patch_model`` on the block itself (or on the model with ``modules=other``),
 so it gets exactly the layers, groups and options a whole-model patch would give it.
 
-An *item* is one (unit, op) pair: the planner's decision variable.
+An *item* is one (unit, op) pair: the planner's decision variable. A block unit has one
+more item, ``(block, "recompute")``: checkpoint the block instead of compressing in it.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Unit:
     ops: Tuple[str, ...]  # ops the planner may choose in this unit (those it contains)
     fingerprint: str  # hash of the unit's parameter names and shapes
     group: str  # units with the same group key are identical (profiled together)
+    recomputable: bool = False  # a block: may be recomputed in backward instead (RECOMPUTE)
 
 
 def _block_names(root: nn.Module) -> List[str]:
@@ -92,7 +94,7 @@ def find_units(model: nn.Module) -> List[Unit]:
         fused = bool(getattr(attn, "fused_attn", False)) and getattr(attn, "mesa_attn_path", "fused") == "fused"
         ops = _present_ops(block.modules(), _FUSED_OPS if fused else _EXPLICIT_OPS)
         fp = fingerprint(block)
-        units.append(Unit(b, ops, fp, f"{type(block).__name__}:{fp}"))
+        units.append(Unit(b, ops, fp, f"{type(block).__name__}:{fp}", recomputable=True))
     return units
 
 
