@@ -32,9 +32,13 @@ def max_exponent(*dtypes: torch.dtype) -> int:
 def row_exponents(x: torch.Tensor, row_dims: int = 1, max_k: int = 64) -> torch.Tensor:
     """int8 exponents ``k`` of shape ``x.shape[:-row_dims] + (1,) * row_dims`` (see module doc).
 
-    One pass over ``x`` (the row absmax); the rest works on one float per row."""
+    Two read passes over ``x`` (row max and min); the rest works on one float per row."""
     dims = tuple(range(x.dim() - row_dims, x.dim()))
-    r = torch.linalg.vector_norm(x, float("inf"), dim=dims, keepdim=True, dtype=torch.float32)
+    # max(amax, -amin), not vector_norm(inf): the same values (exact; NaN propagates; abs()
+    # only makes a -0.0 row +0.0) in two read passes without a temporary, at 1/18 of the
+    # CPU time measured on a (32, 257, 384) fp32 tensor (0.5 ms against 9.6 ms)
+    r = torch.maximum(x.amax(dim=dims, keepdim=True), x.amin(dim=dims, keepdim=True).neg()).abs()
+    r = r.to(torch.float32)
     # ratio = m * 2**e with m in [0.5, 1): floor(log2(ratio)) = e - 1. A zero row (ratio inf)
     # or an all-zero batch (nan) gets e = 0, i.e. k = 0.
     _, e = torch.frexp(r.mean() / r)
@@ -42,8 +46,12 @@ def row_exponents(x: torch.Tensor, row_dims: int = 1, max_k: int = 64) -> torch.
 
 
 def scale_rows(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``x * 2**k`` (a new tensor; exact for powers of two)."""
-    return torch.ldexp(x, k)
+    """``x * 2**k`` (a new tensor of ``x``'s dtype; exact for powers of two).
+
+    ``2**k`` is exact in ``x``'s dtype for the ``k`` range :func:`max_exponent` allows, so
+    this is bitwise ``torch.ldexp(x, k)``, which computes ``pow(2, k)`` per element of the
+    broadcast result instead (15-20x slower on CPU)."""
+    return x * torch.exp2(k.to(x.dtype))
 
 
 def unscale_rows(x: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
