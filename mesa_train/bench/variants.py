@@ -157,8 +157,9 @@ def write(rows, out_dir: Path, args) -> None:
     lines = [
         "# Quantizer variants: saved bytes and gradient error per op (CPU)",
         "",
-        f"Command: `python -m mesa_train.bench.variants --passes {args.passes} --warmup {args.warmup}`"
-        + (" --quick" if args.quick else "") + ". Models: " + ", ".join(
+        f"Command: `python -m mesa_train.bench.variants --passes {args.passes} --warmup {args.warmup}"
+        + (" --quick" if args.quick else "") + f" --ops {' '.join(args.ops)} --settings "
+        + " ".join(f"'{s}'" for s in args.settings) + "`. Models: " + ", ".join(
             f"{k} (`{v[0]}`, {v[1]['img_size']}x{v[1]['img_size']}, batch 2, random init)" for k, v in MODELS.items())
         + "; one op patched at a time, explicit attention; estimates warmed on "
           f"{args.warmup} batches first. Module doc: `mesa_train/bench/variants.py`.",
