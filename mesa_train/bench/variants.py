@@ -47,8 +47,9 @@ SETTINGS = {
 OPS = ("linear", "gelu", "layernorm", "matmul", "softmax", "conv")
 MODELS = {
     "deit_ti": ("deit_tiny_patch16_224", dict(img_size=96)),
-    "pvt_v2_b0": ("pvt_v2_b0", dict(img_size=96)),
+    "pvt_v2_b0": ("pvt_v2_b0", dict()),  # any input size
 }
+IMG = 96  # input resolution of every model
 COLUMNS = ["model", "op", "setting", "bytes", "bytes_stock", "x_stock", "x_8bit", "rel_err", "cos", "bias_rel",
            "noise_over_sqrt_n", "passes"]
 
@@ -103,7 +104,7 @@ def run(quick: bool, passes: int, warmup: int, out_dir: Path, models, ops, setti
         base = _build(mname)
         torch.manual_seed(1)
         B = 2
-        x = torch.randn(B, 3, MODELS[mname][1]["img_size"], MODELS[mname][1]["img_size"])
+        x = torch.randn(B, 3, IMG, IMG)
         y = torch.randint(0, 10, (B,))
         warm = [torch.randn_like(x) for _ in range(warmup)]
         stock = copy.deepcopy(base)
@@ -160,7 +161,7 @@ def write(rows, out_dir: Path, args) -> None:
         f"Command: `python -m mesa_train.bench.variants --passes {args.passes} --warmup {args.warmup}"
         + (" --quick" if args.quick else "") + f" --ops {' '.join(args.ops)} --settings "
         + " ".join(f"'{s}'" for s in args.settings) + "`. Models: " + ", ".join(
-            f"{k} (`{v[0]}`, {v[1]['img_size']}x{v[1]['img_size']}, batch 2, random init)" for k, v in MODELS.items())
+            f"{k} (`{v[0]}`, {IMG}x{IMG}, batch 2, random init)" for k, v in MODELS.items())
         + "; one op patched at a time, explicit attention; estimates warmed on "
           f"{args.warmup} batches first. Module doc: `mesa_train/bench/variants.py`.",
         "",
