@@ -128,6 +128,58 @@ MESA_HD float dequantize_value(uint8_t q, float step, float beta) {
   return f_add(f_mul(static_cast<float>(q), step), beta);
 }
 
+// ----------------------------------------------------------------------------- bit widths
+// Quantizer variants (DESIGN.md, "Variants"): bits in {8, 4, 2}, L = 2^bits - 1 levels
+// above 0, and the optional power-of-two step (ALT). With bits = 8 and pow2 = false these
+// are exactly inv_scale / dequant_step above.
+MESA_HD uint32_t f32_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t b;
+  __builtin_memcpy(&b, &v, 4);
+  return b;
+#endif
+}
+MESA_HD float bits_f32(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  float v;
+  __builtin_memcpy(&v, &b, 4);
+  return v;
+#endif
+}
+// The smallest power of two >= r for a normal, finite r (sign kept); r itself when it is a
+// power of two, zero, subnormal, inf or NaN. Pure bit arithmetic: exact everywhere.
+MESA_HD float pow2_ceil(float r) {
+  const uint32_t b = f32_bits(r);
+  const uint32_t e = b & 0x7F800000u, m = b & 0x007FFFFFu;
+  if (m == 0u || e == 0u || e == 0x7F800000u) return r;
+  return bits_f32((b & 0xFF800000u) + 0x00800000u);
+}
+MESA_HD float levels_of(int bits) { return static_cast<float>((1 << bits) - 1); }
+// step = alpha / L, or pow2_ceil(alpha / L) with a power-of-two step
+MESA_HD float dequant_step_bits(float alpha, int bits, bool pow2) {
+  const float r = f_div(alpha, levels_of(bits));
+  return pow2 ? pow2_ceil(r) : r;
+}
+// inv = alpha > 1e-12 ? L / alpha (or 1 / step with a power-of-two step) : 0
+MESA_HD float inv_scale_bits(float alpha, int bits, bool pow2) {
+  if (!(alpha > 1e-12f)) return 0.0f;
+  return pow2 ? f_div(1.0f, dequant_step_bits(alpha, bits, true)) : f_div(levels_of(bits), alpha);
+}
+// quantize_value with the top code vmax = L instead of 255.
+template <bool STOCHASTIC>
+MESA_HD uint8_t quantize_value_levels(float x, float beta, float inv, float u, float vmax) {
+  float v = f_mul(f_sub(x, beta), inv);
+  if (STOCHASTIC) v = f_add(v, u);
+  v = v > 0.0f ? v : 0.0f;
+  v = v < vmax ? v : vmax;
+  if (!STOCHASTIC) v = f_sub(f_add(v, 8388608.0f), 8388608.0f);
+  return static_cast<uint8_t>(static_cast<int>(v));
+}
+
 // ----------------------------------------------------------------------------- estimates
 // One group's step of the running estimates (DESIGN.md, "Running estimates"); the kernels
 // of mesa::update_estimates run it once per group, on the CPU and in one CUDA block.
@@ -211,6 +263,13 @@ int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const
 Layout check_observe(const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est,
                      const at::Tensor& initialized, const at::Tensor& rng, int64_t dim, int64_t num_groups,
                      double decay, bool per_sample);
+// quantize_bits / dequantize_bits (variants): bits in {8, 4, 2}; bytes of ceil(numel / (8 / bits)).
+int64_t packed_bytes(int64_t numel, int64_t bits);
+Layout check_quantize_bits(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
+                           int64_t num_groups, int64_t bits, const at::Tensor& seed);
+Layout check_dequantize_bits(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
+                             at::IntArrayRef shape, int64_t dim, int64_t num_groups, int64_t bits,
+                             at::ScalarType dtype);
 // int64 (2,) tensor on `device` (quantize's seed, observe's rng)
 void check_seed_tensor(const char* what, const at::Tensor& t, const c10::Device& device);
 

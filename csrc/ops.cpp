@@ -39,22 +39,36 @@ static int64_t normalize_dim(const at::Tensor& x, int64_t dim) {
   return dim < 0 ? dim + nd : dim;
 }
 
-Layout make_layout(const at::Tensor& x, int64_t dim, int64_t num_groups, int64_t S) {
+static int64_t normalize_dim_sizes(at::IntArrayRef sizes, int64_t dim) {
+  const int64_t nd = static_cast<int64_t>(sizes.size());
+  TORCH_CHECK_VALUE(nd > 0, "mesa: quantization ops need a tensor with at least one dimension");
+  TORCH_CHECK_VALUE(dim >= -nd && dim < nd, "mesa: dim ", dim, " out of range for a ", nd,
+                    "-d tensor of shape ", sizes);
+  return dim < 0 ? dim + nd : dim;
+}
+
+static Layout make_layout_sizes(at::IntArrayRef sizes, int64_t dim, int64_t num_groups, int64_t S) {
   Layout L;
-  L.dim = normalize_dim(x, dim);
-  L.D = x.size(L.dim);
+  L.dim = normalize_dim_sizes(sizes, dim);
+  L.D = sizes[L.dim];
   TORCH_CHECK_VALUE(num_groups >= 1 && (L.D == 0 || num_groups <= L.D), "mesa: num_groups=",
                     num_groups, " must be in [1, ", L.D, "] (size of dim ", L.dim, " of shape ",
-                    x.sizes(), ")");
+                    sizes, ")");
   L.G = num_groups;
-  L.numel = x.numel();
-  for (int64_t k = 0; k < L.dim; ++k) L.outer *= x.size(k);
-  for (int64_t k = L.dim + 1; k < x.dim(); ++k) L.inner *= x.size(k);
+  L.numel = 1;
+  for (int64_t s : sizes) L.numel *= s;
+  for (int64_t k = 0; k < L.dim; ++k) L.outer *= sizes[k];
+  for (int64_t k = L.dim + 1; k < static_cast<int64_t>(sizes.size()); ++k) L.inner *= sizes[k];
   L.S = S;
   L.dim0_per_sample = (S > 1 && L.dim == 0);
   L.s_eff = (S > 1 && L.dim > 0) ? S : 1;
   L.outer_per_s = L.s_eff > 0 ? L.outer / L.s_eff : 0;
   return L;
+}
+
+Layout make_layout(const at::Tensor& x, int64_t dim, int64_t num_groups, int64_t S) {
+  normalize_dim(x, dim);
+  return make_layout_sizes(x.sizes(), dim, num_groups, S);
 }
 
 static int64_t check_params(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
@@ -74,6 +88,48 @@ static int64_t check_params(const at::Tensor& x, const at::Tensor& alpha, const 
                     "mesa: alpha/beta shape ", alpha.sizes(), " invalid: expected (S, ", num_groups,
                     ") with S in {1, ", x.size(0), "} (shared or per-sample statistics)");
   return S;
+}
+
+static void check_bits(int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4 || bits == 2, "mesa: bits must be one of 8, 4, 2, got ", bits);
+}
+
+int64_t packed_bytes(int64_t numel, int64_t bits) {
+  const int64_t per = 8 / bits;
+  return (numel + per - 1) / per;
+}
+
+Layout check_quantize_bits(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
+                           int64_t num_groups, int64_t bits, const at::Tensor& seed) {
+  check_bits(bits);
+  return check_quantize(x, alpha, beta, dim, num_groups, seed);
+}
+
+Layout check_dequantize_bits(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
+                             at::IntArrayRef shape, int64_t dim, int64_t num_groups, int64_t bits,
+                             at::ScalarType dtype) {
+  check_bits(bits);
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kByte && q.dim() == 1,
+                    "mesa: dequantize_bits expects a 1-d uint8 tensor of packed codes, got ", q.scalar_type(),
+                    q.sizes());
+  TORCH_CHECK_VALUE(is_quant_dtype(dtype),
+                    "mesa: dequantize_bits can produce float32, float16 or bfloat16, got ", dtype);
+  for (int64_t s : shape) TORCH_CHECK_VALUE(s >= 0, "mesa: dequantize_bits: negative size in shape ", shape);
+  normalize_dim_sizes(shape, dim);
+  for (const at::Tensor* p : {&alpha, &beta}) {
+    const char* name = p == &alpha ? "alpha" : "beta";
+    TORCH_CHECK_VALUE(p->scalar_type() == at::kFloat, "mesa: ", name, " must be float32, got ", p->scalar_type());
+    TORCH_CHECK_VALUE(p->device() == q.device(), "mesa: ", name, " is on ", p->device(), " but the codes are on ",
+                      q.device());
+  }
+  TORCH_CHECK_VALUE(alpha.dim() == 2 && alpha.sizes() == beta.sizes() && alpha.size(1) == num_groups &&
+                        (alpha.size(0) == 1 || alpha.size(0) == shape[0]),
+                    "mesa: alpha/beta shapes ", alpha.sizes(), " and ", beta.sizes(), " invalid: expected (S, ",
+                    num_groups, ") with S in {1, ", shape[0], "} (shared or per-sample statistics)");
+  const Layout L = make_layout_sizes(shape, dim, num_groups, alpha.size(0));
+  TORCH_CHECK_VALUE(q.size(0) == packed_bytes(L.numel, bits), "mesa: dequantize_bits: ", q.size(0),
+                    " bytes of codes, but shape ", shape, " at ", bits, " bits needs ", packed_bytes(L.numel, bits));
+  return L;
 }
 
 Layout check_minmax(const at::Tensor& x, int64_t dim, int64_t num_groups, bool per_sample) {
@@ -183,4 +239,13 @@ TORCH_LIBRARY(mesa, m) {
       "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
       "int dim, int num_groups, float decay, bool per_sample, bool symmetric) -> (Tensor alpha, Tensor beta, "
       "Tensor seed)");
+  // Variants (DESIGN.md, "Variants"): `bits` in {8, 4, 2} codes packed 8/bits per byte along
+  // the flat index (little end first, last byte zero-padded), optional power-of-two steps.
+  // Output: 1-d uint8 of ceil(numel * bits / 8) bytes.
+  m.def(
+      "quantize_bits(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, int bits, bool pow2, "
+      "bool stochastic, Tensor seed) -> Tensor");
+  m.def(
+      "dequantize_bits(Tensor q, Tensor alpha, Tensor beta, int[] shape, int dim, int num_groups, int bits, "
+      "bool pow2, ScalarType dtype) -> Tensor");
 }

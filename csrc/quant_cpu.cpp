@@ -569,6 +569,137 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cpu(const at::Tensor& x, 
   return {alpha, beta, seed};
 }
 
+// ----------------------------------------------------------------------------- bit widths
+// quantize_bits / dequantize_bits (DESIGN.md, "Variants"): the codes of one parallel task
+// (a range of whole output bytes) are computed into a task-local buffer with the same walk
+// as quantize, then packed 8/bits per byte, little end first. bits = 8 writes in place.
+template <typename T, bool STOCH, bool TABLE>
+void quant_levels_run(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n, const float* __restrict__ inv,
+                      const float* __restrict__ beta, uint32_t lo0, uint32_t seed_lo, uint32_t seed_hi_mix,
+                      float vmax) {
+  uint32_t lo = lo0;
+  for (int64_t k = 0; k < n; ++k, ++lo) {
+    const float u = STOCH ? uniform_bits(lo, seed_lo, seed_hi_mix) : 0.0f;
+    q[k] = quantize_value_levels<STOCH>(to_f(x[k]), TABLE ? beta[k] : beta[0], TABLE ? inv[k] : inv[0], u, vmax);
+  }
+}
+
+template <typename T>
+void quant_levels_dispatch(bool stoch, bool table, const T* x, uint8_t* q, int64_t n, const float* inv,
+                           const float* beta, uint32_t lo0, uint32_t slo, uint32_t mix, float vmax) {
+  if (stoch) {
+    if (table) quant_levels_run<T, true, true>(x, q, n, inv, beta, lo0, slo, mix, vmax);
+    else quant_levels_run<T, true, false>(x, q, n, inv, beta, lo0, slo, mix, vmax);
+  } else {
+    if (table) quant_levels_run<T, false, true>(x, q, n, inv, beta, lo0, slo, mix, vmax);
+    else quant_levels_run<T, false, false>(x, q, n, inv, beta, lo0, slo, mix, vmax);
+  }
+}
+
+void pack_codes(const uint8_t* c, int64_t n, int64_t bits, uint8_t* out) {
+  const int64_t per = 8 / bits;
+  for (int64_t b = 0, i = 0; i < n; ++b) {
+    uint32_t v = 0;
+    for (int64_t k = 0; k < per && i < n; ++k, ++i) v |= static_cast<uint32_t>(c[i]) << (k * bits);
+    out[b] = static_cast<uint8_t>(v);
+  }
+}
+
+void unpack_codes(const uint8_t* p, int64_t n, int64_t bits, uint8_t* c) {
+  const int64_t per = 8 / bits;
+  const uint32_t mask = (1u << bits) - 1u;
+  for (int64_t i = 0; i < n; ++i) c[i] = static_cast<uint8_t>((p[i / per] >> ((i % per) * bits)) & mask);
+}
+
+template <typename scalar_t>
+void quantize_bits_kernel(const scalar_t* x_, uint8_t* q, const Layout& L, int64_t bits, bool stoch,
+                          const float* tinv, const float* tbeta, uint32_t slo, uint32_t shi) {
+  using T = storage_t<scalar_t>;
+  const T* x = as_storage(x_);
+  const bool table = L.inner == 1;
+  const int64_t per = 8 / bits;
+  const float vmax = levels_of(static_cast<int>(bits));
+  const int64_t nbytes = packed_bytes(L.numel, bits);
+  at::parallel_for(0, nbytes, std::max<int64_t>(1, kGrain / per), [&](int64_t b0, int64_t b1) {
+    const int64_t i0 = b0 * per, i1 = std::min(b1 * per, L.numel);
+    std::vector<uint8_t> local(per == 1 ? 0 : i1 - i0);
+    uint8_t* codes = per == 1 ? q + i0 : local.data();
+    walk(L, i0, i1, [&](int64_t i, int64_t n, int64_t s, int64_t d) {
+      const float* iv = tinv + s * L.D + d;
+      const float* bv = tbeta + s * L.D + d;
+      int64_t k = 0;
+      while (k < n) {  // split where the low 32 bits of the flat index wrap (as quantize)
+        const uint64_t idx = static_cast<uint64_t>(i + k);
+        const int64_t to_wrap = static_cast<int64_t>((uint64_t{1} << 32) - (idx & 0xFFFFFFFFu));
+        const int64_t m = std::min(n - k, to_wrap);
+        const uint32_t mix = shi ^ (static_cast<uint32_t>(idx >> 32) * 0x9E3779B9u);
+        const int64_t off = table ? k : 0;
+        quant_levels_dispatch<T>(stoch, table, x + i + k, codes + (i + k - i0), m, iv + off, bv + off,
+                                 static_cast<uint32_t>(idx), slo, mix, vmax);
+        k += m;
+      }
+    });
+    if (per > 1) pack_codes(codes, i1 - i0, bits, q + b0);
+  });
+}
+
+at::Tensor quantize_bits_cpu(const at::Tensor& x_in, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
+                             int64_t num_groups, int64_t bits, bool pow2, bool stochastic, const at::Tensor& seed) {
+  const Layout L = check_quantize_bits(x_in, alpha, beta, dim, num_groups, bits, seed);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor q = at::empty({packed_bytes(L.numel, bits)}, x.options().dtype(at::kByte));
+  if (L.numel == 0) return q;
+  std::vector<float> tinv, tbeta;
+  const int b = static_cast<int>(bits);
+  build_tables(L, alpha, beta, [b, pow2](float a) { return inv_scale_bits(a, b, pow2); }, tinv, tbeta);
+  uint32_t slo, shi;
+  read_seed(seed, slo, shi);
+  MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_bits_cpu", [&] {
+    quantize_bits_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), L, bits, stochastic,
+                                   tinv.data(), tbeta.data(), slo, shi);
+  });
+  return q;
+}
+
+template <typename scalar_t>
+void dequantize_bits_kernel(const uint8_t* q, scalar_t* y_, const Layout& L, int64_t bits, const float* tstep,
+                            const float* tbeta) {
+  using T = storage_t<scalar_t>;
+  T* y = as_storage(y_);
+  const bool table = L.inner == 1;
+  const int64_t per = 8 / bits;
+  const int64_t nbytes = packed_bytes(L.numel, bits);
+  at::parallel_for(0, nbytes, std::max<int64_t>(1, kGrain / per), [&](int64_t b0, int64_t b1) {
+    const int64_t i0 = b0 * per, i1 = std::min(b1 * per, L.numel);
+    std::vector<uint8_t> local(per == 1 ? 0 : i1 - i0);
+    const uint8_t* codes = q + i0;
+    if (per > 1) {
+      unpack_codes(q + b0, i1 - i0, bits, local.data());
+      codes = local.data();
+    }
+    walk(L, i0, i1, [&](int64_t i, int64_t n, int64_t s, int64_t d) {
+      Runs<T>::dequant(table, codes + (i - i0), y + i, n, tstep + s * L.D + d, tbeta + s * L.D + d);
+    });
+  });
+}
+
+at::Tensor dequantize_bits_cpu(const at::Tensor& q_in, const at::Tensor& alpha, const at::Tensor& beta,
+                               at::IntArrayRef shape, int64_t dim, int64_t num_groups, int64_t bits, bool pow2,
+                               at::ScalarType dtype) {
+  const Layout L = check_dequantize_bits(q_in, alpha, beta, shape, dim, num_groups, bits, dtype);
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor y = at::empty(shape, q.options().dtype(dtype));
+  if (L.numel == 0) return y;
+  std::vector<float> tstep, tbeta;
+  const int b = static_cast<int>(bits);
+  build_tables(L, alpha, beta, [b, pow2](float a) { return dequant_step_bits(a, b, pow2); }, tstep, tbeta);
+  MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_bits_cpu", [&] {
+    dequantize_bits_kernel<scalar_t>(q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), L, bits,
+                                     tstep.data(), tbeta.data());
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mesa, CPU, m) {
@@ -577,6 +708,8 @@ TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("dequantize", &dequantize_cpu);
   m.impl("update_estimates", &update_estimates_cpu);
   m.impl("observe", &observe_cpu);
+  m.impl("quantize_bits", &quantize_bits_cpu);
+  m.impl("dequantize_bits", &dequantize_bits_cpu);
 }
 
 }  // namespace mesa

@@ -30,7 +30,7 @@ def save(ctx, packs: Sequence[Packed | None], *extra: torch.Tensor | None) -> No
         if p is None:
             meta.append(None)
         else:
-            meta.append((p.dim, p.num_groups))
+            meta.append((p.dim, p.num_groups, p.fmt))
             tensors.extend((p.q, p.alpha, p.beta))
     ctx.mesa_meta = meta
     ctx.save_for_backward(*tensors, *extra)
@@ -44,7 +44,7 @@ def load(ctx) -> tuple[list[Packed | None], list[torch.Tensor | None]]:
         if m is None:
             packs.append(None)
         else:
-            packs.append(Packed(saved[i], saved[i + 1], saved[i + 2], m[0], m[1]))
+            packs.append(Packed(saved[i], saved[i + 1], saved[i + 2], m[0], m[1], m[2]))
             i += 3
     return packs, list(saved[i:])
 
@@ -84,6 +84,15 @@ class MesaLayer:
     """Mixin for the Mesa layers: options, quantizers, repr, train/eval dispatch."""
 
     _quantizer_names: tuple[str, ...] = ("quantizer",)
+    # layouts a layer accepts (QuantOptions.layout): patch4x4 needs (B, C, H, W) activations
+    _layouts: tuple[str, ...] = ("channel",)
+
+    def _check_layout(self, opts: QuantOptions) -> None:
+        if opts.layout not in self._layouts:
+            raise ValueError(
+                f"layout={opts.layout!r} is not supported by {type(self).__name__} (its saved activation is not a "
+                f"conv feature map (B, C, H, W)); valid layouts here: {list(self._layouts)} "
+                f"(layout='patch4x4' applies to ops=['conv'] only)")
 
     def _init_mesa(self, quant_options: dict, device=None) -> None:
         opts = quant_options.pop("options", None)
@@ -93,6 +102,7 @@ class MesaLayer:
             opts = opts.replace(**quant_options)
         if not isinstance(opts, QuantOptions):
             raise ValueError(f"options must be a QuantOptions, got {type(opts).__name__}")
+        self._check_layout(opts)
         self._mesa_options = opts
         for name in self._quantizer_names:
             setattr(self, name, ActivationQuantizer(opts, device=device))
@@ -103,7 +113,9 @@ class MesaLayer:
 
     def set_quant_options(self, **kwargs) -> None:
         """Change quantization options on this layer (and its quantizers)."""
-        self._mesa_options = self._mesa_options.replace(**kwargs)
+        new = self._mesa_options.replace(**kwargs)
+        self._check_layout(new)
+        self._mesa_options = new
         for name in self._quantizer_names:
             getattr(self, name).set_options(**kwargs)
 

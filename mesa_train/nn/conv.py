@@ -65,7 +65,10 @@ def _autograd_backward(m, g, xh, w, need):
 
 
 class Conv2d(MesaLayer, nn.Conv2d):
-    """``torch.nn.Conv2d`` whose saved input is 8-bit (channel groups over dim 1)."""
+    """``torch.nn.Conv2d`` whose saved input is 8-bit (channel groups over dim 1), or with
+    ``layout="patch4x4"`` a min/max per 4x4 spatial block of each channel (DESIGN.md)."""
+
+    _layouts = ("channel", "patch4x4")
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, padding_mode="zeros", device=None, dtype=None, **quant_options):

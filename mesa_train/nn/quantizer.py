@@ -29,10 +29,14 @@ from torch import nn
 from mesa_train import quant  # noqa: F401  (importing it registers torch.ops.mesa.*)
 from mesa_train.quant import traceable
 
-__all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS"]
+__all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
+           "LEARNED_BUFFERS", "convert_format", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS", "ROUNDINGS"]
 
-ESTIMATORS = ("running", "per_sample")
+ESTIMATORS = ("running", "per_sample", "learned")
 ROUNDINGS = ("stochastic", "nearest")
+BITS = (8, 4, 2)
+SCALES = ("linear", "pow2")
+LAYOUTS = ("channel", "patch4x4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,13 @@ class QuantOptions:
         before quantizing (``mesa_train.nn.rowscale``; DeiT3's class token). ``False`` saves
         the eager passes it costs (one row-absmax reduction and one scaled copy in forward,
         one multiply in backward; under ``torch.compile`` they fuse into the compression).
+    bits: code width, 8 (paper), 4 or 2 (codes packed 2 or 4 per byte; DESIGN.md "Variants").
+    scale: ``"linear"`` (step = range / (2**bits - 1)) or ``"pow2"`` (ALT: the smallest
+        power of two covering the range at that width).
+    layout: ``"channel"`` (channel / head groups, the paper) or ``"patch4x4"`` (conv inputs
+        (B, C, H, W) only: a min/max per 4x4 spatial block of each channel, fp16 statistics).
+    estimator ``"learned"``: per-group clipping thresholds trained in the log domain (Adam)
+        on the expected error of the stored tensor (DESIGN.md "Learned clipping").
     """
 
     num_groups: int = 1
@@ -58,6 +69,9 @@ class QuantOptions:
     rounding: str = "stochastic"
     enabled: bool = True
     row_scale: bool = True
+    bits: int = 8
+    scale: str = "linear"
+    layout: str = "channel"
 
     def __post_init__(self):
         ng = self.num_groups
@@ -74,6 +88,31 @@ class QuantOptions:
         for name in ("symmetric", "enabled", "row_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.bits, bool) or self.bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {self.bits!r}")
+        object.__setattr__(self, "bits", int(self.bits))
+        if self.scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {self.scale!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.estimator == "learned" and self.symmetric:
+            raise ValueError("estimator='learned' trains a lower and an upper threshold per group; symmetric=True "
+                             "is not supported with it (valid: symmetric=False, or estimator in ('running', "
+                             "'per_sample'))")
+        if self.layout == "patch4x4" and (self.estimator != "running" or self.symmetric):
+            raise ValueError("layout='patch4x4' takes each 4x4 block's own min/max (per sample): it supports "
+                             "estimator='running' (the default) and symmetric=False only, got "
+                             f"estimator={self.estimator!r}, symmetric={self.symmetric!r}")
+
+    @property
+    def is_default_format(self) -> bool:
+        """8-bit channel-group codes with min/max ranges: the paper's format (mesa::quantize)."""
+        return self.bits == 8 and self.scale == "linear" and self.layout == "channel" and self.estimator != "learned"
+
+    @property
+    def format_record(self) -> tuple[int, int, int, int]:
+        """What a checkpoint records about the stored format (bits, scale, layout, learned)."""
+        return (self.bits, SCALES.index(self.scale), LAYOUTS.index(self.layout), int(self.estimator == "learned"))
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -101,13 +140,21 @@ class QuantOptions:
 
 
 class Packed(NamedTuple):
-    """A compressed activation: uint8 codes and the float32 ``(S, G)`` statistics used."""
+    """A compressed activation: uint8 codes and the float32 ``(S, G)`` statistics used.
+
+    ``fmt`` is ``None`` for the paper's format (``q`` has the activation's shape, one code
+    per byte), else a tuple of Python constants saying how to decompress (DESIGN.md,
+    "Variants"): ``("bits", bits, pow2, shape)`` (``q`` 1-d, packed codes) or
+    ``("patch4x4", bits, pow2, shape)`` (``alpha``/``beta`` then hold each 4x4 block's
+    float16 upper/lower bound, ``(N, 1)``).
+    """
 
     q: torch.Tensor
     alpha: torch.Tensor
     beta: torch.Tensor
     dim: int
     num_groups: int
+    fmt: tuple | None = None
 
 
 # The op overloads, resolved once: calling ``torch.ops.mesa.x`` (the overload packet) costs an
@@ -115,18 +162,50 @@ class Packed(NamedTuple):
 _OBSERVE = torch.ops.mesa.observe.default
 _QUANTIZE = torch.ops.mesa.quantize.default
 _DEQUANTIZE = torch.ops.mesa.dequantize.default
+_QUANTIZE_BITS = torch.ops.mesa.quantize_bits.default
+_DEQUANTIZE_BITS = torch.ops.mesa.dequantize_bits.default
+
+
+def _dequantize_bits(q, alpha, beta, shape, dim, G, bits, pow2, dtype):
+    if torch.compiler.is_compiling():
+        return traceable.dequantize_bits(q, alpha, beta, shape, dim, G, bits, pow2, dtype)
+    return _DEQUANTIZE_BITS(q, alpha, beta, list(shape), dim, G, bits, pow2, dtype)
 
 
 def decompress(p: Packed, dtype: torch.dtype) -> torch.Tensor:
     """Dequantize a :class:`Packed` into a tensor of ``dtype`` (traceable under ``torch.compile``)."""
-    if torch.compiler.is_compiling():
-        return traceable.dequantize(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
-    return _DEQUANTIZE(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
+    if p.fmt is None:
+        if torch.compiler.is_compiling():
+            return traceable.dequantize(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
+        return _DEQUANTIZE(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
+    kind, bits, pow2, shape = p.fmt
+    if kind == "bits":
+        return _dequantize_bits(p.q, p.alpha, p.beta, shape, p.dim, p.num_groups, bits, pow2, dtype)
+    # patch4x4: blocks of the (replicate-)padded map, one (lo, hi) float16 pair per block
+    B, C, H, W = shape
+    Hb, Wb = -(-H // 4), -(-W // 4)
+    lo = p.beta.float()
+    alpha = p.alpha.float() - lo
+    xb = _dequantize_bits(p.q, alpha, lo, (B * C * Hb * Wb, 16), 1, 1, bits, pow2, dtype)
+    x = xb.view(B, C, Hb, Wb, 4, 4).permute(0, 1, 2, 4, 3, 5).reshape(B, C, Hb * 4, Wb * 4)
+    return x[:, :, :H, :W] if (Hb * 4 != H or Wb * 4 != W) else x
 
 
 # The buffers that make up a quantizer's state (``state_dict`` entries; the checkpoint
 # converters in mesa_train.patch.checkpoint read this list).
 STATE_BUFFERS = ("alpha", "beta", "initialized", "rng")
+# estimator="learned" adds these (DESIGN.md, "Learned clipping")
+LEARNED_BUFFERS = ("clip_center", "clip_log", "clip_m", "clip_v", "clip_steps")
+# Checkpoints of a quantizer whose stored format is not the paper's 8-bit one carry
+# ``<prefix>format`` = int64 [bits, scale, layout, learned] (QuantOptions.format_record);
+# loading into a quantizer with another format is an error (convert_format converts).
+FORMAT_KEY = "format"
+_DEFAULT_RECORD = (8, 0, 0, 0)
+
+# Adam on the log2 thresholds of estimator="learned" (per group, lower and upper)
+LEARNED_LR = 0.05
+LEARNED_BETAS = (0.9, 0.999)
+LEARNED_EPS = 1e-8
 
 _M32 = 0xFFFFFFFF
 _construction_count = itertools.count()
@@ -176,23 +255,43 @@ class ActivationQuantizer(nn.Module):
             # replaced by one derived from the module's name when patch_model runs.
             key = rng_key(f"mesa-quantizer-{next(_construction_count)}")
             self.register_buffer("rng", torch.tensor([key, 0], dtype=torch.int64, device=device))
+        self._make_learned_buffers(G, device)
+
+    def _make_learned_buffers(self, G: int, device=None) -> None:
+        if self.options.estimator != "learned":
+            for n in LEARNED_BUFFERS:
+                self._buffers.pop(n, None)
+            return
+        f32 = dict(dtype=torch.float32, device=device)
+        # center c and log2 distances (t_lo, t_hi): thresholds c - 2**t_lo, c + 2**t_hi
+        self.register_buffer("clip_center", torch.zeros(G, **f32))
+        self.register_buffer("clip_log", torch.zeros(2, G, **f32))
+        self.register_buffer("clip_m", torch.zeros(2, G, **f32))  # Adam moments
+        self.register_buffer("clip_v", torch.zeros(2, G, **f32))
+        self.register_buffer("clip_steps", torch.zeros((), dtype=torch.float32, device=device))
 
     def set_options(self, **kwargs) -> None:
         """Change options; a new ``num_groups`` resets the estimates (new buffer size)."""
         new = self.options.replace(**kwargs)
-        if new.num_groups != self.options.num_groups:
-            self._make_buffers(new.num_groups, self.alpha.device)
+        old = self.options
         self.options = new
+        if new.num_groups != old.num_groups:
+            self._make_buffers(new.num_groups, self.alpha.device)
+        elif (new.estimator == "learned") != (old.estimator == "learned"):
+            self._make_learned_buffers(new.num_groups, self.alpha.device)
 
     def reset_estimates(self) -> None:
         self.alpha.zero_()
         self.beta.zero_()
         self.initialized.fill_(False)
+        for n in LEARNED_BUFFERS:
+            if n in self._buffers:
+                self._buffers[n].zero_()
 
     def _apply(self, fn, recurse=True):
         # Keep the estimates float32 (and the rng int64) through .half() / .to(dtype): only
         # move their device.
-        old = {n: self._buffers[n] for n in ("alpha", "beta", "rng")}
+        old = {n: self._buffers[n] for n in ("alpha", "beta", "rng", *LEARNED_BUFFERS) if n in self._buffers}
         out = super()._apply(fn, recurse)
         for n, t in old.items():
             new = self._buffers[n]
@@ -200,8 +299,23 @@ class ActivationQuantizer(nn.Module):
                 self._buffers[n] = t.to(device=new.device)
         return out
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        rec = self.options.format_record
+        if rec != _DEFAULT_RECORD:
+            destination[prefix + FORMAT_KEY] = torch.tensor(rec, dtype=torch.int64)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        fk = prefix + FORMAT_KEY
+        saved = tuple(int(v) for v in state_dict.pop(fk).tolist()) if fk in state_dict else _DEFAULT_RECORD
+        if saved != self.options.format_record and (prefix + "alpha") in state_dict:
+            error_msgs.append(
+                f"{prefix[:-1] or 'quantizer'}: the checkpoint was saved with {describe_record(saved)}, but this "
+                f"model is patched with {describe_record(self.options.format_record)}. Patch the model with the "
+                "checkpoint's options, or convert the checkpoint explicitly with "
+                "mesa_train.nn.quantizer.convert_format(state_dict, bits=..., scale=..., layout=..., estimator=...)")
+            return
         # Accept checkpoints saved with another num_groups (or in half precision): resize.
         key = prefix + "alpha"
         if key in state_dict and state_dict[key].shape != self.alpha.shape:
@@ -226,10 +340,15 @@ class ActivationQuantizer(nn.Module):
                                       unexpected_keys, error_msgs)
         if k in missing_keys[n_missing:]:
             missing_keys.remove(k)
+        # learned thresholds absent (convert_format): they restart from the running range
+        for n in LEARNED_BUFFERS:
+            if prefix + n in missing_keys[n_missing:]:
+                missing_keys.remove(prefix + n)
 
     def extra_repr(self) -> str:
         o = self.options
-        return f"num_groups={o.num_groups}, estimator={o.estimator}"
+        extra = "" if o.is_default_format else f", bits={o.bits}, scale={o.scale}, layout={o.layout}"
+        return f"num_groups={o.num_groups}, estimator={o.estimator}{extra}"
 
     # ------------------------------------------------------------------ compression
     def effective_groups(self, x: torch.Tensor, dim: int) -> int:
@@ -252,6 +371,8 @@ class ActivationQuantizer(nn.Module):
         if bufs["alpha"].device != x.device:
             # a layer without parameters cannot know its device at patch time: follow the input
             self._apply(lambda t: t.to(x.device))
+        if not opts.is_default_format:
+            return self._compress_variant(x, dim)
         dim = dim % x.dim()
         D = x.shape[dim]
         G = opts.num_groups if opts.num_groups <= D else max(1, D)
@@ -270,3 +391,182 @@ class ActivationQuantizer(nn.Module):
     @staticmethod
     def decompress(p: Packed, dtype: torch.dtype) -> torch.Tensor:
         return decompress(p, dtype)
+
+    # ------------------------------------------------------------------ variants
+    def format_of(self, x: torch.Tensor) -> tuple | None:
+        """The ``Packed.fmt`` that :meth:`compress` gives ``x`` (channel layouts)."""
+        o = self.options
+        if o.is_default_format:
+            return None
+        return ("bits", o.bits, o.scale == "pow2", tuple(x.shape))
+
+    def _observe(self, x, dim, G, per_sample):
+        b = self._buffers
+        o = self.options
+        args = (x, b["alpha"], b["beta"], b["initialized"], b["rng"], dim, G, o.decay, per_sample, o.symmetric)
+        return traceable.observe(*args) if torch.compiler.is_compiling() else _OBSERVE(*args)
+
+    def _quantize_bits(self, x, alpha, beta, dim, G, seed):
+        o = self.options
+        args = (x, alpha, beta, dim, G, o.bits, o.scale == "pow2", o.rounding == "stochastic", seed)
+        return traceable.quantize_bits(*args) if torch.compiler.is_compiling() else _QUANTIZE_BITS(*args)
+
+    def _compress_variant(self, x: torch.Tensor, dim: int) -> Packed:
+        o = self.options
+        dim = dim % x.dim()
+        if o.layout == "patch4x4":
+            return self._compress_patch4x4(x, dim)
+        D = x.shape[dim]
+        G = o.num_groups if o.num_groups <= D else max(1, D)
+        x = x.contiguous()
+        alpha, beta, seed = self._observe(x, dim, G, o.estimator == "per_sample")
+        if o.estimator == "learned":
+            alpha, beta = learned_thresholds(self, x, dim, G, alpha, beta)
+        q = self._quantize_bits(x, alpha, beta, dim, G, seed)
+        return Packed(q, alpha, beta, dim, G, ("bits", o.bits, o.scale == "pow2", tuple(x.shape)))
+
+    def _compress_patch4x4(self, x: torch.Tensor, dim: int) -> Packed:
+        """min/max per 4x4 spatial block of each channel (DESIGN.md, "patch4x4")."""
+        o = self.options
+        if x.dim() != 4 or dim != 1:
+            raise ValueError(f"layout='patch4x4' needs a conv activation (B, C, H, W) grouped over dim 1, got a "
+                             f"{x.dim()}-d tensor of shape {tuple(x.shape)} (dim {dim}); valid layouts for other "
+                             f"tensors: 'channel'")
+        B, C, H, W = x.shape
+        Hb, Wb = -(-H // 4), -(-W // 4)
+        if Hb * 4 != H or Wb * 4 != W:  # replicate: the padding changes no block's min/max
+            x = torch.nn.functional.pad(x, (0, Wb * 4 - W, 0, Hb * 4 - H), mode="replicate")
+        xb = x.reshape(B, C, Hb, 4, Wb, 4).permute(0, 1, 2, 4, 3, 5).reshape(B * C * Hb * Wb, 16)
+        # per "sample" (= block) statistics, one group: the buffers keep the envelope for logs
+        alpha, beta, seed = self._observe(xb, 1, 1, True)
+        lo, hi = _f16_bounds(beta, beta + alpha)
+        lo32 = lo.float()
+        q = self._quantize_bits(xb, hi.float() - lo32, lo32, 1, 1, seed)
+        return Packed(q, hi, lo, 1, 1, ("patch4x4", o.bits, o.scale == "pow2", (B, C, H, W)))
+
+
+_F16_MAX = 65504.0
+
+
+def _f16_bounds(lo: torch.Tensor, hi: torch.Tensor):
+    """float16 ``(lo', hi')`` with ``lo' <= lo`` and ``hi' >= hi`` (directed rounding), values
+    clamped to the float16 range first (beyond it the codes saturate)."""
+    lo = lo.clamp(-_F16_MAX, _F16_MAX)
+    hi = hi.clamp(-_F16_MAX, _F16_MAX)
+    l16, h16 = lo.half(), hi.half()
+    inf = torch.tensor(float("inf"), dtype=torch.float16, device=lo.device)
+    l16 = torch.where(l16.float() > lo, torch.nextafter(l16, -inf), l16)
+    h16 = torch.where(h16.float() < hi, torch.nextafter(h16, inf), h16)
+    return l16, h16
+
+
+def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: int, run_alpha, run_beta):
+    """estimator="learned" (DESIGN.md, "Learned clipping"): this batch's ``(alpha, beta)`` =
+    ``(hi - lo, lo)`` from the per-group thresholds ``lo = c - 2**t_lo``, ``hi = c + 2**t_hi``,
+    then one Adam step on ``(t_lo, t_hi)`` against the expected squared error of the stored
+    tensor, normalised by the squared range::
+
+        E = mean[ 1{lo <= x <= hi} * step**2 / 6 + (x - hi)_+**2 + (lo - x)_+**2 ] / (hi - lo)**2
+
+    (``step = (hi - lo) / L``: the rounding variance of unbiased stochastic rounding, averaged
+    over the position inside a step; the other terms are the clipping error). ``c`` follows
+    the group mean (EMA with the quantizer's ``decay``). The first call starts from the
+    batch's min/max (``run_alpha``, ``run_beta``: the running estimate, first batch = its range).
+    Only tensor ops (no host sync)."""
+    b = qz._buffers
+    lam = qz.options.decay
+    levels = float((1 << qz.options.bits) - 1)
+    xf = x.float()
+    D = x.shape[dim]
+    gidx = [d * G // D for d in range(D)]
+    counts = torch.tensor([gidx.count(g) for g in range(G)], dtype=torch.float32, device=x.device)
+    n_per_d = x.numel() // max(D, 1)
+    dims = [i for i in range(x.dim()) if i != dim]
+
+    def group_sum(t):  # (S..) per element -> (G,)
+        per_d = t.sum(dim=dims) if dims else t
+        return torch.zeros(G, dtype=torch.float32, device=x.device).index_add_(
+            0, torch.tensor(gidx, device=x.device), per_d)
+
+    shape = [1] * x.dim()
+    shape[dim] = D
+    gi = torch.tensor(gidx, device=x.device)
+
+    def per_elem(v):  # (G,) -> broadcastable to x
+        return v[gi].view(shape)
+
+    n = counts * n_per_d
+    mean = group_sum(xf) / n
+    steps = b["clip_steps"]
+    first = steps == 0
+    # start: center = mid-range, distances = half range (the running min/max)
+    mn0 = run_beta[0]
+    half0 = (run_alpha[0] * 0.5).clamp_min(1e-12)
+    c = torch.where(first, mn0 + half0, b["clip_center"] * lam + mean * (1.0 - lam))
+    tl = torch.where(first, torch.log2(half0), b["clip_log"][0])
+    th = torch.where(first, torch.log2(half0), b["clip_log"][1])
+    dl, dh = torch.exp2(tl), torch.exp2(th)
+    lo, hi = c - dl, c + dh
+    rng_ = (hi - lo).clamp_min(1e-12)
+    step = rng_ / levels
+    lo_e, hi_e = per_elem(lo), per_elem(hi)
+    over = (xf - hi_e).clamp_min(0)
+    under = (lo_e - xf).clamp_min(0)
+    inside = ((over == 0) & (under == 0)).float()
+    f_in = group_sum(inside) / n
+    m_over, m_under = group_sum(over) / n, group_sum(under) / n
+    ln2 = 0.6931471805599453
+    var_term = f_in * step / (3.0 * levels)
+    g_h = ln2 * dh * (var_term - 2.0 * m_over) / (rng_ * rng_)
+    g_l = ln2 * dl * (var_term - 2.0 * m_under) / (rng_ * rng_)
+    grad = torch.stack([g_l, g_h])
+    grad = torch.where(torch.isfinite(grad), grad, torch.zeros_like(grad))
+    b1, b2 = LEARNED_BETAS
+    t = steps + 1
+    m = b["clip_m"] * b1 + grad * (1 - b1)
+    v = b["clip_v"] * b2 + grad * grad * (1 - b2)
+    mhat = m / (1 - torch.pow(torch.full_like(t, b1), t))
+    vhat = v / (1 - torch.pow(torch.full_like(t, b2), t))
+    new_log = torch.stack([tl, th]) - LEARNED_LR * mhat / (torch.sqrt(vhat) + LEARNED_EPS)
+    ok = torch.isfinite(new_log).all() & torch.isfinite(c).all()
+    b["clip_log"].copy_(torch.where(ok, new_log, b["clip_log"]))
+    b["clip_center"].copy_(torch.where(ok, c, b["clip_center"]))
+    b["clip_m"].copy_(torch.where(ok, m, b["clip_m"]))
+    b["clip_v"].copy_(torch.where(ok, v, b["clip_v"]))
+    b["clip_steps"].copy_(torch.where(ok, t, steps))
+    # quantize this batch with the thresholds the statistics were taken at
+    alpha = torch.where(torch.isfinite(rng_), hi - lo, run_alpha[0]).view(1, G)
+    beta = torch.where(torch.isfinite(lo), lo, run_beta[0]).view(1, G)
+    return alpha.contiguous(), beta.contiguous()
+
+
+def describe_record(rec) -> str:
+    bits, scale, layout, learned = rec
+    s = f"bits={bits}, scale={SCALES[scale] if 0 <= scale < len(SCALES) else scale}, "
+    s += f"layout={LAYOUTS[layout] if 0 <= layout < len(LAYOUTS) else layout}"
+    return s + (", estimator=learned" if learned else "")
+
+
+def convert_format(state_dict: dict, *, bits: int = 8, scale: str = "linear", layout: str = "channel",
+                   estimator: str = "running") -> dict:
+    """A copy of ``state_dict`` whose quantizer entries load into a model patched with the
+    given format: the running ranges (``alpha``/``beta``: range and minimum of the tensor,
+    independent of the bit width) and the rng counter are kept, the format records are
+    rewritten, learned-threshold state is dropped (it restarts from the running range) or,
+    for ``estimator="learned"``, left to start from the running range."""
+    rec = QuantOptions(bits=bits, scale=scale, layout=layout,
+                       estimator=estimator).format_record
+    out = {}
+    prefixes = set()
+    for k, v in state_dict.items():
+        if k.endswith("." + FORMAT_KEY) or k == FORMAT_KEY:
+            continue
+        if any(k.endswith("." + n) or k == n for n in LEARNED_BUFFERS):
+            continue
+        out[k] = v
+        if k.endswith(".rng") or k == "rng":
+            prefixes.add(k[: -len("rng")])
+    for p in prefixes:
+        if rec != _DEFAULT_RECORD:
+            out[p + FORMAT_KEY] = torch.tensor(rec, dtype=torch.int64)
+    return out

@@ -72,6 +72,14 @@ def _autocast_state(device_type: str):
     return enabled, dtype
 
 
+def _restore(codes, alpha, beta, dim, G, fmt, dtype):
+    if fmt is None:  # the paper's 8-bit format
+        return quant.dequantize(codes, alpha, beta, dim, G, dtype)
+    from .quantizer import Packed, decompress  # bits / pow2 variants (DESIGN.md "Variants")
+
+    return decompress(Packed(codes, alpha, beta, dim, G, fmt), dtype)
+
+
 class _MesaSDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, window_mask,
@@ -113,14 +121,14 @@ class _MesaSDPA(torch.autograd.Function):
         (qq, qa, qb, kq, ka, kb, vq, va, vb), rest = saved[:9], saved[9:]
         attn_mask = rest.pop(0) if ctx.has_mask[0] else None
         window_mask = rest.pop(0) if ctx.has_mask[1] else None
-        (dq_, Gq), (dk_, Gk), (dv_, Gv) = ctx.dims
+        (dq_, Gq, fq), (dk_, Gk, fk), (dv_, Gv, fv) = ctx.dims
         tq, tk, tv = ctx.dtypes
         dropout_p, is_causal, scale = ctx.opts
         needs = ctx.needs_input_grad
 
-        q = quant.dequantize(qq, qa, qb, dq_, Gq, tq).requires_grad_(needs[0])
-        k = quant.dequantize(kq, ka, kb, dk_, Gk, tk).requires_grad_(needs[1])
-        v = quant.dequantize(vq, va, vb, dv_, Gv, tv).requires_grad_(needs[2])
+        q = _restore(qq, qa, qb, dq_, Gq, fq, tq).requires_grad_(needs[0])
+        k = _restore(kq, ka, kb, dk_, Gk, fk, tk).requires_grad_(needs[1])
+        v = _restore(vq, va, vb, dv_, Gv, fv, tv).requires_grad_(needs[2])
         mask_needs_grad = attn_mask is not None and needs[3] and attn_mask.is_floating_point()
         if attn_mask is not None:
             attn_mask = attn_mask.detach().requires_grad_(mask_needs_grad)
@@ -223,7 +231,7 @@ def _compressed_sdpa(module, q, k, v, attn_mask, window_mask, dropout_p, is_caus
     pq = module.q_quantizer.compress(q.detach(), _group_dim(q))
     pk = module.k_quantizer.compress(k.detach(), _group_dim(k))
     pv = module.v_quantizer.compress(v.detach(), _group_dim(v))
-    dims = ((pq.dim, pq.num_groups), (pk.dim, pk.num_groups), (pv.dim, pv.num_groups))
+    dims = ((pq.dim, pq.num_groups, pq.fmt), (pk.dim, pk.num_groups, pk.fmt), (pv.dim, pv.num_groups, pv.fmt))
     return _MesaSDPA.apply(
         q, k, v, attn_mask, window_mask,
         pq.q, pq.alpha, pq.beta, pk.q, pk.alpha, pk.beta, pv.q, pv.alpha, pv.beta,

@@ -72,7 +72,7 @@ class Softmax(MesaLayer, nn.Softmax):
             dim = F._get_softmax_dim("softmax", input.dim(), 5)  # same implicit choice and warning
         dim = dim % input.dim() if input.dim() else 0
         y, q, alpha, beta = _SoftmaxFn.apply(input, dim, self.quantizer)
-        return y, Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1])
+        return y, Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1], self.quantizer.format_of(y))
 
     def extra_repr(self) -> str:
         return f"{nn.Softmax.extra_repr(self)}, {self._mesa_repr()}"

@@ -196,6 +196,8 @@ def _matmul_operands(attn: nn.Module, name: str) -> Tuple[str, ...]:
 
 
 ATTENTION_PATHS = ("auto", "explicit", "fused")
+# ops whose saved activation is a conv feature map: the ones layout="patch4x4" accepts
+LAYOUT_OPS = ("conv",)
 
 
 def _wants_fused(attn: nn.Module, requested: set, attention: str) -> bool:
@@ -307,7 +309,10 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         plan: a :class:`mesa_train.plan.Plan`, its dict or a plan file path (``python -m
             mesa_train.plan``): patch each layer with the ops the plan gives it instead.
         **quant_options: ``num_groups``, ``decay``, ``estimator``, ``symmetric``,
-            ``rounding``, ``enabled`` (see :class:`mesa_train.nn.QuantOptions`). Without
+            ``rounding``, ``enabled``, ``row_scale``, ``bits`` (8, 4, 2), ``scale``
+            (``linear``, ``pow2``), ``layout`` (``channel``; ``patch4x4`` with
+            ``ops=["conv"]`` only) (see :class:`mesa_train.nn.QuantOptions`). Per-op settings:
+            call again with other ops and options (explicit options apply to those ops' layers). Without
             ``num_groups``, each layer uses the head count of its block: per head for
             attention tensors, that many channel blocks otherwise (capped at the channel
             count, e.g. 3 for an RGB patch embedding).
@@ -325,6 +330,13 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     op_names = _resolve(ops, OPS, "ops")
     set_names = _resolve(modules, MODULE_SETS, "modules")
     quant_options = _check_options(quant_options)
+    if quant_options.get("layout", "channel") != "channel":
+        others = [o for o in op_names if o not in LAYOUT_OPS]
+        if others:
+            raise ValueError(
+                f"layout={quant_options['layout']!r} applies to conv activations (B, C, H, W) only: valid ops for "
+                f"it: {list(LAYOUT_OPS)}, got also {others} (their valid layout: 'channel'). Patch them first, "
+                f"then e.g. patch_model(model, ops=['conv'], layout='patch4x4', bits=2)")
     explicit = dict(quant_options)
 
     root = _unwrap(model)

@@ -62,6 +62,9 @@ def _state(layer, producer: Optional[str] = None) -> str:
     parts = [o.estimator + (f" decay={o.decay:g}" if o.estimator == "running" else ""), o.rounding]
     if o.symmetric:
         parts.append("symmetric")
+    if not o.is_default_format:
+        parts.append(f"{o.bits}-bit" + (" pow2" if o.scale == "pow2" else "")
+                     + (" patch4x4" if o.layout == "patch4x4" else ""))
     qs = layer.quantizers()
     if mesa_layer_op(layer) == "matmul":
         operand_parts, counted = _matmul_operands(layer, producer)

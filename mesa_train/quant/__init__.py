@@ -37,6 +37,8 @@ from .reference import (
 )
 
 __all__ = [
+    "quantize_bits",
+    "dequantize_bits",
     "group_minmax",
     "quantize",
     "dequantize",
@@ -65,7 +67,17 @@ _SCHEMAS = {
         "int dim, int num_groups, float decay, bool per_sample, bool symmetric) -> (Tensor alpha, Tensor beta, "
         "Tensor seed)"
     ),
+    "quantize_bits": (
+        "quantize_bits(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, int bits, bool pow2, "
+        "bool stochastic, Tensor seed) -> Tensor"
+    ),
+    "dequantize_bits": (
+        "dequantize_bits(Tensor q, Tensor alpha, Tensor beta, int[] shape, int dim, int num_groups, int bits, "
+        "bool pow2, ScalarType dtype) -> Tensor"
+    ),
 }
+# Ops with CUDA kernels in csrc/cuda (the variants' ops are served on CUDA by the reference).
+_CUDA_KERNEL_OPS = ("group_minmax", "quantize", "dequantize", "update_estimates", "observe")
 
 extension_error: BaseException | None = None  # why the extension was not used, if it was not
 
@@ -114,7 +126,17 @@ def _ref_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, deca
     return reference.observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric)
 
 
+def _ref_quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic, seed):
+    return reference.quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic, seed)
+
+
+def _ref_dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dtype):
+    return reference.dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dtype)
+
+
 _REF_IMPLS = {
+    "quantize_bits": _ref_quantize_bits,
+    "dequantize_bits": _ref_dequantize_bits,
     "group_minmax": _ref_minmax,
     "quantize": _ref_quantize,
     "dequantize": _ref_dequantize,
@@ -154,8 +176,10 @@ if _load_extension():
         )
         _serve_from_reference("FRAGMENT", _missing, ("CPU", "CUDA"))
     _no_cuda = [n for n in _SCHEMAS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"mesa::{n}", "CUDA")]
-    if not _no_cuda:
+    if not [n for n in _no_cuda if n in _CUDA_KERNEL_OPS]:
         CUDA_BACKEND = "extension"
+        if _no_cuda:  # the variants' ops (bits / pow2): the reference serves CUDA tensors
+            _serve_from_reference("IMPL", _no_cuda, ("CUDA",))
     else:
         # CPU-only build: CUDA tensors still work, through the reference.
         _serve_from_reference("IMPL", _no_cuda, ("CUDA",))
@@ -217,6 +241,18 @@ def _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, dec
     )
 
 
+def _fake_quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic, seed):
+    reference.check_bits(bits)
+    check_quantize_args(x, alpha, beta, dim, num_groups)
+    check_seed(seed, x, "quantize_bits: seed ([lo, hi])")
+    return x.new_empty((reference.packed_bytes(x.numel(), bits),), dtype=torch.uint8)
+
+
+def _fake_dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dtype):
+    shape, _ = reference.check_dequantize_bits_args(q, alpha, beta, shape, dim, num_groups, bits, dtype)
+    return q.new_empty(shape, dtype=dtype)
+
+
 def _register_python_side() -> None:
     # Guard against double registration when the module is reloaded in one process.
     if getattr(torch.ops.mesa, "_mesa_python_side_registered", False):
@@ -226,6 +262,8 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::dequantize")(_fake_dequantize)
     torch.library.register_fake("mesa::update_estimates")(_fake_update_estimates)
     torch.library.register_fake("mesa::observe")(_fake_observe)
+    torch.library.register_fake("mesa::quantize_bits")(_fake_quantize_bits)
+    torch.library.register_fake("mesa::dequantize_bits")(_fake_dequantize_bits)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
     # and a reconstruction that the layers use inside their own backward). A fallthrough
@@ -345,3 +383,44 @@ def observe(
     return torch.ops.mesa.observe(
         x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay), bool(per_sample), bool(symmetric)
     )
+
+
+def quantize_bits(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    bits: int = 8,
+    pow2: bool = False,
+    stochastic: bool = True,
+    seed: int | torch.Tensor = 0,
+) -> torch.Tensor:
+    """Packed ``bits``-bit codes (1-d uint8, ``ceil(numel * bits / 8)`` bytes) of ``x``
+    (DESIGN.md, "Variants"); ``pow2``: power-of-two steps. Same statistics and seeds as
+    :func:`quantize`; ``bits=8, pow2=False`` gives :func:`quantize`'s bytes, flattened."""
+    reference.check_bits(bits)
+    dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
+    if isinstance(seed, torch.Tensor):
+        check_seed(seed, x, "quantize_bits: seed ([lo, hi])")
+    else:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"quantize_bits: seed must be an int or an int64 (2,) tensor, got {type(seed).__name__}")
+        seed = seed_tensor(seed, x.device)
+    return torch.ops.mesa.quantize_bits(x, alpha, beta, dim, num_groups, int(bits), bool(pow2), bool(stochastic), seed)
+
+
+def dequantize_bits(
+    q: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    shape,
+    dim: int,
+    num_groups: int,
+    bits: int = 8,
+    pow2: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The tensor of ``shape`` that :func:`quantize_bits`' codes ``q`` stand for, as ``dtype``."""
+    shape, dim = reference.check_dequantize_bits_args(q, alpha, beta, shape, dim, num_groups, bits, dtype)
+    return torch.ops.mesa.dequantize_bits(q, alpha, beta, list(shape), dim, num_groups, int(bits), bool(pow2), dtype)

@@ -44,7 +44,19 @@ __all__ = [
     "check_seed",
     "check_observe_args",
     "QUANT_DTYPES",
+    "BITS",
+    "levels",
+    "pow2_ceil",
+    "step_and_inv",
+    "packed_bytes",
+    "pack_codes",
+    "unpack_codes",
+    "check_bits",
+    "quantize_bits",
+    "dequantize_bits",
 ]
+
+BITS = (8, 4, 2)  # supported code widths (DESIGN.md, "Variants")
 
 QUANT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _M32 = 0xFFFFFFFF
@@ -495,3 +507,139 @@ def observe(
     alpha, beta = update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
                                    x.numel() > 0)
     return alpha, beta, seed_step(rng)
+
+
+# ----------------------------------------------------------------------------- variants
+# DESIGN.md, "Variants": bits in {8, 4, 2} (L = 2**bits - 1 levels above 0), codes packed
+# 8 // bits per byte along the flat index of the contiguous tensor, little end first, the
+# last byte zero-padded; optional power-of-two steps (ALT).
+def check_bits(bits) -> int:
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    return int(bits)
+
+
+def levels(bits: int) -> int:
+    """Largest code ``L = 2**bits - 1``."""
+    return (1 << check_bits(bits)) - 1
+
+
+def packed_bytes(numel: int, bits: int) -> int:
+    per = 8 // check_bits(bits)
+    return -(-numel // per)
+
+
+def pow2_ceil(r: torch.Tensor) -> torch.Tensor:
+    """float32: the smallest power of two ``>= r`` for normal finite ``r`` (sign kept); ``r``
+    itself when it is a power of two, zero, subnormal, inf or NaN (bit arithmetic, exact)."""
+    b = r.contiguous().view(torch.int32)
+    e = b & 0x7F800000
+    m = b & 0x007FFFFF
+    up = ((b & -0x800000) + 0x00800000).view(torch.float32)  # -0x800000 == 0xFF800000 as int32
+    keep = (m == 0) | (e == 0) | (e == 0x7F800000)
+    return torch.where(keep, r, up)
+
+
+def step_and_inv(alpha: torch.Tensor, bits: int, pow2: bool):
+    """``(step, inv)`` per parameter: ``step = alpha / L`` (``pow2``: its :func:`pow2_ceil`),
+    ``inv = alpha > 1e-12 ? L / alpha (pow2: 1 / step) : 0``. bits=8, pow2=False: exactly
+    :func:`quantize`'s ``255 / alpha`` and :func:`dequantize`'s ``alpha / 255``."""
+    lv = torch.full_like(alpha, float(levels(bits)))
+    step = alpha / lv
+    if pow2:
+        step = pow2_ceil(step)
+        inv = torch.ones_like(alpha) / step
+    else:
+        inv = lv / alpha
+    return step, torch.where(alpha > _EPS, inv, torch.zeros_like(alpha))
+
+
+def pack_codes(c: torch.Tensor, bits: int) -> torch.Tensor:
+    """1-d uint8 ``(packed_bytes(numel, bits),)`` of codes ``c`` (uint8, each < 2**bits)."""
+    per = 8 // check_bits(bits)
+    c = c.reshape(-1)
+    if per == 1:
+        return c.clone()
+    n = c.numel()
+    nb = -(-n // per)
+    full = torch.zeros(nb * per, dtype=torch.int32, device=c.device)
+    full[:n] = c.to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32, device=c.device) * bits
+    return (full.view(nb, per) << shifts).sum(1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_codes(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """1-d uint8 codes ``(numel,)`` from :func:`pack_codes`' bytes."""
+    per = 8 // check_bits(bits)
+    if per == 1:
+        return p[:numel]
+    shifts = torch.arange(per, dtype=torch.int32, device=p.device) * bits
+    c = (p.to(torch.int32).view(-1, 1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(-1)[:numel].to(torch.uint8)
+
+
+def quantize_bits(x, alpha, beta, dim: int, num_groups: int, bits: int = 8, pow2: bool = False,
+                  stochastic: bool = True, seed=0) -> torch.Tensor:
+    """Packed codes (1-d uint8) at ``bits`` per value (DESIGN.md, "Variants")::
+
+        v = (x - beta) * inv;  q = NaN -> 0, else clamp(stochastic ? floor(v + u) : rint(v), 0, L)
+
+    with :func:`step_and_inv`'s ``inv`` and the same hash ``u`` (flat element index) as
+    :func:`quantize`. bits=8 and pow2=False: the bytes of :func:`quantize`, flattened.
+    """
+    check_bits(bits)
+    dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
+    if isinstance(seed, torch.Tensor):
+        check_seed(seed, x, "quantize_bits: seed ([lo, hi])")
+    x = x.contiguous()
+    if x.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+    _, inv = step_and_inv(alpha.contiguous(), bits, pow2)
+    xv, (inv, b) = _expand(x, [inv, beta.contiguous()], dim, num_groups)
+    v = (xv.to(torch.float32) - b) * inv
+    if stochastic:
+        v = torch.floor(v + uniform_from_hash(x.numel(), seed, x.device).view(xv.shape))
+    else:
+        v = torch.round(v)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v).clamp_(0.0, float(levels(bits)))
+    return pack_codes(v.to(torch.uint8), bits)
+
+
+def check_dequantize_bits_args(q, alpha, beta, shape, dim, num_groups, bits, dtype):
+    check_bits(bits)
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.uint8 or q.dim() != 1:
+        got = f"{q.dtype}{tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"dequantize_bits expects a 1-d uint8 tensor of packed codes, got {got}")
+    if dtype not in QUANT_DTYPES:
+        raise ValueError(f"dequantize_bits can produce float32, float16 or bfloat16, got {dtype}")
+    shape = tuple(int(s) for s in shape)
+    meta = torch.empty(shape, device="meta")
+    dim = normalize_dim(meta, dim)
+    _check_groups(meta, dim, num_groups)
+    for name, p in (("alpha", alpha), ("beta", beta)):
+        if not isinstance(p, torch.Tensor) or p.dtype != torch.float32 or p.device != q.device:
+            raise ValueError(f"{name} must be a float32 tensor on {q.device}")
+    if alpha.dim() != 2 or alpha.shape != beta.shape or alpha.shape[1] != num_groups \
+            or alpha.shape[0] not in (1, shape[0]):
+        raise ValueError(f"alpha/beta shapes {tuple(alpha.shape)} and {tuple(beta.shape)} invalid: expected "
+                         f"(S, {num_groups}) with S in {{1, {shape[0]}}} (shared or per-sample statistics)")
+    need = packed_bytes(meta.numel(), bits)
+    if q.shape[0] != need:
+        raise ValueError(f"dequantize_bits: {q.shape[0]} bytes of codes, but shape {list(shape)} at {bits} bits "
+                         f"needs {need}")
+    return shape, dim
+
+
+def dequantize_bits(q, alpha, beta, shape, dim: int, num_groups: int, bits: int = 8, pow2: bool = False,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``xhat = q * step + beta`` (fp32, two rounded operations) of shape ``shape``, as ``dtype``."""
+    shape, dim = check_dequantize_bits_args(q, alpha, beta, shape, dim, num_groups, bits, dtype)
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype, device=q.device)
+    c = unpack_codes(q, bits, numel).view(shape)
+    step, _ = step_and_inv(alpha.contiguous(), bits, pow2)
+    cv, (st, b) = _expand(c, [step, beta.contiguous()], dim, num_groups)
+    return ((cv.to(torch.float32) * st) + b).to(dtype).view(shape)

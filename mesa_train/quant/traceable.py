@@ -169,3 +169,65 @@ def dequantize(q, alpha, beta, dim: int, num_groups: int, dtype: torch.dtype):
     step = alpha / torch.full_like(alpha, 255.0)
     st, b = _per_element(q, [step, beta], dim, num_groups)
     return ((q.to(torch.float32) * st) + b).to(dtype)
+
+
+# ----------------------------------------------------------------------------- variants
+# ``mesa::quantize_bits`` / ``mesa::dequantize_bits`` (DESIGN.md, "Variants") in plain
+# PyTorch, bit for bit the ops when run eagerly (tests/test_variants.py).
+def _step_and_inv(alpha, bits: int, pow2: bool):
+    from .reference import step_and_inv
+
+    return step_and_inv(alpha, bits, pow2)
+
+
+def _pack(c: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    c = c.reshape(-1)
+    if per == 1:
+        return c
+    n = c.numel()
+    nb = -(-n // per)
+    c = torch.nn.functional.pad(c.to(torch.int32), (0, nb * per - n))
+    shifts = torch.arange(per, dtype=torch.int32, device=c.device) * bits
+    return (c.view(nb, per) << shifts).sum(1, dtype=torch.int32).to(torch.uint8)
+
+
+def _unpack(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    per = 8 // bits
+    if per == 1:
+        return p[:numel]
+    shifts = torch.arange(per, dtype=torch.int32, device=p.device) * bits
+    c = (p.to(torch.int32).view(-1, 1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(-1)[:numel]
+
+
+def quantize_bits(x, alpha, beta, dim: int, num_groups: int, bits: int, pow2: bool, stochastic: bool,
+                  seed: torch.Tensor):
+    """Packed ``bits``-bit codes (1-d uint8) of contiguous ``x``; ``mesa::quantize_bits``."""
+    if x.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+    if x.numel() >= 2**32:
+        raise ValueError("the traceable quantize handles tensors of fewer than 2**32 elements")
+    _, inv = _step_and_inv(alpha, bits, pow2)
+    inv, b = _per_element(x, [inv, beta], dim, num_groups)
+    v = (x.to(torch.float32) - b) * inv
+    if stochastic:
+        v = torch.floor(v + _uniform(x.numel(), seed, x.device).view(x.shape))
+    else:
+        v = torch.round(v)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v).clamp(0.0, float((1 << bits) - 1))
+    q = _pack(v.to(torch.uint8), bits)
+    return q.clone() if bits == 8 else q  # never a view of an intermediate's storage
+
+
+def dequantize_bits(q, alpha, beta, shape, dim: int, num_groups: int, bits: int, pow2: bool, dtype):
+    """``q * step + beta`` (fp32, rounded separately) of ``shape``; ``mesa::dequantize_bits``."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype, device=q.device)
+    c = _unpack(q, bits, numel).reshape(shape)
+    step, _ = _step_and_inv(alpha, bits, pow2)
+    st, b = _per_element(c, [step, beta], dim % len(shape), num_groups)
+    return ((c.to(torch.float32) * st) + b).to(dtype)

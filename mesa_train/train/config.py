@@ -16,7 +16,10 @@ from mesa_train.patch import MODULE_SETS, OPS
 # the library's own lists (one source of truth: a new op is valid here the day it lands)
 MESA_OPS = tuple(OPS) + ("all",)
 MESA_MODULES = tuple(MODULE_SETS) + ("all",)
-MESA_ESTIMATORS = ("running", "per_sample")
+MESA_ESTIMATORS = ("running", "per_sample", "learned")
+MESA_BITS = (8, 4, 2)
+MESA_SCALES = ("linear", "pow2")
+MESA_LAYOUTS = ("channel", "patch4x4")
 MESA_ROUNDINGS = ("stochastic", "nearest")
 AMP_MODES = ("auto", "bf16", "fp16", "none")
 NONFINITE_MODES = ("stop", "skip")
@@ -67,6 +70,20 @@ def validate(cfg) -> None:
         )
     choice("mesa.estimator", m.estimator, MESA_ESTIMATORS)
     choice("mesa.rounding", m.rounding, MESA_ROUNDINGS)
+    if m.get("bits", 8) not in MESA_BITS or isinstance(m.get("bits", 8), bool):
+        errors.append(f"mesa.bits={m.get('bits')!r} is not valid; choose one of: {', '.join(map(str, MESA_BITS))}")
+    choice("mesa.scale", m.get("scale", "linear"), MESA_SCALES)
+    choice("mesa.layout", m.get("layout", "channel"), MESA_LAYOUTS)
+    if m.get("layout", "channel") == "patch4x4" and [o for o in ops if o != "conv"]:
+        errors.append(f"mesa.layout=patch4x4 applies to conv activations only: it needs mesa.ops=[conv], got {ops}")
+    if not errors:
+        from mesa_train.nn.quantizer import QuantOptions
+
+        try:  # combinations (e.g. estimator=learned with symmetric=true)
+            QuantOptions(estimator=m.estimator, symmetric=m.symmetric, bits=m.get("bits", 8),
+                         scale=m.get("scale", "linear"), layout=m.get("layout", "channel"))
+        except ValueError as e:
+            errors.append(f"mesa: {e}")
     if not isinstance(m.get("row_scale", True), bool):
         errors.append(f"mesa.row_scale={m.row_scale!r} must be true or false")
     if not isinstance(m.symmetric, bool):
@@ -238,6 +255,9 @@ def mesa_options(cfg) -> dict:
         "symmetric": m.symmetric,
         "rounding": m.rounding,
         "row_scale": m.get("row_scale"),
+        "bits": m.get("bits"),
+        "scale": m.get("scale"),
+        "layout": m.get("layout"),
     }
     return {k: v for k, v in opts.items() if v is not None}
 
