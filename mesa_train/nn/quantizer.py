@@ -162,6 +162,9 @@ class Packed(NamedTuple):
 _OBSERVE = torch.ops.mesa.observe.default
 _QUANTIZE = torch.ops.mesa.quantize.default
 _DEQUANTIZE = torch.ops.mesa.dequantize.default
+# Whole-layer C++ ops (csrc/layers_autograd.cpp) exist only in the compiled extension; with
+# the pure-PyTorch fallback the layers keep their Python Functions.
+_FUSED_LAYERS = quant.extension_error is None and hasattr(torch.ops.mesa, "gelu_train")
 _QUANTIZE_BITS = torch.ops.mesa.quantize_bits.default
 _DEQUANTIZE_BITS = torch.ops.mesa.dequantize_bits.default
 
@@ -354,6 +357,21 @@ class ActivationQuantizer(nn.Module):
     def effective_groups(self, x: torch.Tensor, dim: int) -> int:
         D = x.shape[dim]
         return max(1, min(self.options.num_groups, D))
+
+    def fused_layer_args(self, x: torch.Tensor) -> tuple | None:
+        """The quantizer arguments of the C++ layer ops (``mesa::gelu_train``,
+        ``mesa::softmax_train``: a whole Mesa layer with a C++ autograd node, see
+        ``csrc/layers_autograd.cpp``), or ``None`` where a layer must use its Python Function:
+        under ``torch.compile`` (the traceable path), for the variant formats, or when the
+        extension is not loaded (the reference ops)."""
+        opts = self.options
+        if not (_FUSED_LAYERS and opts.is_default_format) or torch.compiler.is_compiling():
+            return None
+        bufs = self._buffers
+        if bufs["alpha"].device != x.device:
+            self._apply(lambda t: t.to(x.device))  # as compress does
+        return (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], opts.num_groups, opts.decay,
+                opts.estimator == "per_sample", opts.symmetric, opts.rounding == "stochastic")
 
     @torch.no_grad()
     def compress(self, x: torch.Tensor, dim: int) -> Packed:

@@ -1,0 +1,250 @@
+// Eager fast path of the Mesa GELU, Softmax and Linear layers: the whole layer (stock forward,
+// compression, backward from the 8-bit copy) as one op whose autograd node is C++.
+//
+// Why: a Python torch.autograd.Function costs about 100 us of host time per layer and step
+// (Function.apply, ctx bookkeeping, the Python backward), several times the time of the
+// kernels themselves on small tensors (results/overhead/). These ops do exactly what the
+// Python Functions in mesa_train/nn/gelu.py, softmax.py and linear.py do, op for op (the same aten
+// kernels and mesa::observe / quantize / dequantize), so outputs, codes, estimates and
+// gradients are bitwise the Python path's (tests/test_layers_autograd.py). The Python
+// layers call them only in eager mode with the default 8-bit channel format; under
+// torch.compile and for the variant formats they keep their Python Functions.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+
+namespace mesa {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// (the signatures the kernels are registered with: mutated buffers as const references too)
+using ObserveFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, int64_t, int64_t, double, bool,
+                                                                 bool);
+using QuantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
+                              const at::Tensor&);
+using DequantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                c10::ScalarType);
+
+// The registered ops, looked up once (through the dispatcher: CPU or CUDA kernel).
+const c10::TypedOperatorHandle<ObserveFn>& observe_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mesa::observe", "").typed<ObserveFn>();
+  return op;
+}
+const c10::TypedOperatorHandle<QuantizeFn>& quantize_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mesa::quantize", "").typed<QuantizeFn>();
+  return op;
+}
+const c10::TypedOperatorHandle<DequantizeFn>& dequantize_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::dequantize", "").typed<DequantizeFn>();
+  return op;
+}
+
+// The quantizer's state and options, as the Python ActivationQuantizer.compress passes them.
+struct Quantizer {
+  at::Tensor alpha_est, beta_est, initialized, rng;
+  int64_t num_groups;
+  double decay;
+  bool per_sample, symmetric, stochastic;
+};
+
+// ActivationQuantizer.compress (default format): groups along `dim` (num_groups capped at
+// the dim's size), one contiguous copy when needed, observe then quantize.
+// Returns (q, alpha, beta, G).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(const at::Tensor& x_in, int64_t dim,
+                                                                 Quantizer& qz) {
+  const int64_t D = x_in.size(dim);
+  const int64_t G = qz.num_groups <= D ? qz.num_groups : std::max<int64_t>(1, D);
+  const at::Tensor x = x_in.contiguous();
+  auto [alpha, beta, seed] = observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,
+                                               qz.decay, qz.per_sample, qz.symmetric);
+  at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed);
+  return {q, alpha, beta, G};
+}
+
+// Backward computes in explicit dtypes with autocast off (mesa_train.nn._common.no_autocast).
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
+
+// Per-head groups (dim 1) for 4-D tensors, channel groups (last dim) otherwise
+// (mesa_train.nn._common.group_dim_4d).
+int64_t group_dim(const at::Tensor& t) { return t.dim() == 4 ? 1 : t.dim() - 1; }
+
+// ----------------------------------------------------------------------------- GELU
+struct GeluTrain : public torch::autograd::Function<GeluTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Quantizer qz, std::string approximate) {
+    at::Tensor y = at::gelu(x, approximate);  // exactly nn.GELU.forward
+    auto [q, alpha, beta, G] = compress(x, group_dim(x), qz);
+    ctx->save_for_backward({q, alpha, beta});
+    ctx->saved_data["dim"] = group_dim(x);
+    ctx->saved_data["groups"] = G;
+    ctx->saved_data["approximate"] = approximate;
+    ctx->saved_data["y_dtype"] = y.scalar_type();
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto cdt = ctx->saved_data["y_dtype"].toScalarType();
+    at::Tensor xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                         ctx->saved_data["groups"].toInt(), cdt);
+    at::Tensor gx = at::gelu_backward(grads[0].to(cdt), xh, ctx->saved_data["approximate"].toStringRef());
+    return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor gelu_train(const at::Tensor& x, at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized,
+                      at::Tensor& rng, int64_t num_groups, double decay, bool per_sample, bool symmetric,
+                      bool stochastic, c10::string_view approximate) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+  return GeluTrain::apply(x, qz, std::string(approximate));
+}
+
+// ----------------------------------------------------------------------------- Softmax
+// Outputs (y, q, alpha, beta): the codes and statistics are outputs too, so that the
+// attention's `attn @ v` can keep them instead of quantizing y again (Softmax.forward_with_copy).
+struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, int64_t softmax_dim, Quantizer qz) {
+    at::Tensor y = at::softmax(x, softmax_dim);  // exactly nn.Softmax.forward (dim resolved)
+    auto [q, alpha, beta, G] = compress(y, group_dim(y), qz);
+    ctx->save_for_backward({q, alpha, beta});
+    ctx->saved_data["dim"] = group_dim(y);
+    ctx->saved_data["groups"] = G;
+    ctx->saved_data["softmax_dim"] = softmax_dim;
+    ctx->saved_data["y_dtype"] = y.scalar_type();
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->mark_non_differentiable({q, alpha, beta});
+    ctx->set_materialize_grads(false);  // no zero-filled gradients for those three outputs
+    return {y, q, alpha, beta};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // y did not reach the loss
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto ydt = ctx->saved_data["y_dtype"].toScalarType();
+    at::Tensor yh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                         ctx->saved_data["groups"].toInt(), ydt);
+    at::Tensor gx = at::_softmax_backward_data(grads[0].to(ydt), yh, ctx->saved_data["softmax_dim"].toInt(), ydt);
+    return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
+    const at::Tensor& x, int64_t softmax_dim, at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized,
+    at::Tensor& rng, int64_t num_groups, double decay, bool per_sample, bool symmetric, bool stochastic) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+  auto out = SoftmaxTrain::apply(x, softmax_dim, qz);
+  return {out[0], out[1], out[2], out[3]};
+}
+
+// ----------------------------------------------------------------------------- Linear
+// mesa_train.nn.rowscale.row_exponents over the last dim, op for op (bitwise the same k).
+at::Tensor row_exponents(const at::Tensor& x, int64_t max_k) {
+  const int64_t d = x.dim() - 1;
+  at::Tensor r = at::maximum(x.amax({d}, true), x.amin({d}, true).neg()).abs().to(at::kFloat);
+  auto [mantissa, e] = at::frexp(r.mean() / r);
+  return (e - 1).clamp_(0, max_k).to(at::kChar);
+}
+
+// mesa_train.nn.linear._not_a_view: F.linear's 3-D output is a view of addmm's; autograd
+// forbids in-place use of a custom op's view output, which a stock Linear allows.
+at::Tensor not_a_view(const at::Tensor& out) {
+  if (!out.is_view()) return out;
+  return out.is_contiguous() ? at::_unsafe_view(out, out.sizes()) : out.clone();
+}
+
+struct LinearTrain : public torch::autograd::Function<LinearTrain> {
+  // (bias optional, not an undefined Tensor: Function::apply tracks only present tensors)
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, Quantizer qz, bool row_scale) {
+    at::Tensor out = at::linear(x, weight, bias);
+    at::Tensor q, alpha, beta, k;
+    int64_t G = 0;
+    if (weight.requires_grad()) {  // the input copy serves the weight gradient only
+      const bool half = x.scalar_type() == at::kHalf || out.scalar_type() == at::kHalf;
+      at::Tensor xs = x;
+      if (row_scale) {  // mesa_train.nn.rowscale.compress_rows
+        k = row_exponents(x, half ? 14 : 64);
+        xs = x * at::exp2(k.to(x.scalar_type()));
+      }
+      std::tie(q, alpha, beta, G) = compress(xs, x.dim() - 1, qz);
+    }
+    ctx->save_for_backward({q, alpha, beta, x.requires_grad() ? weight : at::Tensor(), k});
+    ctx->saved_data["dim"] = x.dim() - 1;
+    ctx->saved_data["groups"] = G;
+    ctx->saved_data["cdt"] = out.scalar_type();
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["w_dtype"] = weight.scalar_type();
+    ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["b_dtype"] = bias.has_value() ? bias->scalar_type() : out.scalar_type();
+    return not_a_view(out);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto cdt = ctx->saved_data["cdt"].toScalarType();
+    const at::Tensor& weight = saved[3];
+    at::Tensor g = grads[0].to(cdt), gx, gw, gb;
+    if (ctx->needs_input_grad(0)) gx = g.matmul(weight.to(cdt)).to(ctx->saved_data["x_dtype"].toScalarType());
+    const int64_t out_features = g.size(-1);
+    at::Tensor g2 = g.reshape({-1, out_features});
+    if (ctx->needs_input_grad(1)) {
+      at::Tensor xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                           ctx->saved_data["groups"].toInt(), cdt);
+      if (saved[4].defined()) xh.mul_(at::exp2(saved[4].to(xh.scalar_type()).neg_()));  // unscale_rows
+      gw = g2.t().matmul(xh.reshape({-1, xh.size(-1)})).to(ctx->saved_data["w_dtype"].toScalarType());
+    }
+    // (needs_input_grad counts the tensors Function::apply tracked: no index 2 without a bias)
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) gb = g2.sum(0).to(ctx->saved_data["b_dtype"].toScalarType());
+    return {gx, gw, gb, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor linear_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
+                        int64_t num_groups, double decay, bool per_sample, bool symmetric, bool stochastic,
+                        bool row_scale) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+  return LinearTrain::apply(x, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, qz, row_scale);
+}
+
+}  // namespace
+}  // namespace mesa
+
+TORCH_LIBRARY_FRAGMENT(mesa, m) {
+  // The quantizer's buffers are mutated (estimates, rounding counter), as by mesa::observe.
+  m.def(
+      "gelu_train(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
+      "int num_groups, float decay, bool per_sample, bool symmetric, bool stochastic, str approximate) -> Tensor");
+  m.def(
+      "softmax_train(Tensor x, int softmax_dim, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
+      "Tensor(d!) rng, int num_groups, float decay, bool per_sample, bool symmetric, bool stochastic) -> "
+      "(Tensor y, Tensor q, Tensor alpha, Tensor beta)");
+  m.def(
+      "linear_train(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
+      "Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, bool per_sample, bool symmetric, "
+      "bool stochastic, bool row_scale) -> Tensor");
+}
+
+// One kernel for every backend: the autograd node is built here and the work dispatches
+// to the CPU or CUDA kernels of the ops it calls. (Without grad mode, Function::apply
+// records nothing: the same code serves inference.)
+TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
+  m.impl("gelu_train", &mesa::gelu_train);
+  m.impl("softmax_train", &mesa::softmax_train);
+  m.impl("linear_train", &mesa::linear_train);
+}

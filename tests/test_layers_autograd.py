@@ -1,0 +1,138 @@
+"""The C++ fast path of the Mesa GELU and Softmax (``mesa::gelu_train`` /
+``mesa::softmax_train``, csrc/layers_autograd.cpp: the whole layer with a C++ autograd node)
+is bitwise the Python Function path: outputs, the saved 8-bit copy and its statistics, the
+estimate and rounding-counter buffers afterwards, gradients, and the bytes kept."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import mesa_train.nn as mnn
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn import quantizer as quantizer_mod
+
+pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OPTIONS = [dict(), dict(estimator="per_sample"), dict(symmetric=True), dict(rounding="nearest"), dict(num_groups=3)]
+
+
+def _layer(kind, options):
+    torch.manual_seed(0)
+    if kind == "gelu":
+        return mnn.GELU(**options), (8, 5, 12)
+    if kind == "gelu_tanh":
+        return mnn.GELU(approximate="tanh", **options), (3, 7, 2, 6)
+    return mnn.Softmax(-1, **options), (2, 3, 5, 5)
+
+
+def _run(layer, x, g, fused: bool, monkeypatch):
+    """Two training steps (estimates initialised, then updated); returns everything observable."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    out = []
+    for step in range(2):
+        xi = (x * (step + 1)).detach().requires_grad_()
+        with SavedTensorMeter() as meter:
+            y = layer(xi)
+        saved = meter.activation_bytes
+        y.backward(g)
+        out += [y.detach(), xi.grad, torch.tensor(saved)]
+    out += [b.clone() for b in layer.quantizer.buffers()]
+    return out
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "softmax"])
+def test_fused_layer_is_bitwise_the_python_function(kind, dtype, options, monkeypatch):
+    layer_a, shape = _layer(kind, options)
+    layer_b, _ = _layer(kind, options)
+    layer_b.quantizer.rng.copy_(layer_a.quantizer.rng)  # the same rounding key (keys differ per construction)
+    x = (torch.randn(shape) * 2).to(dtype)
+    g = torch.randn(shape).to(dtype)
+    got = _run(layer_a, x, g, True, monkeypatch)
+    want = _run(layer_b, x, g, False, monkeypatch)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+def test_softmax_copy_and_sharing_match(monkeypatch):
+    """forward_with_copy hands the same codes to attn @ v on both paths; an unused output
+    (only the copy reaches the loss) gives no gradient, as in the Python Function."""
+    x = torch.randn(2, 3, 5, 5)
+    res = []
+    for fused in (True, False):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+        torch.manual_seed(0)
+        sm, mm = mnn.Softmax(-1, num_groups=3), mnn.MatMul(num_groups=3)
+        for i, q in enumerate((sm.quantizer, mm.quantizer_a, mm.quantizer_b)):
+            q.rng.copy_(torch.tensor([1000 + i, 0]))
+        xi = x.clone().requires_grad_()
+        v = torch.randn(2, 3, 5, 4, requires_grad=True)
+        y, copy = sm.forward_with_copy(xi)
+        out = mm(y, v, shared_a=copy)
+        out.sum().backward()
+        res.append((copy.q, copy.alpha, copy.beta, out.detach(), xi.grad, v.grad))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", True)
+    y, copy = mnn.Softmax(-1).forward_with_copy(torch.randn(2, 4, requires_grad=True))
+    assert not copy.q.requires_grad and not copy.alpha.requires_grad
+
+
+def test_the_fast_path_is_used_in_eager_training_only(monkeypatch):
+    calls = []
+    real = torch.ops.mesa.gelu_train
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(1)
+            return real(*a)
+
+    monkeypatch.setattr(torch.ops.mesa, "gelu_train", Spy())
+    layer = mnn.GELU()
+    layer(torch.randn(4, 6, requires_grad=True)).sum().backward()
+    assert calls == [1]
+    layer.eval()
+    layer(torch.randn(4, 6, requires_grad=True))
+    layer.train()
+    mnn.GELU(bits=4)(torch.randn(4, 6, requires_grad=True)).sum().backward()  # a variant format: Python path
+    assert calls == [1]
+
+
+def _linear_run(fused, monkeypatch, dtype, bias, row_scale, x_grad, w_grad, autocast, shape):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    torch.manual_seed(0)
+    layer = mnn.Linear(12, 6, bias=bias, dtype=dtype, num_groups=3, row_scale=row_scale)
+    layer.quantizer.rng.copy_(torch.tensor([77, 0]))
+    layer.weight.requires_grad_(w_grad)
+    out = []
+    for step in range(2):
+        x = (torch.randn(shape) * (step + 1)).to(dtype)
+        x[..., 0, :] *= 1e-4  # a row far below the others: row scales act
+        x.requires_grad_(x_grad)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
+            y = layer(x)
+        y = torch.relu_(y)  # in place after the layer: allowed, as after a stock Linear
+        y.sum().backward()
+        out += [y.detach(), x.grad, torch.tensor(meter.activation_bytes)]
+    out += [p.grad for p in layer.parameters()] + [b.clone() for b in layer.quantizer.buffers()]
+    return out
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                            (torch.float32, True)], ids=str)
+@pytest.mark.parametrize("bias,row_scale", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("x_grad,w_grad", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("shape", [(4, 5, 12), (7, 12)], ids=str)
+def test_fused_linear_is_bitwise_the_python_function(dtype, autocast, bias, row_scale, x_grad, w_grad, shape,
+                                                     monkeypatch):
+    got = _linear_run(True, monkeypatch, dtype, bias, row_scale, x_grad, w_grad, autocast, shape)
+    want = _linear_run(False, monkeypatch, dtype, bias, row_scale, x_grad, w_grad, autocast, shape)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), i
