@@ -1,15 +1,16 @@
-// Eager fast path of the Mesa GELU, Softmax and Linear layers: the whole layer (stock forward,
+// Eager fast path of the Mesa GELU, Softmax, Linear and LayerNorm layers: the whole layer (stock forward,
 // compression, backward from the 8-bit copy) as one op whose autograd node is C++.
 //
 // Why: a Python torch.autograd.Function costs about 100 us of host time per layer and step
 // (Function.apply, ctx bookkeeping, the Python backward), several times the time of the
 // kernels themselves on small tensors (results/overhead/). These ops do exactly what the
-// Python Functions in mesa_train/nn/gelu.py, softmax.py and linear.py do, op for op (the same aten
+// Python Functions in mesa_train/nn/gelu.py, softmax.py, linear.py and layernorm.py do, op for op (the same aten
 // kernels and mesa::observe / quantize / dequantize), so outputs, codes, estimates and
 // gradients are bitwise the Python path's (tests/test_layers_autograd.py). The Python
 // layers call them only in eager mode with the default 8-bit channel format; under
 // torch.compile and for the variant formats they keep their Python Functions.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
@@ -17,6 +18,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace mesa {
 namespace {
@@ -151,10 +153,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
 }
 
 // ----------------------------------------------------------------------------- Linear
-// mesa_train.nn.rowscale.row_exponents over the last dim, op for op (bitwise the same k).
-at::Tensor row_exponents(const at::Tensor& x, int64_t max_k) {
-  const int64_t d = x.dim() - 1;
-  at::Tensor r = at::maximum(x.amax({d}, true), x.amin({d}, true).neg()).abs().to(at::kFloat);
+// mesa_train.nn.rowscale.row_exponents over the last `row_dims` dims, op for op (bitwise
+// the same k).
+at::Tensor row_exponents(const at::Tensor& x, int64_t max_k, int64_t row_dims = 1) {
+  std::vector<int64_t> dims;
+  for (int64_t d = x.dim() - row_dims; d < x.dim(); ++d) dims.push_back(d);
+  at::Tensor r = at::maximum(x.amax(dims, true), x.amin(dims, true).neg()).abs().to(at::kFloat);
   auto [mantissa, e] = at::frexp(r.mean() / r);
   return (e - 1).clamp_(0, max_k).to(at::kChar);
 }
@@ -222,6 +226,97 @@ at::Tensor linear_train(const at::Tensor& x, const at::Tensor& weight, const std
   return LinearTrain::apply(x, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, qz, row_scale);
 }
 
+// ----------------------------------------------------------------------------- LayerNorm
+// mesa_train/nn/layernorm.py: keeps the normalised input x_hat (8-bit, row scales) and the
+// per-row rstd; backward through ATen's fused LayerNorm backward fed x_hat with mean 0 and
+// rstd 1, then times rstd.
+at::Tensor autocast_fp32(const at::Tensor& t) {
+  if (!t.defined() || !(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16)) return t;
+  return t.to(at::kFloat);
+}
+
+struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::vector<int64_t> normalized_shape,
+                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                            double eps, Quantizer qz, bool row_scale) {
+    // CUDA's autocast runs layer_norm in float32 ("fp32" policy); CPU's has no such rule
+    const auto dev = x.device().type();
+    const bool cast = (dev == at::kCUDA || dev == at::kXPU) && at::autocast::is_autocast_enabled(dev);
+    at::Tensor w = weight.has_value() ? *weight : at::Tensor(), b = bias.has_value() ? *bias : at::Tensor();
+    at::Tensor xc = cast ? autocast_fp32(x) : x, wc = cast ? autocast_fp32(w) : w, bc = cast ? autocast_fp32(b) : b;
+    at::Tensor out, rstd, x_hat;
+    {
+      NoAutocast no_autocast;
+      auto res = at::native_layer_norm(xc, normalized_shape, wc.defined() ? std::optional<at::Tensor>(wc) : std::nullopt,
+                                       bc.defined() ? std::optional<at::Tensor>(bc) : std::nullopt, eps);
+      out = std::get<0>(res);
+      rstd = std::get<2>(res);
+      x_hat = std::get<0>(at::native_layer_norm(xc, normalized_shape, std::nullopt, std::nullopt, eps));
+    }
+    const auto mdt = at::promote_types(xc.scalar_type(), at::kFloat);
+    const int64_t row_dims = static_cast<int64_t>(normalized_shape.size());
+    at::Tensor k, xs = x_hat;
+    if (row_scale) {
+      const bool half = x_hat.scalar_type() == at::kHalf || mdt == at::kHalf;
+      k = row_exponents(x_hat, half ? 14 : 64, row_dims);
+      xs = x_hat * at::exp2(k.to(x_hat.scalar_type()));
+    }
+    auto [q, alpha, beta, G] = compress(xs, x_hat.dim() - 1, qz);
+    // the weight whenever there is one (a parameter: no activation memory): ATen's backward
+    // takes dweight's shape from it even when x needs no gradient
+    ctx->save_for_backward({q, alpha, beta, rstd, w, k});
+    ctx->saved_data["groups"] = G;
+    ctx->saved_data["dim"] = x_hat.dim() - 1;
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["mdt"] = mdt;
+    ctx->saved_data["normalized_shape"] = normalized_shape;
+    ctx->saved_data["has_weight"] = w.defined();
+    ctx->saved_data["has_bias"] = b.defined();
+    ctx->saved_data["w_dtype"] = w.defined() ? w.scalar_type() : mdt;
+    ctx->saved_data["b_dtype"] = b.defined() ? b.scalar_type() : mdt;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto mdt = ctx->saved_data["mdt"].toScalarType();
+    const bool has_w = ctx->saved_data["has_weight"].toBool(), has_b = ctx->saved_data["has_bias"].toBool();
+    // needs_input_grad indexes the tensors apply tracked: x, then weight and bias if present
+    const bool need_x = ctx->needs_input_grad(0);
+    const bool need_w = has_w && ctx->needs_input_grad(1);
+    const bool need_b = has_b && ctx->needs_input_grad(has_w ? 2 : 1);
+    const auto normalized_shape = ctx->saved_data["normalized_shape"].toIntVector();
+    const at::Tensor& rstd = saved[3];
+    at::Tensor xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                         ctx->saved_data["groups"].toInt(), mdt);
+    if (saved[5].defined()) xh.mul_(at::exp2(saved[5].to(xh.scalar_type()).neg_()));  // unscale_rows
+    at::Tensor unit = at::ones(rstd.sizes(), rstd.options().dtype(mdt));
+    std::optional<at::Tensor> w;
+    if (saved[4].defined()) w = saved[4].to(mdt);
+    std::optional<at::Tensor> bias_stub;  // only its presence matters
+    if (need_b) bias_stub = unit.new_empty(normalized_shape);
+    auto [dx, dw, db] = at::native_layer_norm_backward(grads[0].to(mdt), xh, normalized_shape, at::zeros_like(unit),
+                                                       unit, w, bias_stub, {need_x, need_w, need_b});
+    at::Tensor gx, gw, gb;
+    if (need_x) gx = (dx * rstd.to(mdt)).to(ctx->saved_data["x_dtype"].toScalarType());
+    if (need_w) gw = dw.to(ctx->saved_data["w_dtype"].toScalarType());
+    if (need_b) gb = db.to(ctx->saved_data["b_dtype"].toScalarType());
+    return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor layer_norm_train(const at::Tensor& x, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, double eps, at::Tensor& alpha_est,
+                            at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng, int64_t num_groups,
+                            double decay, bool per_sample, bool symmetric, bool stochastic, bool row_scale) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+  auto present = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
+  };
+  return LayerNormTrain::apply(x, normalized_shape.vec(), present(weight), present(bias), eps, qz, row_scale);
+}
+
 }  // namespace
 }  // namespace mesa
 
@@ -238,6 +333,10 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "linear_train(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
       "Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, bool per_sample, bool symmetric, "
       "bool stochastic, bool row_scale) -> Tensor");
+  m.def(
+      "layer_norm_train(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+      "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
+      "float decay, bool per_sample, bool symmetric, bool stochastic, bool row_scale) -> Tensor");
 }
 
 // One kernel for every backend: the autograd node is built here and the work dispatches
@@ -247,4 +346,5 @@ TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("gelu_train", &mesa::gelu_train);
   m.impl("softmax_train", &mesa::softmax_train);
   m.impl("linear_train", &mesa::linear_train);
+  m.impl("layer_norm_train", &mesa::layer_norm_train);
 }

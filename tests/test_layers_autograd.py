@@ -136,3 +136,44 @@ def test_fused_linear_is_bitwise_the_python_function(dtype, autocast, bias, row_
         assert (a is None) == (b is None), i
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+def _layernorm_run(fused, monkeypatch, dtype, affine, bias, row_scale, x_grad, w_grad, shape, normalized):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    torch.manual_seed(0)
+    layer = mnn.LayerNorm(normalized, elementwise_affine=affine, bias=bias, dtype=dtype, num_groups=2,
+                          row_scale=row_scale)
+    layer.quantizer.rng.copy_(torch.tensor([91, 0]))
+    if affine:
+        layer.weight.requires_grad_(w_grad)
+        with torch.no_grad():
+            layer.weight.add_(torch.randn(layer.weight.shape).to(dtype))
+    out = []
+    for step in range(2):
+        x = (torch.randn(shape) * (step + 1) + 3).to(dtype)
+        x[0] = 5 + 1e-5 * torch.randn(shape[1:]).to(dtype)  # a row of tiny variance: row scales act
+        x.requires_grad_(x_grad)
+        with SavedTensorMeter() as meter:
+            y = layer(x)
+        (y * torch.linspace(-1, 2, y.numel()).view(y.shape).to(dtype)).sum().backward()
+        out += [y.detach(), x.grad, torch.tensor(meter.activation_bytes)]
+    out += [p.grad for p in layer.parameters()] + [b.clone() for b in layer.quantizer.buffers()]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("affine,bias,row_scale", [(True, True, True), (True, False, True), (False, False, True),
+                                                   (True, True, False)])
+@pytest.mark.parametrize("x_grad,w_grad", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("shape,normalized", [((6, 5, 8), (8,)), ((6, 4, 8), (4, 8))], ids=str)
+def test_fused_layernorm_is_bitwise_the_python_function(dtype, affine, bias, row_scale, x_grad, w_grad, shape,
+                                                        normalized, monkeypatch):
+    if not (x_grad or (affine and w_grad)):
+        pytest.skip("nothing needs a gradient")
+    args = (dtype, affine, bias, row_scale, x_grad, w_grad, shape, normalized)
+    got, want = _layernorm_run(True, monkeypatch, *args), _layernorm_run(False, monkeypatch, *args)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), i

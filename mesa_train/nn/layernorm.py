@@ -71,8 +71,10 @@ class _LayerNormFn(torch.autograd.Function):
         ctx.w_dtype = weight.dtype if weight is not None else None
         ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.has_bias = bias is not None
-        need_x = ctx.needs_input_grad[0]
-        save(ctx, [packed], rstd, weight if (need_x and weight is not None) else None, k)
+        # the weight (a parameter: no activation memory) also when only dweight is needed:
+        # ATen's backward takes dweight's shape from it (an input that needs no gradient,
+        # e.g. behind a frozen stem, failed here before)
+        save(ctx, [packed], rstd, weight, k)
         return out
 
     @staticmethod
@@ -129,6 +131,10 @@ class LayerNorm(MesaLayer, nn.LayerNorm):
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
+        fused = self.quantizer.fused_layer_args(input)
+        if fused is not None:  # eager, paper format: the layer with a C++ autograd node
+            return torch.ops.mesa.layer_norm_train(input, list(self.normalized_shape), self.weight, self.bias,
+                                                   self.eps, *fused, self.quantizer.options.row_scale)
         return _LayerNormFn.apply(input, self.normalized_shape, self.weight, self.bias, self.eps, self.quantizer)
 
     def extra_repr(self) -> str:
