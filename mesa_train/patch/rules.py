@@ -31,7 +31,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-__all__ = ["ModuleInfo", "classify", "scan_functional_ops", "FUNCTIONAL_OPS", "is_position_table_mlp"]
+__all__ = ["ModuleInfo", "classify", "scan_functional_ops", "scan_inline_scales", "FUNCTIONAL_OPS",
+           "is_position_table_mlp"]
 
 MODULE_SETS = ("msa", "ffn", "other")
 
@@ -165,7 +166,7 @@ def _methods_reached(cls: type) -> List[Tuple[str, object]]:
     return out
 
 
-_SCAN_CACHE: Dict[type, Tuple[str, ...]] = {}
+_SCAN_CACHE: Dict[object, Tuple[str, ...]] = {}
 
 
 def scan_functional_ops(cls: type) -> Tuple[str, ...]:
@@ -189,6 +190,24 @@ def scan_functional_ops(cls: type) -> Tuple[str, ...]:
                     found.add(FUNCTIONAL_OPS[name])
     res = tuple(sorted(found))
     _SCAN_CACHE[cls] = res
+    return res
+
+
+def scan_inline_scales(cls: type) -> Tuple[str, ...]:
+    """Attributes ``cls.forward`` multiplies inline, ``self.gamma_1 * y`` or ``y * self.ls1``
+    (candidates for a layer-scale parameter; the caller keeps the 1-D parameters). Static."""
+    if ("scales", cls) in _SCAN_CACHE:
+        return _SCAN_CACHE[("scales", cls)]
+    found = set()
+    for _, tree in _methods_reached(cls):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                for side in (node.left, node.right):
+                    if (isinstance(side, ast.Attribute) and isinstance(side.value, ast.Name)
+                            and side.value.id == "self"):
+                        found.add(side.attr)
+    res = tuple(sorted(found))
+    _SCAN_CACHE[("scales", cls)] = res
     return res
 
 
