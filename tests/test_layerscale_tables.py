@@ -113,3 +113,17 @@ def test_vit_style_saved_bytes_target(name):
     out, mesa_bytes = _saved(patched, x)
     assert torch.equal(ref, out)
     assert mesa_bytes <= 0.35 * stock_bytes, f"{name}: {mesa_bytes / stock_bytes:.3f}x stock"
+
+
+def test_softmax_backward_rows_sum_to_zero():
+    """The dequantized map is renormalised per row in backward, so each row of the input
+    gradient sums to 0 as in exact arithmetic (a bias added to a whole row of logits, e.g. a
+    key bias before q @ k^T or a talking-heads bias, keeps its zero gradient). Without the
+    renormalisation the row sums were (sum g*y)(1 - sum y_hat), ~1e-3 of the gradient here."""
+    torch.manual_seed(0)
+    layer = mn.Softmax(dim=-1)
+    x = (3 * torch.randn(2, 2, 50, 50)).requires_grad_()
+    g = torch.randn(2, 2, 50, 50)
+    layer(x).backward(g)
+    rows = x.grad.double().sum(-1).abs().max().item()
+    assert rows <= 1e-6 * x.grad.abs().max().item(), rows
