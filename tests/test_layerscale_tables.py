@@ -100,7 +100,8 @@ def test_position_table_mlp_recomputed_exact(name, cls):
 
 # ViT-style families: saved bytes <= 0.35x stock (fp32, all ops) at batch 32 of the zoo sizes
 VIT_STYLE = ("vit_tiny_patch16_224", "deit3_small_patch16_224", "beit_base_patch16_224",
-             "vit_relpos_small_patch16_224", "eva02_tiny_patch14_224",
+             "vit_relpos_small_patch16_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_ns_224",
+             "xcit_nano_12_p16_224", "eva02_tiny_patch14_224",
              "cait_xxs24_224", "vit_base_patch16_clip_quickgelu_224", "naflexvit_base_patch16_gap")
 
 
@@ -127,3 +128,37 @@ def test_softmax_backward_rows_sum_to_zero():
     layer(x).backward(g)
     rows = x.grad.double().sum(-1).abs().max().item()
     assert rows <= 1e-6 * x.grad.abs().max().item(), rows
+
+
+def test_normalize_layer_bitwise_and_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 8, requires_grad=True)
+    with torch.no_grad():
+        x[0, 0, 0] = 0.0  # a clamped row (norm below eps)
+    g = torch.randn(2, 3, 16, 8)
+    layer = mn.Normalize(num_groups=3)
+    ref = torch.nn.functional.normalize(x, dim=-1)
+    out = layer(x)
+    assert torch.equal(ref, out)
+    (gx_ref,) = torch.autograd.grad(ref, x, g)
+    (gx,) = torch.autograd.grad(out, x, g)
+    cos = torch.nn.functional.cosine_similarity(gx.flatten(), gx_ref.flatten(), dim=0)
+    assert cos > 0.999, cos
+    torch.testing.assert_close(gx[0, 0, 0], gx_ref[0, 0, 0])  # g / eps there, as stock
+
+
+@pytest.mark.parametrize("name,owner", [("swinv2_tiny_window8_256", "WindowAttention"),
+                                        ("swinv2_cr_tiny_ns_224", "WindowMultiHeadAttention"),
+                                        ("xcit_nano_12_p16_224", "XCA")])
+def test_cosine_attention_routed(name, owner):
+    """Cosine attention: F.normalize(q), F.normalize(k) and the learned per-head logit scale
+    go through Mesa children (their quantizers are used), forward bitwise stock."""
+    stock = build(name)
+    patched = patch_model(copy.deepcopy(stock), rounding="nearest")
+    mods = [m for m in patched.modules() if type(m).__name__ == owner]
+    assert mods and all(isinstance(m.mesa_norm_q, mn.Normalize) and isinstance(m.mesa_logit_scale, mn.ChannelScale)
+                        for m in mods)
+    x = example(name)
+    assert torch.equal(_saved(stock, x)[0], _saved(patched, x)[0])
+    assert all(bool(m.mesa_norm_q.quantizer.initialized) and bool(m.mesa_norm_k.quantizer.initialized)
+               and bool(m.mesa_logit_scale.quantizer.initialized) for m in mods)

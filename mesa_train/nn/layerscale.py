@@ -10,6 +10,9 @@ kept in full precision. Two forms:
 * ``ChannelScale``: parameter-free, ``forward(x, gamma)`` for blocks that multiply by their
   own ``gamma_1``-style parameter inline (BEiT, CaiT, EVA, XCiT: ``self.gamma_1 * y``); the
   patcher routes that product here (``patch/generic_attention.py``, ``install_scales``).
+  Also the learned per-head logit scale / temperature of cosine attention (SwinV2's
+  ``(q_n @ k_n^T) * logit_scale.exp()``, XCiT's ``* self.temperature``, shape ``(heads, 1, 1)``):
+  then ``x`` (the logits) is kept with per-head groups and ``dgamma`` is summed to its shape.
 
 The forward is ``x * gamma`` (IEEE multiplication is commutative, so ``gamma * x`` is the same
 bits); the codes use channel groups over the last dim with power-of-two row scales
@@ -33,7 +36,10 @@ class _ScaleFn(torch.autograd.Function):
         out = x * gamma
         packed = k = None
         if ctx.needs_input_grad[1]:
-            packed, k = compress_rows(quantizer, x, 1, max_exponent(x.dtype, out.dtype))
+            if gamma.dim() <= 1:  # per channel (last dim): channel groups, small rows scaled
+                packed, k = compress_rows(quantizer, x, 1, max_exponent(x.dtype, out.dtype))
+            else:  # per head (a logit scale / temperature of shape (heads, 1, 1)): head groups
+                packed = quantizer.compress(x, 1)
         ctx.cdt, ctx.x_dtype, ctx.g_dtype, ctx.g_shape = out.dtype, x.dtype, gamma.dtype, gamma.shape
         save(ctx, [packed], gamma if ctx.needs_input_grad[0] else None, k)
         return out
@@ -48,8 +54,11 @@ class _ScaleFn(torch.autograd.Function):
                 gx = (g * gamma.to(ctx.cdt)).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 xh = unscale_rows(decompress(packed, ctx.cdt), k)
-                c = xh.shape[-1]
-                gg = (g * xh).reshape(-1, c).sum(0).reshape(ctx.g_shape).to(ctx.g_dtype)
+                if len(ctx.g_shape) <= 1:
+                    gg = (g * xh).reshape(-1, xh.shape[-1]).sum(0).reshape(ctx.g_shape)
+                else:
+                    gg = (g * xh).sum_to_size(ctx.g_shape)
+                gg = gg.to(ctx.g_dtype)
         return gx, gg, None
 
 

@@ -30,14 +30,14 @@ from mesa_train.nn.quantizer import assign_rng_keys
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .recompute import make_recomputed
-from .generic_attention import install as install_generic, install_linear, install_scales
+from .generic_attention import install as install_generic, install_cosine, install_linear, install_scales
 from .mlp import MLP_CLASSES, STOCK_MLP_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
 OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa",
-       "batchnorm", "silu", "rmsnorm", "glu", "layerscale")
+       "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
@@ -373,8 +373,10 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             wanted = tuple(o for o in core_ops if o in found)
             if wanted:
                 heads = mi.heads or getattr(m, "num_heads", None)
-                install_generic(m, wanted, heads if isinstance(heads, int) else None, _module_device(m),
-                                lambda h: _options_for(None, h, quant_options))
+                heads = heads if isinstance(heads, int) else None
+                install_generic(m, wanted, heads, _module_device(m), lambda h: _options_for(None, h, quant_options))
+                wanted += install_cosine(m, op_names, found, heads, _module_device(m),
+                                         _options_for(None, heads, quant_options))
                 generic[name] = wanted
 
     # 1b. gated MLPs (SwiGLU, GluMlp): act(gate) * x through a GatedActivation child; the
@@ -497,7 +499,7 @@ def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:
                     (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (sdpa_cls, "sdpa"),
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.SiLU, "silu"), (mnn.RmsNorm, "rmsnorm"),
                     (mnn.GatedActivation, "glu"), (mnn.LayerScale, "layerscale"),
-                    (mnn.ChannelScale, "layerscale")):
+                    (mnn.ChannelScale, "layerscale"), (mnn.Normalize, "normalize")):
         if isinstance(m, cls):
             return op
     return None

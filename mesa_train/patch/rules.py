@@ -136,6 +136,7 @@ FUNCTIONAL_OPS = {
     "conv2d": "conv",
     "relu": "relu",
     "relu_": "relu",
+    "normalize": "normalize",
 }
 
 
@@ -217,7 +218,7 @@ def scan_inline_scales(cls: type) -> Tuple[str, ...]:
 # compressing them saves next to nothing and only adds rounding noise to sums over a few
 # (2w-1)^2 rows. They are left stock.
 _POSITION_TABLE_CLASSES = ("RelPosMlp",)
-_POSITION_TABLE_CHILDREN = ("cpb_mlp",)
+_POSITION_TABLE_CHILDREN = ("cpb_mlp", "meta_mlp")  # SwinV2, SwinV2-CR
 
 
 def is_position_table_mlp(name: str, module: nn.Module) -> bool:
