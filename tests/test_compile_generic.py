@@ -4,7 +4,8 @@ MLP layer, in train mode: zero graph breaks (``torch._dynamo.explain``), forward
 eager Mesa and to stock, gradients close to eager Mesa.
 
 EVA-02 (rope, SwiGLU, fused sdpa intercepted) runs by default; BEiT (relative-position bias,
-explicit path) with ``MESA_SLOW_TESTS=1`` (about a minute each on 2 CPU cores).
+explicit path, layer scale, F.linear qkv) and SwinV2 (cosine attention: normalize, logit scale,
+recomputed position MLP) with ``MESA_SLOW_TESTS=1`` (one to two minutes each on 2 CPU cores).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _loss(out):
     return (out * torch.randn(out.shape, generator=g)).sum()
 
 
-@pytest.mark.parametrize("name", ["eva02_tiny_patch14_224", "beit_base_patch16_224"])
+@pytest.mark.parametrize("name", ["eva02_tiny_patch14_224", "beit_base_patch16_224", "swinv2_tiny_window8_256"])
 def test_generic_attention_fullgraph_train_step(name):
     if name != "eva02_tiny_patch14_224" and not RUN_SLOW:
         pytest.skip("MESA_SLOW_TESTS=1 runs this model too")
