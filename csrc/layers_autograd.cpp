@@ -16,6 +16,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -115,6 +116,15 @@ at::Tensor gelu_train(const at::Tensor& x, at::Tensor& alpha_est, at::Tensor& be
 }
 
 // ----------------------------------------------------------------------------- Softmax
+// torch.finfo(dtype).tiny: the smallest positive normal number
+double smallest_normal(c10::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return std::numeric_limits<double>::min();
+    case at::kHalf: return 6.103515625e-05;  // 2**-14
+    default: return std::numeric_limits<float>::min();  // float32 and bfloat16: 2**-126
+  }
+}
+
 // Outputs (y, q, alpha, beta): the codes and statistics are outputs too, so that the
 // attention's `attn @ v` can keep them instead of quantizing y again (Softmax.forward_with_copy).
 struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
@@ -139,7 +149,11 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
     const auto ydt = ctx->saved_data["y_dtype"].toScalarType();
     at::Tensor yh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
                                          ctx->saved_data["groups"].toInt(), ydt);
-    at::Tensor gx = at::_softmax_backward_data(grads[0].to(ydt), yh, ctx->saved_data["softmax_dim"].toInt(), ydt);
+    // each row rescaled to sum to 1 (mesa_train/nn/softmax.py: keeps the exactly-zero stock
+    // gradient of a bias added to a whole row); an all-zero row stays 0 (0 / tiny)
+    const int64_t sdim = ctx->saved_data["softmax_dim"].toInt();
+    yh = yh / yh.sum({sdim}, true).clamp_min(smallest_normal(ydt));
+    at::Tensor gx = at::_softmax_backward_data(grads[0].to(ydt), yh, sdim, ydt);
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
   }
 };

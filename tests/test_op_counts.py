@@ -72,7 +72,9 @@ def _x():
 CASES = {
     "Linear": (lambda: nn.Linear(16, 8), M.Linear.from_module, lambda: (_x(),), 1, ROWSCALE_FWD, ROWSCALE_BWD),
     "GELU": (nn.GELU, M.GELU.from_module, lambda: (_x(),), 1, [], []),
-    "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [], []),
+    # backward: each dequantized row renormalised to sum 1 (row sum, clamp, divide)
+    "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [],
+                ["aten.sum", "aten.clamp_min", "aten.div"]),
     "Conv2d": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
     # x_hat: a second (affine-free) LayerNorm pass; backward: the row's rstd multiply
     "LayerNorm": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,

@@ -24,8 +24,10 @@ from .batchnorm import BatchNorm2d
 from .conv import Conv2d
 from .gelu import GELU
 from .layernorm import LayerNorm
+from .layerscale import ChannelScale, LayerScale
 from .linear import Linear
 from .matmul import MatMul
+from .normalize import Normalize
 from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
 from .relu import ReLU
 from .rmsnorm import RmsNorm
@@ -36,11 +38,11 @@ from .tracing import MesaTracingError, register_fx_leaf
 register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as nodes (tracing.py)
 
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, RmsNorm,
-          GatedActivation)
+          GatedActivation, LayerScale, ChannelScale, Normalize)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "ReLU",
-    "BatchNorm2d", "QuickGELU", "SiLU", "RmsNorm", "GatedActivation",
+    "BatchNorm2d", "QuickGELU", "SiLU", "RmsNorm", "GatedActivation", "LayerScale", "ChannelScale", "Normalize",
 ]
 from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)

@@ -125,6 +125,30 @@ class SiLU(_ParameterFreeLayer, nn.SiLU):
         return f"{base}, {self._mesa_repr()}" if base else self._mesa_repr()
 
 
+def _act_vjp(act: nn.Module, x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g * act'(x)`` (``h = act(x)``): closed form for the activations timm's gated MLPs
+    use (no ``torch.autograd.grad`` in a backward: ``torch.compile`` cannot trace that), else
+    autograd through ``h``."""
+    kind = type(act)
+    if not _has_closed_form(act):
+        (gx,) = torch.autograd.grad(h, x, g)
+        return gx
+    if kind is nn.SiLU:
+        return torch.ops.aten.silu_backward(g, x)
+    if kind is nn.Sigmoid:
+        return torch.ops.aten.sigmoid_backward(g, h.detach())
+    if kind is nn.GELU:
+        return torch.ops.aten.gelu_backward(g, x, approximate=act.approximate)
+    if kind is nn.Tanh:
+        return torch.ops.aten.tanh_backward(g, h.detach())
+    return g * _quick_gelu_grad(x)  # QuickGELU
+
+
+def _has_closed_form(act: nn.Module) -> bool:
+    kind = type(act)
+    return kind in (nn.SiLU, nn.Sigmoid, nn.GELU, nn.Tanh, QuickGELU) or kind in _timm_quick_gelu_types()
+
+
 class _GatedFn(torch.autograd.Function):
     """``act(a) * b`` (``gate_last``: ``b * act(a)``), keeping 8-bit ``a`` and ``b``."""
 
@@ -144,15 +168,15 @@ class _GatedFn(torch.autograd.Function):
         ga = gb = None
         with no_autocast(g.device.type), torch.enable_grad():
             g = g.to(ctx.cdt)
-            ah = decompress(pa, ctx.cdt).requires_grad_(ctx.needs_input_grad[0])
+            closed = _has_closed_form(ctx.act)
+            ah = decompress(pa, ctx.cdt).requires_grad_(ctx.needs_input_grad[0] and not closed)
             # the activation re-run at the dequantized gate (any act module)
             h = ctx.act(ah.clone() if getattr(ctx.act, "inplace", False) else ah)
             if ctx.needs_input_grad[1]:
                 gb = (g * h).detach().to(ctx.dtypes[1])
             if ctx.needs_input_grad[0]:
                 bh = decompress(pb, ctx.cdt)
-                (ga,) = torch.autograd.grad(h, ah, g * bh)
-                ga = ga.to(ctx.dtypes[0])
+                ga = _act_vjp(ctx.act, ah, h, g * bh).detach().to(ctx.dtypes[0])
         return ga, gb, None, None, None, None
 
 

@@ -58,6 +58,9 @@ class _LinearFn(torch.autograd.Function):
         return gx, gw, gb, None
 
 
+_OWN = object()  # Linear.forward's default: the layer's own bias
+
+
 class Linear(MesaLayer, nn.Linear):
     """``torch.nn.Linear`` whose saved input is 8-bit (channel groups over the last dim)."""
 
@@ -72,14 +75,17 @@ class Linear(MesaLayer, nn.Linear):
                   dtype=stock.weight.dtype, **inherit_options(stock, quant_options))
         return adopt_parameters(stock, new)
 
-    def forward(self, input):
-        if not self._mesa_active(input, self.weight, self.bias):
-            return super().forward(input)
+    def forward(self, input, *, call_bias=_OWN):
+        """``call_bias``: a bias given at call time instead of ``self.bias`` (BEiT's and
+        SwinV2's ``F.linear(x, self.qkv.weight, cat(q_bias, 0, v_bias))``, routed here by the
+        generic attention so that the qkv input is compressed and attributed to this layer)."""
+        bias = self.bias if call_bias is _OWN else call_bias
+        if not self._mesa_active(input, self.weight, bias):
+            return F.linear(input, self.weight, bias)
         fused = self.quantizer.fused_layer_args(input)
         if fused is not None:  # eager, paper format: the layer with a C++ autograd node
-            return torch.ops.mesa.linear_train(input, self.weight, self.bias, *fused,
-                                               self.quantizer.options.row_scale)
-        return _LinearFn.apply(input, self.weight, self.bias, self.quantizer)
+            return torch.ops.mesa.linear_train(input, self.weight, bias, *fused, self.quantizer.options.row_scale)
+        return _LinearFn.apply(input, self.weight, bias, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"{nn.Linear.extra_repr(self)}, {self._mesa_repr()}"

@@ -43,6 +43,12 @@ class _SoftmaxFn(torch.autograd.Function):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
             yh = decompress(packed, ctx.y_dtype)
+            # each dequantized row rescaled to sum to 1, as the exact map does: then every row
+            # of gx sums to 0 exactly (up to float rounding), so a bias added to every logit of
+            # a row (a key bias, a talking-heads bias, a LayerNorm bias on k) keeps its exactly
+            # zero stock gradient instead of collecting 8-bit rounding noise
+            # (a row whose codes are all 0, possible for very long rows, stays 0: 0 / tiny)
+            yh = yh / yh.sum(ctx.dim, keepdim=True).clamp_min(torch.finfo(yh.dtype).tiny)
             gx = torch._softmax_backward_data(g.to(ctx.y_dtype), yh, ctx.dim, ctx.y_dtype)
         return gx.to(ctx.x_dtype), None, None
 

@@ -29,14 +29,15 @@ from mesa_train.models import unwrap_model as _unwrap
 from mesa_train.nn.quantizer import assign_rng_keys
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
-from .generic_attention import install as install_generic
+from .recompute import make_recomputed
+from .generic_attention import install as install_generic, install_cosine, install_linear, install_scales
 from .mlp import MLP_CLASSES, STOCK_MLP_CLASSES
-from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops
+from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
 OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa",
-       "batchnorm", "silu", "rmsnorm", "glu")
+       "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
@@ -56,7 +57,7 @@ def _sdpa_cls():
 def _leaf_rules():
     """[(stock type, op, Mesa class)]: exact-type matches only (a subclass may have its own
     forward, e.g. timm's ``LayerNormFp32``; it is reported instead)."""
-    from timm.layers import LayerNorm as TimmLayerNorm, RmsNorm as TimmRmsNorm
+    from timm.layers import LayerNorm as TimmLayerNorm, LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm
     from timm.layers.activations import QuickGELU as TimmQuickGELU
 
     from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh
@@ -76,6 +77,7 @@ def _leaf_rules():
         nn.Conv2d: ("conv", mnn.Conv2d),
         nn.ReLU: ("relu", mnn.ReLU),
         nn.Softmax: ("softmax", mnn.Softmax),
+        TimmLayerScale: ("layerscale", mnn.LayerScale),
     }
 
 
@@ -366,6 +368,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             patched_attn.append(name)
         if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
             skip_prefixes.append(name + ".")
+            if is_position_table_mlp(name, m) and "linear" in op_names and mi.module_set in set_names:
+                make_recomputed(getattr(m, "mlp", None) if type(m).__name__ == "RelPosMlp" else m)
 
     # 1a. any other attention: its F.scaled_dot_product_attention / q @ k^T, softmax, @ v
     # calls are intercepted while it runs (generic_attention.py)
@@ -381,8 +385,10 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             wanted = tuple(o for o in core_ops if o in found)
             if wanted:
                 heads = mi.heads or getattr(m, "num_heads", None)
-                install_generic(m, wanted, heads if isinstance(heads, int) else None, _module_device(m),
-                                lambda h: _options_for(None, h, quant_options))
+                heads = heads if isinstance(heads, int) else None
+                install_generic(m, wanted, heads, _module_device(m), lambda h: _options_for(None, h, quant_options))
+                wanted += install_cosine(m, op_names, found, heads, _module_device(m),
+                                         _options_for(None, heads, quant_options))
                 generic[name] = wanted
 
     # 1b. gated MLPs (SwiGLU, GluMlp): act(gate) * x through a GatedActivation child; the
@@ -399,6 +405,20 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
                                           device=_module_device(m), **_options_for(None, mi.heads, quant_options))
         if getattr(m, "gated", None) is not None:
             gated_acts.add(id(m.act))
+
+    # 1c. inline layer scale (``self.gamma_1 * y`` in a block's forward, BEiT/CaiT/EVA/XCiT):
+    # routed to a ChannelScale child while the block runs (generic_attention.install_scales)
+    if "layerscale" in op_names:
+        for name, m in named:
+            if any(name.startswith(p) for p in skip_prefixes) or isinstance(m, mnn.MesaLayer):
+                continue
+            mi = info.get(name, ModuleInfo("other", None, None))
+            if mi.module_set not in set_names:
+                continue
+            params = [p for p in scan_inline_scales(type(m))
+                      if isinstance(m._parameters.get(p), nn.Parameter) and m._parameters[p].dim() == 1]
+            if params:
+                install_scales(m, params, _module_device(m), _options_for(None, mi.heads, quant_options))
 
     # 2. leaf modules (the attention pass may have added children: list again)
     converted: Dict[int, nn.Module] = {}
@@ -455,6 +475,11 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             found = ("linear", "matmul", "softmax", "sdpa")
         else:
             found = scan_functional_ops(type(m))
+        if "linear" in found and "linear" in op_names and any(
+                isinstance(c, mnn.Linear) for c in m._modules.values()):
+            # F.linear(x, self.qkv.weight, bias) (BEiT, SwinV2): through the converted child
+            install_linear(m)
+            generic[name] = generic.get(name, ()) + ("linear",)
         hit = tuple(o for o in found if o in op_names and o not in generic.get(name, ()))
         if hit:
             unreached[name or "<root>"] = hit
@@ -485,7 +510,8 @@ def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:
                     (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"),
                     (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (sdpa_cls, "sdpa"),
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.SiLU, "silu"), (mnn.RmsNorm, "rmsnorm"),
-                    (mnn.GatedActivation, "glu")):
+                    (mnn.GatedActivation, "glu"), (mnn.LayerScale, "layerscale"),
+                    (mnn.ChannelScale, "layerscale"), (mnn.Normalize, "normalize")):
         if isinstance(m, cls):
             return op
     return None

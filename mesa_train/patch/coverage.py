@@ -59,6 +59,7 @@ def _untouched(model: nn.Module):
     saved = {k: b.detach().clone() for k, b in model.named_buffers()}
     options = {id(m): m.quant_options for m in model.modules() if isinstance(m, MesaLayer)}
     training = {id(m): m.training for m in model.modules()}
+    recompute = {id(m): m.__dict__["mesa_recompute"] for m in model.modules() if "mesa_recompute" in m.__dict__}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
@@ -71,12 +72,17 @@ def _untouched(model: nn.Module):
             for m in model.modules():
                 if isinstance(m, MesaLayer) and id(m) in options:
                     m.set_quant_options(enabled=options[id(m)].enabled)
+                if "mesa_recompute" in m.__dict__ and id(m) in recompute:
+                    m.mesa_recompute = recompute[id(m)]
                 m.training = training.get(id(m), m.training)
 
 
 def _set_enabled(model: nn.Module, enabled: bool) -> None:
     from mesa_train.nn import MesaLayer
 
+    from .recompute import set_recompute
+
+    set_recompute(model, enabled)
     for m in model.modules():
         if isinstance(m, MesaLayer):
             m.set_quant_options(enabled=enabled)

@@ -24,19 +24,23 @@ handler), so nothing is intercepted twice.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["install", "is_generic_attention", "CHILDREN", "GENERIC_ATTENTION_ATTR"]
+__all__ = ["install", "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
+           "GENERIC_ATTENTION_ATTR", "SCALES_ATTR"]
 
 CHILDREN = ("mesa_sdpa", "mesa_qk", "mesa_softmax", "mesa_av")
 GENERIC_ATTENTION_ATTR = "_mesa_generic_attention"
+SCALES_ATTR = "_mesa_scales"  # {parameter name: ChannelScale child name}
 _MATMULS = {torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.bmm}
 _SOFTMAXES = {torch.softmax, torch.Tensor.softmax, F.softmax}
+_MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+NORMALIZE_CHILDREN = ("mesa_norm_q", "mesa_norm_k")
 
 
 def is_generic_attention(module: nn.Module) -> bool:
@@ -60,10 +64,33 @@ class _Capture(TorchFunctionMode):
         self.owner = owner
         self.matmuls = 0
         self.softmaxes = 0
+        self.normalizes = 0
+        self.logits = None  # the q @ k^T output, for a logit scale multiplying it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         owner = self.owner
+        # (grad mode is off inside a Mesa layer's autograd.Function.forward: its own F.linear
+        # and x * gamma are never routed again)
+        if func is F.linear and torch.is_grad_enabled():
+            routed = _route_linear(owner, args, kwargs)
+            if routed is not None:
+                return routed
+        if func in _MULS and len(args) == 2 and not kwargs and torch.is_grad_enabled():
+            routed = _route_scale(owner, args[0], args[1])
+            if routed is None and self.logits is not None:
+                routed = _route_logit_scale(owner, self.logits, args[0], args[1])
+            if routed is not None:
+                return routed
+        if func is F.normalize and self.normalizes < 2 and "mesa_norm_q" in owner._modules:
+            names = ("input", "p", "dim", "eps")
+            call = dict(zip(names, args), **kwargs)
+            x, dim = call.get("input"), call.get("dim", 1)
+            if (call.get("p", 2.0) == 2 and call.get("out") is None and _batched(x) and isinstance(dim, int)
+                    and dim % x.dim() == x.dim() - 1):
+                child = owner._modules[NORMALIZE_CHILDREN[self.normalizes]]
+                self.normalizes += 1
+                return child(x, dim=-1, eps=call.get("eps", 1e-12))
         if func is F.scaled_dot_product_attention and "mesa_sdpa" in owner._modules and not kwargs.get("enable_gqa"):
             q, k, v, *rest = args
             names = ("attn_mask", "dropout_p", "is_causal", "scale")
@@ -73,7 +100,9 @@ class _Capture(TorchFunctionMode):
                 and "mesa_qk" in owner._modules):
             self.matmuls += 1
             if self.matmuls <= 2:
-                return (owner.mesa_qk if self.matmuls == 1 else owner.mesa_av)(args[0], args[1])
+                out = (owner.mesa_qk if self.matmuls == 1 else owner.mesa_av)(args[0], args[1])
+                self.logits = out if self.matmuls == 1 else None
+                return out
         if (func in _SOFTMAXES and _batched(args[0]) and "dtype" not in kwargs and self.softmaxes == 0
                 and "mesa_softmax" in owner._modules):
             dim = _softmax_dim(args, kwargs)
@@ -81,6 +110,74 @@ class _Capture(TorchFunctionMode):
                 self.softmaxes += 1
                 return owner.mesa_softmax(args[0])
         return func(*args, **kwargs)
+
+
+def _route_linear(owner, args, kwargs):
+    """``F.linear(x, weight=self.qkv.weight, bias=qkv_bias)`` (BEiT, SwinV2: q/v biases
+    concatenated at call time) bypasses the converted ``qkv`` child: run it through that Mesa
+    ``Linear``'s Function and quantizer (int8 input, same output bits)."""
+    from mesa_train.nn import Linear
+
+    names = ("input", "weight", "bias")
+    call = dict(zip(names, args), **kwargs)
+    x, weight, bias = call.get("input"), call.get("weight"), call.get("bias")
+    if not isinstance(weight, nn.Parameter) or not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter):
+        return None
+    for child in owner._modules.values():
+        if isinstance(child, Linear) and child.weight is weight and child._mesa_active(x, weight, bias):
+            return child(x, call_bias=bias)
+    return None
+
+
+def _route_scale(owner, a, b):
+    """``self.gamma_1 * y`` with a direct 1-D parameter of ``owner`` (inline layer scale):
+    through its ``ChannelScale`` child (int8 ``y``)."""
+    scales = getattr(owner, SCALES_ATTR, None)
+    if not scales:
+        return None
+    params = owner._parameters
+    for gamma, x in ((a, b), (b, a)):
+        if not isinstance(gamma, nn.Parameter) or not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter):
+            continue
+        for pname, child in scales.items():
+            if params.get(pname) is gamma and x.dim() >= 2 and x.shape[-1] == gamma.numel():
+                return owner._modules[child](x, gamma)
+    return None
+
+
+def _route_logit_scale(owner, logits, a, b):
+    """``(q @ k^T) * scale`` with a learned per-head scale (SwinV2's ``logit_scale.exp()``,
+    XCiT's ``temperature``: ``(heads, 1, 1)``-like, requires grad): through ``mesa_logit_scale``
+    (int8 logits, per-head groups), so the full-precision logits are not kept for its gradient."""
+    child = owner._modules.get("mesa_logit_scale")
+    if child is None:
+        return None
+    for x, s in ((a, b), (b, a)):
+        if (x is logits and isinstance(s, torch.Tensor) and s.requires_grad and x.dim() == 4
+                and s.dim() >= 2 and s.numel() == x.shape[1] and s.shape[-1] == 1 and s.shape[-2] == 1):
+            return child(x, s)
+    return None
+
+
+def install_cosine(module: nn.Module, ops, found, heads: Optional[int], device, options) -> Tuple[str, ...]:
+    """Cosine attention (SwinV2, SwinV2-CR, XCiT): ``mesa_norm_q`` / ``mesa_norm_k`` for its
+    first two ``F.normalize(., dim=-1)`` calls (op ``normalize``) and ``mesa_logit_scale`` for
+    a learned per-head scale of the logits (op ``layerscale``; only when the module holds a
+    parameter with one value per head). Needs the ``mesa_qk`` routing (op ``matmul``)."""
+    from mesa_train.nn import ChannelScale, Normalize
+
+    if "mesa_qk" not in module._modules:
+        return ()
+    added = []
+    if "normalize" in ops and "normalize" in found and "mesa_norm_q" not in module._modules:
+        for n in NORMALIZE_CHILDREN:
+            module.add_module(n, Normalize(device=device, **options))
+        added.append("normalize")
+    per_head = heads is not None and any(p.numel() == heads and p.dim() >= 1 for p in module.parameters(recurse=False))
+    if "layerscale" in ops and per_head and "mesa_logit_scale" not in module._modules:
+        module.add_module("mesa_logit_scale", ChannelScale(device=device, **options))
+        added.append("layerscale")
+    return tuple(added)
 
 
 def _enter(module, args, kwargs=None):
@@ -120,11 +217,39 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options) 
         module.mesa_av = MatMul(operands=(), device=device, **opts)
     if not any(n in module._modules for n in CHILDREN):
         return None
+    _hook(module)
+    return ",".join(o for o in ("sdpa", "matmul", "softmax") if o in ops)
+
+
+def _hook(module: nn.Module) -> None:
     if not is_generic_attention(module):
         module.register_forward_pre_hook(_enter)
         module.register_forward_hook(_exit, always_call=True)
         object.__setattr__(module, GENERIC_ATTENTION_ATTR, True)
-    return ",".join(o for o in ("sdpa", "matmul", "softmax") if o in ops)
+
+
+def install_linear(module: nn.Module) -> bool:
+    """Hook ``module`` so that its functional ``F.linear`` calls with a converted child's
+    weight go through that Mesa ``Linear`` (see ``_route_linear``)."""
+    _hook(module)
+    return True
+
+
+def install_scales(module: nn.Module, names, device, options) -> Tuple[str, ...]:
+    """Give ``module`` a ``ChannelScale`` child per inline layer-scale parameter in ``names``
+    and the capture hooks; returns the parameter names handled."""
+    from mesa_train.nn.layerscale import ChannelScale
+
+    scales = dict(getattr(module, SCALES_ATTR, None) or {})
+    for pname in names:
+        child = f"mesa_scale_{pname}"
+        if child not in module._modules:
+            module.add_module(child, ChannelScale(device=device, **options))
+        scales[pname] = child
+    if scales:
+        object.__setattr__(module, SCALES_ATTR, scales)
+        _hook(module)
+    return tuple(scales)
 
 
 class _Plain(nn.Module):

@@ -31,7 +31,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-__all__ = ["ModuleInfo", "classify", "scan_functional_ops", "FUNCTIONAL_OPS", "is_position_table_mlp"]
+__all__ = ["ModuleInfo", "classify", "scan_functional_ops", "scan_inline_scales", "FUNCTIONAL_OPS",
+           "is_position_table_mlp"]
 
 MODULE_SETS = ("msa", "ffn", "other")
 
@@ -135,6 +136,7 @@ FUNCTIONAL_OPS = {
     "conv2d": "conv",
     "relu": "relu",
     "relu_": "relu",
+    "normalize": "normalize",
 }
 
 
@@ -165,7 +167,7 @@ def _methods_reached(cls: type) -> List[Tuple[str, object]]:
     return out
 
 
-_SCAN_CACHE: Dict[type, Tuple[str, ...]] = {}
+_SCAN_CACHE: Dict[object, Tuple[str, ...]] = {}
 
 
 def scan_functional_ops(cls: type) -> Tuple[str, ...]:
@@ -192,13 +194,31 @@ def scan_functional_ops(cls: type) -> Tuple[str, ...]:
     return res
 
 
+def scan_inline_scales(cls: type) -> Tuple[str, ...]:
+    """Attributes ``cls.forward`` multiplies inline, ``self.gamma_1 * y`` or ``y * self.ls1``
+    (candidates for a layer-scale parameter; the caller keeps the 1-D parameters). Static."""
+    if ("scales", cls) in _SCAN_CACHE:
+        return _SCAN_CACHE[("scales", cls)]
+    found = set()
+    for _, tree in _methods_reached(cls):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                for side in (node.left, node.right):
+                    if (isinstance(side, ast.Attribute) and isinstance(side.value, ast.Name)
+                            and side.value.id == "self"):
+                        found.add(side.attr)
+    res = tuple(sorted(found))
+    _SCAN_CACHE[("scales", cls)] = res
+    return res
+
+
 # ----------------------------------------------------------------------------- left stock
 # MLPs that turn a relative-position *table* into an attention bias (timm's ``RelPosMlp``,
 # SwinV2's ``cpb_mlp``): their activations have the size of the table, not of the batch, so
 # compressing them saves next to nothing and only adds rounding noise to sums over a few
 # (2w-1)^2 rows. They are left stock.
 _POSITION_TABLE_CLASSES = ("RelPosMlp",)
-_POSITION_TABLE_CHILDREN = ("cpb_mlp",)
+_POSITION_TABLE_CHILDREN = ("cpb_mlp", "meta_mlp")  # SwinV2, SwinV2-CR
 
 
 def is_position_table_mlp(name: str, module: nn.Module) -> bool:

@@ -1,0 +1,111 @@
+"""Mesa layer scale: ``x * gamma`` with a learnable per-channel ``gamma`` (last dim), keeping
+``x`` in 8 bits for ``gamma``'s gradient.
+
+Stock autograd keeps ``x`` in full precision (``dgamma = sum_rows(g * x)``); ``dx = g * gamma``
+needs only the parameter. In ViTs with layer scale (DeiT3, CaiT, BEiT, EVA, XCiT, relpos,
+...) that is one ``(B, N, C)`` tensor per residual branch, 10-20% of what a patched block still
+kept in full precision. Two forms:
+
+* ``LayerScale``: timm's ``LayerScale`` module (``x * self.gamma``), converted as a leaf;
+* ``ChannelScale``: parameter-free, ``forward(x, gamma)`` for blocks that multiply by their
+  own ``gamma_1``-style parameter inline (BEiT, CaiT, EVA, XCiT: ``self.gamma_1 * y``); the
+  patcher routes that product here (``patch/generic_attention.py``, ``install_scales``).
+  Also the learned per-head logit scale / temperature of cosine attention (SwinV2's
+  ``(q_n @ k_n^T) * logit_scale.exp()``, XCiT's ``* self.temperature``, shape ``(heads, 1, 1)``):
+  then ``x`` (the logits) is kept with per-head groups and ``dgamma`` is summed to its shape.
+
+The forward is ``x * gamma`` (IEEE multiplication is commutative, so ``gamma * x`` is the same
+bits); the codes use channel groups over the last dim with power-of-two row scales
+(``rowscale.py``), like ``Linear``'s input.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
+from .quantizer import decompress
+from .rowscale import compress_rows, max_exponent, unscale_rows
+
+__all__ = ["LayerScale", "ChannelScale", "channel_scale"]
+
+
+class _ScaleFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, quantizer):
+        out = x * gamma
+        packed = k = None
+        if ctx.needs_input_grad[1]:
+            if gamma.dim() <= 1:  # per channel (last dim): channel groups, small rows scaled
+                packed, k = compress_rows(quantizer, x, 1, max_exponent(x.dtype, out.dtype))
+            else:  # per head (a logit scale / temperature of shape (heads, 1, 1)): head groups
+                packed = quantizer.compress(x, 1)
+        ctx.cdt, ctx.x_dtype, ctx.g_dtype, ctx.g_shape = out.dtype, x.dtype, gamma.dtype, gamma.shape
+        save(ctx, [packed], gamma if ctx.needs_input_grad[0] else None, k)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (packed,), (gamma, k) = load(ctx)
+        gx = gg = None
+        with no_autocast(g.device.type):
+            g = g.to(ctx.cdt)
+            if ctx.needs_input_grad[0]:
+                gx = (g * gamma.to(ctx.cdt)).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                xh = unscale_rows(decompress(packed, ctx.cdt), k)
+                if len(ctx.g_shape) <= 1:
+                    gg = (g * xh).reshape(-1, xh.shape[-1]).sum(0).reshape(ctx.g_shape)
+                else:
+                    gg = (g * xh).sum_to_size(ctx.g_shape)
+                gg = gg.to(ctx.g_dtype)
+        return gx, gg, None
+
+
+def channel_scale(x: torch.Tensor, gamma: torch.Tensor, quantizer) -> torch.Tensor:
+    return _ScaleFn.apply(x, gamma, quantizer)
+
+
+class ChannelScale(MesaLayer, nn.Module):
+    """``x * gamma`` for a ``gamma`` owned elsewhere (a block's inline ``self.gamma_1 * y``)."""
+
+    def __init__(self, *, device=None, **quant_options):
+        super().__init__()
+        self._init_mesa(quant_options, device)
+
+    def forward(self, x, gamma):
+        if not self._mesa_active(x, gamma):
+            return x * gamma
+        return _ScaleFn.apply(x, gamma, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return self._mesa_repr()
+
+
+class LayerScale(MesaLayer, nn.Module):
+    """timm's ``LayerScale`` (``x * gamma``, channels last) keeping its 8-bit input. An
+    ``inplace=True`` stock module computes out of place here: same values."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5, inplace: bool = False, *, device=None, dtype=None,
+                 **quant_options):
+        super().__init__()
+        self.init_values = init_values
+        self.inplace = inplace
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values), device=device, dtype=dtype))
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "LayerScale":
+        new = cls(stock.gamma.shape[0], getattr(stock, "init_values", 1e-5), getattr(stock, "inplace", False),
+                  device="meta", **inherit_options(stock, quant_options))
+        new.gamma = stock.gamma  # the same parameter object (optimizers keep working)
+        copy_estimates(stock, new, stock.gamma.device if stock.gamma is not None else stock_device(stock, device))
+        return new.train(stock.training)
+
+    def forward(self, x):
+        if not self._mesa_active(x, self.gamma):
+            return x.mul_(self.gamma) if self.inplace else x * self.gamma
+        return _ScaleFn.apply(x, self.gamma, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.gamma.shape[0]}, inplace={self.inplace}, {self._mesa_repr()}"
