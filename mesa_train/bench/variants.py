@@ -149,8 +149,26 @@ def run(quick: bool, passes: int, warmup: int, out_dir: Path, models, ops, setti
     return rows
 
 
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` rows (a previous ``cpu.csv``) with those ``new`` redoes replaced and the others
+    kept, in table order (models, then ``OPS``, then ``SETTINGS``)."""
+    key = lambda r: (r["model"], r["op"], r["setting"])  # noqa: E731
+    rows = {key(r): r for r in old}
+    rows.update({key(r): r for r in new})
+
+    def order(k):
+        m, op, s = k
+        return (list(MODELS).index(m) if m in MODELS else len(MODELS), OPS.index(op) if op in OPS else len(OPS),
+                list(SETTINGS).index(s) if s in SETTINGS else len(SETTINGS))
+
+    return [rows[k] for k in sorted(rows, key=order)]
+
+
 def write(rows, out_dir: Path, args) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "update", False) and (out_dir / "cpu.csv").exists():
+        with open(out_dir / "cpu.csv", newline="") as f:
+            rows = merge(list(csv.DictReader(f)), rows)
     with open(out_dir / "cpu.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
@@ -160,7 +178,9 @@ def write(rows, out_dir: Path, args) -> None:
         "",
         f"Command: `python -m mesa_train.bench.variants --passes {args.passes} --warmup {args.warmup}"
         + (" --quick" if args.quick else "") + f" --ops {' '.join(args.ops)} --settings "
-        + " ".join(f"'{s}'" for s in args.settings) + "`. Models: " + ", ".join(
+        + " ".join(f"'{s}'" for s in args.settings) + (" --update" if getattr(args, "update", False) else "")
+        + "`" + (" (the last run; `--update` kept the rows it did not redo from the previous `cpu.csv`)"
+                 if getattr(args, "update", False) else "") + ". Models: " + ", ".join(
             f"{k} (`{v[0]}`, {IMG}x{IMG}, batch 2, random init)" for k, v in MODELS.items())
         + "; one op patched at a time, explicit attention; estimates warmed on "
           f"{args.warmup} batches first. Module doc: `mesa_train/bench/variants.py`.",
@@ -196,6 +216,8 @@ def main(argv=None) -> None:
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--ops", nargs="*", default=list(OPS))
     ap.add_argument("--settings", nargs="*", default=list(SETTINGS))
+    ap.add_argument("--update", action="store_true",
+                    help="merge into the existing cpu.csv: replace the rows this run redoes, keep the others")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     models, ops, settings = args.models, args.ops, args.settings
