@@ -107,6 +107,73 @@ def test_packed_saved_bytes_vs_8bit(bits):
     assert ratio <= {4: 0.55, 2: 0.30}[bits], ratio
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_layernorm_short_rows_meet_the_bytes_targets(bits):
+    """LayerNorm keeps per row rstd (and the int8 row exponent) besides the codes; on short
+    rows (PVT-v2 stage 1: 32 channels) a float32 rstd alone put 2 bits at 0.32x of 8 bits.
+    At bits < 8 rstd is float16 + one power of two per call (nn/layernorm.py)."""
+    x = torch.randn(2, 576, 32)
+    sizes = {}
+    for b in (8, bits):
+        m = mn.LayerNorm(32, bits=b)
+        with SavedTensorMeter(m) as meter:
+            m(x.clone().requires_grad_()).sum()
+        sizes[b] = meter.activation_bytes
+    rows = x.numel() // 32
+    assert sizes[8] == x.numel() + rows * (4 + 1) + 2 * 4  # codes + fp32 rstd + int8 k + (1, 1) statistics
+    assert sizes[bits] == x.numel() * bits // 8 + rows * (2 + 1) + 4 + 2 * 4  # fp16 rstd, 0-d scale
+    assert sizes[bits] / sizes[8] <= {4: 0.55, 2: 0.30}[bits]
+
+
+def test_layernorm_rstd_float16_relative_error():
+    from mesa_train.nn.layernorm import pack_rstd, unpack_rstd
+
+    torch.manual_seed(0)
+    # rows spread over 2**28 (std 1e-4 .. 1e4 inputs with eps 1e-6), also huge and tiny rstd overall
+    for base in (1.0, 2.0 ** 60, 2.0 ** -60, 1e3):
+        rstd = torch.exp2(torch.rand(2, 300, 1) * 28 - 14).double().float() * base
+        r16, scale = pack_rstd(rstd)
+        assert r16.dtype == torch.float16 and scale.dim() == 0
+        assert float(torch.log2(scale)) == round(float(torch.log2(scale)))  # a power of two
+        back = unpack_rstd(r16, scale, torch.float32)
+        rel = ((back.double() - rstd.double()).abs() / rstd.double()).max()
+        assert rel <= 2.0 ** -11, (base, rel)
+
+
+def test_layernorm_bits_gradients_match_float32_rstd():
+    """The float16 rstd changes dx by at most its rounding (2**-11 relative per row) and the
+    parameter gradients not at all: same codes (nearest rounding) with and without it."""
+    import mesa_train.nn.layernorm as lnmod
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 50, 32) * torch.rand(3, 50, 1) * 10
+    g = torch.randn_like(x)
+
+    def grads(exact_rstd):
+        m = mn.LayerNorm(32, bits=2, rounding="nearest", estimator="per_sample")
+        torch.manual_seed(1)
+        with torch.no_grad():
+            m.weight.uniform_(0.5, 1.5)
+            m.bias.uniform_(-1, 1)
+        xi = x.clone().requires_grad_()
+        if exact_rstd:
+            orig = lnmod.pack_rstd
+            lnmod.pack_rstd = lambda r: (r.float(), torch.ones((), dtype=torch.float32))
+            try:
+                m(xi).backward(g)
+            finally:
+                lnmod.pack_rstd = orig
+        else:
+            m(xi).backward(g)
+        return xi.grad, m.weight.grad, m.bias.grad
+
+    dx16, dw16, db16 = grads(False)
+    dx32, dw32, db32 = grads(True)
+    assert torch.equal(dw16, dw32) and torch.equal(db16, db32)
+    rel = (dx16 - dx32).abs() / dx32.abs().clamp_min(1e-30)
+    assert rel.max() <= 2.0 ** -11 * 1.01, rel.max()
+
+
 def test_patch4x4_saved_bytes_and_bounds():
     x = torch.randn(2, 8, 14, 14) * 2
     m8 = mn.Conv2d(8, 8, 3, padding=1)
@@ -322,3 +389,53 @@ def test_compile_fullgraph_variant():
     cm(x.clone().requires_grad_()).backward(g)
     for p, q in zip(eager.parameters(), comp.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- CUDA kernels
+# (skipped without a GPU; csrc/cuda/host_check/run.sh emulates the same kernels on a CPU)
+CUDA_SHAPES = SHAPES + [((2, 197, 192), 2, 3), ((3, 17, 5), 1, 17), ((7,), 0, 1), ((16, 33), 0, 4),
+                        ((4, 6, 97, 97), 1, 6), ((1, 4099), 1, 7)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_cuda_bits_kernels_same_bytes(bits, pow2, dtype, aligned):
+    """CUDA kernels == the reference on the same CUDA tensors == the CPU kernel, byte for byte:
+    vector and scalar (offset pointer) paths, tails of every length, per-sample statistics."""
+    assert "quantize_bits" not in Q.CUDA_REFERENCE_OPS and "dequantize_bits" not in Q.CUDA_REFERENCE_OPS, (
+        "the extension has no CUDA kernels for the variants' ops (rebuild with nvcc)")
+    torch.manual_seed(bits + 10 * pow2)
+    for shape, dim, G in CUDA_SHAPES:
+        xc = (torch.randn(shape) * 3 + 1).to(dtype)
+        xc.view(-1)[::17] = 0.25
+        xc.view(-1)[5::97] = float("nan")
+        if aligned:
+            x = xc.cuda()
+        else:  # an offset data pointer (not 16-byte aligned): the kernels' scalar path
+            buf = torch.empty(xc.numel() + 1, dtype=dtype, device="cuda")
+            buf[1:].copy_(xc.reshape(-1))
+            x = buf[1:].view(shape)
+        for per_sample in (False, True):
+            a_c, b_c = _stats(xc.float().nan_to_num(0.0), dim, G, per_sample)
+            a, b = a_c.cuda(), b_c.cuda()
+            for stoch in (True, False):
+                q = Q.quantize_bits(x, a, b, dim, G, bits, pow2, stoch, Q.seed_tensor(0x1234_5678_9ABC, "cuda"))
+                assert q.device.type == "cuda" and q.shape == (R.packed_bytes(x.numel(), bits),)
+                ref = R.quantize_bits(x, a, b, dim, G, bits, pow2, stoch, Q.seed_tensor(0x1234_5678_9ABC, "cuda"))
+                assert torch.equal(q, ref), (shape, dim, G, per_sample, stoch)
+                cpu = Q.quantize_bits(xc, a_c, b_c, dim, G, bits, pow2, stoch, Q.seed_tensor(0x1234_5678_9ABC))
+                assert torch.equal(q.cpu(), cpu)
+                qq = q
+                if not aligned:  # unaligned codes for dequantize too
+                    qbuf = torch.empty(q.numel() + 1, dtype=torch.uint8, device="cuda")
+                    qbuf[1:].copy_(q)
+                    qq = qbuf[1:]
+                for out in (torch.float32, torch.float16, torch.bfloat16):
+                    y = Q.dequantize_bits(qq, a, b, shape, dim, G, bits, pow2, out)
+                    assert y.device.type == "cuda" and y.shape == tuple(shape) and y.dtype == out
+                    assert torch.equal(y, R.dequantize_bits(q, a, b, shape, dim, G, bits, pow2, out))
+                    assert torch.equal(y.cpu(), Q.dequantize_bits(cpu, a_c, b_c, shape, dim, G, bits, pow2, out))

@@ -1,4 +1,5 @@
-// CUDA kernels of torch.ops.mesa.{observe, quantize, dequantize, group_minmax, update_estimates}.
+// CUDA kernels of torch.ops.mesa.{observe, quantize, dequantize, group_minmax, update_estimates,
+// quantize_bits, dequantize_bits}.
 //
 // Launches per compressed activation: forward observe + quantize = 2, backward dequantize = 1.
 // * Every op is ONE kernel launch and does no host work beyond it: no host sync, no
@@ -381,6 +382,267 @@ at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, c
     if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, y, alpha, beta, L, stream);
     else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, y, alpha, beta, L, stream);
     else launch_dequantize<scalar_t, uint32_t, 1>(q, y, alpha, beta, L, stream);
+  });
+  return y;
+}
+
+// ----------------------------------------------------------------------------- bit widths
+// quantize_bits / dequantize_bits (DESIGN.md, "Variants"): codes of BITS in {8, 4, 2} bits,
+// PER = 8 / BITS per byte, element i in byte i / PER at bit offset (i % PER) * BITS (little
+// end first, the last byte's unused high bits zero). Every thread produces (or reads) whole
+// bytes: a step is E elements = E / PER bytes, E = kVec on the vector path (16-byte loads
+// and stores of the elements, one 16/8/4-byte store or load of the codes) and E = PER on
+// the scalar path (one byte per step); the tail (< E elements) is one byte per thread. Same
+// scalar math as the CPU kernel (mesa_common.h: inv_scale_bits / dequant_step_bits,
+// quantize_value_levels, dequantize_value, hash_uniform of the flat index).
+
+// NB bytes through one NB-byte aggregate (the pointer is NB-aligned on the vector path).
+template <int NB>
+struct alignas(NB) ByteChunk {
+  uint8_t b[NB];
+};
+
+template <int NB>
+__device__ __forceinline__ void store_bytes(uint8_t* __restrict__ p, const uint8_t (&b)[NB]) {
+  if constexpr (NB == 1) {
+    p[0] = b[0];
+  } else {
+    ByteChunk<NB> raw;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) raw.b[j] = b[j];
+    *reinterpret_cast<ByteChunk<NB>*>(p) = raw;
+  }
+}
+
+template <int NB>
+__device__ __forceinline__ void load_bytes(const uint8_t* __restrict__ p, uint8_t (&b)[NB]) {
+  if constexpr (NB == 1) {
+    b[0] = p[0];
+  } else {
+    const ByteChunk<NB> raw = *reinterpret_cast<const ByteChunk<NB>*>(p);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) b[j] = raw.b[j];
+  }
+}
+
+// (scale, beta) of parameter p at a bit width, kept while p does not change.
+template <int BITS>
+struct ParamCacheBits {
+  uint64_t p = ~uint64_t(0);
+  float scale = 0.0f, beta = 0.0f;
+  template <bool INVERSE>
+  __device__ __forceinline__ void fetch(const float* __restrict__ alpha, const float* __restrict__ beta_, uint64_t np,
+                                        bool pow2) {
+    if (np != p) {
+      p = np;
+      const float a = __ldg(alpha + np);
+      scale = INVERSE ? inv_scale_bits(a, BITS, pow2) : dequant_step_bits(a, BITS, pow2);
+      beta = __ldg(beta_ + np);
+    }
+  }
+};
+
+template <typename scalar_t, typename IdxT, int BITS, bool VEC, bool STOCH>
+__global__ void __launch_bounds__(kThreads)
+quantize_bits_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const float* __restrict__ alpha,
+                     const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel, const bool pow2,
+                     const int64_t* __restrict__ seed, const int64_t seed_stride) {
+  constexpr int PER = 8 / BITS;
+  constexpr int E = VEC ? kVec : PER;  // elements per step
+  constexpr int NB = E / PER;          // bytes per step
+  const float vmax = levels_of(BITS);
+  const uint32_t slo = STOCH ? static_cast<uint32_t>(__ldg(seed)) : 0u;
+  const uint32_t shi = STOCH ? static_cast<uint32_t>(__ldg(seed + seed_stride)) : 0u;
+  const IdxT nstep = numel / E;
+  const IdxT stride = IdxT(gridDim.x) * blockDim.x;
+  const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
+  ParamCacheBits<BITS> pc;
+  for (IdxT v = gid; v < nstep; v += stride) {
+    const IdxT i0 = v * E;
+    float xv[E];
+    if constexpr (VEC) {
+      load_floats<scalar_t, E>(x + i0, xv);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) xv[e] = static_cast<float>(x[i0 + IdxT(e)]);
+    }
+    uint8_t c[E];
+    const IdxT p0 = param_of(k, i0);
+    if (one_param<IdxT, E>(k, i0, p0)) {  // one (scale, offset) fetch for the whole step
+      pc.template fetch<true>(alpha, beta, p0, pow2);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i0 + IdxT(e)), slo, shi) : 0.0f;
+        c[e] = quantize_value_levels<STOCH>(xv[e], pc.beta, pc.scale, u, vmax);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        pc.template fetch<true>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)), pow2);
+        const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i0 + IdxT(e)), slo, shi) : 0.0f;
+        c[e] = quantize_value_levels<STOCH>(xv[e], pc.beta, pc.scale, u, vmax);
+      }
+    }
+    uint8_t out[NB];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      uint32_t b = 0;
+#pragma unroll
+      for (int t = 0; t < PER; ++t) b |= static_cast<uint32_t>(c[j * PER + t]) << (t * BITS);
+      out[j] = static_cast<uint8_t>(b);
+    }
+    store_bytes<NB>(q + v * NB, out);
+  }
+  // tail: the bytes of the last numel - nstep * E (< E) elements, one per thread
+  const IdxT tb = nstep * NB + gid;
+  const IdxT i_first = tb * PER;
+  if (i_first < numel) {
+    uint32_t b = 0;
+    for (int t = 0; t < PER; ++t) {
+      const IdxT i = i_first + IdxT(t);
+      if (i >= numel) break;  // the last byte's unused high bits stay zero
+      pc.template fetch<true>(alpha, beta, param_of(k, i), pow2);
+      const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i), slo, shi) : 0.0f;
+      b |= static_cast<uint32_t>(quantize_value_levels<STOCH>(static_cast<float>(x[i]), pc.beta, pc.scale, u, vmax))
+           << (t * BITS);
+    }
+    q[tb] = static_cast<uint8_t>(b);
+  }
+}
+
+template <typename scalar_t, typename IdxT, int BITS, bool VEC>
+__global__ void __launch_bounds__(kThreads)
+dequantize_bits_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, const float* __restrict__ alpha,
+                       const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel, const bool pow2) {
+  constexpr int PER = 8 / BITS;
+  constexpr int E = VEC ? kVec : PER;
+  constexpr int NB = E / PER;
+  constexpr uint32_t kMask = (1u << BITS) - 1u;
+  const IdxT nstep = numel / E;
+  const IdxT stride = IdxT(gridDim.x) * blockDim.x;
+  const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
+  ParamCacheBits<BITS> pc;
+  for (IdxT v = gid; v < nstep; v += stride) {
+    const IdxT i0 = v * E;
+    uint8_t raw[NB];
+    load_bytes<NB>(q + v * NB, raw);
+    float out[E];
+    const IdxT p0 = param_of(k, i0);
+    const bool one = one_param<IdxT, E>(k, i0, p0);
+    if (one) pc.template fetch<false>(alpha, beta, p0, pow2);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if (!one) pc.template fetch<false>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)), pow2);
+      const uint8_t code = static_cast<uint8_t>((static_cast<uint32_t>(raw[e / PER]) >> ((e % PER) * BITS)) & kMask);
+      out[e] = dequantize_value(code, pc.scale, pc.beta);
+    }
+    if constexpr (VEC) {
+      store_floats<scalar_t, E>(y + i0, out);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) y[i0 + IdxT(e)] = static_cast<scalar_t>(out[e]);
+    }
+  }
+  const IdxT tb = nstep * NB + gid;
+  const IdxT i_first = tb * PER;
+  if (i_first < numel) {
+    const uint32_t b = q[tb];
+    for (int t = 0; t < PER; ++t) {
+      const IdxT i = i_first + IdxT(t);
+      if (i >= numel) break;
+      pc.template fetch<false>(alpha, beta, param_of(k, i), pow2);
+      const uint8_t code = static_cast<uint8_t>((b >> (t * BITS)) & kMask);
+      y[i] = static_cast<scalar_t>(dequantize_value(code, pc.scale, pc.beta));
+    }
+  }
+}
+
+// Steps of E elements of a launch (+ 1 for the tail bytes).
+template <int BITS, bool VEC>
+int64_t bits_steps(int64_t numel) {
+  constexpr int E = VEC ? kVec : 8 / BITS;
+  return numel / E + 1;
+}
+
+template <typename scalar_t, typename IdxT, int BITS, bool VEC, bool STOCH>
+void launch_quantize_bits(const at::Tensor& x, at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
+                          const Layout& L, bool pow2, const at::Tensor& seed, cudaStream_t stream) {
+  quantize_bits_kernel<scalar_t, IdxT, BITS, VEC, STOCH>
+      <<<grid_for(bits_steps<BITS, VEC>(L.numel), sm_count()), kThreads, 0, stream>>>(
+          x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
+          beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel), pow2,
+          seed.const_data_ptr<int64_t>(), seed.stride(0));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int BITS, bool STOCH>
+void dispatch_quantize_bits(const at::Tensor& x, at::Tensor& q, const at::Tensor& a, const at::Tensor& b,
+                            const Layout& L, bool pow2, const at::Tensor& seed, cudaStream_t stream) {
+  const bool vec = aligned16(x.const_data_ptr()) && aligned16(q.const_data_ptr());
+  if (!fits_32bit(L)) launch_quantize_bits<scalar_t, uint64_t, BITS, false, STOCH>(x, q, a, b, L, pow2, seed, stream);
+  else if (vec) launch_quantize_bits<scalar_t, uint32_t, BITS, true, STOCH>(x, q, a, b, L, pow2, seed, stream);
+  else launch_quantize_bits<scalar_t, uint32_t, BITS, false, STOCH>(x, q, a, b, L, pow2, seed, stream);
+}
+
+template <typename scalar_t, int BITS>
+void dispatch_quantize_bits(bool stochastic, const at::Tensor& x, at::Tensor& q, const at::Tensor& a,
+                            const at::Tensor& b, const Layout& L, bool pow2, const at::Tensor& seed,
+                            cudaStream_t stream) {
+  if (stochastic) dispatch_quantize_bits<scalar_t, BITS, true>(x, q, a, b, L, pow2, seed, stream);
+  else dispatch_quantize_bits<scalar_t, BITS, false>(x, q, a, b, L, pow2, seed, stream);
+}
+
+at::Tensor quantize_bits_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
+                              int64_t dim, int64_t num_groups, int64_t bits, bool pow2, bool stochastic,
+                              const at::Tensor& seed) {
+  const Layout L = check_quantize_bits(x_in, alpha_in, beta_in, dim, num_groups, bits, seed);
+  const c10::cuda::OptionalCUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor q = at::empty({packed_bytes(L.numel, bits)}, x.options().dtype(at::kByte));
+  if (L.numel == 0) return q;
+  const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_bits_cuda", [&] {
+    if (bits == 8) dispatch_quantize_bits<scalar_t, 8>(stochastic, x, q, alpha, beta, L, pow2, seed, stream);
+    else if (bits == 4) dispatch_quantize_bits<scalar_t, 4>(stochastic, x, q, alpha, beta, L, pow2, seed, stream);
+    else dispatch_quantize_bits<scalar_t, 2>(stochastic, x, q, alpha, beta, L, pow2, seed, stream);
+  });
+  return q;
+}
+
+template <typename scalar_t, typename IdxT, int BITS, bool VEC>
+void launch_dequantize_bits(const at::Tensor& q, at::Tensor& y, const at::Tensor& alpha, const at::Tensor& beta,
+                            const Layout& L, bool pow2, cudaStream_t stream) {
+  dequantize_bits_kernel<scalar_t, IdxT, BITS, VEC>
+      <<<grid_for(bits_steps<BITS, VEC>(L.numel), sm_count()), kThreads, 0, stream>>>(
+          q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), alpha.const_data_ptr<float>(),
+          beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel), pow2);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int BITS>
+void dispatch_dequantize_bits(const at::Tensor& q, at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
+                              const Layout& L, bool pow2, cudaStream_t stream) {
+  const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
+  if (!fits_32bit(L)) launch_dequantize_bits<scalar_t, uint64_t, BITS, false>(q, y, a, b, L, pow2, stream);
+  else if (vec) launch_dequantize_bits<scalar_t, uint32_t, BITS, true>(q, y, a, b, L, pow2, stream);
+  else launch_dequantize_bits<scalar_t, uint32_t, BITS, false>(q, y, a, b, L, pow2, stream);
+}
+
+at::Tensor dequantize_bits_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
+                                at::IntArrayRef shape, int64_t dim, int64_t num_groups, int64_t bits, bool pow2,
+                                at::ScalarType dtype) {
+  const Layout L = check_dequantize_bits(q_in, alpha_in, beta_in, shape, dim, num_groups, bits, dtype);
+  const c10::cuda::OptionalCUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor y = at::empty(shape, q.options().dtype(dtype));
+  if (L.numel == 0) return y;
+  const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_bits_cuda", [&] {
+    if (bits == 8) dispatch_dequantize_bits<scalar_t, 8>(q, y, alpha, beta, L, pow2, stream);
+    else if (bits == 4) dispatch_dequantize_bits<scalar_t, 4>(q, y, alpha, beta, L, pow2, stream);
+    else dispatch_dequantize_bits<scalar_t, 2>(q, y, alpha, beta, L, pow2, stream);
   });
   return y;
 }
@@ -812,6 +1074,8 @@ TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("dequantize", &dequantize_cuda);
   m.impl("update_estimates", &update_estimates_cuda);
   m.impl("observe", &observe_cuda);
+  m.impl("quantize_bits", &quantize_bits_cuda);
+  m.impl("dequantize_bits", &dequantize_bits_cuda);
 }
 
 }  // namespace mesa

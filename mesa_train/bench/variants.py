@@ -77,9 +77,14 @@ def _grad(model, x, y) -> torch.Tensor:
 
 
 def _op_bytes(model, x, names) -> int:
+    """Bytes attributed to ``names`` and their submodules (``"=name"``: that module's own
+    bytes only, not its submodules')."""
+    def match(n, k):
+        return n == k[1:] if k.startswith("=") else (n == k or n.startswith(k + "."))
+
     with SavedTensorMeter(model) as meter:
         model(x).sum()
-    return sum(b for n, b in meter.per_module.items() if any(n == k or n.startswith(k + ".") for k in names))
+    return sum(b for n, b in meter.per_module.items() if any(match(n, k) for k in names))
 
 
 def _patched_names(model, op):
@@ -93,8 +98,12 @@ def _patched_names(model, op):
             lop = _layer_op(m, mnn, _sdpa_cls())
             if lop == "matmul" and op == "softmax" and not m.operands:
                 continue  # share-only attn @ v: its bytes are the softmax's shared copy
-            if lop == op or (op == "softmax" and lop == "matmul" and not m.operands):
+            if lop == op:
                 out.append(n)
+                if op == "softmax":
+                    # the attention calls Softmax.forward_with_copy (not the module): the meter
+                    # attributes its copy to the attention module itself (its own bytes)
+                    out.append("=" + n.rpartition(".")[0])
     return out
 
 
@@ -114,7 +123,9 @@ def run(quick: bool, passes: int, warmup: int, out_dir: Path, models, ops, setti
             names = _patched_names(probe, op)
             if not names:
                 continue
-            stock_bytes = _op_bytes(stock, x, names)
+            # stock attention saves q, k, v and the softmax output in one module (no matmul /
+            # softmax submodules): no per-op stock bytes for those two ops
+            stock_bytes = 0 if op in ("matmul", "softmax") else _op_bytes(stock, x, names)
             bytes8 = None
             for sname in settings:
                 opts = SETTINGS[sname]
@@ -149,8 +160,26 @@ def run(quick: bool, passes: int, warmup: int, out_dir: Path, models, ops, setti
     return rows
 
 
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` rows (a previous ``cpu.csv``) with those ``new`` redoes replaced and the others
+    kept, in table order (models, then ``OPS``, then ``SETTINGS``)."""
+    key = lambda r: (r["model"], r["op"], r["setting"])  # noqa: E731
+    rows = {key(r): r for r in old}
+    rows.update({key(r): r for r in new})
+
+    def order(k):
+        m, op, s = k
+        return (list(MODELS).index(m) if m in MODELS else len(MODELS), OPS.index(op) if op in OPS else len(OPS),
+                list(SETTINGS).index(s) if s in SETTINGS else len(SETTINGS))
+
+    return [rows[k] for k in sorted(rows, key=order)]
+
+
 def write(rows, out_dir: Path, args) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "update", False) and (out_dir / "cpu.csv").exists():
+        with open(out_dir / "cpu.csv", newline="") as f:
+            rows = merge(list(csv.DictReader(f)), rows)
     with open(out_dir / "cpu.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
@@ -160,7 +189,9 @@ def write(rows, out_dir: Path, args) -> None:
         "",
         f"Command: `python -m mesa_train.bench.variants --passes {args.passes} --warmup {args.warmup}"
         + (" --quick" if args.quick else "") + f" --ops {' '.join(args.ops)} --settings "
-        + " ".join(f"'{s}'" for s in args.settings) + "`. Models: " + ", ".join(
+        + " ".join(f"'{s}'" for s in args.settings) + (" --update" if getattr(args, "update", False) else "")
+        + "`" + (" (the last run; `--update` kept the rows it did not redo from the previous `cpu.csv`)"
+                 if getattr(args, "update", False) else "") + ". Models: " + ", ".join(
             f"{k} (`{v[0]}`, {IMG}x{IMG}, batch 2, random init)" for k, v in MODELS.items())
         + "; one op patched at a time, explicit attention; estimates warmed on "
           f"{args.warmup} batches first. Module doc: `mesa_train/bench/variants.py`.",
@@ -171,9 +202,12 @@ def write(rows, out_dir: Path, args) -> None:
         "`noise/sqrt(N)` (what the mean of N passes keeps from the noise alone: a bias well below it "
         "is not resolved).",
         "",
-        "Not in this table: digits accuracy over seeds (not run in this session: time), and a "
+        "Not in this table: digits accuracy over seeds (`digits.md` next to this file: "
+        "`python -m mesa_train.bench.accuracy preset=variants output_dir=results`), and a "
         "trained model's activations (random init; `tests/test_variants.py::"
-        "test_learned_no_worse_than_running_on_heavy_tails` covers heavy-tailed inputs).",
+        "test_learned_no_worse_than_running_on_heavy_tails` covers heavy-tailed inputs). "
+        "`x stock` is blank for matmul and softmax: stock timm attention saves q, k, v and the "
+        "attention map in one module, with no per-op split.",
         "",
     ]
     for mname in dict.fromkeys(r["model"] for r in rows):
@@ -184,6 +218,9 @@ def write(rows, out_dir: Path, args) -> None:
                 lines.append(f"| {r['op']} | {r['setting']} | {r['bytes']} | {r['x_stock']} | {r['x_8bit']} | "
                              f"{r['rel_err']} | {r['cos']} | {r['bias_rel']} | {r['noise_over_sqrt_n']} |")
         lines.append("")
+    notes = out_dir / "cpu.notes.md"  # hand-written reading notes, kept across reruns
+    if notes.exists():
+        lines += [notes.read_text().rstrip(), ""]
     (out_dir / "cpu.md").write_text("\n".join(lines))
 
 
@@ -196,6 +233,8 @@ def main(argv=None) -> None:
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--ops", nargs="*", default=list(OPS))
     ap.add_argument("--settings", nargs="*", default=list(SETTINGS))
+    ap.add_argument("--update", action="store_true",
+                    help="merge into the existing cpu.csv: replace the rows this run redoes, keep the others")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     models, ops, settings = args.models, args.ops, args.settings

@@ -18,6 +18,13 @@ with much less spread than the others (DeiT's class token before the first atten
 gradients of the first DeiT blocks only reach cosine ~0.97 vs exact. Every row of
 ``x_hat`` has unit variance, so all rows use the grid equally well (cosine >= 0.999 there).
 Same memory as before, minus the mean (one float per row).
+
+At ``bits`` 4 and 2 (DESIGN.md, "Variants") ``rstd`` is kept as float16 times one power of two
+per call (:func:`pack_rstd`): 2 bytes per row instead of 4, so that codes plus per-row data
+still shrink with the bit width where rows are short (PVT-v2's 32-channel stage 1: 0.32x ->
+0.28x of 8-bit at 2 bits). Relative error of ``rstd`` <= 2**-11 (float16 rounding), i.e. of
+``dx`` per row; the parameter gradients do not use it. 8 bits keep float32 (the paper's
+format, unchanged).
 """
 from __future__ import annotations
 
@@ -48,6 +55,22 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def pack_rstd(rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(r16, scale)``: ``rstd`` as float16 ``r16 = fp16(rstd / scale)`` and a float32 power of
+    two ``scale`` (0-d) that puts the largest row at ``[2**14, 2**15)``: every row within
+    ``2**29`` of the largest is a normal float16 (relative rounding error <= 2**-11); rows
+    ``2**39`` below it would flush to zero. No host sync. :func:`unpack_rstd` inverts it (the
+    scaling by a power of two is exact both ways)."""
+    r = rstd.float()
+    _, e = torch.frexp(r.amax())  # amax = m * 2**e, m in [0.5, 1); NaN / inf rows: e = 0
+    scale = torch.exp2((e - 15).clamp(-120, 120).float())
+    return (r / scale).to(torch.float16), scale
+
+
+def unpack_rstd(r16: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (r16.float() * scale).to(dtype)
+
+
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, quantizer):
@@ -74,12 +97,19 @@ class _LayerNormFn(torch.autograd.Function):
         # the weight (a parameter: no activation memory) also when only dweight is needed:
         # ATen's backward takes dweight's shape from it (an input that needs no gradient,
         # e.g. behind a frozen stem, failed here before)
-        save(ctx, [packed], rstd, weight, k)
+        ctx.rstd_dtype = rstd.dtype
+        if quantizer.options.bits < 8:  # float16 rstd (module doc)
+            r16, scale = pack_rstd(rstd)
+            save(ctx, [packed], r16, weight, k, scale)
+        else:
+            save(ctx, [packed], rstd, weight, k)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        (packed,), (rstd, weight, k) = load(ctx)
+        (packed,), (rstd, weight, k, *scale) = load(ctx)
+        if scale:
+            rstd = unpack_rstd(rstd, scale[0], ctx.rstd_dtype)
         mdt = ctx.mdt
         need_x = ctx.needs_input_grad[0]
         need_w = ctx.w_dtype is not None and ctx.needs_input_grad[2]

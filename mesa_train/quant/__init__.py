@@ -48,6 +48,7 @@ __all__ = [
     "seed_tensor",
     "BACKEND",
     "CUDA_BACKEND",
+    "CUDA_REFERENCE_OPS",
     "reference",
     "extension_error",
 ]
@@ -76,7 +77,9 @@ _SCHEMAS = {
         "bool pow2, ScalarType dtype) -> Tensor"
     ),
 }
-# Ops with CUDA kernels in csrc/cuda (the variants' ops are served on CUDA by the reference).
+# The core ops: a build with CUDA kernels has these (CUDA_BACKEND == "extension"). The
+# variants' ops (quantize_bits / dequantize_bits) have CUDA kernels too since issue 12's
+# second part; a build from before serves them on CUDA from the reference (CUDA_REFERENCE_OPS).
 _CUDA_KERNEL_OPS = ("group_minmax", "quantize", "dequantize", "update_estimates", "observe")
 
 extension_error: BaseException | None = None  # why the extension was not used, if it was not
@@ -147,6 +150,8 @@ _REF_IMPLS = {
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
 # build of the extension (MESA_NO_CUDA=1, or built without nvcc) or the Python fallback.
 CUDA_BACKEND = "reference"
+# The ops whose CUDA tensors the pure-PyTorch reference serves (no CUDA kernel in the build).
+CUDA_REFERENCE_OPS: tuple = tuple(_SCHEMAS)
 _libs: list = []  # the Library objects own their registrations: keep them alive
 
 
@@ -176,9 +181,10 @@ if _load_extension():
         )
         _serve_from_reference("FRAGMENT", _missing, ("CPU", "CUDA"))
     _no_cuda = [n for n in _SCHEMAS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"mesa::{n}", "CUDA")]
+    CUDA_REFERENCE_OPS = tuple(_no_cuda)
     if not [n for n in _no_cuda if n in _CUDA_KERNEL_OPS]:
         CUDA_BACKEND = "extension"
-        if _no_cuda:  # the variants' ops (bits / pow2): the reference serves CUDA tensors
+        if _no_cuda:  # a build that predates the variants' CUDA kernels: the reference serves them
             _serve_from_reference("IMPL", _no_cuda, ("CUDA",))
     else:
         # CPU-only build: CUDA tensors still work, through the reference.

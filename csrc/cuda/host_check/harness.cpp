@@ -9,7 +9,9 @@
 //   (naive per-group min/max, canonical bits, then the sequential estimate step of
 //   update_estimates_cpu), bit for bit; the workspace must be all zero after every launch
 //   (the last block resets it) and is reused by the next launch;
-// * update_estimates: one block, against the same sequential step.
+// * update_estimates: one block, against the same sequential step;
+// * quantize_bits / dequantize_bits (bits 8/4/2, linear and pow2 steps): sequential over
+//   (block, thread), every packed byte against the naive packing of the scalar math.
 #include <algorithm>
 #include <atomic>
 #include <barrier>
@@ -95,6 +97,7 @@ using namespace mesa;
 
 // ------------------------------------------------------------------ launch emulation
 static std::mt19937_64 rng(12345);
+static long g_bits_checks = 0;
 
 // one thread per CUDA thread of the block
 template <typename F>
@@ -225,6 +228,82 @@ int check_quant(const Layout& L, const scalar_t* x, const float* alpha, const fl
   free(q);
   free(y);
   return errs;
+}
+
+// ------------------------------------------------------------------ quantize_bits / dequantize_bits
+// Every byte of the packed codes against the naive DESIGN.md math (element i: byte i / PER,
+// bits (i % PER) * BITS, zero padding), both roundings, both step rules; dequantize_bits
+// from random bytes (unused high bits of the last byte set too: they must be ignored).
+template <typename scalar_t, typename IdxT, int BITS, bool VEC>
+int check_quant_bits(const Layout& L, const scalar_t* x, const float* alpha, const float* beta, int sms,
+                     uint64_t seed, bool pow2) {
+  int errs = 0;
+  constexpr int PER = 8 / BITS;
+  const int64_t nbytes = (L.numel + PER - 1) / PER;
+  const int64_t seedv[4] = {int64_t(seed & 0xFFFFFFFFu), -1, int64_t(seed >> 32), -1};  // stride 2
+  const uint32_t slo = uint32_t(seed), shi = uint32_t(seed >> 32);
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  const unsigned grid = grid_for(bits_steps<BITS, VEC>(L.numel), sms);
+  const float vmax = levels_of(BITS);
+  for (int st = 0; st < 2; ++st) {
+    uint8_t* q = alloc<uint8_t>(nbytes, 0);
+    memset(q, 0xAB, nbytes + 1);
+    if (st)
+      launch_seq(grid, kThreads, [&] {
+        quantize_bits_kernel<scalar_t, IdxT, BITS, VEC, true>(x, q, alpha, beta, k, IdxT(L.numel), pow2, seedv, 2);
+      });
+    else
+      launch_seq(grid, kThreads, [&] {
+        quantize_bits_kernel<scalar_t, IdxT, BITS, VEC, false>(x, q, alpha, beta, k, IdxT(L.numel), pow2, seedv, 2);
+      });
+    std::vector<uint8_t> want(nbytes, 0);
+    for (int64_t i = 0; i < L.numel; ++i) {
+      const int64_t p = param_index(L, i);
+      const float inv = inv_scale_bits(alpha[p], BITS, pow2);
+      const float u = st ? hash_uniform(uint64_t(i), slo, shi) : 0.0f;
+      const uint8_t c = st ? quantize_value_levels<true>(float(x[i]), beta[p], inv, u, vmax)
+                           : quantize_value_levels<false>(float(x[i]), beta[p], inv, u, vmax);
+      want[i / PER] |= uint8_t(c << ((i % PER) * BITS));
+    }
+    for (int64_t b = 0; b < nbytes; ++b)
+      if (q[b] != want[b] && errs++ < 5)
+        fprintf(stderr, "quantize_bits<%d,%d> mismatch byte=%ld got %d exp %d\n", BITS, int(pow2), (long)b, q[b],
+                want[b]);
+    if (q[nbytes] != 0xAB) { fprintf(stderr, "quantize_bits wrote past the end\n"); ++errs; }
+    free(q);
+  }
+  uint8_t* q = alloc<uint8_t>(nbytes, 0);
+  for (int64_t b = 0; b < nbytes; ++b) q[b] = uint8_t(rng());
+  scalar_t* y = alloc<scalar_t>(L.numel + 1, 0);
+  y[L.numel] = scalar_t(1024.0f);
+  launch_seq(grid, kThreads, [&] {
+    dequantize_bits_kernel<scalar_t, IdxT, BITS, VEC>(q, y, alpha, beta, k, IdxT(L.numel), pow2);
+  });
+  for (int64_t i = 0; i < L.numel; ++i) {
+    const int64_t p = param_index(L, i);
+    const uint8_t c = uint8_t((q[i / PER] >> ((i % PER) * BITS)) & ((1u << BITS) - 1u));
+    const scalar_t e = static_cast<scalar_t>(dequantize_value(c, dequant_step_bits(alpha[p], BITS, pow2), beta[p]));
+    if (!same(float(y[i]), float(e)) && errs++ < 5)
+      fprintf(stderr, "dequantize_bits<%d,%d> mismatch i=%ld got %g exp %g\n", BITS, int(pow2), (long)i, float(y[i]),
+              float(e));
+  }
+  if (float(y[L.numel]) != 1024.0f) { fprintf(stderr, "dequantize_bits wrote past the end\n"); ++errs; }
+  free(q);
+  free(y);
+  g_bits_checks++;
+  return errs;
+}
+
+template <typename scalar_t, int BITS>
+int check_bits_all(const Layout& L, const scalar_t* xa, const scalar_t* xu, const float* alpha, const float* beta,
+                   int sms, uint64_t seed) {
+  int e = 0;
+  for (int pow2 = 0; pow2 < 2; ++pow2) {
+    e += check_quant_bits<scalar_t, uint32_t, BITS, true>(L, xa, alpha, beta, sms, seed, pow2);
+    e += check_quant_bits<scalar_t, uint32_t, BITS, false>(L, xu, alpha, beta, sms, seed, pow2);
+    e += check_quant_bits<scalar_t, uint64_t, BITS, false>(L, xu, alpha, beta, sms, seed, pow2);
+  }
+  return e;
 }
 
 // ------------------------------------------------------------------ sequential observe
@@ -377,6 +456,9 @@ int run_case(const std::vector<int64_t>& shape, int64_t dim, int64_t G, bool per
   e += check_quant<scalar_t, uint32_t, kVec>(L, xa, alpha.data(), beta.data(), sms, seed);
   e += check_quant<scalar_t, uint32_t, 1>(L, xu, alpha.data(), beta.data(), sms, seed);
   e += check_quant<scalar_t, uint64_t, 1>(L, xu, alpha.data(), beta.data(), sms, seed);
+  e += check_bits_all<scalar_t, 8>(L, xa, xu, alpha.data(), beta.data(), sms, seed);
+  e += check_bits_all<scalar_t, 4>(L, xa, xu, alpha.data(), beta.data(), sms, seed);
+  e += check_bits_all<scalar_t, 2>(L, xa, xu, alpha.data(), beta.data(), sms, seed);
   if (do_observe) {
     const bool sym = rng() % 2;
     e += check_observe<scalar_t, uint32_t, kVec>(L, xa, sms, sym, per_sample);
@@ -567,6 +649,7 @@ int main(int argc, char** argv) {
   }
   printf("random-layout errors: %d (%d cases)\n", re, ncases);
   errs += re;
+  printf("quantize_bits / dequantize_bits checks: %ld\n", g_bits_checks);
   printf("observe SIMT runs: %d, skipped (too many blocks): %d; atomics: %ld\n", g_ran, g_skipped, g_atomics.load());
   printf(errs ? "FAILED\n" : "ALL OK\n");
   return errs ? 1 : 0;
