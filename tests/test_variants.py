@@ -373,22 +373,45 @@ def test_learned_state_in_checkpoint():
         mn.GELU(num_groups=2, bits=2).load_state_dict(sd)
 
 
-def test_compile_fullgraph_variant():
-    """The traceable path: a 4-bit pow2 Linear + GELU compiles with fullgraph and matches eager."""
+class _ConvMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        return self.act(self.fc(self.conv(x).flatten(2).transpose(1, 2)))
+
+
+@pytest.mark.parametrize("options", [dict(ops=["all"], bits=4, scale="pow2", num_groups=2),
+                                     dict(ops=["all"], bits=2, estimator="learned"),
+                                     dict(ops=["conv"], bits=2, layout="patch4x4")], ids=str)
+def test_compile_fullgraph_variant(options):
+    """The traceable path of each variant (pow2, learned thresholds, patch4x4 blocks) compiles
+    with fullgraph, forward and backward, and matches eager: the same gradients and the same
+    estimator state after two steps."""
     torch.manual_seed(0)
-    stock = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+    stock = _ConvMlp()
+
     def build():
         m = copy.deepcopy(stock)
-        mesa_train.patch_model(m, ops=["all"], bits=4, scale="pow2", num_groups=2)
+        mesa_train.patch_model(m, **options)
         return m
+
     eager, comp = build(), build()
-    x = torch.randn(2, 5, 16)
-    g = torch.randn(2, 5, 16)
-    eager(x.clone().requires_grad_()).backward(g)
     cm = torch.compile(comp, fullgraph=True, backend="aot_eager")
-    cm(x.clone().requires_grad_()).backward(g)
-    for p, q in zip(eager.parameters(), comp.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    for step in range(2):
+        x = torch.randn(2, 3, 8, 8) * (step + 1)
+        g = torch.randn(2, 64, 8)
+        for p in (*eager.parameters(), *comp.parameters()):
+            p.grad = None
+        eager(x.clone().requires_grad_()).backward(g)
+        cm(x.clone().requires_grad_()).backward(g)
+        for p, q in zip(eager.parameters(), comp.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    for a, b in zip(eager.buffers(), comp.buffers()):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- CUDA kernels
