@@ -177,6 +177,26 @@ at::Tensor row_exponents(const at::Tensor& x, int64_t max_k, int64_t row_dims = 
   return (e - 1).clamp_(0, max_k).to(at::kChar);
 }
 
+// mesa_train.nn.rowscale.compress_rows: x compressed with channel groups over its last dim,
+// its rows far below the others scaled by 2**k first when row_scale is on (k undefined
+// otherwise). `other` is the layer's other dtype (max_exponent: 14 with float16 involved).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_rows(
+    const at::Tensor& x, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz) {
+  at::Tensor k, xs = x;
+  if (row_scale) {
+    const bool half = x.scalar_type() == at::kHalf || other == at::kHalf;
+    k = row_exponents(x, half ? 14 : 64, row_dims);
+    xs = x * at::exp2(k.to(x.scalar_type()));
+  }
+  auto [q, alpha, beta, G] = compress(xs, x.dim() - 1, qz);
+  return {q, alpha, beta, G, k};
+}
+
+// mesa_train.nn.rowscale.unscale_rows: xh * 2**-k in place (nothing without row scales).
+void unscale_rows(at::Tensor& xh, const at::Tensor& k) {
+  if (k.defined()) xh.mul_(at::exp2(k.to(xh.scalar_type()).neg_()));
+}
+
 // mesa_train.nn.linear._not_a_view: F.linear's 3-D output is a view of addmm's; autograd
 // forbids in-place use of a custom op's view output, which a stock Linear allows.
 at::Tensor not_a_view(const at::Tensor& out) {
@@ -192,13 +212,7 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
     at::Tensor q, alpha, beta, k;
     int64_t G = 0;
     if (weight.requires_grad()) {  // the input copy serves the weight gradient only
-      const bool half = x.scalar_type() == at::kHalf || out.scalar_type() == at::kHalf;
-      at::Tensor xs = x;
-      if (row_scale) {  // mesa_train.nn.rowscale.compress_rows
-        k = row_exponents(x, half ? 14 : 64);
-        xs = x * at::exp2(k.to(x.scalar_type()));
-      }
-      std::tie(q, alpha, beta, G) = compress(xs, x.dim() - 1, qz);
+      std::tie(q, alpha, beta, G, k) = compress_rows(x, out.scalar_type(), 1, row_scale, qz);
     }
     ctx->save_for_backward({q, alpha, beta, x.requires_grad() ? weight : at::Tensor(), k});
     ctx->saved_data["dim"] = x.dim() - 1;
@@ -223,7 +237,7 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
     if (ctx->needs_input_grad(1)) {
       at::Tensor xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
                                            ctx->saved_data["groups"].toInt(), cdt);
-      if (saved[4].defined()) xh.mul_(at::exp2(saved[4].to(xh.scalar_type()).neg_()));  // unscale_rows
+      unscale_rows(xh, saved[4]);
       gw = g2.t().matmul(xh.reshape({-1, xh.size(-1)})).to(ctx->saved_data["w_dtype"].toScalarType());
     }
     // (needs_input_grad counts the tensors Function::apply tracked: no index 2 without a bias)
@@ -269,13 +283,7 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
     }
     const auto mdt = at::promote_types(xc.scalar_type(), at::kFloat);
     const int64_t row_dims = static_cast<int64_t>(normalized_shape.size());
-    at::Tensor k, xs = x_hat;
-    if (row_scale) {
-      const bool half = x_hat.scalar_type() == at::kHalf || mdt == at::kHalf;
-      k = row_exponents(x_hat, half ? 14 : 64, row_dims);
-      xs = x_hat * at::exp2(k.to(x_hat.scalar_type()));
-    }
-    auto [q, alpha, beta, G] = compress(xs, x_hat.dim() - 1, qz);
+    auto [q, alpha, beta, G, k] = compress_rows(x_hat, mdt, row_dims, row_scale, qz);
     // the weight whenever there is one (a parameter: no activation memory): ATen's backward
     // takes dweight's shape from it even when x needs no gradient
     ctx->save_for_backward({q, alpha, beta, rstd, w, k});
@@ -304,7 +312,7 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
     const at::Tensor& rstd = saved[3];
     at::Tensor xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
                                          ctx->saved_data["groups"].toInt(), mdt);
-    if (saved[5].defined()) xh.mul_(at::exp2(saved[5].to(xh.scalar_type()).neg_()));  // unscale_rows
+    unscale_rows(xh, saved[5]);
     at::Tensor unit = at::ones(rstd.sizes(), rstd.options().dtype(mdt));
     std::optional<at::Tensor> w;
     if (saved[4].defined()) w = saved[4].to(mdt);

@@ -358,6 +358,15 @@ class ActivationQuantizer(nn.Module):
         D = x.shape[dim]
         return max(1, min(self.options.num_groups, D))
 
+    def _follow_device(self, x: torch.Tensor) -> dict:
+        """The buffers, moved to ``x``'s device first if needed (a layer without parameters
+        cannot know its device at patch time: it follows its input). ``self._buffers``
+        directly: ``nn.Module.__getattr__`` is a slow path, several lookups per call."""
+        bufs = self._buffers
+        if bufs["alpha"].device != x.device:
+            self._apply(lambda t: t.to(x.device))
+        return bufs
+
     def fused_layer_args(self, x: torch.Tensor) -> tuple | None:
         """The quantizer arguments of the C++ layer ops (``mesa::gelu_train``,
         ``mesa::softmax_train``: a whole Mesa layer with a C++ autograd node, see
@@ -367,9 +376,7 @@ class ActivationQuantizer(nn.Module):
         opts = self.options
         if not (_FUSED_LAYERS and opts.is_default_format) or torch.compiler.is_compiling():
             return None
-        bufs = self._buffers
-        if bufs["alpha"].device != x.device:
-            self._apply(lambda t: t.to(x.device))  # as compress does
+        bufs = self._follow_device(x)
         return (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], opts.num_groups, opts.decay,
                 opts.estimator == "per_sample", opts.symmetric, opts.rounding == "stochastic")
 
@@ -385,10 +392,7 @@ class ActivationQuantizer(nn.Module):
         so Inductor can fuse it with the kernels around it.
         """
         opts = self.options
-        bufs = self._buffers  # direct: nn.Module.__getattr__ is a slow path, 5 lookups per call
-        if bufs["alpha"].device != x.device:
-            # a layer without parameters cannot know its device at patch time: follow the input
-            self._apply(lambda t: t.to(x.device))
+        bufs = self._follow_device(x)
         if not opts.is_default_format:
             return self._compress_variant(x, dim)
         dim = dim % x.dim()
