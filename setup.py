@@ -50,7 +50,7 @@ with_cuda = os.environ.get("MESA_NO_CUDA", "0") != "1" and CUDA_HOME is not None
 # it is Clang's default anyway.
 extra_compile_args = {"cxx": ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]}
 extra_link_args = ["-fopenmp"]
-# The CPU run kernels are multi-versioned (baseline x86-64 + AVX2, csrc/quant_cpu.cpp);
+# The CPU run kernels are multi-versioned (baseline x86-64, AVX2 and AVX-512, csrc/quant_cpu.cpp);
 # MESA_NO_TARGET_CLONES=1 builds the baseline version only (to test it on an AVX2 host).
 if os.environ.get("MESA_NO_TARGET_CLONES", "0") == "1":
     extra_compile_args["cxx"].append("-DMESA_NO_TARGET_CLONES")

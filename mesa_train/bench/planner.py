@@ -28,7 +28,8 @@ import torch
 from mesa_train.models import build_model
 from mesa_train.plan import Budget, make_plan, plan_table, profile_model
 from mesa_train.plan.allocate import predict
-from mesa_train.plan.measure import activation_bytes, fastest, interleaved_times, make_batch, peak_bytes, train_step
+from mesa_train.plan.measure import (activation_bytes, clock_description, fastest, interleaved_times, make_batch,
+                                     peak_bytes, train_step)
 from mesa_train.plan.profile import patch_items
 
 from . import planner_baselines as baselines
@@ -294,9 +295,7 @@ def run_planner(cfg, command: str = "python -m mesa_train.bench preset=planner")
     targets = _targets(records)
     half = next((c for c in configs if c.get("note") == "halfway"), None)
     table = plan_table(half["plan"], profile) if half else ""
-    clock_note = ("CPU time of this process per forward+backward step (time.process_time, "
-                  f"{torch.get_num_threads()} thread(s))" if device.type == "cpu"
-                  else "wall time per forward+backward step") + ", fastest of the interleaved rounds"
+    clock_note = clock_description(device) + " (forward+backward), fastest of the interleaved rounds"
     env = environment(device)
     out_dir = Path(str(_get(cfg, "output_dir", "results"))) / preset["name"]
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,7 @@ def run(cfg: DictConfig) -> str:
     from mesa_train.train.model import build
 
     from . import Budget, make_batch, make_plan, plan_table, save_plan, summary_table
+    from .measure import clock_description
 
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
@@ -61,7 +62,7 @@ def run(cfg: DictConfig) -> str:
                        _amp(str(cfg.trainer.amp), device), seed=int(cfg.seed))
     plan, profile, rows = make_plan(model, batch, budget, rounds=int(cfg.rounds), quant_options=_quant_options(cfg),
                                     measure=bool(cfg.measure))
-    clock = "CPU time per step (process_time)" if device.type == "cpu" else "wall time per step"
+    clock = clock_description(device)
     print(f"\nplan for {budget.describe()} = {plan.budget['read_as']}: {profile.architecture}, batch "
           f"{profile.batch_size} x {profile.img_size}px on {profile.device}")
     print(plan_table(plan, profile))

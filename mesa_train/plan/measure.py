@@ -16,7 +16,7 @@ from torch import nn
 from mesa_train.memory import SavedTensorMeter
 
 __all__ = ["Batch", "make_batch", "train_step", "activation_bytes", "peak_bytes", "interleaved_times",
-           "median", "fastest", "autocast", "step_clock"]
+           "step_clock", "clock_description", "median", "fastest", "autocast"]
 
 
 @dataclass
@@ -91,11 +91,24 @@ def _sync(device: torch.device) -> None:
 
 
 def step_clock(device: torch.device) -> Callable[[], float]:
-    """The clock step times are read with. On CPU: this process's CPU time
-    (``time.process_time``), which other processes' load on a shared machine does not
-    inflate the way it inflates wall time (with one intra-op thread, CPU time is the step's
-    compute time). On CUDA: wall time between synchronizations."""
-    return time.process_time if device.type == "cpu" else time.perf_counter
+    """The clock step times are read with: wall time (between synchronizations on CUDA),
+    except on a CPU running one intra-op thread, where this process's CPU time
+    (``time.process_time``) is the step's compute time and other processes' load on a
+    shared machine does not inflate it. With several threads CPU time is wrong: OpenMP
+    workers spin-wait through the serial stretches between parallel regions and that
+    waiting counts as CPU time (measured on the 2-thread planner DeiT: stock 15.4 ms of CPU
+    time for 9.1 ms of wall time, and a Mesa Linear's cost doubled and no longer additive)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def clock_description(device: torch.device) -> str:
+    """How :func:`step_clock` measures, for reports."""
+    if step_clock(device) is time.process_time:
+        return "CPU time of this process per step (time.process_time, 1 intra-op thread)"
+    threads = f", {torch.get_num_threads()} intra-op threads" if device.type == "cpu" else ""
+    return f"wall time per step (time.perf_counter{threads})"
 
 
 def interleaved_times(steps: Sequence[Callable[[], None]], device: torch.device, rounds: int,

@@ -145,6 +145,17 @@ def _uniform(numel: int, seed: torch.Tensor, device) -> torch.Tensor:
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
 
 
+def _clamp_codes(v: torch.Tensor, top: float) -> torch.Tensor:
+    """NaN -> 0, then clamp to ``[0, top]``: two compare-selects, the same values as
+    ``where(isnan(v), 0, v).clamp(0, top)`` (a NaN fails ``v >= 0``; -0.0 stays -0.0 and
+    converts to code 0). Why not ``isnan``: Inductor's C++ backend has no vector ``isnan``
+    and falls back to a scalar loop over each 16-lane vector, which made the compiled
+    quantize 4.6x slower than with these compares (287 vs 62 us on a (544, 384) fp32
+    tensor, nearest rounding, one thread)."""
+    v = torch.where(v >= 0.0, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    return torch.where(v <= top, v, torch.full((), top, dtype=v.dtype, device=v.device))
+
+
 def quantize(x, alpha, beta, dim: int, num_groups: int, stochastic: bool, seed: torch.Tensor):
     """uint8 codes of contiguous ``x`` (DESIGN.md arithmetic); ``seed`` = ``[lo, hi]`` tensor."""
     if x.numel() == 0:
@@ -158,8 +169,7 @@ def quantize(x, alpha, beta, dim: int, num_groups: int, stochastic: bool, seed: 
         v = torch.floor(v + _uniform(x.numel(), seed, x.device).view(x.shape))
     else:
         v = torch.round(v)  # half to even
-    v = torch.where(torch.isnan(v), torch.zeros_like(v), v).clamp(0.0, 255.0)
-    return v.to(torch.uint8)
+    return _clamp_codes(v, 255.0).to(torch.uint8)
 
 
 def dequantize(q, alpha, beta, dim: int, num_groups: int, dtype: torch.dtype):
@@ -215,7 +225,7 @@ def quantize_bits(x, alpha, beta, dim: int, num_groups: int, bits: int, pow2: bo
         v = torch.floor(v + _uniform(x.numel(), seed, x.device).view(x.shape))
     else:
         v = torch.round(v)
-    v = torch.where(torch.isnan(v), torch.zeros_like(v), v).clamp(0.0, float((1 << bits) - 1))
+    v = _clamp_codes(v, float((1 << bits) - 1))
     q = _pack(v.to(torch.uint8), bits)
     return q.clone() if bits == 8 else q  # never a view of an intermediate's storage
 
