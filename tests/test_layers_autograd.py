@@ -177,3 +177,48 @@ def test_fused_layernorm_is_bitwise_the_python_function(dtype, affine, bias, row
         assert (a is None) == (b is None), i
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+def _rows_case(case: str, shape, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(shape)
+    if case == "tiny row":
+        x[..., 0, :] *= 1e-4
+    elif case == "zero row":
+        x[..., 1, :] = 0.0
+        x[..., 0, 0] = -0.0
+    elif case == "nan row":
+        x[..., 1, 3] = float("nan")
+    elif case == "inf row":
+        x[..., 0, 2] = float("inf")
+    elif case == "tiny and zero rows":
+        x[..., 0, :] *= 1e-6
+        x[..., 1, :] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("case", ["ordinary", "tiny row", "zero row", "nan row", "inf row", "tiny and zero rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(3, 5, 16), (6, 16)], ids=str)
+def test_row_exponents_fast_path_is_bitwise_the_python_path(case, dtype, shape, monkeypatch):
+    """The C++ layer op's one-pass row maxima (and its skipped 2**0 multiplies) give the
+    Python path's row exponents (ATen ops, multiplies always run), codes and gradients,
+    also for zero, NaN and inf rows."""
+    from mesa_train.nn import rowscale
+
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+        layer = mnn.Linear(16, 4, num_groups=2, dtype=dtype)
+        torch.manual_seed(0)
+        layer.reset_parameters()
+        layer.quantizer.rng.copy_(torch.tensor([5, 0]))
+        x = _rows_case(case, shape, dtype).requires_grad_()
+        y = layer(x)
+        y.float().sum().backward()
+        runs.append([y.detach(), x.grad, layer.weight.grad, layer.bias.grad] + [b.clone() for b in layer.quantizer.buffers()])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert a.dtype == b.dtype and torch.equal(a.nan_to_num(1234.5), b.nan_to_num(1234.5)), i
+    # and the exponents the Python path saw: nonzero exactly where a row is far below the others
+    k = rowscale.row_exponents(_rows_case(case, shape, dtype), 1, rowscale.max_exponent(dtype))
+    assert bool(k.any()) == (case in ("tiny row", "tiny and zero rows"))

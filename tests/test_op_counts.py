@@ -35,6 +35,12 @@ COMPRESS = ["mesa.observe", "mesa.quantize"]
 ROWSCALE_FWD = ["aten.amax", "aten.amin", "aten.neg", "aten.maximum", "aten.abs", "aten.mean", "aten.div",
                 "aten.frexp", "aten.sub", "aten.clamp_", "aten._to_copy", "aten._to_copy", "aten.exp2", "aten.mul"]
 ROWSCALE_BWD = ["aten._to_copy", "aten.neg_", "aten.exp2", "aten.mul_"]
+# The same on the CPU fast path (the C++ layer ops, csrc/layers_autograd.cpp): the row maxima
+# in one pass of the op itself, then the ATen mean over one float per row; with every k 0
+# (these inputs: rows of ordinary spread) no scaled copy forward and no multiply backward.
+# The GPU keeps the ops above (reading k there would be a host sync).
+ROWSCALE_FWD_CPU = ["aten.mean"]
+ROWSCALE_BWD_CPU = []
 
 
 class _Ops(TorchDispatchMode):
@@ -70,7 +76,8 @@ def _x():
 
 # (stock module, Mesa converter, inputs, compressed tensors, extra non-Mesa ops fwd / bwd)
 CASES = {
-    "Linear": (lambda: nn.Linear(16, 8), M.Linear.from_module, lambda: (_x(),), 1, ROWSCALE_FWD, ROWSCALE_BWD),
+    "Linear": (lambda: nn.Linear(16, 8), M.Linear.from_module, lambda: (_x(),), 1, ROWSCALE_FWD_CPU,
+               ROWSCALE_BWD_CPU),
     "GELU": (nn.GELU, M.GELU.from_module, lambda: (_x(),), 1, [], []),
     # backward: each dequantized row renormalised to sum 1 (row sum, clamp, divide)
     "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [],
@@ -78,7 +85,7 @@ CASES = {
     "Conv2d": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
     # x_hat: a second (affine-free) LayerNorm pass; backward: the row's rstd multiply
     "LayerNorm": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,
-                  ["aten.native_layer_norm"] + ROWSCALE_FWD, ["aten.mul"] + ROWSCALE_BWD),
+                  ["aten.native_layer_norm"] + ROWSCALE_FWD_CPU, ["aten.mul"] + ROWSCALE_BWD_CPU),
     "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2, [], []),
     # row_scale=False: the compression alone (2 ops forward, 1 backward), nothing else
     "Linear/row_scale=False": (lambda: nn.Linear(16, 8), lambda s: M.Linear.from_module(s, row_scale=False),
@@ -88,9 +95,23 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_mesa_layer_adds_only_its_compression_ops(name):
-    make_stock, convert, inputs, n_compressed, extra_fwd, extra_bwd = CASES[name]
+# The Python Functions (the path of the variant formats, and of a GPU without the C++ layer
+# ops): the row scales as ATen ops, the same on every device
+PYTHON_PATH_CASES = {
+    "Linear/python": (lambda: nn.Linear(16, 8), M.Linear.from_module, lambda: (_x(),), 1, ROWSCALE_FWD,
+                      ROWSCALE_BWD),
+    "LayerNorm/python": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,
+                         ["aten.native_layer_norm"] + ROWSCALE_FWD, ["aten.mul"] + ROWSCALE_BWD),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(PYTHON_PATH_CASES))
+def test_mesa_layer_adds_only_its_compression_ops(name, monkeypatch):
+    if name in PYTHON_PATH_CASES:
+        from mesa_train.nn import quantizer as quantizer_mod
+
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)
+    make_stock, convert, inputs, n_compressed, extra_fwd, extra_bwd = {**CASES, **PYTHON_PATH_CASES}[name]
     torch.manual_seed(0)
     stock = make_stock()
     mesa = convert(stock)
