@@ -1,10 +1,10 @@
-// Eager fast path of the Mesa GELU, Softmax, Linear and LayerNorm layers: the whole layer (stock forward,
+// Eager fast path of the Mesa GELU, Softmax, Linear, LayerNorm and MatMul layers: the whole layer (stock forward,
 // compression, backward from the 8-bit copy) as one op whose autograd node is C++.
 //
 // Why: a Python torch.autograd.Function costs about 100 us of host time per layer and step
 // (Function.apply, ctx bookkeeping, the Python backward), several times the time of the
 // kernels themselves on small tensors (results/overhead/). These ops do exactly what the
-// Python Functions in mesa_train/nn/gelu.py, softmax.py, linear.py and layernorm.py do, op for op (the same aten
+// Python Functions in mesa_train/nn/gelu.py, softmax.py, linear.py, layernorm.py and matmul.py do, op for op (the same aten
 // kernels and mesa::observe / quantize / dequantize), so outputs, codes, estimates and
 // gradients are bitwise the Python path's (tests/test_layers_autograd.py). The Python
 // layers call them only in eager mode with the default 8-bit channel format; under
@@ -407,6 +407,129 @@ at::Tensor layer_norm_train(const at::Tensor& x, at::IntArrayRef normalized_shap
   return LayerNormTrain::apply(x, normalized_shape.vec(), present(weight), present(bias), eps, qz, row_scale);
 }
 
+// ----------------------------------------------------------------------------- MatMul
+// mesa_train/nn/matmul.py: `a @ b` exactly; each operand the other's gradient needs is kept
+// as (in this order) a producer's shared 8-bit copy (attn @ v: the Softmax's codes), its own
+// 8-bit copy (a quantizer given), or the operand as the stock matmul keeps it.
+struct SharedCopy {  // a Packed handed over by the caller (default format)
+  at::Tensor q, alpha, beta;
+  int64_t dim = 0, groups = 0;
+};
+
+// mesa_train.nn.matmul._full_copy (eager): the compute dtype, compact when t views a
+// bigger storage (as the stock batched matmul keeps it)
+at::Tensor full_copy(const at::Tensor& t, c10::ScalarType dt) {
+  if (t.scalar_type() != dt) return t.to(dt);
+  if (t.storage().nbytes() > static_cast<size_t>(t.numel()) * t.element_size())
+    return t.is_contiguous() ? t.clone() : t.contiguous();
+  return t;
+}
+
+// What one operand keeps: codes (q, alpha, beta, dim, groups) or a full tensor, or nothing.
+struct Kept {
+  at::Tensor q, alpha, beta, full;
+  int64_t dim = 0, groups = 0;
+};
+
+Kept keep_operand(const at::Tensor& t, bool needed, const std::optional<SharedCopy>& shared,
+                  std::optional<Quantizer>& qz, c10::ScalarType cdt) {
+  Kept k;
+  if (!needed) return k;
+  if (shared.has_value()) {
+    k.q = shared->q, k.alpha = shared->alpha, k.beta = shared->beta, k.dim = shared->dim, k.groups = shared->groups;
+  } else if (qz.has_value()) {
+    k.dim = group_dim(t);
+    std::tie(k.q, k.alpha, k.beta, k.groups) = compress(t, k.dim, *qz);
+  } else {
+    k.full = full_copy(t, cdt);
+  }
+  return k;
+}
+
+struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+                            std::optional<SharedCopy> shared_a, std::optional<SharedCopy> shared_b,
+                            std::optional<Quantizer> qa, std::optional<Quantizer> qb) {
+    at::Tensor out = at::matmul(a, b);  // autocast applies here, exactly like the stock `a @ b`
+    const auto cdt = out.scalar_type();
+    // the gradient of a needs b and vice versa
+    const Kept ka = keep_operand(a, b.requires_grad(), shared_a, qa, cdt);
+    const Kept kb = keep_operand(b, a.requires_grad(), shared_b, qb, cdt);
+    ctx->save_for_backward({ka.q, ka.alpha, ka.beta, ka.full, kb.q, kb.alpha, kb.beta, kb.full});
+    ctx->saved_data["a_layout"] = std::vector<int64_t>{ka.dim, ka.groups};
+    ctx->saved_data["b_layout"] = std::vector<int64_t>{kb.dim, kb.groups};
+    ctx->saved_data["a_shape"] = a.sizes().vec();
+    ctx->saved_data["b_shape"] = b.sizes().vec();
+    ctx->saved_data["cdt"] = cdt;
+    ctx->saved_data["a_dtype"] = a.scalar_type();
+    ctx->saved_data["b_dtype"] = b.scalar_type();
+    return out;
+  }
+
+  // the operand back in the compute dtype: dequantized codes, or the kept tensor
+  static at::Tensor restore(const variable_list& saved, size_t first, const std::vector<int64_t>& layout,
+                            c10::ScalarType cdt) {
+    if (saved[first].defined())
+      return dequantize_op().call(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], cdt);
+    return saved[first + 3].to(cdt);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto cdt = ctx->saved_data["cdt"].toScalarType();
+    const auto a_shape = ctx->saved_data["a_shape"].toIntVector();
+    const auto b_shape = ctx->saved_data["b_shape"].toIntVector();
+    at::Tensor g = grads[0].to(cdt), ga, gb;
+    if (a_shape.size() == 1) g = g.unsqueeze(-2);
+    if (b_shape.size() == 1) g = g.unsqueeze(-1);
+    if (ctx->needs_input_grad(0)) {
+      at::Tensor bh = restore(saved, 4, ctx->saved_data["b_layout"].toIntVector(), cdt);
+      if (b_shape.size() == 1) bh = bh.unsqueeze(-1);
+      ga = g.matmul(bh.transpose(-1, -2));
+      std::vector<int64_t> a2 = a_shape;
+      if (a_shape.size() == 1) a2.insert(a2.begin(), 1);
+      ga = ga.sum_to_size(a2).reshape(a_shape).to(ctx->saved_data["a_dtype"].toScalarType());
+    }
+    if (ctx->needs_input_grad(1)) {
+      at::Tensor ah = restore(saved, 0, ctx->saved_data["a_layout"].toIntVector(), cdt);
+      if (a_shape.size() == 1) ah = ah.unsqueeze(0);
+      gb = ah.transpose(-1, -2).matmul(g);
+      std::vector<int64_t> b2 = b_shape;
+      if (b_shape.size() == 1) b2.push_back(1);
+      gb = gb.sum_to_size(b2).reshape(b_shape).to(ctx->saved_data["b_dtype"].toScalarType());
+    }
+    return {ga, gb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// A Packed passed as [q, alpha, beta] (empty: none)
+std::optional<SharedCopy> shared_copy(at::TensorList t, int64_t dim, int64_t groups) {
+  if (t.empty()) return std::nullopt;
+  TORCH_CHECK(t.size() == 3, "mesa::matmul_train: a shared copy is [q, alpha, beta], got ", t.size(), " tensors");
+  return SharedCopy{t[0], t[1], t[2], dim, groups};
+}
+
+// A quantizer's buffers passed as [alpha_est, beta_est, initialized, rng] (empty: none)
+std::optional<Quantizer> quantizer(at::TensorList t, int64_t num_groups, double decay, bool per_sample,
+                                   bool symmetric, bool stochastic) {
+  if (t.empty()) return std::nullopt;
+  TORCH_CHECK(t.size() == 4, "mesa::matmul_train: a quantizer state is [alpha_est, beta_est, initialized, rng], got ",
+              t.size(), " tensors");
+  return Quantizer{t[0], t[1], t[2], t[3], num_groups, decay, per_sample, symmetric, stochastic};
+}
+
+at::Tensor matmul_train(const at::Tensor& a, const at::Tensor& b, at::TensorList shared_a, int64_t shared_a_dim,
+                        int64_t shared_a_groups, at::TensorList shared_b, int64_t shared_b_dim, int64_t shared_b_groups,
+                        at::TensorList state_a, int64_t num_groups_a, double decay_a, bool per_sample_a,
+                        bool symmetric_a, bool stochastic_a, at::TensorList state_b, int64_t num_groups_b,
+                        double decay_b, bool per_sample_b, bool symmetric_b, bool stochastic_b) {
+  return MatMulTrain::apply(a, b, shared_copy(shared_a, shared_a_dim, shared_a_groups),
+                            shared_copy(shared_b, shared_b_dim, shared_b_groups),
+                            quantizer(state_a, num_groups_a, decay_a, per_sample_a, symmetric_a, stochastic_a),
+                            quantizer(state_b, num_groups_b, decay_b, per_sample_b, symmetric_b, stochastic_b));
+}
+
 }  // namespace
 }  // namespace mesa
 
@@ -427,6 +550,13 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "layer_norm_train(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
       "float decay, bool per_sample, bool symmetric, bool stochastic, bool row_scale) -> Tensor");
+  // shared_*: a producer's 8-bit copy [q, alpha, beta] (or []); state_*: the operand's
+  // quantizer buffers [alpha_est, beta_est, initialized, rng] (or [], no quantizer)
+  m.def(
+      "matmul_train(Tensor a, Tensor b, Tensor[] shared_a, int shared_a_dim, int shared_a_groups, "
+      "Tensor[] shared_b, int shared_b_dim, int shared_b_groups, Tensor(a!)[] state_a, int num_groups_a, "
+      "float decay_a, bool per_sample_a, bool symmetric_a, bool stochastic_a, Tensor(b!)[] state_b, "
+      "int num_groups_b, float decay_b, bool per_sample_b, bool symmetric_b, bool stochastic_b) -> Tensor");
 }
 
 // One kernel for every backend: the autograd node is built here and the work dispatches
@@ -437,4 +567,5 @@ TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("softmax_train", &mesa::softmax_train);
   m.impl("linear_train", &mesa::linear_train);
   m.impl("layer_norm_train", &mesa::layer_norm_train);
+  m.impl("matmul_train", &mesa::matmul_train);
 }

@@ -1,5 +1,5 @@
-"""The C++ fast path of the Mesa GELU and Softmax (``mesa::gelu_train`` /
-``mesa::softmax_train``, csrc/layers_autograd.cpp: the whole layer with a C++ autograd node)
+"""The C++ fast path of the Mesa GELU, Softmax, Linear, LayerNorm and MatMul (``mesa::gelu_train``,
+``mesa::softmax_train``, ..., csrc/layers_autograd.cpp: the whole layer with a C++ autograd node)
 is bitwise the Python Function path: outputs, the saved 8-bit copy and its statistics, the
 estimate and rounding-counter buffers afterwards, gradients, and the bytes kept."""
 from __future__ import annotations
@@ -177,6 +177,99 @@ def test_fused_layernorm_is_bitwise_the_python_function(dtype, affine, bias, row
         assert (a is None) == (b is None), i
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+def _matmul_run(fused, monkeypatch, dtype, autocast, operands, a_grad, b_grad, a_shape, b_shape, b_view):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    torch.manual_seed(0)
+    layer = mnn.MatMul(operands=operands, num_groups=2)
+    for i, q in enumerate(layer.quantizers()):
+        q.rng.copy_(torch.tensor([300 + i, 0]))
+    out = []
+    for step in range(2):
+        a = (torch.randn(a_shape) * (step + 1)).to(dtype).requires_grad_(a_grad)
+        if b_view:  # b a strided view of a bigger tensor (v of a fused qkv): kept as a compact copy
+            b = torch.randn(b_shape[:-1] + (3 * b_shape[-1],)).to(dtype)[..., 1::3]
+        else:
+            b = torch.randn(b_shape).to(dtype)
+        b.requires_grad_(b_grad)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
+            y = layer(a, b)
+        (y.float() * torch.linspace(-1, 2, y.numel()).view(y.shape)).sum().backward()
+        out += [y.detach(), a.grad, b.grad, torch.tensor(meter.activation_bytes)]
+        out.append(torch.tensor([hash(k) for k in layer.last_saved]))
+    out += [bf.clone() for bf in layer.buffers()]
+    return out
+
+
+MATMUL_SHAPES = [((2, 3, 5, 4), (2, 3, 4, 6)), ((4, 5, 6), (4, 6, 3)), ((5, 6), (6, 3)), ((6,), (6, 3)),
+                 ((4, 5, 6), (6,)), ((4, 5, 6), (6, 3))]
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                            (torch.float32, True)], ids=str)
+@pytest.mark.parametrize("operands", [("a", "b"), ("a",), ("b",), ()], ids=str)
+@pytest.mark.parametrize("a_grad,b_grad", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("a_shape,b_shape", MATMUL_SHAPES, ids=str)
+def test_fused_matmul_is_bitwise_the_python_function(dtype, autocast, operands, a_grad, b_grad, a_shape, b_shape,
+                                                     monkeypatch):
+    b_view = operands in [(), ("a",)] and len(b_shape) > 1
+    args = (dtype, autocast, operands, a_grad, b_grad, a_shape, b_shape, b_view)
+    got, want = _matmul_run(True, monkeypatch, *args), _matmul_run(False, monkeypatch, *args)
+    assert len(got) == len(want)
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert (x is None) == (y is None), i
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y), i
+
+
+@pytest.mark.parametrize("implicit", [False, True], ids=["forward_with_copy", "sharing cache"])
+@pytest.mark.parametrize("operands", [("a", "b"), ()], ids=str)
+def test_fused_matmul_keeps_the_softmax_copy(implicit, operands, monkeypatch):
+    """attn @ v with the Softmax's 8-bit map: handed over explicitly or found in the sharing
+    cache, the C++ MatMul keeps that copy (no second quantization of the map), bitwise the
+    Python path, and stores the map once."""
+    res = []
+    for fused in (True, False):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+        torch.manual_seed(0)
+        sm, mm = mnn.Softmax(-1, num_groups=3), mnn.MatMul(operands=operands, num_groups=3)
+        for i, q in enumerate(sm.quantizers() + mm.quantizers()):
+            q.rng.copy_(torch.tensor([2000 + i, 0]))
+        x = torch.randn(2, 3, 5, 5, requires_grad=True)
+        v = torch.randn(2, 3, 5, 4, requires_grad=True)
+        with SavedTensorMeter() as meter:
+            if implicit:
+                out = mm(sm(x), v)
+            else:
+                y, copy = sm.forward_with_copy(x)
+                out = mm(y, v, shared_a=copy)
+        out.sum().backward()
+        res.append([out.detach(), x.grad, v.grad, torch.tensor(meter.activation_bytes)]
+                   + [b.clone() for b in mm.buffers()])
+        assert mm.last_saved[0] == "shared", mm.last_saved
+    for i, (a, b) in enumerate(zip(*res)):
+        assert torch.equal(a, b), i
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", True)
+
+
+def test_fused_matmul_runs_only_in_eager_training_with_the_paper_format(monkeypatch):
+    calls = []
+    real = torch.ops.mesa.matmul_train
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(1)
+            return real(*a)
+
+    monkeypatch.setattr(torch.ops.mesa, "matmul_train", Spy())
+    a, b = torch.randn(2, 4, 5, requires_grad=True), torch.randn(2, 5, 3, requires_grad=True)
+    mnn.MatMul()(a, b).sum().backward()
+    assert calls == [1]
+    mnn.MatMul(operands=())(a, b).sum().backward()  # nothing compressed or shared: the stock op
+    mnn.MatMul(bits=4)(a, b).sum().backward()  # a variant format: the Python Function
+    mnn.MatMul().eval()(a, b)
+    assert calls == [1]
 
 
 def _rows_case(case: str, shape, dtype):

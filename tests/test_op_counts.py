@@ -102,6 +102,8 @@ PYTHON_PATH_CASES = {
                       ROWSCALE_BWD),
     "LayerNorm/python": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,
                          ["aten.native_layer_norm"] + ROWSCALE_FWD, ["aten.mul"] + ROWSCALE_BWD),
+    "MatMul/python": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2,
+                      [], []),
 }
 
 

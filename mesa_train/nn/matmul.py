@@ -22,6 +22,12 @@ So ``MatMul(operands=())`` compresses nothing itself: it is what ``patch_model``
 usual, the paper's Table 7 "Softmax" row). When no operand is compressed or shared in a
 call, it simply runs the stock ``a @ b`` (stock gradients).
 
+In eager training with the paper's format (and the compiled extension) the whole layer
+runs as one op with a C++ autograd node, ``mesa::matmul_train`` (csrc/layers_autograd.cpp:
+the same kernels in the same order as ``_MatMulFn``, bitwise, tests/test_layers_autograd.py),
+which saves the Python ``autograd.Function`` host time; the sharing decisions above stay
+here. Under ``torch.compile`` and for the variant formats ``_MatMulFn`` runs.
+
 After each compressed call ``last_saved`` records what was kept per operand
 (``("shared" | "int8" | "full" | None, ...)``, ``None``: not needed for backward), which
 :func:`mesa_train.patch.describe` reports.
@@ -33,6 +39,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from . import quantizer as quantizer_mod
 from . import sharing
 from ._common import (MesaLayer, copy_estimates, group_dim_4d, inherit_options, load, no_autocast, save,
                       stock_device)
@@ -128,6 +135,33 @@ def _take_shared(layer: "MatMul", t: torch.Tensor, quantizer) -> Optional[Packed
     return sharing.take(t, dim, groups)
 
 
+# (arguments of mesa::matmul_train for an operand with no shared copy / no quantizer)
+_NO_SHARED = ([], 0, 0)
+_NO_QUANTIZER = ([], 0, 0.0, False, False, False)
+
+
+def _fused_args(shared: Optional[Packed], quantizer, t: torch.Tensor):
+    """The ``mesa::matmul_train`` arguments of one operand (its shared copy, its quantizer),
+    or ``None`` when the Python Function must run (a variant format, under compile, no
+    extension: see ``ActivationQuantizer.fused_layer_args``)."""
+    if shared is None:
+        s = _NO_SHARED
+    elif shared.fmt is None and quantizer_mod._FUSED_LAYERS and not torch.compiler.is_compiling():
+        s = ([shared.q, shared.alpha, shared.beta], shared.dim, shared.num_groups)
+    else:
+        return None
+    if quantizer is None:
+        return s + _NO_QUANTIZER if quantizer_mod._FUSED_LAYERS and not torch.compiler.is_compiling() else None
+    fused = quantizer.fused_layer_args(t)
+    return None if fused is None else s + (list(fused[:4]),) + fused[4:]
+
+
+def _kinds(a, b, sa, sb, qa, qb) -> tuple:
+    """What each operand keeps (``last_saved``), as ``_MatMulFn`` records it."""
+    return tuple(None if not needed else "shared" if s is not None else "int8" if q is not None else "full"
+                 for s, q, needed in ((sa, qa, b.requires_grad), (sb, qb, a.requires_grad)))
+
+
 def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None):
     qa = getattr(layer, "quantizer_a", None)
     qb = getattr(layer, "quantizer_b", None)
@@ -136,6 +170,12 @@ def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None)
     if qa is None and qb is None and sa is None and sb is None:
         layer.last_saved = ("full", "full")
         return torch.matmul(a, b)  # nothing to compress or share: the stock op
+    fa = _fused_args(sa, qa, a)
+    fb = _fused_args(sb, qb, b) if fa is not None else None
+    if fb is not None:  # eager, paper format: the layer with a C++ autograd node (csrc/layers_autograd.cpp)
+        out = torch.ops.mesa.matmul_train(a, b, *fa[:3], *fb[:3], *fa[3:], *fb[3:])
+        layer.last_saved = _kinds(a, b, sa, sb, qa, qb)
+        return out
     record: list = []
     out = _MatMulFn.apply(a, b, sa, sb, qa, qb, record)
     layer.last_saved = tuple(record) if record else None
