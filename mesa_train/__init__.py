@@ -17,6 +17,7 @@ from mesa_train import nn, quant
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.patch import describe, patch_model, patched_to_stock_state_dict, stock_to_patched_state_dict
 from mesa_train.patch.coverage import coverage
+from mesa_train.quant.compile_kernels import set_compile_kernels
 
 __all__ = [
     "SavedTensorMeter",
@@ -26,5 +27,6 @@ __all__ = [
     "patch_model",
     "patched_to_stock_state_dict",
     "quant",
+    "set_compile_kernels",
     "stock_to_patched_state_dict",
 ]

@@ -177,6 +177,7 @@ def test_bad_row_values_name_the_choices():
         ({"label": "a", "attention": "flash"}, ["explicit", "fused"]),
         ({"label": "a", "accum_steps": 3}, ["divisible"]),
         ({"label": "a", "paper": "table7/nope"}, ["table7/+ Mesa w/ GELU"]),
+        ({"label": "a", "compile": True, "compile_kernels": "fast"}, ["auto", "ops", "traceable"]),
     ]
     for row, words in cases:
         with pytest.raises(BenchConfigError) as info:
@@ -334,5 +335,7 @@ def test_cpu_compile_preset_runs_whole_graph(tmp_path):
     mesa = rows["DeiT-tiny compiled w/ Mesa all"]
     assert mesa["compile"] == "default" and mesa["graphs"] == "1" and mesa["graph_breaks"] == "0", mesa
     assert rows["DeiT-tiny eager w/ Mesa all"]["compile"] == ""
+    traced = rows["DeiT-tiny compiled w/ Mesa all (traceable)"]  # the compression as plain PyTorch
+    assert traced["compile"] == "default, traceable kernels" and traced["graph_breaks"] == "0", traced
     md = (tmp_path / "cpu-compile" / "cpu.md").read_text()
     assert "default (1 / 0)" in md and "eager" in md

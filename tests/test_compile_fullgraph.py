@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from mesa_train.nn.quantizer import ActivationQuantizer
 from mesa_train.patch import patch_model
+from mesa_train.quant.compile_kernels import set_compile_kernels
 
 from test_patch_helpers import TINY, build, grads, inputs, loss_of, set_fused
 
@@ -41,10 +42,26 @@ _DEFAULT_CASES = {("deit", "all"), ("deit", "sdpa"), ("swin", "all"), ("pvt", "s
 RUN_SLOW = os.environ.get("MESA_SLOW_TESTS") == "1"
 
 
+@pytest.fixture
+def compile_kernels(request):
+    """The compiled compression kernels for one test (mesa_train/quant/compile_kernels.py)."""
+    set_compile_kernels(request.param)
+    yield request.param
+    set_compile_kernels("auto")
+
+
+# the compression in the graph as the extension's opaque ops (the CPU default) or traced as
+# plain PyTorch (the GPU default); the DeiT case runs both on CPU, the others the default
+_KERNEL_CASES = {("deit", "all"): ("auto", "traceable")}
+
+
+@pytest.mark.parametrize("compile_kernels", ["auto", "traceable"], indirect=True)
 @pytest.mark.parametrize("opset", list(OPSETS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fullgraph_train_steps_match_eager(family, opset):
+def test_fullgraph_train_steps_match_eager(family, opset, compile_kernels):
     if (family, opset) not in _DEFAULT_CASES and not RUN_SLOW:
+        pytest.skip("MESA_SLOW_TESTS=1 runs this combination too")
+    if compile_kernels not in _KERNEL_CASES.get((family, opset), ("auto",)) and not RUN_SLOW:
         pytest.skip("MESA_SLOW_TESTS=1 runs this combination too")
     torch._dynamo.reset()
     stock, model = _patched(family, opset)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from mesa_train.bench.presets import BenchConfigError, RowConfig
 from mesa_train.models import build_model, set_fused_attention
+from mesa_train.quant.compile_kernels import set_compile_kernels
 
 MB = 1024 * 1024
 
@@ -271,6 +272,9 @@ class TrainStep:
             yield self.x[i * m:(i + 1) * m], self.y[i * m:(i + 1) * m]
 
     def forward_loss(self, x, y):
+        # the row's compiled compression kernels (a global: rows run interleaved, each compiled
+        # model keeps the code it was traced with, Dynamo guards on the choice)
+        set_compile_kernels(self.row.compile_kernels)
         with amp_context(self.row, self.device):
             return F.cross_entropy(self.forward_model(x), y) / self.row.accum_steps
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from mesa_train.bench.paper_numbers import paper_row
 from mesa_train.models import MODEL_NAMES, timm_name
+from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 
 AMP_CHOICES = ("fp32", "fp16", "bf16")
 ATTENTION_CHOICES = ("explicit", "fused")
@@ -84,6 +85,7 @@ class RowConfig:
     compile: bool = False  # torch.compile the model (Inductor) before the warm-up steps
     compile_mode: str | None = None  # torch.compile mode, e.g. reduce-overhead (CUDA graphs)
     compile_backend: str = "inductor"  # torch.compile backend (aot_eager: traced, no codegen; for tests)
+    compile_kernels: str = "auto"  # Mesa's compression under compile: auto | ops | traceable (quant/compile_kernels.py)
 
     @property
     def micro_batch(self) -> int:
@@ -122,7 +124,8 @@ class RowConfig:
         if self.accum_steps > 1:
             bits.append(f"accum{self.accum_steps}")
         if self.compile:
-            bits.append("compiled" + (f"({self.compile_mode})" if self.compile_mode else ""))
+            bits.append("compiled" + (f"({self.compile_mode})" if self.compile_mode else "")
+                        + ("" if self.compile_kernels == "auto" else f"[{self.compile_kernels} kernels]"))
         return " ".join(bits)
 
 
@@ -185,6 +188,9 @@ def check_row(row: RowConfig) -> None:
     if row.compile_backend not in COMPILE_BACKENDS:
         raise BenchConfigError(f"{where}: compile_backend={row.compile_backend!r} is not valid; valid choices: "
                                + ", ".join(COMPILE_BACKENDS))
+    if row.compile_kernels not in COMPILE_KERNELS:
+        raise BenchConfigError(f"{where}: compile_kernels={row.compile_kernels!r} is not valid; valid choices: "
+                               + ", ".join(COMPILE_KERNELS))
     if row.compile_mode not in COMPILE_MODES:
         raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} is not valid; valid choices: "
                                + ", ".join("null" if m is None else m for m in COMPILE_MODES))

@@ -114,7 +114,9 @@ def build_records(preset: str, rows: list[RowConfig], results: list[Measurement]
             "batch_size": row.batch_size, "micro_batch": row.micro_batch, "accum_steps": row.accum_steps,
             "img_size": row.img_size, "amp": row.amp, "attention": row.attention,
             "grad_checkpointing": row.grad_checkpointing, "num_classes": row.num_classes,
-            "compile": (row.compile_mode or "default") if row.compile else "",
+            "compile": ((row.compile_mode or "default")
+                        + ("" if row.compile_kernels == "auto" else f", {row.compile_kernels} kernels")
+                        if row.compile else ""),
             "graphs": m.graphs, "graph_breaks": m.graph_breaks,
             "status": m.status, "error": m.error or "; ".join(m.notes),
             "params_m": None if m.n_params is None else m.n_params / 1e6,

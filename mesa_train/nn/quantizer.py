@@ -28,6 +28,7 @@ from torch import nn
 
 from mesa_train import quant  # noqa: F401  (importing it registers torch.ops.mesa.*)
 from mesa_train.quant import traceable
+from mesa_train.quant.compile_kernels import traced_as_pytorch
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
            "LEARNED_BUFFERS", "convert_format", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS", "ROUNDINGS"]
@@ -170,7 +171,7 @@ _DEQUANTIZE_BITS = torch.ops.mesa.dequantize_bits.default
 
 
 def _dequantize_bits(q, alpha, beta, shape, dim, G, bits, pow2, dtype):
-    if torch.compiler.is_compiling():
+    if traced_as_pytorch(q):
         return traceable.dequantize_bits(q, alpha, beta, shape, dim, G, bits, pow2, dtype)
     return _DEQUANTIZE_BITS(q, alpha, beta, list(shape), dim, G, bits, pow2, dtype)
 
@@ -178,7 +179,7 @@ def _dequantize_bits(q, alpha, beta, shape, dim, G, bits, pow2, dtype):
 def decompress(p: Packed, dtype: torch.dtype) -> torch.Tensor:
     """Dequantize a :class:`Packed` into a tensor of ``dtype`` (traceable under ``torch.compile``)."""
     if p.fmt is None:
-        if torch.compiler.is_compiling():
+        if traced_as_pytorch(p.q):
             return traceable.dequantize(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
         return _DEQUANTIZE(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
     kind, bits, pow2, shape = p.fmt
@@ -388,8 +389,10 @@ class ActivationQuantizer(nn.Module):
         ``mesa::quantize``), called directly rather than through the checking wrappers of
         :mod:`mesa_train.quant` (the kernels validate their arguments, and Python checks
         here would cost real time for every activation of every step). Under
-        ``torch.compile`` the same arithmetic in plain PyTorch (:mod:`mesa_train.quant.traceable`),
-        so Inductor can fuse it with the kernels around it.
+        ``torch.compile`` either the same ops (opaque graph nodes: the default on CPU) or the
+        same arithmetic in plain PyTorch (:mod:`mesa_train.quant.traceable`), which Inductor
+        can fuse with the kernels around it (the default on GPU); see
+        :mod:`mesa_train.quant.compile_kernels`.
         """
         opts = self.options
         bufs = self._follow_device(x)
@@ -402,7 +405,7 @@ class ActivationQuantizer(nn.Module):
         args = (x, bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], dim, G, opts.decay,
                 opts.estimator == "per_sample", opts.symmetric)
         stochastic = opts.rounding == "stochastic"
-        if torch.compiler.is_compiling():
+        if traced_as_pytorch(x):  # under torch.compile: see mesa_train/quant/compile_kernels.py
             alpha, beta, seed = traceable.observe(*args)
             q = traceable.quantize(x, alpha, beta, dim, G, stochastic, seed)
         else:
@@ -426,12 +429,12 @@ class ActivationQuantizer(nn.Module):
         b = self._buffers
         o = self.options
         args = (x, b["alpha"], b["beta"], b["initialized"], b["rng"], dim, G, o.decay, per_sample, o.symmetric)
-        return traceable.observe(*args) if torch.compiler.is_compiling() else _OBSERVE(*args)
+        return traceable.observe(*args) if traced_as_pytorch(x) else _OBSERVE(*args)
 
     def _quantize_bits(self, x, alpha, beta, dim, G, seed):
         o = self.options
         args = (x, alpha, beta, dim, G, o.bits, o.scale == "pow2", o.rounding == "stochastic", seed)
-        return traceable.quantize_bits(*args) if torch.compiler.is_compiling() else _QUANTIZE_BITS(*args)
+        return traceable.quantize_bits(*args) if traced_as_pytorch(x) else _QUANTIZE_BITS(*args)
 
     def _compress_variant(self, x: torch.Tensor, dim: int) -> Packed:
         o = self.options

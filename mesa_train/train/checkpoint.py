@@ -215,6 +215,7 @@ RESUME_MAY_CHANGE = (
     "trainer.progress", "trainer.log_every", "trainer.checkpoint_every", "trainer.eval_every",
     "trainer.resume", "trainer.overwrite", "trainer.compile", "trainer.channels_last",
     "trainer.grad_checkpointing", "trainer.nonfinite", "trainer.max_nonfinite_skips",
+    "mesa.compile_kernels",  # the same bits either way (mesa_train/quant/compile_kernels.py)
 )
 
 

@@ -32,6 +32,7 @@ from mesa_train.train.loggers import RunLogger
 from mesa_train.train.model import build as build_model_from_cfg
 from mesa_train.train.model import check_buildable
 from mesa_train.plan.train_hook import plan_for_checkpoint
+from mesa_train.quant.compile_kernels import set_compile_kernels
 from mesa_train.train.signals import StopSignal
 
 log = logging.getLogger("mesa_train.train")
@@ -214,6 +215,7 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
         ema = ModelEmaV3(model, decay=o.ema_decay)
     train_model = _wrap(cfg, model, device, amp_dtype, world)
     if t.compile:
+        set_compile_kernels(cfg.mesa.get("compile_kernels", "auto"))  # before the first traced call
         train_model = torch.compile(train_model)
 
     lr = learning_rate(cfg, world)

@@ -1,0 +1,66 @@
+"""Which kernels Mesa's compression runs under ``torch.compile``.
+
+Two ways to put the quantizer into a compiled graph:
+
+- ``"ops"``: the extension's own ops (``mesa::observe`` / ``quantize`` / ``dequantize`` and the
+  packed-bits pair) stay opaque nodes of the graph; Inductor calls the C++ kernels, as eager
+  does. Same bits as eager by construction.
+- ``"traceable"``: the same arithmetic as plain PyTorch (:mod:`mesa_train.quant.traceable`,
+  bit-identical, tests/test_traceable.py), which Inductor compiles and may fuse into the
+  surrounding kernels.
+
+``"auto"`` (the default) takes ``"ops"`` for CPU tensors when the compiled extension is
+loaded, ``"traceable"`` otherwise (GPU, or the pure-PyTorch fallback ops, which have no fast
+kernel to call). Why on CPU: Inductor's C++ code for the compression is slower than the
+extension's vectorised kernels (the stochastic-rounding hash, and the estimate update that
+the partitioner recomputes as scalar code inside backward loops), and it takes minutes to
+compile. Measured on the cpu-quick DeiT (2 blocks, batch 32, Inductor, 1 thread, median of
+interleaved steps): compiled Mesa at 1.13x compiled stock's step time with ``"ops"`` against
+1.47x-1.6x with ``"traceable"``, and about 20 s of compile instead of several minutes
+(results/cpu-compile/). On a GPU the choice has not been measured yet (no GPU session so
+far): ``"traceable"`` stays the default there because Triton can fuse the passes.
+
+Set it with :func:`set_compile_kernels` (before the first compiled call: Dynamo guards on
+it, so a change recompiles) or the environment variable ``MESA_COMPILE_KERNELS``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mesa_train import quant
+
+__all__ = ["CHOICES", "set_compile_kernels", "compile_kernels", "traced_as_pytorch"]
+
+CHOICES = ("auto", "ops", "traceable")
+
+
+def _check(mode: str) -> str:
+    if mode not in CHOICES:
+        raise ValueError(f"compile kernels must be one of {', '.join(CHOICES)}, got {mode!r}")
+    return mode
+
+
+_mode = _check(os.environ.get("MESA_COMPILE_KERNELS", "auto") or "auto")
+
+
+def set_compile_kernels(mode: str) -> None:
+    """Choose the compiled compression kernels: ``auto``, ``ops`` or ``traceable`` (module doc)."""
+    global _mode
+    _mode = _check(mode)
+
+
+def compile_kernels() -> str:
+    """The current choice (``auto``, ``ops`` or ``traceable``)."""
+    return _mode
+
+
+def traced_as_pytorch(t: torch.Tensor) -> bool:
+    """Whether the compression of ``t`` runs as plain PyTorch here: only while compiling,
+    and then as the current choice says for ``t``'s device."""
+    if not torch.compiler.is_compiling():
+        return False
+    if _mode != "auto":
+        return _mode == "traceable"
+    return not (t.device.type == "cpu" and quant.BACKEND == "extension")

@@ -1,0 +1,103 @@
+"""Which kernels the compression runs under torch.compile (mesa_train/quant/compile_kernels.py):
+the extension's ops as opaque graph nodes, or the traceable plain-PyTorch version. Both give
+eager Mesa's bits; the choice is validated with the valid names, in the library and in the
+training config."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import mesa_train.nn as mnn
+from mesa_train import quant
+from mesa_train.quant import compile_kernels as ck
+from mesa_train.train.config import ConfigError, validate
+
+needs_extension = pytest.mark.skipif(quant.BACKEND != "extension", reason="needs the compiled extension")
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    ck.set_compile_kernels("auto")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(mnn.Linear(12, 16, num_groups=2), mnn.GELU(num_groups=2),
+                               mnn.LayerNorm(16, num_groups=2), mnn.Linear(16, 4, num_groups=2))
+
+
+def _ops_in_graph(model, x) -> list[str]:
+    """The mesa ops in the graphs Dynamo captured (run as they were captured, no AOT)."""
+    seen: list[str] = []
+
+    def backend(gm, example_inputs):
+        # (the Mesa layers' forward and backward are subgraphs of autograd_function_apply nodes)
+        for sub in gm.modules():
+            if isinstance(sub, torch.fx.GraphModule):
+                seen.extend(str(n.target) for n in sub.graph.nodes
+                            if n.op == "call_function" and "mesa" in str(n.target))
+        return gm
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    out.square().sum().backward()
+    return seen
+
+
+def test_bad_choice_names_the_valid_ones():
+    with pytest.raises(ValueError, match="must be one of auto, ops, traceable, got 'fast'"):
+        ck.set_compile_kernels("fast")
+    assert ck.compile_kernels() == "auto"
+
+
+def test_eager_never_traces_as_pytorch():
+    for mode in ck.CHOICES:
+        ck.set_compile_kernels(mode)
+        assert not ck.traced_as_pytorch(torch.zeros(2))
+
+
+@needs_extension
+@pytest.mark.parametrize("mode,opaque", [("ops", True), ("traceable", False), ("auto", True)])
+def test_the_choice_decides_what_the_graph_holds(mode, opaque):
+    """ops (and auto on CPU with the extension): mesa::observe / quantize are graph nodes;
+    traceable: none, the arithmetic is plain aten ops."""
+    ck.set_compile_kernels(mode)
+    seen = _ops_in_graph(_model(), torch.randn(5, 3, 12, requires_grad=True))
+    if opaque:
+        assert seen.count("mesa.observe.default") == 4 and seen.count("mesa.quantize.default") == 4, seen
+    else:
+        assert seen == [], seen
+
+
+@pytest.mark.parametrize("mode", ["ops", "traceable"])
+def test_compiled_train_steps_are_bitwise_eager(mode):
+    """Forward, gradients, estimates and rounding counters of two compiled steps equal eager's."""
+    ck.set_compile_kernels(mode)
+    model = _model()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for step in range(2):
+        x = torch.randn(5, 3, 12) * (step + 1)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, ref = compiled(xa), eager(xb)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        assert torch.equal(out, ref) and torch.equal(xa.grad, xb.grad), step
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    for (n, b), (_, c) in zip(model.named_buffers(), eager.named_buffers()):
+        assert torch.equal(b, c), n
+
+
+def test_config_rejects_an_unknown_choice(compose_train):
+    cfg = compose_train([])
+    assert cfg.mesa.compile_kernels == "auto"
+    OmegaConf.update(cfg, "mesa.compile_kernels", "fast")
+    with pytest.raises(ConfigError, match=r"mesa.compile_kernels='fast' is not valid; choose one of: auto, ops, "
+                                          r"traceable"):
+        validate(cfg)
