@@ -92,11 +92,19 @@ def synchronize(device: torch.device) -> None:
 
 
 class CpuRss:
-    """Per-step peak RSS on Linux. glibc is told to serve every allocation above 128 KiB
-    with mmap (fixed threshold, no dynamic growth), and freed heap is trimmed before each
-    measurement, so RSS follows the live tensors instead of what malloc keeps cached."""
+    """Per-step peak RSS on Linux, and the glibc malloc settings for memory and for speed.
 
-    _configured = False
+    For the memory step glibc is told to serve every allocation above 128 KiB with mmap and
+    to trim freed heap above 128 KiB (fixed thresholds, no dynamic growth), and freed heap is
+    trimmed before it, so RSS follows the live tensors instead of what malloc keeps cached.
+    Those settings make every large tensor a fresh mapping whose pages fault in on first
+    touch: on the cpu-quick DeiT they made steps 1.4-1.7x slower, and Mesa (more, smaller
+    tensors) slower than stock by more than it is. Timed steps therefore run with the
+    thresholds glibc's own dynamic rule ends at in a training process (32 MiB mmap, 64 MiB
+    trim: the 64-bit maximum, reached once a tensor that large has been freed), i.e. heap
+    reuse as in an ordinary run (``for_speed``)."""
+
+    _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
     def __init__(self) -> None:
         self.libc = None
@@ -105,11 +113,21 @@ class CpuRss:
             self.libc = ctypes.CDLL(name) if name else None
         except OSError:
             self.libc = None
-        if self.libc is not None and not CpuRss._configured and hasattr(self.libc, "mallopt"):
-            M_MMAP_THRESHOLD = -3
-            self.libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
-            CpuRss._configured = True
+        self.for_memory()
         self.can_reset = os.path.exists("/proc/self/clear_refs")
+
+    def _mallopt(self, mmap_bytes: int, trim_bytes: int) -> None:
+        if self.libc is not None and hasattr(self.libc, "mallopt"):
+            self.libc.mallopt(self._M_MMAP_THRESHOLD, mmap_bytes)
+            self.libc.mallopt(self._M_TRIM_THRESHOLD, trim_bytes)
+
+    def for_memory(self) -> None:
+        """RSS follows the live tensors (the memory step)."""
+        self._mallopt(128 * 1024, 128 * 1024)
+
+    def for_speed(self) -> None:
+        """Heap reuse as in an ordinary training process (timed steps)."""
+        self._mallopt(32 * 1024 * 1024, 64 * 1024 * 1024)
 
     @staticmethod
     def _status_kb(key: str) -> int | None:
@@ -364,6 +382,7 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
         result.peak_kind = "cuda_max_memory_allocated"
     else:
         assert rss is not None
+        rss.for_memory()
         rss.trim()
         exact = rss.reset_peak()
         start = rss.current_mb()
@@ -374,6 +393,8 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
             result.step_rss_mb = max(result.peak_mb - start, 0.0)
 
     if timed:
+        if rss is not None:
+            rss.for_speed()
         times = []
         for _ in range(row.steps):
             synchronize(device)
@@ -424,6 +445,8 @@ def interleaved_step_times(rows: list[RowConfig], device: torch.device, *, seed:
     up first, then one step of each row in turn, ``max(steps)`` rounds (the starting row
     rotates), so slow drifts of a shared machine hit every row alike. Used for the
     throughput ratios of presets with ``interleave: true``."""
+    if device.type == "cpu":
+        CpuRss().for_speed()  # (see CpuRss: no page faults on every large tensor)
     steps = [warm_step(r, device, seed=seed, fresh_cache=False) for r in rows]
     times: list[list[float]] = [[] for _ in rows]
     for k in range(max(r.steps for r in rows)):

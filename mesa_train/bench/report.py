@@ -326,7 +326,8 @@ def standard_notes(device_type: str) -> list[str]:
     else:
         notes.append("Peak RSS MB: the process's resident set peak during one training step "
                      "(VmHWM reset through /proc/self/clear_refs before it; glibc set to return "
-                     "freed tensors to the OS). It includes the Python interpreter and the libraries "
+                     "freed tensors to the OS for that step only, timed steps reuse the heap as an "
+                     "ordinary run does). It includes the Python interpreter and the libraries "
                      "(a few hundred MB), so its ratios are close to 1; 'Step RSS' is that peak minus "
                      "the RSS when the step started (activations, gradients and temporaries).")
         notes.append("Throughput: batch size / median step time over the timed steps (CSV: "
