@@ -301,7 +301,7 @@ def render_markdown(*, preset: dict, env: dict[str, Any], records: list[dict[str
         w(markdown_table(records, list(preset.get("columns") or []), env["device_type"]) + "\n\n")
         targets = markdown_targets(list(preset.get("targets") or []), records, env["device_type"])
         if targets:
-            w("### Targets (issue 5)\n\n" + targets + "\n\n")
+            w("### Targets (the preset's `targets`)\n\n" + targets + "\n\n")
     if search_md:
         w("## Largest model before out-of-memory\n\n" + search_md + "\n\n")
     if files.get("png"):
