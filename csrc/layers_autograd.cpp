@@ -17,6 +17,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "mesa_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -170,26 +172,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
 }
 
 // ----------------------------------------------------------------------------- Linear
-// Per-row max |x| of a contiguous CPU tensor viewed as (rows, L), into r: the values of
-// max(amax, -amin).abs() (NaN propagates, a zero row gives +0.0), in one read pass instead
-// of two reductions and three elementwise ops.
-template <typename T>
-void row_absmax_cpu(const T* x, int64_t rows, int64_t L, float* r) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(L, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const T* p = x + i * L;
-      float m = 0.0f;
-      bool nan = false;
-      for (int64_t j = 0; j < L; ++j) {
-        const float v = std::fabs(static_cast<float>(p[j]));
-        nan |= v != v;
-        m = v > m ? v : m;
-      }
-      r[i] = nan ? std::numeric_limits<float>::quiet_NaN() : m;
-    }
-  });
-}
-
 // mesa_train.nn.rowscale.row_exponents over the last `row_dims` dims: bitwise the same k.
 // CUDA (and empty rows): the ATen ops of the Python version, op for op. CPU: the row
 // maxima in one pass (row_absmax_cpu), then the same ATen mean, and the per-row
@@ -216,8 +198,7 @@ at::Tensor row_exponents(const at::Tensor& x, int64_t max_k, int64_t row_dims = 
   const int64_t rows = x.numel() / L;
   at::Tensor r = at::empty(shape, x.options().dtype(at::kFloat));
   float* rp = r.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mesa_row_absmax",
-                                  [&] { row_absmax_cpu(x.data_ptr<scalar_t>(), rows, L, rp); });
+  row_absmax_cpu(x, L, rp);  // one vectorised read pass (quant_cpu.cpp)
   // the same ATen reduction as the Python version, read from the 0-d CPU result directly
   // (not .item(): no dispatched host read, tests/test_op_counts.py)
   const float mean = *r.mean().const_data_ptr<float>();

@@ -275,4 +275,9 @@ void check_seed_tensor(const char* what, const at::Tensor& t, const c10::Device&
 
 inline int64_t group_of(int64_t d, int64_t G, int64_t D) { return (d * G) / D; }
 
+// Per-row max |x| of a contiguous CPU fp32/fp16/bf16 tensor viewed as (numel / L, L), into
+// out (float32, one per row): the value of max(amax, -amin).abs() (a zero row gives +0.0, a
+// row with a NaN a NaN). quant_cpu.cpp; used by the row scales of csrc/layers_autograd.cpp.
+void row_absmax_cpu(const at::Tensor& x, int64_t L, float* out);
+
 }  // namespace mesa

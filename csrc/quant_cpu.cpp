@@ -252,6 +252,48 @@ MESA_RUN_KERNELS(f32, float)
 MESA_RUN_KERNELS(f16, uint16_t)
 MESA_RUN_KERNELS(bf16, Bf16Bits)
 
+// ----------------------------------------------------------------------------- row |x| max
+// The largest |x| of a run as its storage bits with the sign cleared: for non-negative values
+// the bit patterns order like the values, and every NaN pattern lies above +inf, so the
+// integer max is max|x| (a NaN pattern when the run holds a NaN). Integer max reductions
+// vectorise; a float max with a NaN flag does not without fast-math (0.8 ns per element
+// before, in the row scales of every Mesa Linear / LayerNorm).
+MESA_ALWAYS_INLINE uint32_t storage_bits(float v) { return f_bits(v); }
+MESA_ALWAYS_INLINE uint32_t storage_bits(uint16_t v) { return v; }
+MESA_ALWAYS_INLINE uint32_t storage_bits(Bf16Bits v) { return v.x; }
+
+template <typename T, uint32_t kAbsMask>
+MESA_ALWAYS_INLINE uint32_t absmax_bits_body(const T* __restrict__ x, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = storage_bits(x[i]) & kAbsMask;
+    m = b > m ? b : m;
+  }
+  return m;
+}
+MESA_CLONES uint32_t absmax_bits_f32(const float* __restrict__ x, int64_t n) {
+  return absmax_bits_body<float, 0x7FFFFFFFu>(x, n);
+}
+MESA_CLONES uint32_t absmax_bits_f16(const uint16_t* __restrict__ x, int64_t n) {
+  return absmax_bits_body<uint16_t, 0x7FFFu>(x, n);
+}
+MESA_CLONES uint32_t absmax_bits_bf16(const Bf16Bits* __restrict__ x, int64_t n) {
+  return absmax_bits_body<Bf16Bits, 0x7FFFu>(x, n);
+}
+// the row's max|x| as a float (a quiet NaN for a row with a NaN; exact: the conversions are)
+MESA_ALWAYS_INLINE float absmax_row(const float* x, int64_t n) {
+  const uint32_t m = absmax_bits_f32(x, n);
+  return m > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : bits_f(m);
+}
+MESA_ALWAYS_INLINE float absmax_row(const uint16_t* x, int64_t n) {
+  const uint32_t m = absmax_bits_f16(x, n);
+  return m > 0x7C00u ? std::numeric_limits<float>::quiet_NaN() : to_f(static_cast<uint16_t>(m));
+}
+MESA_ALWAYS_INLINE float absmax_row(const Bf16Bits* x, int64_t n) {
+  const uint32_t m = absmax_bits_bf16(x, n);
+  return m > 0x7F80u ? std::numeric_limits<float>::quiet_NaN() : to_f(Bf16Bits{static_cast<uint16_t>(m)});
+}
+
 template <typename T> struct Runs;
 #define MESA_RUNS(SUF, T)                                                                    \
   template <> struct Runs<T> {                                                               \
@@ -709,6 +751,19 @@ at::Tensor dequantize_bits_cpu(const at::Tensor& q_in, const at::Tensor& alpha, 
 }
 
 }  // namespace
+
+void row_absmax_cpu(const at::Tensor& x, int64_t L, float* out) {
+  TORCH_CHECK(x.is_cpu() && x.is_contiguous() && L > 0 && x.numel() % L == 0,
+              "row_absmax_cpu: a contiguous CPU tensor of whole rows of ", L, " elements");
+  const int64_t rows = x.numel() / L;
+  MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_row_absmax", [&] {
+    using S = typename StorageOf<scalar_t>::type;
+    const S* p = reinterpret_cast<const S*>(x.const_data_ptr<scalar_t>());
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / L), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) out[i] = absmax_row(p + i * L, L);
+    });
+  });
+}
 
 TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("group_minmax", &group_minmax_cpu);

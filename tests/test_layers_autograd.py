@@ -284,15 +284,19 @@ def _rows_case(case: str, shape, dtype):
         x[..., 1, 3] = float("nan")
     elif case == "inf row":
         x[..., 0, 2] = float("inf")
+    elif case == "nan and inf at the row ends":  # the vector loop's tail and first lane
+        x[..., 1, -1] = float("nan")
+        x[..., 2, 0] = float("-inf")
     elif case == "tiny and zero rows":
         x[..., 0, :] *= 1e-6
         x[..., 1, :] = 0.0
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("case", ["ordinary", "tiny row", "zero row", "nan row", "inf row", "tiny and zero rows"])
+@pytest.mark.parametrize("case", ["ordinary", "tiny row", "zero row", "nan row", "inf row",
+                                  "nan and inf at the row ends", "tiny and zero rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [(3, 5, 16), (6, 16)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 5, 16), (6, 16), (2, 4, 131)], ids=str)  # 131: vector body + tail
 def test_row_exponents_fast_path_is_bitwise_the_python_path(case, dtype, shape, monkeypatch):
     """The C++ layer op's one-pass row maxima (and its skipped 2**0 multiplies) give the
     Python path's row exponents (ATen ops, multiplies always run), codes and gradients,
@@ -302,7 +306,7 @@ def test_row_exponents_fast_path_is_bitwise_the_python_path(case, dtype, shape, 
     runs = []
     for fused in (True, False):
         monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
-        layer = mnn.Linear(16, 4, num_groups=2, dtype=dtype)
+        layer = mnn.Linear(shape[-1], 4, num_groups=2, dtype=dtype)
         torch.manual_seed(0)
         layer.reset_parameters()
         layer.quantizer.rng.copy_(torch.tensor([5, 0]))
