@@ -73,16 +73,21 @@ def test_the_choice_decides_what_the_graph_holds(mode, opaque):
         assert seen == [], seen
 
 
+_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
 @pytest.mark.parametrize("mode", ["ops", "traceable"])
-def test_compiled_train_steps_are_bitwise_eager(mode):
+def test_compiled_train_steps_are_bitwise_eager(mode, device):
     """Forward, gradients, estimates and rounding counters of two compiled steps equal eager's."""
     ck.set_compile_kernels(mode)
-    model = _model()
+    model = _model().to(device)
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     for step in range(2):
-        x = torch.randn(5, 3, 12) * (step + 1)
+        x = torch.randn(5, 3, 12, device=device) * (step + 1)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         out, ref = compiled(xa), eager(xb)
         out.square().sum().backward()
