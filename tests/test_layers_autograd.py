@@ -82,16 +82,21 @@ def test_softmax_copy_and_sharing_match(monkeypatch):
     assert not copy.q.requires_grad and not copy.alpha.requires_grad
 
 
-def test_the_fast_path_is_used_in_eager_training_only(monkeypatch):
+def _count_calls(monkeypatch, op_name: str) -> list:
+    """A list that gets one entry per call of ``torch.ops.mesa.<op_name>`` (which still runs)."""
     calls = []
-    real = torch.ops.mesa.gelu_train
+    real = getattr(torch.ops.mesa, op_name)
 
-    class Spy:
-        def __call__(self, *a):
-            calls.append(1)
-            return real(*a)
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
 
-    monkeypatch.setattr(torch.ops.mesa, "gelu_train", Spy())
+    monkeypatch.setattr(torch.ops.mesa, op_name, spy)
+    return calls
+
+
+def test_the_fast_path_is_used_in_eager_training_only(monkeypatch):
+    calls = _count_calls(monkeypatch, "gelu_train")
     layer = mnn.GELU()
     layer(torch.randn(4, 6, requires_grad=True)).sum().backward()
     assert calls == [1]
@@ -254,15 +259,7 @@ def test_fused_matmul_keeps_the_softmax_copy(implicit, operands, monkeypatch):
 
 
 def test_fused_matmul_runs_only_in_eager_training_with_the_paper_format(monkeypatch):
-    calls = []
-    real = torch.ops.mesa.matmul_train
-
-    class Spy:
-        def __call__(self, *a):
-            calls.append(1)
-            return real(*a)
-
-    monkeypatch.setattr(torch.ops.mesa, "matmul_train", Spy())
+    calls = _count_calls(monkeypatch, "matmul_train")
     a, b = torch.randn(2, 4, 5, requires_grad=True), torch.randn(2, 5, 3, requires_grad=True)
     mnn.MatMul()(a, b).sum().backward()
     assert calls == [1]
