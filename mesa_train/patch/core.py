@@ -461,6 +461,11 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         converted[id(m)] = new
         _replace_child(parents, m, new)
 
+    # 2b. scale branches (a 1x1 depthwise conv straight into a BatchNorm, RepVGG / MobileOne):
+    # the conv takes its weight gradient from the BatchNorm (nn.conv.ScaleLink)
+    if "conv" in op_names and "batchnorm" in op_names:
+        _link_scale_branches(root, parents, mnn, quant_options)
+
     # 3. functional ops no rule reaches (requested ops only, selected module sets only)
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
                + tuple(STOCK_MLP_CLASSES) + (PlainMatMul, PlainSoftmax))
@@ -503,6 +508,49 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             f"mesa_train.patch_model: functional ops not reached (they stay uncompressed): {lines}",
             UserWarning, stacklevel=2)
     return model
+
+
+def _scale_pair(m: nn.Module):
+    """``(conv, bn)`` when ``m`` runs exactly ``bn(conv(x))``: an ``nn.Sequential`` of those two
+    (RepViT ``ConvNorm``) or timm's ``ConvNormAct`` with no anti-aliasing, whose
+    ``BatchNormAct2d`` has no dropout / activation (FastViT / MobileOne ``conv_scale``)."""
+    from timm.layers import BatchNormAct2d, ConvNormAct
+
+    kids = list(m._modules.values())
+    if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward and len(kids) == 2:
+        conv, bn = kids
+    elif type(m) is ConvNormAct and getattr(m, "aa", None) is None:
+        conv, bn = m.conv, m.bn
+        if isinstance(bn, BatchNormAct2d) and not (type(bn.drop) is nn.Identity and type(bn.act) is nn.Identity):
+            return None
+    else:
+        return None
+    if not (isinstance(bn, _mnn().BatchNorm2d)
+            or (isinstance(bn, nn.BatchNorm2d) and type(bn).forward in (nn.BatchNorm2d.forward, BatchNormAct2d.forward))):
+        return None
+    return conv, bn
+
+
+def _link_scale_branches(root: nn.Module, parents, mnn, quant_options: dict) -> None:
+    """Link each converted 1x1 depthwise conv that feeds a train-mode BatchNorm directly to
+    that BatchNorm (a stock ``BatchNormAct2d`` without activation becomes a Mesa
+    ``BatchNorm2d``: same forward, and its 8-bit x_hat replaces the 4-byte input it kept)."""
+    from mesa_train.nn.conv import is_scale_conv
+
+    for m in list(root.modules()):
+        pair = _scale_pair(m)
+        if pair is None:
+            continue
+        conv, bn = pair
+        if not (isinstance(conv, mnn.Conv2d) and is_scale_conv(conv) and bn.num_features == conv.out_channels):
+            continue
+        if not isinstance(bn, mnn.BatchNorm2d):
+            if type(bn) is nn.BatchNorm2d:
+                continue  # batchnorm not converted here (module set not selected)
+            new = mnn.BatchNorm2d.from_module(bn, **_options_for(bn, None, quant_options))
+            _replace_child(parents, bn, new)
+            bn = new
+        conv.__dict__["_mesa_scale_bn"] = bn  # not a child: state_dict and module tree unchanged
 
 
 def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:
