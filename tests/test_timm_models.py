@@ -43,7 +43,9 @@ ZERO_GRAD_SLACK = 10.0  # an exactly-zero gradient passes within this factor of 
 # against 10x fp32 stock's rounding residue, see _worst_cosines), fastvit_t8 / repvit_m1 (0.996 /
 # 0.999, were 0.37 / -0.27: a 1x1 depthwise conv straight into a train-mode BatchNorm, the
 # RepVGG/MobileOne scale branch, takes its weight gradient from the BatchNorm's x_hat in closed
-# form, mesa_train.nn.conv.ScaleLink, instead of from its 8-bit input).
+# form, mesa_train.nn.conv.ScaleLink, instead of from its 8-bit input), coat_lite_tiny (0.997 at
+# the zoo's 96 px; 0.968 at 32 px, where its 2x2-token stage leaves each crpe tap a sum of <= 8
+# products: a small-sample effect of the test size, see timm_zoo.ZOO).
 _BN_BEFORE_BN = ("BatchNorm affine weight feeding (through a conv) another normalisation: its exact gradient is "
                  "a cancellation, 1e-7 to 3e-5 of the largest one, and the 8-bit x_hat of the Mesa BatchNorm2d "
                  "swamps it (ops=['batchnorm'] alone reproduces it, every op but batchnorm gives >= 0.99, fp32 "
@@ -60,11 +62,6 @@ GRADIENT_KNOWN: dict = {
                                                 "0.9997: the variance of stochastic rounding)"),
     "hgnetv2_b0": _BN_BEFORE_BN.format("-1.0 on stages.3.blocks.0.aggregation.0.lab.scale (LearnableAffineBlock "
                                        "scale after BatchNorm+ReLU, before the next BatchNorm)"),
-    "coat_lite_tiny": ("crpe depthwise conv weights: 0.968 on crpe3.conv_list.1.weight. Only the 8-bit input of "
-                       "those convs (v, per-channel groups) matters (every op but conv: 0.9999; nearest rounding "
-                       "0.968: resolution). A small-sample effect of the zoo size: stage 3 is 2x2 tokens at 32 px, "
-                       "so each 5x5 tap's gradient sums at most 8 products; batch 8: 0.993, 64 px: 0.991, 96 px: "
-                       "0.997 (all pass)"),
 }
 
 
