@@ -109,3 +109,19 @@ def test_zero_weight_channel_falls_back_to_the_conv_input():
     assert torch.isfinite(gw).all()
     # channel 3: x_hat is 0, nothing to reconstruct x from; the 8-bit input's gradient
     assert (gw[3] - exact["scale.c.weight"].flatten()[3]).abs() < 0.05 * exact["scale.c.weight"].flatten()[3].abs() + 1e-6
+
+
+def test_link_never_left_on_the_module():
+    """A BatchNorm that does not compress (here: disabled) still drops the conv's hand-over,
+    so nothing unpicklable stays on the model."""
+    import io
+
+    stock = _model()
+    x = torch.randn(4, 8, 12, 12, generator=torch.Generator().manual_seed(1))
+    patched = patch_model(copy.deepcopy(stock))
+    patched.scale.bn.set_quant_options(enabled=False)
+    out = patched(x)
+    assert "_mesa_scale_pending" not in patched.scale.bn.__dict__
+    torch.save(patched, io.BytesIO())
+    out.sum().backward()
+    assert torch.isfinite(patched.scale.c.weight.grad).all()

@@ -123,6 +123,8 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
         return adopt_parameters(stock, new, device)
 
     def forward(self, input):
+        # taken on every call (never left on the module): a 1x1 depthwise conv in front (conv.ScaleLink)
+        link = self.__dict__.pop("_mesa_scale_pending", None)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         if not (bn_training and self._mesa_active(input, self.weight, self.bias)):
             return super().forward(input)
@@ -133,7 +135,6 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         track = self.running_mean is not None and (not self.training or self.track_running_stats)
-        link = self.__dict__.pop("_mesa_scale_pending", None)  # a 1x1 depthwise conv in front (conv.ScaleLink)
         if link is not None and link.out() is not input:
             link = None
         return _BatchNormFn.apply(input, self.weight, self.bias, self.running_mean if track else None,
