@@ -50,14 +50,22 @@ def test_found_structurally():
     assert cancellation_batchnorms(Basic()) == set()
 
 
-def test_untraceable_model_finds_none():
-    class Branchy(PatchMerge):
+def test_branch_on_shapes_traced_loop_not():
+    class Branchy(PatchMerge):  # TinyViT-style: a branch on the input's shape (taken as False)
         def forward(self, x):
-            if x.sum() > 0:  # data-dependent control flow: torch.fx cannot trace it
-                x = x + 1
+            B, C, H, W = x.shape
+            if H % 7:
+                x = torch.nn.functional.pad(x, (0, 1, 0, 1))
             return super().forward(x)
 
-    assert cancellation_batchnorms(Branchy()) == set()
+    class Loopy(PatchMerge):
+        def forward(self, x):
+            for _ in range(x.shape[0]):  # a Python loop over a traced size: untraceable
+                x = x + 0
+            return super().forward(x)
+
+    assert cancellation_batchnorms(Branchy()) == {"conv1.1", "conv2.1"}
+    assert cancellation_batchnorms(Loopy()) == set()
 
 
 def _cos(a, b):

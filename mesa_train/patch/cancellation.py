@@ -36,7 +36,11 @@ _PASS_METHODS = {"relu", "relu_", "contiguous", "flatten", "transpose", "permute
                  "chunk", "unflatten"}
 
 
-def _tracer():
+def _tracers():
+    """Two ``torch.fx`` tracers, finest first: (1) every module with children traced through,
+    timm's no-trace modules included, a data-dependent branch taken as False (enough for a
+    dataflow question: TinyViT's blocks branch on their window padding); (2) timm's no-trace
+    modules and functions as leaves (what timm's FX feature extraction does)."""
     import torch.fx as fx
     try:
         from timm.layers._fx import get_notrace_functions, get_notrace_modules
@@ -44,14 +48,24 @@ def _tracer():
     except ImportError:  # another timm layout: plain tracing
         leaf, fns = (), ()
 
-    class _Tracer(fx.Tracer):
+    class _Fine(fx.Tracer):
         def __init__(self):
             super().__init__(autowrap_functions=fns)
 
         def is_leaf_module(self, m, qualname):
-            return isinstance(m, leaf) or len(m._modules) == 0 or super().is_leaf_module(m, qualname)
+            return len(m._modules) == 0 or super().is_leaf_module(m, qualname)
 
-    return _Tracer()
+        def to_bool(self, obj):
+            return False
+
+    class _Coarse(_Fine):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, leaf) or super().is_leaf_module(m, qualname)
+
+        def to_bool(self, obj):
+            return fx.Tracer.to_bool(self, obj)
+
+    return _Fine(), _Coarse()
 
 
 def _affine_block(m: nn.Module) -> bool:
@@ -69,17 +83,29 @@ def _per_channel(m: nn.Module) -> bool:
     return isinstance(m, nn.Conv2d) and m.groups == m.in_channels == m.out_channels
 
 
+def _data_users(node):
+    """Users of ``node`` that take its values (not ``x.shape`` / ``x.size()`` / ``x.dim()``)."""
+    return [u for u in node.users
+            if not (u.op == "call_function" and u.target is getattr)
+            and not (u.op == "call_method" and u.target in ("size", "dim"))]
+
+
 def cancellation_batchnorms(model: nn.Module) -> Set[str]:
     """Qualified names (in ``model``) of the BatchNorm2d modules to keep stock: a BatchNorm
     all of whose output paths end at normalisations through per-channel, positively
     homogeneous ops (residual adds included), together with the BatchNorms those paths end
     at; and the BatchNorms every path from a scalar ``LearnableAffineBlock`` ends at (a
     scalar scale keeps the invariance through channel-mixing convs too)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            graph = _tracer().trace(model)
-    except Exception:  # noqa: BLE001 - untraceable model: nothing found
+    graph = None
+    for tracer in _tracers():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = tracer.trace(model)
+            break
+        except Exception:  # noqa: BLE001 - try the coarser one; untraceable model: nothing found
+            continue
+    if graph is None:
         return set()
     mods: Dict[str, nn.Module] = dict(model.named_modules())
 
@@ -103,7 +129,7 @@ def cancellation_batchnorms(model: nn.Module) -> Set[str]:
                 out: Optional[Set] = {node}
             elif node.users and passes(node, mixing):
                 out = set()
-                for u in node.users:
+                for u in _data_users(node):
                     e = ends_of(u, mixing, memo)
                     if e is None:
                         out = None
@@ -122,7 +148,7 @@ def cancellation_batchnorms(model: nn.Module) -> Set[str]:
         if not (lab or isinstance(m, nn.BatchNorm2d)) or not start.users:
             continue
         ends: Optional[Set] = set()
-        for u in start.users:
+        for u in _data_users(start):
             e = ends_of(u, lab, memos[lab])
             if e is None:
                 ends = None
