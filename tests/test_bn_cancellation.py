@@ -98,3 +98,23 @@ def test_kept_stock_and_gradient_exact():
     assert isinstance(compressed.conv1[1], mn.BatchNorm2d) and isinstance(compressed.conv2[1], mn.BatchNorm2d)
     with pytest.raises(ValueError, match="cancelling_bn"):
         patch_model(copy.deepcopy(stock), cancelling_bn="nope")
+
+
+def test_batchnorm_act_is_one_node():
+    """timm's BatchNormAct2d (children drop / act) ends a path as a normalisation; with a
+    non-homogeneous activation inside it starts none."""
+    from timm.layers import BatchNormAct2d
+
+    class M(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.bn1 = nn.BatchNorm2d(c)
+            self.dw = nn.Conv2d(c, c, 3, 1, 1, groups=c)
+            self.bn2 = BatchNormAct2d(c, act_layer=nn.SiLU)
+            self.dw2 = nn.Conv2d(c, c, 3, 1, 1, groups=c)
+            self.bn3 = nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            return self.bn3(self.dw2(self.bn2(self.dw(torch.relu(self.bn1(x))))))
+
+    assert cancellation_batchnorms(M()) == {"bn1", "bn2"}

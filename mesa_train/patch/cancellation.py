@@ -3,17 +3,21 @@
 A train-mode BatchNorm makes its output invariant to a positive rescaling of its input (but
 for ``eps``). When the output of BatchNorm ``A`` reaches another normalisation ``B`` through
 per-channel, positively homogeneous ops only (ReLU, a depthwise conv, identity, pooling,
-channel split / concat, a scalar affine), rescaling ``A``'s ``weight`` and ``bias`` of one
+channel split / concat, residual adds, a scalar affine) on every path, rescaling ``A``'s ``weight`` and ``bias`` of one
 channel together leaves ``B``'s output unchanged, so ``A``'s exact ``weight`` gradient is
 ``-bias * dbias / weight`` plus an ``eps`` term: zero at initialisation (bias 0), a tiny
 difference of large sums later. 8-bit noise of ``A``'s ``x_hat`` (its weight gradient is
 ``sum(g * x_hat)``) and of ``B``'s (the gradient reaching ``A``) swamps it: EfficientViT-M,
-GhostNet, InceptionNeXt, TinyViT, HGNetV2 (DESIGN.md, "BatchNorm and convs outside attention
-blocks"); a 16-bit ``x_hat`` is not enough (EfficientViT-M 0.58, GhostNet 0.20).
+GhostNet, InceptionNeXt, TinyViT, HGNetV2 (DESIGN.md, "Scale-invariance cancellations");
+a 16-bit ``x_hat`` is not enough (EfficientViT-M 0.58, GhostNet 0.20).
 
 :func:`cancellation_batchnorms` finds both ends of every such path on a ``torch.fx`` trace
-of the stock model (timm's no-trace modules and functions as leaves); a model that does not
-trace gets none (every BatchNorm compressed, as before).
+of the model (``_tracers``: through timm's no-trace modules with data-dependent branches taken
+as False, else with those modules as leaves); a model that does not trace gets none (every
+BatchNorm compressed, as before). Tracing runs the forward on proxies only: no tensor is
+computed and no module state is meant to change (a forward that caches a traced value on
+the module would keep a proxy; the 70 zoo models pass their forward / eval / state_dict
+checks after patching).
 """
 from __future__ import annotations
 
@@ -53,7 +57,8 @@ def _tracers():
             super().__init__(autowrap_functions=fns)
 
         def is_leaf_module(self, m, qualname):
-            return len(m._modules) == 0 or super().is_leaf_module(m, qualname)
+            # a normalisation is one node even with children (timm's BatchNormAct2d: drop, act)
+            return isinstance(m, _NORMS) or len(m._modules) == 0 or super().is_leaf_module(m, qualname)
 
         def to_bool(self, obj):
             return False
@@ -75,6 +80,15 @@ def _affine_block(m: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(m, LearnableAffineBlock)
+
+
+def _homogeneous_bn(m: nn.Module) -> bool:
+    """A BatchNorm2d whose output is its affine output, or that followed by a ReLU (timm's
+    ``BatchNormAct2d`` with ``act`` ReLU / identity and no dropout): where a path can start."""
+    if not isinstance(m, nn.BatchNorm2d):
+        return False
+    act, drop = getattr(m, "act", None), getattr(m, "drop", None)
+    return (act is None or type(act) in (nn.Identity, nn.ReLU)) and (drop is None or type(drop) is nn.Identity)
 
 
 def _per_channel(m: nn.Module) -> bool:
@@ -145,7 +159,7 @@ def cancellation_batchnorms(model: nn.Module) -> Set[str]:
     for start in graph.nodes:
         m = module(start)
         lab = m is not None and _affine_block(m)
-        if not (lab or isinstance(m, nn.BatchNorm2d)) or not start.users:
+        if not (lab or _homogeneous_bn(m)) or not start.users:
             continue
         ends: Optional[Set] = set()
         for u in _data_users(start):
