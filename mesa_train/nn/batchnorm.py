@@ -36,7 +36,7 @@ def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class _BatchNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer):
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer, link=None):
         # exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which
         # also hands back the batch mean and invstd it normalised with
         out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
@@ -46,7 +46,7 @@ class _BatchNormFn(torch.autograd.Function):
             x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), x)) * _per_channel(invstd.to(mdt), x)
         packed = quantizer.compress(x_hat, 1)
         del x_hat
-        ctx.mdt, ctx.eps = mdt, eps
+        ctx.mdt, ctx.eps, ctx.link = mdt, eps, link
         ctx.x_dtype = x.dtype
         ctx.w_dtype = weight.dtype if weight is not None else None
         ctx.b_dtype = bias.dtype if bias is not None else None
@@ -58,6 +58,8 @@ class _BatchNormFn(torch.autograd.Function):
         (packed,), (invstd, weight) = load(ctx)
         mdt = ctx.mdt
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        link, ctx.link = ctx.link, None
+        link = link if need_x else None
         gx = gw = gb = None
         with no_autocast(g.device.type):
             xh = decompress(packed, mdt)
@@ -76,16 +78,25 @@ class _BatchNormFn(torch.autograd.Function):
             target = (1 - ctx.eps * invstd.to(mdt).square()).clamp_min(0)
             s = torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
             w = weight.to(mdt) if weight is not None else None
+            gm = g.to(mdt)
             dx, dw, db = torch.ops.aten.native_batch_norm_backward(
-                g.to(mdt), xh, w, None, None, xh_mean, s, True, ctx.eps,
-                [need_x, need_w and w is not None, need_b])
+                gm, xh, w, None, None, xh_mean, s, True, ctx.eps,
+                [need_x, (need_w or link is not None) and w is not None, need_b])
             if need_x:
                 gx = (dx * _per_channel(invstd.to(mdt) / s, dx)).to(ctx.x_dtype)
-            if need_w and dw is not None:
+            if link is not None:  # the 1x1 depthwise conv in front takes its weight gradient from here
+                if w is None:  # dgamma = sum(g * x_hat'), x_hat' the re-standardised x_hat
+                    dims = [d for d in range(xh.dim()) if d != 1]
+                    dgamma = (gm * ((xh - _per_channel(xh_mean, xh)) * _per_channel(s, xh))).sum(dims)
+                else:
+                    dgamma = dw
+                link.coef = (w if w is not None else 1) * dgamma * (1 - target)
+                link.gx = gx
+            if need_w and w is not None and dw is not None:
                 gw = dw.to(ctx.w_dtype)
             if need_b and db is not None:
                 gb = db.to(ctx.b_dtype)
-        return gx, gw, gb, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None
 
 
 class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
@@ -112,6 +123,8 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
         return adopt_parameters(stock, new, device)
 
     def forward(self, input):
+        # taken on every call (never left on the module): a 1x1 depthwise conv in front (conv.ScaleLink)
+        link = self.__dict__.pop("_mesa_scale_pending", None)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         if not (bn_training and self._mesa_active(input, self.weight, self.bias)):
             return super().forward(input)
@@ -122,8 +135,10 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         track = self.running_mean is not None and (not self.training or self.track_running_stats)
+        if link is not None and link.out() is not input:
+            link = None
         return _BatchNormFn.apply(input, self.weight, self.bias, self.running_mean if track else None,
-                        self.running_var if track else None, factor, self.eps, self.quantizer)
+                        self.running_var if track else None, factor, self.eps, self.quantizer, link)
 
     def extra_repr(self) -> str:
         return f"{nn.BatchNorm2d.extra_repr(self)}, {self._mesa_repr()}"

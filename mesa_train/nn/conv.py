@@ -1,6 +1,8 @@
 """Mesa ``Conv2d``: exact forward, saves the 8-bit input (channel groups over dim 1)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -8,13 +10,46 @@ from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, 
 
 from .quantizer import decompress
 
-__all__ = ["Conv2d"]
+__all__ = ["Conv2d", "ScaleLink", "is_scale_conv"]
+
+
+class ScaleLink:
+    """Hand-over from a train-mode Mesa ``BatchNorm2d`` to the 1x1 depthwise Mesa ``Conv2d``
+    whose output it normalises (a RepVGG / MobileOne "scale branch": ``bn(w * x)``).
+
+    That BatchNorm makes its output invariant to the conv weight ``w_c`` but for its ``eps``,
+    so the exact ``dw_c = sum(dy_c * x_c)`` is a cancellation (1e-8 of the largest gradient
+    on FastViT) that 8-bit noise of the conv input swamps. With ``y = w * x`` and
+    ``x_hat = (y - mean) * invstd``, ``x`` is an affine function of ``x_hat`` (``w_c != 0``)
+    and the BatchNorm backward gives, per channel, ``sum(dy) = 0`` and
+    ``sum(dy * x_hat) = gamma * invstd * dgamma * (1 - mean(x_hat^2))``, hence::
+
+        dw_c = gamma_c * dgamma_c * (1 - mean(x_hat_c^2)) / w_c      (1 - mean(x_hat^2) = eps * invstd^2)
+
+    The BatchNorm backward stores ``gamma * dgamma * (1 - mean(x_hat^2))`` (from its
+    re-standardised ``x_hat``: no cancellation left) and the gradient it hands on; the conv
+    backward uses it when the gradient it receives is that very tensor (the BatchNorm is the
+    output's only consumer), and its own 8-bit input where ``w_c == 0``."""
+
+    __slots__ = ("out", "gx", "coef")
+
+    def __init__(self):
+        self.out = None   # weakref to the conv output
+        self.gx = None    # the gradient the BatchNorm backward returned for it
+        self.coef = None  # per channel: gamma * dgamma * (1 - mean(x_hat^2))
+
+
+def is_scale_conv(m: nn.Module) -> bool:
+    """A 1x1 depthwise conv (one output channel per input channel, no padding)."""
+    return (isinstance(m, nn.Conv2d) and tuple(m.kernel_size) == (1, 1) and m.groups == m.in_channels == m.out_channels
+            and not isinstance(m.padding, str) and tuple(m.padding) == (0, 0) and m.padding_mode == "zeros")
 
 
 class _Conv2dFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, quantizer):
+    def forward(ctx, x, weight, bias, module, quantizer, link=None):
         y = module._conv_forward(x, weight, bias)  # exactly nn.Conv2d.forward
+        ctx.link = link
         packed = quantizer.compress(x, x.dim() - 3) if ctx.needs_input_grad[1] else None
         ctx.module = module
         ctx.cdt, ctx.x_dtype, ctx.w_dtype = y.dtype, x.dtype, weight.dtype
@@ -29,6 +64,10 @@ class _Conv2dFn(torch.autograd.Function):
         m = ctx.module
         cdt = ctx.cdt
         need = list(ctx.needs_input_grad[:3])
+        link, ctx.link = ctx.link, None
+        linked = link is not None and link.coef is not None and g is link.gx and need[1]
+        if link is not None:
+            link.gx = None
         with no_autocast(g.device.type):
             g = g.to(cdt)
             w = weight.to(cdt)
@@ -47,10 +86,14 @@ class _Conv2dFn(torch.autograd.Function):
                 gx, gw, gb = _autograd_backward(m, g, xh, w, need)
             if unbatched and gx is not None:
                 gx = gx.squeeze(0)
+            if linked and gw is not None:  # scale branch into a BatchNorm (ScaleLink)
+                nz = w != 0
+                closed = link.coef.to(cdt).view_as(w) / torch.where(nz, w, torch.ones_like(w))
+                gw = torch.where(nz, closed, gw)
         gx = gx.to(ctx.x_dtype) if gx is not None and need[0] else None
         gw = gw.to(ctx.w_dtype) if gw is not None and need[1] else None
         gb = gb.to(ctx.b_dtype) if gb is not None and need[2] else None
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 def _autograd_backward(m, g, xh, w, need):
@@ -66,7 +109,9 @@ def _autograd_backward(m, g, xh, w, need):
 
 class Conv2d(MesaLayer, nn.Conv2d):
     """``torch.nn.Conv2d`` whose saved input is 8-bit (channel groups over dim 1), or with
-    ``layout="patch4x4"`` a min/max per 4x4 spatial block of each channel (DESIGN.md)."""
+    ``layout="patch4x4"`` a min/max per 4x4 spatial block of each channel (DESIGN.md).
+    A 1x1 depthwise conv whose output goes straight into a Mesa ``BatchNorm2d`` (linked by
+    ``patch_model``) takes its weight gradient from that BatchNorm (``ScaleLink``)."""
 
     _layouts = ("channel", "patch4x4")
 
@@ -88,7 +133,14 @@ class Conv2d(MesaLayer, nn.Conv2d):
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
-        return _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer)
+        bn = self.__dict__.get("_mesa_scale_bn")
+        if bn is None or not self.weight.requires_grad:
+            return _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer)
+        link = ScaleLink()
+        y = _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer, link)
+        link.out = weakref.ref(y)
+        bn.__dict__["_mesa_scale_pending"] = link  # taken by the BatchNorm if y is its input
+        return y
 
     def extra_repr(self) -> str:
         return f"{nn.Conv2d.extra_repr(self)}, {self._mesa_repr()}"

@@ -282,7 +282,7 @@ def _attention_like(m: nn.Module) -> bool:
 
 # ----------------------------------------------------------------------------- main entry
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
-                *, attention: str = "auto", plan=None, **quant_options) -> nn.Module:
+                *, attention: str = "auto", plan=None, cancelling_bn: str = "stock", **quant_options) -> nn.Module:
     """Patch ``model`` in place with Mesa compression and return it.
 
     Args:
@@ -308,6 +308,12 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         modules: any of ``msa`` (attention branch incl. ``norm1``), ``ffn`` (MLP branch incl.
             ``norm2``), ``other`` (patch embedding, downsampling, stage/final norms, head)
             or ``all``.
+        cancelling_bn: ``stock`` (default): a BatchNorm whose output reaches another
+            normalisation through per-channel, positively homogeneous ops only (and the
+            BatchNorm it reaches; also the BatchNorms after a scalar ``LearnableAffineBlock``)
+            stays stock: its gradients are cancellations that its 8-bit ``x_hat`` swamps
+            (``patch/cancellation.py``, found on a ``torch.fx`` trace; untraceable models: none).
+            ``compress``: compress those too.
         plan: a :class:`mesa_train.plan.Plan`, its dict or a plan file path (``python -m
             mesa_train.plan``): patch each layer with the ops the plan gives it instead.
         **quant_options: ``num_groups``, ``decay``, ``estimator``, ``symmetric``,
@@ -339,9 +345,20 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
                 f"layout={quant_options['layout']!r} applies to conv activations (B, C, H, W) only: valid ops for "
                 f"it: {list(LAYOUT_OPS)}, got also {others} (their valid layout: 'channel'). Patch them first, "
                 f"then e.g. patch_model(model, ops=['conv'], layout='patch4x4', bits=2)")
+    if cancelling_bn not in ("stock", "compress"):
+        raise ValueError(f"unknown cancelling_bn {cancelling_bn!r}; valid choices: stock, compress")
     explicit = dict(quant_options)
 
     root = _unwrap(model)
+    keep_stock: Dict[int, str] = {}  # BatchNorms left stock (patch/cancellation.py)
+    if cancelling_bn == "stock" and "batchnorm" in op_names and any(
+            isinstance(m, nn.BatchNorm2d) and not isinstance(m, _mnn().BatchNorm2d) for m in root.modules()):
+        from .cancellation import cancellation_batchnorms
+
+        mods = dict(root.named_modules())
+        keep_stock = {id(mods[n]): n for n in cancellation_batchnorms(root) if n in mods}
+    # recorded: those that would otherwise have been compressed (a BatchNormAct2d is stock anyway)
+    kept_names = tuple(n for n in keep_stock.values() if type(mods[n]) is nn.BatchNorm2d) if keep_stock else ()
     info = classify(root)
     rules = _leaf_rules()
     mnn = _mnn()
@@ -450,7 +467,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             mi = info.get(owner, ModuleInfo("other", None, None))
         if mi.module_set not in set_names:
             continue
-        if id(m) in converted:
+        if id(m) in converted or id(m) in keep_stock:
             continue
         kw = {}
         if not any(True for _ in m.parameters(recurse=False)):
@@ -460,6 +477,11 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         new = mesa_cls.from_module(m, **kw, **_options_for(m, mi.heads, quant_options))
         converted[id(m)] = new
         _replace_child(parents, m, new)
+
+    # 2b. scale branches (a 1x1 depthwise conv straight into a BatchNorm, RepVGG / MobileOne):
+    # the conv takes its weight gradient from the BatchNorm (nn.conv.ScaleLink)
+    if "conv" in op_names and "batchnorm" in op_names:
+        _link_scale_branches(root, parents, mnn, quant_options, keep_stock)
 
     # 3. functional ops no rule reaches (requested ops only, selected module sets only)
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
@@ -490,6 +512,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         "modules": tuple(s for s in MODULE_SETS if s in set(set_names) | set(prev.get("modules", ()))),
         "options": {**prev.get("options", {}), **explicit},
         "unreached": {**prev.get("unreached", {}), **unreached},
+        "stock_batchnorm": tuple(sorted(set(prev.get("stock_batchnorm", ())) | set(kept_names))),
         "calls": prev.get("calls", 0) + 1,
     }
     object.__setattr__(root, PATCH_INFO_ATTR, record)
@@ -503,6 +526,49 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             f"mesa_train.patch_model: functional ops not reached (they stay uncompressed): {lines}",
             UserWarning, stacklevel=2)
     return model
+
+
+def _scale_pair(m: nn.Module):
+    """``(conv, bn)`` when ``m`` runs exactly ``bn(conv(x))``: an ``nn.Sequential`` of those two
+    (RepViT ``ConvNorm``) or timm's ``ConvNormAct`` with no anti-aliasing, whose
+    ``BatchNormAct2d`` has no dropout / activation (FastViT / MobileOne ``conv_scale``)."""
+    from timm.layers import BatchNormAct2d, ConvNormAct
+
+    kids = list(m._modules.values())
+    if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward and len(kids) == 2:
+        conv, bn = kids
+    elif type(m) is ConvNormAct and getattr(m, "aa", None) is None:
+        conv, bn = m.conv, m.bn
+        if isinstance(bn, BatchNormAct2d) and not (type(bn.drop) is nn.Identity and type(bn.act) is nn.Identity):
+            return None
+    else:
+        return None
+    if not (isinstance(bn, _mnn().BatchNorm2d)
+            or (isinstance(bn, nn.BatchNorm2d) and type(bn).forward in (nn.BatchNorm2d.forward, BatchNormAct2d.forward))):
+        return None
+    return conv, bn
+
+
+def _link_scale_branches(root: nn.Module, parents, mnn, quant_options: dict, keep_stock=()) -> None:
+    """Link each converted 1x1 depthwise conv that feeds a train-mode BatchNorm directly to
+    that BatchNorm (a stock ``BatchNormAct2d`` without activation becomes a Mesa
+    ``BatchNorm2d``: same forward, and its 8-bit x_hat replaces the 4-byte input it kept)."""
+    from mesa_train.nn.conv import is_scale_conv
+
+    for m in list(root.modules()):
+        pair = _scale_pair(m)
+        if pair is None:
+            continue
+        conv, bn = pair
+        if not (isinstance(conv, mnn.Conv2d) and is_scale_conv(conv) and bn.num_features == conv.out_channels):
+            continue
+        if not isinstance(bn, mnn.BatchNorm2d):
+            if type(bn) is nn.BatchNorm2d or id(bn) in keep_stock:
+                continue  # batchnorm not converted here (module set not selected)
+            new = mnn.BatchNorm2d.from_module(bn, **_options_for(bn, None, quant_options))
+            _replace_child(parents, bn, new)
+            bn = new
+        conv.__dict__["_mesa_scale_bn"] = bn  # not a child: state_dict and module tree unchanged
 
 
 def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:

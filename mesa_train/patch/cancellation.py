@@ -1,0 +1,176 @@
+"""Which BatchNorms have gradients that are cancellations (kept stock by ``patch_model``).
+
+A train-mode BatchNorm makes its output invariant to a positive rescaling of its input (but
+for ``eps``). When the output of BatchNorm ``A`` reaches another normalisation ``B`` through
+per-channel, positively homogeneous ops only (ReLU, a depthwise conv, identity, pooling,
+channel split / concat, residual adds, a scalar affine) on every path, rescaling ``A``'s ``weight`` and ``bias`` of one
+channel together leaves ``B``'s output unchanged, so ``A``'s exact ``weight`` gradient is
+``-bias * dbias / weight`` plus an ``eps`` term: zero at initialisation (bias 0), a tiny
+difference of large sums later. 8-bit noise of ``A``'s ``x_hat`` (its weight gradient is
+``sum(g * x_hat)``) and of ``B``'s (the gradient reaching ``A``) swamps it: EfficientViT-M,
+GhostNet, InceptionNeXt, TinyViT, HGNetV2 (DESIGN.md, "Scale-invariance cancellations");
+a 16-bit ``x_hat`` is not enough (EfficientViT-M 0.58, GhostNet 0.20).
+
+:func:`cancellation_batchnorms` finds both ends of every such path on a ``torch.fx`` trace
+of the model (``_tracers``: through timm's no-trace modules with data-dependent branches taken
+as False, else with those modules as leaves); a model that does not trace gets none (every
+BatchNorm compressed, as before). Tracing runs the forward on proxies only: no tensor is
+computed and no module state is meant to change (a forward that caches a traced value on
+the module would keep a proxy; the 70 zoo models pass their forward / eval / state_dict
+checks after patching).
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Dict, Optional, Set
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+__all__ = ["cancellation_batchnorms"]
+
+_NORMS = (nn.BatchNorm2d, nn.BatchNorm1d, nn.LayerNorm, nn.GroupNorm)
+_PASS_MODULES = (nn.ReLU, nn.Identity, nn.Dropout, nn.Dropout2d, nn.MaxPool2d, nn.AvgPool2d, nn.ZeroPad2d)
+_PASS_FUNCTIONS = {F.relu, torch.relu, F.dropout, operator.getitem, torch.cat, torch.split, torch.chunk,
+                   torch.flatten, torch.transpose, torch.permute, torch.reshape, F.pad, F.max_pool2d, F.avg_pool2d,
+                   operator.add, operator.iadd}  # a residual add: the path goes on through it
+_PASS_METHODS = {"relu", "relu_", "contiguous", "flatten", "transpose", "permute", "reshape", "view", "split",
+                 "chunk", "unflatten"}
+
+
+def _tracers():
+    """Two ``torch.fx`` tracers, finest first: (1) every module with children traced through,
+    timm's no-trace modules included, a data-dependent branch taken as False (enough for a
+    dataflow question: TinyViT's blocks branch on their window padding); (2) timm's no-trace
+    modules and functions as leaves (what timm's FX feature extraction does)."""
+    import torch.fx as fx
+    try:
+        from timm.layers._fx import get_notrace_functions, get_notrace_modules
+        leaf, fns = tuple(get_notrace_modules()), tuple(f for f in get_notrace_functions() if callable(f))
+    except ImportError:  # another timm layout: plain tracing
+        leaf, fns = (), ()
+
+    class _Fine(fx.Tracer):
+        def __init__(self):
+            super().__init__(autowrap_functions=fns)
+
+        def is_leaf_module(self, m, qualname):
+            # a normalisation is one node even with children (timm's BatchNormAct2d: drop, act)
+            return isinstance(m, _NORMS) or len(m._modules) == 0 or super().is_leaf_module(m, qualname)
+
+        def to_bool(self, obj):
+            return False
+
+    class _Coarse(_Fine):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, leaf) or super().is_leaf_module(m, qualname)
+
+        def to_bool(self, obj):
+            return fx.Tracer.to_bool(self, obj)
+
+    return _Fine(), _Coarse()
+
+
+def _affine_block(m: nn.Module) -> bool:
+    """timm HGNetV2's ``LearnableAffineBlock`` (``scale * x + bias``, scalar parameters)."""
+    try:
+        from timm.models.hgnet import LearnableAffineBlock
+    except ImportError:
+        return False
+    return isinstance(m, LearnableAffineBlock)
+
+
+def _homogeneous_bn(m: nn.Module) -> bool:
+    """A BatchNorm2d whose output is its affine output, or that followed by a ReLU (timm's
+    ``BatchNormAct2d`` with ``act`` ReLU / identity and no dropout): where a path can start."""
+    if not isinstance(m, nn.BatchNorm2d):
+        return False
+    act, drop = getattr(m, "act", None), getattr(m, "drop", None)
+    return (act is None or type(act) in (nn.Identity, nn.ReLU)) and (drop is None or type(drop) is nn.Identity)
+
+
+def _per_channel(m: nn.Module) -> bool:
+    if isinstance(m, _PASS_MODULES) or _affine_block(m):
+        return True
+    return isinstance(m, nn.Conv2d) and m.groups == m.in_channels == m.out_channels
+
+
+def _data_users(node):
+    """Users of ``node`` that take its values (not ``x.shape`` / ``x.size()`` / ``x.dim()``)."""
+    return [u for u in node.users
+            if not (u.op == "call_function" and u.target is getattr)
+            and not (u.op == "call_method" and u.target in ("size", "dim"))]
+
+
+def cancellation_batchnorms(model: nn.Module) -> Set[str]:
+    """Qualified names (in ``model``) of the BatchNorm2d modules to keep stock: a BatchNorm
+    all of whose output paths end at normalisations through per-channel, positively
+    homogeneous ops (residual adds included), together with the BatchNorms those paths end
+    at; and the BatchNorms every path from a scalar ``LearnableAffineBlock`` ends at (a
+    scalar scale keeps the invariance through channel-mixing convs too)."""
+    graph = None
+    for tracer in _tracers():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = tracer.trace(model)
+            break
+        except Exception:  # noqa: BLE001 - try the coarser one; untraceable model: nothing found
+            continue
+    if graph is None:
+        return set()
+    mods: Dict[str, nn.Module] = dict(model.named_modules())
+
+    def module(node):
+        return mods.get(node.target) if node.op == "call_module" else None
+
+    def passes(node, mixing: bool) -> bool:
+        m = module(node)
+        if m is not None:
+            return _per_channel(m) or (mixing and isinstance(m, (nn.Conv2d, nn.Linear)))
+        if node.op == "call_function":
+            return node.target in _PASS_FUNCTIONS
+        if node.op == "call_method":
+            return node.target in _PASS_METHODS
+        return False
+
+    def ends_of(node, mixing: bool, memo: Dict) -> Optional[Set]:
+        """The normalisations every path from ``node`` ends at; None if one escapes."""
+        if node not in memo:
+            if isinstance(module(node), _NORMS):
+                out: Optional[Set] = {node}
+            elif node.users and passes(node, mixing):
+                out = set()
+                for u in _data_users(node):
+                    e = ends_of(u, mixing, memo)
+                    if e is None:
+                        out = None
+                        break
+                    out |= e
+            else:
+                out = None
+            memo[node] = out
+        return memo[node]
+
+    found: Set[str] = set()
+    memos: Dict[bool, Dict] = {False: {}, True: {}}
+    for start in graph.nodes:
+        m = module(start)
+        lab = m is not None and _affine_block(m)
+        if not (lab or _homogeneous_bn(m)) or not start.users:
+            continue
+        ends: Optional[Set] = set()
+        for u in _data_users(start):
+            e = ends_of(u, lab, memos[lab])
+            if e is None:
+                ends = None
+                break
+            ends |= e
+        if not ends:
+            continue
+        if not lab:
+            found.add(start.target)
+        found.update(n.target for n in ends if isinstance(module(n), nn.BatchNorm2d))
+    return found

@@ -1,0 +1,120 @@
+"""BatchNorms whose gradients are scale-invariance cancellations stay stock
+(``mesa_train/patch/cancellation.py``, DESIGN.md "Scale-invariance cancellations")."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mesa_train.nn as mn
+from mesa_train.patch import patch_model
+from mesa_train.patch.cancellation import cancellation_batchnorms
+
+
+class PatchMerge(nn.Module):
+    """EfficientViT-M's PatchMerging core: 1x1 conv + BN -> ReLU -> depthwise conv + BN."""
+
+    def __init__(self, c=8, h=16):
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv2d(c, h, 1, bias=False), nn.BatchNorm2d(h))
+        self.act = nn.ReLU()
+        self.conv2 = nn.Sequential(nn.Conv2d(h, h, 3, 2, 1, groups=h, bias=False), nn.BatchNorm2d(h))
+        self.conv3 = nn.Sequential(nn.Conv2d(h, c, 1, bias=False), nn.BatchNorm2d(c))
+        self.gelu = nn.GELU()
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x):
+        x = self.conv2(self.act(self.conv1(x)))
+        x = self.conv3(self.gelu(x))  # GELU: not homogeneous, conv2.bn is not a start
+        return self.head(x.mean((2, 3)))
+
+
+class Basic(nn.Module):
+    """ResNet basic block: full convs between the BatchNorms (no per-channel invariance)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        return self.head(torch.relu(y + x).mean((2, 3)))
+
+
+def test_found_structurally():
+    assert cancellation_batchnorms(PatchMerge()) == {"conv1.1", "conv2.1"}
+    assert cancellation_batchnorms(Basic()) == set()
+
+
+def test_branch_on_shapes_traced_loop_not():
+    class Branchy(PatchMerge):  # TinyViT-style: a branch on the input's shape (taken as False)
+        def forward(self, x):
+            B, C, H, W = x.shape
+            if H % 7:
+                x = torch.nn.functional.pad(x, (0, 1, 0, 1))
+            return super().forward(x)
+
+    class Loopy(PatchMerge):
+        def forward(self, x):
+            for _ in range(x.shape[0]):  # a Python loop over a traced size: untraceable
+                x = x + 0
+            return super().forward(x)
+
+    assert cancellation_batchnorms(Branchy()) == {"conv1.1", "conv2.1"}
+    assert cancellation_batchnorms(Loopy()) == set()
+
+
+def _cos(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def _grads(model, x, dtype=torch.float32):
+    model = copy.deepcopy(model).to(dtype)
+    out = model(x.to(dtype))
+    g = torch.Generator().manual_seed(3)
+    (out.double() * torch.randn(out.shape, generator=g, dtype=torch.float64)).sum().backward()
+    return {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+def test_kept_stock_and_gradient_exact():
+    torch.manual_seed(0)
+    stock = PatchMerge().train()
+    x = torch.randn(4, 8, 16, 16, generator=torch.Generator().manual_seed(1))
+    patched = patch_model(copy.deepcopy(stock))
+    assert type(patched.conv1[1]) is nn.BatchNorm2d and type(patched.conv2[1]) is nn.BatchNorm2d
+    assert isinstance(patched.conv3[1], mn.BatchNorm2d)
+    assert patched._mesa_patch_info["stock_batchnorm"] == ("conv1.1", "conv2.1")
+    torch.manual_seed(0)
+    assert torch.equal(stock(x), patched(x))
+    exact, got = _grads(stock, x, torch.float64), _grads(patched, x)
+    assert _cos(exact["conv1.1.weight"], got["conv1.1.weight"]) > 0.99
+
+    compressed = patch_model(copy.deepcopy(stock), cancelling_bn="compress")
+    assert isinstance(compressed.conv1[1], mn.BatchNorm2d) and isinstance(compressed.conv2[1], mn.BatchNorm2d)
+    with pytest.raises(ValueError, match="cancelling_bn"):
+        patch_model(copy.deepcopy(stock), cancelling_bn="nope")
+
+
+def test_batchnorm_act_is_one_node():
+    """timm's BatchNormAct2d (children drop / act) ends a path as a normalisation; with a
+    non-homogeneous activation inside it starts none."""
+    from timm.layers import BatchNormAct2d
+
+    class M(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.bn1 = nn.BatchNorm2d(c)
+            self.dw = nn.Conv2d(c, c, 3, 1, 1, groups=c)
+            self.bn2 = BatchNormAct2d(c, act_layer=nn.SiLU)
+            self.dw2 = nn.Conv2d(c, c, 3, 1, 1, groups=c)
+            self.bn3 = nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            return self.bn3(self.dw2(self.bn2(self.dw(torch.relu(self.bn1(x))))))
+
+    assert cancellation_batchnorms(M()) == {"bn1", "bn2"}
