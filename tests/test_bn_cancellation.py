@@ -94,7 +94,13 @@ def test_kept_stock_and_gradient_exact():
     exact, got = _grads(stock, x, torch.float64), _grads(patched, x)
     assert _cos(exact["conv1.1.weight"], got["conv1.1.weight"]) > 0.99
 
+    from mesa_train.patch import describe
+
+    text = describe(patched)
+    assert "BatchNorms kept stock" in text and "conv1.1, conv2.1" in text, text  # coverage says so
+
     compressed = patch_model(copy.deepcopy(stock), cancelling_bn="compress")
+    assert "BatchNorms kept stock" not in describe(compressed)
     assert isinstance(compressed.conv1[1], mn.BatchNorm2d) and isinstance(compressed.conv2[1], mn.BatchNorm2d)
     with pytest.raises(ValueError, match="cancelling_bn"):
         patch_model(copy.deepcopy(stock), cancelling_bn="nope")
@@ -118,3 +124,15 @@ def test_batchnorm_act_is_one_node():
             return self.bn3(self.dw2(self.bn2(self.dw(torch.relu(self.bn1(x))))))
 
     assert cancellation_batchnorms(M()) == {"bn1", "bn2"}
+
+
+def test_config_cancelling_bn_reaches_patch_model(compose_train):
+    from omegaconf import OmegaConf
+
+    from mesa_train.train.config import ConfigError, mesa_options, validate
+
+    cfg = compose_train(["mesa.cancelling_bn=compress"])
+    assert mesa_options(cfg)["cancelling_bn"] == "compress"
+    OmegaConf.update(cfg, "mesa.cancelling_bn", "keep")
+    with pytest.raises(ConfigError, match=r"mesa.cancelling_bn='keep' is not valid; choose one of: stock, compress"):
+        validate(cfg)

@@ -106,3 +106,4 @@ def test_config_rejects_an_unknown_choice(compose_train):
     with pytest.raises(ConfigError, match=r"mesa.compile_kernels='fast' is not valid; choose one of: auto, ops, "
                                           r"traceable"):
         validate(cfg)
+

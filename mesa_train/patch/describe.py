@@ -164,6 +164,10 @@ def _describe_layers(model: nn.Module) -> str:
         for n, ops in unreached.items():
             mod = root if n == "<root>" else root.get_submodule(n)
             lines.append(f"  {n} ({type(mod).__name__}): {', '.join(ops)}")
+    kept = record.get("stock_batchnorm", ())
+    if kept:  # patch/cancellation.py: their gradients would be cancellations that 8 bits swamp
+        lines.append(f"BatchNorms kept stock (scale-invariance cancellations; cancelling_bn='compress' "
+                     f"compresses them): {len(kept)}: {', '.join(kept)}")
     # a model patched from a plan (patch_model(plan=), mesa.plan=): which layer compresses what
     from mesa_train.plan.apply import describe_plan  # here: mesa_train.plan imports this package
 

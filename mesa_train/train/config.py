@@ -76,6 +76,7 @@ def validate(cfg) -> None:
     choice("mesa.scale", m.get("scale", "linear"), MESA_SCALES)
     choice("mesa.layout", m.get("layout", "channel"), MESA_LAYOUTS)
     choice("mesa.compile_kernels", m.get("compile_kernels", "auto"), COMPILE_KERNELS)
+    choice("mesa.cancelling_bn", m.get("cancelling_bn", "stock"), ("stock", "compress"))
     if m.get("layout", "channel") == "patch4x4" and [o for o in ops if o != "conv"]:
         errors.append(f"mesa.layout=patch4x4 applies to conv activations only: it needs mesa.ops=[conv], got {ops}")
     if not errors:
@@ -260,6 +261,7 @@ def mesa_options(cfg) -> dict:
         "bits": m.get("bits"),
         "scale": m.get("scale"),
         "layout": m.get("layout"),
+        "cancelling_bn": m.get("cancelling_bn"),
     }
     return {k: v for k, v in opts.items() if v is not None}
 
