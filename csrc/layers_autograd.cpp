@@ -1,10 +1,10 @@
-// Eager fast path of the Mesa GELU, Softmax, Linear, LayerNorm and MatMul layers: the whole layer (stock forward,
+// Eager fast path of the Mesa GELU, Softmax, Linear, LayerNorm, MatMul and Conv2d layers: the whole layer (stock forward,
 // compression, backward from the 8-bit copy) as one op whose autograd node is C++.
 //
 // Why: a Python torch.autograd.Function costs about 100 us of host time per layer and step
 // (Function.apply, ctx bookkeeping, the Python backward), several times the time of the
 // kernels themselves on small tensors (results/overhead/). These ops do exactly what the
-// Python Functions in mesa_train/nn/gelu.py, softmax.py, linear.py, layernorm.py and matmul.py do, op for op (the same aten
+// Python Functions in mesa_train/nn/gelu.py, softmax.py, linear.py, layernorm.py, matmul.py and conv.py do, op for op (the same aten
 // kernels and mesa::observe / quantize / dequantize), so outputs, codes, estimates and
 // gradients are bitwise the Python path's (tests/test_layers_autograd.py). The Python
 // layers call them only in eager mode with the default 8-bit channel format; under
@@ -511,6 +511,76 @@ at::Tensor matmul_train(const at::Tensor& a, const at::Tensor& b, at::TensorList
                             quantizer(state_b, num_groups_b, decay_b, per_sample_b, symmetric_b, stochastic_b));
 }
 
+// ----------------------------------------------------------------------------- Conv2d
+// mesa_train/nn/conv.py (zeros padding given as numbers, no scale-branch link): the stock
+// F.conv2d forward, the input kept 8-bit with channel groups over dim 1 (only when the
+// weight needs a gradient), backward through ATen's convolution_backward fed the
+// dequantized input.
+struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,
+                            std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups, Quantizer qz) {
+    at::Tensor y = at::conv2d(x, weight, bias, stride, padding, dilation, groups);  // exactly nn.Conv2d.forward
+    at::Tensor q, alpha, beta;
+    int64_t G = 0;
+    if (weight.requires_grad()) std::tie(q, alpha, beta, G) = compress(x, x.dim() - 3, qz);
+    ctx->save_for_backward({q, alpha, beta, weight});
+    ctx->saved_data["dim"] = x.dim() - 3;
+    ctx->saved_data["groups"] = G;
+    ctx->saved_data["x_shape"] = x.sizes().vec();
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["padding"] = padding;
+    ctx->saved_data["dilation"] = dilation;
+    ctx->saved_data["conv_groups"] = groups;
+    ctx->saved_data["cdt"] = y.scalar_type();
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["w_dtype"] = weight.scalar_type();
+    ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["b_dtype"] = bias.has_value() ? bias->scalar_type() : y.scalar_type();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto cdt = ctx->saved_data["cdt"].toScalarType();
+    const bool has_b = ctx->saved_data["has_bias"].toBool();
+    // (needs_input_grad counts the tensors apply tracked: no index 2 without a bias)
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const bool need_b = has_b && ctx->needs_input_grad(2);
+    at::Tensor g = grads[0].to(cdt), w = saved[3].to(cdt), xh;
+    if (saved[0].defined()) {
+      xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                ctx->saved_data["groups"].toInt(), cdt);
+    } else {  // only the input gradient is needed: the values of x do not matter
+      xh = at::empty(ctx->saved_data["x_shape"].toIntVector(), g.options());
+    }
+    const bool unbatched = xh.dim() == 3;
+    if (unbatched) xh = xh.unsqueeze(0), g = g.unsqueeze(0);
+    std::optional<std::vector<int64_t>> bias_sizes;
+    if (need_b) bias_sizes = std::vector<int64_t>{w.size(0)};
+    auto [gx, gw, gb] = at::convolution_backward(
+        g, xh, w, bias_sizes.has_value() ? at::OptionalIntArrayRef(*bias_sizes) : at::OptionalIntArrayRef(),
+        ctx->saved_data["stride"].toIntVector(), ctx->saved_data["padding"].toIntVector(),
+        ctx->saved_data["dilation"].toIntVector(), false, {0, 0}, ctx->saved_data["conv_groups"].toInt(),
+        {need_x, need_w, need_b});
+    if (unbatched && gx.defined()) gx = gx.squeeze(0);
+    at::Tensor rx = need_x && gx.defined() ? gx.to(ctx->saved_data["x_dtype"].toScalarType()) : at::Tensor();
+    at::Tensor rw = need_w && gw.defined() ? gw.to(ctx->saved_data["w_dtype"].toScalarType()) : at::Tensor();
+    at::Tensor rb = need_b && gb.defined() ? gb.to(ctx->saved_data["b_dtype"].toScalarType()) : at::Tensor();
+    return {rx, rw, rb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor conv2d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                        at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
+                        int64_t num_groups, double decay, bool per_sample, bool symmetric, bool stochastic) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+  return Conv2dTrain::apply(x, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, stride.vec(),
+                            padding.vec(), dilation.vec(), groups, qz);
+}
+
 }  // namespace
 }  // namespace mesa
 
@@ -538,6 +608,10 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "Tensor[] shared_b, int shared_b_dim, int shared_b_groups, Tensor(a!)[] state_a, int num_groups_a, "
       "float decay_a, bool per_sample_a, bool symmetric_a, bool stochastic_a, Tensor(b!)[] state_b, "
       "int num_groups_b, float decay_b, bool per_sample_b, bool symmetric_b, bool stochastic_b) -> Tensor");
+  m.def(
+      "conv2d_train(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
+      "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
+      "float decay, bool per_sample, bool symmetric, bool stochastic) -> Tensor");
 }
 
 // One kernel for every backend: the autograd node is built here and the work dispatches
@@ -549,4 +623,5 @@ TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("linear_train", &mesa::linear_train);
   m.impl("layer_norm_train", &mesa::layer_norm_train);
   m.impl("matmul_train", &mesa::matmul_train);
+  m.impl("conv2d_train", &mesa::conv2d_train);
 }

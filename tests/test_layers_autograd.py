@@ -269,6 +269,59 @@ def test_fused_matmul_runs_only_in_eager_training_with_the_paper_format(monkeypa
     assert calls == [1]
 
 
+def _conv_run(fused, monkeypatch, dtype, autocast, conv_kwargs, bias, x_grad, w_grad, unbatched):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    torch.manual_seed(0)
+    layer = mnn.Conv2d(4, 6 if conv_kwargs.get("groups", 1) != 4 else 4, bias=bias, dtype=dtype, num_groups=2,
+                       **conv_kwargs)
+    layer.quantizer.rng.copy_(torch.tensor([55, 0]))
+    layer.weight.requires_grad_(w_grad)
+    out = []
+    for step in range(2):
+        x = (torch.randn((4, 9, 9) if unbatched else (2, 4, 9, 9)) * (step + 1)).to(dtype).requires_grad_(x_grad)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
+            y = layer(x)
+        (y.float() * torch.linspace(-1, 2, y.numel()).view(y.shape)).sum().backward()
+        out += [y.detach(), x.grad, torch.tensor(meter.activation_bytes)]
+    out += [p.grad for p in layer.parameters()] + [b.clone() for b in layer.quantizer.buffers()]
+    return out
+
+
+CONVS = [dict(kernel_size=3), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=1),
+         dict(kernel_size=3, padding=2, dilation=2), dict(kernel_size=3, padding=1, groups=4),
+         dict(kernel_size=(1, 3), padding=(0, 1), groups=2)]
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=str)
+@pytest.mark.parametrize("conv_kwargs", CONVS, ids=str)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_grad,w_grad", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_fused_conv2d_is_bitwise_the_python_function(dtype, autocast, conv_kwargs, bias, x_grad, w_grad, unbatched,
+                                                     monkeypatch):
+    args = (dtype, autocast, conv_kwargs, bias, x_grad, w_grad, unbatched)
+    got, want = _conv_run(True, monkeypatch, *args), _conv_run(False, monkeypatch, *args)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+def test_fused_conv2d_only_for_numeric_zero_padding(monkeypatch):
+    """'same' padding, other padding modes, the patch4x4 layout and the scale-branch link
+    keep the Python Function; numeric zero padding takes the C++ op."""
+    calls = _count_calls(monkeypatch, "conv2d_train")
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    mnn.Conv2d(4, 4, 3, padding=1)(x).sum().backward()
+    assert calls == [1]
+    mnn.Conv2d(4, 4, 3, padding="same")(x).sum().backward()
+    mnn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")(x).sum().backward()
+    mnn.Conv2d(4, 4, 3, padding=1, layout="patch4x4", bits=2)(x).sum().backward()
+    assert calls == [1]
+
+
 def _rows_case(case: str, shape, dtype):
     torch.manual_seed(1)
     x = torch.randn(shape)

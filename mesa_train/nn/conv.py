@@ -1,4 +1,9 @@
-"""Mesa ``Conv2d``: exact forward, saves the 8-bit input (channel groups over dim 1)."""
+"""Mesa ``Conv2d``: exact forward, saves the 8-bit input (channel groups over dim 1).
+
+In eager training with the paper's format and numeric zero padding the layer runs as one op
+with a C++ autograd node, ``mesa::conv2d_train`` (csrc/layers_autograd.cpp: bitwise
+``_Conv2dFn``, tests/test_layers_autograd.py); under ``torch.compile``, for the variant
+formats, string padding, other padding modes and a scale-branch link, ``_Conv2dFn`` runs."""
 from __future__ import annotations
 
 import weakref
@@ -135,12 +140,22 @@ class Conv2d(MesaLayer, nn.Conv2d):
             return super().forward(input)
         bn = self.__dict__.get("_mesa_scale_bn")
         if bn is None or not self.weight.requires_grad:
+            fused = self.quantizer.fused_layer_args(input) if self._fused_padding else None
+            if fused is not None:  # eager, paper format: the layer with a C++ autograd node
+                return torch.ops.mesa.conv2d_train(input, self.weight, self.bias, self.stride, self.padding,
+                                                   self.dilation, self.groups, *fused)
             return _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer)
         link = ScaleLink()
         y = _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer, link)
         link.out = weakref.ref(y)
         bn.__dict__["_mesa_scale_pending"] = link  # taken by the BatchNorm if y is its input
         return y
+
+    @property
+    def _fused_padding(self) -> bool:
+        """Zero padding given as numbers: what the C++ op (``mesa::conv2d_train``) handles;
+        'same'/'valid' and the other padding modes keep the Python Function."""
+        return self.padding_mode == "zeros" and not isinstance(self.padding, str)
 
     def extra_repr(self) -> str:
         return f"{nn.Conv2d.extra_repr(self)}, {self._mesa_repr()}"
