@@ -10,7 +10,6 @@
 // layers call them only in eager mode with the default 8-bit channel format; under
 // torch.compile and for the variant formats they keep their Python Functions.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mesa_train.bench.report import environment
+from mesa_train.bench.report import _git, environment
 
 LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul")
 
@@ -104,19 +104,13 @@ def compare(this_tree: str, baseline_tree: str, reps: int, rounds: int) -> dict[
     return table
 
 
-def _revision(tree: str) -> str:
-    """The short commit of a checkout (``?`` when it is not a git checkout)."""
-    try:
-        out = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
 def markdown(table: dict, baseline_tree: str | None, reps: int, rounds: int) -> str:
     env = environment(torch.device("cpu"))
-    against = f" against {_revision(baseline_tree)} (the baseline column)" if baseline_tree else ""
+    if baseline_tree:
+        revision = _git("-C", str(Path(baseline_tree).resolve()), "rev-parse", "--short", "HEAD") or "?"
+        against = f" against {revision} (the baseline column)"
+    else:
+        against = ""
     lines = [f"Device: {env['device']}; torch {env['torch']}; git {env['git']}{against}; {env['date']}.", ""]
     lines += ["| layer | stock fwd+bwd µs | Mesa adds µs" + (" (baseline) | Mesa adds µs (this) | ratio |"
                                                        if baseline_tree else " |")]

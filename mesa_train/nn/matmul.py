@@ -144,14 +144,11 @@ def _fused_args(shared: Optional[Packed], quantizer, t: torch.Tensor):
     """The ``mesa::matmul_train`` arguments of one operand (its shared copy, its quantizer),
     or ``None`` when the Python Function must run (a variant format, under compile, no
     extension: see ``ActivationQuantizer.fused_layer_args``)."""
-    if shared is None:
-        s = _NO_SHARED
-    elif shared.fmt is None and quantizer_mod._FUSED_LAYERS and not torch.compiler.is_compiling():
-        s = ([shared.q, shared.alpha, shared.beta], shared.dim, shared.num_groups)
-    else:
+    if not quantizer_mod._FUSED_LAYERS or torch.compiler.is_compiling() or (shared is not None and shared.fmt):
         return None
+    s = _NO_SHARED if shared is None else ([shared.q, shared.alpha, shared.beta], shared.dim, shared.num_groups)
     if quantizer is None:
-        return s + _NO_QUANTIZER if quantizer_mod._FUSED_LAYERS and not torch.compiler.is_compiling() else None
+        return s + _NO_QUANTIZER
     fused = quantizer.fused_layer_args(t)
     return None if fused is None else s + (list(fused[:4]),) + fused[4:]
 

@@ -29,7 +29,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-__all__ = ["cancellation_batchnorms"]
+__all__ = ["CANCELLING_BN", "cancellation_batchnorms"]
+
+# patch_model(cancelling_bn=...): leave the cancellation BatchNorms stock, or compress them anyway
+CANCELLING_BN = ("stock", "compress")
 
 _NORMS = (nn.BatchNorm2d, nn.BatchNorm1d, nn.LayerNorm, nn.GroupNorm)
 _PASS_MODULES = (nn.ReLU, nn.Identity, nn.Dropout, nn.Dropout2d, nn.MaxPool2d, nn.AvgPool2d, nn.ZeroPad2d)

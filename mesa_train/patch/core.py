@@ -29,6 +29,7 @@ from mesa_train.models import unwrap_model as _unwrap
 from mesa_train.nn.quantizer import assign_rng_keys
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
+from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
 from .generic_attention import install as install_generic, install_cosine, install_linear, install_scales
 from .mlp import MLP_CLASSES, STOCK_MLP_CLASSES
@@ -345,16 +346,14 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
                 f"layout={quant_options['layout']!r} applies to conv activations (B, C, H, W) only: valid ops for "
                 f"it: {list(LAYOUT_OPS)}, got also {others} (their valid layout: 'channel'). Patch them first, "
                 f"then e.g. patch_model(model, ops=['conv'], layout='patch4x4', bits=2)")
-    if cancelling_bn not in ("stock", "compress"):
-        raise ValueError(f"unknown cancelling_bn {cancelling_bn!r}; valid choices: stock, compress")
+    if cancelling_bn not in CANCELLING_BN:
+        raise ValueError(f"unknown cancelling_bn {cancelling_bn!r}; valid choices: {', '.join(CANCELLING_BN)}")
     explicit = dict(quant_options)
 
     root = _unwrap(model)
     keep_stock: Dict[int, str] = {}  # BatchNorms left stock (patch/cancellation.py)
     if cancelling_bn == "stock" and "batchnorm" in op_names and any(
             isinstance(m, nn.BatchNorm2d) and not isinstance(m, _mnn().BatchNorm2d) for m in root.modules()):
-        from .cancellation import cancellation_batchnorms
-
         mods = dict(root.named_modules())
         keep_stock = {id(mods[n]): n for n in cancellation_batchnorms(root) if n in mods}
     # recorded: those that would otherwise have been compressed (a BatchNormAct2d is stock anyway)

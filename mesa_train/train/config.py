@@ -11,6 +11,7 @@ from typing import Any
 
 from mesa_train.models import MODEL_NAMES, is_known_model
 from mesa_train.patch import MODULE_SETS, OPS
+from mesa_train.patch.cancellation import CANCELLING_BN
 from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 
 # Valid names, as documented in docs/DESIGN.md (mesa_train.patch).
@@ -76,7 +77,7 @@ def validate(cfg) -> None:
     choice("mesa.scale", m.get("scale", "linear"), MESA_SCALES)
     choice("mesa.layout", m.get("layout", "channel"), MESA_LAYOUTS)
     choice("mesa.compile_kernels", m.get("compile_kernels", "auto"), COMPILE_KERNELS)
-    choice("mesa.cancelling_bn", m.get("cancelling_bn", "stock"), ("stock", "compress"))
+    choice("mesa.cancelling_bn", m.get("cancelling_bn", "stock"), CANCELLING_BN)
     if m.get("layout", "channel") == "patch4x4" and [o for o in ops if o != "conv"]:
         errors.append(f"mesa.layout=patch4x4 applies to conv activations only: it needs mesa.ops=[conv], got {ops}")
     if not errors:
