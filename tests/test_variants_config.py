@@ -29,6 +29,9 @@ BAD = [
      r"patch4x4.*estimator='running'.*symmetric=False"),
     ({"mesa.layout": "patch4x4", "mesa.ops": ["conv"], "mesa.symmetric": True},
      r"patch4x4.*estimator='running'.*symmetric=False"),
+    ({"mesa.estimator": "learned", "mesa.clip_horizon": 0.5}, r"mesa: clip_horizon must be a finite number >= 1"),
+    ({"mesa.estimator": "learned", "mesa.clip_horizon": "long"}, r"clip_horizon must be a finite number >= 1"),
+    ({"mesa.clip_horizon": 64}, r"clip_horizon=64 weighs the clipping of estimator='learned' only"),
 ]
 
 
@@ -52,6 +55,8 @@ def test_bad_variant_values_are_reported_together(compose_train):
     (["mesa.bits=4"], {"bits": 4}),
     (["mesa.bits=2", "mesa.scale=pow2"], {"bits": 2, "scale": "pow2"}),
     (["mesa.bits=2", "mesa.estimator=learned"], {"bits": 2, "estimator": "learned"}),
+    (["mesa.bits=2", "mesa.estimator=learned", "mesa.clip_horizon=64"],
+     {"bits": 2, "estimator": "learned", "clip_horizon": 64}),
     (["mesa.ops=[conv]", "mesa.layout=patch4x4", "mesa.bits=2"], {"layout": "patch4x4", "bits": 2}),
 ])
 def test_valid_variant_values_reach_patch_model(compose_train, overrides, expected):

@@ -42,6 +42,7 @@ SETTINGS = {
     "2-bit pow2": dict(bits=2, scale="pow2"),
     "4-bit learned": dict(bits=4, estimator="learned"),
     "2-bit learned": dict(bits=2, estimator="learned"),
+    "2-bit learned H64": dict(bits=2, estimator="learned", clip_horizon=64),
     "patch4x4 2-bit": dict(bits=2, layout="patch4x4"),
 }
 OPS = ("linear", "gelu", "layernorm", "matmul", "softmax", "conv")

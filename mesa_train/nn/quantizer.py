@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import zlib
 from typing import NamedTuple
 
@@ -61,6 +62,12 @@ class QuantOptions:
         (B, C, H, W) only: a min/max per 4x4 spatial block of each channel, fp16 statistics).
     estimator ``"learned"``: per-group clipping thresholds trained in the log domain (Adam)
         on the expected error of the stored tensor (DESIGN.md "Learned clipping").
+    clip_horizon: ``estimator="learned"`` only, a number ``>= 1``: the thresholds minimise
+        ``clipping bias**2 + rounding variance / clip_horizon``, the expected squared error of
+        the mean of that many independently rounded copies. 1 (default) is the stored
+        tensor's own error; larger values clip less, because stochastic rounding's noise
+        averages out over the steps (and the elements) a gradient sums while the clipping
+        bias does not (results/variants/digits.md: 2-bit accuracy).
     """
 
     num_groups: int = 1
@@ -73,6 +80,7 @@ class QuantOptions:
     bits: int = 8
     scale: str = "linear"
     layout: str = "channel"
+    clip_horizon: float = 1.0
 
     def __post_init__(self):
         ng = self.num_groups
@@ -100,6 +108,14 @@ class QuantOptions:
             raise ValueError("estimator='learned' trains a lower and an upper threshold per group; symmetric=True "
                              "is not supported with it (valid: symmetric=False, or estimator in ('running', "
                              "'per_sample'))")
+        h = self.clip_horizon
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) or h < 1:
+            raise ValueError(f"clip_horizon must be a finite number >= 1 (1: the stored tensor's own expected "
+                             f"error), got {h!r}")
+        object.__setattr__(self, "clip_horizon", float(h))
+        if self.clip_horizon != 1.0 and self.estimator != "learned":
+            raise ValueError(f"clip_horizon={h!r} weighs the clipping of estimator='learned' only; with "
+                             f"estimator={self.estimator!r} leave it at 1 (valid estimators for it: 'learned')")
         if self.layout == "patch4x4" and (self.estimator != "running" or self.symmetric):
             raise ValueError("layout='patch4x4' takes each 4x4 block's own min/max (per sample): it supports "
                              "estimator='running' (the default) and symmetric=False only, got "
@@ -531,7 +547,14 @@ def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: in
     tl = torch.where(first, torch.log2(half0), b["clip_log"][0])
     th = torch.where(first, torch.log2(half0), b["clip_log"][1])
     dl, dh = torch.exp2(tl), torch.exp2(th)
-    lo, hi = c - dl, c + dh
+    # a threshold beyond the running range clips nothing and only widens the step: use the
+    # thresholds projected onto [min, max] (the objective, taken there, then pulls the log
+    # distance back in). Unprojected, Adam's momentum could carry a softmax's lower threshold
+    # below 0, and rows dequantized to a sum <= 0 broke the softmax backward's renormalisation.
+    run_lo, run_hi = run_beta[0], run_beta[0] + run_alpha[0]
+    lo, hi = torch.maximum(c - dl, run_lo), torch.minimum(c + dh, run_hi)
+    inverted = ~(hi > lo)  # the center outside the running range (or a NaN): the range itself
+    lo, hi = torch.where(inverted, run_lo, lo), torch.where(inverted, run_hi, hi)
     rng_ = (hi - lo).clamp_min(1e-12)
     step = rng_ / levels
     lo_e, hi_e = per_elem(lo), per_elem(hi)
@@ -541,7 +564,7 @@ def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: in
     f_in = group_sum(inside) / n
     m_over, m_under = group_sum(over) / n, group_sum(under) / n
     ln2 = 0.6931471805599453
-    var_term = f_in * step / (3.0 * levels)
+    var_term = f_in * step / (3.0 * levels) / qz.options.clip_horizon
     g_h = ln2 * dh * (var_term - 2.0 * m_over) / (rng_ * rng_)
     g_l = ln2 * dl * (var_term - 2.0 * m_under) / (rng_ * rng_)
     grad = torch.stack([g_l, g_h])

@@ -85,7 +85,8 @@ def validate(cfg) -> None:
 
         try:  # combinations (e.g. estimator=learned with symmetric=true)
             QuantOptions(estimator=m.estimator, symmetric=m.symmetric, bits=m.get("bits", 8),
-                         scale=m.get("scale", "linear"), layout=m.get("layout", "channel"))
+                         scale=m.get("scale", "linear"), layout=m.get("layout", "channel"),
+                         clip_horizon=m.get("clip_horizon", 1.0))
         except ValueError as e:
             errors.append(f"mesa: {e}")
     if not isinstance(m.get("row_scale", True), bool):
@@ -262,6 +263,7 @@ def mesa_options(cfg) -> dict:
         "bits": m.get("bits"),
         "scale": m.get("scale"),
         "layout": m.get("layout"),
+        "clip_horizon": m.get("clip_horizon"),
         "cancelling_bn": m.get("cancelling_bn"),
     }
     return {k: v for k, v in opts.items() if v is not None}

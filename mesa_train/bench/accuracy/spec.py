@@ -15,7 +15,7 @@ from mesa_train.bench.accuracy.paper import TABLE_TITLES, paper_accuracy
 from mesa_train.bench.presets import BenchConfigError
 
 MESA_KEYS = ("ops", "modules", "num_groups", "decay", "estimator", "symmetric", "rounding", "row_scale", "bits", "scale",
-             "layout")
+             "layout", "clip_horizon")
 CLAIM_KINDS = ("better", "on_par")
 PRESET_KEYS = {"name", "title", "description", "experiment", "train", "seeds", "jobs",
                "threads_per_job", "rows", "tables", "claims", "notes"}
