@@ -132,3 +132,29 @@ def test_patch_model_passes_clip_horizon_to_every_quantizer():
     assert horizons == {64.0}
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_softmax_keeps_its_top_at_the_running_max():
+    """A softmax's few large probabilities carry attention's gradient: estimator="learned"
+    learns only its lower threshold (clipping the top stalled a 4-bit digits DeiT), while other
+    layers learn both."""
+    torch.manual_seed(0)
+    sm = mn.Softmax(dim=-1, num_groups=1, bits=2, estimator="learned")
+    gelu = mn.GELU(num_groups=1, bits=2, estimator="learned")
+    assert not sm.quantizer.clip_top and gelu.quantizer.clip_top
+    assert "top at running max" in repr(sm.quantizer)
+    seen = {}
+    for name, layer in (("softmax", sm), ("gelu", gelu)):
+        for _ in range(100):
+            x = torch.randn(16, 4, 17, 17, requires_grad=True) * 3
+            layer(x).sum().backward()
+        p = layer.quantizer.compress(layer(torch.randn(16, 4, 17, 17) * 3).detach(), -1)
+        qz = layer.quantizer
+        seen[name] = ((p.alpha + p.beta).item(), (qz.alpha + qz.beta).item())
+    top, run_top = seen["softmax"]
+    assert top == pytest.approx(run_top)
+    top, run_top = seen["gelu"]
+    assert top < 0.9 * run_top  # GELU's tail is clipped (2 bits, horizon 1)
+    # rebuilding the layer on another device keeps the rule
+    sm2 = mn.Softmax.from_module(sm)
+    assert not sm2.quantizer.clip_top

@@ -84,6 +84,8 @@ class MesaLayer:
     """Mixin for the Mesa layers: options, quantizers, repr, train/eval dispatch."""
 
     _quantizer_names: tuple[str, ...] = ("quantizer",)
+    # estimator="learned": may the quantizers clip the top of the range (False: Softmax)
+    _learned_clips_top: bool = True
     # layouts a layer accepts (QuantOptions.layout): patch4x4 needs (B, C, H, W) activations
     _layouts: tuple[str, ...] = ("channel",)
 
@@ -105,7 +107,7 @@ class MesaLayer:
         self._check_layout(opts)
         self._mesa_options = opts
         for name in self._quantizer_names:
-            setattr(self, name, ActivationQuantizer(opts, device=device))
+            setattr(self, name, ActivationQuantizer(opts, device=device, clip_top=self._learned_clips_top))
 
     @property
     def quant_options(self) -> QuantOptions:
@@ -135,7 +137,8 @@ class MesaLayer:
 
     def _rebind_quantizers(self, device) -> None:
         for name in self._quantizer_names:
-            setattr(self, name, ActivationQuantizer(self._mesa_options, device=device))
+            setattr(self, name, ActivationQuantizer(self._mesa_options, device=device,
+                                                    clip_top=self._learned_clips_top))
 
 
 def stock_device(module: nn.Module, device=None) -> torch.device:

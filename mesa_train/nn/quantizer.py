@@ -252,8 +252,12 @@ class ActivationQuantizer(nn.Module):
     Buffers: ``alpha (G,)``, ``beta (G,)`` float32 and ``initialized`` (bool scalar).
     """
 
-    def __init__(self, options: QuantOptions | None = None, *, device=None, **kwargs):
+    def __init__(self, options: QuantOptions | None = None, *, device=None, clip_top: bool = True, **kwargs):
         super().__init__()
+        # estimator="learned": whether the upper threshold is learned (True) or stays at the
+        # running max (False: a softmax's probabilities, whose few large entries carry
+        # attention's gradient; DESIGN.md "Learned clipping")
+        self.clip_top = bool(clip_top)
         if options is None:
             options = QuantOptions.from_kwargs(**kwargs)
         elif kwargs:
@@ -368,6 +372,8 @@ class ActivationQuantizer(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         extra = "" if o.is_default_format else f", bits={o.bits}, scale={o.scale}, layout={o.layout}"
+        if o.estimator == "learned":
+            extra += f", clip_horizon={o.clip_horizon:g}" + ("" if self.clip_top else ", top at running max")
         return f"num_groups={o.num_groups}, estimator={o.estimator}{extra}"
 
     # ------------------------------------------------------------------ compression
@@ -552,7 +558,8 @@ def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: in
     # distance back in). Unprojected, Adam's momentum could carry a softmax's lower threshold
     # below 0, and rows dequantized to a sum <= 0 broke the softmax backward's renormalisation.
     run_lo, run_hi = run_beta[0], run_beta[0] + run_alpha[0]
-    lo, hi = torch.maximum(c - dl, run_lo), torch.minimum(c + dh, run_hi)
+    lo = torch.maximum(c - dl, run_lo)
+    hi = torch.minimum(c + dh, run_hi) if qz.clip_top else run_hi
     inverted = ~(hi > lo)  # the center outside the running range (or a NaN): the range itself
     lo, hi = torch.where(inverted, run_lo, lo), torch.where(inverted, run_hi, hi)
     rng_ = (hi - lo).clamp_min(1e-12)

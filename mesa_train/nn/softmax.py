@@ -56,6 +56,12 @@ class _SoftmaxFn(torch.autograd.Function):
 class Softmax(MesaLayer, nn.Softmax):
     """``torch.nn.Softmax`` that saves only its output, 8-bit (dim 1 groups for 4-D tensors)."""
 
+    # estimator="learned" keeps the upper threshold at the running max: the few large
+    # probabilities carry attention's gradient, and clipping them (the per-element error
+    # objective would: they are its tails) biases every step the same way; at 4 bits it
+    # stalled the digits DeiT (results/variants/digits.md)
+    _learned_clips_top = False
+
     def __init__(self, dim=None, *, device=None, **quant_options):
         super().__init__(dim=dim)
         self._init_mesa(quant_options, device)
