@@ -154,8 +154,7 @@ def _estimates(model):
 def _state_worker(rank, world, port, out):
     _join(rank, world, port)
     try:
-        from torch.nn.parallel import DistributedDataParallel
-
+        from mesa_train.train.distributed import wrap_ddp
         from mesa_train.train.estimates import EstimateSync, buffers_identical
         from mesa_train.train.fsdp import apply_fsdp, local_bytes, optimizer_state_tensors
 
@@ -163,7 +162,7 @@ def _state_worker(rank, world, port, out):
         for strategy in ("ddp", "fsdp"):
             model = _tiny_patched(embed_dim=64, depth=4)
             wrapped = (apply_fsdp(model) if strategy == "fsdp"
-                       else DistributedDataParallel(model, forward_sync_buffers=False))
+                       else wrap_ddp(model))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             sync = EstimateSync(model)
             gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank

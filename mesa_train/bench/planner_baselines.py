@@ -4,7 +4,9 @@ timm's gradient checkpointing, PyTorch selective activation checkpointing, and
 new one (the stock model is not changed)."""
 from __future__ import annotations
 
+import collections
 import copy
+import inspect
 import types
 from functools import partial
 
@@ -55,17 +57,52 @@ def partial_checkpointing(model: nn.Module, count: int) -> nn.Module:
     return out
 
 
+# torch >= 2.13: checkpoint(respect_saved_tensors_hooks=True) sends what SAC keeps through
+# the surrounding saved-tensor hooks (the SavedTensorMeter), as autograd's own saved tensors
+_SAC_HOOKS_ARG = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+
+
+class _PackedList(list):
+    """One op's list in the SAC cache (older torch): each entry's tensors also go through
+    ``pack`` (the meter's hook) when SAC caches them, as respect_saved_tensors_hooks does."""
+
+    def __init__(self, pack):
+        super().__init__()
+        self._pack, self._packed = pack, []
+
+    def append(self, entry):
+        super().append(entry)
+        for leaf in torch.utils._pytree.tree_leaves(entry):
+            val = getattr(leaf, "val", None)  # SAC's _VersionWrapper
+            if isinstance(val, torch.Tensor):
+                self._packed.append(self._pack(val))
+
+
+def _sac_contexts():
+    fwd, rec = create_selective_checkpoint_contexts(_policy)
+    if _SAC_HOOKS_ARG:
+        return fwd, rec
+    # Older torch (2.11) has no respect_saved_tensors_hooks: SAC's cache bypasses the hooks
+    # and the meter would not count what SAC keeps. The hooks in force now (checkpoint calls
+    # context_fn before it pushes its own) see each cached tensor through the cache's lists.
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    storage = getattr(fwd, "storage", None)
+    if hooks is not None and isinstance(storage, collections.defaultdict) and getattr(rec, "storage", None) is storage:
+        fwd.storage = rec.storage = collections.defaultdict(partial(_PackedList, hooks[0]))
+    return fwd, rec
+
+
 def selective_checkpointing(model: nn.Module) -> nn.Module:
     """Every block under non-reentrant checkpoint with a selective policy (save matmuls)."""
     out = copy.deepcopy(model)
     root = unwrap_model(out)
+    extra = {"respect_saved_tensors_hooks": True} if _SAC_HOOKS_ARG else {}
     for block in _blocks(root):
         plain = block.forward
 
         def forward(self, *args, _plain=plain, **kwargs):
             # respect_saved_tensors_hooks: what SAC saves goes through the SavedTensorMeter
-            return checkpoint(_plain, *args, use_reentrant=False, respect_saved_tensors_hooks=True,
-                              context_fn=partial(create_selective_checkpoint_contexts, _policy), **kwargs)
+            return checkpoint(_plain, *args, use_reentrant=False, context_fn=_sac_contexts, **extra, **kwargs)
 
         block.forward = types.MethodType(forward, block)
     return out

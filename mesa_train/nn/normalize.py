@@ -30,7 +30,7 @@ class _NormalizeFn(torch.autograd.Function):
         # the ops of F.normalize itself (same bits), with the divisor kept for backward
         n = x.norm(2.0, dim, keepdim=True).clamp_min(eps)
         y = x / n.expand_as(x)
-        packed = quantizer.compress(y, group_dim_4d(y))
+        packed = quantizer.compress(y.detach(), group_dim_4d(y))  # detach: see nn/softmax.py
         ctx.cdt, ctx.x_dtype, ctx.dim, ctx.eps = y.dtype, x.dtype, dim, eps
         save(ctx, [packed], n)
         return y

@@ -126,19 +126,22 @@ class _MesaSDPA(torch.autograd.Function):
         dropout_p, is_causal, scale = ctx.opts
         needs = ctx.needs_input_grad
 
-        q = _restore(qq, qa, qb, dq_, Gq, fq, tq).requires_grad_(needs[0])
-        k = _restore(kq, ka, kb, dk_, Gk, fk, tk).requires_grad_(needs[1])
-        v = _restore(vq, va, vb, dv_, Gv, fv, tv).requires_grad_(needs[2])
+        q = _restore(qq, qa, qb, dq_, Gq, fq, tq)
+        k = _restore(kq, ka, kb, dk_, Gk, fk, tk)
+        v = _restore(vq, va, vb, dv_, Gv, fv, tv)
         mask_needs_grad = attn_mask is not None and needs[3] and attn_mask.is_floating_point()
-        if attn_mask is not None:
-            attn_mask = attn_mask.detach().requires_grad_(mask_needs_grad)
 
         if torch.compiler.is_compiling():
             # autograd.grad cannot be traced: the same gradient by its formula, which
-            # Inductor fuses (dropout_p > 0 never gets here, see _compressed_sdpa)
+            # Inductor fuses (dropout_p > 0 never gets here, see _compressed_sdpa). No
+            # requires_grad_ here: the formula needs none, and Dynamo in torch 2.11 cannot (2.14 can)
+            # trace requires_grad_ in a backward (a graph break; an error under fullgraph).
             gq, gk, gv, gm = _attention_backward(q, k, v, attn_mask, window_mask, is_causal, scale, grad_out,
                                                  mask_needs_grad)
             return (gq if needs[0] else None, gk if needs[1] else None, gv if needs[2] else None, gm) + (None,) * 14
+        q, k, v = q.requires_grad_(needs[0]), k.requires_grad_(needs[1]), v.requires_grad_(needs[2])
+        if attn_mask is not None:
+            attn_mask = attn_mask.detach().requires_grad_(mask_needs_grad)
         device_type, ac_enabled, ac_dtype = ctx.autocast
         inputs = [t for t, n in ((q, needs[0]), (k, needs[1]), (v, needs[2]), (attn_mask, mask_needs_grad)) if n]
         with torch.enable_grad(), torch.autocast(device_type, dtype=ac_dtype, enabled=ac_enabled):

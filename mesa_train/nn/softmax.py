@@ -25,7 +25,11 @@ class _SoftmaxFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, quantizer):
         y = F.softmax(x, dim)  # exactly nn.Softmax.forward (dim already resolved)
-        packed = quantizer.compress(y, group_dim_4d(y))
+        # y.detach(): compress never aliases the output itself. Under torch.compile in torch
+        # 2.11 (fixed by 2.14), an op that returns its input (x.contiguous(), x.float() of a
+        # contiguous float32 x) applied to an autograd.Function's output made the traced
+        # backward receive zeros as that output's gradient.
+        packed = quantizer.compress(y.detach(), group_dim_4d(y))
         sharing.offer(y, packed)
         ctx.y_dtype, ctx.x_dtype, ctx.dim = y.dtype, x.dtype, dim
         save(ctx, [packed])

@@ -181,7 +181,11 @@ def install_cosine(module: nn.Module, ops, found, heads: Optional[int], device, 
 
 
 def _enter(module, args, kwargs=None):
-    modes = module.__dict__.setdefault("_mesa_capture_stack", [])
+    # the list is made by install(); no dict.setdefault here: Dynamo in torch 2.11 cannot
+    # trace it (a graph break in every patched attention module under torch.compile)
+    modes = module.__dict__.get("_mesa_capture_stack")
+    if modes is None:
+        modes = module.__dict__["_mesa_capture_stack"] = []
     mode = _Capture(module)
     mode.__enter__()
     modes.append(mode)
@@ -223,6 +227,7 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options) 
 
 def _hook(module: nn.Module) -> None:
     if not is_generic_attention(module):
+        module.__dict__.setdefault("_mesa_capture_stack", [])
         module.register_forward_pre_hook(_enter)
         module.register_forward_hook(_exit, always_call=True)
         object.__setattr__(module, GENERIC_ATTENTION_ATTR, True)

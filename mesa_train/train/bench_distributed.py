@@ -62,10 +62,9 @@ def _worker(rank, world, port, args, strategy, mesa, out):
 
 
 def _measure(rank, world, args, strategy, mesa, device) -> dict:
-    from torch.nn.parallel import DistributedDataParallel
-
     from mesa_train import patch_model
     from mesa_train.models import build_model
+    from mesa_train.train.distributed import wrap_ddp
     from mesa_train.train.estimates import EstimateSync
     from mesa_train.train.fsdp import apply_fsdp, local_bytes, optimizer_state_tensors
 
@@ -79,8 +78,7 @@ def _measure(rank, world, args, strategy, mesa, device) -> dict:
     if strategy == "fsdp":
         wrapped = apply_fsdp(model)
     else:
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          forward_sync_buffers=False)
+        wrapped = wrap_ddp(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sync = EstimateSync(model)
     gen = torch.Generator(device=device).manual_seed(rank)

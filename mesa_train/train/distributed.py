@@ -10,6 +10,7 @@ for the few CPU collectives) and ``gloo`` otherwise.
 from __future__ import annotations
 
 import datetime as _dt
+import inspect
 import os
 
 import torch
@@ -112,6 +113,22 @@ def broadcast_state(module: torch.nn.Module, src: int = 0) -> None:
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(t.data, src=src)
+
+
+def wrap_ddp(module: torch.nn.Module, device_ids=None) -> torch.nn.Module:
+    """``DistributedDataParallel`` that syncs parameters and buffers once, when it wraps
+    ``module``, and never broadcasts buffers before a forward: the Mesa estimates follow
+    the trainer's cross-rank policy instead (EstimateSync after each optimizer step).
+
+    That is ``forward_sync_buffers=False`` (torch >= 2.13). Older torch has only
+    ``broadcast_buffers=False``, which also leaves the buffers out of the sync at wrap time:
+    there rank ``0``'s buffers are broadcast here first, so both give the same state."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
+    broadcast_buffers(module)
+    return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
 
 
 def buffers_consistent(module: torch.nn.Module, device: torch.device) -> bool:

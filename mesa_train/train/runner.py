@@ -269,12 +269,9 @@ def _wrap(cfg, model, device, amp_dtype, world):
                           reshard_after_forward=bool(options.get("reshard_after_forward", True)),
                           cpu_offload=bool(options.get("cpu_offload", False)))
     if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
         # No buffer broadcast before each forward: the Mesa estimates follow the trainer's
         # cross-rank policy instead (EstimateSync after each optimizer step, as under FSDP).
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       forward_sync_buffers=False)
+        return dist_utils.wrap_ddp(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
 
 
