@@ -6,8 +6,13 @@
 # table1 and modern (eager and compiled) with profile=true. Results land in results/
 # (named after the GPU) and, when $OUT is set (the device tool), also in $OUT.
 #
-#   bash scripts/gpu_session.sh            # everything (about 10 minutes on an H100)
-#   STEPS="tests kernels" bash scripts/gpu_session.sh
+#   bash scripts/gpu_session.sh            # everything: up to 15 minutes of step limits
+#   STEPS="tests kernels" bash scripts/gpu_session.sh    # the device tool allows 10 minutes a
+#   STEPS="table1 modern" bash scripts/gpu_session.sh    # command: run it as these two calls
+#
+# results/ is packed into $OUT after every step, so a call stopped at its limit still brings
+# back what the finished steps wrote. Rehearsed on CPU under the image's torch (2.11): builds
+# (CPU and sm_90) and the CPU suite pass there (see the compat211 commits).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -15,11 +20,18 @@ STEPS=${STEPS:-"tests kernels table1 modern"}
 LOG_DIR=${OUT:-results/gpu-session}
 mkdir -p "$LOG_DIR"
 
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, never stop the session
+pack() {  # what comes back through the device tool ($OUT keeps at most 8 files, 2 folders deep)
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/results.tgz" results && echo "results/ packed into \$OUT/results.tgz"
+  fi
+}
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, pack, never stop the session
   local name=$1 limit=$2; shift 2
   echo "=== $name (limit ${limit}s): $*"
   timeout "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
   echo "=== $name exit ${PIPESTATUS[0]}"
+  pack
 }
 
 # 1. packages this image lacks (pure Python, carried as wheels)
@@ -31,7 +43,7 @@ else
 fi
 
 # 2. the extension, for this GPU only (one arch: minutes instead of three archs' worth)
-ARCH=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())') || { echo "no CUDA device"; exit 1; }
+ARCH=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null) || { echo "gpu_session.sh: no CUDA device visible to $PY (this script is for the lent GPU machine)"; exit 1; }
 echo "GPU: $($PY -c 'import torch; print(torch.cuda.get_device_name())'), arch $ARCH, torch $($PY -c 'import torch; print(torch.__version__)')"
 TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=${MAX_JOBS:-16} $PY setup.py -q build_ext --inplace > "$LOG_DIR/build.log" 2>&1 \
   || { tail -30 "$LOG_DIR/build.log"; exit 1; }
@@ -48,8 +60,3 @@ for s in $STEPS; do
   esac
 done
 
-# 4. what comes back through the device tool ($OUT keeps at most 8 files, 2 folders deep)
-if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/results.tgz" results
-  echo "results/ packed into \$OUT/results.tgz"
-fi
