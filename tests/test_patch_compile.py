@@ -37,8 +37,18 @@ def test_compile_patched_deit(ops, fused):
     g, rg = grads(model), grads(eager)
     assert g.keys() == rg.keys() and len(g) == len(list(model.parameters()))
     for n in g:
-        # same estimates (nearest rounding): the same 8-bit codes, so nearly the same grads
-        torch.testing.assert_close(g[n], rg[n], rtol=1e-3, atol=1e-5, msg=n)
+        # same estimates (nearest rounding): the same 8-bit codes. aot_eager runs eager's ATen
+        # ops: the explicit attention's gradients are eager's bit for bit, the fused one's
+        # differ by float reassociation in its backward (about 4e-7 relative, measured); a
+        # compiled model keeping other bits (torch 2.11: the full float map for attn @ v, not
+        # the softmax's 8-bit copy) was 1e-4..1e-3 off. Inductor emits its own kernels.
+        if BACKEND != "aot_eager":
+            torch.testing.assert_close(g[n], rg[n], rtol=1e-3, atol=1e-5, msg=n)
+        elif not fused:
+            assert torch.equal(g[n], rg[n]), n
+        else:
+            rel = ((g[n] - rg[n]).norm() / rg[n].norm().clamp_min(1e-30)).item()
+            assert rel < 1e-5, f"{n}: relative error {rel:.2e}"
     # a second step reuses the compiled graphs
     model.zero_grad()
     loss_of(compiled(x)).backward()

@@ -82,6 +82,16 @@ def _dropout_p(module: nn.Module) -> float:
     return module.attn_drop.p if module.training else 0.0
 
 
+def _returns_input(drop: nn.Module) -> bool:
+    """Whether ``drop`` (an attention-dropout child) returns its input unchanged: a plain
+    ``nn.Dropout`` with ``p == 0`` or in eval mode, or an ``nn.Identity``, without hooks."""
+    if type(drop) is nn.Identity:
+        pass
+    elif type(drop) is not nn.Dropout or (drop.p != 0 and drop.training):
+        return False
+    return not (drop._forward_hooks or drop._forward_pre_hooks)
+
+
 def _explicit_core(module, q, k, v, bias_fn=None):
     """``softmax(q*scale @ k^T (+ bias)) @ v`` through the module's core children, with the
     exact arithmetic order of timm's explicit paths."""
@@ -95,7 +105,12 @@ def _explicit_core(module, q, k, v, bias_fn=None):
         # unlike the eager-only sharing cache this also holds under torch.compile)
         probs, copy = module.softmax.forward_with_copy(attn)
         attn = module.attn_drop(probs)
-        return module.av_matmul(attn, v, shared_a=copy if attn is probs else None)
+        # the copy is the map's only when no dropout was applied. Not just `attn is probs`:
+        # Dynamo in torch 2.11 (fixed by 2.14) gives the output of a p=0 dropout a new
+        # identity, and `attn @ v` then silently kept the full float map for its backward
+        # (compiled gradients 1e-4..1e-3 off eager Mesa's, and the map stored twice)
+        shared = attn is probs or _returns_input(module.attn_drop)
+        return module.av_matmul(attn, v, shared_a=copy if shared else None)
     attn = module.softmax(attn)
     attn = module.attn_drop(attn)
     return module.av_matmul(attn, v)
