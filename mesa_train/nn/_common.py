@@ -84,8 +84,8 @@ class MesaLayer:
     """Mixin for the Mesa layers: options, quantizers, repr, train/eval dispatch."""
 
     _quantizer_names: tuple[str, ...] = ("quantizer",)
-    # estimator="learned": may the quantizers clip the top of the range (False: Softmax)
-    _learned_clips_top: bool = True
+    # estimator="learned": may the quantizers clip at learned thresholds (False: Softmax)
+    _learned_clipping: bool = True
     # layouts a layer accepts (QuantOptions.layout): patch4x4 needs (B, C, H, W) activations
     _layouts: tuple[str, ...] = ("channel",)
 
@@ -107,7 +107,7 @@ class MesaLayer:
         self._check_layout(opts)
         self._mesa_options = opts
         for name in self._quantizer_names:
-            setattr(self, name, ActivationQuantizer(opts, device=device, clip_top=self._learned_clips_top))
+            setattr(self, name, ActivationQuantizer(opts, device=device, clippable=self._learned_clipping))
 
     @property
     def quant_options(self) -> QuantOptions:
@@ -138,7 +138,7 @@ class MesaLayer:
     def _rebind_quantizers(self, device) -> None:
         for name in self._quantizer_names:
             setattr(self, name, ActivationQuantizer(self._mesa_options, device=device,
-                                                    clip_top=self._learned_clips_top))
+                                                    clippable=self._learned_clipping))
 
 
 def stock_device(module: nn.Module, device=None) -> torch.device:

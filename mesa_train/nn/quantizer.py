@@ -252,12 +252,12 @@ class ActivationQuantizer(nn.Module):
     Buffers: ``alpha (G,)``, ``beta (G,)`` float32 and ``initialized`` (bool scalar).
     """
 
-    def __init__(self, options: QuantOptions | None = None, *, device=None, clip_top: bool = True, **kwargs):
+    def __init__(self, options: QuantOptions | None = None, *, device=None, clippable: bool = True, **kwargs):
         super().__init__()
-        # estimator="learned": whether the upper threshold is learned (True) or stays at the
-        # running max (False: a softmax's probabilities, whose few large entries carry
-        # attention's gradient; DESIGN.md "Learned clipping")
-        self.clip_top = bool(clip_top)
+        # estimator="learned": whether this tensor's thresholds are learned (True) or stay at
+        # the running range (False: a softmax's probabilities, whose mass is in many small
+        # entries and whose gradient is in a few large ones; DESIGN.md "Learned clipping")
+        self.clippable = bool(clippable)
         if options is None:
             options = QuantOptions.from_kwargs(**kwargs)
         elif kwargs:
@@ -373,7 +373,7 @@ class ActivationQuantizer(nn.Module):
         o = self.options
         extra = "" if o.is_default_format else f", bits={o.bits}, scale={o.scale}, layout={o.layout}"
         if o.estimator == "learned":
-            extra += f", clip_horizon={o.clip_horizon:g}" + ("" if self.clip_top else ", top at running max")
+            extra += f", clip_horizon={o.clip_horizon:g}" + ("" if self.clippable else ", not clipped: running range")
         return f"num_groups={o.num_groups}, estimator={o.estimator}{extra}"
 
     # ------------------------------------------------------------------ compression
@@ -467,7 +467,7 @@ class ActivationQuantizer(nn.Module):
         G = o.num_groups if o.num_groups <= D else max(1, D)
         x = x.contiguous()
         alpha, beta, seed = self._observe(x, dim, G, o.estimator == "per_sample")
-        if o.estimator == "learned":
+        if o.estimator == "learned" and self.clippable:
             alpha, beta = learned_thresholds(self, x, dim, G, alpha, beta)
         q = self._quantize_bits(x, alpha, beta, dim, G, seed)
         return Packed(q, alpha, beta, dim, G, ("bits", o.bits, o.scale == "pow2", tuple(x.shape)))
@@ -559,7 +559,7 @@ def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: in
     # below 0, and rows dequantized to a sum <= 0 broke the softmax backward's renormalisation.
     run_lo, run_hi = run_beta[0], run_beta[0] + run_alpha[0]
     lo = torch.maximum(c - dl, run_lo)
-    hi = torch.minimum(c + dh, run_hi) if qz.clip_top else run_hi
+    hi = torch.minimum(c + dh, run_hi)
     inverted = ~(hi > lo)  # the center outside the running range (or a NaN): the range itself
     lo, hi = torch.where(inverted, run_lo, lo), torch.where(inverted, run_hi, hi)
     rng_ = (hi - lo).clamp_min(1e-12)

@@ -60,11 +60,12 @@ class _SoftmaxFn(torch.autograd.Function):
 class Softmax(MesaLayer, nn.Softmax):
     """``torch.nn.Softmax`` that saves only its output, 8-bit (dim 1 groups for 4-D tensors)."""
 
-    # estimator="learned" keeps the upper threshold at the running max: the few large
-    # probabilities carry attention's gradient, and clipping them (the per-element error
-    # objective would: they are its tails) biases every step the same way; at 4 bits it
-    # stalled the digits DeiT (results/variants/digits.md)
-    _learned_clips_top = False
+    # estimator="learned" keeps the running range [min, max] here: the few large
+    # probabilities carry attention's gradient and are the tails a per-element objective
+    # clips first, and the many small ones hold most of a row's mass, which a lower threshold
+    # above 0 inflates. Either biases every step the same way: learned thresholds on the
+    # softmax alone cost a 4-bit digits DeiT 24 points (top clipped), then 13.5 (bottom only)
+    _learned_clipping = False
 
     def __init__(self, dim=None, *, device=None, **quant_options):
         super().__init__(dim=dim)
