@@ -4,8 +4,8 @@ Backend: ``aot_eager`` (traces forward and backward through AOTAutograd, like in
 does not generate C++). Measured on the 2-core CI machine: first fwd+bwd of the explicit
 (all ops) model takes ~15 s with ``aot_eager`` and ~40 s with ``inductor`` (C++ codegen and
 compile), so the test uses ``aot_eager``; set ``MESA_TEST_INDUCTOR=1`` to use inductor.
-The Mesa layers are graph breaks (their stochastic-rounding seed is a Python int drawn
-per call); everything between them is compiled.
+The whole patched model is one graph (the rounding seeds are device-side buffers; zero
+breaks is pinned in tests/test_compile_fullgraph.py).
 """
 import copy
 import os
