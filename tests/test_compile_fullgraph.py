@@ -136,6 +136,27 @@ def test_compiled_attention_shares_map():
     _assert_grads_match(model, eager, bitwise=True)
 
 
+def test_compiled_generic_attention_shares_map():
+    """The same for attention reached generically (BEiT: its own attention module, patched by
+    intercepting its calls): the softmax hands its 8-bit copy to ``attn @ v`` explicitly.
+    Before, only the eager-only sharing cache did, so the compiled model quantized the map a
+    second time (two 8-bit copies, gradients off eager's by the second rounding draw)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = timm.create_model("beit_base_patch16_224", pretrained=False, img_size=32, patch_size=16, depth=1,
+                              embed_dim=64, num_heads=2, num_classes=4)
+    set_fused(stock.train(), False)
+    model = patch_model(stock)
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss_of(compiled(x)).backward()
+    loss_of(eager(x)).backward()
+    assert _kept(model) == _kept(eager) == {"blocks.0.attn.mesa_qk": ("int8", "int8"),
+                                            "blocks.0.attn.mesa_av": ("shared", "int8")}
+    _assert_grads_match(model, eager, bitwise=True)
+
+
 # dropout everywhere timm offers it: head, attention map, projection, drop-path
 _DROPOUT = dict(drop_rate=0.1, proj_drop_rate=0.1, attn_drop_rate=0.1, drop_path_rate=0.2)
 

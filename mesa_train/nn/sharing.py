@@ -9,7 +9,9 @@ The cache is thread-local and keyed by the tensor's memory (data pointer, offset
 strides, dtype, device). An entry is valid only while the offered tensor is alive (weak
 reference, the entry is dropped when it dies) and unmodified (same ``_version``), and only
 for the same grouping (``dim``, ``num_groups``). Nothing here runs under ``torch.compile``
-(tracing sees fake tensors); compiled graphs simply quantize twice.
+(tracing sees fake tensors): there the attention paths hand the copy over explicitly
+(``Softmax.forward_with_copy`` -> ``MatMul(..., shared_a=)``, in patch/attention.py and
+patch/generic_attention.py); any other producer/consumer pair quantizes twice when compiled.
 """
 from __future__ import annotations
 

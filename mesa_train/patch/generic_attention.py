@@ -66,6 +66,9 @@ class _Capture(TorchFunctionMode):
         self.softmaxes = 0
         self.normalizes = 0
         self.logits = None  # the q @ k^T output, for a logit scale multiplying it
+        # the softmax's output and its 8-bit copy, handed to `attn @ v` when that multiplies
+        # the output itself: unlike the eager-only sharing cache this holds under torch.compile
+        self.probs = self.probs_copy = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -99,16 +102,20 @@ class _Capture(TorchFunctionMode):
         if (func in _MATMULS and len(args) == 2 and _batched(args[0]) and _batched(args[1]) and not kwargs
                 and "mesa_qk" in owner._modules):
             self.matmuls += 1
-            if self.matmuls <= 2:
-                out = (owner.mesa_qk if self.matmuls == 1 else owner.mesa_av)(args[0], args[1])
-                self.logits = out if self.matmuls == 1 else None
-                return out
+            if self.matmuls == 1:
+                self.logits = owner.mesa_qk(args[0], args[1])
+                return self.logits
+            if self.matmuls == 2:
+                self.logits = None
+                shared = self.probs_copy if args[0] is self.probs else None
+                return owner.mesa_av(args[0], args[1], shared_a=shared)
         if (func in _SOFTMAXES and _batched(args[0]) and "dtype" not in kwargs and self.softmaxes == 0
                 and "mesa_softmax" in owner._modules):
             dim = _softmax_dim(args, kwargs)
             if dim is not None and dim % args[0].dim() == args[0].dim() - 1:
                 self.softmaxes += 1
-                return owner.mesa_softmax(args[0])
+                self.probs, self.probs_copy = owner.mesa_softmax.forward_with_copy(args[0])
+                return self.probs
         return func(*args, **kwargs)
 
 
