@@ -109,6 +109,13 @@ class _Capture(TorchFunctionMode):
                 self.logits = None
                 shared = self.probs_copy if args[0] is self.probs else None
                 return owner.mesa_av(args[0], args[1], shared_a=shared)
+        if func is F.dropout and self.probs is not None and args and args[0] is self.probs:
+            call = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            if call.get("p", 0.5) == 0 or not call.get("training", True):
+                # a dropout that drops nothing is the map itself, as eager's F.dropout returns
+                # it; Dynamo in torch 2.11 gives that output a new identity, and attn @ v
+                # would no longer be handed the softmax's copy
+                return self.probs
         if (func in _SOFTMAXES and _batched(args[0]) and "dtype" not in kwargs and self.softmaxes == 0
                 and "mesa_softmax" in owner._modules):
             dim = _softmax_dim(args, kwargs)
