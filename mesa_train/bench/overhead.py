@@ -26,7 +26,7 @@ from torch import nn
 
 from mesa_train.bench.report import _git, environment
 
-LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul")
+LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d")
 
 
 class _MatMul(nn.Module):
@@ -44,6 +44,7 @@ def _cases():
         "LayerNorm": (lambda: nn.LayerNorm(8), M.LayerNorm.from_module, lambda: (x(),)),
         "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 4, 4),)),
         "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4))),
+        "Conv2d": (lambda: nn.Conv2d(2, 4, 3, padding=1), M.Conv2d.from_module, lambda: (torch.randn(2, 2, 4, 4),)),
     }
 
 
