@@ -107,7 +107,7 @@ class MesaLayer:
         self._check_layout(opts)
         self._mesa_options = opts
         for name in self._quantizer_names:
-            setattr(self, name, ActivationQuantizer(opts, device=device, clippable=self._learned_clipping))
+            setattr(self, name, self._new_quantizer(opts, device))
 
     @property
     def quant_options(self) -> QuantOptions:
@@ -137,8 +137,11 @@ class MesaLayer:
 
     def _rebind_quantizers(self, device) -> None:
         for name in self._quantizer_names:
-            setattr(self, name, ActivationQuantizer(self._mesa_options, device=device,
-                                                    clippable=self._learned_clipping))
+            setattr(self, name, self._new_quantizer(self._mesa_options, device))
+
+    def _new_quantizer(self, options: QuantOptions, device) -> ActivationQuantizer:
+        """One of this layer's quantizers (the layer decides whether learned thresholds clip)."""
+        return ActivationQuantizer(options, device=device, clippable=self._learned_clipping)
 
 
 def stock_device(module: nn.Module, device=None) -> torch.device:
