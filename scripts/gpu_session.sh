@@ -6,7 +6,7 @@
 # table1 and modern (eager and compiled) with profile=true. Results land in results/
 # (named after the GPU) and, when $OUT is set (the device tool), also in $OUT.
 #
-#   bash scripts/gpu_session.sh            # everything: up to 15 minutes of step limits
+#   bash scripts/gpu_session.sh            # everything: up to 15.5 minutes of step limits
 #   STEPS="tests kernels" bash scripts/gpu_session.sh    # the device tool allows 10 minutes a
 #   STEPS="table1 modern" bash scripts/gpu_session.sh    # command: run it as these two calls
 #
@@ -45,17 +45,30 @@ fi
 # 2. the extension, for this GPU only (one arch: minutes instead of three archs' worth)
 ARCH=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null) || { echo "gpu_session.sh: no CUDA device visible to $PY (this script is for the lent GPU machine)"; exit 1; }
 echo "GPU: $($PY -c 'import torch; print(torch.cuda.get_device_name())'), arch $ARCH, torch $($PY -c 'import torch; print(torch.__version__)')"
-TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=${MAX_JOBS:-16} $PY setup.py -q build_ext --inplace > "$LOG_DIR/build.log" 2>&1 \
-  || { tail -30 "$LOG_DIR/build.log"; exit 1; }
+# A build carried from an earlier call of this session (the machine went back between calls;
+# .gpubuild/ holds the .so the first call left in $OUT) is reused when it loads with CUDA kernels.
+if ls .gpubuild/_C*.so >/dev/null 2>&1; then
+  cp .gpubuild/_C*.so mesa_train/
+  $PY -c 'import sys, mesa_train.quant as q; sys.exit(q.CUDA_BACKEND != "extension")' \
+    && echo "reusing the carried build .gpubuild/$(cd .gpubuild && ls _C*.so)" \
+    || { echo "the carried build does not load with CUDA kernels: rebuilding"; rm -f mesa_train/_C*.so; }
+fi
+if ! ls mesa_train/_C*.so >/dev/null 2>&1; then
+  t0=$SECONDS
+  TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=${MAX_JOBS:-16} $PY setup.py -q build_ext --inplace > "$LOG_DIR/build.log" 2>&1 \
+    || { tail -30 "$LOG_DIR/build.log"; exit 1; }
+  echo "built the extension for sm_${ARCH/./} in $((SECONDS - t0)) s"
+  [ -n "${OUT:-}" ] && cp mesa_train/_C*.so "$OUT/"  # for a later call: copy it into .gpubuild/, carry it
+fi
 $PY -c 'import mesa_train.quant as q; print("mesa backend:", q.BACKEND, "CUDA:", q.CUDA_BACKEND)'
 
 # 3. the work, most important first
 for s in $STEPS; do
   case $s in
-    tests)   step cuda-tests 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests ;;
+    tests)   step cuda-tests 240 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=10 tests ;;
     kernels) step kernel-bandwidth 120 $PY -m mesa_train.quant.benchmark ;;
-    table1)  step table1-deit-s 240 $PY -m mesa_train.bench preset=table1 only=DeiT-S profile=true progress=false ;;
-    modern)  step modern-deit-s 300 $PY -m mesa_train.bench preset=modern only=DeiT-S profile=true progress=false ;;
+    table1)  step table1-deit-s 150 $PY -m mesa_train.bench preset=table1 only=DeiT-S profile=true progress=false ;;
+    modern)  step modern-deit-s 420 $PY -m mesa_train.bench preset=modern only=DeiT-S profile=true progress=false ;;
     *) echo "unknown step $s; valid: tests kernels table1 modern"; exit 2 ;;
   esac
 done

@@ -339,3 +339,48 @@ def test_cpu_compile_preset_runs_whole_graph(tmp_path):
     assert traced["compile"] == "default, traceable kernels" and traced["graph_breaks"] == "0", traced
     md = (tmp_path / "cpu-compile" / "cpu.md").read_text()
     assert "default (1 / 0)" in md and "eager" in md
+
+
+# --------------------------------------------------------------------------- partial files
+
+def test_a_stopped_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """A run stopped between rows (a time limit on a lent GPU, a lost machine) leaves the
+    rows measured so far on disk, marked partial, instead of nothing."""
+    from mesa_train.bench import runner
+    from mesa_train.bench.measure import Measurement
+
+    calls = []
+
+    def fake_run_row(row, device, **kw):
+        calls.append(row.label)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the time limit's signal, after the first row
+        return Measurement(peak_mb=123.0, saved_mb=45.0)
+
+    monkeypatch.setattr(runner, "run_row", fake_run_row)
+    cfg = _compose("cpu-quick", f"output_dir={tmp_path}", "progress=false", "process_warmup=false")
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_app(cfg)
+    folder = tmp_path / "cpu-quick"
+    md = (folder / "cpu.md").read_text()
+    total = len(_preset_dict("cpu-quick")["rows"])
+    assert f"PARTIAL: 1 of {total} configurations measured" in md
+    assert calls[0] in md and calls[1] not in md
+    meta = json.loads((folder / "cpu.json").read_text())
+    assert meta["partial"] == {"measured": 1, "of": total}
+    assert [r["config"]["label"] for r in meta["rows"]] == calls[:1]
+    rows = list(csv.DictReader(open(folder / "cpu.csv")))
+    assert [r["label"] for r in rows] == calls[:1] and float(rows[0]["peak_mb"]) == 123.0
+
+
+def test_skip_drops_rows_but_keeps_baselines():
+    from mesa_train.bench.presets import BenchConfigError, expand_preset
+
+    modern = _preset_dict("modern")
+    every = [r.label for r in expand_preset(modern, only="DeiT-S")]
+    kept = [r.label for r in expand_preset(modern, only="DeiT-S", skip="traceable")]
+    assert any("traceable" in label for label in every)
+    assert kept == [label for label in every if "traceable" not in label]
+    assert "DeiT-S explicit compiled" in kept  # the group's baseline stays
+    with pytest.raises(BenchConfigError, match="skip='nothing' matches no"):
+        expand_preset(modern, skip="nothing")

@@ -285,9 +285,10 @@ def validate_groups(rows: list[RowConfig]) -> None:
                 f"among {[r.label for r in members]}")
 
 
-def expand_preset(preset: dict, only: str | None = None) -> list[RowConfig]:
+def expand_preset(preset: dict, only: str | None = None, skip: str | None = None) -> list[RowConfig]:
     """The preset's rows as validated RowConfigs (names only; see `check_model`).
-    ``only`` keeps rows whose label contains it, plus their groups' baselines."""
+    ``only`` keeps rows whose label contains it, plus their groups' baselines; ``skip`` then
+    drops the non-baseline rows whose label contains it (a time-bounded session's cut)."""
     common = dict(preset.get("common") or {})
     rows = [make_row(common, r) for r in (preset.get("rows") or [])]
     for row in rows:
@@ -307,6 +308,11 @@ def expand_preset(preset: dict, only: str | None = None) -> list[RowConfig]:
             raise BenchConfigError(f"only={only!r} matches no row; rows: "
                                    f"{', '.join(r.label for r in rows)}")
         rows = [r for r in rows if r.group_name in keep and (r.baseline or only in r.label)]
+    if skip:
+        if not any(skip in r.label and not r.baseline for r in rows):
+            raise BenchConfigError(f"skip={skip!r} matches no (non-baseline) row; rows: "
+                                   f"{', '.join(r.label for r in rows)}")
+        rows = [r for r in rows if r.baseline or skip not in r.label]
     return rows
 
 

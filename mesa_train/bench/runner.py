@@ -60,7 +60,7 @@ def prepare(cfg: Any) -> tuple[dict, torch.device, list[RowConfig], Any]:
             f"preset {name!r} is a GPU preset and no CUDA device is in use (device={device}).{extra} "
             "Run preset=cpu-quick on CPU, or force this preset with allow_cpu=true (slow; shrink it "
             "with e.g. preset.common.batch_size=2 preset.common.img_size=64).")
-    rows = expand_preset(preset, only=_get(cfg, "only"))
+    rows = expand_preset(preset, only=_get(cfg, "only"), skip=_get(cfg, "skip"))
     search = parse_search(preset.get("search"), dict(preset.get("common") or {}))
     if search is not None and device.type == "cpu" and not search.emulate_on_cpu:
         raise BenchConfigError(
@@ -157,6 +157,12 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
             else:
                 _say(f"{row.label}: {m.status} {m.error}", bar)
             bar.update(1)
+            if len(results) < len(rows):
+                # a run stopped here (time limit, lost machine) keeps what it measured
+                _write_outputs(Path(_get(cfg, "output_dir", "results")) / name, report.device_slug(device),
+                               preset=preset, env=env, device=device, rows=rows[:len(results)],
+                               results=results, command=command, started=started,
+                               mesa_error=mesa_error, partial_of=len(rows))
     finally:
         bar.close()
     if preset.get("interleave"):
@@ -178,16 +184,51 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     search_s = time.perf_counter() - started - rows_s
     _say(f"measured {len(rows)} configurations in {rows_s:.1f} s"
          + (f", search in {search_s:.1f} s" if search is not None else ""))
-    records = report.build_records(name, rows, results, env)
     out_dir = Path(_get(cfg, "output_dir", "results")) / name
-    out_dir.mkdir(parents=True, exist_ok=True)
     slug = report.device_slug(device)
+    md = _write_outputs(out_dir, slug, preset=preset, env=env, device=device, rows=rows,
+                        results=results, command=command, started=started,
+                        search=search, searcher=searcher, search_summary=search_summary,
+                        search_notes=search_notes, mesa_error=mesa_error)
+    print(md)
+    failed = [r.label for r, m in zip(rows, results) if m.status == "error"]
+    if profile:
+        # after the measurement files are on disk: a crash here cannot lose them
+        profiles = _profile.run_profiles(
+            rows, [m.status for m in results], device, steps=profile_steps, seed=seed,
+            progress=lambda n, what: _progress(n, show, f"{what} {name}"), say=_say)
+        paths = [out_dir / f"{slug}.profile.md", out_dir / f"{slug}.profile.csv"]
+        print(_profile.write_files(*paths, preset=name, env=env, command=command,
+                                   steps=profile_steps, rows=rows, profiles=profiles))
+        _say("wrote " + ", ".join(str(p) for p in paths))
+        report.write_index(out_dir.parent)  # again: now it links the profile too
+        failed += [f"{p.label} (profile)" for p in profiles if p.status == "error"]
+    if failed:
+        _say(f"error: {len(failed)} configuration(s) failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def _write_outputs(out_dir: Path, slug: str, *, preset: dict, env: dict, device: torch.device,
+                   rows: list[RowConfig], results: list[Measurement], command: str, started: float,
+                   search=None, searcher=None, search_summary: list[dict[str, Any]] | None = None,
+                   search_notes: list[str] | None = None, mesa_error: str | None = None,
+                   partial_of: int | None = None) -> str:
+    """Write <out_dir>/<slug>.{md,csv,json,png} (and .search.csv) and the results index;
+    returns the markdown. ``partial_of``: the run's row count when only ``rows`` (its first
+    rows) are measured so far: the files then say so, and the plot waits for the end."""
+    name = preset["name"]
+    search_summary = search_summary or []
+    records = report.build_records(name, rows, results, env)
+    out_dir.mkdir(parents=True, exist_ok=True)
     files = {k: out_dir / f"{slug}.{k}" for k in ("md", "csv", "json", "png")}
     search_csv = out_dir / f"{slug}.search.csv"
 
-    png = tradeoff_plot(files["png"], records, [r.plot_label for r in rows],
-                        title=preset.get("title") or name, device=env["device"],
-                        device_type=device.type, search=search_summary or None)
+    png = None
+    if partial_of is None:
+        png = tradeoff_plot(files["png"], records, [r.plot_label for r in rows],
+                            title=preset.get("title") or name, device=env["device"],
+                            device_type=device.type, search=search_summary or None)
     if records:
         report.write_csv(files["csv"], records, report.CSV_COLUMNS)
     if search_summary:
@@ -197,7 +238,13 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
                   **{k: env[k] for k in ("device", "torch", "timm", "mesa_train", "cuda", "date")}}
                  for s in search_summary]
         report.write_csv(search_csv if records else files["csv"], srecs, report.SEARCH_CSV_COLUMNS)
-    notes = report.standard_notes(device.type) + list(preset.get("notes") or []) + search_notes
+    notes = report.standard_notes(device.type) + list(preset.get("notes") or []) + list(search_notes or [])
+    if partial_of is not None:
+        notes.insert(0, f"PARTIAL: {len(rows)} of {partial_of} configurations measured; the run "
+                        "was stopped or is still going (its end rewrites these files).")
+        if device.type == "cpu":
+            notes.insert(1, "On CPU throughput is measured after every row's memory step: "
+                            "the partial files have no timings yet.")
     if any(r.grad_checkpointing for r in rows):
         notes.append("Checkpointing rows: the meter sees only tensors saved outside the "
                      "checkpointed blocks (each block's input, kept by the checkpoint itself, "
@@ -220,28 +267,14 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     meta = {"preset": preset, "environment": env, "command": command,
             "rows": [{"config": _row_dict(r), "measurement": m.as_dict()} for r, m in zip(rows, results)],
             "search": search_summary}
+    if partial_of is not None:
+        meta["partial"] = {"measured": len(rows), "of": partial_of}
     files["json"].write_text(json.dumps(meta, indent=2, default=str))
     report.write_index(out_dir.parent)
-
-    print(md)
-    written = [p for p in (files["md"], files["csv"], search_csv, files["json"], files["png"]) if p.exists()]
-    _say("wrote " + ", ".join(str(p) for p in written))
-    failed = [r.label for r, m in zip(rows, results) if m.status == "error"]
-    if profile:
-        # after the measurement files are on disk: a crash here cannot lose them
-        profiles = _profile.run_profiles(
-            rows, [m.status for m in results], device, steps=profile_steps, seed=seed,
-            progress=lambda n, what: _progress(n, show, f"{what} {name}"), say=_say)
-        paths = [out_dir / f"{slug}.profile.md", out_dir / f"{slug}.profile.csv"]
-        print(_profile.write_files(*paths, preset=name, env=env, command=command,
-                                   steps=profile_steps, rows=rows, profiles=profiles))
-        _say("wrote " + ", ".join(str(p) for p in paths))
-        report.write_index(out_dir.parent)  # again: now it links the profile too
-        failed += [f"{p.label} (profile)" for p in profiles if p.status == "error"]
-    if failed:
-        _say(f"error: {len(failed)} configuration(s) failed: {', '.join(failed)}")
-        return 1
-    return 0
+    if partial_of is None:
+        written = [p for p in (files["md"], files["csv"], search_csv, files["json"], files["png"]) if p.exists()]
+        _say("wrote " + ", ".join(str(p) for p in written))
+    return md
 
 
 def _time_groups_interleaved(rows: list[RowConfig], results: list[Measurement], device: torch.device, *,
