@@ -63,7 +63,7 @@ def test_eager_never_traces_as_pytorch():
 @needs_extension
 @pytest.mark.parametrize("mode,opaque", [("ops", True), ("traceable", False), ("auto", True)])
 def test_the_choice_decides_what_the_graph_holds(mode, opaque):
-    """ops (and auto on CPU with the extension): mesa::observe / quantize are graph nodes;
+    """ops (and auto with the extension, on any device): mesa::observe / quantize are graph nodes;
     traceable: none, the arithmetic is plain aten ops."""
     ck.set_compile_kernels(mode)
     seen = _ops_in_graph(_model(), torch.randn(5, 3, 12, requires_grad=True))
@@ -71,6 +71,16 @@ def test_the_choice_decides_what_the_graph_holds(mode, opaque):
         assert seen.count("mesa.observe.default") == 4 and seen.count("mesa.quantize.default") == 4, seen
     else:
         assert seen == [], seen
+
+
+@needs_extension
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_keeps_the_cuda_kernels_in_the_graph():
+    """auto on a GPU: the extension's CUDA ops, not traced PyTorch (compile_kernels.py says why)."""
+    ck.set_compile_kernels("auto")
+    seen = _ops_in_graph(_model().cuda(), torch.randn(5, 3, 12, device="cuda", requires_grad=True))
+    assert seen.count("mesa.observe.default") == 4 and seen.count("mesa.quantize.default") == 4, seen
 
 
 _DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(

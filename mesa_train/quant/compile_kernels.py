@@ -9,16 +9,20 @@ Two ways to put the quantizer into a compiled graph:
   bit-identical, tests/test_traceable.py), which Inductor compiles and may fuse into the
   surrounding kernels.
 
-``"auto"`` (the default) takes ``"ops"`` for CPU tensors when the compiled extension is
-loaded, ``"traceable"`` otherwise (GPU, or the pure-PyTorch fallback ops, which have no fast
-kernel to call). Why on CPU: Inductor's C++ code for the compression is slower than the
-extension's vectorised kernels (the stochastic-rounding hash, and the estimate update that
-the partitioner recomputes as scalar code inside backward loops), and it takes minutes to
-compile. Measured on the cpu-quick DeiT (2 blocks, batch 32, Inductor, 1 thread, median of
-interleaved steps): compiled Mesa at 1.13x compiled stock's step time with ``"ops"`` against
-1.47x-1.6x with ``"traceable"``, and about 20 s of compile instead of several minutes
-(results/cpu-compile/). On a GPU the choice has not been measured yet (no GPU session so
-far): ``"traceable"`` stays the default there because Triton can fuse the passes.
+``"auto"`` (the default) takes ``"ops"`` whenever the compiled extension is loaded, on CPU and
+GPU alike, and ``"traceable"`` otherwise (the pure-PyTorch fallback ops have no fast kernel to
+call). Why: the traced compression is slow to compile and no faster to run.
+
+- CPU: Inductor's C++ code for the compression is slower than the extension's vectorised
+  kernels (the stochastic-rounding hash, and the estimate update that the partitioner
+  recomputes as scalar code inside backward loops), and takes minutes to compile. Measured on
+  the cpu-quick DeiT (2 blocks, batch 32, Inductor, 1 thread, median of interleaved steps):
+  compiled Mesa at 1.13x compiled stock's step time with ``"ops"`` against 1.47x-1.6x with
+  ``"traceable"``, and about 20 s of compile instead of several minutes (results/cpu-compile/).
+- GPU (H100, torch 2.11, 2026-11-24): compiling DeiT-S with every op compressed did not finish
+  in 6 minutes with ``"traceable"`` (the stock model compiles in under one), while the ops
+  path's kernels already run at 0.55-0.9 of a clone's bandwidth (results/kernels/). The
+  modern preset keeps a ``(traceable)`` row to compare the two where a session has the time.
 
 Set it with :func:`set_compile_kernels` (before the first compiled call: Dynamo guards on
 it, so a change recompiles) or the environment variable ``MESA_COMPILE_KERNELS``.
@@ -58,9 +62,10 @@ def compile_kernels() -> str:
 
 def traced_as_pytorch(t: torch.Tensor) -> bool:
     """Whether the compression of ``t`` runs as plain PyTorch here: only while compiling,
-    and then as the current choice says for ``t``'s device."""
+    and then as the current choice says (``t``'s device does not matter: ``auto`` follows
+    the backend, see the module doc)."""
     if not torch.compiler.is_compiling():
         return False
     if _mode != "auto":
         return _mode == "traceable"
-    return not (t.device.type == "cpu" and quant.BACKEND == "extension")
+    return quant.BACKEND != "extension"
