@@ -233,7 +233,8 @@ def test_fullgraph_under_ddp(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_train_step():
+@pytest.mark.parametrize("compile_kernels", ["ops", "traceable"], indirect=True)
+def test_cuda_graph_train_step(compile_kernels):
     """mode="reduce-overhead" captures the training step in a CUDA graph: the seeds come
     from the quantizers' device-side counters, so every replay draws fresh rounding noise
     and the estimates keep updating."""
@@ -244,6 +245,10 @@ def test_cuda_graph_train_step():
     x = inputs("deit").cuda()
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     for step in range(4):
+        # a training loop's step boundary: the graphs' outputs (the gradients too) may be
+        # overwritten by the next replay, so the gradients start from None each step
+        torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
         out = compiled(x)
         loss_of(out.float().cpu()).backward()
         ref = eager(x)

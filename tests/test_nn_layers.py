@@ -127,6 +127,22 @@ def test_forward_exact_and_grads_close(name, device, amp, in_dtype):
         assert _rel(a, b) < GRAD_RTOL, f"{name}: relative gradient error {_rel(a, b):.4f}"
 
 
+def _reproducible_backward(module, inputs, g, device, amp, runs: int = 20) -> bool:
+    """Whether ``runs`` stock backward passes give the same gradients bit for bit. On CUDA some
+    do not (reflect padding's backward accumulates with atomics: 4 distinct input gradients
+    in 20 runs on an H100, and deterministic-algorithms mode does not flag it)."""
+    if device != "cuda":
+        return True
+    first = None
+    for _ in range(runs):
+        _, grads = _run(copy.deepcopy(module), inputs, g, device, amp)
+        if first is None:
+            first = grads
+        elif not all(torch.equal(a, b) for a, b in zip(grads, first)):
+            return False
+    return True
+
+
 @pytest.mark.parametrize("device,amp,in_dtype", MODES[:2] + MODES[3:5])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_disabled_and_eval_are_stock(name, device, amp, in_dtype):
@@ -144,8 +160,14 @@ def test_disabled_and_eval_are_stock(name, device, amp, in_dtype):
         y1.backward(g)
         g1 = [x.grad for x in xs] + [p.grad for p in mesa.parameters()]
         assert torch.equal(y0, y1)
+        # Bitwise where stock's own backward is reproducible; where it is not (atomics), the
+        # same ops agree only to fp32 rounding.
+        exact = _reproducible_backward(stock, inputs, g, device, amp)
         for a, b in zip(g1, g0):
-            assert torch.equal(a, b), f"{name} ({how}): gradients are not bitwise stock"
+            if exact:
+                assert torch.equal(a, b), f"{name} ({how}): gradients are not bitwise stock"
+            else:
+                torch.testing.assert_close(a, b, msg=f"{name} ({how}): gradients differ from stock")
         for q in getattr(mesa, "quantizers", lambda: [])():
             assert not bool(q.initialized), "estimates must not change when compression is off"
 

@@ -24,6 +24,7 @@
 //   cannot change a bit.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
@@ -681,7 +682,7 @@ __device__ __forceinline__ float dec_min(uint32_t e) {
 // share one. While the stream is being captured into a CUDA graph a workspace is taken
 // per call from the caching allocator and zeroed by a memset node inside the graph
 // instead (replays stay self-contained; the graph owns that memory's lifetime through
-// the allocator's graph pool).
+// the allocator's graph pool). The cached one lives outside the allocator (see below).
 constexpr int64_t kWsHeader = 32;
 
 struct WsKey {
@@ -700,18 +701,33 @@ at::Tensor workspace(const at::Tensor& like, int64_t params, cudaStream_t stream
     C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, need * sizeof(int32_t), stream));
     return ws;
   }
-  // never destroyed: freeing CUDA memory from static destructors at exit can crash
+  // The cached workspace is cudaMalloc'ed, outside PyTorch's caching allocator: a CUDA graph
+  // tree's warm-up run (torch.compile mode="reduce-overhead") routes the allocator into its
+  // private pool, and a tensor kept across calls from there is a leak it refuses (torch 2.11:
+  // "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"). Never freed at
+  // exit: freeing CUDA memory from static destructors can crash.
+  struct Cached {
+    int32_t* ptr = nullptr;
+    int64_t cap = 0;
+  };
   static std::mutex* mu = new std::mutex();
-  static std::map<WsKey, at::Tensor>* cache = new std::map<WsKey, at::Tensor>();
+  static std::map<WsKey, Cached>* cache = new std::map<WsKey, Cached>();
   const std::lock_guard<std::mutex> lock(*mu);
-  at::Tensor& ws = (*cache)[WsKey{like.get_device(), stream}];
-  if (!ws.defined() || ws.numel() < need) {
-    // grow geometrically; at::zeros runs on the current (= this) stream, so the old
-    // buffer's memory is only reused after the launches that used it
-    const int64_t cap = std::max<int64_t>(need, ws.defined() ? 2 * ws.numel() : 4096);
-    ws = at::zeros({cap}, opts);
+  Cached& ws = (*cache)[WsKey{like.get_device(), stream}];
+  if (ws.ptr == nullptr || ws.cap < need) {
+    // grow geometrically (a one-time cost: the sizes are the model's layer shapes)
+    const int64_t cap = std::max<int64_t>(need, ws.ptr ? 2 * ws.cap : 4096);
+    int32_t* fresh = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&fresh), cap * sizeof(int32_t)));
+    C10_CUDA_CHECK(cudaMemsetAsync(fresh, 0, cap * sizeof(int32_t), stream));
+    if (ws.ptr != nullptr) {
+      // launches already queued on this stream may still use the old buffer
+      C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+      C10_CUDA_CHECK(cudaFree(ws.ptr));
+    }
+    ws = Cached{fresh, cap};
   }
-  return ws;
+  return at::from_blob(ws.ptr, {ws.cap}, opts);  // a view; the cache owns the memory
 }
 
 // ----------------------------------------------------------------------------- observe
