@@ -172,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
 
 // ----------------------------------------------------------------------------- Linear
 // mesa_train.nn.rowscale.row_exponents over the last `row_dims` dims: bitwise the same k.
-// CUDA (and empty rows): the ATen ops of the Python version, op for op. CPU: the row
+// CUDA (and empty rows): the ATen ops of the Python version, op for op (aminmax for one row dim). CPU: the row
 // maxima in one pass (row_absmax_cpu), then the same ATen mean, and the per-row
 // division, frexp and clamp as a loop over the rows (float division is correctly rounded
 // and std::frexp is what ATen's frexp calls, so each k is the same). Saves about 10 small
@@ -188,7 +188,15 @@ at::Tensor row_exponents(const at::Tensor& x, int64_t max_k, int64_t row_dims = 
   const bool fast = x.is_cpu() && x.is_contiguous() && L > 0 && x.numel() > 0 &&
                     (x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16);
   if (!fast) {
-    at::Tensor r = at::maximum(x.amax(dims, true), x.amin(dims, true).neg()).abs().to(at::kFloat);
+    // one row dim: aminmax reads x once (amin + amax read it twice), the same values
+    at::Tensor mn, mx;
+    if (row_dims == 1) {
+      std::tie(mn, mx) = at::aminmax(x, -1, true);
+    } else {
+      mn = x.amin(dims, true);
+      mx = x.amax(dims, true);
+    }
+    at::Tensor r = at::maximum(mx, mn.neg()).abs().to(at::kFloat);
     auto [mantissa, e] = at::frexp(r.mean() / r);
     return (e - 1).clamp_(0, max_k).to(at::kChar);
   }

@@ -30,9 +30,9 @@ NOT_A_PASS = {
 }
 COMPRESS = ["mesa.observe", "mesa.quantize"]
 # power-of-two row scales of Linear / LayerNorm (nn/rowscale.py, issue 10: rows far below the
-# group's grid): forward two read passes for the row absmax (amax, amin) and one scaled copy
+# group's grid): forward one read pass for the row absmax (aminmax) and one scaled copy
 # (mul by exp2(k)), the rest on one float per row; backward one multiply of the dequantized tensor
-ROWSCALE_FWD = ["aten.amax", "aten.amin", "aten.neg", "aten.maximum", "aten.abs", "aten.mean", "aten.div",
+ROWSCALE_FWD = ["aten.aminmax", "aten.neg", "aten.maximum", "aten.abs", "aten.mean", "aten.div",
                 "aten.frexp", "aten.sub", "aten.clamp_", "aten._to_copy", "aten._to_copy", "aten.exp2", "aten.mul"]
 ROWSCALE_BWD = ["aten._to_copy", "aten.neg_", "aten.exp2", "aten.mul_"]
 # The same on the CPU fast path (the C++ layer ops, csrc/layers_autograd.cpp): the row maxima
