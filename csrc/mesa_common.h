@@ -260,6 +260,9 @@ int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const
                                const at::Tensor& beta_est, const at::Tensor& initialized, double decay,
                                bool per_sample);
 // observe: the checks of group_minmax plus the estimate state and rng; returns the layout.
+int64_t check_estimate_and_seed(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
+                                const at::Tensor& beta_est, const at::Tensor& initialized, const at::Tensor& rng,
+                                double decay, bool per_sample);
 Layout check_observe(const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est,
                      const at::Tensor& initialized, const at::Tensor& rng, int64_t dim, int64_t num_groups,
                      double decay, bool per_sample);

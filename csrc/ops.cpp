@@ -205,6 +205,14 @@ void check_seed_tensor(const char* what, const at::Tensor& t, const c10::Device&
   TORCH_CHECK_VALUE(t.device() == device, "mesa: ", what, " is on ", t.device(), " but the input is on ", device);
 }
 
+int64_t check_estimate_and_seed(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
+                                const at::Tensor& beta_est, const at::Tensor& initialized, const at::Tensor& rng,
+                                double decay, bool per_sample) {
+  const int64_t G = check_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample);
+  check_seed_tensor("estimate_and_seed: rng ([key, counter])", rng, mn.device());
+  return G;
+}
+
 Layout check_observe(const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est,
                      const at::Tensor& initialized, const at::Tensor& rng, int64_t dim, int64_t num_groups,
                      double decay, bool per_sample) {
@@ -232,6 +240,14 @@ TORCH_LIBRARY(mesa, m) {
   m.def(
       "update_estimates(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
       "float decay, bool per_sample, bool symmetric, bool valid) -> (Tensor alpha, Tensor beta)");
+  // update_estimates + the seed step in one op (one launch on CUDA): observe without the
+  // min/max pass. The traced compression under torch.compile calls it after a traced
+  // group_minmax: the per-group bookkeeping (about 150 small ops traced) stays one graph
+  // node, while the passes over the activation stay visible to Inductor.
+  m.def(
+      "estimate_and_seed(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
+      "Tensor(c!) initialized, Tensor(d!) rng, float decay, bool per_sample, bool symmetric, bool valid) -> "
+      "(Tensor alpha, Tensor beta, Tensor seed)");
   // group_minmax + update_estimates (valid = numel > 0) + the seed step in one op (one
   // launch on CUDA): returns this batch's (S, G) alpha/beta and a fresh quantize seed,
   // advances rng = [key, counter] in place (DESIGN.md, "Seed step").

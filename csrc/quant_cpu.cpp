@@ -598,15 +598,9 @@ std::tuple<at::Tensor, at::Tensor> update_estimates_cpu(const at::Tensor& mn, co
   return update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid, G);
 }
 
-// observe = group_minmax + update_estimates(valid = numel > 0) + the seed step.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cpu(const at::Tensor& x, const at::Tensor& alpha_est,
-                                                           const at::Tensor& beta_est, const at::Tensor& initialized,
-                                                           const at::Tensor& rng, int64_t dim, int64_t num_groups,
-                                                           double decay, bool per_sample, bool symmetric) {
-  const Layout L = check_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample);
-  const auto [mn, mx] = group_minmax_impl(x, L);
-  auto [alpha, beta] = update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
-                                             L.numel > 0, L.G);
+// The seed step (DESIGN.md, "Seed step"): a fresh [seed_lo, seed_hi] from rng = [key,
+// counter], whose counter advances by one (mod 2^32) in place.
+at::Tensor seed_step_cpu(const at::Tensor& rng) {
   int64_t* r = rng.mutable_data_ptr<int64_t>();
   const int64_t st = rng.stride(0);
   uint32_t lo, hi;
@@ -616,7 +610,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cpu(const at::Tensor& x, 
   seed.mutable_data_ptr<int64_t>()[0] = lo;
   seed.mutable_data_ptr<int64_t>()[1] = hi;
   r[st] = static_cast<int64_t>(static_cast<uint32_t>(counter + 1u));
-  return {alpha, beta, seed};
+  return seed;
+}
+
+// estimate_and_seed = update_estimates + the seed step (observe without the min/max pass).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> estimate_and_seed_cpu(
+    const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est, const at::Tensor& beta_est,
+    const at::Tensor& initialized, const at::Tensor& rng, double decay, bool per_sample, bool symmetric, bool valid) {
+  const int64_t G = check_estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay, per_sample);
+  auto [alpha, beta] =
+      update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid, G);
+  return {alpha, beta, seed_step_cpu(rng)};
+}
+
+// observe = group_minmax + update_estimates(valid = numel > 0) + the seed step.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cpu(const at::Tensor& x, const at::Tensor& alpha_est,
+                                                           const at::Tensor& beta_est, const at::Tensor& initialized,
+                                                           const at::Tensor& rng, int64_t dim, int64_t num_groups,
+                                                           double decay, bool per_sample, bool symmetric) {
+  const Layout L = check_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample);
+  const auto [mn, mx] = group_minmax_impl(x, L);
+  auto [alpha, beta] = update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
+                                             L.numel > 0, L.G);
+  return {alpha, beta, seed_step_cpu(rng)};
 }
 
 // ----------------------------------------------------------------------------- bit widths
@@ -771,6 +787,7 @@ TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("dequantize", &dequantize_cpu);
   m.impl("update_estimates", &update_estimates_cpu);
   m.impl("observe", &observe_cpu);
+  m.impl("estimate_and_seed", &estimate_and_seed_cpu);
   m.impl("quantize_bits", &quantize_bits_cpu);
   m.impl("dequantize_bits", &dequantize_bits_cpu);
 }

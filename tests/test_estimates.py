@@ -235,3 +235,70 @@ def test_cuda_many_groups_and_opcheck():
         _check_same(got, want)
     for args in _opcheck_cases("cuda"):
         opcheck(torch.ops.mesa.update_estimates.default, args)
+
+
+# --------------------------------------------------------------------------- estimate_and_seed
+# update_estimates + the seed step in one op: what the traced compression calls after its own
+# min/max pass under torch.compile (quant/traceable.py).
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_sample,symmetric,init,valid,kind", CASES)
+def test_estimate_and_seed_matches_reference(per_sample, symmetric, init, valid, kind, device):
+    """Bit for bit the reference's update_estimates followed by its seed step: outputs, the
+    mutated buffers and flag, and the rng counter (also at the 2**32 wrap)."""
+    i = CASES.index((per_sample, symmetric, init, valid, kind))
+    (mn, mx), (a, b, _), decay = _case_args(per_sample, kind, i)
+    rng = Q.rng_state(key=1000 + i, counter=(2**32 - 1) if i % 5 == 0 else i)
+
+    def run(fn, dev):
+        a_, b_, init_, rng_ = a.clone().to(dev), b.clone().to(dev), torch.tensor(init, device=dev), rng.clone().to(dev)
+        out = fn(mn.to(dev), mx.to(dev), a_, b_, init_, rng_, decay, per_sample, symmetric, valid)
+        return [t.cpu() for t in (*out, a_, b_, init_, rng_)]
+
+    def reference(mn_, mx_, a_, b_, init_, rng_, *rest):
+        alpha, beta = R.update_estimates(mn_, mx_, a_, b_, init_, *rest)
+        return alpha, beta, R.seed_step(rng_)
+
+    got = run(torch.ops.mesa.estimate_and_seed, device)
+    want = run(reference, "cpu")
+    names = ("alpha", "beta", "seed", "alpha_est", "beta_est", "initialized", "rng")
+    for n, g_, w in zip(names, got, want):
+        assert g_.shape == w.shape and g_.dtype == w.dtype, n
+        assert torch.equal(_bits(g_), _bits(w)), f"{n}: {g_} != {w}"
+
+
+def test_estimate_and_seed_equals_observe_after_its_minmax():
+    """observe == group_minmax + estimate_and_seed, on the same state (the traced path's split)."""
+    x = torch.randn(4, 7, 12)
+    state = [torch.rand(3), torch.randn(3), torch.tensor(True), Q.rng_state(key=9, counter=41)]
+    s1, s2 = [t.clone() for t in state], [t.clone() for t in state]
+    want = torch.ops.mesa.observe(x, *s1, 2, 3, 0.9, False, False)
+    mn, mx = torch.ops.mesa.group_minmax(x, 2, 3, False)
+    got = torch.ops.mesa.estimate_and_seed(mn, mx, *s2, 0.9, False, False, True)
+    for g_, w in zip([*got, *s2], [*want, *s1]):
+        assert torch.equal(_bits(g_), _bits(w))
+
+
+def test_estimate_and_seed_bad_rng_is_a_one_line_error():
+    mn, mx = _stats(1, 3, "finite", 0)
+    args = (mn, mx, torch.zeros(3), torch.zeros(3), torch.tensor(False))
+    for impl in (Q.estimate_and_seed, torch.ops.mesa.estimate_and_seed):
+        with pytest.raises(ValueError, match=r"estimate_and_seed: rng \(\[key, counter\]\) must be an int64 tensor of shape \(2,\)"):
+            impl(*args, torch.zeros(3, dtype=torch.int64), 0.9, False, False, True)
+
+
+def _opcheck_seed_cases(device):
+    return [(*args[:5], Q.rng_state(key=3, counter=7, device=device), *args[5:])
+            for args in _opcheck_cases(device)]
+
+
+def test_estimate_and_seed_opcheck_cpu():
+    for args in _opcheck_seed_cases("cpu"):
+        opcheck(torch.ops.mesa.estimate_and_seed.default, args)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_estimate_and_seed_opcheck_cuda():
+    for args in _opcheck_seed_cases("cuda"):
+        opcheck(torch.ops.mesa.estimate_and_seed.default, args)

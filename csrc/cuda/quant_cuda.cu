@@ -1054,19 +1054,22 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cuda(const at::Tensor& x_in, int
 }
 
 // ----------------------------------------------------------------------------- update_estimates
-// The whole running-estimate update in one block (G is small: heads or channel groups).
+// The whole running-estimate update in one block (G is small: heads or channel groups),
+// and with sd.rng set (estimate_and_seed) the seed step, by thread 0 as in observe.
 __global__ void __launch_bounds__(kThreads)
 update_estimates_kernel(const float* __restrict__ mn, const float* __restrict__ mx, int64_t S, int64_t G,
-                        const EstimateArgs est) {
+                        const EstimateArgs est, const SeedArgs sd) {
   __shared__ uint32_t s_bmin[kSlots], s_bmax[kSlots];
   estimate_update(FloatStats{mn, mx}, S, G, est, s_bmin, s_bmax);
+  if (sd.rng != nullptr && threadIdx.x == 0) seed_step_device(sd);
 }
 
-std::tuple<at::Tensor, at::Tensor> update_estimates_cuda(const at::Tensor& mn_in, const at::Tensor& mx_in,
-                                                         const at::Tensor& alpha_est, const at::Tensor& beta_est,
-                                                         const at::Tensor& initialized, double decay, bool per_sample,
-                                                         bool symmetric, bool valid) {
-  const int64_t G = check_update_estimates(mn_in, mx_in, alpha_est, beta_est, initialized, decay, per_sample);
+// update_estimates (seed == nullptr) or estimate_and_seed (rng and seed set): one launch.
+std::tuple<at::Tensor, at::Tensor> launch_update_estimates(const at::Tensor& mn_in, const at::Tensor& mx_in,
+                                                           const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                                                           const at::Tensor& initialized, double decay,
+                                                           bool per_sample, bool symmetric, bool valid, int64_t G,
+                                                           const at::Tensor* rng, at::Tensor* seed) {
   const c10::cuda::OptionalCUDAGuard guard(mn_in.device());
   const at::Tensor mn = mn_in.contiguous(), mx = mx_in.contiguous();
   const int64_t S = mn.size(0);
@@ -1076,10 +1079,34 @@ std::tuple<at::Tensor, at::Tensor> update_estimates_cuda(const at::Tensor& mn_in
                          initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
                          static_cast<float>(1.0 - decay), per_sample, symmetric, valid,
                          out_a.mutable_data_ptr<float>(), out_b.mutable_data_ptr<float>()};
+  SeedArgs sd{};
+  if (rng != nullptr) {
+    *seed = at::empty({2}, rng->options());
+    sd = SeedArgs{rng->mutable_data_ptr<int64_t>(), rng->stride(0), seed->mutable_data_ptr<int64_t>()};
+  }
   update_estimates_kernel<<<1, kThreads, 0, stream>>>(mn.const_data_ptr<float>(), mx.const_data_ptr<float>(), S, G,
-                                                      est);
+                                                      est, sd);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out_a, out_b};
+}
+
+std::tuple<at::Tensor, at::Tensor> update_estimates_cuda(const at::Tensor& mn, const at::Tensor& mx,
+                                                         const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                                                         const at::Tensor& initialized, double decay, bool per_sample,
+                                                         bool symmetric, bool valid) {
+  const int64_t G = check_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample);
+  return launch_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid, G,
+                                 nullptr, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> estimate_and_seed_cuda(
+    const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est, const at::Tensor& beta_est,
+    const at::Tensor& initialized, const at::Tensor& rng, double decay, bool per_sample, bool symmetric, bool valid) {
+  const int64_t G = check_estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay, per_sample);
+  at::Tensor seed;
+  auto [alpha, beta] = launch_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
+                                               valid, G, &rng, &seed);
+  return {alpha, beta, seed};
 }
 
 }  // namespace
@@ -1090,6 +1117,7 @@ TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("dequantize", &dequantize_cuda);
   m.impl("update_estimates", &update_estimates_cuda);
   m.impl("observe", &observe_cuda);
+  m.impl("estimate_and_seed", &estimate_and_seed_cuda);
   m.impl("quantize_bits", &quantize_bits_cuda);
   m.impl("dequantize_bits", &dequantize_bits_cuda);
 }

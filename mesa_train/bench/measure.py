@@ -64,6 +64,7 @@ class Measurement:
     timed_steps: int = 0
     graphs: int | None = None  # compiled rows: graphs Dynamo captured (1 = the whole step's forward)
     graph_breaks: int | None = None  # compiled rows: graph breaks Dynamo took
+    compile_s: float | None = None  # compiled rows: the first warm-up step, compilation included
     final_loss: float | None = None
     wall_s: float | None = None  # the whole measurement, build included
     notes: list[str] = field(default_factory=list)
@@ -273,6 +274,7 @@ class TrainStep:
 
     def __init__(self, row: RowConfig, model, device: torch.device, seed: int = 0):
         self.row, self.model, self.device = row, model, device
+        self.first_step_s: float | None = None  # set by warm_step (compilation included)
         # what runs forward: the compiled wrapper shares the model's parameters and buffers
         self.forward_model = (torch.compile(model, mode=row.compile_mode, backend=row.compile_backend)
                               if row.compile else model)
@@ -341,8 +343,12 @@ def warm_step(row: RowConfig, device: torch.device, *, seed: int, fresh_cache: b
         torch._dynamo.reset()  # a fresh cache (and counters) per row: its graphs alone
         torch._dynamo.utils.counters.clear()
     step = TrainStep(row, build_for_row(row, device), device, seed=seed)
-    for _ in range(max(row.warmup, 1 if row.compile else 0)):  # compiling is not timed
+    for i in range(max(row.warmup, 1 if row.compile else 0)):  # compiling is not timed
+        t0 = time.perf_counter()
         step()
+        if i == 0:
+            synchronize(device)
+            step.first_step_s = time.perf_counter() - t0  # compiled rows: compilation included
     synchronize(device)
     return step
 
@@ -359,6 +365,7 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
     step = warm_step(row, device, seed=seed)
     if row.compile:
         result.graphs, result.graph_breaks = dynamo_graphs()
+        result.compile_s = step.first_step_s
     result.n_params = sum(p.numel() for p in step.model.parameters())
     if row.warmup and not step.optimizer.state:
         result.notes.append("optimizer state not allocated after warm-up (GradScaler skipped "

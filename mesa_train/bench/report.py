@@ -24,7 +24,7 @@ from mesa_train.bench.presets import RowConfig
 CSV_COLUMNS = [
     "preset", "label", "group", "baseline", "model", "mesa", "ops", "modules",
     "batch_size", "micro_batch", "accum_steps", "img_size", "amp", "attention",
-    "grad_checkpointing", "compile", "graphs", "graph_breaks", "num_classes", "status", "error", "params_m",
+    "grad_checkpointing", "compile", "graphs", "graph_breaks", "compile_s", "num_classes", "status", "error", "params_m",
     "saved_mb", "saved_ratio", "peak_mb", "peak_ratio", "peak_kind", "step_rss_mb",
     "step_rss_ratio", "reserved_mb", "throughput", "throughput_ratio", "throughput_mean",
     "step_ms_median", "timed_steps", "wall_s", "paper_row", "paper_memory_mb", "paper_memory_ratio", "paper_throughput",
@@ -117,7 +117,7 @@ def build_records(preset: str, rows: list[RowConfig], results: list[Measurement]
             "compile": ((row.compile_mode or "default")
                         + ("" if row.compile_kernels == "auto" else f", {row.compile_kernels} kernels")
                         if row.compile else ""),
-            "graphs": m.graphs, "graph_breaks": m.graph_breaks,
+            "graphs": m.graphs, "graph_breaks": m.graph_breaks, "compile_s": m.compile_s,
             "status": m.status, "error": m.error or "; ".join(m.notes),
             "params_m": None if m.n_params is None else m.n_params / 1e6,
             "saved_mb": m.saved_mb, "peak_mb": m.peak_mb, "peak_kind": m.peak_kind,
@@ -183,8 +183,10 @@ DESCRIPTIVE_COLUMNS = {
     "ops": ("Mesa ops", lambda r: r["ops"] or "–"),
     "modules": ("Mesa modules", lambda r: r["modules"] or "–"),
     "ckpt": ("Checkpointing", lambda r: "yes" if r["grad_checkpointing"] else "no"),
-    "compile": ("torch.compile (graphs / breaks)",
-                lambda r: f"{r['compile']} ({r['graphs']} / {r['graph_breaks']})" if r["compile"] else "eager"),
+    "compile": ("torch.compile (graphs / breaks, first step s)",
+                lambda r: (f"{r['compile']} ({r['graphs']} / {r['graph_breaks']}"
+                           + ("" if r.get("compile_s") is None else f", {r['compile_s']:.0f} s") + ")")
+                if r["compile"] else "eager"),
 }
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "dequantize",
     "update_estimates",
     "observe",
+    "estimate_and_seed",
     "rng_state",
     "seed_tensor",
     "BACKEND",
@@ -67,6 +68,11 @@ _SCHEMAS = {
         "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
         "int dim, int num_groups, float decay, bool per_sample, bool symmetric) -> (Tensor alpha, Tensor beta, "
         "Tensor seed)"
+    ),
+    "estimate_and_seed": (
+        "estimate_and_seed(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
+        "Tensor(c!) initialized, Tensor(d!) rng, float decay, bool per_sample, bool symmetric, bool valid) -> "
+        "(Tensor alpha, Tensor beta, Tensor seed)"
     ),
     "quantize_bits": (
         "quantize_bits(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, int bits, bool pow2, "
@@ -129,6 +135,11 @@ def _ref_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, deca
     return reference.observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric)
 
 
+def _ref_estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay, per_sample, symmetric, valid):
+    return reference.estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay, per_sample, symmetric,
+                                       valid)
+
+
 def _ref_quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic, seed):
     return reference.quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic, seed)
 
@@ -145,6 +156,7 @@ _REF_IMPLS = {
     "dequantize": _ref_dequantize,
     "update_estimates": _ref_update_estimates,
     "observe": _ref_observe,
+    "estimate_and_seed": _ref_estimate_and_seed,
 }
 
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
@@ -247,6 +259,12 @@ def _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, dec
     )
 
 
+def _fake_estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay, per_sample, symmetric, valid):
+    check_estimate_args(mn, mx, alpha_est, beta_est, initialized, decay, per_sample)
+    check_seed(rng, mn, "estimate_and_seed: rng ([key, counter])")
+    return mn.new_empty(mn.shape), mn.new_empty(mn.shape), rng.new_empty((2,))
+
+
 def _fake_quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic, seed):
     reference.check_bits(bits)
     check_quantize_args(x, alpha, beta, dim, num_groups)
@@ -268,6 +286,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::dequantize")(_fake_dequantize)
     torch.library.register_fake("mesa::update_estimates")(_fake_update_estimates)
     torch.library.register_fake("mesa::observe")(_fake_observe)
+    torch.library.register_fake("mesa::estimate_and_seed")(_fake_estimate_and_seed)
     torch.library.register_fake("mesa::quantize_bits")(_fake_quantize_bits)
     torch.library.register_fake("mesa::dequantize_bits")(_fake_dequantize_bits)
 
@@ -388,6 +407,28 @@ def observe(
     dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
     return torch.ops.mesa.observe(
         x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay), bool(per_sample), bool(symmetric)
+    )
+
+
+def estimate_and_seed(
+    mn: torch.Tensor,
+    mx: torch.Tensor,
+    alpha_est: torch.Tensor,
+    beta_est: torch.Tensor,
+    initialized: torch.Tensor,
+    rng: torch.Tensor,
+    decay: float,
+    per_sample: bool = False,
+    symmetric: bool = False,
+    valid: bool = True,
+):
+    """:func:`update_estimates` + the seed step in one op (one launch on CUDA): what
+    :func:`observe` does after its min/max pass, for callers that computed ``(mn, mx)``
+    themselves (the traced compression under ``torch.compile``). Returns ``(alpha, beta, seed)``."""
+    check_estimate_args(mn, mx, alpha_est, beta_est, initialized, decay, per_sample)
+    check_seed(rng, mn, "estimate_and_seed: rng ([key, counter])")
+    return torch.ops.mesa.estimate_and_seed(
+        mn, mx, alpha_est, beta_est, initialized, rng, float(decay), bool(per_sample), bool(symmetric), bool(valid)
     )
 
 

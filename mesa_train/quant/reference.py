@@ -485,6 +485,15 @@ def seed_step(rng: torch.Tensor) -> torch.Tensor:
     return seed
 
 
+def estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay: float, per_sample: bool,
+                      symmetric: bool, valid: bool):
+    """:func:`update_estimates` + :func:`seed_step`: ``observe`` without the min/max pass.
+    Returns ``(alpha, beta, seed)``."""
+    check_seed(rng, mn, "estimate_and_seed: rng ([key, counter])")
+    alpha, beta = update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid)
+    return alpha, beta, seed_step(rng)
+
+
 def observe(
     x: torch.Tensor,
     alpha_est: torch.Tensor,

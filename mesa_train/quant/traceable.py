@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-# canonical, seed_step and update_estimates are the reference's own: already tensor-only
-from .reference import canonical, seed_step, update_estimates
+# canonical and seed_step are the reference's own: already tensor-only
+from .reference import canonical, seed_step
 
 __all__ = ["group_minmax", "observe", "seed_step", "quantize", "dequantize", "canonical"]
 
@@ -80,13 +80,17 @@ def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = 
 
 def observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
             per_sample: bool, symmetric: bool):
-    """``mesa::observe``: batch min/max, running-estimate step, seed step (one op when eager)."""
+    """``mesa::observe``: batch min/max, running-estimate step, seed step (one op when eager).
+
+    The min/max pass over ``x`` is traced (Inductor may fuse it with the kernel producing
+    ``x``); the estimate and seed steps, which work on ``G`` floats and two integers, are one
+    opaque op (``mesa::estimate_and_seed``): traced they were about 150 graph nodes per
+    compression, 64% of the traced compression's nodes, for nothing to fuse (a grid-wide
+    reduction must finish before them anyway), and they made compiling a whole model slow
+    (DeiT-S on an H100: not done in 6 minutes)."""
     mn, mx = group_minmax(x, dim, num_groups, per_sample)
-    alpha, beta = update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
-                                   x.numel() > 0)
-    # fresh tensors (their bits are canonical already): the returned ones alias tensors the
-    # buffer update used, and an alias cannot leave a compiled autograd.Function's forward
-    return alpha.clone(), beta.clone(), seed_step(rng)
+    return torch.ops.mesa.estimate_and_seed.default(mn, mx, alpha_est, beta_est, initialized, rng, float(decay),
+                                                    bool(per_sample), bool(symmetric), x.numel() > 0)
 
 
 def _per_element(t: torch.Tensor, params, dim: int, G: int):
