@@ -118,3 +118,47 @@ def test_config_rejects_an_unknown_choice(compose_train):
                                           r"traceable"):
         validate(cfg)
 
+
+
+def _saved_between_passes(model, x) -> dict[torch.dtype, int]:
+    """Bytes per dtype that the min-cut partitioner (Inductor's) keeps from forward for
+    backward: the backward graph's tensor inputs (parameters included)."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    saved: dict[torch.dtype, int] = {}
+
+    def backward_compiler(gm, example_inputs):
+        for t in example_inputs:
+            if isinstance(t, torch.Tensor):
+                saved[t.dtype] = saved.get(t.dtype, 0) + t.numel() * t.element_size()
+        return gm
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=backward_compiler,
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
+    return saved
+
+
+@pytest.mark.parametrize("mode", ["ops", "traceable"])
+def test_the_partitioner_keeps_the_codes_not_the_activations(mode):
+    """Under compile the partitioner decides what crosses from forward to backward, and may
+    recompute what is cheap: with the compression traced it could keep an activation and
+    quantize it again in backward. It keeps the uint8 codes: the float bytes saved are the
+    parameters' (and a few per-row / per-group floats), the activations are all uint8."""
+    from mesa_train.models import build_model
+    from mesa_train.patch import patch_model
+
+    torch.manual_seed(0)
+    stock = build_model("deit_s", fused_attn=False, img_size=64, num_classes=10, depth=1)
+    mesa = patch_model(copy.deepcopy(stock), ops=["all"])
+    x = torch.randn(16, 3, 64, 64)
+    params = sum(p.numel() * p.element_size() for p in stock.parameters())
+    stock_saved = _saved_between_passes(stock, x)
+    ck.set_compile_kernels(mode)
+    mesa_saved = _saved_between_passes(mesa, x)
+    stock_acts = stock_saved[torch.float32] - params
+    assert stock_acts > 0.2 * params, stock_saved  # the check below has something to see
+    assert mesa_saved[torch.float32] - params < 0.05 * stock_acts, (mode, mesa_saved, stock_saved)
+    assert 0.2 * stock_acts < mesa_saved[torch.uint8] < 0.3 * stock_acts, (mode, mesa_saved, stock_saved)
