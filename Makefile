@@ -30,7 +30,7 @@ gpu-results: $(STAMP)  ## on a GPU machine: CUDA tests, kernel bandwidth and eve
 	$(PY) -m pytest -q -m cuda tests
 	$(PY) -m mesa_train.quant.benchmark
 	@# table1 and modern also write <device>.profile.md: where Mesa's extra time goes
-	for preset in table1 modern; do \
+	for preset in table1 modern speed; do \
 		$(PY) -m mesa_train.bench preset=$$preset profile=true || exit 1; \
 	done
 	for preset in table7 table8 table13 table14 table9; do \

@@ -3,12 +3,14 @@
 # pure-Python packages carried as wheels in .whl/ (made here by `make gpu-wheels`), build
 # the extension for this GPU's architecture only, then run, in priority order and each
 # bounded in time: the CUDA tests, the kernel bandwidth benchmark, the DeiT-S rows of
-# table1 and modern (eager and compiled) with profile=true. Results land in results/
-# (named after the GPU) and, when $OUT is set (the device tool), also in $OUT.
+# table1 and modern (eager and compiled) with profile=true, then the speed preset's knobs.
+# Results land in results/ (named after the GPU) and, when $OUT is set (the device tool),
+# also in $OUT.
 #
-#   bash scripts/gpu_session.sh            # everything: up to 15.5 minutes of step limits
+#   bash scripts/gpu_session.sh            # everything: up to 23.5 minutes of step limits
 #   STEPS="tests kernels" bash scripts/gpu_session.sh    # the device tool allows 10 minutes a
-#   STEPS="table1 modern" bash scripts/gpu_session.sh    # command: run it as these two calls
+#   STEPS="table1 modern" bash scripts/gpu_session.sh    # command: run it as these three calls
+#   STEPS=speed bash scripts/gpu_session.sh              # (each under 10 minutes on an H100)
 #   TESTS="tests/test_x.py" TESTS_LIMIT=120 STEPS=tests ...  # a few tests again, after a fix
 #
 # results/ is packed into $OUT after every step, so a call stopped at its limit still brings
@@ -17,7 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-STEPS=${STEPS:-"tests kernels table1 modern"}
+STEPS=${STEPS:-"tests kernels table1 modern speed"}
 LOG_DIR=${OUT:-results/gpu-session}
 mkdir -p "$LOG_DIR"
 
@@ -72,7 +74,9 @@ for s in $STEPS; do
     table1)  step table1-deit-s 150 $PY -m mesa_train.bench preset=table1 only=DeiT-S profile=true progress=false ;;
     # skip=traceable: that row's compile alone outlasts a 10-minute call (compile_kernels.py)
     modern)  step modern-deit-s ${MODERN_LIMIT:-420} $PY -m mesa_train.bench preset=modern only=DeiT-S skip=traceable profile=true progress=false ;;
-    *) echo "unknown step $s; valid: tests kernels table1 modern"; exit 2 ;;
+    # one knob at a time (row scales, rounding, ops vs traceable, CUDA graphs): where the time goes
+    speed)   step speed-deit-s ${SPEED_LIMIT:-480} $PY -m mesa_train.bench preset=speed profile=true progress=false ;;
+    *) echo "unknown step $s; valid: tests kernels table1 modern speed"; exit 2 ;;
   esac
 done
 

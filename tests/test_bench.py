@@ -387,3 +387,22 @@ def test_skip_drops_rows_but_keeps_baselines():
     assert "DeiT-S explicit compiled" in kept  # the group's baseline stays
     with pytest.raises(BenchConfigError, match="skip='nothing' matches no"):
         expand_preset(modern, skip="nothing")
+
+
+def test_speed_preset_runs_every_knob(tmp_path):
+    """The speed preset's knobs (row scales off, nearest rounding, ops vs traceable under
+    compile, CUDA graphs) each reach the measured model: shrunk onto the CPU (aot_eager)."""
+    proc = _run("preset=speed", "allow_cpu=true", f"output_dir={tmp_path}", "progress=false", "threads=1",
+                "+preset.common.model_kwargs={depth:1}", "preset.common.img_size=32", "preset.common.batch_size=2",
+                "preset.common.steps=1", "preset.common.warmup=1", "+preset.common.compile_backend=aot_eager",
+                "preset.common.num_classes=10")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    meta = json.loads((tmp_path / "speed" / "cpu.json").read_text())
+    rows = {r["config"]["label"]: r for r in meta["rows"]}
+    assert [r["config"]["label"] for r in meta["rows"]] == [r["label"] for r in _preset_dict("speed")["rows"]]
+    assert all(r["measurement"]["status"] == "ok" for r in rows.values()), rows
+    assert rows["Mesa eager no row scale"]["config"]["quant"] == {"row_scale": False}
+    assert rows["Mesa eager nearest"]["config"]["quant"] == {"rounding": "nearest"}
+    assert rows["Mesa compiled traceable"]["config"]["compile_kernels"] == "traceable"
+    assert rows["Mesa CUDA graphs"]["config"]["compile_mode"] == "reduce-overhead"
+    assert rows["Mesa CUDA graphs"]["measurement"]["graph_breaks"] == 0

@@ -119,6 +119,8 @@ class RowConfig:
         if self.mesa:
             bits.append("mesa[" + ",".join(self.ops) + ("|" + ",".join(self.modules)
                                                          if tuple(self.modules) != ("all",) else "") + "]")
+            if self.quant:
+                bits.append("(" + ", ".join(f"{k}={v}" for k, v in sorted(self.quant.items())) + ")")
         if self.grad_checkpointing:
             bits.append("ckpt")
         if self.accum_steps > 1:

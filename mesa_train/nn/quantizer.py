@@ -411,9 +411,9 @@ class ActivationQuantizer(nn.Module):
         ``mesa::quantize``), called directly rather than through the checking wrappers of
         :mod:`mesa_train.quant` (the kernels validate their arguments, and Python checks
         here would cost real time for every activation of every step). Under
-        ``torch.compile`` either the same ops (opaque graph nodes: the default on CPU) or the
-        same arithmetic in plain PyTorch (:mod:`mesa_train.quant.traceable`), which Inductor
-        can fuse with the kernels around it (the default on GPU); see
+        ``torch.compile`` either the same ops (opaque graph nodes: the default with the
+        extension) or the same arithmetic in plain PyTorch (:mod:`mesa_train.quant.traceable`),
+        which Inductor can fuse with the kernels around it; see
         :mod:`mesa_train.quant.compile_kernels`.
         """
         opts = self.options
