@@ -20,6 +20,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 STEPS=${STEPS:-"tests kernels table1 modern speed"}
+VALID_STEPS="tests kernels table1 modern speed"
+for s in $STEPS; do  # a typo fails here, before minutes of install and build
+  case " $VALID_STEPS " in *" $s "*) ;; *) echo "gpu_session.sh: unknown step '$s'; valid: $VALID_STEPS"; exit 2 ;; esac
+done
 LOG_DIR=${OUT:-results/gpu-session}
 mkdir -p "$LOG_DIR"
 
@@ -37,6 +41,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, pack, neve
   pack
 }
 
+# 0. a CUDA device for $PY (checked first: nothing is installed or built without one)
+ARCH=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null) || { echo "gpu_session.sh: no CUDA device visible to $PY (this script is for the lent GPU machine)"; exit 1; }
+echo "GPU: $($PY -c 'import torch; print(torch.cuda.get_device_name())'), arch $ARCH, torch $($PY -c 'import torch; print(torch.__version__)')"
+
 # 1. packages this image lacks (pure Python, carried as wheels)
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -46,8 +54,6 @@ else
 fi
 
 # 2. the extension, for this GPU only (one arch: minutes instead of three archs' worth)
-ARCH=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null) || { echo "gpu_session.sh: no CUDA device visible to $PY (this script is for the lent GPU machine)"; exit 1; }
-echo "GPU: $($PY -c 'import torch; print(torch.cuda.get_device_name())'), arch $ARCH, torch $($PY -c 'import torch; print(torch.__version__)')"
 # A build carried from an earlier call of this session (the machine went back between calls;
 # .gpubuild/ holds the .so the first call left in $OUT) is reused when it loads with CUDA kernels.
 if ls .gpubuild/_C*.so >/dev/null 2>&1; then
@@ -76,7 +82,7 @@ for s in $STEPS; do
     modern)  step modern-deit-s ${MODERN_LIMIT:-420} $PY -m mesa_train.bench preset=modern only=DeiT-S skip=traceable profile=true progress=false ;;
     # one knob at a time (row scales, rounding, ops vs traceable, CUDA graphs): where the time goes
     speed)   step speed-deit-s ${SPEED_LIMIT:-480} $PY -m mesa_train.bench preset=speed profile=true progress=false ;;
-    *) echo "unknown step $s; valid: tests kernels table1 modern speed"; exit 2 ;;
+    *) echo "gpu_session.sh: unknown step $s; valid: $VALID_STEPS"; exit 2 ;;
   esac
 done
 
