@@ -191,6 +191,15 @@ def test_bad_row_values_name_the_choices():
         expand_preset({"common": common, "rows": [{"label": "a"}, {"label": "b"}]})
 
 
+def test_cuda_graphs_with_gradient_accumulation_is_a_clear_error():
+    from mesa_train.bench.presets import BenchConfigError, check_row, make_row
+
+    row = make_row({"model": "deit_ti"}, {"label": "x", "compile": True, "compile_mode": "reduce-overhead",
+                                          "accum_steps": 2})
+    with pytest.raises(BenchConfigError, match="captures CUDA graphs.*use accum_steps=1 or compile_mode=default"):
+        check_row(row)
+
+
 def test_config_the_model_cannot_take():
     from mesa_train.bench.presets import BenchConfigError, check_model, make_row
 

@@ -299,6 +299,10 @@ class TrainStep:
             return F.cross_entropy(self.forward_model(x), y) / self.row.accum_steps
 
     def __call__(self) -> None:
+        if self.row.compile:
+            # a training step's boundary for CUDA-graph trees (mode="reduce-overhead"): the
+            # last step's graph outputs may be overwritten from here on (a no-op otherwise)
+            torch.compiler.cudagraph_mark_step_begin()
         self.optimizer.zero_grad(set_to_none=True)
         for x, y in self.micro_batches():
             loss = self.forward_loss(x, y)

@@ -21,6 +21,7 @@ ATTENTION_CHOICES = ("explicit", "fused")
 OPTIMIZER_CHOICES = ("adamw", "sgd")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that capture CUDA graphs
 # The names patch_model takes (docs/DESIGN.md); the patch module's own lists win when it
 # exports them (see `valid_ops`).
 _DESIGN_OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa", "all")
@@ -196,6 +197,11 @@ def check_row(row: RowConfig) -> None:
     if row.compile_mode not in COMPILE_MODES:
         raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} is not valid; valid choices: "
                                + ", ".join("null" if m is None else m for m in COMPILE_MODES))
+    if row.compile and row.compile_mode in CUDA_GRAPH_MODES and row.accum_steps > 1:
+        # each micro-batch's backward replays the graph over the memory its gradients live in
+        raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} captures CUDA graphs, whose "
+                               "gradient outputs the next micro-batch overwrites; use accum_steps=1 or "
+                               "compile_mode=default")
     if row.batch_size % row.accum_steps:
         raise BenchConfigError(f"{where}: batch_size={row.batch_size} is not divisible by "
                                f"accum_steps={row.accum_steps} (micro-batches must be equal)")
