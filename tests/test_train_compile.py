@@ -32,3 +32,45 @@ def test_compiled_mesa_training_is_one_graph(compose_train, tmp_path, monkeypatc
     counters = [int(v[1]) for k, v in ckpt.items() if k.endswith(".rng")]
     # every quantizer that ran advanced its device-side counter once per training forward
     assert counters and max(counters) == 2, counters
+
+
+def test_compile_mode_reaches_torch_compile(compose_train, tmp_path, monkeypatch):
+    """trainer.compile_mode=reduce-overhead (CUDA graphs) is passed to torch.compile, and the
+    training loop marks a step boundary before each batch (on CPU Inductor would skip the
+    graphs; here the mode is recorded and the run trains under aot_eager)."""
+    calls, marks = [], []
+    real_compile = torch.compile
+
+    def strict_compile(model, **kwargs):
+        calls.append(kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k != "mode"}  # a mode is Inductor's
+        return real_compile(model, **{**kwargs, "backend": "aot_eager", "fullgraph": True})
+
+    monkeypatch.setattr(torch, "compile", functools.wraps(real_compile)(strict_compile))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    torch._dynamo.reset()
+    cfg = compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ["mesa.enabled=true", "trainer.compile=true",
+                                                              "trainer.compile_mode=reduce-overhead"])
+    summary = fit(cfg, str(tmp_path))
+    assert [c.get("mode") for c in calls] == ["reduce-overhead"]
+    assert summary["step"] == 2 and len(marks) == 2
+
+
+def test_compile_mode_errors_name_the_choices(compose_train):
+    import pytest
+
+    from mesa_train.train.config import ConfigError, validate
+
+    cases = [
+        (["trainer.compile=true", "trainer.compile_mode=fast"],
+         "trainer.compile_mode='fast' is not valid; choose one of: default, reduce-overhead, max-autotune, "
+         "max-autotune-no-cudagraphs"),
+        (["trainer.compile_mode=reduce-overhead"], "trainer.compile_mode=reduce-overhead needs trainer.compile=true"),
+        (["trainer.compile=true", "trainer.compile_mode=reduce-overhead", "trainer.grad_accum=2"],
+         "captures CUDA graphs and cannot accumulate gradients over micro-batches (trainer.grad_accum=2); use "
+         "trainer.grad_accum=1 or trainer.compile_mode=default"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as err:
+            validate(compose_train(TINY_MODELS["deit"] + overrides))
+        assert message in str(err.value), (overrides, str(err.value))

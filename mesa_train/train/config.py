@@ -25,6 +25,9 @@ MESA_LAYOUTS = ("channel", "patch4x4")
 MESA_ROUNDINGS = ("stochastic", "nearest")
 AMP_MODES = ("auto", "bf16", "fp16", "none")
 NONFINITE_MODES = ("stop", "skip")
+# torch.compile modes (trainer.compile_mode); the first two capture CUDA graphs
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+COMPILE_MODES = ("default", *CUDA_GRAPH_COMPILE_MODES, "max-autotune-no-cudagraphs")
 # timm.scheduler.create_scheduler_v2's names
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "plateau", "poly", "constant", "rsqrt")
 DEVICES = ("auto", "cpu", "cuda")
@@ -116,6 +119,7 @@ def validate(cfg) -> None:
     if t.clip_grad is not None and not (isinstance(t.clip_grad, (int, float)) and t.clip_grad > 0):
         errors.append(f"trainer.clip_grad={t.clip_grad!r} must be null or a positive number")
     choice("trainer.nonfinite", t.get("nonfinite", "stop"), NONFINITE_MODES)
+    _check_compile_mode(t, errors)
     skips = t.get("max_nonfinite_skips", 1)
     if not (isinstance(skips, int) and skips >= 1):
         errors.append(f"trainer.max_nonfinite_skips={skips!r} must be an integer >= 1")
@@ -129,6 +133,21 @@ def validate(cfg) -> None:
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _check_compile_mode(t, errors: list[str]) -> None:
+    """``trainer.compile_mode``: a torch.compile mode, only with ``trainer.compile=true``; the
+    CUDA-graph modes need one micro-batch per step (the next micro-batch's backward replays
+    the graph over the memory the gradients of the last one live in)."""
+    mode = t.get("compile_mode", "default")
+    if mode not in COMPILE_MODES:
+        errors.append(f"trainer.compile_mode={mode!r} is not valid; choose one of: {', '.join(COMPILE_MODES)}")
+    elif mode != "default" and not t.get("compile"):
+        errors.append(f"trainer.compile_mode={mode} needs trainer.compile=true")
+    elif mode in CUDA_GRAPH_COMPILE_MODES and isinstance(t.grad_accum, int) and t.grad_accum > 1:
+        errors.append(f"trainer.compile_mode={mode} captures CUDA graphs and cannot accumulate gradients over "
+                      f"micro-batches (trainer.grad_accum={t.grad_accum}); use trainer.grad_accum=1 or "
+                      "trainer.compile_mode=default")
 
 
 def _check_strategy(cfg, errors: list[str]) -> None:

@@ -50,6 +50,7 @@ class Parts:
     grad_accum: int = 1
     clip_grad: float | None = None
     channels_last: bool = False
+    compiled: bool = False         # model is torch.compile'd (marks CUDA-graph step boundaries)
     nonfinite: str = "stop"        # stop | skip (see train_one_epoch)
     max_nonfinite_skips: int = 10  # consecutive skipped steps before stopping anyway
     extra: dict = field(default_factory=dict)  # running totals shared with the runner
@@ -222,6 +223,10 @@ def train_one_epoch(
 
     for images, targets in loader:
         i = state.batch_in_epoch  # index of this batch in the epoch
+        if parts.compiled:
+            # a step boundary for CUDA-graph trees (trainer.compile_mode=reduce-overhead): the
+            # last step's graph outputs may be reused from here on (a no-op without graphs)
+            torch.compiler.cudagraph_mark_step_begin()
         images, targets = _to_device(parts, images, targets)
         if parts.mixup is not None:
             images, targets = parts.mixup(images, targets)

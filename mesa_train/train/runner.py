@@ -216,7 +216,8 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
     train_model = _wrap(cfg, model, device, amp_dtype, world)
     if t.compile:
         set_compile_kernels(cfg.mesa.get("compile_kernels", "auto"))  # before the first traced call
-        train_model = torch.compile(train_model)
+        mode = t.get("compile_mode", "default")
+        train_model = torch.compile(train_model, mode=None if mode == "default" else mode)
 
     lr = learning_rate(cfg, world)
     optimizer, scheduler = build_optimizer(cfg, model, lr, loaders.train_batches)
@@ -234,6 +235,7 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
     parts = Parts(model=train_model, optimizer=optimizer, criterion=criterion, device=device,
                   scheduler=scheduler, scaler=scaler, amp_dtype=amp_dtype, mixup=mixup, ema=ema,
                   grad_accum=t.grad_accum, clip_grad=t.clip_grad, channels_last=t.channels_last,
+                  compiled=bool(t.compile),
                   nonfinite=t.get("nonfinite", "stop"), max_nonfinite_skips=int(t.get("max_nonfinite_skips", 10)),
                   estimate_sync=EstimateSync(model) if world > 1 else None)
     return _Run(device=device, amp=amp, amp_dtype=amp_dtype, loaders=loaders, model=model, ema=ema,
