@@ -87,12 +87,13 @@ class _MesaSDPA(torch.autograd.Function):
                 dims, dropout_p, is_causal, scale):
         # q, k, v: the real inputs (used for the forward only); *q/*a/*b: their uint8 codes
         # and (S, G) statistics, computed by the module before this call.
-        mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
-        if mask is not attn_mask and attn_mask is not None and attn_mask.requires_grad:
-            # The backend choice depends on whether the mask requires grad (a mask that does
-            # rules out the fused CPU kernel): keep the flag the stock call would see, so the
-            # forward is bitwise the stock one.
-            mask.requires_grad_(True)
+        # The backend choice depends on whether the mask requires grad (a mask that does rules
+        # out the fused CPU kernel): the mask is built with grad mode on, so it requires grad
+        # exactly when the stock call's would (attn_mask does) and the forward is bitwise the
+        # stock one. (Not requires_grad_ on the result: Dynamo in torch 2.11 breaks the graph
+        # there.) Nothing flows back through it: backward uses the saved masks.
+        with torch.enable_grad():
+            mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
         device_type = q.device.type
         ctx.autocast = (device_type,) + _autocast_state(device_type)
         ctx.rng = None
