@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from mesa_train import quant
 from mesa_train.nn._common import MesaLayer
+from mesa_train.nn.quantizer import Packed, decompress
 
 __all__ = ["ScaledDotProductAttention", "build_window_mask"]
 
@@ -73,10 +73,9 @@ def _autocast_state(device_type: str):
 
 
 def _restore(codes, alpha, beta, dim, G, fmt, dtype):
-    if fmt is None:  # the paper's 8-bit format
-        return quant.dequantize(codes, alpha, beta, dim, G, dtype)
-    from .quantizer import Packed, decompress  # bits / pow2 variants (DESIGN.md "Variants")
-
+    """Dequantize one operand the way every layer does (any format; traced under compile
+    with traceable kernels), calling the kernel directly: the checking wrapper
+    ``quant.dequantize`` cost ~3 us of Python per operand and backward."""
     return decompress(Packed(codes, alpha, beta, dim, G, fmt), dtype)
 
 
