@@ -26,12 +26,17 @@ from torch import nn
 
 from mesa_train.bench.report import _git, environment
 
-LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d")
+LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA")
 
 
 class _MatMul(nn.Module):
     def forward(self, a, b):
         return a @ b
+
+
+class _SDPA(nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
 def _cases():
@@ -45,6 +50,9 @@ def _cases():
         "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 4, 4),)),
         "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4))),
         "Conv2d": (lambda: nn.Conv2d(2, 4, 3, padding=1), M.Conv2d.from_module, lambda: (torch.randn(2, 2, 4, 4),)),
+        # fused attention (the sdpa set): three compressed operands, backward recomputes
+        "SDPA": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2),
+                 lambda: tuple(torch.randn(2, 2, 4, 4) for _ in range(3))),
     }
 
 
