@@ -172,10 +172,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
 
 // ----------------------------------------------------------------------------- Linear
 // mesa_train.nn.rowscale.row_exponents over the last `row_dims` dims: bitwise the same k.
-// CUDA (and empty rows): the ATen ops of the Python version, op for op (aminmax for one row dim). CPU: the row
-// maxima in one pass (row_absmax_cpu), then the same ATen mean, and the per-row
-// division, frexp and clamp as a loop over the rows (float division is correctly rounded
-// and std::frexp is what ATen's frexp calls, so each k is the same). Saves about 10 small
+// CUDA (and empty rows): the ATen ops of the Python version, op for op (aminmax for one
+// row dim). CPU: the row maxima in one pass (row_absmax_cpu), then the same ATen mean, and
+// the per-row division, frexp and clamp as a loop over the rows (float division is correctly
+// rounded and std::frexp is what ATen's frexp calls, so each k is the same). Saves about 10 small
 // ATen ops per Mesa Linear / LayerNorm and step, the host time that kept them from the
 // issue's "half the Python per layer" (results/overhead/).
 at::Tensor row_exponents(const at::Tensor& x, int64_t max_k, int64_t row_dims = 1) {

@@ -259,10 +259,11 @@ Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::
 int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
                                const at::Tensor& beta_est, const at::Tensor& initialized, double decay,
                                bool per_sample);
-// observe: the checks of group_minmax plus the estimate state and rng; returns the layout.
+// estimate_and_seed: the checks of update_estimates plus the rng; returns G.
 int64_t check_estimate_and_seed(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
                                 const at::Tensor& beta_est, const at::Tensor& initialized, const at::Tensor& rng,
                                 double decay, bool per_sample);
+// observe: the checks of group_minmax plus the estimate state and rng; returns the layout.
 Layout check_observe(const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est,
                      const at::Tensor& initialized, const at::Tensor& rng, int64_t dim, int64_t num_groups,
                      double decay, bool per_sample);

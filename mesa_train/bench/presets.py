@@ -15,13 +15,15 @@ from typing import Any
 from mesa_train.bench.paper_numbers import paper_row
 from mesa_train.models import MODEL_NAMES, timm_name
 from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
+from mesa_train.train.config import COMPILE_MODES as TRAIN_COMPILE_MODES
+from mesa_train.train.config import CUDA_GRAPH_COMPILE_MODES
 
 AMP_CHOICES = ("fp32", "fp16", "bf16")
 ATTENTION_CHOICES = ("explicit", "fused")
 OPTIMIZER_CHOICES = ("adamw", "sgd")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that capture CUDA graphs
+# torch.compile modes: the training config's (trainer.compile_mode), plus null (the default)
+COMPILE_MODES = (None, *TRAIN_COMPILE_MODES)
 # The names patch_model takes (docs/DESIGN.md); the patch module's own lists win when it
 # exports them (see `valid_ops`).
 _DESIGN_OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa", "all")
@@ -197,7 +199,7 @@ def check_row(row: RowConfig) -> None:
     if row.compile_mode not in COMPILE_MODES:
         raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} is not valid; valid choices: "
                                + ", ".join("null" if m is None else m for m in COMPILE_MODES))
-    if row.compile and row.compile_mode in CUDA_GRAPH_MODES and row.accum_steps > 1:
+    if row.compile and row.compile_mode in CUDA_GRAPH_COMPILE_MODES and row.accum_steps > 1:
         # each micro-batch's backward replays the graph over the memory its gradients live in
         raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} captures CUDA graphs, whose "
                                "gradient outputs the next micro-batch overwrites; use accum_steps=1 or "

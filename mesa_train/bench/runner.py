@@ -139,6 +139,8 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     # (Mesa's step RSS read 1.7x stock's instead of 0.64x). So CPU rows are timed in a second
     # pass, round-robin per group with `interleave: true`, else one row after another.
     time_later = device.type == "cpu" or bool(preset.get("interleave"))
+    out_dir = Path(_get(cfg, "output_dir", "results")) / name
+    slug = report.device_slug(device)
     results: list[Measurement] = []
     bar = _progress(len(rows), show, f"bench {name}")
     try:
@@ -159,8 +161,7 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
             bar.update(1)
             if len(results) < len(rows):
                 # a run stopped here (time limit, lost machine) keeps what it measured
-                _write_outputs(Path(_get(cfg, "output_dir", "results")) / name, report.device_slug(device),
-                               preset=preset, env=env, device=device, rows=rows[:len(results)],
+                _write_outputs(out_dir, slug, preset=preset, env=env, device=device, rows=rows[:len(results)],
                                results=results, command=command, started=started,
                                mesa_error=mesa_error, partial_of=len(rows))
     finally:
@@ -184,8 +185,6 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     search_s = time.perf_counter() - started - rows_s
     _say(f"measured {len(rows)} configurations in {rows_s:.1f} s"
          + (f", search in {search_s:.1f} s" if search is not None else ""))
-    out_dir = Path(_get(cfg, "output_dir", "results")) / name
-    slug = report.device_slug(device)
     md = _write_outputs(out_dir, slug, preset=preset, env=env, device=device, rows=rows,
                         results=results, command=command, started=started,
                         search=search, searcher=searcher, search_summary=search_summary,

@@ -85,11 +85,8 @@ def _dropout_p(module: nn.Module) -> float:
 def _returns_input(drop: nn.Module) -> bool:
     """Whether ``drop`` (an attention-dropout child) returns its input unchanged: a plain
     ``nn.Dropout`` with ``p == 0`` or in eval mode, or an ``nn.Identity``, without hooks."""
-    if type(drop) is nn.Identity:
-        pass
-    elif type(drop) is not nn.Dropout or (drop.p != 0 and drop.training):
-        return False
-    return not (drop._forward_hooks or drop._forward_pre_hooks)
+    drops_nothing = type(drop) is nn.Identity or (type(drop) is nn.Dropout and (drop.p == 0 or not drop.training))
+    return drops_nothing and not (drop._forward_hooks or drop._forward_pre_hooks)
 
 
 def _explicit_core(module, q, k, v, bias_fn=None):
