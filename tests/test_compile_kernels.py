@@ -162,3 +162,20 @@ def test_the_partitioner_keeps_the_codes_not_the_activations(mode):
     assert stock_acts > 0.2 * params, stock_saved  # the check below has something to see
     assert mesa_saved[torch.float32] - params < 0.05 * stock_acts, (mode, mesa_saved, stock_saved)
     assert 0.2 * stock_acts < mesa_saved[torch.uint8] < 0.3 * stock_acts, (mode, mesa_saved, stock_saved)
+
+
+def test_trace_cost_script_reports_time_and_graph_sizes():
+    """scripts/trace_cost.py (the compile-cost figures in compile_kernels.py and DESIGN.md)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(repo / "scripts" / "trace_cost.py"), "--mode", "ops", "--depth", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("ops depth=1: trace+partition ") and " nodes forward " in line, line
+    assert int(line.split("nodes forward ")[1].split()[0]) > 0

@@ -24,7 +24,8 @@ call). Why: the traced compression is slow to compile and no faster to run.
   path's kernels already run at 0.55-0.9 of a clone's bandwidth (results/kernels/). Since
   then the traced compression calls one op for its estimate and seed steps
   (``mesa::estimate_and_seed``; traced they were 64% of its graph nodes): a 2-block DeiT-S
-  traces and partitions in 8.6 s instead of 35 s on CPU (``ops``: 3.6 s); not re-timed on a
+  traces and partitions in 9.0 s instead of 15.9 s on CPU, 3159 forward-graph nodes instead
+  of 6985 (``ops``: 3.6 s, 757; ``scripts/trace_cost.py`` on both trees); not re-timed on a
   GPU yet. The modern preset keeps a ``(traceable)`` row to compare the two.
 
 Set it with :func:`set_compile_kernels` (before the first compiled call: Dynamo guards on
