@@ -1,0 +1,79 @@
+// What the eager fast-path layers (layers_autograd.cpp, sdpa_autograd.cpp) share: the
+// registered quantization ops looked up once, the quantizer state as the Python
+// ActivationQuantizer passes it, and compress() (ActivationQuantizer.compress, default
+// format) built on them.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <tuple>
+
+namespace mesa {
+namespace layers {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// (the signatures the kernels are registered with: mutated buffers as const references too)
+using ObserveFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, int64_t, int64_t, double, bool,
+                                                                 bool);
+using QuantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
+                              const at::Tensor&);
+using DequantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                c10::ScalarType);
+
+// The registered ops, looked up once (through the dispatcher: CPU or CUDA kernel).
+inline const c10::TypedOperatorHandle<ObserveFn>& observe_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mesa::observe", "").typed<ObserveFn>();
+  return op;
+}
+inline const c10::TypedOperatorHandle<QuantizeFn>& quantize_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mesa::quantize", "").typed<QuantizeFn>();
+  return op;
+}
+inline const c10::TypedOperatorHandle<DequantizeFn>& dequantize_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::dequantize", "").typed<DequantizeFn>();
+  return op;
+}
+
+// The quantizer's state and options, as the Python ActivationQuantizer.compress passes them.
+struct Quantizer {
+  at::Tensor alpha_est, beta_est, initialized, rng;
+  int64_t num_groups;
+  double decay;
+  bool per_sample, symmetric, stochastic;
+};
+
+// ActivationQuantizer.compress (default format): groups along `dim` (num_groups capped at
+// the dim's size), one contiguous copy when needed, observe then quantize.
+// Returns (q, alpha, beta, G).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(const at::Tensor& x_in, int64_t dim,
+                                                                 Quantizer& qz) {
+  const int64_t D = x_in.size(dim);
+  const int64_t G = qz.num_groups <= D ? qz.num_groups : std::max<int64_t>(1, D);
+  const at::Tensor x = x_in.contiguous();
+  auto [alpha, beta, seed] = observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,
+                                               qz.decay, qz.per_sample, qz.symmetric);
+  at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed);
+  return {q, alpha, beta, G};
+}
+
+// Backward computes in explicit dtypes with autocast off (mesa_train.nn._common.no_autocast).
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
+
+// Per-head groups (dim 1) for 4-D tensors, channel groups (last dim) otherwise
+// (mesa_train.nn._common.group_dim_4d).
+inline int64_t group_dim(const at::Tensor& t) { return t.dim() == 4 ? 1 : t.dim() - 1; }
+
+}  // namespace layers
+}  // namespace mesa
