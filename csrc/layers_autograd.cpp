@@ -50,7 +50,7 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
     const auto saved = ctx->get_saved_variables();
     const auto cdt = ctx->saved_data["y_dtype"].toScalarType();
     at::Tensor xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                         ctx->saved_data["groups"].toInt(), cdt);
+                                         ctx->saved_data["groups"].toInt(), cdt, std::nullopt);
     at::Tensor gx = at::gelu_backward(grads[0].to(cdt), xh, ctx->saved_data["approximate"].toStringRef());
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
   }
@@ -96,7 +96,7 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
     const auto saved = ctx->get_saved_variables();
     const auto ydt = ctx->saved_data["y_dtype"].toScalarType();
     at::Tensor yh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                         ctx->saved_data["groups"].toInt(), ydt);
+                                         ctx->saved_data["groups"].toInt(), ydt, std::nullopt);
     // each row rescaled to sum to 1 (mesa_train/nn/softmax.py: keeps the exactly-zero stock
     // gradient of a bias added to a whole row); an all-zero row stays 0 (0 / tiny)
     const int64_t sdim = ctx->saved_data["softmax_dim"].toInt();
@@ -115,86 +115,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
 }
 
 // ----------------------------------------------------------------------------- Linear
-// mesa_train.nn.rowscale.row_exponents over the last `row_dims` dims: bitwise the same k.
-// CUDA (and empty rows): the ATen ops of the Python version, op for op (aminmax for one
-// row dim). CPU: the row maxima in one pass (row_absmax_cpu), then the same ATen mean, and
-// the per-row division, frexp and clamp as a loop over the rows (float division is correctly
-// rounded and std::frexp is what ATen's frexp calls, so each k is the same). Saves about 10 small
-// ATen ops per Mesa Linear / LayerNorm and step, the host time that kept them from the
-// issue's "half the Python per layer" (results/overhead/).
-at::Tensor row_exponents(const at::Tensor& x, int64_t max_k, int64_t row_dims = 1) {
-  std::vector<int64_t> dims;
-  int64_t L = 1;
-  for (int64_t d = x.dim() - row_dims; d < x.dim(); ++d) {
-    dims.push_back(d);
-    L *= x.size(d);
-  }
-  const bool fast = x.is_cpu() && x.is_contiguous() && L > 0 && x.numel() > 0 &&
-                    (x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16);
-  if (!fast) {
-    // one row dim: aminmax reads x once (amin + amax read it twice), the same values
-    at::Tensor mn, mx;
-    if (row_dims == 1) {
-      std::tie(mn, mx) = at::aminmax(x, -1, true);
-    } else {
-      mn = x.amin(dims, true);
-      mx = x.amax(dims, true);
-    }
-    at::Tensor r = at::maximum(mx, mn.neg()).abs().to(at::kFloat);
-    auto [mantissa, e] = at::frexp(r.mean() / r);
-    return (e - 1).clamp_(0, max_k).to(at::kChar);
-  }
-  std::vector<int64_t> shape = x.sizes().vec();
-  for (int64_t d : dims) shape[d] = 1;
-  const int64_t rows = x.numel() / L;
-  at::Tensor r = at::empty(shape, x.options().dtype(at::kFloat));
-  float* rp = r.data_ptr<float>();
-  row_absmax_cpu(x, L, rp);  // one vectorised read pass (quant_cpu.cpp)
-  // the same ATen reduction as the Python version, read from the 0-d CPU result directly
-  // (not .item(): no dispatched host read, tests/test_op_counts.py)
-  const float mean = *r.mean().const_data_ptr<float>();
-  at::Tensor k = at::empty(shape, x.options().dtype(at::kChar));
-  int8_t* kp = k.data_ptr<int8_t>();
-  for (int64_t i = 0; i < rows; ++i) {
-    int e = 0;
-    std::frexp(mean / rp[i], &e);
-    kp[i] = static_cast<int8_t>(std::min<int64_t>(std::max<int64_t>(e - 1, 0), max_k));
-  }
-  return k;
-}
-
-// Whether every row exponent is 0 (rows of ordinary spread: the common case). Read only on
-// the CPU, where it is a loop over one byte per row; on a GPU it would be a host sync, so
-// there the multiplies always run.
-bool all_rows_unscaled(const at::Tensor& k) {
-  if (!k.is_cpu()) return false;
-  const at::Tensor kc = k.contiguous();
-  const int8_t* kp = kc.data_ptr<int8_t>();
-  for (int64_t i = 0, n = kc.numel(); i < n; ++i)
-    if (kp[i] != 0) return false;
-  return true;
-}
-
 // mesa_train.nn.rowscale.compress_rows: x compressed with channel groups over its last dim,
-// its rows far below the others scaled by 2**k first when row_scale is on (k undefined
-// otherwise). `other` is the layer's other dtype (max_exponent: 14 with float16 involved).
-// With every k 0 (CPU) the multiply by 2**0 is skipped: x * 1 is x, bit for bit.
+// its rows far below the others scaled by 2**k when row_scale is on (k undefined otherwise):
+// mesa::row_exponents, then observe and quantize scale the rows themselves (no scaled copy).
+// `other` is the layer's other dtype (max_exponent: 14 with float16 involved).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_rows(
     const at::Tensor& x, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz) {
-  at::Tensor k, xs = x;
+  at::Tensor k;
   if (row_scale) {
     const bool half = x.scalar_type() == at::kHalf || other == at::kHalf;
-    k = row_exponents(x, half ? 14 : 64, row_dims);
-    if (!all_rows_unscaled(k)) xs = x * at::exp2(k.to(x.scalar_type()));
+    k = row_exponents_op().call(x, row_dims, half ? 14 : 64);
   }
-  auto [q, alpha, beta, G] = compress(xs, x.dim() - 1, qz);
+  auto [q, alpha, beta, G] = compress(x, x.dim() - 1, qz, k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);
   return {q, alpha, beta, G, k};
 }
 
-// mesa_train.nn.rowscale.unscale_rows: xh * 2**-k in place (nothing without row scales, or
-// with every k 0 on the CPU).
-void unscale_rows(at::Tensor& xh, const at::Tensor& k) {
-  if (k.defined() && !all_rows_unscaled(k)) xh.mul_(at::exp2(k.to(xh.scalar_type()).neg_()));
+// The saved codes back in dtype `dt`, rows unscaled by 2**-k inside the kernel (k undefined:
+// no row scales).
+at::Tensor decompress_rows(const variable_list& saved, int64_t dim, int64_t groups, c10::ScalarType dt,
+                           const at::Tensor& k) {
+  return dequantize_op().call(saved[0], saved[1], saved[2], dim, groups, dt,
+                              k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);
 }
 
 // mesa_train.nn.linear._not_a_view: F.linear's 3-D output is a view of addmm's; autograd
@@ -235,9 +176,8 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
     const int64_t out_features = g.size(-1);
     at::Tensor g2 = g.reshape({-1, out_features});
     if (ctx->needs_input_grad(1)) {
-      at::Tensor xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                           ctx->saved_data["groups"].toInt(), cdt);
-      unscale_rows(xh, saved[4]);
+      at::Tensor xh = decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), cdt,
+                                      saved[4]);
       gw = g2.t().matmul(xh.reshape({-1, xh.size(-1)})).to(ctx->saved_data["w_dtype"].toScalarType());
     }
     // (needs_input_grad counts the tensors Function::apply tracked: no index 2 without a bias)
@@ -310,9 +250,8 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
     const bool need_b = has_b && ctx->needs_input_grad(has_w ? 2 : 1);
     const auto normalized_shape = ctx->saved_data["normalized_shape"].toIntVector();
     const at::Tensor& rstd = saved[3];
-    at::Tensor xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                         ctx->saved_data["groups"].toInt(), mdt);
-    unscale_rows(xh, saved[5]);
+    at::Tensor xh = decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), mdt,
+                                    saved[5]);
     at::Tensor unit = at::ones(rstd.sizes(), rstd.options().dtype(mdt));
     std::optional<at::Tensor> w;
     if (saved[4].defined()) w = saved[4].to(mdt);
@@ -402,7 +341,8 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
   static at::Tensor restore(const variable_list& saved, size_t first, const std::vector<int64_t>& layout,
                             c10::ScalarType cdt) {
     if (saved[first].defined())
-      return dequantize_op().call(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], cdt);
+      return dequantize_op().call(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], cdt,
+                                  std::nullopt);
     return saved[first + 3].to(cdt);
   }
 
@@ -502,7 +442,7 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     at::Tensor g = grads[0].to(cdt), w = saved[3].to(cdt), xh;
     if (saved[0].defined()) {
       xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                ctx->saved_data["groups"].toInt(), cdt);
+                                ctx->saved_data["groups"].toInt(), cdt, std::nullopt);
     } else {  // only the input gradient is needed: the values of x do not matter
       xh = at::empty(ctx->saved_data["x_shape"].toIntVector(), g.options());
     }

@@ -11,6 +11,7 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 
 namespace mesa {
@@ -23,11 +24,12 @@ using torch::autograd::variable_list;
 using ObserveFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                  const at::Tensor&, const at::Tensor&,
                                                                  const at::Tensor&, int64_t, int64_t, double, bool,
-                                                                 bool);
+                                                                 bool, const std::optional<at::Tensor>&);
 using QuantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
-                              const at::Tensor&);
+                              const at::Tensor&, const std::optional<at::Tensor>&);
 using DequantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                c10::ScalarType);
+                                c10::ScalarType, const std::optional<at::Tensor>&);
+using RowExponentsFn = at::Tensor(const at::Tensor&, int64_t, int64_t);
 
 // The registered ops, looked up once (through the dispatcher: CPU or CUDA kernel).
 inline const c10::TypedOperatorHandle<ObserveFn>& observe_op() {
@@ -43,6 +45,11 @@ inline const c10::TypedOperatorHandle<DequantizeFn>& dequantize_op() {
       c10::Dispatcher::singleton().findSchemaOrThrow("mesa::dequantize", "").typed<DequantizeFn>();
   return op;
 }
+inline const c10::TypedOperatorHandle<RowExponentsFn>& row_exponents_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::row_exponents", "").typed<RowExponentsFn>();
+  return op;
+}
 
 // The quantizer's state and options, as the Python ActivationQuantizer.compress passes them.
 struct Quantizer {
@@ -53,16 +60,17 @@ struct Quantizer {
 };
 
 // ActivationQuantizer.compress (default format): groups along `dim` (num_groups capped at
-// the dim's size), one contiguous copy when needed, observe then quantize.
+// the dim's size), one contiguous copy when needed, observe then quantize; row_exp: the
+// rows' power-of-two scales, applied inside both kernels (mesa_train.nn.rowscale).
 // Returns (q, alpha, beta, G).
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(const at::Tensor& x_in, int64_t dim,
-                                                                 Quantizer& qz) {
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
+    const at::Tensor& x_in, int64_t dim, Quantizer& qz, const std::optional<at::Tensor>& row_exp = std::nullopt) {
   const int64_t D = x_in.size(dim);
   const int64_t G = qz.num_groups <= D ? qz.num_groups : std::max<int64_t>(1, D);
   const at::Tensor x = x_in.contiguous();
   auto [alpha, beta, seed] = observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,
-                                               qz.decay, qz.per_sample, qz.symmetric);
-  at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed);
+                                               qz.decay, qz.per_sample, qz.symmetric, row_exp);
+  at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed, row_exp);
   return {q, alpha, beta, G};
 }
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -279,9 +280,21 @@ void check_seed_tensor(const char* what, const at::Tensor& t, const c10::Device&
 
 inline int64_t group_of(int64_t d, int64_t G, int64_t D) { return (d * G) / D; }
 
+// ----------------------------------------------------------------------------- row scales
+// The optional int8 row exponents k of observe / quantize / dequantize (DESIGN.md, "Rows far
+// below the grid"): one per row of x's last dims, i.e. of shape x.shape[:-n] + (1,) * n for
+// an n >= 1, on x's device. Returns the row length numel / rows (0: no row exponents or an
+// empty x). Values must lie in [0, max] with 2**k and 2**-k normal in every dtype involved
+// (row_exponents guarantees it); they are not read here (no host sync).
+int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device& device,
+                      const std::optional<at::Tensor>& row_exp);
+// row_exponents(x, row_dims, max_k): the float dtypes, 1 <= row_dims <= x.dim(), 0 <= max_k <= 126;
+// returns the row length (the product of the last row_dims sizes).
+int64_t check_row_exponents(const at::Tensor& x, int64_t row_dims, int64_t max_k);
+
 // Per-row max |x| of a contiguous CPU fp32/fp16/bf16 tensor viewed as (numel / L, L), into
 // out (float32, one per row): the value of max(amax, -amin).abs() (a zero row gives +0.0, a
-// row with a NaN a NaN). quant_cpu.cpp; used by the row scales of csrc/layers_autograd.cpp.
+// row with a NaN a NaN). quant_cpu.cpp; the CPU kernel of row_exponents.
 void row_absmax_cpu(const at::Tensor& x, int64_t L, float* out);
 
 }  // namespace mesa

@@ -225,6 +225,37 @@ Layout check_observe(const at::Tensor& x, const at::Tensor& alpha_est, const at:
   return L;
 }
 
+int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device& device,
+                      const std::optional<at::Tensor>& row_exp) {
+  if (!row_exp.has_value() || !row_exp->defined()) return 0;
+  const at::Tensor& k = *row_exp;
+  TORCH_CHECK_VALUE(k.scalar_type() == at::kChar, "mesa: ", op, ": row_exp must be int8, got ", k.scalar_type());
+  TORCH_CHECK_VALUE(k.device() == device, "mesa: ", op, ": row_exp is on ", k.device(), " but the input is on ", device);
+  // k's trailing size-1 dims (t of them) are taken as the row dims; its other sizes are x's
+  const int64_t nd = static_cast<int64_t>(x_sizes.size());
+  int64_t t = 0;
+  while (t < k.dim() && k.size(k.dim() - 1 - t) == 1) ++t;
+  bool ok = k.dim() == nd && t >= 1;
+  for (int64_t d = 0; ok && d < nd - t; ++d) ok = k.size(d) == x_sizes[d];
+  TORCH_CHECK_VALUE(ok, "mesa: ", op, ": row_exp must have shape x.shape[:-n] + (1,) * n (one exponent per row of ",
+                    "the last n >= 1 dims); got ", k.sizes(), " for x of shape ", x_sizes);
+  int64_t numel = 1;
+  for (int64_t s : x_sizes) numel *= s;
+  const int64_t rows = k.numel();
+  return (numel == 0 || rows == 0) ? 0 : numel / rows;
+}
+
+int64_t check_row_exponents(const at::Tensor& x, int64_t row_dims, int64_t max_k) {
+  TORCH_CHECK_VALUE(is_quant_dtype(x.scalar_type()),
+                    "mesa: row_exponents supports float32, float16 and bfloat16 inputs, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(row_dims >= 1 && row_dims <= x.dim(), "mesa: row_exponents: row_dims must be in [1, ", x.dim(),
+                    "] for a ", x.dim(), "-d tensor, got ", row_dims);
+  TORCH_CHECK_VALUE(max_k >= 0 && max_k <= 126, "mesa: row_exponents: max_k must be in [0, 126], got ", max_k);
+  int64_t L = 1;
+  for (int64_t d = x.dim() - row_dims; d < x.dim(); ++d) L *= x.size(d);
+  return L;
+}
+
 }  // namespace mesa
 
 TORCH_LIBRARY(mesa, m) {
@@ -232,8 +263,18 @@ TORCH_LIBRARY(mesa, m) {
   m.set_python_module("mesa_train.quant");
   m.def("group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)");
   // seed: int64 (2,) = [lo, hi] (uint32 each) on x's device, read by the kernel (no host sync)
-  m.def("quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed) -> Tensor");
-  m.def("dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype) -> Tensor");
+  // row_exp (optional, int8, one per row of the last dims: check_row_exp): x's rows are taken
+  // as x * 2**k (rounded to x's dtype) and dequantize's as y * 2**-k (rounded to dtype), the
+  // power-of-two row scales of mesa_train.nn.rowscale inside the kernels (no scaled copy)
+  m.def(
+      "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed, "
+      "Tensor? row_exp=None) -> Tensor");
+  m.def(
+      "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
+      "Tensor? row_exp=None) -> Tensor");
+  // int8 k = clamp(floor(log2(mean_row_absmax / row_absmax)), 0, max_k) per row of the last
+  // row_dims dims, shape x.shape[:-row_dims] + (1,) * row_dims (mesa_train.nn.rowscale)
+  m.def("row_exponents(Tensor x, int row_dims, int max_k) -> Tensor");
   // One launch for the whole running-estimate update (instead of ~20 small torch ops):
   // mutates the first G entries of the estimate buffers and `initialized` in place and
   // returns fresh (S, G) alpha/beta for this batch.
@@ -253,8 +294,8 @@ TORCH_LIBRARY(mesa, m) {
   // advances rng = [key, counter] in place (DESIGN.md, "Seed step").
   m.def(
       "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
-      "int dim, int num_groups, float decay, bool per_sample, bool symmetric) -> (Tensor alpha, Tensor beta, "
-      "Tensor seed)");
+      "int dim, int num_groups, float decay, bool per_sample, bool symmetric, Tensor? row_exp=None) -> "
+      "(Tensor alpha, Tensor beta, Tensor seed)");
   // Variants (DESIGN.md, "Variants"): `bits` in {8, 4, 2} codes packed 8/bits per byte along
   // the flat index (little end first, last byte zero-padded), optional power-of-two steps.
   // Output: 1-d uint8 of ceil(numel * bits / 8) bytes.

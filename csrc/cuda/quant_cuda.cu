@@ -26,6 +26,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/mean.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -38,7 +39,9 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "../mesa_common.h"
 
@@ -135,6 +138,58 @@ __device__ __forceinline__ T umin(T a, T b) { return a < b ? a : b; }
 template <typename T>
 __device__ __forceinline__ T umax(T a, T b) { return a > b ? a : b; }
 
+// ----------------------------------------------------------------------------- row scales
+// The optional int8 row exponents of observe / quantize / dequantize (DESIGN.md, "Rows far
+// below the grid"): element i lies in row i / len and is taken as x * 2**k there (quantize,
+// observe) or produced as y * 2**-k (dequantize), each product rounded to the tensor's
+// dtype, exactly as the scaled copy x * exp2(k) in that dtype that the kernels replace.
+// k = nullptr: no row scales (the pointer test is uniform across a launch).
+template <typename IdxT>
+struct KRows {
+  const int8_t* k = nullptr;
+  DivT<IdxT> div_len;  // element -> row
+};
+
+template <typename IdxT>
+KRows<IdxT> make_krows(const std::optional<at::Tensor>& row_exp, int64_t row_len) {
+  KRows<IdxT> r;
+  if (row_len > 0) {
+    r.k = row_exp->const_data_ptr<int8_t>();
+    r.div_len = DivT<IdxT>(static_cast<IdxT>(row_len));
+  }
+  return r;
+}
+
+// 2**e for e in [-126, 127] (a normal float: exact)
+__device__ __forceinline__ float pow2i(int e) { return __uint_as_float(static_cast<uint32_t>(127 + e) << 23); }
+
+// v rounded to scalar_t and back (exact for float)
+template <typename scalar_t>
+__device__ __forceinline__ float round_to(float v) {
+  return static_cast<float>(static_cast<scalar_t>(v));
+}
+
+// The factor 2**(sign * k) of element i's row.
+template <typename IdxT>
+__device__ __forceinline__ float row_factor(const KRows<IdxT>& r, IdxT i, int sign) {
+  return pow2i(sign * static_cast<int>(__ldg(r.k + r.div_len(i))));
+}
+
+// v[e] (elements i0 .. i0 + V - 1, as floats) times their row's 2**(sign * k), rounded to
+// scalar_t; one exponent fetch when the step lies in one row (the common case: rows are
+// whole multiples of a step).
+template <typename scalar_t, typename IdxT, int V>
+__device__ __forceinline__ void apply_rows(const KRows<IdxT>& r, IdxT i0, float (&v)[V], int sign) {
+  if (V == 1 || r.div_len(i0) == r.div_len(i0 + IdxT(V - 1))) {
+    const float f = row_factor(r, i0, sign);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = round_to<scalar_t>(f_mul(v[e], f));
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = round_to<scalar_t>(f_mul(v[e], row_factor(r, i0 + IdxT(e), sign)));
+  }
+}
+
 // ----------------------------------------------------------------------------- vector I/O
 // V = kVec: 16-byte loads / stores (pointers 16-byte aligned); V = 1: scalar. Memory is
 // accessed through 16-byte aggregates of the element type (no type punning of registers:
@@ -227,6 +282,12 @@ int grid_for(int64_t steps, int sms) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The row exponents as one contiguous int8 per row (they index by row; none: nullopt)
+std::optional<at::Tensor> contiguous_rows(const std::optional<at::Tensor>& row_exp, int64_t row_len) {
+  if (row_len == 0) return std::nullopt;
+  return row_exp->contiguous();
+}
+
 // ----------------------------------------------------------------------------- quantize
 // (scale, beta) of parameter p, kept while p does not change.
 struct ParamCache {
@@ -247,7 +308,7 @@ template <typename scalar_t, typename IdxT, int V, bool STOCH>
 __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const float* __restrict__ alpha,
                 const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel,
-                const int64_t* __restrict__ seed, const int64_t seed_stride) {
+                const int64_t* __restrict__ seed, const int64_t seed_stride, const KRows<IdxT> rows) {
   // the seed lives on the device (written by observe): no host sync
   const uint32_t slo = STOCH ? static_cast<uint32_t>(__ldg(seed)) : 0u;
   const uint32_t shi = STOCH ? static_cast<uint32_t>(__ldg(seed + seed_stride)) : 0u;
@@ -259,6 +320,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
     const IdxT i0 = v * V;
     float xv[V];
     load_floats<scalar_t, V>(x + i0, xv);
+    if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
     uint8_t out[V];
     const IdxT p0 = param_of(k, i0);
     if (one_param<IdxT, V>(k, i0, p0)) {  // one (scale, offset) fetch for the whole step
@@ -283,33 +345,40 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
     if (i < numel) {
       pc.fetch<true>(alpha, beta, param_of(k, i));
       const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i), slo, shi) : 0.0f;
-      q[i] = quantize_value<STOCH>(static_cast<float>(x[i]), pc.beta, pc.scale, u);
+      float xi[1] = {static_cast<float>(x[i])};
+      if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
+      q[i] = quantize_value<STOCH>(xi[0], pc.beta, pc.scale, u);
     }
   }
 }
 
 template <typename scalar_t, typename IdxT, int V, bool STOCH>
 void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
-                     const Layout& L, const at::Tensor& seed, cudaStream_t stream) {
+                     const Layout& L, const at::Tensor& seed, const std::optional<at::Tensor>& row_exp,
+                     int64_t row_len, cudaStream_t stream) {
   quantize_kernel<scalar_t, IdxT, V, STOCH><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
       x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
       beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
-      seed.const_data_ptr<int64_t>(), seed.stride(0));
+      seed.const_data_ptr<int64_t>(), seed.stride(0), make_krows<IdxT>(row_exp, row_len));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, bool STOCH>
 void dispatch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& a, const at::Tensor& b,
-                       const Layout& L, const at::Tensor& seed, cudaStream_t stream) {
+                       const Layout& L, const at::Tensor& seed, const std::optional<at::Tensor>& row_exp,
+                       int64_t row_len, cudaStream_t stream) {
   const bool vec = aligned16(x.const_data_ptr()) && aligned16(q.const_data_ptr());
-  if (!fits_32bit(L)) launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, stream);
-  else if (vec) launch_quantize<scalar_t, uint32_t, kVec, STOCH>(x, q, a, b, L, seed, stream);
-  else launch_quantize<scalar_t, uint32_t, 1, STOCH>(x, q, a, b, L, seed, stream);
+  if (!fits_32bit(L)) launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream);
+  else if (vec) launch_quantize<scalar_t, uint32_t, kVec, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream);
+  else launch_quantize<scalar_t, uint32_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream);
 }
 
 at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
-                         int64_t dim, int64_t num_groups, bool stochastic, const at::Tensor& seed) {
+                         int64_t dim, int64_t num_groups, bool stochastic, const at::Tensor& seed,
+                         const std::optional<at::Tensor>& row_exp_in) {
   const Layout L = check_quantize(x_in, alpha_in, beta_in, dim, num_groups, seed);
+  const int64_t row_len = check_row_exp("quantize", x_in.sizes(), x_in.device(), row_exp_in);
+  const std::optional<at::Tensor> row_exp = contiguous_rows(row_exp_in, row_len);
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
@@ -317,8 +386,8 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, con
   const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_cuda", [&] {
-    if (stochastic) dispatch_quantize<scalar_t, true>(x, q, alpha, beta, L, seed, stream);
-    else dispatch_quantize<scalar_t, false>(x, q, alpha, beta, L, seed, stream);
+    if (stochastic) dispatch_quantize<scalar_t, true>(x, q, alpha, beta, L, seed, row_exp, row_len, stream);
+    else dispatch_quantize<scalar_t, false>(x, q, alpha, beta, L, seed, row_exp, row_len, stream);
   });
   return q;
 }
@@ -327,7 +396,7 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, con
 template <typename scalar_t, typename IdxT, int V>
 __global__ void __launch_bounds__(kThreads)
 dequantize_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, const float* __restrict__ alpha,
-                  const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel) {
+                  const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel, const KRows<IdxT> rows) {
   const IdxT nvec = numel / V;
   const IdxT stride = IdxT(gridDim.x) * blockDim.x;
   const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -349,29 +418,44 @@ dequantize_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, const
         out[e] = dequantize_value(qv[e], pc.scale, pc.beta);
       }
     }
+    if (rows.k != nullptr) {  // y * 2**-k of the value rounded to scalar_t (unscale_rows' order)
+#pragma unroll
+      for (int e = 0; e < V; ++e) out[e] = round_to<scalar_t>(out[e]);
+      apply_rows<scalar_t, IdxT, V>(rows, i0, out, -1);
+    }
     store_floats<scalar_t, V>(y + i0, out);
   }
   if (V > 1) {
     const IdxT i = nvec * V + gid;
     if (i < numel) {
       pc.fetch<false>(alpha, beta, param_of(k, i));
-      y[i] = static_cast<scalar_t>(dequantize_value(q[i], pc.scale, pc.beta));
+      float yi[1] = {dequantize_value(q[i], pc.scale, pc.beta)};
+      if (rows.k != nullptr) {
+        yi[0] = round_to<scalar_t>(yi[0]);
+        apply_rows<scalar_t, IdxT, 1>(rows, i, yi, -1);
+      }
+      y[i] = static_cast<scalar_t>(yi[0]);
     }
   }
 }
 
 template <typename scalar_t, typename IdxT, int V>
 void launch_dequantize(const at::Tensor& q, at::Tensor& y, const at::Tensor& alpha, const at::Tensor& beta,
-                       const Layout& L, cudaStream_t stream) {
+                       const Layout& L, const std::optional<at::Tensor>& row_exp, int64_t row_len,
+                       cudaStream_t stream) {
   dequantize_kernel<scalar_t, IdxT, V><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
       q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), alpha.const_data_ptr<float>(),
-      beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel));
+      beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
+      make_krows<IdxT>(row_exp, row_len));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
-                           int64_t dim, int64_t num_groups, at::ScalarType dtype) {
+                           int64_t dim, int64_t num_groups, at::ScalarType dtype,
+                           const std::optional<at::Tensor>& row_exp_in) {
   const Layout L = check_dequantize(q_in, alpha_in, beta_in, dim, num_groups, dtype);
+  const int64_t row_len = check_row_exp("dequantize", q_in.sizes(), q_in.device(), row_exp_in);
+  const std::optional<at::Tensor> row_exp = contiguous_rows(row_exp_in, row_len);
   const c10::cuda::OptionalCUDAGuard guard(q_in.device());
   const at::Tensor q = q_in.contiguous();
   at::Tensor y = at::empty(q.sizes(), q.options().dtype(dtype));
@@ -380,9 +464,9 @@ at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, c
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cuda", [&] {
     const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
-    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, y, alpha, beta, L, stream);
-    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, y, alpha, beta, L, stream);
-    else launch_dequantize<scalar_t, uint32_t, 1>(q, y, alpha, beta, L, stream);
+    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, y, alpha, beta, L, row_exp, row_len, stream);
+    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, y, alpha, beta, L, row_exp, row_len, stream);
+    else launch_dequantize<scalar_t, uint32_t, 1>(q, y, alpha, beta, L, row_exp, row_len, stream);
   });
   return y;
 }
@@ -882,7 +966,7 @@ template <typename scalar_t, typename IdxT, int V, int MODE>
 __global__ void __launch_bounds__(kThreads)
 observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT numel, const IdxT chunk,
                const int64_t S, uint32_t* __restrict__ ws, const EstimateArgs est, const SeedArgs sd,
-               float* __restrict__ out_min, float* __restrict__ out_max) {
+               float* __restrict__ out_min, float* __restrict__ out_max, const KRows<IdxT> rows) {
   __shared__ uint32_t s_min[kSlots], s_max[kSlots];
   __shared__ bool s_last;
   const int64_t G = k.G;
@@ -918,6 +1002,7 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
     const IdxT i0 = v * V;
     float xv[V];
     load_floats<scalar_t, V>(x + i0, xv);
+    if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
     const IdxT p0 = param_of(k, i0);
     if (one_param<IdxT, V>(k, i0, p0)) {
       float mn = xv[0], mx = xv[0];
@@ -935,8 +1020,9 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   if (has_tail) {
     const IdxT i = nvec * V + threadIdx.x;
     if (i < numel) {
-      const float xi = static_cast<float>(x[i]);
-      t.add(r, param_of(k, i), xi, xi);
+      float xi[1] = {static_cast<float>(x[i])};
+      if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
+      t.add(r, param_of(k, i), xi[0], xi[0]);
     }
   }
   t.flush(r);
@@ -994,7 +1080,8 @@ ObserveConfig observe_config(const Layout& L, int V, int sms) {
 
 template <int MODE>
 void launch_observe(const at::Tensor& x, const Layout& L, uint32_t* ws, const EstimateArgs& est, const SeedArgs& sd,
-                    float* out_min, float* out_max, cudaStream_t stream) {
+                    float* out_min, float* out_max, const std::optional<at::Tensor>& row_exp, int64_t row_len,
+                    cudaStream_t stream) {
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_cuda", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     auto go = [&](auto idx_tag, auto v_tag) {
@@ -1003,7 +1090,7 @@ void launch_observe(const at::Tensor& x, const Layout& L, uint32_t* ws, const Es
       const ObserveConfig c = observe_config(L, V, sm_count());
       observe_kernel<scalar_t, IdxT, V, MODE><<<static_cast<unsigned>(c.blocks), c.threads, 0, stream>>>(
           xp, make_klayout<IdxT>(L), static_cast<IdxT>(L.numel), static_cast<IdxT>(c.chunk), L.S, ws, est, sd,
-          out_min, out_max);
+          out_min, out_max, make_krows<IdxT>(row_exp, row_len));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (!fits_32bit(L)) go(uint64_t{}, std::integral_constant<int, 1>{});
@@ -1015,8 +1102,11 @@ void launch_observe(const at::Tensor& x, const Layout& L, uint32_t* ws, const Es
 std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cuda(const at::Tensor& x_in, const at::Tensor& alpha_est,
                                                             const at::Tensor& beta_est, const at::Tensor& initialized,
                                                             const at::Tensor& rng, int64_t dim, int64_t num_groups,
-                                                            double decay, bool per_sample, bool symmetric) {
+                                                            double decay, bool per_sample, bool symmetric,
+                                                            const std::optional<at::Tensor>& row_exp_in) {
   const Layout L = check_observe(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample);
+  const int64_t row_len = check_row_exp("observe", x_in.sizes(), x_in.device(), row_exp_in);
+  const std::optional<at::Tensor> row_exp = contiguous_rows(row_exp_in, row_len);
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const auto fopts = x.options().dtype(at::kFloat);
@@ -1031,7 +1121,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cuda(const at::Tensor& x_
                          out_a.mutable_data_ptr<float>(), out_b.mutable_data_ptr<float>()};
   const SeedArgs sd{rng.mutable_data_ptr<int64_t>(), rng.stride(0), seed.mutable_data_ptr<int64_t>()};
   launch_observe<MODE_OBSERVE>(x, L, reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>()), est, sd, nullptr, nullptr,
-                               stream);
+                               row_exp, row_len, stream);
   return {out_a, out_b, seed};
 }
 
@@ -1049,7 +1139,7 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cuda(const at::Tensor& x_in, int
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor ws = workspace(x, L.S * L.G, stream);
   launch_observe<MODE_MINMAX>(x, L, reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>()), EstimateArgs{}, SeedArgs{},
-                              omn.mutable_data_ptr<float>(), omx.mutable_data_ptr<float>(), stream);
+                              omn.mutable_data_ptr<float>(), omx.mutable_data_ptr<float>(), std::nullopt, 0, stream);
   return {omn, omx};
 }
 
@@ -1109,9 +1199,114 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> estimate_and_seed_cuda(
   return {alpha, beta, seed};
 }
 
+// ----------------------------------------------------------------------------- row_exponents
+// mesa_train.nn.rowscale.row_exponents in three launches instead of ~11 ATen ops: the row
+// maxima of |x| (one warp per row), ATen's mean over them (the reference's own reduction,
+// so the mean is bitwise the same), then k per row.
+// |x| max as storage bits with the sign cleared: for non-negative values the bit patterns
+// order like the values and every NaN pattern lies above +inf, so the integer max is
+// max|x| (a NaN pattern for a row with a NaN), as in the CPU kernel (row_absmax_cpu).
+template <typename scalar_t> struct AbsBits;
+template <> struct AbsBits<float> {
+  static __device__ __forceinline__ uint32_t of_word(uint32_t w) { return w & 0x7FFFFFFFu; }
+  static __device__ __forceinline__ float to_float(uint32_t b) { return __uint_as_float(b); }
+};
+template <> struct AbsBits<c10::BFloat16> {
+  static __device__ __forceinline__ uint32_t of_word(uint32_t w) { return umax(w & 0x7FFFu, (w >> 16) & 0x7FFFu); }
+  static __device__ __forceinline__ float to_float(uint32_t b) { return __uint_as_float(b << 16); }
+};
+template <> struct AbsBits<c10::Half> {
+  static __device__ __forceinline__ uint32_t of_word(uint32_t w) { return umax(w & 0x7FFFu, (w >> 16) & 0x7FFFu); }
+  static __device__ __forceinline__ float to_float(uint32_t b) {
+    return static_cast<float>(c10::Half(static_cast<uint16_t>(b), c10::Half::from_bits()));
+  }
+};
+
+// r[row] = max |x| of each row of L elements (VEC: rows of whole, 16-byte aligned chunks)
+template <typename scalar_t, bool VEC>
+__global__ void __launch_bounds__(kThreads)
+row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t rows, int64_t L) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
+    const scalar_t* xr = x + row * L;
+    uint32_t m = 0u;
+    if constexpr (VEC) {
+      const uint4* c = reinterpret_cast<const uint4*>(xr);
+      const int64_t chunks = L * int64_t(sizeof(scalar_t)) / 16;
+      for (int64_t j = lane; j < chunks; j += 32) {
+        const uint4 w = __ldg(c + j);
+        m = umax(umax(m, umax(AbsBits<scalar_t>::of_word(w.x), AbsBits<scalar_t>::of_word(w.y))),
+                 umax(AbsBits<scalar_t>::of_word(w.z), AbsBits<scalar_t>::of_word(w.w)));
+      }
+    } else {
+      for (int64_t j = lane; j < L; j += 32) {
+        const scalar_t v = xr[j];
+        uint32_t b;
+        if constexpr (sizeof(scalar_t) == 4) {
+          b = __float_as_uint(static_cast<float>(v));
+        } else {
+          b = static_cast<uint32_t>(v.x);
+        }
+        m = umax(m, AbsBits<scalar_t>::of_word(b));
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) m = umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if (lane == 0) r[row] = AbsBits<scalar_t>::to_float(m);
+  }
+}
+
+// k[row] = clamp(e - 1, 0, max_k) with mean / r[row] = m * 2**e, m in [0.5, 1) (frexp); a
+// non-finite or zero ratio (a zero row, an all-zero or NaN batch) gives e = 0, i.e. k = 0
+__global__ void __launch_bounds__(kThreads)
+row_k_kernel(const float* __restrict__ r, const float* __restrict__ mean, int8_t* __restrict__ k, int64_t rows,
+             int max_k) {
+  const float mu = __ldg(mean);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x) {
+    const float ratio = f_div(mu, r[i]);
+    int e = 0;
+    if (isfinite(ratio) && ratio != 0.0f) frexpf(ratio, &e);
+    k[i] = static_cast<int8_t>(min(max(e - 1, 0), max_k));
+  }
+}
+
+at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t max_k) {
+  const int64_t L = check_row_exponents(x_in, row_dims, max_k);
+  const c10::cuda::OptionalCUDAGuard guard(x_in.device());
+  std::vector<int64_t> shape = x_in.sizes().vec();
+  for (int64_t d = x_in.dim() - row_dims; d < x_in.dim(); ++d) shape[d] = 1;
+  if (x_in.numel() == 0) return at::zeros(shape, x_in.options().dtype(at::kChar));  // (rows of length 0: k = 0)
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.numel() / L;
+  at::Tensor r = at::empty(shape, x.options().dtype(at::kFloat));
+  at::Tensor k = at::empty(shape, x.options().dtype(at::kChar));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int sms = sm_count();
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+  MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_row_absmax_cuda", [&] {
+    const bool vec = aligned16(x.const_data_ptr()) && (L * int64_t(sizeof(scalar_t))) % 16 == 0;
+    if (vec) {
+      row_absmax_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
+                                                                        r.mutable_data_ptr<float>(), rows, L);
+    } else {
+      row_absmax_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
+                                                                         r.mutable_data_ptr<float>(), rows, L);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  const at::Tensor mean = r.mean();
+  row_k_kernel<<<grid_for(rows, sms), kThreads, 0, stream>>>(r.const_data_ptr<float>(), mean.const_data_ptr<float>(),
+                                                             k.mutable_data_ptr<int8_t>(), rows,
+                                                             static_cast<int>(max_k));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return k;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
+  m.impl("row_exponents", &row_exponents_cuda);
   m.impl("group_minmax", &group_minmax_cuda);
   m.impl("quantize", &quantize_cuda);
   m.impl("dequantize", &dequantize_cuda);

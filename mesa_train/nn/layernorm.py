@@ -33,8 +33,7 @@ import torch
 from torch import nn
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
-from .quantizer import decompress
-from .rowscale import compress_rows, max_exponent, unscale_rows
+from .rowscale import compress_rows, decompress_rows, max_exponent
 
 __all__ = ["LayerNorm"]
 
@@ -116,7 +115,7 @@ class _LayerNormFn(torch.autograd.Function):
         need_b = ctx.has_bias and ctx.needs_input_grad[3]
         gx = gw = gb = None
         with no_autocast(g.device.type):
-            xh = unscale_rows(decompress(packed, mdt), k)
+            xh = decompress_rows(packed, mdt, k)
             # ATen's fused LayerNorm backward, fed x_hat as the input with mean 0 and rstd 1
             # (so its internal (x - mean) * rstd is x_hat exactly): it returns
             # gw - mean(gw) - x_hat * mean(gw * x_hat) and both parameter gradients in one

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
-from .quantizer import decompress
-from .rowscale import compress_rows, max_exponent, unscale_rows
+from .rowscale import compress_rows, decompress_rows, max_exponent
 
 __all__ = ["LayerScale", "ChannelScale", "channel_scale"]
 
@@ -53,7 +52,7 @@ class _ScaleFn(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 gx = (g * gamma.to(ctx.cdt)).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                xh = unscale_rows(decompress(packed, ctx.cdt), k)
+                xh = decompress_rows(packed, ctx.cdt, k)
                 if len(ctx.g_shape) <= 1:
                     gg = (g * xh).reshape(-1, xh.shape[-1]).sum(0).reshape(ctx.g_shape)
                 else:

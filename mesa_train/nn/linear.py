@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
-from .quantizer import decompress
-from .rowscale import compress_rows, max_exponent, unscale_rows
+from .rowscale import compress_rows, decompress_rows, max_exponent
 
 __all__ = ["Linear"]
 
@@ -51,7 +50,7 @@ class _LinearFn(torch.autograd.Function):
                 gx = g.matmul(weight.to(ctx.cdt)).to(ctx.x_dtype)
             g2 = g.reshape(-1, ctx.out_features)
             if ctx.needs_input_grad[1]:
-                xh = unscale_rows(decompress(packed, ctx.cdt), k).reshape(-1, ctx.in_features)
+                xh = decompress_rows(packed, ctx.cdt, k).reshape(-1, ctx.in_features)
                 gw = g2.t().matmul(xh).to(ctx.w_dtype)  # one GEMM over all tokens
             if ctx.needs_input_grad[2]:
                 gb = g2.sum(0).to(ctx.b_dtype)

@@ -30,6 +30,7 @@ from torch import nn
 from mesa_train import quant  # noqa: F401  (importing it registers torch.ops.mesa.*)
 from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_as_pytorch
+from mesa_train.quant.reference import scale_rows, unscale_rows
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
            "LEARNED_BUFFERS", "convert_format", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS", "ROUNDINGS"]
@@ -192,12 +193,17 @@ def _dequantize_bits(q, alpha, beta, shape, dim, G, bits, pow2, dtype):
     return _DEQUANTIZE_BITS(q, alpha, beta, list(shape), dim, G, bits, pow2, dtype)
 
 
-def decompress(p: Packed, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantize a :class:`Packed` into a tensor of ``dtype`` (traceable under ``torch.compile``)."""
+def decompress(p: Packed, dtype: torch.dtype, row_exp: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize a :class:`Packed` into a tensor of ``dtype`` (traceable under ``torch.compile``);
+    ``row_exp``: the power-of-two row scales it was compressed with (``nn/rowscale.py``), undone."""
+    if p.fmt is None and not traced_as_pytorch(p.q):
+        return _DEQUANTIZE(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype, row_exp)  # (unscaled in the kernel)
+    return unscale_rows(_decompress_format(p, dtype), row_exp)
+
+
+def _decompress_format(p: Packed, dtype: torch.dtype) -> torch.Tensor:
     if p.fmt is None:
-        if traced_as_pytorch(p.q):
-            return traceable.dequantize(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
-        return _DEQUANTIZE(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
+        return traceable.dequantize(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype)
     kind, bits, pow2, shape = p.fmt
     if kind == "bits":
         return _dequantize_bits(p.q, p.alpha, p.beta, shape, p.dim, p.num_groups, bits, pow2, dtype)
@@ -404,8 +410,10 @@ class ActivationQuantizer(nn.Module):
                 opts.estimator == "per_sample", opts.symmetric, opts.rounding == "stochastic")
 
     @torch.no_grad()
-    def compress(self, x: torch.Tensor, dim: int) -> Packed:
+    def compress(self, x: torch.Tensor, dim: int, row_exp: torch.Tensor | None = None) -> Packed:
         """Quantize ``x`` with groups along ``dim``; returns fresh tensors (see module doc).
+        ``row_exp``: int8 power-of-two row scales (``nn/rowscale.py``): the rows are taken as
+        ``x * 2**k`` (inside the kernels where they are the extension's ops).
 
         Eager: two ops (``mesa::observe``: batch min/max + estimate update + seed step;
         ``mesa::quantize``), called directly rather than through the checking wrappers of
@@ -418,6 +426,9 @@ class ActivationQuantizer(nn.Module):
         """
         opts = self.options
         bufs = self._follow_device(x)
+        traced = traced_as_pytorch(x)
+        if row_exp is not None and (traced or not opts.is_default_format):
+            x, row_exp = scale_rows(x, row_exp), None  # (Inductor fuses the multiply when traced)
         if not opts.is_default_format:
             return self._compress_variant(x, dim)
         dim = dim % x.dim()
@@ -427,12 +438,12 @@ class ActivationQuantizer(nn.Module):
         args = (x, bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], dim, G, opts.decay,
                 opts.estimator == "per_sample", opts.symmetric)
         stochastic = opts.rounding == "stochastic"
-        if traced_as_pytorch(x):  # under torch.compile: see mesa_train/quant/compile_kernels.py
+        if traced:  # under torch.compile: see mesa_train/quant/compile_kernels.py
             alpha, beta, seed = traceable.observe(*args)
             q = traceable.quantize(x, alpha, beta, dim, G, stochastic, seed)
         else:
-            alpha, beta, seed = _OBSERVE(*args)
-            q = _QUANTIZE(x, alpha, beta, dim, G, stochastic, seed)
+            alpha, beta, seed = _OBSERVE(*args, row_exp)
+            q = _QUANTIZE(x, alpha, beta, dim, G, stochastic, seed, row_exp)
         return Packed(q, alpha, beta, dim, G)
 
     @staticmethod

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
-from .quantizer import decompress
-from .rowscale import compress_rows, max_exponent, unscale_rows
+from .rowscale import compress_rows, decompress_rows, max_exponent
 
 __all__ = ["RmsNorm"]
 
@@ -55,7 +54,7 @@ class _RmsNormFn(torch.autograd.Function):
         mdt, dims = ctx.mdt, _dims(ctx.nd)
         gx = gw = None
         with no_autocast(g.device.type):
-            xh = unscale_rows(decompress(packed, mdt), k)
+            xh = decompress_rows(packed, mdt, k)
             g = g.to(mdt)
             gwt = g * weight.to(mdt) if weight is not None else g
             if ctx.needs_input_grad[0]:

@@ -3,7 +3,7 @@
 Loading order:
 
 1. ``mesa_train._C`` (the compiled C++/CUDA extension) is imported; its
-   ``TORCH_LIBRARY(mesa, m)`` defines the five ops with CPU (and CUDA) kernels.
+   ``TORCH_LIBRARY(mesa, m)`` defines the ops with CPU (and CUDA) kernels.
    ``BACKEND == "extension"``.
 2. If it cannot be loaded (not built, ABI mismatch, ...) or ``MESA_DISABLE_EXTENSION=1``,
    the same ops are defined from Python with ``mesa_train.quant.reference`` as the CPU and
@@ -32,6 +32,7 @@ from .reference import (
     check_minmax_args,
     check_observe_args,
     check_quantize_args,
+    check_row_exp,
     check_seed,
     seed_tensor,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "group_minmax",
     "quantize",
     "dequantize",
+    "row_exponents",
     "update_estimates",
     "observe",
     "estimate_and_seed",
@@ -57,17 +59,22 @@ __all__ = [
 _SCHEMAS = {
     "group_minmax": "group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)",
     "quantize": (
-        "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed) -> Tensor"
+        "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed, "
+        "Tensor? row_exp=None) -> Tensor"
     ),
-    "dequantize": "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype) -> Tensor",
+    "dequantize": (
+        "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
+        "Tensor? row_exp=None) -> Tensor"
+    ),
+    "row_exponents": "row_exponents(Tensor x, int row_dims, int max_k) -> Tensor",
     "update_estimates": (
         "update_estimates(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
         "float decay, bool per_sample, bool symmetric, bool valid) -> (Tensor alpha, Tensor beta)"
     ),
     "observe": (
         "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
-        "int dim, int num_groups, float decay, bool per_sample, bool symmetric) -> (Tensor alpha, Tensor beta, "
-        "Tensor seed)"
+        "int dim, int num_groups, float decay, bool per_sample, bool symmetric, Tensor? row_exp=None) -> "
+        "(Tensor alpha, Tensor beta, Tensor seed)"
     ),
     "estimate_and_seed": (
         "estimate_and_seed(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
@@ -86,7 +93,7 @@ _SCHEMAS = {
 # The core ops: a build with CUDA kernels has these (CUDA_BACKEND == "extension"). The
 # variants' ops (quantize_bits / dequantize_bits) have CUDA kernels too since issue 12's
 # second part; a build from before serves them on CUDA from the reference (CUDA_REFERENCE_OPS).
-_CUDA_KERNEL_OPS = ("group_minmax", "quantize", "dequantize", "update_estimates", "observe")
+_CUDA_KERNEL_OPS = ("group_minmax", "quantize", "dequantize", "update_estimates", "observe", "row_exponents")
 
 extension_error: BaseException | None = None  # why the extension was not used, if it was not
 
@@ -119,20 +126,26 @@ def _ref_minmax(x, dim, num_groups, per_sample):
     return reference.group_minmax(x, dim, num_groups, per_sample)
 
 
-def _ref_quantize(x, alpha, beta, dim, num_groups, stochastic, seed):
-    return reference.quantize(x, alpha, beta, dim, num_groups, stochastic, seed)
+def _ref_quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp=None):
+    return reference.quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp)
 
 
-def _ref_dequantize(q, alpha, beta, dim, num_groups, dtype):
-    return reference.dequantize(q, alpha, beta, dim, num_groups, dtype)
+def _ref_dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp=None):
+    return reference.dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp)
+
+
+def _ref_row_exponents(x, row_dims, max_k):
+    return reference.row_exponents(x, row_dims, max_k)
 
 
 def _ref_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid):
     return reference.update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid)
 
 
-def _ref_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric):
-    return reference.observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric)
+def _ref_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric,
+                 row_exp=None):
+    return reference.observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric,
+                             row_exp)
 
 
 def _ref_estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay, per_sample, symmetric, valid):
@@ -154,6 +167,7 @@ _REF_IMPLS = {
     "group_minmax": _ref_minmax,
     "quantize": _ref_quantize,
     "dequantize": _ref_dequantize,
+    "row_exponents": _ref_row_exponents,
     "update_estimates": _ref_update_estimates,
     "observe": _ref_observe,
     "estimate_and_seed": _ref_estimate_and_seed,
@@ -233,15 +247,22 @@ def _fake_minmax(x, dim, num_groups, per_sample):
     )
 
 
-def _fake_quantize(x, alpha, beta, dim, num_groups, stochastic, seed):
+def _fake_quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp=None):
     check_quantize_args(x, alpha, beta, dim, num_groups)
     check_seed(seed, x, "quantize: seed ([lo, hi])")
+    check_row_exp(row_exp, x, "quantize")
     return x.new_empty(x.shape, dtype=torch.uint8)
 
 
-def _fake_dequantize(q, alpha, beta, dim, num_groups, dtype):
+def _fake_dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp=None):
     check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
+    check_row_exp(row_exp, q, "dequantize")
     return q.new_empty(q.shape, dtype=dtype)
+
+
+def _fake_row_exponents(x, row_dims, max_k):
+    reference.check_row_exponents_args(x, row_dims, max_k)
+    return x.new_empty(reference.row_shape(x, row_dims), dtype=torch.int8)
 
 
 def _fake_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid):
@@ -249,8 +270,10 @@ def _fake_update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_
     return mn.new_empty(mn.shape), mn.new_empty(mn.shape)
 
 
-def _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric):
+def _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric,
+                  row_exp=None):
     check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
+    check_row_exp(row_exp, x, "observe")
     S = x.shape[0] if per_sample else 1
     return (
         x.new_empty((S, num_groups), dtype=torch.float32),
@@ -284,6 +307,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::group_minmax")(_fake_minmax)
     torch.library.register_fake("mesa::quantize")(_fake_quantize)
     torch.library.register_fake("mesa::dequantize")(_fake_dequantize)
+    torch.library.register_fake("mesa::row_exponents")(_fake_row_exponents)
     torch.library.register_fake("mesa::update_estimates")(_fake_update_estimates)
     torch.library.register_fake("mesa::observe")(_fake_observe)
     torch.library.register_fake("mesa::estimate_and_seed")(_fake_estimate_and_seed)
@@ -329,6 +353,7 @@ def quantize(
     num_groups: int,
     stochastic: bool = True,
     seed: int | torch.Tensor = 0,
+    row_exp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """uint8 codes ``clamp(round((x - beta) * 255 / alpha), 0, 255)``, same shape as ``x``.
 
@@ -337,7 +362,9 @@ def quantize(
     by ``seed`` (same seed, same device -> same bytes); otherwise round half to even.
     ``seed``: an int64 ``(2,)`` tensor ``[lo, hi]`` on ``x``'s device (e.g. from
     :func:`observe`), or a Python int ``s`` meaning ``[s & M, (s >> 32) & M]`` (its low 64
-    bits; ``M = 2**32 - 1``).
+    bits; ``M = 2**32 - 1``). ``row_exp``: int8 power-of-two row scales (see
+    :func:`row_exponents`): the codes of ``x * 2**k`` rounded to ``x``'s dtype, computed
+    inside the kernel (no scaled copy).
     """
     dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
     if isinstance(seed, torch.Tensor):
@@ -346,7 +373,8 @@ def quantize(
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"quantize: seed must be an int or an int64 (2,) tensor, got {type(seed).__name__}")
         seed = seed_tensor(seed, x.device)
-    return torch.ops.mesa.quantize(x, alpha, beta, dim, num_groups, bool(stochastic), seed)
+    check_row_exp(row_exp, x, "quantize")
+    return torch.ops.mesa.quantize(x, alpha, beta, dim, num_groups, bool(stochastic), seed, row_exp)
 
 
 def dequantize(
@@ -356,10 +384,24 @@ def dequantize(
     dim: int,
     num_groups: int,
     dtype: torch.dtype = torch.float32,
+    row_exp: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``q * (alpha / 255) + beta`` per group, computed in fp32 and returned as ``dtype``."""
+    """``q * (alpha / 255) + beta`` per group, computed in fp32 and returned as ``dtype``;
+    with ``row_exp`` then times ``2**-k`` per row, rounded to ``dtype`` (undoes
+    :func:`quantize`'s row scales)."""
     dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
-    return torch.ops.mesa.dequantize(q, alpha, beta, dim, num_groups, dtype)
+    check_row_exp(row_exp, q, "dequantize")
+    return torch.ops.mesa.dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp)
+
+
+def row_exponents(x: torch.Tensor, row_dims: int = 1, max_k: int = 64) -> torch.Tensor:
+    """int8 power-of-two exponents ``k`` per row of the last ``row_dims`` dims, shape
+    ``x.shape[:-row_dims] + (1,) * row_dims``: ``clamp(floor(log2(mean_row_absmax /
+    row_absmax)), 0, max_k)`` (DESIGN.md, "Rows far below the grid"; ``max_k`` 14 where
+    float16 is involved, else up to 126). Feed them to :func:`observe`, :func:`quantize` and
+    :func:`dequantize` as ``row_exp``."""
+    reference.check_row_exponents_args(x, row_dims, max_k)
+    return torch.ops.mesa.row_exponents(x, int(row_dims), int(max_k))
 
 
 def update_estimates(
@@ -396,17 +438,21 @@ def observe(
     decay: float,
     per_sample: bool = False,
     symmetric: bool = False,
+    row_exp: torch.Tensor | None = None,
 ):
     """``group_minmax`` + ``update_estimates`` + the seed step in one op (one launch on CUDA).
 
     Returns ``(alpha, beta, seed)``: this batch's float32 ``(S, G)`` parameters for
     :func:`quantize` and a fresh int64 ``(2,)`` seed ``[lo, hi]`` derived on the device from
     ``rng = [key, counter]`` (see :func:`rng_state`), whose counter is advanced in place.
-    Same results and buffer updates as ``update_estimates(*group_minmax(x, ...), valid=x.numel() > 0)``.
+    Same results and buffer updates as ``update_estimates(*group_minmax(x, ...), valid=x.numel() > 0)``;
+    ``row_exp``: the statistics of the rows scaled as :func:`quantize` scales them.
     """
     dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
+    check_row_exp(row_exp, x, "observe")
     return torch.ops.mesa.observe(
-        x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay), bool(per_sample), bool(symmetric)
+        x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay), bool(per_sample), bool(symmetric),
+        row_exp,
     )
 
 

@@ -215,6 +215,75 @@ def check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups
     return dim
 
 
+def check_row_exp(row_exp, x: torch.Tensor, what: str) -> None:
+    """``None``, or int8 row exponents on ``x``'s device of shape ``x.shape[:-n] + (1,) * n``
+    for an ``n >= 1`` (one per row of the last ``n`` dims). Values are not read (no host sync):
+    they must lie in ``[0, 126]``, ``[0, 14]`` with float16 involved (:func:`row_exponents`)."""
+    if row_exp is None:
+        return
+    if not isinstance(row_exp, torch.Tensor) or row_exp.dtype != torch.int8:
+        got = row_exp.dtype if isinstance(row_exp, torch.Tensor) else type(row_exp).__name__
+        raise ValueError(f"{what}: row_exp must be an int8 tensor, got {got}")
+    if row_exp.device != x.device:
+        raise ValueError(f"{what}: row_exp is on {row_exp.device} but the input is on {x.device}")
+    shape = tuple(row_exp.shape)
+    t = 0
+    while t < len(shape) and shape[len(shape) - 1 - t] == 1:
+        t += 1
+    if len(shape) != x.dim() or t < 1 or shape[:x.dim() - t] != tuple(x.shape[:x.dim() - t]):
+        raise ValueError(f"{what}: row_exp must have shape x.shape[:-n] + (1,) * n (one exponent per row of the "
+                         f"last n >= 1 dims); got {shape} for x of shape {tuple(x.shape)}")
+
+
+def check_row_exponents_args(x, row_dims, max_k) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in QUANT_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"row_exponents supports float32, float16 and bfloat16 inputs, got {got}")
+    if isinstance(row_dims, bool) or not isinstance(row_dims, int) or not 1 <= row_dims <= x.dim():
+        raise ValueError(f"row_exponents: row_dims must be in [1, {x.dim()}] for a {x.dim()}-d tensor, got {row_dims!r}")
+    if isinstance(max_k, bool) or not isinstance(max_k, int) or not 0 <= max_k <= 126:
+        raise ValueError(f"row_exponents: max_k must be in [0, 126], got {max_k!r}")
+
+
+def row_shape(x: torch.Tensor, row_dims: int) -> tuple:
+    """``x.shape[:-row_dims] + (1,) * row_dims``: one entry per row."""
+    return tuple(x.shape[:x.dim() - row_dims]) + (1,) * row_dims
+
+
+@torch.no_grad()
+def row_exponents(x: torch.Tensor, row_dims: int = 1, max_k: int = 64) -> torch.Tensor:
+    """int8 ``k = clamp(floor(log2(mean_row_absmax / row_absmax)), 0, max_k)`` per row of the
+    last ``row_dims`` dims, shape :func:`row_shape` (``mesa::row_exponents``; DESIGN.md, "Rows
+    far below the grid"). Rows of length 0 get ``k = 0``."""
+    check_row_exponents_args(x, row_dims, max_k)
+    if x.numel() == 0:
+        return torch.zeros(row_shape(x, row_dims), dtype=torch.int8, device=x.device)
+    # max(amax, -amin), not vector_norm(inf): the same values (exact; NaN propagates; abs()
+    # only makes a -0.0 row +0.0) without a temporary. One row dim: aminmax reads x once
+    if row_dims == 1:
+        mn, mx = torch.aminmax(x, dim=-1, keepdim=True)
+    else:
+        dims = tuple(range(x.dim() - row_dims, x.dim()))
+        mn, mx = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
+    r = torch.maximum(mx, mn.neg()).abs().to(torch.float32)
+    # ratio = m * 2**e with m in [0.5, 1): floor(log2(ratio)) = e - 1. A zero row (ratio inf)
+    # or an all-zero batch (nan) gets e = 0, i.e. k = 0.
+    _, e = torch.frexp(r.mean() / r)
+    return (e - 1).clamp_(0, max_k).to(torch.int8)
+
+
+def scale_rows(x: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
+    """``x * 2**k`` in ``x``'s dtype (exact for powers of two within range): the ops'
+    ``row_exp`` on their input. ``2**k`` is exact in ``x``'s dtype for the allowed ``k``, so
+    this is bitwise ``torch.ldexp(x, k)`` (which is 15-20x slower on CPU)."""
+    return x if k is None else x * torch.exp2(k.to(x.dtype))
+
+
+def unscale_rows(y: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
+    """``y * 2**-k`` in ``y``'s dtype: the ops' ``row_exp`` on dequantize's output."""
+    return y if k is None else y * torch.exp2(k.to(y.dtype).neg())
+
+
 # ----------------------------------------------------------------------------- helpers
 def canonical(t: torch.Tensor) -> torch.Tensor:
     """float32 ``t`` with canonical bits: any NaN -> 0x7FC00000, any zero -> +0.0."""
@@ -368,16 +437,19 @@ def quantize(
     num_groups: int,
     stochastic: bool = True,
     seed=0,
+    row_exp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """uint8 codes, same shape as ``x``, contiguous (DESIGN.md exact arithmetic).
 
     ``seed``: an int64 ``(2,)`` tensor ``[lo, hi]`` on ``x``'s device (the op's schema) or
-    a Python int (same bytes as ``seed_tensor(seed)``).
+    a Python int (same bytes as ``seed_tensor(seed)``). ``row_exp``: the codes of
+    :func:`scale_rows` ``(x, row_exp)``.
     """
     dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
     if isinstance(seed, torch.Tensor):
         check_seed(seed, x, "quantize: seed ([lo, hi])")
-    x = x.contiguous()
+    check_row_exp(row_exp, x, "quantize")
+    x = scale_rows(x, row_exp).contiguous()
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     alpha = alpha.contiguous()
@@ -400,9 +472,14 @@ def dequantize(
     dim: int,
     num_groups: int,
     dtype: torch.dtype = torch.float32,
+    row_exp: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``q * (alpha / 255) + beta`` in fp32 (step, product, sum rounded separately), cast to ``dtype``."""
+    """``q * (alpha / 255) + beta`` in fp32 (step, product, sum rounded separately), cast to
+    ``dtype``; ``row_exp``: then :func:`unscale_rows` (``* 2**-k`` rounded to ``dtype``)."""
     dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
+    check_row_exp(row_exp, q, "dequantize")
+    if row_exp is not None:
+        return unscale_rows(dequantize(q, alpha, beta, dim, num_groups, dtype), row_exp)
     q = q.contiguous()
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=dtype, device=q.device)
@@ -505,14 +582,16 @@ def observe(
     decay: float,
     per_sample: bool,
     symmetric: bool,
+    row_exp: torch.Tensor | None = None,
 ):
     """``group_minmax`` + ``update_estimates(valid=x.numel() > 0)`` + :func:`seed_step`.
 
     Returns ``(alpha, beta, seed)``; mutates the estimate buffers, ``initialized`` and
-    ``rng[1]`` in place.
+    ``rng[1]`` in place. ``row_exp``: the statistics of :func:`scale_rows` ``(x, row_exp)``.
     """
     dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
-    mn, mx = group_minmax(x, dim, num_groups, per_sample)
+    check_row_exp(row_exp, x, "observe")
+    mn, mx = group_minmax(scale_rows(x, row_exp), dim, num_groups, per_sample)
     alpha, beta = update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
                                    x.numel() > 0)
     return alpha, beta, seed_step(rng)
