@@ -57,9 +57,9 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
 };
 
 at::Tensor gelu_train(const at::Tensor& x, at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized,
-                      at::Tensor& rng, int64_t num_groups, double decay, bool per_sample, bool symmetric,
+                      at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator, bool symmetric,
                       bool stochastic, c10::string_view approximate) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
   return GeluTrain::apply(x, qz, std::string(approximate));
 }
 
@@ -108,8 +108,8 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
     const at::Tensor& x, int64_t softmax_dim, at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized,
-    at::Tensor& rng, int64_t num_groups, double decay, bool per_sample, bool symmetric, bool stochastic) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+    at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
   auto out = SoftmaxTrain::apply(x, softmax_dim, qz);
   return {out[0], out[1], out[2], out[3]};
 }
@@ -188,9 +188,9 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
 
 at::Tensor linear_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
-                        int64_t num_groups, double decay, bool per_sample, bool symmetric, bool stochastic,
+                        int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                         bool row_scale) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
   return LinearTrain::apply(x, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, qz, row_scale);
 }
 
@@ -270,8 +270,8 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
 at::Tensor layer_norm_train(const at::Tensor& x, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, double eps, at::Tensor& alpha_est,
                             at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng, int64_t num_groups,
-                            double decay, bool per_sample, bool symmetric, bool stochastic, bool row_scale) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+                            double decay, int64_t estimator, bool symmetric, bool stochastic, bool row_scale) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
   auto present = [](const std::optional<at::Tensor>& t) {
     return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
   };
@@ -383,23 +383,23 @@ std::optional<SharedCopy> shared_copy(at::TensorList t, int64_t dim, int64_t gro
 }
 
 // A quantizer's buffers passed as [alpha_est, beta_est, initialized, rng] (empty: none)
-std::optional<Quantizer> quantizer(at::TensorList t, int64_t num_groups, double decay, bool per_sample,
+std::optional<Quantizer> quantizer(at::TensorList t, int64_t num_groups, double decay, int64_t estimator,
                                    bool symmetric, bool stochastic) {
   if (t.empty()) return std::nullopt;
   TORCH_CHECK(t.size() == 4, "mesa::matmul_train: a quantizer state is [alpha_est, beta_est, initialized, rng], got ",
               t.size(), " tensors");
-  return Quantizer{t[0], t[1], t[2], t[3], num_groups, decay, per_sample, symmetric, stochastic};
+  return Quantizer{t[0], t[1], t[2], t[3], num_groups, decay, estimator, symmetric, stochastic};
 }
 
 at::Tensor matmul_train(const at::Tensor& a, const at::Tensor& b, at::TensorList shared_a, int64_t shared_a_dim,
                         int64_t shared_a_groups, at::TensorList shared_b, int64_t shared_b_dim, int64_t shared_b_groups,
-                        at::TensorList state_a, int64_t num_groups_a, double decay_a, bool per_sample_a,
+                        at::TensorList state_a, int64_t num_groups_a, double decay_a, int64_t estimator_a,
                         bool symmetric_a, bool stochastic_a, at::TensorList state_b, int64_t num_groups_b,
-                        double decay_b, bool per_sample_b, bool symmetric_b, bool stochastic_b) {
+                        double decay_b, int64_t estimator_b, bool symmetric_b, bool stochastic_b) {
   return MatMulTrain::apply(a, b, shared_copy(shared_a, shared_a_dim, shared_a_groups),
                             shared_copy(shared_b, shared_b_dim, shared_b_groups),
-                            quantizer(state_a, num_groups_a, decay_a, per_sample_a, symmetric_a, stochastic_a),
-                            quantizer(state_b, num_groups_b, decay_b, per_sample_b, symmetric_b, stochastic_b));
+                            quantizer(state_a, num_groups_a, decay_a, estimator_a, symmetric_a, stochastic_a),
+                            quantizer(state_b, num_groups_b, decay_b, estimator_b, symmetric_b, stochastic_b));
 }
 
 // ----------------------------------------------------------------------------- Conv2d
@@ -466,8 +466,8 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
 at::Tensor conv2d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                         at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
-                        int64_t num_groups, double decay, bool per_sample, bool symmetric, bool stochastic) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, per_sample, symmetric, stochastic};
+                        int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
   return Conv2dTrain::apply(x, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, stride.vec(),
                             padding.vec(), dilation.vec(), groups, qz);
 }
@@ -479,30 +479,30 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
   // The quantizer's buffers are mutated (estimates, rounding counter), as by mesa::observe.
   m.def(
       "gelu_train(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
-      "int num_groups, float decay, bool per_sample, bool symmetric, bool stochastic, str approximate) -> Tensor");
+      "int num_groups, float decay, int estimator, bool symmetric, bool stochastic, str approximate) -> Tensor");
   m.def(
       "softmax_train(Tensor x, int softmax_dim, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
-      "Tensor(d!) rng, int num_groups, float decay, bool per_sample, bool symmetric, bool stochastic) -> "
+      "Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic) -> "
       "(Tensor y, Tensor q, Tensor alpha, Tensor beta)");
   m.def(
       "linear_train(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
-      "Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, bool per_sample, bool symmetric, "
+      "Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, "
       "bool stochastic, bool row_scale) -> Tensor");
   m.def(
       "layer_norm_train(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
-      "float decay, bool per_sample, bool symmetric, bool stochastic, bool row_scale) -> Tensor");
+      "float decay, int estimator, bool symmetric, bool stochastic, bool row_scale) -> Tensor");
   // shared_*: a producer's 8-bit copy [q, alpha, beta] (or []); state_*: the operand's
   // quantizer buffers [alpha_est, beta_est, initialized, rng] (or [], no quantizer)
   m.def(
       "matmul_train(Tensor a, Tensor b, Tensor[] shared_a, int shared_a_dim, int shared_a_groups, "
       "Tensor[] shared_b, int shared_b_dim, int shared_b_groups, Tensor(a!)[] state_a, int num_groups_a, "
-      "float decay_a, bool per_sample_a, bool symmetric_a, bool stochastic_a, Tensor(b!)[] state_b, "
-      "int num_groups_b, float decay_b, bool per_sample_b, bool symmetric_b, bool stochastic_b) -> Tensor");
+      "float decay_a, int estimator_a, bool symmetric_a, bool stochastic_a, Tensor(b!)[] state_b, "
+      "int num_groups_b, float decay_b, int estimator_b, bool symmetric_b, bool stochastic_b) -> Tensor");
   m.def(
       "conv2d_train(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
-      "float decay, bool per_sample, bool symmetric, bool stochastic) -> Tensor");
+      "float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
 }
 
 // One kernel for every backend: the autograd node is built here and the work dispatches

@@ -52,24 +52,41 @@ inline const c10::TypedOperatorHandle<RowExponentsFn>& row_exponents_op() {
 }
 
 // The quantizer's state and options, as the Python ActivationQuantizer.compress passes them.
+// estimator: mesa_train.nn.quantizer.ESTIMATOR_CODES (the default-format estimators).
+enum Estimator : int64_t { kRunning = 0, kPerSample = 1, kDelayed = 2 };
 struct Quantizer {
   at::Tensor alpha_est, beta_est, initialized, rng;
   int64_t num_groups;
   double decay;
-  bool per_sample, symmetric, stochastic;
+  int64_t estimator;
+  bool symmetric, stochastic;
 };
 
+using QuantizeObserveFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+    double, bool, bool, const std::optional<at::Tensor>&);
+inline const c10::TypedOperatorHandle<QuantizeObserveFn>& quantize_observe_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::quantize_observe", "").typed<QuantizeObserveFn>();
+  return op;
+}
+
 // ActivationQuantizer.compress (default format): groups along `dim` (num_groups capped at
-// the dim's size), one contiguous copy when needed, observe then quantize; row_exp: the
-// rows' power-of-two scales, applied inside both kernels (mesa_train.nn.rowscale).
-// Returns (q, alpha, beta, G).
+// the dim's size), one contiguous copy when needed, then observe + quantize, or with the
+// delayed estimator quantize_observe (one pass); row_exp: the rows' power-of-two scales,
+// applied inside the kernels (mesa_train.nn.rowscale). Returns (q, alpha, beta, G).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
     const at::Tensor& x_in, int64_t dim, Quantizer& qz, const std::optional<at::Tensor>& row_exp = std::nullopt) {
   const int64_t D = x_in.size(dim);
   const int64_t G = qz.num_groups <= D ? qz.num_groups : std::max<int64_t>(1, D);
   const at::Tensor x = x_in.contiguous();
+  if (qz.estimator == kDelayed) {
+    auto [q, alpha, beta] = quantize_observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,
+                                                       qz.decay, qz.symmetric, qz.stochastic, row_exp);
+    return {q, alpha, beta, G};
+  }
   auto [alpha, beta, seed] = observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,
-                                               qz.decay, qz.per_sample, qz.symmetric, row_exp);
+                                               qz.decay, qz.estimator == kPerSample, qz.symmetric, row_exp);
   at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed, row_exp);
   return {q, alpha, beta, G};
 }

@@ -296,6 +296,14 @@ TORCH_LIBRARY(mesa, m) {
       "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
       "int dim, int num_groups, float decay, bool per_sample, bool symmetric, Tensor? row_exp=None) -> "
       "(Tensor alpha, Tensor beta, Tensor seed)");
+  // estimator "delayed" (DESIGN.md, "Delayed estimates"): quantize with the running estimates
+  // as they stand (initialized: after a first batch through observe), then this batch's
+  // min/max update them, in one pass over x (one launch on CUDA). Returns the codes and the
+  // (1, G) alpha/beta they were made with; the seed is the one observe would draw (same rng step).
+  m.def(
+      "quantize_observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
+      "Tensor(d!) rng, int dim, int num_groups, float decay, bool symmetric, bool stochastic, "
+      "Tensor? row_exp=None) -> (Tensor q, Tensor alpha, Tensor beta)");
   // Variants (DESIGN.md, "Variants"): `bits` in {8, 4, 2} codes packed 8/bits per byte along
   // the flat index (little end first, last byte zero-padded), optional power-of-two steps.
   // Output: 1-d uint8 of ceil(numel * bits / 8) bytes.

@@ -669,6 +669,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cpu(const at::Tensor& x, 
   return {alpha, beta, seed_step_cpu(rng)};
 }
 
+// quantize_observe (estimator "delayed", DESIGN.md "Delayed estimates"): with initialized
+// estimates, quantize with them as they stand, then observe this batch for the next one (two
+// passes on the CPU; the CUDA kernel reads x once for both); without (the first batch),
+// observe + quantize, as the running estimator.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
+    const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
+    const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, bool symmetric, bool stochastic,
+    const std::optional<at::Tensor>& row_exp) {
+  const Layout L = check_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, false);
+  const int64_t row_len = check_row_exp("quantize_observe", x.sizes(), x.device(), row_exp);
+  const at::Tensor xs = rows_scaled(x, row_exp, row_len);
+  if (!*initialized.const_data_ptr<bool>()) {
+    auto [alpha, beta, seed] = observe_cpu(xs, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, false,
+                                           symmetric, std::nullopt);
+    return {quantize_cpu(xs, alpha, beta, dim, num_groups, stochastic, seed, std::nullopt), alpha, beta};
+  }
+  const at::Tensor alpha = alpha_est.narrow(0, 0, L.G).clone().view({1, L.G});
+  const at::Tensor beta = beta_est.narrow(0, 0, L.G).clone().view({1, L.G});
+  const at::Tensor seed = seed_step_cpu(rng);
+  at::Tensor q = quantize_cpu(xs, alpha, beta, dim, num_groups, stochastic, seed, std::nullopt);
+  const auto [mn, mx] = group_minmax_impl(xs, L);
+  update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, false, symmetric, L.numel > 0, L.G);
+  return {q, alpha, beta};
+}
+
 // ----------------------------------------------------------------------------- bit widths
 // quantize_bits / dequantize_bits (DESIGN.md, "Variants"): the codes of one parallel task
 // (a range of whole output bytes) are computed into a task-local buffer with the same walk
@@ -852,6 +877,7 @@ TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("dequantize", &dequantize_cpu);
   m.impl("update_estimates", &update_estimates_cpu);
   m.impl("observe", &observe_cpu);
+  m.impl("quantize_observe", &quantize_observe_cpu);
   m.impl("estimate_and_seed", &estimate_and_seed_cpu);
   m.impl("quantize_bits", &quantize_bits_cpu);
   m.impl("dequantize_bits", &dequantize_bits_cpu);

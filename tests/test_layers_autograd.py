@@ -16,7 +16,8 @@ from mesa_train.nn import quantizer as quantizer_mod
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-OPTIONS = [dict(), dict(estimator="per_sample"), dict(symmetric=True), dict(rounding="nearest"), dict(num_groups=3)]
+OPTIONS = [dict(), dict(estimator="per_sample"), dict(estimator="delayed"), dict(symmetric=True), dict(rounding="nearest"),
+           dict(num_groups=3), dict(estimator="delayed", symmetric=True, rounding="nearest")]
 
 
 def _layer(kind, options):

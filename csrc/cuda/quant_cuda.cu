@@ -308,7 +308,10 @@ template <typename scalar_t, typename IdxT, int V, bool STOCH>
 __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const float* __restrict__ alpha,
                 const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel,
-                const int64_t* __restrict__ seed, const int64_t seed_stride, const KRows<IdxT> rows) {
+                const int64_t* __restrict__ seed, const int64_t seed_stride, const KRows<IdxT> rows,
+                const uint32_t* __restrict__ skip) {
+  // quantize_observe's second launch: nothing to do when its first one quantized
+  if (skip != nullptr && *skip != 0u) return;
   // the seed lives on the device (written by observe): no host sync
   const uint32_t slo = STOCH ? static_cast<uint32_t>(__ldg(seed)) : 0u;
   const uint32_t shi = STOCH ? static_cast<uint32_t>(__ldg(seed + seed_stride)) : 0u;
@@ -355,22 +358,22 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
 template <typename scalar_t, typename IdxT, int V, bool STOCH>
 void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
                      const Layout& L, const at::Tensor& seed, const std::optional<at::Tensor>& row_exp,
-                     int64_t row_len, cudaStream_t stream) {
+                     int64_t row_len, cudaStream_t stream, const uint32_t* skip) {
   quantize_kernel<scalar_t, IdxT, V, STOCH><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
       x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
       beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
-      seed.const_data_ptr<int64_t>(), seed.stride(0), make_krows<IdxT>(row_exp, row_len));
+      seed.const_data_ptr<int64_t>(), seed.stride(0), make_krows<IdxT>(row_exp, row_len), skip);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, bool STOCH>
 void dispatch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& a, const at::Tensor& b,
                        const Layout& L, const at::Tensor& seed, const std::optional<at::Tensor>& row_exp,
-                       int64_t row_len, cudaStream_t stream) {
+                       int64_t row_len, cudaStream_t stream, const uint32_t* skip = nullptr) {
   const bool vec = aligned16(x.const_data_ptr()) && aligned16(q.const_data_ptr());
-  if (!fits_32bit(L)) launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream);
-  else if (vec) launch_quantize<scalar_t, uint32_t, kVec, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream);
-  else launch_quantize<scalar_t, uint32_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream);
+  if (!fits_32bit(L)) launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
+  else if (vec) launch_quantize<scalar_t, uint32_t, kVec, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
+  else launch_quantize<scalar_t, uint32_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
 }
 
 at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
@@ -902,7 +905,7 @@ __device__ void estimate_update(const Stats& st, int64_t S, int64_t G, const Est
     batch(g, ra, rb);
     estimate_step(a.est_a[g], ra, init, finite, a.lam, a.one_minus_lam, used_a, a.est_a[g]);
     estimate_step(a.est_b[g], rb, init, finite, a.lam, a.one_minus_lam, used_b, a.est_b[g]);
-    if (!a.per_sample) {
+    if (!a.per_sample && a.out_a != nullptr) {  // (quantize_observe: its outputs are the old estimates)
       a.out_a[g] = used_a;
       a.out_b[g] = used_b;
     }
@@ -1143,6 +1146,177 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cuda(const at::Tensor& x_in, int
   return {omn, omx};
 }
 
+// ----------------------------------------------------------------------------- quantize_observe
+// Estimator "delayed" (DESIGN.md, "Delayed estimates"). With initialized estimates, ONE pass
+// over x quantizes it with the estimates as they stand and reduces its per-group min/max
+// (observe_kernel's stage 1, shared statistics); the last block updates the estimates for
+// the next batch and advances the rng counter. Every thread derives the seed from rng itself
+// (a pure function of [key, counter]; the counter moves only in the last block, after every
+// block has read it), and block 0 copies the estimates it quantizes with into the (1, G)
+// outputs before any block can update them (the update waits for every block's ticket).
+// Without initialized estimates (the first batch) the pass only observes: the last block
+// initializes the estimates (the running estimator's step, its statistics into the outputs)
+// and flags ws[1] = 0, and the quantize launch that follows every quantize_observe quantizes
+// with them; with ws[1] = 1 that launch returns at once. Every thread reads `initialized`
+// before any ticket is taken, so all see the value from before this batch.
+template <typename scalar_t, typename IdxT, int V, bool STOCH>
+__global__ void __launch_bounds__(kThreads)
+quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const KLayout<IdxT> k,
+                        const IdxT numel, const IdxT chunk, uint32_t* __restrict__ ws, const EstimateArgs est,
+                        const SeedArgs sd, float* __restrict__ used_a, float* __restrict__ used_b,
+                        const KRows<IdxT> rows) {
+  __shared__ uint32_t s_min[kSlots], s_max[kSlots];
+  __shared__ bool s_last;
+  const int64_t G = k.G;
+  uint32_t* g_min = ws + kWsHeader;
+  uint32_t* g_max = g_min + G;
+  const bool init = *est.initialized;
+  uint32_t slo = 0u, shi = 0u;
+  if (STOCH && init) seed_step(static_cast<uint32_t>(sd.rng[0]), static_cast<uint32_t>(sd.rng[sd.rng_stride]), slo, shi);
+  if (init && blockIdx.x == 0) {
+    for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+      used_a[g] = est.est_a[g];
+      used_b[g] = est.est_b[g];
+    }
+  }
+  const float* alpha = est.est_a;  // (shared statistics: parameter p = g)
+  const float* beta = est.est_b;
+
+  // ---- stage 1: this block's chunk of V-element steps, quantized (init) and reduced
+  const IdxT nvec = numel / V;
+  const IdxT b0 = umin(IdxT(blockIdx.x) * chunk, nvec);
+  const IdxT b1 = umin(b0 + chunk, nvec);
+  const bool has_tail = blockIdx.x == gridDim.x - 1 && nvec * V < numel;
+  ReduceTarget t{g_min, g_max, s_min, s_max, 0, G <= kSlots ? uint64_t(G) : 0};
+  for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
+  __syncthreads();
+  RunAcc r;
+  ParamCache pc;
+  auto code = [&](float v, IdxT i, IdxT p) -> uint8_t {
+    pc.fetch<true>(alpha, beta, p);
+    const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i), slo, shi) : 0.0f;
+    return quantize_value<STOCH>(v, pc.beta, pc.scale, u);
+  };
+  for (IdxT v = b0 + threadIdx.x; v < b1; v += blockDim.x) {
+    const IdxT i0 = v * V;
+    float xv[V];
+    load_floats<scalar_t, V>(x + i0, xv);
+    if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
+    const IdxT p0 = param_of(k, i0);
+    if (one_param<IdxT, V>(k, i0, p0)) {
+      float mn = xv[0], mx = xv[0];
+#pragma unroll
+      for (int e = 1; e < V; ++e) {
+        mn = nan_min(mn, xv[e]);
+        mx = nan_max(mx, xv[e]);
+      }
+      t.add(r, p0, mn, mx);
+      if (init) {
+        uint8_t out[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) out[e] = code(xv[e], i0 + IdxT(e), p0);
+        store_codes<V>(q + i0, out);
+      }
+    } else {
+      uint8_t out[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const IdxT p = e == 0 ? p0 : param_of(k, i0 + IdxT(e));
+        t.add(r, p, xv[e], xv[e]);
+        if (init) out[e] = code(xv[e], i0 + IdxT(e), p);
+      }
+      if (init) store_codes<V>(q + i0, out);
+    }
+  }
+  if (has_tail) {
+    const IdxT i = nvec * V + threadIdx.x;
+    if (i < numel) {
+      float xi[1] = {static_cast<float>(x[i])};
+      if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
+      const IdxT p = param_of(k, i);
+      t.add(r, p, xi[0], xi[0]);
+      if (init) q[i] = code(xi[0], i, p);
+    }
+  }
+  t.flush(r);
+  __syncthreads();
+  for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) {
+    if (s_min[i] != 0u) atomicMax(g_min + i, s_min[i]);
+    if (s_max[i] != 0u) atomicMax(g_max + i, s_max[i]);
+  }
+
+  // ---- stage 2: the last block updates the estimates and the rng counter
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(ws, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  EstimateArgs e = est;
+  e.out_a = init ? nullptr : used_a;  // init: the outputs hold the estimates the codes used
+  e.out_b = init ? nullptr : used_b;
+  estimate_update(EncodedStats{g_min, g_max}, 1, G, e, s_min, s_max);
+  if (threadIdx.x == 0) {
+    seed_step_device(sd);
+    ws[1] = init ? 1u : 0u;  // read by the quantize launch that follows
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < G; i += blockDim.x) g_min[i] = g_max[i] = 0u;
+  if (threadIdx.x == 0) ws[0] = 0u;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(
+    const at::Tensor& x_in, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
+    const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, bool symmetric, bool stochastic,
+    const std::optional<at::Tensor>& row_exp_in) {
+  const Layout L = check_observe(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, false);
+  const int64_t row_len = check_row_exp("quantize_observe", x_in.sizes(), x_in.device(), row_exp_in);
+  if (L.numel == 0) {  // nothing to quantize: observe's step (valid = false) is the definition's
+    auto [a, b, seed] = observe_cuda(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, false,
+                                     symmetric, std::nullopt);
+    return {at::empty(x_in.sizes(), x_in.options().dtype(at::kByte)), a, b};
+  }
+  const std::optional<at::Tensor> row_exp = contiguous_rows(row_exp_in, row_len);
+  const c10::cuda::OptionalCUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const auto fopts = x.options().dtype(at::kFloat);
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  at::Tensor used_a = at::empty({1, L.G}, fopts), used_b = at::empty({1, L.G}, fopts);
+  at::Tensor seed = at::empty({2}, rng.options());  // the seed step's seed (read by the second launch)
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor ws = workspace(x, L.G, stream);
+  const EstimateArgs est{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
+                         initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
+                         static_cast<float>(1.0 - decay), false, symmetric, true, nullptr, nullptr};
+  const SeedArgs sd{rng.mutable_data_ptr<int64_t>(), rng.stride(0), seed.mutable_data_ptr<int64_t>()};
+  uint32_t* wsp = reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>());
+  MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_observe_cuda", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    auto go = [&](auto idx_tag, auto v_tag, auto stoch_tag) {
+      using IdxT = decltype(idx_tag);
+      constexpr int V = decltype(v_tag)::value;
+      constexpr bool STOCH = decltype(stoch_tag)::value;
+      const ObserveConfig c = observe_config(L, V, sm_count());
+      quantize_observe_kernel<scalar_t, IdxT, V, STOCH><<<static_cast<unsigned>(c.blocks), c.threads, 0, stream>>>(
+          xp, q.mutable_data_ptr<uint8_t>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
+          static_cast<IdxT>(c.chunk), wsp, est, sd, used_a.mutable_data_ptr<float>(), used_b.mutable_data_ptr<float>(),
+          make_krows<IdxT>(row_exp, row_len));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    auto pick = [&](auto stoch_tag) {
+      if (!fits_32bit(L)) go(uint64_t{}, std::integral_constant<int, 1>{}, stoch_tag);
+      else if (aligned16(xp) && aligned16(q.const_data_ptr())) go(uint32_t{}, std::integral_constant<int, kVec>{}, stoch_tag);
+      else go(uint32_t{}, std::integral_constant<int, 1>{}, stoch_tag);
+    };
+    if (stochastic) pick(std::true_type{});
+    else pick(std::false_type{});
+    // the first batch: quantize with the estimates it just initialized (returns at once otherwise)
+    if (stochastic) dispatch_quantize<scalar_t, true>(x, q, used_a, used_b, L, seed, row_exp, row_len, stream, wsp + 1);
+    else dispatch_quantize<scalar_t, false>(x, q, used_a, used_b, L, seed, row_exp, row_len, stream, wsp + 1);
+  });
+  return {q, used_a, used_b};
+}
+
 // ----------------------------------------------------------------------------- update_estimates
 // The whole running-estimate update in one block (G is small: heads or channel groups),
 // and with sd.rng set (estimate_and_seed) the seed step, by thread 0 as in observe.
@@ -1312,6 +1486,7 @@ TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("dequantize", &dequantize_cuda);
   m.impl("update_estimates", &update_estimates_cuda);
   m.impl("observe", &observe_cuda);
+  m.impl("quantize_observe", &quantize_observe_cuda);
   m.impl("estimate_and_seed", &estimate_and_seed_cuda);
   m.impl("quantize_bits", &quantize_bits_cuda);
   m.impl("dequantize_bits", &dequantize_bits_cuda);

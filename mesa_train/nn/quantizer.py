@@ -33,9 +33,12 @@ from mesa_train.quant.compile_kernels import traced_as_pytorch
 from mesa_train.quant.reference import scale_rows, unscale_rows
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
-           "LEARNED_BUFFERS", "convert_format", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS", "ROUNDINGS"]
+           "LEARNED_BUFFERS", "convert_format", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS", "ESTIMATOR_CODES",
+           "ROUNDINGS"]
 
-ESTIMATORS = ("running", "per_sample", "learned")
+ESTIMATORS = ("running", "per_sample", "learned", "delayed")
+# How the C++ layer ops (csrc/layers_common.h, `Estimator`) are told the default-format estimator
+ESTIMATOR_CODES = {"running": 0, "per_sample": 1, "delayed": 2}
 ROUNDINGS = ("stochastic", "nearest")
 BITS = (8, 4, 2)
 SCALES = ("linear", "pow2")
@@ -48,7 +51,11 @@ class QuantOptions:
 
     num_groups: channel blocks (or heads, for 4-D attention tensors), ``>= 1``.
     decay: running-estimate lambda in ``[0, 1)``.
-    estimator: ``"running"`` (paper) or ``"per_sample"`` (ablation, Table 2).
+    estimator: ``"running"`` (paper), ``"per_sample"`` (ablation, Table 2), ``"learned"`` (see
+        below) or ``"delayed"``: the codes use the running estimates from before this batch,
+        which this batch then updates (DESIGN.md, "Delayed estimates"): one pass over the
+        activation instead of two (min/max, then quantize), as FP8 training's delayed scaling;
+        the first batch is compressed as with ``"running"``.
     symmetric: symmetric range ``[-m, m]`` (ablation, Table 4).
     rounding: ``"stochastic"`` (paper, unbiased) or ``"nearest"`` (ablation, Table 3).
     enabled: ``False`` runs the stock layer (stock gradients).
@@ -117,6 +124,11 @@ class QuantOptions:
         if self.clip_horizon != 1.0 and self.estimator != "learned":
             raise ValueError(f"clip_horizon={h!r} weighs the clipping of estimator='learned' only; with "
                              f"estimator={self.estimator!r} leave it at 1 (valid estimators for it: 'learned')")
+        if self.estimator == "delayed" and (self.bits != 8 or self.scale != "linear" or self.layout != "channel"):
+            raise ValueError("estimator='delayed' quantizes the paper's 8-bit channel format in one pass; valid with it: "
+                             f"bits=8, scale='linear', layout='channel' (got bits={self.bits}, scale={self.scale!r}, "
+                             f"layout={self.layout!r}); other formats take estimator in ('running', 'per_sample', "
+                             "'learned')")
         if self.layout == "patch4x4" and (self.estimator != "running" or self.symmetric):
             raise ValueError("layout='patch4x4' takes each 4x4 block's own min/max (per sample): it supports "
                              "estimator='running' (the default) and symmetric=False only, got "
@@ -180,6 +192,7 @@ class Packed(NamedTuple):
 _OBSERVE = torch.ops.mesa.observe.default
 _QUANTIZE = torch.ops.mesa.quantize.default
 _DEQUANTIZE = torch.ops.mesa.dequantize.default
+_QUANTIZE_OBSERVE = torch.ops.mesa.quantize_observe.default
 # Whole-layer C++ ops (csrc/layers_autograd.cpp) exist only in the compiled extension; with
 # the pure-PyTorch fallback the layers keep their Python Functions.
 _FUSED_LAYERS = quant.extension_error is None and hasattr(torch.ops.mesa, "gelu_train")
@@ -407,7 +420,7 @@ class ActivationQuantizer(nn.Module):
             return None
         bufs = self._follow_device(x)
         return (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], opts.num_groups, opts.decay,
-                opts.estimator == "per_sample", opts.symmetric, opts.rounding == "stochastic")
+                ESTIMATOR_CODES[opts.estimator], opts.symmetric, opts.rounding == "stochastic")
 
     @torch.no_grad()
     def compress(self, x: torch.Tensor, dim: int, row_exp: torch.Tensor | None = None) -> Packed:
@@ -438,6 +451,13 @@ class ActivationQuantizer(nn.Module):
         args = (x, bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], dim, G, opts.decay,
                 opts.estimator == "per_sample", opts.symmetric)
         stochastic = opts.rounding == "stochastic"
+        if opts.estimator == "delayed":  # one pass: quantize with the estimates so far, then observe
+            qo_args = (x, *args[1:7], opts.decay, opts.symmetric, stochastic)
+            if traced:
+                q, alpha, beta = traceable.quantize_observe(*qo_args)
+            else:
+                q, alpha, beta = _QUANTIZE_OBSERVE(*qo_args, row_exp)
+            return Packed(q, alpha, beta, dim, G)
         if traced:  # under torch.compile: see mesa_train/quant/compile_kernels.py
             alpha, beta, seed = traceable.observe(*args)
             q = traceable.quantize(x, alpha, beta, dim, G, stochastic, seed)

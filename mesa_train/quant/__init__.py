@@ -46,6 +46,7 @@ __all__ = [
     "row_exponents",
     "update_estimates",
     "observe",
+    "quantize_observe",
     "estimate_and_seed",
     "rng_state",
     "seed_tensor",
@@ -76,6 +77,11 @@ _SCHEMAS = {
         "int dim, int num_groups, float decay, bool per_sample, bool symmetric, Tensor? row_exp=None) -> "
         "(Tensor alpha, Tensor beta, Tensor seed)"
     ),
+    "quantize_observe": (
+        "quantize_observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
+        "Tensor(d!) rng, int dim, int num_groups, float decay, bool symmetric, bool stochastic, "
+        "Tensor? row_exp=None) -> (Tensor q, Tensor alpha, Tensor beta)"
+    ),
     "estimate_and_seed": (
         "estimate_and_seed(Tensor min, Tensor max, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
         "Tensor(c!) initialized, Tensor(d!) rng, float decay, bool per_sample, bool symmetric, bool valid) -> "
@@ -93,7 +99,8 @@ _SCHEMAS = {
 # The core ops: a build with CUDA kernels has these (CUDA_BACKEND == "extension"). The
 # variants' ops (quantize_bits / dequantize_bits) have CUDA kernels too since issue 12's
 # second part; a build from before serves them on CUDA from the reference (CUDA_REFERENCE_OPS).
-_CUDA_KERNEL_OPS = ("group_minmax", "quantize", "dequantize", "update_estimates", "observe", "row_exponents")
+_CUDA_KERNEL_OPS = ("group_minmax", "quantize", "dequantize", "update_estimates", "observe", "row_exponents",
+                    "quantize_observe")
 
 extension_error: BaseException | None = None  # why the extension was not used, if it was not
 
@@ -148,6 +155,12 @@ def _ref_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, deca
                              row_exp)
 
 
+def _ref_quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric, stochastic,
+                          row_exp=None):
+    return reference.quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric,
+                                      stochastic, row_exp)
+
+
 def _ref_estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay, per_sample, symmetric, valid):
     return reference.estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay, per_sample, symmetric,
                                        valid)
@@ -170,6 +183,7 @@ _REF_IMPLS = {
     "row_exponents": _ref_row_exponents,
     "update_estimates": _ref_update_estimates,
     "observe": _ref_observe,
+    "quantize_observe": _ref_quantize_observe,
     "estimate_and_seed": _ref_estimate_and_seed,
 }
 
@@ -282,6 +296,14 @@ def _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, dec
     )
 
 
+def _fake_quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric, stochastic,
+                           row_exp=None):
+    check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False)
+    check_row_exp(row_exp, x, "quantize_observe")
+    return (x.new_empty(x.shape, dtype=torch.uint8), x.new_empty((1, num_groups), dtype=torch.float32),
+            x.new_empty((1, num_groups), dtype=torch.float32))
+
+
 def _fake_estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay, per_sample, symmetric, valid):
     check_estimate_args(mn, mx, alpha_est, beta_est, initialized, decay, per_sample)
     check_seed(rng, mn, "estimate_and_seed: rng ([key, counter])")
@@ -310,6 +332,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::row_exponents")(_fake_row_exponents)
     torch.library.register_fake("mesa::update_estimates")(_fake_update_estimates)
     torch.library.register_fake("mesa::observe")(_fake_observe)
+    torch.library.register_fake("mesa::quantize_observe")(_fake_quantize_observe)
     torch.library.register_fake("mesa::estimate_and_seed")(_fake_estimate_and_seed)
     torch.library.register_fake("mesa::quantize_bits")(_fake_quantize_bits)
     torch.library.register_fake("mesa::dequantize_bits")(_fake_dequantize_bits)
@@ -454,6 +477,31 @@ def observe(
         x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay), bool(per_sample), bool(symmetric),
         row_exp,
     )
+
+
+def quantize_observe(
+    x: torch.Tensor,
+    alpha_est: torch.Tensor,
+    beta_est: torch.Tensor,
+    initialized: torch.Tensor,
+    rng: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    decay: float,
+    symmetric: bool = False,
+    stochastic: bool = True,
+    row_exp: torch.Tensor | None = None,
+):
+    """Estimator ``"delayed"``: :func:`quantize` with the running estimates as they stand, then
+    the batch's min/max update them, in one pass over ``x`` (on CUDA one pass and a second
+    launch that returns at once); the first batch (estimates not initialized) goes through
+    :func:`observe` + :func:`quantize` instead, decided on the device (no host sync). See
+    :func:`mesa_train.quant.reference.quantize_observe`. Returns ``(q, alpha, beta)``, the
+    ``(1, G)`` statistics the codes were made with."""
+    dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False)
+    check_row_exp(row_exp, x, "quantize_observe")
+    return torch.ops.mesa.quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay),
+                                           bool(symmetric), bool(stochastic), row_exp)
 
 
 def estimate_and_seed(

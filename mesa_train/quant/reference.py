@@ -597,6 +597,29 @@ def observe(
     return alpha, beta, seed_step(rng)
 
 
+def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
+                     symmetric: bool, stochastic: bool, row_exp=None):
+    """Estimator ``"delayed"`` (DESIGN.md, "Delayed estimates"). With initialized estimates:
+    ``x`` quantized with the running estimates as they stand (``(1, G)`` copies, returned with
+    the codes) and the seed step's seed, then this batch's min/max update the estimates
+    (``update_estimates``, shared statistics, ``valid = x.numel() > 0``). Without (the first
+    batch): :func:`observe` then :func:`quantize`, as the running estimator. Returns
+    ``(q, alpha, beta)``."""
+    dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False)
+    check_row_exp(row_exp, x, "quantize_observe")
+    if not bool(initialized.reshape(-1)[0]):
+        alpha, beta, seed = observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False,
+                                    symmetric, row_exp)
+        return quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp), alpha, beta
+    alpha = alpha_est[:num_groups].clone().view(1, num_groups)
+    beta = beta_est[:num_groups].clone().view(1, num_groups)
+    seed = seed_step(rng)
+    q = quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp)
+    mn, mx = group_minmax(scale_rows(x, row_exp), dim, num_groups, False)
+    update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, False, symmetric, x.numel() > 0)
+    return q, alpha, beta
+
+
 # ----------------------------------------------------------------------------- variants
 # DESIGN.md, "Variants": bits in {8, 4, 2} (L = 2**bits - 1 levels above 0), codes packed
 # 8 // bits per byte along the flat index of the contiguous tensor, little end first, the

@@ -24,7 +24,7 @@ import torch
 # canonical and seed_step are the reference's own: already tensor-only
 from .reference import canonical, seed_step
 
-__all__ = ["group_minmax", "observe", "seed_step", "quantize", "dequantize", "canonical"]
+__all__ = ["group_minmax", "observe", "quantize_observe", "seed_step", "quantize", "dequantize", "canonical"]
 
 _EPS = 1e-12
 
@@ -91,6 +91,20 @@ def observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int,
     mn, mx = group_minmax(x, dim, num_groups, per_sample)
     return torch.ops.mesa.estimate_and_seed.default(mn, mx, alpha_est, beta_est, initialized, rng, float(decay),
                                                     bool(per_sample), bool(symmetric), x.numel() > 0)
+
+
+def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
+                     symmetric: bool, stochastic: bool):
+    """``mesa::quantize_observe`` (estimator ``"delayed"``) traced: the codes use the estimates
+    from before this batch once they are initialized, this batch's own range on the first
+    one (chosen by ``torch.where`` on the device flag, no host sync), and the min/max pass
+    updates the estimates through ``mesa::estimate_and_seed`` as in :func:`observe`."""
+    G = num_groups
+    was_init = initialized.reshape(1, 1).clone()
+    old_a, old_b = alpha_est[:G].clone().view(1, G), beta_est[:G].clone().view(1, G)
+    new_a, new_b, seed = observe(x, alpha_est, beta_est, initialized, rng, dim, G, decay, False, symmetric)
+    alpha, beta = torch.where(was_init, old_a, new_a), torch.where(was_init, old_b, new_b)
+    return quantize(x, alpha, beta, dim, G, stochastic, seed), alpha, beta
 
 
 def _per_element(t: torch.Tensor, params, dim: int, G: int):

@@ -18,7 +18,7 @@ from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 # the library's own lists (one source of truth: a new op is valid here the day it lands)
 MESA_OPS = tuple(OPS) + ("all",)
 MESA_MODULES = tuple(MODULE_SETS) + ("all",)
-MESA_ESTIMATORS = ("running", "per_sample", "learned")
+MESA_ESTIMATORS = ("running", "per_sample", "learned", "delayed")
 MESA_BITS = (8, 4, 2)
 MESA_SCALES = ("linear", "pow2")
 MESA_LAYOUTS = ("channel", "patch4x4")
