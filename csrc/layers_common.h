@@ -52,6 +52,15 @@ struct Quantizer {
   bool per_sample, symmetric, stochastic;
 };
 
+// A quantizer's buffers passed as one list [alpha_est, beta_est, initialized, rng] (the ops
+// that take several quantizers: matmul_train, sdpa_train), with its options.
+inline Quantizer quantizer_from_list(at::TensorList state, int64_t num_groups, double decay, bool per_sample,
+                                     bool symmetric, bool stochastic, const char* op) {
+  TORCH_CHECK(state.size() == 4, op, ": a quantizer state is [alpha_est, beta_est, initialized, rng], got ",
+              state.size(), " tensors");
+  return Quantizer{state[0], state[1], state[2], state[3], num_groups, decay, per_sample, symmetric, stochastic};
+}
+
 // ActivationQuantizer.compress (default format): groups along `dim` (num_groups capped at
 // the dim's size), one contiguous copy when needed, observe then quantize.
 // Returns (q, alpha, beta, G).
