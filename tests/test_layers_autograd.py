@@ -461,3 +461,33 @@ def test_fused_sdpa_runs_only_in_eager_training_without_dropout(monkeypatch):
     mnn.ScaledDotProductAttention().eval()(q, k, v)
     mnn.ScaledDotProductAttention(enabled=False)(q, k, v)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("name", ["deit", "swin", "pvt"])
+def test_fused_sdpa_in_patched_models_is_bitwise_the_python_function(name, monkeypatch):
+    """The timm call patterns (DeiT's qkv heads, Swin's relative-position bias plus shifted-window
+    mask, PVT-v2's shorter k/v): two training steps of a model patched with the sdpa set give
+    the same outputs, parameter gradients and buffers on both paths."""
+    import copy
+
+    from mesa_train.patch import patch_model
+    from test_patch_helpers import build, grads, inputs, loss_of
+
+    model = patch_model(build(name, fused=True), ops=("sdpa",))
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+        calls = _count_calls(monkeypatch, "sdpa_train")
+        m = copy.deepcopy(model)
+        out = []
+        for step in range(2):
+            m.zero_grad(set_to_none=True)
+            y = m(inputs(name, seed=step))
+            loss_of(y).backward()
+            out += [y.detach()] + list(grads(m).values())
+        runs.append(out + [b.clone() for b in m.buffers()])
+        assert bool(calls) == fused
+        monkeypatch.undo()
+    assert len(runs[0]) == len(runs[1])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), i
