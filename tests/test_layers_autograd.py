@@ -454,10 +454,13 @@ def test_fused_sdpa_runs_only_in_eager_training_without_dropout(monkeypatch):
     their Python paths; the default layer in eager training takes the C++ op."""
     calls = _count_calls(monkeypatch, "sdpa_train")
     q, k, v = (torch.randn(2, 2, 5, 4, requires_grad=True) for _ in range(3))
-    mnn.ScaledDotProductAttention()(q, k, v).sum().backward()
-    assert calls == [1]
-    mnn.ScaledDotProductAttention()(q, k, v, dropout_p=0.2).sum().backward()
-    mnn.ScaledDotProductAttention(bits=4)(q, k, v).sum().backward()
+    y = mnn.ScaledDotProductAttention()(q, k, v)
+    assert calls == [1] and "SdpaTrain" in y.grad_fn.name()
+    y.sum().backward()
+    for layer, dropout_p in ((mnn.ScaledDotProductAttention(), 0.2), (mnn.ScaledDotProductAttention(bits=4), 0.0)):
+        y = layer(q, k, v, dropout_p=dropout_p)
+        assert y.grad_fn.name() == "_MesaSDPABackward"
+        y.sum().backward()
     mnn.ScaledDotProductAttention().eval()(q, k, v)
     mnn.ScaledDotProductAttention(enabled=False)(q, k, v)
     assert calls == [1]
