@@ -386,9 +386,7 @@ std::optional<SharedCopy> shared_copy(at::TensorList t, int64_t dim, int64_t gro
 std::optional<Quantizer> quantizer(at::TensorList t, int64_t num_groups, double decay, int64_t estimator,
                                    bool symmetric, bool stochastic) {
   if (t.empty()) return std::nullopt;
-  TORCH_CHECK(t.size() == 4, "mesa::matmul_train: a quantizer state is [alpha_est, beta_est, initialized, rng], got ",
-              t.size(), " tensors");
-  return Quantizer{t[0], t[1], t[2], t[3], num_groups, decay, estimator, symmetric, stochastic};
+  return quantizer_from_list(t, num_groups, decay, estimator, symmetric, stochastic, "mesa::matmul_train");
 }
 
 at::Tensor matmul_train(const at::Tensor& a, const at::Tensor& b, at::TensorList shared_a, int64_t shared_a_dim,

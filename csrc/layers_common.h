@@ -71,6 +71,15 @@ inline const c10::TypedOperatorHandle<QuantizeObserveFn>& quantize_observe_op() 
   return op;
 }
 
+// A quantizer's buffers passed as one list [alpha_est, beta_est, initialized, rng] (the ops
+// that take several quantizers: matmul_train, sdpa_train), with its options.
+inline Quantizer quantizer_from_list(at::TensorList state, int64_t num_groups, double decay, int64_t estimator,
+                                     bool symmetric, bool stochastic, const char* op) {
+  TORCH_CHECK(state.size() == 4, op, ": a quantizer state is [alpha_est, beta_est, initialized, rng], got ",
+              state.size(), " tensors");
+  return Quantizer{state[0], state[1], state[2], state[3], num_groups, decay, estimator, symmetric, stochastic};
+}
+
 // ActivationQuantizer.compress (default format): groups along `dim` (num_groups capped at
 // the dim's size), one contiguous copy when needed, then observe + quantize, or with the
 // delayed estimator quantize_observe (one pass); row_exp: the rows' power-of-two scales,

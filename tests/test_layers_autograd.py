@@ -1,5 +1,6 @@
-"""The C++ fast path of the Mesa GELU, Softmax, Linear, LayerNorm and MatMul (``mesa::gelu_train``,
-``mesa::softmax_train``, ..., csrc/layers_autograd.cpp: the whole layer with a C++ autograd node)
+"""The C++ fast path of the Mesa GELU, Softmax, Linear, LayerNorm, MatMul, Conv2d and fused attention
+(``mesa::gelu_train``, ``mesa::softmax_train``, ..., csrc/layers_autograd.cpp; ``mesa::sdpa_train``,
+csrc/sdpa_autograd.cpp: the whole layer with a C++ autograd node)
 is bitwise the Python Function path: outputs, the saved 8-bit copy and its statistics, the
 estimate and rounding-counter buffers afterwards, gradients, and the bytes kept."""
 from __future__ import annotations
@@ -370,3 +371,127 @@ def test_row_exponents_fast_path_is_bitwise_the_python_path(case, dtype, shape, 
     # and the exponents the Python path saw: nonzero exactly where a row is far below the others
     k = rowscale.row_exponents(_rows_case(case, shape, dtype), 1, rowscale.max_exponent(dtype))
     assert bool(k.any()) == (case in ("tiny row", "tiny and zero rows"))
+
+
+# ----------------------------------------------------------------------------- SDPA
+SDPA_MASKS = ["none", "bias", "frozen bias", "window", "window only", "bool", "causal", "scale"]
+
+
+def _sdpa_inputs(step, dtype, mask, four_d, grads):
+    """q, k, v (non-contiguous leaves, as the heads of a fused qkv are) and the keyword
+    arguments of the layer for one mask case; the bias (if any) last."""
+    torch.manual_seed(100 + step)
+    B, H, N, E = 8, 2, 6, 4
+    lead = (B, N, H, E) if four_d else (B, E, N)
+    q, k, v = ((torch.randn(lead) * (step + 1)).to(dtype) for _ in range(3))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, E) or (B, N, E)
+    for t, name in zip((q, k, v), ("q", "k", "v")):
+        t.requires_grad_(name in grads)
+    bias_shape = (1, H, N, N) if four_d else (1, N, N)
+    bias = (torch.randn(bias_shape) * 0.5).to(dtype).requires_grad_(mask != "frozen bias" and "mask" in grads)
+    kw = {}
+    if mask in ("bias", "frozen bias", "window", "scale"):
+        kw["attn_mask"] = bias
+    if mask in ("window", "window only"):
+        wm = torch.zeros(4, N, N, dtype=dtype)
+        wm[1, :, : N // 2] = -100.0  # Swin's shifted-window mask values
+        wm[3, N // 2:, :] = -100.0
+        kw["window_mask"] = wm
+    if mask == "bool":
+        kw["attn_mask"] = (torch.rand(N, N) > 0.3) | torch.eye(N, dtype=torch.bool)
+    if mask == "causal":
+        kw["is_causal"] = True
+    if mask == "scale":
+        kw["scale"] = 0.3
+    return q, k, v, kw
+
+
+def _sdpa_run(fused, monkeypatch, dtype, autocast, mask, four_d, grads):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    calls = _count_calls(monkeypatch, "sdpa_train")
+    torch.manual_seed(0)
+    layer = mnn.ScaledDotProductAttention(num_groups=2)
+    for i, q in enumerate(layer.quantizers()):
+        q.rng.copy_(torch.tensor([400 + i, 0]))
+    out = []
+    for step in range(2):
+        q, k, v, kw = _sdpa_inputs(step, dtype, mask, four_d, grads)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
+            y = layer(q, k, v, **kw)
+        (y.float() * torch.linspace(-1, 2, y.numel()).view(y.shape)).sum().backward()
+        m = kw.get("attn_mask")
+        out += [y.detach(), q.grad, k.grad, v.grad, m.grad if m is not None and m.is_floating_point() else None,
+                torch.tensor(meter.activation_bytes)]
+    out += [b.clone() for b in layer.buffers()]
+    monkeypatch.undo()
+    assert calls == ([1, 1] if fused else []), "the op under test did not run"
+    return out
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                            (torch.float32, True)], ids=str)
+@pytest.mark.parametrize("mask", SDPA_MASKS)
+@pytest.mark.parametrize("four_d", [True, False], ids=["4-D", "3-D"])
+@pytest.mark.parametrize("grads", [("q", "k", "v", "mask"), ("k", "v"), ("q",), ("mask",)],
+                         ids=lambda g: "+".join(g) + " need grad")
+def test_fused_sdpa_is_bitwise_the_python_function(dtype, autocast, mask, four_d, grads, monkeypatch):
+    """mesa::sdpa_train (csrc/sdpa_autograd.cpp) against _MesaSDPA: outputs, gradients of q, k,
+    v and a float mask, the bytes kept, estimates and rounding counters, over two steps."""
+    if grads == ("mask",) and mask not in ("bias", "window", "scale"):
+        pytest.skip("no float mask that could require grad")
+    if mask in ("window", "window only") and not four_d:
+        pytest.skip("Swin's window mask is per head: 4-D operands")
+    args = (dtype, autocast, mask, four_d, grads)
+    got, want = _sdpa_run(True, monkeypatch, *args), _sdpa_run(False, monkeypatch, *args)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+def test_fused_sdpa_runs_only_in_eager_training_without_dropout(monkeypatch):
+    """dropout_p > 0 (the RNG-state replay), a variant format, eval and a disabled layer keep
+    their Python paths; the default layer in eager training takes the C++ op."""
+    calls = _count_calls(monkeypatch, "sdpa_train")
+    q, k, v = (torch.randn(2, 2, 5, 4, requires_grad=True) for _ in range(3))
+    y = mnn.ScaledDotProductAttention()(q, k, v)
+    assert calls == [1] and "SdpaTrain" in y.grad_fn.name()
+    y.sum().backward()
+    for layer, dropout_p in ((mnn.ScaledDotProductAttention(), 0.2), (mnn.ScaledDotProductAttention(bits=4), 0.0)):
+        y = layer(q, k, v, dropout_p=dropout_p)
+        assert y.grad_fn.name() == "_MesaSDPABackward"
+        y.sum().backward()
+    mnn.ScaledDotProductAttention().eval()(q, k, v)
+    mnn.ScaledDotProductAttention(enabled=False)(q, k, v)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("name", ["deit", "swin", "pvt"])
+def test_fused_sdpa_in_patched_models_is_bitwise_the_python_function(name, monkeypatch):
+    """The timm call patterns (DeiT's qkv heads, Swin's relative-position bias plus shifted-window
+    mask, PVT-v2's shorter k/v): two training steps of a model patched with the sdpa set give
+    the same outputs, parameter gradients and buffers on both paths."""
+    import copy
+
+    from mesa_train.patch import patch_model
+    from test_patch_helpers import build, grads, inputs, loss_of
+
+    model = patch_model(build(name, fused=True), ops=("sdpa",))
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+        calls = _count_calls(monkeypatch, "sdpa_train")
+        m = copy.deepcopy(model)
+        out = []
+        for step in range(2):
+            m.zero_grad(set_to_none=True)
+            y = m(inputs(name, seed=step))
+            loss_of(y).backward()
+            out += [y.detach()] + list(grads(m).values())
+        runs.append(out + [b.clone() for b in m.buffers()])
+        assert bool(calls) == fused
+        monkeypatch.undo()
+    assert len(runs[0]) == len(runs[1])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), i

@@ -66,8 +66,22 @@ class _MatMul(nn.Module):
         return a @ b
 
 
+class _SDPA(nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
 def _x():
     return torch.randn(2, 9, 16)
+
+
+def _qkv():
+    return tuple(torch.randn(2, 2, 9, 8) for _ in range(3))
+
+
+# fused attention's backward recomputes the attention from the dequantized q, k, v: one
+# forward kernel more than stock's backward, nothing else
+SDPA_RECOMPUTE = ["aten._scaled_dot_product_flash_attention_for_cpu"]
 
 
 # (stock module, Mesa converter, inputs, compressed tensors, extra non-Mesa ops fwd / bwd)
@@ -82,6 +96,7 @@ CASES = {
     "LayerNorm": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,
                   ["aten.native_layer_norm"] + ROWSCALE_FWD, ["aten.mul"] + ROWSCALE_BWD),
     "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2, [], []),
+    "SDPA": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2), _qkv, 3, [], SDPA_RECOMPUTE),
     # row_scale=False: the compression alone (2 ops forward, 1 backward), nothing else
     "Linear/row_scale=False": (lambda: nn.Linear(16, 8), lambda s: M.Linear.from_module(s, row_scale=False),
                                lambda: (_x(),), 1, [], []),
@@ -100,6 +115,7 @@ PYTHON_PATH_CASES = {
     "MatMul/python": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2,
                       [], []),
     "Conv2d/python": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
+    "SDPA/python": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2), _qkv, 3, [], SDPA_RECOMPUTE),
 }
 
 

@@ -28,6 +28,14 @@ attention dropout 0).
 Autocast: the autocast state of the forward is re-entered for the recomputation, so the
 dtypes match the forward.
 
+Eager fast path: in eager training with the paper's 8-bit format, ``dropout_p == 0`` and
+the compiled extension, the whole layer is one op with a C++ autograd node,
+``mesa::sdpa_train`` (``csrc/sdpa_autograd.cpp``): the same compressions, mask, attention
+call and recomputing backward as ``_MesaSDPA``, so outputs, codes, estimates and gradients
+are bitwise this Python path's (``tests/test_layers_autograd.py``), at less than half the
+host time Mesa adds per call (``results/overhead/``). Dropout (the RNG replay),
+``torch.compile`` and the variant formats run ``_MesaSDPA``.
+
 Eval mode, ``enabled=False``, or no input requiring grad: the stock call, stock gradients.
 """
 from __future__ import annotations
@@ -40,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn._common import MesaLayer
 from mesa_train.nn.quantizer import Packed, decompress
 
@@ -226,11 +235,35 @@ class ScaledDotProductAttention(MesaLayer, nn.Module):
         return _compressed_sdpa(self, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
 
 
+# whether the extension has the C++ layer (a build older than csrc/sdpa_autograd.cpp has not)
+_SDPA_OP = quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "sdpa_train")
+
+
+def _fused_args(module, q, k, v) -> list | None:
+    """The quantizer arguments of ``mesa::sdpa_train`` (per operand: the buffer list, then the
+    options), or ``None`` where ``_MesaSDPA`` must run: under ``torch.compile``, for a variant
+    format, without the extension (see ``ActivationQuantizer.fused_layer_args``)."""
+    if not _SDPA_OP:
+        return None
+    quantizers = module._modules  # (not module.q_quantizer: nn.Module.__getattr__ is a slow path)
+    args = []
+    for name, x in (("q_quantizer", q), ("k_quantizer", k), ("v_quantizer", v)):
+        fused = quantizers[name].fused_layer_args(x)
+        if fused is None:
+            return None
+        args += (list(fused[:4]), *fused[4:])
+    return args
+
+
 def _compressed_sdpa(module, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale):
     if dropout_p > 0.0 and torch.compiler.is_compiling():
         # the backward replays the forward's dropout mask from the captured RNG state,
         # which cannot be traced: this call runs eagerly (one graph break per call)
         return _compressed_sdpa_eager(module, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
+    if dropout_p == 0.0:
+        fused = _fused_args(module, q, k, v)
+        if fused is not None:  # eager, paper format: the layer with a C++ autograd node (csrc/sdpa_autograd.cpp)
+            return torch.ops.mesa.sdpa_train(q, k, v, attn_mask, window_mask, bool(is_causal), scale, *fused)
     pq = module.q_quantizer.compress(q.detach(), _group_dim(q))
     pk = module.k_quantizer.compress(k.detach(), _group_dim(k))
     pv = module.v_quantizer.compress(v.detach(), _group_dim(v))

@@ -1,0 +1,219 @@
+// Eager fast path of the Mesa fused attention (mesa_train/nn/sdpa.py, ScaledDotProductAttention):
+// the whole layer (compression of q, k, v, the stock scaled_dot_product_attention, backward by
+// recomputation from the 8-bit copies) as one op, mesa::sdpa_train, whose autograd node is C++.
+//
+// Why: the Python path (three ActivationQuantizer.compress calls, then the autograd.Function
+// _MesaSDPA with its Python backward) cost about 105 us of host time per call on CPU, three
+// times the stock call's, the most of any Mesa layer (results/overhead/). This op mirrors that
+// path op for op: the same mesa::observe / quantize per operand (per-head groups, sdpa.py's
+// _group_dim), the same mask arithmetic (build_window_mask, built with grad mode on so that the
+// backend choice is the stock call's), the same at::scaled_dot_product_attention call, and a
+// backward that dequantizes, re-enters the forward's autocast state, recomputes the attention
+// with grad mode on and runs autograd through it. Outputs, codes, estimates and gradients are
+// therefore bitwise the Python Function's (tests/test_layers_autograd.py). The layer calls it
+// only in eager mode, with the paper's 8-bit format and dropout_p == 0 (a dropout mask would
+// have to be replayed from a captured RNG state: the Python Function does that); everything
+// else keeps _MesaSDPA. Shared pieces (op handles, Quantizer, compress): layers_common.h.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "layers_common.h"
+
+#include <array>
+#include <optional>
+
+namespace mesa {
+namespace {
+
+using namespace layers;  // (layers_common.h)
+
+// mesa_train.nn.sdpa._group_dim: the head dim of a (..., heads, L, E) operand, the channel
+// (last) dim of a 3-D one
+int64_t head_group_dim(const at::Tensor& x) { return x.dim() >= 4 ? x.dim() - 3 : x.dim() - 1; }
+
+// mesa_train.nn.sdpa.build_window_mask: attn_mask plus the (nW, N, N) window mask repeated
+// over the batch (window w of image b is batch row b * nW + w), for the operand shape of q.
+std::optional<at::Tensor> window_mask_sum(const std::optional<at::Tensor>& attn_mask,
+                                          const std::optional<at::Tensor>& window_mask, const at::Tensor& q) {
+  if (!window_mask.has_value()) return attn_mask;
+  const int64_t heads = q.dim() >= 4 ? q.size(-3) : 1;
+  const int64_t num_win = window_mask->size(0), N = window_mask->size(-1);
+  at::Tensor m = window_mask->view({1, num_win, 1, N, N})
+                     .expand({q.size(0) / num_win, -1, heads, -1, -1})
+                     .reshape({-1, heads, N, N});
+  if (!attn_mask.has_value()) return m;
+  return *attn_mask + m;
+}
+
+// The attention itself: the arguments the Python path hands F.scaled_dot_product_attention
+// (dropout_p 0 on this path, enable_gqa left at its default).
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, bool is_causal, std::optional<double> scale) {
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, scale);
+}
+
+// `with torch.autocast(device_type, dtype=..., enabled=...)` as sdpa.py enters it for the
+// recomputation: the forward's autocast state of the device, the nesting counter (the cast
+// cache is dropped when the outermost autocast region ends), all restored on exit.
+class AutocastScope {
+ public:
+  AutocastScope(at::DeviceType device, bool enabled, at::ScalarType dtype)
+      : device_(device), active_(at::autocast::is_autocast_available(device)) {
+    if (!active_) return;
+    prev_enabled_ = at::autocast::is_autocast_enabled(device);
+    prev_dtype_ = at::autocast::get_autocast_dtype(device);
+    at::autocast::set_autocast_enabled(device, enabled);
+    if (enabled) at::autocast::set_autocast_dtype(device, dtype);  // (disabled: Python keeps the current one)
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (!active_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(device_, prev_enabled_);
+    at::autocast::set_autocast_dtype(device_, prev_dtype_);
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  at::DeviceType device_;
+  bool active_;
+  bool prev_enabled_ = false;
+  at::ScalarType prev_dtype_ = at::kFloat;
+};
+
+// Saved tensors: codes, alpha, beta of q, k and v (in that order), then the two masks.
+constexpr size_t kAttnMask = 9, kWindowMask = 10;
+// forward's arguments: q, k, v, attn_mask, window_mask, is_causal, scale, three quantizers
+constexpr size_t kForwardArgs = 10;
+
+struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& window_mask,
+                            bool is_causal, std::optional<double> scale, Quantizer qz_q, Quantizer qz_k,
+                            Quantizer qz_v) {
+    // 1. the 8-bit copies, in the Python module's order (it compresses before Function.apply)
+    std::vector<at::Tensor> saved;
+    std::vector<int64_t> layout;  // (dim, groups) per operand
+    const std::array<std::pair<const at::Tensor*, Quantizer*>, 3> operands{
+        {{&q, &qz_q}, {&k, &qz_k}, {&v, &qz_v}}};
+    for (const auto& [x, qz] : operands) {
+      const int64_t dim = head_group_dim(*x);
+      auto [codes, alpha, beta, G] = compress(*x, dim, *qz);
+      saved.insert(saved.end(), {codes, alpha, beta});
+      layout.insert(layout.end(), {dim, G});
+    }
+    // 2. the stock call. The combined mask is built with grad mode on, as in _MesaSDPA.forward:
+    // it requires grad exactly when the stock call's would (attn_mask does), and whether it does
+    // decides the backend, so the output is bitwise the stock one. Nothing flows back through it.
+    std::optional<at::Tensor> mask;
+    {
+      at::AutoGradMode grad_on(true);
+      mask = window_mask_sum(attn_mask, window_mask, q);
+    }
+    at::Tensor out = attention(q, k, v, mask, is_causal, scale);
+
+    // 3. for backward: the codes, the two small masks as given (not their batch-sized sum), and
+    // what the recomputation needs to run as the forward did (dtypes, options, autocast state)
+    saved.push_back(attn_mask.value_or(at::Tensor()));
+    saved.push_back(window_mask.value_or(at::Tensor()));
+    ctx->save_for_backward(saved);
+    const auto dev = q.device().type();
+    const bool ac_available = at::autocast::is_autocast_available(dev);
+    ctx->saved_data["layout"] = layout;
+    ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(q.scalar_type()),
+                                                     static_cast<int64_t>(k.scalar_type()),
+                                                     static_cast<int64_t>(v.scalar_type())};
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["device"] = static_cast<int64_t>(dev);
+    ctx->saved_data["autocast"] = ac_available && at::autocast::is_autocast_enabled(dev);
+    ctx->saved_data["autocast_dtype"] = ac_available ? at::autocast::get_autocast_dtype(dev) : at::kFloat;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto layout = ctx->saved_data["layout"].toIntVector();
+    const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
+    const at::Tensor& attn_mask_in = saved[kAttnMask];
+    std::optional<at::Tensor> window_mask;
+    if (saved[kWindowMask].defined()) window_mask = saved[kWindowMask];
+    // needs_input_grad indexes the tensors apply tracked: q, k, v, then attn_mask if given
+    const bool mask_grad = attn_mask_in.defined() && ctx->needs_input_grad(3) && attn_mask_in.is_floating_point();
+    const std::array<bool, 4> need{ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2),
+                                   mask_grad};
+
+    // 1. the inputs again: dequantized q, k, v (in their input dtypes) and the mask, each
+    // requiring grad when its gradient is wanted
+    std::array<at::Tensor, 4> inputs;
+    for (size_t i = 0; i < 3; ++i) {
+      inputs[i] = dequantize_op().call(saved[3 * i], saved[3 * i + 1], saved[3 * i + 2], layout[2 * i],
+                                       layout[2 * i + 1], static_cast<c10::ScalarType>(dtypes[i]), std::nullopt);
+      inputs[i].requires_grad_(need[i]);
+    }
+    std::optional<at::Tensor> attn_mask;
+    if (attn_mask_in.defined()) attn_mask = inputs[3] = attn_mask_in.detach().requires_grad_(mask_grad);
+    variable_list wanted;
+    for (size_t i = 0; i < 4; ++i)
+      if (need[i]) wanted.push_back(inputs[i]);
+
+    // 2. the attention recomputed at the dequantized inputs, as the forward ran it (grad mode
+    // on, the forward's autocast state), and autograd through it: the exact gradient of
+    // attention at (q_hat, k_hat, v_hat), softmax statistics included
+    variable_list got;
+    {
+      at::AutoGradMode grad_on(true);
+      AutocastScope autocast(static_cast<at::DeviceType>(ctx->saved_data["device"].toInt()),
+                             ctx->saved_data["autocast"].toBool(),
+                             ctx->saved_data["autocast_dtype"].toScalarType());
+      at::Tensor out = attention(inputs[0], inputs[1], inputs[2], window_mask_sum(attn_mask, window_mask, inputs[0]),
+                                 ctx->saved_data["is_causal"].toBool(), ctx->saved_data["scale"].toOptional<double>());
+      if (!wanted.empty()) got = torch::autograd::grad({out}, wanted, {grads[0].to(out.scalar_type())});
+    }
+
+    // 3. one gradient per forward argument (q, k, v, attn_mask; none for the rest)
+    variable_list result(kForwardArgs);
+    for (size_t i = 0, j = 0; i < 4; ++i)
+      if (need[i]) result[i] = got[j++];
+    return result;
+  }
+};
+
+at::Tensor sdpa_train(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& window_mask,
+                      bool is_causal, std::optional<double> scale, at::TensorList state_q, int64_t num_groups_q,
+                      double decay_q, int64_t estimator_q, bool symmetric_q, bool stochastic_q, at::TensorList state_k,
+                      int64_t num_groups_k, double decay_k, int64_t estimator_k, bool symmetric_k, bool stochastic_k,
+                      at::TensorList state_v, int64_t num_groups_v, double decay_v, int64_t estimator_v,
+                      bool symmetric_v, bool stochastic_v) {
+  constexpr const char* op = "mesa::sdpa_train";
+  auto present = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
+  };
+  return SdpaTrain::apply(
+      q, k, v, present(attn_mask), present(window_mask), is_causal, scale,
+      quantizer_from_list(state_q, num_groups_q, decay_q, estimator_q, symmetric_q, stochastic_q, op),
+      quantizer_from_list(state_k, num_groups_k, decay_k, estimator_k, symmetric_k, stochastic_k, op),
+      quantizer_from_list(state_v, num_groups_v, decay_v, estimator_v, symmetric_v, stochastic_v, op));
+}
+
+}  // namespace
+}  // namespace mesa
+
+TORCH_LIBRARY_FRAGMENT(mesa, m) {
+  // state_*: the operand's quantizer buffers [alpha_est, beta_est, initialized, rng], mutated
+  // (estimates, rounding counter) as by mesa::observe
+  m.def(
+      "sdpa_train(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? window_mask, bool is_causal, "
+      "float? scale, Tensor(a!)[] state_q, int num_groups_q, float decay_q, int estimator_q, bool symmetric_q, "
+      "bool stochastic_q, Tensor(b!)[] state_k, int num_groups_k, float decay_k, int estimator_k, "
+      "bool symmetric_k, bool stochastic_k, Tensor(c!)[] state_v, int num_groups_v, float decay_v, "
+      "int estimator_v, bool symmetric_v, bool stochastic_v) -> Tensor");
+}
+
+// As for the layer ops of layers_autograd.cpp: one kernel for every backend, the work
+// dispatching to the CPU or CUDA kernels of the ops it calls.
+TORCH_LIBRARY_IMPL(mesa, Autograd, m) { m.impl("sdpa_train", &mesa::sdpa_train); }
