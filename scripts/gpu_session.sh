@@ -75,7 +75,7 @@ $PY -c 'import mesa_train.quant as q; print("mesa backend:", q.BACKEND, "CUDA:",
 # 3. the work, most important first
 for s in $STEPS; do
   case $s in
-    tests)   step cuda-tests ${TESTS_LIMIT:-240} $PY -m pytest -q -m cuda -p no:cacheprovider --durations=10 ${TESTS:-tests} ;;
+    tests)   step cuda-tests ${TESTS_LIMIT:-320} $PY -m pytest -q -m cuda -p no:cacheprovider --durations=10 ${TESTS:-tests} ;;
     kernels) step kernel-bandwidth 120 $PY -m mesa_train.quant.benchmark ;;
     table1)  step table1-deit-s 150 $PY -m mesa_train.bench preset=table1 only=DeiT-S profile=true progress=false ;;
     # skip=traceable: that row's compile alone outlasts a 10-minute call (compile_kernels.py)

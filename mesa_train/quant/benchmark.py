@@ -8,6 +8,9 @@ Per layout it times, with the ops the layers run:
 * the forward compression ``observe + quantize`` (2 launches on CUDA; it reads ``x`` twice
   and writes the uint8 codes), and each of the two ops alone;
 * ``dequantize`` (backward: reads the codes, writes ``x``'s dtype);
+* estimator ``delayed``'s one-pass ``quantize_observe``, and on the token layout the row
+  scales of Linear / LayerNorm inputs (``row_exponents``, the forward and backward with
+  ``row_exp``);
 * ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
@@ -109,6 +112,23 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                 ("backward: dequantize", n + n * es, lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G,
                                                                                         dtype)),
             ]
+            # estimator=delayed: one pass (initialized estimates: quantize with them, reduce for the next)
+            ops.append(("forward delayed: quantize_observe", n * es + n,
+                        lambda: torch.ops.mesa.quantize_observe(x, *state, dim, G, 0.9, False, True)))
+            if dim in (-1, x.dim() - 1):  # Linear / LayerNorm inputs: power-of-two row scales in the kernels
+                k = torch.ops.mesa.row_exponents(x, 1, 64)
+
+                def compress_rows():
+                    kr = torch.ops.mesa.row_exponents(x, 1, 64)
+                    a, b, s = torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False, kr)
+                    return torch.ops.mesa.quantize(x, a, b, dim, G, True, s, kr)
+
+                ops += [
+                    ("row_exponents", n * es, lambda: torch.ops.mesa.row_exponents(x, 1, 64)),
+                    ("forward with row scales: row_exponents + observe + quantize", 3 * n * es + n, compress_rows),
+                    ("backward with row scales: dequantize", n + n * es,
+                     lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G, dtype, k)),
+                ]
             for op, nbytes, fn in ops:
                 t = t_clone if op.startswith("clone") else timeit(fn)
                 rows.append(dict(case=name, dtype=dname, op=op, us=t * 1e6, gbps=nbytes / t / 1e9,
