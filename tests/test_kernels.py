@@ -509,9 +509,11 @@ def test_benchmark_runs_on_cpu(tmp_path):
 
     table = benchmark.main(["--device", "cpu", "--quick", "--out-dir", str(tmp_path), "--dtypes", "bf16,fp32"])
     ops = ["clone (baseline)", "forward: observe + quantize", "observe", "quantize (stochastic)",
-           "backward: dequantize"]
+           "backward: dequantize", "forward delayed: quantize_observe", "row_exponents",
+           "backward with row scales: dequantize"]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 2 * 2 * 6  # 2 layouts x 2 dtypes x 6 rows
+    # 2 dtypes x (7 rows per layout + 3 row-scale rows on the token layout)
+    assert len(rows) == 2 * (2 * 7 + 3)
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     clone_rows = [r for r in rows if "| clone (baseline) |" in r]
