@@ -962,6 +962,31 @@ struct ReduceTarget {
   }
 };
 
+// min and max of one step's V values (NaN propagates)
+template <int V>
+__device__ __forceinline__ void step_range(const float (&xv)[V], float& mn, float& mx) {
+  mn = xv[0];
+  mx = xv[0];
+#pragma unroll
+  for (int e = 1; e < V; ++e) {
+    mn = nan_min(mn, xv[e]);
+    mx = nan_max(mx, xv[e]);
+  }
+}
+
+// Whether this block is the last of the launch to finish its stage 1 (threadfence + atomic
+// ticket ws[0]); in that block every other block's global atomics are visible afterwards.
+// Called by all threads of the block; s_last is a __shared__ flag.
+__device__ __forceinline__ bool last_block_to_arrive(uint32_t* ws, bool& s_last) {
+  __threadfence();  // this thread's global atomics are visible before the ticket moves
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(ws, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!s_last) return false;
+  __threadfence();  // acquire: every other block's totals are visible to this block
+  return true;
+}
+
 // MODE_OBSERVE: estimates + seed step; MODE_MINMAX: (S, G) min / max outputs (group_minmax).
 enum ObserveMode { MODE_OBSERVE = 0, MODE_MINMAX = 1 };
 
@@ -1008,12 +1033,8 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
     if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
     const IdxT p0 = param_of(k, i0);
     if (one_param<IdxT, V>(k, i0, p0)) {
-      float mn = xv[0], mx = xv[0];
-#pragma unroll
-      for (int e = 1; e < V; ++e) {
-        mn = nan_min(mn, xv[e]);
-        mx = nan_max(mx, xv[e]);
-      }
+      float mn, mx;
+      step_range<V>(xv, mn, mx);
       t.add(r, p0, mn, mx);
     } else {
 #pragma unroll
@@ -1036,12 +1057,7 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   }
 
   // ---- stage 2: the last block to arrive finishes (threadfence + ticket)
-  __threadfence();  // this thread's global atomics are visible before the ticket moves
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(ws, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();  // acquire: every other block's totals are visible to this block
+  if (!last_block_to_arrive(ws, s_last)) return;
   if (MODE == MODE_MINMAX) {
     for (int64_t i = threadIdx.x; i < P; i += blockDim.x) {
       out_min[i] = dec_min(__ldcg(g_min + i));
@@ -1204,12 +1220,8 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
     if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
     const IdxT p0 = param_of(k, i0);
     if (one_param<IdxT, V>(k, i0, p0)) {
-      float mn = xv[0], mx = xv[0];
-#pragma unroll
-      for (int e = 1; e < V; ++e) {
-        mn = nan_min(mn, xv[e]);
-        mx = nan_max(mx, xv[e]);
-      }
+      float mn, mx;
+      step_range<V>(xv, mn, mx);
       t.add(r, p0, mn, mx);
       if (init) {
         uint8_t out[V];
@@ -1246,12 +1258,7 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   }
 
   // ---- stage 2: the last block updates the estimates and the rng counter
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(ws, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  if (!last_block_to_arrive(ws, s_last)) return;
   EstimateArgs e = est;
   e.out_a = init ? nullptr : used_a;  // init: the outputs hold the estimates the codes used
   e.out_b = init ? nullptr : used_b;
