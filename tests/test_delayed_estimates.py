@@ -86,14 +86,17 @@ def test_reference_is_the_definition(symmetric):
             assert torch.equal(u, v)
 
 
-def test_traced_version_is_the_op():
+@pytest.mark.parametrize("ready", [False, True], ids=["device flag", "ready on the host"])
+def test_traced_version_is_the_op(ready):
     """mesa_train.quant.traceable.quantize_observe (torch.compile with traceable kernels),
-    eager and compiled, gives the op's bytes on the first and on later batches."""
+    eager and compiled, gives the op's bytes on the first and on later batches: choosing on
+    the device flag, or (from the second batch, as mark_estimates_ready allows) in its
+    one-pass form."""
     compiled = torch.compile(T.quantize_observe, backend="aot_eager", fullgraph=True)
     for fn in (T.quantize_observe, compiled):
         s_tr, s_op = _state(3, "cpu"), _state(3, "cpu")
-        for x in _batches((4, 5, 12), torch.bfloat16, "cpu", 3):
-            got = fn(x, *s_tr, 2, 3, 0.9, False, True)
+        for i, x in enumerate(_batches((4, 5, 12), torch.bfloat16, "cpu", 3)):
+            got = fn(x, *s_tr, 2, 3, 0.9, False, True, ready and i > 0)
             want = Q.quantize_observe(x, *s_op, 2, 3, 0.9, False, True)
             for a, b in zip(got, want):
                 assert torch.equal(a, b)
@@ -143,6 +146,54 @@ def test_one_op_per_compression(fused, monkeypatch):
         ops = _ops_of(layer, x)
         assert ops == fwd + ["mesa.dequantize"], ops
         assert _ops_of(layer, x) == ops  # the first batch too: decided on the device, same ops
+
+
+def test_mark_estimates_ready_and_checkpoints():
+    from mesa_train.nn.quantizer import mark_estimates_ready
+
+    model = torch.nn.Sequential(mnn.Linear(8, 8, estimator="delayed"), mnn.GELU(estimator="delayed"),
+                                mnn.GELU())  # the last one: running, not counted
+    assert mark_estimates_ready(model) == 0 and not model[0].quantizer._delayed_ready
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert mark_estimates_ready(model) == 2 and model[1].quantizer._delayed_ready
+    assert not model[2].quantizer._delayed_ready
+    fresh = torch.nn.Sequential(mnn.Linear(8, 8, estimator="delayed"), mnn.GELU(estimator="delayed"), mnn.GELU())
+    fresh.load_state_dict(model.state_dict())
+    assert fresh[0].quantizer._delayed_ready and fresh[1].quantizer._delayed_ready
+    fresh[0].quantizer.reset_estimates()
+    assert not fresh[0].quantizer._delayed_ready
+
+
+@pytest.mark.parametrize("estimator", ["running", "delayed"])
+def test_inductor_fuses_the_delayed_compression_into_the_producer(estimator, monkeypatch):
+    """Issue 9's "one generated kernel": a Mesa GELU (which keeps its input) compiled with
+    traceable kernels. With estimator=delayed (estimates known to be initialized) Inductor
+    emits ONE kernel that reads the input once for the GELU output, the per-group min/max
+    and the stochastic-rounding codes; with running estimates the codes need this batch's
+    finished reduction, so a second kernel reads the input again for them. (CPU Inductor
+    here; the same graph goes to Triton on a GPU.)"""
+    from torch._inductor.utils import run_and_get_code
+
+    from mesa_train.nn.quantizer import mark_estimates_ready
+    from mesa_train.quant import compile_kernels
+
+    monkeypatch.setattr(compile_kernels, "_mode", "traceable")
+    torch._dynamo.reset()
+    layer = mnn.GELU(estimator=estimator, num_groups=4)
+    x = torch.randn(4, 10, 32, requires_grad=True)
+    layer(x).sum().backward()  # the first step (eager): estimates initialized
+    mark_estimates_ready(layer)
+
+    def fwd(t):
+        return layer(t)
+
+    _, code = run_and_get_code(torch.compile(fwd, fullgraph=True), x)
+    src = "\n".join(code)
+    kernels = [k.split("(")[0] for k in src.split("def kernel")[0].split("cpp_fused_")[1:]]
+    gelu = [k for k in kernels if "gelu" in k]
+    assert gelu, kernels
+    fused = any("floor" in k and ("amax" in k or "amin" in k) for k in gelu)
+    assert fused == (estimator == "delayed"), kernels
 
 
 def _train_tiny(estimator, steps=30, seed=0):

@@ -33,7 +33,7 @@ from mesa_train.quant.compile_kernels import traced_as_pytorch
 from mesa_train.quant.reference import scale_rows, unscale_rows
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
-           "LEARNED_BUFFERS", "convert_format", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS", "ESTIMATOR_CODES",
+           "LEARNED_BUFFERS", "convert_format", "mark_estimates_ready", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS", "ESTIMATOR_CODES",
            "ROUNDINGS"]
 
 ESTIMATORS = ("running", "per_sample", "learned", "delayed")
@@ -250,6 +250,23 @@ _M32 = 0xFFFFFFFF
 _construction_count = itertools.count()
 
 
+def mark_estimates_ready(model: nn.Module) -> int:
+    """Tell every ``estimator="delayed"`` quantizer of ``model`` whether its running estimates
+    are initialized (one host read for all of them): where they are, the compression traced
+    under ``torch.compile`` (``compile_kernels=traceable``) takes its one-pass form, which
+    Inductor fuses into the kernel producing the activation. Call it after the first training
+    step (the trainer does, when it compiles); the compiled graph is then rebuilt once.
+    Returns how many quantizers are ready. Eager and the ops path decide on the device and
+    need no call."""
+    delayed = [m for m in model.modules() if isinstance(m, ActivationQuantizer) and m.options.estimator == "delayed"]
+    if not delayed:
+        return 0
+    flags = torch.stack([m.initialized.reshape(()).to("cpu", non_blocking=False) for m in delayed]).tolist()
+    for m, ready in zip(delayed, flags):
+        m._delayed_ready = bool(ready)
+    return sum(bool(f) for f in flags)
+
+
 def rng_key(name: str) -> int:
     """A quantizer's stochastic-rounding key from its qualified name (stable across
     processes and runs, unlike ``hash``)."""
@@ -285,6 +302,10 @@ class ActivationQuantizer(nn.Module):
             raise ValueError(f"options must be a QuantOptions, got {type(options).__name__}")
         self.options = options
         self._make_buffers(options.num_groups, device)
+        # estimator="delayed" under torch.compile with traceable kernels: whether the host
+        # knows the estimates are initialized (mark_estimates_ready, or a loaded checkpoint),
+        # so the traced compression can take its one-pass form (traceable.quantize_observe)
+        self._delayed_ready = False
 
     # ------------------------------------------------------------------ state
     def _make_buffers(self, G: int, device=None) -> None:
@@ -327,6 +348,7 @@ class ActivationQuantizer(nn.Module):
         self.alpha.zero_()
         self.beta.zero_()
         self.initialized.fill_(False)
+        self._delayed_ready = False
         for n in LEARNED_BUFFERS:
             if n in self._buffers:
                 self._buffers[n].zero_()
@@ -387,6 +409,10 @@ class ActivationQuantizer(nn.Module):
         for n in LEARNED_BUFFERS:
             if prefix + n in missing_keys[n_missing:]:
                 missing_keys.remove(prefix + n)
+        # a resumed run's estimates are initialized: the traced delayed path may fuse at once
+        # (one host read per quantizer, at load time)
+        if self.initialized.device.type != "meta":
+            self._delayed_ready = bool(self.initialized.reshape(-1)[0])
 
     def extra_repr(self) -> str:
         o = self.options
@@ -454,7 +480,7 @@ class ActivationQuantizer(nn.Module):
         if opts.estimator == "delayed":  # one pass: quantize with the estimates so far, then observe
             qo_args = (x, *args[1:7], opts.decay, opts.symmetric, stochastic)
             if traced:
-                q, alpha, beta = traceable.quantize_observe(*qo_args)
+                q, alpha, beta = traceable.quantize_observe(*qo_args, ready=self._delayed_ready)
             else:
                 q, alpha, beta = _QUANTIZE_OBSERVE(*qo_args, row_exp)
             return Packed(q, alpha, beta, dim, G)

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from mesa_train.models import unwrap_model as unwrap
+from mesa_train.nn.quantizer import mark_estimates_ready
 from mesa_train.train import distributed as dist_utils
 
 
@@ -53,6 +54,7 @@ class Parts:
     compiled: bool = False         # model is torch.compile'd (marks CUDA-graph step boundaries)
     nonfinite: str = "stop"        # stop | skip (see train_one_epoch)
     max_nonfinite_skips: int = 10  # consecutive skipped steps before stopping anyway
+    estimates_marked: bool = False  # mark_estimates_ready has run (compiled runs, after the first step)
     extra: dict = field(default_factory=dict)  # running totals shared with the runner
     # Makes the Mesa running estimates identical on all ranks after each optimizer step
     # (mesa_train.train.estimates.EstimateSync); None in a single process.
@@ -275,6 +277,11 @@ def train_one_epoch(
 
         if update:
             applied = _optimizer_step(parts, model, state, step_loss_ok)
+            if parts.compiled and not parts.estimates_marked:
+                # estimator=delayed, traced compression: after the first step the estimates
+                # are initialized, and the compiled graph can fuse the one-pass form (rebuilt once)
+                mark_estimates_ready(unwrap(model))
+                parts.estimates_marked = True
             if parts.estimate_sync is not None:  # every rank, applied or skipped: a collective
                 parts.estimate_sync.sync()
             step_loss_ok.fill_(True)
