@@ -3,14 +3,16 @@
 # pure-Python packages carried as wheels in .whl/ (made here by `make gpu-wheels`), build
 # the extension for this GPU's architecture only, then run, in priority order and each
 # bounded in time: the CUDA tests, the kernel bandwidth benchmark, the DeiT-S rows of
-# table1 and modern (eager and compiled) with profile=true, then the speed preset's knobs.
+# table1 and modern (eager and compiled) with profile=true, then the speed preset's knobs
+# (its traceable-compile rows, the slowest to compile, as a step of their own).
 # Results land in results/ (named after the GPU) and, when $OUT is set (the device tool),
 # also in $OUT.
 #
-#   bash scripts/gpu_session.sh            # everything: up to 25 minutes of step limits
+#   bash scripts/gpu_session.sh            # everything: up to 35 minutes of step limits
 #   STEPS="tests kernels" bash scripts/gpu_session.sh    # the device tool allows 10 minutes a
-#   STEPS="table1 modern" bash scripts/gpu_session.sh    # command: run it as these three calls
+#   STEPS="table1 modern" bash scripts/gpu_session.sh    # command: run it as these four calls
 #   STEPS=speed bash scripts/gpu_session.sh              # (each under 10 minutes on an H100)
+#   STEPS=traceable bash scripts/gpu_session.sh
 #   TESTS="tests/test_x.py" TESTS_LIMIT=120 STEPS=tests ...  # a few tests again, after a fix
 #
 # results/ is packed into $OUT after every step, so a call stopped at its limit still brings
@@ -19,8 +21,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-STEPS=${STEPS:-"tests kernels table1 modern speed"}
-VALID_STEPS="tests kernels table1 modern speed"
+STEPS=${STEPS:-"tests kernels table1 modern speed traceable"}
+VALID_STEPS="tests kernels table1 modern speed traceable"
 for s in $STEPS; do  # a typo fails here, before minutes of install and build
   case " $VALID_STEPS " in *" $s "*) ;; *) echo "gpu_session.sh: unknown step '$s'; valid: $VALID_STEPS"; exit 2 ;; esac
 done
@@ -80,11 +82,11 @@ for s in $STEPS; do
     table1)  step table1-deit-s 150 $PY -m mesa_train.bench preset=table1 only=DeiT-S profile=true progress=false ;;
     # skip=traceable: that row's compile alone outlasts a 10-minute call (compile_kernels.py)
     modern)  step modern-deit-s ${MODERN_LIMIT:-420} $PY -m mesa_train.bench preset=modern only=DeiT-S skip=traceable profile=true progress=false ;;
-    # one knob at a time (row scales, rounding, ops vs traceable, CUDA graphs): where the time goes;
-    # the traceable row (the slowest compile, not yet timed on a GPU) runs on its own after it,
-    # into its own folder, so a time limit there cannot cost the other rows their profile
-    speed)   step speed-deit-s ${SPEED_LIMIT:-420} $PY -m mesa_train.bench preset=speed skip=traceable profile=true progress=false
-             step speed-traceable ${TRACEABLE_LIMIT:-150} $PY -m mesa_train.bench preset=speed only=traceable profile=true progress=false output_dir=results/speed-traceable ;;
+    # one knob at a time (row scales, rounding, delayed estimates, ops vs traceable, CUDA graphs):
+    # where the time goes; the traceable rows (the slowest compiles, not yet timed on a GPU) are
+    # a step of their own, into their own folder, so a time limit there costs the others nothing
+    speed)   step speed-deit-s ${SPEED_LIMIT:-480} $PY -m mesa_train.bench preset=speed skip=traceable profile=true progress=false ;;
+    traceable) step speed-traceable ${TRACEABLE_LIMIT:-480} $PY -m mesa_train.bench preset=speed only=traceable profile=true progress=false output_dir=results/speed-traceable ;;
   esac
 done
 

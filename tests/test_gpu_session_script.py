@@ -29,7 +29,7 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    assert "unknown step 'bogus'; valid: tests kernels table1 modern speed" in proc.stdout
+    assert "unknown step 'bogus'; valid: tests kernels table1 modern speed traceable" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 
 

@@ -95,30 +95,30 @@ def observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int,
 
 def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
                      symmetric: bool, stochastic: bool, ready: bool = False):
-    """``mesa::quantize_observe`` (estimator ``"delayed"``) traced.
+    """``mesa::quantize_observe`` (estimator ``"delayed"``) under ``torch.compile``.
 
     ``ready`` (the host knows the estimates are initialized, see
-    ``mesa_train.nn.quantizer.mark_estimates_ready``): the codes depend on the activation and
-    the estimates only, so Inductor generates one kernel for the producer of ``x``, its
-    min/max and its codes (one pass; the per-group estimate step stays the opaque
-    ``mesa::update_estimates``). Otherwise the codes use the estimates from before this batch
-    once they are initialized and this batch's own range on the first one, chosen by
-    ``torch.where`` on the device flag (no host sync, but the codes then wait for the min/max
-    reduction: two passes). Bitwise the op either way, provided ``ready`` is only set once the
-    flag is true."""
+    ``mesa_train.nn.quantizer.mark_estimates_ready``): traced, with the codes depending on the
+    activation and on the estimates as they stand only, so Inductor generates one kernel for
+    the producer of ``x``, its min/max and its codes (one pass). The estimates and the seed come
+    from ``mesa::estimate_and_seed`` with ``valid=False`` (which leaves initialized estimates as
+    they are, returns them and advances the counter), the update from ``mesa::update_estimates``
+    after the traced min/max: not a traced clone of the buffers, which the min-cut partitioner
+    may recompute in backward from buffers this forward has updated since (dequantizing with
+    the new range: measured, gradients ~1e-6 off). Not ready: the op itself, opaque (whether
+    the estimates are initialized is known on the device only; two passes, as ``running``)."""
     G = num_groups
-    old_a, old_b = alpha_est[:G].clone().view(1, G), beta_est[:G].clone().view(1, G)
-    if ready:
-        seed = seed_step(rng)  # the seed observe would draw (counter advanced in place)
-        q = quantize(x, old_a, old_b, dim, G, stochastic, seed)
-        mn, mx = group_minmax(x, dim, G, False)
-        torch.ops.mesa.update_estimates.default(mn, mx, alpha_est, beta_est, initialized, float(decay), False,
-                                                bool(symmetric), x.numel() > 0)
-        return q, old_a, old_b
-    was_init = initialized.reshape(1, 1).clone()
-    new_a, new_b, seed = observe(x, alpha_est, beta_est, initialized, rng, dim, G, decay, False, symmetric)
-    alpha, beta = torch.where(was_init, old_a, new_a), torch.where(was_init, old_b, new_b)
-    return quantize(x, alpha, beta, dim, G, stochastic, seed), alpha, beta
+    if not ready:
+        return torch.ops.mesa.quantize_observe.default(x, alpha_est, beta_est, initialized, rng, dim, G,
+                                                       float(decay), bool(symmetric), bool(stochastic))
+    no_stats = x.new_zeros((1, G), dtype=torch.float32)
+    old_a, old_b, seed = torch.ops.mesa.estimate_and_seed.default(
+        no_stats, no_stats, alpha_est, beta_est, initialized, rng, float(decay), False, bool(symmetric), False)
+    q = quantize(x, old_a, old_b, dim, G, stochastic, seed)
+    mn, mx = group_minmax(x, dim, G, False)
+    torch.ops.mesa.update_estimates.default(mn, mx, alpha_est, beta_est, initialized, float(decay), False,
+                                            bool(symmetric), x.numel() > 0)
+    return q, old_a, old_b
 
 
 def _per_element(t: torch.Tensor, params, dim: int, G: int):
