@@ -413,5 +413,8 @@ def test_speed_preset_runs_every_knob(tmp_path):
     assert rows["Mesa eager no row scale"]["config"]["quant"] == {"row_scale": False}
     assert rows["Mesa eager nearest"]["config"]["quant"] == {"rounding": "nearest"}
     assert rows["Mesa compiled traceable"]["config"]["compile_kernels"] == "traceable"
+    assert rows["Mesa eager delayed"]["config"]["quant"] == {"estimator": "delayed"}
+    assert rows["Mesa compiled traceable delayed"]["config"]["quant"] == {"estimator": "delayed"}
+    assert rows["Mesa compiled traceable delayed"]["measurement"]["graph_breaks"] == 0
     assert rows["Mesa CUDA graphs"]["config"]["compile_mode"] == "reduce-overhead"
     assert rows["Mesa CUDA graphs"]["measurement"]["graph_breaks"] == 0
