@@ -61,8 +61,9 @@ class QuantOptions:
     enabled: ``False`` runs the stock layer (stock gradients).
     row_scale: Linear and LayerNorm scale rows far smaller than the rest by a power of two
         before quantizing (``mesa_train.nn.rowscale``; DeiT3's class token). ``False`` saves
-        the eager passes it costs (one row-absmax reduction and one scaled copy in forward,
-        one multiply in backward; under ``torch.compile`` they fuse into the compression).
+        what it costs: one ``mesa::row_exponents`` op (a row-max pass) per Linear/LayerNorm
+        input in forward (the kernels apply the scales in registers; under ``torch.compile``
+        with traceable kernels the scaling fuses into the compression).
     bits: code width, 8 (paper), 4 or 2 (codes packed 2 or 4 per byte; DESIGN.md "Variants").
     scale: ``"linear"`` (step = range / (2**bits - 1)) or ``"pow2"`` (ALT: the smallest
         power of two covering the range at that width).
