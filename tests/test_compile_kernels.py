@@ -173,9 +173,10 @@ def test_trace_cost_script_reports_time_and_graph_sizes():
 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(repo / "scripts" / "trace_cost.py"), "--mode", "ops", "--depth", "1"],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    line = proc.stdout.strip().splitlines()[-1]
-    assert line.startswith("ops depth=1: trace+partition ") and " nodes forward " in line, line
-    assert int(line.split("nodes forward ")[1].split()[0]) > 0
+    for estimator in ("running", "delayed"):
+        proc = subprocess.run([sys.executable, str(repo / "scripts" / "trace_cost.py"), "--mode", "ops", "--depth",
+                               "1", "--estimator", estimator], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        line = proc.stdout.strip().splitlines()[-1]
+        assert line.startswith(f"ops {estimator} depth=1: trace+partition ") and " nodes forward " in line, line
+        assert int(line.split("nodes forward ")[1].split()[0]) > 0
