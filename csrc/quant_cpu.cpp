@@ -386,28 +386,34 @@ inline void walk(const Layout& L, int64_t begin, int64_t end, Body body) {
 }
 
 // ----------------------------------------------------------------------------- quantize
+// Quantizes the run of n elements at flat index i (constant (s, d) or consecutive d, see walk).
+template <typename T>
+inline void quantize_run(const T* x, uint8_t* q, const Layout& L, int64_t i, int64_t n, int64_t s, int64_t d,
+                         bool stoch, const float* tinv, const float* tbeta, uint32_t slo, uint32_t shi) {
+  const bool table = L.inner == 1;
+  const float* iv = tinv + s * L.D + d;
+  const float* bv = tbeta + s * L.D + d;
+  // split the run where the low 32 bits of the flat index wrap (hash input, see above)
+  int64_t k = 0;
+  while (k < n) {
+    const uint64_t idx = static_cast<uint64_t>(i + k);
+    const int64_t to_wrap = static_cast<int64_t>((uint64_t{1} << 32) - (idx & 0xFFFFFFFFu));
+    const int64_t m = std::min(n - k, to_wrap);
+    const uint32_t mix = shi ^ (static_cast<uint32_t>(idx >> 32) * 0x9E3779B9u);
+    const int64_t off = table ? k : 0;
+    Runs<T>::quant(stoch, table, x + i + k, q + i + k, m, iv + off, bv + off, static_cast<uint32_t>(idx), slo, mix);
+    k += m;
+  }
+}
+
 template <typename scalar_t>
 void quantize_kernel(const scalar_t* x_, uint8_t* q, const Layout& L, bool stoch, const float* tinv,
                      const float* tbeta, uint32_t slo, uint32_t shi) {
   using T = storage_t<scalar_t>;
   const T* x = as_storage(x_);
-  const bool table = L.inner == 1;
   at::parallel_for(0, L.numel, kGrain, [&](int64_t begin, int64_t end) {
     walk(L, begin, end, [&](int64_t i, int64_t n, int64_t s, int64_t d) {
-      const float* iv = tinv + s * L.D + d;
-      const float* bv = tbeta + s * L.D + d;
-      // split the run where the low 32 bits of the flat index wrap (hash input, see above)
-      int64_t k = 0;
-      while (k < n) {
-        const uint64_t idx = static_cast<uint64_t>(i + k);
-        const int64_t to_wrap = static_cast<int64_t>((uint64_t{1} << 32) - (idx & 0xFFFFFFFFu));
-        const int64_t m = std::min(n - k, to_wrap);
-        const uint32_t mix = shi ^ (static_cast<uint32_t>(idx >> 32) * 0x9E3779B9u);
-        const int64_t off = table ? k : 0;
-        Runs<T>::quant(stoch, table, x + i + k, q + i + k, m, iv + off, bv + off, static_cast<uint32_t>(idx), slo,
-                       mix);
-        k += m;
-      }
+      quantize_run(x, q, L, i, n, s, d, stoch, tinv, tbeta, slo, shi);
     });
   });
 }
@@ -522,6 +528,37 @@ void canonicalize(at::Tensor& t) {
   for (int64_t i = 0, n = t.numel(); i < n; ++i) p[i] = canonical(p[i]);
 }
 
+// Shared statistics (or per sample over dim 0) of a contiguous x: per-chunk partial per-d
+// min/max, then a reduction into the (S, G) outputs pmn / pmx. `before(i, n, s, d)` runs on
+// each run first (quantize_observe: the run's codes, so that the run is read from memory
+// once and from cache the second time).
+template <typename T, typename Before>
+void shared_minmax(const T* xp, const Layout& L, float* pmn, float* pmx, Before before) {
+  const int64_t D = L.D;
+  const bool table = L.inner == 1;
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>((L.numel + kGrain - 1) / kGrain, 4 * nthreads));
+  std::vector<float> part_mn(nchunks * D, kInf), part_mx(nchunks * D, -kInf);
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = L.numel * c / nchunks, e = L.numel * (c + 1) / nchunks;
+      float* mn = part_mn.data() + c * D;
+      float* mx = part_mx.data() + c * D;
+      walk(L, b, e, [&](int64_t i, int64_t n, int64_t /*s*/, int64_t d) {
+        before(i, n, int64_t{0}, d);
+        Runs<T>::minmax(table, xp + i, n, mn + d, mx + d);
+      });
+    }
+  });
+  for (int64_t c = 1; c < nchunks; ++c) {
+    for (int64_t d = 0; d < D; ++d) {
+      part_mn[d] = nan_min(part_mn[d], part_mn[c * D + d]);
+      part_mx[d] = nan_max(part_mx[d], part_mx[c * D + d]);
+    }
+  }
+  reduce_groups(L, part_mn.data(), part_mx.data(), pmn, pmx);
+}
+
 // (S, G) min / max of x (validated layout L); canonical.
 std::tuple<at::Tensor, at::Tensor> group_minmax_impl(const at::Tensor& x_in, const Layout& L) {
   const at::Tensor x = x_in.contiguous();
@@ -549,23 +586,7 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_impl(const at::Tensor& x_in, con
         }
       });
     } else {
-      // shared statistics (or per sample over dim 0): per-chunk partials, then a reduction
-      const int64_t nthreads = at::get_num_threads();
-      const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>((L.numel + kGrain - 1) / kGrain, 4 * nthreads));
-      std::vector<float> part_mn(nchunks * D, kInf), part_mx(nchunks * D, -kInf);
-      at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-        for (int64_t c = c0; c < c1; ++c) {
-          const int64_t b = L.numel * c / nchunks, e = L.numel * (c + 1) / nchunks;
-          minmax_range(xp, L, b, e, part_mn.data() + c * D, part_mx.data() + c * D);
-        }
-      });
-      for (int64_t c = 1; c < nchunks; ++c) {
-        for (int64_t d = 0; d < D; ++d) {
-          part_mn[d] = nan_min(part_mn[d], part_mn[c * D + d]);
-          part_mx[d] = nan_max(part_mx[d], part_mx[c * D + d]);
-        }
-      }
-      reduce_groups(L, part_mn.data(), part_mx.data(), pmn, pmx);
+      shared_minmax(xp, L, pmn, pmx, [](int64_t, int64_t, int64_t, int64_t) {});
     }
   });
   canonicalize(omn);
@@ -670,9 +691,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cpu(const at::Tensor& x, 
 }
 
 // quantize_observe (estimator "delayed", DESIGN.md "Delayed estimates"): with initialized
-// estimates, quantize with them as they stand, then observe this batch for the next one (two
-// passes on the CPU; the CUDA kernel reads x once for both); without (the first batch),
-// observe + quantize, as the running estimator.
+// estimates, quantize with them as they stand, then observe this batch for the next one, in
+// one walk over x (each run quantized, then reduced while in cache; the CUDA kernel reads x
+// once too); without (the first batch), observe + quantize, as the running estimator.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
     const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
     const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, bool symmetric, bool stochastic,
@@ -688,8 +709,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
   const at::Tensor alpha = alpha_est.narrow(0, 0, L.G).clone().view({1, L.G});
   const at::Tensor beta = beta_est.narrow(0, 0, L.G).clone().view({1, L.G});
   const at::Tensor seed = seed_step_cpu(rng);
-  at::Tensor q = quantize_cpu(xs, alpha, beta, dim, num_groups, stochastic, seed, std::nullopt);
-  const auto [mn, mx] = group_minmax_impl(xs, L);
+  // one walk over x: each run is quantized, then folded into the min/max while in cache
+  const at::Tensor xc = xs.contiguous();
+  at::Tensor q = at::empty(xc.sizes(), xc.options().dtype(at::kByte));
+  const auto fopts = xc.options().dtype(at::kFloat);
+  at::Tensor mn = at::full({1, L.G}, kInf, fopts), mx = at::full({1, L.G}, -kInf, fopts);
+  if (L.numel > 0) {
+    std::vector<float> tinv, tbeta;
+    build_tables(L, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
+    uint32_t slo, shi;
+    read_seed(seed, slo, shi);
+    uint8_t* qp = q.mutable_data_ptr<uint8_t>();
+    MESA_DISPATCH_FLOAT_TYPES(xc.scalar_type(), "mesa_quantize_observe_cpu", [&] {
+      const storage_t<scalar_t>* xp = as_storage(xc.const_data_ptr<scalar_t>());
+      shared_minmax(xp, L, mn.mutable_data_ptr<float>(), mx.mutable_data_ptr<float>(),
+                    [&](int64_t i, int64_t n, int64_t s, int64_t d) {
+                      quantize_run(xp, qp, L, i, n, s, d, stochastic, tinv.data(), tbeta.data(), slo, shi);
+                    });
+    });
+    canonicalize(mn);
+    canonicalize(mx);
+  }
   update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, false, symmetric, L.numel > 0, L.G);
   return {q, alpha, beta};
 }
