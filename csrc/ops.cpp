@@ -230,7 +230,8 @@ int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device
   if (!row_exp.has_value() || !row_exp->defined()) return 0;
   const at::Tensor& k = *row_exp;
   TORCH_CHECK_VALUE(k.scalar_type() == at::kChar, "mesa: ", op, ": row_exp must be int8, got ", k.scalar_type());
-  TORCH_CHECK_VALUE(k.device() == device, "mesa: ", op, ": row_exp is on ", k.device(), " but the input is on ", device);
+  TORCH_CHECK_VALUE(k.device() == device, "mesa: ", op, ": row_exp is on ", k.device(), " but the input is on ",
+                    device);
   // k's trailing size-1 dims (t of them) are taken as the row dims; its other sizes are x's
   const int64_t nd = static_cast<int64_t>(x_sizes.size());
   int64_t t = 0;

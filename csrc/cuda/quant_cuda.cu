@@ -371,7 +371,8 @@ void dispatch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& a, 
                        const Layout& L, const at::Tensor& seed, const std::optional<at::Tensor>& row_exp,
                        int64_t row_len, cudaStream_t stream, const uint32_t* skip = nullptr) {
   const bool vec = aligned16(x.const_data_ptr()) && aligned16(q.const_data_ptr());
-  if (!fits_32bit(L)) launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
+  if (!fits_32bit(L))
+    launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
   else if (vec) launch_quantize<scalar_t, uint32_t, kVec, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
   else launch_quantize<scalar_t, uint32_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
 }
@@ -1188,7 +1189,8 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   uint32_t* g_max = g_min + G;
   const bool init = *est.initialized;
   uint32_t slo = 0u, shi = 0u;
-  if (STOCH && init) seed_step(static_cast<uint32_t>(sd.rng[0]), static_cast<uint32_t>(sd.rng[sd.rng_stride]), slo, shi);
+  if (STOCH && init)
+    seed_step(static_cast<uint32_t>(sd.rng[0]), static_cast<uint32_t>(sd.rng[sd.rng_stride]), slo, shi);
   if (init && blockIdx.x == 0) {
     for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
       used_a[g] = est.est_a[g];
@@ -1312,7 +1314,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(
     };
     auto pick = [&](auto stoch_tag) {
       if (!fits_32bit(L)) go(uint64_t{}, std::integral_constant<int, 1>{}, stoch_tag);
-      else if (aligned16(xp) && aligned16(q.const_data_ptr())) go(uint32_t{}, std::integral_constant<int, kVec>{}, stoch_tag);
+      else if (aligned16(xp) && aligned16(q.const_data_ptr()))
+        go(uint32_t{}, std::integral_constant<int, kVec>{}, stoch_tag);
       else go(uint32_t{}, std::integral_constant<int, 1>{}, stoch_tag);
     };
     if (stochastic) pick(std::true_type{});

@@ -33,8 +33,8 @@ from mesa_train.quant.compile_kernels import traced_as_pytorch
 from mesa_train.quant.reference import scale_rows, unscale_rows
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
-           "LEARNED_BUFFERS", "convert_format", "mark_estimates_ready", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS", "ESTIMATOR_CODES",
-           "ROUNDINGS"]
+           "LEARNED_BUFFERS", "convert_format", "mark_estimates_ready", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS",
+           "ESTIMATOR_CODES", "ROUNDINGS"]
 
 ESTIMATORS = ("running", "per_sample", "learned", "delayed")
 # How the C++ layer ops (csrc/layers_common.h, `Estimator`) are told the default-format estimator
@@ -126,10 +126,10 @@ class QuantOptions:
             raise ValueError(f"clip_horizon={h!r} weighs the clipping of estimator='learned' only; with "
                              f"estimator={self.estimator!r} leave it at 1 (valid estimators for it: 'learned')")
         if self.estimator == "delayed" and (self.bits != 8 or self.scale != "linear" or self.layout != "channel"):
-            raise ValueError("estimator='delayed' quantizes the paper's 8-bit channel format in one pass; valid with it: "
-                             f"bits=8, scale='linear', layout='channel' (got bits={self.bits}, scale={self.scale!r}, "
-                             f"layout={self.layout!r}); other formats take estimator in ('running', 'per_sample', "
-                             "'learned')")
+            raise ValueError("estimator='delayed' quantizes the paper's 8-bit channel format in one pass; "
+                             "valid with it: bits=8, scale='linear', layout='channel' "
+                             f"(got bits={self.bits}, scale={self.scale!r}, layout={self.layout!r}); other formats take "
+                             "estimator in ('running', 'per_sample', 'learned')")
         if self.layout == "patch4x4" and (self.estimator != "running" or self.symmetric):
             raise ValueError("layout='patch4x4' takes each 4x4 block's own min/max (per sample): it supports "
                              "estimator='running' (the default) and symmetric=False only, got "
