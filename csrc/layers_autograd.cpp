@@ -46,6 +46,7 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("GELU");
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto cdt = ctx->saved_data["y_dtype"].toScalarType();
@@ -91,6 +92,7 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("Softmax");
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // y did not reach the loss
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
@@ -167,6 +169,7 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("Linear");
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto cdt = ctx->saved_data["cdt"].toScalarType();
@@ -240,6 +243,7 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("LayerNorm");
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto mdt = ctx->saved_data["mdt"].toScalarType();
@@ -347,6 +351,7 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("MatMul");
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto cdt = ctx->saved_data["cdt"].toScalarType();
@@ -430,6 +435,7 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("Conv2d");
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto cdt = ctx->saved_data["cdt"].toScalarType();

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -98,6 +99,17 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
                                                qz.decay, qz.estimator == kPerSample, qz.symmetric, row_exp);
   at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed, row_exp);
   return {q, alpha, beta, G};
+}
+
+// A Mesa backward is not differentiable: it uses the 8-bit copy, a constant, where the stock
+// backward uses the input. With create_graph=True (grad mode on during backward) the
+// gradients it returned used to carry no graph through that copy, i.e. higher-order
+// gradients came back silently wrong; the Python Functions (@once_differentiable) refuse
+// them too. One line, with the way out.
+inline void check_first_order(const char* layer) {
+  TORCH_CHECK(!at::GradMode::is_enabled(), "mesa: higher-order gradients (backward with create_graph=True) ",
+              "through a Mesa ", layer, " are not supported: its backward uses the saved 8-bit copy, not a ",
+              "differentiable graph. Run that part of the model stock (enabled=False, or unpatched) for them.");
 }
 
 // Backward computes in explicit dtypes with autocast off (mesa_train.nn._common.no_autocast).

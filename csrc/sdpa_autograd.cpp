@@ -135,6 +135,7 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("ScaledDotProductAttention");
     const auto saved = ctx->get_saved_variables();
     const auto layout = ctx->saved_data["layout"].toIntVector();
     const auto dtypes = ctx->saved_data["dtypes"].toIntVector();

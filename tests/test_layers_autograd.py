@@ -495,3 +495,26 @@ def test_fused_sdpa_in_patched_models_is_bitwise_the_python_function(name, monke
     assert len(runs[0]) == len(runs[1])
     for i, (a, b) in enumerate(zip(*runs)):
         assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("kind", ["linear", "gelu", "layernorm", "softmax", "sdpa"])
+def test_higher_order_gradients_are_a_clear_error(kind, monkeypatch):
+    """The C++ layer nodes' backward uses the 8-bit copy: with create_graph=True it used to
+    return gradients without a graph through that copy (higher-order gradients silently
+    wrong). Now a one-line error that says what to do; first-order gradients unchanged."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", True)
+    x = torch.randn(2, 4, 6, 8, requires_grad=True)
+    layers = {"linear": mnn.Linear(8, 8), "gelu": mnn.GELU(), "layernorm": mnn.LayerNorm(8),
+              "softmax": mnn.Softmax(-1)}
+    if kind == "sdpa":
+        sdpa = mnn.ScaledDotProductAttention(num_groups=4)
+
+        def run():
+            return sdpa(x, x * 2, x * 3).pow(2).sum()
+    else:
+        def run():
+            return layers[kind](x).pow(2).sum()
+    with pytest.raises(RuntimeError, match=r"higher-order gradients \(backward with create_graph=True\)"):
+        torch.autograd.grad(run(), x, create_graph=True)
+    (g,) = torch.autograd.grad(run(), x)
+    assert g.shape == x.shape and torch.isfinite(g).all()
