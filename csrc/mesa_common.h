@@ -292,9 +292,4 @@ int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device
 // returns the row length (the product of the last row_dims sizes).
 int64_t check_row_exponents(const at::Tensor& x, int64_t row_dims, int64_t max_k);
 
-// Per-row max |x| of a contiguous CPU fp32/fp16/bf16 tensor viewed as (numel / L, L), into
-// out (float32, one per row): the value of max(amax, -amin).abs() (a zero row gives +0.0, a
-// row with a NaN a NaN). quant_cpu.cpp; the CPU kernel of row_exponents.
-void row_absmax_cpu(const at::Tensor& x, int64_t L, float* out);
-
 }  // namespace mesa

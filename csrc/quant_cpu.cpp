@@ -865,8 +865,9 @@ at::Tensor dequantize_bits_cpu(const at::Tensor& q_in, const at::Tensor& alpha, 
   return y;
 }
 
-}  // namespace
-
+// Per-row max |x| of a contiguous CPU fp32/fp16/bf16 tensor viewed as (numel / L, L), into
+// out (float32, one per row): the value of max(amax, -amin).abs() (a zero row gives +0.0, a
+// row with a NaN a NaN); the first pass of row_exponents_cpu.
 void row_absmax_cpu(const at::Tensor& x, int64_t L, float* out) {
   TORCH_CHECK(x.is_cpu() && x.is_contiguous() && L > 0 && x.numel() % L == 0,
               "row_absmax_cpu: a contiguous CPU tensor of whole rows of ", L, " elements");
@@ -909,6 +910,8 @@ at::Tensor row_exponents_cpu(const at::Tensor& x_in, int64_t row_dims, int64_t m
   }
   return k;
 }
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("row_exponents", &row_exponents_cpu);

@@ -348,16 +348,18 @@ def warm_step(row: RowConfig, device: torch.device, *, seed: int, fresh_cache: b
         torch._dynamo.reset()  # a fresh cache (and counters) per row: its graphs alone
         torch._dynamo.utils.counters.clear()
     step = TrainStep(row, build_for_row(row, device), device, seed=seed)
-    # compiling is not timed; compiled rows take two steps at least: estimator=delayed's traced
-    # one-pass form is taken after the first (mark_estimates_ready), a rebuild in the second
-    for i in range(max(row.warmup, 2 if row.compile else 0)):
+    warm = max(row.warmup, 1 if row.compile else 0)  # compiling is not timed
+    i = 0
+    while i < warm:
         t0 = time.perf_counter()
         step()
         if i == 0:
             synchronize(device)
             step.first_step_s = time.perf_counter() - t0  # compiled rows: compilation included
-            if row.compile:
-                mark_estimates_ready(step.model)
+            if row.compile and mark_estimates_ready(step.model):
+                # estimator=delayed: its traced one-pass form from now on, a rebuild in the next step
+                warm = max(warm, 2)
+        i += 1
     synchronize(device)
     return step
 

@@ -262,7 +262,8 @@ def mark_estimates_ready(model: nn.Module) -> int:
     delayed = [m for m in model.modules() if isinstance(m, ActivationQuantizer) and m.options.estimator == "delayed"]
     if not delayed:
         return 0
-    flags = torch.stack([m.initialized.reshape(()).to("cpu", non_blocking=False) for m in delayed]).tolist()
+    device = delayed[0].initialized.device  # (the flags gathered on one device, then read once)
+    flags = torch.stack([m.initialized.reshape(()).to(device) for m in delayed]).tolist()
     for m, ready in zip(delayed, flags):
         m._delayed_ready = bool(ready)
     return sum(bool(f) for f in flags)
@@ -411,8 +412,8 @@ class ActivationQuantizer(nn.Module):
             if prefix + n in missing_keys[n_missing:]:
                 missing_keys.remove(prefix + n)
         # a resumed run's estimates are initialized: the traced delayed path may fuse at once
-        # (one host read per quantizer, at load time)
-        if self.initialized.device.type != "meta":
+        # (one host read per delayed quantizer, at load time; other estimators never read it)
+        if self.options.estimator == "delayed" and self.initialized.device.type != "meta":
             self._delayed_ready = bool(self.initialized.reshape(-1)[0])
 
     def extra_repr(self) -> str:
