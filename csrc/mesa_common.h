@@ -87,12 +87,28 @@ MESA_HD uint32_t lowbias32(uint32_t x) {
   return x;
 }
 
-// u in [0, 1) for flat element index i (DESIGN.md): seed_lo = uint32(seed),
-// seed_hi = uint32(seed >> 32).
+// u in [0, 1) for flat element index i (DESIGN.md, "Stochastic rounding"): one lowbias32 of
+// a Weyl step, index_lo * 0x9E3779B9 + key, the key a hash of the seed and the index's high
+// word. The key is constant over every 2^32 consecutive indices, so kernels compute it once
+// per launch (32-bit indices) or per run, and each element costs one lowbias32 (the former
+// definition hashed twice per element: stochastic rounding cost up to 2x round-to-nearest).
+// Why the Weyl step: a single lowbias32 of index_lo ^ key leaves visible structure between
+// elements 16 apart (tests/test_rounding_hash.py); the odd multiplier spreads neighbouring
+// indices over all 32 bits first, as SplitMix does. seed_lo = uint32(seed), seed_hi =
+// uint32(seed >> 32).
+MESA_HD uint32_t hash_key(uint32_t seed_lo, uint32_t seed_hi, uint32_t index_hi) {
+  return lowbias32(seed_lo ^ lowbias32(seed_hi ^ index_hi * 0x9E3779B9u));
+}
+
+// u from the index's low word and its key; h >> 8 < 2^24, so the signed conversion is
+// the same value and vectorises on SSE2/AVX2 (no unsigned->float vector conversion there).
+MESA_HD float uniform_keyed(uint32_t index_lo, uint32_t key) {
+  const uint32_t h = lowbias32(index_lo * 0x9E3779B9u + key);
+  return static_cast<float>(static_cast<int32_t>(h >> 8)) * 5.9604644775390625e-08f;  // 2^-24, exact
+}
+
 MESA_HD float hash_uniform(uint64_t i, uint32_t seed_lo, uint32_t seed_hi) {
-  const uint32_t hi_mix = static_cast<uint32_t>(i >> 32) * 0x9E3779B9u;
-  const uint32_t h = lowbias32(lowbias32(static_cast<uint32_t>(i) ^ seed_lo) ^ seed_hi ^ hi_mix);
-  return static_cast<float>(h >> 8) * 5.9604644775390625e-08f;  // 2^-24, exact
+  return uniform_keyed(static_cast<uint32_t>(i), hash_key(seed_lo, seed_hi, static_cast<uint32_t>(i >> 32)));
 }
 
 // Seed step of mesa::observe (DESIGN.md, "Seed step"): rng = [key, counter] (uint32 each)

@@ -130,34 +130,27 @@ MESA_ALWAYS_INLINE void from_f(float v, uint16_t& out) {
   out = static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
-// u = float(h >> 8) * 2^-24 (DESIGN.md); h >> 8 < 2^24, so the signed conversion is the
-// same value and vectorises on SSE2/AVX2 (no unsigned->float vector conversion there).
-MESA_ALWAYS_INLINE float uniform_bits(uint32_t lo, uint32_t seed_lo, uint32_t seed_hi_mix) {
-  const uint32_t h = lowbias32(lowbias32(lo ^ seed_lo) ^ seed_hi_mix);
-  return f_mul(static_cast<float>(static_cast<int32_t>(h >> 8)), 5.9604644775390625e-08f);
-}
-
 // ----------------------------------------------------------------------------- run kernels
 // One run of n contiguous elements. TABLE: per-element parameters inv[k], beta[k]
 // (inner == 1); else one (inv, beta) pair for the run. Stochastic runs never cross a 2^32
-// boundary of the flat index, so the hash input is lo0 + k (uint32) and
-// seed_hi_mix = seed_hi ^ (uint32(i >> 32) * 0x9E3779B9) is constant.
+// boundary of the flat index, so the hash input is lo0 + k (uint32) and the hash key
+// (hash_key of the seed and the index's high word) is constant.
 template <typename T, bool STOCH, bool TABLE>
 MESA_ALWAYS_INLINE void quant_run_body(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n,
                                        const float* __restrict__ inv, const float* __restrict__ beta,
-                                       uint32_t lo0, uint32_t seed_lo, uint32_t seed_hi_mix) {
+                                       uint32_t lo0, uint32_t key) {
   // `lo` is a separate 32-bit induction variable: deriving it from the 64-bit k makes GCC
   // build 64-bit index vectors and narrow them (measured ~30% more instructions)
   uint32_t lo = lo0;
   if (TABLE) {
     for (int64_t k = 0; k < n; ++k, ++lo) {
-      const float u = STOCH ? uniform_bits(lo, seed_lo, seed_hi_mix) : 0.0f;
+      const float u = STOCH ? uniform_keyed(lo, key) : 0.0f;
       q[k] = quantize_value<STOCH>(to_f(x[k]), beta[k], inv[k], u);
     }
   } else {
     const float iv = inv[0], bv = beta[0];
     for (int64_t k = 0; k < n; ++k, ++lo) {
-      const float u = STOCH ? uniform_bits(lo, seed_lo, seed_hi_mix) : 0.0f;
+      const float u = STOCH ? uniform_keyed(lo, key) : 0.0f;
       q[k] = quantize_value<STOCH>(to_f(x[k]), bv, iv, u);
     }
   }
@@ -224,10 +217,10 @@ MESA_ALWAYS_INLINE void minmax_reduce_body(const T* __restrict__ x, int64_t n, f
 
 // Non-template, multi-versioned entry points (one per storage type and variant).
 #define MESA_QUANT_RUN(NAME, T, STOCH, TABLE)                                                          \
-  MESA_CLONES void NAME(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n,                 \
-                        const float* __restrict__ inv, const float* __restrict__ beta, uint32_t lo0, \
-                        uint32_t seed_lo, uint32_t seed_hi_mix) {                                    \
-    quant_run_body<T, STOCH, TABLE>(x, q, n, inv, beta, lo0, seed_lo, seed_hi_mix);                  \
+  MESA_CLONES void NAME(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n,                   \
+                        const float* __restrict__ inv, const float* __restrict__ beta, uint32_t lo0,   \
+                        uint32_t key) {                                                                \
+    quant_run_body<T, STOCH, TABLE>(x, q, n, inv, beta, lo0, key);                                     \
   }
 #define MESA_DEQUANT_RUN(NAME, T, TABLE)                                                          \
   MESA_CLONES void NAME(const uint8_t* __restrict__ q, T* __restrict__ y, int64_t n,              \
@@ -296,27 +289,27 @@ MESA_ALWAYS_INLINE float absmax_row(const Bf16Bits* x, int64_t n) {
 }
 
 template <typename T> struct Runs;
-#define MESA_RUNS(SUF, T)                                                                    \
-  template <> struct Runs<T> {                                                               \
+#define MESA_RUNS(SUF, T)                                                                          \
+  template <> struct Runs<T> {                                                                     \
     static void quant(bool stoch, bool table, const T* x, uint8_t* q, int64_t n, const float* inv, \
-                      const float* beta, uint32_t lo0, uint32_t slo, uint32_t mix) {          \
-      if (stoch) {                                                                           \
-        if (table) quant_sr_tab_##SUF(x, q, n, inv, beta, lo0, slo, mix);                    \
-        else quant_sr_one_##SUF(x, q, n, inv, beta, lo0, slo, mix);                          \
-      } else {                                                                               \
-        if (table) quant_rn_tab_##SUF(x, q, n, inv, beta, lo0, slo, mix);                    \
-        else quant_rn_one_##SUF(x, q, n, inv, beta, lo0, slo, mix);                          \
-      }                                                                                      \
-    }                                                                                        \
-    static void dequant(bool table, const uint8_t* q, T* y, int64_t n, const float* step,   \
-                        const float* beta) {                                                 \
-      if (table) dequant_tab_##SUF(q, y, n, step, beta);                                     \
-      else dequant_one_##SUF(q, y, n, step, beta);                                           \
-    }                                                                                        \
-    static void minmax(bool table, const T* x, int64_t n, float* mn, float* mx) {           \
-      if (table) minmax_tab_##SUF(x, n, mn, mx);                                             \
-      else minmax_red_##SUF(x, n, mn, mx);                                                   \
-    }                                                                                        \
+                      const float* beta, uint32_t lo0, uint32_t key) {                             \
+      if (stoch) {                                                                                 \
+        if (table) quant_sr_tab_##SUF(x, q, n, inv, beta, lo0, key);                               \
+        else quant_sr_one_##SUF(x, q, n, inv, beta, lo0, key);                                     \
+      } else {                                                                                     \
+        if (table) quant_rn_tab_##SUF(x, q, n, inv, beta, lo0, key);                               \
+        else quant_rn_one_##SUF(x, q, n, inv, beta, lo0, key);                                     \
+      }                                                                                            \
+    }                                                                                              \
+    static void dequant(bool table, const uint8_t* q, T* y, int64_t n, const float* step,          \
+                        const float* beta) {                                                       \
+      if (table) dequant_tab_##SUF(q, y, n, step, beta);                                           \
+      else dequant_one_##SUF(q, y, n, step, beta);                                                 \
+    }                                                                                              \
+    static void minmax(bool table, const T* x, int64_t n, float* mn, float* mx) {                  \
+      if (table) minmax_tab_##SUF(x, n, mn, mx);                                                   \
+      else minmax_red_##SUF(x, n, mn, mx);                                                         \
+    }                                                                                              \
   };
 MESA_RUNS(f32, float)
 MESA_RUNS(f16, uint16_t)
@@ -399,9 +392,9 @@ inline void quantize_run(const T* x, uint8_t* q, const Layout& L, int64_t i, int
     const uint64_t idx = static_cast<uint64_t>(i + k);
     const int64_t to_wrap = static_cast<int64_t>((uint64_t{1} << 32) - (idx & 0xFFFFFFFFu));
     const int64_t m = std::min(n - k, to_wrap);
-    const uint32_t mix = shi ^ (static_cast<uint32_t>(idx >> 32) * 0x9E3779B9u);
+    const uint32_t key = hash_key(slo, shi, static_cast<uint32_t>(idx >> 32));
     const int64_t off = table ? k : 0;
-    Runs<T>::quant(stoch, table, x + i + k, q + i + k, m, iv + off, bv + off, static_cast<uint32_t>(idx), slo, mix);
+    Runs<T>::quant(stoch, table, x + i + k, q + i + k, m, iv + off, bv + off, static_cast<uint32_t>(idx), key);
     k += m;
   }
 }
@@ -740,24 +733,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
 // as quantize, then packed 8/bits per byte, little end first. bits = 8 writes in place.
 template <typename T, bool STOCH, bool TABLE>
 void quant_levels_run(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n, const float* __restrict__ inv,
-                      const float* __restrict__ beta, uint32_t lo0, uint32_t seed_lo, uint32_t seed_hi_mix,
-                      float vmax) {
+                      const float* __restrict__ beta, uint32_t lo0, uint32_t key, float vmax) {
   uint32_t lo = lo0;
   for (int64_t k = 0; k < n; ++k, ++lo) {
-    const float u = STOCH ? uniform_bits(lo, seed_lo, seed_hi_mix) : 0.0f;
+    const float u = STOCH ? uniform_keyed(lo, key) : 0.0f;
     q[k] = quantize_value_levels<STOCH>(to_f(x[k]), TABLE ? beta[k] : beta[0], TABLE ? inv[k] : inv[0], u, vmax);
   }
 }
 
 template <typename T>
 void quant_levels_dispatch(bool stoch, bool table, const T* x, uint8_t* q, int64_t n, const float* inv,
-                           const float* beta, uint32_t lo0, uint32_t slo, uint32_t mix, float vmax) {
+                           const float* beta, uint32_t lo0, uint32_t key, float vmax) {
   if (stoch) {
-    if (table) quant_levels_run<T, true, true>(x, q, n, inv, beta, lo0, slo, mix, vmax);
-    else quant_levels_run<T, true, false>(x, q, n, inv, beta, lo0, slo, mix, vmax);
+    if (table) quant_levels_run<T, true, true>(x, q, n, inv, beta, lo0, key, vmax);
+    else quant_levels_run<T, true, false>(x, q, n, inv, beta, lo0, key, vmax);
   } else {
-    if (table) quant_levels_run<T, false, true>(x, q, n, inv, beta, lo0, slo, mix, vmax);
-    else quant_levels_run<T, false, false>(x, q, n, inv, beta, lo0, slo, mix, vmax);
+    if (table) quant_levels_run<T, false, true>(x, q, n, inv, beta, lo0, key, vmax);
+    else quant_levels_run<T, false, false>(x, q, n, inv, beta, lo0, key, vmax);
   }
 }
 
@@ -797,10 +789,10 @@ void quantize_bits_kernel(const scalar_t* x_, uint8_t* q, const Layout& L, int64
         const uint64_t idx = static_cast<uint64_t>(i + k);
         const int64_t to_wrap = static_cast<int64_t>((uint64_t{1} << 32) - (idx & 0xFFFFFFFFu));
         const int64_t m = std::min(n - k, to_wrap);
-        const uint32_t mix = shi ^ (static_cast<uint32_t>(idx >> 32) * 0x9E3779B9u);
+        const uint32_t key = hash_key(slo, shi, static_cast<uint32_t>(idx >> 32));
         const int64_t off = table ? k : 0;
         quant_levels_dispatch<T>(stoch, table, x + i + k, codes + (i + k - i0), m, iv + off, bv + off,
-                                 static_cast<uint32_t>(idx), slo, mix, vmax);
+                                 static_cast<uint32_t>(idx), key, vmax);
         k += m;
       }
     });

@@ -121,9 +121,9 @@ def test_reference_hash_matches_python_ints():
         v ^= v >> 16
         return v
 
-    def u(i, seed):
-        h = lb(lb((i & M) ^ (seed & M)) ^ ((seed >> 32) & M) ^ ((((i >> 32) & M) * 0x9E3779B9) & M))
-        return (h >> 8) * 2.0**-24
+    def u(i, seed):  # DESIGN.md: key = lowbias32(seed_lo ^ lowbias32(seed_hi ^ index_hi * golden))
+        key = lb((seed & M) ^ lb(((seed >> 32) & M) ^ ((((i >> 32) & M) * 0x9E3779B9) & M)))
+        return (lb(((i & M) * 0x9E3779B9 + key) & M) >> 8) * 2.0**-24
 
     for seed in (0, 1, 2**40 + 7, -5, 2**63 - 1, -(2**63)):
         for start in (0, 2**32 - 3, 2**35 + 11):

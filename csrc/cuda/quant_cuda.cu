@@ -289,6 +289,19 @@ std::optional<at::Tensor> contiguous_rows(const std::optional<at::Tensor>& row_e
 }
 
 // ----------------------------------------------------------------------------- quantize
+// Stochastic-rounding keys (DESIGN.md, "Stochastic rounding"): with 32-bit index math the
+// index's high word is 0, so the hash key is one per launch (`key0`, hashed once per
+// thread) and each element costs one lowbias32; the 64-bit path hashes its key per element.
+struct RoundingKey {
+  uint32_t slo = 0u, shi = 0u, key0 = 0u;
+  __device__ __forceinline__ RoundingKey(uint32_t lo, uint32_t hi) : slo(lo), shi(hi), key0(hash_key(lo, hi, 0u)) {}
+  template <typename IdxT>
+  __device__ __forceinline__ float uniform(IdxT i) const {
+    if constexpr (sizeof(IdxT) == 4) return uniform_keyed(static_cast<uint32_t>(i), key0);
+    else return hash_uniform(static_cast<uint64_t>(i), slo, shi);
+  }
+};
+
 // (scale, beta) of parameter p, kept while p does not change.
 struct ParamCache {
   uint64_t p = ~uint64_t(0);
@@ -315,6 +328,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
   // the seed lives on the device (written by observe): no host sync
   const uint32_t slo = STOCH ? static_cast<uint32_t>(__ldg(seed)) : 0u;
   const uint32_t shi = STOCH ? static_cast<uint32_t>(__ldg(seed + seed_stride)) : 0u;
+  const RoundingKey rk(slo, shi);
   const IdxT nvec = numel / V;
   const IdxT stride = IdxT(gridDim.x) * blockDim.x;
   const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -330,14 +344,14 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
       pc.fetch<true>(alpha, beta, p0);
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i0 + IdxT(e)), slo, shi) : 0.0f;
+        const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
         out[e] = quantize_value<STOCH>(xv[e], pc.beta, pc.scale, u);
       }
     } else {  // the step crosses a group / sample boundary: per element
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         pc.fetch<true>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)));
-        const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i0 + IdxT(e)), slo, shi) : 0.0f;
+        const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
         out[e] = quantize_value<STOCH>(xv[e], pc.beta, pc.scale, u);
       }
     }
@@ -347,7 +361,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
     const IdxT i = nvec * V + gid;
     if (i < numel) {
       pc.fetch<true>(alpha, beta, param_of(k, i));
-      const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i), slo, shi) : 0.0f;
+      const float u = STOCH ? rk.uniform(i) : 0.0f;
       float xi[1] = {static_cast<float>(x[i])};
       if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
       q[i] = quantize_value<STOCH>(xi[0], pc.beta, pc.scale, u);
@@ -542,6 +556,7 @@ quantize_bits_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, co
   const float vmax = levels_of(BITS);
   const uint32_t slo = STOCH ? static_cast<uint32_t>(__ldg(seed)) : 0u;
   const uint32_t shi = STOCH ? static_cast<uint32_t>(__ldg(seed + seed_stride)) : 0u;
+  const RoundingKey rk(slo, shi);
   const IdxT nstep = numel / E;
   const IdxT stride = IdxT(gridDim.x) * blockDim.x;
   const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -561,14 +576,14 @@ quantize_bits_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, co
       pc.template fetch<true>(alpha, beta, p0, pow2);
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i0 + IdxT(e)), slo, shi) : 0.0f;
+        const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
         c[e] = quantize_value_levels<STOCH>(xv[e], pc.beta, pc.scale, u, vmax);
       }
     } else {
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         pc.template fetch<true>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)), pow2);
-        const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i0 + IdxT(e)), slo, shi) : 0.0f;
+        const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
         c[e] = quantize_value_levels<STOCH>(xv[e], pc.beta, pc.scale, u, vmax);
       }
     }
@@ -591,7 +606,7 @@ quantize_bits_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, co
       const IdxT i = i_first + IdxT(t);
       if (i >= numel) break;  // the last byte's unused high bits stay zero
       pc.template fetch<true>(alpha, beta, param_of(k, i), pow2);
-      const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i), slo, shi) : 0.0f;
+      const float u = STOCH ? rk.uniform(i) : 0.0f;
       b |= static_cast<uint32_t>(quantize_value_levels<STOCH>(static_cast<float>(x[i]), pc.beta, pc.scale, u, vmax))
            << (t * BITS);
     }
@@ -1191,6 +1206,7 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   uint32_t slo = 0u, shi = 0u;
   if (STOCH && init)
     seed_step(static_cast<uint32_t>(sd.rng[0]), static_cast<uint32_t>(sd.rng[sd.rng_stride]), slo, shi);
+  const RoundingKey rk(slo, shi);
   if (init && blockIdx.x == 0) {
     for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
       used_a[g] = est.est_a[g];
@@ -1212,7 +1228,7 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   ParamCache pc;
   auto code = [&](float v, IdxT i, IdxT p) -> uint8_t {
     pc.fetch<true>(alpha, beta, p);
-    const float u = STOCH ? hash_uniform(static_cast<uint64_t>(i), slo, shi) : 0.0f;
+    const float u = STOCH ? rk.uniform(i) : 0.0f;
     return quantize_value<STOCH>(v, pc.beta, pc.scale, u);
   };
   for (IdxT v = b0 + threadIdx.x; v < b1; v += blockDim.x) {

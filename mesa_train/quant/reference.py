@@ -30,6 +30,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "uniform_from_hash",
+    "hash_key",
     "lowbias32",
     "group_index",
     "normalize_dim",
@@ -339,6 +340,9 @@ def _expand(x: torch.Tensor, params, dim: int, G: int):
     return xv, [p[ar, gidx].view(D, 1) for p in params]
 
 
+_GOLDEN = 0x9E3779B9  # odd: the Weyl step of the hash visits every uint32 once per 2**32 indices
+
+
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
     """(a * c) mod 2**32 for int64 ``a`` in [0, 2**32) without int64 overflow."""
     lo = a * (c & 0xFFFF)  # < 2**48
@@ -372,11 +376,17 @@ def uniform_from_hash(numel: int, seed, device=None, start: int = 0) -> torch.Te
         return out
     s_lo, s_hi = _seed_words(seed, device)
     i = torch.arange(start, start + numel, dtype=torch.int64, device=device)
-    lo = i & _M32
-    hi = (i >> 32) & _M32
-    h = lowbias32(lo ^ s_lo)
-    h = lowbias32(h ^ s_hi ^ _mul32(hi, 0x9E3779B9))
+    key = hash_key(s_lo, s_hi, (i >> 32) & _M32)
+    h = lowbias32((_mul32(i & _M32, _GOLDEN) + key) & _M32)  # a Weyl step, then one lowbias32
     return (h >> 8).to(torch.float32) * (2.0**-24)
+
+
+def hash_key(seed_lo, seed_hi, index_hi: torch.Tensor) -> torch.Tensor:
+    """The stochastic-rounding hash key (DESIGN.md): ``lowbias32(seed_lo ^ lowbias32(seed_hi ^
+    index_hi * 0x9E3779B9))`` on int64 tensors holding uint32 values. Constant over 2**32
+    consecutive flat indices (``index_hi`` is the index's high word), so kernels hash it once
+    per launch or run and each element costs one ``lowbias32``."""
+    return lowbias32(seed_lo ^ lowbias32(seed_hi ^ _mul32(index_hi, _GOLDEN)))
 
 
 def _inv_scale(alpha: torch.Tensor) -> torch.Tensor:

@@ -171,9 +171,9 @@ def _uniform(numel: int, seed: torch.Tensor, device) -> torch.Tensor:
     """The DESIGN.md counter hash for flat indices ``0 .. numel`` (``numel < 2**31``: the
     index's high word is 0, so its term vanishes), computed in int32 (see ``_lowbias32_i32``)."""
     s = _as_int32_bits(seed & 0xFFFFFFFF)
+    key = _lowbias32_i32(s[0] ^ _lowbias32_i32(s[1]))  # hash_key with index_hi = 0: one per call
     i = torch.arange(numel, dtype=torch.int32, device=device)
-    h = _lowbias32_i32(i ^ s[0])
-    h = _lowbias32_i32(h ^ s[1])
+    h = _lowbias32_i32(i * (0x9E3779B9 - (1 << 32)) + key)  # the Weyl step; int32 wraps mod 2**32
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
 
 
