@@ -10,6 +10,7 @@ the dequantized input.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +42,7 @@ class _ElementwiseFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
@@ -163,6 +165,7 @@ class _GatedFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (pa, pb), _ = load(ctx)
         ga = gb = None

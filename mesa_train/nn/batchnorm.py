@@ -22,6 +22,7 @@ forward.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import nn
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
@@ -54,6 +55,7 @@ class _BatchNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (packed,), (invstd, weight) = load(ctx)
         mdt = ctx.mdt

@@ -9,6 +9,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import nn
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
@@ -64,6 +65,7 @@ class _Conv2dFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (packed,), (weight,) = load(ctx)
         m = ctx.module

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
@@ -21,6 +22,7 @@ class _GeluFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import nn
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
@@ -105,6 +106,7 @@ class _LayerNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (packed,), (rstd, weight, k, *scale) = load(ctx)
         if scale:

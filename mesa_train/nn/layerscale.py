@@ -21,6 +21,7 @@ bits); the codes use channel groups over the last dim with power-of-two row scal
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import nn
 
 from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
@@ -44,6 +45,7 @@ class _ScaleFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (packed,), (gamma, k) = load(ctx)
         gx = gg = None

@@ -3,6 +3,7 @@ int8 power-of-two exponent per row (``rowscale.py``: rows far smaller than the r
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +42,7 @@ class _LinearFn(torch.autograd.Function):
         return _not_a_view(out)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (packed,), (weight, k) = load(ctx)
         gx = gw = gb = None

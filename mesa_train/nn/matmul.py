@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import nn
 
 from . import quantizer as quantizer_mod
@@ -100,6 +101,7 @@ class _MatMulFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (pa, pb), (ra, rb) = load(ctx)
         ga = gb = None

@@ -15,6 +15,7 @@ The forward is ``F.normalize`` itself (bitwise stock).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
@@ -36,6 +37,7 @@ class _NormalizeFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (packed,), (n,) = load(ctx)
         with no_autocast(g.device.type):

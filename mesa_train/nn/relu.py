@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
@@ -43,6 +44,7 @@ class _ReLUFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         _, (bits,) = load(ctx)
         mask = unpack_bits(bits, ctx.shape)

@@ -12,6 +12,7 @@ this keeps one byte per element plus two small per-row tensors.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import nn
 
 from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
@@ -49,6 +50,7 @@ class _RmsNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (packed,), (rrms, weight, k) = load(ctx)
         mdt, dims = ctx.mdt, _dims(ctx.nd)

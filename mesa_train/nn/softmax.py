@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +42,7 @@ class _SoftmaxFn(torch.autograd.Function):
         return y, packed.q, packed.alpha, packed.beta
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g, *_):
         if g is None:  # y itself did not reach the loss
             return None, None, None

@@ -1,0 +1,78 @@
+"""Higher-order gradients through Mesa's Python autograd Functions.
+
+Their backward reads the 8-bit copy of the input, so it has no graph back to the input: a
+gradient taken with ``create_graph=True`` and differentiated again would silently miss every
+second-order term through that copy. Each backward is ``@once_differentiable``: the first
+derivative is unchanged (also with ``create_graph=True``, e.g. for a gradient penalty on
+something else), and differentiating it again is PyTorch's one-line error. The C++ layer
+nodes stop already at the first backward (tests/test_layers_autograd.py).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mesa_train.nn as mnn
+from mesa_train.nn import quantizer as quantizer_mod
+
+
+class _GateAndValue(nn.Module):
+    """GatedActivation takes (gate, x): both from the one test input."""
+
+    def __init__(self, gated: nn.Module):
+        super().__init__()
+        self.gated = gated
+
+    def forward(self, x):
+        return self.gated(x, 2 * x)
+
+
+def _cases():
+    """(name, module, input shape): one per Python Function, the module and input shape
+    that route through it."""
+    return [
+        ("Linear", lambda: mnn.Linear(8, 8), (2, 5, 8)),
+        ("GELU", lambda: mnn.GELU(), (2, 5, 8)),
+        ("LayerNorm", lambda: mnn.LayerNorm(8), (2, 5, 8)),
+        ("Softmax", lambda: mnn.Softmax(-1), (2, 3, 5, 8)),
+        ("ReLU", lambda: mnn.ReLU(), (2, 5, 8)),
+        ("SiLU", lambda: mnn.SiLU(), (2, 5, 8)),
+        ("QuickGELU", lambda: mnn.QuickGELU(), (2, 5, 8)),
+        ("GatedActivation", lambda: _GateAndValue(mnn.GatedActivation(nn.SiLU())), (2, 5, 8)),
+        ("RmsNorm", lambda: mnn.RmsNorm(8), (2, 5, 8)),
+        ("LayerScale", lambda: mnn.LayerScale(8, init_values=0.5), (2, 5, 8)),
+        ("Conv2d", lambda: mnn.Conv2d(3, 4, 3, padding=1), (2, 3, 6, 6)),
+        ("BatchNorm2d", lambda: mnn.BatchNorm2d(3), (2, 3, 6, 6)),
+    ]
+
+
+def _loss(module, x):
+    return module(x).pow(2).sum()
+
+
+@pytest.mark.parametrize("name,make,shape", _cases(), ids=[c[0] for c in _cases()])
+def test_second_derivative_is_an_error_and_first_is_unchanged(name, make, shape, monkeypatch):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)  # the Python Function path
+    torch.manual_seed(0)
+    module = make().train()
+    twin = copy.deepcopy(module)  # the same estimates and rounding seeds: the same codes
+    x = torch.randn(shape, requires_grad=True)
+    (plain,) = torch.autograd.grad(_loss(module, x), x)
+    (with_graph,) = torch.autograd.grad(_loss(twin, x), x, create_graph=True)
+    assert torch.equal(plain, with_graph.detach()), name
+    assert with_graph.requires_grad, name  # the graph exists up to the Mesa layer ...
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # ... and stops there
+        with_graph.pow(2).sum().backward()
+
+
+def test_matmul_second_derivative_is_an_error(monkeypatch):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)
+    a = torch.randn(2, 3, 5, 8, requires_grad=True)
+    b = torch.randn(2, 3, 8, 5, requires_grad=True)
+    mm = mnn.MatMul().train()
+    ga, gb = torch.autograd.grad(mm(a, b).pow(2).sum(), (a, b), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (ga.pow(2).sum() + gb.pow(2).sum()).backward()
