@@ -114,7 +114,14 @@ def compare(this_tree: str, baseline_tree: str, reps: int, rounds: int) -> dict[
 
 
 def markdown(table: dict, baseline_tree: str | None, reps: int, rounds: int) -> str:
-    env = environment(torch.device("cpu"))
+    # the header names the thread count the figures were measured with (measure() sets 1,
+    # also in the subprocesses of a comparison), not this process's
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        env = environment(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
     if baseline_tree:
         revision = _git("-C", str(Path(baseline_tree).resolve()), "rev-parse", "--short", "HEAD") or "?"
         against = f" against {revision} (the baseline column)"
