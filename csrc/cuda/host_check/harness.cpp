@@ -1,31 +1,54 @@
 // Run with csrc/cuda/host_check/run.sh (see there).
 // Host emulation of the CUDA kernels of csrc/cuda/quant_cuda.cu (device code extracted
-// verbatim into extracted.inc by extract.py):
-// * quantize / dequantize: sequential over (block, thread), every byte against the naive
-//   DESIGN.md index math and the scalar math of mesa_common.h;
+// verbatim into extracted.inc by extract.py). Each kernel runs on the CPU and every output
+// bit is compared with a naive sequential computation written here from DESIGN.md /
+// mesa_train/quant/reference.py (only the scalar helpers of mesa_common.h are shared:
+// quantize_value, dequantize_value, hash_uniform, canonical, estimate_step, ...; the CPU
+// tests pin those against the reference):
+// * quantize / dequantize: sequential over (block, thread); vector (16-element), scalar and
+//   64-bit index paths; without and with row exponents (KRows: int8 k per row of 1 or 2
+//   trailing dims, k in [0, 126] ([0, 14] for float16), rows that straddle 16-element
+//   steps): quantize sees x * 2**k rounded to the dtype, dequantize returns y rounded to the
+//   dtype, times 2**-k, rounded again (scale_rows / unscale_rows);
 // * observe / group_minmax (the single-launch last-block kernel): the blocks of a launch
-//   in a random order, each block's threads as std::threads with a barrier for
+//   in a random order, each block's threads on a pool of std::threads with a barrier for
 //   __syncthreads(_and); shared and global atomics under a mutex; against a sequential pass
-//   (naive per-group min/max, canonical bits, then the sequential estimate step of
-//   update_estimates_cpu), bit for bit; the workspace must be all zero after every launch
-//   (the last block resets it) and is reused by the next launch;
-// * update_estimates: one block, against the same sequential step;
+//   (naive per-group min/max of the (row-scaled) values, canonical bits, then the sequential
+//   estimate step of update_estimates_cpu), bit for bit; the workspace must be all zero
+//   after every launch (the last block resets it) and is reused by the next launch;
+// * quantize_observe (estimator "delayed"): the fused block-cooperative launch followed by
+//   the skip-flagged quantize launch, for a first batch (= observe + quantize) and for
+//   initialized estimates (codes from the estimates before the batch, which are then
+//   updated with its min/max), with and without row exponents; codes, estimates, used
+//   (alpha, beta), initialized, counter / seed, the ws[1] flag, each launch writing only
+//   what it should, and the reset workspace;
+// * update_estimates (and estimate_and_seed's seed step): one block, against the same
+//   sequential step;
 // * quantize_bits / dequantize_bits (bits 8/4/2, linear and pow2 steps): sequential over
-//   (block, thread), every packed byte against the naive packing of the scalar math.
+//   (block, thread), every packed byte against the naive packing of the scalar math;
+// * row_absmax (one warp per row; __shfl_xor_sync emulated by a per-warp exchange buffer
+//   and barrier, all 32 lanes as threads) on the vector and scalar paths, rows with NaN /
+//   inf / zero / subnormal values, against the naive max |x| per row; row_k against
+//   clamp(floor(log2(mean / r)), 0, max_k) (0 for a zero, infinite or NaN ratio).
+// The last line lists how many cases each kernel family checked.
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -86,9 +109,32 @@ inline unsigned atomicAdd(uint32_t* p, uint32_t v) {
   *p = o + v;
   return o;
 }
+// __shfl_xor_sync over a full warp: every lane publishes its value, waits for the other 31,
+// reads lane ^ lane_mask's, and waits again before anyone may publish the next value (the
+// lanes run as threads, so without the second barrier a fast lane could overwrite a value
+// a slow one has yet to read). A partial mask or a lane that skips the call would be a
+// kernel bug the emulation refuses (abort) or hangs on (run.sh's timeout).
+struct WarpExchange {
+  std::unique_ptr<std::barrier<>> bar;
+  uint32_t val[32];
+};
+static std::vector<WarpExchange> g_warps;  // one per warp of the running block
+inline uint32_t __shfl_xor_sync(uint32_t mask, uint32_t v, int lane_mask) {
+  if (mask != 0xFFFFFFFFu || threadIdx.x / 32 >= g_warps.size()) abort();
+  WarpExchange& w = g_warps[threadIdx.x / 32];
+  const unsigned lane = threadIdx.x % 32;
+  w.val[lane] = v;
+  w.bar->arrive_and_wait();
+  const uint32_t r = w.val[lane ^ unsigned(lane_mask)];
+  w.bar->arrive_and_wait();
+  return r;
+}
 
 namespace mesa {
 namespace {
+using std::isfinite;  // the device's math functions (row_k_kernel)
+using std::max;
+using std::min;
 #include "extracted.inc"
 }  // namespace
 }  // namespace mesa
@@ -97,9 +143,9 @@ using namespace mesa;
 
 // ------------------------------------------------------------------ launch emulation
 static std::mt19937_64 rng(12345);
-static long g_bits_checks = 0;
+static std::map<std::string, long> g_checked;  // cases per kernel family (the summary line)
 
-// one thread per CUDA thread of the block
+// one thread at a time over (block, thread): kernels without barriers or warp operations
 template <typename F>
 void launch_seq(unsigned grid, unsigned threads, F f) {
   gridDim = {grid, 1, 1};
@@ -112,27 +158,71 @@ void launch_seq(unsigned grid, unsigned threads, F f) {
     }
   }
 }
+
+// Persistent workers, one per CUDA thread of a block (creating 256 std::threads per block
+// cost ~10 ms here, a block on the pool well under 1 ms). run_block starts every worker
+// with id < threads on f and returns when all have finished.
+class SimtPool {
+ public:
+  explicit SimtPool(unsigned n) : start_(n + 1), done_(n + 1) {
+    for (unsigned id = 0; id < n; ++id) workers_.emplace_back([this, id] { work(id); });
+  }
+  ~SimtPool() {
+    quit_ = true;
+    start_.arrive_and_wait();
+    for (auto& w : workers_) w.join();
+  }
+  void run_block(unsigned threads, const std::function<void()>& f) {
+    if (threads > workers_.size()) abort();
+    active_ = threads;
+    job_ = &f;
+    start_.arrive_and_wait();  // publishes blockIdx, the job and the barriers to the workers
+    done_.arrive_and_wait();
+  }
+
+ private:
+  void work(unsigned id) {
+    for (;;) {
+      start_.arrive_and_wait();
+      if (quit_) return;
+      if (id < active_) {
+        threadIdx = {id, 0, 0};
+        (*job_)();
+      }
+      done_.arrive_and_wait();
+    }
+  }
+  std::barrier<> start_, done_;
+  std::vector<std::thread> workers_;
+  unsigned active_ = 0;
+  const std::function<void()>* job_ = nullptr;
+  bool quit_ = false;
+};
+
+SimtPool& simt_pool() {
+  static SimtPool pool(kThreads);
+  return pool;
+}
+
 // blocks in a random order (any block may be the last to finish), threads concurrent
 template <typename F>
 void launch_simt(unsigned grid, unsigned threads, F f) {
   gridDim = {grid, 1, 1};
   blockDim = {threads, 1, 1};
   g_bbar.reset(new std::barrier<>(threads));
+  g_warps = std::vector<WarpExchange>(threads / 32);  // full warps only (shuffles need all 32 lanes)
+  for (auto& w : g_warps) w.bar.reset(new std::barrier<>(32));
   std::vector<unsigned> order(grid);
   std::iota(order.begin(), order.end(), 0u);
   std::shuffle(order.begin(), order.end(), rng);
+  const std::function<void()> job(f);
   for (unsigned bx : order) {
     blockIdx = {bx, 0, 0};
-    std::vector<std::thread> ths;
-    for (unsigned t = 0; t < threads; ++t)
-      ths.emplace_back([t, &f] {
-        threadIdx = {t, 0, 0};
-        f();
-      });
-    for (auto& th : ths) th.join();
+    simt_pool().run_block(threads, job);
   }
 }
 
+// ------------------------------------------------------------------ layouts and data
 Layout make_layout_h(const std::vector<int64_t>& shape, int64_t dim, int64_t G, int64_t S) {
   Layout L;
   L.dim = dim;
@@ -156,8 +246,14 @@ int64_t param_index(const Layout& L, int64_t i) {
   return s * L.G + (d * L.G) / L.D;
 }
 
-bool same(float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); }
 bool same_bits(float a, float b) { return __float_as_uint(a) == __float_as_uint(b); }
+// identical storage bits, or both NaN (a GPU's NaN payloads differ from the host's)
+template <typename T>
+bool same_value(T a, T b) {
+  const float fa = static_cast<float>(a), fb = static_cast<float>(b);
+  if (std::isnan(fa) || std::isnan(fb)) return std::isnan(fa) && std::isnan(fb);
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
 
 template <typename T>
 T* alloc(size_t n, size_t offset_elems) {  // 256-byte aligned + offset
@@ -184,50 +280,172 @@ void fill(scalar_t* x, int64_t n, bool specials) {
   }
 }
 
+// ------------------------------------------------------------------ row exponents (row_exp)
+// One int8 k per row of the last `dims` dims (rows of `len` elements), as row_exponents
+// produces and quantize / dequantize / observe take.
+struct RowExp {
+  std::vector<int8_t> k;
+  int64_t len = 0;
+};
+
+// the largest k of check_row_exp: 2**k and 2**-k stay normal in the dtype
+template <typename scalar_t>
+constexpr int max_row_k() {
+  return std::is_same_v<scalar_t, c10::Half> ? 14 : 126;
+}
+
+// Rows of 1 or 2 trailing dims; k = 0 often (ordinary rows), the largest k often, else
+// anything in between.
+template <typename scalar_t>
+RowExp random_rows(const std::vector<int64_t>& shape) {
+  RowExp re;
+  const size_t dims = (shape.size() >= 2 && rng() % 2) ? 2 : 1;
+  re.len = 1;
+  for (size_t d = shape.size() - dims; d < shape.size(); ++d) re.len *= shape[d];
+  int64_t numel = 1;
+  for (auto v : shape) numel *= v;
+  if (numel == 0) return RowExp{};  // no rows to scale: the ops pass no exponents
+  const int top = max_row_k<scalar_t>();
+  re.k.resize(numel / re.len);
+  for (auto& k : re.k) {
+    const int pick = rng() % 8;
+    k = static_cast<int8_t>(pick < 3 ? 0 : pick == 3 ? top : pick == 4 ? 1 : int(rng() % (top + 1)));
+  }
+  if (!re.k.empty()) re.k[rng() % re.k.size()] = static_cast<int8_t>(top);
+  return re;
+}
+
+// Rows far below the grid, as row_exponents would find them: half the scaled rows shrunk by
+// about 2**-k (subnormal in the dtype for large k), so x * 2**k lands near the typical range
+// instead of overflowing.
+template <typename scalar_t>
+void shrink_rows(scalar_t* x, const RowExp& re) {
+  for (size_t r = 0; r < re.k.size(); ++r) {
+    if (re.k[r] == 0 || rng() % 2) continue;
+    const int s = std::max(0, int(re.k[r]) + int(rng() % 5) - 2);
+    for (int64_t i = int64_t(r) * re.len; i < int64_t(r + 1) * re.len; ++i)
+      x[i] = static_cast<scalar_t>(std::ldexp(static_cast<float>(x[i]), -s));
+  }
+}
+
+// The kernels' view of the exponents (what make_krows builds from the tensor)
+template <typename IdxT>
+KRows<IdxT> krows_of(const RowExp* re) {
+  KRows<IdxT> r;
+  if (re != nullptr && re->len > 0) {
+    r.k = re->k.data();
+    r.div_len = DivT<IdxT>(static_cast<IdxT>(re->len));
+  }
+  return r;
+}
+
+// scale_rows: x * exp2(k) in x's dtype. The exact product (a power of two times a value of the
+// dtype) is what ldexp gives in float (overflow: inf), rounded once to the dtype.
+template <typename scalar_t>
+float scale_row_value(scalar_t x, int k) {
+  return static_cast<float>(static_cast<scalar_t>(std::ldexp(static_cast<float>(x), k)));
+}
+// unscale_rows after dequantize: y rounded to the output dtype, then y * exp2(-k) in that
+// dtype (ldexp rounds the product once, also into float's subnormals, as the multiply does).
+template <typename scalar_t>
+scalar_t unscale_row_value(float y, int k) {
+  return static_cast<scalar_t>(std::ldexp(static_cast<float>(static_cast<scalar_t>(y)), -k));
+}
+
+// What quantize / observe see of element i: x[i], or x[i] scaled by its row's 2**k
+template <typename scalar_t>
+std::vector<float> seen_values(const scalar_t* x, int64_t n, const RowExp* re) {
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i)
+    v[i] = re != nullptr ? scale_row_value(x[i], re->k[i / re->len]) : static_cast<float>(x[i]);
+  return v;
+}
+
+const char* rows_tag(const RowExp* re) { return re != nullptr ? "_rows" : ""; }
+
 // ------------------------------------------------------------------ quantize / dequantize
+// The naive codes (DESIGN.md): element i quantized with its parameter p's (alpha, beta),
+// u = hash_uniform of its flat index (stochastic) or nearest rounding.
+std::vector<uint8_t> naive_codes(const Layout& L, const std::vector<float>& xs, const float* alpha,
+                                 const float* beta, bool stoch, uint32_t slo, uint32_t shi) {
+  std::vector<uint8_t> q(L.numel);
+  for (int64_t i = 0; i < L.numel; ++i) {
+    const int64_t p = param_index(L, i);
+    const float u = stoch ? hash_uniform(uint64_t(i), slo, shi) : 0.0f;
+    q[i] = stoch ? quantize_value<true>(xs[i], beta[p], inv_scale(alpha[p]), u)
+                 : quantize_value<false>(xs[i], beta[p], inv_scale(alpha[p]), u);
+  }
+  return q;
+}
+
+int count_code_mismatches(const char* what, const uint8_t* got, const std::vector<uint8_t>& want) {
+  int errs = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (got[i] != want[i] && errs++ < 5) fprintf(stderr, "%s mismatch i=%zu got %d exp %d\n", what, i, got[i], want[i]);
+  return errs;
+}
+
+template <typename scalar_t, typename IdxT, int V, bool STOCH>
+void run_quantize(const Layout& L, const scalar_t* x, uint8_t* q, const float* alpha, const float* beta, int sms,
+                  const int64_t* seed, int64_t seed_stride, const RowExp* re, const uint32_t* skip) {
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  const KRows<IdxT> rows = krows_of<IdxT>(re);
+  launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
+    quantize_kernel<scalar_t, IdxT, V, STOCH>(x, q, alpha, beta, k, IdxT(L.numel), seed, seed_stride, rows, skip);
+  });
+}
+
 template <typename scalar_t, typename IdxT, int V>
-int check_quant(const Layout& L, const scalar_t* x, const float* alpha, const float* beta, int sms, uint64_t seed) {
+int check_quantize(const Layout& L, const scalar_t* x, const float* alpha, const float* beta, int sms,
+                   uint64_t seed, const RowExp* re) {
   int errs = 0;
   const int64_t seedv[4] = {int64_t(seed & 0xFFFFFFFFu), -1, int64_t(seed >> 32), -1};  // stride 2
-  const uint32_t slo = uint32_t(seed), shi = uint32_t(seed >> 32);
-  const KLayout<IdxT> k = make_klayout<IdxT>(L);
-  const unsigned grid = grid_for(L.numel / V + 1, sms);
+  const std::vector<float> xs = seen_values(x, L.numel, re);
   for (int st = 0; st < 2; ++st) {
     uint8_t* q = alloc<uint8_t>(L.numel, 0);
     memset(q, 0xAB, L.numel + 1);
-    if (st)
-      launch_seq(grid, kThreads, [&] {
-        quantize_kernel<scalar_t, IdxT, V, true>(x, q, alpha, beta, k, IdxT(L.numel), seedv, 2);
-      });
-    else
-      launch_seq(grid, kThreads, [&] {
-        quantize_kernel<scalar_t, IdxT, V, false>(x, q, alpha, beta, k, IdxT(L.numel), seedv, 2);
-      });
-    for (int64_t i = 0; i < L.numel; ++i) {
-      const int64_t p = param_index(L, i);
-      const float u = st ? hash_uniform(uint64_t(i), slo, shi) : 0.0f;
-      const uint8_t e = st ? quantize_value<true>(float(x[i]), beta[p], inv_scale(alpha[p]), u)
-                           : quantize_value<false>(float(x[i]), beta[p], inv_scale(alpha[p]), u);
-      if (q[i] != e && errs++ < 5) fprintf(stderr, "quantize mismatch i=%ld got %d exp %d\n", (long)i, q[i], e);
-    }
+    if (st) run_quantize<scalar_t, IdxT, V, true>(L, x, q, alpha, beta, sms, seedv, 2, re, nullptr);
+    else run_quantize<scalar_t, IdxT, V, false>(L, x, q, alpha, beta, sms, seedv, 2, re, nullptr);
+    errs += count_code_mismatches("quantize", q, naive_codes(L, xs, alpha, beta, st, uint32_t(seed), uint32_t(seed >> 32)));
     if (q[L.numel] != 0xAB) { fprintf(stderr, "quantize wrote past the end\n"); ++errs; }
     free(q);
   }
+  g_checked[std::string("quantize") + rows_tag(re)]++;
+  return errs;
+}
+
+// dequantize from random codes: y = dequantize_value in the dtype, or with row exponents that
+// value rounded to the dtype, times 2**-k, rounded again (unscale_rows)
+template <typename scalar_t, typename IdxT, int V>
+int check_dequantize(const Layout& L, const float* alpha, const float* beta, int sms, const RowExp* re) {
+  int errs = 0;
   uint8_t* q = alloc<uint8_t>(L.numel, 0);
   for (int64_t i = 0; i < L.numel; ++i) q[i] = uint8_t(rng());
   scalar_t* y = alloc<scalar_t>(L.numel + 1, 0);
   y[L.numel] = scalar_t(1024.0f);
-  launch_seq(grid, kThreads, [&] { dequantize_kernel<scalar_t, IdxT, V>(q, y, alpha, beta, k, IdxT(L.numel)); });
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  const KRows<IdxT> rows = krows_of<IdxT>(re);
+  launch_seq(grid_for(L.numel / V + 1, sms), kThreads,
+             [&] { dequantize_kernel<scalar_t, IdxT, V>(q, y, alpha, beta, k, IdxT(L.numel), rows); });
   for (int64_t i = 0; i < L.numel; ++i) {
     const int64_t p = param_index(L, i);
-    const scalar_t e = static_cast<scalar_t>(dequantize_value(q[i], dequant_step(alpha[p]), beta[p]));
-    if (!same(float(y[i]), float(e)) && errs++ < 5)
-      fprintf(stderr, "dequantize mismatch i=%ld got %g exp %g\n", (long)i, float(y[i]), float(e));
+    const float v = dequantize_value(q[i], dequant_step(alpha[p]), beta[p]);
+    const scalar_t e = re != nullptr ? unscale_row_value<scalar_t>(v, re->k[i / re->len]) : static_cast<scalar_t>(v);
+    if (!same_value(y[i], e) && errs++ < 5)
+      fprintf(stderr, "dequantize%s mismatch i=%ld got %g exp %g\n", rows_tag(re), (long)i, float(y[i]), float(e));
   }
   if (float(y[L.numel]) != 1024.0f) { fprintf(stderr, "dequantize wrote past the end\n"); ++errs; }
   free(q);
   free(y);
+  g_checked[std::string("dequantize") + rows_tag(re)]++;
   return errs;
+}
+
+template <typename scalar_t, typename IdxT, int V>
+int check_quant(const Layout& L, const scalar_t* x, const float* alpha, const float* beta, int sms, uint64_t seed,
+                const RowExp* re) {
+  return check_quantize<scalar_t, IdxT, V>(L, x, alpha, beta, sms, seed, re) +
+         check_dequantize<scalar_t, IdxT, V>(L, alpha, beta, sms, re);
 }
 
 // ------------------------------------------------------------------ quantize_bits / dequantize_bits
@@ -283,14 +501,14 @@ int check_quant_bits(const Layout& L, const scalar_t* x, const float* alpha, con
     const int64_t p = param_index(L, i);
     const uint8_t c = uint8_t((q[i / PER] >> ((i % PER) * BITS)) & ((1u << BITS) - 1u));
     const scalar_t e = static_cast<scalar_t>(dequantize_value(c, dequant_step_bits(alpha[p], BITS, pow2), beta[p]));
-    if (!same(float(y[i]), float(e)) && errs++ < 5)
+    if (!same_value(y[i], e) && errs++ < 5)
       fprintf(stderr, "dequantize_bits<%d,%d> mismatch i=%ld got %g exp %g\n", BITS, int(pow2), (long)i, float(y[i]),
               float(e));
   }
   if (float(y[L.numel]) != 1024.0f) { fprintf(stderr, "dequantize_bits wrote past the end\n"); ++errs; }
   free(q);
   free(y);
-  g_bits_checks++;
+  g_checked["quantize_bits"]++;
   return errs;
 }
 
@@ -312,15 +530,14 @@ struct SeqEstimate {
   bool init;
 };
 
-// naive per-(s, g) min / max, canonical (what group_minmax returns)
-template <typename scalar_t>
-void seq_minmax(const Layout& L, const scalar_t* x, std::vector<float>& mn, std::vector<float>& mx) {
+// naive per-(s, g) min / max of the values the kernel sees, canonical (what group_minmax returns)
+void seq_minmax(const Layout& L, const std::vector<float>& xs, std::vector<float>& mn, std::vector<float>& mx) {
   mn.assign(L.S * L.G, INFINITY);
   mx.assign(L.S * L.G, -INFINITY);
   for (int64_t i = 0; i < L.numel; ++i) {
     const int64_t p = param_index(L, i);
-    mn[p] = nan_min(mn[p], float(x[i]));
-    mx[p] = nan_max(mx[p], float(x[i]));
+    mn[p] = nan_min(mn[p], xs[i]);
+    mx[p] = nan_max(mx[p], xs[i]);
   }
   for (auto& v : mn) v = canonical(v);
   for (auto& v : mx) v = canonical(v);
@@ -357,51 +574,82 @@ bool vec_same_bits(const std::vector<float>& a, const float* b, size_t n) {
   return a.size() >= n && std::memcmp(a.data(), b, n * sizeof(float)) == 0;
 }
 
-static int g_ran = 0, g_skipped = 0;
+// The rng state and what the seed step must leave: seed = seed_step(key, counter), counter + 1
+struct RngCase {
+  int64_t buf[2];
+  uint32_t key, counter;
+  explicit RngCase(std::mt19937_64& r) {
+    key = uint32_t(r());
+    counter = r() % 2 ? 0xFFFFFFFFu : uint32_t(r());  // the counter's wrap-around too
+    buf[0] = key;
+    buf[1] = counter;
+  }
+  bool stepped(const int64_t* seed_out) const {
+    uint32_t lo, hi;
+    seed_step(key, counter, lo, hi);
+    return seed_out[0] == int64_t(lo) && seed_out[1] == int64_t(hi) && buf[0] == int64_t(key) &&
+           buf[1] == int64_t(uint32_t(counter + 1u));
+  }
+};
 
-// observe_kernel in both modes, two launches sharing one workspace (the second reuses what
-// the first's last block reset), against the sequential pass.
+static int g_skipped = 0;
+
+// The SIMT emulation costs a pool round trip per block: layouts with many blocks are left to
+// the sequential kernels' checks.
+bool simt_affordable(const ObserveConfig& c, int64_t numel) {
+  if (c.blocks > 48 || c.blocks * c.threads * 1.0 * std::max<int64_t>(1, numel / 100000) > 48 * 256) {
+    g_skipped++;
+    return false;
+  }
+  return true;
+}
+
+// every workspace word zero but `except` (the last block resets the rest for the next launch)
+int ws_clean(const std::vector<uint32_t>& ws, const char* what, int64_t except = -1) {
+  for (size_t i = 0; i < ws.size(); ++i)
+    if (ws[i] != 0u && int64_t(i) != except) {
+      fprintf(stderr, "%s: workspace word %zu not reset (%u)\n", what, i, ws[i]);
+      return 1;
+    }
+  return 0;
+}
+
+// observe_kernel in MODE_MINMAX (group_minmax: no row exponents, as the op) against the naive min/max
 template <typename scalar_t, typename IdxT, int V>
-int check_observe(const Layout& L, const scalar_t* x, int sms, bool symmetric, bool per_sample) {
-  const ObserveConfig c = observe_config(L, V, sms);
-  if (c.blocks > 48 || c.blocks * c.threads * 1.0 * std::max<int64_t>(1, L.numel / 100000) > 48 * 256) {
-    g_skipped++;  // SIMT emulation too slow
-    return 0;
-  }
-  g_ran++;
-  const int64_t S = L.S, G = L.G, P = S * G;
-  std::vector<uint32_t> ws(kWsHeader + 2 * std::max<int64_t>(P, 1), 0u);
-  const KLayout<IdxT> k = make_klayout<IdxT>(L);
-  int errs = 0;
-  auto ws_clean = [&](const char* what) {
-    for (uint32_t w : ws)
-      if (w != 0u) {
-        fprintf(stderr, "%s: workspace not reset\n", what);
-        return 1;
-      }
-    return 0;
-  };
+int check_group_minmax(const Layout& L, const scalar_t* x, const ObserveConfig& c, std::vector<uint32_t>& ws) {
+  const int64_t P = L.S * L.G;
   std::vector<float> emn, emx;
-  seq_minmax(L, x, emn, emx);
-  // MODE_MINMAX (group_minmax)
-  {
-    std::vector<float> omn(P, 7.0f), omx(P, 7.0f);
-    launch_simt(unsigned(c.blocks), unsigned(c.threads), [&] {
-      observe_kernel<scalar_t, IdxT, V, MODE_MINMAX>(x, k, IdxT(L.numel), IdxT(c.chunk), S, ws.data(),
-                                                    EstimateArgs{}, SeedArgs{}, omn.data(), omx.data());
-    });
-    for (int64_t p = 0; p < P; ++p)
-      if ((!same_bits(omn[p], emn[p]) || !same_bits(omx[p], emx[p])) && errs++ < 5)
-        fprintf(stderr, "minmax mismatch p=%ld got (%g,%g) exp (%g,%g)\n", (long)p, omn[p], omx[p], emn[p], emx[p]);
-    errs += ws_clean("minmax");
-  }
-  // MODE_OBSERVE: twice (before and after initialisation), same workspace
+  seq_minmax(L, seen_values(x, L.numel, nullptr), emn, emx);
+  std::vector<float> omn(P, 7.0f), omx(P, 7.0f);
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  launch_simt(unsigned(c.blocks), unsigned(c.threads), [&] {
+    observe_kernel<scalar_t, IdxT, V, MODE_MINMAX>(x, k, IdxT(L.numel), IdxT(c.chunk), L.S, ws.data(),
+                                                  EstimateArgs{}, SeedArgs{}, omn.data(), omx.data(), KRows<IdxT>{});
+  });
+  int errs = 0;
+  for (int64_t p = 0; p < P; ++p)
+    if ((!same_bits(omn[p], emn[p]) || !same_bits(omx[p], emx[p])) && errs++ < 5)
+      fprintf(stderr, "minmax mismatch p=%ld got (%g,%g) exp (%g,%g)\n", (long)p, omn[p], omx[p], emn[p], emx[p]);
+  g_checked["group_minmax"]++;
+  return errs + ws_clean(ws, "minmax");
+}
+
+// observe_kernel in MODE_OBSERVE, twice (before and after initialisation), sharing the workspace
+// the group_minmax launch reset, against the sequential pass over the (row-scaled) values.
+template <typename scalar_t, typename IdxT, int V>
+int check_observe_mode(const Layout& L, const scalar_t* x, const ObserveConfig& c, std::vector<uint32_t>& ws,
+                       bool symmetric, bool per_sample, const RowExp* re) {
+  const int64_t S = L.S, G = L.G, P = S * G;
+  std::vector<float> emn, emx;
+  seq_minmax(L, seen_values(x, L.numel, re), emn, emx);
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  const KRows<IdxT> rows = krows_of<IdxT>(re);
   std::normal_distribution<float> nd;
   std::vector<float> est_a(G + 2), est_b(G + 2);
   for (auto& v : est_a) v = std::fabs(nd(rng));
   for (auto& v : est_b) v = nd(rng);
   bool init = rng() % 2;
-  int64_t rngbuf[2] = {int64_t(rng() & 0xFFFFFFFFu), int64_t(rng() % 2 ? 0xFFFFFFFFu : rng() & 0xFFFFFFFFu)};
+  int errs = 0;
   for (int call = 0; call < 2; ++call) {
     const float lam = 0.9f, oml = static_cast<float>(1.0 - 0.9);
     const SeqEstimate want = seq_estimates(emn, emx, S, G, est_a, est_b, init, lam, oml, per_sample, symmetric,
@@ -409,70 +657,264 @@ int check_observe(const Layout& L, const scalar_t* x, int sms, bool symmetric, b
     std::vector<float> oa(P, 7.0f), ob(P, 7.0f);
     bool kinit = init;
     int64_t seed_out[2] = {-1, -1};
-    const uint32_t key = uint32_t(rngbuf[0]), counter = uint32_t(rngbuf[1]);
+    RngCase rc(rng);
     const EstimateArgs est{est_a.data(), est_b.data(), &kinit, lam, oml, per_sample, symmetric, L.numel > 0,
                            oa.data(), ob.data()};
-    const SeedArgs sd{rngbuf, 1, seed_out};
+    const SeedArgs sd{rc.buf, 1, seed_out};
     launch_simt(unsigned(c.blocks), unsigned(c.threads), [&] {
       observe_kernel<scalar_t, IdxT, V, MODE_OBSERVE>(x, k, IdxT(L.numel), IdxT(c.chunk), S, ws.data(), est, sd,
-                                                     nullptr, nullptr);
+                                                     nullptr, nullptr, rows);
     });
     const int64_t nout = per_sample ? P : G;
     const bool ok = vec_same_bits(want.out_a, oa.data(), nout) && vec_same_bits(want.out_b, ob.data(), nout) &&
                     vec_same_bits(want.est_a, est_a.data(), G + 2) && vec_same_bits(want.est_b, est_b.data(), G + 2) &&
                     kinit == want.init;
-    uint32_t lo, hi;
-    seed_step(key, counter, lo, hi);
-    const bool seed_ok = seed_out[0] == int64_t(lo) && seed_out[1] == int64_t(hi) && rngbuf[0] == int64_t(key) &&
-                         rngbuf[1] == int64_t(uint32_t(counter + 1u));
+    const bool seed_ok = rc.stepped(seed_out);
     if ((!ok || !seed_ok) && errs++ < 5)
-      fprintf(stderr, "observe mismatch (call %d): estimates %s, seed %s\n", call, ok ? "ok" : "DIFFER",
+      fprintf(stderr, "observe%s mismatch (call %d): estimates %s, seed %s\n", rows_tag(re), call, ok ? "ok" : "DIFFER",
               seed_ok ? "ok" : "DIFFER");
-    errs += ws_clean("observe");
+    errs += ws_clean(ws, "observe");
     init = kinit;
   }
+  g_checked[std::string("observe") + rows_tag(re)]++;
   return errs;
+}
+
+template <typename scalar_t, typename IdxT, int V>
+int check_observe(const Layout& L, const scalar_t* x, int sms, bool symmetric, bool per_sample, const RowExp* re) {
+  const ObserveConfig c = observe_config(L, V, sms);
+  if (!simt_affordable(c, L.numel)) return 0;
+  std::vector<uint32_t> ws(kWsHeader + 2 * std::max<int64_t>(L.S * L.G, 1), 0u);
+  return check_group_minmax<scalar_t, IdxT, V>(L, x, c, ws) +
+         check_observe_mode<scalar_t, IdxT, V>(L, x, c, ws, symmetric, per_sample, re);
+}
+
+// ------------------------------------------------------------------ quantize_observe
+// One quantize_observe call as the op issues it: the fused launch (SIMT), then quantize with
+// the skip flag ws + 1, the used (alpha, beta) and the seed the fused launch wrote. The second
+// launch writes into its own buffer q2 here so that each launch's writes are checked: the
+// codes are q's (fused) with initialized estimates, q2's (quantize) otherwise, and the other
+// buffer must be untouched.
+struct QoState {
+  std::vector<float> est_a, est_b;  // G + 2 entries: the kernel must not touch the last two
+  bool init;
+};
+
+struct QoResult {
+  std::vector<uint8_t> q, q2;
+  std::vector<float> used_a, used_b;  // G + 1 entries: the last one must stay untouched
+  int64_t seed_out[2] = {-1, -1};
+};
+
+template <typename scalar_t, typename IdxT, int V, bool STOCH>
+QoResult run_quantize_observe(const Layout& L, const scalar_t* x, const ObserveConfig& c, std::vector<uint32_t>& ws,
+                              QoState& st, RngCase& rc, bool symmetric, int sms, const RowExp* re,
+                              const std::vector<uint8_t>& untouched) {
+  const int64_t G = L.G;
+  QoResult r{untouched, untouched, std::vector<float>(G + 1, 7.0f), std::vector<float>(G + 1, 7.0f)};
+  uint8_t* q = alloc<uint8_t>(L.numel, 0);  // 16-byte aligned: the vector path stores 16 codes
+  uint8_t* q2 = alloc<uint8_t>(L.numel, 0);
+  memcpy(q, untouched.data(), L.numel);
+  memcpy(q2, untouched.data(), L.numel);
+  const float lam = 0.9f, oml = static_cast<float>(1.0 - 0.9);
+  const EstimateArgs est{st.est_a.data(), st.est_b.data(), &st.init, lam, oml, false, symmetric, true,
+                         nullptr, nullptr};
+  const SeedArgs sd{rc.buf, 1, r.seed_out};
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  const KRows<IdxT> rows = krows_of<IdxT>(re);
+  launch_simt(unsigned(c.blocks), unsigned(c.threads), [&] {
+    quantize_observe_kernel<scalar_t, IdxT, V, STOCH>(x, q, k, IdxT(L.numel), IdxT(c.chunk), ws.data(), est, sd,
+                                                     r.used_a.data(), r.used_b.data(), rows);
+  });
+  run_quantize<scalar_t, IdxT, V, STOCH>(L, x, q2, r.used_a.data(), r.used_b.data(), sms, r.seed_out, 1, re,
+                                         ws.data() + 1);
+  memcpy(r.q.data(), q, L.numel);
+  memcpy(r.q2.data(), q2, L.numel);
+  free(q);
+  free(q2);
+  return r;
+}
+
+// The definition (reference.quantize_observe): with initialized estimates, codes from the
+// estimates before the batch and the seed step's seed, then the running step with the batch's
+// min/max; without, observe (the running step: its outputs are the used range) + quantize.
+struct QoWant {
+  std::vector<uint8_t> codes;
+  std::vector<float> used_a, used_b;
+  SeqEstimate next;
+};
+
+QoWant naive_quantize_observe(const Layout& L, const std::vector<float>& xs, const QoState& st, const RngCase& rc,
+                              bool symmetric, bool stoch) {
+  const int64_t G = L.G;
+  std::vector<float> emn, emx;
+  seq_minmax(L, xs, emn, emx);
+  QoWant w;
+  w.next = seq_estimates(emn, emx, 1, G, st.est_a, st.est_b, st.init, 0.9f, static_cast<float>(1.0 - 0.9), false,
+                         symmetric, true);
+  w.used_a = st.init ? std::vector<float>(st.est_a.begin(), st.est_a.begin() + G) : w.next.out_a;
+  w.used_b = st.init ? std::vector<float>(st.est_b.begin(), st.est_b.begin() + G) : w.next.out_b;
+  uint32_t lo, hi;
+  seed_step(rc.key, rc.counter, lo, hi);
+  w.codes = naive_codes(L, xs, w.used_a.data(), w.used_b.data(), stoch, lo, hi);
+  return w;
+}
+
+int compare_quantize_observe(const Layout& L, const QoWant& w, const QoResult& r, const QoState& st_after,
+                             const RngCase& rc, bool init, const std::vector<uint8_t>& untouched,
+                             const std::vector<uint32_t>& ws, const char* tag) {
+  const int64_t G = L.G;
+  int errs = count_code_mismatches(tag, (init ? r.q : r.q2).data(), w.codes);
+  if ((init ? r.q2 : r.q) != untouched) {
+    fprintf(stderr, "%s: the %s launch wrote codes it must not (initialized=%d)\n", tag, init ? "quantize" : "fused",
+            int(init));
+    ++errs;
+  }
+  const bool used_ok = vec_same_bits(w.used_a, r.used_a.data(), G) && vec_same_bits(w.used_b, r.used_b.data(), G) &&
+                       same_bits(r.used_a[G], 7.0f) && same_bits(r.used_b[G], 7.0f);
+  const bool est_ok = vec_same_bits(w.next.est_a, st_after.est_a.data(), G + 2) &&
+                      vec_same_bits(w.next.est_b, st_after.est_b.data(), G + 2) && st_after.init == w.next.init;
+  const bool seed_ok = rc.stepped(r.seed_out);
+  const bool flag_ok = ws[1] == (init ? 1u : 0u);
+  if (!used_ok || !est_ok || !seed_ok || !flag_ok) {
+    fprintf(stderr, "%s (initialized=%d): used %s, estimates %s, seed %s, ws[1] %s\n", tag, int(init),
+            used_ok ? "ok" : "DIFFER", est_ok ? "ok" : "DIFFER", seed_ok ? "ok" : "DIFFER", flag_ok ? "ok" : "DIFFERS");
+    ++errs;
+  }
+  return errs + ws_clean(ws, tag, 1);
+}
+
+// Two calls sharing one workspace: a first batch and initialized estimates, in a random order
+// (so ws[1] flips both ways).
+template <typename scalar_t, typename IdxT, int V, bool STOCH>
+int check_quantize_observe(const Layout& L, const scalar_t* x, int sms, bool symmetric, const RowExp* re) {
+  const ObserveConfig c = observe_config(L, V, sms);
+  if (L.numel == 0 || !simt_affordable(c, L.numel)) return 0;  // (numel 0: the op calls observe)
+  const int64_t G = L.G;
+  const std::vector<float> xs = seen_values(x, L.numel, re);
+  std::vector<uint32_t> ws(kWsHeader + 2 * std::max<int64_t>(G, 1), 0u);
+  std::normal_distribution<float> nd;
+  QoState st{std::vector<float>(G + 2), std::vector<float>(G + 2), false};
+  for (auto& v : st.est_a) v = std::fabs(nd(rng)) * 4.0f;
+  for (auto& v : st.est_b) v = nd(rng);
+  const bool first_init = rng() % 2;
+  int errs = 0;
+  for (int call = 0; call < 2; ++call) {
+    st.init = call == 0 ? first_init : !first_init;
+    RngCase rc(rng);
+    std::vector<uint8_t> untouched(L.numel);
+    for (auto& b : untouched) b = uint8_t(rng());
+    const QoWant w = naive_quantize_observe(L, xs, st, rc, symmetric, STOCH);
+    const bool init = st.init;
+    const QoResult r = run_quantize_observe<scalar_t, IdxT, V, STOCH>(L, x, c, ws, st, rc, symmetric, sms, re,
+                                                                      untouched);
+    const std::string tag = std::string("quantize_observe") + (init ? "_init" : "_first") + rows_tag(re);
+    errs += compare_quantize_observe(L, w, r, st, rc, init, untouched, ws, tag.c_str());
+    g_checked[tag]++;
+  }
+  return errs;
+}
+
+template <typename scalar_t, typename IdxT, int V>
+int check_quantize_observe_any(const Layout& L, const scalar_t* x, int sms, bool symmetric, const RowExp* re) {
+  return rng() % 2 ? check_quantize_observe<scalar_t, IdxT, V, true>(L, x, sms, symmetric, re)
+                   : check_quantize_observe<scalar_t, IdxT, V, false>(L, x, sms, symmetric, re);
+}
+
+// ------------------------------------------------------------------ one layout, every kernel
+template <typename scalar_t>
+struct CaseData {
+  Layout L;
+  RowExp re;
+  scalar_t* xa = nullptr;  // 256-byte aligned: the 16-element paths
+  scalar_t* xu = nullptr;  // data_ptr offset by a few elements: the scalar paths
+  size_t off = 0;
+  std::vector<float> alpha, beta;
+  uint64_t seed = 0;
+  const RowExp* rows() const { return re.len > 0 ? &re : nullptr; }
+  ~CaseData() {
+    free(xa);
+    free(xu - off);
+  }
+};
+
+template <typename scalar_t>
+void make_case(CaseData<scalar_t>& c, const std::vector<int64_t>& shape, int64_t dim, int64_t G, bool per_sample,
+               bool specials) {
+  const int64_t S = per_sample ? shape[0] : 1;
+  c.L = make_layout_h(shape, dim, G, S);
+  c.re = random_rows<scalar_t>(shape);
+  c.off = 1 + rng() % (16 / sizeof(scalar_t) - 1);
+  c.xa = alloc<scalar_t>(c.L.numel, 0);
+  c.xu = alloc<scalar_t>(c.L.numel, c.off);
+  fill(c.xa, c.L.numel, specials);
+  shrink_rows(c.xa, c.re);
+  memcpy(c.xu, c.xa, c.L.numel * sizeof(scalar_t));
+  c.alpha.resize(S * G);
+  c.beta.resize(S * G);
+  std::uniform_real_distribution<float> ua(0.0f, 8.0f), ub(-5.0f, 2.0f);
+  for (int64_t k = 0; k < S * G; ++k) {
+    c.alpha[k] = (rng() % 17 == 0) ? 0.0f : ua(rng);
+    c.beta[k] = ub(rng);
+  }
+  if (specials && S * G > 1) { c.alpha[0] = NAN; c.beta[S * G - 1] = NAN; }
+  c.seed = rng();
+}
+
+// quantize / dequantize on the vector, scalar and 64-bit index paths
+template <typename scalar_t>
+int check_quant_paths(const CaseData<scalar_t>& c, int sms, const RowExp* re) {
+  const float *a = c.alpha.data(), *b = c.beta.data();
+  return check_quant<scalar_t, uint32_t, kVec>(c.L, c.xa, a, b, sms, c.seed, re) +
+         check_quant<scalar_t, uint32_t, 1>(c.L, c.xu, a, b, sms, c.seed, re) +
+         check_quant<scalar_t, uint64_t, 1>(c.L, c.xu, a, b, sms, c.seed, re);
+}
+
+// quantize / dequantize without and with row exponents, and the bit widths
+template <typename scalar_t>
+int check_elementwise(const CaseData<scalar_t>& c, int sms) {
+  const float *a = c.alpha.data(), *b = c.beta.data();
+  int e = check_quant_paths(c, sms, nullptr);
+  if (c.rows() != nullptr) e += check_quant_paths(c, sms, c.rows());
+  e += check_bits_all<scalar_t, 8>(c.L, c.xa, c.xu, a, b, sms, c.seed);
+  e += check_bits_all<scalar_t, 4>(c.L, c.xa, c.xu, a, b, sms, c.seed);
+  e += check_bits_all<scalar_t, 2>(c.L, c.xa, c.xu, a, b, sms, c.seed);
+  return e;
+}
+
+// observe / group_minmax and quantize_observe (shared statistics of the same layout), each
+// with or without the row exponents at random, on the vector, scalar and (sometimes) 64-bit paths
+template <typename scalar_t>
+int check_cooperative(const CaseData<scalar_t>& c, const std::vector<int64_t>& shape, int64_t dim, bool per_sample,
+                      int sms) {
+  const bool sym = rng() % 2;
+  auto pick_rows = [&] { return rng() % 2 ? c.rows() : nullptr; };
+  const Layout L1 = make_layout_h(shape, dim, c.L.G, 1);
+  int e = 0;
+  e += check_observe<scalar_t, uint32_t, kVec>(c.L, c.xa, sms, sym, per_sample, pick_rows());
+  e += check_observe<scalar_t, uint32_t, 1>(c.L, c.xu, sms, sym, per_sample, pick_rows());
+  e += check_quantize_observe_any<scalar_t, uint32_t, kVec>(L1, c.xa, sms, sym, pick_rows());
+  e += check_quantize_observe_any<scalar_t, uint32_t, 1>(L1, c.xu, sms, sym, pick_rows());
+  if (rng() % 4 == 0) {
+    e += check_observe<scalar_t, uint64_t, 1>(c.L, c.xu, sms, sym, per_sample, pick_rows());
+    e += check_quantize_observe_any<scalar_t, uint64_t, 1>(L1, c.xu, sms, sym, pick_rows());
+  }
+  return e;
 }
 
 template <typename scalar_t>
 int run_case(const std::vector<int64_t>& shape, int64_t dim, int64_t G, bool per_sample, int sms, bool specials,
              bool do_observe) {
-  const int64_t S = per_sample ? shape[0] : 1;
-  const Layout L = make_layout_h(shape, dim, G, S);
-  const size_t off = 1 + rng() % (16 / sizeof(scalar_t) - 1);
-  scalar_t* xa = alloc<scalar_t>(L.numel, 0);    // aligned: 16-element path
-  scalar_t* xu = alloc<scalar_t>(L.numel, off);  // offset data_ptr: scalar path
-  fill(xa, L.numel, specials);
-  memcpy(xu, xa, L.numel * sizeof(scalar_t));
-  std::vector<float> alpha(S * G), beta(S * G);
-  std::uniform_real_distribution<float> ua(0.0f, 8.0f), ub(-5.0f, 2.0f);
-  for (int64_t k = 0; k < S * G; ++k) {
-    alpha[k] = (rng() % 17 == 0) ? 0.0f : ua(rng);
-    beta[k] = ub(rng);
-  }
-  if (specials && S * G > 1) { alpha[0] = NAN; beta[S * G - 1] = NAN; }
-  const uint64_t seed = rng();
-  int e = 0;
-  e += check_quant<scalar_t, uint32_t, kVec>(L, xa, alpha.data(), beta.data(), sms, seed);
-  e += check_quant<scalar_t, uint32_t, 1>(L, xu, alpha.data(), beta.data(), sms, seed);
-  e += check_quant<scalar_t, uint64_t, 1>(L, xu, alpha.data(), beta.data(), sms, seed);
-  e += check_bits_all<scalar_t, 8>(L, xa, xu, alpha.data(), beta.data(), sms, seed);
-  e += check_bits_all<scalar_t, 4>(L, xa, xu, alpha.data(), beta.data(), sms, seed);
-  e += check_bits_all<scalar_t, 2>(L, xa, xu, alpha.data(), beta.data(), sms, seed);
-  if (do_observe) {
-    const bool sym = rng() % 2;
-    e += check_observe<scalar_t, uint32_t, kVec>(L, xa, sms, sym, per_sample);
-    e += check_observe<scalar_t, uint32_t, 1>(L, xu, sms, sym, per_sample);
-    if (rng() % 4 == 0) e += check_observe<scalar_t, uint64_t, 1>(L, xu, sms, sym, per_sample);
-  }
+  CaseData<scalar_t> c;
+  make_case(c, shape, dim, G, per_sample, specials);
+  int e = check_elementwise(c, sms);
+  if (do_observe) e += check_cooperative(c, shape, dim, per_sample, sms);
   if (e) {
     fprintf(stderr, "FAIL shape=(");
     for (auto v : shape) fprintf(stderr, "%ld,", (long)v);
-    fprintf(stderr, ") dim=%ld G=%ld ps=%d sms=%d sizeof=%zu\n", (long)dim, (long)G, per_sample, sms,
-            sizeof(scalar_t));
+    fprintf(stderr, ") dim=%ld G=%ld ps=%d sms=%d sizeof=%zu row_len=%ld\n", (long)dim, (long)G, per_sample, sms,
+            sizeof(scalar_t), (long)c.re.len);
   }
-  free(xa);
-  free(xu - off);
   return e;
 }
 
@@ -542,11 +984,15 @@ int one_param_check() {
   return errs;
 }
 
-// update_estimates_kernel (one block, SIMT) against the sequential step.
-int estimates_check() {
+// update_estimates_kernel (one block, SIMT) against the sequential step; with a seed
+// (estimate_and_seed) also the seed step.
+int estimates_check(bool quick) {
   int errs = 0, cases = 0;
   std::mt19937 r(7);
-  for (int64_t G : {1, 3, 255, 256, 257, 1000, 1500})
+  // one block of 256 threads: G below, at and above a block's width, and above kSlots
+  const std::vector<int64_t> groups = quick ? std::vector<int64_t>{3, 257, 1500}
+                                            : std::vector<int64_t>{1, 3, 255, 256, 257, 1000, 1500};
+  for (int64_t G : groups)
     for (int64_t S : {1, 4, 0})
       for (int flags = 0; flags < 64; ++flags) {
         const bool per_sample = flags & 1, symmetric = flags & 2, init = flags & 4, valid = flags & 8,
@@ -575,23 +1021,167 @@ int estimates_check() {
         bool kinit = init;
         const EstimateArgs est{ka.data(), kb.data(), &kinit, lam, oml, per_sample, symmetric, valid, koa.data(),
                                kob.data()};
-        launch_simt(1, kThreads, [&] { update_estimates_kernel(mn.data(), mx.data(), S, G, est); });
+        const bool seeded = r() % 2;  // estimate_and_seed: thread 0 also runs the seed step
+        RngCase rc(rng);
+        int64_t seed_out[2] = {-1, -1};
+        const SeedArgs sd = seeded ? SeedArgs{rc.buf, 1, seed_out} : SeedArgs{};
+        launch_simt(1, kThreads, [&] { update_estimates_kernel(mn.data(), mx.data(), S, G, est, sd); });
+        const bool seed_ok = seeded ? rc.stepped(seed_out)
+                                    : seed_out[0] == -1 && rc.buf[1] == int64_t(rc.counter);
         const bool ok = vec_same_bits(want.est_a, ka.data(), G) && vec_same_bits(want.est_b, kb.data(), G) &&
                         vec_same_bits(want.out_a, koa.data(), out_n) && vec_same_bits(want.out_b, kob.data(), out_n) &&
-                        kinit == want.init;
-        if (!ok && errs < 5) printf("update_estimates mismatch: G=%ld S=%ld flags=%d\n", long(G), long(S), flags);
+                        kinit == want.init && seed_ok;
+        if (!ok && errs < 5)
+          printf("update_estimates mismatch: G=%ld S=%ld flags=%d seeded=%d\n", long(G), long(S), flags, int(seeded));
         errs += !ok;
         ++cases;
+        g_checked[seeded ? "estimate_and_seed" : "update_estimates"]++;
       }
   printf("update_estimates errors: %d (%d cases)\n", errs, cases);
   return errs;
 }
 
-int main(int argc, char** argv) {
-  const int ncases = argc > 1 ? atoi(argv[1]) : 150;
+// ------------------------------------------------------------------ row_exponents
+// Rows whose magnitudes spread over many octaves (so k covers its range), and special rows:
+// a NaN, an infinity, all zeros of either sign, subnormal values only (in the dtype).
+template <typename scalar_t>
+void fill_rows(scalar_t* x, int64_t rows, int64_t len) {
+  constexpr bool half = std::is_same_v<scalar_t, c10::Half>;
+  constexpr int lo = half ? -20 : -60, hi = half ? 8 : 20;
+  constexpr int sub = half ? -20 : -130;  // inside the subnormal range: 2**-24 (half), 2**-133 (bf16) up
+  std::normal_distribution<float> nd;
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* xr = x + r * len;
+    const int kind = rng() % 10;
+    const int e = kind == 3 ? sub : lo + int(rng() % (hi - lo + 1));
+    for (int64_t j = 0; j < len; ++j)
+      xr[j] = static_cast<scalar_t>(kind == 2 ? (rng() % 2 ? -0.0f : 0.0f) : std::ldexp(nd(rng), e));
+    const int64_t at = rng() % len;
+    if (kind == 0) xr[at] = static_cast<scalar_t>(__uint_as_float(rng() % 2 ? 0x7FC00001u : 0xFFC00000u));
+    if (kind == 1) xr[at] = static_cast<scalar_t>(rng() % 2 ? INFINITY : -INFINITY);
+  }
+}
+
+// max |x| of a row as float (NaN when the row has one), from the values
+template <typename scalar_t>
+float naive_absmax(const scalar_t* xr, int64_t len) {
+  float m = 0.0f;
+  for (int64_t j = 0; j < len; ++j) {
+    const float v = static_cast<float>(xr[j]);
+    if (std::isnan(v)) return NAN;
+    m = std::max(m, std::fabs(v));
+  }
+  return m;
+}
+
+// k = floor(log2(mean / r)) clamped to [0, max_k]: the binary exponent of the (correctly
+// rounded) ratio; 0 when the ratio is 0, inf or NaN (a zero row, an all-zero or NaN batch)
+int naive_row_k(float mean, float r, int max_k) {
+  const float ratio = mean / r;
+  if (!std::isfinite(ratio) || ratio == 0.0f) return 0;
+  return std::clamp(std::ilogb(ratio), 0, max_k);
+}
+
+// row_absmax_kernel on row_exponents_cuda's grid (8 warps = 8 rows per block, at most 16
+// blocks per SM; warps stride over the remaining rows)
+template <typename scalar_t, bool VEC>
+int check_row_absmax(const scalar_t* x, int64_t rows, int64_t len, int sms, std::vector<float>& want) {
+  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+  std::vector<float> r(rows + 1, 7.0f);
+  launch_simt(blocks, kThreads, [&] { row_absmax_kernel<scalar_t, VEC>(x, r.data(), rows, len); });
+  want.resize(rows);
+  int errs = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    want[i] = naive_absmax(x + i * len, len);
+    const bool ok = std::isnan(want[i]) ? std::isnan(r[i]) : same_bits(r[i], want[i]);
+    if (!ok && errs++ < 5)
+      fprintf(stderr, "row_absmax<%zu,%d> mismatch row=%ld len=%ld got %g exp %g\n", sizeof(scalar_t), int(VEC),
+              (long)i, (long)len, r[i], want[i]);
+  }
+  if (!same_bits(r[rows], 7.0f)) { fprintf(stderr, "row_absmax wrote past the end\n"); ++errs; }
+  g_checked[VEC ? "row_absmax_vec" : "row_absmax"]++;
+  return errs;
+}
+
+int check_row_k(const std::vector<float>& r, float mean, int max_k, int sms) {
+  const int64_t rows = int64_t(r.size());
+  std::vector<int8_t> k(rows + 1, int8_t(-99));
+  launch_seq(grid_for(rows, sms), kThreads, [&] { row_k_kernel(r.data(), &mean, k.data(), rows, max_k); });
+  int errs = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int want = naive_row_k(mean, r[i], max_k);
+    if (k[i] != want && errs++ < 5)
+      fprintf(stderr, "row_k mismatch row=%ld mean=%g r=%g max_k=%d got %d exp %d\n", (long)i, mean, r[i], max_k,
+              int(k[i]), want);
+  }
+  if (k[rows] != -99) { fprintf(stderr, "row_k wrote past the end\n"); ++errs; }
+  g_checked["row_k"]++;
+  return errs;
+}
+
+// the mean row_k reads (ATen's r.mean() on the device): the mean of r, or the degenerate
+// batches (all zero: 0, a NaN row: NaN, an infinite row: inf)
+float pick_mean(const std::vector<float>& r) {
+  const int mode = rng() % 8;
+  if (mode == 0) return 0.0f;
+  if (mode == 1) return NAN;
+  if (mode == 2) return INFINITY;
+  double s = 0.0;
+  for (float v : r) s += v;
+  return static_cast<float>(s / double(r.size()));
+}
+
+// row_absmax on the vector path (16-byte aligned rows of whole 16-byte chunks, as the op picks
+// it) and the scalar path (an offset pointer), then row_k over the row maxima
+template <typename scalar_t>
+int check_row_exponents(int64_t rows, int64_t len, int sms) {
+  const size_t off = 1 + rng() % (16 / sizeof(scalar_t) - 1);
+  scalar_t* xa = alloc<scalar_t>(rows * len, 0);
+  scalar_t* xu = alloc<scalar_t>(rows * len, off);
+  fill_rows(xa, rows, len);
+  memcpy(xu, xa, rows * len * sizeof(scalar_t));
+  std::vector<float> r;
+  int errs = 0;
+  if ((len * int64_t(sizeof(scalar_t))) % 16 == 0) errs += check_row_absmax<scalar_t, true>(xa, rows, len, sms, r);
+  errs += check_row_absmax<scalar_t, false>(xu, rows, len, sms, r);
+  const int top = max_row_k<scalar_t>();
+  for (int max_k : {top, int(rng() % (top + 1))}) errs += check_row_k(r, pick_mean(r), max_k, sms);
+  if (errs) fprintf(stderr, "FAIL row_exponents rows=%ld len=%ld sms=%d sizeof=%zu\n", (long)rows, (long)len, sms,
+                    sizeof(scalar_t));
+  free(xa);
+  free(xu - off);
+  return errs;
+}
+
+int row_exponents_checks(int ncases) {
+  int errs = 0;
+  // rows of whole vector chunks (8/16/24/64 elements), odd lengths, one element, long rows
+  // (several 32-lane passes), and rows = 300 on one SM (warps stride over rows)
+  const std::vector<std::pair<int64_t, int64_t>> fixed = {{1, 1},   {3, 8},    {5, 16},  {9, 24}, {17, 31},
+                                                           {8, 64},  {33, 100}, {4, 131}, {2, 1100}, {300, 12}};
+  for (const auto& [rows, len] : fixed)
+    for (int sms : {1, 132}) {
+      errs += check_row_exponents<float>(rows, len, sms);
+      errs += check_row_exponents<c10::Half>(rows, len, sms);
+      errs += check_row_exponents<c10::BFloat16>(rows, len, sms);
+    }
+  for (int t = 0; t < ncases; ++t) {
+    const int64_t rows = 1 + rng() % 70, len = rng() % 3 == 0 ? 8 * (1 + rng() % 40) : 1 + rng() % 300;
+    const int sms = rng() % 2 ? 1 : 1 + rng() % 8;
+    switch (rng() % 3) {
+      case 0: errs += check_row_exponents<float>(rows, len, sms); break;
+      case 1: errs += check_row_exponents<c10::Half>(rows, len, sms); break;
+      default: errs += check_row_exponents<c10::BFloat16>(rows, len, sms); break;
+    }
+  }
+  printf("row_exponents errors: %d\n", errs);
+  return errs;
+}
+
+// ------------------------------------------------------------------ main
+int index_checks() {
   int errs = fastdiv_check();
   printf("fastdiv errors: %d\n", errs);
-  errs += estimates_check();
   int pe = one_param_check();
   pe += param_check<uint32_t>({2147483647}, 0, 1, 1);
   pe += param_check<uint32_t>({2147483647 / 16}, 0, 15, 1);
@@ -603,11 +1193,15 @@ int main(int argc, char** argv) {
   pe += param_check<uint64_t>({64, 197, 6, 65537}, 2, 3, 64);
   pe += param_check<uint64_t>({3, 5000000007}, 1, 11, 3);
   printf("param index errors: %d\n", pe);
-  errs += pe;
+  return errs + pe;
+}
 
-  // fixed layouts of tests/test_kernels.py and tests/test_observe.py + targeted ones
+// fixed layouts of tests/test_kernels.py and tests/test_observe.py + targeted ones
+// Every layout with each (per-sample, SM count, dtype) combination, or (quick) with one of
+// them, cycling through the 18 combinations along the list.
+int fixed_layout_checks(bool quick) {
   struct C { std::vector<int64_t> s; int64_t dim, G; };
-  std::vector<C> fixed = {
+  const std::vector<C> fixed = {
       {{2, 9, 24}, 2, 3},     {{2, 3, 7, 7}, 1, 3},    {{2, 4, 5, 6}, 1, 2},   {{3, 10, 4, 5}, 1, 4},
       {{2, 7, 13}, 2, 5},     {{5, 6}, 0, 3},          {{11}, 0, 4},           {{3, 5, 7, 11}, 2, 7},
       {{3, 5, 7, 11}, 2, 1},  {{1, 1, 1}, 2, 1},       {{4, 6, 97, 97}, 1, 6}, {{8, 197, 384}, 2, 6},
@@ -616,17 +1210,25 @@ int main(int argc, char** argv) {
       {{2, 2, 1030}, 2, 3},   {{1, 4097}, 1, 7},       {{40, 3, 3}, 0, 7},     {{16, 197, 96}, 2, 6},
       {{3, 1500}, 1, 1500},   {{2000, 2}, 0, 2},       {{0, 8}, 1, 2},         {{3, 0, 4}, 1, 2},
   };
+  constexpr int kSms[3] = {132, 3, 1};
   int fe = 0;
-  for (const auto& c : fixed)
-    for (int ps = 0; ps < 2; ++ps)
-      for (int sms : {132, 3, 1}) {
-        fe += run_case<float>(c.s, c.dim, c.G, ps, sms, true, true);
-        fe += run_case<c10::Half>(c.s, c.dim, c.G, ps, sms, true, sms != 132);
-        fe += run_case<c10::BFloat16>(c.s, c.dim, c.G, ps, sms, true, sms != 132);
-      }
-  printf("fixed-layout errors: %d\n", fe);
-  errs += fe;
+  for (size_t j = 0; j < fixed.size(); ++j)
+    for (int combo = 0; combo < 18; ++combo) {
+      if (quick && combo != int(j * 7 % 18)) continue;
+      const C& c = fixed[j];
+      const bool ps = combo % 2;
+      const int sms = kSms[combo / 2 % 3], dtype = combo / 6;
+      // (the SIMT emulation of 132-SM grids is slow: the full run does them in float32 only)
+      const bool coop = quick || sms != 132 || dtype == 0;
+      if (dtype == 0) fe += run_case<float>(c.s, c.dim, c.G, ps, sms, true, coop);
+      else if (dtype == 1) fe += run_case<c10::Half>(c.s, c.dim, c.G, ps, sms, true, coop);
+      else fe += run_case<c10::BFloat16>(c.s, c.dim, c.G, ps, sms, true, coop);
+    }
+  printf("fixed-layout errors: %d (%s)\n", fe, quick ? "one combination per layout" : "all combinations");
+  return fe;
+}
 
+int random_layout_checks(int ncases) {
   int re = 0;
   for (int t = 0; t < ncases; ++t) {
     const int nd = 1 + rng() % 4;
@@ -648,9 +1250,38 @@ int main(int argc, char** argv) {
     }
   }
   printf("random-layout errors: %d (%d cases)\n", re, ncases);
-  errs += re;
-  printf("quantize_bits / dequantize_bits checks: %ld\n", g_bits_checks);
-  printf("observe SIMT runs: %d, skipped (too many blocks): %d; atomics: %ld\n", g_ran, g_skipped, g_atomics.load());
+  return re;
+}
+
+// One line naming every kernel family with its number of checked cases (tests assert on it)
+void print_summary() {
+  printf("cooperative launches skipped (too many blocks to emulate): %d; atomics: %ld\n", g_skipped, g_atomics.load());
+  printf("CHECKED");
+  for (const auto& [name, n] : g_checked) printf(" %s=%ld", name.c_str(), n);
+  printf("\n");
+}
+
+// a stage's errors, and its time on stderr (where the emulation's time goes)
+template <typename F>
+int timed(const char* stage, F f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int errs = f();
+  fprintf(stderr, "[%s: %.1f s]\n", stage,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return errs;
+}
+
+// harness [random cases, default 150] [quick]: quick runs each fixed layout once (one
+// dtype / SM count / statistics combination each) and fewer update_estimates shapes
+int main(int argc, char** argv) {
+  const int ncases = argc > 1 ? atoi(argv[1]) : 150;
+  const bool quick = argc > 2 && std::string(argv[2]) == "quick";
+  int errs = timed("index math", index_checks);
+  errs += timed("update_estimates", [&] { return estimates_check(quick); });
+  errs += timed("row_exponents", [&] { return row_exponents_checks(ncases); });
+  errs += timed("fixed layouts", [&] { return fixed_layout_checks(quick); });
+  errs += timed("random layouts", [&] { return random_layout_checks(ncases); });
+  print_summary();
   printf(errs ? "FAILED\n" : "ALL OK\n");
   return errs ? 1 : 0;
 }

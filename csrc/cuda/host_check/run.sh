@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
 # Host-only emulation of the CUDA kernels (no GPU): extracts the device code of
-# csrc/cuda/quant_cuda.cu verbatim and runs it on the CPU: quantize / dequantize
-# sequentially over (block, thread); the single-launch observe / group_minmax kernel with
-# its blocks in a random order and one std::thread per CUDA thread (barriers for
-# __syncthreads), checking the last-block estimate update, the seed step and the
-# workspace reset; update_estimates in one emulated block. Every result is compared bit
-# for bit with a sequential pass over many layouts.
-# Usage: csrc/cuda/host_check/run.sh [random cases, default 150]
-# (PYTHON: an interpreter with torch, for its headers; default .venv/bin/python)
+# csrc/cuda/quant_cuda.cu verbatim (extract.py) and runs every kernel on the CPU
+# (harness.cpp), each output bit against a naive sequential computation:
+# * quantize / dequantize (vector, scalar and 64-bit index paths; without and with int8 row
+#   exponents of 1 or 2 row dims) and quantize_bits / dequantize_bits: sequential over
+#   (block, thread);
+# * observe / group_minmax, quantize_observe (the fused launch + the skip-flagged quantize
+#   launch; first batch and initialized estimates) and update_estimates / estimate_and_seed:
+#   blocks in a random order, one std::thread per CUDA thread (barriers for __syncthreads),
+#   checking the last-block estimate update, the seed step, the ws[1] flag and the reset
+#   workspace;
+# * row_absmax (warp per row, __shfl_xor_sync across 32 lane threads) and row_k.
+# The harness's last lines: "CHECKED kernel=cases ..." and "ALL OK" (or "FAILED", exit 1).
+# Usage: csrc/cuda/host_check/run.sh [random cases, default 150] [quick]
+#   quick: each fixed layout once (one dtype / SM count / statistics combination) instead
+#   of all 18 combinations: ~12 s instead of ~2 min, plus ~13 s to compile, on 2 cores
+#   (tests/test_cuda_host_emulation.py).
+# Environment: PYTHON, an interpreter with torch (for its headers; default .venv/bin/python);
+# QUANT_CUDA, the .cu file to extract (default csrc/cuda/quant_cuda.cu; mutation checks);
+# HOST_CHECK_TIMEOUT, seconds before the harness is killed (a kernel whose lanes skip a
+# barrier or shuffle would hang the emulation; default 1800).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
 PY=${PYTHON:-$repo/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
+cu=${QUANT_CUDA:-$repo/csrc/cuda/quant_cuda.cu}
 TI=$("$PY" -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 "$here/extract.py" "$repo/csrc/cuda/quant_cuda.cu" > "$tmp/extracted.inc"
+"$PY" "$here/extract.py" "$cu" > "$tmp/extracted.inc"
 g++ -std=c++20 -O2 -ffp-contract=off -pthread -I"$tmp" -I"$repo/csrc" -I"$TI" -I"$TI/torch/csrc/api/include" \
     "$here/harness.cpp" -o "$tmp/harness"
-"$tmp/harness" "${1:-150}"
+timeout "${HOST_CHECK_TIMEOUT:-1800}" "$tmp/harness" "${1:-150}" "${2:-full}"
