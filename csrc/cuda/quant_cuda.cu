@@ -1003,6 +1003,82 @@ __device__ __forceinline__ bool last_block_to_arrive(uint32_t* ws, bool& s_last)
   return true;
 }
 
+// The steps of one block's chunk: [b0, b1) of V-element steps, plus the tail (< V elements),
+// which belongs to the last block.
+template <typename IdxT>
+struct Chunk {
+  IdxT b0, b1;
+  bool has_tail;
+};
+
+template <typename IdxT, int V>
+__device__ __forceinline__ Chunk<IdxT> chunk_of_block(IdxT numel, IdxT chunk) {
+  const IdxT nvec = numel / V;
+  const IdxT b0 = umin(IdxT(blockIdx.x) * chunk, nvec);
+  return {b0, umin(b0 + chunk, nvec), blockIdx.x == gridDim.x - 1 && nvec * V < numel};
+}
+
+// Stage 1 of observe, group_minmax and quantize_observe: the chunk's per-parameter min/max
+// (of the row-scaled values) into t: shared window, then global totals. With `quant`, each
+// element is also coded by code(value, flat index, parameter) into q (quantize_observe: the
+// same pass quantizes, so x is read once). t's window must be zeroed (and synced) before.
+template <typename scalar_t, typename IdxT, int V, typename Code>
+__device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
+                                             const KLayout<IdxT>& k, const IdxT numel, const Chunk<IdxT>& c,
+                                             const KRows<IdxT>& rows, const ReduceTarget& t, const bool quant,
+                                             Code&& code) {
+  RunAcc r;
+  for (IdxT v = c.b0 + threadIdx.x; v < c.b1; v += blockDim.x) {
+    const IdxT i0 = v * V;
+    float xv[V];
+    load_floats<scalar_t, V>(x + i0, xv);
+    if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
+    const IdxT p0 = param_of(k, i0);
+    uint8_t out[V];
+    if (one_param<IdxT, V>(k, i0, p0)) {  // one parameter: one accumulator update per step
+      float mn, mx;
+      step_range<V>(xv, mn, mx);
+      t.add(r, p0, mn, mx);
+      if (quant) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) out[e] = code(xv[e], i0 + IdxT(e), p0);
+      }
+    } else {  // the step crosses a group / sample boundary: per element
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const IdxT p = e == 0 ? p0 : param_of(k, i0 + IdxT(e));
+        t.add(r, p, xv[e], xv[e]);
+        if (quant) out[e] = code(xv[e], i0 + IdxT(e), p);
+      }
+    }
+    if (quant) store_codes<V>(q + i0, out);
+  }
+  if (c.has_tail) {
+    const IdxT i = (numel / V) * V + threadIdx.x;
+    if (i < numel) {
+      float xi[1] = {static_cast<float>(x[i])};
+      if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
+      const IdxT p = param_of(k, i);
+      t.add(r, p, xi[0], xi[0]);
+      if (quant) q[i] = code(xi[0], i, p);
+    }
+  }
+  t.flush(r);
+  __syncthreads();
+  for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) {  // the window -> global totals
+    if (t.s_min[i] != 0u) atomicMax(t.g_min + t.lo + i, t.s_min[i]);
+    if (t.s_max[i] != 0u) atomicMax(t.g_max + t.lo + i, t.s_max[i]);
+  }
+}
+
+// Stage 2's last act: the workspace all zero again (totals, then the ticket) for the next
+// launch on this stream; after a barrier, so every thread has read the totals.
+__device__ __forceinline__ void reset_workspace(uint32_t* ws, uint32_t* totals, int64_t n) {
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) totals[i] = 0u;
+  if (threadIdx.x == 0) ws[0] = 0u;
+}
+
 // MODE_OBSERVE: estimates + seed step; MODE_MINMAX: (S, G) min / max outputs (group_minmax).
 enum ObserveMode { MODE_OBSERVE = 0, MODE_MINMAX = 1 };
 
@@ -1018,16 +1094,12 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   uint32_t* g_min = ws + kWsHeader;
   uint32_t* g_max = g_min + P;
 
-  // ---- stage 1: this block's chunk [b0, b1) of V-element steps (the tail, < V elements,
-  // belongs to the last block)
-  const IdxT nvec = numel / V;
-  const IdxT b0 = umin(IdxT(blockIdx.x) * chunk, nvec);
-  const IdxT b1 = umin(b0 + chunk, nvec);
-  const bool has_tail = blockIdx.x == gridDim.x - 1 && nvec * V < numel;
+  // ---- stage 1: this block's chunk of V-element steps
+  const Chunk<IdxT> c = chunk_of_block<IdxT, V>(numel, chunk);
   ReduceTarget t{g_min, g_max, s_min, s_max, 0, 0};
-  if (b0 < b1 || has_tail) {
+  if (c.b0 < c.b1 || c.has_tail) {
     // window of parameters this chunk can touch: samples first..last
-    const IdxT e0 = b0 * V, e1 = has_tail ? numel - 1 : b1 * V - 1;
+    const IdxT e0 = c.b0 * V, e1 = c.has_tail ? numel - 1 : c.b1 * V - 1;
     uint64_t lo = 0, hi = G;
     if (k.multi_s || k.dim0ps) {
       const IdxT p0 = param_of(k, e0), p1 = param_of(k, e1);
@@ -1041,36 +1113,8 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   }
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
-  RunAcc r;
-  for (IdxT v = b0 + threadIdx.x; v < b1; v += blockDim.x) {
-    const IdxT i0 = v * V;
-    float xv[V];
-    load_floats<scalar_t, V>(x + i0, xv);
-    if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
-    const IdxT p0 = param_of(k, i0);
-    if (one_param<IdxT, V>(k, i0, p0)) {
-      float mn, mx;
-      step_range<V>(xv, mn, mx);
-      t.add(r, p0, mn, mx);
-    } else {
-#pragma unroll
-      for (int e = 0; e < V; ++e) t.add(r, e == 0 ? p0 : param_of(k, i0 + IdxT(e)), xv[e], xv[e]);
-    }
-  }
-  if (has_tail) {
-    const IdxT i = nvec * V + threadIdx.x;
-    if (i < numel) {
-      float xi[1] = {static_cast<float>(x[i])};
-      if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
-      t.add(r, param_of(k, i), xi[0], xi[0]);
-    }
-  }
-  t.flush(r);
-  __syncthreads();
-  for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) {  // the window -> global totals
-    if (s_min[i] != 0u) atomicMax(g_min + t.lo + i, s_min[i]);
-    if (s_max[i] != 0u) atomicMax(g_max + t.lo + i, s_max[i]);
-  }
+  reduce_chunk<scalar_t, IdxT, V>(x, nullptr, k, numel, c, rows, t, false,
+                                  [](float, IdxT, IdxT) -> uint8_t { return 0; });
 
   // ---- stage 2: the last block to arrive finishes (threadfence + ticket)
   if (!last_block_to_arrive(ws, s_last)) return;
@@ -1083,9 +1127,7 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
     estimate_update(EncodedStats{g_min, g_max}, S, G, est, s_min, s_max);
     if (threadIdx.x == 0) seed_step_device(sd);
   }
-  __syncthreads();  // all totals read: reset the workspace for the next launch
-  for (int64_t i = threadIdx.x; i < P; i += blockDim.x) g_min[i] = g_max[i] = 0u;
-  if (threadIdx.x == 0) ws[0] = 0u;
+  reset_workspace(ws, g_min, 2 * P);  // g_max = g_min + P: both sets of totals
 }
 
 // Launch shape of observe_kernel: blocks of contiguous chunks of V-element steps. When
@@ -1217,63 +1259,16 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   const float* beta = est.est_b;
 
   // ---- stage 1: this block's chunk of V-element steps, quantized (init) and reduced
-  const IdxT nvec = numel / V;
-  const IdxT b0 = umin(IdxT(blockIdx.x) * chunk, nvec);
-  const IdxT b1 = umin(b0 + chunk, nvec);
-  const bool has_tail = blockIdx.x == gridDim.x - 1 && nvec * V < numel;
+  const Chunk<IdxT> c = chunk_of_block<IdxT, V>(numel, chunk);
   ReduceTarget t{g_min, g_max, s_min, s_max, 0, G <= kSlots ? uint64_t(G) : 0};
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
-  RunAcc r;
   ParamCache pc;
-  auto code = [&](float v, IdxT i, IdxT p) -> uint8_t {
+  reduce_chunk<scalar_t, IdxT, V>(x, q, k, numel, c, rows, t, init, [&](float v, IdxT i, IdxT p) -> uint8_t {
     pc.fetch<true>(alpha, beta, p);
     const float u = STOCH ? rk.uniform(i) : 0.0f;
     return quantize_value<STOCH>(v, pc.beta, pc.scale, u);
-  };
-  for (IdxT v = b0 + threadIdx.x; v < b1; v += blockDim.x) {
-    const IdxT i0 = v * V;
-    float xv[V];
-    load_floats<scalar_t, V>(x + i0, xv);
-    if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
-    const IdxT p0 = param_of(k, i0);
-    if (one_param<IdxT, V>(k, i0, p0)) {
-      float mn, mx;
-      step_range<V>(xv, mn, mx);
-      t.add(r, p0, mn, mx);
-      if (init) {
-        uint8_t out[V];
-#pragma unroll
-        for (int e = 0; e < V; ++e) out[e] = code(xv[e], i0 + IdxT(e), p0);
-        store_codes<V>(q + i0, out);
-      }
-    } else {
-      uint8_t out[V];
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const IdxT p = e == 0 ? p0 : param_of(k, i0 + IdxT(e));
-        t.add(r, p, xv[e], xv[e]);
-        if (init) out[e] = code(xv[e], i0 + IdxT(e), p);
-      }
-      if (init) store_codes<V>(q + i0, out);
-    }
-  }
-  if (has_tail) {
-    const IdxT i = nvec * V + threadIdx.x;
-    if (i < numel) {
-      float xi[1] = {static_cast<float>(x[i])};
-      if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
-      const IdxT p = param_of(k, i);
-      t.add(r, p, xi[0], xi[0]);
-      if (init) q[i] = code(xi[0], i, p);
-    }
-  }
-  t.flush(r);
-  __syncthreads();
-  for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) {
-    if (s_min[i] != 0u) atomicMax(g_min + i, s_min[i]);
-    if (s_max[i] != 0u) atomicMax(g_max + i, s_max[i]);
-  }
+  });
 
   // ---- stage 2: the last block updates the estimates and the rng counter
   if (!last_block_to_arrive(ws, s_last)) return;
@@ -1285,9 +1280,7 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
     seed_step_device(sd);
     ws[1] = init ? 1u : 0u;  // read by the quantize launch that follows
   }
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < G; i += blockDim.x) g_min[i] = g_max[i] = 0u;
-  if (threadIdx.x == 0) ws[0] = 0u;
+  reset_workspace(ws, g_min, 2 * G);  // g_max = g_min + G: both sets of totals
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(
