@@ -272,6 +272,9 @@ Layout check_quantize(const at::Tensor& x, const at::Tensor& alpha, const at::Te
                       int64_t dim, int64_t num_groups, const at::Tensor& seed);
 Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
                         int64_t dim, int64_t num_groups, at::ScalarType dtype);
+// softmax_backward: g and q of one shape and device, a group dim other than the last.
+Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
+                              const at::Tensor& beta, int64_t dim, int64_t num_groups);
 // update_estimates: returns G (the groups of mn / mx).
 int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
                                const at::Tensor& beta_est, const at::Tensor& initialized, double decay,

@@ -163,6 +163,26 @@ Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::
   return make_layout(q, dim, num_groups, S);
 }
 
+Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
+                              const at::Tensor& beta, int64_t dim, int64_t num_groups) {
+  TORCH_CHECK_VALUE(is_quant_dtype(g.scalar_type()),
+                    "mesa: softmax_backward: g must be float32, float16 or bfloat16, got ", g.scalar_type());
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kByte, "mesa: softmax_backward expects uint8 codes q, got ",
+                    q.scalar_type());
+  TORCH_CHECK_VALUE(g.device() == q.device(), "mesa: softmax_backward: g is on ", g.device(),
+                    " but the codes are on ", q.device());
+  TORCH_CHECK_VALUE(g.sizes() == q.sizes(), "mesa: softmax_backward: g has shape ", g.sizes(),
+                    " but the codes have ", q.sizes());
+  const int64_t nd = normalize_dim(q, dim);
+  // one (alpha, beta) per row (a slice along the last dim) is what lets a row be reduced alone
+  TORCH_CHECK_VALUE(nd != q.dim() - 1, "mesa: softmax_backward: the group dim ", nd,
+                    " is the softmax (last) dim of shape ", q.sizes(),
+                    ", so a row has several (alpha, beta); valid: a group dim < ", nd,
+                    " (else use dequantize + torch._softmax_backward_data)");
+  const int64_t S = check_params(q, alpha, beta, num_groups);
+  return make_layout(q, nd, num_groups, S);
+}
+
 // The estimate state of update_estimates / observe: (G_buf,) float32 buffers with
 // G_buf >= G, a one-element bool flag, all on `device`, and decay in [0, 1).
 static void check_estimate_state(const char* op, int64_t G, const at::Tensor& alpha_est, const at::Tensor& beta_est,
@@ -305,6 +325,10 @@ TORCH_LIBRARY(mesa, m) {
       "quantize_observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
       "Tensor(d!) rng, int dim, int num_groups, float decay, bool symmetric, bool stochastic, "
       "Tensor? row_exp=None) -> (Tensor q, Tensor alpha, Tensor beta)");
+  // The backward of a softmax over the last dim straight from its codes (DESIGN.md, "Fused
+  // softmax backward"): one pass instead of dequantize, renormalise and _softmax_backward_data.
+  // The group dim must not be the last one (one (alpha, beta) per row); returns g's dtype.
+  m.def("softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor");
   // Variants (DESIGN.md, "Variants"): `bits` in {8, 4, 2} codes packed 8/bits per byte along
   // the flat index (little end first, last byte zero-padded), optional power-of-two steps.
   // Output: 1-d uint8 of ceil(numel * bits / 8) bytes.

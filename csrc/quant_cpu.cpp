@@ -905,7 +905,130 @@ at::Tensor row_exponents_cpu(const at::Tensor& x_in, int64_t row_dims, int64_t m
 
 }  // namespace
 
+// ----------------------------------------------------------------------------- softmax backward
+// mesa::softmax_backward (DESIGN.md, "Fused softmax backward"): one pass over the codes and g
+// instead of dequantize, renormalise and _softmax_backward_data. Parallel over rows; both row
+// sums use the order of the CUDA kernel's warp (32 lane accumulators, lane l adding elements
+// l, l + 32, ..., then the xor butterfly), so the bits equal the CUDA kernel's and the
+// reference's (mesa_train.quant.reference.softmax_backward).
+constexpr int kLanes = 32;
+constexpr float kFltMin = std::numeric_limits<float>::min();
+
+// v rounded to the storage type T and back: the value mesa::dequantize returns in T
+MESA_ALWAYS_INLINE float through(float v, const float*) { return v; }
+template <typename T>
+MESA_ALWAYS_INLINE float through(float v, const T*) {
+  T t;
+  from_f(v, t);
+  return to_f(t);
+}
+
+// acc[l] += v[l + 32 c] for every full or partial chunk c of 32 (a lane's elements in order)
+MESA_ALWAYS_INLINE void lane_accumulate(float (&acc)[kLanes], const float* __restrict__ v, int64_t n) {
+  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - c0);
+    for (int64_t l = 0; l < m; ++l) acc[l] = f_add(acc[l], v[c0 + l]);
+  }
+}
+
+// The butterfly of __shfl_xor_sync over the 32 lane sums; lane 0's result
+MESA_ALWAYS_INLINE float butterfly(float (&acc)[kLanes]) {
+  for (int off = kLanes / 2; off > 0; off /= 2) {
+    float nxt[kLanes];
+    for (int l = 0; l < kLanes; ++l) nxt[l] = f_add(acc[l], acc[l ^ off]);
+    std::memcpy(acc, nxt, sizeof(acc));
+  }
+  return acc[0];
+}
+
+// One row of n elements with one (step, beta); p: n floats of scratch.
+template <typename T>
+MESA_ALWAYS_INLINE void softmax_bwd_row_body(const uint8_t* __restrict__ q, const T* __restrict__ g,
+                                             T* __restrict__ out, int64_t n, float step, float beta,
+                                             float* __restrict__ p) {
+  // stage 1: y (rounded through g's dtype, as dequantize returns it) and s = max(sum y, FLT_MIN)
+  for (int64_t j = 0; j < n; ++j) p[j] = through(dequantize_value(q[j], step, beta), g);
+  float acc[kLanes] = {};
+  lane_accumulate(acc, p, n);
+  float s = butterfly(acc);
+  s = s < kFltMin ? kFltMin : s;  // NaN stays NaN
+  // stage 2: p = y / s (the row renormalised to sum 1) and d = sum g * p
+  for (int64_t j = 0; j < n; ++j) p[j] = f_div(p[j], s);
+  float gp[kLanes] = {};
+  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - c0);
+    for (int64_t l = 0; l < m; ++l) gp[l] = f_add(gp[l], f_mul(to_f(g[c0 + l]), p[c0 + l]));
+  }
+  const float d = butterfly(gp);
+  // stage 3: gx = p * (g - d)
+  for (int64_t j = 0; j < n; ++j) from_f(f_mul(p[j], f_sub(to_f(g[j]), d)), out[j]);
+}
+MESA_CLONES void softmax_bwd_row_f32(const uint8_t* q, const float* g, float* out, int64_t n, float step,
+                                     float beta, float* p) {
+  softmax_bwd_row_body<float>(q, g, out, n, step, beta, p);
+}
+MESA_CLONES void softmax_bwd_row_f16(const uint8_t* q, const uint16_t* g, uint16_t* out, int64_t n, float step,
+                                     float beta, float* p) {
+  softmax_bwd_row_body<uint16_t>(q, g, out, n, step, beta, p);
+}
+MESA_CLONES void softmax_bwd_row_bf16(const uint8_t* q, const Bf16Bits* g, Bf16Bits* out, int64_t n, float step,
+                                      float beta, float* p) {
+  softmax_bwd_row_body<Bf16Bits>(q, g, out, n, step, beta, p);
+}
+inline void softmax_bwd_row(const uint8_t* q, const float* g, float* o, int64_t n, float st, float b, float* p) {
+  softmax_bwd_row_f32(q, g, o, n, st, b, p);
+}
+inline void softmax_bwd_row(const uint8_t* q, const uint16_t* g, uint16_t* o, int64_t n, float st, float b,
+                            float* p) {
+  softmax_bwd_row_f16(q, g, o, n, st, b, p);
+}
+inline void softmax_bwd_row(const uint8_t* q, const Bf16Bits* g, Bf16Bits* o, int64_t n, float st, float b,
+                            float* p) {
+  softmax_bwd_row_bf16(q, g, o, n, st, b, p);
+}
+
+// The (s, d) table entry of a row's first element: the whole row shares it, as the group dim
+// lies before the last dim (inner is a multiple of the row length).
+inline int64_t row_table_index(const Layout& L, int64_t first) {
+  const int64_t row = first / L.inner;
+  const int64_t d = row % L.D, o = row / L.D;
+  const int64_t s = L.s_eff > 1 ? o / L.outer_per_s : 0;
+  return s * L.D + d;
+}
+
+template <typename scalar_t>
+void softmax_backward_kernel(const uint8_t* q, const scalar_t* g_, scalar_t* out_, const Layout& L, int64_t n,
+                             const float* tstep, const float* tbeta) {
+  using T = storage_t<scalar_t>;
+  const T* g = as_storage(g_);
+  T* out = as_storage(out_);
+  const int64_t rows = L.numel / n;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / n), [&](int64_t begin, int64_t end) {
+    std::vector<float> p(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = r * n, t = row_table_index(L, i);
+      softmax_bwd_row(q + i, g + i, out + i, n, tstep[t], tbeta[t], p.data());
+    }
+  });
+}
+
+at::Tensor softmax_backward_cpu(const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha,
+                                const at::Tensor& beta, int64_t dim, int64_t num_groups) {
+  const Layout L = check_softmax_backward(g_in, q_in, alpha, beta, dim, num_groups);
+  const at::Tensor q = q_in.contiguous(), g = g_in.contiguous();
+  at::Tensor out = at::empty(q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+  if (L.numel == 0) return out;
+  std::vector<float> tstep, tbeta;
+  build_tables(L, alpha, beta, [](float a) { return dequant_step(a); }, tstep, tbeta);
+  MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_softmax_backward_cpu", [&] {
+    softmax_backward_kernel<scalar_t>(q.const_data_ptr<uint8_t>(), g.const_data_ptr<scalar_t>(),
+                                      out.mutable_data_ptr<scalar_t>(), L, q.size(-1), tstep.data(), tbeta.data());
+  });
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(mesa, CPU, m) {
+  m.impl("softmax_backward", &softmax_backward_cpu);
   m.impl("row_exponents", &row_exponents_cpu);
   m.impl("group_minmax", &group_minmax_cpu);
   m.impl("quantize", &quantize_cpu);

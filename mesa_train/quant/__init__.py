@@ -48,6 +48,7 @@ __all__ = [
     "observe",
     "quantize_observe",
     "estimate_and_seed",
+    "softmax_backward",
     "rng_state",
     "seed_tensor",
     "BACKEND",
@@ -95,6 +96,7 @@ _SCHEMAS = {
         "dequantize_bits(Tensor q, Tensor alpha, Tensor beta, int[] shape, int dim, int num_groups, int bits, "
         "bool pow2, ScalarType dtype) -> Tensor"
     ),
+    "softmax_backward": "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor",
 }
 # The core ops: a build with CUDA kernels has these (CUDA_BACKEND == "extension"). The
 # variants' ops (quantize_bits / dequantize_bits) have CUDA kernels too since issue 12's
@@ -174,7 +176,12 @@ def _ref_dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dty
     return reference.dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dtype)
 
 
+def _ref_softmax_backward(g, q, alpha, beta, dim, num_groups):
+    return reference.softmax_backward(g, q, alpha, beta, dim, num_groups)
+
+
 _REF_IMPLS = {
+    "softmax_backward": _ref_softmax_backward,
     "quantize_bits": _ref_quantize_bits,
     "dequantize_bits": _ref_dequantize_bits,
     "group_minmax": _ref_minmax,
@@ -322,6 +329,11 @@ def _fake_dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dt
     return q.new_empty(shape, dtype=dtype)
 
 
+def _fake_softmax_backward(g, q, alpha, beta, dim, num_groups):
+    reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups)
+    return q.new_empty(q.shape, dtype=g.dtype)
+
+
 def _register_python_side() -> None:
     # Guard against double registration when the module is reloaded in one process.
     if getattr(torch.ops.mesa, "_mesa_python_side_registered", False):
@@ -336,6 +348,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::estimate_and_seed")(_fake_estimate_and_seed)
     torch.library.register_fake("mesa::quantize_bits")(_fake_quantize_bits)
     torch.library.register_fake("mesa::dequantize_bits")(_fake_dequantize_bits)
+    torch.library.register_fake("mesa::softmax_backward")(_fake_softmax_backward)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
     # and a reconstruction that the layers use inside their own backward). A fallthrough
@@ -565,3 +578,13 @@ def dequantize_bits(
     """The tensor of ``shape`` that :func:`quantize_bits`' codes ``q`` stand for, as ``dtype``."""
     shape, dim = reference.check_dequantize_bits_args(q, alpha, beta, shape, dim, num_groups, bits, dtype)
     return torch.ops.mesa.dequantize_bits(q, alpha, beta, list(shape), dim, num_groups, int(bits), bool(pow2), dtype)
+
+
+def softmax_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int,
+                     num_groups: int) -> torch.Tensor:
+    """Gradient of a softmax over the last dim from its 8-bit codes ``q`` (groups along ``dim``,
+    which must not be the last dim) and the output gradient ``g``, in ``g``'s dtype: one pass
+    instead of :func:`dequantize`, a row renormalisation and ``torch._softmax_backward_data``
+    (exact definition: :func:`mesa_train.quant.reference.softmax_backward`)."""
+    dim = reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups)
+    return torch.ops.mesa.softmax_backward(g, q, alpha, beta, dim, num_groups)

@@ -55,6 +55,9 @@ __all__ = [
     "check_bits",
     "quantize_bits",
     "dequantize_bits",
+    "lane_sum",
+    "check_softmax_backward_args",
+    "softmax_backward",
 ]
 
 BITS = (8, 4, 2)  # supported code widths (DESIGN.md, "Variants")
@@ -764,3 +767,73 @@ def dequantize_bits(q, alpha, beta, shape, dim: int, num_groups: int, bits: int 
     step, _ = step_and_inv(alpha.contiguous(), bits, pow2)
     cv, (st, b) = _expand(c, [step, beta.contiguous()], dim, num_groups)
     return ((cv.to(torch.float32) * st) + b).to(dtype).view(shape)
+
+
+# ----------------------------------------------------------------------------- softmax backward
+# mesa::softmax_backward (DESIGN.md, "Fused softmax backward"): the backward of a Mesa Softmax
+# over the last dim straight from its 8-bit codes. Sums use one fixed order, the one a CUDA
+# warp uses, so that this reference, the CPU kernel, the traced form and the CUDA kernel
+# agree bit for bit.
+LANES = 32
+_FLT_MIN = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, exact in float32
+
+
+def lane_sum(v: torch.Tensor) -> torch.Tensor:
+    """Float32 sums of ``v``'s rows (shape ``(R, L)``) in a warp's order, shape ``(R, 1)``.
+
+    Lane ``l`` starts at +0.0 and adds ``v[l], v[l + 32], ...``; then for ``off`` in 16, 8, 4,
+    2, 1 every lane adds lane ``l ^ off``'s value (a butterfly: all lanes end equal), and
+    the result is lane 0's. The rows are padded with +0.0 to a multiple of 32: adding +0.0
+    changes nothing, as an accumulator that starts at +0.0 is never -0.0."""
+    R, L = v.shape
+    C = max(1, -(-L // LANES))
+    v = torch.nn.functional.pad(v, (0, C * LANES - L)).view(R, C, LANES)
+    acc = torch.zeros((R, LANES), dtype=torch.float32, device=v.device)
+    for c in range(C):  # lane l adds its c-th element: strided, in increasing index
+        acc = acc + v[:, c]
+    for off in (16, 8, 4, 2, 1):
+        # lane l ^ off's value: flip the two halves of every block of 2 * off lanes
+        acc = acc + acc.view(R, LANES // (2 * off), 2, off).flip(2).reshape(R, LANES)
+    return acc[:, :1]
+
+
+def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups) -> int:
+    """Validate softmax_backward's arguments; return the normalized group dim."""
+    if not isinstance(g, torch.Tensor) or not isinstance(q, torch.Tensor):
+        raise ValueError("softmax_backward: g and q must be tensors")
+    if g.dtype not in QUANT_DTYPES:
+        raise ValueError(f"softmax_backward: g must be float32, float16 or bfloat16, got {g.dtype}")
+    if q.dtype != torch.uint8:
+        raise ValueError(f"softmax_backward expects uint8 codes q, got {q.dtype}")
+    if g.device != q.device:
+        raise ValueError(f"softmax_backward: g is on {g.device} but the codes are on {q.device}")
+    if g.shape != q.shape:
+        raise ValueError(f"softmax_backward: g has shape {tuple(g.shape)} but the codes have {tuple(q.shape)}")
+    dim = normalize_dim(q, dim)
+    if dim == q.dim() - 1:
+        raise ValueError(f"softmax_backward: the group dim {dim} is the softmax (last) dim of shape "
+                         f"{tuple(q.shape)}, so a row has several (alpha, beta); valid: a group dim < {dim} "
+                         "(else use dequantize + torch._softmax_backward_data)")
+    _check_groups(q, dim, num_groups)
+    _check_params(q, alpha, beta, num_groups)
+    return dim
+
+
+def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int) -> torch.Tensor:
+    """Gradient of a softmax over the last dim from its codes ``q``, in ``g``'s dtype.
+
+    Per row: ``y = dequantize(q)`` (as :func:`dequantize` returns it in ``g``'s dtype, then
+    float32), ``s = max(lane_sum(y), FLT_MIN)`` (NaN stays NaN), ``p = y / s`` (rows summing
+    to 1: a per-row bias keeps a zero gradient), ``d = lane_sum(g * p)`` and
+    ``gx = p * (g - d)``, every operation a separately rounded float32 one."""
+    dim = check_softmax_backward_args(g, q, alpha, beta, dim, num_groups)
+    if q.numel() == 0:
+        return torch.empty(q.shape, dtype=g.dtype, device=q.device)
+    L = q.shape[-1]
+    y = dequantize(q, alpha, beta, dim, num_groups, g.dtype).to(torch.float32).reshape(-1, L)
+    gf = g.to(torch.float32).reshape(-1, L)
+    s = lane_sum(y)
+    s = torch.where(s < torch.full_like(s, _FLT_MIN), torch.full_like(s, _FLT_MIN), s)
+    p = y / s
+    d = lane_sum(gf * p)
+    return (p * (gf - d)).to(g.dtype).view(q.shape)
