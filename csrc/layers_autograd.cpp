@@ -97,11 +97,17 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto ydt = ctx->saved_data["y_dtype"].toScalarType();
-    at::Tensor yh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                         ctx->saved_data["groups"].toInt(), ydt, std::nullopt);
+    const int64_t gdim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
+    const int64_t sdim = ctx->saved_data["softmax_dim"].toInt(), last = saved[0].dim() - 1;
+    // one op where every row has one (alpha, beta) (mesa_train/nn/softmax.py: fused_backward;
+    // this node only ever holds the default 8-bit format)
+    if (sdim == last && gdim != last) {
+      at::Tensor gx = softmax_backward_op().call(grads[0].to(ydt), saved[0], saved[1], saved[2], gdim, groups);
+      return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
+    }
+    at::Tensor yh = dequantize_op().call(saved[0], saved[1], saved[2], gdim, groups, ydt, std::nullopt);
     // each row rescaled to sum to 1 (mesa_train/nn/softmax.py: keeps the exactly-zero stock
     // gradient of a bias added to a whole row); an all-zero row stays 0 (0 / tiny)
-    const int64_t sdim = ctx->saved_data["softmax_dim"].toInt();
     yh = yh / yh.sum({sdim}, true).clamp_min(smallest_normal(ydt));
     at::Tensor gx = at::_softmax_backward_data(grads[0].to(ydt), yh, sdim, ydt);
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};

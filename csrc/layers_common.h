@@ -52,6 +52,14 @@ inline const c10::TypedOperatorHandle<RowExponentsFn>& row_exponents_op() {
   return op;
 }
 
+using SoftmaxBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     int64_t, int64_t);
+inline const c10::TypedOperatorHandle<SoftmaxBackwardFn>& softmax_backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::softmax_backward", "").typed<SoftmaxBackwardFn>();
+  return op;
+}
+
 // The quantizer's state and options, as the Python ActivationQuantizer.compress passes them.
 // estimator: mesa_train.nn.quantizer.ESTIMATOR_CODES (the default-format estimators).
 enum Estimator : int64_t { kRunning = 0, kPerSample = 1, kDelayed = 2 };

@@ -1,5 +1,5 @@
 // CUDA kernels of torch.ops.mesa.{observe, quantize, dequantize, group_minmax, update_estimates,
-// quantize_bits, dequantize_bits}.
+// quantize_bits, dequantize_bits, softmax_backward}.
 //
 // Launches per compressed activation: forward observe + quantize = 2, backward dequantize = 1.
 // * Every op is ONE kernel launch and does no host work beyond it: no host sync, no
@@ -1496,9 +1496,101 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
   return k;
 }
 
+// ----------------------------------------------------------------------------- softmax_backward
+// mesa::softmax_backward (DESIGN.md, "Fused softmax backward"): the backward of a softmax over
+// the last dim from its codes, one launch instead of dequantize + renormalise +
+// _softmax_backward_data (~4 passes over the attention map). One warp per row (a slice along
+// the last dim; the group dim lies before it, so the row has one (alpha, beta)), warps
+// striding over the rows. Lane l takes elements l, l + 32, ... in that order and each row sum
+// ends with the xor butterfly of __shfl_xor_sync: the fixed order that the reference and the
+// CPU kernel reproduce, so all agree bit for bit. Three sweeps of the row (sum y; sum g * p;
+// write gx) recompute y from the codes instead of keeping it: the row's codes and g come from
+// DRAM once and are re-read from L1 (a DeiT row is 197 bytes of codes and 197 g values).
+constexpr float kFltMin = 0x1p-126f;  // FLT_MIN, the clamp of a row sum (NaN stays NaN)
+
+// v rounded to scalar_t and back: the value mesa::dequantize returns in scalar_t
+template <typename scalar_t>
+__device__ __forceinline__ float through_dtype(float v) {
+  return static_cast<float>(static_cast<scalar_t>(v));
+}
+
+// every lane ends with the sum of all 32 lanes' values, added in the butterfly's order
+__device__ __forceinline__ float warp_butterfly_sum(float acc) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc = f_add(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, off));
+  return acc;
+}
+
+template <typename scalar_t, typename IdxT>
+__global__ void __launch_bounds__(kThreads)
+softmax_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __restrict__ q,
+                        const float* __restrict__ alpha, const float* __restrict__ beta, scalar_t* __restrict__ out,
+                        KLayout<IdxT> k, IdxT rows, IdxT n) {
+  const IdxT lane = IdxT(threadIdx.x % 32);
+  const IdxT warps = IdxT(gridDim.x) * IdxT(blockDim.x / 32);
+  for (IdxT row = IdxT(blockIdx.x) * IdxT(blockDim.x / 32) + IdxT(threadIdx.x / 32); row < rows; row += warps) {
+    const IdxT i0 = row * n;
+    const IdxT p = param_of(k, i0);
+    const float step = dequant_step(__ldg(alpha + p)), b = __ldg(beta + p);
+    const uint8_t* __restrict__ qr = q + i0;
+    const scalar_t* __restrict__ gr = g + i0;
+    // sweep 1: s = max(sum y, FLT_MIN)
+    float acc = 0.0f;
+    for (IdxT j = lane; j < n; j += 32) acc = f_add(acc, through_dtype<scalar_t>(dequantize_value(qr[j], step, b)));
+    float s = warp_butterfly_sum(acc);
+    s = s < kFltMin ? kFltMin : s;
+    // sweep 2: d = sum g * p with p = y / s (the row renormalised to sum 1)
+    float gp = 0.0f;
+    for (IdxT j = lane; j < n; j += 32) {
+      const float pj = f_div(through_dtype<scalar_t>(dequantize_value(qr[j], step, b)), s);
+      gp = f_add(gp, f_mul(static_cast<float>(gr[j]), pj));
+    }
+    const float d = warp_butterfly_sum(gp);
+    // sweep 3: gx = p * (g - d)
+    for (IdxT j = lane; j < n; j += 32) {
+      const float pj = f_div(through_dtype<scalar_t>(dequantize_value(qr[j], step, b)), s);
+      out[i0 + j] = static_cast<scalar_t>(f_mul(pj, f_sub(static_cast<float>(gr[j]), d)));
+    }
+  }
+}
+
+// 8 warps (rows) per block, at most 16 blocks per SM: warps stride over the remaining rows
+int softmax_backward_blocks(int64_t rows, int sms) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+}
+
+template <typename scalar_t, typename IdxT>
+void launch_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
+                             const at::Tensor& beta, at::Tensor& out, const Layout& L, int64_t n,
+                             cudaStream_t stream) {
+  const int64_t rows = L.numel / n;
+  softmax_backward_kernel<scalar_t, IdxT><<<softmax_backward_blocks(rows, sm_count()), kThreads, 0, stream>>>(
+      g.const_data_ptr<scalar_t>(), q.const_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
+      beta.const_data_ptr<float>(), out.mutable_data_ptr<scalar_t>(), make_klayout<IdxT>(L), static_cast<IdxT>(rows),
+      static_cast<IdxT>(n));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor softmax_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha_in,
+                                 const at::Tensor& beta_in, int64_t dim, int64_t num_groups) {
+  const Layout L = check_softmax_backward(g_in, q_in, alpha_in, beta_in, dim, num_groups);
+  const c10::cuda::OptionalCUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous(), g = g_in.contiguous();
+  at::Tensor out = at::empty(q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+  if (L.numel == 0) return out;
+  const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_softmax_backward_cuda", [&] {
+    if (fits_32bit(L)) launch_softmax_backward<scalar_t, uint32_t>(g, q, alpha, beta, out, L, q.size(-1), stream);
+    else launch_softmax_backward<scalar_t, uint64_t>(g, q, alpha, beta, out, L, q.size(-1), stream);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
+  m.impl("softmax_backward", &softmax_backward_cuda);
   m.impl("row_exponents", &row_exponents_cuda);
   m.impl("group_minmax", &group_minmax_cuda);
   m.impl("quantize", &quantize_cuda);

@@ -15,11 +15,31 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from mesa_train.quant import traceable
+from mesa_train.quant.compile_kernels import traced_as_pytorch
+
 from . import sharing
 from ._common import MesaLayer, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
 from .quantizer import Packed, decompress
 
 __all__ = ["Softmax"]
+
+
+_SOFTMAX_BACKWARD = torch.ops.mesa.softmax_backward.default
+
+
+def fused_backward(packed: Packed, softmax_dim: int) -> bool:
+    """Whether backward can be the one op ``mesa::softmax_backward``: the paper's 8-bit format
+    (codes of y's shape), the softmax over the last dim and the groups over another dim, so
+    that every row has one (alpha, beta). (csrc/layers_autograd.cpp decides the same way.)"""
+    last = packed.q.dim() - 1
+    return packed.fmt is None and softmax_dim == last and packed.dim != last
+
+
+def _fused_backward(g: torch.Tensor, p: Packed) -> torch.Tensor:
+    if traced_as_pytorch(p.q):  # under torch.compile with traceable kernels
+        return traceable.softmax_backward(g, p.q, p.alpha, p.beta, p.dim, p.num_groups)
+    return _SOFTMAX_BACKWARD(g, p.q, p.alpha, p.beta, p.dim, p.num_groups)
 
 
 class _SoftmaxFn(torch.autograd.Function):
@@ -48,6 +68,8 @@ class _SoftmaxFn(torch.autograd.Function):
             return None, None, None
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
+            if fused_backward(packed, ctx.dim):
+                return _fused_backward(g.to(ctx.y_dtype), packed).to(ctx.x_dtype), None, None
             yh = decompress(packed, ctx.y_dtype)
             # each dequantized row rescaled to sum to 1, as the exact map does: then every row
             # of gx sums to 0 exactly (up to float rounding), so a bias added to every logit of

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-# canonical and seed_step are the reference's own: already tensor-only
-from .reference import canonical, seed_step
+# canonical, seed_step and lane_sum are the reference's own: already tensor-only
+from .reference import _FLT_MIN, canonical, lane_sum, seed_step
 
-__all__ = ["group_minmax", "observe", "quantize_observe", "seed_step", "quantize", "dequantize", "canonical"]
+__all__ = ["group_minmax", "observe", "quantize_observe", "seed_step", "quantize", "dequantize", "canonical", "softmax_backward"]
 
 _EPS = 1e-12
 
@@ -273,3 +273,21 @@ def dequantize_bits(q, alpha, beta, shape, dim: int, num_groups: int, bits: int,
     step, _ = _step_and_inv(alpha, bits, pow2)
     st, b = _per_element(c, [step, beta], dim % len(shape), num_groups)
     return ((c.to(torch.float32) * st) + b).to(dtype)
+
+
+# ----------------------------------------------------------------------------- softmax backward
+def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int):
+    """``mesa::softmax_backward`` (the reference's arithmetic without its argument checks):
+    the lane sums are a static unrolled loop of adds and five butterfly steps, and every
+    division is tensor / tensor, which Inductor keeps a division (tests/test_softmax_backward.py
+    pins the compiled form to the op's bits)."""
+    if q.numel() == 0:
+        return torch.empty(q.shape, dtype=g.dtype, device=q.device)
+    L = q.shape[-1]
+    y = dequantize(q, alpha, beta, dim, num_groups, g.dtype).to(torch.float32).reshape(-1, L)
+    gf = g.to(torch.float32).reshape(-1, L)
+    s = lane_sum(y)
+    s = torch.where(s < torch.full_like(s, _FLT_MIN), torch.full_like(s, _FLT_MIN), s)
+    p = y / s
+    d = lane_sum(gf * p)
+    return (p * (gf - d)).to(g.dtype).view(q.shape)

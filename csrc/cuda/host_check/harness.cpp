@@ -26,6 +26,9 @@
 //   sequential step;
 // * quantize_bits / dequantize_bits (bits 8/4/2, linear and pow2 steps): sequential over
 //   (block, thread), every packed byte against the naive packing of the scalar math;
+// * softmax_backward (one warp per row, the same exchange; rows looping over the warps of a
+//   small grid, 32- and 64-bit indices, L in {1, 31, 32, 33, 197}, all-zero rows, g with
+//   NaN / inf) against the sequential definition (32 strided lane sums, xor butterfly);
 // * row_absmax (one warp per row; __shfl_xor_sync emulated by a per-warp exchange buffer
 //   and barrier, all 32 lanes as threads) on the vector and scalar paths, rows with NaN /
 //   inf / zero / subnormal values, against the naive max |x| per row; row_k against
@@ -128,6 +131,10 @@ inline uint32_t __shfl_xor_sync(uint32_t mask, uint32_t v, int lane_mask) {
   const uint32_t r = w.val[lane ^ unsigned(lane_mask)];
   w.bar->arrive_and_wait();
   return r;
+}
+
+inline float __shfl_xor_sync(uint32_t mask, float v, int lane_mask) {  // the device's float overload
+  return __uint_as_float(__shfl_xor_sync(mask, __float_as_uint(v), lane_mask));
 }
 
 namespace mesa {
@@ -1178,6 +1185,128 @@ int row_exponents_checks(int ncases) {
   return errs;
 }
 
+// ------------------------------------------------------------------ softmax_backward
+// The definition (DESIGN.md, "Fused softmax backward"), sequentially: per row, y in the
+// dtype, s = max(lane_sum(y), FLT_MIN), p = y / s, d = lane_sum(g * p), gx = p * (g - d);
+// lane_sum: 32 accumulators from +0.0, lane l adding elements l, l + 32, ..., then
+// acc[l] + acc[l ^ off] for off = 16, 8, 4, 2, 1, lane 0's value.
+float naive_lane_sum(const std::vector<float>& v) {
+  float acc[32];
+  for (float& a : acc) a = 0.0f;
+  for (size_t j = 0; j < v.size(); ++j) acc[j % 32] = acc[j % 32] + v[j];
+  for (int off = 16; off > 0; off /= 2) {
+    float nxt[32];
+    for (int l = 0; l < 32; ++l) nxt[l] = acc[l] + acc[l ^ off];
+    memcpy(acc, nxt, sizeof(acc));
+  }
+  return acc[0];
+}
+
+template <typename scalar_t>
+void naive_softmax_backward(const Layout& L, int64_t n, const scalar_t* g, const uint8_t* q, const float* alpha,
+                            const float* beta, std::vector<scalar_t>& want) {
+  want.resize(L.numel);
+  for (int64_t i0 = 0; i0 < L.numel; i0 += n) {
+    const int64_t p = param_index(L, i0);
+    std::vector<float> y(n), gp(n);
+    for (int64_t j = 0; j < n; ++j)
+      y[j] = static_cast<float>(static_cast<scalar_t>(q[i0 + j] * (alpha[p] / 255.0f) + beta[p]));
+    float s = naive_lane_sum(y);
+    if (s < 0x1p-126f) s = 0x1p-126f;
+    for (int64_t j = 0; j < n; ++j) y[j] = y[j] / s;
+    for (int64_t j = 0; j < n; ++j) gp[j] = static_cast<float>(g[i0 + j]) * y[j];
+    const float d = naive_lane_sum(gp);
+    for (int64_t j = 0; j < n; ++j) want[i0 + j] = static_cast<scalar_t>(y[j] * (static_cast<float>(g[i0 + j]) - d));
+  }
+}
+
+// softmax_backward_kernel on softmax_backward_cuda's grid, 32- or 64-bit indices, against the
+// naive definition; rows whose codes are all 0 with beta 0 (the FLT_MIN clamp), and g with
+// NaN / inf / -0 in some cases
+template <typename scalar_t, typename IdxT>
+int check_softmax_backward(const std::vector<int64_t>& shape, int64_t dim, int64_t G, bool per_sample, int sms,
+                           bool specials) {
+  const int64_t S = per_sample ? shape[0] : 1;
+  const Layout L = make_layout_h(shape, dim, G, S);
+  const int64_t n = shape.back(), rows = L.numel / n;
+  std::vector<float> alpha(S * G), beta(S * G);
+  std::uniform_real_distribution<float> ua(0.0f, 0.02f), ub(0.0f, 1e-3f);
+  for (int64_t p = 0; p < S * G; ++p) {
+    alpha[p] = ua(rng);
+    beta[p] = rng() % 3 == 0 ? 0.0f : ub(rng);
+  }
+  uint8_t* q = alloc<uint8_t>(L.numel, 0);
+  for (int64_t i = 0; i < L.numel; ++i) q[i] = uint8_t(rng() % 256);
+  for (int64_t r = 0; r < rows; ++r)
+    if (rng() % 4 == 0) memset(q + r * n, 0, n);  // y = beta: 0 where beta is 0
+  scalar_t* g = alloc<scalar_t>(L.numel, 0);
+  fill(g, L.numel, specials);
+  scalar_t* out = alloc<scalar_t>(L.numel + 1, 0);
+  out[L.numel] = static_cast<scalar_t>(7.0f);
+  launch_simt(unsigned(softmax_backward_blocks(rows, sms)), kThreads, [&] {
+    softmax_backward_kernel<scalar_t, IdxT>(g, q, alpha.data(), beta.data(), out, make_klayout<IdxT>(L), IdxT(rows),
+                                            IdxT(n));
+  });
+  std::vector<scalar_t> want;
+  naive_softmax_backward(L, n, g, q, alpha.data(), beta.data(), want);
+  int errs = 0;
+  for (int64_t i = 0; i < L.numel; ++i)
+    if (!same_value(out[i], want[i]) && errs++ < 5)
+      fprintf(stderr, "softmax_backward<%zu,%zu> mismatch i=%ld n=%ld got %g exp %g\n", sizeof(scalar_t),
+              sizeof(IdxT), (long)i, (long)n, static_cast<float>(out[i]), static_cast<float>(want[i]));
+  if (static_cast<float>(out[L.numel]) != 7.0f) { fprintf(stderr, "softmax_backward wrote past the end\n"); ++errs; }
+  if (errs) fprintf(stderr, "FAIL softmax_backward rows=%ld n=%ld dim=%ld G=%ld ps=%d sms=%d\n", (long)rows, (long)n,
+                    (long)dim, (long)G, int(per_sample), sms);
+  g_checked[sizeof(IdxT) == 4 ? "softmax_backward" : "softmax_backward_64"]++;
+  free(q);
+  free(g);
+  free(out);
+  return errs;
+}
+
+template <typename scalar_t>
+int check_softmax_backward_all(const std::vector<int64_t>& shape, int64_t dim, int64_t G, bool ps, int sms,
+                               bool specials) {
+  return check_softmax_backward<scalar_t, uint32_t>(shape, dim, G, ps, sms, specials) +
+         check_softmax_backward<scalar_t, uint64_t>(shape, dim, G, ps, sms, specials);
+}
+
+int softmax_backward_checks(int ncases) {
+  int errs = 0;
+  // attention maps (B, H, N, L) with L in {1, 31, 32, 33, 197} (partial, exact and several
+  // lane passes), more rows than one SM's warps (warps loop), group dims 0, 1 and 2
+  struct C { std::vector<int64_t> s; int64_t dim, G; };
+  const std::vector<C> fixed = {{{2, 3, 4, 1}, 1, 3},   {{2, 3, 5, 31}, 1, 3}, {{3, 2, 7, 32}, 1, 2},
+                                {{2, 4, 3, 33}, 1, 2},  {{2, 2, 5, 197}, 1, 2}, {{2, 6, 40, 33}, 1, 6},
+                                {{3, 5, 64}, 1, 5},     {{4, 9, 31}, 0, 2},    {{2, 3, 4, 5, 33}, 2, 2}};
+  int t = 0;
+  for (const auto& c : fixed)
+    for (int sms : {1, 132}) {
+      const bool ps = (t + sms) % 2, sp = t % 3 == 0;
+      switch (t++ % 3) {
+        case 0: errs += check_softmax_backward_all<float>(c.s, c.dim, c.G, ps, sms, sp); break;
+        case 1: errs += check_softmax_backward_all<c10::Half>(c.s, c.dim, c.G, ps, sms, sp); break;
+        default: errs += check_softmax_backward_all<c10::BFloat16>(c.s, c.dim, c.G, ps, sms, sp); break;
+      }
+    }
+  for (int k = 0; k < ncases; ++k) {
+    const int nd = 2 + rng() % 3;
+    std::vector<int64_t> shape(nd);
+    for (auto& v : shape) v = 1 + rng() % 9;
+    shape.back() = 1 + rng() % 200;
+    const int64_t dim = rng() % (nd - 1), G = 1 + rng() % shape[dim];
+    const bool ps = rng() % 2, sp = rng() % 2;
+    const int sms = 1 + rng() % 3;
+    switch (rng() % 3) {
+      case 0: errs += check_softmax_backward_all<float>(shape, dim, G, ps, sms, sp); break;
+      case 1: errs += check_softmax_backward_all<c10::Half>(shape, dim, G, ps, sms, sp); break;
+      default: errs += check_softmax_backward_all<c10::BFloat16>(shape, dim, G, ps, sms, sp); break;
+    }
+  }
+  printf("softmax_backward errors: %d\n", errs);
+  return errs;
+}
+
 // ------------------------------------------------------------------ main
 int index_checks() {
   int errs = fastdiv_check();
@@ -1279,6 +1408,7 @@ int main(int argc, char** argv) {
   int errs = timed("index math", index_checks);
   errs += timed("update_estimates", [&] { return estimates_check(quick); });
   errs += timed("row_exponents", [&] { return row_exponents_checks(ncases); });
+  errs += timed("softmax_backward", [&] { return softmax_backward_checks(ncases); });
   errs += timed("fixed layouts", [&] { return fixed_layout_checks(quick); });
   errs += timed("random layouts", [&] { return random_layout_checks(ncases); });
   print_summary();
