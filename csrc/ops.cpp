@@ -179,6 +179,7 @@ Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at
                     " is the softmax (last) dim of shape ", q.sizes(),
                     ", so a row has several (alpha, beta); valid: a group dim < ", nd,
                     " (else use dequantize + torch._softmax_backward_data)");
+  make_layout(q, nd, num_groups, 1);  // the num_groups range first, as the reference checks it
   const int64_t S = check_params(q, alpha, beta, num_groups);
   return make_layout(q, nd, num_groups, S);
 }

@@ -4,7 +4,8 @@ On a GPU every extra eager op is one more kernel launch and one more pass over t
 activation, which is where Mesa's throughput goes (issue 5). These tests pin the op
 sequence of each layer's forward and backward so that a change which adds passes fails
 here rather than silently in a GPU benchmark: a compressed tensor costs exactly
-``observe + quantize`` in forward and one ``dequantize`` in backward (plus one
+``observe + quantize`` in forward and one ``dequantize`` in backward (or, for a Softmax over the
+last dim, one ``softmax_backward`` that replaces the stock backward op too; plus one
 ``row_exponents`` for the inputs with power-of-two row scales); everything else must be the
 stock layer's own ops (plus, for LayerNorm, the one documented extra pass each way).
 """
@@ -88,9 +89,12 @@ SDPA_RECOMPUTE = ["aten._scaled_dot_product_flash_attention_for_cpu"]
 CASES = {
     "Linear": (lambda: nn.Linear(16, 8), M.Linear.from_module, lambda: (_x(),), 1, ROWSCALE_FWD, ROWSCALE_BWD),
     "GELU": (nn.GELU, M.GELU.from_module, lambda: (_x(),), 1, [], []),
-    # backward: each dequantized row renormalised to sum 1 (row sum, clamp, divide)
-    "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [],
-                ["aten.sum", "aten.clamp_min", "aten.div"]),
+    # backward over the last dim: one op (FUSED_BACKWARD)
+    "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [], []),
+    # over another dim, backward: each dequantized row renormalised to sum 1 (row sum, clamp,
+    # divide), then stock's own _softmax_backward_data
+    "Softmax/dim2": (lambda: nn.Softmax(2), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [],
+                     ["aten.sum", "aten.clamp_min", "aten.div"]),
     "Conv2d": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
     # x_hat: a second (affine-free) LayerNorm pass; backward: the row's rstd multiply
     "LayerNorm": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,
@@ -115,8 +119,16 @@ PYTHON_PATH_CASES = {
     "MatMul/python": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2,
                       [], []),
     "Conv2d/python": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
+    "Softmax/python": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [], []),
     "SDPA/python": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2), _qkv, 3, [], SDPA_RECOMPUTE),
 }
+
+
+# Layers whose whole backward is one Mesa op reading the codes (instead of dequantize), which
+# also takes the place of one stock backward op: a Softmax over the last dim
+# (mesa::softmax_backward: dequantize, renormalise and _softmax_backward_data in one pass).
+FUSED_BACKWARD = {"Softmax": ("mesa.softmax_backward", "aten._softmax_backward_data"),
+                  "Softmax/python": ("mesa.softmax_backward", "aten._softmax_backward_data")}
 
 
 @pytest.mark.parametrize("name", list(CASES) + list(PYTHON_PATH_CASES))
@@ -140,8 +152,12 @@ def test_mesa_layer_adds_only_its_compression_ops(name, monkeypatch):
     def aten_ops(ops):
         return sorted(o for o in ops if not o.startswith("mesa."))
 
+    bwd_op, replaced = FUSED_BACKWARD.get(name, ("mesa.dequantize", None))
+    if replaced is not None:
+        assert replaced in stock_bwd, stock_bwd
+        stock_bwd.remove(replaced)
     assert mesa_ops(mesa_fwd) == mesa_ops(extra_fwd) + COMPRESS * n_compressed, mesa_fwd
-    assert mesa_ops(mesa_bwd) == mesa_ops(extra_bwd) + ["mesa.dequantize"] * n_compressed, mesa_bwd
+    assert mesa_ops(mesa_bwd) == mesa_ops(extra_bwd) + [bwd_op] * n_compressed, mesa_bwd
     assert aten_ops(mesa_fwd) == sorted(stock_fwd + aten_ops(extra_fwd)), (
         f"forward passes beyond the stock layer's: {mesa_fwd} vs stock {stock_fwd}")
     assert aten_ops(mesa_bwd) == sorted(stock_bwd + aten_ops(extra_bwd)), (

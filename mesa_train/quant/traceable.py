@@ -276,15 +276,50 @@ def dequantize_bits(q, alpha, beta, shape, dim: int, num_groups: int, bits: int,
 
 
 # ----------------------------------------------------------------------------- softmax backward
+_F16_MAX_EXACT = 65520.0  # |v| >= this rounds (to nearest even) to inf in float16
+_F16_MIN_NORMAL = 2.0 ** -14
+
+
+def _keep_low_bits(v: torch.Tensor, drop: int) -> torch.Tensor:
+    """Float32 ``v`` rounded to nearest even at bit ``drop`` of its significand, by integer
+    arithmetic on its bits (finite ``v``; a carry into the exponent is the correct result)."""
+    u = v.view(torch.int32)
+    half = (1 << (drop - 1)) - 1
+    r = (u + half + ((u >> drop) & 1)) & -(1 << drop)
+    return r.view(torch.float32)
+
+
+def round_through(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``v.to(dtype).to(torch.float32)`` for float32 ``v``, in a form Inductor cannot skip: it
+    computes a fused kernel's bfloat16 / float16 intermediates in float32 and drops such a
+    round trip (unless ``emulate_precision_casts``), so the rounding is written out as float32
+    bit arithmetic. NaN stays NaN (its payload aside)."""
+    if dtype == torch.float32:
+        return v
+    if dtype == torch.bfloat16:
+        return torch.where(v != v, v, _keep_low_bits(v, 16))
+    a = v.abs()
+    normal = _keep_low_bits(a, 13)
+    # below float16's normals the grid is 2**-24: rint(a * 2**24) * 2**-24, the rint as the
+    # exact float trick (c + 2**23) - 2**23 (c < 2**10); the scalings are exact powers of two
+    c = a * torch.full_like(a, 2.0 ** 24)
+    big = torch.full_like(a, 2.0 ** 23)
+    sub = ((c + big) - big) * torch.full_like(a, 2.0 ** -24)
+    r = torch.where(a < _F16_MIN_NORMAL, sub, normal)
+    r = torch.where(a >= _F16_MAX_EXACT, torch.full_like(a, float("inf")), r)
+    return torch.where(v != v, v, torch.copysign(r, v))
+
+
 def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int):
     """``mesa::softmax_backward`` (the reference's arithmetic without its argument checks):
-    the lane sums are a static unrolled loop of adds and five butterfly steps, and every
-    division is tensor / tensor, which Inductor keeps a division (tests/test_softmax_backward.py
-    pins the compiled form to the op's bits)."""
+    the lane sums are a static unrolled loop of adds and five butterfly steps, every
+    division is tensor / tensor, which Inductor keeps a division, and y's rounding to g's dtype
+    is explicit (:func:`round_through`); tests/test_softmax_backward.py pins the compiled form
+    to the op's bits."""
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=g.dtype, device=q.device)
     L = q.shape[-1]
-    y = dequantize(q, alpha, beta, dim, num_groups, g.dtype).to(torch.float32).reshape(-1, L)
+    y = round_through(dequantize(q, alpha, beta, dim, num_groups, torch.float32), g.dtype).reshape(-1, L)
     gf = g.to(torch.float32).reshape(-1, L)
     s = lane_sum(y)
     s = torch.where(s < torch.full_like(s, _FLT_MIN), torch.full_like(s, _FLT_MIN), s)
