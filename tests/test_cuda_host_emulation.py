@@ -30,9 +30,10 @@ FAMILIES = (
     "group_minmax", "observe", "observe_rows",
     "quantize_observe_first", "quantize_observe_init", "quantize_observe_first_rows", "quantize_observe_init_rows",
     "update_estimates", "estimate_and_seed", "row_absmax", "row_absmax_vec", "row_k",
+    "softmax_backward", "softmax_backward_64",
 )
 KERNELS = ("quantize_kernel", "dequantize_kernel", "quantize_bits_kernel", "dequantize_bits_kernel", "observe_kernel",
-           "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel")
+           "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel", "softmax_backward_kernel")
 
 
 def _no_cxx20_barrier(tmp_path) -> str | None:
@@ -53,7 +54,7 @@ def test_extract_takes_every_kernel_and_no_host_glue():
     assert proc.returncode == 0, proc.stderr
     for name in KERNELS:
         assert re.search(rf"\b{name}\(", proc.stdout), name
-    for glue in ("at::Tensor", "OptionalCUDAGuard", "<<<", "make_krows(", "sm_count()"):
+    for glue in ("at::Tensor", "OptionalCUDAGuard", "<<<", "make_krows(", "sm_count()", "softmax_backward_cuda("):
         assert glue not in proc.stdout, glue
 
 

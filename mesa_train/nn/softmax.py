@@ -1,5 +1,12 @@
 """Mesa ``Softmax``: exact forward, saves only its 8-bit output (per-head groups for 4-D).
 
+Backward renormalises each dequantized row to sum 1 (a bias added to a whole row of logits
+keeps its zero gradient; DESIGN.md, "Softmax backward renormalises the dequantized rows").
+Over the last dim with the groups along another dim (4-D attention maps) and the default
+8-bit format, that whole backward is one op, ``mesa::softmax_backward`` (its traced form under
+``torch.compile`` with traceable kernels), which reads the codes and the gradient once; other
+layouts and the variant formats dequantize, renormalise and call ``_softmax_backward_data``.
+
 The compressed output can be reused by a Mesa ``MatMul`` whose left operand is this output
 (``attn @ v``) instead of quantizing it again: :meth:`Softmax.forward_with_copy` hands it
 over explicitly (what the patched attention modules do; this also works under
