@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "mesa_common.h"
@@ -923,22 +924,24 @@ MESA_ALWAYS_INLINE float through(float v, const T*) {
   return to_f(t);
 }
 
-// acc[l] += v[l + 32 c] for every full or partial chunk c of 32 (a lane's elements in order)
-MESA_ALWAYS_INLINE void lane_accumulate(float (&acc)[kLanes], const float* __restrict__ v, int64_t n) {
-  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
-    const int64_t m = std::min<int64_t>(kLanes, n - c0);
-    for (int64_t l = 0; l < m; ++l) acc[l] = f_add(acc[l], v[c0 + l]);
-  }
+// Lane 0's result of the __shfl_xor_sync butterfly over the 32 lane sums. Lane 0 only needs
+// lanes l < off at each step, and for those l ^ off = l + off: a halving tree of 31 adds
+// (16-, 8-, ... wide vector adds) instead of the butterfly's 160, the same operands in the
+// same order, so the same bits.
+MESA_ALWAYS_INLINE float butterfly(float (&acc)[kLanes]) {
+  for (int off = kLanes / 2; off > 0; off /= 2)
+    for (int l = 0; l < off; ++l) acc[l] = f_add(acc[l], acc[l + off]);
+  return acc[0];
 }
 
-// The butterfly of __shfl_xor_sync over the 32 lane sums; lane 0's result
-MESA_ALWAYS_INLINE float butterfly(float (&acc)[kLanes]) {
-  for (int off = kLanes / 2; off > 0; off /= 2) {
-    float nxt[kLanes];
-    for (int l = 0; l < kLanes; ++l) nxt[l] = f_add(acc[l], acc[l ^ off]);
-    std::memcpy(acc, nxt, sizeof(acc));
-  }
-  return acc[0];
+// The chunks of 32 elements of a row: body(c0, m) for the m <= 32 elements from c0 (lane l
+// takes element c0 + l). Full chunks get a constant trip count, which the vectoriser turns
+// into straight 16-/8-wide code; the tail keeps a variable one.
+template <typename Body>
+MESA_ALWAYS_INLINE void for_chunks(int64_t n, Body body) {
+  int64_t c0 = 0;
+  for (; c0 + kLanes <= n; c0 += kLanes) body(c0, std::integral_constant<int64_t, kLanes>());
+  if (c0 < n) body(c0, n - c0);
 }
 
 // One row of n elements with one (step, beta); p: n floats of scratch.
@@ -947,18 +950,25 @@ MESA_ALWAYS_INLINE void softmax_bwd_row_body(const uint8_t* __restrict__ q, cons
                                              T* __restrict__ out, int64_t n, float step, float beta,
                                              float* __restrict__ p) {
   // stage 1: y (rounded through g's dtype, as dequantize returns it) and s = max(sum y, FLT_MIN)
-  for (int64_t j = 0; j < n; ++j) p[j] = through(dequantize_value(q[j], step, beta), g);
   float acc[kLanes] = {};
-  lane_accumulate(acc, p, n);
+  for_chunks(n, [&](int64_t c0, auto m) {
+    for (int64_t l = 0; l < int64_t(m); ++l) {
+      const float y = through(dequantize_value(q[c0 + l], step, beta), g);
+      p[c0 + l] = y;
+      acc[l] = f_add(acc[l], y);
+    }
+  });
   float s = butterfly(acc);
   s = s < kFltMin ? kFltMin : s;  // NaN stays NaN
   // stage 2: p = y / s (the row renormalised to sum 1) and d = sum g * p
-  for (int64_t j = 0; j < n; ++j) p[j] = f_div(p[j], s);
   float gp[kLanes] = {};
-  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
-    const int64_t m = std::min<int64_t>(kLanes, n - c0);
-    for (int64_t l = 0; l < m; ++l) gp[l] = f_add(gp[l], f_mul(to_f(g[c0 + l]), p[c0 + l]));
-  }
+  for_chunks(n, [&](int64_t c0, auto m) {
+    for (int64_t l = 0; l < int64_t(m); ++l) {
+      const float pj = f_div(p[c0 + l], s);
+      p[c0 + l] = pj;
+      gp[l] = f_add(gp[l], f_mul(to_f(g[c0 + l]), pj));
+    }
+  });
   const float d = butterfly(gp);
   // stage 3: gx = p * (g - d)
   for (int64_t j = 0; j < n; ++j) from_f(f_mul(p[j], f_sub(to_f(g[j]), d)), out[j]);
