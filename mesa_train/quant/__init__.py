@@ -96,7 +96,9 @@ _SCHEMAS = {
         "dequantize_bits(Tensor q, Tensor alpha, Tensor beta, int[] shape, int dim, int num_groups, int bits, "
         "bool pow2, ScalarType dtype) -> Tensor"
     ),
-    "softmax_backward": "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor",
+    "softmax_backward": (
+        "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor"
+    ),
 }
 # The core ops: a build with CUDA kernels has these (CUDA_BACKEND == "extension"). The
 # variants' ops (quantize_bits / dequantize_bits) have CUDA kernels too since issue 12's
@@ -181,7 +183,6 @@ def _ref_softmax_backward(g, q, alpha, beta, dim, num_groups):
 
 
 _REF_IMPLS = {
-    "softmax_backward": _ref_softmax_backward,
     "quantize_bits": _ref_quantize_bits,
     "dequantize_bits": _ref_dequantize_bits,
     "group_minmax": _ref_minmax,
@@ -192,6 +193,7 @@ _REF_IMPLS = {
     "observe": _ref_observe,
     "quantize_observe": _ref_quantize_observe,
     "estimate_and_seed": _ref_estimate_and_seed,
+    "softmax_backward": _ref_softmax_backward,
 }
 
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only

@@ -24,7 +24,8 @@ import torch
 # canonical, seed_step and lane_sum are the reference's own: already tensor-only
 from .reference import _FLT_MIN, canonical, lane_sum, seed_step
 
-__all__ = ["group_minmax", "observe", "quantize_observe", "seed_step", "quantize", "dequantize", "canonical", "softmax_backward"]
+__all__ = ["group_minmax", "observe", "quantize_observe", "seed_step", "quantize", "dequantize", "canonical",
+           "softmax_backward", "round_through"]
 
 _EPS = 1e-12
 
