@@ -343,3 +343,41 @@ def test_cpp_node_is_bitwise_the_python_function(dtype, softmax_dim, monkeypatch
             layer(xi).backward(g)
             grads.append(xi.grad)
     assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[3])
+
+
+# ----------------------------------------------------------------------------- torch.compile
+@pytest.mark.parametrize("mode", ["ops", "traceable"])
+def test_compiled_backward_is_the_op_or_its_traced_form(mode, monkeypatch):
+    """compile_kernels=ops: mesa::softmax_backward is a node of the backward graph (its fake
+    gives the shapes); traceable: its plain-PyTorch form, no mesa op and no ATen softmax
+    backward. Either way the gradient is the eager one, bit for bit."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from mesa_train.quant import compile_kernels
+
+    monkeypatch.setattr(compile_kernels, "_mode", mode)
+    torch._dynamo.reset()
+    backward_code = []
+
+    def fw(gm, _):
+        return make_boxed_func(gm.forward)
+
+    def bw(gm, _):
+        backward_code.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    layers = [mnn.Softmax(-1, num_groups=2) for _ in range(2)]
+    layers[1].quantizer.rng.copy_(layers[0].quantizer.rng)
+    compiled = torch.compile(layers[1], backend=aot_autograd(fw_compiler=fw, bw_compiler=bw), fullgraph=True)
+    x = torch.randn(2, 2, 5, 33) * 3
+    g = torch.randn(x.shape)
+    grads = []
+    for fn in (layers[0], compiled):
+        xi = x.clone().requires_grad_()
+        fn(xi).backward(g)
+        grads.append(xi.grad)
+    code = "\n".join(backward_code)
+    assert "dequantize" not in code and "_softmax_backward_data" not in code, code
+    assert ("mesa.softmax_backward" in code) == (mode == "ops"), code
+    assert torch.equal(grads[0], grads[1])
