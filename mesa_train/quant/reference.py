@@ -58,6 +58,7 @@ __all__ = [
     "lane_sum",
     "check_softmax_backward_args",
     "softmax_backward",
+    "softmax_backward_from_y",
 ]
 
 BITS = (8, 4, 2)  # supported code widths (DESIGN.md, "Variants")
@@ -829,11 +830,19 @@ def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int) -> torch.Tens
     dim = check_softmax_backward_args(g, q, alpha, beta, dim, num_groups)
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=g.dtype, device=q.device)
-    L = q.shape[-1]
-    y = dequantize(q, alpha, beta, dim, num_groups, g.dtype).to(torch.float32).reshape(-1, L)
+    y = dequantize(q, alpha, beta, dim, num_groups, g.dtype).to(torch.float32)
+    return softmax_backward_from_y(y, g)
+
+
+def softmax_backward_from_y(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """:func:`softmax_backward` from the dequantized map ``y`` (float32, already rounded through
+    ``g``'s dtype), tensor ops only: the reference and its traced twin
+    (``traceable.softmax_backward``) differ only in how they obtain ``y``."""
+    L = y.shape[-1]
+    yr = y.reshape(-1, L)
     gf = g.to(torch.float32).reshape(-1, L)
-    s = lane_sum(y)
+    s = lane_sum(yr)
     s = torch.where(s < torch.full_like(s, _FLT_MIN), torch.full_like(s, _FLT_MIN), s)
-    p = y / s
+    p = yr / s
     d = lane_sum(gf * p)
-    return (p * (gf - d)).to(g.dtype).view(q.shape)
+    return (p * (gf - d)).to(g.dtype).view(y.shape)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-# canonical, seed_step and lane_sum are the reference's own: already tensor-only
-from .reference import _FLT_MIN, canonical, lane_sum, seed_step
+# canonical, seed_step and softmax_backward_from_y are the reference's own: already tensor-only
+from .reference import canonical, seed_step, softmax_backward_from_y
 
 __all__ = ["group_minmax", "observe", "quantize_observe", "seed_step", "quantize", "dequantize", "canonical",
            "softmax_backward", "round_through"]
@@ -319,11 +319,5 @@ def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int):
     to the op's bits."""
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=g.dtype, device=q.device)
-    L = q.shape[-1]
-    y = round_through(dequantize(q, alpha, beta, dim, num_groups, torch.float32), g.dtype).reshape(-1, L)
-    gf = g.to(torch.float32).reshape(-1, L)
-    s = lane_sum(y)
-    s = torch.where(s < torch.full_like(s, _FLT_MIN), torch.full_like(s, _FLT_MIN), s)
-    p = y / s
-    d = lane_sum(gf * p)
-    return (p * (gf - d)).to(g.dtype).view(q.shape)
+    y = round_through(dequantize(q, alpha, beta, dim, num_groups, torch.float32), g.dtype)
+    return softmax_backward_from_y(y, g)
