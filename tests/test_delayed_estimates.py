@@ -20,6 +20,7 @@ import mesa_train.quant as Q
 from mesa_train.nn.quantizer import QuantOptions
 from mesa_train.quant import reference as R
 from mesa_train.quant import traceable as T
+from op_recorder import OpRecorder
 
 needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
@@ -115,20 +116,7 @@ def test_empty_batch_keeps_the_estimates():
 
 # ----------------------------------------------------------------------------- layers
 def _ops_of(layer, x):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Rec(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func.overloadpacket)
-            if name.startswith("mesa."):
-                self.ops.append(name)
-            return func(*args, **(kwargs or {}))
-
-    with Rec() as rec:
+    with OpRecorder(keep=lambda name: name.startswith("mesa.")) as rec:
         layer(x).sum().backward()
     return rec.ops
 

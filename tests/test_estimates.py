@@ -12,11 +12,11 @@ import itertools
 import pytest
 import torch
 from torch.library import opcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mesa_train.quant as Q
 from mesa_train.nn import ActivationQuantizer
 from mesa_train.quant import reference as R
+from op_recorder import OpRecorder
 
 needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
@@ -178,16 +178,6 @@ def test_opcheck_cpu():
         opcheck(torch.ops.mesa.update_estimates.default, args)
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("estimator", ["running", "per_sample"])
 def test_compress_dispatches_few_ops(estimator):
     """One compression = observe (minmax + estimates + seed step) + quantize (+ the
@@ -199,7 +189,7 @@ def test_compress_dispatches_few_ops(estimator):
     aq = ActivationQuantizer(num_groups=4, estimator=estimator)
     x = torch.randn(2, 7, 16)
     aq.compress(x, -1)  # first call initialises
-    with _CountOps() as counter:
+    with OpRecorder() as counter:
         aq.compress(x, -1)
     on_data = [o for o in counter.ops if o.startswith("mesa.")]
     assert on_data == ["mesa.observe", "mesa.quantize"], counter.ops

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mesa_train.nn as M
+from op_recorder import OpRecorder
 
 # metadata-only ops, allocations and grad accumulation: not passes over data. (No seed draw:
 # rounding seeds come from the quantizers' device-side counters inside mesa::observe, so a
@@ -40,22 +40,10 @@ ROWSCALE_FWD = ["mesa.row_exponents"]
 ROWSCALE_BWD = []
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if name not in NOT_A_PASS:
-            self.ops.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def _fwd_bwd_ops(module, *inputs):
     xs = [x.clone().requires_grad_() for x in inputs]
     module(*xs).sum().backward()  # initialise estimates, lazy state
-    with _Ops() as rec:
+    with OpRecorder(keep=lambda name: name not in NOT_A_PASS) as rec:
         y = module(*xs)
         n_fwd = len(rec.ops)
         y.backward(torch.ones_like(y))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mesa_train.nn as mnn
 import mesa_train.quant as Q
@@ -21,6 +20,7 @@ from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn.quantizer import decompress
 from mesa_train.quant import reference as R
 from mesa_train.quant import traceable
+from op_recorder import OpRecorder
 
 needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -249,21 +249,11 @@ def _old_formula(packed, g, softmax_dim, dtype):
     return torch._softmax_backward_data(g.to(dtype), yh, softmax_dim, dtype)
 
 
-class _Record(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def _layer_grad(layer, x, g):
     """The input gradient of one training step, the 8-bit copy it used and backward's ops."""
     xi = x.clone().requires_grad_()
     y, packed = layer.forward_with_copy(xi)
-    with _Record() as rec:
+    with OpRecorder() as rec:
         y.backward(g)
     return xi.grad, packed, rec.ops
 

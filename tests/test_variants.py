@@ -18,6 +18,7 @@ from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn.quantizer import ActivationQuantizer, QuantOptions, convert_format, decompress
 from mesa_train.quant import reference as R
 from mesa_train.quant import traceable as T
+from op_recorder import OpRecorder
 
 warnings.filterwarnings("ignore", message=".*compiled extension.*")
 
@@ -311,21 +312,10 @@ def test_opcheck_variant_ops():
 
 def test_variant_op_counts():
     """A variant compression is still 2 mesa ops forward (observe, quantize_bits) and 1 backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Rec(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     m = mn.GELU(num_groups=2, bits=4, scale="pow2")
     x = torch.randn(2, 9, 16, requires_grad=True)
     m(x).sum().backward()
-    with Rec() as r:
+    with OpRecorder() as r:
         y = m(x)
         n = len(r.ops)
         y.backward(torch.ones_like(y))
