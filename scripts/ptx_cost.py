@@ -25,10 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = Path("csrc/cuda/quant_cuda.cu")
-# the extension's nvcc flags (setup.py plus torch's defaults for extensions)
-NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++20", "--expt-relaxed-constexpr", "-DMESA_WITH_CUDA",
-              "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-              "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+# setup.py's nvcc flags for the extension (torch's own, COMMON_NVCC_FLAGS, are added in compile_ptx)
+NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++20", "-DMESA_WITH_CUDA"]
 
 
 def fail(message: str) -> "NoReturn":  # noqa: F821
@@ -76,7 +74,7 @@ def readable_counts(counts: dict[str, collections.Counter]) -> dict[str, collect
 
 
 def compile_ptx(tree: Path, arch: str) -> str:
-    from torch.utils.cpp_extension import include_paths
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).exists():
@@ -84,7 +82,8 @@ def compile_ptx(tree: Path, arch: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "k.ptx"
         includes = [f"-I{p}" for p in include_paths(device_type="cuda")]
-        cmd = [nvcc, "-ptx", f"-arch={arch}", *NVCC_FLAGS, *includes, str(tree / SOURCE), "-o", str(out)]
+        cmd = [nvcc, "-ptx", f"-arch={arch}", *NVCC_FLAGS, *COMMON_NVCC_FLAGS, *includes, str(tree / SOURCE), "-o",
+               str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             fail(f"nvcc failed on {tree / SOURCE}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
