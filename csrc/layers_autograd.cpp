@@ -327,15 +327,42 @@ Kept keep_operand(const at::Tensor& t, bool needed, const std::optional<SharedCo
   return k;
 }
 
+// mesa_train.nn.matmul.batched_operands: the contiguous copy the stock batched matmul would
+// make of an operand (its reshape to (batch, n, m) cannot view it), made once before the
+// product so that the compression finds it contiguous; bitwise the same product.
+at::Tensor batch_copy(const at::Tensor& t) {
+  const at::Tensor t3 = t.reshape({-1, t.size(-2), t.size(-1)});
+  return t3.is_alias_of(t) ? t : t3.view(t.sizes());
+}
+
+bool same_batch(at::IntArrayRef a, at::IntArrayRef b) {
+  return a.size() >= 3 && b.size() >= 3 && a.slice(0, a.size() - 2) == b.slice(0, b.size() - 2);
+}
+
+at::Tensor as_batch_copy(const at::Tensor& t) {
+  const auto dev = t.device().type();
+  if (t.is_floating_point() && at::autocast::is_autocast_enabled(dev) &&
+      t.scalar_type() != at::autocast::get_autocast_dtype(dev))
+    return t;  // autocast's cast makes the copy
+  return batch_copy(t);
+}
+
+std::pair<at::Tensor, at::Tensor> batched_operands(const at::Tensor& a, const at::Tensor& b) {
+  if (!same_batch(a.sizes(), b.sizes())) return {a, b};
+  return {as_batch_copy(a), as_batch_copy(b)};
+}
+
 struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a_in, const at::Tensor& b_in,
                             std::optional<SharedCopy> shared_a, std::optional<SharedCopy> shared_b,
                             std::optional<Quantizer> qa, std::optional<Quantizer> qb) {
+    const auto [a, b] = batched_operands(a_in, b_in);  // its copies serve the compression too
     at::Tensor out = at::matmul(a, b);  // autocast applies here, exactly like the stock `a @ b`
     const auto cdt = out.scalar_type();
     // the gradient of a needs b and vice versa
-    const Kept ka = keep_operand(a, b.requires_grad(), shared_a, qa, cdt);
-    const Kept kb = keep_operand(b, a.requires_grad(), shared_b, qb, cdt);
+    // (the copies are made with grad mode off: ask the inputs what needs a gradient)
+    const Kept ka = keep_operand(a, b_in.requires_grad(), shared_a, qa, cdt);
+    const Kept kb = keep_operand(b, a_in.requires_grad(), shared_b, qb, cdt);
     ctx->save_for_backward({ka.q, ka.alpha, ka.beta, ka.full, kb.q, kb.alpha, kb.beta, kb.full});
     ctx->saved_data["a_layout"] = std::vector<int64_t>{ka.dim, ka.groups};
     ctx->saved_data["b_layout"] = std::vector<int64_t>{kb.dim, kb.groups};
@@ -364,6 +391,9 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
     const auto a_shape = ctx->saved_data["a_shape"].toIntVector();
     const auto b_shape = ctx->saved_data["b_shape"].toIntVector();
     at::Tensor g = grads[0].to(cdt), ga, gb;
+    // g feeds up to two products: copy it once where each would (the stock matmul's
+    // backward gets its own reshape's contiguous copy once, too)
+    if (same_batch(a_shape, b_shape)) g = batch_copy(g);
     if (a_shape.size() == 1) g = g.unsqueeze(-2);
     if (b_shape.size() == 1) g = g.unsqueeze(-1);
     if (ctx->needs_input_grad(0)) {

@@ -60,6 +60,29 @@ class _SDPA(nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
+class _HeadsProduct(nn.Module):
+    """A product of heads split from a fused qkv projection, as in timm's ``Attention``:
+    ``q @ k^T`` (``which="qk"``) or ``attn @ v`` ("av"), its output back to tokens. The
+    operands are views the batched product must copy, and so is its gradient: Mesa's
+    compression (or backward) must reuse those copies, not make its own (issue 9: at most
+    one contiguous copy per tensor)."""
+
+    def __init__(self, matmul: nn.Module, which: str):
+        super().__init__()
+        self.matmul, self.which = matmul, which
+
+    def forward(self, attn, qkv):
+        B, N, _ = qkv.shape
+        q, k, v = qkv.reshape(B, N, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        out = self.matmul(q, k.transpose(-2, -1)) if self.which == "qk" else self.matmul(attn, v)
+        return out.transpose(1, 2).reshape(B, N, -1)
+
+
+def _heads_case(which: str) -> tuple:
+    return (lambda: _HeadsProduct(_MatMul(), which), lambda s: _HeadsProduct(M.MatMul(), s.which),
+            lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 9, 48)), 2, [], [])
+
+
 def _x():
     return torch.randn(2, 9, 16)
 
@@ -89,6 +112,8 @@ CASES = {
                   ["aten.native_layer_norm"] + ROWSCALE_FWD, ["aten.mul"] + ROWSCALE_BWD),
     "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2, [], []),
     "SDPA": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2), _qkv, 3, [], SDPA_RECOMPUTE),
+    "MatMul/qk-of-qkv": _heads_case("qk"),
+    "MatMul/av-of-qkv": _heads_case("av"),
     # row_scale=False: the compression alone (2 ops forward, 1 backward), nothing else
     "Linear/row_scale=False": (lambda: nn.Linear(16, 8), lambda s: M.Linear.from_module(s, row_scale=False),
                                lambda: (_x(),), 1, [], []),
@@ -108,6 +133,8 @@ PYTHON_PATH_CASES = {
                       [], []),
     "Conv2d/python": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
     "Softmax/python": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [], []),
+    "MatMul/qk-of-qkv/python": _heads_case("qk"),
+    "MatMul/av-of-qkv/python": _heads_case("av"),
     "SDPA/python": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2), _qkv, 3, [], SDPA_RECOMPUTE),
 }
 

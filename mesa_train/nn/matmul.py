@@ -77,9 +77,46 @@ def _full_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def batched_operands(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` with the contiguous copy the stock batched ``a @ b`` would make of
+    each made here instead, once, so that the product and the compression share it.
+
+    ``torch.matmul`` of two operands with the same batch dims reshapes each to ``(batch, n,
+    m)``, which copies an operand that is not viewable so (``q``, ``k``, ``v`` of timm's
+    fused qkv: heads and batch are not one stride). The compression (or the compact copy
+    kept for backward) then copied it a second time. Copying first hands the product the
+    very tensor its reshape would have made, so the forward is bitwise unchanged, and the
+    compression finds it contiguous. Operands the product would not copy (a plain
+    transposed view, which the GEMM reads in place) are left as they are, and so are those
+    autocast will cast first (the cast is the copy then). C++ twin: ``batched_operands`` in
+    csrc/layers_autograd.cpp."""
+    if not _same_batch(a.shape, b.shape) or torch.compiler.is_compiling():
+        return a, b
+    return _as_batch_copy(a), _as_batch_copy(b)
+
+
+def _same_batch(a_shape, b_shape) -> bool:
+    return len(a_shape) >= 3 and len(b_shape) >= 3 and a_shape[:-2] == b_shape[:-2]
+
+
+def _as_batch_copy(t: torch.Tensor) -> torch.Tensor:
+    dev = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(dev) and t.dtype != torch.get_autocast_dtype(dev):
+        return t  # autocast's cast makes the copy
+    return _batch_copy(t)
+
+
+def _batch_copy(t: torch.Tensor) -> torch.Tensor:
+    t3 = t.reshape(-1, t.shape[-2], t.shape[-1])
+    if t3.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        return t  # a view: the product reads t in place
+    return t3.view(t.shape)
+
+
 class _MatMulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, shared_a: Optional[Packed], shared_b: Optional[Packed], quantizer_a, quantizer_b, record):
+        a, b = batched_operands(a, b)  # before the product: its copies serve the compression too
         out = torch.matmul(a, b)  # autocast applies here, exactly like the stock `a @ b`
         cdt = out.dtype
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -109,6 +146,8 @@ class _MatMulFn(torch.autograd.Function):
         cdt = ctx.cdt
         with no_autocast(g.device.type):
             g = g.to(cdt)
+            if _same_batch(a_shape, b_shape) and not torch.compiler.is_compiling():
+                g = _batch_copy(g)  # g feeds up to two products: one copy, as the stock backward makes
             if len(a_shape) == 1:
                 g = g.unsqueeze(-2)
             if len(b_shape) == 1:
