@@ -177,3 +177,39 @@ def test_mesa_layer_adds_only_its_compression_ops(name, monkeypatch):
         f"forward passes beyond the stock layer's: {mesa_fwd} vs stock {stock_fwd}")
     assert aten_ops(mesa_bwd) == sorted(stock_bwd + aten_ops(extra_bwd)), (
         f"backward passes beyond the stock layer's: {mesa_bwd} vs stock {stock_bwd}")
+
+
+# ----------------------------------------------------------------------------- torch.compile
+def _compiled_graph_ops(module, *inputs) -> list[str]:
+    """The ATen / mesa ops of the forward and backward graphs torch.compile hands its
+    compiler (after AOTAutograd), by target name."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops: list[str] = []
+
+    def record(gm, _):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+    xs = [x.clone().requires_grad_() for x in inputs]
+    compiled(*xs).sum().backward()
+    return ops
+
+
+@pytest.mark.parametrize("which", ["qk", "av"])
+def test_compiled_heads_product_copies_each_operand_once(which):
+    """Under torch.compile the Python Function runs: the copy its product makes of a qkv view
+    is the one the compression reads (one clone per operand, as in the compiled stock graph;
+    before, the compression cloned it again and Inductor wrote both)."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 2, 9, 9), torch.randn(2, 9, 48))
+    copies = {}
+    for label, matmul in (("stock", _MatMul()), ("mesa", M.MatMul())):
+        ops = _compiled_graph_ops(_HeadsProduct(matmul, which), *inputs)
+        copies[label] = sum(o.startswith("aten.clone") for o in ops)
+        if label == "mesa":
+            assert any(o.startswith("mesa.quantize") for o in ops), ops
+    assert copies["mesa"] == copies["stock"], copies

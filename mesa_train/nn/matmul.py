@@ -88,9 +88,11 @@ def batched_operands(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, to
     very tensor its reshape would have made, so the forward is bitwise unchanged, and the
     compression finds it contiguous. Operands the product would not copy (a plain
     transposed view, which the GEMM reads in place) are left as they are, and so are those
-    autocast will cast first (the cast is the copy then). C++ twin: ``batched_operands`` in
-    csrc/layers_autograd.cpp."""
-    if not _same_batch(a.shape, b.shape) or torch.compiler.is_compiling():
+    autocast will cast first (the cast is the copy then). Under ``torch.compile`` too: the
+    graph then holds one clone per operand, as the compiled stock graph does (before, Inductor
+    wrote the product's copy and the compression's, one kernel writing both). C++ twin:
+    ``batched_operands`` in csrc/layers_autograd.cpp."""
+    if not _same_batch(a.shape, b.shape):
         return a, b
     return _as_batch_copy(a), _as_batch_copy(b)
 
@@ -107,10 +109,17 @@ def _as_batch_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _batch_copy(t: torch.Tensor) -> torch.Tensor:
-    t3 = t.reshape(-1, t.shape[-2], t.shape[-1])
-    if t3.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
-        return t  # a view: the product reads t in place
-    return t3.view(t.shape)
+    return t if _batch_dims_flatten(t) else t.contiguous()  # (reshape's copy is contiguous)
+
+
+def _batch_dims_flatten(t: torch.Tensor) -> bool:
+    """Whether ``t.reshape(-1, n, m)`` is a view: each batch dim (size > 1) steps over the
+    next one exactly, ATen's view rule for merging dims. From sizes and strides only, so
+    that it also holds while Dynamo traces."""
+    if t.numel() == 0:
+        return True
+    dims = [(size, stride) for size, stride in zip(t.shape[:-2], t.stride()[:-2]) if size != 1]
+    return all(outer[1] == inner[0] * inner[1] for outer, inner in zip(dims, dims[1:]))
 
 
 class _MatMulFn(torch.autograd.Function):
@@ -146,7 +155,7 @@ class _MatMulFn(torch.autograd.Function):
         cdt = ctx.cdt
         with no_autocast(g.device.type):
             g = g.to(cdt)
-            if _same_batch(a_shape, b_shape) and not torch.compiler.is_compiling():
+            if _same_batch(a_shape, b_shape):
                 g = _batch_copy(g)  # g feeds up to two products: one copy, as the stock backward makes
             if len(a_shape) == 1:
                 g = g.unsqueeze(-2)
