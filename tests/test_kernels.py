@@ -462,6 +462,9 @@ def test_cuda_kernels_are_built():
     """On a GPU machine the extension must carry its CUDA kernels (not the reference)."""
     assert Q.BACKEND == "extension", Q.extension_error
     assert Q.CUDA_BACKEND == "extension", "extension built without CUDA kernels (MESA_NO_CUDA / no nvcc?)"
+    # every op, not only the core ones: a stale build serves the newer ones (the fused Softmax
+    # backward, the estimate step) from the reference on CUDA, right but slow
+    assert Q.CUDA_REFERENCE_OPS == (), f"CUDA kernels missing for {Q.CUDA_REFERENCE_OPS} (rebuild: make install)"
 
 
 @cuda

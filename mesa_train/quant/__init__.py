@@ -233,8 +233,15 @@ if _load_extension():
     CUDA_REFERENCE_OPS = tuple(_no_cuda)
     if not [n for n in _no_cuda if n in _CUDA_KERNEL_OPS]:
         CUDA_BACKEND = "extension"
-        if _no_cuda:  # a build that predates the variants' CUDA kernels: the reference serves them
+        if _no_cuda:  # a build that predates some CUDA kernels: the reference serves those ops
             _serve_from_reference("IMPL", _no_cuda, ("CUDA",))
+            if torch.cuda.is_available():  # (e.g. softmax_backward: every attention map's backward)
+                warnings.warn(
+                    f"mesa_train: the extension's CUDA kernels predate ops {_no_cuda}; on CUDA tensors they use "
+                    "the pure-PyTorch reference (same results, slower; rebuild with `make install`).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     else:
         # CPU-only build: CUDA tensors still work, through the reference.
         _serve_from_reference("IMPL", _no_cuda, ("CUDA",))
