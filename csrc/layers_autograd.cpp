@@ -128,7 +128,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
 // mesa::row_exponents, then observe and quantize scale the rows themselves (no scaled copy).
 // `other` is the layer's other dtype (max_exponent: 14 with float16 involved).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_rows(
-    const at::Tensor& x, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz) {
+    const at::Tensor& x_in, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz) {
+  const at::Tensor x = x_in.contiguous();  // once, for both ops (each would copy a strided x)
   at::Tensor k;
   if (row_scale) {
     const bool half = x.scalar_type() == at::kHalf || other == at::kHalf;
@@ -136,6 +137,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_row
   }
   auto [q, alpha, beta, G] = compress(x, x.dim() - 1, qz, k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);
   return {q, alpha, beta, G, k};
+}
+
+// ----------------------------------------------------------------------------- compress
+// mesa::compress: ActivationQuantizer.compress (default format) as one op, for the Python
+// Functions (variants aside) in eager and under torch.compile. Why one op: Inductor hands
+// each opaque op its own copy of an input it has not written to memory yet (a clone of a
+// strided q/k/v, LayerNorm's x_hat), so row_exponents, observe and quantize, three
+// consumers of x, meant up to three copies; as one op, x has one consumer and one copy.
+// Eager it is one dispatch instead of two or three. Same kernels in the same order as the
+// C++ layers (compress_rows above): bitwise the same codes. max_k = 0: no row scales (the
+// fourth output is then an empty int8 tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
+    const at::Tensor& x_in, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
+    const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, int64_t estimator, bool symmetric,
+    bool stochastic, int64_t row_dims, int64_t max_k) {
+  TORCH_CHECK(estimator == kRunning || estimator == kPerSample || estimator == kDelayed,
+              "mesa::compress: estimator must be 0 (running), 1 (per_sample) or 2 (delayed), got ", estimator);
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  const at::Tensor x = x_in.contiguous();
+  std::optional<at::Tensor> k;
+  if (max_k > 0) k = row_exponents_op().call(x, row_dims, max_k);
+  auto [q, alpha, beta, G] = compress(x, dim, qz, k);
+  return {q, alpha, beta, k.has_value() ? *k : at::empty({0}, x.options().dtype(at::kChar))};
 }
 
 // The saved codes back in dtype `dt`, rows unscaled by 2**-k inside the kernel (k undefined:
@@ -543,7 +567,19 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "conv2d_train(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
       "float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
+  // estimator: 0 running, 1 per_sample, 2 delayed; max_k > 0: power-of-two row scales over the
+  // last row_dims dims (mesa::row_exponents), returned as the fourth output (else empty)
+  m.def(
+      "compress(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
+      "int dim, int num_groups, float decay, int estimator, bool symmetric, bool stochastic, int row_dims, "
+      "int max_k) -> (Tensor q, Tensor alpha, Tensor beta, Tensor row_exp)");
 }
+
+// mesa::compress calls the registered ops, whatever kernels serve them: the same function
+// for both backends (and a graph node of its own under torch.compile, with the fake in
+// mesa_train/quant/__init__.py)
+TORCH_LIBRARY_IMPL(mesa, CPU, m) { m.impl("compress", &mesa::compress_op); }
+TORCH_LIBRARY_IMPL(mesa, CUDA, m) { m.impl("compress", &mesa::compress_op); }
 
 // One kernel for every backend: the autograd node is built here and the work dispatches
 // to the CPU or CUDA kernels of the ops it calls. (Without grad mode, Function::apply

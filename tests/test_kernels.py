@@ -343,6 +343,12 @@ def _opcheck_cases(device):
         (torch.ops.mesa.quantize.default, (xg, ag.requires_grad_(), bg, -1, 2, False, R.seed_tensor(0, device))),
         (torch.ops.mesa.dequantize.default, (q, a, b, 1, 3, torch.bfloat16)),
         (torch.ops.mesa.dequantize.default, (q, a.requires_grad_(), b, 1, 3, torch.float32)),
+    ] + [  # one op per compression: every estimator, with and without row scales, a strided x
+        (torch.ops.mesa.compress.default,
+         (xs, torch.zeros(4, device=device), torch.zeros(4, device=device), torch.zeros(1, dtype=torch.bool, device=device),
+          Q.rng_state(5, device=device), 2, 4, 0.9, estimator, False, True, 1, max_k))
+        for xs in (_randn((3, 8, 6), torch.bfloat16, device=device)[:, ::2],)
+        for estimator in (0, 1, 2) for max_k in (0, 64)
     ]
 
 
@@ -392,6 +398,8 @@ def test_fallback_when_extension_disabled():
                                                                 Q.rng_state(5), 1, 3, 0.9, True, False))
         torch.library.opcheck(torch.ops.mesa.update_estimates.default,
                               (mn, mx, torch.zeros(3), torch.zeros(3), torch.tensor(False), 0.9, True, False, True))
+        torch.library.opcheck(torch.ops.mesa.compress.default, (x, torch.zeros(3), torch.zeros(3),
+                              torch.zeros(1, dtype=torch.bool), Q.rng_state(5), 1, 3, 0.9, 0, False, True, 1, 64))
         print(hashlib.sha256(q.numpy().tobytes()).hexdigest())
         """
     )

@@ -189,7 +189,10 @@ def _compiled_graph_ops(module, *inputs) -> list[str]:
     ops: list[str] = []
 
     def record(gm, _):
-        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        for n in gm.graph.nodes:
+            if n.op == "call_function":  # (an op that mutates its inputs: wrapped, the op first)
+                wrapped = str(n.target).startswith("auto_functionalized")
+                ops.append(str(n.args[0] if wrapped else n.target))
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
@@ -211,5 +214,34 @@ def test_compiled_heads_product_copies_each_operand_once(which):
         ops = _compiled_graph_ops(_HeadsProduct(matmul, which), *inputs)
         copies[label] = sum(o.startswith("aten.clone") for o in ops)
         if label == "mesa":
-            assert any(o.startswith("mesa.quantize") for o in ops), ops
+            assert any(o.startswith("mesa.compress") for o in ops), ops
     assert copies["mesa"] == copies["stock"], copies
+
+
+# ----------------------------------------------------------------------------- mesa::compress
+@pytest.mark.parametrize("estimator", [0, 1, 2])
+@pytest.mark.parametrize("max_k", [0, 64])
+def test_compress_runs_the_ops_the_recorder_counts(estimator, max_k):
+    """mesa::compress (one op per compression) calls exactly the ops OpRecorder counts for
+    it (op_recorder.compress_ops), read from the profiler's record of its nested calls;
+    and its codes equal those ops called one by one."""
+    from op_recorder import compress_ops
+
+    from mesa_train.quant import reference as R
+
+    torch.manual_seed(estimator)
+    x = torch.randn(4, 6, 16)[:, ::2]  # strided: the op makes it contiguous itself
+    args = (4, 0.9, estimator, False, True, 1, max_k)
+    state = [torch.zeros(4), torch.zeros(4), torch.zeros(1, dtype=torch.bool), torch.tensor([7, 0])]
+    torch.ops.mesa.compress(x, *state, 2, *args)  # the delayed estimator's first batch is observe + quantize
+    ref_state = [t.clone() for t in state]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = torch.ops.mesa.compress(x, *state, 2, *args)
+    called = [e.name.replace("::", ".") for e in prof.events()
+              if e.cpu_parent is not None and e.cpu_parent.name == "mesa::compress" and e.name.startswith("mesa::")]
+    assert called == compress_ops((x, *state, 2, *args)), called
+    want = R.compress(x, *ref_state, 2, *args)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    for s, r in zip(state, ref_state):
+        assert torch.equal(s, r)

@@ -30,6 +30,7 @@ from torch import nn
 from mesa_train import quant  # noqa: F401  (importing it registers torch.ops.mesa.*)
 from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_as_pytorch
+from mesa_train.quant import reference
 from mesa_train.quant.reference import scale_rows, unscale_rows
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
@@ -194,6 +195,8 @@ _OBSERVE = torch.ops.mesa.observe.default
 _QUANTIZE = torch.ops.mesa.quantize.default
 _DEQUANTIZE = torch.ops.mesa.dequantize.default
 _QUANTIZE_OBSERVE = torch.ops.mesa.quantize_observe.default
+_ROW_EXPONENTS = torch.ops.mesa.row_exponents.default
+_COMPRESS = torch.ops.mesa.compress.default
 # Whole-layer C++ ops (csrc/layers_autograd.cpp) exist only in the compiled extension; with
 # the pure-PyTorch fallback the layers keep their Python Functions.
 _FUSED_LAYERS = quant.extension_error is None and hasattr(torch.ops.mesa, "gelu_train")
@@ -454,45 +457,68 @@ class ActivationQuantizer(nn.Module):
     def compress(self, x: torch.Tensor, dim: int, row_exp: torch.Tensor | None = None) -> Packed:
         """Quantize ``x`` with groups along ``dim``; returns fresh tensors (see module doc).
         ``row_exp``: int8 power-of-two row scales (``nn/rowscale.py``): the rows are taken as
-        ``x * 2**k`` (inside the kernels where they are the extension's ops).
+        ``x * 2**k`` (inside the kernels where they are the extension's ops); to have them
+        found too, in the same op, use :meth:`compress_rows`.
 
-        Eager: two ops (``mesa::observe``: batch min/max + estimate update + seed step;
-        ``mesa::quantize``), called directly rather than through the checking wrappers of
+        With the extension: one op, ``mesa::compress`` (``mesa::observe``: batch min/max +
+        estimate update + seed step, then ``mesa::quantize``; ``mesa::quantize_observe`` for
+        the delayed estimator), called directly rather than through the checking wrappers of
         :mod:`mesa_train.quant` (the kernels validate their arguments, and Python checks
-        here would cost real time for every activation of every step). Under
-        ``torch.compile`` either the same ops (opaque graph nodes: the default with the
+        here would cost real time for every activation of every step). One op, not two,
+        because under ``torch.compile`` Inductor hands every opaque op its own copy of an
+        input it has not yet written to memory (DESIGN.md, "One op per compression"). Under
+        ``torch.compile`` either that op (an opaque graph node: the default with the
         extension) or the same arithmetic in plain PyTorch (:mod:`mesa_train.quant.traceable`),
         which Inductor can fuse with the kernels around it; see
         :mod:`mesa_train.quant.compile_kernels`.
         """
+        return self._compress(x, dim, row_exp=row_exp)[0]
+
+    @torch.no_grad()
+    def compress_rows(self, x: torch.Tensor, row_dims: int, max_k: int) -> tuple[Packed, torch.Tensor]:
+        """``(packed, k)``: ``x`` with groups over its last dim, its rows taken as ``x * 2**k``
+        with ``k = row_exponents(x, row_dims, max_k)`` (``nn/rowscale.py``), found in the same
+        op as the compression where that is the extension's ``mesa::compress``."""
+        return self._compress(x, x.dim() - 1, rows=(row_dims, max_k))
+
+    def _compress(self, x: torch.Tensor, dim: int, row_exp: torch.Tensor | None = None,
+                  rows: tuple[int, int] | None = None) -> tuple[Packed, torch.Tensor | None]:
         opts = self.options
         bufs = self._follow_device(x)
         traced = traced_as_pytorch(x)
+        one_op = not traced and opts.is_default_format and row_exp is None
+        if rows is not None and not one_op:  # the row exponents first, as their own op
+            row_exp = reference.row_exponents(x, *rows) if traced else _ROW_EXPONENTS(x, *rows)
+        k = row_exp
         if row_exp is not None and (traced or not opts.is_default_format):
             x, row_exp = scale_rows(x, row_exp), None  # (Inductor fuses the multiply when traced)
         if not opts.is_default_format:
-            return self._compress_variant(x, dim)
+            return self._compress_variant(x, dim), k
         dim = dim % x.dim()
-        D = x.shape[dim]
-        G = opts.num_groups if opts.num_groups <= D else max(1, D)
-        x = x.contiguous()  # the one copy a non-contiguous input (k, v of a fused qkv) costs
-        args = (x, bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], dim, G, opts.decay,
-                opts.estimator == "per_sample", opts.symmetric)
+        G = reference.capped_groups(opts.num_groups, x.shape[dim])
         stochastic = opts.rounding == "stochastic"
+        state = (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"])
+        if one_op:  # x as it is: the op makes a strided x contiguous once, for all its kernels
+            row_dims, max_k = rows if rows is not None else (0, 0)
+            q, alpha, beta, k = _COMPRESS(x, *state, dim, G, opts.decay, ESTIMATOR_CODES[opts.estimator],
+                                          opts.symmetric, stochastic, row_dims, max_k)
+            return Packed(q, alpha, beta, dim, G), (k if rows is not None else None)
+        x = x.contiguous()  # the one copy a non-contiguous input (k, v of a fused qkv) costs
         if opts.estimator == "delayed":  # one pass: quantize with the estimates so far, then observe
-            qo_args = (x, *args[1:7], opts.decay, opts.symmetric, stochastic)
+            qo_args = (x, *state, dim, G, opts.decay, opts.symmetric, stochastic)
             if traced:
                 q, alpha, beta = traceable.quantize_observe(*qo_args, ready=self._delayed_ready)
             else:
                 q, alpha, beta = _QUANTIZE_OBSERVE(*qo_args, row_exp)
-            return Packed(q, alpha, beta, dim, G)
+            return Packed(q, alpha, beta, dim, G), k
+        args = (x, *state, dim, G, opts.decay, opts.estimator == "per_sample", opts.symmetric)
         if traced:  # under torch.compile: see mesa_train/quant/compile_kernels.py
             alpha, beta, seed = traceable.observe(*args)
             q = traceable.quantize(x, alpha, beta, dim, G, stochastic, seed)
         else:
             alpha, beta, seed = _OBSERVE(*args, row_exp)
             q = _QUANTIZE(x, alpha, beta, dim, G, stochastic, seed, row_exp)
-        return Packed(q, alpha, beta, dim, G)
+        return Packed(q, alpha, beta, dim, G), k
 
     @staticmethod
     def decompress(p: Packed, dtype: torch.dtype) -> torch.Tensor:

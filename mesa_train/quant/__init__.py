@@ -99,6 +99,12 @@ _SCHEMAS = {
     "softmax_backward": (
         "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor"
     ),
+    # the compiled one calls the registered ops above (csrc/layers_autograd.cpp)
+    "compress": (
+        "compress(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
+        "int dim, int num_groups, float decay, int estimator, bool symmetric, bool stochastic, int row_dims, "
+        "int max_k) -> (Tensor q, Tensor alpha, Tensor beta, Tensor row_exp)"
+    ),
 }
 # The core ops: a build with CUDA kernels has these (CUDA_BACKEND == "extension"). The
 # variants' ops (quantize_bits / dequantize_bits) have CUDA kernels too since issue 12's
@@ -182,7 +188,14 @@ def _ref_softmax_backward(g, q, alpha, beta, dim, num_groups):
     return reference.softmax_backward(g, q, alpha, beta, dim, num_groups)
 
 
+def _ref_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric, stochastic,
+                  row_dims, max_k):
+    return reference.compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
+                              stochastic, row_dims, max_k)
+
+
 _REF_IMPLS = {
+    "compress": _ref_compress,
     "quantize_bits": _ref_quantize_bits,
     "dequantize_bits": _ref_dequantize_bits,
     "group_minmax": _ref_minmax,
@@ -343,6 +356,22 @@ def _fake_softmax_backward(g, q, alpha, beta, dim, num_groups):
     return q.new_empty(q.shape, dtype=g.dtype)
 
 
+def _fake_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
+                   stochastic, row_dims, max_k):
+    if estimator not in reference.ESTIMATORS:
+        raise ValueError(f"compress: estimator must be one of {reference.ESTIMATORS} (code: name), got {estimator!r}")
+    G = reference.capped_groups(num_groups, x.shape[dim])
+    k = _fake_row_exponents(x, row_dims, max_k) if max_k > 0 else x.new_empty((0,), dtype=torch.int8)
+    if estimator == 2:
+        q, alpha, beta = _fake_quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, G, decay, symmetric,
+                                                stochastic)
+    else:
+        alpha, beta, _ = _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, G, decay, estimator == 1,
+                                       symmetric)
+        q = x.new_empty(x.shape, dtype=torch.uint8)
+    return q, alpha, beta, k
+
+
 def _register_python_side() -> None:
     # Guard against double registration when the module is reloaded in one process.
     if getattr(torch.ops.mesa, "_mesa_python_side_registered", False):
@@ -358,6 +387,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::quantize_bits")(_fake_quantize_bits)
     torch.library.register_fake("mesa::dequantize_bits")(_fake_dequantize_bits)
     torch.library.register_fake("mesa::softmax_backward")(_fake_softmax_backward)
+    torch.library.register_fake("mesa::compress")(_fake_compress)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
     # and a reconstruction that the layers use inside their own backward). A fallthrough

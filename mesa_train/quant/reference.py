@@ -634,6 +634,35 @@ def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_gro
     return q, alpha, beta
 
 
+ESTIMATORS = {0: "running", 1: "per_sample", 2: "delayed"}  # mesa::compress's estimator codes
+
+
+def capped_groups(num_groups: int, size: int) -> int:
+    """The groups a compression uses along a dim of ``size``: at most one per channel."""
+    return num_groups if num_groups <= size else max(1, size)
+
+
+def compress(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float, estimator: int,
+             symmetric: bool, stochastic: bool, row_dims: int, max_k: int):
+    """``mesa::compress`` (DESIGN.md, "One op per compression"): ``x`` made contiguous once,
+    its row exponents when ``max_k > 0`` (:func:`row_exponents`, else an empty int8 tensor),
+    then :func:`observe` + :func:`quantize`, or :func:`quantize_observe` for ``estimator`` 2
+    (delayed), with ``num_groups`` capped at the dim's size. Returns ``(q, alpha, beta, k)``."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"compress: estimator must be one of {ESTIMATORS} (code: name), got {estimator!r}")
+    x = x.contiguous()
+    G = capped_groups(num_groups, x.shape[dim])
+    k = row_exponents(x, row_dims, max_k) if max_k > 0 else None
+    if estimator == 2:
+        q, alpha, beta = quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, G, decay, symmetric,
+                                          stochastic, k)
+    else:
+        alpha, beta, seed = observe(x, alpha_est, beta_est, initialized, rng, dim, G, decay, estimator == 1,
+                                    symmetric, k)
+        q = quantize(x, alpha, beta, dim, G, stochastic, seed, k)
+    return q, alpha, beta, (k if k is not None else x.new_empty((0,), dtype=torch.int8))
+
+
 # ----------------------------------------------------------------------------- variants
 # DESIGN.md, "Variants": bits in {8, 4, 2} (L = 2**bits - 1 levels above 0), codes packed
 # 8 // bits per byte along the flat index of the contiguous tensor, little end first, the
