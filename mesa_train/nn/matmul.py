@@ -155,8 +155,11 @@ class _MatMulFn(torch.autograd.Function):
         cdt = ctx.cdt
         with no_autocast(g.device.type):
             g = g.to(cdt)
-            if _same_batch(a_shape, b_shape):
-                g = _batch_copy(g)  # g feeds up to two products: one copy, as the stock backward makes
+            # g feeds up to two products: one copy, as the stock backward makes. (Not under
+            # torch.compile: reading g's strides there made the traced backward run in float32
+            # under autocast, a cast before and after every op; the compiler lays g out itself.)
+            if _same_batch(a_shape, b_shape) and not torch.compiler.is_compiling():
+                g = _batch_copy(g)
             if len(a_shape) == 1:
                 g = g.unsqueeze(-2)
             if len(b_shape) == 1:
