@@ -95,23 +95,32 @@ def test_fullgraph_train_steps_match_eager(family, opset, compile_kernels):
     _assert_grads_match(model, eager, bitwise=(opset == "all"))
 
 
-def test_fullgraph_under_bf16_autocast_matches_eager():
-    """Under bf16 autocast (how the GPU presets train) a compiled step equals eager Mesa's bit
-    for bit too: the traced backward computes in the dtypes eager does. (A stride read on the
-    incoming gradient inside MatMul's backward once made the traced backward run in float32,
-    with a cast before and after each op.)"""
+@pytest.mark.parametrize("opset", list(OPSETS))
+def test_fullgraph_under_bf16_autocast_matches_eager(opset):
+    """Under bf16 autocast (how the GPU presets train) a compiled step equals eager Mesa's:
+    bit for bit with the explicit attention (the traced backward computes in the dtypes eager
+    does; a stride read on the incoming gradient inside MatMul's backward once made it run in
+    float32, a cast before and after each op, gradients 5e-3 off). The fused attention's
+    compiled backward is its float32 formula where eager differentiates the bf16 kernel:
+    2.6e-3 relative on DeiT (bf16 rounds at 3.9e-3), also before this test existed."""
     torch._dynamo.reset()
-    _, model = _patched("deit", "all")
+    _, model = _patched("deit", opset)
     eager = copy.deepcopy(model)
     x = inputs("deit")
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    for fn, m in ((compiled, model), (eager, eager)):
+    outs = []
+    for fn in (compiled, eager):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = fn(x)
-        loss_of(out).backward()
-        m.out = out
-    assert torch.equal(model.out, eager.out)
-    _assert_grads_match(model, eager, bitwise=True)
+            outs.append(fn(x))
+        loss_of(outs[-1]).backward()
+    assert torch.equal(outs[0], outs[1])
+    if opset == "all":
+        _assert_grads_match(model, eager, bitwise=True)
+        return
+    g, rg = grads(model), grads(eager)
+    for n in g:
+        rel = (g[n] - rg[n]).norm() / rg[n].norm().clamp_min(1e-30)
+        assert rel < 1e-2, f"{n}: relative error {rel:.2e}"
 
 
 def _kept(model) -> dict:
