@@ -13,6 +13,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/accumulate.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -355,7 +356,9 @@ Kept keep_operand(const at::Tensor& t, bool needed, const std::optional<SharedCo
 // make of an operand (its reshape to (batch, n, m) cannot view it), made once before the
 // product so that the compression finds it contiguous; bitwise the same product.
 at::Tensor batch_copy(const at::Tensor& t) {
-  const at::Tensor t3 = t.reshape({-1, t.size(-2), t.size(-1)});
+  // (the batch size spelled out: -1 is ambiguous for an empty n or m)
+  const int64_t batch = c10::multiply_integers(t.sizes().slice(0, t.dim() - 2));
+  const at::Tensor t3 = t.reshape({batch, t.size(-2), t.size(-1)});
   return t3.is_alias_of(t) ? t : t3.view(t.sizes());
 }
 

@@ -248,3 +248,22 @@ def test_compress_runs_the_ops_the_recorder_counts(estimator, max_k):
         assert torch.equal(g, w)
     for s, r in zip(state, ref_state):
         assert torch.equal(s, r)
+
+
+@pytest.mark.parametrize("python_path", [False, True], ids=["cpp-node", "python"])
+@pytest.mark.parametrize("n,m", [(0, 8), (5, 0), (5, 8)])
+def test_heads_product_with_empty_or_strided_operands_equals_stock(n, m, python_path, monkeypatch):
+    """The operand copy made before the product (batched_operands) takes every shape the
+    stock batched matmul takes, empty rows or columns included (its reshape once asked for
+    an ambiguous -1 there)."""
+    if python_path:
+        from mesa_train.nn import quantizer as quantizer_mod
+
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)
+    torch.manual_seed(0)
+    a = torch.randn(2, n, 2, m).transpose(1, 2).requires_grad_()  # (2, 2, n, m), heads and batch not one stride
+    b = torch.randn(2, 2, m, 9, requires_grad=True)
+    out = M.MatMul()(a, b)
+    assert torch.equal(out, a.detach() @ b.detach())
+    out.sum().backward()
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
