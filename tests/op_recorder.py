@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def compress_ops(args) -> list[str]:
+def compress_ops(args, kwargs=None) -> list[str]:
     """The ops ``mesa::compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups,
     decay, estimator, symmetric, stochastic, row_dims, max_k)`` runs, in order."""
-    estimator, max_k = args[8], args[12]
+    names = [a.name for a in torch.ops.mesa.compress.default._schema.arguments]
+    bound = {**dict(zip(names, args)), **(kwargs or {})}
+    estimator, max_k = bound["estimator"], bound["max_k"]
     rows = ["mesa.row_exponents"] if max_k > 0 else []
     return rows + (["mesa.quantize_observe"] if estimator == 2 else ["mesa.observe", "mesa.quantize"])
 
@@ -36,6 +39,6 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
-        names = compress_ops(args) if name == "mesa.compress" else [name]
+        names = compress_ops(args, kwargs) if name == "mesa.compress" else [name]
         self.ops.extend(n for n in names if self.keep is None or self.keep(n))
         return func(*args, **(kwargs or {}))
