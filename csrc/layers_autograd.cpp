@@ -480,9 +480,15 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     at::Tensor y = at::conv2d(x, weight, bias, stride, padding, dilation, groups);  // exactly nn.Conv2d.forward
     at::Tensor q, alpha, beta;
     int64_t G = 0;
-    if (weight.requires_grad()) std::tie(q, alpha, beta, G) = compress(x, x.dim() - 3, qz);
+    // mesa_train.nn.conv: a channels-last input kept as its NHWC view (groups over its last
+    // dim), no copy to NCHW; backward then gets a channels-last input gradient, as stock
+    const bool channels_last = x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous();
+    const int64_t dim = channels_last ? 3 : x.dim() - 3;
+    if (weight.requires_grad())
+      std::tie(q, alpha, beta, G) = compress(channels_last ? x.permute({0, 2, 3, 1}) : x, dim, qz);
     ctx->save_for_backward({q, alpha, beta, weight});
-    ctx->saved_data["dim"] = x.dim() - 3;
+    ctx->saved_data["channels_last"] = channels_last;
+    ctx->saved_data["dim"] = dim;
     ctx->saved_data["groups"] = G;
     ctx->saved_data["x_shape"] = x.sizes().vec();
     ctx->saved_data["stride"] = stride;
@@ -507,11 +513,15 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     const bool need_b = has_b && ctx->needs_input_grad(2);
     at::Tensor g = grads[0].to(cdt), w = saved[3].to(cdt), xh;
+    const bool channels_last = ctx->saved_data["channels_last"].toBool();
     if (saved[0].defined()) {
       xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
                                 ctx->saved_data["groups"].toInt(), cdt, std::nullopt);
-    } else {  // only the input gradient is needed: the values of x do not matter
-      xh = at::empty(ctx->saved_data["x_shape"].toIntVector(), g.options());
+      if (channels_last) xh = xh.permute({0, 3, 1, 2});
+    } else {  // only the input gradient is needed: the values of x do not matter, its layout does
+      xh = at::empty(ctx->saved_data["x_shape"].toIntVector(),
+                     g.options().memory_format(channels_last ? at::MemoryFormat::ChannelsLast
+                                                             : at::MemoryFormat::Contiguous));
     }
     const bool unbatched = xh.dim() == 3;
     if (unbatched) xh = xh.unsqueeze(0), g = g.unsqueeze(0);

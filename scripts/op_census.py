@@ -3,7 +3,7 @@ not (and the reverse), by (op, input shapes, output dtype), with where each was 
 the tool that found MatMul's second copy of q, k, v (no GPU needed).
 
     python scripts/op_census.py                        # DeiT-S, 1 block, batch 4, bf16 autocast
-    python scripts/op_census.py --model swin_t --depth 2 --ops linear gelu --autocast none
+    python scripts/op_census.py --model swin_ti --depth 0 --ops linear gelu --autocast none
 
 Each row: count in the stock step, count in the Mesa step, the op with the shapes of its
 first two tensor inputs and its output dtype, and the MB it reads and writes per call (tensor
@@ -87,9 +87,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="deit_s", help="a mesa_train.models name or a timm name (default deit_s)")
     ap.add_argument("--depth", type=int, default=1, help="blocks (default 1); 0: the model's own")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--img-size", type=int, default=224)
+    ap.add_argument("--img-size", type=int, default=None,
+                    help="input size (default 224); also passed to the model, which not every timm model takes")
     ap.add_argument("--ops", nargs="+", default=["all"], help=f"Mesa ops, of {', '.join(OPS)} or all")
-    ap.add_argument("--fused-attn", action="store_true", help="timm's fused attention (with --ops sdpa)")
+    ap.add_argument("--fused-attn", action="store_true",
+                    help="timm's fused attention (with --ops sdpa); default: the explicit attention")
     ap.add_argument("--autocast", choices=("bf16", "fp16", "none"), default="bf16")
     args = ap.parse_args(argv)
     bad = [o for o in args.ops if o not in (*OPS, "all")]
@@ -99,13 +101,18 @@ def main(argv=None) -> int:
     def build():
         torch.manual_seed(0)
         depth = {"depth": args.depth} if args.depth else {}
-        return build_model(args.model, fused_attn=args.fused_attn, img_size=args.img_size, **depth)
+        return build_model(args.model, fused_attn=args.fused_attn, img_size=args.img_size, **depth)  # (None: not passed)
 
-    x = torch.randn(args.batch, 3, args.img_size, args.img_size)
+    try:
+        build()
+    except ValueError as err:  # an unknown model or an override it does not take: one line
+        ap.error(str(err))
+    size = args.img_size or 224
+    x = torch.randn(args.batch, 3, size, size)
     stock = census(build(), x, args.autocast)
     mesa = census(patch_model(build(), ops=args.ops), x, args.autocast)
     rows = [k for k in sorted(set(stock.count) | set(mesa.count)) if stock.count[k] != mesa.count[k]]
-    print(f"{args.model}, depth {args.depth or 'all'}, batch {args.batch}, {args.img_size}px, autocast {args.autocast}, "
+    print(f"{args.model}, depth {args.depth or 'all'}, batch {args.batch}, {size}px, autocast {args.autocast}, "
           f"Mesa ops {' '.join(args.ops)}: {len(rows)} (op, shapes, dtype) keys differ")
     print(f"{'stock':>5} {'mesa':>5} {'MB/call':>8}  op [shapes] -> dtype  @ called from")
     for k in rows:

@@ -518,3 +518,38 @@ def test_higher_order_gradients_are_a_clear_error(kind, monkeypatch):
         torch.autograd.grad(run(), x, create_graph=True)
     (g,) = torch.autograd.grad(run(), x)
     assert g.shape == x.shape and torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpp-node", "python"])
+@pytest.mark.parametrize("conv_kwargs", [dict(kernel_size=3, padding=1), dict(kernel_size=3, padding=1, groups=4)],
+                         ids=str)
+@pytest.mark.parametrize("w_grad", [True, False])
+def test_conv2d_channels_last_input_keeps_its_layout(fused, conv_kwargs, w_grad, monkeypatch):
+    """A channels-last input (timm's PVT-v2 depthwise conv, a channels_last model) is kept
+    as its NHWC view: the input gradient comes back channels-last and bitwise stock's (it
+    depends on the weight and the output gradient only), where it came back NCHW and was
+    copied downstream; both paths give the same bits."""
+    torch.manual_seed(0)
+    stock = torch.nn.Conv2d(4, 4, **conv_kwargs).requires_grad_(True)
+    stock.weight.requires_grad_(w_grad)
+    runs = {}
+    for name, path_fused in (("cpp-node", True), ("python", False), ("stock", None)):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", bool(path_fused))
+        layer = stock if path_fused is None else mnn.Conv2d.from_module(stock)
+        if path_fused is not None:
+            layer.quantizer.rng.copy_(torch.tensor([55, 0]))
+        x = torch.randn(2, 4, 9, 9, generator=torch.Generator().manual_seed(1)).to(
+            memory_format=torch.channels_last).requires_grad_()
+        y = layer(x)
+        y.backward(torch.linspace(-1, 2, y.numel()).view(y.shape).contiguous(memory_format=torch.channels_last))
+        runs[name] = (y, x.grad, layer.weight.grad)
+        layer.weight.grad = None
+    y, gx, gw = runs["cpp-node" if fused else "python"]
+    assert torch.equal(y, runs["stock"][0])
+    assert gx.stride() == runs["stock"][1].stride() and torch.equal(gx, runs["stock"][1])
+    assert gx.is_contiguous(memory_format=torch.channels_last)
+    other = runs["python" if fused else "cpp-node"]
+    assert torch.equal(gx, other[1]) and (gw is None) == (other[2] is None)
+    if w_grad:
+        assert torch.equal(gw, other[2])
+        assert torch.nn.functional.cosine_similarity(gw.flatten(), runs["stock"][2].flatten(), dim=0) > 0.999

@@ -42,3 +42,10 @@ def test_unknown_op_is_a_one_line_error(capsys):
         _module().main(["--ops", "gelu", "attention"])
     err = capsys.readouterr().err
     assert "unknown ops ['attention']; valid: linear" in err
+
+
+def test_unknown_model_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit):
+        _module().main(["--model", "swin_t"])
+    err = capsys.readouterr().err
+    assert "unknown model 'swin_t'; valid choices: deit_ti" in err and "Traceback" not in err

@@ -107,6 +107,9 @@ CASES = {
     "Softmax/dim2": (lambda: nn.Softmax(2), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [],
                      ["aten.sum", "aten.clamp_min", "aten.div"]),
     "Conv2d": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
+    # a channels-last input is compressed as its NHWC view: no copy to NCHW (PVT-v2's depthwise conv)
+    "Conv2d/channels_last": (lambda: nn.Conv2d(4, 4, 3, groups=4), M.Conv2d.from_module,
+                             lambda: (torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last),), 1, [], []),
     # x_hat: a second (affine-free) LayerNorm pass; backward: the row's rstd multiply
     "LayerNorm": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,
                   ["aten.native_layer_norm"] + ROWSCALE_FWD, ["aten.mul"] + ROWSCALE_BWD),
@@ -132,6 +135,9 @@ PYTHON_PATH_CASES = {
     "MatMul/python": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2,
                       [], []),
     "Conv2d/python": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
+    "Conv2d/channels_last/python": (lambda: nn.Conv2d(4, 4, 3, groups=4), M.Conv2d.from_module,
+                                    lambda: (torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last),), 1, [],
+                                    []),
     "Softmax/python": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [], []),
     "MatMul/qk-of-qkv/python": _heads_case("qk"),
     "MatMul/av-of-qkv/python": _heads_case("av"),
