@@ -36,9 +36,11 @@ using namespace layers;  // (layers_common.h)
 struct GeluTrain : public torch::autograd::Function<GeluTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Quantizer qz, std::string approximate) {
     at::Tensor y = at::gelu(x, approximate);  // exactly nn.GELU.forward
-    auto [q, alpha, beta, G] = compress(x, group_dim(x), qz);
+    const NhwcView v = nhwc_view(x, group_dim(x));
+    auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
     ctx->save_for_backward({q, alpha, beta});
-    ctx->saved_data["dim"] = group_dim(x);
+    ctx->saved_data["nhwc"] = v.permuted;
+    ctx->saved_data["dim"] = v.dim;
     ctx->saved_data["groups"] = G;
     ctx->saved_data["approximate"] = approximate;
     ctx->saved_data["y_dtype"] = y.scalar_type();
@@ -51,8 +53,9 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto cdt = ctx->saved_data["y_dtype"].toScalarType();
-    at::Tensor xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                         ctx->saved_data["groups"].toInt(), cdt, std::nullopt);
+    at::Tensor xh = from_nhwc(dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                                   ctx->saved_data["groups"].toInt(), cdt, std::nullopt),
+                              ctx->saved_data["nhwc"].toBool());
     at::Tensor gx = at::gelu_backward(grads[0].to(cdt), xh, ctx->saved_data["approximate"].toStringRef());
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
   }
@@ -480,15 +483,13 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     at::Tensor y = at::conv2d(x, weight, bias, stride, padding, dilation, groups);  // exactly nn.Conv2d.forward
     at::Tensor q, alpha, beta;
     int64_t G = 0;
-    // mesa_train.nn.conv: a channels-last input kept as its NHWC view (groups over its last
-    // dim), no copy to NCHW; backward then gets a channels-last input gradient, as stock
-    const bool channels_last = x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous();
-    const int64_t dim = channels_last ? 3 : x.dim() - 3;
-    if (weight.requires_grad())
-      std::tie(q, alpha, beta, G) = compress(channels_last ? x.permute({0, 2, 3, 1}) : x, dim, qz);
+    // a channels-last input kept in its own layout: backward hands convolution_backward a
+    // channels-last input, so the input gradient is stock's, layout and bits
+    const NhwcView v = nhwc_view(x, x.dim() - 3);
+    if (weight.requires_grad()) std::tie(q, alpha, beta, G) = compress(v.x, v.dim, qz);
     ctx->save_for_backward({q, alpha, beta, weight});
-    ctx->saved_data["channels_last"] = channels_last;
-    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["channels_last"] = is_channels_last(x);
+    ctx->saved_data["dim"] = v.dim;
     ctx->saved_data["groups"] = G;
     ctx->saved_data["x_shape"] = x.sizes().vec();
     ctx->saved_data["stride"] = stride;
@@ -515,9 +516,9 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     at::Tensor g = grads[0].to(cdt), w = saved[3].to(cdt), xh;
     const bool channels_last = ctx->saved_data["channels_last"].toBool();
     if (saved[0].defined()) {
-      xh = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                ctx->saved_data["groups"].toInt(), cdt, std::nullopt);
-      if (channels_last) xh = xh.permute({0, 3, 1, 2});
+      xh = from_nhwc(dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                          ctx->saved_data["groups"].toInt(), cdt, std::nullopt),
+                     channels_last);
     } else {  // only the input gradient is needed: the values of x do not matter, its layout does
       xh = at::empty(ctx->saved_data["x_shape"].toIntVector(),
                      g.options().memory_format(channels_last ? at::MemoryFormat::ChannelsLast

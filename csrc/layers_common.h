@@ -129,5 +129,25 @@ struct NoAutocast {
 // (mesa_train.nn._common.group_dim_4d).
 inline int64_t group_dim(const at::Tensor& t) { return t.dim() == 4 ? 1 : t.dim() - 1; }
 
+// mesa_train.nn._common.nhwc_view / from_nhwc: a channels-last 4-D x grouped over dim 1 is
+// compressed as its NHWC view x.permute(0, 2, 3, 1) grouped over dim 3 (same groups and
+// statistics, no copy to NCHW); backward permutes the dequantized view back, a channels-last
+// tensor as stock's backward sees (DESIGN.md, "Channels-last inputs")
+inline bool is_channels_last(const at::Tensor& x) {
+  return x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous();
+}
+struct NhwcView {
+  at::Tensor x;
+  int64_t dim;
+  bool permuted;
+};
+inline NhwcView nhwc_view(const at::Tensor& x, int64_t dim) {
+  if (dim == 1 && is_channels_last(x)) return {x.permute({0, 2, 3, 1}), 3, true};
+  return {x, dim, false};
+}
+inline at::Tensor from_nhwc(const at::Tensor& xh, bool permuted) {
+  return permuted ? xh.permute({0, 3, 1, 2}) : xh;
+}
+
 }  // namespace layers
 }  // namespace mesa

@@ -553,3 +553,30 @@ def test_conv2d_channels_last_input_keeps_its_layout(fused, conv_kwargs, w_grad,
     if w_grad:
         assert torch.equal(gw, other[2])
         assert torch.nn.functional.cosine_similarity(gw.flatten(), runs["stock"][2].flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize("kind", ["gelu", "silu"])
+def test_activation_channels_last_input_keeps_its_layout(kind, monkeypatch):
+    """A channels-last activation (ConvNeXt trained channels_last) is compressed as its NHWC
+    view: its input gradient comes back in stock's layout, and the C++ node (GELU) and the
+    Python Function give the same bits."""
+    stock = torch.nn.GELU() if kind == "gelu" else torch.nn.SiLU()
+    convert = mnn.GELU.from_module if kind == "gelu" else mnn.SiLU.from_module
+    runs = {}
+    for name, fused in (("cpp-node", True), ("python", False), ("stock", None)):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", bool(fused))
+        layer = stock if fused is None else convert(stock)
+        if fused is not None:
+            layer.quantizer.rng.copy_(torch.tensor([55, 0]))
+        x = torch.randn(2, 4, 9, 9, generator=torch.Generator().manual_seed(1)).to(
+            memory_format=torch.channels_last).requires_grad_()
+        y = layer(x)
+        y.backward(torch.linspace(-1, 2, y.numel()).view(y.shape).contiguous(memory_format=torch.channels_last))
+        runs[name] = (y, x.grad)
+    for name in ("cpp-node", "python"):
+        y, gx = runs[name]
+        assert torch.equal(y, runs["stock"][0])
+        assert gx.stride() == runs["stock"][1].stride(), name
+        cos = torch.nn.functional.cosine_similarity(gx.flatten(), runs["stock"][1].flatten(), dim=0)
+        assert cos > 0.999, name
+    assert torch.equal(runs["cpp-node"][1], runs["python"][1])

@@ -100,6 +100,9 @@ SDPA_RECOMPUTE = ["aten._scaled_dot_product_flash_attention_for_cpu"]
 CASES = {
     "Linear": (lambda: nn.Linear(16, 8), M.Linear.from_module, lambda: (_x(),), 1, ROWSCALE_FWD, ROWSCALE_BWD),
     "GELU": (nn.GELU, M.GELU.from_module, lambda: (_x(),), 1, [], []),
+    # a channels-last activation is compressed as its NHWC view: no copy (ConvNeXt in channels_last)
+    "GELU/channels_last": (nn.GELU, M.GELU.from_module,
+                           lambda: (torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last),), 1, [], []),
     # backward over the last dim: one op (FUSED_BACKWARD)
     "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [], []),
     # over another dim, backward: each dequantized row renormalised to sum 1 (row sum, clamp,

@@ -18,7 +18,8 @@ from torch import nn
 from .quantizer import ActivationQuantizer, Packed, QuantOptions
 from .tracing import refuse_fx_proxy, refuse_script
 
-__all__ = ["MesaLayer", "save", "load", "no_autocast", "group_dim_4d", "grad_to"]
+__all__ = ["MesaLayer", "save", "load", "no_autocast", "group_dim_4d", "grad_to", "is_channels_last", "nhwc_view",
+           "from_nhwc"]
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -68,6 +69,28 @@ def grad_to(g: torch.Tensor | None, like: torch.Tensor | None):
 def group_dim_4d(x: torch.Tensor) -> int:
     """Per-head groups (dim 1) for 4-D ``(B, H, N, M)`` tensors, channel groups (-1) otherwise."""
     return 1 if x.dim() == 4 else x.dim() - 1
+
+
+def is_channels_last(x: torch.Tensor) -> bool:
+    """A 4-D tensor laid out NHWC (channels-last), not also plain contiguous."""
+    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def nhwc_view(x: torch.Tensor, dim: int, default_format: bool) -> tuple[torch.Tensor, int, bool]:
+    """``(x or its NHWC view, the group dim in it, whether it is the view)``: a channels-last
+    4-D ``x`` grouped over dim 1 is compressed as ``x.permute(0, 2, 3, 1)`` grouped over its
+    last dim (the same groups and statistics, the codes in x's own order): no copy to NCHW,
+    and :func:`from_nhwc` hands backward a channels-last tensor again, so the gradients keep
+    stock's layout (DESIGN.md, "Channels-last inputs"). Default format only. C++ twin:
+    ``nhwc_view`` in csrc/layers_common.h."""
+    if default_format and dim == 1 and is_channels_last(x):
+        return x.permute(0, 2, 3, 1), 3, True
+    return x, dim, False
+
+
+def from_nhwc(xh: torch.Tensor, permuted: bool) -> torch.Tensor:
+    """What :func:`nhwc_view` compressed, back in NCHW order (a channels-last view, no copy)."""
+    return xh.permute(0, 3, 1, 2) if permuted else xh
 
 
 def needs_grad(*tensors) -> bool:

@@ -14,7 +14,7 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import MesaLayer, group_dim_4d, load, no_autocast, save
+from ._common import MesaLayer, from_nhwc, group_dim_4d, load, nhwc_view, no_autocast, save
 from .quantizer import decompress
 
 __all__ = ["QuickGELU", "SiLU", "GatedActivation", "quick_gelu"]
@@ -36,7 +36,8 @@ class _ElementwiseFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kind, quantizer):
         y = quick_gelu(x) if kind == "quick_gelu" else F.silu(x)
-        packed = quantizer.compress(x, group_dim_4d(x))
+        xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.is_default_format)
+        packed = quantizer.compress(xv, dim)
         ctx.cdt, ctx.x_dtype, ctx.kind = y.dtype, x.dtype, kind
         save(ctx, [packed])
         return y
@@ -46,7 +47,7 @@ class _ElementwiseFn(torch.autograd.Function):
     def backward(ctx, g):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
-            xh = decompress(packed, ctx.cdt)
+            xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
             g = g.to(ctx.cdt)
             if ctx.kind == "quick_gelu":
                 gx = g * _quick_gelu_grad(xh)

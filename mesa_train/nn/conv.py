@@ -12,7 +12,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
-from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
+from ._common import (MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, is_channels_last, load,
+                      nhwc_view, no_autocast, save)
 
 from .quantizer import decompress
 
@@ -57,15 +58,10 @@ class _Conv2dFn(torch.autograd.Function):
         y = module._conv_forward(x, weight, bias)  # exactly nn.Conv2d.forward
         ctx.link = link
         ctx.channels_last = is_channels_last(x)
-        ctx.nhwc_codes = ctx.channels_last and quantizer.options.is_default_format
-        packed = None
-        if ctx.needs_input_grad[1]:
-            # a channels-last input is kept in its own layout (an NHWC view, groups over its
-            # last dim: the same groups and statistics): no copy to NCHW here, and backward
-            # hands convolution_backward a channels-last input, so the input gradient comes
-            # out channels-last as stock's does (DESIGN.md, "Conv2d and channels-last inputs")
-            packed = (quantizer.compress(x.permute(0, 2, 3, 1), 3) if ctx.nhwc_codes
-                      else quantizer.compress(x, x.dim() - 3))
+        # a channels-last input is kept in its own layout: backward hands convolution_backward
+        # a channels-last input, so the input gradient is stock's, layout and bits
+        xv, dim, ctx.nhwc_codes = nhwc_view(x, x.dim() - 3, quantizer.options.is_default_format)
+        packed = quantizer.compress(xv, dim) if ctx.needs_input_grad[1] else None
         ctx.module = module
         ctx.cdt, ctx.x_dtype, ctx.w_dtype = y.dtype, x.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
@@ -88,8 +84,7 @@ class _Conv2dFn(torch.autograd.Function):
             g = g.to(cdt)
             w = weight.to(cdt)
             if packed is not None:
-                xh = decompress(packed, cdt)
-                xh = xh.permute(0, 3, 1, 2) if ctx.nhwc_codes else xh
+                xh = from_nhwc(decompress(packed, cdt), ctx.nhwc_codes)
             else:  # only the input gradient is needed: the values of x do not matter, its layout does
                 fmt = torch.channels_last if ctx.channels_last else torch.contiguous_format
                 xh = torch.empty(ctx.x_shape, dtype=cdt, device=g.device, memory_format=fmt)
@@ -112,12 +107,6 @@ class _Conv2dFn(torch.autograd.Function):
         gw = gw.to(ctx.w_dtype) if gw is not None and need[1] else None
         gb = gb.to(ctx.b_dtype) if gb is not None and need[2] else None
         return gx, gw, gb, None, None, None
-
-
-def is_channels_last(x: torch.Tensor) -> bool:
-    """A 4-D tensor laid out NHWC (channels-last), not also plain contiguous. C++ twin in
-    csrc/layers_autograd.cpp (Conv2dTrain)."""
-    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
 def _autograd_backward(m, g, xh, w, need):

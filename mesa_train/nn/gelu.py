@@ -6,7 +6,8 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import MesaLayer, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
+from ._common import (MesaLayer, from_nhwc, group_dim_4d, load, nhwc_view, no_autocast, rebuild_parameter_free,
+                      save)
 from .quantizer import decompress
 
 __all__ = ["GELU"]
@@ -16,7 +17,8 @@ class _GeluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, approximate, quantizer):
         y = F.gelu(x, approximate=approximate)  # exactly nn.GELU.forward
-        packed = quantizer.compress(x, group_dim_4d(x))
+        xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.is_default_format)
+        packed = quantizer.compress(xv, dim)
         ctx.cdt, ctx.x_dtype, ctx.approximate = y.dtype, x.dtype, approximate
         save(ctx, [packed])
         return y
@@ -26,7 +28,7 @@ class _GeluFn(torch.autograd.Function):
     def backward(ctx, g):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
-            xh = decompress(packed, ctx.cdt)
+            xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
             gx = torch.ops.aten.gelu_backward.default(g.to(ctx.cdt), xh, approximate=ctx.approximate)
         return gx.to(ctx.x_dtype), None, None
 
