@@ -520,6 +520,26 @@ def test_higher_order_gradients_are_a_clear_error(kind, monkeypatch):
     assert g.shape == x.shape and torch.isfinite(g).all()
 
 
+def _channels_last_runs(stock, convert, monkeypatch) -> dict:
+    """``{"cpp-node" | "python" | "stock": (y, input grad, weight grad or None)}`` of one step
+    on the same channels-last input and output gradient (the Mesa layers with one rounding key)."""
+    runs = {}
+    for name, fused in (("cpp-node", True), ("python", False), ("stock", None)):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", bool(fused))
+        layer = stock if fused is None else convert(stock)
+        if fused is not None:
+            layer.quantizer.rng.copy_(torch.tensor([55, 0]))
+        x = torch.randn(2, 4, 9, 9, generator=torch.Generator().manual_seed(1)).to(
+            memory_format=torch.channels_last).requires_grad_()
+        y = layer(x)
+        y.backward(torch.linspace(-1, 2, y.numel()).view(y.shape).contiguous(memory_format=torch.channels_last))
+        weight = getattr(layer, "weight", None)
+        runs[name] = (y, x.grad, None if weight is None else weight.grad)
+        if weight is not None:
+            weight.grad = None
+    return runs
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["cpp-node", "python"])
 @pytest.mark.parametrize("conv_kwargs", [dict(kernel_size=3, padding=1), dict(kernel_size=3, padding=1, groups=4)],
                          ids=str)
@@ -532,18 +552,7 @@ def test_conv2d_channels_last_input_keeps_its_layout(fused, conv_kwargs, w_grad,
     torch.manual_seed(0)
     stock = torch.nn.Conv2d(4, 4, **conv_kwargs).requires_grad_(True)
     stock.weight.requires_grad_(w_grad)
-    runs = {}
-    for name, path_fused in (("cpp-node", True), ("python", False), ("stock", None)):
-        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", bool(path_fused))
-        layer = stock if path_fused is None else mnn.Conv2d.from_module(stock)
-        if path_fused is not None:
-            layer.quantizer.rng.copy_(torch.tensor([55, 0]))
-        x = torch.randn(2, 4, 9, 9, generator=torch.Generator().manual_seed(1)).to(
-            memory_format=torch.channels_last).requires_grad_()
-        y = layer(x)
-        y.backward(torch.linspace(-1, 2, y.numel()).view(y.shape).contiguous(memory_format=torch.channels_last))
-        runs[name] = (y, x.grad, layer.weight.grad)
-        layer.weight.grad = None
+    runs = _channels_last_runs(stock, mnn.Conv2d.from_module, monkeypatch)
     y, gx, gw = runs["cpp-node" if fused else "python"]
     assert torch.equal(y, runs["stock"][0])
     assert gx.stride() == runs["stock"][1].stride() and torch.equal(gx, runs["stock"][1])
@@ -562,19 +571,9 @@ def test_activation_channels_last_input_keeps_its_layout(kind, monkeypatch):
     Python Function give the same bits."""
     stock = torch.nn.GELU() if kind == "gelu" else torch.nn.SiLU()
     convert = mnn.GELU.from_module if kind == "gelu" else mnn.SiLU.from_module
-    runs = {}
-    for name, fused in (("cpp-node", True), ("python", False), ("stock", None)):
-        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", bool(fused))
-        layer = stock if fused is None else convert(stock)
-        if fused is not None:
-            layer.quantizer.rng.copy_(torch.tensor([55, 0]))
-        x = torch.randn(2, 4, 9, 9, generator=torch.Generator().manual_seed(1)).to(
-            memory_format=torch.channels_last).requires_grad_()
-        y = layer(x)
-        y.backward(torch.linspace(-1, 2, y.numel()).view(y.shape).contiguous(memory_format=torch.channels_last))
-        runs[name] = (y, x.grad)
+    runs = _channels_last_runs(stock, convert, monkeypatch)
     for name in ("cpp-node", "python"):
-        y, gx = runs[name]
+        y, gx, _ = runs[name]
         assert torch.equal(y, runs["stock"][0])
         assert gx.stride() == runs["stock"][1].stride(), name
         cos = torch.nn.functional.cosine_similarity(gx.flatten(), runs["stock"][1].flatten(), dim=0)
