@@ -127,20 +127,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
 }
 
 // ----------------------------------------------------------------------------- Linear
+// x made contiguous once for both ops (each would copy a strided x), its row exponents over
+// the last row_dims dims when max_k > 0 (k undefined otherwise), then compress along dim.
+// The C++ layers and mesa::compress share it: the same kernels in the same order.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_with_rows(
+    const at::Tensor& x_in, int64_t dim, Quantizer& qz, int64_t row_dims, int64_t max_k) {
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor k;
+  if (max_k > 0) k = row_exponents_op().call(x, row_dims, max_k);
+  auto [q, alpha, beta, G] = compress(x, dim, qz, k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);
+  return {q, alpha, beta, G, k};
+}
+
 // mesa_train.nn.rowscale.compress_rows: x compressed with channel groups over its last dim,
 // its rows far below the others scaled by 2**k when row_scale is on (k undefined otherwise):
 // mesa::row_exponents, then observe and quantize scale the rows themselves (no scaled copy).
 // `other` is the layer's other dtype (max_exponent: 14 with float16 involved).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_rows(
-    const at::Tensor& x_in, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz) {
-  const at::Tensor x = x_in.contiguous();  // once, for both ops (each would copy a strided x)
-  at::Tensor k;
-  if (row_scale) {
-    const bool half = x.scalar_type() == at::kHalf || other == at::kHalf;
-    k = row_exponents_op().call(x, row_dims, half ? 14 : 64);
-  }
-  auto [q, alpha, beta, G] = compress(x, x.dim() - 1, qz, k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);
-  return {q, alpha, beta, G, k};
+    const at::Tensor& x, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz) {
+  const bool half = x.scalar_type() == at::kHalf || other == at::kHalf;
+  return compress_with_rows(x, x.dim() - 1, qz, row_dims, row_scale ? (half ? 14 : 64) : 0);
 }
 
 // ----------------------------------------------------------------------------- compress
@@ -149,21 +155,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_row
 // each opaque op its own copy of an input it has not written to memory yet (a clone of a
 // strided q/k/v, LayerNorm's x_hat), so row_exponents, observe and quantize, three
 // consumers of x, meant up to three copies; as one op, x has one consumer and one copy.
-// Eager it is one dispatch instead of two or three. Same kernels in the same order as the
-// C++ layers (compress_rows above): bitwise the same codes. max_k = 0: no row scales (the
-// fourth output is then an empty int8 tensor).
+// Eager it is one dispatch instead of two or three. max_k = 0: no row scales (the fourth
+// output is then an empty int8 tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
-    const at::Tensor& x_in, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
+    const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
     const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, int64_t estimator, bool symmetric,
     bool stochastic, int64_t row_dims, int64_t max_k) {
   TORCH_CHECK(estimator == kRunning || estimator == kPerSample || estimator == kDelayed,
               "mesa::compress: estimator must be 0 (running), 1 (per_sample) or 2 (delayed), got ", estimator);
   Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
-  const at::Tensor x = x_in.contiguous();
-  std::optional<at::Tensor> k;
-  if (max_k > 0) k = row_exponents_op().call(x, row_dims, max_k);
-  auto [q, alpha, beta, G] = compress(x, dim, qz, k);
-  return {q, alpha, beta, k.has_value() ? *k : at::empty({0}, x.options().dtype(at::kChar))};
+  auto [q, alpha, beta, G, k] = compress_with_rows(x, dim, qz, row_dims, max_k);
+  return {q, alpha, beta, k.defined() ? k : at::empty({0}, x.options().dtype(at::kChar))};
 }
 
 // The saved codes back in dtype `dt`, rows unscaled by 2**-k inside the kernel (k undefined:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import mesa_train.nn as M
-from op_recorder import OpRecorder
+from op_recorder import OpRecorder, compress_ops
 
 # metadata-only ops, allocations and grad accumulation: not passes over data. (No seed draw:
 # rounding seeds come from the quantizers' device-side counters inside mesa::observe, so a
@@ -83,6 +83,13 @@ def _heads_case(which: str) -> tuple:
             lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 9, 48)), 2, [], [])
 
 
+def _channels_last_conv_case() -> tuple:
+    """A depthwise conv on a channels-last input (PVT-v2's): compressed as its NHWC view, no
+    copy to NCHW."""
+    return (lambda: nn.Conv2d(4, 4, 3, groups=4), M.Conv2d.from_module,
+            lambda: (torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last),), 1, [], [])
+
+
 def _x():
     return torch.randn(2, 9, 16)
 
@@ -110,9 +117,7 @@ CASES = {
     "Softmax/dim2": (lambda: nn.Softmax(2), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [],
                      ["aten.sum", "aten.clamp_min", "aten.div"]),
     "Conv2d": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
-    # a channels-last input is compressed as its NHWC view: no copy to NCHW (PVT-v2's depthwise conv)
-    "Conv2d/channels_last": (lambda: nn.Conv2d(4, 4, 3, groups=4), M.Conv2d.from_module,
-                             lambda: (torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last),), 1, [], []),
+    "Conv2d/channels_last": _channels_last_conv_case(),
     # x_hat: a second (affine-free) LayerNorm pass; backward: the row's rstd multiply
     "LayerNorm": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,
                   ["aten.native_layer_norm"] + ROWSCALE_FWD, ["aten.mul"] + ROWSCALE_BWD),
@@ -138,9 +143,7 @@ PYTHON_PATH_CASES = {
     "MatMul/python": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2,
                       [], []),
     "Conv2d/python": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
-    "Conv2d/channels_last/python": (lambda: nn.Conv2d(4, 4, 3, groups=4), M.Conv2d.from_module,
-                                    lambda: (torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last),), 1, [],
-                                    []),
+    "Conv2d/channels_last/python": _channels_last_conv_case(),
     "Softmax/python": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [], []),
     "MatMul/qk-of-qkv/python": _heads_case("qk"),
     "MatMul/av-of-qkv/python": _heads_case("av"),
@@ -237,8 +240,6 @@ def test_compress_runs_the_ops_the_recorder_counts(estimator, max_k):
     """mesa::compress (one op per compression) calls exactly the ops OpRecorder counts for
     it (op_recorder.compress_ops), read from the profiler's record of its nested calls;
     and its codes equal those ops called one by one."""
-    from op_recorder import compress_ops
-
     from mesa_train.quant import reference as R
 
     torch.manual_seed(estimator)

@@ -39,7 +39,7 @@ __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assig
 
 ESTIMATORS = ("running", "per_sample", "learned", "delayed")
 # How the C++ layer ops (csrc/layers_common.h, `Estimator`) are told the default-format estimator
-ESTIMATOR_CODES = {"running": 0, "per_sample": 1, "delayed": 2}
+ESTIMATOR_CODES = {name: code for code, name in reference.ESTIMATOR_NAMES.items()}
 ROUNDINGS = ("stochastic", "nearest")
 BITS = (8, 4, 2)
 SCALES = ("linear", "pow2")
@@ -548,8 +548,7 @@ class ActivationQuantizer(nn.Module):
         dim = dim % x.dim()
         if o.layout == "patch4x4":
             return self._compress_patch4x4(x, dim)
-        D = x.shape[dim]
-        G = o.num_groups if o.num_groups <= D else max(1, D)
+        G = reference.capped_groups(o.num_groups, x.shape[dim])
         x = x.contiguous()
         alpha, beta, seed = self._observe(x, dim, G, o.estimator == "per_sample")
         if o.estimator == "learned" and self.clippable:

@@ -358,8 +358,7 @@ def _fake_softmax_backward(g, q, alpha, beta, dim, num_groups):
 
 def _fake_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
                    stochastic, row_dims, max_k):
-    if estimator not in reference.ESTIMATORS:
-        raise ValueError(f"compress: estimator must be one of {reference.ESTIMATORS} (code: name), got {estimator!r}")
+    reference.check_estimator_code(estimator)
     G = reference.capped_groups(num_groups, x.shape[dim])
     k = _fake_row_exponents(x, row_dims, max_k) if max_k > 0 else x.new_empty((0,), dtype=torch.int8)
     if estimator == 2:

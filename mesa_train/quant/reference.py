@@ -634,7 +634,13 @@ def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_gro
     return q, alpha, beta
 
 
-ESTIMATORS = {0: "running", 1: "per_sample", 2: "delayed"}  # mesa::compress's estimator codes
+# the estimator codes of mesa::compress and the C++ layer ops (csrc/layers_common.h, Estimator)
+ESTIMATOR_NAMES = {0: "running", 1: "per_sample", 2: "delayed"}
+
+
+def check_estimator_code(estimator: int) -> None:
+    if estimator not in ESTIMATOR_NAMES:
+        raise ValueError(f"compress: estimator must be one of {ESTIMATOR_NAMES} (code: name), got {estimator!r}")
 
 
 def capped_groups(num_groups: int, size: int) -> int:
@@ -648,8 +654,7 @@ def compress(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int
     its row exponents when ``max_k > 0`` (:func:`row_exponents`, else an empty int8 tensor),
     then :func:`observe` + :func:`quantize`, or :func:`quantize_observe` for ``estimator`` 2
     (delayed), with ``num_groups`` capped at the dim's size. Returns ``(q, alpha, beta, k)``."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"compress: estimator must be one of {ESTIMATORS} (code: name), got {estimator!r}")
+    check_estimator_code(estimator)
     x = x.contiguous()
     G = capped_groups(num_groups, x.shape[dim])
     k = row_exponents(x, row_dims, max_k) if max_k > 0 else None
