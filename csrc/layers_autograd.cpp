@@ -127,12 +127,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
 }
 
 // ----------------------------------------------------------------------------- Linear
-// x made contiguous once for both ops (each would copy a strided x), its row exponents over
-// the last row_dims dims when max_k > 0 (k undefined otherwise), then compress along dim.
-// The C++ layers and mesa::compress share it: the same kernels in the same order.
+// x made contiguous once for its ops (each would copy a strided x), then compressed along
+// dim, with its row exponents over the last row_dims dims when max_k > 0 (k undefined
+// otherwise): observe_rows (the exponents and the statistics, one pass over x for channel
+// groups) + quantize, or for the delayed estimator row_exponents + quantize_observe (the
+// exponents must exist before its single pass quantizes). The C++ layers and mesa::compress
+// share it: the same kernels in the same order.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_with_rows(
     const at::Tensor& x_in, int64_t dim, Quantizer& qz, int64_t row_dims, int64_t max_k) {
   const at::Tensor x = x_in.contiguous();
+  if (max_k > 0 && qz.estimator != kDelayed) {
+    const int64_t G = capped_groups(qz, x.size(dim));
+    auto [alpha, beta, seed, k] =
+        observe_rows_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G, qz.decay,
+                               qz.estimator == kPerSample, qz.symmetric, row_dims, max_k);
+    at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed, k);
+    return {q, alpha, beta, G, k};
+  }
   at::Tensor k;
   if (max_k > 0) k = row_exponents_op().call(x, row_dims, max_k);
   auto [q, alpha, beta, G] = compress(x, dim, qz, k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);

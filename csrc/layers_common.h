@@ -31,6 +31,9 @@ using QuantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Te
 using DequantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                                 c10::ScalarType, const std::optional<at::Tensor>&);
 using RowExponentsFn = at::Tensor(const at::Tensor&, int64_t, int64_t);
+using ObserveRowsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+    double, bool, bool, int64_t, int64_t);
 
 // The registered ops, looked up once (through the dispatcher: CPU or CUDA kernel).
 inline const c10::TypedOperatorHandle<ObserveFn>& observe_op() {
@@ -49,6 +52,11 @@ inline const c10::TypedOperatorHandle<DequantizeFn>& dequantize_op() {
 inline const c10::TypedOperatorHandle<RowExponentsFn>& row_exponents_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mesa::row_exponents", "").typed<RowExponentsFn>();
+  return op;
+}
+inline const c10::TypedOperatorHandle<ObserveRowsFn>& observe_rows_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::observe_rows", "").typed<ObserveRowsFn>();
   return op;
 }
 
@@ -93,10 +101,15 @@ inline Quantizer quantizer_from_list(at::TensorList state, int64_t num_groups, d
 // the dim's size), one contiguous copy when needed, then observe + quantize, or with the
 // delayed estimator quantize_observe (one pass); row_exp: the rows' power-of-two scales,
 // applied inside the kernels (mesa_train.nn.rowscale). Returns (q, alpha, beta, G).
+// The groups of a compression along a dim of size D: at most one per channel
+// (mesa_train.quant.reference.capped_groups).
+inline int64_t capped_groups(const Quantizer& qz, int64_t D) {
+  return qz.num_groups <= D ? qz.num_groups : std::max<int64_t>(1, D);
+}
+
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
     const at::Tensor& x_in, int64_t dim, Quantizer& qz, const std::optional<at::Tensor>& row_exp = std::nullopt) {
-  const int64_t D = x_in.size(dim);
-  const int64_t G = qz.num_groups <= D ? qz.num_groups : std::max<int64_t>(1, D);
+  const int64_t G = capped_groups(qz, x_in.size(dim));
   const at::Tensor x = x_in.contiguous();
   if (qz.estimator == kDelayed) {
     auto [q, alpha, beta] = quantize_observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <vector>
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -298,6 +299,8 @@ Layout check_dequantize_bits(const at::Tensor& q, const at::Tensor& alpha, const
 void check_seed_tensor(const char* what, const at::Tensor& t, const c10::Device& device);
 
 inline int64_t group_of(int64_t d, int64_t G, int64_t D) { return (d * G) / D; }
+// the first d of group g (g = G: D), i.e. ceil(g * D / G)
+inline int64_t group_begin(int64_t g, int64_t G, int64_t D) { return (g * D + G - 1) / G; }
 
 // ----------------------------------------------------------------------------- row scales
 // The optional int8 row exponents k of observe / quantize / dequantize (DESIGN.md, "Rows far
@@ -310,5 +313,17 @@ int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device
 // row_exponents(x, row_dims, max_k): the float dtypes, 1 <= row_dims <= x.dim(), 0 <= max_k <= 126;
 // returns the row length (the product of the last row_dims sizes).
 int64_t check_row_exponents(const at::Tensor& x, int64_t row_dims, int64_t max_k);
+// observe_rows: the checks of observe and of row_exponents; returns observe's layout.
+Layout check_observe_rows(const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                          const at::Tensor& initialized, const at::Tensor& rng, int64_t dim, int64_t num_groups,
+                          double decay, bool per_sample, int64_t row_dims, int64_t max_k);
+// Whether observe_rows takes its one-pass path (DESIGN.md, "observe_rows"): a non-empty x of
+// at least 2 dims, rows of its last dim (row_dims = 1) and groups over that same dim, so each
+// row holds a contiguous segment of every group and no row straddles two samples. Other
+// layouts run row_exponents, then observe (two passes, the same results).
+bool rows_as_cells(const Layout& L, int64_t ndim, int64_t row_dims);
+// The (rows, 2, G) "cells" of that path, shaped x.shape[:-1] + (2, G): per row, the min of
+// each group's segment, then the max (float32, in x's dtype's values)
+std::vector<int64_t> cells_shape(at::IntArrayRef x_sizes, int64_t G);
 
 }  // namespace mesa

@@ -278,6 +278,25 @@ int64_t check_row_exponents(const at::Tensor& x, int64_t row_dims, int64_t max_k
   return L;
 }
 
+Layout check_observe_rows(const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                          const at::Tensor& initialized, const at::Tensor& rng, int64_t dim, int64_t num_groups,
+                          double decay, bool per_sample, int64_t row_dims, int64_t max_k) {
+  const Layout L = check_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample);
+  check_row_exponents(x, row_dims, max_k);
+  return L;
+}
+
+bool rows_as_cells(const Layout& L, int64_t ndim, int64_t row_dims) {
+  return L.numel > 0 && ndim >= 2 && row_dims == 1 && L.dim == ndim - 1;
+}
+
+std::vector<int64_t> cells_shape(at::IntArrayRef x_sizes, int64_t G) {
+  std::vector<int64_t> shape(x_sizes.begin(), x_sizes.end() - 1);
+  shape.push_back(2);
+  shape.push_back(G);
+  return shape;
+}
+
 }  // namespace mesa
 
 TORCH_LIBRARY(mesa, m) {
@@ -318,6 +337,14 @@ TORCH_LIBRARY(mesa, m) {
       "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
       "int dim, int num_groups, float decay, bool per_sample, bool symmetric, Tensor? row_exp=None) -> "
       "(Tensor alpha, Tensor beta, Tensor seed)");
+  // row_exponents(x, row_dims, max_k), then observe(x, ..., row_exp=k), as one op that also
+  // returns k (DESIGN.md, "observe_rows"): with groups and rows over the last dim, one pass
+  // over x finds both the row maxima and each row's per-group min/max, so a compression with
+  // row scales reads x twice (this op, quantize) instead of three times.
+  m.def(
+      "observe_rows(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
+      "int dim, int num_groups, float decay, bool per_sample, bool symmetric, int row_dims, int max_k) -> "
+      "(Tensor alpha, Tensor beta, Tensor seed, Tensor row_exp)");
   // estimator "delayed" (DESIGN.md, "Delayed estimates"): quantize with the running estimates
   // as they stand (initialized: after a first batch through observe), then this batch's
   // min/max update them, in one pass over x (one launch on CUDA). Returns the codes and the

@@ -131,6 +131,16 @@ MESA_ALWAYS_INLINE void from_f(float v, uint16_t& out) {
   out = static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
+// v rounded to the storage type T and back: the value mesa::dequantize returns in T, or
+// a row-scaled element in x's dtype (observe_rows)
+MESA_ALWAYS_INLINE float through(float v, const float*) { return v; }
+template <typename T>
+MESA_ALWAYS_INLINE float through(float v, const T*) {
+  T t;
+  from_f(v, t);
+  return to_f(t);
+}
+
 // ----------------------------------------------------------------------------- run kernels
 // One run of n contiguous elements. TABLE: per-element parameters inv[k], beta[k]
 // (inner == 1); else one (inv, beta) pair for the run. Stochastic runs never cross a 2^32
@@ -288,6 +298,49 @@ MESA_ALWAYS_INLINE float absmax_row(const Bf16Bits* x, int64_t n) {
   const uint32_t m = absmax_bits_bf16(x, n);
   return m > 0x7F80u ? std::numeric_limits<float>::quiet_NaN() : to_f(Bf16Bits{static_cast<uint16_t>(m)});
 }
+
+// observe_rows' pass over one row of D elements whose G groups are contiguous segments of it:
+// its max|x| into *r (as absmax_row) and each segment's min into c[g], max into c[G + g]. The
+// float bits map to order-preserving uint32 with NaN above everything (the CUDA kernels'
+// min/max encoding), so all three are integer max reductions, which vectorise (the NaN-aware
+// float selects of minmax_reduce_body cost ~30 ns per short segment: 5x the two-op path).
+MESA_ALWAYS_INLINE float unord_bits(uint32_t e) { return bits_f((e & 0x80000000u) ? (e & 0x7FFFFFFFu) : ~e); }
+template <typename T>
+MESA_ALWAYS_INLINE void row_cells_body(const T* __restrict__ x, int64_t D, int64_t G, float* __restrict__ c,
+                                       float* __restrict__ r) {
+  uint32_t am = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    // o = the order-preserving map (b ^ 0x80000000 for b >= 0, ~b below); a positive NaN maps
+    // above +inf (max), a negative one below -inf (min of ~o): NaNs are caught by the
+    // segment's max|x| instead, so the loop is five integer ops and three max
+    uint32_t emx = 0, emn = 0, sa = 0;
+    for (int64_t j = group_begin(g, G, D), e = group_begin(g + 1, G, D); j < e; ++j) {
+      const uint32_t b = f_bits(to_f(x[j]));
+      const uint32_t a = b & 0x7FFFFFFFu;
+      const uint32_t o = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+      sa = a > sa ? a : sa;
+      emx = o > emx ? o : emx;
+      emn = ~o > emn ? ~o : emn;
+    }
+    // (a segment is never empty: G <= D)
+    const bool nan = sa > 0x7F800000u;
+    c[g] = nan ? std::numeric_limits<float>::quiet_NaN() : unord_bits(~emn);
+    c[G + g] = nan ? std::numeric_limits<float>::quiet_NaN() : unord_bits(emx);
+    am = sa > am ? sa : am;
+  }
+  *r = am > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : bits_f(am);
+}
+#define MESA_ROW_CELLS(SUF, T)                                                                               \
+  MESA_CLONES void row_cells_##SUF(const T* __restrict__ x, int64_t D, int64_t G, float* __restrict__ c,  \
+                                   float* __restrict__ r) {                                                \
+    row_cells_body<T>(x, D, G, c, r);                                                                      \
+  }                                                                                                        \
+  MESA_ALWAYS_INLINE void row_cells(const T* x, int64_t D, int64_t G, float* c, float* r) {                \
+    row_cells_##SUF(x, D, G, c, r);                                                                        \
+  }
+MESA_ROW_CELLS(f32, float)
+MESA_ROW_CELLS(f16, uint16_t)
+MESA_ROW_CELLS(bf16, Bf16Bits)
 
 template <typename T> struct Runs;
 #define MESA_RUNS(SUF, T)                                                                          \
@@ -874,6 +927,15 @@ void row_absmax_cpu(const at::Tensor& x, int64_t L, float* out) {
   });
 }
 
+// k of a row of max|x| r in a batch whose row maxima average `mean`: ratio = m * 2**e with m
+// in [0.5, 1), so floor(log2(ratio)) = e - 1; a zero row (ratio inf) or an all-zero / NaN
+// batch (ratio NaN) gets e = 0, i.e. k = 0
+int8_t row_k(float mean, float r, int64_t max_k) {
+  int e = 0;
+  std::frexp(mean / r, &e);
+  return static_cast<int8_t>(std::min<int64_t>(std::max<int64_t>(e - 1, 0), max_k));
+}
+
 // mesa_train.nn.rowscale.row_exponents, bitwise: the row maxima in one vectorised pass
 // (row_absmax_cpu), the same ATen mean over them, then per row the division, frexp and clamp
 // (float division is correctly rounded and std::frexp is what ATen's frexp calls, so every
@@ -894,14 +956,73 @@ at::Tensor row_exponents_cpu(const at::Tensor& x_in, int64_t row_dims, int64_t m
   // tests/test_op_counts.py)
   const float mean = *r.mean().const_data_ptr<float>();
   int8_t* kp = k.mutable_data_ptr<int8_t>();
-  for (int64_t i = 0; i < rows; ++i) {
-    // ratio = m * 2**e with m in [0.5, 1): floor(log2(ratio)) = e - 1; a zero row (ratio
-    // inf) or an all-zero / NaN batch (ratio NaN) gets e = 0, i.e. k = 0
-    int e = 0;
-    std::frexp(mean / rp[i], &e);
-    kp[i] = static_cast<int8_t>(std::min<int64_t>(std::max<int64_t>(e - 1, 0), max_k));
-  }
+  for (int64_t i = 0; i < rows; ++i) kp[i] = row_k(mean, rp[i], max_k);
   return k;
+}
+
+// ----------------------------------------------------------------------------- observe_rows
+// row_exponents + observe(row_exp = k), bitwise (DESIGN.md, "observe_rows"). With groups
+// and rows over the last dim (rows_as_cells), one pass: per row its max|x| and the min / max
+// of each group's segment (the "cells"); k from the row maxima as row_exponents finds it;
+// each row's cells times 2**k rounded to x's dtype (scaling by a power of two is monotone,
+// so the scaled min of a segment is the min of the scaled elements, NaN and +-0 included
+// once canonicalised); then observe's reduction over the cells (their groups and samples are
+// x's), folded into the loop that scales them, its estimate step and seed step.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cpu(
+    const at::Tensor& x_in, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
+    const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, bool per_sample, bool symmetric,
+    int64_t row_dims, int64_t max_k) {
+  const Layout L = check_observe_rows(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
+                                      row_dims, max_k);
+  if (!rows_as_cells(L, x_in.dim(), row_dims)) {
+    at::Tensor k = row_exponents_cpu(x_in, row_dims, max_k);
+    auto [alpha, beta, seed] =
+        observe_cpu(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric, k);
+    return {alpha, beta, seed, k};
+  }
+  const at::Tensor x = x_in.contiguous();
+  const int64_t D = L.D, G = L.G, rows = L.numel / D;
+  std::vector<int64_t> kshape = x.sizes().vec();
+  kshape.back() = 1;
+  at::Tensor k = at::empty(kshape, x.options().dtype(at::kChar));
+  at::Tensor r = at::empty(kshape, x.options().dtype(at::kFloat));
+  at::Tensor cells = at::empty(cells_shape(x.sizes(), G), x.options().dtype(at::kFloat));
+  const auto fopts = x.options().dtype(at::kFloat);
+  at::Tensor omn = at::full({L.S, G}, kInf, fopts), omx = at::full({L.S, G}, -kInf, fopts);
+  float* pmn = omn.mutable_data_ptr<float>();
+  float* pmx = omx.mutable_data_ptr<float>();
+  float* rp = r.mutable_data_ptr<float>();
+  float* cp = cells.mutable_data_ptr<float>();
+  int8_t* kp = k.mutable_data_ptr<int8_t>();
+  MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_rows_cpu", [&] {
+    using S = storage_t<scalar_t>;
+    const S* p = as_storage(x.const_data_ptr<scalar_t>());
+    // pass over x: the row's max|x| and its segments' min/max (the row stays in cache)
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / D), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) row_cells(p + i * D, D, G, cp + i * 2 * G, rp + i);
+    });
+    // k per row as row_exponents finds it; the row's cells times 2**k in x's dtype, folded
+    // into the (S, G) min / max (the reduction observe would run over the cells)
+    const float mean = *r.mean().const_data_ptr<float>();
+    const int64_t rows_per_s = rows / L.S;
+    for (int64_t i = 0; i < rows; ++i) {
+      kp[i] = row_k(mean, rp[i], max_k);
+      const float f = std::ldexp(1.0f, kp[i]);
+      const float* c = cp + i * 2 * G;
+      float* smn = pmn + (i / rows_per_s) * G;
+      float* smx = pmx + (i / rows_per_s) * G;
+      for (int64_t g = 0; g < G; ++g) {
+        smn[g] = nan_min(smn[g], kp[i] == 0 ? c[g] : through(f_mul(c[g], f), p));
+        smx[g] = nan_max(smx[g], kp[i] == 0 ? c[G + g] : through(f_mul(c[G + g], f), p));
+      }
+    }
+  });
+  canonicalize(omn);
+  canonicalize(omx);
+  auto [alpha, beta] = update_estimates_impl(omn, omx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
+                                             true, G);
+  const at::Tensor seed = seed_step_cpu(rng);
+  return {alpha, beta, seed, k};
 }
 
 }  // namespace
@@ -914,15 +1035,6 @@ at::Tensor row_exponents_cpu(const at::Tensor& x_in, int64_t row_dims, int64_t m
 // reference's (mesa_train.quant.reference.softmax_backward).
 constexpr int kLanes = 32;
 constexpr float kFltMin = std::numeric_limits<float>::min();
-
-// v rounded to the storage type T and back: the value mesa::dequantize returns in T
-MESA_ALWAYS_INLINE float through(float v, const float*) { return v; }
-template <typename T>
-MESA_ALWAYS_INLINE float through(float v, const T*) {
-  T t;
-  from_f(v, t);
-  return to_f(t);
-}
 
 // Lane 0's result of the __shfl_xor_sync butterfly over the 32 lane sums. Lane 0 only needs
 // lanes l < off at each step, and for those l ^ off = l + off: a halving tree of 31 adds
@@ -1045,6 +1157,7 @@ TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("dequantize", &dequantize_cpu);
   m.impl("update_estimates", &update_estimates_cpu);
   m.impl("observe", &observe_cpu);
+  m.impl("observe_rows", &observe_rows_cpu);
   m.impl("quantize_observe", &quantize_observe_cpu);
   m.impl("estimate_and_seed", &estimate_and_seed_cpu);
   m.impl("quantize_bits", &quantize_bits_cpu);

@@ -9,9 +9,10 @@ in order: the op-count tests of several files share it.
 
 ``mesa::compress`` (one op for a whole compression, the Python Functions' path) is recorded
 as the ops it runs, so that counts are launches whichever path a layer takes:
-``row_exponents`` when its ``max_k > 0``, then ``quantize_observe`` for the delayed
-estimator (code 2) or ``observe`` + ``quantize``. test_op_counts.py pins that expansion
-against the profiler's record of what the op calls.
+``observe`` + ``quantize``, with row exponents (``max_k > 0``) ``observe_rows`` +
+``quantize``; for the delayed estimator (code 2) ``quantize_observe``, after ``row_exponents``
+with row exponents. test_op_counts.py pins that expansion against the profiler's record of
+what the op calls.
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def compress_ops(args, kwargs=None) -> list[str]:
     names = [a.name for a in torch.ops.mesa.compress.default._schema.arguments]
     bound = {**dict(zip(names, args)), **(kwargs or {})}
     estimator, max_k = bound["estimator"], bound["max_k"]
-    rows = ["mesa.row_exponents"] if max_k > 0 else []
-    return rows + (["mesa.quantize_observe"] if estimator == 2 else ["mesa.observe", "mesa.quantize"])
+    if estimator == 2:
+        return (["mesa.row_exponents"] if max_k > 0 else []) + ["mesa.quantize_observe"]
+    return ["mesa.observe_rows" if max_k > 0 else "mesa.observe", "mesa.quantize"]
 
 
 class OpRecorder(TorchDispatchMode):

@@ -400,6 +400,8 @@ def test_fallback_when_extension_disabled():
                               (mn, mx, torch.zeros(3), torch.zeros(3), torch.tensor(False), 0.9, True, False, True))
         torch.library.opcheck(torch.ops.mesa.compress.default, (x, torch.zeros(3), torch.zeros(3),
                               torch.zeros(1, dtype=torch.bool), Q.rng_state(5), 1, 3, 0.9, 0, False, True, 1, 64))
+        torch.library.opcheck(torch.ops.mesa.observe_rows.default, (x, torch.zeros(3), torch.zeros(3),
+                              torch.zeros(1, dtype=torch.bool), Q.rng_state(5), 2, 3, 0.9, False, False, 1, 64))
         print(hashlib.sha256(q.numpy().tobytes()).hexdigest())
         """
     )
@@ -520,11 +522,13 @@ def test_benchmark_runs_on_cpu(tmp_path):
 
     table = benchmark.main(["--device", "cpu", "--quick", "--out-dir", str(tmp_path), "--dtypes", "bf16,fp32"])
     ops = ["clone (baseline)", "forward: observe + quantize", "observe", "quantize (stochastic)",
-           "backward: dequantize", "forward delayed: quantize_observe", "row_exponents",
+           "backward: dequantize", "forward delayed: quantize_observe", "row_exponents", "observe_rows",
+           "forward with row scales: observe_rows + quantize",
+           "forward with row scales, before: row_exponents + observe + quantize",
            "backward with row scales: dequantize"]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    # 2 dtypes x (7 rows per layout + 3 row-scale rows on the token layout)
-    assert len(rows) == 2 * (2 * 7 + 3)
+    # 2 dtypes x (7 rows per layout + 5 row-scale rows on the token layout)
+    assert len(rows) == 2 * (2 * 7 + 5)
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     clone_rows = [r for r in rows if "| clone (baseline) |" in r]

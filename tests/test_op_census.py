@@ -27,9 +27,10 @@ def test_census_of_a_patched_deit_block(capsys):
     out = capsys.readouterr().out
     rows = _rows(out)
     ops = {r[3] for r in rows}
-    # the compression itself: in forward, observe + quantize (+ row exponents for Linear /
-    # LayerNorm inputs); in backward, dequantize and the Softmax's one-op backward
-    assert {"mesa.observe", "mesa.quantize", "mesa.dequantize", "mesa.row_exponents", "mesa.softmax_backward"} <= ops
+    # the compression itself: in forward, observe + quantize (observe_rows + quantize for the
+    # row-scaled Linear / LayerNorm inputs); in backward, dequantize and the Softmax's one-op
+    # backward
+    assert {"mesa.observe", "mesa.quantize", "mesa.dequantize", "mesa.observe_rows", "mesa.softmax_backward"} <= ops
     # ... which replaces the stock softmax backward
     assert any(r[3] == "aten._softmax_backward_data" and int(r[0]) > int(r[1]) for r in rows)
     # no copy of a (B, H, N, d) operand beyond stock's (MatMul reuses the product's copy)

@@ -256,3 +256,95 @@ def test_opcheck_row_scale_signatures(device):
     opcheck(torch.ops.mesa.quantize.default, (x, alpha, beta, 2, 4, True, seed, k))
     q = Q.quantize(x, alpha, beta, 2, 4, True, seed, row_exp=k)
     opcheck(torch.ops.mesa.dequantize.default, (q, alpha, beta, 2, 4, torch.float32, k))
+
+
+# ----------------------------------------------------------------------------- observe_rows
+# mesa::observe_rows = row_exponents, then observe with row_exp = k (DESIGN.md, "observe_rows").
+# With groups and rows over the last dim it takes one pass over x (per row: max|x| and each
+# group segment's min/max, scaled by the row's 2**k, then observe over those cells); every
+# other layout runs the two ops. Both must give the definition's bits: statistics, seed, k and
+# every buffer, also on the second step (blending into initialized estimates).
+def _observe_rows_both(x, G, per_sample, symmetric, row_dims, max_k, steps=2):
+    dim = x.dim() - 1
+    ops_state, ref_state = _state(G, x.device), _state(G, x.device)
+    for step in range(steps):
+        got = Q.observe_rows(x, *ops_state, dim, G, 0.9, per_sample, symmetric, row_dims, max_k)
+        want = R.observe_rows(x, *ref_state, dim, G, 0.9, per_sample, symmetric, row_dims, max_k)
+        for name, a, b in zip(("alpha", "beta", "seed", "k"), got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, (name, step)
+            assert torch.equal(_bits(a), _bits(b)), (name, step)
+        for a, b in zip(ops_state, ref_state):
+            assert torch.equal(_bits(a), _bits(b)), step
+    return got
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,row_dims", SHAPES, ids=str)
+@pytest.mark.parametrize("case", ["spread", "specials"])
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_observe_rows_is_row_exponents_then_observe(device, dtype, shape, row_dims, case, per_sample):
+    x = _rows(shape, dtype, device, case)
+    # 4 groups (segments of unequal length for 131 and 6) and the symmetric ranges
+    alpha, beta, seed, k = _observe_rows_both(x, 4, per_sample, case == "specials", row_dims, _top(dtype))
+    if case == "spread":  # the exponents are exercised: small rows get large k
+        assert int(k.max()) >= 3
+    # and the one op is the two ops of the extension too
+    state = _state(4, device)
+    k2 = torch.ops.mesa.row_exponents(x, row_dims, _top(dtype))
+    want = Q.observe(x, *state, x.dim() - 1, 4, 0.9, per_sample, case == "specials", row_exp=k2)
+    assert torch.equal(k, k2)
+    got = Q.observe_rows(x, *_state(4, device), x.dim() - 1, 4, 0.9, per_sample, case == "specials", row_dims,
+                         _top(dtype))
+    for a, b in zip(got[:3], want):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("G", [1, 5, 24])
+def test_observe_rows_group_counts_and_layouts(device, G):
+    """One group, groups that do not divide the row (24 / 5), one group per channel; a
+    non-contiguous x, groups along another dim than the rows' (the two-op path), one-d x
+    (one row for all samples: the two-op path), no row scales (max_k = 0) and one-row x."""
+    x = _rows((6, 7, 24), torch.bfloat16, device, "specials")
+    _observe_rows_both(x, G, False, False, 1, 64)
+    _observe_rows_both(x.transpose(0, 1), G, True, False, 1, 64)
+    _observe_rows_both(x, G, False, False, 1, 0)
+    _observe_rows_both(x[:1, :1], G, True, False, 1, 64)
+    _observe_rows_both(x.reshape(-1)[:40], min(G, 40), False, False, 1, 64)
+    state, ref = _state(G, device), _state(G, device)
+    x4 = _rows((4, 6, 5, 24), torch.float32, device)
+    got = Q.observe_rows(x4, *state, 1, min(G, 6), 0.9, True, False, 1, 64)
+    want = R.observe_rows(x4, *ref, 1, min(G, 6), 0.9, True, False, 1, 64)
+    for a, b in zip(got, want):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+def test_observe_rows_empty_and_bad_arguments(device):
+    for shape in [(0, 16), (3, 0), (2, 0, 5)]:
+        e = torch.zeros(shape, device=device)
+        G = 1
+        got = Q.observe_rows(e, *_state(G, device), e.dim() - 1 if shape[-1] else 0, G, 0.9, False, False, 1, 64)
+        want = R.observe_rows(e, *_state(G, device), e.dim() - 1 if shape[-1] else 0, G, 0.9, False, False, 1, 64)
+        for a, b in zip(got, want):
+            assert torch.equal(_bits(a), _bits(b)), shape
+    x = _rows((3, 5, 24), torch.float32, device)
+    with pytest.raises(ValueError, match=r"max_k must be in \[0, 126\]"):
+        torch.ops.mesa.observe_rows(x, *_state(4, device), 2, 4, 0.9, False, False, 1, 127)
+    with pytest.raises(ValueError, match=r"row_dims must be in \[1, 3\]"):
+        torch.ops.mesa.observe_rows(x, *_state(4, device), 2, 4, 0.9, False, False, 4, 64)
+    with pytest.raises(ValueError, match=r"num_groups=30 must be in \[1, 24\]"):
+        torch.ops.mesa.observe_rows(x, *_state(30, device), 2, 30, 0.9, False, False, 1, 64)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_observe_rows(device):
+    x = _rows((3, 5, 24), torch.bfloat16, device)
+    for per_sample, row_dims in [(False, 1), (True, 1), (False, 2)]:
+        opcheck(torch.ops.mesa.observe_rows.default, (x, *_state(4, device), 2, 4, 0.9, per_sample, False, row_dims,
+                                                      14))

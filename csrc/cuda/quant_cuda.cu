@@ -1452,16 +1452,19 @@ row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t
 
 // k[row] = clamp(e - 1, 0, max_k) with mean / r[row] = m * 2**e, m in [0.5, 1) (frexp); a
 // non-finite or zero ratio (a zero row, an all-zero or NaN batch) gives e = 0, i.e. k = 0
+__device__ __forceinline__ int row_k_of(float mu, float r, int max_k) {
+  const float ratio = f_div(mu, r);
+  int e = 0;
+  if (isfinite(ratio) && ratio != 0.0f) frexpf(ratio, &e);
+  return min(max(e - 1, 0), max_k);
+}
+
 __global__ void __launch_bounds__(kThreads)
 row_k_kernel(const float* __restrict__ r, const float* __restrict__ mean, int8_t* __restrict__ k, int64_t rows,
              int max_k) {
   const float mu = __ldg(mean);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x) {
-    const float ratio = f_div(mu, r[i]);
-    int e = 0;
-    if (isfinite(ratio) && ratio != 0.0f) frexpf(ratio, &e);
-    k[i] = static_cast<int8_t>(min(max(e - 1, 0), max_k));
-  }
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x)
+    k[i] = static_cast<int8_t>(row_k_of(mu, r[i], max_k));
 }
 
 at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t max_k) {
@@ -1494,6 +1497,121 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
                                                              static_cast<int>(max_k));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return k;
+}
+
+// ----------------------------------------------------------------------------- observe_rows
+// row_exponents + observe(row_exp = k) with groups and rows over the last dim (DESIGN.md,
+// "observe_rows"): one read of x instead of two. Launches: the row pass below, ATen's mean of
+// the row maxima (row_exponents' own reduction, so k is bitwise the same), the k and cell
+// scaling kernel, then observe over the (rows, 2, G) cells (the estimate update and the seed
+// step unchanged).
+// Per row of D elements, one warp: r[row] = max|x| (as row_absmax_kernel: the largest float
+// bit pattern with the sign cleared, NaN patterns above +inf) and cells[row] = [the min of
+// each group's segment [ceil(g D / G), ceil((g + 1) D / G)), then the maxima] (NaN
+// propagating; order-free). VEC: every segment is whole 16-byte chunks (D % G == 0,
+// (D / G) * sizeof(scalar_t) % 16 == 0, x 16-byte aligned).
+template <typename scalar_t, bool VEC>
+__global__ void __launch_bounds__(kThreads)
+row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* __restrict__ cells, int64_t rows,
+                 int64_t D, int G) {
+  constexpr int kPer = VEC ? 16 / int(sizeof(scalar_t)) : 1;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
+    const scalar_t* xr = x + row * D;
+    float* c = cells + row * 2 * G;
+    uint32_t am = 0u;
+    for (int g = 0; g < G; ++g) {
+      const int64_t b = (int64_t(g) * D + G - 1) / G, e = (int64_t(g + 1) * D + G - 1) / G;
+      float mn = __uint_as_float(0x7F800000u), mx = __uint_as_float(0xFF800000u);  // +inf, -inf
+      for (int64_t j = b + int64_t(lane) * kPer; j < e; j += 32 * kPer) {
+        float v[kPer];
+        load_floats<scalar_t, kPer>(xr + j, v);
+#pragma unroll
+        for (int t = 0; t < kPer; ++t) {
+          am = umax(am, __float_as_uint(v[t]) & 0x7FFFFFFFu);
+          mn = nan_min(mn, v[t]);
+          mx = nan_max(mx, v[t]);
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) {
+        mn = nan_min(mn, __shfl_xor_sync(0xFFFFFFFFu, mn, off));
+        mx = nan_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
+      }
+      if (lane == 0) {
+        c[g] = mn;
+        c[G + g] = mx;
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) am = umax(am, __shfl_xor_sync(0xFFFFFFFFu, am, off));
+    if (lane == 0) r[row] = __uint_as_float(am);
+  }
+}
+
+// k[row] as row_k_kernel, and the row's cells times 2**k rounded to scalar_t (x * 2**k as the
+// kernels take it; a power-of-two factor is monotone, so the scaled min / max of a segment
+// are the min / max of its scaled elements)
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+row_k_cells_kernel(const float* __restrict__ r, const float* __restrict__ mean, int8_t* __restrict__ k,
+                   float* __restrict__ cells, int64_t rows, int G, int max_k) {
+  const float mu = __ldg(mean);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x) {
+    const int kk = row_k_of(mu, r[i], max_k);
+    k[i] = static_cast<int8_t>(kk);
+    if (kk == 0) continue;
+    const float f = pow2i(kk);
+    float* c = cells + i * 2 * G;
+    for (int j = 0; j < 2 * G; ++j) c[j] = round_to<scalar_t>(f_mul(c[j], f));
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
+    const at::Tensor& x_in, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
+    const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, bool per_sample, bool symmetric,
+    int64_t row_dims, int64_t max_k) {
+  const Layout L = check_observe_rows(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
+                                      row_dims, max_k);
+  if (!rows_as_cells(L, x_in.dim(), row_dims)) {
+    at::Tensor k = row_exponents_cuda(x_in, row_dims, max_k);
+    auto [alpha, beta, seed] =
+        observe_cuda(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric, k);
+    return {alpha, beta, seed, k};
+  }
+  const c10::cuda::OptionalCUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t D = L.D, G = L.G, rows = L.numel / D;
+  std::vector<int64_t> kshape = x.sizes().vec();
+  kshape.back() = 1;
+  at::Tensor r = at::empty(kshape, x.options().dtype(at::kFloat));
+  at::Tensor k = at::empty(kshape, x.options().dtype(at::kChar));
+  at::Tensor cells = at::empty(cells_shape(x.sizes(), G), x.options().dtype(at::kFloat));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int sms = sm_count();
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+  MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_rows_cuda", [&] {
+    const bool vec = aligned16(x.const_data_ptr()) && D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0;
+    if (vec) {
+      row_cells_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(
+          x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
+          static_cast<int>(G));
+    } else {
+      row_cells_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(
+          x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
+          static_cast<int>(G));
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const at::Tensor mean = r.mean();
+    row_k_cells_kernel<scalar_t><<<grid_for(rows, sms), kThreads, 0, stream>>>(
+        r.const_data_ptr<float>(), mean.const_data_ptr<float>(), k.mutable_data_ptr<int8_t>(),
+        cells.mutable_data_ptr<float>(), rows, static_cast<int>(G), static_cast<int>(max_k));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  auto [alpha, beta, seed] = observe_cuda(cells, alpha_est, beta_est, initialized, rng, cells.dim() - 1, G, decay,
+                                          per_sample, symmetric, std::nullopt);
+  return {alpha, beta, seed, k};
 }
 
 // ----------------------------------------------------------------------------- softmax_backward
@@ -1597,6 +1715,7 @@ TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("dequantize", &dequantize_cuda);
   m.impl("update_estimates", &update_estimates_cuda);
   m.impl("observe", &observe_cuda);
+  m.impl("observe_rows", &observe_rows_cuda);
   m.impl("quantize_observe", &quantize_observe_cuda);
   m.impl("estimate_and_seed", &estimate_and_seed_cuda);
   m.impl("quantize_bits", &quantize_bits_cuda);

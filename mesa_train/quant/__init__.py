@@ -46,6 +46,7 @@ __all__ = [
     "row_exponents",
     "update_estimates",
     "observe",
+    "observe_rows",
     "quantize_observe",
     "estimate_and_seed",
     "softmax_backward",
@@ -77,6 +78,11 @@ _SCHEMAS = {
         "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
         "int dim, int num_groups, float decay, bool per_sample, bool symmetric, Tensor? row_exp=None) -> "
         "(Tensor alpha, Tensor beta, Tensor seed)"
+    ),
+    "observe_rows": (
+        "observe_rows(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
+        "int dim, int num_groups, float decay, bool per_sample, bool symmetric, int row_dims, int max_k) -> "
+        "(Tensor alpha, Tensor beta, Tensor seed, Tensor row_exp)"
     ),
     "quantize_observe": (
         "quantize_observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
@@ -165,6 +171,12 @@ def _ref_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, deca
                              row_exp)
 
 
+def _ref_observe_rows(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric,
+                      row_dims, max_k):
+    return reference.observe_rows(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
+                                  symmetric, row_dims, max_k)
+
+
 def _ref_quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric, stochastic,
                           row_exp=None):
     return reference.quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric,
@@ -204,6 +216,7 @@ _REF_IMPLS = {
     "row_exponents": _ref_row_exponents,
     "update_estimates": _ref_update_estimates,
     "observe": _ref_observe,
+    "observe_rows": _ref_observe_rows,
     "quantize_observe": _ref_quantize_observe,
     "estimate_and_seed": _ref_estimate_and_seed,
     "softmax_backward": _ref_softmax_backward,
@@ -325,6 +338,13 @@ def _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, dec
     )
 
 
+def _fake_observe_rows(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric,
+                       row_dims, max_k):
+    alpha, beta, seed = _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
+                                      symmetric)
+    return alpha, beta, seed, _fake_row_exponents(x, row_dims, max_k)
+
+
 def _fake_quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric, stochastic,
                            row_exp=None):
     check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False)
@@ -381,6 +401,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::row_exponents")(_fake_row_exponents)
     torch.library.register_fake("mesa::update_estimates")(_fake_update_estimates)
     torch.library.register_fake("mesa::observe")(_fake_observe)
+    torch.library.register_fake("mesa::observe_rows")(_fake_observe_rows)
     torch.library.register_fake("mesa::quantize_observe")(_fake_quantize_observe)
     torch.library.register_fake("mesa::estimate_and_seed")(_fake_estimate_and_seed)
     torch.library.register_fake("mesa::quantize_bits")(_fake_quantize_bits)
@@ -527,6 +548,32 @@ def observe(
     return torch.ops.mesa.observe(
         x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay), bool(per_sample), bool(symmetric),
         row_exp,
+    )
+
+
+def observe_rows(
+    x: torch.Tensor,
+    alpha_est: torch.Tensor,
+    beta_est: torch.Tensor,
+    initialized: torch.Tensor,
+    rng: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    decay: float,
+    per_sample: bool = False,
+    symmetric: bool = False,
+    row_dims: int = 1,
+    max_k: int = 64,
+):
+    """:func:`row_exponents` then :func:`observe` with ``row_exp=k``, as one op that also
+    returns ``k``: ``(alpha, beta, seed, k)``. With groups over the last dim and one row dim
+    it reads ``x`` once (DESIGN.md, "observe_rows"); the results are bitwise those of the two
+    ops."""
+    dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
+    reference.check_row_exponents_args(x, row_dims, max_k)
+    return torch.ops.mesa.observe_rows(
+        x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay), bool(per_sample), bool(symmetric),
+        int(row_dims), int(max_k),
     )
 
 

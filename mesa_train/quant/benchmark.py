@@ -9,8 +9,9 @@ Per layout it times, with the ops the layers run:
   and writes the uint8 codes), and each of the two ops alone;
 * ``dequantize`` (backward: reads the codes, writes ``x``'s dtype);
 * estimator ``delayed``'s one-pass ``quantize_observe``, and on the token layout the row
-  scales of Linear / LayerNorm inputs (``row_exponents``, the forward and backward with
-  ``row_exp``);
+  scales of Linear / LayerNorm inputs (``row_exponents``, ``observe_rows``, the forward the
+  layers run, ``observe_rows + quantize``, against the former three-op one, and the backward
+  with ``row_exp``);
 * ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
@@ -118,14 +119,24 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
             if dim in (-1, x.dim() - 1):  # Linear / LayerNorm inputs: power-of-two row scales in the kernels
                 k = torch.ops.mesa.row_exponents(x, 1, 64)
 
-                def compress_rows():
+                def compress_rows_three_ops():  # (the layers' path before observe_rows: x read three times)
                     kr = torch.ops.mesa.row_exponents(x, 1, 64)
                     a, b, s = torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False, kr)
                     return torch.ops.mesa.quantize(x, a, b, dim, G, True, s, kr)
 
+                def observe_rows():
+                    return torch.ops.mesa.observe_rows(x, *state, dim, G, 0.9, False, False, 1, 64)
+
+                def compress_rows():  # the layers' path (mesa::compress with row scales)
+                    a, b, s, kr = observe_rows()
+                    return torch.ops.mesa.quantize(x, a, b, dim, G, True, s, kr)
+
                 ops += [
                     ("row_exponents", n * es, lambda: torch.ops.mesa.row_exponents(x, 1, 64)),
-                    ("forward with row scales: row_exponents + observe + quantize", 3 * n * es + n, compress_rows),
+                    ("observe_rows", n * es, observe_rows),
+                    ("forward with row scales: observe_rows + quantize", 2 * n * es + n, compress_rows),
+                    ("forward with row scales, before: row_exponents + observe + quantize", 3 * n * es + n,
+                     compress_rows_three_ops),
                     ("backward with row scales: dequantize", n + n * es,
                      lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G, dtype, k)),
                 ]

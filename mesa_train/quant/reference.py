@@ -611,6 +611,17 @@ def observe(
     return alpha, beta, seed_step(rng)
 
 
+def observe_rows(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
+                 per_sample: bool, symmetric: bool, row_dims: int, max_k: int):
+    """``mesa::observe_rows`` (DESIGN.md, "observe_rows"): ``k = row_exponents(x, row_dims,
+    max_k)``, then :func:`observe` of ``x`` with ``row_exp=k``. Returns ``(alpha, beta, seed, k)``."""
+    check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
+    k = row_exponents(x, row_dims, max_k)
+    alpha, beta, seed = observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
+                                symmetric, k)
+    return alpha, beta, seed, k
+
+
 def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
                      symmetric: bool, stochastic: bool, row_exp=None):
     """Estimator ``"delayed"`` (DESIGN.md, "Delayed estimates"). With initialized estimates:
@@ -651,19 +662,25 @@ def capped_groups(num_groups: int, size: int) -> int:
 def compress(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float, estimator: int,
              symmetric: bool, stochastic: bool, row_dims: int, max_k: int):
     """``mesa::compress`` (DESIGN.md, "One op per compression"): ``x`` made contiguous once,
-    its row exponents when ``max_k > 0`` (:func:`row_exponents`, else an empty int8 tensor),
-    then :func:`observe` + :func:`quantize`, or :func:`quantize_observe` for ``estimator`` 2
-    (delayed), with ``num_groups`` capped at the dim's size. Returns ``(q, alpha, beta, k)``."""
+    then with row exponents (``max_k > 0``) :func:`observe_rows` + :func:`quantize`, or
+    :func:`row_exponents` + :func:`quantize_observe` for ``estimator`` 2 (delayed); without,
+    :func:`observe` + :func:`quantize` or :func:`quantize_observe`; ``num_groups`` capped at the
+    dim's size. Returns ``(q, alpha, beta, k)`` (``k`` an empty int8 tensor without row exponents)."""
     check_estimator_code(estimator)
     x = x.contiguous()
     G = capped_groups(num_groups, x.shape[dim])
-    k = row_exponents(x, row_dims, max_k) if max_k > 0 else None
+    k = None
     if estimator == 2:
+        k = row_exponents(x, row_dims, max_k) if max_k > 0 else None
         q, alpha, beta = quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, G, decay, symmetric,
                                           stochastic, k)
     else:
-        alpha, beta, seed = observe(x, alpha_est, beta_est, initialized, rng, dim, G, decay, estimator == 1,
-                                    symmetric, k)
+        if max_k > 0:
+            alpha, beta, seed, k = observe_rows(x, alpha_est, beta_est, initialized, rng, dim, G, decay,
+                                                estimator == 1, symmetric, row_dims, max_k)
+        else:
+            alpha, beta, seed = observe(x, alpha_est, beta_est, initialized, rng, dim, G, decay, estimator == 1,
+                                        symmetric)
         q = quantize(x, alpha, beta, dim, G, stochastic, seed, k)
     return q, alpha, beta, (k if k is not None else x.new_empty((0,), dtype=torch.int8))
 

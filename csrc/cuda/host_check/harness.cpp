@@ -33,6 +33,9 @@
 //   and barrier, all 32 lanes as threads) on the vector and scalar paths, rows with NaN /
 //   inf / zero / subnormal values, against the naive max |x| per row; row_k against
 //   clamp(floor(log2(mean / r)), 0, max_k) (0 for a zero, infinite or NaN ratio).
+// * observe_rows: row_cells (warp per row, vector and scalar paths) against the naive max |x|
+//   and per-segment min / max, and row_k_cells (k, and the cells of rows with k != 0 times
+//   2**k rounded to the dtype).
 // The last line lists how many cases each kernel family checked.
 #include <algorithm>
 #include <atomic>
@@ -1185,6 +1188,126 @@ int row_exponents_checks(int ncases) {
   return errs;
 }
 
+// ------------------------------------------------------------------ observe_rows
+// row_cells_kernel (warp per row, observe_rows_cuda's grid) against the naive per-row max |x|
+// and per-segment min / max (segment g = [ceil(g D / G), ceil((g + 1) D / G)); NaN when the
+// segment has one; zeros compared by value: observe canonicalises their sign), then
+// row_k_cells_kernel: k as naive_row_k, each cell of a row with k != 0 times 2**k rounded to
+// scalar_t, the others untouched.
+bool same_stat(float got, float want) { return std::isnan(want) ? std::isnan(got) : got == want; }
+
+template <typename scalar_t, bool VEC>
+int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms) {
+  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+  std::vector<float> r(rows + 1, 7.0f), cells(rows * 2 * G + 1, 7.0f);
+  launch_simt(blocks, kThreads, [&] { row_cells_kernel<scalar_t, VEC>(x, r.data(), cells.data(), rows, D, G); });
+  int errs = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float am = naive_absmax(x + i * D, D);
+    if (!same_stat(r[i], am) && errs++ < 5)
+      fprintf(stderr, "row_cells<%zu,%d> absmax mismatch row=%ld got %g exp %g\n", sizeof(scalar_t), int(VEC),
+              (long)i, r[i], am);
+    for (int g = 0; g < G; ++g) {
+      float mn = INFINITY, mx = -INFINITY;
+      bool nan = false;
+      for (int64_t d = (int64_t(g) * D + G - 1) / G; d < (int64_t(g + 1) * D + G - 1) / G; ++d) {
+        const float v = static_cast<float>(x[i * D + d]);
+        nan = nan || std::isnan(v);
+        mn = std::min(mn, v);
+        mx = std::max(mx, v);
+      }
+      if (nan) mn = mx = NAN;
+      const float gmn = cells[i * 2 * G + g], gmx = cells[i * 2 * G + G + g];
+      if ((!same_stat(gmn, mn) || !same_stat(gmx, mx)) && errs++ < 5)
+        fprintf(stderr, "row_cells<%zu,%d> mismatch row=%ld g=%d/%d D=%ld got [%g, %g] exp [%g, %g]\n",
+                sizeof(scalar_t), int(VEC), (long)i, g, G, (long)D, gmn, gmx, mn, mx);
+    }
+  }
+  if (!same_bits(r[rows], 7.0f) || !same_bits(cells[rows * 2 * G], 7.0f)) {
+    fprintf(stderr, "row_cells wrote past the end\n");
+    ++errs;
+  }
+  g_checked[VEC ? "row_cells_vec" : "row_cells"]++;
+  if (errs) return errs;
+  // row_k_cells on the cells just checked
+  const float mean = pick_mean(std::vector<float>(r.begin(), r.begin() + rows));
+  const int max_k = int(rng() % (max_row_k<scalar_t>() + 1));
+  std::vector<int8_t> k(rows + 1, int8_t(-99));
+  std::vector<float> scaled(cells);
+  launch_seq(grid_for(rows, sms), kThreads,
+             [&] { row_k_cells_kernel<scalar_t>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k); });
+  for (int64_t i = 0; i < rows; ++i) {
+    const int want = naive_row_k(mean, r[i], max_k);
+    if (k[i] != want && errs++ < 5)
+      fprintf(stderr, "row_k_cells k mismatch row=%ld got %d exp %d\n", (long)i, int(k[i]), want);
+    for (int j = 0; j < 2 * G; ++j) {
+      const float c = cells[i * 2 * G + j];
+      const float w = want == 0 ? c : static_cast<float>(static_cast<scalar_t>(c * std::ldexp(1.0f, want)));
+      if (!(same_bits(scaled[i * 2 * G + j], w) || (std::isnan(w) && std::isnan(scaled[i * 2 * G + j]))) &&
+          errs++ < 5)
+        fprintf(stderr, "row_k_cells cell mismatch row=%ld j=%d k=%d got %g exp %g\n", (long)i, j, want,
+                scaled[i * 2 * G + j], w);
+    }
+  }
+  if (k[rows] != -99 || !same_bits(scaled[rows * 2 * G], 7.0f)) {
+    fprintf(stderr, "row_k_cells wrote past the end\n");
+    ++errs;
+  }
+  g_checked["row_k_cells"]++;
+  return errs;
+}
+
+// the vector path where the op picks it (aligned rows, segments of whole 16-byte chunks),
+// the scalar path always (also from an offset pointer)
+template <typename scalar_t>
+int check_observe_rows(int64_t rows, int64_t D, int G, int sms) {
+  const size_t off = 1 + rng() % (16 / sizeof(scalar_t) - 1);
+  scalar_t* xa = alloc<scalar_t>(rows * D, 0);
+  scalar_t* xu = alloc<scalar_t>(rows * D, off);
+  fill_rows(xa, rows, D);
+  memcpy(xu, xa, rows * D * sizeof(scalar_t));
+  int errs = 0;
+  if (D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0)
+    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms);
+  errs += check_row_cells<scalar_t, false>(xu, rows, D, G, sms);
+  if (errs) fprintf(stderr, "FAIL observe_rows rows=%ld D=%ld G=%d sms=%d sizeof=%zu\n", (long)rows, (long)D, G, sms,
+                    sizeof(scalar_t));
+  free(xa);
+  free(xu - off);
+  return errs;
+}
+
+int observe_rows_checks(int ncases) {
+  int errs = 0;
+  // DeiT's channel groups (384 / 6, 1536 / 6), one group, a group per element, segments of
+  // unequal length (131 / 4, 24 / 5), segments longer than a warp's pass (1100 / 2), rows = 300
+  // on one SM (warps stride over rows)
+  const std::vector<std::tuple<int64_t, int64_t, int>> fixed = {
+      {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4}};
+  // (each layout with one dtype per SM count, rotating: the warp emulation is slow)
+  int turn = 0;
+  for (const auto& [rows, D, G] : fixed)
+    for (int sms : {1, 132}) {
+      switch (turn++ % 3) {
+        case 0: errs += check_observe_rows<float>(rows, D, G, sms); break;
+        case 1: errs += check_observe_rows<c10::Half>(rows, D, G, sms); break;
+        default: errs += check_observe_rows<c10::BFloat16>(rows, D, G, sms); break;
+      }
+    }
+  for (int t = 0; t < (ncases + 1) / 2; ++t) {
+    const int64_t rows = 1 + rng() % 40, D = rng() % 3 == 0 ? 16 * (1 + rng() % 24) : 1 + rng() % 300;
+    const int G = rng() % 2 ? int(1 + rng() % std::min<int64_t>(D, 12)) : int(std::max<int64_t>(1, D / 16));
+    const int sms = rng() % 2 ? 1 : 1 + rng() % 8;
+    switch (rng() % 3) {
+      case 0: errs += check_observe_rows<float>(rows, D, G, sms); break;
+      case 1: errs += check_observe_rows<c10::Half>(rows, D, G, sms); break;
+      default: errs += check_observe_rows<c10::BFloat16>(rows, D, G, sms); break;
+    }
+  }
+  printf("observe_rows errors: %d\n", errs);
+  return errs;
+}
+
 // ------------------------------------------------------------------ softmax_backward
 // The definition (DESIGN.md, "Fused softmax backward"), sequentially: per row, y in the
 // dtype, s = max(lane_sum(y), FLT_MIN), p = y / s, d = lane_sum(g * p), gx = p * (g - d);
@@ -1408,6 +1531,7 @@ int main(int argc, char** argv) {
   int errs = timed("index math", index_checks);
   errs += timed("update_estimates", [&] { return estimates_check(quick); });
   errs += timed("row_exponents", [&] { return row_exponents_checks(ncases); });
+  errs += timed("observe_rows", [&] { return observe_rows_checks(ncases); });
   errs += timed("softmax_backward", [&] { return softmax_backward_checks(ncases); });
   errs += timed("fixed layouts", [&] { return fixed_layout_checks(quick); });
   errs += timed("random layouts", [&] { return random_layout_checks(ncases); });
