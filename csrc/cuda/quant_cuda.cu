@@ -1509,37 +1509,42 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
 // bit pattern with the sign cleared, NaN patterns above +inf) and cells[row] = [the min of
 // each group's segment [ceil(g D / G), ceil((g + 1) D / G)), then the maxima] (NaN
 // propagating; order-free). VEC: every segment is whole 16-byte chunks (D % G == 0,
-// (D / G) * sizeof(scalar_t) % 16 == 0, x 16-byte aligned).
+// (D / G) * sizeof(scalar_t) % 16 == 0, x 16-byte aligned). The warp splits into 32 / W
+// sub-warps of W lanes (a power of two), one segment each: with short segments (DeiT-S: 64
+// bf16 channels = 8 chunks, W = 8) all 32 lanes load at once instead of 8.
 template <typename scalar_t, bool VEC>
 __global__ void __launch_bounds__(kThreads)
 row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* __restrict__ cells, int64_t rows,
-                 int64_t D, int G) {
+                 int64_t D, int G, int W) {
   constexpr int kPer = VEC ? 16 / int(sizeof(scalar_t)) : 1;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, sub = lane % W, per_pass = 32 / W;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const scalar_t* xr = x + row * D;
     float* c = cells + row * 2 * G;
     uint32_t am = 0u;
-    for (int g = 0; g < G; ++g) {
-      const int64_t b = (int64_t(g) * D + G - 1) / G, e = (int64_t(g + 1) * D + G - 1) / G;
+    for (int g0 = 0; g0 < G; g0 += per_pass) {
+      const int g = g0 + lane / W;
       float mn = __uint_as_float(0x7F800000u), mx = __uint_as_float(0xFF800000u);  // +inf, -inf
-      for (int64_t j = b + int64_t(lane) * kPer; j < e; j += 32 * kPer) {
-        float v[kPer];
-        load_floats<scalar_t, kPer>(xr + j, v);
+      if (g < G) {
+        const int64_t b = (int64_t(g) * D + G - 1) / G, e = (int64_t(g + 1) * D + G - 1) / G;
+        for (int64_t j = b + int64_t(sub) * kPer; j < e; j += int64_t(W) * kPer) {
+          float v[kPer];
+          load_floats<scalar_t, kPer>(xr + j, v);
 #pragma unroll
-        for (int t = 0; t < kPer; ++t) {
-          am = umax(am, __float_as_uint(v[t]) & 0x7FFFFFFFu);
-          mn = nan_min(mn, v[t]);
-          mx = nan_max(mx, v[t]);
+          for (int t = 0; t < kPer; ++t) {
+            am = umax(am, __float_as_uint(v[t]) & 0x7FFFFFFFu);
+            mn = nan_min(mn, v[t]);
+            mx = nan_max(mx, v[t]);
+          }
         }
       }
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) {
+      // (offsets below W stay inside the sub-warp; every lane takes part)
+      for (int off = W / 2; off > 0; off /= 2) {
         mn = nan_min(mn, __shfl_xor_sync(0xFFFFFFFFu, mn, off));
         mx = nan_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
       }
-      if (lane == 0) {
+      if (sub == 0 && g < G) {
         c[g] = mn;
         c[G + g] = mx;
       }
@@ -1548,6 +1553,15 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
     for (int off = 16; off > 0; off /= 2) am = umax(am, __shfl_xor_sync(0xFFFFFFFFu, am, off));
     if (lane == 0) r[row] = __uint_as_float(am);
   }
+}
+
+// The sub-warp width of row_cells_kernel: the smallest power of two >= the 16-byte chunks of
+// a segment, at most 32 (VEC); 32 on the scalar path.
+int row_cells_width(bool vec, int64_t segment_chunks) {
+  if (!vec) return 32;
+  int w = 1;
+  while (w < 32 && w < segment_chunks) w *= 2;
+  return w;
 }
 
 // k[row] as row_k_kernel, and the row's cells times 2**k rounded to scalar_t (x * 2**k as the
@@ -1593,14 +1607,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_rows_cuda", [&] {
     const bool vec = aligned16(x.const_data_ptr()) && D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0;
+    const int W = row_cells_width(vec, (D / G) * int64_t(sizeof(scalar_t)) / 16);
     if (vec) {
       row_cells_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
-          static_cast<int>(G));
+          static_cast<int>(G), W);
     } else {
       row_cells_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
-          static_cast<int>(G));
+          static_cast<int>(G), W);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::Tensor mean = r.mean();

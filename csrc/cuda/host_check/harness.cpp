@@ -1200,7 +1200,8 @@ template <typename scalar_t, bool VEC>
 int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms) {
   const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
   std::vector<float> r(rows + 1, 7.0f), cells(rows * 2 * G + 1, 7.0f);
-  launch_simt(blocks, kThreads, [&] { row_cells_kernel<scalar_t, VEC>(x, r.data(), cells.data(), rows, D, G); });
+  const int W = row_cells_width(VEC, (D / G) * int64_t(sizeof(scalar_t)) / 16);
+  launch_simt(blocks, kThreads, [&] { row_cells_kernel<scalar_t, VEC>(x, r.data(), cells.data(), rows, D, G, W); });
   int errs = 0;
   for (int64_t i = 0; i < rows; ++i) {
     const float am = naive_absmax(x + i * D, D);
@@ -1227,7 +1228,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms) 
     fprintf(stderr, "row_cells wrote past the end\n");
     ++errs;
   }
-  g_checked[VEC ? "row_cells_vec" : "row_cells"]++;
+  g_checked[VEC ? (W < 32 ? "row_cells_vec_subwarp" : "row_cells_vec") : "row_cells"]++;
   if (errs) return errs;
   // row_k_cells on the cells just checked
   const float mean = pick_mean(std::vector<float>(r.begin(), r.begin() + rows));
@@ -1283,7 +1284,8 @@ int observe_rows_checks(int ncases) {
   // unequal length (131 / 4, 24 / 5), segments longer than a warp's pass (1100 / 2), rows = 300
   // on one SM (warps stride over rows)
   const std::vector<std::tuple<int64_t, int64_t, int>> fixed = {
-      {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4}};
+      {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4},
+      {4, 384, 12}, {3, 96, 3}, {2, 768, 2}};  // (sub-warps of 1, 2, 4, 8, 16 and 32 lanes across the dtypes)
   // (each layout with one dtype per SM count, rotating: the warp emulation is slow)
   int turn = 0;
   for (const auto& [rows, D, G] : fixed)
