@@ -53,10 +53,19 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto cdt = ctx->saved_data["y_dtype"].toScalarType();
-    at::Tensor xh = from_nhwc(dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                                   ctx->saved_data["groups"].toInt(), cdt, std::nullopt),
-                              ctx->saved_data["nhwc"].toBool());
-    at::Tensor gx = at::gelu_backward(grads[0].to(cdt), xh, ctx->saved_data["approximate"].toStringRef());
+    const bool nhwc = ctx->saved_data["nhwc"].toBool();
+    const int64_t dim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
+    const auto approximate = ctx->saved_data["approximate"].toStringRef();
+    at::Tensor gx;
+    if (approximate == "none") {  // one op from the codes (mesa_train/nn/gelu.py)
+      gx = from_nhwc(gelu_backward_op().call(to_nhwc(grads[0].to(cdt), nhwc), saved[0], saved[1], saved[2], dim,
+                                             groups),
+                     nhwc);
+    } else {
+      at::Tensor xh = from_nhwc(dequantize_op().call(saved[0], saved[1], saved[2], dim, groups, cdt, std::nullopt),
+                                nhwc);
+      gx = at::gelu_backward(grads[0].to(cdt), xh, approximate);
+    }
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
   }
 };

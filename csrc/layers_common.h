@@ -62,6 +62,12 @@ inline const c10::TypedOperatorHandle<ObserveRowsFn>& observe_rows_op() {
 
 using SoftmaxBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      int64_t, int64_t);
+// (gelu_backward has softmax_backward's signature)
+inline const c10::TypedOperatorHandle<SoftmaxBackwardFn>& gelu_backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::gelu_backward", "").typed<SoftmaxBackwardFn>();
+  return op;
+}
 inline const c10::TypedOperatorHandle<SoftmaxBackwardFn>& softmax_backward_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mesa::softmax_backward", "").typed<SoftmaxBackwardFn>();
@@ -161,6 +167,8 @@ inline NhwcView nhwc_view(const at::Tensor& x, int64_t dim) {
 inline at::Tensor from_nhwc(const at::Tensor& xh, bool permuted) {
   return permuted ? xh.permute({0, 3, 1, 2}) : xh;
 }
+// a gradient of the NCHW tensor in the layout of its NHWC codes (a view)
+inline at::Tensor to_nhwc(const at::Tensor& g, bool permuted) { return permuted ? g.permute({0, 2, 3, 1}) : g; }
 
 }  // namespace layers
 }  // namespace mesa

@@ -7,6 +7,7 @@
 // on the host the build passes -ffp-contract=off.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -122,6 +123,16 @@ MESA_HD void seed_step(uint32_t key, uint32_t counter, uint32_t& seed_lo, uint32
 
 // ----------------------------------------------------------------------------- quant math
 // inv = alpha > 1e-12 ? 255 / alpha : 0  (a NaN alpha also gives 0)
+// d/dx of the exact GELU times g, in float32: ATen's CUDA formula (GeluBackwardCUDAKernelImpl,
+// approximate="none") with every operation rounded separately (no FMA contraction)
+MESA_HD float gelu_grad(float g, float x) {
+  const float kBeta = static_cast<float>(M_2_SQRTPI * M_SQRT1_2 * 0.5);
+  const float kAlpha = static_cast<float>(M_SQRT1_2);
+  const float cdf = f_mul(0.5f, f_add(1.0f, erff(f_mul(x, kAlpha))));
+  const float pdf = f_mul(expf(f_mul(f_mul(-0.5f, x), x)), kBeta);
+  return f_mul(g, f_add(cdf, f_mul(x, pdf)));
+}
+
 MESA_HD float inv_scale(float alpha) { return alpha > 1e-12f ? f_div(255.0f, alpha) : 0.0f; }
 // step = alpha / 255
 MESA_HD float dequant_step(float alpha) { return f_div(alpha, 255.0f); }
@@ -273,6 +284,9 @@ Layout check_quantize(const at::Tensor& x, const at::Tensor& alpha, const at::Te
                       int64_t dim, int64_t num_groups, const at::Tensor& seed);
 Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
                         int64_t dim, int64_t num_groups, at::ScalarType dtype);
+// gelu_backward: g and q of one shape and device, the dequantize layout checks.
+Layout check_gelu_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
+                           const at::Tensor& beta, int64_t dim, int64_t num_groups);
 // softmax_backward: g and q of one shape and device, a group dim other than the last.
 Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                               const at::Tensor& beta, int64_t dim, int64_t num_groups);

@@ -163,17 +163,29 @@ Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::
   return make_layout(q, dim, num_groups, S);
 }
 
+// g and the codes q of one shape and device (a backward from codes); the normalized dim
+static int64_t check_codes_backward(const char* op, const at::Tensor& g, const at::Tensor& q, int64_t dim) {
+  TORCH_CHECK_VALUE(is_quant_dtype(g.scalar_type()), "mesa: ", op, ": g must be float32, float16 or bfloat16, got ",
+                    g.scalar_type());
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kByte, "mesa: ", op, " expects uint8 codes q, got ", q.scalar_type());
+  TORCH_CHECK_VALUE(g.device() == q.device(), "mesa: ", op, ": g is on ", g.device(), " but the codes are on ",
+                    q.device());
+  TORCH_CHECK_VALUE(g.sizes() == q.sizes(), "mesa: ", op, ": g has shape ", g.sizes(), " but the codes have ",
+                    q.sizes());
+  return normalize_dim(q, dim);
+}
+
+Layout check_gelu_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
+                           const at::Tensor& beta, int64_t dim, int64_t num_groups) {
+  const int64_t nd = check_codes_backward("gelu_backward", g, q, dim);
+  make_layout(q, nd, num_groups, 1);  // the num_groups range first, as the reference checks it
+  const int64_t S = check_params(q, alpha, beta, num_groups);
+  return make_layout(q, nd, num_groups, S);
+}
+
 Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                               const at::Tensor& beta, int64_t dim, int64_t num_groups) {
-  TORCH_CHECK_VALUE(is_quant_dtype(g.scalar_type()),
-                    "mesa: softmax_backward: g must be float32, float16 or bfloat16, got ", g.scalar_type());
-  TORCH_CHECK_VALUE(q.scalar_type() == at::kByte, "mesa: softmax_backward expects uint8 codes q, got ",
-                    q.scalar_type());
-  TORCH_CHECK_VALUE(g.device() == q.device(), "mesa: softmax_backward: g is on ", g.device(),
-                    " but the codes are on ", q.device());
-  TORCH_CHECK_VALUE(g.sizes() == q.sizes(), "mesa: softmax_backward: g has shape ", g.sizes(),
-                    " but the codes have ", q.sizes());
-  const int64_t nd = normalize_dim(q, dim);
+  const int64_t nd = check_codes_backward("softmax_backward", g, q, dim);
   // one (alpha, beta) per row (a slice along the last dim) is what lets a row be reduced alone
   TORCH_CHECK_VALUE(nd != q.dim() - 1, "mesa: softmax_backward: the group dim ", nd,
                     " is the softmax (last) dim of shape ", q.sizes(),
@@ -357,6 +369,10 @@ TORCH_LIBRARY(mesa, m) {
   // softmax backward"): one pass instead of dequantize, renormalise and _softmax_backward_data.
   // The group dim must not be the last one (one (alpha, beta) per row); returns g's dtype.
   m.def("softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor");
+  // The backward of the exact (erf) GELU at its dequantized input (DESIGN.md, "GELU backward
+  // from the codes"): aten::gelu_backward(g, dequantize(q, ..., g.dtype)); one pass on CUDA
+  // (the dequantized input never reaches memory), the composition itself on the CPU.
+  m.def("gelu_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor");
   // Variants (DESIGN.md, "Variants"): `bits` in {8, 4, 2} codes packed 8/bits per byte along
   // the flat index (little end first, last byte zero-padded), optional power-of-two steps.
   // Output: 1-d uint8 of ceil(numel * bits / 8) bytes.

@@ -525,10 +525,11 @@ def test_benchmark_runs_on_cpu(tmp_path):
            "backward: dequantize", "forward delayed: quantize_observe", "row_exponents", "observe_rows",
            "forward with row scales: observe_rows + quantize",
            "forward with row scales, before: row_exponents + observe + quantize",
-           "backward with row scales: dequantize"]
+           "backward with row scales: dequantize", "backward GELU: gelu_backward",
+           "backward GELU, before: dequantize + gelu_backward"]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    # 2 dtypes x (7 rows per layout + 5 row-scale rows on the token layout)
-    assert len(rows) == 2 * (2 * 7 + 5)
+    # 2 dtypes x (7 rows per layout + 5 row-scale and 2 GELU rows on the token layout)
+    assert len(rows) == 2 * (2 * 7 + 5 + 2)
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     clone_rows = [r for r in rows if "| clone (baseline) |" in r]

@@ -147,6 +147,11 @@ PYTHON_PATH_CASES = {
     "Conv2d/python": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
     "Conv2d/channels_last/python": _channels_last_conv_case(),
     "Softmax/python": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 9, 9),), 1, [], []),
+    "GELU/python": (nn.GELU, M.GELU.from_module, lambda: (_x(),), 1, [], []),
+    "GELU/channels_last/python": (nn.GELU, M.GELU.from_module,
+                                  lambda: (torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last),), 1, [], []),
+    # the tanh form keeps dequantize + stock's gelu_backward
+    "GELU/tanh": (lambda: nn.GELU("tanh"), M.GELU.from_module, lambda: (_x(),), 1, [], []),
     "MatMul/qk-of-qkv/python": _heads_case("qk"),
     "MatMul/av-of-qkv/python": _heads_case("av"),
     "SDPA/python": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2), _qkv, 3, [], SDPA_RECOMPUTE),
@@ -155,9 +160,14 @@ PYTHON_PATH_CASES = {
 
 # Layers whose whole backward is one Mesa op reading the codes (instead of dequantize), which
 # also takes the place of one stock backward op: a Softmax over the last dim
-# (mesa::softmax_backward: dequantize, renormalise and _softmax_backward_data in one pass).
+# (mesa::softmax_backward: dequantize, renormalise and _softmax_backward_data in one pass) and
+# the exact GELU (mesa::gelu_backward: dequantize and gelu_backward).
 FUSED_BACKWARD = {"Softmax": ("mesa.softmax_backward", "aten._softmax_backward_data"),
-                  "Softmax/python": ("mesa.softmax_backward", "aten._softmax_backward_data")}
+                  "Softmax/python": ("mesa.softmax_backward", "aten._softmax_backward_data"),
+                  "GELU": ("mesa.gelu_backward", "aten.gelu_backward"),
+                  "GELU/channels_last": ("mesa.gelu_backward", "aten.gelu_backward"),
+                  "GELU/python": ("mesa.gelu_backward", "aten.gelu_backward"),
+                  "GELU/channels_last/python": ("mesa.gelu_backward", "aten.gelu_backward")}
 
 
 @pytest.mark.parametrize("name", list(CASES) + list(PYTHON_PATH_CASES))

@@ -411,9 +411,38 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, con
 }
 
 // ----------------------------------------------------------------------------- dequantize
-template <typename scalar_t, typename IdxT, int V>
+// What dequantize_kernel does with the V reconstructed values of elements i0, i0 + 1, ...
+// (floats; row scales already undone): mesa::dequantize stores them in scalar_t ...
+template <typename scalar_t>
+struct StoreValues {
+  scalar_t* __restrict__ y;
+  template <typename IdxT, int V>
+  __device__ __forceinline__ void operator()(IdxT i0, float (&v)[V]) const {
+    store_floats<scalar_t, V>(y + i0, v);
+  }
+};
+
+// ... mesa::gelu_backward (DESIGN.md, "GELU backward from the codes") stores g * gelu'(x)
+// instead, x the value rounded to scalar_t as dequantize would store it: the input never
+// reaches memory (one pass: codes and g in, dx out, where dequantize + gelu_backward also
+// write and read x)
+template <typename scalar_t>
+struct StoreGeluGrad {
+  const scalar_t* __restrict__ g;
+  scalar_t* __restrict__ dx;
+  template <typename IdxT, int V>
+  __device__ __forceinline__ void operator()(IdxT i0, float (&v)[V]) const {
+    float gv[V];
+    load_floats<scalar_t, V>(g + i0, gv);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = gelu_grad(gv[e], round_to<scalar_t>(v[e]));
+    store_floats<scalar_t, V>(dx + i0, v);
+  }
+};
+
+template <typename scalar_t, typename IdxT, int V, typename Out = StoreValues<scalar_t>>
 __global__ void __launch_bounds__(kThreads)
-dequantize_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, const float* __restrict__ alpha,
+dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* __restrict__ alpha,
                   const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel, const KRows<IdxT> rows) {
   const IdxT nvec = numel / V;
   const IdxT stride = IdxT(gridDim.x) * blockDim.x;
@@ -441,7 +470,7 @@ dequantize_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, const
       for (int e = 0; e < V; ++e) out[e] = round_to<scalar_t>(out[e]);
       apply_rows<scalar_t, IdxT, V>(rows, i0, out, -1);
     }
-    store_floats<scalar_t, V>(y + i0, out);
+    out_fn(i0, out);
   }
   if (V > 1) {
     const IdxT i = nvec * V + gid;
@@ -452,19 +481,18 @@ dequantize_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, const
         yi[0] = round_to<scalar_t>(yi[0]);
         apply_rows<scalar_t, IdxT, 1>(rows, i, yi, -1);
       }
-      y[i] = static_cast<scalar_t>(yi[0]);
+      out_fn(i, yi);
     }
   }
 }
 
-template <typename scalar_t, typename IdxT, int V>
-void launch_dequantize(const at::Tensor& q, at::Tensor& y, const at::Tensor& alpha, const at::Tensor& beta,
+template <typename scalar_t, typename IdxT, int V, typename Out>
+void launch_dequantize(const at::Tensor& q, const Out& out_fn, const at::Tensor& alpha, const at::Tensor& beta,
                        const Layout& L, const std::optional<at::Tensor>& row_exp, int64_t row_len,
                        cudaStream_t stream) {
-  dequantize_kernel<scalar_t, IdxT, V><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
-      q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), alpha.const_data_ptr<float>(),
-      beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
-      make_krows<IdxT>(row_exp, row_len));
+  dequantize_kernel<scalar_t, IdxT, V, Out><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
+      q.const_data_ptr<uint8_t>(), out_fn, alpha.const_data_ptr<float>(), beta.const_data_ptr<float>(),
+      make_klayout<IdxT>(L), static_cast<IdxT>(L.numel), make_krows<IdxT>(row_exp, row_len));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -482,11 +510,31 @@ at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, c
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cuda", [&] {
     const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
-    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, y, alpha, beta, L, row_exp, row_len, stream);
-    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, y, alpha, beta, L, row_exp, row_len, stream);
-    else launch_dequantize<scalar_t, uint32_t, 1>(q, y, alpha, beta, L, row_exp, row_len, stream);
+    const StoreValues<scalar_t> out{y.mutable_data_ptr<scalar_t>()};
+    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, row_exp, row_len, stream);
+    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, row_exp, row_len, stream);
+    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, row_exp, row_len, stream);
   });
   return y;
+}
+
+at::Tensor gelu_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha_in,
+                              const at::Tensor& beta_in, int64_t dim, int64_t num_groups) {
+  const Layout L = check_gelu_backward(g_in, q_in, alpha_in, beta_in, dim, num_groups);
+  const c10::cuda::OptionalCUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous(), g = g_in.contiguous();
+  at::Tensor dx = at::empty(q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+  if (L.numel == 0) return dx;
+  const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_gelu_backward_cuda", [&] {
+    const bool vec = aligned16(q.const_data_ptr()) && aligned16(g.const_data_ptr()) && aligned16(dx.const_data_ptr());
+    const StoreGeluGrad<scalar_t> out{g.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>()};
+    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, std::nullopt, 0, stream);
+    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, std::nullopt, 0, stream);
+    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, std::nullopt, 0, stream);
+  });
+  return dx;
 }
 
 // ----------------------------------------------------------------------------- bit widths
@@ -1724,6 +1772,7 @@ at::Tensor softmax_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in,
 
 TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("softmax_backward", &softmax_backward_cuda);
+  m.impl("gelu_backward", &gelu_backward_cuda);
   m.impl("row_exponents", &row_exponents_cuda);
   m.impl("group_minmax", &group_minmax_cuda);
   m.impl("quantize", &quantize_cuda);

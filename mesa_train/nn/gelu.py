@@ -6,11 +6,16 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+import mesa_train.quant  # noqa: F401  (registers torch.ops.mesa.gelu_backward)
+from mesa_train.quant.compile_kernels import traced_as_pytorch
+
 from ._common import (MesaLayer, from_nhwc, group_dim_4d, load, nhwc_view, no_autocast, rebuild_parameter_free,
                       save)
 from .quantizer import decompress
 
 __all__ = ["GELU"]
+
+_GELU_BACKWARD = torch.ops.mesa.gelu_backward.default
 
 
 class _GeluFn(torch.autograd.Function):
@@ -28,8 +33,17 @@ class _GeluFn(torch.autograd.Function):
     def backward(ctx, g):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
-            xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
-            gx = torch.ops.aten.gelu_backward.default(g.to(ctx.cdt), xh, approximate=ctx.approximate)
+            if ctx.approximate == "none" and packed.fmt is None and not traced_as_pytorch(packed.q):
+                # one op from the codes: on CUDA the dequantized input never reaches memory
+                # (DESIGN.md, "GELU backward from the codes"); the traced kernels leave that
+                # fusion to Inductor
+                gv = g.to(ctx.cdt)
+                gv = gv.permute(0, 2, 3, 1) if ctx.nhwc else gv
+                gx = from_nhwc(_GELU_BACKWARD(gv, packed.q, packed.alpha, packed.beta, packed.dim,
+                                              packed.num_groups), ctx.nhwc)
+            else:
+                xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+                gx = torch.ops.aten.gelu_backward.default(g.to(ctx.cdt), xh, approximate=ctx.approximate)
         return gx.to(ctx.x_dtype), None, None
 
 

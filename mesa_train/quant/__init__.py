@@ -50,6 +50,7 @@ __all__ = [
     "quantize_observe",
     "estimate_and_seed",
     "softmax_backward",
+    "gelu_backward",
     "rng_state",
     "seed_tensor",
     "BACKEND",
@@ -104,6 +105,9 @@ _SCHEMAS = {
     ),
     "softmax_backward": (
         "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor"
+    ),
+    "gelu_backward": (
+        "gelu_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor"
     ),
     # the compiled one calls the registered ops above (csrc/layers_autograd.cpp)
     "compress": (
@@ -200,6 +204,10 @@ def _ref_softmax_backward(g, q, alpha, beta, dim, num_groups):
     return reference.softmax_backward(g, q, alpha, beta, dim, num_groups)
 
 
+def _ref_gelu_backward(g, q, alpha, beta, dim, num_groups):
+    return reference.gelu_backward(g, q, alpha, beta, dim, num_groups)
+
+
 def _ref_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric, stochastic,
                   row_dims, max_k):
     return reference.compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
@@ -220,6 +228,7 @@ _REF_IMPLS = {
     "quantize_observe": _ref_quantize_observe,
     "estimate_and_seed": _ref_estimate_and_seed,
     "softmax_backward": _ref_softmax_backward,
+    "gelu_backward": _ref_gelu_backward,
 }
 
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
@@ -376,6 +385,11 @@ def _fake_softmax_backward(g, q, alpha, beta, dim, num_groups):
     return q.new_empty(q.shape, dtype=g.dtype)
 
 
+def _fake_gelu_backward(g, q, alpha, beta, dim, num_groups):
+    reference.check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
+    return q.new_empty(q.shape, dtype=g.dtype)
+
+
 def _fake_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
                    stochastic, row_dims, max_k):
     reference.check_estimator_code(estimator)
@@ -407,6 +421,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::quantize_bits")(_fake_quantize_bits)
     torch.library.register_fake("mesa::dequantize_bits")(_fake_dequantize_bits)
     torch.library.register_fake("mesa::softmax_backward")(_fake_softmax_backward)
+    torch.library.register_fake("mesa::gelu_backward")(_fake_gelu_backward)
     torch.library.register_fake("mesa::compress")(_fake_compress)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
@@ -673,3 +688,13 @@ def softmax_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta
     (exact definition: :func:`mesa_train.quant.reference.softmax_backward`)."""
     dim = reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups)
     return torch.ops.mesa.softmax_backward(g, q, alpha, beta, dim, num_groups)
+
+
+def gelu_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int,
+                  num_groups: int) -> torch.Tensor:
+    """Gradient of the exact (erf) GELU at its dequantized 8-bit input ``q`` (groups along
+    ``dim``), in ``g``'s dtype: ``aten.gelu_backward(g, dequantize(q, ..., g.dtype))``, one
+    pass on CUDA (DESIGN.md, "GELU backward from the codes"; definition:
+    :func:`mesa_train.quant.reference.gelu_backward`)."""
+    dim = reference.check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
+    return torch.ops.mesa.gelu_backward(g, q, alpha, beta, dim, num_groups)

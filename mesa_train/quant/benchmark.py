@@ -11,7 +11,8 @@ Per layout it times, with the ops the layers run:
 * estimator ``delayed``'s one-pass ``quantize_observe``, and on the token layout the row
   scales of Linear / LayerNorm inputs (``row_exponents``, ``observe_rows``, the forward the
   layers run, ``observe_rows + quantize``, against the former three-op one, and the backward
-  with ``row_exp``);
+  with ``row_exp``) and a GELU's backward from the codes (``gelu_backward``) against
+  ``dequantize`` + ATen's ``gelu_backward``;
 * ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
@@ -131,6 +132,14 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                     a, b, s, kr = observe_rows()
                     return torch.ops.mesa.quantize(x, a, b, dim, G, True, s, kr)
 
+                g = torch.randn_like(x)
+                ops += [  # a GELU's backward from its codes: one pass, or dequantize then ATen's
+                    ("backward GELU: gelu_backward", n + 2 * n * es,
+                     lambda: torch.ops.mesa.gelu_backward(g, q, alpha, beta, dim, G)),
+                    ("backward GELU, before: dequantize + gelu_backward", n + 4 * n * es,
+                     lambda: torch.ops.aten.gelu_backward(g, torch.ops.mesa.dequantize(q, alpha, beta, dim, G,
+                                                                                       dtype))),
+                ]
                 ops += [
                     ("row_exponents", n * es, lambda: torch.ops.mesa.row_exponents(x, 1, 64)),
                     ("observe_rows", n * es, observe_rows),

@@ -57,6 +57,8 @@ __all__ = [
     "dequantize_bits",
     "lane_sum",
     "check_softmax_backward_args",
+    "check_gelu_backward_args",
+    "gelu_backward",
     "softmax_backward",
     "softmax_backward_from_y",
 ]
@@ -849,19 +851,43 @@ def lane_sum(v: torch.Tensor) -> torch.Tensor:
     return acc[:, :1]
 
 
+def _check_codes_backward_args(op: str, g, q, alpha, beta, dim, num_groups) -> int:
+    """The arguments of a backward from codes (g of the codes' shape); the normalized dim."""
+    if not isinstance(g, torch.Tensor) or not isinstance(q, torch.Tensor):
+        raise ValueError(f"{op}: g and q must be tensors")
+    if g.dtype not in QUANT_DTYPES:
+        raise ValueError(f"{op}: g must be float32, float16 or bfloat16, got {g.dtype}")
+    if q.dtype != torch.uint8:
+        raise ValueError(f"{op} expects uint8 codes q, got {q.dtype}")
+    if g.device != q.device:
+        raise ValueError(f"{op}: g is on {g.device} but the codes are on {q.device}")
+    if g.shape != q.shape:
+        raise ValueError(f"{op}: g has shape {tuple(g.shape)} but the codes have {tuple(q.shape)}")
+    return normalize_dim(q, dim)
+
+
+def check_gelu_backward_args(g, q, alpha, beta, dim, num_groups) -> int:
+    """Validate gelu_backward's arguments; return the normalized group dim."""
+    dim = _check_codes_backward_args("gelu_backward", g, q, alpha, beta, dim, num_groups)
+    _check_groups(q, dim, num_groups)
+    _check_params(q, alpha, beta, num_groups)
+    return dim
+
+
+def gelu_backward(g, q, alpha, beta, dim: int, num_groups: int) -> torch.Tensor:
+    """``mesa::gelu_backward`` (DESIGN.md, "GELU backward from the codes"): the gradient of the
+    exact (erf) GELU at the dequantized input, ``aten.gelu_backward(g, dequantize(q, ...,
+    g.dtype))``. The CPU kernel is this composition (the same bits); the CUDA kernel computes
+    it in one pass (float32 formula of ATen's kernel, no FMA contraction: within an ulp of
+    the output dtype, not bitwise)."""
+    dim = check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
+    xh = dequantize(q, alpha, beta, dim, num_groups, g.dtype)
+    return torch.ops.aten.gelu_backward.default(g.contiguous(), xh)
+
+
 def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups) -> int:
     """Validate softmax_backward's arguments; return the normalized group dim."""
-    if not isinstance(g, torch.Tensor) or not isinstance(q, torch.Tensor):
-        raise ValueError("softmax_backward: g and q must be tensors")
-    if g.dtype not in QUANT_DTYPES:
-        raise ValueError(f"softmax_backward: g must be float32, float16 or bfloat16, got {g.dtype}")
-    if q.dtype != torch.uint8:
-        raise ValueError(f"softmax_backward expects uint8 codes q, got {q.dtype}")
-    if g.device != q.device:
-        raise ValueError(f"softmax_backward: g is on {g.device} but the codes are on {q.device}")
-    if g.shape != q.shape:
-        raise ValueError(f"softmax_backward: g has shape {tuple(g.shape)} but the codes have {tuple(q.shape)}")
-    dim = normalize_dim(q, dim)
+    dim = _check_codes_backward_args("softmax_backward", g, q, alpha, beta, dim, num_groups)
     if dim == q.dim() - 1:
         raise ValueError(f"softmax_backward: the group dim {dim} is the softmax (last) dim of shape "
                          f"{tuple(q.shape)}, so a row has several (alpha, beta); valid: a group dim < {dim} "

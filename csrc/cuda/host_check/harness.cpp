@@ -436,7 +436,8 @@ int check_dequantize(const Layout& L, const float* alpha, const float* beta, int
   const KLayout<IdxT> k = make_klayout<IdxT>(L);
   const KRows<IdxT> rows = krows_of<IdxT>(re);
   launch_seq(grid_for(L.numel / V + 1, sms), kThreads,
-             [&] { dequantize_kernel<scalar_t, IdxT, V>(q, y, alpha, beta, k, IdxT(L.numel), rows); });
+             [&] { dequantize_kernel<scalar_t, IdxT, V>(q, StoreValues<scalar_t>{y}, alpha, beta, k, IdxT(L.numel),
+                                                         rows); });
   for (int64_t i = 0; i < L.numel; ++i) {
     const int64_t p = param_index(L, i);
     const float v = dequantize_value(q[i], dequant_step(alpha[p]), beta[p]);
@@ -451,11 +452,56 @@ int check_dequantize(const Layout& L, const float* alpha, const float* beta, int
   return errs;
 }
 
+// gelu_backward (dequantize_kernel with the StoreGeluGrad epilogue) from random codes and g:
+// dx = gelu_grad(g, the dequantized value rounded to the dtype), rounded to the dtype; and
+// gelu_grad itself against the exact GELU derivative in double (within 8 float ulps of the
+// result's scale: erff / expf are not correctly rounded)
+template <typename scalar_t, typename IdxT, int V>
+int check_gelu_backward(const Layout& L, const float* alpha, const float* beta, int sms) {
+  int errs = 0;
+  uint8_t* q = alloc<uint8_t>(L.numel, 0);
+  scalar_t* g = alloc<scalar_t>(L.numel, 0);
+  scalar_t* dx = alloc<scalar_t>(L.numel + 1, 0);
+  std::normal_distribution<float> nd;
+  for (int64_t i = 0; i < L.numel; ++i) {
+    q[i] = uint8_t(rng());
+    g[i] = static_cast<scalar_t>(nd(rng));
+  }
+  dx[L.numel] = scalar_t(1024.0f);
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
+    dequantize_kernel<scalar_t, IdxT, V>(q, StoreGeluGrad<scalar_t>{g, dx}, alpha, beta, k, IdxT(L.numel),
+                                         KRows<IdxT>{});
+  });
+  for (int64_t i = 0; i < L.numel; ++i) {
+    const int64_t p = param_index(L, i);
+    const float x = static_cast<float>(static_cast<scalar_t>(dequantize_value(q[i], dequant_step(alpha[p]), beta[p])));
+    const float gi = static_cast<float>(g[i]);
+    const scalar_t e = static_cast<scalar_t>(gelu_grad(gi, x));
+    if (!same_value(dx[i], e) && errs++ < 5)
+      fprintf(stderr, "gelu_backward mismatch i=%ld got %g exp %g\n", (long)i, float(dx[i]), float(e));
+    if (std::isfinite(x)) {
+      const double xd = x, exact = double(gi) * (0.5 * (1.0 + std::erf(xd * M_SQRT1_2)) +
+                                                 xd * std::exp(-0.5 * xd * xd) * M_2_SQRTPI * M_SQRT1_2 * 0.5);
+      const double scale = std::fabs(double(gi)) * (1.0 + std::fabs(xd));
+      if (std::fabs(double(gelu_grad(gi, x)) - exact) > 8 * 0x1p-24 * scale + 1e-37 && errs++ < 5)
+        fprintf(stderr, "gelu_grad(%g, %g) = %.9g, exact %.9g\n", gi, x, gelu_grad(gi, x), exact);
+    }
+  }
+  if (float(dx[L.numel]) != 1024.0f) { fprintf(stderr, "gelu_backward wrote past the end\n"); ++errs; }
+  free(q);
+  free(g);
+  free(dx);
+  g_checked["gelu_backward"]++;
+  return errs;
+}
+
 template <typename scalar_t, typename IdxT, int V>
 int check_quant(const Layout& L, const scalar_t* x, const float* alpha, const float* beta, int sms, uint64_t seed,
                 const RowExp* re) {
   return check_quantize<scalar_t, IdxT, V>(L, x, alpha, beta, sms, seed, re) +
-         check_dequantize<scalar_t, IdxT, V>(L, alpha, beta, sms, re);
+         check_dequantize<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
+         (re == nullptr ? check_gelu_backward<scalar_t, IdxT, V>(L, alpha, beta, sms) : 0);
 }
 
 // ------------------------------------------------------------------ quantize_bits / dequantize_bits
