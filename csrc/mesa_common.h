@@ -339,5 +339,7 @@ bool rows_as_cells(const Layout& L, int64_t ndim, int64_t row_dims);
 // The (rows, 2, G) "cells" of that path, shaped x.shape[:-1] + (2, G): per row, the min of
 // each group's segment, then the max (float32, in x's dtype's values)
 std::vector<int64_t> cells_shape(at::IntArrayRef x_sizes, int64_t G);
+// one entry per row of the last dim: x.shape[:-1] + (1,) (the row exponents, the row maxima)
+std::vector<int64_t> last_dim_rows_shape(at::IntArrayRef x_sizes);
 
 }  // namespace mesa

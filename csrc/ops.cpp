@@ -302,6 +302,12 @@ bool rows_as_cells(const Layout& L, int64_t ndim, int64_t row_dims) {
   return L.numel > 0 && ndim >= 2 && row_dims == 1 && L.dim == ndim - 1;
 }
 
+std::vector<int64_t> last_dim_rows_shape(at::IntArrayRef x_sizes) {
+  std::vector<int64_t> shape(x_sizes.begin(), x_sizes.end());
+  shape.back() = 1;
+  return shape;
+}
+
 std::vector<int64_t> cells_shape(at::IntArrayRef x_sizes, int64_t G) {
   std::vector<int64_t> shape(x_sizes.begin(), x_sizes.end() - 1);
   shape.push_back(2);

@@ -1645,8 +1645,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const int64_t D = L.D, G = L.G, rows = L.numel / D;
-  std::vector<int64_t> kshape = x.sizes().vec();
-  kshape.back() = 1;
+  const std::vector<int64_t> kshape = last_dim_rows_shape(x.sizes());
   at::Tensor r = at::empty(kshape, x.options().dtype(at::kFloat));
   at::Tensor k = at::empty(kshape, x.options().dtype(at::kChar));
   at::Tensor cells = at::empty(cells_shape(x.sizes(), G), x.options().dtype(at::kFloat));
