@@ -207,11 +207,12 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
   // (bias optional, not an undefined Tensor: Function::apply tracks only present tensors)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, Quantizer qz, bool row_scale) {
-    at::Tensor out = at::linear(x, weight, bias);
+    const at::Tensor xc = autocast_input(x);  // (under autocast: half the bytes to compress)
+    at::Tensor out = at::linear(xc, weight, bias);
     at::Tensor q, alpha, beta, k;
     int64_t G = 0;
     if (weight.requires_grad()) {  // the input copy serves the weight gradient only
-      std::tie(q, alpha, beta, G, k) = compress_rows(x, out.scalar_type(), 1, row_scale, qz);
+      std::tie(q, alpha, beta, G, k) = compress_rows(xc, out.scalar_type(), 1, row_scale, qz);
     }
     ctx->save_for_backward({q, alpha, beta, x.requires_grad() ? weight : at::Tensor(), k});
     ctx->saved_data["dim"] = x.dim() - 1;

@@ -144,6 +144,19 @@ struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
 };
 
+// x as autocast casts a matmul's input (a floating x other than float64 and the autocast
+// dtype becomes the autocast dtype), or x itself (mesa_train.nn._common.autocast_input): the
+// tensor stock's linear multiplies and its backward keeps, so the one to compress (the
+// cast is made once, here instead of inside at::linear)
+inline at::Tensor autocast_input(const at::Tensor& x) {
+  const auto dev = x.device().type();
+  if (!x.is_floating_point() || x.scalar_type() == at::kDouble || !at::autocast::is_autocast_available(dev) ||
+      !at::autocast::is_autocast_enabled(dev))
+    return x;
+  const auto dt = at::autocast::get_autocast_dtype(dev);
+  return x.scalar_type() == dt ? x : x.to(dt);
+}
+
 // Per-head groups (dim 1) for 4-D tensors, channel groups (last dim) otherwise
 // (mesa_train.nn._common.group_dim_4d).
 inline int64_t group_dim(const at::Tensor& t) { return t.dim() == 4 ? 1 : t.dim() - 1; }

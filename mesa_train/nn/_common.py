@@ -66,6 +66,19 @@ def grad_to(g: torch.Tensor | None, like: torch.Tensor | None):
     return g if g.dtype == like.dtype else g.to(like.dtype)
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as autocast casts a matmul's input (a floating ``x`` other than float64 and the
+    autocast dtype becomes the autocast dtype), else ``x``: the tensor stock's ``F.linear``
+    multiplies and its backward keeps, so the one to compress (DESIGN.md, "Linear under
+    autocast"; the cast is made once, before ``F.linear`` instead of inside it)."""
+    dev = x.device.type
+    if (not x.is_floating_point() or x.dtype == torch.float64 or not torch.amp.is_autocast_available(dev)
+            or not torch.is_autocast_enabled(dev)):
+        return x
+    dtype = torch.get_autocast_dtype(dev)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def group_dim_4d(x: torch.Tensor) -> int:
     """Per-head groups (dim 1) for 4-D ``(B, H, N, M)`` tensors, channel groups (-1) otherwise."""
     return 1 if x.dim() == 4 else x.dim() - 1

@@ -7,7 +7,8 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
+from ._common import (MesaLayer, adopt_parameters, autocast_input, check_stock, inherit_options, load, no_autocast,
+                      save)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
 __all__ = ["Linear"]
@@ -29,12 +30,13 @@ def _not_a_view(out: torch.Tensor) -> torch.Tensor:
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizer):
-        out = F.linear(x, weight, bias)  # exactly nn.Linear.forward (autocast applies here)
+        xc = autocast_input(x)  # under autocast: the cast F.linear would make (half the bytes to compress)
+        out = F.linear(xc, weight, bias)  # exactly nn.Linear.forward (autocast applies here)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         packed = k = None
         if need_w:
             # rows far smaller than the others (DeiT3's class token) scaled by 2**k first
-            packed, k = compress_rows(quantizer, x, 1, max_exponent(x.dtype, out.dtype))
+            packed, k = compress_rows(quantizer, xc, 1, max_exponent(xc.dtype, out.dtype))
         ctx.cdt, ctx.x_dtype, ctx.w_dtype = out.dtype, x.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
