@@ -66,13 +66,19 @@ def grad_to(g: torch.Tensor | None, like: torch.Tensor | None):
     return g if g.dtype == like.dtype else g.to(like.dtype)
 
 
+# the device types with an autocast mode, found once (torch.amp.is_autocast_available is a
+# builtin that Dynamo of torch 2.11 cannot trace; a set lookup traces as a constant)
+_AUTOCAST_DEVICES = frozenset(d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "privateuseone")
+                              if torch.amp.is_autocast_available(d))
+
+
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
     """``x`` as autocast casts a matmul's input (a floating ``x`` other than float64 and the
     autocast dtype becomes the autocast dtype), else ``x``: the tensor stock's ``F.linear``
     multiplies and its backward keeps, so the one to compress (DESIGN.md, "Linear under
     autocast"; the cast is made once, before ``F.linear`` instead of inside it)."""
     dev = x.device.type
-    if (not x.is_floating_point() or x.dtype == torch.float64 or not torch.amp.is_autocast_available(dev)
+    if (not x.is_floating_point() or x.dtype == torch.float64 or dev not in _AUTOCAST_DEVICES
             or not torch.is_autocast_enabled(dev)):
         return x
     dtype = torch.get_autocast_dtype(dev)
