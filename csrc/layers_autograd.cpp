@@ -393,10 +393,7 @@ bool same_batch(at::IntArrayRef a, at::IntArrayRef b) {
 }
 
 at::Tensor as_batch_copy(const at::Tensor& t) {
-  const auto dev = t.device().type();
-  if (t.is_floating_point() && at::autocast::is_autocast_enabled(dev) &&
-      t.scalar_type() != at::autocast::get_autocast_dtype(dev))
-    return t;  // autocast's cast makes the copy
+  if (autocast_casts(t)) return t;  // autocast's cast makes the copy
   return batch_copy(t);
 }
 

@@ -60,17 +60,17 @@ inline const c10::TypedOperatorHandle<ObserveRowsFn>& observe_rows_op() {
   return op;
 }
 
-using SoftmaxBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+// the backwards from codes: (g, q, alpha, beta, dim, num_groups) -> gx
+using CodesBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      int64_t, int64_t);
-// (gelu_backward has softmax_backward's signature)
-inline const c10::TypedOperatorHandle<SoftmaxBackwardFn>& gelu_backward_op() {
+inline const c10::TypedOperatorHandle<CodesBackwardFn>& gelu_backward_op() {
   static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::gelu_backward", "").typed<SoftmaxBackwardFn>();
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::gelu_backward", "").typed<CodesBackwardFn>();
   return op;
 }
-inline const c10::TypedOperatorHandle<SoftmaxBackwardFn>& softmax_backward_op() {
+inline const c10::TypedOperatorHandle<CodesBackwardFn>& softmax_backward_op() {
   static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::softmax_backward", "").typed<SoftmaxBackwardFn>();
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::softmax_backward", "").typed<CodesBackwardFn>();
   return op;
 }
 
@@ -103,16 +103,16 @@ inline Quantizer quantizer_from_list(at::TensorList state, int64_t num_groups, d
   return Quantizer{state[0], state[1], state[2], state[3], num_groups, decay, estimator, symmetric, stochastic};
 }
 
-// ActivationQuantizer.compress (default format): groups along `dim` (num_groups capped at
-// the dim's size), one contiguous copy when needed, then observe + quantize, or with the
-// delayed estimator quantize_observe (one pass); row_exp: the rows' power-of-two scales,
-// applied inside the kernels (mesa_train.nn.rowscale). Returns (q, alpha, beta, G).
 // The groups of a compression along a dim of size D: at most one per channel
 // (mesa_train.quant.reference.capped_groups).
 inline int64_t capped_groups(const Quantizer& qz, int64_t D) {
   return qz.num_groups <= D ? qz.num_groups : std::max<int64_t>(1, D);
 }
 
+// ActivationQuantizer.compress (default format): groups along `dim` (num_groups capped at
+// the dim's size), one contiguous copy when needed, then observe + quantize, or with the
+// delayed estimator quantize_observe (one pass); row_exp: the rows' power-of-two scales,
+// applied inside the kernels (mesa_train.nn.rowscale). Returns (q, alpha, beta, G).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
     const at::Tensor& x_in, int64_t dim, Quantizer& qz, const std::optional<at::Tensor>& row_exp = std::nullopt) {
   const int64_t G = capped_groups(qz, x_in.size(dim));
@@ -144,17 +144,17 @@ struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
 };
 
-// x as autocast casts a matmul's input (a floating x other than float64 and the autocast
-// dtype becomes the autocast dtype), or x itself (mesa_train.nn._common.autocast_input): the
-// tensor stock's linear multiplies and its backward keeps, so the one to compress (the
-// cast is made once, here instead of inside at::linear)
-inline at::Tensor autocast_input(const at::Tensor& x) {
+// Whether autocast casts x before a matmul / linear (a floating x other than float64 and the
+// autocast dtype, autocast on), and x as so cast (mesa_train.nn._common.autocast_casts /
+// autocast_input): the tensor stock's linear multiplies and its backward keeps, so the one to
+// compress (the cast is made once, here instead of inside at::linear)
+inline bool autocast_casts(const at::Tensor& x) {
   const auto dev = x.device().type();
-  if (!x.is_floating_point() || x.scalar_type() == at::kDouble || !at::autocast::is_autocast_available(dev) ||
-      !at::autocast::is_autocast_enabled(dev))
-    return x;
-  const auto dt = at::autocast::get_autocast_dtype(dev);
-  return x.scalar_type() == dt ? x : x.to(dt);
+  return x.is_floating_point() && x.scalar_type() != at::kDouble && at::autocast::is_autocast_available(dev) &&
+         at::autocast::is_autocast_enabled(dev) && x.scalar_type() != at::autocast::get_autocast_dtype(dev);
+}
+inline at::Tensor autocast_input(const at::Tensor& x) {
+  return autocast_casts(x) ? x.to(at::autocast::get_autocast_dtype(x.device().type())) : x;
 }
 
 // Per-head groups (dim 1) for 4-D tensors, channel groups (last dim) otherwise

@@ -123,6 +123,10 @@ MESA_HD void seed_step(uint32_t key, uint32_t counter, uint32_t& seed_lo, uint32
 
 // ----------------------------------------------------------------------------- quant math
 // inv = alpha > 1e-12 ? 255 / alpha : 0  (a NaN alpha also gives 0)
+MESA_HD float inv_scale(float alpha) { return alpha > 1e-12f ? f_div(255.0f, alpha) : 0.0f; }
+// step = alpha / 255
+MESA_HD float dequant_step(float alpha) { return f_div(alpha, 255.0f); }
+
 // d/dx of the exact GELU times g, in float32: ATen's CUDA formula (GeluBackwardCUDAKernelImpl,
 // approximate="none") with every operation rounded separately (no FMA contraction)
 MESA_HD float gelu_grad(float g, float x) {
@@ -132,10 +136,6 @@ MESA_HD float gelu_grad(float g, float x) {
   const float pdf = f_mul(expf(f_mul(f_mul(-0.5f, x), x)), kBeta);
   return f_mul(g, f_add(cdf, f_mul(x, pdf)));
 }
-
-MESA_HD float inv_scale(float alpha) { return alpha > 1e-12f ? f_div(255.0f, alpha) : 0.0f; }
-// step = alpha / 255
-MESA_HD float dequant_step(float alpha) { return f_div(alpha, 255.0f); }
 
 // q = NaN -> 0, else clamp(round(v), 0, 255) with v = (x - beta) * inv and
 // round = floor(v + u) (stochastic) or rint (nearest, half to even).
@@ -317,6 +317,18 @@ inline int64_t group_of(int64_t d, int64_t G, int64_t D) { return (d * G) / D; }
 inline int64_t group_begin(int64_t g, int64_t G, int64_t D) { return (g * D + G - 1) / G; }
 
 // ----------------------------------------------------------------------------- row scales
+// k of a row of max|x| r in a batch whose row maxima average `mean` (row_exponents, on every
+// device): k = clamp(e - 1, 0, max_k) with mean / r = m * 2**e, m in [0.5, 1) (frexp), i.e.
+// floor(log2(mean / r)); a non-finite or zero ratio (a zero row, an all-zero or NaN batch)
+// gives e = 0, i.e. k = 0
+MESA_HD int row_k(float mean, float r, int max_k) {
+  const float ratio = f_div(mean, r);
+  int e = 0;
+  if (is_finite(ratio) && ratio != 0.0f) frexpf(ratio, &e);
+  const int k = e - 1 < 0 ? 0 : e - 1;
+  return k < max_k ? k : max_k;
+}
+
 // The optional int8 row exponents k of observe / quantize / dequantize (DESIGN.md, "Rows far
 // below the grid"): one per row of x's last dims, i.e. of shape x.shape[:-n] + (1,) * n for
 // an n >= 1, on x's device. Returns the row length numel / rows (0: no row exponents or an

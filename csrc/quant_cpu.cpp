@@ -928,19 +928,10 @@ void row_absmax_cpu(const at::Tensor& x, int64_t L, float* out) {
   });
 }
 
-// k of a row of max|x| r in a batch whose row maxima average `mean`: ratio = m * 2**e with m
-// in [0.5, 1), so floor(log2(ratio)) = e - 1; a zero row (ratio inf) or an all-zero / NaN
-// batch (ratio NaN) gets e = 0, i.e. k = 0
-int8_t row_k(float mean, float r, int64_t max_k) {
-  int e = 0;
-  std::frexp(mean / r, &e);
-  return static_cast<int8_t>(std::min<int64_t>(std::max<int64_t>(e - 1, 0), max_k));
-}
-
 // mesa_train.nn.rowscale.row_exponents, bitwise: the row maxima in one vectorised pass
-// (row_absmax_cpu), the same ATen mean over them, then per row the division, frexp and clamp
-// (float division is correctly rounded and std::frexp is what ATen's frexp calls, so every
-// k is the reference's). About 10 small ATen ops fewer per Mesa Linear / LayerNorm and step
+// (row_absmax_cpu), the same ATen mean over them, then per row row_k (mesa_common.h: float
+// division is correctly rounded and frexp is what ATen's frexp calls, so every k is the
+// reference's). About 10 small ATen ops fewer per Mesa Linear / LayerNorm and step
 // than the Python version (results/overhead/).
 at::Tensor row_exponents_cpu(const at::Tensor& x_in, int64_t row_dims, int64_t max_k) {
   const int64_t L = check_row_exponents(x_in, row_dims, max_k);
@@ -957,7 +948,7 @@ at::Tensor row_exponents_cpu(const at::Tensor& x_in, int64_t row_dims, int64_t m
   // tests/test_op_counts.py)
   const float mean = *r.mean().const_data_ptr<float>();
   int8_t* kp = k.mutable_data_ptr<int8_t>();
-  for (int64_t i = 0; i < rows; ++i) kp[i] = row_k(mean, rp[i], max_k);
+  for (int64_t i = 0; i < rows; ++i) kp[i] = static_cast<int8_t>(row_k(mean, rp[i], static_cast<int>(max_k)));
   return k;
 }
 
@@ -1006,7 +997,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cpu(
     const float mean = *r.mean().const_data_ptr<float>();
     const int64_t rows_per_s = rows / L.S;
     for (int64_t i = 0; i < rows; ++i) {
-      kp[i] = row_k(mean, rp[i], max_k);
+      kp[i] = static_cast<int8_t>(row_k(mean, rp[i], static_cast<int>(max_k)));
       const float f = std::ldexp(1.0f, kp[i]);
       const float* c = cp + i * 2 * G;
       float* smn = pmn + (i / rows_per_s) * G;

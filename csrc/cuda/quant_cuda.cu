@@ -1498,21 +1498,13 @@ row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t
   }
 }
 
-// k[row] = clamp(e - 1, 0, max_k) with mean / r[row] = m * 2**e, m in [0.5, 1) (frexp); a
-// non-finite or zero ratio (a zero row, an all-zero or NaN batch) gives e = 0, i.e. k = 0
-__device__ __forceinline__ int row_k_of(float mu, float r, int max_k) {
-  const float ratio = f_div(mu, r);
-  int e = 0;
-  if (isfinite(ratio) && ratio != 0.0f) frexpf(ratio, &e);
-  return min(max(e - 1, 0), max_k);
-}
-
+// k[row] = row_k(mean, r[row], max_k) (mesa_common.h)
 __global__ void __launch_bounds__(kThreads)
 row_k_kernel(const float* __restrict__ r, const float* __restrict__ mean, int8_t* __restrict__ k, int64_t rows,
              int max_k) {
   const float mu = __ldg(mean);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x)
-    k[i] = static_cast<int8_t>(row_k_of(mu, r[i], max_k));
+    k[i] = static_cast<int8_t>(row_k(mu, r[i], max_k));
 }
 
 at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t max_k) {
@@ -1621,7 +1613,7 @@ row_k_cells_kernel(const float* __restrict__ r, const float* __restrict__ mean, 
                    float* __restrict__ cells, int64_t rows, int G, int max_k) {
   const float mu = __ldg(mean);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x) {
-    const int kk = row_k_of(mu, r[i], max_k);
+    const int kk = row_k(mu, r[i], max_k);
     k[i] = static_cast<int8_t>(kk);
     if (kk == 0) continue;
     const float f = pow2i(kk);

@@ -72,17 +72,19 @@ _AUTOCAST_DEVICES = frozenset(d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "m
                               if torch.amp.is_autocast_available(d))
 
 
+def autocast_casts(x: torch.Tensor) -> bool:
+    """Whether autocast casts ``x`` before a matmul / linear: a floating ``x`` other than
+    float64 and the autocast dtype of its device, autocast on (csrc/layers_common.h twin)."""
+    dev = x.device.type
+    return (x.is_floating_point() and x.dtype != torch.float64 and dev in _AUTOCAST_DEVICES
+            and torch.is_autocast_enabled(dev) and x.dtype != torch.get_autocast_dtype(dev))
+
+
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as autocast casts a matmul's input (a floating ``x`` other than float64 and the
-    autocast dtype becomes the autocast dtype), else ``x``: the tensor stock's ``F.linear``
+    """``x`` as autocast casts a matmul's input, else ``x``: the tensor stock's ``F.linear``
     multiplies and its backward keeps, so the one to compress (DESIGN.md, "Linear under
     autocast"; the cast is made once, before ``F.linear`` instead of inside it)."""
-    dev = x.device.type
-    if (not x.is_floating_point() or x.dtype == torch.float64 or dev not in _AUTOCAST_DEVICES
-            or not torch.is_autocast_enabled(dev)):
-        return x
-    dtype = torch.get_autocast_dtype(dev)
-    return x if x.dtype == dtype else x.to(dtype)
+    return x.to(torch.get_autocast_dtype(x.device.type)) if autocast_casts(x) else x
 
 
 def group_dim_4d(x: torch.Tensor) -> int:
@@ -105,6 +107,11 @@ def nhwc_view(x: torch.Tensor, dim: int, default_format: bool) -> tuple[torch.Te
     if default_format and dim == 1 and is_channels_last(x):
         return x.permute(0, 2, 3, 1), 3, True
     return x, dim, False
+
+
+def to_nhwc(g: torch.Tensor, permuted: bool) -> torch.Tensor:
+    """A gradient of the NCHW tensor in the layout of its NHWC codes (a view; from_nhwc's inverse)."""
+    return g.permute(0, 2, 3, 1) if permuted else g
 
 
 def from_nhwc(xh: torch.Tensor, permuted: bool) -> torch.Tensor:

@@ -10,7 +10,7 @@ import mesa_train.quant  # noqa: F401  (registers torch.ops.mesa.gelu_backward)
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 
 from ._common import (MesaLayer, from_nhwc, group_dim_4d, load, nhwc_view, no_autocast, rebuild_parameter_free,
-                      save)
+                      save, to_nhwc)
 from .quantizer import decompress
 
 __all__ = ["GELU"]
@@ -37,8 +37,7 @@ class _GeluFn(torch.autograd.Function):
                 # one op from the codes: on CUDA the dequantized input never reaches memory
                 # (DESIGN.md, "GELU backward from the codes"); the traced kernels leave that
                 # fusion to Inductor
-                gv = g.to(ctx.cdt)
-                gv = gv.permute(0, 2, 3, 1) if ctx.nhwc else gv
+                gv = to_nhwc(g.to(ctx.cdt), ctx.nhwc)
                 gx = from_nhwc(_GELU_BACKWARD(gv, packed.q, packed.alpha, packed.beta, packed.dim,
                                               packed.num_groups), ctx.nhwc)
             else:

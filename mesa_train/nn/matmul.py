@@ -42,8 +42,8 @@ from torch import nn
 
 from . import quantizer as quantizer_mod
 from . import sharing
-from ._common import (MesaLayer, copy_estimates, group_dim_4d, inherit_options, load, no_autocast, save,
-                      stock_device)
+from ._common import (MesaLayer, autocast_casts, copy_estimates, group_dim_4d, inherit_options, load, no_autocast,
+                      save, stock_device)
 from .quantizer import Packed, decompress
 
 __all__ = ["MatMul", "OPERANDS"]
@@ -102,8 +102,7 @@ def _same_batch(a_shape, b_shape) -> bool:
 
 
 def _as_batch_copy(t: torch.Tensor) -> torch.Tensor:
-    dev = t.device.type
-    if t.is_floating_point() and torch.is_autocast_enabled(dev) and t.dtype != torch.get_autocast_dtype(dev):
+    if autocast_casts(t):
         return t  # autocast's cast makes the copy
     return _batch_copy(t)
 

@@ -851,7 +851,7 @@ def lane_sum(v: torch.Tensor) -> torch.Tensor:
     return acc[:, :1]
 
 
-def _check_codes_backward_args(op: str, g, q, alpha, beta, dim, num_groups) -> int:
+def _check_codes_backward_args(op: str, g, q, dim) -> int:
     """The arguments of a backward from codes (g of the codes' shape); the normalized dim."""
     if not isinstance(g, torch.Tensor) or not isinstance(q, torch.Tensor):
         raise ValueError(f"{op}: g and q must be tensors")
@@ -868,7 +868,7 @@ def _check_codes_backward_args(op: str, g, q, alpha, beta, dim, num_groups) -> i
 
 def check_gelu_backward_args(g, q, alpha, beta, dim, num_groups) -> int:
     """Validate gelu_backward's arguments; return the normalized group dim."""
-    dim = _check_codes_backward_args("gelu_backward", g, q, alpha, beta, dim, num_groups)
+    dim = _check_codes_backward_args("gelu_backward", g, q, dim)
     _check_groups(q, dim, num_groups)
     _check_params(q, alpha, beta, num_groups)
     return dim
@@ -887,7 +887,7 @@ def gelu_backward(g, q, alpha, beta, dim: int, num_groups: int) -> torch.Tensor:
 
 def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups) -> int:
     """Validate softmax_backward's arguments; return the normalized group dim."""
-    dim = _check_codes_backward_args("softmax_backward", g, q, alpha, beta, dim, num_groups)
+    dim = _check_codes_backward_args("softmax_backward", g, q, dim)
     if dim == q.dim() - 1:
         raise ValueError(f"softmax_backward: the group dim {dim} is the softmax (last) dim of shape "
                          f"{tuple(q.shape)}, so a row has several (alpha, beta); valid: a group dim < {dim} "
