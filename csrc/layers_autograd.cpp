@@ -141,18 +141,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
 // otherwise): observe_rows (the exponents and the statistics, one pass over x for channel
 // groups) + quantize, or for the delayed estimator row_exponents + quantize_observe (the
 // exponents must exist before its single pass quantizes). The C++ layers and mesa::compress
-// share it: the same kernels in the same order.
+// share it: the same kernels in the same order. row_mean / row_rstd (a LayerNorm's, float32,
+// or undefined): x is compressed as x_hat = (x - mean) * rstd, which the two kernels compute
+// themselves (on CUDA x_hat never reaches memory), also without row scales (max_k = 0: every
+// k is 0, so the statistics and codes are observe's and quantize's; k is not returned); the
+// delayed estimator compresses a float32 copy of x_hat (normalized_rows: the same values).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_with_rows(
-    const at::Tensor& x_in, int64_t dim, Quantizer& qz, int64_t row_dims, int64_t max_k) {
-  const at::Tensor x = x_in.contiguous();
-  if (max_k > 0 && qz.estimator != kDelayed) {
+    const at::Tensor& x_in, int64_t dim, Quantizer& qz, int64_t row_dims, int64_t max_k,
+    const at::Tensor& row_mean = at::Tensor(), const at::Tensor& row_rstd = at::Tensor()) {
+  const bool norm = row_mean.defined();
+  if ((max_k > 0 || norm) && qz.estimator != kDelayed) {
+    const at::Tensor x = x_in.contiguous();
     const int64_t G = capped_groups(qz, x.size(dim));
+    const auto mean = norm ? std::optional<at::Tensor>(row_mean) : std::nullopt;
+    const auto rstd = norm ? std::optional<at::Tensor>(row_rstd) : std::nullopt;
     auto [alpha, beta, seed, k] =
         observe_rows_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G, qz.decay,
-                               qz.estimator == kPerSample, qz.symmetric, row_dims, max_k);
-    at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed, k);
-    return {q, alpha, beta, G, k};
+                               qz.estimator == kPerSample, qz.symmetric, row_dims, max_k, mean, rstd);
+    at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed, k, mean, rstd);
+    return {q, alpha, beta, G, max_k > 0 ? k : at::Tensor()};
   }
+  const at::Tensor x = norm ? normalized_rows(x_in, row_mean, row_rstd) : x_in.contiguous();
   at::Tensor k;
   if (max_k > 0) k = row_exponents_op().call(x, row_dims, max_k);
   auto [q, alpha, beta, G] = compress(x, dim, qz, k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);
@@ -272,23 +281,27 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
     const bool cast = (dev == at::kCUDA || dev == at::kXPU) && at::autocast::is_autocast_enabled(dev);
     at::Tensor w = weight.has_value() ? *weight : at::Tensor(), b = bias.has_value() ? *bias : at::Tensor();
     at::Tensor xc = cast ? autocast_fp32(x) : x, wc = cast ? autocast_fp32(w) : w, bc = cast ? autocast_fp32(b) : b;
-    at::Tensor out, rstd, x_hat;
+    at::Tensor out, mean, rstd;
     {
       NoAutocast no_autocast;
       auto res = at::native_layer_norm(xc, normalized_shape, wc.defined() ? std::optional<at::Tensor>(wc) : std::nullopt,
                                        bc.defined() ? std::optional<at::Tensor>(bc) : std::nullopt, eps);
       out = std::get<0>(res);
+      mean = std::get<1>(res);
       rstd = std::get<2>(res);
-      x_hat = std::get<0>(at::native_layer_norm(xc, normalized_shape, std::nullopt, std::nullopt, eps));
     }
     const auto mdt = at::promote_types(xc.scalar_type(), at::kFloat);
     const int64_t row_dims = static_cast<int64_t>(normalized_shape.size());
-    auto [q, alpha, beta, G, k] = compress_rows(x_hat, mdt, row_dims, row_scale, qz);
+    // x_hat = (x - mean) * rstd in float32 with ATen's statistics, computed by the kernels that
+    // compress it (DESIGN.md, "LayerNorm's x_hat inside the kernels"); float32 x_hat: row
+    // scales up to 2**64 (max_exponent)
+    auto [q, alpha, beta, G, k] = compress_with_rows(xc, xc.dim() - 1, qz, row_dims, row_scale ? 64 : 0,
+                                                     mean.to(at::kFloat), rstd.to(at::kFloat));
     // the weight whenever there is one (a parameter: no activation memory): ATen's backward
     // takes dweight's shape from it even when x needs no gradient
     ctx->save_for_backward({q, alpha, beta, rstd, w, k});
     ctx->saved_data["groups"] = G;
-    ctx->saved_data["dim"] = x_hat.dim() - 1;
+    ctx->saved_data["dim"] = xc.dim() - 1;
     ctx->saved_data["x_dtype"] = x.scalar_type();
     ctx->saved_data["mdt"] = mdt;
     ctx->saved_data["normalized_shape"] = normalized_shape;

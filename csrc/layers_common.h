@@ -27,13 +27,14 @@ using ObserveFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tenso
                                                                  const at::Tensor&, int64_t, int64_t, double, bool,
                                                                  bool, const std::optional<at::Tensor>&);
 using QuantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
-                              const at::Tensor&, const std::optional<at::Tensor>&);
+                              const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&);
 using DequantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                                 c10::ScalarType, const std::optional<at::Tensor>&);
 using RowExponentsFn = at::Tensor(const at::Tensor&, int64_t, int64_t);
 using ObserveRowsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-    double, bool, bool, int64_t, int64_t);
+    double, bool, bool, int64_t, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 
 // The registered ops, looked up once (through the dispatcher: CPU or CUDA kernel).
 inline const c10::TypedOperatorHandle<ObserveFn>& observe_op() {
@@ -124,7 +125,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
   }
   auto [alpha, beta, seed] = observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,
                                                qz.decay, qz.estimator == kPerSample, qz.symmetric, row_exp);
-  at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed, row_exp);
+  at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed, row_exp, std::nullopt, std::nullopt);
   return {q, alpha, beta, G};
 }
 

@@ -336,6 +336,17 @@ MESA_HD int row_k(float mean, float r, int max_k) {
 // (row_exponents guarantees it); they are not read here (no host sync).
 int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device& device,
                       const std::optional<at::Tensor>& row_exp);
+// The optional row_mean / row_rstd of quantize and observe_rows (DESIGN.md, "LayerNorm's
+// x_hat inside the kernels"): both or neither; float32 on x's device, one shape of the form
+// x.shape[:-n] + (1,) * n; x of a float dtype. Returns the row length (0: none given or an
+// empty x).
+int64_t check_row_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& row_mean,
+                       const std::optional<at::Tensor>& row_rstd);
+// x_hat = (x - mean) * rstd in float32, each operation rounded once (two ATen ops): what the
+// kernels take x as when row_mean / row_rstd are given (x itself when they are not). The
+// CPU kernels and the CUDA layouts without a fused path run on this copy.
+at::Tensor normalized_rows(const at::Tensor& x, const std::optional<at::Tensor>& row_mean,
+                           const std::optional<at::Tensor>& row_rstd);
 // row_exponents(x, row_dims, max_k): the float dtypes, 1 <= row_dims <= x.dim(), 0 <= max_k <= 126;
 // returns the row length (the product of the last row_dims sizes).
 int64_t check_row_exponents(const at::Tensor& x, int64_t row_dims, int64_t max_k);

@@ -279,6 +279,43 @@ int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device
   return (numel == 0 || rows == 0) ? 0 : numel / rows;
 }
 
+int64_t check_row_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& row_mean,
+                       const std::optional<at::Tensor>& row_rstd) {
+  const bool has_mean = row_mean.has_value() && row_mean->defined();
+  const bool has_rstd = row_rstd.has_value() && row_rstd->defined();
+  if (!has_mean && !has_rstd) return 0;
+  TORCH_CHECK_VALUE(has_mean && has_rstd, "mesa: ", op, ": row_mean and row_rstd go together (LayerNorm's per-row ",
+                    "mean and rstd); got only ", has_mean ? "row_mean" : "row_rstd");
+  for (const at::Tensor* t : {&*row_mean, &*row_rstd}) {
+    const char* name = t == &*row_mean ? "row_mean" : "row_rstd";
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat, "mesa: ", op, ": ", name, " must be float32, got ",
+                      t->scalar_type());
+    TORCH_CHECK_VALUE(t->device() == x.device(), "mesa: ", op, ": ", name, " is on ", t->device(),
+                      " but the input is on ", x.device());
+  }
+  TORCH_CHECK_VALUE(is_quant_dtype(x.scalar_type()), "mesa: ", op, ": with row_mean / row_rstd the input must be ",
+                    "float32, float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(row_mean->sizes() == row_rstd->sizes(), "mesa: ", op, ": row_mean and row_rstd must have one ",
+                    "shape, got ", row_mean->sizes(), " and ", row_rstd->sizes());
+  const at::Tensor& m = *row_mean;
+  const int64_t nd = x.dim();
+  int64_t t = 0;
+  while (t < m.dim() && m.size(m.dim() - 1 - t) == 1) ++t;
+  bool ok = m.dim() == nd && t >= 1;
+  for (int64_t d = 0; ok && d < nd - t; ++d) ok = m.size(d) == x.size(d);
+  TORCH_CHECK_VALUE(ok, "mesa: ", op, ": row_mean and row_rstd must have shape x.shape[:-n] + (1,) * n (one per ",
+                    "row of the last n >= 1 dims); got ", m.sizes(), " for x of shape ", x.sizes());
+  const int64_t rows = m.numel();
+  return (x.numel() == 0 || rows == 0) ? 0 : x.numel() / rows;
+}
+
+at::Tensor normalized_rows(const at::Tensor& x, const std::optional<at::Tensor>& row_mean,
+                           const std::optional<at::Tensor>& row_rstd) {
+  if (!row_mean.has_value() || !row_mean->defined()) return x;
+  at::Tensor xh = x.to(at::kFloat).sub(*row_mean);
+  return xh.mul_(*row_rstd);
+}
+
 int64_t check_row_exponents(const at::Tensor& x, int64_t row_dims, int64_t max_k) {
   TORCH_CHECK_VALUE(is_quant_dtype(x.scalar_type()),
                     "mesa: row_exponents supports float32, float16 and bfloat16 inputs, got ", x.scalar_type());
@@ -324,10 +361,13 @@ TORCH_LIBRARY(mesa, m) {
   // seed: int64 (2,) = [lo, hi] (uint32 each) on x's device, read by the kernel (no host sync)
   // row_exp (optional, int8, one per row of the last dims: check_row_exp): x's rows are taken
   // as x * 2**k (rounded to x's dtype) and dequantize's as y * 2**-k (rounded to dtype), the
-  // power-of-two row scales of mesa_train.nn.rowscale inside the kernels (no scaled copy)
+  // power-of-two row scales of mesa_train.nn.rowscale inside the kernels (no scaled copy).
+  // row_mean / row_rstd (optional, float32, one per row: check_row_norm): x is taken as
+  // x_hat = (x - mean) * rstd in float32 (normalized_rows), then scaled by 2**k in float32: a
+  // LayerNorm's normalised input, not written to memory on CUDA (observe_rows takes them too)
   m.def(
       "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed, "
-      "Tensor? row_exp=None) -> Tensor");
+      "Tensor? row_exp=None, Tensor? row_mean=None, Tensor? row_rstd=None) -> Tensor");
   m.def(
       "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
       "Tensor? row_exp=None) -> Tensor");
@@ -361,8 +401,8 @@ TORCH_LIBRARY(mesa, m) {
   // row scales reads x twice (this op, quantize) instead of three times.
   m.def(
       "observe_rows(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
-      "int dim, int num_groups, float decay, bool per_sample, bool symmetric, int row_dims, int max_k) -> "
-      "(Tensor alpha, Tensor beta, Tensor seed, Tensor row_exp)");
+      "int dim, int num_groups, float decay, bool per_sample, bool symmetric, int row_dims, int max_k, "
+      "Tensor? row_mean=None, Tensor? row_rstd=None) -> (Tensor alpha, Tensor beta, Tensor seed, Tensor row_exp)");
   // estimator "delayed" (DESIGN.md, "Delayed estimates"): quantize with the running estimates
   // as they stand (initialized: after a first batch through observe), then this batch's
   // min/max update them, in one pass over x (one launch on CUDA). Returns the codes and the

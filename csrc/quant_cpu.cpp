@@ -502,10 +502,13 @@ void unscale_rows_inplace(at::Tensor& y, const std::optional<at::Tensor>& row_ex
 
 at::Tensor quantize_cpu(const at::Tensor& x_in, const at::Tensor& alpha, const at::Tensor& beta,
                         int64_t dim, int64_t num_groups, bool stochastic, const at::Tensor& seed,
-                        const std::optional<at::Tensor>& row_exp) {
+                        const std::optional<at::Tensor>& row_exp, const std::optional<at::Tensor>& row_mean,
+                        const std::optional<at::Tensor>& row_rstd) {
   const Layout L = check_quantize(x_in, alpha, beta, dim, num_groups, seed);
   const int64_t row_len = check_row_exp("quantize", x_in.sizes(), x_in.device(), row_exp);
-  const at::Tensor x = rows_scaled(x_in, row_exp, row_len).contiguous();
+  check_row_norm("quantize", x_in, row_mean, row_rstd);
+  // (x_hat as its own float32 copy: the CPU kernels take no row_mean / row_rstd themselves)
+  const at::Tensor x = rows_scaled(normalized_rows(x_in, row_mean, row_rstd), row_exp, row_len).contiguous();
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   if (L.numel == 0) return q;
   std::vector<float> tinv, tbeta;
@@ -752,7 +755,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
   if (!*initialized.const_data_ptr<bool>()) {
     auto [alpha, beta, seed] = observe_cpu(xs, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, false,
                                            symmetric, std::nullopt);
-    return {quantize_cpu(xs, alpha, beta, dim, num_groups, stochastic, seed, std::nullopt), alpha, beta};
+    return {quantize_cpu(xs, alpha, beta, dim, num_groups, stochastic, seed, std::nullopt, std::nullopt,
+                         std::nullopt), alpha, beta};
   }
   const at::Tensor alpha = alpha_est.narrow(0, 0, L.G).clone().view({1, L.G});
   const at::Tensor beta = beta_est.narrow(0, 0, L.G).clone().view({1, L.G});
@@ -963,9 +967,16 @@ at::Tensor row_exponents_cpu(const at::Tensor& x_in, int64_t row_dims, int64_t m
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cpu(
     const at::Tensor& x_in, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
     const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, bool per_sample, bool symmetric,
-    int64_t row_dims, int64_t max_k) {
+    int64_t row_dims, int64_t max_k, const std::optional<at::Tensor>& row_mean,
+    const std::optional<at::Tensor>& row_rstd) {
   const Layout L = check_observe_rows(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
                                       row_dims, max_k);
+  check_row_norm("observe_rows", x_in, row_mean, row_rstd);
+  if (row_mean.has_value() && row_mean->defined()) {
+    // x_hat as a float32 copy (the CPU kernels take no row_mean / row_rstd themselves)
+    return observe_rows_cpu(normalized_rows(x_in, row_mean, row_rstd), alpha_est, beta_est, initialized, rng, dim,
+                            num_groups, decay, per_sample, symmetric, row_dims, max_k, std::nullopt, std::nullopt);
+  }
   if (!rows_as_cells(L, x_in.dim(), row_dims)) {
     at::Tensor k = row_exponents_cpu(x_in, row_dims, max_k);
     auto [alpha, beta, seed] =

@@ -526,10 +526,15 @@ def test_benchmark_runs_on_cpu(tmp_path):
            "forward with row scales: observe_rows + quantize",
            "forward with row scales, before: row_exponents + observe + quantize",
            "backward with row scales: dequantize", "backward GELU: gelu_backward",
-           "backward GELU, before: dequantize + gelu_backward"]
+           "backward GELU, before: dequantize + gelu_backward",
+           "forward LayerNorm x_hat: observe_rows + quantize with row_mean / row_rstd",
+           "forward LayerNorm x_hat, before: native_layer_norm + observe_rows + quantize",
+           "forward LayerNorm x_hat (float32 input, as under autocast): observe_rows + quantize with row_mean / "
+           "row_rstd"]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    # 2 dtypes x (7 rows per layout + 5 row-scale and 2 GELU rows on the token layout)
-    assert len(rows) == 2 * (2 * 7 + 5 + 2)
+    # 2 dtypes x (7 rows per layout + 5 row-scale, 2 GELU and 2 LayerNorm rows on the token
+    # layout), plus bf16's 2 LayerNorm rows with a float32 input
+    assert len(rows) == 2 * (2 * 7 + 5 + 2 + 2) + 2
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     clone_rows = [r for r in rows if "| clone (baseline) |" in r]

@@ -144,17 +144,27 @@ __device__ __forceinline__ T umax(T a, T b) { return a > b ? a : b; }
 // observe) or produced as y * 2**-k (dequantize), each product rounded to the tensor's
 // dtype, exactly as the scaled copy x * exp2(k) in that dtype that the kernels replace.
 // k = nullptr: no row scales (the pointer test is uniform across a launch).
+// mean / rstd (quantize only; DESIGN.md, "LayerNorm's x_hat inside the kernels"): element i
+// is first taken as x_hat = (x - mean) * rstd of its row in float32, and its row scale is then
+// rounded to float32 (x_hat's dtype); nullptr: x as it is. Rows of the same length as k's.
 template <typename IdxT>
 struct KRows {
   const int8_t* k = nullptr;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
   DivT<IdxT> div_len;  // element -> row
 };
 
 template <typename IdxT>
-KRows<IdxT> make_krows(const std::optional<at::Tensor>& row_exp, int64_t row_len) {
+KRows<IdxT> make_krows(const std::optional<at::Tensor>& row_exp, int64_t row_len,
+                       const at::Tensor& row_mean = at::Tensor(), const at::Tensor& row_rstd = at::Tensor()) {
   KRows<IdxT> r;
   if (row_len > 0) {
-    r.k = row_exp->const_data_ptr<int8_t>();
+    if (row_exp.has_value()) r.k = row_exp->const_data_ptr<int8_t>();
+    if (row_mean.defined()) {
+      r.mean = row_mean.const_data_ptr<float>();
+      r.rstd = row_rstd.const_data_ptr<float>();
+    }
     r.div_len = DivT<IdxT>(static_cast<IdxT>(row_len));
   }
   return r;
@@ -187,6 +197,37 @@ __device__ __forceinline__ void apply_rows(const KRows<IdxT>& r, IdxT i0, float 
   } else {
 #pragma unroll
     for (int e = 0; e < V; ++e) v[e] = round_to<scalar_t>(f_mul(v[e], row_factor(r, i0 + IdxT(e), sign)));
+  }
+}
+
+// v[e] (elements i0 .. i0 + V - 1) as x_hat = (v - mean) * rstd of their row, in float32
+// with each operation rounded once (mesa_train.quant.reference.normalize_rows); one (mean,
+// rstd) fetch when the step lies in one row.
+template <typename IdxT, int V>
+__device__ __forceinline__ void normalize_rows(const KRows<IdxT>& r, IdxT i0, float (&v)[V]) {
+  if (V == 1 || r.div_len(i0) == r.div_len(i0 + IdxT(V - 1))) {
+    const IdxT row = r.div_len(i0);
+    const float m = __ldg(r.mean + row), s = __ldg(r.rstd + row);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = f_mul(f_sub(v[e], m), s);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const IdxT row = r.div_len(i0 + IdxT(e));
+      v[e] = f_mul(f_sub(v[e], __ldg(r.mean + row)), __ldg(r.rstd + row));
+    }
+  }
+}
+
+// quantize's input transform: x_hat first (mean given), then the row scales, rounded to
+// x_hat's float32 or to x's scalar_t
+template <typename scalar_t, typename IdxT, int V>
+__device__ __forceinline__ void quantize_rows(const KRows<IdxT>& r, IdxT i0, float (&v)[V]) {
+  if (r.mean != nullptr) {
+    normalize_rows<IdxT, V>(r, i0, v);
+    if (r.k != nullptr) apply_rows<float, IdxT, V>(r, i0, v, 1);
+  } else if (r.k != nullptr) {
+    apply_rows<scalar_t, IdxT, V>(r, i0, v, 1);
   }
 }
 
@@ -288,6 +329,14 @@ std::optional<at::Tensor> contiguous_rows(const std::optional<at::Tensor>& row_e
   return row_exp->contiguous();
 }
 
+// The row transforms of a quantize launch: the row exponents (row_exp) and LayerNorm's
+// (row_mean, row_rstd), all per row of row_len elements (undefined tensors: none)
+struct QuantRows {
+  std::optional<at::Tensor> k;
+  at::Tensor mean, rstd;
+  int64_t len = 0;
+};
+
 // ----------------------------------------------------------------------------- quantize
 // Stochastic-rounding keys (DESIGN.md, "Stochastic rounding"): with 32-bit index math the
 // index's high word is 0, so the hash key is one per launch (`key0`, hashed once per
@@ -337,7 +386,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
     const IdxT i0 = v * V;
     float xv[V];
     load_floats<scalar_t, V>(x + i0, xv);
-    if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
+    quantize_rows<scalar_t, IdxT, V>(rows, i0, xv);
     uint8_t out[V];
     const IdxT p0 = param_of(k, i0);
     if (one_param<IdxT, V>(k, i0, p0)) {  // one (scale, offset) fetch for the whole step
@@ -363,7 +412,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
       pc.fetch<true>(alpha, beta, param_of(k, i));
       const float u = STOCH ? rk.uniform(i) : 0.0f;
       float xi[1] = {static_cast<float>(x[i])};
-      if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
+      quantize_rows<scalar_t, IdxT, 1>(rows, i, xi);
       q[i] = quantize_value<STOCH>(xi[0], pc.beta, pc.scale, u);
     }
   }
@@ -371,32 +420,43 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
 
 template <typename scalar_t, typename IdxT, int V, bool STOCH>
 void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
-                     const Layout& L, const at::Tensor& seed, const std::optional<at::Tensor>& row_exp,
-                     int64_t row_len, cudaStream_t stream, const uint32_t* skip) {
+                     const Layout& L, const at::Tensor& seed, const QuantRows& rows, cudaStream_t stream,
+                     const uint32_t* skip) {
   quantize_kernel<scalar_t, IdxT, V, STOCH><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
       x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
       beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
-      seed.const_data_ptr<int64_t>(), seed.stride(0), make_krows<IdxT>(row_exp, row_len), skip);
+      seed.const_data_ptr<int64_t>(), seed.stride(0), make_krows<IdxT>(rows.k, rows.len, rows.mean, rows.rstd),
+      skip);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, bool STOCH>
 void dispatch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& a, const at::Tensor& b,
-                       const Layout& L, const at::Tensor& seed, const std::optional<at::Tensor>& row_exp,
-                       int64_t row_len, cudaStream_t stream, const uint32_t* skip = nullptr) {
+                       const Layout& L, const at::Tensor& seed, const QuantRows& rows, cudaStream_t stream,
+                       const uint32_t* skip = nullptr) {
   const bool vec = aligned16(x.const_data_ptr()) && aligned16(q.const_data_ptr());
-  if (!fits_32bit(L))
-    launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
-  else if (vec) launch_quantize<scalar_t, uint32_t, kVec, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
-  else launch_quantize<scalar_t, uint32_t, 1, STOCH>(x, q, a, b, L, seed, row_exp, row_len, stream, skip);
+  if (!fits_32bit(L)) launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, rows, stream, skip);
+  else if (vec) launch_quantize<scalar_t, uint32_t, kVec, STOCH>(x, q, a, b, L, seed, rows, stream, skip);
+  else launch_quantize<scalar_t, uint32_t, 1, STOCH>(x, q, a, b, L, seed, rows, stream, skip);
 }
 
 at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
                          int64_t dim, int64_t num_groups, bool stochastic, const at::Tensor& seed,
-                         const std::optional<at::Tensor>& row_exp_in) {
+                         const std::optional<at::Tensor>& row_exp_in, const std::optional<at::Tensor>& row_mean,
+                         const std::optional<at::Tensor>& row_rstd) {
   const Layout L = check_quantize(x_in, alpha_in, beta_in, dim, num_groups, seed);
   const int64_t row_len = check_row_exp("quantize", x_in.sizes(), x_in.device(), row_exp_in);
-  const std::optional<at::Tensor> row_exp = contiguous_rows(row_exp_in, row_len);
+  const int64_t norm_len = check_row_norm("quantize", x_in, row_mean, row_rstd);
+  if (norm_len > 0 && row_len > 0 && norm_len != row_len) {
+    // rows of two lengths (not a LayerNorm's): x_hat as its own copy, then as without them
+    return quantize_cuda(normalized_rows(x_in, row_mean, row_rstd), alpha_in, beta_in, dim, num_groups, stochastic,
+                         seed, row_exp_in, std::nullopt, std::nullopt);
+  }
+  QuantRows rows{contiguous_rows(row_exp_in, row_len), at::Tensor(), at::Tensor(), std::max(row_len, norm_len)};
+  if (norm_len > 0) {
+    rows.mean = row_mean->contiguous();
+    rows.rstd = row_rstd->contiguous();
+  }
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
@@ -404,8 +464,8 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, con
   const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_cuda", [&] {
-    if (stochastic) dispatch_quantize<scalar_t, true>(x, q, alpha, beta, L, seed, row_exp, row_len, stream);
-    else dispatch_quantize<scalar_t, false>(x, q, alpha, beta, L, seed, row_exp, row_len, stream);
+    if (stochastic) dispatch_quantize<scalar_t, true>(x, q, alpha, beta, L, seed, rows, stream);
+    else dispatch_quantize<scalar_t, false>(x, q, alpha, beta, L, seed, rows, stream);
   });
   return q;
 }
@@ -1378,8 +1438,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(
     if (stochastic) pick(std::true_type{});
     else pick(std::false_type{});
     // the first batch: quantize with the estimates it just initialized (returns at once otherwise)
-    if (stochastic) dispatch_quantize<scalar_t, true>(x, q, used_a, used_b, L, seed, row_exp, row_len, stream, wsp + 1);
-    else dispatch_quantize<scalar_t, false>(x, q, used_a, used_b, L, seed, row_exp, row_len, stream, wsp + 1);
+    const QuantRows rows{row_exp, at::Tensor(), at::Tensor(), row_len};
+    if (stochastic) dispatch_quantize<scalar_t, true>(x, q, used_a, used_b, L, seed, rows, stream, wsp + 1);
+    else dispatch_quantize<scalar_t, false>(x, q, used_a, used_b, L, seed, rows, stream, wsp + 1);
   });
   return {q, used_a, used_b};
 }
@@ -1552,16 +1613,20 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
 // (D / G) * sizeof(scalar_t) % 16 == 0, x 16-byte aligned). The warp splits into 32 / W
 // sub-warps of W lanes (a power of two), one segment each: with short segments (DeiT-S: 64
 // bf16 channels = 8 chunks, W = 8) all 32 lanes load at once instead of 8.
+// row_mean / row_rstd (nullptr: none; one per row): every element is taken as x_hat = (x -
+// mean) * rstd in float32 first (DESIGN.md, "LayerNorm's x_hat inside the kernels").
 template <typename scalar_t, bool VEC>
 __global__ void __launch_bounds__(kThreads)
 row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* __restrict__ cells, int64_t rows,
-                 int64_t D, int G, int W) {
+                 int64_t D, int G, int W, const float* __restrict__ row_mean, const float* __restrict__ row_rstd) {
   constexpr int kPer = VEC ? 16 / int(sizeof(scalar_t)) : 1;
   const int lane = threadIdx.x % 32, sub = lane % W, per_pass = 32 / W;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const scalar_t* xr = x + row * D;
     float* c = cells + row * 2 * G;
+    const bool norm = row_mean != nullptr;  // (uniform across the launch)
+    const float m = norm ? __ldg(row_mean + row) : 0.0f, s = norm ? __ldg(row_rstd + row) : 1.0f;
     uint32_t am = 0u;
     for (int g0 = 0; g0 < G; g0 += per_pass) {
       const int g = g0 + lane / W;
@@ -1571,6 +1636,10 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
         for (int64_t j = b + int64_t(sub) * kPer; j < e; j += int64_t(W) * kPer) {
           float v[kPer];
           load_floats<scalar_t, kPer>(xr + j, v);
+          if (norm) {
+#pragma unroll
+            for (int t = 0; t < kPer; ++t) v[t] = f_mul(f_sub(v[t], m), s);
+          }
 #pragma unroll
           for (int t = 0; t < kPer; ++t) {
             am = umax(am, __float_as_uint(v[t]) & 0x7FFFFFFFu);
@@ -1625,9 +1694,17 @@ row_k_cells_kernel(const float* __restrict__ r, const float* __restrict__ mean, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
     const at::Tensor& x_in, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
     const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, bool per_sample, bool symmetric,
-    int64_t row_dims, int64_t max_k) {
+    int64_t row_dims, int64_t max_k, const std::optional<at::Tensor>& row_mean,
+    const std::optional<at::Tensor>& row_rstd) {
   const Layout L = check_observe_rows(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
                                       row_dims, max_k);
+  const int64_t norm_len = check_row_norm("observe_rows", x_in, row_mean, row_rstd);
+  const bool norm = row_mean.has_value() && row_mean->defined();
+  if (norm && !(rows_as_cells(L, x_in.dim(), row_dims) && norm_len == L.D)) {
+    // x_hat as its own float32 copy where the row pass cannot normalise (other row layouts)
+    return observe_rows_cuda(normalized_rows(x_in, row_mean, row_rstd), alpha_est, beta_est, initialized, rng, dim,
+                             num_groups, decay, per_sample, symmetric, row_dims, max_k, std::nullopt, std::nullopt);
+  }
   if (!rows_as_cells(L, x_in.dim(), row_dims)) {
     at::Tensor k = row_exponents_cuda(x_in, row_dims, max_k);
     auto [alpha, beta, seed] =
@@ -1644,21 +1721,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int sms = sm_count();
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+  const at::Tensor rmean = norm ? row_mean->contiguous() : at::Tensor();
+  const at::Tensor rrstd = norm ? row_rstd->contiguous() : at::Tensor();
+  const float* pm = norm ? rmean.const_data_ptr<float>() : nullptr;
+  const float* ps = norm ? rrstd.const_data_ptr<float>() : nullptr;
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_rows_cuda", [&] {
     const bool vec = aligned16(x.const_data_ptr()) && D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0;
     const int W = row_cells_width(vec, (D / G) * int64_t(sizeof(scalar_t)) / 16);
     if (vec) {
       row_cells_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
-          static_cast<int>(G), W);
+          static_cast<int>(G), W, pm, ps);
     } else {
       row_cells_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
-          static_cast<int>(G), W);
+          static_cast<int>(G), W, pm, ps);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::Tensor mean = r.mean();
-    row_k_cells_kernel<scalar_t><<<grid_for(rows, sms), kThreads, 0, stream>>>(
+    // the scaled cells rounded to the dtype the elements are taken in: x_hat's float32 or x's
+    auto k_cells = norm ? row_k_cells_kernel<float> : row_k_cells_kernel<scalar_t>;
+    k_cells<<<grid_for(rows, sms), kThreads, 0, stream>>>(
         r.const_data_ptr<float>(), mean.const_data_ptr<float>(), k.mutable_data_ptr<int8_t>(),
         cells.mutable_data_ptr<float>(), rows, static_cast<int>(G), static_cast<int>(max_k));
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -2,7 +2,11 @@
 
 What is kept for backward (DESIGN.md, "Layers"): ``x_hat = (x - mean) * rstd`` as uint8
 (channel groups over the last dim, running estimates like every other layer) and the
-per-row ``rstd`` (one float per row). The per-row ``mean`` is not needed. Backward, with
+per-row ``rstd`` (one float per row). The per-row ``mean`` is not needed after forward.
+``x_hat`` is float32 ``(x - mean) * rstd`` with ``native_layer_norm``'s statistics
+(``reference.normalize_rows``); the C++ layer has the compression kernels compute it from
+``x`` (never written on CUDA; DESIGN.md, "LayerNorm's x_hat inside the kernels"), this
+Function makes it as a transient tensor. Backward, with
 ``gw = grad_out * weight`` and means over the normalised dims (computed by ATen's fused
 ``native_layer_norm_backward`` on ``x_hat`` with mean 0 and rstd 1, then times ``rstd``)::
 
@@ -32,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
+
+from mesa_train.quant.reference import normalize_rows
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
 from .rowscale import compress_rows, decompress_rows, max_exponent
@@ -78,16 +84,17 @@ class _LayerNormFn(torch.autograd.Function):
         cast = dev in _FP32_POLICY and torch.is_autocast_enabled(dev)
         xc, wc, bc = (_autocast_fp32(t) for t in (x, weight, bias)) if cast else (x, weight, bias)
         with no_autocast(dev):
-            # F.layer_norm == native_layer_norm(...)[0]; this also gives rstd
-            out, _, rstd = torch.native_layer_norm(xc, normalized_shape, wc, bc, eps)
+            # F.layer_norm == native_layer_norm(...)[0]; this also gives mean and rstd
+            out, mean, rstd = torch.native_layer_norm(xc, normalized_shape, wc, bc, eps)
             mdt = _math_dtype(xc.dtype)
-            # the normalised input, from the same kernel on the same input (so the very
-            # statistics the stock backward would use), in one pass instead of cast, sub
-            # and mul; a transient tensor: only its uint8 codes are kept
-            x_hat = torch.native_layer_norm(xc, normalized_shape, None, None, eps)[0]
+            # the normalised input (x - mean) * rstd in float32 with the very statistics the
+            # stock backward would use (DESIGN.md, "LayerNorm's x_hat inside the kernels"):
+            # the values the C++ layer's kernels compute without writing x_hat; here a
+            # transient tensor (fused by Inductor when traced): only its uint8 codes are kept
+            x_hat = normalize_rows(xc, mean, rstd)
         # rows whose variance is far below eps (DeiT3's class token) have x_hat ~ 1e-3,
         # below the group's 8-bit step: scaled by 2**k first (rowscale.py)
-        packed, k = compress_rows(quantizer, x_hat, len(normalized_shape), max_exponent(x_hat.dtype, mdt))
+        packed, k = compress_rows(quantizer, x_hat, len(normalized_shape), max_exponent(mdt))
         del x_hat
         ctx.x_dtype, ctx.mdt = x.dtype, mdt
         ctx.normalized_shape = tuple(normalized_shape)

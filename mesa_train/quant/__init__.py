@@ -64,7 +64,7 @@ _SCHEMAS = {
     "group_minmax": "group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)",
     "quantize": (
         "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed, "
-        "Tensor? row_exp=None) -> Tensor"
+        "Tensor? row_exp=None, Tensor? row_mean=None, Tensor? row_rstd=None) -> Tensor"
     ),
     "dequantize": (
         "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
@@ -82,8 +82,8 @@ _SCHEMAS = {
     ),
     "observe_rows": (
         "observe_rows(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
-        "int dim, int num_groups, float decay, bool per_sample, bool symmetric, int row_dims, int max_k) -> "
-        "(Tensor alpha, Tensor beta, Tensor seed, Tensor row_exp)"
+        "int dim, int num_groups, float decay, bool per_sample, bool symmetric, int row_dims, int max_k, "
+        "Tensor? row_mean=None, Tensor? row_rstd=None) -> (Tensor alpha, Tensor beta, Tensor seed, Tensor row_exp)"
     ),
     "quantize_observe": (
         "quantize_observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
@@ -153,8 +153,8 @@ def _ref_minmax(x, dim, num_groups, per_sample):
     return reference.group_minmax(x, dim, num_groups, per_sample)
 
 
-def _ref_quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp=None):
-    return reference.quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp)
+def _ref_quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp=None, row_mean=None, row_rstd=None):
+    return reference.quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp, row_mean, row_rstd)
 
 
 def _ref_dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp=None):
@@ -176,9 +176,9 @@ def _ref_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, deca
 
 
 def _ref_observe_rows(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric,
-                      row_dims, max_k):
+                      row_dims, max_k, row_mean=None, row_rstd=None):
     return reference.observe_rows(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
-                                  symmetric, row_dims, max_k)
+                                  symmetric, row_dims, max_k, row_mean, row_rstd)
 
 
 def _ref_quantize_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric, stochastic,
@@ -312,10 +312,11 @@ def _fake_minmax(x, dim, num_groups, per_sample):
     )
 
 
-def _fake_quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp=None):
+def _fake_quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp=None, row_mean=None, row_rstd=None):
     check_quantize_args(x, alpha, beta, dim, num_groups)
     check_seed(seed, x, "quantize: seed ([lo, hi])")
     check_row_exp(row_exp, x, "quantize")
+    reference.check_row_norm(row_mean, row_rstd, x, "quantize")
     return x.new_empty(x.shape, dtype=torch.uint8)
 
 
@@ -348,9 +349,10 @@ def _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, dec
 
 
 def _fake_observe_rows(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample, symmetric,
-                       row_dims, max_k):
+                       row_dims, max_k, row_mean=None, row_rstd=None):
     alpha, beta, seed = _fake_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
                                       symmetric)
+    reference.check_row_norm(row_mean, row_rstd, x, "observe_rows")
     return alpha, beta, seed, _fake_row_exponents(x, row_dims, max_k)
 
 
@@ -464,6 +466,8 @@ def quantize(
     stochastic: bool = True,
     seed: int | torch.Tensor = 0,
     row_exp: torch.Tensor | None = None,
+    row_mean: torch.Tensor | None = None,
+    row_rstd: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """uint8 codes ``clamp(round((x - beta) * 255 / alpha), 0, 255)``, same shape as ``x``.
 
@@ -474,7 +478,10 @@ def quantize(
     :func:`observe`), or a Python int ``s`` meaning ``[s & M, (s >> 32) & M]`` (its low 64
     bits; ``M = 2**32 - 1``). ``row_exp``: int8 power-of-two row scales (see
     :func:`row_exponents`): the codes of ``x * 2**k`` rounded to ``x``'s dtype, computed
-    inside the kernel (no scaled copy).
+    inside the kernel (no scaled copy). ``row_mean`` / ``row_rstd`` (float32, one per row, as
+    ``native_layer_norm`` returns them): the codes of ``x_hat = (x - mean) * rstd`` in float32
+    (:func:`mesa_train.quant.reference.normalize_rows`), rows then scaled by ``row_exp`` in
+    float32; ``x_hat`` never reaches memory on CUDA (a LayerNorm's normalised input).
     """
     dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
     if isinstance(seed, torch.Tensor):
@@ -484,7 +491,9 @@ def quantize(
             raise ValueError(f"quantize: seed must be an int or an int64 (2,) tensor, got {type(seed).__name__}")
         seed = seed_tensor(seed, x.device)
     check_row_exp(row_exp, x, "quantize")
-    return torch.ops.mesa.quantize(x, alpha, beta, dim, num_groups, bool(stochastic), seed, row_exp)
+    reference.check_row_norm(row_mean, row_rstd, x, "quantize")
+    return torch.ops.mesa.quantize(x, alpha, beta, dim, num_groups, bool(stochastic), seed, row_exp, row_mean,
+                                   row_rstd)
 
 
 def dequantize(
@@ -579,16 +588,20 @@ def observe_rows(
     symmetric: bool = False,
     row_dims: int = 1,
     max_k: int = 64,
+    row_mean: torch.Tensor | None = None,
+    row_rstd: torch.Tensor | None = None,
 ):
     """:func:`row_exponents` then :func:`observe` with ``row_exp=k``, as one op that also
     returns ``k``: ``(alpha, beta, seed, k)``. With groups over the last dim and one row dim
     it reads ``x`` once (DESIGN.md, "observe_rows"); the results are bitwise those of the two
-    ops."""
+    ops. ``row_mean`` / ``row_rstd``: all of it on ``x_hat = (x - mean) * rstd`` in float32,
+    as :func:`quantize` takes them (a LayerNorm's normalised input, never in memory on CUDA)."""
     dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
     reference.check_row_exponents_args(x, row_dims, max_k)
+    reference.check_row_norm(row_mean, row_rstd, x, "observe_rows")
     return torch.ops.mesa.observe_rows(
         x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay), bool(per_sample), bool(symmetric),
-        int(row_dims), int(max_k),
+        int(row_dims), int(max_k), row_mean, row_rstd,
     )
 
 

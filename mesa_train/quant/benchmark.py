@@ -11,8 +11,10 @@ Per layout it times, with the ops the layers run:
 * estimator ``delayed``'s one-pass ``quantize_observe``, and on the token layout the row
   scales of Linear / LayerNorm inputs (``row_exponents``, ``observe_rows``, the forward the
   layers run, ``observe_rows + quantize``, against the former three-op one, and the backward
-  with ``row_exp``) and a GELU's backward from the codes (``gelu_backward``) against
-  ``dequantize`` + ATen's ``gelu_backward``;
+  with ``row_exp``), a GELU's backward from the codes (``gelu_backward``) against
+  ``dequantize`` + ATen's ``gelu_backward``, and a LayerNorm's ``x_hat`` compressed from its
+  input with ``row_mean`` / ``row_rstd`` against a second ``native_layer_norm`` first (also
+  with a float32 input: a LayerNorm under autocast);
 * ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
@@ -80,6 +82,31 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
 
 
+def _layer_norm_rows(x, state, dim, G, label):
+    """A LayerNorm's compression of ``x_hat`` (token layout; DESIGN.md, "LayerNorm's x_hat inside
+    the kernels"): ``observe_rows + quantize`` given the row mean and rstd (``x`` read twice,
+    ``x_hat`` never written on CUDA), against the former path that first wrote ``x_hat`` with a
+    second ``native_layer_norm`` (read ``x``, write ``x_hat`` in ``x``'s dtype, read it twice).
+    Rows: (name, bytes read + written, fn)."""
+    n, es = x.numel(), x.element_size()
+    _, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, 1e-5)
+    mean, rstd = mean.float(), rstd.float()
+
+    def fused():
+        a, b, s, k = torch.ops.mesa.observe_rows(x, *state, dim, G, 0.9, False, False, 1, 64, mean, rstd)
+        return torch.ops.mesa.quantize(x, a, b, dim, G, True, s, k, mean, rstd)
+
+    def before():
+        x_hat = torch.native_layer_norm(x, [x.shape[-1]], None, None, 1e-5)[0]
+        a, b, s, k = torch.ops.mesa.observe_rows(x_hat, *state, dim, G, 0.9, False, False, 1, 64)
+        return torch.ops.mesa.quantize(x_hat, a, b, dim, G, True, s, k)
+
+    return [(f"forward LayerNorm x_hat{label}: observe_rows + quantize with row_mean / row_rstd", 2 * n * es + n,
+             fused),
+            (f"forward LayerNorm x_hat{label}, before: native_layer_norm + observe_rows + quantize",
+             4 * n * es + n, before)]
+
+
 def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int) -> list[dict]:
     timeit = _timer(device, warmup, repeat)
     rows = []
@@ -140,6 +167,9 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                      lambda: torch.ops.aten.gelu_backward(g, torch.ops.mesa.dequantize(q, alpha, beta, dim, G,
                                                                                        dtype))),
                 ]
+                ops += _layer_norm_rows(x, state, dim, G, "")
+                if dtype != torch.float32:  # under autocast a LayerNorm's input is the float32 residual stream
+                    ops += _layer_norm_rows(x.float(), state, dim, G, " (float32 input, as under autocast)")
                 ops += [
                     ("row_exponents", n * es, lambda: torch.ops.mesa.row_exponents(x, 1, 64)),
                     ("observe_rows", n * es, observe_rows),

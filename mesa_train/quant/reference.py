@@ -242,6 +242,47 @@ def check_row_exp(row_exp, x: torch.Tensor, what: str) -> None:
                          f"last n >= 1 dims); got {shape} for x of shape {tuple(x.shape)}")
 
 
+def check_row_norm(row_mean, row_rstd, x: torch.Tensor, what: str) -> None:
+    """Both ``None``, or both float32 on ``x``'s device, of one shape ``x.shape[:-n] + (1,) * n``
+    (one mean and one rstd per row of the last ``n`` dims, as ``native_layer_norm`` returns
+    them), with ``x`` float32, float16 or bfloat16."""
+    if row_mean is None and row_rstd is None:
+        return
+    if row_mean is None or row_rstd is None:
+        raise ValueError(f"{what}: row_mean and row_rstd go together (LayerNorm's per-row mean and rstd); got only "
+                         f"{'row_rstd' if row_mean is None else 'row_mean'}")
+    for name, t in (("row_mean", row_mean), ("row_rstd", row_rstd)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}: {name} must be a float32 tensor, got {got}")
+        if t.device != x.device:
+            raise ValueError(f"{what}: {name} is on {t.device} but the input is on {x.device}")
+    if x.dtype not in QUANT_DTYPES:
+        raise ValueError(f"{what}: with row_mean / row_rstd the input must be float32, float16 or bfloat16, "
+                         f"got {x.dtype}")
+    if row_mean.shape != row_rstd.shape:
+        raise ValueError(f"{what}: row_mean and row_rstd must have one shape, got {tuple(row_mean.shape)} and "
+                         f"{tuple(row_rstd.shape)}")
+    shape = tuple(row_mean.shape)
+    t = 0
+    while t < len(shape) and shape[len(shape) - 1 - t] == 1:
+        t += 1
+    if len(shape) != x.dim() or t < 1 or shape[:x.dim() - t] != tuple(x.shape[:x.dim() - t]):
+        raise ValueError(f"{what}: row_mean and row_rstd must have shape x.shape[:-n] + (1,) * n (one per row of "
+                         f"the last n >= 1 dims); got {shape} for x of shape {tuple(x.shape)}")
+
+
+def normalize_rows(x: torch.Tensor, row_mean: torch.Tensor | None, row_rstd: torch.Tensor | None) -> torch.Tensor:
+    """``(x - mean) * rstd`` per row in float32, each operation rounded once (no fused
+    multiply-add): a LayerNorm's normalised input ``x_hat`` as the ops' ``row_mean`` /
+    ``row_rstd`` take it (DESIGN.md, "LayerNorm's x_hat inside the kernels"). ``x`` itself
+    when both are ``None``. (A float64 ``x``, which the ops refuse, is normalised in float64.)"""
+    if row_mean is None:
+        return x
+    mdt = torch.promote_types(x.dtype, torch.float32)
+    return (x.to(mdt) - row_mean.to(mdt)) * row_rstd.to(mdt)
+
+
 def check_row_exponents_args(x, row_dims, max_k) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in QUANT_DTYPES:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
@@ -454,18 +495,22 @@ def quantize(
     stochastic: bool = True,
     seed=0,
     row_exp: torch.Tensor | None = None,
+    row_mean: torch.Tensor | None = None,
+    row_rstd: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """uint8 codes, same shape as ``x``, contiguous (DESIGN.md exact arithmetic).
 
     ``seed``: an int64 ``(2,)`` tensor ``[lo, hi]`` on ``x``'s device (the op's schema) or
     a Python int (same bytes as ``seed_tensor(seed)``). ``row_exp``: the codes of
-    :func:`scale_rows` ``(x, row_exp)``.
+    :func:`scale_rows` ``(x, row_exp)``. ``row_mean`` / ``row_rstd``: the codes of
+    :func:`normalize_rows` ``(x, row_mean, row_rstd)`` (float32; then its rows scaled).
     """
     dim, _ = check_quantize_args(x, alpha, beta, dim, num_groups)
     if isinstance(seed, torch.Tensor):
         check_seed(seed, x, "quantize: seed ([lo, hi])")
     check_row_exp(row_exp, x, "quantize")
-    x = scale_rows(x, row_exp).contiguous()
+    check_row_norm(row_mean, row_rstd, x, "quantize")
+    x = scale_rows(normalize_rows(x, row_mean, row_rstd), row_exp).contiguous()
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     alpha = alpha.contiguous()
@@ -614,10 +659,13 @@ def observe(
 
 
 def observe_rows(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
-                 per_sample: bool, symmetric: bool, row_dims: int, max_k: int):
+                 per_sample: bool, symmetric: bool, row_dims: int, max_k: int, row_mean=None, row_rstd=None):
     """``mesa::observe_rows`` (DESIGN.md, "observe_rows"): ``k = row_exponents(x, row_dims,
-    max_k)``, then :func:`observe` of ``x`` with ``row_exp=k``. Returns ``(alpha, beta, seed, k)``."""
+    max_k)``, then :func:`observe` of ``x`` with ``row_exp=k``. Returns ``(alpha, beta, seed, k)``.
+    ``row_mean`` / ``row_rstd``: all of it on :func:`normalize_rows` ``(x, row_mean, row_rstd)``."""
     check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample)
+    check_row_norm(row_mean, row_rstd, x, "observe_rows")
+    x = normalize_rows(x, row_mean, row_rstd)
     k = row_exponents(x, row_dims, max_k)
     alpha, beta, seed = observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, per_sample,
                                 symmetric, k)

@@ -296,6 +296,8 @@ void fill(scalar_t* x, int64_t n, bool specials) {
 struct RowExp {
   std::vector<int8_t> k;
   int64_t len = 0;
+  // quantize's row_mean / row_rstd (a LayerNorm's statistics; empty: none), per row of len
+  std::vector<float> mean, rstd;
 };
 
 // the largest k of check_row_exp: 2**k and 2**-k stay normal in the dtype
@@ -343,7 +345,11 @@ template <typename IdxT>
 KRows<IdxT> krows_of(const RowExp* re) {
   KRows<IdxT> r;
   if (re != nullptr && re->len > 0) {
-    r.k = re->k.data();
+    if (!re->k.empty()) r.k = re->k.data();
+    if (!re->mean.empty()) {
+      r.mean = re->mean.data();
+      r.rstd = re->rstd.data();
+    }
     r.div_len = DivT<IdxT>(static_cast<IdxT>(re->len));
   }
   return r;
@@ -362,16 +368,55 @@ scalar_t unscale_row_value(float y, int k) {
   return static_cast<scalar_t>(std::ldexp(static_cast<float>(static_cast<scalar_t>(y)), -k));
 }
 
-// What quantize / observe see of element i: x[i], or x[i] scaled by its row's 2**k
+// normalize_rows: (x - mean) * rstd in float32, each operation rounded once
+float normalized_value(float x, float mean, float rstd) { return (x - mean) * rstd; }
+
+// What quantize / observe see of element i: x[i], or x[i] scaled by its row's 2**k; with a
+// LayerNorm's statistics (quantize): x_hat of x[i], then times 2**k rounded to float32 (ldexp
+// rounds the exact product once, as the multiply does)
 template <typename scalar_t>
 std::vector<float> seen_values(const scalar_t* x, int64_t n, const RowExp* re) {
   std::vector<float> v(n);
-  for (int64_t i = 0; i < n; ++i)
-    v[i] = re != nullptr ? scale_row_value(x[i], re->k[i / re->len]) : static_cast<float>(x[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    if (re == nullptr) {
+      v[i] = static_cast<float>(x[i]);
+    } else if (re->mean.empty()) {
+      v[i] = scale_row_value(x[i], re->k[i / re->len]);
+    } else {
+      const int64_t r = i / re->len;
+      v[i] = normalized_value(static_cast<float>(x[i]), re->mean[r], re->rstd[r]);
+      if (!re->k.empty()) v[i] = std::ldexp(v[i], re->k[r]);
+    }
+  }
   return v;
 }
 
-const char* rows_tag(const RowExp* re) { return re != nullptr ? "_rows" : ""; }
+const char* rows_tag(const RowExp* re) {
+  if (re == nullptr) return "";
+  return re->mean.empty() ? "_rows" : re->k.empty() ? "_norm" : "_rows_norm";
+}
+
+// A LayerNorm's statistics for re's rows of x: each row's mean and 1 / sqrt(var + 1e-5) (the
+// values matter little: the kernels apply whatever they are given), now and then a NaN rstd
+// or a zero mean
+template <typename scalar_t>
+void add_row_norm(RowExp& re, const scalar_t* x, int64_t numel) {
+  const int64_t rows = numel / re.len;
+  re.mean.assign(rows, 0.0f);
+  re.rstd.assign(rows, 1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    double s = 0.0, s2 = 0.0;
+    for (int64_t j = 0; j < re.len; ++j) {
+      const double v = static_cast<float>(x[r * re.len + j]);
+      s += v;
+      s2 += v * v;
+    }
+    const double m = s / double(re.len), var = std::max(0.0, s2 / double(re.len) - m * m);
+    const int pick = rng() % 12;
+    re.mean[r] = pick == 0 ? 0.0f : static_cast<float>(m);
+    re.rstd[r] = pick == 1 ? NAN : static_cast<float>(1.0 / std::sqrt(var + 1e-5));
+  }
+}
 
 // ------------------------------------------------------------------ quantize / dequantize
 // The naive codes (DESIGN.md): element i quantized with its parameter p's (alpha, beta),
@@ -932,6 +977,17 @@ int check_elementwise(const CaseData<scalar_t>& c, int sms) {
   const float *a = c.alpha.data(), *b = c.beta.data();
   int e = check_quant_paths(c, sms, nullptr);
   if (c.rows() != nullptr) e += check_quant_paths(c, sms, c.rows());
+  if (c.rows() != nullptr) {  // quantize with a LayerNorm's statistics, with and without row exponents
+    RowExp rn = *c.rows();
+    add_row_norm(rn, c.xa, c.L.numel);
+    for (int with_k = 0; with_k < 2; ++with_k) {
+      if (!with_k) rn.k.clear();
+      else rn.k = c.rows()->k;
+      e += check_quantize<scalar_t, uint32_t, kVec>(c.L, c.xa, a, b, sms, c.seed, &rn) +
+           check_quantize<scalar_t, uint32_t, 1>(c.L, c.xu, a, b, sms, c.seed, &rn) +
+           check_quantize<scalar_t, uint64_t, 1>(c.L, c.xu, a, b, sms, c.seed, &rn);
+    }
+  }
   e += check_bits_all<scalar_t, 8>(c.L, c.xa, c.xu, a, b, sms, c.seed);
   e += check_bits_all<scalar_t, 4>(c.L, c.xa, c.xu, a, b, sms, c.seed);
   e += check_bits_all<scalar_t, 2>(c.L, c.xa, c.xu, a, b, sms, c.seed);
@@ -1242,15 +1298,25 @@ int row_exponents_checks(int ncases) {
 // scalar_t, the others untouched.
 bool same_stat(float got, float want) { return std::isnan(want) ? std::isnan(got) : got == want; }
 
+// norm (a LayerNorm's mean and rstd per row, or nullptr): every element taken as
+// normalized_value first, the cells then scaled in float32 (x_hat's dtype)
 template <typename scalar_t, bool VEC>
-int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms) {
+int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, const RowExp* norm = nullptr) {
   const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
   std::vector<float> r(rows + 1, 7.0f), cells(rows * 2 * G + 1, 7.0f);
   const int W = row_cells_width(VEC, (D / G) * int64_t(sizeof(scalar_t)) / 16);
-  launch_simt(blocks, kThreads, [&] { row_cells_kernel<scalar_t, VEC>(x, r.data(), cells.data(), rows, D, G, W); });
+  const float* pm = norm != nullptr ? norm->mean.data() : nullptr;
+  const float* ps = norm != nullptr ? norm->rstd.data() : nullptr;
+  launch_simt(blocks, kThreads,
+              [&] { row_cells_kernel<scalar_t, VEC>(x, r.data(), cells.data(), rows, D, G, W, pm, ps); });
+  // the values the kernel sees
+  std::vector<float> xs(rows * D);
+  for (int64_t i = 0; i < rows * D; ++i)
+    xs[i] = norm != nullptr ? normalized_value(static_cast<float>(x[i]), pm[i / D], ps[i / D])
+                            : static_cast<float>(x[i]);
   int errs = 0;
   for (int64_t i = 0; i < rows; ++i) {
-    const float am = naive_absmax(x + i * D, D);
+    const float am = naive_absmax(xs.data() + i * D, D);
     if (!same_stat(r[i], am) && errs++ < 5)
       fprintf(stderr, "row_cells<%zu,%d> absmax mismatch row=%ld got %g exp %g\n", sizeof(scalar_t), int(VEC),
               (long)i, r[i], am);
@@ -1258,7 +1324,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms) 
       float mn = INFINITY, mx = -INFINITY;
       bool nan = false;
       for (int64_t d = (int64_t(g) * D + G - 1) / G; d < (int64_t(g + 1) * D + G - 1) / G; ++d) {
-        const float v = static_cast<float>(x[i * D + d]);
+        const float v = xs[i * D + d];
         nan = nan || std::isnan(v);
         mn = std::min(mn, v);
         mx = std::max(mx, v);
@@ -1274,22 +1340,27 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms) 
     fprintf(stderr, "row_cells wrote past the end\n");
     ++errs;
   }
-  g_checked[VEC ? (W < 32 ? "row_cells_vec_subwarp" : "row_cells_vec") : "row_cells"]++;
+  g_checked[std::string(VEC ? (W < 32 ? "row_cells_vec_subwarp" : "row_cells_vec") : "row_cells") +
+            (norm != nullptr ? "_norm" : "")]++;
   if (errs) return errs;
   // row_k_cells on the cells just checked
   const float mean = pick_mean(std::vector<float>(r.begin(), r.begin() + rows));
   const int max_k = int(rng() % (max_row_k<scalar_t>() + 1));
   std::vector<int8_t> k(rows + 1, int8_t(-99));
   std::vector<float> scaled(cells);
-  launch_seq(grid_for(rows, sms), kThreads,
-             [&] { row_k_cells_kernel<scalar_t>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k); });
+  launch_seq(grid_for(rows, sms), kThreads, [&] {
+    if (norm != nullptr) row_k_cells_kernel<float>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k);
+    else row_k_cells_kernel<scalar_t>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k);
+  });
   for (int64_t i = 0; i < rows; ++i) {
     const int want = naive_row_k(mean, r[i], max_k);
     if (k[i] != want && errs++ < 5)
       fprintf(stderr, "row_k_cells k mismatch row=%ld got %d exp %d\n", (long)i, int(k[i]), want);
     for (int j = 0; j < 2 * G; ++j) {
       const float c = cells[i * 2 * G + j];
-      const float w = want == 0 ? c : static_cast<float>(static_cast<scalar_t>(c * std::ldexp(1.0f, want)));
+      const float w = want == 0             ? c
+                      : norm != nullptr ? c * std::ldexp(1.0f, want)
+                                        : static_cast<float>(static_cast<scalar_t>(c * std::ldexp(1.0f, want)));
       if (!(same_bits(scaled[i * 2 * G + j], w) || (std::isnan(w) && std::isnan(scaled[i * 2 * G + j]))) &&
           errs++ < 5)
         fprintf(stderr, "row_k_cells cell mismatch row=%ld j=%d k=%d got %g exp %g\n", (long)i, j, want,
@@ -1300,7 +1371,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms) 
     fprintf(stderr, "row_k_cells wrote past the end\n");
     ++errs;
   }
-  g_checked["row_k_cells"]++;
+  g_checked[norm != nullptr ? "row_k_cells_norm" : "row_k_cells"]++;
   return errs;
 }
 
@@ -1314,9 +1385,15 @@ int check_observe_rows(int64_t rows, int64_t D, int G, int sms) {
   fill_rows(xa, rows, D);
   memcpy(xu, xa, rows * D * sizeof(scalar_t));
   int errs = 0;
-  if (D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0)
+  RowExp norm;  // a LayerNorm's statistics of the rows
+  norm.len = D;
+  add_row_norm(norm, xa, rows * D);
+  if (D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0) {
     errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms);
+    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms, &norm);
+  }
   errs += check_row_cells<scalar_t, false>(xu, rows, D, G, sms);
+  errs += check_row_cells<scalar_t, false>(xu, rows, D, G, sms, &norm);
   if (errs) fprintf(stderr, "FAIL observe_rows rows=%ld D=%ld G=%d sms=%d sizeof=%zu\n", (long)rows, (long)D, G, sms,
                     sizeof(scalar_t));
   free(xa);
