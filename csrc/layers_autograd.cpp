@@ -62,7 +62,7 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
                                              groups),
                      nhwc);
     } else {
-      at::Tensor xh = from_nhwc(dequantize_op().call(saved[0], saved[1], saved[2], dim, groups, cdt, std::nullopt),
+      at::Tensor xh = from_nhwc(dequantize_op().call(saved[0], saved[1], saved[2], dim, groups, cdt, std::nullopt, std::nullopt),
                                 nhwc);
       gx = at::gelu_backward(grads[0].to(cdt), xh, approximate);
     }
@@ -118,7 +118,7 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
       at::Tensor gx = softmax_backward_op().call(grads[0].to(ydt), saved[0], saved[1], saved[2], gdim, groups);
       return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
     }
-    at::Tensor yh = dequantize_op().call(saved[0], saved[1], saved[2], gdim, groups, ydt, std::nullopt);
+    at::Tensor yh = dequantize_op().call(saved[0], saved[1], saved[2], gdim, groups, ydt, std::nullopt, std::nullopt);
     // each row rescaled to sum to 1 (mesa_train/nn/softmax.py: keeps the exactly-zero stock
     // gradient of a bias added to a whole row); an all-zero row stays 0 (0 / tiny)
     yh = yh / yh.sum({sdim}, true).clamp_min(smallest_normal(ydt));
@@ -202,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
 at::Tensor decompress_rows(const variable_list& saved, int64_t dim, int64_t groups, c10::ScalarType dt,
                            const at::Tensor& k) {
   return dequantize_op().call(saved[0], saved[1], saved[2], dim, groups, dt,
-                              k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);
+                              k.defined() ? std::optional<at::Tensor>(k) : std::nullopt, std::nullopt);
 }
 
 // mesa_train.nn.linear._not_a_view: F.linear's 3-D output is a view of addmm's; autograd
@@ -265,8 +265,8 @@ at::Tensor linear_train(const at::Tensor& x, const at::Tensor& weight, const std
 
 // ----------------------------------------------------------------------------- LayerNorm
 // mesa_train/nn/layernorm.py: keeps the normalised input x_hat (8-bit, row scales) and the
-// per-row rstd; backward through ATen's fused LayerNorm backward fed x_hat with mean 0 and
-// rstd 1, then times rstd.
+// per-row rstd; backward through ATen's fused LayerNorm backward fed x_hat / rstd with mean 0
+// and the row's rstd.
 at::Tensor autocast_fp32(const at::Tensor& t) {
   if (!t.defined() || !(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16)) return t;
   return t.to(at::kFloat);
@@ -323,18 +323,24 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
     const bool need_w = has_w && ctx->needs_input_grad(1);
     const bool need_b = has_b && ctx->needs_input_grad(has_w ? 2 : 1);
     const auto normalized_shape = ctx->saved_data["normalized_shape"].toIntVector();
-    const at::Tensor& rstd = saved[3];
-    at::Tensor xh = decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), mdt,
-                                    saved[5]);
-    at::Tensor unit = at::ones(rstd.sizes(), rstd.options().dtype(mdt));
+    const at::Tensor rstd = saved[3].to(mdt);
+    // x - mean, i.e. x_hat / rstd, from the codes in one kernel (row_mul: 1 / rstd per row),
+    // so that ATen's backward, fed it with mean 0 and the real rstd, takes back x_hat and
+    // returns dx with rstd applied: no pass over dx after it (DESIGN.md, "LayerNorm's x_hat
+    // inside the kernels")
+    const at::Tensor k = saved[5];
+    at::Tensor xs = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                         ctx->saved_data["groups"].toInt(), mdt,
+                                         k.defined() ? std::optional<at::Tensor>(k) : std::nullopt,
+                                         at::reciprocal(rstd.to(at::kFloat)));
     std::optional<at::Tensor> w;
     if (saved[4].defined()) w = saved[4].to(mdt);
     std::optional<at::Tensor> bias_stub;  // only its presence matters
-    if (need_b) bias_stub = unit.new_empty(normalized_shape);
-    auto [dx, dw, db] = at::native_layer_norm_backward(grads[0].to(mdt), xh, normalized_shape, at::zeros_like(unit),
-                                                       unit, w, bias_stub, {need_x, need_w, need_b});
+    if (need_b) bias_stub = rstd.new_empty(normalized_shape);
+    auto [dx, dw, db] = at::native_layer_norm_backward(grads[0].to(mdt), xs, normalized_shape, at::zeros_like(rstd),
+                                                       rstd, w, bias_stub, {need_x, need_w, need_b});
     at::Tensor gx, gw, gb;
-    if (need_x) gx = (dx * rstd.to(mdt)).to(ctx->saved_data["x_dtype"].toScalarType());
+    if (need_x) gx = dx.to(ctx->saved_data["x_dtype"].toScalarType());
     if (need_w) gw = dw.to(ctx->saved_data["w_dtype"].toScalarType());
     if (need_b) gb = db.to(ctx->saved_data["b_dtype"].toScalarType());
     return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
@@ -442,7 +448,7 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
                             c10::ScalarType cdt) {
     if (saved[first].defined())
       return dequantize_op().call(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], cdt,
-                                  std::nullopt);
+                                  std::nullopt, std::nullopt);
     return saved[first + 3].to(cdt);
   }
 
@@ -550,7 +556,7 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     const bool channels_last = ctx->saved_data["channels_last"].toBool();
     if (saved[0].defined()) {
       xh = from_nhwc(dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                          ctx->saved_data["groups"].toInt(), cdt, std::nullopt),
+                                          ctx->saved_data["groups"].toInt(), cdt, std::nullopt, std::nullopt),
                      channels_last);
     } else {  // only the input gradient is needed: the values of x do not matter, its layout does
       xh = at::empty(ctx->saved_data["x_shape"].toIntVector(),

@@ -30,7 +30,7 @@ using QuantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Te
                               const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                               const std::optional<at::Tensor>&);
 using DequantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                c10::ScalarType, const std::optional<at::Tensor>&);
+                                c10::ScalarType, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 using RowExponentsFn = at::Tensor(const at::Tensor&, int64_t, int64_t);
 using ObserveRowsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,

@@ -347,6 +347,12 @@ int64_t check_row_norm(const char* op, const at::Tensor& x, const std::optional<
 // CPU kernels and the CUDA layouts without a fused path run on this copy.
 at::Tensor normalized_rows(const at::Tensor& x, const std::optional<at::Tensor>& row_mean,
                            const std::optional<at::Tensor>& row_rstd);
+// dequantize's optional row_mul: float32 on q's device, shape q.shape[:-n] + (1,) * n.
+// Returns the row length (0: none or empty codes).
+int64_t check_row_mul(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& row_mul);
+// y times its row's row_mul, computed in float32 and rounded to y's dtype, in place (the CPU
+// kernel and the CUDA layouts without the fused path; a no-op without row_mul)
+void multiply_rows_inplace(at::Tensor& y, const std::optional<at::Tensor>& row_mul);
 // row_exponents(x, row_dims, max_k): the float dtypes, 1 <= row_dims <= x.dim(), 0 <= max_k <= 126;
 // returns the row length (the product of the last row_dims sizes).
 int64_t check_row_exponents(const at::Tensor& x, int64_t row_dims, int64_t max_k);

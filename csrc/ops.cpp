@@ -258,6 +258,24 @@ Layout check_observe(const at::Tensor& x, const at::Tensor& alpha_est, const at:
   return L;
 }
 
+// t's shape is x.shape[:-n] + (1,) * n for an n >= 1: one entry per row of x's last n dims (t's
+// trailing size-1 dims are taken as the row dims)
+static bool one_per_row(at::IntArrayRef t_sizes, at::IntArrayRef x_sizes) {
+  const int64_t nd = static_cast<int64_t>(x_sizes.size()), td = static_cast<int64_t>(t_sizes.size());
+  int64_t n = 0;
+  while (n < td && t_sizes[td - 1 - n] == 1) ++n;
+  bool ok = td == nd && n >= 1;
+  for (int64_t d = 0; ok && d < nd - n; ++d) ok = t_sizes[d] == x_sizes[d];
+  return ok;
+}
+
+// elements per row (0: an empty tensor or no rows)
+static int64_t row_length(at::IntArrayRef x_sizes, int64_t rows) {
+  int64_t numel = 1;
+  for (int64_t s : x_sizes) numel *= s;
+  return (numel == 0 || rows == 0) ? 0 : numel / rows;
+}
+
 int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device& device,
                       const std::optional<at::Tensor>& row_exp) {
   if (!row_exp.has_value() || !row_exp->defined()) return 0;
@@ -265,18 +283,9 @@ int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device
   TORCH_CHECK_VALUE(k.scalar_type() == at::kChar, "mesa: ", op, ": row_exp must be int8, got ", k.scalar_type());
   TORCH_CHECK_VALUE(k.device() == device, "mesa: ", op, ": row_exp is on ", k.device(), " but the input is on ",
                     device);
-  // k's trailing size-1 dims (t of them) are taken as the row dims; its other sizes are x's
-  const int64_t nd = static_cast<int64_t>(x_sizes.size());
-  int64_t t = 0;
-  while (t < k.dim() && k.size(k.dim() - 1 - t) == 1) ++t;
-  bool ok = k.dim() == nd && t >= 1;
-  for (int64_t d = 0; ok && d < nd - t; ++d) ok = k.size(d) == x_sizes[d];
-  TORCH_CHECK_VALUE(ok, "mesa: ", op, ": row_exp must have shape x.shape[:-n] + (1,) * n (one exponent per row of ",
-                    "the last n >= 1 dims); got ", k.sizes(), " for x of shape ", x_sizes);
-  int64_t numel = 1;
-  for (int64_t s : x_sizes) numel *= s;
-  const int64_t rows = k.numel();
-  return (numel == 0 || rows == 0) ? 0 : numel / rows;
+  TORCH_CHECK_VALUE(one_per_row(k.sizes(), x_sizes), "mesa: ", op, ": row_exp must have shape x.shape[:-n] + (1,) * n ",
+                    "(one exponent per row of the last n >= 1 dims); got ", k.sizes(), " for x of shape ", x_sizes);
+  return row_length(x_sizes, k.numel());
 }
 
 int64_t check_row_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& row_mean,
@@ -297,16 +306,28 @@ int64_t check_row_norm(const char* op, const at::Tensor& x, const std::optional<
                     "float32, float16 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK_VALUE(row_mean->sizes() == row_rstd->sizes(), "mesa: ", op, ": row_mean and row_rstd must have one ",
                     "shape, got ", row_mean->sizes(), " and ", row_rstd->sizes());
-  const at::Tensor& m = *row_mean;
-  const int64_t nd = x.dim();
-  int64_t t = 0;
-  while (t < m.dim() && m.size(m.dim() - 1 - t) == 1) ++t;
-  bool ok = m.dim() == nd && t >= 1;
-  for (int64_t d = 0; ok && d < nd - t; ++d) ok = m.size(d) == x.size(d);
-  TORCH_CHECK_VALUE(ok, "mesa: ", op, ": row_mean and row_rstd must have shape x.shape[:-n] + (1,) * n (one per ",
-                    "row of the last n >= 1 dims); got ", m.sizes(), " for x of shape ", x.sizes());
-  const int64_t rows = m.numel();
-  return (x.numel() == 0 || rows == 0) ? 0 : x.numel() / rows;
+  TORCH_CHECK_VALUE(one_per_row(row_mean->sizes(), x.sizes()), "mesa: ", op, ": row_mean and row_rstd must have ",
+                    "shape x.shape[:-n] + (1,) * n (one per row of the last n >= 1 dims); got ", row_mean->sizes(),
+                    " for x of shape ", x.sizes());
+  return row_length(x.sizes(), row_mean->numel());
+}
+
+int64_t check_row_mul(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& row_mul) {
+  if (!row_mul.has_value() || !row_mul->defined()) return 0;
+  const at::Tensor& m = *row_mul;
+  TORCH_CHECK_VALUE(m.scalar_type() == at::kFloat, "mesa: ", op, ": row_mul must be float32, got ", m.scalar_type());
+  TORCH_CHECK_VALUE(m.device() == q.device(), "mesa: ", op, ": row_mul is on ", m.device(), " but the codes are on ",
+                    q.device());
+  TORCH_CHECK_VALUE(one_per_row(m.sizes(), q.sizes()), "mesa: ", op, ": row_mul must have shape q.shape[:-n] + ",
+                    "(1,) * n (one factor per row of the last n >= 1 dims); got ", m.sizes(), " for codes of shape ",
+                    q.sizes());
+  return row_length(q.sizes(), m.numel());
+}
+
+void multiply_rows_inplace(at::Tensor& y, const std::optional<at::Tensor>& row_mul) {
+  if (!row_mul.has_value() || !row_mul->defined() || y.numel() == 0) return;
+  if (y.scalar_type() == at::kFloat) y.mul_(*row_mul);
+  else y.copy_(y.to(at::kFloat).mul_(*row_mul));
 }
 
 at::Tensor normalized_rows(const at::Tensor& x, const std::optional<at::Tensor>& row_mean,
@@ -364,13 +385,15 @@ TORCH_LIBRARY(mesa, m) {
   // power-of-two row scales of mesa_train.nn.rowscale inside the kernels (no scaled copy).
   // row_mean / row_rstd (optional, float32, one per row: check_row_norm): x is taken as
   // x_hat = (x - mean) * rstd in float32 (normalized_rows), then scaled by 2**k in float32: a
-  // LayerNorm's normalised input, not written to memory on CUDA (observe_rows takes them too)
+  // LayerNorm's normalised input, not written to memory on CUDA (observe_rows takes them too).
+  // row_mul (optional, float32, one per row: check_row_mul): dequantize's output then times
+  // it, in float32, rounded to dtype (LayerNorm's backward: 1 / rstd, so x - mean comes back)
   m.def(
       "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed, "
       "Tensor? row_exp=None, Tensor? row_mean=None, Tensor? row_rstd=None) -> Tensor");
   m.def(
       "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
-      "Tensor? row_exp=None) -> Tensor");
+      "Tensor? row_exp=None, Tensor? row_mul=None) -> Tensor");
   // int8 k = clamp(floor(log2(mean_row_absmax / row_absmax)), 0, max_k) per row of the last
   // row_dims dims, shape x.shape[:-row_dims] + (1,) * row_dims (mesa_train.nn.rowscale)
   m.def("row_exponents(Tensor x, int row_dims, int max_k) -> Tensor");

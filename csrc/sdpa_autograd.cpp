@@ -152,7 +152,8 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
     std::array<at::Tensor, 4> inputs;
     for (size_t i = 0; i < 3; ++i) {
       inputs[i] = dequantize_op().call(saved[3 * i], saved[3 * i + 1], saved[3 * i + 2], layout[2 * i],
-                                       layout[2 * i + 1], static_cast<c10::ScalarType>(dtypes[i]), std::nullopt);
+                                       layout[2 * i + 1], static_cast<c10::ScalarType>(dtypes[i]), std::nullopt,
+                                       std::nullopt);
       inputs[i].requires_grad_(need[i]);
     }
     std::optional<at::Tensor> attn_mask;

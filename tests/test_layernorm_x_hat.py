@@ -160,3 +160,127 @@ def test_opcheck_with_statistics(device):
     a, b, s, k = Q.observe_rows(x, *_state(4, device), 2, 4, 0.9, False, False, 1, 64, mean, rstd)
     opcheck(torch.ops.mesa.quantize.default, (x, a, b, 2, 4, True, s, k, mean, rstd))
     opcheck(torch.ops.mesa.quantize.default, (x, a, b, 2, 4, False, s, None, mean, rstd))
+
+
+# ----------------------------------------------------------------------------- dequantize's row_mul
+# A LayerNorm's backward dequantizes x - mean = x_hat / rstd in the dequantize kernel (row_mul
+# = 1 / rstd per row), so that ATen's backward, given the real rstd, needs no multiply after it.
+# Definition (reference.multiply_rows): the value dequantize stores (after the row exponents)
+# times the row's factor, in float32, rounded to the output dtype.
+def _codes(shape, G, device, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
+    alpha = (torch.rand(1, G, generator=g) * 4).to(device)
+    beta = (torch.randn(1, G, generator=g)).to(device)
+    return q, alpha, beta
+
+
+def _row_mul(shape_rows, device, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.exp2(torch.randn(shape_rows, generator=g) * 6)
+    flat = m.view(-1)
+    flat[0] = float("nan")
+    flat[-1] = 0.0
+    if flat.numel() > 2:
+        flat[1] = float("inf")
+    return m.to(device)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,row_dims", SHAPES, ids=str)
+@pytest.mark.parametrize("with_k", [False, True])
+def test_dequantize_row_mul_is_the_definition(device, dtype, shape, row_dims, with_k):
+    q, alpha, beta = _codes(shape, 4, device)
+    rows = R.row_shape(q, row_dims)
+    m = _row_mul(rows, device)
+    k = torch.randint(0, 14, rows, dtype=torch.int8).to(device) if with_k else None
+    dim = q.dim() - 1
+    got = Q.dequantize(q, alpha, beta, dim, 4, dtype, k, m)
+    assert got.dtype == dtype
+    assert torch.equal(_bits(got), _bits(R.dequantize(q, alpha, beta, dim, 4, dtype, k, m)))
+    # ... which is the multiply it replaces, after the dequantize it is part of
+    assert torch.equal(_bits(got), _bits(R.multiply_rows(Q.dequantize(q, alpha, beta, dim, 4, dtype, k), m)))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequantize_row_mul_other_layouts(device):
+    """Groups along another dim than the rows' (per-head), factors per row of two dims with
+    exponents per row of one (the kernel's second-pass path), empty codes."""
+    q, alpha, beta = _codes((4, 6, 5, 24), 6, device)
+    m = _row_mul((4, 6, 5, 1), device)
+    for k in (None, torch.randint(0, 9, (4, 6, 5, 1), dtype=torch.int8).to(device)):
+        assert torch.equal(_bits(Q.dequantize(q, alpha, beta, 1, 6, torch.float32, k, m)),
+                           _bits(R.dequantize(q, alpha, beta, 1, 6, torch.float32, k, m)))
+    q, alpha, beta = _codes((4, 6, 5, 24), 4, device)
+    m2 = _row_mul((4, 6, 1, 1), device)
+    k1 = torch.randint(0, 9, (4, 6, 5, 1), dtype=torch.int8).to(device)
+    assert torch.equal(_bits(Q.dequantize(q, alpha, beta, 3, 4, torch.bfloat16, k1, m2)),
+                       _bits(R.dequantize(q, alpha, beta, 3, 4, torch.bfloat16, k1, m2)))
+    e = torch.zeros(0, 8, dtype=torch.uint8, device=device)
+    assert Q.dequantize(e, alpha[:, :2], beta[:, :2], 1, 2, torch.float32, None,
+                        torch.zeros(0, 1, device=device)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda m: m.double(), "row_mul must be (a )?float32"),
+    (lambda m: m.view(3, 5), r"row_mul must have shape q.shape\[:-n\] \+ \(1,\) \* n"),
+    (lambda m: m[:2], r"row_mul must have shape"),
+])
+def test_bad_row_mul_is_a_one_line_error(bad, match):
+    q, alpha, beta = _codes((3, 5, 8), 2, "cpu")
+    m = bad(torch.ones(3, 5, 1))
+    calls = [lambda: R.dequantize(q, alpha, beta, 2, 2, torch.float32, None, m),
+             lambda: Q.dequantize(q, alpha, beta, 2, 2, torch.float32, None, m)]
+    if Q.BACKEND == "extension":
+        calls.append(lambda: torch.ops.mesa.dequantize(q, alpha, beta, 2, 2, torch.float32, None, m))
+    for call in calls:
+        with pytest.raises(ValueError, match=match) as e:
+            call()
+        assert len(str(e.value).strip().splitlines()) == 1
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_dequantize_row_mul(device):
+    q, alpha, beta = _codes((3, 5, 24), 4, device)
+    m = _row_mul((3, 5, 1), device).nan_to_num(1.0, 2.0, 0.5)  # (opcheck compares outputs without NaN equality)
+    k = torch.randint(0, 9, (3, 5, 1), dtype=torch.int8).to(device)
+    opcheck(torch.ops.mesa.dequantize.default, (q, alpha, beta, 2, 4, torch.bfloat16, k, m))
+    opcheck(torch.ops.mesa.dequantize.default, (q, alpha, beta, 2, 4, torch.float32, None, m))
+
+
+@pytest.mark.parametrize("shape,normalized", [((4, 9, 16), (16,)), ((3, 4, 16), (4, 16))], ids=str)
+def test_layernorm_backward_from_x_minus_mean_is_the_formula(shape, normalized):
+    """The Mesa LayerNorm's gradients equal the closed form evaluated (in float64) on the x_hat
+    its codes hold: dx = rstd * (gw - mean(gw) - x_hat * mean(gw * x_hat)), dweight = sum(g *
+    x_hat), dbias = sum(g), to float32 rounding; rows of very different spread (rstd from 1e-3
+    to 1e3) so that a wrong or missing rstd factor shows."""
+    import mesa_train.nn as mn
+
+    torch.manual_seed(0)
+    spread = torch.logspace(-3, 3, shape[0]).view(-1, *([1] * (len(shape) - 1)))
+    x = (torch.randn(shape) * spread + 5).requires_grad_()
+    layer = mn.LayerNorm(normalized, rounding="nearest")
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+    g = torch.randn(shape)
+    layer(x).backward(g)
+    # the x_hat the codes hold: the quantizer's state after this step describes them, so rebuild
+    # them from the same ops (nearest rounding: no seed dependence)
+    nd = len(normalized)
+    _, mean, rstd = torch.native_layer_norm(x.detach(), list(normalized), None, None, layer.eps)
+    x_hat = R.normalize_rows(x.detach(), mean, rstd)
+    # float64 closed form on the exact x_hat: Mesa's gradients sit within the 8-bit error of it
+    dims = tuple(range(x.dim() - nd, x.dim()))
+    gw = (g * layer.weight.detach()).double()
+    xh = x_hat.double()
+    r = rstd.double()
+    dx = r * (gw - gw.mean(dims, keepdim=True) - xh * (gw * xh).mean(dims, keepdim=True))
+    rel = ((x.grad.double() - dx).norm(dim=dims) / dx.norm(dim=dims))
+    assert rel.max() < 0.02, rel  # every row, whatever its rstd (8-bit x_hat: ~0.5% here)
+    dw = (g.double() * xh).sum(tuple(range(x.dim() - nd)))
+    assert ((layer.weight.grad.double() - dw).norm() / dw.norm()) < 0.01
+    assert torch.allclose(layer.bias.grad.double(), g.double().sum(tuple(range(x.dim() - nd))), rtol=1e-5, atol=1e-5)

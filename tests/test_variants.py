@@ -143,7 +143,9 @@ def test_layernorm_rstd_float16_relative_error():
 
 def test_layernorm_bits_gradients_match_float32_rstd():
     """The float16 rstd changes dx by at most its rounding (2**-11 relative per row) and the
-    parameter gradients not at all: same codes (nearest rounding) with and without it."""
+    parameter gradients by float32 rounding only: same codes (nearest rounding) with and without
+    it, and the backward takes x_hat back from x_hat / rstd times rstd (DESIGN.md, "LayerNorm's
+    x_hat inside the kernels"), which is x_hat within an ulp or two whatever rstd is."""
     import mesa_train.nn.layernorm as lnmod
 
     torch.manual_seed(0)
@@ -170,9 +172,12 @@ def test_layernorm_bits_gradients_match_float32_rstd():
 
     dx16, dw16, db16 = grads(False)
     dx32, dw32, db32 = grads(True)
-    assert torch.equal(dw16, dw32) and torch.equal(db16, db32)
-    rel = (dx16 - dx32).abs() / dx32.abs().clamp_min(1e-30)
-    assert rel.max() <= 2.0 ** -11 * 1.01, rel.max()
+    assert torch.equal(db16, db32)  # (the bias gradient does not use x_hat)
+    assert ((dw16 - dw32).norm() / dw32.norm()).item() < 1e-6
+    # per element: rstd's rounding, plus float32 rounding of the row's cancelling sums (measured
+    # 1.6e-8 of the row's largest |dx|)
+    excess = (dx16 - dx32).abs() - 2.0 ** -11 * 1.01 * dx32.abs()
+    assert (excess / dx32.abs().amax(-1, keepdim=True)).max() <= 1e-6
 
 
 def test_patch4x4_saved_bytes_and_bounds():

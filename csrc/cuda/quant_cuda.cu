@@ -146,18 +146,22 @@ __device__ __forceinline__ T umax(T a, T b) { return a > b ? a : b; }
 // k = nullptr: no row scales (the pointer test is uniform across a launch).
 // mean / rstd (quantize only; DESIGN.md, "LayerNorm's x_hat inside the kernels"): element i
 // is first taken as x_hat = (x - mean) * rstd of its row in float32, and its row scale is then
-// rounded to float32 (x_hat's dtype); nullptr: x as it is. Rows of the same length as k's.
+// rounded to float32 (x_hat's dtype); nullptr: x as it is. mul (dequantize only: row_mul):
+// the value stored, after the row scale, times its row's factor, rounded to scalar_t. Rows
+// of one length for all.
 template <typename IdxT>
 struct KRows {
   const int8_t* k = nullptr;
   const float* mean = nullptr;
   const float* rstd = nullptr;
+  const float* mul = nullptr;
   DivT<IdxT> div_len;  // element -> row
 };
 
 template <typename IdxT>
 KRows<IdxT> make_krows(const std::optional<at::Tensor>& row_exp, int64_t row_len,
-                       const at::Tensor& row_mean = at::Tensor(), const at::Tensor& row_rstd = at::Tensor()) {
+                       const at::Tensor& row_mean = at::Tensor(), const at::Tensor& row_rstd = at::Tensor(),
+                       const at::Tensor& row_mul = at::Tensor()) {
   KRows<IdxT> r;
   if (row_len > 0) {
     if (row_exp.has_value()) r.k = row_exp->const_data_ptr<int8_t>();
@@ -165,6 +169,7 @@ KRows<IdxT> make_krows(const std::optional<at::Tensor>& row_exp, int64_t row_len
       r.mean = row_mean.const_data_ptr<float>();
       r.rstd = row_rstd.const_data_ptr<float>();
     }
+    if (row_mul.defined()) r.mul = row_mul.const_data_ptr<float>();
     r.div_len = DivT<IdxT>(static_cast<IdxT>(row_len));
   }
   return r;
@@ -216,6 +221,20 @@ __device__ __forceinline__ void normalize_rows(const KRows<IdxT>& r, IdxT i0, fl
       const IdxT row = r.div_len(i0 + IdxT(e));
       v[e] = f_mul(f_sub(v[e], __ldg(r.mean + row)), __ldg(r.rstd + row));
     }
+  }
+}
+
+// v[e] (values of scalar_t) times their row's factor (dequantize's row_mul), rounded to
+// scalar_t; one factor fetch when the step lies in one row
+template <typename scalar_t, typename IdxT, int V>
+__device__ __forceinline__ void multiply_rows(const KRows<IdxT>& r, IdxT i0, float (&v)[V]) {
+  if (V == 1 || r.div_len(i0) == r.div_len(i0 + IdxT(V - 1))) {
+    const float f = __ldg(r.mul + r.div_len(i0));
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = round_to<scalar_t>(f_mul(v[e], f));
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = round_to<scalar_t>(f_mul(v[e], __ldg(r.mul + r.div_len(i0 + IdxT(e)))));
   }
 }
 
@@ -329,11 +348,12 @@ std::optional<at::Tensor> contiguous_rows(const std::optional<at::Tensor>& row_e
   return row_exp->contiguous();
 }
 
-// The row transforms of a quantize launch: the row exponents (row_exp) and LayerNorm's
-// (row_mean, row_rstd), all per row of row_len elements (undefined tensors: none)
-struct QuantRows {
+// The row transforms of a launch: the row exponents (row_exp), LayerNorm's statistics
+// (quantize: row_mean, row_rstd) and dequantize's row_mul, all per row of len elements
+// (undefined tensors: none)
+struct RowArgs {
   std::optional<at::Tensor> k;
-  at::Tensor mean, rstd;
+  at::Tensor mean, rstd, mul;
   int64_t len = 0;
 };
 
@@ -420,7 +440,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
 
 template <typename scalar_t, typename IdxT, int V, bool STOCH>
 void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
-                     const Layout& L, const at::Tensor& seed, const QuantRows& rows, cudaStream_t stream,
+                     const Layout& L, const at::Tensor& seed, const RowArgs& rows, cudaStream_t stream,
                      const uint32_t* skip) {
   quantize_kernel<scalar_t, IdxT, V, STOCH><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
       x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
@@ -432,7 +452,7 @@ void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& alpha
 
 template <typename scalar_t, bool STOCH>
 void dispatch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& a, const at::Tensor& b,
-                       const Layout& L, const at::Tensor& seed, const QuantRows& rows, cudaStream_t stream,
+                       const Layout& L, const at::Tensor& seed, const RowArgs& rows, cudaStream_t stream,
                        const uint32_t* skip = nullptr) {
   const bool vec = aligned16(x.const_data_ptr()) && aligned16(q.const_data_ptr());
   if (!fits_32bit(L)) launch_quantize<scalar_t, uint64_t, 1, STOCH>(x, q, a, b, L, seed, rows, stream, skip);
@@ -452,7 +472,8 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, con
     return quantize_cuda(normalized_rows(x_in, row_mean, row_rstd), alpha_in, beta_in, dim, num_groups, stochastic,
                          seed, row_exp_in, std::nullopt, std::nullopt);
   }
-  QuantRows rows{contiguous_rows(row_exp_in, row_len), at::Tensor(), at::Tensor(), std::max(row_len, norm_len)};
+  RowArgs rows{contiguous_rows(row_exp_in, row_len), at::Tensor(), at::Tensor(), at::Tensor(),
+               std::max(row_len, norm_len)};
   if (norm_len > 0) {
     rows.mean = row_mean->contiguous();
     rows.rstd = row_rstd->contiguous();
@@ -525,10 +546,11 @@ dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* 
         out[e] = dequantize_value(qv[e], pc.scale, pc.beta);
       }
     }
-    if (rows.k != nullptr) {  // y * 2**-k of the value rounded to scalar_t (unscale_rows' order)
+    if (rows.k != nullptr || rows.mul != nullptr) {  // of the value rounded to scalar_t: y * 2**-k, then * row_mul
 #pragma unroll
       for (int e = 0; e < V; ++e) out[e] = round_to<scalar_t>(out[e]);
-      apply_rows<scalar_t, IdxT, V>(rows, i0, out, -1);
+      if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, out, -1);
+      if (rows.mul != nullptr) multiply_rows<scalar_t, IdxT, V>(rows, i0, out);
     }
     out_fn(i0, out);
   }
@@ -537,9 +559,10 @@ dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* 
     if (i < numel) {
       pc.fetch<false>(alpha, beta, param_of(k, i));
       float yi[1] = {dequantize_value(q[i], pc.scale, pc.beta)};
-      if (rows.k != nullptr) {
+      if (rows.k != nullptr || rows.mul != nullptr) {
         yi[0] = round_to<scalar_t>(yi[0]);
-        apply_rows<scalar_t, IdxT, 1>(rows, i, yi, -1);
+        if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, yi, -1);
+        if (rows.mul != nullptr) multiply_rows<scalar_t, IdxT, 1>(rows, i, yi);
       }
       out_fn(i, yi);
     }
@@ -548,20 +571,30 @@ dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* 
 
 template <typename scalar_t, typename IdxT, int V, typename Out>
 void launch_dequantize(const at::Tensor& q, const Out& out_fn, const at::Tensor& alpha, const at::Tensor& beta,
-                       const Layout& L, const std::optional<at::Tensor>& row_exp, int64_t row_len,
-                       cudaStream_t stream) {
+                       const Layout& L, const RowArgs& rows, cudaStream_t stream) {
   dequantize_kernel<scalar_t, IdxT, V, Out><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
       q.const_data_ptr<uint8_t>(), out_fn, alpha.const_data_ptr<float>(), beta.const_data_ptr<float>(),
-      make_klayout<IdxT>(L), static_cast<IdxT>(L.numel), make_krows<IdxT>(row_exp, row_len));
+      make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
+      make_krows<IdxT>(rows.k, rows.len, at::Tensor(), at::Tensor(), rows.mul));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
                            int64_t dim, int64_t num_groups, at::ScalarType dtype,
-                           const std::optional<at::Tensor>& row_exp_in) {
+                           const std::optional<at::Tensor>& row_exp_in,
+                           const std::optional<at::Tensor>& row_mul) {
   const Layout L = check_dequantize(q_in, alpha_in, beta_in, dim, num_groups, dtype);
   const int64_t row_len = check_row_exp("dequantize", q_in.sizes(), q_in.device(), row_exp_in);
-  const std::optional<at::Tensor> row_exp = contiguous_rows(row_exp_in, row_len);
+  const int64_t mul_len = check_row_mul("dequantize", q_in, row_mul);
+  if (mul_len > 0 && row_len > 0 && mul_len != row_len) {
+    // rows of two lengths (not a LayerNorm's): the factors as a second pass
+    at::Tensor y = dequantize_cuda(q_in, alpha_in, beta_in, dim, num_groups, dtype, row_exp_in, std::nullopt);
+    multiply_rows_inplace(y, row_mul);
+    return y;
+  }
+  RowArgs rows{contiguous_rows(row_exp_in, row_len), at::Tensor(), at::Tensor(), at::Tensor(),
+               std::max(row_len, mul_len)};
+  if (mul_len > 0) rows.mul = row_mul->contiguous();
   const c10::cuda::OptionalCUDAGuard guard(q_in.device());
   const at::Tensor q = q_in.contiguous();
   at::Tensor y = at::empty(q.sizes(), q.options().dtype(dtype));
@@ -571,9 +604,9 @@ at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, c
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cuda", [&] {
     const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
     const StoreValues<scalar_t> out{y.mutable_data_ptr<scalar_t>()};
-    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, row_exp, row_len, stream);
-    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, row_exp, row_len, stream);
-    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, row_exp, row_len, stream);
+    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, rows, stream);
+    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, rows, stream);
+    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, rows, stream);
   });
   return y;
 }
@@ -590,9 +623,10 @@ at::Tensor gelu_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in, co
   MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_gelu_backward_cuda", [&] {
     const bool vec = aligned16(q.const_data_ptr()) && aligned16(g.const_data_ptr()) && aligned16(dx.const_data_ptr());
     const StoreGeluGrad<scalar_t> out{g.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>()};
-    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, std::nullopt, 0, stream);
-    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, std::nullopt, 0, stream);
-    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, std::nullopt, 0, stream);
+    const RowArgs none;
+    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, none, stream);
+    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, none, stream);
+    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, none, stream);
   });
   return dx;
 }
@@ -1438,7 +1472,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(
     if (stochastic) pick(std::true_type{});
     else pick(std::false_type{});
     // the first batch: quantize with the estimates it just initialized (returns at once otherwise)
-    const QuantRows rows{row_exp, at::Tensor(), at::Tensor(), row_len};
+    const RowArgs rows{row_exp, at::Tensor(), at::Tensor(), at::Tensor(), row_len};
     if (stochastic) dispatch_quantize<scalar_t, true>(x, q, used_a, used_b, L, seed, rows, stream, wsp + 1);
     else dispatch_quantize<scalar_t, false>(x, q, used_a, used_b, L, seed, rows, stream, wsp + 1);
   });

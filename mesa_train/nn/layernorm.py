@@ -8,7 +8,8 @@ per-row ``rstd`` (one float per row). The per-row ``mean`` is not needed after f
 ``x`` (never written on CUDA; DESIGN.md, "LayerNorm's x_hat inside the kernels"), this
 Function makes it as a transient tensor. Backward, with
 ``gw = grad_out * weight`` and means over the normalised dims (computed by ATen's fused
-``native_layer_norm_backward`` on ``x_hat`` with mean 0 and rstd 1, then times ``rstd``)::
+``native_layer_norm_backward`` on ``x_hat / rstd``, dequantized so in one kernel, with mean 0
+and the row's ``rstd``)::
 
     dx      = rstd * (gw - mean(gw) - x_hat * mean(gw * x_hat))
     dweight = sum_rows(grad_out * x_hat)
@@ -124,19 +125,20 @@ class _LayerNormFn(torch.autograd.Function):
         need_b = ctx.has_bias and ctx.needs_input_grad[3]
         gx = gw = gb = None
         with no_autocast(g.device.type):
-            xh = decompress_rows(packed, mdt, k)
-            # ATen's fused LayerNorm backward, fed x_hat as the input with mean 0 and rstd 1
-            # (so its internal (x - mean) * rstd is x_hat exactly): it returns
-            # gw - mean(gw) - x_hat * mean(gw * x_hat) and both parameter gradients in one
-            # call; the row's real rstd is one multiply after. Replaces ~14 eager passes.
-            unit = torch.ones(rstd.shape, dtype=mdt, device=xh.device)
+            rstd = rstd.to(mdt)
+            # x - mean (= x_hat / rstd) from the codes: dequantize's row_mul, in its kernel
+            xs = decompress_rows(packed, mdt, k, torch.reciprocal(rstd.float()))
+            # ATen's fused LayerNorm backward fed x - mean with mean 0 and the row's rstd: its
+            # internal (x - mean) * rstd is x_hat again (within an ulp of float32), and it
+            # returns rstd * (gw - mean(gw) - x_hat * mean(gw * x_hat)) and both parameter
+            # gradients in one call: no pass over dx after it. Replaces ~14 eager passes.
             w = weight.to(mdt) if weight is not None else None
-            bias_stub = unit.new_empty(ctx.normalized_shape) if need_b else None  # only its presence matters
+            bias_stub = rstd.new_empty(ctx.normalized_shape) if need_b else None  # only its presence matters
             dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                g.to(mdt), xh, list(ctx.normalized_shape), torch.zeros_like(unit), unit, w, bias_stub,
+                g.to(mdt), xs, list(ctx.normalized_shape), torch.zeros_like(rstd), rstd, w, bias_stub,
                 [need_x, need_w, need_b])
             if need_x:
-                gx = (dx * rstd.to(mdt)).to(ctx.x_dtype)
+                gx = dx.to(ctx.x_dtype)
             if need_w:
                 gw = dw.to(ctx.w_dtype)
             if need_b:

@@ -58,6 +58,8 @@ def compress_rows(quantizer, x: torch.Tensor, row_dims: int, max_k: int):
     return quantizer.compress_rows(x, row_dims, max_k)  # (one op with the extension: mesa::compress)
 
 
-def decompress_rows(packed: Packed, dtype: torch.dtype, k: torch.Tensor | None) -> torch.Tensor:
-    """What :func:`compress_rows` saved, back as ``dtype`` with the row scales undone."""
-    return decompress(packed, dtype, row_exp=k)
+def decompress_rows(packed: Packed, dtype: torch.dtype, k: torch.Tensor | None,
+                    row_mul: torch.Tensor | None = None) -> torch.Tensor:
+    """What :func:`compress_rows` saved, back as ``dtype`` with the row scales undone (then
+    times ``row_mul`` per row, in the same kernel where it is the extension's)."""
+    return decompress(packed, dtype, row_exp=k, row_mul=row_mul)

@@ -13,8 +13,9 @@ Per layout it times, with the ops the layers run:
   layers run, ``observe_rows + quantize``, against the former three-op one, and the backward
   with ``row_exp``), a GELU's backward from the codes (``gelu_backward``) against
   ``dequantize`` + ATen's ``gelu_backward``, and a LayerNorm's ``x_hat`` compressed from its
-  input with ``row_mean`` / ``row_rstd`` against a second ``native_layer_norm`` first (also
-  with a float32 input: a LayerNorm under autocast);
+  input with ``row_mean`` / ``row_rstd`` against a second ``native_layer_norm`` first, and its
+  backward with dequantize's ``row_mul`` against the former ``dx * rstd`` after ATen's backward
+  (also with a float32 input: a LayerNorm under autocast);
 * ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
@@ -101,10 +102,33 @@ def _layer_norm_rows(x, state, dim, G, label):
         a, b, s, k = torch.ops.mesa.observe_rows(x_hat, *state, dim, G, 0.9, False, False, 1, 64)
         return torch.ops.mesa.quantize(x_hat, a, b, dim, G, True, s, k)
 
+    a, b, s, k = torch.ops.mesa.observe_rows(x, *state, dim, G, 0.9, False, False, 1, 64, mean, rstd)
+    q = torch.ops.mesa.quantize(x, a, b, dim, G, True, s, k, mean, rstd)
+    g = torch.randn_like(x, dtype=torch.float32)
+    w = torch.ones(x.shape[-1], device=x.device)
+    shape = [x.shape[-1]]
+
+    def backward():  # dequantize x - mean (row_mul 1 / rstd), ATen's backward with the real rstd
+        xs = torch.ops.mesa.dequantize(q, a, b, dim, G, torch.float32, k, torch.reciprocal(rstd))
+        return torch.ops.aten.native_layer_norm_backward(g, xs, shape, torch.zeros_like(rstd), rstd, w, w,
+                                                         [True, True, True])
+
+    def backward_before():  # dequantize x_hat, ATen's backward with rstd 1, then dx * rstd
+        xh = torch.ops.mesa.dequantize(q, a, b, dim, G, torch.float32, k)
+        unit = torch.ones_like(rstd)
+        dx = torch.ops.aten.native_layer_norm_backward(g, xh, shape, torch.zeros_like(rstd), unit, w, w,
+                                                       [True, True, True])[0]
+        return dx * rstd
+
     return [(f"forward LayerNorm x_hat{label}: observe_rows + quantize with row_mean / row_rstd", 2 * n * es + n,
              fused),
             (f"forward LayerNorm x_hat{label}, before: native_layer_norm + observe_rows + quantize",
-             4 * n * es + n, before)]
+             4 * n * es + n, before),
+            # float32 gradient and dx (autocast's LayerNorm), codes in, the x_hat dequantized
+            (f"backward LayerNorm{label}: dequantize with row_mul + native_layer_norm_backward", n + 4 * 4 * n,
+             backward),
+            (f"backward LayerNorm{label}, before: dequantize + native_layer_norm_backward + mul", n + 6 * 4 * n,
+             backward_before)]
 
 
 def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int) -> list[dict]:

@@ -222,6 +222,19 @@ def check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups
     return dim
 
 
+def _check_one_per_row(t: torch.Tensor, x: torch.Tensor, what: str, names: str, each: str, x_name: str = "x",
+                       x_label: str = "x") -> None:
+    """``t``'s shape is ``x.shape[:-n] + (1,) * n`` for an ``n >= 1``: one entry per row of the
+    last ``n`` dims (its trailing size-1 dims are taken as the row dims)."""
+    shape = tuple(t.shape)
+    n = 0
+    while n < len(shape) and shape[len(shape) - 1 - n] == 1:
+        n += 1
+    if len(shape) != x.dim() or n < 1 or shape[:x.dim() - n] != tuple(x.shape[:x.dim() - n]):
+        raise ValueError(f"{what}: {names} must have shape {x_name}.shape[:-n] + (1,) * n (one {each}per row of the "
+                         f"last n >= 1 dims); got {shape} for {x_label} of shape {tuple(x.shape)}")
+
+
 def check_row_exp(row_exp, x: torch.Tensor, what: str) -> None:
     """``None``, or int8 row exponents on ``x``'s device of shape ``x.shape[:-n] + (1,) * n``
     for an ``n >= 1`` (one per row of the last ``n`` dims). Values are not read (no host sync):
@@ -233,13 +246,7 @@ def check_row_exp(row_exp, x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: row_exp must be an int8 tensor, got {got}")
     if row_exp.device != x.device:
         raise ValueError(f"{what}: row_exp is on {row_exp.device} but the input is on {x.device}")
-    shape = tuple(row_exp.shape)
-    t = 0
-    while t < len(shape) and shape[len(shape) - 1 - t] == 1:
-        t += 1
-    if len(shape) != x.dim() or t < 1 or shape[:x.dim() - t] != tuple(x.shape[:x.dim() - t]):
-        raise ValueError(f"{what}: row_exp must have shape x.shape[:-n] + (1,) * n (one exponent per row of the "
-                         f"last n >= 1 dims); got {shape} for x of shape {tuple(x.shape)}")
+    _check_one_per_row(row_exp, x, what, "row_exp", "exponent ")
 
 
 def check_row_norm(row_mean, row_rstd, x: torch.Tensor, what: str) -> None:
@@ -263,13 +270,7 @@ def check_row_norm(row_mean, row_rstd, x: torch.Tensor, what: str) -> None:
     if row_mean.shape != row_rstd.shape:
         raise ValueError(f"{what}: row_mean and row_rstd must have one shape, got {tuple(row_mean.shape)} and "
                          f"{tuple(row_rstd.shape)}")
-    shape = tuple(row_mean.shape)
-    t = 0
-    while t < len(shape) and shape[len(shape) - 1 - t] == 1:
-        t += 1
-    if len(shape) != x.dim() or t < 1 or shape[:x.dim() - t] != tuple(x.shape[:x.dim() - t]):
-        raise ValueError(f"{what}: row_mean and row_rstd must have shape x.shape[:-n] + (1,) * n (one per row of "
-                         f"the last n >= 1 dims); got {shape} for x of shape {tuple(x.shape)}")
+    _check_one_per_row(row_mean, x, what, "row_mean and row_rstd", "")
 
 
 def normalize_rows(x: torch.Tensor, row_mean: torch.Tensor | None, row_rstd: torch.Tensor | None) -> torch.Tensor:
@@ -281,6 +282,29 @@ def normalize_rows(x: torch.Tensor, row_mean: torch.Tensor | None, row_rstd: tor
         return x
     mdt = torch.promote_types(x.dtype, torch.float32)
     return (x.to(mdt) - row_mean.to(mdt)) * row_rstd.to(mdt)
+
+
+def check_row_mul(row_mul, q: torch.Tensor, what: str) -> None:
+    """``None``, or a float32 tensor on ``q``'s device of shape ``q.shape[:-n] + (1,) * n`` (one
+    factor per row of the last ``n`` dims): dequantize's ``row_mul``."""
+    if row_mul is None:
+        return
+    if not isinstance(row_mul, torch.Tensor) or row_mul.dtype != torch.float32:
+        got = row_mul.dtype if isinstance(row_mul, torch.Tensor) else type(row_mul).__name__
+        raise ValueError(f"{what}: row_mul must be a float32 tensor, got {got}")
+    if row_mul.device != q.device:
+        raise ValueError(f"{what}: row_mul is on {row_mul.device} but the codes are on {q.device}")
+    _check_one_per_row(row_mul, q, what, "row_mul", "factor ", "q", "codes")
+
+
+def multiply_rows(y: torch.Tensor, row_mul: torch.Tensor | None) -> torch.Tensor:
+    """``y * row_mul`` per row, computed in float32 and rounded to ``y``'s dtype: dequantize's
+    ``row_mul`` on its output (after the row exponents). A LayerNorm's backward passes
+    ``1 / rstd``, so that ATen's backward gets ``x - mean`` back with the real ``rstd`` (DESIGN.md,
+    "LayerNorm's x_hat inside the kernels")."""
+    if row_mul is None:
+        return y
+    return (y.to(torch.float32) * row_mul).to(y.dtype)
 
 
 def check_row_exponents_args(x, row_dims, max_k) -> None:
@@ -534,11 +558,16 @@ def dequantize(
     num_groups: int,
     dtype: torch.dtype = torch.float32,
     row_exp: torch.Tensor | None = None,
+    row_mul: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q * (alpha / 255) + beta`` in fp32 (step, product, sum rounded separately), cast to
-    ``dtype``; ``row_exp``: then :func:`unscale_rows` (``* 2**-k`` rounded to ``dtype``)."""
+    ``dtype``; ``row_exp``: then :func:`unscale_rows` (``* 2**-k`` rounded to ``dtype``);
+    ``row_mul``: then :func:`multiply_rows`."""
     dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
     check_row_exp(row_exp, q, "dequantize")
+    check_row_mul(row_mul, q, "dequantize")
+    if row_mul is not None:
+        return multiply_rows(dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp), row_mul)
     if row_exp is not None:
         return unscale_rows(dequantize(q, alpha, beta, dim, num_groups, dtype), row_exp)
     q = q.contiguous()

@@ -298,6 +298,8 @@ struct RowExp {
   int64_t len = 0;
   // quantize's row_mean / row_rstd (a LayerNorm's statistics; empty: none), per row of len
   std::vector<float> mean, rstd;
+  // dequantize's row_mul (empty: none), per row of len
+  std::vector<float> mul;
 };
 
 // the largest k of check_row_exp: 2**k and 2**-k stay normal in the dtype
@@ -350,6 +352,7 @@ KRows<IdxT> krows_of(const RowExp* re) {
       r.mean = re->mean.data();
       r.rstd = re->rstd.data();
     }
+    if (!re->mul.empty()) r.mul = re->mul.data();
     r.div_len = DivT<IdxT>(static_cast<IdxT>(re->len));
   }
   return r;
@@ -393,6 +396,7 @@ std::vector<float> seen_values(const scalar_t* x, int64_t n, const RowExp* re) {
 
 const char* rows_tag(const RowExp* re) {
   if (re == nullptr) return "";
+  if (!re->mul.empty()) return re->k.empty() ? "_mul" : "_rows_mul";
   return re->mean.empty() ? "_rows" : re->k.empty() ? "_norm" : "_rows_norm";
 }
 
@@ -486,7 +490,10 @@ int check_dequantize(const Layout& L, const float* alpha, const float* beta, int
   for (int64_t i = 0; i < L.numel; ++i) {
     const int64_t p = param_index(L, i);
     const float v = dequantize_value(q[i], dequant_step(alpha[p]), beta[p]);
-    const scalar_t e = re != nullptr ? unscale_row_value<scalar_t>(v, re->k[i / re->len]) : static_cast<scalar_t>(v);
+    scalar_t e = re != nullptr && !re->k.empty() ? unscale_row_value<scalar_t>(v, re->k[i / re->len])
+                                                 : static_cast<scalar_t>(v);
+    // row_mul: the stored value times the row's factor in float32, rounded to scalar_t
+    if (re != nullptr && !re->mul.empty()) e = static_cast<scalar_t>(static_cast<float>(e) * re->mul[i / re->len]);
     if (!same_value(y[i], e) && errs++ < 5)
       fprintf(stderr, "dequantize%s mismatch i=%ld got %g exp %g\n", rows_tag(re), (long)i, float(y[i]), float(e));
   }
@@ -986,6 +993,22 @@ int check_elementwise(const CaseData<scalar_t>& c, int sms) {
       e += check_quantize<scalar_t, uint32_t, kVec>(c.L, c.xa, a, b, sms, c.seed, &rn) +
            check_quantize<scalar_t, uint32_t, 1>(c.L, c.xu, a, b, sms, c.seed, &rn) +
            check_quantize<scalar_t, uint64_t, 1>(c.L, c.xu, a, b, sms, c.seed, &rn);
+    }
+    // dequantize with row_mul (LayerNorm's 1 / rstd; some rows NaN, inf, 0, subnormal), with
+    // and without row exponents
+    RowExp rm = *c.rows();
+    rm.mul.resize(rm.k.size());
+    std::uniform_real_distribution<float> um(-12.0f, 12.0f);
+    for (auto& f : rm.mul) {
+      const int pick = rng() % 16;
+      f = pick == 0 ? NAN : pick == 1 ? INFINITY : pick == 2 ? 0.0f : pick == 3 ? 1e-40f : std::exp2(um(rng));
+    }
+    for (int with_k = 0; with_k < 2; ++with_k) {
+      if (!with_k) rm.k.clear();
+      else rm.k = c.rows()->k;
+      e += check_dequantize<scalar_t, uint32_t, kVec>(c.L, a, b, sms, &rm) +
+           check_dequantize<scalar_t, uint32_t, 1>(c.L, a, b, sms, &rm) +
+           check_dequantize<scalar_t, uint64_t, 1>(c.L, a, b, sms, &rm);
     }
   }
   e += check_bits_all<scalar_t, 8>(c.L, c.xa, c.xu, a, b, sms, c.seed);
