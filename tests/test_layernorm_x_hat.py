@@ -21,6 +21,7 @@ import mesa_train.quant as Q
 from mesa_train.quant import reference as R
 
 from test_row_scale_kernels import DEVICES, DTYPES, SHAPES, _bits, _rows, _state, needs_ext
+from test_row_scale_kernels import _observe_rows_both as _observe_rows_pair
 
 
 def _stats(x, row_dims):
@@ -30,18 +31,8 @@ def _stats(x, row_dims):
     return mean, rstd
 
 
-def _observe_rows_both(x, G, per_sample, symmetric, row_dims, mean, rstd, dim=None, steps=2):
-    dim = x.dim() - 1 if dim is None else dim
-    ops_state, ref_state = _state(G, x.device), _state(G, x.device)
-    for step in range(steps):
-        got = Q.observe_rows(x, *ops_state, dim, G, 0.9, per_sample, symmetric, row_dims, 64, mean, rstd)
-        want = R.observe_rows(x, *ref_state, dim, G, 0.9, per_sample, symmetric, row_dims, 64, mean, rstd)
-        for name, a, b in zip(("alpha", "beta", "seed", "k"), got, want):
-            assert a.shape == b.shape and a.dtype == b.dtype, (name, step)
-            assert torch.equal(_bits(a), _bits(b)), (name, step)
-        for a, b in zip(ops_state, ref_state):
-            assert torch.equal(_bits(a), _bits(b)), step
-    return got
+def _observe_rows_both(x, G, per_sample, symmetric, row_dims, mean, rstd, dim=None):
+    return _observe_rows_pair(x, G, per_sample, symmetric, row_dims, 64, mean=mean, rstd=rstd, dim=dim)
 
 
 @needs_ext

@@ -264,12 +264,13 @@ def test_opcheck_row_scale_signatures(device):
 # group segment's min/max, scaled by the row's 2**k, then observe over those cells); every
 # other layout runs the two ops. Both must give the definition's bits: statistics, seed, k and
 # every buffer, also on the second step (blending into initialized estimates).
-def _observe_rows_both(x, G, per_sample, symmetric, row_dims, max_k, steps=2):
-    dim = x.dim() - 1
+def _observe_rows_both(x, G, per_sample, symmetric, row_dims, max_k, steps=2, mean=None, rstd=None, dim=None):
+    """(mean, rstd: a LayerNorm's statistics, tests/test_layernorm_x_hat.py; dim: the groups' dim)"""
+    dim = x.dim() - 1 if dim is None else dim
     ops_state, ref_state = _state(G, x.device), _state(G, x.device)
     for step in range(steps):
-        got = Q.observe_rows(x, *ops_state, dim, G, 0.9, per_sample, symmetric, row_dims, max_k)
-        want = R.observe_rows(x, *ref_state, dim, G, 0.9, per_sample, symmetric, row_dims, max_k)
+        got = Q.observe_rows(x, *ops_state, dim, G, 0.9, per_sample, symmetric, row_dims, max_k, mean, rstd)
+        want = R.observe_rows(x, *ref_state, dim, G, 0.9, per_sample, symmetric, row_dims, max_k, mean, rstd)
         for name, a, b in zip(("alpha", "beta", "seed", "k"), got, want):
             assert a.shape == b.shape and a.dtype == b.dtype, (name, step)
             assert torch.equal(_bits(a), _bits(b)), (name, step)
