@@ -5,6 +5,7 @@ images/s and the activation memory kept for backward side by side.
 
     python -m mesa_train.demo                      # both runs, a few minutes on 2 cores
     python -m mesa_train.demo trainer.epochs=3     # extra Hydra overrides for both runs
+    python -m mesa_train.demo -h                   # this text
 """
 from __future__ import annotations
 
@@ -75,9 +76,49 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def bad_override(args: list[str]) -> str | None:
+    """The one-line complaint about the first argument that is not a Hydra override (``None``
+    when all parse): composing would otherwise end in Hydra's lexer traceback."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in args:
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException:
+            return (f"{arg!r} is not a Hydra override: arguments are key=value overrides applied to both runs, "
+                    "e.g. trainer.epochs=3 (-h for help)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    results = run(sys.argv[1:] if argv is None else argv)
+    """The ``make demo`` entry point. Bad input ends in one line ``error: ...`` and exit code 2
+    (as train.py; mesa_train/train/errors.py), never a traceback."""
+    from hydra.errors import HydraException
+
+    from mesa_train.train import errors
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.strip())
+        return 0
+    message = bad_override(args)
+    if message is None:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        try:
+            results = run(args)
+        except HydraException as err:  # an unknown key or config group (Hydra's own lines, joined)
+            message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        except BaseException as err:  # noqa: BLE001 - a known failure gets its line, a bug its traceback
+            described = errors.describe(err)
+            if described is None:
+                raise
+            print(f"error: {described[1]}", file=sys.stderr, flush=True)
+            return described[0]
+    if message is not None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return 2
     print("\n" + table(results))
     return 0
 
