@@ -62,8 +62,8 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
                                              groups),
                      nhwc);
     } else {
-      at::Tensor xh = from_nhwc(dequantize_op().call(saved[0], saved[1], saved[2], dim, groups, cdt, std::nullopt, std::nullopt),
-                                nhwc);
+      at::Tensor xh = from_nhwc(
+          dequantize_op().call(saved[0], saved[1], saved[2], dim, groups, cdt, std::nullopt, std::nullopt), nhwc);
       gx = at::gelu_backward(grads[0].to(cdt), xh, approximate);
     }
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
