@@ -288,6 +288,15 @@ int64_t check_row_exp(const char* op, at::IntArrayRef x_sizes, const c10::Device
   return row_length(x_sizes, k.numel());
 }
 
+// a float32 per-row argument `name` of op on `device` (row_mean, row_rstd, row_mul)
+static void check_float_rows(const char* op, const char* name, const at::Tensor& t, const c10::Device& device,
+                             const char* x_is_on) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, "mesa: ", op, ": ", name, " must be float32, got ",
+                    t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == device, "mesa: ", op, ": ", name, " is on ", t.device(), " but ", x_is_on, " ",
+                    device);
+}
+
 int64_t check_row_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& row_mean,
                        const std::optional<at::Tensor>& row_rstd) {
   const bool has_mean = row_mean.has_value() && row_mean->defined();
@@ -295,13 +304,8 @@ int64_t check_row_norm(const char* op, const at::Tensor& x, const std::optional<
   if (!has_mean && !has_rstd) return 0;
   TORCH_CHECK_VALUE(has_mean && has_rstd, "mesa: ", op, ": row_mean and row_rstd go together (LayerNorm's per-row ",
                     "mean and rstd); got only ", has_mean ? "row_mean" : "row_rstd");
-  for (const at::Tensor* t : {&*row_mean, &*row_rstd}) {
-    const char* name = t == &*row_mean ? "row_mean" : "row_rstd";
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat, "mesa: ", op, ": ", name, " must be float32, got ",
-                      t->scalar_type());
-    TORCH_CHECK_VALUE(t->device() == x.device(), "mesa: ", op, ": ", name, " is on ", t->device(),
-                      " but the input is on ", x.device());
-  }
+  check_float_rows(op, "row_mean", *row_mean, x.device(), "the input is on");
+  check_float_rows(op, "row_rstd", *row_rstd, x.device(), "the input is on");
   TORCH_CHECK_VALUE(is_quant_dtype(x.scalar_type()), "mesa: ", op, ": with row_mean / row_rstd the input must be ",
                     "float32, float16 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK_VALUE(row_mean->sizes() == row_rstd->sizes(), "mesa: ", op, ": row_mean and row_rstd must have one ",
@@ -315,9 +319,7 @@ int64_t check_row_norm(const char* op, const at::Tensor& x, const std::optional<
 int64_t check_row_mul(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& row_mul) {
   if (!row_mul.has_value() || !row_mul->defined()) return 0;
   const at::Tensor& m = *row_mul;
-  TORCH_CHECK_VALUE(m.scalar_type() == at::kFloat, "mesa: ", op, ": row_mul must be float32, got ", m.scalar_type());
-  TORCH_CHECK_VALUE(m.device() == q.device(), "mesa: ", op, ": row_mul is on ", m.device(), " but the codes are on ",
-                    q.device());
+  check_float_rows(op, "row_mul", m, q.device(), "the codes are on");
   TORCH_CHECK_VALUE(one_per_row(m.sizes(), q.sizes()), "mesa: ", op, ": row_mul must have shape q.shape[:-n] + ",
                     "(1,) * n (one factor per row of the last n >= 1 dims); got ", m.sizes(), " for codes of shape ",
                     q.sizes());

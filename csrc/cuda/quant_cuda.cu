@@ -184,58 +184,47 @@ __device__ __forceinline__ float round_to(float v) {
   return static_cast<float>(static_cast<scalar_t>(v));
 }
 
-// The factor 2**(sign * k) of element i's row.
-template <typename IdxT>
-__device__ __forceinline__ float row_factor(const KRows<IdxT>& r, IdxT i, int sign) {
-  return pow2i(sign * static_cast<int>(__ldg(r.k + r.div_len(i))));
+// Applies to v[e] (elements i0 .. i0 + V - 1, as floats) the per-value map that of_row(row)
+// returns for their row: built once (its parameters fetched once) when the step lies in one
+// row, the common case since rows are whole multiples of a step; per element otherwise.
+template <typename IdxT, int V, typename OfRow>
+__device__ __forceinline__ void map_rows(const KRows<IdxT>& r, IdxT i0, float (&v)[V], OfRow of_row) {
+  if (V == 1 || r.div_len(i0) == r.div_len(i0 + IdxT(V - 1))) {
+    const auto f = of_row(r.div_len(i0));
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = f(v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = of_row(r.div_len(i0 + IdxT(e)))(v[e]);
+  }
 }
 
-// v[e] (elements i0 .. i0 + V - 1, as floats) times their row's 2**(sign * k), rounded to
-// scalar_t; one exponent fetch when the step lies in one row (the common case: rows are
-// whole multiples of a step).
+// v[e] times their row's 2**(sign * k), rounded to scalar_t
 template <typename scalar_t, typename IdxT, int V>
 __device__ __forceinline__ void apply_rows(const KRows<IdxT>& r, IdxT i0, float (&v)[V], int sign) {
-  if (V == 1 || r.div_len(i0) == r.div_len(i0 + IdxT(V - 1))) {
-    const float f = row_factor(r, i0, sign);
-#pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = round_to<scalar_t>(f_mul(v[e], f));
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = round_to<scalar_t>(f_mul(v[e], row_factor(r, i0 + IdxT(e), sign)));
-  }
+  map_rows<IdxT, V>(r, i0, v, [&](IdxT row) {
+    const float f = pow2i(sign * static_cast<int>(__ldg(r.k + row)));
+    return [f](float x) { return round_to<scalar_t>(f_mul(x, f)); };
+  });
 }
 
-// v[e] (elements i0 .. i0 + V - 1) as x_hat = (v - mean) * rstd of their row, in float32
-// with each operation rounded once (mesa_train.quant.reference.normalize_rows); one (mean,
-// rstd) fetch when the step lies in one row.
+// v[e] as x_hat = (v - mean) * rstd of their row, in float32 with each operation rounded once
+// (mesa_train.quant.reference.normalize_rows)
 template <typename IdxT, int V>
 __device__ __forceinline__ void normalize_rows(const KRows<IdxT>& r, IdxT i0, float (&v)[V]) {
-  if (V == 1 || r.div_len(i0) == r.div_len(i0 + IdxT(V - 1))) {
-    const IdxT row = r.div_len(i0);
+  map_rows<IdxT, V>(r, i0, v, [&](IdxT row) {
     const float m = __ldg(r.mean + row), s = __ldg(r.rstd + row);
-#pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = f_mul(f_sub(v[e], m), s);
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const IdxT row = r.div_len(i0 + IdxT(e));
-      v[e] = f_mul(f_sub(v[e], __ldg(r.mean + row)), __ldg(r.rstd + row));
-    }
-  }
+    return [m, s](float x) { return f_mul(f_sub(x, m), s); };
+  });
 }
 
-// v[e] (values of scalar_t) times their row's factor (dequantize's row_mul), rounded to
-// scalar_t; one factor fetch when the step lies in one row
+// v[e] (values of scalar_t) times their row's factor (dequantize's row_mul), rounded to scalar_t
 template <typename scalar_t, typename IdxT, int V>
 __device__ __forceinline__ void multiply_rows(const KRows<IdxT>& r, IdxT i0, float (&v)[V]) {
-  if (V == 1 || r.div_len(i0) == r.div_len(i0 + IdxT(V - 1))) {
-    const float f = __ldg(r.mul + r.div_len(i0));
-#pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = round_to<scalar_t>(f_mul(v[e], f));
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = round_to<scalar_t>(f_mul(v[e], __ldg(r.mul + r.div_len(i0 + IdxT(e)))));
-  }
+  map_rows<IdxT, V>(r, i0, v, [&](IdxT row) {
+    const float f = __ldg(r.mul + row);
+    return [f](float x) { return round_to<scalar_t>(f_mul(x, f)); };
+  });
 }
 
 // quantize's input transform: x_hat first (mean given), then the row scales, rounded to

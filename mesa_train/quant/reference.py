@@ -235,17 +235,24 @@ def _check_one_per_row(t: torch.Tensor, x: torch.Tensor, what: str, names: str, 
                          f"last n >= 1 dims); got {shape} for {x_label} of shape {tuple(x.shape)}")
 
 
+def _check_row_tensor(t, x: torch.Tensor, what: str, name: str, dtype: torch.dtype, a_dtype: str,
+                      x_is_on: str = "the input is on") -> None:
+    """``t`` a tensor of ``dtype`` (``a_dtype``: its name with the article, "an int8") on
+    ``x``'s device: the checks every per-row argument of the ops shares."""
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{what}: {name} must be {a_dtype} tensor, got {got}")
+    if t.device != x.device:
+        raise ValueError(f"{what}: {name} is on {t.device} but {x_is_on} {x.device}")
+
+
 def check_row_exp(row_exp, x: torch.Tensor, what: str) -> None:
     """``None``, or int8 row exponents on ``x``'s device of shape ``x.shape[:-n] + (1,) * n``
     for an ``n >= 1`` (one per row of the last ``n`` dims). Values are not read (no host sync):
     they must lie in ``[0, 126]``, ``[0, 14]`` with float16 involved (:func:`row_exponents`)."""
     if row_exp is None:
         return
-    if not isinstance(row_exp, torch.Tensor) or row_exp.dtype != torch.int8:
-        got = row_exp.dtype if isinstance(row_exp, torch.Tensor) else type(row_exp).__name__
-        raise ValueError(f"{what}: row_exp must be an int8 tensor, got {got}")
-    if row_exp.device != x.device:
-        raise ValueError(f"{what}: row_exp is on {row_exp.device} but the input is on {x.device}")
+    _check_row_tensor(row_exp, x, what, "row_exp", torch.int8, "an int8")
     _check_one_per_row(row_exp, x, what, "row_exp", "exponent ")
 
 
@@ -259,11 +266,7 @@ def check_row_norm(row_mean, row_rstd, x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: row_mean and row_rstd go together (LayerNorm's per-row mean and rstd); got only "
                          f"{'row_rstd' if row_mean is None else 'row_mean'}")
     for name, t in (("row_mean", row_mean), ("row_rstd", row_rstd)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{what}: {name} must be a float32 tensor, got {got}")
-        if t.device != x.device:
-            raise ValueError(f"{what}: {name} is on {t.device} but the input is on {x.device}")
+        _check_row_tensor(t, x, what, name, torch.float32, "a float32")
     if x.dtype not in QUANT_DTYPES:
         raise ValueError(f"{what}: with row_mean / row_rstd the input must be float32, float16 or bfloat16, "
                          f"got {x.dtype}")
@@ -289,11 +292,7 @@ def check_row_mul(row_mul, q: torch.Tensor, what: str) -> None:
     factor per row of the last ``n`` dims): dequantize's ``row_mul``."""
     if row_mul is None:
         return
-    if not isinstance(row_mul, torch.Tensor) or row_mul.dtype != torch.float32:
-        got = row_mul.dtype if isinstance(row_mul, torch.Tensor) else type(row_mul).__name__
-        raise ValueError(f"{what}: row_mul must be a float32 tensor, got {got}")
-    if row_mul.device != q.device:
-        raise ValueError(f"{what}: row_mul is on {row_mul.device} but the codes are on {q.device}")
+    _check_row_tensor(row_mul, q, what, "row_mul", torch.float32, "a float32", "the codes are on")
     _check_one_per_row(row_mul, q, what, "row_mul", "factor ", "q", "codes")
 
 
