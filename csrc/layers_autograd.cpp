@@ -205,7 +205,7 @@ at::Tensor decompress_rows(const variable_list& saved, int64_t dim, int64_t grou
                               k.defined() ? std::optional<at::Tensor>(k) : std::nullopt, std::nullopt);
 }
 
-// mesa_train.nn.linear._not_a_view: F.linear's 3-D output is a view of addmm's; autograd
+// mesa_train.nn.linear.not_a_view: F.linear's 3-D output is a view of addmm's; autograd
 // forbids in-place use of a custom op's view output, which a stock Linear allows.
 at::Tensor not_a_view(const at::Tensor& out) {
   if (!out.is_view()) return out;
@@ -261,6 +261,66 @@ at::Tensor linear_train(const at::Tensor& x, const at::Tensor& weight, const std
                         bool row_scale) {
   Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
   return LinearTrain::apply(x, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, qz, row_scale);
+}
+
+// ----------------------------------------------------------------------------- GELU + fc2
+// mesa_train/nn/gelu_linear.py: fc2(gelu(h)) of a timm Mlp keeping one 8-bit copy, of h
+// (compressed as a Linear input: last-dim groups, row scales), for both backward passes;
+// fc2's input gelu(h) is recomputed from it in backward.
+struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, Quantizer qz, std::string approximate,
+                            bool row_scale) {
+    const at::Tensor y = at::gelu(h, approximate);  // exactly the stock act
+    const at::Tensor yc = autocast_input(y);        // the cast at::linear would make under autocast
+    at::Tensor out = at::linear(yc, weight, bias);  // exactly the stock fc2
+    const bool need_h = h.requires_grad(), need_w = weight.requires_grad();
+    at::Tensor q, alpha, beta, k;
+    int64_t G = 0;
+    if (need_h || need_w) std::tie(q, alpha, beta, G, k) = compress_rows(h, out.scalar_type(), 1, row_scale, qz);
+    ctx->save_for_backward({q, alpha, beta, need_h ? weight : at::Tensor(), k});
+    ctx->saved_data["dim"] = h.dim() - 1;
+    ctx->saved_data["groups"] = G;
+    ctx->saved_data["approximate"] = approximate;
+    ctx->saved_data["h_dtype"] = h.scalar_type();
+    ctx->saved_data["yc_dtype"] = yc.scalar_type();
+    ctx->saved_data["cdt"] = out.scalar_type();
+    ctx->saved_data["w_dtype"] = weight.scalar_type();
+    ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["b_dtype"] = bias.has_value() ? bias->scalar_type() : out.scalar_type();
+    return not_a_view(out);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("GELU + Linear");
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto cdt = ctx->saved_data["cdt"].toScalarType(), hdt = ctx->saved_data["h_dtype"].toScalarType();
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    at::Tensor g = grads[0].to(cdt), gh, gw, gb;
+    const int64_t out_features = g.size(-1);
+    at::Tensor g2 = g.reshape({-1, out_features});
+    at::Tensor hh;
+    if (saved[0].defined())
+      hh = decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), hdt, saved[4]);
+    if (ctx->needs_input_grad(1)) {  // fc2's input recomputed in the stock dtypes: gelu in h's, then the cast
+      at::Tensor y = at::gelu(hh, approximate).to(ctx->saved_data["yc_dtype"].toScalarType()).to(cdt);
+      gw = g2.t().matmul(y.reshape({-1, y.size(-1)})).to(ctx->saved_data["w_dtype"].toScalarType());
+    }
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2))
+      gb = g2.sum(0).to(ctx->saved_data["b_dtype"].toScalarType());
+    if (ctx->needs_input_grad(0)) gh = at::gelu_backward(g.matmul(saved[3].to(cdt)).to(hdt), hh, approximate);
+    return {gh, gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor gelu_linear_train(const at::Tensor& h, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
+                             int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
+                             c10::string_view approximate, bool row_scale) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  return GeluLinearTrain::apply(h, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, qz,
+                                std::string(approximate), row_scale);
 }
 
 // ----------------------------------------------------------------------------- LayerNorm
@@ -606,6 +666,10 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, "
       "bool stochastic, bool row_scale) -> Tensor");
   m.def(
+      "gelu_linear_train(Tensor h, Tensor weight, Tensor? bias, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
+      "Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, "
+      "bool stochastic, str approximate, bool row_scale) -> Tensor");
+  m.def(
       "layer_norm_train(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
       "float decay, int estimator, bool symmetric, bool stochastic, bool row_scale) -> Tensor");
@@ -641,6 +705,7 @@ TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("gelu_train", &mesa::gelu_train);
   m.impl("softmax_train", &mesa::softmax_train);
   m.impl("linear_train", &mesa::linear_train);
+  m.impl("gelu_linear_train", &mesa::gelu_linear_train);
   m.impl("layer_norm_train", &mesa::layer_norm_train);
   m.impl("matmul_train", &mesa::matmul_train);
   m.impl("conv2d_train", &mesa::conv2d_train);

@@ -163,7 +163,8 @@ def test_the_partitioner_keeps_the_codes_not_the_activations(mode):
     stock_acts = stock_saved[torch.float32] - params
     assert stock_acts > 0.2 * params, stock_saved  # the check below has something to see
     assert mesa_saved[torch.float32] - params < 0.05 * stock_acts, (mode, mesa_saved, stock_saved)
-    assert 0.2 * stock_acts < mesa_saved[torch.uint8] < 0.3 * stock_acts, (mode, mesa_saved, stock_saved)
+    # (0.20x with one uint8 copy per MLP for GELU and fc2, patch_model(mlp="shared"); 0.25x separate)
+    assert 0.15 * stock_acts < mesa_saved[torch.uint8] < 0.3 * stock_acts, (mode, mesa_saved, stock_saved)
 
 
 def test_trace_cost_script_reports_time_and_graph_sizes():

@@ -14,7 +14,7 @@ from .rowscale import compress_rows, decompress_rows, max_exponent
 __all__ = ["Linear"]
 
 
-def _not_a_view(out: torch.Tensor) -> torch.Tensor:
+def not_a_view(out: torch.Tensor) -> torch.Tensor:
     """``F.linear`` on a 3-D+ input with a bias is ``addmm(...).view(...)``: a *view*. Autograd
     forbids modifying a custom Function's view output in place (``ReLU(inplace=True)``,
     ``x.add_(pos_embed)`` after the layer), which a stock Linear allows. ``_unsafe_view``
@@ -41,7 +41,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
         save(ctx, [packed], weight if need_x else None, k)
-        return _not_a_view(out)
+        return not_a_view(out)
 
     @staticmethod
     @once_differentiable

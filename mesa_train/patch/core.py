@@ -32,7 +32,7 @@ from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTEN
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
 from .generic_attention import install as install_generic, install_cosine, install_linear, install_scales
-from .mlp import MLP_CLASSES, STOCK_MLP_CLASSES
+from .mlp import MLP_CLASSES, MLP_COPIES, SHARED_MLP_CLASSES, STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
@@ -282,8 +282,26 @@ def _attention_like(m: nn.Module) -> bool:
 
 
 # ----------------------------------------------------------------------------- main entry
+def _share_mlp_copies(named, info, set_names, shared: bool, rules, mnn) -> None:
+    """timm ``Mlp`` with a GELU (``F.gelu``: torch's or timm's, not QuickGELU) and a Linear fc2
+    -> :class:`MesaMlp` (``mesa_shared``)."""
+    gelus = {t for t, (op, cls) in rules.items() if cls in (mnn.GELU, _TimmGELU, _TimmGELUTanh)} | {mnn.GELU}
+    for name, m in named:
+        stock_cls = STOCK_SHARED_MLP_CLASSES.get(type(m), type(m))
+        if stock_cls not in SHARED_MLP_CLASSES or info.get(name, ModuleInfo("other", None, None)).module_set \
+                not in set_names:
+            continue
+        act, fc2 = getattr(m, "act", None), getattr(m, "fc2", None)
+        if type(act) not in gelus or type(fc2) not in (nn.Linear, mnn.Linear):
+            continue
+        if shared or type(m) is not stock_cls:
+            m.__class__ = SHARED_MLP_CLASSES[stock_cls]
+            m.mesa_shared = shared
+
+
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
-                *, attention: str = "auto", plan=None, cancelling_bn: str = "stock", **quant_options) -> nn.Module:
+                *, attention: str = "auto", plan=None, cancelling_bn: str = "stock", mlp: str = "shared",
+                **quant_options) -> nn.Module:
     """Patch ``model`` in place with Mesa compression and return it.
 
     Args:
@@ -315,6 +333,11 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             stays stock: its gradients are cancellations that its 8-bit ``x_hat`` swamps
             (``patch/cancellation.py``, found on a ``torch.fx`` trace; untraceable models: none).
             ``compress``: compress those too.
+        mlp: ``shared`` (default): in timm's ``Mlp`` (``fc1, GELU, fc2``), ``fc2`` takes its
+            weight gradient from the GELU's 8-bit copy of its input (recomputing ``gelu``
+            in backward) instead of keeping a second copy of the widest activation
+            (``nn/gelu_linear.py``; needs ``gelu`` and ``linear`` among the ops).
+            ``separate``: each layer keeps its own copy (the paper's layers).
         plan: a :class:`mesa_train.plan.Plan`, its dict or a plan file path (``python -m
             mesa_train.plan``): patch each layer with the ops the plan gives it instead.
         **quant_options: ``num_groups``, ``decay``, ``estimator``, ``symmetric``,
@@ -348,6 +371,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
                 f"then e.g. patch_model(model, ops=['conv'], layout='patch4x4', bits=2)")
     if cancelling_bn not in CANCELLING_BN:
         raise ValueError(f"unknown cancelling_bn {cancelling_bn!r}; valid choices: {', '.join(CANCELLING_BN)}")
+    if mlp not in MLP_COPIES:
+        raise ValueError(f"unknown mlp {mlp!r}; valid choices: {', '.join(MLP_COPIES)}")
     explicit = dict(quant_options)
 
     root = _unwrap(model)
@@ -422,7 +447,12 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         if getattr(m, "gated", None) is not None:
             gated_acts.add(id(m.act))
 
-    # 1c. inline layer scale (``self.gamma_1 * y`` in a block's forward, BEiT/CaiT/EVA/XCiT):
+    # 1c. plain MLPs (fc1, GELU, fc2): fc2 shares the GELU's copy (mlp="shared"; the choice
+    # is made again at every call: patch/mlp.py, MesaMlp)
+    if "gelu" in op_names and "linear" in op_names:
+        _share_mlp_copies(named, info, set_names, mlp == "shared", rules, mnn)
+
+    # 1d. inline layer scale (``self.gamma_1 * y`` in a block's forward, BEiT/CaiT/EVA/XCiT):
     # routed to a ChannelScale child while the block runs (generic_attention.install_scales)
     if "layerscale" in op_names:
         for name, m in named:
@@ -484,7 +514,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
 
     # 3. functional ops no rule reaches (requested ops only, selected module sets only)
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
-               + tuple(STOCK_MLP_CLASSES) + (PlainMatMul, PlainSoftmax))
+               + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + (PlainMatMul, PlainSoftmax))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in root.named_modules():
         if type(m) in handled or isinstance(m, mnn.MesaLayer) or any(name.startswith(p) for p in skip_prefixes):

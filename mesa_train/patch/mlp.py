@@ -1,4 +1,12 @@
-"""Mesa forwards for timm's gated MLPs (``SwiGLU``, ``GluMlp``), installed like the
+"""Mesa forwards for timm's MLPs, installed like the attention ones (``attention.py``).
+
+Plain ``Mlp`` (``fc1, act, drop1, norm, fc2``): :class:`MesaMlp` runs ``fc2(act(h))`` as one
+Function keeping a single 8-bit copy of ``h`` for both backward passes
+(:func:`mesa_train.nn.gelu_linear.gelu_linear`; ``patch_model(mlp="shared")``, the default)
+where the act is a Mesa ``GELU``, ``fc2`` a Mesa ``Linear`` and nothing runs between them;
+otherwise it is the stock forward line for line.
+
+Gated MLPs (``SwiGLU``, ``GluMlp``), installed like the
 attention ones (``attention.py``): the instance's class is swapped for a subclass whose
 forward is the stock one line for line, except that ``act(gate) * x`` runs through a
 ``gated`` child (:class:`mesa_train.nn.GatedActivation`, 8-bit gate and value). The
@@ -8,9 +16,33 @@ ordinary leaf conversion; the MLP's ``act`` is not (``gated`` runs it), so it st
 from __future__ import annotations
 
 import torch
-from timm.layers.mlp import GluMlp as _GluMlp, SwiGLU as _SwiGLU
+from timm.layers.mlp import GluMlp as _GluMlp, Mlp as _Mlp, SwiGLU as _SwiGLU
 
-__all__ = ["MesaSwiGLU", "MesaGluMlp", "MLP_CLASSES", "STOCK_MLP_CLASSES"]
+from mesa_train.nn.gelu_linear import can_fuse, gelu_linear
+
+__all__ = ["MesaSwiGLU", "MesaGluMlp", "MesaMlp", "MLP_CLASSES", "STOCK_MLP_CLASSES", "SHARED_MLP_CLASSES",
+           "STOCK_SHARED_MLP_CLASSES", "MLP_COPIES"]
+
+# patch_model(mlp=...): "shared": fc2 takes its weight gradient from the GELU's copy of h;
+# "separate": each layer keeps its own copy (the paper's layers)
+MLP_COPIES = ("shared", "separate")
+
+
+class MesaMlp(_Mlp):
+    """timm ``Mlp`` whose ``fc2(act(h))`` keeps one 8-bit copy (module doc). ``mesa_shared =
+    False`` on the instance runs the separate layers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc1(x)
+        if getattr(self, "mesa_shared", True) and can_fuse(self.act, self.drop1, self.norm, self.fc2, x):
+            x = gelu_linear(x, self.act, self.fc2)
+        else:
+            x = self.act(x)
+            x = self.drop1(x)
+            x = self.norm(x)
+            x = self.fc2(x)
+        x = self.drop2(x)
+        return x
 
 
 class MesaSwiGLU(_SwiGLU):
@@ -39,3 +71,5 @@ class MesaGluMlp(_GluMlp):
 
 MLP_CLASSES = {_SwiGLU: MesaSwiGLU, _GluMlp: MesaGluMlp}
 STOCK_MLP_CLASSES = {v: k for k, v in MLP_CLASSES.items()}
+SHARED_MLP_CLASSES = {_Mlp: MesaMlp}
+STOCK_SHARED_MLP_CLASSES = {v: k for k, v in SHARED_MLP_CLASSES.items()}

@@ -1,0 +1,108 @@
+"""``fc2(gelu(h))`` of an MLP that keeps one 8-bit copy, of ``h``, for both layers' backward.
+
+A Mesa ``GELU`` keeps its input ``h`` in 8 bits and the Mesa ``Linear`` after it keeps its
+own input ``gelu(h)`` in 8 bits: two copies of the widest activation of a ViT block (4x the
+width), two min/max passes and two quantize passes in forward. Both gradients can come
+from the first copy: ``fc2``'s weight gradient needs ``gelu(h)``, which backward recomputes
+from the dequantized ``h`` (one elementwise op), and the GELU's gradient needs ``h`` itself.
+DESIGN.md, "MLP: one copy for GELU and fc2".
+
+Saved: ``h`` compressed as a Linear input is (channel groups over the last dim, int8
+power-of-two row exponents: ``rowscale.py``; a row far below the others, DeiT3's class
+token, would otherwise give ``fc2`` a weight gradient of rounding noise), plus ``fc2``'s
+weight (a parameter). Forward is exactly ``F.linear(F.gelu(h), weight, bias)``, the stock
+MLP's two calls (with autocast's cast of ``gelu(h)`` where it applies).
+
+Gradient error: ``fc2``'s weight gradient uses ``gelu(h + e)`` where the unfused layers used
+``gelu(h) + e'`` (``e``, ``e'``: the 8-bit rounding of ``h`` and of ``gelu(h)``, unbiased).
+``gelu`` being curved, ``E[gelu(h + e)] - gelu(h) ~ gelu''(h) Var(e) / 2``: at most about
+``0.4 * step**2 / 4`` per element (``step``: the group's 8-bit step), far below float16 or
+bfloat16's own rounding of ``gelu(h)`` for ordinary ranges. The GELU's own backward from its
+codes has the same curvature term (it always had).
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+import torch.nn.functional as F
+from torch import nn
+
+from . import quantizer as quantizer_mod
+from ._common import autocast_input, load, no_autocast, save
+from .gelu import GELU
+from .linear import Linear, not_a_view
+from .rowscale import compress_rows, decompress_rows, max_exponent
+
+# the C++ layer op (csrc/layers_autograd.cpp, GeluLinearTrain; bitwise this module's Function):
+# eager, paper format, an extension built with it
+_OP = quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "gelu_linear_train")
+
+__all__ = ["gelu_linear", "can_fuse"]
+
+
+class _GeluLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, approximate, weight, bias, quantizer):
+        y = F.gelu(h, approximate=approximate)  # exactly the stock act
+        yc = autocast_input(y)  # the cast F.linear would make under autocast
+        out = F.linear(yc, weight, bias)  # exactly the stock fc2
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        packed = k = None
+        if need_h or need_w:
+            packed, k = compress_rows(quantizer, h, 1, max_exponent(h.dtype, out.dtype))
+        ctx.approximate = approximate
+        ctx.h_dtype, ctx.yc_dtype, ctx.cdt, ctx.w_dtype = h.dtype, yc.dtype, out.dtype, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
+        save(ctx, [packed], weight if need_h else None, k)
+        return not_a_view(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (packed,), (weight, k) = load(ctx)
+        gh = gw = gb = None
+        with no_autocast(g.device.type):
+            g = g.to(ctx.cdt)
+            g2 = g.reshape(-1, ctx.out_features)
+            hh = decompress_rows(packed, ctx.h_dtype, k) if packed is not None else None
+            if ctx.needs_input_grad[2]:
+                # fc2's input recomputed from the dequantized h, in the stock dtypes: gelu in
+                # h's dtype, then autocast's cast
+                y = F.gelu(hh, approximate=ctx.approximate).to(ctx.yc_dtype).to(ctx.cdt)
+                gw = g2.t().matmul(y.reshape(-1, ctx.in_features)).to(ctx.w_dtype)
+            if ctx.needs_input_grad[3]:
+                gb = g2.sum(0).to(ctx.b_dtype)
+            if ctx.needs_input_grad[0]:
+                gy = g.matmul(weight.to(ctx.cdt)).to(ctx.h_dtype)  # fc2's input gradient, as stock casts it back
+                gh = torch.ops.aten.gelu_backward.default(gy, hh, approximate=ctx.approximate)
+        return gh, None, gw, gb, None
+
+
+def _dropout_is_identity(m: nn.Module) -> bool:
+    if isinstance(m, nn.Identity):
+        return True
+    return isinstance(m, nn.Dropout) and (m.p == 0 or not m.training)
+
+
+def can_fuse(act: nn.Module, drop: nn.Module, norm: nn.Module, fc2: nn.Module, h: torch.Tensor) -> bool:
+    """Whether ``fc2(norm(drop(act(h))))`` may run as :func:`gelu_linear`: a Mesa ``GELU`` and
+    a Mesa ``Linear`` that would both compress now, with the same quantization options (the
+    copy is made with them), nothing between them (no dropout mask, no norm) and the default
+    row layout (channels last: the Linear's). Under torch.fx tracing: no (the separate
+    layers are the graph's leaf nodes, nn/tracing.py)."""
+    if isinstance(h, torch.fx.Proxy):
+        return False
+    return (type(act) is GELU and type(fc2) is Linear and type(norm) is nn.Identity and _dropout_is_identity(drop)
+            and act.quant_options == fc2.quant_options and act._mesa_active(h)
+            and fc2._mesa_active(h, fc2.weight, fc2.bias))
+
+
+def gelu_linear(h: torch.Tensor, act: GELU, fc2: Linear) -> torch.Tensor:
+    """``fc2(act(h))`` keeping one 8-bit copy of ``h`` (made by ``act``'s quantizer, whose
+    running estimates track ``h``) for both backward passes. Call where :func:`can_fuse`."""
+    fused = act.quantizer.fused_layer_args(h) if _OP else None
+    if fused is not None:  # eager, paper format: one C++ op with a C++ autograd node
+        return torch.ops.mesa.gelu_linear_train(h, fc2.weight, fc2.bias, *fused, act.approximate,
+                                                act.quantizer.options.row_scale)
+    return _GeluLinearFn.apply(h, act.approximate, fc2.weight, fc2.bias, act.quantizer)

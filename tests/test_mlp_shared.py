@@ -1,0 +1,259 @@
+"""timm ``Mlp`` with one 8-bit copy for GELU and fc2 (``patch_model(mlp="shared")``, the
+default; mesa_train/nn/gelu_linear.py, patch/mlp.py ``MesaMlp``).
+
+Checks: the forward is bitwise stock's (drop-path on, fp32 and CPU bf16 autocast); the
+saved bytes drop by exactly fc2's codes and statistics; gradients stay as close to exact as
+the separate layers' (and fc2's weight gradient is unbiased up to gelu's curvature term:
+averages over rounding seeds converge); rows far below the others keep their fc2 gradient
+(row scales); anything between act and fc2 (dropout mask, norm), another act, or
+``mlp="separate"`` runs the separate layers; ``torch.compile(fullgraph=True)`` agrees with
+eager; the option is validated in ``patch_model`` and the Hydra config.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp
+
+import mesa_train.nn as mnn
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn import gelu_linear as gelu_linear_mod
+from mesa_train.patch import patch_model
+from mesa_train.patch import mlp as mlp_mod
+from mesa_train.patch.mlp import MesaMlp
+
+
+def _deit(drop_rate=0.0, drop_path_rate=0.1):
+    torch.manual_seed(0)
+    return timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                             num_classes=10, drop_rate=drop_rate, drop_path_rate=drop_path_rate).train()
+
+
+def _images(b=4):
+    return torch.randn(b, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def _run(model, x, seed=5, autocast=False):
+    """(output, {name: grad}) of one train step, the RNG reseeded (drop-path masks equal)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(x)
+    out.float().square().mean().backward()
+    return out.detach(), {n.removeprefix("_orig_mod."): p.grad.detach().clone()  # (torch.compile's wrapper)
+                          for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _cos(a, b):
+    return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+def _count_fused(monkeypatch):
+    calls = []
+    real = mlp_mod.gelu_linear
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(mlp_mod, "gelu_linear", counting)
+    return calls
+
+
+# ----------------------------------------------------------------------------- patching
+def test_default_is_shared_and_separate_keeps_timm_mlp():
+    shared = patch_model(_deit())
+    assert all(type(b.mlp) is MesaMlp and b.mlp.mesa_shared for b in shared.blocks)
+    assert isinstance(shared.blocks[0].mlp.act, mnn.GELU) and isinstance(shared.blocks[0].mlp.fc2, mnn.Linear)
+    separate = patch_model(_deit(), mlp="separate")
+    assert all(type(b.mlp) is Mlp for b in separate.blocks)
+    # patching again with "separate" turns an installed MesaMlp off
+    patch_model(shared, mlp="separate")
+    assert all(type(b.mlp) is MesaMlp and not b.mlp.mesa_shared for b in shared.blocks)
+
+
+def test_state_dict_keys_are_stock():
+    stock = _deit()
+    assert set(patch_model(copy.deepcopy(stock)).state_dict()) >= set(stock.state_dict())
+    patched = patch_model(copy.deepcopy(stock))
+    patched.load_state_dict(patched.state_dict())  # strict round trip
+
+
+def test_bad_choice_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"unknown mlp 'both'; valid choices: shared, separate"):
+        patch_model(_deit(), mlp="both")
+
+
+def test_only_with_gelu_and_linear_ops():
+    assert all(type(b.mlp) is Mlp for b in patch_model(_deit(), ops=["gelu"]).blocks)
+    assert all(type(b.mlp) is Mlp for b in patch_model(_deit(), ops=["linear", "softmax"]).blocks)
+    assert all(type(b.mlp) is MesaMlp for b in patch_model(_deit(), ops=["gelu", "linear"]).blocks)
+    assert all(type(b.mlp) is Mlp for b in patch_model(_deit(), modules=["msa"]).blocks)
+
+
+def test_quick_gelu_mlp_is_not_swapped():
+    torch.manual_seed(0)
+    mlp = Mlp(16, 32, act_layer=timm.layers.QuickGELU)
+    holder = torch.nn.Sequential(mlp)
+    patch_model(holder)
+    assert type(holder[0]) is Mlp
+
+
+# ----------------------------------------------------------------------------- forward and memory
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_forward_bitwise_stock_with_drop_path(autocast, monkeypatch):
+    stock = _deit()
+    patched = patch_model(copy.deepcopy(stock))
+    calls = _count_fused(monkeypatch)
+    x = _images()
+    out_stock, _ = _run(stock, x, autocast=autocast)
+    out_mesa, _ = _run(patched, x, autocast=autocast)
+    assert len(calls) == 2  # both blocks ran fused
+    assert torch.equal(out_stock, out_mesa)
+
+
+def test_saved_bytes_drop_by_fc2_codes_exactly():
+    x = _images()
+    bytes_ = {}
+    for mode in ("separate", "shared"):
+        model = patch_model(_deit(), mlp=mode)
+        with SavedTensorMeter(model) as meter:
+            model(x).sum().backward()
+        bytes_[mode] = meter.activation_bytes
+    tokens, hidden, groups = 4 * (16 + 1), 4 * 192, 3  # batch x (patches + class token), mlp width, heads
+    # per block: fc2's uint8 codes of gelu(h) and its (1, G) float32 alpha and beta
+    assert bytes_["separate"] - bytes_["shared"] == 2 * (tokens * hidden + 2 * 4 * groups)
+
+
+# ----------------------------------------------------------------------------- gradients
+def test_gradients_as_close_to_exact_as_separate_layers():
+    stock = _deit()
+    x = _images()
+    exact = copy.deepcopy(stock).double()
+    _, g_exact = _run(exact, x.double())
+    worst = {}
+    for mode in ("separate", "shared"):
+        _, g = _run(patch_model(copy.deepcopy(stock), mlp=mode), x)
+        worst[mode] = min(_cos(g[n], g_exact[n]) for n in g_exact if "mlp" in n)
+    assert worst["shared"] >= 0.999, worst
+    assert worst["shared"] >= worst["separate"] - 2e-4, worst
+
+
+def _mlp_case(tiny_row: bool):
+    torch.manual_seed(3)
+    mlp = Mlp(32, 128, out_features=16)
+    torch.nn.init.zeros_(mlp.fc1.bias)  # (timm's init): a tiny input row gives a tiny h row
+    h_in = torch.randn(8, 24, 32)
+    if tiny_row:  # DeiT3's class token: one row ~1e-4 of the others, carrying the loss
+        h_in[:, 0] *= 1e-4
+    g_out = torch.zeros(8, 24, 16)
+    g_out[:, 0 if tiny_row else slice(None)] = torch.randn(8, 24, 16)[:, 0 if tiny_row else slice(None)]
+    return mlp, h_in, g_out
+
+
+def _fc2_weight_grad(mlp, x, g):
+    mlp.zero_grad(set_to_none=True)
+    mlp(x).backward(g)
+    return mlp.fc2.weight.grad.clone()
+
+
+def test_fc2_weight_gradient_of_a_tiny_row_is_kept():
+    mlp, x, g = _mlp_case(tiny_row=True)
+    exact = _fc2_weight_grad(copy.deepcopy(mlp).double(), x.double(), g.double())
+    shared = patch_model(torch.nn.Sequential(copy.deepcopy(mlp)))[0]
+    assert type(shared) is MesaMlp
+    assert _cos(_fc2_weight_grad(shared, x, g), exact) > 0.999
+    # without row scales the same row is rounding noise: the check above can fail
+    no_rows = patch_model(torch.nn.Sequential(copy.deepcopy(mlp)), row_scale=False)[0]
+    assert _cos(_fc2_weight_grad(no_rows, x, g), exact) < 0.9
+
+
+def test_fc2_weight_gradient_averages_to_exact():
+    """Unbiased up to gelu's curvature term (nn/gelu_linear.py): the mean over many rounding
+    seeds is much closer to exact than one draw."""
+    mlp, x, g = _mlp_case(tiny_row=False)
+    exact = _fc2_weight_grad(copy.deepcopy(mlp).double(), x.double(), g.double()).float()
+    shared = patch_model(torch.nn.Sequential(copy.deepcopy(mlp)))[0]
+    draws = torch.stack([_fc2_weight_grad(shared, x, g) for _ in range(64)])
+    one = (draws[0] - exact).norm()
+    mean = (draws.mean(0) - exact).norm()
+    assert mean < one / 4, (float(mean), float(one))
+
+
+@pytest.mark.skipif(not gelu_linear_mod._OP, reason="needs the extension's mesa::gelu_linear_train")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_cpp_node_bitwise_the_python_function(autocast, monkeypatch):
+    """Eager runs one C++ op with a C++ autograd node (csrc/layers_autograd.cpp,
+    GeluLinearTrain); the Python Function (torch.compile, variants) must give the same bits."""
+    patched = patch_model(_deit())
+    twin = copy.deepcopy(patched)  # same weights and quantizer state (estimates, rounding counters)
+    x = _images()
+    out_cpp, g_cpp = _run(patched, x, autocast=autocast)
+    monkeypatch.setattr(gelu_linear_mod, "_OP", False)
+    calls = []
+    real = gelu_linear_mod._GeluLinearFn.apply
+    monkeypatch.setattr(gelu_linear_mod._GeluLinearFn, "apply", lambda *a: calls.append(1) or real(*a))
+    out_py, g_py = _run(twin, x, autocast=autocast)
+    assert len(calls) == 2
+    assert torch.equal(out_cpp, out_py)
+    assert g_cpp.keys() == g_py.keys() and all(torch.equal(g_cpp[n], g_py[n]) for n in g_cpp)
+
+
+# ----------------------------------------------------------------------------- fallbacks
+@pytest.mark.parametrize("case", ["dropout", "norm", "separate", "eval"])
+def test_anything_between_runs_separate_layers(case, monkeypatch):
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm if case == "norm" else None
+    mlp = Mlp(16, 64, drop=0.1 if case == "dropout" else 0.0, norm_layer=norm)
+    stock = torch.nn.Sequential(mlp).train()
+    patched = patch_model(copy.deepcopy(stock), mlp="separate" if case == "separate" else "shared")
+    if case == "eval":
+        patched.eval()
+        stock.eval()
+    calls = _count_fused(monkeypatch)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    torch.manual_seed(1)
+    out = patched(x)
+    torch.manual_seed(1)
+    assert torch.equal(out, stock(x))
+    out.sum().backward()
+    assert calls == []
+
+
+# ----------------------------------------------------------------------------- compile and config
+def test_compiled_fullgraph_matches_eager():
+    stock = _deit(drop_path_rate=0.0)
+    x = _images()
+    eager = patch_model(copy.deepcopy(stock))
+    compiled_model = patch_model(copy.deepcopy(stock))
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    out_e, g_e = _run(eager, x)
+    out_c, g_c = _run(compiled, x)
+    assert torch.allclose(out_e, out_c, rtol=1e-5, atol=1e-6)
+    assert min(_cos(g_c[n], g_e[n]) for n in g_e if "mlp" in n) > 0.999
+
+
+def test_config_mlp_reaches_patch_model(compose_train):
+    from omegaconf import OmegaConf
+
+    from mesa_train.train.config import ConfigError, mesa_options, validate
+
+    cfg = compose_train([])
+    assert cfg.mesa.mlp == "shared"
+    assert mesa_options(compose_train(["mesa.mlp=separate"]))["mlp"] == "separate"
+    OmegaConf.update(cfg, "mesa.mlp", "fused")
+    with pytest.raises(ConfigError, match=r"mesa.mlp='fused' is not valid; choose one of: shared, separate"):
+        validate(cfg)
+
+
+def test_describe_counts_the_shared_copy_as_compressed():
+    from mesa_train.patch.coverage import coverage
+
+    cov = coverage(patch_model(_deit()), _images(2))
+    kinds = {(r[0], r[1]): r[3] for r in cov.rows}
+    assert kinds.get(("compressed", "gelu+linear (mlp)"), 0) > 0
+    assert not any(kind == "left as is" and what == "MesaMlp" for kind, what in kinds)
