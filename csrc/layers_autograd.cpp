@@ -212,6 +212,38 @@ at::Tensor not_a_view(const at::Tensor& out) {
   return out.is_contiguous() ? at::_unsafe_view(out, out.sizes()) : out.clone();
 }
 
+// F.linear's dtypes for its backward (LinearTrain, GeluLinearTrain): the compute dtype (the
+// output's), the parameters' and whether a bias was tracked
+void save_linear_dtypes(AutogradContext* ctx, const at::Tensor& out, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias) {
+  ctx->saved_data["cdt"] = out.scalar_type();
+  ctx->saved_data["w_dtype"] = weight.scalar_type();
+  ctx->saved_data["has_bias"] = bias.has_value();
+  ctx->saved_data["b_dtype"] = bias.has_value() ? bias->scalar_type() : out.scalar_type();
+}
+
+// F.linear's gradients from its output's (mesa_train.nn.linear.linear_grads): gx in x_dtype
+// (need_x), gw from the input that input() rebuilds in the compute dtype (need_w), gb where a
+// bias was tracked at bias_index (needs_input_grad counts the tensors Function::apply
+// tracked: no bias index without a bias)
+template <typename Input>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_grads(AutogradContext* ctx, const at::Tensor& grad,
+                                                           const at::Tensor& weight, c10::ScalarType x_dtype,
+                                                           bool need_x, bool need_w, int64_t bias_index,
+                                                           Input input) {
+  const auto cdt = ctx->saved_data["cdt"].toScalarType();
+  at::Tensor g = grad.to(cdt), gx, gw, gb;
+  if (need_x) gx = g.matmul(weight.to(cdt)).to(x_dtype);
+  at::Tensor g2 = g.reshape({-1, g.size(-1)});
+  if (need_w) {
+    at::Tensor x = input();
+    gw = g2.t().matmul(x.reshape({-1, x.size(-1)})).to(ctx->saved_data["w_dtype"].toScalarType());
+  }
+  if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_index))
+    gb = g2.sum(0).to(ctx->saved_data["b_dtype"].toScalarType());
+  return {gx, gw, gb};
+}
+
 struct LinearTrain : public torch::autograd::Function<LinearTrain> {
   // (bias optional, not an undefined Tensor: Function::apply tracks only present tensors)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -226,11 +258,8 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
     ctx->save_for_backward({q, alpha, beta, x.requires_grad() ? weight : at::Tensor(), k});
     ctx->saved_data["dim"] = x.dim() - 1;
     ctx->saved_data["groups"] = G;
-    ctx->saved_data["cdt"] = out.scalar_type();
     ctx->saved_data["x_dtype"] = x.scalar_type();
-    ctx->saved_data["w_dtype"] = weight.scalar_type();
-    ctx->saved_data["has_bias"] = bias.has_value();
-    ctx->saved_data["b_dtype"] = bias.has_value() ? bias->scalar_type() : out.scalar_type();
+    save_linear_dtypes(ctx, out, weight, bias);
     return not_a_view(out);
   }
 
@@ -238,19 +267,12 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
     check_first_order("Linear");
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
-    const auto cdt = ctx->saved_data["cdt"].toScalarType();
-    const at::Tensor& weight = saved[3];
-    at::Tensor g = grads[0].to(cdt), gx, gw, gb;
-    if (ctx->needs_input_grad(0)) gx = g.matmul(weight.to(cdt)).to(ctx->saved_data["x_dtype"].toScalarType());
-    const int64_t out_features = g.size(-1);
-    at::Tensor g2 = g.reshape({-1, out_features});
-    if (ctx->needs_input_grad(1)) {
-      at::Tensor xh = decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), cdt,
-                                      saved[4]);
-      gw = g2.t().matmul(xh.reshape({-1, xh.size(-1)})).to(ctx->saved_data["w_dtype"].toScalarType());
-    }
-    // (needs_input_grad counts the tensors Function::apply tracked: no index 2 without a bias)
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) gb = g2.sum(0).to(ctx->saved_data["b_dtype"].toScalarType());
+    auto [gx, gw, gb] = linear_grads(
+        ctx, grads[0], saved[3], ctx->saved_data["x_dtype"].toScalarType(), ctx->needs_input_grad(0),
+        ctx->needs_input_grad(1), 2, [&] {
+          return decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(),
+                                 ctx->saved_data["cdt"].toScalarType(), saved[4]);
+        });
     return {gx, gw, gb, at::Tensor(), at::Tensor()};
   }
 };
@@ -284,10 +306,7 @@ struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
     ctx->saved_data["approximate"] = approximate;
     ctx->saved_data["h_dtype"] = h.scalar_type();
     ctx->saved_data["yc_dtype"] = yc.scalar_type();
-    ctx->saved_data["cdt"] = out.scalar_type();
-    ctx->saved_data["w_dtype"] = weight.scalar_type();
-    ctx->saved_data["has_bias"] = bias.has_value();
-    ctx->saved_data["b_dtype"] = bias.has_value() ? bias->scalar_type() : out.scalar_type();
+    save_linear_dtypes(ctx, out, weight, bias);
     return not_a_view(out);
   }
 
@@ -295,21 +314,20 @@ struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
     check_first_order("GELU + Linear");
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
-    const auto cdt = ctx->saved_data["cdt"].toScalarType(), hdt = ctx->saved_data["h_dtype"].toScalarType();
+    const auto hdt = ctx->saved_data["h_dtype"].toScalarType();
     const std::string approximate = ctx->saved_data["approximate"].toStringRef();
-    at::Tensor g = grads[0].to(cdt), gh, gw, gb;
-    const int64_t out_features = g.size(-1);
-    at::Tensor g2 = g.reshape({-1, out_features});
     at::Tensor hh;
     if (saved[0].defined())
       hh = decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), hdt, saved[4]);
-    if (ctx->needs_input_grad(1)) {  // fc2's input recomputed in the stock dtypes: gelu in h's, then the cast
-      at::Tensor y = at::gelu(hh, approximate).to(ctx->saved_data["yc_dtype"].toScalarType()).to(cdt);
-      gw = g2.t().matmul(y.reshape({-1, y.size(-1)})).to(ctx->saved_data["w_dtype"].toScalarType());
-    }
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2))
-      gb = g2.sum(0).to(ctx->saved_data["b_dtype"].toScalarType());
-    if (ctx->needs_input_grad(0)) gh = at::gelu_backward(g.matmul(saved[3].to(cdt)).to(hdt), hh, approximate);
+    // fc2's backward, its input recomputed in the stock dtypes (gelu in h's, then the cast);
+    // its input gradient comes back in h's dtype, as stock casts it
+    auto [gy, gw, gb] = linear_grads(ctx, grads[0], saved[3], hdt, ctx->needs_input_grad(0),
+                                     ctx->needs_input_grad(1), 2, [&] {
+                                       return at::gelu(hh, approximate)
+                                           .to(ctx->saved_data["yc_dtype"].toScalarType())
+                                           .to(ctx->saved_data["cdt"].toScalarType());
+                                     });
+    at::Tensor gh = gy.defined() ? at::gelu_backward(gy, hh, approximate) : at::Tensor();
     return {gh, gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -30,7 +30,7 @@ from torch import nn
 from . import quantizer as quantizer_mod
 from ._common import autocast_input, load, no_autocast, save
 from .gelu import GELU
-from .linear import Linear, not_a_view
+from .linear import Linear, linear_grads, not_a_view, save_linear_dtypes
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
 # the C++ layer op (csrc/layers_autograd.cpp, GeluLinearTrain; bitwise this module's Function):
@@ -51,9 +51,8 @@ class _GeluLinearFn(torch.autograd.Function):
         if need_h or need_w:
             packed, k = compress_rows(quantizer, h, 1, max_exponent(h.dtype, out.dtype))
         ctx.approximate = approximate
-        ctx.h_dtype, ctx.yc_dtype, ctx.cdt, ctx.w_dtype = h.dtype, yc.dtype, out.dtype, weight.dtype
-        ctx.b_dtype = bias.dtype if bias is not None else None
-        ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
+        ctx.h_dtype, ctx.yc_dtype = h.dtype, yc.dtype
+        save_linear_dtypes(ctx, out, weight, bias)
         save(ctx, [packed], weight if need_h else None, k)
         return not_a_view(out)
 
@@ -61,20 +60,16 @@ class _GeluLinearFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (packed,), (weight, k) = load(ctx)
-        gh = gw = gb = None
+        gh = None
         with no_autocast(g.device.type):
-            g = g.to(ctx.cdt)
-            g2 = g.reshape(-1, ctx.out_features)
             hh = decompress_rows(packed, ctx.h_dtype, k) if packed is not None else None
-            if ctx.needs_input_grad[2]:
-                # fc2's input recomputed from the dequantized h, in the stock dtypes: gelu in
-                # h's dtype, then autocast's cast
-                y = F.gelu(hh, approximate=ctx.approximate).to(ctx.yc_dtype).to(ctx.cdt)
-                gw = g2.t().matmul(y.reshape(-1, ctx.in_features)).to(ctx.w_dtype)
-            if ctx.needs_input_grad[3]:
-                gb = g2.sum(0).to(ctx.b_dtype)
-            if ctx.needs_input_grad[0]:
-                gy = g.matmul(weight.to(ctx.cdt)).to(ctx.h_dtype)  # fc2's input gradient, as stock casts it back
+            # fc2's backward, its input recomputed from the dequantized h in the stock dtypes
+            # (gelu in h's dtype, then autocast's cast); its input gradient comes back in h's
+            # dtype, as stock casts it
+            need = ctx.needs_input_grad
+            gy, gw, gb = linear_grads(ctx, g, weight, ctx.h_dtype, need[0], need[2], need[3],
+                                      lambda: F.gelu(hh, approximate=ctx.approximate).to(ctx.yc_dtype).to(ctx.cdt))
+            if gy is not None:
                 gh = torch.ops.aten.gelu_backward.default(gy, hh, approximate=ctx.approximate)
         return gh, None, gw, gb, None
 

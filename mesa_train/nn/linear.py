@@ -11,7 +11,7 @@ from ._common import (MesaLayer, adopt_parameters, autocast_input, check_stock, 
                       save)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "linear_grads", "not_a_view", "save_linear_dtypes"]
 
 
 def not_a_view(out: torch.Tensor) -> torch.Tensor:
@@ -27,6 +27,32 @@ def not_a_view(out: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._unsafe_view(out, out.shape) if out.is_contiguous() else out.clone()
 
 
+def save_linear_dtypes(ctx, out, weight, bias) -> None:
+    """What :func:`linear_grads` reads from ``ctx``: the compute dtype (the output's), the
+    parameters' dtypes and the weight's shape (C++ twin: ``save_linear_dtypes``)."""
+    ctx.cdt, ctx.w_dtype = out.dtype, weight.dtype
+    ctx.b_dtype = bias.dtype if bias is not None else None
+    ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
+
+
+def linear_grads(ctx, g, weight, x_dtype, need_x, need_w, need_b, input_of):
+    """``(gx, gw, gb)`` of ``F.linear(x, weight, bias)`` from its output's gradient ``g`` (None
+    where not needed): ``gx`` in ``x_dtype``, ``gw`` from the input as ``input_of()`` rebuilds
+    it in the compute dtype (called only then); ``ctx`` as :func:`save_linear_dtypes` left
+    it. C++ twin: ``linear_grads`` in
+    csrc/layers_autograd.cpp."""
+    gx = gw = gb = None
+    g = g.to(ctx.cdt)
+    if need_x:
+        gx = g.matmul(weight.to(ctx.cdt)).to(x_dtype)
+    g2 = g.reshape(-1, ctx.out_features)
+    if need_w:
+        gw = g2.t().matmul(input_of().reshape(-1, ctx.in_features)).to(ctx.w_dtype)  # one GEMM over all tokens
+    if need_b:
+        gb = g2.sum(0).to(ctx.b_dtype)
+    return gx, gw, gb
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizer):
@@ -37,9 +63,8 @@ class _LinearFn(torch.autograd.Function):
         if need_w:
             # rows far smaller than the others (DeiT3's class token) scaled by 2**k first
             packed, k = compress_rows(quantizer, xc, 1, max_exponent(xc.dtype, out.dtype))
-        ctx.cdt, ctx.x_dtype, ctx.w_dtype = out.dtype, x.dtype, weight.dtype
-        ctx.b_dtype = bias.dtype if bias is not None else None
-        ctx.in_features, ctx.out_features = weight.shape[1], weight.shape[0]
+        ctx.x_dtype = x.dtype
+        save_linear_dtypes(ctx, out, weight, bias)
         save(ctx, [packed], weight if need_x else None, k)
         return not_a_view(out)
 
@@ -47,17 +72,9 @@ class _LinearFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (packed,), (weight, k) = load(ctx)
-        gx = gw = gb = None
         with no_autocast(g.device.type):
-            g = g.to(ctx.cdt)
-            if ctx.needs_input_grad[0]:
-                gx = g.matmul(weight.to(ctx.cdt)).to(ctx.x_dtype)
-            g2 = g.reshape(-1, ctx.out_features)
-            if ctx.needs_input_grad[1]:
-                xh = decompress_rows(packed, ctx.cdt, k).reshape(-1, ctx.in_features)
-                gw = g2.t().matmul(xh).to(ctx.w_dtype)  # one GEMM over all tokens
-            if ctx.needs_input_grad[2]:
-                gb = g2.sum(0).to(ctx.b_dtype)
+            gx, gw, gb = linear_grads(ctx, g, weight, ctx.x_dtype, *ctx.needs_input_grad[:3],
+                                      lambda: decompress_rows(packed, ctx.cdt, k))
         return gx, gw, gb, None
 
 
