@@ -1,5 +1,7 @@
-"""timm ``Mlp`` with one 8-bit copy for GELU and fc2 (``patch_model(mlp="shared")``, the
-default; mesa_train/nn/gelu_linear.py, patch/mlp.py ``MesaMlp``).
+"""timm ``Mlp`` and PVT-v2's ``MlpWithDepthwiseConv`` with one 8-bit copy for GELU and fc2
+(``patch_model(mlp="shared")``, the default; mesa_train/nn/gelu_linear.py, patch/mlp.py
+``MesaMlp``, ``MesaMlpWithDepthwiseConv``: there the copy is of the depthwise conv's
+output, a transposed, non-contiguous view).
 
 Checks: the forward is bitwise stock's (drop-path on, fp32 and CPU bf16 autocast); the
 saved bytes drop by exactly fc2's codes and statistics; gradients stay as close to exact as
@@ -24,13 +26,29 @@ from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import gelu_linear as gelu_linear_mod
 from mesa_train.patch import patch_model
 from mesa_train.patch import mlp as mlp_mod
-from mesa_train.patch.mlp import MesaMlp
+from mesa_train.patch.mlp import MesaMlp, MesaMlpWithDepthwiseConv
+
+FAMILIES = ("deit", "pvt")
 
 
 def _deit(drop_rate=0.0, drop_path_rate=0.1):
     torch.manual_seed(0)
     return timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
                              num_classes=10, drop_rate=drop_rate, drop_path_rate=drop_path_rate).train()
+
+
+def _model(family, drop_path_rate=0.1):
+    """A 2-MLP DeiT-tiny, or a PVT-v2-b0 with one block per stage (4 MLPs: fc1, depthwise
+    conv, GELU, fc2) at 32x32."""
+    if family == "deit":
+        return _deit(drop_path_rate=drop_path_rate)
+    torch.manual_seed(0)
+    return timm.create_model("pvt_v2_b0", pretrained=False, depths=(1, 1, 1, 1), num_classes=10,
+                             drop_path_rate=drop_path_rate).train()
+
+
+def _mlps(model):
+    return [m for m in model.modules() if type(m) in (MesaMlp, MesaMlpWithDepthwiseConv)]
 
 
 def _images(b=4):
@@ -105,14 +123,15 @@ def test_quick_gelu_mlp_is_not_swapped():
 
 # ----------------------------------------------------------------------------- forward and memory
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_forward_bitwise_stock_with_drop_path(autocast, monkeypatch):
-    stock = _deit()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_bitwise_stock_with_drop_path(family, autocast, monkeypatch):
+    stock = _model(family)
     patched = patch_model(copy.deepcopy(stock))
     calls = _count_fused(monkeypatch)
     x = _images()
     out_stock, _ = _run(stock, x, autocast=autocast)
     out_mesa, _ = _run(patched, x, autocast=autocast)
-    assert len(calls) == 2  # both blocks ran fused
+    assert len(calls) == len(_mlps(patched)) > 0  # every MLP ran fused
     assert torch.equal(out_stock, out_mesa)
 
 
@@ -129,9 +148,28 @@ def test_saved_bytes_drop_by_fc2_codes_exactly():
     assert bytes_["separate"] - bytes_["shared"] == 2 * (tokens * hidden + 2 * 4 * groups)
 
 
+def test_pvt_saved_bytes_drop_by_fc2_codes_exactly():
+    """PVT-v2: per stage, fc2's uint8 codes of gelu(dwconv(...)) (batch x tokens x hidden) and
+    its (1, G) float32 alpha and beta, G = the stage's heads (capped at the width)."""
+    x = _images()
+    bytes_, fc2_inputs = {}, []
+    for mode in ("separate", "shared"):
+        model = patch_model(_model("pvt"), mlp=mode)
+        if mode == "separate":
+            for stage in model.stages:
+                stage.blocks[0].mlp.fc2.register_forward_pre_hook(lambda m, a: fc2_inputs.append(
+                    (a[0].numel(), m.quantizer.options.num_groups)))
+        with SavedTensorMeter(model) as meter:
+            model(x).sum().backward()
+        bytes_[mode] = meter.activation_bytes
+    assert [n for n, _ in fc2_inputs] == [4 * 64 * 256, 4 * 16 * 512, 4 * 4 * 640, 4 * 1 * 1024]  # b x tokens x hidden
+    assert bytes_["separate"] - bytes_["shared"] == sum(n + 2 * 4 * g for n, g in fc2_inputs)
+
+
 # ----------------------------------------------------------------------------- gradients
-def test_gradients_as_close_to_exact_as_separate_layers():
-    stock = _deit()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_as_close_to_exact_as_separate_layers(family):
+    stock = _model(family)
     x = _images()
     exact = copy.deepcopy(stock).double()
     _, g_exact = _run(exact, x.double())
@@ -186,10 +224,12 @@ def test_fc2_weight_gradient_averages_to_exact():
 
 @pytest.mark.skipif(not gelu_linear_mod._OP, reason="needs the extension's mesa::gelu_linear_train")
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_cpp_node_bitwise_the_python_function(autocast, monkeypatch):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpp_node_bitwise_the_python_function(family, autocast, monkeypatch):
     """Eager runs one C++ op with a C++ autograd node (csrc/layers_autograd.cpp,
-    GeluLinearTrain); the Python Function (torch.compile, variants) must give the same bits."""
-    patched = patch_model(_deit())
+    GeluLinearTrain); the Python Function (torch.compile, variants) must give the same bits
+    (PVT-v2: on a transposed, non-contiguous h)."""
+    patched = patch_model(_model(family))
     twin = copy.deepcopy(patched)  # same weights and quantizer state (estimates, rounding counters)
     x = _images()
     out_cpp, g_cpp = _run(patched, x, autocast=autocast)
@@ -198,7 +238,7 @@ def test_cpp_node_bitwise_the_python_function(autocast, monkeypatch):
     real = gelu_linear_mod._GeluLinearFn.apply
     monkeypatch.setattr(gelu_linear_mod._GeluLinearFn, "apply", lambda *a: calls.append(1) or real(*a))
     out_py, g_py = _run(twin, x, autocast=autocast)
-    assert len(calls) == 2
+    assert len(calls) == len(_mlps(twin))
     assert torch.equal(out_cpp, out_py)
     assert g_cpp.keys() == g_py.keys() and all(torch.equal(g_cpp[n], g_py[n]) for n in g_cpp)
 
@@ -225,8 +265,9 @@ def test_anything_between_runs_separate_layers(case, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- compile and config
-def test_compiled_fullgraph_matches_eager():
-    stock = _deit(drop_path_rate=0.0)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_fullgraph_matches_eager(family):
+    stock = _model(family, drop_path_rate=0.0)
     x = _images()
     eager = patch_model(copy.deepcopy(stock))
     compiled_model = patch_model(copy.deepcopy(stock))
@@ -250,10 +291,27 @@ def test_config_mlp_reaches_patch_model(compose_train):
         validate(cfg)
 
 
-def test_describe_counts_the_shared_copy_as_compressed():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_describe_counts_the_shared_copy_as_compressed(family):
     from mesa_train.patch.coverage import coverage
 
-    cov = coverage(patch_model(_deit()), _images(2))
+    cov = coverage(patch_model(_model(family)), _images(2))
     kinds = {(r[0], r[1]): r[3] for r in cov.rows}
     assert kinds.get(("compressed", "gelu+linear (mlp)"), 0) > 0
-    assert not any(kind == "left as is" and what == "MesaMlp" for kind, what in kinds)
+    assert not any(kind == "left as is" and what.startswith("MesaMlp") for kind, what in kinds)
+
+
+def test_describe_says_fc2_shares_the_act_copy():
+    """fc2's own quantizer never runs in a shared MLP: describe says where its input is kept
+    instead of reporting it uninitialized after a training step."""
+    from mesa_train.patch import describe
+
+    model = patch_model(_model("pvt"))
+    model(_images(2))
+    text = describe(model)
+    fc2 = [line for line in text.splitlines() if ".mlp.fc2" in line]
+    assert len(fc2) == 4 and all("linear[mlp-shared]" in line and "act's copy" in line for line in fc2)
+    assert "uninitialized" not in text
+    separate = patch_model(_model("pvt"), mlp="separate")
+    separate(_images(2))
+    assert "mlp-shared" not in describe(separate) and "uninitialized" not in describe(separate)

@@ -22,6 +22,8 @@ codes has the same curvature term (it always had).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
@@ -80,15 +82,17 @@ def _dropout_is_identity(m: nn.Module) -> bool:
     return isinstance(m, nn.Dropout) and (m.p == 0 or not m.training)
 
 
-def can_fuse(act: nn.Module, drop: nn.Module, norm: nn.Module, fc2: nn.Module, h: torch.Tensor) -> bool:
+def can_fuse(act: nn.Module, drop: nn.Module, norm: Optional[nn.Module], fc2: nn.Module, h: torch.Tensor) -> bool:
     """Whether ``fc2(norm(drop(act(h))))`` may run as :func:`gelu_linear`: a Mesa ``GELU`` and
     a Mesa ``Linear`` that would both compress now, with the same quantization options (the
-    copy is made with them), nothing between them (no dropout mask, no norm) and the default
+    copy is made with them), nothing between them (no dropout mask, no norm: ``None`` for an
+    MLP without one) and the default
     row layout (channels last: the Linear's). Under torch.fx tracing: no (the separate
     layers are the graph's leaf nodes, nn/tracing.py)."""
     if isinstance(h, torch.fx.Proxy):
         return False
-    return (type(act) is GELU and type(fc2) is Linear and type(norm) is nn.Identity and _dropout_is_identity(drop)
+    return (type(act) is GELU and type(fc2) is Linear and (norm is None or type(norm) is nn.Identity)
+            and _dropout_is_identity(drop)
             and act.quant_options == fc2.quant_options and act._mesa_active(h)
             and fc2._mesa_active(h, fc2.weight, fc2.bias))
 

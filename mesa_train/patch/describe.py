@@ -7,6 +7,7 @@ from torch import nn
 
 from .attention import STOCK_ATTENTION_CLASSES
 from .core import PATCH_INFO_ATTR, _unwrap, mesa_layer_op
+from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
 
 __all__ = ["describe", "describe_rows", "format_table"]
@@ -53,7 +54,7 @@ def _matmul_operands(layer, producer: Optional[str]) -> Tuple[List[str], List[st
     return parts, counted
 
 
-def _state(layer, producer: Optional[str] = None) -> str:
+def _state(layer, producer: Optional[str] = None, shares_act_copy: bool = False) -> str:
     if layer is None or not hasattr(layer, "quant_options"):
         return ""
     o = layer.quant_options
@@ -70,6 +71,9 @@ def _state(layer, producer: Optional[str] = None) -> str:
         operand_parts, counted = _matmul_operands(layer, producer)
         parts.extend(operand_parts)
         qs = [getattr(layer, n) for n in counted]
+    if shares_act_copy:  # its own quantizer runs only where the MLP falls back (patch/mlp.py)
+        parts.append("input from the act's copy (mlp=shared)")
+        qs = [q for q in qs if q.initialized]
     if qs:
         n_init = sum(bool(q.initialized) for q in qs)
         parts.append("initialized" if n_init == len(qs) else f"uninitialized ({len(qs) - n_init}/{len(qs)})")
@@ -120,11 +124,15 @@ def describe_rows(model: nn.Module) -> List[List[str]]:
         if op is None:
             continue
         producer = None
+        parent = root.get_submodule(owner) if "." in name else None
         if op == "matmul" and name.endswith(".av_matmul"):
-            parent = root.get_submodule(owner)
             if mesa_layer_op(getattr(parent, "softmax", None)) == "softmax":
                 producer = "softmax"
-        rows.append([name, _op_label(m, op), mset, _groups(m), _state(m, producer)])
+        # fc2 of a shared-copy MLP: its weight gradient comes from the act's copy of h
+        shared = (op == "linear" and name.endswith(".fc2") and type(parent) in STOCK_SHARED_MLP_CLASSES
+                  and getattr(parent, "mesa_shared", False))
+        label = "linear[mlp-shared]" if shared else _op_label(m, op)
+        rows.append([name, label, mset, _groups(m), _state(m, producer, shared)])
     return rows
 
 

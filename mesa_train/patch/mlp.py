@@ -1,10 +1,11 @@
 """Mesa forwards for timm's MLPs, installed like the attention ones (``attention.py``).
 
-Plain ``Mlp`` (``fc1, act, drop1, norm, fc2``): :class:`MesaMlp` runs ``fc2(act(h))`` as one
-Function keeping a single 8-bit copy of ``h`` for both backward passes
+Plain ``Mlp`` (``fc1, act, drop1, norm, fc2``) and PVT-v2's ``MlpWithDepthwiseConv`` (``fc1,
+dwconv, act, drop, fc2``): :class:`MesaMlp` / :class:`MesaMlpWithDepthwiseConv` run
+``fc2(act(h))`` as one Function keeping a single 8-bit copy of ``h`` for both backward passes
 (:func:`mesa_train.nn.gelu_linear.gelu_linear`; ``patch_model(mlp="shared")``, the default)
 where the act is a Mesa ``GELU``, ``fc2`` a Mesa ``Linear`` and nothing runs between them;
-otherwise it is the stock forward line for line.
+otherwise they are the stock forward line for line.
 
 Gated MLPs (``SwiGLU``, ``GluMlp``), installed like the
 attention ones (``attention.py``): the instance's class is swapped for a subclass whose
@@ -15,12 +16,16 @@ ordinary leaf conversion; the MLP's ``act`` is not (``gated`` runs it), so it st
 """
 from __future__ import annotations
 
+from typing import List
+
 import torch
 from timm.layers.mlp import GluMlp as _GluMlp, Mlp as _Mlp, SwiGLU as _SwiGLU
 
+from timm.models.pvt_v2 import MlpWithDepthwiseConv as _MlpWithDepthwiseConv
+
 from mesa_train.nn.gelu_linear import can_fuse, gelu_linear
 
-__all__ = ["MesaSwiGLU", "MesaGluMlp", "MesaMlp", "MLP_CLASSES", "STOCK_MLP_CLASSES", "SHARED_MLP_CLASSES",
+__all__ = ["MesaSwiGLU", "MesaGluMlp", "MesaMlp", "MesaMlpWithDepthwiseConv", "MLP_CLASSES", "STOCK_MLP_CLASSES", "SHARED_MLP_CLASSES",
            "STOCK_SHARED_MLP_CLASSES", "MLP_COPIES"]
 
 # patch_model(mlp=...): "shared": fc2 takes its weight gradient from the GELU's copy of h;
@@ -28,20 +33,40 @@ __all__ = ["MesaSwiGLU", "MesaGluMlp", "MesaMlp", "MLP_CLASSES", "STOCK_MLP_CLAS
 MLP_COPIES = ("shared", "separate")
 
 
+def _act_to_fc2(mlp, h: torch.Tensor, drop, norm=None) -> torch.Tensor:
+    """``mlp.fc2(norm(drop(mlp.act(h))))``: one Function keeping one copy of ``h`` where it
+    can (``can_fuse``; ``mesa_shared = False`` on the instance: never), else the stock lines."""
+    if getattr(mlp, "mesa_shared", True) and can_fuse(mlp.act, drop, norm, mlp.fc2, h):
+        return gelu_linear(h, mlp.act, mlp.fc2)
+    h = drop(mlp.act(h))
+    if norm is not None:
+        h = norm(h)
+    return mlp.fc2(h)
+
+
 class MesaMlp(_Mlp):
-    """timm ``Mlp`` whose ``fc2(act(h))`` keeps one 8-bit copy (module doc). ``mesa_shared =
-    False`` on the instance runs the separate layers."""
+    """timm ``Mlp`` whose ``fc2(act(h))`` keeps one 8-bit copy (module doc)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.fc1(x)
-        if getattr(self, "mesa_shared", True) and can_fuse(self.act, self.drop1, self.norm, self.fc2, x):
-            x = gelu_linear(x, self.act, self.fc2)
-        else:
-            x = self.act(x)
-            x = self.drop1(x)
-            x = self.norm(x)
-            x = self.fc2(x)
+        x = _act_to_fc2(self, x, self.drop1, self.norm)
         x = self.drop2(x)
+        return x
+
+
+class MesaMlpWithDepthwiseConv(_MlpWithDepthwiseConv):
+    """timm PVT-v2 ``MlpWithDepthwiseConv`` whose ``fc2(act(h))`` keeps one 8-bit copy, of the
+    depthwise conv's output ``h`` (module doc)."""
+
+    def forward(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
+        x = self.fc1(x)
+        B, N, C = x.shape
+        x = x.transpose(1, 2).view(B, C, feat_size[0], feat_size[1])
+        x = self.relu(x)
+        x = self.dwconv(x)
+        x = x.flatten(2).transpose(1, 2)
+        x = _act_to_fc2(self, x, self.drop)
+        x = self.drop(x)
         return x
 
 
@@ -71,5 +96,5 @@ class MesaGluMlp(_GluMlp):
 
 MLP_CLASSES = {_SwiGLU: MesaSwiGLU, _GluMlp: MesaGluMlp}
 STOCK_MLP_CLASSES = {v: k for k, v in MLP_CLASSES.items()}
-SHARED_MLP_CLASSES = {_Mlp: MesaMlp}
+SHARED_MLP_CLASSES = {_Mlp: MesaMlp, _MlpWithDepthwiseConv: MesaMlpWithDepthwiseConv}
 STOCK_SHARED_MLP_CLASSES = {v: k for k, v in SHARED_MLP_CLASSES.items()}
