@@ -145,10 +145,11 @@ def test_fused_linear_is_bitwise_the_python_function(dtype, autocast, bias, row_
             assert a.dtype == b.dtype and torch.equal(a, b), i
 
 
-def _layernorm_run(fused, monkeypatch, dtype, affine, bias, row_scale, x_grad, w_grad, shape, normalized):
+def _layernorm_run(fused, monkeypatch, dtype, affine, bias, row_scale, x_grad, w_grad, shape, normalized,
+                   cls=mnn.LayerNorm):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     torch.manual_seed(0)
-    layer = mnn.LayerNorm(normalized, elementwise_affine=affine, bias=bias, dtype=dtype, num_groups=2,
+    layer = cls(normalized, elementwise_affine=affine, bias=bias, dtype=dtype, num_groups=2,
                           row_scale=row_scale)
     layer.quantizer.rng.copy_(torch.tensor([91, 0]))
     if affine:
@@ -184,6 +185,18 @@ def test_fused_layernorm_is_bitwise_the_python_function(dtype, affine, bias, row
         assert (a is None) == (b is None), i
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("row_scale", [True, False])
+def test_fused_layernorm2d_is_bitwise_the_python_function(dtype, row_scale, monkeypatch):
+    """timm's LayerNorm2d (ConvNeXt): the C++ layer and the Function on the permuted,
+    non-contiguous (N, H, W, C) view of an NCHW input."""
+    args = (dtype, True, True, row_scale, True, True, (3, 8, 2, 5), (8,), mnn.LayerNorm2d)
+    got, want = _layernorm_run(True, monkeypatch, *args), _layernorm_run(False, monkeypatch, *args)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i
 
 
 def _matmul_run(fused, monkeypatch, dtype, autocast, operands, a_grad, b_grad, a_shape, b_shape, b_view):

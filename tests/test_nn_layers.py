@@ -20,6 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+from timm.layers import LayerNorm2d
+
 import mesa_train.nn as mn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn.testing import StockMatMul
@@ -57,6 +59,8 @@ CASES = {
     "layernorm": (lambda: nn.LayerNorm(32), _shape(2, 8, 32)),
     "layernorm_noaffine": (lambda: nn.LayerNorm(32, elementwise_affine=False), _shape(2, 8, 32)),
     "layernorm_nobias": (lambda: nn.LayerNorm(32, bias=False, eps=1e-6), _shape(2, 8, 32)),
+    # timm's LayerNorm2d (ConvNeXt): channels of NCHW, normalised through a permuted view
+    "layernorm2d": (lambda: LayerNorm2d(16), _shape(2, 16, 5, 6)),
     "softmax_4d": (lambda: nn.Softmax(dim=-1), _shape(2, 4, 8, 8)),
     "softmax_3d": (lambda: nn.Softmax(dim=1), _shape(2, 8, 16)),
     "matmul_4d": (StockMatMul, lambda dt, dev: [torch.randn(2, 4, 8, 16, device=dev).to(dt),

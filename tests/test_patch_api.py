@@ -272,3 +272,35 @@ def test_matmul_without_softmax_never_stores_the_map_twice():
             sizes.append(meter.activation_bytes)
         assert sizes[1] < sizes[0], (dtype, sizes)
     assert av.last_saved == ("full", "int8")
+
+
+def test_convnext_layernorm2d_is_converted():
+    """timm's LayerNorm2d (ConvNeXt's stem, blocks and downsampling) becomes the Mesa
+    LayerNorm2d: nothing is reported unreached, the forward stays bitwise stock, and its
+    full-precision saves are gone (it was 40% of convnext_atto's saved bytes)."""
+    import timm
+    from timm.layers import LayerNorm2d
+
+    import mesa_train.nn as mnn
+    from mesa_train.memory import SavedTensorMeter
+
+    torch.manual_seed(0)
+    stock = timm.create_model("convnext_atto", num_classes=10, drop_path_rate=0.1).train()
+    x = torch.randn(2, 3, 64, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unreached functional op warns
+        patched = patch_model(copy.deepcopy(stock), ops=("all",))
+    stock_norms = [m for m in stock.modules() if type(m) is LayerNorm2d]
+    assert len(stock_norms) == 17  # stem, 12 blocks, 3 downsamplings, head
+    assert [type(m) for m in patched.modules() if isinstance(m, (LayerNorm2d, mnn.LayerNorm2d))] == \
+        [mnn.LayerNorm2d] * len(stock_norms)
+    torch.manual_seed(1)
+    want = stock(x)
+    torch.manual_seed(1)
+    assert torch.equal(patched(x), want)
+    bytes_ = {}
+    for name, model in (("stock", stock), ("mesa", patched)):
+        with SavedTensorMeter(model) as meter:
+            model(x)
+        bytes_[name] = meter.activation_bytes
+    assert bytes_["mesa"] < 0.35 * bytes_["stock"]

@@ -88,9 +88,9 @@ ZOO = {
 
 # CI subset (2 CPU cores, a few minutes): plain ViT, DeiT3 (low-variance class token),
 # CLIP (QuickGELU), EVA-02 (rope, SwiGLU, own attention), SwinV2 (in-place after a Linear),
-# CoaT (shared module), a conv+BN hybrid with the generic fallback.
+# CoaT (shared module), a conv+BN hybrid with the generic fallback, ConvNeXt (LayerNorm2d).
 QUICK = ("vit_tiny_patch16_224", "deit3_small_patch16_224", "vit_base_patch16_clip_quickgelu_224",
-         "eva02_tiny_patch14_224", "swinv2_tiny_window8_256", "coat_tiny", "efficientvit_m0")
+         "eva02_tiny_patch14_224", "swinv2_tiny_window8_256", "coat_tiny", "efficientvit_m0", "convnext_atto")
 
 # regularisation switched on for the forward-equality check (timm's usual training values)
 DROP = dict(drop_rate=0.1, drop_path_rate=0.1)

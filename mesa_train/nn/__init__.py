@@ -23,7 +23,7 @@ from .activations import GatedActivation, QuickGELU, SiLU
 from .batchnorm import BatchNorm2d
 from .conv import Conv2d
 from .gelu import GELU
-from .layernorm import LayerNorm
+from .layernorm import LayerNorm, LayerNorm2d
 from .layerscale import ChannelScale, LayerScale
 from .linear import Linear
 from .matmul import MatMul
@@ -42,7 +42,7 @@ LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, Q
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
-    "Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "ReLU",
+    "Linear", "GELU", "LayerNorm", "LayerNorm2d", "Softmax", "MatMul", "Conv2d", "ReLU",
     "BatchNorm2d", "QuickGELU", "SiLU", "RmsNorm", "GatedActivation", "LayerScale", "ChannelScale", "Normalize",
 ]
 from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)

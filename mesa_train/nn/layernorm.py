@@ -179,3 +179,13 @@ class LayerNorm(MesaLayer, nn.LayerNorm):
 
     def extra_repr(self) -> str:
         return f"{nn.LayerNorm.extra_repr(self)}, {self._mesa_repr()}"
+
+
+class LayerNorm2d(LayerNorm):
+    """timm's ``LayerNorm2d`` (ConvNeXt, EfficientViT, ...: the channels of an NCHW tensor
+    normalised by permuting them last, ``F.layer_norm``, and permuting back) with the Mesa
+    ``LayerNorm``'s 8-bit ``x_hat``, which is kept in the permuted (N, H, W, C) layout: its
+    channel groups and rows are the normalised dims, as for any LayerNorm."""
+
+    def forward(self, input):
+        return super().forward(input.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)

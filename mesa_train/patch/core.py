@@ -8,10 +8,10 @@ See :func:`patch_model` for the rules. The work is two passes over the model:
    children (``qk_matmul``, ``softmax``, ``av_matmul`` or ``sdpa``) built with per-head
    groups.
 2. **Leaf modules** (``nn.Linear``, ``nn.GELU``, ``nn.LayerNorm`` incl. timm's
-   ``LayerNorm``, ``nn.Conv2d``, ``nn.ReLU``, ``nn.Softmax``) in the selected module sets
-   are replaced by the Mesa layer built with ``from_module`` (weights are the same
-   ``Parameter`` objects; ``eps``, dtype and device kept), with channel groups = the head
-   count of the block (see :mod:`mesa_train.patch.rules`).
+   ``LayerNorm`` and ``LayerNorm2d``, ``nn.Conv2d``, ``nn.ReLU``, ``nn.Softmax``) in the
+   selected module sets are replaced by the Mesa layer built with ``from_module`` (weights
+   are the same ``Parameter`` objects; ``eps``, dtype and device kept), with channel groups =
+   the head count of the block (see :mod:`mesa_train.patch.rules`).
 
 Any other module whose forward computes one of the requested ops functionally (``@``,
 ``.softmax()``, ``F.scaled_dot_product_attention``, ``F.gelu``, ...) is reported: one
@@ -58,7 +58,8 @@ def _sdpa_cls():
 def _leaf_rules():
     """[(stock type, op, Mesa class)]: exact-type matches only (a subclass may have its own
     forward, e.g. timm's ``LayerNormFp32``; it is reported instead)."""
-    from timm.layers import LayerNorm as TimmLayerNorm, LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm
+    from timm.layers import LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d, LayerScale as TimmLayerScale
+    from timm.layers import RmsNorm as TimmRmsNorm
     from timm.layers.activations import QuickGELU as TimmQuickGELU
 
     from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh
@@ -75,6 +76,7 @@ def _leaf_rules():
         nn.GELU: ("gelu", mnn.GELU),
         nn.LayerNorm: ("layernorm", mnn.LayerNorm),
         TimmLayerNorm: ("layernorm", mnn.LayerNorm),
+        TimmLayerNorm2d: ("layernorm", mnn.LayerNorm2d),
         nn.Conv2d: ("conv", mnn.Conv2d),
         nn.ReLU: ("relu", mnn.ReLU),
         nn.Softmax: ("softmax", mnn.Softmax),
