@@ -32,6 +32,7 @@ from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTEN
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
 from .generic_attention import install as install_generic, install_cosine, install_linear, install_scales
+from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import MLP_CLASSES, MLP_COPIES, SHARED_MLP_CLASSES, STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
@@ -467,6 +468,11 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
                       if isinstance(m._parameters.get(p), nn.Parameter) and m._parameters[p].dim() == 1]
             if params:
                 install_scales(m, params, _module_device(m), _options_for(None, mi.heads, quant_options))
+            # ConvNeXt's x.mul(self.gamma.reshape(1, -1, 1, 1)): a class swap (patch/convnext.py)
+            if type(m) in CONVNEXT_CLASSES and m.gamma is not None:
+                m.add_module(CONVNEXT_SCALE_CHILD, mnn.ChannelScale(device=_module_device(m),
+                                                                    **_options_for(None, mi.heads, quant_options)))
+                m.__class__ = CONVNEXT_CLASSES[type(m)]
 
     # 2. leaf modules (the attention pass may have added children: list again)
     converted: Dict[int, nn.Module] = {}
@@ -516,7 +522,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
 
     # 3. functional ops no rule reaches (requested ops only, selected module sets only)
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
-               + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + (PlainMatMul, PlainSoftmax))
+               + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + tuple(STOCK_CONVNEXT_CLASSES)
+               + (PlainMatMul, PlainSoftmax))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in root.named_modules():
         if type(m) in handled or isinstance(m, mnn.MesaLayer) or any(name.startswith(p) for p in skip_prefixes):
