@@ -85,15 +85,14 @@ def _dropout_is_identity(m: nn.Module) -> bool:
 def can_fuse(act: nn.Module, drop: nn.Module, norm: Optional[nn.Module], fc2: nn.Module, h: torch.Tensor) -> bool:
     """Whether ``fc2(norm(drop(act(h))))`` may run as :func:`gelu_linear`: a Mesa ``GELU`` and
     a Mesa ``Linear`` that would both compress now, with the same quantization options (the
-    copy is made with them), nothing between them (no dropout mask, no norm: ``None`` for an
-    MLP without one) and the default
-    row layout (channels last: the Linear's). Under torch.fx tracing: no (the separate
-    layers are the graph's leaf nodes, nn/tracing.py)."""
+    copy is made with them), nothing between them (no dropout mask, no norm: ``norm`` is
+    ``None`` for an MLP without one) and the default row layout (channels last: the
+    Linear's). Under torch.fx tracing: no (the separate layers are the graph's leaf nodes,
+    nn/tracing.py)."""
     if isinstance(h, torch.fx.Proxy):
         return False
     return (type(act) is GELU and type(fc2) is Linear and (norm is None or type(norm) is nn.Identity)
-            and _dropout_is_identity(drop)
-            and act.quant_options == fc2.quant_options and act._mesa_active(h)
+            and _dropout_is_identity(drop) and act.quant_options == fc2.quant_options and act._mesa_active(h)
             and fc2._mesa_active(h, fc2.weight, fc2.bias))
 
 

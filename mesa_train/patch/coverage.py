@@ -116,7 +116,8 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     for name, nbytes in meter.per_module.items():
         mod = modules.get(name)
         op = mesa_layer_op(mod) if mod is not None else None
-        if type(mod) in STOCK_SHARED_MLP_CLASSES:  # its fc2(gelu(h)) ran as one Function: one copy for both (patch/mlp.py)
+        # a shared-copy MLP: its fc2(gelu(h)) ran as one Function, one copy for both (patch/mlp.py)
+        if type(mod) in STOCK_SHARED_MLP_CLASSES:
             op = "gelu+linear (mlp)"
         key = ("compressed", op) if op is not None else ("left as is", type(mod).__name__ if mod is not None else name)
         entry = groups.setdefault(key, [0, 0])

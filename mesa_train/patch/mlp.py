@@ -20,13 +20,12 @@ from typing import List
 
 import torch
 from timm.layers.mlp import GluMlp as _GluMlp, Mlp as _Mlp, SwiGLU as _SwiGLU
-
 from timm.models.pvt_v2 import MlpWithDepthwiseConv as _MlpWithDepthwiseConv
 
 from mesa_train.nn.gelu_linear import can_fuse, gelu_linear
 
-__all__ = ["MesaSwiGLU", "MesaGluMlp", "MesaMlp", "MesaMlpWithDepthwiseConv", "MLP_CLASSES", "STOCK_MLP_CLASSES", "SHARED_MLP_CLASSES",
-           "STOCK_SHARED_MLP_CLASSES", "MLP_COPIES"]
+__all__ = ["MesaSwiGLU", "MesaGluMlp", "MesaMlp", "MesaMlpWithDepthwiseConv", "MLP_CLASSES", "STOCK_MLP_CLASSES",
+           "SHARED_MLP_CLASSES", "STOCK_SHARED_MLP_CLASSES", "MLP_COPIES"]
 
 # patch_model(mlp=...): "shared": fc2 takes its weight gradient from the GELU's copy of h;
 # "separate": each layer keeps its own copy (the paper's layers)
