@@ -350,90 +350,177 @@ at::Tensor autocast_fp32(const at::Tensor& t) {
   return t.to(at::kFloat);
 }
 
+// The stock LayerNorm's output, its x_hat compressed: (out, q, alpha, beta, rstd, k) for
+// save_for_backward (with the weight), dtypes in ctx->saved_data as "ln_*". Shared by
+// LayerNormTrain and LayerNormLinearTrain (Python twin: layer_norm_forward).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(
+    AutogradContext* ctx, const at::Tensor& x, const std::vector<int64_t>& normalized_shape, const at::Tensor& w,
+    const at::Tensor& b, double eps, Quantizer& qz, bool row_scale) {
+  // CUDA's autocast runs layer_norm in float32 ("fp32" policy); CPU's has no such rule
+  const auto dev = x.device().type();
+  const bool cast = (dev == at::kCUDA || dev == at::kXPU) && at::autocast::is_autocast_enabled(dev);
+  at::Tensor xc = cast ? autocast_fp32(x) : x, wc = cast ? autocast_fp32(w) : w, bc = cast ? autocast_fp32(b) : b;
+  at::Tensor out, mean, rstd;
+  {
+    NoAutocast no_autocast;
+    auto res = at::native_layer_norm(xc, normalized_shape, wc.defined() ? std::optional<at::Tensor>(wc) : std::nullopt,
+                                     bc.defined() ? std::optional<at::Tensor>(bc) : std::nullopt, eps);
+    out = std::get<0>(res);
+    mean = std::get<1>(res);
+    rstd = std::get<2>(res);
+  }
+  const auto mdt = at::promote_types(xc.scalar_type(), at::kFloat);
+  const int64_t row_dims = static_cast<int64_t>(normalized_shape.size());
+  // x_hat = (x - mean) * rstd in float32 with ATen's statistics, computed by the kernels that
+  // compress it (DESIGN.md, "LayerNorm's x_hat inside the kernels"); float32 x_hat: row
+  // scales up to 2**64 (max_exponent)
+  auto [q, alpha, beta, G, k] = compress_with_rows(xc, xc.dim() - 1, qz, row_dims, row_scale ? 64 : 0,
+                                                   mean.to(at::kFloat), rstd.to(at::kFloat));
+  ctx->saved_data["groups"] = G;
+  ctx->saved_data["dim"] = xc.dim() - 1;
+  ctx->saved_data["ln_x_dtype"] = x.scalar_type();
+  ctx->saved_data["mdt"] = mdt;
+  ctx->saved_data["normalized_shape"] = normalized_shape;
+  ctx->saved_data["ln_has_weight"] = w.defined();
+  ctx->saved_data["ln_has_bias"] = b.defined();
+  ctx->saved_data["ln_w_dtype"] = w.defined() ? w.scalar_type() : mdt;
+  ctx->saved_data["ln_b_dtype"] = b.defined() ? b.scalar_type() : mdt;
+  return {out, q, alpha, beta, rstd, k};
+}
+
+// The LayerNorm's (gx, gw, gb) from its output's gradient dy and what layer_norm_forward
+// saved (saved: q, alpha, beta, rstd, weight, k; Python twin: layer_norm_grads): ATen's fused
+// LayerNorm backward fed x_hat / rstd with mean 0 and the row's rstd.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grads(AutogradContext* ctx, const variable_list& saved,
+                                                               const at::Tensor& dy, bool need_x, bool need_w,
+                                                               bool need_b) {
+  const auto mdt = ctx->saved_data["mdt"].toScalarType();
+  need_w = need_w && ctx->saved_data["ln_has_weight"].toBool();
+  need_b = need_b && ctx->saved_data["ln_has_bias"].toBool();
+  const auto normalized_shape = ctx->saved_data["normalized_shape"].toIntVector();
+  const at::Tensor rstd = saved[3].to(mdt);
+  // x - mean, i.e. x_hat / rstd, from the codes in one kernel (row_mul: 1 / rstd per row),
+  // so that ATen's backward, fed it with mean 0 and the real rstd, takes back x_hat and
+  // returns dx with rstd applied: no pass over dx after it (DESIGN.md, "LayerNorm's x_hat
+  // inside the kernels")
+  const at::Tensor k = saved[5];
+  at::Tensor xs = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                       ctx->saved_data["groups"].toInt(), mdt,
+                                       k.defined() ? std::optional<at::Tensor>(k) : std::nullopt,
+                                       at::reciprocal(rstd.to(at::kFloat)));
+  std::optional<at::Tensor> w;
+  if (saved[4].defined()) w = saved[4].to(mdt);
+  std::optional<at::Tensor> bias_stub;  // only its presence matters
+  if (need_b) bias_stub = rstd.new_empty(normalized_shape);
+  auto [dx, dw, db] = at::native_layer_norm_backward(dy.to(mdt), xs, normalized_shape, at::zeros_like(rstd), rstd, w,
+                                                     bias_stub, {need_x, need_w, need_b});
+  at::Tensor gx, gw, gb;
+  if (need_x) gx = dx.to(ctx->saved_data["ln_x_dtype"].toScalarType());
+  if (need_w) gw = dw.to(ctx->saved_data["ln_w_dtype"].toScalarType());
+  if (need_b) gb = db.to(ctx->saved_data["ln_b_dtype"].toScalarType());
+  return {gx, gw, gb};
+}
+
 struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::vector<int64_t> normalized_shape,
                             const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                             double eps, Quantizer qz, bool row_scale) {
-    // CUDA's autocast runs layer_norm in float32 ("fp32" policy); CPU's has no such rule
-    const auto dev = x.device().type();
-    const bool cast = (dev == at::kCUDA || dev == at::kXPU) && at::autocast::is_autocast_enabled(dev);
-    at::Tensor w = weight.has_value() ? *weight : at::Tensor(), b = bias.has_value() ? *bias : at::Tensor();
-    at::Tensor xc = cast ? autocast_fp32(x) : x, wc = cast ? autocast_fp32(w) : w, bc = cast ? autocast_fp32(b) : b;
-    at::Tensor out, mean, rstd;
-    {
-      NoAutocast no_autocast;
-      auto res = at::native_layer_norm(xc, normalized_shape, wc.defined() ? std::optional<at::Tensor>(wc) : std::nullopt,
-                                       bc.defined() ? std::optional<at::Tensor>(bc) : std::nullopt, eps);
-      out = std::get<0>(res);
-      mean = std::get<1>(res);
-      rstd = std::get<2>(res);
-    }
-    const auto mdt = at::promote_types(xc.scalar_type(), at::kFloat);
-    const int64_t row_dims = static_cast<int64_t>(normalized_shape.size());
-    // x_hat = (x - mean) * rstd in float32 with ATen's statistics, computed by the kernels that
-    // compress it (DESIGN.md, "LayerNorm's x_hat inside the kernels"); float32 x_hat: row
-    // scales up to 2**64 (max_exponent)
-    auto [q, alpha, beta, G, k] = compress_with_rows(xc, xc.dim() - 1, qz, row_dims, row_scale ? 64 : 0,
-                                                     mean.to(at::kFloat), rstd.to(at::kFloat));
+    const at::Tensor w = weight.has_value() ? *weight : at::Tensor(), b = bias.has_value() ? *bias : at::Tensor();
+    auto [out, q, alpha, beta, rstd, k] = layer_norm_forward(ctx, x, normalized_shape, w, b, eps, qz, row_scale);
     // the weight whenever there is one (a parameter: no activation memory): ATen's backward
     // takes dweight's shape from it even when x needs no gradient
     ctx->save_for_backward({q, alpha, beta, rstd, w, k});
-    ctx->saved_data["groups"] = G;
-    ctx->saved_data["dim"] = xc.dim() - 1;
-    ctx->saved_data["x_dtype"] = x.scalar_type();
-    ctx->saved_data["mdt"] = mdt;
-    ctx->saved_data["normalized_shape"] = normalized_shape;
-    ctx->saved_data["has_weight"] = w.defined();
-    ctx->saved_data["has_bias"] = b.defined();
-    ctx->saved_data["w_dtype"] = w.defined() ? w.scalar_type() : mdt;
-    ctx->saved_data["b_dtype"] = b.defined() ? b.scalar_type() : mdt;
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order("LayerNorm");
     NoAutocast no_autocast;
-    const auto saved = ctx->get_saved_variables();
-    const auto mdt = ctx->saved_data["mdt"].toScalarType();
-    const bool has_w = ctx->saved_data["has_weight"].toBool(), has_b = ctx->saved_data["has_bias"].toBool();
     // needs_input_grad indexes the tensors apply tracked: x, then weight and bias if present
-    const bool need_x = ctx->needs_input_grad(0);
-    const bool need_w = has_w && ctx->needs_input_grad(1);
-    const bool need_b = has_b && ctx->needs_input_grad(has_w ? 2 : 1);
-    const auto normalized_shape = ctx->saved_data["normalized_shape"].toIntVector();
-    const at::Tensor rstd = saved[3].to(mdt);
-    // x - mean, i.e. x_hat / rstd, from the codes in one kernel (row_mul: 1 / rstd per row),
-    // so that ATen's backward, fed it with mean 0 and the real rstd, takes back x_hat and
-    // returns dx with rstd applied: no pass over dx after it (DESIGN.md, "LayerNorm's x_hat
-    // inside the kernels")
-    const at::Tensor k = saved[5];
-    at::Tensor xs = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                         ctx->saved_data["groups"].toInt(), mdt,
-                                         k.defined() ? std::optional<at::Tensor>(k) : std::nullopt,
-                                         at::reciprocal(rstd.to(at::kFloat)));
-    std::optional<at::Tensor> w;
-    if (saved[4].defined()) w = saved[4].to(mdt);
-    std::optional<at::Tensor> bias_stub;  // only its presence matters
-    if (need_b) bias_stub = rstd.new_empty(normalized_shape);
-    auto [dx, dw, db] = at::native_layer_norm_backward(grads[0].to(mdt), xs, normalized_shape, at::zeros_like(rstd),
-                                                       rstd, w, bias_stub, {need_x, need_w, need_b});
-    at::Tensor gx, gw, gb;
-    if (need_x) gx = dx.to(ctx->saved_data["x_dtype"].toScalarType());
-    if (need_w) gw = dw.to(ctx->saved_data["w_dtype"].toScalarType());
-    if (need_b) gb = db.to(ctx->saved_data["b_dtype"].toScalarType());
+    const bool has_w = ctx->saved_data["ln_has_weight"].toBool(), has_b = ctx->saved_data["ln_has_bias"].toBool();
+    auto [gx, gw, gb] = layer_norm_grads(ctx, ctx->get_saved_variables(), grads[0], ctx->needs_input_grad(0),
+                                         has_w && ctx->needs_input_grad(1),
+                                         has_b && ctx->needs_input_grad(has_w ? 2 : 1));
     return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// an optional tensor that is present and defined, else nullopt (Function::apply tracks only
+// present tensors: an undefined one would shift needs_input_grad's indices)
+std::optional<at::Tensor> present(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
+}
 
 at::Tensor layer_norm_train(const at::Tensor& x, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, double eps, at::Tensor& alpha_est,
                             at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng, int64_t num_groups,
                             double decay, int64_t estimator, bool symmetric, bool stochastic, bool row_scale) {
   Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
-  auto present = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
-  };
   return LayerNormTrain::apply(x, normalized_shape.vec(), present(weight), present(bias), eps, qz, row_scale);
+}
+
+// ----------------------------------------------------------------------------- LayerNorm + Linear
+// mesa_train/nn/layernorm_linear.py: fc(norm(x)) keeping one 8-bit copy, the norm's x_hat, for
+// both backward passes; the Linear's input x_hat * gamma + beta is rebuilt from it in backward.
+struct LayerNormLinearTrain : public torch::autograd::Function<LayerNormLinearTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::vector<int64_t> normalized_shape,
+                            const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
+                            double eps, const at::Tensor& weight, const std::optional<at::Tensor>& bias, Quantizer qz,
+                            bool row_scale) {
+    const at::Tensor lw = ln_weight.has_value() ? *ln_weight : at::Tensor();
+    const at::Tensor lb = ln_bias.has_value() ? *ln_bias : at::Tensor();
+    // exactly the stock norm (its autocast policy included), then exactly the stock Linear
+    auto [y, q, alpha, beta, rstd, k] = layer_norm_forward(ctx, x, normalized_shape, lw, lb, eps, qz, row_scale);
+    const at::Tensor yc = autocast_input(y);
+    at::Tensor out = at::linear(yc, weight, bias);
+    ctx->save_for_backward({q, alpha, beta, rstd, lw, k, lb, weight});
+    ctx->saved_data["y_dtype"] = y.scalar_type();
+    ctx->saved_data["yc_dtype"] = yc.scalar_type();
+    save_linear_dtypes(ctx, out, weight, bias);
+    return not_a_view(out);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("LayerNorm + Linear");
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    // needs_input_grad indexes the tensors apply tracked: x, the norm's weight and bias if
+    // present, the Linear's weight, its bias if present
+    int64_t i = 1;
+    const bool has_lw = ctx->saved_data["ln_has_weight"].toBool(), has_lb = ctx->saved_data["ln_has_bias"].toBool();
+    const bool need_lw = has_lw && ctx->needs_input_grad(i);
+    i += has_lw;
+    const bool need_lb = has_lb && ctx->needs_input_grad(i);
+    i += has_lb;
+    const bool need_x = ctx->needs_input_grad(0);
+    const auto mdt = ctx->saved_data["mdt"].toScalarType(), ydt = ctx->saved_data["y_dtype"].toScalarType();
+    // the Linear's backward, its input rebuilt from the norm's codes in the stock dtypes (the
+    // norm's output dtype, then autocast's cast); its input gradient comes back in the
+    // norm's output dtype, as stock casts it (Python twin: rebuild_norm_output)
+    auto [gy, gw, gb] = linear_grads(ctx, grads[0], saved[7], ydt, need_x || need_lw || need_lb,
+                                     ctx->needs_input_grad(i), i + 1, [&] {
+                                       at::Tensor y = decompress_rows(saved, ctx->saved_data["dim"].toInt(),
+                                                                      ctx->saved_data["groups"].toInt(), mdt, saved[5]);
+                                       if (saved[4].defined()) y = y * saved[4].to(mdt);
+                                       if (saved[6].defined()) y = y + saved[6].to(mdt);
+                                       return y.to(ydt).to(ctx->saved_data["yc_dtype"].toScalarType())
+                                           .to(ctx->saved_data["cdt"].toScalarType());
+                                     });
+    at::Tensor gx, glw, glb;
+    if (gy.defined()) std::tie(gx, glw, glb) = layer_norm_grads(ctx, saved, gy, need_x, need_lw, need_lb);
+    return {gx, at::Tensor(), glw, glb, at::Tensor(), gw, gb, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor layer_norm_linear_train(const at::Tensor& x, at::IntArrayRef normalized_shape,
+                                   const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
+                                   double eps, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                   at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
+                                   int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
+                                   bool row_scale) {
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  return LayerNormLinearTrain::apply(x, normalized_shape.vec(), present(ln_weight), present(ln_bias), eps, weight,
+                                     present(bias), qz, row_scale);
 }
 
 // ----------------------------------------------------------------------------- MatMul
@@ -691,6 +778,11 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "layer_norm_train(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
       "float decay, int estimator, bool symmetric, bool stochastic, bool row_scale) -> Tensor");
+  m.def(
+      "layer_norm_linear_train(Tensor x, int[] normalized_shape, Tensor? ln_weight, Tensor? ln_bias, float eps, "
+      "Tensor weight, Tensor? bias, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
+      "Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic, "
+      "bool row_scale) -> Tensor");
   // shared_*: a producer's 8-bit copy [q, alpha, beta] (or []); state_*: the operand's
   // quantizer buffers [alpha_est, beta_est, initialized, rng] (or [], no quantizer)
   m.def(
@@ -725,6 +817,7 @@ TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("linear_train", &mesa::linear_train);
   m.impl("gelu_linear_train", &mesa::gelu_linear_train);
   m.impl("layer_norm_train", &mesa::layer_norm_train);
+  m.impl("layer_norm_linear_train", &mesa::layer_norm_linear_train);
   m.impl("matmul_train", &mesa::matmul_train);
   m.impl("conv2d_train", &mesa::conv2d_train);
 }

@@ -141,8 +141,9 @@ class SavedTensorMeter:
         if self.model is not None:
             self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
             for name, mod in self.model.named_modules():
-                self._handles.append(mod.register_forward_pre_hook(partial(self._pre, name)))
-                self._handles.append(mod.register_forward_hook(partial(self._post, name), always_call=True))
+                self._handles.append(mod.register_forward_pre_hook(_input_agnostic(partial(self._pre, name))))
+                self._handles.append(mod.register_forward_hook(_input_agnostic(partial(self._post, name)),
+                                                               always_call=True))
         # The graph keeps its pack hook alive until it is freed (even without a backward),
         # so the hook holds the meter only weakly: a dropped graph never pins meter or model.
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(partial(_pack, weakref.ref(self)), _unpack)
@@ -201,6 +202,18 @@ class SavedTensorMeter:
             key = self._stack[-1] if self._stack else OUTSIDE
             self.per_module[key] = self.per_module.get(key, 0) + nbytes
         return t
+
+
+# A module hook marked with this attribute reads neither the module's arguments nor its
+# output (the meter's: a name on a stack). A patched block may then hand its attention / MLP
+# the un-normalised input and run norm + Linear as one call (patch/block.py); any other hook
+# there turns that off, so that it sees the arguments and calls it expects.
+INPUT_AGNOSTIC_HOOK = "mesa_input_agnostic"
+
+
+def _input_agnostic(hook):
+    setattr(hook, INPUT_AGNOSTIC_HOOK, True)
+    return hook
 
 
 def _pack(meter_ref, t: torch.Tensor):

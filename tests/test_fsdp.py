@@ -203,10 +203,13 @@ def test_estimates_identical_across_ranks_and_fsdp_shards_state(tmp_path):
         # ... and the policy makes every buffer bit-identical: the rank mean of alpha/beta.
         assert all(s["identical_after"] and s["mean_ok"] for s in steps + r1[strategy]["steps"]), strategy
         # the rounding state advanced the same on both ranks (3 steps of compressions)
-        # (fc2 of each MLP draws nothing: it uses the GELU's copy, patch_model(mlp="shared"))
+        # (fc2 of each MLP draws nothing: it uses the GELU's copy, patch_model(mlp="shared"); nor
+        # do qkv and fc1: they use the norms', patch_model(norm_linear="shared"))
         rng0, rng1 = r0[strategy]["rng"], r1[strategy]["rng"]
         assert rng0.keys() == rng1.keys() and all(torch.equal(rng0[n], rng1[n]) for n in rng0)
-        assert all((rng0[n][1] > 0) != (".mlp.fc2." in n) for n in rng0), {n: int(v[1]) for n, v in rng0.items()}
+        borrowed = (".mlp.fc2.", ".mlp.fc1.", ".attn.qkv.")
+        assert all((rng0[n][1] > 0) != any(b in n for b in borrowed) for n in rng0), \
+            {n: int(v[1]) for n, v in rng0.items()}
     for kind in ("params", "grads", "optimizer"):
         for r in (r0, r1):
             ratio = r["fsdp"][kind] / r["ddp"][kind]

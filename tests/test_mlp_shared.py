@@ -18,7 +18,6 @@ import copy
 import pytest
 import timm
 import torch
-import torch.nn.functional as F
 from timm.layers import Mlp
 
 import mesa_train.nn as mnn
@@ -27,6 +26,7 @@ from mesa_train.nn import gelu_linear as gelu_linear_mod
 from mesa_train.patch import patch_model
 from mesa_train.patch import mlp as mlp_mod
 from mesa_train.patch.mlp import MesaMlp, MesaMlpWithDepthwiseConv
+from shared_copies import check_config_choice, cos, run_step
 
 FAMILIES = ("deit", "pvt")
 
@@ -55,21 +55,6 @@ def _images(b=4):
     return torch.randn(b, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
 
-def _run(model, x, seed=5, autocast=False):
-    """(output, {name: grad}) of one train step, the RNG reseeded (drop-path masks equal)."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = model(x)
-    out.float().square().mean().backward()
-    return out.detach(), {n.removeprefix("_orig_mod."): p.grad.detach().clone()  # (torch.compile's wrapper)
-                          for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _cos(a, b):
-    return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
-
-
 def _count_fused(monkeypatch):
     calls = []
     real = mlp_mod.gelu_linear
@@ -87,8 +72,12 @@ def test_default_is_shared_and_separate_keeps_timm_mlp():
     shared = patch_model(_deit())
     assert all(type(b.mlp) is MesaMlp and b.mlp.mesa_shared for b in shared.blocks)
     assert isinstance(shared.blocks[0].mlp.act, mnn.GELU) and isinstance(shared.blocks[0].mlp.fc2, mnn.Linear)
-    separate = patch_model(_deit(), mlp="separate")
+    separate = patch_model(_deit(), mlp="separate", norm_linear="separate")
     assert all(type(b.mlp) is Mlp for b in separate.blocks)
+    # (with norm_linear="shared" the MLP takes norm2's copy: a MesaMlp that does not share
+    # its act's, tests/test_norm_shared.py)
+    assert all(type(b.mlp) is MesaMlp and not b.mlp.mesa_shared
+               for b in patch_model(_deit(), mlp="separate").blocks)
     # patching again with "separate" turns an installed MesaMlp off
     patch_model(shared, mlp="separate")
     assert all(type(b.mlp) is MesaMlp and not b.mlp.mesa_shared for b in shared.blocks)
@@ -129,8 +118,8 @@ def test_forward_bitwise_stock_with_drop_path(family, autocast, monkeypatch):
     patched = patch_model(copy.deepcopy(stock))
     calls = _count_fused(monkeypatch)
     x = _images()
-    out_stock, _ = _run(stock, x, autocast=autocast)
-    out_mesa, _ = _run(patched, x, autocast=autocast)
+    out_stock, _ = run_step(stock, x, autocast=autocast)
+    out_mesa, _ = run_step(patched, x, autocast=autocast)
     assert len(calls) == len(_mlps(patched)) > 0  # every MLP ran fused
     assert torch.equal(out_stock, out_mesa)
 
@@ -172,11 +161,11 @@ def test_gradients_as_close_to_exact_as_separate_layers(family):
     stock = _model(family)
     x = _images()
     exact = copy.deepcopy(stock).double()
-    _, g_exact = _run(exact, x.double())
+    _, g_exact = run_step(exact, x.double())
     worst = {}
     for mode in ("separate", "shared"):
-        _, g = _run(patch_model(copy.deepcopy(stock), mlp=mode), x)
-        worst[mode] = min(_cos(g[n], g_exact[n]) for n in g_exact if "mlp" in n)
+        _, g = run_step(patch_model(copy.deepcopy(stock), mlp=mode), x)
+        worst[mode] = min(cos(g[n], g_exact[n]) for n in g_exact if "mlp" in n)
     assert worst["shared"] >= 0.999, worst
     assert worst["shared"] >= worst["separate"] - 2e-4, worst
 
@@ -204,10 +193,10 @@ def test_fc2_weight_gradient_of_a_tiny_row_is_kept():
     exact = _fc2_weight_grad(copy.deepcopy(mlp).double(), x.double(), g.double())
     shared = patch_model(torch.nn.Sequential(copy.deepcopy(mlp)))[0]
     assert type(shared) is MesaMlp
-    assert _cos(_fc2_weight_grad(shared, x, g), exact) > 0.999
+    assert cos(_fc2_weight_grad(shared, x, g), exact) > 0.999
     # without row scales the same row is rounding noise: the check above can fail
     no_rows = patch_model(torch.nn.Sequential(copy.deepcopy(mlp)), row_scale=False)[0]
-    assert _cos(_fc2_weight_grad(no_rows, x, g), exact) < 0.9
+    assert cos(_fc2_weight_grad(no_rows, x, g), exact) < 0.9
 
 
 def test_fc2_weight_gradient_averages_to_exact():
@@ -232,12 +221,12 @@ def test_cpp_node_bitwise_the_python_function(family, autocast, monkeypatch):
     patched = patch_model(_model(family))
     twin = copy.deepcopy(patched)  # same weights and quantizer state (estimates, rounding counters)
     x = _images()
-    out_cpp, g_cpp = _run(patched, x, autocast=autocast)
+    out_cpp, g_cpp = run_step(patched, x, autocast=autocast)
     monkeypatch.setattr(gelu_linear_mod, "_OP", False)
     calls = []
     real = gelu_linear_mod._GeluLinearFn.apply
     monkeypatch.setattr(gelu_linear_mod._GeluLinearFn, "apply", lambda *a: calls.append(1) or real(*a))
-    out_py, g_py = _run(twin, x, autocast=autocast)
+    out_py, g_py = run_step(twin, x, autocast=autocast)
     assert len(calls) == len(_mlps(twin))
     assert torch.equal(out_cpp, out_py)
     assert g_cpp.keys() == g_py.keys() and all(torch.equal(g_cpp[n], g_py[n]) for n in g_cpp)
@@ -272,23 +261,14 @@ def test_compiled_fullgraph_matches_eager(family):
     eager = patch_model(copy.deepcopy(stock))
     compiled_model = patch_model(copy.deepcopy(stock))
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
-    out_e, g_e = _run(eager, x)
-    out_c, g_c = _run(compiled, x)
+    out_e, g_e = run_step(eager, x)
+    out_c, g_c = run_step(compiled, x)
     assert torch.allclose(out_e, out_c, rtol=1e-5, atol=1e-6)
-    assert min(_cos(g_c[n], g_e[n]) for n in g_e if "mlp" in n) > 0.999
+    assert min(cos(g_c[n], g_e[n]) for n in g_e if "mlp" in n) > 0.999
 
 
 def test_config_mlp_reaches_patch_model(compose_train):
-    from omegaconf import OmegaConf
-
-    from mesa_train.train.config import ConfigError, mesa_options, validate
-
-    cfg = compose_train([])
-    assert cfg.mesa.mlp == "shared"
-    assert mesa_options(compose_train(["mesa.mlp=separate"]))["mlp"] == "separate"
-    OmegaConf.update(cfg, "mesa.mlp", "fused")
-    with pytest.raises(ConfigError, match=r"mesa.mlp='fused' is not valid; choose one of: shared, separate"):
-        validate(cfg)
+    check_config_choice(compose_train, "mlp")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -297,7 +277,7 @@ def test_describe_counts_the_shared_copy_as_compressed(family):
 
     cov = coverage(patch_model(_model(family)), _images(2))
     kinds = {(r[0], r[1]): r[3] for r in cov.rows}
-    assert kinds.get(("compressed", "gelu+linear (mlp)"), 0) > 0
+    assert kinds.get(("compressed", "shared copies (mlp)"), 0) > 0
     assert not any(kind == "left as is" and what.startswith("MesaMlp") for kind, what in kinds)
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from mesa_train.bench.presets import BenchConfigError
 
-QUANT_KEYS = ("num_groups", "decay", "estimator", "symmetric", "rounding", "mlp")
+QUANT_KEYS = ("num_groups", "decay", "estimator", "symmetric", "rounding", "mlp", "norm_linear")
 CSV_COLUMNS = ["preset", "model", "label", "ops", "modules", "quant", "paper", "status", "error", "passes",
                "cos_single", "rel_err_single", "cos_mean", "rel_err_mean", "bias_rel", "noise_rel",
                "noise_rel_over_sqrt_n", "worst_tensor", "worst_tensor_cos_mean", "forward_exact",

@@ -43,7 +43,7 @@ from mesa_train.quant.reference import normalize_rows
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
-__all__ = ["LayerNorm"]
+__all__ = ["LayerNorm", "layer_norm_forward", "layer_norm_grads"]
 
 # Device types whose autocast runs layer_norm in float32 ("fp32" cast policy). On CPU
 # layer_norm is not in any autocast list and runs in the input dtype. The layer tests check
@@ -78,71 +78,85 @@ def unpack_rstd(r16: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (r16.float() * scale).to(dtype)
 
 
+def layer_norm_forward(ctx, x, normalized_shape, weight, bias, eps, quantizer):
+    """The stock LayerNorm's output and what its backward needs: ``(out, packed, extra)`` to
+    ``save(ctx, [packed], *extra)`` (``extra``: rstd (or its float16 form), weight, row
+    exponents[, rstd's scale]); dtypes on ``ctx`` as ``ln_*``. Shared by this layer's Function
+    and the LayerNorm + Linear one (``layernorm_linear.py``)."""
+    dev = x.device.type
+    cast = dev in _FP32_POLICY and torch.is_autocast_enabled(dev)
+    xc, wc, bc = (_autocast_fp32(t) for t in (x, weight, bias)) if cast else (x, weight, bias)
+    with no_autocast(dev):
+        # F.layer_norm == native_layer_norm(...)[0]; this also gives mean and rstd
+        out, mean, rstd = torch.native_layer_norm(xc, normalized_shape, wc, bc, eps)
+        mdt = _math_dtype(xc.dtype)
+        # the normalised input (x - mean) * rstd in float32 with the very statistics the
+        # stock backward would use (DESIGN.md, "LayerNorm's x_hat inside the kernels"):
+        # the values the C++ layer's kernels compute without writing x_hat; here a
+        # transient tensor (fused by Inductor when traced): only its uint8 codes are kept
+        x_hat = normalize_rows(xc, mean, rstd)
+    # rows whose variance is far below eps (DeiT3's class token) have x_hat ~ 1e-3,
+    # below the group's 8-bit step: scaled by 2**k first (rowscale.py)
+    packed, k = compress_rows(quantizer, x_hat, len(normalized_shape), max_exponent(mdt))
+    del x_hat
+    ctx.ln_x_dtype, ctx.mdt = x.dtype, mdt
+    ctx.normalized_shape = tuple(normalized_shape)
+    ctx.ln_w_dtype = weight.dtype if weight is not None else None
+    ctx.ln_b_dtype = bias.dtype if bias is not None else None
+    # the weight (a parameter: no activation memory) also when only dweight is needed:
+    # ATen's backward takes dweight's shape from it (an input that needs no gradient,
+    # e.g. behind a frozen stem, failed here before)
+    ctx.rstd_dtype = rstd.dtype
+    if quantizer.options.bits < 8:  # float16 rstd (module doc)
+        r16, scale = pack_rstd(rstd)
+        return out, packed, (r16, weight, k, scale)
+    return out, packed, (rstd, weight, k)
+
+
+def layer_norm_grads(ctx, g, packed, extra, need_x, need_w, need_b):
+    """``(gx, gw, gb)`` of the LayerNorm from its output's gradient ``g`` and what
+    :func:`layer_norm_forward` saved (``extra`` as it returned it; None where not needed)."""
+    rstd, weight, k, *scale = extra
+    if scale:
+        rstd = unpack_rstd(rstd, scale[0], ctx.rstd_dtype)
+    mdt = ctx.mdt
+    need_w = need_w and ctx.ln_w_dtype is not None
+    need_b = need_b and ctx.ln_b_dtype is not None
+    gx = gw = gb = None
+    with no_autocast(g.device.type):
+        rstd = rstd.to(mdt)
+        # x - mean (= x_hat / rstd) from the codes: dequantize's row_mul, in its kernel
+        xs = decompress_rows(packed, mdt, k, torch.reciprocal(rstd.float()))
+        # ATen's fused LayerNorm backward fed x - mean with mean 0 and the row's rstd: its
+        # internal (x - mean) * rstd is x_hat again (within an ulp of float32), and it
+        # returns rstd * (gw - mean(gw) - x_hat * mean(gw * x_hat)) and both parameter
+        # gradients in one call: no pass over dx after it. Replaces ~14 eager passes.
+        w = weight.to(mdt) if weight is not None else None
+        bias_stub = rstd.new_empty(ctx.normalized_shape) if need_b else None  # only its presence matters
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            g.to(mdt), xs, list(ctx.normalized_shape), torch.zeros_like(rstd), rstd, w, bias_stub,
+            [need_x, need_w, need_b])
+        if need_x:
+            gx = dx.to(ctx.ln_x_dtype)
+        if need_w:
+            gw = dw.to(ctx.ln_w_dtype)
+        if need_b:
+            gb = db.to(ctx.ln_b_dtype)
+    return gx, gw, gb
+
+
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, quantizer):
-        dev = x.device.type
-        cast = dev in _FP32_POLICY and torch.is_autocast_enabled(dev)
-        xc, wc, bc = (_autocast_fp32(t) for t in (x, weight, bias)) if cast else (x, weight, bias)
-        with no_autocast(dev):
-            # F.layer_norm == native_layer_norm(...)[0]; this also gives mean and rstd
-            out, mean, rstd = torch.native_layer_norm(xc, normalized_shape, wc, bc, eps)
-            mdt = _math_dtype(xc.dtype)
-            # the normalised input (x - mean) * rstd in float32 with the very statistics the
-            # stock backward would use (DESIGN.md, "LayerNorm's x_hat inside the kernels"):
-            # the values the C++ layer's kernels compute without writing x_hat; here a
-            # transient tensor (fused by Inductor when traced): only its uint8 codes are kept
-            x_hat = normalize_rows(xc, mean, rstd)
-        # rows whose variance is far below eps (DeiT3's class token) have x_hat ~ 1e-3,
-        # below the group's 8-bit step: scaled by 2**k first (rowscale.py)
-        packed, k = compress_rows(quantizer, x_hat, len(normalized_shape), max_exponent(mdt))
-        del x_hat
-        ctx.x_dtype, ctx.mdt = x.dtype, mdt
-        ctx.normalized_shape = tuple(normalized_shape)
-        ctx.w_dtype = weight.dtype if weight is not None else None
-        ctx.b_dtype = bias.dtype if bias is not None else None
-        ctx.has_bias = bias is not None
-        # the weight (a parameter: no activation memory) also when only dweight is needed:
-        # ATen's backward takes dweight's shape from it (an input that needs no gradient,
-        # e.g. behind a frozen stem, failed here before)
-        ctx.rstd_dtype = rstd.dtype
-        if quantizer.options.bits < 8:  # float16 rstd (module doc)
-            r16, scale = pack_rstd(rstd)
-            save(ctx, [packed], r16, weight, k, scale)
-        else:
-            save(ctx, [packed], rstd, weight, k)
+        out, packed, extra = layer_norm_forward(ctx, x, normalized_shape, weight, bias, eps, quantizer)
+        save(ctx, [packed], *extra)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        (packed,), (rstd, weight, k, *scale) = load(ctx)
-        if scale:
-            rstd = unpack_rstd(rstd, scale[0], ctx.rstd_dtype)
-        mdt = ctx.mdt
-        need_x = ctx.needs_input_grad[0]
-        need_w = ctx.w_dtype is not None and ctx.needs_input_grad[2]
-        need_b = ctx.has_bias and ctx.needs_input_grad[3]
-        gx = gw = gb = None
-        with no_autocast(g.device.type):
-            rstd = rstd.to(mdt)
-            # x - mean (= x_hat / rstd) from the codes: dequantize's row_mul, in its kernel
-            xs = decompress_rows(packed, mdt, k, torch.reciprocal(rstd.float()))
-            # ATen's fused LayerNorm backward fed x - mean with mean 0 and the row's rstd: its
-            # internal (x - mean) * rstd is x_hat again (within an ulp of float32), and it
-            # returns rstd * (gw - mean(gw) - x_hat * mean(gw * x_hat)) and both parameter
-            # gradients in one call: no pass over dx after it. Replaces ~14 eager passes.
-            w = weight.to(mdt) if weight is not None else None
-            bias_stub = rstd.new_empty(ctx.normalized_shape) if need_b else None  # only its presence matters
-            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                g.to(mdt), xs, list(ctx.normalized_shape), torch.zeros_like(rstd), rstd, w, bias_stub,
-                [need_x, need_w, need_b])
-            if need_x:
-                gx = dx.to(ctx.x_dtype)
-            if need_w:
-                gw = dw.to(ctx.w_dtype)
-            if need_b:
-                gb = db.to(ctx.b_dtype)
+        (packed,), extra = load(ctx)
+        gx, gw, gb = layer_norm_grads(ctx, g, packed, extra, *ctx.needs_input_grad[0:1], *ctx.needs_input_grad[2:4])
         return gx, None, gw, gb, None, None
 
 

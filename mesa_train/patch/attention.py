@@ -38,6 +38,7 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 
+from mesa_train.nn.layernorm_linear import can_fuse_norm, layernorm_linear
 from mesa_train.nn.matmul import MatMul as MesaMatMul
 from mesa_train.nn.softmax import Softmax as MesaSoftmax
 from timm.layers import Attention as _TimmAttention
@@ -126,13 +127,20 @@ class MesaViTAttention(_TimmAttention):
         x: torch.Tensor,
         attn_mask: Optional[torch.Tensor] = None,
         is_causal: bool = False,
+        pre_norm: Optional[nn.Module] = None,
     ) -> torch.Tensor:
+        """``pre_norm``: ``x`` is the block's input before its norm (``patch/block.py``), and
+        ``qkv(pre_norm(x))`` keeps one 8-bit copy where it can (``can_fuse_norm``)."""
         path = self.mesa_attn_path
+        if pre_norm is not None and (path == "stock" or self.gate is not None
+                                     or not can_fuse_norm(pre_norm, self.qkv, x)):
+            x, pre_norm = pre_norm(x), None  # the stock order: the norm, then this module
         if path == "stock":
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, C = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = layernorm_linear(x, pre_norm, self.qkv) if pre_norm is not None else self.qkv(x)
+        qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
 

@@ -34,6 +34,7 @@ from .recompute import make_recomputed
 from .generic_attention import install as install_generic, install_cosine, install_linear, install_scales
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import MLP_CLASSES, MLP_COPIES, SHARED_MLP_CLASSES, STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES
+from .block import BLOCK_CLASSES, NORM_LINEAR_COPIES, STOCK_BLOCK_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
@@ -302,9 +303,25 @@ def _share_mlp_copies(named, info, set_names, shared: bool, rules, mnn) -> None:
             m.mesa_shared = shared
 
 
+def _share_norm_copies(named, info, set_names, shared: bool) -> None:
+    """timm ViT / Swin / PVT-v2 blocks -> ``patch/block.py``'s (``mesa_norm_shared``); their
+    timm ``Mlp`` (PVT-v2: ``MlpWithDepthwiseConv``) becomes the Mesa one (which takes the norm;
+    no GELU + fc2 sharing) when the ``ffn`` set is patched and the MLP step did not swap it."""
+    for name, m in named:
+        stock_cls = STOCK_BLOCK_CLASSES.get(type(m), type(m))
+        if stock_cls not in BLOCK_CLASSES or not (shared or type(m) is not stock_cls):
+            continue
+        m.__class__ = BLOCK_CLASSES[stock_cls]
+        m.mesa_norm_shared = shared
+        mlp_set = info.get(f"{name}.mlp" if name else "mlp", ModuleInfo("other", None, None)).module_set
+        if shared and type(getattr(m, "mlp", None)) in SHARED_MLP_CLASSES and mlp_set in set_names:
+            m.mlp.__class__ = SHARED_MLP_CLASSES[type(m.mlp)]
+            m.mlp.mesa_shared = False  # the MLP step found no GELU + fc2 pair to share, or mlp="separate"
+
+
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
                 *, attention: str = "auto", plan=None, cancelling_bn: str = "stock", mlp: str = "shared",
-                **quant_options) -> nn.Module:
+                norm_linear: str = "shared", **quant_options) -> nn.Module:
     """Patch ``model`` in place with Mesa compression and return it.
 
     Args:
@@ -341,6 +358,12 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             in backward) instead of keeping a second copy of the widest activation
             (``nn/gelu_linear.py``; needs ``gelu`` and ``linear`` among the ops).
             ``separate``: each layer keeps its own copy (the paper's layers).
+        norm_linear: ``shared`` (default): in timm's ViT ``Block``, ``attn.qkv`` and
+            ``mlp.fc1`` take their weight gradient from the 8-bit ``x_hat`` of the LayerNorm
+            before them (``norm1``, ``norm2``; rebuilding ``x_hat * gamma + beta`` in
+            backward) instead of keeping a second copy of the same tokens
+            (``nn/layernorm_linear.py``, ``patch/block.py``; needs ``layernorm`` and
+            ``linear`` among the ops). ``separate``: each layer keeps its own copy.
         plan: a :class:`mesa_train.plan.Plan`, its dict or a plan file path (``python -m
             mesa_train.plan``): patch each layer with the ops the plan gives it instead.
         **quant_options: ``num_groups``, ``decay``, ``estimator``, ``symmetric``,
@@ -376,6 +399,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         raise ValueError(f"unknown cancelling_bn {cancelling_bn!r}; valid choices: {', '.join(CANCELLING_BN)}")
     if mlp not in MLP_COPIES:
         raise ValueError(f"unknown mlp {mlp!r}; valid choices: {', '.join(MLP_COPIES)}")
+    if norm_linear not in NORM_LINEAR_COPIES:
+        raise ValueError(f"unknown norm_linear {norm_linear!r}; valid choices: {', '.join(NORM_LINEAR_COPIES)}")
     explicit = dict(quant_options)
 
     root = _unwrap(model)
@@ -455,6 +480,12 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     if "gelu" in op_names and "linear" in op_names:
         _share_mlp_copies(named, info, set_names, mlp == "shared", rules, mnn)
 
+    # 1c'. ViT blocks: qkv and fc1 share the copy of the norm before them, Swin / PVT-v2 blocks
+    # fc1 (norm_linear="shared";
+    # the choice is made again at every call: patch/block.py)
+    if "layernorm" in op_names and "linear" in op_names:
+        _share_norm_copies(named, info, set_names, norm_linear == "shared")
+
     # 1d. inline layer scale (``self.gamma_1 * y`` in a block's forward, BEiT/CaiT/EVA/XCiT):
     # routed to a ChannelScale child while the block runs (generic_attention.install_scales)
     if "layerscale" in op_names:
@@ -523,6 +554,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 3. functional ops no rule reaches (requested ops only, selected module sets only)
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
                + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + tuple(STOCK_CONVNEXT_CLASSES)
+               + tuple(STOCK_BLOCK_CLASSES)
                + (PlainMatMul, PlainSoftmax))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in root.named_modules():

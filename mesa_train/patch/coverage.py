@@ -103,6 +103,7 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     ratio to stock. ``run(model, example_input)`` replaces ``model(example_input)`` for
     models that take more than one tensor."""
     from .core import mesa_layer_op
+    from .attention import MesaViTAttention
     from .mlp import STOCK_SHARED_MLP_CLASSES
 
     root = _unwrap(model)
@@ -116,9 +117,14 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     for name, nbytes in meter.per_module.items():
         mod = modules.get(name)
         op = mesa_layer_op(mod) if mod is not None else None
-        # a shared-copy MLP: its fc2(gelu(h)) ran as one Function, one copy for both (patch/mlp.py)
+        # a shared-copy MLP: its fc2(gelu(h)) ran as one Function, one copy for both (patch/mlp.py),
+        # and fc1(norm2(x)) in a ViT block too (patch/block.py)
         if type(mod) in STOCK_SHARED_MLP_CLASSES:
-            op = "gelu+linear (mlp)"
+            op = "shared copies (mlp)"
+        # a ViT block's qkv(norm1(x)): one Function called by the attention itself (the only
+        # bytes the attention module saves directly, where it has no gate)
+        elif type(mod) is MesaViTAttention and mod.gate is None and mod.mesa_attn_path != "stock":
+            op = "layernorm+linear (qkv)"
         key = ("compressed", op) if op is not None else ("left as is", type(mod).__name__ if mod is not None else name)
         entry = groups.setdefault(key, [0, 0])
         entry[0] += nbytes

@@ -6,6 +6,7 @@ from typing import List, Optional, Tuple
 from torch import nn
 
 from .attention import STOCK_ATTENTION_CLASSES
+from .block import norm_fed_linears
 from .core import PATCH_INFO_ATTR, _unwrap, mesa_layer_op
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
@@ -54,7 +55,7 @@ def _matmul_operands(layer, producer: Optional[str]) -> Tuple[List[str], List[st
     return parts, counted
 
 
-def _state(layer, producer: Optional[str] = None, shares_act_copy: bool = False) -> str:
+def _state(layer, producer: Optional[str] = None, shared_from: Optional[str] = None) -> str:
     if layer is None or not hasattr(layer, "quant_options"):
         return ""
     o = layer.quant_options
@@ -71,8 +72,8 @@ def _state(layer, producer: Optional[str] = None, shares_act_copy: bool = False)
         operand_parts, counted = _matmul_operands(layer, producer)
         parts.extend(operand_parts)
         qs = [getattr(layer, n) for n in counted]
-    if shares_act_copy:  # its own quantizer runs only where the MLP falls back (patch/mlp.py)
-        parts.append("input from the act's copy (mlp=shared)")
+    if shared_from:  # its own quantizer runs only where the MLP / block falls back
+        parts.append(shared_from)
         qs = [q for q in qs if q.initialized]
     if qs:
         n_init = sum(bool(q.initialized) for q in qs)
@@ -106,6 +107,7 @@ def describe_rows(model: nn.Module) -> List[List[str]]:
     ``attn @ v`` of a softmax-only patch); its state says per operand what is kept."""
     root = _unwrap(model)
     info = classify(root)
+    norm_fed = {id(fc) for block in root.modules() for fc in norm_fed_linears(block)}
     rows = []
     for name, m in root.named_modules():
         owner = name.rsplit(".", 1)[0] if "." in name else ""
@@ -131,8 +133,12 @@ def describe_rows(model: nn.Module) -> List[List[str]]:
         # fc2 of a shared-copy MLP: its weight gradient comes from the act's copy of h
         shared = (op == "linear" and name.endswith(".fc2") and type(parent) in STOCK_SHARED_MLP_CLASSES
                   and getattr(parent, "mesa_shared", False))
-        label = "linear[mlp-shared]" if shared else _op_label(m, op)
-        rows.append([name, label, mset, _groups(m), _state(m, producer, shared)])
+        label, shared_from = _op_label(m, op), None
+        if shared:
+            label, shared_from = "linear[mlp-shared]", "input from the act's copy (mlp=shared)"
+        elif op == "linear" and id(m) in norm_fed:  # qkv / fc1 of a ViT block (patch/block.py)
+            label, shared_from = "linear[norm-shared]", "input from the norm's copy (norm_linear=shared)"
+        rows.append([name, label, mset, _groups(m), _state(m, producer, shared_from)])
     return rows
 
 

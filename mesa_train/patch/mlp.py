@@ -16,13 +16,15 @@ ordinary leaf conversion; the MLP's ``act`` is not (``gated`` runs it), so it st
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
+from torch import nn
 from timm.layers.mlp import GluMlp as _GluMlp, Mlp as _Mlp, SwiGLU as _SwiGLU
 from timm.models.pvt_v2 import MlpWithDepthwiseConv as _MlpWithDepthwiseConv
 
 from mesa_train.nn.gelu_linear import can_fuse, gelu_linear
+from mesa_train.nn.layernorm_linear import can_fuse_norm, layernorm_linear
 
 __all__ = ["MesaSwiGLU", "MesaGluMlp", "MesaMlp", "MesaMlpWithDepthwiseConv", "MLP_CLASSES", "STOCK_MLP_CLASSES",
            "SHARED_MLP_CLASSES", "STOCK_SHARED_MLP_CLASSES", "MLP_COPIES"]
@@ -43,11 +45,23 @@ def _act_to_fc2(mlp, h: torch.Tensor, drop, norm=None) -> torch.Tensor:
     return mlp.fc2(h)
 
 
+def _norm_to_fc1(mlp, x: torch.Tensor, pre_norm: Optional[nn.Module]) -> torch.Tensor:
+    """``mlp.fc1(x)``, or with ``pre_norm`` (``x`` before the block's norm: ``patch/block.py``)
+    ``mlp.fc1(pre_norm(x))`` keeping one 8-bit copy where it can (``can_fuse_norm``)."""
+    if pre_norm is None:
+        return mlp.fc1(x)
+    if can_fuse_norm(pre_norm, mlp.fc1, x):
+        return layernorm_linear(x, pre_norm, mlp.fc1)
+    return mlp.fc1(pre_norm(x))
+
+
 class MesaMlp(_Mlp):
     """timm ``Mlp`` whose ``fc2(act(h))`` keeps one 8-bit copy (module doc)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.fc1(x)
+    def forward(self, x: torch.Tensor, pre_norm: Optional[nn.Module] = None) -> torch.Tensor:
+        """``pre_norm``: ``x`` is the block's input before its norm (``patch/block.py``), and
+        ``fc1(pre_norm(x))`` keeps one 8-bit copy where it can (``can_fuse_norm``)."""
+        x = _norm_to_fc1(self, x, pre_norm)
         x = _act_to_fc2(self, x, self.drop1, self.norm)
         x = self.drop2(x)
         return x
@@ -57,8 +71,8 @@ class MesaMlpWithDepthwiseConv(_MlpWithDepthwiseConv):
     """timm PVT-v2 ``MlpWithDepthwiseConv`` whose ``fc2(act(h))`` keeps one 8-bit copy, of the
     depthwise conv's output ``h`` (module doc)."""
 
-    def forward(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
-        x = self.fc1(x)
+    def forward(self, x: torch.Tensor, feat_size: List[int], pre_norm: Optional[nn.Module] = None) -> torch.Tensor:
+        x = _norm_to_fc1(self, x, pre_norm)
         B, N, C = x.shape
         x = x.transpose(1, 2).view(B, C, feat_size[0], feat_size[1])
         x = self.relu(x)

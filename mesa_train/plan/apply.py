@@ -45,9 +45,10 @@ def apply_plan(model: nn.Module, plan_or_path: Any, **quant_options) -> nn.Modul
     check_plan(model, plan)
     root = unwrap_model(model)
     options = {**plan.quant_options, **quant_options}
-    # mlp="separate": the planner prices each (layer, op) on its own and adds them up; fc2 taking
-    # the GELU's copy (patch_model's default) would make the bytes depend on pairs of items
-    options = {"mlp": "separate", **options}
+    # mlp / norm_linear "separate": the planner prices each (layer, op) on its own and adds them
+    # up; fc2 taking the GELU's copy or qkv / fc1 the norm's (patch_model's defaults) would
+    # make the bytes depend on pairs of items
+    options = {"mlp": "separate", "norm_linear": "separate", **options}
     other = plan.layers.get(OTHER, ())
     if other:
         patch_model(root, ops=other, modules=("other",), **options)

@@ -12,6 +12,7 @@ from typing import Any
 from mesa_train.models import MODEL_NAMES, is_known_model
 from mesa_train.patch import MODULE_SETS, OPS
 from mesa_train.patch.cancellation import CANCELLING_BN
+from mesa_train.patch.block import NORM_LINEAR_COPIES
 from mesa_train.patch.mlp import MLP_COPIES
 from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 
@@ -83,6 +84,7 @@ def validate(cfg) -> None:
     choice("mesa.compile_kernels", m.get("compile_kernels", "auto"), COMPILE_KERNELS)
     choice("mesa.cancelling_bn", m.get("cancelling_bn", "stock"), CANCELLING_BN)
     choice("mesa.mlp", m.get("mlp", "shared"), MLP_COPIES)
+    choice("mesa.norm_linear", m.get("norm_linear", "shared"), NORM_LINEAR_COPIES)
     if m.get("layout", "channel") == "patch4x4" and [o for o in ops if o != "conv"]:
         errors.append(f"mesa.layout=patch4x4 applies to conv activations only: it needs mesa.ops=[conv], got {ops}")
     if not errors:
@@ -287,6 +289,7 @@ def mesa_options(cfg) -> dict:
         "clip_horizon": m.get("clip_horizon"),
         "cancelling_bn": m.get("cancelling_bn"),
         "mlp": m.get("mlp"),
+        "norm_linear": m.get("norm_linear"),
     }
     return {k: v for k, v in opts.items() if v is not None}
 

@@ -1,0 +1,125 @@
+"""``fc(norm(x))``: a LayerNorm straight into a Linear, one 8-bit copy (the norm's ``x_hat``)
+for both backward passes.
+
+A Mesa ``LayerNorm`` keeps its normalised input ``x_hat`` in 8 bits and the Mesa ``Linear``
+after it keeps its own input ``y = x_hat * gamma + beta`` in 8 bits: two copies of the same
+token-wide tensor, two min/max passes and two quantize passes in forward. In a pre-norm
+transformer block that happens twice (``norm1 -> qkv``, ``norm2 -> fc1``). The Linear's weight
+gradient needs ``y``, which backward rebuilds from the norm's copy with one elementwise op
+(``gamma`` and ``beta`` are parameters: nothing more is kept). DESIGN.md, "LayerNorm + Linear:
+one copy".
+
+Saved: what the LayerNorm saves (``x_hat`` codes with their row exponents, per-row ``rstd``,
+its weight) plus ``beta`` and the Linear's weight (parameters). Forward is exactly
+``F.linear(F.layer_norm(x, ...), weight, bias)``, the stock pair's two calls (with autocast's
+casts where they apply: CUDA runs the norm in float32, the Linear casts its input).
+
+Gradient error: the Linear's weight gradient uses ``(x_hat + e) * gamma + beta`` where the
+separate layers used ``y + e'`` (``e``, ``e'``: the 8-bit rounding of ``x_hat`` and of ``y``,
+both unbiased). Both are unbiased; per channel ``gamma * e`` has ``|gamma|`` times the step of
+``x_hat``'s group where ``e'`` has the step of ``y``'s group, the same ratio when a group holds
+one channel and at most the group's spread of ``|gamma|`` otherwise. The norm's own backward
+is unchanged (same codes as before).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from mesa_train.memory import INPUT_AGNOSTIC_HOOK
+
+from . import quantizer as quantizer_mod
+from ._common import autocast_input, load, no_autocast, save
+from .layernorm import LayerNorm, layer_norm_forward, layer_norm_grads
+from .linear import Linear, linear_grads, not_a_view, save_linear_dtypes
+from .rowscale import decompress_rows
+
+# the C++ layer op (csrc/layers_autograd.cpp, LayerNormLinearTrain; bitwise this module's
+# Function): eager, paper format, an extension built with it
+_OP = quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "layer_norm_linear_train")
+
+__all__ = ["layernorm_linear", "can_fuse_norm", "plain_call"]
+
+
+def rebuild_norm_output(x_hat: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """``x_hat * weight + bias`` (each where present) in ``x_hat``'s dtype, then as the norm's
+    output dtype: the Linear's input rebuilt from the norm's copy (C++ twin: the lambda in
+    ``LayerNormLinearTrain::backward``; a multiply, then an add, never fused into one)."""
+    y = x_hat
+    if weight is not None:
+        y = y * weight.to(x_hat.dtype)
+    if bias is not None:
+        y = y + bias.to(x_hat.dtype)
+    return y.to(out_dtype)
+
+
+class _LayerNormLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normalized_shape, ln_weight, ln_bias, eps, weight, bias, quantizer):
+        # exactly the stock norm (its autocast policy included), then exactly the stock Linear
+        y, packed, extra = layer_norm_forward(ctx, x, normalized_shape, ln_weight, ln_bias, eps, quantizer)
+        yc = autocast_input(y)
+        out = F.linear(yc, weight, bias)
+        ctx.y_dtype, ctx.yc_dtype = y.dtype, yc.dtype
+        save_linear_dtypes(ctx, out, weight, bias)
+        save(ctx, [packed], *extra, ln_bias, weight)
+        return not_a_view(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (packed,), saved = load(ctx)
+        extra, (ln_bias, weight) = saved[:-2], saved[-2:]
+        ln_weight = extra[1]
+        need = ctx.needs_input_grad
+        with no_autocast(g.device.type):
+            # the Linear's backward, its input rebuilt from the norm's codes in the stock dtypes
+            # (the norm's output dtype, then autocast's cast); its input gradient comes back in
+            # the norm's output dtype, as stock casts it
+            need_y = need[0] or need[2] or need[3]
+            gy, gw, gb = linear_grads(ctx, g, weight, ctx.y_dtype, need_y, need[5], need[6], lambda: rebuild_norm_output(
+                decompress_rows(packed, ctx.mdt, extra[2]), ln_weight, ln_bias, ctx.y_dtype).to(ctx.yc_dtype)
+                .to(ctx.cdt))
+        gx = g_lnw = g_lnb = None
+        if gy is not None:
+            gx, g_lnw, g_lnb = layer_norm_grads(ctx, gy, packed, extra, need[0], need[2], need[3])
+        return gx, None, g_lnw, g_lnb, None, gw, gb, None
+
+
+def plain_call(m: nn.Module) -> bool:
+    """No hook on ``m`` that could read its arguments or output, or expect to be called:
+    none, or only hooks marked ``mesa_input_agnostic`` (``SavedTensorMeter``'s, which only
+    track which module runs)."""
+    if m._backward_hooks or m._backward_pre_hooks:
+        return False
+    hooks = (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+    return all(getattr(h, INPUT_AGNOSTIC_HOOK, False) for h in hooks)
+
+
+def can_fuse_norm(norm: nn.Module, fc: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``fc(norm(x))`` may run as :func:`layernorm_linear`: a Mesa ``LayerNorm`` over
+    the last dim and a Mesa ``Linear`` that would both compress now, with the same
+    quantization options (the copy is made with them), and no hooks on either that would miss
+    their call (:func:`plain_call`). Under torch.fx tracing: no (the separate layers are the
+    graph's leaf nodes, nn/tracing.py)."""
+    if isinstance(x, torch.fx.Proxy):
+        return False
+    return (type(norm) is LayerNorm and type(fc) is Linear and len(norm.normalized_shape) == 1
+            and norm.quant_options == fc.quant_options and plain_call(norm) and plain_call(fc)
+            and norm._mesa_active(x, norm.weight, norm.bias) and fc._mesa_active(x, fc.weight, fc.bias))
+
+
+def layernorm_linear(x: torch.Tensor, norm: LayerNorm, fc: Linear) -> torch.Tensor:
+    """``fc(norm(x))`` keeping one 8-bit copy, the norm's ``x_hat`` (made by ``norm``'s
+    quantizer), for both backward passes. Call where :func:`can_fuse_norm`."""
+    fused = norm.quantizer.fused_layer_args(x) if _OP else None
+    if fused is not None:  # eager, paper format: one C++ op with a C++ autograd node
+        return torch.ops.mesa.layer_norm_linear_train(x, list(norm.normalized_shape), norm.weight, norm.bias, norm.eps,
+                                                      fc.weight, fc.bias, *fused, norm.quantizer.options.row_scale)
+    return _LayerNormLinearFn.apply(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps, fc.weight, fc.bias,
+                                    norm.quantizer)
