@@ -78,8 +78,8 @@ def test_a_plan_compressing_everything_equals_patch_model_all(batch):
     """Same layers, same rounding noise (quantizers keyed by their names in the whole model)
     and so bitwise the same gradients as a whole-model patch."""
     a, b = tiny(), tiny()
-    # (plans keep a copy per layer: mlp="separate", see mesa_train/plan/apply.py)
-    mesa_train.patch_model(a, ops=("all",), mlp="separate")
+    # (plans keep a copy per layer: mlp and norm_linear "separate", see mesa_train/plan/apply.py)
+    mesa_train.patch_model(a, ops=("all",), mlp="separate", norm_linear="separate")
     mesa_train.patch_model(b, plan={"format": "mesa-train-plan/1",
                                     "layers": {u.name: list(u.ops) for u in find_units(tiny())}})
     assert [(n, type(m)) for n, m in a.named_modules()] == [(n, type(m)) for n, m in b.named_modules()]

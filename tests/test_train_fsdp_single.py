@@ -107,7 +107,8 @@ def test_blocks_of_each_family_and_mixed_precision_from_amp(compose_train):
     for family in ("deit", "swin", "pvt"):
         model = build(compose_train(TINY_MODELS[family] + ["mesa.enabled=true"]), 10)
         counts[family] = [type(b).__name__ for b in transformer_blocks(model)]
-    assert counts == {"deit": ["Block"] * 2, "swin": ["SwinTransformerBlock"] * 2, "pvt": ["Block"] * 4}
+    # (patched: the blocks' Mesa subclasses, patch/block.py)
+    assert counts == {"deit": ["MesaViTBlock"] * 2, "swin": ["MesaSwinBlock"] * 2, "pvt": ["MesaPvtV2Block"] * 4}
 
     own = dist_utils.init_single_process_group()
     try:
