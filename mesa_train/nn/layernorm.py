@@ -156,7 +156,8 @@ class _LayerNormFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (packed,), extra = load(ctx)
-        gx, gw, gb = layer_norm_grads(ctx, g, packed, extra, *ctx.needs_input_grad[0:1], *ctx.needs_input_grad[2:4])
+        need = ctx.needs_input_grad  # (x, normalized_shape, weight, bias, eps, quantizer)
+        gx, gw, gb = layer_norm_grads(ctx, g, packed, extra, need[0], need[2], need[3])
         return gx, None, gw, gb, None, None
 
 

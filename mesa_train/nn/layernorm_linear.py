@@ -42,7 +42,7 @@ from .rowscale import decompress_rows
 # Function): eager, paper format, an extension built with it
 _OP = quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "layer_norm_linear_train")
 
-__all__ = ["layernorm_linear", "can_fuse_norm", "plain_call"]
+__all__ = ["layernorm_linear", "can_fuse_norm", "norm_pair_fits", "plain_call"]
 
 
 def rebuild_norm_output(x_hat: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -77,14 +77,17 @@ class _LayerNormLinearFn(torch.autograd.Function):
         extra, (ln_bias, weight) = saved[:-2], saved[-2:]
         ln_weight = extra[1]
         need = ctx.needs_input_grad
+
+        def linear_input():  # y rebuilt from the norm's codes (extra[2]: its row exponents)
+            y = rebuild_norm_output(decompress_rows(packed, ctx.mdt, extra[2]), ln_weight, ln_bias, ctx.y_dtype)
+            return y.to(ctx.yc_dtype).to(ctx.cdt)
+
         with no_autocast(g.device.type):
-            # the Linear's backward, its input rebuilt from the norm's codes in the stock dtypes
-            # (the norm's output dtype, then autocast's cast); its input gradient comes back in
-            # the norm's output dtype, as stock casts it
+            # the Linear's backward, its input in the stock dtypes (the norm's output dtype, then
+            # autocast's cast); its input gradient comes back in the norm's output dtype, as
+            # stock casts it
             need_y = need[0] or need[2] or need[3]
-            gy, gw, gb = linear_grads(ctx, g, weight, ctx.y_dtype, need_y, need[5], need[6], lambda: rebuild_norm_output(
-                decompress_rows(packed, ctx.mdt, extra[2]), ln_weight, ln_bias, ctx.y_dtype).to(ctx.yc_dtype)
-                .to(ctx.cdt))
+            gy, gw, gb = linear_grads(ctx, g, weight, ctx.y_dtype, need_y, need[5], need[6], linear_input)
         gx = g_lnw = g_lnb = None
         if gy is not None:
             gx, g_lnw, g_lnb = layer_norm_grads(ctx, gy, packed, extra, need[0], need[2], need[3])
@@ -101,16 +104,22 @@ def plain_call(m: nn.Module) -> bool:
     return all(getattr(h, INPUT_AGNOSTIC_HOOK, False) for h in hooks)
 
 
+def norm_pair_fits(norm: nn.Module, fc: nn.Module) -> bool:
+    """The static part of :func:`can_fuse_norm` (also what ``describe`` reports): a Mesa
+    ``LayerNorm`` over the last dim and a Mesa ``Linear`` with the same quantization options
+    (the copy is made with the norm's)."""
+    return (type(norm) is LayerNorm and type(fc) is Linear and len(norm.normalized_shape) == 1
+            and norm.quant_options == fc.quant_options)
+
+
 def can_fuse_norm(norm: nn.Module, fc: nn.Module, x: torch.Tensor) -> bool:
-    """Whether ``fc(norm(x))`` may run as :func:`layernorm_linear`: a Mesa ``LayerNorm`` over
-    the last dim and a Mesa ``Linear`` that would both compress now, with the same
-    quantization options (the copy is made with them), and no hooks on either that would miss
-    their call (:func:`plain_call`). Under torch.fx tracing: no (the separate layers are the
+    """Whether ``fc(norm(x))`` may run as :func:`layernorm_linear`: the pair fits
+    (:func:`norm_pair_fits`), both would compress now, and neither has a hook that would miss
+    its call (:func:`plain_call`). Under torch.fx tracing: no (the separate layers are the
     graph's leaf nodes, nn/tracing.py)."""
     if isinstance(x, torch.fx.Proxy):
         return False
-    return (type(norm) is LayerNorm and type(fc) is Linear and len(norm.normalized_shape) == 1
-            and norm.quant_options == fc.quant_options and plain_call(norm) and plain_call(fc)
+    return (norm_pair_fits(norm, fc) and plain_call(norm) and plain_call(fc)
             and norm._mesa_active(x, norm.weight, norm.bias) and fc._mesa_active(x, fc.weight, fc.bias))
 
 

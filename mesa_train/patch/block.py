@@ -26,14 +26,13 @@ from timm.models.swin_transformer import SwinTransformerBlock as _SwinBlock
 from timm.models.vision_transformer import Block as _Block
 from torch import nn
 
-from mesa_train.nn.layernorm import LayerNorm
-from mesa_train.nn.layernorm_linear import plain_call
-from mesa_train.nn.linear import Linear
+from mesa_train.nn.layernorm_linear import norm_pair_fits, plain_call
 
 from .attention import MesaViTAttention
 from .mlp import STOCK_SHARED_MLP_CLASSES as NORM_MLPS  # MesaMlp, MesaMlpWithDepthwiseConv: take pre_norm
 
-__all__ = ["MesaViTBlock", "MesaSwinBlock", "MesaPvtV2Block", "BLOCK_CLASSES", "STOCK_BLOCK_CLASSES", "NORM_LINEAR_COPIES", "norm_fed_linears"]
+__all__ = ["MesaViTBlock", "MesaSwinBlock", "MesaPvtV2Block", "BLOCK_CLASSES", "STOCK_BLOCK_CLASSES",
+           "NORM_LINEAR_COPIES", "norm_fed_linears", "norm_fed_ids"]
 
 # patch_model(norm_linear=...): "shared": qkv / fc1 take their weight gradient from the
 # norm's copy; "separate": each layer keeps its own copy (the paper's layers)
@@ -92,7 +91,7 @@ class MesaPvtV2Block(_PvtBlock):
 
 def norm_fed_linears(block: nn.Module) -> List[nn.Module]:
     """The Linears of ``block`` that take their input from a norm's copy when it trains (the
-    static part of ``can_fuse_norm``: types, options, attention path; for ``describe``)."""
+    static conditions: block, attention path, ``norm_pair_fits``; for ``describe``)."""
     if type(block) not in STOCK_BLOCK_CLASSES or not block.mesa_norm_shared:
         return []
     pairs = []
@@ -102,8 +101,12 @@ def norm_fed_linears(block: nn.Module) -> List[nn.Module]:
         pairs.append((block.norm1, attn.qkv))
     if type(mlp) in NORM_MLPS:
         pairs.append((block.norm2, mlp.fc1))
-    return [fc for norm, fc in pairs if type(norm) is LayerNorm and type(fc) is Linear
-            and len(norm.normalized_shape) == 1 and norm.quant_options == fc.quant_options]
+    return [fc for norm, fc in pairs if norm_pair_fits(norm, fc)]
+
+
+def norm_fed_ids(root: nn.Module) -> set:
+    """``id()`` of every Linear under ``root`` that :func:`norm_fed_linears` names."""
+    return {id(fc) for block in root.modules() for fc in norm_fed_linears(block)}
 
 
 BLOCK_CLASSES = {_Block: MesaViTBlock, _SwinBlock: MesaSwinBlock, _PvtBlock: MesaPvtV2Block}

@@ -359,9 +359,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             (``nn/gelu_linear.py``; needs ``gelu`` and ``linear`` among the ops).
             ``separate``: each layer keeps its own copy (the paper's layers).
         norm_linear: ``shared`` (default): in timm's ViT ``Block``, ``attn.qkv`` and
-            ``mlp.fc1`` take their weight gradient from the 8-bit ``x_hat`` of the LayerNorm
-            before them (``norm1``, ``norm2``; rebuilding ``x_hat * gamma + beta`` in
-            backward) instead of keeping a second copy of the same tokens
+            ``mlp.fc1`` (Swin's and PVT-v2's blocks: ``mlp.fc1``) take their weight gradient
+            from the 8-bit ``x_hat`` of the LayerNorm before them (``norm1``, ``norm2``;
+            rebuilding ``x_hat * gamma + beta`` in backward) instead of keeping a second copy of the same tokens
             (``nn/layernorm_linear.py``, ``patch/block.py``; needs ``layernorm`` and
             ``linear`` among the ops). ``separate``: each layer keeps its own copy.
         plan: a :class:`mesa_train.plan.Plan`, its dict or a plan file path (``python -m
@@ -481,8 +481,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         _share_mlp_copies(named, info, set_names, mlp == "shared", rules, mnn)
 
     # 1c'. ViT blocks: qkv and fc1 share the copy of the norm before them, Swin / PVT-v2 blocks
-    # fc1 (norm_linear="shared";
-    # the choice is made again at every call: patch/block.py)
+    # fc1 (norm_linear="shared"; the choice is made again at every call: patch/block.py)
     if "layernorm" in op_names and "linear" in op_names:
         _share_norm_copies(named, info, set_names, norm_linear == "shared")
 

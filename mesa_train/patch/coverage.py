@@ -104,10 +104,12 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     models that take more than one tensor."""
     from .core import mesa_layer_op
     from .attention import MesaViTAttention
+    from .block import norm_fed_ids
     from .mlp import STOCK_SHARED_MLP_CLASSES
 
     root = _unwrap(model)
     modules: Dict[str, nn.Module] = dict(root.named_modules())
+    norm_fed = norm_fed_ids(root)
     with _untouched(root):
         meter = _measure(root, example_input, run)  # as the user set it up
     with _untouched(root):
@@ -118,12 +120,12 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
         mod = modules.get(name)
         op = mesa_layer_op(mod) if mod is not None else None
         # a shared-copy MLP: its fc2(gelu(h)) ran as one Function, one copy for both (patch/mlp.py),
-        # and fc1(norm2(x)) in a ViT block too (patch/block.py)
+        # and so did fc1(norm2(x)) in a patched block (patch/block.py)
         if type(mod) in STOCK_SHARED_MLP_CLASSES:
             op = "shared copies (mlp)"
         # a ViT block's qkv(norm1(x)): one Function called by the attention itself (the only
-        # bytes the attention module saves directly, where it has no gate)
-        elif type(mod) is MesaViTAttention and mod.gate is None and mod.mesa_attn_path != "stock":
+        # bytes the attention module saves directly where its qkv takes the norm's copy)
+        elif type(mod) is MesaViTAttention and id(mod.qkv) in norm_fed:
             op = "layernorm+linear (qkv)"
         key = ("compressed", op) if op is not None else ("left as is", type(mod).__name__ if mod is not None else name)
         entry = groups.setdefault(key, [0, 0])

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 from torch import nn
 
 from .attention import STOCK_ATTENTION_CLASSES
-from .block import norm_fed_linears
+from .block import norm_fed_ids
 from .core import PATCH_INFO_ATTR, _unwrap, mesa_layer_op
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
@@ -107,7 +107,7 @@ def describe_rows(model: nn.Module) -> List[List[str]]:
     ``attn @ v`` of a softmax-only patch); its state says per operand what is kept."""
     root = _unwrap(model)
     info = classify(root)
-    norm_fed = {id(fc) for block in root.modules() for fc in norm_fed_linears(block)}
+    norm_fed = norm_fed_ids(root)
     rows = []
     for name, m in root.named_modules():
         owner = name.rsplit(".", 1)[0] if "." in name else ""
@@ -136,7 +136,7 @@ def describe_rows(model: nn.Module) -> List[List[str]]:
         label, shared_from = _op_label(m, op), None
         if shared:
             label, shared_from = "linear[mlp-shared]", "input from the act's copy (mlp=shared)"
-        elif op == "linear" and id(m) in norm_fed:  # qkv / fc1 of a ViT block (patch/block.py)
+        elif op == "linear" and id(m) in norm_fed:  # qkv / fc1 after a block's norm (patch/block.py)
             label, shared_from = "linear[norm-shared]", "input from the norm's copy (norm_linear=shared)"
         rows.append([name, label, mset, _groups(m), _state(m, producer, shared_from)])
     return rows
