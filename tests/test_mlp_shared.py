@@ -26,7 +26,8 @@ from mesa_train.nn import gelu_linear as gelu_linear_mod
 from mesa_train.patch import patch_model
 from mesa_train.patch import mlp as mlp_mod
 from mesa_train.patch.mlp import MesaMlp, MesaMlpWithDepthwiseConv
-from shared_copies import check_config_choice, cos, run_step
+from shared_copies import (assert_shared_as_close_as_separate, check_config_choice, cos, run_step,
+                           worst_cosines_by_mode)
 
 FAMILIES = ("deit", "pvt")
 
@@ -158,16 +159,8 @@ def test_pvt_saved_bytes_drop_by_fc2_codes_exactly():
 # ----------------------------------------------------------------------------- gradients
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_as_close_to_exact_as_separate_layers(family):
-    stock = _model(family)
-    x = _images()
-    exact = copy.deepcopy(stock).double()
-    _, g_exact = run_step(exact, x.double())
-    worst = {}
-    for mode in ("separate", "shared"):
-        _, g = run_step(patch_model(copy.deepcopy(stock), mlp=mode), x)
-        worst[mode] = min(cos(g[n], g_exact[n]) for n in g_exact if "mlp" in n)
-    assert worst["shared"] >= 0.999, worst
-    assert worst["shared"] >= worst["separate"] - 2e-4, worst
+    worst = worst_cosines_by_mode(_model(family), _images(), lambda m, mode: patch_model(m, mlp=mode), "mlp")
+    assert_shared_as_close_as_separate(worst)
 
 
 def _mlp_case(tiny_row: bool):

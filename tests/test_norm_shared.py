@@ -1,6 +1,7 @@
 """timm's ViT ``Block`` whose LayerNorms share their 8-bit copy with the Linear after them
 (``patch_model(norm_linear="shared")``, the default; mesa_train/nn/layernorm_linear.py,
-patch/block.py ``MesaViTBlock``): ``norm1 -> attn.qkv`` and ``norm2 -> mlp.fc1``.
+patch/block.py ``MesaViTBlock``): ``norm1 -> attn.qkv`` and ``norm2 -> mlp.fc1``; the blocks
+of Swin, PVT-v2, BEiT, EVA, CaiT, XCiT and ConvNeXt: the norm before the MLP -> ``mlp.fc1``.
 
 Checks: the forward is bitwise stock's (drop-path on, fp32 and CPU bf16 autocast; explicit
 and fused attention); the saved bytes drop by exactly the two Linear copies per block;
@@ -29,7 +30,8 @@ from mesa_train.patch import mlp as mlp_mod
 from mesa_train.patch import patch_model
 from mesa_train.patch.block import MesaViTBlock
 from mesa_train.patch.mlp import MesaMlp
-from shared_copies import check_config_choice, cos, run_step
+from shared_copies import (assert_shared_as_close_as_separate, check_config_choice, cos, run_step,
+                           worst_cosines_by_mode)
 
 PATHS = ("explicit", "fused")
 
@@ -49,15 +51,21 @@ def _images(b=4):
 
 
 def _count_fused(monkeypatch):
+    """The Linears run with their norm as one Function, in call order."""
     calls = []
-    real = ll_mod.layernorm_linear
+    real, real_many = ll_mod.layernorm_linear, ll_mod.layernorm_linears
 
-    def counting(*args):
-        calls.append(args[2])
-        return real(*args)
+    def counting(x, norm, fc):
+        calls.append(fc)
+        return real(x, norm, fc)
+
+    def counting_many(x, norm, fcs):
+        calls.extend(fcs)
+        return real_many(x, norm, fcs)
 
     monkeypatch.setattr(attention_mod, "layernorm_linear", counting)
-    monkeypatch.setattr(mlp_mod, "layernorm_linear", counting)
+    monkeypatch.setattr(mlp_mod, "layernorm_linear", counting)  # an MLP's own norm -> fc2
+    monkeypatch.setattr(mlp_mod, "layernorm_linears", counting_many)
     return calls
 
 
@@ -132,15 +140,8 @@ def test_saved_bytes_drop_by_the_linear_copies_exactly():
 
 # ----------------------------------------------------------------------------- gradients
 def test_gradients_as_close_to_exact_as_separate_layers():
-    stock = _deit()
-    x = _images()
-    _, g_exact = run_step(copy.deepcopy(stock).double(), x.double())
-    worst = {}
-    for mode in ("separate", "shared"):
-        _, g = run_step(_patch(copy.deepcopy(stock), norm_linear=mode), x)
-        worst[mode] = min(cos(g[n], g_exact[n]) for n in g_exact if "blocks" in n)
-    assert worst["shared"] >= 0.999, worst
-    assert worst["shared"] >= worst["separate"] - 2e-4, worst
+    worst = worst_cosines_by_mode(_deit(), _images(), lambda m, mode: _patch(m, norm_linear=mode), "blocks")
+    assert_shared_as_close_as_separate(worst)
 
 
 def _pair(gamma_spread: float):
@@ -289,33 +290,59 @@ def test_describe_says_the_linear_shares_the_norm_copy():
     assert "norm-shared" not in describe(separate) and "uninitialized" not in describe(separate)
 
 
-# ----------------------------------------------------------------------------- Swin and PVT-v2
-def _hier(family):
+# ----------------------------------------------------------------------------- other families
+# one small model per block class of patch/block.py and patch/convnext.py whose MLP half shares
+# norm2's copy (the EVA block with each of its MLPs: DINOv3's plain Mlp, EVA-02's GluMlp and,
+# with scale_mlp, its SwiGLU whose fc1_g and fc1_x both take the copy; ConvNeXt with Linear
+# MLPs, conv_mlp=False)
+FAMILIES = {
+    "swin": ("swin_tiny_patch4_window7_224", dict(img_size=32, window_size=4, depths=(1, 1), num_heads=(2, 4),
+                                                  embed_dim=32)),
+    "pvt": ("pvt_v2_b0", dict(depths=(1, 1, 1, 1))),
+    "beit": ("beit_base_patch16_224", dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2)),
+    "eva": ("vit_small_patch16_dinov3", dict(img_size=32, patch_size=8, depth=2)),
+    "eva-glu": ("eva02_tiny_patch14_224", dict(img_size=32, patch_size=8, depth=2)),  # GluMlp: one packed fc1
+    "eva-swiglu": ("eva02_tiny_patch14_224", dict(img_size=32, patch_size=8, depth=2, scale_mlp=True)),  # fc1_g, fc1_x
+    "cait": ("cait_xxs24_224", dict(img_size=32, patch_size=8, depth=2, depth_token_only=1)),
+    "xcit": ("xcit_nano_12_p16_224", dict(img_size=32, depth=2)),
+    "convnext": ("convnext_atto", dict(conv_mlp=False, depths=(1, 1, 1, 1))),
+    "convnext-v2": ("convnextv2_atto", dict(conv_mlp=False, depths=(1, 1, 1, 1))),  # GlobalResponseNormMlp
+    # an Mlp with a norm of its own before fc2 (scale_mlp_norm): that norm shares with fc2 too
+    "vit-mlp-norm": ("deit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=2, scale_mlp_norm=True)),
+}
+
+
+def _family(family):
+    name, kw = FAMILIES[family]
     torch.manual_seed(0)
-    if family == "swin":
-        return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, window_size=4,
-                                 depths=(1, 1), num_heads=(2, 4), embed_dim=32, num_classes=10,
-                                 drop_path_rate=0.1).train()
-    return timm.create_model("pvt_v2_b0", pretrained=False, depths=(1, 1, 1, 1), num_classes=10,
-                             drop_path_rate=0.1).train()
+    return timm.create_model(name, pretrained=False, num_classes=10, drop_path_rate=0.1, **kw).train()
 
 
-@pytest.mark.parametrize("family", ["swin", "pvt"])
-def test_swin_and_pvt_fc1_takes_norm2_copy(family, monkeypatch):
-    """Their norm1 keeps its own copy (window partition / two consumers follow it); norm2 ->
-    fc1 shares: forward bitwise stock's with drop-path, saved bytes down by exactly fc1's
-    codes, statistics and row exponents per block."""
-    stock = _hier(family)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_blocks_fc1_takes_the_mlp_norm_copy(family, monkeypatch):
+    """Their first norm keeps its own copy (window partition, two consumers, or an attention
+    reached generically follows it); the norm before the MLP shares with fc1 (and an MLP's own
+    norm with fc2): forward bitwise stock's with drop-path (and the blocks' inline layer
+    scales routed), every such Linear fused, saved bytes down by exactly its codes, statistics
+    and row exponents."""
+    from mesa_train.patch.block import norm_fed_ids
+
+    stock = _family(family)
     x = _images(2)
-    fc1_inputs, bytes_ = [], {}
-    for mode in ("separate", "shared"):
-        model = patch_model(copy.deepcopy(stock), norm_linear=mode)
-        if mode == "separate":
-            for name, m in model.named_modules():
-                if name.endswith("mlp.fc1"):
-                    m.register_forward_pre_hook(lambda m, a: fc1_inputs.append(
-                        (a[0].numel(), a[0].numel() // a[0].shape[-1], m.quantizer.options.num_groups)))
-        else:
+    shared = patch_model(copy.deepcopy(stock), norm_linear="shared")
+    separate = patch_model(copy.deepcopy(stock), norm_linear="separate")
+    fed = {name for name, m in shared.named_modules() if id(m) in norm_fed_ids(shared)}
+    assert fed and all(name.endswith(("mlp.fc1", "mlp.fc1_g", "mlp.fc1_x", "mlp.fc2", "attn.qkv")) for name in fed)
+    assert any(name.endswith("mlp.fc2") for name in fed) == (family in ("eva-swiglu", "vit-mlp-norm"))
+    assert not norm_fed_ids(separate)
+    fc1_inputs = []
+    for name, m in separate.named_modules():
+        if name in fed:
+            m.register_forward_pre_hook(lambda m, a: fc1_inputs.append(
+                (a[0].numel(), a[0].numel() // a[0].shape[-1], m.quantizer.options.num_groups)))
+    bytes_ = {}
+    for mode, model in (("separate", separate), ("shared", shared)):
+        if mode == "shared":
             calls = _count_fused(monkeypatch)
         torch.manual_seed(3)
         with SavedTensorMeter(model) as meter:
@@ -324,5 +351,83 @@ def test_swin_and_pvt_fc1_takes_norm2_copy(family, monkeypatch):
         bytes_[mode] = meter.activation_bytes
     torch.manual_seed(3)
     assert torch.equal(out, stock(x))
-    assert len(calls) == len(fc1_inputs) == sum(1 for n, _ in stock.named_modules() if n.endswith("mlp.fc1"))
+    assert len(calls) == len(fc1_inputs) == len(fed)
     assert bytes_["separate"] - bytes_["shared"] == sum(n + 2 * 4 * g + rows for n, rows, g in fc1_inputs)
+
+
+@pytest.mark.parametrize("family", ["beit", "convnext", "eva-swiglu"])
+def test_other_blocks_compile_fullgraph(family):
+    """A block reached through the generic capture (BEiT: its attention and inline layer
+    scales), ConvNeXt's (permuted tokens) and a SwiGLU's two Linears on one copy: one graph,
+    gradients as eager's."""
+    stock = _family(family)
+    stock.drop_path_rate = 0.0
+    for m in stock.modules():
+        if type(m).__name__ == "DropPath":
+            m.drop_prob = 0.0
+    x = _images(2)
+    eager = patch_model(copy.deepcopy(stock))
+    compiled = torch.compile(patch_model(copy.deepcopy(stock)), fullgraph=True, backend="aot_eager")
+    out_e, g_e = run_step(eager, x)
+    out_c, g_c = run_step(compiled, x)
+    assert torch.allclose(out_e, out_c, rtol=1e-5, atol=1e-6)
+    assert min(cos(g_c[n], g_e[n]) for n in g_e if "mlp.fc1" in n or "norm" in n) > 0.999
+
+
+def test_convnext_layer_scale_and_norm_share_either_order():
+    """ConvNeXt's block swap serves two steps (layer scale, norm sharing): with either alone,
+    both, or ``separate``, the block is the Mesa one only where asked, and re-patching adds
+    what is new without a second scale child."""
+    from mesa_train.patch.convnext import SCALE_CHILD, MesaConvNeXtBlock
+
+    def blocks(model):
+        return [m for m in model.modules() if isinstance(m, timm.models.convnext.ConvNeXtBlock)]
+
+    sep = patch_model(_family("convnext"), norm_linear="separate")
+    assert all(type(b) is MesaConvNeXtBlock and not b.mesa_norm_shared and SCALE_CHILD in b._modules
+               for b in blocks(sep))
+    norm_only = patch_model(_family("convnext"), ops=["layernorm", "linear"])
+    assert all(b.mesa_norm_shared and SCALE_CHILD not in b._modules for b in blocks(norm_only))
+    patch_model(norm_only, ops=["all"])
+    assert all(b.mesa_norm_shared and list(b._modules).count(SCALE_CHILD) == 1 for b in blocks(norm_only))
+    scale_only = patch_model(_family("convnext"), ops=["layerscale"])
+    assert all(type(b) is MesaConvNeXtBlock and not b.mesa_norm_shared for b in blocks(scale_only))
+    patch_model(scale_only, ops=["all"])
+    assert all(b.mesa_norm_shared and list(b._modules).count(SCALE_CHILD) == 1 for b in blocks(scale_only))
+    stock = _family("convnext")
+    x = _images(2)
+    torch.manual_seed(3)
+    out = norm_only(x)
+    torch.manual_seed(3)
+    assert torch.equal(out, stock(x))
+
+
+# ----------------------------------------------------------------------------- SwiGLU: one copy for three
+def test_swiglu_gradients_as_close_to_exact_as_separate_layers():
+    """EVA-02's SwiGLU (``fc1_g``, ``fc1_x``) takes norm2's copy for both weight gradients; its
+    input gradient is the sum of both Linears' (as autograd adds them): every block gradient
+    as close to float64 stock's as the separate layers' (three copies)."""
+    stock = _family("eva-swiglu")
+    for m in stock.modules():
+        if type(m).__name__ == "DropPath":
+            m.drop_prob = 0.0
+    worst = worst_cosines_by_mode(stock, _images(), lambda m, mode: patch_model(m, norm_linear=mode), "blocks")
+    assert_shared_as_close_as_separate(worst)
+
+
+@pytest.mark.parametrize("frozen", ["fc1_g.weight", "fc1_x.bias", "norm2.weight", "fc1_g.weight+fc1_x.weight"])
+def test_swiglu_partly_frozen_leaves_the_other_gradients_bitwise(frozen):
+    """Each Linear's parameters are their own inputs of the shared Function: freezing any of
+    them (or the norm's weight) drops exactly that gradient and changes no other bit."""
+    model = patch_model(_family("eva-swiglu"))
+    x = _images()
+    twin = copy.deepcopy(model)
+    _, g_all = run_step(model, x)
+    suffixes = tuple("." + f for f in frozen.split("+"))
+    for n, p in twin.named_parameters():
+        if n.endswith(suffixes):
+            p.requires_grad_(False)
+    _, g_part = run_step(twin, x)
+    dropped = set(g_all) - set(g_part)
+    assert dropped and all(n.endswith(suffixes) for n in dropped)
+    assert all(torch.equal(g_part[n], g_all[n]) for n in g_part)

@@ -23,6 +23,7 @@ from .activations import GatedActivation, QuickGELU, SiLU
 from .batchnorm import BatchNorm2d
 from .conv import Conv2d
 from .gelu import GELU
+from .grn import GlobalResponseNorm
 from .layernorm import LayerNorm, LayerNorm2d
 from .layerscale import ChannelScale, LayerScale
 from .linear import Linear
@@ -38,11 +39,12 @@ from .tracing import MesaTracingError, register_fx_leaf
 register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as nodes (tracing.py)
 
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, RmsNorm,
-          GatedActivation, LayerScale, ChannelScale, Normalize)
+          GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "GELU", "LayerNorm", "LayerNorm2d", "Softmax", "MatMul", "Conv2d", "ReLU",
     "BatchNorm2d", "QuickGELU", "SiLU", "RmsNorm", "GatedActivation", "LayerScale", "ChannelScale", "Normalize",
+    "GlobalResponseNorm",
 ]
 from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)

@@ -23,7 +23,7 @@ is unchanged (same codes as before).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from .rowscale import decompress_rows
 # Function): eager, paper format, an extension built with it
 _OP = quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "layer_norm_linear_train")
 
-__all__ = ["layernorm_linear", "can_fuse_norm", "norm_pair_fits", "plain_call"]
+__all__ = ["layernorm_linear", "layernorm_linears", "can_fuse_norm", "norm_pair_fits", "plain_call"]
 
 
 def rebuild_norm_output(x_hat: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -58,40 +58,65 @@ def rebuild_norm_output(x_hat: torch.Tensor, weight: Optional[torch.Tensor], bia
     return y.to(out_dtype)
 
 
+# the ctx attributes save_linear_dtypes sets and linear_grads reads (one set per Linear)
+_LINEAR_META = ("cdt", "w_dtype", "b_dtype", "in_features", "out_features")
+
+
 class _LayerNormLinearFn(torch.autograd.Function):
+    """``F.linear(norm(x), w_i, b_i)`` for one or more Linears on the same norm output (a
+    SwiGLU's ``fc1_g`` and ``fc1_x``), all taking their input from the norm's copy. With one
+    Linear this is, op for op, the C++ node ``LayerNormLinearTrain``."""
+
     @staticmethod
-    def forward(ctx, x, normalized_shape, ln_weight, ln_bias, eps, weight, bias, quantizer):
-        # exactly the stock norm (its autocast policy included), then exactly the stock Linear
+    def forward(ctx, x, normalized_shape, ln_weight, ln_bias, eps, quantizer, *weights_biases):
+        # exactly the stock norm (its autocast policy included), then exactly the stock Linears
         y, packed, extra = layer_norm_forward(ctx, x, normalized_shape, ln_weight, ln_bias, eps, quantizer)
         yc = autocast_input(y)
-        out = F.linear(yc, weight, bias)
+        weights, biases = weights_biases[0::2], weights_biases[1::2]
+        outs = [F.linear(yc, w, b) for w, b in zip(weights, biases)]
         ctx.y_dtype, ctx.yc_dtype = y.dtype, yc.dtype
-        save_linear_dtypes(ctx, out, weight, bias)
-        save(ctx, [packed], *extra, ln_bias, weight)
-        return not_a_view(out)
+        fc_meta = []  # each Linear's dtypes and shape, as save_linear_dtypes leaves them on ctx
+        for out, w, b in zip(outs, weights, biases):
+            save_linear_dtypes(ctx, out, w, b)
+            fc_meta.append(tuple(getattr(ctx, a) for a in _LINEAR_META))
+        ctx.fc_meta = tuple(fc_meta)
+        save(ctx, [packed], *extra, ln_bias, *weights)
+        outs = [not_a_view(out) for out in outs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g):
+    def backward(ctx, *grads):
+        n = len(grads)
         (packed,), saved = load(ctx)
-        extra, (ln_bias, weight) = saved[:-2], saved[-2:]
+        extra, ln_bias, weights = saved[:-1 - n], saved[-1 - n], saved[-n:]
         ln_weight = extra[1]
         need = ctx.needs_input_grad
+        rebuilt = {}
 
-        def linear_input():  # y rebuilt from the norm's codes (extra[2]: its row exponents)
-            y = rebuild_norm_output(decompress_rows(packed, ctx.mdt, extra[2]), ln_weight, ln_bias, ctx.y_dtype)
-            return y.to(ctx.yc_dtype).to(ctx.cdt)
+        def linear_input(cdt):  # y rebuilt from the norm's codes (extra[2]: its row exponents), once
+            if cdt not in rebuilt:
+                y = rebuild_norm_output(decompress_rows(packed, ctx.mdt, extra[2]), ln_weight, ln_bias, ctx.y_dtype)
+                rebuilt[cdt] = y.to(ctx.yc_dtype).to(cdt)
+            return rebuilt[cdt]
 
-        with no_autocast(g.device.type):
-            # the Linear's backward, its input in the stock dtypes (the norm's output dtype, then
+        need_y = need[0] or need[2] or need[3]
+        gy, g_params = None, []
+        with no_autocast(grads[0].device.type):
+            # each Linear's backward, its input in the stock dtypes (the norm's output dtype, then
             # autocast's cast); its input gradient comes back in the norm's output dtype, as
-            # stock casts it
-            need_y = need[0] or need[2] or need[3]
-            gy, gw, gb = linear_grads(ctx, g, weight, ctx.y_dtype, need_y, need[5], need[6], linear_input)
+            # stock casts it, and the Linears' input gradients add up as autograd would add them
+            for i, (g, w, meta) in enumerate(zip(grads, weights, ctx.fc_meta)):
+                for attr, value in zip(_LINEAR_META, meta):  # what linear_grads reads, this Linear's
+                    setattr(ctx, attr, value)
+                gyi, gw, gb = linear_grads(ctx, g, w, ctx.y_dtype, need_y, need[6 + 2 * i], need[7 + 2 * i],
+                                           lambda: linear_input(ctx.cdt))
+                gy = gyi if gy is None else gy + gyi
+                g_params += [gw, gb]
         gx = g_lnw = g_lnb = None
         if gy is not None:
             gx, g_lnw, g_lnb = layer_norm_grads(ctx, gy, packed, extra, need[0], need[2], need[3])
-        return gx, None, g_lnw, g_lnb, None, gw, gb, None
+        return (gx, None, g_lnw, g_lnb, None, None, *g_params)
 
 
 def plain_call(m: nn.Module) -> bool:
@@ -130,5 +155,15 @@ def layernorm_linear(x: torch.Tensor, norm: LayerNorm, fc: Linear) -> torch.Tens
     if fused is not None:  # eager, paper format: one C++ op with a C++ autograd node
         return torch.ops.mesa.layer_norm_linear_train(x, list(norm.normalized_shape), norm.weight, norm.bias, norm.eps,
                                                       fc.weight, fc.bias, *fused, norm.quantizer.options.row_scale)
-    return _LayerNormLinearFn.apply(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps, fc.weight, fc.bias,
-                                    norm.quantizer)
+    return _LayerNormLinearFn.apply(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps, norm.quantizer,
+                                    fc.weight, fc.bias)
+
+
+def layernorm_linears(x: torch.Tensor, norm: LayerNorm, fcs: Sequence[Linear]) -> Tuple[torch.Tensor, ...]:
+    """``tuple(fc(norm(x)) for fc in fcs)`` keeping one 8-bit copy, the norm's ``x_hat``, for
+    the norm's backward and every Linear's (a SwiGLU's ``fc1_g`` and ``fc1_x``: three copies
+    of the same tokens become one). Call where :func:`can_fuse_norm` holds for each."""
+    if len(fcs) == 1:
+        return (layernorm_linear(x, norm, fcs[0]),)
+    args = [t for fc in fcs for t in (fc.weight, fc.bias)]
+    return _LayerNormLinearFn.apply(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps, norm.quantizer, *args)

@@ -33,14 +33,15 @@ from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
 from .generic_attention import install as install_generic, install_cosine, install_linear, install_scales
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
-from .mlp import MLP_CLASSES, MLP_COPIES, SHARED_MLP_CLASSES, STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES
+from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
+                  STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
 from .block import BLOCK_CLASSES, NORM_LINEAR_COPIES, STOCK_BLOCK_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
 OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa",
-       "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize")
+       "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize", "grn")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
@@ -62,6 +63,7 @@ def _leaf_rules():
     forward, e.g. timm's ``LayerNormFp32``; it is reported instead)."""
     from timm.layers import LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d, LayerScale as TimmLayerScale
     from timm.layers import RmsNorm as TimmRmsNorm
+    from timm.layers.grn import GlobalResponseNorm as TimmGRN
     from timm.layers.activations import QuickGELU as TimmQuickGELU
 
     from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh
@@ -83,6 +85,7 @@ def _leaf_rules():
         nn.ReLU: ("relu", mnn.ReLU),
         nn.Softmax: ("softmax", mnn.Softmax),
         TimmLayerScale: ("layerscale", mnn.LayerScale),
+        TimmGRN: ("grn", mnn.GlobalResponseNorm),
     }
 
 
@@ -304,9 +307,10 @@ def _share_mlp_copies(named, info, set_names, shared: bool, rules, mnn) -> None:
 
 
 def _share_norm_copies(named, info, set_names, shared: bool) -> None:
-    """timm ViT / Swin / PVT-v2 blocks -> ``patch/block.py``'s (``mesa_norm_shared``); their
-    timm ``Mlp`` (PVT-v2: ``MlpWithDepthwiseConv``) becomes the Mesa one (which takes the norm;
-    no GELU + fc2 sharing) when the ``ffn`` set is patched and the MLP step did not swap it."""
+    """timm ViT / Swin / PVT-v2 / BEiT / EVA / CaiT / XCiT / ConvNeXt blocks -> ``patch/block.py``'s
+    (``mesa_norm_shared``); their timm ``Mlp`` with a Linear fc1 (PVT-v2: ``MlpWithDepthwiseConv``)
+    becomes the Mesa one (which takes the norm; no GELU + fc2 sharing) when the ``ffn`` set is
+    patched and the MLP step did not swap it."""
     for name, m in named:
         stock_cls = STOCK_BLOCK_CLASSES.get(type(m), type(m))
         if stock_cls not in BLOCK_CLASSES or not (shared or type(m) is not stock_cls):
@@ -314,9 +318,16 @@ def _share_norm_copies(named, info, set_names, shared: bool) -> None:
         m.__class__ = BLOCK_CLASSES[stock_cls]
         m.mesa_norm_shared = shared
         mlp_set = info.get(f"{name}.mlp" if name else "mlp", ModuleInfo("other", None, None)).module_set
-        if shared and type(getattr(m, "mlp", None)) in SHARED_MLP_CLASSES and mlp_set in set_names:
-            m.mlp.__class__ = SHARED_MLP_CLASSES[type(m.mlp)]
+        mlp_m = getattr(m, "mlp", None)
+        swaps = {**SHARED_MLP_CLASSES, **NORM_ONLY_MLP_CLASSES}
+        if shared and type(mlp_m) in swaps and isinstance(getattr(mlp_m, "fc1", None), nn.Linear) \
+                and mlp_set in set_names:
+            m.mlp.__class__ = swaps[type(m.mlp)]
             m.mlp.mesa_shared = False  # the MLP step found no GELU + fc2 pair to share, or mlp="separate"
+    # an MLP's own norm before fc2 (scale_mlp: EVA-02's SwiGLU): the same choice (patch/mlp.py)
+    for name, m in named:
+        if type(m) in NORM_MLP_CLASSES and info.get(name, ModuleInfo("other", None, None)).module_set in set_names:
+            m.mesa_norm_shared = shared
 
 
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
@@ -359,7 +370,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             (``nn/gelu_linear.py``; needs ``gelu`` and ``linear`` among the ops).
             ``separate``: each layer keeps its own copy (the paper's layers).
         norm_linear: ``shared`` (default): in timm's ViT ``Block``, ``attn.qkv`` and
-            ``mlp.fc1`` (Swin's and PVT-v2's blocks: ``mlp.fc1``) take their weight gradient
+            ``mlp.fc1`` (the blocks of Swin, PVT-v2, BEiT, EVA, CaiT, XCiT and ConvNeXt:
+            ``mlp.fc1`` where it is a Linear of a plain ``Mlp``) take their weight gradient
             from the 8-bit ``x_hat`` of the LayerNorm before them (``norm1``, ``norm2``;
             rebuilding ``x_hat * gamma + beta`` in backward) instead of keeping a second copy of the same tokens
             (``nn/layernorm_linear.py``, ``patch/block.py``; needs ``layernorm`` and
@@ -480,7 +492,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     if "gelu" in op_names and "linear" in op_names:
         _share_mlp_copies(named, info, set_names, mlp == "shared", rules, mnn)
 
-    # 1c'. ViT blocks: qkv and fc1 share the copy of the norm before them, Swin / PVT-v2 blocks
+    # 1c'. ViT blocks: qkv and fc1 share the copy of the norm before them, other families' blocks
     # fc1 (norm_linear="shared"; the choice is made again at every call: patch/block.py)
     if "layernorm" in op_names and "linear" in op_names:
         _share_norm_copies(named, info, set_names, norm_linear == "shared")
@@ -499,10 +511,13 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             if params:
                 install_scales(m, params, _module_device(m), _options_for(None, mi.heads, quant_options))
             # ConvNeXt's x.mul(self.gamma.reshape(1, -1, 1, 1)): a class swap (patch/convnext.py)
-            if type(m) in CONVNEXT_CLASSES and m.gamma is not None:
+            stock_cls = STOCK_CONVNEXT_CLASSES.get(type(m), type(m))
+            if stock_cls in CONVNEXT_CLASSES and m.gamma is not None and CONVNEXT_SCALE_CHILD not in m._modules:
                 m.add_module(CONVNEXT_SCALE_CHILD, mnn.ChannelScale(device=_module_device(m),
                                                                     **_options_for(None, mi.heads, quant_options)))
-                m.__class__ = CONVNEXT_CLASSES[type(m)]
+                if type(m) is stock_cls:  # not swapped by step 1c': its norm keeps its own copy
+                    m.__class__ = CONVNEXT_CLASSES[stock_cls]
+                    m.mesa_norm_shared = False
 
     # 2. leaf modules (the attention pass may have added children: list again)
     converted: Dict[int, nn.Module] = {}
@@ -553,6 +568,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 3. functional ops no rule reaches (requested ops only, selected module sets only)
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
                + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + tuple(STOCK_CONVNEXT_CLASSES)
+               + tuple(NORM_ONLY_MLP_CLASSES.values())
                + tuple(STOCK_BLOCK_CLASSES)
                + (PlainMatMul, PlainSoftmax))
     unreached: Dict[str, Tuple[str, ...]] = {}
@@ -646,7 +662,8 @@ def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:
                     (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (sdpa_cls, "sdpa"),
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.SiLU, "silu"), (mnn.RmsNorm, "rmsnorm"),
                     (mnn.GatedActivation, "glu"), (mnn.LayerScale, "layerscale"),
-                    (mnn.ChannelScale, "layerscale"), (mnn.Normalize, "normalize")):
+                    (mnn.ChannelScale, "layerscale"), (mnn.Normalize, "normalize"),
+                    (mnn.GlobalResponseNorm, "grn")):
         if isinstance(m, cls):
             return op
     return None

@@ -105,7 +105,7 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     from .core import mesa_layer_op
     from .attention import MesaViTAttention
     from .block import norm_fed_ids
-    from .mlp import STOCK_SHARED_MLP_CLASSES
+    from .mlp import NORM_MLP_CLASSES
 
     root = _unwrap(model)
     modules: Dict[str, nn.Module] = dict(root.named_modules())
@@ -120,8 +120,8 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
         mod = modules.get(name)
         op = mesa_layer_op(mod) if mod is not None else None
         # a shared-copy MLP: its fc2(gelu(h)) ran as one Function, one copy for both (patch/mlp.py),
-        # and so did fc1(norm2(x)) in a patched block (patch/block.py)
-        if type(mod) in STOCK_SHARED_MLP_CLASSES:
+        # and so did fc1(norm2(x)) (a SwiGLU's fc1_g and fc1_x) in a patched block (patch/block.py)
+        if type(mod) in NORM_MLP_CLASSES:
             op = "shared copies (mlp)"
         # a ViT block's qkv(norm1(x)): one Function called by the attention itself (the only
         # bytes the attention module saves directly where its qkv takes the norm's copy)
