@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test gpu-results gpu-session gpu-wheels demo bench docker-build clean
+.PHONY: help install test gpu-results gpu-session gpu-wheels gpu-prebuild demo bench docker-build clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -23,7 +23,7 @@ install: $(STAMP)  ## create .venv and install the project (builds the C++/CUDA 
 test: $(STAMP)  ## run the test suite (installs first when .venv is missing)
 	$(PY) -m pytest -q tests
 
-gpu-session:  ## on a lent GPU machine (own torch, no registry): scripts/gpu_session.sh (make gpu-wheels here first)
+gpu-session:  ## on a lent GPU machine (own torch, no registry): scripts/gpu_session.sh (make gpu-wheels gpu-prebuild here first)
 	bash scripts/gpu_session.sh
 
 gpu-results: $(STAMP)  ## on a GPU machine: CUDA tests, kernel bandwidth and every GPU benchmark preset into results/
@@ -45,6 +45,27 @@ gpu-wheels:  ## download the wheels scripts/gpu_session.sh needs on a GPU machin
 	@# antlr4-python3-runtime 4.9.3 exists only as an sdist: build its (pure-Python) wheel here
 	$(PYTHON) -m pip wheel -q --no-deps -w .whl $(GPU_WHEELS)
 	rm -f .whl/*.tar.gz
+
+# The lent GPU machine's image runs torch 2.11.0+cu130 on H100/H200 (sm_90); PyPI's torch
+# 2.11.0 is the same CUDA 13.0 build. The extension built here against it, for sm_90 only,
+# is carried in .gpubuild/ (scripts/gpu_session.sh loads it when it has CUDA kernels, else
+# builds there): a device call's minutes go to measuring instead of compiling.
+GPU_TORCH ?= 2.11.0
+GPU_ARCH ?= 9.0
+GPU_VENV ?= .venv-gpu
+GPU_BUILD_TMP := /tmp/mesa-gpubuild
+$(GPU_VENV)/.installed:
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q torch==$(GPU_TORCH) "setuptools>=69" wheel ninja pybind11 numpy
+	touch $@
+
+gpu-prebuild: $(GPU_VENV)/.installed  ## build the extension here for the GPU image (torch 2.11, sm_90) into .gpubuild/
+	@command -v nvcc >/dev/null || { echo "gpu-prebuild: nvcc not found (the CUDA kernels need it)"; exit 1; }
+	rm -rf $(GPU_BUILD_TMP) && mkdir -p .gpubuild
+	TORCH_CUDA_ARCH_LIST=$(GPU_ARCH) MAX_JOBS=$$(nproc) $(GPU_VENV)/bin/python setup.py -q build_ext \
+		--build-lib $(GPU_BUILD_TMP)/lib --build-temp $(GPU_BUILD_TMP)/tmp
+	strip --strip-debug -o .gpubuild/_C.abi3.so $(GPU_BUILD_TMP)/lib/mesa_train/_C.abi3.so
+	@ls -l .gpubuild/_C.abi3.so
 
 demo: $(STAMP)  ## train a small DeiT on the embedded digits data, stock vs Mesa, on CPU
 	$(PY) -m mesa_train.demo

@@ -1,11 +1,15 @@
 """scripts/gpu_session.sh (the lent GPU machine's one command) fails fast and clearly where
-it cannot run: a step name it does not know, or no CUDA device for the given Python."""
+it cannot run (a step name it does not know, a deadline that is not a number, no CUDA device
+for the given Python), and spends its one device call in priority order within DEADLINE
+(checked with a stand-in Python that reports a GPU and only pretends to run the steps)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -17,9 +21,10 @@ SCRIPT = REPO / "scripts" / "gpu_session.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def _run(tmp_path, **env):
+def _run(tmp_path, cwd=REPO, **env):
     full = {**os.environ, "PY": sys.executable, "OUT": str(tmp_path), **env}
-    return subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=full, capture_output=True, text=True, timeout=120)
+    return subprocess.run(["bash", str(cwd / "scripts" / "gpu_session.sh")], cwd=cwd, env=full, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_the_script_parses():
@@ -29,7 +34,7 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    assert "unknown step 'bogus'; valid: tests kernels table1 modern speed traceable" in proc.stdout
+    assert "unknown step 'bogus'; valid: tests kernels modern speed table1 traceable" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 
 
@@ -38,3 +43,82 @@ def test_no_gpu_is_a_one_line_error(tmp_path):
     proc = _run(tmp_path, STEPS="tests")
     assert proc.returncode == 1
     assert "no CUDA device visible" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_deadline_that_is_not_a_number_is_a_one_line_error(tmp_path):
+    proc = _run(tmp_path, DEADLINE="9m")
+    assert proc.returncode == 2
+    assert proc.stdout.strip() == "gpu_session.sh: DEADLINE='9m' is not a number of seconds"
+
+
+# A stand-in for the GPU image's python3: answers the script's device queries as an H100
+# would, loads "the carried build", and spends STEP_SECONDS on each step's command instead of
+# running it (each call is logged, so the test sees which steps ran with which arguments).
+FAKE_PY = r"""#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG"
+case "$*" in
+  *get_device_capability*) echo 9.0 ;;
+  *get_device_name*) echo "Fake H100" ;;
+  *torch.__version__*) echo 2.11.0 ;;
+  "-c import xdist") [ -n "${FAKE_XDIST:-}" ] ;;
+  -c*) echo "mesa backend: extension CUDA: extension" ;;
+  -m\ pip*) exit 0 ;;
+  *) sleep "$STEP_SECONDS"; mkdir -p results/modern; echo "$*" > results/modern/fake.md ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_checkout(tmp_path):
+    """The script in a scratch checkout with a carried build and a stand-in python3."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, root / "scripts" / "gpu_session.sh")
+    (root / "mesa_train").mkdir()
+    (root / ".gpubuild").mkdir()
+    (root / ".gpubuild" / "_C.abi3.so").write_bytes(b"")
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    return root, fake, out
+
+
+def test_steps_run_in_order_and_stop_at_the_deadline(fake_checkout, tmp_path):
+    root, fake, out = fake_checkout
+    log = tmp_path / "calls.log"
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), STEP_SECONDS="2", DEADLINE="5", MIN_STEP="2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "reusing the carried build .gpubuild/_C.abi3.so" in proc.stdout
+    calls = log.read_text().splitlines()
+    ran = [c for c in calls if c.startswith("-m pytest") or c.startswith("-m mesa_train")]
+    # tests first, serial (no xdist in this image), then the kernels; modern and speed find
+    # less than MIN_STEP left and are skipped, not started
+    assert ran[0].startswith("-m pytest -q -m cuda") and " -n " not in ran[0]
+    assert ran[1] == "-m mesa_train.quant.benchmark"
+    assert len(ran) == 2, ran
+    assert "=== modern-deit-s skipped:" in proc.stdout and "=== speed-deit-s skipped:" in proc.stdout
+    # what the steps wrote, and their logs, come back in one archive
+    with tarfile.open(out / "results.tgz") as tar:
+        names = tar.getnames()
+    assert "results/gpu-session/cuda-tests.log" in names and "results/modern/fake.md" in names
+    assert not (out / "_C.abi3.so").exists()  # nothing was built, so nothing is sent back
+
+
+def test_a_step_is_clipped_to_the_time_left(fake_checkout, tmp_path):
+    root, fake, out = fake_checkout
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(tmp_path / "calls.log"), STEP_SECONDS="0", DEADLINE="100",
+                MIN_STEP="1", STEPS="modern", MODERN_LIMIT="900")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    limits = [int(m) for m in re.findall(r"=== modern-deit-s \(limit (\d+)s", proc.stdout)]
+    assert len(limits) == 1 and 90 <= limits[0] <= 100, proc.stdout
+
+
+def test_the_cuda_tests_spread_over_workers_where_the_image_has_xdist(fake_checkout, tmp_path):
+    root, fake, out = fake_checkout
+    log = tmp_path / "calls.log"
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), FAKE_XDIST="1", STEP_SECONDS="0", STEPS="tests")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (pytest_call,) = [c for c in log.read_text().splitlines() if c.startswith("-m pytest")]
+    assert " -n 4 " in pytest_call and pytest_call.endswith(" tests")
