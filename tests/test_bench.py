@@ -385,6 +385,38 @@ def test_a_stopped_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     assert [r["label"] for r in rows] == calls[:1] and float(rows[0]["peak_mb"]) == 123.0
 
 
+def test_a_run_stopped_while_profiling_keeps_the_rows_it_profiled(tmp_path, monkeypatch):
+    """profile=true runs every row again under the profiler after the table: a time limit
+    there (the GPU session's deadline) leaves the rows profiled so far on disk, marked
+    partial, instead of only the lines printed."""
+    from mesa_train.bench import profile, runner
+    from mesa_train.bench.measure import Measurement
+
+    monkeypatch.setattr(runner, "run_row", lambda row, device, **kw: Measurement(peak_mb=1.0, saved_mb=1.0))
+    monkeypatch.setattr(runner, "_time_rows_after", lambda *a, **kw: None)
+    profiled = []
+
+    def fake_profile_row(row, device, **kw):
+        profiled.append(row.label)
+        if len(profiled) == 2:
+            raise KeyboardInterrupt  # the time limit's signal, after the first row's profile
+        return profile.RowProfile(row.label, ops={("aten::mm", "matmul"): (1.5, 2.0)}, wall_ms=2.0)
+
+    monkeypatch.setattr(profile, "profile_row", fake_profile_row)
+    cfg = _compose("cpu-quick", f"output_dir={tmp_path}", "progress=false", "process_warmup=false",
+                   "profile=true", "only=DeiT-tiny")
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_app(cfg)
+    folder = tmp_path / "cpu-quick"
+    total = len(json.loads((folder / "cpu.json").read_text())["rows"])  # the table is complete
+    assert total > 2
+    md = (folder / "cpu.profile.md").read_text()
+    assert f"PARTIAL: 1 of {total} rows profiled" in md
+    assert f"| {profiled[0]} (baseline) | 1.50 |" in md and profiled[1] not in md
+    rows = list(csv.DictReader(open(folder / "cpu.profile.csv")))
+    assert [(r["label"], r["op"], r["ms_per_step"]) for r in rows] == [(profiled[0], "aten::mm", "1.5000")]
+
+
 def test_skip_drops_rows_but_keeps_baselines():
     from mesa_train.bench.presets import BenchConfigError, expand_preset
 

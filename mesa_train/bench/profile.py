@@ -213,9 +213,12 @@ def profile_row(row: RowConfig, device: torch.device, *, steps: int, seed: int =
 
 def run_profiles(rows: list[RowConfig], statuses: list[str], device: torch.device, *,
                  steps: int, seed: int, progress: Callable[[int, str], Any],
-                 say: Callable[..., None]) -> list[RowProfile]:
+                 say: Callable[..., None],
+                 on_row: Callable[[list[RowProfile]], Any] | None = None) -> list[RowProfile]:
     """Profile every row whose measurement succeeded (``statuses``: the measurement's
-    status per row); a row that failed or ran out of memory would only do so again."""
+    status per row); a row that failed or ran out of memory would only do so again.
+    ``on_row(profiles so far)`` after each row but the last (the caller writes partial files:
+    a time limit during the profiles keeps the rows profiled before it)."""
     out: list[RowProfile] = []
     bar = progress(len(rows), "profile")
     try:
@@ -233,6 +236,8 @@ def run_profiles(rows: list[RowConfig], statuses: list[str], device: torch.devic
             else:
                 say(f"profile {row.label}: {p.status} {p.error}", bar)
             bar.update(1)
+            if on_row is not None and len(out) < len(rows):
+                on_row(out)
     finally:
         bar.close()
     return out
@@ -256,11 +261,12 @@ def _cell(text: str) -> str:
 
 
 def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: int,
-                    rows: list[RowConfig], profiles: list[RowProfile]) -> str:
+                    rows: list[RowConfig], profiles: list[RowProfile], partial_of: int | None = None) -> str:
+    """``partial_of``: the run's row count while only ``profiles`` (its first rows) exist."""
     cuda = env.get("device_type") == "cuda"
     time_name = "self CUDA time per step" if cuda else "self CPU time per step"
     by_label = {p.label: p for p in profiles}
-    ok = [(r, by_label[r.label]) for r in rows if by_label[r.label].status == "ok"]
+    ok = [(r, by_label[r.label]) for r in rows if r.label in by_label and by_label[r.label].status == "ok"]
     baseline = {r.group_name: r.label for r in rows if r.baseline}  # ratios use the same rule
     cats = {r.label: by_label[r.label].by_category() for r, _ in ok}
     # a category no row spends time in is only noise in the table
@@ -275,6 +281,9 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
     w(f"- Versions: torch {env['torch']}, timm {env['timm']}, mesa_train {env['mesa_train']}, "
       f"CUDA {env['cuda']}; Mesa extension: {env['mesa_extension']}; git {env['git']}\n")
     w(f"- Command: `{command}`\n")
+    if partial_of is not None:
+        w(f"- PARTIAL: {len(profiles)} of {partial_of} rows profiled; the run was stopped or is still "
+          "going (its end rewrites these files).\n")
     w(f"- Time: **{time_name}** in ms, from `torch.profiler` over {steps} training step(s) "
       f"after the row's warm-up ({'/'.join(map(str, warm))} step(s)). Each op's self time "
       "excludes the ops it calls, so a row's categories add up to its Total. "
@@ -327,10 +336,10 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
 
 def write_files(md_path: Path, csv_path: Path, *, preset: str, env: dict[str, Any],
                 command: str, steps: int, rows: list[RowConfig],
-                profiles: list[RowProfile]) -> str:
+                profiles: list[RowProfile], partial_of: int | None = None) -> str:
     """Writes ``<device>.profile.md`` and ``.profile.csv``; returns the Markdown."""
     md = render_markdown(preset=preset, env=env, command=command, steps=steps, rows=rows,
-                         profiles=profiles)
+                         profiles=profiles, partial_of=partial_of)
     md_path.write_text(md)
     kind = "self_cuda" if env.get("device_type") == "cuda" else "self_cpu"
     with open(csv_path, "w", newline="") as f:

@@ -193,12 +193,17 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     failed = [r.label for r, m in zip(rows, results) if m.status == "error"]
     if profile:
         # after the measurement files are on disk: a crash here cannot lose them
+        paths = [out_dir / f"{slug}.profile.md", out_dir / f"{slug}.profile.csv"]
+
+        def write_profiles(profiles, partial_of=None):
+            return _profile.write_files(*paths, preset=name, env=env, command=command, steps=profile_steps,
+                                        rows=rows, profiles=profiles, partial_of=partial_of)
+
         profiles = _profile.run_profiles(
             rows, [m.status for m in results], device, steps=profile_steps, seed=seed,
-            progress=lambda n, what: _progress(n, show, f"{what} {name}"), say=_say)
-        paths = [out_dir / f"{slug}.profile.md", out_dir / f"{slug}.profile.csv"]
-        print(_profile.write_files(*paths, preset=name, env=env, command=command,
-                                   steps=profile_steps, rows=rows, profiles=profiles))
+            progress=lambda n, what: _progress(n, show, f"{what} {name}"), say=_say,
+            on_row=lambda so_far: write_profiles(so_far, partial_of=len(rows)))
+        print(write_profiles(profiles))
         _say("wrote " + ", ".join(str(p) for p in paths))
         report.write_index(out_dir.parent)  # again: now it links the profile too
         failed += [f"{p.label} (profile)" for p in profiles if p.status == "error"]
