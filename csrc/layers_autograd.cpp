@@ -63,7 +63,7 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
                      nhwc);
     } else {
       at::Tensor xh = from_nhwc(
-          dequantize_op().call(saved[0], saved[1], saved[2], dim, groups, cdt, std::nullopt, std::nullopt), nhwc);
+          call_dequantize(saved[0], saved[1], saved[2], dim, groups, cdt, std::nullopt, std::nullopt), nhwc);
       gx = at::gelu_backward(grads[0].to(cdt), xh, approximate);
     }
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
@@ -118,7 +118,7 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
       at::Tensor gx = softmax_backward_op().call(grads[0].to(ydt), saved[0], saved[1], saved[2], gdim, groups);
       return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
     }
-    at::Tensor yh = dequantize_op().call(saved[0], saved[1], saved[2], gdim, groups, ydt, std::nullopt, std::nullopt);
+    at::Tensor yh = call_dequantize(saved[0], saved[1], saved[2], gdim, groups, ydt, std::nullopt, std::nullopt);
     // each row rescaled to sum to 1 (mesa_train/nn/softmax.py: keeps the exactly-zero stock
     // gradient of a bias added to a whole row); an all-zero row stays 0 (0 / tiny)
     yh = yh / yh.sum({sdim}, true).clamp_min(smallest_normal(ydt));
@@ -201,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
 // no row scales).
 at::Tensor decompress_rows(const variable_list& saved, int64_t dim, int64_t groups, c10::ScalarType dt,
                            const at::Tensor& k) {
-  return dequantize_op().call(saved[0], saved[1], saved[2], dim, groups, dt,
+  return call_dequantize(saved[0], saved[1], saved[2], dim, groups, dt,
                               k.defined() ? std::optional<at::Tensor>(k) : std::nullopt, std::nullopt);
 }
 
@@ -404,7 +404,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grads(AutogradContext*
   // returns dx with rstd applied: no pass over dx after it (DESIGN.md, "LayerNorm's x_hat
   // inside the kernels")
   const at::Tensor k = saved[5];
-  at::Tensor xs = dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+  at::Tensor xs = call_dequantize(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
                                        ctx->saved_data["groups"].toInt(), mdt,
                                        k.defined() ? std::optional<at::Tensor>(k) : std::nullopt,
                                        at::reciprocal(rstd.to(at::kFloat)));
@@ -462,6 +462,36 @@ at::Tensor layer_norm_train(const at::Tensor& x, at::IntArrayRef normalized_shap
 // ----------------------------------------------------------------------------- LayerNorm + Linear
 // mesa_train/nn/layernorm_linear.py: fc(norm(x)) keeping one 8-bit copy, the norm's x_hat, for
 // both backward passes; the Linear's input x_hat * gamma + beta is rebuilt from it in backward.
+// The Linear's input x_hat * gamma + beta rebuilt from the norm's codes (saved: q, alpha, beta,
+// rstd, gamma, k, beta_ln, ...) in the stock dtypes: the math dtype (float32, or float64 for a
+// float64 norm), then the norm's output dtype, autocast's cast and the Linear's compute dtype
+// (Python twin: rebuild_norm_output). With float32 math and a gamma or beta: one dequantize
+// whose column epilogue applies them and rounds once, to the first dtype of that chain that
+// is not float32 (the casts before it are exact): 3 bytes an element for bf16 where the
+// dequantize, multiply, add and cast moved 27.
+at::Tensor rebuild_norm_output(AutogradContext* ctx, const variable_list& saved) {
+  const auto mdt = ctx->saved_data["mdt"].toScalarType();
+  const int64_t dim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
+  const c10::ScalarType casts[3] = {ctx->saved_data["y_dtype"].toScalarType(),
+                                    ctx->saved_data["yc_dtype"].toScalarType(), ctx->saved_data["cdt"].toScalarType()};
+  const at::Tensor &w = saved[4], &b = saved[6], &k = saved[5];
+  const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  at::Tensor y;
+  int j = 0;
+  if (mdt == at::kFloat && (w.defined() || b.defined())) {
+    while (j < 3 && casts[j] == at::kFloat) ++j;
+    y = call_dequantize(saved[0], saved[1], saved[2], dim, groups, j < 3 ? casts[j] : at::kFloat, opt(k),
+                        std::nullopt, w.defined() ? opt(w.to(at::kFloat)) : std::nullopt,
+                        b.defined() ? opt(b.to(at::kFloat)) : std::nullopt);
+  } else {  // the definition: a multiply, then an add, in the math dtype
+    y = decompress_rows(saved, dim, groups, mdt, k);
+    if (w.defined()) y = y * w.to(mdt);
+    if (b.defined()) y = y + b.to(mdt);
+  }
+  for (; j < 3; ++j) y = y.to(casts[j]);  // from the dtype the epilogue rounded to: the rest of the chain
+  return y;
+}
+
 struct LayerNormLinearTrain : public torch::autograd::Function<LayerNormLinearTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::vector<int64_t> normalized_shape,
                             const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
@@ -493,19 +523,12 @@ struct LayerNormLinearTrain : public torch::autograd::Function<LayerNormLinearTr
     const bool need_lb = has_lb && ctx->needs_input_grad(i);
     i += has_lb;
     const bool need_x = ctx->needs_input_grad(0);
-    const auto mdt = ctx->saved_data["mdt"].toScalarType(), ydt = ctx->saved_data["y_dtype"].toScalarType();
+    const auto ydt = ctx->saved_data["y_dtype"].toScalarType();
     // the Linear's backward, its input rebuilt from the norm's codes in the stock dtypes (the
     // norm's output dtype, then autocast's cast); its input gradient comes back in the
     // norm's output dtype, as stock casts it (Python twin: rebuild_norm_output)
     auto [gy, gw, gb] = linear_grads(ctx, grads[0], saved[7], ydt, need_x || need_lw || need_lb,
-                                     ctx->needs_input_grad(i), i + 1, [&] {
-                                       at::Tensor y = decompress_rows(saved, ctx->saved_data["dim"].toInt(),
-                                                                      ctx->saved_data["groups"].toInt(), mdt, saved[5]);
-                                       if (saved[4].defined()) y = y * saved[4].to(mdt);
-                                       if (saved[6].defined()) y = y + saved[6].to(mdt);
-                                       return y.to(ydt).to(ctx->saved_data["yc_dtype"].toScalarType())
-                                           .to(ctx->saved_data["cdt"].toScalarType());
-                                     });
+                                     ctx->needs_input_grad(i), i + 1, [&] { return rebuild_norm_output(ctx, saved); });
     at::Tensor gx, glw, glb;
     if (gy.defined()) std::tie(gx, glw, glb) = layer_norm_grads(ctx, saved, gy, need_x, need_lw, need_lb);
     return {gx, at::Tensor(), glw, glb, at::Tensor(), gw, gb, at::Tensor(), at::Tensor()};
@@ -612,7 +635,7 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
   static at::Tensor restore(const variable_list& saved, size_t first, const std::vector<int64_t>& layout,
                             c10::ScalarType cdt) {
     if (saved[first].defined())
-      return dequantize_op().call(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], cdt,
+      return call_dequantize(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], cdt,
                                   std::nullopt, std::nullopt);
     return saved[first + 3].to(cdt);
   }
@@ -720,7 +743,7 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     at::Tensor g = grads[0].to(cdt), w = saved[3].to(cdt), xh;
     const bool channels_last = ctx->saved_data["channels_last"].toBool();
     if (saved[0].defined()) {
-      xh = from_nhwc(dequantize_op().call(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+      xh = from_nhwc(call_dequantize(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
                                           ctx->saved_data["groups"].toInt(), cdt, std::nullopt, std::nullopt),
                      channels_last);
     } else {  // only the input gradient is needed: the values of x do not matter, its layout does

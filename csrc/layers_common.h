@@ -30,7 +30,8 @@ using QuantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Te
                               const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                               const std::optional<at::Tensor>&);
 using DequantizeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                c10::ScalarType, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+                                c10::ScalarType, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 using RowExponentsFn = at::Tensor(const at::Tensor&, int64_t, int64_t);
 using ObserveRowsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
@@ -49,6 +50,15 @@ inline const c10::TypedOperatorHandle<DequantizeFn>& dequantize_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mesa::dequantize", "").typed<DequantizeFn>();
   return op;
+}
+// mesa::dequantize through the dispatcher, its optional arguments defaulted (none given)
+inline at::Tensor call_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
+                                  int64_t groups, c10::ScalarType dtype,
+                                  const std::optional<at::Tensor>& row_exp = std::nullopt,
+                                  const std::optional<at::Tensor>& row_mul = std::nullopt,
+                                  const std::optional<at::Tensor>& col_scale = std::nullopt,
+                                  const std::optional<at::Tensor>& col_shift = std::nullopt) {
+  return dequantize_op().call(q, alpha, beta, dim, groups, dtype, row_exp, row_mul, col_scale, col_shift);
 }
 inline const c10::TypedOperatorHandle<RowExponentsFn>& row_exponents_op() {
   static const auto op =

@@ -353,6 +353,14 @@ int64_t check_row_mul(const char* op, const at::Tensor& q, const std::optional<a
 // y times its row's row_mul, computed in float32 and rounded to y's dtype, in place (the CPU
 // kernel and the CUDA layouts without the fused path; a no-op without row_mul)
 void multiply_rows_inplace(at::Tensor& y, const std::optional<at::Tensor>& row_mul);
+// dequantize's optional col_scale / col_shift: each float32 of shape (q.shape[-1],) on q's
+// device. Returns whether either is given.
+bool check_cols(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& col_scale,
+                const std::optional<at::Tensor>& col_shift);
+// float32 y times col_scale, then plus col_shift, per column of its last dim, in place (each
+// a no-op where absent; the CPU kernel and the CUDA paths without the fused epilogue)
+void affine_cols_inplace(at::Tensor& y, const std::optional<at::Tensor>& col_scale,
+                         const std::optional<at::Tensor>& col_shift);
 // row_exponents(x, row_dims, max_k): the float dtypes, 1 <= row_dims <= x.dim(), 0 <= max_k <= 126;
 // returns the row length (the product of the last row_dims sizes).
 int64_t check_row_exponents(const at::Tensor& x, int64_t row_dims, int64_t max_k);

@@ -326,6 +326,26 @@ int64_t check_row_mul(const char* op, const at::Tensor& q, const std::optional<a
   return row_length(q.sizes(), m.numel());
 }
 
+bool check_cols(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& col_scale,
+                const std::optional<at::Tensor>& col_shift) {
+  bool any = false;
+  for (const auto& [name, t] : {std::pair{"col_scale", &col_scale}, std::pair{"col_shift", &col_shift}}) {
+    if (!t->has_value() || !(*t)->defined()) continue;
+    any = true;
+    check_float_rows(op, name, **t, q.device(), "the codes are on");
+    TORCH_CHECK_VALUE(q.dim() >= 1 && (*t)->dim() == 1 && (*t)->size(0) == q.size(-1), "mesa: ", op, ": ", name,
+                      " must have shape (C,) with C = q.shape[-1] (one value per column of the last dim); got ",
+                      (*t)->sizes(), " for codes of shape ", q.sizes());
+  }
+  return any;
+}
+
+void affine_cols_inplace(at::Tensor& y, const std::optional<at::Tensor>& col_scale,
+                         const std::optional<at::Tensor>& col_shift) {
+  if (col_scale.has_value() && col_scale->defined()) y.mul_(*col_scale);
+  if (col_shift.has_value() && col_shift->defined()) y.add_(*col_shift);
+}
+
 void multiply_rows_inplace(at::Tensor& y, const std::optional<at::Tensor>& row_mul) {
   if (!row_mul.has_value() || !row_mul->defined() || y.numel() == 0) return;
   if (y.scalar_type() == at::kFloat) y.mul_(*row_mul);
@@ -390,12 +410,17 @@ TORCH_LIBRARY(mesa, m) {
   // LayerNorm's normalised input, not written to memory on CUDA (observe_rows takes them too).
   // row_mul (optional, float32, one per row: check_row_mul): dequantize's output then times
   // it, in float32, rounded to dtype (LayerNorm's backward: 1 / rstd, so x - mean comes back)
+  // col_scale / col_shift (optional, float32, (C,) for the last dim's C columns: check_cols):
+  // the values made as for dtype float32 (row_exp, row_mul included), times col_scale, then
+  // plus col_shift (two float32 roundings, never fused), then rounded to dtype: a LayerNorm's
+  // output x_hat * gamma + beta rebuilt from x_hat's codes in one pass (DESIGN.md, "LayerNorm
+  // + Linear: one copy"; was a dequantize, a multiply, an add and a cast, 27 bytes an element)
   m.def(
       "quantize(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, bool stochastic, Tensor seed, "
       "Tensor? row_exp=None, Tensor? row_mean=None, Tensor? row_rstd=None) -> Tensor");
   m.def(
       "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
-      "Tensor? row_exp=None, Tensor? row_mul=None) -> Tensor");
+      "Tensor? row_exp=None, Tensor? row_mul=None, Tensor? col_scale=None, Tensor? col_shift=None) -> Tensor");
   // int8 k = clamp(floor(log2(mean_row_absmax / row_absmax)), 0, max_k) per row of the last
   // row_dims dims, shape x.shape[:-row_dims] + (1,) * row_dims (mesa_train.nn.rowscale)
   m.def("row_exponents(Tensor x, int row_dims, int max_k) -> Tensor");

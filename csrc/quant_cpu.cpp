@@ -538,10 +538,17 @@ void dequantize_kernel(const uint8_t* q, scalar_t* y_, const Layout& L, const fl
 
 at::Tensor dequantize_cpu(const at::Tensor& q_in, const at::Tensor& alpha, const at::Tensor& beta,
                           int64_t dim, int64_t num_groups, at::ScalarType dtype,
-                          const std::optional<at::Tensor>& row_exp, const std::optional<at::Tensor>& row_mul) {
+                          const std::optional<at::Tensor>& row_exp, const std::optional<at::Tensor>& row_mul,
+                          const std::optional<at::Tensor>& col_scale, const std::optional<at::Tensor>& col_shift) {
   const Layout L = check_dequantize(q_in, alpha, beta, dim, num_groups, dtype);
   const int64_t row_len = check_row_exp("dequantize", q_in.sizes(), q_in.device(), row_exp);
   check_row_mul("dequantize", q_in, row_mul);
+  if (check_cols("dequantize", q_in, col_scale, col_shift)) {  // the definition itself, in place
+    at::Tensor y = dequantize_cpu(q_in, alpha, beta, dim, num_groups, at::kFloat, row_exp, row_mul, std::nullopt,
+                                  std::nullopt);
+    affine_cols_inplace(y, col_scale, col_shift);
+    return dtype == at::kFloat ? y : y.to(dtype);
+  }
   const at::Tensor q = q_in.contiguous();
   at::Tensor y = at::empty(q.sizes(), q.options().dtype(dtype));
   if (L.numel == 0) return y;
@@ -1159,7 +1166,8 @@ at::Tensor softmax_backward_cpu(const at::Tensor& g_in, const at::Tensor& q_in, 
 at::Tensor gelu_backward_cpu(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                              const at::Tensor& beta, int64_t dim, int64_t num_groups) {
   check_gelu_backward(g, q, alpha, beta, dim, num_groups);
-  at::Tensor xh = dequantize_cpu(q, alpha, beta, dim, num_groups, g.scalar_type(), std::nullopt, std::nullopt);
+  at::Tensor xh = dequantize_cpu(q, alpha, beta, dim, num_groups, g.scalar_type(), std::nullopt, std::nullopt,
+                                 std::nullopt, std::nullopt);
   // in place into xh (the input is not needed after its own element): one buffer, not two
   return at::gelu_backward_out(xh, g.contiguous(), xh);
 }

@@ -151,7 +151,7 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
     // requiring grad when its gradient is wanted
     std::array<at::Tensor, 4> inputs;
     for (size_t i = 0; i < 3; ++i) {
-      inputs[i] = dequantize_op().call(saved[3 * i], saved[3 * i + 1], saved[3 * i + 2], layout[2 * i],
+      inputs[i] = call_dequantize(saved[3 * i], saved[3 * i + 1], saved[3 * i + 2], layout[2 * i],
                                        layout[2 * i + 1], static_cast<c10::ScalarType>(dtypes[i]), std::nullopt,
                                        std::nullopt);
       inputs[i].requires_grad_(need[i]);

@@ -297,3 +297,79 @@ def test_heads_product_with_empty_or_strided_operands_equals_stock(n, m, python_
     assert torch.equal(out, a.detach() @ b.detach())
     out.sum().backward()
     assert a.grad.shape == a.shape and b.grad.shape == b.shape
+
+
+# ----------------------------------------------------------------------------- LayerNorm + Linear
+class _NormLinear(nn.Module):
+    """``fc(norm(x))``: stock, or the Mesa pair keeping one copy (nn/layernorm_linear.py)."""
+
+    def __init__(self, mesa: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 8)
+        with torch.no_grad():
+            self.norm.weight.normal_()
+            self.norm.bias.normal_()
+        self.mesa = mesa
+        if mesa:
+            self.norm, self.fc = M.LayerNorm.from_module(self.norm), M.Linear.from_module(self.fc)
+
+    def forward(self, x):
+        if self.mesa:
+            from mesa_train.nn.layernorm_linear import layernorm_linear
+
+            return layernorm_linear(x, self.norm, self.fc)
+        return self.fc(self.norm(x))
+
+
+def _activation_ops(module, x):
+    """(op, its first tensor's shape) of one forward and one backward after a warm-up step,
+    keeping the ops whose first tensor has the activation's shape (passes over it; a
+    parameter's cast is not one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Rec(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket).replace("::", ".")
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if name not in NOT_A_PASS and first is not None and first.shape == x.shape:
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    module(x.clone().requires_grad_()).sum().backward()  # estimates, lazy state
+    xs = x.clone().requires_grad_()
+    with Rec() as rec:
+        y = module(xs)
+        n_fwd = len(rec.ops)
+        y.backward(torch.ones_like(y))
+    return rec.ops[:n_fwd], rec.ops[n_fwd:]
+
+
+@pytest.mark.parametrize("python_path", [False, True], ids=["cpp-node", "python"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_norm_linear_pair_backward_is_two_dequantizes_and_stocks_ops(python_path, autocast, monkeypatch):
+    """The pair's one copy serves both backward passes, each with one dequantize of it: the
+    norm's ``x - mean`` (row_mul) and the Linear's input ``x_hat * gamma + beta`` (the column
+    epilogue, rounded once to the Linear's dtype). No multiply, add or cast of the activation
+    beyond the stock pair's (they were four more passes, 27 bytes an element in bf16)."""
+    if python_path:
+        from mesa_train.nn import quantizer as quantizer_mod
+
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)
+    x = torch.randn(4, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        stock_fwd, stock_bwd = _activation_ops(_NormLinear(mesa=False), x)
+        mesa_fwd, mesa_bwd = _activation_ops(_NormLinear(mesa=True), x)
+    extra_fwd = list(mesa_fwd)
+    for op in stock_fwd:
+        extra_fwd.remove(op)
+    # (the Python Function makes x_hat as a transient tensor, as the LayerNorm/python case)
+    assert sorted(o for o in extra_fwd if not o.startswith("mesa.")) == (["aten.mul", "aten.sub"] if python_path
+                                                                          else []), mesa_fwd
+    assert [o for o in mesa_bwd if o.startswith("mesa.")] == ["mesa.dequantize", "mesa.dequantize"], mesa_bwd
+    assert sorted(o for o in mesa_bwd if not o.startswith("mesa.")) == sorted(stock_bwd), (
+        f"backward passes over the activation beyond the stock pair's: {mesa_bwd} vs stock {stock_bwd}")

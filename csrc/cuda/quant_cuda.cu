@@ -510,6 +510,29 @@ struct StoreGeluGrad {
   }
 };
 
+// ... mesa::dequantize with col_scale / col_shift stores v * scale[c] + shift[c] (a multiply,
+// then an add, each rounded to float32: no FMA, --fmad=false) in out_t, c = i % C the column
+// of the last dim; the kernel runs with float as its scalar_t, so v is the float32 value
+// (row scales and row_mul applied) that dequantize to float32 returns
+template <typename out_t>
+struct StoreAffineCols {
+  out_t* __restrict__ y;
+  const float* __restrict__ scale;  // nullptr: none
+  const float* __restrict__ shift;  // nullptr: none
+  int64_t C;
+  template <typename IdxT, int V>
+  __device__ __forceinline__ void operator()(IdxT i0, float (&v)[V]) const {
+    IdxT c = i0 % static_cast<IdxT>(C);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      if (scale != nullptr) v[e] = v[e] * __ldg(scale + c);
+      if (shift != nullptr) v[e] = v[e] + __ldg(shift + c);
+      if (++c == static_cast<IdxT>(C)) c = 0;
+    }
+    store_floats<out_t, V>(y + i0, v);
+  }
+};
+
 template <typename scalar_t, typename IdxT, int V, typename Out = StoreValues<scalar_t>>
 __global__ void __launch_bounds__(kThreads)
 dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* __restrict__ alpha,
@@ -571,15 +594,21 @@ void launch_dequantize(const at::Tensor& q, const Out& out_fn, const at::Tensor&
 at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
                            int64_t dim, int64_t num_groups, at::ScalarType dtype,
                            const std::optional<at::Tensor>& row_exp_in,
-                           const std::optional<at::Tensor>& row_mul) {
+                           const std::optional<at::Tensor>& row_mul,
+                           const std::optional<at::Tensor>& col_scale,
+                           const std::optional<at::Tensor>& col_shift) {
   const Layout L = check_dequantize(q_in, alpha_in, beta_in, dim, num_groups, dtype);
   const int64_t row_len = check_row_exp("dequantize", q_in.sizes(), q_in.device(), row_exp_in);
   const int64_t mul_len = check_row_mul("dequantize", q_in, row_mul);
+  const bool cols = check_cols("dequantize", q_in, col_scale, col_shift);
   if (mul_len > 0 && row_len > 0 && mul_len != row_len) {
-    // rows of two lengths (not a LayerNorm's): the factors as a second pass
-    at::Tensor y = dequantize_cuda(q_in, alpha_in, beta_in, dim, num_groups, dtype, row_exp_in, std::nullopt);
+    // rows of two lengths (not a LayerNorm's): the factors (and columns) as further passes
+    at::Tensor y = dequantize_cuda(q_in, alpha_in, beta_in, dim, num_groups, cols ? at::kFloat : dtype, row_exp_in,
+                                   std::nullopt, std::nullopt, std::nullopt);
     multiply_rows_inplace(y, row_mul);
-    return y;
+    if (!cols) return y;
+    affine_cols_inplace(y, col_scale, col_shift);
+    return y.to(dtype);
   }
   RowArgs rows{contiguous_rows(row_exp_in, row_len), at::Tensor(), at::Tensor(), at::Tensor(),
                std::max(row_len, mul_len)};
@@ -590,6 +619,20 @@ at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, c
   if (L.numel == 0) return y;
   const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (cols) {  // float32 values (the kernel's scalar_t), the column epilogue rounding to dtype
+    const at::Tensor sc = col_scale.has_value() && col_scale->defined() ? col_scale->contiguous() : at::Tensor();
+    const at::Tensor sh = col_shift.has_value() && col_shift->defined() ? col_shift->contiguous() : at::Tensor();
+    MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cols_cuda", [&] {
+      const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
+      const StoreAffineCols<scalar_t> out{y.mutable_data_ptr<scalar_t>(),
+                                          sc.defined() ? sc.const_data_ptr<float>() : nullptr,
+                                          sh.defined() ? sh.const_data_ptr<float>() : nullptr, q.size(-1)};
+      if (!fits_32bit(L)) launch_dequantize<float, uint64_t, 1>(q, out, alpha, beta, L, rows, stream);
+      else if (vec) launch_dequantize<float, uint32_t, kVec>(q, out, alpha, beta, L, rows, stream);
+      else launch_dequantize<float, uint32_t, 1>(q, out, alpha, beta, L, rows, stream);
+    });
+    return y;
+  }
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cuda", [&] {
     const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
     const StoreValues<scalar_t> out{y.mutable_data_ptr<scalar_t>()};

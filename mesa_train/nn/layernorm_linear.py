@@ -36,6 +36,7 @@ from . import quantizer as quantizer_mod
 from ._common import autocast_input, load, no_autocast, save
 from .layernorm import LayerNorm, layer_norm_forward, layer_norm_grads
 from .linear import Linear, linear_grads, not_a_view, save_linear_dtypes
+from .quantizer import decompress
 from .rowscale import decompress_rows
 
 # the C++ layer op (csrc/layers_autograd.cpp, LayerNormLinearTrain; bitwise this module's
@@ -45,17 +46,32 @@ _OP = quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "layer_norm_linear
 __all__ = ["layernorm_linear", "layernorm_linears", "can_fuse_norm", "norm_pair_fits", "plain_call"]
 
 
-def rebuild_norm_output(x_hat: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                        out_dtype: torch.dtype) -> torch.Tensor:
-    """``x_hat * weight + bias`` (each where present) in ``x_hat``'s dtype, then as the norm's
-    output dtype: the Linear's input rebuilt from the norm's copy (C++ twin: the lambda in
-    ``LayerNormLinearTrain::backward``; a multiply, then an add, never fused into one)."""
-    y = x_hat
-    if weight is not None:
-        y = y * weight.to(x_hat.dtype)
-    if bias is not None:
-        y = y + bias.to(x_hat.dtype)
-    return y.to(out_dtype)
+def rebuild_norm_output(packed, k: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                        bias: Optional[torch.Tensor], mdt: torch.dtype, casts: Sequence[torch.dtype]) -> torch.Tensor:
+    """The Linear's input rebuilt from the norm's copy: ``x_hat * weight + bias`` (each where
+    present; a multiply, then an add, never fused into one) in the math dtype ``mdt``, then
+    cast through ``casts`` (the norm's output dtype, autocast's cast, the Linear's compute
+    dtype). With float32 math and a weight or bias, one dequantize whose column epilogue
+    applies them and rounds once, to the first dtype of ``casts`` that is not float32 (the
+    casts before it are exact): on CUDA one pass, 3 bytes an element in bf16 where the
+    dequantize, multiply, add and cast moved 27. C++ twin: ``rebuild_norm_output`` in
+    ``csrc/layers_autograd.cpp``."""
+    j = 0
+    if mdt == torch.float32 and (weight is not None or bias is not None):
+        while j < len(casts) and casts[j] == torch.float32:
+            j += 1
+        y = decompress(packed, casts[j] if j < len(casts) else torch.float32, row_exp=k,
+                       col_scale=None if weight is None else weight.to(torch.float32),
+                       col_shift=None if bias is None else bias.to(torch.float32))
+    else:  # the definition itself
+        y = decompress_rows(packed, mdt, k)
+        if weight is not None:
+            y = y * weight.to(mdt)
+        if bias is not None:
+            y = y + bias.to(mdt)
+    for dtype in casts[j:]:  # from the dtype the epilogue rounded to: the rest of the chain
+        y = y.to(dtype)
+    return y
 
 
 # the ctx attributes save_linear_dtypes sets and linear_grads reads (one set per Linear)
@@ -96,8 +112,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
 
         def linear_input(cdt):  # y rebuilt from the norm's codes (extra[2]: its row exponents), once
             if cdt not in rebuilt:
-                y = rebuild_norm_output(decompress_rows(packed, ctx.mdt, extra[2]), ln_weight, ln_bias, ctx.y_dtype)
-                rebuilt[cdt] = y.to(ctx.yc_dtype).to(cdt)
+                rebuilt[cdt] = rebuild_norm_output(packed, extra[2], ln_weight, ln_bias, ctx.mdt,
+                                                   (ctx.y_dtype, ctx.yc_dtype, cdt))
             return rebuilt[cdt]
 
         need_y = need[0] or need[2] or need[3]

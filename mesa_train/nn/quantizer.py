@@ -31,7 +31,7 @@ from mesa_train import quant  # noqa: F401  (importing it registers torch.ops.me
 from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 from mesa_train.quant import reference
-from mesa_train.quant.reference import multiply_rows, scale_rows, unscale_rows
+from mesa_train.quant.reference import affine_cols, multiply_rows, scale_rows, unscale_rows
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
            "LEARNED_BUFFERS", "convert_format", "mark_estimates_ready", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS",
@@ -211,13 +211,18 @@ def _dequantize_bits(q, alpha, beta, shape, dim, G, bits, pow2, dtype):
 
 
 def decompress(p: Packed, dtype: torch.dtype, row_exp: torch.Tensor | None = None,
-               row_mul: torch.Tensor | None = None) -> torch.Tensor:
+               row_mul: torch.Tensor | None = None, col_scale: torch.Tensor | None = None,
+               col_shift: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize a :class:`Packed` into a tensor of ``dtype`` (traceable under ``torch.compile``);
     ``row_exp``: the power-of-two row scales it was compressed with (``nn/rowscale.py``), undone;
     ``row_mul``: float32 factors per row applied after (``reference.multiply_rows``; LayerNorm's
-    ``1 / rstd``)."""
-    if p.fmt is None and not traced_as_pytorch(p.q):  # (both inside the kernel)
-        return _DEQUANTIZE(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype, row_exp, row_mul)
+    ``1 / rstd``); ``col_scale`` / ``col_shift``: float32 per column of the last dim, on the
+    float32 values, then rounded once to ``dtype`` (``reference.affine_cols``; LayerNorm's
+    ``gamma`` and ``beta``)."""
+    if p.fmt is None and not traced_as_pytorch(p.q):  # (all inside the kernel)
+        return _DEQUANTIZE(p.q, p.alpha, p.beta, p.dim, p.num_groups, dtype, row_exp, row_mul, col_scale, col_shift)
+    if col_scale is not None or col_shift is not None:
+        return affine_cols(decompress(p, torch.float32, row_exp, row_mul), col_scale, col_shift).to(dtype)
     return multiply_rows(unscale_rows(_decompress_format(p, dtype), row_exp), row_mul)
 
 

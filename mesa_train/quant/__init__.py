@@ -68,7 +68,7 @@ _SCHEMAS = {
     ),
     "dequantize": (
         "dequantize(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
-        "Tensor? row_exp=None, Tensor? row_mul=None) -> Tensor"
+        "Tensor? row_exp=None, Tensor? row_mul=None, Tensor? col_scale=None, Tensor? col_shift=None) -> Tensor"
     ),
     "row_exponents": "row_exponents(Tensor x, int row_dims, int max_k) -> Tensor",
     "update_estimates": (
@@ -157,8 +157,9 @@ def _ref_quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp=Non
     return reference.quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp, row_mean, row_rstd)
 
 
-def _ref_dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp=None, row_mul=None):
-    return reference.dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp, row_mul)
+def _ref_dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp=None, row_mul=None, col_scale=None,
+                    col_shift=None):
+    return reference.dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp, row_mul, col_scale, col_shift)
 
 
 def _ref_row_exponents(x, row_dims, max_k):
@@ -320,11 +321,19 @@ def _fake_quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp=No
     return x.new_empty(x.shape, dtype=torch.uint8)
 
 
-def _fake_dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp=None, row_mul=None):
-    check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
+def _fake_dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp=None, row_mul=None, col_scale=None,
+                     col_shift=None):
+    _check_dequantize_all(q, alpha, beta, dim, num_groups, dtype, row_exp, row_mul, col_scale, col_shift)
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+def _check_dequantize_all(q, alpha, beta, dim, num_groups, dtype, row_exp, row_mul, col_scale, col_shift) -> int:
+    """Every check of dequantize's arguments (the op's fake and its Python wrapper); the dim."""
+    dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
     check_row_exp(row_exp, q, "dequantize")
     reference.check_row_mul(row_mul, q, "dequantize")
-    return q.new_empty(q.shape, dtype=dtype)
+    reference.check_cols(col_scale, col_shift, q, "dequantize")
+    return dim
 
 
 def _fake_row_exponents(x, row_dims, max_k):
@@ -506,16 +515,18 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
     row_exp: torch.Tensor | None = None,
     row_mul: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
+    col_shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q * (alpha / 255) + beta`` per group, computed in fp32 and returned as ``dtype``;
     with ``row_exp`` then times ``2**-k`` per row, rounded to ``dtype`` (undoes
     :func:`quantize`'s row scales); with ``row_mul`` (float32, one per row) then times it,
     computed in float32 and rounded to ``dtype``, in the same kernel (a LayerNorm's backward:
-    ``1 / rstd``)."""
-    dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
-    check_row_exp(row_exp, q, "dequantize")
-    reference.check_row_mul(row_mul, q, "dequantize")
-    return torch.ops.mesa.dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp, row_mul)
+    ``1 / rstd``). With ``col_scale`` / ``col_shift`` (float32, one per column of the last
+    dim): the float32 values times ``col_scale``, then plus ``col_shift``, rounded once to
+    ``dtype``, in the same kernel (a LayerNorm's output from its normalised input)."""
+    dim = _check_dequantize_all(q, alpha, beta, dim, num_groups, dtype, row_exp, row_mul, col_scale, col_shift)
+    return torch.ops.mesa.dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp, row_mul, col_scale, col_shift)
 
 
 def row_exponents(x: torch.Tensor, row_dims: int = 1, max_k: int = 64) -> torch.Tensor:

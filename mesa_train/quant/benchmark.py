@@ -15,7 +15,9 @@ Per layout it times, with the ops the layers run:
   ``dequantize`` + ATen's ``gelu_backward``, and a LayerNorm's ``x_hat`` compressed from its
   input with ``row_mean`` / ``row_rstd`` against a second ``native_layer_norm`` first, and its
   backward with dequantize's ``row_mul`` against the former ``dx * rstd`` after ATen's backward
-  (also with a float32 input: a LayerNorm under autocast);
+  (also with a float32 input: a LayerNorm under autocast), and LayerNorm + Linear's rebuild
+  of ``x_hat * gamma + beta`` with dequantize's ``col_scale`` / ``col_shift`` against the
+  former dequantize, multiply, add and cast;
 * ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
@@ -131,6 +133,25 @@ def _layer_norm_rows(x, state, dim, G, label):
              backward_before)]
 
 
+def _rebuild_rows(q, alpha, beta, k, dim, G, dtype):
+    """LayerNorm + Linear's backward rebuilds the Linear's input x_hat * gamma + beta (float32,
+    then the Linear's dtype) from the norm's codes: dequantize's column epilogue in one pass,
+    against the former dequantize to float32, multiply, add and cast."""
+    n, es = q.numel(), torch.finfo(dtype).bits // 8
+    C = q.shape[-1]
+    gamma = torch.randn(C, device=q.device)
+    shift = torch.randn(C, device=q.device)
+
+    def before():
+        y = torch.ops.mesa.dequantize(q, alpha, beta, dim, G, torch.float32, k)
+        return (y * gamma + shift).to(dtype)
+
+    return [("backward LayerNorm + Linear rebuild: dequantize with col_scale / col_shift", n + n * es,
+             lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G, dtype, k, None, gamma, shift)),
+            ("backward LayerNorm + Linear rebuild, before: dequantize (float32) + mul + add + cast",
+             n + 4 * n + 4 * (4 * n) + 4 * n + n * es, before)]
+
+
 def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int) -> list[dict]:
     timeit = _timer(device, warmup, repeat)
     rows = []
@@ -191,6 +212,7 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                      lambda: torch.ops.aten.gelu_backward(g, torch.ops.mesa.dequantize(q, alpha, beta, dim, G,
                                                                                        dtype))),
                 ]
+                ops += _rebuild_rows(q, alpha, beta, k, dim, G, dtype)
                 ops += _layer_norm_rows(x, state, dim, G, "")
                 if dtype != torch.float32:  # under autocast a LayerNorm's input is the float32 residual stream
                     ops += _layer_norm_rows(x.float(), state, dim, G, " (float32 input, as under autocast)")

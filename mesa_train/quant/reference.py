@@ -296,6 +296,31 @@ def check_row_mul(row_mul, q: torch.Tensor, what: str) -> None:
     _check_one_per_row(row_mul, q, what, "row_mul", "factor ", "q", "codes")
 
 
+def check_cols(col_scale, col_shift, q: torch.Tensor, what: str) -> bool:
+    """Each ``None``, or a float32 tensor on ``q``'s device of shape ``(q.shape[-1],)`` (one value
+    per column of the last dim): dequantize's ``col_scale`` / ``col_shift``. Returns whether
+    either is given."""
+    for name, t in (("col_scale", col_scale), ("col_shift", col_shift)):
+        if t is None:
+            continue
+        _check_row_tensor(t, q, what, name, torch.float32, "a float32", "the codes are on")
+        if q.dim() < 1 or t.shape != (q.shape[-1],):
+            raise ValueError(f"{what}: {name} must have shape (C,) with C = q.shape[-1] (one value per column of the "
+                             f"last dim); got {tuple(t.shape)} for codes of shape {tuple(q.shape)}")
+    return col_scale is not None or col_shift is not None
+
+
+def affine_cols(y: torch.Tensor, col_scale: torch.Tensor | None, col_shift: torch.Tensor | None) -> torch.Tensor:
+    """float32 ``y * col_scale + col_shift`` per column of the last dim, a multiply, then an add
+    (each rounded: never one fused op): dequantize's column epilogue, a LayerNorm's output
+    ``x_hat * gamma + beta`` from its normalised input (DESIGN.md, "LayerNorm + Linear: one copy")."""
+    if col_scale is not None:
+        y = y * col_scale
+    if col_shift is not None:
+        y = y + col_shift
+    return y
+
+
 def multiply_rows(y: torch.Tensor, row_mul: torch.Tensor | None) -> torch.Tensor:
     """``y * row_mul`` per row, computed in float32 and rounded to ``y``'s dtype: dequantize's
     ``row_mul`` on its output (after the row exponents). A LayerNorm's backward passes
@@ -558,13 +583,19 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
     row_exp: torch.Tensor | None = None,
     row_mul: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
+    col_shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q * (alpha / 255) + beta`` in fp32 (step, product, sum rounded separately), cast to
     ``dtype``; ``row_exp``: then :func:`unscale_rows` (``* 2**-k`` rounded to ``dtype``);
-    ``row_mul``: then :func:`multiply_rows`."""
+    ``row_mul``: then :func:`multiply_rows`. With ``col_scale`` / ``col_shift``: all that for
+    ``dtype`` float32, then :func:`affine_cols`, then rounded to ``dtype``."""
     dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
     check_row_exp(row_exp, q, "dequantize")
     check_row_mul(row_mul, q, "dequantize")
+    if check_cols(col_scale, col_shift, q, "dequantize"):
+        y = dequantize(q, alpha, beta, dim, num_groups, torch.float32, row_exp, row_mul)
+        return affine_cols(y, col_scale, col_shift).to(dtype)
     if row_mul is not None:
         return multiply_rows(dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp), row_mul)
     if row_exp is not None:

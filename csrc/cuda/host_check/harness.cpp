@@ -504,6 +504,53 @@ int check_dequantize(const Layout& L, const float* alpha, const float* beta, int
   return errs;
 }
 
+// dequantize with col_scale / col_shift (dequantize_kernel run with float math and the
+// StoreAffineCols epilogue): the float32 value dequantize would return (row exponents and
+// row_mul included), times scale[c], plus shift[c], rounded to the dtype; c = i % C for a C
+// that need not divide the length or the vector step (scale only, shift only, both)
+template <typename scalar_t, typename IdxT, int V>
+int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta, int sms, const RowExp* re) {
+  int errs = 0;
+  uint8_t* q = alloc<uint8_t>(L.numel, 0);
+  for (int64_t i = 0; i < L.numel; ++i) q[i] = uint8_t(rng());
+  const int64_t C = 1 + int64_t(rng() % 70);
+  std::normal_distribution<float> nd;
+  std::vector<float> sc(C), sh(C);
+  for (int64_t c = 0; c < C; ++c) {
+    sc[c] = nd(rng) * 3;
+    sh[c] = nd(rng);
+  }
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  const KRows<IdxT> rows = krows_of<IdxT>(re);
+  for (int which = 0; which < 3; ++which) {  // both, scale only, shift only
+    const float* s = which == 2 ? nullptr : sc.data();
+    const float* t = which == 1 ? nullptr : sh.data();
+    scalar_t* y = alloc<scalar_t>(L.numel + 1, 0);
+    y[L.numel] = scalar_t(1024.0f);
+    launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
+      dequantize_kernel<float, IdxT, V>(q, StoreAffineCols<scalar_t>{y, s, t, C}, alpha, beta, k, IdxT(L.numel),
+                                        rows);
+    });
+    for (int64_t i = 0; i < L.numel; ++i) {
+      const int64_t p = param_index(L, i);
+      float v = dequantize_value(q[i], dequant_step(alpha[p]), beta[p]);
+      if (re != nullptr && !re->k.empty()) v = unscale_row_value<float>(v, re->k[i / re->len]);
+      if (re != nullptr && !re->mul.empty()) v = v * re->mul[i / re->len];
+      if (s != nullptr) v = v * s[i % C];
+      if (t != nullptr) v = v + t[i % C];
+      const scalar_t e = static_cast<scalar_t>(v);
+      if (!same_value(y[i], e) && errs++ < 5)
+        fprintf(stderr, "dequantize cols%s mismatch i=%ld C=%ld got %g exp %g\n", rows_tag(re), (long)i, (long)C,
+                float(y[i]), float(e));
+    }
+    if (float(y[L.numel]) != 1024.0f) { fprintf(stderr, "dequantize cols wrote past the end\n"); ++errs; }
+    free(y);
+  }
+  free(q);
+  g_checked[std::string("dequantize_cols") + rows_tag(re)]++;
+  return errs;
+}
+
 // gelu_backward (dequantize_kernel with the StoreGeluGrad epilogue) from random codes and g:
 // dx = gelu_grad(g, the dequantized value rounded to the dtype), rounded to the dtype; and
 // gelu_grad itself against the exact GELU derivative in double (within 8 float ulps of the
@@ -553,6 +600,7 @@ int check_quant(const Layout& L, const scalar_t* x, const float* alpha, const fl
                 const RowExp* re) {
   return check_quantize<scalar_t, IdxT, V>(L, x, alpha, beta, sms, seed, re) +
          check_dequantize<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
+         check_dequantize_cols<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
          (re == nullptr ? check_gelu_backward<scalar_t, IdxT, V>(L, alpha, beta, sms) : 0);
 }
 
@@ -1009,6 +1057,11 @@ int check_elementwise(const CaseData<scalar_t>& c, int sms) {
       e += check_dequantize<scalar_t, uint32_t, kVec>(c.L, a, b, sms, &rm) +
            check_dequantize<scalar_t, uint32_t, 1>(c.L, a, b, sms, &rm) +
            check_dequantize<scalar_t, uint64_t, 1>(c.L, a, b, sms, &rm);
+      // and the column epilogue after them (LayerNorm + Linear's rebuild takes row_exp only;
+      // the op allows both)
+      e += check_dequantize_cols<scalar_t, uint32_t, kVec>(c.L, a, b, sms, &rm) +
+           check_dequantize_cols<scalar_t, uint32_t, 1>(c.L, a, b, sms, &rm) +
+           check_dequantize_cols<scalar_t, uint64_t, 1>(c.L, a, b, sms, &rm);
     }
   }
   e += check_bits_all<scalar_t, 8>(c.L, c.xa, c.xu, a, b, sms, c.seed);

@@ -3,8 +3,8 @@
 # csrc/cuda/quant_cuda.cu verbatim (extract.py) and runs every kernel on the CPU
 # (harness.cpp), each output bit against a naive sequential computation:
 # * quantize / dequantize (vector, scalar and 64-bit index paths; without and with int8 row
-#   exponents of 1 or 2 row dims) and quantize_bits / dequantize_bits: sequential over
-#   (block, thread);
+#   exponents of 1 or 2 row dims, row_mul, and the col_scale / col_shift epilogue) and
+#   quantize_bits / dequantize_bits: sequential over (block, thread);
 # * observe / group_minmax, quantize_observe (the fused launch + the skip-flagged quantize
 #   launch; first batch and initialized estimates) and update_estimates / estimate_and_seed:
 #   blocks in a random order, one std::thread per CUDA thread (barriers for __syncthreads),
