@@ -59,7 +59,7 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
     at::Tensor gx;
     if (approximate == "none") {  // one op from the codes (mesa_train/nn/gelu.py)
       gx = from_nhwc(gelu_backward_op().call(to_nhwc(grads[0].to(cdt), nhwc), saved[0], saved[1], saved[2], dim,
-                                             groups),
+                                             groups, std::nullopt),
                      nhwc);
     } else {
       at::Tensor xh = from_nhwc(
@@ -316,18 +316,28 @@ struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
     const auto saved = ctx->get_saved_variables();
     const auto hdt = ctx->saved_data["h_dtype"].toScalarType();
     const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    const int64_t dim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
+    const std::optional<at::Tensor> k = saved[4].defined() ? std::optional<at::Tensor>(saved[4]) : std::nullopt;
+    // the exact GELU: each backward pass one op from h's codes (on CUDA the dequantized h never
+    // reaches memory; Python twin: _GeluLinearFn.backward); the tanh form dequantizes h once
+    const bool exact = approximate == "none";
     at::Tensor hh;
-    if (saved[0].defined())
-      hh = decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), hdt, saved[4]);
+    if (saved[0].defined() && !exact) hh = decompress_rows(saved, dim, groups, hdt, saved[4]);
     // fc2's backward, its input recomputed in the stock dtypes (gelu in h's, then the cast);
     // its input gradient comes back in h's dtype, as stock casts it
     auto [gy, gw, gb] = linear_grads(ctx, grads[0], saved[3], hdt, ctx->needs_input_grad(0),
                                      ctx->needs_input_grad(1), 2, [&] {
-                                       return at::gelu(hh, approximate)
-                                           .to(ctx->saved_data["yc_dtype"].toScalarType())
+                                       const at::Tensor y = exact ? dequantize_gelu_op().call(saved[0], saved[1],
+                                                                                               saved[2], dim, groups,
+                                                                                               hdt, k)
+                                                                  : at::gelu(hh, approximate);
+                                       return y.to(ctx->saved_data["yc_dtype"].toScalarType())
                                            .to(ctx->saved_data["cdt"].toScalarType());
                                      });
-    at::Tensor gh = gy.defined() ? at::gelu_backward(gy, hh, approximate) : at::Tensor();
+    at::Tensor gh;
+    if (gy.defined())
+      gh = exact ? gelu_backward_op().call(gy, saved[0], saved[1], saved[2], dim, groups, k)
+                 : at::gelu_backward(gy, hh, approximate);
     return {gh, gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

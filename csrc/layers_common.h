@@ -74,9 +74,20 @@ inline const c10::TypedOperatorHandle<ObserveRowsFn>& observe_rows_op() {
 // the backwards from codes: (g, q, alpha, beta, dim, num_groups) -> gx
 using CodesBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      int64_t, int64_t);
-inline const c10::TypedOperatorHandle<CodesBackwardFn>& gelu_backward_op() {
+// ... gelu_backward's, with the codes' optional row exponents
+using GeluBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  int64_t, int64_t, const std::optional<at::Tensor>&);
+inline const c10::TypedOperatorHandle<GeluBackwardFn>& gelu_backward_op() {
   static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::gelu_backward", "").typed<CodesBackwardFn>();
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::gelu_backward", "").typed<GeluBackwardFn>();
+  return op;
+}
+// dequantize_gelu: (q, alpha, beta, dim, num_groups, dtype, row_exp) -> gelu of the values
+using DequantizeGeluFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                    c10::ScalarType, const std::optional<at::Tensor>&);
+inline const c10::TypedOperatorHandle<DequantizeGeluFn>& dequantize_gelu_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::dequantize_gelu", "").typed<DequantizeGeluFn>();
   return op;
 }
 inline const c10::TypedOperatorHandle<CodesBackwardFn>& softmax_backward_op() {

@@ -127,6 +127,13 @@ MESA_HD float inv_scale(float alpha) { return alpha > 1e-12f ? f_div(255.0f, alp
 // step = alpha / 255
 MESA_HD float dequant_step(float alpha) { return f_div(alpha, 255.0f); }
 
+// the exact GELU in float32: ATen's CUDA formula (GeluCUDAKernelImpl, approximate="none"),
+// x * 0.5 * (1 + erf(x / sqrt(2))), every operation rounded separately (no FMA contraction)
+MESA_HD float gelu_value(float x) {
+  const float kAlpha = static_cast<float>(M_SQRT1_2);
+  return f_mul(f_mul(x, 0.5f), f_add(1.0f, erff(f_mul(x, kAlpha))));
+}
+
 // d/dx of the exact GELU times g, in float32: ATen's CUDA formula (GeluBackwardCUDAKernelImpl,
 // approximate="none") with every operation rounded separately (no FMA contraction)
 MESA_HD float gelu_grad(float g, float x) {

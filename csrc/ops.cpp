@@ -468,7 +468,16 @@ TORCH_LIBRARY(mesa, m) {
   // The backward of the exact (erf) GELU at its dequantized input (DESIGN.md, "GELU backward
   // from the codes"): aten::gelu_backward(g, dequantize(q, ..., g.dtype)); one pass on CUDA
   // (the dequantized input never reaches memory), the composition itself on the CPU.
-  m.def("gelu_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor");
+  // row_exp: the codes' power-of-two row scales (GELU + Linear: h is fc2's input), undone first
+  m.def(
+      "gelu_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
+      "Tensor? row_exp=None) -> Tensor");
+  // aten::gelu(dequantize(q, ..., dtype, row_exp)): the exact GELU of the dequantized input in
+  // one pass on CUDA (GELU + Linear's backward recomputes fc2's input from h's codes; DESIGN.md,
+  // "MLP: one copy for GELU and fc2"), the composition itself on the CPU
+  m.def(
+      "dequantize_gelu(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
+      "Tensor? row_exp=None) -> Tensor");
   // Variants (DESIGN.md, "Variants"): `bits` in {8, 4, 2} codes packed 8/bits per byte along
   // the flat index (little end first, last byte zero-padded), optional power-of-two steps.
   // Output: 1-d uint8 of ceil(numel * bits / 8) bytes.

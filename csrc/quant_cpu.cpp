@@ -24,6 +24,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/gelu_backward.h>
 #include <ATen/ops/mean.h>
 #include <ATen/Dispatch.h>
@@ -1164,16 +1165,27 @@ at::Tensor softmax_backward_cpu(const at::Tensor& g_in, const at::Tensor& q_in, 
 // bits of the two-op path; ATen's vectorised erf is what makes it fast here, and CPU memory
 // traffic is not what a CPU step waits on). The CUDA kernel is the one-pass version.
 at::Tensor gelu_backward_cpu(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
-                             const at::Tensor& beta, int64_t dim, int64_t num_groups) {
+                             const at::Tensor& beta, int64_t dim, int64_t num_groups,
+                             const std::optional<at::Tensor>& row_exp) {
   check_gelu_backward(g, q, alpha, beta, dim, num_groups);
-  at::Tensor xh = dequantize_cpu(q, alpha, beta, dim, num_groups, g.scalar_type(), std::nullopt, std::nullopt,
+  check_row_exp("gelu_backward", q.sizes(), q.device(), row_exp);
+  at::Tensor xh = dequantize_cpu(q, alpha, beta, dim, num_groups, g.scalar_type(), row_exp, std::nullopt,
                                  std::nullopt, std::nullopt);
   // in place into xh (the input is not needed after its own element): one buffer, not two
   return at::gelu_backward_out(xh, g.contiguous(), xh);
 }
 
+// mesa::dequantize_gelu on the CPU: its definition, dequantize then ATen's gelu, in place
+at::Tensor dequantize_gelu_cpu(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
+                               int64_t num_groups, at::ScalarType dtype, const std::optional<at::Tensor>& row_exp) {
+  at::Tensor xh = dequantize_cpu(q, alpha, beta, dim, num_groups, dtype, row_exp, std::nullopt, std::nullopt,
+                                 std::nullopt);
+  return at::gelu_out(xh, xh);  // in place: each element is read before it is written
+}
+
 TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("gelu_backward", &gelu_backward_cpu);
+  m.impl("dequantize_gelu", &dequantize_gelu_cpu);
   m.impl("softmax_backward", &softmax_backward_cpu);
   m.impl("row_exponents", &row_exponents_cpu);
   m.impl("group_minmax", &group_minmax_cpu);

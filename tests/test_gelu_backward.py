@@ -104,3 +104,69 @@ def test_opcheck_gelu_backward(device):
     for shape, dim, G, per_sample in LAYOUTS[:3]:
         g, q, alpha, beta = _case(shape, dim, G, per_sample, torch.bfloat16, device)
         opcheck(torch.ops.mesa.gelu_backward.default, (g, q, alpha, beta, dim, G))
+
+
+# ----------------------------------------------------------------------------- GELU + Linear
+# fc2's input h is compressed with power-of-two row scales (Linear inputs): the backward of the
+# MLP's shared copy takes them as row_exp (gelu_backward) and recomputes fc2's input gelu(h)
+# with dequantize_gelu, each one op reading the codes (DESIGN.md, "MLP: one copy for GELU and
+# fc2"). Definitions: the same compositions with dequantize's row_exp.
+def _rows_case(shape, dim, G, per_sample, dtype, device, seed=0):
+    g, q, alpha, beta = _case(shape, dim, G, per_sample, dtype, "cpu", seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k = torch.randint(0, 7, tuple(shape[:-1]) + (1,), generator=gen, dtype=torch.int8)
+    return [t.to(device) for t in (g, q, alpha, beta, k)]
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,dim,G,per_sample", LAYOUTS, ids=str)
+def test_cpu_kernels_with_row_exp_are_the_compositions(dtype, shape, dim, G, per_sample):
+    g, q, alpha, beta, k = _rows_case(shape, dim, G, per_sample, dtype, "cpu")
+    xh = Q.dequantize(q, alpha, beta, dim, G, dtype, k)
+    assert not torch.equal(xh, Q.dequantize(q, alpha, beta, dim, G, dtype))  # the exponents matter here
+    got = Q.gelu_backward(g, q, alpha, beta, dim, G, k)
+    assert torch.equal(got, torch.ops.aten.gelu_backward(g, xh))
+    assert torch.equal(got, R.gelu_backward(g, q, alpha, beta, dim, G, k))
+    y = Q.dequantize_gelu(q, alpha, beta, dim, G, dtype, k)
+    assert y.dtype == dtype and torch.equal(y, torch.nn.functional.gelu(xh))
+    assert torch.equal(y, R.dequantize_gelu(q, alpha, beta, dim, G, dtype, k))
+    assert torch.equal(Q.dequantize_gelu(q, alpha, beta, dim, G, dtype),
+                       torch.nn.functional.gelu(Q.dequantize(q, alpha, beta, dim, G, dtype)))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,dim,G,per_sample", LAYOUTS, ids=str)
+def test_kernels_with_row_exp_are_within_an_ulp(device, dtype, shape, dim, G, per_sample):
+    g, q, alpha, beta, k = _rows_case(shape, dim, G, per_sample, dtype, device)
+    tol = 1.0 if dtype != torch.float32 else 8.0  # erf / exp: an ulp or two between libraries
+    assert _ulps(Q.gelu_backward(g, q, alpha, beta, dim, G, k), R.gelu_backward(g, q, alpha, beta, dim, G, k)) <= tol
+    assert _ulps(Q.dequantize_gelu(q, alpha, beta, dim, G, dtype, k),
+                 R.dequantize_gelu(q, alpha, beta, dim, G, dtype, k)) <= tol
+
+
+@needs_ext
+def test_row_exp_and_dequantize_gelu_errors_are_one_line():
+    g, q, alpha, beta, k = _rows_case((4, 9, 48), -1, 6, False, torch.float32, "cpu")
+    for call, match in [(lambda f: f.gelu_backward(g, q, alpha, beta, -1, 6, k.float()), "row_exp must be"),
+                        (lambda f: f.gelu_backward(g, q, alpha, beta, -1, 6, k[:2]), "row_exp must have shape"),
+                        (lambda f: f.dequantize_gelu(q, alpha, beta, -1, 6, torch.float64), "float32, float16 or "
+                                                                                             "bfloat16"),
+                        (lambda f: f.dequantize_gelu(q, alpha, beta, -1, 6, torch.float32, k[:, :2]),
+                         "row_exp must have shape")]:
+        for f in (Q, torch.ops.mesa, R):
+            with pytest.raises(ValueError, match=match) as info:
+                call(f)
+            assert "\n" not in str(info.value).strip(), str(info.value)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_with_row_exp_and_dequantize_gelu(device):
+    g, q, alpha, beta, k = _rows_case((4, 9, 48), -1, 6, False, torch.bfloat16, device)
+    opcheck(torch.ops.mesa.gelu_backward.default, (g, q, alpha, beta, -1, 6, k))
+    for dtype in DTYPES:
+        opcheck(torch.ops.mesa.dequantize_gelu.default, (q, alpha, beta, 2, 6, dtype, k))
+        opcheck(torch.ops.mesa.dequantize_gelu.default, (q, alpha, beta, 2, 6, dtype, None))

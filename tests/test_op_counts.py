@@ -373,3 +373,47 @@ def test_norm_linear_pair_backward_is_two_dequantizes_and_stocks_ops(python_path
     assert [o for o in mesa_bwd if o.startswith("mesa.")] == ["mesa.dequantize", "mesa.dequantize"], mesa_bwd
     assert sorted(o for o in mesa_bwd if not o.startswith("mesa.")) == sorted(stock_bwd), (
         f"backward passes over the activation beyond the stock pair's: {mesa_bwd} vs stock {stock_bwd}")
+
+
+# ----------------------------------------------------------------------------- GELU + Linear
+class _GeluLinear(nn.Module):
+    """``fc2(gelu(h))``: stock, or the Mesa pair keeping one copy of h (nn/gelu_linear.py)."""
+
+    def __init__(self, mesa: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.act, self.fc = nn.GELU(), nn.Linear(16, 8)
+        self.mesa = mesa
+        if mesa:
+            self.act, self.fc = M.GELU.from_module(self.act), M.Linear.from_module(self.fc)
+
+    def forward(self, h):
+        if self.mesa:
+            from mesa_train.nn.gelu_linear import gelu_linear
+
+            return gelu_linear(h, self.act, self.fc)
+        return self.fc(self.act(h))
+
+
+@pytest.mark.parametrize("python_path", [False, True], ids=["cpp-node", "python"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_gelu_linear_backward_reads_the_codes_twice_and_writes_no_h(python_path, autocast, monkeypatch):
+    """The MLP's one copy of h serves both backward passes, each one op reading the codes:
+    fc2's input gelu(h) (dequantize_gelu) and the GELU's gradient (gelu_backward with the row
+    exponents), which replaces stock's gelu_backward. Nothing else over the activation beyond
+    the stock pair's ops (the dequantized h, written once and read twice, is gone)."""
+    if python_path:
+        from mesa_train.nn import quantizer as quantizer_mod
+
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)
+    x = torch.randn(4, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _, stock_bwd = _activation_ops(_GeluLinear(mesa=False), x)
+        _, mesa_bwd = _activation_ops(_GeluLinear(mesa=True), x)
+    assert sorted(o for o in mesa_bwd if o.startswith("mesa.")) == ["mesa.dequantize_gelu", "mesa.gelu_backward"], \
+        mesa_bwd
+    stock_bwd.remove("aten.gelu_backward")
+    if autocast:  # (CPU autocast: h float32, fc2 in bf16: the cast stock made of gelu(h) in forward)
+        stock_bwd.append("aten._to_copy")
+    assert sorted(o for o in mesa_bwd if not o.startswith("mesa.")) == sorted(stock_bwd), (
+        f"backward passes over the activation beyond the stock pair's: {mesa_bwd} vs stock {stock_bwd}")

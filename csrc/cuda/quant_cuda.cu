@@ -510,6 +510,19 @@ struct StoreGeluGrad {
   }
 };
 
+// ... mesa::dequantize_gelu stores gelu(x) (ATen's float32 formula, no FMA contraction), x the
+// value rounded to scalar_t as dequantize would store it: the input never reaches memory
+template <typename scalar_t>
+struct StoreGelu {
+  scalar_t* __restrict__ y;
+  template <typename IdxT, int V>
+  __device__ __forceinline__ void operator()(IdxT i0, float (&v)[V]) const {
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = gelu_value(round_to<scalar_t>(v[e]));
+    store_floats<scalar_t, V>(y + i0, v);
+  }
+};
+
 // ... mesa::dequantize with col_scale / col_shift stores v * scale[c] + shift[c] (a multiply,
 // then an add, each rounded to float32: no FMA, --fmad=false) in out_t, c = i % C the column
 // of the last dim; the kernel runs with float as its scalar_t, so v is the float32 value
@@ -644,8 +657,11 @@ at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, c
 }
 
 at::Tensor gelu_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha_in,
-                              const at::Tensor& beta_in, int64_t dim, int64_t num_groups) {
+                              const at::Tensor& beta_in, int64_t dim, int64_t num_groups,
+                              const std::optional<at::Tensor>& row_exp) {
   const Layout L = check_gelu_backward(g_in, q_in, alpha_in, beta_in, dim, num_groups);
+  const int64_t row_len = check_row_exp("gelu_backward", q_in.sizes(), q_in.device(), row_exp);
+  const RowArgs rows{contiguous_rows(row_exp, row_len), at::Tensor(), at::Tensor(), at::Tensor(), row_len};
   const c10::cuda::OptionalCUDAGuard guard(q_in.device());
   const at::Tensor q = q_in.contiguous(), g = g_in.contiguous();
   at::Tensor dx = at::empty(q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
@@ -655,12 +671,33 @@ at::Tensor gelu_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in, co
   MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_gelu_backward_cuda", [&] {
     const bool vec = aligned16(q.const_data_ptr()) && aligned16(g.const_data_ptr()) && aligned16(dx.const_data_ptr());
     const StoreGeluGrad<scalar_t> out{g.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>()};
-    const RowArgs none;
-    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, none, stream);
-    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, none, stream);
-    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, none, stream);
+    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, rows, stream);
+    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, rows, stream);
+    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, rows, stream);
   });
   return dx;
+}
+
+at::Tensor dequantize_gelu_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
+                                int64_t dim, int64_t num_groups, at::ScalarType dtype,
+                                const std::optional<at::Tensor>& row_exp) {
+  const Layout L = check_dequantize(q_in, alpha_in, beta_in, dim, num_groups, dtype);
+  const int64_t row_len = check_row_exp("dequantize_gelu", q_in.sizes(), q_in.device(), row_exp);
+  const RowArgs rows{contiguous_rows(row_exp, row_len), at::Tensor(), at::Tensor(), at::Tensor(), row_len};
+  const c10::cuda::OptionalCUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor y = at::empty(q.sizes(), q.options().dtype(dtype));
+  if (L.numel == 0) return y;
+  const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_gelu_cuda", [&] {
+    const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
+    const StoreGelu<scalar_t> out{y.mutable_data_ptr<scalar_t>()};
+    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, rows, stream);
+    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, rows, stream);
+    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, rows, stream);
+  });
+  return y;
 }
 
 // ----------------------------------------------------------------------------- bit widths
@@ -1917,6 +1954,7 @@ TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("group_minmax", &group_minmax_cuda);
   m.impl("quantize", &quantize_cuda);
   m.impl("dequantize", &dequantize_cuda);
+  m.impl("dequantize_gelu", &dequantize_gelu_cuda);
   m.impl("update_estimates", &update_estimates_cuda);
   m.impl("observe", &observe_cuda);
   m.impl("observe_rows", &observe_rows_cuda);

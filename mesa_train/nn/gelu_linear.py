@@ -29,6 +29,9 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+import mesa_train.quant  # noqa: F401  (registers torch.ops.mesa.gelu_backward / dequantize_gelu)
+from mesa_train.quant.compile_kernels import traced_as_pytorch
+
 from . import quantizer as quantizer_mod
 from ._common import autocast_input, load, no_autocast, save
 from .gelu import GELU
@@ -38,6 +41,8 @@ from .rowscale import compress_rows, decompress_rows, max_exponent
 # the C++ layer op (csrc/layers_autograd.cpp, GeluLinearTrain; bitwise this module's Function):
 # eager, paper format, an extension built with it
 _OP = quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "gelu_linear_train")
+_GELU_BACKWARD = torch.ops.mesa.gelu_backward.default
+_DEQUANTIZE_GELU = torch.ops.mesa.dequantize_gelu.default
 
 __all__ = ["gelu_linear", "can_fuse"]
 
@@ -64,15 +69,25 @@ class _GeluLinearFn(torch.autograd.Function):
         (packed,), (weight, k) = load(ctx)
         gh = None
         with no_autocast(g.device.type):
-            hh = decompress_rows(packed, ctx.h_dtype, k) if packed is not None else None
-            # fc2's backward, its input recomputed from the dequantized h in the stock dtypes
-            # (gelu in h's dtype, then autocast's cast); its input gradient comes back in h's
-            # dtype, as stock casts it
+            # the exact GELU from the paper format's codes in eager or the ops path: each backward
+            # pass one op reading h's codes (on CUDA the dequantized h never reaches memory; C++
+            # twin: GeluLinearTrain::backward); else (tanh, variants, traced kernels) h once
+            from_codes = (packed is not None and ctx.approximate == "none" and packed.fmt is None
+                          and not traced_as_pytorch(packed.q))
+            codes = (packed.q, packed.alpha, packed.beta, packed.dim, packed.num_groups) if from_codes else None
+            hh = decompress_rows(packed, ctx.h_dtype, k) if packed is not None and not from_codes else None
+
+            def fc2_input():  # gelu in h's dtype, then autocast's cast, as stock computed it
+                y = (_DEQUANTIZE_GELU(*codes, ctx.h_dtype, k) if from_codes
+                     else F.gelu(hh, approximate=ctx.approximate))
+                return y.to(ctx.yc_dtype).to(ctx.cdt)
+
+            # fc2's backward; its input gradient comes back in h's dtype, as stock casts it
             need = ctx.needs_input_grad
-            gy, gw, gb = linear_grads(ctx, g, weight, ctx.h_dtype, need[0], need[2], need[3],
-                                      lambda: F.gelu(hh, approximate=ctx.approximate).to(ctx.yc_dtype).to(ctx.cdt))
+            gy, gw, gb = linear_grads(ctx, g, weight, ctx.h_dtype, need[0], need[2], need[3], fc2_input)
             if gy is not None:
-                gh = torch.ops.aten.gelu_backward.default(gy, hh, approximate=ctx.approximate)
+                gh = (_GELU_BACKWARD(gy, *codes, k) if from_codes
+                      else torch.ops.aten.gelu_backward.default(gy, hh, approximate=ctx.approximate))
         return gh, None, gw, gb, None
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "estimate_and_seed",
     "softmax_backward",
     "gelu_backward",
+    "dequantize_gelu",
     "rng_state",
     "seed_tensor",
     "BACKEND",
@@ -107,7 +108,12 @@ _SCHEMAS = {
         "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor"
     ),
     "gelu_backward": (
-        "gelu_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor"
+        "gelu_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
+        "Tensor? row_exp=None) -> Tensor"
+    ),
+    "dequantize_gelu": (
+        "dequantize_gelu(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
+        "Tensor? row_exp=None) -> Tensor"
     ),
     # the compiled one calls the registered ops above (csrc/layers_autograd.cpp)
     "compress": (
@@ -205,8 +211,12 @@ def _ref_softmax_backward(g, q, alpha, beta, dim, num_groups):
     return reference.softmax_backward(g, q, alpha, beta, dim, num_groups)
 
 
-def _ref_gelu_backward(g, q, alpha, beta, dim, num_groups):
-    return reference.gelu_backward(g, q, alpha, beta, dim, num_groups)
+def _ref_gelu_backward(g, q, alpha, beta, dim, num_groups, row_exp=None):
+    return reference.gelu_backward(g, q, alpha, beta, dim, num_groups, row_exp)
+
+
+def _ref_dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp=None):
+    return reference.dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp)
 
 
 def _ref_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric, stochastic,
@@ -230,6 +240,7 @@ _REF_IMPLS = {
     "estimate_and_seed": _ref_estimate_and_seed,
     "softmax_backward": _ref_softmax_backward,
     "gelu_backward": _ref_gelu_backward,
+    "dequantize_gelu": _ref_dequantize_gelu,
 }
 
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
@@ -397,9 +408,16 @@ def _fake_softmax_backward(g, q, alpha, beta, dim, num_groups):
     return q.new_empty(q.shape, dtype=g.dtype)
 
 
-def _fake_gelu_backward(g, q, alpha, beta, dim, num_groups):
+def _fake_gelu_backward(g, q, alpha, beta, dim, num_groups, row_exp=None):
     reference.check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
+    check_row_exp(row_exp, q, "gelu_backward")
     return q.new_empty(q.shape, dtype=g.dtype)
+
+
+def _fake_dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp=None):
+    check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
+    check_row_exp(row_exp, q, "dequantize_gelu")
+    return q.new_empty(q.shape, dtype=dtype)
 
 
 def _fake_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
@@ -434,6 +452,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::dequantize_bits")(_fake_dequantize_bits)
     torch.library.register_fake("mesa::softmax_backward")(_fake_softmax_backward)
     torch.library.register_fake("mesa::gelu_backward")(_fake_gelu_backward)
+    torch.library.register_fake("mesa::dequantize_gelu")(_fake_dequantize_gelu)
     torch.library.register_fake("mesa::compress")(_fake_compress)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
@@ -720,10 +739,21 @@ def softmax_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta
 
 
 def gelu_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int,
-                  num_groups: int) -> torch.Tensor:
+                  num_groups: int, row_exp: torch.Tensor | None = None) -> torch.Tensor:
     """Gradient of the exact (erf) GELU at its dequantized 8-bit input ``q`` (groups along
-    ``dim``), in ``g``'s dtype: ``aten.gelu_backward(g, dequantize(q, ..., g.dtype))``, one
-    pass on CUDA (DESIGN.md, "GELU backward from the codes"; definition:
-    :func:`mesa_train.quant.reference.gelu_backward`)."""
+    ``dim``; ``row_exp``: its row scales), in ``g``'s dtype: ``aten.gelu_backward(g,
+    dequantize(q, ..., g.dtype, row_exp))``, one pass on CUDA (DESIGN.md, "GELU backward from
+    the codes"; definition: :func:`mesa_train.quant.reference.gelu_backward`)."""
     dim = reference.check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
-    return torch.ops.mesa.gelu_backward(g, q, alpha, beta, dim, num_groups)
+    check_row_exp(row_exp, q, "gelu_backward")
+    return torch.ops.mesa.gelu_backward(g, q, alpha, beta, dim, num_groups, row_exp)
+
+
+def dequantize_gelu(q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int, num_groups: int,
+                    dtype: torch.dtype = torch.float32, row_exp: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact (erf) GELU of the dequantized input, ``aten.gelu(dequantize(q, ..., dtype,
+    row_exp))``, one pass on CUDA (GELU + Linear's backward recomputes fc2's input from h's
+    codes; definition: :func:`mesa_train.quant.reference.dequantize_gelu`)."""
+    dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
+    check_row_exp(row_exp, q, "dequantize_gelu")
+    return torch.ops.mesa.dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp)

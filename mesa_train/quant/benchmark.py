@@ -17,7 +17,9 @@ Per layout it times, with the ops the layers run:
   backward with dequantize's ``row_mul`` against the former ``dx * rstd`` after ATen's backward
   (also with a float32 input: a LayerNorm under autocast), and LayerNorm + Linear's rebuild
   of ``x_hat * gamma + beta`` with dequantize's ``col_scale`` / ``col_shift`` against the
-  former dequantize, multiply, add and cast;
+  former dequantize, multiply, add and cast, and GELU + Linear's backward from ``h``'s codes
+  (``dequantize_gelu`` and ``gelu_backward`` with ``row_exp``) against dequantize, gelu and
+  ATen's ``gelu_backward``;
 * ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
@@ -152,6 +154,26 @@ def _rebuild_rows(q, alpha, beta, k, dim, G, dtype):
              n + 4 * n + 4 * (4 * n) + 4 * n + n * es, before)]
 
 
+def _gelu_linear_rows(q, alpha, beta, k, dim, G, g):
+    """GELU + fc2's backward from h's codes (row scales, as fc2's input): fc2's input gelu(h)
+    and the GELU's gradient, each one op reading the codes, against the former dequantize,
+    gelu and gelu_backward (h written once, read twice)."""
+    n, es = q.numel(), g.element_size()
+
+    def fused():
+        return (torch.ops.mesa.dequantize_gelu(q, alpha, beta, dim, G, g.dtype, k),
+                torch.ops.mesa.gelu_backward(g, q, alpha, beta, dim, G, k))
+
+    def before():
+        hh = torch.ops.mesa.dequantize(q, alpha, beta, dim, G, g.dtype, k)
+        return torch.nn.functional.gelu(hh), torch.ops.aten.gelu_backward(g, hh)
+
+    return [("backward GELU + Linear: dequantize_gelu + gelu_backward (row scales)", (n + n * es) + (n + 2 * n * es),
+             fused),
+            ("backward GELU + Linear, before: dequantize + gelu + gelu_backward", (n + n * es) + 2 * n * es
+             + 3 * n * es, before)]
+
+
 def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int) -> list[dict]:
     timeit = _timer(device, warmup, repeat)
     rows = []
@@ -213,6 +235,7 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                                                                                        dtype))),
                 ]
                 ops += _rebuild_rows(q, alpha, beta, k, dim, G, dtype)
+                ops += _gelu_linear_rows(q, alpha, beta, k, dim, G, g)
                 ops += _layer_norm_rows(x, state, dim, G, "")
                 if dtype != torch.float32:  # under autocast a LayerNorm's input is the float32 residual stream
                     ops += _layer_norm_rows(x.float(), state, dim, G, " (float32 input, as under autocast)")

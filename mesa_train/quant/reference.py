@@ -59,6 +59,7 @@ __all__ = [
     "check_softmax_backward_args",
     "check_gelu_backward_args",
     "gelu_backward",
+    "dequantize_gelu",
     "softmax_backward",
     "softmax_backward_from_y",
 ]
@@ -981,15 +982,25 @@ def check_gelu_backward_args(g, q, alpha, beta, dim, num_groups) -> int:
     return dim
 
 
-def gelu_backward(g, q, alpha, beta, dim: int, num_groups: int) -> torch.Tensor:
+def gelu_backward(g, q, alpha, beta, dim: int, num_groups: int, row_exp: torch.Tensor | None = None) -> torch.Tensor:
     """``mesa::gelu_backward`` (DESIGN.md, "GELU backward from the codes"): the gradient of the
     exact (erf) GELU at the dequantized input, ``aten.gelu_backward(g, dequantize(q, ...,
-    g.dtype))``. The CPU kernel is this composition (the same bits); the CUDA kernel computes
-    it in one pass (float32 formula of ATen's kernel, no FMA contraction: within an ulp of
-    the output dtype, not bitwise)."""
+    g.dtype, row_exp))``. The CPU kernel is this composition (the same bits); the CUDA kernel
+    computes it in one pass (float32 formula of ATen's kernel, no FMA contraction: within an
+    ulp of the output dtype, not bitwise)."""
     dim = check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
-    xh = dequantize(q, alpha, beta, dim, num_groups, g.dtype)
+    check_row_exp(row_exp, q, "gelu_backward")
+    xh = dequantize(q, alpha, beta, dim, num_groups, g.dtype, row_exp)
     return torch.ops.aten.gelu_backward.default(g.contiguous(), xh)
+
+
+def dequantize_gelu(q, alpha, beta, dim: int, num_groups: int, dtype: torch.dtype = torch.float32,
+                    row_exp: torch.Tensor | None = None) -> torch.Tensor:
+    """``mesa::dequantize_gelu`` (DESIGN.md, "MLP: one copy for GELU and fc2"): the exact (erf)
+    GELU of the dequantized input, ``aten.gelu(dequantize(q, ..., dtype, row_exp))``. The CPU
+    kernel is this composition (the same bits); the CUDA kernel computes it in one pass
+    (ATen's float32 formula, no FMA contraction: within an ulp of the output dtype)."""
+    return torch.ops.aten.gelu.default(dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp))
 
 
 def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups) -> int:

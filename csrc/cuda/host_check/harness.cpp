@@ -555,8 +555,19 @@ int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta
 // dx = gelu_grad(g, the dequantized value rounded to the dtype), rounded to the dtype; and
 // gelu_grad itself against the exact GELU derivative in double (within 8 float ulps of the
 // result's scale: erff / expf are not correctly rounded)
+// the value dequantize stores for element i (in scalar_t, as float): dequantize_value, or
+// with row exponents that value rounded to the dtype, times 2**-k, rounded again
+template <typename scalar_t>
+float stored_value(const Layout& L, const uint8_t* q, const float* alpha, const float* beta, int64_t i,
+                   const RowExp* re) {
+  const int64_t p = param_index(L, i);
+  const float v = dequantize_value(q[i], dequant_step(alpha[p]), beta[p]);
+  return static_cast<float>(re != nullptr && !re->k.empty() ? unscale_row_value<scalar_t>(v, re->k[i / re->len])
+                                                            : static_cast<scalar_t>(v));
+}
+
 template <typename scalar_t, typename IdxT, int V>
-int check_gelu_backward(const Layout& L, const float* alpha, const float* beta, int sms) {
+int check_gelu_backward(const Layout& L, const float* alpha, const float* beta, int sms, const RowExp* re) {
   int errs = 0;
   uint8_t* q = alloc<uint8_t>(L.numel, 0);
   scalar_t* g = alloc<scalar_t>(L.numel, 0);
@@ -570,11 +581,10 @@ int check_gelu_backward(const Layout& L, const float* alpha, const float* beta, 
   const KLayout<IdxT> k = make_klayout<IdxT>(L);
   launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
     dequantize_kernel<scalar_t, IdxT, V>(q, StoreGeluGrad<scalar_t>{g, dx}, alpha, beta, k, IdxT(L.numel),
-                                         KRows<IdxT>{});
+                                         krows_of<IdxT>(re));
   });
   for (int64_t i = 0; i < L.numel; ++i) {
-    const int64_t p = param_index(L, i);
-    const float x = static_cast<float>(static_cast<scalar_t>(dequantize_value(q[i], dequant_step(alpha[p]), beta[p])));
+    const float x = stored_value<scalar_t>(L, q, alpha, beta, i, re);
     const float gi = static_cast<float>(g[i]);
     const scalar_t e = static_cast<scalar_t>(gelu_grad(gi, x));
     if (!same_value(dx[i], e) && errs++ < 5)
@@ -591,7 +601,40 @@ int check_gelu_backward(const Layout& L, const float* alpha, const float* beta, 
   free(q);
   free(g);
   free(dx);
-  g_checked["gelu_backward"]++;
+  g_checked[std::string("gelu_backward") + rows_tag(re)]++;
+  return errs;
+}
+
+// dequantize_gelu (dequantize_kernel with the StoreGelu epilogue): y = gelu_value(the value
+// dequantize stores), rounded to the dtype; and gelu_value itself against the exact GELU in
+// double (within 8 float ulps of |x|: erff is not correctly rounded)
+template <typename scalar_t, typename IdxT, int V>
+int check_dequantize_gelu(const Layout& L, const float* alpha, const float* beta, int sms, const RowExp* re) {
+  int errs = 0;
+  uint8_t* q = alloc<uint8_t>(L.numel, 0);
+  for (int64_t i = 0; i < L.numel; ++i) q[i] = uint8_t(rng());
+  scalar_t* y = alloc<scalar_t>(L.numel + 1, 0);
+  y[L.numel] = scalar_t(1024.0f);
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
+    dequantize_kernel<scalar_t, IdxT, V>(q, StoreGelu<scalar_t>{y}, alpha, beta, k, IdxT(L.numel), krows_of<IdxT>(re));
+  });
+  for (int64_t i = 0; i < L.numel; ++i) {
+    const float x = stored_value<scalar_t>(L, q, alpha, beta, i, re);
+    const scalar_t e = static_cast<scalar_t>(gelu_value(x));
+    if (!same_value(y[i], e) && errs++ < 5)
+      fprintf(stderr, "dequantize_gelu%s mismatch i=%ld got %g exp %g\n", rows_tag(re), (long)i, float(y[i]),
+              float(e));
+    if (std::isfinite(x)) {
+      const double xd = x, exact = 0.5 * xd * (1.0 + std::erf(xd * M_SQRT1_2));
+      if (std::fabs(double(gelu_value(x)) - exact) > 8 * 0x1p-24 * std::fabs(xd) + 1e-37 && errs++ < 5)
+        fprintf(stderr, "gelu_value(%g) = %.9g, exact %.9g\n", x, gelu_value(x), exact);
+    }
+  }
+  if (float(y[L.numel]) != 1024.0f) { fprintf(stderr, "dequantize_gelu wrote past the end\n"); ++errs; }
+  free(q);
+  free(y);
+  g_checked[std::string("dequantize_gelu") + rows_tag(re)]++;
   return errs;
 }
 
@@ -601,7 +644,8 @@ int check_quant(const Layout& L, const scalar_t* x, const float* alpha, const fl
   return check_quantize<scalar_t, IdxT, V>(L, x, alpha, beta, sms, seed, re) +
          check_dequantize<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
          check_dequantize_cols<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
-         (re == nullptr ? check_gelu_backward<scalar_t, IdxT, V>(L, alpha, beta, sms) : 0);
+         check_gelu_backward<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
+         check_dequantize_gelu<scalar_t, IdxT, V>(L, alpha, beta, sms, re);
 }
 
 // ------------------------------------------------------------------ quantize_bits / dequantize_bits
