@@ -604,6 +604,17 @@ void launch_dequantize(const at::Tensor& q, const Out& out_fn, const at::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// launch_dequantize on the widest path the tensors allow: 64-bit indices, 16-byte steps (`vec`:
+// every tensor the epilogue touches 16-byte aligned), or one element a step. math_t: the
+// kernel's scalar_t (the dtype the values are rounded to before the epilogue)
+template <typename math_t, typename Out>
+void dispatch_dequantize(const at::Tensor& q, bool vec, const Out& out_fn, const at::Tensor& alpha,
+                         const at::Tensor& beta, const Layout& L, const RowArgs& rows, cudaStream_t stream) {
+  if (!fits_32bit(L)) launch_dequantize<math_t, uint64_t, 1>(q, out_fn, alpha, beta, L, rows, stream);
+  else if (vec) launch_dequantize<math_t, uint32_t, kVec>(q, out_fn, alpha, beta, L, rows, stream);
+  else launch_dequantize<math_t, uint32_t, 1>(q, out_fn, alpha, beta, L, rows, stream);
+}
+
 at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
                            int64_t dim, int64_t num_groups, at::ScalarType dtype,
                            const std::optional<at::Tensor>& row_exp_in,
@@ -640,18 +651,14 @@ at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, c
       const StoreAffineCols<scalar_t> out{y.mutable_data_ptr<scalar_t>(),
                                           sc.defined() ? sc.const_data_ptr<float>() : nullptr,
                                           sh.defined() ? sh.const_data_ptr<float>() : nullptr, q.size(-1)};
-      if (!fits_32bit(L)) launch_dequantize<float, uint64_t, 1>(q, out, alpha, beta, L, rows, stream);
-      else if (vec) launch_dequantize<float, uint32_t, kVec>(q, out, alpha, beta, L, rows, stream);
-      else launch_dequantize<float, uint32_t, 1>(q, out, alpha, beta, L, rows, stream);
+      dispatch_dequantize<float>(q, vec, out, alpha, beta, L, rows, stream);
     });
     return y;
   }
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cuda", [&] {
     const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
     const StoreValues<scalar_t> out{y.mutable_data_ptr<scalar_t>()};
-    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, rows, stream);
-    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, rows, stream);
-    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, rows, stream);
+    dispatch_dequantize<scalar_t>(q, vec, out, alpha, beta, L, rows, stream);
   });
   return y;
 }
@@ -671,9 +678,7 @@ at::Tensor gelu_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in, co
   MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_gelu_backward_cuda", [&] {
     const bool vec = aligned16(q.const_data_ptr()) && aligned16(g.const_data_ptr()) && aligned16(dx.const_data_ptr());
     const StoreGeluGrad<scalar_t> out{g.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>()};
-    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, rows, stream);
-    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, rows, stream);
-    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, rows, stream);
+    dispatch_dequantize<scalar_t>(q, vec, out, alpha, beta, L, rows, stream);
   });
   return dx;
 }
@@ -693,9 +698,7 @@ at::Tensor dequantize_gelu_cuda(const at::Tensor& q_in, const at::Tensor& alpha_
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_gelu_cuda", [&] {
     const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
     const StoreGelu<scalar_t> out{y.mutable_data_ptr<scalar_t>()};
-    if (!fits_32bit(L)) launch_dequantize<scalar_t, uint64_t, 1>(q, out, alpha, beta, L, rows, stream);
-    else if (vec) launch_dequantize<scalar_t, uint32_t, kVec>(q, out, alpha, beta, L, rows, stream);
-    else launch_dequantize<scalar_t, uint32_t, 1>(q, out, alpha, beta, L, rows, stream);
+    dispatch_dequantize<scalar_t>(q, vec, out, alpha, beta, L, rows, stream);
   });
   return y;
 }
