@@ -83,9 +83,14 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-# 2. the extension: the one built here for this image (make gpu-prebuild) when it loads with
-# CUDA kernels, else built now for this GPU only (one arch: about a minute on 16 cores)
-if ls .gpubuild/_C*.so >/dev/null 2>&1; then
+# 2. the extension: the one built here for this image (make gpu-prebuild) when it was built from
+# these very sources (.gpubuild/sources.sha256: a build from older sources could lack an op, or
+# carry an op's older schema) and loads with CUDA kernels; else built now for this GPU only
+# (one arch: about a minute on 16 cores)
+sources_sha() { cat $(ls csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh 2>/dev/null | LC_ALL=C sort) setup.py | sha256sum | cut -d' ' -f1; }
+if ls .gpubuild/_C*.so >/dev/null 2>&1 && [ "$(cat .gpubuild/sources.sha256 2>/dev/null)" != "$(sources_sha)" ]; then
+  echo "the carried build .gpubuild/ is not from these sources (sources.sha256): rebuilding"
+elif ls .gpubuild/_C*.so >/dev/null 2>&1; then
   cp .gpubuild/_C*.so mesa_train/
   $PY -c 'import sys, mesa_train.quant as q; sys.exit(q.CUDA_BACKEND != "extension")' \
     && echo "reusing the carried build .gpubuild/$(cd .gpubuild && ls _C*.so)" \
@@ -96,8 +101,11 @@ if ! ls mesa_train/_C*.so >/dev/null 2>&1; then
   TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=${MAX_JOBS:-16} $PY setup.py -q build_ext --inplace > "$LOG_DIR/build.log" 2>&1 \
     || { tail -30 "$LOG_DIR/build.log"; pack; exit 1; }
   echo "built the extension for sm_${ARCH/./} in $((SECONDS - t0)) s"
-  # for a later call: copy it into .gpubuild/ and carry it (without -g's symbols it fits $OUT's 16 MiB)
-  [ -n "${OUT:-}" ] && for so in mesa_train/_C*.so; do strip --strip-debug -o "$OUT/$(basename $so)" "$so"; done
+  # for a later call: copy both into .gpubuild/ and carry it (without -g's symbols it fits $OUT's 16 MiB)
+  if [ -n "${OUT:-}" ]; then
+    for so in mesa_train/_C*.so; do strip --strip-debug -o "$OUT/$(basename $so)" "$so"; done
+    sources_sha > "$OUT/sources.sha256"
+  fi
 fi
 $PY -c 'import mesa_train.quant as q; print("mesa backend:", q.BACKEND, "CUDA:", q.CUDA_BACKEND)'
 

@@ -4,6 +4,7 @@ for the given Python), and spends its one device call in priority order within D
 (checked with a stand-in Python that reports a GPU and only pretends to run the steps)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -75,8 +76,15 @@ def fake_checkout(tmp_path):
     (root / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, root / "scripts" / "gpu_session.sh")
     (root / "mesa_train").mkdir()
+    (root / "csrc" / "cuda").mkdir(parents=True)
+    (root / "csrc" / "ops.cpp").write_text("// ops\n")
+    (root / "csrc" / "cuda" / "quant_cuda.cu").write_text("// kernels\n")
+    (root / "setup.py").write_text("# build\n")
     (root / ".gpubuild").mkdir()
     (root / ".gpubuild" / "_C.abi3.so").write_bytes(b"")
+    # what make gpu-prebuild records: the sources the build was made from
+    sources = b"".join((root / p).read_bytes() for p in ("csrc/cuda/quant_cuda.cu", "csrc/ops.cpp", "setup.py"))
+    (root / ".gpubuild" / "sources.sha256").write_text(hashlib.sha256(sources).hexdigest() + "\n")
     fake = tmp_path / "python3"
     fake.write_text(FAKE_PY)
     fake.chmod(0o755)
@@ -123,3 +131,15 @@ def test_the_cuda_tests_spread_over_workers_where_the_image_has_xdist(fake_check
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (pytest_call,) = [c for c in log.read_text().splitlines() if c.startswith("-m pytest")]
     assert " -n 4 " in pytest_call and pytest_call.endswith(" tests")
+
+
+def test_a_carried_build_from_other_sources_is_rebuilt(fake_checkout, tmp_path):
+    """A build made before a source change could lack an op or carry an op's older schema:
+    the script builds anew, and sends back the build with the hash of its sources."""
+    root, fake, out = fake_checkout
+    (root / "csrc" / "ops.cpp").write_text("// ops, changed since the prebuild\n")
+    log = tmp_path / "calls.log"
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), STEP_SECONDS="0", STEPS="kernels")
+    assert "is not from these sources (sources.sha256): rebuilding" in proc.stdout, proc.stdout
+    assert "reusing the carried build" not in proc.stdout
+    assert any(c.startswith("setup.py -q build_ext --inplace") for c in log.read_text().splitlines())
