@@ -66,8 +66,7 @@ gpu-prebuild: $(GPU_VENV)/.installed  ## build the extension here for the GPU im
 		--build-lib $(GPU_BUILD_TMP)/lib --build-temp $(GPU_BUILD_TMP)/tmp
 	strip --strip-debug -o .gpubuild/_C.abi3.so $(GPU_BUILD_TMP)/lib/mesa_train/_C.abi3.so
 	@# what it was built from: scripts/gpu_session.sh reuses it only for the same sources
-	cat $$(ls csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh 2>/dev/null | LC_ALL=C sort) setup.py \
-		| sha256sum | cut -d' ' -f1 > .gpubuild/sources.sha256
+	bash scripts/sources_sha.sh > .gpubuild/sources.sha256
 	@ls -l .gpubuild/_C.abi3.so .gpubuild/sources.sha256
 
 demo: $(STAMP)  ## train a small DeiT on the embedded digits data, stock vs Mesa, on CPU

@@ -87,8 +87,7 @@ fi
 # these very sources (.gpubuild/sources.sha256: a build from older sources could lack an op, or
 # carry an op's older schema) and loads with CUDA kernels; else built now for this GPU only
 # (one arch: about a minute on 16 cores)
-sources_sha() { cat $(ls csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh 2>/dev/null | LC_ALL=C sort) setup.py | sha256sum | cut -d' ' -f1; }
-if ls .gpubuild/_C*.so >/dev/null 2>&1 && [ "$(cat .gpubuild/sources.sha256 2>/dev/null)" != "$(sources_sha)" ]; then
+if ls .gpubuild/_C*.so >/dev/null 2>&1 && [ "$(cat .gpubuild/sources.sha256 2>/dev/null)" != "$(bash scripts/sources_sha.sh)" ]; then
   echo "the carried build .gpubuild/ is not from these sources (sources.sha256): rebuilding"
 elif ls .gpubuild/_C*.so >/dev/null 2>&1; then
   cp .gpubuild/_C*.so mesa_train/
@@ -104,7 +103,7 @@ if ! ls mesa_train/_C*.so >/dev/null 2>&1; then
   # for a later call: copy both into .gpubuild/ and carry it (without -g's symbols it fits $OUT's 16 MiB)
   if [ -n "${OUT:-}" ]; then
     for so in mesa_train/_C*.so; do strip --strip-debug -o "$OUT/$(basename $so)" "$so"; done
-    sources_sha > "$OUT/sources.sha256"
+    bash scripts/sources_sha.sh > "$OUT/sources.sha256"
   fi
 fi
 $PY -c 'import mesa_train.quant as q; print("mesa backend:", q.BACKEND, "CUDA:", q.CUDA_BACKEND)'

@@ -75,6 +75,7 @@ def fake_checkout(tmp_path):
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, root / "scripts" / "gpu_session.sh")
+    shutil.copy(SCRIPT.with_name("sources_sha.sh"), root / "scripts" / "sources_sha.sh")
     (root / "mesa_train").mkdir()
     (root / "csrc" / "cuda").mkdir(parents=True)
     (root / "csrc" / "ops.cpp").write_text("// ops\n")
