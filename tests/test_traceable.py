@@ -117,3 +117,23 @@ def test_int32_hash_under_inductor_equals_eager():
     seed = torch.tensor(EDGE_SEEDS[2], dtype=torch.int64)
     fn = torch.compile(lambda s: traceable._uniform(4099, s, "cpu"), backend="inductor", fullgraph=True)
     assert torch.equal(fn(seed), traceable._uniform(4099, seed, "cpu"))
+
+
+def test_weyl_product_is_a_value_not_an_index_expression():
+    """The Weyl step's multiply must not take ``arange`` directly: Inductor folds
+    ``arange * 0x9E3779B9`` into index arithmetic, and on CUDA (torch 2.11, H200) Triton then
+    refused a stride product past int32 ('Scalar -5354694904128 is out of range for type
+    int32'; results/cuda-tests/NVIDIA-H200.md). The runtime zero added to the index keeps
+    the product a wrapping int32 value. CPU Inductor indexes in int64 and never showed it, so
+    this pins the traced graph's shape instead."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seed = torch.tensor(EDGE_SEEDS[3], dtype=torch.int64)
+    gm = make_fx(lambda s: traceable._uniform(4099, s, "cpu"))(seed)
+    weyl = 0x9E3779B9 - (1 << 32)  # the constant as the int32 graph holds it
+    (mul,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor and weyl in n.args[1:]]
+    index = mul.args[0]
+    aranges = [a for a in index.args if getattr(a, "target", None) == torch.ops.aten.arange.default]
+    others = [a for a in index.args if getattr(a, "target", None) not in (None, torch.ops.aten.arange.default)]
+    # add(arange, <a tensor computed from the seed>), never mul(arange, ...) nor add(arange, constant)
+    assert index.target == torch.ops.aten.add.Tensor and len(aranges) == 1 and others, gm.code

@@ -173,7 +173,11 @@ def _uniform(numel: int, seed: torch.Tensor, device) -> torch.Tensor:
     index's high word is 0, so its term vanishes), computed in int32 (see ``_lowbias32_i32``)."""
     s = _as_int32_bits(seed & 0xFFFFFFFF)
     key = _lowbias32_i32(s[0] ^ _lowbias32_i32(s[1]))  # hash_key with index_hi = 0: one per call
-    i = torch.arange(numel, dtype=torch.int32, device=device)
+    # + (key ^ key), a runtime zero: Inductor folds arange * constant into its index
+    # arithmetic, and over a permuted view Triton's codegen then emitted a stride product past
+    # int32 ('Scalar -5354694904128 is out of range for type int32', torch 2.11, H200); a value
+    # loaded from a tensor keeps the Weyl product in value space, where int32 wraps
+    i = torch.arange(numel, dtype=torch.int32, device=device) + (key ^ key)
     h = _lowbias32_i32(i * (0x9E3779B9 - (1 << 32)) + key)  # the Weyl step; int32 wraps mod 2**32
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
 
