@@ -450,3 +450,44 @@ def test_speed_preset_runs_every_knob(tmp_path):
     assert rows["Mesa compiled traceable delayed"]["measurement"]["graph_breaks"] == 0
     assert rows["Mesa CUDA graphs"]["config"]["compile_mode"] == "reduce-overhead"
     assert rows["Mesa CUDA graphs"]["measurement"]["graph_breaks"] == 0
+
+
+@pytest.mark.parametrize("mode,reset_before_warmup", [("reduce-overhead", True), ("default", False)])
+def test_cuda_graph_rows_read_the_peak_across_their_recording(monkeypatch, mode, reset_before_warmup):
+    """A CUDA graph's replay allocates nothing (its activations sit in the graph pool, taken
+    while it is recorded in warm-up): the H200 speed table read 412 MB for both stock and
+    Mesa DeiT-S CUDA-graph steps. Their peak counter is reset before the warm-up; every other
+    row's right before its memory step. (torch.cuda and the warm-up stand in: no GPU here.)"""
+    import torch
+
+    from mesa_train.bench import measure
+    from mesa_train.bench.presets import make_row
+
+    events = []
+
+    class FakeStep:
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        first_step_s = 0.0
+        last_loss = torch.tensor(1.0)
+
+        def __call__(self):
+            events.append("step")
+
+    def fake_warm_step(row, device, *, seed):
+        events.append("warm-up")
+        return FakeStep()
+
+    monkeypatch.setattr(measure, "warm_step", fake_warm_step)
+    monkeypatch.setattr(measure, "synchronize", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: events.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3 * measure.MB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 4 * measure.MB)
+    row = make_row({"model": "deit_ti", "warmup": 0}, {"label": "x", "compile": True, "compile_mode": mode})
+    m = measure._measure(row, torch.device("cuda"), seed=0, measure_saved=False, timed=False, rss=None)
+    expected = ["reset", "warm-up", "step"] if reset_before_warmup else ["warm-up", "reset", "step"]
+    assert events == expected
+    assert m.peak_mb == 3.0
+    assert m.peak_kind == ("cuda_max_memory_allocated_from_warmup" if reset_before_warmup
+                           else "cuda_max_memory_allocated")
+    assert measure.cuda_graph_peak(row, torch.device("cpu")) is False

@@ -9,7 +9,9 @@ Order for each row, all in this process:
 3. one forward under `mesa_train.memory.SavedTensorMeter`: the bytes saved for backward
    (device independent; one micro-batch when accumulating gradients);
 4. one memory step: on CUDA ``reset_peak_memory_stats`` then ``max_memory_allocated``
-   (what the paper reports: weights, gradients, optimizer state and activations); on CPU
+   (what the paper reports: weights, gradients, optimizer state and activations; a
+   CUDA-graph row resets before its warm-up instead, since its graph pool is allocated while
+   the graph is recorded and a replay allocates nothing); on CPU
    the process's peak RSS during the step (``VmHWM`` after resetting it through
    ``/proc/self/clear_refs``), and that peak minus the RSS when the step started;
 5. ``steps`` timed steps, synchronizing the device around each; images/s = batch size /
@@ -39,6 +41,7 @@ from mesa_train.bench.presets import BenchConfigError, RowConfig
 from mesa_train.models import build_model, set_fused_attention
 from mesa_train.nn.quantizer import mark_estimates_ready
 from mesa_train.quant.compile_kernels import set_compile_kernels
+from mesa_train.train.config import CUDA_GRAPH_COMPILE_MODES
 
 MB = 1024 * 1024
 
@@ -364,6 +367,12 @@ def warm_step(row: RowConfig, device: torch.device, *, seed: int, fresh_cache: b
     return step
 
 
+def cuda_graph_peak(row: RowConfig, device: torch.device) -> bool:
+    """Whether the row's peak must be read from before its warm-up: a CUDA-graph row
+    (torch.compile mode reduce-overhead / max-autotune) on CUDA."""
+    return device.type == "cuda" and bool(row.compile) and row.compile_mode in CUDA_GRAPH_COMPILE_MODES
+
+
 def dynamo_graphs() -> tuple[int, int]:
     """(graphs captured, graph breaks taken) since the last ``warm_step`` of a compiled row."""
     counters = torch._dynamo.utils.counters
@@ -373,6 +382,14 @@ def dynamo_graphs() -> tuple[int, int]:
 def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: bool,
              timed: bool, rss: CpuRss | None) -> Measurement:
     result = Measurement()
+    graphs = cuda_graph_peak(row, device)
+    if graphs:
+        # A CUDA graph's replay allocates nothing: its activations live in the graph pool,
+        # taken while the graph is recorded during warm-up. The peak must span the recording
+        # (a step after it saw only weights, gradients and optimizer state: 412 MB for a
+        # DeiT-S step whose activations take GBs, results/speed/nvidia-h200.md before this).
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     step = warm_step(row, device, seed=seed)
     if row.compile:
         result.graphs, result.graph_breaks = dynamo_graphs()
@@ -392,12 +409,17 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
     # memory step
     if device.type == "cuda":
         synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        if not graphs:
+            torch.cuda.reset_peak_memory_stats(device)
         step()
         synchronize(device)
         result.peak_mb = torch.cuda.max_memory_allocated(device) / MB
         result.reserved_mb = torch.cuda.max_memory_reserved(device) / MB
         result.peak_kind = "cuda_max_memory_allocated"
+        if graphs:
+            result.peak_kind += "_from_warmup"
+            result.notes.append("peak over the warm-up (CUDA-graph recording) and one step: a "
+                                "replay allocates nothing")
     else:
         assert rss is not None
         rss.for_memory()
