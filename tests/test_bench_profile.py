@@ -12,8 +12,8 @@ import torch
 
 from test_bench import _run  # the app as a subprocess, as the other bench tests run it
 
-from mesa_train.bench.profile import (CATEGORIES, UNATTRIBUTED, aggregate, categorize,
-                                      mesa_function_names)
+from mesa_train.bench.profile import (CATEGORIES, UNATTRIBUTED, aggregate, categorize, kernel_name,
+                                      mesa_function_names, mesa_kernels)
 from mesa_train.nn import quantizer as quantizer_mod
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,3 +285,56 @@ def test_aggregate_matches_the_profilers_own_total(fused, monkeypatch):
     assert {"mesa", "matmul"} | (set() if fused else {"mesa-layer"}) <= cats
     assert all(c == "mesa" for (op, c) in ops if op.startswith("mesa::"))
     assert all(c == "matmul" for (op, c) in ops if op in ("aten::addmm", "aten::mm"))
+
+
+def test_kernel_names_lose_return_type_namespace_and_parameters():
+    assert kernel_name("void (anonymous namespace)::row_cells_kernel<c10::BFloat16, true>(c10::BFloat16 const*, "
+                       "float*, long)") == "row_cells_kernel<c10::BFloat16, true>"
+    assert kernel_name("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps"
+                       "<float, float, float, float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float>)") \
+        == "at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, " \
+           "float, float>, unsigned int, float, 4, 4> >"
+    assert kernel_name("sm90_xmma_gemm_bf16bf16_bf16f32") == "sm90_xmma_gemm_bf16bf16_bf16f32"
+
+
+def test_mesa_kernels_are_those_mesa_ops_launch():
+    """Kernels of mesa:: ops, of Mesa Functions and of the ATen ops inside either, by kernel
+    and launching op; a stock op's kernels are left out."""
+    def k(name, us):
+        return types.SimpleNamespace(name=name, device=0, duration=us)
+
+    fns = {"_LinearFn"}
+    rows = _ev("mesa::observe_rows", kernels=[k("void row_cells_kernel<float, true>(float const*)", 30.0),
+                                               k("void row_k_cells_kernel<float>(float const*)", 5.0)])
+    mean = _ev("aten::mean", rows, kernels=[k("void reduce_kernel<512>(int)", 4.0)])
+    fn = _ev("_LinearFn", kernels=[])
+    cast = _ev("aten::copy_", fn, kernels=[k("void elementwise_kernel<128>(int)", 12.0)])
+    rows2 = _ev("mesa::observe_rows", kernels=[k("void row_cells_kernel<float, true>(float const*)", 34.0)])
+    stock = _ev("aten::copy_", kernels=[k("void elementwise_kernel<128>(int)", 99.0)])
+    got = mesa_kernels([rows, mean, fn, cast, rows2, stock], steps=2, mesa_functions=fns)
+    assert got == {("row_cells_kernel<float, true>", "mesa::observe_rows"): (0.032, 1.0),
+                   ("row_k_cells_kernel<float>", "mesa::observe_rows"): (0.0025, 0.5),
+                   ("reduce_kernel<512>", "aten::mean"): (0.002, 0.5),
+                   ("elementwise_kernel<128>", "aten::copy_"): (0.006, 0.5)}
+    assert mesa_kernels([stock], steps=1, mesa_functions=fns) == {}
+
+
+def test_kernel_table_is_rendered_for_mesa_rows_with_kernels():
+    from mesa_train.bench.presets import make_row
+    from mesa_train.bench.profile import RowProfile, render_markdown
+
+    rows = [make_row({"model": "deit_ti"}, {"label": "stock", "baseline": True}),
+            make_row({"model": "deit_ti"}, {"label": "Mesa", "mesa": True, "ops": ["all"]})]
+    ops = {("mesa::observe_rows", "mesa"): (2.5, 50.0)}
+    kernels = {("row_cells_kernel<c10::BFloat16, true>", "mesa::observe_rows"): (1.0, 50.0),
+               ("reduce_kernel<512>", "aten::mean"): (0.25, 50.0)}
+    env = {"device": "GPU", "device_type": "cuda", "date": "d", "torch": "t", "timm": "t",
+           "mesa_train": "m", "cuda": "c", "mesa_extension": "e", "git": "g"}
+    md = render_markdown(preset="p", env=env, command="c", steps=1, rows=rows,
+                         profiles=[RowProfile("stock", ops={("aten::mm", "matmul"): (1.0, 1.0)}),
+                                   RowProfile("Mesa", ops=ops, kernels=kernels)])
+    table = _table(md, "### Top 15 kernels Mesa's ops launch: Mesa")
+    assert [(r["Kernel"], r["launched by"], r["us/launch"]) for r in table] == [
+        ("`row_cells_kernel<c10::BFloat16, true>`", "`mesa::observe_rows`", "20.0"),
+        ("`reduce_kernel<512>`", "`aten::mean`", "5.0")]
+    assert md.count("kernels Mesa's ops launch") == 1  # the stock row has none

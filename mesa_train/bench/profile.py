@@ -162,6 +162,52 @@ def aggregate(events: Iterable[Any], *, device_time: bool, steps: int,
     return {k: (v / 1000 / steps, calls[k] / steps) for k, v in us.items() if v > 0}
 
 
+MESA_CATEGORIES = ("mesa", "mesa-layer")
+TOP_KERNELS = 15
+
+
+def kernel_name(name: str) -> str:
+    """A CUDA kernel's name without its return type, anonymous namespace and parameter list:
+    ``void (anonymous namespace)::row_cells_kernel<c10::BFloat16, true>(c10::BFloat16 const*,
+    ...)`` -> ``row_cells_kernel<c10::BFloat16, true>``."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    depth = 0
+    for i, ch in enumerate(name):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0 and i > 0:
+            return name[:i]
+    return name
+
+
+def mesa_kernels(events: Iterable[Any], *, steps: int,
+                 mesa_functions: Collection[str] = ()) -> dict[tuple[str, str], tuple[float, float]]:
+    """``{(kernel, launching op): (ms per step, launches per step)}`` over the GPU kernels that
+    Mesa's ops launch: those of host events in a Mesa category, by their own name or the
+    enclosing op's (a ``mesa::`` op, a Mesa autograd Function, and the ATen ops inside
+    them). Why: an op such as ``mesa::observe_rows`` launches several kernels (its row pass,
+    ATen's mean, the k and cell scaling, observe's reduction and estimate update), and its
+    op-level time does not say which one to make faster. Empty on CPU (no kernels)."""
+    by_name: dict[str, str] = {}
+
+    def own(name: str) -> str:
+        if name not in by_name:
+            by_name[name] = categorize(name, None, mesa_functions)
+        return by_name[name]
+
+    us: dict[tuple[str, str], float] = {}
+    launches: dict[tuple[str, str], int] = {}
+    for ev in events:
+        if getattr(ev, "is_async", False) or not getattr(ev, "kernels", None):
+            continue
+        if categorize(ev.name, enclosing_category(ev, own), mesa_functions) not in MESA_CATEGORIES:
+            continue
+        for k in ev.kernels:
+            key = (kernel_name(k.name), ev.name)
+            us[key] = us.get(key, 0.0) + k.duration
+            launches[key] = launches.get(key, 0) + 1
+    return {k: (v / 1000 / steps, launches[k] / steps) for k, v in us.items()}
+
+
 @dataclass
 class RowProfile:
     label: str
@@ -169,6 +215,7 @@ class RowProfile:
     error: str = ""
     ops: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     wall_ms: float | None = None  # wall clock per profiled step, profiler overhead included
+    kernels: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # mesa_kernels
 
     def by_category(self) -> dict[str, float]:
         out = dict.fromkeys(CATEGORIES, 0.0)
@@ -201,8 +248,10 @@ def profile_row(row: RowConfig, device: torch.device, *, steps: int, seed: int =
                 synchronize(device)  # the last step's kernels belong to the profile
                 result.wall_ms = 1000 * (time.perf_counter() - t0) / steps
             del step
+        fns = mesa_function_names()
         result.ops = aggregate(prof.events(), device_time=device.type == "cuda", steps=steps,
-                               mesa_functions=mesa_function_names())
+                               mesa_functions=fns)
+        result.kernels = mesa_kernels(prof.events(), steps=steps, mesa_functions=fns)
     except Exception as err:  # noqa: BLE001 - reported in the file
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         result.status = "oom" if is_oom(err) else "error"
@@ -325,6 +374,11 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
         for (op, cat), (ms, n) in sorted(p.ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]:
             base = bops.get((op, cat))
             w(f"| `{_cell(op)}` | {cat} | {_ms(ms)} | {n:g} | {_ms(base[0]) if base else '–'} |\n")
+        if p.kernels:
+            w(f"\n### Top {TOP_KERNELS} kernels Mesa's ops launch: {_cell(r.label)}\n\n")
+            w("| Kernel | launched by | ms/step | launches/step | us/launch |\n|---|---|---|---|---|\n")
+            for (kern, op), (ms, n) in sorted(p.kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]:
+                w(f"| `{_cell(kern)}` | `{_cell(op)}` | {_ms(ms)} | {n:g} | {1000 * ms / n:,.1f} |\n")
 
     w("\n## Categories (first matching rule wins)\n\n| Category | Rule |\n|---|---|\n")
     for cat, text, _ in RULES:
