@@ -314,8 +314,8 @@ def test_mesa_kernels_are_those_mesa_ops_launch():
     got = mesa_kernels([rows, mean, fn, cast, rows2, stock], steps=2, mesa_functions=fns)
     assert got == {("row_cells_kernel<float, true>", "mesa::observe_rows"): (0.032, 1.0),
                    ("row_k_cells_kernel<float>", "mesa::observe_rows"): (0.0025, 0.5),
-                   ("reduce_kernel<512>", "aten::mean"): (0.002, 0.5),
-                   ("elementwise_kernel<128>", "aten::copy_"): (0.006, 0.5)}
+                   ("reduce_kernel<512>", "mesa::observe_rows > aten::mean"): (0.002, 0.5),
+                   ("elementwise_kernel<128>", "_LinearFn > aten::copy_"): (0.006, 0.5)}
     assert mesa_kernels([stock], steps=1, mesa_functions=fns) == {}
 
 

@@ -184,7 +184,8 @@ def mesa_kernels(events: Iterable[Any], *, steps: int,
     """``{(kernel, launching op): (ms per step, launches per step)}`` over the GPU kernels that
     Mesa's ops launch: those of host events in a Mesa category, by their own name or the
     enclosing op's (a ``mesa::`` op, a Mesa autograd Function, and the ATen ops inside
-    them). Why: an op such as ``mesa::observe_rows`` launches several kernels (its row pass,
+    them, named ``<Mesa op> > <ATen op>``: a cast inside ``mesa::linear_train`` is not one
+    inside ``mesa::quantize``). Why: an op such as ``mesa::observe_rows`` launches several kernels (its row pass,
     ATen's mean, the k and cell scaling, observe's reduction and estimate update), and its
     op-level time does not say which one to make faster. Empty on CPU (no kernels)."""
     by_name: dict[str, str] = {}
@@ -201,8 +202,15 @@ def mesa_kernels(events: Iterable[Any], *, steps: int,
             continue
         if categorize(ev.name, enclosing_category(ev, own), mesa_functions) not in MESA_CATEGORIES:
             continue
+        launcher = ev.name
+        if own(ev.name) not in MESA_CATEGORIES:  # an ATen op inside: name the Mesa op around it
+            parent = ev.cpu_parent
+            while parent is not None and own(parent.name) not in MESA_CATEGORIES:
+                parent = parent.cpu_parent
+            if parent is not None:
+                launcher = f"{parent.name} > {ev.name}"
         for k in ev.kernels:
-            key = (kernel_name(k.name), ev.name)
+            key = (kernel_name(k.name), launcher)
             us[key] = us.get(key, 0.0) + k.duration
             launches[key] = launches.get(key, 0) + 1
     return {k: (v / 1000 / steps, launches[k] / steps) for k, v in us.items()}
