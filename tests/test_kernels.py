@@ -535,12 +535,13 @@ def test_benchmark_runs_on_cpu(tmp_path):
            "backward LayerNorm + Linear rebuild: dequantize with col_scale / col_shift",
            "backward LayerNorm + Linear rebuild, before: dequantize (float32) + mul + add + cast",
            "backward GELU + Linear: dequantize_gelu + gelu_backward (row scales)",
-           "backward GELU + Linear, before: dequantize + gelu + gelu_backward"]
+           "backward GELU + Linear, before: dequantize + gelu + gelu_backward",
+           "backward softmax: softmax_backward", "backward softmax, before: dequantize + _softmax_backward_data"]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     # 2 dtypes x (7 rows per layout + 5 row-scale, 2 GELU, 4 LayerNorm, 2 LayerNorm + Linear
     # and 2 GELU + Linear rows on the token layout), plus bf16's 4 LayerNorm rows with a
-    # float32 input
-    assert len(rows) == 2 * (2 * 7 + 5 + 2 + 4 + 2 + 2) + 4
+    # float32 input, and 2 softmax rows on the attention layout
+    assert len(rows) == 2 * (2 * 7 + 5 + 2 + 4 + 2 + 2 + 2) + 4
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     clone_rows = [r for r in rows if "| clone (baseline) |" in r]

@@ -19,7 +19,8 @@ Per layout it times, with the ops the layers run:
   of ``x_hat * gamma + beta`` with dequantize's ``col_scale`` / ``col_shift`` against the
   former dequantize, multiply, add and cast, and GELU + Linear's backward from ``h``'s codes
   (``dequantize_gelu`` and ``gelu_backward`` with ``row_exp``) against dequantize, gelu and
-  ATen's ``gelu_backward``;
+  ATen's ``gelu_backward``; on the attention layout a softmax's backward from its codes
+  (``softmax_backward``) against dequantize + ATen's ``_softmax_backward_data``;
 * ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
@@ -174,6 +175,25 @@ def _gelu_linear_rows(q, alpha, beta, k, dim, G, g):
              + 3 * n * es, before)]
 
 
+def _softmax_rows(x, state, dim, G, dtype):
+    """A softmax's backward from the codes of its output (the attention map): the one-pass
+    ``mesa::softmax_backward`` (codes and g read, gx written) against dequantize then ATen's
+    ``_softmax_backward_data`` (the map written once and read again)."""
+    p = x.float().softmax(-1).to(dtype)  # a real map: rows of probabilities
+    a, b, s = torch.ops.mesa.observe(p, *state, dim, G, 0.9, False, False)
+    q = torch.ops.mesa.quantize(p, a, b, dim, G, True, s)
+    g = torch.randn_like(p)
+    n, es = p.numel(), p.element_size()
+
+    def before():
+        y = torch.ops.mesa.dequantize(q, a, b, dim, G, dtype)
+        return torch.ops.aten._softmax_backward_data(g, y, -1, dtype)
+
+    return [("backward softmax: softmax_backward", n + 2 * n * es,
+             lambda: torch.ops.mesa.softmax_backward(g, q, a, b, dim, G)),
+            ("backward softmax, before: dequantize + _softmax_backward_data", (n + n * es) + 3 * n * es, before)]
+
+
 def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int) -> list[dict]:
     timeit = _timer(device, warmup, repeat)
     rows = []
@@ -248,6 +268,8 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                     ("backward with row scales: dequantize", n + n * es,
                      lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G, dtype, k)),
                 ]
+            if x.dim() == 4 and dim == 1:  # the attention map: its softmax's backward from the codes
+                ops += _softmax_rows(x, state, dim, G, dtype)
             for op, nbytes, fn in ops:
                 t = t_clone if op.startswith("clone") else timeit(fn)
                 rows.append(dict(case=name, dtype=dname, op=op, us=t * 1e6, gbps=nbytes / t / 1e9,
