@@ -550,3 +550,39 @@ def test_benchmark_runs_on_cpu(tmp_path):
     assert len(files) == 1 and "fraction of clone bandwidth" in files[0].read_text()
     with pytest.raises(SystemExit):
         benchmark.main(["--device", "cpu", "--quick", "--dtypes", "fp64", "--out-dir", str(tmp_path)])
+
+
+def test_benchmark_kernel_time_sums_each_kernel_once(monkeypatch):
+    """The GPU column: kernel durations attached to the host ops that launched them, summed
+    once each and divided by the calls (the profiler and torch.cuda stand in: no GPU here)."""
+    import types
+
+    import torch.profiler
+
+    from mesa_train.quant import benchmark
+
+    k = lambda us: types.SimpleNamespace(name="kernel", device=0, duration=us)  # noqa: E731
+    events = [types.SimpleNamespace(name="mesa::observe_rows", kernels=[k(30.0), k(5.0)]),
+              types.SimpleNamespace(name="aten::mean", kernels=[k(4.0)]),
+              types.SimpleNamespace(name="aten::empty", kernels=[])]
+
+    class FakeProfile:
+        def __init__(self, activities):
+            assert torch.profiler.ProfilerActivity.CUDA in activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+
+    calls = []
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    assert benchmark._kernel_seconds(lambda: calls.append(1), 3) == pytest.approx(13e-6)
+    assert len(calls) == 3
+    events[:] = [types.SimpleNamespace(name="aten::empty", kernels=[])]
+    assert benchmark._kernel_seconds(lambda: None, 2) is None

@@ -25,7 +25,8 @@ Per layout it times, with the ops the layers run:
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
 bandwidth / clone's bandwidth (1.0 = as fast per byte as a plain copy); "time / clone" =
-time / clone's time. Layouts: the token layout ``(128, 197, 384)`` with channel groups on
+time / clone's time. On a GPU both use the kernels' time (torch.profiler), not the latency
+of one call: a custom op's host dispatch (~20 us) hid the kernels of small tensors. Layouts: the token layout ``(128, 197, 384)`` with channel groups on
 ``dim=-1`` and the attention layout ``(128, 6, 197, 197)`` with per-head groups on
 ``dim=1`` (DeiT-S at batch 128). CUDA timings use CUDA events after warm-up (median). The
 table is printed and written to ``results/kernels/<device-name>.md``.
@@ -61,8 +62,13 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _timer(device: torch.device, warmup: int, repeat: int):
-    def run(fn) -> float:
-        """Median seconds per call."""
+    def run(fn) -> tuple[float, float | None]:
+        """(median seconds per call, seconds of GPU kernels per call or None on CPU).
+
+        The first is the op's latency: CUDA events around one call, host dispatch included
+        (for a custom op on a small tensor the GPU waits on the host, so this is not the
+        kernels' speed). The second sums the durations of the kernels the calls launched,
+        from torch.profiler: the GPU time a GPU-bound training step spends on the op."""
         for _ in range(warmup):
             fn()
         times = []
@@ -74,14 +80,30 @@ def _timer(device: torch.device, warmup: int, repeat: int):
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 1e3)
-        else:
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            # (fewer calls: a profiled call's kernel durations do not vary like host-bound latency)
+            return statistics.median(times), _kernel_seconds(fn, min(repeat, 20))
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), None
 
     return run
+
+
+def _kernel_seconds(fn, repeat: int) -> float | None:
+    """Seconds of GPU kernels per call of ``fn``: every kernel is attached to the host op that
+    launched it (``FunctionEvent.kernels``), so their durations sum once each; gaps between
+    launches are not counted. None when the profiler saw no kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(k.duration for ev in prof.events() for k in ev.kernels)
+    return us / 1e6 / repeat if us > 0 else None
 
 
 def _slug(name: str) -> str:
@@ -215,8 +237,7 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                 a, b, s = observe()
                 return torch.ops.mesa.quantize(x, a, b, dim, G, True, s)
 
-            t_clone = timeit(lambda: x.clone())
-            clone_bw = 2 * n * es / t_clone
+            t_clone, k_clone = timeit(lambda: x.clone())
             ops = [  # (name, bytes read + written, fn)
                 ("clone (baseline)", 2 * n * es, lambda: x.clone()),
                 ("forward: observe + quantize", 2 * n * es + n, compress),
@@ -271,9 +292,12 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
             if x.dim() == 4 and dim == 1:  # the attention map: its softmax's backward from the codes
                 ops += _softmax_rows(x, state, dim, G, dtype)
             for op, nbytes, fn in ops:
-                t = t_clone if op.startswith("clone") else timeit(fn)
-                rows.append(dict(case=name, dtype=dname, op=op, us=t * 1e6, gbps=nbytes / t / 1e9,
-                                 frac=nbytes / t / clone_bw, vs_clone=t / t_clone))
+                t, kt = (t_clone, k_clone) if op.startswith("clone") else timeit(fn)
+                # bandwidth from the kernels' time where measured (GPU), else from the latency
+                base, tt = (k_clone, kt) if kt is not None and k_clone is not None else (t_clone, t)
+                rows.append(dict(case=name, dtype=dname, op=op, us=t * 1e6,
+                                 kernel_us=None if kt is None else kt * 1e6, gbps=nbytes / tt / 1e9,
+                                 frac=(nbytes / tt) / (2 * n * es / base), vs_clone=tt / base))
             del x, q
     return rows
 
@@ -282,12 +306,14 @@ def format_table(rows: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| case | dtype | op | time (us) | GB/s | fraction of clone bandwidth | time / clone |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| case | dtype | op | latency (us) | kernel time (us) | GB/s | fraction of clone bandwidth | "
+        "time / clone |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        kernel = "–" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
         lines.append(
-            f"| {r['case']} | {r['dtype']} | {r['op']} | {r['us']:.1f} | {r['gbps']:.1f} | "
+            f"| {r['case']} | {r['dtype']} | {r['op']} | {r['us']:.1f} | {kernel} | {r['gbps']:.1f} | "
             f"{r['frac']:.2f} | {r['vs_clone']:.2f} |"
         )
     return "\n".join(lines) + "\n"
@@ -323,8 +349,12 @@ def main(argv=None) -> str:
         f"# mesa quantization kernels on {name}\n\n"
         f"torch {torch.__version__}, backend `{Q.BACKEND}`, "
         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}. "
-        "Bandwidth = (bytes read + bytes written) / median time; 'fraction of clone bandwidth' divides it "
-        "by the bandwidth of `x.clone()` measured in the same run; 'time / clone' is the time over clone's."
+        "Latency: CUDA events around one call, median (host dispatch included: for a small tensor the GPU "
+        "waits on the host). Kernel time: the durations of the kernels the op launched, per call, from "
+        "torch.profiler (launch gaps excluded; what a GPU-bound training step spends). "
+        "Bandwidth = (bytes read + bytes written) / kernel time (latency where no kernel time: CPU); "
+        "'fraction of clone bandwidth' divides it by the bandwidth of `x.clone()` measured the same way in "
+        "the same run; 'time / clone' is the time over clone's."
     )
     table = format_table(rows, header)
     print(table)
