@@ -1642,11 +1642,13 @@ int check_softmax_backward_all(const std::vector<int64_t>& shape, int64_t dim, i
 int softmax_backward_checks(int ncases) {
   int errs = 0;
   // attention maps (B, H, N, L) with L in {1, 31, 32, 33, 197} (partial, exact and several
-  // lane passes), more rows than one SM's warps (warps loop), group dims 0, 1 and 2
+  // lane passes), more rows than one SM's warps (warps loop), group dims 0, 1 and 2; rows held
+  // in registers up to 32 * kSoftmaxPerLane = 256 elements, the loop form past it (257, 300)
   struct C { std::vector<int64_t> s; int64_t dim, G; };
   const std::vector<C> fixed = {{{2, 3, 4, 1}, 1, 3},   {{2, 3, 5, 31}, 1, 3}, {{3, 2, 7, 32}, 1, 2},
                                 {{2, 4, 3, 33}, 1, 2},  {{2, 2, 5, 197}, 1, 2}, {{2, 6, 40, 33}, 1, 6},
-                                {{3, 5, 64}, 1, 5},     {{4, 9, 31}, 0, 2},    {{2, 3, 4, 5, 33}, 2, 2}};
+                                {{3, 5, 64}, 1, 5},     {{4, 9, 31}, 0, 2},    {{2, 3, 4, 5, 33}, 2, 2},
+                                {{2, 2, 3, 256}, 1, 2}, {{2, 2, 3, 257}, 1, 2}, {{2, 3, 300}, 0, 2}};
   int t = 0;
   for (const auto& c : fixed)
     for (int sms : {1, 132}) {
@@ -1661,7 +1663,7 @@ int softmax_backward_checks(int ncases) {
     const int nd = 2 + rng() % 3;
     std::vector<int64_t> shape(nd);
     for (auto& v : shape) v = 1 + rng() % 9;
-    shape.back() = 1 + rng() % 200;
+    shape.back() = 1 + rng() % 300;  // both forms: in registers up to 256, the loop past it
     const int64_t dim = rng() % (nd - 1), G = 1 + rng() % shape[dim];
     const bool ps = rng() % 2, sp = rng() % 2;
     const int sms = 1 + rng() % 3;
