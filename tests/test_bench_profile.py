@@ -308,14 +308,15 @@ def test_mesa_kernels_are_those_mesa_ops_launch():
                                                k("void row_k_cells_kernel<float>(float const*)", 5.0)])
     mean = _ev("aten::mean", rows, kernels=[k("void reduce_kernel<512>(int)", 4.0)])
     fn = _ev("_LinearFn", kernels=[])
-    cast = _ev("aten::copy_", fn, kernels=[k("void elementwise_kernel<128>(int)", 12.0)])
+    cast = _ev("aten::copy_", fn, kernels=[k("void elementwise_kernel<128>(int)", 12.0)],
+               input_shapes=[[128, 197, 384], [128, 197, 384]])
     rows2 = _ev("mesa::observe_rows", kernels=[k("void row_cells_kernel<float, true>(float const*)", 34.0)])
     stock = _ev("aten::copy_", kernels=[k("void elementwise_kernel<128>(int)", 99.0)])
     got = mesa_kernels([rows, mean, fn, cast, rows2, stock], steps=2, mesa_functions=fns)
     assert got == {("row_cells_kernel<float, true>", "mesa::observe_rows"): (0.032, 1.0),
                    ("row_k_cells_kernel<float>", "mesa::observe_rows"): (0.0025, 0.5),
                    ("reduce_kernel<512>", "mesa::observe_rows > aten::mean"): (0.002, 0.5),
-                   ("elementwise_kernel<128>", "_LinearFn > aten::copy_"): (0.006, 0.5)}
+                   ("elementwise_kernel<128>", "_LinearFn > aten::copy_ (128, 197, 384)"): (0.006, 0.5)}
     assert mesa_kernels([stock], steps=1, mesa_functions=fns) == {}
 
 

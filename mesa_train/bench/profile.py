@@ -185,7 +185,8 @@ def mesa_kernels(events: Iterable[Any], *, steps: int,
     Mesa's ops launch: those of host events in a Mesa category, by their own name or the
     enclosing op's (a ``mesa::`` op, a Mesa autograd Function, and the ATen ops inside
     them, named ``<Mesa op> > <ATen op>``: a cast inside ``mesa::linear_train`` is not one
-    inside ``mesa::quantize``). Why: an op such as ``mesa::observe_rows`` launches several kernels (its row pass,
+    inside ``mesa::quantize``), with the shape of the op's first input where the profile
+    recorded shapes. Why: an op such as ``mesa::observe_rows`` launches several kernels (its row pass,
     ATen's mean, the k and cell scaling, observe's reduction and estimate update), and its
     op-level time does not say which one to make faster. Empty on CPU (no kernels)."""
     by_name: dict[str, str] = {}
@@ -209,6 +210,9 @@ def mesa_kernels(events: Iterable[Any], *, steps: int,
                 parent = parent.cpu_parent
             if parent is not None:
                 launcher = f"{parent.name} > {ev.name}"
+        shapes = getattr(ev, "input_shapes", None)
+        if shapes and shapes[0]:  # the first input's shape: which tensor (profiled with record_shapes)
+            launcher += " (" + ", ".join(map(str, shapes[0])) + ")"
         for k in ev.kernels:
             key = (kernel_name(k.name), launcher)
             us[key] = us.get(key, 0.0) + k.duration
@@ -249,7 +253,8 @@ def profile_row(row: RowConfig, device: torch.device, *, steps: int, seed: int =
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.utils.checkpoint.*")
             step = warm_step(row, device, seed=seed)
-            with profile(activities=activities) as prof:
+            # (shapes: the kernel table names the tensor a Mesa op's cast or copy moved)
+            with profile(activities=activities, record_shapes=device.type == "cuda") as prof:
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     step()
