@@ -1420,15 +1420,19 @@ bool same_stat(float got, float want) { return std::isnan(want) ? std::isnan(got
 
 // norm (a LayerNorm's mean and rstd per row, or nullptr): every element taken as
 // normalized_value first, the cells then scaled in float32 (x_hat's dtype)
+// slot_major: the cells as observe_rows_cuda lays them out for shared statistics, (2, G, rows);
+// else per sample's (rows, 2, G)
 template <typename scalar_t, bool VEC>
-int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, const RowExp* norm = nullptr) {
+int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, bool slot_major,
+                    const RowExp* norm = nullptr) {
   const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
   std::vector<float> r(rows + 1, 7.0f), cells(rows * 2 * G + 1, 7.0f);
+  const CellIndex ci = slot_major ? CellIndex{1, rows} : CellIndex{2 * G, 1};
   const int W = row_cells_width(VEC, (D / G) * int64_t(sizeof(scalar_t)) / 16);
   const float* pm = norm != nullptr ? norm->mean.data() : nullptr;
   const float* ps = norm != nullptr ? norm->rstd.data() : nullptr;
   launch_simt(blocks, kThreads,
-              [&] { row_cells_kernel<scalar_t, VEC>(x, r.data(), cells.data(), rows, D, G, W, pm, ps); });
+              [&] { row_cells_kernel<scalar_t, VEC>(x, r.data(), cells.data(), rows, D, G, W, pm, ps, ci); });
   // the values the kernel sees
   std::vector<float> xs(rows * D);
   for (int64_t i = 0; i < rows * D; ++i)
@@ -1450,7 +1454,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
         mx = std::max(mx, v);
       }
       if (nan) mn = mx = NAN;
-      const float gmn = cells[i * 2 * G + g], gmx = cells[i * 2 * G + G + g];
+      const float gmn = cells[ci.at(i, g)], gmx = cells[ci.at(i, G + g)];
       if ((!same_stat(gmn, mn) || !same_stat(gmx, mx)) && errs++ < 5)
         fprintf(stderr, "row_cells<%zu,%d> mismatch row=%ld g=%d/%d D=%ld got [%g, %g] exp [%g, %g]\n",
                 sizeof(scalar_t), int(VEC), (long)i, g, G, (long)D, gmn, gmx, mn, mx);
@@ -1462,6 +1466,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
   }
   g_checked[std::string(VEC ? (W < 32 ? "row_cells_vec_subwarp" : "row_cells_vec") : "row_cells") +
             (norm != nullptr ? "_norm" : "")]++;
+  g_checked[slot_major ? "row_cells_slot_major" : "row_cells_row_major"]++;
   if (errs) return errs;
   // row_k_cells on the cells just checked
   const float mean = pick_mean(std::vector<float>(r.begin(), r.begin() + rows));
@@ -1469,22 +1474,21 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
   std::vector<int8_t> k(rows + 1, int8_t(-99));
   std::vector<float> scaled(cells);
   launch_seq(grid_for(rows, sms), kThreads, [&] {
-    if (norm != nullptr) row_k_cells_kernel<float>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k);
-    else row_k_cells_kernel<scalar_t>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k);
+    if (norm != nullptr) row_k_cells_kernel<float>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k, ci);
+    else row_k_cells_kernel<scalar_t>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k, ci);
   });
   for (int64_t i = 0; i < rows; ++i) {
     const int want = naive_row_k(mean, r[i], max_k);
     if (k[i] != want && errs++ < 5)
       fprintf(stderr, "row_k_cells k mismatch row=%ld got %d exp %d\n", (long)i, int(k[i]), want);
     for (int j = 0; j < 2 * G; ++j) {
-      const float c = cells[i * 2 * G + j];
+      const float c = cells[ci.at(i, j)];
       const float w = want == 0             ? c
                       : norm != nullptr ? c * std::ldexp(1.0f, want)
                                         : static_cast<float>(static_cast<scalar_t>(c * std::ldexp(1.0f, want)));
-      if (!(same_bits(scaled[i * 2 * G + j], w) || (std::isnan(w) && std::isnan(scaled[i * 2 * G + j]))) &&
-          errs++ < 5)
-        fprintf(stderr, "row_k_cells cell mismatch row=%ld j=%d k=%d got %g exp %g\n", (long)i, j, want,
-                scaled[i * 2 * G + j], w);
+      const float got = scaled[ci.at(i, j)];
+      if (!(same_bits(got, w) || (std::isnan(w) && std::isnan(got))) && errs++ < 5)
+        fprintf(stderr, "row_k_cells cell mismatch row=%ld j=%d k=%d got %g exp %g\n", (long)i, j, want, got, w);
     }
   }
   if (k[rows] != -99 || !same_bits(scaled[rows * 2 * G], 7.0f)) {
@@ -1508,12 +1512,13 @@ int check_observe_rows(int64_t rows, int64_t D, int G, int sms) {
   RowExp norm;  // a LayerNorm's statistics of the rows
   norm.len = D;
   add_row_norm(norm, xa, rows * D);
+  // each call one of the two cell layouts (both are checked over the cases)
   if (D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0) {
-    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms);
-    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms, &norm);
+    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms, rng() % 2);
+    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms, rng() % 2, &norm);
   }
-  errs += check_row_cells<scalar_t, false>(xu, rows, D, G, sms);
-  errs += check_row_cells<scalar_t, false>(xu, rows, D, G, sms, &norm);
+  errs += check_row_cells<scalar_t, false>(xu, rows, D, G, sms, rng() % 2);
+  errs += check_row_cells<scalar_t, false>(xu, rows, D, G, sms, rng() % 2, &norm);
   if (errs) fprintf(stderr, "FAIL observe_rows rows=%ld D=%ld G=%d sms=%d sizeof=%zu\n", (long)rows, (long)D, G, sms,
                     sizeof(scalar_t));
   free(xa);
