@@ -522,7 +522,8 @@ def test_benchmark_runs_on_cpu(tmp_path):
 
     table = benchmark.main(["--device", "cpu", "--quick", "--out-dir", str(tmp_path), "--dtypes", "bf16,fp32"])
     ops = ["clone (baseline)", "forward: observe + quantize", "observe", "quantize (stochastic)",
-           "backward: dequantize", "forward delayed: quantize_observe", "row_exponents", "observe_rows",
+           "backward: dequantize", "forward delayed: quantize_observe",
+           "forward delayed: quantize_observe (nearest)", "row_exponents", "observe_rows",
            "forward with row scales: observe_rows + quantize",
            "forward with row scales, before: row_exponents + observe + quantize",
            "backward with row scales: dequantize", "backward GELU: gelu_backward",
@@ -538,10 +539,10 @@ def test_benchmark_runs_on_cpu(tmp_path):
            "backward GELU + Linear, before: dequantize + gelu + gelu_backward",
            "backward softmax: softmax_backward", "backward softmax, before: dequantize + _softmax_backward_data"]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    # 2 dtypes x (7 rows per layout + 5 row-scale, 2 GELU, 4 LayerNorm, 2 LayerNorm + Linear
+    # 2 dtypes x (8 rows per layout + 5 row-scale, 2 GELU, 4 LayerNorm, 2 LayerNorm + Linear
     # and 2 GELU + Linear rows on the token layout), plus bf16's 4 LayerNorm rows with a
     # float32 input, and 2 softmax rows on the attention layout
-    assert len(rows) == 2 * (2 * 7 + 5 + 2 + 4 + 2 + 2 + 2) + 4
+    assert len(rows) == 2 * (2 * 8 + 5 + 2 + 4 + 2 + 2 + 2) + 4
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     clone_rows = [r for r in rows if "| clone (baseline) |" in r]

@@ -252,6 +252,10 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
             # estimator=delayed: one pass (initialized estimates: quantize with them, reduce for the next)
             ops.append(("forward delayed: quantize_observe", n * es + n,
                         lambda: torch.ops.mesa.quantize_observe(x, *state, dim, G, 0.9, False, True)))
+            # (nearest: whether the one-pass kernel's time is the rounding hash's compute; the
+            # delayed estimator ran slower than observe + quantize on the H200)
+            ops.append(("forward delayed: quantize_observe (nearest)", n * es + n,
+                        lambda: torch.ops.mesa.quantize_observe(x, *state, dim, G, 0.9, False, False)))
             if dim in (-1, x.dim() - 1):  # Linear / LayerNorm inputs: power-of-two row scales in the kernels
                 k = torch.ops.mesa.row_exponents(x, 1, 64)
 
