@@ -106,6 +106,19 @@ def mesa_function_names() -> frozenset[str]:
     return frozenset(names)
 
 
+def own_category(mesa_functions: Collection[str] = ()) -> Callable[[str], str]:
+    """A name's category by the name alone (no enclosing op), memoised: a profile repeats
+    a few hundred names over many thousand events."""
+    by_name: dict[str, str] = {}
+
+    def own(name: str) -> str:
+        if name not in by_name:
+            by_name[name] = categorize(name, None, mesa_functions)
+        return by_name[name]
+
+    return own
+
+
 def enclosing_category(event: Any, own: Callable[[str], str]) -> str | None:
     """The `ENCLOSING` category of the nearest enclosing event that has one; ``own`` maps
     a name to its category by name alone."""
@@ -136,12 +149,7 @@ def aggregate(events: Iterable[Any], *, device_time: bool, steps: int,
     us: dict[tuple[str, str], float] = {}
     calls: dict[tuple[str, str], int] = {}
     attributed = kernels = 0.0
-    by_name: dict[str, str] = {}
-
-    def own(name: str) -> str:
-        if name not in by_name:
-            by_name[name] = categorize(name, None, mesa_functions)
-        return by_name[name]
+    own = own_category(mesa_functions)
 
     for ev in events:
         if ev.is_async:
@@ -189,12 +197,7 @@ def mesa_kernels(events: Iterable[Any], *, steps: int,
     recorded shapes. Why: an op such as ``mesa::observe_rows`` launches several kernels (its row pass,
     ATen's mean, the k and cell scaling, observe's reduction and estimate update), and its
     op-level time does not say which one to make faster. Empty on CPU (no kernels)."""
-    by_name: dict[str, str] = {}
-
-    def own(name: str) -> str:
-        if name not in by_name:
-            by_name[name] = categorize(name, None, mesa_functions)
-        return by_name[name]
+    own = own_category(mesa_functions)
 
     us: dict[tuple[str, str], float] = {}
     launches: dict[tuple[str, str], int] = {}
