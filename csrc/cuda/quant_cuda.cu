@@ -663,22 +663,36 @@ at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, c
   return y;
 }
 
+// The inputs of a dequantize_kernel launch with one of its epilogues (GELU's gradient, GELU's
+// value): the codes and their statistics contiguous, and the row exponents checked and made
+// contiguous. The caller holds the device guard (contiguous() may copy on the device).
+struct CodesArgs {
+  at::Tensor q, alpha, beta;
+  RowArgs rows;
+};
+
+CodesArgs codes_args(const char* op, const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
+                     const std::optional<at::Tensor>& row_exp) {
+  const int64_t row_len = check_row_exp(op, q.sizes(), q.device(), row_exp);
+  return {q.contiguous(), alpha.contiguous(), beta.contiguous(),
+          RowArgs{contiguous_rows(row_exp, row_len), at::Tensor(), at::Tensor(), at::Tensor(), row_len}};
+}
+
 at::Tensor gelu_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha_in,
                               const at::Tensor& beta_in, int64_t dim, int64_t num_groups,
                               const std::optional<at::Tensor>& row_exp) {
   const Layout L = check_gelu_backward(g_in, q_in, alpha_in, beta_in, dim, num_groups);
-  const int64_t row_len = check_row_exp("gelu_backward", q_in.sizes(), q_in.device(), row_exp);
-  const RowArgs rows{contiguous_rows(row_exp, row_len), at::Tensor(), at::Tensor(), at::Tensor(), row_len};
   const c10::cuda::OptionalCUDAGuard guard(q_in.device());
-  const at::Tensor q = q_in.contiguous(), g = g_in.contiguous();
-  at::Tensor dx = at::empty(q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+  const CodesArgs c = codes_args("gelu_backward", q_in, alpha_in, beta_in, row_exp);
+  const at::Tensor g = g_in.contiguous();
+  at::Tensor dx = at::empty(c.q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
   if (L.numel == 0) return dx;
-  const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_gelu_backward_cuda", [&] {
-    const bool vec = aligned16(q.const_data_ptr()) && aligned16(g.const_data_ptr()) && aligned16(dx.const_data_ptr());
+    const bool vec =
+        aligned16(c.q.const_data_ptr()) && aligned16(g.const_data_ptr()) && aligned16(dx.const_data_ptr());
     const StoreGeluGrad<scalar_t> out{g.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>()};
-    dispatch_dequantize<scalar_t>(q, vec, out, alpha, beta, L, rows, stream);
+    dispatch_dequantize<scalar_t>(c.q, vec, out, c.alpha, c.beta, L, c.rows, stream);
   });
   return dx;
 }
@@ -687,18 +701,15 @@ at::Tensor dequantize_gelu_cuda(const at::Tensor& q_in, const at::Tensor& alpha_
                                 int64_t dim, int64_t num_groups, at::ScalarType dtype,
                                 const std::optional<at::Tensor>& row_exp) {
   const Layout L = check_dequantize(q_in, alpha_in, beta_in, dim, num_groups, dtype);
-  const int64_t row_len = check_row_exp("dequantize_gelu", q_in.sizes(), q_in.device(), row_exp);
-  const RowArgs rows{contiguous_rows(row_exp, row_len), at::Tensor(), at::Tensor(), at::Tensor(), row_len};
   const c10::cuda::OptionalCUDAGuard guard(q_in.device());
-  const at::Tensor q = q_in.contiguous();
-  at::Tensor y = at::empty(q.sizes(), q.options().dtype(dtype));
+  const CodesArgs c = codes_args("dequantize_gelu", q_in, alpha_in, beta_in, row_exp);
+  at::Tensor y = at::empty(c.q.sizes(), c.q.options().dtype(dtype));
   if (L.numel == 0) return y;
-  const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_gelu_cuda", [&] {
-    const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
+    const bool vec = aligned16(c.q.const_data_ptr()) && aligned16(y.const_data_ptr());
     const StoreGelu<scalar_t> out{y.mutable_data_ptr<scalar_t>()};
-    dispatch_dequantize<scalar_t>(q, vec, out, alpha, beta, L, rows, stream);
+    dispatch_dequantize<scalar_t>(c.q, vec, out, c.alpha, c.beta, L, c.rows, stream);
   });
   return y;
 }
