@@ -26,9 +26,11 @@ Per layout it times, with the ops the layers run:
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
 bandwidth / clone's bandwidth (1.0 = as fast per byte as a plain copy); "time / clone" =
 time / clone's time. On a GPU both use the kernels' time (torch.profiler), not the latency
-of one call: a custom op's host dispatch (~20 us) hid the kernels of small tensors. Layouts: the token layout ``(128, 197, 384)`` with channel groups on
+of one call: for small tensors, a custom op's host dispatch hid its kernels.
+Layouts: the token layout ``(128, 197, 384)`` with channel groups on
 ``dim=-1`` and the attention layout ``(128, 6, 197, 197)`` with per-head groups on
-``dim=1`` (DeiT-S at batch 128). CUDA timings use CUDA events after warm-up (median). The
+``dim=1`` (DeiT-S at batch 128). CUDA latency uses CUDA events after warm-up (median), kernel
+time torch.profiler's kernel durations. The
 table is printed and written to ``results/kernels/<device-name>.md``.
 """
 from __future__ import annotations
