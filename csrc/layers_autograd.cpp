@@ -398,9 +398,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {out, q, alpha, beta, rstd, k};
 }
 
+// Whether a LayerNorm's backward runs as mesa::layer_norm_backward (float32 math, one
+// normalised dim of at most kLnMaxCols; Python twin: ln_backward_from_codes in
+// mesa_train/nn/layernorm.py). Else ATen's fused backward on the dequantized input.
+bool ln_backward_from_codes(c10::ScalarType mdt, const std::vector<int64_t>& normalized_shape) {
+  return mdt == at::kFloat && normalized_shape.size() == 1 && normalized_shape[0] <= kLnMaxCols;
+}
+
 // The LayerNorm's (gx, gw, gb) from its output's gradient dy and what layer_norm_forward
-// saved (saved: q, alpha, beta, rstd, weight, k; Python twin: layer_norm_grads): ATen's fused
-// LayerNorm backward fed x_hat / rstd with mean 0 and the row's rstd.
+// saved (saved: q, alpha, beta, rstd, weight, k; Python twin: layer_norm_grads): one
+// mesa::layer_norm_backward where ln_backward_from_codes allows, else ATen's fused LayerNorm
+// backward fed x_hat / rstd with mean 0 and the row's rstd.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grads(AutogradContext* ctx, const variable_list& saved,
                                                                const at::Tensor& dy, bool need_x, bool need_w,
                                                                bool need_b) {
@@ -408,6 +416,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grads(AutogradContext*
   need_w = need_w && ctx->saved_data["ln_has_weight"].toBool();
   need_b = need_b && ctx->saved_data["ln_has_bias"].toBool();
   const auto normalized_shape = ctx->saved_data["normalized_shape"].toIntVector();
+  at::Tensor gx, gw, gb;
+  const auto cast_grads = [&](const at::Tensor& dx, const at::Tensor& dw, const at::Tensor& db) {
+    if (need_x) gx = dx.to(ctx->saved_data["ln_x_dtype"].toScalarType());
+    if (need_w) gw = dw.to(ctx->saved_data["ln_w_dtype"].toScalarType());
+    if (need_b) gb = db.to(ctx->saved_data["ln_b_dtype"].toScalarType());
+  };
+  if (ln_backward_from_codes(mdt, normalized_shape)) {
+    // all three from the codes in one op: no dequantized copy, no cast of dy (DESIGN.md,
+    // "LayerNorm backward from the codes")
+    const at::Tensor &k = saved[5], &w = saved[4];
+    auto [dx, dw, db] = layer_norm_backward_op().call(
+        dy, saved[0], saved[1], saved[2], ctx->saved_data["groups"].toInt(), saved[3].to(at::kFloat),
+        w.defined() ? std::optional<at::Tensor>(w.to(at::kFloat)) : std::nullopt,
+        k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);
+    cast_grads(dx, dw, db);
+    return {gx, gw, gb};
+  }
   const at::Tensor rstd = saved[3].to(mdt);
   // x - mean, i.e. x_hat / rstd, from the codes in one kernel (row_mul: 1 / rstd per row),
   // so that ATen's backward, fed it with mean 0 and the real rstd, takes back x_hat and
@@ -424,10 +449,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grads(AutogradContext*
   if (need_b) bias_stub = rstd.new_empty(normalized_shape);
   auto [dx, dw, db] = at::native_layer_norm_backward(dy.to(mdt), xs, normalized_shape, at::zeros_like(rstd), rstd, w,
                                                      bias_stub, {need_x, need_w, need_b});
-  at::Tensor gx, gw, gb;
-  if (need_x) gx = dx.to(ctx->saved_data["ln_x_dtype"].toScalarType());
-  if (need_w) gw = dw.to(ctx->saved_data["ln_w_dtype"].toScalarType());
-  if (need_b) gb = db.to(ctx->saved_data["ln_b_dtype"].toScalarType());
+  cast_grads(dx, dw, db);
   return {gx, gw, gb};
 }
 

@@ -82,6 +82,15 @@ inline const c10::TypedOperatorHandle<GeluBackwardFn>& gelu_backward_op() {
       c10::Dispatcher::singleton().findSchemaOrThrow("mesa::gelu_backward", "").typed<GeluBackwardFn>();
   return op;
 }
+// layer_norm_backward: (g, q, alpha, beta, num_groups, rstd, weight, row_exp) -> (dx, dweight, dbias)
+using LayerNormBackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+inline const c10::TypedOperatorHandle<LayerNormBackwardFn>& layer_norm_backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::layer_norm_backward", "").typed<LayerNormBackwardFn>();
+  return op;
+}
 // dequantize_gelu: (q, alpha, beta, dim, num_groups, dtype, row_exp) -> gelu of the values
 using DequantizeGeluFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                                     c10::ScalarType, const std::optional<at::Tensor>&);

@@ -121,6 +121,16 @@ MESA_HD void seed_step(uint32_t key, uint32_t counter, uint32_t& seed_lo, uint32
   seed_hi = lowbias32(seed_lo ^ k ^ 0x68E31DA4u);
 }
 
+// ----------------------------------------------------------------------------- LayerNorm backward
+// mesa::layer_norm_backward's fixed summation order (DESIGN.md, "LayerNorm backward from the
+// codes"; mesa_train.quant.reference.LN_*): the column sums run over chunks of kLnChunkRows
+// rows (one warp's, in row order), then blocks of kLnBlockChunks chunks (one CUDA block's, in
+// chunk order), then one torch.sum over the blocks' partials. Rows of at most kLnMaxCols.
+constexpr int kLnChunkRows = 4;
+constexpr int kLnBlockChunks = 8;
+constexpr int kLnBlockRows = kLnChunkRows * kLnBlockChunks;
+constexpr int kLnMaxCols = 1024;
+
 // ----------------------------------------------------------------------------- quant math
 // inv = alpha > 1e-12 ? 255 / alpha : 0  (a NaN alpha also gives 0)
 MESA_HD float inv_scale(float alpha) { return alpha > 1e-12f ? f_div(255.0f, alpha) : 0.0f; }
@@ -297,6 +307,11 @@ Layout check_gelu_backward(const at::Tensor& g, const at::Tensor& q, const at::T
 // softmax_backward: g and q of one shape and device, a group dim other than the last.
 Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                               const at::Tensor& beta, int64_t dim, int64_t num_groups);
+// layer_norm_backward: g and q of one shape and device, groups along the last dim, rows of at
+// most kLnMaxCols, rstd / weight / row_exp as the schema says.
+Layout check_layer_norm_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
+                                 const at::Tensor& beta, int64_t num_groups, const at::Tensor& rstd,
+                                 const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& row_exp);
 // update_estimates: returns G (the groups of mn / mx).
 int64_t check_update_estimates(const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est,
                                const at::Tensor& beta_est, const at::Tensor& initialized, double decay,

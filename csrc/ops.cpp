@@ -196,6 +196,41 @@ Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at
   return make_layout(q, nd, num_groups, S);
 }
 
+// layer_norm_backward (DESIGN.md, "LayerNorm backward from the codes"): g and q of one shape,
+// groups along the last dim, rows of at most kLnMaxCols, rstd one float32 per row, weight
+// None or float32 (D,), row_exp one int8 per row of the last dim. Checked after the tensors
+// are known to be on one device; returns the layout (dim = the last).
+Layout check_layer_norm_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
+                                 const at::Tensor& beta, int64_t num_groups, const at::Tensor& rstd,
+                                 const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& row_exp) {
+  const int64_t nd = check_codes_backward("layer_norm_backward", g, q, -1);
+  make_layout(q, nd, num_groups, 1);  // the num_groups range first, as the reference checks it
+  const int64_t S = check_params(q, alpha, beta, num_groups);
+  TORCH_CHECK_VALUE(S == 1 || q.dim() >= 2, "mesa: layer_norm_backward: per-sample statistics need codes with a ",
+                    "sample dim and a row dim, got shape ", q.sizes());
+  const int64_t D = q.size(-1);
+  TORCH_CHECK_VALUE(D <= kLnMaxCols, "mesa: layer_norm_backward: rows of ", D, " elements; valid: at most ",
+                    kLnMaxCols, " (wider LayerNorms use dequantize + aten.native_layer_norm_backward)");
+  const int64_t rows = D > 0 ? q.numel() / D : 0;
+  TORCH_CHECK_VALUE(rstd.scalar_type() == at::kFloat && rstd.device() == q.device(),
+                    "mesa: layer_norm_backward: rstd must be a float32 tensor on ", q.device(), ", got ",
+                    rstd.scalar_type(), " on ", rstd.device());
+  TORCH_CHECK_VALUE(rstd.numel() == rows, "mesa: layer_norm_backward: rstd must hold one value per row (", rows,
+                    " rows of ", D, " for codes of shape ", q.sizes(), "), got shape ", rstd.sizes());
+  if (weight.has_value() && weight->defined()) {
+    const at::Tensor& w = *weight;
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && w.device() == q.device() && w.dim() == 1 && w.size(0) == D,
+                      "mesa: layer_norm_backward: weight must be None or a float32 (", D, ",) tensor on ", q.device(),
+                      ", got ", w.scalar_type(), w.sizes(), " on ", w.device());
+  }
+  check_row_exp("layer_norm_backward", q.sizes(), q.device(), row_exp);
+  if (row_exp.has_value() && row_exp->defined()) {
+    TORCH_CHECK_VALUE(row_exp->numel() == rows, "mesa: layer_norm_backward: row_exp must hold one exponent per row ",
+                      "of the last dim (", rows, "), got shape ", row_exp->sizes());
+  }
+  return make_layout(q, nd, num_groups, S);
+}
+
 // The estimate state of update_estimates / observe: (G_buf,) float32 buffers with
 // G_buf >= G, a one-element bool flag, all on `device`, and decay in [0, 1).
 static void check_estimate_state(const char* op, int64_t G, const at::Tensor& alpha_est, const at::Tensor& beta_est,
@@ -475,6 +510,14 @@ TORCH_LIBRARY(mesa, m) {
   // aten::gelu(dequantize(q, ..., dtype, row_exp)): the exact GELU of the dequantized input in
   // one pass on CUDA (GELU + Linear's backward recomputes fc2's input from h's codes; DESIGN.md,
   // "MLP: one copy for GELU and fc2"), the composition itself on the CPU
+  // A LayerNorm's (dx, dweight, dbias) over the last dim from its output gradient g and the
+  // codes q of its normalised input x_hat (groups along the last dim, row_exp their row
+  // scales), rstd per row and weight (None: no affine weight), all float32 (DESIGN.md,
+  // "LayerNorm backward from the codes"): one pass instead of dequantize + cast +
+  // native_layer_norm_backward; rows of at most 1024.
+  m.def(
+      "layer_norm_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int num_groups, Tensor rstd, "
+      "Tensor? weight=None, Tensor? row_exp=None) -> (Tensor dx, Tensor dweight, Tensor dbias)");
   m.def(
       "dequantize_gelu(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
       "Tensor? row_exp=None) -> Tensor");

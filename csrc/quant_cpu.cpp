@@ -1161,6 +1161,111 @@ at::Tensor softmax_backward_cpu(const at::Tensor& g_in, const at::Tensor& q_in, 
   return out;
 }
 
+// ----------------------------------------------------------------------------- LayerNorm backward
+// mesa::layer_norm_backward (DESIGN.md, "LayerNorm backward from the codes"): x_hat from the
+// codes as dequantize returns it in float32 (row exponents undone), then per block of
+// kLnBlockRows rows (parallel over blocks): each row's two sums in the warp's lane order
+// (butterfly above) and its dx; the column sums g * x_hat and g per chunk of kLnChunkRows rows
+// in row order, added per block in chunk order into the block's partials; the glue sums the
+// partials with at::sum, as the reference does (mesa_train.quant.reference.layer_norm_backward).
+template <typename T>
+MESA_ALWAYS_INLINE void ln_bwd_block_body(const float* __restrict__ xh, const T* __restrict__ g,
+                                          const float* __restrict__ w, const float* __restrict__ rstd,
+                                          float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb,
+                                          int64_t r0, int64_t r1, int64_t D, float* __restrict__ scratch) {
+  float* gw = scratch;          // D: g * weight of the current row
+  float* cw = scratch + D;      // D: the chunk's column sums of g * x_hat
+  float* cb = scratch + 2 * D;  // D: the chunk's column sums of g
+  for (int64_t j = 0; j < D; ++j) pw[j] = pb[j] = 0.0f;
+  const float n = static_cast<float>(D);
+  for (int64_t c0 = r0; c0 < r1; c0 += kLnChunkRows) {
+    for (int64_t j = 0; j < D; ++j) cw[j] = cb[j] = 0.0f;
+    for (int64_t r = c0; r < std::min<int64_t>(c0 + kLnChunkRows, r1); ++r) {
+      const float* x = xh + r * D;
+      const T* gr = g + r * D;
+      float a1[kLanes] = {}, a2[kLanes] = {};
+      for_chunks(D, [&](int64_t j0, auto m) {
+        for (int64_t l = 0; l < int64_t(m); ++l) {
+          const int64_t j = j0 + l;
+          const float gv = to_f(gr[j]);
+          const float gwv = w != nullptr ? f_mul(gv, w[j]) : gv;
+          gw[j] = gwv;
+          a1[l] = f_add(a1[l], gwv);
+          a2[l] = f_add(a2[l], f_mul(gwv, x[j]));
+          cw[j] = f_add(cw[j], f_mul(gv, x[j]));
+          cb[j] = f_add(cb[j], gv);
+        }
+      });
+      const float m1 = f_div(butterfly(a1), n), m2 = f_div(butterfly(a2), n), rs = rstd[r];
+      float* o = dx + r * D;
+      for (int64_t j = 0; j < D; ++j) o[j] = f_mul(rs, f_sub(f_sub(gw[j], m1), f_mul(x[j], m2)));
+    }
+    for (int64_t j = 0; j < D; ++j) {
+      pw[j] = f_add(pw[j], cw[j]);
+      pb[j] = f_add(pb[j], cb[j]);
+    }
+  }
+}
+MESA_CLONES void ln_bwd_block_f32(const float* xh, const float* g, const float* w, const float* rstd, float* dx,
+                                  float* pw, float* pb, int64_t r0, int64_t r1, int64_t D, float* scratch) {
+  ln_bwd_block_body<float>(xh, g, w, rstd, dx, pw, pb, r0, r1, D, scratch);
+}
+MESA_CLONES void ln_bwd_block_f16(const float* xh, const uint16_t* g, const float* w, const float* rstd, float* dx,
+                                  float* pw, float* pb, int64_t r0, int64_t r1, int64_t D, float* scratch) {
+  ln_bwd_block_body<uint16_t>(xh, g, w, rstd, dx, pw, pb, r0, r1, D, scratch);
+}
+MESA_CLONES void ln_bwd_block_bf16(const float* xh, const Bf16Bits* g, const float* w, const float* rstd, float* dx,
+                                   float* pw, float* pb, int64_t r0, int64_t r1, int64_t D, float* scratch) {
+  ln_bwd_block_body<Bf16Bits>(xh, g, w, rstd, dx, pw, pb, r0, r1, D, scratch);
+}
+inline void ln_bwd_block(const float* xh, const float* g, const float* w, const float* rstd, float* dx, float* pw,
+                         float* pb, int64_t r0, int64_t r1, int64_t D, float* scratch) {
+  ln_bwd_block_f32(xh, g, w, rstd, dx, pw, pb, r0, r1, D, scratch);
+}
+inline void ln_bwd_block(const float* xh, const uint16_t* g, const float* w, const float* rstd, float* dx, float* pw,
+                         float* pb, int64_t r0, int64_t r1, int64_t D, float* scratch) {
+  ln_bwd_block_f16(xh, g, w, rstd, dx, pw, pb, r0, r1, D, scratch);
+}
+inline void ln_bwd_block(const float* xh, const Bf16Bits* g, const float* w, const float* rstd, float* dx, float* pw,
+                         float* pb, int64_t r0, int64_t r1, int64_t D, float* scratch) {
+  ln_bwd_block_bf16(xh, g, w, rstd, dx, pw, pb, r0, r1, D, scratch);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
+    const at::Tensor& g_in, const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta, int64_t num_groups,
+    const at::Tensor& rstd_in, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& row_exp) {
+  const Layout L = check_layer_norm_backward(g_in, q, alpha, beta, num_groups, rstd_in, weight, row_exp);
+  const int64_t D = L.D, rows = D > 0 ? L.numel / D : 0, blocks = (rows + kLnBlockRows - 1) / kLnBlockRows;
+  const auto fopts = q.options().dtype(at::kFloat);
+  // x_hat exactly as dequantize returns it in float32 (the reference's first step)
+  const at::Tensor xh = dequantize_cpu(q, alpha, beta, L.dim, num_groups, at::kFloat, row_exp, std::nullopt,
+                                       std::nullopt, std::nullopt);
+  const at::Tensor g = g_in.contiguous(), rstd = rstd_in.contiguous();
+  const bool has_w = weight.has_value() && weight->defined();
+  const at::Tensor w = has_w ? weight->contiguous() : at::Tensor();
+  at::Tensor dx = at::empty(q.sizes(), fopts);
+  at::Tensor pw = at::empty({blocks, D}, fopts), pb = at::empty({blocks, D}, fopts);
+  MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_layer_norm_backward_cpu", [&] {
+    using T = storage_t<scalar_t>;
+    const T* gp = as_storage(g.const_data_ptr<scalar_t>());
+    const float* xp = xh.const_data_ptr<float>();
+    const float* wp = has_w ? w.const_data_ptr<float>() : nullptr;
+    const float* rp = rstd.const_data_ptr<float>();
+    float* dp = dx.mutable_data_ptr<float>();
+    float* pwp = pw.mutable_data_ptr<float>();
+    float* pbp = pb.mutable_data_ptr<float>();
+    at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, D * kLnBlockRows)),
+                     [&](int64_t b0, int64_t b1) {
+      std::vector<float> scratch(3 * D);
+      for (int64_t b = b0; b < b1; ++b) {
+        ln_bwd_block(xp, gp, wp, rp, dp, pwp + b * D, pbp + b * D, b * kLnBlockRows,
+                     std::min<int64_t>((b + 1) * kLnBlockRows, rows), D, scratch.data());
+      }
+    });
+  });
+  return {dx, pw.sum(0), pb.sum(0)};
+}
+
 // mesa::gelu_backward on the CPU: its definition, dequantize then ATen's gelu_backward (the
 // bits of the two-op path; ATen's vectorised erf is what makes it fast here, and CPU memory
 // traffic is not what a CPU step waits on). The CUDA kernel is the one-pass version.
@@ -1187,6 +1292,7 @@ TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("gelu_backward", &gelu_backward_cpu);
   m.impl("dequantize_gelu", &dequantize_gelu_cpu);
   m.impl("softmax_backward", &softmax_backward_cpu);
+  m.impl("layer_norm_backward", &layer_norm_backward_cpu);
   m.impl("row_exponents", &row_exponents_cpu);
   m.impl("group_minmax", &group_minmax_cpu);
   m.impl("quantize", &quantize_cpu);

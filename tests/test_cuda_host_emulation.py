@@ -30,10 +30,11 @@ FAMILIES = (
     "group_minmax", "observe", "observe_rows",
     "quantize_observe_first", "quantize_observe_init", "quantize_observe_first_rows", "quantize_observe_init_rows",
     "update_estimates", "estimate_and_seed", "row_absmax", "row_absmax_vec", "row_k",
-    "softmax_backward", "softmax_backward_64",
+    "softmax_backward", "softmax_backward_64", "layer_norm_backward",
 )
 KERNELS = ("quantize_kernel", "dequantize_kernel", "quantize_bits_kernel", "dequantize_bits_kernel", "observe_kernel",
-           "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel", "softmax_backward_kernel")
+           "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel", "softmax_backward_kernel",
+           "layer_norm_backward_kernel")
 
 
 def _no_cxx20_barrier(tmp_path) -> str | None:

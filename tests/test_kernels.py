@@ -531,18 +531,19 @@ def test_benchmark_runs_on_cpu(tmp_path):
            "forward LayerNorm x_hat: observe_rows + quantize with row_mean / row_rstd",
            "forward LayerNorm x_hat, before: native_layer_norm + observe_rows + quantize",
            "forward LayerNorm x_hat (float32 input, as under autocast): observe_rows + quantize with row_mean / "
-           "row_rstd", "backward LayerNorm: dequantize with row_mul + native_layer_norm_backward",
-           "backward LayerNorm, before: dequantize + native_layer_norm_backward + mul",
+           "row_rstd", "backward LayerNorm: layer_norm_backward",
+           "backward LayerNorm, before: dequantize with row_mul + native_layer_norm_backward",
+           "backward LayerNorm, first form: dequantize + native_layer_norm_backward + mul",
            "backward LayerNorm + Linear rebuild: dequantize with col_scale / col_shift",
            "backward LayerNorm + Linear rebuild, before: dequantize (float32) + mul + add + cast",
            "backward GELU + Linear: dequantize_gelu + gelu_backward (row scales)",
            "backward GELU + Linear, before: dequantize + gelu + gelu_backward",
            "backward softmax: softmax_backward", "backward softmax, before: dequantize + _softmax_backward_data"]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    # 2 dtypes x (8 rows per layout + 5 row-scale, 2 GELU, 4 LayerNorm, 2 LayerNorm + Linear
-    # and 2 GELU + Linear rows on the token layout), plus bf16's 4 LayerNorm rows with a
+    # 2 dtypes x (8 rows per layout + 5 row-scale, 2 GELU, 5 LayerNorm, 2 LayerNorm + Linear
+    # and 2 GELU + Linear rows on the token layout), plus bf16's 5 LayerNorm rows with a
     # float32 input, and 2 softmax rows on the attention layout
-    assert len(rows) == 2 * (2 * 8 + 5 + 2 + 4 + 2 + 2 + 2) + 4
+    assert len(rows) == 2 * (2 * 8 + 5 + 2 + 5 + 2 + 2 + 2) + 5
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     clone_rows = [r for r in rows if "| clone (baseline) |" in r]

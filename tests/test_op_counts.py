@@ -5,11 +5,12 @@ activation, which is where Mesa's throughput goes (issue 5). These tests pin the
 sequence of each layer's forward and backward so that a change which adds passes fails
 here rather than silently in a GPU benchmark: a compressed tensor costs exactly
 ``observe + quantize`` in forward and one ``dequantize`` in backward (or, for a Softmax over the
-last dim, one ``softmax_backward`` that replaces the stock backward op too; plus one
+last dim, one ``softmax_backward`` that replaces the stock backward op too, and likewise
+``gelu_backward`` and ``layer_norm_backward``; plus one
 ``row_exponents`` for the inputs with power-of-two row scales); everything else must be the
 stock layer's own ops (LayerNorm included: its x_hat is made inside the compression's kernels
-from the row mean and rstd, and its backward's dequantize multiplies by 1 / rstd, so no extra
-pass either way).
+from the row mean and rstd, and its backward is one layer_norm_backward from the codes, so no
+extra pass either way).
 """
 from __future__ import annotations
 
@@ -126,8 +127,8 @@ CASES = {
     "Conv2d": (lambda: nn.Conv2d(4, 4, 3), M.Conv2d.from_module, lambda: (torch.randn(2, 4, 8, 8),), 1, [], []),
     "Conv2d/channels_last": _channels_last_conv_case(),
     # x_hat = (x - mean) * rstd inside observe_rows and quantize (row_mean / row_rstd: no
-    # forward pass beyond stock's); backward: dequantize's row_mul gives x - mean, which ATen's
-    # backward takes with the real rstd (no multiply after it)
+    # forward pass beyond stock's); backward: one mesa::layer_norm_backward from the codes in
+    # place of stock's native_layer_norm_backward
     "LayerNorm": (lambda: nn.LayerNorm(16), M.LayerNorm.from_module, lambda: (_x(),), 1,
                   [], ROWSCALE_BWD),
     "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 9, 9), torch.randn(2, 2, 9, 8)), 2, [], []),
@@ -167,9 +168,13 @@ PYTHON_PATH_CASES = {
 
 # Layers whose whole backward is one Mesa op reading the codes (instead of dequantize), which
 # also takes the place of one stock backward op: a Softmax over the last dim
-# (mesa::softmax_backward: dequantize, renormalise and _softmax_backward_data in one pass) and
-# the exact GELU (mesa::gelu_backward: dequantize and gelu_backward).
-FUSED_BACKWARD = {"Softmax": ("mesa.softmax_backward", "aten._softmax_backward_data"),
+# (mesa::softmax_backward: dequantize, renormalise and _softmax_backward_data in one pass),
+# the exact GELU (mesa::gelu_backward: dequantize and gelu_backward) and the LayerNorm
+# (mesa::layer_norm_backward: dequantize and native_layer_norm_backward, its three gradients).
+FUSED_BACKWARD = {"LayerNorm": ("mesa.layer_norm_backward", "aten.native_layer_norm_backward"),
+                  "LayerNorm/python": ("mesa.layer_norm_backward", "aten.native_layer_norm_backward"),
+                  "LayerNorm/row_scale=False": ("mesa.layer_norm_backward", "aten.native_layer_norm_backward"),
+                  "Softmax": ("mesa.softmax_backward", "aten._softmax_backward_data"),
                   "Softmax/python": ("mesa.softmax_backward", "aten._softmax_backward_data"),
                   "GELU": ("mesa.gelu_backward", "aten.gelu_backward"),
                   "GELU/channels_last": ("mesa.gelu_backward", "aten.gelu_backward"),
@@ -351,11 +356,12 @@ def _activation_ops(module, x):
 
 @pytest.mark.parametrize("python_path", [False, True], ids=["cpp-node", "python"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_norm_linear_pair_backward_is_two_dequantizes_and_stocks_ops(python_path, autocast, monkeypatch):
-    """The pair's one copy serves both backward passes, each with one dequantize of it: the
-    norm's ``x - mean`` (row_mul) and the Linear's input ``x_hat * gamma + beta`` (the column
-    epilogue, rounded once to the Linear's dtype). No multiply, add or cast of the activation
-    beyond the stock pair's (they were four more passes, 27 bytes an element in bf16)."""
+def test_norm_linear_pair_backward_reads_the_codes_twice_and_stocks_ops(python_path, autocast, monkeypatch):
+    """The pair's one copy serves both backward passes, each reading it once: the Linear's input
+    ``x_hat * gamma + beta`` (dequantize's column epilogue, rounded once to the Linear's dtype)
+    and the norm's gradients (layer_norm_backward, in place of stock's native_layer_norm_backward).
+    No multiply, add or cast of the activation beyond the stock pair's (they were four more
+    passes, 27 bytes an element in bf16)."""
     if python_path:
         from mesa_train.nn import quantizer as quantizer_mod
 
@@ -370,7 +376,10 @@ def test_norm_linear_pair_backward_is_two_dequantizes_and_stocks_ops(python_path
     # (the Python Function makes x_hat as a transient tensor, as the LayerNorm/python case)
     assert sorted(o for o in extra_fwd if not o.startswith("mesa.")) == (["aten.mul", "aten.sub"] if python_path
                                                                           else []), mesa_fwd
-    assert [o for o in mesa_bwd if o.startswith("mesa.")] == ["mesa.dequantize", "mesa.dequantize"], mesa_bwd
+    # the Linear's input rebuilt by one dequantize; the norm's three gradients by one
+    # layer_norm_backward from the same codes, in place of stock's native_layer_norm_backward
+    assert [o for o in mesa_bwd if o.startswith("mesa.")] == ["mesa.dequantize", "mesa.layer_norm_backward"], mesa_bwd
+    stock_bwd.remove("aten.native_layer_norm_backward")
     assert sorted(o for o in mesa_bwd if not o.startswith("mesa.")) == sorted(stock_bwd), (
         f"backward passes over the activation beyond the stock pair's: {mesa_bwd} vs stock {stock_bwd}")
 

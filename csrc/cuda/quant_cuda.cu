@@ -1,5 +1,5 @@
 // CUDA kernels of torch.ops.mesa.{observe, quantize, dequantize, group_minmax, update_estimates,
-// quantize_bits, dequantize_bits, softmax_backward}.
+// quantize_bits, dequantize_bits, softmax_backward, layer_norm_backward}.
 //
 // Launches per compressed activation: forward observe + quantize = 2, backward dequantize = 1.
 // * Every op is ONE kernel launch and does no host work beyond it: no host sync, no
@@ -2036,10 +2036,177 @@ at::Tensor softmax_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in,
   return out;
 }
 
+// ----------------------------------------------------------------------------- layer_norm_backward
+// mesa::layer_norm_backward (DESIGN.md, "LayerNorm backward from the codes"): a LayerNorm's
+// dx, and its dweight / dbias partials, from the codes of x_hat and the output gradient g in
+// one launch, where dequantize (x_hat / rstd as float32), the cast of g to float32 and ATen's
+// native_layer_norm_backward (two more reads of both, its column-sum kernel) moved ~5x the
+// bytes. A block takes kLnBlockRows rows, its warp w the kLnChunkRows rows of chunk w, one row
+// at a time: lane l holds columns l, l + 32, ... (PER of them) in registers, so both row sums
+// (of g * weight and of g * weight * x_hat) run in the warp's order (lane_sum, then the xor
+// butterfly) and dx is written from registers. The column sums g * x_hat and g stay in the
+// lane's registers over its chunk's rows (in row order), then the block adds its warps'
+// chunks in chunk order (one warp at a time, through shared memory) and writes one partial
+// row; the glue sums the partials with at::sum, as the reference does. Statistics (step,
+// beta) come from a shared-memory table of all S * G parameters when it fits (else from
+// global memory per element), columns' groups and the weight from shared memory.
+constexpr int kLnTable = 1024;
+
+template <typename scalar_t, int PER>
+__global__ void __launch_bounds__(kThreads)
+layer_norm_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __restrict__ q,
+                           const float* __restrict__ alpha, const float* __restrict__ beta,
+                           const float* __restrict__ weight, const float* __restrict__ rstd,
+                           const int8_t* __restrict__ k, float* __restrict__ dx, float* __restrict__ pw,
+                           float* __restrict__ pb, int64_t rows, int D, int G, int S, int64_t rows_per_s) {
+  __shared__ float s_step[kLnTable], s_beta[kLnTable], s_w[kLnMaxCols];
+  __shared__ int s_group[kLnMaxCols];
+  __shared__ float s_red[2][kLnMaxCols];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const bool table = S * G <= kLnTable;  // (uniform across the launch)
+  const bool has_w = weight != nullptr;
+  // ---- stage 0: the block's tables
+  if (table) {
+    for (int p = threadIdx.x; p < S * G; p += blockDim.x) {
+      s_step[p] = dequant_step(__ldg(alpha + p));
+      s_beta[p] = __ldg(beta + p);
+    }
+  }
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    s_group[c] = static_cast<int>((int64_t(c) * G) / D);
+    s_w[c] = has_w ? __ldg(weight + c) : 1.0f;
+  }
+  __syncthreads();
+  // ---- stage 1: the warp's chunk, one row at a time
+  float accw[PER], accb[PER];
+#pragma unroll
+  for (int t = 0; t < PER; ++t) accw[t] = accb[t] = 0.0f;
+  const int64_t r0 = int64_t(blockIdx.x) * kLnBlockRows + int64_t(warp) * kLnChunkRows;
+  const float n = static_cast<float>(D);
+  for (int rr = 0; rr < kLnChunkRows; ++rr) {
+    const int64_t row = r0 + rr;
+    if (row >= rows) break;  // (uniform across the warp)
+    const int64_t base = row * D;
+    const int sg = (S > 1 ? static_cast<int>(row / rows_per_s) : 0) * G;
+    const float rs = __ldg(rstd + row);
+    const float unscale = k != nullptr ? pow2i(-static_cast<int>(__ldg(k + row))) : 1.0f;
+    float xh[PER], gw[PER];
+    float a1 = 0.0f, a2 = 0.0f;
+#pragma unroll
+    for (int t = 0; t < PER; ++t) {  // every load of the row first: all in flight together
+      const int c = lane + 32 * t;
+      xh[t] = 0.0f;
+      gw[t] = 0.0f;
+      if (c < D) {
+        const int p = sg + s_group[c];
+        const float st = table ? s_step[p] : dequant_step(__ldg(alpha + p));
+        const float be = table ? s_beta[p] : __ldg(beta + p);
+        float x = dequantize_value(q[base + c], st, be);
+        if (k != nullptr) x = f_mul(x, unscale);  // dequantize's row exponents, in float32
+        const float gv = static_cast<float>(g[base + c]);
+        const float gwv = has_w ? f_mul(gv, s_w[c]) : gv;
+        xh[t] = x;
+        gw[t] = gwv;
+        a1 = f_add(a1, gwv);
+        a2 = f_add(a2, f_mul(gwv, x));
+        accw[t] = f_add(accw[t], f_mul(gv, x));
+        accb[t] = f_add(accb[t], gv);
+      }
+    }
+    const float m1 = f_div(warp_butterfly_sum(a1), n), m2 = f_div(warp_butterfly_sum(a2), n);
+#pragma unroll
+    for (int t = 0; t < PER; ++t) {
+      const int c = lane + 32 * t;
+      if (c < D) dx[base + c] = f_mul(rs, f_sub(f_sub(gw[t], m1), f_mul(xh[t], m2)));
+    }
+  }
+  // ---- stage 2: the block's partial column sums, its chunks (warps) added in order
+  for (int w = 0; w < kLnBlockChunks; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int t = 0; t < PER; ++t) {
+        const int c = lane + 32 * t;
+        if (c < D) {
+          s_red[0][c] = f_add(w == 0 ? 0.0f : s_red[0][c], accw[t]);
+          s_red[1][c] = f_add(w == 0 ? 0.0f : s_red[1][c], accb[t]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    pw[int64_t(blockIdx.x) * D + c] = s_red[0][c];
+    pb[int64_t(blockIdx.x) * D + c] = s_red[1][c];
+  }
+}
+
+// Columns per lane of layer_norm_backward_kernel for rows of D <= kLnMaxCols elements: the
+// smallest of its instantiations that holds ceil(D / 32)
+int layer_norm_backward_per_lane(int64_t D) {
+  const int64_t need = (D + 31) / 32;
+  for (int per : {1, 2, 4, 8, 12, 16, 24, 32}) {
+    if (per >= need) return per;
+  }
+  return 32;
+}
+
+template <typename scalar_t>
+void launch_layer_norm_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
+                                const at::Tensor& beta, const float* w, const at::Tensor& rstd, const int8_t* k,
+                                at::Tensor& dx, at::Tensor& pw, at::Tensor& pb, const Layout& L, cudaStream_t stream) {
+  const int64_t D = L.D, rows = L.numel / D, blocks = (rows + kLnBlockRows - 1) / kLnBlockRows;
+  const int S = static_cast<int>(L.s_eff);
+  const int64_t rows_per_s = L.outer_per_s;  // (groups along the last dim: a row is one outer index)
+  auto go = [&](auto per_tag) {
+    constexpr int PER = decltype(per_tag)::value;
+    layer_norm_backward_kernel<scalar_t, PER><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        g.const_data_ptr<scalar_t>(), q.const_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
+        beta.const_data_ptr<float>(), w, rstd.const_data_ptr<float>(), k, dx.mutable_data_ptr<float>(),
+        pw.mutable_data_ptr<float>(), pb.mutable_data_ptr<float>(), rows, static_cast<int>(D),
+        static_cast<int>(L.G), S, rows_per_s);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  switch (layer_norm_backward_per_lane(D)) {
+    case 1: go(std::integral_constant<int, 1>{}); break;
+    case 2: go(std::integral_constant<int, 2>{}); break;
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 8: go(std::integral_constant<int, 8>{}); break;
+    case 12: go(std::integral_constant<int, 12>{}); break;
+    case 16: go(std::integral_constant<int, 16>{}); break;
+    case 24: go(std::integral_constant<int, 24>{}); break;
+    default: go(std::integral_constant<int, 32>{}); break;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
+    const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha_in, const at::Tensor& beta_in,
+    int64_t num_groups, const at::Tensor& rstd_in, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& row_exp) {
+  const Layout L = check_layer_norm_backward(g_in, q_in, alpha_in, beta_in, num_groups, rstd_in, weight, row_exp);
+  const c10::cuda::OptionalCUDAGuard guard(q_in.device());
+  const int64_t D = L.D, rows = D > 0 ? L.numel / D : 0, blocks = (rows + kLnBlockRows - 1) / kLnBlockRows;
+  const auto fopts = q_in.options().dtype(at::kFloat);
+  at::Tensor dx = at::empty(q_in.sizes(), fopts);
+  at::Tensor pw = at::empty({blocks, D}, fopts), pb = at::empty({blocks, D}, fopts);
+  if (rows > 0) {
+    const at::Tensor q = q_in.contiguous(), g = g_in.contiguous(), rstd = rstd_in.contiguous();
+    const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
+    const bool has_w = weight.has_value() && weight->defined(), has_k = row_exp.has_value() && row_exp->defined();
+    const at::Tensor w = has_w ? weight->contiguous() : at::Tensor(), k = has_k ? row_exp->contiguous() : at::Tensor();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_layer_norm_backward_cuda", [&] {
+      launch_layer_norm_backward<scalar_t>(g, q, alpha, beta, has_w ? w.const_data_ptr<float>() : nullptr, rstd,
+                                           has_k ? k.const_data_ptr<int8_t>() : nullptr, dx, pw, pb, L, stream);
+    });
+  }
+  return {dx, pw.sum(0), pb.sum(0)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("softmax_backward", &softmax_backward_cuda);
+  m.impl("layer_norm_backward", &layer_norm_backward_cuda);
   m.impl("gelu_backward", &gelu_backward_cuda);
   m.impl("row_exponents", &row_exponents_cuda);
   m.impl("group_minmax", &group_minmax_cuda);

@@ -7,7 +7,8 @@ per-row ``rstd`` (one float per row). The per-row ``mean`` is not needed after f
 (``reference.normalize_rows``); the C++ layer has the compression kernels compute it from
 ``x`` (never written on CUDA; DESIGN.md, "LayerNorm's x_hat inside the kernels"), this
 Function makes it as a transient tensor. Backward, with
-``gw = grad_out * weight`` and means over the normalised dims (computed by ATen's fused
+``gw = grad_out * weight`` and means over the normalised dims (one ``mesa::layer_norm_backward``
+from the codes where :func:`ln_backward_from_codes` allows; else ATen's fused
 ``native_layer_norm_backward`` on ``x_hat / rstd``, dequantized so in one kernel, with mean 0
 and the row's ``rstd``)::
 
@@ -38,7 +39,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
-from mesa_train.quant.reference import normalize_rows
+from mesa_train.quant.compile_kernels import traced_as_pytorch
+from mesa_train.quant.reference import LN_MAX_COLS, normalize_rows
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
 from .rowscale import compress_rows, decompress_rows, max_exponent
@@ -113,6 +115,16 @@ def layer_norm_forward(ctx, x, normalized_shape, weight, bias, eps, quantizer):
     return out, packed, (rstd, weight, k)
 
 
+def ln_backward_from_codes(ctx, packed, g) -> bool:
+    """Whether the backward is one ``mesa::layer_norm_backward`` (DESIGN.md, "LayerNorm backward
+    from the codes"): the paper's 8-bit format, float32 math, one normalised dim of at most
+    ``LN_MAX_COLS``, and not traced as PyTorch under ``torch.compile`` (there Inductor fuses
+    the dequantize into ATen's decomposed backward itself). C++ twin: ``ln_backward_from_codes``
+    in ``csrc/layers_autograd.cpp``."""
+    return (packed.fmt is None and ctx.mdt == torch.float32 and len(ctx.normalized_shape) == 1
+            and ctx.normalized_shape[0] <= LN_MAX_COLS and not traced_as_pytorch(g))
+
+
 def layer_norm_grads(ctx, g, packed, extra, need_x, need_w, need_b):
     """``(gx, gw, gb)`` of the LayerNorm from its output's gradient ``g`` and what
     :func:`layer_norm_forward` saved (``extra`` as it returned it; None where not needed)."""
@@ -123,6 +135,14 @@ def layer_norm_grads(ctx, g, packed, extra, need_x, need_w, need_b):
     need_w = need_w and ctx.ln_w_dtype is not None
     need_b = need_b and ctx.ln_b_dtype is not None
     gx = gw = gb = None
+    if not scale and ln_backward_from_codes(ctx, packed, g):
+        # all three from the codes in one op: no dequantized copy, no cast of g
+        with no_autocast(g.device.type):
+            dx, dw, db = torch.ops.mesa.layer_norm_backward(
+                g, packed.q, packed.alpha, packed.beta, packed.num_groups, rstd.float(),
+                weight.float() if weight is not None else None, k)
+        return (dx.to(ctx.ln_x_dtype) if need_x else None, dw.to(ctx.ln_w_dtype) if need_w else None,
+                db.to(ctx.ln_b_dtype) if need_b else None)
     with no_autocast(g.device.type):
         rstd = rstd.to(mdt)
         # x - mean (= x_hat / rstd) from the codes: dequantize's row_mul, in its kernel

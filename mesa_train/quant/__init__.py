@@ -52,6 +52,7 @@ __all__ = [
     "softmax_backward",
     "gelu_backward",
     "dequantize_gelu",
+    "layer_norm_backward",
     "rng_state",
     "seed_tensor",
     "BACKEND",
@@ -114,6 +115,10 @@ _SCHEMAS = {
     "dequantize_gelu": (
         "dequantize_gelu(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
         "Tensor? row_exp=None) -> Tensor"
+    ),
+    "layer_norm_backward": (
+        "layer_norm_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int num_groups, Tensor rstd, "
+        "Tensor? weight=None, Tensor? row_exp=None) -> (Tensor dx, Tensor dweight, Tensor dbias)"
     ),
     # the compiled one calls the registered ops above (csrc/layers_autograd.cpp)
     "compress": (
@@ -219,6 +224,10 @@ def _ref_dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp=None):
     return reference.dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp)
 
 
+def _ref_layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight=None, row_exp=None):
+    return reference.layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
+
+
 def _ref_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric, stochastic,
                   row_dims, max_k):
     return reference.compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
@@ -241,6 +250,7 @@ _REF_IMPLS = {
     "softmax_backward": _ref_softmax_backward,
     "gelu_backward": _ref_gelu_backward,
     "dequantize_gelu": _ref_dequantize_gelu,
+    "layer_norm_backward": _ref_layer_norm_backward,
 }
 
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
@@ -420,6 +430,13 @@ def _fake_dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp=None):
     return q.new_empty(q.shape, dtype=dtype)
 
 
+def _fake_layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight=None, row_exp=None):
+    reference.check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
+    D = q.shape[-1]
+    return (q.new_empty(q.shape, dtype=torch.float32), q.new_empty((D,), dtype=torch.float32),
+            q.new_empty((D,), dtype=torch.float32))
+
+
 def _fake_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
                    stochastic, row_dims, max_k):
     reference.check_estimator_code(estimator)
@@ -453,6 +470,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::softmax_backward")(_fake_softmax_backward)
     torch.library.register_fake("mesa::gelu_backward")(_fake_gelu_backward)
     torch.library.register_fake("mesa::dequantize_gelu")(_fake_dequantize_gelu)
+    torch.library.register_fake("mesa::layer_norm_backward")(_fake_layer_norm_backward)
     torch.library.register_fake("mesa::compress")(_fake_compress)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
@@ -757,3 +775,16 @@ def dequantize_gelu(q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, di
     dim, _ = check_dequantize_args(q, alpha, beta, dim, num_groups, dtype)
     check_row_exp(row_exp, q, "dequantize_gelu")
     return torch.ops.mesa.dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp)
+
+
+def layer_norm_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, num_groups: int,
+                        rstd: torch.Tensor, weight: torch.Tensor | None = None,
+                        row_exp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias)``, float32, of a LayerNorm over the last dim from its output
+    gradient ``g`` and the 8-bit codes ``q`` of its normalised input (groups along the last
+    dim; ``row_exp``: their row scales), ``rstd`` per row and ``weight`` (None: no affine
+    weight): one pass on CUDA instead of dequantize + ``native_layer_norm_backward`` (DESIGN.md,
+    "LayerNorm backward from the codes"; definition:
+    :func:`mesa_train.quant.reference.layer_norm_backward`). Rows of at most 1024."""
+    reference.check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
+    return torch.ops.mesa.layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight, row_exp)

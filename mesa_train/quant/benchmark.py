@@ -153,11 +153,14 @@ def _layer_norm_rows(x, state, dim, G, label):
              fused),
             (f"forward LayerNorm x_hat{label}, before: native_layer_norm + observe_rows + quantize",
              4 * n * es + n, before),
-            # float32 gradient and dx (autocast's LayerNorm), codes in, the x_hat dequantized
-            (f"backward LayerNorm{label}: dequantize with row_mul + native_layer_norm_backward", n + 4 * 4 * n,
-             backward),
-            (f"backward LayerNorm{label}, before: dequantize + native_layer_norm_backward + mul", n + 6 * 4 * n,
-             backward_before)]
+            # float32 gradient and dx (autocast's LayerNorm): codes and g in, dx out (DESIGN.md,
+            # "LayerNorm backward from the codes"); the former forms also write and read x_hat
+            (f"backward LayerNorm{label}: layer_norm_backward", n + 2 * 4 * n,
+             lambda: torch.ops.mesa.layer_norm_backward(g, q, a, b, G, rstd, w, k)),
+            (f"backward LayerNorm{label}, before: dequantize with row_mul + native_layer_norm_backward",
+             n + 4 * 4 * n, backward),
+            (f"backward LayerNorm{label}, first form: dequantize + native_layer_norm_backward + mul",
+             n + 6 * 4 * n, backward_before)]
 
 
 def _rebuild_rows(q, alpha, beta, k, dim, G, dtype):

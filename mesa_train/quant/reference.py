@@ -62,6 +62,9 @@ __all__ = [
     "dequantize_gelu",
     "softmax_backward",
     "softmax_backward_from_y",
+    "layer_norm_backward",
+    "check_layer_norm_backward_args",
+    "ln_column_partials",
 ]
 
 BITS = (8, 4, 2)  # supported code widths (DESIGN.md, "Variants")
@@ -992,6 +995,92 @@ def gelu_backward(g, q, alpha, beta, dim: int, num_groups: int, row_exp: torch.T
     check_row_exp(row_exp, q, "gelu_backward")
     xh = dequantize(q, alpha, beta, dim, num_groups, g.dtype, row_exp)
     return torch.ops.aten.gelu_backward.default(g.contiguous(), xh)
+
+
+# ----------------------------------------------------------------------------- LayerNorm backward
+# mesa::layer_norm_backward (DESIGN.md, "LayerNorm backward from the codes"): a LayerNorm's
+# three gradients straight from its x_hat codes. Row sums in the warp order of lane_sum;
+# column sums (dweight, dbias) in fixed chunks of rows, the order of the CUDA kernel's
+# blocks, then one torch.sum over the chunks' partials on the tensors' device.
+LN_CHUNK_ROWS = 4  # rows one warp sums in order (a chunk)
+LN_BLOCK_CHUNKS = 8  # chunks one block sums in order (a block: LN_CHUNK_ROWS * LN_BLOCK_CHUNKS rows)
+LN_MAX_COLS = 1024  # the widest row (LayerNorm width) the op takes: the CUDA kernel keeps rows in registers
+
+
+def check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp) -> int:
+    """Validate layer_norm_backward's arguments; return the rows (``q.numel() / q.shape[-1]``)."""
+    dim = _check_codes_backward_args("layer_norm_backward", g, q, -1)
+    _check_groups(q, dim, num_groups)
+    S = _check_params(q, alpha, beta, num_groups)
+    if S > 1 and q.dim() < 2:
+        raise ValueError("layer_norm_backward: per-sample statistics need codes with a sample dim and a row dim, got "
+                         f"shape {tuple(q.shape)}")
+    D = q.shape[-1]
+    if D > LN_MAX_COLS:
+        raise ValueError(f"layer_norm_backward: rows of {D} elements; valid: at most {LN_MAX_COLS} (wider "
+                         "LayerNorms use dequantize + aten.native_layer_norm_backward)")
+    rows = q.numel() // D if D else 0
+    if not isinstance(rstd, torch.Tensor) or rstd.dtype != torch.float32 or rstd.device != q.device:
+        got = (rstd.dtype, str(rstd.device)) if isinstance(rstd, torch.Tensor) else type(rstd).__name__
+        raise ValueError(f"layer_norm_backward: rstd must be a float32 tensor on {q.device}, got {got}")
+    if rstd.numel() != rows:
+        raise ValueError(f"layer_norm_backward: rstd must hold one value per row ({rows} rows of {D} for codes of "
+                         f"shape {tuple(q.shape)}), got shape {tuple(rstd.shape)}")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.device != q.device \
+                or tuple(weight.shape) != (D,):
+            got = (weight.dtype, tuple(weight.shape), str(weight.device)) if isinstance(weight, torch.Tensor) \
+                else type(weight).__name__
+            raise ValueError(f"layer_norm_backward: weight must be None or a float32 ({D},) tensor on {q.device}, "
+                             f"got {got}")
+    check_row_exp(row_exp, q, "layer_norm_backward")
+    if row_exp is not None and row_exp.numel() != rows:
+        raise ValueError(f"layer_norm_backward: row_exp must hold one exponent per row of the last dim ({rows}), "
+                         f"got shape {tuple(row_exp.shape)}")
+    return rows
+
+
+def ln_column_partials(t: torch.Tensor) -> torch.Tensor:
+    """``(blocks, D)`` float32 partial column sums of ``t`` (``(rows, D)``): each chunk of
+    ``LN_CHUNK_ROWS`` rows summed in row order from +0.0, then each block of
+    ``LN_BLOCK_CHUNKS`` chunks summed in chunk order from +0.0 (rows padded with +0.0, which
+    changes nothing: an accumulator that starts at +0.0 is never -0.0)."""
+    rows, D = t.shape
+    per_block = LN_CHUNK_ROWS * LN_BLOCK_CHUNKS
+    nb = -(-rows // per_block)
+    v = torch.nn.functional.pad(t, (0, 0, 0, nb * per_block - rows)).view(nb, LN_BLOCK_CHUNKS, LN_CHUNK_ROWS, D)
+    chunk = torch.zeros((nb, LN_BLOCK_CHUNKS, D), dtype=torch.float32, device=t.device)
+    for r in range(LN_CHUNK_ROWS):
+        chunk = chunk + v[:, :, r]
+    block = torch.zeros((nb, D), dtype=torch.float32, device=t.device)
+    for c in range(LN_BLOCK_CHUNKS):
+        block = block + chunk[:, c]
+    return block
+
+
+def layer_norm_backward(g, q, alpha, beta, num_groups: int, rstd, weight=None, row_exp=None):
+    """``(dx, dweight, dbias)`` of a LayerNorm over the last dim from its output gradient ``g``
+    and the codes ``q`` of its normalised input ``x_hat`` (groups along the last dim,
+    ``row_exp``: their row scales), ``rstd`` per row and ``weight`` (None: no affine weight),
+    all float32 (DESIGN.md, "LayerNorm backward from the codes"). Every operation a separately
+    rounded float32 one::
+
+        xh = dequantize(q, ..., float32, row_exp);  gw = g * weight   (g without a weight)
+        m1 = lane_sum(gw) / D;  m2 = lane_sum(gw * xh) / D
+        dx = rstd * ((gw - m1) - xh * m2)
+        dweight, dbias = sum over chunk partials of g * xh, g (:func:`ln_column_partials`)
+
+    Each column sum is one ``torch.sum`` over dim 0 of its ``(blocks, D)`` partials."""
+    rows = check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
+    D = q.shape[-1]
+    xh = dequantize(q, alpha, beta, q.dim() - 1, num_groups, torch.float32, row_exp).reshape(rows, D)
+    gf = g.to(torch.float32).reshape(rows, D)
+    gw = gf * weight if weight is not None else gf
+    n = torch.full((rows, 1), float(D), dtype=torch.float32, device=q.device)
+    m1 = lane_sum(gw) / n
+    m2 = lane_sum(gw * xh) / n
+    dx = rstd.reshape(rows, 1) * ((gw - m1) - xh * m2)
+    return dx.view(q.shape), ln_column_partials(gf * xh).sum(0), ln_column_partials(gf).sum(0)
 
 
 def dequantize_gelu(q, alpha, beta, dim: int, num_groups: int, dtype: torch.dtype = torch.float32,

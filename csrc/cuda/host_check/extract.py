@@ -77,6 +77,7 @@ section_until('update_estimates', 'std::tuple<at::Tensor, at::Tensor> launch_upd
 section_until('row_exponents', 'at::Tensor row_exponents_cuda(')
 section_until('observe_rows', 'std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(')
 section_until('softmax_backward', 'void launch_softmax_backward(')
+section_until('layer_norm_backward', 'void launch_layer_norm_backward(')
 
 # host-only tokens: ATen / CUDA runtime glue must not reach the harness
 glue = re.compile(r'\bat::|c10::cuda|C10_CUDA|<<<|cudaStream_t|cuda[A-Z]\w*\(|TORCH_')

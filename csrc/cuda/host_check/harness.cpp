@@ -36,6 +36,10 @@
 // * observe_rows: row_cells (warp per row, vector and scalar paths) against the naive max |x|
 //   and per-segment min / max, and row_k_cells (k, and the cells of rows with k != 0 times
 //   2**k rounded to the dtype).
+// * layer_norm_backward (one block per 32 rows, a warp per chunk of 4, the same exchange; every
+//   columns-per-lane instantiation, statistics shared and per sample, in shared memory or
+//   not, with and without weight and row exponents, g with NaN / inf) against the sequential
+//   definition: dx and both partial column sums bit for bit.
 // The last line lists how many cases each kernel family checked.
 #include <algorithm>
 #include <atomic>
@@ -1757,6 +1761,144 @@ int random_layout_checks(int ncases) {
   return re;
 }
 
+// ------------------------------------------------------------------ layer_norm_backward
+// The definition (DESIGN.md, "LayerNorm backward from the codes"), sequentially: per row,
+// x_hat = q * (alpha / 255) + beta (times 2**-k), gw = g * w, m1 = lane_sum(gw) / D,
+// m2 = lane_sum(gw * x_hat) / D, dx = rstd * ((gw - m1) - x_hat * m2); per block of 32 rows
+// the column sums of g * x_hat and g, each chunk of 4 rows from +0.0 in row order, the
+// chunks from +0.0 in order. The kernel's partials are compared (the glue's at::sum is ATen's).
+template <typename scalar_t>
+void naive_layer_norm_backward(int64_t rows, int64_t D, int64_t G, int64_t S, const scalar_t* g, const uint8_t* q,
+                               const float* alpha, const float* beta, const float* w, const float* rstd,
+                               const int8_t* k, std::vector<float>& dx, std::vector<float>& pw,
+                               std::vector<float>& pb) {
+  const int64_t blocks = (rows + 31) / 32;
+  dx.assign(rows * D, 0.0f);
+  pw.assign(blocks * D, 0.0f);
+  pb.assign(blocks * D, 0.0f);
+  std::vector<float> cw(D), cb(D);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t ch = 0; ch < 8; ++ch) {
+      std::fill(cw.begin(), cw.end(), 0.0f);
+      std::fill(cb.begin(), cb.end(), 0.0f);
+      for (int64_t r = b * 32 + ch * 4; r < std::min(rows, b * 32 + ch * 4 + 4); ++r) {
+        const int64_t s = S > 1 ? r / (rows / S) : 0;
+        std::vector<float> xh(D), gv(D), gw(D), gx(D);
+        for (int64_t c = 0; c < D; ++c) {
+          const int64_t p = s * G + (c * G) / D;
+          xh[c] = q[r * D + c] * (alpha[p] / 255.0f) + beta[p];
+          if (k != nullptr) xh[c] = xh[c] * std::ldexp(1.0f, -int(k[r]));
+          gv[c] = static_cast<float>(g[r * D + c]);
+          gw[c] = w != nullptr ? gv[c] * w[c] : gv[c];
+          gx[c] = gw[c] * xh[c];
+          cw[c] = cw[c] + gv[c] * xh[c];
+          cb[c] = cb[c] + gv[c];
+        }
+        const float m1 = naive_lane_sum(gw) / float(D), m2 = naive_lane_sum(gx) / float(D);
+        for (int64_t c = 0; c < D; ++c) dx[r * D + c] = rstd[r] * ((gw[c] - m1) - xh[c] * m2);
+      }
+      for (int64_t c = 0; c < D; ++c) {
+        pw[b * D + c] = pw[b * D + c] + cw[c];
+        pb[b * D + c] = pb[b * D + c] + cb[c];
+      }
+    }
+  }
+}
+
+// layer_norm_backward_kernel on layer_norm_backward_cuda's grid (one block per 32 rows) for
+// every columns-per-lane instantiation, against the naive definition: shared and per-sample
+// statistics (tables in shared memory, and per element when S * G > kLnTable), with and
+// without weight and row exponents, g with NaN / inf / -0 in some cases
+template <typename scalar_t>
+int check_layer_norm_backward(int64_t rows, int64_t D, int64_t G, int64_t S, bool has_w, bool has_k, bool specials) {
+  std::vector<float> alpha(S * G), beta(S * G), w(D), rstd(rows);
+  std::uniform_real_distribution<float> ua(0.0f, 6.0f), ub(-3.0f, 0.0f), ur(0.1f, 4.0f);
+  for (int64_t p = 0; p < S * G; ++p) {
+    alpha[p] = ua(rng);
+    beta[p] = ub(rng);
+  }
+  for (auto& v : w) v = ub(rng) + 1.5f;
+  for (auto& v : rstd) v = ur(rng);
+  std::vector<int8_t> k(rows);
+  for (auto& v : k) v = int8_t(rng() % 4 == 0 ? rng() % 40 : 0);
+  uint8_t* q = alloc<uint8_t>(rows * D, 0);
+  for (int64_t i = 0; i < rows * D; ++i) q[i] = uint8_t(rng() % 256);
+  scalar_t* g = alloc<scalar_t>(rows * D, 0);
+  fill(g, rows * D, specials);
+  const int64_t blocks = (rows + kLnBlockRows - 1) / kLnBlockRows;
+  std::vector<float> dx(rows * D + 1, 7.0f), pw(blocks * D + 1, 7.0f), pb(blocks * D + 1, 7.0f);
+  const float* wp = has_w ? w.data() : nullptr;
+  const int8_t* kp = has_k ? k.data() : nullptr;
+  const int per = layer_norm_backward_per_lane(D);
+  auto go = [&](auto per_tag) {
+    constexpr int PER = decltype(per_tag)::value;
+    launch_simt(unsigned(blocks), kThreads, [&] {
+      layer_norm_backward_kernel<scalar_t, PER>(g, q, alpha.data(), beta.data(), wp, rstd.data(), kp, dx.data(),
+                                                pw.data(), pb.data(), rows, int(D), int(G), int(S), rows / S);
+    });
+  };
+  switch (per) {
+    case 1: go(std::integral_constant<int, 1>{}); break;
+    case 2: go(std::integral_constant<int, 2>{}); break;
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 8: go(std::integral_constant<int, 8>{}); break;
+    case 12: go(std::integral_constant<int, 12>{}); break;
+    case 16: go(std::integral_constant<int, 16>{}); break;
+    case 24: go(std::integral_constant<int, 24>{}); break;
+    default: go(std::integral_constant<int, 32>{}); break;
+  }
+  std::vector<float> wdx, wpw, wpb;
+  naive_layer_norm_backward(rows, D, G, S, g, q, alpha.data(), beta.data(), wp, rstd.data(), kp, wdx, wpw, wpb);
+  int errs = 0;
+  auto cmp = [&](const char* what, const std::vector<float>& got, const std::vector<float>& want) {
+    for (size_t i = 0; i < want.size(); ++i)
+      if (!same_value(got[i], want[i]) && errs++ < 5)
+        fprintf(stderr, "layer_norm_backward<%zu> %s mismatch i=%zu got %g exp %g\n", sizeof(scalar_t), what, i,
+                got[i], want[i]);
+    if (got[want.size()] != 7.0f) { fprintf(stderr, "layer_norm_backward %s wrote past the end\n", what); ++errs; }
+  };
+  cmp("dx", dx, wdx);
+  cmp("dweight partials", pw, wpw);
+  cmp("dbias partials", pb, wpb);
+  if (errs) fprintf(stderr, "FAIL layer_norm_backward rows=%ld D=%ld G=%ld S=%ld w=%d k=%d per=%d\n", (long)rows,
+                    (long)D, (long)G, (long)S, int(has_w), int(has_k), per);
+  g_checked["layer_norm_backward"]++;
+  free(q);
+  free(g);
+  return errs;
+}
+
+int layer_norm_backward_checks(int ncases) {
+  int errs = 0;
+  // rows: fewer than a chunk, a partial block, several blocks; D: every columns-per-lane
+  // instantiation (1 .. 1024), partial lane passes; per-sample with S * G above kLnTable
+  struct C { int64_t rows, D, G, S; };
+  const std::vector<C> fixed = {{3, 1, 1, 1},    {5, 31, 3, 1},    {33, 32, 2, 1},    {70, 48, 6, 2},
+                                {40, 100, 4, 4}, {64, 197, 3, 2},  {37, 384, 6, 1},   {9, 500, 5, 3},
+                                {12, 768, 12, 2}, {6, 1024, 8, 1}, {66, 33, 33, 33}};
+  int t = 0;
+  for (const auto& c : fixed) {
+    const bool hw = t % 2 == 0, hk = t % 3 != 1, sp = t % 4 == 0;
+    switch (t % 3) {
+      case 0: errs += check_layer_norm_backward<float>(c.rows, c.D, c.G, c.S, hw, hk, sp); break;
+      case 1: errs += check_layer_norm_backward<c10::Half>(c.rows, c.D, c.G, c.S, hw, hk, sp); break;
+      default: errs += check_layer_norm_backward<c10::BFloat16>(c.rows, c.D, c.G, c.S, hw, hk, sp); break;
+    }
+    ++t;
+  }
+  for (int i = 0; i < std::max(1, ncases / 10); ++i) {
+    const int64_t D = 1 + int64_t(rng() % 1024), G = 1 + int64_t(rng() % std::min<int64_t>(D, 8));
+    const int64_t S = 1 + int64_t(rng() % 3), rows = S * (1 + int64_t(rng() % 40));
+    switch (rng() % 3) {
+      case 0: errs += check_layer_norm_backward<float>(rows, D, G, S, rng() % 2, rng() % 2, rng() % 2); break;
+      case 1: errs += check_layer_norm_backward<c10::Half>(rows, D, G, S, rng() % 2, rng() % 2, rng() % 2); break;
+      default: errs += check_layer_norm_backward<c10::BFloat16>(rows, D, G, S, rng() % 2, rng() % 2, rng() % 2); break;
+    }
+  }
+  printf("layer_norm_backward errors: %d\n", errs);
+  return errs;
+}
+
 // One line naming every kernel family with its number of checked cases (tests assert on it)
 void print_summary() {
   printf("cooperative launches skipped (too many blocks to emulate): %d; atomics: %ld\n", g_skipped, g_atomics.load());
@@ -1785,6 +1927,7 @@ int main(int argc, char** argv) {
   errs += timed("row_exponents", [&] { return row_exponents_checks(ncases); });
   errs += timed("observe_rows", [&] { return observe_rows_checks(ncases); });
   errs += timed("softmax_backward", [&] { return softmax_backward_checks(ncases); });
+  errs += timed("layer_norm_backward", [&] { return layer_norm_backward_checks(ncases); });
   errs += timed("fixed layouts", [&] { return fixed_layout_checks(quick); });
   errs += timed("random layouts", [&] { return random_layout_checks(ncases); });
   print_summary();
