@@ -555,10 +555,14 @@ struct LayerNormLinearTrain : public torch::autograd::Function<LayerNormLinearTr
     const bool need_lb = has_lb && ctx->needs_input_grad(i);
     i += has_lb;
     const bool need_x = ctx->needs_input_grad(0);
-    const auto ydt = ctx->saved_data["y_dtype"].toScalarType();
     // the Linear's backward, its input rebuilt from the norm's codes in the stock dtypes (the
     // norm's output dtype, then autocast's cast); its input gradient comes back in the
-    // norm's output dtype, as stock casts it (Python twin: rebuild_norm_output)
+    // norm's output dtype, as stock casts it (Python twin: rebuild_norm_output), or in its
+    // compute dtype where layer_norm_backward reads it (its float32 of it is the cast's,
+    // exactly: one pass fewer)
+    const auto mdt = ctx->saved_data["mdt"].toScalarType();
+    const bool from_codes = ln_backward_from_codes(mdt, ctx->saved_data["normalized_shape"].toIntVector());
+    const auto ydt = ctx->saved_data[from_codes ? "cdt" : "y_dtype"].toScalarType();
     auto [gy, gw, gb] = linear_grads(ctx, grads[0], saved[7], ydt, need_x || need_lw || need_lb,
                                      ctx->needs_input_grad(i), i + 1, [&] { return rebuild_norm_output(ctx, saved); });
     at::Tensor gx, glw, glb;

@@ -34,7 +34,7 @@ from mesa_train.memory import INPUT_AGNOSTIC_HOOK
 
 from . import quantizer as quantizer_mod
 from ._common import autocast_input, load, no_autocast, save
-from .layernorm import LayerNorm, layer_norm_forward, layer_norm_grads
+from .layernorm import LayerNorm, layer_norm_forward, layer_norm_grads, ln_backward_from_codes
 from .linear import Linear, linear_grads, not_a_view, save_linear_dtypes
 from .quantizer import decompress
 from .rowscale import decompress_rows
@@ -117,6 +117,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
             return rebuilt[cdt]
 
         need_y = need[0] or need[2] or need[3]
+        # one Linear whose norm's backward reads g in any dtype (layer_norm_backward): its input
+        # gradient stays in the Linear's compute dtype, no cast pass (the op's float32 of it is
+        # the cast's, exactly). Several Linears add their input gradients in the norm's dtype.
+        keep_cdt = n == 1 and not extra[3:] and ln_backward_from_codes(ctx, packed, grads[0])
         gy, g_params = None, []
         with no_autocast(grads[0].device.type):
             # each Linear's backward, its input in the stock dtypes (the norm's output dtype, then
@@ -125,8 +129,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
             for i, (g, w, meta) in enumerate(zip(grads, weights, ctx.fc_meta)):
                 for attr, value in zip(_LINEAR_META, meta):  # what linear_grads reads, this Linear's
                     setattr(ctx, attr, value)
-                gyi, gw, gb = linear_grads(ctx, g, w, ctx.y_dtype, need_y, need[6 + 2 * i], need[7 + 2 * i],
-                                           lambda: linear_input(ctx.cdt))
+                gyi, gw, gb = linear_grads(ctx, g, w, ctx.cdt if keep_cdt else ctx.y_dtype, need_y, need[6 + 2 * i],
+                                           need[7 + 2 * i], lambda: linear_input(ctx.cdt))
                 gy = gyi if gy is None else gy + gyi
                 g_params += [gw, gb]
         gx = g_lnw = g_lnb = None
