@@ -225,7 +225,7 @@ void save_linear_dtypes(AutogradContext* ctx, const at::Tensor& out, const at::T
 // F.linear's gradients from its output's (mesa_train.nn.linear.linear_grads): gx in x_dtype
 // (need_x), gw from the input that input() rebuilds in the compute dtype (need_w), gb where a
 // bias was tracked at bias_index (needs_input_grad counts the tensors Function::apply
-// tracked: no bias index without a bias)
+// tracked: no bias index without a bias; -1: no bias gradient from this call)
 template <typename Input>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_grads(AutogradContext* ctx, const at::Tensor& grad,
                                                            const at::Tensor& weight, c10::ScalarType x_dtype,
@@ -239,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_grads(AutogradContext* ctx
     at::Tensor x = input();
     gw = g2.t().matmul(x.reshape({-1, x.size(-1)})).to(ctx->saved_data["w_dtype"].toScalarType());
   }
-  if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_index))
+  if (bias_index >= 0 && ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_index))
     gb = g2.sum(0).to(ctx->saved_data["b_dtype"].toScalarType());
   return {gx, gw, gb};
 }
@@ -321,6 +321,17 @@ struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
     // the exact GELU: each backward pass one op from h's codes (on CUDA the dequantized h never
     // reaches memory; Python twin: _GeluLinearFn.backward); the tanh form dequantizes h once
     const bool exact = approximate == "none";
+    if (exact && saved[0].defined() && ctx->needs_input_grad(0) && ctx->needs_input_grad(1)) {
+      // fc2's input gradient gy first (in h's dtype, as stock casts it), then ONE read of h's
+      // codes gives both fc2's input gelu(h) (for its weight gradient) and the GELU's gradient
+      // (mesa::gelu_value_and_grad: the bits of dequantize_gelu and gelu_backward)
+      auto [gy, unused_w, gb] = linear_grads(ctx, grads[0], saved[3], hdt, true, false, 2, [] { return at::Tensor(); });
+      auto [y, gh] = gelu_value_and_grad_op().call(gy, saved[0], saved[1], saved[2], dim, groups, k);
+      auto [unused_x, gw, unused_b] = linear_grads(ctx, grads[0], saved[3], hdt, false, true, -1, [&] {
+        return y.to(ctx->saved_data["yc_dtype"].toScalarType()).to(ctx->saved_data["cdt"].toScalarType());
+      });
+      return {gh, gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     at::Tensor hh;
     if (saved[0].defined() && !exact) hh = decompress_rows(saved, dim, groups, hdt, saved[4]);
     // fc2's backward, its input recomputed in the stock dtypes (gelu in h's, then the cast);

@@ -82,6 +82,15 @@ inline const c10::TypedOperatorHandle<GeluBackwardFn>& gelu_backward_op() {
       c10::Dispatcher::singleton().findSchemaOrThrow("mesa::gelu_backward", "").typed<GeluBackwardFn>();
   return op;
 }
+// gelu_value_and_grad: (g, q, alpha, beta, dim, num_groups, row_exp) -> (gelu of the values, gx)
+using GeluValueAndGradFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, int64_t, int64_t,
+                                                              const std::optional<at::Tensor>&);
+inline const c10::TypedOperatorHandle<GeluValueAndGradFn>& gelu_value_and_grad_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::gelu_value_and_grad", "").typed<GeluValueAndGradFn>();
+  return op;
+}
 // layer_norm_backward: (g, q, alpha, beta, num_groups, rstd, weight, row_exp) -> (dx, dweight, dbias)
 using LayerNormBackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,

@@ -154,6 +154,18 @@ MESA_HD float gelu_grad(float g, float x) {
   return f_mul(g, f_add(cdf, f_mul(x, pdf)));
 }
 
+// gelu_value(x) and gelu_grad(g, x) at once, sharing their erff (the same bits as the two
+// calls): GELU + Linear's backward needs both at every element of h (mesa::gelu_value_and_grad)
+MESA_HD void gelu_value_and_grad(float g, float x, float& value, float& grad) {
+  const float kBeta = static_cast<float>(M_2_SQRTPI * M_SQRT1_2 * 0.5);
+  const float kAlpha = static_cast<float>(M_SQRT1_2);
+  const float e = f_add(1.0f, erff(f_mul(x, kAlpha)));
+  value = f_mul(f_mul(x, 0.5f), e);
+  const float cdf = f_mul(0.5f, e);
+  const float pdf = f_mul(expf(f_mul(f_mul(-0.5f, x), x)), kBeta);
+  grad = f_mul(g, f_add(cdf, f_mul(x, pdf)));
+}
+
 // q = NaN -> 0, else clamp(round(v), 0, 255) with v = (x - beta) * inv and
 // round = floor(v + u) (stochastic) or rint (nearest, half to even).
 // Clamping before rounding is equivalent (rint/floor are monotone, the bounds are

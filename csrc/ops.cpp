@@ -507,6 +507,12 @@ TORCH_LIBRARY(mesa, m) {
   m.def(
       "gelu_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
       "Tensor? row_exp=None) -> Tensor");
+  // (dequantize_gelu(q, ..., g.dtype, row_exp), gelu_backward(g, q, ..., row_exp)) from one read
+  // of the codes (GELU + Linear's backward: fc2's input and the GELU's gradient); one pass on
+  // CUDA with one erf per element, the composition on the CPU
+  m.def(
+      "gelu_value_and_grad(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
+      "Tensor? row_exp=None) -> (Tensor value, Tensor dx)");
   // aten::gelu(dequantize(q, ..., dtype, row_exp)): the exact GELU of the dequantized input in
   // one pass on CUDA (GELU + Linear's backward recomputes fc2's input from h's codes; DESIGN.md,
   // "MLP: one copy for GELU and fc2"), the composition itself on the CPU

@@ -1280,6 +1280,20 @@ at::Tensor gelu_backward_cpu(const at::Tensor& g, const at::Tensor& q, const at:
   return at::gelu_backward_out(xh, g.contiguous(), xh);
 }
 
+// mesa::gelu_value_and_grad on the CPU: its definition, one dequantize, then ATen's gelu and
+// gelu_backward of it (the bits of dequantize_gelu and gelu_backward; the second in place)
+std::tuple<at::Tensor, at::Tensor> gelu_value_and_grad_cpu(const at::Tensor& g, const at::Tensor& q,
+                                                           const at::Tensor& alpha, const at::Tensor& beta,
+                                                           int64_t dim, int64_t num_groups,
+                                                           const std::optional<at::Tensor>& row_exp) {
+  check_gelu_backward(g, q, alpha, beta, dim, num_groups);
+  check_row_exp("gelu_value_and_grad", q.sizes(), q.device(), row_exp);
+  at::Tensor xh = dequantize_cpu(q, alpha, beta, dim, num_groups, g.scalar_type(), row_exp, std::nullopt,
+                                 std::nullopt, std::nullopt);
+  at::Tensor y = at::gelu(xh);
+  return {y, at::gelu_backward_out(xh, g.contiguous(), xh)};
+}
+
 // mesa::dequantize_gelu on the CPU: its definition, dequantize then ATen's gelu, in place
 at::Tensor dequantize_gelu_cpu(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
                                int64_t num_groups, at::ScalarType dtype, const std::optional<at::Tensor>& row_exp) {
@@ -1290,6 +1304,7 @@ at::Tensor dequantize_gelu_cpu(const at::Tensor& q, const at::Tensor& alpha, con
 
 TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("gelu_backward", &gelu_backward_cpu);
+  m.impl("gelu_value_and_grad", &gelu_value_and_grad_cpu);
   m.impl("dequantize_gelu", &dequantize_gelu_cpu);
   m.impl("softmax_backward", &softmax_backward_cpu);
   m.impl("layer_norm_backward", &layer_norm_backward_cpu);

@@ -170,3 +170,42 @@ def test_opcheck_with_row_exp_and_dequantize_gelu(device):
     for dtype in DTYPES:
         opcheck(torch.ops.mesa.dequantize_gelu.default, (q, alpha, beta, 2, 6, dtype, k))
         opcheck(torch.ops.mesa.dequantize_gelu.default, (q, alpha, beta, 2, 6, dtype, None))
+
+
+# ----------------------------------------------------------------------------- both at once
+# GELU + Linear's backward needs fc2's input gelu(h) and the GELU's gradient from the same codes:
+# mesa::gelu_value_and_grad gives both from one read (on CUDA one pass, one erf per element),
+# each output the bits of its own op on every device (the shared erff is the same value).
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,dim,G,per_sample", LAYOUTS, ids=str)
+@pytest.mark.parametrize("rows", [False, True], ids=["", "row-exp"])
+def test_value_and_grad_are_the_two_ops(device, dtype, shape, dim, G, per_sample, rows):
+    g, q, alpha, beta, k = _rows_case(shape, dim, G, per_sample, dtype, device)
+    k = k if rows else None
+    y, dx = Q.gelu_value_and_grad(g, q, alpha, beta, dim, G, k)
+    assert y.dtype == dx.dtype == dtype and y.shape == dx.shape == g.shape
+    assert torch.equal(y, Q.dequantize_gelu(q, alpha, beta, dim, G, dtype, k))
+    assert torch.equal(dx, Q.gelu_backward(g, q, alpha, beta, dim, G, k))
+    if device == "cpu":  # the definition, on the host
+        ry, rdx = R.gelu_value_and_grad(g, q, alpha, beta, dim, G, k)
+        assert torch.equal(y, ry) and torch.equal(dx, rdx)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+def test_value_and_grad_opcheck_empty_and_errors(device):
+    g, q, alpha, beta, k = _rows_case((4, 9, 48), -1, 6, False, torch.bfloat16, device)
+    opcheck(torch.ops.mesa.gelu_value_and_grad.default, (g, q, alpha, beta, -1, 6, k))
+    opcheck(torch.ops.mesa.gelu_value_and_grad.default, (g.float(), q, alpha, beta, 2, 6, None))
+    e = torch.zeros(0, 48, device=device)
+    y, dx = Q.gelu_value_and_grad(e, e.to(torch.uint8), alpha, beta, -1, 6)
+    assert y.shape == dx.shape == (0, 48)
+    for args, match in [((g.double(), q, alpha, beta, -1, 6), "g must be float32, float16 or bfloat16"),
+                        ((g[:2], q, alpha, beta, -1, 6), "g has shape"),
+                        ((g, q, alpha, beta, -1, 6, k[:2]), "row_exp must have shape")]:
+        for fn in (Q.gelu_value_and_grad, torch.ops.mesa.gelu_value_and_grad, R.gelu_value_and_grad):
+            with pytest.raises(ValueError, match=match) as info:
+                fn(*args)
+            assert "\n" not in str(info.value).strip(), str(info.value)

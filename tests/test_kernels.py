@@ -536,14 +536,15 @@ def test_benchmark_runs_on_cpu(tmp_path):
            "backward LayerNorm, first form: dequantize + native_layer_norm_backward + mul",
            "backward LayerNorm + Linear rebuild: dequantize with col_scale / col_shift",
            "backward LayerNorm + Linear rebuild, before: dequantize (float32) + mul + add + cast",
-           "backward GELU + Linear: dequantize_gelu + gelu_backward (row scales)",
+           "backward GELU + Linear: gelu_value_and_grad (row scales)",
+           "backward GELU + Linear, two ops: dequantize_gelu + gelu_backward (row scales)",
            "backward GELU + Linear, before: dequantize + gelu + gelu_backward",
            "backward softmax: softmax_backward", "backward softmax, before: dequantize + _softmax_backward_data"]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     # 2 dtypes x (8 rows per layout + 5 row-scale, 2 GELU, 5 LayerNorm, 2 LayerNorm + Linear
-    # and 2 GELU + Linear rows on the token layout), plus bf16's 5 LayerNorm rows with a
+    # and 3 GELU + Linear rows on the token layout), plus bf16's 5 LayerNorm rows with a
     # float32 input, and 2 softmax rows on the attention layout
-    assert len(rows) == 2 * (2 * 8 + 5 + 2 + 5 + 2 + 2 + 2) + 5
+    assert len(rows) == 2 * (2 * 8 + 5 + 2 + 5 + 2 + 3 + 2) + 5
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     clone_rows = [r for r in rows if "| clone (baseline) |" in r]

@@ -244,3 +244,17 @@ def test_layer_gradients_match_the_former_path(monkeypatch):
     old = torch.autograd.grad(loss, inputs)
     for a, b in zip(new, old):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_traced_form_is_the_reference(dtype):
+    """What ``compile_kernels=traceable`` runs (tensor ops only): the op's bits in eager and under
+    aot_eager (Inductor may fuse it into other roundings)."""
+    from mesa_train.quant import traceable
+
+    args = _case((2, 35, 100), 5, True, dtype, row_exp=True, specials=dtype == torch.float32)
+    want = R.layer_norm_backward(*args)
+    for fn in (traceable.layer_norm_backward, torch.compile(traceable.layer_norm_backward, backend="aot_eager",
+                                                            fullgraph=True)):
+        for a, b in zip(fn(*args), want):
+            assert _same(a, b)

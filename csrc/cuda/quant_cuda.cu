@@ -523,6 +523,24 @@ struct StoreGelu {
   }
 };
 
+// ... mesa::gelu_value_and_grad stores both: gelu(x) in y and g * gelu'(x) in dx, one erff per
+// element (GELU + Linear's backward: fc2's input and the GELU's gradient from one read of the codes)
+template <typename scalar_t>
+struct StoreGeluValueAndGrad {
+  const scalar_t* __restrict__ g;
+  scalar_t* __restrict__ y;
+  scalar_t* __restrict__ dx;
+  template <typename IdxT, int V>
+  __device__ __forceinline__ void operator()(IdxT i0, float (&v)[V]) const {
+    float gv[V], yv[V];
+    load_floats<scalar_t, V>(g + i0, gv);
+#pragma unroll
+    for (int e = 0; e < V; ++e) gelu_value_and_grad(gv[e], round_to<scalar_t>(v[e]), yv[e], v[e]);
+    store_floats<scalar_t, V>(y + i0, yv);
+    store_floats<scalar_t, V>(dx + i0, v);
+  }
+};
+
 // ... mesa::dequantize with col_scale / col_shift stores v * scale[c] + shift[c] (a multiply,
 // then an add, each rounded to float32: no FMA, --fmad=false) in out_t, c = i % C the column
 // of the last dim; the kernel runs with float as its scalar_t, so v is the float32 value
@@ -712,6 +730,28 @@ at::Tensor dequantize_gelu_cuda(const at::Tensor& q_in, const at::Tensor& alpha_
     dispatch_dequantize<scalar_t>(c.q, vec, out, c.alpha, c.beta, L, c.rows, stream);
   });
   return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> gelu_value_and_grad_cuda(const at::Tensor& g_in, const at::Tensor& q_in,
+                                                             const at::Tensor& alpha_in, const at::Tensor& beta_in,
+                                                             int64_t dim, int64_t num_groups,
+                                                             const std::optional<at::Tensor>& row_exp) {
+  const Layout L = check_gelu_backward(g_in, q_in, alpha_in, beta_in, dim, num_groups);
+  const c10::cuda::OptionalCUDAGuard guard(q_in.device());
+  const CodesArgs c = codes_args("gelu_value_and_grad", q_in, alpha_in, beta_in, row_exp);
+  const at::Tensor g = g_in.contiguous();
+  const auto opts = g.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor y = at::empty(c.q.sizes(), opts), dx = at::empty(c.q.sizes(), opts);
+  if (L.numel == 0) return {y, dx};
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_gelu_value_and_grad_cuda", [&] {
+    const bool vec = aligned16(c.q.const_data_ptr()) && aligned16(g.const_data_ptr()) &&
+                     aligned16(y.const_data_ptr()) && aligned16(dx.const_data_ptr());
+    const StoreGeluValueAndGrad<scalar_t> out{g.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(),
+                                              dx.mutable_data_ptr<scalar_t>()};
+    dispatch_dequantize<scalar_t>(c.q, vec, out, c.alpha, c.beta, L, c.rows, stream);
+  });
+  return {y, dx};
 }
 
 // ----------------------------------------------------------------------------- bit widths
@@ -2208,6 +2248,7 @@ TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("softmax_backward", &softmax_backward_cuda);
   m.impl("layer_norm_backward", &layer_norm_backward_cuda);
   m.impl("gelu_backward", &gelu_backward_cuda);
+  m.impl("gelu_value_and_grad", &gelu_value_and_grad_cuda);
   m.impl("row_exponents", &row_exponents_cuda);
   m.impl("group_minmax", &group_minmax_cuda);
   m.impl("quantize", &quantize_cuda);

@@ -43,6 +43,7 @@ from .rowscale import compress_rows, decompress_rows, max_exponent
 _OP = quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "gelu_linear_train")
 _GELU_BACKWARD = torch.ops.mesa.gelu_backward.default
 _DEQUANTIZE_GELU = torch.ops.mesa.dequantize_gelu.default
+_GELU_VALUE_AND_GRAD = torch.ops.mesa.gelu_value_and_grad.default
 
 __all__ = ["gelu_linear", "can_fuse"]
 
@@ -82,8 +83,17 @@ class _GeluLinearFn(torch.autograd.Function):
                      else F.gelu(hh, approximate=ctx.approximate))
                 return y.to(ctx.yc_dtype).to(ctx.cdt)
 
-            # fc2's backward; its input gradient comes back in h's dtype, as stock casts it
             need = ctx.needs_input_grad
+            if from_codes and need[0] and need[2]:
+                # fc2's input gradient gy first, then ONE read of h's codes gives both fc2's input
+                # gelu(h) (for its weight gradient) and the GELU's gradient (the bits of
+                # dequantize_gelu and gelu_backward; C++ twin: GeluLinearTrain::backward)
+                gy, _, gb = linear_grads(ctx, g, weight, ctx.h_dtype, True, False, need[3], None)
+                y, gh = _GELU_VALUE_AND_GRAD(gy, *codes, k)
+                _, gw, _ = linear_grads(ctx, g, weight, ctx.h_dtype, False, True, False,
+                                        lambda: y.to(ctx.yc_dtype).to(ctx.cdt))
+                return gh, None, gw, gb, None
+            # fc2's backward; its input gradient comes back in h's dtype, as stock casts it
             gy, gw, gb = linear_grads(ctx, g, weight, ctx.h_dtype, need[0], need[2], need[3], fc2_input)
             if gy is not None:
                 gh = (_GELU_BACKWARD(gy, *codes, k) if from_codes

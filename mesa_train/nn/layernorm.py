@@ -39,6 +39,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
+from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 from mesa_train.quant.reference import LN_MAX_COLS, normalize_rows
 
@@ -115,14 +116,13 @@ def layer_norm_forward(ctx, x, normalized_shape, weight, bias, eps, quantizer):
     return out, packed, (rstd, weight, k)
 
 
-def ln_backward_from_codes(ctx, packed, g) -> bool:
-    """Whether the backward is one ``mesa::layer_norm_backward`` (DESIGN.md, "LayerNorm backward
-    from the codes"): the paper's 8-bit format, float32 math, one normalised dim of at most
-    ``LN_MAX_COLS``, and not traced as PyTorch under ``torch.compile`` (there Inductor fuses
-    the dequantize into ATen's decomposed backward itself). C++ twin: ``ln_backward_from_codes``
-    in ``csrc/layers_autograd.cpp``."""
+def ln_backward_from_codes(ctx, packed) -> bool:
+    """Whether the backward is ``mesa::layer_norm_backward`` (DESIGN.md, "LayerNorm backward from
+    the codes"; its traced form where the compression is traced as PyTorch under
+    ``torch.compile``): the paper's 8-bit format, float32 math, one normalised dim of at most
+    ``LN_MAX_COLS``. C++ twin: ``ln_backward_from_codes`` in ``csrc/layers_autograd.cpp``."""
     return (packed.fmt is None and ctx.mdt == torch.float32 and len(ctx.normalized_shape) == 1
-            and ctx.normalized_shape[0] <= LN_MAX_COLS and not traced_as_pytorch(g))
+            and ctx.normalized_shape[0] <= LN_MAX_COLS)
 
 
 def layer_norm_grads(ctx, g, packed, extra, need_x, need_w, need_b):
@@ -135,12 +135,12 @@ def layer_norm_grads(ctx, g, packed, extra, need_x, need_w, need_b):
     need_w = need_w and ctx.ln_w_dtype is not None
     need_b = need_b and ctx.ln_b_dtype is not None
     gx = gw = gb = None
-    if not scale and ln_backward_from_codes(ctx, packed, g):
+    if not scale and ln_backward_from_codes(ctx, packed):
         # all three from the codes in one op: no dequantized copy, no cast of g
+        fn = traceable.layer_norm_backward if traced_as_pytorch(g) else torch.ops.mesa.layer_norm_backward
         with no_autocast(g.device.type):
-            dx, dw, db = torch.ops.mesa.layer_norm_backward(
-                g, packed.q, packed.alpha, packed.beta, packed.num_groups, rstd.float(),
-                weight.float() if weight is not None else None, k)
+            dx, dw, db = fn(g, packed.q, packed.alpha, packed.beta, packed.num_groups, rstd.float(),
+                            weight.float() if weight is not None else None, k)
         return (dx.to(ctx.ln_x_dtype) if need_x else None, dw.to(ctx.ln_w_dtype) if need_w else None,
                 db.to(ctx.ln_b_dtype) if need_b else None)
     with no_autocast(g.device.type):

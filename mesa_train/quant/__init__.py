@@ -53,6 +53,7 @@ __all__ = [
     "gelu_backward",
     "dequantize_gelu",
     "layer_norm_backward",
+    "gelu_value_and_grad",
     "rng_state",
     "seed_tensor",
     "BACKEND",
@@ -115,6 +116,10 @@ _SCHEMAS = {
     "dequantize_gelu": (
         "dequantize_gelu(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
         "Tensor? row_exp=None) -> Tensor"
+    ),
+    "gelu_value_and_grad": (
+        "gelu_value_and_grad(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
+        "Tensor? row_exp=None) -> (Tensor value, Tensor dx)"
     ),
     "layer_norm_backward": (
         "layer_norm_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int num_groups, Tensor rstd, "
@@ -224,6 +229,10 @@ def _ref_dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp=None):
     return reference.dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp)
 
 
+def _ref_gelu_value_and_grad(g, q, alpha, beta, dim, num_groups, row_exp=None):
+    return reference.gelu_value_and_grad(g, q, alpha, beta, dim, num_groups, row_exp)
+
+
 def _ref_layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight=None, row_exp=None):
     return reference.layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
 
@@ -251,6 +260,7 @@ _REF_IMPLS = {
     "gelu_backward": _ref_gelu_backward,
     "dequantize_gelu": _ref_dequantize_gelu,
     "layer_norm_backward": _ref_layer_norm_backward,
+    "gelu_value_and_grad": _ref_gelu_value_and_grad,
 }
 
 # Which implementation serves CUDA tensors: "extension", or "reference" for a CPU-only
@@ -430,6 +440,12 @@ def _fake_dequantize_gelu(q, alpha, beta, dim, num_groups, dtype, row_exp=None):
     return q.new_empty(q.shape, dtype=dtype)
 
 
+def _fake_gelu_value_and_grad(g, q, alpha, beta, dim, num_groups, row_exp=None):
+    reference.check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
+    check_row_exp(row_exp, q, "gelu_value_and_grad")
+    return q.new_empty(q.shape, dtype=g.dtype), q.new_empty(q.shape, dtype=g.dtype)
+
+
 def _fake_layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight=None, row_exp=None):
     reference.check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
     D = q.shape[-1]
@@ -471,6 +487,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::gelu_backward")(_fake_gelu_backward)
     torch.library.register_fake("mesa::dequantize_gelu")(_fake_dequantize_gelu)
     torch.library.register_fake("mesa::layer_norm_backward")(_fake_layer_norm_backward)
+    torch.library.register_fake("mesa::gelu_value_and_grad")(_fake_gelu_value_and_grad)
     torch.library.register_fake("mesa::compress")(_fake_compress)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
@@ -765,6 +782,17 @@ def gelu_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: t
     dim = reference.check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
     check_row_exp(row_exp, q, "gelu_backward")
     return torch.ops.mesa.gelu_backward(g, q, alpha, beta, dim, num_groups, row_exp)
+
+
+def gelu_value_and_grad(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int,
+                        num_groups: int, row_exp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gelu(x), g * gelu'(x))`` at the dequantized 8-bit input ``q`` (``x`` rounded to ``g``'s
+    dtype, as :func:`dequantize` returns it; ``row_exp``: its row scales), both in ``g``'s
+    dtype: :func:`dequantize_gelu` and :func:`gelu_backward` from one read of the codes, one
+    pass on CUDA (definition: :func:`mesa_train.quant.reference.gelu_value_and_grad`)."""
+    dim = reference.check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
+    check_row_exp(row_exp, q, "gelu_value_and_grad")
+    return torch.ops.mesa.gelu_value_and_grad(g, q, alpha, beta, dim, num_groups, row_exp)
 
 
 def dequantize_gelu(q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int, num_groups: int,

@@ -184,8 +184,8 @@ def _rebuild_rows(q, alpha, beta, k, dim, G, dtype):
 
 def _gelu_linear_rows(q, alpha, beta, k, dim, G, g):
     """GELU + fc2's backward from h's codes (row scales, as fc2's input): fc2's input gelu(h)
-    and the GELU's gradient, each one op reading the codes, against the former dequantize,
-    gelu and gelu_backward (h written once, read twice)."""
+    and the GELU's gradient from one op reading the codes once, against the two ops that each
+    read them and the former dequantize, gelu and gelu_backward (h written once, read twice)."""
     n, es = q.numel(), g.element_size()
 
     def fused():
@@ -196,8 +196,10 @@ def _gelu_linear_rows(q, alpha, beta, k, dim, G, g):
         hh = torch.ops.mesa.dequantize(q, alpha, beta, dim, G, g.dtype, k)
         return torch.nn.functional.gelu(hh), torch.ops.aten.gelu_backward(g, hh)
 
-    return [("backward GELU + Linear: dequantize_gelu + gelu_backward (row scales)", (n + n * es) + (n + 2 * n * es),
-             fused),
+    return [("backward GELU + Linear: gelu_value_and_grad (row scales)", n + 3 * n * es,
+             lambda: torch.ops.mesa.gelu_value_and_grad(g, q, alpha, beta, dim, G, k)),
+            ("backward GELU + Linear, two ops: dequantize_gelu + gelu_backward (row scales)",
+             (n + n * es) + (n + 2 * n * es), fused),
             ("backward GELU + Linear, before: dequantize + gelu + gelu_backward", (n + n * es) + 2 * n * es
              + 3 * n * es, before)]
 

@@ -63,6 +63,8 @@ __all__ = [
     "softmax_backward",
     "softmax_backward_from_y",
     "layer_norm_backward",
+    "layer_norm_backward_from_xh",
+    "gelu_value_and_grad",
     "check_layer_norm_backward_args",
     "ln_column_partials",
 ]
@@ -1071,16 +1073,37 @@ def layer_norm_backward(g, q, alpha, beta, num_groups: int, rstd, weight=None, r
         dweight, dbias = sum over chunk partials of g * xh, g (:func:`ln_column_partials`)
 
     Each column sum is one ``torch.sum`` over dim 0 of its ``(blocks, D)`` partials."""
-    rows = check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
-    D = q.shape[-1]
-    xh = dequantize(q, alpha, beta, q.dim() - 1, num_groups, torch.float32, row_exp).reshape(rows, D)
+    check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
+    return layer_norm_backward_from_xh(dequantize(q, alpha, beta, q.dim() - 1, num_groups, torch.float32, row_exp),
+                                       g, rstd, weight)
+
+
+def layer_norm_backward_from_xh(xh: torch.Tensor, g: torch.Tensor, rstd: torch.Tensor, weight):
+    """:func:`layer_norm_backward` from the dequantized ``x_hat`` (float32, row exponents undone),
+    tensor ops only: the reference and its traced twin (``traceable.layer_norm_backward``) differ
+    only in how they obtain ``xh``."""
+    D = xh.shape[-1]
+    rows = xh.numel() // D if D else 0
+    shape = xh.shape
+    xh = xh.reshape(rows, D)
     gf = g.to(torch.float32).reshape(rows, D)
     gw = gf * weight if weight is not None else gf
-    n = torch.full((rows, 1), float(D), dtype=torch.float32, device=q.device)
+    n = torch.full((rows, 1), float(D), dtype=torch.float32, device=xh.device)
     m1 = lane_sum(gw) / n
     m2 = lane_sum(gw * xh) / n
     dx = rstd.reshape(rows, 1) * ((gw - m1) - xh * m2)
-    return dx.view(q.shape), ln_column_partials(gf * xh).sum(0), ln_column_partials(gf).sum(0)
+    return dx.view(shape), ln_column_partials(gf * xh).sum(0), ln_column_partials(gf).sum(0)
+
+
+def gelu_value_and_grad(g, q, alpha, beta, dim: int, num_groups: int, row_exp: torch.Tensor | None = None):
+    """``mesa::gelu_value_and_grad``: ``(dequantize_gelu(q, ..., g.dtype, row_exp), gelu_backward(g, q,
+    ..., row_exp))``, the exact GELU of the dequantized input and its gradient times ``g``, both
+    in ``g``'s dtype, from one read of the codes (GELU + Linear's backward). The CPU kernel is
+    this composition; the CUDA kernel one pass (each output the same bits as its own op's)."""
+    dim = check_gelu_backward_args(g, q, alpha, beta, dim, num_groups)
+    check_row_exp(row_exp, q, "gelu_value_and_grad")
+    return (dequantize_gelu(q, alpha, beta, dim, num_groups, g.dtype, row_exp),
+            gelu_backward(g, q, alpha, beta, dim, num_groups, row_exp))
 
 
 def dequantize_gelu(q, alpha, beta, dim: int, num_groups: int, dtype: torch.dtype = torch.float32,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 # canonical, seed_step and softmax_backward_from_y are the reference's own: already tensor-only
-from .reference import canonical, seed_step, softmax_backward_from_y
+from .reference import canonical, layer_norm_backward_from_xh, seed_step, softmax_backward_from_y, unscale_rows
 
 __all__ = ["group_minmax", "observe", "quantize_observe", "seed_step", "quantize", "dequantize", "canonical",
            "softmax_backward", "round_through"]
@@ -325,3 +325,13 @@ def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int):
         return torch.empty(q.shape, dtype=g.dtype, device=q.device)
     y = round_through(dequantize(q, alpha, beta, dim, num_groups, torch.float32), g.dtype)
     return softmax_backward_from_y(y, g)
+
+
+def layer_norm_backward(g, q, alpha, beta, num_groups: int, rstd, weight=None, row_exp=None):
+    """``mesa::layer_norm_backward`` (the reference's arithmetic without its argument checks):
+    x_hat dequantized to float32 with its row exponents undone, then the same tensor ops (lane
+    sums as unrolled adds and butterfly steps, tensor / tensor divisions, column sums in their
+    chunk and block order, then a sum over the blocks). Under aot_eager these are the op's bits
+    (tests/test_compile_kernels.py); Inductor may fuse them into other roundings."""
+    xh = unscale_rows(dequantize(q, alpha, beta, q.dim() - 1, num_groups, torch.float32), row_exp)
+    return layer_norm_backward_from_xh(xh, g, rstd, weight)

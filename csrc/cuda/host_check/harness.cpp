@@ -36,6 +36,8 @@
 // * observe_rows: row_cells (warp per row, vector and scalar paths) against the naive max |x|
 //   and per-segment min / max, and row_k_cells (k, and the cells of rows with k != 0 times
 //   2**k rounded to the dtype).
+// * gelu_value_and_grad (dequantize with both GELU epilogues at once): each output the bits of
+//   its own op's epilogue;
 // * layer_norm_backward (one block per 32 rows, a warp per chunk of 4, the same exchange; every
 //   columns-per-lane instantiation, statistics shared and per sample, in shared memory or
 //   not, with and without weight and row exponents, g with NaN / inf) against the sequential
@@ -642,6 +644,47 @@ int check_dequantize_gelu(const Layout& L, const float* alpha, const float* beta
   return errs;
 }
 
+// gelu_value_and_grad (dequantize_kernel with the StoreGeluValueAndGrad epilogue): y and dx
+// each the bits of its own op (gelu_value and gelu_grad of the value dequantize stores), so the
+// shared erff changes nothing
+template <typename scalar_t, typename IdxT, int V>
+int check_gelu_value_and_grad(const Layout& L, const float* alpha, const float* beta, int sms, const RowExp* re) {
+  int errs = 0;
+  uint8_t* q = alloc<uint8_t>(L.numel, 0);
+  scalar_t* g = alloc<scalar_t>(L.numel, 0);
+  scalar_t* y = alloc<scalar_t>(L.numel + 1, 0);
+  scalar_t* dx = alloc<scalar_t>(L.numel + 1, 0);
+  std::normal_distribution<float> nd;
+  for (int64_t i = 0; i < L.numel; ++i) {
+    q[i] = uint8_t(rng());
+    g[i] = static_cast<scalar_t>(nd(rng));
+  }
+  y[L.numel] = dx[L.numel] = scalar_t(1024.0f);
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
+    dequantize_kernel<scalar_t, IdxT, V>(q, StoreGeluValueAndGrad<scalar_t>{g, y, dx}, alpha, beta, k,
+                                         IdxT(L.numel), krows_of<IdxT>(re));
+  });
+  for (int64_t i = 0; i < L.numel; ++i) {
+    const float x = stored_value<scalar_t>(L, q, alpha, beta, i, re);
+    const scalar_t ey = static_cast<scalar_t>(gelu_value(x));
+    const scalar_t ed = static_cast<scalar_t>(gelu_grad(static_cast<float>(g[i]), x));
+    if ((!same_value(y[i], ey) || !same_value(dx[i], ed)) && errs++ < 5)
+      fprintf(stderr, "gelu_value_and_grad%s mismatch i=%ld got (%g, %g) exp (%g, %g)\n", rows_tag(re), (long)i,
+              float(y[i]), float(dx[i]), float(ey), float(ed));
+  }
+  if (float(y[L.numel]) != 1024.0f || float(dx[L.numel]) != 1024.0f) {
+    fprintf(stderr, "gelu_value_and_grad wrote past the end\n");
+    ++errs;
+  }
+  free(q);
+  free(g);
+  free(y);
+  free(dx);
+  g_checked[std::string("gelu_value_and_grad") + rows_tag(re)]++;
+  return errs;
+}
+
 template <typename scalar_t, typename IdxT, int V>
 int check_quant(const Layout& L, const scalar_t* x, const float* alpha, const float* beta, int sms, uint64_t seed,
                 const RowExp* re) {
@@ -649,7 +692,8 @@ int check_quant(const Layout& L, const scalar_t* x, const float* alpha, const fl
          check_dequantize<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
          check_dequantize_cols<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
          check_gelu_backward<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
-         check_dequantize_gelu<scalar_t, IdxT, V>(L, alpha, beta, sms, re);
+         check_dequantize_gelu<scalar_t, IdxT, V>(L, alpha, beta, sms, re) +
+         check_gelu_value_and_grad<scalar_t, IdxT, V>(L, alpha, beta, sms, re);
 }
 
 // ------------------------------------------------------------------ quantize_bits / dequantize_bits
