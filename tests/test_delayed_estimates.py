@@ -128,12 +128,12 @@ def test_one_op_per_compression(fused, monkeypatch):
 
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     x = torch.randn(2, 5, 16, requires_grad=True)
-    # (backward: dequantize, or for the exact GELU its one-op backward from the codes)
+    # (backward: dequantize, or for the exact GELU and the LayerNorm their one-op backward from the codes)
     for layer, fwd, bwd in ((mnn.GELU(estimator="delayed"), ["mesa.quantize_observe"], ["mesa.gelu_backward"]),
                             (mnn.Linear(16, 8, estimator="delayed"), ["mesa.row_exponents", "mesa.quantize_observe"],
                              ["mesa.dequantize"]),
                             (mnn.LayerNorm(16, estimator="delayed", row_scale=False), ["mesa.quantize_observe"],
-                             ["mesa.dequantize"])):
+                             ["mesa.layer_norm_backward"])):
         ops = _ops_of(layer, x)
         assert ops == fwd + bwd, ops
         assert _ops_of(layer, x) == ops  # the first batch too: decided on the device, same ops
