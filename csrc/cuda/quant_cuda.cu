@@ -2190,6 +2190,22 @@ int layer_norm_backward_per_lane(int64_t D) {
   return 32;
 }
 
+// go(std::integral_constant<int, PER>{}) with PER = layer_norm_backward_per_lane(D): the
+// instantiation a launch (or the host emulation) takes
+template <typename Go>
+void with_layer_norm_per_lane(int64_t D, Go go) {
+  switch (layer_norm_backward_per_lane(D)) {
+    case 1: go(std::integral_constant<int, 1>{}); break;
+    case 2: go(std::integral_constant<int, 2>{}); break;
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 8: go(std::integral_constant<int, 8>{}); break;
+    case 12: go(std::integral_constant<int, 12>{}); break;
+    case 16: go(std::integral_constant<int, 16>{}); break;
+    case 24: go(std::integral_constant<int, 24>{}); break;
+    default: go(std::integral_constant<int, 32>{}); break;
+  }
+}
+
 template <typename scalar_t>
 void launch_layer_norm_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                                 const at::Tensor& beta, const float* w, const at::Tensor& rstd, const int8_t* k,
@@ -2206,16 +2222,7 @@ void launch_layer_norm_backward(const at::Tensor& g, const at::Tensor& q, const 
         static_cast<int>(L.G), S, rows_per_s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  switch (layer_norm_backward_per_lane(D)) {
-    case 1: go(std::integral_constant<int, 1>{}); break;
-    case 2: go(std::integral_constant<int, 2>{}); break;
-    case 4: go(std::integral_constant<int, 4>{}); break;
-    case 8: go(std::integral_constant<int, 8>{}); break;
-    case 12: go(std::integral_constant<int, 12>{}); break;
-    case 16: go(std::integral_constant<int, 16>{}); break;
-    case 24: go(std::integral_constant<int, 24>{}); break;
-    default: go(std::integral_constant<int, 32>{}); break;
-  }
+  with_layer_norm_per_lane(D, go);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(

@@ -1881,16 +1881,7 @@ int check_layer_norm_backward(int64_t rows, int64_t D, int64_t G, int64_t S, boo
                                                 pw.data(), pb.data(), rows, int(D), int(G), int(S), rows / S);
     });
   };
-  switch (per) {
-    case 1: go(std::integral_constant<int, 1>{}); break;
-    case 2: go(std::integral_constant<int, 2>{}); break;
-    case 4: go(std::integral_constant<int, 4>{}); break;
-    case 8: go(std::integral_constant<int, 8>{}); break;
-    case 12: go(std::integral_constant<int, 12>{}); break;
-    case 16: go(std::integral_constant<int, 16>{}); break;
-    case 24: go(std::integral_constant<int, 24>{}); break;
-    default: go(std::integral_constant<int, 32>{}); break;
-  }
+  with_layer_norm_per_lane(D, go);
   std::vector<float> wdx, wpw, wpb;
   naive_layer_norm_backward(rows, D, G, S, g, q, alpha.data(), beta.data(), wp, rstd.data(), kp, wdx, wpw, wpb);
   int errs = 0;
