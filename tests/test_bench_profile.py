@@ -339,3 +339,38 @@ def test_kernel_table_is_rendered_for_mesa_rows_with_kernels():
         ("`row_cells_kernel<c10::BFloat16, true>`", "`mesa::observe_rows`", "20.0"),
         ("`reduce_kernel<512>`", "`aten::mean`", "5.0")]
     assert md.count("kernels Mesa's ops launch") == 1  # the stock row has none
+
+
+def test_host_time_is_rendered_on_a_gpu(tmp_path):
+    """On a GPU the profile also tabulates the host's self CPU time of the same steps (a step
+    waits on the host where its host Total nears the step wall), per category and per op of
+    the Mesa rows against their baseline, and writes it to the CSV as self_cpu rows."""
+    import csv
+
+    from mesa_train.bench.presets import make_row
+    from mesa_train.bench.profile import RowProfile, render_markdown, write_files
+
+    rows = [make_row({"model": "deit_ti"}, {"label": "stock", "baseline": True}),
+            make_row({"model": "deit_ti"}, {"label": "Mesa", "mesa": True, "ops": ["all"]})]
+    env = {"device": "GPU", "device_type": "cuda", "date": "d", "torch": "t", "timm": "t",
+           "mesa_train": "m", "cuda": "c", "mesa_extension": "e", "git": "g"}
+    profiles = [RowProfile("stock", ops={("aten::mm", "matmul"): (1.0, 1.0)}, wall_ms=5.0,
+                           host_ops={("aten::mm", "matmul"): (0.5, 10.0)}),
+                RowProfile("Mesa", ops={("mesa::quantize", "mesa"): (2.0, 4.0)}, wall_ms=9.0,
+                           host_ops={("aten::mm", "matmul"): (0.5, 10.0), ("mesa::quantize", "mesa"): (1.5, 30.0)})]
+    md = render_markdown(preset="p", env=env, command="c", steps=1, rows=rows, profiles=profiles)
+    table = _table(md, "## Host: self CPU time per step by category (ms)")
+    assert [(r["Row"], r["Total"], r["Step wall"]) for r in table] == [("stock (baseline)", "0.50", "5.00"),
+                                                                        ("Mesa", "2.00", "9.00")]
+    top = _table(md, "### Top 12 ops by host time: Mesa (vs stock)")
+    assert [(r["Op"], r["ms/step"], r["us/call"], r["baseline ms/step"]) for r in top] == [
+        ("`mesa::quantize`", "1.50", "50.0", "–"), ("`aten::mm`", "0.50", "50.0", "0.50")]
+    write_files(tmp_path / "p.md", tmp_path / "p.csv", preset="p", env=env, command="c", steps=1, rows=rows,
+                profiles=profiles)
+    kinds = [(r["label"], r["op"], r["time"]) for r in csv.DictReader(open(tmp_path / "p.csv"))]
+    assert ("Mesa", "mesa::quantize", "self_cuda") in kinds and ("Mesa", "mesa::quantize", "self_cpu") in kinds
+    # on a CPU the op table already is host time: no second one
+    cpu = render_markdown(preset="p", env={**env, "device_type": "cpu"}, command="c", steps=1, rows=rows,
+                          profiles=[RowProfile("stock", ops={("aten::mm", "matmul"): (1.0, 1.0)}),
+                                    RowProfile("Mesa", ops={("aten::mm", "matmul"): (1.0, 1.0)})])
+    assert "## Host:" not in cpu

@@ -231,10 +231,12 @@ class RowProfile:
     ops: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     wall_ms: float | None = None  # wall clock per profiled step, profiler overhead included
     kernels: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # mesa_kernels
+    # on a GPU: the host side, self CPU time per op (where a host-bound step's time goes)
+    host_ops: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
 
-    def by_category(self) -> dict[str, float]:
+    def by_category(self, host: bool = False) -> dict[str, float]:
         out = dict.fromkeys(CATEGORIES, 0.0)
-        for (_, cat), (ms, _) in self.ops.items():
+        for (_, cat), (ms, _) in (self.host_ops if host else self.ops).items():
             out[cat] += ms
         return out
 
@@ -268,6 +270,8 @@ def profile_row(row: RowConfig, device: torch.device, *, steps: int, seed: int =
         result.ops = aggregate(prof.events(), device_time=device.type == "cuda", steps=steps,
                                mesa_functions=fns)
         result.kernels = mesa_kernels(prof.events(), steps=steps, mesa_functions=fns)
+        if device.type == "cuda":
+            result.host_ops = aggregate(prof.events(), device_time=False, steps=steps, mesa_functions=fns)
     except Exception as err:  # noqa: BLE001 - reported in the file
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         result.status = "oom" if is_oom(err) else "error"
@@ -396,12 +400,46 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
             for (kern, op), (ms, n) in sorted(p.kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]:
                 w(f"| `{_cell(kern)}` | `{_cell(op)}` | {_ms(ms)} | {n:g} | {1000 * ms / n:,.1f} |\n")
 
+    _render_host_time(w, ok, baseline)
     w("\n## Categories (first matching rule wins)\n\n| Category | Rule |\n|---|---|\n")
     for cat, text, _ in RULES:
         w(f"| {cat or '(enclosing op)'} | {text} |\n")
     w("\nBaseline ms/step in the top-ops tables is the same op in the same category of the "
       "baseline row (– where it does not occur there).\n")
     return out.getvalue()
+
+
+def _render_host_time(w: Callable[[str], Any], ok: list[tuple[RowConfig, RowProfile]],
+                      baseline: dict[str, str]) -> None:
+    """On a GPU, the host's side of the same steps: self CPU time per step by category, and each
+    Mesa row's top ops by it against its baseline. A step is host-bound where this Total comes
+    near the step wall while the GPU Total stays below it (the GPU waits on launches)."""
+    host = [(r, p) for r, p in ok if p.host_ops]
+    if not host:
+        return
+    cats = {r.label: p.by_category(host=True) for r, p in host}
+    shown = [c for c in CATEGORIES if any(cats[r.label][c] > 0.005 for r, _ in host)] or ["other"]
+    w("\n## Host: self CPU time per step by category (ms)\n\n"
+      "The same profiled steps, CPU side: Python and C++ dispatch, autograd, kernel launches.\n\n")
+    head = ["Row", *shown, "Total", "Step wall"]
+    w("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
+    for r, p in host:
+        c = cats[r.label]
+        total = sum(ms for ms, _ in p.host_ops.values())
+        w("| " + " | ".join([_cell(r.label) + (" (baseline)" if r.baseline else ""), *[_ms(c[k]) for k in shown],
+                             _ms(total), _ms(p.wall_ms)]) + " |\n")
+    by_label = {r.label: p for r, p in host}
+    for r, p in host:
+        if not r.mesa:
+            continue
+        b = baseline.get(r.group_name)
+        bops = by_label[b].host_ops if b in by_label else {}
+        w(f"\n### Top {TOP_OPS} ops by host time: {_cell(r.label)}" + (f" (vs {_cell(b)})" if b else "") + "\n\n")
+        w("| Op | Category | ms/step | calls/step | us/call | baseline ms/step |\n|---|---|---|---|---|---|\n")
+        for (op, cat), (ms, n) in sorted(p.host_ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]:
+            base = bops.get((op, cat))
+            per = f"{1000 * ms / n:,.1f}" if n else "–"
+            w(f"| `{_cell(op)}` | {cat} | {_ms(ms)} | {n:g} | {per} | {_ms(base[0]) if base else '–'} |\n")
 
 
 def write_files(md_path: Path, csv_path: Path, *, preset: str, env: dict[str, Any],
@@ -416,8 +454,9 @@ def write_files(md_path: Path, csv_path: Path, *, preset: str, env: dict[str, An
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for p in profiles:
-            for (op, cat), (ms, n) in sorted(p.ops.items(), key=lambda kv: -kv[1][0]):
-                writer.writerow({"preset": preset, "label": p.label, "op": op, "category": cat,
-                                 "ms_per_step": f"{ms:.4f}", "calls_per_step": f"{n:g}",
-                                 "time": kind})
+            for ops, time_kind in ((p.ops, kind), (p.host_ops, "self_cpu")):
+                for (op, cat), (ms, n) in sorted(ops.items(), key=lambda kv: -kv[1][0]):
+                    writer.writerow({"preset": preset, "label": p.label, "op": op, "category": cat,
+                                     "ms_per_step": f"{ms:.4f}", "calls_per_step": f"{n:g}",
+                                     "time": time_kind})
     return md
