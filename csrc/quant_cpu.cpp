@@ -1181,23 +1181,27 @@ MESA_ALWAYS_INLINE void ln_bwd_block_body(const float* __restrict__ xh, const T*
   for (int64_t c0 = r0; c0 < r1; c0 += kLnChunkRows) {
     for (int64_t j = 0; j < D; ++j) cw[j] = cb[j] = 0.0f;
     for (int64_t r = c0; r < std::min<int64_t>(c0 + kLnChunkRows, r1); ++r) {
-      const float* x = xh + r * D;
-      const T* gr = g + r * D;
+      // simple loops, one store stream each, so that they vectorise (one loop storing gw, cw
+      // and cb did not: float32 g could alias them); the same operations per element and
+      // per accumulator, in the same order
+      const float* __restrict__ x = xh + r * D;
+      const T* __restrict__ gr = g + r * D;
+      if (w != nullptr) {
+        for (int64_t j = 0; j < D; ++j) gw[j] = f_mul(to_f(gr[j]), w[j]);
+      } else {
+        for (int64_t j = 0; j < D; ++j) gw[j] = to_f(gr[j]);
+      }
       float a1[kLanes] = {}, a2[kLanes] = {};
       for_chunks(D, [&](int64_t j0, auto m) {
-        for (int64_t l = 0; l < int64_t(m); ++l) {
-          const int64_t j = j0 + l;
-          const float gv = to_f(gr[j]);
-          const float gwv = w != nullptr ? f_mul(gv, w[j]) : gv;
-          gw[j] = gwv;
-          a1[l] = f_add(a1[l], gwv);
-          a2[l] = f_add(a2[l], f_mul(gwv, x[j]));
-          cw[j] = f_add(cw[j], f_mul(gv, x[j]));
-          cb[j] = f_add(cb[j], gv);
-        }
+        for (int64_t l = 0; l < int64_t(m); ++l) a1[l] = f_add(a1[l], gw[j0 + l]);
       });
+      for_chunks(D, [&](int64_t j0, auto m) {
+        for (int64_t l = 0; l < int64_t(m); ++l) a2[l] = f_add(a2[l], f_mul(gw[j0 + l], x[j0 + l]));
+      });
+      for (int64_t j = 0; j < D; ++j) cw[j] = f_add(cw[j], f_mul(to_f(gr[j]), x[j]));
+      for (int64_t j = 0; j < D; ++j) cb[j] = f_add(cb[j], to_f(gr[j]));
       const float m1 = f_div(butterfly(a1), n), m2 = f_div(butterfly(a2), n), rs = rstd[r];
-      float* o = dx + r * D;
+      float* __restrict__ o = dx + r * D;
       for (int64_t j = 0; j < D; ++j) o[j] = f_mul(rs, f_sub(f_sub(gw[j], m1), f_mul(x[j], m2)));
     }
     for (int64_t j = 0; j < D; ++j) {
