@@ -338,8 +338,7 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
     ok = [(r, by_label[r.label]) for r in rows if r.label in by_label and by_label[r.label].status == "ok"]
     baseline = {r.group_name: r.label for r in rows if r.baseline}  # ratios use the same rule
     cats = {r.label: by_label[r.label].by_category() for r, _ in ok}
-    # a category no row spends time in is only noise in the table
-    shown = [c for c in CATEGORIES if any(cats[r.label][c] > 0.005 for r, _ in ok)] or ["other"]
+    shown = _shown_categories(cats)
     warm = sorted({r.warmup for r in rows})
 
     out = io.StringIO()
@@ -361,12 +360,7 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
          "Total is Python time outside any op.") + "\n\n")
 
     w(f"## {time_name[0].upper() + time_name[1:]} by category (ms)\n\n")
-    head = ["Row", *shown, "Total", "Step wall"]
-    w("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
-    for r, p in ok:
-        c = cats[r.label]
-        w("| " + " | ".join([_cell(r.label) + (" (baseline)" if r.baseline else ""),
-                             *[_ms(c[k]) for k in shown], _ms(p.total_ms), _ms(p.wall_ms)]) + " |\n")
+    _category_table(w, ok, cats, shown, lambda p: p.total_ms)
     failed = [p for p in profiles if p.status != "ok"]
     if failed:
         w("\nNot profiled: " + "; ".join(f"{p.label} ({p.status}: {p.error})" for p in failed) + "\n")
@@ -390,10 +384,7 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
         b = baseline.get(r.group_name)
         bops = by_label[b].ops if b in cats else {}
         w(f"\n## Top {TOP_OPS} ops by self time: {_cell(r.label)}" + (f" (vs {_cell(b)})" if b else "") + "\n\n")
-        w("| Op | Category | ms/step | calls/step | baseline ms/step |\n|---|---|---|---|---|\n")
-        for (op, cat), (ms, n) in sorted(p.ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]:
-            base = bops.get((op, cat))
-            w(f"| `{_cell(op)}` | {cat} | {_ms(ms)} | {n:g} | {_ms(base[0]) if base else '–'} |\n")
+        _top_ops_table(w, p.ops, bops, per_call=False)
         if p.kernels:
             w(f"\n### Top {TOP_KERNELS} kernels Mesa's ops launch: {_cell(r.label)}\n\n")
             w("| Kernel | launched by | ms/step | launches/step | us/launch |\n|---|---|---|---|---|\n")
@@ -418,16 +409,9 @@ def _render_host_time(w: Callable[[str], Any], ok: list[tuple[RowConfig, RowProf
     if not host:
         return
     cats = {r.label: p.by_category(host=True) for r, p in host}
-    shown = [c for c in CATEGORIES if any(cats[r.label][c] > 0.005 for r, _ in host)] or ["other"]
     w("\n## Host: self CPU time per step by category (ms)\n\n"
       "The same profiled steps, CPU side: Python and C++ dispatch, autograd, kernel launches.\n\n")
-    head = ["Row", *shown, "Total", "Step wall"]
-    w("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
-    for r, p in host:
-        c = cats[r.label]
-        total = sum(ms for ms, _ in p.host_ops.values())
-        w("| " + " | ".join([_cell(r.label) + (" (baseline)" if r.baseline else ""), *[_ms(c[k]) for k in shown],
-                             _ms(total), _ms(p.wall_ms)]) + " |\n")
+    _category_table(w, host, cats, _shown_categories(cats), lambda p: sum(ms for ms, _ in p.host_ops.values()))
     by_label = {r.label: p for r, p in host}
     for r, p in host:
         if not r.mesa:
@@ -435,11 +419,36 @@ def _render_host_time(w: Callable[[str], Any], ok: list[tuple[RowConfig, RowProf
         b = baseline.get(r.group_name)
         bops = by_label[b].host_ops if b in by_label else {}
         w(f"\n### Top {TOP_OPS} ops by host time: {_cell(r.label)}" + (f" (vs {_cell(b)})" if b else "") + "\n\n")
-        w("| Op | Category | ms/step | calls/step | us/call | baseline ms/step |\n|---|---|---|---|---|---|\n")
-        for (op, cat), (ms, n) in sorted(p.host_ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]:
-            base = bops.get((op, cat))
-            per = f"{1000 * ms / n:,.1f}" if n else "–"
-            w(f"| `{_cell(op)}` | {cat} | {_ms(ms)} | {n:g} | {per} | {_ms(base[0]) if base else '–'} |\n")
+        _top_ops_table(w, p.host_ops, bops, per_call=True)
+
+
+def _shown_categories(cats: dict[str, dict[str, float]]) -> list[str]:
+    """The categories some row spends time in (the others are only noise in a table)."""
+    return [c for c in CATEGORIES if any(c_ms[c] > 0.005 for c_ms in cats.values())] or ["other"]
+
+
+def _category_table(w: Callable[[str], Any], pairs: list[tuple[RowConfig, RowProfile]],
+                    cats: dict[str, dict[str, float]], shown: list[str],
+                    total_of: Callable[[RowProfile], float]) -> None:
+    """One line per row: its ms per step in each shown category, its Total and Step wall."""
+    head = ["Row", *shown, "Total", "Step wall"]
+    w("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
+    for r, p in pairs:
+        c = cats[r.label]
+        w("| " + " | ".join([_cell(r.label) + (" (baseline)" if r.baseline else ""),
+                             *[_ms(c[k]) for k in shown], _ms(total_of(p)), _ms(p.wall_ms)]) + " |\n")
+
+
+def _top_ops_table(w: Callable[[str], Any], ops: dict[tuple[str, str], tuple[float, float]],
+                   baseline_ops: dict[tuple[str, str], tuple[float, float]], *, per_call: bool) -> None:
+    """A row's TOP_OPS ops by time, with the same op (same category) in its baseline row;
+    ``per_call``: a us/call column too."""
+    w("| Op | Category | ms/step | calls/step |" + (" us/call |" if per_call else "") + " baseline ms/step |\n"
+      + "|---" * (6 if per_call else 5) + "|\n")
+    for (op, cat), (ms, n) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]:
+        base = baseline_ops.get((op, cat))
+        per = (f" {1000 * ms / n:,.1f} |" if n else " – |") if per_call else ""
+        w(f"| `{_cell(op)}` | {cat} | {_ms(ms)} | {n:g} |{per} {_ms(base[0]) if base else '–'} |\n")
 
 
 def write_files(md_path: Path, csv_path: Path, *, preset: str, env: dict[str, Any],

@@ -135,7 +135,7 @@ def layer_norm_grads(ctx, g, packed, extra, need_x, need_w, need_b):
     need_w = need_w and ctx.ln_w_dtype is not None
     need_b = need_b and ctx.ln_b_dtype is not None
     gx = gw = gb = None
-    if not scale and ln_backward_from_codes(ctx, packed):
+    if ln_backward_from_codes(ctx, packed):  # (8 bits: never the float16 rstd of `scale`)
         # all three from the codes in one op: no dequantized copy, no cast of g
         fn = traceable.layer_norm_backward if traced_as_pytorch(g) else torch.ops.mesa.layer_norm_backward
         with no_autocast(g.device.type):

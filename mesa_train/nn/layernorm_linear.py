@@ -120,7 +120,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         # one Linear whose norm's backward reads g in any dtype (layer_norm_backward): its input
         # gradient stays in the Linear's compute dtype, no cast pass (the op's float32 of it is
         # the cast's, exactly). Several Linears add their input gradients in the norm's dtype.
-        keep_cdt = n == 1 and not extra[3:] and ln_backward_from_codes(ctx, packed)
+        keep_cdt = n == 1 and ln_backward_from_codes(ctx, packed)
         gy, g_params = None, []
         with no_autocast(grads[0].device.type):
             # each Linear's backward, its input in the stock dtypes (the norm's output dtype, then

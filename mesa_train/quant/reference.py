@@ -1009,8 +1009,8 @@ LN_BLOCK_CHUNKS = 8  # chunks one block sums in order (a block: LN_CHUNK_ROWS * 
 LN_MAX_COLS = 1024  # the widest row (LayerNorm width) the op takes: the CUDA kernel keeps rows in registers
 
 
-def check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp) -> int:
-    """Validate layer_norm_backward's arguments; return the rows (``q.numel() / q.shape[-1]``)."""
+def check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp) -> None:
+    """Validate layer_norm_backward's arguments."""
     dim = _check_codes_backward_args("layer_norm_backward", g, q, -1)
     _check_groups(q, dim, num_groups)
     S = _check_params(q, alpha, beta, num_groups)
@@ -1039,7 +1039,6 @@ def check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, 
     if row_exp is not None and row_exp.numel() != rows:
         raise ValueError(f"layer_norm_backward: row_exp must hold one exponent per row of the last dim ({rows}), "
                          f"got shape {tuple(row_exp.shape)}")
-    return rows
 
 
 def ln_column_partials(t: torch.Tensor) -> torch.Tensor:
