@@ -179,6 +179,7 @@ def test_bad_row_values_name_the_choices():
         ({"label": "a", "accum_steps": 3}, ["divisible"]),
         ({"label": "a", "paper": "table7/nope"}, ["table7/+ Mesa w/ GELU"]),
         ({"label": "a", "compile": True, "compile_kernels": "fast"}, ["auto", "ops", "traceable"]),
+        ({"label": "a", "compile": True, "compile_scope": "layers"}, ["compile_scope='layers'", "model, blocks"]),
     ]
     for row, words in cases:
         with pytest.raises(BenchConfigError) as info:
@@ -445,6 +446,8 @@ def test_speed_preset_runs_every_knob(tmp_path):
     assert rows["Mesa eager no row scale"]["config"]["quant"] == {"row_scale": False}
     assert rows["Mesa eager nearest"]["config"]["quant"] == {"rounding": "nearest"}
     assert rows["Mesa compiled traceable"]["config"]["compile_kernels"] == "traceable"
+    assert rows["Mesa compiled traceable"]["config"]["compile_scope"] == "blocks"
+    assert rows["Mesa compiled traceable"]["measurement"]["graphs"] == 1  # the one block's graph
     assert rows["Mesa eager delayed"]["config"]["quant"] == {"estimator": "delayed"}
     assert rows["Mesa compiled traceable delayed"]["config"]["quant"] == {"estimator": "delayed"}
     assert rows["Mesa compiled traceable delayed"]["measurement"]["graph_breaks"] == 0
@@ -491,3 +494,16 @@ def test_cuda_graph_rows_read_the_peak_across_their_recording(monkeypatch, mode,
     assert m.peak_kind == ("cuda_max_memory_allocated_from_warmup" if reset_before_warmup
                            else "cuda_max_memory_allocated")
     assert measure.cuda_graph_peak(row, torch.device("cpu")) is False
+
+
+def test_recorded_command_names_the_cache_environment(monkeypatch):
+    """A cold Inductor cache (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1) changes the compile times a
+    table reports: the recorded command carries it, so the run can be repeated as it was."""
+    from mesa_train.bench.__main__ import _environment_prefix
+
+    for key in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_CACHE_DIR", "MESA_COMPILE_KERNELS"):
+        monkeypatch.delenv(key, raising=False)
+    assert _environment_prefix() == ""
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/a b")
+    assert _environment_prefix() == "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 TORCHINDUCTOR_CACHE_DIR='/tmp/a b' "

@@ -56,6 +56,29 @@ def test_compile_mode_reaches_torch_compile(compose_train, tmp_path, monkeypatch
     assert summary["step"] == 2 and len(marks) == 2
 
 
+def test_compile_scope_blocks_compiles_each_block(compose_train, tmp_path, monkeypatch):
+    """trainer.compile_scope=blocks: each timm block compiled in place as one whole graph (the
+    stem and head eager), the run trains, and the checkpoint keys are the model's own (no
+    torch.compile wrapper prefix), so a resume loads them."""
+    calls = []
+    real_compile = torch.compile
+
+    def strict_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return real_compile(fn, **{**kwargs, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", functools.wraps(real_compile)(strict_compile))
+    torch._dynamo.reset()
+    overrides = TINY_MODELS["deit"] + FAST_TRAINER + ["mesa.enabled=true", "trainer.compile=true",
+                                                      "trainer.compile_scope=blocks"]
+    summary = fit(compose_train(overrides), str(tmp_path))
+    assert summary["step"] == 2
+    # one call per block of the tiny DeiT, each fullgraph with static shapes
+    assert len(calls) >= 2 and all(c["fullgraph"] and c["dynamic"] is False for c in calls), calls
+    ckpt = load_checkpoint(str(tmp_path / "checkpoints" / "last.pt"))["model"]
+    assert not any("_orig_mod" in k for k in ckpt) and any(k.startswith("blocks.0.") for k in ckpt)
+
+
 def test_compile_mode_errors_name_the_choices(compose_train):
     import pytest
 
@@ -66,6 +89,9 @@ def test_compile_mode_errors_name_the_choices(compose_train):
          "trainer.compile_mode='fast' is not valid; choose one of: default, reduce-overhead, max-autotune, "
          "max-autotune-no-cudagraphs"),
         (["trainer.compile_mode=reduce-overhead"], "trainer.compile_mode=reduce-overhead needs trainer.compile=true"),
+        (["trainer.compile=true", "trainer.compile_scope=layers"],
+         "trainer.compile_scope='layers' is not valid; choose one of: model, blocks"),
+        (["trainer.compile_scope=blocks"], "trainer.compile_scope=blocks needs trainer.compile=true"),
         (["trainer.compile=true", "trainer.compile_mode=reduce-overhead", "trainer.grad_accum=2"],
          "captures CUDA graphs and cannot accumulate gradients over micro-batches (trainer.grad_accum=2); use "
          "trainer.grad_accum=1 or trainer.compile_mode=default"),

@@ -10,6 +10,7 @@ message names the valid choices), 3 Mesa is not importable.
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 
@@ -24,6 +25,15 @@ def _error(msg: str, code: int) -> None:
     sys.exit(code)
 
 
+# environment variables that change what a run measures (compile times with a cold or warm
+# Inductor cache, the compiled compression kernels): the recorded command names them
+_RECORDED_ENV = ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_CACHE_DIR", "MESA_COMPILE_KERNELS")
+
+
+def _environment_prefix() -> str:
+    return "".join(f"{k}={shlex.quote(os.environ[k])} " for k in _RECORDED_ENV if os.environ.get(k))
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -36,7 +46,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.preset.get("name") == "auto":
         cfg = _resolve_auto(cfg, overrides)
         overrides = [o for o in overrides if not o.startswith("preset=")] + [f"preset={cfg.preset.name}"]
-    command = "python -m mesa_train.bench " + " ".join(shlex.quote(o) for o in overrides)
+    command = _environment_prefix() + "python -m mesa_train.bench " + " ".join(shlex.quote(o) for o in overrides)
     try:
         if cfg.preset.get("kind") == "planner":  # the planner's frontier (mesa_train/bench/planner.py)
             from mesa_train.bench.planner import run_planner

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from mesa_train.bench.presets import BenchConfigError, RowConfig
 from mesa_train.models import build_model, set_fused_attention
 from mesa_train.nn.quantizer import mark_estimates_ready
+from mesa_train.compile_scope import compile_model
 from mesa_train.quant.compile_kernels import set_compile_kernels
 from mesa_train.train.config import CUDA_GRAPH_COMPILE_MODES
 
@@ -280,7 +281,9 @@ class TrainStep:
         self.row, self.model, self.device = row, model, device
         self.first_step_s: float | None = None  # set by warm_step (compilation included)
         # what runs forward: the compiled wrapper shares the model's parameters and buffers
-        self.forward_model = (torch.compile(model, mode=row.compile_mode, backend=row.compile_backend)
+        # (scope "blocks" compiles the model's blocks in place and runs the rest eager)
+        self.forward_model = (compile_model(model, row.compile_scope, fullgraph=False, mode=row.compile_mode,
+                                            backend=row.compile_backend)
                               if row.compile else model)
         self.optimizer = make_optimizer(row, model)
         self.scaler = torch.amp.GradScaler(device.type) if row.amp == "fp16" else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mesa_train.bench.paper_numbers import paper_row
+from mesa_train.compile_scope import SCOPES as COMPILE_SCOPES
 from mesa_train.models import MODEL_NAMES, timm_name
 from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 from mesa_train.train.config import COMPILE_MODES as TRAIN_COMPILE_MODES
@@ -89,6 +90,7 @@ class RowConfig:
     compile_mode: str | None = None  # torch.compile mode, e.g. reduce-overhead (CUDA graphs)
     compile_backend: str = "inductor"  # torch.compile backend (aot_eager: traced, no codegen; for tests)
     compile_kernels: str = "auto"  # Mesa's compression under compile: auto | ops | traceable (quant/compile_kernels.py)
+    compile_scope: str = "model"  # one graph for the model, or one per repeated block (mesa_train/compile_scope.py)
 
     @property
     def micro_batch(self) -> int:
@@ -130,7 +132,8 @@ class RowConfig:
             bits.append(f"accum{self.accum_steps}")
         if self.compile:
             bits.append("compiled" + (f"({self.compile_mode})" if self.compile_mode else "")
-                        + ("" if self.compile_kernels == "auto" else f"[{self.compile_kernels} kernels]"))
+                        + ("" if self.compile_kernels == "auto" else f"[{self.compile_kernels} kernels]")
+                        + ("" if self.compile_scope == "model" else f"[per {self.compile_scope[:-1]}]"))
         return " ".join(bits)
 
 
@@ -196,6 +199,9 @@ def check_row(row: RowConfig) -> None:
     if row.compile_kernels not in COMPILE_KERNELS:
         raise BenchConfigError(f"{where}: compile_kernels={row.compile_kernels!r} is not valid; valid choices: "
                                + ", ".join(COMPILE_KERNELS))
+    if row.compile_scope not in COMPILE_SCOPES:
+        raise BenchConfigError(f"{where}: compile_scope={row.compile_scope!r} is not valid; valid choices: "
+                               + ", ".join(COMPILE_SCOPES))
     if row.compile_mode not in COMPILE_MODES:
         raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} is not valid; valid choices: "
                                + ", ".join("null" if m is None else m for m in COMPILE_MODES))

@@ -116,6 +116,7 @@ def build_records(preset: str, rows: list[RowConfig], results: list[Measurement]
             "grad_checkpointing": row.grad_checkpointing, "num_classes": row.num_classes,
             "compile": ((row.compile_mode or "default")
                         + ("" if row.compile_kernels == "auto" else f", {row.compile_kernels} kernels")
+                        + ("" if row.compile_scope == "model" else f", per {row.compile_scope[:-1]}")
                         if row.compile else ""),
             "graphs": m.graphs, "graph_breaks": m.graph_breaks, "compile_s": m.compile_s,
             "status": m.status, "error": m.error or "; ".join(m.notes),

@@ -26,7 +26,9 @@ call). Why: the traced compression is slow to compile and no faster to run.
   (``mesa::estimate_and_seed``; traced they were 64% of its graph nodes): a 2-block DeiT-S
   traces and partitions in 9.0 s instead of 15.9 s on CPU, 3159 forward-graph nodes instead
   of 6985 (``ops``: 3.6 s, 757; ``scripts/trace_cost.py`` on both trees); not re-timed on a
-  GPU yet. The modern preset keeps a ``(traceable)`` row to compare the two.
+  GPU yet. The modern and speed presets run ``traceable`` per block
+  (:mod:`mesa_train.compile_scope`: the identical blocks share one graph, so it compiles in
+  the time of one block) against stock compiled per block.
 
 Set it with :func:`set_compile_kernels` (before the first compiled call: Dynamo guards on
 it, so a change recompiles) or the environment variable ``MESA_COMPILE_KERNELS``.

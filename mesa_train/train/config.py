@@ -9,6 +9,7 @@ import difflib
 import os
 from typing import Any
 
+from mesa_train.compile_scope import SCOPES as COMPILE_SCOPES
 from mesa_train.models import MODEL_NAMES, is_known_model
 from mesa_train.patch import MODULE_SETS, OPS
 from mesa_train.patch.cancellation import CANCELLING_BN
@@ -140,9 +141,15 @@ def validate(cfg) -> None:
 
 
 def _check_compile_mode(t, errors: list[str]) -> None:
-    """``trainer.compile_mode``: a torch.compile mode, only with ``trainer.compile=true``; the
+    """``trainer.compile_scope`` and ``trainer.compile_mode``: a scope of mesa_train/compile_scope.py
+    and a torch.compile mode, each only with ``trainer.compile=true``; the
     CUDA-graph modes need one micro-batch per step (the next micro-batch's backward replays
     the graph over the memory the gradients of the last one live in)."""
+    scope = t.get("compile_scope", "model")
+    if scope not in COMPILE_SCOPES:
+        errors.append(f"trainer.compile_scope={scope!r} is not valid; choose one of: {', '.join(COMPILE_SCOPES)}")
+    elif scope != "model" and not t.get("compile"):
+        errors.append(f"trainer.compile_scope={scope} needs trainer.compile=true")
     mode = t.get("compile_mode", "default")
     if mode not in COMPILE_MODES:
         errors.append(f"trainer.compile_mode={mode!r} is not valid; choose one of: {', '.join(COMPILE_MODES)}")

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch
 
+from mesa_train.compile_scope import compile_model
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 from mesa_train.train import rundir
@@ -217,7 +218,14 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
     if t.compile:
         set_compile_kernels(cfg.mesa.get("compile_kernels", "auto"))  # before the first traced call
         mode = t.get("compile_mode", "default")
-        train_model = torch.compile(train_model, mode=None if mode == "default" else mode)
+        scope = t.get("compile_scope", "model")
+        try:
+            # scope "model": one graph (DDP splits it at its buckets, so no fullgraph); "blocks":
+            # each block of the unwrapped model compiled in place, one whole graph per block
+            train_model = compile_model(train_model, scope, fullgraph=scope == "blocks",
+                                        mode=None if mode == "default" else mode)
+        except ValueError as err:  # a model without blocks: the one-line error names the choices
+            raise ConfigError(f"trainer.compile_scope={scope}: {err}") from None
 
     lr = learning_rate(cfg, world)
     optimizer, scheduler = build_optimizer(cfg, model, lr, loaders.train_batches)

@@ -1,0 +1,130 @@
+"""Regional compilation (mesa_train/compile_scope.py): each repeated block compiled on its own.
+
+Backend ``aot_eager`` (as tests/test_compile_fullgraph.py): forward and backward traced as
+Inductor would trace them, run as ATen ops, so the compiled steps compare bit for bit with
+eager Mesa, and a graph break inside a block fails (``fullgraph=True``)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from mesa_train.compile_scope import SCOPES, compile_model, repeated_blocks
+from mesa_train.patch import patch_model
+
+from test_patch_helpers import TINY, build, grads, inputs, loss_of, set_fused
+
+
+def test_repeated_blocks_follow_timm_block_containers():
+    assert [n for n, _ in repeated_blocks(build("deit"))] == ["blocks.0", "blocks.1"]
+    assert [n for n, _ in repeated_blocks(build("swin"))] == [
+        "layers.0.blocks.0", "layers.0.blocks.1", "layers.1.blocks.0", "layers.1.blocks.1"]
+    assert [n for n, _ in repeated_blocks(build("pvt"))] == [f"stages.{i}.blocks.0" for i in range(4)]
+
+
+def test_repeated_blocks_look_through_wrappers_and_skip_nested_containers():
+    model = build("deit")
+    # a `blocks` container inside a block belongs to that block's region
+    model.blocks[0].inner = nn.Module()
+    model.blocks[0].inner.blocks = nn.ModuleList([nn.Identity(), nn.Identity()])
+    wrapped = nn.DataParallel(torch.compile(model, backend="eager"))
+    assert [n for n, _ in repeated_blocks(wrapped)] == ["blocks.0", "blocks.1"]
+
+
+def test_scope_errors_name_the_choices():
+    with pytest.raises(ValueError, match=r"compile scope must be one of model, blocks, got 'layers'"):
+        compile_model(build("deit"), "layers")
+    with pytest.raises(ValueError, match=r"Sequential has no 'blocks' container .* valid choices for it: model"):
+        compile_model(nn.Sequential(nn.Linear(2, 2)), "blocks", backend="eager")
+    assert SCOPES == ("model", "blocks")
+
+
+def _deep_deit():
+    kwargs = dict(TINY["deit"][0], depth=4)
+    torch.manual_seed(0)
+    return timm.create_model(pretrained=False, **kwargs).train()
+
+
+def test_identical_blocks_share_one_graph_and_train_like_eager():
+    """Four DeiT blocks: one graph (the compile time of one block), forward and gradients bit
+    for bit eager Mesa's over two steps, the estimates and counters advanced as in eager."""
+    torch._dynamo.reset()
+    counters.clear()
+    stock = _deep_deit()
+    model = patch_model(copy.deepcopy(stock), ops=("all",))
+    eager = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    x = inputs("deit")
+    compiled = compile_model(model, "blocks", backend="aot_eager")
+    assert compiled is model and list(model.state_dict()) == keys  # no _orig_mod. prefix
+    for step in range(2):
+        out = compiled(x)
+        loss_of(out).backward()
+        ref = eager(x)
+        loss_of(ref).backward()
+        assert torch.equal(out, ref), f"step {step}: per-block compiled forward differs from eager Mesa"
+        assert torch.equal(ref, stock(x)), f"step {step}: eager Mesa differs from stock"
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    got, want = grads(model), grads(eager)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    bufs = dict(eager.named_buffers())
+    assert all(torch.equal(b, bufs[n]) for n, b in model.named_buffers())
+
+
+@pytest.mark.parametrize("family, graphs", [("swin", 3), ("pvt", 4)])
+def test_blocks_of_different_shapes_get_their_own_graphs(family, graphs):
+    """Swin (unshifted, shifted with its mask, the narrower second stage) and PVT-v2 (one
+    width per stage): a static graph per distinct block, still bitwise eager Mesa."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = patch_model(build(family, fused=False), ops=("all",))
+    eager = copy.deepcopy(model)
+    x = inputs(family)
+    compiled = compile_model(model, "blocks", backend="aot_eager")
+    out = compiled(x)
+    loss_of(out).backward()
+    ref = eager(x)
+    loss_of(ref).backward()
+    assert torch.equal(out, ref)
+    assert counters["stats"]["unique_graphs"] == graphs
+    got, want = grads(model), grads(eager)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_recompile_limit_covers_every_block():
+    """12 blocks that could each be distinct: the limit is raised so none falls back to eager."""
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 8
+        model = nn.Module()
+        model.blocks = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)])
+        compile_model(model, "blocks", backend="eager")
+        assert torch._dynamo.config.recompile_limit == 24
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+
+
+def test_dropout_masks_equal_stock_per_block():
+    """With dropout and drop-path active, the per-block compiled patched model draws the per-block
+    compiled stock model's masks (Mesa never touches the global generator)."""
+    torch._dynamo.reset()
+    kwargs = dict(TINY["deit"][0], drop_rate=0.1, proj_drop_rate=0.1, attn_drop_rate=0.1, drop_path_rate=0.2)
+    torch.manual_seed(0)
+    stock = timm.create_model(pretrained=False, **kwargs).train()
+    set_fused(stock, False)  # the explicit attention (fused attention with dropout runs eager under compile)
+    model = patch_model(copy.deepcopy(stock), ops=("all",))
+    c_stock = compile_model(stock, "blocks", backend="aot_eager")
+    c_model = compile_model(model, "blocks", backend="aot_eager")
+    x = inputs("deit")
+    for step in range(2):
+        torch.manual_seed(300 + step)
+        ref = c_stock(x)
+        torch.manual_seed(300 + step)
+        out = c_model(x)
+        assert torch.equal(out, ref), f"step {step}"
+        loss_of(out).backward()
