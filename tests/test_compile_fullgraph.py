@@ -18,6 +18,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
+from mesa_train.compile_scope import compile_model
 from mesa_train.nn import MatMul
 from mesa_train.nn.quantizer import ActivationQuantizer
 from mesa_train.patch import patch_model
@@ -257,17 +258,19 @@ def test_fullgraph_under_ddp(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scope", ["model", "blocks"])
 @pytest.mark.parametrize("compile_kernels", ["ops", "traceable"], indirect=True)
-def test_cuda_graph_train_step(compile_kernels):
+def test_cuda_graph_train_step(compile_kernels, scope):
     """mode="reduce-overhead" captures the training step in a CUDA graph: the seeds come
     from the quantizers' device-side counters, so every replay draws fresh rounding noise
-    and the estimates keep updating."""
+    and the estimates keep updating. Per block (mesa_train/compile_scope.py) one compiled
+    graph serves both blocks, each with its own weights, estimates and counters."""
     torch._dynamo.reset()
     _, model = _patched("deit", "all")
     model = model.cuda()
     eager = copy.deepcopy(model)
     x = inputs("deit").cuda()
-    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    compiled = compile_model(model, scope, mode="reduce-overhead")
     for step in range(4):
         # a training loop's step boundary: the graphs' outputs (the gradients too) may be
         # overwritten by the next replay, so the gradients start from None each step
