@@ -145,3 +145,28 @@ def test_inductor_per_block_forward_equals_compiled_stock():
         assert torch.equal(out, ref), f"step {step}: max difference {(out - ref).abs().max().item():.3g}"
         loss_of(ref).backward()
         loss_of(out).backward()
+
+
+def test_blocks_compiled_inside_ddp_train_like_eager_ddp(tmp_path):
+    """trainer.compile_scope=blocks under DDP: the blocks of the wrapped model are compiled in
+    place, DDP's gradient hooks still fire, and the steps equal eager DDP's bit for bit."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = patch_model(build("deit", fused=False), ops=("all",))
+        eager = DDP(copy.deepcopy(model))
+        wrapped = DDP(model)
+        assert compile_model(wrapped, "blocks", backend="aot_eager") is wrapped
+        x = inputs("deit")
+        for _ in range(2):
+            out, ref = wrapped(x), eager(x)
+            loss_of(out).backward()
+            loss_of(ref).backward()
+            assert torch.equal(out, ref)
+        got, want = grads(model), grads(eager.module)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        dist.destroy_process_group()
