@@ -18,7 +18,8 @@ FSDP = TINY_MODELS["deit"] + FAST_TRAINER + ["mesa.enabled=true", "trainer.strat
 @pytest.mark.parametrize("override, message", [
     (["trainer.strategy=zero3"], "trainer.strategy='zero3' is not valid; choose one of: ddp, fsdp"),
     (["trainer.strategy=fsdp", "optim.ema=true"], "optim.ema=true is not supported with trainer.strategy=fsdp"),
-    (["trainer.strategy=fsdp", "trainer.compile=true"], "trainer.compile=true is not supported"),
+    (["trainer.strategy=fsdp", "trainer.compile=true"],
+     "trainer.compile=true with trainer.strategy=fsdp needs trainer.compile_scope=blocks"),
     (["trainer.strategy=fsdp", "trainer.device=cpu", "trainer.fsdp.cpu_offload=true"],
      "trainer.fsdp.cpu_offload=true needs a GPU"),
     (["trainer.fsdp.reshard_after_forward=maybe"], "trainer.fsdp.reshard_after_forward='maybe' must be true or false"),
@@ -126,3 +127,30 @@ def test_blocks_of_each_family_and_mixed_precision_from_amp(compose_train):
     finally:
         if own:
             dist_utils.cleanup()
+
+
+def test_fsdp_trains_with_blocks_compiled(compose_train, tmp_path, monkeypatch):
+    """trainer.strategy=fsdp with trainer.compile=true trainer.compile_scope=blocks: each block
+    compiled in place inside its FSDP unit (as torchtitan does), one graph for the identical
+    blocks, no graph break (fullgraph), and the sharded checkpoint written as without compile.
+    torch.compile runs with backend aot_eager here (traced like Inductor, no code generation)."""
+    import functools
+
+    calls = []
+    real_compile = torch.compile
+
+    def traced_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return real_compile(fn, **{**kwargs, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", functools.wraps(real_compile)(traced_compile))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    run = tmp_path / "run"
+    summary = fit(compose_train(FSDP + ["trainer.compile=true", "trainer.compile_scope=blocks"]), str(run))
+    assert summary["step"] == 2 and summary["strategy"] == "fsdp"
+    assert len(calls) >= 2 and all(c["fullgraph"] for c in calls)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert sorted(os.listdir(run / "checkpoints" / "last.dcp")) == [".metadata", "__0_0.distcp", "meta.pt"]
+
