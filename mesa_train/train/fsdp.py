@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from mesa_train.compile_scope import repeated_blocks
+
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks to shard one by one, in forward order."""
-    blocks = []
-    for name, module in model.named_modules():
-        if name.split(".")[-1] == "blocks" and isinstance(module, (nn.Sequential, nn.ModuleList)):
-            blocks.extend(module.children())
-    return blocks
+    """The blocks to shard one by one, in forward order: the same blocks that
+    ``trainer.compile_scope=blocks`` compiles (one rule for both, so each compiled block is
+    exactly one FSDP unit)."""
+    return [block for _, block in repeated_blocks(model)]
 
 
 def apply_fsdp(model: nn.Module, *, mesh=None, param_dtype: torch.dtype | None = None,
