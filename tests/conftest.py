@@ -117,3 +117,26 @@ def imagefolder_root(tmp_path) -> Path:
 def python() -> str:
     """The interpreter running the tests (the project's venv)."""
     return sys.executable
+
+
+@pytest.fixture
+def aot_eager_compile(monkeypatch):
+    """torch.compile with backend aot_eager for one test (traced through AOTAutograd as Inductor
+    would trace it, without minutes of code generation); the list it returns collects each
+    call's keyword arguments (scope, fullgraph, mode...)."""
+    import functools
+
+    import torch
+
+    calls = []
+    real_compile = torch.compile
+
+    def traced_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return real_compile(fn, **{**kwargs, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", functools.wraps(real_compile)(traced_compile))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return calls
+

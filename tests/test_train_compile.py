@@ -56,19 +56,11 @@ def test_compile_mode_reaches_torch_compile(compose_train, tmp_path, monkeypatch
     assert summary["step"] == 2 and len(marks) == 2
 
 
-def test_compile_scope_blocks_compiles_each_block(compose_train, tmp_path, monkeypatch):
+def test_compile_scope_blocks_compiles_each_block(compose_train, tmp_path, aot_eager_compile):
     """trainer.compile_scope=blocks: each timm block compiled in place as one whole graph (the
     stem and head eager), the run trains, and the checkpoint keys are the model's own (no
     torch.compile wrapper prefix), so a resume loads them."""
-    calls = []
-    real_compile = torch.compile
-
-    def strict_compile(fn, **kwargs):
-        calls.append(kwargs)
-        return real_compile(fn, **{**kwargs, "backend": "aot_eager"})
-
-    monkeypatch.setattr(torch, "compile", functools.wraps(real_compile)(strict_compile))
-    torch._dynamo.reset()
+    calls = aot_eager_compile
     overrides = TINY_MODELS["deit"] + FAST_TRAINER + ["mesa.enabled=true", "trainer.compile=true",
                                                       "trainer.compile_scope=blocks"]
     summary = fit(compose_train(overrides), str(tmp_path))

@@ -129,23 +129,12 @@ def test_blocks_of_each_family_and_mixed_precision_from_amp(compose_train):
             dist_utils.cleanup()
 
 
-def test_fsdp_trains_with_blocks_compiled(compose_train, tmp_path, monkeypatch):
+def test_fsdp_trains_with_blocks_compiled(compose_train, tmp_path, aot_eager_compile):
     """trainer.strategy=fsdp with trainer.compile=true trainer.compile_scope=blocks: each block
     compiled in place inside its FSDP unit (as torchtitan does), one graph for the identical
     blocks, no graph break (fullgraph), and the sharded checkpoint written as without compile.
     torch.compile runs with backend aot_eager here (traced like Inductor, no code generation)."""
-    import functools
-
-    calls = []
-    real_compile = torch.compile
-
-    def traced_compile(fn, **kwargs):
-        calls.append(kwargs)
-        return real_compile(fn, **{**kwargs, "backend": "aot_eager"})
-
-    monkeypatch.setattr(torch, "compile", functools.wraps(real_compile)(traced_compile))
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    calls = aot_eager_compile
     run = tmp_path / "run"
     summary = fit(compose_train(FSDP + ["trainer.compile=true", "trainer.compile_scope=blocks"]), str(run))
     assert summary["step"] == 2 and summary["strategy"] == "fsdp"
