@@ -183,6 +183,12 @@ def _check_strategy(cfg, errors: list[str]) -> None:
         errors.append("trainer.compile=true with trainer.strategy=fsdp needs trainer.compile_scope=blocks "
                       "(each block compiled inside its FSDP unit); or use trainer.strategy=ddp or "
                       "trainer.compile=false")
+    elif t.get("compile") and t.get("compile_mode", "default") in CUDA_GRAPH_COMPILE_MODES:
+        # FSDP2 all-gathers each block's weights into fresh memory every step (and frees it
+        # after), while a CUDA graph replays fixed addresses: it would re-record every step
+        errors.append(f"trainer.compile_mode={t.compile_mode} captures CUDA graphs, which "
+                      "trainer.strategy=fsdp does not support: FSDP2 gathers each block's weights into new "
+                      "memory every step; use trainer.compile_mode=default or trainer.strategy=ddp")
     if fsdp.get("cpu_offload") is True and t.device == "cpu":
         errors.append("trainer.fsdp.cpu_offload=true needs a GPU (the model already lives in host memory with "
                       "trainer.device=cpu)")
