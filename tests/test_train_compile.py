@@ -92,3 +92,18 @@ def test_compile_mode_errors_name_the_choices(compose_train):
         with pytest.raises(ConfigError) as err:
             validate(compose_train(TINY_MODELS["deit"] + overrides))
         assert message in str(err.value), (overrides, str(err.value))
+
+
+def test_compile_scope_may_change_on_resume(compose_train):
+    """A compile scope does not enter the arithmetic (per block and one graph are bitwise eager
+    under aot_eager): a run may resume with another one, and checkpoints written before the
+    setting existed resume."""
+    from mesa_train.train import checkpoint as ckpt_lib
+
+    cfg = ckpt_lib.to_plain(compose_train(TINY_MODELS["deit"] + ["trainer.compile=true"]))
+    blocks = ckpt_lib.to_plain(compose_train(TINY_MODELS["deit"] + ["trainer.compile=true",
+                                                                    "trainer.compile_scope=blocks"]))
+    old = {**cfg, "trainer": {k: v for k, v in cfg["trainer"].items() if k != "compile_scope"}}
+    assert ckpt_lib.changed_settings(cfg, blocks) == []
+    assert ckpt_lib.changed_settings(old, blocks) == []
+

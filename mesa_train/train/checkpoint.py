@@ -213,7 +213,8 @@ RESUME_MAY_CHANGE = (
     "data.skip_corrupt",
     "trainer.max_steps", "trainer.device", "trainer.fsdp", "trainer.num_workers", "trainer.pin_memory",
     "trainer.progress", "trainer.log_every", "trainer.checkpoint_every", "trainer.eval_every",
-    "trainer.resume", "trainer.overwrite", "trainer.compile", "trainer.compile_mode", "trainer.channels_last",
+    "trainer.resume", "trainer.overwrite", "trainer.compile", "trainer.compile_mode", "trainer.compile_scope",
+    "trainer.channels_last",
     "trainer.grad_checkpointing", "trainer.nonfinite", "trainer.max_nonfinite_skips",
     "mesa.compile_kernels",  # the same bits either way (mesa_train/quant/compile_kernels.py)
 )
