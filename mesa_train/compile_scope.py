@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mesa_train.models import unwrap_model
+
 __all__ = ["SCOPES", "compile_model", "repeated_blocks"]
 
 SCOPES = ("model", "blocks")
@@ -30,23 +32,12 @@ SCOPES = ("model", "blocks")
 _BLOCK_CONTAINER = "blocks"
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module a DDP / DataParallel / torch.compile wrapper holds (the model itself else)."""
-    while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        else:
-            return model
-
-
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, block) of every child of a ``blocks`` container (``nn.Sequential`` or
     ``nn.ModuleList``) in ``model``, outermost containers first; a container inside a found
     block is part of that block's region, not a region of its own."""
     found: list[tuple[str, nn.Module]] = []
-    for name, module in _unwrap(model).named_modules():
+    for name, module in unwrap_model(model).named_modules():
         if name.rsplit(".", 1)[-1] != _BLOCK_CONTAINER or not isinstance(module, (nn.Sequential, nn.ModuleList)):
             continue
         if any(name.startswith(block_name + ".") for block_name, _ in found):
@@ -72,7 +63,7 @@ def compile_model(model: nn.Module, scope: str = "model", *, fullgraph: bool = T
         return torch.compile(model, fullgraph=fullgraph, **compile_kwargs)
     blocks = repeated_blocks(model)
     if not blocks:
-        raise ValueError(f"compile scope 'blocks': {type(_unwrap(model)).__name__} has no '{_BLOCK_CONTAINER}' "
+        raise ValueError(f"compile scope 'blocks': {type(unwrap_model(model)).__name__} has no '{_BLOCK_CONTAINER}' "
                          "container (nn.Sequential / nn.ModuleList) of blocks; valid choices for it: model")
     compile_kwargs.setdefault("dynamic", False)
     if torch._dynamo.config.recompile_limit < 2 * len(blocks):

@@ -169,6 +169,7 @@ def test_gpu_preset_on_cpu_is_a_clear_error():
 
 def test_bad_row_values_name_the_choices():
     from mesa_train.bench.presets import BenchConfigError, check_row, expand_preset, make_row
+    from mesa_train.compile_scope import SCOPES as COMPILE_SCOPES
 
     common = {"model": "deit_ti", "batch_size": 8, "img_size": 32}
     cases = [
@@ -188,6 +189,10 @@ def test_bad_row_values_name_the_choices():
             assert word in str(info.value), (row, str(info.value))
     with pytest.raises(BenchConfigError, match="valid fields"):
         make_row(common, {"label": "a", "batchsize": 4})
+    # every compile scope has its name in the tables
+    row = make_row(common, {"label": "a", "compile": True, "compile_kernels": "traceable", "compile_scope": "blocks"})
+    assert row.compile_tags() == ["traceable kernels", "per block"]
+    assert [make_row(common, {"label": "a", "compile_scope": s}).compile_tags() for s in COMPILE_SCOPES] == [[], ["per block"]]
     with pytest.raises(BenchConfigError, match="exactly one baseline"):
         expand_preset({"common": common, "rows": [{"label": "a"}, {"label": "b"}]})
 

@@ -216,13 +216,17 @@ def test_dropout_masks_equal_stock_eager(family):
         assert torch.equal(torch.get_rng_state(), ref_state), "Mesa's backward consumed random numbers"
 
 
-def test_dropout_masks_equal_stock_compiled():
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_dropout_masks_equal_stock_compiled(scope):
+    """Compiled as one graph or per block (mesa_train/compile_scope.py), the patched model draws
+    the masks the stock model compiled the same way draws (explicit attention: fused attention
+    with dropout runs eagerly under compile)."""
     torch._dynamo.reset()
     stock = _build_with_dropout("deit")
     model = patch_model(copy.deepcopy(stock), ops=("all",))
     x = inputs("deit")
-    c_stock = torch.compile(stock, backend="aot_eager", fullgraph=True)
-    c_model = torch.compile(model, backend="aot_eager", fullgraph=True)
+    c_stock = compile_model(stock, scope, backend="aot_eager")
+    c_model = compile_model(model, scope, backend="aot_eager")
     for step in range(2):
         torch.manual_seed(200 + step)
         ref = c_stock(x)
@@ -232,9 +236,11 @@ def test_dropout_masks_equal_stock_compiled():
         loss_of(out).backward()
 
 
-def test_fullgraph_under_ddp(tmp_path):
-    """A DDP-wrapped patched model compiles (DDP's graph split at bucket boundaries is the
-    only split) and trains like the eager DDP model."""
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_fullgraph_under_ddp(tmp_path, scope):
+    """A DDP-wrapped patched model compiles (as one graph: DDP's split at bucket boundaries is
+    the only split; per block: the wrapped model's blocks compiled in place, each one whole
+    graph, DDP's gradient hooks still firing) and trains like the eager DDP model."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -243,7 +249,9 @@ def test_fullgraph_under_ddp(tmp_path):
     try:
         _, model = _patched("deit", "all")
         eager = DDP(copy.deepcopy(model))
-        compiled = torch.compile(DDP(model), backend="aot_eager")
+        wrapped = DDP(model)
+        compiled = compile_model(wrapped, scope, fullgraph=scope == "blocks", backend="aot_eager")
+        assert (compiled is wrapped) == (scope == "blocks")  # per block: compiled in place
         x = inputs("deit")
         for _ in range(2):
             out, ref = compiled(x), eager(x)

@@ -29,6 +29,8 @@ COMPILE_MODES = (None, *TRAIN_COMPILE_MODES)
 # exports them (see `valid_ops`).
 _DESIGN_OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa", "all")
 _DESIGN_MODULES = ("msa", "ffn", "other", "all")
+# How a table names each compile scope ("" for the default)
+_SCOPE_TAGS = {"model": "", "blocks": "per block"}
 # Short op names for plot labels (paper Figure 6: G, LN, S, M).
 OP_ABBREV = {"linear": "L", "matmul": "M", "softmax": "S", "gelu": "G", "layernorm": "LN",
              "conv": "C", "relu": "R", "sdpa": "SDPA", "all": "all"}
@@ -92,6 +94,13 @@ class RowConfig:
     compile_kernels: str = "auto"  # Mesa's compression under compile: auto | ops | traceable (quant/compile_kernels.py)
     compile_scope: str = "model"  # one graph for the model, or one per repeated block (mesa_train/compile_scope.py)
 
+    def compile_tags(self) -> list[str]:
+        """The compile options that differ from the defaults, as a table names them
+        (``traceable kernels``, ``per block``)."""
+        tags = [] if self.compile_kernels == "auto" else [f"{self.compile_kernels} kernels"]
+        scope = _SCOPE_TAGS[self.compile_scope]
+        return tags + ([scope] if scope else [])
+
     @property
     def micro_batch(self) -> int:
         return self.batch_size // self.accum_steps
@@ -132,8 +141,7 @@ class RowConfig:
             bits.append(f"accum{self.accum_steps}")
         if self.compile:
             bits.append("compiled" + (f"({self.compile_mode})" if self.compile_mode else "")
-                        + ("" if self.compile_kernels == "auto" else f"[{self.compile_kernels} kernels]")
-                        + ("" if self.compile_scope == "model" else f"[per {self.compile_scope[:-1]}]"))
+                        + "".join(f"[{tag}]" for tag in self.compile_tags()))
         return " ".join(bits)
 
 

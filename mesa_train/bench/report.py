@@ -114,9 +114,7 @@ def build_records(preset: str, rows: list[RowConfig], results: list[Measurement]
             "batch_size": row.batch_size, "micro_batch": row.micro_batch, "accum_steps": row.accum_steps,
             "img_size": row.img_size, "amp": row.amp, "attention": row.attention,
             "grad_checkpointing": row.grad_checkpointing, "num_classes": row.num_classes,
-            "compile": ((row.compile_mode or "default")
-                        + ("" if row.compile_kernels == "auto" else f", {row.compile_kernels} kernels")
-                        + ("" if row.compile_scope == "model" else f", per {row.compile_scope[:-1]}")
+            "compile": ((row.compile_mode or "default") + "".join(f", {tag}" for tag in row.compile_tags())
                         if row.compile else ""),
             "graphs": m.graphs, "graph_breaks": m.graph_breaks, "compile_s": m.compile_s,
             "status": m.status, "error": m.error or "; ".join(m.notes),
