@@ -121,6 +121,38 @@ def test_markdown_has_device_versions_date(quick):
     assert "![memory vs throughput](cpu.png)" in md
 
 
+def test_cpu_rows_have_no_host_time_section(quick):
+    # on the CPU a step returns when it is done: no host time is recorded, no section written
+    assert all(r["host_ms_median"] == "" for r in quick["rows"])
+    assert "Host or GPU" not in (quick["dir"] / "cpu.md").read_text()
+
+
+def test_host_time_section():
+    from mesa_train.bench.report import markdown_host_time
+    recs = [{"label": "stock", "step_ms_median": 34.0, "host_ms_median": 12.5},
+            {"label": "Mesa", "step_ms_median": 52.0, "host_ms_median": 51.0},
+            {"label": "cpu row", "step_ms_median": 9.0, "host_ms_median": None}]
+    md = markdown_host_time(recs).splitlines()
+    assert md[0] == "| Row | Step ms (median) | Host ms to return (median) | Host / step |"
+    assert md[2:] == ["| stock | 34.0 | 12.5 | 0.37 |", "| Mesa | 52.0 | 51.0 | 0.98 |"]
+    assert markdown_host_time(recs[2:]) == ""
+
+
+@pytest.mark.cuda
+def test_cuda_row_records_host_time():
+    import torch
+    from mesa_train.bench.measure import run_row
+    from mesa_train.bench.presets import RowConfig
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    row = RowConfig(label="tiny", model="deit_ti", group="g", baseline=True, mesa=True, batch_size=4,
+                    img_size=32, num_classes=10, warmup=1, steps=3,
+                    model_kwargs={"depth": 1, "embed_dim": 24, "patch_size": 16})
+    m = run_row(row, torch.device("cuda"), measure_saved=False)
+    assert m.status == "ok", m.error
+    assert 0 < m.host_ms_median <= m.step_ms_median
+
+
 def test_search_table(quick):
     srows = list(csv.DictReader(open(quick["dir"] / "cpu.search.csv")))
     assert [r["dim"] for r in srows] == ["depth", "width", "resolution"]

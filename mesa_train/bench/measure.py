@@ -66,6 +66,10 @@ class Measurement:
     throughput_mean: float | None = None  # images/s: all timed images / total time
     step_ms_mean: float | None = None
     step_ms_median: float | None = None
+    # CUDA: median time for a timed step's Python to return, before the synchronize that ends
+    # it (kernels launched, not run). Close to step_ms_median: the host is what the step waits
+    # on (or CUDA's launch queue was full); well below it: the GPU is.
+    host_ms_median: float | None = None
     timed_steps: int = 0
     graphs: int | None = None  # compiled rows: graphs Dynamo captured (1 = the whole step's forward)
     graph_breaks: int | None = None  # compiled rows: graph breaks Dynamo took
@@ -438,15 +442,18 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
     if timed:
         if rss is not None:
             rss.for_speed()
-        times = []
+        times, host = [], []
         for _ in range(row.steps):
             synchronize(device)
             t0 = time.perf_counter()
             step()
+            host.append(time.perf_counter() - t0)
             synchronize(device)
             times.append(time.perf_counter() - t0)
         # images/s from the median step: robust to other processes on a shared machine
         apply_step_times(row, result, times)
+        if device.type == "cuda":  # (on the CPU a step returns when it is done: host == step)
+            result.host_ms_median = 1000 * statistics.median(host)
 
     if step.last_loss is not None:
         loss = float(step.last_loss) * row.accum_steps

@@ -27,7 +27,7 @@ CSV_COLUMNS = [
     "grad_checkpointing", "compile", "graphs", "graph_breaks", "compile_s", "num_classes", "status", "error", "params_m",
     "saved_mb", "saved_ratio", "peak_mb", "peak_ratio", "peak_kind", "step_rss_mb",
     "step_rss_ratio", "reserved_mb", "throughput", "throughput_ratio", "throughput_mean",
-    "step_ms_median", "timed_steps", "wall_s", "paper_row", "paper_memory_mb", "paper_memory_ratio", "paper_throughput",
+    "step_ms_median", "host_ms_median", "timed_steps", "wall_s", "paper_row", "paper_memory_mb", "paper_memory_ratio", "paper_throughput",
     "paper_throughput_ratio", "paper_top1",
     "device", "torch", "timm", "mesa_train", "cuda", "mesa_extension", "date",
 ]
@@ -122,7 +122,8 @@ def build_records(preset: str, rows: list[RowConfig], results: list[Measurement]
             "saved_mb": m.saved_mb, "peak_mb": m.peak_mb, "peak_kind": m.peak_kind,
             "step_rss_mb": m.step_rss_mb, "reserved_mb": m.reserved_mb,
             "throughput": m.throughput, "throughput_mean": m.throughput_mean,
-            "step_ms_median": m.step_ms_median, "timed_steps": m.timed_steps, "wall_s": m.wall_s,
+            "step_ms_median": m.step_ms_median, "host_ms_median": m.host_ms_median,
+            "timed_steps": m.timed_steps, "wall_s": m.wall_s,
             "paper_row": p.source if p else "",
             "paper_memory_mb": p.memory_mb if p else None,
             "paper_throughput": p.throughput if p else None,
@@ -274,6 +275,21 @@ def markdown_targets(targets: list[dict[str, Any]], records: list[dict[str, Any]
     return "\n".join(lines)
 
 
+def markdown_host_time(records: list[dict[str, Any]]) -> str:
+    """Per row (CUDA): the median step, the median time its Python took to return (every
+    kernel launched, before the synchronize), and their ratio. A ratio near 1 means the host
+    set the pace (Python, dispatch, launches; or CUDA's launch queue was full); well below 1,
+    the GPU did. Empty when no row has the host time (CPU rows)."""
+    rows = [r for r in records if r.get("host_ms_median") is not None and r.get("step_ms_median")]
+    if not rows:
+        return ""
+    lines = ["| Row | Step ms (median) | Host ms to return (median) | Host / step |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {_num(r['step_ms_median'], 1)} | {_num(r['host_ms_median'], 1)} "
+                     f"| {r['host_ms_median'] / r['step_ms_median']:.2f} |")
+    return "\n".join(lines)
+
+
 def render_markdown(*, preset: dict, env: dict[str, Any], records: list[dict[str, Any]],
                     search_md: str, notes: list[str], command: str, files: dict[str, str]) -> str:
     title = preset.get("title") or preset["name"]
@@ -303,6 +319,9 @@ def render_markdown(*, preset: dict, env: dict[str, Any], records: list[dict[str
         targets = markdown_targets(list(preset.get("targets") or []), records, env["device_type"])
         if targets:
             w("### Targets (the preset's `targets`)\n\n" + targets + "\n\n")
+        host = markdown_host_time(records)
+        if host:
+            w("### Host or GPU: what the timed steps waited on\n\n" + host + "\n\n")
     if search_md:
         w("## Largest model before out-of-memory\n\n" + search_md + "\n\n")
     if files.get("png"):
@@ -324,6 +343,11 @@ def standard_notes(device_type: str) -> list[str]:
                      "warm-up (weights, gradients, optimizer state and activations), as in the paper.")
         notes.append("Throughput: batch size / median step time over the timed steps, with "
                      "torch.cuda.synchronize around each step (CSV: throughput_mean over their sum).")
+        notes.append("Host or GPU: 'Host ms to return' is the median time a timed step's Python "
+                     "took to return (every kernel launched, before the closing synchronize). Near "
+                     "the step time, the host set the pace (or CUDA's launch queue was full); well "
+                     "below it, the GPU did. The profile's self CPU times add the profiler's own cost "
+                     "per op, this does not.")
     else:
         notes.append("Peak RSS MB: the process's resident set peak during one training step "
                      "(VmHWM reset through /proc/self/clear_refs before it; glibc set to return "
