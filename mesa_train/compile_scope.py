@@ -13,10 +13,10 @@ generation grows with the graph: on this project's 2-core CPU a 4-block tiny Dei
 406 s as one graph and in 102 s per block (Scheduler.codegen 289 s against 70 s), and the
 12-block DeiT-S did not compile in 6 minutes on an H100 as one graph. Within a block the
 graph is still whole (``fullgraph=True`` by default: a graph break is an error).
-Exception: attention reached generically (EVA, BEiT, CaiT...: ``patch/generic_attention.py``)
-carries a forward hook per module with ``always_call=True`` (its capture mode is left even
-when the forward raises), and Dynamo guards on that hook's id, so each such block compiles
-its own graph (EVA-02 tiny: 12 graphs for 12 blocks, no break, still bitwise eager).
+This holds for attention reached generically too (EVA, BEiT, CaiT...:
+``patch/generic_attention.py``): its capture runs inside the module's forward through one
+shared function, so EVA-02's blocks share one graph (per-module capture hooks with
+``always_call=True`` had given one graph per block: Dynamo guarded on each hook's id).
 
 The state-dict keys do not change (``Module.compile`` keeps the module, unlike the
 ``_orig_mod.`` wrapper), so checkpoints load into either scope.

@@ -1,5 +1,5 @@
 """torch.compile(fullgraph=True, backend="aot_eager") of timm models reached through the
-generic attention hooks (a TorchFunctionMode pushed by forward pre/post hooks) and the gated
+generic attention's capture (a TorchFunctionMode entered inside the module's forward) and the gated
 MLP layer, in train mode: zero graph breaks (``torch._dynamo.explain``), forward equal to
 eager Mesa and to stock, gradients close to eager Mesa.
 

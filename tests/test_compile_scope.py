@@ -96,6 +96,37 @@ def test_blocks_of_different_shapes_get_their_own_graphs(family, graphs):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+# attention reached generically (patch/generic_attention.py): EVA-02 (rope), CaiT (talking
+# heads; its class-attention blocks, not in `blocks`, stay eager)
+GENERIC = {"eva02_tiny_patch14_224": dict(img_size=28, depth=4),
+           "cait_xxs24_224": dict(img_size=32, patch_size=16, depth=4, embed_dim=48, num_heads=4)}
+
+
+@pytest.mark.parametrize("name", sorted(GENERIC))
+def test_generic_attention_blocks_share_one_graph(name):
+    """Identical blocks whose attention is captured generically share one graph (a capture
+    hook per module with always_call=True had given one graph per block: Dynamo guarded on
+    each hook's id), forward and gradients still bit for bit eager Mesa's."""
+    kwargs = GENERIC[name]
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = patch_model(timm.create_model(name, pretrained=False, num_classes=10, **kwargs).train(), ops=("all",))
+    assert any(n.endswith("attn.mesa_qk") or n.endswith("attn.mesa_sdpa") for n, _ in model.named_modules())
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 3, kwargs["img_size"], kwargs["img_size"], generator=torch.Generator().manual_seed(1))
+    compiled = compile_model(model, "blocks", backend="aot_eager")
+    out = compiled(x)
+    loss_of(out).backward()
+    ref = eager(x)
+    loss_of(ref).backward()
+    assert torch.equal(out, ref)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    got, want = grads(model), grads(eager)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_recompile_limit_covers_every_block():
     """12 blocks that could each be distinct: the limit is raised so none falls back to eager."""
     limit = torch._dynamo.config.recompile_limit

@@ -82,3 +82,51 @@ def test_describe_with_example_input_reports_coverage_and_changes_nothing():
     cov = coverage(model, x)
     assert cov.total == cov.compressed_bytes + cov.uncovered_bytes
     assert 0 < cov.ratio < 1
+
+
+def _mesa_child_calls(model, x):
+    """How many times the attention modules' Mesa children ran in one forward of ``model``."""
+    calls = []
+    handles = [c.register_forward_hook(lambda *_: calls.append(1))
+               for n, c in model.named_modules() if n.rsplit(".", 1)[-1] in ("mesa_sdpa", "mesa_qk", "mesa_av")]
+    model(x)
+    for h in handles:
+        h.remove()
+    return len(calls)
+
+
+def test_generic_capture_is_left_when_the_forward_raises():
+    """The capture mode is entered inside the module's forward with a `with`: a forward that
+    raises leaves no mode behind to route later, unrelated matmuls to its children."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    name = "cait_xxs24_224"
+    patched = patch_model(build(name))
+    attn = next(m for m in patched.modules() if type(m).__name__ == GENERIC[name])
+    tokens = torch.randn(2, 4, attn.proj.in_features, requires_grad=True)
+    with pytest.raises(RuntimeError):
+        attn(tokens[:, :, :-1])  # the attention itself raises, inside its captured forward
+    assert not _get_current_function_mode_stack()
+    a, b = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 5, 6)
+    assert torch.equal(a @ b, torch.matmul(a, b))  # a plain product, not routed
+    assert _mesa_child_calls(patched, example(name)) > 0
+
+
+def test_generic_capture_survives_deepcopy_and_pickling():
+    """The capturing forward is bound to its own module after copy.deepcopy (ModelEmaV3) and a
+    whole-model torch.save / torch.load, and the copies compute the same output."""
+    import io
+
+    name = "eva02_tiny_patch14_224"
+    patched = patch_model(build(name), rounding="nearest")
+    buf = io.BytesIO()
+    torch.save(patched, buf)
+    buf.seek(0)
+    copies = [copy.deepcopy(patched), torch.load(buf, weights_only=False)]
+    x = example(name)
+    want = patched(x)
+    for model in copies:
+        owners = [m for m in model.modules() if type(m).__name__ == GENERIC[name]]
+        assert owners and all(m.forward.args[0] is m for m in owners)  # bound to the copy, not the original
+        assert torch.equal(model(x), want)
+        assert _mesa_child_calls(model, x) == _mesa_child_calls(patched, x) > 0

@@ -5,8 +5,8 @@ intercepting those functional calls while the module runs.
 No timm code is copied or rewritten, so this reaches EVA (incl. rope), BEiT, CaiT (class and
 talking-heads attention), XCiT, relative-position attention, ``ParallelScalingBlock``,
 attention-pool heads and the like, whatever they do around the core (rope, qk-norm, masks,
-biases). ``install`` gives such a module four Mesa children and a forward pre/post hook
-pair that pushes a ``TorchFunctionMode`` for the duration of its own forward:
+biases). ``install`` gives such a module four Mesa children and a ``forward`` that runs the
+class's forward with a ``TorchFunctionMode`` entered (:func:`_captured_forward`):
 
 ``mesa_sdpa``     the module's ``F.scaled_dot_product_attention`` call (int8 q, k, v)
 ``mesa_qk``       its first batched (>= 3-D x >= 3-D) matmul of the call: ``q @ k^T``
@@ -24,6 +24,7 @@ handler), so nothing is intercepted twice.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -194,26 +195,20 @@ def install_cosine(module: nn.Module, ops, found, heads: Optional[int], device, 
     return tuple(added)
 
 
-def _enter(module, args, kwargs=None):
-    # the list is made by install(); no dict.setdefault here: Dynamo in torch 2.11 cannot
-    # trace it (a graph break in every patched attention module under torch.compile)
-    modes = module.__dict__.get("_mesa_capture_stack")
-    if modes is None:
-        modes = module.__dict__["_mesa_capture_stack"] = []
-    mode = _Capture(module)
-    mode.__enter__()
-    modes.append(mode)
-
-
-def _exit(module, args, output):
-    modes = module.__dict__.get("_mesa_capture_stack")
-    if modes:
-        modes.pop().__exit__(None, None, None)
+def _captured_forward(self, *args, **kwargs):
+    """The module's own forward with its capture mode entered: bound to the instance as its
+    ``forward`` by :func:`_install_capture`, the class's forward unchanged. A ``with`` leaves the mode
+    even when the forward raises. One function for every patched module: torch.compile per
+    block guards on it, not on the module, so identical blocks share one graph (capture hooks
+    registered per module with ``always_call=True`` gave EVA-02 one graph per block: Dynamo
+    guarded on each hook's id)."""
+    with _Capture(self):
+        return type(self).forward(self, *args, **kwargs)
 
 
 def install(module: nn.Module, ops, heads: Optional[int], device, make_options) -> Optional[str]:
     """Give ``module`` the Mesa children for the requested ``ops`` (``sdpa``, ``matmul``,
-    ``softmax``) and the capture hooks; returns what was installed (for ``describe``)."""
+    ``softmax``) and the capturing forward; returns what was installed (for ``describe``)."""
     from mesa_train.nn import MatMul, Softmax
     from mesa_train.nn.sdpa import ScaledDotProductAttention
 
@@ -235,28 +230,28 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options) 
         module.mesa_av = MatMul(operands=(), device=device, **opts)
     if not any(n in module._modules for n in CHILDREN):
         return None
-    _hook(module)
+    _install_capture(module)
     return ",".join(o for o in ("sdpa", "matmul", "softmax") if o in ops)
 
 
-def _hook(module: nn.Module) -> None:
+def _install_capture(module: nn.Module) -> None:
+    """Run ``module``'s forward under its capture mode (:func:`_captured_forward`, bound as an
+    instance attribute: the class, and what is keyed on it, stay the stock ones)."""
     if not is_generic_attention(module):
-        module.__dict__.setdefault("_mesa_capture_stack", [])
-        module.register_forward_pre_hook(_enter)
-        module.register_forward_hook(_exit, always_call=True)
+        module.__dict__["forward"] = functools.partial(_captured_forward, module)
         object.__setattr__(module, GENERIC_ATTENTION_ATTR, True)
 
 
 def install_linear(module: nn.Module) -> bool:
     """Hook ``module`` so that its functional ``F.linear`` calls with a converted child's
     weight go through that Mesa ``Linear`` (see ``_route_linear``)."""
-    _hook(module)
+    _install_capture(module)
     return True
 
 
 def install_scales(module: nn.Module, names, device, options) -> Tuple[str, ...]:
     """Give ``module`` a ``ChannelScale`` child per inline layer-scale parameter in ``names``
-    and the capture hooks; returns the parameter names handled."""
+    and the capturing forward; returns the parameter names handled."""
     from mesa_train.nn.layerscale import ChannelScale
 
     scales = dict(getattr(module, SCALES_ATTR, None) or {})
@@ -267,7 +262,7 @@ def install_scales(module: nn.Module, names, device, options) -> Tuple[str, ...]
         scales[pname] = child
     if scales:
         object.__setattr__(module, SCALES_ATTR, scales)
-        _hook(module)
+        _install_capture(module)
     return tuple(scales)
 
 
