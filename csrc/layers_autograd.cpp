@@ -437,11 +437,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grads(AutogradContext*
     // all three from the codes in one op: no dequantized copy, no cast of dy (DESIGN.md,
     // "LayerNorm backward from the codes")
     const at::Tensor &k = saved[5], &w = saved[4];
-    auto [dx, dw, db] = layer_norm_backward_op().call(
+    auto [dx, dparams] = layer_norm_backward_op().call(
         dy, saved[0], saved[1], saved[2], ctx->saved_data["groups"].toInt(), saved[3].to(at::kFloat),
         w.defined() ? std::optional<at::Tensor>(w.to(at::kFloat)) : std::nullopt,
         k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);
-    cast_grads(dx, dw, db);
+    cast_grads(dx, dparams.select(0, 0), dparams.select(0, 1));  // (rows of one tensor: views)
     return {gx, gw, gb};
   }
   const at::Tensor rstd = saved[3].to(mdt);

@@ -91,8 +91,9 @@ inline const c10::TypedOperatorHandle<GeluValueAndGradFn>& gelu_value_and_grad_o
       c10::Dispatcher::singleton().findSchemaOrThrow("mesa::gelu_value_and_grad", "").typed<GeluValueAndGradFn>();
   return op;
 }
-// layer_norm_backward: (g, q, alpha, beta, num_groups, rstd, weight, row_exp) -> (dx, dweight, dbias)
-using LayerNormBackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+// layer_norm_backward: (g, q, alpha, beta, num_groups, rstd, weight, row_exp) -> (dx, dparams:
+// (2, D), dweight then dbias)
+using LayerNormBackwardFn = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 inline const c10::TypedOperatorHandle<LayerNormBackwardFn>& layer_norm_backward_op() {

@@ -520,10 +520,12 @@ TORCH_LIBRARY(mesa, m) {
   // codes q of its normalised input x_hat (groups along the last dim, row_exp their row
   // scales), rstd per row and weight (None: no affine weight), all float32 (DESIGN.md,
   // "LayerNorm backward from the codes"): one pass instead of dequantize + cast +
-  // native_layer_norm_backward; rows of at most 1024.
+  // native_layer_norm_backward; rows of at most 1024. dparams is (2, D): dweight, then dbias,
+  // the rows of one sum over their partials (one reduction launch where two took 20 us each
+  // on an H100; two outputs cannot share one reduction's storage).
   m.def(
       "layer_norm_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int num_groups, Tensor rstd, "
-      "Tensor? weight=None, Tensor? row_exp=None) -> (Tensor dx, Tensor dweight, Tensor dbias)");
+      "Tensor? weight=None, Tensor? row_exp=None) -> (Tensor dx, Tensor dparams)");
   m.def(
       "dequantize_gelu(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, ScalarType dtype, "
       "Tensor? row_exp=None) -> Tensor");

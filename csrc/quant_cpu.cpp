@@ -1166,8 +1166,8 @@ at::Tensor softmax_backward_cpu(const at::Tensor& g_in, const at::Tensor& q_in, 
 // codes as dequantize returns it in float32 (row exponents undone), then per block of
 // kLnBlockRows rows (parallel over blocks): each row's two sums in the warp's lane order
 // (butterfly above) and its dx; the column sums g * x_hat and g per chunk of kLnChunkRows rows
-// in row order, added per block in chunk order into the block's partials; the glue sums the
-// partials with at::sum, as the reference does (mesa_train.quant.reference.layer_norm_backward).
+// in row order, added per block in chunk order into the block's partials; the glue sums both
+// partials with one at::sum, as the reference does (mesa_train.quant.reference.layer_norm_backward).
 template <typename T>
 MESA_ALWAYS_INLINE void ln_bwd_block_body(const float* __restrict__ xh, const T* __restrict__ g,
                                           const float* __restrict__ w, const float* __restrict__ rstd,
@@ -1235,7 +1235,7 @@ inline void ln_bwd_block(const float* xh, const Bf16Bits* g, const float* w, con
   ln_bwd_block_bf16(xh, g, w, rstd, dx, pw, pb, r0, r1, D, scratch);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
+std::tuple<at::Tensor, at::Tensor> layer_norm_backward_cpu(
     const at::Tensor& g_in, const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta, int64_t num_groups,
     const at::Tensor& rstd_in, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& row_exp) {
   const Layout L = check_layer_norm_backward(g_in, q, alpha, beta, num_groups, rstd_in, weight, row_exp);
@@ -1248,7 +1248,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
   const bool has_w = weight.has_value() && weight->defined();
   const at::Tensor w = has_w ? weight->contiguous() : at::Tensor();
   at::Tensor dx = at::empty(q.sizes(), fopts);
-  at::Tensor pw = at::empty({blocks, D}, fopts), pb = at::empty({blocks, D}, fopts);
+  // dweight's and dbias's partials in one (2, blocks, D) tensor: one sum for both (dparams)
+  at::Tensor partials = at::empty({2, blocks, D}, fopts);
+  at::Tensor pw = partials.select(0, 0), pb = partials.select(0, 1);
   MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_layer_norm_backward_cpu", [&] {
     using T = storage_t<scalar_t>;
     const T* gp = as_storage(g.const_data_ptr<scalar_t>());
@@ -1267,7 +1269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
       }
     });
   });
-  return {dx, pw.sum(0), pb.sum(0)};
+  return {dx, partials.sum(1)};
 }
 
 // mesa::gelu_backward on the CPU: its definition, dequantize then ATen's gelu_backward (the

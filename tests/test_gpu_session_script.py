@@ -103,16 +103,16 @@ def test_steps_run_in_order_and_stop_at_the_deadline(fake_checkout, tmp_path):
     assert "reusing the carried build .gpubuild/_C.abi3.so" in proc.stdout
     calls = log.read_text().splitlines()
     ran = [c for c in calls if c.startswith("-m pytest") or c.startswith("-m mesa_train")]
-    # tests first, serial (no xdist in this image), then modern's DeiT-S rows; the kernels and
-    # speed find less than MIN_STEP left and are skipped, not started
+    # tests first, serial (no xdist in this image), then the kernel table; modern's DeiT-S rows
+    # and speed find less than MIN_STEP left and are skipped, not started
     assert ran[0].startswith("-m pytest -q -m cuda") and " -n " not in ran[0]
-    assert ran[1].startswith("-m mesa_train.bench") and "preset=modern" in ran[1]
+    assert ran[1].startswith("-m mesa_train.quant.benchmark")
     assert len(ran) == 2, ran
-    assert "=== kernel-bandwidth skipped:" in proc.stdout and "=== speed-deit-s skipped:" in proc.stdout
+    assert "=== modern-deit-s skipped:" in proc.stdout and "=== speed-deit-s skipped:" in proc.stdout
     # what the steps wrote, and their logs, come back in one archive
     with tarfile.open(out / "results.tgz") as tar:
         names = tar.getnames()
-    assert "results/gpu-session/cuda-tests.log" in names and "results/modern/fake.md" in names
+    assert "results/gpu-session/cuda-tests.log" in names and "results/gpu-session/kernel-bandwidth.log" in names
     assert not (out / "_C.abi3.so").exists()  # nothing was built, so nothing is sent back
 
 

@@ -88,14 +88,29 @@ def test_nan_inf_in_g():
 
 def test_empty_and_non_contiguous():
     g, q, alpha, beta, G, rstd, w, k = _case((0, 5, 16), 2, False, torch.float32)
-    dx, dw, db = torch.ops.mesa.layer_norm_backward(g, q, alpha, beta, G, rstd, w, k)
-    assert dx.shape == (0, 5, 16) and torch.equal(dw, torch.zeros(16)) and torch.equal(db, torch.zeros(16))
+    dx, dparams = torch.ops.mesa.layer_norm_backward(g, q, alpha, beta, G, rstd, w, k)
+    assert dx.shape == (0, 5, 16) and torch.equal(dparams, torch.zeros(2, 16))
     g, q, alpha, beta, G, rstd, w, k = _case((40, 6, 24), 2, False, torch.float32)
     gt = g.transpose(0, 1).contiguous().transpose(0, 1)  # strided, same values
     assert not gt.is_contiguous()
     for a, b in zip(torch.ops.mesa.layer_norm_backward(gt, q, alpha, beta, G, rstd, w, k),
                     R.layer_norm_backward(g, q, alpha, beta, G, rstd, w, k)):
         assert _same(a, b)
+
+
+def test_both_column_sums_are_one_reduction():
+    """dparams is (2, D): dweight then dbias, the rows of one sum over (2, blocks, D) partials
+    (one reduction launch on a GPU; two outputs could not share it), and the public wrapper
+    still returns (dx, dweight, dbias)."""
+    args = _case((3, 40, 64), 4, False, torch.float32)
+    dx, dparams = torch.ops.mesa.layer_norm_backward(*args)
+    assert dparams.shape == (2, 64) and dparams.is_contiguous()
+    dx3, dw, db = Q.layer_norm_backward(*args)
+    assert _same(dx3, dx) and _same(dw, dparams[0]) and _same(db, dparams[1])
+    g, q, alpha, beta, G, rstd, w, k = args
+    xh = R.dequantize(q, alpha, beta, 2, G, torch.float32, k).view(-1, 64)
+    partials = torch.stack((R.ln_column_partials(g.view(-1, 64) * xh), R.ln_column_partials(g.view(-1, 64))))
+    assert _same(dparams, partials.sum(1))
 
 
 def test_opcheck():
@@ -110,7 +125,7 @@ def test_reference_is_the_layer_norm_backward(weight, row_exp):
     """Against the LayerNorm backward in float64 at the dequantized x_hat: dx = rstd * (gw -
     mean(gw) - x_hat * mean(gw * x_hat)), dweight = sum g * x_hat, dbias = sum g."""
     g, q, alpha, beta, G, rstd, w, k = _case((4, 50, 96), 6, False, torch.float32, weight=weight, row_exp=row_exp)
-    dx, dw, db = R.layer_norm_backward(g, q, alpha, beta, G, rstd, w, k)
+    dx, (dw, db) = R.layer_norm_backward(g, q, alpha, beta, G, rstd, w, k)
     xh = R.dequantize(q, alpha, beta, 2, G, torch.float32, k).double()
     g64 = g.double()
     gw = g64 * w.double() if weight else g64
@@ -139,7 +154,7 @@ def test_order_of_the_column_sums_matters():
     the bitwise tests above)."""
     g, q, alpha, beta, G, rstd, w, k = _case((1, 300, 64), 4, False, torch.float32, seed=3)
     g = g * torch.logspace(-6, 6, 300).view(1, 300, 1)  # rows of very different magnitudes
-    _, dw, db = R.layer_norm_backward(g, q, alpha, beta, G, rstd, w, k)
+    _, (dw, db) = R.layer_norm_backward(g, q, alpha, beta, G, rstd, w, k)
     xh = R.dequantize(q, alpha, beta, 2, G, torch.float32, k).view(300, 64)
     acc_w = torch.zeros(64)
     acc_b = torch.zeros(64)

@@ -139,8 +139,9 @@ def layer_norm_grads(ctx, g, packed, extra, need_x, need_w, need_b):
         # all three from the codes in one op: no dequantized copy, no cast of g
         fn = traceable.layer_norm_backward if traced_as_pytorch(g) else torch.ops.mesa.layer_norm_backward
         with no_autocast(g.device.type):
-            dx, dw, db = fn(g, packed.q, packed.alpha, packed.beta, packed.num_groups, rstd.float(),
-                            weight.float() if weight is not None else None, k)
+            dx, dparams = fn(g, packed.q, packed.alpha, packed.beta, packed.num_groups, rstd.float(),
+                             weight.float() if weight is not None else None, k)
+        dw, db = dparams[0], dparams[1]  # ((2, D): both column sums from one reduction)
         return (dx.to(ctx.ln_x_dtype) if need_x else None, dw.to(ctx.ln_w_dtype) if need_w else None,
                 db.to(ctx.ln_b_dtype) if need_b else None)
     with no_autocast(g.device.type):

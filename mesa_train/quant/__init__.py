@@ -123,7 +123,7 @@ _SCHEMAS = {
     ),
     "layer_norm_backward": (
         "layer_norm_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int num_groups, Tensor rstd, "
-        "Tensor? weight=None, Tensor? row_exp=None) -> (Tensor dx, Tensor dweight, Tensor dbias)"
+        "Tensor? weight=None, Tensor? row_exp=None) -> (Tensor dx, Tensor dparams)"
     ),
     # the compiled one calls the registered ops above (csrc/layers_autograd.cpp)
     "compress": (
@@ -449,8 +449,7 @@ def _fake_gelu_value_and_grad(g, q, alpha, beta, dim, num_groups, row_exp=None):
 def _fake_layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight=None, row_exp=None):
     reference.check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
     D = q.shape[-1]
-    return (q.new_empty(q.shape, dtype=torch.float32), q.new_empty((D,), dtype=torch.float32),
-            q.new_empty((D,), dtype=torch.float32))
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty((2, D), dtype=torch.float32)
 
 
 def _fake_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
@@ -815,4 +814,5 @@ def layer_norm_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, b
     "LayerNorm backward from the codes"; definition:
     :func:`mesa_train.quant.reference.layer_norm_backward`). Rows of at most 1024."""
     reference.check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
-    return torch.ops.mesa.layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
+    dx, dparams = torch.ops.mesa.layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
+    return dx, dparams[0], dparams[1]  # (the op's (2, D) dparams: rows of one tensor)

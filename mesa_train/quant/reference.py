@@ -1060,10 +1060,10 @@ def ln_column_partials(t: torch.Tensor) -> torch.Tensor:
 
 
 def layer_norm_backward(g, q, alpha, beta, num_groups: int, rstd, weight=None, row_exp=None):
-    """``(dx, dweight, dbias)`` of a LayerNorm over the last dim from its output gradient ``g``
-    and the codes ``q`` of its normalised input ``x_hat`` (groups along the last dim,
-    ``row_exp``: their row scales), ``rstd`` per row and ``weight`` (None: no affine weight),
-    all float32 (DESIGN.md, "LayerNorm backward from the codes"). Every operation a separately
+    """``(dx, dparams)`` (``dparams``: ``(2, D)``, dweight then dbias) of a LayerNorm over the
+    last dim from its output gradient ``g`` and the codes ``q`` of its normalised input ``x_hat``
+    (groups along the last dim, ``row_exp``: their row scales), ``rstd`` per row and ``weight``
+    (None: no affine weight), all float32 (DESIGN.md, "LayerNorm backward from the codes"). Every operation a separately
     rounded float32 one::
 
         xh = dequantize(q, ..., float32, row_exp);  gw = g * weight   (g without a weight)
@@ -1071,7 +1071,8 @@ def layer_norm_backward(g, q, alpha, beta, num_groups: int, rstd, weight=None, r
         dx = rstd * ((gw - m1) - xh * m2)
         dweight, dbias = sum over chunk partials of g * xh, g (:func:`ln_column_partials`)
 
-    Each column sum is one ``torch.sum`` over dim 0 of its ``(blocks, D)`` partials."""
+    Both column sums are one ``torch.sum`` over dim 1 of their ``(2, blocks, D)`` partials:
+    one reduction (one launch on a GPU) whose ``(2, D)`` result is ``dparams``."""
     check_layer_norm_backward_args(g, q, alpha, beta, num_groups, rstd, weight, row_exp)
     return layer_norm_backward_from_xh(dequantize(q, alpha, beta, q.dim() - 1, num_groups, torch.float32, row_exp),
                                        g, rstd, weight)
@@ -1091,7 +1092,7 @@ def layer_norm_backward_from_xh(xh: torch.Tensor, g: torch.Tensor, rstd: torch.T
     m1 = lane_sum(gw) / n
     m2 = lane_sum(gw * xh) / n
     dx = rstd.reshape(rows, 1) * ((gw - m1) - xh * m2)
-    return dx.view(shape), ln_column_partials(gf * xh).sum(0), ln_column_partials(gf).sum(0)
+    return dx.view(shape), torch.stack((ln_column_partials(gf * xh), ln_column_partials(gf))).sum(1)
 
 
 def gelu_value_and_grad(g, q, alpha, beta, dim: int, num_groups: int, row_exp: torch.Tensor | None = None):
