@@ -76,24 +76,30 @@ def test_identical_blocks_share_one_graph_and_train_like_eager():
     assert all(torch.equal(b, bufs[n]) for n, b in model.named_buffers())
 
 
-@pytest.mark.parametrize("family, graphs", [("swin", 3), ("pvt", 4)])
-def test_blocks_of_different_shapes_get_their_own_graphs(family, graphs):
-    """Swin (unshifted, shifted with its mask, the narrower second stage) and PVT-v2 (one
-    width per stage): a static graph per distinct block, still bitwise eager Mesa."""
+def _graphs_of_a_per_block_step(model, x) -> int:
+    """One training step of ``model`` compiled per block (aot_eager), its forward and gradients
+    checked bit for bit against an eager copy's; the graphs Dynamo captured (no break allowed)."""
     torch._dynamo.reset()
     counters.clear()
-    model = patch_model(build(family, fused=False), ops=("all",))
     eager = copy.deepcopy(model)
-    x = inputs(family)
     compiled = compile_model(model, "blocks", backend="aot_eager")
     out = compiled(x)
     loss_of(out).backward()
     ref = eager(x)
     loss_of(ref).backward()
     assert torch.equal(out, ref)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert not counters["graph_break"]
     got, want = grads(model), grads(eager)
     assert all(torch.equal(got[k], want[k]) for k in want)
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("family, graphs", [("swin", 3), ("pvt", 4)])
+def test_blocks_of_different_shapes_get_their_own_graphs(family, graphs):
+    """Swin (unshifted, shifted with its mask, the narrower second stage) and PVT-v2 (one
+    width per stage): a static graph per distinct block, still bitwise eager Mesa."""
+    model = patch_model(build(family, fused=False), ops=("all",))
+    assert _graphs_of_a_per_block_step(model, inputs(family)) == graphs
 
 
 # attention reached generically (patch/generic_attention.py): EVA-02 (rope), CaiT (talking
@@ -108,23 +114,11 @@ def test_generic_attention_blocks_share_one_graph(name):
     hook per module with always_call=True had given one graph per block: Dynamo guarded on
     each hook's id), forward and gradients still bit for bit eager Mesa's."""
     kwargs = GENERIC[name]
-    torch._dynamo.reset()
-    counters.clear()
     torch.manual_seed(0)
     model = patch_model(timm.create_model(name, pretrained=False, num_classes=10, **kwargs).train(), ops=("all",))
     assert any(n.endswith("attn.mesa_qk") or n.endswith("attn.mesa_sdpa") for n, _ in model.named_modules())
-    eager = copy.deepcopy(model)
     x = torch.randn(2, 3, kwargs["img_size"], kwargs["img_size"], generator=torch.Generator().manual_seed(1))
-    compiled = compile_model(model, "blocks", backend="aot_eager")
-    out = compiled(x)
-    loss_of(out).backward()
-    ref = eager(x)
-    loss_of(ref).backward()
-    assert torch.equal(out, ref)
-    assert counters["stats"]["unique_graphs"] == 1
-    assert not counters["graph_break"]
-    got, want = grads(model), grads(eager)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert _graphs_of_a_per_block_step(model, x) == 1
 
 
 def test_recompile_limit_covers_every_block():
