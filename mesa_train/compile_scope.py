@@ -39,15 +39,26 @@ _BLOCK_CONTAINER = "blocks"
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, block) of every child of a ``blocks`` container (``nn.Sequential`` or
     ``nn.ModuleList``) in ``model``, outermost containers first; a container inside a found
-    block is part of that block's region, not a region of its own."""
+    block is part of that block's region, not a region of its own. A child that is itself an
+    ``nn.ModuleList`` (Twins: one list of blocks per stage) is iterated by its model, never
+    called, so its children are the blocks (compiled or sharded as a list, nothing would run
+    compiled, and FSDP's hooks on it would never fire)."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in unwrap_model(model).named_modules():
         if name.rsplit(".", 1)[-1] != _BLOCK_CONTAINER or not isinstance(module, (nn.Sequential, nn.ModuleList)):
             continue
         if any(name.startswith(block_name + ".") for block_name, _ in found):
             continue
-        found += [(f"{name}.{i}", block) for i, block in module.named_children()]
+        for i, block in module.named_children():
+            found += _called_modules(f"{name}.{i}", block)
     return found
+
+
+def _called_modules(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module`` itself, or the modules of an ``nn.ModuleList`` (which is never called), recursively."""
+    if not isinstance(module, nn.ModuleList):
+        return [(name, module)]
+    return [found for i, child in module.named_children() for found in _called_modules(f"{name}.{i}", child)]
 
 
 def compile_model(model: nn.Module, scope: str = "model", *, fullgraph: bool = True, **compile_kwargs) -> nn.Module:

@@ -76,9 +76,10 @@ def test_identical_blocks_share_one_graph_and_train_like_eager():
     assert all(torch.equal(b, bufs[n]) for n, b in model.named_buffers())
 
 
-def _graphs_of_a_per_block_step(model, x) -> int:
+def _graphs_of_a_per_block_step(model, x, exact_grads: bool = True) -> int:
     """One training step of ``model`` compiled per block (aot_eager), its forward and gradients
-    checked bit for bit against an eager copy's; the graphs Dynamo captured (no break allowed)."""
+    checked bit for bit against an eager copy's (gradients to float32 rounding where
+    ``exact_grads`` is False); the graphs Dynamo captured (no break allowed)."""
     torch._dynamo.reset()
     counters.clear()
     eager = copy.deepcopy(model)
@@ -90,7 +91,11 @@ def _graphs_of_a_per_block_step(model, x) -> int:
     assert torch.equal(out, ref)
     assert not counters["graph_break"]
     got, want = grads(model), grads(eager)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    for k in want:
+        if exact_grads:
+            assert torch.equal(got[k], want[k]), k
+        else:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5 * want[k].abs().max().item())
     return counters["stats"]["unique_graphs"]
 
 
@@ -119,6 +124,22 @@ def test_generic_attention_blocks_share_one_graph(name):
     assert any(n.endswith("attn.mesa_qk") or n.endswith("attn.mesa_sdpa") for n, _ in model.named_modules())
     x = torch.randn(2, 3, kwargs["img_size"], kwargs["img_size"], generator=torch.Generator().manual_seed(1))
     assert _graphs_of_a_per_block_step(model, x) == 1
+
+
+def test_lists_of_blocks_inside_blocks_are_looked_through():
+    """Twins keeps one ModuleList of blocks per stage in ``blocks``: the lists are iterated,
+    never called, so the blocks are their children (compiling the lists compiled nothing:
+    0 graphs, the model ran eager)."""
+    torch.manual_seed(0)
+    model = patch_model(timm.create_model("twins_svt_small", pretrained=False, num_classes=10, depths=(2, 1, 1, 1),
+                                          img_size=64).train(), ops=("all",))
+    names = [n for n, _ in repeated_blocks(model)]
+    assert names == ["blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.2.0", "blocks.3.0"]
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    # stage 1's two blocks alternate local and global attention; one width per stage. The
+    # local attention's 5-D q, k, v take the float32 formula backward under compile (no fused
+    # kernel pair for them): its gradients match eager's to rounding, not bit for bit
+    assert _graphs_of_a_per_block_step(model, x, exact_grads=False) == 5
 
 
 def test_recompile_limit_covers_every_block():

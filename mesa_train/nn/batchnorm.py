@@ -130,6 +130,8 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         if not (bn_training and self._mesa_active(input, self.weight, self.bias)):
             return super().forward(input)
+        if torch.compiler.is_compiling() and self.__dict__.get("_mesa_scale_conv") is not None:
+            return super().forward(input)  # a scale branch's BatchNorm: stock under compile (nn/conv.py)
         self._check_input_dim(input)
         # nn.BatchNorm2d's momentum bookkeeping, unchanged
         factor = 0.0 if self.momentum is None else self.momentum

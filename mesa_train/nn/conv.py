@@ -153,6 +153,14 @@ class Conv2d(MesaLayer, nn.Conv2d):
                 return torch.ops.mesa.conv2d_train(input, self.weight, self.bias, self.stride, self.padding,
                                                    self.dilation, self.groups, *fused)
             return _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer)
+        if torch.compiler.is_compiling():
+            # The link is a Python object the two backwards hand over through, which a traced
+            # autograd.Function may not mutate (Dynamo: "HOP: Unsafe side effect"; FastViT and
+            # RepViT did not compile). Without it this conv's weight gradient is a cancellation
+            # that 8-bit noise in the BatchNorm's backward swamps (RepViT: 0.9 relative error),
+            # so under compile the scale branch, this conv and its BatchNorm, runs stock: the
+            # two keep their inputs in full precision (one 1x1 depthwise branch per block).
+            return super().forward(input)
         link = ScaleLink()
         y = _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer, link)
         link.out = weakref.ref(y)

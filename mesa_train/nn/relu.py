@@ -17,7 +17,11 @@ def _shifts(device):
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a boolean tensor into uint8, 8 elements per byte (little-endian bits), flat."""
-    flat = mask.reshape(-1).to(torch.uint8)
+    # one copy into a contiguous uint8 tensor, then a view: a reshape of the bool mask is
+    # traced as a view where the traced strides say contiguous, and a runtime tensor with
+    # other strides (PoolFormerV2's StarReLU under torch.compile: a channels-last conv output
+    # traced as contiguous) then failed with "view size is not compatible"
+    flat = mask.to(torch.uint8, memory_format=torch.contiguous_format).view(-1)
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
@@ -39,6 +43,11 @@ class _ReLUFn(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
         y = F.relu(x, inplace=inplace)  # exactly nn.ReLU.forward
+        if inplace:
+            # the input object itself, as autograd requires of a dirty input: Dynamo gives
+            # F.relu's in-place result a new identity and refused the Function otherwise
+            # (MobileNetV3 and GhostNet failed to compile per block or whole)
+            y = x
         ctx.shape = y.shape
         save(ctx, [], pack_bits(y > 0))
         return y

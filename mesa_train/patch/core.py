@@ -654,6 +654,7 @@ def _link_scale_branches(root: nn.Module, parents, mnn, quant_options: dict, kee
             _replace_child(parents, bn, new)
             bn = new
         conv.__dict__["_mesa_scale_bn"] = bn  # not a child: state_dict and module tree unchanged
+        bn.__dict__["_mesa_scale_conv"] = conv  # (under torch.compile both run stock: nn/conv.py)
 
 
 def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:

@@ -104,8 +104,14 @@ class _Capture(TorchFunctionMode):
                 and "mesa_qk" in owner._modules):
             self.matmuls += 1
             if self.matmuls == 1:
-                self.logits = owner.mesa_qk(args[0], args[1])
-                return self.logits
+                logits = owner.mesa_qk(args[0], args[1])
+                if torch.compiler.is_compiling():
+                    # a new tensor, not the traced Function's output: Dynamo treats that as a
+                    # view of a multi-output node, which may not be modified in place, and
+                    # MViTv2 adds its relative positions into the logits in place
+                    logits = logits.clone()
+                self.logits = logits
+                return logits
             if self.matmuls == 2:
                 self.logits = None
                 shared = self.probs_copy if args[0] is self.probs else None
