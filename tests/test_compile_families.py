@@ -84,3 +84,24 @@ def test_relu_mask_of_a_channels_last_tensor_compiles():
     scale = max(p.grad.abs().max().item() for p in want.values())
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n].grad, rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_sweep_script_writes_its_table_and_names_the_valid_models(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    script = str(root / "scripts" / "compile_sweep.py")
+    out = tmp_path / "sweep.md"
+    proc = subprocess.run([sys.executable, script, "vit_tiny_patch16_224", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header, _, row = out.read_text().splitlines()
+    assert header.startswith("| model | blocks | graphs | breaks | forward | gradients | stock gradients |")
+    assert row.startswith("| vit_tiny_patch16_224 | 2 | 1 | 0 | equal | equal | equal |")
+    bad = subprocess.run([sys.executable, script, "no_such_model"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode == 2 and "unknown model(s) no_such_model; valid: vit_tiny_patch16_224" in bad.stdout
