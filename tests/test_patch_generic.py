@@ -127,6 +127,6 @@ def test_generic_capture_survives_deepcopy_and_pickling():
     want = patched(x)
     for model in copies:
         owners = [m for m in model.modules() if type(m).__name__ == GENERIC[name]]
-        assert owners and all(m.forward.args[0] is m for m in owners)  # bound to the copy, not the original
+        assert owners and all(m.forward.__self__ is m for m in owners)  # bound to the copy, not the original
         assert torch.equal(model(x), want)
         assert _mesa_child_calls(model, x) == _mesa_child_calls(patched, x) > 0

@@ -125,13 +125,18 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
         return adopt_parameters(stock, new, device)
 
     def forward(self, input):
-        # taken on every call (never left on the module): a 1x1 depthwise conv in front (conv.ScaleLink)
-        link = self.__dict__.pop("_mesa_scale_pending", None)
+        if torch.compiler.is_compiling():
+            # nothing is pending under compile: a scale branch runs stock there, this BatchNorm
+            # too (nn/conv.py); and Dynamo in torch 2.11 cannot trace a pop from a __dict__
+            if getattr(self, "_mesa_scale_conv", None) is not None:
+                return super().forward(input)
+            link = None
+        else:
+            # taken on every call (never left on the module): a 1x1 depthwise conv in front (conv.ScaleLink)
+            link = self.__dict__.pop("_mesa_scale_pending", None)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         if not (bn_training and self._mesa_active(input, self.weight, self.bias)):
             return super().forward(input)
-        if torch.compiler.is_compiling() and self.__dict__.get("_mesa_scale_conv") is not None:
-            return super().forward(input)  # a scale branch's BatchNorm: stock under compile (nn/conv.py)
         self._check_input_dim(input)
         # nn.BatchNorm2d's momentum bookkeeping, unchanged
         factor = 0.0 if self.momentum is None else self.momentum

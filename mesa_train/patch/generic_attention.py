@@ -6,7 +6,7 @@ No timm code is copied or rewritten, so this reaches EVA (incl. rope), BEiT, Cai
 talking-heads attention), XCiT, relative-position attention, ``ParallelScalingBlock``,
 attention-pool heads and the like, whatever they do around the core (rope, qk-norm, masks,
 biases). ``install`` gives such a module four Mesa children and a ``forward`` that runs the
-class's forward with a ``TorchFunctionMode`` entered (:func:`_captured_forward`):
+class's forward with a ``TorchFunctionMode`` entered (:func:`_mesa_captured_forward`):
 
 ``mesa_sdpa``     the module's ``F.scaled_dot_product_attention`` call (int8 q, k, v)
 ``mesa_qk``       its first batched (>= 3-D x >= 3-D) matmul of the call: ``q @ k^T``
@@ -24,7 +24,7 @@ handler), so nothing is intercepted twice.
 """
 from __future__ import annotations
 
-import functools
+import types
 from typing import Optional, Tuple
 
 import torch
@@ -201,15 +201,23 @@ def install_cosine(module: nn.Module, ops, found, heads: Optional[int], device, 
     return tuple(added)
 
 
-def _captured_forward(self, *args, **kwargs):
+def _mesa_captured_forward(self, *args, **kwargs):
     """The module's own forward with its capture mode entered: bound to the instance as its
-    ``forward`` by :func:`_install_capture`, the class's forward unchanged. A ``with`` leaves the mode
-    even when the forward raises. One function for every patched module: torch.compile per
-    block guards on it, not on the module, so identical blocks share one graph (capture hooks
-    registered per module with ``always_call=True`` gave EVA-02 one graph per block: Dynamo
-    guarded on each hook's id)."""
+    ``forward`` by :func:`_install_capture`, the class's forward unchanged. A ``with`` leaves
+    the mode even when the forward raises. One function for every patched module, bound as a
+    method: torch.compile per block guards on the function, not on the module, so identical
+    blocks share one graph (capture hooks registered per module with ``always_call=True`` gave
+    EVA-02 one graph per block: Dynamo guarded on each hook's id; a ``functools.partial``
+    gave one per block on torch 2.11, which guards on each partial's id)."""
     with _Capture(self):
         return type(self).forward(self, *args, **kwargs)
+
+
+# the name the bound method pickles by: a bound method is unpickled as getattr(module, its
+# function's name), before the module's own attributes are restored, so the module's class
+# carries the function under that name (an added private method; the class's forward and
+# every other attribute stay as they are)
+_CAPTURED_FORWARD = _mesa_captured_forward.__name__
 
 
 def install(module: nn.Module, ops, heads: Optional[int], device, make_options) -> Optional[str]:
@@ -241,10 +249,12 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options) 
 
 
 def _install_capture(module: nn.Module) -> None:
-    """Run ``module``'s forward under its capture mode (:func:`_captured_forward`, bound as an
-    instance attribute: the class, and what is keyed on it, stay the stock ones)."""
+    """Run ``module``'s forward under its capture mode (:func:`_mesa_captured_forward`, bound
+    as an instance attribute: the class, and what is keyed on it, stay the stock ones)."""
     if not is_generic_attention(module):
-        module.__dict__["forward"] = functools.partial(_captured_forward, module)
+        if getattr(type(module), _CAPTURED_FORWARD, None) is not _mesa_captured_forward:
+            setattr(type(module), _CAPTURED_FORWARD, _mesa_captured_forward)
+        module.__dict__["forward"] = types.MethodType(_mesa_captured_forward, module)
         object.__setattr__(module, GENERIC_ATTENTION_ATTR, True)
 
 
