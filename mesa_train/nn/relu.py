@@ -40,10 +40,9 @@ def unpack_bits(packed: torch.Tensor, shape) -> torch.Tensor:
 class _ReLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, inplace):
-        if inplace:
-            ctx.mark_dirty(x)
         y = F.relu(x, inplace=inplace)  # exactly nn.ReLU.forward
         if inplace:
+            ctx.mark_dirty(x)
             # the input object itself, as autograd requires of a dirty input: Dynamo gives
             # F.relu's in-place result a new identity and refused the Function otherwise
             # (MobileNetV3 and GhostNet failed to compile per block or whole)

@@ -252,8 +252,7 @@ def _install_capture(module: nn.Module) -> None:
     """Run ``module``'s forward under its capture mode (:func:`_mesa_captured_forward`, bound
     as an instance attribute: the class, and what is keyed on it, stay the stock ones)."""
     if not is_generic_attention(module):
-        if getattr(type(module), _CAPTURED_FORWARD, None) is not _mesa_captured_forward:
-            setattr(type(module), _CAPTURED_FORWARD, _mesa_captured_forward)
+        setattr(type(module), _CAPTURED_FORWARD, _mesa_captured_forward)
         module.__dict__["forward"] = types.MethodType(_mesa_captured_forward, module)
         object.__setattr__(module, GENERIC_ATTENTION_ATTR, True)
 
