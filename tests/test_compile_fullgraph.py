@@ -93,9 +93,9 @@ def test_fullgraph_train_steps_match_eager(family, opset, compile_kernels):
     # every matmul kept what it keeps in eager (the softmax's shared 8-bit map for attn @ v,
     # not the full float map: tests/test_compile_fullgraph.py::test_compiled_attention_shares_map)
     assert _kept(model) == _kept(eager)
-    # mask-free fused attention (DeiT, PVT): the compiled backward calls the fused kernel pair
-    # eager differentiates, so bit for bit too; Swin's masked windows keep the formula
-    _assert_grads_match(model, eager, bitwise=(opset == "all" or family != "swin"))
+    # fused attention: the compiled backward is mesa::sdpa_recompute_backward, autograd through
+    # the stock call at run time as in eager, so bit for bit too (Swin's masked windows included)
+    _assert_grads_match(model, eager, bitwise=True)
 
 
 @pytest.mark.parametrize("opset", list(OPSETS))
@@ -104,8 +104,9 @@ def test_fullgraph_under_bf16_autocast_matches_eager(opset):
     bit for bit with the explicit attention (the traced backward computes in the dtypes eager
     does; a stride read on the incoming gradient inside MatMul's backward once made it run in
     float32, a cast before and after each op, gradients 5e-3 off). So with the fused
-    attention: its compiled backward calls the kernel pair eager differentiates
-    (``_fused_attention_backward``); its float32 formula, which ran before, was 5e-3 off."""
+    attention: its compiled backward (``mesa::sdpa_recompute_backward``) re-enters the
+    forward's autocast and runs autograd through the stock call, as eager does; a float32
+    formula, which ran before, was 5e-3 off."""
     torch._dynamo.reset()
     _, model = _patched("deit", opset)
     eager = copy.deepcopy(model)
@@ -128,9 +129,9 @@ def _kept(model) -> dict:
 def _assert_grads_match(model, eager, bitwise: bool):
     """The explicit attention (ops=all) runs the same ATen ops and the same Mesa kernels as
     eager under aot_eager: gradients equal bit for bit (torch 2.11 and 2.14), and so does the
-    mask-free sdpa set. Swin's masked sdpa differs by float reassociation in the fused
-    attention's float32 formula (<= 6e-7 relative, measured); a compiled model that saved other bits (a full float map instead of the 8-bit
-    one, another rounding draw) is 1e-4..1e-3 off, so the bound stays far below that."""
+    sdpa set (its compiled backward is eager's recomputation, run by an op). Where a test
+    allows rounding, a compiled model that saved other bits (a full float map instead of the
+    8-bit one, another rounding draw) is 1e-4..1e-3 off, so the bound stays far below that."""
     g, rg = grads(model), grads(eager)
     assert g.keys() == rg.keys() and len(g) == len(list(model.parameters()))
     for n in g:
@@ -266,15 +267,17 @@ def test_fullgraph_under_ddp(tmp_path, scope):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("opset", list(OPSETS))
 @pytest.mark.parametrize("scope", ["model", "blocks"])
 @pytest.mark.parametrize("compile_kernels", ["ops", "traceable"], indirect=True)
-def test_cuda_graph_train_step(compile_kernels, scope):
+def test_cuda_graph_train_step(compile_kernels, scope, opset):
     """mode="reduce-overhead" captures the training step in a CUDA graph: the seeds come
     from the quantizers' device-side counters, so every replay draws fresh rounding noise
     and the estimates keep updating. Per block (mesa_train/compile_scope.py) one compiled
-    graph serves both blocks, each with its own weights, estimates and counters."""
+    graph serves both blocks, each with its own weights, estimates and counters. The sdpa set:
+    the captured backward runs mesa::sdpa_recompute_backward, autograd inside the capture."""
     torch._dynamo.reset()
-    _, model = _patched("deit", "all")
+    _, model = _patched("deit", opset)
     model = model.cuda()
     eager = copy.deepcopy(model)
     x = inputs("deit").cuda()

@@ -76,10 +76,9 @@ def test_identical_blocks_share_one_graph_and_train_like_eager():
     assert all(torch.equal(b, bufs[n]) for n, b in model.named_buffers())
 
 
-def _graphs_of_a_per_block_step(model, x, exact_grads: bool = True) -> int:
+def _graphs_of_a_per_block_step(model, x) -> int:
     """One training step of ``model`` compiled per block (aot_eager), its forward and gradients
-    checked bit for bit against an eager copy's (gradients to float32 rounding where
-    ``exact_grads`` is False); the graphs Dynamo captured (no break allowed)."""
+    checked bit for bit against an eager copy's; the graphs Dynamo captured (no break allowed)."""
     torch._dynamo.reset()
     counters.clear()
     eager = copy.deepcopy(model)
@@ -92,10 +91,7 @@ def _graphs_of_a_per_block_step(model, x, exact_grads: bool = True) -> int:
     assert not counters["graph_break"]
     got, want = grads(model), grads(eager)
     for k in want:
-        if exact_grads:
-            assert torch.equal(got[k], want[k]), k
-        else:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5 * want[k].abs().max().item())
+        assert torch.equal(got[k], want[k]), k
     return counters["stats"]["unique_graphs"]
 
 
@@ -137,9 +133,9 @@ def test_lists_of_blocks_inside_blocks_are_looked_through():
     assert names == ["blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.2.0", "blocks.3.0"]
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     # stage 1's two blocks alternate local and global attention; one width per stage. The
-    # local attention's 5-D q, k, v take the float32 formula backward under compile (no fused
-    # kernel pair for them): its gradients match eager's to rounding, not bit for bit
-    assert _graphs_of_a_per_block_step(model, x, exact_grads=False) == 5
+    # local attention's 5-D q, k, v: its compiled backward is eager's recomputation too
+    # (mesa::sdpa_recompute_backward), bit for bit (a float32 formula took them before)
+    assert _graphs_of_a_per_block_step(model, x) == 5
 
 
 def test_recompile_limit_covers_every_block():

@@ -40,7 +40,6 @@ Eval mode, ``enabled=False``, or no input requiring grad: the stock call, stock 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -51,21 +50,9 @@ from torch.autograd.function import once_differentiable
 from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn._common import MesaLayer
 from mesa_train.nn.quantizer import Packed, decompress
+from mesa_train.nn.sdpa_backward import build_window_mask, recompute_grads
 
 __all__ = ["ScaledDotProductAttention", "build_window_mask"]
-
-
-def build_window_mask(attn_mask: Optional[torch.Tensor], window_mask: Optional[torch.Tensor],
-                      batch_windows: int, num_heads: int) -> Optional[torch.Tensor]:
-    """The additive mask Swin hands to sdpa: ``attn_mask`` (broadcastable to
-    ``(B*nW, heads, N, N)``) plus the ``(nW, N, N)`` window mask repeated over the batch
-    (window ``w`` of image ``b`` is batch row ``b * nW + w``). Same arithmetic as timm."""
-    if window_mask is None:
-        return attn_mask
-    num_win, N = window_mask.shape[0], window_mask.shape[-1]
-    m = window_mask.view(1, num_win, 1, N, N).expand(batch_windows // num_win, -1, num_heads, -1, -1)
-    m = m.reshape(-1, num_heads, N, N)
-    return m if attn_mask is None else attn_mask + m
 
 
 def _group_dim(x: torch.Tensor) -> int:
@@ -139,112 +126,19 @@ class _MesaSDPA(torch.autograd.Function):
         k = _restore(kq, ka, kb, dk_, Gk, fk, tk)
         v = _restore(vq, va, vb, dv_, Gv, fv, tv)
         mask_needs_grad = attn_mask is not None and needs[3] and attn_mask.is_floating_point()
-
+        wanted = (needs[0], needs[1], needs[2], mask_needs_grad)
         if torch.compiler.is_compiling():
-            # autograd.grad cannot be traced: the same gradient from a fused kernel pair
-            # called directly where one applies, else by its formula (dropout_p > 0 never
-            # gets here, see _compressed_sdpa). No requires_grad_ here: neither needs it, and
-            # Dynamo in torch 2.11 cannot (2.14 can) trace requires_grad_ in a backward (a
-            # graph break; an error under fullgraph).
-            fused = None
-            if attn_mask is None and window_mask is None:
-                fused = _fused_attention_backward(q, k, v, is_causal, scale, grad_out)
-            if fused is not None:
-                gq, gk, gv = fused
-                gm = None
-            else:
-                gq, gk, gv, gm = _attention_backward(q, k, v, attn_mask, window_mask, is_causal, scale, grad_out,
-                                                     mask_needs_grad)
-            return (gq if needs[0] else None, gk if needs[1] else None, gv if needs[2] else None, gm) + (None,) * 14
-        q, k, v = q.requires_grad_(needs[0]), k.requires_grad_(needs[1]), v.requires_grad_(needs[2])
-        if attn_mask is not None:
-            attn_mask = attn_mask.detach().requires_grad_(mask_needs_grad)
-        device_type, ac_enabled, ac_dtype = ctx.autocast
-        inputs = [t for t, n in ((q, needs[0]), (k, needs[1]), (v, needs[2]), (attn_mask, mask_needs_grad)) if n]
-        with torch.enable_grad(), torch.autocast(device_type, dtype=ac_dtype, enabled=ac_enabled):
-            if ctx.rng is not None:
-                cpu_state, dev_state, device = ctx.rng
-                devices = [device] if dev_state is not None else []
-                with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-                    torch.set_rng_state(cpu_state)
-                    if dev_state is not None:
-                        torch.cuda.set_rng_state(dev_state, device)
-                    out = _recompute(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
-            else:
-                out = _recompute(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
-            grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype)) if inputs else ()
-        grads = list(grads)
-        gq = grads.pop(0) if needs[0] else None
-        gk = grads.pop(0) if needs[1] else None
-        gv = grads.pop(0) if needs[2] else None
-        gm = grads.pop(0) if mask_needs_grad else None
-        return (gq, gk, gv, gm) + (None,) * 14
-
-
-def _fused_attention_backward(q, k, v, is_causal, scale, grad_out):
-    """Gradients of mask-free attention at ``(q, k, v)`` from a fused kernel pair: its
-    forward again (for the output and the row log-sum-exp its backward reads), then its
-    backward; ``None`` where no pair applies (then the float32 formula runs).
-
-    Why: under ``torch.compile`` the formula materialises the (B, H, L, S) map in float32.
-    On an H200 (DeiT-S, bf16, batch 128) its softmax kernel took 5.7 ms and its matmuls 4.0
-    ms a step, and compiled fused attention with Mesa ran at 0.38x stock against eager's
-    0.68x (results/modern/nvidia-h200.profile.md), where eager differentiates the fused
-    kernel. CUDA: the memory-efficient pair (any GPU, fp32 / fp16 / bf16); CPU: the flash
-    pair eager sdpa runs there. Both take (..., L, E) with E a multiple of 8 (16-byte rows in
-    half precision: the kernels' alignment) and one dtype for q, k, v."""
-    same_dtype = q.dtype == k.dtype == v.dtype
-    if not (same_dtype and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[-1] % 8 == 0
-            and v.shape[-1] % 8 == 0 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)):
-        return None
-    g = grad_out.to(q.dtype).contiguous()
-    if q.device.type == "cuda":
-        return _efficient_attention_pair(q, k, v, g, is_causal, scale)
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-        return tuple(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, out, lse, 0.0, is_causal, scale=scale))
-    return None
-
-
-def _efficient_attention_pair(q, k, v, g, is_causal, scale):
-    """(dq, dk, dv) from ATen's memory-efficient attention forward and backward (no bias, no
-    dropout: the philox seed and offset it returns are unused by the backward)."""
-    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, is_causal, scale=scale)
-    gq, gk, gv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        g, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal, scale=scale)
-    return gq, gk, gv
-
-
-def _attention_backward(q, k, v, attn_mask, window_mask, is_causal, scale, grad_out, mask_needs_grad):
-    """Gradients of ``softmax(q k^T * scale + mask) v`` at ``(q, k, v)`` by their formula,
-    in float32 (no dropout): ``dv = P^T g``, ``dS = P * (g v^T - rowsum(g v^T * P))``,
-    ``dq = dS k * scale``, ``dk = dS^T q * scale``; the additive mask's gradient is ``dS``."""
-    qf, kf, vf, g = q.float(), k.float(), v.float(), grad_out.float()
-    L, S = q.shape[-2], k.shape[-2]
-    sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    logits = qf @ kf.transpose(-2, -1) * sc
-    mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
-    if is_causal:
-        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        logits = logits.masked_fill(~keep, float("-inf"))
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
-    p = logits.softmax(-1)
-    gp = g @ vf.transpose(-2, -1)
-    ds = p * (gp - (gp * p).sum(-1, keepdim=True))
-    gq = (ds @ kf * sc).to(q.dtype)
-    gk = (ds.transpose(-2, -1) @ qf * sc).to(k.dtype)
-    gv = (p.transpose(-2, -1) @ g).to(v.dtype)
-    gm = ds.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_needs_grad else None
-    return gq, gk, gv, gm
-
-
-def _recompute(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale):
-    mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+            # autograd.grad cannot be traced: the op runs it at run time (dropout_p > 0 never
+            # gets here, see _compressed_sdpa), the stock backend choice included
+            # (mesa_train/nn/sdpa_backward.py)
+            _, ac_enabled, ac_dtype = ctx.autocast
+            got = iter(torch.ops.mesa.sdpa_recompute_backward(grad_out, q, k, v, attn_mask, window_mask, is_causal,
+                                                               scale, list(wanted), ac_enabled, ac_dtype))
+            grads = tuple(next(got) if n else None for n in wanted)
+        else:
+            grads = recompute_grads(grad_out, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale, wanted,
+                                    ctx.autocast, ctx.rng)
+        return grads + (None,) * 14
 
 
 class ScaledDotProductAttention(MesaLayer, nn.Module):

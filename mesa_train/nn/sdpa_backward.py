@@ -1,0 +1,127 @@
+"""The recomputing backward of Mesa's fused attention, as a function (eager) and as an op
+(``torch.compile``).
+
+Mesa keeps q, k, v as 8-bit codes; backward dequantizes them, runs the stock
+``F.scaled_dot_product_attention`` again on them with autograd enabled, and backpropagates
+the output gradient through that call (``mesa_train/nn/sdpa.py`` explains why). Eager does
+it in :func:`recompute_grads` (or in C++, ``csrc/sdpa_autograd.cpp``: the same steps).
+
+Under ``torch.compile`` ``autograd.grad`` cannot be traced, so the compiled backward calls the
+op ``mesa::sdpa_recompute_backward``, opaque to the compiler, which does the same at run time.
+Why an op rather than a traced kernel pair: the backend is then chosen at run time by the stock
+dispatcher, exactly as for the stock model and for eager Mesa (cuDNN on an H100, flash or
+memory-efficient elsewhere, the CPU flash kernel on CPU), masks and their gradients included.
+The traced pair it replaces was always the memory-efficient kernels on CUDA: on an H100 they
+took 5.6 ms a DeiT-S step where stock's compiled cuDNN pair took 2.7
+(``results/modern/nvidia-h100-80gb-hbm3.profile.md``), and masked attention (Swin's windows,
+BEiT's relative position bias) fell back to a float32 formula that materialised the map.
+Compiled gradients are therefore eager Mesa's, bit for bit where the compiler runs the same
+ops around the op (tests/test_compile_fullgraph.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["build_window_mask", "recompute_grads"]
+
+_OP_NAME = "sdpa_recompute_backward"
+_SCHEMA = (f"{_OP_NAME}(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? window_mask, "
+           "bool is_causal, float? scale, bool[] output_mask, bool autocast, ScalarType? autocast_dtype) -> Tensor[]")
+
+
+def build_window_mask(attn_mask: Optional[torch.Tensor], window_mask: Optional[torch.Tensor],
+                      batch_windows: int, num_heads: int) -> Optional[torch.Tensor]:
+    """The additive mask Swin hands to sdpa: ``attn_mask`` (broadcastable to
+    ``(B*nW, heads, N, N)``) plus the ``(nW, N, N)`` window mask repeated over the batch
+    (window ``w`` of image ``b`` is batch row ``b * nW + w``). Same arithmetic as timm."""
+    if window_mask is None:
+        return attn_mask
+    num_win, N = window_mask.shape[0], window_mask.shape[-1]
+    m = window_mask.view(1, num_win, 1, N, N).expand(batch_windows // num_win, -1, num_heads, -1, -1)
+    m = m.reshape(-1, num_heads, N, N)
+    return m if attn_mask is None else attn_mask + m
+
+
+def attention(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale):
+    """The stock call the layer makes, its two masks combined first."""
+    mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale)
+
+
+def recompute_grads(grad_out, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale,
+                    needs: Sequence[bool], autocast, rng=None) -> tuple:
+    """Gradients of the attention at ``(q, k, v)`` (and of a floating ``attn_mask``) by
+    autograd through the stock call made again: ``needs`` says which of the four are wanted,
+    the result has ``None`` for the others. ``autocast``: ``(device_type, enabled, dtype)`` of
+    the forward; ``rng``: ``(cpu_state, device_state, device)`` to replay a dropout mask."""
+    leaves = [t.detach().requires_grad_(bool(n)) if t is not None else None
+              for t, n in zip((q, k, v, attn_mask), needs)]
+    wanted = [t for t, n in zip(leaves, needs) if n]
+    if not wanted:
+        return (None,) * 4
+    device_type, ac_enabled, ac_dtype = autocast
+    with torch.enable_grad(), torch.autocast(device_type, dtype=ac_dtype, enabled=ac_enabled):
+        if rng is not None:
+            cpu_state, dev_state, device = rng
+            devices = [device] if dev_state is not None else []
+            with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+                torch.set_rng_state(cpu_state)
+                if dev_state is not None:
+                    torch.cuda.set_rng_state(dev_state, device)
+                out = attention(*leaves, window_mask, dropout_p, is_causal, scale)
+        else:
+            out = attention(*leaves, window_mask, dropout_p, is_causal, scale)
+        got = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype)))
+    return tuple(next(got) if n else None for n in needs)
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+                  torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
+
+
+def _autograd_reachable():
+    """A context in which the ops called reach autograd again. A kernel runs with autograd
+    excluded when a dispatch mode (PyTorch's opcheck, a FLOP counter, this project's op
+    census) handed it the call: the mode's redispatch runs below autograd."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    if not excluded.has(torch._C.DispatchKey.AutogradFunctionality):
+        return contextlib.nullcontext()
+    for key in _AUTOGRAD_KEYS:
+        excluded = excluded.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
+
+
+def _op_kernel(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, output_mask, autocast, autocast_dtype):
+    with _autograd_reachable():
+        grads = recompute_grads(grad_out, q, k, v, attn_mask, window_mask, 0.0, is_causal, scale, output_mask,
+                                (q.device.type, autocast, autocast_dtype))
+    # contiguous, as the fake kernel states: compiled code reads the results with its strides
+    return [g.contiguous() for g in grads if g is not None]
+
+
+def _op_fake(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, output_mask, autocast, autocast_dtype):
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            for t, n in zip((q, k, v, attn_mask), output_mask) if n]
+
+
+def _register() -> None:
+    if hasattr(torch.ops.mesa, _OP_NAME):  # (a reloaded module: registered once per process)
+        return
+    lib = torch.library.Library("mesa", "FRAGMENT")
+    lib.define(_SCHEMA)
+    lib.impl(_OP_NAME, _op_kernel, "CompositeExplicitAutograd")
+    # The kernel runs autograd itself: the dispatcher must reach it with autograd still on
+    # (a fallthrough sets no below-autograd guard). Its results carry no graph: the op is a
+    # backward, never differentiated.
+    lib.impl(_OP_NAME, torch.library.fallthrough_kernel, "Autograd")
+    torch.library.register_fake(f"mesa::{_OP_NAME}", _op_fake, lib=lib)
+    _LIBS.append(lib)
+
+
+_LIBS: list = []  # the Library object owns the registrations: kept alive
+_register()
