@@ -15,6 +15,8 @@
 #include <optional>
 #include <tuple>
 
+#include "mesa_common.h"
+
 namespace mesa {
 namespace layers {
 
@@ -151,13 +153,15 @@ inline int64_t capped_groups(const Quantizer& qz, int64_t D) {
 }
 
 // ActivationQuantizer.compress (default format): groups along `dim` (num_groups capped at
-// the dim's size), one contiguous copy when needed, then observe + quantize, or with the
-// delayed estimator quantize_observe (one pass); row_exp: the rows' power-of-two scales,
-// applied inside the kernels (mesa_train.nn.rowscale). Returns (q, alpha, beta, G).
+// the dim's size), one contiguous copy when needed (none for the strided views the CUDA
+// kernels read in place, as timm's q, k, v: mesa_common.h, "strided inputs"), then observe +
+// quantize, or with the delayed estimator quantize_observe (one pass); row_exp: the rows'
+// power-of-two scales, applied inside the kernels (mesa_train.nn.rowscale). Returns
+// (q, alpha, beta, G).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
     const at::Tensor& x_in, int64_t dim, Quantizer& qz, const std::optional<at::Tensor>& row_exp = std::nullopt) {
   const int64_t G = capped_groups(qz, x_in.size(dim));
-  const at::Tensor x = x_in.contiguous();
+  const at::Tensor x = reads_in_place(x_in) ? x_in : x_in.contiguous();
   if (qz.estimator == kDelayed) {
     auto [q, alpha, beta] = quantize_observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,
                                                        qz.decay, qz.symmetric, qz.stochastic, row_exp);

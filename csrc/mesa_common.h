@@ -289,6 +289,58 @@ MESA_HD void estimate_step(float old, float r, bool init, bool finite, float lam
   stored = finite ? used : canonical(old);
 }
 
+// ----------------------------------------------------------------------------- strided inputs
+// The q, k, v that timm's attention unbinds from one (B, N, 3, H, E) qkv tensor are strided
+// views (B, H, N, E): rows of E contiguous elements 3 * H * E apart. Copying each to a
+// contiguous tensor before observe and quantize cost ~30 us a tensor on an H100, 36 copies a
+// DeiT-S step (1.1 ms). The CUDA kernels that read x (observe, group_minmax, quantize,
+// quantize_observe) read such x where it lies instead: element i (its index in x's row-major
+// order, which the statistics, the hash and the codes use, so the results are bit for bit
+// those of the contiguous copy) is at offset c0 + c1 * s1 + c2 * s2 + c3 * s3 of x's data,
+// (c3, c2, c1, c0) its index in x viewed as the four dims below.
+struct StridedRows {
+  int64_t sizes[4];    // size-1 dims dropped, dims contiguous in each other merged, 1s in front
+  int64_t strides[4];  // in elements; strides[3] == 1
+};
+
+// x's sizes / strides as StridedRows when the kernels read it in place with their 16-element
+// (16-byte aligned) steps: at most four dims once collapsed, the last contiguous and a
+// multiple of 16 elements (no step crosses a row), every other stride a multiple of 16
+// elements (each row 16-byte aligned when x's data is), fewer than 2**31 elements (32-bit
+// indices). Contiguous x, or any other layout: nullopt (the callers copy as before).
+inline std::optional<StridedRows> strided_rows(at::IntArrayRef sizes, at::IntArrayRef strides) {
+  int64_t sz[8], st[8], n = 0, numel = 1;
+  if (sizes.size() > 8) return std::nullopt;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    numel *= sizes[d];
+    if (sizes[d] == 1) continue;
+    if (n > 0 && st[n - 1] == strides[d] * sizes[d]) {  // dim d continues the previous one
+      sz[n - 1] *= sizes[d];
+      st[n - 1] = strides[d];
+      continue;
+    }
+    sz[n] = sizes[d];
+    st[n] = strides[d];
+    ++n;
+  }
+  if (numel == 0 || numel >= (int64_t(1) << 31) || n < 2 || n > 4 || st[n - 1] != 1 || sz[n - 1] % 16 != 0)
+    return std::nullopt;
+  StridedRows r{{1, 1, 1, 1}, {0, 0, 0, 1}};
+  for (int64_t d = 0; d < n; ++d) {
+    if (d < n - 1 && st[d] % 16 != 0) return std::nullopt;
+    r.sizes[4 - n + d] = sz[d];
+    r.strides[4 - n + d] = st[d];
+  }
+  return r;
+}
+
+// Whether observe / quantize (compress) read x in place on its device: a non-contiguous CUDA
+// tensor of a StridedRows layout. Anything else is made contiguous first (the CPU kernels
+// always read contiguous x).
+inline bool reads_in_place(const at::Tensor& x) {
+  return x.is_cuda() && !x.is_contiguous() && strided_rows(x.sizes(), x.strides()).has_value();
+}
+
 // ----------------------------------------------------------------------------- layout
 // Contiguous x viewed as (outer, D, inner). Element i: j = i % inner, row = i / inner,
 // d = row % D, o = row / D. With per-sample statistics over dim > 0 the sample is

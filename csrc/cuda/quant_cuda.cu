@@ -133,6 +133,41 @@ __device__ __forceinline__ bool one_param(const KLayout<IdxT>& k, IdxT i0, IdxT 
   return V > 1 && k.min_run >= IdxT(V) && param_of(k, i0 + IdxT(V - 1)) == p0;
 }
 
+// Where element i of x lies (mesa_common.h, "strided inputs"): i itself for contiguous x,
+// else from its index (c3, c2, c1, c0) in x's four StridedRows dims
+template <typename IdxT>
+struct KStrides {
+  bool dense = true;
+  IdxT n0 = 1, n1 = 1, n2 = 1;  // sizes of the last three dims
+  DivT<IdxT> div0, div1, div2;
+  int64_t s1 = 0, s2 = 0, s3 = 0;  // strides of the three dims before the last (elements)
+};
+
+template <typename IdxT>
+KStrides<IdxT> make_kstrides(const std::optional<StridedRows>& r) {
+  KStrides<IdxT> k;
+  if (!r.has_value()) return k;
+  k.dense = false;
+  k.n0 = static_cast<IdxT>(r->sizes[3]);
+  k.n1 = static_cast<IdxT>(r->sizes[2]);
+  k.n2 = static_cast<IdxT>(r->sizes[1]);
+  k.div0 = DivT<IdxT>(k.n0);
+  k.div1 = DivT<IdxT>(k.n1);
+  k.div2 = DivT<IdxT>(k.n2);
+  k.s1 = r->strides[2];
+  k.s2 = r->strides[1];
+  k.s3 = r->strides[0];
+  return k;
+}
+
+template <typename IdxT>
+__device__ __forceinline__ int64_t offset_of(const KStrides<IdxT>& k, IdxT i) {
+  if (k.dense) return static_cast<int64_t>(i);
+  const IdxT r0 = k.div0(i), r1 = k.div1(r0), r2 = k.div2(r1);
+  return int64_t(r2) * k.s3 + int64_t(r1 - r2 * k.n2) * k.s2 + int64_t(r0 - r1 * k.n1) * k.s1 +
+         int64_t(i - r0 * k.n0);
+}
+
 template <typename T>
 __device__ __forceinline__ T umin(T a, T b) { return a < b ? a : b; }
 template <typename T>
@@ -331,6 +366,17 @@ int grid_for(int64_t steps, int sms) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// How a kernel reading x finds its elements: in place for a strided x (reads_in_place), at
+// their flat index otherwise (the glue made x contiguous)
+template <typename IdxT>
+KStrides<IdxT> kstrides_of(const at::Tensor& x) {
+  return make_kstrides<IdxT>(x.is_contiguous() ? std::nullopt : strided_rows(x.sizes(), x.strides()));
+}
+
+// x as the kernels that read it take it: where it lies when they can (mesa_common.h,
+// "strided inputs"), else a contiguous copy
+at::Tensor readable(const at::Tensor& x) { return reads_in_place(x) ? x : x.contiguous(); }
+
 // The row exponents as one contiguous int8 per row (they index by row; none: nullopt)
 std::optional<at::Tensor> contiguous_rows(const std::optional<at::Tensor>& row_exp, int64_t row_len) {
   if (row_len == 0) return std::nullopt;
@@ -380,7 +426,7 @@ __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const float* __restrict__ alpha,
                 const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel,
                 const int64_t* __restrict__ seed, const int64_t seed_stride, const KRows<IdxT> rows,
-                const uint32_t* __restrict__ skip) {
+                const uint32_t* __restrict__ skip, const KStrides<IdxT> in) {
   // quantize_observe's second launch: nothing to do when its first one quantized
   if (skip != nullptr && *skip != 0u) return;
   // the seed lives on the device (written by observe): no host sync
@@ -394,7 +440,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
   for (IdxT v = gid; v < nvec; v += stride) {
     const IdxT i0 = v * V;
     float xv[V];
-    load_floats<scalar_t, V>(x + i0, xv);
+    load_floats<scalar_t, V>(x + offset_of(in, i0), xv);
     quantize_rows<scalar_t, IdxT, V>(rows, i0, xv);
     uint8_t out[V];
     const IdxT p0 = param_of(k, i0);
@@ -420,7 +466,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
     if (i < numel) {
       pc.fetch<true>(alpha, beta, param_of(k, i));
       const float u = STOCH ? rk.uniform(i) : 0.0f;
-      float xi[1] = {static_cast<float>(x[i])};
+      float xi[1] = {static_cast<float>(x[offset_of(in, i)])};
       quantize_rows<scalar_t, IdxT, 1>(rows, i, xi);
       q[i] = quantize_value<STOCH>(xi[0], pc.beta, pc.scale, u);
     }
@@ -435,7 +481,7 @@ void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& alpha
       x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
       beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
       seed.const_data_ptr<int64_t>(), seed.stride(0), make_krows<IdxT>(rows.k, rows.len, rows.mean, rows.rstd),
-      skip);
+      skip, kstrides_of<IdxT>(x));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -468,7 +514,7 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, con
     rows.rstd = row_rstd->contiguous();
   }
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous();
+  const at::Tensor x = readable(x_in);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   if (L.numel == 0) return q;
   const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
@@ -1291,12 +1337,12 @@ template <typename scalar_t, typename IdxT, int V, typename Code>
 __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
                                              const KLayout<IdxT>& k, const IdxT numel, const Chunk<IdxT>& c,
                                              const KRows<IdxT>& rows, const ReduceTarget& t, const bool quant,
-                                             Code&& code) {
+                                             const KStrides<IdxT>& in, Code&& code) {
   RunAcc r;
   for (IdxT v = c.b0 + threadIdx.x; v < c.b1; v += blockDim.x) {
     const IdxT i0 = v * V;
     float xv[V];
-    load_floats<scalar_t, V>(x + i0, xv);
+    load_floats<scalar_t, V>(x + offset_of(in, i0), xv);
     if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
     const IdxT p0 = param_of(k, i0);
     uint8_t out[V];
@@ -1321,7 +1367,7 @@ __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uin
   if (c.has_tail) {
     const IdxT i = (numel / V) * V + threadIdx.x;
     if (i < numel) {
-      float xi[1] = {static_cast<float>(x[i])};
+      float xi[1] = {static_cast<float>(x[offset_of(in, i)])};
       if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
       const IdxT p = param_of(k, i);
       t.add(r, p, xi[0], xi[0]);
@@ -1351,7 +1397,8 @@ template <typename scalar_t, typename IdxT, int V, int MODE>
 __global__ void __launch_bounds__(kThreads)
 observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT numel, const IdxT chunk,
                const int64_t S, uint32_t* __restrict__ ws, const EstimateArgs est, const SeedArgs sd,
-               float* __restrict__ out_min, float* __restrict__ out_max, const KRows<IdxT> rows) {
+               float* __restrict__ out_min, float* __restrict__ out_max, const KRows<IdxT> rows,
+               const KStrides<IdxT> in) {
   __shared__ uint32_t s_min[kSlots], s_max[kSlots];
   __shared__ bool s_last;
   const int64_t G = k.G;
@@ -1378,7 +1425,7 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   }
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
-  reduce_chunk<scalar_t, IdxT, V>(x, nullptr, k, numel, c, rows, t, false,
+  reduce_chunk<scalar_t, IdxT, V>(x, nullptr, k, numel, c, rows, t, false, in,
                                   [](float, IdxT, IdxT) -> uint8_t { return 0; });
 
   // ---- stage 2: the last block to arrive finishes (threadfence + ticket)
@@ -1432,7 +1479,7 @@ void launch_observe(const at::Tensor& x, const Layout& L, uint32_t* ws, const Es
       const ObserveConfig c = observe_config(L, V, sm_count());
       observe_kernel<scalar_t, IdxT, V, MODE><<<static_cast<unsigned>(c.blocks), c.threads, 0, stream>>>(
           xp, make_klayout<IdxT>(L), static_cast<IdxT>(L.numel), static_cast<IdxT>(c.chunk), L.S, ws, est, sd,
-          out_min, out_max, make_krows<IdxT>(row_exp, row_len));
+          out_min, out_max, make_krows<IdxT>(row_exp, row_len), kstrides_of<IdxT>(x));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (!fits_32bit(L)) go(uint64_t{}, std::integral_constant<int, 1>{});
@@ -1450,7 +1497,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cuda(const at::Tensor& x_
   const int64_t row_len = check_row_exp("observe", x_in.sizes(), x_in.device(), row_exp_in);
   const std::optional<at::Tensor> row_exp = contiguous_rows(row_exp_in, row_len);
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous();
+  const at::Tensor x = readable(x_in);
   const auto fopts = x.options().dtype(at::kFloat);
   at::Tensor out_a = at::empty({L.S, L.G}, fopts), out_b = at::empty({L.S, L.G}, fopts);
   at::Tensor seed = at::empty({2}, rng.options());
@@ -1471,7 +1518,7 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cuda(const at::Tensor& x_in, int
                                                      bool per_sample) {
   const Layout L = check_minmax(x_in, dim, num_groups, per_sample);
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous();
+  const at::Tensor x = readable(x_in);
   const auto fopts = x.options().dtype(at::kFloat);
   if (L.numel == 0) {
     return {at::full({L.S, L.G}, std::numeric_limits<float>::infinity(), fopts),
@@ -1503,7 +1550,7 @@ __global__ void __launch_bounds__(kThreads)
 quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const KLayout<IdxT> k,
                         const IdxT numel, const IdxT chunk, uint32_t* __restrict__ ws, const EstimateArgs est,
                         const SeedArgs sd, float* __restrict__ used_a, float* __restrict__ used_b,
-                        const KRows<IdxT> rows) {
+                        const KRows<IdxT> rows, const KStrides<IdxT> in) {
   __shared__ uint32_t s_min[kSlots], s_max[kSlots];
   __shared__ bool s_last;
   const int64_t G = k.G;
@@ -1529,7 +1576,7 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
   ParamCache pc;
-  reduce_chunk<scalar_t, IdxT, V>(x, q, k, numel, c, rows, t, init, [&](float v, IdxT i, IdxT p) -> uint8_t {
+  reduce_chunk<scalar_t, IdxT, V>(x, q, k, numel, c, rows, t, init, in, [&](float v, IdxT i, IdxT p) -> uint8_t {
     pc.fetch<true>(alpha, beta, p);
     const float u = STOCH ? rk.uniform(i) : 0.0f;
     return quantize_value<STOCH>(v, pc.beta, pc.scale, u);
@@ -1561,7 +1608,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(
   }
   const std::optional<at::Tensor> row_exp = contiguous_rows(row_exp_in, row_len);
   const c10::cuda::OptionalCUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous();
+  const at::Tensor x = readable(x_in);
   const auto fopts = x.options().dtype(at::kFloat);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   at::Tensor used_a = at::empty({1, L.G}, fopts), used_b = at::empty({1, L.G}, fopts);
@@ -1583,7 +1630,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(
       quantize_observe_kernel<scalar_t, IdxT, V, STOCH><<<static_cast<unsigned>(c.blocks), c.threads, 0, stream>>>(
           xp, q.mutable_data_ptr<uint8_t>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
           static_cast<IdxT>(c.chunk), wsp, est, sd, used_a.mutable_data_ptr<float>(), used_b.mutable_data_ptr<float>(),
-          make_krows<IdxT>(row_exp, row_len));
+          make_krows<IdxT>(row_exp, row_len), kstrides_of<IdxT>(x));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto pick = [&](auto stoch_tag) {

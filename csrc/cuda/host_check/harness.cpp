@@ -33,6 +33,9 @@
 //   and barrier, all 32 lanes as threads) on the vector and scalar paths, rows with NaN /
 //   inf / zero / subnormal values, against the naive max |x| per row; row_k against
 //   clamp(floor(log2(mean / r)), 0, max_k) (0 for a zero, infinite or NaN ratio).
+// * strided inputs (mesa_common.h): quantize, observe / group_minmax and quantize_observe read x
+//   laid out as a strided view (four dims nested in a random memory order, NaN between the rows)
+//   where it lies, through the layout strided_rows gives the ops; the same checks, bit for bit;
 // * observe_rows: row_cells (warp per row, vector and scalar paths) against the naive max |x|
 //   and per-segment min / max, and row_k_cells (k, and the cells of rows with k != 0 times
 //   2**k rounded to the dtype).
@@ -59,6 +62,7 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -296,6 +300,63 @@ void fill(scalar_t* x, int64_t n, bool specials) {
   }
 }
 
+// ------------------------------------------------------------------ strided inputs
+// x laid out as a strided view: four dims, the last a multiple of 16 elements and contiguous,
+// the other three nested in a random memory order with padding between them, filled with NaN
+// (an element read from outside the view shows in every result). `rows`: the layout as
+// strided_rows gives it to the ops (nullopt: this x has no strided twin, e.g. the padding
+// drawn was all zero and the dims collapsed to a contiguous tensor).
+template <typename scalar_t>
+struct StridedX {
+  scalar_t* data = nullptr;
+  std::optional<StridedRows> rows;
+  StridedX() = default;
+  StridedX(const StridedX&) = delete;
+  ~StridedX() { free(data); }
+};
+
+template <typename scalar_t>
+void make_strided(StridedX<scalar_t>& sx, const scalar_t* x, int64_t numel) {
+  if (numel == 0 || numel % 16 != 0) return;
+  auto divisor = [](int64_t n) {
+    std::vector<int64_t> ds;
+    for (int64_t d = 1; d <= n; ++d)
+      if (n % d == 0) ds.push_back(d);
+    return ds[rng() % ds.size()];
+  };
+  int64_t n[4], st[4];
+  n[3] = 16 * divisor(numel / 16);
+  n[2] = divisor(numel / n[3]);
+  n[1] = divisor(numel / (n[3] * n[2]));
+  n[0] = numel / (n[3] * n[2] * n[1]);
+  int order[3] = {0, 1, 2};  // memory nesting of the outer dims, innermost first
+  std::shuffle(order, order + 3, rng);
+  st[3] = 1;
+  int64_t span = n[3];
+  for (int d : order) {
+    st[d] = (span + 15) / 16 * 16 + 16 * int64_t(rng() % 3);
+    span = st[d] * n[d];
+  }
+  sx.rows = strided_rows(at::IntArrayRef(n, 4), at::IntArrayRef(st, 4));
+  if (!sx.rows.has_value()) return;
+  sx.data = alloc<scalar_t>(span, 0);
+  for (int64_t j = 0; j < span; ++j) sx.data[j] = static_cast<scalar_t>(NAN);
+  for (int64_t i = 0; i < numel; ++i) {
+    const int64_t c3 = i % n[3], r = i / n[3];
+    sx.data[(r / (n[2] * n[1])) * st[0] + (r / n[2] % n[1]) * st[1] + (r % n[2]) * st[2] + c3] = x[i];
+  }
+}
+
+// What a kernel reads: x itself (contiguous), or its strided twin and that layout
+template <typename scalar_t>
+const scalar_t* input_of(const scalar_t* x, const StridedX<scalar_t>* sx) { return sx ? sx->data : x; }
+template <typename IdxT, typename scalar_t>
+KStrides<IdxT> strides_of(const StridedX<scalar_t>* sx) {
+  return sx ? make_kstrides<IdxT>(sx->rows) : KStrides<IdxT>{};
+}
+template <typename scalar_t>
+const char* strided_tag(const StridedX<scalar_t>* sx) { return sx ? "_strided" : ""; }
+
 // ------------------------------------------------------------------ row exponents (row_exp)
 // One int8 k per row of the last `dims` dims (rows of `len` elements), as row_exponents
 // produces and quantize / dequantize / observe take.
@@ -452,30 +513,33 @@ int count_code_mismatches(const char* what, const uint8_t* got, const std::vecto
 
 template <typename scalar_t, typename IdxT, int V, bool STOCH>
 void run_quantize(const Layout& L, const scalar_t* x, uint8_t* q, const float* alpha, const float* beta, int sms,
-                  const int64_t* seed, int64_t seed_stride, const RowExp* re, const uint32_t* skip) {
+                  const int64_t* seed, int64_t seed_stride, const RowExp* re, const uint32_t* skip,
+                  const StridedX<scalar_t>* sx = nullptr) {
   const KLayout<IdxT> k = make_klayout<IdxT>(L);
   const KRows<IdxT> rows = krows_of<IdxT>(re);
+  const KStrides<IdxT> in = strides_of<IdxT>(sx);
   launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
-    quantize_kernel<scalar_t, IdxT, V, STOCH>(x, q, alpha, beta, k, IdxT(L.numel), seed, seed_stride, rows, skip);
+    quantize_kernel<scalar_t, IdxT, V, STOCH>(input_of(x, sx), q, alpha, beta, k, IdxT(L.numel), seed, seed_stride,
+                                              rows, skip, in);
   });
 }
 
 template <typename scalar_t, typename IdxT, int V>
 int check_quantize(const Layout& L, const scalar_t* x, const float* alpha, const float* beta, int sms,
-                   uint64_t seed, const RowExp* re) {
+                   uint64_t seed, const RowExp* re, const StridedX<scalar_t>* sx = nullptr) {
   int errs = 0;
   const int64_t seedv[4] = {int64_t(seed & 0xFFFFFFFFu), -1, int64_t(seed >> 32), -1};  // stride 2
   const std::vector<float> xs = seen_values(x, L.numel, re);
   for (int st = 0; st < 2; ++st) {
     uint8_t* q = alloc<uint8_t>(L.numel, 0);
     memset(q, 0xAB, L.numel + 1);
-    if (st) run_quantize<scalar_t, IdxT, V, true>(L, x, q, alpha, beta, sms, seedv, 2, re, nullptr);
-    else run_quantize<scalar_t, IdxT, V, false>(L, x, q, alpha, beta, sms, seedv, 2, re, nullptr);
+    if (st) run_quantize<scalar_t, IdxT, V, true>(L, x, q, alpha, beta, sms, seedv, 2, re, nullptr, sx);
+    else run_quantize<scalar_t, IdxT, V, false>(L, x, q, alpha, beta, sms, seedv, 2, re, nullptr, sx);
     errs += count_code_mismatches("quantize", q, naive_codes(L, xs, alpha, beta, st, uint32_t(seed), uint32_t(seed >> 32)));
     if (q[L.numel] != 0xAB) { fprintf(stderr, "quantize wrote past the end\n"); ++errs; }
     free(q);
   }
-  g_checked[std::string("quantize") + rows_tag(re)]++;
+  g_checked[std::string("quantize") + rows_tag(re) + strided_tag(sx)]++;
   return errs;
 }
 
@@ -864,21 +928,23 @@ int ws_clean(const std::vector<uint32_t>& ws, const char* what, int64_t except =
 
 // observe_kernel in MODE_MINMAX (group_minmax: no row exponents, as the op) against the naive min/max
 template <typename scalar_t, typename IdxT, int V>
-int check_group_minmax(const Layout& L, const scalar_t* x, const ObserveConfig& c, std::vector<uint32_t>& ws) {
+int check_group_minmax(const Layout& L, const scalar_t* x, const ObserveConfig& c, std::vector<uint32_t>& ws,
+                       const StridedX<scalar_t>* sx) {
   const int64_t P = L.S * L.G;
   std::vector<float> emn, emx;
   seq_minmax(L, seen_values(x, L.numel, nullptr), emn, emx);
   std::vector<float> omn(P, 7.0f), omx(P, 7.0f);
   const KLayout<IdxT> k = make_klayout<IdxT>(L);
   launch_simt(unsigned(c.blocks), unsigned(c.threads), [&] {
-    observe_kernel<scalar_t, IdxT, V, MODE_MINMAX>(x, k, IdxT(L.numel), IdxT(c.chunk), L.S, ws.data(),
-                                                  EstimateArgs{}, SeedArgs{}, omn.data(), omx.data(), KRows<IdxT>{});
+    observe_kernel<scalar_t, IdxT, V, MODE_MINMAX>(input_of(x, sx), k, IdxT(L.numel), IdxT(c.chunk), L.S, ws.data(),
+                                                  EstimateArgs{}, SeedArgs{}, omn.data(), omx.data(), KRows<IdxT>{},
+                                                  strides_of<IdxT>(sx));
   });
   int errs = 0;
   for (int64_t p = 0; p < P; ++p)
     if ((!same_bits(omn[p], emn[p]) || !same_bits(omx[p], emx[p])) && errs++ < 5)
       fprintf(stderr, "minmax mismatch p=%ld got (%g,%g) exp (%g,%g)\n", (long)p, omn[p], omx[p], emn[p], emx[p]);
-  g_checked["group_minmax"]++;
+  g_checked[std::string("group_minmax") + strided_tag(sx)]++;
   return errs + ws_clean(ws, "minmax");
 }
 
@@ -886,7 +952,7 @@ int check_group_minmax(const Layout& L, const scalar_t* x, const ObserveConfig& 
 // the group_minmax launch reset, against the sequential pass over the (row-scaled) values.
 template <typename scalar_t, typename IdxT, int V>
 int check_observe_mode(const Layout& L, const scalar_t* x, const ObserveConfig& c, std::vector<uint32_t>& ws,
-                       bool symmetric, bool per_sample, const RowExp* re) {
+                       bool symmetric, bool per_sample, const RowExp* re, const StridedX<scalar_t>* sx) {
   const int64_t S = L.S, G = L.G, P = S * G;
   std::vector<float> emn, emx;
   seq_minmax(L, seen_values(x, L.numel, re), emn, emx);
@@ -910,8 +976,8 @@ int check_observe_mode(const Layout& L, const scalar_t* x, const ObserveConfig& 
                            oa.data(), ob.data()};
     const SeedArgs sd{rc.buf, 1, seed_out};
     launch_simt(unsigned(c.blocks), unsigned(c.threads), [&] {
-      observe_kernel<scalar_t, IdxT, V, MODE_OBSERVE>(x, k, IdxT(L.numel), IdxT(c.chunk), S, ws.data(), est, sd,
-                                                     nullptr, nullptr, rows);
+      observe_kernel<scalar_t, IdxT, V, MODE_OBSERVE>(input_of(x, sx), k, IdxT(L.numel), IdxT(c.chunk), S, ws.data(),
+                                                     est, sd, nullptr, nullptr, rows, strides_of<IdxT>(sx));
     });
     const int64_t nout = per_sample ? P : G;
     const bool ok = vec_same_bits(want.out_a, oa.data(), nout) && vec_same_bits(want.out_b, ob.data(), nout) &&
@@ -924,17 +990,18 @@ int check_observe_mode(const Layout& L, const scalar_t* x, const ObserveConfig& 
     errs += ws_clean(ws, "observe");
     init = kinit;
   }
-  g_checked[std::string("observe") + rows_tag(re)]++;
+  g_checked[std::string("observe") + rows_tag(re) + strided_tag(sx)]++;
   return errs;
 }
 
 template <typename scalar_t, typename IdxT, int V>
-int check_observe(const Layout& L, const scalar_t* x, int sms, bool symmetric, bool per_sample, const RowExp* re) {
+int check_observe(const Layout& L, const scalar_t* x, int sms, bool symmetric, bool per_sample, const RowExp* re,
+                  const StridedX<scalar_t>* sx = nullptr) {
   const ObserveConfig c = observe_config(L, V, sms);
   if (!simt_affordable(c, L.numel)) return 0;
   std::vector<uint32_t> ws(kWsHeader + 2 * std::max<int64_t>(L.S * L.G, 1), 0u);
-  return check_group_minmax<scalar_t, IdxT, V>(L, x, c, ws) +
-         check_observe_mode<scalar_t, IdxT, V>(L, x, c, ws, symmetric, per_sample, re);
+  return check_group_minmax<scalar_t, IdxT, V>(L, x, c, ws, sx) +
+         check_observe_mode<scalar_t, IdxT, V>(L, x, c, ws, symmetric, per_sample, re, sx);
 }
 
 // ------------------------------------------------------------------ quantize_observe
@@ -957,7 +1024,7 @@ struct QoResult {
 template <typename scalar_t, typename IdxT, int V, bool STOCH>
 QoResult run_quantize_observe(const Layout& L, const scalar_t* x, const ObserveConfig& c, std::vector<uint32_t>& ws,
                               QoState& st, RngCase& rc, bool symmetric, int sms, const RowExp* re,
-                              const std::vector<uint8_t>& untouched) {
+                              const std::vector<uint8_t>& untouched, const StridedX<scalar_t>* sx) {
   const int64_t G = L.G;
   QoResult r{untouched, untouched, std::vector<float>(G + 1, 7.0f), std::vector<float>(G + 1, 7.0f)};
   uint8_t* q = alloc<uint8_t>(L.numel, 0);  // 16-byte aligned: the vector path stores 16 codes
@@ -971,11 +1038,12 @@ QoResult run_quantize_observe(const Layout& L, const scalar_t* x, const ObserveC
   const KLayout<IdxT> k = make_klayout<IdxT>(L);
   const KRows<IdxT> rows = krows_of<IdxT>(re);
   launch_simt(unsigned(c.blocks), unsigned(c.threads), [&] {
-    quantize_observe_kernel<scalar_t, IdxT, V, STOCH>(x, q, k, IdxT(L.numel), IdxT(c.chunk), ws.data(), est, sd,
-                                                     r.used_a.data(), r.used_b.data(), rows);
+    quantize_observe_kernel<scalar_t, IdxT, V, STOCH>(input_of(x, sx), q, k, IdxT(L.numel), IdxT(c.chunk), ws.data(),
+                                                     est, sd, r.used_a.data(), r.used_b.data(), rows,
+                                                     strides_of<IdxT>(sx));
   });
   run_quantize<scalar_t, IdxT, V, STOCH>(L, x, q2, r.used_a.data(), r.used_b.data(), sms, r.seed_out, 1, re,
-                                         ws.data() + 1);
+                                         ws.data() + 1, sx);
   memcpy(r.q.data(), q, L.numel);
   memcpy(r.q2.data(), q2, L.numel);
   free(q);
@@ -1035,7 +1103,8 @@ int compare_quantize_observe(const Layout& L, const QoWant& w, const QoResult& r
 // Two calls sharing one workspace: a first batch and initialized estimates, in a random order
 // (so ws[1] flips both ways).
 template <typename scalar_t, typename IdxT, int V, bool STOCH>
-int check_quantize_observe(const Layout& L, const scalar_t* x, int sms, bool symmetric, const RowExp* re) {
+int check_quantize_observe(const Layout& L, const scalar_t* x, int sms, bool symmetric, const RowExp* re,
+                           const StridedX<scalar_t>* sx) {
   const ObserveConfig c = observe_config(L, V, sms);
   if (L.numel == 0 || !simt_affordable(c, L.numel)) return 0;  // (numel 0: the op calls observe)
   const int64_t G = L.G;
@@ -1055,8 +1124,9 @@ int check_quantize_observe(const Layout& L, const scalar_t* x, int sms, bool sym
     const QoWant w = naive_quantize_observe(L, xs, st, rc, symmetric, STOCH);
     const bool init = st.init;
     const QoResult r = run_quantize_observe<scalar_t, IdxT, V, STOCH>(L, x, c, ws, st, rc, symmetric, sms, re,
-                                                                      untouched);
-    const std::string tag = std::string("quantize_observe") + (init ? "_init" : "_first") + rows_tag(re);
+                                                                      untouched, sx);
+    const std::string tag =
+        std::string("quantize_observe") + (init ? "_init" : "_first") + rows_tag(re) + strided_tag(sx);
     errs += compare_quantize_observe(L, w, r, st, rc, init, untouched, ws, tag.c_str());
     g_checked[tag]++;
   }
@@ -1064,9 +1134,10 @@ int check_quantize_observe(const Layout& L, const scalar_t* x, int sms, bool sym
 }
 
 template <typename scalar_t, typename IdxT, int V>
-int check_quantize_observe_any(const Layout& L, const scalar_t* x, int sms, bool symmetric, const RowExp* re) {
-  return rng() % 2 ? check_quantize_observe<scalar_t, IdxT, V, true>(L, x, sms, symmetric, re)
-                   : check_quantize_observe<scalar_t, IdxT, V, false>(L, x, sms, symmetric, re);
+int check_quantize_observe_any(const Layout& L, const scalar_t* x, int sms, bool symmetric, const RowExp* re,
+                               const StridedX<scalar_t>* sx = nullptr) {
+  return rng() % 2 ? check_quantize_observe<scalar_t, IdxT, V, true>(L, x, sms, symmetric, re, sx)
+                   : check_quantize_observe<scalar_t, IdxT, V, false>(L, x, sms, symmetric, re, sx);
 }
 
 // ------------------------------------------------------------------ one layout, every kernel
@@ -1079,7 +1150,9 @@ struct CaseData {
   size_t off = 0;
   std::vector<float> alpha, beta;
   uint64_t seed = 0;
+  StridedX<scalar_t> sx;  // xa laid out as a strided view (sx.rows: none when it has no twin)
   const RowExp* rows() const { return re.len > 0 ? &re : nullptr; }
+  const StridedX<scalar_t>* strided() const { return sx.rows.has_value() ? &sx : nullptr; }
   ~CaseData() {
     free(xa);
     free(xu - off);
@@ -1098,6 +1171,7 @@ void make_case(CaseData<scalar_t>& c, const std::vector<int64_t>& shape, int64_t
   fill(c.xa, c.L.numel, specials);
   shrink_rows(c.xa, c.re);
   memcpy(c.xu, c.xa, c.L.numel * sizeof(scalar_t));
+  make_strided(c.sx, c.xa, c.L.numel);
   c.alpha.resize(S * G);
   c.beta.resize(S * G);
   std::uniform_real_distribution<float> ua(0.0f, 8.0f), ub(-5.0f, 2.0f);
@@ -1124,6 +1198,14 @@ int check_elementwise(const CaseData<scalar_t>& c, int sms) {
   const float *a = c.alpha.data(), *b = c.beta.data();
   int e = check_quant_paths(c, sms, nullptr);
   if (c.rows() != nullptr) e += check_quant_paths(c, sms, c.rows());
+  if (const StridedX<scalar_t>* sx = c.strided()) {  // quantize reading x in place (the flat index for the rows)
+    for (const RowExp* re : {static_cast<const RowExp*>(nullptr), c.rows()}) {
+      e += check_quantize<scalar_t, uint32_t, kVec>(c.L, c.xa, a, b, sms, c.seed, re, sx) +
+           check_quantize<scalar_t, uint32_t, 1>(c.L, c.xa, a, b, sms, c.seed, re, sx) +
+           check_quantize<scalar_t, uint64_t, 1>(c.L, c.xa, a, b, sms, c.seed, re, sx);
+      if (re == nullptr && c.rows() == nullptr) break;
+    }
+  }
   if (c.rows() != nullptr) {  // quantize with a LayerNorm's statistics, with and without row exponents
     RowExp rn = *c.rows();
     add_row_norm(rn, c.xa, c.L.numel);
@@ -1178,6 +1260,11 @@ int check_cooperative(const CaseData<scalar_t>& c, const std::vector<int64_t>& s
   if (rng() % 4 == 0) {
     e += check_observe<scalar_t, uint64_t, 1>(c.L, c.xu, sms, sym, per_sample, pick_rows());
     e += check_quantize_observe_any<scalar_t, uint64_t, 1>(L1, c.xu, sms, sym, pick_rows());
+  }
+  if (const StridedX<scalar_t>* sx = c.strided()) {  // reading x in place
+    e += check_observe<scalar_t, uint32_t, kVec>(c.L, c.xa, sms, sym, per_sample, pick_rows(), sx);
+    e += check_observe<scalar_t, uint32_t, 1>(c.L, c.xa, sms, sym, per_sample, pick_rows(), sx);
+    e += check_quantize_observe_any<scalar_t, uint32_t, kVec>(L1, c.xa, sms, sym, pick_rows(), sx);
   }
   return e;
 }
