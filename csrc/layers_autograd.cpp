@@ -161,7 +161,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_wit
     at::Tensor q = quantize_op().call(x, alpha, beta, dim, G, qz.stochastic, seed, k, mean, rstd);
     return {q, alpha, beta, G, max_k > 0 ? k : at::Tensor()};
   }
-  const at::Tensor x = norm ? normalized_rows(x_in, row_mean, row_rstd) : x_in.contiguous();
+  // (without row exponents compress copies x only where the kernels cannot read it in place)
+  const at::Tensor x = norm ? normalized_rows(x_in, row_mean, row_rstd) : max_k > 0 ? x_in.contiguous() : x_in;
   at::Tensor k;
   if (max_k > 0) k = row_exponents_op().call(x, row_dims, max_k);
   auto [q, alpha, beta, G] = compress(x, dim, qz, k.defined() ? std::optional<at::Tensor>(k) : std::nullopt);

@@ -31,6 +31,9 @@ def _state(G, device, seed=7):
 def _compress(x, G, estimator):
     """One compression of x from a fresh state: (codes, alpha, beta, the state after)."""
     st = _state(G, x.device)
+    if estimator == "one_op":  # mesa::compress, as ActivationQuantizer.compress calls it
+        q, alpha, beta, _ = M.compress(x, *st, 1, G, 0.9, 0, False, True, 0, 0)
+        return [q, alpha, beta] + st
     if estimator == "delayed":
         out = []
         for _ in range(2):  # the first batch initializes; the second quantizes with the estimates
@@ -47,7 +50,7 @@ def _assert_same(got, want):
                            b.view(torch.uint8) if b.is_floating_point() else b)
 
 
-@pytest.mark.parametrize("estimator", ["running", "delayed"])
+@pytest.mark.parametrize("estimator", ["running", "delayed", "one_op"])
 def test_cpu_strided_views_match_their_contiguous_copies(estimator):
     for x in _views("cpu", torch.float32):
         assert not x.is_contiguous()
@@ -58,7 +61,7 @@ def test_cpu_strided_views_match_their_contiguous_copies(estimator):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("estimator", ["running", "delayed"])
+@pytest.mark.parametrize("estimator", ["running", "delayed", "one_op"])
 def test_cuda_strided_views_read_in_place(dtype, estimator):
     for x in _views("cuda", dtype, B=8, N=197, H=6, E=64):
         want = _compress(x.contiguous(), 6, estimator)

@@ -506,7 +506,8 @@ class ActivationQuantizer(nn.Module):
         G = reference.capped_groups(opts.num_groups, x.shape[dim])
         stochastic = opts.rounding == "stochastic"
         state = (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"])
-        if one_op:  # x as it is: the op makes a strided x contiguous once, for all its kernels
+        if one_op:  # x as it is: the op copies a strided x once for all its kernels, or not at all where
+            # the CUDA kernels read it in place (timm's q, k, v: csrc/mesa_common.h, "strided inputs")
             row_dims, max_k = rows if rows is not None else (0, 0)
             q, alpha, beta, k = _COMPRESS(x, *state, dim, G, opts.decay, ESTIMATOR_CODES[opts.estimator],
                                           opts.symmetric, stochastic, row_dims, max_k)
