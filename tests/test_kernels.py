@@ -539,12 +539,14 @@ def test_benchmark_runs_on_cpu(tmp_path):
            "backward GELU + Linear: gelu_value_and_grad (row scales)",
            "backward GELU + Linear, two ops: dequantize_gelu + gelu_backward (row scales)",
            "backward GELU + Linear, before: dequantize + gelu + gelu_backward",
-           "backward softmax: softmax_backward", "backward softmax, before: dequantize + _softmax_backward_data"]
+           "backward softmax: softmax_backward", "backward softmax, before: dequantize + _softmax_backward_data",
+           "forward, before: contiguous copy + observe + quantize"]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     # 2 dtypes x (8 rows per layout + 5 row-scale, 2 GELU, 5 LayerNorm, 2 LayerNorm + Linear
-    # and 3 GELU + Linear rows on the token layout), plus bf16's 5 LayerNorm rows with a
-    # float32 input, and 2 softmax rows on the attention layout
-    assert len(rows) == 2 * (2 * 8 + 5 + 2 + 5 + 2 + 3 + 2) + 5
+    # and 3 GELU + Linear rows on the token layout, 2 softmax rows on the attention layout, and
+    # the copy-first forward on the strided q of a qkv), plus bf16's 5 LayerNorm rows with a
+    # float32 input
+    assert len(rows) == 2 * (3 * 8 + 5 + 2 + 5 + 2 + 3 + 2 + 1) + 5
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     clone_rows = [r for r in rows if "| clone (baseline) |" in r]

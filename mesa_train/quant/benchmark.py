@@ -21,6 +21,9 @@ Per layout it times, with the ops the layers run:
   (``dequantize_gelu`` and ``gelu_backward`` with ``row_exp``) against dequantize, gelu and
   ATen's ``gelu_backward``; on the attention layout a softmax's backward from its codes
   (``softmax_backward``) against dequantize + ATen's ``_softmax_backward_data``;
+* on the q of a fused qkv (a strided view, as timm's attention makes it) the forward read in
+  place against the contiguous copy it used to start with (``csrc/mesa_common.h``, "strided
+  inputs");
 * ``x.clone()`` (reads and writes ``x``) as the bandwidth baseline, in the same run.
 
 Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = that
@@ -29,7 +32,8 @@ time / clone's time. On a GPU both use the kernels' time (torch.profiler), not t
 of one call: for small tensors, a custom op's host dispatch hid its kernels.
 Layouts: the token layout ``(128, 197, 384)`` with channel groups on
 ``dim=-1`` and the attention layout ``(128, 6, 197, 197)`` with per-head groups on
-``dim=1`` (DeiT-S at batch 128). CUDA latency uses CUDA events after warm-up (median), kernel
+``dim=1`` (DeiT-S at batch 128), and q ``(128, 6, 197, 64)`` viewed in a ``(128, 197, 3, 6, 64)``
+qkv tensor, per-head groups. CUDA latency uses CUDA events after warm-up (median), kernel
 time torch.profiler's kernel durations. The
 table is printed and written to ``results/kernels/<device-name>.md``.
 """
@@ -51,6 +55,7 @@ from mesa_train.device_info import device_name
 GPU_CASES = [
     ("tokens (128,197,384) C-groups dim -1", (128, 197, 384), -1, 6),
     ("attn (128,6,197,197) per-head dim 1", (128, 6, 197, 197), 1, 6),
+    ("q of qkv (128,6,197,64) per-head dim 1, strided view", (128, 197, 3, 6, 64), 1, 6),
 ]
 CPU_CASES = [
     ("tokens (8,197,384) C-groups dim -1", (8, 197, 384), -1, 6),
@@ -59,6 +64,7 @@ CPU_CASES = [
 QUICK_CASES = [
     ("tokens (2,65,96) C-groups dim -1", (2, 65, 96), -1, 3),
     ("attn (2,3,65,65) per-head dim 1", (2, 3, 65, 65), 1, 3),
+    ("q of qkv (2,3,65,16) per-head dim 1, strided view", (2, 65, 3, 3, 16), 1, 3),
 ]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -230,6 +236,9 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
         for dname in dtypes:
             dtype = DTYPES[dname]
             x = torch.randn(shape, device=device).to(dtype)
+            strided = len(shape) == 5  # (B, N, 3, H, E): q as timm's attention unbinds it
+            if strided:
+                x = x.permute(2, 0, 3, 1, 4)[0]
             n, es = x.numel(), x.element_size()
             state = [torch.zeros(G, device=device), torch.zeros(G, device=device),
                      torch.zeros((), dtype=torch.bool, device=device), Q.rng_state(0, device=device)]
@@ -256,6 +265,13 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                 ("backward: dequantize", n + n * es, lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G,
                                                                                         dtype)),
             ]
+            if strided:  # the copy every compression of q, k, v started with before they were read in place
+                def compress_copy():
+                    xc = x.contiguous()
+                    a, b, s = torch.ops.mesa.observe(xc, *state, dim, G, 0.9, False, False)
+                    return torch.ops.mesa.quantize(xc, a, b, dim, G, True, s)
+
+                ops.append(("forward, before: contiguous copy + observe + quantize", 4 * n * es + n, compress_copy))
             # estimator=delayed: one pass (initialized estimates: quantize with them, reduce for the next)
             ops.append(("forward delayed: quantize_observe", n * es + n,
                         lambda: torch.ops.mesa.quantize_observe(x, *state, dim, G, 0.9, False, True)))
@@ -300,7 +316,7 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                     ("backward with row scales: dequantize", n + n * es,
                      lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G, dtype, k)),
                 ]
-            if x.dim() == 4 and dim == 1:  # the attention map: its softmax's backward from the codes
+            if x.dim() == 4 and dim == 1 and not strided:  # the attention map: its softmax's backward
                 ops += _softmax_rows(x, state, dim, G, dtype)
             for op, nbytes, fn in ops:
                 t, kt = (t_clone, k_clone) if op.startswith("clone") else timeit(fn)
