@@ -20,6 +20,16 @@ shared function, so EVA-02's blocks share one graph (per-module capture hooks wi
 
 The state-dict keys do not change (``Module.compile`` keeps the module, unlike the
 ``_orig_mod.`` wrapper), so checkpoints load into either scope.
+
+Inductor options for the traced compression (:data:`TRACED_INDUCTOR_OPTIONS`): Inductor
+writes to memory, and reads back, any pointwise value whose expression has grown past
+``realize_opcount_threshold`` operations (30 for GPU code). The traced stochastic rounding (the
+rescale, a counter hash of about 20 integer operations, the clamp) crosses it mid-hash: the
+traced quantize wrote and read a numel-sized int32 buffer beside its 1-byte codes, 8 bytes an
+element (seen in Inductor's code on CPU, ``tests/test_compile_scope.py``), and on an H100 the
+traced quantize of a DeiT-S attention map ran at a third of clone's bandwidth. A model with
+Mesa layers compiled by Inductor with the traced compression gets a higher threshold; a stock
+model, or Mesa's opaque ops, the defaults.
 """
 from __future__ import annotations
 
@@ -27,13 +37,37 @@ import torch
 from torch import nn
 
 from mesa_train.models import unwrap_model
+from mesa_train.nn._common import MesaLayer
+from mesa_train.quant.compile_kernels import traced_when_compiled
 
-__all__ = ["SCOPES", "compile_model", "repeated_blocks"]
+__all__ = ["SCOPES", "TRACED_INDUCTOR_OPTIONS", "compile_model", "inductor_kwargs", "repeated_blocks"]
 
 SCOPES = ("model", "blocks")
 
 # the container attribute name timm gives a model's (or a stage's) sequence of repeated blocks
 _BLOCK_CONTAINER = "blocks"
+
+# Inductor options when Mesa's compression is traced (module doc): the traced quantize's
+# expression (about 60 operations with the rescale and the clamp) stays one fused expression
+TRACED_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 128}
+
+
+def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:
+    """``compile_kwargs`` with :data:`TRACED_INDUCTOR_OPTIONS` added where they apply: Inductor
+    (the default backend) compiling a model with Mesa layers whose compression is traced. A
+    ``mode`` becomes its options (``torch.compile`` takes one or the other), which options given
+    by the caller override."""
+    if compile_kwargs.get("backend", "inductor") != "inductor" or not traced_when_compiled():
+        return compile_kwargs
+    if not any(isinstance(m, MesaLayer) for m in unwrap_model(model).modules()):
+        return compile_kwargs
+    kwargs = dict(compile_kwargs)
+    mode = kwargs.pop("mode", None)
+    options = dict(torch._inductor.list_mode_options(mode)) if mode not in (None, "default") else {}
+    options.update(TRACED_INDUCTOR_OPTIONS)
+    options.update(kwargs.pop("options", None) or {})
+    kwargs["options"] = options
+    return kwargs
 
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -74,6 +108,7 @@ def compile_model(model: nn.Module, scope: str = "model", *, fullgraph: bool = T
     """
     if scope not in SCOPES:
         raise ValueError(f"compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    compile_kwargs = inductor_kwargs(model, compile_kwargs)
     if scope == "model":
         return torch.compile(model, fullgraph=fullgraph, **compile_kwargs)
     blocks = repeated_blocks(model)

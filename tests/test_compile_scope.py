@@ -6,6 +6,7 @@ eager Mesa, and a graph break inside a block fails (``fullgraph=True``)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import timm
@@ -13,8 +14,9 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from mesa_train.compile_scope import SCOPES, compile_model, repeated_blocks
+from mesa_train.compile_scope import SCOPES, TRACED_INDUCTOR_OPTIONS, compile_model, inductor_kwargs, repeated_blocks
 from mesa_train.patch import patch_model
+from mesa_train.quant.compile_kernels import set_compile_kernels
 
 from test_patch_helpers import TINY, build, grads, inputs, loss_of
 
@@ -197,3 +199,53 @@ def test_blocks_compiled_inside_fsdp_units_train_like_eager_fsdp(tmp_path):
     finally:
         dist.destroy_process_group()
 
+
+
+# ----------------------------------------------------------------------------- Inductor options
+@pytest.fixture
+def traced_compression():
+    set_compile_kernels("traceable")
+    yield
+    set_compile_kernels("auto")
+
+
+def test_traced_compression_gets_its_inductor_options(traced_compression):
+    """A Mesa model compiled by Inductor with the traced compression gets
+    TRACED_INDUCTOR_OPTIONS (a mode becomes its options); a stock model, another backend or
+    the opaque ops keep what the caller gave."""
+    stock = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    mesa = patch_model(copy.deepcopy(stock), ops=("all",))
+    assert inductor_kwargs(stock, {"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}
+    assert inductor_kwargs(mesa, {"backend": "aot_eager"}) == {"backend": "aot_eager"}
+    got = inductor_kwargs(mesa, {"mode": "reduce-overhead", "dynamic": False})
+    assert got == {"dynamic": False, "options": {"triton.cudagraphs": True, **TRACED_INDUCTOR_OPTIONS}}
+    assert inductor_kwargs(mesa, {"options": {"realize_opcount_threshold": 64}}) == {
+        "options": {"realize_opcount_threshold": 64}}  # the caller's options win
+    set_compile_kernels("ops")
+    assert inductor_kwargs(mesa, {"mode": "default"}) == {"mode": "default"}
+
+
+def _buffers_of_traced_quantize(options) -> list[str]:
+    """The buffers Inductor's code for the traced stochastic quantize of an attention map
+    allocates (CPU code; the GPU's default threshold, 30, set unless options say otherwise)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from mesa_train.quant import traceable
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 3, 17, 17)
+    a, b, seed = torch.rand(1, 3) + 1, -torch.rand(1, 3), torch.tensor([5, 7])
+    fn = torch.compile(lambda x, a, b, s: traceable.quantize(x, a, b, 1, 3, True, s),
+                       options={"realize_opcount_threshold": 30, **options})
+    out, code = run_and_get_code(fn, x, a, b, seed)
+    assert torch.equal(out, traceable.quantize(x, a, b, 1, 3, True, seed))
+    return re.findall(r"buf\d+ = empty_strided_cpu\(\((\d+), \)[^)]*\), torch\.(\w+)", "\n".join(code))
+
+
+def test_traced_quantize_is_one_expression_with_the_options():
+    """Under the GPU's default threshold the traced quantize writes and reads an int32 buffer
+    of every element mid-hash; with TRACED_INDUCTOR_OPTIONS it computes the codes in one
+    expression (no buffer but the codes)."""
+    numel = str(2 * 3 * 17 * 17)
+    assert (numel, "int32") in _buffers_of_traced_quantize({})
+    assert _buffers_of_traced_quantize(TRACED_INDUCTOR_OPTIONS) == []

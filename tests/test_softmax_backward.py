@@ -160,6 +160,30 @@ def test_reference_is_the_scalar_definition(dtype):
     assert _same(R.softmax_backward(g, q, alpha, beta, 1, 3), want)
 
 
+@pytest.mark.parametrize("L", [0, 1, 31, 32, 33, 70, 197, 384])
+def test_lane_sum_is_the_warp_order(L):
+    """R.lane_sum (slices, written for the compiler) against a warp's order element by
+    element: 32 strided lane sums from +0.0, then the xor butterfly, lane 0; NaN, inf and -0.0
+    included, every bit."""
+    f32 = np.float32
+    torch.manual_seed(L)
+    v = torch.randn(9, L) * torch.exp2(torch.randint(-20, 20, (9, L)).float())
+    pick = torch.rand(9, L)
+    v[pick < 0.03] = float("nan")
+    v[(pick > 0.03) & (pick < 0.05)] = float("inf")
+    v[(pick > 0.05) & (pick < 0.08)] = -0.0
+    got = R.lane_sum(v)
+    assert got.shape == (9, 1)
+    for r in range(9):
+        acc = [f32(0.0)] * 32
+        for j, x in enumerate(v[r].tolist()):
+            acc[j % 32] = f32(acc[j % 32] + f32(x))
+        for off in (16, 8, 4, 2, 1):
+            acc = [f32(acc[lane] + acc[lane ^ off]) for lane in range(32)]
+        want = torch.tensor([acc[0]], dtype=torch.float32)
+        assert torch.equal(got[r].view(torch.int32), want.view(torch.int32)) or (got[r].isnan() & want.isnan()).all()
+
+
 def test_lane_sum_order_matters():
     """The fixed order is observable: a plain left-to-right sum differs on these rows, so the
     bitwise tests would catch an implementation that sums in another order."""

@@ -41,7 +41,7 @@ import torch
 
 from mesa_train import quant
 
-__all__ = ["CHOICES", "set_compile_kernels", "compile_kernels", "traced_as_pytorch"]
+__all__ = ["CHOICES", "set_compile_kernels", "compile_kernels", "traced_as_pytorch", "traced_when_compiled"]
 
 CHOICES = ("auto", "ops", "traceable")
 
@@ -70,8 +70,12 @@ def traced_as_pytorch(t: torch.Tensor) -> bool:
     """Whether the compression of ``t`` runs as plain PyTorch here: only while compiling,
     and then as the current choice says (``t``'s device does not matter: ``auto`` follows
     the backend, see the module doc)."""
-    if not torch.compiler.is_compiling():
-        return False
+    return torch.compiler.is_compiling() and traced_when_compiled()
+
+
+def traced_when_compiled() -> bool:
+    """Whether a compiled graph traces the compression as plain PyTorch (the current choice,
+    ``auto`` resolved: traced only without the compiled extension)."""
     if _mode != "auto":
         return _mode == "traceable"
     return quant.BACKEND != "extension"
