@@ -83,6 +83,17 @@ def test_op_returns_only_the_wanted_gradients_in_order():
     assert _OP(g, q, k, v, None, None, False, None, [False] * 4, False, None) == []
 
 
+def test_op_names_a_bad_output_mask():
+    q, k, v, g = _qkvg("cpu", torch.float32)
+    with pytest.raises(ValueError, match="one flag per input"):
+        _OP(g, q, k, v, None, None, False, None, [True, True, True], False, None)
+    with pytest.raises(ValueError, match="attn_mask is None"):
+        _OP(g, q, k, v, None, None, False, None, [True, True, True, True], False, None)
+    keep, _, _ = _masks("bool", q, 13)
+    with pytest.raises(ValueError, match="torch.bool; only a floating mask"):
+        _OP(g, q, k, v, keep, None, False, None, [True, True, True, True], False, None)
+
+
 def test_op_reenters_the_forwards_autocast():
     """Under bf16 autocast the forward ran the attention in bfloat16 on float32 inputs: the
     recomputation does too (its gradients are those of the bf16 call, cast back)."""

@@ -34,7 +34,9 @@ the compiled extension, the whole layer is one op with a C++ autograd node,
 call and recomputing backward as ``_MesaSDPA``, so outputs, codes, estimates and gradients
 are bitwise this Python path's (``tests/test_layers_autograd.py``), at less than half the
 host time Mesa adds per call (``results/overhead/``). Dropout (the RNG replay),
-``torch.compile`` and the variant formats run ``_MesaSDPA``.
+``torch.compile`` and the variant formats run ``_MesaSDPA``. Under ``torch.compile`` its
+backward's recomputation is the op ``mesa::sdpa_recompute_backward`` (``sdpa_backward.py``):
+``autograd.grad`` cannot be traced, the op runs it at run time, on the backend stock picks.
 
 Eval mode, ``enabled=False``, or no input requiring grad: the stock call, stock gradients.
 """

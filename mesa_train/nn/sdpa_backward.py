@@ -96,7 +96,17 @@ def _autograd_reachable():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
 
 
+def _check_output_mask(output_mask, attn_mask) -> None:
+    if len(output_mask) != 4:
+        raise ValueError(f"mesa::{_OP_NAME}: output_mask has one flag per input (q, k, v, attn_mask), "
+                         f"got {len(output_mask)}")
+    if output_mask[3] and (attn_mask is None or not attn_mask.is_floating_point()):
+        raise ValueError(f"mesa::{_OP_NAME}: output_mask asks for the mask's gradient, but attn_mask is "
+                         f"{'None' if attn_mask is None else attn_mask.dtype}; only a floating mask has one")
+
+
 def _op_kernel(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, output_mask, autocast, autocast_dtype):
+    _check_output_mask(output_mask, attn_mask)
     with _autograd_reachable():
         grads = recompute_grads(grad_out, q, k, v, attn_mask, window_mask, 0.0, is_causal, scale, output_mask,
                                 (q.device.type, autocast, autocast_dtype))
@@ -105,6 +115,7 @@ def _op_kernel(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, outp
 
 
 def _op_fake(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, output_mask, autocast, autocast_dtype):
+    _check_output_mask(output_mask, attn_mask)
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device)
             for t, n in zip((q, k, v, attn_mask), output_mask) if n]
 
