@@ -63,7 +63,9 @@ def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:
         return compile_kwargs
     kwargs = dict(compile_kwargs)
     mode = kwargs.pop("mode", None)
-    options = dict(torch._inductor.list_mode_options(mode)) if mode not in (None, "default") else {}
+    # (as torch.compile turns a mode into options: list_mode_options(mode, dynamic))
+    options = dict(torch._inductor.list_mode_options(mode, kwargs.get("dynamic"))) if mode not in (None, "default") \
+        else {}
     options.update(TRACED_INDUCTOR_OPTIONS)
     options.update(kwargs.pop("options", None) or {})
     kwargs["options"] = options
