@@ -200,7 +200,6 @@ def test_blocks_compiled_inside_fsdp_units_train_like_eager_fsdp(tmp_path):
         dist.destroy_process_group()
 
 
-
 # ----------------------------------------------------------------------------- Inductor options
 @pytest.fixture
 def traced_compression():
@@ -225,9 +224,10 @@ def test_traced_compression_gets_its_inductor_options(traced_compression):
     assert inductor_kwargs(mesa, {"mode": "default"}) == {"mode": "default"}
 
 
-def _buffers_of_traced_quantize(options) -> list[str]:
+def _buffers_of_traced_quantize(options) -> list[tuple[str, str]]:
     """The buffers Inductor's code for the traced stochastic quantize of an attention map
-    allocates (CPU code; the GPU's default threshold, 30, set unless options say otherwise)."""
+    allocates, (numel, dtype) of each 1-d one (CPU code; the GPU's default threshold, 30, set
+    unless options say otherwise)."""
     from torch._inductor.utils import run_and_get_code
 
     from mesa_train.quant import traceable

@@ -28,13 +28,14 @@ def _state(G, device, seed=7):
             torch.tensor([seed, 0], dtype=torch.int64, device=device)]
 
 
-def _compress(x, G, estimator):
-    """One compression of x from a fresh state: (codes, alpha, beta, the state after)."""
+def _compress(x, G, path):
+    """One compression of x from a fresh state along ``path`` (the running or delayed
+    estimator's ops, or mesa::compress): (codes, alpha, beta, the state after)."""
     st = _state(G, x.device)
-    if estimator == "one_op":  # mesa::compress, as ActivationQuantizer.compress calls it
+    if path == "one_op":  # mesa::compress, as ActivationQuantizer.compress calls it
         q, alpha, beta, _ = M.compress(x, *st, 1, G, 0.9, 0, False, True, 0, 0)
         return [q, alpha, beta] + st
-    if estimator == "delayed":
+    if path == "delayed":
         out = []
         for _ in range(2):  # the first batch initializes; the second quantizes with the estimates
             out = list(M.quantize_observe(x, *st, 1, G, 0.9, False, True))
@@ -50,25 +51,25 @@ def _assert_same(got, want):
                            b.view(torch.uint8) if b.is_floating_point() else b)
 
 
-@pytest.mark.parametrize("estimator", ["running", "delayed", "one_op"])
-def test_cpu_strided_views_match_their_contiguous_copies(estimator):
+@pytest.mark.parametrize("path", ["running", "delayed", "one_op"])
+def test_cpu_strided_views_match_their_contiguous_copies(path):
     for x in _views("cpu", torch.float32):
         assert not x.is_contiguous()
-        _assert_same(_compress(x, 3, estimator), _compress(x.contiguous(), 3, estimator))
+        _assert_same(_compress(x, 3, path), _compress(x.contiguous(), 3, path))
         _assert_same(M.group_minmax(x, 1, 3, False), M.group_minmax(x.contiguous(), 1, 3, False))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("estimator", ["running", "delayed", "one_op"])
-def test_cuda_strided_views_read_in_place(dtype, estimator):
+@pytest.mark.parametrize("path", ["running", "delayed", "one_op"])
+def test_cuda_strided_views_read_in_place(dtype, path):
     for x in _views("cuda", dtype, B=8, N=197, H=6, E=64):
-        want = _compress(x.contiguous(), 6, estimator)
+        want = _compress(x.contiguous(), 6, path)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        got = _compress(x, 6, estimator)
+        got = _compress(x, 6, path)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - before
         _assert_same(got, want)

@@ -52,7 +52,7 @@ from torch.autograd.function import once_differentiable
 from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn._common import MesaLayer
 from mesa_train.nn.quantizer import Packed, decompress
-from mesa_train.nn.sdpa_backward import build_window_mask, recompute_grads
+from mesa_train.nn.sdpa_backward import attention, build_window_mask, recompute_grads, recompute_grads_compiled
 
 __all__ = ["ScaledDotProductAttention", "build_window_mask"]
 
@@ -129,14 +129,9 @@ class _MesaSDPA(torch.autograd.Function):
         v = _restore(vq, va, vb, dv_, Gv, fv, tv)
         mask_needs_grad = attn_mask is not None and needs[3] and attn_mask.is_floating_point()
         wanted = (needs[0], needs[1], needs[2], mask_needs_grad)
-        if torch.compiler.is_compiling():
-            # autograd.grad cannot be traced: the op runs it at run time (dropout_p > 0 never
-            # gets here, see _compressed_sdpa), the stock backend choice included
-            # (mesa_train/nn/sdpa_backward.py)
-            _, ac_enabled, ac_dtype = ctx.autocast
-            got = iter(torch.ops.mesa.sdpa_recompute_backward(grad_out, q, k, v, attn_mask, window_mask, is_causal,
-                                                               scale, list(wanted), ac_enabled, ac_dtype))
-            grads = tuple(next(got) if n else None for n in wanted)
+        if torch.compiler.is_compiling():  # (dropout_p > 0 never gets here, see _compressed_sdpa)
+            grads = recompute_grads_compiled(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, wanted,
+                                             ctx.autocast)
         else:
             grads = recompute_grads(grad_out, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale, wanted,
                                     ctx.autocast, ctx.rng)
@@ -169,9 +164,7 @@ class ScaledDotProductAttention(MesaLayer, nn.Module):
     def forward(self, q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                 scale: Optional[float] = None, *, window_mask: Optional[torch.Tensor] = None):
         if not self._mesa_active(q, k, v, attn_mask):
-            mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+            return attention(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
         return _compressed_sdpa(self, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
 
 

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["build_window_mask", "recompute_grads"]
+__all__ = ["attention", "build_window_mask", "recompute_grads", "recompute_grads_compiled"]
 
 _OP_NAME = "sdpa_recompute_backward"
 _SCHEMA = (f"{_OP_NAME}(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? window_mask, "
@@ -76,7 +76,24 @@ def recompute_grads(grad_out, q, k, v, attn_mask, window_mask, dropout_p, is_cau
                 out = attention(*leaves, window_mask, dropout_p, is_causal, scale)
         else:
             out = attention(*leaves, window_mask, dropout_p, is_causal, scale)
-        got = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype)))
+        got = torch.autograd.grad(out, wanted, grad_out.to(out.dtype))
+    return _per_input(got, needs)
+
+
+def recompute_grads_compiled(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, needs: Sequence[bool],
+                             autocast) -> tuple:
+    """:func:`recompute_grads` inside a graph ``torch.compile`` traces (no dropout): the op
+    ``mesa::sdpa_recompute_backward`` runs it at run time, since ``autograd.grad`` cannot be
+    traced."""
+    _, ac_enabled, ac_dtype = autocast
+    got = torch.ops.mesa.sdpa_recompute_backward(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale,
+                                                 list(needs), ac_enabled, ac_dtype)
+    return _per_input(got, needs)
+
+
+def _per_input(got, needs: Sequence[bool]) -> tuple:
+    """The gradients of the wanted inputs, in order, spread over all four (None for the rest)."""
+    got = iter(got)
     return tuple(next(got) if n else None for n in needs)
 
 
