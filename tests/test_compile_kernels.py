@@ -30,16 +30,20 @@ def _model():
                                mnn.LayerNorm(16, num_groups=2), mnn.Linear(16, 4, num_groups=2))
 
 
-def _ops_in_graph(model, x) -> list[str]:
-    """The mesa ops in the graphs Dynamo captured (run as they were captured, no AOT)."""
+def _ops_in_graph(model, x, first_args: list | None = None) -> list[str]:
+    """The mesa ops in the graphs Dynamo captured (run as they were captured, no AOT); with
+    ``first_args``, each op's first argument (its example value) is appended there too."""
     seen: list[str] = []
 
     def backend(gm, example_inputs):
         # (the Mesa layers' forward and backward are subgraphs of autograd_function_apply nodes)
         for sub in gm.modules():
             if isinstance(sub, torch.fx.GraphModule):
-                seen.extend(str(n.target) for n in sub.graph.nodes
-                            if n.op == "call_function" and "mesa" in str(n.target))
+                for n in sub.graph.nodes:
+                    if n.op == "call_function" and "mesa" in str(n.target):
+                        seen.append(str(n.target))
+                        if first_args is not None:
+                            first_args.append(n.args[0].meta.get("example_value"))
         return gm
 
     torch._dynamo.reset()
@@ -65,15 +69,20 @@ def test_eager_never_traces_as_pytorch():
 def test_the_choice_decides_what_the_graph_holds(mode, opaque):
     """ops (and auto with the extension, on any device): one mesa::compress graph node per
     compression (the activation one input of one opaque op); traceable: the passes over the
-    activations are plain aten ops, and only the per-group bookkeeping (estimate and seed
-    steps) is one opaque op per compression."""
+    activations are plain aten ops, and one opaque op per compression finishes the min/max
+    and does the estimate and seed steps: mesa::observe on the (2, ..., groups) cells of the
+    traced per-segment min/max, never on the activation itself (traceable.observe)."""
     ck.set_compile_kernels(mode)
-    seen = _ops_in_graph(_model(), torch.randn(5, 3, 12, requires_grad=True))
+    first_args: list = []
+    x = torch.randn(5, 3, 12, requires_grad=True)
+    seen = _ops_in_graph(_model(), x, first_args)
     if opaque:
         assert seen.count("mesa.compress.default") == 4, seen
         assert "mesa.observe.default" not in seen and "mesa.quantize.default" not in seen, seen
     else:
-        assert seen == ["mesa.estimate_and_seed.default"] * 4, seen
+        assert seen == ["mesa.observe.default"] * 4, seen
+        # the Linear / GELU / LayerNorm inputs (5, 3, 12|16) in 2 groups of channels: 2 x 15 rows x 2 cells
+        assert [tuple(t.shape) for t in first_args] == [(2, 5, 3, 2)] * 4, first_args
 
 
 @needs_extension

@@ -26,7 +26,11 @@ call). Why: the traced compression is slow to compile and no faster to run.
   (``mesa::estimate_and_seed``; traced they were 64% of its graph nodes): a 2-block DeiT-S
   traces and partitions in 9.0 s instead of 15.9 s on CPU, 3159 forward-graph nodes instead
   of 6985 (``ops``: 3.6 s, 757; ``scripts/trace_cost.py`` on both trees); not re-timed on a
-  GPU yet. The modern and speed presets run ``traceable`` per block
+  GPU yet. Since then the traced min/max has two stages, the first fused into the producing
+  kernel and the second ``mesa::observe`` on its cells (which also took over the estimate and
+  seed steps; on a GPU the one-stage form was a split reduction of its own, found in
+  Inductor's Triton code generated on this CPU: ``scripts/inductor_gpu_code.py``, DESIGN.md
+  "The traced compression in Inductor's GPU code"). The modern and speed presets run ``traceable`` per block
   (:mod:`mesa_train.compile_scope`: the identical blocks share one graph, so it compiles in
   the time of one block) against stock compiled per block.
 

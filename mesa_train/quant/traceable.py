@@ -38,26 +38,51 @@ def _group_blocks(D: int, G: int) -> list[list[int]]:
     return [[min(starts[g] + j, starts[g + 1] - 1) for j in range(L)] for g in range(G)]
 
 
-def _per_d_minmax(x: torch.Tensor, dim: int, S: int):
-    """Min and max over everything but (sample, d): float32 ``(S, D)``."""
+def _per_d_minmax(mins: torch.Tensor, maxs: torch.Tensor, dim: int, S: int):
+    """Min of ``mins`` and max of ``maxs`` over everything but (sample, d): float32 ``(S, D)``."""
     outer = 1
-    for s in x.shape[:dim]:
+    for s in mins.shape[:dim]:
         outer *= s
-    D = x.shape[dim]
-    inner = x.numel() // max(outer * D, 1)
+    D = mins.shape[dim]
+    inner = mins.numel() // max(outer * D, 1)
     if S == 1:
-        xv = x.reshape(outer, D, inner)
-        return xv.amin(dim=(0, 2)).float().view(1, D), xv.amax(dim=(0, 2)).float().view(1, D)
+        return (mins.reshape(outer, D, inner).amin(dim=(0, 2)).float().view(1, D),
+                maxs.reshape(outer, D, inner).amax(dim=(0, 2)).float().view(1, D))
     if dim > 0:
-        xv = x.reshape(S, outer // S, D, inner)
-        return xv.amin(dim=(1, 3)).float(), xv.amax(dim=(1, 3)).float()
+        return (mins.reshape(S, outer // S, D, inner).amin(dim=(1, 3)).float(),
+                maxs.reshape(S, outer // S, D, inner).amax(dim=(1, 3)).float())
     # per sample over dim 0: sample s is exactly index d = s, other samples' cells are empty
-    xv = x.reshape(D, inner)
-    eye = torch.eye(D, dtype=torch.bool, device=x.device)
-    inf = torch.full((D, D), float("inf"), dtype=torch.float32, device=x.device)
-    dmn = torch.where(eye, xv.amin(dim=1).float().view(1, D).expand(D, D), inf)
-    dmx = torch.where(eye, xv.amax(dim=1).float().view(1, D).expand(D, D), -inf)
+    eye = torch.eye(D, dtype=torch.bool, device=mins.device)
+    inf = torch.full((D, D), float("inf"), dtype=torch.float32, device=mins.device)
+    dmn = torch.where(eye, mins.reshape(D, inner).amin(dim=1).float().view(1, D).expand(D, D), inf)
+    dmx = torch.where(eye, maxs.reshape(D, inner).amax(dim=1).float().view(1, D).expand(D, D), -inf)
     return dmn, dmx
+
+
+def _row_segments_minmax(x: torch.Tensor, dim: int, G: int):
+    """Stage 1 of :func:`group_minmax`: min and max over ``x``'s last dim in segments that lie
+    in one group (the whole last dim when the groups run along an earlier dim; one group's
+    ``D / G`` channels when they run along the last), the grouped dim kept (size ``G`` in the
+    second case). ``None`` where no such split exists (groups of unequal size along the last
+    dim, or the grouped dim is the only one).
+
+    Why two stages: a min/max over the contiguous last dim is the reduction Inductor fuses into
+    the kernel that produces ``x`` (a softmax's or a pointwise producer's rows, and the traced
+    quantize of the same elements), where the one-stage form (over every dim but ``dim`` at
+    once: a column reduction) became a split reduction of three kernels reading ``x`` again
+    (seen in Inductor's CUDA code for a DeiT-S block, ``scripts/inductor_gpu_code.py``). The
+    second stage reads ``1 / len(segment)`` of ``x``. Same bits: a min or max is exact whatever
+    the order, and the result is made canonical (NaN, signed zero) after both stages."""
+    last = x.dim() - 1
+    if last == 0:
+        return None
+    if dim < last:
+        return x.amin(dim=-1), x.amax(dim=-1)
+    D = x.shape[-1]
+    if D % G != 0:
+        return None
+    xv = x.reshape(*x.shape[:-1], G, D // G)
+    return xv.amin(dim=-1), xv.amax(dim=-1)
 
 
 def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = False):
@@ -67,7 +92,11 @@ def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = 
     if x.numel() == 0:
         mn = torch.full((S, G), float("inf"), dtype=torch.float32, device=x.device)
         return mn, -mn
-    dmn, dmx = _per_d_minmax(x, dim, S)
+    segments = _row_segments_minmax(x, dim, G)
+    if segments is not None and dim == x.dim() - 1:  # one cell per (row, group): the groups are done
+        dmn, dmx = _per_d_minmax(segments[0], segments[1], dim, S)
+        return canonical(dmn), canonical(dmx)
+    dmn, dmx = _per_d_minmax(*(segments if segments is not None else (x, x)), dim, S)
     D = x.shape[dim]
     if D % G == 0:  # equal blocks: a reshape, no gather
         mn = dmn.view(S, G, D // G).amin(dim=2)
@@ -79,16 +108,35 @@ def group_minmax(x: torch.Tensor, dim: int, num_groups: int, per_sample: bool = 
     return canonical(mn), canonical(mx)
 
 
+def _segment_cells(x: torch.Tensor, dim: int, G: int):
+    """``(cells, cells_dim)``: :func:`_row_segments_minmax`'s minima and maxima stacked into one
+    tensor ``(2, ...)`` (x's dtype, the grouped dim at ``cells_dim``), whose per-group min and
+    max are ``x``'s (every segment's max is at least its min, NaN propagates either way): the
+    input the extension's reduction ops finish in one launch. ``None`` where stage 1 does not
+    apply (see there) or ``x`` is empty."""
+    segments = _row_segments_minmax(x, dim, G) if x.numel() > 0 else None
+    if segments is None:
+        return None
+    return torch.stack(segments), min(dim, x.dim() - 1) + 1
+
+
 def observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
             per_sample: bool, symmetric: bool):
     """``mesa::observe``: batch min/max, running-estimate step, seed step (one op when eager).
 
-    The min/max pass over ``x`` is traced (Inductor may fuse it with the kernel producing
-    ``x``); the estimate and seed steps, which work on ``G`` floats and two integers, are one
-    opaque op (``mesa::estimate_and_seed``): traced they were about 150 graph nodes per
-    compression, 64% of the traced compression's nodes, for nothing to fuse (a grid-wide
-    reduction must finish before them anyway), and they made compiling a whole model slow
-    (DeiT-S on an H100: not done in 6 minutes)."""
+    Traced: the min/max of each row segment (:func:`_row_segments_minmax`, which Inductor fuses
+    into the kernel producing ``x``), then ``mesa::observe`` itself on those cells, one opaque
+    launch for the rest of the reduction, the estimate step and the seed step: on the GPU the
+    traced remainder was four Triton kernels (a split reduction each for min and max, the last
+    with the estimate arithmetic), each a launch on a few hundred KB. Per-sample statistics and
+    layouts without a segment split keep the traced min/max and ``mesa::estimate_and_seed``
+    (the estimate and seed steps as one op: traced they were about 150 graph nodes per
+    compression, 64% of the traced compression's nodes, for nothing to fuse, and they made
+    compiling a whole model slow, DeiT-S on an H100: not done in 6 minutes)."""
+    cells = None if per_sample else _segment_cells(x, dim, num_groups)
+    if cells is not None:
+        return torch.ops.mesa.observe.default(cells[0], alpha_est, beta_est, initialized, rng, cells[1], num_groups,
+                                              float(decay), False, bool(symmetric))
     mn, mx = group_minmax(x, dim, num_groups, per_sample)
     return torch.ops.mesa.estimate_and_seed.default(mn, mx, alpha_est, beta_est, initialized, rng, float(decay),
                                                     bool(per_sample), bool(symmetric), x.numel() > 0)
@@ -101,7 +149,8 @@ def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_gro
     ``ready`` (the host knows the estimates are initialized, see
     ``mesa_train.nn.quantizer.mark_estimates_ready``): traced, with the codes depending on the
     activation and on the estimates as they stand only, so Inductor generates one kernel for
-    the producer of ``x``, its min/max and its codes (one pass). The estimates and the seed come
+    the producer of ``x``, its row segments' min/max and its codes (one pass; ``mesa::group_minmax``
+    then finishes the min/max on those cells, 1/64 of a token tensor). The estimates and the seed come
     from ``mesa::estimate_and_seed`` with ``valid=False`` (which leaves initialized estimates as
     they are, returns them and advances the counter), the update from ``mesa::update_estimates``
     after the traced min/max: not a traced clone of the buffers, which the min-cut partitioner
@@ -116,7 +165,9 @@ def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_gro
     old_a, old_b, seed = torch.ops.mesa.estimate_and_seed.default(
         no_stats, no_stats, alpha_est, beta_est, initialized, rng, float(decay), False, bool(symmetric), False)
     q = quantize(x, old_a, old_b, dim, G, stochastic, seed)
-    mn, mx = group_minmax(x, dim, G, False)
+    cells = _segment_cells(x, dim, G)  # (the rest of the min/max: one launch, as in observe)
+    mn, mx = torch.ops.mesa.group_minmax.default(cells[0], cells[1], G, False) if cells is not None \
+        else group_minmax(x, dim, G, False)
     torch.ops.mesa.update_estimates.default(mn, mx, alpha_est, beta_est, initialized, float(decay), False,
                                             bool(symmetric), x.numel() > 0)
     return q, old_a, old_b

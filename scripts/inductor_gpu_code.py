@@ -1,0 +1,315 @@
+"""The Triton kernels Inductor would generate on an H100 for one training step of a model's
+block, stock and Mesa, generated on a machine without a GPU.
+
+Why: the traced compression (``compile_kernels=traceable``) is only worth having where
+Inductor fuses it into the kernels around it, and whether it does is decided by Inductor's
+GPU scheduler, not its CPU one: on the CPU a column min/max fuses into the loop nest that
+produces the activation, while Triton splits it into separate kernels that read the
+activation again (found with this script; ``mesa_train/quant/traceable.py``,
+``_row_segments_minmax``). GPU time is rare here; Inductor's code for a GPU is not.
+
+How, in two stages:
+
+1. the block (``torch.compile(fullgraph=True)``, autocast) runs its training step(s) on the
+   CPU, with an inner compiler that keeps AOTAutograd's forward and backward graphs (aten
+   ops, after Inductor's decompositions and the partitioner) and runs them eagerly;
+2. each graph's devices are rewritten to ``cuda:0`` and Inductor lowers it again for a fake
+   H100 (``torch.cuda`` answers as an sm_90 device with 132 SMs, Triton's target is fixed,
+   kernels are written, never compiled or run).
+
+Not the GPU's exact program: stage 1 traced under CPU autocast, whose op lists differ from
+CUDA's (``--amp`` makes softmax run in float32, as CUDA autocast does; other differences may
+remain); the decompositions and the partition were chosen for a CPU graph; Inductor's
+device-specific passes whose setup needs a live device are off (its attention and padding
+pattern rewrites). The kernel count and the bytes each kernel moves (Inductor's own
+``kernel_num_gb`` estimate) are what to read; the times are for a GPU to measure.
+
+    python scripts/inductor_gpu_code.py                          # DeiT-S block, batch 128, all variants
+    python scripts/inductor_gpu_code.py --variants stock ops --batch 8
+    python scripts/inductor_gpu_code.py --out results/inductor-gpu-code --kernels   # + per-kernel tables
+
+Variants: ``stock``; Mesa with every op compressed and its compression as the extension's
+ops (``ops``), traced (``traceable``), traced with ``estimator=delayed`` (``delayed``, two
+steps: the graph is rebuilt once the estimates are initialized). A traced variant takes a
+few minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import re
+import sys
+import types
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+VARIANTS = ("stock", "ops", "traceable", "delayed")
+# what torch.cuda says about the fake device: an H100 SXM (the lent GPU; sm_90)
+H100 = types.SimpleNamespace(
+    name="NVIDIA H100 80GB HBM3", type="cuda", major=9, minor=0, multi_processor_count=132, warp_size=32,
+    total_memory=80 * 2**30, max_threads_per_multi_processor=2048, max_threads_per_block=1024,
+    regs_per_multiprocessor=65536, shared_memory_per_block_optin=227 * 1024, max_shared_memory_per_block=48 * 1024,
+    L2_cache_size=50 * 2**20, is_integrated=False, gcnArchName="", uuid="0")
+
+
+def fail(message: str) -> "NoReturn":  # noqa: F821
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# ----------------------------------------------------------------------------- stage 1: CPU graphs
+class Captured(types.SimpleNamespace):
+    """One AOTAutograd graph: ``gm``, its inputs as (shape, stride, dtype) or a non-tensor value,
+    and the keyword arguments Inductor's inner compiler was called with."""
+
+
+def capture_step_graphs(module: torch.nn.Module, x: torch.Tensor, steps: int, amp: bool,
+                        after_step=None) -> list[Captured]:
+    """Compile ``module`` (fullgraph) and run ``steps`` training steps on the CPU; returns the
+    last forward and backward graphs AOTAutograd handed to Inductor."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs: list[Captured] = []
+
+    def keep(gm, example_inputs, **kwargs):
+        specs = [(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t
+                 for t in example_inputs]
+        graphs.append(Captured(gm=copy.deepcopy(gm), specs=specs, kwargs=kwargs))
+        return make_boxed_func(gm)
+
+    compiled = torch.compile(module, backend=lambda gm, ins: compile_fx(gm, ins, inner_compile=keep),
+                             fullgraph=True)
+    for _ in range(steps):
+        with cuda_autocast_softmax(amp), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            y = compiled(x)
+        y.float().sum().backward()
+        if after_step is not None:
+            after_step()
+    if len(graphs) < 2:
+        fail(f"expected a forward and a backward graph, Inductor was handed {len(graphs)}")
+    return graphs[-2:]
+
+
+@contextlib.contextmanager
+def cuda_autocast_softmax(enabled: bool):
+    """Softmax as CUDA autocast runs it (float32 in and out; CPU autocast keeps bf16)."""
+    if not enabled:
+        yield
+        return
+    stock_f, stock_t = torch.nn.functional.softmax, torch.Tensor.softmax
+
+    def f_softmax(t, dim=None, _stacklevel=3, dtype=None):
+        return stock_f(t.float() if torch.is_autocast_enabled("cpu") else t, dim=dim, dtype=dtype)
+
+    def t_softmax(t, dim, dtype=None):
+        return stock_t(t.float() if torch.is_autocast_enabled("cpu") else t, dim, dtype=dtype)
+
+    with mock.patch.object(torch.nn.functional, "softmax", f_softmax), \
+            mock.patch.object(torch.Tensor, "softmax", t_softmax):
+        yield
+
+
+# ----------------------------------------------------------------------------- stage 2: Triton
+@contextlib.contextmanager
+def fake_h100():
+    """torch.cuda and Inductor see an sm_90 GPU; Triton kernels are collected, not compiled.
+    Yields the ``{kernel name: Triton source}`` dict that Inductor's compiles fill."""
+    import torch._inductor.async_compile as async_compile
+    import torch._inductor.fx_passes.fuse_attention as fuse_attention
+    import torch._inductor.fx_passes.joint_graph as joint_graph
+    import torch._inductor.fx_passes.post_grad as post_grad
+    import torch._inductor.scheduler as scheduler
+    import torch.utils._triton as torch_triton
+    from torch._dynamo.device_interface import CudaInterface
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    sources: dict[str, str] = {}
+
+    def collect(self, kernel_name, source_code, device_str="cuda"):
+        sources[kernel_name] = source_code
+        return mock.MagicMock()
+
+    props = lambda *a, **k: H100  # noqa: E731
+    patches = [  # torch.cuda as an H100 with no driver behind it
+        ("torch.cuda.is_available", lambda: True), ("torch.cuda.is_initialized", lambda: True),
+        ("torch.cuda.device_count", lambda: 1), ("torch.cuda.current_device", lambda: 0),
+        ("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)), ("torch.cuda.get_device_properties", props),
+        ("torch.cuda.get_device_name", lambda *a, **k: H100.name), ("torch.cuda.is_bf16_supported", lambda *a, **k: True),
+        ("torch.cuda.get_rng_state", lambda *a, **k: torch.zeros(16, dtype=torch.uint8)),
+        ("torch.cuda.set_rng_state", lambda *a, **k: None), ("torch.cuda.set_device", lambda i: None),
+        ("torch.cuda._exchange_device", lambda i: 0), ("torch.cuda._maybe_exchange_device", lambda i: 0),
+        ("torch.cuda.synchronize", lambda *a: None), ("torch.cuda.is_current_stream_capturing", lambda: False),
+        ("torch.accelerator.current_device_index", lambda: 0),
+    ]
+    objects = [  # Inductor's view of the device, and the setup that would touch a real one
+        (CudaInterface, "get_device_properties", staticmethod(props)),
+        (CudaInterface, "get_compute_capability", staticmethod(lambda *a: 90)),
+        (CudaInterface, "is_available", staticmethod(lambda: True)),
+        (CudaInterface, "current_device", staticmethod(lambda: 0)),
+        (CudaInterface, "device_count", staticmethod(lambda: 1)),
+        (CudaInterface, "exchange_device", staticmethod(lambda i: 0)),
+        (CudaInterface, "maybe_exchange_device", staticmethod(lambda i: 0)),
+        (CudaInterface, "set_device", staticmethod(lambda i: None)),
+        (CudaInterface, "synchronize", staticmethod(lambda *a: None)),
+        (CudaInterface, "get_raw_stream", staticmethod(lambda *a: 0)),
+        (CudaInterface, "is_bf16_supported", staticmethod(lambda *a, **k: True)),
+        (fuse_attention, "_sfdp_init", lambda *a, **k: None),  # (its pattern setup makes CUDA tensors)
+        (joint_graph, "lazy_init", lambda *a, **k: None),
+        (post_grad, "lazy_init", lambda *a, **k: None),
+        (scheduler, "has_triton", lambda: True),
+        (torch_triton, "triton_backend", lambda: make_backend(GPUTarget("cuda", 90, 32))),
+        (torch_triton, "triton_hash_with_backend", lambda: "fake-h100"),
+        (async_compile.AsyncCompile, "triton", collect),
+        (async_compile.AsyncCompile, "wait", lambda self, scope: None),
+    ]
+    with contextlib.ExitStack() as stack:
+        for target, value in patches:
+            stack.enter_context(mock.patch(target, value))
+        for owner, name, value in objects:
+            stack.enter_context(mock.patch.object(owner, name, value))
+        stack.enter_context(torch._inductor.config.patch(compile_threads=1, benchmark_kernel=True))
+        yield sources
+
+
+def _on_cuda(value, cuda: torch.device):
+    if isinstance(value, torch.device) and value.type == "cpu":
+        return cuda
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cuda(v, cuda) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_cuda(v, cuda) for k, v in value.items()}
+    return value
+
+
+def lower_for_h100(graph: Captured, inductor_options: dict) -> dict[str, str]:
+    """Inductor's Triton kernels for one captured graph on the fake H100 (inside :func:`fake_h100`)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    cuda = torch.device("cuda", 0)
+    gm, mode = copy.deepcopy(graph.gm), FakeTensorMode()
+    for node in gm.graph.nodes:  # devices, and the CPU fake values stage 1 left in the metadata
+        node.args, node.kwargs = _on_cuda(node.args, cuda), _on_cuda(node.kwargs, cuda)
+        for key in ("val", "tensor_meta", "eager_input_vals", "example_value"):
+            node.meta.pop(key, None)
+        if node.op == "get_attr" and isinstance(getattr(gm, node.target), torch.Tensor):
+            t = getattr(gm, node.target)  # (a constant's values do not change the kernels' code)
+            with mode:
+                setattr(gm, node.target, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=cuda))
+    gm.recompile()
+    with mode:
+        inputs = [torch.empty_strided(s[0], s[1], dtype=s[2], device=cuda) if isinstance(s, tuple) else s
+                  for s in graph.specs]
+    FakeTensorProp(gm, mode).propagate(*inputs)
+    # (benchmark_kernel, for the byte counts, also prints each module's path: to stderr)
+    with fake_h100() as sources, torch._inductor.config.patch(inductor_options), \
+            contextlib.redirect_stdout(sys.stderr):
+        compile_fx_inner(gm, inputs, **graph.kwargs)
+    return dict(sources)
+
+
+# ----------------------------------------------------------------------------- reading the kernels
+def kernel_rows(sources: dict[str, str]) -> list[tuple[str, str, float]]:
+    """(name, kind: pointwise / reduction / persistent reduction, MB moved) of each kernel;
+    MB is Inductor's ``kernel_num_gb`` (the bytes of its loads and stores, each buffer once)."""
+    rows = []
+    for name, src in sources.items():
+        gb = re.search(r"'kernel_num_gb': ([0-9.e+-]+)", src)
+        kind = {"poi": "pointwise", "red": "reduction", "per": "persistent reduction"}.get(
+            name.split("_")[1], name.split("_")[1])
+        rows.append((name, kind, float(gb.group(1)) * 1e3 if gb else float("nan")))
+    return rows
+
+
+def census(model_name: str, variant: str, batch: int, amp: bool) -> dict[str, list]:
+    """{"forward": rows, "backward": rows} for one block of ``model_name`` in ``variant``."""
+    from mesa_train.compile_scope import TRACED_INDUCTOR_OPTIONS
+    from mesa_train.models import build_model
+    from mesa_train.nn.quantizer import mark_estimates_ready
+    from mesa_train.patch.core import patch_model
+    from mesa_train.quant.compile_kernels import set_compile_kernels
+
+    torch.manual_seed(0)
+    model = build_model(model_name, fused_attn=False)
+    traced = variant in ("traceable", "delayed")
+    if variant != "stock":
+        patch_model(model, ops=["all"], **({"estimator": "delayed"} if variant == "delayed" else {}))
+        set_compile_kernels("traceable" if traced else "ops")
+    if not hasattr(model, "blocks") or not hasattr(model, "embed_dim") or not hasattr(model, "patch_embed"):
+        fail(f"{model_name} is not a ViT-style model (blocks of (batch, tokens, embed_dim)); this script takes those")
+    block = model.blocks[0]
+    tokens = getattr(model.patch_embed, "num_patches", 196) + getattr(model, "num_prefix_tokens", 1)
+    x = torch.randn(batch, tokens, model.embed_dim, requires_grad=True)
+    torch._dynamo.reset()
+    graphs = capture_step_graphs(block, x, steps=2 if variant == "delayed" else 1, amp=amp,
+                                 after_step=(lambda: mark_estimates_ready(model)) if variant == "delayed" else None)
+    options = dict(TRACED_INDUCTOR_OPTIONS) if traced else {}
+    out = {}
+    for graph in graphs:
+        out["backward" if graph.kwargs.get("is_backward") else "forward"] = kernel_rows(lower_for_h100(graph, options))
+    return out
+
+
+def summary_table(results: dict[str, dict[str, list]]) -> str:
+    lines = ["| variant | forward kernels | forward MB | backward kernels | backward MB | total MB |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for variant, parts in results.items():
+        f, b = parts["forward"], parts["backward"]
+        mb = lambda rows: sum(r[2] for r in rows)  # noqa: E731
+        lines.append(f"| {variant} | {len(f)} | {mb(f):,.1f} | {len(b)} | {mb(b):,.1f} | {mb(f) + mb(b):,.1f} |")
+    return "\n".join(lines)
+
+
+def kernel_table(rows: list) -> str:
+    lines = ["| kernel | kind | MB |", "|---|---|---:|"]
+    lines += [f"| `{name[:110]}` | {kind} | {mb:,.2f} |" for name, kind, mb in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="deit_s")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--no-amp", dest="amp", action="store_false", help="float32 (default: bf16 autocast)")
+    ap.add_argument("--kernels", action="store_true", help="also list every kernel of every variant")
+    ap.add_argument("--out", type=Path, help="write <model>-block.md there as well")
+    args = ap.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        fail("Triton is not installed (it comes with torch's CUDA wheels): nothing to generate code with")
+    from mesa_train.models import is_known_model
+    if not is_known_model(args.model):
+        fail(f"unknown model {args.model!r} (mesa_train.models.build_model's names)")
+    results = {}
+    for variant in args.variants:
+        print(f"{variant}: compiling one {args.model} block (batch {args.batch})...", file=sys.stderr, flush=True)
+        results[variant] = census(args.model, variant, args.batch, args.amp)
+    text = [f"# Inductor's Triton kernels for one {args.model} block on an H100 (generated without a GPU)", "",
+            f"Batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, one training step "
+            f"(forward and backward graphs), torch {torch.__version__}; "
+            f"`python scripts/inductor_gpu_code.py --model {args.model} --batch {args.batch}"
+            f"{'' if args.amp else ' --no-amp'}`. MB: the bytes Inductor counts for each kernel's loads "
+            "and stores; matmuls and Mesa's opaque ops are not Triton kernels and are not counted.", "",
+            summary_table(results)]
+    if args.kernels:
+        for variant, parts in results.items():
+            for part, rows in parts.items():
+                text += ["", f"## {variant}: {part}", "", kernel_table(rows)]
+    report = "\n".join(text) + "\n"
+    print(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.model.replace('/', '_')}-block.md").write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""scripts/inductor_gpu_code.py: Inductor's Triton (H100) code, generated on a machine without a
+GPU, and what it must show about the traced compression."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "inductor_gpu_code.py"
+
+# (a fresh interpreter per check: the fake GPU patches torch.cuda and Inductor process-wide,
+# and Inductor caches what it learnt about the device)
+PRELUDE = f"""
+import importlib.util, json, sys, torch
+spec = importlib.util.spec_from_file_location("igc", {str(SCRIPT)!r})
+igc = importlib.util.module_from_spec(spec); spec.loader.exec_module(igc)
+"""
+
+
+def _run(code: str):
+    """The JSON value ``code`` prints on its last line, run after PRELUDE in a new interpreter."""
+    out = subprocess.run([sys.executable, "-c", PRELUDE + code], capture_output=True, text=True, timeout=900,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+GELU_FORWARD_KERNELS = """
+import mesa_train.nn as mnn
+from mesa_train.nn.quantizer import mark_estimates_ready
+from mesa_train.compile_scope import TRACED_INDUCTOR_OPTIONS
+from mesa_train.quant.compile_kernels import set_compile_kernels
+set_compile_kernels("traceable")
+torch.manual_seed(0)
+layer = mnn.GELU(estimator=sys.argv[1], num_groups=4)
+x = torch.randn(4, 10, 64, requires_grad=True)
+layer(x).sum().backward()          # the first step, eager: estimates initialized
+mark_estimates_ready(layer)
+forward, _ = igc.capture_step_graphs(layer, x, steps=1, amp=False)
+print(json.dumps(sorted(igc.lower_for_h100(forward, dict(TRACED_INDUCTOR_OPTIONS)))))
+"""
+
+
+@pytest.mark.parametrize("estimator", ["running", "delayed"])
+def test_gpu_code_of_the_traced_delayed_compression_is_one_pass(estimator):
+    """On the GPU (Triton), the traced delayed compression's codes and its min/max come from one
+    kernel: the kernel with the rounding hash (a ``>>``) also reduces (amin / amax). With the
+    one-stage min/max (a column reduction over every dim but the grouped one) Triton split it
+    into kernels of their own that read the activation again, while CPU Inductor fused it
+    (``test_inductor_fuses_the_delayed_compression_into_the_producer`` passed there). Running
+    estimates need the finished reduction before any code: two passes, by definition."""
+    kernels = _run(GELU_FORWARD_KERNELS.replace("sys.argv[1]", repr(estimator)))
+    coding = [k for k in kernels if "rshift" in k]
+    assert coding, kernels
+    one_pass = any("amax" in k and "amin" in k for k in coding)
+    assert one_pass == (estimator == "delayed"), kernels
+
+
+def test_census_of_a_stock_block():
+    """The script end to end on a small stock block: every kernel has Inductor's byte count,
+    and the forward moves at least the block's input once (float32)."""
+    result = _run("""
+out = igc.census("deit_ti", "stock", 2, True)
+print(json.dumps({part: [[name, kind, mb] for name, kind, mb in rows] for part, rows in out.items()}))
+""")
+    assert set(result) == {"forward", "backward"}
+    for rows in result.values():
+        assert rows and all(mb > 0 for _, _, mb in rows), rows
+        assert {kind for _, kind, _ in rows} <= {"pointwise", "reduction", "persistent reduction"}
+    assert any("layer_norm" in name for name, _, _ in result["forward"])
+    x_mb = 2 * 197 * 192 * 4 / 1e6
+    assert sum(mb for _, _, mb in result["forward"]) >= x_mb
+
+
+def test_unknown_model_is_one_line_error():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--model", "no_such_model", "--variants", "stock"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: unknown model 'no_such_model'")
