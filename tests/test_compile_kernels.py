@@ -71,7 +71,8 @@ def test_the_choice_decides_what_the_graph_holds(mode, opaque):
     compression (the activation one input of one opaque op); traceable: the passes over the
     activations are plain aten ops, and one opaque op per compression finishes the min/max
     and does the estimate and seed steps: mesa::observe on the (2, ..., groups) cells of the
-    traced per-segment min/max, never on the activation itself (traceable.observe)."""
+    traced per-segment min/max, never on the activation itself (traceable.observe). The
+    LayerNorm's backward stays the extension's op (compile_kernels.traced_row_sums)."""
     ck.set_compile_kernels(mode)
     first_args: list = []
     x = torch.randn(5, 3, 12, requires_grad=True)
@@ -80,9 +81,10 @@ def test_the_choice_decides_what_the_graph_holds(mode, opaque):
         assert seen.count("mesa.compress.default") == 4, seen
         assert "mesa.observe.default" not in seen and "mesa.quantize.default" not in seen, seen
     else:
-        assert seen == ["mesa.observe.default"] * 4, seen
+        assert sorted(seen) == ["mesa.layer_norm_backward"] + ["mesa.observe.default"] * 4, seen
         # the Linear / GELU / LayerNorm inputs (5, 3, 12|16) in 2 groups of channels: 2 x 15 rows x 2 cells
-        assert [tuple(t.shape) for t in first_args] == [(2, 5, 3, 2)] * 4, first_args
+        observed = [t for name, t in zip(seen, first_args) if name == "mesa.observe.default"]
+        assert [tuple(t.shape) for t in observed] == [(2, 5, 3, 2)] * 4, first_args
 
 
 @needs_extension

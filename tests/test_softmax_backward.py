@@ -360,17 +360,22 @@ def test_cpp_node_is_bitwise_the_python_function(dtype, softmax_dim, monkeypatch
 
 
 # ----------------------------------------------------------------------------- torch.compile
-@pytest.mark.parametrize("mode", ["ops", "traceable"])
-def test_compiled_backward_is_the_op_or_its_traced_form(mode, monkeypatch):
-    """compile_kernels=ops: mesa::softmax_backward is a node of the backward graph (its fake
-    gives the shapes); traceable: its plain-PyTorch form, no mesa op and no ATen softmax
-    backward. Either way the gradient is the eager one, bit for bit."""
+@pytest.mark.parametrize("mode,extension", [("ops", True), ("traceable", True), ("traceable", False)])
+def test_compiled_backward_is_the_op_or_its_traced_form(mode, extension, monkeypatch):
+    """mesa::softmax_backward is a node of the backward graph (its fake gives the shapes) with
+    the extension, compile_kernels=traceable included (compile_kernels.traced_row_sums: traced,
+    its warp-order row sums split into a kernel per sweep on a GPU); without the extension,
+    traceable runs its plain-PyTorch form, no mesa op and no ATen softmax backward. Either way
+    the gradient is the eager one, bit for bit."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    from mesa_train import quant
     from mesa_train.quant import compile_kernels
 
     monkeypatch.setattr(compile_kernels, "_mode", mode)
+    if not extension:  # (the ops stay registered; only the choice of form reads BACKEND)
+        monkeypatch.setattr(quant, "BACKEND", "reference")
     torch._dynamo.reset()
     backward_code = []
 
@@ -393,5 +398,5 @@ def test_compiled_backward_is_the_op_or_its_traced_form(mode, monkeypatch):
         grads.append(xi.grad)
     code = "\n".join(backward_code)
     assert "dequantize" not in code and "_softmax_backward_data" not in code, code
-    assert ("mesa.softmax_backward" in code) == (mode == "ops"), code
+    assert ("mesa.softmax_backward" in code) == extension, code
     assert torch.equal(grads[0], grads[1])

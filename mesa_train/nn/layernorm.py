@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 from torch import nn
 
 from mesa_train.quant import traceable
-from mesa_train.quant.compile_kernels import traced_as_pytorch
+from mesa_train.quant.compile_kernels import traced_row_sums
 from mesa_train.quant.reference import LN_MAX_COLS, normalize_rows
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
@@ -118,8 +118,8 @@ def layer_norm_forward(ctx, x, normalized_shape, weight, bias, eps, quantizer):
 
 def ln_backward_from_codes(ctx, packed) -> bool:
     """Whether the backward is ``mesa::layer_norm_backward`` (DESIGN.md, "LayerNorm backward from
-    the codes"; its traced form where the compression is traced as PyTorch under
-    ``torch.compile``): the paper's 8-bit format, float32 math, one normalised dim of at most
+    the codes"; its traced form only where the compression is traced as PyTorch under
+    ``torch.compile`` without the extension, ``compile_kernels.traced_row_sums``): the paper's 8-bit format, float32 math, one normalised dim of at most
     ``LN_MAX_COLS``. C++ twin: ``ln_backward_from_codes`` in ``csrc/layers_autograd.cpp``."""
     return (packed.fmt is None and ctx.mdt == torch.float32 and len(ctx.normalized_shape) == 1
             and ctx.normalized_shape[0] <= LN_MAX_COLS)
@@ -137,7 +137,7 @@ def layer_norm_grads(ctx, g, packed, extra, need_x, need_w, need_b):
     gx = gw = gb = None
     if ln_backward_from_codes(ctx, packed):  # (8 bits: never the float16 rstd of `scale`)
         # all three from the codes in one op: no dequantized copy, no cast of g
-        fn = traceable.layer_norm_backward if traced_as_pytorch(g) else torch.ops.mesa.layer_norm_backward
+        fn = traceable.layer_norm_backward if traced_row_sums(g) else torch.ops.mesa.layer_norm_backward
         with no_autocast(g.device.type):
             dx, dparams = fn(g, packed.q, packed.alpha, packed.beta, packed.num_groups, rstd.float(),
                              weight.float() if weight is not None else None, k)

@@ -3,8 +3,9 @@
 Backward renormalises each dequantized row to sum 1 (a bias added to a whole row of logits
 keeps its zero gradient; DESIGN.md, "Softmax backward renormalises the dequantized rows").
 Over the last dim with the groups along another dim (4-D attention maps) and the default
-8-bit format, that whole backward is one op, ``mesa::softmax_backward`` (its traced form under
-``torch.compile`` with traceable kernels), which reads the codes and the gradient once; other
+8-bit format, that whole backward is one op, ``mesa::softmax_backward`` (also under
+``torch.compile`` with traceable kernels; its traced form only without the extension:
+``compile_kernels.traced_row_sums``), which reads the codes and the gradient once; other
 layouts and the variant formats dequantize, renormalise and call ``_softmax_backward_data``.
 
 The compressed output can be reused by a Mesa ``MatMul`` whose left operand is this output
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesa_train.quant import traceable
-from mesa_train.quant.compile_kernels import traced_as_pytorch
+from mesa_train.quant.compile_kernels import traced_row_sums
 
 from . import sharing
 from ._common import MesaLayer, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
@@ -44,7 +45,7 @@ def fused_backward(packed: Packed, softmax_dim: int) -> bool:
 
 
 def _fused_backward(g: torch.Tensor, p: Packed) -> torch.Tensor:
-    if traced_as_pytorch(p.q):  # under torch.compile with traceable kernels
+    if traced_row_sums(p.q):  # under torch.compile with traceable kernels and no extension
         return traceable.softmax_backward(g, p.q, p.alpha, p.beta, p.dim, p.num_groups)
     return _SOFTMAX_BACKWARD(g, p.q, p.alpha, p.beta, p.dim, p.num_groups)
 

@@ -45,7 +45,8 @@ import torch
 
 from mesa_train import quant
 
-__all__ = ["CHOICES", "set_compile_kernels", "compile_kernels", "traced_as_pytorch", "traced_when_compiled"]
+__all__ = ["CHOICES", "set_compile_kernels", "compile_kernels", "traced_as_pytorch", "traced_row_sums",
+           "traced_when_compiled"]
 
 CHOICES = ("auto", "ops", "traceable")
 
@@ -75,6 +76,19 @@ def traced_as_pytorch(t: torch.Tensor) -> bool:
     and then as the current choice says (``t``'s device does not matter: ``auto`` follows
     the backend, see the module doc)."""
     return torch.compiler.is_compiling() and traced_when_compiled()
+
+
+def traced_row_sums(t: torch.Tensor) -> bool:
+    """Whether a backward whose rows end in warp-order sums (``softmax_backward``,
+    ``layer_norm_backward``) runs as plain PyTorch here: as :func:`traced_as_pytorch`, but only
+    without the compiled extension. Traced, those sums keep the CUDA kernel's order to give its
+    bits, so they are slices and adds, not a reduction Inductor can keep inside one row kernel:
+    on a GPU each sweep over the rows became a kernel of its own (Inductor's H100 code for a
+    DeiT-S block, ``scripts/inductor_gpu_code.py``: the softmax backward four passes over the
+    attention map, 743 MB a block, where stock's is one of 180). Nothing around these ops
+    fuses with them anyway (matmuls on both sides), so the extension's op, one launch, serves
+    ``traceable`` too; the pure-PyTorch fallback still traces them."""
+    return traced_as_pytorch(t) and quant.BACKEND != "extension"
 
 
 def traced_when_compiled() -> bool:
