@@ -186,8 +186,9 @@ def _on_cuda(value, cuda: torch.device):
     return value
 
 
-def lower_for_h100(graph: Captured, inductor_options: dict) -> dict[str, str]:
-    """Inductor's Triton kernels for one captured graph on the fake H100 (inside :func:`fake_h100`)."""
+def lower_for_h100(graph: Captured, inductor_options: dict) -> tuple[dict[str, str], list]:
+    """Inductor's Triton kernels for one captured graph on the fake H100 (``{name: source}``),
+    and the graph's opaque Mesa ops as :func:`mesa_op_rows` gives them."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -207,11 +208,36 @@ def lower_for_h100(graph: Captured, inductor_options: dict) -> dict[str, str]:
         inputs = [torch.empty_strided(s[0], s[1], dtype=s[2], device=cuda) if isinstance(s, tuple) else s
                   for s in graph.specs]
     FakeTensorProp(gm, mode).propagate(*inputs)
+    ops = mesa_op_rows(gm)
     # (benchmark_kernel, for the byte counts, also prints each module's path: to stderr)
     with fake_h100() as sources, torch._inductor.config.patch(inductor_options), \
             contextlib.redirect_stdout(sys.stderr):
         compile_fx_inner(gm, inputs, **graph.kwargs)
-    return dict(sources)
+    return dict(sources), ops
+
+
+def _tensor_mb(values) -> float:
+    leaves = torch.utils._pytree.tree_leaves(values)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)) / 1e6
+
+
+def mesa_op_rows(gm: torch.fx.GraphModule) -> list[tuple[str, str, float]]:
+    """(op name, "Mesa op", MB) of every opaque ``mesa::`` op of a graph whose nodes carry fake
+    values: MB is its tensor inputs read once and its outputs written once, a floor on what its
+    CUDA kernels move (mutated buffers reached through auto_functionalized count as inputs)."""
+    rows = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if "auto_functionalized" in str(target):  # (a mutating op: the op itself is the first argument)
+            target = node.args[0]
+        if not str(target).startswith("mesa."):
+            continue
+        inputs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        outputs = node.meta.get("val")
+        rows.append((str(target).removesuffix(".default"), "Mesa op", _tensor_mb(inputs) + _tensor_mb(outputs)))
+    return rows
 
 
 # ----------------------------------------------------------------------------- reading the kernels
@@ -252,17 +278,24 @@ def census(model_name: str, variant: str, batch: int, amp: bool) -> dict[str, li
     options = dict(TRACED_INDUCTOR_OPTIONS) if traced else {}
     out = {}
     for graph in graphs:
-        out["backward" if graph.kwargs.get("is_backward") else "forward"] = kernel_rows(lower_for_h100(graph, options))
+        sources, ops = lower_for_h100(graph, options)
+        out["backward" if graph.kwargs.get("is_backward") else "forward"] = kernel_rows(sources) + ops
     return out
 
 
 def summary_table(results: dict[str, dict[str, list]]) -> str:
-    lines = ["| variant | forward kernels | forward MB | backward kernels | backward MB | total MB |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """Per variant and pass: Triton kernels and their MB, opaque Mesa ops and theirs, the total."""
+    lines = ["| variant | forward kernels | forward MB | forward Mesa ops (MB) | backward kernels | backward MB "
+             "| backward Mesa ops (MB) | total MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for variant, parts in results.items():
-        f, b = parts["forward"], parts["backward"]
-        mb = lambda rows: sum(r[2] for r in rows)  # noqa: E731
-        lines.append(f"| {variant} | {len(f)} | {mb(f):,.1f} | {len(b)} | {mb(b):,.1f} | {mb(f) + mb(b):,.1f} |")
+        cells, total = [], 0.0
+        for part in ("forward", "backward"):
+            kernels = [r for r in parts[part] if r[1] != "Mesa op"]
+            ops = [r for r in parts[part] if r[1] == "Mesa op"]
+            k_mb, o_mb = sum(r[2] for r in kernels), sum(r[2] for r in ops)
+            cells += [f"{len(kernels)}", f"{k_mb:,.1f}", f"{len(ops)} ({o_mb:,.1f})"]
+            total += k_mb + o_mb
+        lines.append(f"| {variant} | {' | '.join(cells)} | {total:,.1f} |")
     return "\n".join(lines)
 
 
@@ -296,8 +329,9 @@ def main(argv=None) -> int:
             f"Batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, one training step "
             f"(forward and backward graphs), torch {torch.__version__}; "
             f"`python scripts/inductor_gpu_code.py --model {args.model} --batch {args.batch}"
-            f"{'' if args.amp else ' --no-amp'}`. MB: the bytes Inductor counts for each kernel's loads "
-            "and stores; matmuls and Mesa's opaque ops are not Triton kernels and are not counted.", "",
+            f"{'' if args.amp else ' --no-amp'}`. MB: the bytes Inductor counts for each Triton kernel's "
+            "loads and stores; for Mesa's opaque ops (CUDA kernels of the extension) their tensor inputs and "
+            "outputs once, a floor. Matmuls (cuBLAS) are not counted.", "",
             summary_table(results)]
     if args.kernels:
         for variant, parts in results.items():

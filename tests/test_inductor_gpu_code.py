@@ -43,7 +43,7 @@ x = torch.randn(4, 10, 64, requires_grad=True)
 layer(x).sum().backward()          # the first step, eager: estimates initialized
 mark_estimates_ready(layer)
 forward, _ = igc.capture_step_graphs(layer, x, steps=1, amp=False)
-print(json.dumps(sorted(igc.lower_for_h100(forward, dict(TRACED_INDUCTOR_OPTIONS)))))
+print(json.dumps(sorted(igc.lower_for_h100(forward, dict(TRACED_INDUCTOR_OPTIONS))[0])))
 """
 
 
@@ -83,3 +83,18 @@ def test_unknown_model_is_one_line_error():
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("error: unknown model 'no_such_model'")
+
+
+def test_census_lists_the_opaque_mesa_ops():
+    """With compile_kernels=ops the compression is Mesa's own ops, which Inductor does not
+    generate: they are listed beside the Triton kernels with the bytes of their tensors."""
+    result = _run("""
+out = igc.census("deit_ti", "ops", 2, True)
+print(json.dumps({part: [[name, kind, mb] for name, kind, mb in rows] for part, rows in out.items()}))
+""")
+    ops = {part: [(name, mb) for name, kind, mb in rows if kind == "Mesa op"] for part, rows in result.items()}
+    assert any(name == "mesa.compress" for name, _ in ops["forward"]), ops
+    assert any(name == "mesa.softmax_backward" for name, _ in ops["backward"]), ops
+    # a block's input (2, 197, 192) float32 is compressed at least once: its bytes in, codes out
+    assert all(mb > 0 for rows in ops.values() for _, mb in rows)
+    assert max(mb for _, mb in ops["forward"]) >= 2 * 197 * 192 * 2 / 1e6
