@@ -119,8 +119,9 @@ def layer_norm_forward(ctx, x, normalized_shape, weight, bias, eps, quantizer):
 def ln_backward_from_codes(ctx, packed) -> bool:
     """Whether the backward is ``mesa::layer_norm_backward`` (DESIGN.md, "LayerNorm backward from
     the codes"; its traced form only where the compression is traced as PyTorch under
-    ``torch.compile`` without the extension, ``compile_kernels.traced_row_sums``): the paper's 8-bit format, float32 math, one normalised dim of at most
-    ``LN_MAX_COLS``. C++ twin: ``ln_backward_from_codes`` in ``csrc/layers_autograd.cpp``."""
+    ``torch.compile`` without the extension, ``compile_kernels.traced_row_sums``): the paper's
+    8-bit format, float32 math, one normalised dim of at most ``LN_MAX_COLS``. C++ twin:
+    ``ln_backward_from_codes`` in ``csrc/layers_autograd.cpp``."""
     return (packed.fmt is None and ctx.mdt == torch.float32 and len(ctx.normalized_shape) == 1
             and ctx.normalized_shape[0] <= LN_MAX_COLS)
 
