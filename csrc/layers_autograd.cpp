@@ -89,15 +89,22 @@ double smallest_normal(c10::ScalarType t) {
 
 // Outputs (y, q, alpha, beta): the codes and statistics are outputs too, so that the
 // attention's `attn @ v` can keep them instead of quantizing y again (Softmax.forward_with_copy).
+// out_dtype: y returned cast to it, the cast autocast's `attn @ v` would make, made inside the
+// node and before the compression (the copy is the map the product consumes, half the bytes
+// to read): the gradient arrives in that dtype and backward is one op with no cast around it
+// (mesa_train/nn/softmax.py, _SoftmaxFn). Backward dequantizes through the softmax's dtype.
 struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, int64_t softmax_dim, Quantizer qz) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, int64_t softmax_dim, Quantizer qz,
+                               std::optional<at::ScalarType> out_dtype) {
     at::Tensor y = at::softmax(x, softmax_dim);  // exactly nn.Softmax.forward (dim resolved)
+    const at::ScalarType y_dtype = y.scalar_type();
+    if (out_dtype.has_value() && *out_dtype != y_dtype) y = y.to(*out_dtype);
     auto [q, alpha, beta, G] = compress(y, group_dim(y), qz);
     ctx->save_for_backward({q, alpha, beta});
     ctx->saved_data["dim"] = group_dim(y);
     ctx->saved_data["groups"] = G;
     ctx->saved_data["softmax_dim"] = softmax_dim;
-    ctx->saved_data["y_dtype"] = y.scalar_type();
+    ctx->saved_data["y_dtype"] = y_dtype;
     ctx->saved_data["x_dtype"] = x.scalar_type();
     ctx->mark_non_differentiable({q, alpha, beta});
     ctx->set_materialize_grads(false);  // no zero-filled gradients for those three outputs
@@ -106,32 +113,40 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order("Softmax");
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // y did not reach the loss
+    const at::Tensor none;
+    if (!grads[0].defined()) return {none, none, none, none};  // y did not reach the loss
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
-    const auto ydt = ctx->saved_data["y_dtype"].toScalarType();
+    const auto ydt = ctx->saved_data["y_dtype"].toScalarType(), xdt = ctx->saved_data["x_dtype"].toScalarType();
     const int64_t gdim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
     const int64_t sdim = ctx->saved_data["softmax_dim"].toInt(), last = saved[0].dim() - 1;
+    const at::Tensor& g = grads[0];
     // one op where every row has one (alpha, beta) (mesa_train/nn/softmax.py: fused_backward;
-    // this node only ever holds the default 8-bit format)
+    // this node only ever holds the default 8-bit format); a half g with a float32 map and a
+    // half x (autocast) goes in and out as it is: the op's y_dtype stands for both casts
     if (sdim == last && gdim != last) {
-      at::Tensor gx = softmax_backward_op().call(grads[0].to(ydt), saved[0], saved[1], saved[2], gdim, groups);
-      return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
+      if (g.scalar_type() == xdt && (ydt == xdt || ydt == at::kFloat))
+        return {softmax_backward_op().call(g, saved[0], saved[1], saved[2], gdim, groups, ydt), none, none, none};
+      at::Tensor gx = softmax_backward_op().call(g.to(ydt), saved[0], saved[1], saved[2], gdim, groups, std::nullopt);
+      return {gx.to(xdt), none, none, none};
     }
     at::Tensor yh = call_dequantize(saved[0], saved[1], saved[2], gdim, groups, ydt, std::nullopt, std::nullopt);
     // each row rescaled to sum to 1 (mesa_train/nn/softmax.py: keeps the exactly-zero stock
     // gradient of a bias added to a whole row); an all-zero row stays 0 (0 / tiny)
     yh = yh / yh.sum({sdim}, true).clamp_min(smallest_normal(ydt));
-    at::Tensor gx = at::_softmax_backward_data(grads[0].to(ydt), yh, sdim, ydt);
-    return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
+    at::Tensor gx = at::_softmax_backward_data(g.to(ydt), yh, sdim, ydt);
+    return {gx.to(xdt), none, none, none};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
     const at::Tensor& x, int64_t softmax_dim, at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized,
-    at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
+    at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
+    std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK_VALUE(!out_dtype.has_value() || at::isFloatingType(*out_dtype), "mesa: softmax_train: out_dtype ",
+                    *out_dtype, " is not a floating dtype; valid: None, torch.float32, torch.bfloat16, torch.float16");
   Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
-  auto out = SoftmaxTrain::apply(x, softmax_dim, qz);
+  auto out = SoftmaxTrain::apply(x, softmax_dim, qz, out_dtype);
   return {out[0], out[1], out[2], out[3]};
 }
 
@@ -835,8 +850,8 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "int num_groups, float decay, int estimator, bool symmetric, bool stochastic, str approximate) -> Tensor");
   m.def(
       "softmax_train(Tensor x, int softmax_dim, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
-      "Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic) -> "
-      "(Tensor y, Tensor q, Tensor alpha, Tensor beta)");
+      "Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic, "
+      "ScalarType? out_dtype=None) -> (Tensor y, Tensor q, Tensor alpha, Tensor beta)");
   m.def(
       "linear_train(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
       "Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, "

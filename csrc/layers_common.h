@@ -73,9 +73,9 @@ inline const c10::TypedOperatorHandle<ObserveRowsFn>& observe_rows_op() {
   return op;
 }
 
-// the backwards from codes: (g, q, alpha, beta, dim, num_groups) -> gx
-using CodesBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     int64_t, int64_t);
+// softmax_backward: (g, q, alpha, beta, dim, num_groups, y_dtype) -> gx
+using SoftmaxBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     int64_t, int64_t, std::optional<at::ScalarType>);
 // ... gelu_backward's, with the codes' optional row exponents
 using GeluBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   int64_t, int64_t, const std::optional<at::Tensor>&);
@@ -111,9 +111,9 @@ inline const c10::TypedOperatorHandle<DequantizeGeluFn>& dequantize_gelu_op() {
       c10::Dispatcher::singleton().findSchemaOrThrow("mesa::dequantize_gelu", "").typed<DequantizeGeluFn>();
   return op;
 }
-inline const c10::TypedOperatorHandle<CodesBackwardFn>& softmax_backward_op() {
+inline const c10::TypedOperatorHandle<SoftmaxBackwardFn>& softmax_backward_op() {
   static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::softmax_backward", "").typed<CodesBackwardFn>();
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::softmax_backward", "").typed<SoftmaxBackwardFn>();
   return op;
 }
 

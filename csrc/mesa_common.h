@@ -368,9 +368,13 @@ Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::
 // gelu_backward: g and q of one shape and device, the dequantize layout checks.
 Layout check_gelu_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                            const at::Tensor& beta, int64_t dim, int64_t num_groups);
-// softmax_backward: g and q of one shape and device, a group dim other than the last.
+// softmax_backward: g and q of one shape and device, a group dim other than the last, y_dtype
+// None, g's dtype or float32.
 Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
-                              const at::Tensor& beta, int64_t dim, int64_t num_groups);
+                              const at::Tensor& beta, int64_t dim, int64_t num_groups,
+                              std::optional<at::ScalarType> y_dtype);
+// Whether softmax_backward dequantizes the map through float32 rather than g's dtype.
+bool softmax_map_is_float(const at::Tensor& g, std::optional<at::ScalarType> y_dtype);
 // layer_norm_backward: g and q of one shape and device, groups along the last dim, rows of at
 // most kLnMaxCols, rstd / weight / row_exp as the schema says.
 Layout check_layer_norm_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,

@@ -183,9 +183,18 @@ Layout check_gelu_backward(const at::Tensor& g, const at::Tensor& q, const at::T
   return make_layout(q, nd, num_groups, S);
 }
 
+bool softmax_map_is_float(const at::Tensor& g, std::optional<at::ScalarType> y_dtype) {
+  if (!y_dtype.has_value() || *y_dtype == g.scalar_type()) return false;
+  TORCH_CHECK_VALUE(*y_dtype == at::kFloat, "mesa: softmax_backward: y_dtype must be None, g's dtype (",
+                    g.scalar_type(), ") or float32, got ", *y_dtype);
+  return true;
+}
+
 Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
-                              const at::Tensor& beta, int64_t dim, int64_t num_groups) {
+                              const at::Tensor& beta, int64_t dim, int64_t num_groups,
+                              std::optional<at::ScalarType> y_dtype) {
   const int64_t nd = check_codes_backward("softmax_backward", g, q, dim);
+  softmax_map_is_float(g, y_dtype);
   // one (alpha, beta) per row (a slice along the last dim) is what lets a row be reduced alone
   TORCH_CHECK_VALUE(nd != q.dim() - 1, "mesa: softmax_backward: the group dim ", nd,
                     " is the softmax (last) dim of shape ", q.sizes(),
@@ -499,7 +508,11 @@ TORCH_LIBRARY(mesa, m) {
   // The backward of a softmax over the last dim straight from its codes (DESIGN.md, "Fused
   // softmax backward"): one pass instead of dequantize, renormalise and _softmax_backward_data.
   // The group dim must not be the last one (one (alpha, beta) per row); returns g's dtype.
-  m.def("softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor");
+  // y_dtype: the dtype the map is dequantized through (None: g's; else float32): a float32
+  // map whose gradient and input are bf16 / f16 (CUDA autocast) needs no cast around the op.
+  m.def(
+      "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
+      "ScalarType? y_dtype=None) -> Tensor");
   // The backward of the exact (erf) GELU at its dequantized input (DESIGN.md, "GELU backward
   // from the codes"): aten::gelu_backward(g, dequantize(q, ..., g.dtype)); one pass on CUDA
   // (the dequantized input never reaches memory), the composition itself on the CPU.

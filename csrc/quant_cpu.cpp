@@ -1068,16 +1068,17 @@ MESA_ALWAYS_INLINE void for_chunks(int64_t n, Body body) {
   if (c0 < n) body(c0, n - c0);
 }
 
-// One row of n elements with one (step, beta); p: n floats of scratch.
-template <typename T>
+// One row of n elements with one (step, beta); p: n floats of scratch. M: the map's storage
+// type (T, or float for a float32 map with a half g).
+template <typename T, typename M>
 MESA_ALWAYS_INLINE void softmax_bwd_row_body(const uint8_t* __restrict__ q, const T* __restrict__ g,
                                              T* __restrict__ out, int64_t n, float step, float beta,
                                              float* __restrict__ p) {
-  // stage 1: y (rounded through g's dtype, as dequantize returns it) and s = max(sum y, FLT_MIN)
+  // stage 1: y (rounded through the map's dtype, as dequantize returns it) and s = max(sum y, FLT_MIN)
   float acc[kLanes] = {};
   for_chunks(n, [&](int64_t c0, auto m) {
     for (int64_t l = 0; l < int64_t(m); ++l) {
-      const float y = through(dequantize_value(q[c0 + l], step, beta), g);
+      const float y = through(dequantize_value(q[c0 + l], step, beta), static_cast<const M*>(nullptr));
       p[c0 + l] = y;
       acc[l] = f_add(acc[l], y);
     }
@@ -1099,26 +1100,38 @@ MESA_ALWAYS_INLINE void softmax_bwd_row_body(const uint8_t* __restrict__ q, cons
 }
 MESA_CLONES void softmax_bwd_row_f32(const uint8_t* q, const float* g, float* out, int64_t n, float step,
                                      float beta, float* p) {
-  softmax_bwd_row_body<float>(q, g, out, n, step, beta, p);
+  softmax_bwd_row_body<float, float>(q, g, out, n, step, beta, p);
 }
 MESA_CLONES void softmax_bwd_row_f16(const uint8_t* q, const uint16_t* g, uint16_t* out, int64_t n, float step,
                                      float beta, float* p) {
-  softmax_bwd_row_body<uint16_t>(q, g, out, n, step, beta, p);
+  softmax_bwd_row_body<uint16_t, uint16_t>(q, g, out, n, step, beta, p);
 }
 MESA_CLONES void softmax_bwd_row_bf16(const uint8_t* q, const Bf16Bits* g, Bf16Bits* out, int64_t n, float step,
                                       float beta, float* p) {
-  softmax_bwd_row_body<Bf16Bits>(q, g, out, n, step, beta, p);
+  softmax_bwd_row_body<Bf16Bits, Bf16Bits>(q, g, out, n, step, beta, p);
 }
-inline void softmax_bwd_row(const uint8_t* q, const float* g, float* o, int64_t n, float st, float b, float* p) {
+MESA_CLONES void softmax_bwd_row_f16_map32(const uint8_t* q, const uint16_t* g, uint16_t* out, int64_t n,
+                                           float step, float beta, float* p) {
+  softmax_bwd_row_body<uint16_t, float>(q, g, out, n, step, beta, p);
+}
+MESA_CLONES void softmax_bwd_row_bf16_map32(const uint8_t* q, const Bf16Bits* g, Bf16Bits* out, int64_t n,
+                                            float step, float beta, float* p) {
+  softmax_bwd_row_body<Bf16Bits, float>(q, g, out, n, step, beta, p);
+}
+// (map_float: the map dequantized through float32; a float32 g's map is float32 either way)
+inline void softmax_bwd_row(const uint8_t* q, const float* g, float* o, int64_t n, float st, float b, float* p,
+                            bool) {
   softmax_bwd_row_f32(q, g, o, n, st, b, p);
 }
 inline void softmax_bwd_row(const uint8_t* q, const uint16_t* g, uint16_t* o, int64_t n, float st, float b,
-                            float* p) {
-  softmax_bwd_row_f16(q, g, o, n, st, b, p);
+                            float* p, bool map_float) {
+  if (map_float) softmax_bwd_row_f16_map32(q, g, o, n, st, b, p);
+  else softmax_bwd_row_f16(q, g, o, n, st, b, p);
 }
 inline void softmax_bwd_row(const uint8_t* q, const Bf16Bits* g, Bf16Bits* o, int64_t n, float st, float b,
-                            float* p) {
-  softmax_bwd_row_bf16(q, g, o, n, st, b, p);
+                            float* p, bool map_float) {
+  if (map_float) softmax_bwd_row_bf16_map32(q, g, o, n, st, b, p);
+  else softmax_bwd_row_bf16(q, g, o, n, st, b, p);
 }
 
 // The (s, d) table entry of a row's first element: the whole row shares it, as the group dim
@@ -1132,7 +1145,7 @@ inline int64_t row_table_index(const Layout& L, int64_t first) {
 
 template <typename scalar_t>
 void softmax_backward_kernel(const uint8_t* q, const scalar_t* g_, scalar_t* out_, const Layout& L, int64_t n,
-                             const float* tstep, const float* tbeta) {
+                             const float* tstep, const float* tbeta, bool map_float) {
   using T = storage_t<scalar_t>;
   const T* g = as_storage(g_);
   T* out = as_storage(out_);
@@ -1141,14 +1154,16 @@ void softmax_backward_kernel(const uint8_t* q, const scalar_t* g_, scalar_t* out
     std::vector<float> p(n);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t i = r * n, t = row_table_index(L, i);
-      softmax_bwd_row(q + i, g + i, out + i, n, tstep[t], tbeta[t], p.data());
+      softmax_bwd_row(q + i, g + i, out + i, n, tstep[t], tbeta[t], p.data(), map_float);
     }
   });
 }
 
 at::Tensor softmax_backward_cpu(const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha,
-                                const at::Tensor& beta, int64_t dim, int64_t num_groups) {
-  const Layout L = check_softmax_backward(g_in, q_in, alpha, beta, dim, num_groups);
+                                const at::Tensor& beta, int64_t dim, int64_t num_groups,
+                                std::optional<at::ScalarType> y_dtype) {
+  const Layout L = check_softmax_backward(g_in, q_in, alpha, beta, dim, num_groups, y_dtype);
+  const bool map_float = softmax_map_is_float(g_in, y_dtype);
   const at::Tensor q = q_in.contiguous(), g = g_in.contiguous();
   at::Tensor out = at::empty(q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
   if (L.numel == 0) return out;
@@ -1156,7 +1171,8 @@ at::Tensor softmax_backward_cpu(const at::Tensor& g_in, const at::Tensor& q_in, 
   build_tables(L, alpha, beta, [](float a) { return dequant_step(a); }, tstep, tbeta);
   MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_softmax_backward_cpu", [&] {
     softmax_backward_kernel<scalar_t>(q.const_data_ptr<uint8_t>(), g.const_data_ptr<scalar_t>(),
-                                      out.mutable_data_ptr<scalar_t>(), L, q.size(-1), tstep.data(), tbeta.data());
+                                      out.mutable_data_ptr<scalar_t>(), L, q.size(-1), tstep.data(), tbeta.data(),
+                                      map_float);
   });
   return out;
 }

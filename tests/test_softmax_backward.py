@@ -202,6 +202,9 @@ def test_traced_form_compiles_to_the_same_bits(dtype):
         g, q, alpha, beta = _case((2, 3, 5, L), 1, 3, per_sample, dtype)
         got = fn(g, q, alpha, beta, 1, 3)
         assert _same(got, R.softmax_backward(g, q, alpha, beta, 1, 3)), L
+        if dtype != torch.float32:  # a float32 map with a half g (autocast)
+            got = fn(g, q, alpha, beta, 1, 3, torch.float32)
+            assert _same(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3).to(dtype)), L
 
 
 _EDGES = [0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 7e4, 2.0 ** -14, 0.99 * 2.0 ** -14, 2.0 ** -24,
@@ -224,9 +227,37 @@ def test_traced_form_eager_is_the_reference():
     assert _same(traceable.softmax_backward(g, q, alpha, beta, 1, 3), R.softmax_backward(g, q, alpha, beta, 1, 3))
 
 
+# ----------------------------------------------------------------------------- float32 map, half g
+# Under CUDA autocast the softmax runs in float32 and `attn @ v` in bf16: y_dtype=float32 with
+# a half g is the casts around the op (g up, the result down) folded into it, bit for bit.
+_FLOAT_MAP_IMPLS = {
+    "reference": R.softmax_backward,
+    "traced": traceable.softmax_backward,
+    "op": lambda *a: torch.ops.mesa.softmax_backward(*a),
+}
+
+
+@pytest.mark.parametrize("impl", list(_FLOAT_MAP_IMPLS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("L", [33, 197, 300])
+def test_float_map_with_half_g_is_the_casts_around_the_op(impl, dtype, L):
+    if impl == "op" and Q.BACKEND != "extension":
+        pytest.skip(f"compiled extension not loaded: {Q.extension_error}")
+    fn = _FLOAT_MAP_IMPLS[impl]
+    for specials in (True, False):
+        g, q, alpha, beta = _case((2, 3, 5, L), 1, 3, L % 2 == 1, dtype, specials=specials)
+        got = fn(g, q, alpha, beta, 1, 3, torch.float32)
+        assert _same(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3).to(dtype)), specials
+        # y_dtype equal to g's dtype is the default
+        assert _same(fn(g, q, alpha, beta, 1, 3, dtype), R.softmax_backward(g, q, alpha, beta, 1, 3)), specials
+    # (and the float32 map is not the half one: the argument is read)
+    assert not _same(got, R.softmax_backward(g, q, alpha, beta, 1, 3))
+
+
 def test_opcheck():
     g, q, alpha, beta = _case((2, 3, 4, 33), 1, 3, True, torch.float32)
     torch.library.opcheck(torch.ops.mesa.softmax_backward.default, (g, q, alpha, beta, 1, 3))
+    torch.library.opcheck(torch.ops.mesa.softmax_backward.default, (g.bfloat16(), q, alpha, beta, 1, 3, torch.float32))
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -234,10 +265,12 @@ def test_opcheck():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("L", LENGTHS)
-def test_cuda_op_is_the_reference(dtype, L):
+@pytest.mark.parametrize("float_map", [False, True], ids=["map-in-g-dtype", "float32-map"])
+def test_cuda_op_is_the_reference(dtype, L, float_map):
     g, q, alpha, beta = _case((4, 6, 50, L), 1, 3, L % 2 == 1, dtype, specials=L == 197)
-    got = torch.ops.mesa.softmax_backward(g.cuda(), q.cuda(), alpha.cuda(), beta.cuda(), 1, 3).cpu()
-    want = R.softmax_backward(g, q, alpha, beta, 1, 3)
+    y_dtype = torch.float32 if float_map else None
+    got = torch.ops.mesa.softmax_backward(g.cuda(), q.cuda(), alpha.cuda(), beta.cuda(), 1, 3, y_dtype).cpu()
+    want = R.softmax_backward(g, q, alpha, beta, 1, 3, y_dtype)
     assert _same(got, want)  # (a GPU's NaN payloads differ from the host's)
 
 
@@ -252,16 +285,18 @@ def test_cuda_op_is_the_reference(dtype, L):
     (dict(dim=7), "out of range"),
     (dict(alpha=lambda a: a[:, :2]), "alpha"),
     (dict(G=5), "num_groups=5 must be in \\[1, 3\\]"),
+    (dict(y_dtype=torch.float64), "y_dtype must be None, g's dtype .* or (torch.)?float32, got"),
+    (dict(g=lambda g: g.bfloat16(), y_dtype=torch.float16), "y_dtype must be None"),
 ])
 def test_one_line_errors(fn, change, match):
     g, q, alpha, beta = _case((2, 3, 4, 5), 1, 3, False, torch.float32)
-    args = dict(g=g, q=q, alpha=alpha, beta=beta, dim=1, G=3)
+    args = dict(g=g, q=q, alpha=alpha, beta=beta, dim=1, G=3, y_dtype=None)
     for k, v in change.items():
         args[k] = v(args[k]) if callable(v) else v
     if "alpha" in change:
         args["beta"] = args["alpha"].clone()
     with pytest.raises(ValueError, match=match) as e:
-        fn(args["g"], args["q"], args["alpha"], args["beta"], args["dim"], args["G"])
+        fn(args["g"], args["q"], args["alpha"], args["beta"], args["dim"], args["G"], args["y_dtype"])
     assert "\n" not in str(e.value)
 
 

@@ -22,6 +22,7 @@
 //   into FMA) plus --fmad=false, so the bytes equal the reference's and the CPU kernel's;
 //   statistics are canonical (DESIGN.md, "Canonical bits"), so the reduction order (atomics)
 //   cannot change a bit.
+#include <type_traits>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -2043,8 +2044,9 @@ __device__ __forceinline__ float warp_butterfly_sum(float acc) {
 // their results are bitwise equal.
 constexpr int kSoftmaxPerLane = 8;
 
-// (int indices: n <= 256 here)
-template <typename scalar_t>
+// (int indices: n <= 256 here; map_t: the dtype the map is dequantized through, scalar_t or
+// float for a float32 map with a half g)
+template <typename scalar_t, typename map_t>
 __device__ __forceinline__ void softmax_backward_row_in_registers(const scalar_t* __restrict__ gr,
                                                                   const uint8_t* __restrict__ qr,
                                                                   scalar_t* __restrict__ outr, int lane, int n,
@@ -2054,7 +2056,7 @@ __device__ __forceinline__ void softmax_backward_row_in_registers(const scalar_t
   for (int t = 0; t < kSoftmaxPerLane; ++t) {  // every load of the row first: all in flight together
     const int j = lane + 32 * t;
     if (j < n) {
-      yv[t] = through_dtype<scalar_t>(dequantize_value(qr[j], step, b));
+      yv[t] = through_dtype<map_t>(dequantize_value(qr[j], step, b));
       gv[t] = static_cast<float>(gr[j]);
     }
   }
@@ -2084,7 +2086,7 @@ __device__ __forceinline__ void softmax_backward_row_in_registers(const scalar_t
   }
 }
 
-template <typename scalar_t, typename IdxT>
+template <typename scalar_t, typename map_t, typename IdxT>
 __global__ void __launch_bounds__(kThreads)
 softmax_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __restrict__ q,
                         const float* __restrict__ alpha, const float* __restrict__ beta, scalar_t* __restrict__ out,
@@ -2098,25 +2100,25 @@ softmax_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __restric
     const uint8_t* __restrict__ qr = q + i0;
     const scalar_t* __restrict__ gr = g + i0;
     if (n <= IdxT(32 * kSoftmaxPerLane)) {  // (uniform across the launch)
-      softmax_backward_row_in_registers<scalar_t>(gr, qr, out + i0, static_cast<int>(lane), static_cast<int>(n), step,
-                                                  b);
+      softmax_backward_row_in_registers<scalar_t, map_t>(gr, qr, out + i0, static_cast<int>(lane),
+                                                         static_cast<int>(n), step, b);
       continue;
     }
     // sweep 1: s = max(sum y, FLT_MIN)
     float acc = 0.0f;
-    for (IdxT j = lane; j < n; j += 32) acc = f_add(acc, through_dtype<scalar_t>(dequantize_value(qr[j], step, b)));
+    for (IdxT j = lane; j < n; j += 32) acc = f_add(acc, through_dtype<map_t>(dequantize_value(qr[j], step, b)));
     float s = warp_butterfly_sum(acc);
     s = s < kFltMin ? kFltMin : s;
     // sweep 2: d = sum g * p with p = y / s (the row renormalised to sum 1)
     float gp = 0.0f;
     for (IdxT j = lane; j < n; j += 32) {
-      const float pj = f_div(through_dtype<scalar_t>(dequantize_value(qr[j], step, b)), s);
+      const float pj = f_div(through_dtype<map_t>(dequantize_value(qr[j], step, b)), s);
       gp = f_add(gp, f_mul(static_cast<float>(gr[j]), pj));
     }
     const float d = warp_butterfly_sum(gp);
     // sweep 3: gx = p * (g - d)
     for (IdxT j = lane; j < n; j += 32) {
-      const float pj = f_div(through_dtype<scalar_t>(dequantize_value(qr[j], step, b)), s);
+      const float pj = f_div(through_dtype<map_t>(dequantize_value(qr[j], step, b)), s);
       out[i0 + j] = static_cast<scalar_t>(f_mul(pj, f_sub(static_cast<float>(gr[j]), d)));
     }
   }
@@ -2127,21 +2129,30 @@ int softmax_backward_blocks(int64_t rows, int sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
 }
 
-template <typename scalar_t, typename IdxT>
+template <typename scalar_t, typename map_t, typename IdxT>
 void launch_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                              const at::Tensor& beta, at::Tensor& out, const Layout& L, int64_t n,
                              cudaStream_t stream) {
   const int64_t rows = L.numel / n;
-  softmax_backward_kernel<scalar_t, IdxT><<<softmax_backward_blocks(rows, sm_count()), kThreads, 0, stream>>>(
+  softmax_backward_kernel<scalar_t, map_t, IdxT><<<softmax_backward_blocks(rows, sm_count()), kThreads, 0, stream>>>(
       g.const_data_ptr<scalar_t>(), q.const_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
       beta.const_data_ptr<float>(), out.mutable_data_ptr<scalar_t>(), make_klayout<IdxT>(L), static_cast<IdxT>(rows),
       static_cast<IdxT>(n));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename scalar_t, typename map_t>
+void launch_softmax_backward_idx(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
+                                 const at::Tensor& beta, at::Tensor& out, const Layout& L, cudaStream_t stream) {
+  if (fits_32bit(L)) launch_softmax_backward<scalar_t, map_t, uint32_t>(g, q, alpha, beta, out, L, q.size(-1), stream);
+  else launch_softmax_backward<scalar_t, map_t, uint64_t>(g, q, alpha, beta, out, L, q.size(-1), stream);
+}
+
 at::Tensor softmax_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha_in,
-                                 const at::Tensor& beta_in, int64_t dim, int64_t num_groups) {
-  const Layout L = check_softmax_backward(g_in, q_in, alpha_in, beta_in, dim, num_groups);
+                                 const at::Tensor& beta_in, int64_t dim, int64_t num_groups,
+                                 std::optional<at::ScalarType> y_dtype) {
+  const Layout L = check_softmax_backward(g_in, q_in, alpha_in, beta_in, dim, num_groups, y_dtype);
+  const bool map_float = softmax_map_is_float(g_in, y_dtype);
   const c10::cuda::OptionalCUDAGuard guard(q_in.device());
   const at::Tensor q = q_in.contiguous(), g = g_in.contiguous();
   at::Tensor out = at::empty(q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
@@ -2149,8 +2160,13 @@ at::Tensor softmax_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in,
   const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_softmax_backward_cuda", [&] {
-    if (fits_32bit(L)) launch_softmax_backward<scalar_t, uint32_t>(g, q, alpha, beta, out, L, q.size(-1), stream);
-    else launch_softmax_backward<scalar_t, uint64_t>(g, q, alpha, beta, out, L, q.size(-1), stream);
+    // (a float32 g's map is float32 either way: no second instantiation for it)
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      launch_softmax_backward_idx<float, float>(g, q, alpha, beta, out, L, stream);
+    } else {
+      if (map_float) launch_softmax_backward_idx<scalar_t, float>(g, q, alpha, beta, out, L, stream);
+      else launch_softmax_backward_idx<scalar_t, scalar_t>(g, q, alpha, beta, out, L, stream);
+    }
   });
   return out;
 }

@@ -30,7 +30,7 @@ from . import sharing
 from ._common import MesaLayer, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
 from .quantizer import Packed, decompress
 
-__all__ = ["Softmax"]
+__all__ = ["Softmax", "autocast_dtype_for"]
 
 
 _SOFTMAX_BACKWARD = torch.ops.mesa.softmax_backward.default
@@ -44,23 +44,51 @@ def fused_backward(packed: Packed, softmax_dim: int) -> bool:
     return packed.fmt is None and softmax_dim == last and packed.dim != last
 
 
-def _fused_backward(g: torch.Tensor, p: Packed) -> torch.Tensor:
+def _fused_backward(g: torch.Tensor, p: Packed, y_dtype: torch.dtype, x_dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of x from g and the codes, in x's dtype. A half g with a float32 map and a
+    half x (autocast, the map handed to ``attn @ v`` in g's dtype: ``out_dtype``) goes into the
+    op as it is, ``y_dtype`` standing for the casts of g up and of the result down (two passes
+    over the map saved, the same bits); otherwise g is cast to the map's dtype first."""
+    if g.dtype == x_dtype and y_dtype in (x_dtype, torch.float32):
+        map_dtype = y_dtype
+    else:
+        g, map_dtype = g.to(y_dtype), None
     if traced_row_sums(p.q):  # under torch.compile with traceable kernels and no extension
-        return traceable.softmax_backward(g, p.q, p.alpha, p.beta, p.dim, p.num_groups)
-    return _SOFTMAX_BACKWARD(g, p.q, p.alpha, p.beta, p.dim, p.num_groups)
+        gx = traceable.softmax_backward(g, p.q, p.alpha, p.beta, p.dim, p.num_groups, map_dtype)
+    else:
+        gx = _SOFTMAX_BACKWARD(g, p.q, p.alpha, p.beta, p.dim, p.num_groups, map_dtype)
+    return gx.to(x_dtype)
+
+
+# device types autocast knows (torch.is_autocast_enabled raises on others, e.g. "meta")
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "privateuseone")
+
+
+def autocast_dtype_for(t: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast's matmul would cast ``t`` to (None: autocast off on t's device, or
+    a float64 ``t``, which autocast leaves alone)."""
+    kind = t.device.type
+    if t.dtype == torch.float64 or kind not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
 
 
 class _SoftmaxFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, quantizer):
+    def forward(ctx, x, dim, quantizer, out_dtype):
         y = F.softmax(x, dim)  # exactly nn.Softmax.forward (dim already resolved)
+        ctx.y_dtype, ctx.x_dtype, ctx.dim = y.dtype, x.dtype, dim  # (backward: the map in y's dtype)
+        if out_dtype is not None and out_dtype != y.dtype:
+            # the cast the consumer would make, before the compression: the copy is the map
+            # `attn @ v` consumes (under CUDA autocast bf16, half the float32 map's bytes to
+            # read; Inductor writes only the bf16 map)
+            y = y.to(out_dtype)
         # y.detach(): compress never aliases the output itself. Under torch.compile in torch
         # 2.11 (fixed by 2.14), an op that returns its input (x.contiguous(), x.float() of a
         # contiguous float32 x) applied to an autograd.Function's output made the traced
         # backward receive zeros as that output's gradient.
         packed = quantizer.compress(y.detach(), group_dim_4d(y))
         sharing.offer(y, packed)
-        ctx.y_dtype, ctx.x_dtype, ctx.dim = y.dtype, x.dtype, dim
         save(ctx, [packed])
         # the codes and statistics are also outputs, so that a consumer can keep them
         # instead of quantizing y again (forward_with_copy); they carry no gradient
@@ -73,11 +101,11 @@ class _SoftmaxFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g, *_):
         if g is None:  # y itself did not reach the loss
-            return None, None, None
+            return None, None, None, None
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
             if fused_backward(packed, ctx.dim):
-                return _fused_backward(g.to(ctx.y_dtype), packed).to(ctx.x_dtype), None, None
+                return _fused_backward(g, packed, ctx.y_dtype, ctx.x_dtype), None, None, None
             yh = decompress(packed, ctx.y_dtype)
             # each dequantized row rescaled to sum to 1, as the exact map does: then every row
             # of gx sums to 0 exactly (up to float rounding), so a bias added to every logit of
@@ -86,7 +114,7 @@ class _SoftmaxFn(torch.autograd.Function):
             # (a row whose codes are all 0, possible for very long rows, stays 0: 0 / tiny)
             yh = yh / yh.sum(ctx.dim, keepdim=True).clamp_min(torch.finfo(yh.dtype).tiny)
             gx = torch._softmax_backward_data(g.to(ctx.y_dtype), yh, ctx.dim, ctx.y_dtype)
-        return gx.to(ctx.x_dtype), None, None
+        return gx.to(ctx.x_dtype), None, None, None
 
 
 class Softmax(MesaLayer, nn.Softmax):
@@ -111,22 +139,29 @@ class Softmax(MesaLayer, nn.Softmax):
     def forward(self, input):
         return self.forward_with_copy(input)[0]
 
-    def forward_with_copy(self, input) -> tuple[torch.Tensor, Optional[Packed]]:
+    def forward_with_copy(self, input, out_dtype: Optional[torch.dtype] = None
+                          ) -> tuple[torch.Tensor, Optional[Packed]]:
         """``(output, its 8-bit copy)``; the copy is ``None`` when nothing was compressed
-        (eval mode, disabled, or no gradient needed)."""
+        (eval mode, disabled, or no gradient needed). ``out_dtype``: the output cast to it
+        inside the layer, before the compression: the cast its consumer would make anyway
+        (autocast's ``attn @ v``: :func:`autocast_dtype_for`), and the copy is of the map the
+        consumer gets. The gradient then arrives in that dtype and backward is one op with no
+        cast of the map around it (under CUDA autocast the softmax runs in float32: per block
+        two passes over the float32 map saved in backward, one in forward)."""
         if not self._mesa_active(input):
-            return super().forward(input), None
+            y = super().forward(input)
+            return (y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)), None
         dim = self.dim
         if dim is None:
             dim = F._get_softmax_dim("softmax", input.dim(), 5)  # same implicit choice and warning
         dim = dim % input.dim() if input.dim() else 0
         fused = self.quantizer.fused_layer_args(input)
         if fused is not None:  # eager, paper format: the layer with a C++ autograd node
-            y, q, alpha, beta = torch.ops.mesa.softmax_train(input, dim, *fused)
+            y, q, alpha, beta = torch.ops.mesa.softmax_train(input, dim, *fused, out_dtype)
             packed = Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1])
             sharing.offer(y, packed)
             return y, packed
-        y, q, alpha, beta = _SoftmaxFn.apply(input, dim, self.quantizer)
+        y, q, alpha, beta = _SoftmaxFn.apply(input, dim, self.quantizer, out_dtype)
         return y, Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1], self.quantizer.format_of(y))
 
     def extra_repr(self) -> str:

@@ -41,6 +41,7 @@ import torch.nn as nn
 from mesa_train.nn.layernorm_linear import can_fuse_norm, layernorm_linear
 from mesa_train.nn.matmul import MatMul as MesaMatMul
 from mesa_train.nn.softmax import Softmax as MesaSoftmax
+from mesa_train.nn.softmax import autocast_dtype_for
 from timm.layers import Attention as _TimmAttention
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models.pvt_v2 import Attention as _PvtAttention
@@ -101,13 +102,18 @@ def _explicit_core(module, q, k, v, bias_fn=None):
             and not isinstance(attn, torch.fx.Proxy)):  # (fx: module calls stay leaf nodes)
         # hand the softmax's 8-bit copy of the map to `attn @ v` explicitly (stored once;
         # unlike the eager-only sharing cache this also holds under torch.compile)
-        probs, copy = module.softmax.forward_with_copy(attn)
+        # With a dropout that drops nothing, the map goes straight into `attn @ v`: the
+        # softmax hands it over in the dtype autocast's matmul would cast it to (the same
+        # cast, made inside the layer), so that backward needs no cast of the map either
+        # way (CUDA autocast: a float32 softmax, a bf16 product; nn/softmax.py)
+        passes = _returns_input(module.attn_drop)
+        probs, copy = module.softmax.forward_with_copy(attn, autocast_dtype_for(attn) if passes else None)
         attn = module.attn_drop(probs)
         # the copy is the map's only when no dropout was applied. Not just `attn is probs`:
         # Dynamo in torch 2.11 (fixed by 2.14) gives the output of a p=0 dropout a new
         # identity, and `attn @ v` then silently kept the full float map for its backward
         # (compiled gradients 1e-4..1e-3 off eager Mesa's, and the map stored twice)
-        shared = attn is probs or _returns_input(module.attn_drop)
+        shared = attn is probs or passes
         return module.av_matmul(attn, v, shared_a=copy if shared else None)
     attn = module.softmax(attn)
     attn = module.attn_drop(attn)

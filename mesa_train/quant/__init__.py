@@ -107,7 +107,8 @@ _SCHEMAS = {
         "bool pow2, ScalarType dtype) -> Tensor"
     ),
     "softmax_backward": (
-        "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> Tensor"
+        "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
+        "ScalarType? y_dtype=None) -> Tensor"
     ),
     "gelu_backward": (
         "gelu_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
@@ -217,8 +218,8 @@ def _ref_dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dty
     return reference.dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dtype)
 
 
-def _ref_softmax_backward(g, q, alpha, beta, dim, num_groups):
-    return reference.softmax_backward(g, q, alpha, beta, dim, num_groups)
+def _ref_softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype=None):
+    return reference.softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype)
 
 
 def _ref_gelu_backward(g, q, alpha, beta, dim, num_groups, row_exp=None):
@@ -423,8 +424,8 @@ def _fake_dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dt
     return q.new_empty(shape, dtype=dtype)
 
 
-def _fake_softmax_backward(g, q, alpha, beta, dim, num_groups):
-    reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups)
+def _fake_softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype=None):
+    reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype)
     return q.new_empty(q.shape, dtype=g.dtype)
 
 
@@ -763,13 +764,14 @@ def dequantize_bits(
 
 
 def softmax_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int,
-                     num_groups: int) -> torch.Tensor:
+                     num_groups: int, y_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Gradient of a softmax over the last dim from its 8-bit codes ``q`` (groups along ``dim``,
     which must not be the last dim) and the output gradient ``g``, in ``g``'s dtype: one pass
     instead of :func:`dequantize`, a row renormalisation and ``torch._softmax_backward_data``
-    (exact definition: :func:`mesa_train.quant.reference.softmax_backward`)."""
-    dim = reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups)
-    return torch.ops.mesa.softmax_backward(g, q, alpha, beta, dim, num_groups)
+    (exact definition: :func:`mesa_train.quant.reference.softmax_backward`). ``y_dtype``: the
+    map's dtype when it is float32 and g half (autocast), else None."""
+    dim = reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype)
+    return torch.ops.mesa.softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype)
 
 
 def gelu_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int,

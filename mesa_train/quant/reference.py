@@ -62,6 +62,7 @@ __all__ = [
     "dequantize_gelu",
     "softmax_backward",
     "softmax_backward_from_y",
+    "softmax_map_dtype",
     "layer_norm_backward",
     "layer_norm_backward_from_xh",
     "gelu_value_and_grad",
@@ -1122,9 +1123,22 @@ def dequantize_gelu(q, alpha, beta, dim: int, num_groups: int, dtype: torch.dtyp
     return torch.ops.aten.gelu.default(dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp))
 
 
-def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups) -> int:
+def softmax_map_dtype(g, y_dtype) -> torch.dtype:
+    """The dtype ``softmax_backward`` dequantizes the map through: ``y_dtype``, or g's dtype when
+    it is None. Valid: g's dtype or float32 (a float32 map whose gradient arrives in g's half
+    dtype: CUDA autocast's softmax feeding a bf16 ``attn @ v``, DESIGN.md "Fused softmax backward")."""
+    if y_dtype is None or y_dtype == g.dtype:
+        return g.dtype
+    if y_dtype != torch.float32:
+        raise ValueError(f"softmax_backward: y_dtype must be None, g's dtype ({g.dtype}) or torch.float32, "
+                         f"got {y_dtype}")
+    return torch.float32
+
+
+def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype=None) -> int:
     """Validate softmax_backward's arguments; return the normalized group dim."""
     dim = _check_codes_backward_args("softmax_backward", g, q, dim)
+    softmax_map_dtype(g, y_dtype)
     if dim == q.dim() - 1:
         raise ValueError(f"softmax_backward: the group dim {dim} is the softmax (last) dim of shape "
                          f"{tuple(q.shape)}, so a row has several (alpha, beta); valid: a group dim < {dim} "
@@ -1134,23 +1148,25 @@ def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups) -> int:
     return dim
 
 
-def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int) -> torch.Tensor:
+def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int, y_dtype=None) -> torch.Tensor:
     """Gradient of a softmax over the last dim from its codes ``q``, in ``g``'s dtype.
 
-    Per row: ``y = dequantize(q)`` (as :func:`dequantize` returns it in ``g``'s dtype, then
-    float32), ``s = max(lane_sum(y), FLT_MIN)`` (NaN stays NaN), ``p = y / s`` (rows summing
-    to 1: a per-row bias keeps a zero gradient), ``d = lane_sum(g * p)`` and
-    ``gx = p * (g - d)``, every operation a separately rounded float32 one."""
-    dim = check_softmax_backward_args(g, q, alpha, beta, dim, num_groups)
+    Per row: ``y = dequantize(q)`` (as :func:`dequantize` returns it in ``y_dtype``, default
+    g's dtype, then float32), ``s = max(lane_sum(y), FLT_MIN)`` (NaN stays NaN), ``p = y / s``
+    (rows summing to 1: a per-row bias keeps a zero gradient), ``d = lane_sum(g * p)`` and
+    ``gx = p * (g - d)``, every operation a separately rounded float32 one. With ``y_dtype``
+    float32 and a half g the result is ``softmax_backward(g.float(), ...).to(g.dtype)``, bit
+    for bit: the two casts around the op, each a pass over the map, are not needed."""
+    dim = check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype)
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=g.dtype, device=q.device)
-    y = dequantize(q, alpha, beta, dim, num_groups, g.dtype).to(torch.float32)
+    y = dequantize(q, alpha, beta, dim, num_groups, softmax_map_dtype(g, y_dtype)).to(torch.float32)
     return softmax_backward_from_y(y, g)
 
 
 def softmax_backward_from_y(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """:func:`softmax_backward` from the dequantized map ``y`` (float32, already rounded through
-    ``g``'s dtype), tensor ops only: the reference and its traced twin
+    the map's dtype), tensor ops only: the reference and its traced twin
     (``traceable.softmax_backward``) differ only in how they obtain ``y``."""
     L = y.shape[-1]
     yr = y.reshape(-1, L)
