@@ -201,15 +201,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_row
 // strided q/k/v, LayerNorm's x_hat), so row_exponents, observe and quantize, three
 // consumers of x, meant up to three copies; as one op, x has one consumer and one copy.
 // Eager it is one dispatch instead of two or three. max_k = 0: no row scales (the fourth
-// output is then an empty int8 tensor).
+// output is then an empty int8 tensor). row_mean / row_rstd (a LayerNorm's float32 statistics,
+// both or neither): x is compressed as x_hat = (x - mean) * rstd, computed by the kernels
+// (compress_with_rows), so that a traced LayerNorm need not write x_hat for the op to read
+// (mesa_train/nn/layernorm.py; under torch.compile Inductor wrote it in float32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
     const at::Tensor& x, const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
     const at::Tensor& rng, int64_t dim, int64_t num_groups, double decay, int64_t estimator, bool symmetric,
-    bool stochastic, int64_t row_dims, int64_t max_k) {
+    bool stochastic, int64_t row_dims, int64_t max_k, const std::optional<at::Tensor>& row_mean,
+    const std::optional<at::Tensor>& row_rstd) {
   TORCH_CHECK(estimator == kRunning || estimator == kPerSample || estimator == kDelayed,
               "mesa::compress: estimator must be 0 (running), 1 (per_sample) or 2 (delayed), got ", estimator);
+  const bool has_mean = row_mean.has_value() && row_mean->defined();
+  const bool has_rstd = row_rstd.has_value() && row_rstd->defined();
+  TORCH_CHECK_VALUE(has_mean == has_rstd, "mesa: compress: row_mean and row_rstd go together (LayerNorm's per-row "
+                    "mean and rstd); got only ", has_mean ? "row_mean" : "row_rstd");
   Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
-  auto [q, alpha, beta, G, k] = compress_with_rows(x, dim, qz, row_dims, max_k);
+  auto [q, alpha, beta, G, k] = compress_with_rows(x, dim, qz, row_dims, max_k, has_mean ? *row_mean : at::Tensor(),
+                                                   has_rstd ? *row_rstd : at::Tensor());
   return {q, alpha, beta, k.defined() ? k : at::empty({0}, x.options().dtype(at::kChar))};
 }
 
@@ -885,7 +894,8 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
   m.def(
       "compress(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
       "int dim, int num_groups, float decay, int estimator, bool symmetric, bool stochastic, int row_dims, "
-      "int max_k) -> (Tensor q, Tensor alpha, Tensor beta, Tensor row_exp)");
+      "int max_k, Tensor? row_mean=None, Tensor? row_rstd=None) -> (Tensor q, Tensor alpha, Tensor beta, "
+      "Tensor row_exp)");
 }
 
 // mesa::compress calls the registered ops, whatever kernels serve them: the same function

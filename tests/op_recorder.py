@@ -9,9 +9,9 @@ in order: the op-count tests of several files share it.
 
 ``mesa::compress`` (one op for a whole compression, the Python Functions' path) is recorded
 as the ops it runs, so that counts are launches whichever path a layer takes:
-``observe`` + ``quantize``, with row exponents (``max_k > 0``) ``observe_rows`` +
-``quantize``; for the delayed estimator (code 2) ``quantize_observe``, after ``row_exponents``
-with row exponents. test_op_counts.py pins that expansion against the profiler's record of
+``observe`` + ``quantize``, with row exponents (``max_k > 0``) or a LayerNorm's ``row_mean`` / ``row_rstd``
+``observe_rows`` + ``quantize``; for the delayed estimator (code 2) ``quantize_observe``, after
+``row_exponents`` with row exponents (and the normalised copy with ``row_mean``). test_op_counts.py pins that expansion against the profiler's record of
 what the op calls.
 """
 from __future__ import annotations
@@ -28,9 +28,11 @@ def compress_ops(args, kwargs=None) -> list[str]:
     names = [a.name for a in torch.ops.mesa.compress.default._schema.arguments]
     bound = {**dict(zip(names, args)), **(kwargs or {})}
     estimator, max_k = bound["estimator"], bound["max_k"]
+    norm = bound.get("row_mean") is not None  # a LayerNorm's x_hat, made by the kernels
     if estimator == 2:
-        return (["mesa.row_exponents"] if max_k > 0 else []) + ["mesa.quantize_observe"]
-    return ["mesa.observe_rows" if max_k > 0 else "mesa.observe", "mesa.quantize"]
+        return (["aten.sub", "aten.mul_"] if norm else []) + (["mesa.row_exponents"] if max_k > 0 else []) \
+            + ["mesa.quantize_observe"]
+    return ["mesa.observe_rows" if max_k > 0 or norm else "mesa.observe", "mesa.quantize"]
 
 
 class OpRecorder(TorchDispatchMode):

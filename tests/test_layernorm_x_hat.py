@@ -153,6 +153,95 @@ def test_opcheck_with_statistics(device):
     opcheck(torch.ops.mesa.quantize.default, (x, a, b, 2, 4, False, s, None, mean, rstd))
 
 
+# ----------------------------------------------------------------------------- mesa::compress
+# A Python LayerNorm (the eager fallback, torch.compile with the ops) compresses x_hat in one
+# mesa::compress given x, mean and rstd: the codes, statistics, exponents and buffers of
+# compress(normalize_rows(x, mean, rstd)), bit for bit, for every estimator (the delayed one
+# compresses the normalised copy) and with and without row exponents.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["op", "reference"])
+@pytest.mark.parametrize("estimator", [0, 1, 2])
+@pytest.mark.parametrize("max_k", [0, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compress_with_statistics_is_compress_of_x_hat(device, impl, estimator, max_k, dtype):
+    if impl == "op" and Q.BACKEND != "extension":
+        pytest.skip(f"compiled extension not loaded: {Q.extension_error}")
+    fn = torch.ops.mesa.compress if impl == "op" else R.compress
+    x = _rows((4, 6, 24), dtype, device, "specials" if estimator == 1 else "spread")
+    mean, rstd = _stats(x, 1)
+    x_hat = R.normalize_rows(x, mean, rstd)
+    state, ref = _state(4, device), _state(4, device)
+    for step in range(2):  # (the second with initialised estimates: the delayed estimator's one pass)
+        got = fn(x, *state, 2, 4, 0.9, estimator, False, True, 1, max_k, mean, rstd)
+        want = R.compress(x_hat, *ref, 2, 4, 0.9, estimator, False, True, 1, max_k)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), step
+        for a, b in zip(state, ref):
+            assert torch.equal(_bits(a), _bits(b)), step
+    assert got[3].numel() == (0 if max_k == 0 else 24)
+
+
+@needs_ext
+def test_compress_with_one_statistic_is_a_one_line_error():
+    x = torch.randn(3, 5, 8)
+    m = torch.zeros(3, 5, 1)
+    for fn in (torch.ops.mesa.compress, R.compress):
+        with pytest.raises(ValueError, match="row_mean and row_rstd go together .* got only row_mean") as e:
+            fn(x, *_state(2, "cpu"), 2, 2, 0.9, 0, False, True, 1, 0, m, None)
+        assert "\n" not in str(e.value)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_compress_with_statistics(device):
+    x = _rows((3, 5, 24), torch.bfloat16, device)
+    mean, rstd = _stats(x, 1)
+    for estimator, max_k in ((0, 64), (1, 0), (2, 64)):
+        opcheck(torch.ops.mesa.compress.default,
+                (x, *_state(4, device), 2, 4, 0.9, estimator, False, True, 1, max_k, mean, rstd))
+
+
+def test_compiled_layernorm_hands_the_op_x_and_its_statistics():
+    """Under torch.compile with the ops, the LayerNorm's compression is one mesa.compress given
+    x, mean and rstd: the forward graph computes no x_hat for it (Inductor wrote it in float32
+    for the op to read, a pass over the activation), and the step equals eager bit for bit."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    import mesa_train.nn as mnn
+    from mesa_train.quant.compile_kernels import set_compile_kernels
+
+    code = []
+
+    def fw(gm, _):
+        code.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    set_compile_kernels("ops")
+    try:
+        layers = [mnn.LayerNorm(24, num_groups=4) for _ in range(2)]
+        layers[1].quantizer.rng.copy_(layers[0].quantizer.rng)
+        compiled = torch.compile(
+            layers[1], backend=aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)),
+            fullgraph=True)
+        x = torch.randn(4, 6, 24) * 3
+        grads = []
+        for fn in (layers[0], compiled):
+            xi = x.clone().requires_grad_()
+            out = fn(xi)
+            out.backward(torch.ones_like(out))
+            grads.append((out, xi.grad))
+    finally:
+        set_compile_kernels("auto")
+    (gm,) = code
+    # (the op is functionalized: auto_functionalized_v2(mesa.compress.default, x=..., ...))
+    (compress,) = [n for n in gm.graph.nodes if n.op == "call_function" and "mesa.compress" in str(n.args)]
+    assert compress.kwargs["x"].op == "placeholder", gm.code  # x itself, not a computed x_hat
+    assert compress.kwargs["row_mean"] is not None and compress.kwargs["row_rstd"] is not None, gm.code
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 # ----------------------------------------------------------------------------- dequantize's row_mul
 # A LayerNorm's backward dequantizes x - mean = x_hat / rstd in the dequantize kernel (row_mul
 # = 1 / rstd per row), so that ATen's backward, given the real rstd, needs no multiply after it.

@@ -41,10 +41,10 @@ from torch import nn
 
 from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_row_sums
-from mesa_train.quant.reference import LN_MAX_COLS, normalize_rows
+from mesa_train.quant.reference import LN_MAX_COLS
 
 from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
-from .rowscale import compress_rows, decompress_rows, max_exponent
+from .rowscale import compress_normalized, decompress_rows, max_exponent
 
 __all__ = ["LayerNorm", "layer_norm_forward", "layer_norm_grads"]
 
@@ -93,15 +93,15 @@ def layer_norm_forward(ctx, x, normalized_shape, weight, bias, eps, quantizer):
         # F.layer_norm == native_layer_norm(...)[0]; this also gives mean and rstd
         out, mean, rstd = torch.native_layer_norm(xc, normalized_shape, wc, bc, eps)
         mdt = _math_dtype(xc.dtype)
-        # the normalised input (x - mean) * rstd in float32 with the very statistics the
-        # stock backward would use (DESIGN.md, "LayerNorm's x_hat inside the kernels"):
-        # the values the C++ layer's kernels compute without writing x_hat; here a
-        # transient tensor (fused by Inductor when traced): only its uint8 codes are kept
-        x_hat = normalize_rows(xc, mean, rstd)
-    # rows whose variance is far below eps (DeiT3's class token) have x_hat ~ 1e-3,
-    # below the group's 8-bit step: scaled by 2**k first (rowscale.py)
-    packed, k = compress_rows(quantizer, x_hat, len(normalized_shape), max_exponent(mdt))
-    del x_hat
+    # the normalised input x_hat = (x - mean) * rstd in float32 with the very statistics the
+    # stock backward would use (DESIGN.md, "LayerNorm's x_hat inside the kernels"), computed
+    # by the compression's kernels from x, mean and rstd as the C++ layer does (never
+    # written; under torch.compile with the ops, Inductor wrote it in float32 for them to
+    # read), or traced / for the variant formats a transient normalised copy (which Inductor
+    # fuses when traced): only its uint8 codes are kept. Rows whose variance is far below eps
+    # (DeiT3's class token) have x_hat ~ 1e-3, below the group's 8-bit step: scaled by 2**k
+    # first (rowscale.py)
+    packed, k = compress_normalized(quantizer, xc, mean, rstd, len(normalized_shape), max_exponent(mdt))
     ctx.ln_x_dtype, ctx.mdt = x.dtype, mdt
     ctx.normalized_shape = tuple(normalized_shape)
     ctx.ln_w_dtype = weight.dtype if weight is not None else None

@@ -489,6 +489,32 @@ class ActivationQuantizer(nn.Module):
         op as the compression where that is the extension's ``mesa::compress``."""
         return self._compress(x, x.dim() - 1, rows=(row_dims, max_k))
 
+    def takes_row_norm(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`compress_normalized` hands ``x`` and its rows' mean and rstd to one op
+        (``mesa::compress``, whose kernels compute ``x_hat`` themselves): the default format,
+        not traced, the running or per-sample estimator, ``x`` float32 / float16 / bfloat16.
+        Otherwise the caller compresses the normalised copy itself."""
+        return (self.options.is_default_format and self.options.estimator != "delayed"
+                and x.dtype in reference.QUANT_DTYPES and not traced_as_pytorch(x))
+
+    @torch.no_grad()
+    def compress_normalized(self, x: torch.Tensor, row_mean: torch.Tensor, row_rstd: torch.Tensor, row_dims: int,
+                            max_k: int) -> tuple[Packed, torch.Tensor | None]:
+        """``(packed, k)``: a LayerNorm's ``x_hat = (x - mean) * rstd`` (float32, per row of the
+        last ``row_dims`` dims; ``reference.normalize_rows``) compressed with groups over the
+        last dim, its rows scaled by ``2**k`` when ``max_k > 0`` (else ``k`` is ``None``), as one
+        ``mesa::compress`` given ``x``, ``row_mean`` and ``row_rstd``: ``x_hat`` is never
+        written (under ``torch.compile`` Inductor wrote it in float32 for the op to read, a
+        pass over the activation per LayerNorm). Only where :meth:`takes_row_norm`."""
+        b = self._follow_device(x)
+        opts = self.options
+        dim = x.dim() - 1
+        G = reference.capped_groups(opts.num_groups, x.shape[dim])
+        q, alpha, beta, k = _COMPRESS(x, b["alpha"], b["beta"], b["initialized"], b["rng"], dim, G, opts.decay,
+                                      ESTIMATOR_CODES[opts.estimator], opts.symmetric, opts.rounding == "stochastic",
+                                      row_dims, max_k, row_mean, row_rstd)
+        return Packed(q, alpha, beta, dim, G), (k if max_k > 0 else None)
+
     def _compress(self, x: torch.Tensor, dim: int, row_exp: torch.Tensor | None = None,
                   rows: tuple[int, int] | None = None) -> tuple[Packed, torch.Tensor | None]:
         opts = self.options

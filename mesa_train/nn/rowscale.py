@@ -49,6 +49,18 @@ def row_exponents(x: torch.Tensor, row_dims: int = 1, max_k: int = 64) -> torch.
     return _ROW_EXPONENTS(x, row_dims, max_k)
 
 
+def compress_normalized(quantizer, x: torch.Tensor, row_mean: torch.Tensor, row_rstd: torch.Tensor, row_dims: int,
+                        max_k: int):
+    """``(packed, k)``: a LayerNorm's ``x_hat = (x - mean) * rstd`` compressed as
+    :func:`compress_rows` compresses it, in one op that computes ``x_hat`` in its kernels where
+    the quantizer can (``ActivationQuantizer.takes_row_norm``: the same values, so the same
+    codes; ``x_hat`` never written), else from the normalised copy."""
+    if quantizer.takes_row_norm(x):
+        k_max = max_k if quantizer.options.row_scale else 0
+        return quantizer.compress_normalized(x, row_mean.float(), row_rstd.float(), row_dims, k_max)
+    return compress_rows(quantizer, reference.normalize_rows(x, row_mean, row_rstd), row_dims, max_k)
+
+
 def compress_rows(quantizer, x: torch.Tensor, row_dims: int, max_k: int):
     """``(packed, k)``: ``x`` compressed with channel groups over its last dim, its small rows
     scaled first when the quantizer's ``row_scale`` option is on (else ``k`` is ``None`` and

@@ -130,7 +130,8 @@ _SCHEMAS = {
     "compress": (
         "compress(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
         "int dim, int num_groups, float decay, int estimator, bool symmetric, bool stochastic, int row_dims, "
-        "int max_k) -> (Tensor q, Tensor alpha, Tensor beta, Tensor row_exp)"
+        "int max_k, Tensor? row_mean=None, Tensor? row_rstd=None) -> (Tensor q, Tensor alpha, Tensor beta, "
+        "Tensor row_exp)"
     ),
 }
 # The core ops: a build with CUDA kernels has these (CUDA_BACKEND == "extension"). The
@@ -239,9 +240,9 @@ def _ref_layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight=None, r
 
 
 def _ref_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric, stochastic,
-                  row_dims, max_k):
+                  row_dims, max_k, row_mean=None, row_rstd=None):
     return reference.compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
-                              stochastic, row_dims, max_k)
+                              stochastic, row_dims, max_k, row_mean, row_rstd)
 
 
 _REF_IMPLS = {
@@ -454,8 +455,9 @@ def _fake_layer_norm_backward(g, q, alpha, beta, num_groups, rstd, weight=None, 
 
 
 def _fake_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, estimator, symmetric,
-                   stochastic, row_dims, max_k):
+                   stochastic, row_dims, max_k, row_mean=None, row_rstd=None):
     reference.check_estimator_code(estimator)
+    reference.check_row_norm(row_mean, row_rstd, x, "compress")
     G = reference.capped_groups(num_groups, x.shape[dim])
     k = _fake_row_exponents(x, row_dims, max_k) if max_k > 0 else x.new_empty((0,), dtype=torch.int8)
     if estimator == 2:

@@ -776,15 +776,25 @@ def capped_groups(num_groups: int, size: int) -> int:
 
 
 def compress(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float, estimator: int,
-             symmetric: bool, stochastic: bool, row_dims: int, max_k: int):
+             symmetric: bool, stochastic: bool, row_dims: int, max_k: int, row_mean=None, row_rstd=None):
     """``mesa::compress`` (DESIGN.md, "One op per compression"): ``x`` made contiguous once,
     then with row exponents (``max_k > 0``) :func:`observe_rows` + :func:`quantize`, or
     :func:`row_exponents` + :func:`quantize_observe` for ``estimator`` 2 (delayed); without,
     :func:`observe` + :func:`quantize` or :func:`quantize_observe`; ``num_groups`` capped at the
-    dim's size. Returns ``(q, alpha, beta, k)`` (``k`` an empty int8 tensor without row exponents)."""
+    dim's size. With ``row_mean`` / ``row_rstd`` (a LayerNorm's) the compressed tensor is
+    ``normalize_rows(x, row_mean, row_rstd)``: :func:`observe_rows` + :func:`quantize` take
+    them (also with ``max_k`` 0), the delayed estimator the normalised copy. Returns
+    ``(q, alpha, beta, k)`` (``k`` an empty int8 tensor without row exponents)."""
     check_estimator_code(estimator)
+    check_row_norm(row_mean, row_rstd, x, "compress")
     x = x.contiguous()
     G = capped_groups(num_groups, x.shape[dim])
+    if row_mean is not None and estimator != 2:
+        alpha, beta, seed, k = observe_rows(x, alpha_est, beta_est, initialized, rng, dim, G, decay,
+                                            estimator == 1, symmetric, row_dims, max_k, row_mean, row_rstd)
+        q = quantize(x, alpha, beta, dim, G, stochastic, seed, k, row_mean, row_rstd)
+        return q, alpha, beta, (k if max_k > 0 else x.new_empty((0,), dtype=torch.int8))
+    x = normalize_rows(x, row_mean, row_rstd)
     k = None
     if estimator == 2:
         k = row_exponents(x, row_dims, max_k) if max_k > 0 else None
