@@ -205,26 +205,18 @@ def test_compiled_layernorm_hands_the_op_x_and_its_statistics():
     """Under torch.compile with the ops, the LayerNorm's compression is one mesa.compress given
     x, mean and rstd: the forward graph computes no x_hat for it (Inductor wrote it in float32
     for the op to read, a pass over the activation), and the step equals eager bit for bit."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     import mesa_train.nn as mnn
     from mesa_train.quant.compile_kernels import set_compile_kernels
 
-    code = []
+    from graph_capture import recording_backend
 
-    def fw(gm, _):
-        code.append(gm)
-        return make_boxed_func(gm.forward)
-
+    backend, graphs = recording_backend()
     torch._dynamo.reset()
     set_compile_kernels("ops")
     try:
         layers = [mnn.LayerNorm(24, num_groups=4) for _ in range(2)]
         layers[1].quantizer.rng.copy_(layers[0].quantizer.rng)
-        compiled = torch.compile(
-            layers[1], backend=aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)),
-            fullgraph=True)
+        compiled = torch.compile(layers[1], backend=backend, fullgraph=True)
         x = torch.randn(4, 6, 24) * 3
         grads = []
         for fn in (layers[0], compiled):
@@ -234,7 +226,7 @@ def test_compiled_layernorm_hands_the_op_x_and_its_statistics():
             grads.append((out, xi.grad))
     finally:
         set_compile_kernels("auto")
-    (gm,) = code
+    (gm,) = graphs["forward"]
     # (the op is functionalized: auto_functionalized_v2(mesa.compress.default, x=..., ...))
     (compress,) = [n for n in gm.graph.nodes if n.op == "call_function" and "mesa.compress" in str(n.args)]
     assert compress.kwargs["x"].op == "placeholder", gm.code  # x itself, not a computed x_hat

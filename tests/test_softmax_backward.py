@@ -402,28 +402,20 @@ def test_compiled_backward_is_the_op_or_its_traced_form(mode, extension, monkeyp
     its warp-order row sums split into a kernel per sweep on a GPU); without the extension,
     traceable runs its plain-PyTorch form, no mesa op and no ATen softmax backward. Either way
     the gradient is the eager one, bit for bit."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     from mesa_train import quant
     from mesa_train.quant import compile_kernels
+
+    from graph_capture import recording_backend
 
     monkeypatch.setattr(compile_kernels, "_mode", mode)
     if not extension:  # (the ops stay registered; only the choice of form reads BACKEND)
         monkeypatch.setattr(quant, "BACKEND", "reference")
     torch._dynamo.reset()
-    backward_code = []
-
-    def fw(gm, _):
-        return make_boxed_func(gm.forward)
-
-    def bw(gm, _):
-        backward_code.append(gm.code)
-        return make_boxed_func(gm.forward)
+    backend, graphs = recording_backend()
 
     layers = [mnn.Softmax(-1, num_groups=2) for _ in range(2)]
     layers[1].quantizer.rng.copy_(layers[0].quantizer.rng)
-    compiled = torch.compile(layers[1], backend=aot_autograd(fw_compiler=fw, bw_compiler=bw), fullgraph=True)
+    compiled = torch.compile(layers[1], backend=backend, fullgraph=True)
     x = torch.randn(2, 2, 5, 33) * 3
     g = torch.randn(x.shape)
     grads = []
@@ -431,7 +423,7 @@ def test_compiled_backward_is_the_op_or_its_traced_form(mode, extension, monkeyp
         xi = x.clone().requires_grad_()
         fn(xi).backward(g)
         grads.append(xi.grad)
-    code = "\n".join(backward_code)
+    code = "\n".join(gm.code for gm in graphs["backward"])
     assert "dequantize" not in code and "_softmax_backward_data" not in code, code
     assert ("mesa.softmax_backward" in code) == extension, code
     assert torch.equal(grads[0], grads[1])

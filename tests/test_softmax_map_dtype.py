@@ -25,6 +25,7 @@ from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.patch import patch_model
 from mesa_train.quant import reference as R
 from cuda_autocast_softmax import cuda_autocast_softmax
+from graph_capture import recording_backend
 from op_recorder import OpRecorder
 from test_patch_helpers import build, grads, inputs, loss_of
 
@@ -161,22 +162,11 @@ def test_compiled_step_equals_eager_with_the_map_handed_over():
     """torch.compile (aot_eager, fullgraph) of the patched DeiT under the emulated CUDA
     autocast: the output and gradients equal eager Mesa's bit for bit, and the backward
     graph calls ``mesa.softmax_backward`` with ``y_dtype`` float32."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     torch._dynamo.reset()
-    code = []
-
-    def fw(gm, _):
-        return make_boxed_func(gm.forward)
-
-    def bw(gm, _):
-        code.append(gm.code)
-        return make_boxed_func(gm.forward)
-
+    backend, graphs = recording_backend()
     model = patch_model(build("deit", fused=False), ops=("all",), attention="explicit")
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw), fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     x = inputs("deit")
     out, _ = _step(compiled, x, torch.bfloat16, emulate=True)
     out_eager, _ = _step(eager, x, torch.bfloat16, emulate=True)
@@ -184,5 +174,5 @@ def test_compiled_step_equals_eager_with_the_map_handed_over():
     g, g_eager = grads(model), grads(eager)
     for n in g_eager:
         assert torch.equal(g[n], g_eager[n]), n
-    backward = "\n".join(code)
+    backward = "\n".join(gm.code for gm in graphs["backward"])
     assert "mesa.softmax_backward.default" in backward and "torch.float32)" in backward, backward
