@@ -102,12 +102,14 @@ def test_cpp_layer_op_rejects_a_non_float_out_dtype():
 
 
 def _step(model, x, dtype, emulate: bool):
-    """One forward + backward under autocast; the backward's op names."""
+    """One forward + backward under autocast on x's device (CUDA autocast's float32 softmax
+    emulated on the CPU with ``emulate``); the backward's op names."""
     ctx = cuda_autocast_softmax() if emulate else _nothing()
-    with ctx, torch.autocast("cpu", dtype=dtype):
+    with ctx, torch.autocast(x.device.type, dtype=dtype):
         out = model(x)
+    loss = loss_of(out.cpu()) if out.device.type != "cpu" else loss_of(out)  # (loss_of's weights: CPU)
     with OpRecorder() as rec:
-        loss_of(out).backward()
+        loss.backward()
     return out, rec.ops
 
 
@@ -127,9 +129,12 @@ def _map_casts(ops: list[str]) -> int:
 # goes out in bf16 too; Swin's are float32 (q @ k^T plus the float32 relative-position bias),
 # its gradient must reach them in float32 and the cast of g only moves into the Softmax
 @pytest.mark.parametrize("fused", [True, False], ids=["cpp-nodes", "python-functions"])
-@pytest.mark.parametrize("family,emulate,saved", [("deit", True, 2), ("swin", False, 0)],
-                         ids=["deit-cuda-autocast", "swin"])
-def test_patched_attention_forward_is_stock_and_backward_drops_the_map_casts(family, emulate, saved, fused,
+@pytest.mark.parametrize("family,device,saved", [
+    ("deit", "cpu", 2), ("swin", "cpu", 0),
+    pytest.param("deit", "cuda", 2, marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA GPU visible")]),
+], ids=["deit-emulated-cuda-autocast", "swin", "deit-cuda"])
+def test_patched_attention_forward_is_stock_and_backward_drops_the_map_casts(family, device, saved, fused,
                                                                               monkeypatch):
     """A patched model (explicit attention, all ops) under autocast: the output equals the
     stock model's bit for bit, the gradients stay close to those of the former path (the map
@@ -138,10 +143,11 @@ def test_patched_attention_forward_is_stock_and_backward_drops_the_map_casts(fam
     has ``saved`` casts fewer per attention block."""
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused and quantizer_mod._FUSED_LAYERS)
     dtype = torch.bfloat16
-    stock = build(family, fused=False)
+    emulate = family == "deit" and device == "cpu"  # (real CUDA autocast on the GPU)
+    stock = build(family, fused=False).to(device)
     handed = patch_model(copy.deepcopy(stock), ops=("all",), attention="explicit")
     former = copy.deepcopy(handed)
-    x = inputs(family)
+    x = inputs(family).to(device)
     out_stock, _ = _step(stock, x, dtype, emulate)
     out, ops = _step(handed, x, dtype, emulate)
     with monkeypatch.context() as m:
