@@ -27,6 +27,7 @@ pattern rewrites). The kernel count and the bytes each kernel moves (Inductor's 
     python scripts/inductor_gpu_code.py                          # DeiT-S block, batch 128, all variants
     python scripts/inductor_gpu_code.py --variants stock ops --batch 8
     python scripts/inductor_gpu_code.py --out results/inductor-gpu-code --kernels   # + per-kernel tables
+    python scripts/inductor_gpu_code.py --attention fused       # timm's fused attention, Mesa's sdpa set
 
 Variants: ``stock``; Mesa with every op compressed and its compression as the extension's
 ops (``ops``), traced (``traceable``), traced with ``estimator=delayed`` (``delayed``, two
@@ -47,6 +48,9 @@ from unittest import mock
 import torch
 
 VARIANTS = ("stock", "ops", "traceable", "delayed")
+# the attention path of the block, and the op set Mesa patches on it (the modern preset's):
+# explicit softmax(q k^T) v with every op, or F.scaled_dot_product_attention with the sdpa set
+ATTENTION_OPS = {"explicit": ["all"], "fused": ["linear", "gelu", "layernorm", "conv", "relu", "sdpa"]}
 # what torch.cuda says about the fake device: an H100 SXM (the lent GPU; sm_90)
 H100 = types.SimpleNamespace(
     name="NVIDIA H100 80GB HBM3", type="cuda", major=9, minor=0, multi_processor_count=132, warp_size=32,
@@ -254,7 +258,7 @@ def kernel_rows(sources: dict[str, str]) -> list[tuple[str, str, float]]:
     return rows
 
 
-def census(model_name: str, variant: str, batch: int, amp: bool) -> dict[str, list]:
+def census(model_name: str, variant: str, batch: int, amp: bool, attention: str = "explicit") -> dict[str, list]:
     """{"forward": rows, "backward": rows} for one block of ``model_name`` in ``variant``."""
     from mesa_train.compile_scope import TRACED_INDUCTOR_OPTIONS
     from mesa_train.models import build_model
@@ -263,10 +267,10 @@ def census(model_name: str, variant: str, batch: int, amp: bool) -> dict[str, li
     from mesa_train.quant.compile_kernels import set_compile_kernels
 
     torch.manual_seed(0)
-    model = build_model(model_name, fused_attn=False)
+    model = build_model(model_name, fused_attn=attention == "fused")
     traced = variant in ("traceable", "delayed")
     if variant != "stock":
-        patch_model(model, ops=["all"], **({"estimator": "delayed"} if variant == "delayed" else {}))
+        patch_model(model, ops=ATTENTION_OPS[attention], **({"estimator": "delayed"} if variant == "delayed" else {}))
         set_compile_kernels("traceable" if traced else "ops")
     if not hasattr(model, "blocks") or not hasattr(model, "embed_dim") or not hasattr(model, "patch_embed"):
         fail(f"{model_name} is not a ViT-style model (blocks of (batch, tokens, embed_dim)); this script takes those")
@@ -311,6 +315,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="deit_s")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--attention", default="explicit", choices=list(ATTENTION_OPS),
+                    help="explicit softmax(q k^T) v, Mesa with every op (default), or fused "
+                         "(F.scaled_dot_product_attention, Mesa with the sdpa set)")
     ap.add_argument("--no-amp", dest="amp", action="store_false", help="float32 (default: bf16 autocast)")
     ap.add_argument("--kernels", action="store_true", help="also list every kernel of every variant")
     ap.add_argument("--out", type=Path, help="write <model>-block.md there as well")
@@ -325,12 +332,14 @@ def main(argv=None) -> int:
     results = {}
     for variant in args.variants:
         print(f"{variant}: compiling one {args.model} block (batch {args.batch})...", file=sys.stderr, flush=True)
-        results[variant] = census(args.model, variant, args.batch, args.amp)
-    text = [f"# Inductor's Triton kernels for one {args.model} block on an H100 (generated without a GPU)", "",
+        results[variant] = census(args.model, variant, args.batch, args.amp, args.attention)
+    fused = args.attention == "fused"
+    text = [f"# Inductor's Triton kernels for one {args.model} block{' (fused attention)' if fused else ''} "
+            "on an H100 (generated without a GPU)", "",
             f"Batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, one training step "
             f"(forward and backward graphs), torch {torch.__version__}; "
             f"`python scripts/inductor_gpu_code.py --model {args.model} --batch {args.batch}"
-            f"{'' if args.amp else ' --no-amp'}`. MB: the bytes Inductor counts for each Triton kernel's "
+            f"{' --attention fused' if fused else ''}{'' if args.amp else ' --no-amp'}`. MB: the bytes Inductor counts for each Triton kernel's "
             "loads and stores; for Mesa's opaque ops (CUDA kernels of the extension) their tensor inputs and "
             "outputs once, a floor. Matmuls (cuBLAS) are not counted.", "",
             summary_table(results)]
@@ -342,7 +351,8 @@ def main(argv=None) -> int:
     print(report)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{args.model.replace('/', '_')}-block.md").write_text(report)
+        suffix = "-fused" if fused else ""
+        (args.out / f"{args.model.replace('/', '_')}-block{suffix}.md").write_text(report)
     return 0
 
 

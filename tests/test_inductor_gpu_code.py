@@ -98,3 +98,16 @@ print(json.dumps({part: [[name, kind, mb] for name, kind, mb in rows] for part, 
     # a block's input (2, 197, 192) float32 is compressed at least once: its bytes in, codes out
     assert all(mb > 0 for rows in ops.values() for _, mb in rows)
     assert max(mb for _, mb in ops["forward"]) >= 2 * 197 * 192 * 2 / 1e6
+
+
+def test_census_of_the_fused_attention_block():
+    """--attention fused: timm's fused attention with Mesa's sdpa set; its backward is
+    ``mesa::sdpa_recompute_backward`` (an opaque op), q, k, v compressed, no softmax op."""
+    result = _run("""
+out = igc.census("deit_ti", "ops", 2, True, "fused")
+print(json.dumps({part: [[name, kind, mb] for name, kind, mb in rows] for part, rows in out.items()}))
+""")
+    ops = {part: [name for name, kind, _ in rows if kind == "Mesa op"] for part, rows in result.items()}
+    assert "mesa.sdpa_recompute_backward" in ops["backward"], ops
+    assert "mesa.softmax_backward" not in ops["backward"], ops
+    assert ops["forward"].count("mesa.compress") >= 3 + 4, ops  # q, k, v and the Linear / GELU / norm inputs
