@@ -121,13 +121,17 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
     const int64_t gdim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
     const int64_t sdim = ctx->saved_data["softmax_dim"].toInt(), last = saved[0].dim() - 1;
     const at::Tensor& g = grads[0];
-    // one op where every row has one (alpha, beta) (mesa_train/nn/softmax.py: fused_backward;
-    // this node only ever holds the default 8-bit format); a half g with a float32 map and a
-    // half x (autocast) goes in and out as it is: the op's y_dtype stands for both casts
+    // one op where every row has one (alpha, beta) (mesa_train/nn/softmax.py: _fused_backward;
+    // this node only ever holds the default 8-bit format); a half g with a float32 map
+    // (autocast) goes in as it is, the result in x's dtype (g's, or float32 logits: Swin's):
+    // the op's y_dtype / out_dtype stand for the casts around it
     if (sdim == last && gdim != last) {
-      if (g.scalar_type() == xdt && (ydt == xdt || ydt == at::kFloat))
-        return {softmax_backward_op().call(g, saved[0], saved[1], saved[2], gdim, groups, ydt), none, none, none};
-      at::Tensor gx = softmax_backward_op().call(g.to(ydt), saved[0], saved[1], saved[2], gdim, groups, std::nullopt);
+      const auto gdt = g.scalar_type();
+      if ((ydt == gdt || ydt == at::kFloat) && (xdt == gdt || (xdt == at::kFloat && ydt == at::kFloat)))
+        return {softmax_backward_op().call(g, saved[0], saved[1], saved[2], gdim, groups, ydt, xdt), none, none,
+                none};
+      at::Tensor gx = softmax_backward_op().call(g.to(ydt), saved[0], saved[1], saved[2], gdim, groups, std::nullopt,
+                                                 std::nullopt);
       return {gx.to(xdt), none, none, none};
     }
     at::Tensor yh = call_dequantize(saved[0], saved[1], saved[2], gdim, groups, ydt, std::nullopt, std::nullopt);

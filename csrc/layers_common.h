@@ -73,9 +73,9 @@ inline const c10::TypedOperatorHandle<ObserveRowsFn>& observe_rows_op() {
   return op;
 }
 
-// softmax_backward: (g, q, alpha, beta, dim, num_groups, y_dtype) -> gx
+// softmax_backward: (g, q, alpha, beta, dim, num_groups, y_dtype, out_dtype) -> gx
 using SoftmaxBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     int64_t, int64_t, std::optional<at::ScalarType>);
+                                     int64_t, int64_t, std::optional<at::ScalarType>, std::optional<at::ScalarType>);
 // ... gelu_backward's, with the codes' optional row exponents
 using GeluBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   int64_t, int64_t, const std::optional<at::Tensor>&);

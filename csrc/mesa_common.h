@@ -368,13 +368,17 @@ Layout check_dequantize(const at::Tensor& q, const at::Tensor& alpha, const at::
 // gelu_backward: g and q of one shape and device, the dequantize layout checks.
 Layout check_gelu_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                            const at::Tensor& beta, int64_t dim, int64_t num_groups);
-// softmax_backward: g and q of one shape and device, a group dim other than the last, y_dtype
-// None, g's dtype or float32.
+// softmax_backward: g and q of one shape and device, a group dim other than the last, the
+// dtypes as softmax_backward_kind takes them.
 Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                               const at::Tensor& beta, int64_t dim, int64_t num_groups,
-                              std::optional<at::ScalarType> y_dtype);
-// Whether softmax_backward dequantizes the map through float32 rather than g's dtype.
-bool softmax_map_is_float(const at::Tensor& g, std::optional<at::ScalarType> y_dtype);
+                              std::optional<at::ScalarType> y_dtype, std::optional<at::ScalarType> out_dtype);
+// softmax_backward's dtypes: the map dequantized through g's dtype (kPlain) or float32
+// (y_dtype float32 with a half g), the result in g's dtype or float32 (out_dtype float32 with
+// a float32 map). A float32 g is kPlain.
+enum class SoftmaxBwdKind { kPlain, kMapFloat, kMapFloatOutFloat };
+SoftmaxBwdKind softmax_backward_kind(const at::Tensor& g, std::optional<at::ScalarType> y_dtype,
+                                     std::optional<at::ScalarType> out_dtype);
 // layer_norm_backward: g and q of one shape and device, groups along the last dim, rows of at
 // most kLnMaxCols, rstd / weight / row_exp as the schema says.
 Layout check_layer_norm_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,

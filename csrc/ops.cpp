@@ -183,18 +183,25 @@ Layout check_gelu_backward(const at::Tensor& g, const at::Tensor& q, const at::T
   return make_layout(q, nd, num_groups, S);
 }
 
-bool softmax_map_is_float(const at::Tensor& g, std::optional<at::ScalarType> y_dtype) {
-  if (!y_dtype.has_value() || *y_dtype == g.scalar_type()) return false;
-  TORCH_CHECK_VALUE(*y_dtype == at::kFloat, "mesa: softmax_backward: y_dtype must be None, g's dtype (",
-                    g.scalar_type(), ") or float32, got ", *y_dtype);
-  return true;
+SoftmaxBwdKind softmax_backward_kind(const at::Tensor& g, std::optional<at::ScalarType> y_dtype,
+                                     std::optional<at::ScalarType> out_dtype) {
+  const at::ScalarType gt = g.scalar_type();
+  const bool map_float = y_dtype.has_value() && *y_dtype != gt;
+  TORCH_CHECK_VALUE(!map_float || *y_dtype == at::kFloat, "mesa: softmax_backward: y_dtype must be None, g's dtype (",
+                    gt, ") or float32, got ", *y_dtype);
+  const bool out_float = out_dtype.has_value() && *out_dtype != gt;
+  TORCH_CHECK_VALUE(!out_float || (*out_dtype == at::kFloat && (map_float || gt == at::kFloat)),
+                    "mesa: softmax_backward: out_dtype must be None, g's dtype (", gt,
+                    ") or float32 with y_dtype float32, got ", *out_dtype);
+  return out_float ? SoftmaxBwdKind::kMapFloatOutFloat
+                   : map_float ? SoftmaxBwdKind::kMapFloat : SoftmaxBwdKind::kPlain;
 }
 
 Layout check_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                               const at::Tensor& beta, int64_t dim, int64_t num_groups,
-                              std::optional<at::ScalarType> y_dtype) {
+                              std::optional<at::ScalarType> y_dtype, std::optional<at::ScalarType> out_dtype) {
   const int64_t nd = check_codes_backward("softmax_backward", g, q, dim);
-  softmax_map_is_float(g, y_dtype);
+  softmax_backward_kind(g, y_dtype, out_dtype);
   // one (alpha, beta) per row (a slice along the last dim) is what lets a row be reduced alone
   TORCH_CHECK_VALUE(nd != q.dim() - 1, "mesa: softmax_backward: the group dim ", nd,
                     " is the softmax (last) dim of shape ", q.sizes(),
@@ -509,10 +516,11 @@ TORCH_LIBRARY(mesa, m) {
   // softmax backward"): one pass instead of dequantize, renormalise and _softmax_backward_data.
   // The group dim must not be the last one (one (alpha, beta) per row); returns g's dtype.
   // y_dtype: the dtype the map is dequantized through (None: g's; else float32): a float32
-  // map whose gradient and input are bf16 / f16 (CUDA autocast) needs no cast around the op.
+  // map whose gradient and input are bf16 / f16 (CUDA autocast) needs no cast around the op;
+  // out_dtype: the result's (None: g's; float32 with a float32 map: float32 logits, Swin's).
   m.def(
       "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
-      "ScalarType? y_dtype=None) -> Tensor");
+      "ScalarType? y_dtype=None, ScalarType? out_dtype=None) -> Tensor");
   // The backward of the exact (erf) GELU at its dequantized input (DESIGN.md, "GELU backward
   // from the codes"): aten::gelu_backward(g, dequantize(q, ..., g.dtype)); one pass on CUDA
   // (the dequantized input never reaches memory), the composition itself on the CPU.

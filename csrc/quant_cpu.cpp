@@ -1069,10 +1069,10 @@ MESA_ALWAYS_INLINE void for_chunks(int64_t n, Body body) {
 }
 
 // One row of n elements with one (step, beta); p: n floats of scratch. M: the map's storage
-// type (T, or float for a float32 map with a half g).
-template <typename T, typename M>
+// type (T, or float for a float32 map with a half g); O: the result's (T, or float).
+template <typename T, typename M, typename O = T>
 MESA_ALWAYS_INLINE void softmax_bwd_row_body(const uint8_t* __restrict__ q, const T* __restrict__ g,
-                                             T* __restrict__ out, int64_t n, float step, float beta,
+                                             O* __restrict__ out, int64_t n, float step, float beta,
                                              float* __restrict__ p) {
   // stage 1: y (rounded through the map's dtype, as dequantize returns it) and s = max(sum y, FLT_MIN)
   float acc[kLanes] = {};
@@ -1118,6 +1118,14 @@ MESA_CLONES void softmax_bwd_row_bf16_map32(const uint8_t* q, const Bf16Bits* g,
                                             float step, float beta, float* p) {
   softmax_bwd_row_body<Bf16Bits, float>(q, g, out, n, step, beta, p);
 }
+MESA_CLONES void softmax_bwd_row_f16_out32(const uint8_t* q, const uint16_t* g, float* out, int64_t n, float step,
+                                           float beta, float* p) {
+  softmax_bwd_row_body<uint16_t, float, float>(q, g, out, n, step, beta, p);
+}
+MESA_CLONES void softmax_bwd_row_bf16_out32(const uint8_t* q, const Bf16Bits* g, float* out, int64_t n,
+                                            float step, float beta, float* p) {
+  softmax_bwd_row_body<Bf16Bits, float, float>(q, g, out, n, step, beta, p);
+}
 // (map_float: the map dequantized through float32; a float32 g's map is float32 either way)
 inline void softmax_bwd_row(const uint8_t* q, const float* g, float* o, int64_t n, float st, float b, float* p,
                             bool) {
@@ -1133,6 +1141,16 @@ inline void softmax_bwd_row(const uint8_t* q, const Bf16Bits* g, Bf16Bits* o, in
   if (map_float) softmax_bwd_row_bf16_map32(q, g, o, n, st, b, p);
   else softmax_bwd_row_bf16(q, g, o, n, st, b, p);
 }
+// (a float32 result: the map float32 too)
+inline void softmax_bwd_row(const uint8_t* q, const float* g, float* o, int64_t n, float st, float b, float* p) {
+  softmax_bwd_row_f32(q, g, o, n, st, b, p);
+}
+inline void softmax_bwd_row(const uint8_t* q, const uint16_t* g, float* o, int64_t n, float st, float b, float* p) {
+  softmax_bwd_row_f16_out32(q, g, o, n, st, b, p);
+}
+inline void softmax_bwd_row(const uint8_t* q, const Bf16Bits* g, float* o, int64_t n, float st, float b, float* p) {
+  softmax_bwd_row_bf16_out32(q, g, o, n, st, b, p);
+}
 
 // The (s, d) table entry of a row's first element: the whole row shares it, as the group dim
 // lies before the last dim (inner is a multiple of the row length).
@@ -1144,35 +1162,39 @@ inline int64_t row_table_index(const Layout& L, int64_t first) {
 }
 
 template <typename scalar_t>
-void softmax_backward_kernel(const uint8_t* q, const scalar_t* g_, scalar_t* out_, const Layout& L, int64_t n,
-                             const float* tstep, const float* tbeta, bool map_float) {
+void softmax_backward_kernel(const uint8_t* q, const scalar_t* g_, void* out_, const Layout& L, int64_t n,
+                             const float* tstep, const float* tbeta, SoftmaxBwdKind kind) {
   using T = storage_t<scalar_t>;
   const T* g = as_storage(g_);
-  T* out = as_storage(out_);
   const int64_t rows = L.numel / n;
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / n), [&](int64_t begin, int64_t end) {
     std::vector<float> p(n);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t i = r * n, t = row_table_index(L, i);
-      softmax_bwd_row(q + i, g + i, out + i, n, tstep[t], tbeta[t], p.data(), map_float);
+      if (kind == SoftmaxBwdKind::kMapFloatOutFloat) {
+        softmax_bwd_row(q + i, g + i, static_cast<float*>(out_) + i, n, tstep[t], tbeta[t], p.data());
+      } else {
+        softmax_bwd_row(q + i, g + i, static_cast<T*>(out_) + i, n, tstep[t], tbeta[t], p.data(),
+                        kind == SoftmaxBwdKind::kMapFloat);
+      }
     }
   });
 }
 
 at::Tensor softmax_backward_cpu(const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha,
                                 const at::Tensor& beta, int64_t dim, int64_t num_groups,
-                                std::optional<at::ScalarType> y_dtype) {
-  const Layout L = check_softmax_backward(g_in, q_in, alpha, beta, dim, num_groups, y_dtype);
-  const bool map_float = softmax_map_is_float(g_in, y_dtype);
+                                std::optional<at::ScalarType> y_dtype, std::optional<at::ScalarType> out_dtype) {
+  const Layout L = check_softmax_backward(g_in, q_in, alpha, beta, dim, num_groups, y_dtype, out_dtype);
+  const SoftmaxBwdKind kind = softmax_backward_kind(g_in, y_dtype, out_dtype);
   const at::Tensor q = q_in.contiguous(), g = g_in.contiguous();
-  at::Tensor out = at::empty(q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto odt = kind == SoftmaxBwdKind::kMapFloatOutFloat ? at::kFloat : g.scalar_type();
+  at::Tensor out = at::empty(q.sizes(), g.options().dtype(odt).memory_format(at::MemoryFormat::Contiguous));
   if (L.numel == 0) return out;
   std::vector<float> tstep, tbeta;
   build_tables(L, alpha, beta, [](float a) { return dequant_step(a); }, tstep, tbeta);
   MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_softmax_backward_cpu", [&] {
     softmax_backward_kernel<scalar_t>(q.const_data_ptr<uint8_t>(), g.const_data_ptr<scalar_t>(),
-                                      out.mutable_data_ptr<scalar_t>(), L, q.size(-1), tstep.data(), tbeta.data(),
-                                      map_float);
+                                      out.mutable_data_ptr(), L, q.size(-1), tstep.data(), tbeta.data(), kind);
   });
   return out;
 }

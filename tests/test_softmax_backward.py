@@ -202,9 +202,11 @@ def test_traced_form_compiles_to_the_same_bits(dtype):
         g, q, alpha, beta = _case((2, 3, 5, L), 1, 3, per_sample, dtype)
         got = fn(g, q, alpha, beta, 1, 3)
         assert _same(got, R.softmax_backward(g, q, alpha, beta, 1, 3)), L
-        if dtype != torch.float32:  # a float32 map with a half g (autocast)
+        if dtype != torch.float32:  # a float32 map with a half g (autocast), the result in g's dtype or float32
             got = fn(g, q, alpha, beta, 1, 3, torch.float32)
             assert _same(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3).to(dtype)), L
+            got = fn(g, q, alpha, beta, 1, 3, torch.float32, torch.float32)
+            assert _same(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3)), L
 
 
 _EDGES = [0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 7e4, 2.0 ** -14, 0.99 * 2.0 ** -14, 2.0 ** -24,
@@ -248,6 +250,9 @@ def test_float_map_with_half_g_is_the_casts_around_the_op(impl, dtype, L):
         g, q, alpha, beta = _case((2, 3, 5, L), 1, 3, L % 2 == 1, dtype, specials=specials)
         got = fn(g, q, alpha, beta, 1, 3, torch.float32)
         assert _same(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3).to(dtype)), specials
+        # float32 logits (Swin's, with their float32 bias): the result in float32, no cast
+        out32 = fn(g, q, alpha, beta, 1, 3, torch.float32, torch.float32)
+        assert _same(out32, R.softmax_backward(g.float(), q, alpha, beta, 1, 3)), specials
         # y_dtype equal to g's dtype is the default
         assert _same(fn(g, q, alpha, beta, 1, 3, dtype), R.softmax_backward(g, q, alpha, beta, 1, 3)), specials
     # (and the float32 map is not the half one: the argument is read)
@@ -258,6 +263,8 @@ def test_opcheck():
     g, q, alpha, beta = _case((2, 3, 4, 33), 1, 3, True, torch.float32)
     torch.library.opcheck(torch.ops.mesa.softmax_backward.default, (g, q, alpha, beta, 1, 3))
     torch.library.opcheck(torch.ops.mesa.softmax_backward.default, (g.bfloat16(), q, alpha, beta, 1, 3, torch.float32))
+    torch.library.opcheck(torch.ops.mesa.softmax_backward.default,
+                          (g.bfloat16(), q, alpha, beta, 1, 3, torch.float32, torch.float32))
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -265,12 +272,14 @@ def test_opcheck():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("L", LENGTHS)
-@pytest.mark.parametrize("float_map", [False, True], ids=["map-in-g-dtype", "float32-map"])
+@pytest.mark.parametrize("float_map", [False, True, "out32"], ids=["map-in-g-dtype", "float32-map", "float32-out"])
 def test_cuda_op_is_the_reference(dtype, L, float_map):
     g, q, alpha, beta = _case((4, 6, 50, L), 1, 3, L % 2 == 1, dtype, specials=L == 197)
     y_dtype = torch.float32 if float_map else None
-    got = torch.ops.mesa.softmax_backward(g.cuda(), q.cuda(), alpha.cuda(), beta.cuda(), 1, 3, y_dtype).cpu()
-    want = R.softmax_backward(g, q, alpha, beta, 1, 3, y_dtype)
+    out_dtype = torch.float32 if float_map == "out32" else None
+    got = torch.ops.mesa.softmax_backward(g.cuda(), q.cuda(), alpha.cuda(), beta.cuda(), 1, 3, y_dtype,
+                                          out_dtype).cpu()
+    want = R.softmax_backward(g, q, alpha, beta, 1, 3, y_dtype, out_dtype)
     assert _same(got, want)  # (a GPU's NaN payloads differ from the host's)
 
 
@@ -287,16 +296,19 @@ def test_cuda_op_is_the_reference(dtype, L, float_map):
     (dict(G=5), "num_groups=5 must be in \\[1, 3\\]"),
     (dict(y_dtype=torch.float64), "y_dtype must be None, g's dtype .* or (torch.)?float32, got"),
     (dict(g=lambda g: g.bfloat16(), y_dtype=torch.float16), "y_dtype must be None"),
+    (dict(g=lambda g: g.bfloat16(), out_dtype=torch.float32), "out_dtype must be None, g's dtype .* with y_dtype"),
+    (dict(g=lambda g: g.bfloat16(), y_dtype=torch.float32, out_dtype=torch.float16), "out_dtype must be None"),
 ])
 def test_one_line_errors(fn, change, match):
     g, q, alpha, beta = _case((2, 3, 4, 5), 1, 3, False, torch.float32)
-    args = dict(g=g, q=q, alpha=alpha, beta=beta, dim=1, G=3, y_dtype=None)
+    args = dict(g=g, q=q, alpha=alpha, beta=beta, dim=1, G=3, y_dtype=None, out_dtype=None)
     for k, v in change.items():
         args[k] = v(args[k]) if callable(v) else v
     if "alpha" in change:
         args["beta"] = args["alpha"].clone()
     with pytest.raises(ValueError, match=match) as e:
-        fn(args["g"], args["q"], args["alpha"], args["beta"], args["dim"], args["G"], args["y_dtype"])
+        fn(args["g"], args["q"], args["alpha"], args["beta"], args["dim"], args["G"], args["y_dtype"],
+           args["out_dtype"])
     assert "\n" not in str(e.value)
 
 

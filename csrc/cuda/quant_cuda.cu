@@ -2045,11 +2045,11 @@ __device__ __forceinline__ float warp_butterfly_sum(float acc) {
 constexpr int kSoftmaxPerLane = 8;
 
 // (int indices: n <= 256 here; map_t: the dtype the map is dequantized through, scalar_t or
-// float for a float32 map with a half g)
-template <typename scalar_t, typename map_t>
+// float for a float32 map with a half g; out_t: the result's, scalar_t or float with it)
+template <typename scalar_t, typename map_t, typename out_t>
 __device__ __forceinline__ void softmax_backward_row_in_registers(const scalar_t* __restrict__ gr,
                                                                   const uint8_t* __restrict__ qr,
-                                                                  scalar_t* __restrict__ outr, int lane, int n,
+                                                                  out_t* __restrict__ outr, int lane, int n,
                                                                   float step, float b) {
   float yv[kSoftmaxPerLane] = {}, gv[kSoftmaxPerLane] = {};  // (floats: a uint8_t array went to local memory)
 #pragma unroll
@@ -2082,14 +2082,14 @@ __device__ __forceinline__ void softmax_backward_row_in_registers(const scalar_t
 #pragma unroll
   for (int t = 0; t < kSoftmaxPerLane; ++t) {
     const int j = lane + 32 * t;
-    if (j < n) outr[j] = static_cast<scalar_t>(f_mul(yv[t], f_sub(gv[t], d)));
+    if (j < n) outr[j] = static_cast<out_t>(f_mul(yv[t], f_sub(gv[t], d)));
   }
 }
 
-template <typename scalar_t, typename map_t, typename IdxT>
+template <typename scalar_t, typename map_t, typename out_t, typename IdxT>
 __global__ void __launch_bounds__(kThreads)
 softmax_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __restrict__ q,
-                        const float* __restrict__ alpha, const float* __restrict__ beta, scalar_t* __restrict__ out,
+                        const float* __restrict__ alpha, const float* __restrict__ beta, out_t* __restrict__ out,
                         KLayout<IdxT> k, IdxT rows, IdxT n) {
   const IdxT lane = IdxT(threadIdx.x % 32);
   const IdxT warps = IdxT(gridDim.x) * IdxT(blockDim.x / 32);
@@ -2100,7 +2100,7 @@ softmax_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __restric
     const uint8_t* __restrict__ qr = q + i0;
     const scalar_t* __restrict__ gr = g + i0;
     if (n <= IdxT(32 * kSoftmaxPerLane)) {  // (uniform across the launch)
-      softmax_backward_row_in_registers<scalar_t, map_t>(gr, qr, out + i0, static_cast<int>(lane),
+      softmax_backward_row_in_registers<scalar_t, map_t, out_t>(gr, qr, out + i0, static_cast<int>(lane),
                                                          static_cast<int>(n), step, b);
       continue;
     }
@@ -2119,7 +2119,7 @@ softmax_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __restric
     // sweep 3: gx = p * (g - d)
     for (IdxT j = lane; j < n; j += 32) {
       const float pj = f_div(through_dtype<map_t>(dequantize_value(qr[j], step, b)), s);
-      out[i0 + j] = static_cast<scalar_t>(f_mul(pj, f_sub(static_cast<float>(gr[j]), d)));
+      out[i0 + j] = static_cast<out_t>(f_mul(pj, f_sub(static_cast<float>(gr[j]), d)));
     }
   }
 }
@@ -2129,43 +2129,49 @@ int softmax_backward_blocks(int64_t rows, int sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
 }
 
-template <typename scalar_t, typename map_t, typename IdxT>
+template <typename scalar_t, typename map_t, typename out_t, typename IdxT>
 void launch_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                              const at::Tensor& beta, at::Tensor& out, const Layout& L, int64_t n,
                              cudaStream_t stream) {
   const int64_t rows = L.numel / n;
-  softmax_backward_kernel<scalar_t, map_t, IdxT><<<softmax_backward_blocks(rows, sm_count()), kThreads, 0, stream>>>(
-      g.const_data_ptr<scalar_t>(), q.const_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
-      beta.const_data_ptr<float>(), out.mutable_data_ptr<scalar_t>(), make_klayout<IdxT>(L), static_cast<IdxT>(rows),
-      static_cast<IdxT>(n));
+  softmax_backward_kernel<scalar_t, map_t, out_t, IdxT>
+      <<<softmax_backward_blocks(rows, sm_count()), kThreads, 0, stream>>>(
+          g.const_data_ptr<scalar_t>(), q.const_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
+          beta.const_data_ptr<float>(), out.mutable_data_ptr<out_t>(), make_klayout<IdxT>(L),
+          static_cast<IdxT>(rows), static_cast<IdxT>(n));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t, typename map_t>
+template <typename scalar_t, typename map_t, typename out_t>
 void launch_softmax_backward_idx(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                                  const at::Tensor& beta, at::Tensor& out, const Layout& L, cudaStream_t stream) {
-  if (fits_32bit(L)) launch_softmax_backward<scalar_t, map_t, uint32_t>(g, q, alpha, beta, out, L, q.size(-1), stream);
-  else launch_softmax_backward<scalar_t, map_t, uint64_t>(g, q, alpha, beta, out, L, q.size(-1), stream);
+  const int64_t n = q.size(-1);
+  if (fits_32bit(L)) launch_softmax_backward<scalar_t, map_t, out_t, uint32_t>(g, q, alpha, beta, out, L, n, stream);
+  else launch_softmax_backward<scalar_t, map_t, out_t, uint64_t>(g, q, alpha, beta, out, L, n, stream);
 }
 
 at::Tensor softmax_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in, const at::Tensor& alpha_in,
                                  const at::Tensor& beta_in, int64_t dim, int64_t num_groups,
-                                 std::optional<at::ScalarType> y_dtype) {
-  const Layout L = check_softmax_backward(g_in, q_in, alpha_in, beta_in, dim, num_groups, y_dtype);
-  const bool map_float = softmax_map_is_float(g_in, y_dtype);
+                                 std::optional<at::ScalarType> y_dtype, std::optional<at::ScalarType> out_dtype) {
+  const Layout L = check_softmax_backward(g_in, q_in, alpha_in, beta_in, dim, num_groups, y_dtype, out_dtype);
+  const SoftmaxBwdKind kind = softmax_backward_kind(g_in, y_dtype, out_dtype);
   const c10::cuda::OptionalCUDAGuard guard(q_in.device());
   const at::Tensor q = q_in.contiguous(), g = g_in.contiguous();
-  at::Tensor out = at::empty(q.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto odt = kind == SoftmaxBwdKind::kMapFloatOutFloat ? at::kFloat : g.scalar_type();
+  at::Tensor out = at::empty(q.sizes(), g.options().dtype(odt).memory_format(at::MemoryFormat::Contiguous));
   if (L.numel == 0) return out;
   const at::Tensor alpha = alpha_in.contiguous(), beta = beta_in.contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   MESA_DISPATCH_FLOAT_TYPES(g.scalar_type(), "mesa_softmax_backward_cuda", [&] {
-    // (a float32 g's map is float32 either way: no second instantiation for it)
+    // (a float32 g's map and result are float32 either way: no other instantiation for it)
     if constexpr (std::is_same_v<scalar_t, float>) {
-      launch_softmax_backward_idx<float, float>(g, q, alpha, beta, out, L, stream);
+      launch_softmax_backward_idx<float, float, float>(g, q, alpha, beta, out, L, stream);
+    } else if (kind == SoftmaxBwdKind::kMapFloatOutFloat) {
+      launch_softmax_backward_idx<scalar_t, float, float>(g, q, alpha, beta, out, L, stream);
+    } else if (kind == SoftmaxBwdKind::kMapFloat) {
+      launch_softmax_backward_idx<scalar_t, float, scalar_t>(g, q, alpha, beta, out, L, stream);
     } else {
-      if (map_float) launch_softmax_backward_idx<scalar_t, float>(g, q, alpha, beta, out, L, stream);
-      else launch_softmax_backward_idx<scalar_t, scalar_t>(g, q, alpha, beta, out, L, stream);
+      launch_softmax_backward_idx<scalar_t, scalar_t, scalar_t>(g, q, alpha, beta, out, L, stream);
     }
   });
   return out;

@@ -45,18 +45,20 @@ def fused_backward(packed: Packed, softmax_dim: int) -> bool:
 
 
 def _fused_backward(g: torch.Tensor, p: Packed, y_dtype: torch.dtype, x_dtype: torch.dtype) -> torch.Tensor:
-    """The gradient of x from g and the codes, in x's dtype. A half g with a float32 map and a
-    half x (autocast, the map handed to ``attn @ v`` in g's dtype: ``out_dtype``) goes into the
-    op as it is, ``y_dtype`` standing for the casts of g up and of the result down (two passes
-    over the map saved, the same bits); otherwise g is cast to the map's dtype first."""
-    if g.dtype == x_dtype and y_dtype in (x_dtype, torch.float32):
-        map_dtype = y_dtype
+    """The gradient of x from g and the codes, in x's dtype. A half g with a float32 map
+    (autocast: the map handed to ``attn @ v`` in g's dtype, ``out_dtype``) goes into the op as
+    it is, and the result comes out in x's dtype, g's or float32 (float32 logits: Swin's,
+    with their float32 bias): ``y_dtype`` / ``out_dtype`` stand for the casts of g up and of
+    the result down (passes over the map saved, the same bits); otherwise g is cast to the
+    map's dtype first and the result to x's after."""
+    if y_dtype in (g.dtype, torch.float32) and (x_dtype == g.dtype or x_dtype == y_dtype == torch.float32):
+        map_dtype, out_dtype = y_dtype, x_dtype
     else:
-        g, map_dtype = g.to(y_dtype), None
+        g, map_dtype, out_dtype = g.to(y_dtype), None, None
     if traced_row_sums(p.q):  # under torch.compile with traceable kernels and no extension
-        gx = traceable.softmax_backward(g, p.q, p.alpha, p.beta, p.dim, p.num_groups, map_dtype)
+        gx = traceable.softmax_backward(g, p.q, p.alpha, p.beta, p.dim, p.num_groups, map_dtype, out_dtype)
     else:
-        gx = _SOFTMAX_BACKWARD(g, p.q, p.alpha, p.beta, p.dim, p.num_groups, map_dtype)
+        gx = _SOFTMAX_BACKWARD(g, p.q, p.alpha, p.beta, p.dim, p.num_groups, map_dtype, out_dtype)
     return gx.to(x_dtype)
 
 

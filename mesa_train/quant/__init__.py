@@ -108,7 +108,7 @@ _SCHEMAS = {
     ),
     "softmax_backward": (
         "softmax_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
-        "ScalarType? y_dtype=None) -> Tensor"
+        "ScalarType? y_dtype=None, ScalarType? out_dtype=None) -> Tensor"
     ),
     "gelu_backward": (
         "gelu_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups, "
@@ -219,8 +219,8 @@ def _ref_dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dty
     return reference.dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dtype)
 
 
-def _ref_softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype=None):
-    return reference.softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype)
+def _ref_softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype=None, out_dtype=None):
+    return reference.softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype, out_dtype)
 
 
 def _ref_gelu_backward(g, q, alpha, beta, dim, num_groups, row_exp=None):
@@ -425,9 +425,9 @@ def _fake_dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dt
     return q.new_empty(shape, dtype=dtype)
 
 
-def _fake_softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype=None):
-    reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype)
-    return q.new_empty(q.shape, dtype=g.dtype)
+def _fake_softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype=None, out_dtype=None):
+    reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype, out_dtype)
+    return q.new_empty(q.shape, dtype=reference.softmax_dtypes(g, y_dtype, out_dtype)[1])
 
 
 def _fake_gelu_backward(g, q, alpha, beta, dim, num_groups, row_exp=None):
@@ -766,14 +766,16 @@ def dequantize_bits(
 
 
 def softmax_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int,
-                     num_groups: int, y_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     num_groups: int, y_dtype: torch.dtype | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Gradient of a softmax over the last dim from its 8-bit codes ``q`` (groups along ``dim``,
     which must not be the last dim) and the output gradient ``g``, in ``g``'s dtype: one pass
     instead of :func:`dequantize`, a row renormalisation and ``torch._softmax_backward_data``
     (exact definition: :func:`mesa_train.quant.reference.softmax_backward`). ``y_dtype``: the
-    map's dtype when it is float32 and g half (autocast), else None."""
-    dim = reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype)
-    return torch.ops.mesa.softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype)
+    map's dtype when it is float32 and g half (autocast), else None; ``out_dtype``: float32
+    for float32 logits with such a map, else None."""
+    dim = reference.check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype, out_dtype)
+    return torch.ops.mesa.softmax_backward(g, q, alpha, beta, dim, num_groups, y_dtype, out_dtype)
 
 
 def gelu_backward(g: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int,

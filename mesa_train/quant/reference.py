@@ -62,7 +62,7 @@ __all__ = [
     "dequantize_gelu",
     "softmax_backward",
     "softmax_backward_from_y",
-    "softmax_map_dtype",
+    "softmax_dtypes",
     "layer_norm_backward",
     "layer_norm_backward_from_xh",
     "gelu_value_and_grad",
@@ -1133,22 +1133,27 @@ def dequantize_gelu(q, alpha, beta, dim: int, num_groups: int, dtype: torch.dtyp
     return torch.ops.aten.gelu.default(dequantize(q, alpha, beta, dim, num_groups, dtype, row_exp))
 
 
-def softmax_map_dtype(g, y_dtype) -> torch.dtype:
-    """The dtype ``softmax_backward`` dequantizes the map through: ``y_dtype``, or g's dtype when
-    it is None. Valid: g's dtype or float32 (a float32 map whose gradient arrives in g's half
-    dtype: CUDA autocast's softmax feeding a bf16 ``attn @ v``, DESIGN.md "Fused softmax backward")."""
-    if y_dtype is None or y_dtype == g.dtype:
-        return g.dtype
-    if y_dtype != torch.float32:
+def softmax_dtypes(g, y_dtype=None, out_dtype=None) -> tuple[torch.dtype, torch.dtype]:
+    """``(map dtype, result dtype)`` of ``softmax_backward``: the map dequantized through
+    ``y_dtype`` (None: g's dtype; or float32: a float32 map whose gradient arrives in g's half
+    dtype, CUDA autocast's softmax feeding a bf16 ``attn @ v``), the result in ``out_dtype``
+    (None: g's dtype; or float32 with a float32 map: float32 logits, as Swin's with their
+    float32 bias). DESIGN.md, "Fused softmax backward"."""
+    map_dtype = g.dtype if y_dtype is None or y_dtype == g.dtype else y_dtype
+    if map_dtype != g.dtype and map_dtype != torch.float32:
         raise ValueError(f"softmax_backward: y_dtype must be None, g's dtype ({g.dtype}) or torch.float32, "
                          f"got {y_dtype}")
-    return torch.float32
+    result = g.dtype if out_dtype is None or out_dtype == g.dtype else out_dtype
+    if result != g.dtype and (result != torch.float32 or map_dtype != torch.float32):
+        raise ValueError(f"softmax_backward: out_dtype must be None, g's dtype ({g.dtype}) or torch.float32 with "
+                         f"y_dtype torch.float32, got {out_dtype}")
+    return map_dtype, result
 
 
-def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype=None) -> int:
+def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype=None, out_dtype=None) -> int:
     """Validate softmax_backward's arguments; return the normalized group dim."""
     dim = _check_codes_backward_args("softmax_backward", g, q, dim)
-    softmax_map_dtype(g, y_dtype)
+    softmax_dtypes(g, y_dtype, out_dtype)
     if dim == q.dim() - 1:
         raise ValueError(f"softmax_backward: the group dim {dim} is the softmax (last) dim of shape "
                          f"{tuple(q.shape)}, so a row has several (alpha, beta); valid: a group dim < {dim} "
@@ -1158,23 +1163,26 @@ def check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype=None
     return dim
 
 
-def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int, y_dtype=None) -> torch.Tensor:
-    """Gradient of a softmax over the last dim from its codes ``q``, in ``g``'s dtype.
+def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int, y_dtype=None, out_dtype=None) -> torch.Tensor:
+    """Gradient of a softmax over the last dim from its codes ``q``, in ``g``'s dtype (or
+    ``out_dtype`` float32 with a float32 map: :func:`softmax_dtypes`).
 
     Per row: ``y = dequantize(q)`` (as :func:`dequantize` returns it in ``y_dtype``, default
     g's dtype, then float32), ``s = max(lane_sum(y), FLT_MIN)`` (NaN stays NaN), ``p = y / s``
     (rows summing to 1: a per-row bias keeps a zero gradient), ``d = lane_sum(g * p)`` and
     ``gx = p * (g - d)``, every operation a separately rounded float32 one. With ``y_dtype``
     float32 and a half g the result is ``softmax_backward(g.float(), ...).to(g.dtype)``, bit
-    for bit: the two casts around the op, each a pass over the map, are not needed."""
-    dim = check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype)
+    for bit: the two casts around the op, each a pass over the map, are not needed (with
+    ``out_dtype`` float32, ``softmax_backward(g.float(), ...)`` itself)."""
+    dim = check_softmax_backward_args(g, q, alpha, beta, dim, num_groups, y_dtype, out_dtype)
+    map_dtype, result = softmax_dtypes(g, y_dtype, out_dtype)
     if q.numel() == 0:
-        return torch.empty(q.shape, dtype=g.dtype, device=q.device)
-    y = dequantize(q, alpha, beta, dim, num_groups, softmax_map_dtype(g, y_dtype)).to(torch.float32)
-    return softmax_backward_from_y(y, g)
+        return torch.empty(q.shape, dtype=result, device=q.device)
+    y = dequantize(q, alpha, beta, dim, num_groups, map_dtype).to(torch.float32)
+    return softmax_backward_from_y(y, g, result)
 
 
-def softmax_backward_from_y(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def softmax_backward_from_y(y: torch.Tensor, g: torch.Tensor, out_dtype=None) -> torch.Tensor:
     """:func:`softmax_backward` from the dequantized map ``y`` (float32, already rounded through
     the map's dtype), tensor ops only: the reference and its traced twin
     (``traceable.softmax_backward``) differ only in how they obtain ``y``."""
@@ -1185,4 +1193,4 @@ def softmax_backward_from_y(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     s = torch.where(s < torch.full_like(s, _FLT_MIN), torch.full_like(s, _FLT_MIN), s)
     p = yr / s
     d = lane_sum(gf * p)
-    return (p * (gf - d)).to(g.dtype).view(y.shape)
+    return (p * (gf - d)).to(g.dtype if out_dtype is None else out_dtype).view(y.shape)

@@ -366,17 +366,18 @@ def round_through(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(v != v, v, torch.copysign(r, v))
 
 
-def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int, y_dtype=None):
+def softmax_backward(g, q, alpha, beta, dim: int, num_groups: int, y_dtype=None, out_dtype=None):
     """``mesa::softmax_backward`` (the reference's arithmetic without its argument checks):
     the lane sums are a static unrolled loop of adds and five butterfly steps, every
     division is tensor / tensor, which Inductor keeps a division, and y's rounding to the
     map's dtype (``y_dtype``, default g's) is explicit (:func:`round_through`);
     tests/test_softmax_backward.py pins the compiled form to the op's bits."""
+    result = g.dtype if out_dtype is None else out_dtype
     if q.numel() == 0:
-        return torch.empty(q.shape, dtype=g.dtype, device=q.device)
+        return torch.empty(q.shape, dtype=result, device=q.device)
     map_dtype = g.dtype if y_dtype is None else y_dtype
     y = round_through(dequantize(q, alpha, beta, dim, num_groups, torch.float32), map_dtype)
-    return softmax_backward_from_y(y, g)
+    return softmax_backward_from_y(y, g, result)
 
 
 def layer_norm_backward(g, q, alpha, beta, num_groups: int, rstd, weight=None, row_exp=None):

@@ -1710,10 +1710,11 @@ float naive_lane_sum(const std::vector<float>& v) {
   return acc[0];
 }
 
-// map_t: the dtype y is rounded through (scalar_t, or float: a float32 map with a half g)
-template <typename scalar_t, typename map_t>
+// map_t: the dtype y is rounded through (scalar_t, or float: a float32 map with a half g);
+// out_t: the result's (scalar_t, or float with such a map)
+template <typename scalar_t, typename map_t, typename out_t>
 void naive_softmax_backward(const Layout& L, int64_t n, const scalar_t* g, const uint8_t* q, const float* alpha,
-                            const float* beta, std::vector<scalar_t>& want) {
+                            const float* beta, std::vector<out_t>& want) {
   want.resize(L.numel);
   for (int64_t i0 = 0; i0 < L.numel; i0 += n) {
     const int64_t p = param_index(L, i0);
@@ -1725,14 +1726,14 @@ void naive_softmax_backward(const Layout& L, int64_t n, const scalar_t* g, const
     for (int64_t j = 0; j < n; ++j) y[j] = y[j] / s;
     for (int64_t j = 0; j < n; ++j) gp[j] = static_cast<float>(g[i0 + j]) * y[j];
     const float d = naive_lane_sum(gp);
-    for (int64_t j = 0; j < n; ++j) want[i0 + j] = static_cast<scalar_t>(y[j] * (static_cast<float>(g[i0 + j]) - d));
+    for (int64_t j = 0; j < n; ++j) want[i0 + j] = static_cast<out_t>(y[j] * (static_cast<float>(g[i0 + j]) - d));
   }
 }
 
 // softmax_backward_kernel on softmax_backward_cuda's grid, 32- or 64-bit indices, against the
 // naive definition; rows whose codes are all 0 with beta 0 (the FLT_MIN clamp), and g with
 // NaN / inf / -0 in some cases
-template <typename scalar_t, typename map_t, typename IdxT>
+template <typename scalar_t, typename map_t, typename out_t, typename IdxT>
 int check_softmax_backward(const std::vector<int64_t>& shape, int64_t dim, int64_t G, bool per_sample, int sms,
                            bool specials) {
   const int64_t S = per_sample ? shape[0] : 1;
@@ -1750,24 +1751,26 @@ int check_softmax_backward(const std::vector<int64_t>& shape, int64_t dim, int64
     if (rng() % 4 == 0) memset(q + r * n, 0, n);  // y = beta: 0 where beta is 0
   scalar_t* g = alloc<scalar_t>(L.numel, 0);
   fill(g, L.numel, specials);
-  scalar_t* out = alloc<scalar_t>(L.numel + 1, 0);
-  out[L.numel] = static_cast<scalar_t>(7.0f);
+  out_t* out = alloc<out_t>(L.numel + 1, 0);
+  out[L.numel] = static_cast<out_t>(7.0f);
   launch_simt(unsigned(softmax_backward_blocks(rows, sms)), kThreads, [&] {
-    softmax_backward_kernel<scalar_t, map_t, IdxT>(g, q, alpha.data(), beta.data(), out, make_klayout<IdxT>(L),
+    softmax_backward_kernel<scalar_t, map_t, out_t, IdxT>(g, q, alpha.data(), beta.data(), out, make_klayout<IdxT>(L),
                                                    IdxT(rows), IdxT(n));
   });
-  std::vector<scalar_t> want;
-  naive_softmax_backward<scalar_t, map_t>(L, n, g, q, alpha.data(), beta.data(), want);
+  std::vector<out_t> want;
+  naive_softmax_backward<scalar_t, map_t, out_t>(L, n, g, q, alpha.data(), beta.data(), want);
   int errs = 0;
   for (int64_t i = 0; i < L.numel; ++i)
     if (!same_value(out[i], want[i]) && errs++ < 5)
-      fprintf(stderr, "softmax_backward<%zu,%zu,%zu> mismatch i=%ld n=%ld got %g exp %g\n", sizeof(scalar_t),
-              sizeof(map_t), sizeof(IdxT), (long)i, (long)n, static_cast<float>(out[i]), static_cast<float>(want[i]));
+      fprintf(stderr, "softmax_backward<%zu,%zu,%zu,%zu> mismatch i=%ld n=%ld got %g exp %g\n", sizeof(scalar_t),
+              sizeof(map_t), sizeof(out_t), sizeof(IdxT), (long)i, (long)n, static_cast<float>(out[i]),
+              static_cast<float>(want[i]));
   if (static_cast<float>(out[L.numel]) != 7.0f) { fprintf(stderr, "softmax_backward wrote past the end\n"); ++errs; }
   if (errs) fprintf(stderr, "FAIL softmax_backward rows=%ld n=%ld dim=%ld G=%ld ps=%d sms=%d\n", (long)rows, (long)n,
                     (long)dim, (long)G, int(per_sample), sms);
   g_checked[sizeof(IdxT) == 4 ? "softmax_backward" : "softmax_backward_64"]++;
   if (sizeof(map_t) != sizeof(scalar_t)) g_checked["softmax_backward_map32"]++;
+  if (sizeof(out_t) != sizeof(scalar_t)) g_checked["softmax_backward_out32"]++;
   free(q);
   free(g);
   free(out);
@@ -1777,11 +1780,14 @@ int check_softmax_backward(const std::vector<int64_t>& shape, int64_t dim, int64
 template <typename scalar_t>
 int check_softmax_backward_all(const std::vector<int64_t>& shape, int64_t dim, int64_t G, bool ps, int sms,
                                bool specials) {
-  int errs = check_softmax_backward<scalar_t, scalar_t, uint32_t>(shape, dim, G, ps, sms, specials) +
-             check_softmax_backward<scalar_t, scalar_t, uint64_t>(shape, dim, G, ps, sms, specials);
+  int errs = check_softmax_backward<scalar_t, scalar_t, scalar_t, uint32_t>(shape, dim, G, ps, sms, specials) +
+             check_softmax_backward<scalar_t, scalar_t, scalar_t, uint64_t>(shape, dim, G, ps, sms, specials);
   if constexpr (!std::is_same_v<scalar_t, float>) {  // a float32 map with a half g (autocast)
-    errs += check_softmax_backward<scalar_t, float, uint32_t>(shape, dim, G, ps, sms, specials) +
-            check_softmax_backward<scalar_t, float, uint64_t>(shape, dim, G, ps, sms, specials);
+    errs += check_softmax_backward<scalar_t, float, scalar_t, uint32_t>(shape, dim, G, ps, sms, specials) +
+            check_softmax_backward<scalar_t, float, scalar_t, uint64_t>(shape, dim, G, ps, sms, specials);
+    // ... and a float32 result (float32 logits)
+    errs += check_softmax_backward<scalar_t, float, float, uint32_t>(shape, dim, G, ps, sms, specials) +
+            check_softmax_backward<scalar_t, float, float, uint64_t>(shape, dim, G, ps, sms, specials);
   }
   return errs;
 }
