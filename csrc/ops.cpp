@@ -190,7 +190,7 @@ SoftmaxBwdKind softmax_backward_kind(const at::Tensor& g, std::optional<at::Scal
   TORCH_CHECK_VALUE(!map_float || *y_dtype == at::kFloat, "mesa: softmax_backward: y_dtype must be None, g's dtype (",
                     gt, ") or float32, got ", *y_dtype);
   const bool out_float = out_dtype.has_value() && *out_dtype != gt;
-  TORCH_CHECK_VALUE(!out_float || (*out_dtype == at::kFloat && (map_float || gt == at::kFloat)),
+  TORCH_CHECK_VALUE(!out_float || (*out_dtype == at::kFloat && map_float),
                     "mesa: softmax_backward: out_dtype must be None, g's dtype (", gt,
                     ") or float32 with y_dtype float32, got ", *out_dtype);
   return out_float ? SoftmaxBwdKind::kMapFloatOutFloat

@@ -339,8 +339,8 @@ def main(argv=None) -> int:
             f"Batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, one training step "
             f"(forward and backward graphs), torch {torch.__version__}; "
             f"`python scripts/inductor_gpu_code.py --model {args.model} --batch {args.batch}"
-            f"{' --attention fused' if fused else ''}{'' if args.amp else ' --no-amp'}`. MB: the bytes Inductor counts for each Triton kernel's "
-            "loads and stores; for Mesa's opaque ops (CUDA kernels of the extension) their tensor inputs and "
+            f"{' --attention fused' if fused else ''}{'' if args.amp else ' --no-amp'}`. "
+            "MB: the bytes Inductor counts for each Triton kernel's loads and stores; for Mesa's opaque ops (CUDA kernels of the extension) their tensor inputs and "
             "outputs once, a floor. Matmuls (cuBLAS) are not counted.", "",
             summary_table(results)]
     if args.kernels:

@@ -9,10 +9,11 @@ in order: the op-count tests of several files share it.
 
 ``mesa::compress`` (one op for a whole compression, the Python Functions' path) is recorded
 as the ops it runs, so that counts are launches whichever path a layer takes:
-``observe`` + ``quantize``, with row exponents (``max_k > 0``) or a LayerNorm's ``row_mean`` / ``row_rstd``
-``observe_rows`` + ``quantize``; for the delayed estimator (code 2) ``quantize_observe``, after
-``row_exponents`` with row exponents (and the normalised copy with ``row_mean``). test_op_counts.py pins that expansion against the profiler's record of
-what the op calls.
+``observe`` + ``quantize``, with row exponents (``max_k > 0``) or a LayerNorm's ``row_mean`` /
+``row_rstd`` ``observe_rows`` + ``quantize``; for the delayed estimator (code 2)
+``quantize_observe``, after ``row_exponents`` with row exponents (and the normalised copy with
+``row_mean``). test_op_counts.py pins that expansion against the profiler's record of what the
+op calls.
 """
 from __future__ import annotations
 

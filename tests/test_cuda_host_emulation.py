@@ -30,8 +30,8 @@ FAMILIES = (
     "group_minmax", "observe", "observe_rows",
     "quantize_observe_first", "quantize_observe_init", "quantize_observe_first_rows", "quantize_observe_init_rows",
     "update_estimates", "estimate_and_seed", "row_absmax", "row_absmax_vec", "row_k",
-    "softmax_backward", "softmax_backward_64", "softmax_backward_map32", "softmax_backward_out32", "layer_norm_backward", "gelu_value_and_grad",
-    "gelu_value_and_grad_rows",
+    "softmax_backward", "softmax_backward_64", "softmax_backward_map32", "softmax_backward_out32",
+    "layer_norm_backward", "gelu_value_and_grad", "gelu_value_and_grad_rows",
 )
 KERNELS = ("quantize_kernel", "dequantize_kernel", "quantize_bits_kernel", "dequantize_bits_kernel", "observe_kernel",
            "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel", "softmax_backward_kernel",

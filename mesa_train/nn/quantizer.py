@@ -506,17 +506,13 @@ class ActivationQuantizer(nn.Module):
         ``mesa::compress`` given ``x``, ``row_mean`` and ``row_rstd``: ``x_hat`` is never
         written (under ``torch.compile`` Inductor wrote it in float32 for the op to read, a
         pass over the activation per LayerNorm). Only where :meth:`takes_row_norm`."""
-        b = self._follow_device(x)
-        opts = self.options
-        dim = x.dim() - 1
-        G = reference.capped_groups(opts.num_groups, x.shape[dim])
-        q, alpha, beta, k = _COMPRESS(x, b["alpha"], b["beta"], b["initialized"], b["rng"], dim, G, opts.decay,
-                                      ESTIMATOR_CODES[opts.estimator], opts.symmetric, opts.rounding == "stochastic",
-                                      row_dims, max_k, row_mean, row_rstd)
-        return Packed(q, alpha, beta, dim, G), (k if max_k > 0 else None)
+        packed, k = self._compress(x, x.dim() - 1, rows=(row_dims, max_k), row_norm=(row_mean, row_rstd))
+        return packed, (k if max_k > 0 else None)
 
     def _compress(self, x: torch.Tensor, dim: int, row_exp: torch.Tensor | None = None,
-                  rows: tuple[int, int] | None = None) -> tuple[Packed, torch.Tensor | None]:
+                  rows: tuple[int, int] | None = None,
+                  row_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[Packed, torch.Tensor | None]:
+        """``row_norm``: a LayerNorm's (mean, rstd), for the one-op path only (``takes_row_norm``)."""
         opts = self.options
         bufs = self._follow_device(x)
         traced = traced_as_pytorch(x)
@@ -536,7 +532,7 @@ class ActivationQuantizer(nn.Module):
             # the CUDA kernels read it in place (timm's q, k, v: csrc/mesa_common.h, "strided inputs")
             row_dims, max_k = rows if rows is not None else (0, 0)
             q, alpha, beta, k = _COMPRESS(x, *state, dim, G, opts.decay, ESTIMATOR_CODES[opts.estimator],
-                                          opts.symmetric, stochastic, row_dims, max_k)
+                                          opts.symmetric, stochastic, row_dims, max_k, *(row_norm or ()))
             return Packed(q, alpha, beta, dim, G), (k if rows is not None else None)
         x = x.contiguous()  # the one copy a non-contiguous input (k, v of a fused qkv) costs
         if opts.estimator == "delayed":  # one pass: quantize with the estimates so far, then observe
