@@ -598,9 +598,38 @@ struct StoreAffineCols {
   const float* __restrict__ scale;  // nullptr: none
   const float* __restrict__ shift;  // nullptr: none
   int64_t C;
+  // C a multiple of the kernel's step (16) and both tables 16-byte aligned: a step's columns are
+  // c0 .. c0 + V - 1 of one row, fetched as float4s. One 4-byte load a column and table took the
+  // load pipe 32 instructions a 16-byte step, each warp-wide one touching 12-16 cache lines of
+  // the table (H100: 35.7 us for a DeiT-S LayerNorm's (128, 197, 384) rebuild, whose bytes
+  // take about 9); 8 wide ones do the same work.
+  bool vec_cols = false;
   template <typename IdxT, int V>
   __device__ __forceinline__ void operator()(IdxT i0, float (&v)[V]) const {
     IdxT c = i0 % static_cast<IdxT>(C);
+    if constexpr (V % 4 == 0) {
+      if (vec_cols) {  // (uniform across the launch)
+#pragma unroll
+        for (int j = 0; j < V / 4; ++j) {
+          if (scale != nullptr) {
+            const float4 s = __ldg(reinterpret_cast<const float4*>(scale + c) + j);
+            v[4 * j] = v[4 * j] * s.x;
+            v[4 * j + 1] = v[4 * j + 1] * s.y;
+            v[4 * j + 2] = v[4 * j + 2] * s.z;
+            v[4 * j + 3] = v[4 * j + 3] * s.w;
+          }
+          if (shift != nullptr) {
+            const float4 t = __ldg(reinterpret_cast<const float4*>(shift + c) + j);
+            v[4 * j] = v[4 * j] + t.x;
+            v[4 * j + 1] = v[4 * j + 1] + t.y;
+            v[4 * j + 2] = v[4 * j + 2] + t.z;
+            v[4 * j + 3] = v[4 * j + 3] + t.w;
+          }
+        }
+        store_floats<out_t, V>(y + i0, v);
+        return;
+      }
+    }
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       if (scale != nullptr) v[e] = v[e] * __ldg(scale + c);
@@ -713,9 +742,10 @@ at::Tensor dequantize_cuda(const at::Tensor& q_in, const at::Tensor& alpha_in, c
     const at::Tensor sh = col_shift.has_value() && col_shift->defined() ? col_shift->contiguous() : at::Tensor();
     MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cols_cuda", [&] {
       const bool vec = aligned16(q.const_data_ptr()) && aligned16(y.const_data_ptr());
-      const StoreAffineCols<scalar_t> out{y.mutable_data_ptr<scalar_t>(),
-                                          sc.defined() ? sc.const_data_ptr<float>() : nullptr,
-                                          sh.defined() ? sh.const_data_ptr<float>() : nullptr, q.size(-1)};
+      const float* ps = sc.defined() ? sc.const_data_ptr<float>() : nullptr;
+      const float* pt = sh.defined() ? sh.const_data_ptr<float>() : nullptr;
+      const bool vec_cols = q.size(-1) % kVec == 0 && aligned16(ps) && aligned16(pt);  // (nullptr: aligned)
+      const StoreAffineCols<scalar_t> out{y.mutable_data_ptr<scalar_t>(), ps, pt, q.size(-1), vec_cols};
       dispatch_dequantize<float>(q, vec, out, alpha, beta, L, rows, stream);
     });
     return y;
@@ -1834,6 +1864,8 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
 // 1536) bfloat16 rows, 77 MB, about a third of clone's bandwidth; six passes of one chunk a
 // lane). The order of each lane's values is unchanged: the cells and r are the same bits.
 constexpr int kRowCellsAhead = 4;
+// Groups up to which row_cells_kernel keeps its segments' bounds in shared memory
+constexpr int kRowCellsMaxGroups = 256;
 
 // K raw elements of x: one 16-byte load on the vector path (K * sizeof = 16), one element else
 template <typename scalar_t, int K>
@@ -1856,6 +1888,17 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
   constexpr int kPer = VEC ? 16 / int(sizeof(scalar_t)) : 1;
   const int lane = threadIdx.x % 32, sub = lane % W, per_pass = 32 / W;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  // the segments' bounds ceil(g D / G), g = 0 .. G, once a block: computed in each row pass they
+  // were two 64-bit divisions (a called routine of ~70 instructions) per lane and pass, most of
+  // the instructions of a pass (H100, DeiT-S: 63.6 us for the (128, 197, 1536) rows, whose bytes
+  // take about 22)
+  __shared__ int64_t s_bound[kRowCellsMaxGroups + 1];
+  const bool bound_table = G <= kRowCellsMaxGroups;  // (uniform across the launch)
+  if (bound_table) {
+    for (int g = threadIdx.x; g <= G; g += blockDim.x) s_bound[g] = (int64_t(g) * D + G - 1) / G;
+  }
+  __syncthreads();
+  auto bound = [&](int g) -> int64_t { return bound_table ? s_bound[g] : (int64_t(g) * D + G - 1) / G; };
   for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const scalar_t* xr = x + row * D;
     const bool norm = row_mean != nullptr;  // (uniform across the launch)
@@ -1870,8 +1913,8 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
         const int g = g0 + u * per_pass + lane / W;
         b[u] = e[u] = 0;
         if (g < G) {
-          b[u] = (int64_t(g) * D + G - 1) / G + int64_t(sub) * kPer;
-          e[u] = (int64_t(g + 1) * D + G - 1) / G;
+          b[u] = bound(g) + int64_t(sub) * kPer;
+          e[u] = bound(g + 1);
         }
         if (b[u] < e[u]) first[u] = *reinterpret_cast<const RawChunk<scalar_t, kPer>*>(xr + b[u]);
       }
@@ -2193,8 +2236,10 @@ at::Tensor softmax_backward_cuda(const at::Tensor& g_in, const at::Tensor& q_in,
 // global memory per element), columns' groups and the weight from shared memory.
 constexpr int kLnTable = 1024;
 
+// (PER <= 12: three blocks an SM, at most 85 registers a thread; the row's loads all in flight
+// took 87-89, which left two)
 template <typename scalar_t, int PER>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, PER <= 12 ? 3 : 1)
 layer_norm_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __restrict__ q,
                            const float* __restrict__ alpha, const float* __restrict__ beta,
                            const float* __restrict__ weight, const float* __restrict__ rstd,
@@ -2228,13 +2273,25 @@ layer_norm_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __rest
     const int64_t row = r0 + rr;
     if (row >= rows) break;  // (uniform across the warp)
     const int64_t base = row * D;
-    const int sg = (S > 1 ? static_cast<int>(row / rows_per_s) : 0) * G;
+    // the row's loads first, with nothing between them: while the statistics' fetch and the
+    // arithmetic sat between one column's loads and the next (the table branch, a division's
+    // slow-path call), each column waited for its own loads, two bytes-narrow loads in flight
+    // per lane (H100, DeiT-S: 74 us a (128, 197, 384) LayerNorm, a quarter of the bytes' rate)
+    uint8_t qr[PER];
+    scalar_t gr[PER];
+#pragma unroll
+    for (int t = 0; t < PER; ++t) {
+      const int c = lane + 32 * t;
+      qr[t] = c < D ? q[base + c] : uint8_t(0);
+      gr[t] = c < D ? g[base + c] : scalar_t(0.0f);
+    }
     const float rs = __ldg(rstd + row);
     const float unscale = k != nullptr ? pow2i(-static_cast<int>(__ldg(k + row))) : 1.0f;
+    const int sg = (S > 1 ? static_cast<int>(row / rows_per_s) : 0) * G;
     float xh[PER], gw[PER];
     float a1 = 0.0f, a2 = 0.0f;
 #pragma unroll
-    for (int t = 0; t < PER; ++t) {  // every load of the row first: all in flight together
+    for (int t = 0; t < PER; ++t) {
       const int c = lane + 32 * t;
       xh[t] = 0.0f;
       gw[t] = 0.0f;
@@ -2242,9 +2299,9 @@ layer_norm_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __rest
         const int p = sg + s_group[c];
         const float st = table ? s_step[p] : dequant_step(__ldg(alpha + p));
         const float be = table ? s_beta[p] : __ldg(beta + p);
-        float x = dequantize_value(q[base + c], st, be);
+        float x = dequantize_value(qr[t], st, be);
         if (k != nullptr) x = f_mul(x, unscale);  // dequantize's row exponents, in float32
-        const float gv = static_cast<float>(g[base + c]);
+        const float gv = static_cast<float>(gr[t]);
         const float gwv = has_w ? f_mul(gv, s_w[c]) : gv;
         xh[t] = x;
         gw[t] = gwv;
