@@ -126,7 +126,7 @@ MESA_HD void seed_step(uint32_t key, uint32_t counter, uint32_t& seed_lo, uint32
 // codes"; mesa_train.quant.reference.LN_*): the column sums run over chunks of kLnChunkRows
 // rows (one warp's, in row order), then blocks of kLnBlockChunks chunks (one CUDA block's, in
 // chunk order), then one torch.sum over the blocks' partials. Rows of at most kLnMaxCols.
-constexpr int kLnChunkRows = 4;
+constexpr int kLnChunkRows = 8;  // (4 until 2026-11-27: twice the blocks, two waves on an H100, twice the partials)
 constexpr int kLnBlockChunks = 8;
 constexpr int kLnBlockRows = kLnChunkRows * kLnBlockChunks;
 constexpr int kLnMaxCols = 1024;

@@ -1022,7 +1022,7 @@ def gelu_backward(g, q, alpha, beta, dim: int, num_groups: int, row_exp: torch.T
 # three gradients straight from its x_hat codes. Row sums in the warp order of lane_sum;
 # column sums (dweight, dbias) in fixed chunks of rows, the order of the CUDA kernel's
 # blocks, then one torch.sum over the chunks' partials on the tensors' device.
-LN_CHUNK_ROWS = 4  # rows one warp sums in order (a chunk)
+LN_CHUNK_ROWS = 8  # rows one warp sums in order (a chunk)
 LN_BLOCK_CHUNKS = 8  # chunks one block sums in order (a block: LN_CHUNK_ROWS * LN_BLOCK_CHUNKS rows)
 LN_MAX_COLS = 1024  # the widest row (LayerNorm width) the op takes: the CUDA kernel keeps rows in registers
 

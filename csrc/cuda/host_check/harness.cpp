@@ -41,7 +41,7 @@
 //   2**k rounded to the dtype).
 // * gelu_value_and_grad (dequantize with both GELU epilogues at once): each output the bits of
 //   its own op's epilogue;
-// * layer_norm_backward (one block per 32 rows, a warp per chunk of 4, the same exchange; every
+// * layer_norm_backward (one block per 64 rows, a warp per chunk of 8, the same exchange; every
 //   columns-per-lane instantiation, statistics shared and per sample, in shared memory or
 //   not, with and without weight and row exponents, g with NaN / inf) against the sequential
 //   definition: dx and both partial column sums bit for bit.
@@ -1916,15 +1916,15 @@ int random_layout_checks(int ncases) {
 // ------------------------------------------------------------------ layer_norm_backward
 // The definition (DESIGN.md, "LayerNorm backward from the codes"), sequentially: per row,
 // x_hat = q * (alpha / 255) + beta (times 2**-k), gw = g * w, m1 = lane_sum(gw) / D,
-// m2 = lane_sum(gw * x_hat) / D, dx = rstd * ((gw - m1) - x_hat * m2); per block of 32 rows
-// the column sums of g * x_hat and g, each chunk of 4 rows from +0.0 in row order, the
+// m2 = lane_sum(gw * x_hat) / D, dx = rstd * ((gw - m1) - x_hat * m2); per block of 64 rows
+// the column sums of g * x_hat and g, each chunk of 8 rows from +0.0 in row order, the
 // chunks from +0.0 in order. The kernel's partials are compared (the glue's at::sum is ATen's).
 template <typename scalar_t>
 void naive_layer_norm_backward(int64_t rows, int64_t D, int64_t G, int64_t S, const scalar_t* g, const uint8_t* q,
                                const float* alpha, const float* beta, const float* w, const float* rstd,
                                const int8_t* k, std::vector<float>& dx, std::vector<float>& pw,
                                std::vector<float>& pb) {
-  const int64_t blocks = (rows + 31) / 32;
+  const int64_t blocks = (rows + 63) / 64;
   dx.assign(rows * D, 0.0f);
   pw.assign(blocks * D, 0.0f);
   pb.assign(blocks * D, 0.0f);
@@ -1933,7 +1933,7 @@ void naive_layer_norm_backward(int64_t rows, int64_t D, int64_t G, int64_t S, co
     for (int64_t ch = 0; ch < 8; ++ch) {
       std::fill(cw.begin(), cw.end(), 0.0f);
       std::fill(cb.begin(), cb.end(), 0.0f);
-      for (int64_t r = b * 32 + ch * 4; r < std::min(rows, b * 32 + ch * 4 + 4); ++r) {
+      for (int64_t r = b * 64 + ch * 8; r < std::min(rows, b * 64 + ch * 8 + 8); ++r) {
         const int64_t s = S > 1 ? r / (rows / S) : 0;
         std::vector<float> xh(D), gv(D), gw(D), gx(D);
         for (int64_t c = 0; c < D; ++c) {
@@ -1957,7 +1957,7 @@ void naive_layer_norm_backward(int64_t rows, int64_t D, int64_t G, int64_t S, co
   }
 }
 
-// layer_norm_backward_kernel on layer_norm_backward_cuda's grid (one block per 32 rows) for
+// layer_norm_backward_kernel on layer_norm_backward_cuda's grid (one block per 64 rows) for
 // every columns-per-lane instantiation, against the naive definition: shared and per-sample
 // statistics (tables in shared memory, and per element when S * G > kLnTable), with and
 // without weight and row exponents, g with NaN / inf / -0 in some cases
@@ -2018,7 +2018,7 @@ int layer_norm_backward_checks(int ncases) {
   struct C { int64_t rows, D, G, S; };
   const std::vector<C> fixed = {{3, 1, 1, 1},    {5, 31, 3, 1},    {33, 32, 2, 1},    {70, 48, 6, 2},
                                 {40, 100, 4, 4}, {64, 197, 3, 2},  {37, 384, 6, 1},   {9, 500, 5, 3},
-                                {12, 768, 12, 2}, {6, 1024, 8, 1}, {66, 33, 33, 33}};
+                                {12, 768, 12, 2}, {6, 1024, 8, 1}, {66, 33, 33, 33}, {150, 64, 4, 5}};
   int t = 0;
   for (const auto& c : fixed) {
     const bool hw = t % 2 == 0, hk = t % 3 != 1, sp = t % 4 == 0;
