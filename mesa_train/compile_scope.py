@@ -29,7 +29,9 @@ traced quantize wrote and read a numel-sized int32 buffer beside its 1-byte code
 element (seen in Inductor's code on CPU, ``tests/test_compile_scope.py``), and on an H100 the
 traced quantize of a DeiT-S attention map ran at a third of clone's bandwidth. A model with
 Mesa layers compiled by Inductor with the traced compression gets a higher threshold; a stock
-model, or Mesa's opaque ops, the defaults.
+model, or Mesa's opaque ops, the defaults. And a joint-graph pass,
+:class:`mesa_train.quant.save_codes.SaveCodes`, that keeps the codes for backward where the
+partitioner would otherwise save a dequantized bf16 copy (its module doc).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from torch import nn
 from mesa_train.models import unwrap_model
 from mesa_train.nn._common import MesaLayer
 from mesa_train.quant.compile_kernels import traced_when_compiled
+from mesa_train.quant.save_codes import SaveCodes
 
 __all__ = ["SCOPES", "TRACED_INDUCTOR_OPTIONS", "compile_model", "inductor_kwargs", "repeated_blocks"]
 
@@ -48,8 +51,9 @@ SCOPES = ("model", "blocks")
 _BLOCK_CONTAINER = "blocks"
 
 # Inductor options when Mesa's compression is traced (module doc): the traced quantize's
-# expression (about 60 operations with the rescale and the clamp) stays one fused expression
-TRACED_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 128}
+# expression (about 60 operations with the rescale and the clamp) stays one fused expression;
+# the dequantize chains run in backward from the saved codes
+TRACED_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 128, "joint_custom_post_pass": SaveCodes()}
 
 
 def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:

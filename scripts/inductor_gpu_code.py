@@ -71,9 +71,10 @@ class Captured(types.SimpleNamespace):
 
 
 def capture_step_graphs(module: torch.nn.Module, x: torch.Tensor, steps: int, amp: bool,
-                        after_step=None) -> list[Captured]:
+                        after_step=None, inductor_options: dict | None = None) -> list[Captured]:
     """Compile ``module`` (fullgraph) and run ``steps`` training steps on the CPU; returns the
-    last forward and backward graphs AOTAutograd handed to Inductor."""
+    last forward and backward graphs AOTAutograd handed to Inductor. ``inductor_options``: the
+    Inductor config while it compiles (its joint-graph passes and the partition run here)."""
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
 
@@ -88,7 +89,8 @@ def capture_step_graphs(module: torch.nn.Module, x: torch.Tensor, steps: int, am
     compiled = torch.compile(module, backend=lambda gm, ins: compile_fx(gm, ins, inner_compile=keep),
                              fullgraph=True)
     for _ in range(steps):
-        with cuda_autocast_softmax(amp), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        with cuda_autocast_softmax(amp), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), \
+                torch._inductor.config.patch(inductor_options or {}):
             y = compiled(x)
         y.float().sum().backward()
         if after_step is not None:
@@ -278,20 +280,32 @@ def census(model_name: str, variant: str, batch: int, amp: bool, attention: str 
     tokens = getattr(model.patch_embed, "num_patches", 196) + getattr(model, "num_prefix_tokens", 1)
     x = torch.randn(batch, tokens, model.embed_dim, requires_grad=True)
     torch._dynamo.reset()
-    graphs = capture_step_graphs(block, x, steps=2 if variant == "delayed" else 1, amp=amp,
-                                 after_step=(lambda: mark_estimates_ready(model)) if variant == "delayed" else None)
     options = dict(TRACED_INDUCTOR_OPTIONS) if traced else {}
+    graphs = capture_step_graphs(block, x, steps=2 if variant == "delayed" else 1, amp=amp,
+                                 after_step=(lambda: mark_estimates_ready(model)) if variant == "delayed" else None,
+                                 inductor_options=options)
     out = {}
     for graph in graphs:
         sources, ops = lower_for_h100(graph, options)
-        out["backward" if graph.kwargs.get("is_backward") else "forward"] = kernel_rows(sources) + ops
+        part = "backward" if graph.kwargs.get("is_backward") else "forward"
+        out[part] = kernel_rows(sources) + ops
+        if part == "forward":
+            out["saved"] = saved_for_backward(graph)
     return out
+
+
+def saved_for_backward(forward: Captured) -> list[tuple[torch.dtype, int]]:
+    """(dtype, numel) of each tensor a captured forward graph keeps for its backward: its outputs
+    after the first (the block's output), as AOTAutograd's partitioner chose them."""
+    outputs = next(n for n in forward.gm.graph.nodes if n.op == "output").args[0]
+    vals = [n.meta.get("val") for n in outputs[1:] if isinstance(n, torch.fx.Node)]
+    return [(v.dtype, v.numel()) for v in vals if isinstance(v, torch.Tensor)]
 
 
 def summary_table(results: dict[str, dict[str, list]]) -> str:
     """Per variant and pass: Triton kernels and their MB, opaque Mesa ops and theirs, the total."""
     lines = ["| variant | forward kernels | forward MB | forward Mesa ops (MB) | backward kernels | backward MB "
-             "| backward Mesa ops (MB) | total MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| backward Mesa ops (MB) | total MB | saved for backward MB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for variant, parts in results.items():
         cells, total = [], 0.0
         for part in ("forward", "backward"):
@@ -300,7 +314,8 @@ def summary_table(results: dict[str, dict[str, list]]) -> str:
             k_mb, o_mb = sum(r[2] for r in kernels), sum(r[2] for r in ops)
             cells += [f"{len(kernels)}", f"{k_mb:,.1f}", f"{len(ops)} ({o_mb:,.1f})"]
             total += k_mb + o_mb
-        lines.append(f"| {variant} | {' | '.join(cells)} | {total:,.1f} |")
+        saved = sum(n * d.itemsize for d, n in parts.get("saved", [])) / 1e6
+        lines.append(f"| {variant} | {' | '.join(cells)} | {total:,.1f} | {saved:,.1f} |")
     return "\n".join(lines)
 
 
@@ -341,12 +356,14 @@ def main(argv=None) -> int:
             f"`python scripts/inductor_gpu_code.py --model {args.model} --batch {args.batch}"
             f"{' --attention fused' if fused else ''}{'' if args.amp else ' --no-amp'}`. "
             "MB: the bytes Inductor counts for each Triton kernel's loads and stores; for Mesa's opaque ops (CUDA kernels of the extension) their tensor inputs and "
-            "outputs once, a floor. Matmuls (cuBLAS) are not counted.", "",
+            "outputs once, a floor. Matmuls (cuBLAS) are not counted. Saved for backward: the tensors "
+            "the forward graph keeps for the backward (AOTAutograd's partition; parameters and their "
+            "casts included).", "",
             summary_table(results)]
     if args.kernels:
         for variant, parts in results.items():
-            for part, rows in parts.items():
-                text += ["", f"## {variant}: {part}", "", kernel_table(rows)]
+            for part in ("forward", "backward"):
+                text += ["", f"## {variant}: {part}", "", kernel_table(parts[part])]
     report = "\n".join(text) + "\n"
     print(report)
     if args.out:

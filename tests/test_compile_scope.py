@@ -219,7 +219,7 @@ def test_traced_compression_gets_its_inductor_options(traced_compression):
     got = inductor_kwargs(mesa, {"mode": "reduce-overhead", "dynamic": False})
     assert got == {"dynamic": False, "options": {"triton.cudagraphs": True, **TRACED_INDUCTOR_OPTIONS}}
     assert inductor_kwargs(mesa, {"options": {"realize_opcount_threshold": 64}}) == {
-        "options": {"realize_opcount_threshold": 64}}  # the caller's options win
+        "options": {**TRACED_INDUCTOR_OPTIONS, "realize_opcount_threshold": 64}}  # the caller's options win
     set_compile_kernels("ops")
     assert inductor_kwargs(mesa, {"mode": "default"}) == {"mode": "default"}
 
