@@ -1,0 +1,197 @@
+"""Machine-code audit of the CUDA kernels, without a GPU: registers, occupancy and how many
+global loads each kernel keeps in flight, read from the sm_90 cubin nvcc builds here.
+
+Why: three of the slowest kernels of the H100 profile had faults visible in their machine code
+and nowhere else (found with cuobjdump, 2026-11-27): ``layer_norm_backward_kernel`` waited for
+each column's loads in turn (2 loads in flight per lane, 74 us where its bytes take ~20),
+dequantize's column epilogue issued 32 scalar loads per 16 elements, and ``row_cells_kernel``
+called a 64-bit division routine twice per pass. A profiler says a kernel is slow; this says
+why, and ``tests/test_sass_audit.py`` keeps the fixed kernels fixed.
+
+    python scripts/sass_audit.py                                   # every kernel, sm_90
+    python scripts/sass_audit.py --kernels 'layer_norm_backward'   # a regex over the names
+
+Columns: registers and spilled bytes (ptxas), static shared memory, resident 256-thread blocks
+per SM (H100: 64K registers, 228 KB of shared memory, 32 blocks), global loads (LDG) in the
+code, and the most loads in flight: walking the instructions in order, a load is in flight
+from its issue until the first instruction that reads its destination register (branches are
+not followed: a lower bound on a loop body's, exact for straight-line code). Needs nvcc and
+cuobjdump (on PATH, or the one Triton's wheel carries); about a minute on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCE = Path("csrc/cuda/quant_cuda.cu")
+# H100 (sm_90) per-SM limits for the occupancy column
+SM_REGISTERS, SM_SHARED, SM_BLOCKS, REG_UNIT = 65536, 228 * 1024, 32, 256
+
+
+def fail(message: str) -> "NoReturn":  # noqa: F821
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _ptx_cost():
+    """scripts/ptx_cost.py (its nvcc flags and demangling)."""
+    spec = importlib.util.spec_from_file_location("ptx_cost", REPO / "scripts" / "ptx_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cuobjdump() -> str:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    fail("cuobjdump not found (CUDA toolkit or Triton's wheel)")
+
+
+def compile_cubin(arch: str) -> tuple[bytes, str]:
+    """(cubin, ptxas's -v report) of csrc/cuda/quant_cuda.cu with the extension's flags."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists():
+        fail("nvcc not found (needs a CUDA toolkit; no GPU needed)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "k.cubin"
+        includes = [f"-I{p}" for p in include_paths(device_type="cuda")]
+        cmd = [nvcc, "-cubin", f"-arch={arch}", *_ptx_cost().NVCC_FLAGS, *COMMON_NVCC_FLAGS, "-Xptxas", "-v",
+               *includes, str(REPO / SOURCE), "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            fail(f"nvcc failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        return out.read_bytes(), proc.stderr
+
+
+def ptxas_resources(report: str) -> dict[str, tuple[int, int, int]]:
+    """{mangled kernel: (registers, spilled bytes, static shared bytes)} from ptxas -v."""
+    out, name, spill = {}, None, 0
+    for line in report.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            name, spill = m.group(1), 0
+        m = re.search(r"(\d+) bytes spill stores", line)
+        if m and name:
+            spill = int(m.group(1))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name:
+            smem = re.search(r"(\d+) bytes smem", line)
+            out[name] = (int(m.group(1)), spill, int(smem.group(1)) if smem else 0)
+            name = None
+    return out
+
+
+def sass_by_kernel(cubin: bytes) -> dict[str, list[str]]:
+    """{mangled kernel: its instructions (text, without addresses and encodings)}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        text = subprocess.run([cuobjdump(), "-sass", str(path)], capture_output=True, text=True).stdout
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m and current is not None:
+            current.append(m.group(1))
+    return out
+
+
+def _operands(instruction: str) -> tuple[str, list[str]]:
+    body = re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction)
+    opcode, _, rest = body.partition(" ")
+    return opcode, [t.strip() for t in rest.split(",")] if rest else []
+
+
+def loads_in_flight(instructions: list[str]) -> int:
+    """The most global loads outstanding at once along the instruction stream (module doc)."""
+    pending: dict[int, int] = {}  # destination register -> load number
+    outstanding: set[int] = set()
+    most = count = 0
+    for ins in instructions:
+        opcode, ops = _operands(ins)
+        sources = ops[1:] if not opcode.startswith(("ST", "RED", "ATOM")) else ops
+        read = {int(r) for op in sources for r in re.findall(r"\bR(\d+)\b", op)}
+        done = {pending[r] for r in read if r in pending}
+        if done:
+            outstanding -= done
+            pending = {r: n for r, n in pending.items() if n not in done}
+        if opcode.startswith("LDG") and ops:
+            dest = re.match(r"R(\d+)", ops[0])
+            if dest:
+                count += 1
+                width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
+                for k in range(width):
+                    pending[int(dest.group(1)) + k] = count
+                outstanding.add(count)
+                most = max(most, len(outstanding))
+    return most
+
+
+def blocks_per_sm(registers: int, smem: int, threads: int = 256) -> int:
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // REG_UNIT) * REG_UNIT
+    by_regs = SM_REGISTERS // (per_warp * warps) if registers else SM_BLOCKS
+    by_smem = SM_SHARED // smem if smem else SM_BLOCKS
+    return min(by_regs, by_smem, SM_BLOCKS)
+
+
+def audit(pattern: str = "", arch: str = "sm_90") -> list[dict]:
+    """One row per kernel whose demangled name matches ``pattern``."""
+    cubin, report = compile_cubin(arch)
+    resources = ptxas_resources(report)
+    code = sass_by_kernel(cubin)
+    names = list(code)
+    readable = _ptx_cost().readable_counts({n: n for n in names})
+    rows = []
+    for pretty, mangled in readable.items():
+        if not re.search(pattern, pretty):
+            continue
+        regs, spill, smem = resources.get(mangled, (0, 0, 0))
+        ins = code[mangled]
+        rows.append({"kernel": pretty, "registers": regs, "spill": spill, "smem": smem,
+                     "blocks_per_sm": blocks_per_sm(regs, smem),
+                     "loads": sum(_operands(i)[0].startswith("LDG") for i in ins),
+                     "in_flight": loads_in_flight(ins), "instructions": ins})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="sm_90", help="target (default sm_90, the H100's)")
+    p.add_argument("--kernels", default="", help="regex over the demangled kernel names (default: all)")
+    args = p.parse_args(argv)
+    rows = audit(args.kernels, args.arch)
+    if not rows:
+        fail(f"no kernel matches {args.kernels!r}")
+    print(f"{args.arch} machine code of {SOURCE}\n")
+    print("| kernel | registers | spilled bytes | shared bytes | blocks/SM (256 threads) | loads | most in flight |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in sorted(rows, key=lambda r: r["kernel"]):
+        print(f"| `{r['kernel'][:110]}` | {r['registers']} | {r['spill']} | {r['smem']} | {r['blocks_per_sm']} "
+              f"| {r['loads']} | {r['in_flight']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
