@@ -10,6 +10,7 @@ why, and ``tests/test_sass_audit.py`` keeps the fixed kernels fixed.
 
     python scripts/sass_audit.py                                   # every kernel, sm_90
     python scripts/sass_audit.py --kernels 'layer_norm_backward'   # a regex over the names
+    python scripts/sass_audit.py --baseline-rev 2e156b2            # and the same kernels there
 
 Columns: registers and spilled bytes (ptxas), static shared memory, resident 256-thread blocks
 per SM (H100: 64K registers, 228 KB of shared memory, 32 blocks), global loads (LDG) in the
@@ -62,8 +63,8 @@ def cuobjdump() -> str:
     fail("cuobjdump not found (CUDA toolkit or Triton's wheel)")
 
 
-def compile_cubin(arch: str) -> tuple[bytes, str]:
-    """(cubin, ptxas's -v report) of csrc/cuda/quant_cuda.cu with the extension's flags."""
+def compile_cubin(arch: str, tree: Path = REPO) -> tuple[bytes, str]:
+    """(cubin, ptxas's -v report) of ``tree``'s csrc/cuda/quant_cuda.cu with the extension's flags."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
@@ -73,7 +74,7 @@ def compile_cubin(arch: str) -> tuple[bytes, str]:
         out = Path(tmp) / "k.cubin"
         includes = [f"-I{p}" for p in include_paths(device_type="cuda")]
         cmd = [nvcc, "-cubin", f"-arch={arch}", *_ptx_cost().NVCC_FLAGS, *COMMON_NVCC_FLAGS, "-Xptxas", "-v",
-               *includes, str(REPO / SOURCE), "-o", str(out)]
+               *includes, str(tree / SOURCE), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             fail(f"nvcc failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -156,9 +157,9 @@ def blocks_per_sm(registers: int, smem: int, threads: int = 256) -> int:
     return min(by_regs, by_smem, SM_BLOCKS)
 
 
-def audit(pattern: str = "", arch: str = "sm_90") -> list[dict]:
-    """One row per kernel whose demangled name matches ``pattern``."""
-    cubin, report = compile_cubin(arch)
+def audit(pattern: str = "", arch: str = "sm_90", tree: Path = REPO) -> list[dict]:
+    """One row per kernel of ``tree`` whose demangled name matches ``pattern``."""
+    cubin, report = compile_cubin(arch, tree)
     resources = ptxas_resources(report)
     code = sass_by_kernel(cubin)
     names = list(code)
@@ -180,16 +181,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="sm_90", help="target (default sm_90, the H100's)")
     p.add_argument("--kernels", default="", help="regex over the demangled kernel names (default: all)")
+    p.add_argument("--baseline-rev", help="git revision to compare with (its csrc/, same flags)")
     args = p.parse_args(argv)
     rows = audit(args.kernels, args.arch)
     if not rows:
         fail(f"no kernel matches {args.kernels!r}")
-    print(f"{args.arch} machine code of {SOURCE}\n")
+    base = {}
+    if args.baseline_rev:
+        with tempfile.TemporaryDirectory() as tmp:
+            base = {r["kernel"]: r for r in audit(args.kernels, args.arch,
+                                                  _ptx_cost().checkout(args.baseline_rev, Path(tmp)))}
+    cols = ("registers", "spill", "smem", "blocks_per_sm", "loads", "in_flight")
+    print(f"{args.arch} machine code of {SOURCE}" + (f"; baseline {args.baseline_rev} -> this tree" if base else "")
+          + "\n")
     print("| kernel | registers | spilled bytes | shared bytes | blocks/SM (256 threads) | loads | most in flight |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: r["kernel"]):
-        print(f"| `{r['kernel'][:110]}` | {r['registers']} | {r['spill']} | {r['smem']} | {r['blocks_per_sm']} "
-              f"| {r['loads']} | {r['in_flight']} |")
+        b = base.get(r["kernel"])
+        cells = [f"{b[c]} -> {r[c]}" if b is not None and b[c] != r[c] else f"{r[c]}" for c in cols]
+        print(f"| `{r['kernel'][:110]}` | " + " | ".join(cells) + " |")
     return 0
 
 
