@@ -261,7 +261,8 @@ def kernel_rows(sources: dict[str, str]) -> list[tuple[str, str, float]]:
 
 
 def census(model_name: str, variant: str, batch: int, amp: bool, attention: str = "explicit") -> dict[str, list]:
-    """{"forward": rows, "backward": rows} for one block of ``model_name`` in ``variant``."""
+    """{"forward": rows, "backward": rows, "saved": (dtype, numel) pairs (:func:`saved_for_backward`)} for
+    one block of ``model_name`` in ``variant``."""
     from mesa_train.compile_scope import TRACED_INDUCTOR_OPTIONS
     from mesa_train.models import build_model
     from mesa_train.nn.quantizer import mark_estimates_ready
@@ -305,7 +306,8 @@ def saved_for_backward(forward: Captured) -> list[tuple[torch.dtype, int]]:
 def summary_table(results: dict[str, dict[str, list]]) -> str:
     """Per variant and pass: Triton kernels and their MB, opaque Mesa ops and theirs, the total."""
     lines = ["| variant | forward kernels | forward MB | forward Mesa ops (MB) | backward kernels | backward MB "
-             "| backward Mesa ops (MB) | total MB | saved for backward MB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| backward Mesa ops (MB) | total MB | saved for backward MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for variant, parts in results.items():
         cells, total = [], 0.0
         for part in ("forward", "backward"):

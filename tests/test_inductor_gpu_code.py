@@ -67,10 +67,14 @@ def test_census_of_a_stock_block():
     and the forward moves at least the block's input once (float32)."""
     result = _run("""
 out = igc.census("deit_ti", "stock", 2, True)
-print(json.dumps({part: [[name, kind, mb] for name, kind, mb in rows] for part, rows in out.items()}))
+res = {part: [[name, kind, mb] for name, kind, mb in out[part]] for part in ("forward", "backward")}
+res["saved"] = [[str(dtype), n] for dtype, n in out["saved"]]
+print(json.dumps(res))
 """)
-    assert set(result) == {"forward", "backward"}
-    for rows in result.values():
+    assert set(result) == {"forward", "backward", "saved"}
+    # what the forward keeps for backward: at least the block's input (2, 197, 192), in float32
+    assert sum(n * (4 if dtype == "torch.float32" else 2) for dtype, n in result["saved"]) >= 2 * 197 * 192 * 4
+    for rows in (result["forward"], result["backward"]):
         assert rows and all(mb > 0 for _, _, mb in rows), rows
         assert {kind for _, kind, _ in rows} <= {"pointwise", "reduction", "persistent reduction"}
     assert any("layer_norm" in name for name, _, _ in result["forward"])
@@ -90,10 +94,14 @@ def test_census_lists_the_opaque_mesa_ops():
     generate: they are listed beside the Triton kernels with the bytes of their tensors."""
     result = _run("""
 out = igc.census("deit_ti", "ops", 2, True)
-print(json.dumps({part: [[name, kind, mb] for name, kind, mb in rows] for part, rows in out.items()}))
+res = {part: [[name, kind, mb] for name, kind, mb in out[part]] for part in ("forward", "backward")}
+res["saved"] = [[str(dtype), n] for dtype, n in out["saved"]]
+print(json.dumps(res))
 """)
-    ops = {part: [(name, mb) for name, kind, mb in rows if kind == "Mesa op"] for part, rows in result.items()}
+    ops = {part: [(name, mb) for name, kind, mb in result[part] if kind == "Mesa op"]
+           for part in ("forward", "backward")}
     assert any(name == "mesa.compress" for name, _ in ops["forward"]), ops
+    assert any(dtype == "torch.uint8" for dtype, _ in result["saved"]), result["saved"]  # the codes
     assert any(name == "mesa.softmax_backward" for name, _ in ops["backward"]), ops
     # a block's input (2, 197, 192) float32 is compressed at least once: its bytes in, codes out
     assert all(mb > 0 for rows in ops.values() for _, mb in rows)
@@ -105,9 +113,11 @@ def test_census_of_the_fused_attention_block():
     ``mesa::sdpa_recompute_backward`` (an opaque op), q, k, v compressed, no softmax op."""
     result = _run("""
 out = igc.census("deit_ti", "ops", 2, True, "fused")
-print(json.dumps({part: [[name, kind, mb] for name, kind, mb in rows] for part, rows in out.items()}))
+res = {part: [[name, kind, mb] for name, kind, mb in out[part]] for part in ("forward", "backward")}
+res["saved"] = [[str(dtype), n] for dtype, n in out["saved"]]
+print(json.dumps(res))
 """)
-    ops = {part: [name for name, kind, _ in rows if kind == "Mesa op"] for part, rows in result.items()}
+    ops = {part: [name for name, kind, _ in result[part] if kind == "Mesa op"] for part in ("forward", "backward")}
     assert "mesa.sdpa_recompute_backward" in ops["backward"], ops
     assert "mesa.softmax_backward" not in ops["backward"], ops
     assert ops["forward"].count("mesa.compress") >= 3 + 4, ops  # q, k, v and the Linear / GELU / norm inputs

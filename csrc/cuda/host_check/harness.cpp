@@ -1676,7 +1676,8 @@ int observe_rows_checks(int ncases) {
   // (600 / 300: computed in each pass)
   const std::vector<std::tuple<int64_t, int64_t, int>> fixed = {
       {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4},
-      {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}};  // (sub-warps of 1, 2, 4, 8, 16 and 32 lanes across the dtypes)
+      {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}};
+  // (sub-warps of 1, 2, 4, 8, 16 and 32 lanes across the dtypes)
   // (each layout with one dtype per SM count, rotating: the warp emulation is slow)
   int turn = 0;
   for (const auto& [rows, D, G] : fixed)
