@@ -73,21 +73,27 @@ def readable_counts(counts: dict[str, collections.Counter]) -> dict[str, collect
     return out
 
 
-def compile_ptx(tree: Path, arch: str) -> str:
+def run_nvcc(tree: Path, arch: str, kind: str, extra: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """(output file, nvcc's stderr) of ``tree``'s csrc/cuda/quant_cuda.cu compiled with the
+    extension's flags to ``kind`` ("ptx" or "cubin") for ``arch``; ``extra``: more nvcc flags."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).exists():
         fail("nvcc not found (needs a CUDA toolkit; no GPU needed)")
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "k.ptx"
+        out = Path(tmp) / f"k.{kind}"
         includes = [f"-I{p}" for p in include_paths(device_type="cuda")]
-        cmd = [nvcc, "-ptx", f"-arch={arch}", *NVCC_FLAGS, *COMMON_NVCC_FLAGS, *includes, str(tree / SOURCE), "-o",
-               str(out)]
+        cmd = [nvcc, f"-{kind}", f"-arch={arch}", *NVCC_FLAGS, *COMMON_NVCC_FLAGS, *extra, *includes,
+               str(tree / SOURCE), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             fail(f"nvcc failed on {tree / SOURCE}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-        return out.read_text()
+        return out.read_bytes(), proc.stderr
+
+
+def compile_ptx(tree: Path, arch: str) -> str:
+    return run_nvcc(tree, arch, "ptx")[0].decode()
 
 
 def checkout(rev: str, into: Path) -> Path:

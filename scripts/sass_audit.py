@@ -65,20 +65,7 @@ def cuobjdump() -> str:
 
 def compile_cubin(arch: str, tree: Path = REPO) -> tuple[bytes, str]:
     """(cubin, ptxas's -v report) of ``tree``'s csrc/cuda/quant_cuda.cu with the extension's flags."""
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
-
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    if not Path(nvcc).exists():
-        fail("nvcc not found (needs a CUDA toolkit; no GPU needed)")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "k.cubin"
-        includes = [f"-I{p}" for p in include_paths(device_type="cuda")]
-        cmd = [nvcc, "-cubin", f"-arch={arch}", *_ptx_cost().NVCC_FLAGS, *COMMON_NVCC_FLAGS, "-Xptxas", "-v",
-               *includes, str(tree / SOURCE), "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            fail(f"nvcc failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-        return out.read_bytes(), proc.stderr
+    return _ptx_cost().run_nvcc(tree, arch, "cubin", ("-Xptxas", "-v"))
 
 
 def ptxas_resources(report: str) -> dict[str, tuple[int, int, int]]:
