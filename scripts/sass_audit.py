@@ -22,6 +22,7 @@ cuobjdump (on PATH, or the one Triton's wheel carries); about a minute on 2 core
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import re
 import shutil
@@ -41,8 +42,9 @@ def fail(message: str) -> "NoReturn":  # noqa: F821
     raise SystemExit(2)
 
 
+@functools.cache
 def _ptx_cost():
-    """scripts/ptx_cost.py (its nvcc flags and demangling)."""
+    """scripts/ptx_cost.py (its nvcc invocation, checkout and demangling), loaded once."""
     spec = importlib.util.spec_from_file_location("ptx_cost", REPO / "scripts" / "ptx_cost.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -107,8 +109,13 @@ def sass_by_kernel(cubin: bytes) -> dict[str, list[str]]:
 
 def _operands(instruction: str) -> tuple[str, list[str]]:
     body = re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction)
-    opcode, _, rest = body.partition(" ")
-    return opcode, [t.strip() for t in rest.split(",")] if rest else []
+    op, _, rest = body.partition(" ")
+    return op, [t.strip() for t in rest.split(",")] if rest else []
+
+
+def opcode(instruction: str) -> str:
+    """An instruction's opcode with its modifiers (``LDG.E.128.CONSTANT``), predicate dropped."""
+    return _operands(instruction)[0]
 
 
 def loads_in_flight(instructions: list[str]) -> int:
@@ -117,18 +124,18 @@ def loads_in_flight(instructions: list[str]) -> int:
     outstanding: set[int] = set()
     most = count = 0
     for ins in instructions:
-        opcode, ops = _operands(ins)
-        sources = ops[1:] if not opcode.startswith(("ST", "RED", "ATOM")) else ops
+        name, ops = _operands(ins)
+        sources = ops[1:] if not name.startswith(("ST", "RED", "ATOM")) else ops
         read = {int(r) for op in sources for r in re.findall(r"\bR(\d+)\b", op)}
         done = {pending[r] for r in read if r in pending}
         if done:
             outstanding -= done
             pending = {r: n for r, n in pending.items() if n not in done}
-        if opcode.startswith("LDG") and ops:
+        if name.startswith("LDG") and ops:
             dest = re.match(r"R(\d+)", ops[0])
             if dest:
                 count += 1
-                width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
+                width = 4 if ".128" in name else 2 if ".64" in name else 1
                 for k in range(width):
                     pending[int(dest.group(1)) + k] = count
                 outstanding.add(count)
@@ -159,7 +166,7 @@ def audit(pattern: str = "", arch: str = "sm_90", tree: Path = REPO) -> list[dic
         ins = code[mangled]
         rows.append({"kernel": pretty, "registers": regs, "spill": spill, "smem": smem,
                      "blocks_per_sm": blocks_per_sm(regs, smem),
-                     "loads": sum(_operands(i)[0].startswith("LDG") for i in ins),
+                     "loads": sum(opcode(i).startswith("LDG") for i in ins),
                      "in_flight": loads_in_flight(ins), "instructions": ins})
     return rows
 

@@ -5,6 +5,7 @@ of steps (``FAST_TRAINER``); subprocess runs get ``OMP_NUM_THREADS=1`` and wandb
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import subprocess
@@ -111,6 +112,14 @@ def cifar100_root(tmp_path) -> Path:
 @pytest.fixture
 def imagefolder_root(tmp_path) -> Path:
     return write_image_folder(tmp_path / "imagenet")
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

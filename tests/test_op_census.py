@@ -2,19 +2,9 @@
 model's (and the reverse), found on the CPU."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "op_census.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("op_census", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def _rows(out: str) -> list[list[str]]:
@@ -23,7 +13,7 @@ def _rows(out: str) -> list[list[str]]:
 
 
 def test_census_of_a_patched_deit_block(capsys):
-    assert _module().main(["--depth", "1", "--batch", "2", "--img-size", "32"]) == 0
+    assert load_script("op_census").main(["--depth", "1", "--batch", "2", "--img-size", "32"]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)
     ops = {r[3] for r in rows}
@@ -40,13 +30,13 @@ def test_census_of_a_patched_deit_block(capsys):
 
 def test_unknown_op_is_a_one_line_error(capsys):
     with pytest.raises(SystemExit):
-        _module().main(["--ops", "gelu", "attention"])
+        load_script("op_census").main(["--ops", "gelu", "attention"])
     err = capsys.readouterr().err
     assert "unknown ops ['attention']; valid: linear" in err
 
 
 def test_unknown_model_is_a_one_line_error(capsys):
     with pytest.raises(SystemExit):
-        _module().main(["--model", "swin_t"])
+        load_script("op_census").main(["--model", "swin_t"])
     err = capsys.readouterr().err
     assert "unknown model 'swin_t'; valid choices: deit_ti" in err and "Traceback" not in err

@@ -5,7 +5,6 @@ for one architecture, about 15 s on 2 cores) and is skipped without it.
 """
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -13,15 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "ptx_cost.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("ptx_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 PTX = """
@@ -47,7 +41,7 @@ $L__BB0_2:
 
 
 def test_counts_instructions_per_kernel_not_directives_or_labels():
-    counts = _module().kernel_counts(PTX)
+    counts = load_script("ptx_cost").kernel_counts(PTX)
     assert set(counts) == {"_Z3fooPf", "_Z3barv"}
     foo = counts["_Z3fooPf"]
     assert foo[""] == 6  # ld, mul, xor, bra (predicated), mad, ret
@@ -56,7 +50,7 @@ def test_counts_instructions_per_kernel_not_directives_or_labels():
 
 
 def test_unknown_revision_and_no_match_are_one_line_errors(capsys):
-    m = _module()
+    m = load_script("ptx_cost")
     with pytest.raises(SystemExit):
         m.table({"quantize_kernel<float>": m.collections.Counter({"": 3})}, None, "nothing-matches")
     err = capsys.readouterr().err

@@ -6,25 +6,16 @@ kernels to a cubin, about a minute on 2 cores) and are skipped without them.
 """
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "sass_audit.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("sass_audit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def test_loads_in_flight_end_at_the_first_read_of_their_register():
-    m = _module()
+    m = load_script("sass_audit")
     serial = ["LDG.E.U8 R3, desc[UR4][R10.64]", "IMAD R4, R3, R3, RZ",  # each load used at once
               "LDG.E.U8 R5, desc[UR4][R10.64+0x20]", "IMAD R6, R5, R5, RZ"]
     assert m.loads_in_flight(serial) == 1
@@ -37,7 +28,7 @@ def test_loads_in_flight_end_at_the_first_read_of_their_register():
 
 
 def test_ptxas_report_and_occupancy():
-    m = _module()
+    m = load_script("sass_audit")
     report = """ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'
 ptxas info    : Function properties for _Z1kv
     0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
@@ -61,7 +52,7 @@ KERNELS = (r"^(layer_norm_backward_kernel<(float|c10::BFloat16), 12>"
 
 @pytest.fixture(scope="module")
 def kernels():
-    m = _module()
+    m = load_script("sass_audit")
     try:
         m.cuobjdump()
     except SystemExit:
@@ -85,7 +76,8 @@ def test_column_epilogue_fetches_its_tables_as_float4s(kernels):
     """The LayerNorm + Linear rebuild: a 16-element step's scale and shift as 4 + 4 128-bit
     loads (plus the codes' one). Before: 32 scalar loads a step, the load pipe saturated."""
     ins = kernels["dequantize_kernel<float, unsigned int, 16, StoreAffineCols<c10::BFloat16> >"]["instructions"]
-    assert sum(".128" in i and "LDG" in i for i in ins) >= 9
+    m = load_script("sass_audit")
+    assert sum(m.opcode(i).startswith("LDG") and ".128" in m.opcode(i) for i in ins) >= 9
 
 
 @needs_tools
@@ -94,5 +86,6 @@ def test_row_cells_reads_its_segment_bounds_from_shared_memory(kernels, dtype):
     """The segments' bounds come from a per-block table (LDS) and a pass's first chunks load
     together; the bounds had been two 64-bit division calls per lane and pass."""
     row = kernels[f"row_cells_kernel<{dtype}, true>"]
-    assert sum(i.split()[0].startswith("LDS") or " LDS" in i for i in row["instructions"]) >= 2
+    m = load_script("sass_audit")
+    assert sum(m.opcode(i).startswith("LDS") for i in row["instructions"]) >= 2
     assert row["in_flight"] >= 4

@@ -3,8 +3,6 @@ the one-byte codes, not dequantized copies (the partitioner's choice without the
 from __future__ import annotations
 
 import collections
-import importlib.util
-from pathlib import Path
 
 import pytest
 import timm
@@ -12,6 +10,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from conftest import load_script
 from mesa_train.compile_scope import TRACED_INDUCTOR_OPTIONS
 from mesa_train.patch.core import patch_model
 from mesa_train.quant.compile_kernels import compile_kernels, set_compile_kernels
@@ -19,10 +18,7 @@ from mesa_train.quant.save_codes import SaveCodes, mark_dequantize_for_backward
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
-_SPEC = importlib.util.spec_from_file_location(
-    "inductor_gpu_code", Path(__file__).resolve().parents[1] / "scripts" / "inductor_gpu_code.py")
-igc = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(igc)
+igc = load_script("inductor_gpu_code")
 
 
 @pytest.fixture

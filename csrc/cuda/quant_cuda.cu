@@ -1894,11 +1894,12 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
   // take about 22)
   __shared__ int64_t s_bound[kRowCellsMaxGroups + 1];
   const bool bound_table = G <= kRowCellsMaxGroups;  // (uniform across the launch)
+  auto ceil_bound = [&](int g) -> int64_t { return (int64_t(g) * D + G - 1) / G; };
   if (bound_table) {
-    for (int g = threadIdx.x; g <= G; g += blockDim.x) s_bound[g] = (int64_t(g) * D + G - 1) / G;
+    for (int g = threadIdx.x; g <= G; g += blockDim.x) s_bound[g] = ceil_bound(g);
   }
   __syncthreads();
-  auto bound = [&](int g) -> int64_t { return bound_table ? s_bound[g] : (int64_t(g) * D + G - 1) / G; };
+  auto bound = [&](int g) -> int64_t { return bound_table ? s_bound[g] : ceil_bound(g); };
   for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const scalar_t* xr = x + row * D;
     const bool norm = row_mean != nullptr;  // (uniform across the launch)

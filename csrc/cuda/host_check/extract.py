@@ -1,6 +1,6 @@
 """Extracts the device code of csrc/cuda/quant_cuda.cu, verbatim, for the host emulation in
 harness.cpp: the kernels and the device helpers they call, plus the few host helpers the
-harness needs to launch them the way the ops do (make_klayout, fits_32bit, grid_for,
+harness needs to launch them the way the ops do (make_klayout, fits_32bit, grid_for, aligned16,
 observe_config, bits_steps). Left out: the ATen glue (launchers, workspace cache, op entry
 points, make_krows / contiguous_rows, which read at::Tensor), which needs CUDA headers.
 
@@ -62,9 +62,12 @@ a = starts('constexpr int kThreads')
 krows = starts('KRows<IdxT> make_krows(', a)
 region(a, head_of(krows))
 region(end_of(krows), section('host helpers'))
-# host helpers: the launch shapes only (sm_count and contiguous_rows are ATen / CUDA glue)
+# host helpers: the launch shapes and the alignment test the ops' path choices use (sm_count
+# and contiguous_rows are ATen / CUDA glue)
 a = starts('int grid_for(', section('host helpers'))
 region(head_of(a), end_of(a))
+a = starts('bool aligned16(', a)
+region(a, a + 1)
 section_until('quantize', 'void launch_quantize')
 section_until('dequantize', 'void launch_dequantize')
 section_until('bit widths', 'void launch_quantize_bits')

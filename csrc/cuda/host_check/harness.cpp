@@ -603,8 +603,7 @@ int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta
     scalar_t* y = alloc<scalar_t>(L.numel + 1, 0);
     y[L.numel] = scalar_t(1024.0f);
     launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
-      const auto al16 = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-      const bool vec_cols = C % kVec == 0 && al16(s) && al16(t);
+      const bool vec_cols = C % kVec == 0 && aligned16(s) && aligned16(t);
       dequantize_kernel<float, IdxT, V>(q, StoreAffineCols<scalar_t>{y, s, t, C, vec_cols}, alpha, beta, k,
                                         IdxT(L.numel), rows);
     });
