@@ -260,9 +260,10 @@ def kernel_rows(sources: dict[str, str]) -> list[tuple[str, str, float]]:
     return rows
 
 
-def census(model_name: str, variant: str, batch: int, amp: bool, attention: str = "explicit") -> dict[str, list]:
-    """{"forward": rows, "backward": rows, "saved": (dtype, numel) pairs (:func:`saved_for_backward`)} for
-    one block of ``model_name`` in ``variant``."""
+def capture_block(model_name: str, variant: str, batch: int, amp: bool,
+                  attention: str = "explicit") -> tuple[list[Captured], dict]:
+    """Stage 1 for one block of ``model_name`` in ``variant``: its forward and backward graphs,
+    and the Inductor options its compile uses (the traced compression's, or none)."""
     from mesa_train.compile_scope import TRACED_INDUCTOR_OPTIONS
     from mesa_train.models import build_model
     from mesa_train.nn.quantizer import mark_estimates_ready
@@ -285,6 +286,13 @@ def census(model_name: str, variant: str, batch: int, amp: bool, attention: str 
     graphs = capture_step_graphs(block, x, steps=2 if variant == "delayed" else 1, amp=amp,
                                  after_step=(lambda: mark_estimates_ready(model)) if variant == "delayed" else None,
                                  inductor_options=options)
+    return graphs, options
+
+
+def census(model_name: str, variant: str, batch: int, amp: bool, attention: str = "explicit") -> dict[str, list]:
+    """{"forward": rows, "backward": rows, "saved": (dtype, numel) pairs (:func:`saved_for_backward`)} for
+    one block of ``model_name`` in ``variant``."""
+    graphs, options = capture_block(model_name, variant, batch, amp, attention)
     out = {}
     for graph in graphs:
         sources, ops = lower_for_h100(graph, options)
