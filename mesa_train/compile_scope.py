@@ -31,7 +31,18 @@ traced quantize of a DeiT-S attention map ran at a third of clone's bandwidth. A
 Mesa layers compiled by Inductor with the traced compression gets a higher threshold; a stock
 model, or Mesa's opaque ops, the defaults. And a joint-graph pass,
 :class:`mesa_train.quant.save_codes.SaveCodes`, that keeps the codes for backward where the
-partitioner would otherwise save a dequantized bf16 copy (its module doc).
+partitioner would otherwise save a dequantized bf16 copy (its module doc). And
+``coordinate_descent_tuning``: the traced compression makes the kernel that produces an
+activation compute its row segments' min/max, so a pointwise producer (GELU) becomes a
+persistent row reduction, and the softmax carries a hash and a quantize per element. Inductor
+launches a persistent row reduction as one warp with 32 elements a thread (its heuristic for a
+LayerNorm); with Mesa's work per element those kernels hold 128 and 166 registers a thread on
+sm_90 (stock's softmax 72), 16 and 12 resident warps an SM, too few to hide latency, while one
+row a program keeps 34-64 registers and twice or more the warps for about the same
+instructions an element (``scripts/triton_sass.py``, DeiT-S block: its machine code read
+without a GPU). Which is faster is for the GPU to time: coordinate descent times each kernel's
+neighbouring XBLOCK and warp counts at its first run and keeps the fastest (seconds of compile
+time a block; a caller's ``options={"coordinate_descent_tuning": False}`` turns it off).
 """
 from __future__ import annotations
 
@@ -52,8 +63,10 @@ _BLOCK_CONTAINER = "blocks"
 
 # Inductor options when Mesa's compression is traced (module doc): the traced quantize's
 # expression (about 60 operations with the rescale and the clamp) stays one fused expression;
-# the dequantize chains run in backward from the saved codes
-TRACED_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 128, "joint_custom_post_pass": SaveCodes()}
+# the dequantize chains run in backward from the saved codes; the GPU times each fused kernel's
+# launch shape instead of taking the heuristic's one warp a row block
+TRACED_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 128, "joint_custom_post_pass": SaveCodes(),
+                           "coordinate_descent_tuning": True}
 
 
 def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:

@@ -238,6 +238,50 @@ def test_cuda_graphs_with_gradient_accumulation_is_a_clear_error():
         check_row(row)
 
 
+def test_compile_options_are_inductor_options():
+    """A row's ``compile_options`` are checked against Inductor's config before anything runs:
+    an unknown name (with the close ones), a value that is not a scalar, a mode beside them."""
+    from mesa_train.bench.presets import BenchConfigError, check_row, make_row
+
+    def row(**kw):
+        return make_row({"model": "deit_ti"}, {"label": "x", "compile": True, **kw})
+
+    check_row(row(compile_options={"coordinate_descent_tuning": True}))
+    assert "coordinate_descent_tuning=True" in row(compile_options={"coordinate_descent_tuning": True}).describe()
+    with pytest.raises(BenchConfigError, match="'coordinate_descent_tunin', not an Inductor option.*close: "
+                                               "coordinate_descent_tuning"):
+        check_row(row(compile_options={"coordinate_descent_tunin": True}))
+    with pytest.raises(BenchConfigError, match=r"compile_options\['realize_opcount_threshold'\] must be a bool"):
+        check_row(row(compile_options={"realize_opcount_threshold": [1]}))
+    with pytest.raises(BenchConfigError, match="compile_options and compile_mode='reduce-overhead' together"):
+        check_row(row(compile_options={"coordinate_descent_tuning": True}, compile_mode="reduce-overhead"))
+    with pytest.raises(BenchConfigError, match="must be a mapping"):
+        check_row(row(compile_options=["coordinate_descent_tuning"]))
+
+
+@pytest.mark.parametrize("backend, passed", [("inductor", {"coordinate_descent_tuning": False}),
+                                             ("aot_eager", None)])
+def test_compile_options_reach_inductor(monkeypatch, backend, passed):
+    """The row's options go to torch.compile with Inductor (which merges them over Mesa's traced
+    options: a caller's win); another backend gets none."""
+    import torch
+
+    from mesa_train.bench import measure
+    from mesa_train.bench.presets import make_row
+
+    seen = {}
+
+    def fake_compile_model(model, scope, **kwargs):
+        seen.update(kwargs)
+        return model
+
+    monkeypatch.setattr(measure, "compile_model", fake_compile_model)
+    row = make_row({"model": "deit_ti"}, {"label": "x", "compile": True, "compile_backend": backend,
+                                          "compile_options": {"coordinate_descent_tuning": False}})
+    measure.TrainStep(row, torch.nn.Linear(2, 2), torch.device("cpu"))
+    assert seen.get("options") == passed and seen["backend"] == backend
+
+
 def test_config_the_model_cannot_take():
     from mesa_train.bench.presets import BenchConfigError, check_model, make_row
 
@@ -488,6 +532,10 @@ def test_speed_preset_runs_every_knob(tmp_path):
     assert rows["Mesa eager delayed"]["config"]["quant"] == {"estimator": "delayed"}
     assert rows["Mesa compiled traceable delayed"]["config"]["quant"] == {"estimator": "delayed"}
     assert rows["Mesa compiled traceable delayed"]["measurement"]["graph_breaks"] == 0
+    assert rows["Mesa compiled traceable delayed untuned"]["config"]["compile_options"] == {
+        "coordinate_descent_tuning": False}
+    assert rows["stock compiled per block tuned as traceable"]["config"]["compile_options"] == {
+        "coordinate_descent_tuning": True}
     assert rows["Mesa CUDA graphs"]["config"]["compile_mode"] == "reduce-overhead"
     assert rows["Mesa CUDA graphs"]["measurement"]["graph_breaks"] == 0
 

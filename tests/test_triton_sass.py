@@ -62,7 +62,9 @@ mark_estimates_ready(layer)
 traced, _ = igc.capture_step_graphs(layer, x, steps=1, amp=False)
 sources = igc.lower_for_h100(traced, dict(TRACED_INDUCTOR_OPTIONS))[0]
 coding = [n for n in sources if "rshift" in n]
-out = {{}}
+tuned = "'coordinate_descent_tuning': True"
+out = {{"tuned": [n for n in sources if tuned in sources[n]], "stock_tuned": [n for n in stock_sources
+                                                                       if tuned in stock_sources[n]]}}
 with igc.fake_h100():
     out["stock"] = [ts.kernel_rows(n, s, 1.0) for n, s in stock_sources.items()]
     out["coding"] = [ts.kernel_rows(n, sources[n], 1.0, alternatives=True) for n in coding]
@@ -92,6 +94,14 @@ def test_traced_quantize_costs_its_hash_in_instructions(gelu_rows):
         assert r["registers"] > 0 and r["per_thread"] > 0 and 0 < r["warps_per_sm"] <= 64, r
         assert r["issue_us"] > 0 and r["bytes_us"] > 0
     assert min(r["per_element"] for r in listed) > max(r["per_element"] for r in stock) + 10, (listed, stock)
+
+
+def test_traced_kernels_are_tuned_on_the_gpu(gelu_rows):
+    """TRACED_INDUCTOR_OPTIONS reach every kernel of a traced Mesa graph as coordinate-descent
+    tuning (Inductor's runtime autotuner reads it from the kernel's meta: the launch shape is
+    timed on the GPU); stock's kernels, compiled without them, keep the heuristic's."""
+    assert gelu_rows["tuned"] and gelu_rows["stock_tuned"] == [], gelu_rows["tuned"]
+    assert any("rshift" in n for n in gelu_rows["tuned"])
 
 
 def test_a_persistent_reduction_lists_other_launch_shapes(gelu_rows):

@@ -286,8 +286,11 @@ class TrainStep:
         self.first_step_s: float | None = None  # set by warm_step (compilation included)
         # what runs forward: the compiled wrapper shares the model's parameters and buffers
         # (scope "blocks" compiles the model's blocks in place and runs the rest eager)
+        # (Inductor's config: another backend, as the CPU tests' aot_eager, has none to take)
+        options = {"options": dict(row.compile_options)} if row.compile_options and \
+            row.compile_backend == "inductor" else {}
         self.forward_model = (compile_model(model, row.compile_scope, fullgraph=False, mode=row.compile_mode,
-                                            backend=row.compile_backend)
+                                            backend=row.compile_backend, **options)
                               if row.compile else model)
         self.optimizer = make_optimizer(row, model)
         self.scaler = torch.amp.GradScaler(device.type) if row.amp == "fp16" else None

@@ -9,6 +9,7 @@ exactly one row per group is its ``baseline`` and every ratio is taken against i
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,12 +94,16 @@ class RowConfig:
     compile_backend: str = "inductor"  # torch.compile backend (aot_eager: traced, no codegen; for tests)
     compile_kernels: str = "auto"  # Mesa's compression under compile: auto | ops | traceable (quant/compile_kernels.py)
     compile_scope: str = "model"  # one graph for the model, or one per repeated block (mesa_train/compile_scope.py)
+    # Inductor options for this row's compile (torch._inductor.config names; another backend
+    # ignores them), e.g. {coordinate_descent_tuning: true}: stock tuned as traced Mesa models are
+    compile_options: dict[str, Any] = field(default_factory=dict)
 
     def compile_tags(self) -> list[str]:
         """The compile options that differ from the defaults, as a table names them
         (``traceable kernels``, ``per block``)."""
         tags = [] if self.compile_kernels == "auto" else [f"{self.compile_kernels} kernels"]
         scope = _SCOPE_TAGS[self.compile_scope]
+        tags += [f"{k}={v}" for k, v in sorted(self.compile_options.items())]
         return tags + ([scope] if scope else [])
 
     @property
@@ -213,6 +218,7 @@ def check_row(row: RowConfig) -> None:
     if row.compile_mode not in COMPILE_MODES:
         raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} is not valid; valid choices: "
                                + ", ".join("null" if m is None else m for m in COMPILE_MODES))
+    _check_compile_options(row, where)
     if row.compile and row.compile_mode in CUDA_GRAPH_COMPILE_MODES and row.accum_steps > 1:
         # each micro-batch's backward replays the graph over the memory its gradients live in
         raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} captures CUDA graphs, whose "
@@ -227,6 +233,30 @@ def check_row(row: RowConfig) -> None:
             paper_row(paper)
         except KeyError as err:
             raise BenchConfigError(f"{where}: {err.args[0]}") from None
+
+
+def _check_compile_options(row: RowConfig, where: str) -> None:
+    """``compile_options``: Inductor config names with scalar values, and no ``compile_mode``
+    beside them (torch.compile takes a mode or options, not both)."""
+    options = row.compile_options
+    if not isinstance(options, dict):
+        raise BenchConfigError(f"{where}: compile_options must be a mapping of Inductor options, got {options!r}")
+    if not options:
+        return
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for key, value in options.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=3)
+            raise BenchConfigError(f"{where}: compile_options has {key!r}, not an Inductor option (torch._inductor"
+                                   f".config){'; close: ' + ', '.join(close) if close else ''}")
+        if not isinstance(value, (bool, int, float, str)):
+            raise BenchConfigError(f"{where}: compile_options[{key!r}] must be a bool, number or string, "
+                                   f"got {value!r}")
+    if row.compile_mode is not None:
+        raise BenchConfigError(f"{where}: compile_options and compile_mode={row.compile_mode!r} together; "
+                               "torch.compile takes one or the other (a mode's options can be listed here)")
 
 
 def _shape_key(row: RowConfig) -> tuple:
