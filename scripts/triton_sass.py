@@ -172,7 +172,7 @@ def kernel_rows(name: str, source: str, megabytes: float, alternatives: bool = F
     tuner = load_autotuner(name, source)
     sizes = {dim: numel(source, f"{dim}numel") for dim in BLOCK_NAMES}
     configs = [(c, False) for c in tuner.configs]
-    if alternatives and "_per_" in f"_{name.split('_', 2)[1]}_":
+    if alternatives and name.startswith("triton_per_"):  # (Inductor's prefix for a persistent reduction)
         listed = {(c.kwargs.get("XBLOCK"), c.num_warps) for c in tuner.configs}
         configs += [(triton.Config({"XBLOCK": x}, num_warps=w, num_stages=1), True)
                     for x in (1, 2, 4, 8) for w in (1, 2, 4) if (x, w) not in listed]
