@@ -41,8 +41,8 @@ sm_90 (stock's softmax 72), 16 and 12 resident warps an SM, too few to hide late
 row a program keeps 34-64 registers and twice or more the warps for about the same
 instructions an element (``scripts/triton_sass.py``, DeiT-S block: its machine code read
 without a GPU). Which is faster is for the GPU to time: coordinate descent times each kernel's
-neighbouring XBLOCK and warp counts at its first run and keeps the fastest (seconds of compile
-time a block; a caller's ``options={"coordinate_descent_tuning": False}`` turns it off).
+neighbouring XBLOCK and warp counts at its first run and keeps the fastest (compile time not yet
+measured on a GPU; a caller's ``options={"coordinate_descent_tuning": False}`` turns it off).
 """
 from __future__ import annotations
 
