@@ -31,6 +31,7 @@ cuobjdump (Triton's wheel carries one); a traced block takes ~8 minutes to captu
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -55,6 +56,7 @@ def fail(message: str) -> "NoReturn":  # noqa: F821
     raise SystemExit(2)
 
 
+@functools.cache
 def _script(name: str) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -63,6 +65,12 @@ def _script(name: str) -> types.ModuleType:
 
 
 # ----------------------------------------------------------------------------- compiling
+@functools.cache
+def _kernel_dir() -> tempfile.TemporaryDirectory:
+    """One folder for the kernel modules of this process, removed when it exits."""
+    return tempfile.TemporaryDirectory(prefix="triton_sass_")
+
+
 def load_autotuner(name: str, source: str):
     """The ``CachingAutotuner`` an Inductor kernel module defines (its JIT function, Triton
     signature and the configs Inductor would benchmark), loaded on the fake H100 (call inside
@@ -71,7 +79,7 @@ def load_autotuner(name: str, source: str):
 
     from torch._inductor.runtime import triton_helpers
 
-    path = Path(tempfile.mkdtemp(prefix="triton_sass_")) / f"{name}.py"  # (@triton.jit reads its file)
+    path = Path(_kernel_dir().name) / f"{name}.py"  # (@triton.jit reads its source from a file)
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
