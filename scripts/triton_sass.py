@@ -24,7 +24,9 @@ thread runs (straight-line code once, each loop body, from a backward branch to 
 ``ceil(r0_numel / R0_BLOCK)`` times); the same per element; issue time = programs x warps x
 instructions a thread runs / (132 SMs x 4 schedulers x 1.755 GHz), a floor; byte time =
 Inductor's ``kernel_num_gb`` at 2.6 TB/s (clone of a DeiT-S attention map on the H100,
-``results/kernels/NVIDIA-H100-80GB-HBM3.md``). ``--configs``: each persistent reduction again
+``results/kernels/NVIDIA-H100-80GB-HBM3.md``). The last line sums each graph's kernels, and the
+extension's ``mesa::`` ops beside them at their tensors' bytes' time (a floor; no launch cost;
+matmuls are not counted). ``--configs``: each persistent reduction again
 with XBLOCK 1-8 and 1-4 warps (what coordinate-descent tuning may reach). Needs Triton and
 cuobjdump (Triton's wheel carries one); a traced block takes ~8 minutes to capture on 2 cores.
 """
@@ -188,22 +190,37 @@ def kernel_rows(name: str, source: str, megabytes: float, alternatives: bool = F
 
 
 def census_kernels(variant: str, batch: int, attention: str, model: str,
-                   cache: Path | None = None) -> list[tuple[str, str, str, float]]:
-    """(graph part, kernel name, Triton source, MB) of every Triton kernel the census generates
-    (minutes: a traced block compiles twice); ``cache``: a JSON file of them, read if it exists,
-    else written, so the machine code can be read again without capturing again."""
+                   cache: Path | None = None) -> tuple[list[tuple[str, str, str, float]], list[tuple[str, str, float]]]:
+    """``(kernels, ops)``: (graph part, kernel name, Triton source, MB) of every Triton kernel the
+    census generates, and (graph part, op, MB) of each opaque ``mesa::`` op call beside them
+    (minutes: a traced block compiles twice). ``cache``: a JSON file of both, read if it exists
+    (a bare list: kernels only), else written, so the code can be read again without capturing."""
     if cache is not None and cache.exists():
-        return [tuple(k) for k in json.loads(cache.read_text())]
+        data = json.loads(cache.read_text())
+        if isinstance(data, list):
+            data = {"kernels": data, "ops": []}
+        return [tuple(k) for k in data["kernels"]], [tuple(o) for o in data["ops"]]
     gpu_code = _script("inductor_gpu_code")
     graphs, options = gpu_code.capture_block(model, variant, batch, True, attention)
-    out = []
+    kernels, ops = [], []
     for graph in graphs:
-        sources, _ = gpu_code.lower_for_h100(graph, options)
+        sources, mesa_ops = gpu_code.lower_for_h100(graph, options)
         part = "backward" if graph.kwargs.get("is_backward") else "forward"
         mb = {n: b for n, _, b in gpu_code.kernel_rows(sources)}
-        out += [(part, n, s, mb[n]) for n, s in sources.items()]
+        kernels += [(part, n, s, mb[n]) for n, s in sources.items()]
+        ops += [(part, name, b) for name, _, b in mesa_ops]
     if cache is not None:
-        cache.write_text(json.dumps(out))
+        cache.write_text(json.dumps({"kernels": kernels, "ops": ops}))
+    return kernels, ops
+
+
+def ops_summary(ops: list[tuple[str, str, float]]) -> dict[str, tuple[int, float]]:
+    """Per graph part, (calls, us) of the extension's ops: their tensors' bytes at clone's rate,
+    a floor (each op is one or two CUDA kernels; a launch's few microseconds are not counted)."""
+    out: dict[str, tuple[int, float]] = {}
+    for part, _, mb in ops:
+        calls, us = out.get(part, (0, 0.0))
+        out[part] = (calls + 1, us + mb * 1e12 / BYTES_PER_S)
     return out
 
 
@@ -255,8 +272,8 @@ def main(argv=None) -> int:
     except re.error as e:
         fail(f"--kernels {args.kernels!r} is not a regular expression: {e}")
     gpu_code = _script("inductor_gpu_code")
-    kernels = [k for k in census_kernels(args.variant, args.batch, args.attention, args.model, args.cache)
-               if pattern.search(k[1])]
+    kernels, ops = census_kernels(args.variant, args.batch, args.attention, args.model, args.cache)
+    kernels = [k for k in kernels if pattern.search(k[1])]
     if not kernels:
         fail(f"no kernel matches --kernels {args.kernels!r}")
     groups = []
@@ -267,25 +284,39 @@ def main(argv=None) -> int:
     if args.top:
         groups = groups[: args.top]
     rows = [r for g in groups for r in g]
-    text = table(rows) + "\n\n" + "; ".join(f"{part}: {t:.0f} us" for part, t in sorted(totals(rows).items())) \
-        + " (the kernels above, each at its best listed config's larger time)\n"
+    # (the extension ops belong to the whole block: left out where only some kernels are shown)
+    whole = not args.kernels and not args.top
+    text = table(rows) + "\n\n" + totals_line(totals(rows), ops_summary(ops) if whole else {})
     print(text, end="")
     if args.out is not None:
-        import torch
-        import triton
-
-        given = list(argv or sys.argv[1:])
-        for flag in ("--cache", "--out"):  # (local paths: the command reads the same without them)
-            if flag in given:
-                del given[given.index(flag): given.index(flag) + 2]
-        command = " ".join(["python scripts/triton_sass.py", *given])
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"# sm_90 machine code of Inductor's kernels: {args.model} block, {args.variant}, "
-                            f"{args.attention} attention, batch {args.batch}\n\n`{command.strip()}` (torch "
-                            f"{torch.__version__}, Triton {triton.__version__}; compiled and read without a GPU: "
-                            "estimates, see the script's doc)\n\n" + text)
+        write_markdown(args.out, args, list(argv if argv is not None else sys.argv[1:]), text)
     return 0
 
+
+def totals_line(triton_us: dict[str, float], op_parts: dict[str, tuple[int, float]]) -> str:
+    parts = []
+    for part in sorted(set(triton_us) | set(op_parts)):
+        line = f"{part}: {triton_us.get(part, 0.0):.0f} us in Triton kernels"
+        if part in op_parts:
+            line += f" + {op_parts[part][1]:.0f} us in {op_parts[part][0]} extension ops"
+        parts.append(line)
+    return "; ".join(parts) + " (each kernel at its best listed config's larger time; an op at its bytes' time)\n"
+
+
+def write_markdown(out: Path, args, given: list[str], text: str) -> None:
+    """The table under a title and the command that makes it (local paths dropped)."""
+    import torch
+    import triton
+
+    for flag in ("--cache", "--out"):  # (the command reads the same without them)
+        if flag in given:
+            del given[given.index(flag): given.index(flag) + 2]
+    command = " ".join(["python scripts/triton_sass.py", *given])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# sm_90 machine code of Inductor's kernels: {args.model} block, {args.variant}, "
+                   f"{args.attention} attention, batch {args.batch}\n\n`{command}` (torch {torch.__version__}, "
+                   f"Triton {triton.__version__}; compiled and read without a GPU: estimates, see the script's "
+                   "doc)\n\n" + text)
 
 if __name__ == "__main__":
     sys.exit(main())
