@@ -88,12 +88,17 @@ def ptxas_resources(report: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def sass_by_kernel(cubin: bytes) -> dict[str, list[str]]:
-    """{mangled kernel: its instructions (text, without addresses and encodings)}."""
+def dump(cubin: bytes, flag: str = "-sass") -> str:
+    """cuobjdump's ``flag`` output (``-sass``, ``-res-usage``) for a cubin held in memory."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
-        text = subprocess.run([cuobjdump(), "-sass", str(path)], capture_output=True, text=True).stdout
+        return subprocess.run([cuobjdump(), flag, str(path)], capture_output=True, text=True).stdout
+
+
+def sass_by_kernel(cubin: bytes) -> dict[str, list[str]]:
+    """{mangled kernel: its instructions (text, without addresses and encodings)}."""
+    text = dump(cubin)
     out: dict[str, list[str]] = {}
     current = None
     for line in text.splitlines():

@@ -38,7 +38,6 @@ import importlib.util
 import json
 import math
 import re
-import subprocess
 import sys
 import tempfile
 import types
@@ -110,22 +109,14 @@ def compile_config(tuner, config) -> tuple[bytes, int]:
 
 
 # ----------------------------------------------------------------------------- reading SASS
-def _cuobjdump(cubin: bytes, flag: str) -> str:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.cubin"
-        path.write_bytes(cubin)
-        return subprocess.run([_script("sass_audit").cuobjdump(), flag, str(path)],
-                              capture_output=True, text=True).stdout
-
-
 def sass_with_addresses(cubin: bytes) -> list[tuple[int, str]]:
     """(address, instruction text) of the cubin's one kernel."""
     return [(int(m.group(1), 16), m.group(2))
-            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", _cuobjdump(cubin, "-sass"))]
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", _script("sass_audit").dump(cubin))]
 
 
 def registers(cubin: bytes) -> int:
-    found = re.search(r"REG:(\d+)", _cuobjdump(cubin, "-res-usage"))
+    found = re.search(r"REG:(\d+)", _script("sass_audit").dump(cubin, "-res-usage"))
     return int(found.group(1)) if found else 0
 
 
@@ -317,6 +308,7 @@ def write_markdown(out: Path, args, given: list[str], text: str) -> None:
                    f"{args.attention} attention, batch {args.batch}\n\n`{command}` (torch {torch.__version__}, "
                    f"Triton {triton.__version__}; compiled and read without a GPU: estimates, see the script's "
                    "doc)\n\n" + text)
+
 
 if __name__ == "__main__":
     sys.exit(main())
