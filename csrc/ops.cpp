@@ -451,7 +451,13 @@ std::vector<int64_t> cells_shape(at::IntArrayRef x_sizes, int64_t G) {
 TORCH_LIBRARY(mesa, m) {
   // Fake (meta) implementations and autograd live in this Python module.
   m.set_python_module("mesa_train.quant");
-  m.def("group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)");
+  // flexible_layout (group_minmax, observe, delayed_observe): Inductor may hand x over in any
+  // layout (the CPU ops copy it, the CUDA kernels read strided x in place). Its default for a
+  // custom op, the eager strides exactly, made it copy the traced min/max cells, which it lays
+  // out with padded rows (197 x 6 floats -> 1184), into a contiguous buffer: one kernel more
+  // for each of 3 compressions of a DeiT-S block.
+  const std::vector<at::Tag> flexible = {at::Tag::flexible_layout};
+  m.def("group_minmax(Tensor x, int dim, int num_groups, bool per_sample) -> (Tensor min, Tensor max)", flexible);
   // seed: int64 (2,) = [lo, hi] (uint32 each) on x's device, read by the kernel (no host sync)
   // row_exp (optional, int8, one per row of the last dims: check_row_exp): x's rows are taken
   // as x * 2**k (rounded to x's dtype) and dequantize's as y * 2**-k (rounded to dtype), the
@@ -495,7 +501,8 @@ TORCH_LIBRARY(mesa, m) {
   m.def(
       "observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
       "int dim, int num_groups, float decay, bool per_sample, bool symmetric, Tensor? row_exp=None) -> "
-      "(Tensor alpha, Tensor beta, Tensor seed)");
+      "(Tensor alpha, Tensor beta, Tensor seed)",
+      flexible);
   // row_exponents(x, row_dims, max_k), then observe(x, ..., row_exp=k), as one op that also
   // returns k (DESIGN.md, "observe_rows"): with groups and rows over the last dim, one pass
   // over x finds both the row maxima and each row's per-group min/max, so a compression with
@@ -512,6 +519,20 @@ TORCH_LIBRARY(mesa, m) {
       "quantize_observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
       "Tensor(d!) rng, int dim, int num_groups, float decay, bool symmetric, bool stochastic, "
       "Tensor? row_exp=None) -> (Tensor q, Tensor alpha, Tensor beta)");
+  // The seed the seed step would draw from rng = [key, counter] now, rng left alone (pure):
+  // the traced delayed compression codes with it, then delayed_observe advances the counter.
+  // An op, not traced arithmetic: Inductor inlines pointwise producers into every use, and the
+  // three chained lowbias32 hashes, each using its input twice, grew exponentially when
+  // lowered (a DeiT-S block had not compiled after 23 minutes on 2 CPU cores).
+  m.def("seed_of(Tensor rng) -> Tensor");
+  // quantize_observe's second half with initialized estimates, for the traced delayed
+  // compression (which codes x with the buffers and the seed the rng gives now): returns
+  // (1, G) copies of the estimates as they stand, then x's min/max update them and the rng
+  // counter advances by one (one launch on CUDA). x may be x's row-segment min/max cells.
+  m.def(
+      "delayed_observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
+      "Tensor(d!) rng, int dim, int num_groups, float decay, bool symmetric) -> (Tensor alpha, Tensor beta)",
+      flexible);
   // The backward of a softmax over the last dim straight from its codes (DESIGN.md, "Fused
   // softmax backward"): one pass instead of dequantize, renormalise and _softmax_backward_data.
   // The group dim must not be the last one (one (alpha, beta) per row); returns g's dtype.

@@ -727,6 +727,18 @@ at::Tensor seed_step_cpu(const at::Tensor& rng) {
   return seed;
 }
 
+// seed_of: the seed step's seed, rng unchanged.
+at::Tensor seed_of_cpu(const at::Tensor& rng) {
+  check_seed_tensor("seed_of: rng ([key, counter])", rng, rng.device());
+  const int64_t* r = rng.const_data_ptr<int64_t>();
+  uint32_t lo, hi;
+  seed_step(static_cast<uint32_t>(r[0]), static_cast<uint32_t>(r[rng.stride(0)]), lo, hi);
+  at::Tensor seed = at::empty({2}, rng.options());
+  seed.mutable_data_ptr<int64_t>()[0] = lo;
+  seed.mutable_data_ptr<int64_t>()[1] = hi;
+  return seed;
+}
+
 // estimate_and_seed = update_estimates + the seed step (observe without the min/max pass).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> estimate_and_seed_cpu(
     const at::Tensor& mn, const at::Tensor& mx, const at::Tensor& alpha_est, const at::Tensor& beta_est,
@@ -749,6 +761,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cpu(const at::Tensor& x, 
   auto [alpha, beta] = update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric,
                                              L.numel > 0, L.G);
   return {alpha, beta, seed_step_cpu(rng)};
+}
+
+// delayed_observe: quantize_observe's second half with initialized estimates (the traced
+// delayed compression codes x itself): (1, G) copies of the estimates as they stand, then
+// observe's update of them from x's min/max and the counter's advance (its seed unused).
+std::tuple<at::Tensor, at::Tensor> delayed_observe_cpu(const at::Tensor& x, const at::Tensor& alpha_est,
+                                                       const at::Tensor& beta_est, const at::Tensor& initialized,
+                                                       const at::Tensor& rng, int64_t dim, int64_t num_groups,
+                                                       double decay, bool symmetric) {
+  const Layout L = check_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, false);
+  const at::Tensor alpha = alpha_est.narrow(0, 0, L.G).clone().view({1, L.G});
+  const at::Tensor beta = beta_est.narrow(0, 0, L.G).clone().view({1, L.G});
+  observe_cpu(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, false, symmetric, std::nullopt);
+  return {alpha, beta};
 }
 
 // quantize_observe (estimator "delayed", DESIGN.md "Delayed estimates"): with initialized
@@ -1361,6 +1387,8 @@ TORCH_LIBRARY_IMPL(mesa, CPU, m) {
   m.impl("observe_rows", &observe_rows_cpu);
   m.impl("quantize_observe", &quantize_observe_cpu);
   m.impl("estimate_and_seed", &estimate_and_seed_cpu);
+  m.impl("delayed_observe", &delayed_observe_cpu);
+  m.impl("seed_of", &seed_of_cpu);
   m.impl("quantize_bits", &quantize_bits_cpu);
   m.impl("dequantize_bits", &dequantize_bits_cpu);
 }

@@ -88,6 +88,30 @@ def test_the_choice_decides_what_the_graph_holds(mode, opaque):
 
 
 @needs_extension
+def test_traced_delayed_compression_is_one_op_in_forward():
+    """estimator=delayed, traceable, estimates known to be initialized: the codes and the row
+    segments' min/max are plain aten ops (one kernel with the producer under Inductor), between
+    two opaque ops a compression: mesa::seed_of before, mesa::delayed_observe on the cells after
+    (before: estimate_and_seed, group_minmax and update_estimates, and a fill kernel)."""
+    from mesa_train.nn.quantizer import mark_estimates_ready
+
+    ck.set_compile_kernels("traceable")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(mnn.Linear(12, 16, num_groups=2, estimator="delayed"),
+                                mnn.GELU(num_groups=2, estimator="delayed"),
+                                mnn.LayerNorm(16, num_groups=2, estimator="delayed"),
+                                mnn.Linear(16, 4, num_groups=2, estimator="delayed"))
+    x = torch.randn(5, 3, 12, requires_grad=True)
+    model(x).sum().backward()  # the first batch initializes the estimates
+    assert mark_estimates_ready(model) == 4
+    first_args: list = []
+    seen = _ops_in_graph(model, x, first_args)
+    assert sorted(seen) == (["mesa.delayed_observe.default"] * 4 + ["mesa.layer_norm_backward"]
+                            + ["mesa.seed_of.default"] * 4), seen
+    assert [tuple(t.shape) for t in first_args if t.dim() == 4] == [(2, 5, 3, 2)] * 4, first_args
+
+
+@needs_extension
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_auto_keeps_the_cuda_kernels_in_the_graph():

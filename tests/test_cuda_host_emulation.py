@@ -29,7 +29,7 @@ FAMILIES = (
     "quantize", "quantize_rows", "dequantize", "dequantize_rows", "quantize_bits",
     "group_minmax", "observe", "observe_rows",
     "quantize_observe_first", "quantize_observe_init", "quantize_observe_first_rows", "quantize_observe_init_rows",
-    "update_estimates", "estimate_and_seed", "row_absmax", "row_absmax_vec", "row_k",
+    "update_estimates", "estimate_and_seed", "delayed_observe", "seed_of", "row_absmax", "row_absmax_vec", "row_k",
     "softmax_backward", "softmax_backward_64", "softmax_backward_map32", "softmax_backward_out32",
     "layer_norm_backward", "gelu_value_and_grad", "gelu_value_and_grad_rows",
 )

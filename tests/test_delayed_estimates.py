@@ -105,6 +105,84 @@ def test_traced_version_is_the_op(ready):
                 assert torch.equal(a, b)
 
 
+# ----------------------------------------------------------------------------- delayed_observe
+def test_delayed_observe_is_its_definition():
+    """reference.delayed_observe: copies of the estimates as they stand, then observe's update
+    from the batch's min/max (its seed unused), the counter one step on; the same on the cells
+    of the batch's row segments (what the traced compression passes) as on the batch."""
+    x = _batches((6, 10, 8), torch.float32, "cpu", 1)[0]
+    s_op, s_obs, s_cells = _state(2, "cpu"), _state(2, "cpu"), _state(2, "cpu")
+    for st in (s_op, s_obs, s_cells):
+        st[0][:2], st[1][:2] = torch.tensor([2.0, 3.0]), torch.tensor([-1.0, 0.5])
+        st[2].fill_(True)
+    a, b = R.delayed_observe(x, *s_op, 2, 2, 0.8, False)
+    assert torch.equal(a, torch.tensor([[2.0, 3.0]])) and torch.equal(b, torch.tensor([[-1.0, 0.5]]))
+    R.observe(x, *s_obs, 2, 2, 0.8, False, False)
+    cells = torch.stack([x.view(6, 10, 2, 4).amin(-1), x.view(6, 10, 2, 4).amax(-1)])
+    R.delayed_observe(cells, *s_cells, 3, 2, 0.8, False)
+    for u, v, w in zip(s_op, s_obs, s_cells):
+        assert torch.equal(u, v) and torch.equal(u, w)
+    assert not torch.equal(s_op[0][:2], a.view(2))  # (the batch moved the estimates)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seed_of_is_the_seed_steps_seed_without_the_step(device):
+    """mesa::seed_of: the seed observe's seed step would draw, the rng untouched (a strided
+    rng too, and the counter at its wrap); a bad rng is a one-line error."""
+    for counter in (0, 5, 2**32 - 1):
+        rng = Q.rng_state(77, counter, device)
+        strided = torch.stack([rng, torch.full_like(rng, -1)], dim=1)[:, 0]
+        for r in (rng, strided):
+            before = r.clone()
+            seed = Q.seed_of(r)
+            assert torch.equal(r, before)
+            stepped = before.clone()
+            assert torch.equal(seed, R.seed_step(stepped)) and int(stepped[1]) == (counter + 1) % 2**32
+        opcheck(torch.ops.mesa.seed_of.default, (rng,))
+    with pytest.raises(ValueError, match=r"seed_of: rng \(\[key, counter\]\) must be an int64 tensor of shape"):
+        Q.seed_of(torch.zeros(3, dtype=torch.int64, device=device))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,dim,G", [((2, 4, 9, 4), 2, 4), ((3, 7, 131), -1, 3), ((0, 5), 1, 5)], ids=str)
+def test_delayed_observe_kernel_is_the_reference(device, dtype, shape, dim, G):
+    """The op (CPU; CUDA on a GPU) against the reference over batches, bit for bit: outputs,
+    estimate buffers, initialized flag and counter, from uninitialized estimates on, a batch
+    with a NaN (estimates kept) and an empty one (valid = False) included."""
+    ops_state, ref_state = _state(G, device), _state(G, device)
+    for i, x in enumerate(_batches(shape, dtype, device)):
+        if i == 2 and x.numel() > 0:
+            x.view(-1)[3] = float("nan")
+        got = Q.delayed_observe(x, *ops_state, dim, G, 0.9, i % 2 == 1)
+        want = R.delayed_observe(x, *ref_state, dim % x.dim(), G, 0.9, i % 2 == 1)
+        for a, b in zip(got, want):
+            assert a.shape == (1, G) and torch.equal(_bits(a), _bits(b)), i
+        for a, b in zip(ops_state, ref_state):
+            assert torch.equal(_bits(a), _bits(b)), i
+    assert int(ops_state[3][1]) == (2**32 - 2 + 4) % 2**32  # one step a batch, across the wrap
+
+
+def test_traced_version_under_inductor_is_the_op():
+    """The one-pass traced form compiled by Inductor (not aot_eager: its own kernels, its own
+    order of the buffer reads and of the op that updates them) gives the op's codes, returned
+    estimates, buffers and counter, bit for bit, while each batch's range is 10x the last one's
+    (codes made after the update, with the new range, would differ almost everywhere)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(T.quantize_observe, fullgraph=True)
+    s_tr, s_op = _state(4, "cpu"), _state(4, "cpu")
+    g = torch.Generator().manual_seed(3)
+    for i in range(4):
+        x = torch.randn(6, 10, 32, generator=g) * 10**i
+        got = (compiled if i > 0 else T.quantize_observe)(x, *s_tr, 2, 4, 0.9, False, True, i > 0)
+        want = Q.quantize_observe(x, *s_op, 2, 4, 0.9, False, True)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), i
+        for a, b in zip(s_tr, s_op):
+            assert torch.equal(a, b), i
+
+
 def test_empty_batch_keeps_the_estimates():
     st = _state(2, "cpu")
     Q.quantize_observe(torch.randn(3, 4), *st, 1, 2, 0.9)
@@ -246,6 +324,7 @@ def test_opcheck(device):
         st[0][:4] = 2.0
         opcheck(torch.ops.mesa.quantize_observe.default, (x, *st, 2, 4, 0.9, False, True, k))
         opcheck(torch.ops.mesa.quantize_observe.default, (x, *st, 2, 4, 0.9, True, False, None))
+        opcheck(torch.ops.mesa.delayed_observe.default, (x, *st, 2, 4, 0.9, False))
 
 
 def test_compiled_traceable_training_matches_eager():

@@ -62,6 +62,38 @@ def test_gpu_code_of_the_traced_delayed_compression_is_one_pass(estimator):
     assert one_pass == (estimator == "delayed"), kernels
 
 
+LAYERNORM_FORWARD = """
+import mesa_train.nn as mnn
+from mesa_train.nn.quantizer import mark_estimates_ready
+from mesa_train.compile_scope import TRACED_INDUCTOR_OPTIONS
+from mesa_train.quant.compile_kernels import set_compile_kernels
+set_compile_kernels("traceable")
+torch.manual_seed(0)
+layer = mnn.LayerNorm(384, estimator=sys.argv[1], num_groups=6)
+x = torch.randn(2, 197, 384, requires_grad=True)
+layer(x).sum().backward()          # the first step, eager: estimates initialized
+mark_estimates_ready(layer)
+forward, _ = igc.capture_step_graphs(layer, x, steps=1, amp=False)
+kernels, ops = igc.lower_for_h100(forward, dict(TRACED_INDUCTOR_OPTIONS))
+print(json.dumps([sorted(kernels), [name for name, _, _ in ops]]))
+"""
+
+
+@pytest.mark.parametrize("estimator", ["running", "delayed"])
+def test_traced_compression_launches_on_the_gpu(estimator):
+    """What the traced compression of a DeiT-S LayerNorm output launches in forward on the GPU.
+    Delayed: the kernel that makes the output, its codes and its row segments' min/max, and two
+    small opaque ops, mesa::seed_of and mesa::delayed_observe. Running: mesa::observe on the
+    cells, then the codes. No kernel copies the min/max cells for the op: Inductor pads the
+    rows of the cells' buffer (197 x 6 floats -> 1184) and, before the ops took any layout
+    (flexible_layout), copied them into the eager strides for a mutating op."""
+    kernels, ops = _run(LAYERNORM_FORWARD.replace("sys.argv[1]", repr(estimator)))
+    assert ops == (["mesa.seed_of", "mesa.delayed_observe"] if estimator == "delayed" else ["mesa.observe"]), ops
+    assert not [k for k in kernels if "stack" in k or "cat" in k], kernels
+    coding = [k for k in kernels if "rshift" in k]
+    assert len(coding) == 1 and ("amax" in coding[0]) == (estimator == "delayed"), kernels
+
+
 def test_census_of_a_stock_block():
     """The script end to end on a small stock block: every kernel has Inductor's byte count,
     and the forward moves at least the block's input once (float32)."""

@@ -1282,6 +1282,15 @@ __device__ __forceinline__ void seed_step_device(const SeedArgs& sd) {
   sd.rng[sd.rng_stride] = static_cast<int64_t>(static_cast<uint32_t>(counter + 1u));
 }
 
+// seed_of: the seed step's seed from rng = [key, counter], rng unchanged; one thread (seed_of_cuda,
+// with the delayed_observe glue below).
+__global__ void seed_of_kernel(const int64_t* __restrict__ rng, const int64_t rng_stride, int64_t* __restrict__ out) {
+  uint32_t lo, hi;
+  seed_step(static_cast<uint32_t>(rng[0]), static_cast<uint32_t>(rng[rng_stride]), lo, hi);
+  out[0] = static_cast<int64_t>(lo);
+  out[1] = static_cast<int64_t>(hi);
+}
+
 // One thread's running (p, min, max) over the elements it visits; flushed (to shared
 // memory when p lies in the block's window of parameters, else to the global totals)
 // whenever p changes, and once at the end.
@@ -1421,8 +1430,11 @@ __device__ __forceinline__ void reset_workspace(uint32_t* ws, uint32_t* totals, 
   if (threadIdx.x == 0) ws[0] = 0u;
 }
 
-// MODE_OBSERVE: estimates + seed step; MODE_MINMAX: (S, G) min / max outputs (group_minmax).
-enum ObserveMode { MODE_OBSERVE = 0, MODE_MINMAX = 1 };
+// MODE_OBSERVE: estimates + seed step; MODE_MINMAX: (S, G) min / max outputs (group_minmax);
+// MODE_DELAYED (delayed_observe, shared statistics): block 0 copies the estimates as they
+// stand into out_min / out_max (its (1, G) alpha / beta) before it takes its ticket, so before
+// the last block updates them; then the estimates and the counter's advance (no seed written).
+enum ObserveMode { MODE_OBSERVE = 0, MODE_MINMAX = 1, MODE_DELAYED = 2 };
 
 template <typename scalar_t, typename IdxT, int V, int MODE>
 __global__ void __launch_bounds__(kThreads)
@@ -1436,6 +1448,12 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   const int64_t P = S * G;  // parameters
   uint32_t* g_min = ws + kWsHeader;
   uint32_t* g_max = g_min + P;
+  if (MODE == MODE_DELAYED && blockIdx.x == 0) {
+    for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+      out_min[g] = est.est_a[g];
+      out_max[g] = est.est_b[g];
+    }
+  }
 
   // ---- stage 1: this block's chunk of V-element steps
   const Chunk<IdxT> c = chunk_of_block<IdxT, V>(numel, chunk);
@@ -1468,7 +1486,10 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
     }
   } else {
     estimate_update(EncodedStats{g_min, g_max}, S, G, est, s_min, s_max);
-    if (threadIdx.x == 0) seed_step_device(sd);
+    if (threadIdx.x == 0 && MODE == MODE_OBSERVE) seed_step_device(sd);
+    if (threadIdx.x == 0 && MODE == MODE_DELAYED) {
+      sd.rng[sd.rng_stride] = static_cast<int64_t>(static_cast<uint32_t>(sd.rng[sd.rng_stride]) + 1u);
+    }
   }
   reset_workspace(ws, g_min, 2 * P);  // g_max = g_min + P: both sets of totals
 }
@@ -1561,6 +1582,39 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_cuda(const at::Tensor& x_in, int
   launch_observe<MODE_MINMAX>(x, L, reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>()), EstimateArgs{}, SeedArgs{},
                               omn.mutable_data_ptr<float>(), omx.mutable_data_ptr<float>(), std::nullopt, 0, stream);
   return {omn, omx};
+}
+
+at::Tensor seed_of_cuda(const at::Tensor& rng) {
+  check_seed_tensor("seed_of: rng ([key, counter])", rng, rng.device());
+  const c10::cuda::OptionalCUDAGuard guard(rng.device());
+  at::Tensor seed = at::empty({2}, rng.options());
+  seed_of_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(rng.const_data_ptr<int64_t>(), rng.stride(0),
+                                                                 seed.mutable_data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return seed;
+}
+
+// delayed_observe: quantize_observe's second half for the traced delayed compression, one
+// launch (MODE_DELAYED above); x is usually the (2, ..., G) row-segment cells of the codes' kernel.
+std::tuple<at::Tensor, at::Tensor> delayed_observe_cuda(const at::Tensor& x_in, const at::Tensor& alpha_est,
+                                                        const at::Tensor& beta_est, const at::Tensor& initialized,
+                                                        const at::Tensor& rng, int64_t dim, int64_t num_groups,
+                                                        double decay, bool symmetric) {
+  const Layout L = check_observe(x_in, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, false);
+  const c10::cuda::OptionalCUDAGuard guard(x_in.device());
+  const at::Tensor x = readable(x_in);
+  const auto fopts = x.options().dtype(at::kFloat);
+  at::Tensor used_a = at::empty({1, L.G}, fopts), used_b = at::empty({1, L.G}, fopts);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor ws = workspace(x, L.G, stream);
+  const EstimateArgs est{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
+                         initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
+                         static_cast<float>(1.0 - decay), false, symmetric, L.numel > 0, nullptr, nullptr};
+  const SeedArgs sd{rng.mutable_data_ptr<int64_t>(), rng.stride(0), nullptr};
+  launch_observe<MODE_DELAYED>(x, L, reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>()), est, sd,
+                               used_a.mutable_data_ptr<float>(), used_b.mutable_data_ptr<float>(), std::nullopt, 0,
+                               stream);
+  return {used_a, used_b};
 }
 
 // ----------------------------------------------------------------------------- quantize_observe
@@ -2428,6 +2482,8 @@ TORCH_LIBRARY_IMPL(mesa, CUDA, m) {
   m.impl("observe_rows", &observe_rows_cuda);
   m.impl("quantize_observe", &quantize_observe_cuda);
   m.impl("estimate_and_seed", &estimate_and_seed_cuda);
+  m.impl("delayed_observe", &delayed_observe_cuda);
+  m.impl("seed_of", &seed_of_cuda);
   m.impl("quantize_bits", &quantize_bits_cuda);
   m.impl("dequantize_bits", &dequantize_bits_cuda);
 }

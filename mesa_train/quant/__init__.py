@@ -49,6 +49,8 @@ __all__ = [
     "observe_rows",
     "quantize_observe",
     "estimate_and_seed",
+    "delayed_observe",
+    "seed_of",
     "softmax_backward",
     "gelu_backward",
     "dequantize_gelu",
@@ -98,6 +100,11 @@ _SCHEMAS = {
         "Tensor(c!) initialized, Tensor(d!) rng, float decay, bool per_sample, bool symmetric, bool valid) -> "
         "(Tensor alpha, Tensor beta, Tensor seed)"
     ),
+    "seed_of": "seed_of(Tensor rng) -> Tensor",
+    "delayed_observe": (
+        "delayed_observe(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
+        "Tensor(d!) rng, int dim, int num_groups, float decay, bool symmetric) -> (Tensor alpha, Tensor beta)"
+    ),
     "quantize_bits": (
         "quantize_bits(Tensor x, Tensor alpha, Tensor beta, int dim, int num_groups, int bits, bool pow2, "
         "bool stochastic, Tensor seed) -> Tensor"
@@ -134,11 +141,13 @@ _SCHEMAS = {
         "Tensor row_exp)"
     ),
 }
+# Ops that take x in any layout under Inductor (csrc/ops.cpp says why): the min/max cells
+_TAGS = {name: (torch.Tag.flexible_layout,) for name in ("group_minmax", "observe", "delayed_observe")}
 # The core ops: a build with CUDA kernels has these (CUDA_BACKEND == "extension"). The
 # variants' ops (quantize_bits / dequantize_bits) have CUDA kernels too since issue 12's
 # second part; a build from before serves them on CUDA from the reference (CUDA_REFERENCE_OPS).
 _CUDA_KERNEL_OPS = ("group_minmax", "quantize", "dequantize", "update_estimates", "observe", "row_exponents",
-                    "quantize_observe")
+                    "quantize_observe", "delayed_observe", "seed_of")
 
 extension_error: BaseException | None = None  # why the extension was not used, if it was not
 
@@ -211,6 +220,15 @@ def _ref_estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay,
                                        valid)
 
 
+def _ref_delayed_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric):
+    return reference.delayed_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric)
+
+
+def _ref_seed_of(rng):
+    check_seed(rng, rng, "seed_of: rng ([key, counter])")
+    return reference.seed_of(rng)
+
+
 def _ref_quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic, seed):
     return reference.quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic, seed)
 
@@ -258,6 +276,8 @@ _REF_IMPLS = {
     "observe_rows": _ref_observe_rows,
     "quantize_observe": _ref_quantize_observe,
     "estimate_and_seed": _ref_estimate_and_seed,
+    "delayed_observe": _ref_delayed_observe,
+    "seed_of": _ref_seed_of,
     "softmax_backward": _ref_softmax_backward,
     "gelu_backward": _ref_gelu_backward,
     "dequantize_gelu": _ref_dequantize_gelu,
@@ -279,7 +299,7 @@ def _serve_from_reference(kind: str, names, keys) -> None:
     lib = torch.library.Library("mesa", kind)
     for name in names:
         if kind != "IMPL":
-            lib.define(_SCHEMAS[name])
+            lib.define(_SCHEMAS[name], tags=_TAGS.get(name, ()))
         for key in keys:
             lib.impl(name, _REF_IMPLS[name], key)
     _libs.append(lib)
@@ -413,6 +433,16 @@ def _fake_estimate_and_seed(mn, mx, alpha_est, beta_est, initialized, rng, decay
     return mn.new_empty(mn.shape), mn.new_empty(mn.shape), rng.new_empty((2,))
 
 
+def _fake_delayed_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, symmetric):
+    check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False)
+    return (x.new_empty((1, num_groups), dtype=torch.float32), x.new_empty((1, num_groups), dtype=torch.float32))
+
+
+def _fake_seed_of(rng):
+    check_seed(rng, rng, "seed_of: rng ([key, counter])")
+    return rng.new_empty((2,))
+
+
 def _fake_quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic, seed):
     reference.check_bits(bits)
     check_quantize_args(x, alpha, beta, dim, num_groups)
@@ -483,6 +513,8 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::observe_rows")(_fake_observe_rows)
     torch.library.register_fake("mesa::quantize_observe")(_fake_quantize_observe)
     torch.library.register_fake("mesa::estimate_and_seed")(_fake_estimate_and_seed)
+    torch.library.register_fake("mesa::delayed_observe")(_fake_delayed_observe)
+    torch.library.register_fake("mesa::seed_of")(_fake_seed_of)
     torch.library.register_fake("mesa::quantize_bits")(_fake_quantize_bits)
     torch.library.register_fake("mesa::dequantize_bits")(_fake_dequantize_bits)
     torch.library.register_fake("mesa::softmax_backward")(_fake_softmax_backward)
@@ -722,6 +754,34 @@ def estimate_and_seed(
     return torch.ops.mesa.estimate_and_seed(
         mn, mx, alpha_est, beta_est, initialized, rng, float(decay), bool(per_sample), bool(symmetric), bool(valid)
     )
+
+
+def seed_of(rng: torch.Tensor) -> torch.Tensor:
+    """The int64 ``(2,)`` seed ``[lo, hi]`` that :func:`observe`'s seed step would draw from
+    ``rng = [key, counter]`` now, ``rng`` left unchanged (one op, one thread on CUDA)."""
+    check_seed(rng, rng, "seed_of: rng ([key, counter])")
+    return torch.ops.mesa.seed_of(rng)
+
+
+def delayed_observe(
+    x: torch.Tensor,
+    alpha_est: torch.Tensor,
+    beta_est: torch.Tensor,
+    initialized: torch.Tensor,
+    rng: torch.Tensor,
+    dim: int,
+    num_groups: int,
+    decay: float,
+    symmetric: bool = False,
+):
+    """:func:`quantize_observe`'s second half with initialized estimates, in one op (one launch
+    on CUDA), for callers that coded ``x`` themselves with the estimate buffers and
+    :func:`seed_of` ``(rng)`` (the traced delayed compression): returns ``(1, G)`` copies of
+    the estimates as they stand, then ``x``'s min/max update them and the rng counter advances.
+    See :func:`mesa_train.quant.reference.delayed_observe`."""
+    dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False)
+    return torch.ops.mesa.delayed_observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, float(decay),
+                                          bool(symmetric))
 
 
 def quantize_bits(

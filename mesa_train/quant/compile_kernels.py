@@ -30,7 +30,9 @@ call). Why: the traced compression is slow to compile and no faster to run.
   kernel and the second ``mesa::observe`` on its cells (which also took over the estimate and
   seed steps; on a GPU the one-stage form was a split reduction of its own, found in
   Inductor's Triton code generated on this CPU: ``scripts/inductor_gpu_code.py``, DESIGN.md
-  "The traced compression in Inductor's GPU code"). The modern and speed presets run ``traceable`` per block
+  "The traced compression in Inductor's GPU code"); with ``estimator="delayed"``
+  ``mesa::delayed_observe`` on those cells, after the codes, one op a compression in forward
+  where it was three. The modern and speed presets run ``traceable`` per block
   (:mod:`mesa_train.compile_scope`: the identical blocks share one graph, so it compiles in
   the time of one block) against stock compiled per block.
 

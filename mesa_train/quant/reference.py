@@ -40,6 +40,8 @@ __all__ = [
     "update_estimates",
     "observe",
     "seed_step",
+    "seed_of",
+    "delayed_observe",
     "seed_tensor",
     "canonical",
     "check_seed",
@@ -677,15 +679,27 @@ def update_estimates(
     return canonical(b_alpha).contiguous(), canonical(b_beta).contiguous()
 
 
-def seed_step(rng: torch.Tensor) -> torch.Tensor:
-    """observe's seed step (DESIGN.md): ``rng = [key, counter]`` -> fresh ``[seed_lo, seed_hi]``;
-    advances ``rng[1]`` by one modulo 2**32 in place. Tensor ops only (no host sync)."""
+def seed_of(rng: torch.Tensor) -> torch.Tensor:
+    """The ``[seed_lo, seed_hi]`` that :func:`seed_step` draws from ``rng = [key, counter]`` as it
+    stands, ``rng`` left alone (a pure function: the traced delayed compression derives its seed
+    with it, and :func:`delayed_observe` advances the counter). Tensor ops only."""
     key, counter = rng[0] & _M32, rng[1] & _M32
     k = lowbias32(key)
     lo = lowbias32(counter ^ k)
     hi = lowbias32(lo ^ k ^ _SEED_STEP_MIX)
-    seed = torch.stack([lo, hi])
-    rng[1:].copy_(((counter + 1) & _M32).view(1))
+    return torch.stack([lo, hi])
+
+
+def advance_counter(rng: torch.Tensor) -> None:
+    """The seed step's state change: ``rng[1]`` advanced by one modulo 2**32, in place."""
+    rng[1:].copy_((((rng[1] & _M32) + 1) & _M32).view(1))
+
+
+def seed_step(rng: torch.Tensor) -> torch.Tensor:
+    """observe's seed step (DESIGN.md): ``rng = [key, counter]`` -> fresh ``[seed_lo, seed_hi]``;
+    advances ``rng[1]`` by one modulo 2**32 in place. Tensor ops only (no host sync)."""
+    seed = seed_of(rng)
+    advance_counter(rng)
     return seed
 
 
@@ -752,13 +766,29 @@ def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_gro
         alpha, beta, seed = observe(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False,
                                     symmetric, row_exp)
         return quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp), alpha, beta
+    G = num_groups
+    q = quantize(x, alpha_est[:G].view(1, G), beta_est[:G].view(1, G), dim, G, stochastic, seed_of(rng), row_exp)
+    alpha, beta = delayed_observe(scale_rows(x, row_exp), alpha_est, beta_est, initialized, rng, dim, G, decay,
+                                  symmetric)
+    return q, alpha, beta
+
+
+def delayed_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_groups: int, decay: float,
+                    symmetric: bool):
+    """The second half of :func:`quantize_observe` with initialized estimates, as one op
+    (DESIGN.md, "Delayed estimates"): returns ``(1, G)`` copies of the estimates as they stand
+    (the ones the batch's codes were made with), then this batch's min/max of ``x`` update them
+    (shared statistics, ``valid = x.numel() > 0``) and the rng counter advances by one, as the
+    seed step would. The traced delayed compression codes ``x`` itself with the buffers and
+    ``seed_of(rng)``, then passes its row segments' min/max here: one launch per compression
+    in forward. ``x`` may be those cells: the per-group min/max of ``x`` is all it reads."""
+    dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False)
     alpha = alpha_est[:num_groups].clone().view(1, num_groups)
     beta = beta_est[:num_groups].clone().view(1, num_groups)
-    seed = seed_step(rng)
-    q = quantize(x, alpha, beta, dim, num_groups, stochastic, seed, row_exp)
-    mn, mx = group_minmax(scale_rows(x, row_exp), dim, num_groups, False)
+    mn, mx = group_minmax(x, dim, num_groups, False)
     update_estimates(mn, mx, alpha_est, beta_est, initialized, decay, False, symmetric, x.numel() > 0)
-    return q, alpha, beta
+    advance_counter(rng)
+    return alpha, beta
 
 
 # the estimator codes of mesa::compress and the C++ layer ops (csrc/layers_common.h, Estimator)

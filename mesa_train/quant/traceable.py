@@ -147,29 +147,30 @@ def quantize_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_gro
     """``mesa::quantize_observe`` (estimator ``"delayed"``) under ``torch.compile``.
 
     ``ready`` (the host knows the estimates are initialized, see
-    ``mesa_train.nn.quantizer.mark_estimates_ready``): traced, with the codes depending on the
-    activation and on the estimates as they stand only, so Inductor generates one kernel for
-    the producer of ``x``, its row segments' min/max and its codes (one pass; ``mesa::group_minmax``
-    then finishes the min/max on those cells, 1/64 of a token tensor). The estimates and the seed come
-    from ``mesa::estimate_and_seed`` with ``valid=False`` (which leaves initialized estimates as
-    they are, returns them and advances the counter), the update from ``mesa::update_estimates``
-    after the traced min/max: not a traced clone of the buffers, which the min-cut partitioner
-    may recompute in backward from buffers this forward has updated since (dequantizing with
-    the new range: measured, gradients ~1e-6 off). Not ready: the op itself, opaque (whether
-    the estimates are initialized is known on the device only; two passes, as ``running``)."""
+    ``mesa_train.nn.quantizer.mark_estimates_ready``): the codes traced, depending on the
+    activation, the estimate buffers as they stand and the seed only, so Inductor generates one
+    kernel for the producer of ``x``, its row segments' min/max and its codes (one pass). Two
+    opaque launches around it: ``mesa::seed_of`` before (the seed the seed step would draw, rng
+    unchanged; traced, its three chained hashes were inlined into every use and the lowering
+    grew exponentially), ``mesa::delayed_observe`` after, on those cells (1/64 of a token
+    tensor; on ``x`` itself where no segment split exists): copies of the estimates the codes
+    used (what backward dequantizes with: an op's output, not a traced clone of the buffers,
+    which the min-cut partitioner may recompute in backward from buffers this forward has
+    updated since: measured, gradients ~1e-6 off), then the estimate update and the counter's
+    step. (Before: ``mesa::estimate_and_seed`` on empty statistics, whose fill was a kernel of
+    its own, then ``mesa::group_minmax`` and ``mesa::update_estimates``: three ops.) Not ready:
+    the op itself, opaque (whether the estimates are initialized is known on the device only;
+    two passes, as ``running``)."""
     G = num_groups
     if not ready:
         return torch.ops.mesa.quantize_observe.default(x, alpha_est, beta_est, initialized, rng, dim, G,
                                                        float(decay), bool(symmetric), bool(stochastic))
-    no_stats = x.new_zeros((1, G), dtype=torch.float32)
-    old_a, old_b, seed = torch.ops.mesa.estimate_and_seed.default(
-        no_stats, no_stats, alpha_est, beta_est, initialized, rng, float(decay), False, bool(symmetric), False)
-    q = quantize(x, old_a, old_b, dim, G, stochastic, seed)
-    cells = _segment_cells(x, dim, G)  # (the rest of the min/max: one launch, as in observe)
-    mn, mx = torch.ops.mesa.group_minmax.default(cells[0], cells[1], G, False) if cells is not None \
-        else group_minmax(x, dim, G, False)
-    torch.ops.mesa.update_estimates.default(mn, mx, alpha_est, beta_est, initialized, float(decay), False,
-                                            bool(symmetric), x.numel() > 0)
+    seed = torch.ops.mesa.seed_of.default(rng)
+    q = quantize(x, alpha_est[:G].view(1, G), beta_est[:G].view(1, G), dim, G, stochastic, seed)
+    cells = _segment_cells(x, dim, G)
+    stats, stats_dim = cells if cells is not None else (x, dim)
+    old_a, old_b = torch.ops.mesa.delayed_observe.default(stats, alpha_est, beta_est, initialized, rng, stats_dim, G,
+                                                          float(decay), bool(symmetric))
     return q, old_a, old_b
 
 

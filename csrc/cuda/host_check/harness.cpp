@@ -22,6 +22,9 @@
 //   updated with its min/max), with and without row exponents; codes, estimates, used
 //   (alpha, beta), initialized, counter / seed, the ws[1] flag, each launch writing only
 //   what it should, and the reset workspace;
+// * delayed_observe (observe_kernel's MODE_DELAYED): the same launch emulation, against the
+//   estimates from before the launch (its outputs), the sequential step, the counter + 1;
+//   seed_of_kernel (one thread) against seed_step, its rng untouched;
 // * update_estimates (and estimate_and_seed's seed step): one block, against the same
 //   sequential step;
 // * quantize_bits / dequantize_bits (bits 8/4/2, linear and pow2 steps): sequential over
@@ -1000,14 +1003,75 @@ int check_observe_mode(const Layout& L, const scalar_t* x, const ObserveConfig& 
   return errs;
 }
 
+// observe_kernel in MODE_DELAYED (delayed_observe: shared statistics, no row exponents, as the
+// op), against the definition: (1, G) copies of the estimates from before the launch, the
+// sequential estimate step over the batch's min/max, the counter advanced by one and no seed
+// written. The copies' buffer has one more entry, which must stay untouched.
+template <typename scalar_t, typename IdxT, int V>
+int check_delayed_observe(const Layout& L, const scalar_t* x, const ObserveConfig& c, std::vector<uint32_t>& ws,
+                          bool symmetric, const StridedX<scalar_t>* sx) {
+  const int64_t G = L.G;
+  std::vector<float> emn, emx;
+  seq_minmax(L, seen_values(x, L.numel, nullptr), emn, emx);
+  std::normal_distribution<float> nd;
+  std::vector<float> est_a(G + 2), est_b(G + 2);
+  for (auto& v : est_a) v = std::fabs(nd(rng));
+  for (auto& v : est_b) v = nd(rng);
+  bool init = rng() % 2;
+  const float lam = 0.9f, oml = static_cast<float>(1.0 - 0.9);
+  const SeqEstimate want = seq_estimates(emn, emx, 1, G, est_a, est_b, init, lam, oml, false, symmetric,
+                                         L.numel > 0);
+  const std::vector<float> before_a(est_a.begin(), est_a.begin() + G), before_b(est_b.begin(), est_b.begin() + G);
+  std::vector<float> oa(G + 1, 7.0f), ob(G + 1, 7.0f);
+  RngCase rc(rng);
+  const EstimateArgs est{est_a.data(), est_b.data(), &init, lam, oml, false, symmetric, L.numel > 0, nullptr, nullptr};
+  const SeedArgs sd{rc.buf, 1, nullptr};
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  launch_simt(unsigned(c.blocks), unsigned(c.threads), [&] {
+    observe_kernel<scalar_t, IdxT, V, MODE_DELAYED>(input_of(x, sx), k, IdxT(L.numel), IdxT(c.chunk), 1, ws.data(),
+                                                   est, sd, oa.data(), ob.data(), KRows<IdxT>{},
+                                                   strides_of<IdxT>(sx));
+  });
+  const bool used_ok = vec_same_bits(before_a, oa.data(), G) && vec_same_bits(before_b, ob.data(), G) &&
+                       same_bits(oa[G], 7.0f) && same_bits(ob[G], 7.0f);
+  const bool est_ok = vec_same_bits(want.est_a, est_a.data(), G + 2) &&
+                      vec_same_bits(want.est_b, est_b.data(), G + 2) && init == want.init;
+  const bool rng_ok = rc.buf[0] == int64_t(rc.key) && rc.buf[1] == int64_t(uint32_t(rc.counter + 1u));
+  int errs = 0;
+  if (!used_ok || !est_ok || !rng_ok) {
+    fprintf(stderr, "delayed_observe mismatch: used %s, estimates %s, counter %s\n", used_ok ? "ok" : "DIFFER",
+            est_ok ? "ok" : "DIFFER", rng_ok ? "ok" : "DIFFERS");
+    ++errs;
+  }
+  g_checked[std::string("delayed_observe") + strided_tag(sx)]++;
+  return errs + ws_clean(ws, "delayed_observe");
+}
+
+// seed_of_kernel: the seed step's seed, the rng (strided as a column of a (2, 2) buffer) unchanged
+int check_seed_of() {
+  RngCase rc(rng);
+  int64_t buf[4] = {rc.buf[0], -1, rc.buf[1], -1};
+  int64_t out[2] = {-1, -1};
+  seed_of_kernel(buf, 2, out);
+  uint32_t lo, hi;
+  seed_step(rc.key, rc.counter, lo, hi);
+  g_checked["seed_of"]++;
+  const bool ok = out[0] == int64_t(lo) && out[1] == int64_t(hi) && buf[0] == int64_t(rc.key) && buf[1] == -1 &&
+                  buf[2] == int64_t(rc.counter) && buf[3] == -1;
+  if (!ok) fprintf(stderr, "seed_of mismatch: got (%ld, %ld)\n", (long)out[0], (long)out[1]);
+  return ok ? 0 : 1;
+}
+
 template <typename scalar_t, typename IdxT, int V>
 int check_observe(const Layout& L, const scalar_t* x, int sms, bool symmetric, bool per_sample, const RowExp* re,
                   const StridedX<scalar_t>* sx = nullptr) {
   const ObserveConfig c = observe_config(L, V, sms);
   if (!simt_affordable(c, L.numel)) return 0;
   std::vector<uint32_t> ws(kWsHeader + 2 * std::max<int64_t>(L.S * L.G, 1), 0u);
-  return check_group_minmax<scalar_t, IdxT, V>(L, x, c, ws, sx) +
-         check_observe_mode<scalar_t, IdxT, V>(L, x, c, ws, symmetric, per_sample, re, sx);
+  int errs = check_group_minmax<scalar_t, IdxT, V>(L, x, c, ws, sx) +
+             check_observe_mode<scalar_t, IdxT, V>(L, x, c, ws, symmetric, per_sample, re, sx);
+  if (!per_sample && L.S == 1) errs += check_delayed_observe<scalar_t, IdxT, V>(L, x, c, ws, symmetric, sx);
+  return errs + check_seed_of();
 }
 
 // ------------------------------------------------------------------ quantize_observe
