@@ -681,8 +681,8 @@ def update_estimates(
 
 def seed_of(rng: torch.Tensor) -> torch.Tensor:
     """The ``[seed_lo, seed_hi]`` that :func:`seed_step` draws from ``rng = [key, counter]`` as it
-    stands, ``rng`` left alone (a pure function: the traced delayed compression derives its seed
-    with it, and :func:`delayed_observe` advances the counter). Tensor ops only."""
+    stands, ``rng`` left alone (``mesa::seed_of``: the traced delayed compression codes with it,
+    then :func:`delayed_observe` advances the counter). Tensor ops only."""
     key, counter = rng[0] & _M32, rng[1] & _M32
     k = lowbias32(key)
     lo = lowbias32(counter ^ k)
@@ -780,8 +780,9 @@ def delayed_observe(x, alpha_est, beta_est, initialized, rng, dim: int, num_grou
     (the ones the batch's codes were made with), then this batch's min/max of ``x`` update them
     (shared statistics, ``valid = x.numel() > 0``) and the rng counter advances by one, as the
     seed step would. The traced delayed compression codes ``x`` itself with the buffers and
-    ``seed_of(rng)``, then passes its row segments' min/max here: one launch per compression
-    in forward. ``x`` may be those cells: the per-group min/max of ``x`` is all it reads."""
+    ``seed_of(rng)``, then passes its row segments' min/max here (``mesa::delayed_observe``:
+    with ``mesa::seed_of`` two small launches a compression in forward). ``x`` may be those
+    cells: the per-group min/max of ``x`` is all it reads."""
     dim = check_observe_args(x, alpha_est, beta_est, initialized, rng, dim, num_groups, decay, False)
     alpha = alpha_est[:num_groups].clone().view(1, num_groups)
     beta = beta_est[:num_groups].clone().view(1, num_groups)
