@@ -712,24 +712,8 @@ std::tuple<at::Tensor, at::Tensor> update_estimates_cpu(const at::Tensor& mn, co
   return update_estimates_impl(mn, mx, alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid, G);
 }
 
-// The seed step (DESIGN.md, "Seed step"): a fresh [seed_lo, seed_hi] from rng = [key,
-// counter], whose counter advances by one (mod 2^32) in place.
-at::Tensor seed_step_cpu(const at::Tensor& rng) {
-  int64_t* r = rng.mutable_data_ptr<int64_t>();
-  const int64_t st = rng.stride(0);
-  uint32_t lo, hi;
-  const uint32_t counter = static_cast<uint32_t>(r[st]);
-  seed_step(static_cast<uint32_t>(r[0]), counter, lo, hi);
-  at::Tensor seed = at::empty({2}, rng.options());
-  seed.mutable_data_ptr<int64_t>()[0] = lo;
-  seed.mutable_data_ptr<int64_t>()[1] = hi;
-  r[st] = static_cast<int64_t>(static_cast<uint32_t>(counter + 1u));
-  return seed;
-}
-
-// seed_of: the seed step's seed, rng unchanged.
-at::Tensor seed_of_cpu(const at::Tensor& rng) {
-  check_seed_tensor("seed_of: rng ([key, counter])", rng, rng.device());
+// The seed the seed step draws from rng = [key, counter] as it stands: [seed_lo, seed_hi].
+static at::Tensor seed_from(const at::Tensor& rng) {
   const int64_t* r = rng.const_data_ptr<int64_t>();
   uint32_t lo, hi;
   seed_step(static_cast<uint32_t>(r[0]), static_cast<uint32_t>(r[rng.stride(0)]), lo, hi);
@@ -737,6 +721,21 @@ at::Tensor seed_of_cpu(const at::Tensor& rng) {
   seed.mutable_data_ptr<int64_t>()[0] = lo;
   seed.mutable_data_ptr<int64_t>()[1] = hi;
   return seed;
+}
+
+// The seed step (DESIGN.md, "Seed step"): a fresh [seed_lo, seed_hi] from rng = [key,
+// counter], whose counter advances by one (mod 2^32) in place.
+at::Tensor seed_step_cpu(const at::Tensor& rng) {
+  at::Tensor seed = seed_from(rng);
+  int64_t& counter = rng.mutable_data_ptr<int64_t>()[rng.stride(0)];
+  counter = static_cast<int64_t>(static_cast<uint32_t>(counter) + 1u);
+  return seed;
+}
+
+// seed_of: the seed step's seed, rng unchanged.
+at::Tensor seed_of_cpu(const at::Tensor& rng) {
+  check_seed_tensor("seed_of: rng ([key, counter])", rng, rng.device());
+  return seed_from(rng);
 }
 
 // estimate_and_seed = update_estimates + the seed step (observe without the min/max pass).

@@ -88,7 +88,7 @@ def test_the_choice_decides_what_the_graph_holds(mode, opaque):
 
 
 @needs_extension
-def test_traced_delayed_compression_is_one_op_in_forward():
+def test_traced_delayed_compression_is_two_small_ops_in_forward():
     """estimator=delayed, traceable, estimates known to be initialized: the codes and the row
     segments' min/max are plain aten ops (one kernel with the producer under Inductor), between
     two opaque ops a compression: mesa::seed_of before, mesa::delayed_observe on the cells after

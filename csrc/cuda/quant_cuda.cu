@@ -1272,23 +1272,28 @@ __device__ void estimate_update(const Stats& st, int64_t S, int64_t G, const Est
   if (threadIdx.x == 0) *a.initialized = init || finite;
 }
 
-__device__ __forceinline__ void seed_step_device(const SeedArgs& sd) {
-  const uint32_t key = static_cast<uint32_t>(sd.rng[0]);
-  const uint32_t counter = static_cast<uint32_t>(sd.rng[sd.rng_stride]);
+// The seed the seed step draws from rng = [key, counter] as it stands, into out = [lo, hi].
+__device__ __forceinline__ void write_seed(const int64_t* rng, int64_t rng_stride, int64_t* out) {
   uint32_t lo, hi;
-  seed_step(key, counter, lo, hi);
-  sd.seed_out[0] = static_cast<int64_t>(lo);
-  sd.seed_out[1] = static_cast<int64_t>(hi);
-  sd.rng[sd.rng_stride] = static_cast<int64_t>(static_cast<uint32_t>(counter + 1u));
+  seed_step(static_cast<uint32_t>(rng[0]), static_cast<uint32_t>(rng[rng_stride]), lo, hi);
+  out[0] = static_cast<int64_t>(lo);
+  out[1] = static_cast<int64_t>(hi);
+}
+
+// The seed step's state change: the counter advances by one (mod 2^32).
+__device__ __forceinline__ void advance_counter(const SeedArgs& sd) {
+  sd.rng[sd.rng_stride] = static_cast<int64_t>(static_cast<uint32_t>(sd.rng[sd.rng_stride]) + 1u);
+}
+
+__device__ __forceinline__ void seed_step_device(const SeedArgs& sd) {
+  write_seed(sd.rng, sd.rng_stride, sd.seed_out);
+  advance_counter(sd);
 }
 
 // seed_of: the seed step's seed from rng = [key, counter], rng unchanged; one thread (seed_of_cuda,
 // with the delayed_observe glue below).
 __global__ void seed_of_kernel(const int64_t* __restrict__ rng, const int64_t rng_stride, int64_t* __restrict__ out) {
-  uint32_t lo, hi;
-  seed_step(static_cast<uint32_t>(rng[0]), static_cast<uint32_t>(rng[rng_stride]), lo, hi);
-  out[0] = static_cast<int64_t>(lo);
-  out[1] = static_cast<int64_t>(hi);
+  write_seed(rng, rng_stride, out);
 }
 
 // One thread's running (p, min, max) over the elements it visits; flushed (to shared
@@ -1487,9 +1492,7 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   } else {
     estimate_update(EncodedStats{g_min, g_max}, S, G, est, s_min, s_max);
     if (threadIdx.x == 0 && MODE == MODE_OBSERVE) seed_step_device(sd);
-    if (threadIdx.x == 0 && MODE == MODE_DELAYED) {
-      sd.rng[sd.rng_stride] = static_cast<int64_t>(static_cast<uint32_t>(sd.rng[sd.rng_stride]) + 1u);
-    }
+    if (threadIdx.x == 0 && MODE == MODE_DELAYED) advance_counter(sd);
   }
   reset_workspace(ws, g_min, 2 * P);  // g_max = g_min + P: both sets of totals
 }

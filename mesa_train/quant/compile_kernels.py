@@ -31,8 +31,9 @@ call). Why: the traced compression is slow to compile and no faster to run.
   seed steps; on a GPU the one-stage form was a split reduction of its own, found in
   Inductor's Triton code generated on this CPU: ``scripts/inductor_gpu_code.py``, DESIGN.md
   "The traced compression in Inductor's GPU code"); with ``estimator="delayed"``
-  ``mesa::delayed_observe`` on those cells, after the codes, one op a compression in forward
-  where it was three. The modern and speed presets run ``traceable`` per block
+  ``mesa::seed_of`` before the codes and ``mesa::delayed_observe`` on those cells after them,
+  two small ops a compression in forward where it was three and a fill kernel. The modern and
+  speed presets run ``traceable`` per block
   (:mod:`mesa_train.compile_scope`: the identical blocks share one graph, so it compiles in
   the time of one block) against stock compiled per block.
 
