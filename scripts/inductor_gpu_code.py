@@ -31,8 +31,9 @@ pattern rewrites). The kernel count and the bytes each kernel moves (Inductor's 
 
 Variants: ``stock``; Mesa with every op compressed and its compression as the extension's
 ops (``ops``), traced (``traceable``), traced with ``estimator=delayed`` (``delayed``, two
-steps: the graph is rebuilt once the estimates are initialized). A traced variant takes a
-few minutes on 2 cores.
+steps: the graph is rebuilt once the estimates are initialized), and the same without the
+Linear / LayerNorm inputs' row scales (``delayed-norows``: ``row_scale=False``, what they
+cost). A traced variant takes a few minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -47,7 +48,19 @@ from unittest import mock
 
 import torch
 
-VARIANTS = ("stock", "ops", "traceable", "delayed")
+# variant -> patch_model's quantizer options (None: stock); the traced variants compile the
+# compression as plain PyTorch (compile_kernels=traceable), the others as the extension's ops
+VARIANT_OPTIONS = {
+    "stock": None,
+    "ops": {},
+    "traceable": {},
+    "delayed": {"estimator": "delayed"},
+    # what the power-of-two row scales of the Linear / LayerNorm inputs cost the traced
+    # delayed block (nn/rowscale.py): each needs its rows' maxima before its codes
+    "delayed-norows": {"estimator": "delayed", "row_scale": False},
+}
+VARIANTS = tuple(VARIANT_OPTIONS)
+TRACED = ("traceable", "delayed", "delayed-norows")
 # the attention path of the block, and the op set Mesa patches on it (the modern preset's):
 # explicit softmax(q k^T) v with every op, or F.scaled_dot_product_attention with the sdpa set
 ATTENTION_OPS = {"explicit": ["all"], "fused": ["linear", "gelu", "layernorm", "conv", "relu", "sdpa"]}
@@ -272,9 +285,11 @@ def capture_block(model_name: str, variant: str, batch: int, amp: bool,
 
     torch.manual_seed(0)
     model = build_model(model_name, fused_attn=attention == "fused")
-    traced = variant in ("traceable", "delayed")
-    if variant != "stock":
-        patch_model(model, ops=ATTENTION_OPS[attention], **({"estimator": "delayed"} if variant == "delayed" else {}))
+    traced = variant in TRACED
+    options = VARIANT_OPTIONS[variant]
+    delayed = options is not None and options.get("estimator") == "delayed"
+    if options is not None:
+        patch_model(model, ops=ATTENTION_OPS[attention], **options)
         set_compile_kernels("traceable" if traced else "ops")
     if not hasattr(model, "blocks") or not hasattr(model, "embed_dim") or not hasattr(model, "patch_embed"):
         fail(f"{model_name} is not a ViT-style model (blocks of (batch, tokens, embed_dim)); this script takes those")
@@ -282,11 +297,11 @@ def capture_block(model_name: str, variant: str, batch: int, amp: bool,
     tokens = getattr(model.patch_embed, "num_patches", 196) + getattr(model, "num_prefix_tokens", 1)
     x = torch.randn(batch, tokens, model.embed_dim, requires_grad=True)
     torch._dynamo.reset()
-    options = dict(TRACED_INDUCTOR_OPTIONS) if traced else {}
-    graphs = capture_step_graphs(block, x, steps=2 if variant == "delayed" else 1, amp=amp,
-                                 after_step=(lambda: mark_estimates_ready(model)) if variant == "delayed" else None,
-                                 inductor_options=options)
-    return graphs, options
+    inductor_options = dict(TRACED_INDUCTOR_OPTIONS) if traced else {}
+    graphs = capture_step_graphs(block, x, steps=2 if delayed else 1, amp=amp,
+                                 after_step=(lambda: mark_estimates_ready(model)) if delayed else None,
+                                 inductor_options=inductor_options)
+    return graphs, inductor_options
 
 
 def census(model_name: str, variant: str, batch: int, amp: bool, attention: str = "explicit") -> dict[str, list]:

@@ -246,7 +246,7 @@ def totals(rows: list[dict]) -> dict[str, float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="deit_s")
-    p.add_argument("--variant", default="traceable", choices=("stock", "ops", "traceable", "delayed"))
+    p.add_argument("--variant", default="traceable", choices=_script("inductor_gpu_code").VARIANTS)
     p.add_argument("--attention", default="explicit", choices=("explicit", "fused"))
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--kernels", default="", help="a regex over kernel names")

@@ -532,6 +532,9 @@ def test_speed_preset_runs_every_knob(tmp_path):
     assert rows["Mesa eager delayed"]["config"]["quant"] == {"estimator": "delayed"}
     assert rows["Mesa compiled traceable delayed"]["config"]["quant"] == {"estimator": "delayed"}
     assert rows["Mesa compiled traceable delayed"]["measurement"]["graph_breaks"] == 0
+    assert rows["Mesa compiled traceable delayed no row scale"]["config"]["quant"] == {
+        "estimator": "delayed", "row_scale": False}
+    assert rows["Mesa compiled traceable delayed no row scale"]["measurement"]["graph_breaks"] == 0
     assert rows["Mesa compiled traceable delayed untuned"]["config"]["compile_options"] == {
         "coordinate_descent_tuning": False}
     assert rows["stock compiled per block tuned as traceable"]["config"]["compile_options"] == {

@@ -153,3 +153,23 @@ print(json.dumps(res))
     assert "mesa.sdpa_recompute_backward" in ops["backward"], ops
     assert "mesa.softmax_backward" not in ops["backward"], ops
     assert ops["forward"].count("mesa.compress") >= 3 + 4, ops  # q, k, v and the Linear / GELU / norm inputs
+
+
+def test_variants_are_valid_quantizer_options():
+    """Each variant's patch_model options are QuantOptions (a typo would only show minutes into
+    a census), and triton_sass.py offers the same variants."""
+    import importlib.util
+
+    from mesa_train.nn.quantizer import QuantOptions
+
+    spec = importlib.util.spec_from_file_location("igc_variants", SCRIPT)
+    igc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(igc)
+    assert igc.VARIANTS[0] == "stock" and igc.VARIANT_OPTIONS["stock"] is None
+    for name, options in igc.VARIANT_OPTIONS.items():
+        if options is not None:
+            QuantOptions(**options)
+    assert igc.VARIANT_OPTIONS["delayed-norows"] == {"estimator": "delayed", "row_scale": False}
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "triton_sass.py"), "--help"], capture_output=True,
+                         text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0 and "delayed-norows" in out.stdout, out.stderr[-2000:]

@@ -15,7 +15,14 @@ with only static shapes and no host synchronisation:
 * estimate buffers are updated with in-place ``copy_`` (functionalised by the compiler).
 
 Under Inductor the floating-point results may differ from the kernels in the last bit where
-the compiler contracts a multiply-add; the layers' forward outputs never depend on them.
+the compiler contracts a multiply-add; on a GPU also where Triton divides (``x / y`` is
+``div.full.f32``, within 2 ulp, unless Inductor's ``eager_numerics.division_rounding``: the
+quantize's ``255 / alpha``) and where Inductor turns a division by a constant into a multiply
+by its reciprocal (dequantize's ``alpha / 255``, whose ``full_like`` it folds: 70% of random
+float32 ``alpha`` then round differently; ``torch/_inductor/lowering.py``, ``div_prim``, which
+spares the CPU). So a code may differ where its value lies within an ulp of a rounding step.
+The layers' forward outputs never depend on them; gradients are close, not bitwise, to eager's
+on a GPU (``scripts/inductor_gpu_code.py`` shows the generated code).
 """
 from __future__ import annotations
 
