@@ -24,13 +24,9 @@ from mesa_train.nn.quantizer import ActivationQuantizer
 from mesa_train.patch import patch_model
 from mesa_train.quant.compile_kernels import set_compile_kernels
 
-from test_patch_helpers import TINY, build, grads, inputs, loss_of, set_fused
+from test_patch_helpers import OPSETS, TINY, build, grads, inputs, loss_of, set_fused
 
 FAMILIES = ("deit", "swin", "pvt")
-OPSETS = {
-    "all": ("all",),  # the paper's explicit attention, every op compressed
-    "sdpa": ("linear", "gelu", "layernorm", "conv", "sdpa"),  # fused attention kept fused
-}
 
 
 def _patched(family: str, opset: str, **build_kwargs):

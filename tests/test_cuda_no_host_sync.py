@@ -15,11 +15,9 @@ import warnings
 
 import pytest
 import torch
-from test_patch_helpers import build, inputs
+from test_patch_helpers import OPSETS, build, inputs
 
 from mesa_train.patch import patch_model
-
-OPSETS = {"all": ("all",), "sdpa": ("linear", "gelu", "layernorm", "conv", "sdpa")}
 
 
 def _step(model, x) -> None:

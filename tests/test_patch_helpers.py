@@ -25,6 +25,13 @@ TINY = {
 }
 
 
+# the op sets the compile and GPU tests patch with
+OPSETS = {
+    "all": ("all",),  # the paper's explicit attention, every op compressed
+    "sdpa": ("linear", "gelu", "layernorm", "conv", "sdpa"),  # fused attention kept fused
+}
+
+
 def build(name: str, fused: bool | None = None, seed: int = 0) -> torch.nn.Module:
     kwargs, _ = TINY[name]
     torch.manual_seed(seed)
