@@ -181,9 +181,11 @@ MESA_HD uint8_t quantize_value(float x, float beta, float inv, float u) {
   return static_cast<uint8_t>(static_cast<int>(v));
 }
 
-// xhat = q * step + beta, as two rounded operations.
+// xhat = q * step + beta, as two rounded operations; q a code's value (0 .. 255, as the CUDA
+// kernels convert their codes: quant_cuda.cu, byte_value)
+MESA_HD float dequantize_code_value(float q, float step, float beta) { return f_add(f_mul(q, step), beta); }
 MESA_HD float dequantize_value(uint8_t q, float step, float beta) {
-  return f_add(f_mul(static_cast<float>(q), step), beta);
+  return dequantize_code_value(static_cast<float>(q), step, beta);
 }
 
 // ----------------------------------------------------------------------------- bit widths

@@ -16,8 +16,10 @@ Columns: registers and spilled bytes (ptxas), static shared memory, resident 256
 per SM (H100: 64K registers, 228 KB of shared memory, 32 blocks), global loads (LDG) in the
 code, and the most loads in flight: walking the instructions in order, a load is in flight
 from its issue until the first instruction that reads its destination register (branches are
-not followed: a lower bound on a loop body's, exact for straight-line code). Needs nvcc and
-cuobjdump (on PATH, or the one Triton's wheel carries); about a minute on 2 cores.
+not followed: a lower bound on a loop body's, exact for straight-line code), the instructions
+in the code (every path, the slow ones too) and how many of them are the conversion unit's
+(F2I / I2F / F2F; not their packed forms). Needs nvcc and cuobjdump (on PATH, or the one
+Triton's wheel carries); about a minute on 2 cores.
 """
 from __future__ import annotations
 
@@ -148,6 +150,12 @@ def loads_in_flight(instructions: list[str]) -> int:
     return most
 
 
+def conversions(instructions: list[str]) -> int:
+    """Instructions of the conversion unit (F2I, I2F, F2F: 16 results an SM a clock on sm_90,
+    an eighth of the FP32 rate); their packed forms (F2IP, I2FP, F2FP) are not counted."""
+    return sum(opcode(i).split(".")[0] in ("F2I", "I2F", "F2F") for i in instructions)
+
+
 def blocks_per_sm(registers: int, smem: int, threads: int = 256) -> int:
     warps = -(-threads // 32)
     per_warp = -(-registers * 32 // REG_UNIT) * REG_UNIT
@@ -172,7 +180,8 @@ def audit(pattern: str = "", arch: str = "sm_90", tree: Path = REPO) -> list[dic
         rows.append({"kernel": pretty, "registers": regs, "spill": spill, "smem": smem,
                      "blocks_per_sm": blocks_per_sm(regs, smem),
                      "loads": sum(opcode(i).startswith("LDG") for i in ins),
-                     "in_flight": loads_in_flight(ins), "instructions": ins})
+                     "in_flight": loads_in_flight(ins), "count": len(ins), "conversions": conversions(ins),
+                     "instructions": ins})
     return rows
 
 
@@ -190,11 +199,12 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             base = {r["kernel"]: r for r in audit(args.kernels, args.arch,
                                                   _ptx_cost().checkout(args.baseline_rev, Path(tmp)))}
-    cols = ("registers", "spill", "smem", "blocks_per_sm", "loads", "in_flight")
+    cols = ("registers", "spill", "smem", "blocks_per_sm", "loads", "in_flight", "count", "conversions")
     print(f"{args.arch} machine code of {SOURCE}" + (f"; baseline {args.baseline_rev} -> this tree" if base else "")
           + "\n")
-    print("| kernel | registers | spilled bytes | shared bytes | blocks/SM (256 threads) | loads | most in flight |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| kernel | registers | spilled bytes | shared bytes | blocks/SM (256 threads) | loads | most in flight "
+          "| instructions | conversion unit |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: r["kernel"]):
         b = base.get(r["kernel"])
         cells = [f"{b[c]} -> {r[c]}" if b is not None and b[c] != r[c] else f"{r[c]}" for c in cols]

@@ -46,7 +46,9 @@ needs_tools = pytest.mark.skipif(shutil.which("nvcc") is None and not Path("/usr
                                  reason="needs nvcc (a CUDA toolkit; no GPU)")
 
 KERNELS = (r"^(layer_norm_backward_kernel<(float|c10::BFloat16), 12>"
-           r"|dequantize_kernel<float, unsigned int, 16, StoreAffineCols<c10::BFloat16> >"
+           r"|dequantize_kernel<(float|c10::BFloat16), unsigned int, 16, "
+           r"(StoreAffineCols<c10::BFloat16>|StoreValues<c10::BFloat16>|StoreGeluGrad<c10::BFloat16>) >"
+           r"|(quantize|quantize_observe)_kernel<c10::BFloat16, unsigned int, 16, (true|false)>"
            r"|row_cells_kernel<(float|c10::BFloat16), true>)$")
 
 
@@ -89,3 +91,44 @@ def test_row_cells_reads_its_segment_bounds_from_shared_memory(kernels, dtype):
     m = load_script("sass_audit")
     assert sum(m.opcode(i).startswith("LDS") for i in row["instructions"]) >= 2
     assert row["in_flight"] >= 4
+
+
+def _opcodes(row) -> list[str]:
+    m = load_script("sass_audit")
+    return [m.opcode(i) for i in row["instructions"]]
+
+
+@needs_tools
+@pytest.mark.parametrize("kernel", ["quantize_kernel", "quantize_observe_kernel"])
+@pytest.mark.parametrize("stochastic", ["true", "false"])
+def test_codes_come_from_one_saturating_conversion(kernels, kernel, stochastic):
+    """quantize_code: each code one F2IP (cvt to u8 clamps and takes NaN to 0) where a clamp of
+    two FMNMX and an F2I on the conversion unit were (and, rounding to nearest, the 2^23 add and
+    subtract): the ALU pipe bound the stochastic quantize (0.58 of clone's bandwidth on the H100)."""
+    ops = _opcodes(kernels[f"{kernel}<c10::BFloat16, unsigned int, 16, {stochastic}>"])
+    assert sum(o.startswith("F2IP.U8") for o in ops) >= 16  # the 16-element step's codes
+    assert not any(o.startswith("FMNMX") for o in ops)
+    # (a few F2I remain outside the codes: quantize_observe's launch arithmetic; there were 33)
+    assert sum(o.startswith("F2I.") for o in ops) <= 4, sorted({o for o in ops if o.startswith("F2I")})
+
+
+@needs_tools
+@pytest.mark.parametrize("kernel", ["dequantize_kernel<c10::BFloat16, unsigned int, 16, StoreValues<c10::BFloat16> >",
+                                    "dequantize_kernel<c10::BFloat16, unsigned int, 16, StoreGeluGrad<c10::BFloat16> >",
+                                    "dequantize_kernel<float, unsigned int, 16, StoreAffineCols<c10::BFloat16> >",
+                                    "layer_norm_backward_kernel<c10::BFloat16, 12>"])
+def test_codes_become_floats_without_the_conversion_unit(kernels, kernel):
+    """byte_value / code_value: a code's float as 2^23's bits with the byte below them, minus 2^23
+    (PRMT or LOP3, FADD), where nvcc had extracted each byte and converted half of them with
+    I2F.U16, an instruction of the conversion unit (16 an SM a clock)."""
+    ops = _opcodes(kernels[kernel])
+    # (I2F.U32.RP: an integer division's reciprocal, once a launch or a row, not a code's)
+    assert not any(o.startswith("I2F.U16") for o in ops)
+    assert sum(o.startswith("I2F") for o in ops) <= 4, sorted({o for o in ops if o.startswith("I2F")})
+
+
+def test_conversions_count_the_conversion_unit_only():
+    m = load_script("sass_audit")
+    code = ["F2I.TRUNC.NTZ R6, R27", "F2IP.U8.F32.TRUNC.NTZ R7, RZ, R2, RZ", "I2F.U16 R7, R7",
+            "I2FP.F32.U32 R9, R9", "F2F.BF16.F32 R14, R14", "F2FP.BF16.F32.PACK_AB R8, R15, R8", "FMNMX R9, RZ, R19, !PT"]
+    assert m.conversions(code) == 3

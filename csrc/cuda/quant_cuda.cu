@@ -317,16 +317,57 @@ __device__ __forceinline__ void store_floats(scalar_t* __restrict__ p, const flo
   }
 }
 
+// Byte J of w as a float, exactly: the byte under 2^23's exponent bits (0x4B0000bb = 2^23 + b),
+// minus 2^23. A byte permute and an add where extracting the byte and converting it took two
+// or three integer instructions and, for half of them, a conversion-unit I2F.U16.
+template <int J>
+__device__ __forceinline__ float byte_value(uint32_t w) {
+  return f_sub(__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650u | J)), 8388608.0f);
+}
+
+// A code's value as a float, exactly, the same way (b <= 255): an OR and an add where nvcc
+// converted a loaded byte with an I2F.U16 (layer_norm_backward_kernel: one a column)
+__device__ __forceinline__ float code_value(uint32_t b) {
+  return f_sub(__uint_as_float(0x4B000000u | b), 8388608.0f);
+}
+
+// The V codes at p as floats (0 .. 255, exact)
 template <int V>
-__device__ __forceinline__ void load_codes(const uint8_t* __restrict__ p, uint8_t (&c)[V]) {
+__device__ __forceinline__ void load_code_values(const uint8_t* __restrict__ p, float (&c)[V]) {
   if constexpr (V == 1) {
-    c[0] = p[0];
+    c[0] = static_cast<float>(p[0]);
   } else {
     static_assert(V == 16, "16 codes = one 16-byte load");
-    const Chunk16<uint8_t> raw = *reinterpret_cast<const Chunk16<uint8_t>*>(p);
+    const Chunk16<uint32_t> raw = *reinterpret_cast<const Chunk16<uint32_t>*>(p);
 #pragma unroll
-    for (int j = 0; j < V; ++j) c[j] = raw.e[j];
+    for (int w = 0; w < 4; ++w) {
+      c[4 * w] = byte_value<0>(raw.e[w]);
+      c[4 * w + 1] = byte_value<1>(raw.e[w]);
+      c[4 * w + 2] = byte_value<2>(raw.e[w]);
+      c[4 * w + 3] = byte_value<3>(raw.e[w]);
+    }
   }
+}
+
+// quantize_value (mesa_common.h) with its clamp and cast in one saturating conversion: cvt to
+// u8 takes NaN to 0 and clamps to [0, 255] (PTX ISA, cvt: float-to-integer conversions clamp
+// to the destination range), truncating (stochastic) or rounding half to even (nearest, as
+// quantize_value's 2^23 add and subtract), so the codes are the same bits; one F2IP where
+// two FMNMX and an F2I were. The host branch (the harness) states the same semantics.
+template <bool STOCHASTIC>
+__device__ __forceinline__ uint8_t quantize_code(float x, float beta, float inv, float u) {
+  float v = f_mul(f_sub(x, beta), inv);
+  if (STOCHASTIC) v = f_add(v, u);
+  uint32_t c;
+#if defined(__CUDA_ARCH__)
+  if (STOCHASTIC) asm("cvt.rzi.u8.f32 %0, %1;" : "=r"(c) : "f"(v));
+  else asm("cvt.rni.u8.f32 %0, %1;" : "=r"(c) : "f"(v));
+#else
+  if (!(v > 0.0f)) c = 0u;  // NaN, negative, -0.0
+  else if (v >= 255.0f) c = 255u;
+  else c = static_cast<uint32_t>(STOCHASTIC ? std::trunc(v) : std::nearbyint(v));  // nearbyint: half to even
+#endif
+  return static_cast<uint8_t>(c);
 }
 
 template <int V>
@@ -450,14 +491,14 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
-        out[e] = quantize_value<STOCH>(xv[e], pc.beta, pc.scale, u);
+        out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u);
       }
     } else {  // the step crosses a group / sample boundary: per element
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         pc.fetch<true>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)));
         const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
-        out[e] = quantize_value<STOCH>(xv[e], pc.beta, pc.scale, u);
+        out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u);
       }
     }
     store_codes<V>(q + i0, out);
@@ -469,7 +510,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
       const float u = STOCH ? rk.uniform(i) : 0.0f;
       float xi[1] = {static_cast<float>(x[offset_of(in, i)])};
       quantize_rows<scalar_t, IdxT, 1>(rows, i, xi);
-      q[i] = quantize_value<STOCH>(xi[0], pc.beta, pc.scale, u);
+      q[i] = quantize_code<STOCH>(xi[0], pc.beta, pc.scale, u);
     }
   }
 }
@@ -650,19 +691,18 @@ dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* 
   ParamCache pc;
   for (IdxT v = gid; v < nvec; v += stride) {
     const IdxT i0 = v * V;
-    uint8_t qv[V];
-    load_codes<V>(q + i0, qv);
     float out[V];
+    load_code_values<V>(q + i0, out);
     const IdxT p0 = param_of(k, i0);
     if (one_param<IdxT, V>(k, i0, p0)) {
       pc.fetch<false>(alpha, beta, p0);
 #pragma unroll
-      for (int e = 0; e < V; ++e) out[e] = dequantize_value(qv[e], pc.scale, pc.beta);
+      for (int e = 0; e < V; ++e) out[e] = dequantize_code_value(out[e], pc.scale, pc.beta);
     } else {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         pc.fetch<false>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)));
-        out[e] = dequantize_value(qv[e], pc.scale, pc.beta);
+        out[e] = dequantize_code_value(out[e], pc.scale, pc.beta);
       }
     }
     if (rows.k != nullptr || rows.mul != nullptr) {  // of the value rounded to scalar_t: y * 2**-k, then * row_mul
@@ -1667,7 +1707,7 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   reduce_chunk<scalar_t, IdxT, V>(x, q, k, numel, c, rows, t, init, in, [&](float v, IdxT i, IdxT p) -> uint8_t {
     pc.fetch<true>(alpha, beta, p);
     const float u = STOCH ? rk.uniform(i) : 0.0f;
-    return quantize_value<STOCH>(v, pc.beta, pc.scale, u);
+    return quantize_code<STOCH>(v, pc.beta, pc.scale, u);
   });
 
   // ---- stage 2: the last block updates the estimates and the rng counter
@@ -2357,7 +2397,7 @@ layer_norm_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __rest
         const int p = sg + s_group[c];
         const float st = table ? s_step[p] : dequant_step(__ldg(alpha + p));
         const float be = table ? s_beta[p] : __ldg(beta + p);
-        float x = dequantize_value(qr[t], st, be);
+        float x = dequantize_code_value(code_value(qr[t]), st, be);
         if (k != nullptr) x = f_mul(x, unscale);  // dequantize's row exponents, in float32
         const float gv = static_cast<float>(gr[t]);
         const float gwv = has_w ? f_mul(gv, s_w[c]) : gv;
