@@ -278,7 +278,8 @@ __device__ __forceinline__ void quantize_rows(const KRows<IdxT>& r, IdxT i0, flo
 // ----------------------------------------------------------------------------- vector I/O
 // V = kVec: 16-byte loads / stores (pointers 16-byte aligned); V = 1: scalar. Memory is
 // accessed through 16-byte aggregates of the element type (no type punning of registers:
-// strict-aliasing safe, and nvcc emits one 128-bit load / store per chunk).
+// strict-aliasing safe, and nvcc emits one 128-bit load / store per chunk), but for codes
+// read as four words (load_code_values: the one punned read, as CUDA's own uint4 loads are).
 template <typename T>
 struct alignas(16) Chunk16 {
   T e[16 / sizeof(T)];
@@ -338,6 +339,8 @@ __device__ __forceinline__ void load_code_values(const uint8_t* __restrict__ p, 
     c[0] = static_cast<float>(p[0]);
   } else {
     static_assert(V == 16, "16 codes = one 16-byte load");
+    // (read as words: nvcc reassembled each word from its bytes, 32 more instructions, when the
+    // chunk was loaded as bytes and copied into words)
     const Chunk16<uint32_t> raw = *reinterpret_cast<const Chunk16<uint32_t>*>(p);
 #pragma unroll
     for (int w = 0; w < 4; ++w) {

@@ -262,7 +262,10 @@ def quantize(x, alpha, beta, dim: int, num_groups: int, stochastic: bool, seed: 
     inv, b = _per_element(x, [inv, beta], dim, num_groups)
     v = (x.to(torch.float32) - b) * inv
     if stochastic:
-        v = torch.floor(v + _uniform(x.numel(), seed, x.device).view(x.shape))
+        # floor(v + u), clamped: the uint8 cast truncates what the clamp leaves in [0, 255], and
+        # truncating is floor there, so no floor (one instruction an element fewer on a GPU,
+        # FRND, in kernels bound by their instructions; the same codes: tests/test_traceable.py)
+        v = v + _uniform(x.numel(), seed, x.device).view(x.shape)
     else:
         v = torch.round(v)  # half to even
     return _clamp_codes(v, 255.0).to(torch.uint8)
@@ -318,7 +321,7 @@ def quantize_bits(x, alpha, beta, dim: int, num_groups: int, bits: int, pow2: bo
     inv, b = _per_element(x, [inv, beta], dim, num_groups)
     v = (x.to(torch.float32) - b) * inv
     if stochastic:
-        v = torch.floor(v + _uniform(x.numel(), seed, x.device).view(x.shape))
+        v = v + _uniform(x.numel(), seed, x.device).view(x.shape)  # (no floor: see quantize)
     else:
         v = torch.round(v)
     v = _clamp_codes(v, float((1 << bits) - 1))
