@@ -49,6 +49,7 @@ KERNELS = (r"^(layer_norm_backward_kernel<(float|c10::BFloat16), 12>"
            r"|dequantize_kernel<(float|c10::BFloat16), unsigned int, 16, "
            r"(StoreAffineCols<c10::BFloat16>|StoreValues<c10::BFloat16>|StoreGeluGrad<c10::BFloat16>) >"
            r"|(quantize|quantize_observe)_kernel<c10::BFloat16, unsigned int, 16, (true|false)>"
+           r"|dequantize_bits_kernel<c10::BFloat16, unsigned int, [248], true>"
            r"|row_cells_kernel<(float|c10::BFloat16), true>)$")
 
 
@@ -116,7 +117,10 @@ def test_codes_come_from_one_saturating_conversion(kernels, kernel, stochastic):
 @pytest.mark.parametrize("kernel", ["dequantize_kernel<c10::BFloat16, unsigned int, 16, StoreValues<c10::BFloat16> >",
                                     "dequantize_kernel<c10::BFloat16, unsigned int, 16, StoreGeluGrad<c10::BFloat16> >",
                                     "dequantize_kernel<float, unsigned int, 16, StoreAffineCols<c10::BFloat16> >",
-                                    "layer_norm_backward_kernel<c10::BFloat16, 12>"])
+                                    "layer_norm_backward_kernel<c10::BFloat16, 12>",
+                                    "dequantize_bits_kernel<c10::BFloat16, unsigned int, 2, true>",
+                                    "dequantize_bits_kernel<c10::BFloat16, unsigned int, 4, true>",
+                                    "dequantize_bits_kernel<c10::BFloat16, unsigned int, 8, true>"])
 def test_codes_become_floats_without_the_conversion_unit(kernels, kernel):
     """byte_value / code_value: a code's float as 2^23's bits with the byte below them, minus 2^23
     (PRMT or LOP3, FADD), where nvcc had extracted each byte and converted half of them with

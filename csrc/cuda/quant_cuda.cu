@@ -327,7 +327,8 @@ __device__ __forceinline__ float byte_value(uint32_t w) {
 }
 
 // A code's value as a float, exactly, the same way (b <= 255): an OR and an add where nvcc
-// converted a loaded byte with an I2F.U16 (layer_norm_backward_kernel: one a column)
+// converted a loaded byte with an I2F.U16 (layer_norm_backward_kernel: one a column;
+// dequantize_bits_kernel: one a code)
 __device__ __forceinline__ float code_value(uint32_t b) {
   return f_sub(__uint_as_float(0x4B000000u | b), 8388608.0f);
 }
@@ -1023,7 +1024,7 @@ dequantize_bits_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, 
     for (int e = 0; e < E; ++e) {
       if (!one) pc.template fetch<false>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)), pow2);
       const uint8_t code = static_cast<uint8_t>((static_cast<uint32_t>(raw[e / PER]) >> ((e % PER) * BITS)) & kMask);
-      out[e] = dequantize_value(code, pc.scale, pc.beta);
+      out[e] = dequantize_code_value(code_value(code), pc.scale, pc.beta);
     }
     if constexpr (VEC) {
       store_floats<scalar_t, E>(y + i0, out);
@@ -1041,7 +1042,7 @@ dequantize_bits_kernel(const uint8_t* __restrict__ q, scalar_t* __restrict__ y, 
       if (i >= numel) break;
       pc.template fetch<false>(alpha, beta, param_of(k, i), pow2);
       const uint8_t code = static_cast<uint8_t>((b >> (t * BITS)) & kMask);
-      y[i] = static_cast<scalar_t>(dequantize_value(code, pc.scale, pc.beta));
+      y[i] = static_cast<scalar_t>(dequantize_code_value(code_value(code), pc.scale, pc.beta));
     }
   }
 }
