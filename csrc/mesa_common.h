@@ -104,13 +104,23 @@ MESA_HD uint32_t hash_key(uint32_t seed_lo, uint32_t seed_hi, uint32_t index_hi)
 
 // u from the index's low word and its key; h >> 8 < 2^24, so the signed conversion is
 // the same value and vectorises on SSE2/AVX2 (no unsigned->float vector conversion there).
-MESA_HD float uniform_keyed(uint32_t index_lo, uint32_t key) {
+// (u * 2^24 = h >> 8, an integer below 2^24, exact as a float: the CUDA quantize adds u to v
+// as one fused multiply-add of these units by 2^-24, whose product is exact, so the sum is
+// rounded once, as v + u is)
+MESA_HD float uniform_units_keyed(uint32_t index_lo, uint32_t key) {
   const uint32_t h = lowbias32(index_lo * 0x9E3779B9u + key);
-  return static_cast<float>(static_cast<int32_t>(h >> 8)) * 5.9604644775390625e-08f;  // 2^-24, exact
+  return static_cast<float>(static_cast<int32_t>(h >> 8));
+}
+MESA_HD float uniform_keyed(uint32_t index_lo, uint32_t key) {
+  return uniform_units_keyed(index_lo, key) * 5.9604644775390625e-08f;  // 2^-24, exact
 }
 
+MESA_HD float hash_uniform_units(uint64_t i, uint32_t seed_lo, uint32_t seed_hi) {
+  return uniform_units_keyed(static_cast<uint32_t>(i),
+                             hash_key(seed_lo, seed_hi, static_cast<uint32_t>(i >> 32)));
+}
 MESA_HD float hash_uniform(uint64_t i, uint32_t seed_lo, uint32_t seed_hi) {
-  return uniform_keyed(static_cast<uint32_t>(i), hash_key(seed_lo, seed_hi, static_cast<uint32_t>(i >> 32)));
+  return hash_uniform_units(i, seed_lo, seed_hi) * 5.9604644775390625e-08f;  // 2^-24, exact
 }
 
 // Seed step of mesa::observe (DESIGN.md, "Seed step"): rng = [key, counter] (uint32 each)

@@ -136,3 +136,15 @@ def test_conversions_count_the_conversion_unit_only():
     code = ["F2I.TRUNC.NTZ R6, R27", "F2IP.U8.F32.TRUNC.NTZ R7, RZ, R2, RZ", "I2F.U16 R7, R7",
             "I2FP.F32.U32 R9, R9", "F2F.BF16.F32 R14, R14", "F2FP.BF16.F32.PACK_AB R8, R15, R8", "FMNMX R9, RZ, R19, !PT"]
     assert m.conversions(code) == 3
+
+
+@needs_tools
+@pytest.mark.parametrize("kernel", ["quantize_kernel", "quantize_observe_kernel"])
+def test_the_uniform_is_added_in_one_fused_multiply_add(kernels, kernel):
+    """quantize_code: v + u as one FFMA of the hash's units (h >> 8) by 2^-24 (an exact product:
+    one rounding, as v + u), where an FMUL by 2^-24 and an FADD were."""
+    m = load_script("sass_audit")
+    ins = kernels[f"{kernel}<c10::BFloat16, unsigned int, 16, true>"]["instructions"]
+    scaled = [i for i in ins if "5.9604644775390625e-08" in i]  # 2^-24
+    assert sum(m.opcode(i).startswith("FFMA") for i in scaled) >= 16, scaled[:4]
+    assert not any(m.opcode(i).startswith("FMUL") for i in scaled), scaled[:4]

@@ -357,11 +357,13 @@ __device__ __forceinline__ void load_code_values(const uint8_t* __restrict__ p, 
 // u8 takes NaN to 0 and clamps to [0, 255] (PTX ISA, cvt: float-to-integer conversions clamp
 // to the destination range), truncating (stochastic) or rounding half to even (nearest, as
 // quantize_value's 2^23 add and subtract), so the codes are the same bits; one F2IP where
-// two FMNMX and an F2I were. The host branch (the harness) states the same semantics.
+// two FMNMX and an F2I were. The host branch (the harness) states the same semantics. The
+// uniform comes as its units (u * 2^24, RoundingKey::units): v + u as one FFMA of the units by
+// 2^-24 (an exact product, so rounded once like v + u) where an FMUL and an FADD were.
 template <bool STOCHASTIC>
-__device__ __forceinline__ uint8_t quantize_code(float x, float beta, float inv, float u) {
+__device__ __forceinline__ uint8_t quantize_code(float x, float beta, float inv, float u_units) {
   float v = f_mul(f_sub(x, beta), inv);
-  if (STOCHASTIC) v = f_add(v, u);
+  if (STOCHASTIC) v = __fmaf_rn(u_units, 5.9604644775390625e-08f, v);  // 2^-24
   uint32_t c;
 #if defined(__CUDA_ARCH__)
   if (STOCHASTIC) asm("cvt.rzi.u8.f32 %0, %1;" : "=r"(c) : "f"(v));
@@ -450,6 +452,12 @@ struct RoundingKey {
     if constexpr (sizeof(IdxT) == 4) return uniform_keyed(static_cast<uint32_t>(i), key0);
     else return hash_uniform(static_cast<uint64_t>(i), slo, shi);
   }
+  // u * 2^24 (quantize_code's argument)
+  template <typename IdxT>
+  __device__ __forceinline__ float units(IdxT i) const {
+    if constexpr (sizeof(IdxT) == 4) return uniform_units_keyed(static_cast<uint32_t>(i), key0);
+    else return hash_uniform_units(static_cast<uint64_t>(i), slo, shi);
+  }
 };
 
 // (scale, beta) of parameter p, kept while p does not change.
@@ -494,14 +502,14 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
       pc.fetch<true>(alpha, beta, p0);
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
+        const float u = STOCH ? rk.units(i0 + IdxT(e)) : 0.0f;
         out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u);
       }
     } else {  // the step crosses a group / sample boundary: per element
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         pc.fetch<true>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)));
-        const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
+        const float u = STOCH ? rk.units(i0 + IdxT(e)) : 0.0f;
         out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u);
       }
     }
@@ -511,7 +519,7 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
     const IdxT i = nvec * V + gid;
     if (i < numel) {
       pc.fetch<true>(alpha, beta, param_of(k, i));
-      const float u = STOCH ? rk.uniform(i) : 0.0f;
+      const float u = STOCH ? rk.units(i) : 0.0f;
       float xi[1] = {static_cast<float>(x[offset_of(in, i)])};
       quantize_rows<scalar_t, IdxT, 1>(rows, i, xi);
       q[i] = quantize_code<STOCH>(xi[0], pc.beta, pc.scale, u);
@@ -1710,7 +1718,7 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   ParamCache pc;
   reduce_chunk<scalar_t, IdxT, V>(x, q, k, numel, c, rows, t, init, in, [&](float v, IdxT i, IdxT p) -> uint8_t {
     pc.fetch<true>(alpha, beta, p);
-    const float u = STOCH ? rk.uniform(i) : 0.0f;
+    const float u = STOCH ? rk.units(i) : 0.0f;
     return quantize_code<STOCH>(v, pc.beta, pc.scale, u);
   });
 

@@ -100,6 +100,7 @@ inline unsigned __ldcg(const unsigned* p) { return *p; }
 inline uint32_t __umulhi(uint32_t a, uint32_t b) { return uint32_t((uint64_t(a) * b) >> 32); }
 inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }  // one rounding
 // PRMT's default mode: byte n of the result is byte (s >> 4n) & 7 of the 8 bytes {x, y}
 // (x bytes 0-3, y bytes 4-7)
 inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
