@@ -107,12 +107,13 @@ MESA_HD uint32_t hash_key(uint32_t seed_lo, uint32_t seed_hi, uint32_t index_hi)
 // (u * 2^24 = h >> 8, an integer below 2^24, exact as a float: the CUDA quantize adds u to v
 // as one fused multiply-add of these units by 2^-24, whose product is exact, so the sum is
 // rounded once, as v + u is)
+constexpr float kUniformUnit = 5.9604644775390625e-08f;  // 2^-24 (u = units times it, exact)
 MESA_HD float uniform_units_keyed(uint32_t index_lo, uint32_t key) {
   const uint32_t h = lowbias32(index_lo * 0x9E3779B9u + key);
   return static_cast<float>(static_cast<int32_t>(h >> 8));
 }
 MESA_HD float uniform_keyed(uint32_t index_lo, uint32_t key) {
-  return uniform_units_keyed(index_lo, key) * 5.9604644775390625e-08f;  // 2^-24, exact
+  return uniform_units_keyed(index_lo, key) * kUniformUnit;
 }
 
 MESA_HD float hash_uniform_units(uint64_t i, uint32_t seed_lo, uint32_t seed_hi) {
@@ -120,7 +121,7 @@ MESA_HD float hash_uniform_units(uint64_t i, uint32_t seed_lo, uint32_t seed_hi)
                              hash_key(seed_lo, seed_hi, static_cast<uint32_t>(i >> 32)));
 }
 MESA_HD float hash_uniform(uint64_t i, uint32_t seed_lo, uint32_t seed_hi) {
-  return hash_uniform_units(i, seed_lo, seed_hi) * 5.9604644775390625e-08f;  // 2^-24, exact
+  return hash_uniform_units(i, seed_lo, seed_hi) * kUniformUnit;
 }
 
 // Seed step of mesa::observe (DESIGN.md, "Seed step"): rng = [key, counter] (uint32 each)

@@ -328,7 +328,8 @@ __device__ __forceinline__ float byte_value(uint32_t w) {
 
 // A code's value as a float, exactly, the same way (b <= 255): an OR and an add where nvcc
 // converted a loaded byte with an I2F.U16 (layer_norm_backward_kernel: one a column;
-// dequantize_bits_kernel: one a code)
+// dequantize_bits_kernel: one a code). (Not byte_value<0>: PRMT takes the constant from a
+// register, a UMOV and an IMAD more a column in the LayerNorm backward's code.)
 __device__ __forceinline__ float code_value(uint32_t b) {
   return f_sub(__uint_as_float(0x4B000000u | b), 8388608.0f);
 }
@@ -363,7 +364,7 @@ __device__ __forceinline__ void load_code_values(const uint8_t* __restrict__ p, 
 template <bool STOCHASTIC>
 __device__ __forceinline__ uint8_t quantize_code(float x, float beta, float inv, float u_units) {
   float v = f_mul(f_sub(x, beta), inv);
-  if (STOCHASTIC) v = __fmaf_rn(u_units, 5.9604644775390625e-08f, v);  // 2^-24
+  if (STOCHASTIC) v = __fmaf_rn(u_units, kUniformUnit, v);
   uint32_t c;
 #if defined(__CUDA_ARCH__)
   if (STOCHASTIC) asm("cvt.rzi.u8.f32 %0, %1;" : "=r"(c) : "f"(v));
