@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesa_train.quant import traceable
-from mesa_train.quant.compile_kernels import traced_row_sums
+from mesa_train.quant.compile_kernels import traced_as_pytorch, traced_row_sums
 
 from . import sharing
 from ._common import MesaLayer, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
@@ -89,7 +89,13 @@ class _SoftmaxFn(torch.autograd.Function):
         # 2.11 (fixed by 2.14), an op that returns its input (x.contiguous(), x.float() of a
         # contiguous float32 x) applied to an autograd.Function's output made the traced
         # backward receive zeros as that output's gradient.
-        packed = quantizer.compress(y.detach(), group_dim_4d(y))
+        yd = y.detach()
+        if traced_as_pytorch(yd) and quantizer.options.estimator != "delayed":
+            # two passes (min/max, then the codes): the map stored before they read it, not
+            # computed again from the logits by each (traceable.stored_here). The delayed
+            # one-pass kernel computes it once anyway, and keeps Inductor's layout for it
+            yd = traceable.stored_here(yd)
+        packed = quantizer.compress(yd, group_dim_4d(y))
         sharing.offer(y, packed)
         save(ctx, [packed])
         # the codes and statistics are also outputs, so that a consumer can keep them

@@ -32,9 +32,26 @@ import torch
 from .reference import canonical, layer_norm_backward_from_xh, seed_step, softmax_backward_from_y, unscale_rows
 
 __all__ = ["group_minmax", "observe", "quantize_observe", "seed_step", "quantize", "dequantize", "canonical",
-           "softmax_backward", "round_through"]
+           "softmax_backward", "round_through", "stored_here"]
 
 _EPS = 1e-12
+
+
+def stored_here(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself (an identity view), which Inductor writes to a buffer of its own at this
+    point of the graph: its ``as_strided`` lowering realizes the input in place, so every
+    consumer lowered after it reads the stored values.
+
+    Why: Inductor inlines an unstored pointwise value into each consumer lowered before
+    whatever stores it. A softmax's map is stored by the ``attn @ v`` matmul after the Mesa
+    Softmax, so its compression (the row segments' min/max, then the codes a kernel later)
+    recomputed the map from the logits and the row statistics: the running estimator's coding
+    kernel ran 124 instructions an element on sm_90 against the delayed one-pass kernel's 73
+    (``scripts/triton_sass.py``). Stored first, the same bytes move (the map is written once
+    either way, by the softmax's kernel instead of the coding one) and the codes are made from
+    the stored bf16 map. Inductor gives an ``as_strided`` input exactly its eager strides: the
+    map's head stride is 197 * 197 elements, not the 197 * 197 + 39 its padding would choose."""
+    return t.as_strided(t.size(), t.stride())  # (the storage offset defaults to t's own)
 
 
 def _group_blocks(D: int, G: int) -> list[list[int]]:
