@@ -105,7 +105,8 @@ torch.manual_seed(0)
 model = build_model("deit_ti")
 patch_model(model, ops=["softmax", "matmul"], estimator=sys.argv[1])
 x = torch.randn(2, 197, model.embed_dim, requires_grad=True)
-forward, _ = igc.capture_step_graphs(model.blocks[0].attn, x, steps=1, amp=True)
+forward, _ = igc.capture_step_graphs(model.blocks[0].attn, x, steps=1, amp=True,
+                                     inductor_options=dict(TRACED_INDUCTOR_OPTIONS))
 kernels = igc.lower_for_h100(forward, dict(TRACED_INDUCTOR_OPTIONS))[0]
 print(json.dumps({name: src for name, src in kernels.items() if "rshift" in name}))
 """
@@ -121,7 +122,8 @@ def test_two_pass_softmax_codes_read_the_stored_map(estimator):
     element on sm_90 against 73 for the one-pass kernel that also computes it
     (``scripts/triton_sass.py``)."""
     coding = _run(SOFTMAX_THEN_MATMUL.replace("sys.argv[1]", repr(estimator)))
-    assert len(coding) == 3, list(coding)  # the map's codes, and q, k and v's in two kernels
+    map_numel = 2 * 3 * 197 * 197  # deit_ti: 3 heads
+    assert any(f"xnumel = {map_numel}" in source for source in coding.values()), list(coding)
     for name, source in coding.items():
         assert not re.search(r"\.exp2?\(", source), name  # tl_math.exp / libdevice.exp: a softmax inlined
 
