@@ -21,8 +21,9 @@ Not the GPU's exact program: stage 1 traced under CPU autocast, whose op lists d
 CUDA's (``--amp`` makes softmax run in float32, as CUDA autocast does; other differences may
 remain); the decompositions and the partition were chosen for a CPU graph; Inductor's
 device-specific passes whose setup needs a live device are off (its attention and padding
-pattern rewrites). The kernel count and the bytes each kernel moves (Inductor's own
-``kernel_num_gb`` estimate) are what to read; the times are for a GPU to measure.
+pattern rewrites). The kernel launches (a kernel Inductor launches twice counts twice) and
+the bytes each launch moves (Inductor's own ``kernel_num_gb`` estimate) are what to read; the
+times are for a GPU to measure.
 
     python scripts/inductor_gpu_code.py                          # DeiT-S block, batch 128, all variants
     python scripts/inductor_gpu_code.py --variants stock ops --batch 8
@@ -38,6 +39,7 @@ cost). A traced variant takes a few minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import re
@@ -70,6 +72,11 @@ H100 = types.SimpleNamespace(
     total_memory=80 * 2**30, max_threads_per_multi_processor=2048, max_threads_per_block=1024,
     regs_per_multiprocessor=65536, shared_memory_per_block_optin=227 * 1024, max_shared_memory_per_block=48 * 1024,
     L2_cache_size=50 * 2**20, is_integrated=False, gcnArchName="", uuid="0")
+# a launch in the wrapper Inductor writes for a graph: ``triton_..._9.run(buf3, buf5, ...)``.
+# Inductor defines a kernel once per distinct source and launches it wherever that source is
+# needed (two compressions of same-shaped operands share one), so kernels are counted by launch.
+# (Each kernel's source also holds a benchmark harness calling ``name.run(*args, ...)``: not a launch.)
+LAUNCH = re.compile(r"\b(triton_\w+)\.run\((?!\*args\b)")
 
 
 def fail(message: str) -> "NoReturn":  # noqa: F821
@@ -206,10 +213,12 @@ def _on_cuda(value, cuda: torch.device):
     return value
 
 
-def lower_for_h100(graph: Captured, inductor_options: dict) -> tuple[dict[str, str], list]:
-    """Inductor's Triton kernels for one captured graph on the fake H100 (``{name: source}``),
-    and the graph's opaque Mesa ops as :func:`mesa_op_rows` gives them."""
+def lower_for_h100(graph: Captured, inductor_options: dict) -> tuple[dict[str, str], list, list[str]]:
+    """Inductor's Triton kernels for one captured graph on the fake H100 (``{name: source}``,
+    each distinct kernel once), the graph's opaque Mesa ops as :func:`mesa_op_rows` gives them,
+    and the kernels' launches in the order the generated wrapper makes them (:data:`LAUNCH`)."""
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.graph import GraphLowering
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -229,11 +238,17 @@ def lower_for_h100(graph: Captured, inductor_options: dict) -> tuple[dict[str, s
                   for s in graph.specs]
     FakeTensorProp(gm, mode).propagate(*inputs)
     ops = mesa_op_rows(gm)
+    wrappers: list[str] = []  # (GraphLowering.save_output_code: Inductor's hook for the wrapper's code)
     # (benchmark_kernel, for the byte counts, also prints each module's path: to stderr)
     with fake_h100() as sources, torch._inductor.config.patch(inductor_options), \
+            mock.patch.object(GraphLowering, "save_output_code", wrappers.append), \
             contextlib.redirect_stdout(sys.stderr):
         compile_fx_inner(gm, inputs, **graph.kwargs)
-    return dict(sources), ops
+    launches = [name for code in wrappers for name in LAUNCH.findall(code)]
+    if set(launches) != set(sources):
+        fail(f"the wrapper's launches ({sorted(set(launches))}) are not the kernels Inductor defined "
+             f"({sorted(sources)}): has its wrapper code changed? (LAUNCH)")
+    return dict(sources), ops, launches
 
 
 def _tensor_mb(values) -> float:
@@ -261,16 +276,22 @@ def mesa_op_rows(gm: torch.fx.GraphModule) -> list[tuple[str, str, float]]:
 
 
 # ----------------------------------------------------------------------------- reading the kernels
-def kernel_rows(sources: dict[str, str]) -> list[tuple[str, str, float]]:
-    """(name, kind: pointwise / reduction / persistent reduction, MB moved) of each kernel;
-    MB is Inductor's ``kernel_num_gb`` (the bytes of its loads and stores, each buffer once)."""
+def kernel_rows(sources: dict[str, str], launches: list[str]) -> list[tuple[str, str, float]]:
+    """(name, kind: pointwise / reduction / persistent reduction, MB moved) of each launch, in
+    launch order; MB is Inductor's ``kernel_num_gb`` (the bytes of its loads and stores, each
+    buffer once) for every launch of the kernel."""
     rows = []
-    for name, src in sources.items():
-        gb = re.search(r"'kernel_num_gb': ([0-9.e+-]+)", src)
+    for name in launches:
+        gb = re.search(r"'kernel_num_gb': ([0-9.e+-]+)", sources[name])
         kind = {"poi": "pointwise", "red": "reduction", "per": "persistent reduction"}.get(
             name.split("_")[1], name.split("_")[1])
         rows.append((name, kind, float(gb.group(1)) * 1e3 if gb else float("nan")))
     return rows
+
+
+def launch_counts(launches: list[str]) -> dict[str, int]:
+    """{kernel: how many times the graph launches it}, in first-launch order."""
+    return dict(collections.Counter(launches))
 
 
 def capture_block(model_name: str, variant: str, batch: int, amp: bool,
@@ -310,9 +331,9 @@ def census(model_name: str, variant: str, batch: int, amp: bool, attention: str 
     graphs, options = capture_block(model_name, variant, batch, amp, attention)
     out = {}
     for graph in graphs:
-        sources, ops = lower_for_h100(graph, options)
+        sources, ops, launches = lower_for_h100(graph, options)
         part = "backward" if graph.kwargs.get("is_backward") else "forward"
-        out[part] = kernel_rows(sources) + ops
+        out[part] = kernel_rows(sources, launches) + ops
         if part == "forward":
             out["saved"] = saved_for_backward(graph)
     return out
@@ -380,6 +401,8 @@ def main(argv=None) -> int:
             f"(forward and backward graphs), torch {torch.__version__}; "
             f"`python scripts/inductor_gpu_code.py --model {args.model} --batch {args.batch}"
             f"{' --attention fused' if fused else ''}{'' if args.amp else ' --no-amp'}`. "
+            "Kernels: Triton kernel launches (Inductor defines a kernel once per distinct source and may "
+            "launch it more than once). "
             "MB: the bytes Inductor counts for each Triton kernel's loads and stores; for Mesa's opaque ops (CUDA kernels of the extension) their tensor inputs and "
             "outputs once, a floor. Matmuls (cuBLAS) are not counted. Saved for backward: the tensors "
             "the forward graph keeps for the backward (AOTAutograd's partition; parameters and their "

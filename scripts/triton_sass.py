@@ -18,15 +18,18 @@ and reads the cubin with cuobjdump.
     python scripts/triton_sass.py --cache /tmp/k.json ...       # keep (or reuse) the captured kernels
 
 Columns, per config Inductor lists for a kernel (the autotuner on a GPU times each and keeps
-the fastest): registers a thread; resident warps per SM (64 at most; fewer than ~16 leaves a
-scheduler too few warps to hide latency, which this estimate does not model); instructions a
-thread runs (straight-line code once, each loop body, from a backward branch to its target,
-``ceil(r0_numel / R0_BLOCK)`` times); the same per element; issue time = programs x warps x
-instructions a thread runs / (132 SMs x 4 schedulers x 1.755 GHz), a floor; byte time =
-Inductor's ``kernel_num_gb`` at 2.6 TB/s (clone of a DeiT-S attention map on the H100,
-``results/kernels/NVIDIA-H100-80GB-HBM3.md``). The last line sums each graph's kernels, and the
-extension's ``mesa::`` ops beside them at their tensors' bytes' time (a floor; no launch cost;
-matmuls are not counted). ``--configs``: each persistent reduction again
+the fastest): how many times the block's graph launches the kernel (Inductor defines one kernel
+per distinct source: two compressions of same-shaped operands share one); registers a thread;
+resident warps per SM (64 at most; fewer than ~16 leaves a scheduler too few warps to hide
+latency, which this estimate does not model); instructions a thread runs (straight-line code
+once, each loop body, from a backward branch to its target, ``ceil(r0_numel / R0_BLOCK)``
+times); the same per element; issue time = programs x warps x instructions a thread runs /
+(132 SMs x 4 schedulers x 1.755 GHz), a floor; byte time = Inductor's ``kernel_num_gb`` at
+2.6 TB/s (clone of a DeiT-S attention map on the H100,
+``results/kernels/NVIDIA-H100-80GB-HBM3.md``); both times are a launch's. The last line sums
+each graph's kernels, each times its launches, and the extension's ``mesa::`` ops beside them at
+their tensors' bytes' time (a floor; matmuls are not counted), and the same with each launch
+and op costing at least ``LAUNCH_FLOOR_US``. ``--configs``: each persistent reduction again
 with XBLOCK 1-8 and 1-4 warps (what coordinate-descent tuning may reach). Needs Triton and
 cuobjdump (Triton's wheel carries one); a traced block takes ~8 minutes to capture on 2 cores.
 """
@@ -48,6 +51,10 @@ REPO = Path(__file__).resolve().parent.parent
 # and the copy bandwidth clone() reached there (module doc); per-SM limits for the occupancy
 SMS, SCHEDULERS, CLOCK_HZ, BYTES_PER_S = 132, 4, 1.755e9, 2.6e12
 SM_REGISTERS, SM_SHARED, SM_WARPS, SM_BLOCKS, REG_UNIT = 65536, 228 * 1024, 64, 32, 256
+# what a launch costs the GPU at least when the host runs ahead (no CUDA graph): its start and
+# drain, a few microseconds; an assumed round figure, not measured here. Tiny kernels and
+# Mesa's small ops (one float, a group's estimates) cost this rather than their bytes' time.
+LAUNCH_FLOOR_US = 2.5
 # an Inductor kernel's dims (its ``xnumel = ...`` lines) and the config key of each one's block
 BLOCK_NAMES = {"x": "XBLOCK", "y": "YBLOCK", "r0_": "R0_BLOCK"}
 
@@ -181,65 +188,77 @@ def kernel_rows(name: str, source: str, megabytes: float, alternatives: bool = F
 
 
 def census_kernels(variant: str, batch: int, attention: str, model: str,
-                   cache: Path | None = None) -> tuple[list[tuple[str, str, str, float]], list[tuple[str, str, float]]]:
-    """``(kernels, ops)``: (graph part, kernel name, Triton source, MB) of every Triton kernel the
-    census generates, and (graph part, op, MB) of each opaque ``mesa::`` op call beside them
-    (minutes: a traced block compiles twice). ``cache``: a JSON file of both, read if it exists
-    (a bare list: kernels only), else written, so the code can be read again without capturing."""
+                   cache: Path | None = None) -> tuple[list[tuple[str, str, str, float, int]],
+                                                       list[tuple[str, str, float]]]:
+    """``(kernels, ops)``: (graph part, kernel name, Triton source, MB a launch, launches) of every
+    Triton kernel the census generates (Inductor defines a kernel once and may launch it several
+    times: two compressions of same-shaped operands share one), and (graph part, op, MB) of each
+    opaque ``mesa::`` op call beside them (minutes: a traced block compiles twice). ``cache``: a
+    JSON file of both, read if it exists, else written, so the code can be read again without
+    capturing."""
     if cache is not None and cache.exists():
         data = json.loads(cache.read_text())
-        if isinstance(data, list):
-            data = {"kernels": data, "ops": []}
-        return [tuple(k) for k in data["kernels"]], [tuple(o) for o in data["ops"]]
+        kernels = data.get("kernels", []) if isinstance(data, dict) else []
+        if not isinstance(data, dict) or any(len(k) != 5 for k in kernels):
+            fail(f"{cache} was written before kernels were counted by launch (or is not this script's cache): "
+                 "delete it to capture again")
+        return [tuple(k) for k in kernels], [tuple(o) for o in data["ops"]]
     gpu_code = _script("inductor_gpu_code")
     graphs, options = gpu_code.capture_block(model, variant, batch, True, attention)
     kernels, ops = [], []
     for graph in graphs:
-        sources, mesa_ops = gpu_code.lower_for_h100(graph, options)
+        sources, mesa_ops, launches = gpu_code.lower_for_h100(graph, options)
         part = "backward" if graph.kwargs.get("is_backward") else "forward"
-        mb = {n: b for n, _, b in gpu_code.kernel_rows(sources)}
-        kernels += [(part, n, s, mb[n]) for n, s in sources.items()]
+        mb = {n: b for n, _, b in gpu_code.kernel_rows(sources, launches)}
+        calls = gpu_code.launch_counts(launches)
+        kernels += [(part, n, sources[n], mb[n], calls[n]) for n in calls]
         ops += [(part, name, b) for name, _, b in mesa_ops]
     if cache is not None:
         cache.write_text(json.dumps({"kernels": kernels, "ops": ops}))
     return kernels, ops
 
 
-def ops_summary(ops: list[tuple[str, str, float]]) -> dict[str, tuple[int, float]]:
-    """Per graph part, (calls, us) of the extension's ops: their tensors' bytes at clone's rate,
-    a floor (each op is one or two CUDA kernels; a launch's few microseconds are not counted)."""
-    out: dict[str, tuple[int, float]] = {}
+def ops_summary(ops: list[tuple[str, str, float]]) -> dict[str, tuple[int, float, float]]:
+    """Per graph part, (calls, us, us with each call at least LAUNCH_FLOOR_US) of the extension's
+    ops: their tensors' bytes at clone's rate, a floor (each op is one or two CUDA kernels)."""
+    out: dict[str, tuple[int, float, float]] = {}
     for part, _, mb in ops:
-        calls, us = out.get(part, (0, 0.0))
-        out[part] = (calls + 1, us + mb * 1e12 / BYTES_PER_S)
+        calls, us, padded = out.get(part, (0, 0.0, 0.0))
+        t = mb * 1e12 / BYTES_PER_S
+        out[part] = (calls + 1, us + t, padded + max(t, LAUNCH_FLOOR_US))
     return out
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| part | kernel | config | registers | warps / SM | instr / thread | instr / element | issue us "
-             "| bytes us | bound |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| part | kernel | launches | config | registers | warps / SM | instr / thread | instr / element "
+             "| issue us | bytes us | bound |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     last = None
     for r in rows:
-        name = "" if r["kernel"] == last else f"`{r['kernel']}`"
+        first = r["kernel"] != last
+        name, launches = (f"`{r['kernel']}`", str(r["launches"])) if first else ("", "")
         last = r["kernel"]
         bound = "issue" if r["issue_us"] > r["bytes_us"] else "bytes"
         config = r["config"] + (" (alternative)" if r["alternative"] else "")
-        lines.append(f"| {r['part']} | {name} | {config} | {r['registers']} | {r['warps_per_sm']} | "
+        lines.append(f"| {r['part']} | {name} | {launches} | {config} | {r['registers']} | {r['warps_per_sm']} | "
                      f"{r['per_thread']} | {r['per_element']:.1f} | {r['issue_us']:.1f} | {r['bytes_us']:.1f} | "
                      f"{bound} |")
     return "\n".join(lines)
 
 
-def totals(rows: list[dict]) -> dict[str, float]:
-    """Per graph part, the sum over kernels of their best listed config's larger time (us)."""
-    best: dict[tuple[str, str], float] = {}
+def totals(rows: list[dict]) -> dict[str, tuple[int, float, float]]:
+    """Per graph part, (launches, us, us with each launch at least LAUNCH_FLOOR_US): its kernels'
+    launches, and the sum over kernels of their best listed config's larger time times their
+    launches."""
+    best: dict[tuple[str, str], tuple[int, float]] = {}
     for r in rows:
         if not r["alternative"]:
             key = (r["part"], r["kernel"])
-            best[key] = min(best.get(key, math.inf), max(r["issue_us"], r["bytes_us"]))
-    out: dict[str, float] = {}
-    for (part, _), t in best.items():
-        out[part] = out.get(part, 0.0) + t
+            t = max(r["issue_us"], r["bytes_us"])
+            best[key] = (r["launches"], min(best.get(key, (0, math.inf))[1], t))
+    out: dict[str, tuple[int, float, float]] = {}
+    for (part, _), (launches, t) in best.items():
+        n, us, padded = out.get(part, (0, 0.0, 0.0))
+        out[part] = (n + launches, us + t * launches, padded + max(t, LAUNCH_FLOOR_US) * launches)
     return out
 
 
@@ -269,9 +288,12 @@ def main(argv=None) -> int:
         fail(f"no kernel matches --kernels {args.kernels!r}")
     groups = []
     with gpu_code.fake_h100():  # (loading a kernel module asks torch.cuda about the device)
-        for part, name, source, mb in kernels:
-            groups.append([{"part": part, **r} for r in kernel_rows(name, source, mb, args.configs)])
-    groups.sort(key=lambda g: -min(max(r["issue_us"], r["bytes_us"]) for r in g if not r["alternative"]))
+        for part, name, source, mb, launches in kernels:
+            groups.append([{"part": part, "launches": launches, **r}
+                           for r in kernel_rows(name, source, mb, args.configs)])
+    # (largest first: a kernel's time is its best listed config's, times its launches)
+    groups.sort(key=lambda g: -min(max(r["issue_us"], r["bytes_us"]) * r["launches"]
+                                   for r in g if not r["alternative"]))
     if args.top:
         groups = groups[: args.top]
     rows = [r for g in groups for r in g]
@@ -284,14 +306,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def totals_line(triton_us: dict[str, float], op_parts: dict[str, tuple[int, float]]) -> str:
+def totals_line(triton: dict[str, tuple[int, float, float]], op_parts: dict[str, tuple[int, float, float]]) -> str:
     parts = []
-    for part in sorted(set(triton_us) | set(op_parts)):
-        line = f"{part}: {triton_us.get(part, 0.0):.0f} us in Triton kernels"
+    for part in sorted(set(triton) | set(op_parts)):
+        launches, us, padded = triton.get(part, (0, 0.0, 0.0))
+        line = f"{part}: {us:.0f} us in {launches} Triton kernel launches"
         if part in op_parts:
             line += f" + {op_parts[part][1]:.0f} us in {op_parts[part][0]} extension ops"
-        parts.append(line)
-    return "; ".join(parts) + " (each kernel at its best listed config's larger time; an op at its bytes' time)\n"
+            padded += op_parts[part][2]
+        parts.append(line + f" ({padded:.0f} us with each launch at least {LAUNCH_FLOOR_US:g} us)")
+    return "; ".join(parts) + (". Each kernel at its best listed config's larger time, times its launches; an op at"
+                               " its bytes' time.\n")
 
 
 def write_markdown(out: Path, args, given: list[str], text: str) -> None:

@@ -75,7 +75,7 @@ x = torch.randn(2, 197, 384, requires_grad=True)
 layer(x).sum().backward()          # the first step, eager: estimates initialized
 mark_estimates_ready(layer)
 forward, _ = igc.capture_step_graphs(layer, x, steps=1, amp=False)
-kernels, ops = igc.lower_for_h100(forward, dict(TRACED_INDUCTOR_OPTIONS))
+kernels, ops, _ = igc.lower_for_h100(forward, dict(TRACED_INDUCTOR_OPTIONS))
 print(json.dumps([sorted(kernels), [name for name, _, _ in ops]]))
 """
 
@@ -107,8 +107,9 @@ patch_model(model, ops=["softmax", "matmul"], estimator=sys.argv[1])
 x = torch.randn(2, 197, model.embed_dim, requires_grad=True)
 forward, _ = igc.capture_step_graphs(model.blocks[0].attn, x, steps=1, amp=True,
                                      inductor_options=dict(TRACED_INDUCTOR_OPTIONS))
-kernels = igc.lower_for_h100(forward, dict(TRACED_INDUCTOR_OPTIONS))[0]
-print(json.dumps({name: src for name, src in kernels.items() if "rshift" in name}))
+kernels, _, launches = igc.lower_for_h100(forward, dict(TRACED_INDUCTOR_OPTIONS))
+print(json.dumps([{name: src for name, src in kernels.items() if "rshift" in name},
+                  [name for name in launches if "rshift" in name]]))
 """
 
 
@@ -121,9 +122,12 @@ def test_two_pass_softmax_codes_read_the_stored_map(estimator):
     before ``traceable.stored_here`` the coding kernel inlined the softmax, 124 instructions an
     element on sm_90 against 73 for the one-pass kernel that also computes it
     (``scripts/triton_sass.py``)."""
-    coding = _run(SOFTMAX_THEN_MATMUL.replace("sys.argv[1]", repr(estimator)))
+    coding, launched = _run(SOFTMAX_THEN_MATMUL.replace("sys.argv[1]", repr(estimator)))
     map_numel = 2 * 3 * 197 * 197  # deit_ti: 3 heads
     assert any(f"xnumel = {map_numel}" in source for source in coding.values()), list(coding)
+    # four compressions, four coding launches: q, k^T, the map, v (q's and v's, same-shaped
+    # operands, may share one kernel; the census counts launches)
+    assert len(launched) == 4 and set(launched) == set(coding), (launched, list(coding))
     for name, source in coding.items():
         assert not re.search(r"\.exp2?\(", source), name  # tl_math.exp / libdevice.exp: a softmax inlined
 
@@ -146,6 +150,29 @@ print(json.dumps(res))
     assert any("layer_norm" in name for name, _, _ in result["forward"])
     x_mb = 2 * 197 * 192 * 4 / 1e6
     assert sum(mb for _, _, mb in result["forward"]) >= x_mb
+
+
+def test_a_kernel_launched_twice_counts_twice():
+    """Inductor defines a kernel once per distinct source and launches it wherever that source
+    is needed: here ``sin(2 x)`` before and after a matmul of the same shape, one kernel, two
+    launches. The census counts launches and their bytes (it counted each distinct kernel once,
+    so two compressions of same-shaped operands, q's and v's, read as one)."""
+    result = _run("""
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+    def forward(self, x):
+        return ((x * 2).sin() @ self.w * 2).sin()
+forward, _ = igc.capture_step_graphs(Toy(), torch.randn(8, 64, requires_grad=True), steps=1, amp=False)
+sources, ops, launches = igc.lower_for_h100(forward, {})
+print(json.dumps([sorted(sources), launches, igc.kernel_rows(sources, launches)]))
+""")
+    sources, launches, rows = result
+    assert len(sources) == 1 and launches == sources * 2, result
+    assert [name for name, _, _ in rows] == launches and rows[0][2] == rows[1][2] > 0, rows
+    # each launch reads 8 x 64 float32 and writes as much
+    assert abs(rows[0][2] - 2 * 8 * 64 * 4 / 1e6) < 1e-6, rows
 
 
 def test_unknown_model_is_one_line_error():

@@ -146,15 +146,26 @@ def triton_poi_fused_mul_0(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
     tl.store(out_ptr0 + (xindex), tmp0 * 2.0, xmask)
 """
     cache = tmp_path / "kernels.json"
-    cache.write_text(json.dumps({"kernels": [["forward", "triton_poi_fused_mul_0", kernel, 0.008]],
+    # launched twice by its graph, each launch 26 MB by Inductor's count (10 us at 2.6 TB/s)
+    cache.write_text(json.dumps({"kernels": [["forward", "triton_poi_fused_mul_0", kernel, 26.0, 2]],
                                  "ops": [["forward", "mesa.observe", 26.0], ["forward", "mesa.quantize", 26.0]]}))
     script = str(REPO / "scripts" / "triton_sass.py")
     out = subprocess.run([sys.executable, script, "--cache", str(cache)], capture_output=True, text=True,
                          timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "`triton_poi_fused_mul_0`" in out.stdout
-    # the extension ops' bytes at 2.6 TB/s: 52 MB in 20 us, beside the kernel's time
-    assert "us in Triton kernels + 20 us in 2 extension ops" in out.stdout, out.stdout
+    assert "| forward | `triton_poi_fused_mul_0` | 2 |" in out.stdout, out.stdout
+    # the kernel's two launches (10 us each by their bytes) beside the extension ops' bytes
+    # at 2.6 TB/s (52 MB in 20 us)
+    assert "forward: 20 us in 2 Triton kernel launches + 20 us in 2 extension ops" in out.stdout, out.stdout
+    assert "(40 us with each launch at least 2.5 us)" in out.stdout, out.stdout
+    # a launch whose work takes less than LAUNCH_FLOOR_US costs that floor in the second sum
+    assert ts.totals([{"part": "forward", "kernel": "k", "alternative": False, "issue_us": 0.1,
+                       "bytes_us": 0.2, "launches": 3}]) == {"forward": (3, 0.2 * 3, 2.5 * 3)}
+    old = tmp_path / "old.json"  # a cache from before launches were counted: refused, not read as one each
+    old.write_text(json.dumps({"kernels": [["forward", "triton_poi_fused_mul_0", kernel, 26.0]], "ops": []}))
+    bad = subprocess.run([sys.executable, script, "--cache", str(old)], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert bad.returncode == 2 and "before kernels were counted by launch" in bad.stderr, bad.stderr
     bad = subprocess.run([sys.executable, script, "--cache", str(cache), "--kernels", "softmax"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: no kernel matches --kernels 'softmax'"]
