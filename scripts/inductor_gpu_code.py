@@ -39,7 +39,6 @@ cost). A traced variant takes a few minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import copy
 import re
@@ -287,11 +286,6 @@ def kernel_rows(sources: dict[str, str], launches: list[str]) -> list[tuple[str,
             name.split("_")[1], name.split("_")[1])
         rows.append((name, kind, float(gb.group(1)) * 1e3 if gb else float("nan")))
     return rows
-
-
-def launch_counts(launches: list[str]) -> dict[str, int]:
-    """{kernel: how many times the graph launches it}, in first-launch order."""
-    return dict(collections.Counter(launches))
 
 
 def capture_block(model_name: str, variant: str, batch: int, amp: bool,

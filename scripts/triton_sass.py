@@ -36,6 +36,7 @@ cuobjdump (Triton's wheel carries one); a traced block takes ~8 minutes to captu
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import importlib.util
 import json
@@ -209,8 +210,8 @@ def census_kernels(variant: str, batch: int, attention: str, model: str,
     for graph in graphs:
         sources, mesa_ops, launches = gpu_code.lower_for_h100(graph, options)
         part = "backward" if graph.kwargs.get("is_backward") else "forward"
-        mb = {n: b for n, _, b in gpu_code.kernel_rows(sources, launches)}
-        calls = gpu_code.launch_counts(launches)
+        calls = collections.Counter(launches)  # (in first-launch order)
+        mb = {n: b for n, _, b in gpu_code.kernel_rows(sources, list(calls))}
         kernels += [(part, n, sources[n], mb[n], calls[n]) for n in calls]
         ops += [(part, name, b) for name, _, b in mesa_ops]
     if cache is not None:
