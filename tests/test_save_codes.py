@@ -109,3 +109,76 @@ def test_pass_leaves_chains_that_would_not_pay(case):
 def test_pass_is_cacheable():
     """Inductor keeps its FX graph cache on for a pass with a uuid (the hash of its file)."""
     assert SaveCodes().uuid() == SaveCodes().uuid() is not None
+
+
+def _step_graph(step_forward_use: bool) -> tuple[fx.Graph, dict[str, fx.Node]]:
+    """A joint graph in miniature with the dequantize's step: estimate -> / 255 -> view -> times
+    the codes -> times the output gradient. The estimate also feeds a forward output (as the
+    quantize's ``255 / alpha`` does); ``step_forward_use``: so does the step."""
+    g = fx.Graph()
+    nodes = {"codes": g.placeholder("primals_1"), "stats": g.placeholder("primals_2"),
+             "tangent": g.placeholder("tangents_1")}
+    vals = {"codes": torch.zeros(64, dtype=torch.uint8), "stats": torch.zeros(4), "tangent": torch.zeros(64)}
+    nodes["estimate"] = g.call_function(aten.relu.default, (nodes["stats"],))
+    nodes["full"] = g.call_function(aten.full.default, ([4], 255.0))
+    nodes["step"] = g.call_function(aten.div.Tensor, (nodes["estimate"], nodes["full"]))
+    nodes["step_view"] = g.call_function(aten.view.default, (nodes["step"], [4, 1]))
+    nodes["float"] = g.call_function(prims.convert_element_type.default, (nodes["codes"], torch.float32))
+    nodes["float_view"] = g.call_function(aten.view.default, (nodes["float"], [4, 16]))
+    nodes["scaled"] = g.call_function(aten.mul.Tensor, (nodes["float_view"], nodes["step_view"]))
+    nodes["grad"] = g.call_function(aten.mm.default, (nodes["scaled"], nodes["tangent"]))
+    nodes["inverse"] = g.call_function(aten.div.Tensor, (nodes["full"], nodes["estimate"]))
+    vals.update(estimate=torch.zeros(4), full=torch.zeros(4), step=torch.zeros(4), step_view=torch.zeros(4, 1),
+                float=torch.zeros(64), float_view=torch.zeros(4, 16), scaled=torch.zeros(4, 16),
+                grad=torch.zeros(4, 4), inverse=torch.zeros(4))
+    for k, v in vals.items():
+        nodes[k].meta["val"] = v
+    outputs = [nodes["inverse"], nodes["grad"]] + ([nodes["step"]] if step_forward_use else [])
+    g.output(tuple(outputs))
+    return g, nodes
+
+
+def test_pass_moves_the_step_into_backward():
+    """``alpha / 255`` and its view, made only for the dequantize, are recomputed with it (no
+    forward launch, the estimate saved instead); the estimate, which the forward uses, is not."""
+    g, n = _step_graph(step_forward_use=False)
+    assert mark_dequantize_for_backward(g) == 1
+    for k in ("step", "step_view", "float", "float_view", "scaled"):
+        assert n[k].meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE, k
+    for k in ("estimate", "full", "inverse", "grad"):
+        assert "recompute" not in n[k].meta, k
+
+
+def test_pass_keeps_a_step_the_forward_uses():
+    g, n = _step_graph(step_forward_use=True)
+    assert mark_dequantize_for_backward(g) == 1
+    assert n["step_view"].meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+    assert "recompute" not in n["step"].meta
+
+
+def _divisions_by_a_constant(gm: torch.fx.GraphModule) -> int:
+    """``x / full(...)`` nodes: the dequantize's ``alpha / 255`` (the quantize's ``255 / alpha``
+    divides the constant)."""
+    return sum(1 for node in gm.graph.nodes if node.target == aten.div.Tensor
+               and isinstance(node.args[1], fx.Node) and node.args[1].target == aten.full.default)
+
+
+@pytest.mark.parametrize("estimator", ["running", "delayed"])
+def test_traced_forward_computes_no_dequantize_step(estimator, kernels_choice):
+    """The compiled block's forward graph divides no estimate by 255 (each was a launch of its
+    own, its result saved); its backward does, inside the dequantize."""
+    from mesa_train.nn.quantizer import mark_estimates_ready
+
+    kernels_choice("traceable")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, embed_dim=64,
+                              num_heads=2, num_classes=10)
+    patch_model(model, ops=["all"], estimator=estimator)
+    torch._dynamo.reset()
+    x = torch.randn(2, 17, 64, requires_grad=True)
+    delayed = estimator == "delayed"
+    forward, backward = igc.capture_step_graphs(
+        model.blocks[0], x, steps=2 if delayed else 1, amp=True, inductor_options=dict(TRACED_INDUCTOR_OPTIONS),
+        after_step=(lambda: mark_estimates_ready(model)) if delayed else None)
+    assert _divisions_by_a_constant(forward.gm) == 0
+    assert _divisions_by_a_constant(backward.gm) >= 4  # the matmul operands' dequantizes (q, k^T, map, v)
