@@ -163,22 +163,11 @@ def _divisions_by_a_constant(gm: torch.fx.GraphModule) -> int:
                and isinstance(node.args[1], fx.Node) and node.args[1].target == aten.full.default)
 
 
-@pytest.mark.parametrize("estimator", ["running", "delayed"])
-def test_traced_forward_computes_no_dequantize_step(estimator, kernels_choice):
+@pytest.mark.parametrize("variant", ["traceable", "delayed"])
+def test_traced_forward_computes_no_dequantize_step(variant, kernels_choice):
     """The compiled block's forward graph divides no estimate by 255 (each was a launch of its
-    own, its result saved); its backward does, inside the dequantize."""
-    from mesa_train.nn.quantizer import mark_estimates_ready
-
-    kernels_choice("traceable")
-    torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, embed_dim=64,
-                              num_heads=2, num_classes=10)
-    patch_model(model, ops=["all"], estimator=estimator)
-    torch._dynamo.reset()
-    x = torch.randn(2, 17, 64, requires_grad=True)
-    delayed = estimator == "delayed"
-    forward, backward = igc.capture_step_graphs(
-        model.blocks[0], x, steps=2 if delayed else 1, amp=True, inductor_options=dict(TRACED_INDUCTOR_OPTIONS),
-        after_step=(lambda: mark_estimates_ready(model)) if delayed else None)
+    own, its result saved); its backward does, inside the dequantize. deit_ti's first block,
+    running (``traceable``) and delayed estimates, captured as the census captures it."""
+    (forward, backward), _ = igc.capture_block("deit_ti", variant, batch=2, amp=True)
     assert _divisions_by_a_constant(forward.gm) == 0
     assert _divisions_by_a_constant(backward.gm) >= 4  # the matmul operands' dequantizes (q, k^T, map, v)

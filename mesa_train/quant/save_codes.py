@@ -103,7 +103,7 @@ def _chain_from(start: fx.Node, backward: set[fx.Node]) -> set[fx.Node] | None:
 def _made_only_for(chain: set[fx.Node], codes: fx.Node, backward: set[fx.Node]) -> set[fx.Node]:
     """The small floating pointwise ops and views that compute ``chain``'s other inputs and
     nothing else (module doc): recomputed with the chain, they cost no forward launch."""
-    limit = _nbytes(codes) // 4
+    codes_bytes = _nbytes(codes)
     mine = set(chain)
     todo = [o for n in chain for o in n.all_input_nodes if o not in chain and o is not codes]
     while todo:
@@ -113,8 +113,8 @@ def _made_only_for(chain: set[fx.Node], codes: fx.Node, backward: set[fx.Node]) 
             continue
         # a forward output (the joint graph's output node also depends on the output gradients)
         # or a forward consumer outside the chain: the forward computes it anyway
-        if _nbytes(n) > limit or any(u.op == "output" or (u not in mine and u not in backward)
-                                     for u in n.users):
+        if _nbytes(n) * 4 > codes_bytes or any(u.op == "output" or (u not in mine and u not in backward)
+                                               for u in n.users):
             continue
         mine.add(n)
         todo.extend(n.all_input_nodes)
