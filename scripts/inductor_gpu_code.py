@@ -289,9 +289,10 @@ def kernel_rows(sources: dict[str, str], launches: list[str]) -> list[tuple[str,
 
 
 def capture_block(model_name: str, variant: str, batch: int, amp: bool,
-                  attention: str = "explicit") -> tuple[list[Captured], dict]:
+                  attention: str = "explicit", extra_options: dict | None = None) -> tuple[list[Captured], dict]:
     """Stage 1 for one block of ``model_name`` in ``variant``: its forward and backward graphs,
-    and the Inductor options its compile uses (the traced compression's, or none)."""
+    and the Inductor options its compile uses (the traced compression's, or none, then
+    ``extra_options``: ``--inductor-option``, every variant's, stock's too)."""
     from mesa_train.compile_scope import TRACED_INDUCTOR_OPTIONS
     from mesa_train.models import build_model
     from mesa_train.nn.quantizer import mark_estimates_ready
@@ -312,17 +313,18 @@ def capture_block(model_name: str, variant: str, batch: int, amp: bool,
     tokens = getattr(model.patch_embed, "num_patches", 196) + getattr(model, "num_prefix_tokens", 1)
     x = torch.randn(batch, tokens, model.embed_dim, requires_grad=True)
     torch._dynamo.reset()
-    inductor_options = dict(TRACED_INDUCTOR_OPTIONS) if traced else {}
+    inductor_options = {**(TRACED_INDUCTOR_OPTIONS if traced else {}), **(extra_options or {})}
     graphs = capture_step_graphs(block, x, steps=2 if delayed else 1, amp=amp,
                                  after_step=(lambda: mark_estimates_ready(model)) if delayed else None,
                                  inductor_options=inductor_options)
     return graphs, inductor_options
 
 
-def census(model_name: str, variant: str, batch: int, amp: bool, attention: str = "explicit") -> dict[str, list]:
+def census(model_name: str, variant: str, batch: int, amp: bool, attention: str = "explicit",
+           extra_options: dict | None = None) -> dict[str, list]:
     """{"forward": rows, "backward": rows, "saved": (dtype, numel) pairs (:func:`saved_for_backward`)} for
-    one block of ``model_name`` in ``variant``."""
-    graphs, options = capture_block(model_name, variant, batch, amp, attention)
+    one block of ``model_name`` in ``variant`` (``extra_options``: see :func:`capture_block`)."""
+    graphs, options = capture_block(model_name, variant, batch, amp, attention, extra_options)
     out = {}
     for graph in graphs:
         sources, ops, launches = lower_for_h100(graph, options)
@@ -339,6 +341,34 @@ def saved_for_backward(forward: Captured) -> list[tuple[torch.dtype, int]]:
     outputs = next(n for n in forward.gm.graph.nodes if n.op == "output").args[0]
     vals = [n.meta.get("val") for n in outputs[1:] if isinstance(n, torch.fx.Node)]
     return [(v.dtype, v.numel()) for v in vals if isinstance(v, torch.Tensor)]
+
+
+def parse_inductor_options(items: list[str]) -> dict:
+    """``NAME=VALUE`` strings -> Inductor options (VALUE a Python literal: True, 128, 'x'); an
+    unknown name or a value that is not a bool, number or string fails with the close names."""
+    import ast
+    import difflib
+
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    options = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            fail(f"--inductor-option {item!r}: expected NAME=VALUE, e.g. combo_kernels=True")
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=3)
+            fail(f"--inductor-option {name!r} is not an Inductor option (torch._inductor.config)"
+                 f"{'; close: ' + ', '.join(close) if close else ''}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        if not isinstance(value, (bool, int, float, str)):
+            fail(f"--inductor-option {name}: {text!r} is not a bool, number or string")
+        options[name] = value
+    return options
 
 
 def summary_table(results: dict[str, dict[str, list]]) -> str:
@@ -376,7 +406,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-amp", dest="amp", action="store_false", help="float32 (default: bf16 autocast)")
     ap.add_argument("--kernels", action="store_true", help="also list every kernel of every variant")
     ap.add_argument("--out", type=Path, help="write <model>-block.md there as well")
+    ap.add_argument("--inductor-option", dest="inductor_options", action="append", default=[], metavar="NAME=VALUE",
+                    help="an Inductor config option for every variant's compile, stock's too (repeatable; "
+                         "e.g. combo_kernels=True: what an option would change, before a GPU times it)")
     args = ap.parse_args(argv)
+    extra = parse_inductor_options(args.inductor_options)
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -387,14 +421,15 @@ def main(argv=None) -> int:
     results = {}
     for variant in args.variants:
         print(f"{variant}: compiling one {args.model} block (batch {args.batch})...", file=sys.stderr, flush=True)
-        results[variant] = census(args.model, variant, args.batch, args.amp, args.attention)
+        results[variant] = census(args.model, variant, args.batch, args.amp, args.attention, extra)
     fused = args.attention == "fused"
     text = [f"# Inductor's Triton kernels for one {args.model} block{' (fused attention)' if fused else ''} "
             "on an H100 (generated without a GPU)", "",
             f"Batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, one training step "
             f"(forward and backward graphs), torch {torch.__version__}; "
             f"`python scripts/inductor_gpu_code.py --model {args.model} --batch {args.batch}"
-            f"{' --attention fused' if fused else ''}{'' if args.amp else ' --no-amp'}`. "
+            f"{' --attention fused' if fused else ''}{'' if args.amp else ' --no-amp'}"
+            f"{''.join(f' --inductor-option {o}' for o in args.inductor_options)}`. "
             "Kernels: Triton kernel launches (Inductor defines a kernel once per distinct source and may "
             "launch it more than once). "
             "MB: the bytes Inductor counts for each Triton kernel's loads and stores; for Mesa's opaque ops (CUDA kernels of the extension) their tensor inputs and "
@@ -410,7 +445,7 @@ def main(argv=None) -> int:
     print(report)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        suffix = "-fused" if fused else ""
+        suffix = ("-fused" if fused else "") + "".join(f"-{k.replace('_', '-')}" for k in extra)
         (args.out / f"{args.model.replace('/', '_')}-block{suffix}.md").write_text(report)
     return 0
 

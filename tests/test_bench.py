@@ -539,6 +539,9 @@ def test_speed_preset_runs_every_knob(tmp_path):
         "coordinate_descent_tuning": False}
     assert rows["stock compiled per block tuned as traceable"]["config"]["compile_options"] == {
         "coordinate_descent_tuning": True}
+    for label in ("Mesa compiled traceable delayed combo kernels",
+                  "stock compiled per block combo kernels beside traceable"):
+        assert rows[label]["config"]["compile_options"] == {"combo_kernels": True}
     assert rows["Mesa CUDA graphs"]["config"]["compile_mode"] == "reduce-overhead"
     assert rows["Mesa CUDA graphs"]["measurement"]["graph_breaks"] == 0
 

@@ -234,3 +234,29 @@ def test_variants_are_valid_quantizer_options():
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "triton_sass.py"), "--help"], capture_output=True,
                          text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0 and "delayed-norows" in out.stdout, out.stderr[-2000:]
+
+
+def test_an_inductor_option_reaches_the_census():
+    """``--inductor-option`` (``census(..., extra_options)``) is in force while Inductor writes the
+    block's code: with ``combo_kernels`` a stock block launches fewer kernels (independent small
+    ones, such as the weights' bf16 casts, go out as one) that move the same bytes."""
+    plain, combo = _run("""
+rows = [igc.census("deit_ti", "stock", 2, True, extra_options=options)
+        for options in (None, {"combo_kernels": True})]
+print(json.dumps([[len(r["forward"]), round(sum(mb for _, _, mb in r["forward"]), 3)] for r in rows]))
+""")
+    assert combo[0] < plain[0], (plain, combo)
+    assert abs(combo[1] - plain[1]) < 1e-3, (plain, combo)
+
+
+@pytest.mark.parametrize("option,message", [
+    ("combo_kernel=True", "error: --inductor-option 'combo_kernel' is not an Inductor option (torch._inductor.config);"
+                          " close: combo_kernels"),
+    ("combo_kernels", "error: --inductor-option 'combo_kernels': expected NAME=VALUE"),
+    ("combo_kernels=[1]", "error: --inductor-option combo_kernels: '[1]' is not a bool, number or string"),
+])
+def test_a_bad_inductor_option_is_one_line_error(option, message):
+    out = subprocess.run([sys.executable, str(SCRIPT), "--variants", "stock", "--inductor-option", option],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-2000:]
