@@ -54,7 +54,8 @@ from mesa_train.nn._common import MesaLayer
 from mesa_train.quant.compile_kernels import traced_when_compiled
 from mesa_train.quant.save_codes import SaveCodes
 
-__all__ = ["SCOPES", "TRACED_INDUCTOR_OPTIONS", "compile_model", "inductor_kwargs", "repeated_blocks"]
+__all__ = ["SCOPES", "TRACED_INDUCTOR_OPTIONS", "close_inductor_options", "compile_model", "inductor_kwargs",
+           "repeated_blocks"]
 
 SCOPES = ("model", "blocks")
 
@@ -67,6 +68,18 @@ _BLOCK_CONTAINER = "blocks"
 # launch shape instead of taking the heuristic's one warp a row block
 TRACED_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 128, "joint_custom_post_pass": SaveCodes(),
                            "coordinate_descent_tuning": True}
+
+
+def close_inductor_options(name: str) -> list[str] | None:
+    """``None`` where ``name`` is an Inductor option (``torch._inductor.config``, what
+    ``torch.compile(options=...)`` takes), else the options whose names are close to it (for
+    the one-line error of a bench row's ``compile_options`` or a script's flag)."""
+    import difflib
+
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    return None if name in known else difflib.get_close_matches(str(name), list(known), n=3)
 
 
 def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:

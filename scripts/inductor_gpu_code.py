@@ -347,18 +347,16 @@ def parse_inductor_options(items: list[str]) -> dict:
     """``NAME=VALUE`` strings -> Inductor options (VALUE a Python literal: True, 128, 'x'); an
     unknown name or a value that is not a bool, number or string fails with the close names."""
     import ast
-    import difflib
 
-    import torch._inductor.config as inductor_config
+    from mesa_train.compile_scope import close_inductor_options
 
-    known = inductor_config.get_config_copy()
     options = {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep:
             fail(f"--inductor-option {item!r}: expected NAME=VALUE, e.g. combo_kernels=True")
-        if name not in known:
-            close = difflib.get_close_matches(name, list(known), n=3)
+        close = close_inductor_options(name)
+        if close is not None:
             fail(f"--inductor-option {name!r} is not an Inductor option (torch._inductor.config)"
                  f"{'; close: ' + ', '.join(close) if close else ''}")
         try:

@@ -9,12 +9,11 @@ exactly one row per group is its ``baseline`` and every ratio is taken against i
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from mesa_train.bench.paper_numbers import paper_row
-from mesa_train.compile_scope import SCOPES as COMPILE_SCOPES
+from mesa_train.compile_scope import SCOPES as COMPILE_SCOPES, close_inductor_options
 from mesa_train.models import MODEL_NAMES, timm_name
 from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 from mesa_train.train.config import COMPILE_MODES as TRAIN_COMPILE_MODES
@@ -243,12 +242,9 @@ def _check_compile_options(row: RowConfig, where: str) -> None:
         raise BenchConfigError(f"{where}: compile_options must be a mapping of Inductor options, got {options!r}")
     if not options:
         return
-    import torch._inductor.config as inductor_config
-
-    known = inductor_config.get_config_copy()
     for key, value in options.items():
-        if key not in known:
-            close = difflib.get_close_matches(str(key), list(known), n=3)
+        close = close_inductor_options(key)
+        if close is not None:
             raise BenchConfigError(f"{where}: compile_options has {key!r}, not an Inductor option (torch._inductor"
                                    f".config){'; close: ' + ', '.join(close) if close else ''}")
         if not isinstance(value, (bool, int, float, str)):
