@@ -391,6 +391,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         ValueError: unknown op, module set or option name (the message lists the valid
             choices), or an invalid option value.
     """
+    # validation first: nothing is changed when an argument is wrong
     if attention not in ATTENTION_PATHS:
         raise ValueError(f"unknown attention {attention!r}; valid choices: {', '.join(ATTENTION_PATHS)}")
     if plan is not None:  # per-layer ops from a plan (mesa_train.plan); ops/modules unused
@@ -400,207 +401,42 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     op_names = _resolve(ops, OPS, "ops")
     set_names = _resolve(modules, MODULE_SETS, "modules")
     quant_options = _check_options(quant_options)
-    if quant_options.get("layout", "channel") != "channel":
-        others = [o for o in op_names if o not in LAYOUT_OPS]
-        if others:
-            raise ValueError(
-                f"layout={quant_options['layout']!r} applies to conv activations (B, C, H, W) only: valid ops for "
-                f"it: {list(LAYOUT_OPS)}, got also {others} (their valid layout: 'channel'). Patch them first, "
-                f"then e.g. patch_model(model, ops=['conv'], layout='patch4x4', bits=2)")
-    if cancelling_bn not in CANCELLING_BN:
-        raise ValueError(f"unknown cancelling_bn {cancelling_bn!r}; valid choices: {', '.join(CANCELLING_BN)}")
-    if mlp not in MLP_COPIES:
-        raise ValueError(f"unknown mlp {mlp!r}; valid choices: {', '.join(MLP_COPIES)}")
-    if norm_linear not in NORM_LINEAR_COPIES:
-        raise ValueError(f"unknown norm_linear {norm_linear!r}; valid choices: {', '.join(NORM_LINEAR_COPIES)}")
-    explicit = dict(quant_options)
+    _check_layout(quant_options, op_names)
+    for value, valid, what in ((cancelling_bn, CANCELLING_BN, "cancelling_bn"), (mlp, MLP_COPIES, "mlp"),
+                               (norm_linear, NORM_LINEAR_COPIES, "norm_linear")):
+        if value not in valid:
+            raise ValueError(f"unknown {what} {value!r}; valid choices: {', '.join(valid)}")
+    explicit = dict(quant_options)  # (what this call asked for, applied to layers patched before too)
 
     root = _unwrap(model)
-    keep_stock: Dict[int, str] = {}  # BatchNorms left stock (patch/cancellation.py)
-    if cancelling_bn == "stock" and "batchnorm" in op_names and any(
-            isinstance(m, nn.BatchNorm2d) and not isinstance(m, _mnn().BatchNorm2d) for m in root.modules()):
-        mods = dict(root.named_modules())
-        keep_stock = {id(mods[n]): n for n in cancellation_batchnorms(root) if n in mods}
-    # recorded: those that would otherwise have been compressed (a BatchNormAct2d is stock anyway)
-    kept_names = tuple(n for n in keep_stock.values() if type(mods[n]) is nn.BatchNorm2d) if keep_stock else ()
-    info = classify(root)
-    rules = _leaf_rules()
-    mnn = _mnn()
-    sdpa_cls = _sdpa_cls()
+    keep_stock, kept_names = _stock_batchnorms(root, op_names, cancelling_bn)
+    t = _Target(root, op_names, set_names, quant_options)
 
-    # parents of every module (a module may be registered under several names)
-    parents: Dict[int, List[Tuple[nn.Module, str]]] = {}
-    for _, parent in root.named_modules(remove_duplicate=False):
-        for key, child in parent._modules.items():
-            if child is not None:
-                parents.setdefault(id(child), []).append((parent, key))
-
-    core_ops = tuple(o for o in ATTENTION_OPS if o in op_names)
-    patched_attn: List[str] = []
-    skip_prefixes: List[str] = []  # children of modules whose forward does not call them
-    named = list(root.named_modules())
-
-    # 1. attention modules
-    for name, m in named:
-        mi = info.get(name, ModuleInfo("other", None, None))
-        stock_cls = STOCK_ATTENTION_CLASSES.get(type(m), type(m))
-        if stock_cls in ATTENTION_CLASSES and mi.module_set in set_names and core_ops:
-            _patch_attention(m, core_ops, mi.heads, quant_options, attention)
-            patched_attn.append(name)
-        if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
-            skip_prefixes.append(name + ".")
-            if is_position_table_mlp(name, m) and "linear" in op_names and mi.module_set in set_names:
-                make_recomputed(getattr(m, "mlp", None) if type(m).__name__ == "RelPosMlp" else m)
-
-    # 1a. any other attention: its F.scaled_dot_product_attention / q @ k^T, softmax, @ v
-    # calls are intercepted while it runs (generic_attention.py)
-    generic: Dict[str, Tuple[str, ...]] = {}
-    if core_ops:
-        for name, m in named:
-            if name in patched_attn or any(name.startswith(p) for p in skip_prefixes) or not _attention_like(m):
-                continue
-            mi = info.get(name, ModuleInfo("other", None, None))
-            if mi.module_set not in set_names:
-                continue
-            found = scan_functional_ops(type(m))
-            wanted = tuple(o for o in core_ops if o in found)
-            if wanted:
-                heads = mi.heads or getattr(m, "num_heads", None)
-                heads = heads if isinstance(heads, int) else None
-                install_generic(m, wanted, heads, _module_device(m), lambda h: _options_for(None, h, quant_options))
-                wanted += install_cosine(m, op_names, found, heads, _module_device(m),
-                                         _options_for(None, heads, quant_options))
-                generic[name] = wanted
-
-    # 1b. gated MLPs (SwiGLU, GluMlp): act(gate) * x through a GatedActivation child; the
-    # MLP's act runs inside it and is not converted on its own
-    gated_acts = set()
-    for name, m in named:
-        stock_cls = STOCK_MLP_CLASSES.get(type(m), type(m))
-        if stock_cls not in MLP_CLASSES:
-            continue
-        mi = info.get(name, ModuleInfo("other", None, None))
-        if "glu" in op_names and mi.module_set in set_names and getattr(m, "gated", None) is None:
-            m.__class__ = MLP_CLASSES[stock_cls]
-            m.gated = mnn.GatedActivation(m.act, gate_last=getattr(m, "gate_last", False),
-                                          device=_module_device(m), **_options_for(None, mi.heads, quant_options))
-        if getattr(m, "gated", None) is not None:
-            gated_acts.add(id(m.act))
-
+    # 1. attention modules: known timm classes, then any other attention-like module's calls
+    patched_attn = _patch_attention_modules(t, attention)
+    generic = _patch_other_attention(t, patched_attn)
+    # 1b. gated MLPs (SwiGLU, GluMlp); their act is not converted on its own in step 2
+    gated_acts = _patch_gated_mlps(t)
     # 1c. plain MLPs (fc1, GELU, fc2): fc2 shares the GELU's copy (mlp="shared"; the choice
     # is made again at every call: patch/mlp.py, MesaMlp)
     if "gelu" in op_names and "linear" in op_names:
-        _share_mlp_copies(named, info, set_names, mlp == "shared", rules, mnn)
-
+        _share_mlp_copies(t.named, t.info, set_names, mlp == "shared", t.rules, t.mnn)
     # 1c'. ViT blocks: qkv and fc1 share the copy of the norm before them, other families' blocks
     # fc1 (norm_linear="shared"; the choice is made again at every call: patch/block.py)
     if "layernorm" in op_names and "linear" in op_names:
-        _share_norm_copies(named, info, set_names, norm_linear == "shared")
-
-    # 1d. inline layer scale (``self.gamma_1 * y`` in a block's forward, BEiT/CaiT/EVA/XCiT):
-    # routed to a ChannelScale child while the block runs (generic_attention.install_scales)
+        _share_norm_copies(t.named, t.info, set_names, norm_linear == "shared")
+    # 1d. inline layer scales (BEiT/CaiT/EVA/XCiT's self.gamma_1 * y, ConvNeXt's gamma)
     if "layerscale" in op_names:
-        for name, m in named:
-            if any(name.startswith(p) for p in skip_prefixes) or isinstance(m, mnn.MesaLayer):
-                continue
-            mi = info.get(name, ModuleInfo("other", None, None))
-            if mi.module_set not in set_names:
-                continue
-            params = [p for p in scan_inline_scales(type(m))
-                      if isinstance(m._parameters.get(p), nn.Parameter) and m._parameters[p].dim() == 1]
-            if params:
-                install_scales(m, params, _module_device(m), _options_for(None, mi.heads, quant_options))
-            # ConvNeXt's x.mul(self.gamma.reshape(1, -1, 1, 1)): a class swap (patch/convnext.py)
-            stock_cls = STOCK_CONVNEXT_CLASSES.get(type(m), type(m))
-            if stock_cls in CONVNEXT_CLASSES and m.gamma is not None and CONVNEXT_SCALE_CHILD not in m._modules:
-                m.add_module(CONVNEXT_SCALE_CHILD, mnn.ChannelScale(device=_module_device(m),
-                                                                    **_options_for(None, mi.heads, quant_options)))
-                if type(m) is stock_cls:  # not swapped by step 1c': its norm keeps its own copy
-                    m.__class__ = CONVNEXT_CLASSES[stock_cls]
-                    m.mesa_norm_shared = False
+        _patch_inline_scales(t)
 
-    # 2. leaf modules (the attention pass may have added children: list again)
-    converted: Dict[int, nn.Module] = {}
-    for name, m in list(root.named_modules()):
-        if any(name.startswith(p) for p in skip_prefixes):
-            continue
-        if isinstance(m, mnn.MesaLayer):
-            # patched before: re-apply the options passed explicitly now
-            op = _layer_op(m, mnn, sdpa_cls)
-            if op == "matmul" and not m.operands:
-                op = "softmax"  # the share-only attn @ v follows the softmax whose copy it keeps
-            if explicit and op in op_names:
-                owner = name.rsplit(".", 1)[0] if "." in name else ""
-                mi = info.get(name) or info.get(owner) or ModuleInfo("other", None, None)
-                if mi.module_set in set_names:
-                    m.set_quant_options(**explicit)
-            continue
-        rule = rules.get(type(m))
-        if rule is None or id(m) in gated_acts:
-            continue
-        op, mesa_cls = rule
-        if op not in op_names:
-            continue
-        if getattr(m, "_fast_norm", False):  # timm fast_norm LayerNorm: different kernel
-            continue
-        mi = info.get(name)
-        if mi is None:  # a child the attention pass added (e.g. Swin softmax): owner's info
-            owner = name.rsplit(".", 1)[0] if "." in name else ""
-            mi = info.get(owner, ModuleInfo("other", None, None))
-        if mi.module_set not in set_names:
-            continue
-        if id(m) in converted or id(m) in keep_stock:
-            continue
-        kw = {}
-        if not any(True for _ in m.parameters(recurse=False)):
-            # parameter-free layers (GELU, ReLU, Softmax, LayerNorm without affine) cannot
-            # know their device: give them the one of the module that holds them
-            kw["device"] = _module_device(parents.get(id(m), [(root, "")])[0][0])
-        new = mesa_cls.from_module(m, **kw, **_options_for(m, mi.heads, quant_options))
-        converted[id(m)] = new
-        _replace_child(parents, m, new)
-
-    # 2b. scale branches (a 1x1 depthwise conv straight into a BatchNorm, RepVGG / MobileOne):
-    # the conv takes its weight gradient from the BatchNorm (nn.conv.ScaleLink)
+    # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne)
+    _convert_leaves(t, explicit, gated_acts, keep_stock)
     if "conv" in op_names and "batchnorm" in op_names:
-        _link_scale_branches(root, parents, mnn, quant_options, keep_stock)
+        _link_scale_branches(root, t.parents, t.mnn, quant_options, keep_stock)
 
-    # 3. functional ops no rule reaches (requested ops only, selected module sets only)
-    handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(rules)
-               + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + tuple(STOCK_CONVNEXT_CLASSES)
-               + tuple(NORM_ONLY_MLP_CLASSES.values())
-               + tuple(STOCK_BLOCK_CLASSES)
-               + (PlainMatMul, PlainSoftmax))
-    unreached: Dict[str, Tuple[str, ...]] = {}
-    for name, m in root.named_modules():
-        if type(m) in handled or isinstance(m, mnn.MesaLayer) or any(name.startswith(p) for p in skip_prefixes):
-            continue
-        mi = info.get(name, ModuleInfo("other", None, None))
-        if mi.module_set not in set_names:
-            continue
-        if isinstance(m, nn.MultiheadAttention):  # F.multi_head_attention_forward: all inside
-            found = ("linear", "matmul", "softmax", "sdpa")
-        else:
-            found = scan_functional_ops(type(m))
-        if "linear" in found and "linear" in op_names and any(
-                isinstance(c, mnn.Linear) for c in m._modules.values()):
-            # F.linear(x, self.qkv.weight, bias) (BEiT, SwinV2): through the converted child
-            install_linear(m)
-            generic[name] = generic.get(name, ()) + ("linear",)
-        hit = tuple(o for o in found if o in op_names and o not in generic.get(name, ()))
-        if hit:
-            unreached[name or "<root>"] = hit
-
-    prev = getattr(root, PATCH_INFO_ATTR, None) or {}
-    record = {
-        "ops": tuple(o for o in OPS if o in set(op_names) | set(prev.get("ops", ()))),
-        "modules": tuple(s for s in MODULE_SETS if s in set(set_names) | set(prev.get("modules", ()))),
-        "options": {**prev.get("options", {}), **explicit},
-        "unreached": {**prev.get("unreached", {}), **unreached},
-        "stock_batchnorm": tuple(sorted(set(prev.get("stock_batchnorm", ())) | set(kept_names))),
-        "calls": prev.get("calls", 0) + 1,
-    }
-    object.__setattr__(root, PATCH_INFO_ATTR, record)
+    # 3. functional ops no rule reaches: recorded, warned about, left stock
+    unreached = _functional_ops_left(t, generic)
+    _record_patch(root, op_names, set_names, explicit, unreached, kept_names)
     # rounding seeds keyed by each quantizer's name: the same model patched in any process,
     # in any order, draws the same rounding noise (and none from torch's global generator)
     assign_rng_keys(root)
@@ -611,6 +447,228 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             f"mesa_train.patch_model: functional ops not reached (they stay uncompressed): {lines}",
             UserWarning, stacklevel=2)
     return model
+
+
+# ----------------------------------------------------------------------------- patch_model's passes
+_OTHER = ModuleInfo("other", None, None)  # a module outside any block (patch embedding, head, ...)
+
+
+class _Target:
+    """What one ``patch_model`` call works on: the unwrapped model, its modules as they stood
+    before the passes (names, block info, parents) and the request (ops, module sets, options)."""
+
+    def __init__(self, root: nn.Module, op_names: Tuple[str, ...], set_names: Tuple[str, ...], quant_options: dict):
+        self.root, self.op_names, self.set_names, self.quant_options = root, op_names, set_names, quant_options
+        self.info = classify(root)
+        self.rules = _leaf_rules()
+        self.mnn = _mnn()
+        # parents of every module (a module may be registered under several names)
+        self.parents: Dict[int, List[Tuple[nn.Module, str]]] = {}
+        for _, parent in root.named_modules(remove_duplicate=False):
+            for key, child in parent._modules.items():
+                if child is not None:
+                    self.parents.setdefault(id(child), []).append((parent, key))
+        self.named = list(root.named_modules())
+        self.skip_prefixes: List[str] = []  # children of modules whose forward does not call them
+
+    def module_info(self, name: str) -> ModuleInfo:
+        return self.info.get(name, _OTHER)
+
+    def skipped(self, name: str) -> bool:
+        return any(name.startswith(p) for p in self.skip_prefixes)
+
+    def options(self, module: Optional[nn.Module], heads: Optional[int]) -> dict:
+        return _options_for(module, heads, self.quant_options)
+
+
+def _check_layout(quant_options: dict, op_names: Tuple[str, ...]) -> None:
+    if quant_options.get("layout", "channel") == "channel":
+        return
+    others = [o for o in op_names if o not in LAYOUT_OPS]
+    if others:
+        raise ValueError(
+            f"layout={quant_options['layout']!r} applies to conv activations (B, C, H, W) only: valid ops for "
+            f"it: {list(LAYOUT_OPS)}, got also {others} (their valid layout: 'channel'). Patch them first, "
+            f"then e.g. patch_model(model, ops=['conv'], layout='patch4x4', bits=2)")
+
+
+def _stock_batchnorms(root: nn.Module, op_names, cancelling_bn: str) -> Tuple[Dict[int, str], Tuple[str, ...]]:
+    """The BatchNorms left stock (patch/cancellation.py) as ``{id: name}``, and the names of
+    those that would otherwise have been compressed (a BatchNormAct2d is stock anyway)."""
+    if not (cancelling_bn == "stock" and "batchnorm" in op_names and any(
+            isinstance(m, nn.BatchNorm2d) and not isinstance(m, _mnn().BatchNorm2d) for m in root.modules())):
+        return {}, ()
+    mods = dict(root.named_modules())
+    keep_stock = {id(mods[n]): n for n in cancellation_batchnorms(root) if n in mods}
+    return keep_stock, tuple(n for n in keep_stock.values() if type(mods[n]) is nn.BatchNorm2d)
+
+
+def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
+    """Step 1: known timm attention classes get a Mesa forward and core children; the names
+    patched. Also marks what the model's own forward never calls (skip_prefixes)."""
+    core_ops = tuple(o for o in ATTENTION_OPS if o in t.op_names)
+    patched: List[str] = []
+    for name, m in t.named:
+        mi = t.module_info(name)
+        stock_cls = STOCK_ATTENTION_CLASSES.get(type(m), type(m))
+        if stock_cls in ATTENTION_CLASSES and mi.module_set in t.set_names and core_ops:
+            _patch_attention(m, core_ops, mi.heads, t.quant_options, attention)
+            patched.append(name)
+        if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
+            t.skip_prefixes.append(name + ".")
+            if is_position_table_mlp(name, m) and "linear" in t.op_names and mi.module_set in t.set_names:
+                make_recomputed(getattr(m, "mlp", None) if type(m).__name__ == "RelPosMlp" else m)
+    return patched
+
+
+def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tuple[str, ...]]:
+    """Step 1a: any other attention's F.scaled_dot_product_attention / q @ k^T, softmax, @ v
+    calls are intercepted while it runs (generic_attention.py); ``{name: ops intercepted}``."""
+    core_ops = tuple(o for o in ATTENTION_OPS if o in t.op_names)
+    generic: Dict[str, Tuple[str, ...]] = {}
+    if not core_ops:
+        return generic
+    for name, m in t.named:
+        if name in patched_attn or t.skipped(name) or not _attention_like(m):
+            continue
+        mi = t.module_info(name)
+        if mi.module_set not in t.set_names:
+            continue
+        found = scan_functional_ops(type(m))
+        wanted = tuple(o for o in core_ops if o in found)
+        if wanted:
+            heads = mi.heads or getattr(m, "num_heads", None)
+            heads = heads if isinstance(heads, int) else None
+            install_generic(m, wanted, heads, _module_device(m),
+                            lambda h, opts=t.quant_options: _options_for(None, h, opts))
+            wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), t.options(None, heads))
+            generic[name] = wanted
+    return generic
+
+
+def _patch_gated_mlps(t: _Target) -> set:
+    """Step 1b: gated MLPs (SwiGLU, GluMlp) compute act(gate) * x through a GatedActivation
+    child; the ids of the acts that run inside one (not converted on their own)."""
+    gated_acts = set()
+    for name, m in t.named:
+        stock_cls = STOCK_MLP_CLASSES.get(type(m), type(m))
+        if stock_cls not in MLP_CLASSES:
+            continue
+        mi = t.module_info(name)
+        if "glu" in t.op_names and mi.module_set in t.set_names and getattr(m, "gated", None) is None:
+            m.__class__ = MLP_CLASSES[stock_cls]
+            m.gated = t.mnn.GatedActivation(m.act, gate_last=getattr(m, "gate_last", False),
+                                            device=_module_device(m), **t.options(None, mi.heads))
+        if getattr(m, "gated", None) is not None:
+            gated_acts.add(id(m.act))
+    return gated_acts
+
+
+def _patch_inline_scales(t: _Target) -> None:
+    """Step 1d: inline layer scale (``self.gamma_1 * y`` in a block's forward, BEiT/CaiT/EVA/XCiT)
+    routed to a ChannelScale child while the block runs (generic_attention.install_scales);
+    ConvNeXt's ``x.mul(self.gamma.reshape(1, -1, 1, 1))`` by a class swap (patch/convnext.py)."""
+    for name, m in t.named:
+        if t.skipped(name) or isinstance(m, t.mnn.MesaLayer):
+            continue
+        mi = t.module_info(name)
+        if mi.module_set not in t.set_names:
+            continue
+        params = [p for p in scan_inline_scales(type(m))
+                  if isinstance(m._parameters.get(p), nn.Parameter) and m._parameters[p].dim() == 1]
+        if params:
+            install_scales(m, params, _module_device(m), t.options(None, mi.heads))
+        stock_cls = STOCK_CONVNEXT_CLASSES.get(type(m), type(m))
+        if stock_cls in CONVNEXT_CLASSES and m.gamma is not None and CONVNEXT_SCALE_CHILD not in m._modules:
+            m.add_module(CONVNEXT_SCALE_CHILD, t.mnn.ChannelScale(device=_module_device(m),
+                                                                  **t.options(None, mi.heads)))
+            if type(m) is stock_cls:  # not swapped by step 1c': its norm keeps its own copy
+                m.__class__ = CONVNEXT_CLASSES[stock_cls]
+                m.mesa_norm_shared = False
+
+
+def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dict[int, str]) -> None:
+    """Step 2: each leaf module a rule covers becomes its Mesa layer (``from_module``: the same
+    Parameters); a Mesa layer patched before takes this call's explicit options instead. Lists
+    the modules again: the attention pass may have added children."""
+    sdpa_cls = _sdpa_cls()
+    converted: Dict[int, nn.Module] = {}
+    for name, m in list(t.root.named_modules()):
+        if t.skipped(name):
+            continue
+        if isinstance(m, t.mnn.MesaLayer):
+            op = _layer_op(m, t.mnn, sdpa_cls)
+            if op == "matmul" and not m.operands:
+                op = "softmax"  # the share-only attn @ v follows the softmax whose copy it keeps
+            if explicit and op in t.op_names:
+                owner = name.rsplit(".", 1)[0] if "." in name else ""
+                mi = t.info.get(name) or t.info.get(owner) or _OTHER
+                if mi.module_set in t.set_names:
+                    m.set_quant_options(**explicit)
+            continue
+        rule = t.rules.get(type(m))
+        if rule is None or id(m) in gated_acts:
+            continue
+        op, mesa_cls = rule
+        if op not in t.op_names or getattr(m, "_fast_norm", False):  # timm fast_norm LayerNorm: other kernel
+            continue
+        mi = t.info.get(name)
+        if mi is None:  # a child the attention pass added (e.g. Swin softmax): owner's info
+            mi = t.module_info(name.rsplit(".", 1)[0] if "." in name else "")
+        if mi.module_set not in t.set_names or id(m) in converted or id(m) in keep_stock:
+            continue
+        kw = {}
+        if not any(True for _ in m.parameters(recurse=False)):
+            # parameter-free layers (GELU, ReLU, Softmax, LayerNorm without affine) cannot
+            # know their device: give them the one of the module that holds them
+            kw["device"] = _module_device(t.parents.get(id(m), [(t.root, "")])[0][0])
+        new = mesa_cls.from_module(m, **kw, **t.options(m, mi.heads))
+        converted[id(m)] = new
+        _replace_child(t.parents, m, new)
+
+
+def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dict[str, Tuple[str, ...]]:
+    """Step 3: requested ops that a selected module's forward computes functionally and no
+    rule reached, ``{name: ops}``; ``F.linear(x, self.qkv.weight, bias)`` (BEiT, SwinV2) is
+    routed through the converted child instead (and added to ``generic``)."""
+    handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(t.rules)
+               + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + tuple(STOCK_CONVNEXT_CLASSES)
+               + tuple(NORM_ONLY_MLP_CLASSES.values())
+               + tuple(STOCK_BLOCK_CLASSES)
+               + (PlainMatMul, PlainSoftmax))
+    unreached: Dict[str, Tuple[str, ...]] = {}
+    for name, m in t.root.named_modules():
+        if type(m) in handled or isinstance(m, t.mnn.MesaLayer) or t.skipped(name):
+            continue
+        if t.module_info(name).module_set not in t.set_names:
+            continue
+        if isinstance(m, nn.MultiheadAttention):  # F.multi_head_attention_forward: all inside
+            found = ("linear", "matmul", "softmax", "sdpa")
+        else:
+            found = scan_functional_ops(type(m))
+        if "linear" in found and "linear" in t.op_names and any(
+                isinstance(c, t.mnn.Linear) for c in m._modules.values()):
+            install_linear(m)
+            generic[name] = generic.get(name, ()) + ("linear",)
+        hit = tuple(o for o in found if o in t.op_names and o not in generic.get(name, ()))
+        if hit:
+            unreached[name or "<root>"] = hit
+    return unreached
+
+
+def _record_patch(root: nn.Module, op_names, set_names, explicit: dict, unreached: dict, kept_names) -> None:
+    """What the calls so far patched, on the model (``PATCH_INFO_ATTR``; patch/describe.py,
+    checkpoints): this call's request merged into the previous calls'."""
+    prev = getattr(root, PATCH_INFO_ATTR, None) or {}
+    record = {
+        "ops": tuple(o for o in OPS if o in set(op_names) | set(prev.get("ops", ()))),
+        "modules": tuple(s for s in MODULE_SETS if s in set(set_names) | set(prev.get("modules", ()))),
+        "options": {**prev.get("options", {}), **explicit},
+        "unreached": {**prev.get("unreached", {}), **unreached},
+        "stock_batchnorm": tuple(sorted(set(prev.get("stock_batchnorm", ())) | set(kept_names))),
+        "calls": prev.get("calls", 0) + 1,
+    }
+    object.__setattr__(root, PATCH_INFO_ATTR, record)
 
 
 def _scale_pair(m: nn.Module):
