@@ -7,6 +7,7 @@ every ``log_every`` optimizer steps and at the end of the epoch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -157,6 +158,156 @@ def _optimizer_step(parts: Parts, model: nn.Module, state: TrainState, step_loss
     return True
 
 
+@dataclass
+class _EpochTally:
+    """Running totals of one ``train_one_epoch`` call. The loss sum and batch count stay on
+    the device (added to without a host sync); the rest are host counters."""
+
+    loss_sum: torch.Tensor         # float64, this rank's share of the epoch's loss sum
+    batches: torch.Tensor          # float64, batches in the mean (skip mode: finite ones only)
+    step_loss_ok: torch.Tensor     # bool: every micro-batch of the current update was finite
+    warmup_batches: int            # batches of this call left out of images/s
+    start: float = field(default_factory=time.perf_counter)
+    timed_start: float | None = None
+    num_images: int = 0
+    timed_images: int = 0
+    run_batches: int = 0           # batches of this call so far
+    consecutive_skips: int = 0
+    saved_bytes: int | None = None
+    loss_text: str = ""            # the last logged loss, for the progress bar
+
+    def __post_init__(self):
+        if self.warmup_batches <= 0:
+            self.timed_start = self.start
+
+    def add_batch(self, nonfinite: str, loss: torch.Tensor, images: int) -> None:
+        detached = loss.detach()
+        finite = torch.isfinite(detached)
+        self.step_loss_ok &= finite
+        if nonfinite == "skip":
+            self.loss_sum += torch.where(finite, detached, torch.zeros_like(detached))
+            self.batches += finite
+        else:
+            self.loss_sum += detached
+            self.batches += 1
+        self.num_images += images
+        self.run_batches += 1
+        if self.timed_start is None and self.run_batches >= self.warmup_batches:
+            self.timed_start, self.timed_images = time.perf_counter(), 0
+        elif self.timed_start is not None:
+            self.timed_images += images
+
+
+def _start_tally(parts: Parts, state: TrainState, warmup_batches: int) -> _EpochTally:
+    """The epoch's totals so far (a resumed epoch starts from its checkpoint's), shared with
+    the runner through ``parts.extra`` for a mid-epoch checkpoint."""
+    device = parts.device
+    if state.batch_in_epoch == 0:
+        state.epoch_loss_sum, state.epoch_batches = 0.0, 0
+    world = dist_utils.world_size()
+    # This rank's share of the (all-rank) totals saved at a mid-epoch checkpoint.
+    tally = _EpochTally(
+        loss_sum=torch.full((), state.epoch_loss_sum / world, device=device, dtype=torch.float64),
+        batches=torch.full((), state.epoch_batches / world, device=device, dtype=torch.float64),
+        step_loss_ok=torch.ones((), device=device, dtype=torch.bool), warmup_batches=warmup_batches)
+    parts.extra.update(loss_sum=tally.loss_sum, batches=tally.batches, step=state.step)
+    parts.extra.setdefault("first_bad", torch.full((), -1, device=device, dtype=torch.int64))
+    return tally
+
+
+def _forward_backward(parts: Parts, model: nn.Module, images, targets, update: bool, tally: _EpochTally,
+                      measure_saved: bool) -> torch.Tensor:
+    """One micro-batch's forward and backward; its (unscaled) loss."""
+    # DDP: only all-reduce gradients on the micro-batch that ends an update. (FSDP
+    # reduce-scatters every micro-batch into the sharded gradients: keeping whole
+    # unsharded gradients between micro-batches would undo its memory saving.)
+    sync = model.no_sync() if (not update and hasattr(model, "no_sync")) else contextlib.nullcontext()
+    meter = contextlib.nullcontext()
+    if measure_saved and tally.saved_bytes is None:
+        try:
+            from mesa_train.memory import SavedTensorMeter
+
+            meter = SavedTensorMeter(unwrap(model))
+        except ImportError:  # the meter is optional for training
+            pass
+    with sync:
+        with meter as m:
+            with autocast(parts.device, parts.amp_dtype):
+                outputs = model(images)
+                loss = parts.criterion(outputs, targets)
+        if m is not None and tally.saved_bytes is None:
+            tally.saved_bytes = int(m.activation_bytes)
+        scaled = loss / parts.grad_accum
+        if parts.scaler is not None:
+            parts.scaler.scale(scaled).backward()
+        else:
+            scaled.backward()
+    return loss
+
+
+def _finish_update(parts: Parts, model: nn.Module, state: TrainState, tally: _EpochTally) -> None:
+    """After the micro-batch that ends an update: the optimizer step (or its skip), then what
+    follows every step (estimates, EMA, scheduler)."""
+    from mesa_train.train.errors import NonFiniteError
+
+    applied = _optimizer_step(parts, model, state, tally.step_loss_ok)
+    if parts.compiled and not parts.estimates_marked:
+        # estimator=delayed, traced compression: after the first step the estimates
+        # are initialized, and the compiled graph can fuse the one-pass form (rebuilt once)
+        mark_estimates_ready(unwrap(model))
+        parts.estimates_marked = True
+    if parts.estimate_sync is not None:  # every rank, applied or skipped: a collective
+        parts.estimate_sync.sync()
+    tally.step_loss_ok.fill_(True)
+    state.step += 1
+    parts.extra["step"] = state.step
+    if applied:
+        tally.consecutive_skips = 0
+        if parts.ema is not None:
+            parts.ema.update(unwrap(model), step=state.step)
+    else:
+        state.skipped_steps += 1
+        tally.consecutive_skips += 1
+        logging.getLogger("mesa_train.train").warning(
+            "step %d skipped: non-finite loss or gradient (%d skipped in total)", state.step, state.skipped_steps)
+        if tally.consecutive_skips >= parts.max_nonfinite_skips:
+            raise NonFiniteError(
+                f"{tally.consecutive_skips} steps in a row had a non-finite loss or gradient (last: step "
+                f"{state.step}); stopped. The last checkpoint is unaffected; {NONFINITE_HINT}")
+    if parts.scheduler is not None:
+        parts.scheduler.step_update(num_updates=state.step)
+
+
+def _epoch_result(parts: Parts, state: TrainState, tally: _EpochTally, interrupted: bool) -> dict:
+    """The epoch's figures over all ranks (one all-reduce), and its totals into ``state``."""
+    device = parts.device
+    end = time.perf_counter()
+    elapsed = end - tally.start
+    if tally.timed_start is None or tally.timed_images == 0:  # too few batches to leave the warm-up out
+        timed_images, timed_elapsed = tally.num_images, elapsed
+    else:
+        timed_images, timed_elapsed = tally.timed_images, end - tally.timed_start
+    totals = dist_utils.all_reduce_sum(
+        [float(tally.loss_sum), float(tally.batches), float(tally.num_images), float(timed_images)], device)
+    state.epoch_loss_sum, state.epoch_batches = totals[0], int(round(totals[1]))
+    out = {
+        "train_loss": totals[0] / max(totals[1], 1.0),
+        "lr": parts.optimizer.param_groups[0]["lr"],
+        "images_per_s": totals[3] / timed_elapsed if timed_elapsed > 0 else float("nan"),
+        "train_images": int(totals[2]),
+        "train_seconds": elapsed,
+        "timed_images": int(totals[3]),
+        "timed_seconds": timed_elapsed,
+    }
+    if interrupted:
+        out["interrupted"] = True
+    if device.type == "cuda":
+        out["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    if tally.saved_bytes is not None:
+        out["saved_bytes"] = tally.saved_bytes
+    return out
+
+
 def train_one_epoch(
     parts: Parts,
     loader,
@@ -188,29 +339,12 @@ def train_one_epoch(
     (``first_nonfinite_step``), ends the epoch at the next log step, and the runner stops
     without saving; ``"skip"`` drops that update (counted in ``state.skipped_steps``, left
     out of the mean loss) and raises ``NonFiniteError`` after ``max_nonfinite_skips`` in a row."""
-    from mesa_train.train.errors import NonFiniteError
-
-    model, optimizer, device = parts.model, parts.optimizer, parts.device
+    model, device, accum = parts.model, parts.device, parts.grad_accum
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    accum = parts.grad_accum
-    if state.batch_in_epoch == 0:
-        state.epoch_loss_sum, state.epoch_batches = 0.0, 0
-    world = dist_utils.world_size()
-    # This rank's share of the (all-rank) totals saved at a mid-epoch checkpoint.
-    loss_sum = torch.full((), state.epoch_loss_sum / world, device=device, dtype=torch.float64)
-    # Batches in the mean: all of them (stop mode: a non-finite one ends the run anyway), or
-    # the finite ones (skip mode), counted on the device (no sync).
-    batch_count = torch.full((), state.epoch_batches / world, device=device, dtype=torch.float64)
-    parts.extra.update(loss_sum=loss_sum, batches=batch_count, step=state.step)
-    parts.extra.setdefault("first_bad", torch.full((), -1, device=device, dtype=torch.int64))
-    step_loss_ok = torch.ones((), device=device, dtype=torch.bool)
-    num_images = timed_images = 0
-    consecutive_skips = 0
-    saved_bytes = None
+    tally = _start_tally(parts, state, warmup_batches)
     interrupted = False
-    loss_text = ""
     bar = None
     if progress:
         from tqdm import tqdm
@@ -218,12 +352,10 @@ def train_one_epoch(
         desc = f"epoch {state.epoch + 1}/{epochs}" if epochs else f"epoch {state.epoch + 1}"
         bar = tqdm(total=batches_per_epoch, initial=state.batch_in_epoch, desc=desc, dynamic_ncols=True,
                    leave=False)
-    start = time.perf_counter()
-    timed_start = start if warmup_batches <= 0 else None
-    run_start, run_batches = start, 0
     batches_left_after = (epochs - state.epoch - 1) * batches_per_epoch if epochs else 0
 
     for images, targets in loader:
+        # 1. one micro-batch: forward, backward, its loss counted on the device
         i = state.batch_in_epoch  # index of this batch in the epoch
         if parts.compiled:
             # a step boundary for CUDA-graph trees (trainer.compile_mode=reduce-overhead): the
@@ -233,93 +365,28 @@ def train_one_epoch(
         if parts.mixup is not None:
             images, targets = parts.mixup(images, targets)
         update = (i + 1) % accum == 0 or i + 1 == batches_per_epoch
-        # DDP: only all-reduce gradients on the micro-batch that ends an update. (FSDP
-        # reduce-scatters every micro-batch into the sharded gradients: keeping whole
-        # unsharded gradients between micro-batches would undo its memory saving.)
-        sync = model.no_sync() if (not update and hasattr(model, "no_sync")) else contextlib.nullcontext()
-        meter = contextlib.nullcontext()
-        if measure_saved and saved_bytes is None:
-            try:
-                from mesa_train.memory import SavedTensorMeter
-
-                meter = SavedTensorMeter(unwrap(model))
-            except ImportError:  # the meter is optional for training
-                pass
-        with sync:
-            with meter as m:
-                with autocast(device, parts.amp_dtype):
-                    outputs = model(images)
-                    loss = parts.criterion(outputs, targets)
-            if m is not None and saved_bytes is None:
-                saved_bytes = int(m.activation_bytes)
-            scaled = loss / accum
-            if parts.scaler is not None:
-                parts.scaler.scale(scaled).backward()
-            else:
-                scaled.backward()
-
-        detached = loss.detach()
-        finite = torch.isfinite(detached)
-        step_loss_ok &= finite
-        if parts.nonfinite == "skip":
-            loss_sum += torch.where(finite, detached, torch.zeros_like(detached))
-            batch_count += finite
-        else:
-            loss_sum += detached
-            batch_count += 1
-        num_images += images.shape[0]
-        run_batches += 1
+        loss = _forward_backward(parts, model, images, targets, update, tally, measure_saved)
+        tally.add_batch(parts.nonfinite, loss, images.shape[0])
         state.batch_in_epoch = i + 1
-        if timed_start is None and run_batches >= warmup_batches:
-            timed_start, timed_images = time.perf_counter(), 0
-        elif timed_start is not None:
-            timed_images += images.shape[0]
 
+        # 2. the micro-batch that ends an update: optimizer step, then logging, progress, stop
         if update:
-            applied = _optimizer_step(parts, model, state, step_loss_ok)
-            if parts.compiled and not parts.estimates_marked:
-                # estimator=delayed, traced compression: after the first step the estimates
-                # are initialized, and the compiled graph can fuse the one-pass form (rebuilt once)
-                mark_estimates_ready(unwrap(model))
-                parts.estimates_marked = True
-            if parts.estimate_sync is not None:  # every rank, applied or skipped: a collective
-                parts.estimate_sync.sync()
-            step_loss_ok.fill_(True)
-            state.step += 1
-            parts.extra["step"] = state.step
-            if applied:
-                consecutive_skips = 0
-                if parts.ema is not None:
-                    parts.ema.update(unwrap(model), step=state.step)
-            else:
-                state.skipped_steps += 1
-                consecutive_skips += 1
-                import logging
-
-                logging.getLogger("mesa_train.train").warning(
-                    "step %d skipped: non-finite loss or gradient (%d skipped in total)", state.step,
-                    state.skipped_steps)
-                if consecutive_skips >= parts.max_nonfinite_skips:
-                    raise NonFiniteError(
-                        f"{consecutive_skips} steps in a row had a non-finite loss or gradient (last: step "
-                        f"{state.step}); stopped. The last checkpoint is unaffected; {NONFINITE_HINT}")
-            if parts.scheduler is not None:
-                parts.scheduler.step_update(num_updates=state.step)
-
+            _finish_update(parts, model, state, tally)
             if log_every and state.step % log_every == 0:
                 value = loss.item()  # the only host sync of the loop (stop mode)
                 if not math.isfinite(value) and parts.nonfinite == "stop":
                     break  # the runner reports it (first_nonfinite_step) and saves nothing
                 if on_log is not None:
                     on_log({"step": state.step, "epoch": state.epoch, "batch": i + 1, "loss": value,
-                            "lr": optimizer.param_groups[0]["lr"]})
-                loss_text = f"loss {value:.4f}  "
+                            "lr": parts.optimizer.param_groups[0]["lr"]})
+                tally.loss_text = f"loss {value:.4f}  "
             if on_step is not None:
                 on_step(state)
             if bar is not None:
-                bar.set_postfix_str(loss_text + _eta(time.perf_counter() - run_start, run_batches,
-                                         batches_per_epoch - state.batch_in_epoch + batches_left_after,
-                                         max_steps, state.step, accum), refresh=False)
+                bar.set_postfix_str(tally.loss_text + _eta(time.perf_counter() - tally.start, tally.run_batches,
+                                                           batches_per_epoch - state.batch_in_epoch
+                                                           + batches_left_after, max_steps, state.step, accum),
+                                    refresh=False)
             stop = max_steps is not None and state.step >= max_steps
             if not stop and stop_requested is not None and stop_requested():
                 stop = interrupted = True
@@ -330,34 +397,9 @@ def train_one_epoch(
         if bar is not None:
             bar.update(1)
 
-    end = time.perf_counter()
-    elapsed = end - start
     if bar is not None:
         bar.close()
-    if timed_start is None or timed_images == 0:  # too few batches to leave the warm-up out
-        timed_images, timed_elapsed = num_images, elapsed
-    else:
-        timed_elapsed = end - timed_start
-    totals = dist_utils.all_reduce_sum(
-        [float(loss_sum), float(batch_count), float(num_images), float(timed_images)], device)
-    state.epoch_loss_sum, state.epoch_batches = totals[0], int(round(totals[1]))
-    mean_loss = totals[0] / max(totals[1], 1.0)
-    out = {
-        "train_loss": mean_loss,
-        "lr": optimizer.param_groups[0]["lr"],
-        "images_per_s": totals[3] / timed_elapsed if timed_elapsed > 0 else float("nan"),
-        "train_images": int(totals[2]),
-        "train_seconds": elapsed,
-        "timed_images": int(totals[3]),
-        "timed_seconds": timed_elapsed,
-    }
-    if interrupted:
-        out["interrupted"] = True
-    if device.type == "cuda":
-        out["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    if saved_bytes is not None:
-        out["saved_bytes"] = saved_bytes
-    return out
+    return _epoch_result(parts, state, tally, interrupted)
 
 
 def _eta(elapsed: float, batches: int, batches_left: int, max_steps: int | None, step: int, accum: int) -> str:

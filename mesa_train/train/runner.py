@@ -25,14 +25,13 @@ from mesa_train.train import rundir
 from mesa_train.train import sharded
 from mesa_train.train.config import ConfigError, learning_rate, validate
 from mesa_train.train.data import build_loaders, build_mixup, worker_count
-from mesa_train.train.engine import (NONFINITE_HINT, Parts, TrainState, build_criterion, epoch_totals, evaluate,
-                                     first_nonfinite_step, train_one_epoch)
+from mesa_train.train.engine import Parts, TrainState, build_criterion, evaluate, train_one_epoch
 from mesa_train.train.estimates import EstimateSync, buffers_identical
-from mesa_train.train.errors import Interrupted, NonFiniteError, RunDirError
+from mesa_train.train.errors import Interrupted, RunDirError
 from mesa_train.train.loggers import RunLogger
 from mesa_train.train.model import build as build_model_from_cfg
 from mesa_train.train.model import check_buildable
-from mesa_train.plan.train_hook import plan_for_checkpoint
+from mesa_train.train.saver import RunSaver
 from mesa_train.quant.compile_kernels import set_compile_kernels
 from mesa_train.train.signals import StopSignal
 
@@ -389,73 +388,19 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     logger = RunLogger(run_dir, enabled=main, wandb_cfg=cfg.logger.wandb, config=r.plain_cfg,
                        name=str(cfg.name), resume_step=state.step if r.path else None)
     ckpt_dir = checkpoint_dir(run_dir)
-    has_val = len(loaders.val.dataset) > 0
-    saved = {"step": state.step if r.path else None}  # the step last.pt holds
     fsdp = strategy(cfg) == "fsdp"
-    # A sharded model's forward is a collective: all ranks evaluate the same number of batches.
-    lockstep = (1, 3, cfg.model.img_size, cfg.model.img_size) if fsdp else None
-
-    def ensure_finite() -> None:
-        # Nothing non-finite reaches a checkpoint: every rank checks, all agree.
-        bad = first_nonfinite_step(parts, model)
-        any_bad = dist_utils.all_reduce_sum([0.0 if bad is None else 1.0], r.device)[0] > 0
-        if any_bad:
-            kept = (f"checkpoints/{last_checkpoint_name(cfg)} still holds step {saved['step']}" if saved["step"] is not None
-                    else "no checkpoint was written")
-            where = f"at step {bad}" if bad is not None else "on another rank"
-            raise NonFiniteError(f"non-finite loss or gradient {where} (epoch {state.epoch}); stopped without "
-                                 f"saving it: {kept}. To go on: {NONFINITE_HINT}")
-
-    def save(metrics: dict | None, best: bool) -> None:
-        ensure_finite()
-        epoch_totals(parts, state)
-        # Every rank takes part (RNG states are gathered); rank 0 writes.
-        rngs = [ckpt_lib.rng_state()]
-        if r.world > 1:
-            gathered = [None] * r.world
-            torch.distributed.all_gather_object(gathered, rngs[0])
-            rngs = gathered
-        if fsdp:
-            meta = {
-                "scheduler": r.scheduler.state_dict(),
-                "scaler": r.scaler.state_dict() if r.scaler is not None else None,
-                "ema": None, "state": vars(state).copy(), "rng": rngs, "config": r.plain_cfg,
-                "num_classes": loaders.num_classes, "metrics": metrics or {},
-                "mesa_plan": plan_for_checkpoint(model),
-            }
-            last = os.path.join(ckpt_dir, "last.dcp")
-            sharded.save_sharded(last, model, r.optimizer, meta,  # every rank writes its shards
-                                 copy_to=os.path.join(ckpt_dir, "best.dcp") if best else None)
-        elif main:
-            payload = {
-                "model": model.state_dict(),
-                "optimizer": r.optimizer.state_dict(),
-                "scheduler": r.scheduler.state_dict(),
-                "scaler": r.scaler.state_dict() if r.scaler is not None else None,
-                "ema": parts.ema.module.state_dict() if parts.ema is not None else None,
-                "state": vars(state).copy(),
-                "rng": rngs,
-                "config": r.plain_cfg,
-                "num_classes": loaders.num_classes,
-                "metrics": metrics or {},
-                "mesa_plan": plan_for_checkpoint(model),  # a resumed run applies this plan again
-            }
-            last = os.path.join(ckpt_dir, "last.pt")
-            ckpt_lib.save_checkpoint(payload, last)
-            if best:
-                ckpt_lib.copy_checkpoint(last, os.path.join(ckpt_dir, "best.pt"))
-        saved["step"] = state.step
+    saver = RunSaver(r, ckpt_dir, fsdp, last_checkpoint_name(cfg), state.step if r.path else None)
 
     def on_step(s: TrainState) -> None:
         if t.checkpoint_every and s.step % t.checkpoint_every == 0 and s.batch_in_epoch < loaders.train_batches:
-            save(None, best=False)
+            saver.save(None, best=False)
 
     sampler = loaders.train.sampler
     measured = False
     last_row: dict = dict(r.ckpt.get("metrics") or {}) if r.path is not None else {}  # a finished run
     saved_bytes = last_row.get("saved_bytes")
     stock_bytes = last_row.get("stock_saved_bytes")
-    timed_images = timed_seconds = 0.0  # this process's epochs, warm-up left out, for the mean images/s
+    timed = [0.0, 0.0]  # this process's epochs, warm-up left out: images and seconds, for the mean images/s
     first_epoch = True
     status = "done"
     stop_signal = StopSignal(r.device)
@@ -464,6 +409,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
             while state.epoch < t.epochs:
                 if t.max_steps is not None and state.step >= t.max_steps:
                     break
+                # 1. train (to the epoch's end, max_steps or a stop signal)
                 sampler.set_epoch(state.epoch, start=state.batch_in_epoch * t.batch_size)
                 epoch_start = time.perf_counter()
                 # The saved-tensor meter tells parameters from activations by storage: it
@@ -479,14 +425,16 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                     stop_requested=stop_signal.requested,
                 )
                 first_epoch, measured = False, True
-                ensure_finite()  # before evaluating or logging a broken state
-                timed_images += train_out.pop("timed_images")
-                timed_seconds += train_out.pop("timed_seconds")
+                saver.ensure_finite()  # before evaluating or logging a broken state
+                timed[0] += train_out.pop("timed_images")
+                timed[1] += train_out.pop("timed_seconds")
                 saved_bytes = train_out.get("saved_bytes", saved_bytes)
                 if train_out.pop("interrupted", False):
-                    save(None, best=False)
+                    saver.save(None, best=False)
                     status = f"interrupted at step {state.step}"
                     break
+
+                # 2. evaluate when due, then log and save the epoch's row
                 epoch = state.epoch
                 epoch_done = state.batch_in_epoch >= loaders.train_batches
                 stopped = t.max_steps is not None and state.step >= t.max_steps
@@ -494,23 +442,13 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                        "stock_saved_bytes": stock_bytes}
                 if epoch_done:
                     state.epoch, state.batch_in_epoch = epoch + 1, 0
-                evaluate_now = has_val and (stopped or state.epoch >= t.epochs
-                                            or (epoch_done and state.epoch % t.eval_every == 0))
-                best = False
-                if evaluate_now:
-                    val = evaluate(model, loaders.val, r.device, r.amp_dtype, loaders.num_classes, t.channels_last,
-                                   lockstep_shape=lockstep)
-                    row.update(val_loss=val["loss"], top1=val["top1"], top5=val["top5"])
-                    if parts.ema is not None:
-                        ema_val = evaluate(parts.ema.module, loaders.val, r.device, r.amp_dtype,
-                                           loaders.num_classes, t.channels_last)
-                        row.update(ema_top1=ema_val["top1"], ema_top5=ema_val["top5"])
-                    best = val["top1"] > state.best_top1
-                    state.best_top1 = max(state.best_top1, val["top1"])
+                evaluate_now = len(loaders.val.dataset) > 0 and (
+                    stopped or state.epoch >= t.epochs or (epoch_done and state.epoch % t.eval_every == 0))
+                best = _evaluate_into(row, cfg, r, fsdp) if evaluate_now else False
                 row["epoch_time_s"] = time.perf_counter() - epoch_start
                 if main:
                     log.info(format_row(row))
-                save(row, best=best)
+                saver.save(row, best=best)
                 logger.log_epoch(row)
                 last_row = row
                 if stopped:
@@ -519,7 +457,40 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     finally:
         logger.close()
 
-    summary = {
+    # 3. the run's summary (summary.json, wandb)
+    summary = _summary(cfg, run_dir, r, status, last_row, saved_bytes, stock_bytes,
+                       timed[0] / timed[1] if timed[1] else last_row.get("images_per_s"))
+    logger.write_summary(summary)
+    dist_utils.barrier()
+    if stop_signal.signum is not None:
+        raise Interrupted(f"interrupted at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch}): "
+                          f"saved {os.path.join(ckpt_dir, last_checkpoint_name(cfg))}; run the same command to resume",
+                          stop_signal.signum)
+    return summary
+
+
+def _evaluate_into(row: dict, cfg, r: _Run, fsdp: bool) -> bool:
+    """Validation loss and top-1 / top-5 (and the EMA model's) into ``row``; whether top-1 is
+    the run's best so far."""
+    t, loaders, state = cfg.trainer, r.loaders, r.state
+    # A sharded model's forward is a collective: all ranks evaluate the same number of batches.
+    lockstep = (1, 3, cfg.model.img_size, cfg.model.img_size) if fsdp else None
+    val = evaluate(r.model, loaders.val, r.device, r.amp_dtype, loaders.num_classes, t.channels_last,
+                   lockstep_shape=lockstep)
+    row.update(val_loss=val["loss"], top1=val["top1"], top5=val["top5"])
+    if r.parts.ema is not None:
+        ema_val = evaluate(r.parts.ema.module, loaders.val, r.device, r.amp_dtype, loaders.num_classes,
+                           t.channels_last)
+        row.update(ema_top1=ema_val["top1"], ema_top5=ema_val["top5"])
+    best = val["top1"] > state.best_top1
+    state.best_top1 = max(state.best_top1, val["top1"])
+    return best
+
+
+def _summary(cfg, run_dir: str, r: _Run, status: str, last_row: dict, saved_bytes, stock_bytes,
+             images_per_s_mean) -> dict:
+    t, state = cfg.trainer, r.state
+    return {
         "name": str(cfg.name), "model": cfg.model.name, "data": cfg.data.name,
         "mesa": bool(cfg.mesa.enabled), "mesa_ops": ",".join(cfg.mesa.ops) if cfg.mesa.enabled else "",
         "mesa_modules": ",".join(cfg.mesa.modules) if cfg.mesa.enabled else "",
@@ -529,21 +500,14 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
         "best_top1": state.best_top1 if state.best_top1 >= 0 else None,
         "ema_top1": last_row.get("ema_top1"), "train_loss": last_row.get("train_loss"),
         "images_per_s": last_row.get("images_per_s"),
-        "images_per_s_mean": timed_images / timed_seconds if timed_seconds else last_row.get("images_per_s"),
+        "images_per_s_mean": images_per_s_mean,
         "saved_bytes": saved_bytes, "stock_saved_bytes": stock_bytes,
         "skipped_steps": state.skipped_steps,
         "peak_memory_bytes": last_row.get("peak_memory_bytes"),
-        "buffers_consistent": buffers_identical(model, r.device),
+        "buffers_consistent": buffers_identical(r.model, r.device),
         "strategy": strategy(cfg),
         "run_dir": os.path.abspath(run_dir),
     }
-    logger.write_summary(summary)
-    dist_utils.barrier()
-    if stop_signal.signum is not None:
-        raise Interrupted(f"interrupted at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch}): "
-                          f"saved {os.path.join(ckpt_dir, last_checkpoint_name(cfg))}; run the same command to resume",
-                          stop_signal.signum)
-    return summary
 
 
 def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
