@@ -83,17 +83,73 @@ def prepare(cfg: Any) -> tuple[dict, torch.device, list[RowConfig], Any]:
 def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     """Returns the exit status: 0 ok, 1 when a row failed with an error (OOM is a result,
     not a failure). Raises BenchConfigError / MesaUnavailable for bad configurations."""
+    # 1. validate everything before running anything
     threads = _get(cfg, "threads")
     if threads:
         torch.set_num_threads(int(threads))
     preset, device, rows, search = prepare(cfg)
     name = preset["name"]
+    search, mesa_error = _mesa_availability(cfg, rows, search)
+    profile = bool(_get(cfg, "profile", False))
+    profile_steps = _profile_steps(cfg) if profile else 0
+    if _get(cfg, "dry_run", False):
+        _print_plan(name, device, rows, search, profile_steps if profile else None)
+        return 0
+
+    # 2. measure the rows, then the largest-model search; the files after each row
+    seed = int(_get(cfg, "seed", 0))
+    show = bool(_get(cfg, "progress", True))
+    run = _RunFiles(out_dir=Path(_get(cfg, "output_dir", "results")) / name, slug=report.device_slug(device),
+                    env=report.environment(device), command=command, started=time.perf_counter())
+    results = _measure_rows(cfg, preset, device, rows, mesa_error, seed, show, run)
+    rows_s = time.perf_counter() - run.started
+    search_summary: list[dict[str, Any]] = []
+    search_notes: list[str] = []
+    searcher = None
+    if search is not None:
+        _say(f"search: largest {', '.join(d.name for d in search.dims)} under {search.cap_gb:g} GB", None)
+        searcher = Searcher(search, device, seed=seed, on_probe=lambda msg: _say("  " + msg))
+        outcomes = searcher.run()
+        search_summary = summarize(search, outcomes)
+        search_notes = searcher.notes
+    search_s = time.perf_counter() - run.started - rows_s
+    _say(f"measured {len(rows)} configurations in {rows_s:.1f} s"
+         + (f", search in {search_s:.1f} s" if search is not None else ""))
+    md = _write_outputs(run.out_dir, run.slug, preset=preset, env=run.env, device=device, rows=rows,
+                        results=results, command=command, started=run.started,
+                        search=search, searcher=searcher, search_summary=search_summary,
+                        search_notes=search_notes, mesa_error=mesa_error)
+    print(md)
+    failed = [r.label for r, m in zip(rows, results) if m.status == "error"]
+
+    # 3. the profile, after the measurement files are on disk: a crash here cannot lose them
+    if profile:
+        failed += _profile_rows(name, device, rows, results, profile_steps, seed, show, run)
+    if failed:
+        _say(f"error: {len(failed)} configuration(s) failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+@dataclasses.dataclass
+class _RunFiles:
+    """Where one run writes (``<output_dir>/<preset>/<slug>.*``) and what every file states."""
+
+    out_dir: Path
+    slug: str
+    env: dict
+    command: str
+    started: float
+
+
+def _mesa_availability(cfg: Any, rows: list[RowConfig], search):
+    """``(search, mesa_error)``: with ``mesa_missing=skip`` and no Mesa, the Mesa rows are
+    skipped (``mesa_error`` says why) and the search (stock against Mesa) is dropped."""
     mesa_missing = _get(cfg, "mesa_missing", "error")
     if mesa_missing not in ("error", "skip"):
         raise BenchConfigError(f"mesa_missing={mesa_missing!r}; valid choices: error, skip")
-    needs_mesa = any(r.mesa for r in rows) or (search is not None)
     mesa_error = None
-    if needs_mesa:
+    if any(r.mesa for r in rows) or (search is not None):
         try:
             _measure.mesa_patch_model()
         except MesaUnavailable as err:
@@ -105,25 +161,26 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
                 mesa_error += " (the largest-model search was skipped too)"
     if mesa_error and any(r.mesa and r.baseline for r in rows):
         raise MesaUnavailable(mesa_error)
-    profile = bool(_get(cfg, "profile", False))
-    profile_steps = _profile_steps(cfg) if profile else 0
+    return search, mesa_error
 
-    if _get(cfg, "dry_run", False):
-        print(f"preset {name}: {len(rows)} configurations on {device} (validated, not run)")
-        for row in rows:
-            print(f"  {'*' if row.baseline else ' '} {row.label:<36} {row.describe()}")
-        if search is not None:
-            print(f"  search: {', '.join(d.name for d in search.dims)} for "
-                  f"{' vs '.join(v.label for v in search.variants)}, cap {search.cap_gb:g} GB")
-        if profile:  # dry_run promises to run nothing: say what profile=true would add
-            print(f"  profile: each row again, {profile_steps} step(s) under torch.profiler "
-                  "after its warm-up (not run: dry_run)")
-        return 0
 
-    seed = int(_get(cfg, "seed", 0))
-    env = report.environment(device)
-    show = bool(_get(cfg, "progress", True))
-    started = time.perf_counter()
+def _print_plan(name: str, device: torch.device, rows: list[RowConfig], search, profile_steps: int | None) -> None:
+    """dry_run: what would run, baselines starred."""
+    print(f"preset {name}: {len(rows)} configurations on {device} (validated, not run)")
+    for row in rows:
+        print(f"  {'*' if row.baseline else ' '} {row.label:<36} {row.describe()}")
+    if search is not None:
+        print(f"  search: {', '.join(d.name for d in search.dims)} for "
+              f"{' vs '.join(v.label for v in search.variants)}, cap {search.cap_gb:g} GB")
+    if profile_steps is not None:  # dry_run promises to run nothing: say what profile=true would add
+        print(f"  profile: each row again, {profile_steps} step(s) under torch.profiler "
+              "after its warm-up (not run: dry_run)")
+
+
+def _measure_rows(cfg: Any, preset: dict, device: torch.device, rows: list[RowConfig], mesa_error: str | None,
+                  seed: int, show: bool, run: _RunFiles) -> list[Measurement]:
+    """Every row's memory (and, on a GPU without interleave, its time) in order, the files
+    rewritten after each (marked partial); then the CPU's or the interleaved timing pass."""
     # Everything imported so far lives for the whole run: keep it out of the collections
     # that run between configurations (a full gc pass over timm + torch takes ~0.4 s).
     gc.collect()
@@ -139,10 +196,8 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     # (Mesa's step RSS read 1.7x stock's instead of 0.64x). So CPU rows are timed in a second
     # pass, round-robin per group with `interleave: true`, else one row after another.
     time_later = device.type == "cpu" or bool(preset.get("interleave"))
-    out_dir = Path(_get(cfg, "output_dir", "results")) / name
-    slug = report.device_slug(device)
     results: list[Measurement] = []
-    bar = _progress(len(rows), show, f"bench {name}")
+    bar = _progress(len(rows), show, f"bench {preset['name']}")
     try:
         for row in rows:
             bar.set_postfix_str(row.label[:40])
@@ -161,56 +216,36 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
             bar.update(1)
             if len(results) < len(rows):
                 # a run stopped here (time limit, lost machine) keeps what it measured
-                _write_outputs(out_dir, slug, preset=preset, env=env, device=device, rows=rows[:len(results)],
-                               results=results, command=command, started=started,
-                               mesa_error=mesa_error, partial_of=len(rows))
+                _write_outputs(run.out_dir, run.slug, preset=preset, env=run.env, device=device,
+                               rows=rows[:len(results)], results=results, command=run.command,
+                               started=run.started, mesa_error=mesa_error, partial_of=len(rows))
     finally:
         bar.close()
     if preset.get("interleave"):
         _time_groups_interleaved(rows, results, device, seed=seed, show=show)
     elif time_later:
         _time_rows_after(rows, results, device, seed=seed, show=show)
-    rows_s = time.perf_counter() - started
+    return results
 
-    search_summary: list[dict[str, Any]] = []
-    search_notes: list[str] = []
-    searcher = None
-    if search is not None:
-        _say(f"search: largest {', '.join(d.name for d in search.dims)} under {search.cap_gb:g} GB", None)
-        searcher = Searcher(search, device, seed=seed, on_probe=lambda msg: _say("  " + msg))
-        outcomes = searcher.run()
-        search_summary = summarize(search, outcomes)
-        search_notes = searcher.notes
 
-    search_s = time.perf_counter() - started - rows_s
-    _say(f"measured {len(rows)} configurations in {rows_s:.1f} s"
-         + (f", search in {search_s:.1f} s" if search is not None else ""))
-    md = _write_outputs(out_dir, slug, preset=preset, env=env, device=device, rows=rows,
-                        results=results, command=command, started=started,
-                        search=search, searcher=searcher, search_summary=search_summary,
-                        search_notes=search_notes, mesa_error=mesa_error)
-    print(md)
-    failed = [r.label for r, m in zip(rows, results) if m.status == "error"]
-    if profile:
-        # after the measurement files are on disk: a crash here cannot lose them
-        paths = [out_dir / f"{slug}.profile.md", out_dir / f"{slug}.profile.csv"]
+def _profile_rows(name: str, device: torch.device, rows: list[RowConfig], results: list[Measurement],
+                  profile_steps: int, seed: int, show: bool, run: _RunFiles) -> list[str]:
+    """profile=true: each row that measured ok again under torch.profiler, the profile files
+    rewritten after each; the labels of the rows whose profile failed."""
+    paths = [run.out_dir / f"{run.slug}.profile.md", run.out_dir / f"{run.slug}.profile.csv"]
 
-        def write_profiles(profiles, partial_of=None):
-            return _profile.write_files(*paths, preset=name, env=env, command=command, steps=profile_steps,
-                                        rows=rows, profiles=profiles, partial_of=partial_of)
+    def write_profiles(profiles, partial_of=None):
+        return _profile.write_files(*paths, preset=name, env=run.env, command=run.command, steps=profile_steps,
+                                    rows=rows, profiles=profiles, partial_of=partial_of)
 
-        profiles = _profile.run_profiles(
-            rows, [m.status for m in results], device, steps=profile_steps, seed=seed,
-            progress=lambda n, what: _progress(n, show, f"{what} {name}"), say=_say,
-            on_row=lambda so_far: write_profiles(so_far, partial_of=len(rows)))
-        print(write_profiles(profiles))
-        _say("wrote " + ", ".join(str(p) for p in paths))
-        report.write_index(out_dir.parent)  # again: now it links the profile too
-        failed += [f"{p.label} (profile)" for p in profiles if p.status == "error"]
-    if failed:
-        _say(f"error: {len(failed)} configuration(s) failed: {', '.join(failed)}")
-        return 1
-    return 0
+    profiles = _profile.run_profiles(
+        rows, [m.status for m in results], device, steps=profile_steps, seed=seed,
+        progress=lambda n, what: _progress(n, show, f"{what} {name}"), say=_say,
+        on_row=lambda so_far: write_profiles(so_far, partial_of=len(rows)))
+    print(write_profiles(profiles))
+    _say("wrote " + ", ".join(str(p) for p in paths))
+    report.write_index(run.out_dir.parent)  # again: now it links the profile too
+    return [f"{p.label} (profile)" for p in profiles if p.status == "error"]
 
 
 def _write_outputs(out_dir: Path, slug: str, *, preset: dict, env: dict, device: torch.device,
