@@ -242,80 +242,12 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
             n, es = x.numel(), x.element_size()
             state = [torch.zeros(G, device=device), torch.zeros(G, device=device),
                      torch.zeros((), dtype=torch.bool, device=device), Q.rng_state(0, device=device)]
-
-            def observe():
-                return torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False)
-
-            alpha, beta, seed = observe()
+            alpha, beta, seed = torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False)
             q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, True, seed)
-
-            def compress():
-                a, b, s = observe()
-                return torch.ops.mesa.quantize(x, a, b, dim, G, True, s)
-
             t_clone, k_clone = timeit(lambda: x.clone())
-            ops = [  # (name, bytes read + written, fn)
-                ("clone (baseline)", 2 * n * es, lambda: x.clone()),
-                ("forward: observe + quantize", 2 * n * es + n, compress),
-                ("observe", n * es, observe),
-                ("quantize (stochastic)", n * es + n, lambda: torch.ops.mesa.quantize(x, alpha, beta, dim, G, True,
-                                                                                      seed)),
-                ("quantize (nearest)", n * es + n, lambda: torch.ops.mesa.quantize(x, alpha, beta, dim, G, False,
-                                                                                   seed)),
-                ("backward: dequantize", n + n * es, lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G,
-                                                                                        dtype)),
-            ]
-            if strided:  # the copy every compression of q, k, v started with before they were read in place
-                def compress_copy():
-                    xc = x.contiguous()
-                    a, b, s = torch.ops.mesa.observe(xc, *state, dim, G, 0.9, False, False)
-                    return torch.ops.mesa.quantize(xc, a, b, dim, G, True, s)
-
-                ops.append(("forward, before: contiguous copy + observe + quantize", 4 * n * es + n, compress_copy))
-            # estimator=delayed: one pass (initialized estimates: quantize with them, reduce for the next)
-            ops.append(("forward delayed: quantize_observe", n * es + n,
-                        lambda: torch.ops.mesa.quantize_observe(x, *state, dim, G, 0.9, False, True)))
-            # (nearest: whether the one-pass kernel's time is the rounding hash's compute; the
-            # delayed estimator ran slower than observe + quantize on the H200)
-            ops.append(("forward delayed: quantize_observe (nearest)", n * es + n,
-                        lambda: torch.ops.mesa.quantize_observe(x, *state, dim, G, 0.9, False, False)))
+            ops = _compression_ops(x, q, alpha, beta, seed, state, dim, G, dtype, strided)
             if dim in (-1, x.dim() - 1):  # Linear / LayerNorm inputs: power-of-two row scales in the kernels
-                k = torch.ops.mesa.row_exponents(x, 1, 64)
-
-                def compress_rows_three_ops():  # (the layers' path before observe_rows: x read three times)
-                    kr = torch.ops.mesa.row_exponents(x, 1, 64)
-                    a, b, s = torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False, kr)
-                    return torch.ops.mesa.quantize(x, a, b, dim, G, True, s, kr)
-
-                def observe_rows():
-                    return torch.ops.mesa.observe_rows(x, *state, dim, G, 0.9, False, False, 1, 64)
-
-                def compress_rows():  # the layers' path (mesa::compress with row scales)
-                    a, b, s, kr = observe_rows()
-                    return torch.ops.mesa.quantize(x, a, b, dim, G, True, s, kr)
-
-                g = torch.randn_like(x)
-                ops += [  # a GELU's backward from its codes: one pass, or dequantize then ATen's
-                    ("backward GELU: gelu_backward", n + 2 * n * es,
-                     lambda: torch.ops.mesa.gelu_backward(g, q, alpha, beta, dim, G)),
-                    ("backward GELU, before: dequantize + gelu_backward", n + 4 * n * es,
-                     lambda: torch.ops.aten.gelu_backward(g, torch.ops.mesa.dequantize(q, alpha, beta, dim, G,
-                                                                                       dtype))),
-                ]
-                ops += _rebuild_rows(q, alpha, beta, k, dim, G, dtype)
-                ops += _gelu_linear_rows(q, alpha, beta, k, dim, G, g)
-                ops += _layer_norm_rows(x, state, dim, G, "")
-                if dtype != torch.float32:  # under autocast a LayerNorm's input is the float32 residual stream
-                    ops += _layer_norm_rows(x.float(), state, dim, G, " (float32 input, as under autocast)")
-                ops += [
-                    ("row_exponents", n * es, lambda: torch.ops.mesa.row_exponents(x, 1, 64)),
-                    ("observe_rows", n * es, observe_rows),
-                    ("forward with row scales: observe_rows + quantize", 2 * n * es + n, compress_rows),
-                    ("forward with row scales, before: row_exponents + observe + quantize", 3 * n * es + n,
-                     compress_rows_three_ops),
-                    ("backward with row scales: dequantize", n + n * es,
-                     lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G, dtype, k)),
-                ]
+                ops += _row_scale_ops(x, q, alpha, beta, state, dim, G, dtype)
             if x.dim() == 4 and dim == 1 and not strided:  # the attention map: its softmax's backward
                 ops += _softmax_rows(x, state, dim, G, dtype)
             for op, nbytes, fn in ops:
@@ -327,6 +259,85 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                                  frac=(nbytes / tt) / (2 * n * es / base), vs_clone=tt / base))
             del x, q
     return rows
+
+
+def _compression_ops(x, q, alpha, beta, seed, state, dim: int, G: int, dtype, strided: bool) -> list:
+    """[(name, bytes read + written, fn)]: clone, each compression op and its backward's
+    dequantize; for a strided q, the contiguous copy it started with before."""
+    n, es = x.numel(), x.element_size()
+
+    def observe():
+        return torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False)
+
+    def compress():
+        a, b, s = observe()
+        return torch.ops.mesa.quantize(x, a, b, dim, G, True, s)
+
+    ops = [
+        ("clone (baseline)", 2 * n * es, lambda: x.clone()),
+        ("forward: observe + quantize", 2 * n * es + n, compress),
+        ("observe", n * es, observe),
+        ("quantize (stochastic)", n * es + n, lambda: torch.ops.mesa.quantize(x, alpha, beta, dim, G, True, seed)),
+        ("quantize (nearest)", n * es + n, lambda: torch.ops.mesa.quantize(x, alpha, beta, dim, G, False, seed)),
+        ("backward: dequantize", n + n * es, lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G, dtype)),
+    ]
+    if strided:  # the copy every compression of q, k, v started with before they were read in place
+        def compress_copy():
+            xc = x.contiguous()
+            a, b, s = torch.ops.mesa.observe(xc, *state, dim, G, 0.9, False, False)
+            return torch.ops.mesa.quantize(xc, a, b, dim, G, True, s)
+
+        ops.append(("forward, before: contiguous copy + observe + quantize", 4 * n * es + n, compress_copy))
+    # estimator=delayed: one pass (initialized estimates: quantize with them, reduce for the next)
+    ops.append(("forward delayed: quantize_observe", n * es + n,
+                lambda: torch.ops.mesa.quantize_observe(x, *state, dim, G, 0.9, False, True)))
+    # (nearest: whether the one-pass kernel's time is the rounding hash's compute; the
+    # delayed estimator ran slower than observe + quantize on the H200)
+    ops.append(("forward delayed: quantize_observe (nearest)", n * es + n,
+                lambda: torch.ops.mesa.quantize_observe(x, *state, dim, G, 0.9, False, False)))
+    return ops
+
+
+def _row_scale_ops(x, q, alpha, beta, state, dim: int, G: int, dtype) -> list:
+    """The ops of a Linear / LayerNorm input (groups over the last dim): row scales, the GELU
+    and LayerNorm backwards from codes, the rebuilds of the shared copies."""
+    n, es = x.numel(), x.element_size()
+    k = torch.ops.mesa.row_exponents(x, 1, 64)
+
+    def compress_rows_three_ops():  # (the layers' path before observe_rows: x read three times)
+        kr = torch.ops.mesa.row_exponents(x, 1, 64)
+        a, b, s = torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False, kr)
+        return torch.ops.mesa.quantize(x, a, b, dim, G, True, s, kr)
+
+    def observe_rows():
+        return torch.ops.mesa.observe_rows(x, *state, dim, G, 0.9, False, False, 1, 64)
+
+    def compress_rows():  # the layers' path (mesa::compress with row scales)
+        a, b, s, kr = observe_rows()
+        return torch.ops.mesa.quantize(x, a, b, dim, G, True, s, kr)
+
+    g = torch.randn_like(x)
+    ops = [  # a GELU's backward from its codes: one pass, or dequantize then ATen's
+        ("backward GELU: gelu_backward", n + 2 * n * es,
+         lambda: torch.ops.mesa.gelu_backward(g, q, alpha, beta, dim, G)),
+        ("backward GELU, before: dequantize + gelu_backward", n + 4 * n * es,
+         lambda: torch.ops.aten.gelu_backward(g, torch.ops.mesa.dequantize(q, alpha, beta, dim, G, dtype))),
+    ]
+    ops += _rebuild_rows(q, alpha, beta, k, dim, G, dtype)
+    ops += _gelu_linear_rows(q, alpha, beta, k, dim, G, g)
+    ops += _layer_norm_rows(x, state, dim, G, "")
+    if dtype != torch.float32:  # under autocast a LayerNorm's input is the float32 residual stream
+        ops += _layer_norm_rows(x.float(), state, dim, G, " (float32 input, as under autocast)")
+    ops += [
+        ("row_exponents", n * es, lambda: torch.ops.mesa.row_exponents(x, 1, 64)),
+        ("observe_rows", n * es, observe_rows),
+        ("forward with row scales: observe_rows + quantize", 2 * n * es + n, compress_rows),
+        ("forward with row scales, before: row_exponents + observe + quantize", 3 * n * es + n,
+         compress_rows_three_ops),
+        ("backward with row scales: dequantize", n + n * es,
+         lambda: torch.ops.mesa.dequantize(q, alpha, beta, dim, G, dtype, k)),
+    ]
+    return ops
 
 
 def format_table(rows: list[dict], header: str) -> str:
