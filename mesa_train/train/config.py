@@ -53,17 +53,30 @@ def _as_list(value: Any) -> list:
 def validate(cfg) -> None:
     """Raise ``ConfigError`` listing every invalid value of ``cfg``."""
     errors: list[str] = []
-
-    def choice(path: str, value, valid) -> None:
-        if value not in valid:
-            errors.append(f"{path}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
-
     _check_model(cfg, errors)
-    choice("data.name", cfg.data.name, DATASETS)
+    _choice(errors, "data.name", cfg.data.name, DATASETS)
     _check_data(cfg.data, errors)
     _check_optim(cfg.optim, errors)
+    _check_mesa(cfg.mesa, errors)
+    _check_trainer(cfg.trainer, errors)
+    _check_wandb(cfg, errors)
+    _check_strategy(cfg, errors)
+    if cfg.trainer.device == "cuda":
+        import torch
 
-    m = cfg.mesa
+        if not torch.cuda.is_available():
+            errors.append("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _choice(errors: list[str], path: str, value, valid) -> None:
+    if value not in valid:
+        errors.append(f"{path}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
+
+
+def _check_mesa(m, errors: list[str]) -> None:
+    """``mesa.*``: names, option values, then their combinations (QuantOptions), and the plan."""
     if not isinstance(m.enabled, bool):
         errors.append(f"mesa.enabled={m.enabled!r} must be true or false")
     ops, modules = _as_list(m.ops), _as_list(m.modules)
@@ -76,16 +89,16 @@ def validate(cfg) -> None:
             f"mesa.modules={modules} has unknown modules {bad_modules}; "
             f"valid modules: {', '.join(MESA_MODULES)}"
         )
-    choice("mesa.estimator", m.estimator, MESA_ESTIMATORS)
-    choice("mesa.rounding", m.rounding, MESA_ROUNDINGS)
+    _choice(errors, "mesa.estimator", m.estimator, MESA_ESTIMATORS)
+    _choice(errors, "mesa.rounding", m.rounding, MESA_ROUNDINGS)
     if m.get("bits", 8) not in MESA_BITS or isinstance(m.get("bits", 8), bool):
         errors.append(f"mesa.bits={m.get('bits')!r} is not valid; choose one of: {', '.join(map(str, MESA_BITS))}")
-    choice("mesa.scale", m.get("scale", "linear"), MESA_SCALES)
-    choice("mesa.layout", m.get("layout", "channel"), MESA_LAYOUTS)
-    choice("mesa.compile_kernels", m.get("compile_kernels", "auto"), COMPILE_KERNELS)
-    choice("mesa.cancelling_bn", m.get("cancelling_bn", "stock"), CANCELLING_BN)
-    choice("mesa.mlp", m.get("mlp", "shared"), MLP_COPIES)
-    choice("mesa.norm_linear", m.get("norm_linear", "shared"), NORM_LINEAR_COPIES)
+    _choice(errors, "mesa.scale", m.get("scale", "linear"), MESA_SCALES)
+    _choice(errors, "mesa.layout", m.get("layout", "channel"), MESA_LAYOUTS)
+    _choice(errors, "mesa.compile_kernels", m.get("compile_kernels", "auto"), COMPILE_KERNELS)
+    _choice(errors, "mesa.cancelling_bn", m.get("cancelling_bn", "stock"), CANCELLING_BN)
+    _choice(errors, "mesa.mlp", m.get("mlp", "shared"), MLP_COPIES)
+    _choice(errors, "mesa.norm_linear", m.get("norm_linear", "shared"), NORM_LINEAR_COPIES)
     if m.get("layout", "channel") == "patch4x4" and [o for o in ops if o != "conv"]:
         errors.append(f"mesa.layout=patch4x4 applies to conv activations only: it needs mesa.ops=[conv], got {ops}")
     if not errors:
@@ -107,9 +120,11 @@ def validate(cfg) -> None:
         errors.append(f"mesa.num_groups={m.num_groups!r} must be null (one per head) or an integer >= 1")
     _check_plan(m, errors)
 
-    t = cfg.trainer
-    choice("trainer.amp", t.amp, AMP_MODES)
-    choice("trainer.device", t.device, DEVICES)
+
+def _check_trainer(t, errors: list[str]) -> None:
+    """``trainer.*``: choices, counts, limits, compile scope and mode."""
+    _choice(errors, "trainer.amp", t.amp, AMP_MODES)
+    _choice(errors, "trainer.device", t.device, DEVICES)
     for key in ("epochs", "batch_size", "grad_accum", "eval_every"):
         value = t[key]
         if not (isinstance(value, int) and value >= 1):
@@ -123,21 +138,11 @@ def validate(cfg) -> None:
         errors.append(f"trainer.max_steps={t.max_steps!r} must be null or an integer >= 1")
     if t.clip_grad is not None and not (isinstance(t.clip_grad, (int, float)) and t.clip_grad > 0):
         errors.append(f"trainer.clip_grad={t.clip_grad!r} must be null or a positive number")
-    choice("trainer.nonfinite", t.get("nonfinite", "stop"), NONFINITE_MODES)
+    _choice(errors, "trainer.nonfinite", t.get("nonfinite", "stop"), NONFINITE_MODES)
     _check_compile_mode(t, errors)
     skips = t.get("max_nonfinite_skips", 1)
     if not (isinstance(skips, int) and skips >= 1):
         errors.append(f"trainer.max_nonfinite_skips={skips!r} must be an integer >= 1")
-    _check_wandb(cfg, errors)
-    _check_strategy(cfg, errors)
-    if t.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            errors.append("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
-
-    if errors:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
 def _check_compile_mode(t, errors: list[str]) -> None:
