@@ -639,25 +639,7 @@ def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: in
     lam = qz.options.decay
     levels = float((1 << qz.options.bits) - 1)
     xf = x.float()
-    D = x.shape[dim]
-    gidx = [d * G // D for d in range(D)]
-    counts = torch.tensor([gidx.count(g) for g in range(G)], dtype=torch.float32, device=x.device)
-    n_per_d = x.numel() // max(D, 1)
-    dims = [i for i in range(x.dim()) if i != dim]
-
-    def group_sum(t):  # (S..) per element -> (G,)
-        per_d = t.sum(dim=dims) if dims else t
-        return torch.zeros(G, dtype=torch.float32, device=x.device).index_add_(
-            0, torch.tensor(gidx, device=x.device), per_d)
-
-    shape = [1] * x.dim()
-    shape[dim] = D
-    gi = torch.tensor(gidx, device=x.device)
-
-    def per_elem(v):  # (G,) -> broadcastable to x
-        return v[gi].view(shape)
-
-    n = counts * n_per_d
+    group_sum, per_elem, n = _group_reducers(x, dim, G)
     mean = group_sum(xf) / n
     steps = b["clip_steps"]
     first = steps == 0
@@ -690,7 +672,41 @@ def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: in
     g_h = ln2 * dh * (var_term - 2.0 * m_over) / (rng_ * rng_)
     g_l = ln2 * dl * (var_term - 2.0 * m_under) / (rng_ * rng_)
     grad = torch.stack([g_l, g_h])
-    grad = torch.where(torch.isfinite(grad), grad, torch.zeros_like(grad))
+    _adam_step(b, torch.where(torch.isfinite(grad), grad, torch.zeros_like(grad)), tl, th, c)
+    # quantize this batch with the thresholds the statistics were taken at
+    alpha = torch.where(torch.isfinite(rng_), hi - lo, run_alpha[0]).view(1, G)
+    beta = torch.where(torch.isfinite(lo), lo, run_beta[0]).view(1, G)
+    return alpha.contiguous(), beta.contiguous()
+
+
+def _group_reducers(x: torch.Tensor, dim: int, G: int):
+    """``(group_sum, per_elem, n)`` for ``G`` groups of ``x``'s ``dim``: a per-element tensor
+    summed into ``(G,)``, a ``(G,)`` tensor broadcast back to ``x``, and the elements a group."""
+    D = x.shape[dim]
+    gidx = [d * G // D for d in range(D)]
+    counts = torch.tensor([gidx.count(g) for g in range(G)], dtype=torch.float32, device=x.device)
+    n_per_d = x.numel() // max(D, 1)
+    dims = [i for i in range(x.dim()) if i != dim]
+
+    def group_sum(t):  # (S..) per element -> (G,)
+        per_d = t.sum(dim=dims) if dims else t
+        return torch.zeros(G, dtype=torch.float32, device=x.device).index_add_(
+            0, torch.tensor(gidx, device=x.device), per_d)
+
+    shape = [1] * x.dim()
+    shape[dim] = D
+    gi = torch.tensor(gidx, device=x.device)
+
+    def per_elem(v):  # (G,) -> broadcastable to x
+        return v[gi].view(shape)
+
+    return group_sum, per_elem, counts * n_per_d
+
+
+def _adam_step(b: dict, grad: torch.Tensor, tl: torch.Tensor, th: torch.Tensor, c: torch.Tensor) -> None:
+    """One Adam step of the learned clipping's log distances ``(t_lo, t_hi)`` in the buffers
+    ``b``, with the new center ``c``; nothing changes when a result is not finite."""
+    steps = b["clip_steps"]
     b1, b2 = LEARNED_BETAS
     t = steps + 1
     m = b["clip_m"] * b1 + grad * (1 - b1)
@@ -704,10 +720,6 @@ def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: in
     b["clip_m"].copy_(torch.where(ok, m, b["clip_m"]))
     b["clip_v"].copy_(torch.where(ok, v, b["clip_v"]))
     b["clip_steps"].copy_(torch.where(ok, t, steps))
-    # quantize this batch with the thresholds the statistics were taken at
-    alpha = torch.where(torch.isfinite(rng_), hi - lo, run_alpha[0]).view(1, G)
-    beta = torch.where(torch.isfinite(lo), lo, run_beta[0]).view(1, G)
-    return alpha.contiguous(), beta.contiguous()
 
 
 def describe_record(rec) -> str:
