@@ -416,7 +416,21 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
         if note:
             result.notes.append(note)
 
-    # memory step
+    _memory_step(step, device, result, graphs, rss)
+    if timed:
+        _timed_steps(step, row, device, result, rss)
+
+    if step.last_loss is not None:
+        loss = float(step.last_loss) * row.accum_steps
+        result.final_loss = loss
+        if not math.isfinite(loss):
+            result.notes.append("non-finite loss")
+    return result
+
+
+def _memory_step(step, device: torch.device, result: Measurement, graphs: bool, rss: CpuRss | None) -> None:
+    """One step's peak into ``result``: CUDA's max allocated (from the warm-up's recording
+    with CUDA graphs), or the CPU process's peak RSS and the step's part of it."""
     if device.type == "cuda":
         synchronize(device)
         if not graphs:
@@ -430,40 +444,36 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
             result.peak_kind += "_from_warmup"
             result.notes.append("peak over the warm-up (CUDA-graph recording) and one step: a "
                                 "replay allocates nothing")
-    else:
-        assert rss is not None
-        rss.for_memory()
-        rss.trim()
-        exact = rss.reset_peak()
-        start = rss.current_mb()
+        return
+    assert rss is not None
+    rss.for_memory()
+    rss.trim()
+    exact = rss.reset_peak()
+    start = rss.current_mb()
+    step()
+    result.peak_mb = rss.peak_mb()
+    result.peak_kind = "cpu_peak_rss" if exact else "cpu_lifetime_peak_rss"
+    if exact and start is not None and result.peak_mb is not None:
+        result.step_rss_mb = max(result.peak_mb - start, 0.0)
+
+
+def _timed_steps(step, row: RowConfig, device: torch.device, result: Measurement, rss: CpuRss | None) -> None:
+    """``row.steps`` timed steps, synchronized around each: throughput from the median step,
+    and on a GPU the median time a step's Python takes to return (host_ms_median)."""
+    if rss is not None:
+        rss.for_speed()
+    times, host = [], []
+    for _ in range(row.steps):
+        synchronize(device)
+        t0 = time.perf_counter()
         step()
-        result.peak_mb = rss.peak_mb()
-        result.peak_kind = "cpu_peak_rss" if exact else "cpu_lifetime_peak_rss"
-        if exact and start is not None and result.peak_mb is not None:
-            result.step_rss_mb = max(result.peak_mb - start, 0.0)
-
-    if timed:
-        if rss is not None:
-            rss.for_speed()
-        times, host = [], []
-        for _ in range(row.steps):
-            synchronize(device)
-            t0 = time.perf_counter()
-            step()
-            host.append(time.perf_counter() - t0)
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-        # images/s from the median step: robust to other processes on a shared machine
-        apply_step_times(row, result, times)
-        if device.type == "cuda":  # (on the CPU a step returns when it is done: host == step)
-            result.host_ms_median = 1000 * statistics.median(host)
-
-    if step.last_loss is not None:
-        loss = float(step.last_loss) * row.accum_steps
-        result.final_loss = loss
-        if not math.isfinite(loss):
-            result.notes.append("non-finite loss")
-    return result
+        host.append(time.perf_counter() - t0)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    # images/s from the median step: robust to other processes on a shared machine
+    apply_step_times(row, result, times)
+    if device.type == "cuda":  # (on the CPU a step returns when it is done: host == step)
+        result.host_ms_median = 1000 * statistics.median(host)
 
 
 def run_row(row: RowConfig, device: torch.device, *, seed: int = 0, measure_saved: bool = True,
