@@ -90,10 +90,9 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     preset, device, rows, search = prepare(cfg)
     name = preset["name"]
     search, mesa_error = _mesa_availability(cfg, rows, search)
-    profile = bool(_get(cfg, "profile", False))
-    profile_steps = _profile_steps(cfg) if profile else 0
+    profile_steps = _profile_steps(cfg) if _get(cfg, "profile", False) else None  # None: no profile
     if _get(cfg, "dry_run", False):
-        _print_plan(name, device, rows, search, profile_steps if profile else None)
+        _print_plan(name, device, rows, search, profile_steps)
         return 0
 
     # 2. measure the rows, then the largest-model search; the files after each row
@@ -123,7 +122,7 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     failed = [r.label for r, m in zip(rows, results) if m.status == "error"]
 
     # 3. the profile, after the measurement files are on disk: a crash here cannot lose them
-    if profile:
+    if profile_steps is not None:
         failed += _profile_rows(name, device, rows, results, profile_steps, seed, show, run)
     if failed:
         _say(f"error: {len(failed)} configuration(s) failed: {', '.join(failed)}")

@@ -144,6 +144,9 @@ def _check_options(quant_options: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- helpers
+_OTHER = ModuleInfo("other", None, None)  # a module outside any block (patch embedding, head, ...)
+
+
 def _module_device(module: nn.Module) -> torch.device:
     """Where ``module``'s parameters or buffers live (CPU if none): ``stock_device``."""
     return _mnn()._common.stock_device(module)
@@ -295,8 +298,7 @@ def _share_mlp_copies(named, info, set_names, shared: bool, rules, mnn) -> None:
     gelus = {t for t, (op, cls) in rules.items() if cls in (mnn.GELU, _TimmGELU, _TimmGELUTanh)} | {mnn.GELU}
     for name, m in named:
         stock_cls = STOCK_SHARED_MLP_CLASSES.get(type(m), type(m))
-        if stock_cls not in SHARED_MLP_CLASSES or info.get(name, ModuleInfo("other", None, None)).module_set \
-                not in set_names:
+        if stock_cls not in SHARED_MLP_CLASSES or info.get(name, _OTHER).module_set not in set_names:
             continue
         act, fc2 = getattr(m, "act", None), getattr(m, "fc2", None)
         if type(act) not in gelus or type(fc2) not in (nn.Linear, mnn.Linear):
@@ -317,7 +319,7 @@ def _share_norm_copies(named, info, set_names, shared: bool) -> None:
             continue
         m.__class__ = BLOCK_CLASSES[stock_cls]
         m.mesa_norm_shared = shared
-        mlp_set = info.get(f"{name}.mlp" if name else "mlp", ModuleInfo("other", None, None)).module_set
+        mlp_set = info.get(f"{name}.mlp" if name else "mlp", _OTHER).module_set
         mlp_m = getattr(m, "mlp", None)
         swaps = {**SHARED_MLP_CLASSES, **NORM_ONLY_MLP_CLASSES}
         if shared and type(mlp_m) in swaps and isinstance(getattr(mlp_m, "fc1", None), nn.Linear) \
@@ -326,7 +328,7 @@ def _share_norm_copies(named, info, set_names, shared: bool) -> None:
             m.mlp.mesa_shared = False  # the MLP step found no GELU + fc2 pair to share, or mlp="separate"
     # an MLP's own norm before fc2 (scale_mlp: EVA-02's SwiGLU): the same choice (patch/mlp.py)
     for name, m in named:
-        if type(m) in NORM_MLP_CLASSES and info.get(name, ModuleInfo("other", None, None)).module_set in set_names:
+        if type(m) in NORM_MLP_CLASSES and info.get(name, _OTHER).module_set in set_names:
             m.mesa_norm_shared = shared
 
 
@@ -450,15 +452,13 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
 
 
 # ----------------------------------------------------------------------------- patch_model's passes
-_OTHER = ModuleInfo("other", None, None)  # a module outside any block (patch embedding, head, ...)
-
-
 class _Target:
     """What one ``patch_model`` call works on: the unwrapped model, its modules as they stood
     before the passes (names, block info, parents) and the request (ops, module sets, options)."""
 
     def __init__(self, root: nn.Module, op_names: Tuple[str, ...], set_names: Tuple[str, ...], quant_options: dict):
         self.root, self.op_names, self.set_names, self.quant_options = root, op_names, set_names, quant_options
+        self.core_ops = tuple(o for o in ATTENTION_OPS if o in op_names)  # the attention cores' ops asked for
         self.info = classify(root)
         self.rules = _leaf_rules()
         self.mnn = _mnn()
@@ -506,13 +506,12 @@ def _stock_batchnorms(root: nn.Module, op_names, cancelling_bn: str) -> Tuple[Di
 def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
     """Step 1: known timm attention classes get a Mesa forward and core children; the names
     patched. Also marks what the model's own forward never calls (skip_prefixes)."""
-    core_ops = tuple(o for o in ATTENTION_OPS if o in t.op_names)
     patched: List[str] = []
     for name, m in t.named:
         mi = t.module_info(name)
         stock_cls = STOCK_ATTENTION_CLASSES.get(type(m), type(m))
-        if stock_cls in ATTENTION_CLASSES and mi.module_set in t.set_names and core_ops:
-            _patch_attention(m, core_ops, mi.heads, t.quant_options, attention)
+        if stock_cls in ATTENTION_CLASSES and mi.module_set in t.set_names and t.core_ops:
+            _patch_attention(m, t.core_ops, mi.heads, t.quant_options, attention)
             patched.append(name)
         if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
             t.skip_prefixes.append(name + ".")
@@ -524,9 +523,8 @@ def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
 def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tuple[str, ...]]:
     """Step 1a: any other attention's F.scaled_dot_product_attention / q @ k^T, softmax, @ v
     calls are intercepted while it runs (generic_attention.py); ``{name: ops intercepted}``."""
-    core_ops = tuple(o for o in ATTENTION_OPS if o in t.op_names)
     generic: Dict[str, Tuple[str, ...]] = {}
-    if not core_ops:
+    if not t.core_ops:
         return generic
     for name, m in t.named:
         if name in patched_attn or t.skipped(name) or not _attention_like(m):
@@ -535,7 +533,7 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
         if mi.module_set not in t.set_names:
             continue
         found = scan_functional_ops(type(m))
-        wanted = tuple(o for o in core_ops if o in found)
+        wanted = tuple(o for o in t.core_ops if o in found)
         if wanted:
             heads = mi.heads or getattr(m, "num_heads", None)
             heads = heads if isinstance(heads, int) else None

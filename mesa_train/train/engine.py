@@ -19,6 +19,7 @@ import torch.nn as nn
 from mesa_train.models import unwrap_model as unwrap
 from mesa_train.nn.quantizer import mark_estimates_ready
 from mesa_train.train import distributed as dist_utils
+from mesa_train.train.errors import NonFiniteError
 
 
 @dataclass
@@ -248,8 +249,6 @@ def _forward_backward(parts: Parts, model: nn.Module, images, targets, update: b
 def _finish_update(parts: Parts, model: nn.Module, state: TrainState, tally: _EpochTally) -> None:
     """After the micro-batch that ends an update: the optimizer step (or its skip), then what
     follows every step (estimates, EMA, scheduler)."""
-    from mesa_train.train.errors import NonFiniteError
-
     applied = _optimizer_step(parts, model, state, tally.step_loss_ok)
     if parts.compiled and not parts.estimates_marked:
         # estimator=delayed, traced compression: after the first step the estimates

@@ -400,7 +400,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     last_row: dict = dict(r.ckpt.get("metrics") or {}) if r.path is not None else {}  # a finished run
     saved_bytes = last_row.get("saved_bytes")
     stock_bytes = last_row.get("stock_saved_bytes")
-    timed = [0.0, 0.0]  # this process's epochs, warm-up left out: images and seconds, for the mean images/s
+    timed_images = timed_seconds = 0.0  # this process's epochs, warm-up left out, for the mean images/s
     first_epoch = True
     status = "done"
     stop_signal = StopSignal(r.device)
@@ -426,8 +426,8 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                 )
                 first_epoch, measured = False, True
                 saver.ensure_finite()  # before evaluating or logging a broken state
-                timed[0] += train_out.pop("timed_images")
-                timed[1] += train_out.pop("timed_seconds")
+                timed_images += train_out.pop("timed_images")
+                timed_seconds += train_out.pop("timed_seconds")
                 saved_bytes = train_out.get("saved_bytes", saved_bytes)
                 if train_out.pop("interrupted", False):
                     saver.save(None, best=False)
@@ -459,7 +459,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
 
     # 3. the run's summary (summary.json, wandb)
     summary = _summary(cfg, run_dir, r, status, last_row, saved_bytes, stock_bytes,
-                       timed[0] / timed[1] if timed[1] else last_row.get("images_per_s"))
+                       timed_images / timed_seconds if timed_seconds else last_row.get("images_per_s"))
     logger.write_summary(summary)
     dist_utils.barrier()
     if stop_signal.signum is not None:
