@@ -457,3 +457,17 @@ def test_cuda_bits_kernels_same_bytes(bits, pow2, dtype, aligned):
                     assert y.device.type == "cuda" and y.shape == tuple(shape) and y.dtype == out
                     assert torch.equal(y, R.dequantize_bits(q, a, b, shape, dim, G, bits, pow2, out))
                     assert torch.equal(y.cpu(), Q.dequantize_bits(cpu, a_c, b_c, shape, dim, G, bits, pow2, out))
+
+
+def test_variants_bench_names_the_valid_settings(capsys):
+    """A misspelt setting, op or model is a one-line usage error listing the valid ones (it was
+    a KeyError traceback from inside the run, after the models were built)."""
+    from mesa_train.bench import variants
+
+    for argv, valid in ((["--settings", "8-bit decay"], "'8-bit decay 0'"), (["--ops", "lin"], "'linear'"),
+                        (["--models", "deit"], "'pvt_v2_b0'")):
+        with pytest.raises(SystemExit) as err:
+            variants.main(argv)
+        assert err.value.code == 2
+        msg = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "invalid choice" in msg and valid in msg, msg

@@ -37,6 +37,10 @@ SETTINGS = {
     "8-bit": dict(),
     "4-bit": dict(bits=4),
     "2-bit": dict(bits=2),
+    # the running estimate without its memory (the current batch's range: nothing clipped) and
+    # per-sample ranges: where the 8-bit rows' bias comes from (cpu.notes.md, "Where the 8-bit bias comes from")
+    "8-bit decay 0": dict(decay=0.0),
+    "8-bit per-sample": dict(estimator="per_sample"),
     "8-bit pow2": dict(scale="pow2"),
     "4-bit pow2": dict(bits=4, scale="pow2"),
     "2-bit pow2": dict(bits=2, scale="pow2"),
@@ -231,9 +235,10 @@ def main(argv=None) -> None:
     ap.add_argument("--passes", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--out-dir", default="results/variants")
-    ap.add_argument("--models", nargs="*", default=list(MODELS))
-    ap.add_argument("--ops", nargs="*", default=list(OPS))
-    ap.add_argument("--settings", nargs="*", default=list(SETTINGS))
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--ops", nargs="*", default=list(OPS), choices=list(OPS))
+    ap.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS), metavar="SETTING",
+                    help="any of: " + ", ".join(f"'{k}'" for k in SETTINGS))
     ap.add_argument("--update", action="store_true",
                     help="merge into the existing cpu.csv: replace the rows this run redoes, keep the others")
     args = ap.parse_args(argv)
