@@ -339,10 +339,30 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
     baseline = {r.group_name: r.label for r in rows if r.baseline}  # ratios use the same rule
     cats = {r.label: by_label[r.label].by_category() for r, _ in ok}
     shown = _shown_categories(cats)
-    warm = sorted({r.warmup for r in rows})
 
     out = io.StringIO()
     w = out.write
+    _render_header(w, preset=preset, env=env, command=command, steps=steps, warm=sorted({r.warmup for r in rows}),
+                   n_profiled=len(profiles), partial_of=partial_of, cuda=cuda, time_name=time_name)
+    w(f"## {time_name[0].upper() + time_name[1:]} by category (ms)\n\n")
+    _category_table(w, ok, cats, shown, lambda p: p.total_ms)
+    failed = [p for p in profiles if p.status != "ok"]
+    if failed:
+        w("\nNot profiled: " + "; ".join(f"{p.label} ({p.status}: {p.error})" for p in failed) + "\n")
+    _render_deltas(w, ok, by_label, cats, shown, baseline)
+    _render_top_ops(w, ok, by_label, cats, baseline)
+    _render_host_time(w, ok, baseline)
+    w("\n## Categories (first matching rule wins)\n\n| Category | Rule |\n|---|---|\n")
+    for cat, text, _ in RULES:
+        w(f"| {cat or '(enclosing op)'} | {text} |\n")
+    w("\nBaseline ms/step in the top-ops tables is the same op in the same category of the "
+      "baseline row (– where it does not occur there).\n")
+    return out.getvalue()
+
+
+def _render_header(w: Callable[[str], Any], *, preset: str, env: dict[str, Any], command: str, steps: int,
+                   warm: list[int], n_profiled: int, partial_of: int | None, cuda: bool, time_name: str) -> None:
+    """Title, machine and versions, the command, and how the times were taken."""
     w(f"# Profile: {preset} (where the time of a training step goes)\n\n")
     w(f"- Device: **{env['device']}**\n")
     w(f"- Date: {env['date']}\n")
@@ -350,7 +370,7 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
       f"CUDA {env['cuda']}; Mesa extension: {env['mesa_extension']}; git {env['git']}\n")
     w(f"- Command: `{command}`\n")
     if partial_of is not None:
-        w(f"- PARTIAL: {len(profiles)} of {partial_of} rows profiled; the run was stopped or is still "
+        w(f"- PARTIAL: {n_profiled} of {partial_of} rows profiled; the run was stopped or is still "
           "going (its end rewrites these files).\n")
     w(f"- Time: **{time_name}** in ms, from `torch.profiler` over {steps} training step(s) "
       f"after the row's warm-up ({'/'.join(map(str, warm))} step(s)). Each op's self time "
@@ -359,25 +379,28 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
       + ("Total is time the GPU sat idle (kernel launches, Python)." if cuda else
          "Total is Python time outside any op.") + "\n\n")
 
-    w(f"## {time_name[0].upper() + time_name[1:]} by category (ms)\n\n")
-    _category_table(w, ok, cats, shown, lambda p: p.total_ms)
-    failed = [p for p in profiles if p.status != "ok"]
-    if failed:
-        w("\nNot profiled: " + "; ".join(f"{p.label} ({p.status}: {p.error})" for p in failed) + "\n")
 
+def _render_deltas(w: Callable[[str], Any], ok: list[tuple[RowConfig, RowProfile]], by_label: dict[str, RowProfile],
+                   cats: dict[str, dict[str, float]], shown: list[str], baseline: dict[str, str]) -> None:
+    """Each Mesa row's categories minus its group baseline's (when that baseline was profiled)."""
     deltas = [(r, p) for r, p in ok if not r.baseline and baseline.get(r.group_name) in cats]
-    if deltas:
-        w("\n## Extra time vs the group's baseline (ms/step; + is slower)\n\n")
-        head = ["Row", "Baseline", *shown, "Total", "Step wall"]
-        w("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
-        for r, p in deltas:
-            b = baseline[r.group_name]
-            bp = by_label[b]
-            cells = [_ms(cats[r.label][k] - cats[b][k], signed=True) for k in shown]
-            wall = None if p.wall_ms is None or bp.wall_ms is None else p.wall_ms - bp.wall_ms
-            w("| " + " | ".join([_cell(r.label), _cell(b), *cells,
-                                 _ms(p.total_ms - bp.total_ms, signed=True), _ms(wall, signed=True)]) + " |\n")
+    if not deltas:
+        return
+    w("\n## Extra time vs the group's baseline (ms/step; + is slower)\n\n")
+    head = ["Row", "Baseline", *shown, "Total", "Step wall"]
+    w("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
+    for r, p in deltas:
+        b = baseline[r.group_name]
+        bp = by_label[b]
+        cells = [_ms(cats[r.label][k] - cats[b][k], signed=True) for k in shown]
+        wall = None if p.wall_ms is None or bp.wall_ms is None else p.wall_ms - bp.wall_ms
+        w("| " + " | ".join([_cell(r.label), _cell(b), *cells,
+                             _ms(p.total_ms - bp.total_ms, signed=True), _ms(wall, signed=True)]) + " |\n")
 
+
+def _render_top_ops(w: Callable[[str], Any], ok: list[tuple[RowConfig, RowProfile]], by_label: dict[str, RowProfile],
+                    cats: dict[str, dict[str, float]], baseline: dict[str, str]) -> None:
+    """Per Mesa row: its top ops by self time beside the baseline's, then the kernels Mesa's ops launch."""
     for r, p in ok:
         if not r.mesa:
             continue
@@ -390,14 +413,6 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
             w("| Kernel | launched by | ms/step | launches/step | us/launch |\n|---|---|---|---|---|\n")
             for (kern, op), (ms, n) in sorted(p.kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]:
                 w(f"| `{_cell(kern)}` | `{_cell(op)}` | {_ms(ms)} | {n:g} | {1000 * ms / n:,.1f} |\n")
-
-    _render_host_time(w, ok, baseline)
-    w("\n## Categories (first matching rule wins)\n\n| Category | Rule |\n|---|---|\n")
-    for cat, text, _ in RULES:
-        w(f"| {cat or '(enclosing op)'} | {text} |\n")
-    w("\nBaseline ms/step in the top-ops tables is the same op in the same category of the "
-      "baseline row (– where it does not occur there).\n")
-    return out.getvalue()
 
 
 def _render_host_time(w: Callable[[str], Any], ok: list[tuple[RowConfig, RowProfile]],

@@ -113,24 +113,51 @@ def cancellation_batchnorms(model: nn.Module) -> Set[str]:
     homogeneous ops (residual adds included), together with the BatchNorms those paths end
     at; and the BatchNorms every path from a scalar ``LearnableAffineBlock`` ends at (a
     scalar scale keeps the invariance through channel-mixing convs too)."""
-    graph = None
+    graph = _trace(model)
+    if graph is None:
+        return set()
+    paths = _NormPaths(dict(model.named_modules()))
+    found: Set[str] = set()
+    for start in graph.nodes:
+        m = paths.module(start)
+        lab = m is not None and _affine_block(m)
+        if not (lab or _homogeneous_bn(m)) or not start.users:
+            continue
+        ends = paths.ends_of_users(start, mixing=lab)
+        if not ends:
+            continue
+        if not lab:
+            found.add(start.target)
+        found.update(n.target for n in ends if isinstance(paths.module(n), nn.BatchNorm2d))
+    return found
+
+
+def _trace(model: nn.Module):
+    """The model's FX graph by the first tracer that manages it (finer first); None if none does."""
     for tracer in _tracers():
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                graph = tracer.trace(model)
-            break
+                return tracer.trace(model)
         except Exception:  # noqa: BLE001 - try the coarser one; untraceable model: nothing found
             continue
-    if graph is None:
-        return set()
-    mods: Dict[str, nn.Module] = dict(model.named_modules())
+    return None
 
-    def module(node):
-        return mods.get(node.target) if node.op == "call_module" else None
 
-    def passes(node, mixing: bool) -> bool:
-        m = module(node)
+class _NormPaths:
+    """Where the paths out of a graph node end: the normalisations reached through ops that
+    keep the invariance (per-channel, positively homogeneous; channel-mixing ones too when
+    ``mixing``, i.e. from a scalar scale). Memoised per ``mixing``."""
+
+    def __init__(self, mods: Dict[str, nn.Module]):
+        self.mods = mods
+        self.memos: Dict[bool, Dict] = {False: {}, True: {}}
+
+    def module(self, node) -> Optional[nn.Module]:
+        return self.mods.get(node.target) if node.op == "call_module" else None
+
+    def passes(self, node, mixing: bool) -> bool:
+        m = self.module(node)
         if m is not None:
             return _per_channel(m) or (mixing and isinstance(m, (nn.Conv2d, nn.Linear)))
         if node.op == "call_function":
@@ -139,41 +166,24 @@ def cancellation_batchnorms(model: nn.Module) -> Set[str]:
             return node.target in _PASS_METHODS
         return False
 
-    def ends_of(node, mixing: bool, memo: Dict) -> Optional[Set]:
-        """The normalisations every path from ``node`` ends at; None if one escapes."""
-        if node not in memo:
-            if isinstance(module(node), _NORMS):
-                out: Optional[Set] = {node}
-            elif node.users and passes(node, mixing):
-                out = set()
-                for u in _data_users(node):
-                    e = ends_of(u, mixing, memo)
-                    if e is None:
-                        out = None
-                        break
-                    out |= e
-            else:
-                out = None
-            memo[node] = out
-        return memo[node]
-
-    found: Set[str] = set()
-    memos: Dict[bool, Dict] = {False: {}, True: {}}
-    for start in graph.nodes:
-        m = module(start)
-        lab = m is not None and _affine_block(m)
-        if not (lab or _homogeneous_bn(m)) or not start.users:
-            continue
-        ends: Optional[Set] = set()
-        for u in _data_users(start):
-            e = ends_of(u, lab, memos[lab])
+    def ends_of_users(self, node, mixing: bool) -> Optional[Set]:
+        """The union of the users' ends; None as soon as one path escapes."""
+        out: Set = set()
+        for u in _data_users(node):
+            e = self.ends_of(u, mixing)
             if e is None:
-                ends = None
-                break
-            ends |= e
-        if not ends:
-            continue
-        if not lab:
-            found.add(start.target)
-        found.update(n.target for n in ends if isinstance(module(n), nn.BatchNorm2d))
-    return found
+                return None
+            out |= e
+        return out
+
+    def ends_of(self, node, mixing: bool) -> Optional[Set]:
+        """The normalisations every path from ``node`` ends at; None if one escapes."""
+        memo = self.memos[mixing]
+        if node not in memo:
+            if isinstance(self.module(node), _NORMS):
+                memo[node] = {node}
+            elif node.users and self.passes(node, mixing):
+                memo[node] = self.ends_of_users(node, mixing)
+            else:
+                memo[node] = None
+        return memo[node]
