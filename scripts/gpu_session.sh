@@ -11,6 +11,9 @@
 #   kernels    python -m mesa_train.quant.benchmark: each kernel's bandwidth against clone()
 #   modern     the DeiT-S rows of the modern preset (bf16: explicit and fused attention, eager
 #              and compiled; issue 9's target table) with profile=true
+#   fused      the speed preset's fused-attention eager rows (stock, the sdpa set, sdpa alone,
+#              the set without sdpa): which layers hold the fused Mesa step (H100: 52 ms a step
+#              against 32.5 ms of GPU time), by host_ms_median; no profile (about a minute)
 #   speed      the speed preset (one Mesa knob at a time) with profile=true
 #   table1     the DeiT-S rows of table1 (fp16), with profile=true
 #   traceable  the speed preset's traceable-compile rows (per block; the slowest compiles) on their own
@@ -20,7 +23,7 @@
 #
 #   bash scripts/gpu_session.sh                # run(timeout_s=600, carry=[".whl", ".gpubuild"])
 #
-# whose default STEPS ("tests kernels modern speed") end by DEADLINE (540 s) with the results
+# whose default STEPS ("tests kernels modern fused speed") end by DEADLINE (540 s) with the results
 # packed; then give the machine back. A later call with time left: STEPS=speed, STEPS=table1...
 #   TESTS="tests/test_x.py" STEPS=tests ...  # a few tests again, after a fix
 #
@@ -33,8 +36,8 @@ PY=${PY:-python3}
 # (kernels before modern: the kernel table takes about 20 s, and the modern step, whose
 # profile ran past the deadline on the H100 on 2026-11-26, then cannot crowd it out; the
 # modern table's "Host or GPU" section says what its timed steps waited on without a profile)
-STEPS=${STEPS:-"tests kernels modern speed"}
-VALID_STEPS="tests kernels modern speed table1 traceable"
+STEPS=${STEPS:-"tests kernels modern fused speed"}
+VALID_STEPS="tests kernels modern fused speed table1 traceable"
 DEADLINE=${DEADLINE:-540}  # seconds from the start of this script; the device tool's limit is 600
 MIN_STEP=${MIN_STEP:-45}   # a step with less time than this left is skipped, not started
 GRACE=${GRACE:-15}         # seconds a step gets after its interrupt (SIGINT) before it is killed
@@ -123,6 +126,7 @@ for s in $STEPS; do
     # skip="whole model": the traceable row compiled as one graph outlasts a 10-minute call
     # (compile_kernels.py); the per-block rows compile it in the time of one block
     modern)  step modern-deit-s ${MODERN_LIMIT:-330} $BENCH preset=modern only=DeiT-S "skip=whole model" profile=true ;;
+    fused)   step speed-fused ${FUSED_LIMIT:-120} $BENCH preset=speed only=fused output_dir=results/speed-fused ;;
     speed)   step speed-deit-s ${SPEED_LIMIT:-480} $BENCH preset=speed skip=traceable profile=true ;;
     table1)  step table1-deit-s 150 $BENCH preset=table1 only=DeiT-S profile=true ;;
     traceable) step speed-traceable ${TRACEABLE_LIMIT:-480} $BENCH preset=speed only=traceable profile=true output_dir=results/speed-traceable ;;

@@ -543,6 +543,11 @@ def test_speed_preset_runs_every_knob(tmp_path):
                   "stock compiled per block combo kernels beside traceable"):
         assert rows[label]["config"]["compile_options"] == {"combo_kernels": True}
     assert rows["Mesa CUDA graphs"]["config"]["compile_mode"] == "reduce-overhead"
+    # the fused-attention group: each part of the sdpa set keeps less than stock, both together least
+    fused = ("stock fused eager", "Mesa fused eager", "Mesa fused eager sdpa only", "Mesa fused eager without sdpa")
+    assert all(rows[k]["config"]["attention"] == "fused" for k in fused)
+    stock_mb, all_mb, sdpa_mb, rest_mb = (rows[k]["measurement"]["saved_mb"] for k in fused)
+    assert all_mb < min(sdpa_mb, rest_mb) and max(sdpa_mb, rest_mb) < stock_mb, (stock_mb, all_mb, sdpa_mb, rest_mb)
     assert rows["Mesa CUDA graphs"]["measurement"]["graph_breaks"] == 0
 
 
