@@ -9,7 +9,10 @@ seeds and warm-up) with the paper's running estimate, with ``decay=0`` (the curr
 range: nothing clipped) and with per-sample ranges, and prints each one's total bias and, for
 the running estimate, the parameters whose gradient carries most of it.
 
-    python scripts/variants_bias_by_parameter.py [--model pvt_v2_b0] [--op linear] [--passes 12]
+    python scripts/variants_bias_by_parameter.py [--model pvt_v2_b0] [--op linear] [--passes 12] [--batch 2]
+
+``--batch`` other than the table's 2 asks how the clipping shrinks as the batch grows (the
+warm-up batches have the same size).
 """
 from __future__ import annotations
 
@@ -47,19 +50,21 @@ def main(argv=None) -> None:
     ap.add_argument("--passes", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=5, help="parameters listed for the running estimate")
+    ap.add_argument("--batch", type=int, default=2, help="images a batch (the variants table: 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
-    # the variants table's data: the same seeds, batch 2, warm-up batches drawn after the batch
+    # the variants table's data (at --batch 2): the same seeds, warm-up batches drawn after the batch
     base = _build(args.model)
     torch.manual_seed(1)
-    x = torch.randn(2, 3, IMG, IMG)
-    y = torch.randint(0, 10, (2,))
+    x = torch.randn(args.batch, 3, IMG, IMG)
+    y = torch.randint(0, 10, (args.batch,))
     warm = [torch.randn_like(x) for _ in range(args.warmup)]
     exact = _grads(copy.deepcopy(base), x, y)
     flat_exact = torch.cat([g.reshape(-1) for g in exact.values()])
 
-    print(f"{args.model}, op {args.op}, 8-bit, {args.passes} passes: relative bias (noise/sqrt(N))")
+    print(f"{args.model}, op {args.op}, 8-bit, batch {args.batch}, {args.passes} passes: relative bias "
+          "(noise/sqrt(N))")
     for label, opts in ESTIMATES.items():
         model = mesa_train.patch_model(copy.deepcopy(base), ops=[args.op], attention="explicit", **opts)
         for w in warm:
