@@ -43,6 +43,34 @@ def _bias_squared(draws: torch.Tensor, exact: torch.Tensor) -> tuple[float, floa
     return float((mean - exact).pow(2).sum()) - var / passes, var
 
 
+def measure(model_name: str, op: str, *, passes: int, warmup: int, batch: int) -> dict[str, dict]:
+    """Per estimate: its relative bias, the noise of an N-pass mean, and (running estimate)
+    each parameter's share of the bias^2, largest first."""
+    # the variants table's data (at batch 2): the same seeds, warm-up batches drawn after the batch
+    base = _build(model_name)
+    torch.manual_seed(1)
+    x = torch.randn(batch, 3, IMG, IMG)
+    y = torch.randint(0, 10, (batch,))
+    warm = [torch.randn_like(x) for _ in range(warmup)]
+    exact = _grads(copy.deepcopy(base), x, y)
+    flat_exact = torch.cat([g.reshape(-1) for g in exact.values()])
+    norm = float(flat_exact.norm())
+
+    out = {}
+    for label, opts in ESTIMATES.items():
+        model = mesa_train.patch_model(copy.deepcopy(base), ops=[op], attention="explicit", **opts)
+        for w in warm:
+            model(w).sum().backward()
+        draws = [_grads(model, x, y) for _ in range(passes)]
+        total = torch.stack([torch.cat([d[n].reshape(-1) for n in exact]) for d in draws])
+        bias2, var = _bias_squared(total, flat_exact)
+        shares = sorted(((_bias_squared(torch.stack([d[n].reshape(-1) for d in draws]), exact[n].reshape(-1))[0]
+                          / bias2, n) for n in exact), reverse=True) if not opts else []
+        out[label] = {"bias": math.sqrt(max(0.0, bias2)) / norm, "noise": math.sqrt(var / passes) / norm,
+                      "shares": shares}
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="pvt_v2_b0", choices=list(MODELS))
@@ -53,34 +81,12 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=2, help="images a batch (the variants table: 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-
-    # the variants table's data (at --batch 2): the same seeds, warm-up batches drawn after the batch
-    base = _build(args.model)
-    torch.manual_seed(1)
-    x = torch.randn(args.batch, 3, IMG, IMG)
-    y = torch.randint(0, 10, (args.batch,))
-    warm = [torch.randn_like(x) for _ in range(args.warmup)]
-    exact = _grads(copy.deepcopy(base), x, y)
-    flat_exact = torch.cat([g.reshape(-1) for g in exact.values()])
-
     print(f"{args.model}, op {args.op}, 8-bit, batch {args.batch}, {args.passes} passes: relative bias "
           "(noise/sqrt(N))")
-    for label, opts in ESTIMATES.items():
-        model = mesa_train.patch_model(copy.deepcopy(base), ops=[args.op], attention="explicit", **opts)
-        for w in warm:
-            model(w).sum().backward()
-        draws = [_grads(model, x, y) for _ in range(args.passes)]
-        total = torch.stack([torch.cat([d[n].reshape(-1) for n in exact]) for d in draws])
-        bias2, var = _bias_squared(total, flat_exact)
-        norm = float(flat_exact.norm())
-        print(f"  {label:16s} bias {math.sqrt(max(0.0, bias2)) / norm:.5f} "
-              f"({math.sqrt(var / args.passes) / norm:.5f})")
-        if opts:
-            continue
-        shares = sorted(((_bias_squared(torch.stack([d[n].reshape(-1) for d in draws]), exact[n].reshape(-1))[0], n)
-                         for n in exact), reverse=True)
-        for b2, n in shares[:args.top]:
-            print(f"      {n:45s} {100 * b2 / bias2:5.1f}% of the bias^2")
+    for label, r in measure(args.model, args.op, passes=args.passes, warmup=args.warmup, batch=args.batch).items():
+        print(f"  {label:16s} bias {r['bias']:.5f} ({r['noise']:.5f})")
+        for share, name in r["shares"][:args.top]:
+            print(f"      {name:45s} {100 * share:5.1f}% of the bias^2")
 
 
 if __name__ == "__main__":
