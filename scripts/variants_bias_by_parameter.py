@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import mesa_train
-from mesa_train.bench.variants import IMG, MODELS, OPS, _build
+from mesa_train.bench.variants import MODELS, OPS, _build, bias_squared, table_batch
 
 ESTIMATES = {"running (paper)": {}, "decay 0": {"decay": 0.0}, "per-sample": {"estimator": "per_sample"}}
 
@@ -35,23 +35,11 @@ def _grads(model, x, y) -> dict[str, torch.Tensor]:
     return {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _bias_squared(draws: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
-    """(|E[g] - g|^2 estimated without the noise's share, the noise variance of one draw)."""
-    passes = draws.shape[0]
-    mean = draws.mean(0)
-    var = float(((draws - mean) ** 2).sum() / (passes - 1))
-    return float((mean - exact).pow(2).sum()) - var / passes, var
-
-
 def measure(model_name: str, op: str, *, passes: int, warmup: int, batch: int) -> dict[str, dict]:
     """Per estimate: its relative bias, the noise of an N-pass mean, and (running estimate)
     each parameter's share of the bias^2, largest first."""
-    # the variants table's data (at batch 2): the same seeds, warm-up batches drawn after the batch
     base = _build(model_name)
-    torch.manual_seed(1)
-    x = torch.randn(batch, 3, IMG, IMG)
-    y = torch.randint(0, 10, (batch,))
-    warm = [torch.randn_like(x) for _ in range(warmup)]
+    x, y, warm = table_batch(warmup, batch)  # the variants table's data (at batch 2)
     exact = _grads(copy.deepcopy(base), x, y)
     flat_exact = torch.cat([g.reshape(-1) for g in exact.values()])
     norm = float(flat_exact.norm())
@@ -63,9 +51,11 @@ def measure(model_name: str, op: str, *, passes: int, warmup: int, batch: int) -
             model(w).sum().backward()
         draws = [_grads(model, x, y) for _ in range(passes)]
         total = torch.stack([torch.cat([d[n].reshape(-1) for n in exact]) for d in draws])
-        bias2, var = _bias_squared(total, flat_exact)
-        shares = sorted(((_bias_squared(torch.stack([d[n].reshape(-1) for d in draws]), exact[n].reshape(-1))[0]
-                          / bias2, n) for n in exact), reverse=True) if not opts else []
+        bias2, var = bias_squared(total, flat_exact)
+        shares = []
+        if not opts and bias2 > 0:  # (shares of a bias the passes do not resolve would mean nothing)
+            shares = sorted(((bias_squared(torch.stack([d[n].reshape(-1) for d in draws]), exact[n].reshape(-1))[0]
+                              / bias2, n) for n in exact), reverse=True)
         out[label] = {"bias": math.sqrt(max(0.0, bias2)) / norm, "noise": math.sqrt(var / passes) / norm,
                       "shares": shares}
     return out

@@ -18,6 +18,7 @@ from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn.quantizer import ActivationQuantizer, QuantOptions, convert_format, decompress
 from mesa_train.quant import reference as R
 from mesa_train.quant import traceable as T
+from conftest import load_script
 from op_recorder import OpRecorder
 
 warnings.filterwarnings("ignore", message=".*compiled extension.*")
@@ -477,8 +478,6 @@ def test_the_8bit_bias_is_the_running_estimates_clipping():
     """scripts/variants_bias_by_parameter.py on the variants table's PVT-v2 linear row: the
     running estimate leaves a bias well above the noise, mostly in the classifier head, and
     the current batch's range (decay 0) has none that the passes resolve."""
-    from conftest import load_script
-
     got = load_script("variants_bias_by_parameter").measure("pvt_v2_b0", "linear", passes=6, warmup=3, batch=2)
     running, current = got["running (paper)"], got["decay 0"]
     assert running["bias"] > 3 * running["noise"], running

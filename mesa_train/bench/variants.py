@@ -81,6 +81,25 @@ def _grad(model, x, y) -> torch.Tensor:
     return _flat_grad(model)
 
 
+def table_batch(warmup: int, batch: int = 2):
+    """The table's data: ``(x, y, warm)``, a batch of random images and labels and ``warmup``
+    other batches for the estimates, from seed 1 (drawn after the model's own seed-0 init)."""
+    torch.manual_seed(1)
+    x = torch.randn(batch, 3, IMG, IMG)
+    y = torch.randint(0, 10, (batch,))
+    return x, y, [torch.randn_like(x) for _ in range(warmup)]
+
+
+def bias_squared(draws: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """``(|E[g] - g|^2, s^2)`` from N gradient draws (rows of ``draws``): the squared bias with
+    the noise's share ``s^2 / N`` taken out (an unbiased estimate, so it may come out
+    negative), and ``s^2``, the summed sample variance of one draw."""
+    passes = draws.shape[0]
+    mean = draws.mean(0)
+    var = float(((draws - mean) ** 2).sum() / max(passes - 1, 1))
+    return float((mean - exact).pow(2).sum()) - var / passes, var
+
+
 def _op_bytes(model, x, names) -> int:
     """Bytes attributed to ``names`` and their submodules (``"=name"``: that module's own
     bytes only, not its submodules')."""
@@ -116,11 +135,7 @@ def run(quick: bool, passes: int, warmup: int, out_dir: Path, models, ops, setti
     rows = []
     for mname in models:
         base = _build(mname)
-        torch.manual_seed(1)
-        B = 2
-        x = torch.randn(B, 3, IMG, IMG)
-        y = torch.randint(0, 10, (B,))
-        warm = [torch.randn_like(x) for _ in range(warmup)]
+        x, y, warm = table_batch(warmup)
         stock = copy.deepcopy(base)
         exact = _grad(stock, x, y)
         for op in ops:
@@ -144,13 +159,10 @@ def run(quick: bool, passes: int, warmup: int, out_dir: Path, models, ops, setti
                 if sname == "8-bit":
                     bytes8 = nbytes
                 gs = [_grad(m, x, y) for _ in range(passes)]
-                G = torch.stack(gs)
-                mean = G.mean(0)
                 gn = exact.norm()
                 rel1 = float(sum((g - exact).norm() for g in gs) / passes / gn)
                 cos1 = float(sum(F.cosine_similarity(g, exact, 0) for g in gs) / passes)
-                var = float(((G - mean) ** 2).sum(1).sum() / max(passes - 1, 1))
-                bias2 = float((mean - exact).pow(2).sum()) - var / passes
+                bias2, var = bias_squared(torch.stack(gs), exact)
                 rows.append(dict(
                     model=mname, op=op, setting=sname, bytes=nbytes, bytes_stock=stock_bytes,
                     x_stock=round(nbytes / stock_bytes, 4) if stock_bytes else "",
