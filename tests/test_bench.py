@@ -510,6 +510,17 @@ def test_skip_drops_rows_but_keeps_baselines():
     assert "DeiT-S explicit compiled" in kept  # the group's baseline stays
     with pytest.raises(BenchConfigError, match="skip='nothing' matches no"):
         expand_preset(modern, skip="nothing")
+    # several texts (gpu_session.sh's speed step leaves out the rows its other steps run)
+    speed = _preset_dict("speed")
+    every = [r.label for r in expand_preset(speed)]
+    kept = [r.label for r in expand_preset(speed, skip=["traceable", "fused"])]
+    # the fused and per-block groups lose every Mesa row, so their baselines go too
+    assert kept == [label for label in every if label != "stock compiled per block"
+                    and "traceable" not in label and "fused" not in label]
+    assert "Mesa eager" in kept and "stock eager" in kept and "stock CUDA graphs" in kept
+    assert [r.label for r in expand_preset(speed, skip="")] == every
+    with pytest.raises(BenchConfigError, match="skip='nothing' matches no"):
+        expand_preset(speed, skip=["fused", "nothing"])
 
 
 def test_speed_preset_runs_every_knob(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mesa_train.bench.paper_numbers import paper_row
@@ -335,10 +336,12 @@ def validate_groups(rows: list[RowConfig]) -> None:
                 f"among {[r.label for r in members]}")
 
 
-def expand_preset(preset: dict, only: str | None = None, skip: str | None = None) -> list[RowConfig]:
+def expand_preset(preset: dict, only: str | None = None,
+                  skip: str | Sequence[str] | None = None) -> list[RowConfig]:
     """The preset's rows as validated RowConfigs (names only; see `check_model`).
-    ``only`` keeps rows whose label contains it, plus their groups' baselines; ``skip`` then
-    drops the non-baseline rows whose label contains it (a time-bounded session's cut)."""
+    ``only`` keeps rows whose label contains it, plus their groups' baselines; ``skip`` (one
+    text or several) then drops the non-baseline rows whose label contains it (a time-bounded
+    session's cut), and the baselines of groups it empties; each text must match such a row."""
     common = dict(preset.get("common") or {})
     rows = [make_row(common, r) for r in (preset.get("rows") or [])]
     for row in rows:
@@ -358,12 +361,17 @@ def expand_preset(preset: dict, only: str | None = None, skip: str | None = None
             raise BenchConfigError(f"only={only!r} matches no row; rows: "
                                    f"{', '.join(r.label for r in rows)}")
         rows = [r for r in rows if r.group_name in keep and (r.baseline or only in r.label)]
-    if skip:
-        if not any(skip in r.label and not r.baseline for r in rows):
-            raise BenchConfigError(f"skip={skip!r} matches no (non-baseline) row; rows: "
+    # one text (skip=traceable) or a list (skip=[traceable,fused]); an empty one skips nothing
+    many = isinstance(skip, Iterable) and not isinstance(skip, str)
+    skips = [str(t) for t in (skip if many else [skip]) if t not in (None, "")]
+    for text in skips:
+        if not any(text in r.label and not r.baseline for r in rows):
+            raise BenchConfigError(f"skip={text!r} matches no (non-baseline) row; rows: "
                                    f"{', '.join(r.label for r in rows)}")
-        rows = [r for r in rows if r.baseline or skip not in r.label]
-    return rows
+    kept = [r for r in rows if r.baseline or not any(text in r.label for text in skips)]
+    # a baseline whose every other row was skipped has nothing left to be compared with
+    emptied = {r.group_name for r in rows if not r.baseline} - {r.group_name for r in kept if not r.baseline}
+    return [r for r in kept if r.group_name not in emptied]
 
 
 __all__ = ["AMP_CHOICES", "ATTENTION_CHOICES", "BenchConfigError", "MODEL_NAMES", "RowConfig",
