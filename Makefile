@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu 
 install: $(STAMP)  ## create .venv and install the project (builds the C++/CUDA extension) with dev extras
 
 test: $(STAMP)  ## run the test suite (installs first when .venv is missing)
-	$(PY) -m pytest -q tests
+	@# --durations: the slowest tests in the log, to watch CI's 90-minute limit
+	$(PY) -m pytest -q --durations=25 tests
 
 gpu-session:  ## on a lent GPU machine (own torch, no registry): scripts/gpu_session.sh (make gpu-wheels gpu-prebuild here first)
 	bash scripts/gpu_session.sh

@@ -45,6 +45,7 @@ import re
 import sys
 import types
 from pathlib import Path
+from typing import NoReturn
 from unittest import mock
 
 import torch
@@ -78,7 +79,7 @@ H100 = types.SimpleNamespace(
 LAUNCH = re.compile(r"\b(triton_\w+)\.run\((?!\*args\b)")
 
 
-def fail(message: str) -> "NoReturn":  # noqa: F821
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = Path("csrc/cuda/quant_cuda.cu")
@@ -29,7 +30,7 @@ SOURCE = Path("csrc/cuda/quant_cuda.cu")
 NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++20", "-DMESA_WITH_CUDA"]
 
 
-def fail(message: str) -> "NoReturn":  # noqa: F821
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 

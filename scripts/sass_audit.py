@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = Path("csrc/cuda/quant_cuda.cu")
@@ -39,7 +40,7 @@ SOURCE = Path("csrc/cuda/quant_cuda.cu")
 SM_REGISTERS, SM_SHARED, SM_BLOCKS, REG_UNIT = 65536, 228 * 1024, 32, 256
 
 
-def fail(message: str) -> "NoReturn":  # noqa: F821
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 

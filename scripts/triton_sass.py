@@ -46,6 +46,7 @@ import sys
 import tempfile
 import types
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 # H100 SXM: SMs, warp schedulers per SM (one warp instruction each a cycle), sustained clock,
@@ -60,7 +61,7 @@ LAUNCH_FLOOR_US = 2.5
 BLOCK_NAMES = {"x": "XBLOCK", "y": "YBLOCK", "r0_": "R0_BLOCK"}
 
 
-def fail(message: str) -> "NoReturn":  # noqa: F821
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 

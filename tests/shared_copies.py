@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 
 def run_step(model, x, seed=5, autocast=False):

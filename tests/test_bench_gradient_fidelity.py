@@ -3,9 +3,7 @@ every model x row, finite numbers, the bias / noise arithmetic), the measure on 
 a known answer, and clear errors for bad presets."""
 from __future__ import annotations
 
-import copy
 import csv
-import json
 import math
 import os
 import subprocess

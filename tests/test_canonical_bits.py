@@ -12,9 +12,8 @@ import torch
 
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
+from kernel_marks import needs_cuda, needs_ext
 
-needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 
 CANON_NAN = 0x7FC00000
 # (implementation, device): the compiled kernels on CPU / CUDA and the reference

@@ -1,6 +1,5 @@
 """Every config group option and every experiment preset composes and passes the
 start-up checks; config names agree with the code."""
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf

@@ -20,11 +20,10 @@ import mesa_train.quant as Q
 from mesa_train.nn.quantizer import QuantOptions
 from mesa_train.quant import reference as R
 from mesa_train.quant import traceable as T
+from kernel_marks import CUDA, needs_ext
 from op_recorder import OpRecorder
 
-needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA GPU visible")])]
+DEVICES = ["cpu", CUDA]
 
 
 def _bits(t):

@@ -16,10 +16,8 @@ from torch.library import opcheck
 import mesa_train.quant as Q
 from mesa_train.nn import ActivationQuantizer
 from mesa_train.quant import reference as R
+from kernel_marks import CUDA, needs_cuda, needs_ext
 from op_recorder import OpRecorder
-
-needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +76,7 @@ def _check_same(got, want):
         assert torch.equal(_bits(g_), _bits(w)), f"{n}: {g_} != {w}"
 
 
-DEVICES = [pytest.param("cpu", marks=needs_ext), pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]
+DEVICES = [pytest.param("cpu", marks=needs_ext), CUDA]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,13 +19,10 @@ from torch.library import opcheck
 
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
+from kernel_marks import DT_IDS, DTYPES, needs_cuda, needs_ext
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DT_IDS = ["fp32", "fp16", "bf16"]
 
-needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
 cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 
 # (shape, dim, num_groups): channel groups, per-head groups, conv layout, uneven groups,
 # grouping over dim 0, 1-D, G == D, G == 1, odd prime-sized shapes.

@@ -13,14 +13,10 @@ import torch
 
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
+from kernel_marks import DT_IDS, DTYPES, needs_cuda
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible"),
-]
+pytestmark = [pytest.mark.cuda, needs_cuda]
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DT_IDS = ["fp32", "fp16", "bf16"]
 SEED = 0x1234_5678_9ABC
 
 

@@ -17,9 +17,9 @@ import mesa_train.nn as mnn
 import mesa_train.quant as Q
 from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.quant import reference as R
+from kernel_marks import DTYPES
 from op_recorder import OpRecorder
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # widths: under one lane pass, partial passes, DeiT-S, the widest the op takes
 WIDTHS = (1, 31, 33, 48, 384, 1024)
 

@@ -5,7 +5,6 @@ is bitwise the Python Function path: outputs, the saved 8-bit copy and its stati
 estimate and rounding-counter buffers afterwards, gradients, and the bytes kept."""
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -13,10 +12,10 @@ import torch
 import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
+from kernel_marks import DTYPES
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OPTIONS = [dict(), dict(estimator="per_sample"), dict(estimator="delayed"), dict(symmetric=True), dict(rounding="nearest"),
            dict(num_groups=3), dict(estimator="delayed", symmetric=True, rounding="nearest")]
 

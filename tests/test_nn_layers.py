@@ -156,12 +156,16 @@ def test_disabled_and_eval_are_stock(name, device, amp, in_dtype):
             stock.eval(), mesa.eval()
         inputs = make_inputs(in_dtype, device)
         g = _grad_out(stock, inputs, device, amp)
-        y0, g0 = _run(stock, inputs, g, device, amp)
+        with SavedTensorMeter() as stock_meter:
+            y0, g0 = _run(stock, inputs, g, device, amp)
         with SavedTensorMeter() as meter:
             xs = [x.detach().clone().requires_grad_() for x in inputs]
             with torch.autocast(device, dtype=amp or torch.bfloat16, enabled=amp is not None):
                 y1 = mesa(*xs)
         y1.backward(g)
+        # what backward keeps is stock's too: no 8-bit copies, nothing else beside
+        assert (meter.activation_bytes, meter.num_storages) == (stock_meter.activation_bytes,
+                                                                stock_meter.num_storages), (name, how)
         g1 = [x.grad for x in xs] + [p.grad for p in mesa.parameters()]
         assert torch.equal(y0, y1)
         # Bitwise where stock's own backward is reproducible; where it is not (atomics), the

@@ -15,11 +15,9 @@ from torch.library import opcheck
 
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
+from kernel_marks import CUDA, DT_IDS, DTYPES, needs_cuda, needs_ext
 
-needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
-DEVICES = [pytest.param("cpu", marks=needs_ext), pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICES = [pytest.param("cpu", marks=needs_ext), CUDA]
 M32 = 0xFFFFFFFF
 
 # (shape, dim, G): channel groups, per-head groups, G not dividing D, dim 0, 1-D, G == D,
@@ -95,7 +93,7 @@ def _compare_observe(x, dim, G, per_sample, symmetric, device, steps=2, decay=0.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_sample,symmetric", [(False, False), (True, False), (False, True), (True, True)],
                          ids=["shared", "per_sample", "symmetric", "per_sample-symmetric"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("shape,dim,G", LAYOUTS, ids=LAYOUT_IDS)
 def test_observe_matches_reference_chain(shape, dim, G, dtype, per_sample, symmetric, device):
     _compare_observe(_randn(shape, dtype, seed=len(shape) + G), dim, G, per_sample, symmetric, device)
@@ -339,7 +337,7 @@ def test_quantize_invalid_seed(impl):
 
 
 # ----------------------------------------------------------------------------- CUDA only
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("shape,dim,G,per_sample", [
     ((64, 197, 384), -1, 6, False),    # token layout, channel groups: many blocks, one group per thread
     ((64, 197, 384), -1, 6, True),

@@ -18,12 +18,8 @@ from torch import nn
 
 import mesa_train
 import mesa_train.nn as M
-import mesa_train.quant as Q
 from mesa_train.memory import SavedTensorMeter
-
-needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DT_IDS = ["fp32", "fp16", "bf16"]
+from kernel_marks import DT_IDS, DTYPES, needs_ext
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)

@@ -11,7 +11,7 @@ import torch
 
 import mesa_train
 from mesa_train.models import build_model
-from mesa_train.plan import OTHER, Plan, PlanError, allocate, make_batch, predict
+from mesa_train.plan import OTHER, PlanError, allocate, make_batch, predict
 from mesa_train.plan.allocate import lowest_bytes
 from mesa_train.plan.measure import activation_bytes, gradients
 from mesa_train.plan.profile import ItemProfile, Profile

@@ -20,10 +20,9 @@ from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn.quantizer import decompress
 from mesa_train.quant import reference as R
 from mesa_train.quant import traceable
+from kernel_marks import DTYPES, needs_ext
 from op_recorder import OpRecorder
 
-needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LENGTHS = (1, 31, 32, 33, 197)
 _INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 

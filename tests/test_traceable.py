@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mesa_train.quant import traceable
+from kernel_marks import DTYPES
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (shape, dim, groups): channel groups dividing / not dividing D, per-head groups, dim 0
 LAYOUTS = [((4, 9, 12), -1, 3), ((4, 9, 12), -1, 5), ((2, 3, 5, 7), 1, 3), ((2, 4, 6, 6), 1, 2),
            ((6, 10), 0, 4), ((3, 16), 1, 16)]

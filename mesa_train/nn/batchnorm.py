@@ -65,7 +65,6 @@ class _BatchNormFn(torch.autograd.Function):
         gx = gw = gb = None
         with no_autocast(g.device.type):
             xh = decompress(packed, mdt)
-            C = xh.shape[1]
             # The exact x_hat has zero mean and unit mean square per channel, which makes dx
             # orthogonal to both the constant and x_hat itself over each channel: whatever is
             # added per channel before the BatchNorm gets an exactly-zero gradient, and so does

@@ -334,7 +334,7 @@ def _banner(cfg, run_dir: str, r: _Run) -> None:
     """What this run is, in a few lines: the facts people otherwise dig out of configs."""
     t, o = cfg.trainer, cfg.optim
     total_batch = t.batch_size * r.world * t.grad_accum
-    lr_note = (f"optim.lr as given" if o.lr is not None
+    lr_note = ("optim.lr as given" if o.lr is not None
                else f"base_lr {o.base_lr:g} x {total_batch} / {o.base_batch}")
     n_params = sum(p.numel() for p in r.model.parameters()) / 1e6
     n_train, n_val = len(r.loaders.train.dataset), len(r.loaders.val.dataset)

@@ -1,0 +1,21 @@
+"""What the kernel tests share: when they can run, and the dtypes and devices they run on.
+
+``needs_ext``: the compiled extension is loaded (without it ``torch.ops.mesa`` is the
+pure-PyTorch reference, and a test comparing kernel to reference would compare the reference
+with itself). ``needs_cuda``: a CUDA GPU is visible; ``CUDA`` is the ``device`` parameter that
+carries it with the ``cuda`` marker (``make gpu-results`` selects by that marker).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mesa_train.quant as Q
+
+needs_ext = pytest.mark.skipif(Q.BACKEND != "extension", reason=f"compiled extension not loaded: {Q.extension_error}")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])
+
+# The activation dtypes every kernel takes, and short ids for them in test names
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DT_IDS = ("fp32", "fp16", "bf16")
