@@ -26,7 +26,6 @@ import torch
 
 from . import reference
 from .reference import (
-    QUANT_DTYPES,
     check_dequantize_args,
     check_estimate_args,
     check_minmax_args,

@@ -257,7 +257,7 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int)
                 rows.append(dict(case=name, dtype=dname, op=op, us=t * 1e6,
                                  kernel_us=None if kt is None else kt * 1e6, gbps=nbytes / tt / 1e9,
                                  frac=(nbytes / tt) / (2 * n * es / base), vs_clone=tt / base))
-            del x, q
+            x = q = None  # (freed before the next case's tensors are made)
     return rows
 
 
