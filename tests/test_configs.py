@@ -26,7 +26,12 @@ def test_groups_are_complete():
 def test_group_option_composes(compose_train, group, option):
     cfg = compose_train([f"{group}={option}"])
     config_lib.validate(cfg)
-    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    plain = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    # and the option is the one composed: its own plain values are the group's
+    own = OmegaConf.to_container(OmegaConf.load(CONFIGS / group / f"{option}.yaml"), resolve=False)
+    for key, value in own.items():
+        if key != "defaults" and not (isinstance(value, str) and "${" in value):
+            assert plain[group][key] == value, (group, option, key)
 
 
 @pytest.mark.parametrize("name", options("experiment"))

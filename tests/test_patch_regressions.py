@@ -67,13 +67,25 @@ def test_shared_module_alias_keys_round_trip():
 
 
 def test_coat_strict_round_trip():
+    """Strict loads both ways, and the weights arrive: a patched model given another stock
+    model's checkpoint computes that model's outputs, and so does a third stock model given
+    the patched checkpoint (eval mode: Mesa layers are stock there)."""
     import timm
 
-    torch.manual_seed(0)
-    stock = timm.create_model("coat_lite_tiny", img_size=32, num_classes=5)
-    patched = patch_model(copy.deepcopy(stock))
-    load_stock_checkpoint(patched, stock.state_dict())
-    load_patched_checkpoint(copy.deepcopy(stock), patched.state_dict())
+    def coat(seed):
+        torch.manual_seed(seed)
+        return timm.create_model("coat_lite_tiny", img_size=32, num_classes=5).eval()
+
+    stock, source, target = coat(0), coat(1), coat(2)
+    patched = patch_model(copy.deepcopy(stock)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = source(x)
+        assert not torch.equal(patched(x), want)
+        load_stock_checkpoint(patched, source.state_dict())
+        assert torch.equal(patched(x), want)
+        load_patched_checkpoint(target, patched.state_dict())
+        assert torch.equal(target(x), want)
 
 
 def test_fx_feature_extractor_keeps_compression():
