@@ -283,7 +283,8 @@ def test_compile_options_reach_inductor(monkeypatch, backend, passed):
 
 
 def test_config_the_model_cannot_take():
-    from mesa_train.bench.presets import BenchConfigError, check_model, make_row
+    from mesa_train.bench.model_check import check_model
+    from mesa_train.bench.presets import BenchConfigError, make_row
 
     common = {"model": "deit_ti", "batch_size": 2, "img_size": 32, "num_classes": 10}
     # 192 channels cannot be split into 5 heads
@@ -357,7 +358,8 @@ def test_mesa_ops_must_keep_the_attention_kind():
     """matmul/softmax without sdpa exist only on the explicit path: a fused row with them is
     an error that names the fused op set (the modern preset uses it). (ops=all includes sdpa
     and keeps a fused attention fused since issue 10.)"""
-    from mesa_train.bench.presets import BenchConfigError, check_model, make_row
+    from mesa_train.bench.model_check import check_model
+    from mesa_train.bench.presets import BenchConfigError, make_row
 
     common = {"model": "deit_ti", "batch_size": 2, "img_size": 32, "num_classes": 10,
               "model_kwargs": {"depth": 1}, "attention": "fused", "mesa": True}

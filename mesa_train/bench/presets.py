@@ -16,6 +16,7 @@ from typing import Any
 from mesa_train.bench.paper_numbers import paper_row
 from mesa_train.compile_scope import SCOPES as COMPILE_SCOPES, close_inductor_options
 from mesa_train.models import MODEL_NAMES, timm_name
+from mesa_train.patch import MODULE_SETS, OPS as PATCH_OPS
 from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 from mesa_train.train.config import COMPILE_MODES as TRAIN_COMPILE_MODES
 from mesa_train.train.config import CUDA_GRAPH_COMPILE_MODES
@@ -26,10 +27,6 @@ OPTIMIZER_CHOICES = ("adamw", "sgd")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 # torch.compile modes: the training config's (trainer.compile_mode), plus null (the default)
 COMPILE_MODES = (None, *TRAIN_COMPILE_MODES)
-# The names patch_model takes (docs/DESIGN.md); the patch module's own lists win when it
-# exports them (see `valid_ops`).
-_DESIGN_OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa", "all")
-_DESIGN_MODULES = ("msa", "ffn", "other", "all")
 # How a table names each compile scope ("" for the default)
 _SCOPE_TAGS = {"model": "", "blocks": "per block"}
 # Short op names for plot labels (paper Figure 6: G, LN, S, M).
@@ -41,25 +38,14 @@ class BenchConfigError(ValueError):
     """A preset or row the benchmark cannot run (bad name, a value the model cannot take)."""
 
 
-def _patch_names(attr_candidates: tuple[str, ...], fallback: tuple[str, ...]) -> tuple[str, ...]:
-    try:
-        import mesa_train.patch as patch  # noqa: PLC0415  (optional until it lands)
-    except Exception:  # pragma: no cover - depends on the work of others
-        return fallback
-    for attr in attr_candidates:
-        value = getattr(patch, attr, None)
-        if isinstance(value, (tuple, list, frozenset, set, dict)) and value:
-            names = tuple(value)
-            return names if "all" in names else names + ("all",)
-    return fallback
-
-
 def valid_ops() -> tuple[str, ...]:
-    return _patch_names(("OPS", "VALID_OPS", "OP_NAMES"), _DESIGN_OPS)
+    """The op names a row's ``ops`` takes: patch_model's, and ``all``."""
+    return (*PATCH_OPS, "all")
 
 
 def valid_modules() -> tuple[str, ...]:
-    return _patch_names(("MODULES", "VALID_MODULES", "MODULE_NAMES"), _DESIGN_MODULES)
+    """The module sets a row's ``modules`` takes: patch_model's, and ``all``."""
+    return (*MODULE_SETS, "all")
 
 
 @dataclass
@@ -256,70 +242,6 @@ def _check_compile_options(row: RowConfig, where: str) -> None:
                                "torch.compile takes one or the other (a mode's options can be listed here)")
 
 
-def _shape_key(row: RowConfig) -> tuple:
-    return (row.model, repr(sorted(row.model_overrides().items())), row.attention,
-            row.grad_checkpointing, row.micro_batch)
-
-
-_CHECKED: set[tuple] = set()
-
-
-def check_model(row: RowConfig) -> None:
-    """Build the model on the meta device and run one forward with the row's input shape,
-    so a value the architecture cannot take fails here with a clear message, before any
-    measurement starts. Also checks that checkpointing / fused attention are available.
-    Rows that differ only in Mesa options, AMP or step counts share one check."""
-    where = f"row {row.label!r} ({row.describe()})"
-    _check_stock(row, where)
-    if row.mesa:
-        _check_patch(row, where)
-
-
-def _check_stock(row: RowConfig, where: str) -> None:
-    import torch
-
-    from mesa_train.bench.measure import build_for_row
-
-    key = _shape_key(row)
-    if key in _CHECKED:
-        return
-    try:
-        with torch.device("meta"):
-            model = build_for_row(row, device="meta", patch=False)
-            x = torch.empty(row.micro_batch, 3, row.img_size, row.img_size)
-            out = model(x)
-    except BenchConfigError as err:
-        raise BenchConfigError(f"{where}: {err}") from None
-    except Exception as err:  # timm asserts, shape errors, bad kwargs
-        raise BenchConfigError(f"{where}: the model cannot take this configuration: "
-                               f"{type(err).__name__}: {err}") from None
-    if tuple(out.shape) != (row.micro_batch, row.num_classes):
-        raise BenchConfigError(f"{where}: unexpected output shape {tuple(out.shape)}")
-    _CHECKED.add(key)
-
-
-def _check_patch(row: RowConfig, where: str) -> None:
-    """Patch the meta model (no forward: the quantizers need real tensors) to check the
-    ops/modules for this model and that the attention kind stays the row's."""
-    import torch
-
-    from mesa_train.bench.measure import MesaUnavailable, build_for_row
-
-    key = _shape_key(row) + (tuple(row.ops), tuple(row.modules), repr(sorted(row.quant.items())))
-    if key in _CHECKED:
-        return
-    try:
-        with torch.device("meta"):
-            build_for_row(row, device="meta", patch=True)
-    except MesaUnavailable:
-        return  # reported (or skipped) by the runner
-    except BenchConfigError as err:
-        raise BenchConfigError(f"{where}: {err}") from None
-    except Exception:  # noqa: BLE001 - patching on meta unsupported here; the real run reports
-        return
-    _CHECKED.add(key)
-
-
 def validate_groups(rows: list[RowConfig]) -> None:
     groups: dict[str, list[RowConfig]] = {}
     for row in rows:
@@ -338,7 +260,8 @@ def validate_groups(rows: list[RowConfig]) -> None:
 
 def expand_preset(preset: dict, only: str | None = None,
                   skip: str | Sequence[str] | None = None) -> list[RowConfig]:
-    """The preset's rows as validated RowConfigs (names only; see `check_model`).
+    """The preset's rows as validated RowConfigs (names only; their models are built by
+    `mesa_train.bench.model_check.check_model`).
     ``only`` keeps rows whose label contains it, plus their groups' baselines; ``skip`` (one
     text or several) then drops the non-baseline rows whose label contains it (a time-bounded
     session's cut), and the baselines of groups it empties; each text must match such a row."""
@@ -375,4 +298,4 @@ def expand_preset(preset: dict, only: str | None = None,
 
 
 __all__ = ["AMP_CHOICES", "ATTENTION_CHOICES", "BenchConfigError", "MODEL_NAMES", "RowConfig",
-           "check_model", "check_row", "expand_preset", "make_row", "valid_modules", "valid_ops"]
+           "check_row", "expand_preset", "make_row", "valid_modules", "valid_ops"]

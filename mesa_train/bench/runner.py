@@ -17,7 +17,8 @@ from mesa_train.bench import profile as _profile
 from mesa_train.bench import report
 from mesa_train.bench.measure import Measurement, MesaUnavailable, resolve_device, run_row
 from mesa_train.bench.plot import tradeoff_plot
-from mesa_train.bench.presets import BenchConfigError, RowConfig, check_model, expand_preset
+from mesa_train.bench.model_check import check_model
+from mesa_train.bench.presets import BenchConfigError, RowConfig, expand_preset
 from mesa_train.bench.search import Searcher, check_search, parse_search, summarize
 
 

@@ -25,7 +25,8 @@ import torch
 
 from mesa_train.bench.measure import MB, TrainStep, build_for_row, release, run_row
 from mesa_train.bench.paper_numbers import TABLE9
-from mesa_train.bench.presets import BenchConfigError, RowConfig, check_model, check_row, make_row
+from mesa_train.bench.model_check import check_model
+from mesa_train.bench.presets import BenchConfigError, RowConfig, check_row, make_row
 
 DIM_CHOICES = ("depth", "width", "resolution")
 

@@ -397,6 +397,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     if attention not in ATTENTION_PATHS:
         raise ValueError(f"unknown attention {attention!r}; valid choices: {', '.join(ATTENTION_PATHS)}")
     if plan is not None:  # per-layer ops from a plan (mesa_train.plan); ops/modules unused
+        # imported here: mesa_train.plan builds on this module (OPS, patch_model per unit), so
+        # a module-level import would be a cycle
         from mesa_train.plan.apply import apply_plan
 
         return apply_plan(model, plan, **quant_options)

@@ -24,7 +24,16 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from mesa_train.memory import SavedTensorMeter, format_bytes
 from mesa_train.models import unwrap_model as _unwrap
+from mesa_train.nn import MesaLayer
+
+from .attention import MesaViTAttention
+from .block import norm_fed_ids
+from .core import mesa_layer_op
+from .mlp import NORM_MLP_CLASSES
+from .recompute import set_recompute
+from .table import format_table
 
 __all__ = ["Coverage", "coverage", "format_coverage"]
 
@@ -54,7 +63,6 @@ class Coverage:
 @contextlib.contextmanager
 def _untouched(model: nn.Module):
     """Restore buffers, Mesa options and the RNG after the measuring forwards."""
-    from mesa_train.nn import MesaLayer
 
     saved = {k: b.detach().clone() for k, b in model.named_buffers()}
     options = {id(m): m.quant_options for m in model.modules() if isinstance(m, MesaLayer)}
@@ -78,9 +86,7 @@ def _untouched(model: nn.Module):
 
 
 def _set_enabled(model: nn.Module, enabled: bool) -> None:
-    from mesa_train.nn import MesaLayer
 
-    from .recompute import set_recompute
 
     set_recompute(model, enabled)
     for m in model.modules():
@@ -89,7 +95,6 @@ def _set_enabled(model: nn.Module, enabled: bool) -> None:
 
 
 def _measure(model: nn.Module, example_input, run: Optional[Callable]):
-    from mesa_train.memory import SavedTensorMeter
 
     model.train()
     with SavedTensorMeter(model) as meter:
@@ -102,10 +107,6 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     """Saved bytes per op type of one training forward, compressed vs left as is, and the
     ratio to stock. ``run(model, example_input)`` replaces ``model(example_input)`` for
     models that take more than one tensor."""
-    from .core import mesa_layer_op
-    from .attention import MesaViTAttention
-    from .block import norm_fed_ids
-    from .mlp import NORM_MLP_CLASSES
 
     root = _unwrap(model)
     modules: Dict[str, nn.Module] = dict(root.named_modules())
@@ -136,9 +137,7 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
 
 
 def format_coverage(cov: Coverage) -> str:
-    from mesa_train.memory import format_bytes
 
-    from .describe import format_table
 
     total = max(cov.total, 1)
     body = [[kind, op, str(n), format_bytes(b), f"{100 * b / total:.1f}%"] for kind, op, n, b in cov.rows]

@@ -8,27 +8,12 @@ from torch import nn
 from .attention import STOCK_ATTENTION_CLASSES
 from .block import norm_fed_ids
 from .core import PATCH_INFO_ATTR, _unwrap, mesa_layer_op
+from .coverage import coverage, format_coverage
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
+from .table import format_table
 
-__all__ = ["describe", "describe_rows", "format_table"]
-
-
-def format_table(headers: List[str], rows: List[List[str]], align: Optional[str] = None) -> str:
-    """Fixed-width text table (``align``: one ``l``/``r`` per column)."""
-    align = align or "l" * len(headers)
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
-              for i, h in enumerate(headers)]
-
-    def fmt(cells):
-        out = []
-        for c, w, a in zip(cells, widths, align):
-            c = str(c)
-            out.append(c.rjust(w) if a == "r" else c.ljust(w))
-        return "  ".join(out).rstrip()
-
-    sep = "  ".join("-" * w for w in widths)
-    return "\n".join([fmt(headers), sep] + [fmt(r) for r in rows])
+__all__ = ["describe", "describe_rows"]
 
 
 def _matmul_operands(layer, producer: Optional[str]) -> Tuple[List[str], List[str]]:
@@ -151,7 +136,6 @@ def describe(model: nn.Module, example_input=None, *, run=None) -> str:
     text = _describe_layers(model)
     if example_input is None:
         return text
-    from .coverage import coverage, format_coverage
 
     return text + "\n" + format_coverage(coverage(model, example_input, run=run))
 

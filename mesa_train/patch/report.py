@@ -22,6 +22,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from mesa_train.memory import SavedTensorMeter
+
+from .core import patch_model
+from .table import format_table
+
 __all__ = [
     "Config",
     "OP_CONFIGS",
@@ -76,7 +81,6 @@ def measure_saved_bytes(model: nn.Module, inputs: torch.Tensor, *, autocast_dtyp
                         backward: bool = False) -> "object":
     """One training forward of ``model`` on ``inputs`` under a ``SavedTensorMeter``;
     returns the meter. ``backward=True`` also runs the backward (checks it works)."""
-    from mesa_train.memory import SavedTensorMeter
 
     ctx = (torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
@@ -101,7 +105,6 @@ def saved_bytes_rows(build: Callable[[], nn.Module], inputs: torch.Tensor, confi
     """Measure every config on a fresh model from ``build()`` (train mode). Rows:
     ``label, ops, modules, activation_bytes, vs_explicit, vs_fused`` (ratios to the two stock
     baselines, always measured)."""
-    from mesa_train.patch import patch_model
 
     def run(cfg: Config) -> int:
         torch.manual_seed(seed)
@@ -126,7 +129,6 @@ def saved_bytes_rows(build: Callable[[], nn.Module], inputs: torch.Tensor, confi
 
 def format_saved_bytes_table(rows: List[dict], title: str = "") -> str:
     """Text table: config, saved activation MiB, % of stock explicit, % of stock fused."""
-    from .describe import format_table
 
     body = [[r["label"], f"{r['activation_bytes'] / 2**20:.3f}", f"{100 * r['vs_explicit']:.1f}%",
              f"{100 * r['vs_fused']:.1f}%"] for r in rows]

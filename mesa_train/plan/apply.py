@@ -6,6 +6,9 @@ from typing import Any
 from torch import nn
 
 from mesa_train.models import unwrap_model
+from mesa_train.nn.quantizer import assign_rng_keys
+from mesa_train.patch.core import patch_model
+from mesa_train.patch.table import format_table
 
 from .planfile import RECOMPUTE, Plan, PlanError, as_plan
 from .recompute import recompute_block
@@ -38,9 +41,6 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
 def apply_plan(model: nn.Module, plan_or_path: Any, **quant_options) -> nn.Module:
     """Patch ``model`` in place as ``plan`` says and return it. ``quant_options`` override
     the plan's. The plan is kept on the model (:func:`plan_of`)."""
-    from mesa_train.nn.quantizer import assign_rng_keys
-    from mesa_train.patch.core import patch_model
-
     plan = as_plan(plan_or_path)
     check_plan(model, plan)
     root = unwrap_model(model)
@@ -74,8 +74,6 @@ def plan_of(model: nn.Module) -> Plan | None:
 def describe_plan(model: nn.Module) -> str:
     """The applied plan as a table (layer, compressed ops, budget and predicted figures);
     an empty string when the model was not patched from a plan."""
-    from mesa_train.patch.describe import format_table
-
     plan = plan_of(model)
     if plan is None:
         return ""

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Set
 
 from torch import nn
 
-from mesa_train.patch.describe import format_table
+from mesa_train.patch.table import format_table
 
 from .allocate import Budget, Key, Prediction, allocate, budget_bytes, predict, to_plan
 from .measure import Batch, activation_bytes, fastest, interleaved_times, peak_bytes, train_step

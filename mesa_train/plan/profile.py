@@ -22,7 +22,8 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
-from .planfile import RECOMPUTE
+from .apply import apply_plan
+from .planfile import RECOMPUTE, Plan
 from .measure import Batch, activation_bytes, fastest, gradients, interleaved_times, median, peak_bytes, train_step
 from .units import Unit, find_units, model_architecture
 
@@ -73,9 +74,6 @@ class Profile:
 
 
 def patch_items(model: nn.Module, layers: Dict[str, tuple], quant_options: Dict) -> nn.Module:
-    from .apply import apply_plan
-    from .planfile import Plan
-
     return apply_plan(model, Plan(layers=dict(layers), architecture=model_architecture(model)), **quant_options)
 
 

@@ -11,9 +11,14 @@ import logging
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from .allocate import Budget
+from .apply import apply_plan, plan_of
+from .measure import make_batch
 from .planfile import Plan, PlanError, as_plan
+from .planner import make_plan, plan_table
 
 __all__ = ["plan_from_config", "apply_plan_from_config", "plan_for_checkpoint"]
 
@@ -32,8 +37,6 @@ def _quant_options(mesa) -> dict:
 
 def _broadcast(plan: Optional[Plan], error: Optional[str]) -> Plan:
     """Rank 0's plan (or its error) on every rank."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         box = [plan.to_dict() if plan is not None else None, error]
         dist.broadcast_object_list(box, src=0)
@@ -54,11 +57,6 @@ def plan_from_config(cfg, model: nn.Module, device: torch.device, amp_dtype: Opt
         return None
     if str(source) != "auto":
         return as_plan(str(source))
-    from .allocate import Budget
-    from .measure import make_batch
-    from .planner import make_plan, plan_table
-
-    import torch.distributed as dist
 
     plan, error = None, None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
@@ -83,15 +81,11 @@ def apply_plan_from_config(cfg, model: nn.Module, device: torch.device, amp_dtyp
     else:
         plan = plan_from_config(cfg, model, device, amp_dtype, num_classes)
     if plan is not None:
-        from .apply import apply_plan
-
         apply_plan(model, plan, **_quant_options(cfg.mesa))
     return plan
 
 
 def plan_for_checkpoint(model: nn.Module) -> Optional[dict]:
     """The applied plan as the plain dict a checkpoint stores (None: no plan)."""
-    from .apply import plan_of
-
     plan = plan_of(model)
     return plan.to_dict() if plan is not None else None

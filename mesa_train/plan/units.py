@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 from torch import nn
 
 from mesa_train.models import unwrap_model
-from mesa_train.patch.core import OPS
+from mesa_train.patch.core import OPS, _leaf_rules, mesa_layer_op  # the rules patch_model applies
 from mesa_train.patch.rules import classify
 
 __all__ = ["OTHER", "Unit", "find_units", "unit_ops", "fingerprint", "model_architecture"]
@@ -64,8 +64,6 @@ def fingerprint(module: nn.Module, skip_prefixes: Tuple[str, ...] = ()) -> str:
 
 def _present_ops(modules, candidates: Tuple[str, ...]) -> Tuple[str, ...]:
     """Which of ``candidates`` the modules contain (as stock or Mesa layers)."""
-    from mesa_train.patch.core import _leaf_rules, mesa_layer_op  # same rules as patch_model
-
     rules = _leaf_rules()
     found = set()
     for m in modules:
