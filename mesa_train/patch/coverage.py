@@ -63,7 +63,6 @@ class Coverage:
 @contextlib.contextmanager
 def _untouched(model: nn.Module):
     """Restore buffers, Mesa options and the RNG after the measuring forwards."""
-
     saved = {k: b.detach().clone() for k, b in model.named_buffers()}
     options = {id(m): m.quant_options for m in model.modules() if isinstance(m, MesaLayer)}
     training = {id(m): m.training for m in model.modules()}
@@ -86,8 +85,6 @@ def _untouched(model: nn.Module):
 
 
 def _set_enabled(model: nn.Module, enabled: bool) -> None:
-
-
     set_recompute(model, enabled)
     for m in model.modules():
         if isinstance(m, MesaLayer):
@@ -95,7 +92,6 @@ def _set_enabled(model: nn.Module, enabled: bool) -> None:
 
 
 def _measure(model: nn.Module, example_input, run: Optional[Callable]):
-
     model.train()
     with SavedTensorMeter(model) as meter:
         out = run(model, example_input) if run is not None else model(example_input)
@@ -107,7 +103,6 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     """Saved bytes per op type of one training forward, compressed vs left as is, and the
     ratio to stock. ``run(model, example_input)`` replaces ``model(example_input)`` for
     models that take more than one tensor."""
-
     root = _unwrap(model)
     modules: Dict[str, nn.Module] = dict(root.named_modules())
     norm_fed = norm_fed_ids(root)
@@ -137,8 +132,6 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
 
 
 def format_coverage(cov: Coverage) -> str:
-
-
     total = max(cov.total, 1)
     body = [[kind, op, str(n), format_bytes(b), f"{100 * b / total:.1f}%"] for kind, op, n, b in cov.rows]
     table = format_table(["saved as", "op / module type", "modules", "bytes", "share"], body, "llrrr")

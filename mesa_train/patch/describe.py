@@ -136,7 +136,6 @@ def describe(model: nn.Module, example_input=None, *, run=None) -> str:
     text = _describe_layers(model)
     if example_input is None:
         return text
-
     return text + "\n" + format_coverage(coverage(model, example_input, run=run))
 
 

@@ -81,7 +81,6 @@ def measure_saved_bytes(model: nn.Module, inputs: torch.Tensor, *, autocast_dtyp
                         backward: bool = False) -> "object":
     """One training forward of ``model`` on ``inputs`` under a ``SavedTensorMeter``;
     returns the meter. ``backward=True`` also runs the backward (checks it works)."""
-
     ctx = (torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
     with SavedTensorMeter(model) as meter:
@@ -129,7 +128,6 @@ def saved_bytes_rows(build: Callable[[], nn.Module], inputs: torch.Tensor, confi
 
 def format_saved_bytes_table(rows: List[dict], title: str = "") -> str:
     """Text table: config, saved activation MiB, % of stock explicit, % of stock fused."""
-
     body = [[r["label"], f"{r['activation_bytes'] / 2**20:.3f}", f"{100 * r['vs_explicit']:.1f}%",
              f"{100 * r['vs_fused']:.1f}%"] for r in rows]
     table = format_table(["config", "saved MiB", "vs stock explicit", "vs stock fused"], body, "lrrr")
