@@ -240,20 +240,35 @@ def _lowbias32_i32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _as_int32_bits(words: torch.Tensor) -> torch.Tensor:
-    """int64 values in [0, 2**32) -> int32 with the same low 32 bits (no overflowing cast)."""
-    return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
+    """int64 values in [0, 2**32) -> int32 with the same low 32 bits (no overflowing cast).
+
+    Flipping bit 31 and subtracting it maps [0, 2**31) to itself and [2**31, 2**32) to
+    [-2**31, 0): ``words`` is read once. (``where(words >= 2**31, words - 2**32, words)``, the
+    same values, reads it three times, and Inductor traces an unrealized input once per read:
+    see ``_uniform``.)"""
+    return ((words ^ (1 << 31)) - (1 << 31)).to(torch.int32)
 
 
 def _uniform(numel: int, seed: torch.Tensor, device) -> torch.Tensor:
     """The DESIGN.md counter hash for flat indices ``0 .. numel`` (``numel < 2**31``: the
-    index's high word is 0, so its term vanishes), computed in int32 (see ``_lowbias32_i32``)."""
+    index's high word is 0, so its term vanishes), computed in int32 (see ``_lowbias32_i32``).
+
+    Written so that each value is read once where it can be: Inductor does not realize these
+    small pointwise steps (``realize_opcount_threshold`` 128 for traced models), and traces
+    each step once per read of it, so a value read twice by each of the three xor-shifts of
+    ``lowbias32`` is traced 8 times, and the key inside the Weyl step 8 times that. The
+    runtime zero below took the key twice more (``key ^ key``): 3.7x longer lowering of a
+    traced GELU than ``s0 ^ s0`` with the single-read ``_as_int32_bits`` (39 against 10.5 s on
+    2 cores), the same values and, but for that xor's operand, the same kernels
+    (``tests/test_traceable.py::test_traced_hash_graph_unfolds_to_a_bounded_tree``)."""
     s = _as_int32_bits(seed & 0xFFFFFFFF)
-    key = _lowbias32_i32(s[0] ^ _lowbias32_i32(s[1]))  # hash_key with index_hi = 0: one per call
-    # + (key ^ key), a runtime zero: Inductor folds arange * constant into its index
+    s0 = s[0]
+    key = _lowbias32_i32(s0 ^ _lowbias32_i32(s[1]))  # hash_key with index_hi = 0: one per call
+    # + (s0 ^ s0), a runtime zero: Inductor folds arange * constant into its index
     # arithmetic, and over a permuted view Triton's codegen then emitted a stride product past
     # int32 ('Scalar -5354694904128 is out of range for type int32', torch 2.11, H200); a value
     # loaded from a tensor keeps the Weyl product in value space, where int32 wraps
-    i = torch.arange(numel, dtype=torch.int32, device=device) + (key ^ key)
+    i = torch.arange(numel, dtype=torch.int32, device=device) + (s0 ^ s0)
     h = _lowbias32_i32(i * (0x9E3779B9 - (1 << 32)) + key)  # the Weyl step; int32 wraps mod 2**32
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
 
