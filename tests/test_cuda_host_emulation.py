@@ -21,8 +21,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 HOST_CHECK = REPO / "csrc" / "cuda" / "host_check"
 CU = REPO / "csrc" / "cuda" / "quant_cuda.cu"
-# quick mode (each fixed layout once) + 10 random layouts: ~13 s to compile, ~12 s to run on
-# 2 cores; the full run (run.sh with no arguments) takes minutes
+# quick mode (each fixed layout once) + 10 random layouts: about 50 s to compile and 60 s to
+# run on 2 cores; the full run (run.sh with no arguments) takes minutes
 CASES = "10"
 # every kernel family the harness must have exercised (names of its CHECKED line)
 FAMILIES = (

@@ -11,8 +11,8 @@
 //   steps): quantize sees x * 2**k rounded to the dtype, dequantize returns y rounded to the
 //   dtype, times 2**-k, rounded again (scale_rows / unscale_rows);
 // * observe / group_minmax (the single-launch last-block kernel): the blocks of a launch
-//   in a random order, each block's threads on a pool of std::threads with a barrier for
-//   __syncthreads(_and); shared and global atomics under a mutex; against a sequential pass
+//   in a random order, each block's threads as fibers (one OS thread) with a barrier for
+//   __syncthreads(_and); shared and global atomics; against a sequential pass
 //   (naive per-group min/max of the (row-scaled) values, canonical bits, then the sequential
 //   estimate step of update_estimates_cpu), bit for bit; the workspace must be all zero
 //   after every launch (the last block resets it) and is reused by the next launch;
@@ -33,7 +33,7 @@
 //   small grid, 32- and 64-bit indices, L in {1, 31, 32, 33, 197}, all-zero rows, g with
 //   NaN / inf) against the sequential definition (32 strided lane sums, xor butterfly);
 // * row_absmax (one warp per row; __shfl_xor_sync emulated by a per-warp exchange buffer
-//   and barrier, all 32 lanes as threads) on the vector and scalar paths, rows with NaN /
+//   and barrier, all 32 lanes as fibers) on the vector and scalar paths, rows with NaN /
 //   inf / zero / subnormal values, against the naive max |x| per row; row_k against
 //   clamp(floor(log2(mean / r)), 0, max_k) (0 for a zero, infinite or NaN ratio).
 // * strided inputs (mesa_common.h): quantize, observe / group_minmax and quantize_observe read x
@@ -51,7 +51,6 @@
 // The last line lists how many cases each kernel family checked.
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <chrono>
 #include <cassert>
 #include <cmath>
@@ -72,6 +71,10 @@
 #include <type_traits>
 #include <vector>
 
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -81,7 +84,7 @@
 struct Dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
-thread_local Dim3 threadIdx;
+Dim3 threadIdx;  // the running fiber's (FiberPool sets it before resuming one)
 Dim3 blockIdx, blockDim{256, 1, 1}, gridDim;
 #define __global__
 #define __device__
@@ -111,19 +114,25 @@ inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
 }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
-static std::unique_ptr<std::barrier<>> g_bbar;
+// A barrier among fibers (FiberPool below): the last to arrive releases the others and goes on.
+struct FiberBarrier {
+  unsigned parties = 0, count = 0;
+  uint64_t generation = 0;
+};
+void fiber_arrive_and_wait(FiberBarrier& b);
+static FiberBarrier g_bbar;  // the running block's threads
 static std::mutex g_atomic_mu;
 static std::atomic<long> g_atomics{0};
-inline void __syncthreads() { g_bbar->arrive_and_wait(); }
+inline void __syncthreads() { fiber_arrive_and_wait(g_bbar); }
 // __syncthreads_and: barrier, vote, barrier, read, barrier, reset (the next vote starts with
 // a barrier, so the reset is seen by every thread before anyone votes again).
 static std::atomic<int> g_vote{1};
 inline int __syncthreads_and(int pred) {
-  g_bbar->arrive_and_wait();
+  fiber_arrive_and_wait(g_bbar);
   if (!pred) g_vote.store(0);
-  g_bbar->arrive_and_wait();
+  fiber_arrive_and_wait(g_bbar);
   const int r = g_vote.load();
-  g_bbar->arrive_and_wait();
+  fiber_arrive_and_wait(g_bbar);
   if (threadIdx.x == 0) g_vote.store(1);
   return r;
 }
@@ -142,11 +151,11 @@ inline unsigned atomicAdd(uint32_t* p, uint32_t v) {
 }
 // __shfl_xor_sync over a full warp: every lane publishes its value, waits for the other 31,
 // reads lane ^ lane_mask's, and waits again before anyone may publish the next value (the
-// lanes run as threads, so without the second barrier a fast lane could overwrite a value
-// a slow one has yet to read). A partial mask or a lane that skips the call would be a
-// kernel bug the emulation refuses (abort) or hangs on (run.sh's timeout).
+// lanes run one after another, so without the second barrier a lane run first could overwrite
+// a value another has yet to read). A partial mask or a lane that skips the call would be a
+// kernel bug the emulation refuses (abort; FiberPool names a barrier nobody else reaches).
 struct WarpExchange {
-  std::unique_ptr<std::barrier<>> bar;
+  FiberBarrier bar;
   uint32_t val[32];
 };
 static std::vector<WarpExchange> g_warps;  // one per warp of the running block
@@ -155,9 +164,9 @@ inline uint32_t __shfl_xor_sync(uint32_t mask, uint32_t v, int lane_mask) {
   WarpExchange& w = g_warps[threadIdx.x / 32];
   const unsigned lane = threadIdx.x % 32;
   w.val[lane] = v;
-  w.bar->arrive_and_wait();
+  fiber_arrive_and_wait(w.bar);
   const uint32_t r = w.val[lane ^ unsigned(lane_mask)];
-  w.bar->arrive_and_wait();
+  fiber_arrive_and_wait(w.bar);
   return r;
 }
 
@@ -194,66 +203,120 @@ void launch_seq(unsigned grid, unsigned threads, F f) {
   }
 }
 
-// Persistent workers, one per CUDA thread of a block (creating 256 std::threads per block
-// cost ~10 ms here, a block on the pool well under 1 ms). run_block starts every worker
-// with id < threads on f and returns when all have finished.
-class SimtPool {
- public:
-  explicit SimtPool(unsigned n) : start_(n + 1), done_(n + 1) {
-    for (unsigned id = 0; id < n; ++id) workers_.emplace_back([this, id] { work(id); });
-  }
-  ~SimtPool() {
-    quit_ = true;
-    start_.arrive_and_wait();
-    for (auto& w : workers_) w.join();
-  }
-  void run_block(unsigned threads, const std::function<void()>& f) {
-    if (threads > workers_.size()) abort();
-    active_ = threads;
-    job_ = &f;
-    start_.arrive_and_wait();  // publishes blockIdx, the job and the barriers to the workers
-    done_.arrive_and_wait();
-  }
+// A block's CUDA threads as fibers (ucontext), all on this one OS thread: a fiber runs until it
+// waits at a barrier (__syncthreads, a warp shuffle) or returns, then the next one runs, in an
+// order shuffled per block (its own generator: the cases drawn from rng stay the same). Until
+// 2026-11-29 each CUDA thread was an OS thread of a pool on std::barrier: 256 threads on 2
+// cores waking each other through futexes at every barrier, most of the test's 190 s in CI
+// (tests/test_cuda_host_emulation.py); here a barrier costs each fiber about two user-space
+// context switches. A kernel whose lanes skip a barrier or a shuffle leaves every fiber
+// waiting: the scheduler says so and aborts (the threads hung until run.sh's timeout).
+static uint64_t g_fiber_progress = 0;  // arrivals and returns: a round without any is a deadlock
 
- private:
-  void work(unsigned id) {
-    for (;;) {
-      start_.arrive_and_wait();
-      if (quit_) return;
-      if (id < active_) {
-        threadIdx = {id, 0, 0};
-        (*job_)();
+class FiberPool {
+ public:
+  static constexpr size_t kStackBytes = 256 * 1024;
+
+  explicit FiberPool(unsigned n) : fibers_(n), page_(static_cast<size_t>(sysconf(_SC_PAGESIZE))) {
+    for (auto& f : fibers_) {
+      void* m = mmap(nullptr, kStackBytes + page_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) {
+        perror("emulation: mmap of a fiber stack");
+        abort();
       }
-      done_.arrive_and_wait();
+      mprotect(m, page_, PROT_NONE);  // a guard page: a stack overflow faults instead of corrupting
+      f.stack = static_cast<char*>(m);
     }
   }
-  std::barrier<> start_, done_;
-  std::vector<std::thread> workers_;
-  unsigned active_ = 0;
+
+  void run_block(unsigned threads, const std::function<void()>& f) {
+    if (threads > fibers_.size()) abort();
+    job_ = &f;
+    std::vector<unsigned> order(threads);
+    std::iota(order.begin(), order.end(), 0u);
+    std::shuffle(order.begin(), order.end(), order_rng_);
+    for (unsigned id = 0; id < threads; ++id) {
+      Fiber& fb = fibers_[id];
+      getcontext(&fb.ctx);
+      fb.ctx.uc_stack.ss_sp = fb.stack + page_;
+      fb.ctx.uc_stack.ss_size = kStackBytes;
+      fb.ctx.uc_link = &scheduler_;  // a returning fiber resumes the swapcontext below
+      makecontext(&fb.ctx, &FiberPool::entry, 0);
+      fb.done = false;
+    }
+    for (unsigned left = threads; left > 0;) {
+      const uint64_t progress = g_fiber_progress;
+      for (unsigned id : order) {
+        if (fibers_[id].done) continue;
+        current_ = id;
+        threadIdx = {id, 0, 0};
+        swapcontext(&scheduler_, &fibers_[id].ctx);
+        if (fibers_[id].done) --left;
+      }
+      if (left > 0 && g_fiber_progress == progress) {
+        fprintf(stderr, "emulation: block %u: %u threads wait at a barrier or shuffle the others never reach\n",
+                blockIdx.x, left);
+        abort();
+      }
+    }
+  }
+
+  // from a fiber: back to the scheduler, which resumes it in its next round
+  void yield() { swapcontext(&fibers_[current_].ctx, &scheduler_); }
+
+ private:
+  struct Fiber {
+    ucontext_t ctx;
+    char* stack = nullptr;
+    bool done = true;
+  };
+  static void entry();
+  std::vector<Fiber> fibers_;
+  size_t page_;
+  ucontext_t scheduler_;
+  unsigned current_ = 0;
   const std::function<void()>* job_ = nullptr;
-  bool quit_ = false;
+  std::mt19937 order_rng_{2026};
 };
 
-SimtPool& simt_pool() {
-  static SimtPool pool(kThreads);
+FiberPool& fiber_pool() {
+  static FiberPool pool(kThreads);
   return pool;
 }
 
-// blocks in a random order (any block may be the last to finish), threads concurrent
+void FiberPool::entry() {
+  FiberPool& p = fiber_pool();
+  (*p.job_)();
+  p.fibers_[p.current_].done = true;
+  ++g_fiber_progress;
+}
+
+void fiber_arrive_and_wait(FiberBarrier& b) {
+  const uint64_t generation = b.generation;
+  ++g_fiber_progress;
+  if (++b.count == b.parties) {  // the last to arrive: release the others, go on
+    b.count = 0;
+    ++b.generation;
+    return;
+  }
+  while (b.generation == generation) fiber_pool().yield();
+}
+
+// blocks in a random order (any block may be the last to finish), threads as fibers
 template <typename F>
 void launch_simt(unsigned grid, unsigned threads, F f) {
   gridDim = {grid, 1, 1};
   blockDim = {threads, 1, 1};
-  g_bbar.reset(new std::barrier<>(threads));
+  g_bbar = FiberBarrier{threads};
   g_warps = std::vector<WarpExchange>(threads / 32);  // full warps only (shuffles need all 32 lanes)
-  for (auto& w : g_warps) w.bar.reset(new std::barrier<>(32));
+  for (auto& w : g_warps) w.bar = FiberBarrier{32};
   std::vector<unsigned> order(grid);
   std::iota(order.begin(), order.end(), 0u);
   std::shuffle(order.begin(), order.end(), rng);
   const std::function<void()> job(f);
   for (unsigned bx : order) {
     blockIdx = {bx, 0, 0};
-    simt_pool().run_block(threads, job);
+    fiber_pool().run_block(threads, job);
   }
 }
 
