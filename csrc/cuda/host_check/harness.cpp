@@ -62,12 +62,10 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -121,7 +119,6 @@ struct FiberBarrier {
 };
 void fiber_arrive_and_wait(FiberBarrier& b);
 static FiberBarrier g_bbar;  // the running block's threads
-static std::mutex g_atomic_mu;
 static std::atomic<long> g_atomics{0};
 inline void __syncthreads() { fiber_arrive_and_wait(g_bbar); }
 // __syncthreads_and: barrier, vote, barrier, read, barrier, reset (the next vote starts with
@@ -136,15 +133,15 @@ inline int __syncthreads_and(int pred) {
   if (threadIdx.x == 0) g_vote.store(1);
   return r;
 }
+// Atomics as plain read-modify-writes: the fibers share one OS thread and switch only at a
+// barrier, so no other CUDA thread runs inside one.
 inline unsigned atomicMax(uint32_t* p, uint32_t v) {  // shared and global memory alike
-  std::lock_guard<std::mutex> g(g_atomic_mu);
   g_atomics++;
   const unsigned o = *p;
   if (v > o) *p = v;
   return o;
 }
 inline unsigned atomicAdd(uint32_t* p, uint32_t v) {
-  std::lock_guard<std::mutex> g(g_atomic_mu);
   const unsigned o = *p;
   *p = o + v;
   return o;

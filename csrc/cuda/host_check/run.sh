@@ -21,8 +21,8 @@
 #   and ran no faster; neither changes the float arithmetic (no fast-math, no FMA contraction).
 # Environment: PYTHON, an interpreter with torch (for its headers; default .venv/bin/python);
 # QUANT_CUDA, the .cu file to extract (default csrc/cuda/quant_cuda.cu; mutation checks);
-# HOST_CHECK_TIMEOUT, seconds before the harness is killed (a kernel whose lanes skip a
-# barrier or shuffle would hang the emulation; default 1800).
+# HOST_CHECK_TIMEOUT, seconds before the harness is killed (a kernel that loops forever; one
+# whose lanes skip a barrier or shuffle is named and aborted by the harness; default 1800).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
@@ -33,6 +33,6 @@ TI=$("$PY" -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$PY" "$here/extract.py" "$cu" > "$tmp/extracted.inc"
-g++ -std=c++20 -O1 -ffp-contract=off -pthread -I"$tmp" -I"$repo/csrc" -I"$TI" -I"$TI/torch/csrc/api/include" \
+g++ -std=c++20 -O1 -ffp-contract=off -I"$tmp" -I"$repo/csrc" -I"$TI" -I"$TI/torch/csrc/api/include" \
     "$here/harness.cpp" -o "$tmp/harness"
 timeout "${HOST_CHECK_TIMEOUT:-1800}" "$tmp/harness" "${1:-150}" "${2:-full}"
