@@ -257,10 +257,11 @@ def _uniform(numel: int, seed: torch.Tensor, device) -> torch.Tensor:
     small pointwise steps (``realize_opcount_threshold`` 128 for traced models), and traces
     each step once per read of it, so a value read twice by each of the three xor-shifts of
     ``lowbias32`` is traced 8 times, and the key inside the Weyl step 8 times that. The
-    runtime zero below took the key twice more (``key ^ key``): 3.7x longer lowering of a
-    traced GELU than ``s0 ^ s0`` with the single-read ``_as_int32_bits`` (39 against 10.5 s on
-    2 cores), the same values and, but for that xor's operand, the same kernels
-    (``tests/test_traceable.py::test_traced_hash_graph_unfolds_to_a_bounded_tree``)."""
+    runtime zero below took the key twice more (``key ^ key``), and the seed words'
+    conversion read each three times. With ``s0 ^ s0`` and the single-read ``_as_int32_bits``:
+    the same values and, but for that xor's operand, the same kernels, and the fake-H100
+    census of a traced GELU 48 -> 20 s (``docs/DESIGN.md``;
+    ``tests/test_traceable.py::test_traced_hash_graph_unfolds_to_a_bounded_tree``)."""
     s = _as_int32_bits(seed & 0xFFFFFFFF)
     s0 = s[0]
     key = _lowbias32_i32(s0 ^ _lowbias32_i32(s[1]))  # hash_key with index_hi = 0: one per call
