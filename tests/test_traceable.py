@@ -166,3 +166,53 @@ def test_weyl_product_is_a_value_not_an_index_expression():
     others = [a for a in index.args if getattr(a, "target", None) not in (None, torch.ops.aten.arange.default)]
     # add(arange, <a tensor computed from the seed>), never mul(arange, ...) nor add(arange, constant)
     assert index.target == torch.ops.aten.add.Tensor and len(aranges) == 1 and others, gm.code
+
+
+def _edge_codes_input(top: float, seed: torch.Tensor) -> torch.Tensor:
+    """(2, 16 * 4099) float32: group 0 cycles through values at every edge of the codes (NaN,
+    +-inf, signed zeros, just below 0, -1 and -0.5, the top code and just below and above it),
+    each paired with many hash values; the top itself where ``u >= 1 - 2**-17``, so that
+    ``top + u`` rounds up to ``top + 1`` in float32 (8 bits: 255 + u); group 1 the same values
+    with ``alpha`` 0 (``inv`` 0: ``inf * 0`` is NaN)."""
+    below = torch.nextafter(torch.tensor(top), torch.tensor(0.0)).item()
+    edges = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1e-30, -0.25, -0.5, -0.75, -1.0, -2.5,
+             0.5, 1.0, top - 1.5, below, top, top + 0.25, top + 1.0]
+    n = 16 * 4099
+    vals = torch.tensor(edges, dtype=torch.float32).repeat(n // len(edges) + 1)[:n]
+    x = torch.stack([vals, vals.roll(7)])
+    rounds_up = traceable._uniform(x.numel(), seed, "cpu") >= 1 - 2**-17
+    x.view(-1)[rounds_up] = top
+    assert rounds_up[:n].any()  # seed (0, 0): flat indices 11447 and 41205
+    return x
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_codes_at_every_edge_match_the_op(stochastic, compiled):
+    """NaN -> 0, negatives -> 0, past the top -> the top, and ``v + u`` rounding up past the
+    top in float32, for the codes the traced quantize makes (8 bits and packed 4 bits), eager
+    and under CPU Inductor: bitwise the ops'. The traced form has no ``isnan`` and no floor
+    (``traceable._clamp_codes``, ``quantize``); the op applies the definition as written
+    (``where(isnan, 0, floor(v + u)).clamp``). The values before
+    the uint8 cast are finite and in range (a NaN or 256 cast to uint8 is undefined; x86 and
+    CUDA happen to give 0 for both, so the codes alone would not show it)."""
+    seed = torch.tensor([0, 0], dtype=torch.int64)
+    quantize, quantize_bits = traceable.quantize, traceable.quantize_bits
+    if compiled:
+        quantize = torch.compile(quantize, backend="inductor", fullgraph=True)
+        quantize_bits = torch.compile(quantize_bits, backend="inductor", fullgraph=True)
+    # alpha = top, beta = 0: inv = top / alpha = 1 exactly, so v is x itself; group 1 alpha 0
+    x = _edge_codes_input(255.0, seed)
+    alpha, beta = torch.tensor([[255.0, 0.0]]), torch.zeros(1, 2)
+    got = quantize(x, alpha, beta, 0, 2, stochastic, seed)
+    want = torch.ops.mesa.quantize(x, alpha, beta, 0, 2, stochastic, seed)
+    assert torch.equal(got, want), (got != want).nonzero()[:8]
+    assert want[0].max() == 255 and (want[0] == 0).any()  # the edges were reached
+    u = traceable._uniform(x.numel(), seed, "cpu").view(x.shape) if stochastic else None
+    values = traceable._clamp_codes(x if u is None else x + u, 255.0)
+    assert values.isfinite().all() and values.min() >= 0 and values.max() <= 255
+    x = _edge_codes_input(15.0, seed)
+    alpha = torch.tensor([[15.0, 0.0]])
+    got = quantize_bits(x, alpha, beta, 0, 2, 4, False, stochastic, seed)
+    want = torch.ops.mesa.quantize_bits(x, alpha, beta, 0, 2, 4, False, stochastic, seed)
+    assert torch.equal(got, want), (got != want).nonzero()[:8]
