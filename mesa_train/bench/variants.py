@@ -27,11 +27,15 @@ import math
 import time
 from pathlib import Path
 
+import timm
 import torch
 import torch.nn.functional as F
 
 import mesa_train
 from mesa_train.memory import SavedTensorMeter
+from mesa_train.models import set_fused_attention
+from mesa_train.nn import MesaLayer
+from mesa_train.patch.core import mesa_layer_op
 
 SETTINGS = {
     "8-bit": dict(),
@@ -60,10 +64,6 @@ COLUMNS = ["model", "op", "setting", "bytes", "bytes_stock", "x_stock", "x_8bit"
 
 
 def _build(name: str):
-    import timm
-
-    from mesa_train.models import set_fused_attention
-
     timm_name, kw = MODELS[name]
     torch.manual_seed(0)
     m = timm.create_model(timm_name, num_classes=10, **kw)
@@ -112,14 +112,10 @@ def _op_bytes(model, x, names) -> int:
 
 
 def _patched_names(model, op):
-    from mesa_train.nn import MesaLayer
-    from mesa_train.patch.core import _layer_op, _mnn, _sdpa_cls
-
-    mnn = _mnn()
     out = []
     for n, m in model.named_modules():
         if isinstance(m, MesaLayer):
-            lop = _layer_op(m, mnn, _sdpa_cls())
+            lop = mesa_layer_op(m)
             if lop == "matmul" and op == "softmax" and not m.operands:
                 continue  # share-only attn @ v: its bytes are the softmax's shared copy
             if lop == op:
@@ -228,7 +224,8 @@ def write(rows, out_dir: Path, args) -> None:
         "",
     ]
     for mname in dict.fromkeys(r["model"] for r in rows):
-        lines += [f"## {mname}", "", "| op | setting | bytes | x stock | x 8-bit | rel err | cos | bias | noise/sqrt(N) |",
+        lines += [f"## {mname}", "",
+                  "| op | setting | bytes | x stock | x 8-bit | rel err | cos | bias | noise/sqrt(N) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             if r["model"] == mname:

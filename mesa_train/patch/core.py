@@ -23,10 +23,18 @@ import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from timm.layers import BatchNormAct2d, ConvNormAct, LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
+from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm
+from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
+from timm.layers.grn import GlobalResponseNorm as TimmGRN
 from torch import nn
 
+import mesa_train.nn as mnn
 from mesa_train.models import unwrap_model as _unwrap
-from mesa_train.nn.quantizer import assign_rng_keys
+from mesa_train.nn._common import stock_device
+from mesa_train.nn.conv import is_scale_conv
+from mesa_train.nn.quantizer import QuantOptions, assign_rng_keys
+from mesa_train.nn.sdpa import ScaledDotProductAttention
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
@@ -46,29 +54,9 @@ ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
 
-def _mnn():
-    import mesa_train.nn as mnn  # imported lazily: the layers import the quant ops
-
-    return mnn
-
-
-def _sdpa_cls():
-    from mesa_train.nn.sdpa import ScaledDotProductAttention
-
-    return ScaledDotProductAttention
-
-
 def _leaf_rules():
     """[(stock type, op, Mesa class)]: exact-type matches only (a subclass may have its own
     forward, e.g. timm's ``LayerNormFp32``; it is reported instead)."""
-    from timm.layers import LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d, LayerScale as TimmLayerScale
-    from timm.layers import RmsNorm as TimmRmsNorm
-    from timm.layers.grn import GlobalResponseNorm as TimmGRN
-    from timm.layers.activations import QuickGELU as TimmQuickGELU
-
-    from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh
-
-    mnn = _mnn()
     return {
         TimmGELU: ("gelu", _TimmGELU),
         TimmGELUTanh: ("gelu", _TimmGELUTanh),
@@ -96,7 +84,7 @@ class _TimmGELU:
 
     @classmethod
     def from_module(cls, stock: nn.Module, *, device=None, **quant_options):
-        return _mnn().GELU(approximate=cls.approximate, device=device, **quant_options).train(stock.training)
+        return mnn.GELU(approximate=cls.approximate, device=device, **quant_options).train(stock.training)
 
 
 class _TimmGELUTanh(_TimmGELU):
@@ -105,7 +93,16 @@ class _TimmGELUTanh(_TimmGELU):
 
 def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
-    return _layer_op(module, _mnn(), _sdpa_cls())
+    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
+                    (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"),
+                    (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (ScaledDotProductAttention, "sdpa"),
+                    (mnn.BatchNorm2d, "batchnorm"), (mnn.SiLU, "silu"), (mnn.RmsNorm, "rmsnorm"),
+                    (mnn.GatedActivation, "glu"), (mnn.LayerScale, "layerscale"),
+                    (mnn.ChannelScale, "layerscale"), (mnn.Normalize, "normalize"),
+                    (mnn.GlobalResponseNorm, "grn")):
+        if isinstance(module, cls):
+            return op
+    return None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -136,8 +133,6 @@ def _resolve(value, valid: Sequence[str], what: str) -> Tuple[str, ...]:
 
 
 def _check_options(quant_options: dict) -> dict:
-    from mesa_train.nn.quantizer import QuantOptions
-
     # raises ValueError naming the valid options / values
     QuantOptions.from_kwargs(**{k: v for k, v in quant_options.items()})
     return dict(quant_options)
@@ -149,7 +144,7 @@ _OTHER = ModuleInfo("other", None, None)  # a module outside any block (patch em
 
 def _module_device(module: nn.Module) -> torch.device:
     """Where ``module``'s parameters or buffers live (CPU if none): ``stock_device``."""
-    return _mnn()._common.stock_device(module)
+    return stock_device(module)
 
 
 def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
@@ -235,7 +230,6 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
 
     ``core_ops`` (subset of matmul/softmax/sdpa) are added to what was patched before; see
     :func:`_wants_fused` for the path."""
-    mnn = _mnn()
     stock_cls = STOCK_ATTENTION_CLASSES.get(type(attn), type(attn))
     requested = set(getattr(attn, "mesa_core_ops", ())) | set(core_ops)
     if not requested:
@@ -271,7 +265,7 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
         attn.fused_attn = False
     elif fused:
         if getattr(attn, "sdpa", None) is None:
-            attn.sdpa = _sdpa_cls()(device=device, **opts)
+            attn.sdpa = ScaledDotProductAttention(device=device, **opts)
         attn.mesa_attn_path = "fused"
         attn.fused_attn = True
     # the core ops in effect (sdpa is idle on the explicit path)
@@ -285,7 +279,7 @@ def _attention_like(m: nn.Module) -> bool:
     attention or carrying a head count."""
     if type(m) in ATTENTION_CLASSES or type(m) in STOCK_ATTENTION_CLASSES or isinstance(m, nn.MultiheadAttention):
         return False
-    if isinstance(m, _mnn().MesaLayer):
+    if isinstance(m, mnn.MesaLayer):
         return False
     cls = type(m).__name__.lower()
     return "attn" in cls or "attention" in cls or "xca" in cls or isinstance(getattr(m, "num_heads", None), int)
@@ -463,7 +457,7 @@ class _Target:
         self.core_ops = tuple(o for o in ATTENTION_OPS if o in op_names)  # the attention cores' ops asked for
         self.info = classify(root)
         self.rules = _leaf_rules()
-        self.mnn = _mnn()
+        self.mnn = mnn
         # parents of every module (a module may be registered under several names)
         self.parents: Dict[int, List[Tuple[nn.Module, str]]] = {}
         for _, parent in root.named_modules(remove_duplicate=False):
@@ -498,7 +492,7 @@ def _stock_batchnorms(root: nn.Module, op_names, cancelling_bn: str) -> Tuple[Di
     """The BatchNorms left stock (patch/cancellation.py) as ``{id: name}``, and the names of
     those that would otherwise have been compressed (a BatchNormAct2d is stock anyway)."""
     if not (cancelling_bn == "stock" and "batchnorm" in op_names and any(
-            isinstance(m, nn.BatchNorm2d) and not isinstance(m, _mnn().BatchNorm2d) for m in root.modules())):
+            isinstance(m, nn.BatchNorm2d) and not isinstance(m, mnn.BatchNorm2d) for m in root.modules())):
         return {}, ()
     mods = dict(root.named_modules())
     keep_stock = {id(mods[n]): n for n in cancellation_batchnorms(root) if n in mods}
@@ -591,13 +585,12 @@ def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dic
     """Step 2: each leaf module a rule covers becomes its Mesa layer (``from_module``: the same
     Parameters); a Mesa layer patched before takes this call's explicit options instead. Lists
     the modules again: the attention pass may have added children."""
-    sdpa_cls = _sdpa_cls()
     converted: Dict[int, nn.Module] = {}
     for name, m in list(t.root.named_modules()):
         if t.skipped(name):
             continue
         if isinstance(m, t.mnn.MesaLayer):
-            op = _layer_op(m, t.mnn, sdpa_cls)
+            op = mesa_layer_op(m)
             if op == "matmul" and not m.operands:
                 op = "softmax"  # the share-only attn @ v follows the softmax whose copy it keeps
             if explicit and op in t.op_names:
@@ -675,8 +668,6 @@ def _scale_pair(m: nn.Module):
     """``(conv, bn)`` when ``m`` runs exactly ``bn(conv(x))``: an ``nn.Sequential`` of those two
     (RepViT ``ConvNorm``) or timm's ``ConvNormAct`` with no anti-aliasing, whose
     ``BatchNormAct2d`` has no dropout / activation (FastViT / MobileOne ``conv_scale``)."""
-    from timm.layers import BatchNormAct2d, ConvNormAct
-
     kids = list(m._modules.values())
     if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward and len(kids) == 2:
         conv, bn = kids
@@ -686,8 +677,8 @@ def _scale_pair(m: nn.Module):
             return None
     else:
         return None
-    if not (isinstance(bn, _mnn().BatchNorm2d)
-            or (isinstance(bn, nn.BatchNorm2d) and type(bn).forward in (nn.BatchNorm2d.forward, BatchNormAct2d.forward))):
+    stock_forward = (nn.BatchNorm2d.forward, BatchNormAct2d.forward)
+    if not (isinstance(bn, mnn.BatchNorm2d) or (isinstance(bn, nn.BatchNorm2d) and type(bn).forward in stock_forward)):
         return None
     return conv, bn
 
@@ -696,8 +687,6 @@ def _link_scale_branches(root: nn.Module, parents, mnn, quant_options: dict, kee
     """Link each converted 1x1 depthwise conv that feeds a train-mode BatchNorm directly to
     that BatchNorm (a stock ``BatchNormAct2d`` without activation becomes a Mesa
     ``BatchNorm2d``: same forward, and its 8-bit x_hat replaces the 4-byte input it kept)."""
-    from mesa_train.nn.conv import is_scale_conv
-
     for m in list(root.modules()):
         pair = _scale_pair(m)
         if pair is None:
@@ -713,16 +702,3 @@ def _link_scale_branches(root: nn.Module, parents, mnn, quant_options: dict, kee
             bn = new
         conv.__dict__["_mesa_scale_bn"] = bn  # not a child: state_dict and module tree unchanged
         bn.__dict__["_mesa_scale_conv"] = conv  # (under torch.compile both run stock: nn/conv.py)
-
-
-def _layer_op(m, mnn, sdpa_cls) -> Optional[str]:
-    for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
-                    (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"),
-                    (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (sdpa_cls, "sdpa"),
-                    (mnn.BatchNorm2d, "batchnorm"), (mnn.SiLU, "silu"), (mnn.RmsNorm, "rmsnorm"),
-                    (mnn.GatedActivation, "glu"), (mnn.LayerScale, "layerscale"),
-                    (mnn.ChannelScale, "layerscale"), (mnn.Normalize, "normalize"),
-                    (mnn.GlobalResponseNorm, "grn")):
-        if isinstance(m, cls):
-            return op
-    return None
