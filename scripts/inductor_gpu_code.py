@@ -431,7 +431,8 @@ def main(argv=None) -> int:
             f"{''.join(f' --inductor-option {o}' for o in args.inductor_options)}`. "
             "Kernels: Triton kernel launches (Inductor defines a kernel once per distinct source and may "
             "launch it more than once). "
-            "MB: the bytes Inductor counts for each Triton kernel's loads and stores; for Mesa's opaque ops (CUDA kernels of the extension) their tensor inputs and "
+            "MB: the bytes Inductor counts for each Triton kernel's loads and stores; for Mesa's opaque ops "
+            "(CUDA kernels of the extension) their tensor inputs and "
             "outputs once, a floor. Matmuls (cuBLAS) are not counted. Saved for backward: the tensors "
             "the forward graph keeps for the backward (AOTAutograd's partition; parameters and their "
             "casts included).", "",

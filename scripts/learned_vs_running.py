@@ -93,7 +93,8 @@ def main() -> None:
                 # the mean gradient over the passes: rounding noise shrinks by 1/passes, the
                 # clipping bias stays (what SGD sees over many steps)
                 mean = torch.stack(grads).mean(0)
-                res[name] = (sum(errs) / len(errs), sum(coss) / len(coss), ((mean - exact).norm() / exact.norm()).item())
+                res[name] = (sum(errs) / len(errs), sum(coss) / len(coss),
+                             ((mean - exact).norm() / exact.norm()).item())
             rows.append((op, bits, res))
             print(f"{op} {bits}-bit: " + " | ".join(f"{k} err {v[0]:.4f} cos {v[1]:.5f} mean-err {v[2]:.4f}"
                                                     for k, v in res.items()), flush=True)
@@ -107,7 +108,8 @@ def main() -> None:
              f"the passes (`mean-grad err`: the noise shrinks by 1/{args.passes}, the clipping bias stays). "
              "`learned` = clip_horizon 1 (the stored tensor's own error), `learned H64` = clip_horizon 64 "
              "(DESIGN.md, 'Learned clipping').", "",
-             "| op | bits | estimator | rel err (1 pass) | cos (1 pass) | mean-grad err | 1-pass err no worse than running |",
+             "| op | bits | estimator | rel err (1 pass) | cos (1 pass) | mean-grad err | "
+             "1-pass err no worse than running |",
              "|---|---:|---|---:|---:|---:|---|"]
     for op, bits, res in rows:
         for name, (err, cos, merr) in res.items():

@@ -53,7 +53,8 @@ class Census(TorchDispatchMode):
             return out
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        key = (name, tuple(tuple(t.shape) for t in tensors[:2]), str(outs[0].dtype).removeprefix("torch.") if outs else "")
+        key = (name, tuple(tuple(t.shape) for t in tensors[:2]),
+               str(outs[0].dtype).removeprefix("torch.") if outs else "")
         self.count[key] += 1
         self.mb[key] = sum(t.numel() * t.element_size() for t in tensors + outs) / 1e6
         self.where[key].add(_caller())
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
     def build():
         torch.manual_seed(0)
         depth = {"depth": args.depth} if args.depth else {}
-        return build_model(args.model, fused_attn=args.fused_attn, img_size=args.img_size, **depth)  # (None: not passed)
+        return build_model(args.model, fused_attn=args.fused_attn, img_size=args.img_size,
+                           **depth)  # (None: not passed)
 
     try:
         build()
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
     for k in rows:
         where = sorted(stock.where.get(k, set()) | mesa.where.get(k, set()))
         mb = mesa.mb.get(k, stock.mb.get(k, 0.0))
-        print(f"{stock.count[k]:5d} {mesa.count[k]:5d} {mb:8.2f}  {k[0]} {list(k[1])} -> {k[2]}  @ {', '.join(where[:3])}")
+        print(f"{stock.count[k]:5d} {mesa.count[k]:5d} {mb:8.2f}  {k[0]} {list(k[1])} -> {k[2]}  "
+              f"@ {', '.join(where[:3])}")
     total = {name: sum(c.count[k] * c.mb[k] for k in c.count) for name, c in (("stock", stock), ("mesa", mesa))}
     print(f"MB read+written by all recorded ops: stock {total['stock']:.1f}, Mesa {total['mesa']:.1f} "
           f"({total['mesa'] / max(total['stock'], 1e-9):.2f}x)")

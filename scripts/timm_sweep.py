@@ -69,10 +69,12 @@ def main(argv=None):
         print(f"{name:40s} fwd={row['forward']:6s} cos={row['cosine']:.4f} ({row['worst']}) "
               f"bytes={row['ratio']:.3f}x {row['known']} [{time.time() - t:.0f}s]", flush=True)
     if args.out:
-        lines = ["| model | train forward vs stock | worst grad cosine | parameter | saved bytes / stock (b=32) | in GRADIENT_KNOWN |",
+        lines = ["| model | train forward vs stock | worst grad cosine | parameter | saved bytes / stock (b=32) | "
+                 "in GRADIENT_KNOWN |",
                  "|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['model']} | {r['forward']} | {r['cosine']:.4f} | {r['worst']} | {r['ratio']:.3f} | {r['known']} |")
+            lines.append(f"| {r['model']} | {r['forward']} | {r['cosine']:.4f} | {r['worst']} | {r['ratio']:.3f} | "
+                         f"{r['known']} |")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

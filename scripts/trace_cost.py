@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     forward_s = time.perf_counter() - start
     out.sum().backward()
     total_s = time.perf_counter() - start
-    print(f"{args.mode} {args.estimator} depth={args.depth}: trace+partition {forward_s:.1f} s (with backward {total_s:.1f} s), "
+    print(f"{args.mode} {args.estimator} depth={args.depth}: trace+partition {forward_s:.1f} s "
+          f"(with backward {total_s:.1f} s), "
           f"nodes forward {nodes.get('forward')} backward {nodes.get('backward')}")
     return 0
 

@@ -224,7 +224,8 @@ def test_bad_row_values_name_the_choices():
     # every compile scope has its name in the tables
     row = make_row(common, {"label": "a", "compile": True, "compile_kernels": "traceable", "compile_scope": "blocks"})
     assert row.compile_tags() == ["traceable kernels", "per block"]
-    assert [make_row(common, {"label": "a", "compile_scope": s}).compile_tags() for s in COMPILE_SCOPES] == [[], ["per block"]]
+    assert [make_row(common, {"label": "a", "compile_scope": s}).compile_tags()
+            for s in COMPILE_SCOPES] == [[], ["per block"]]
     with pytest.raises(BenchConfigError, match="exactly one baseline"):
         expand_preset({"common": common, "rows": [{"label": "a"}, {"label": "b"}]})
 

@@ -1,9 +1,10 @@
 """torch.compile of a small Mesa block runs forward and backward on CPU.
 
 The Mesa layers are traced with the rest (no graph break: rounding seeds are device-side,
-the compression is plain PyTorch under the compiler; see tests/test_compile_fullgraph.py). The default test uses ``backend="aot_eager"`` (about 6 s on
-2 busy cores); the inductor variant takes about a minute there, so it only runs with
-``MESA_SLOW_TESTS=1`` (or when a GPU is present).
+the compression is plain PyTorch under the compiler; see tests/test_compile_fullgraph.py).
+The default test uses ``backend="aot_eager"`` (about 6 s on 2 busy cores); the inductor
+variant takes about a minute there, so it only runs with ``MESA_SLOW_TESTS=1`` (or when a
+GPU is present).
 """
 from __future__ import annotations
 

@@ -35,8 +35,8 @@ FAMILIES = (
     "layer_norm_backward", "gelu_value_and_grad", "gelu_value_and_grad_rows",
 )
 KERNELS = ("quantize_kernel", "dequantize_kernel", "quantize_bits_kernel", "dequantize_bits_kernel", "observe_kernel",
-           "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel", "softmax_backward_kernel",
-           "layer_norm_backward_kernel")
+           "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel",
+           "softmax_backward_kernel", "layer_norm_backward_kernel")
 
 
 def _no_cxx20_ucontext(tmp_path) -> str | None:

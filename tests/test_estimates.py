@@ -271,7 +271,8 @@ def test_estimate_and_seed_bad_rng_is_a_one_line_error():
     mn, mx = _stats(1, 3, "finite", 0)
     args = (mn, mx, torch.zeros(3), torch.zeros(3), torch.tensor(False))
     for impl in (Q.estimate_and_seed, torch.ops.mesa.estimate_and_seed):
-        with pytest.raises(ValueError, match=r"estimate_and_seed: rng \(\[key, counter\]\) must be an int64 tensor of shape \(2,\)"):
+        with pytest.raises(ValueError, match=r"estimate_and_seed: rng \(\[key, counter\]\) must be an int64 tensor "
+                                             r"of shape \(2,\)"):
             impl(*args, torch.zeros(3, dtype=torch.int64), 0.9, False, False, True)
 
 

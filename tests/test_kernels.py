@@ -342,7 +342,8 @@ def _opcheck_cases(device):
         (torch.ops.mesa.dequantize.default, (q, a.requires_grad_(), b, 1, 3, torch.float32)),
     ] + [  # one op per compression: every estimator, with and without row scales, a strided x
         (torch.ops.mesa.compress.default,
-         (xs, torch.zeros(4, device=device), torch.zeros(4, device=device), torch.zeros(1, dtype=torch.bool, device=device),
+         (xs, torch.zeros(4, device=device), torch.zeros(4, device=device),
+          torch.zeros(1, dtype=torch.bool, device=device),
           Q.rng_state(5, device=device), 2, 4, 0.9, estimator, False, True, 1, max_k))
         for xs in (_randn((3, 8, 6), torch.bfloat16, device=device)[:, ::2],)
         for estimator in (0, 1, 2) for max_k in (0, 64)
@@ -431,7 +432,8 @@ def test_cuda_kernels_match_reference_and_cpu(shape, dim, G, dtype, per_sample):
     for stochastic in (False, True):
         q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, R.seed_tensor(123456789, x.device))
         assert torch.equal(q, R.quantize(x, alpha, beta, dim, G, stochastic, 123456789))
-        assert torch.equal(q.cpu(), torch.ops.mesa.quantize(xc, alpha_c, beta_c, dim, G, stochastic, R.seed_tensor(123456789, xc.device)))
+        assert torch.equal(q.cpu(), torch.ops.mesa.quantize(xc, alpha_c, beta_c, dim, G, stochastic,
+                                                            R.seed_tensor(123456789, xc.device)))
         for out in DTYPES:
             y = torch.ops.mesa.dequantize(q, alpha, beta, dim, G, out)
             assert torch.equal(y, R.dequantize(q, alpha, beta, dim, G, out))

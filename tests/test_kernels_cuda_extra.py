@@ -53,7 +53,8 @@ def _check_all(xc, dim, G, per_sample, device="cuda"):
         q = torch.ops.mesa.quantize(x, a, b, dim, G, st, R.seed_tensor(SEED, x.device))
         assert q.device == x.device and q.is_contiguous()
         assert torch.equal(q, R.quantize(x, a, b, dim, G, st, SEED))
-        assert torch.equal(q.cpu(), torch.ops.mesa.quantize(xc.contiguous(), a_c, b_c, dim, G, st, R.seed_tensor(SEED, xc.device)))
+        assert torch.equal(q.cpu(), torch.ops.mesa.quantize(xc.contiguous(), a_c, b_c, dim, G, st,
+                                                            R.seed_tensor(SEED, xc.device)))
         for out in DTYPES:
             y = torch.ops.mesa.dequantize(q, a, b, dim, G, out)
             assert y.device == x.device
@@ -104,7 +105,8 @@ REDUCTION_LAYOUTS = [
 
 
 @pytest.mark.parametrize("per_sample", [False, True], ids=["shared", "per_sample"])
-@pytest.mark.parametrize("shape,dim,G", REDUCTION_LAYOUTS, ids=[f"{'x'.join(map(str, s))}-d{d}" for s, d, _ in REDUCTION_LAYOUTS])
+@pytest.mark.parametrize("shape,dim,G", REDUCTION_LAYOUTS,
+                         ids=[f"{'x'.join(map(str, s))}-d{d}" for s, d, _ in REDUCTION_LAYOUTS])
 def test_reduction_paths_with_specials(shape, dim, G, per_sample):
     xc = _randn(shape, torch.float32, seed=7)
     flat = xc.view(-1)
@@ -195,6 +197,8 @@ def test_second_device():
 def test_cpu_params_rejected_for_cuda_input():
     x = torch.randn(2, 8, device="cuda")
     with pytest.raises(ValueError, match="is on"):
-        torch.ops.mesa.quantize(x, torch.ones(1, 2), torch.zeros(1, 2, device="cuda"), -1, 2, True, R.seed_tensor(0, x.device))
+        torch.ops.mesa.quantize(x, torch.ones(1, 2), torch.zeros(1, 2, device="cuda"),
+                                -1, 2, True, R.seed_tensor(0, x.device))
     with pytest.raises(ValueError, match="float32"):
-        torch.ops.mesa.quantize(x, torch.ones(1, 2, device="cuda").half(), torch.zeros(1, 2, device="cuda"), -1, 2, True, R.seed_tensor(0, x.device))
+        torch.ops.mesa.quantize(x, torch.ones(1, 2, device="cuda").half(), torch.zeros(1, 2, device="cuda"),
+                                -1, 2, True, R.seed_tensor(0, x.device))

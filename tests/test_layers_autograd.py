@@ -16,8 +16,8 @@ from kernel_marks import DTYPES
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
 
-OPTIONS = [dict(), dict(estimator="per_sample"), dict(estimator="delayed"), dict(symmetric=True), dict(rounding="nearest"),
-           dict(num_groups=3), dict(estimator="delayed", symmetric=True, rounding="nearest")]
+OPTIONS = [dict(), dict(estimator="per_sample"), dict(estimator="delayed"), dict(symmetric=True),
+           dict(rounding="nearest"), dict(num_groups=3), dict(estimator="delayed", symmetric=True, rounding="nearest")]
 
 
 def _layer(kind, options):
@@ -377,7 +377,8 @@ def test_row_exponents_fast_path_is_bitwise_the_python_path(case, dtype, shape, 
         x = _rows_case(case, shape, dtype).requires_grad_()
         y = layer(x)
         y.float().sum().backward()
-        runs.append([y.detach(), x.grad, layer.weight.grad, layer.bias.grad] + [b.clone() for b in layer.quantizer.buffers()])
+        runs.append([y.detach(), x.grad, layer.weight.grad, layer.bias.grad]
+                    + [b.clone() for b in layer.quantizer.buffers()])
     for i, (a, b) in enumerate(zip(*runs)):
         assert a.dtype == b.dtype and torch.equal(a.nan_to_num(1234.5), b.nan_to_num(1234.5)), i
     # and the exponents the Python path saw: nonzero exactly where a row is far below the others

@@ -6,7 +6,8 @@ import timm
 
 # name -> (builder kwargs, input shape)
 TINY = {
-    "deit": (dict(model_name="deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10, drop_rate=0.0, drop_path_rate=0.0),
+    "deit": (dict(model_name="deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10,
+                  drop_rate=0.0, drop_path_rate=0.0),
              (4, 3, 32, 32)),
     # depths (2, 2): block 1 of each stage is shifted (SW-MSA with the mask), stage 1 has
     # patch merging; window 4 on an 8x8 (stage 0) map -> 4 windows per image.

@@ -46,7 +46,8 @@ def test_a_recomputed_block_is_exact_and_keeps_less(tmp_path):
 
 def test_recompute_cannot_be_mixed_or_put_outside_a_block():
     with pytest.raises(PlanError, match=r"layers \['blocks.0'\] both recompute and compress"):
-        mesa_train.patch_model(tiny(), plan={"format": "mesa-train-plan/1", "layers": {"blocks.0": ["gelu", "recompute"]}})
+        mesa_train.patch_model(tiny(), plan={"format": "mesa-train-plan/1",
+                                             "layers": {"blocks.0": ["gelu", "recompute"]}})
     with pytest.raises(PlanError, match=r"ops these layers do not have.*\(other\): recompute"):
         mesa_train.patch_model(tiny(), plan={"format": "mesa-train-plan/1", "layers": {OTHER: ["recompute"]}})
     with pytest.raises(PlanError, match="valid ops: .*recompute"):

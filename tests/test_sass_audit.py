@@ -134,7 +134,8 @@ def test_codes_become_floats_without_the_conversion_unit(kernels, kernel):
 def test_conversions_count_the_conversion_unit_only():
     m = load_script("sass_audit")
     code = ["F2I.TRUNC.NTZ R6, R27", "F2IP.U8.F32.TRUNC.NTZ R7, RZ, R2, RZ", "I2F.U16 R7, R7",
-            "I2FP.F32.U32 R9, R9", "F2F.BF16.F32 R14, R14", "F2FP.BF16.F32.PACK_AB R8, R15, R8", "FMNMX R9, RZ, R19, !PT"]
+            "I2FP.F32.U32 R9, R9", "F2F.BF16.F32 R14, R14", "F2FP.BF16.F32.PACK_AB R8, R15, R8",
+            "FMNMX R9, RZ, R19, !PT"]
     assert m.conversions(code) == 3
 
 

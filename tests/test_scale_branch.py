@@ -108,7 +108,8 @@ def test_zero_weight_channel_falls_back_to_the_conv_input():
     gw = got["scale.c.weight"].flatten()
     assert torch.isfinite(gw).all()
     # channel 3: x_hat is 0, nothing to reconstruct x from; the 8-bit input's gradient
-    assert (gw[3] - exact["scale.c.weight"].flatten()[3]).abs() < 0.05 * exact["scale.c.weight"].flatten()[3].abs() + 1e-6
+    assert ((gw[3] - exact["scale.c.weight"].flatten()[3]).abs()
+            < 0.05 * exact["scale.c.weight"].flatten()[3].abs() + 1e-6)
 
 
 def test_link_never_left_on_the_module():

@@ -45,7 +45,8 @@ def test_ctrl_c_saves_last_pt_and_exits_130_with_one_line(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     last_line = err.strip().splitlines()[-1]
-    assert last_line.startswith("error: interrupted at step ") and "last.pt; run the same command to resume" in last_line
+    assert (last_line.startswith("error: interrupted at step ")
+            and "last.pt; run the same command to resume" in last_line)
     from mesa_train.train.checkpoint import load_checkpoint
 
     step = load_checkpoint(str(run_dir / "checkpoints" / "last.pt"))["state"]["step"]

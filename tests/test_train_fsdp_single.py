@@ -71,7 +71,8 @@ def test_fsdp_one_process_sharded_checkpoint_converts_both_ways(compose_train, t
     convert(str(tmp_path / "back.dcp"), str(tmp_path / "two.pt"))
     two = ckpt_lib.load_checkpoint(str(tmp_path / "two.pt"))
     assert _tensors_equal(one["model"], two["model"])
-    assert all(_tensors_equal(one["optimizer"]["state"][i], two["optimizer"]["state"][i]) for i in one["optimizer"]["state"])
+    assert all(_tensors_equal(one["optimizer"]["state"][i], two["optimizer"]["state"][i])
+               for i in one["optimizer"]["state"])
     assert one["scheduler"] == two["scheduler"] and one["rng"][0]["python"] == two["rng"][0]["python"]
 
     from mesa_train.train.errors import RunDirError

@@ -15,8 +15,8 @@ from mesa_train.train.runner import fit
 # every source of randomness the pipeline has. 96 images / 32 = 3 steps per epoch.
 RESUME = TINY_MODELS["deit"] + [
     "data=digits", "model.img_size=16", "model.kwargs.patch_size=4", "optim=deit", "optim.drop_path=0.1",
-    "optim.ema=true", "mesa.enabled=true", "trainer.epochs=2", "trainer.batch_size=32", "data.train_size=96", "data.val_size=64",
-    "trainer.num_workers=0", "trainer.device=cpu", "trainer.amp=none", "trainer.progress=false",
+    "optim.ema=true", "mesa.enabled=true", "trainer.epochs=2", "trainer.batch_size=32", "data.train_size=96",
+    "data.val_size=64", "trainer.num_workers=0", "trainer.device=cpu", "trainer.amp=none", "trainer.progress=false",
     "trainer.log_every=1",
 ]
 

@@ -205,7 +205,8 @@ def test_patch4x4_saved_bytes_and_bounds():
     assert xh.shape == x.shape
     xp = torch.nn.functional.pad(x, (0, 2, 0, 2), mode="replicate")
     blocks = xp.reshape(2, 8, 4, 4, 4, 4).permute(0, 1, 2, 4, 3, 5).reshape(-1, 16)
-    assert torch.all(p.beta.float().view(-1) <= blocks.amin(1)) and torch.all(p.alpha.float().view(-1) >= blocks.amax(1))
+    assert (torch.all(p.beta.float().view(-1) <= blocks.amin(1))
+            and torch.all(p.alpha.float().view(-1) >= blocks.amax(1)))
     err = (xh - x).abs().reshape(-1)
     step = (p.alpha.float() - p.beta.float()) / 3
     assert err.max() <= step.max() * 1.0001 and err.mean() < 0.5 * step.mean()

@@ -111,7 +111,8 @@ def parse_spec(preset: dict) -> GradSpec:
         quant = dict(r.get("quant") or {})
         bad = sorted(set(quant) - set(QUANT_KEYS))
         if bad:
-            raise BenchConfigError(f"row {r.get('label')!r}: unknown quant option(s) {bad}; valid: {', '.join(QUANT_KEYS)}")
+            raise BenchConfigError(f"row {r.get('label')!r}: unknown quant option(s) {bad}; "
+                                   f"valid: {', '.join(QUANT_KEYS)}")
         rows.append(GradRow(str(r["label"]), ops, modules, quant, str(r.get("paper", ""))))
     if not models or not rows:
         raise BenchConfigError("gradients preset needs 'models' and 'rows'")
@@ -119,7 +120,8 @@ def parse_spec(preset: dict) -> GradSpec:
     for m in models:
         bad = sorted(set(m.rows or ()) - set(labels))
         if bad:
-            raise BenchConfigError(f"model {m.label!r}: rows {bad} are not rows of the preset; rows: {', '.join(labels)}")
+            raise BenchConfigError(f"model {m.label!r}: rows {bad} are not rows of the preset; "
+                                   f"rows: {', '.join(labels)}")
     ints = {}
     for key, low in (("batch_size", 1), ("img_size", 1), ("passes", 2), ("warmup_batches", 0), ("seed", 0)):
         value = preset.get(key)
@@ -176,7 +178,8 @@ def check_models(spec: GradSpec) -> None:
                                        f"inputs with {m.kwargs}: {type(err).__name__}: {err}") from None
 
 
-def gradient(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+def gradient(model: torch.nn.Module,
+             batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """(all parameter gradients as one float64 vector, tensor sizes, logits)."""
     model.zero_grad(set_to_none=True)
     logits = model(batch[0])
@@ -305,7 +308,8 @@ def markdown(spec: GradSpec, records: list[dict[str, Any]], env: dict[str, Any],
                 r["label"], r["ops"] + (f" [{r['modules']}]" if r["modules"] != "all" else ""), r["quant"] or "–",
                 r["paper"] or "–", _fmt(r["cos_single"], 5), _fmt(r["rel_err_single"]), _fmt(r["cos_mean"], 5),
                 _fmt(r["rel_err_mean"]), _fmt(r["bias_rel"]), _fmt(r["noise_rel_over_sqrt_n"]),
-                f"{r['worst_tensor']}: {_fmt(r['worst_tensor_cos_mean'], 4)}", "yes" if r["forward_exact"] else "**no**",
+                f"{r['worst_tensor']}: {_fmt(r['worst_tensor_cos_mean'], 4)}",
+                "yes" if r["forward_exact"] else "**no**",
             ]) + " |")
         lines.append("")
     lines += ["## How to read it", "",
@@ -357,7 +361,8 @@ def run_app(cfg: Any, command: str) -> int:
         print(f"preset {spec.name}: {len(spec.models)} models x {len(spec.rows)} rows, {spec.passes} passes, "
               f"batch {spec.batch_size}, {spec.img_size}px")
         for m in spec.models:
-            print(f"  model {m.label}: {m.model} {m.kwargs or ''} rows: {'all' if m.rows is None else ', '.join(m.rows)}")
+            print(f"  model {m.label}: {m.model} {m.kwargs or ''} "
+                  f"rows: {'all' if m.rows is None else ', '.join(m.rows)}")
         for r in spec.rows:
             print(f"  {r.label:<32} {r.options()}")
         return 0
@@ -401,7 +406,8 @@ def main() -> None:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
-        command = ("python -m mesa_train.bench.gradient_fidelity " + " ".join(shlex.quote(o) for o in overrides)).strip()
+        command = ("python -m mesa_train.bench.gradient_fidelity "
+                   + " ".join(shlex.quote(o) for o in overrides)).strip()
         try:
             code = run_app(cfg, command)
         except BenchConfigError as err:

@@ -137,7 +137,8 @@ def markdown(table: dict, baseline_tree: str | None, reps: int, rounds: int) -> 
                          f"{r['this_added_us']:.0f} | {r['added_ratio']:.2f}x |")
         else:
             lines.append(f"| {name} | {r['stock_us']:.0f} | {r['added_us']:.0f} |")
-    how = f"median of {reps} forward+backward passes" + (f", median over {rounds} alternating rounds" if baseline_tree else "")
+    how = (f"median of {reps} forward+backward passes"
+           + (f", median over {rounds} alternating rounds" if baseline_tree else ""))
     return "\n".join(lines) + f"\n\nTensors of 64 elements, 1 CPU thread, {how}.\n"
 
 

@@ -58,11 +58,13 @@ def _configs(model, batch, profile, preset, log) -> List[Dict[str, Any]]:
     """[{label, kind, model, predicted?}] for every configuration measured."""
     every = {u.name: u.ops for u in profile.units}
     # budgets run from all-ops Mesa (compression only; plans may also recompute blocks) to stock
-    floor = predict(profile, {it.key for it in profile.items if it.saved_bytes > 0 and it.op != "recompute"}).activation_bytes
+    floor = predict(profile, {it.key for it in profile.items
+                              if it.saved_bytes > 0 and it.op != "recompute"}).activation_bytes
     floor_frac = floor / profile.stock_activation_bytes
     step = lambda m: train_step(m, batch)  # noqa: E731
     configs = [dict(label="stock", kind="stock", model=model),
-               dict(label="Mesa all ops", kind="mesa-all", model=patch_items(copy.deepcopy(model), every, profile.quant_options)),
+               dict(label="Mesa all ops", kind="mesa-all",
+                    model=patch_items(copy.deepcopy(model), every, profile.quant_options)),
                dict(label="grad checkpointing (timm)", kind="ckpt", model=baselines.grad_checkpointing(model)),
                dict(label="selective AC (save matmuls)", kind="sac", model=baselines.selective_checkpointing(model))]
     n_blocks = len(profile.units) - 1
@@ -168,7 +170,8 @@ def _targets(records) -> List[str]:
     if half and "mesa-all" in by_kind:
         a = by_kind["mesa-all"]
         lines.append(f"- halfway plan throughput {half['throughput_ratio']:.3f} x stock vs all-ops Mesa "
-                     f"{a['throughput_ratio']:.3f} -> {'PASS' if half['throughput_ratio'] > a['throughput_ratio'] else 'FAIL'}")
+                     f"{a['throughput_ratio']:.3f} -> "
+                     f"{'PASS' if half['throughput_ratio'] > a['throughput_ratio'] else 'FAIL'}")
     if half:
         at = _interp_plan_throughput(records, half["memory_ratio"], ("stock", "ckpt"))
         if at is not None:

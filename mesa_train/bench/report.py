@@ -24,11 +24,11 @@ from mesa_train.bench.presets import RowConfig
 CSV_COLUMNS = [
     "preset", "label", "group", "baseline", "model", "mesa", "ops", "modules",
     "batch_size", "micro_batch", "accum_steps", "img_size", "amp", "attention",
-    "grad_checkpointing", "compile", "graphs", "graph_breaks", "compile_s", "num_classes", "status", "error", "params_m",
-    "saved_mb", "saved_ratio", "peak_mb", "peak_ratio", "peak_kind", "step_rss_mb",
+    "grad_checkpointing", "compile", "graphs", "graph_breaks", "compile_s", "num_classes", "status", "error",
+    "params_m", "saved_mb", "saved_ratio", "peak_mb", "peak_ratio", "peak_kind", "step_rss_mb",
     "step_rss_ratio", "reserved_mb", "throughput", "throughput_ratio", "throughput_mean",
-    "step_ms_median", "host_ms_median", "timed_steps", "wall_s", "paper_row", "paper_memory_mb", "paper_memory_ratio", "paper_throughput",
-    "paper_throughput_ratio", "paper_top1",
+    "step_ms_median", "host_ms_median", "timed_steps", "wall_s", "paper_row", "paper_memory_mb", "paper_memory_ratio",
+    "paper_throughput", "paper_throughput_ratio", "paper_top1",
     "device", "torch", "timm", "mesa_train", "cuda", "mesa_extension", "date",
 ]
 
@@ -176,7 +176,8 @@ def _with_ratio(value: float | None, ratio: float | None, digits: int = 0) -> st
 DESCRIPTIVE_COLUMNS = {
     "model": ("Model", lambda r: r["model"]),
     "params": ("Params (M)", lambda r: _num(r["params_m"], 1)),
-    "batch": ("Batch", lambda r: str(r["micro_batch"]) + (f" ×{r['accum_steps']} accum" if r["accum_steps"] > 1 else "")),
+    "batch": ("Batch", lambda r: str(r["micro_batch"])
+              + (f" ×{r['accum_steps']} accum" if r["accum_steps"] > 1 else "")),
     "img_size": ("Res.", lambda r: str(r["img_size"])),
     "amp": ("AMP", lambda r: r["amp"]),
     "attention": ("Attention", lambda r: r["attention"]),

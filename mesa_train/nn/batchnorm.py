@@ -71,8 +71,9 @@ class _BatchNormFn(torch.autograd.Function):
             # a pure rescaling of its input (a conv or BatchNorm weight in front: a cancellation
             # that 8-bit noise would otherwise swamp; EfficientViT-M's conv1.bn.weight went to
             # cosine 0.08). The dequantized x_hat is off by rounding noise, so it is
-            # standardised again with its own per-channel moments (to the exact x_hat's mean square), handed to the kernel as the
-            # mean/invstd it normalises with (no extra pass over the tensor for the scaling).
+            # standardised again with its own per-channel moments (to the exact x_hat's mean
+            # square), handed to the kernel as the mean/invstd it normalises with (no extra
+            # pass over the tensor for the scaling).
             # (The exact mean square is var / (var + eps) = 1 - eps * invstd^2, not 1, for a
             # channel whose variance is not far above eps.)
             var, xh_mean = torch.var_mean(xh, dim=[d for d in range(xh.dim()) if d != 1], correction=0)

@@ -129,7 +129,8 @@ class QuantOptions:
         if self.estimator == "delayed" and (self.bits != 8 or self.scale != "linear" or self.layout != "channel"):
             raise ValueError("estimator='delayed' quantizes the paper's 8-bit channel format in one pass; "
                              "valid with it: bits=8, scale='linear', layout='channel' "
-                             f"(got bits={self.bits}, scale={self.scale!r}, layout={self.layout!r}); other formats take "
+                             f"(got bits={self.bits}, scale={self.scale!r}, layout={self.layout!r}); "
+                             "other formats take "
                              "estimator in ('running', 'per_sample', 'learned')")
         if self.layout == "patch4x4" and (self.estimator != "running" or self.symmetric):
             raise ValueError("layout='patch4x4' takes each 4x4 block's own min/max (per sample): it supports "

@@ -17,6 +17,6 @@ from .planner import make_plan, measure_plans, plan_table, summary_table
 from .profile import Profile, profile_model
 from .units import OTHER, find_units
 
-__all__ = ["Budget", "allocate", "budget_bytes", "predict", "apply_plan", "check_plan", "describe_plan", "plan_of", "make_batch",
-           "Plan", "PlanError", "load_plan", "save_plan", "make_plan", "measure_plans", "plan_table",
+__all__ = ["Budget", "allocate", "budget_bytes", "predict", "apply_plan", "check_plan", "describe_plan", "plan_of",
+           "make_batch", "Plan", "PlanError", "load_plan", "save_plan", "make_plan", "measure_plans", "plan_table",
            "summary_table", "Profile", "profile_model", "OTHER", "find_units"]

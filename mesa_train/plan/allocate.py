@@ -103,7 +103,8 @@ def budget_bytes(profile: Profile, budget: Budget) -> Tuple[float, str]:
     if profile.stock_peak_bytes is not None:
         # peak = everything else at the stock peak + the activations kept
         rest = profile.stock_peak_bytes - profile.stock_activation_bytes
-        return limit - rest, f"{budget.gb:g} GB peak (max_memory_allocated; stock peak {profile.stock_peak_bytes / 2**30:.3f} GB)"
+        return limit - rest, (f"{budget.gb:g} GB peak (max_memory_allocated; "
+                              f"stock peak {profile.stock_peak_bytes / 2**30:.3f} GB)")
     # no peak counter (CPU): estimate peak as activations + parameters, gradients and two
     # Adam moments (4 x parameter bytes)
     rest = 4 * profile.parameter_bytes

@@ -345,7 +345,8 @@ def check_row_exponents_args(x, row_dims, max_k) -> None:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"row_exponents supports float32, float16 and bfloat16 inputs, got {got}")
     if isinstance(row_dims, bool) or not isinstance(row_dims, int) or not 1 <= row_dims <= x.dim():
-        raise ValueError(f"row_exponents: row_dims must be in [1, {x.dim()}] for a {x.dim()}-d tensor, got {row_dims!r}")
+        raise ValueError(f"row_exponents: row_dims must be in [1, {x.dim()}] for a {x.dim()}-d tensor, "
+                         f"got {row_dims!r}")
     if isinstance(max_k, bool) or not isinstance(max_k, int) or not 0 <= max_k <= 126:
         raise ValueError(f"row_exponents: max_k must be in [0, 126], got {max_k!r}")
 

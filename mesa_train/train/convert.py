@@ -83,11 +83,13 @@ def convert(src: str, dst: str) -> str:
         raise ckpt_lib.CheckpointError("source and destination are the same path")
     if os.path.isdir(src):
         if os.path.isdir(dst):
-            raise ckpt_lib.CheckpointError(f"{dst} is a directory; a sharded checkpoint becomes one file (e.g. last.pt)")
+            raise ckpt_lib.CheckpointError(f"{dst} is a directory; a sharded checkpoint becomes one file "
+                                           "(e.g. last.pt)")
         sharded_to_file(src, dst)
         return "sharded -> single file"
     if os.path.isfile(dst):
-        raise ckpt_lib.CheckpointError(f"{dst} is a file; a single-file checkpoint becomes a DCP directory (e.g. last.dcp)")
+        raise ckpt_lib.CheckpointError(f"{dst} is a file; a single-file checkpoint becomes a DCP directory "
+                                       "(e.g. last.dcp)")
     file_to_sharded(src, dst)
     return "single file -> sharded"
 

@@ -2,8 +2,9 @@
 line overrides) is collected into ``<sweep dir>/summary.csv`` and ``summary.md``.
 
 The throughput column (``images_per_s_mean``) leaves out each job's first few steps
-(process start, allocator and compile warm-up). ``SweepSummary`` is a Hydra callback (configs/hydra/default.yaml); Hydra calls
-``on_multirun_end`` once, after the last job. It needs nothing from Hydra itself.
+(process start, allocator and compile warm-up). ``SweepSummary`` is a Hydra callback
+(configs/hydra/default.yaml); Hydra calls ``on_multirun_end`` once, after the last job. It
+needs nothing from Hydra itself.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from mesa_train.bench.accuracy.paper import TABLE_TITLES, paper_accuracy
 from mesa_train.bench.presets import BenchConfigError
 
 # the train config's mesa.* keys a row may set (mlp: shared / separate copies in the MLP)
-MESA_KEYS = ("ops", "modules", "num_groups", "decay", "estimator", "symmetric", "rounding", "row_scale", "bits", "scale",
-             "layout", "clip_horizon", "mlp", "norm_linear")
+MESA_KEYS = ("ops", "modules", "num_groups", "decay", "estimator", "symmetric", "rounding", "row_scale", "bits",
+             "scale", "layout", "clip_horizon", "mlp", "norm_linear")
 CLAIM_KINDS = ("better", "on_par")
 PRESET_KEYS = {"name", "title", "description", "experiment", "train", "seeds", "jobs",
                "threads_per_job", "rows", "tables", "claims", "notes"}
