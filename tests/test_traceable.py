@@ -193,9 +193,9 @@ def test_codes_at_every_edge_match_the_op(stochastic, compiled):
     top in float32, for the codes the traced quantize makes (8 bits and packed 4 bits), eager
     and under CPU Inductor: bitwise the ops'. The traced form has no ``isnan`` and no floor
     (``traceable._clamp_codes``, ``quantize``); the op applies the definition as written
-    (``where(isnan, 0, floor(v + u)).clamp``). The values before
-    the uint8 cast are finite and in range (a NaN or 256 cast to uint8 is undefined; x86 and
-    CUDA happen to give 0 for both, so the codes alone would not show it)."""
+    (``where(isnan, 0, floor(v + u)).clamp``). The values before the uint8 cast are finite and
+    in range (a NaN or 256 cast to uint8 is undefined; x86 and CUDA happen to give 0 for both,
+    so the codes alone would not show it)."""
     seed = torch.tensor([0, 0], dtype=torch.int64)
     quantize, quantize_bits = traceable.quantize, traceable.quantize_bits
     if compiled:

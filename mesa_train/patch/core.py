@@ -286,7 +286,7 @@ def _attention_like(m: nn.Module) -> bool:
 
 
 # ----------------------------------------------------------------------------- main entry
-def _share_mlp_copies(named, info, set_names, shared: bool, rules, mnn) -> None:
+def _share_mlp_copies(named, info, set_names, shared: bool, rules) -> None:
     """timm ``Mlp`` with a GELU (``F.gelu``: torch's or timm's, not QuickGELU) and a Linear fc2
     -> :class:`MesaMlp` (``mesa_shared``)."""
     gelus = {t for t, (op, cls) in rules.items() if cls in (mnn.GELU, _TimmGELU, _TimmGELUTanh)} | {mnn.GELU}
@@ -418,7 +418,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 1c. plain MLPs (fc1, GELU, fc2): fc2 shares the GELU's copy (mlp="shared"; the choice
     # is made again at every call: patch/mlp.py, MesaMlp)
     if "gelu" in op_names and "linear" in op_names:
-        _share_mlp_copies(t.named, t.info, set_names, mlp == "shared", t.rules, t.mnn)
+        _share_mlp_copies(t.named, t.info, set_names, mlp == "shared", t.rules)
     # 1c'. ViT blocks: qkv and fc1 share the copy of the norm before them, other families' blocks
     # fc1 (norm_linear="shared"; the choice is made again at every call: patch/block.py)
     if "layernorm" in op_names and "linear" in op_names:
@@ -430,7 +430,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne)
     _convert_leaves(t, explicit, gated_acts, keep_stock)
     if "conv" in op_names and "batchnorm" in op_names:
-        _link_scale_branches(root, t.parents, t.mnn, quant_options, keep_stock)
+        _link_scale_branches(root, t.parents, quant_options, keep_stock)
 
     # 3. functional ops no rule reaches: recorded, warned about, left stock
     unreached = _functional_ops_left(t, generic)
@@ -457,7 +457,6 @@ class _Target:
         self.core_ops = tuple(o for o in ATTENTION_OPS if o in op_names)  # the attention cores' ops asked for
         self.info = classify(root)
         self.rules = _leaf_rules()
-        self.mnn = mnn
         # parents of every module (a module may be registered under several names)
         self.parents: Dict[int, List[Tuple[nn.Module, str]]] = {}
         for _, parent in root.named_modules(remove_duplicate=False):
@@ -551,7 +550,7 @@ def _patch_gated_mlps(t: _Target) -> set:
         mi = t.module_info(name)
         if "glu" in t.op_names and mi.module_set in t.set_names and getattr(m, "gated", None) is None:
             m.__class__ = MLP_CLASSES[stock_cls]
-            m.gated = t.mnn.GatedActivation(m.act, gate_last=getattr(m, "gate_last", False),
+            m.gated = mnn.GatedActivation(m.act, gate_last=getattr(m, "gate_last", False),
                                             device=_module_device(m), **t.options(None, mi.heads))
         if getattr(m, "gated", None) is not None:
             gated_acts.add(id(m.act))
@@ -563,7 +562,7 @@ def _patch_inline_scales(t: _Target) -> None:
     routed to a ChannelScale child while the block runs (generic_attention.install_scales);
     ConvNeXt's ``x.mul(self.gamma.reshape(1, -1, 1, 1))`` by a class swap (patch/convnext.py)."""
     for name, m in t.named:
-        if t.skipped(name) or isinstance(m, t.mnn.MesaLayer):
+        if t.skipped(name) or isinstance(m, mnn.MesaLayer):
             continue
         mi = t.module_info(name)
         if mi.module_set not in t.set_names:
@@ -574,7 +573,7 @@ def _patch_inline_scales(t: _Target) -> None:
             install_scales(m, params, _module_device(m), t.options(None, mi.heads))
         stock_cls = STOCK_CONVNEXT_CLASSES.get(type(m), type(m))
         if stock_cls in CONVNEXT_CLASSES and m.gamma is not None and CONVNEXT_SCALE_CHILD not in m._modules:
-            m.add_module(CONVNEXT_SCALE_CHILD, t.mnn.ChannelScale(device=_module_device(m),
+            m.add_module(CONVNEXT_SCALE_CHILD, mnn.ChannelScale(device=_module_device(m),
                                                                   **t.options(None, mi.heads)))
             if type(m) is stock_cls:  # not swapped by step 1c': its norm keeps its own copy
                 m.__class__ = CONVNEXT_CLASSES[stock_cls]
@@ -589,7 +588,7 @@ def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dic
     for name, m in list(t.root.named_modules()):
         if t.skipped(name):
             continue
-        if isinstance(m, t.mnn.MesaLayer):
+        if isinstance(m, mnn.MesaLayer):
             op = mesa_layer_op(m)
             if op == "matmul" and not m.operands:
                 op = "softmax"  # the share-only attn @ v follows the softmax whose copy it keeps
@@ -631,7 +630,7 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
                + (PlainMatMul, PlainSoftmax))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in t.root.named_modules():
-        if type(m) in handled or isinstance(m, t.mnn.MesaLayer) or t.skipped(name):
+        if type(m) in handled or isinstance(m, mnn.MesaLayer) or t.skipped(name):
             continue
         if t.module_info(name).module_set not in t.set_names:
             continue
@@ -640,7 +639,7 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
         else:
             found = scan_functional_ops(type(m))
         if "linear" in found and "linear" in t.op_names and any(
-                isinstance(c, t.mnn.Linear) for c in m._modules.values()):
+                isinstance(c, mnn.Linear) for c in m._modules.values()):
             install_linear(m)
             generic[name] = generic.get(name, ()) + ("linear",)
         hit = tuple(o for o in found if o in t.op_names and o not in generic.get(name, ()))
@@ -683,7 +682,7 @@ def _scale_pair(m: nn.Module):
     return conv, bn
 
 
-def _link_scale_branches(root: nn.Module, parents, mnn, quant_options: dict, keep_stock=()) -> None:
+def _link_scale_branches(root: nn.Module, parents, quant_options: dict, keep_stock=()) -> None:
     """Link each converted 1x1 depthwise conv that feeds a train-mode BatchNorm directly to
     that BatchNorm (a stock ``BatchNormAct2d`` without activation becomes a Mesa
     ``BatchNorm2d``: same forward, and its 8-bit x_hat replaces the 4-byte input it kept)."""
