@@ -118,6 +118,9 @@ def load_script(name: str):
     """``scripts/<name>.py`` as a module (the scripts are not a package)."""
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    # registered under its name, as an import would: Dynamo (torch 2.11) re-imports the module of
+    # a function it traces by that name to read its globals, and failed on an unregistered one
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -14,6 +14,7 @@ import mesa_train.nn as mnn
 from mesa_train import quant
 from mesa_train.quant import compile_kernels as ck
 from mesa_train.train.config import ConfigError, validate
+from kernel_marks import DEVICES
 
 needs_extension = pytest.mark.skipif(quant.BACKEND != "extension", reason="needs the compiled extension")
 
@@ -121,11 +122,7 @@ def test_auto_keeps_the_cuda_kernels_in_the_graph():
     assert seen.count("mesa.compress.default") == 4, seen
 
 
-_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
-
-
-@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["ops", "traceable"])
 def test_compiled_train_steps_are_bitwise_eager(mode, device):
     """Forward, gradients, estimates and rounding counters of two compiled steps equal eager's."""

@@ -20,10 +20,9 @@ import mesa_train.quant as Q
 from mesa_train.nn.quantizer import QuantOptions
 from mesa_train.quant import reference as R
 from mesa_train.quant import traceable as T
-from kernel_marks import CUDA, needs_ext
+from kernel_marks import DEVICES, needs_ext
 from op_recorder import OpRecorder
 
-DEVICES = ["cpu", CUDA]
 
 
 def _bits(t):

@@ -21,9 +21,8 @@ import mesa_train.quant as Q
 from mesa_train.nn.layernorm_linear import rebuild_norm_output
 from mesa_train.nn.quantizer import Packed, decompress
 from mesa_train.quant import reference as R
-from kernel_marks import CUDA, DTYPES, needs_ext
+from kernel_marks import DEVICES, DTYPES, needs_ext
 
-DEVICES = ["cpu", CUDA]
 # (shape, group dim, groups, per-sample): LayerNorm tokens (B, N, C) with channel groups, a
 # last dim that is not a multiple of the 16-element vector step (C = 40, 3, 1), groups along
 # another dim, per-sample statistics, and a row of one element per vector step

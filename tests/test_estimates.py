@@ -16,7 +16,7 @@ from torch.library import opcheck
 import mesa_train.quant as Q
 from mesa_train.nn import ActivationQuantizer
 from mesa_train.quant import reference as R
-from kernel_marks import CUDA, needs_cuda, needs_ext
+from kernel_marks import EXT_DEVICES as DEVICES, needs_cuda
 from op_recorder import OpRecorder
 
 
@@ -76,7 +76,6 @@ def _check_same(got, want):
         assert torch.equal(_bits(g_), _bits(w)), f"{n}: {g_} != {w}"
 
 
-DEVICES = [pytest.param("cpu", marks=needs_ext), CUDA]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -16,9 +16,8 @@ from torch.library import opcheck
 
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
-from kernel_marks import CUDA, DTYPES, needs_ext
+from kernel_marks import DEVICES, DTYPES, needs_ext
 
-DEVICES = ["cpu", CUDA]
 # (shape, group dim, groups, per-sample statistics): the MLP's (B, N, 4C) with channel groups,
 # a conv activation per channel (dim 1), groups that do not divide the dim, a vector tail
 LAYOUTS = [((4, 9, 48), -1, 6, False), ((2, 8, 5, 5), 1, 8, False), ((3, 7, 10), -1, 3, True),

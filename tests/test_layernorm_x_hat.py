@@ -20,8 +20,8 @@ from torch.library import opcheck
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
 
-from kernel_marks import DTYPES, needs_ext
-from test_row_scale_kernels import DEVICES, SHAPES, _bits, _rows, _state
+from kernel_marks import DEVICES, DTYPES, needs_ext
+from test_row_scale_kernels import SHAPES, _bits, _rows, _state
 from test_row_scale_kernels import _observe_rows_both as _observe_rows_pair
 
 

@@ -15,9 +15,8 @@ from torch.library import opcheck
 
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
-from kernel_marks import CUDA, DT_IDS, DTYPES, needs_cuda, needs_ext
+from kernel_marks import EXT_DEVICES as DEVICES, DT_IDS, DTYPES, needs_cuda
 
-DEVICES = [pytest.param("cpu", marks=needs_ext), CUDA]
 M32 = 0xFFFFFFFF
 
 # (shape, dim, G): channel groups, per-head groups, G not dividing D, dim 0, 1-D, G == D,

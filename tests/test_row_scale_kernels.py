@@ -17,9 +17,8 @@ from torch.library import opcheck
 
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
-from kernel_marks import CUDA, DTYPES, needs_ext
+from kernel_marks import DEVICES, DTYPES, needs_ext
 
-DEVICES = ["cpu", CUDA]
 # (shape, row_dims): rows of 16 (whole vector steps), 24 and 131 (steps straddle rows, and a tail),
 # two row dims (LayerNorm over (H, W)), one long row
 SHAPES = [((4, 6, 16), 1), ((3, 5, 24), 1), ((2, 7, 131), 1), ((2, 3, 4, 6), 2), ((2, 4100), 1)]
