@@ -43,12 +43,17 @@ instructions an element (``scripts/triton_sass.py``, DeiT-S block: its machine c
 without a GPU). Which is faster is for the GPU to time: coordinate descent times each kernel's
 neighbouring XBLOCK and warp counts at its first run and keeps the fastest (compile time not yet
 measured on a GPU; a caller's ``options={"coordinate_descent_tuning": False}`` turns it off).
+
+On a torch before 2.14, :func:`compile_model` first applies :mod:`mesa_train.inductor_backports`
+(Inductor's persistent-reduction decision with the tiling scores), for stock and Mesa models
+alike: without it torch 2.11 writes a DeiT-S softmax, and the traced coding kernels, as loops.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from mesa_train import inductor_backports
 from mesa_train.models import unwrap_model
 from mesa_train.nn._common import MesaLayer
 from mesa_train.quant.compile_kernels import traced_when_compiled
@@ -140,6 +145,7 @@ def compile_model(model: nn.Module, scope: str = "model", *, fullgraph: bool = T
     """
     if scope not in SCOPES:
         raise ValueError(f"compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    inductor_backports.install()  # (stock or Mesa: the same Inductor for both)
     compile_kwargs = inductor_kwargs(model, compile_kwargs)
     if scope == "model":
         return torch.compile(model, fullgraph=fullgraph, **compile_kwargs)

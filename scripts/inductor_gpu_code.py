@@ -222,6 +222,10 @@ def lower_for_h100(graph: Captured, inductor_options: dict) -> tuple[dict[str, s
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+    from mesa_train import inductor_backports
+
+    inductor_backports.install()  # (as the bench's and the trainer's compile: compile_scope.compile_model)
+
     cuda = torch.device("cuda", 0)
     gm, mode = copy.deepcopy(graph.gm), FakeTensorMode()
     for node in gm.graph.nodes:  # devices, and the CPU fake values stage 1 left in the metadata
@@ -249,6 +253,16 @@ def lower_for_h100(graph: Captured, inductor_options: dict) -> tuple[dict[str, s
         fail(f"the wrapper's launches ({sorted(set(launches))}) are not the kernels Inductor defined "
              f"({sorted(sources)}): has its wrapper code changed? (LAUNCH)")
     return dict(sources), ops, launches
+
+
+def backports_note() -> str:
+    """What the tables' header says of :mod:`mesa_train.inductor_backports` on this torch."""
+    from mesa_train import inductor_backports
+
+    if not inductor_backports.persistent_decision_needs_scores():
+        return ""
+    state = "on" if inductor_backports.install() else f"off ({inductor_backports.ENV_SWITCH}=0)"
+    return f" (mesa_train.inductor_backports {state}: the persistent-reduction decision with the tiling scores)"
 
 
 def _tensor_mb(values) -> float:
@@ -425,7 +439,7 @@ def main(argv=None) -> int:
     text = [f"# Inductor's Triton kernels for one {args.model} block{' (fused attention)' if fused else ''} "
             "on an H100 (generated without a GPU)", "",
             f"Batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, one training step "
-            f"(forward and backward graphs), torch {torch.__version__}; "
+            f"(forward and backward graphs), torch {torch.__version__}{backports_note()}; "
             f"`python scripts/inductor_gpu_code.py --model {args.model} --batch {args.batch}"
             f"{' --attention fused' if fused else ''}{'' if args.amp else ' --no-amp'}"
             f"{''.join(f' --inductor-option {o}' for o in args.inductor_options)}`. "

@@ -332,7 +332,8 @@ def write_markdown(out: Path, args, given: list[str], text: str) -> None:
     command = " ".join(["python scripts/triton_sass.py", *given])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"# sm_90 machine code of Inductor's kernels: {args.model} block, {args.variant}, "
-                   f"{args.attention} attention, batch {args.batch}\n\n`{command}` (torch {torch.__version__}, "
+                   f"{args.attention} attention, batch {args.batch}\n\n`{command}` (torch {torch.__version__}"
+                   f"{_script('inductor_gpu_code').backports_note()}, "
                    f"Triton {triton.__version__}; compiled and read without a GPU: estimates, see the script's "
                    "doc)\n\n" + text)
 
