@@ -53,12 +53,22 @@ class _FeaturesWithScores:
 def persistent_decision_needs_scores() -> bool:
     """True on a torch whose persistent-reduction decision ignores the tiling scores (the
     features have no scores of their own, and their hint takes the scores as an argument)."""
-    from torch._inductor.codegen.simd_kernel_features import SIMDKernelFeatures
-    from torch._inductor.codegen.triton import TritonKernel
-
+    try:
+        from torch._inductor.codegen.simd_kernel_features import SIMDKernelFeatures
+        from torch._inductor.codegen.triton import TritonKernel
+    except ImportError:  # (an Inductor without these modules: none of this applies)
+        return False
     takes_scores = "tiling_scores" in inspect.signature(SIMDKernelFeatures.get_reduction_hint).parameters
     return (takes_scores and not hasattr(SIMDKernelFeatures, "with_tiling_scores")
             and "should_use_persistent_reduction" in vars(TritonKernel))
+
+
+def status() -> str:
+    """For a run's report: ``"on"``, ``"off (MESA_INDUCTOR_BACKPORTS=0)"`` or ``"not needed"`` (this
+    torch has the fix)."""
+    if not persistent_decision_needs_scores():
+        return "not needed"
+    return f"off ({ENV_SWITCH}=0)" if os.environ.get(ENV_SWITCH, "1") == "0" else "on"
 
 
 def install() -> bool:
@@ -67,7 +77,7 @@ def install() -> bool:
     global _installed
     if _installed:
         return True
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not persistent_decision_needs_scores():
+    if status() != "on":
         return False
     from torch._inductor.codegen.triton import TritonKernel
     from torch._inductor.virtualized import V

@@ -259,9 +259,9 @@ def backports_note() -> str:
     """What the tables' header says of :mod:`mesa_train.inductor_backports` on this torch."""
     from mesa_train import inductor_backports
 
-    if not inductor_backports.persistent_decision_needs_scores():
+    state = inductor_backports.status()
+    if state == "not needed":
         return ""
-    state = "on" if inductor_backports.install() else f"off ({inductor_backports.ENV_SWITCH}=0)"
     return f" (mesa_train.inductor_backports {state}: the persistent-reduction decision with the tiling scores)"
 
 

@@ -47,3 +47,21 @@ def test_the_switch_turns_it_off(monkeypatch):
     before = TritonKernel.should_use_persistent_reduction
     assert inductor_backports.install() is False
     assert TritonKernel.should_use_persistent_reduction is before
+
+
+def test_status_says_what_a_report_needs(monkeypatch):
+    """The bench's ``Versions`` line names the backport where the torch needs it (on, or off by the
+    switch), and says nothing where the torch has the fix."""
+    import torch
+
+    from mesa_train.bench.report import environment
+
+    real = inductor_backports.persistent_decision_needs_scores()
+    assert inductor_backports.status() == ("on" if real else "not needed")
+    assert environment(torch.device("cpu"))["inductor_backports"] == inductor_backports.status()
+    monkeypatch.setattr(inductor_backports, "persistent_decision_needs_scores", lambda: True)
+    assert inductor_backports.status() == "on"
+    monkeypatch.setenv(inductor_backports.ENV_SWITCH, "0")
+    assert inductor_backports.status() == f"off ({inductor_backports.ENV_SWITCH}=0)"
+    monkeypatch.setattr(inductor_backports, "persistent_decision_needs_scores", lambda: False)
+    assert inductor_backports.status() == "not needed"

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mesa_train import inductor_backports
 from mesa_train.bench.measure import Measurement
 from mesa_train.device_info import device_name
 from mesa_train.bench.paper_numbers import TABLES, paper_row
@@ -70,6 +71,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "mesa_extension": ("compiled (mesa_train._C)" if importlib.util.find_spec("mesa_train._C")
                            else "not built (reference fallback)"),
         "python": platform.python_version(),
+        # (compile_model applies them on an older torch: the compiled rows' kernels depend on it)
+        "inductor_backports": inductor_backports.status(),
         "git": commit or "unknown",
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -305,7 +308,10 @@ def render_markdown(*, preset: dict, env: dict[str, Any], records: list[dict[str
     w(f"- Date: {env['date']}\n")
     w(f"- Versions: torch {env['torch']}, timm {env['timm']}, mesa_train {env['mesa_train']}, "
       f"CUDA {env['cuda']}" + (f", cuDNN {env['cudnn']}" if env.get("cudnn") not in (None, "n/a") else "")
-      + f", Python {env['python']}; Mesa extension: {env['mesa_extension']}; git {env['git']}\n")
+      + f", Python {env['python']}; Mesa extension: {env['mesa_extension']}"
+      + (f"; Inductor backports: {env['inductor_backports']}"
+         if env.get("inductor_backports", "not needed") != "not needed" else "")
+      + f"; git {env['git']}\n")
     w(f"- Command: `{command}`\n")
     paper_tables = preset.get("paper_tables") or []
     for t in paper_tables:
