@@ -24,7 +24,6 @@ from kernel_marks import DEVICES, needs_ext
 from op_recorder import OpRecorder
 
 
-
 def _bits(t):
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 

@@ -76,8 +76,6 @@ def _check_same(got, want):
         assert torch.equal(_bits(g_), _bits(w)), f"{n}: {g_} != {w}"
 
 
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_sample,symmetric,init,valid,kind", CASES)
 def test_kernel_matches_reference(per_sample, symmetric, init, valid, kind, device):
