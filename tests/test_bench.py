@@ -617,3 +617,13 @@ def test_recorded_command_names_the_cache_environment(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/a b")
     assert _environment_prefix() == "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 TORCHINDUCTOR_CACHE_DIR='/tmp/a b' "
+
+
+def test_results_index_lists_every_committed_table():
+    """results/README.md is the list users open first: every table under results/ (the bench's
+    and the scripts') has its line, none is missing after a script wrote one."""
+    from mesa_train.bench.report import index_text
+
+    root = REPO / "results"
+    assert (root / "README.md").read_text() == index_text(root), \
+        "results/README.md is not the list of results/*/*.md: run python -m mesa_train.bench.report"

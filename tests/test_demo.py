@@ -13,6 +13,8 @@ def test_demo_runs_stock_and_mesa_and_compares(tmp_path):
     text = demo.table(results)
     for needle in ("top-1 (val)", "train images/s (mean)", "saved for backward", "top-1 difference Mesa - stock"):
         assert needle in text
+    assert stock["val_images"] == mesa["val_images"] == 64  # data.val_size: what the gap is read against
+    assert "of 64 validation images" in text
     assert (tmp_path / "stock" / "checkpoints" / "last.pt").exists()
     assert (tmp_path / "mesa" / "metrics.csv").exists()
 
@@ -30,3 +32,18 @@ def test_demo_help_and_bad_overrides_are_one_line(capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and needle in err, err
         assert "Traceback" not in err
+
+
+def test_top1_gap_is_read_against_the_validation_sample():
+    """The last line says whether one run on this many validation images can tell the two apart
+    (the 95% half-width of a difference of two binomial proportions), not a fixed one point."""
+    # p = 0.5 on 100 images each: 1.96 * sqrt((0.25 + 0.25) / 100) = 13.86 points
+    assert abs(demo.chance_half_width(50.0, 50.0, 100) - 13.859) < 1e-3
+    assert demo.chance_half_width(100.0, 100.0, 360) == 0.0
+    # the digits demo's 360 images at 95%: -1.67 points (6 images) is inside about 3.3 points
+    line = demo.top1_gap_line(95.56, 93.89, 360)
+    assert line.startswith("top-1 difference Mesa - stock: -1.67 points (6 of 360 validation images): within the +-3.3")
+    assert "does not tell the two apart" in line
+    far = demo.top1_gap_line(95.56, 85.0, 360)
+    assert "(38 of 360 validation images): beyond the +-4.3 points" in far
+    assert demo.top1_gap_line(95.56, 93.89, None) == "top-1 difference Mesa - stock: -1.67 points."

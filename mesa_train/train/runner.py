@@ -478,6 +478,7 @@ def _evaluate_into(row: dict, cfg, r: _Run, fsdp: bool) -> bool:
     val = evaluate(r.model, loaders.val, r.device, r.amp_dtype, loaders.num_classes, t.channels_last,
                    lockstep_shape=lockstep)
     row.update(val_loss=val["loss"], top1=val["top1"], top5=val["top5"])
+    r.val_images = val["images"]  # (the summary's: how far apart two runs' top-1 can be by chance)
     if r.parts.ema is not None:
         ema_val = evaluate(r.parts.ema.module, loaders.val, r.device, r.amp_dtype, loaders.num_classes,
                            t.channels_last)
@@ -498,6 +499,7 @@ def _summary(cfg, run_dir: str, r: _Run, status: str, last_row: dict, saved_byte
         "lr": r.lr, "batch_size_total": t.batch_size * r.world * t.grad_accum, "amp": r.amp,
         "top1": last_row.get("top1"), "top5": last_row.get("top5"),
         "best_top1": state.best_top1 if state.best_top1 >= 0 else None,
+        "val_images": getattr(r, "val_images", None),  # (None: no evaluation ran)
         "ema_top1": last_row.get("ema_top1"), "train_loss": last_row.get("train_loss"),
         "images_per_s": last_row.get("images_per_s"),
         "images_per_s_mean": images_per_s_mean,
