@@ -100,7 +100,7 @@ def top1_gap_line(stock_top1: float, mesa_top1: float, images: int | None) -> st
     else:
         reading = (f"beyond the +-{half:.1f} points (95%) the validation set alone allows one run (another "
                    "seed's training noise is not in that bound)")
-    return f"{head}: {reading}. results/accuracy/ repeats such a comparison over 5 seeds."
+    return f"{head}: {reading}. results/demo/digits.md: this comparison over 16 seeds."
 
 
 def bad_override(args: list[str]) -> str | None:

@@ -136,6 +136,33 @@ def test_full_preset_is_valid_without_training():
     assert {f"table{i}" for i in range(1, 9)} <= tables
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONFIG_DIR / "preset").glob("*.yaml")
+                                        if p.stem not in ("accuracy", "accuracy-quick")))
+def test_other_presets_are_valid_without_training(name):
+    """The other presets (delayed, variants, demo) compose into valid training configs too, so a
+    typo in one is found here, not after minutes of training."""
+    proc = _run(f"preset={name}", "dry_run=true", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in _preset(name)["rows"]:
+        assert row["label"] in proc.stdout
+
+
+def test_demo_preset_trains_what_make_demo_trains():
+    """preset=demo repeats make demo's comparison over seeds: the same experiment and epochs
+    (digits_deit_baseline's trainer.epochs), seed 0 (make demo's trainer.seed) among its seeds,
+    and a Mesa row with the defaults (digits_deit_mesa: every op, every module)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        demo = compose("train", overrides=["experiment=digits_deit_mesa"])
+    preset = _preset("demo")
+    assert preset["experiment"] == "digits_deit_baseline"
+    assert f"trainer.epochs={demo.trainer.epochs}" in preset["train"]
+    assert demo.trainer.seed in preset["seeds"] and len(preset["seeds"]) >= 8
+    assert list(demo.mesa.ops) == ["all"] and list(demo.mesa.modules) == ["all"]
+    assert {"label": "Mesa (all ops)", "mesa": {}} in preset["rows"]
+
+
 def test_bad_presets_are_clear_errors():
     from mesa_train.bench.accuracy.spec import parse_spec
     from mesa_train.bench.presets import BenchConfigError
