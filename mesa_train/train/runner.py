@@ -247,7 +247,8 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
                   estimate_sync=EstimateSync(model) if world > 1 else None)
     return _Run(device=device, amp=amp, amp_dtype=amp_dtype, loaders=loaders, model=model, ema=ema,
                 optimizer=optimizer, scheduler=scheduler, scaler=scaler, parts=parts, state=state, lr=lr,
-                path=path, ckpt=ckpt, rank=rank, world=world, plain_cfg=plain_cfg)
+                path=path, ckpt=ckpt, rank=rank, world=world, plain_cfg=plain_cfg,
+                val_images=None)  # (set by each evaluation: the summary's count of validation images)
 
 
 def _apply_plan(cfg, model, device, amp_dtype, num_classes, ckpt) -> None:
@@ -478,7 +479,7 @@ def _evaluate_into(row: dict, cfg, r: _Run, fsdp: bool) -> bool:
     val = evaluate(r.model, loaders.val, r.device, r.amp_dtype, loaders.num_classes, t.channels_last,
                    lockstep_shape=lockstep)
     row.update(val_loss=val["loss"], top1=val["top1"], top5=val["top5"])
-    r.val_images = val["images"]  # (the summary's: how far apart two runs' top-1 can be by chance)
+    r.val_images = val["images"]  # (how far apart two runs' top-1 can be by chance: demo.top1_gap_line)
     if r.parts.ema is not None:
         ema_val = evaluate(r.parts.ema.module, loaders.val, r.device, r.amp_dtype, loaders.num_classes,
                            t.channels_last)
@@ -499,7 +500,7 @@ def _summary(cfg, run_dir: str, r: _Run, status: str, last_row: dict, saved_byte
         "lr": r.lr, "batch_size_total": t.batch_size * r.world * t.grad_accum, "amp": r.amp,
         "top1": last_row.get("top1"), "top5": last_row.get("top5"),
         "best_top1": state.best_top1 if state.best_top1 >= 0 else None,
-        "val_images": getattr(r, "val_images", None),  # (None: no evaluation ran)
+        "val_images": r.val_images,  # (None: no evaluation ran)
         "ema_top1": last_row.get("ema_top1"), "train_loss": last_row.get("train_loss"),
         "images_per_s": last_row.get("images_per_s"),
         "images_per_s_mean": images_per_s_mean,
