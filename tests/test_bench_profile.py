@@ -12,7 +12,7 @@ import torch
 
 from test_bench import _run  # the app as a subprocess, as the other bench tests run it
 
-from mesa_train.bench.profile import (CATEGORIES, UNATTRIBUTED, aggregate, categorize, kernel_name,
+from mesa_train.bench.profile import (CATEGORIES, ENCLOSING, UNATTRIBUTED, aggregate, categorize, kernel_name,
                                       mesa_function_names, mesa_kernels)
 from mesa_train.nn import quantizer as quantizer_mod
 
@@ -174,6 +174,9 @@ def test_categorize_by_name():
         "aten::mul": "other", "aten::add_": "other", "aten::view": "other",
         "aten::norm": "other", "aten::conj": "other", "aten::empty": "other",
         "cudaLaunchKernel": "other",
+        "TorchDynamo Cache Lookup": "compiled", "Torch-Compiled Region: 0/0": "compiled",
+        "## Call CompiledFxGraph fbyhiudnkctqmwhznxy4yoatqs7q ##": "compiled",
+        "CompiledFunction": "compiled", "CompiledFunctionBackward": "compiled",
     }
     got = {name: categorize(name, None, fns) for name in cases}
     assert got == cases
@@ -189,6 +192,8 @@ def test_categorize_takes_the_enclosing_category_only_when_unnamed():
     assert categorize("aten::mm", "mesa-layer") == "matmul"
     assert categorize("mesa::quantize", "mesa-layer") == "mesa"
     assert categorize("aten::native_layer_norm", "mesa-layer") == "norm"
+    # a compiled graph's wrapper is not an enclosing category: what it calls keeps its own
+    assert "compiled" not in ENCLOSING and "autograd" not in ENCLOSING
 
 
 def test_mesa_function_names_come_from_mesa_train():

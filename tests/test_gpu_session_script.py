@@ -35,7 +35,7 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    assert "unknown step 'bogus'; valid: tests kernels modern fused speed table1 traceable" in proc.stdout
+    assert "unknown step 'bogus'; valid: host tests kernels modern fused speed table1 traceable" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 
 
@@ -103,17 +103,17 @@ def test_steps_run_in_order_and_stop_at_the_deadline(fake_checkout, tmp_path):
     assert "reusing the carried build .gpubuild/_C.abi3.so" in proc.stdout
     calls = log.read_text().splitlines()
     ran = [c for c in calls if c.startswith("-m pytest") or c.startswith("-m mesa_train")]
-    # tests first, serial (no xdist in this image), then the kernel table; modern's DeiT-S rows
-    # rows, the fused rows and speed find less than MIN_STEP left and are skipped, not started
-    assert ran[0].startswith("-m pytest -q -m cuda") and " -n " not in ran[0]
+    # the host preset first, then the kernel table; the tests, modern's DeiT-S rows, the fused
+    # rows and speed find less than MIN_STEP left and are skipped, not started
+    assert ran[0].startswith("-m mesa_train.bench progress=false preset=host profile=true")
     assert ran[1].startswith("-m mesa_train.quant.benchmark")
     assert len(ran) == 2, ran
-    for later in ("modern-deit-s", "speed-fused", "speed-deit-s"):
+    for later in ("cuda-tests", "modern-deit-s", "speed-fused", "speed-deit-s"):
         assert f"=== {later} skipped:" in proc.stdout
     # what the steps wrote, and their logs, come back in one archive
     with tarfile.open(out / "results.tgz") as tar:
         names = tar.getnames()
-    assert "results/gpu-session/cuda-tests.log" in names and "results/gpu-session/kernel-bandwidth.log" in names
+    assert "results/gpu-session/host-deit-s.log" in names and "results/gpu-session/kernel-bandwidth.log" in names
     assert not (out / "_C.abi3.so").exists()  # nothing was built, so nothing is sent back
 
 

@@ -60,6 +60,12 @@ RULES: tuple[tuple[str | None, str, tuple[str, str]], ...] = (
               r"|leaky_relu|mish|threshold)")),
     ("optimizer", "`Optimizer.step/zero_grad` scopes, foreach and fused optimizer ops",
      ("name", r"^Optimizer\.|_foreach_|_fused_(adam|adamw|sgd)")),
+    # torch.compile's own host work around the generated code (self time only: the kernels and
+    # ops a compiled graph calls keep their categories): where a host-bound compiled step goes
+    ("compiled", "torch.compile's runtime: Dynamo's guards (cache lookup), the compiled graphs' Python "
+                 "wrappers, AOTAutograd's forward/backward functions",
+     ("name", r"^(TorchDynamo Cache Lookup|## Call CompiledFxGraph|CompiledFunction(Backward)?$"
+              r"|Torch-Compiled Region)")),
     ("autograd", "autograd engine: backward-node wrappers, AccumulateGrad",
      ("name", r"^autograd::engine::evaluate_function:|AccumulateGrad|^[\w.]+Backward\d*$")),
     (None, "any other op: the category of the nearest enclosing op named above (autograd "
@@ -72,7 +78,8 @@ RULES: tuple[tuple[str | None, str, tuple[str, str]], ...] = (
 )
 CATEGORIES: tuple[str, ...] = tuple(dict.fromkeys(c for c, _, _ in RULES if c))
 # categories an unnamed op can take from an enclosing op
-ENCLOSING = frozenset(CATEGORIES[:CATEGORIES.index("autograd")])
+# (not "compiled": the kernels a compiled graph launches are the model's work, not its wrapper's)
+ENCLOSING = frozenset(CATEGORIES[:CATEGORIES.index("compiled")])
 _COMPILED = [(cat, kind, re.compile(arg) if kind == "name" else arg) for cat, _, (kind, arg) in RULES]
 UNATTRIBUTED = "(device time outside any op)"
 TOP_OPS = 12

@@ -154,7 +154,7 @@ class MesaLayer:
         if not isinstance(opts, QuantOptions):
             raise ValueError(f"options must be a QuantOptions, got {type(opts).__name__}")
         self._check_layout(opts)
-        self._mesa_options = opts
+        self._mesa_options = opts.interned()  # (same_options: an identity check under compile)
         for name in self._quantizer_names:
             setattr(self, name, self._new_quantizer(opts, device))
 
@@ -166,7 +166,7 @@ class MesaLayer:
         """Change quantization options on this layer (and its quantizers)."""
         new = self._mesa_options.replace(**kwargs)
         self._check_layout(new)
-        self._mesa_options = new
+        self._mesa_options = new.interned()
         for name in self._quantizer_names:
             getattr(self, name).set_options(**kwargs)
 

@@ -36,6 +36,7 @@ from . import quantizer as quantizer_mod
 from ._common import autocast_input, load, no_autocast, save
 from .gelu import GELU
 from .linear import Linear, linear_grads, not_a_view, save_linear_dtypes
+from .quantizer import same_options
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
 # the C++ layer op (csrc/layers_autograd.cpp, GeluLinearTrain; bitwise this module's Function):
@@ -117,8 +118,8 @@ def can_fuse(act: nn.Module, drop: nn.Module, norm: Optional[nn.Module], fc2: nn
     if isinstance(h, torch.fx.Proxy):
         return False
     return (type(act) is GELU and type(fc2) is Linear and (norm is None or type(norm) is nn.Identity)
-            and _dropout_is_identity(drop) and act.quant_options == fc2.quant_options and act._mesa_active(h)
-            and fc2._mesa_active(h, fc2.weight, fc2.bias))
+            and _dropout_is_identity(drop) and same_options(act.quant_options, fc2.quant_options)
+            and act._mesa_active(h) and fc2._mesa_active(h, fc2.weight, fc2.bias))
 
 
 def gelu_linear(h: torch.Tensor, act: GELU, fc2: Linear) -> torch.Tensor:

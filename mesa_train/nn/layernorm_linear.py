@@ -36,7 +36,7 @@ from . import quantizer as quantizer_mod
 from ._common import autocast_input, load, no_autocast, save
 from .layernorm import LayerNorm, layer_norm_forward, layer_norm_grads, ln_backward_from_codes
 from .linear import Linear, linear_grads, not_a_view, save_linear_dtypes
-from .quantizer import decompress
+from .quantizer import decompress, same_options
 from .rowscale import decompress_rows
 
 # the C++ layer op (csrc/layers_autograd.cpp, LayerNormLinearTrain; bitwise this module's
@@ -154,7 +154,7 @@ def norm_pair_fits(norm: nn.Module, fc: nn.Module) -> bool:
     ``LayerNorm`` over the last dim and a Mesa ``Linear`` with the same quantization options
     (the copy is made with the norm's)."""
     return (type(norm) is LayerNorm and type(fc) is Linear and len(norm.normalized_shape) == 1
-            and norm.quant_options == fc.quant_options)
+            and same_options(norm.quant_options, fc.quant_options))
 
 
 def can_fuse_norm(norm: nn.Module, fc: nn.Module, x: torch.Tensor) -> bool:

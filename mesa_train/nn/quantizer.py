@@ -168,8 +168,36 @@ class QuantOptions:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def interned(self) -> "QuantOptions":
+        """The one instance of these option values that every Mesa layer holding them shares.
+
+        Why: a fused pair of layers (LayerNorm + Linear, GELU + Linear) must carry equal
+        options, and the check runs in forward. Compared with ``==``, torch.compile traces the
+        dataclass's ``__eq__`` and guards on every field of both layers' options each step
+        (864 of the guards of a compiled 12-block Mesa ViT, about a fifth of its guard tree);
+        shared instances compare with ``is`` first (:func:`same_options`), two guards a pair."""
+        return _INTERNED.setdefault(self, self)
+
+    # immutable: a copied model (deepcopy for an EMA, a bench's fresh row) keeps the interned
+    # instance instead of an equal one that same_options would compare field by field
+    def __copy__(self) -> "QuantOptions":
+        return self
+
+    def __deepcopy__(self, memo) -> "QuantOptions":
+        return self
+
     def __str__(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+
+# QuantOptions.interned: one instance per distinct set of values (a handful per process)
+_INTERNED: dict[QuantOptions, QuantOptions] = {}
+
+
+def same_options(a: QuantOptions, b: QuantOptions) -> bool:
+    """``a == b``, by identity where both are interned (the layers' options always are): under
+    torch.compile an ``is`` costs two guards, an ``==`` one guard per field of each."""
+    return a is b or a == b
 
 
 class Packed(NamedTuple):
