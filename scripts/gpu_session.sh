@@ -5,9 +5,11 @@
 # for this GPU's architecture only), then run the steps in priority order, each clipped to
 # the time left before DEADLINE, so that one device call does the most it can:
 #
-#   host       the host preset (DeiT-S compiled, stock and Mesa: default launches, CUDA graphs,
-#              Inductor's C++ wrapper) with profile=true: what compiled Mesa's host-bound step
-#              (H200, 2026-11-29: 45.3 ms of host in a 45.4 ms step) spends its host time on
+#   host       the host preset (DeiT-S compiled, stock and Mesa: torch.compile's default launches
+#              and CUDA graphs) with profile=true: what compiled Mesa's host-bound step (H200,
+#              2026-11-29: 45.3 ms of host in a 45.4 ms step) spends its host time on
+#   cppwrapper the host preset's Inductor C++ wrapper pair (the longest compiles, so a step of
+#              its own, into results/host-cpp-wrapper/) with profile=true
 #   tests      the CUDA-marked tests (every kernel bitwise against the reference, the layers,
 #              opcheck, CUDA-graph capture), over TEST_WORKERS processes when the image has
 #              pytest-xdist
@@ -26,7 +28,7 @@
 #
 #   bash scripts/gpu_session.sh                # run(timeout_s=600, carry=[".whl", ".gpubuild"])
 #
-# whose default STEPS ("host kernels tests modern fused speed") end by DEADLINE (540 s) with the results
+# whose default STEPS ("host kernels cppwrapper tests modern fused speed") end by DEADLINE (540 s) with the results
 # packed; then give the machine back. A later call with time left: STEPS=speed, STEPS=table1...
 #   TESTS="tests/test_x.py" STEPS=tests ...  # a few tests again, after a fix
 #
@@ -41,8 +43,8 @@ PY=${PY:-python3}
 # modern table's "Host or GPU" section says what its timed steps waited on without a profile)
 # (host first since 2026-11-29: the CUDA tests had passed on that day's H200, 1173 and none
 # failed, and no kernel has changed since; the open question is compiled Mesa's host time)
-STEPS=${STEPS:-"host kernels tests modern fused speed"}
-VALID_STEPS="host tests kernels modern fused speed table1 traceable"
+STEPS=${STEPS:-"host kernels cppwrapper tests modern fused speed"}
+VALID_STEPS="host cppwrapper tests kernels modern fused speed table1 traceable"
 DEADLINE=${DEADLINE:-540}  # seconds from the start of this script; the device tool's limit is 600
 MIN_STEP=${MIN_STEP:-45}   # a step with less time than this left is skipped, not started
 GRACE=${GRACE:-15}         # seconds a step gets after its interrupt (SIGINT) before it is killed
@@ -126,7 +128,10 @@ if [ "$TEST_WORKERS" -gt 1 ] && $PY -c 'import xdist' 2>/dev/null; then XDIST="-
 BENCH="$PY -m mesa_train.bench progress=false"
 for s in $STEPS; do
   case $s in
-    host)    step host-deit-s ${HOST_LIMIT:-360} $BENCH preset=host profile=true ;;
+    # (the profile runs after every row is measured: the C++ wrapper's compiles go in a step of
+    # their own, so that they cannot leave the host step without its profile)
+    host)    step host-deit-s ${HOST_LIMIT:-360} $BENCH preset=host "skip=C++ wrapper" profile=true ;;
+    cppwrapper) step host-cpp-wrapper ${CPP_WRAPPER_LIMIT:-240} $BENCH preset=host "only=C++ wrapper" profile=true output_dir=results/host-cpp-wrapper ;;
     tests)   step cuda-tests ${TESTS_LIMIT:-300} $PY -m pytest -q -m cuda -p no:cacheprovider -rfE --durations=10 $XDIST ${TESTS:-tests} ;;
     kernels) step kernel-bandwidth 120 $PY -m mesa_train.quant.benchmark ;;
     # skip="whole model": the traceable row compiled as one graph outlasts a 10-minute call

@@ -35,7 +35,8 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    assert "unknown step 'bogus'; valid: host tests kernels modern fused speed table1 traceable" in proc.stdout
+    valid = "host cppwrapper tests kernels modern fused speed table1 traceable"
+    assert f"unknown step 'bogus'; valid: {valid}" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 
 
@@ -103,12 +104,12 @@ def test_steps_run_in_order_and_stop_at_the_deadline(fake_checkout, tmp_path):
     assert "reusing the carried build .gpubuild/_C.abi3.so" in proc.stdout
     calls = log.read_text().splitlines()
     ran = [c for c in calls if c.startswith("-m pytest") or c.startswith("-m mesa_train")]
-    # the host preset first, then the kernel table; the tests, modern's DeiT-S rows, the fused
-    # rows and speed find less than MIN_STEP left and are skipped, not started
-    assert ran[0].startswith("-m mesa_train.bench progress=false preset=host profile=true")
+    # the host preset first, then the kernel table; the C++ wrapper rows, the tests, modern's
+    # DeiT-S rows, the fused rows and speed find less than MIN_STEP left and are skipped
+    assert ran[0].startswith("-m mesa_train.bench progress=false preset=host skip=C++ wrapper profile=true")
     assert ran[1].startswith("-m mesa_train.quant.benchmark")
     assert len(ran) == 2, ran
-    for later in ("cuda-tests", "modern-deit-s", "speed-fused", "speed-deit-s"):
+    for later in ("host-cpp-wrapper", "cuda-tests", "modern-deit-s", "speed-fused", "speed-deit-s"):
         assert f"=== {later} skipped:" in proc.stdout
     # what the steps wrote, and their logs, come back in one archive
     with tarfile.open(out / "results.tgz") as tar:
