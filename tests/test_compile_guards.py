@@ -15,15 +15,16 @@ import timm
 import torch
 
 import mesa_train
+from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn.quantizer import QuantOptions, same_options
 
 
-def _patched_vit(**patch_kwargs):
+def _patched_vit(depth: int = 1, explicit: bool = True, **patch_kwargs):
     torch.manual_seed(0)
-    model = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=16, embed_dim=48, depth=1,
+    model = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=16, embed_dim=48, depth=depth,
                                                              num_heads=6, num_classes=10)
     for block in model.blocks:
-        block.attn.fused_attn = False
+        block.attn.fused_attn = not explicit
     mesa_train.patch_model(model, ops=["all"], **patch_kwargs)
     return model.train()
 
@@ -38,20 +39,48 @@ def _guarded_option_fields(model, layer: str) -> set[str]:
 
 
 def test_layers_share_one_interned_options_instance():
-    model = _patched_vit()
+    model = _patched_vit(depth=2)
     block = model.blocks[0]
     layers = [block.norm1, block.attn.qkv, block.norm2, block.mlp.fc1, block.mlp.act, block.mlp.fc2]
     assert all(m.quant_options is layers[0].quant_options for m in layers)
+    # the quantizers too, in every block: Dynamo guards that objects reached by two paths stay
+    # the same object, so a block where the layer's and its quantizer's options were one object
+    # and another where they were two equal ones made a second graph of the per-block compile
+    # (scripts/compile_sweep.py found it: 2 graphs for vit_tiny's 2 blocks)
+    quantizers = [q for b in model.blocks for m in b.modules() if hasattr(m, "quantizers") for q in m.quantizers()]
+    assert quantizers and all(q.options is layers[0].quant_options for q in quantizers)
+    assert model.blocks[1].norm1.quant_options is layers[0].quant_options
     # a copy (an EMA model, a checkpoint round trip through deepcopy) keeps the shared instance
     assert copy.deepcopy(model).blocks[0].norm1.quant_options is layers[0].quant_options
     # changed options are interned again: the pair that still agrees still shares one instance
     block.norm1.set_quant_options(rounding="nearest")
     block.attn.qkv.set_quant_options(rounding="nearest")
-    assert block.norm1.quant_options is block.attn.qkv.quant_options
+    assert block.norm1.quant_options is block.attn.qkv.quant_options is block.norm1.quantizer.options
     assert block.norm1.quant_options is not block.norm2.quant_options
     # same_options is equality, by identity first
     assert same_options(QuantOptions(bits=4), QuantOptions(bits=4))
     assert not same_options(QuantOptions(bits=4), QuantOptions(bits=2))
+
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["fused-attention", "explicit-attention"])
+def test_identical_blocks_share_one_graph_when_compiled_per_block(explicit):
+    """Two identical patched blocks compiled one by one: one graph, no recompile (the guards
+    that hold for the first block hold for the second). With fused attention the sdpa's
+    quantizers and the norm's layer are read in one frame: before the quantizers' options were
+    interned too, they were the layer's instance in the first block only, and the second block
+    recompiled."""
+    from mesa_train.compile_scope import compile_model
+
+    torch._dynamo.reset()
+    # as in a fresh process (scripts/compile_sweep.py): the first options of each kind are then
+    # interned while the model is patched, which is when the two blocks' aliasing differed
+    quantizer_mod._INTERNED.clear()
+    model = _patched_vit(depth=2, explicit=explicit)
+    compile_model(model, "blocks", backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("layer", ["qkv", "fc2"])

@@ -342,7 +342,10 @@ class ActivationQuantizer(nn.Module):
             options = options.replace(**kwargs)
         if not isinstance(options, QuantOptions):
             raise ValueError(f"options must be a QuantOptions, got {type(options).__name__}")
-        self.options = options
+        # interned as the layers' (QuantOptions.interned): a layer and its quantizers, and every
+        # block's, then hold the same instance, so torch.compile's aliasing guards between them
+        # hold in each block alike (repeated blocks share one graph)
+        self.options = options.interned()
         self._make_buffers(options.num_groups, device)
         # estimator="delayed" under torch.compile with traceable kernels: whether the host
         # knows the estimates are initialized (mark_estimates_ready, or a loaded checkpoint),
@@ -378,7 +381,7 @@ class ActivationQuantizer(nn.Module):
 
     def set_options(self, **kwargs) -> None:
         """Change options; a new ``num_groups`` resets the estimates (new buffer size)."""
-        new = self.options.replace(**kwargs)
+        new = self.options.replace(**kwargs).interned()
         old = self.options
         self.options = new
         if new.num_groups != old.num_groups:
@@ -427,7 +430,7 @@ class ActivationQuantizer(nn.Module):
         key = prefix + "alpha"
         if key in state_dict and state_dict[key].shape != self.alpha.shape:
             G = state_dict[key].shape[0]
-            self.options = self.options.replace(num_groups=int(G))
+            self.options = self.options.replace(num_groups=int(G)).interned()
             self._make_buffers(int(G), self.alpha.device)
         for n in ("alpha", "beta"):
             k = prefix + n
