@@ -14,6 +14,9 @@
 #              opcheck, CUDA-graph capture), over TEST_WORKERS processes when the image has
 #              pytest-xdist
 #   kernels    python -m mesa_train.quant.benchmark: each kernel's bandwidth against clone()
+#   grids      the same table under the other grid policies of the quantize / dequantize launches
+#              (--grid full, --grid resident: MESA_CUDA_GRID), then the CUDA test that each policy
+#              gives the reference's codes: which grid the kernels should launch by default
 #   modern     the DeiT-S rows of the modern preset (bf16: explicit and fused attention, eager
 #              and compiled; issue 9's target table) with profile=true
 #   fused      the speed preset's fused-attention eager rows (stock, the sdpa set, sdpa alone,
@@ -28,7 +31,7 @@
 #
 #   bash scripts/gpu_session.sh                # run(timeout_s=600, carry=[".whl", ".gpubuild"])
 #
-# whose default STEPS ("host kernels cppwrapper tests modern fused speed") end by DEADLINE (540 s) with the results
+# whose default STEPS ("host kernels grids cppwrapper tests modern fused speed") end by DEADLINE (540 s) with the results
 # packed; then give the machine back. A later call with time left: STEPS=speed, STEPS=table1...
 #   TESTS="tests/test_x.py" STEPS=tests ...  # a few tests again, after a fix
 #
@@ -43,8 +46,8 @@ PY=${PY:-python3}
 # modern table's "Host or GPU" section says what its timed steps waited on without a profile)
 # (host first since 2026-11-29: the CUDA tests had passed on that day's H200, 1173 and none
 # failed, and no kernel has changed since; the open question is compiled Mesa's host time)
-STEPS=${STEPS:-"host kernels cppwrapper tests modern fused speed"}
-VALID_STEPS="host cppwrapper tests kernels modern fused speed table1 traceable"
+STEPS=${STEPS:-"host kernels grids cppwrapper tests modern fused speed"}
+VALID_STEPS="host cppwrapper tests kernels grids modern fused speed table1 traceable"
 DEADLINE=${DEADLINE:-540}  # seconds from the start of this script; the device tool's limit is 600
 MIN_STEP=${MIN_STEP:-45}   # a step with less time than this left is skipped, not started
 GRACE=${GRACE:-15}         # seconds a step gets after its interrupt (SIGINT) before it is killed
@@ -134,6 +137,9 @@ for s in $STEPS; do
     cppwrapper) step host-cpp-wrapper ${CPP_WRAPPER_LIMIT:-240} $BENCH preset=host "only=C++ wrapper" profile=true output_dir=results/host-cpp-wrapper ;;
     tests)   step cuda-tests ${TESTS_LIMIT:-300} $PY -m pytest -q -m cuda -p no:cacheprovider -rfE --durations=10 $XDIST ${TESTS:-tests} ;;
     kernels) step kernel-bandwidth 120 $PY -m mesa_train.quant.benchmark ;;
+    grids)   step kernel-grid-full 90 $PY -m mesa_train.quant.benchmark --grid full
+             step kernel-grid-resident 90 $PY -m mesa_train.quant.benchmark --grid resident
+             step grid-tests 120 $PY -m pytest -q -m cuda -p no:cacheprovider -rfE tests/test_kernels_cuda_extra.py -k grid ;;
     # skip="whole model": the traceable row compiled as one graph outlasts a 10-minute call
     # (compile_kernels.py); the per-block rows compile it in the time of one block
     modern)  step modern-deit-s ${MODERN_LIMIT:-330} $BENCH preset=modern only=DeiT-S "skip=whole model" profile=true ;;

@@ -35,7 +35,7 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    valid = "host cppwrapper tests kernels modern fused speed table1 traceable"
+    valid = "host cppwrapper tests kernels grids modern fused speed table1 traceable"
     assert f"unknown step 'bogus'; valid: {valid}" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 
@@ -104,12 +104,14 @@ def test_steps_run_in_order_and_stop_at_the_deadline(fake_checkout, tmp_path):
     assert "reusing the carried build .gpubuild/_C.abi3.so" in proc.stdout
     calls = log.read_text().splitlines()
     ran = [c for c in calls if c.startswith("-m pytest") or c.startswith("-m mesa_train")]
-    # the host preset first, then the kernel table; the C++ wrapper rows, the tests, modern's
-    # DeiT-S rows, the fused rows and speed find less than MIN_STEP left and are skipped
+    # the host preset first, then the kernel table; the grid policies' tables and test, the C++
+    # wrapper rows, the tests, modern's DeiT-S rows, the fused rows and speed find less than
+    # MIN_STEP left and are skipped
     assert ran[0].startswith("-m mesa_train.bench progress=false preset=host skip=C++ wrapper profile=true")
     assert ran[1].startswith("-m mesa_train.quant.benchmark")
     assert len(ran) == 2, ran
-    for later in ("host-cpp-wrapper", "cuda-tests", "modern-deit-s", "speed-fused", "speed-deit-s"):
+    for later in ("kernel-grid-full", "kernel-grid-resident", "grid-tests", "host-cpp-wrapper", "cuda-tests",
+                  "modern-deit-s", "speed-fused", "speed-deit-s"):
         assert f"=== {later} skipped:" in proc.stdout
     # what the steps wrote, and their logs, come back in one archive
     with tarfile.open(out / "results.tgz") as tar:
@@ -146,3 +148,13 @@ def test_a_carried_build_from_other_sources_is_rebuilt(fake_checkout, tmp_path):
     assert "is not from these sources (sources.sha256): rebuilding" in proc.stdout, proc.stdout
     assert "reusing the carried build" not in proc.stdout
     assert any(c.startswith("setup.py -q build_ext --inplace") for c in log.read_text().splitlines())
+
+
+def test_the_grids_step_runs_each_policy_then_its_test(fake_checkout, tmp_path):
+    root, fake, out = fake_checkout
+    log = tmp_path / "calls.log"
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), STEP_SECONDS="0", STEPS="grids")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = [c for c in log.read_text().splitlines() if c.startswith("-m pytest") or c.startswith("-m mesa_train")]
+    assert ran == ["-m mesa_train.quant.benchmark --grid full", "-m mesa_train.quant.benchmark --grid resident",
+                   "-m pytest -q -m cuda -p no:cacheprovider -rfE tests/test_kernels_cuda_extra.py -k grid"]

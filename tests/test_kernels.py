@@ -556,6 +556,21 @@ def test_benchmark_runs_on_cpu(tmp_path):
         benchmark.main(["--device", "cpu", "--quick", "--dtypes", "fp64", "--out-dir", str(tmp_path)])
 
 
+def test_benchmark_grid_policy_names_the_valid_ones_and_needs_cuda(tmp_path, monkeypatch, capsys):
+    """--grid (MESA_CUDA_GRID) sizes the CUDA launches: an unknown policy is refused with the
+    valid ones named, and a CPU run refuses it (a table headed with a grid that did nothing)."""
+    from mesa_train.quant import benchmark
+
+    monkeypatch.delenv("MESA_CUDA_GRID", raising=False)
+    with pytest.raises(SystemExit):
+        benchmark.main(["--device", "cpu", "--quick", "--grid", "fastest", "--out-dir", str(tmp_path)])
+    assert "choose from 'capped', 'full', 'resident'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        benchmark.main(["--device", "cpu", "--quick", "--grid", "full", "--out-dir", str(tmp_path)])
+    assert "sets the CUDA kernels' grid; this run is on cpu" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.md"))
+
+
 def test_benchmark_kernel_time_sums_each_kernel_once(monkeypatch):
     """The GPU column: kernel durations attached to the host ops that launched them, summed
     once each and divided by the calls (the profiler and torch.cuda stand in: no GPU here)."""

@@ -202,3 +202,56 @@ def test_cpu_params_rejected_for_cuda_input():
     with pytest.raises(ValueError, match="float32"):
         torch.ops.mesa.quantize(x, torch.ones(1, 2, device="cuda").half(), torch.zeros(1, 2, device="cuda"),
                                 -1, 2, True, R.seed_tensor(0, x.device))
+
+
+# ----------------------------------------------------------------------------- grid policies
+# MESA_CUDA_GRID (csrc/cuda/quant_cuda.cu, elementwise_grid) is read once a process, so each
+# policy runs in a process of its own (unset: each launch's own, quantize resident and
+# dequantize capped). The token layout of DeiT-S at batch 128 needs more blocks than "capped"
+# launches (some threads then take two steps), the odd size a tail.
+_GRID_CHECK = r"""
+import torch
+from mesa_train.quant import reference as R
+for shape, dim, G in [((128, 197, 384), -1, 6), ((64, 6, 197, 197), 1, 6), ((3, 5, 1001), 1, 5)]:
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16).cuda()
+    alpha = torch.rand(1, G, generator=g).add_(0.5).cuda() * 8
+    beta = -alpha / 2
+    for stochastic in (True, False):
+        q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, stochastic, R.seed_tensor(99, x.device))
+        assert torch.equal(q, R.quantize(x, alpha, beta, dim, G, stochastic, 99)), (shape, stochastic)
+        y = torch.ops.mesa.dequantize(q, alpha, beta, dim, G, torch.bfloat16)
+        assert torch.equal(y, R.dequantize(q, alpha, beta, dim, G, torch.bfloat16)), shape
+print("same codes")
+"""
+
+
+def _run_with_grid(policy, code: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MESA_CUDA_GRID"}
+    if policy is not None:
+        env["MESA_CUDA_GRID"] = policy
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("policy", [None, "capped", "full", "resident"], ids=["unset", "capped", "full", "resident"])
+def test_grid_policies_give_the_reference_codes(policy):
+    r = _run_with_grid(policy, _GRID_CHECK)
+    assert r.returncode == 0 and "same codes" in r.stdout, r.stderr[-2000:]
+
+
+def test_unknown_grid_policy_is_a_one_line_error_naming_the_valid_ones():
+    code = ("import torch, mesa_train.quant\n"
+            "from mesa_train.quant import reference as R\n"
+            "x = torch.ones(4, 8, device='cuda')\n"
+            "try:\n"
+            "    torch.ops.mesa.quantize(x, torch.ones(1, 2, device='cuda'), torch.zeros(1, 2, device='cuda'),"
+            " -1, 2, True, R.seed_tensor(0, x.device))\n"
+            "except RuntimeError as e:\n"
+            "    print('error:', str(e).splitlines()[0])\n")
+    r = _run_with_grid("fastest", code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "error: MESA_CUDA_GRID='fastest' is not a grid policy; valid: capped, full, resident" in r.stdout

@@ -131,6 +131,12 @@ def test_forward_exact_and_grads_close(name, device, amp, in_dtype):
         assert _rel(a, b) < GRAD_RTOL, f"{name}: relative gradient error {_rel(a, b):.4f}"
 
 
+# Cases whose stock backward is known not to repeat on CUDA (reflect padding's backward adds
+# with atomics): the probe below can see 20 equal runs by chance and then the compared run
+# differ, as on an H200 on 2026-11-29 (conv2d_same_reflect, fp32)
+NONDETERMINISTIC_CUDA_BACKWARD = {"cuda": ("conv2d_same_reflect",)}
+
+
 def _reproducible_backward(module, inputs, g, device, amp, runs: int = 20) -> bool:
     """Whether ``runs`` stock backward passes give the same gradients bit for bit. On CUDA some
     do not (reflect padding's backward accumulates with atomics: 4 distinct input gradients
@@ -170,7 +176,8 @@ def test_disabled_and_eval_are_stock(name, device, amp, in_dtype):
         assert torch.equal(y0, y1)
         # Bitwise where stock's own backward is reproducible; where it is not (atomics), the
         # same ops agree only to fp32 rounding.
-        exact = _reproducible_backward(stock, inputs, g, device, amp)
+        exact = name not in NONDETERMINISTIC_CUDA_BACKWARD.get(device, ()) and \
+            _reproducible_backward(stock, inputs, g, device, amp)
         for a, b in zip(g1, g0):
             if exact:
                 assert torch.equal(a, b), f"{name} ({how}): gradients are not bitwise stock"

@@ -36,11 +36,14 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -413,6 +416,62 @@ int grid_for(int64_t steps, int sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sms) * 16)));
 }
 
+// Grid of the quantize and dequantize launches. The codes do not depend on it (each element's
+// code is its own), only the time does:
+//   capped    grid_for: at most 16 blocks an SM, each thread loops over the rest
+//   full      one block per 256 steps: each thread one step, the block scheduler balances
+//   resident  the blocks that fit on the GPU at once (the occupancy API): one wave, each thread loops
+// Each launch names its own (quantize resident, dequantize capped: on the H200 on 2026-11-29,
+// resident made quantize 1-1.4 us faster on every layout, 12.6 against 13.8 us on the token
+// layout, and dequantize 3-3.5 us slower, 13.0 against 9.5; full was no better than either:
+// results/kernels/NVIDIA-H200.grid-*.md). MESA_CUDA_GRID=capped|full|resident, read once a
+// process, sets one policy for both (the benchmark's --grid: how those tables were made).
+enum class GridPolicy { kCapped, kFull, kResident };
+
+// MESA_CUDA_GRID's policy, or none (unset: each launch's own)
+std::optional<GridPolicy> grid_override() {
+  static const std::optional<GridPolicy> policy = []() -> std::optional<GridPolicy> {
+    const char* env = std::getenv("MESA_CUDA_GRID");
+    const std::string v = env == nullptr ? "" : env;
+    if (v.empty()) return std::nullopt;
+    if (v == "capped") return GridPolicy::kCapped;
+    if (v == "full") return GridPolicy::kFull;
+    if (v == "resident") return GridPolicy::kResident;
+    TORCH_CHECK(false, "MESA_CUDA_GRID='", v, "' is not a grid policy; valid: capped, full, resident");
+    return std::nullopt;  // (not reached: TORCH_CHECK(false) throws)
+  }();
+  return policy;
+}
+
+// Blocks of kThreads threads of `kernel` that an SM holds at once (cached per kernel: the
+// occupancy query is a host call, not free at every launch)
+int resident_blocks(const void* kernel) {
+  static std::mutex mu;
+  static std::map<const void*, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(kernel);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+  n = std::max(n, 1);
+  cache.emplace(kernel, n);
+  return n;
+}
+
+template <typename Kernel>
+int elementwise_grid(Kernel kernel, int64_t steps, GridPolicy own) {
+  const int64_t blocks = std::max<int64_t>(1, (steps + kThreads - 1) / kThreads);
+  switch (grid_override().value_or(own)) {
+    case GridPolicy::kFull:
+      return static_cast<int>(std::min<int64_t>(blocks, std::numeric_limits<int>::max()));
+    case GridPolicy::kResident:
+      return static_cast<int>(
+          std::min<int64_t>(blocks, int64_t(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel))));
+    default:
+      return grid_for(steps, sm_count());
+  }
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // How a kernel reading x finds its elements: in place for a strided x (reads_in_place), at
@@ -532,7 +591,8 @@ template <typename scalar_t, typename IdxT, int V, bool STOCH>
 void launch_quantize(const at::Tensor& x, at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta,
                      const Layout& L, const at::Tensor& seed, const RowArgs& rows, cudaStream_t stream,
                      const uint32_t* skip) {
-  quantize_kernel<scalar_t, IdxT, V, STOCH><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
+  const auto kernel = quantize_kernel<scalar_t, IdxT, V, STOCH>;
+  kernel<<<elementwise_grid(kernel, L.numel / V + 1, GridPolicy::kResident), kThreads, 0, stream>>>(
       x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
       beta.const_data_ptr<float>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
       seed.const_data_ptr<int64_t>(), seed.stride(0), make_krows<IdxT>(rows.k, rows.len, rows.mean, rows.rstd),
@@ -744,7 +804,8 @@ dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* 
 template <typename scalar_t, typename IdxT, int V, typename Out>
 void launch_dequantize(const at::Tensor& q, const Out& out_fn, const at::Tensor& alpha, const at::Tensor& beta,
                        const Layout& L, const RowArgs& rows, cudaStream_t stream) {
-  dequantize_kernel<scalar_t, IdxT, V, Out><<<grid_for(L.numel / V + 1, sm_count()), kThreads, 0, stream>>>(
+  const auto kernel = dequantize_kernel<scalar_t, IdxT, V, Out>;
+  kernel<<<elementwise_grid(kernel, L.numel / V + 1, GridPolicy::kCapped), kThreads, 0, stream>>>(
       q.const_data_ptr<uint8_t>(), out_fn, alpha.const_data_ptr<float>(), beta.const_data_ptr<float>(),
       make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
       make_krows<IdxT>(rows.k, rows.len, at::Tensor(), at::Tensor(), rows.mul));

@@ -51,6 +51,10 @@ import torch
 from mesa_train import quant as Q
 from mesa_train.device_info import device_name
 
+# MESA_CUDA_GRID's values (csrc/cuda/quant_cuda.cu, elementwise_grid): how many blocks the
+# quantize and dequantize kernels launch; the codes are the same under each
+GRID_POLICIES = ("capped", "full", "resident")
+
 # (name, shape, dim, groups)
 GPU_CASES = [
     ("tokens (128,197,384) C-groups dim -1", (128, 197, 384), -1, 6),
@@ -365,9 +369,18 @@ def main(argv=None) -> str:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--repeat", type=int, default=None)
     p.add_argument("--out-dir", default=os.path.join("results", "kernels"))
+    p.add_argument("--grid", choices=GRID_POLICIES, default=None,
+                   help="grid of the CUDA quantize / dequantize launches (MESA_CUDA_GRID, read once a process; "
+                        "default: the extension's, capped); the table goes to <device>.grid-<policy>.md")
     args = p.parse_args(argv)
+    if args.grid is not None:
+        # (before the first launch: the extension reads it once)
+        os.environ["MESA_CUDA_GRID"] = args.grid
+    grid = os.environ.get("MESA_CUDA_GRID")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if grid and device.type != "cuda":
+        p.error(f"--grid / MESA_CUDA_GRID={grid} sets the CUDA kernels' grid; this run is on {device.type}")
     if device.type == "cuda":
         cases, warmup, repeat = GPU_CASES, 10, 50
     else:
@@ -384,7 +397,7 @@ def main(argv=None) -> str:
     name = device_name(device)
     rows = run_benchmark(device, cases, dtypes, warmup, repeat)
     header = (
-        f"# mesa quantization kernels on {name}\n\n"
+        f"# mesa quantization kernels on {name}" + (f", grid policy `{grid}`" if grid else "") + "\n\n"
         f"torch {torch.__version__}, backend `{Q.BACKEND}`, "
         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}. "
         "Latency: CUDA events around one call, median (host dispatch included: for a small tensor the GPU "
@@ -397,7 +410,7 @@ def main(argv=None) -> str:
     table = format_table(rows, header)
     print(table)
     os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, _slug(name) + ".md")
+    path = os.path.join(args.out_dir, _slug(name) + (f".grid-{grid}" if grid else "") + ".md")
     with open(path, "w") as f:
         f.write(table)
     print(f"written to {path}")
