@@ -35,7 +35,7 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    valid = "host cppwrapper tests kernels grids modern fused speed table1 traceable"
+    valid = "host cppwrapper tests kernels ncu grids modern fused speed table1 traceable"
     assert f"unknown step 'bogus'; valid: {valid}" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 
@@ -104,19 +104,17 @@ def test_steps_run_in_order_and_stop_at_the_deadline(fake_checkout, tmp_path):
     assert "reusing the carried build .gpubuild/_C.abi3.so" in proc.stdout
     calls = log.read_text().splitlines()
     ran = [c for c in calls if c.startswith("-m pytest") or c.startswith("-m mesa_train")]
-    # the host preset first, then the kernel table; the grid policies' tables and test, the C++
-    # wrapper rows, the tests, modern's DeiT-S rows, the fused rows and speed find less than
-    # MIN_STEP left and are skipped
-    assert ran[0].startswith("-m mesa_train.bench progress=false preset=host skip=C++ wrapper profile=true")
-    assert ran[1].startswith("-m mesa_train.quant.benchmark")
-    assert len(ran) == 2, ran
-    for later in ("kernel-grid-full", "kernel-grid-resident", "grid-tests", "host-cpp-wrapper", "cuda-tests",
-                  "modern-deit-s", "speed-fused", "speed-deit-s"):
+    # the kernel table first, then ncu's counters; the host preset, the tests, modern's DeiT-S
+    # rows, the fused rows, speed and the C++ wrapper rows find less than MIN_STEP left
+    assert ran[0].startswith("-m mesa_train.quant.benchmark")
+    assert "scripts/ncu_kernels.py" in calls
+    assert len(ran) == 1, ran
+    for later in ("host-deit-s", "cuda-tests", "modern-deit-s", "speed-fused", "speed-deit-s", "host-cpp-wrapper"):
         assert f"=== {later} skipped:" in proc.stdout
     # what the steps wrote, and their logs, come back in one archive
     with tarfile.open(out / "results.tgz") as tar:
         names = tar.getnames()
-    assert "results/gpu-session/host-deit-s.log" in names and "results/gpu-session/kernel-bandwidth.log" in names
+    assert "results/gpu-session/kernel-bandwidth.log" in names and "results/gpu-session/ncu-kernels.log" in names
     assert not (out / "_C.abi3.so").exists()  # nothing was built, so nothing is sent back
 
 

@@ -2,6 +2,8 @@
 
     python -m mesa_train.quant.benchmark            # GPU if visible (bf16), else CPU (small sizes)
     python -m mesa_train.quant.benchmark --device cpu --quick
+    python -m mesa_train.quant.benchmark --cases hidden --ops observe_rows   # a subset, printed only
+    python -m mesa_train.quant.benchmark --launch-only --ops ...   # each op once, untimed (under ncu)
 
 Per layout it times, with the ops the layers run:
 
@@ -30,8 +32,8 @@ Bandwidth = (bytes read + bytes written) / median time; "fraction of clone" = th
 bandwidth / clone's bandwidth (1.0 = as fast per byte as a plain copy); "time / clone" =
 time / clone's time. On a GPU both use the kernels' time (torch.profiler), not the latency
 of one call: for small tensors, a custom op's host dispatch hid its kernels.
-Layouts: the token layout ``(128, 197, 384)`` with channel groups on
-``dim=-1`` and the attention layout ``(128, 6, 197, 197)`` with per-head groups on
+Layouts: the token layout ``(128, 197, 384)`` and the MLP's hidden ``(128, 197, 1536)`` with
+channel groups on ``dim=-1`` and the attention layout ``(128, 6, 197, 197)`` with per-head groups on
 ``dim=1`` (DeiT-S at batch 128), and q ``(128, 6, 197, 64)`` viewed in a ``(128, 197, 3, 6, 64)``
 qkv tensor, per-head groups. CUDA latency uses CUDA events after warm-up (median), kernel
 time torch.profiler's kernel durations. The
@@ -58,6 +60,9 @@ GRID_POLICIES = ("capped", "full", "resident")
 # (name, shape, dim, groups)
 GPU_CASES = [
     ("tokens (128,197,384) C-groups dim -1", (128, 197, 384), -1, 6),
+    # the MLP's hidden (GELU's output, fc2's input): the step's largest row-scale ops on the
+    # H200 profile, observe_rows' row pass 63 us a call against 28 on the token layout
+    ("hidden (128,197,1536) C-groups dim -1", (128, 197, 1536), -1, 6),
     ("attn (128,6,197,197) per-head dim 1", (128, 6, 197, 197), 1, 6),
     ("q of qkv (128,6,197,64) per-head dim 1, strided view", (128, 197, 3, 6, 64), 1, 6),
 ]
@@ -233,36 +238,69 @@ def _softmax_rows(x, state, dim, G, dtype):
             ("backward softmax, before: dequantize + _softmax_backward_data", (n + n * es) + 3 * n * es, before)]
 
 
-def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int) -> list[dict]:
+def _case_ops(device: torch.device, shape, dim: int, G: int, dtype) -> tuple[torch.Tensor, list]:
+    """(x, [(name, bytes read + written, fn)]) of one case: clone (the baseline), the
+    compression ops and, by layout, the row-scale, LayerNorm, GELU and softmax ops."""
+    x = torch.randn(shape, device=device).to(dtype)
+    strided = len(shape) == 5  # (B, N, 3, H, E): q as timm's attention unbinds it
+    if strided:
+        x = x.permute(2, 0, 3, 1, 4)[0]
+    state = [torch.zeros(G, device=device), torch.zeros(G, device=device),
+             torch.zeros((), dtype=torch.bool, device=device), Q.rng_state(0, device=device)]
+    alpha, beta, seed = torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False)
+    q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, True, seed)
+    ops = _compression_ops(x, q, alpha, beta, seed, state, dim, G, dtype, strided)
+    if dim in (-1, x.dim() - 1):  # Linear / LayerNorm inputs: power-of-two row scales in the kernels
+        ops += _row_scale_ops(x, q, alpha, beta, state, dim, G, dtype)
+    if x.dim() == 4 and dim == 1 and not strided:  # the attention map: its softmax's backward
+        ops += _softmax_rows(x, state, dim, G, dtype)
+    return x, ops
+
+
+def _selected(name: str, ops_pattern: str | None) -> bool:
+    return ops_pattern is None or re.search(ops_pattern, name) is not None
+
+
+def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int,
+                  ops_pattern: str | None = None) -> list[dict]:
+    """The table's rows: every op of every case and dtype (``ops_pattern``: only the ops whose
+    name it matches, and clone, the baseline)."""
     timeit = _timer(device, warmup, repeat)
     rows = []
     for name, shape, dim, G in cases:
         for dname in dtypes:
-            dtype = DTYPES[dname]
-            x = torch.randn(shape, device=device).to(dtype)
-            strided = len(shape) == 5  # (B, N, 3, H, E): q as timm's attention unbinds it
-            if strided:
-                x = x.permute(2, 0, 3, 1, 4)[0]
+            x, ops = _case_ops(device, shape, dim, G, DTYPES[dname])
             n, es = x.numel(), x.element_size()
-            state = [torch.zeros(G, device=device), torch.zeros(G, device=device),
-                     torch.zeros((), dtype=torch.bool, device=device), Q.rng_state(0, device=device)]
-            alpha, beta, seed = torch.ops.mesa.observe(x, *state, dim, G, 0.9, False, False)
-            q = torch.ops.mesa.quantize(x, alpha, beta, dim, G, True, seed)
             t_clone, k_clone = timeit(lambda: x.clone())
-            ops = _compression_ops(x, q, alpha, beta, seed, state, dim, G, dtype, strided)
-            if dim in (-1, x.dim() - 1):  # Linear / LayerNorm inputs: power-of-two row scales in the kernels
-                ops += _row_scale_ops(x, q, alpha, beta, state, dim, G, dtype)
-            if x.dim() == 4 and dim == 1 and not strided:  # the attention map: its softmax's backward
-                ops += _softmax_rows(x, state, dim, G, dtype)
             for op, nbytes, fn in ops:
+                if not (op.startswith("clone") or _selected(op, ops_pattern)):
+                    continue
                 t, kt = (t_clone, k_clone) if op.startswith("clone") else timeit(fn)
                 # bandwidth from the kernels' time where measured (GPU), else from the latency
                 base, tt = (k_clone, kt) if kt is not None and k_clone is not None else (t_clone, t)
                 rows.append(dict(case=name, dtype=dname, op=op, us=t * 1e6,
                                  kernel_us=None if kt is None else kt * 1e6, gbps=nbytes / tt / 1e9,
                                  frac=(nbytes / tt) / (2 * n * es / base), vs_clone=tt / base))
-            x = q = None  # (freed before the next case's tensors are made)
+            x = ops = None  # (freed before the next case's tensors are made)
     return rows
+
+
+def launch_once(device: torch.device, cases, dtypes, ops_pattern: str | None = None) -> list[str]:
+    """Each selected op called once, nothing timed: the launches a hardware-counter profiler
+    (scripts/ncu_kernels.sh) replays. (torch.profiler, which the timing uses, and ncu both take
+    the GPU's profiling interface.) Returns "case | dtype | op" of each call, in order."""
+    called = []
+    for name, shape, dim, G in cases:
+        for dname in dtypes:
+            _, ops = _case_ops(device, shape, dim, G, DTYPES[dname])
+            for op, _, fn in ops:
+                if _selected(op, ops_pattern):
+                    fn()
+                    called.append(f"{name} | {dname} | {op}")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            ops = None  # (the case's tensors freed before the next case's are made)
+    return called
 
 
 def _compression_ops(x, q, alpha, beta, seed, state, dim: int, G: int, dtype, strided: bool) -> list:
@@ -369,9 +407,14 @@ def main(argv=None) -> str:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--repeat", type=int, default=None)
     p.add_argument("--out-dir", default=os.path.join("results", "kernels"))
+    p.add_argument("--cases", default=None, help="regex: only the cases whose name it matches (e.g. 'hidden')")
+    p.add_argument("--ops", default=None, help="regex: only the ops whose name it matches (and clone, the baseline)")
+    p.add_argument("--launch-only", action="store_true",
+                   help="call each selected op once, time nothing, write no table (for ncu: scripts/ncu_kernels.sh)")
     p.add_argument("--grid", choices=GRID_POLICIES, default=None,
                    help="grid of the CUDA quantize / dequantize launches (MESA_CUDA_GRID, read once a process; "
-                        "default: the extension's, capped); the table goes to <device>.grid-<policy>.md")
+                        "default: each launch's own, quantize resident and dequantize capped); the table goes to "
+                        "<device>.grid-<policy>.md")
     args = p.parse_args(argv)
     if args.grid is not None:
         # (before the first launch: the extension reads it once)
@@ -393,9 +436,26 @@ def main(argv=None) -> str:
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:
         p.error(f"unknown dtype(s) {bad}; choose from {list(DTYPES)}")
+    for flag, pattern in (("--cases", args.cases), ("--ops", args.ops)):
+        try:
+            re.compile(pattern or "")
+        except re.error as e:
+            p.error(f"{flag} {pattern!r} is not a regular expression: {e}")
+    if args.cases is not None:
+        names = [c[0] for c in cases]
+        cases = [c for c in cases if re.search(args.cases, c[0])]
+        if not cases:
+            p.error(f"--cases {args.cases!r} matches no case; cases: {names}")
+
+    if args.launch_only:
+        called = launch_once(device, cases, dtypes, args.ops)
+        if not called:
+            p.error(f"--ops {args.ops!r} matches no op of the selected cases")
+        print("\n".join(f"launched {c}" for c in called))
+        return ""
 
     name = device_name(device)
-    rows = run_benchmark(device, cases, dtypes, warmup, repeat)
+    rows = run_benchmark(device, cases, dtypes, warmup, repeat, args.ops)
     header = (
         f"# mesa quantization kernels on {name}" + (f", grid policy `{grid}`" if grid else "") + "\n\n"
         f"torch {torch.__version__}, backend `{Q.BACKEND}`, "
@@ -409,6 +469,9 @@ def main(argv=None) -> str:
     )
     table = format_table(rows, header)
     print(table)
+    if args.cases is not None or args.ops is not None:  # (the file is the whole table, not a subset)
+        print("a subset (--cases / --ops): printed, not written")
+        return table
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, _slug(name) + (f".grid-{grid}" if grid else "") + ".md")
     with open(path, "w") as f:

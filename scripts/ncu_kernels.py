@@ -1,0 +1,132 @@
+"""Hardware counters of the Mesa kernels that hold a DeiT-S step's Mesa GPU time, by Nsight
+Compute (ncu), on their DeiT-S shapes (bf16, batch 128): why each runs below the copy
+bandwidth (memory throughput, occupancy, what its warps stall on), where the kernel table
+(``python -m mesa_train.quant.benchmark``) says only how long.
+
+Why: on the H200 (2026-11-29, ``results/host/nvidia-h200.profile.md``) the mesa:: kernels took
+10.1 of a CUDA-graph step's 29.8 ms of GPU time, and the slowest of them for their bytes was
+observe_rows' row pass (``row_cells_kernel``: 63 us for the 77 MB of the MLP's hidden, about a
+quarter of the copy bandwidth), whose time follows the rows, not the bytes (28 and 25 us for
+the 39 and 19 MB of the token layout's float32 and bf16 rows); a change of its machine code
+made without counters (session 18) moved it by nothing. One ncu run of the kernel table's ops,
+each called once (``--launch-only``), only the kernels below profiled:
+
+    python scripts/ncu_kernels.py                       # on the GPU machine: results/ncu/<device>.md
+    python scripts/ncu_kernels.py --ops '^observe_rows$' --cases hidden
+    python scripts/ncu_kernels.py --dry-run             # the ncu command, anywhere
+
+The report is ncu's text (its sections as it prints them) in a code block under a header with
+the device, versions and command. ncu needs the GPU's performance counters: where the machine
+refuses them (KINDS.md of the device tool: gVisor machines did) the report says so and the
+script exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The ops of the kernel table (mesa_train/quant/benchmark.py) whose kernels held the most Mesa
+# GPU time a DeiT-S step on the H200, each on the layouts it runs on there
+OPS = (r"^(observe_rows|observe|quantize \(stochastic\)|backward: dequantize|backward softmax: softmax_backward"
+       r"|backward LayerNorm: layer_norm_backward|backward GELU \+ Linear: gelu_value_and_grad \(row scales\)"
+       r"|backward LayerNorm \+ Linear rebuild: dequantize with col_scale / col_shift)$")
+CASES = r"^(tokens|hidden|attn)"
+# the extension's kernels (their function names, without namespace and template arguments);
+# the ops' ATen helpers (observe_rows' mean of the row maxima) are left out
+KERNELS = (r"regex:^(row_cells_kernel|row_k_cells_kernel|observe_kernel|quantize_kernel|dequantize_kernel"
+           r"|softmax_backward_kernel|layer_norm_backward_kernel)$")
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "MemoryWorkloadAnalysis", "SchedulerStats", "WarpStateStats")
+
+
+def find_ncu(given: str | None) -> str | None:
+    if given:
+        return given if os.access(given, os.X_OK) else None
+    found = shutil.which("ncu")
+    if found:
+        return found
+    # (the GPU image's Nsight Compute lives under /opt without being on PATH)
+    for pattern in ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda/bin/ncu"):
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def ncu_command(ncu: str, python: str, ops: str, cases: str) -> list[str]:
+    # --clock-control none: the clocks as the benchmarks ran them (ncu locks them to base by default)
+    cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name-base", "function",
+           "--kernel-name", KERNELS]
+    for section in SECTIONS:
+        cmd += ["--section", section]
+    return cmd + [python, "-m", "mesa_train.quant.benchmark", "--launch-only", "--cases", cases, "--ops", ops]
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def report(device: str, versions: str, cmd: list[str], output: str, rc: int) -> str:
+    profiled = len(re.findall(r"^\s*\S+.*\(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", output, flags=re.M))
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    status = f"{profiled} kernel launches profiled" if rc == 0 else f"**ncu exited {rc}**: the report below says why"
+    return "\n".join([
+        f"# Nsight Compute: the Mesa kernels of a DeiT-S step on {device}",
+        "",
+        f"- Date: {when}; {versions}",
+        f"- Command: `{shlex.join(cmd)}` (scripts/ncu_kernels.py)",
+        f"- {status}. Each op of the kernel table called once on its DeiT-S shape (bf16, batch 128); "
+        "the case and op of each call are the `launched ...` lines at the end, in launch order.",
+        "",
+        "```",
+        output.rstrip(),
+        "```",
+        "",
+    ])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default=OPS, help="regex over the kernel table's op names")
+    p.add_argument("--cases", default=CASES, help="regex over its case names (tokens, hidden, attn, q of qkv)")
+    p.add_argument("--ncu", default=None, help="the ncu executable (default: on PATH, else /opt/nvidia/nsight-compute)")
+    p.add_argument("--out-dir", default=str(REPO / "results" / "ncu"))
+    p.add_argument("--dry-run", action="store_true", help="print the ncu command and exit")
+    args = p.parse_args(argv)
+    ncu = find_ncu(args.ncu)
+    if ncu is None:
+        where = f"--ncu {args.ncu} is not an executable" if args.ncu else "ncu is not on PATH nor under /opt/nvidia"
+        p.error(f"Nsight Compute not found: {where}")
+    cmd = ncu_command(ncu, sys.executable, args.ops, args.cases)
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("no CUDA device visible: ncu profiles GPU kernels")
+    device = torch.cuda.get_device_name()
+    versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    output = proc.stdout + (("\n" + proc.stderr) if proc.stderr.strip() else "")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{slug(device)}.md"
+    path.write_text(report(device, versions, cmd, output, proc.returncode))
+    print(output[-4000:])
+    print(f"written to {path}")
+    return 0 if proc.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

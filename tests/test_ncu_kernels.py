@@ -1,0 +1,105 @@
+"""scripts/ncu_kernels.py (Nsight Compute over the kernel table's ops) and the benchmark's
+--launch-only / --cases / --ops that it drives. ncu itself runs only on the GPU machine: here
+its command, the ops its patterns select (on the CPU kernels) and its report are checked."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ncu_kernels():
+    spec = importlib.util.spec_from_file_location("ncu_kernels", REPO / "scripts" / "ncu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_default_patterns_select_the_slow_ops_and_nothing_else(ncu_kernels):
+    """The default --ops / --cases, run on the CPU kernels (the quick cases' names start as the
+    GPU cases' do): each op family of the H200 profile's Mesa time is called, and none of the
+    'before' comparisons or clone."""
+    from mesa_train.quant import benchmark
+    import torch
+
+    cases = [c for c in benchmark.QUICK_CASES if re.search(ncu_kernels.CASES, c[0])]
+    assert [c[0].split()[0] for c in cases] == ["tokens", "attn"]  # (q of qkv left out)
+    called = benchmark.launch_once(torch.device("cpu"), cases, ["bf16"], ncu_kernels.OPS)
+    ops = [c.split(" | ")[2] for c in called]
+    for wanted in ("observe_rows", "observe", "quantize (stochastic)", "backward: dequantize",
+                   "backward softmax: softmax_backward", "backward LayerNorm: layer_norm_backward",
+                   "backward GELU + Linear: gelu_value_and_grad (row scales)",
+                   "backward LayerNorm + Linear rebuild: dequantize with col_scale / col_shift"):
+        assert wanted in ops, (wanted, ops)
+    assert not [o for o in ops if "before" in o or o.startswith("clone")], ops
+    # the token layout's ops and the attention map's: observe, quantize and dequantize on both
+    assert sum(o == "quantize (stochastic)" for o in ops) == 2
+
+
+def test_launch_only_calls_once_and_writes_nothing(tmp_path, capsys):
+    from mesa_train.quant import benchmark
+
+    out = benchmark.main(["--device", "cpu", "--quick", "--launch-only", "--cases", "^tokens", "--ops", "^observe$",
+                          "--out-dir", str(tmp_path)])
+    assert out == "" and not list(tmp_path.iterdir())
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["launched tokens (2,65,96) C-groups dim -1 | bf16 | observe"]
+
+
+def test_subset_table_is_printed_not_written(tmp_path, capsys):
+    from mesa_train.quant import benchmark
+
+    table = benchmark.main(["--device", "cpu", "--quick", "--cases", "attn", "--ops", "^quantize \\(nearest\\)$",
+                            "--out-dir", str(tmp_path)])
+    rows = [line for line in table.splitlines() if line.startswith("| attn")]
+    assert [r.split(" | ")[2] for r in rows] == ["clone (baseline)", "quantize (nearest)"]
+    assert not list(tmp_path.iterdir()) and "printed, not written" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cases", "nothing-like-this"], "matches no case; cases: ['tokens (2,65,96)"),
+    (["--ops", "("], "is not a regular expression"),
+    (["--launch-only", "--ops", "^no such op$"], "matches no op of the selected cases"),
+])
+def test_bad_selections_are_one_line_errors(argv, message, tmp_path, capsys):
+    from mesa_train.quant import benchmark
+
+    with pytest.raises(SystemExit):
+        benchmark.main(["--device", "cpu", "--quick", "--out-dir", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_ncu_command_profiles_only_the_extension_kernels(ncu_kernels, tmp_path, capsys):
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    assert ncu_kernels.main(["--ncu", str(fake), "--dry-run"]) == 0
+    cmd = capsys.readouterr().out
+    assert cmd.startswith(str(fake) + " --clock-control none")
+    assert "--kernel-name-base function" in cmd and "row_cells_kernel|" in cmd
+    assert all(f"--section {s}" in cmd for s in ncu_kernels.SECTIONS)
+    assert "-m mesa_train.quant.benchmark --launch-only --cases" in cmd
+
+
+def test_missing_ncu_is_a_one_line_error(ncu_kernels, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ncu_kernels.main(["--ncu", str(tmp_path / "no-ncu"), "--dry-run"])
+    assert "Nsight Compute not found: --ncu" in capsys.readouterr().err
+
+
+def test_report_counts_the_profiled_launches_and_says_when_ncu_failed(ncu_kernels):
+    output = ("==PROF== Connected to process 1\n"
+              "  row_cells_kernel<c10::BFloat16, true> (3152, 1, 1)x(256, 1, 1), Context 1, Stream 7, CC 9.0\n"
+              "    Section: GPU Speed Of Light Throughput\n"
+              "  quantize_kernel<c10::BFloat16, unsigned int, 16, true> (660, 1, 1)x(256, 1, 1), Context 1, Stream 7\n")
+    text = ncu_kernels.report("NVIDIA H200", "torch 2.11", ["ncu", "python3"], output, 0)
+    assert text.startswith("# Nsight Compute: the Mesa kernels of a DeiT-S step on NVIDIA H200")
+    assert "2 kernel launches profiled" in text and "```\n==PROF== Connected" in text
+    failed = ncu_kernels.report("NVIDIA H200", "torch 2.11", ["ncu"], "==ERROR== LibraryNotLoaded", 1)
+    assert "**ncu exited 1**" in failed
+    assert ncu_kernels.slug("NVIDIA H200") == "nvidia-h200"
