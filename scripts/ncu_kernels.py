@@ -41,10 +41,11 @@ OPS = (r"^(observe_rows|observe|quantize \(stochastic\)|backward: dequantize|bac
        r"|backward LayerNorm: layer_norm_backward|backward GELU \+ Linear: gelu_value_and_grad \(row scales\)"
        r"|backward LayerNorm \+ Linear rebuild: dequantize with col_scale / col_shift)$")
 CASES = r"^(tokens|hidden|attn)"
-# the extension's kernels (their function names, without namespace and template arguments);
-# the ops' ATen helpers (observe_rows' mean of the row maxima) are left out
-KERNELS = (r"regex:^(row_cells_kernel|row_k_cells_kernel|observe_kernel|quantize_kernel|dequantize_kernel"
-           r"|softmax_backward_kernel|layer_norm_backward_kernel)$")
+# the extension's kernels by function name (ncu's "function" base: no parameters or template
+# arguments; unanchored, whether or not it keeps the namespace); the ops' ATen helpers
+# (observe_rows' mean of the row maxima) are left out
+KERNELS = (r"regex:(row_cells_kernel|row_k_cells_kernel|observe_kernel|quantize_kernel|dequantize_kernel"
+           r"|softmax_backward_kernel|layer_norm_backward_kernel)")
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "MemoryWorkloadAnalysis", "SchedulerStats", "WarpStateStats")
 
 
@@ -117,15 +118,30 @@ def main(argv=None) -> int:
         p.error("no CUDA device visible: ncu profiles GPU kernels")
     device = torch.cuda.get_device_name()
     versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    output = proc.stdout + (("\n" + proc.stderr) if proc.stderr.strip() else "")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{slug(device)}.md"
-    path.write_text(report(device, versions, cmd, output, proc.returncode))
-    print(output[-4000:])
+    rc, output = run_streaming(cmd)
+    path.write_text(report(device, versions, cmd, output, rc))
     print(f"written to {path}")
-    return 0 if proc.returncode == 0 else 1
+    return 0 if rc == 0 else 1
+
+
+def run_streaming(cmd: list[str]) -> tuple[int, str]:
+    """(exit status, output) of cmd, its output printed line by line as it comes: a device call
+    stopped at its limit (gpu_session.sh interrupts a step) keeps what was profiled, in its log
+    and in the report (status 130 when interrupted)."""
+    lines = []
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+        return proc.wait(), "".join(lines)
+    except KeyboardInterrupt:
+        proc.terminate()
+        lines.append("\n(interrupted: the kernels above were profiled)\n")
+        return 130, "".join(lines)
 
 
 if __name__ == "__main__":

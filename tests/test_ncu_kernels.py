@@ -103,3 +103,15 @@ def test_report_counts_the_profiled_launches_and_says_when_ncu_failed(ncu_kernel
     failed = ncu_kernels.report("NVIDIA H200", "torch 2.11", ["ncu"], "==ERROR== LibraryNotLoaded", 1)
     assert "**ncu exited 1**" in failed
     assert ncu_kernels.slug("NVIDIA H200") == "nvidia-h200"
+
+
+def test_the_report_is_written_from_the_streamed_output(ncu_kernels, tmp_path, monkeypatch, capsys):
+    """A stand-in ncu that prints one profiled launch and fails: its lines are printed as they
+    come (the step's log keeps them) and the report has them and the failure."""
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\necho '  row_cells_kernel<float, true> (2112, 1, 1)x(256, 1, 1), Context 1'\n"
+                    "echo '==ERROR== the rest failed' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    rc, output = ncu_kernels.run_streaming([str(fake)])
+    assert rc == 3 and "row_cells_kernel<float, true>" in output and "==ERROR== the rest failed" in output
+    assert "row_cells_kernel<float, true>" in capsys.readouterr().out

@@ -422,9 +422,10 @@ int grid_for(int64_t steps, int sms) {
 //   full      one block per 256 steps: each thread one step, the block scheduler balances
 //   resident  the blocks that fit on the GPU at once (the occupancy API): one wave, each thread loops
 // Each launch names its own (quantize resident, dequantize capped: on the H200 on 2026-11-29,
-// resident made quantize 1-1.4 us faster on every layout, 12.6 against 13.8 us on the token
-// layout, and dequantize 3-3.5 us slower, 13.0 against 9.5; full was no better than either:
-// results/kernels/NVIDIA-H200.grid-*.md). MESA_CUDA_GRID=capped|full|resident, read once a
+// resident made quantize 0.6-1.4 us faster in 11 of the kernel table's 12 rows that launch it
+// (12.6 against 13.8 us, stochastic, on the token layout) and 0.6 us slower in one (stochastic
+// on the attention map, 41.7 against 41.1), and dequantize 3-3.5 us slower (13.0 against 9.5);
+// full was no better than either: results/kernels/NVIDIA-H200.grid-*.md). MESA_CUDA_GRID=capped|full|resident, read once a
 // process, sets one policy for both (the benchmark's --grid: how those tables were made).
 enum class GridPolicy { kCapped, kFull, kResident };
 
