@@ -444,18 +444,20 @@ std::optional<GridPolicy> grid_override() {
   return policy;
 }
 
-// Blocks of kThreads threads of `kernel` that an SM holds at once (cached per kernel: the
-// occupancy query is a host call, not free at every launch)
+// Blocks of kThreads threads of `kernel` that an SM of the current device holds at once
+// (cached per device and kernel: the occupancy query is a host call, not free at every launch,
+// and two GPUs of one machine may differ)
 int resident_blocks(const void* kernel) {
   static std::mutex mu;
-  static std::map<const void*, int> cache;
+  static std::map<std::pair<int, const void*>, int> cache;
+  const std::pair<int, const void*> key{c10::cuda::current_device(), kernel};
   std::lock_guard<std::mutex> lock(mu);
-  const auto it = cache.find(kernel);
+  const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   int n = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
   n = std::max(n, 1);
-  cache.emplace(kernel, n);
+  cache.emplace(key, n);
   return n;
 }
 
