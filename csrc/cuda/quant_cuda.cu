@@ -425,8 +425,9 @@ int grid_for(int64_t steps, int sms) {
 // resident made quantize 0.6-1.4 us faster in 11 of the kernel table's 12 rows that launch it
 // (12.6 against 13.8 us, stochastic, on the token layout) and 0.6 us slower in one (stochastic
 // on the attention map, 41.7 against 41.1), and dequantize 3-3.5 us slower (13.0 against 9.5);
-// full was no better than either: results/kernels/NVIDIA-H200.grid-*.md). MESA_CUDA_GRID=capped|full|resident, read once a
-// process, sets one policy for both (the benchmark's --grid: how those tables were made).
+// full was no better than either: results/kernels/NVIDIA-H200.grid-*.md).
+// MESA_CUDA_GRID=capped|full|resident, read once a process, sets one policy for both (the
+// benchmark's --grid: how those tables were made).
 enum class GridPolicy { kCapped, kFull, kResident };
 
 // MESA_CUDA_GRID's policy, or none (unset: each launch's own)
