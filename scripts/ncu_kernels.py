@@ -76,17 +76,93 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+# A profiled launch's first line in ncu's text: "  NAME (grid)x(block), Context 1, Stream 7, ..."
+LAUNCH = re.compile(r"^\s*(?P<name>\S.*?) \((?P<grid>\d+, \d+, \d+)\)x\((?P<block>\d+, \d+, \d+)\)", re.M)
+# a section table's row: name, unit (none for some), value
+METRIC = re.compile(r"^\s+(?P<name>[A-Za-z][^\n]*?)\s{2,}(?:(?P<unit>[^\s\d][^\s]*)\s+)?"
+                    r"(?P<value>[\d,]+(?:\.\d+)?)\s*$", re.M)
+# the Warp State Statistics rule's sentence on the largest stall (wrapped over lines in the text)
+STALL = re.compile(r"spends ([\d.]+) cycles being stalled (.+?)\.\s.*?This stall type represents about ([\d.]+)%",
+                   re.S)
+TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+# the summary's columns: ncu's metric names in its sections' tables
+COLUMNS = ("Memory Throughput", "DRAM Throughput", "Achieved Occupancy", "Theoretical Occupancy",
+           "Registers Per Thread", "Warp Cycles Per Issued Instruction")
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without return type, namespaces and parameter list (its template
+    arguments kept: they tell the instantiations apart)."""
+    name = re.sub(r"^void ", "", name.strip()).replace("mesa::(anonymous namespace)::", "").replace("mesa::", "")
+    depth = 0
+    for i, ch in enumerate(name):
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if ch == "(" and depth == 0:
+            return name[:i]
+    return name
+
+
+def summarize(output: str) -> list[dict]:
+    """One dict per profiled launch of ncu's text output: name, grid, block, duration (us), the
+    COLUMNS' values, and the largest stall (its reason and share of the cycles between issues)."""
+    starts = list(LAUNCH.finditer(output))
+    rows = []
+    for m, nxt in zip(starts, starts[1:] + [None]):
+        text = output[m.end():nxt.start() if nxt else len(output)]
+        row = {"kernel": short_name(m.group("name")), "grid": m.group("grid"), "block": m.group("block")}
+        for metric in METRIC.finditer(text):
+            name, unit, value = metric.group("name").strip(), metric.group("unit"), metric.group("value")
+            number = float(value.replace(",", ""))
+            if name == "Duration" and unit in TO_US:
+                row.setdefault("duration_us", number * TO_US[unit])
+            elif name in COLUMNS:
+                row.setdefault(name, number)
+        stall = STALL.search(text)
+        if stall:
+            why = " ".join(stall.group(2).split())
+            row["stall"] = f"{why[:70]} ({stall.group(3)}%)"
+        rows.append(row)
+    return rows
+
+
+def summary_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["No profiled launch was found in ncu's output (below): its format or the run failed."]
+    head = ("| # | kernel | grid x block | us | memory % | DRAM % | occupancy achieved / theoretical % "
+            "| registers | cycles per issue | largest stall (share of cycles) |")
+    lines = [head, "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+
+    def num(row, key, fmt="{:.1f}"):
+        return fmt.format(row[key]) if key in row else "–"
+
+    for i, r in enumerate(rows, 1):
+        occupancy = f"{num(r, 'Achieved Occupancy')} / {num(r, 'Theoretical Occupancy')}"
+        lines.append(f"| {i} | `{r['kernel']}` | ({r['grid']}) x ({r['block']}) | {num(r, 'duration_us')} "
+                     f"| {num(r, 'Memory Throughput')} | {num(r, 'DRAM Throughput')} | {occupancy} "
+                     f"| {num(r, 'Registers Per Thread', '{:.0f}')} "
+                     f"| {num(r, 'Warp Cycles Per Issued Instruction')} | {r.get('stall', '–')} |")
+    return lines
+
+
 def report(device: str, versions: str, cmd: list[str], output: str, rc: int) -> str:
-    profiled = len(re.findall(r"^\s*\S+.*\(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", output, flags=re.M))
+    rows = summarize(output)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    status = f"{profiled} kernel launches profiled" if rc == 0 else f"**ncu exited {rc}**: the report below says why"
+    status = f"{len(rows)} kernel launches profiled" if rc == 0 else f"**ncu exited {rc}**: the report below says why"
     return "\n".join([
         f"# Nsight Compute: the Mesa kernels of a DeiT-S step on {device}",
         "",
         f"- Date: {when}; {versions}",
         f"- Command: `{shlex.join(cmd)}` (scripts/ncu_kernels.py)",
         f"- {status}. Each op of the kernel table called once on its DeiT-S shape (bf16, batch 128); "
-        "the case and op of each call are the `launched ...` lines at the end, in launch order.",
+        "the case and op of each call are the `launched ...` lines at the end of ncu's output, in launch "
+        "order (an op launches one to three of these kernels; each case first makes its codes with one "
+        "observe and one quantize).",
+        "",
+        "## Summary (from ncu's sections below)",
+        "",
+        *summary_table(rows),
+        "",
+        "## ncu's output",
         "",
         "```",
         output.rstrip(),

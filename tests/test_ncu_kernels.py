@@ -92,6 +92,63 @@ def test_missing_ncu_is_a_one_line_error(ncu_kernels, tmp_path, capsys):
     assert "Nsight Compute not found: --ncu" in capsys.readouterr().err
 
 
+# ncu's text for one launch, in the layout of Nsight Compute 2025 (sections' tables, a rule's
+# wrapped paragraph); numbers made up
+NCU_TEXT = """==PROF== Connected to process 4242 (/usr/bin/python3.12)
+==PROF== Profiling "row_cells_kernel": 0%....50%....100% - 31 passes
+  void mesa::(anonymous namespace)::row_cells_kernel<c10::BFloat16, true>(const T1 *, float *, float *, long, long, \
+int, int, const float *, const float *, mesa::(anonymous namespace)::CellIndex) (2112, 1, 1)x(256, 1, 1), Context 1, \
+Stream 7, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Metric Name             Metric Unit Metric Value
+    ----------------------- ----------- ------------
+    DRAM Frequency                  Ghz         2.62
+    Elapsed Cycles                cycle      110,123
+    Memory Throughput                 %        25.31
+    DRAM Throughput                   %        24.90
+    Duration                         us        62.91
+    ----------------------- ----------- ------------
+    Section: Occupancy
+    Registers Per Thread             register/thread           63
+    Theoretical Occupancy                          %           50
+    Achieved Occupancy                             %        41.27
+    Section: Warp State Statistics
+    Warp Cycles Per Issued Instruction             cycle        28.43
+    Avg. Active Threads Per Warp                                31.87
+
+    OPT   Estimated Speedup: 61.37%
+          On average, each warp of this kernel spends 17.4 cycles being stalled waiting for a scoreboard dependency on
+          a L1TEX (local, global, surface, texture) operation. Find the instruction producing the data being waited
+          upon to identify the culprit. This stall type represents about 61.4% of the total average of 28.4 cycles
+          between issuing two instructions.
+  quantize_kernel<c10::BFloat16, unsigned int, 16, true> (660, 1, 1)x(256, 1, 1), Context 1, Stream 7
+    Section: GPU Speed Of Light Throughput
+    Duration                    msecond         0.04
+launched tokens (128,197,384) C-groups dim -1 | bf16 | observe_rows
+"""
+
+
+def test_the_summary_reads_each_launch_of_ncu_text(ncu_kernels):
+    rows = ncu_kernels.summarize(NCU_TEXT)
+    assert [r["kernel"] for r in rows] == ["row_cells_kernel<c10::BFloat16, true>",
+                                           "quantize_kernel<c10::BFloat16, unsigned int, 16, true>"]
+    first, second = rows
+    assert (first["grid"], first["block"], first["duration_us"]) == ("2112, 1, 1", "256, 1, 1", 62.91)
+    assert (first["Memory Throughput"], first["DRAM Throughput"]) == (25.31, 24.90)
+    occupancy = (first["Achieved Occupancy"], first["Theoretical Occupancy"], first["Registers Per Thread"])
+    assert occupancy == (41.27, 50, 63)
+    assert first["Warp Cycles Per Issued Instruction"] == 28.43
+    assert first["stall"].startswith("waiting for a scoreboard dependency on a L1TEX")
+    assert first["stall"].endswith("(61.4%)")
+    assert second["duration_us"] == pytest.approx(40.0) and "stall" not in second and "Memory Throughput" not in second
+    table = "\n".join(ncu_kernels.summary_table(rows))
+    assert ("| 1 | `row_cells_kernel<c10::BFloat16, true>` | (2112, 1, 1) x (256, 1, 1) | 62.9 | 25.3 | 24.9 "
+            "| 41.3 / 50.0 | 63 | 28.4 |") in table
+    assert ("| 2 | `quantize_kernel<c10::BFloat16, unsigned int, 16, true>` | (660, 1, 1) x (256, 1, 1) | 40.0 "
+            "| – |") in table
+
+
 def test_report_counts_the_profiled_launches_and_says_when_ncu_failed(ncu_kernels):
     output = ("==PROF== Connected to process 1\n"
               "  row_cells_kernel<c10::BFloat16, true> (3152, 1, 1)x(256, 1, 1), Context 1, Stream 7, CC 9.0\n"
