@@ -5,20 +5,15 @@ input (four a quantizer), the guard check is timed on locals that pass it, and t
 written."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def guard_census():
-    spec = importlib.util.spec_from_file_location("guard_census", REPO / "scripts" / "guard_census.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("guard_census")
 
 
 def test_each_quantizer_read_adds_four_guarded_tensors(guard_census, tmp_path):

@@ -3,21 +3,16 @@
 its command, the ops its patterns select (on the CPU kernels) and its report are checked."""
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def ncu_kernels():
-    spec = importlib.util.spec_from_file_location("ncu_kernels", REPO / "scripts" / "ncu_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ncu_kernels")
 
 
 def test_default_patterns_select_the_slow_ops_and_nothing_else(ncu_kernels):
