@@ -561,7 +561,10 @@ def test_benchmark_grid_policy_names_the_valid_ones_and_needs_cuda(tmp_path, mon
     valid ones named, and a CPU run refuses it (a table headed with a grid that did nothing)."""
     from mesa_train.quant import benchmark
 
-    monkeypatch.delenv("MESA_CUDA_GRID", raising=False)
+    # (set, then deleted: monkeypatch then restores the variable's absence after the test, so
+    # no later test sees a grid)
+    monkeypatch.setenv("MESA_CUDA_GRID", "")
+    monkeypatch.delenv("MESA_CUDA_GRID")
     with pytest.raises(SystemExit):
         benchmark.main(["--device", "cpu", "--quick", "--grid", "fastest", "--out-dir", str(tmp_path)])
     assert "choose from 'capped', 'full', 'resident'" in capsys.readouterr().err
@@ -569,6 +572,7 @@ def test_benchmark_grid_policy_names_the_valid_ones_and_needs_cuda(tmp_path, mon
         benchmark.main(["--device", "cpu", "--quick", "--grid", "full", "--out-dir", str(tmp_path)])
     assert "sets the CUDA kernels' grid; this run is on cpu" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.md"))
+    assert "MESA_CUDA_GRID" not in os.environ  # refused before it was set
 
 
 def test_benchmark_kernel_time_sums_each_kernel_once(monkeypatch):

@@ -15,6 +15,12 @@ def ncu_kernels():
     return load_script("ncu_kernels")
 
 
+@pytest.fixture(autouse=True)
+def no_grid_policy(monkeypatch):
+    """The benchmark refuses a grid policy on the CPU: none from the environment here."""
+    monkeypatch.delenv("MESA_CUDA_GRID", raising=False)
+
+
 def test_default_patterns_select_the_slow_ops_and_nothing_else(ncu_kernels):
     """The default --ops / --cases, run on the CPU kernels (the quick cases' names start as the
     GPU cases' do): each op family of the H200 profile's Mesa time is called, and none of the

@@ -416,14 +416,13 @@ def main(argv=None) -> str:
                         "default: each launch's own, quantize resident and dequantize capped); the table goes to "
                         "<device>.grid-<policy>.md")
     args = p.parse_args(argv)
-    if args.grid is not None:
-        # (before the first launch: the extension reads it once)
-        os.environ["MESA_CUDA_GRID"] = args.grid
-    grid = os.environ.get("MESA_CUDA_GRID")
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    grid = args.grid or os.environ.get("MESA_CUDA_GRID")
     if grid and device.type != "cuda":
         p.error(f"--grid / MESA_CUDA_GRID={grid} sets the CUDA kernels' grid; this run is on {device.type}")
+    if args.grid is not None:
+        # (before the first launch: the extension reads it once a process)
+        os.environ["MESA_CUDA_GRID"] = args.grid
     if device.type == "cuda":
         cases, warmup, repeat = GPU_CASES, 10, 50
     else:
