@@ -132,10 +132,10 @@ def main(argv=None) -> int:
     if args.depth < 1 or args.calls < 1:
         p.error("--depth and --calls must be at least 1")
     rows = {}
-    quantizers = 0
+    quantizers = 0  # (the Mesa model's; stock has none)
     for name, mesa in (("stock", False), ("Mesa", True)):
         model = build(args.depth, mesa)
-        quantizers = sum(isinstance(m, ActivationQuantizer) for m in model.modules()) if mesa else quantizers
+        quantizers += sum(isinstance(m, ActivationQuantizer) for m in model.modules())
         rows[name] = census(model, args.calls)
     text = table(args.depth, rows, quantizers)
     print(text)

@@ -72,10 +72,6 @@ def ncu_command(ncu: str, python: str, ops: str, cases: str) -> list[str]:
     return cmd + [python, "-m", "mesa_train.quant.benchmark", "--launch-only", "--cases", cases, "--ops", ops]
 
 
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 # A profiled launch's first line in ncu's text: "  NAME (grid)x(block), Context 1, Stream 7, ..."
 LAUNCH = re.compile(r"^\s*(?P<name>\S.*?) \((?P<grid>\d+, \d+, \d+)\)x\((?P<block>\d+, \d+, \d+)\)", re.M)
 # a section table's row: name, unit (none for some), value
@@ -190,13 +186,15 @@ def main(argv=None) -> int:
 
     import torch
 
+    from mesa_train.bench.report import device_slug
+
     if not torch.cuda.is_available():
         p.error("no CUDA device visible: ncu profiles GPU kernels")
     device = torch.cuda.get_device_name()
     versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{slug(device)}.md"
+    path = out_dir / f"{device_slug(torch.device('cuda'))}.md"  # (the bench's name for the device)
     rc, output = run_streaming(cmd)
     path.write_text(report(device, versions, cmd, output, rc))
     print(f"written to {path}")

@@ -561,10 +561,7 @@ def test_benchmark_grid_policy_names_the_valid_ones_and_needs_cuda(tmp_path, mon
     valid ones named, and a CPU run refuses it (a table headed with a grid that did nothing)."""
     from mesa_train.quant import benchmark
 
-    # (set, then deleted: monkeypatch then restores the variable's absence after the test, so
-    # no later test sees a grid)
-    monkeypatch.setenv("MESA_CUDA_GRID", "")
-    monkeypatch.delenv("MESA_CUDA_GRID")
+    monkeypatch.delenv("MESA_CUDA_GRID", raising=False)
     with pytest.raises(SystemExit):
         benchmark.main(["--device", "cpu", "--quick", "--grid", "fastest", "--out-dir", str(tmp_path)])
     assert "choose from 'capped', 'full', 'resident'" in capsys.readouterr().err

@@ -150,7 +150,7 @@ def test_the_summary_reads_each_launch_of_ncu_text(ncu_kernels):
             "| – |") in table
 
 
-def test_report_counts_the_profiled_launches_and_says_when_ncu_failed(ncu_kernels):
+def test_report_counts_the_profiled_launches_and_says_when_ncu_failed(ncu_kernels, monkeypatch):
     output = ("==PROF== Connected to process 1\n"
               "  row_cells_kernel<c10::BFloat16, true> (3152, 1, 1)x(256, 1, 1), Context 1, Stream 7, CC 9.0\n"
               "    Section: GPU Speed Of Light Throughput\n"
@@ -160,7 +160,13 @@ def test_report_counts_the_profiled_launches_and_says_when_ncu_failed(ncu_kernel
     assert "2 kernel launches profiled" in text and "```\n==PROF== Connected" in text
     failed = ncu_kernels.report("NVIDIA H200", "torch 2.11", ["ncu"], "==ERROR== LibraryNotLoaded", 1)
     assert "**ncu exited 1**" in failed
-    assert ncu_kernels.slug("NVIDIA H200") == "nvidia-h200"
+
+    # the report's file is named as the bench names the device (results/host/nvidia-h200.md)
+    import torch
+    from mesa_train.bench.report import device_slug
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert device_slug(torch.device("cuda")) == "nvidia-h200"
 
 
 def test_the_report_is_written_from_the_streamed_output(ncu_kernels, tmp_path, monkeypatch, capsys):

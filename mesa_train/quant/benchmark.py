@@ -287,7 +287,7 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int,
 
 def launch_once(device: torch.device, cases, dtypes, ops_pattern: str | None = None) -> list[str]:
     """Each selected op called once, nothing timed: the launches a hardware-counter profiler
-    (scripts/ncu_kernels.sh) replays. (torch.profiler, which the timing uses, and ncu both take
+    (scripts/ncu_kernels.py) replays. (torch.profiler, which the timing uses, and ncu both take
     the GPU's profiling interface.) Returns "case | dtype | op" of each call, in order."""
     called = []
     for name, shape, dim, G in cases:
@@ -410,7 +410,7 @@ def main(argv=None) -> str:
     p.add_argument("--cases", default=None, help="regex: only the cases whose name it matches (e.g. 'hidden')")
     p.add_argument("--ops", default=None, help="regex: only the ops whose name it matches (and clone, the baseline)")
     p.add_argument("--launch-only", action="store_true",
-                   help="call each selected op once, time nothing, write no table (for ncu: scripts/ncu_kernels.sh)")
+                   help="call each selected op once, time nothing, write no table (for ncu: scripts/ncu_kernels.py)")
     p.add_argument("--grid", choices=GRID_POLICIES, default=None,
                    help="grid of the CUDA quantize / dequantize launches (MESA_CUDA_GRID, read once a process; "
                         "default: each launch's own, quantize resident and dequantize capped); the table goes to "
