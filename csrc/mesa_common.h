@@ -90,27 +90,36 @@ MESA_HD uint32_t lowbias32(uint32_t x) {
 }
 
 // u in [0, 1) for flat element index i (DESIGN.md, "Stochastic rounding"): one lowbias32 of
-// a Weyl step, index_lo * 0x9E3779B9 + key, the key a hash of the seed and the index's high
-// word. The key is constant over every 2^32 consecutive indices, so kernels compute it once
-// per launch (32-bit indices) or per run, and each element costs one lowbias32 (the former
-// definition hashed twice per element: stochastic rounding cost up to 2x round-to-nearest).
-// Why the Weyl step: a single lowbias32 of index_lo ^ key leaves visible structure between
-// elements 16 apart (tests/test_rounding_hash.py); the odd multiplier spreads neighbouring
-// indices over all 32 bits first, as SplitMix does. seed_lo = uint32(seed), seed_hi =
-// uint32(seed >> 32).
+// a Weyl step, pair * 0x9E3779B9 + key, gives the uniforms of a pair of elements (pair = the
+// index's low word >> 1): its low 16 bits the even element's, its high 16 bits the odd one's,
+// u = those 16 bits times 2^-16. The key is a hash of the seed and the index's high word,
+// constant over every 2^32 consecutive indices (a pair never straddles two), so kernels
+// compute it once per launch (32-bit indices) or per run, and each element costs half a
+// lowbias32. Why pairs: the hash was most of the stochastic quantize's extra work over
+// round-to-nearest (session 35, H200: 41 against 31 us on DeiT-S's attention map); 16 bits
+// lose nothing the sum keeps, since v + u is rounded to float32, whose step is 2^-16 for
+// v in [128, 256) (the former 24 bits were rounded away there). Why the Weyl step: a single
+// lowbias32 of pair ^ key leaves visible structure between neighbours (tests/
+// test_rounding_hash.py); the odd multiplier spreads neighbouring pairs over all 32 bits
+// first, as SplitMix does. seed_lo = uint32(seed), seed_hi = uint32(seed >> 32).
 MESA_HD uint32_t hash_key(uint32_t seed_lo, uint32_t seed_hi, uint32_t index_hi) {
   return lowbias32(seed_lo ^ lowbias32(seed_hi ^ index_hi * 0x9E3779B9u));
 }
 
-// u from the index's low word and its key; h >> 8 < 2^24, so the signed conversion is
-// the same value and vectorises on SSE2/AVX2 (no unsigned->float vector conversion there).
-// (u * 2^24 = h >> 8, an integer below 2^24, exact as a float: the CUDA quantize adds u to v
-// as one fused multiply-add of these units by 2^-24, whose product is exact, so the sum is
-// rounded once, as v + u is)
-constexpr float kUniformUnit = 5.9604644775390625e-08f;  // 2^-24 (u = units times it, exact)
+// The hash of the pair holding index_lo (both of its elements read their halves of it).
+MESA_HD uint32_t pair_hash(uint32_t index_lo, uint32_t key) { return lowbias32((index_lo >> 1) * 0x9E3779B9u + key); }
+
+// The element's 16 bits of its pair's hash: the low half for an even index, the high for an odd.
+MESA_HD uint32_t pair_half(uint32_t h, uint32_t index_lo) { return (h >> ((index_lo & 1u) << 4)) & 0xFFFFu; }
+
+// u * 2^16 = those 16 bits, an integer below 2^16, exact as a float (the signed conversion
+// vectorises on SSE2/AVX2, which have no unsigned->float vector conversion). The CUDA
+// quantize makes the same float without the conversion unit (quant_cuda.cu, half_units)
+// and adds u to v as one fused multiply-add of the units by 2^-16, whose product is exact,
+// so the sum is rounded once, as v + u is.
+constexpr float kUniformUnit = 1.52587890625e-05f;  // 2^-16 (u = units times it, exact)
 MESA_HD float uniform_units_keyed(uint32_t index_lo, uint32_t key) {
-  const uint32_t h = lowbias32(index_lo * 0x9E3779B9u + key);
-  return static_cast<float>(static_cast<int32_t>(h >> 8));
+  return static_cast<float>(static_cast<int32_t>(pair_half(pair_hash(index_lo, key), index_lo)));
 }
 MESA_HD float uniform_keyed(uint32_t index_lo, uint32_t key) {
   return uniform_units_keyed(index_lo, key) * kUniformUnit;

@@ -144,28 +144,55 @@ MESA_ALWAYS_INLINE float through(float v, const T*) {
 }
 
 // ----------------------------------------------------------------------------- run kernels
+// The stochastic-rounding uniforms of a run, a block at a time, one hash a pair of elements
+// (mesa_common.h, pair_hash / pair_half): the loop over pairs writes each hash's low half to
+// u[2j] and its high half to u[2j + 1] (the compiler vectorises it, interleaving the halves),
+// and element k of the block reads u[k + (lo0 & 1)]. Measured on this AMD EPYC (a standalone
+// loop of 2^20 float32 elements, one thread): 6% faster than hashing each element with
+// AVX-512, 2% with AVX2; hashing the pair again for each element (uniform_keyed) was 10% slower.
+constexpr int64_t kUniformBlock = 256;
+// u * 2^16 of the n <= kUniformBlock elements from flat index low word lo0 (constant key),
+// written from u[0]: returns where element 0's is (0 or 1). u holds kUniformBlock + 2 floats.
+MESA_ALWAYS_INLINE int64_t uniform_units_block(uint32_t lo0, uint32_t key, int64_t n, float* __restrict__ u) {
+  const uint32_t odd = lo0 & 1u;
+  const int64_t pairs = (n + odd + 1) / 2;
+  const uint32_t p0 = lo0 >> 1;
+  for (int64_t j = 0; j < pairs; ++j) {
+    const uint32_t h = lowbias32((p0 + static_cast<uint32_t>(j)) * 0x9E3779B9u + key);  // pair_hash
+    u[2 * j] = static_cast<float>(static_cast<int32_t>(h & 0xFFFFu));
+    u[2 * j + 1] = static_cast<float>(static_cast<int32_t>(h >> 16));
+  }
+  return odd;
+}
+
 // One run of n contiguous elements. TABLE: per-element parameters inv[k], beta[k]
 // (inner == 1); else one (inv, beta) pair for the run. Stochastic runs never cross a 2^32
-// boundary of the flat index, so the hash input is lo0 + k (uint32) and the hash key
-// (hash_key of the seed and the index's high word) is constant.
+// boundary of the flat index, so the hash input is derived from lo0 + k (uint32) and the
+// hash key (hash_key of the seed and the index's high word) is constant.
 template <typename T, bool STOCH, bool TABLE>
 MESA_ALWAYS_INLINE void quant_run_body(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n,
                                        const float* __restrict__ inv, const float* __restrict__ beta,
                                        uint32_t lo0, uint32_t key) {
-  // `lo` is a separate 32-bit induction variable: deriving it from the 64-bit k makes GCC
-  // build 64-bit index vectors and narrow them (measured ~30% more instructions)
-  uint32_t lo = lo0;
-  if (TABLE) {
-    for (int64_t k = 0; k < n; ++k, ++lo) {
-      const float u = STOCH ? uniform_keyed(lo, key) : 0.0f;
-      q[k] = quantize_value<STOCH>(to_f(x[k]), beta[k], inv[k], u);
+  if (STOCH) {
+    float ub[kUniformBlock + 2];
+    for (int64_t k0 = 0; k0 < n; k0 += kUniformBlock) {
+      const int64_t m = std::min(kUniformBlock, n - k0);
+      const float* u = ub + uniform_units_block(lo0 + static_cast<uint32_t>(k0), key, m, ub);
+      const T* xb = x + k0;
+      uint8_t* qb = q + k0;
+      if (TABLE) {
+        for (int64_t k = 0; k < m; ++k)
+          qb[k] = quantize_value<true>(to_f(xb[k]), beta[k0 + k], inv[k0 + k], u[k] * kUniformUnit);
+      } else {
+        const float iv = inv[0], bv = beta[0];
+        for (int64_t k = 0; k < m; ++k) qb[k] = quantize_value<true>(to_f(xb[k]), bv, iv, u[k] * kUniformUnit);
+      }
     }
+  } else if (TABLE) {
+    for (int64_t k = 0; k < n; ++k) q[k] = quantize_value<false>(to_f(x[k]), beta[k], inv[k], 0.0f);
   } else {
     const float iv = inv[0], bv = beta[0];
-    for (int64_t k = 0; k < n; ++k, ++lo) {
-      const float u = STOCH ? uniform_keyed(lo, key) : 0.0f;
-      q[k] = quantize_value<STOCH>(to_f(x[k]), bv, iv, u);
-    }
+    for (int64_t k = 0; k < n; ++k) q[k] = quantize_value<false>(to_f(x[k]), bv, iv, 0.0f);
   }
 }
 
@@ -828,10 +855,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
 template <typename T, bool STOCH, bool TABLE>
 void quant_levels_run(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n, const float* __restrict__ inv,
                       const float* __restrict__ beta, uint32_t lo0, uint32_t key, float vmax) {
-  uint32_t lo = lo0;
-  for (int64_t k = 0; k < n; ++k, ++lo) {
-    const float u = STOCH ? uniform_keyed(lo, key) : 0.0f;
-    q[k] = quantize_value_levels<STOCH>(to_f(x[k]), TABLE ? beta[k] : beta[0], TABLE ? inv[k] : inv[0], u, vmax);
+  float ub[kUniformBlock + 2] = {};  // (zeros: round-to-nearest)
+  for (int64_t k0 = 0; k0 < n; k0 += kUniformBlock) {
+    const int64_t m = std::min(kUniformBlock, n - k0);
+    const float* u = STOCH ? ub + uniform_units_block(lo0 + static_cast<uint32_t>(k0), key, m, ub) : ub;
+    for (int64_t k = k0; k < k0 + m; ++k)
+      q[k] = quantize_value_levels<STOCH>(to_f(x[k]), TABLE ? beta[k] : beta[0], TABLE ? inv[k] : inv[0],
+                                          u[k - k0] * kUniformUnit, vmax);
   }
 }
 

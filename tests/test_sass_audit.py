@@ -142,10 +142,23 @@ def test_conversions_count_the_conversion_unit_only():
 @needs_tools
 @pytest.mark.parametrize("kernel", ["quantize_kernel", "quantize_observe_kernel"])
 def test_the_uniform_is_added_in_one_fused_multiply_add(kernels, kernel):
-    """quantize_code: v + u as one FFMA of the hash's units (h >> 8) by 2^-24 (an exact product:
-    one rounding, as v + u), where an FMUL by 2^-24 and an FADD were."""
+    """quantize_code: v + u as one FFMA of the hash's 16-bit units by 2^-16 (an exact product:
+    one rounding, as v + u), where an FMUL by the scale and an FADD were."""
     m = load_script("sass_audit")
     ins = kernels[f"{kernel}<c10::BFloat16, unsigned int, 16, true>"]["instructions"]
-    scaled = [i for i in ins if "5.9604644775390625e-08" in i]  # 2^-24
+    scaled = [i for i in ins if "1.52587890625e-05" in i]  # 2^-16
     assert sum(m.opcode(i).startswith("FFMA") for i in scaled) >= 16, scaled[:4]
     assert not any(m.opcode(i).startswith("FMUL") for i in scaled), scaled[:4]
+
+
+@needs_tools
+def test_the_stochastic_quantize_hashes_once_a_pair(kernels):
+    """step_units: a 16-element step's uniforms from 8 lowbias32 (one a pair of elements, its low
+    and high 16 bits), each half made a float by a PRMT and an FADD (half_units), no conversion.
+    Counted by lowbias32's first multiplier: the step's 8, the tail element's 1, the launch
+    key's 2 (11; there were 35: one hash an element in each of the step's two branches). The
+    hash was most of the stochastic quantize's time over round-to-nearest's on the H200."""
+    ins = kernels["quantize_kernel<c10::BFloat16, unsigned int, 16, true>"]["instructions"]
+    assert sum("0x7feb352d" in i for i in ins) <= 11, sum("0x7feb352d" in i for i in ins)
+    ops = _opcodes(kernels["quantize_kernel<c10::BFloat16, unsigned int, 16, true>"])
+    assert not any(o.startswith(("I2F", "I2FP")) for o in ops), sorted({o for o in ops if o.startswith("I2F")})

@@ -162,6 +162,8 @@ def test_weyl_product_is_a_value_not_an_index_expression():
     weyl = 0x9E3779B9 - (1 << 32)  # the constant as the int32 graph holds it
     (mul,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor and weyl in n.args[1:]]
     index = mul.args[0]
+    if index.target == torch.ops.aten.__rshift__.Scalar:  # the pair's index, i >> 1, of the value i
+        index = index.args[0]
     aranges = [a for a in index.args if getattr(a, "target", None) == torch.ops.aten.arange.default]
     others = [a for a in index.args if getattr(a, "target", None) not in (None, torch.ops.aten.arange.default)]
     # add(arange, <a tensor computed from the seed>), never mul(arange, ...) nor add(arange, constant)
@@ -171,18 +173,19 @@ def test_weyl_product_is_a_value_not_an_index_expression():
 def _edge_codes_input(top: float, seed: torch.Tensor) -> torch.Tensor:
     """(2, 16 * 4099) float32: group 0 cycles through values at every edge of the codes (NaN,
     +-inf, signed zeros, just below 0, -1 and -0.5, the top code and just below and above it),
-    each paired with many hash values; the top itself where ``u >= 1 - 2**-17``, so that
-    ``top + u`` rounds up to ``top + 1`` in float32 (8 bits: 255 + u); group 1 the same values
-    with ``alpha`` 0 (``inv`` 0: ``inf * 0`` is NaN)."""
+    each paired with many hash values; the top itself where ``u`` is its largest, ``1 - 2**-16``,
+    so that ``top + u`` is the float32 just below ``top + 1`` (exact: 16-bit u on the float32
+    grid of ``[128, 256)``; with the 24-bit u before 2026-11-30 it rounded up to ``top + 1``);
+    group 1 the same values with ``alpha`` 0 (``inv`` 0: ``inf * 0`` is NaN)."""
     below = torch.nextafter(torch.tensor(top), torch.tensor(0.0)).item()
     edges = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1e-30, -0.25, -0.5, -0.75, -1.0, -2.5,
              0.5, 1.0, top - 1.5, below, top, top + 0.25, top + 1.0]
     n = 16 * 4099
     vals = torch.tensor(edges, dtype=torch.float32).repeat(n // len(edges) + 1)[:n]
     x = torch.stack([vals, vals.roll(7)])
-    rounds_up = traceable._uniform(x.numel(), seed, "cpu") >= 1 - 2**-17
-    x.view(-1)[rounds_up] = top
-    assert rounds_up[:n].any()  # seed (0, 0): flat indices 11447 and 41205
+    largest = traceable._uniform(x.numel(), seed, "cpu") == 1 - 2**-16
+    x.view(-1)[largest] = top
+    assert largest[:n].any(), seed
     return x
 
 

@@ -362,8 +362,8 @@ __device__ __forceinline__ void load_code_values(const uint8_t* __restrict__ p, 
 // to the destination range), truncating (stochastic) or rounding half to even (nearest, as
 // quantize_value's 2^23 add and subtract), so the codes are the same bits; one F2IP where
 // two FMNMX and an F2I were. The host branch (the harness) states the same semantics. The
-// uniform comes as its units (u * 2^24, RoundingKey::units): v + u as one FFMA of the units by
-// 2^-24 (an exact product, so rounded once like v + u) where an FMUL and an FADD were.
+// uniform comes as its units (u * 2^16, RoundingKey::units / step_units): v + u as one FFMA of
+// the units by 2^-16 (an exact product, so rounded once like v + u) where an FMUL and an FADD were.
 template <bool STOCHASTIC>
 __device__ __forceinline__ uint8_t quantize_code(float x, float beta, float inv, float u_units) {
   float v = f_mul(f_sub(x, beta), inv);
@@ -505,9 +505,19 @@ struct RowArgs {
 };
 
 // ----------------------------------------------------------------------------- quantize
+// A pair hash's half as u * 2^16 (quantize_code's argument), exactly and without the
+// conversion unit: the half under 2^23's exponent bits (0x4B00hhhh = 2^23 + half), minus 2^23,
+// as byte_value does for a byte. HALF 0: the even element's (low 16 bits), 1: the odd one's.
+// (static_cast<float> of the half is an I2F, 16 results an SM a clock on sm_90: as many as
+// the hash's eight integer instructions a pair at 64.)
+template <int HALF>
+__device__ __forceinline__ float half_units(uint32_t h) {
+  return f_sub(__uint_as_float(__byte_perm(h, 0x4B000000u, HALF ? 0x7632u : 0x7610u)), 8388608.0f);
+}
+
 // Stochastic-rounding keys (DESIGN.md, "Stochastic rounding"): with 32-bit index math the
 // index's high word is 0, so the hash key is one per launch (`key0`, hashed once per
-// thread) and each element costs one lowbias32; the 64-bit path hashes its key per element.
+// thread) and a pair of elements costs one lowbias32; the 64-bit path hashes its key per element.
 struct RoundingKey {
   uint32_t slo = 0u, shi = 0u, key0 = 0u;
   __device__ __forceinline__ RoundingKey(uint32_t lo, uint32_t hi) : slo(lo), shi(hi), key0(hash_key(lo, hi, 0u)) {}
@@ -516,13 +526,40 @@ struct RoundingKey {
     if constexpr (sizeof(IdxT) == 4) return uniform_keyed(static_cast<uint32_t>(i), key0);
     else return hash_uniform(static_cast<uint64_t>(i), slo, shi);
   }
-  // u * 2^24 (quantize_code's argument)
+  // u * 2^16 of element i (quantize_code's argument)
   template <typename IdxT>
   __device__ __forceinline__ float units(IdxT i) const {
-    if constexpr (sizeof(IdxT) == 4) return uniform_units_keyed(static_cast<uint32_t>(i), key0);
-    else return hash_uniform_units(static_cast<uint64_t>(i), slo, shi);
+    if constexpr (sizeof(IdxT) == 4) {
+      const uint32_t lo = static_cast<uint32_t>(i);
+      const uint32_t h = pair_hash(lo, key0);
+      return (lo & 1u) ? half_units<1>(h) : half_units<0>(h);
+    } else {
+      return hash_uniform_units(static_cast<uint64_t>(i), slo, shi);
+    }
   }
 };
+
+// The units of the V elements of the step at i0 (zeros for round-to-nearest). V even and
+// 32-bit indices: i0 is a multiple of V, so the step is V / 2 whole pairs, each hashed once: pair_hash(i0 + 2j, key0) = lowbias32(w0 + j * 0x9E3779B9) with w0 the first pair's
+// Weyl step (the multiply distributes mod 2^32).
+template <bool STOCH, typename IdxT, int V>
+__device__ __forceinline__ void step_units(const RoundingKey& rk, IdxT i0, float (&u)[V]) {
+  if constexpr (!STOCH) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) u[e] = 0.0f;
+  } else if constexpr (V % 2 != 0 || sizeof(IdxT) != 4) {  // one element, or 64-bit indices
+#pragma unroll
+    for (int e = 0; e < V; ++e) u[e] = rk.units(i0 + IdxT(e));
+  } else {
+    const uint32_t w0 = (static_cast<uint32_t>(i0) >> 1) * 0x9E3779B9u + rk.key0;
+#pragma unroll
+    for (int j = 0; j < V / 2; ++j) {
+      const uint32_t h = lowbias32(w0 + static_cast<uint32_t>(j) * 0x9E3779B9u);
+      u[2 * j] = half_units<0>(h);
+      u[2 * j + 1] = half_units<1>(h);
+    }
+  }
+}
 
 // (scale, beta) of parameter p, kept while p does not change.
 struct ParamCache {
@@ -561,20 +598,18 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
     load_floats<scalar_t, V>(x + offset_of(in, i0), xv);
     quantize_rows<scalar_t, IdxT, V>(rows, i0, xv);
     uint8_t out[V];
+    float u[V];
+    step_units<STOCH, IdxT, V>(rk, i0, u);
     const IdxT p0 = param_of(k, i0);
     if (one_param<IdxT, V>(k, i0, p0)) {  // one (scale, offset) fetch for the whole step
       pc.fetch<true>(alpha, beta, p0);
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const float u = STOCH ? rk.units(i0 + IdxT(e)) : 0.0f;
-        out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u);
-      }
+      for (int e = 0; e < V; ++e) out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u[e]);
     } else {  // the step crosses a group / sample boundary: per element
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         pc.fetch<true>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)));
-        const float u = STOCH ? rk.units(i0 + IdxT(e)) : 0.0f;
-        out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u);
+        out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u[e]);
       }
     }
     store_codes<V>(q + i0, out);
@@ -1032,19 +1067,19 @@ quantize_bits_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, co
     }
     uint8_t c[E];
     const IdxT p0 = param_of(k, i0);
-    if (one_param<IdxT, E>(k, i0, p0)) {  // one (scale, offset) fetch for the whole step
-      pc.template fetch<true>(alpha, beta, p0, pow2);
+    // the uniforms a pair at a time, where they are used (step_units' whole step of them at once
+    // held 13 more registers here, 4 blocks an SM instead of 6, in a kernel with 2 loads in flight)
+    constexpr int P = (STOCH && E % 2 == 0 && sizeof(IdxT) == 4) ? 2 : 1;
+    const bool one = one_param<IdxT, E>(k, i0, p0);
+    if (one) pc.template fetch<true>(alpha, beta, p0, pow2);  // one (scale, offset) fetch for the whole step
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
-        c[e] = quantize_value_levels<STOCH>(xv[e], pc.beta, pc.scale, u, vmax);
-      }
-    } else {
+    for (int e = 0; e < E; e += P) {
+      float u[P];
+      step_units<STOCH, IdxT, P>(rk, i0 + IdxT(e), u);
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        pc.template fetch<true>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)), pow2);
-        const float u = STOCH ? rk.uniform(i0 + IdxT(e)) : 0.0f;
-        c[e] = quantize_value_levels<STOCH>(xv[e], pc.beta, pc.scale, u, vmax);
+      for (int t = 0; t < P; ++t) {
+        if (!one) pc.template fetch<true>(alpha, beta, e + t == 0 ? p0 : param_of(k, i0 + IdxT(e + t)), pow2);
+        c[e + t] = quantize_value_levels<STOCH>(xv[e + t], pc.beta, pc.scale, f_mul(u[t], kUniformUnit), vmax);
       }
     }
     uint8_t out[NB];

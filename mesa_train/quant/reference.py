@@ -482,15 +482,17 @@ def uniform_from_hash(numel: int, seed, device=None, start: int = 0) -> torch.Te
     s_lo, s_hi = _seed_words(seed, device)
     i = torch.arange(start, start + numel, dtype=torch.int64, device=device)
     key = hash_key(s_lo, s_hi, (i >> 32) & _M32)
-    h = lowbias32((_mul32(i & _M32, _GOLDEN) + key) & _M32)  # a Weyl step, then one lowbias32
-    return (h >> 8).to(torch.float32) * (2.0**-24)
+    lo = i & _M32
+    h = lowbias32((_mul32(lo >> 1, _GOLDEN) + key) & _M32)  # the pair's Weyl step, then one lowbias32
+    half = (h >> ((lo & 1) << 4)) & 0xFFFF  # even index: the low 16 bits; odd: the high 16
+    return half.to(torch.float32) * (2.0**-16)
 
 
 def hash_key(seed_lo, seed_hi, index_hi: torch.Tensor) -> torch.Tensor:
     """The stochastic-rounding hash key (DESIGN.md): ``lowbias32(seed_lo ^ lowbias32(seed_hi ^
     index_hi * 0x9E3779B9))`` on int64 tensors holding uint32 values. Constant over 2**32
     consecutive flat indices (``index_hi`` is the index's high word), so kernels hash it once
-    per launch or run and each element costs one ``lowbias32``."""
+    per launch or run and each pair of elements costs one ``lowbias32``."""
     return lowbias32(seed_lo ^ lowbias32(seed_hi ^ _mul32(index_hi, _GOLDEN)))
 
 

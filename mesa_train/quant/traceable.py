@@ -270,8 +270,10 @@ def _uniform(numel: int, seed: torch.Tensor, device) -> torch.Tensor:
     # int32 ('Scalar -5354694904128 is out of range for type int32', torch 2.11, H200); a value
     # loaded from a tensor keeps the Weyl product in value space, where int32 wraps
     i = torch.arange(numel, dtype=torch.int32, device=device) + (s0 ^ s0)
-    h = _lowbias32_i32(i * (0x9E3779B9 - (1 << 32)) + key)  # the Weyl step; int32 wraps mod 2**32
-    return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
+    h = _lowbias32_i32((i >> 1) * (0x9E3779B9 - (1 << 32)) + key)  # the pair's Weyl step; int32 wraps
+    # the element's half of its pair's hash (even: low 16 bits, odd: high): each element hashes
+    # its pair again (Inductor computes elements apart), the same values as the kernels' one a pair
+    return ((h >> ((i & 1) << 4)) & 0xFFFF).to(torch.float32) * (2.0**-16)
 
 
 def _clamp_codes(v: torch.Tensor, top: float) -> torch.Tensor:
