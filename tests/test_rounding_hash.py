@@ -69,6 +69,13 @@ def _check_uniform_stream(u: torch.Tensor) -> list[str]:
             failed.append(f"lag-{lag} correlation")
         if lag in (1, 2, 16, 32) and _pair_chi_square(u, lag) > _chi_square_bound(32 * 32 - 1):
             failed.append(f"lag-{lag} pair histogram")
+    # the two halves of each pair's hash alone (lag 1 mixes them with the next pair's neighbours)
+    even, odd = u[0 : n - n % 2 : 2], u[1::2]
+    if abs(_correlation(even, odd)) > SIGMAS / math.sqrt(n / 2):
+        failed.append("pair halves correlation")
+    a, b = ((even * 32).long().clamp_(0, 31), (odd * 32).long().clamp_(0, 31))
+    if _chi_square((a * 32 + b).double() / 1024, 1024) > _chi_square_bound(32 * 32 - 1):
+        failed.append("pair halves histogram")
     bits = (u * 2**16).long()
     for b in range(16):  # each of the 16 bits of u is a fair coin
         ones = float(((bits >> b) & 1).double().sum())
@@ -145,6 +152,7 @@ def test_the_checks_catch_weak_hashes():
             ("no Weyl step", no_weyl_step), ("one half for both", one_half_for_both)]
     for name, u in weak:
         assert _check_uniform_stream(u) != [], name
+    assert {"pair halves correlation", "pair halves histogram"} <= set(_check_uniform_stream(one_half_for_both))
     # and the definition itself, written out here, passes them
     assert _check_uniform_stream(as_u(h)) == []
     assert torch.equal(as_u(h), R.uniform_from_hash(N, torch.tensor([5, 9])))

@@ -160,5 +160,8 @@ def test_the_stochastic_quantize_hashes_once_a_pair(kernels):
     hash was most of the stochastic quantize's time over round-to-nearest's on the H200."""
     ins = kernels["quantize_kernel<c10::BFloat16, unsigned int, 16, true>"]["instructions"]
     assert sum("0x7feb352d" in i for i in ins) <= 11, sum("0x7feb352d" in i for i in ins)
+    # quantize_observe (the delayed estimator's pass): 8 a step in each of its two branches (41 before)
+    ins = kernels["quantize_observe_kernel<c10::BFloat16, unsigned int, 16, true>"]["instructions"]
+    assert sum("0x7feb352d" in i for i in ins) <= 25, sum("0x7feb352d" in i for i in ins)
     ops = _opcodes(kernels["quantize_kernel<c10::BFloat16, unsigned int, 16, true>"])
     assert not any(o.startswith(("I2F", "I2FP")) for o in ops), sorted({o for o in ops if o.startswith("I2F")})

@@ -1529,13 +1529,16 @@ __device__ __forceinline__ Chunk<IdxT> chunk_of_block(IdxT numel, IdxT chunk) {
 
 // Stage 1 of observe, group_minmax and quantize_observe: the chunk's per-parameter min/max
 // (of the row-scaled values) into t: shared window, then global totals. With `quant`, each
-// element is also coded by code(value, flat index, parameter) into q (quantize_observe: the
-// same pass quantizes, so x is read once). t's window must be zeroed (and synced) before.
-template <typename scalar_t, typename IdxT, int V, typename Code>
+// element is also coded by code(value, units, parameter) into q (quantize_observe: the same
+// pass quantizes, so x is read once), `units` its stochastic-rounding uniform times 2^16 from
+// rk (step_units: a pair's two from one hash; zeros unless STOCH). t's window must be zeroed
+// (and synced) before.
+template <typename scalar_t, typename IdxT, int V, bool STOCH, typename Code>
 __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
                                              const KLayout<IdxT>& k, const IdxT numel, const Chunk<IdxT>& c,
                                              const KRows<IdxT>& rows, const ReduceTarget& t, const bool quant,
-                                             const KStrides<IdxT>& in, Code&& code) {
+                                             const KStrides<IdxT>& in, const RoundingKey& rk, Code&& code) {
+  constexpr int P = (STOCH && V % 2 == 0 && sizeof(IdxT) == 4) ? 2 : 1;  // elements a hash serves
   RunAcc r;
   for (IdxT v = c.b0 + threadIdx.x; v < c.b1; v += blockDim.x) {
     const IdxT i0 = v * V;
@@ -1550,14 +1553,24 @@ __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uin
       t.add(r, p0, mn, mx);
       if (quant) {
 #pragma unroll
-        for (int e = 0; e < V; ++e) out[e] = code(xv[e], i0 + IdxT(e), p0);
+        for (int e = 0; e < V; e += P) {  // a pair's uniforms where they are used (registers)
+          float u[P];
+          step_units<STOCH, IdxT, P>(rk, i0 + IdxT(e), u);
+#pragma unroll
+          for (int j = 0; j < P; ++j) out[e + j] = code(xv[e + j], u[j], p0);
+        }
       }
     } else {  // the step crosses a group / sample boundary: per element
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const IdxT p = e == 0 ? p0 : param_of(k, i0 + IdxT(e));
-        t.add(r, p, xv[e], xv[e]);
-        if (quant) out[e] = code(xv[e], i0 + IdxT(e), p);
+      for (int e = 0; e < V; e += P) {
+        float u[P];
+        if (quant) step_units<STOCH, IdxT, P>(rk, i0 + IdxT(e), u);
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+          const IdxT p = e + j == 0 ? p0 : param_of(k, i0 + IdxT(e + j));
+          t.add(r, p, xv[e + j], xv[e + j]);
+          if (quant) out[e + j] = code(xv[e + j], u[j], p);
+        }
       }
     }
     if (quant) store_codes<V>(q + i0, out);
@@ -1569,7 +1582,11 @@ __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uin
       if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, xi, 1);
       const IdxT p = param_of(k, i);
       t.add(r, p, xi[0], xi[0]);
-      if (quant) q[i] = code(xi[0], i, p);
+      if (quant) {
+        float u[1];
+        step_units<STOCH, IdxT, 1>(rk, i, u);
+        q[i] = code(xi[0], u[0], p);
+      }
     }
   }
   t.flush(r);
@@ -1632,8 +1649,8 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   }
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
-  reduce_chunk<scalar_t, IdxT, V>(x, nullptr, k, numel, c, rows, t, false, in,
-                                  [](float, IdxT, IdxT) -> uint8_t { return 0; });
+  reduce_chunk<scalar_t, IdxT, V, false>(x, nullptr, k, numel, c, rows, t, false, in, RoundingKey(0u, 0u),
+                                         [](float, float, IdxT) -> uint8_t { return 0; });
 
   // ---- stage 2: the last block to arrive finishes (threadfence + ticket)
   if (!last_block_to_arrive(ws, s_last)) return;
@@ -1817,11 +1834,11 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
   ParamCache pc;
-  reduce_chunk<scalar_t, IdxT, V>(x, q, k, numel, c, rows, t, init, in, [&](float v, IdxT i, IdxT p) -> uint8_t {
-    pc.fetch<true>(alpha, beta, p);
-    const float u = STOCH ? rk.units(i) : 0.0f;
-    return quantize_code<STOCH>(v, pc.beta, pc.scale, u);
-  });
+  reduce_chunk<scalar_t, IdxT, V, STOCH>(x, q, k, numel, c, rows, t, init, in, rk,
+                                         [&](float v, float u, IdxT p) -> uint8_t {
+                                           pc.fetch<true>(alpha, beta, p);
+                                           return quantize_code<STOCH>(v, pc.beta, pc.scale, u);
+                                         });
 
   // ---- stage 2: the last block updates the estimates and the rng counter
   if (!last_block_to_arrive(ws, s_last)) return;
