@@ -508,8 +508,7 @@ struct RowArgs {
 // A pair hash's half as u * 2^16 (quantize_code's argument), exactly and without the
 // conversion unit: the half under 2^23's exponent bits (0x4B00hhhh = 2^23 + half), minus 2^23,
 // as byte_value does for a byte. HALF 0: the even element's (low 16 bits), 1: the odd one's.
-// (static_cast<float> of the half is an I2F, 16 results an SM a clock on sm_90: as many as
-// the hash's eight integer instructions a pair at 64.)
+// (static_cast<float> of a shifted and masked half: two integer instructions and an I2FP.)
 template <int HALF>
 __device__ __forceinline__ float half_units(uint32_t h) {
   return f_sub(__uint_as_float(__byte_perm(h, 0x4B000000u, HALF ? 0x7632u : 0x7610u)), 8388608.0f);
