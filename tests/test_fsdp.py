@@ -46,6 +46,14 @@ def _join(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def _leave_together() -> None:
+    """Both ranks past their last collective before either tears gloo down: a fresh-clone CI run
+    (2026-11-30) had rank 0 abort in teardown ("terminate called without an active exception",
+    SIGABRT) after its work and file were done, the peer's connection closing under it. On the
+    success path only: in ``finally`` a rank whose peer had failed would wait on it."""
+    dist.barrier()
+
+
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
@@ -70,6 +78,7 @@ def _fit_worker(rank, world, port, out, strategies):
             results[strategy] = dict(full=full, part=part, resumed=resumed)
         if rank == 0:
             torch.save(results, os.path.join(out, "summaries.pt"))
+        _leave_together()
     finally:
         dist.destroy_process_group()
 
@@ -187,6 +196,7 @@ def _state_worker(rank, world, port, out):
                                     optimizer=local_bytes(optimizer_state_tensors(opt)),
                                     rng={n: b.clone() for n, b in model.named_buffers() if n.endswith("rng")})
         torch.save(report, os.path.join(out, f"state{rank}.pt"))
+        _leave_together()
     finally:
         dist.destroy_process_group()
 
