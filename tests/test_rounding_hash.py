@@ -39,12 +39,17 @@ def _chi_square_bound(dof: int) -> float:
     return dof + SIGMAS * math.sqrt(2 * dof)
 
 
+def _joint_chi_square(x: torch.Tensor, y: torch.Tensor, bins: int = 32) -> float:
+    """Chi-square of the 2-d histogram of the pairs (x[k], y[k])."""
+    a = (x * bins).long().clamp_(0, bins - 1)
+    b = (y * bins).long().clamp_(0, bins - 1)
+    return _chi_square((a * bins + b).double() / (bins * bins), bins * bins)
+
+
 def _pair_chi_square(u: torch.Tensor, lag: int, bins: int = 32) -> float:
     """Chi-square of the 2-d histogram of (u[i], u[i + lag]): catches lattice structure
     (a multiplicative hash puts neighbours on a few lines) that 1-d counts miss."""
-    a = (u[:-lag] * bins).long().clamp_(0, bins - 1)
-    b = (u[lag:] * bins).long().clamp_(0, bins - 1)
-    return _chi_square((a * bins + b).double() / (bins * bins), bins * bins)
+    return _joint_chi_square(u[:-lag], u[lag:], bins)
 
 
 def _correlation(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,8 +78,7 @@ def _check_uniform_stream(u: torch.Tensor) -> list[str]:
     even, odd = u[0 : n - n % 2 : 2], u[1::2]
     if abs(_correlation(even, odd)) > SIGMAS / math.sqrt(n / 2):
         failed.append("pair halves correlation")
-    a, b = ((even * 32).long().clamp_(0, 31), (odd * 32).long().clamp_(0, 31))
-    if _chi_square((a * 32 + b).double() / 1024, 1024) > _chi_square_bound(32 * 32 - 1):
+    if _joint_chi_square(even, odd) > _chi_square_bound(32 * 32 - 1):
         failed.append("pair halves histogram")
     bits = (u * 2**16).long()
     for b in range(16):  # each of the 16 bits of u is a fair coin
