@@ -8,7 +8,9 @@ Why: on the H200 (2026-11-29, ``results/host/nvidia-h200.profile.md``) the mesa:
 observe_rows' row pass (``row_cells_kernel``: 63 us for the 77 MB of the MLP's hidden, about a
 quarter of the copy bandwidth), whose time follows the rows, not the bytes (28 and 25 us for
 the 39 and 19 MB of the token layout's float32 and bf16 rows); a change of its machine code
-made without counters (session 18) moved it by nothing. One ncu run of the kernel table's ops,
+made without counters (session 18) moved it by nothing (session 37 replaced it on the layers'
+layouts by ``row_cells_flat_kernel``, still without counters: this report says whether that
+did). One ncu run of the kernel table's ops,
 each called once (``--launch-only``), only the kernels below profiled:
 
     python scripts/ncu_kernels.py                       # on the GPU machine: results/ncu/<device>.md
@@ -44,8 +46,8 @@ CASES = r"^(tokens|hidden|attn)"
 # the extension's kernels by function name (ncu's "function" base: no parameters or template
 # arguments; unanchored, whether or not it keeps the namespace); the ops' ATen helpers
 # (observe_rows' mean of the row maxima) are left out
-KERNELS = (r"regex:(row_cells_kernel|row_k_cells_kernel|observe_kernel|quantize_kernel|dequantize_kernel"
-           r"|softmax_backward_kernel|layer_norm_backward_kernel)")
+KERNELS = (r"regex:(row_cells_flat_kernel|row_cells_kernel|row_k_cells_kernel|observe_kernel|quantize_kernel"
+           r"|dequantize_kernel|softmax_backward_kernel|layer_norm_backward_kernel)")
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "MemoryWorkloadAnalysis", "SchedulerStats", "WarpStateStats")
 
 

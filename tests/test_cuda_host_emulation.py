@@ -28,7 +28,9 @@ CASES = "10"
 # every kernel family the harness must have exercised (names of its CHECKED line)
 FAMILIES = (
     "quantize", "quantize_rows", "dequantize", "dequantize_rows", "quantize_bits",
-    "group_minmax", "observe", "observe_rows",
+    "group_minmax", "observe", "observe_rows", "row_cells_flat_cpl1", "row_cells_flat_cpl2",
+    "row_cells_flat_cpl4", "row_cells_flat_u32", "row_cells_flat_u64", "row_cells_flat_rounds",
+    "row_cells_flat_idle_lanes", "row_cells_flat_cpl1_norm", "row_cells", "row_cells_norm",
     "quantize_observe_first", "quantize_observe_init", "quantize_observe_first_rows", "quantize_observe_init_rows",
     "update_estimates", "estimate_and_seed", "delayed_observe", "seed_of", "row_absmax", "row_absmax_vec", "row_k",
     "softmax_backward", "softmax_backward_64", "softmax_backward_map32", "softmax_backward_out32",

@@ -82,7 +82,7 @@ def test_ncu_command_profiles_only_the_extension_kernels(ncu_kernels, tmp_path, 
     assert ncu_kernels.main(["--ncu", str(fake), "--dry-run"]) == 0
     cmd = capsys.readouterr().out
     assert cmd.startswith(str(fake) + " --clock-control none")
-    assert "--kernel-name-base function" in cmd and "row_cells_kernel|" in cmd
+    assert "--kernel-name-base function" in cmd and "row_cells_flat_kernel|row_cells_kernel|" in cmd
     assert all(f"--section {s}" in cmd for s in ncu_kernels.SECTIONS)
     assert "-m mesa_train.quant.benchmark --launch-only --cases" in cmd
 

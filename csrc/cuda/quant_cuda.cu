@@ -538,15 +538,22 @@ struct RoundingKey {
   }
 };
 
-// The units of the V elements of the step at i0 (zeros for round-to-nearest). V even and
-// 32-bit indices: i0 is a multiple of V, so the step is V / 2 whole pairs, each hashed once: pair_hash(i0 + 2j, key0) = lowbias32(w0 + j * 0x9E3779B9) with w0 the first pair's
+// Elements of a step of V that one rounding hash serves: a pair where step_units hashes pairs
+// (stochastic, V even, 32-bit indices), else 1. The kernels that take their uniforms a pair at
+// a time step by it.
+template <bool STOCH, typename IdxT, int V>
+constexpr int kHashServes = (STOCH && V % 2 == 0 && sizeof(IdxT) == 4) ? 2 : 1;
+
+// The units of the V elements of the step at i0 (zeros for round-to-nearest). Pairs
+// (kHashServes == 2): i0 is a multiple of V, so the step is V / 2 whole pairs, each hashed
+// once: pair_hash(i0 + 2j, key0) = lowbias32(w0 + j * 0x9E3779B9) with w0 the first pair's
 // Weyl step (the multiply distributes mod 2^32).
 template <bool STOCH, typename IdxT, int V>
 __device__ __forceinline__ void step_units(const RoundingKey& rk, IdxT i0, float (&u)[V]) {
   if constexpr (!STOCH) {
 #pragma unroll
     for (int e = 0; e < V; ++e) u[e] = 0.0f;
-  } else if constexpr (V % 2 != 0 || sizeof(IdxT) != 4) {  // one element, or 64-bit indices
+  } else if constexpr (kHashServes<STOCH, IdxT, V> == 1) {  // one element, or 64-bit indices
 #pragma unroll
     for (int e = 0; e < V; ++e) u[e] = rk.units(i0 + IdxT(e));
   } else {
@@ -1068,7 +1075,7 @@ quantize_bits_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, co
     const IdxT p0 = param_of(k, i0);
     // the uniforms a pair at a time, where they are used (step_units' whole step of them at once
     // held 13 more registers here, 4 blocks an SM instead of 6, in a kernel with 2 loads in flight)
-    constexpr int P = (STOCH && E % 2 == 0 && sizeof(IdxT) == 4) ? 2 : 1;
+    constexpr int P = kHashServes<STOCH, IdxT, E>;
     const bool one = one_param<IdxT, E>(k, i0, p0);
     if (one) pc.template fetch<true>(alpha, beta, p0, pow2);  // one (scale, offset) fetch for the whole step
 #pragma unroll
@@ -1537,7 +1544,7 @@ __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uin
                                              const KLayout<IdxT>& k, const IdxT numel, const Chunk<IdxT>& c,
                                              const KRows<IdxT>& rows, const ReduceTarget& t, const bool quant,
                                              const KStrides<IdxT>& in, const RoundingKey& rk, Code&& code) {
-  constexpr int P = (STOCH && V % 2 == 0 && sizeof(IdxT) == 4) ? 2 : 1;  // elements a hash serves
+  constexpr int P = kHashServes<STOCH, IdxT, V>;
   RunAcc r;
   for (IdxT v = c.b0 + threadIdx.x; v < c.b1; v += blockDim.x) {
     const IdxT i0 = v * V;
@@ -2067,13 +2074,9 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
 // the row maxima (row_exponents' own reduction, so k is bitwise the same), the k and cell
 // scaling kernel, then observe over the rows' 2G cells (laid out as CellIndex below says; the
 // estimate update and the seed step unchanged).
-// Per row of D elements, one warp: r[row] = max|x| (as row_absmax_kernel: the largest float
-// bit pattern with the sign cleared, NaN patterns above +inf) and cells[row] = [the min of
-// each group's segment [ceil(g D / G), ceil((g + 1) D / G)), then the maxima] (NaN
-// propagating; order-free). VEC: every segment is whole 16-byte chunks (D % G == 0,
-// (D / G) * sizeof(scalar_t) % 16 == 0, x 16-byte aligned). The warp splits into 32 / W
-// sub-warps of W lanes (a power of two), one segment each: with short segments (DeiT-S: 64
-// bf16 channels = 8 chunks, W = 8) all 32 lanes load at once instead of 8.
+// Per row of D elements: r[row] = max|x| (as row_absmax_kernel: the largest float bit pattern
+// with the sign cleared, NaN patterns above +inf) and cells[row] = [the min of each group's
+// segment [ceil(g D / G), ceil((g + 1) D / G)), then the maxima] (NaN propagating; order-free).
 // row_mean / row_rstd (nullptr: none; one per row): every element is taken as x_hat = (x -
 // mean) * rstd in float32 first (DESIGN.md, "LayerNorm's x_hat inside the kernels").
 // Where cell `slot` (0 .. 2G: the G minima, then the G maxima) of row `row` is stored. Per
@@ -2084,20 +2087,14 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
 // DeiT-S LayerNorm input on the H200, where its row pass reads 39 MB. Both layouts hold the
 // same values per group, and observe's min / max is order-free, so the statistics are
 // bitwise the same.
-// kRowCellsAhead: the passes (segments of a sub-warp) whose first chunks a lane loads before
-// it reduces any. Each pass ends in a dependent chain of shuffles; one load in flight per lane
-// per pass kept too few bytes in flight to stream x (H100, DeiT-S: 65.8 us for the (128, 197,
-// 1536) bfloat16 rows, 77 MB, about a third of clone's bandwidth; six passes of one chunk a
-// lane). The order of each lane's values is unchanged: the cells and r are the same bits.
+// Two row passes. Every segment whole 16-byte chunks (D % G == 0, (D / G) * sizeof(scalar_t) %
+// 16 == 0, x 16-byte aligned: the layers' case, 64 bf16 channels a group on DeiT-S):
+// row_cells_flat_kernel below. Otherwise row_cells_kernel, one warp per row: the segments'
+// bounds ceil(g D / G) from a per-block table, element loads, the lane's first element of
+// kRowCellsAhead passes (segments) loaded before it reduces any.
 constexpr int kRowCellsAhead = 4;
 // Groups up to which row_cells_kernel keeps its segments' bounds in shared memory
 constexpr int kRowCellsMaxGroups = 256;
-
-// K raw elements of x: one 16-byte load on the vector path (K * sizeof = 16), one element else
-template <typename scalar_t, int K>
-struct alignas(K * sizeof(scalar_t) >= 16 ? 16 : alignof(scalar_t)) RawChunk {
-  scalar_t e[K];
-};
 
 struct CellIndex {
   int64_t row_stride, slot_stride;
@@ -2106,18 +2103,16 @@ struct CellIndex {
   }
 };
 
-template <typename scalar_t, bool VEC>
+// The row pass of any layout: segments of unequal length or unaligned x, element loads
+template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* __restrict__ cells, int64_t rows,
-                 int64_t D, int G, int W, const float* __restrict__ row_mean, const float* __restrict__ row_rstd,
+                 int64_t D, int G, const float* __restrict__ row_mean, const float* __restrict__ row_rstd,
                  CellIndex ci) {
-  constexpr int kPer = VEC ? 16 / int(sizeof(scalar_t)) : 1;
-  const int lane = threadIdx.x % 32, sub = lane % W, per_pass = 32 / W;
+  const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   // the segments' bounds ceil(g D / G), g = 0 .. G, once a block: computed in each row pass they
-  // were two 64-bit divisions (a called routine of ~70 instructions) per lane and pass, most of
-  // the instructions of a pass (H100, DeiT-S: 63.6 us for the (128, 197, 1536) rows, whose bytes
-  // take about 22)
+  // were two 64-bit divisions (a called routine of ~70 instructions) per lane and pass
   __shared__ int64_t s_bound[kRowCellsMaxGroups + 1];
   const bool bound_table = G <= kRowCellsMaxGroups;  // (uniform across the launch)
   auto ceil_bound = [&](int g) -> int64_t { return (int64_t(g) * D + G - 1) / G; };
@@ -2131,50 +2126,40 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
     const bool norm = row_mean != nullptr;  // (uniform across the launch)
     const float m = norm ? __ldg(row_mean + row) : 0.0f, s = norm ? __ldg(row_rstd + row) : 1.0f;
     uint32_t am = 0u;
-    for (int g0 = 0; g0 < G; g0 += per_pass * kRowCellsAhead) {
-      // stage 1: the lane's first chunk of kRowCellsAhead passes, all loads in flight at once
-      RawChunk<scalar_t, kPer> first[kRowCellsAhead];  // (raw: half the registers of floats)
+    for (int g0 = 0; g0 < G; g0 += kRowCellsAhead) {
+      // stage 1: the lane's first element of kRowCellsAhead segments, all loads in flight at once
+      scalar_t first[kRowCellsAhead];
       int64_t b[kRowCellsAhead], e[kRowCellsAhead];
 #pragma unroll
       for (int u = 0; u < kRowCellsAhead; ++u) {
-        const int g = g0 + u * per_pass + lane / W;
+        const int g = g0 + u;
         b[u] = e[u] = 0;
         if (g < G) {
-          b[u] = bound(g) + int64_t(sub) * kPer;
+          b[u] = bound(g) + lane;
           e[u] = bound(g + 1);
         }
-        if (b[u] < e[u]) first[u] = *reinterpret_cast<const RawChunk<scalar_t, kPer>*>(xr + b[u]);
+        if (b[u] < e[u]) first[u] = xr[b[u]];
       }
-      // stage 2: each pass as one would run it alone (the segment's further chunks, if any,
-      // loaded as they come), its sub-warp reduction and its cells
+      // stage 2: each segment as one would run it alone (its further elements loaded as they
+      // come), the warp's reduction and its cells
 #pragma unroll
       for (int u = 0; u < kRowCellsAhead; ++u) {
-        if (g0 + u * per_pass >= G) break;  // (uniform across the warp)
-        const int g = g0 + u * per_pass + lane / W;
+        const int g = g0 + u;
+        if (g >= G) break;  // (uniform across the warp)
         float mn = __uint_as_float(0x7F800000u), mx = __uint_as_float(0xFF800000u);  // +inf, -inf
-        for (int64_t j = b[u]; j < e[u]; j += int64_t(W) * kPer) {
-          const RawChunk<scalar_t, kPer> c =
-              j == b[u] ? first[u] : *reinterpret_cast<const RawChunk<scalar_t, kPer>*>(xr + j);
-          float v[kPer];
-#pragma unroll
-          for (int t = 0; t < kPer; ++t) v[t] = static_cast<float>(c.e[t]);
-          if (norm) {
-#pragma unroll
-            for (int t = 0; t < kPer; ++t) v[t] = f_mul(f_sub(v[t], m), s);
-          }
-#pragma unroll
-          for (int t = 0; t < kPer; ++t) {
-            am = umax(am, __float_as_uint(v[t]) & 0x7FFFFFFFu);
-            mn = nan_min(mn, v[t]);
-            mx = nan_max(mx, v[t]);
-          }
+        for (int64_t j = b[u]; j < e[u]; j += 32) {
+          float v = static_cast<float>(j == b[u] ? first[u] : xr[j]);
+          if (norm) v = f_mul(f_sub(v, m), s);
+          am = umax(am, __float_as_uint(v) & 0x7FFFFFFFu);
+          mn = nan_min(mn, v);
+          mx = nan_max(mx, v);
         }
-        // (offsets below W stay inside the sub-warp; every lane takes part)
-        for (int off = W / 2; off > 0; off /= 2) {
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) {
           mn = nan_min(mn, __shfl_xor_sync(0xFFFFFFFFu, mn, off));
           mx = nan_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
         }
-        if (sub == 0 && g < G) {
+        if (lane == 0) {
           cells[ci.at(row, g)] = mn;
           cells[ci.at(row, G + g)] = mx;
         }
@@ -2186,13 +2171,140 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
   }
 }
 
-// The sub-warp width of row_cells_kernel: the smallest power of two >= the 16-byte chunks of
-// a segment, at most 32 (VEC); 32 on the scalar path.
-int row_cells_width(bool vec, int64_t segment_chunks) {
-  if (!vec) return 32;
+// The flat row pass (every segment whole 16-byte chunks):
+// x as one sequence of rows * G segments of S = D / G elements, C = S * sizeof / 16 chunks
+// each, regardless of rows: a sub-warp of W lanes takes a segment, lane `sub` its chunks sub,
+// sub + W, ...; a round loads kRowCellsSlots chunks a lane (K = kRowCellsSlots / CPL segments
+// of CPL chunks a lane) before it reduces any. The sub-warp's leader writes the segment's
+// cells and folds max(|min|, |max|) into the row's max |x| with an atomicMax on its float
+// bits (r zeroed first): the largest |x| is the |min| or the |max| of its segment, and a NaN
+// in the segment makes min or max a NaN, whose bits with the sign cleared are above +inf's as
+// in row_cells_kernel (the NaN's payload may differ; row_k reads no payload).
+// Why not a warp a row: on the H200 that kernel took 25 us for DeiT-S's (128, 197, 384) bf16
+// rows (19 MB), 28 for their float32 form, 63 for the (128, 197, 1536) hidden (77 MB), where
+// row_exponents' warp-a-row pass (no cells, half the registers) and observe together took 26 us
+// for the 19 MB: a warp held one row (768 bytes) in flight, 4 blocks an SM (63 registers),
+// 4 waves of blocks each paying the bounds table and a barrier for 1 or 2 rows; neither four
+// passes' loads at once nor the bounds table (no division calls) moved it. Here a lane keeps
+// 64 bytes in flight whatever the row length, the resident grid runs one wave, segments carry
+// on across rows (DeiT-S's 6 segments of 8 chunks a row left half of a 4-segment pass idle)
+// and there is no table, no barrier and no per-row shuffle chain for max |x|.
+constexpr int kRowCellsSlots = 4;
+// Blocks an SM the flat pass is compiled for (at most 48 registers a thread; 40 warps an SM,
+// each lane 64 bytes in flight). Uncapped, nvcc took 56 to 64 registers for some
+// instantiations (4 blocks); capped at 6 blocks, the 64-bit index ones spilled.
+constexpr int kRowCellsBlocks = 5;
+
+// W (a power of two, at most 8) and CPL (chunks a lane a round: 1, 2 or 4) for segments of
+// `chunks` 16-byte chunks. Segments longer than 4 W chunks take further rounds of 4 loads.
+struct RowCellsShape {
+  int W, cpl;
+};
+RowCellsShape row_cells_shape(int64_t chunks) {
+  if (chunks > 16) return {8, 4};
+  if (chunks > 8) return {8, 2};
   int w = 1;
-  while (w < 32 && w < segment_chunks) w *= 2;
-  return w;
+  while (w < chunks) w *= 2;
+  return {w, 1};
+}
+
+// Blocks of the flat row pass: warps enough for one round each, at most `resident` blocks an SM
+int row_cells_flat_blocks(int64_t segments, RowCellsShape shape, int sms, int resident) {
+  const int64_t per_warp = int64_t(32 / shape.W) * (kRowCellsSlots / shape.cpl);
+  const int64_t warps = (segments + per_warp - 1) / per_warp;
+  const int64_t blocks = (warps + kThreads / 32 - 1) / (kThreads / 32);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sms) * resident)));
+}
+
+// Element H of a 32-bit word of scalar_t elements, as a float (exact): the flat pass holds a
+// round's chunks as words (nvcc kept a chunk of 8 bf16 or half in 8 registers, not 4)
+template <typename scalar_t, int H>
+__device__ __forceinline__ float word_element(uint32_t w) {
+  if constexpr (sizeof(scalar_t) == 4) {
+    return __uint_as_float(w);
+  } else if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
+    return __uint_as_float(H == 0 ? w << 16 : w & 0xFFFF0000u);
+  } else {
+    return static_cast<float>(c10::Half(static_cast<uint16_t>(w >> (16 * H)), c10::Half::from_bits()));
+  }
+}
+
+template <typename scalar_t, int CPL, typename IdxT>
+__global__ void __launch_bounds__(kThreads, kRowCellsBlocks)
+row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ r_bits, float* __restrict__ cells,
+                      IdxT segments, IdxT S, int C, int W, IdxT G, DivT<IdxT> div_G,
+                      const float* __restrict__ row_mean, const float* __restrict__ row_rstd, CellIndex ci) {
+  constexpr int kPer = 16 / int(sizeof(scalar_t)), kPerWord = 4 / int(sizeof(scalar_t));
+  constexpr int K = kRowCellsSlots / CPL;  // segments a sub-warp takes a round
+  using Chunk = Chunk16<uint32_t>;  // (a chunk read as four words, as load_code_values reads codes)
+  const int lane = threadIdx.x % 32, sub = lane % W;
+  const IdxT subs = IdxT(32 / W), per_warp = subs * K;
+  const IdxT warps = IdxT(gridDim.x) * (blockDim.x / 32);
+  const bool norm = row_mean != nullptr;  // (uniform across the launch)
+  // the round's segments: k-th of this sub-warp w0 + k * subs + lane / W (a load instruction
+  // reads subs whole neighbouring segments' chunks)
+  for (IdxT w0 = (IdxT(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * per_warp; w0 < segments;
+       w0 += warps * per_warp) {
+    // stage 1 (segments of up to 2 W chunks): the lane's chunks of the round's K segments, all
+    // loads in flight at once
+    Chunk c[kRowCellsSlots];
+    if constexpr (CPL < kRowCellsSlots) {
+#pragma unroll
+      for (int u = 0; u < kRowCellsSlots; ++u) {
+        const IdxT s = w0 + IdxT(u / CPL) * subs + IdxT(lane / W);
+        const int j = sub + (u % CPL) * W;
+        if (s < segments && j < C) c[u] = *reinterpret_cast<const Chunk*>(x + s * S + IdxT(j) * kPer);
+      }
+    }
+    // stage 2: each segment's min / max, the sub-warp's reduction, the cells and max |x|
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const IdxT s = w0 + IdxT(k) * subs + IdxT(lane / W);
+      const bool live = s < segments;
+      const IdxT row = live ? div_G(s) : IdxT(0);
+      const float m = norm && live ? __ldg(row_mean + row) : 0.0f;
+      const float rs = norm && live ? __ldg(row_rstd + row) : 1.0f;
+      float mn = __uint_as_float(0x7F800000u), mx = __uint_as_float(0xFF800000u);  // +inf, -inf
+      auto take1 = [&](float v) {
+        if (norm) v = f_mul(f_sub(v, m), rs);
+        mn = nan_min(mn, v);
+        mx = nan_max(mx, v);
+      };
+      auto take = [&](const Chunk& ch) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          take1(word_element<scalar_t, 0>(ch.e[w]));
+          if constexpr (kPerWord == 2) take1(word_element<scalar_t, 1>(ch.e[w]));
+        }
+      };
+      if constexpr (CPL < kRowCellsSlots) {
+#pragma unroll
+        for (int t = 0; t < CPL; ++t)
+          if (live && sub + t * W < C) take(c[k * CPL + t]);
+      } else {
+        // (one segment a round, K == 1) its chunks in rounds of kRowCellsSlots loads in flight
+        for (int j0 = sub; live && j0 < C; j0 += kRowCellsSlots * W) {
+#pragma unroll
+          for (int t = 0; t < kRowCellsSlots; ++t)
+            if (j0 + t * W < C) c[t] = *reinterpret_cast<const Chunk*>(x + s * S + IdxT(j0 + t * W) * kPer);
+#pragma unroll
+          for (int t = 0; t < kRowCellsSlots; ++t)
+            if (j0 + t * W < C) take(c[t]);
+        }
+      }
+      // (offsets below W stay inside the sub-warp; every lane takes part)
+      for (int off = W / 2; off > 0; off /= 2) {
+        mn = nan_min(mn, __shfl_xor_sync(0xFFFFFFFFu, mn, off));
+        mx = nan_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
+      }
+      if (sub == 0 && live) {
+        const IdxT g = s - row * G;
+        cells[ci.at(int64_t(row), int64_t(g))] = mn;
+        cells[ci.at(int64_t(row), int64_t(G + g))] = mx;
+        atomicMax(r_bits + row, umax(__float_as_uint(mn) & 0x7FFFFFFFu, __float_as_uint(mx) & 0x7FFFFFFFu));
+      }
+    }
+  }
 }
 
 // k[row] as row_k_kernel, and the row's cells times 2**k rounded to scalar_t (x * 2**k as the
@@ -2213,6 +2325,36 @@ row_k_cells_kernel(const float* __restrict__ r, const float* __restrict__ mean, 
       c = round_to<scalar_t>(f_mul(c, f));
     }
   }
+}
+
+// The flat row pass over `segments` segments of S elements (S * sizeof(scalar_t) % 16 == 0, x
+// aligned), r zeroed: the resident grid (one wave), 32-bit indices where they fit
+template <typename scalar_t>
+void launch_row_cells_flat(const at::Tensor& x, at::Tensor& r, at::Tensor& cells, int64_t segments, int64_t S,
+                           int64_t G, const float* row_mean, const float* row_rstd, CellIndex ci, cudaStream_t stream) {
+  const int64_t chunks = S * int64_t(sizeof(scalar_t)) / 16;
+  const RowCellsShape shape = row_cells_shape(chunks);
+  auto launch = [&](auto kernel, auto idx) {
+    using IdxT = decltype(idx);
+    const int blocks = row_cells_flat_blocks(segments, shape, sm_count(), resident_blocks(
+                                                                              reinterpret_cast<const void*>(kernel)));
+    kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
+                                            reinterpret_cast<uint32_t*>(r.mutable_data_ptr<float>()),
+                                            cells.mutable_data_ptr<float>(), static_cast<IdxT>(segments),
+                                            static_cast<IdxT>(S), static_cast<int>(chunks), shape.W,
+                                            static_cast<IdxT>(G), DivT<IdxT>(static_cast<IdxT>(G)), row_mean,
+                                            row_rstd, ci);
+  };
+  // 32-bit: every element offset below 2^31, and the round's start after the last one too
+  const bool small = x.numel() < (int64_t(1) << 30) && segments < (int64_t(1) << 30);
+  auto pick = [&](auto idx) {
+    using IdxT = decltype(idx);
+    if (shape.cpl == 1) launch(row_cells_flat_kernel<scalar_t, 1, IdxT>, idx);
+    else if (shape.cpl == 2) launch(row_cells_flat_kernel<scalar_t, 2, IdxT>, idx);
+    else launch(row_cells_flat_kernel<scalar_t, 4, IdxT>, idx);
+  };
+  if (small) pick(uint32_t(0));
+  else pick(uint64_t(0));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
@@ -2247,22 +2389,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
   const CellIndex ci = per_sample ? CellIndex{2 * G, 1} : CellIndex{1, rows};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int sms = sm_count();
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
   const at::Tensor rmean = norm ? row_mean->contiguous() : at::Tensor();
   const at::Tensor rrstd = norm ? row_rstd->contiguous() : at::Tensor();
   const float* pm = norm ? rmean.const_data_ptr<float>() : nullptr;
   const float* ps = norm ? rrstd.const_data_ptr<float>() : nullptr;
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_rows_cuda", [&] {
-    const bool vec = aligned16(x.const_data_ptr()) && D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0;
-    const int W = row_cells_width(vec, (D / G) * int64_t(sizeof(scalar_t)) / 16);
-    if (vec) {
-      row_cells_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(
-          x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
-          static_cast<int>(G), W, pm, ps, ci);
+    const bool flat = aligned16(x.const_data_ptr()) && D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0;
+    if (flat) {
+      r.zero_();  // (the flat pass folds each segment's max |x| into its row's with atomicMax)
+      launch_row_cells_flat<scalar_t>(x, r, cells, rows * G, D / G, G, pm, ps, ci, stream);
     } else {
-      row_cells_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(
-          x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
-          static_cast<int>(G), W, pm, ps, ci);
+      const int blocks =
+          static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sm_count()) * 16)));
+      row_cells_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
+                                                                 r.mutable_data_ptr<float>(),
+                                                                 cells.mutable_data_ptr<float>(), rows, D,
+                                                                 static_cast<int>(G), pm, ps, ci);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::Tensor mean = r.mean();

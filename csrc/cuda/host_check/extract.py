@@ -78,7 +78,7 @@ section_until('observe', 'void launch_observe')
 section_until('quantize_observe', 'std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(')
 section_until('update_estimates', 'std::tuple<at::Tensor, at::Tensor> launch_update_estimates(')
 section_until('row_exponents', 'at::Tensor row_exponents_cuda(')
-section_until('observe_rows', 'std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(')
+section_until('observe_rows', 'void launch_row_cells_flat(')
 section_until('softmax_backward', 'void launch_softmax_backward(')
 section_until('layer_norm_backward', 'void launch_layer_norm_backward(')
 

@@ -39,8 +39,9 @@
 // * strided inputs (mesa_common.h): quantize, observe / group_minmax and quantize_observe read x
 //   laid out as a strided view (four dims nested in a random memory order, NaN between the rows)
 //   where it lies, through the layout strided_rows gives the ops; the same checks, bit for bit;
-// * observe_rows: row_cells (warp per row, vector and scalar paths) against the naive max |x|
-//   and per-segment min / max, and row_k_cells (k, and the cells of rows with k != 0 times
+// * observe_rows: the row pass (the flat one on aligned whole-chunk segments, 1, 2 and 4 chunks
+//   a lane, further rounds, idle lanes, 32- and 64-bit indices, small grids; the warp-a-row one
+//   on the rest) against the naive max |x| and per-segment min / max, and row_k_cells (k, and the cells of rows with k != 0 times
 //   2**k rounded to the dtype).
 // * gelu_value_and_grad (dequantize with both GELU epilogues at once): each output the bits of
 //   its own op's epilogue;
@@ -1687,7 +1688,8 @@ int row_exponents_checks(int ncases) {
 }
 
 // ------------------------------------------------------------------ observe_rows
-// row_cells_kernel (warp per row, observe_rows_cuda's grid) against the naive per-row max |x|
+// The row pass (row_cells_flat_kernel or row_cells_kernel, as observe_rows_cuda picks and
+// launches it) against the naive per-row max |x|
 // and per-segment min / max (segment g = [ceil(g D / G), ceil((g + 1) D / G)); NaN when the
 // segment has one; zeros compared by value: observe canonicalises their sign), then
 // row_k_cells_kernel: k as naive_row_k, each cell of a row with k != 0 times 2**k rounded to
@@ -1701,14 +1703,43 @@ bool same_stat(float got, float want) { return std::isnan(want) ? std::isnan(got
 template <typename scalar_t, bool VEC>
 int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, bool slot_major,
                     const RowExp* norm = nullptr) {
-  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
   std::vector<float> r(rows + 1, 7.0f), cells(rows * 2 * G + 1, 7.0f);
   const CellIndex ci = slot_major ? CellIndex{1, rows} : CellIndex{2 * G, 1};
-  const int W = row_cells_width(VEC, (D / G) * int64_t(sizeof(scalar_t)) / 16);
   const float* pm = norm != nullptr ? norm->mean.data() : nullptr;
   const float* ps = norm != nullptr ? norm->rstd.data() : nullptr;
-  launch_simt(blocks, kThreads,
-              [&] { row_cells_kernel<scalar_t, VEC>(x, r.data(), cells.data(), rows, D, G, W, pm, ps, ci); });
+  std::string path;
+  if constexpr (VEC) {
+    // the flat pass as launch_row_cells_flat runs it: r zeroed, the grid of 1 to 4 resident
+    // blocks an SM (rounds strided over the warps), 32- or 64-bit indices
+    std::fill(r.begin(), r.begin() + rows, 0.0f);
+    const int64_t S = D / G, chunks = S * int64_t(sizeof(scalar_t)) / 16;
+    const RowCellsShape shape = row_cells_shape(chunks);
+    const unsigned blocks = unsigned(row_cells_flat_blocks(rows * G, shape, sms, 1 + int(rng() % 4)));
+    uint32_t* rb = reinterpret_cast<uint32_t*>(r.data());
+    auto run = [&](auto idx) {
+      using IdxT = decltype(idx);
+      const DivT<IdxT> div_G(static_cast<IdxT>(G));
+      launch_simt(blocks, kThreads, [&] {
+        const IdxT segs = IdxT(rows * G), s = IdxT(S), g = IdxT(G);
+        if (shape.cpl == 1) row_cells_flat_kernel<scalar_t, 1, IdxT>(x, rb, cells.data(), segs, s, int(chunks), shape.W, g, div_G, pm, ps, ci);
+        else if (shape.cpl == 2) row_cells_flat_kernel<scalar_t, 2, IdxT>(x, rb, cells.data(), segs, s, int(chunks), shape.W, g, div_G, pm, ps, ci);
+        else row_cells_flat_kernel<scalar_t, 4, IdxT>(x, rb, cells.data(), segs, s, int(chunks), shape.W, g, div_G, pm, ps, ci);
+      });
+    };
+    static int turn = 0;  // (alternating: both index widths whatever the random draws)
+    const bool wide = turn++ % 2 == 1;
+    if (wide) run(uint64_t(0));
+    else run(uint32_t(0));
+    path = "row_cells_flat_cpl" + std::to_string(shape.cpl);
+    g_checked[wide ? "row_cells_flat_u64" : "row_cells_flat_u32"]++;
+    if (chunks > kRowCellsSlots * shape.W) g_checked["row_cells_flat_rounds"]++;
+    if (chunks < shape.W) g_checked["row_cells_flat_idle_lanes"]++;
+  } else {
+    const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+    launch_simt(blocks, kThreads,
+                [&] { row_cells_kernel<scalar_t>(x, r.data(), cells.data(), rows, D, G, pm, ps, ci); });
+    path = "row_cells";
+  }
   // the values the kernel sees
   std::vector<float> xs(rows * D);
   for (int64_t i = 0; i < rows * D; ++i)
@@ -1740,8 +1771,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     fprintf(stderr, "row_cells wrote past the end\n");
     ++errs;
   }
-  g_checked[std::string(VEC ? (W < 32 ? "row_cells_vec_subwarp" : "row_cells_vec") : "row_cells") +
-            (norm != nullptr ? "_norm" : "")]++;
+  g_checked[path + (norm != nullptr ? "_norm" : "")]++;
   g_checked[slot_major ? "row_cells_slot_major" : "row_cells_row_major"]++;
   if (errs) return errs;
   // row_k_cells on the cells just checked
@@ -1807,10 +1837,11 @@ int observe_rows_checks(int ncases) {
   // DeiT's channel groups (384 / 6, 1536 / 6), one group, a group per element, segments of
   // unequal length (131 / 4, 24 / 5), segments longer than a warp's pass (1100 / 2), rows = 300
   // on one SM (warps stride over rows), more groups than the kernel's table of bounds holds
-  // (600 / 300: computed in each pass)
+  // (600 / 300: computed in each pass); for the flat pass, segments of 6 / 3 chunks (144 / 6:
+  // idle lanes) and of 60 / 30 (1200 / 5: further rounds, a partial one), 40 DeiT rows
   const std::vector<std::tuple<int64_t, int64_t, int>> fixed = {
       {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4},
-      {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}};
+      {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}, {3, 144, 6}, {2, 1200, 5}, {40, 384, 6}};
   // (sub-warps of 1, 2, 4, 8, 16 and 32 lanes across the dtypes)
   // (each layout with one dtype per SM count, rotating: the warp emulation is slow)
   int turn = 0;

@@ -11,8 +11,8 @@
 #   checking the last-block estimate update, the seed step, the ws[1] flag and the reset
 #   workspace;
 # * row_absmax (warp per row, __shfl_xor_sync across 32 lane threads) and row_k;
-# * observe_rows: row_cells (warp per row: max|x| and each group segment's min/max) and
-#   row_k_cells (k and the cells times 2**k).
+# * observe_rows: the row pass (flat over whole-chunk segments with atomicMax for max|x|, or
+#   warp per row) and row_k_cells (k and the cells times 2**k).
 # The harness's last lines: "CHECKED kernel=cases ..." and "ALL OK" (or "FAILED", exit 1).
 # Usage: csrc/cuda/host_check/run.sh [random cases, default 150] [quick]
 #   quick: each fixed layout once (one dtype / SM count / statistics combination) instead
