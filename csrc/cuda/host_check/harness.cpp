@@ -1721,9 +1721,11 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
       const DivT<IdxT> div_G(static_cast<IdxT>(G));
       launch_simt(blocks, kThreads, [&] {
         const IdxT segs = IdxT(rows * G), s = IdxT(S), g = IdxT(G);
-        if (shape.cpl == 1) row_cells_flat_kernel<scalar_t, 1, IdxT>(x, rb, cells.data(), segs, s, int(chunks), shape.W, g, div_G, pm, ps, ci);
-        else if (shape.cpl == 2) row_cells_flat_kernel<scalar_t, 2, IdxT>(x, rb, cells.data(), segs, s, int(chunks), shape.W, g, div_G, pm, ps, ci);
-        else row_cells_flat_kernel<scalar_t, 4, IdxT>(x, rb, cells.data(), segs, s, int(chunks), shape.W, g, div_G, pm, ps, ci);
+        const int c = int(chunks), w = shape.W;
+        float* cl = cells.data();
+        if (shape.cpl == 1) row_cells_flat_kernel<scalar_t, 1, IdxT>(x, rb, cl, segs, s, c, w, g, div_G, pm, ps, ci);
+        else if (shape.cpl == 2) row_cells_flat_kernel<scalar_t, 2, IdxT>(x, rb, cl, segs, s, c, w, g, div_G, pm, ps, ci);
+        else row_cells_flat_kernel<scalar_t, 4, IdxT>(x, rb, cl, segs, s, c, w, g, div_G, pm, ps, ci);
       });
     };
     static int turn = 0;  // (alternating: both index widths whatever the random draws)
