@@ -416,6 +416,10 @@ int grid_for(int64_t steps, int sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sms) * 16)));
 }
 
+// Grid of a kernel with one warp a row (row_absmax, row_cells, softmax_backward): grid_for with
+// 32 threads a row, so 8 rows a block and the warps striding over the rest
+int warp_rows_grid(int64_t rows, int sms) { return grid_for(rows * 32, sms); }
+
 // Grid of the quantize and dequantize launches. The codes do not depend on it (each element's
 // code is its own), only the time does:
 //   capped    grid_for: at most 16 blocks an SM, each thread loops over the rest
@@ -2048,7 +2052,7 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
   at::Tensor k = at::empty(shape, x.options().dtype(at::kChar));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int sms = sm_count();
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+  const int blocks = warp_rows_grid(rows, sms);
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_row_absmax_cuda", [&] {
     const bool vec = aligned16(x.const_data_ptr()) && (L * int64_t(sizeof(scalar_t))) % 16 == 0;
     if (vec) {
@@ -2216,17 +2220,12 @@ int row_cells_flat_blocks(int64_t segments, RowCellsShape shape, int sms, int re
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sms) * resident)));
 }
 
-// Element H of a 32-bit word of scalar_t elements, as a float (exact): the flat pass holds a
-// round's chunks as words (nvcc kept a chunk of 8 bf16 or half in 8 registers, not 4)
+// Element H of a 32-bit word of scalar_t elements, as a float (exact; AbsBits' storage bits to
+// float, which keeps the sign): the flat pass holds a round's chunks as words (nvcc kept a
+// chunk of 8 bf16 or half in 8 registers, not 4)
 template <typename scalar_t, int H>
 __device__ __forceinline__ float word_element(uint32_t w) {
-  if constexpr (sizeof(scalar_t) == 4) {
-    return __uint_as_float(w);
-  } else if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
-    return __uint_as_float(H == 0 ? w << 16 : w & 0xFFFF0000u);
-  } else {
-    return static_cast<float>(c10::Half(static_cast<uint16_t>(w >> (16 * H)), c10::Half::from_bits()));
-  }
+  return AbsBits<scalar_t>::to_float(sizeof(scalar_t) == 4 ? w : w >> (16 * H));
 }
 
 template <typename scalar_t, int CPL, typename IdxT>
@@ -2399,9 +2398,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
       r.zero_();  // (the flat pass folds each segment's max |x| into its row's with atomicMax)
       launch_row_cells_flat<scalar_t>(x, r, cells, rows * G, D / G, G, pm, ps, ci, stream);
     } else {
-      const int blocks =
-          static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sm_count()) * 16)));
-      row_cells_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
+      row_cells_kernel<scalar_t><<<warp_rows_grid(rows, sms), kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
                                                                  r.mutable_data_ptr<float>(),
                                                                  cells.mutable_data_ptr<float>(), rows, D,
                                                                  static_cast<int>(G), pm, ps, ci);
@@ -2536,18 +2533,13 @@ softmax_backward_kernel(const scalar_t* __restrict__ g, const uint8_t* __restric
   }
 }
 
-// 8 warps (rows) per block, at most 16 blocks per SM: warps stride over the remaining rows
-int softmax_backward_blocks(int64_t rows, int sms) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
-}
-
 template <typename scalar_t, typename map_t, typename out_t, typename IdxT>
 void launch_softmax_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& alpha,
                              const at::Tensor& beta, at::Tensor& out, const Layout& L, int64_t n,
                              cudaStream_t stream) {
   const int64_t rows = L.numel / n;
   softmax_backward_kernel<scalar_t, map_t, out_t, IdxT>
-      <<<softmax_backward_blocks(rows, sm_count()), kThreads, 0, stream>>>(
+      <<<warp_rows_grid(rows, sm_count()), kThreads, 0, stream>>>(
           g.const_data_ptr<scalar_t>(), q.const_data_ptr<uint8_t>(), alpha.const_data_ptr<float>(),
           beta.const_data_ptr<float>(), out.mutable_data_ptr<out_t>(), make_klayout<IdxT>(L),
           static_cast<IdxT>(rows), static_cast<IdxT>(n));

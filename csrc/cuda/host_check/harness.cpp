@@ -41,8 +41,8 @@
 //   where it lies, through the layout strided_rows gives the ops; the same checks, bit for bit;
 // * observe_rows: the row pass (the flat one on aligned whole-chunk segments, 1, 2 and 4 chunks
 //   a lane, further rounds, idle lanes, 32- and 64-bit indices, small grids; the warp-a-row one
-//   on the rest) against the naive max |x| and per-segment min / max, and row_k_cells (k, and the cells of rows with k != 0 times
-//   2**k rounded to the dtype).
+//   on the rest) against the naive max |x| and per-segment min / max, and row_k_cells (k, and
+//   the cells of rows with k != 0 times 2**k rounded to the dtype).
 // * gelu_value_and_grad (dequantize with both GELU epilogues at once): each output the bits of
 //   its own op's epilogue;
 // * layer_norm_backward (one block per 64 rows, a warp per chunk of 8, the same exchange; every
@@ -1595,7 +1595,7 @@ int naive_row_k(float mean, float r, int max_k) {
 // blocks per SM; warps stride over the remaining rows)
 template <typename scalar_t, bool VEC>
 int check_row_absmax(const scalar_t* x, int64_t rows, int64_t len, int sms, std::vector<float>& want) {
-  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+  const unsigned blocks = unsigned(warp_rows_grid(rows, sms));
   std::vector<float> r(rows + 1, 7.0f);
   launch_simt(blocks, kThreads, [&] { row_absmax_kernel<scalar_t, VEC>(x, r.data(), rows, len); });
   want.resize(rows);
@@ -1737,7 +1737,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     if (chunks > kRowCellsSlots * shape.W) g_checked["row_cells_flat_rounds"]++;
     if (chunks < shape.W) g_checked["row_cells_flat_idle_lanes"]++;
   } else {
-    const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, int64_t(sms) * 16)));
+    const unsigned blocks = unsigned(warp_rows_grid(rows, sms));
     launch_simt(blocks, kThreads,
                 [&] { row_cells_kernel<scalar_t>(x, r.data(), cells.data(), rows, D, G, pm, ps, ci); });
     path = "row_cells";
@@ -1844,7 +1844,7 @@ int observe_rows_checks(int ncases) {
   const std::vector<std::tuple<int64_t, int64_t, int>> fixed = {
       {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4},
       {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}, {3, 144, 6}, {2, 1200, 5}, {40, 384, 6}};
-  // (sub-warps of 1, 2, 4, 8, 16 and 32 lanes across the dtypes)
+  // (flat-pass sub-warps of 1, 2, 4 and 8 lanes and 1, 2 and 4 chunks a lane across the dtypes)
   // (each layout with one dtype per SM count, rotating: the warp emulation is slow)
   int turn = 0;
   for (const auto& [rows, D, G] : fixed)
@@ -1929,7 +1929,7 @@ int check_softmax_backward(const std::vector<int64_t>& shape, int64_t dim, int64
   fill(g, L.numel, specials);
   out_t* out = alloc<out_t>(L.numel + 1, 0);
   out[L.numel] = static_cast<out_t>(7.0f);
-  launch_simt(unsigned(softmax_backward_blocks(rows, sms)), kThreads, [&] {
+  launch_simt(unsigned(warp_rows_grid(rows, sms)), kThreads, [&] {
     softmax_backward_kernel<scalar_t, map_t, out_t, IdxT>(g, q, alpha.data(), beta.data(), out, make_klayout<IdxT>(L),
                                                    IdxT(rows), IdxT(n));
   });
