@@ -51,7 +51,8 @@ KERNELS = (r"^(layer_norm_backward_kernel<(float|c10::BFloat16), 12>"
            r"|(quantize|quantize_observe)_kernel<c10::BFloat16, unsigned int, 16, (true|false)>"
            r"|dequantize_bits_kernel<c10::BFloat16, unsigned int, [248], true>"
            r"|row_cells_kernel<(float|c10::BFloat16)>"
-           r"|row_cells_flat_kernel<(float|c10::BFloat16|c10::Half), [124], unsigned (int|long)>)$")
+           r"|row_cells_flat_kernel<(float|c10::BFloat16|c10::Half), [124], unsigned (int|long)>"
+           r"|observe_kernel<(float|c10::BFloat16|c10::Half), unsigned int, 16, [012]>)$")
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,25 @@ def test_flat_row_pass_keeps_a_round_in_flight_at_five_blocks(kernels, dtype, cp
         assert not any(o.startswith("CALL") for o in ops)
 
 
+@needs_tools
+@pytest.mark.parametrize("dtype", ["float", "c10::BFloat16", "c10::Half"])
+@pytest.mark.parametrize("mode", ["0", "1", "2"])  # observe, group_minmax, delayed_observe
+def test_observe_keeps_four_wide_loads_in_flight_at_four_blocks(kernels, dtype, mode):
+    """observe's stage 1 (reduce_chunk): a thread issues 64 bytes of 16-byte loads before it uses
+    any (two steps of a 16-bit type, one of float32) at 4 blocks an SM without spilling, and takes
+    its min / max with one FMNMX.NAN each (PTX min.NaN / max.NaN) where nan_min's select chain
+    was five instructions an element. Before: one bf16 step (2 loads) at a time, 4 blocks: 0.28
+    of clone's bandwidth on the H200 for the token layout."""
+    m = load_script("sass_audit")
+    row = kernels[f"observe_kernel<{dtype}, unsigned int, 16, {mode}>"]
+    ops = _opcodes(row)
+    # the 16-byte loads alone (the row exponents' byte loads would count too)
+    wide = [i for i in row["instructions"] if not m.opcode(i).startswith("LDG") or ".128" in m.opcode(i)]
+    assert m.loads_in_flight(wide) >= 4, m.loads_in_flight(wide)
+    assert row["blocks_per_sm"] >= 4 and row["spill"] == 0, (row["registers"], row["spill"])
+    assert sum(o.startswith("FMNMX.NAN") for o in ops) >= 30  # a 16-element step: 15 min and 15 max
+
+
 def _opcodes(row) -> list[str]:
     m = load_script("sass_audit")
     return [m.opcode(i) for i in row["instructions"]]
@@ -129,7 +149,8 @@ def test_codes_come_from_one_saturating_conversion(kernels, kernel, stochastic):
     subtract): the ALU pipe bound the stochastic quantize (0.58 of clone's bandwidth on the H100)."""
     ops = _opcodes(kernels[f"{kernel}<c10::BFloat16, unsigned int, 16, {stochastic}>"])
     assert sum(o.startswith("F2IP.U8") for o in ops) >= 16  # the 16-element step's codes
-    assert not any(o.startswith("FMNMX") for o in ops)
+    # (quantize_observe's min / max are FMNMX.NAN, not a clamp)
+    assert not any(o.startswith("FMNMX") and ".NAN" not in o for o in ops)
     # (a few F2I remain outside the codes: quantize_observe's launch arithmetic; there were 33)
     assert sum(o.startswith("F2I.") for o in ops) <= 4, sorted({o for o in ops if o.startswith("F2I")})
 

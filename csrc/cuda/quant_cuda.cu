@@ -304,6 +304,30 @@ __device__ __forceinline__ void load_floats(const scalar_t* __restrict__ p, floa
   }
 }
 
+// load_floats in two halves, so that a kernel can issue several steps' loads before it converts
+// any (their raw chunks, half the registers of floats for a 16-bit type): load_chunks, then
+// chunk_floats (V a multiple of a chunk's elements)
+template <typename scalar_t, int V>
+struct StepChunks {
+  Chunk16<scalar_t> c[V * sizeof(scalar_t) / 16];
+};
+
+template <typename scalar_t, int V>
+__device__ __forceinline__ void load_chunks(const scalar_t* __restrict__ p, StepChunks<scalar_t, V>& s) {
+  const Chunk16<scalar_t>* cp = reinterpret_cast<const Chunk16<scalar_t>*>(p);
+#pragma unroll
+  for (int c = 0; c < int(V * sizeof(scalar_t) / 16); ++c) s.c[c] = cp[c];
+}
+
+template <typename scalar_t, int V>
+__device__ __forceinline__ void chunk_floats(const StepChunks<scalar_t, V>& s, float (&v)[V]) {
+  constexpr int kPer = 16 / sizeof(scalar_t);
+#pragma unroll
+  for (int c = 0; c < V / kPer; ++c)
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v[c * kPer + j] = static_cast<float>(s.c[c].e[j]);
+}
+
 template <typename scalar_t, int V>
 __device__ __forceinline__ void store_floats(scalar_t* __restrict__ p, const float (&v)[V]) {
   if constexpr (V == 1) {
@@ -1459,6 +1483,30 @@ __global__ void seed_of_kernel(const int64_t* __restrict__ rng, const int64_t rn
   write_seed(rng, rng_stride, out);
 }
 
+// nan_min / nan_max (mesa_common.h) where only the encoded totals see the result: one FMNMX.NAN
+// each on sm_80+ (PTX min.NaN / max.NaN) where nvcc made the select chain five instructions an
+// element (two FSETP, an FSETP.NAN and two FSEL, shared by the pair). They differ only in what
+// enc_min / enc_max and dec_min / dec_max do not keep: a NaN's payload (any NaN encodes as
+// 0xFFFFFFFF) and the sign of a zero that ties a zero (decoded zeros are +0.0).
+__device__ __forceinline__ float total_min(float acc, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(acc), "f"(v));
+  return r;
+#else
+  return nan_min(acc, v);
+#endif
+}
+__device__ __forceinline__ float total_max(float acc, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(acc), "f"(v));
+  return r;
+#else
+  return nan_max(acc, v);
+#endif
+}
+
 // One thread's running (p, min, max) over the elements it visits; flushed (to shared
 // memory when p lies in the block's window of parameters, else to the global totals)
 // whenever p changes, and once at the end.
@@ -1491,21 +1539,21 @@ struct ReduceTarget {
       r.mn = mn;
       r.mx = mx;
     } else {
-      r.mn = nan_min(r.mn, mn);
-      r.mx = nan_max(r.mx, mx);
+      r.mn = total_min(r.mn, mn);
+      r.mx = total_max(r.mx, mx);
     }
   }
 };
 
-// min and max of one step's V values (NaN propagates)
+// min and max of one step's V values (NaN propagates; for the encoded totals only)
 template <int V>
 __device__ __forceinline__ void step_range(const float (&xv)[V], float& mn, float& mx) {
   mn = xv[0];
   mx = xv[0];
 #pragma unroll
   for (int e = 1; e < V; ++e) {
-    mn = nan_min(mn, xv[e]);
-    mx = nan_max(mx, xv[e]);
+    mn = total_min(mn, xv[e]);
+    mx = total_max(mx, xv[e]);
   }
 }
 
@@ -1537,23 +1585,36 @@ __device__ __forceinline__ Chunk<IdxT> chunk_of_block(IdxT numel, IdxT chunk) {
   return {b0, umin(b0 + chunk, nvec), blockIdx.x == gridDim.x - 1 && nvec * V < numel};
 }
 
+// Steps an observe_kernel thread loads before it uses any (reduce_chunk's U): 64 bytes, four
+// 16-byte loads, in flight a thread (two steps of a 16-bit type, one of float32); one on the
+// scalar path. (One step of 32 bytes at a time, at 4 blocks an SM, kept 30 KB in flight an SM:
+// the bf16 token layout's observe ran at 0.28 of clone's bandwidth on the H200,
+// results/kernels/NVIDIA-H200.md.) quantize_observe_kernel keeps one: its coding path needs the
+// registers (two steps made nvcc spill 80 to 116 bytes at 4 blocks an SM).
+template <typename scalar_t, int V>
+constexpr int kStepsInFlight = (V > 1 && V * int(sizeof(scalar_t)) < 64) ? 64 / (V * int(sizeof(scalar_t))) : 1;
+
+// observe_kernel's blocks an SM (__launch_bounds__' minimum) where it keeps two steps in flight:
+// 4, so 64 registers (unbounded, nvcc took 78: 3 blocks); elsewhere 0, no minimum, nvcc's own
+// choice as before (a minimum of 1 let it take up to 104 registers: 2 blocks).
+template <typename scalar_t, int V>
+constexpr int kObserveBlocks = kStepsInFlight<scalar_t, V> > 1 ? 4 : 0;
+
 // Stage 1 of observe, group_minmax and quantize_observe: the chunk's per-parameter min/max
 // (of the row-scaled values) into t: shared window, then global totals. With `quant`, each
 // element is also coded by code(value, units, parameter) into q (quantize_observe: the same
 // pass quantizes, so x is read once), `units` its stochastic-rounding uniform times 2^16 from
-// rk (step_units: a pair's two from one hash; zeros unless STOCH). t's window must be zeroed
-// (and synced) before.
-template <typename scalar_t, typename IdxT, int V, bool STOCH, typename Code>
+// rk (step_units: a pair's two from one hash; zeros unless STOCH). A thread loads U steps (a
+// block's width apart) before it reduces any. t's window must be zeroed (and synced) before.
+template <typename scalar_t, typename IdxT, int V, int U, bool STOCH, typename Code>
 __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
                                              const KLayout<IdxT>& k, const IdxT numel, const Chunk<IdxT>& c,
                                              const KRows<IdxT>& rows, const ReduceTarget& t, const bool quant,
                                              const KStrides<IdxT>& in, const RoundingKey& rk, Code&& code) {
   constexpr int P = kHashServes<STOCH, IdxT, V>;
   RunAcc r;
-  for (IdxT v = c.b0 + threadIdx.x; v < c.b1; v += blockDim.x) {
-    const IdxT i0 = v * V;
-    float xv[V];
-    load_floats<scalar_t, V>(x + offset_of(in, i0), xv);
+  // the step at i0 (its values xv, as loaded)
+  auto take = [&](const IdxT i0, float (&xv)[V]) {
     if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, xv, 1);
     const IdxT p0 = param_of(k, i0);
     uint8_t out[V];
@@ -1584,6 +1645,31 @@ __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uin
       }
     }
     if (quant) store_codes<V>(q + i0, out);
+  };
+  // rounds of U steps, a block's width apart: every step's loads issued before any is used. A
+  // step past the chunk loads the round's first again (in bounds, so the loads need no branch)
+  // and is not taken.
+  const IdxT width = blockDim.x;
+  for (IdxT v = c.b0 + threadIdx.x; v < c.b1; v += IdxT(U) * width) {
+    if constexpr (U == 1) {
+      float xv[V];
+      load_floats<scalar_t, V>(x + offset_of(in, v * V), xv);
+      take(v * V, xv);
+    } else {
+      StepChunks<scalar_t, V> raw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const IdxT vu = v + IdxT(u) * width;
+        load_chunks<scalar_t, V>(x + offset_of(in, (vu < c.b1 ? vu : v) * V), raw[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u > 0 && v + IdxT(u) * width >= c.b1) break;
+        float xv[V];
+        chunk_floats<scalar_t, V>(raw[u], xv);
+        take((v + IdxT(u) * width) * V, xv);
+      }
+    }
   }
   if (c.has_tail) {
     const IdxT i = (numel / V) * V + threadIdx.x;
@@ -1622,7 +1708,7 @@ __device__ __forceinline__ void reset_workspace(uint32_t* ws, uint32_t* totals, 
 enum ObserveMode { MODE_OBSERVE = 0, MODE_MINMAX = 1, MODE_DELAYED = 2 };
 
 template <typename scalar_t, typename IdxT, int V, int MODE>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kObserveBlocks<scalar_t, V>)
 observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT numel, const IdxT chunk,
                const int64_t S, uint32_t* __restrict__ ws, const EstimateArgs est, const SeedArgs sd,
                float* __restrict__ out_min, float* __restrict__ out_max, const KRows<IdxT> rows,
@@ -1659,8 +1745,8 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   }
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
-  reduce_chunk<scalar_t, IdxT, V, false>(x, nullptr, k, numel, c, rows, t, false, in, RoundingKey(0u, 0u),
-                                         [](float, float, IdxT) -> uint8_t { return 0; });
+  reduce_chunk<scalar_t, IdxT, V, kStepsInFlight<scalar_t, V>, false>(
+      x, nullptr, k, numel, c, rows, t, false, in, RoundingKey(0u, 0u), [](float, float, IdxT) -> uint8_t { return 0; });
 
   // ---- stage 2: the last block to arrive finishes (threadfence + ticket)
   if (!last_block_to_arrive(ws, s_last)) return;
@@ -1680,13 +1766,16 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
 // Launch shape of observe_kernel: blocks of contiguous chunks of V-element steps. When
 // one period of the layout (D * inner elements) is a whole number of steps, the block
 // size is a multiple of it (<= kThreads), so each thread keeps one group while it strides
-// (channels-last layouts: one flush per thread instead of one per step).
+// (channels-last layouts: one flush per thread instead of one per step). At most the blocks
+// the GPU holds at once (`resident` an SM, the occupancy API's count): one wave, each block's
+// chunk longer. (It was 8 an SM whatever the kernel held: 630 blocks of a 4-an-SM kernel on the
+// H200's 132 SMs for the bf16 token layout, a second wave of 102 blocks after the first.)
 struct ObserveConfig {
   int threads = kThreads;
   int64_t blocks = 1, chunk = 1;
 };
 
-ObserveConfig observe_config(const Layout& L, int V, int sms) {
+ObserveConfig observe_config(const Layout& L, int V, int sms, int resident) {
   ObserveConfig c;
   const int64_t period = L.D * L.inner;
   if (V > 1 && L.numel > 0 && period % V == 0) {
@@ -1696,7 +1785,7 @@ ObserveConfig observe_config(const Layout& L, int V, int sms) {
   const int64_t nvec = L.numel / V;
   const int64_t per_thread = 4;  // steps per thread before more blocks are worth it
   c.blocks = std::max<int64_t>(1, std::min<int64_t>((nvec + c.threads * per_thread - 1) / (c.threads * per_thread),
-                                                    int64_t(sms) * 8));
+                                                    int64_t(sms) * resident));
   c.chunk = std::max<int64_t>(1, (nvec + c.blocks - 1) / c.blocks);
   c.blocks = std::max<int64_t>(1, (nvec + c.chunk - 1) / c.chunk);
   return c;
@@ -1711,8 +1800,9 @@ void launch_observe(const at::Tensor& x, const Layout& L, uint32_t* ws, const Es
     auto go = [&](auto idx_tag, auto v_tag) {
       using IdxT = decltype(idx_tag);
       constexpr int V = decltype(v_tag)::value;
-      const ObserveConfig c = observe_config(L, V, sm_count());
-      observe_kernel<scalar_t, IdxT, V, MODE><<<static_cast<unsigned>(c.blocks), c.threads, 0, stream>>>(
+      const auto kernel = observe_kernel<scalar_t, IdxT, V, MODE>;
+      const ObserveConfig c = observe_config(L, V, sm_count(), resident_blocks(reinterpret_cast<const void*>(kernel)));
+      kernel<<<static_cast<unsigned>(c.blocks), c.threads, 0, stream>>>(
           xp, make_klayout<IdxT>(L), static_cast<IdxT>(L.numel), static_cast<IdxT>(c.chunk), L.S, ws, est, sd,
           out_min, out_max, make_krows<IdxT>(row_exp, row_len), kstrides_of<IdxT>(x));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -1844,11 +1934,11 @@ quantize_observe_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q,
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
   ParamCache pc;
-  reduce_chunk<scalar_t, IdxT, V, STOCH>(x, q, k, numel, c, rows, t, init, in, rk,
-                                         [&](float v, float u, IdxT p) -> uint8_t {
-                                           pc.fetch<true>(alpha, beta, p);
-                                           return quantize_code<STOCH>(v, pc.beta, pc.scale, u);
-                                         });
+  reduce_chunk<scalar_t, IdxT, V, 1, STOCH>(x, q, k, numel, c, rows, t, init, in, rk,
+                                            [&](float v, float u, IdxT p) -> uint8_t {
+                                              pc.fetch<true>(alpha, beta, p);
+                                              return quantize_code<STOCH>(v, pc.beta, pc.scale, u);
+                                            });
 
   // ---- stage 2: the last block updates the estimates and the rng counter
   if (!last_block_to_arrive(ws, s_last)) return;
@@ -1894,8 +1984,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(
       using IdxT = decltype(idx_tag);
       constexpr int V = decltype(v_tag)::value;
       constexpr bool STOCH = decltype(stoch_tag)::value;
-      const ObserveConfig c = observe_config(L, V, sm_count());
-      quantize_observe_kernel<scalar_t, IdxT, V, STOCH><<<static_cast<unsigned>(c.blocks), c.threads, 0, stream>>>(
+      const auto kernel = quantize_observe_kernel<scalar_t, IdxT, V, STOCH>;
+      const ObserveConfig c = observe_config(L, V, sm_count(), resident_blocks(reinterpret_cast<const void*>(kernel)));
+      kernel<<<static_cast<unsigned>(c.blocks), c.threads, 0, stream>>>(
           xp, q.mutable_data_ptr<uint8_t>(), make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
           static_cast<IdxT>(c.chunk), wsp, est, sd, used_a.mutable_data_ptr<float>(), used_b.mutable_data_ptr<float>(),
           make_krows<IdxT>(row_exp, row_len), kstrides_of<IdxT>(x));
@@ -2266,8 +2357,8 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ r_b
       float mn = __uint_as_float(0x7F800000u), mx = __uint_as_float(0xFF800000u);  // +inf, -inf
       auto take1 = [&](float v) {
         if (norm) v = f_mul(f_sub(v, m), rs);
-        mn = nan_min(mn, v);
-        mx = nan_max(mx, v);
+        mn = total_min(mn, v);  // (the cells reach no output before observe's encoded totals)
+        mx = total_max(mx, v);
       };
       auto take = [&](const Chunk& ch) {
 #pragma unroll
@@ -2293,8 +2384,8 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ r_b
       }
       // (offsets below W stay inside the sub-warp; every lane takes part)
       for (int off = W / 2; off > 0; off /= 2) {
-        mn = nan_min(mn, __shfl_xor_sync(0xFFFFFFFFu, mn, off));
-        mx = nan_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
+        mn = total_min(mn, __shfl_xor_sync(0xFFFFFFFFu, mn, off));
+        mx = total_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
       }
       if (sub == 0 && live) {
         const IdxT g = s - row * G;
