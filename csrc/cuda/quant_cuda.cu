@@ -1745,8 +1745,9 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   }
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
-  reduce_chunk<scalar_t, IdxT, V, kStepsInFlight<scalar_t, V>, false>(
-      x, nullptr, k, numel, c, rows, t, false, in, RoundingKey(0u, 0u), [](float, float, IdxT) -> uint8_t { return 0; });
+  reduce_chunk<scalar_t, IdxT, V, kStepsInFlight<scalar_t, V>, false>(x, nullptr, k, numel, c, rows, t, false, in,
+                                                                       RoundingKey(0u, 0u),
+                                                                       [](float, float, IdxT) -> uint8_t { return 0; });
 
   // ---- stage 2: the last block to arrive finishes (threadfence + ticket)
   if (!last_block_to_arrive(ws, s_last)) return;
