@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test gpu-results gpu-session gpu-wheels gpu-prebuild demo bench docker-build clean
+.PHONY: help install test gpu-results gpu-session gpu-wheels gpu-prebuild gpu-prebuild-base demo bench docker-build clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -69,6 +69,25 @@ gpu-prebuild: $(GPU_VENV)/.installed  ## build the extension here for the GPU im
 	@# what it was built from: scripts/gpu_session.sh reuses it only for the same sources
 	bash scripts/sources_sha.sh > .gpubuild/sources.sha256
 	@ls -l .gpubuild/_C.abi3.so .gpubuild/sources.sha256
+
+# An older build of the extension for the GPU session's kernels-base step: timed right after this
+# tree's, with this tree's Python, so the kernel table's change is measured on one GPU minutes
+# apart (scripts/compare_kernel_tables.py). BASE: the commit before the kernel changes no GPU has
+# timed (42cbf3f: before the pair hash, the flat row pass and observe's two steps in flight).
+# Its op schemas (csrc/ops.cpp) must be this tree's: the Python calls the ops as they are now.
+BASE ?= 42cbf3f
+GPU_BASE_TREE := /tmp/mesa-gpubuild-base-tree
+gpu-prebuild-base: $(GPU_VENV)/.installed  ## build the extension of BASE (an older commit) into .gpubuild-base/ for gpu_session.sh's kernels-base step
+	@command -v nvcc >/dev/null || { echo "gpu-prebuild-base: nvcc not found (the CUDA kernels need it)"; exit 1; }
+	@git rev-parse --verify -q "$(BASE)^{commit}" >/dev/null || { echo "gpu-prebuild-base: BASE=$(BASE) is not a commit"; exit 1; }
+	@git diff --quiet "$(BASE)" HEAD -- csrc/ops.cpp || { echo "gpu-prebuild-base: csrc/ops.cpp (the op schemas) differs between BASE=$(BASE) and HEAD; this tree's Python could call ops that build lacks"; exit 1; }
+	rm -rf $(GPU_BUILD_TMP)-base $(GPU_BASE_TREE) && mkdir -p $(GPU_BASE_TREE) .gpubuild-base
+	git archive "$(BASE)" csrc setup.py mesa_train pyproject.toml | tar -x -C $(GPU_BASE_TREE)
+	cd $(GPU_BASE_TREE) && TORCH_CUDA_ARCH_LIST=$(GPU_ARCH) MAX_JOBS=$$(nproc) $(abspath $(GPU_VENV))/bin/python setup.py -q \
+		build_ext --build-lib $(GPU_BUILD_TMP)-base/lib --build-temp $(GPU_BUILD_TMP)-base/tmp
+	strip --strip-debug -o .gpubuild-base/_C.abi3.so $(GPU_BUILD_TMP)-base/lib/mesa_train/_C.abi3.so
+	git rev-parse --short "$(BASE)" > .gpubuild-base/rev
+	@ls -l .gpubuild-base/_C.abi3.so .gpubuild-base/rev
 
 demo: $(STAMP)  ## train a small DeiT on the embedded digits data, stock vs Mesa, on CPU
 	$(PY) -m mesa_train.demo

@@ -14,6 +14,10 @@
 #              opcheck, CUDA-graph capture), over TEST_WORKERS processes when the image has
 #              pytest-xdist
 #   kernels    python -m mesa_train.quant.benchmark: each kernel's bandwidth against clone()
+#   kernels-base  the same table with an older build of the extension in this one's place
+#              (.gpubuild-base/, make gpu-prebuild-base; this tree's Python), then both tables side
+#              by side (scripts/compare_kernel_tables.py): the kernel changes made without a GPU,
+#              measured on one GPU minutes apart; skipped without .gpubuild-base/
 #   ncu        python scripts/ncu_kernels.py: Nsight Compute's counters (throughput, occupancy,
 #              warp stalls) of the kernels holding Mesa's GPU time, into results/ncu/
 #   grids      the same table under the other grid policies of the quantize / dequantize launches
@@ -31,9 +35,9 @@
 # A session is lent 15 minutes of device time, the machine's start included, and one command
 # runs at most 10 minutes. So: `make gpu-wheels gpu-prebuild` here, then ONE device call,
 #
-#   bash scripts/gpu_session.sh                # run(timeout_s=600, carry=[".whl", ".gpubuild"])
+#   bash scripts/gpu_session.sh   # run(timeout_s=600, carry=[".whl", ".gpubuild", ".gpubuild-base"])
 #
-# whose default STEPS ("kernels ncu host tests modern fused speed cppwrapper") end by DEADLINE (540 s) with the results
+# whose default STEPS ("kernels kernels-base ncu host tests modern fused speed cppwrapper") end by DEADLINE (540 s) with the results
 # packed; then give the machine back. A later call with time left: STEPS=speed, STEPS=table1...
 #   TESTS="tests/test_x.py" STEPS=tests ...  # a few tests again, after a fix
 #
@@ -53,8 +57,10 @@ PY=${PY:-python3}
 # first group. The CUDA tests passed there, 1168 and one flaky case since fixed, before their
 # limit. `grids` (run once: results/kernels/NVIDIA-H200.grid-*.md) is no longer a default step;
 # cppwrapper last: its stock compile alone outlasted 93 s there)
-STEPS=${STEPS:-"kernels ncu host tests modern fused speed cppwrapper"}
-VALID_STEPS="host cppwrapper tests kernels ncu grids modern fused speed table1 traceable"
+# (kernels-base right after kernels, session 38: three sessions of kernel changes made without a
+# GPU, timed against the build before them on the same GPU in the same call)
+STEPS=${STEPS:-"kernels kernels-base ncu host tests modern fused speed cppwrapper"}
+VALID_STEPS="host cppwrapper tests kernels kernels-base ncu grids modern fused speed table1 traceable"
 DEADLINE=${DEADLINE:-540}  # seconds from the start of this script; the device tool's limit is 600
 MIN_STEP=${MIN_STEP:-45}   # a step with less time than this left is skipped, not started
 GRACE=${GRACE:-15}         # seconds a step gets after its interrupt (SIGINT) before it is killed
@@ -74,6 +80,9 @@ pack() {  # what comes back through the device tool ($OUT keeps at most 8 files,
 }
 
 left() { echo $((DEADLINE - SECONDS)); }
+# (a table newer than this was written by this call; a second early for filesystems whose clock
+# ticks coarser than the first step's start)
+STARTED=$(mktemp) && touch -d "1 second ago" "$STARTED"
 
 step() {  # step NAME SECONDS COMMAND...: run within min(SECONDS, time left), log, pack
   local name=$1 limit=$2; shift 2
@@ -131,6 +140,33 @@ if ! ls mesa_train/_C*.so >/dev/null 2>&1; then
 fi
 $PY -c 'import mesa_train.quant as q; print("mesa backend:", q.BACKEND, "CUDA:", q.CUDA_BACKEND)'
 
+# The kernels-base step: the kernel table with the older build in .gpubuild-base/ loaded in place
+# of this tree's (a copy of mesa_train/ with that .so, run from its own directory so that it is
+# the mesa_train imported), written as <device>.base-<rev>.md, then set beside this call's table.
+kernels_base() {
+  if ! ls .gpubuild-base/_C*.so >/dev/null 2>&1; then
+    echo "=== kernel-bandwidth-base skipped: no .gpubuild-base/ (make gpu-prebuild-base, then carry it)"
+    return
+  fi
+  local variant="base-$(cat .gpubuild-base/rev 2>/dev/null || echo unknown)" shadow=/tmp/mesa-base
+  rm -rf "$shadow" && mkdir -p "$shadow" && cp -r mesa_train "$shadow/" && rm -f "$shadow"/mesa_train/_C*.so
+  cp .gpubuild-base/_C*.so "$shadow/mesa_train/"
+  if ! (cd "$shadow" && $PY -c 'import sys, mesa_train.quant as q; sys.exit(q.CUDA_BACKEND != "extension")'); then
+    echo "=== kernel-bandwidth-base skipped: .gpubuild-base/ does not load with CUDA kernels here"
+    return
+  fi
+  step kernel-bandwidth-base 120 bash -c 'cd "$1" && shift && exec "$@"' _ "$shadow" \
+    $PY -m mesa_train.quant.benchmark --variant "$variant" --out-dir "$PWD/results/kernels"
+  local t
+  for t in results/kernels/*."$variant".md; do
+    local after="${t%."$variant".md}.md"
+    [ -f "$t" ] && [ "$after" -nt "$STARTED" ] && [ "$t" -nt "$STARTED" ] || continue
+    $PY scripts/compare_kernel_tables.py "$t" "$after" -o "${after%.md}.vs-$variant.md" \
+      > "$LOG_DIR/kernel-compare.log" 2>&1 && echo "=== compared: ${after%.md}.vs-$variant.md"
+  done
+  pack
+}
+
 # 3. the work, most important first
 TEST_WORKERS=${TEST_WORKERS:-4}
 XDIST=""
@@ -146,6 +182,7 @@ for s in $STEPS; do
     cppwrapper) step host-cpp-wrapper ${CPP_WRAPPER_LIMIT:-240} $BENCH preset=host "only=C++ wrapper" profile=true output_dir=results/host-cpp-wrapper ;;
     tests)   step cuda-tests ${TESTS_LIMIT:-300} $PY -m pytest -q -m cuda -p no:cacheprovider -rfE --durations=10 $XDIST ${TESTS:-tests} ;;
     kernels) step kernel-bandwidth 120 $PY -m mesa_train.quant.benchmark ;;
+    kernels-base) kernels_base ;;
     ncu)     step ncu-kernels ${NCU_LIMIT:-150} $PY scripts/ncu_kernels.py ;;
     grids)   step kernel-grid-full 90 $PY -m mesa_train.quant.benchmark --grid full
              step kernel-grid-resident 90 $PY -m mesa_train.quant.benchmark --grid resident

@@ -35,7 +35,7 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    valid = "host cppwrapper tests kernels ncu grids modern fused speed table1 traceable"
+    valid = "host cppwrapper tests kernels kernels-base ncu grids modern fused speed table1 traceable"
     assert f"unknown step 'bogus'; valid: {valid}" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 
@@ -65,6 +65,12 @@ case "$*" in
   "-c import xdist") [ -n "${FAKE_XDIST:-}" ] ;;
   -c*) echo "mesa backend: extension CUDA: extension" ;;
   -m\ pip*) exit 0 ;;
+  # the kernel table: this tree's into results/kernels/, an older build's (--variant NAME
+  # --out-dir DIR) into DIR, as the benchmark names them
+  "-m mesa_train.quant.benchmark")
+    sleep "$STEP_SECONDS"; mkdir -p results/kernels; echo "| case |" > results/kernels/Fake-H100.md ;;
+  "-m mesa_train.quant.benchmark --variant "*)
+    sleep "$STEP_SECONDS"; set -- $*; echo "| case |" > "$6/Fake-H100.$4.md" ;;
   *) sleep "$STEP_SECONDS"; mkdir -p results/modern; echo "$*" > results/modern/fake.md ;;
 esac
 """
@@ -156,3 +162,44 @@ def test_the_grids_step_runs_each_policy_then_its_test(fake_checkout, tmp_path):
     ran = [c for c in log.read_text().splitlines() if c.startswith("-m pytest") or c.startswith("-m mesa_train")]
     assert ran == ["-m mesa_train.quant.benchmark --grid full", "-m mesa_train.quant.benchmark --grid resident",
                    "-m pytest -q -m cuda -p no:cacheprovider -rfE tests/test_kernels_cuda_extra.py -k grid"]
+
+
+def test_kernels_base_is_skipped_without_an_older_build(fake_checkout, tmp_path):
+    root, fake, out = fake_checkout
+    log = tmp_path / "calls.log"
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), STEP_SECONDS="0", STEPS="kernels kernels-base")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "=== kernel-bandwidth-base skipped: no .gpubuild-base/ (make gpu-prebuild-base" in proc.stdout
+    assert not any("--variant" in c for c in log.read_text().splitlines())
+
+
+def test_kernels_base_times_the_older_build_and_sets_the_tables_side_by_side(fake_checkout, tmp_path):
+    """make gpu-prebuild-base's .gpubuild-base/ (an older commit's extension and its rev): the
+    kernel table again with that build loaded in place of this tree's, from a copy of mesa_train/
+    run in its own directory, then scripts/compare_kernel_tables.py over the two tables this call
+    wrote (a stale committed table is not compared)."""
+    root, fake, out = fake_checkout
+    (root / ".gpubuild-base").mkdir()
+    (root / ".gpubuild-base" / "_C.abi3.so").write_bytes(b"older")
+    (root / ".gpubuild-base" / "rev").write_text("abc1234\n")
+    log = tmp_path / "calls.log"
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), STEP_SECONDS="0", STEPS="kernels kernels-base")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    assert f"-m mesa_train.quant.benchmark --variant base-abc1234 --out-dir {root}/results/kernels" in calls
+    # the older build in the copy, this tree's (the carried .gpubuild/) left in place
+    assert Path("/tmp/mesa-base/mesa_train/_C.abi3.so").read_bytes() == b"older"
+    assert (root / "mesa_train" / "_C.abi3.so").read_bytes() == b""
+    compare = [c for c in calls if c.startswith("scripts/compare_kernel_tables.py")]
+    assert compare == ["scripts/compare_kernel_tables.py results/kernels/Fake-H100.base-abc1234.md "
+                       "results/kernels/Fake-H100.md -o results/kernels/Fake-H100.vs-base-abc1234.md"], calls
+    with tarfile.open(out / "results.tgz") as tar:
+        assert "results/kernels/Fake-H100.base-abc1234.md" in tar.getnames()
+    # this tree's table not written by the call (as a committed one): nothing compared
+    os.utime(root / "results" / "kernels" / "Fake-H100.md", (0, 0))
+    log.unlink()
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), STEP_SECONDS="0", STEPS="kernels-base")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    assert any("--variant base-abc1234" in c for c in calls)
+    assert not any(c.startswith("scripts/compare_kernel_tables.py") for c in calls), calls

@@ -573,6 +573,24 @@ def test_benchmark_grid_policy_names_the_valid_ones_and_needs_cuda(tmp_path, mon
     assert "MESA_CUDA_GRID" not in os.environ  # refused before it was set
 
 
+def test_benchmark_variant_names_the_build_in_the_table_and_its_file(tmp_path, capsys):
+    """--variant NAME (gpu_session.sh's kernels-base step: an older build of the extension
+    loaded in this one's place) heads the table with the build's name and writes
+    <device>.NAME.md beside this build's <device>.md; a name that cannot be a file name part is
+    refused before anything runs."""
+    from mesa_train.quant import benchmark
+
+    with pytest.raises(SystemExit):
+        benchmark.main(["--device", "cpu", "--quick", "--variant", "../up", "--out-dir", str(tmp_path)])
+    assert "letters, digits, '.', '_' and '-' only" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    table = benchmark.main(["--device", "cpu", "--quick", "--dtypes", "bf16", "--variant", "base-42cbf3f",
+                            "--out-dir", str(tmp_path)])
+    (path,) = tmp_path.glob("*.md")
+    assert path.name.endswith(".base-42cbf3f.md") and path.read_text() == table
+    assert table.splitlines()[0].endswith(", extension `base-42cbf3f`")
+
+
 def test_benchmark_kernel_time_sums_each_kernel_once(monkeypatch):
     """The GPU column: kernel durations attached to the host ops that launched them, summed
     once each and divided by the calls (the profiler and torch.cuda stand in: no GPU here)."""

@@ -415,7 +415,14 @@ def main(argv=None) -> str:
                    help="grid of the CUDA quantize / dequantize launches (MESA_CUDA_GRID, read once a process; "
                         "default: each launch's own, quantize resident and dequantize capped); the table goes to "
                         "<device>.grid-<policy>.md")
+    p.add_argument("--variant", default=None,
+                   help="name of the extension build being timed (letters, digits, '.', '_', '-'; e.g. base-42cbf3f "
+                        "for an older build loaded in its place, scripts/gpu_session.sh step kernels-base); the table "
+                        "says it and goes to <device>.<variant>.md (scripts/compare_kernel_tables.py sets two side "
+                        "by side)")
     args = p.parse_args(argv)
+    if args.variant is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.variant):
+        p.error(f"--variant {args.variant!r}: letters, digits, '.', '_' and '-' only (it names the table's file)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     grid = args.grid or os.environ.get("MESA_CUDA_GRID")
     if grid and device.type != "cuda":
@@ -456,7 +463,8 @@ def main(argv=None) -> str:
     name = device_name(device)
     rows = run_benchmark(device, cases, dtypes, warmup, repeat, args.ops)
     header = (
-        f"# mesa quantization kernels on {name}" + (f", grid policy `{grid}`" if grid else "") + "\n\n"
+        f"# mesa quantization kernels on {name}" + (f", grid policy `{grid}`" if grid else "")
+        + (f", extension `{args.variant}`" if args.variant else "") + "\n\n"
         f"torch {torch.__version__}, backend `{Q.BACKEND}`, "
         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}. "
         "Latency: CUDA events around one call, median (host dispatch included: for a small tensor the GPU "
@@ -472,7 +480,8 @@ def main(argv=None) -> str:
         print("a subset (--cases / --ops): printed, not written")
         return table
     os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, _slug(name) + (f".grid-{grid}" if grid else "") + ".md")
+    path = os.path.join(args.out_dir, _slug(name) + (f".grid-{grid}" if grid else "")
+                        + (f".{args.variant}" if args.variant else "") + ".md")
     with open(path, "w") as f:
         f.write(table)
     print(f"written to {path}")
