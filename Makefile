@@ -82,7 +82,7 @@ gpu-prebuild-base: $(GPU_VENV)/.installed  ## build the extension of BASE (an ol
 	@git rev-parse --verify -q "$(BASE)^{commit}" >/dev/null || { echo "gpu-prebuild-base: BASE=$(BASE) is not a commit"; exit 1; }
 	@git diff --quiet "$(BASE)" HEAD -- csrc/ops.cpp || { echo "gpu-prebuild-base: csrc/ops.cpp (the op schemas) differs between BASE=$(BASE) and HEAD; this tree's Python could call ops that build lacks"; exit 1; }
 	rm -rf $(GPU_BUILD_TMP)-base $(GPU_BASE_TREE) && mkdir -p $(GPU_BASE_TREE) .gpubuild-base
-	git archive "$(BASE)" csrc setup.py mesa_train pyproject.toml | tar -x -C $(GPU_BASE_TREE)
+	git archive "$(BASE)" csrc setup.py mesa_train pyproject.toml README.md | tar -x -C $(GPU_BASE_TREE)
 	cd $(GPU_BASE_TREE) && TORCH_CUDA_ARCH_LIST=$(GPU_ARCH) MAX_JOBS=$$(nproc) $(abspath $(GPU_VENV))/bin/python setup.py -q \
 		build_ext --build-lib $(GPU_BUILD_TMP)-base/lib --build-temp $(GPU_BUILD_TMP)-base/tmp
 	strip --strip-debug -o .gpubuild-base/_C.abi3.so $(GPU_BUILD_TMP)-base/lib/mesa_train/_C.abi3.so
