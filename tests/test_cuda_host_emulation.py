@@ -35,6 +35,9 @@ FAMILIES = (
     "update_estimates", "estimate_and_seed", "delayed_observe", "seed_of", "row_absmax", "row_absmax_vec", "row_k",
     "softmax_backward", "softmax_backward_64", "softmax_backward_map32", "softmax_backward_out32",
     "layer_norm_backward", "gelu_value_and_grad", "gelu_value_and_grad_rows",
+    # the GELU epilogues from a table of the codes' values (with row exponents: rows of k = 0 from it)
+    "gelu_backward_table", "gelu_backward_table_rows", "dequantize_gelu_table", "dequantize_gelu_table_rows",
+    "gelu_value_and_grad_table", "gelu_value_and_grad_table_rows",
 )
 KERNELS = ("quantize_kernel", "dequantize_kernel", "quantize_bits_kernel", "dequantize_bits_kernel", "observe_kernel",
            "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel",

@@ -715,6 +715,25 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& alpha_in, con
 }
 
 // ----------------------------------------------------------------------------- dequantize
+// GELU from a table of codes (DESIGN.md, "GELU from a table of codes"): the GELU epilogues below
+// (gelu_backward, dequantize_gelu, gelu_value_and_grad) compute functions of x alone, x the code's
+// value rounded to the dtype (gelu_value(x), and gelu_grad_factor(x), which g then multiplies),
+// and a parameter's 256 codes have 256 values of x: a block tabulates them once per parameter
+// (kGeluTableParams at most; more, per-sample statistics: no table) in shared memory and a step
+// then reads its 16 entries instead of an erff and an expf an element. A row with a row scale
+// (k != 0) has other values of x: its steps take the computed path, as do steps over a
+// parameter boundary. The same bits either way.
+struct alignas(8) GeluEntry {
+  float value, factor;
+};
+constexpr int kGeluTableParams = 16;  // 256 entries of 8 bytes each: 32 KB of shared memory
+
+// Whether dequantize_kernel's epilogue Out has table entries (its kTable)
+template <typename Out, typename = void>
+struct HasGeluTable : std::false_type {};
+template <typename Out>
+struct HasGeluTable<Out, std::void_t<decltype(Out::kTable)>> : std::bool_constant<Out::kTable> {};
+
 // What dequantize_kernel does with the V reconstructed values of elements i0, i0 + 1, ...
 // (floats; row scales already undone): mesa::dequantize stores them in scalar_t ...
 template <typename scalar_t>
@@ -742,6 +761,17 @@ struct StoreGeluGrad {
     for (int e = 0; e < V; ++e) v[e] = gelu_grad(gv[e], round_to<scalar_t>(v[e]));
     store_floats<scalar_t, V>(dx + i0, v);
   }
+  // from a table of the codes' values (GeluTable below): the entry of x, then the step's stores
+  static constexpr bool kTable = true;
+  __device__ __forceinline__ GeluEntry entry(float x) const { return {0.0f, gelu_grad_factor(x)}; }
+  template <typename IdxT, int V>
+  __device__ __forceinline__ void store_entries(IdxT i0, const GeluEntry (&t)[V]) const {
+    float v[V];
+    load_floats<scalar_t, V>(g + i0, v);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = f_mul(v[e], t[e].factor);
+    store_floats<scalar_t, V>(dx + i0, v);
+  }
 };
 
 // ... mesa::dequantize_gelu stores gelu(x) (ATen's float32 formula, no FMA contraction), x the
@@ -753,6 +783,15 @@ struct StoreGelu {
   __device__ __forceinline__ void operator()(IdxT i0, float (&v)[V]) const {
 #pragma unroll
     for (int e = 0; e < V; ++e) v[e] = gelu_value(round_to<scalar_t>(v[e]));
+    store_floats<scalar_t, V>(y + i0, v);
+  }
+  static constexpr bool kTable = true;
+  __device__ __forceinline__ GeluEntry entry(float x) const { return {gelu_value(x), 0.0f}; }
+  template <typename IdxT, int V>
+  __device__ __forceinline__ void store_entries(IdxT i0, const GeluEntry (&t)[V]) const {
+    float v[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = t[e].value;
     store_floats<scalar_t, V>(y + i0, v);
   }
 };
@@ -772,6 +811,23 @@ struct StoreGeluValueAndGrad {
     for (int e = 0; e < V; ++e) gelu_value_and_grad(gv[e], round_to<scalar_t>(v[e]), yv[e], v[e]);
     store_floats<scalar_t, V>(y + i0, yv);
     store_floats<scalar_t, V>(dx + i0, v);
+  }
+  static constexpr bool kTable = true;
+  __device__ __forceinline__ GeluEntry entry(float x) const {
+    GeluEntry t;
+    gelu_value_and_factor(x, t.value, t.factor);
+    return t;
+  }
+  template <typename IdxT, int V>
+  __device__ __forceinline__ void store_entries(IdxT i0, const GeluEntry (&t)[V]) const {
+    float v[V];
+    load_floats<scalar_t, V>(g + i0, v);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = f_mul(v[e], t[e].factor);
+    store_floats<scalar_t, V>(dx + i0, v);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = t[e].value;
+    store_floats<scalar_t, V>(y + i0, v);
   }
 };
 
@@ -827,16 +883,69 @@ struct StoreAffineCols {
   }
 };
 
+// The block's GeluTable: entry (p, c) = out_fn.entry(x) for the value x of code c under
+// parameter p, as dequantize_kernel makes it (dequantize_code_value of the code's float with
+// the parameter's step and beta, rounded to scalar_t), for the first `params` parameters.
+// Called by every thread of the block (a barrier ends it).
+template <typename scalar_t, typename Out>
+__device__ const GeluEntry* fill_gelu_table(const Out& out_fn, const float* __restrict__ alpha,
+                                            const float* __restrict__ beta, int params) {
+  __shared__ GeluEntry s_table[kGeluTableParams * 256];
+  for (int i = threadIdx.x; i < params * 256; i += blockDim.x) {
+    const int p = i / 256;
+    const float v = dequantize_code_value(code_value(static_cast<uint32_t>(i % 256)), dequant_step(__ldg(alpha + p)),
+                                          __ldg(beta + p));
+    s_table[i] = out_fn.entry(round_to<scalar_t>(v));
+  }
+  __syncthreads();
+  return s_table;
+}
+
+// The 16-element step at i0 from the table, when it lies in one parameter's run and (row
+// exponents) in one row whose k is 0; false: the step is left to the computed path.
+template <typename IdxT, typename Out>
+__device__ __forceinline__ bool gelu_step_from_table(const GeluEntry* table, const uint8_t* __restrict__ q,
+                                                     const Out& out_fn, const KLayout<IdxT>& k,
+                                                     const KRows<IdxT>& rows, IdxT i0) {
+  constexpr int V = kVec;
+  const IdxT p0 = param_of(k, i0);
+  if (!one_param<IdxT, V>(k, i0, p0)) return false;
+  if (rows.k != nullptr) {
+    const IdxT row = rows.div_len(i0);
+    if (row != rows.div_len(i0 + IdxT(V - 1)) || __ldg(rows.k + row) != 0) return false;
+  }
+  const Chunk16<uint32_t> raw = *reinterpret_cast<const Chunk16<uint32_t>*>(q + i0);
+  const GeluEntry* tp = table + static_cast<int64_t>(p0) * 256;
+  GeluEntry t[V];
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) t[4 * w + j] = tp[(raw.e[w] >> (8 * j)) & 255u];
+  out_fn.store_entries(i0, t);
+  return true;
+}
+
+// table_params: GELU epilogues (HasGeluTable) on the 32-bit vector path, the parameters to
+// tabulate (all of them, at most kGeluTableParams); 0: no table
 template <typename scalar_t, typename IdxT, int V, typename Out = StoreValues<scalar_t>>
 __global__ void __launch_bounds__(kThreads)
 dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* __restrict__ alpha,
-                  const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel, const KRows<IdxT> rows) {
+                  const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel, const KRows<IdxT> rows,
+                  const int table_params = 0) {
   const IdxT nvec = numel / V;
   const IdxT stride = IdxT(gridDim.x) * blockDim.x;
   const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
+  constexpr bool kTabled = HasGeluTable<Out>::value && V == kVec && sizeof(IdxT) == 4;
+  const GeluEntry* table = nullptr;
+  if constexpr (kTabled) {
+    if (table_params > 0) table = fill_gelu_table<scalar_t>(out_fn, alpha, beta, table_params);  // (uniform)
+  }
   ParamCache pc;
   for (IdxT v = gid; v < nvec; v += stride) {
     const IdxT i0 = v * V;
+    if constexpr (kTabled) {
+      if (table != nullptr && gelu_step_from_table<IdxT>(table, q, out_fn, k, rows, i0)) continue;
+    }
     float out[V];
     load_code_values<V>(q + i0, out);
     const IdxT p0 = param_of(k, i0);
@@ -874,14 +983,28 @@ dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* 
   }
 }
 
+// The parameters a GELU epilogue's launch tabulates (dequantize_kernel's table_params): all of
+// them where they fit the table and no row_mul scales the values (the GELU ops pass none), else 0
+template <typename IdxT, int V, typename Out>
+int gelu_table_params(const at::Tensor& alpha, const RowArgs& rows) {
+  if constexpr (HasGeluTable<Out>::value && V == kVec && sizeof(IdxT) == 4) {
+    if (alpha.numel() <= kGeluTableParams && !rows.mul.defined()) return static_cast<int>(alpha.numel());
+  }
+  return 0;
+}
+
 template <typename scalar_t, typename IdxT, int V, typename Out>
 void launch_dequantize(const at::Tensor& q, const Out& out_fn, const at::Tensor& alpha, const at::Tensor& beta,
                        const Layout& L, const RowArgs& rows, cudaStream_t stream) {
   const auto kernel = dequantize_kernel<scalar_t, IdxT, V, Out>;
-  kernel<<<elementwise_grid(kernel, L.numel / V + 1, GridPolicy::kCapped), kThreads, 0, stream>>>(
+  const int table = gelu_table_params<IdxT, V, Out>(alpha, rows);
+  // (a tabulating block fills its table first: the resident grid fills it once a block the GPU
+  // holds, the capped one up to 16 times an SM)
+  const GridPolicy grid = table > 0 ? GridPolicy::kResident : GridPolicy::kCapped;
+  kernel<<<elementwise_grid(kernel, L.numel / V + 1, grid), kThreads, 0, stream>>>(
       q.const_data_ptr<uint8_t>(), out_fn, alpha.const_data_ptr<float>(), beta.const_data_ptr<float>(),
       make_klayout<IdxT>(L), static_cast<IdxT>(L.numel),
-      make_krows<IdxT>(rows.k, rows.len, at::Tensor(), at::Tensor(), rows.mul));
+      make_krows<IdxT>(rows.k, rows.len, at::Tensor(), at::Tensor(), rows.mul), table);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -717,6 +717,30 @@ float stored_value(const Layout& L, const uint8_t* q, const float* alpha, const 
                                                             : static_cast<scalar_t>(v));
 }
 
+// A GELU epilogue's launch as the op makes it: on the 32-bit vector path with at most
+// kGeluTableParams parameters, every other call with the table of codes (blocks as fibers: the
+// table's fill ends with a barrier; 1 to 4 blocks, as a resident grid, so threads loop), else
+// without one (one thread at a time). Returns the family's tag: "_table" or "".
+template <typename scalar_t, typename IdxT, int V, typename Out>
+const char* launch_gelu_epilogue(const Layout& L, const uint8_t* q, const Out& out, const float* alpha,
+                                 const float* beta, int sms, const RowExp* re) {
+  const KLayout<IdxT> k = make_klayout<IdxT>(L);
+  const int params = static_cast<int>(L.S * L.G);
+  if constexpr (V == kVec && sizeof(IdxT) == 4) {
+    if (params <= kGeluTableParams && rng() % 2) {
+      const unsigned grid = std::min<unsigned>(unsigned(grid_for(L.numel / V + 1, sms)), 1u + unsigned(rng() % 4));
+      launch_simt(grid, kThreads, [&] {
+        dequantize_kernel<scalar_t, IdxT, V>(q, out, alpha, beta, k, IdxT(L.numel), krows_of<IdxT>(re), params);
+      });
+      return "_table";
+    }
+  }
+  launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
+    dequantize_kernel<scalar_t, IdxT, V>(q, out, alpha, beta, k, IdxT(L.numel), krows_of<IdxT>(re));
+  });
+  return "";
+}
+
 template <typename scalar_t, typename IdxT, int V>
 int check_gelu_backward(const Layout& L, const float* alpha, const float* beta, int sms, const RowExp* re) {
   int errs = 0;
@@ -729,11 +753,8 @@ int check_gelu_backward(const Layout& L, const float* alpha, const float* beta, 
     g[i] = static_cast<scalar_t>(nd(rng));
   }
   dx[L.numel] = scalar_t(1024.0f);
-  const KLayout<IdxT> k = make_klayout<IdxT>(L);
-  launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
-    dequantize_kernel<scalar_t, IdxT, V>(q, StoreGeluGrad<scalar_t>{g, dx}, alpha, beta, k, IdxT(L.numel),
-                                         krows_of<IdxT>(re));
-  });
+  const char* table =
+      launch_gelu_epilogue<scalar_t, IdxT, V>(L, q, StoreGeluGrad<scalar_t>{g, dx}, alpha, beta, sms, re);
   for (int64_t i = 0; i < L.numel; ++i) {
     const float x = stored_value<scalar_t>(L, q, alpha, beta, i, re);
     const float gi = static_cast<float>(g[i]);
@@ -752,7 +773,7 @@ int check_gelu_backward(const Layout& L, const float* alpha, const float* beta, 
   free(q);
   free(g);
   free(dx);
-  g_checked[std::string("gelu_backward") + rows_tag(re)]++;
+  g_checked[std::string("gelu_backward") + table + rows_tag(re)]++;
   return errs;
 }
 
@@ -766,10 +787,7 @@ int check_dequantize_gelu(const Layout& L, const float* alpha, const float* beta
   for (int64_t i = 0; i < L.numel; ++i) q[i] = uint8_t(rng());
   scalar_t* y = alloc<scalar_t>(L.numel + 1, 0);
   y[L.numel] = scalar_t(1024.0f);
-  const KLayout<IdxT> k = make_klayout<IdxT>(L);
-  launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
-    dequantize_kernel<scalar_t, IdxT, V>(q, StoreGelu<scalar_t>{y}, alpha, beta, k, IdxT(L.numel), krows_of<IdxT>(re));
-  });
+  const char* table = launch_gelu_epilogue<scalar_t, IdxT, V>(L, q, StoreGelu<scalar_t>{y}, alpha, beta, sms, re);
   for (int64_t i = 0; i < L.numel; ++i) {
     const float x = stored_value<scalar_t>(L, q, alpha, beta, i, re);
     const scalar_t e = static_cast<scalar_t>(gelu_value(x));
@@ -785,7 +803,7 @@ int check_dequantize_gelu(const Layout& L, const float* alpha, const float* beta
   if (float(y[L.numel]) != 1024.0f) { fprintf(stderr, "dequantize_gelu wrote past the end\n"); ++errs; }
   free(q);
   free(y);
-  g_checked[std::string("dequantize_gelu") + rows_tag(re)]++;
+  g_checked[std::string("dequantize_gelu") + table + rows_tag(re)]++;
   return errs;
 }
 
@@ -805,11 +823,8 @@ int check_gelu_value_and_grad(const Layout& L, const float* alpha, const float* 
     g[i] = static_cast<scalar_t>(nd(rng));
   }
   y[L.numel] = dx[L.numel] = scalar_t(1024.0f);
-  const KLayout<IdxT> k = make_klayout<IdxT>(L);
-  launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
-    dequantize_kernel<scalar_t, IdxT, V>(q, StoreGeluValueAndGrad<scalar_t>{g, y, dx}, alpha, beta, k,
-                                         IdxT(L.numel), krows_of<IdxT>(re));
-  });
+  const char* table =
+      launch_gelu_epilogue<scalar_t, IdxT, V>(L, q, StoreGeluValueAndGrad<scalar_t>{g, y, dx}, alpha, beta, sms, re);
   for (int64_t i = 0; i < L.numel; ++i) {
     const float x = stored_value<scalar_t>(L, q, alpha, beta, i, re);
     const scalar_t ey = static_cast<scalar_t>(gelu_value(x));
@@ -826,7 +841,7 @@ int check_gelu_value_and_grad(const Layout& L, const float* alpha, const float* 
   free(g);
   free(y);
   free(dx);
-  g_checked[std::string("gelu_value_and_grad") + rows_tag(re)]++;
+  g_checked[std::string("gelu_value_and_grad") + table + rows_tag(re)]++;
   return errs;
 }
 
