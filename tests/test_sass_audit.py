@@ -87,6 +87,20 @@ def test_column_epilogue_fetches_its_tables_as_float4s(kernels):
 
 
 @needs_tools
+def test_column_epilogue_reads_its_staged_tables_from_shared_memory(kernels):
+    """The rebuild with its tables staged (session 38): the block copies them into shared memory
+    behind one barrier and a step reads its 4 + 4 float4s there as LDS.128 (a generic LD.E.128,
+    which nvcc emitted while the tables were reached through a pointer, is not a shared load),
+    at 5 blocks an SM or more without spilling. From L1 they touched 16 cache lines a warp each."""
+    row = kernels["dequantize_kernel<float, unsigned int, 16, StoreAffineCols<c10::BFloat16> >"]
+    ops = _opcodes(row)
+    assert sum(o.startswith("LDS.128") for o in ops) >= 8, sorted({o for o in ops if o.startswith("LD")})
+    assert not any(o.startswith("LD.E") for o in ops)
+    assert sum(o.startswith("BAR") for o in ops) == 1
+    assert row["blocks_per_sm"] >= 5 and row["spill"] == 0, (row["registers"], row["spill"])
+
+
+@needs_tools
 @pytest.mark.parametrize("dtype", ["float", "c10::BFloat16"])
 def test_row_cells_reads_its_segment_bounds_from_shared_memory(kernels, dtype):
     """The warp-a-row pass (unequal segments, unaligned x): the segments' bounds come from a

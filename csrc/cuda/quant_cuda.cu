@@ -728,11 +728,16 @@ struct alignas(8) GeluEntry {
 };
 constexpr int kGeluTableParams = 16;  // 256 entries of 8 bytes each: 32 KB of shared memory
 
-// Whether dequantize_kernel's epilogue Out has table entries (its kTable)
+// Whether dequantize_kernel's epilogue Out has table entries (its kTable), or column tables a
+// block can stage in shared memory (its kStagesCols: StoreAffineCols below)
 template <typename Out, typename = void>
 struct HasGeluTable : std::false_type {};
 template <typename Out>
 struct HasGeluTable<Out, std::void_t<decltype(Out::kTable)>> : std::bool_constant<Out::kTable> {};
+template <typename Out, typename = void>
+struct StagesCols : std::false_type {};
+template <typename Out>
+struct StagesCols<Out, std::void_t<decltype(Out::kStagesCols)>> : std::bool_constant<Out::kStagesCols> {};
 
 // What dequantize_kernel does with the V reconstructed values of elements i0, i0 + 1, ...
 // (floats; row scales already undone): mesa::dequantize stores them in scalar_t ...
@@ -835,6 +840,18 @@ struct StoreGeluValueAndGrad {
 // then an add, each rounded to float32: no FMA, --fmad=false) in out_t, c = i % C the column
 // of the last dim; the kernel runs with float as its scalar_t, so v is the float32 value
 // (row scales and row_mul applied) that dequantize to float32 returns
+// Where float4 f of a column table (columns 4f .. 4f + 3) lies in a block's shared copy: segment
+// s = f / 4 (16 columns, a 16-element step's) keeps its four float4s, rotated by s / 2, so the
+// 8 lanes of a wavefront, on 8 neighbouring segments at one j, read 8 distinct 16-byte bank
+// groups (unrotated, segments 64 bytes apart fall on 2 of them: a 4-way conflict)
+__device__ __forceinline__ int cols_slot(int f) { return (f & ~3) | (((f & 3) + (f >> 3)) & 3); }
+
+constexpr int kColsTableMax = 2048;  // columns a block stages: 2 tables of 8 KB in shared memory
+// The block's staged column tables (scale, shift), for StoreAffineCols. At namespace scope so
+// that every read names the shared array itself: through a pointer kept in the epilogue nvcc
+// lost the address space and read with generic loads (LD.E.128), not LDS.128.
+__shared__ float4 g_cols_staged[2][kColsTableMax / 4];
+
 template <typename out_t>
 struct StoreAffineCols {
   out_t* __restrict__ y;
@@ -847,6 +864,28 @@ struct StoreAffineCols {
   // the table (H100: 35.7 us for a DeiT-S LayerNorm's (128, 197, 384) rebuild, whose bytes
   // take about 9); 8 wide ones do the same work.
   bool vec_cols = false;
+  // Whether the block staged the tables in g_cols_staged (stage_tables; else they are read from
+  // global memory). From L1 the 8 float4 loads of a step still touched 16 cache lines a warp
+  // each, 128 wavefronts a warp's step: about the 8 us the H200 spent on a DeiT-S rebuild
+  // (17.9 us) beyond a plain dequantize of the same codes (9.5). From shared memory, rotated
+  // (cols_slot): 4 a load.
+  bool staged = false;
+  static constexpr bool kStagesCols = true;
+  // Called by every thread of the block (a barrier ends it); with vec_cols and C <= kColsTableMax.
+  __device__ void stage_tables() {
+    for (int f = threadIdx.x; f < int(C / 4); f += blockDim.x) {
+      if (scale != nullptr) g_cols_staged[0][cols_slot(f)] = __ldg(reinterpret_cast<const float4*>(scale) + f);
+      if (shift != nullptr) g_cols_staged[1][cols_slot(f)] = __ldg(reinterpret_cast<const float4*>(shift) + f);
+    }
+    __syncthreads();
+    staged = true;
+  }
+  // float4 j of the step at column c (a multiple of 16) of table `which` (0 scale, 1 shift)
+  __device__ __forceinline__ float4 cols4(int which, int64_t c, int j) const {
+    const int f = static_cast<int>(c / 4) + j;
+    return staged ? g_cols_staged[which][cols_slot(f)]
+                  : __ldg(reinterpret_cast<const float4*>(which == 0 ? scale : shift) + f);
+  }
   template <typename IdxT, int V>
   __device__ __forceinline__ void operator()(IdxT i0, float (&v)[V]) const {
     IdxT c = i0 % static_cast<IdxT>(C);
@@ -855,14 +894,14 @@ struct StoreAffineCols {
 #pragma unroll
         for (int j = 0; j < V / 4; ++j) {
           if (scale != nullptr) {
-            const float4 s = __ldg(reinterpret_cast<const float4*>(scale + c) + j);
+            const float4 s = cols4(0, c, j);
             v[4 * j] = v[4 * j] * s.x;
             v[4 * j + 1] = v[4 * j + 1] * s.y;
             v[4 * j + 2] = v[4 * j + 2] * s.z;
             v[4 * j + 3] = v[4 * j + 3] * s.w;
           }
           if (shift != nullptr) {
-            const float4 t = __ldg(reinterpret_cast<const float4*>(shift + c) + j);
+            const float4 t = cols4(1, c, j);
             v[4 * j] = v[4 * j] + t.x;
             v[4 * j + 1] = v[4 * j + 1] + t.y;
             v[4 * j + 2] = v[4 * j + 2] + t.z;
@@ -925,20 +964,26 @@ __device__ __forceinline__ bool gelu_step_from_table(const GeluEntry* table, con
   return true;
 }
 
-// table_params: GELU epilogues (HasGeluTable) on the 32-bit vector path, the parameters to
-// tabulate (all of them, at most kGeluTableParams); 0: no table
+// block_table: the block's table in shared memory, filled before its steps (uniform across the
+// launch; 0: none): GELU epilogues (HasGeluTable) on the 32-bit vector path, the parameters to
+// tabulate (all of them, at most kGeluTableParams); the column epilogue (StagesCols) with its
+// float4 fetch, 1: its column tables staged
 template <typename scalar_t, typename IdxT, int V, typename Out = StoreValues<scalar_t>>
 __global__ void __launch_bounds__(kThreads)
 dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* __restrict__ alpha,
                   const float* __restrict__ beta, const KLayout<IdxT> k, const IdxT numel, const KRows<IdxT> rows,
-                  const int table_params = 0) {
+                  const int block_table = 0) {
   const IdxT nvec = numel / V;
   const IdxT stride = IdxT(gridDim.x) * blockDim.x;
   const IdxT gid = IdxT(blockIdx.x) * blockDim.x + threadIdx.x;
   constexpr bool kTabled = HasGeluTable<Out>::value && V == kVec && sizeof(IdxT) == 4;
   const GeluEntry* table = nullptr;
   if constexpr (kTabled) {
-    if (table_params > 0) table = fill_gelu_table<scalar_t>(out_fn, alpha, beta, table_params);  // (uniform)
+    if (block_table > 0) table = fill_gelu_table<scalar_t>(out_fn, alpha, beta, block_table);
+  }
+  Out fn = out_fn;  // (the epilogue, bound to the block's staged tables where it stages them)
+  if constexpr (StagesCols<Out>::value && V == kVec) {
+    if (block_table > 0) fn.stage_tables();
   }
   ParamCache pc;
   for (IdxT v = gid; v < nvec; v += stride) {
@@ -966,7 +1011,7 @@ dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* 
       if (rows.k != nullptr) apply_rows<scalar_t, IdxT, V>(rows, i0, out, -1);
       if (rows.mul != nullptr) multiply_rows<scalar_t, IdxT, V>(rows, i0, out);
     }
-    out_fn(i0, out);
+    fn(i0, out);
   }
   if (V > 1) {
     const IdxT i = nvec * V + gid;
@@ -978,17 +1023,21 @@ dequantize_kernel(const uint8_t* __restrict__ q, const Out out_fn, const float* 
         if (rows.k != nullptr) apply_rows<scalar_t, IdxT, 1>(rows, i, yi, -1);
         if (rows.mul != nullptr) multiply_rows<scalar_t, IdxT, 1>(rows, i, yi);
       }
-      out_fn(i, yi);
+      fn(i, yi);
     }
   }
 }
 
-// The parameters a GELU epilogue's launch tabulates (dequantize_kernel's table_params): all of
-// them where they fit the table and no row_mul scales the values (the GELU ops pass none), else 0
+// dequantize_kernel's block_table for a launch: a GELU epilogue's parameters where they fit its
+// table and no row_mul scales the values (the GELU ops pass none); 1 for the column epilogue
+// with its float4 fetch and at most kColsTableMax columns; else 0
 template <typename IdxT, int V, typename Out>
-int gelu_table_params(const at::Tensor& alpha, const RowArgs& rows) {
+int block_table_of(const Out& out_fn, const at::Tensor& alpha, const RowArgs& rows) {
   if constexpr (HasGeluTable<Out>::value && V == kVec && sizeof(IdxT) == 4) {
     if (alpha.numel() <= kGeluTableParams && !rows.mul.defined()) return static_cast<int>(alpha.numel());
+  }
+  if constexpr (StagesCols<Out>::value && V == kVec) {
+    if (out_fn.vec_cols && out_fn.C <= kColsTableMax) return 1;
   }
   return 0;
 }
@@ -997,9 +1046,10 @@ template <typename scalar_t, typename IdxT, int V, typename Out>
 void launch_dequantize(const at::Tensor& q, const Out& out_fn, const at::Tensor& alpha, const at::Tensor& beta,
                        const Layout& L, const RowArgs& rows, cudaStream_t stream) {
   const auto kernel = dequantize_kernel<scalar_t, IdxT, V, Out>;
-  const int table = gelu_table_params<IdxT, V, Out>(alpha, rows);
-  // (a tabulating block fills its table first: the resident grid fills it once a block the GPU
-  // holds, the capped one up to 16 times an SM)
+  const int table = block_table_of<IdxT, V>(out_fn, alpha, rows);
+  // (a block fills its table first: the resident grid fills it once a block the GPU holds, the
+  // capped one up to 16 times an SM; on the H200 the column epilogue also ran faster resident,
+  // 16.4 against 17.9 us, results/kernels/NVIDIA-H200.grid-resident.md)
   const GridPolicy grid = table > 0 ? GridPolicy::kResident : GridPolicy::kCapped;
   kernel<<<elementwise_grid(kernel, L.numel / V + 1, grid), kThreads, 0, stream>>>(
       q.const_data_ptr<uint8_t>(), out_fn, alpha.const_data_ptr<float>(), beta.const_data_ptr<float>(),

@@ -663,7 +663,8 @@ int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta
   for (int64_t i = 0; i < L.numel; ++i) q[i] = uint8_t(rng());
   // half the cases a multiple of the vector step, whose 16-byte steps take the float4 column
   // fetch (vec_cols, as dequantize_cuda sets it)
-  const int64_t C = rng() % 2 ? 16 * (1 + int64_t(rng() % 6)) : 1 + int64_t(rng() % 70);
+  // (one in four of those DeiT-S's 384: 24 segments, every rotation of the staged tables)
+  const int64_t C = rng() % 2 ? (rng() % 4 ? 16 * (1 + int64_t(rng() % 6)) : 384) : 1 + int64_t(rng() % 70);
   std::normal_distribution<float> nd;
   std::vector<float> sc(C), sh(C);
   for (int64_t c = 0; c < C; ++c) {
@@ -672,16 +673,26 @@ int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta
   }
   const KLayout<IdxT> k = make_klayout<IdxT>(L);
   const KRows<IdxT> rows = krows_of<IdxT>(re);
+  const bool vec_cols = C % kVec == 0 && aligned16(sc.data()) && aligned16(sh.data());
+  // the tables staged in shared memory (block_table 1, as the op launches the float4 fetch) every
+  // other case: blocks as fibers (the staging ends with a barrier), 1 to 4 of them, threads looping
+  const bool staged = V == kVec && vec_cols && C <= kColsTableMax && rng() % 2;
   for (int which = 0; which < 3; ++which) {  // both, scale only, shift only
     const float* s = which == 2 ? nullptr : sc.data();
     const float* t = which == 1 ? nullptr : sh.data();
     scalar_t* y = alloc<scalar_t>(L.numel + 1, 0);
     y[L.numel] = scalar_t(1024.0f);
-    launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
-      const bool vec_cols = C % kVec == 0 && aligned16(s) && aligned16(t);
-      dequantize_kernel<float, IdxT, V>(q, StoreAffineCols<scalar_t>{y, s, t, C, vec_cols}, alpha, beta, k,
-                                        IdxT(L.numel), rows);
-    });
+    const StoreAffineCols<scalar_t> out{y, s, t, C, vec_cols};
+    if (staged) {
+      const unsigned grid = std::min<unsigned>(unsigned(grid_for(L.numel / V + 1, sms)), 1u + unsigned(rng() % 4));
+      launch_simt(grid, kThreads, [&] {
+        dequantize_kernel<float, IdxT, V>(q, out, alpha, beta, k, IdxT(L.numel), rows, 1);
+      });
+    } else {
+      launch_seq(grid_for(L.numel / V + 1, sms), kThreads, [&] {
+        dequantize_kernel<float, IdxT, V>(q, out, alpha, beta, k, IdxT(L.numel), rows);
+      });
+    }
     for (int64_t i = 0; i < L.numel; ++i) {
       const int64_t p = param_index(L, i);
       float v = dequantize_value(q[i], dequant_step(alpha[p]), beta[p]);
@@ -698,7 +709,9 @@ int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta
     free(y);
   }
   free(q);
-  g_checked[std::string(C % kVec == 0 && V == kVec ? "dequantize_cols_vec" : "dequantize_cols") + rows_tag(re)]++;
+  g_checked[std::string(C % kVec == 0 && V == kVec ? (staged ? "dequantize_cols_staged" : "dequantize_cols_vec")
+                                                    : "dequantize_cols") +
+            rows_tag(re)]++;
   return errs;
 }
 
