@@ -38,6 +38,8 @@ FAMILIES = (
     # the GELU epilogues from a table of the codes' values (with row exponents: rows of k = 0 from it)
     "gelu_backward_table", "gelu_backward_table_rows", "dequantize_gelu_table", "dequantize_gelu_table_rows",
     "gelu_value_and_grad_table", "gelu_value_and_grad_table_rows",
+    # the column epilogue with its tables staged in shared memory
+    "dequantize_cols_staged", "dequantize_cols_staged_rows",
 )
 KERNELS = ("quantize_kernel", "dequantize_kernel", "quantize_bits_kernel", "dequantize_bits_kernel", "observe_kernel",
            "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel",
