@@ -766,7 +766,8 @@ struct StoreGeluGrad {
     for (int e = 0; e < V; ++e) v[e] = gelu_grad(gv[e], round_to<scalar_t>(v[e]));
     store_floats<scalar_t, V>(dx + i0, v);
   }
-  // from a table of the codes' values (GeluTable below): the entry of x, then the step's stores
+  // from the table of the codes' values ("GELU from a table of codes" above): the entry of x,
+  // then a step's stores from its 16 entries
   static constexpr bool kTable = true;
   __device__ __forceinline__ GeluEntry entry(float x) const { return {0.0f, gelu_grad_factor(x)}; }
   template <typename IdxT, int V>
@@ -836,10 +837,6 @@ struct StoreGeluValueAndGrad {
   }
 };
 
-// ... mesa::dequantize with col_scale / col_shift stores v * scale[c] + shift[c] (a multiply,
-// then an add, each rounded to float32: no FMA, --fmad=false) in out_t, c = i % C the column
-// of the last dim; the kernel runs with float as its scalar_t, so v is the float32 value
-// (row scales and row_mul applied) that dequantize to float32 returns
 // Where float4 f of a column table (columns 4f .. 4f + 3) lies in a block's shared copy: segment
 // s = f / 4 (16 columns, a 16-element step's) keeps its four float4s, rotated by s / 2, so the
 // 8 lanes of a wavefront, on 8 neighbouring segments at one j, read 8 distinct 16-byte bank
@@ -852,6 +849,10 @@ constexpr int kColsTableMax = 2048;  // columns a block stages: 2 tables of 8 KB
 // lost the address space and read with generic loads (LD.E.128), not LDS.128.
 __shared__ float4 g_cols_staged[2][kColsTableMax / 4];
 
+// ... mesa::dequantize with col_scale / col_shift stores v * scale[c] + shift[c] (a multiply,
+// then an add, each rounded to float32: no FMA, --fmad=false) in out_t, c = i % C the column
+// of the last dim; the kernel runs with float as its scalar_t, so v is the float32 value
+// (row scales and row_mul applied) that dequantize to float32 returns
 template <typename out_t>
 struct StoreAffineCols {
   out_t* __restrict__ y;
@@ -1048,8 +1049,9 @@ void launch_dequantize(const at::Tensor& q, const Out& out_fn, const at::Tensor&
   const auto kernel = dequantize_kernel<scalar_t, IdxT, V, Out>;
   const int table = block_table_of<IdxT, V>(out_fn, alpha, rows);
   // (a block fills its table first: the resident grid fills it once a block the GPU holds, the
-  // capped one up to 16 times an SM; on the H200 the column epilogue also ran faster resident,
-  // 16.4 against 17.9 us, results/kernels/NVIDIA-H200.grid-resident.md)
+  // capped one up to 16 times an SM. On the H200, before the tables, resident ran the column
+  // epilogue faster, 16.4 against 17.9 us, and gelu_value_and_grad slower, 29.7 against 28.9:
+  // results/kernels/NVIDIA-H200.grid-resident.md)
   const GridPolicy grid = table > 0 ? GridPolicy::kResident : GridPolicy::kCapped;
   kernel<<<elementwise_grid(kernel, L.numel / V + 1, grid), kThreads, 0, stream>>>(
       q.const_data_ptr<uint8_t>(), out_fn, alpha.const_data_ptr<float>(), beta.const_data_ptr<float>(),
