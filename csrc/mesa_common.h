@@ -164,21 +164,11 @@ MESA_HD float gelu_value(float x) {
   return f_mul(f_mul(x, 0.5f), f_add(1.0f, erff(f_mul(x, kAlpha))));
 }
 
-// d/dx of the exact GELU times g, in float32: ATen's CUDA formula (GeluBackwardCUDAKernelImpl,
-// approximate="none") with every operation rounded separately (no FMA contraction). g enters
-// only in the last multiply, so gelu_grad(g, x) = g * gelu_grad_factor(x) bit for bit: the CUDA
-// epilogues tabulate the factor of each code's value (DESIGN.md, "GELU from a table of codes").
-MESA_HD float gelu_grad_factor(float x) {
-  const float kBeta = static_cast<float>(M_2_SQRTPI * M_SQRT1_2 * 0.5);
-  const float kAlpha = static_cast<float>(M_SQRT1_2);
-  const float cdf = f_mul(0.5f, f_add(1.0f, erff(f_mul(x, kAlpha))));
-  const float pdf = f_mul(expf(f_mul(f_mul(-0.5f, x), x)), kBeta);
-  return f_add(cdf, f_mul(x, pdf));
-}
-MESA_HD float gelu_grad(float g, float x) { return f_mul(g, gelu_grad_factor(x)); }
-
-// gelu_value(x) and gelu_grad_factor(x) at once, sharing their erff (the same bits as the two
-// calls)
+// gelu_value(x) (the same bits) and the factor of d/dx of the exact GELU, sharing their erff.
+// gelu_grad(g, x) is ATen's CUDA formula (GeluBackwardCUDAKernelImpl, approximate="none") in
+// float32 with every operation rounded separately (no FMA contraction); g enters it only in the
+// last multiply, so gelu_grad(g, x) = g * factor bit for bit: the CUDA epilogues tabulate the
+// factor of each code's value (DESIGN.md, "GELU from a table of codes").
 MESA_HD void gelu_value_and_factor(float x, float& value, float& factor) {
   const float kBeta = static_cast<float>(M_2_SQRTPI * M_SQRT1_2 * 0.5);
   const float kAlpha = static_cast<float>(M_SQRT1_2);
@@ -188,6 +178,13 @@ MESA_HD void gelu_value_and_factor(float x, float& value, float& factor) {
   const float pdf = f_mul(expf(f_mul(f_mul(-0.5f, x), x)), kBeta);
   factor = f_add(cdf, f_mul(x, pdf));
 }
+// (the value unused: nvcc drops its multiplies)
+MESA_HD float gelu_grad_factor(float x) {
+  float value, factor;
+  gelu_value_and_factor(x, value, factor);
+  return factor;
+}
+MESA_HD float gelu_grad(float g, float x) { return f_mul(g, gelu_grad_factor(x)); }
 
 // gelu_value(x) and gelu_grad(g, x) at once: GELU + Linear's backward needs both at every
 // element of h (mesa::gelu_value_and_grad)

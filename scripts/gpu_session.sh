@@ -102,6 +102,11 @@ step() {  # step NAME SECONDS COMMAND...: run within min(SECONDS, time left), lo
   pack
 }
 
+# whether the mesa_train in directory $1 imports with the extension's CUDA kernels
+loads_cuda_kernels() {
+  (cd "$1" && $PY -c 'import sys, mesa_train.quant as q; sys.exit(q.CUDA_BACKEND != "extension")')
+}
+
 # 0. a CUDA device for $PY (checked first: nothing is installed or built without one)
 ARCH=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null) || { echo "gpu_session.sh: no CUDA device visible to $PY (this script is for the lent GPU machine)"; exit 1; }
 mkdir -p "$LOG_DIR"
@@ -123,7 +128,7 @@ if ls .gpubuild/_C*.so >/dev/null 2>&1 && [ "$(cat .gpubuild/sources.sha256 2>/d
   echo "the carried build .gpubuild/ is not from these sources (sources.sha256): rebuilding"
 elif ls .gpubuild/_C*.so >/dev/null 2>&1; then
   cp .gpubuild/_C*.so mesa_train/
-  $PY -c 'import sys, mesa_train.quant as q; sys.exit(q.CUDA_BACKEND != "extension")' \
+  loads_cuda_kernels . \
     && echo "reusing the carried build .gpubuild/$(cd .gpubuild && ls _C*.so)" \
     || { echo "the carried build does not load with CUDA kernels: rebuilding"; rm -f mesa_train/_C*.so; }
 fi
@@ -151,7 +156,7 @@ kernels_base() {
   local variant="base-$(cat .gpubuild-base/rev 2>/dev/null || echo unknown)" shadow=/tmp/mesa-base
   rm -rf "$shadow" && mkdir -p "$shadow" && cp -r mesa_train "$shadow/" && rm -f "$shadow"/mesa_train/_C*.so
   cp .gpubuild-base/_C*.so "$shadow/mesa_train/"
-  if ! (cd "$shadow" && $PY -c 'import sys, mesa_train.quant as q; sys.exit(q.CUDA_BACKEND != "extension")'); then
+  if ! loads_cuda_kernels "$shadow"; then
     echo "=== kernel-bandwidth-base skipped: .gpubuild-base/ does not load with CUDA kernels here"
     return
   fi

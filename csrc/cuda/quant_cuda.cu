@@ -824,16 +824,10 @@ struct StoreGeluValueAndGrad {
     gelu_value_and_factor(x, t.value, t.factor);
     return t;
   }
-  template <typename IdxT, int V>
+  template <typename IdxT, int V>  // (gelu_backward's dx, then dequantize_gelu's y)
   __device__ __forceinline__ void store_entries(IdxT i0, const GeluEntry (&t)[V]) const {
-    float v[V];
-    load_floats<scalar_t, V>(g + i0, v);
-#pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = f_mul(v[e], t[e].factor);
-    store_floats<scalar_t, V>(dx + i0, v);
-#pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = t[e].value;
-    store_floats<scalar_t, V>(y + i0, v);
+    StoreGeluGrad<scalar_t>{g, dx}.template store_entries<IdxT, V>(i0, t);
+    StoreGelu<scalar_t>{y}.template store_entries<IdxT, V>(i0, t);
   }
 };
 

@@ -656,6 +656,12 @@ int check_dequantize(const Layout& L, const float* alpha, const float* beta, int
 // StoreAffineCols epilogue): the float32 value dequantize would return (row exponents and
 // row_mul included), times scale[c], plus shift[c], rounded to the dtype; c = i % C for a C
 // that need not divide the length or the vector step (scale only, shift only, both)
+// Blocks of a dequantize launch with a block table (the GELU table, the staged column tables):
+// 1 to 4, as the op's resident grid holds few enough that each thread loops over several steps
+unsigned table_grid(int64_t steps, int sms) {
+  return std::min<unsigned>(unsigned(grid_for(steps, sms)), 1u + unsigned(rng() % 4));
+}
+
 template <typename scalar_t, typename IdxT, int V>
 int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta, int sms, const RowExp* re) {
   int errs = 0;
@@ -675,7 +681,7 @@ int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta
   const KRows<IdxT> rows = krows_of<IdxT>(re);
   const bool vec_cols = C % kVec == 0 && aligned16(sc.data()) && aligned16(sh.data());
   // the tables staged in shared memory (block_table 1, as the op launches the float4 fetch) every
-  // other case: blocks as fibers (the staging ends with a barrier), 1 to 4 of them, threads looping
+  // other case: blocks as fibers (the staging ends with a barrier), table_grid's few of them
   const bool staged = V == kVec && vec_cols && C <= kColsTableMax && rng() % 2;
   for (int which = 0; which < 3; ++which) {  // both, scale only, shift only
     const float* s = which == 2 ? nullptr : sc.data();
@@ -684,7 +690,7 @@ int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta
     y[L.numel] = scalar_t(1024.0f);
     const StoreAffineCols<scalar_t> out{y, s, t, C, vec_cols};
     if (staged) {
-      const unsigned grid = std::min<unsigned>(unsigned(grid_for(L.numel / V + 1, sms)), 1u + unsigned(rng() % 4));
+      const unsigned grid = table_grid(L.numel / V + 1, sms);
       launch_simt(grid, kThreads, [&] {
         dequantize_kernel<float, IdxT, V>(q, out, alpha, beta, k, IdxT(L.numel), rows, 1);
       });
@@ -732,7 +738,7 @@ float stored_value(const Layout& L, const uint8_t* q, const float* alpha, const 
 
 // A GELU epilogue's launch as the op makes it: on the 32-bit vector path with at most
 // kGeluTableParams parameters, every other call with the table of codes (blocks as fibers: the
-// table's fill ends with a barrier; 1 to 4 blocks, as a resident grid, so threads loop), else
+// table's fill ends with a barrier; table_grid's few blocks, so threads loop), else
 // without one (one thread at a time). Returns the family's tag: "_table" or "".
 template <typename scalar_t, typename IdxT, int V, typename Out>
 const char* launch_gelu_epilogue(const Layout& L, const uint8_t* q, const Out& out, const float* alpha,
@@ -741,7 +747,7 @@ const char* launch_gelu_epilogue(const Layout& L, const uint8_t* q, const Out& o
   const int params = static_cast<int>(L.S * L.G);
   if constexpr (V == kVec && sizeof(IdxT) == 4) {
     if (params <= kGeluTableParams && rng() % 2) {
-      const unsigned grid = std::min<unsigned>(unsigned(grid_for(L.numel / V + 1, sms)), 1u + unsigned(rng() % 4));
+      const unsigned grid = table_grid(L.numel / V + 1, sms);
       launch_simt(grid, kThreads, [&] {
         dequantize_kernel<scalar_t, IdxT, V>(q, out, alpha, beta, k, IdxT(L.numel), krows_of<IdxT>(re), params);
       });
