@@ -1,10 +1,13 @@
 """Cost model and QSync-style greedy allocator.
 
-Cost model (additive, on the stock step): a plan compressing the item set C keeps
-``stock_activation_bytes - sum(saved_bytes[i] for i in C)`` activation bytes and takes
-``stock_step_s + sum(time_s[i] for i in C)`` per step. Ops compressed together can share
-int8 copies, so real savings are at least the sum (the model is conservative: a plan never
-keeps more than predicted); the all-ops floor is the measured one.
+Cost model (on the stock step): a plan compressing the item set C keeps
+``stock_activation_bytes - sum(saved_bytes[i] for i in C) - sum(extra_bytes[p] for the
+profiled pairs p within C)`` activation bytes and takes ``stock_step_s + sum(time_s[i] for
+i in C)`` per step. A pair's extra is what two ops of one unit save together beyond their
+single savings: a tensor both save (PVT's attention input, read by its q Linear and its
+spatial-reduction conv) is freed only when both are compressed, and ops compressed together
+can share int8 copies. Sharing among three or more ops is not modelled (it only adds
+savings, so the model stays conservative there); the all-ops floor is the measured one.
 
 Allocator. In QSync, lower precision is faster and the allocator starts from the fastest
 setting and recovers precision. In Mesa compression is what costs time, so the fastest
@@ -33,6 +36,7 @@ plan that fits compresses as few bytes' worth of time as possible:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Set, Tuple
 
@@ -67,10 +71,37 @@ def floor_bytes(profile: Profile) -> float:
     return predict(profile, _useful(profile)).activation_bytes
 
 
+class _Savings:
+    """Bytes an item set saves: single savings plus the extras of the profiled pairs in it.
+    ``gain(k, others)`` is what adding ``k`` to ``others`` saves, so the allocator's greedy
+    steps stay incremental."""
+
+    def __init__(self, profile: Profile):
+        self.single = {it.key: it.saved_bytes for it in profile.items}
+        self.extra: Dict[Key, Dict[Key, float]] = {}
+        for p in profile.pairs:
+            a, b = p.keys
+            total = self.extra.get(a, {}).get(b, 0.0) + p.extra_bytes
+            self.extra.setdefault(a, {})[b] = total
+            self.extra.setdefault(b, {})[a] = total
+
+    def paired(self, a: Key, b: Key) -> bool:
+        return b in self.extra.get(a, {})
+
+    def gain(self, k: Key, others: Iterable[Key]) -> float:
+        extra = self.extra.get(k, {})
+        return self.single[k] + sum(extra.get(j, 0.0) for j in others if j != k)
+
+    def of(self, chosen: Iterable[Key]) -> float:
+        chosen = set(chosen)
+        pairs = sum(e for k in chosen for j, e in self.extra.get(k, {}).items() if j in chosen) / 2
+        return sum(self.single[k] for k in chosen) + pairs
+
+
 def predict(profile: Profile, chosen: Iterable[Key]) -> Prediction:
     items = {it.key: it for it in profile.items}
     chosen = list(chosen)
-    saved = sum(items[k].saved_bytes for k in chosen)
+    saved = _Savings(profile).of(chosen)
     recomputed = any(k[1] == RECOMPUTE for k in chosen)
     if profile.floor_activation_bytes is not None and not recomputed and set(chosen) >= _useful(profile):
         saved = profile.stock_activation_bytes - profile.floor_activation_bytes  # measured, not summed
@@ -126,6 +157,7 @@ def _rest_after_recompute(profile: Profile, recomputed: List[ItemProfile]) -> Pr
     units = {it.unit for it in recomputed}
     return dataclasses.replace(
         profile, items=[it for it in profile.items if it.op != RECOMPUTE and it.unit not in units],
+        pairs=[p for p in profile.pairs if p.unit not in units],
         stock_activation_bytes=profile.stock_activation_bytes - sum(it.saved_bytes for it in recomputed),
         stock_step_s=profile.stock_step_s + sum(it.time_s for it in recomputed),
         floor_activation_bytes=None)  # the measured floor had every block compressed
@@ -172,30 +204,53 @@ def _allocate_compression(profile: Profile, allowed_bytes: float, time_slack: fl
             f"any plan reaches is {floor / 2**20:.2f} MiB (every op compressed, "
             f"{floor / profile.stock_activation_bytes:.3f} x stock); raise the budget to at least that")
 
-    if profile.stock_activation_bytes - sum(items[k].saved_bytes for k in useful) > allowed_bytes:
+    savings = _Savings(profile)
+    if profile.stock_activation_bytes - savings.of(useful) > allowed_bytes:
         return set(useful)  # only the shared copies of every op compressed together fit
     # 2. speed: give back items by time recovered per byte, while the savings still cover need
     chosen = set(useful)
-    saved = sum(items[k].saved_bytes for k in chosen)
+    saved = savings.of(chosen)
     # (ties: the bigger item first, then by name, so the result does not depend on set order)
     order = sorted(chosen, key=lambda k: (-items[k].time_s / items[k].saved_bytes, -items[k].saved_bytes, k))
     for k in order:  # free items (time_s <= 0) come last: given back only if memory allows
-        if saved - items[k].saved_bytes >= need:
+        lose = savings.gain(k, chosen)
+        if saved - lose >= need:
             chosen.discard(k)
-            saved -= items[k].saved_bytes
-    # greedy by ratio can keep a big item where a smaller, cheaper one would do: swap a
-    # compressed item for an uncompressed one while that is faster and still fits
+            saved -= lose
+
+    def swapped(outs: Tuple[Key, ...], ins: Tuple[Key, ...]) -> float:
+        """What the plan saves with ``outs`` given back and ``ins`` compressed instead."""
+        rest, out = set(chosen), saved
+        for a in outs:
+            rest.discard(a)
+            out -= savings.gain(a, rest)
+        for b in ins:
+            out += savings.gain(b, rest)
+            rest.add(b)
+        return out
+
+    def moves(keys: Set[Key]) -> List[Tuple[Key, ...]]:
+        """Single items and profiled pairs (which may save more together than apart)."""
+        keys = sorted(keys)
+        return [(k,) for k in keys] + [(a, b) for a, b in itertools.combinations(keys, 2) if savings.paired(a, b)]
+
+    def time_of(keys: Tuple[Key, ...]) -> float:
+        return sum(items[k].time_s for k in keys)
+
+    # greedy by ratio can keep a big item where a smaller, cheaper one would do: swap
+    # compressed items for uncompressed ones (an item or a pair each side, or none coming
+    # in) while that is faster and still fits
     improved = True
     while improved:
         improved = False
-        swaps = [(items[b].time_s - items[a].time_s, a, b) for a in sorted(chosen) for b in sorted(useful - chosen)
-                 if items[b].time_s < items[a].time_s - 1e-12
-                 and saved - items[a].saved_bytes + items[b].saved_bytes >= need]
+        ins = [()] + moves(useful - chosen)
+        swaps = [(time_of(b) - time_of(a), a, b) for a in moves(chosen) for b in ins
+                 if time_of(b) < time_of(a) - 1e-12 and swapped(a, b) >= need]
         if swaps:
             _, a, b = min(swaps)
-            chosen.discard(a)
-            chosen.add(b)
-            saved += items[b].saved_bytes - items[a].saved_bytes
+            saved = swapped(a, b)
+            chosen.difference_update(a)
+            chosen.update(b)
             improved = True
 
     # 3. precision: swap a sensitive compressed item for a less sensitive free one
@@ -205,13 +260,13 @@ def _allocate_compression(profile: Profile, allowed_bytes: float, time_slack: fl
             continue
         candidates = [b for b in sorted(useful - chosen)
                       if items[b].sensitivity < items[a].sensitivity
-                      and saved - items[a].saved_bytes + items[b].saved_bytes >= need
+                      and swapped((a,), (b,)) >= need
                       and items[b].time_s <= items[a].time_s + slack]
         if candidates:
             b = min(candidates, key=lambda k: (items[k].sensitivity, items[k].time_s))
+            saved = swapped((a,), (b,))
             chosen.discard(a)
             chosen.add(b)
-            saved += items[b].saved_bytes - items[a].saved_bytes
     return chosen
 
 

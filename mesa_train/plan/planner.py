@@ -74,9 +74,10 @@ def plan_table(plan: Plan, profile: Profile) -> str:
     for u in profile.units:
         ops = plan.layers.get(u.name, ())
         its = [profile.item(u.name, op) for op in ops]
+        saved = predict(profile, [i.key for i in its]).saved_bytes  # with the unit's pairs
         left = ["(recomputed)"] if RECOMPUTE in ops else [op for op in u.ops if op not in ops]
         rows.append([u.name, ",".join(ops) or "(stock)", ",".join(left) or "-",
-                     _mib(sum(i.saved_bytes for i in its)), f"{1e3 * sum(i.time_s for i in its):+.2f}",
+                     _mib(saved), f"{1e3 * sum(i.time_s for i in its):+.2f}",
                      f"{max([i.sensitivity for i in its], default=0.0):.2e}"])
     return format_table(["layer", "compressed", "kept exact", "saved MiB", "ms/step", "max sens."], rows)
 

@@ -9,6 +9,11 @@ For each item the profile records
   same batch). Relative to the whole model's gradient norm, an item's error counts in
   proportion to the gradient it disturbs, QSync's weighting.
 
+and for each pair of ops of one unit, ``pairs``: the bytes the two save together beyond the
+sum of their single savings (a tensor two layers both save, e.g. a PVT attention's input,
+read by its q Linear and its spatial-reduction conv, is freed only when both are
+compressed). Memory only, no timing: one forward per pair.
+
 Identical blocks (same class and parameter shapes) are profiled together for memory and
 time: the op is compressed in all of them at once and the effect split evenly, which
 gives a signal n times larger than the timer noise. Sensitivity is per block.
@@ -16,6 +21,7 @@ gives a signal n times larger than the timer noise. Sensitivity is per block.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
@@ -27,7 +33,7 @@ from .planfile import RECOMPUTE, Plan
 from .measure import Batch, activation_bytes, fastest, gradients, interleaved_times, median, peak_bytes, train_step
 from .units import Unit, find_units, model_architecture
 
-__all__ = ["ItemProfile", "Profile", "profile_model", "patch_items"]
+__all__ = ["ItemProfile", "PairProfile", "Profile", "profile_model", "patch_items"]
 
 
 @dataclass
@@ -41,6 +47,18 @@ class ItemProfile:
     @property
     def key(self):
         return (self.unit, self.op)
+
+
+@dataclass
+class PairProfile:
+    """Two ops of one unit that save more together than apart (their ``extra_bytes``)."""
+    unit: str
+    ops: tuple
+    extra_bytes: float
+
+    @property
+    def keys(self):
+        return tuple((self.unit, op) for op in self.ops)
 
 
 @dataclass
@@ -60,6 +78,7 @@ class Profile:
     # measured activation bytes with every op compressed: below the additive estimate when
     # compressed ops share int8 copies (the additive model stays conservative elsewhere)
     floor_activation_bytes: Optional[int] = None
+    pairs: List[PairProfile] = field(default_factory=list)
 
     def item(self, unit: str, op: str) -> ItemProfile:
         for it in self.items:
@@ -157,8 +176,27 @@ def profile_model(model: nn.Module, batch: Batch, *, rounds: int = 5, quant_opti
     every = patch_items(copy.deepcopy(model), {u.name: u.ops for u in units}, quant_options)
     floor = activation_bytes(every, batch)
     del every
+    single = {(id(members), op): s for (members, op), s in zip(keys, saved)}
+    pairs = _pair_extras(model, batch, groups, single, stock_bytes, quant_options)
     order = {u.name: i for i, u in enumerate(units)}
     items.sort(key=lambda it: (order[it.unit], it.op))
     return Profile(model_architecture(model), str(batch.device), int(batch.x.shape[0]), int(batch.x.shape[-1]),
                    stock_bytes, stock_t, _spread(times[0]), param_bytes, stock_peak, items, units, quant_options,
-                   floor)
+                   floor, pairs)
+
+
+def _pair_extras(model: nn.Module, batch: Batch, groups: Dict[str, List[Unit]], single_saved: Dict, stock_bytes: int,
+                 quant_options: Dict) -> List[PairProfile]:
+    """Each pair of a group's ops compressed together in all its members: what they save
+    beyond their two single savings, split evenly among the members (as the singles are).
+    Only pairs whose saving is not the sum are kept. ``single_saved``: by (id(members), op)."""
+    pairs: List[PairProfile] = []
+    for members in groups.values():
+        for a, b in itertools.combinations(members[0].ops, 2):
+            variant = patch_items(copy.deepcopy(model), {u.name: (a, b) for u in members}, quant_options)
+            together = stock_bytes - activation_bytes(variant, batch)
+            del variant
+            extra = together - single_saved[(id(members), a)] - single_saved[(id(members), b)]
+            if extra != 0:
+                pairs += [PairProfile(u.name, (a, b), extra / len(members)) for u in members]
+    return pairs
