@@ -51,7 +51,8 @@ class ItemProfile:
 
 @dataclass
 class PairProfile:
-    """Two ops of one unit that save more together than apart (their ``extra_bytes``)."""
+    """Two ops of one unit whose saving together is not the sum of their single savings:
+    ``extra_bytes`` is the difference (positive where they keep a tensor in common)."""
     unit: str
     ops: tuple
     extra_bytes: float
