@@ -14,7 +14,7 @@ from mesa_train.models import build_model
 from mesa_train.patch.core import mesa_layer_op
 from mesa_train.plan import (OTHER, Budget, Plan, PlanError, allocate, budget_bytes, describe_plan, find_units,
                              load_plan, make_batch, make_plan, plan_of, predict, profile_model, save_plan)
-from mesa_train.plan.allocate import lowest_bytes
+from mesa_train.plan.allocate import lowest_bytes, useful_items
 from mesa_train.plan.measure import activation_bytes, gradients
 from mesa_train.plan.profile import ItemProfile, PairProfile, Profile
 from mesa_train.plan.units import Unit
@@ -216,6 +216,22 @@ def test_a_pair_that_saves_more_together_is_predicted_and_planned_with_it():
         assert predict(prof, chosen).step_s == pytest.approx(brute_force_fastest(prof, allowed)[0])
 
 
+def test_an_op_that_costs_bytes_alone_is_planned_with_its_partner():
+    """Swin's first-stage softmax alone adds its int8 copy beside the map the ``attn @ v``
+    matmul keeps (-40 here); with the matmul compressed too the map goes (+160)."""
+    prof = synthetic_profile([("a", "matmul", 500, 0.1, 1e-3), ("a", "softmax", -40, 0.01, 1e-3),
+                              ("b", "gelu", 600, 0.5, 1e-3)], pairs=[("a", ("matmul", "softmax"), 160)])
+    assert useful_items(prof) == {("a", "matmul"), ("a", "softmax"), ("b", "gelu")}
+    assert allocate(prof, 400) == {("a", "matmul"), ("a", "softmax")}  # 620 saved in 0.11 s, gelu's 600 in 0.5
+    assert allocate(prof, 550) == {("a", "matmul")}  # the softmax only where its pair pays
+    for allowed in (900, 550, 400, 0):
+        chosen = allocate(prof, allowed)
+        assert predict(prof, chosen).activation_bytes <= allowed
+        assert predict(prof, chosen).step_s == pytest.approx(brute_force_fastest(prof, allowed)[0])
+    alone = synthetic_profile([("a", "matmul", 500, 0.1, 1e-3), ("a", "softmax", -40, 0.01, 1e-3)])
+    assert useful_items(alone) == {("a", "matmul")}  # no pair: never worth compressing
+
+
 def test_allocator_recovers_precision_of_the_more_sensitive_item():
     """Two items equal in bytes and time: the less sensitive one is compressed."""
     prof = synthetic_profile([("a", "linear", 300, 0.1, 5e-2), ("b", "linear", 300, 0.1, 1e-3)])
@@ -301,20 +317,23 @@ def test_plans_for_every_model_family_fit_and_predict_memory(family):
     assert activation_bytes(full, batch) == rows["all ops"]["predicted"].activation_bytes  # the floor is measured
 
 
-def test_predictions_are_exact_for_any_plan_once_pairs_are_profiled():
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_predictions_are_exact_for_any_plan_once_pairs_are_profiled(family):
     """PVT's attention input is kept by both its q Linear and its spatial-reduction conv, and
     k / v by its kv Linear and the attention: a plan with both ops of such a pair frees the
     tensor, one alone does not. Which plan the allocator picks depends on measured times, so
-    random plans (fixed seed) check the prediction: exact with the pairs, and the additive
-    sum alone is off in some of them (what made the family test fail now and then)."""
+    random plans (fixed seed) and each pair alone check the prediction: exact with the pairs,
+    where the additive sum alone is off (what made the family test fail now and then). Every
+    family has pairs: DeiT's proj Linear and fused attention keep the attention output, Swin's
+    first-stage softmax and ``attn @ v`` matmul the map (the softmax alone costs bytes)."""
     torch.manual_seed(0)
-    model, batch = FAMILIES["pvt"](), make_batch(4, 32, 5, "cpu")
+    model, batch = FAMILIES[family](), make_batch(4, 32, 5, "cpu")
     profile = profile_model(model, batch, rounds=1, log=lambda *_: None)
     assert profile.pairs and all(p.extra_bytes > 0 for p in profile.pairs)
     rng, additive_off = random.Random(0), 0
-    compress = [it for it in profile.items if it.saved_bytes > 0 and it.op != "recompute"]
-    for _ in range(8):
-        chosen = [it.key for it in compress if rng.random() < 0.6]
+    compress = sorted(useful_items(profile))
+    plans = [[k for k in compress if rng.random() < 0.6] for _ in range(8)] + [list(p.keys) for p in profile.pairs]
+    for chosen in plans:
         layers = {}
         for unit, op in chosen:
             layers.setdefault(unit, []).append(op)

@@ -27,7 +27,7 @@ import torch
 
 from mesa_train.models import build_model
 from mesa_train.plan import Budget, make_plan, plan_table, profile_model
-from mesa_train.plan.allocate import predict
+from mesa_train.plan.allocate import floor_bytes
 from mesa_train.plan.measure import (activation_bytes, clock_description, fastest, interleaved_times, make_batch,
                                      peak_bytes, train_step)
 from mesa_train.plan.profile import patch_items
@@ -58,8 +58,7 @@ def _configs(model, batch, profile, preset, log) -> List[Dict[str, Any]]:
     """[{label, kind, model, predicted?}] for every configuration measured."""
     every = {u.name: u.ops for u in profile.units}
     # budgets run from all-ops Mesa (compression only; plans may also recompute blocks) to stock
-    floor = predict(profile, {it.key for it in profile.items
-                              if it.saved_bytes > 0 and it.op != "recompute"}).activation_bytes
+    floor = floor_bytes(profile)
     floor_frac = floor / profile.stock_activation_bytes
     step = lambda m: train_step(m, batch)  # noqa: E731
     configs = [dict(label="stock", kind="stock", model=model),

@@ -6,8 +6,9 @@ profiled pairs p within C)`` activation bytes and takes ``stock_step_s + sum(tim
 i in C)`` per step. A pair's extra is what two ops of one unit save together beyond their
 single savings: a tensor both save (PVT's attention input, read by its q Linear and its
 spatial-reduction conv) is freed only when both are compressed, and ops compressed together
-can share int8 copies. Sharing among three or more ops is not modelled (it only adds
-savings, so the model stays conservative there); the all-ops floor is the measured one.
+can share int8 copies. An op may save only with its partner (``useful_items``). Sharing
+among three or more ops is not modelled (it only adds savings, so the model stays
+conservative there); the all-ops floor is the measured one.
 
 Allocator. In QSync, lower precision is faster and the allocator starts from the fastest
 setting and recovers precision. In Mesa compression is what costs time, so the fastest
@@ -43,7 +44,8 @@ from typing import Dict, Iterable, List, Set, Tuple
 from .planfile import RECOMPUTE, Plan, PlanError
 from .profile import ItemProfile, Profile
 
-__all__ = ["Prediction", "predict", "allocate", "budget_bytes", "Budget", "floor_bytes", "lowest_bytes"]
+__all__ = ["Prediction", "predict", "allocate", "budget_bytes", "Budget", "floor_bytes", "lowest_bytes",
+           "useful_items"]
 
 Key = Tuple[str, str]
 
@@ -61,16 +63,6 @@ class Prediction:
                 "peak_bytes": None if self.peak_bytes is None else int(self.peak_bytes)}
 
 
-def _useful(profile: Profile) -> Set[Key]:
-    """Compression items that save memory (recompute items are chosen apart, step 4)."""
-    return {it.key for it in profile.items if it.saved_bytes > 0 and it.op != RECOMPUTE}
-
-
-def floor_bytes(profile: Profile) -> float:
-    """The fewest activation bytes any plan keeps (every op compressed)."""
-    return predict(profile, _useful(profile)).activation_bytes
-
-
 class _Savings:
     """Bytes an item set saves: single savings plus the extras of the profiled pairs in it.
     ``gain(k, others)`` is what adding ``k`` to ``others`` saves, so the allocator's greedy
@@ -85,6 +77,10 @@ class _Savings:
             self.extra.setdefault(a, {})[b] = total
             self.extra.setdefault(b, {})[a] = total
 
+    def best(self, k: Key) -> float:
+        """The most ``k`` can save: alone, plus every pair extra in its favour."""
+        return self.single[k] + sum(e for e in self.extra.get(k, {}).values() if e > 0)
+
     def paired(self, a: Key, b: Key) -> bool:
         return b in self.extra.get(a, {})
 
@@ -98,12 +94,25 @@ class _Savings:
         return sum(self.single[k] for k in chosen) + pairs
 
 
+def useful_items(profile: Profile) -> Set[Key]:
+    """Compression items that save memory, alone or with a pair partner (recompute items are
+    chosen apart, step 4). A Swin attention's softmax alone costs bytes (its int8 copy beside
+    the map the ``attn @ v`` matmul still keeps) but saves them with that matmul compressed."""
+    savings = _Savings(profile)
+    return {it.key for it in profile.items if it.op != RECOMPUTE and savings.best(it.key) > 0}
+
+
+def floor_bytes(profile: Profile) -> float:
+    """The fewest activation bytes any plan keeps (every op compressed)."""
+    return predict(profile, useful_items(profile)).activation_bytes
+
+
 def predict(profile: Profile, chosen: Iterable[Key]) -> Prediction:
     items = {it.key: it for it in profile.items}
     chosen = list(chosen)
     saved = _Savings(profile).of(chosen)
     recomputed = any(k[1] == RECOMPUTE for k in chosen)
-    if profile.floor_activation_bytes is not None and not recomputed and set(chosen) >= _useful(profile):
+    if profile.floor_activation_bytes is not None and not recomputed and set(chosen) >= useful_items(profile):
         saved = profile.stock_activation_bytes - profile.floor_activation_bytes  # measured, not summed
     step = profile.stock_step_s + sum(items[k].time_s for k in chosen)
     peak = None if profile.stock_peak_bytes is None else profile.stock_peak_bytes - saved
@@ -196,7 +205,7 @@ def _allocate_compression(profile: Profile, allowed_bytes: float, time_slack: fl
     ``time_slack``: fraction of the stock step a precision-recovery swap may cost."""
     items: Dict[Key, ItemProfile] = {it.key: it for it in profile.items}
     need = profile.stock_activation_bytes - allowed_bytes  # bytes the plan must save
-    useful = _useful(profile)
+    useful = useful_items(profile)
     floor = floor_bytes(profile)
     if floor > allowed_bytes:
         raise PlanError(
@@ -211,7 +220,9 @@ def _allocate_compression(profile: Profile, allowed_bytes: float, time_slack: fl
     chosen = set(useful)
     saved = savings.of(chosen)
     # (ties: the bigger item first, then by name, so the result does not depend on set order)
-    order = sorted(chosen, key=lambda k: (-items[k].time_s / items[k].saved_bytes, -items[k].saved_bytes, k))
+    worth = {k: savings.gain(k, chosen) for k in chosen}  # what giving k back alone would lose
+    order = sorted(chosen, key=lambda k: (-items[k].time_s / worth[k] if worth[k] > 0 else float("-inf"),
+                                          -worth[k], k))
     for k in order:  # free items (time_s <= 0) come last: given back only if memory allows
         lose = savings.gain(k, chosen)
         if saved - lose >= need:

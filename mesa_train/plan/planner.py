@@ -9,7 +9,7 @@ from torch import nn
 
 from mesa_train.patch.table import format_table
 
-from .allocate import Budget, Key, Prediction, allocate, budget_bytes, predict, to_plan
+from .allocate import Budget, Key, Prediction, allocate, budget_bytes, predict, to_plan, useful_items
 from .measure import Batch, activation_bytes, fastest, interleaved_times, peak_bytes, train_step
 from .planfile import RECOMPUTE, Plan
 from .profile import Profile, patch_items, profile_model
@@ -52,7 +52,7 @@ def make_plan(model: nn.Module, batch: Batch, budget: Budget, *, profile: Option
         profile = profile_model(model, batch, rounds=rounds, quant_options=quant_options, log=log)
     allowed, how = budget_bytes(profile, budget)
     chosen = allocate(profile, allowed)
-    every: Set[Key] = {it.key for it in profile.items if it.saved_bytes > 0 and it.op != RECOMPUTE}
+    every: Set[Key] = useful_items(profile)
     preds = {"stock": predict(profile, ()), "plan": predict(profile, chosen), "all ops": predict(profile, every)}
     plan = to_plan(profile, chosen, budget={"asked": budget.describe(), "read_as": how,
                                              "allowed_activation_bytes": int(allowed)},
