@@ -328,8 +328,10 @@ def test_predictions_are_exact_for_any_plan_once_pairs_are_profiled(family):
     first-stage softmax and ``attn @ v`` matmul the map (the softmax alone costs bytes)."""
     torch.manual_seed(0)
     model, batch = FAMILIES[family](), make_batch(4, 32, 5, "cpu")
-    profile = profile_model(model, batch, rounds=1, log=lambda *_: None)
+    logged = []
+    profile = profile_model(model, batch, rounds=1, log=logged.append)
     assert profile.pairs and all(p.extra_bytes > 0 for p in profile.pairs)
+    assert any(line.startswith(f"{len(profile.pairs)} op pairs do not save the sum") for line in logged)
     rng, additive_off = random.Random(0), 0
     compress = sorted(useful_items(profile))
     plans = [[k for k in compress if rng.random() < 0.6] for _ in range(8)] + [list(p.keys) for p in profile.pairs]

@@ -179,6 +179,10 @@ def profile_model(model: nn.Module, batch: Batch, *, rounds: int = 5, quant_opti
     del every
     single = {(id(members), op): s for (members, op), s in zip(keys, saved)}
     pairs = _pair_extras(model, batch, groups, single, stock_bytes, quant_options)
+    if pairs:  # why a plan's savings are not the sum of its layers' (the table's "saved MiB")
+        shown = ", ".join(f"{p.unit} {'+'.join(p.ops)} {p.extra_bytes / 2**10:+.1f} KiB" for p in pairs[:6])
+        log(f"{len(pairs)} op pairs do not save the sum of their own savings (a tensor both keep): {shown}"
+            + (", ..." if len(pairs) > 6 else ""))
     order = {u.name: i for i, u in enumerate(units)}
     items.sort(key=lambda it: (order[it.unit], it.op))
     return Profile(model_architecture(model), str(batch.device), int(batch.x.shape[0]), int(batch.x.shape[-1]),
