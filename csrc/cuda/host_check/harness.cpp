@@ -652,16 +652,16 @@ int check_dequantize(const Layout& L, const float* alpha, const float* beta, int
   return errs;
 }
 
-// dequantize with col_scale / col_shift (dequantize_kernel run with float math and the
-// StoreAffineCols epilogue): the float32 value dequantize would return (row exponents and
-// row_mul included), times scale[c], plus shift[c], rounded to the dtype; c = i % C for a C
-// that need not divide the length or the vector step (scale only, shift only, both)
 // Blocks of a dequantize launch with a block table (the GELU table, the staged column tables):
 // 1 to 4, as the op's resident grid holds few enough that each thread loops over several steps
 unsigned table_grid(int64_t steps, int sms) {
   return std::min<unsigned>(unsigned(grid_for(steps, sms)), 1u + unsigned(rng() % 4));
 }
 
+// dequantize with col_scale / col_shift (dequantize_kernel run with float math and the
+// StoreAffineCols epilogue): the float32 value dequantize would return (row exponents and
+// row_mul included), times scale[c], plus shift[c], rounded to the dtype; c = i % C for a C
+// that need not divide the length or the vector step (scale only, shift only, both)
 template <typename scalar_t, typename IdxT, int V>
 int check_dequantize_cols(const Layout& L, const float* alpha, const float* beta, int sms, const RowExp* re) {
   int errs = 0;
