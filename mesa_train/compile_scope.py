@@ -59,13 +59,25 @@ from mesa_train.nn._common import MesaLayer
 from mesa_train.quant.compile_kernels import traced_when_compiled
 from mesa_train.quant.save_codes import SaveCodes
 
-__all__ = ["SCOPES", "TRACED_INDUCTOR_OPTIONS", "close_inductor_options", "compile_model", "inductor_kwargs",
-           "repeated_blocks"]
+__all__ = ["SCOPES", "TRACED_INDUCTOR_OPTIONS", "WRAPPER_INDUCTOR_OPTIONS", "close_inductor_options", "compile_model",
+           "inductor_kwargs", "repeated_blocks"]
 
 SCOPES = ("model", "blocks")
 
 # the container attribute name timm gives a model's (or a stage's) sequence of repeated blocks
 _BLOCK_CONTAINER = "blocks"
+
+# Inductor options for every model compiled here, stock or Mesa, so that the bench compares
+# the two compiled alike: no runtime asserts in the generated Python wrapper. Inductor checks
+# each output of an extern op against its fake kernel's size, stride and dtype at every call
+# (`assert_tensor_metadata`, a Python function), and each graph input's and a Mesa op's
+# state buffers' layout (`assert_size_stride_grouped`). A patched ViT calls about 240
+# mesa:: ops a step with 1 to 4 outputs each. On the cpu-host model (scripts/compile_ab.py)
+# the checks cost compiled Mesa 0.4-0.8 ms of its 17-19 ms step and stock 0-0.3 ms of 11-12:
+# host time that a compiled GPU step with default launches waits on (docs/DESIGN.md, "Under
+# torch.compile"). What they check, the mesa:: fakes against the kernels, the tests check
+# with opcheck; Dynamo's guards still check the forward's inputs. A caller's options win.
+WRAPPER_INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 
 # Inductor options when Mesa's compression is traced (module doc): the traced quantize's
 # expression (about 60 operations with the rescale and the clamp) stays one fused expression;
@@ -88,20 +100,20 @@ def close_inductor_options(name: str) -> list[str] | None:
 
 
 def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:
-    """``compile_kwargs`` with :data:`TRACED_INDUCTOR_OPTIONS` added where they apply: Inductor
-    (the default backend) compiling a model with Mesa layers whose compression is traced. A
-    ``mode`` becomes its options (``torch.compile`` takes one or the other), which options given
-    by the caller override."""
-    if compile_kwargs.get("backend", "inductor") != "inductor" or not traced_when_compiled():
-        return compile_kwargs
-    if not any(isinstance(m, MesaLayer) for m in unwrap_model(model).modules()):
+    """``compile_kwargs`` with Inductor's options added where Inductor (the default backend)
+    compiles: :data:`WRAPPER_INDUCTOR_OPTIONS` for any model, and :data:`TRACED_INDUCTOR_OPTIONS`
+    for a model with Mesa layers whose compression is traced. A ``mode`` becomes its options
+    (``torch.compile`` takes one or the other), which options given by the caller override."""
+    if compile_kwargs.get("backend", "inductor") != "inductor":
         return compile_kwargs
     kwargs = dict(compile_kwargs)
     mode = kwargs.pop("mode", None)
     # (as torch.compile turns a mode into options: list_mode_options(mode, dynamic))
     options = dict(torch._inductor.list_mode_options(mode, kwargs.get("dynamic"))) if mode not in (None, "default") \
         else {}
-    options.update(TRACED_INDUCTOR_OPTIONS)
+    options.update(WRAPPER_INDUCTOR_OPTIONS)
+    if traced_when_compiled() and any(isinstance(m, MesaLayer) for m in unwrap_model(model).modules()):
+        options.update(TRACED_INDUCTOR_OPTIONS)
     options.update(kwargs.pop("options", None) or {})
     kwargs["options"] = options
     return kwargs

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from mesa_train.compile_scope import SCOPES, TRACED_INDUCTOR_OPTIONS, compile_model, inductor_kwargs, repeated_blocks
+from mesa_train.compile_scope import (SCOPES, TRACED_INDUCTOR_OPTIONS, WRAPPER_INDUCTOR_OPTIONS, compile_model,
+                                      inductor_kwargs, repeated_blocks)
 from mesa_train.patch import patch_model
 from mesa_train.quant.compile_kernels import set_compile_kernels
 
@@ -210,18 +211,45 @@ def traced_compression():
 
 def test_traced_compression_gets_its_inductor_options(traced_compression):
     """A Mesa model compiled by Inductor with the traced compression gets
-    TRACED_INDUCTOR_OPTIONS (a mode becomes its options); a stock model, another backend or
-    the opaque ops keep what the caller gave."""
+    TRACED_INDUCTOR_OPTIONS (a mode becomes its options); every model compiled by Inductor,
+    stock or Mesa, WRAPPER_INDUCTOR_OPTIONS; another backend keeps what the caller gave."""
     stock = nn.Sequential(nn.Linear(4, 4), nn.GELU())
     mesa = patch_model(copy.deepcopy(stock), ops=("all",))
-    assert inductor_kwargs(stock, {"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}
+    wrapper = WRAPPER_INDUCTOR_OPTIONS
+    assert inductor_kwargs(stock, {"mode": "reduce-overhead"}) == {"options": {"triton.cudagraphs": True, **wrapper}}
     assert inductor_kwargs(mesa, {"backend": "aot_eager"}) == {"backend": "aot_eager"}
     got = inductor_kwargs(mesa, {"mode": "reduce-overhead", "dynamic": False})
-    assert got == {"dynamic": False, "options": {"triton.cudagraphs": True, **TRACED_INDUCTOR_OPTIONS}}
-    assert inductor_kwargs(mesa, {"options": {"realize_opcount_threshold": 64}}) == {
-        "options": {**TRACED_INDUCTOR_OPTIONS, "realize_opcount_threshold": 64}}  # the caller's options win
+    assert got == {"dynamic": False, "options": {"triton.cudagraphs": True, **wrapper, **TRACED_INDUCTOR_OPTIONS}}
+    assert inductor_kwargs(mesa, {"options": {"realize_opcount_threshold": 64, "size_asserts": True}}) == {
+        "options": {**wrapper, **TRACED_INDUCTOR_OPTIONS, "realize_opcount_threshold": 64,
+                    "size_asserts": True}}  # the caller's options win
     set_compile_kernels("ops")
-    assert inductor_kwargs(mesa, {"mode": "default"}) == {"mode": "default"}
+    assert inductor_kwargs(mesa, {"mode": "default"}) == {"options": wrapper}
+    assert inductor_kwargs(stock, {}) == {"options": wrapper}
+
+
+def test_compiled_wrapper_runs_no_size_asserts():
+    """compile_model's Inductor code calls the mesa:: ops without checking each output against
+    its fake (WRAPPER_INDUCTOR_OPTIONS): no assert_tensor_metadata / assert_size_stride lines in
+    the generated wrapper, where torch.compile's defaults write them for every op output; the
+    same forward either way."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    mesa = patch_model(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)), ops=("all",)).train()
+    x = torch.randn(3, 5, 8)
+    codes = {}
+    for name, compiled in (("default", torch.compile(mesa, fullgraph=True)), ("ours", compile_model(mesa))):
+        torch._dynamo.reset()
+        out, code = run_and_get_code(compiled, x)
+        codes[name] = ("\n".join(code), out)
+    def checks(code: str) -> set:  # the runtime checks the wrapper calls
+        return set(re.findall(r"\b(assert_(?:tensor_metadata|size_stride\w*|alignment))\(", code))
+
+    assert "torch.ops.mesa." in codes["ours"][0]
+    assert {"assert_tensor_metadata", "assert_size_stride_grouped"} <= checks(codes["default"][0])
+    assert checks(codes["ours"][0]) == set()
+    assert torch.equal(codes["default"][1], codes["ours"][1])
 
 
 def _buffers_of_traced_quantize(options) -> list[tuple[str, str]]:

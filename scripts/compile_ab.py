@@ -1,0 +1,111 @@
+"""Two sets of Inductor options on one compiled model, steps interleaved in one process: what a
+compile option does to a step's host time, too little for a bench preset's rows to resolve.
+
+    PYTHONPATH=. python scripts/compile_ab.py                          # Mesa: torch's asserts vs compile_model's
+    PYTHONPATH=. python scripts/compile_ab.py --stock --steps 300
+    PYTHONPATH=. python scripts/compile_ab.py --a '{"size_asserts": true}' --b '{}' --reverse
+
+The model is the cpu-host preset's (configs/bench/preset/cpu-host.yaml: a 12-block ViT of width
+48 on 5 tokens, fp32, explicit attention, AdamW, one thread), patched with every op unless
+--stock, compiled twice through `compile_scope.compile_model` (scope "model"), once with each
+option set. Each copy gets a forward with a code object of its own: Dynamo caches compiled code
+per code object and tries the most recently used entry first, so two copies of one class would
+each first evaluate the other's guards at every call (measured here: about 0.2-0.5 ms a step of
+10-16, the same for stock and Mesa). The first variant compiled tends to time slower (0.3-0.6 ms
+in the runs of docs/DESIGN.md): run both orders (--reverse).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import types
+
+import timm
+import torch
+
+from mesa_train.compile_scope import compile_model
+from mesa_train.patch import patch_model
+
+# torch.compile's defaults for the two checks compile_model turns off (WRAPPER_INDUCTOR_OPTIONS)
+TORCH_ASSERTS = {"size_asserts": True, "alignment_asserts": True}
+
+
+def build(mesa: bool, tag: str, depth: int = 12) -> torch.nn.Module:
+    """The cpu-host model, its class's forward given a code object of its own named by ``tag``."""
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", depth=depth, embed_dim=48, num_heads=3, img_size=32,
+                              num_classes=10)
+    if mesa:
+        patch_model(model, ops=("all",), attention="explicit")
+    base = type(model)
+    forward = types.FunctionType(base.forward.__code__.replace(co_name=f"forward_{tag}"), base.forward.__globals__,
+                                 None, base.forward.__defaults__)
+    forward.__kwdefaults__ = base.forward.__kwdefaults__
+    model.__class__ = type(f"{base.__name__}_{tag}", (base,), {"forward": forward})
+    return model.train()
+
+
+def options(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"compile_ab.py: options must be a JSON object, got {text!r} ({err.msg})") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"compile_ab.py: options must be a JSON object, got {text!r}")
+    return value
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--a", type=options, default=TORCH_ASSERTS, help="options of variant A (JSON; default: "
+                    "torch.compile's asserts on)")
+    ap.add_argument("--b", type=options, default={}, help="options of variant B (JSON; default: none, i.e. "
+                    "compile_model's own)")
+    ap.add_argument("--stock", action="store_true", help="the stock model instead of the patched one")
+    ap.add_argument("--steps", type=int, default=200, help="timed steps of each variant (interleaved)")
+    ap.add_argument("--reverse", action="store_true", help="compile (and step) B before A")
+    ap.add_argument("--depth", type=int, default=12, help="blocks (the cpu-host model's 12; fewer compile faster)")
+    args = ap.parse_args(argv)
+    for flag in ("steps", "depth"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"compile_ab.py: --{flag} must be at least 1, got {getattr(args, flag)}")
+    torch.set_num_threads(1)
+    variants = [("A", args.a), ("B", args.b)]
+    if args.reverse:
+        variants.reverse()
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+
+    def step(model, opt):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    runs = {}
+    for name, opts in variants:
+        model = build(not args.stock, name, args.depth)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        compiled = compile_model(model, "model", options=dict(opts))
+        step(compiled, opt)
+        step(compiled, opt)  # (compiled, warm)
+        runs[name] = (compiled, opt)
+    times = {name: [] for name in runs}
+    for _ in range(args.steps):
+        for name, (compiled, opt) in runs.items():
+            start = time.perf_counter()
+            step(compiled, opt)
+            times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    model = "stock" if args.stock else "Mesa (all ops)"
+    print(f"{model}, cpu-host model ({args.depth} blocks), {args.steps} interleaved steps, "
+          f"compiled in the order {' '.join(runs)}:")
+    for name, opts in sorted(variants):
+        print(f"  {name} {json.dumps(opts)}: {med[name]:.2f} ms a step (median)")
+    print(f"  B - A: {med['B'] - med['A']:+.2f} ms a step; B / A: {med['B'] / med['A']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
