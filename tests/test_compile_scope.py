@@ -247,7 +247,8 @@ def test_compiled_wrapper_runs_no_size_asserts():
         return set(re.findall(r"\b(assert_(?:tensor_metadata|size_stride\w*|alignment))\(", code))
 
     assert "torch.ops.mesa." in codes["ours"][0]
-    assert {"assert_tensor_metadata", "assert_size_stride_grouped"} <= checks(codes["default"][0])
+    assert checks(codes["default"][0])  # (torch 2.14: assert_tensor_metadata and the grouped input
+    # check; 2.11, the lent GPUs' image, writes assert_size_stride for each)
     assert checks(codes["ours"][0]) == set()
     assert torch.equal(codes["default"][1], codes["ours"][1])
 
