@@ -241,8 +241,12 @@ def test_cuda_graphs_with_gradient_accumulation_is_a_clear_error():
 
 def test_compile_options_are_inductor_options():
     """A row's ``compile_options`` are checked against Inductor's config before anything runs:
-    an unknown name (with the close ones), a value that is not a scalar, a mode beside them."""
+    an unknown name (with the close ones), a value that is not a scalar; a mode beside them is
+    merged by compile_model."""
+    from torch import nn
+
     from mesa_train.bench.presets import BenchConfigError, check_row, make_row
+    from mesa_train.compile_scope import WRAPPER_INDUCTOR_OPTIONS, inductor_kwargs
 
     def row(**kw):
         return make_row({"model": "deit_ti"}, {"label": "x", "compile": True, **kw})
@@ -254,8 +258,11 @@ def test_compile_options_are_inductor_options():
         check_row(row(compile_options={"coordinate_descent_tunin": True}))
     with pytest.raises(BenchConfigError, match=r"compile_options\['realize_opcount_threshold'\] must be a bool"):
         check_row(row(compile_options={"realize_opcount_threshold": [1]}))
-    with pytest.raises(BenchConfigError, match="compile_options and compile_mode='reduce-overhead' together"):
-        check_row(row(compile_options={"coordinate_descent_tuning": True}, compile_mode="reduce-overhead"))
+    # a mode beside options: compile_model gives torch.compile the mode's options and these
+    both = row(compile_options={"cpp_wrapper": True}, compile_mode="reduce-overhead")
+    check_row(both)
+    assert inductor_kwargs(nn.Linear(2, 2), {"mode": both.compile_mode, "options": dict(both.compile_options)}) == {
+        "options": {"triton.cudagraphs": True, **WRAPPER_INDUCTOR_OPTIONS, "cpp_wrapper": True}}
     with pytest.raises(BenchConfigError, match="must be a mapping"):
         check_row(row(compile_options=["coordinate_descent_tuning"]))
 

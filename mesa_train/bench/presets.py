@@ -222,8 +222,9 @@ def check_row(row: RowConfig) -> None:
 
 
 def _check_compile_options(row: RowConfig, where: str) -> None:
-    """``compile_options``: Inductor config names with scalar values, and no ``compile_mode``
-    beside them (torch.compile takes a mode or options, not both)."""
+    """``compile_options``: Inductor config names with scalar values. A ``compile_mode`` may stand
+    beside them: ``compile_scope.compile_model`` turns the mode into its options and adds these
+    (torch.compile itself takes one or the other)."""
     options = row.compile_options
     if not isinstance(options, dict):
         raise BenchConfigError(f"{where}: compile_options must be a mapping of Inductor options, got {options!r}")
@@ -237,9 +238,6 @@ def _check_compile_options(row: RowConfig, where: str) -> None:
         if not isinstance(value, (bool, int, float, str)):
             raise BenchConfigError(f"{where}: compile_options[{key!r}] must be a bool, number or string, "
                                    f"got {value!r}")
-    if row.compile_mode is not None:
-        raise BenchConfigError(f"{where}: compile_options and compile_mode={row.compile_mode!r} together; "
-                               "torch.compile takes one or the other (a mode's options can be listed here)")
 
 
 def validate_groups(rows: list[RowConfig]) -> None:
