@@ -50,6 +50,8 @@ alike: without it torch 2.11 writes a DeiT-S softmax, and the traced coding kern
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -76,8 +78,12 @@ _BLOCK_CONTAINER = "blocks"
 # the checks cost compiled Mesa 0.4-0.8 ms of its 17-19 ms step and stock 0-0.3 ms of 11-12:
 # host time that a compiled GPU step with default launches waits on (docs/DESIGN.md, "Under
 # torch.compile"). What they check, the mesa:: fakes against the kernels, the tests check
-# with opcheck; Dynamo's guards still check the forward's inputs. A caller's options win.
+# with opcheck; Dynamo's guards still check the forward's inputs. A caller's options win, and
+# so does the environment variable that sets one in torch._inductor.config (to debug a fake
+# kernel: TORCHINDUCTOR_SIZE_ASSERTS=1).
 WRAPPER_INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
+_WRAPPER_OPTION_ENV = {"size_asserts": "TORCHINDUCTOR_SIZE_ASSERTS",
+                       "alignment_asserts": "TORCHINDUCTOR_ALIGNMENT_ASSERTS"}
 
 # Inductor options when Mesa's compression is traced (module doc): the traced quantize's
 # expression (about 60 operations with the rescale and the clamp) stays one fused expression;
@@ -111,7 +117,7 @@ def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:
     # (as torch.compile turns a mode into options: list_mode_options(mode, dynamic))
     options = dict(torch._inductor.list_mode_options(mode, kwargs.get("dynamic"))) if mode not in (None, "default") \
         else {}
-    options.update(WRAPPER_INDUCTOR_OPTIONS)
+    options.update({k: v for k, v in WRAPPER_INDUCTOR_OPTIONS.items() if _WRAPPER_OPTION_ENV[k] not in os.environ})
     if traced_when_compiled() and any(isinstance(m, MesaLayer) for m in unwrap_model(model).modules()):
         options.update(TRACED_INDUCTOR_OPTIONS)
     options.update(kwargs.pop("options", None) or {})

@@ -228,6 +228,16 @@ def test_traced_compression_gets_its_inductor_options(traced_compression):
     assert inductor_kwargs(stock, {}) == {"options": wrapper}
 
 
+def test_inductor_asserts_env_variable_wins(monkeypatch):
+    """TORCHINDUCTOR_SIZE_ASSERTS set by the user (to debug a fake kernel) is not overridden:
+    that option is left to Inductor's config, which read the variable; the other stays off."""
+    stock = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    monkeypatch.setenv("TORCHINDUCTOR_SIZE_ASSERTS", "1")
+    assert inductor_kwargs(stock, {}) == {"options": {"alignment_asserts": False}}
+    monkeypatch.setenv("TORCHINDUCTOR_ALIGNMENT_ASSERTS", "1")
+    assert inductor_kwargs(stock, {}) == {"options": {}}
+
+
 def test_compiled_wrapper_runs_no_size_asserts():
     """compile_model's Inductor code calls the mesa:: ops without checking each output against
     its fake (WRAPPER_INDUCTOR_OPTIONS): no assert_tensor_metadata / assert_size_stride lines in
