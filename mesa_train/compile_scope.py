@@ -82,8 +82,6 @@ _BLOCK_CONTAINER = "blocks"
 # so does the environment variable that sets one in torch._inductor.config (to debug a fake
 # kernel: TORCHINDUCTOR_SIZE_ASSERTS=1).
 WRAPPER_INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
-_WRAPPER_OPTION_ENV = {"size_asserts": "TORCHINDUCTOR_SIZE_ASSERTS",
-                       "alignment_asserts": "TORCHINDUCTOR_ALIGNMENT_ASSERTS"}
 
 # Inductor options when Mesa's compression is traced (module doc): the traced quantize's
 # expression (about 60 operations with the rescale and the clamp) stays one fused expression;
@@ -117,7 +115,9 @@ def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:
     # (as torch.compile turns a mode into options: list_mode_options(mode, dynamic))
     options = dict(torch._inductor.list_mode_options(mode, kwargs.get("dynamic"))) if mode not in (None, "default") \
         else {}
-    options.update({k: v for k, v in WRAPPER_INDUCTOR_OPTIONS.items() if _WRAPPER_OPTION_ENV[k] not in os.environ})
+    # (torch._inductor.config reads each of them from TORCHINDUCTOR_<NAME>; one the user set is theirs)
+    options.update({name: value for name, value in WRAPPER_INDUCTOR_OPTIONS.items()
+                    if f"TORCHINDUCTOR_{name.upper()}" not in os.environ})
     if traced_when_compiled() and any(isinstance(m, MesaLayer) for m in unwrap_model(model).modules()):
         options.update(TRACED_INDUCTOR_OPTIONS)
     options.update(kwargs.pop("options", None) or {})

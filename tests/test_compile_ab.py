@@ -1,20 +1,10 @@
 """scripts/compile_ab.py: two Inductor option sets on one model, interleaved."""
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compile_ab.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("compile_ab", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def test_times_both_variants_each_compiled_on_its_own(capsys):
@@ -23,7 +13,7 @@ def test_times_both_variants_each_compiled_on_its_own(capsys):
     and each lookup would try the other variant's guards first."""
     import torch._dynamo
 
-    ab = _script()
+    ab = load_script("compile_ab")
     torch._dynamo.reset()
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert ab.main(["--depth", "1", "--steps", "2", "--a", "{}", "--b", "{}"]) == 0
@@ -45,4 +35,4 @@ def test_times_both_variants_each_compiled_on_its_own(capsys):
 ])
 def test_bad_arguments_get_one_line(argv, message):
     with pytest.raises(SystemExit, match=message):
-        _script().main(argv)
+        load_script("compile_ab").main(argv)
