@@ -103,6 +103,15 @@ def close_inductor_options(name: str) -> list[str] | None:
     return None if name in known else difflib.get_close_matches(str(name), list(known), n=3)
 
 
+def _check_option_names(options: dict) -> None:
+    """One line for a misspelt option (torch.compile's own error lists all ~600 of Inductor's)."""
+    for name in options:
+        close = close_inductor_options(name)
+        if close is not None:
+            raise ValueError(f"compile option {name!r} is not an Inductor option (torch._inductor.config)"
+                             f"{'; close: ' + ', '.join(close) if close else ''}")
+
+
 def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:
     """``compile_kwargs`` with Inductor's options added where Inductor (the default backend)
     compiles: :data:`WRAPPER_INDUCTOR_OPTIONS` for any model, and :data:`TRACED_INDUCTOR_OPTIONS`
@@ -120,7 +129,9 @@ def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:
                     if f"TORCHINDUCTOR_{name.upper()}" not in os.environ})
     if traced_when_compiled() and any(isinstance(m, MesaLayer) for m in unwrap_model(model).modules()):
         options.update(TRACED_INDUCTOR_OPTIONS)
-    options.update(kwargs.pop("options", None) or {})
+    given = kwargs.pop("options", None) or {}
+    _check_option_names(given)
+    options.update(given)
     kwargs["options"] = options
     return kwargs
 

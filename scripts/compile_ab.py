@@ -5,9 +5,10 @@ compile option does to a step's host time, too little for a bench preset's rows 
     PYTHONPATH=. python scripts/compile_ab.py --stock --steps 300
     PYTHONPATH=. python scripts/compile_ab.py --a '{"size_asserts": true}' --b '{}' --reverse
 
-The model is the cpu-host preset's (configs/bench/preset/cpu-host.yaml: a 12-block ViT of width
-48 on 5 tokens, fp32, explicit attention, AdamW, one thread), patched with every op unless
---stock, compiled twice through `compile_scope.compile_model` (scope "model"), once with each
+The model is the cpu-host preset's (configs/bench/preset/cpu-host.yaml, built as the bench builds
+its rows: a 12-block ViT of width 48, 3 heads, on 5 tokens, fp32, explicit attention; AdamW, one
+thread), its "Mesa compiled" row (every op) or with --stock its "stock compiled" row, compiled
+twice through `compile_scope.compile_model` (scope "model"), once with each
 option set. Each copy gets a forward with a code object of its own: Dynamo caches compiled code
 per code object and tries the most recently used entry first, so two copies of one class would
 each first evaluate the other's guards at every call (measured here: about 0.2-0.5 ms a step of
@@ -23,23 +24,20 @@ import sys
 import time
 import types
 
-import timm
 import torch
 
+from mesa_train.bench.preset_model import preset_model
 from mesa_train.compile_scope import compile_model
-from mesa_train.patch import patch_model
 
 # torch.compile's defaults for the two checks compile_model turns off (WRAPPER_INDUCTOR_OPTIONS)
 TORCH_ASSERTS = {"size_asserts": True, "alignment_asserts": True}
 
 
 def build(mesa: bool, tag: str, depth: int = 12) -> torch.nn.Module:
-    """The cpu-host model, its class's forward given a code object of its own named by ``tag``."""
+    """The cpu-host preset's model (its "Mesa compiled" or "stock compiled" row, ``depth``
+    blocks), its class's forward given a code object of its own named by ``tag``."""
     torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", depth=depth, embed_dim=48, num_heads=3, img_size=32,
-                              num_classes=10)
-    if mesa:
-        patch_model(model, ops=("all",), attention="explicit")
+    model = preset_model("cpu-host", "Mesa compiled" if mesa else "stock compiled", depth=depth)
     base = type(model)
     forward = types.FunctionType(base.forward.__code__.replace(co_name=f"forward_{tag}"), base.forward.__globals__,
                                  None, base.forward.__defaults__)

@@ -238,6 +238,21 @@ def test_inductor_asserts_env_variable_wins(monkeypatch):
     assert inductor_kwargs(stock, {}) == {"options": {}}
 
 
+def test_misspelt_compile_option_is_one_line_with_the_close_names():
+    """An option Inductor does not know fails in compile_model with one line naming the close
+    ones (torch.compile's own error lists every Inductor option, about 20,000 characters)."""
+    stock = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    with pytest.raises(ValueError) as err:
+        compile_model(stock, options={"size_assert": False})
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 300
+    assert "'size_assert' is not an Inductor option" in message and "size_asserts" in message
+    with pytest.raises(ValueError, match="close: triton.cudagraphs"):
+        compile_model(stock, mode="reduce-overhead", options={"triton.cudagraph": True})
+    with pytest.raises(ValueError, match="'no_such_thing_at_all' is not an Inductor option"):
+        inductor_kwargs(stock, {"options": {"no_such_thing_at_all": 1}})
+
+
 def test_compiled_wrapper_runs_no_size_asserts():
     """compile_model's Inductor code calls the mesa:: ops without checking each output against
     its fake (WRAPPER_INDUCTOR_OPTIONS): no assert_tensor_metadata / assert_size_stride lines in
