@@ -52,6 +52,7 @@ import torch
 
 from mesa_train import quant as Q
 from mesa_train.device_info import device_name
+from mesa_train.quant.reference_check import ReferenceCheck
 
 # MESA_CUDA_GRID's values (csrc/cuda/quant_cuda.cu, elementwise_grid): how many blocks the
 # quantize and dequantize kernels launch; the codes are the same under each
@@ -261,10 +262,19 @@ def _selected(name: str, ops_pattern: str | None) -> bool:
     return ops_pattern is None or re.search(ops_pattern, name) is not None
 
 
+def _reference_verdict(fn) -> str:
+    """``fn`` called once more, untimed, each mesa:: op it calls checked against the reference
+    on the same inputs (``reference_check``): the table's "reference" cell ("–": no mesa:: op)."""
+    with ReferenceCheck() as check:
+        fn()
+    return check.verdict() or "–"
+
+
 def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int,
-                  ops_pattern: str | None = None) -> list[dict]:
+                  ops_pattern: str | None = None, check: bool = True) -> list[dict]:
     """The table's rows: every op of every case and dtype (``ops_pattern``: only the ops whose
-    name it matches, and clone, the baseline)."""
+    name it matches, and clone, the baseline); ``check``: each row's ops also checked against
+    the reference (its "reference" cell; else "not checked")."""
     timeit = _timer(device, warmup, repeat)
     rows = []
     for name, shape, dim, G in cases:
@@ -276,11 +286,13 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int,
                 if not (op.startswith("clone") or _selected(op, ops_pattern)):
                     continue
                 t, kt = (t_clone, k_clone) if op.startswith("clone") else timeit(fn)
+                verdict = "–" if op.startswith("clone") else _reference_verdict(fn) if check else "not checked"
                 # bandwidth from the kernels' time where measured (GPU), else from the latency
                 base, tt = (k_clone, kt) if kt is not None and k_clone is not None else (t_clone, t)
                 rows.append(dict(case=name, dtype=dname, op=op, us=t * 1e6,
                                  kernel_us=None if kt is None else kt * 1e6, gbps=nbytes / tt / 1e9,
-                                 frac=(nbytes / tt) / (2 * n * es / base), vs_clone=tt / base))
+                                 frac=(nbytes / tt) / (2 * n * es / base), vs_clone=tt / base,
+                                 reference=verdict))
             x = ops = None  # (freed before the next case's tensors are made)
     return rows
 
@@ -387,14 +399,14 @@ def format_table(rows: list[dict], header: str) -> str:
         header,
         "",
         "| case | dtype | op | latency (us) | kernel time (us) | GB/s | fraction of clone bandwidth | "
-        "time / clone |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "time / clone | reference |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         kernel = "–" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
         lines.append(
             f"| {r['case']} | {r['dtype']} | {r['op']} | {r['us']:.1f} | {kernel} | {r['gbps']:.1f} | "
-            f"{r['frac']:.2f} | {r['vs_clone']:.2f} |"
+            f"{r['frac']:.2f} | {r['vs_clone']:.2f} | {r.get('reference', 'not checked')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -409,6 +421,8 @@ def main(argv=None) -> str:
     p.add_argument("--out-dir", default=os.path.join("results", "kernels"))
     p.add_argument("--cases", default=None, help="regex: only the cases whose name it matches (e.g. 'hidden')")
     p.add_argument("--ops", default=None, help="regex: only the ops whose name it matches (and clone, the baseline)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the reference check of each row's ops (an older build's codes, e.g. kernels-base)")
     p.add_argument("--launch-only", action="store_true",
                    help="call each selected op once, time nothing, write no table (for ncu: scripts/ncu_kernels.py)")
     p.add_argument("--grid", choices=GRID_POLICIES, default=None,
@@ -461,7 +475,7 @@ def main(argv=None) -> str:
         return ""
 
     name = device_name(device)
-    rows = run_benchmark(device, cases, dtypes, warmup, repeat, args.ops)
+    rows = run_benchmark(device, cases, dtypes, warmup, repeat, args.ops, check=not args.no_check)
     header = (
         f"# mesa quantization kernels on {name}" + (f", grid policy `{grid}`" if grid else "")
         + (f", extension `{args.variant}`" if args.variant else "") + "\n\n"
@@ -472,7 +486,11 @@ def main(argv=None) -> str:
         "torch.profiler (launch gaps excluded; what a GPU-bound training step spends). "
         "Bandwidth = (bytes read + bytes written) / kernel time (latency where no kernel time: CPU); "
         "'fraction of clone bandwidth' divides it by the bandwidth of `x.clone()` measured the same way in "
-        "the same run; 'time / clone' is the time over clone's."
+        "the same run; 'time / clone' is the time over clone's. "
+        + ("Reference: each row's mesa:: ops called once more, untimed, and their outputs and updated state "
+           "compared with the pure-PyTorch reference run on the same inputs and device "
+           "(mesa_train.quant.reference_check): 'equal' bit for bit, '<= n ulp' within the GELU ops' bound, "
+           "else MISMATCH and how far." if not args.no_check else "Reference: not checked (--no-check).")
     )
     table = format_table(rows, header)
     print(table)
