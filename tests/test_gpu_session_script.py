@@ -140,6 +140,10 @@ def test_the_cuda_tests_spread_over_workers_where_the_image_has_xdist(fake_check
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (pytest_call,) = [c for c in log.read_text().splitlines() if c.startswith("-m pytest")]
     assert " -n 4 " in pytest_call and pytest_call.endswith(" tests")
+    # the changed kernels' tests first, each an existing file (a limit cuts the rest)
+    files = pytest_call.split(" -n 4 ", 1)[1].split()[:-1]
+    assert files[:2] == ["tests/test_kernels.py", "tests/test_row_scale_kernels.py"] and len(files) == 8
+    assert all((Path(__file__).parent.parent / f).is_file() for f in files), files
 
 
 def test_a_carried_build_from_other_sources_is_rebuilt(fake_checkout, tmp_path):
