@@ -4,6 +4,7 @@ compile option does to a step's host time, too little for a bench preset's rows 
     PYTHONPATH=. python scripts/compile_ab.py                          # Mesa: torch's asserts vs compile_model's
     PYTHONPATH=. python scripts/compile_ab.py --stock --steps 300
     PYTHONPATH=. python scripts/compile_ab.py --a '{"size_asserts": true}' --b '{}' --reverse
+    PYTHONPATH=. python scripts/compile_ab.py --skip-guards [--stock]   # what Dynamo's guards cost a step
 
 The model is the cpu-host preset's (configs/bench/preset/cpu-host.yaml, built as the bench builds
 its rows: a 12-block ViT of width 48, 3 heads, on 5 tokens, fp32, explicit attention; AdamW, one
@@ -14,6 +15,14 @@ per code object and tries the most recently used entry first, so two copies of o
 each first evaluate the other's guards at every call (measured here: about 0.2-0.5 ms a step of
 10-16, the same for stock and Mesa). The first variant compiled tends to time slower (0.3-0.6 ms
 in the runs of docs/DESIGN.md): run both orders (--reverse).
+
+--skip-guards compiles once (with --b's options) and interleaves steps of that one compiled
+model with Dynamo's guards evaluated (the default) and skipped
+(`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`, which runs only the guards that tell
+its cache entries apart): what the cache lookup costs a step, measured in place. (Timing the
+guard check in a loop, as scripts/guard_census.py does, finds its objects in the CPU's caches;
+inside a training step they are not.) A measurement, not a setting to train with: skipping the
+guards is unsafe when an input or the model changes after warm-up.
 """
 from __future__ import annotations
 
@@ -66,10 +75,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200, help="timed steps of each variant (interleaved)")
     ap.add_argument("--reverse", action="store_true", help="compile (and step) B before A")
     ap.add_argument("--depth", type=int, default=12, help="blocks (the cpu-host model's 12; fewer compile faster)")
+    ap.add_argument("--skip-guards", action="store_true", help="one compile (--b's options), steps with Dynamo's "
+                    "guards evaluated against skipped (skip_guard_eval_unsafe), interleaved")
     args = ap.parse_args(argv)
     for flag in ("steps", "depth"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"compile_ab.py: --{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.skip_guards and args.reverse:
+        raise SystemExit("compile_ab.py: --skip-guards times one compiled model (--b's options); --reverse has no "
+                         "second compile to order")
     torch.set_num_threads(1)
     variants = [("A", args.a), ("B", args.b)]
     if args.reverse:
@@ -81,6 +95,8 @@ def main(argv=None) -> int:
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
+    if args.skip_guards:
+        return _skip_guards(args, step)
     runs = {}
     for name, opts in variants:
         model = build(not args.stock, name, args.depth)
@@ -102,6 +118,31 @@ def main(argv=None) -> int:
     for name, opts in sorted(variants):
         print(f"  {name} {json.dumps(opts)}: {med[name]:.2f} ms a step (median)")
     print(f"  B - A: {med['B'] - med['A']:+.2f} ms a step; B / A: {med['B'] / med['A']:.3f}")
+    return 0
+
+
+def _skip_guards(args, step) -> int:
+    """One compiled model, steps alternating between guards evaluated and skipped (which goes
+    first alternates too), medians of each."""
+    model = build(not args.stock, "G", args.depth)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    compiled = compile_model(model, "model", options=dict(args.b))
+    for _ in range(3):  # (compiled, warm)
+        step(compiled, opt)
+    times = {"evaluated": [], "skipped": []}
+    for i in range(args.steps):
+        for name in ("evaluated", "skipped") if i % 2 else ("skipped", "evaluated"):
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=name == "skipped"):
+                start = time.perf_counter()
+                step(compiled, opt)
+                times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    what = "stock" if args.stock else "Mesa (all ops)"
+    print(f"{what}, cpu-host model ({args.depth} blocks), one compile {json.dumps(args.b)}, {args.steps} steps "
+          "each, interleaved:")
+    print(f"  guards evaluated: {med['evaluated']:.2f} ms a step (median)")
+    print(f"  guards skipped (skip_guard_eval_unsafe): {med['skipped']:.2f} ms a step (median)")
+    print(f"  the guards: {med['evaluated'] - med['skipped']:+.2f} ms a step")
     return 0
 
 

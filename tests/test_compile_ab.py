@@ -27,11 +27,33 @@ def test_times_both_variants_each_compiled_on_its_own(capsys):
     assert re.search(r"B - A: [+-]\d+\.\d\d ms a step; B / A: \d\.\d{3}", out)
 
 
+def test_skip_guards_times_one_compiled_model_with_and_without_its_guards(capsys):
+    """--skip-guards: one graph, stepped with Dynamo's guards evaluated and skipped; the stance
+    is restored after (a later compile still checks its guards)."""
+    import torch
+    import torch._dynamo
+
+    ab = load_script("compile_ab")
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert ab.main(["--depth", "1", "--steps", "2", "--skip-guards", "--stock"]) == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    out = capsys.readouterr().out
+    assert out.startswith("stock, cpu-host model (1 blocks), one compile {}, 2 steps each, interleaved:")
+    assert re.search(r"guards evaluated: \d+\.\d\d ms a step", out)
+    assert re.search(r"guards skipped \(skip_guard_eval_unsafe\): \d+\.\d\d ms a step", out)
+    assert re.search(r"the guards: [+-]\d+\.\d\d ms a step", out)
+    from torch._dynamo.eval_frame import _stance
+
+    assert not _stance.skip_guard_eval_unsafe
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--a", "[1]"], "options must be a JSON object"),
     (["--b", "{size_asserts: 1}"], "options must be a JSON object"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--depth", "0"], "--depth must be at least 1"),
+    (["--skip-guards", "--reverse"], "--reverse has no second compile"),
 ])
 def test_bad_arguments_get_one_line(argv, message):
     with pytest.raises(SystemExit, match=message):
