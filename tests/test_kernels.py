@@ -564,6 +564,18 @@ def test_benchmark_runs_on_cpu(tmp_path):
         benchmark.main(["--device", "cpu", "--quick", "--dtypes", "fp64", "--out-dir", str(tmp_path)])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_benchmark_device_is_one_line_when_wrong_or_absent(tmp_path, capsys):
+    from mesa_train.quant import benchmark
+
+    for device, message in (("cuda", "--device cuda: no CUDA device is visible here; valid: cpu"),
+                            ("tpu", "invalid choice: 'tpu' (choose from 'cuda', 'cpu')")):
+        with pytest.raises(SystemExit):
+            benchmark.main(["--device", device, "--quick", "--out-dir", str(tmp_path)])
+        assert message in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.md"))
+
+
 def test_benchmark_grid_policy_names_the_valid_ones_and_needs_cuda(tmp_path, monkeypatch, capsys):
     """--grid (MESA_CUDA_GRID) sizes the CUDA launches: an unknown policy is refused with the
     valid ones named, and a CPU run refuses it (a table headed with a grid that did nothing)."""

@@ -413,7 +413,7 @@ def format_table(rows: list[dict], header: str) -> str:
 
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when visible)")
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when visible")
     p.add_argument("--dtypes", default="bf16", help="comma-separated subset of fp32,fp16,bf16")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke test)")
     p.add_argument("--warmup", type=int, default=None)
@@ -437,6 +437,8 @@ def main(argv=None) -> str:
     args = p.parse_args(argv)
     if args.variant is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.variant):
         p.error(f"--variant {args.variant!r}: letters, digits, '.', '_' and '-' only (it names the table's file)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible here; valid: cpu")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     grid = args.grid or os.environ.get("MESA_CUDA_GRID")
     if grid and device.type != "cuda":
