@@ -54,6 +54,7 @@ def test_skip_guards_times_one_compiled_model_with_and_without_its_guards(capsys
     (["--steps", "0"], "--steps must be at least 1"),
     (["--depth", "0"], "--depth must be at least 1"),
     (["--skip-guards", "--reverse"], "--reverse has no second compile"),
+    (["--b", '{"size_assert": false}'], "'size_assert' is not an Inductor option .*; close: size_asserts"),
 ])
 def test_bad_arguments_get_one_line(argv, message):
     with pytest.raises(SystemExit, match=message):
