@@ -81,7 +81,7 @@ def test_gelu_ops_are_held_to_their_ulp_bound_others_to_the_bits(dtype, ulps, ok
     assert not compare(other, nan, None)[0] and compare(nan, nan.clone(), None)[0]
 
 
-def test_benchmark_table_shows_a_mismatch(monkeypatch, tmp_path):
+def test_benchmark_table_shows_a_mismatch(monkeypatch, tmp_path, capsys):
     def wrong(q, alpha, beta, dim, num_groups, dtype, *rest):
         return R.dequantize(q, alpha, beta, dim, num_groups, dtype, *rest) * 2
 
@@ -90,6 +90,9 @@ def test_benchmark_table_shows_a_mismatch(monkeypatch, tmp_path):
                             "--ops", "^backward: dequantize$"])
     row = next(line for line in table.splitlines() if "| backward: dequantize |" in line)
     assert "MISMATCH mesa::dequantize:" in row
+    out = capsys.readouterr().out
+    assert ("reference: 0 rows equal bit for bit, 0 within the GELU ops' ulp bound, 1 MISMATCH: attn (2,3,65,65) "
+            "per-head dim 1 | fp32 | backward: dequantize") in out
     unchecked = benchmark.main(["--device", "cpu", "--quick", "--dtypes", "fp32", "--cases", "attn",
                                 "--ops", "^backward: dequantize$", "--no-check"])
     row = next(line for line in unchecked.splitlines() if "| backward: dequantize |" in line)

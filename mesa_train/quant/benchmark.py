@@ -394,6 +394,16 @@ def _row_scale_ops(x, q, alpha, beta, state, dim: int, G: int, dtype) -> list:
     return ops
 
 
+def reference_summary(rows: list[dict]) -> str:
+    """One line: how many rows' ops matched the reference, and which did not."""
+    checked = [r for r in rows if r.get("reference") not in (None, "–", "not checked")]
+    bad = [f"{r['case']} | {r['dtype']} | {r['op']}" for r in checked if r["reference"].startswith("MISMATCH")]
+    loose = sum(1 for r in checked if r["reference"].startswith("<="))
+    line = (f"reference: {len(checked) - len(bad) - loose} rows equal bit for bit, {loose} within the GELU ops' "
+            f"ulp bound, {len(bad)} MISMATCH")
+    return line + (": " + "; ".join(bad) if bad else "")
+
+
 def format_table(rows: list[dict], header: str) -> str:
     lines = [
         header,
@@ -496,6 +506,8 @@ def main(argv=None) -> str:
     )
     table = format_table(rows, header)
     print(table)
+    if not args.no_check:
+        print(reference_summary(rows))
     if args.cases is not None or args.ops is not None:  # (the file is the whole table, not a subset)
         print("a subset (--cases / --ops): printed, not written")
         return table
