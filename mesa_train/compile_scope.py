@@ -103,9 +103,16 @@ def close_inductor_options(name: str) -> list[str] | None:
     return None if name in known else difflib.get_close_matches(str(name), list(known), n=3)
 
 
+# options torch.compile takes out of `options` itself before handing the rest to Inductor
+# (torch/__init__.py, compile: a guard filter, AOTInductor); not in torch._inductor.config
+TORCH_COMPILE_OWN_OPTIONS = ("guard_filter_fn", "use_aoti")
+
+
 def _check_option_names(options: dict) -> None:
     """One line for a misspelt option (torch.compile's own error lists all ~600 of Inductor's)."""
     for name in options:
+        if name in TORCH_COMPILE_OWN_OPTIONS:
+            continue
         close = close_inductor_options(name)
         if close is not None:
             raise ValueError(f"compile option {name!r} is not an Inductor option (torch._inductor.config)"

@@ -251,6 +251,13 @@ def test_misspelt_compile_option_is_one_line_with_the_close_names():
         compile_model(stock, mode="reduce-overhead", options={"triton.cudagraph": True})
     with pytest.raises(ValueError, match="'no_such_thing_at_all' is not an Inductor option"):
         inductor_kwargs(stock, {"options": {"no_such_thing_at_all": 1}})
+    # options torch.compile itself takes from `options` pass (a guard filter: not Inductor's)
+    keep_all = torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe
+    got = inductor_kwargs(stock, {"options": {"guard_filter_fn": keep_all}})
+    assert got["options"]["guard_filter_fn"] is keep_all
+    compiled = compile_model(stock, options={"guard_filter_fn": keep_all})
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(compiled(x), stock(x))  # (Inductor's fused GELU: last-bit differences)
 
 
 def test_compiled_wrapper_runs_no_size_asserts():
