@@ -102,21 +102,12 @@ def main(argv=None) -> int:
 
     if args.skip_guards:
         return _skip_guards(args, step)
-    runs = {}
-    for name, opts in variants:
-        model = build(not args.stock, name, args.depth)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        compiled = compile_model(model, "model", options=dict(opts))
-        step(compiled, opt)
-        step(compiled, opt)  # (compiled, warm)
-        runs[name] = (compiled, opt)
+    runs = {name: _compiled_and_warm(args, name, opts, step) for name, opts in variants}
     times = {name: [] for name in runs}
     for _ in range(args.steps):
         for name, (compiled, opt) in runs.items():
-            start = time.perf_counter()
-            step(compiled, opt)
-            times[name].append(time.perf_counter() - start)
-    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            times[name].append(_seconds(step, compiled, opt))
+    med = _median_ms(times)
     model = "stock" if args.stock else "Mesa (all ops)"
     print(f"{model}, cpu-host model ({args.depth} blocks), {args.steps} interleaved steps, "
           f"compiled in the order {' '.join(runs)}:")
@@ -126,22 +117,37 @@ def main(argv=None) -> int:
     return 0
 
 
+def _seconds(step, compiled, opt) -> float:
+    start = time.perf_counter()
+    step(compiled, opt)
+    return time.perf_counter() - start
+
+
+def _median_ms(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def _compiled_and_warm(args, tag: str, options: dict, step):
+    """(compiled model, its optimizer) after two steps: the model built for ``tag`` (a forward
+    code object of its own), compiled by compile_model with ``options``, then compiled and warm."""
+    model = build(not args.stock, tag, args.depth)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    compiled = compile_model(model, "model", options=dict(options))
+    for _ in range(2):
+        step(compiled, opt)
+    return compiled, opt
+
+
 def _skip_guards(args, step) -> int:
     """One compiled model, steps alternating between guards evaluated and skipped (which goes
     first alternates too), medians of each."""
-    model = build(not args.stock, "G", args.depth)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    compiled = compile_model(model, "model", options=dict(args.b))
-    for _ in range(3):  # (compiled, warm)
-        step(compiled, opt)
+    compiled, opt = _compiled_and_warm(args, "G", args.b, step)
     times = {"evaluated": [], "skipped": []}
     for i in range(args.steps):
         for name in ("evaluated", "skipped") if i % 2 else ("skipped", "evaluated"):
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=name == "skipped"):
-                start = time.perf_counter()
-                step(compiled, opt)
-                times[name].append(time.perf_counter() - start)
-    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                times[name].append(_seconds(step, compiled, opt))
+    med = _median_ms(times)
     what = "stock" if args.stock else "Mesa (all ops)"
     print(f"{what}, cpu-host model ({args.depth} blocks), one compile {json.dumps(args.b)}, {args.steps} steps "
           "each, interleaved:")
