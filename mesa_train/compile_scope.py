@@ -62,7 +62,7 @@ from mesa_train.quant.compile_kernels import traced_when_compiled
 from mesa_train.quant.save_codes import SaveCodes
 
 __all__ = ["SCOPES", "TRACED_INDUCTOR_OPTIONS", "WRAPPER_INDUCTOR_OPTIONS", "close_inductor_options", "compile_model",
-           "inductor_kwargs", "repeated_blocks"]
+           "inductor_kwargs", "repeated_blocks", "unknown_option_message"]
 
 SCOPES = ("model", "blocks")
 
@@ -108,15 +108,22 @@ def close_inductor_options(name: str) -> list[str] | None:
 TORCH_COMPILE_OWN_OPTIONS = ("guard_filter_fn", "use_aoti")
 
 
+def unknown_option_message(name: str) -> str | None:
+    """``None`` where ``name`` is an Inductor option, else one line naming the close ones
+    (torch.compile's own error lists all ~600 of them): what compile_model and the scripts that
+    take Inductor options say."""
+    close = close_inductor_options(name)
+    if close is None:
+        return None
+    hint = f"; close: {', '.join(close)}" if close else ""
+    return f"{name!r} is not an Inductor option (torch._inductor.config){hint}"
+
+
 def _check_option_names(options: dict) -> None:
-    """One line for a misspelt option (torch.compile's own error lists all ~600 of Inductor's)."""
     for name in options:
-        if name in TORCH_COMPILE_OWN_OPTIONS:
-            continue
-        close = close_inductor_options(name)
-        if close is not None:
-            raise ValueError(f"compile option {name!r} is not an Inductor option (torch._inductor.config)"
-                             f"{'; close: ' + ', '.join(close) if close else ''}")
+        message = None if name in TORCH_COMPILE_OWN_OPTIONS else unknown_option_message(name)
+        if message is not None:
+            raise ValueError(f"compile option {message}")
 
 
 def inductor_kwargs(model: nn.Module, compile_kwargs: dict) -> dict:

@@ -36,7 +36,7 @@ import types
 import torch
 
 from mesa_train.bench.preset_model import preset_model
-from mesa_train.compile_scope import close_inductor_options, compile_model
+from mesa_train.compile_scope import compile_model, unknown_option_message
 
 # torch.compile's defaults for the two checks compile_model turns off (WRAPPER_INDUCTOR_OPTIONS)
 TORCH_ASSERTS = {"size_asserts": True, "alignment_asserts": True}
@@ -63,10 +63,9 @@ def options(text: str) -> dict:
     if not isinstance(value, dict):
         raise SystemExit(f"compile_ab.py: options must be a JSON object, got {text!r}")
     for name in value:
-        close = close_inductor_options(name)
-        if close is not None:
-            raise SystemExit(f"compile_ab.py: {name!r} is not an Inductor option (torch._inductor.config)"
-                             f"{'; close: ' + ', '.join(close) if close else ''}")
+        message = unknown_option_message(name)
+        if message is not None:
+            raise SystemExit(f"compile_ab.py: {message}")
     return value
 
 

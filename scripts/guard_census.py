@@ -15,10 +15,9 @@ are checked against aliasing one another.
 The model is the cpu-host preset's (configs/bench/preset/cpu-host.yaml, built as the bench builds
 its rows): a ViT of width 48, 3 heads, explicit attention, 32x32 images, batch 2, patched with
 every op (`ops=["all"]`), compiled with backend "eager" (the guards are Dynamo's, whatever the
-backend). Guard kinds are
-counted in the printed guard tree (`TENSOR_MATCH` per tensor input, `NO_TENSOR_ALIASING` once per
-tensor it covers, ...); the lookup time is the profiler's self CPU time of `TorchDynamo Cache
-Lookup` per call (profiler overhead included, as in the GPU profiles).
+backend). Guard kinds are counted in the printed guard tree (`TENSOR_MATCH` per tensor input,
+`NO_TENSOR_ALIASING` once per tensor it covers, ...); the lookup time is the profiler's self CPU
+time of `TorchDynamo Cache Lookup` per call (profiler overhead included, as in the GPU profiles).
 """
 from __future__ import annotations
 

@@ -363,17 +363,16 @@ def parse_inductor_options(items: list[str]) -> dict:
     unknown name or a value that is not a bool, number or string fails with the close names."""
     import ast
 
-    from mesa_train.compile_scope import close_inductor_options
+    from mesa_train.compile_scope import unknown_option_message
 
     options = {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep:
             fail(f"--inductor-option {item!r}: expected NAME=VALUE, e.g. combo_kernels=True")
-        close = close_inductor_options(name)
-        if close is not None:
-            fail(f"--inductor-option {name!r} is not an Inductor option (torch._inductor.config)"
-                 f"{'; close: ' + ', '.join(close) if close else ''}")
+        message = unknown_option_message(name)
+        if message is not None:
+            fail(f"--inductor-option {message}")
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):

@@ -62,6 +62,11 @@ def test_wrong_state_updated_in_place_is_a_mismatch(monkeypatch):
         torch.ops.mesa.observe(x, *state, -1, 4, 0.9, False, False)
     verdict = check.verdict()
     assert verdict.startswith("MISMATCH mesa::observe:") and "of 2 elements differ" in verdict
+    # the same with the written buffer passed by name
+    with ReferenceCheck() as by_name:
+        torch.ops.mesa.observe(x, *state[:3], rng=state[3], dim=-1, num_groups=4, decay=0.9, per_sample=False,
+                               symmetric=False)
+    assert by_name.verdict().startswith("MISMATCH mesa::observe:")
 
 
 @pytest.mark.parametrize("dtype,ulps,ok", [(torch.bfloat16, 1, True), (torch.bfloat16, 2, False),

@@ -87,11 +87,16 @@ class ReferenceCheck(TorchDispatchMode):
         before = tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, (args, kwargs))
         out = func(*args, **kwargs)
         want = _REF_IMPLS[name](*before[0], **before[1])
-        # what the op changed in place (its schema's written arguments), and its outputs
-        written = [i for i, arg in enumerate(func._schema.arguments) if arg.alias_info is not None
-                   and arg.alias_info.is_write and i < len(args)]
+        # its outputs, and what it changed in place (its schema's written arguments, given by
+        # position or by name)
         pairs = list(zip(tree_flatten(out)[0], tree_flatten(want)[0]))
-        pairs += [(args[i], before[0][i]) for i in written]
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            if i < len(args):
+                pairs.append((args[i], before[0][i]))
+            elif arg.name in kwargs:
+                pairs.append((kwargs[arg.name], before[1][arg.name]))
         bound = ULP_BOUNDS.get(name)
         ok, notes = True, []
         for got, ref in pairs:
