@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -451,6 +452,90 @@ MESA_HD int row_k(float mean, float r, int max_k) {
   if (is_finite(ratio) && ratio != 0.0f) frexpf(ratio, &e);
   const int k = e - 1 < 0 ? 0 : e - 1;
   return k < max_k ? k : max_k;
+}
+
+// The mean of the row maxima that row_k measures against (reference.row_max_mean; DESIGN.md,
+// "The mean of the row maxima"): an exact int64 sum of the maxima in fixed point below the
+// largest, so that every device and every order of summation gives the same bits (ATen's
+// float mean has an unspecified order on each device, Inductor's another). In three steps,
+// which the CUDA row pass spreads over a block:
+//   1. top = the largest r as storage bits (sign cleared: NaN patterns above +inf's); a NaN,
+//      an inf or a zero top is the mean itself (row_k then gives k = 0 to every row);
+//   2. each r in fixed point: floor(r * 2**(b - e)) with top < 2**e (frexp) and b =
+//      kMeanSumBits - bit_length(n), below 2**b, so n of them add up below 2**62 in int64;
+//   3. mean = float32((double(sum) * 2**(e - b)) * (1.0 / n)): the reciprocal rounded once on
+//      the host (a kernel argument), the scaling exact, one rounding each for the product and
+//      the float32.
+constexpr int kMeanSumBits = 62;
+
+inline int mean_sum_bits(int64_t n) {
+  int len = 0;
+  for (uint64_t v = static_cast<uint64_t>(n); v != 0; v >>= 1) ++len;
+  return kMeanSumBits - len;
+}
+
+// double 2**e for e in [-1022, 1023], from its exponent bits (exact on every device)
+MESA_HD double pow2_f64(int e) {
+  const uint64_t bits = static_cast<uint64_t>(e + 1023) << 52;
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(bits));
+#else
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
+#endif
+}
+
+MESA_HD bool mean_top_ok(uint32_t top_bits) { return top_bits != 0u && top_bits < 0x7F800000u; }
+
+// e with top < 2**e (frexp's exponent) of a finite top above 0
+MESA_HD int mean_top_exponent(uint32_t top_bits) {
+  int e = 0;
+#if defined(__CUDA_ARCH__)
+  frexpf(__uint_as_float(top_bits), &e);
+#else
+  float top;
+  std::memcpy(&top, &top_bits, sizeof top);
+  std::frexp(top, &e);
+#endif
+  return e;
+}
+
+// step 2 for one r (< 2**e); `up` = pow2_f64(b - e)
+MESA_HD int64_t mean_term(float r, double up) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<int64_t>(floor(__dmul_rn(static_cast<double>(r), up)));
+#else
+  return static_cast<int64_t>(std::floor(static_cast<double>(r) * up));
+#endif
+}
+
+// step 3
+MESA_HD float mean_of_sum(int64_t sum, int e, int b, double recip_n) {
+#if defined(__CUDA_ARCH__)
+  return __double2float_rn(__dmul_rn(__dmul_rn(__ll2double_rn(sum), pow2_f64(e - b)), recip_n));
+#else
+  return static_cast<float>((static_cast<double>(sum) * pow2_f64(e - b)) * recip_n);
+#endif
+}
+
+// The whole of it over r[0..n), sequentially (the CPU kernels; the host emulation's check)
+inline float row_max_mean(const float* r, int64_t n) {
+  uint32_t top_bits = 0u;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, r + i, sizeof bits);
+    bits &= 0x7FFFFFFFu;
+    top_bits = bits > top_bits ? bits : top_bits;
+  }
+  float top;
+  std::memcpy(&top, &top_bits, sizeof top);
+  if (!mean_top_ok(top_bits)) return top;
+  const int e = mean_top_exponent(top_bits), b = mean_sum_bits(n);
+  const double up = pow2_f64(b - e);
+  int64_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += mean_term(r[i], up);
+  return mean_of_sum(sum, e, b, 1.0 / static_cast<double>(n));
 }
 
 // The optional int8 row exponents k of observe / quantize / dequantize (DESIGN.md, "Rows far

@@ -26,7 +26,6 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/gelu_backward.h>
-#include <ATen/ops/mean.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -998,9 +997,9 @@ void row_absmax_cpu(const at::Tensor& x, int64_t L, float* out) {
 }
 
 // mesa_train.nn.rowscale.row_exponents, bitwise: the row maxima in one vectorised pass
-// (row_absmax_cpu), the same ATen mean over them, then per row row_k (mesa_common.h: float
-// division is correctly rounded and frexp is what ATen's frexp calls, so every k is the
-// reference's). About 10 small ATen ops fewer per Mesa Linear / LayerNorm and step
+// (row_absmax_cpu), their mean as every device takes it (row_max_mean), then per row row_k
+// (mesa_common.h: float division is correctly rounded and frexp is what ATen's frexp calls,
+// so every k is the reference's). About 10 small ATen ops fewer per Mesa Linear / LayerNorm and step
 // than the Python version (results/overhead/).
 at::Tensor row_exponents_cpu(const at::Tensor& x_in, int64_t row_dims, int64_t max_k) {
   const int64_t L = check_row_exponents(x_in, row_dims, max_k);
@@ -1013,9 +1012,7 @@ at::Tensor row_exponents_cpu(const at::Tensor& x_in, int64_t row_dims, int64_t m
   at::Tensor r = at::empty(shape, x.options().dtype(at::kFloat));
   float* rp = r.mutable_data_ptr<float>();
   row_absmax_cpu(x, L, rp);
-  // read from the 0-d CPU result directly (not .item(): no dispatched host read,
-  // tests/test_op_counts.py)
-  const float mean = *r.mean().const_data_ptr<float>();
+  const float mean = row_max_mean(rp, rows);  // (mesa_common.h: the bits of every device)
   int8_t* kp = k.mutable_data_ptr<int8_t>();
   for (int64_t i = 0; i < rows; ++i) kp[i] = static_cast<int8_t>(row_k(mean, rp[i], static_cast<int>(max_k)));
   return k;
@@ -1070,7 +1067,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cpu(
     });
     // k per row as row_exponents finds it; the row's cells times 2**k in x's dtype, folded
     // into the (S, G) min / max (the reduction observe would run over the cells)
-    const float mean = *r.mean().const_data_ptr<float>();
+    const float mean = row_max_mean(rp, rows);
     const int64_t rows_per_s = rows / L.S;
     for (int64_t i = 0; i < rows; ++i) {
       kp[i] = static_cast<int8_t>(row_k(mean, rp[i], static_cast<int>(max_k)));

@@ -180,12 +180,13 @@ TEST_WORKERS=${TEST_WORKERS:-4}
 XDIST=""
 if [ "$TEST_WORKERS" -gt 1 ] && $PY -c 'import xdist' 2>/dev/null; then XDIST="-n $TEST_WORKERS"; fi
 BENCH="$PY -m mesa_train.bench progress=false"
-# The CUDA tests of the kernels changed since a GPU last ran them (sessions 36-41: the quantize
+# The CUDA tests of the kernels changed since a GPU last ran them (sessions 36-42: the quantize
 # grid and pair hash, the flat row pass, observe's two steps, the GELU tables, the col_scale
-# stage, the row pass's memset) first, then the rest (pytest collects each file once): the
-# step's limit cut session 35's run at 1168 of its tests
-KERNEL_TESTS_FIRST="tests/test_kernels.py tests/test_row_scale_kernels.py tests/test_observe.py tests/test_gelu_backward.py
-  tests/test_dequantize_cols.py tests/test_layernorm_x_hat.py tests/test_estimates.py tests/test_canonical_bits.py"
+# stage, the row pass's last block and its mean) first, then the rest (pytest collects each
+# file once): the step's limit cut session 35's run at 1168 of its tests
+KERNEL_TESTS_FIRST="tests/test_kernels.py tests/test_row_max_mean.py tests/test_row_scale_kernels.py tests/test_observe.py
+  tests/test_gelu_backward.py tests/test_dequantize_cols.py tests/test_layernorm_x_hat.py tests/test_estimates.py
+  tests/test_canonical_bits.py"
 for s in $STEPS; do
   case $s in
     # (the profile runs after every row is measured: the C++ wrapper's compiles go in a step of

@@ -4,7 +4,7 @@
 Definition (``mesa_train.quant.reference``, DESIGN.md "Rows far below the grid"): quantize and
 observe see ``x * exp2(k)`` computed in ``x``'s dtype, dequantize returns its output times
 ``exp2(-k)`` rounded to the output dtype, and ``row_exponents`` is
-``clamp(floor(log2(mean(r) / r)), 0, max_k)`` of the row maxima ``r = max|x|``. The CPU kernels
+``clamp(floor(log2(row_max_mean(r) / r)), 0, max_k)`` of the row maxima ``r = max|x|``. The CPU kernels
 and (on a GPU, ``cuda``-marked) the CUDA kernels, which scale in registers instead of making a
 scaled copy, must give the same bytes for every dtype, layout and exponent range the layers
 use, rows that straddle a 16-element vector step included.

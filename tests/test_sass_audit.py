@@ -118,17 +118,22 @@ def test_row_cells_reads_its_segment_bounds_from_shared_memory(kernels, dtype):
 @pytest.mark.parametrize("index", ["unsigned int", "unsigned long"])
 def test_flat_row_pass_keeps_a_round_in_flight_at_five_blocks(kernels, dtype, cpl, index):
     """The layers' row pass (observe_rows on whole-chunk segments): each lane's round of 4
-    16-byte loads issued before any is used, 5 blocks an SM without spilling, and no barrier,
-    shared memory, nor with 32-bit indices a division call (the warp-a-row pass it replaced held 63 registers, 4 blocks
-    an SM, and a barrier a block: 25 us on the H200 for 19 MB of bf16 rows)."""
+    16-byte loads issued before any is used, 5 blocks an SM without spilling, and in the pass
+    itself no barrier, shared memory, nor with 32-bit indices a division call (the warp-a-row
+    pass it replaced held 63 registers, 4 blocks an SM, and a barrier a block: 25 us on the
+    H200 for 19 MB of bf16 rows). The pass ends at the ticket's fence (MEMBAR): what follows is
+    the last block's mean, k and cell scaling (row_cells_finish, not inlined), which has them."""
     row = kernels[f"row_cells_flat_kernel<{dtype}, {cpl}, {index}>"]
     ops = _opcodes(row)
     assert row["in_flight"] >= 4, row["in_flight"]
     assert row["blocks_per_sm"] >= 5 and row["spill"] == 0, (row["registers"], row["spill"])
-    assert sum(o.startswith("LDG") and ".128" in o for o in ops) >= 4
-    assert not any(o.startswith(("BAR", "LDS", "STS")) for o in ops), sorted(set(ops))
+    fence = next(n for n, o in enumerate(ops) if o.startswith("MEMBAR"))
+    rows_pass, finish = ops[:fence], ops[fence:]
+    assert sum(o.startswith("LDG") and ".128" in o for o in rows_pass) >= 4
+    assert not any(o.startswith(("BAR", "LDS", "STS")) for o in rows_pass), sorted(set(rows_pass))
     if index == "unsigned int":  # (64-bit: a segment's row by the division routine, tensors of 2^30+ elements)
-        assert not any(o.startswith("CALL") for o in ops)
+        assert not any(o.startswith("CALL") for o in rows_pass)
+    assert any(o.startswith("ATOMG.E.ADD") for o in finish) and any(o.startswith("CALL") for o in finish)
 
 
 @needs_tools

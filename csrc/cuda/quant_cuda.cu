@@ -2239,8 +2239,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> estimate_and_seed_cuda(
 
 // ----------------------------------------------------------------------------- row_exponents
 // mesa_train.nn.rowscale.row_exponents in three launches instead of ~11 ATen ops: the row
-// maxima of |x| (one warp per row), ATen's mean over them (the reference's own reduction,
-// so the mean is bitwise the same), then k per row.
+// maxima of |x| (one warp per row), their mean (row_mean_kernel, one block: the bits of
+// reference.row_max_mean, mesa_common.h), then k per row.
 // |x| max as storage bits with the sign cleared: for non-negative values the bit patterns
 // order like the values and every NaN pattern lies above +inf, so the integer max is
 // max|x| (a NaN pattern for a row with a NaN), as in the CPU kernel (row_absmax_cpu).
@@ -2295,6 +2295,43 @@ row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t
   }
 }
 
+// The mean of the row maxima r[0..rows) (their float32 bits; reference.row_max_mean) taken
+// by one block, returned to each of its threads: mesa_common.h's three steps with thread t on
+// rows t, t + blockDim.x, ...; the max and the int64 sum are order-free, so any split gives
+// the bits of the sequential row_max_mean. `bits` = mean_sum_bits(rows) and recip_n = 1.0 /
+// rows come from the host. r is read through L2 (__ldcg): in the flat row pass's last block
+// other blocks wrote it with atomics. Called by every thread of the block, once a launch.
+__device__ float block_row_max_mean(const uint32_t* r_bits, int64_t rows, int bits, double recip_n) {
+  __shared__ uint32_t s_top;
+  __shared__ int64_t s_sum[kThreads];
+  if (threadIdx.x == 0) s_top = 0u;
+  __syncthreads();
+  uint32_t top = 0u;
+  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) top = umax(top, __ldcg(r_bits + i) & 0x7FFFFFFFu);
+  atomicMax(&s_top, top);
+  __syncthreads();
+  top = s_top;
+  if (!mean_top_ok(top)) return __uint_as_float(top);  // (NaN, inf or 0: the same for every thread)
+  const int e = mean_top_exponent(top);
+  const double up = pow2_f64(bits - e);
+  int64_t sum = 0;
+  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) sum += mean_term(__uint_as_float(__ldcg(r_bits + i)), up);
+  s_sum[threadIdx.x] = sum;
+  __syncthreads();
+  for (int off = kThreads / 2; off > 0; off /= 2) {
+    if (int(threadIdx.x) < off) s_sum[threadIdx.x] += s_sum[threadIdx.x + off];
+    __syncthreads();
+  }
+  return mean_of_sum(s_sum[0], e, bits, recip_n);
+}
+
+// *mean = the mean of the row maxima (one block of kThreads)
+__global__ void __launch_bounds__(kThreads)
+row_mean_kernel(const uint32_t* __restrict__ r_bits, int64_t rows, int bits, double recip_n, float* __restrict__ mean) {
+  const float m = block_row_max_mean(r_bits, rows, bits, recip_n);
+  if (threadIdx.x == 0) *mean = m;
+}
+
 // k[row] = row_k(mean, r[row], max_k) (mesa_common.h)
 __global__ void __launch_bounds__(kThreads)
 row_k_kernel(const float* __restrict__ r, const float* __restrict__ mean, int8_t* __restrict__ k, int64_t rows,
@@ -2302,6 +2339,16 @@ row_k_kernel(const float* __restrict__ r, const float* __restrict__ mean, int8_t
   const float mu = __ldg(mean);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x)
     k[i] = static_cast<int8_t>(row_k(mu, r[i], max_k));
+}
+
+// The 0-d float32 mean of the float32 row maxima r (rows of them), by row_mean_kernel
+at::Tensor launch_row_mean(const at::Tensor& r, int64_t rows, cudaStream_t stream) {
+  at::Tensor mean = at::empty({}, r.options());
+  row_mean_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(r.const_data_ptr<float>()), rows,
+                                              mean_sum_bits(rows), 1.0 / static_cast<double>(rows),
+                                              mean.mutable_data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return mean;
 }
 
 at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t max_k) {
@@ -2328,7 +2375,7 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  const at::Tensor mean = r.mean();
+  const at::Tensor mean = launch_row_mean(r, rows, stream);
   row_k_kernel<<<grid_for(rows, sms), kThreads, 0, stream>>>(r.const_data_ptr<float>(), mean.const_data_ptr<float>(),
                                                              k.mutable_data_ptr<int8_t>(), rows,
                                                              static_cast<int>(max_k));
@@ -2338,10 +2385,12 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
 
 // ----------------------------------------------------------------------------- observe_rows
 // row_exponents + observe(row_exp = k) with groups and rows over the last dim (DESIGN.md,
-// "observe_rows"): one read of x instead of two. Launches: the row pass below, ATen's mean of
-// the row maxima (row_exponents' own reduction, so k is bitwise the same), the k and cell
-// scaling kernel, then observe over the rows' 2G cells (laid out as CellIndex below says; the
-// estimate update and the seed step unchanged).
+// "observe_rows"): one read of x instead of two. Launches on the layers' layouts: the flat row
+// pass below, whose last block finds the mean of the row maxima (block_row_max_mean: the bits
+// of every device), k and the scaled cells, then observe over the rows' 2G cells (laid out as
+// CellIndex below says; the estimate update and the seed step unchanged): two, with quantize
+// three a compression. Elsewhere the warp-a-row pass, row_mean_kernel, the k and cell scaling
+// kernel, then observe.
 // Per row of D elements: r[row] = max|x| (as row_absmax_kernel: the largest float bit pattern
 // with the sign cleared, NaN patterns above +inf) and cells[row] = [the min of each group's
 // segment [ceil(g D / G), ceil((g + 1) D / G)), then the maxima] (NaN propagating; order-free).
@@ -2445,7 +2494,7 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
 // sub + W, ...; a round loads kRowCellsSlots chunks a lane (K = kRowCellsSlots / CPL segments
 // of CPL chunks a lane) before it reduces any. The sub-warp's leader writes the segment's
 // cells and folds max(|min|, |max|) into the row's max |x| with an atomicMax on its float
-// bits (r zeroed first): the largest |x| is the |min| or the |max| of its segment, and a NaN
+// bits (r in the stream's zeroed workspace, row_cells_finish zeroes it again): the largest |x| is the |min| or the |max| of its segment, and a NaN
 // in the segment makes min or max a NaN, whose bits with the sign cleared are above +inf's as
 // in row_cells_kernel (the NaN's payload may differ; row_k reads no payload).
 // Why not a warp a row: on the H200 that kernel took 25 us for DeiT-S's (128, 197, 384) bf16
@@ -2492,11 +2541,37 @@ __device__ __forceinline__ float word_element(uint32_t w) {
   return AbsBits<scalar_t>::to_float(sizeof(scalar_t) == 4 ? w : w >> (16 * H));
 }
 
+// The flat pass's stage 2, in the last block to finish (the row maxima r_bits all final): the
+// mean of the row maxima, then per row k and its cells times 2**k rounded to the dtype the
+// elements are taken in (x_hat's float32 with `norm`, else scalar_t), as row_k_cells_kernel
+// does after a separate mean; each row maximum zeroed once read, so that the workspace is zero
+// again for the next launch on the stream (the ticket is the caller's). Not inlined: its
+// int64 and double registers stay out of the row loop's 48.
+template <typename scalar_t>
+__device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, int G, float* cells, CellIndex ci,
+                                              int8_t* k, int max_k, int mean_bits, double recip_n, bool norm) {
+  const float mean = block_row_max_mean(r_bits, rows, mean_bits, recip_n);
+  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
+    const int kk = row_k(mean, __uint_as_float(__ldcg(r_bits + i)), max_k);
+    k[i] = static_cast<int8_t>(kk);
+    r_bits[i] = 0u;
+    if (kk == 0) continue;
+    const float f = pow2i(kk);
+    for (int j = 0; j < 2 * G; ++j) {
+      float* c = cells + ci.at(i, j);
+      const float v = f_mul(__ldcg(c), f);
+      *c = norm ? v : round_to<scalar_t>(v);
+    }
+  }
+}
+
 template <typename scalar_t, int CPL, typename IdxT>
 __global__ void __launch_bounds__(kThreads, kRowCellsBlocks)
-row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ r_bits, float* __restrict__ cells,
+row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws, float* __restrict__ cells,
                       IdxT segments, IdxT S, int C, int W, IdxT G, DivT<IdxT> div_G,
-                      const float* __restrict__ row_mean, const float* __restrict__ row_rstd, CellIndex ci) {
+                      const float* __restrict__ row_mean, const float* __restrict__ row_rstd, CellIndex ci,
+                      int8_t* __restrict__ k, int max_k, int mean_bits, double recip_n) {
+  uint32_t* r_bits = ws + kWsHeader;  // (the row maxima: zero on entry, zero again on exit)
   constexpr int kPer = 16 / int(sizeof(scalar_t)), kPerWord = 4 / int(sizeof(scalar_t));
   constexpr int K = kRowCellsSlots / CPL;  // segments a sub-warp takes a round
   using Chunk = Chunk16<uint32_t>;  // (a chunk read as four words, as load_code_values reads codes)
@@ -2568,6 +2643,12 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ r_b
       }
     }
   }
+  // ---- stage 2: the last block to arrive finds the mean, k and the scaled cells
+  __shared__ bool s_last;
+  if (!last_block_to_arrive(ws, s_last)) return;
+  row_cells_finish<scalar_t>(r_bits, int64_t(segments / G), int(G), cells, ci, k, max_k, mean_bits, recip_n, norm);
+  __syncthreads();
+  if (threadIdx.x == 0) ws[0] = 0u;  // the ticket, for the next launch on the stream
 }
 
 // k[row] as row_k_kernel, and the row's cells times 2**k rounded to scalar_t (x * 2**k as the
@@ -2591,22 +2672,25 @@ row_k_cells_kernel(const float* __restrict__ r, const float* __restrict__ mean, 
 }
 
 // The flat row pass over `segments` segments of S elements (S * sizeof(scalar_t) % 16 == 0, x
-// aligned), r zeroed: the resident grid (one wave), 32-bit indices where they fit
+// aligned) with its last block's mean, k and scaled cells: the resident grid (one wave), 32-bit
+// indices where they fit; ws the zeroed workspace of at least rows words after its header
 template <typename scalar_t>
-void launch_row_cells_flat(const at::Tensor& x, at::Tensor& r, at::Tensor& cells, int64_t segments, int64_t S,
-                           int64_t G, const float* row_mean, const float* row_rstd, CellIndex ci, cudaStream_t stream) {
+void launch_row_cells_flat(const at::Tensor& x, uint32_t* ws, at::Tensor& cells, at::Tensor& k, int64_t segments,
+                           int64_t S, int64_t G, int64_t max_k, const float* row_mean, const float* row_rstd,
+                           CellIndex ci, cudaStream_t stream) {
+  const int64_t rows = segments / G;
   const int64_t chunks = S * int64_t(sizeof(scalar_t)) / 16;
   const RowCellsShape shape = row_cells_shape(chunks);
   auto launch = [&](auto kernel, auto idx) {
     using IdxT = decltype(idx);
     const int blocks = row_cells_flat_blocks(segments, shape, sm_count(), resident_blocks(
                                                                               reinterpret_cast<const void*>(kernel)));
-    kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
-                                            reinterpret_cast<uint32_t*>(r.mutable_data_ptr<float>()),
-                                            cells.mutable_data_ptr<float>(), static_cast<IdxT>(segments),
-                                            static_cast<IdxT>(S), static_cast<int>(chunks), shape.W,
-                                            static_cast<IdxT>(G), DivT<IdxT>(static_cast<IdxT>(G)), row_mean,
-                                            row_rstd, ci);
+    kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), ws, cells.mutable_data_ptr<float>(),
+                                            static_cast<IdxT>(segments), static_cast<IdxT>(S),
+                                            static_cast<int>(chunks), shape.W, static_cast<IdxT>(G),
+                                            DivT<IdxT>(static_cast<IdxT>(G)), row_mean, row_rstd, ci,
+                                            k.mutable_data_ptr<int8_t>(), static_cast<int>(max_k),
+                                            mean_sum_bits(rows), 1.0 / static_cast<double>(rows));
   };
   // 32-bit: every element offset below 2^31, and the round's start after the last one too
   const bool small = x.numel() < (int64_t(1) << 30) && segments < (int64_t(1) << 30);
@@ -2644,7 +2728,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
   const at::Tensor x = x_in.contiguous();
   const int64_t D = L.D, G = L.G, rows = L.numel / D;
   const std::vector<int64_t> kshape = last_dim_rows_shape(x.sizes());
-  at::Tensor r = at::empty(kshape, x.options().dtype(at::kFloat));
   at::Tensor k = at::empty(kshape, x.options().dtype(at::kChar));
   // per sample: (..., 2, G), dim 0 the sample; else (2, G, rows), each group's cells contiguous
   at::Tensor cells = per_sample ? at::empty(cells_shape(x.sizes(), G), x.options().dtype(at::kFloat))
@@ -2659,19 +2742,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_rows_cuda", [&] {
     const bool flat = aligned16(x.const_data_ptr()) && D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0;
     if (flat) {
-      // (the flat pass folds each segment's max |x| into its row's with atomicMax.) A memset,
-      // not r.zero_(): the same zero bits without ATen's TensorIterator fill, host time on
-      // every row-scaled compression (50 a DeiT-S step)
-      C10_CUDA_CHECK(cudaMemsetAsync(r.mutable_data_ptr<float>(), 0, r.numel() * sizeof(float), stream));
-      launch_row_cells_flat<scalar_t>(x, r, cells, rows * G, D / G, G, pm, ps, ci, stream);
-    } else {
-      row_cells_kernel<scalar_t><<<warp_rows_grid(rows, sms), kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
-                                                                 r.mutable_data_ptr<float>(),
-                                                                 cells.mutable_data_ptr<float>(), rows, D,
-                                                                 static_cast<int>(G), pm, ps, ci);
+      // One launch: the flat pass folds each segment's max |x| into its row's with atomicMax
+      // in the stream's zeroed workspace, and its last block finds the mean, k and the scaled
+      // cells, leaving the workspace zero (was: a memset of r, the pass, ATen's mean, then
+      // row_k_cells_kernel, four launches and ATen's reduction set up on the host each call)
+      const at::Tensor ws = workspace(x, (rows + 1) / 2, stream);
+      launch_row_cells_flat<scalar_t>(x, reinterpret_cast<uint32_t*>(ws.mutable_data_ptr<int32_t>()), cells, k,
+                                      rows * G, D / G, G, max_k, pm, ps, ci, stream);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
     }
+    at::Tensor r = at::empty(kshape, x.options().dtype(at::kFloat));
+    row_cells_kernel<scalar_t><<<warp_rows_grid(rows, sms), kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
+                                                               r.mutable_data_ptr<float>(),
+                                                               cells.mutable_data_ptr<float>(), rows, D,
+                                                               static_cast<int>(G), pm, ps, ci);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const at::Tensor mean = r.mean();
+    const at::Tensor mean = launch_row_mean(r, rows, stream);
     // the scaled cells rounded to the dtype the elements are taken in: x_hat's float32 or x's
     auto k_cells = norm ? row_k_cells_kernel<float> : row_k_cells_kernel<scalar_t>;
     k_cells<<<grid_for(rows, sms), kThreads, 0, stream>>>(

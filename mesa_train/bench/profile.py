@@ -202,8 +202,8 @@ def mesa_kernels(events: Iterable[Any], *, steps: int,
     them, named ``<Mesa op> > <ATen op>``: a cast inside ``mesa::linear_train`` is not one
     inside ``mesa::quantize``), with the shape of the op's first input where the profile
     recorded shapes. Why: an op such as ``mesa::observe_rows`` launches several kernels (its row pass,
-    ATen's mean, the k and cell scaling, observe's reduction and estimate update), and its
-    op-level time does not say which one to make faster. Empty on CPU (no kernels)."""
+    whose last block finds the mean and k, then observe's reduction and estimate update), and
+    its op-level time does not say which one to make faster. Empty on CPU (no kernels)."""
     own = own_category(mesa_functions)
 
     us: dict[tuple[str, str], float] = {}

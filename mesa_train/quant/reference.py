@@ -374,8 +374,46 @@ def row_exponents(x: torch.Tensor, row_dims: int = 1, max_k: int = 64) -> torch.
     r = torch.maximum(mx, mn.neg()).abs().to(torch.float32)
     # ratio = m * 2**e with m in [0.5, 1): floor(log2(ratio)) = e - 1. A zero row (ratio inf)
     # or an all-zero batch (nan) gets e = 0, i.e. k = 0.
-    _, e = torch.frexp(r.mean() / r)
+    _, e = torch.frexp(row_max_mean(r) / r)
     return (e - 1).clamp_(0, max_k).to(torch.int8)
+
+
+# Bits of each scaled row maximum in row_max_mean's integer sum: the N terms add up below
+# 2**62, so that int64 holds the sum exactly (and signed overflow never happens)
+_MEAN_SUM_BITS = 62
+
+
+def pow2_f64(e: torch.Tensor) -> torch.Tensor:
+    """float64 ``2**e`` of an integer tensor ``e`` in [-1022, 1023], exact, built from its
+    exponent bits (``torch.exp2`` / ``ldexp`` promise no exactness on every device)."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def row_max_mean(r: torch.Tensor) -> torch.Tensor:
+    """The mean of the row maxima ``r`` (float32, non-negative or NaN, at least one) that the
+    row exponents are measured against, as a float32 0-d tensor with the same bits on every
+    device and in any order of summation (DESIGN.md, "The mean of the row maxima"): an
+    integer sum, not a float reduction, whose order (ATen's on each device, Inductor's) is
+    unspecified. With ``top = max(r)`` finite and above 0, ``top < 2**e`` (``frexp``) and
+    ``b = 62 - N.bit_length()``: ``S = sum(floor(r * 2**(b - e)))`` in int64 (each term below
+    ``2**b``, so the sum is exact and below ``2**62``), then
+    ``float32((float64(S) * 2**(e - b)) * (1.0 / N))`` (the float64 reciprocal of N rounded
+    once on the host; every other step exact or one IEEE rounding). Before the float32
+    rounding it is within ``2**(2 * N.bit_length() - 61)`` of the exact mean, relatively (the
+    truncations lose under ``N * 2**(e - b)``, and the sum is at least ``top >= 2**(e - 1)``):
+    ``2**-31`` for DeiT-S's 25,216 token rows, ``2**-19`` for a million rows. ``top`` NaN, inf
+    or 0 is returned as it is (the mean ATen would give: NaN, inf, 0), so that every ``k`` is
+    0 (:func:`row_exponents`). Under ``torch.compile`` with dynamic shapes ``int(N)``
+    specialises on the row count."""
+    n = int(r.numel())
+    r = r.reshape(-1)
+    top = r.amax()
+    ok = torch.isfinite(top) & (top > 0)
+    _, e = torch.frexp(torch.where(ok, top, 1.0))  # (0 when not ok: the exponents stay in range)
+    b = _MEAN_SUM_BITS - n.bit_length()
+    terms = torch.floor(torch.where(ok, r, 0.0).double() * pow2_f64(b - e)).long()
+    mean = ((terms.sum().double() * pow2_f64(e - b)) * (1.0 / n)).float()
+    return torch.where(ok, mean, top)
 
 
 def scale_rows(x: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:

@@ -88,6 +88,7 @@ Dim3 blockIdx, blockDim{256, 1, 1}, gridDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __launch_bounds__(...)
 #define __shared__ static
 struct alignas(16) uint4 {
@@ -99,6 +100,7 @@ struct alignas(16) float4 {
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
 inline unsigned __ldcg(const unsigned* p) { return *p; }
+inline float __ldcg(const float* p) { return *p; }
 inline uint32_t __umulhi(uint32_t a, uint32_t b) { return uint32_t((uint64_t(a) * b) >> 32); }
 inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -1664,8 +1666,25 @@ int check_row_k(const std::vector<float>& r, float mean, int max_k, int sms) {
   return errs;
 }
 
-// the mean row_k reads (ATen's r.mean() on the device): the mean of r, or the degenerate
-// batches (all zero: 0, a NaN row: NaN, an infinite row: inf)
+// row_mean_kernel (one block, rows strided over its threads, the int64 sum reduced as a tree)
+// against the sequential row_max_mean of mesa_common.h, bit for bit (NaN: any NaN); the
+// definition itself is checked against the reference in tests/test_row_scale_kernels.py
+int check_row_mean(const std::vector<float>& r) {
+  const int64_t rows = int64_t(r.size());
+  float got[2] = {7.0f, 7.0f};
+  launch_simt(1, kThreads, [&] {
+    row_mean_kernel(reinterpret_cast<const uint32_t*>(r.data()), rows, mean_sum_bits(rows), 1.0 / double(rows), got);
+  });
+  const float want = row_max_mean(r.data(), rows);
+  const bool ok = std::isnan(want) ? std::isnan(got[0]) : same_bits(got[0], want);
+  g_checked["row_mean"]++;
+  if (ok && same_bits(got[1], 7.0f)) return 0;
+  fprintf(stderr, "row_mean mismatch rows=%ld got %a exp %a (or wrote past the end)\n", (long)rows, got[0], want);
+  return 1;
+}
+
+// the mean row_k reads: the mean of r, or the degenerate batches (all zero: 0, a NaN row: NaN,
+// an infinite row: inf)
 float pick_mean(const std::vector<float>& r) {
   const int mode = rng() % 8;
   if (mode == 0) return 0.0f;
@@ -1689,6 +1708,7 @@ int check_row_exponents(int64_t rows, int64_t len, int sms) {
   int errs = 0;
   if ((len * int64_t(sizeof(scalar_t))) % 16 == 0) errs += check_row_absmax<scalar_t, true>(xa, rows, len, sms, r);
   errs += check_row_absmax<scalar_t, false>(xu, rows, len, sms, r);
+  errs += check_row_mean(r);
   const int top = max_row_k<scalar_t>();
   for (int max_k : {top, int(rng() % (top + 1))}) errs += check_row_k(r, pick_mean(r), max_k, sms);
   if (errs) fprintf(stderr, "FAIL row_exponents rows=%ld len=%ld sms=%d sizeof=%zu\n", (long)rows, (long)len, sms,
@@ -1725,12 +1745,61 @@ int row_exponents_checks(int ncases) {
 
 // ------------------------------------------------------------------ observe_rows
 // The row pass (row_cells_flat_kernel or row_cells_kernel, as observe_rows_cuda picks and
-// launches it) against the naive per-row max |x|
-// and per-segment min / max (segment g = [ceil(g D / G), ceil((g + 1) D / G)); NaN when the
-// segment has one; zeros compared by value: observe canonicalises their sign), then
-// row_k_cells_kernel: k as naive_row_k, each cell of a row with k != 0 times 2**k rounded to
-// scalar_t, the others untouched.
+// launches it) against the naive per-row max |x| and per-segment min / max (segment g =
+// [ceil(g D / G), ceil((g + 1) D / G)); NaN when the segment has one; zeros compared by value:
+// observe canonicalises their sign). The flat pass's last block then finishes: k as
+// naive_row_k against row_max_mean of the naive maxima, each cell of a row with k != 0 times
+// 2**k rounded to scalar_t (float32 with norm), the others untouched, and the workspace (the
+// ticket and the row maxima) zero again. After the warp-a-row pass, row_k_cells_kernel does
+// that scaling from a given mean.
 bool same_stat(float got, float want) { return std::isnan(want) ? std::isnan(got) : got == want; }
+
+// a cell c of a row with exponent k as the kernels scale it
+template <typename scalar_t>
+float scaled_cell(float c, int k, bool norm) {
+  if (k == 0) return c;
+  const float v = c * std::ldexp(1.0f, k);
+  return norm ? v : static_cast<float>(static_cast<scalar_t>(v));
+}
+
+// the flat pass as launch_row_cells_flat runs it: the grid of 1 to 4 resident blocks an SM
+// (rounds strided over the warps), 32- or 64-bit indices, in a zeroed workspace (a sentinel
+// after it); returns the path's name
+template <typename scalar_t>
+std::string run_row_cells_flat(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, CellIndex ci,
+                               const float* pm, const float* ps, std::vector<uint32_t>& ws, std::vector<float>& cells,
+                               std::vector<int8_t>& k, int max_k) {
+  const int64_t S = D / G, chunks = S * int64_t(sizeof(scalar_t)) / 16;
+  const RowCellsShape shape = row_cells_shape(chunks);
+  const unsigned blocks = unsigned(row_cells_flat_blocks(rows * G, shape, sms, 1 + int(rng() % 4)));
+  const int bits = mean_sum_bits(rows);
+  const double recip = 1.0 / double(rows);
+  auto run = [&](auto idx) {
+    using IdxT = decltype(idx);
+    const DivT<IdxT> div_G(static_cast<IdxT>(G));
+    launch_simt(blocks, kThreads, [&] {
+      const IdxT segs = IdxT(rows * G), s = IdxT(S), g = IdxT(G);
+      const int c = int(chunks), w = shape.W;
+      float* cl = cells.data();
+      uint32_t* wp = ws.data();
+      int8_t* kp = k.data();
+      if (shape.cpl == 1)
+        row_cells_flat_kernel<scalar_t, 1, IdxT>(x, wp, cl, segs, s, c, w, g, div_G, pm, ps, ci, kp, max_k, bits, recip);
+      else if (shape.cpl == 2)
+        row_cells_flat_kernel<scalar_t, 2, IdxT>(x, wp, cl, segs, s, c, w, g, div_G, pm, ps, ci, kp, max_k, bits, recip);
+      else
+        row_cells_flat_kernel<scalar_t, 4, IdxT>(x, wp, cl, segs, s, c, w, g, div_G, pm, ps, ci, kp, max_k, bits, recip);
+    });
+  };
+  static int turn = 0;  // (alternating: both index widths whatever the random draws)
+  const bool wide = turn++ % 2 == 1;
+  if (wide) run(uint64_t(0));
+  else run(uint32_t(0));
+  g_checked[wide ? "row_cells_flat_u64" : "row_cells_flat_u32"]++;
+  if (chunks > kRowCellsSlots * shape.W) g_checked["row_cells_flat_rounds"]++;
+  if (chunks < shape.W) g_checked["row_cells_flat_idle_lanes"]++;
+  return "row_cells_flat_cpl" + std::to_string(shape.cpl);
+}
 
 // norm (a LayerNorm's mean and rstd per row, or nullptr): every element taken as
 // normalized_value first, the cells then scaled in float32 (x_hat's dtype)
@@ -1740,55 +1809,37 @@ template <typename scalar_t, bool VEC>
 int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, bool slot_major,
                     const RowExp* norm = nullptr) {
   std::vector<float> r(rows + 1, 7.0f), cells(rows * 2 * G + 1, 7.0f);
+  std::vector<int8_t> k(rows + 1, int8_t(-99));
+  const int max_k = int(rng() % (max_row_k<scalar_t>() + 1));
   const CellIndex ci = slot_major ? CellIndex{1, rows} : CellIndex{2 * G, 1};
   const float* pm = norm != nullptr ? norm->mean.data() : nullptr;
   const float* ps = norm != nullptr ? norm->rstd.data() : nullptr;
+  std::vector<uint32_t> ws(kWsHeader + rows + 1, 0u);
+  ws[kWsHeader + rows] = 0xABCD1234u;  // (past the row maxima)
   std::string path;
   if constexpr (VEC) {
-    // the flat pass as launch_row_cells_flat runs it: r zeroed, the grid of 1 to 4 resident
-    // blocks an SM (rounds strided over the warps), 32- or 64-bit indices
-    std::fill(r.begin(), r.begin() + rows, 0.0f);
-    const int64_t S = D / G, chunks = S * int64_t(sizeof(scalar_t)) / 16;
-    const RowCellsShape shape = row_cells_shape(chunks);
-    const unsigned blocks = unsigned(row_cells_flat_blocks(rows * G, shape, sms, 1 + int(rng() % 4)));
-    uint32_t* rb = reinterpret_cast<uint32_t*>(r.data());
-    auto run = [&](auto idx) {
-      using IdxT = decltype(idx);
-      const DivT<IdxT> div_G(static_cast<IdxT>(G));
-      launch_simt(blocks, kThreads, [&] {
-        const IdxT segs = IdxT(rows * G), s = IdxT(S), g = IdxT(G);
-        const int c = int(chunks), w = shape.W;
-        float* cl = cells.data();
-        if (shape.cpl == 1) row_cells_flat_kernel<scalar_t, 1, IdxT>(x, rb, cl, segs, s, c, w, g, div_G, pm, ps, ci);
-        else if (shape.cpl == 2) row_cells_flat_kernel<scalar_t, 2, IdxT>(x, rb, cl, segs, s, c, w, g, div_G, pm, ps, ci);
-        else row_cells_flat_kernel<scalar_t, 4, IdxT>(x, rb, cl, segs, s, c, w, g, div_G, pm, ps, ci);
-      });
-    };
-    static int turn = 0;  // (alternating: both index widths whatever the random draws)
-    const bool wide = turn++ % 2 == 1;
-    if (wide) run(uint64_t(0));
-    else run(uint32_t(0));
-    path = "row_cells_flat_cpl" + std::to_string(shape.cpl);
-    g_checked[wide ? "row_cells_flat_u64" : "row_cells_flat_u32"]++;
-    if (chunks > kRowCellsSlots * shape.W) g_checked["row_cells_flat_rounds"]++;
-    if (chunks < shape.W) g_checked["row_cells_flat_idle_lanes"]++;
+    path = run_row_cells_flat<scalar_t>(x, rows, D, G, sms, ci, pm, ps, ws, cells, k, max_k);
   } else {
     const unsigned blocks = unsigned(warp_rows_grid(rows, sms));
     launch_simt(blocks, kThreads,
                 [&] { row_cells_kernel<scalar_t>(x, r.data(), cells.data(), rows, D, G, pm, ps, ci); });
     path = "row_cells";
   }
-  // the values the kernel sees
-  std::vector<float> xs(rows * D);
+  // the values the kernel sees, their row maxima, and (flat) the k its last block must find
+  std::vector<float> xs(rows * D), want_r(rows);
   for (int64_t i = 0; i < rows * D; ++i)
     xs[i] = norm != nullptr ? normalized_value(static_cast<float>(x[i]), pm[i / D], ps[i / D])
                             : static_cast<float>(x[i]);
+  for (int64_t i = 0; i < rows; ++i) want_r[i] = naive_absmax(xs.data() + i * D, D);
+  const float flat_mean = row_max_mean(want_r.data(), rows);
   int errs = 0;
   for (int64_t i = 0; i < rows; ++i) {
-    const float am = naive_absmax(xs.data() + i * D, D);
-    if (!same_stat(r[i], am) && errs++ < 5)
-      fprintf(stderr, "row_cells<%zu,%d> absmax mismatch row=%ld got %g exp %g\n", sizeof(scalar_t), int(VEC),
-              (long)i, r[i], am);
+    const int want_k = VEC ? naive_row_k(flat_mean, want_r[i], max_k) : 0;
+    if (!VEC && !same_stat(r[i], want_r[i]) && errs++ < 5)
+      fprintf(stderr, "row_cells absmax mismatch row=%ld got %g exp %g\n", (long)i, r[i], want_r[i]);
+    if (VEC && k[i] != want_k && errs++ < 5)
+      fprintf(stderr, "row_cells_flat k mismatch row=%ld got %d exp %d (mean %a, r %a)\n", (long)i, int(k[i]), want_k,
+              flat_mean, want_r[i]);
     for (int g = 0; g < G; ++g) {
       float mn = INFINITY, mx = -INFINITY;
       bool nan = false;
@@ -1799,23 +1850,28 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
         mx = std::max(mx, v);
       }
       if (nan) mn = mx = NAN;
+      mn = scaled_cell<scalar_t>(mn, want_k, norm != nullptr);
+      mx = scaled_cell<scalar_t>(mx, want_k, norm != nullptr);
       const float gmn = cells[ci.at(i, g)], gmx = cells[ci.at(i, G + g)];
       if ((!same_stat(gmn, mn) || !same_stat(gmx, mx)) && errs++ < 5)
-        fprintf(stderr, "row_cells<%zu,%d> mismatch row=%ld g=%d/%d D=%ld got [%g, %g] exp [%g, %g]\n",
-                sizeof(scalar_t), int(VEC), (long)i, g, G, (long)D, gmn, gmx, mn, mx);
+        fprintf(stderr, "%s<%zu> mismatch row=%ld g=%d/%d D=%ld k=%d got [%g, %g] exp [%g, %g]\n", path.c_str(),
+                sizeof(scalar_t), (long)i, g, G, (long)D, want_k, gmn, gmx, mn, mx);
     }
   }
-  if (!same_bits(r[rows], 7.0f) || !same_bits(cells[rows * 2 * G], 7.0f)) {
-    fprintf(stderr, "row_cells wrote past the end\n");
+  if (!same_bits(r[rows], 7.0f) || !same_bits(cells[rows * 2 * G], 7.0f) || k[rows] != -99 ||
+      ws[kWsHeader + rows] != 0xABCD1234u) {
+    fprintf(stderr, "%s wrote past the end\n", path.c_str());
+    ++errs;
+  }
+  if (VEC && std::any_of(ws.begin(), ws.begin() + kWsHeader + rows, [](uint32_t w) { return w != 0u; })) {
+    fprintf(stderr, "%s left the workspace non-zero (ticket %u)\n", path.c_str(), ws[0]);
     ++errs;
   }
   g_checked[path + (norm != nullptr ? "_norm" : "")]++;
   g_checked[slot_major ? "row_cells_slot_major" : "row_cells_row_major"]++;
-  if (errs) return errs;
+  if (VEC || errs) return errs;
   // row_k_cells on the cells just checked
   const float mean = pick_mean(std::vector<float>(r.begin(), r.begin() + rows));
-  const int max_k = int(rng() % (max_row_k<scalar_t>() + 1));
-  std::vector<int8_t> k(rows + 1, int8_t(-99));
   std::vector<float> scaled(cells);
   launch_seq(grid_for(rows, sms), kThreads, [&] {
     if (norm != nullptr) row_k_cells_kernel<float>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k, ci);
@@ -1826,10 +1882,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     if (k[i] != want && errs++ < 5)
       fprintf(stderr, "row_k_cells k mismatch row=%ld got %d exp %d\n", (long)i, int(k[i]), want);
     for (int j = 0; j < 2 * G; ++j) {
-      const float c = cells[ci.at(i, j)];
-      const float w = want == 0             ? c
-                      : norm != nullptr ? c * std::ldexp(1.0f, want)
-                                        : static_cast<float>(static_cast<scalar_t>(c * std::ldexp(1.0f, want)));
+      const float w = scaled_cell<scalar_t>(cells[ci.at(i, j)], want, norm != nullptr);
       const float got = scaled[ci.at(i, j)];
       if (!(same_bits(got, w) || (std::isnan(w) && std::isnan(got))) && errs++ < 5)
         fprintf(stderr, "row_k_cells cell mismatch row=%ld j=%d k=%d got %g exp %g\n", (long)i, j, want, got, w);
