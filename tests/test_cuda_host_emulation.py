@@ -31,6 +31,11 @@ FAMILIES = (
     "group_minmax", "observe", "observe_rows", "row_cells_flat_cpl1", "row_cells_flat_cpl2",
     "row_cells_flat_cpl4", "row_cells_flat_u32", "row_cells_flat_u64", "row_cells_flat_rounds",
     "row_cells_flat_idle_lanes", "row_cells_flat_cpl1_norm", "row_cells", "row_cells_norm",
+    # the flat pass's last block: fused (the group totals from a chunk's partials and from a
+    # chunk's scaled cells, the estimate and seed steps) and not (per-sample statistics); the
+    # one-block mean of the row maxima
+    "row_cells_flat_fused", "row_cells_flat_unfused", "row_cells_flat_fused_estimates",
+    "row_cells_flat_fused_clean_chunk", "row_cells_flat_fused_dirty_chunk", "row_mean",
     "quantize_observe_first", "quantize_observe_init", "quantize_observe_first_rows", "quantize_observe_init_rows",
     "update_estimates", "estimate_and_seed", "delayed_observe", "seed_of", "row_absmax", "row_absmax_vec", "row_k",
     "softmax_backward", "softmax_backward_64", "softmax_backward_map32", "softmax_backward_out32",

@@ -17,7 +17,7 @@ from torch.library import opcheck
 
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
-from kernel_marks import DEVICES, DTYPES, needs_ext
+from kernel_marks import DEVICES, DTYPES, needs_cuda, needs_ext
 
 # (shape, row_dims): rows of 16 (whole vector steps), 24 and 131 (steps straddle rows, and a tail),
 # two row dims (LayerNorm over (H, W)), one long row
@@ -318,6 +318,91 @@ def test_observe_rows_group_counts_and_layouts(device, G):
     want = R.observe_rows(x4, *ref, 1, min(G, 6), 0.9, True, False, 1, 64)
     for a, b in zip(got, want):
         assert torch.equal(_bits(a), _bits(b))
+
+
+def _token_rows(dtype, device, case):
+    """DeiT-S-like token rows (8 images of 197 tokens, 384 channels): "class" rows of one scale
+    with each image's first token 2**-12 of the rest (DeiT3's class token: most chunks of 32 rows
+    have no scaled row, some one), or "spread" (every row its own scale: scaled rows everywhere).
+    Class: the rows' last 192 channels are 1/64 of their first, the class token's the other way
+    round, so that scaled it holds the extremes of those groups (its unscaled cells would not)."""
+    if case == "spread":
+        return _rows((8, 197, 384), dtype, device)
+    x = torch.randn(8, 197, 384, generator=torch.Generator().manual_seed(3))
+    x[:, 1:, 192:] *= 2.0 ** -6
+    x[:, 0, :192] *= 2.0 ** -18
+    x[:, 0, 192:] *= 2.0 ** -12
+    return x.to(dtype).to(device)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", ["class", "spread"])
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_observe_rows_on_the_layers_token_layout(device, dtype, case, per_sample):
+    """The layers' layout, where CUDA takes the flat row pass (6 groups of 64 channels, whole
+    16-byte chunks) and, with shared statistics, finishes k, the group totals and the estimate
+    and seed steps in its last block (from per-chunk partial totals, or a chunk's scaled cells)."""
+    x = _token_rows(dtype, device, case)
+    alpha, beta, seed, k = _observe_rows_both(x, 6, per_sample, case == "spread", 1, 64, steps=3)
+    if case == "class":  # the class rows scaled, the rest not; scaled, they set the last groups' ranges
+        assert k[:, 0].min() >= 10 and int(k[:, 1:].max()) == 0
+        x_hat = x.float() * torch.exp2(k.float())
+        assert alpha.shape == (x.shape[0] if per_sample else 1, 6)
+        assert torch.equal(x_hat[..., 192:].amax((1, 2)), x_hat[:, 0, 192:].amax(-1))
+
+
+def _cuda_kernels(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # (the first call on a stream creates its workspace)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@needs_ext
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_cuda_row_scaled_compression_launches(per_sample):
+    """Issue 9's two launches a compression, with row scales: shared statistics, observe_rows is
+    the flat row pass alone (its last block finds the mean, k, the totals, the estimate and seed
+    steps), then quantize; per sample, observe over the cells comes between. No memset, no ATen
+    mean, no host sync; captured in a CUDA graph (the workspace then a memset node of its own),
+    each replay equals the reference chain."""
+    x = _token_rows(torch.bfloat16, "cuda", "class")
+    state = _state(6, "cuda")
+
+    def forward():
+        a, b, seed, k = torch.ops.mesa.observe_rows(x, *state, 2, 6, 0.9, per_sample, False, 1, 64)
+        return torch.ops.mesa.quantize(x, a, b, 2, 6, True, seed, k), k
+
+    names = _cuda_kernels(forward)
+    want = ["row_cells_flat_kernel"] + (["observe_kernel"] if per_sample else []) + ["quantize_kernel"]
+    assert len(names) == len(want) and all(w in n for w, n in zip(want, names)), names
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # CUDA graph: replays against the reference chain on the same state
+    ref_state = [t.clone() for t in state]
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        q, k = forward()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        a, b, seed, k_ref = R.observe_rows(x, *ref_state, 2, 6, 0.9, per_sample, False, 1, 64)
+        assert torch.equal(k, k_ref)
+        assert torch.equal(q, R.quantize(x, a, b, 2, 6, True, seed, k_ref))
+        for got_t, want_t in zip(state, ref_state):
+            assert torch.equal(_bits(got_t), _bits(want_t))
 
 
 @needs_ext

@@ -2385,12 +2385,14 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
 
 // ----------------------------------------------------------------------------- observe_rows
 // row_exponents + observe(row_exp = k) with groups and rows over the last dim (DESIGN.md,
-// "observe_rows"): one read of x instead of two. Launches on the layers' layouts: the flat row
-// pass below, whose last block finds the mean of the row maxima (block_row_max_mean: the bits
-// of every device), k and the scaled cells, then observe over the rows' 2G cells (laid out as
-// CellIndex below says; the estimate update and the seed step unchanged): two, with quantize
-// three a compression. Elsewhere the warp-a-row pass, row_mean_kernel, the k and cell scaling
-// kernel, then observe.
+// "observe_rows"): one read of x instead of two. On the layers' layouts one launch with shared
+// statistics: the flat row pass below, whose last block finds the mean of the row maxima
+// (block_row_max_mean: the bits of every device), k, the scaled cells, then each group's
+// totals (from per-chunk partials the pass's atomics left, or a chunk's scaled cells where a
+// row has k > 0), observe's estimate step and seed step: with quantize two launches a
+// compression. Per-sample statistics: that pass without the totals, then observe over the
+// rows' 2G cells (laid out as CellIndex below says). Elsewhere the warp-a-row pass,
+// row_mean_kernel, the k and cell scaling kernel, then observe.
 // Per row of D elements: r[row] = max|x| (as row_absmax_kernel: the largest float bit pattern
 // with the sign cleared, NaN patterns above +inf) and cells[row] = [the min of each group's
 // segment [ceil(g D / G), ceil((g + 1) D / G)), then the maxima] (NaN propagating; order-free).
@@ -2541,21 +2543,77 @@ __device__ __forceinline__ float word_element(uint32_t w) {
   return AbsBits<scalar_t>::to_float(sizeof(scalar_t) == 4 ? w : w >> (16 * H));
 }
 
-// The flat pass's stage 2, in the last block to finish (the row maxima r_bits all final): the
-// mean of the row maxima, then per row k and its cells times 2**k rounded to the dtype the
-// elements are taken in (x_hat's float32 with `norm`, else scalar_t), as row_k_cells_kernel
-// does after a separate mean; each row maximum zeroed once read, so that the workspace is zero
-// again for the next launch on the stream (the ticket is the caller's). Not inlined: its
-// int64 and double registers stay out of the row loop's 48.
+// What the flat pass's last block finishes, in the stream's zeroed workspace after its header:
+// r_bits, the row maxima (rows words); with `fused` (shared statistics and G <= kSlots:
+// observe's reduction and estimate step folded in, observe_rows one launch) part_min / part_max,
+// the encoded min / max of each group over kRowChunk consecutive rows' cells (chunks * G words
+// each, from the pass's atomics), and dirty, a word per chunk holding a row with k > 0.
+constexpr int kRowChunk = 32;  // rows a partial total covers (a power of two: a shift)
+
+struct RowCellsFinish {
+  int8_t* k;
+  int max_k, mean_bits;
+  double recip_n;
+  bool fused;
+  uint32_t *part_min, *part_max, *dirty;  // (fused) in the workspace after the row maxima
+  int64_t chunks;
+  EstimateArgs est;  // (fused) observe's estimate step and seed step, as observe_cuda sets them
+  SeedArgs sd;
+};
+
+// The batch statistics of the estimate step from shared-memory totals (the fused finish)
+struct SharedStats {
+  const uint32_t* emin;
+  const uint32_t* emax;
+  __device__ __forceinline__ uint32_t min_bits(int64_t i) const { return emin[i]; }
+  __device__ __forceinline__ uint32_t max_bits(int64_t i) const { return emax[i]; }
+};
+
+// The fused finish's group totals: each group's encoded min / max over every row's scaled
+// cells (both slots, as observe over the cells reduces them), chunk by chunk: a chunk whose rows
+// all have k = 0 from the pass's partial totals (its cells unscaled), another from its cells as
+// now scaled; each partial and flag zeroed once read. s_min / s_max: G shared words each.
+__device__ void row_cells_totals(uint32_t* part_min, uint32_t* part_max, uint32_t* dirty, int64_t chunks,
+                                 int64_t rows, int G, const float* cells, CellIndex ci, uint32_t* s_min,
+                                 uint32_t* s_max) {
+  for (int g = threadIdx.x; g < G; g += blockDim.x) s_min[g] = s_max[g] = 0u;
+  __syncthreads();  // (also: every k, scaled cell and dirty flag of this block written)
+  for (int64_t p = threadIdx.x; p < chunks * G; p += blockDim.x) {
+    const int64_t c = p / G;
+    const int g = static_cast<int>(p - c * G);
+    uint32_t emn = __ldcg(part_min + p), emx = __ldcg(part_max + p);
+    if (__ldcg(dirty + c) != 0u) {
+      emn = emx = 0u;
+      for (int64_t i = c * kRowChunk; i < rows && i < (c + 1) * kRowChunk; ++i) {
+        const float lo = __ldcg(cells + ci.at(i, g)), hi = __ldcg(cells + ci.at(i, G + g));
+        emn = umax(emn, umax(enc_min(lo), enc_min(hi)));
+        emx = umax(emx, umax(enc_max(lo), enc_max(hi)));
+      }
+    }
+    part_min[p] = part_max[p] = 0u;
+    atomicMax(s_min + g, emn);
+    atomicMax(s_max + g, emx);
+  }
+  __syncthreads();  // every flag read
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) dirty[c] = 0u;
+}
+
+// The flat pass's stage 2, in the last block to finish (the row maxima all final): the mean of
+// the row maxima, then per row k and its cells times 2**k rounded to the dtype the elements are
+// taken in (x_hat's float32 with `norm`, else scalar_t), as row_k_cells_kernel does after a
+// separate mean; fused, then the group totals, observe's estimate step and seed step. Every
+// workspace word it used is zero again for the next launch on the stream (the ticket is the
+// caller's). Not inlined: its int64 and double registers stay out of the row loop's 48.
 template <typename scalar_t>
 __device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, int G, float* cells, CellIndex ci,
-                                              int8_t* k, int max_k, int mean_bits, double recip_n, bool norm) {
-  const float mean = block_row_max_mean(r_bits, rows, mean_bits, recip_n);
+                                              const RowCellsFinish& fin, bool norm) {
+  const float mean = block_row_max_mean(r_bits, rows, fin.mean_bits, fin.recip_n);
   for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
-    const int kk = row_k(mean, __uint_as_float(__ldcg(r_bits + i)), max_k);
-    k[i] = static_cast<int8_t>(kk);
+    const int kk = row_k(mean, __uint_as_float(__ldcg(r_bits + i)), fin.max_k);
+    fin.k[i] = static_cast<int8_t>(kk);
     r_bits[i] = 0u;
     if (kk == 0) continue;
+    if (fin.fused) fin.dirty[i / kRowChunk] = 1u;
     const float f = pow2i(kk);
     for (int j = 0; j < 2 * G; ++j) {
       float* c = cells + ci.at(i, j);
@@ -2563,6 +2621,11 @@ __device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, in
       *c = norm ? v : round_to<scalar_t>(v);
     }
   }
+  if (!fin.fused) return;
+  __shared__ uint32_t s_min[kSlots], s_max[kSlots];
+  row_cells_totals(fin.part_min, fin.part_max, fin.dirty, fin.chunks, rows, G, cells, ci, s_min, s_max);
+  estimate_update(SharedStats{s_min, s_max}, 1, G, fin.est, nullptr, nullptr);
+  if (threadIdx.x == 0) seed_step_device(fin.sd);
 }
 
 template <typename scalar_t, int CPL, typename IdxT>
@@ -2570,7 +2633,7 @@ __global__ void __launch_bounds__(kThreads, kRowCellsBlocks)
 row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws, float* __restrict__ cells,
                       IdxT segments, IdxT S, int C, int W, IdxT G, DivT<IdxT> div_G,
                       const float* __restrict__ row_mean, const float* __restrict__ row_rstd, CellIndex ci,
-                      int8_t* __restrict__ k, int max_k, int mean_bits, double recip_n) {
+                      RowCellsFinish fin) {
   uint32_t* r_bits = ws + kWsHeader;  // (the row maxima: zero on entry, zero again on exit)
   constexpr int kPer = 16 / int(sizeof(scalar_t)), kPerWord = 4 / int(sizeof(scalar_t));
   constexpr int K = kRowCellsSlots / CPL;  // segments a sub-warp takes a round
@@ -2640,13 +2703,18 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws,
         cells[ci.at(int64_t(row), int64_t(g))] = mn;
         cells[ci.at(int64_t(row), int64_t(G + g))] = mx;
         atomicMax(r_bits + row, umax(__float_as_uint(mn) & 0x7FFFFFFFu, __float_as_uint(mx) & 0x7FFFFFFFu));
+        if (fin.fused) {  // (uniform) the chunk's partial totals, encoded as observe encodes the cells
+          const IdxT p = (row / IdxT(kRowChunk)) * G + g;
+          atomicMax(fin.part_min + p, umax(enc_min(mn), enc_min(mx)));
+          atomicMax(fin.part_max + p, umax(enc_max(mn), enc_max(mx)));
+        }
       }
     }
   }
   // ---- stage 2: the last block to arrive finds the mean, k and the scaled cells
   __shared__ bool s_last;
   if (!last_block_to_arrive(ws, s_last)) return;
-  row_cells_finish<scalar_t>(r_bits, int64_t(segments / G), int(G), cells, ci, k, max_k, mean_bits, recip_n, norm);
+  row_cells_finish<scalar_t>(r_bits, int64_t(segments / G), int(G), cells, ci, fin, norm);
   __syncthreads();
   if (threadIdx.x == 0) ws[0] = 0u;  // the ticket, for the next launch on the stream
 }
@@ -2672,13 +2740,12 @@ row_k_cells_kernel(const float* __restrict__ r, const float* __restrict__ mean, 
 }
 
 // The flat row pass over `segments` segments of S elements (S * sizeof(scalar_t) % 16 == 0, x
-// aligned) with its last block's mean, k and scaled cells: the resident grid (one wave), 32-bit
-// indices where they fit; ws the zeroed workspace of at least rows words after its header
+// aligned) with its last block's finish (`fin`): the resident grid (one wave), 32-bit indices
+// where they fit; ws the stream's zeroed workspace, row_cells_ws_words long after its header
 template <typename scalar_t>
-void launch_row_cells_flat(const at::Tensor& x, uint32_t* ws, at::Tensor& cells, at::Tensor& k, int64_t segments,
-                           int64_t S, int64_t G, int64_t max_k, const float* row_mean, const float* row_rstd,
-                           CellIndex ci, cudaStream_t stream) {
-  const int64_t rows = segments / G;
+void launch_row_cells_flat(const at::Tensor& x, uint32_t* ws, at::Tensor& cells, int64_t segments, int64_t S,
+                           int64_t G, const float* row_mean, const float* row_rstd, CellIndex ci,
+                           const RowCellsFinish& fin, cudaStream_t stream) {
   const int64_t chunks = S * int64_t(sizeof(scalar_t)) / 16;
   const RowCellsShape shape = row_cells_shape(chunks);
   auto launch = [&](auto kernel, auto idx) {
@@ -2688,9 +2755,7 @@ void launch_row_cells_flat(const at::Tensor& x, uint32_t* ws, at::Tensor& cells,
     kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), ws, cells.mutable_data_ptr<float>(),
                                             static_cast<IdxT>(segments), static_cast<IdxT>(S),
                                             static_cast<int>(chunks), shape.W, static_cast<IdxT>(G),
-                                            DivT<IdxT>(static_cast<IdxT>(G)), row_mean, row_rstd, ci,
-                                            k.mutable_data_ptr<int8_t>(), static_cast<int>(max_k),
-                                            mean_sum_bits(rows), 1.0 / static_cast<double>(rows));
+                                            DivT<IdxT>(static_cast<IdxT>(G)), row_mean, row_rstd, ci, fin);
   };
   // 32-bit: every element offset below 2^31, and the round's start after the last one too
   const bool small = x.numel() < (int64_t(1) << 30) && segments < (int64_t(1) << 30);
@@ -2739,16 +2804,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
   const at::Tensor rrstd = norm ? row_rstd->contiguous() : at::Tensor();
   const float* pm = norm ? rmean.const_data_ptr<float>() : nullptr;
   const float* ps = norm ? rrstd.const_data_ptr<float>() : nullptr;
+  const bool flat = aligned16(x.const_data_ptr()) && D % G == 0 && ((D / G) * x.element_size()) % 16 == 0;
+  // The flat pass's fused finish (shared statistics, G <= kSlots) returns observe's outputs, set
+  // up as observe_cuda sets them up for the cells ((1, G) ranges); otherwise observe_cuda runs
+  // over the cells after the pass
+  const bool fused = flat && !per_sample && G <= kSlots;
+  at::Tensor alpha, beta, seed;
+  EstimateArgs est{};
+  SeedArgs sd{};
+  if (fused) {
+    alpha = at::empty({1, G}, x.options().dtype(at::kFloat));
+    beta = at::empty({1, G}, x.options().dtype(at::kFloat));
+    seed = at::empty({2}, rng.options());
+    est = EstimateArgs{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
+                       initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
+                       static_cast<float>(1.0 - decay), false, symmetric, true, alpha.mutable_data_ptr<float>(),
+                       beta.mutable_data_ptr<float>()};
+    sd = SeedArgs{rng.mutable_data_ptr<int64_t>(), rng.stride(0), seed.mutable_data_ptr<int64_t>()};
+  }
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_rows_cuda", [&] {
-    const bool flat = aligned16(x.const_data_ptr()) && D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0;
     if (flat) {
       // One launch: the flat pass folds each segment's max |x| into its row's with atomicMax
       // in the stream's zeroed workspace, and its last block finds the mean, k and the scaled
-      // cells, leaving the workspace zero (was: a memset of r, the pass, ATen's mean, then
-      // row_k_cells_kernel, four launches and ATen's reduction set up on the host each call)
-      const at::Tensor ws = workspace(x, (rows + 1) / 2, stream);
-      launch_row_cells_flat<scalar_t>(x, reinterpret_cast<uint32_t*>(ws.mutable_data_ptr<int32_t>()), cells, k,
-                                      rows * G, D / G, G, max_k, pm, ps, ci, stream);
+      // cells (was: a memset, the pass, ATen's mean, then row_k_cells_kernel), with shared
+      // statistics also the group totals, the estimate step and the seed step (was: observe
+      // over the cells, a launch more), leaving the workspace zero
+      const int64_t chunks = (rows + kRowChunk - 1) / kRowChunk;
+      const int64_t words = rows + (fused ? chunks * (2 * G + 1) : 0);
+      const at::Tensor ws_t = workspace(x, (words + 1) / 2, stream);
+      uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
+      uint32_t* part_min = ws + kWsHeader + rows;  // (then part_max, then dirty)
+      const RowCellsFinish fin{k.mutable_data_ptr<int8_t>(), static_cast<int>(max_k), mean_sum_bits(rows),
+                               1.0 / static_cast<double>(rows), fused, part_min, part_min + chunks * G,
+                               part_min + 2 * chunks * G, chunks, est, sd};
+      launch_row_cells_flat<scalar_t>(x, ws, cells, rows * G, D / G, G, pm, ps, ci, fin, stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
@@ -2766,10 +2855,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
         cells.mutable_data_ptr<float>(), rows, static_cast<int>(G), static_cast<int>(max_k), ci);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  auto [alpha, beta, seed] = observe_cuda(cells, alpha_est, beta_est, initialized, rng,
-                                          per_sample ? cells.dim() - 1 : 1, G, decay, per_sample, symmetric,
-                                          std::nullopt);
-  return {alpha, beta, seed, k};
+  if (fused) return {alpha, beta, seed, k};
+  auto [a, b, sd_out] = observe_cuda(cells, alpha_est, beta_est, initialized, rng, per_sample ? cells.dim() - 1 : 1,
+                                     G, decay, per_sample, symmetric, std::nullopt);
+  return {a, b, sd_out, k};
 }
 
 // ----------------------------------------------------------------------------- softmax_backward

@@ -42,7 +42,11 @@
 // * observe_rows: the row pass (the flat one on aligned whole-chunk segments, 1, 2 and 4 chunks
 //   a lane, further rounds, idle lanes, 32- and 64-bit indices, small grids; the warp-a-row one
 //   on the rest) against the naive max |x| and per-segment min / max, and row_k_cells (k, and
-//   the cells of rows with k != 0 times 2**k rounded to the dtype).
+//   the cells of rows with k != 0 times 2**k rounded to the dtype); the flat pass's last block
+//   (blocks in a random order) against the same k and scaled cells with row_max_mean's mean,
+//   fused (shared statistics) its group totals, estimate step and seed step against the
+//   sequential step over those cells, and its workspace zero again; row_mean_kernel against
+//   the sequential row_max_mean.
 // * gelu_value_and_grad (dequantize with both GELU epilogues at once): each output the bits of
 //   its own op's epilogue;
 // * layer_norm_backward (one block per 64 rows, a warp per chunk of 8, the same exchange; every
@@ -1763,17 +1767,15 @@ float scaled_cell(float c, int k, bool norm) {
 }
 
 // the flat pass as launch_row_cells_flat runs it: the grid of 1 to 4 resident blocks an SM
-// (rounds strided over the warps), 32- or 64-bit indices, in a zeroed workspace (a sentinel
-// after it); returns the path's name
+// (rounds strided over the warps), 32- or 64-bit indices, with its last block's finish `fin`;
+// returns the path's name
 template <typename scalar_t>
 std::string run_row_cells_flat(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, CellIndex ci,
-                               const float* pm, const float* ps, std::vector<uint32_t>& ws, std::vector<float>& cells,
-                               std::vector<int8_t>& k, int max_k) {
+                               const float* pm, const float* ps, uint32_t* ws, std::vector<float>& cells,
+                               const RowCellsFinish& fin) {
   const int64_t S = D / G, chunks = S * int64_t(sizeof(scalar_t)) / 16;
   const RowCellsShape shape = row_cells_shape(chunks);
   const unsigned blocks = unsigned(row_cells_flat_blocks(rows * G, shape, sms, 1 + int(rng() % 4)));
-  const int bits = mean_sum_bits(rows);
-  const double recip = 1.0 / double(rows);
   auto run = [&](auto idx) {
     using IdxT = decltype(idx);
     const DivT<IdxT> div_G(static_cast<IdxT>(G));
@@ -1781,14 +1783,9 @@ std::string run_row_cells_flat(const scalar_t* x, int64_t rows, int64_t D, int G
       const IdxT segs = IdxT(rows * G), s = IdxT(S), g = IdxT(G);
       const int c = int(chunks), w = shape.W;
       float* cl = cells.data();
-      uint32_t* wp = ws.data();
-      int8_t* kp = k.data();
-      if (shape.cpl == 1)
-        row_cells_flat_kernel<scalar_t, 1, IdxT>(x, wp, cl, segs, s, c, w, g, div_G, pm, ps, ci, kp, max_k, bits, recip);
-      else if (shape.cpl == 2)
-        row_cells_flat_kernel<scalar_t, 2, IdxT>(x, wp, cl, segs, s, c, w, g, div_G, pm, ps, ci, kp, max_k, bits, recip);
-      else
-        row_cells_flat_kernel<scalar_t, 4, IdxT>(x, wp, cl, segs, s, c, w, g, div_G, pm, ps, ci, kp, max_k, bits, recip);
+      if (shape.cpl == 1) row_cells_flat_kernel<scalar_t, 1, IdxT>(x, ws, cl, segs, s, c, w, g, div_G, pm, ps, ci, fin);
+      else if (shape.cpl == 2) row_cells_flat_kernel<scalar_t, 2, IdxT>(x, ws, cl, segs, s, c, w, g, div_G, pm, ps, ci, fin);
+      else row_cells_flat_kernel<scalar_t, 4, IdxT>(x, ws, cl, segs, s, c, w, g, div_G, pm, ps, ci, fin);
     });
   };
   static int turn = 0;  // (alternating: both index widths whatever the random draws)
@@ -1798,7 +1795,42 @@ std::string run_row_cells_flat(const scalar_t* x, int64_t rows, int64_t D, int G
   g_checked[wide ? "row_cells_flat_u64" : "row_cells_flat_u32"]++;
   if (chunks > kRowCellsSlots * shape.W) g_checked["row_cells_flat_rounds"]++;
   if (chunks < shape.W) g_checked["row_cells_flat_idle_lanes"]++;
+  g_checked[fin.fused ? "row_cells_flat_fused" : "row_cells_flat_unfused"]++;
   return "row_cells_flat_cpl" + std::to_string(shape.cpl);
+}
+
+// The fused finish's outputs (observe's, over the scaled cells) against the sequential
+// estimate step over the expected cells' group min / max (both slots, as observe reduces them)
+struct FusedCase {
+  std::vector<float> est_a, est_b, out_a, out_b;
+  bool init = false, symmetric = false;
+  int64_t seed_out[2] = {-1, -1};
+};
+
+int check_fused_finish(const FusedCase& before, const FusedCase& after, const RngCase& rc,
+                       const std::vector<float>& want_cells, int64_t rows, int G, CellIndex ci) {
+  std::vector<float> mn(G, INFINITY), mx(G, -INFINITY);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int g = 0; g < G; ++g)
+      for (int slot : {0, 1}) {
+        const float v = want_cells[ci.at(i, slot * G + g)];
+        mn[g] = nan_min(mn[g], v);
+        mx[g] = nan_max(mx[g], v);
+      }
+  for (auto& v : mn) v = canonical(v);
+  for (auto& v : mx) v = canonical(v);
+  const float lam = 0.9f, oml = static_cast<float>(1.0 - 0.9);
+  const SeqEstimate want = seq_estimates(mn, mx, 1, G, before.est_a, before.est_b, before.init, lam, oml, false,
+                                         before.symmetric, true);
+  const bool ok = vec_same_bits(want.out_a, after.out_a.data(), G) && vec_same_bits(want.out_b, after.out_b.data(), G) &&
+                  vec_same_bits(want.est_a, after.est_a.data(), G + 2) &&
+                  vec_same_bits(want.est_b, after.est_b.data(), G + 2) && after.init == want.init;
+  const bool seed_ok = rc.stepped(after.seed_out);
+  g_checked["row_cells_flat_fused_estimates"]++;
+  if (ok && seed_ok) return 0;
+  fprintf(stderr, "row_cells_flat fused finish mismatch: estimates %s, seed %s\n", ok ? "ok" : "DIFFER",
+          seed_ok ? "ok" : "DIFFER");
+  return 1;
 }
 
 // norm (a LayerNorm's mean and rstd per row, or nullptr): every element taken as
@@ -1814,11 +1846,29 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
   const CellIndex ci = slot_major ? CellIndex{1, rows} : CellIndex{2 * G, 1};
   const float* pm = norm != nullptr ? norm->mean.data() : nullptr;
   const float* ps = norm != nullptr ? norm->rstd.data() : nullptr;
-  std::vector<uint32_t> ws(kWsHeader + rows + 1, 0u);
-  ws[kWsHeader + rows] = 0xABCD1234u;  // (past the row maxima)
+  // (flat) the op's finish: fused with shared statistics (the slot-major cells), else not
+  const bool fused = VEC && slot_major && G <= kSlots;
+  const int64_t chunks = (rows + kRowChunk - 1) / kRowChunk, words = rows + (fused ? chunks * (2 * G + 1) : 0);
+  std::vector<uint32_t> ws(kWsHeader + words + 1, 0u);
+  ws[kWsHeader + words] = 0xABCD1234u;  // (past what the finish uses)
+  FusedCase fc;
+  std::normal_distribution<float> nd;
+  for (int n = 0; n < G + 2; ++n) fc.est_a.push_back(std::fabs(nd(rng))), fc.est_b.push_back(nd(rng));
+  fc.out_a.assign(G, 7.0f);
+  fc.out_b.assign(G, 7.0f);
+  fc.init = rng() % 2;
+  fc.symmetric = rng() % 2;
+  const FusedCase before = fc;
+  RngCase rc(rng);
   std::string path;
   if constexpr (VEC) {
-    path = run_row_cells_flat<scalar_t>(x, rows, D, G, sms, ci, pm, ps, ws, cells, k, max_k);
+    uint32_t* part_min = ws.data() + kWsHeader + rows;
+    const EstimateArgs est{fc.est_a.data(), fc.est_b.data(), &fc.init, 0.9f, static_cast<float>(1.0 - 0.9), false,
+                           fc.symmetric, true, fc.out_a.data(), fc.out_b.data()};
+    const RowCellsFinish fin{k.data(), max_k, mean_sum_bits(rows), 1.0 / double(rows), fused, part_min,
+                             part_min + chunks * G, part_min + 2 * chunks * G, chunks,
+                             fused ? est : EstimateArgs{}, fused ? SeedArgs{rc.buf, 1, fc.seed_out} : SeedArgs{}};
+    path = run_row_cells_flat<scalar_t>(x, rows, D, G, sms, ci, pm, ps, ws.data(), cells, fin);
   } else {
     const unsigned blocks = unsigned(warp_rows_grid(rows, sms));
     launch_simt(blocks, kThreads,
@@ -1833,6 +1883,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
   for (int64_t i = 0; i < rows; ++i) want_r[i] = naive_absmax(xs.data() + i * D, D);
   const float flat_mean = row_max_mean(want_r.data(), rows);
   int errs = 0;
+  std::vector<float> want_cells(cells.size());  // (the cells the flat pass must leave)
   for (int64_t i = 0; i < rows; ++i) {
     const int want_k = VEC ? naive_row_k(flat_mean, want_r[i], max_k) : 0;
     if (!VEC && !same_stat(r[i], want_r[i]) && errs++ < 5)
@@ -1852,6 +1903,8 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
       if (nan) mn = mx = NAN;
       mn = scaled_cell<scalar_t>(mn, want_k, norm != nullptr);
       mx = scaled_cell<scalar_t>(mx, want_k, norm != nullptr);
+      want_cells[ci.at(i, g)] = mn;
+      want_cells[ci.at(i, G + g)] = mx;
       const float gmn = cells[ci.at(i, g)], gmx = cells[ci.at(i, G + g)];
       if ((!same_stat(gmn, mn) || !same_stat(gmx, mx)) && errs++ < 5)
         fprintf(stderr, "%s<%zu> mismatch row=%ld g=%d/%d D=%ld k=%d got [%g, %g] exp [%g, %g]\n", path.c_str(),
@@ -1859,12 +1912,27 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     }
   }
   if (!same_bits(r[rows], 7.0f) || !same_bits(cells[rows * 2 * G], 7.0f) || k[rows] != -99 ||
-      ws[kWsHeader + rows] != 0xABCD1234u) {
+      ws[kWsHeader + words] != 0xABCD1234u) {
     fprintf(stderr, "%s wrote past the end\n", path.c_str());
     ++errs;
   }
-  if (VEC && std::any_of(ws.begin(), ws.begin() + kWsHeader + rows, [](uint32_t w) { return w != 0u; })) {
+  if (VEC && std::any_of(ws.begin(), ws.begin() + kWsHeader + words, [](uint32_t w) { return w != 0u; })) {
     fprintf(stderr, "%s left the workspace non-zero (ticket %u)\n", path.c_str(), ws[0]);
+    ++errs;
+  }
+  if (fused) {
+    errs += check_fused_finish(before, fc, rc, want_cells, rows, G, ci);
+    // which of the finish's two sources its totals came from: a chunk of rows all with k = 0
+    // (the pass's partial totals) and one with a row scaled (its cells)
+    for (int64_t c = 0; c < chunks; ++c) {
+      bool dirty = false;
+      for (int64_t i = c * kRowChunk; i < std::min(rows, (c + 1) * kRowChunk); ++i)
+        dirty = dirty || naive_row_k(flat_mean, want_r[i], max_k) != 0;
+      g_checked[dirty ? "row_cells_flat_fused_dirty_chunk" : "row_cells_flat_fused_clean_chunk"]++;
+    }
+  }
+  if (VEC && !fused && (fc.seed_out[0] != -1 || !vec_same_bits(before.est_a, fc.est_a.data(), G + 2))) {
+    fprintf(stderr, "%s (not fused) touched the estimates or the seed\n", path.c_str());
     ++errs;
   }
   g_checked[path + (norm != nullptr ? "_norm" : "")]++;
@@ -1904,6 +1972,19 @@ int check_observe_rows(int64_t rows, int64_t D, int G, int sms) {
   scalar_t* xa = alloc<scalar_t>(rows * D, 0);
   scalar_t* xu = alloc<scalar_t>(rows * D, off);
   fill_rows(xa, rows, D);
+  if (rng() % 3 == 0) {
+    // rows of one scale, one far below (DeiT3's class token): chunks of rows all with k = 0
+    // beside one with a scaled row, the fused finish's two sources of group totals. The rows'
+    // second halves are 1/64 of their first, the small row's the other way round, so that scaled
+    // it holds the extremes of the groups there (the totals differ from its unscaled cells')
+    std::normal_distribution<float> nd;
+    const int64_t small = rng() % rows;
+    for (int64_t i = 0; i < rows * D; ++i) {
+      const bool second = i % D >= D / 2;
+      const float f = i / D == small ? (second ? 0x1p-10f : 0x1p-16f) : (second ? 0x1p-6f : 1.0f);
+      xa[i] = static_cast<scalar_t>(nd(rng) * f);
+    }
+  }
   memcpy(xu, xa, rows * D * sizeof(scalar_t));
   int errs = 0;
   RowExp norm;  // a LayerNorm's statistics of the rows
@@ -1929,10 +2010,11 @@ int observe_rows_checks(int ncases) {
   // unequal length (131 / 4, 24 / 5), segments longer than a warp's pass (1100 / 2), rows = 300
   // on one SM (warps stride over rows), more groups than the kernel's table of bounds holds
   // (600 / 300: computed in each pass); for the flat pass, segments of 6 / 3 chunks (144 / 6:
-  // idle lanes) and of 60 / 30 (1200 / 5: further rounds, a partial one), 40 DeiT rows
+  // idle lanes) and of 60 / 30 (1200 / 5: further rounds, a partial one), 40 DeiT rows, 100 rows of
+  // 16 floats a segment (the fused finish: several chunks of 32 rows)
   const std::vector<std::tuple<int64_t, int64_t, int>> fixed = {
       {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4},
-      {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}, {3, 144, 6}, {2, 1200, 5}, {40, 384, 6}};
+      {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}, {3, 144, 6}, {2, 1200, 5}, {40, 384, 6}, {100, 64, 4}};
   // (flat-pass sub-warps of 1, 2, 4 and 8 lanes and 1, 2 and 4 chunks a lane across the dtypes)
   // (each layout with one dtype per SM count, rotating: the warp emulation is slow)
   int turn = 0;
