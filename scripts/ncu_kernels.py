@@ -44,9 +44,9 @@ OPS = (r"^(observe_rows|observe|quantize \(stochastic\)|backward: dequantize|bac
        r"|backward LayerNorm \+ Linear rebuild: dequantize with col_scale / col_shift)$")
 CASES = r"^(tokens|hidden|attn)"
 # the extension's kernels by function name (ncu's "function" base: no parameters or template
-# arguments; unanchored, whether or not it keeps the namespace); the ops' ATen helpers
-# (observe_rows' mean of the row maxima) are left out
-KERNELS = (r"regex:(row_cells_flat_kernel|row_cells_kernel|row_k_cells_kernel|observe_kernel|quantize_kernel"
+# arguments; unanchored, whether or not it keeps the namespace); row_cells_flat_kernel holds
+# observe_rows' whole work on the layers' layouts (its last block the mean, k and the totals)
+KERNELS = (r"regex:(row_cells_flat_kernel|row_cells_kernel|row_absmax_kernel|observe_kernel|quantize_kernel"
            r"|dequantize_kernel|softmax_backward_kernel|layer_norm_backward_kernel)")
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "MemoryWorkloadAnalysis", "SchedulerStats", "WarpStateStats")
 

@@ -32,8 +32,8 @@ FAMILIES = (
     "row_cells_flat_cpl4", "row_cells_flat_u32", "row_cells_flat_u64", "row_cells_flat_rounds",
     "row_cells_flat_idle_lanes", "row_cells_flat_cpl1_norm", "row_cells", "row_cells_norm",
     # the flat pass's last block: fused (the group totals from a chunk's partials and from a
-    # chunk's scaled cells, the estimate and seed steps) and not (per-sample statistics); the
-    # one-block mean of the row maxima
+    # chunk's scaled cells, the estimate and seed steps) and not (per-sample statistics); a
+    # block's mean of the row maxima
     "row_cells_flat_fused", "row_cells_flat_unfused", "row_cells_flat_fused_estimates",
     "row_cells_flat_fused_clean_chunk", "row_cells_flat_fused_dirty_chunk", "row_mean",
     "quantize_observe_first", "quantize_observe_init", "quantize_observe_first_rows", "quantize_observe_init_rows",
@@ -47,7 +47,8 @@ FAMILIES = (
     "dequantize_cols_staged", "dequantize_cols_staged_rows",
 )
 KERNELS = ("quantize_kernel", "dequantize_kernel", "quantize_bits_kernel", "dequantize_bits_kernel", "observe_kernel",
-           "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_k_kernel",
+           "quantize_observe_kernel", "update_estimates_kernel", "row_absmax_kernel", "row_cells_kernel",
+           "row_cells_flat_kernel", "row_cells_finish", "block_row_max_mean",
            "softmax_backward_kernel", "layer_norm_backward_kernel")
 
 

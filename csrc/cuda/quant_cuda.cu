@@ -2238,9 +2238,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> estimate_and_seed_cuda(
 }
 
 // ----------------------------------------------------------------------------- row_exponents
-// mesa_train.nn.rowscale.row_exponents in three launches instead of ~11 ATen ops: the row
-// maxima of |x| (one warp per row), their mean (row_mean_kernel, one block: the bits of
-// reference.row_max_mean, mesa_common.h), then k per row.
+// mesa_train.nn.rowscale.row_exponents in one launch instead of ~11 ATen ops: the row maxima
+// of |x| (one warp per row), then in the last block to finish their mean (the bits of
+// reference.row_max_mean, mesa_common.h) and k per row (row_cells_finish, below, which the
+// row passes of observe_rows share).
 // |x| max as storage bits with the sign cleared: for non-negative values the bit patterns
 // order like the values and every NaN pattern lies above +inf, so the integer max is
 // max|x| (a NaN pattern for a row with a NaN), as in the CPU kernel (row_absmax_cpu).
@@ -2259,41 +2260,6 @@ template <> struct AbsBits<c10::Half> {
     return static_cast<float>(c10::Half(static_cast<uint16_t>(b), c10::Half::from_bits()));
   }
 };
-
-// r[row] = max |x| of each row of L elements (VEC: rows of whole, 16-byte aligned chunks)
-template <typename scalar_t, bool VEC>
-__global__ void __launch_bounds__(kThreads)
-row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t rows, int64_t L) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
-    const scalar_t* xr = x + row * L;
-    uint32_t m = 0u;
-    if constexpr (VEC) {
-      const uint4* c = reinterpret_cast<const uint4*>(xr);
-      const int64_t chunks = L * int64_t(sizeof(scalar_t)) / 16;
-      for (int64_t j = lane; j < chunks; j += 32) {
-        const uint4 w = __ldg(c + j);
-        m = umax(umax(m, umax(AbsBits<scalar_t>::of_word(w.x), AbsBits<scalar_t>::of_word(w.y))),
-                 umax(AbsBits<scalar_t>::of_word(w.z), AbsBits<scalar_t>::of_word(w.w)));
-      }
-    } else {
-      for (int64_t j = lane; j < L; j += 32) {
-        const scalar_t v = xr[j];
-        uint32_t b;
-        if constexpr (sizeof(scalar_t) == 4) {
-          b = __float_as_uint(static_cast<float>(v));
-        } else {
-          b = static_cast<uint32_t>(v.x);
-        }
-        m = umax(m, AbsBits<scalar_t>::of_word(b));
-      }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) m = umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-    if (lane == 0) r[row] = AbsBits<scalar_t>::to_float(m);
-  }
-}
 
 // The mean of the row maxima r[0..rows) (their float32 bits; reference.row_max_mean) taken
 // by one block, returned to each of its threads: mesa_common.h's three steps with thread t on
@@ -2325,31 +2291,146 @@ __device__ float block_row_max_mean(const uint32_t* r_bits, int64_t rows, int bi
   return mean_of_sum(s_sum[0], e, bits, recip_n);
 }
 
-// *mean = the mean of the row maxima (one block of kThreads)
-__global__ void __launch_bounds__(kThreads)
-row_mean_kernel(const uint32_t* __restrict__ r_bits, int64_t rows, int bits, double recip_n, float* __restrict__ mean) {
-  const float m = block_row_max_mean(r_bits, rows, bits, recip_n);
-  if (threadIdx.x == 0) *mean = m;
+// Where cell `slot` (0 .. 2G: a row's G segment minima, then its G maxima; observe_rows below)
+// of row `row` is stored
+struct CellIndex {
+  int64_t row_stride, slot_stride;
+  __device__ __forceinline__ int64_t at(int64_t row, int64_t slot) const {
+    return row * row_stride + slot * slot_stride;
+  }
+};
+
+
+// What the last block of a row pass finishes (row_absmax_kernel; observe_rows' row_cells_kernel
+// and row_cells_flat_kernel): k, with the cells the pass wrote scaled; with `fused` (the flat
+// pass, shared statistics and G <= kSlots: observe's reduction and estimate step folded in,
+// observe_rows one launch), in the stream's zeroed workspace after the flat pass's row maxima,
+// part_min / part_max, the encoded min / max of each group over kRowChunk consecutive rows'
+// cells (chunks * G words each, from the pass's atomics), and dirty, a word per chunk holding a
+// row with k > 0.
+constexpr int kRowChunk = 32;  // rows a partial total covers (a power of two: a shift)
+
+struct RowCellsFinish {
+  int8_t* k;
+  int max_k, mean_bits;
+  double recip_n;
+  bool fused;
+  uint32_t *part_min, *part_max, *dirty;  // (fused) in the workspace after the row maxima
+  int64_t chunks;
+  EstimateArgs est;  // (fused) observe's estimate step and seed step, as observe_cuda sets them
+  SeedArgs sd;
+};
+
+// The batch statistics of the estimate step from shared-memory totals (the fused finish)
+struct SharedStats {
+  const uint32_t* emin;
+  const uint32_t* emax;
+  __device__ __forceinline__ uint32_t min_bits(int64_t i) const { return emin[i]; }
+  __device__ __forceinline__ uint32_t max_bits(int64_t i) const { return emax[i]; }
+};
+
+// The fused finish's group totals: each group's encoded min / max over every row's scaled
+// cells (both slots, as observe over the cells reduces them), chunk by chunk: a chunk whose rows
+// all have k = 0 from the pass's partial totals (its cells unscaled), another from its cells as
+// now scaled; each partial and flag zeroed once read. s_min / s_max: G shared words each.
+__device__ void row_cells_totals(uint32_t* part_min, uint32_t* part_max, uint32_t* dirty, int64_t chunks,
+                                 int64_t rows, int G, const float* cells, CellIndex ci, uint32_t* s_min,
+                                 uint32_t* s_max) {
+  for (int g = threadIdx.x; g < G; g += blockDim.x) s_min[g] = s_max[g] = 0u;
+  __syncthreads();  // (also: every k, scaled cell and dirty flag of this block written)
+  for (int64_t p = threadIdx.x; p < chunks * G; p += blockDim.x) {
+    const int64_t c = p / G;
+    const int g = static_cast<int>(p - c * G);
+    uint32_t emn = __ldcg(part_min + p), emx = __ldcg(part_max + p);
+    if (__ldcg(dirty + c) != 0u) {
+      emn = emx = 0u;
+      for (int64_t i = c * kRowChunk; i < rows && i < (c + 1) * kRowChunk; ++i) {
+        const float lo = __ldcg(cells + ci.at(i, g)), hi = __ldcg(cells + ci.at(i, G + g));
+        emn = umax(emn, umax(enc_min(lo), enc_min(hi)));
+        emx = umax(emx, umax(enc_max(lo), enc_max(hi)));
+      }
+    }
+    part_min[p] = part_max[p] = 0u;
+    atomicMax(s_min + g, emn);
+    atomicMax(s_max + g, emx);
+  }
+  __syncthreads();  // every flag read
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) dirty[c] = 0u;
 }
 
-// k[row] = row_k(mean, r[row], max_k) (mesa_common.h)
-__global__ void __launch_bounds__(kThreads)
-row_k_kernel(const float* __restrict__ r, const float* __restrict__ mean, int8_t* __restrict__ k, int64_t rows,
-             int max_k) {
-  const float mu = __ldg(mean);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x)
-    k[i] = static_cast<int8_t>(row_k(mu, r[i], max_k));
+// A row pass's stage 2, in the last block to finish (the row maxima r_bits all final): the mean
+// of the row maxima, then per row k and its 2G cells (none for row_absmax_kernel: G = 0) times
+// 2**k rounded to the dtype the elements are taken in (x_hat's float32 with `norm`, else
+// scalar_t); fused, then the group totals, observe's estimate step and seed step. Each row
+// maximum is zeroed once read and every workspace word it used is zero again for the next
+// launch on the stream (the ticket is the caller's). Not inlined: its int64 and double
+// registers stay out of the row loops (48 in the flat pass).
+template <typename scalar_t>
+__device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, int G, float* cells, CellIndex ci,
+                                              const RowCellsFinish& fin, bool norm) {
+  const float mean = block_row_max_mean(r_bits, rows, fin.mean_bits, fin.recip_n);
+  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
+    const int kk = row_k(mean, __uint_as_float(__ldcg(r_bits + i)), fin.max_k);
+    fin.k[i] = static_cast<int8_t>(kk);
+    r_bits[i] = 0u;
+    if (kk == 0) continue;
+    if (fin.fused) fin.dirty[i / kRowChunk] = 1u;
+    const float f = pow2i(kk);
+    for (int j = 0; j < 2 * G; ++j) {
+      float* c = cells + ci.at(i, j);
+      const float v = f_mul(__ldcg(c), f);
+      *c = norm ? v : round_to<scalar_t>(v);
+    }
+  }
+  if (!fin.fused) return;
+  __shared__ uint32_t s_min[kSlots], s_max[kSlots];
+  row_cells_totals(fin.part_min, fin.part_max, fin.dirty, fin.chunks, rows, G, cells, ci, s_min, s_max);
+  estimate_update(SharedStats{s_min, s_max}, 1, G, fin.est, nullptr, nullptr);
+  if (threadIdx.x == 0) seed_step_device(fin.sd);
 }
 
-// The 0-d float32 mean of the float32 row maxima r (rows of them), by row_mean_kernel
-at::Tensor launch_row_mean(const at::Tensor& r, int64_t rows, cudaStream_t stream) {
-  at::Tensor mean = at::empty({}, r.options());
-  row_mean_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(r.const_data_ptr<float>()), rows,
-                                              mean_sum_bits(rows), 1.0 / static_cast<double>(rows),
-                                              mean.mutable_data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return mean;
+// r[row] = max |x| of each row of L elements (VEC: rows of whole, 16-byte aligned chunks), then
+// in the last block the mean and k (fin.k; r zeroed by then, ws the ticket)
+template <typename scalar_t, bool VEC>
+__global__ void __launch_bounds__(kThreads)
+row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t rows, int64_t L,
+                  uint32_t* __restrict__ ws, RowCellsFinish fin) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
+    const scalar_t* xr = x + row * L;
+    uint32_t m = 0u;
+    if constexpr (VEC) {
+      const uint4* c = reinterpret_cast<const uint4*>(xr);
+      const int64_t chunks = L * int64_t(sizeof(scalar_t)) / 16;
+      for (int64_t j = lane; j < chunks; j += 32) {
+        const uint4 w = __ldg(c + j);
+        m = umax(umax(m, umax(AbsBits<scalar_t>::of_word(w.x), AbsBits<scalar_t>::of_word(w.y))),
+                 umax(AbsBits<scalar_t>::of_word(w.z), AbsBits<scalar_t>::of_word(w.w)));
+      }
+    } else {
+      for (int64_t j = lane; j < L; j += 32) {
+        const scalar_t v = xr[j];
+        uint32_t b;
+        if constexpr (sizeof(scalar_t) == 4) {
+          b = __float_as_uint(static_cast<float>(v));
+        } else {
+          b = static_cast<uint32_t>(v.x);
+        }
+        m = umax(m, AbsBits<scalar_t>::of_word(b));
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) m = umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if (lane == 0) r[row] = AbsBits<scalar_t>::to_float(m);
+  }
+  __shared__ bool s_last;
+  if (!last_block_to_arrive(ws, s_last)) return;
+  row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, 0, nullptr, CellIndex{}, fin, true);
+  __syncthreads();
+  if (threadIdx.x == 0) ws[0] = 0u;  // the ticket, for the next launch on the stream
 }
+
 
 at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t max_k) {
   const int64_t L = check_row_exponents(x_in, row_dims, max_k);
@@ -2364,22 +2445,18 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int sms = sm_count();
   const int blocks = warp_rows_grid(rows, sms);
+  const at::Tensor ws_t = workspace(x, 1, stream);  // (its ticket)
+  uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
+  const RowCellsFinish fin{k.mutable_data_ptr<int8_t>(), static_cast<int>(max_k), mean_sum_bits(rows),
+                           1.0 / static_cast<double>(rows), false, nullptr, nullptr, nullptr, 0, EstimateArgs{},
+                           SeedArgs{}};
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_row_absmax_cuda", [&] {
     const bool vec = aligned16(x.const_data_ptr()) && (L * int64_t(sizeof(scalar_t))) % 16 == 0;
-    if (vec) {
-      row_absmax_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
-                                                                        r.mutable_data_ptr<float>(), rows, L);
-    } else {
-      row_absmax_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
-                                                                         r.mutable_data_ptr<float>(), rows, L);
-    }
+    auto kernel = vec ? row_absmax_kernel<scalar_t, true> : row_absmax_kernel<scalar_t, false>;
+    kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), rows, L, ws,
+                                            fin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  const at::Tensor mean = launch_row_mean(r, rows, stream);
-  row_k_kernel<<<grid_for(rows, sms), kThreads, 0, stream>>>(r.const_data_ptr<float>(), mean.const_data_ptr<float>(),
-                                                             k.mutable_data_ptr<int8_t>(), rows,
-                                                             static_cast<int>(max_k));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return k;
 }
 
@@ -2391,8 +2468,8 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
 // totals (from per-chunk partials the pass's atomics left, or a chunk's scaled cells where a
 // row has k > 0), observe's estimate step and seed step: with quantize two launches a
 // compression. Per-sample statistics: that pass without the totals, then observe over the
-// rows' 2G cells (laid out as CellIndex below says). Elsewhere the warp-a-row pass,
-// row_mean_kernel, the k and cell scaling kernel, then observe.
+// rows' 2G cells (laid out as CellIndex says). Elsewhere the warp-a-row pass (its last block
+// the mean, k and the scaled cells), then observe: two launches.
 // Per row of D elements: r[row] = max|x| (as row_absmax_kernel: the largest float bit pattern
 // with the sign cleared, NaN patterns above +inf) and cells[row] = [the min of each group's
 // segment [ceil(g D / G), ceil((g + 1) D / G)), then the maxima] (NaN propagating; order-free).
@@ -2414,20 +2491,18 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
 constexpr int kRowCellsAhead = 4;
 // Groups up to which row_cells_kernel keeps its segments' bounds in shared memory
 constexpr int kRowCellsMaxGroups = 256;
-
-struct CellIndex {
-  int64_t row_stride, slot_stride;
-  __device__ __forceinline__ int64_t at(int64_t row, int64_t slot) const {
-    return row * row_stride + slot * slot_stride;
-  }
-};
+// Blocks an SM both row passes are compiled for (at most 48 registers a thread). The flat one:
+// 40 warps an SM, each lane 64 bytes in flight; uncapped, nvcc took 56 to 64 registers for some
+// instantiations (4 blocks); capped at 6 blocks, the 64-bit index ones spilled. The warp-a-row
+// one took 56 (4 blocks) once its last block called the finish, 48 before.
+constexpr int kRowCellsBlocks = 5;
 
 // The row pass of any layout: segments of unequal length or unaligned x, element loads
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kRowCellsBlocks)
 row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* __restrict__ cells, int64_t rows,
                  int64_t D, int G, const float* __restrict__ row_mean, const float* __restrict__ row_rstd,
-                 CellIndex ci) {
+                 CellIndex ci, uint32_t* __restrict__ ws, RowCellsFinish fin) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   // the segments' bounds ceil(g D / G), g = 0 .. G, once a block: computed in each row pass they
@@ -2488,6 +2563,12 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
     for (int off = 16; off > 0; off /= 2) am = umax(am, __shfl_xor_sync(0xFFFFFFFFu, am, off));
     if (lane == 0) r[row] = __uint_as_float(am);
   }
+  // stage 2: the last block finds the mean, k and the scaled cells (not fused: observe follows)
+  __shared__ bool s_last;
+  if (!last_block_to_arrive(ws, s_last)) return;
+  row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, G, cells, ci, fin, row_mean != nullptr);
+  __syncthreads();
+  if (threadIdx.x == 0) ws[0] = 0u;
 }
 
 // The flat row pass (every segment whole 16-byte chunks):
@@ -2509,10 +2590,6 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
 // on across rows (DeiT-S's 6 segments of 8 chunks a row left half of a 4-segment pass idle)
 // and there is no table, no barrier and no per-row shuffle chain for max |x|.
 constexpr int kRowCellsSlots = 4;
-// Blocks an SM the flat pass is compiled for (at most 48 registers a thread; 40 warps an SM,
-// each lane 64 bytes in flight). Uncapped, nvcc took 56 to 64 registers for some
-// instantiations (4 blocks); capped at 6 blocks, the 64-bit index ones spilled.
-constexpr int kRowCellsBlocks = 5;
 
 // W (a power of two, at most 8) and CPL (chunks a lane a round: 1, 2 or 4) for segments of
 // `chunks` 16-byte chunks. Segments longer than 4 W chunks take further rounds of 4 loads.
@@ -2541,91 +2618,6 @@ int row_cells_flat_blocks(int64_t segments, RowCellsShape shape, int sms, int re
 template <typename scalar_t, int H>
 __device__ __forceinline__ float word_element(uint32_t w) {
   return AbsBits<scalar_t>::to_float(sizeof(scalar_t) == 4 ? w : w >> (16 * H));
-}
-
-// What the flat pass's last block finishes, in the stream's zeroed workspace after its header:
-// r_bits, the row maxima (rows words); with `fused` (shared statistics and G <= kSlots:
-// observe's reduction and estimate step folded in, observe_rows one launch) part_min / part_max,
-// the encoded min / max of each group over kRowChunk consecutive rows' cells (chunks * G words
-// each, from the pass's atomics), and dirty, a word per chunk holding a row with k > 0.
-constexpr int kRowChunk = 32;  // rows a partial total covers (a power of two: a shift)
-
-struct RowCellsFinish {
-  int8_t* k;
-  int max_k, mean_bits;
-  double recip_n;
-  bool fused;
-  uint32_t *part_min, *part_max, *dirty;  // (fused) in the workspace after the row maxima
-  int64_t chunks;
-  EstimateArgs est;  // (fused) observe's estimate step and seed step, as observe_cuda sets them
-  SeedArgs sd;
-};
-
-// The batch statistics of the estimate step from shared-memory totals (the fused finish)
-struct SharedStats {
-  const uint32_t* emin;
-  const uint32_t* emax;
-  __device__ __forceinline__ uint32_t min_bits(int64_t i) const { return emin[i]; }
-  __device__ __forceinline__ uint32_t max_bits(int64_t i) const { return emax[i]; }
-};
-
-// The fused finish's group totals: each group's encoded min / max over every row's scaled
-// cells (both slots, as observe over the cells reduces them), chunk by chunk: a chunk whose rows
-// all have k = 0 from the pass's partial totals (its cells unscaled), another from its cells as
-// now scaled; each partial and flag zeroed once read. s_min / s_max: G shared words each.
-__device__ void row_cells_totals(uint32_t* part_min, uint32_t* part_max, uint32_t* dirty, int64_t chunks,
-                                 int64_t rows, int G, const float* cells, CellIndex ci, uint32_t* s_min,
-                                 uint32_t* s_max) {
-  for (int g = threadIdx.x; g < G; g += blockDim.x) s_min[g] = s_max[g] = 0u;
-  __syncthreads();  // (also: every k, scaled cell and dirty flag of this block written)
-  for (int64_t p = threadIdx.x; p < chunks * G; p += blockDim.x) {
-    const int64_t c = p / G;
-    const int g = static_cast<int>(p - c * G);
-    uint32_t emn = __ldcg(part_min + p), emx = __ldcg(part_max + p);
-    if (__ldcg(dirty + c) != 0u) {
-      emn = emx = 0u;
-      for (int64_t i = c * kRowChunk; i < rows && i < (c + 1) * kRowChunk; ++i) {
-        const float lo = __ldcg(cells + ci.at(i, g)), hi = __ldcg(cells + ci.at(i, G + g));
-        emn = umax(emn, umax(enc_min(lo), enc_min(hi)));
-        emx = umax(emx, umax(enc_max(lo), enc_max(hi)));
-      }
-    }
-    part_min[p] = part_max[p] = 0u;
-    atomicMax(s_min + g, emn);
-    atomicMax(s_max + g, emx);
-  }
-  __syncthreads();  // every flag read
-  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) dirty[c] = 0u;
-}
-
-// The flat pass's stage 2, in the last block to finish (the row maxima all final): the mean of
-// the row maxima, then per row k and its cells times 2**k rounded to the dtype the elements are
-// taken in (x_hat's float32 with `norm`, else scalar_t), as row_k_cells_kernel does after a
-// separate mean; fused, then the group totals, observe's estimate step and seed step. Every
-// workspace word it used is zero again for the next launch on the stream (the ticket is the
-// caller's). Not inlined: its int64 and double registers stay out of the row loop's 48.
-template <typename scalar_t>
-__device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, int G, float* cells, CellIndex ci,
-                                              const RowCellsFinish& fin, bool norm) {
-  const float mean = block_row_max_mean(r_bits, rows, fin.mean_bits, fin.recip_n);
-  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
-    const int kk = row_k(mean, __uint_as_float(__ldcg(r_bits + i)), fin.max_k);
-    fin.k[i] = static_cast<int8_t>(kk);
-    r_bits[i] = 0u;
-    if (kk == 0) continue;
-    if (fin.fused) fin.dirty[i / kRowChunk] = 1u;
-    const float f = pow2i(kk);
-    for (int j = 0; j < 2 * G; ++j) {
-      float* c = cells + ci.at(i, j);
-      const float v = f_mul(__ldcg(c), f);
-      *c = norm ? v : round_to<scalar_t>(v);
-    }
-  }
-  if (!fin.fused) return;
-  __shared__ uint32_t s_min[kSlots], s_max[kSlots];
-  row_cells_totals(fin.part_min, fin.part_max, fin.dirty, fin.chunks, rows, G, cells, ci, s_min, s_max);
-  estimate_update(SharedStats{s_min, s_max}, 1, G, fin.est, nullptr, nullptr);
-  if (threadIdx.x == 0) seed_step_device(fin.sd);
 }
 
 template <typename scalar_t, int CPL, typename IdxT>
@@ -2719,26 +2711,6 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws,
   if (threadIdx.x == 0) ws[0] = 0u;  // the ticket, for the next launch on the stream
 }
 
-// k[row] as row_k_kernel, and the row's cells times 2**k rounded to scalar_t (x * 2**k as the
-// kernels take it; a power-of-two factor is monotone, so the scaled min / max of a segment
-// are the min / max of its scaled elements)
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-row_k_cells_kernel(const float* __restrict__ r, const float* __restrict__ mean, int8_t* __restrict__ k,
-                   float* __restrict__ cells, int64_t rows, int G, int max_k, CellIndex ci) {
-  const float mu = __ldg(mean);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x) {
-    const int kk = row_k(mu, r[i], max_k);
-    k[i] = static_cast<int8_t>(kk);
-    if (kk == 0) continue;
-    const float f = pow2i(kk);
-    for (int j = 0; j < 2 * G; ++j) {
-      float& c = cells[ci.at(i, j)];
-      c = round_to<scalar_t>(f_mul(c, f));
-    }
-  }
-}
-
 // The flat row pass over `segments` segments of S elements (S * sizeof(scalar_t) % 16 == 0, x
 // aligned) with its last block's finish (`fin`): the resident grid (one wave), 32-bit indices
 // where they fit; ws the stream's zeroed workspace, row_cells_ws_words long after its header
@@ -2826,7 +2798,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
     if (flat) {
       // One launch: the flat pass folds each segment's max |x| into its row's with atomicMax
       // in the stream's zeroed workspace, and its last block finds the mean, k and the scaled
-      // cells (was: a memset, the pass, ATen's mean, then row_k_cells_kernel), with shared
+      // cells (was: a memset, the pass, ATen's mean, then a k and cell scaling kernel), with shared
       // statistics also the group totals, the estimate step and the seed step (was: observe
       // over the cells, a launch more), leaving the workspace zero
       const int64_t chunks = (rows + kRowChunk - 1) / kRowChunk;
@@ -2841,18 +2813,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
+    // the warp-a-row pass (unequal segments, unaligned x), its last block the mean, k and the
+    // scaled cells; observe over the cells below
     at::Tensor r = at::empty(kshape, x.options().dtype(at::kFloat));
-    row_cells_kernel<scalar_t><<<warp_rows_grid(rows, sms), kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
-                                                               r.mutable_data_ptr<float>(),
-                                                               cells.mutable_data_ptr<float>(), rows, D,
-                                                               static_cast<int>(G), pm, ps, ci);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const at::Tensor mean = launch_row_mean(r, rows, stream);
-    // the scaled cells rounded to the dtype the elements are taken in: x_hat's float32 or x's
-    auto k_cells = norm ? row_k_cells_kernel<float> : row_k_cells_kernel<scalar_t>;
-    k_cells<<<grid_for(rows, sms), kThreads, 0, stream>>>(
-        r.const_data_ptr<float>(), mean.const_data_ptr<float>(), k.mutable_data_ptr<int8_t>(),
-        cells.mutable_data_ptr<float>(), rows, static_cast<int>(G), static_cast<int>(max_k), ci);
+    const at::Tensor ws_t = workspace(x, 1, stream);  // (its ticket)
+    const RowCellsFinish fin{k.mutable_data_ptr<int8_t>(), static_cast<int>(max_k), mean_sum_bits(rows),
+                             1.0 / static_cast<double>(rows), false, nullptr, nullptr, nullptr, 0, EstimateArgs{},
+                             SeedArgs{}};
+    row_cells_kernel<scalar_t><<<warp_rows_grid(rows, sms), kThreads, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
+        static_cast<int>(G), pm, ps, ci, reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>()), fin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   if (fused) return {alpha, beta, seed, k};

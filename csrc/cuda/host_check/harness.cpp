@@ -34,19 +34,19 @@
 //   NaN / inf) against the sequential definition (32 strided lane sums, xor butterfly);
 // * row_absmax (one warp per row; __shfl_xor_sync emulated by a per-warp exchange buffer
 //   and barrier, all 32 lanes as fibers) on the vector and scalar paths, rows with NaN /
-//   inf / zero / subnormal values, against the naive max |x| per row; row_k against
-//   clamp(floor(log2(mean / r)), 0, max_k) (0 for a zero, infinite or NaN ratio).
+//   inf / zero / subnormal values; its last block's k against clamp(floor(log2(mean / r)), 0,
+//   max_k) of the naive max |x| r per row and their row_max_mean (0 for a zero, infinite or
+//   NaN ratio).
 // * strided inputs (mesa_common.h): quantize, observe / group_minmax and quantize_observe read x
 //   laid out as a strided view (four dims nested in a random memory order, NaN between the rows)
 //   where it lies, through the layout strided_rows gives the ops; the same checks, bit for bit;
 // * observe_rows: the row pass (the flat one on aligned whole-chunk segments, 1, 2 and 4 chunks
 //   a lane, further rounds, idle lanes, 32- and 64-bit indices, small grids; the warp-a-row one
-//   on the rest) against the naive max |x| and per-segment min / max, and row_k_cells (k, and
-//   the cells of rows with k != 0 times 2**k rounded to the dtype); the flat pass's last block
-//   (blocks in a random order) against the same k and scaled cells with row_max_mean's mean,
-//   fused (shared statistics) its group totals, estimate step and seed step against the
-//   sequential step over those cells, and its workspace zero again; row_mean_kernel against
-//   the sequential row_max_mean.
+//   on the rest) against the naive per-segment min / max; each pass's last block (blocks in a
+//   random order) against k from row_max_mean of the naive max |x| and the cells of rows with
+//   k != 0 times 2**k rounded to the dtype; the flat pass fused (shared statistics) its group
+//   totals, estimate step and seed step against the sequential step over those cells; the
+//   workspace zero again; block_row_max_mean against the sequential row_max_mean.
 // * gelu_value_and_grad (dequantize with both GELU epilogues at once): each output the bits of
 //   its own op's epilogue;
 // * layer_norm_backward (one block per 64 rows, a warp per chunk of 8, the same exchange; every
@@ -180,7 +180,7 @@ inline float __shfl_xor_sync(uint32_t mask, float v, int lane_mask) {  // the de
 
 namespace mesa {
 namespace {
-using std::isfinite;  // the device's math functions (row_k_kernel)
+using std::isfinite;  // the device's math functions (row_k)
 using std::max;
 using std::min;
 #include "extracted.inc"
@@ -1633,51 +1633,50 @@ int naive_row_k(float mean, float r, int max_k) {
   return std::clamp(std::ilogb(ratio), 0, max_k);
 }
 
-// row_absmax_kernel on row_exponents_cuda's grid (8 warps = 8 rows per block, at most 16
-// blocks per SM; warps stride over the remaining rows)
-template <typename scalar_t, bool VEC>
-int check_row_absmax(const scalar_t* x, int64_t rows, int64_t len, int sms, std::vector<float>& want) {
-  const unsigned blocks = unsigned(warp_rows_grid(rows, sms));
-  std::vector<float> r(rows + 1, 7.0f);
-  launch_simt(blocks, kThreads, [&] { row_absmax_kernel<scalar_t, VEC>(x, r.data(), rows, len); });
-  want.resize(rows);
-  int errs = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    want[i] = naive_absmax(x + i * len, len);
-    const bool ok = std::isnan(want[i]) ? std::isnan(r[i]) : same_bits(r[i], want[i]);
-    if (!ok && errs++ < 5)
-      fprintf(stderr, "row_absmax<%zu,%d> mismatch row=%ld len=%ld got %g exp %g\n", sizeof(scalar_t), int(VEC),
-              (long)i, (long)len, r[i], want[i]);
-  }
-  if (!same_bits(r[rows], 7.0f)) { fprintf(stderr, "row_absmax wrote past the end\n"); ++errs; }
-  g_checked[VEC ? "row_absmax_vec" : "row_absmax"]++;
-  return errs;
+// The finish a warp-a-row pass's last block runs without fusing (k, and the scaled cells)
+RowCellsFinish plain_finish(int8_t* k, int max_k, int64_t rows) {
+  return RowCellsFinish{k, max_k, mean_sum_bits(rows), 1.0 / double(rows), false, nullptr, nullptr, nullptr, 0,
+                        EstimateArgs{}, SeedArgs{}};
 }
 
-int check_row_k(const std::vector<float>& r, float mean, int max_k, int sms) {
-  const int64_t rows = int64_t(r.size());
+// row_absmax_kernel on row_exponents_cuda's grid (8 warps = 8 rows per block, at most 16
+// blocks per SM; warps stride over the remaining rows, blocks in a random order), its last
+// block finding k from row_max_mean of the naive maxima (want: those maxima), the ticket zero
+template <typename scalar_t, bool VEC>
+int check_row_absmax(const scalar_t* x, int64_t rows, int64_t len, int sms, int max_k, std::vector<float>& want) {
+  const unsigned blocks = unsigned(warp_rows_grid(rows, sms));
+  std::vector<float> r(rows + 1, 7.0f);
   std::vector<int8_t> k(rows + 1, int8_t(-99));
-  launch_seq(grid_for(rows, sms), kThreads, [&] { row_k_kernel(r.data(), &mean, k.data(), rows, max_k); });
+  std::vector<uint32_t> ws(kWsHeader + 3, 0u);
+  const RowCellsFinish fin = plain_finish(k.data(), max_k, rows);
+  launch_simt(blocks, kThreads, [&] { row_absmax_kernel<scalar_t, VEC>(x, r.data(), rows, len, ws.data(), fin); });
+  want.resize(rows);
+  for (int64_t i = 0; i < rows; ++i) want[i] = naive_absmax(x + i * len, len);
+  const float mean = row_max_mean(want.data(), rows);
   int errs = 0;
   for (int64_t i = 0; i < rows; ++i) {
-    const int want = naive_row_k(mean, r[i], max_k);
-    if (k[i] != want && errs++ < 5)
-      fprintf(stderr, "row_k mismatch row=%ld mean=%g r=%g max_k=%d got %d exp %d\n", (long)i, mean, r[i], max_k,
-              int(k[i]), want);
+    const int want_k = naive_row_k(mean, want[i], max_k);
+    if (k[i] != want_k && errs++ < 5)
+      fprintf(stderr, "row_absmax<%zu,%d> k mismatch row=%ld len=%ld got %d exp %d (r %g, mean %g)\n",
+              sizeof(scalar_t), int(VEC), (long)i, (long)len, int(k[i]), want_k, want[i], mean);
   }
-  if (k[rows] != -99) { fprintf(stderr, "row_k wrote past the end\n"); ++errs; }
+  if (!same_bits(r[rows], 7.0f) || k[rows] != -99) { fprintf(stderr, "row_absmax wrote past the end\n"); ++errs; }
+  errs += ws_clean(ws, "row_absmax");
+  g_checked[VEC ? "row_absmax_vec" : "row_absmax"]++;
   g_checked["row_k"]++;
   return errs;
 }
 
-// row_mean_kernel (one block, rows strided over its threads, the int64 sum reduced as a tree)
+// block_row_max_mean (one block, rows strided over its threads, the int64 sum reduced as a tree)
 // against the sequential row_max_mean of mesa_common.h, bit for bit (NaN: any NaN); the
-// definition itself is checked against the reference in tests/test_row_scale_kernels.py
+// definition itself is checked against the reference in tests/test_row_max_mean.py
 int check_row_mean(const std::vector<float>& r) {
   const int64_t rows = int64_t(r.size());
   float got[2] = {7.0f, 7.0f};
   launch_simt(1, kThreads, [&] {
-    row_mean_kernel(reinterpret_cast<const uint32_t*>(r.data()), rows, mean_sum_bits(rows), 1.0 / double(rows), got);
+    const float m = block_row_max_mean(reinterpret_cast<const uint32_t*>(r.data()), rows, mean_sum_bits(rows),
+                                       1.0 / double(rows));
+    if (threadIdx.x == 0) got[0] = m;
   });
   const float want = row_max_mean(r.data(), rows);
   const bool ok = std::isnan(want) ? std::isnan(got[0]) : same_bits(got[0], want);
@@ -1685,18 +1684,6 @@ int check_row_mean(const std::vector<float>& r) {
   if (ok && same_bits(got[1], 7.0f)) return 0;
   fprintf(stderr, "row_mean mismatch rows=%ld got %a exp %a (or wrote past the end)\n", (long)rows, got[0], want);
   return 1;
-}
-
-// the mean row_k reads: the mean of r, or the degenerate batches (all zero: 0, a NaN row: NaN,
-// an infinite row: inf)
-float pick_mean(const std::vector<float>& r) {
-  const int mode = rng() % 8;
-  if (mode == 0) return 0.0f;
-  if (mode == 1) return NAN;
-  if (mode == 2) return INFINITY;
-  double s = 0.0;
-  for (float v : r) s += v;
-  return static_cast<float>(s / double(r.size()));
 }
 
 // row_absmax on the vector path (16-byte aligned rows of whole 16-byte chunks, as the op picks
@@ -1710,11 +1697,11 @@ int check_row_exponents(int64_t rows, int64_t len, int sms) {
   memcpy(xu, xa, rows * len * sizeof(scalar_t));
   std::vector<float> r;
   int errs = 0;
-  if ((len * int64_t(sizeof(scalar_t))) % 16 == 0) errs += check_row_absmax<scalar_t, true>(xa, rows, len, sms, r);
-  errs += check_row_absmax<scalar_t, false>(xu, rows, len, sms, r);
-  errs += check_row_mean(r);
   const int top = max_row_k<scalar_t>();
-  for (int max_k : {top, int(rng() % (top + 1))}) errs += check_row_k(r, pick_mean(r), max_k, sms);
+  if ((len * int64_t(sizeof(scalar_t))) % 16 == 0)
+    errs += check_row_absmax<scalar_t, true>(xa, rows, len, sms, top, r);
+  errs += check_row_absmax<scalar_t, false>(xu, rows, len, sms, int(rng() % (top + 1)), r);
+  errs += check_row_mean(r);
   if (errs) fprintf(stderr, "FAIL row_exponents rows=%ld len=%ld sms=%d sizeof=%zu\n", (long)rows, (long)len, sms,
                     sizeof(scalar_t));
   free(xa);
@@ -1754,8 +1741,8 @@ int row_exponents_checks(int ncases) {
 // observe canonicalises their sign). The flat pass's last block then finishes: k as
 // naive_row_k against row_max_mean of the naive maxima, each cell of a row with k != 0 times
 // 2**k rounded to scalar_t (float32 with norm), the others untouched, and the workspace (the
-// ticket and the row maxima) zero again. After the warp-a-row pass, row_k_cells_kernel does
-// that scaling from a given mean.
+// ticket and the row maxima) zero again. The warp-a-row pass's last block finishes the same
+// way, never fused (observe follows it).
 bool same_stat(float got, float want) { return std::isnan(want) ? std::isnan(got) : got == want; }
 
 // a cell c of a row with exponent k as the kernels scale it
@@ -1871,26 +1858,28 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     path = run_row_cells_flat<scalar_t>(x, rows, D, G, sms, ci, pm, ps, ws.data(), cells, fin);
   } else {
     const unsigned blocks = unsigned(warp_rows_grid(rows, sms));
-    launch_simt(blocks, kThreads,
-                [&] { row_cells_kernel<scalar_t>(x, r.data(), cells.data(), rows, D, G, pm, ps, ci); });
+    const RowCellsFinish fin = plain_finish(k.data(), max_k, rows);
+    launch_simt(blocks, kThreads, [&] {
+      row_cells_kernel<scalar_t>(x, r.data(), cells.data(), rows, D, G, pm, ps, ci, ws.data(), fin);
+    });
     path = "row_cells";
   }
-  // the values the kernel sees, their row maxima, and (flat) the k its last block must find
+  // the values the kernel sees, their row maxima, and the k its last block must find
   std::vector<float> xs(rows * D), want_r(rows);
   for (int64_t i = 0; i < rows * D; ++i)
     xs[i] = norm != nullptr ? normalized_value(static_cast<float>(x[i]), pm[i / D], ps[i / D])
                             : static_cast<float>(x[i]);
   for (int64_t i = 0; i < rows; ++i) want_r[i] = naive_absmax(xs.data() + i * D, D);
-  const float flat_mean = row_max_mean(want_r.data(), rows);
+  const float mean = row_max_mean(want_r.data(), rows);
   int errs = 0;
   std::vector<float> want_cells(cells.size());  // (the cells the flat pass must leave)
   for (int64_t i = 0; i < rows; ++i) {
-    const int want_k = VEC ? naive_row_k(flat_mean, want_r[i], max_k) : 0;
-    if (!VEC && !same_stat(r[i], want_r[i]) && errs++ < 5)
-      fprintf(stderr, "row_cells absmax mismatch row=%ld got %g exp %g\n", (long)i, r[i], want_r[i]);
-    if (VEC && k[i] != want_k && errs++ < 5)
-      fprintf(stderr, "row_cells_flat k mismatch row=%ld got %d exp %d (mean %a, r %a)\n", (long)i, int(k[i]), want_k,
-              flat_mean, want_r[i]);
+    const int want_k = naive_row_k(mean, want_r[i], max_k);
+    if (!VEC && r[i] != 0.0f && errs++ < 5)  // (zeroed by the finish once read)
+      fprintf(stderr, "row_cells left its row maximum row=%ld: %g\n", (long)i, r[i]);
+    if (k[i] != want_k && errs++ < 5)
+      fprintf(stderr, "%s k mismatch row=%ld got %d exp %d (mean %a, r %a)\n", path.c_str(), (long)i, int(k[i]),
+              want_k, mean, want_r[i]);
     for (int g = 0; g < G; ++g) {
       float mn = INFINITY, mx = -INFINITY;
       bool nan = false;
@@ -1916,7 +1905,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     fprintf(stderr, "%s wrote past the end\n", path.c_str());
     ++errs;
   }
-  if (VEC && std::any_of(ws.begin(), ws.begin() + kWsHeader + words, [](uint32_t w) { return w != 0u; })) {
+  if (std::any_of(ws.begin(), ws.begin() + kWsHeader + words, [](uint32_t w) { return w != 0u; })) {
     fprintf(stderr, "%s left the workspace non-zero (ticket %u)\n", path.c_str(), ws[0]);
     ++errs;
   }
@@ -1927,40 +1916,16 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     for (int64_t c = 0; c < chunks; ++c) {
       bool dirty = false;
       for (int64_t i = c * kRowChunk; i < std::min(rows, (c + 1) * kRowChunk); ++i)
-        dirty = dirty || naive_row_k(flat_mean, want_r[i], max_k) != 0;
+        dirty = dirty || naive_row_k(mean, want_r[i], max_k) != 0;
       g_checked[dirty ? "row_cells_flat_fused_dirty_chunk" : "row_cells_flat_fused_clean_chunk"]++;
     }
   }
-  if (VEC && !fused && (fc.seed_out[0] != -1 || !vec_same_bits(before.est_a, fc.est_a.data(), G + 2))) {
+  if (!fused && (fc.seed_out[0] != -1 || !vec_same_bits(before.est_a, fc.est_a.data(), G + 2))) {
     fprintf(stderr, "%s (not fused) touched the estimates or the seed\n", path.c_str());
     ++errs;
   }
   g_checked[path + (norm != nullptr ? "_norm" : "")]++;
   g_checked[slot_major ? "row_cells_slot_major" : "row_cells_row_major"]++;
-  if (VEC || errs) return errs;
-  // row_k_cells on the cells just checked
-  const float mean = pick_mean(std::vector<float>(r.begin(), r.begin() + rows));
-  std::vector<float> scaled(cells);
-  launch_seq(grid_for(rows, sms), kThreads, [&] {
-    if (norm != nullptr) row_k_cells_kernel<float>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k, ci);
-    else row_k_cells_kernel<scalar_t>(r.data(), &mean, k.data(), scaled.data(), rows, G, max_k, ci);
-  });
-  for (int64_t i = 0; i < rows; ++i) {
-    const int want = naive_row_k(mean, r[i], max_k);
-    if (k[i] != want && errs++ < 5)
-      fprintf(stderr, "row_k_cells k mismatch row=%ld got %d exp %d\n", (long)i, int(k[i]), want);
-    for (int j = 0; j < 2 * G; ++j) {
-      const float w = scaled_cell<scalar_t>(cells[ci.at(i, j)], want, norm != nullptr);
-      const float got = scaled[ci.at(i, j)];
-      if (!(same_bits(got, w) || (std::isnan(w) && std::isnan(got))) && errs++ < 5)
-        fprintf(stderr, "row_k_cells cell mismatch row=%ld j=%d k=%d got %g exp %g\n", (long)i, j, want, got, w);
-    }
-  }
-  if (k[rows] != -99 || !same_bits(scaled[rows * 2 * G], 7.0f)) {
-    fprintf(stderr, "row_k_cells wrote past the end\n");
-    ++errs;
-  }
-  g_checked[norm != nullptr ? "row_k_cells_norm" : "row_k_cells"]++;
   return errs;
 }
 

@@ -10,11 +10,11 @@
 #   blocks in a random order, each CUDA thread a fiber (barriers for __syncthreads),
 #   checking the last-block estimate update, the seed step, the ws[1] flag and the reset
 #   workspace;
-# * row_absmax (warp per row, __shfl_xor_sync across 32 lane threads) and row_k;
+# * row_absmax (warp per row, __shfl_xor_sync across 32 lane threads) and its last block's k;
 # * observe_rows: the row pass (flat over whole-chunk segments with atomicMax for max|x|, or
-#   warp per row) and row_k_cells (k and the cells times 2**k); the flat pass's last block
-#   (the mean of the row maxima, k, the scaled cells; with shared statistics the group totals,
-#   the estimate and seed steps) and the zeroed workspace; row_mean_kernel.
+#   warp per row), and each pass's last block (the mean of the row maxima, k, the cells times
+#   2**k; the flat pass with shared statistics also the group totals, the estimate and seed
+#   steps) and the zeroed workspace; block_row_max_mean.
 # The harness's last lines: "CHECKED kernel=cases ..." and "ALL OK" (or "FAILED", exit 1).
 # Usage: csrc/cuda/host_check/run.sh [random cases, default 150] [quick]
 #   quick: each fixed layout once (one dtype / SM count / statistics combination) instead
