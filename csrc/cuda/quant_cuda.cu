@@ -1986,6 +1986,21 @@ void launch_observe(const at::Tensor& x, const Layout& L, uint32_t* ws, const Es
   });
 }
 
+// The estimate step's arguments from an op's state tensors, decay as (float) decay and
+// (float)(1 - decay) (what torch does with a Python float scalar); out_a / out_b: the ranges the
+// launch writes (nullptr: none)
+EstimateArgs estimate_args(const at::Tensor& alpha_est, const at::Tensor& beta_est, const at::Tensor& initialized,
+                           double decay, bool per_sample, bool symmetric, bool valid, float* out_a, float* out_b) {
+  return EstimateArgs{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
+                      initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
+                      static_cast<float>(1.0 - decay), per_sample, symmetric, valid, out_a, out_b};
+}
+
+// The seed step's arguments: rng = [key, counter] (its stride), seed_out [lo, hi] (nullptr: none)
+SeedArgs seed_args(const at::Tensor& rng, int64_t* seed_out) {
+  return SeedArgs{rng.mutable_data_ptr<int64_t>(), rng.stride(0), seed_out};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cuda(const at::Tensor& x_in, const at::Tensor& alpha_est,
                                                             const at::Tensor& beta_est, const at::Tensor& initialized,
                                                             const at::Tensor& rng, int64_t dim, int64_t num_groups,
@@ -2001,12 +2016,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_cuda(const at::Tensor& x_
   at::Tensor seed = at::empty({2}, rng.options());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor ws = workspace(x, L.S * L.G, stream);
-  // (float) decay and (float)(1 - decay): what torch does with a Python float scalar
-  const EstimateArgs est{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
-                         initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
-                         static_cast<float>(1.0 - decay), per_sample, symmetric, L.numel > 0,
-                         out_a.mutable_data_ptr<float>(), out_b.mutable_data_ptr<float>()};
-  const SeedArgs sd{rng.mutable_data_ptr<int64_t>(), rng.stride(0), seed.mutable_data_ptr<int64_t>()};
+  const EstimateArgs est = estimate_args(alpha_est, beta_est, initialized, decay, per_sample, symmetric, L.numel > 0,
+                                         out_a.mutable_data_ptr<float>(), out_b.mutable_data_ptr<float>());
+  const SeedArgs sd = seed_args(rng, seed.mutable_data_ptr<int64_t>());
   launch_observe<MODE_OBSERVE>(x, L, reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>()), est, sd, nullptr, nullptr,
                                row_exp, row_len, stream);
   return {out_a, out_b, seed};
@@ -2053,10 +2065,9 @@ std::tuple<at::Tensor, at::Tensor> delayed_observe_cuda(const at::Tensor& x_in, 
   at::Tensor used_a = at::empty({1, L.G}, fopts), used_b = at::empty({1, L.G}, fopts);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor ws = workspace(x, L.G, stream);
-  const EstimateArgs est{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
-                         initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
-                         static_cast<float>(1.0 - decay), false, symmetric, L.numel > 0, nullptr, nullptr};
-  const SeedArgs sd{rng.mutable_data_ptr<int64_t>(), rng.stride(0), nullptr};
+  const EstimateArgs est =
+      estimate_args(alpha_est, beta_est, initialized, decay, false, symmetric, L.numel > 0, nullptr, nullptr);
+  const SeedArgs sd = seed_args(rng, nullptr);
   launch_observe<MODE_DELAYED>(x, L, reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>()), est, sd,
                                used_a.mutable_data_ptr<float>(), used_b.mutable_data_ptr<float>(), std::nullopt, 0,
                                stream);
@@ -2146,10 +2157,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cuda(
   at::Tensor seed = at::empty({2}, rng.options());  // the seed step's seed (read by the second launch)
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor ws = workspace(x, L.G, stream);
-  const EstimateArgs est{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
-                         initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
-                         static_cast<float>(1.0 - decay), false, symmetric, true, nullptr, nullptr};
-  const SeedArgs sd{rng.mutable_data_ptr<int64_t>(), rng.stride(0), seed.mutable_data_ptr<int64_t>()};
+  const EstimateArgs est = estimate_args(alpha_est, beta_est, initialized, decay, false, symmetric, true, nullptr,
+                                         nullptr);
+  const SeedArgs sd = seed_args(rng, seed.mutable_data_ptr<int64_t>());
   uint32_t* wsp = reinterpret_cast<uint32_t*>(ws.data_ptr<int32_t>());
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_observe_cuda", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
@@ -2203,14 +2213,12 @@ std::tuple<at::Tensor, at::Tensor> launch_update_estimates(const at::Tensor& mn_
   const int64_t S = mn.size(0);
   at::Tensor out_a = at::empty({S, G}, mn.options()), out_b = at::empty({S, G}, mn.options());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const EstimateArgs est{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
-                         initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
-                         static_cast<float>(1.0 - decay), per_sample, symmetric, valid,
-                         out_a.mutable_data_ptr<float>(), out_b.mutable_data_ptr<float>()};
+  const EstimateArgs est = estimate_args(alpha_est, beta_est, initialized, decay, per_sample, symmetric, valid,
+                                         out_a.mutable_data_ptr<float>(), out_b.mutable_data_ptr<float>());
   SeedArgs sd{};
   if (rng != nullptr) {
     *seed = at::empty({2}, rng->options());
-    sd = SeedArgs{rng->mutable_data_ptr<int64_t>(), rng->stride(0), seed->mutable_data_ptr<int64_t>()};
+    sd = seed_args(*rng, seed->mutable_data_ptr<int64_t>());
   }
   update_estimates_kernel<<<1, kThreads, 0, stream>>>(mn.const_data_ptr<float>(), mx.const_data_ptr<float>(), S, G,
                                                       est, sd);
@@ -2320,6 +2328,12 @@ struct RowCellsFinish {
   EstimateArgs est;  // (fused) observe's estimate step and seed step, as observe_cuda sets them
   SeedArgs sd;
 };
+
+// The finish of `rows` rows into k (int8, one per row), not fused (the fused one sets the rest)
+RowCellsFinish row_finish(int8_t* k, int64_t max_k, int64_t rows) {
+  return RowCellsFinish{k, static_cast<int>(max_k), mean_sum_bits(rows), 1.0 / static_cast<double>(rows), false,
+                        nullptr, nullptr, nullptr, 0, EstimateArgs{}, SeedArgs{}};
+}
 
 // The batch statistics of the estimate step from shared-memory totals (the fused finish)
 struct SharedStats {
@@ -2447,9 +2461,7 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
   const int blocks = warp_rows_grid(rows, sms);
   const at::Tensor ws_t = workspace(x, 1, stream);  // (its ticket)
   uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
-  const RowCellsFinish fin{k.mutable_data_ptr<int8_t>(), static_cast<int>(max_k), mean_sum_bits(rows),
-                           1.0 / static_cast<double>(rows), false, nullptr, nullptr, nullptr, 0, EstimateArgs{},
-                           SeedArgs{}};
+  const RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_row_absmax_cuda", [&] {
     const bool vec = aligned16(x.const_data_ptr()) && (L * int64_t(sizeof(scalar_t))) % 16 == 0;
     auto kernel = vec ? row_absmax_kernel<scalar_t, true> : row_absmax_kernel<scalar_t, false>;
@@ -2577,9 +2589,10 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
 // sub + W, ...; a round loads kRowCellsSlots chunks a lane (K = kRowCellsSlots / CPL segments
 // of CPL chunks a lane) before it reduces any. The sub-warp's leader writes the segment's
 // cells and folds max(|min|, |max|) into the row's max |x| with an atomicMax on its float
-// bits (r in the stream's zeroed workspace, row_cells_finish zeroes it again): the largest |x| is the |min| or the |max| of its segment, and a NaN
-// in the segment makes min or max a NaN, whose bits with the sign cleared are above +inf's as
-// in row_cells_kernel (the NaN's payload may differ; row_k reads no payload).
+// bits (r in the stream's zeroed workspace, which row_cells_finish zeroes again): the largest
+// |x| is the |min| or the |max| of its segment, and a NaN in the segment makes min or max a
+// NaN, whose bits with the sign cleared are above +inf's as in row_cells_kernel (the NaN's
+// payload may differ; row_k reads no payload).
 // Why not a warp a row: on the H200 that kernel took 25 us for DeiT-S's (128, 197, 384) bf16
 // rows (19 MB), 28 for their float32 form, 63 for the (128, 197, 1536) hidden (77 MB), where
 // row_exponents' warp-a-row pass (no cells, half the registers) and observe together took 26 us
@@ -2713,7 +2726,8 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws,
 
 // The flat row pass over `segments` segments of S elements (S * sizeof(scalar_t) % 16 == 0, x
 // aligned) with its last block's finish (`fin`): the resident grid (one wave), 32-bit indices
-// where they fit; ws the stream's zeroed workspace, row_cells_ws_words long after its header
+// where they fit; ws the stream's zeroed workspace (the row maxima after its header, then what
+// a fused finish uses)
 template <typename scalar_t>
 void launch_row_cells_flat(const at::Tensor& x, uint32_t* ws, at::Tensor& cells, int64_t segments, int64_t S,
                            int64_t G, const float* row_mean, const float* row_rstd, CellIndex ci,
@@ -2788,11 +2802,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
     alpha = at::empty({1, G}, x.options().dtype(at::kFloat));
     beta = at::empty({1, G}, x.options().dtype(at::kFloat));
     seed = at::empty({2}, rng.options());
-    est = EstimateArgs{alpha_est.mutable_data_ptr<float>(), beta_est.mutable_data_ptr<float>(),
-                       initialized.mutable_data_ptr<bool>(), static_cast<float>(decay),
-                       static_cast<float>(1.0 - decay), false, symmetric, true, alpha.mutable_data_ptr<float>(),
-                       beta.mutable_data_ptr<float>()};
-    sd = SeedArgs{rng.mutable_data_ptr<int64_t>(), rng.stride(0), seed.mutable_data_ptr<int64_t>()};
+    est = estimate_args(alpha_est, beta_est, initialized, decay, false, symmetric, true,
+                        alpha.mutable_data_ptr<float>(), beta.mutable_data_ptr<float>());
+    sd = seed_args(rng, seed.mutable_data_ptr<int64_t>());
   }
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_observe_rows_cuda", [&] {
     if (flat) {
@@ -2805,10 +2817,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
       const int64_t words = rows + (fused ? chunks * (2 * G + 1) : 0);
       const at::Tensor ws_t = workspace(x, (words + 1) / 2, stream);
       uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
-      uint32_t* part_min = ws + kWsHeader + rows;  // (then part_max, then dirty)
-      const RowCellsFinish fin{k.mutable_data_ptr<int8_t>(), static_cast<int>(max_k), mean_sum_bits(rows),
-                               1.0 / static_cast<double>(rows), fused, part_min, part_min + chunks * G,
-                               part_min + 2 * chunks * G, chunks, est, sd};
+      RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
+      if (fused) {  // (after the row maxima: part_min, part_max, dirty)
+        fin.fused = true;
+        fin.part_min = ws + kWsHeader + rows;
+        fin.part_max = fin.part_min + chunks * G;
+        fin.dirty = fin.part_max + chunks * G;
+        fin.chunks = chunks;
+        fin.est = est;
+        fin.sd = sd;
+      }
       launch_row_cells_flat<scalar_t>(x, ws, cells, rows * G, D / G, G, pm, ps, ci, fin, stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
@@ -2817,9 +2835,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
     // scaled cells; observe over the cells below
     at::Tensor r = at::empty(kshape, x.options().dtype(at::kFloat));
     const at::Tensor ws_t = workspace(x, 1, stream);  // (its ticket)
-    const RowCellsFinish fin{k.mutable_data_ptr<int8_t>(), static_cast<int>(max_k), mean_sum_bits(rows),
-                             1.0 / static_cast<double>(rows), false, nullptr, nullptr, nullptr, 0, EstimateArgs{},
-                             SeedArgs{}};
+    const RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
     row_cells_kernel<scalar_t><<<warp_rows_grid(rows, sms), kThreads, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
         static_cast<int>(G), pm, ps, ci, reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>()), fin);

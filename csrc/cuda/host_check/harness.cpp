@@ -1633,12 +1633,6 @@ int naive_row_k(float mean, float r, int max_k) {
   return std::clamp(std::ilogb(ratio), 0, max_k);
 }
 
-// The finish a warp-a-row pass's last block runs without fusing (k, and the scaled cells)
-RowCellsFinish plain_finish(int8_t* k, int max_k, int64_t rows) {
-  return RowCellsFinish{k, max_k, mean_sum_bits(rows), 1.0 / double(rows), false, nullptr, nullptr, nullptr, 0,
-                        EstimateArgs{}, SeedArgs{}};
-}
-
 // row_absmax_kernel on row_exponents_cuda's grid (8 warps = 8 rows per block, at most 16
 // blocks per SM; warps stride over the remaining rows, blocks in a random order), its last
 // block finding k from row_max_mean of the naive maxima (want: those maxima), the ticket zero
@@ -1648,7 +1642,7 @@ int check_row_absmax(const scalar_t* x, int64_t rows, int64_t len, int sms, int 
   std::vector<float> r(rows + 1, 7.0f);
   std::vector<int8_t> k(rows + 1, int8_t(-99));
   std::vector<uint32_t> ws(kWsHeader + 3, 0u);
-  const RowCellsFinish fin = plain_finish(k.data(), max_k, rows);
+  const RowCellsFinish fin = row_finish(k.data(), max_k, rows);
   launch_simt(blocks, kThreads, [&] { row_absmax_kernel<scalar_t, VEC>(x, r.data(), rows, len, ws.data(), fin); });
   want.resize(rows);
   for (int64_t i = 0; i < rows; ++i) want[i] = naive_absmax(x + i * len, len);
@@ -1852,13 +1846,20 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     uint32_t* part_min = ws.data() + kWsHeader + rows;
     const EstimateArgs est{fc.est_a.data(), fc.est_b.data(), &fc.init, 0.9f, static_cast<float>(1.0 - 0.9), false,
                            fc.symmetric, true, fc.out_a.data(), fc.out_b.data()};
-    const RowCellsFinish fin{k.data(), max_k, mean_sum_bits(rows), 1.0 / double(rows), fused, part_min,
-                             part_min + chunks * G, part_min + 2 * chunks * G, chunks,
-                             fused ? est : EstimateArgs{}, fused ? SeedArgs{rc.buf, 1, fc.seed_out} : SeedArgs{}};
+    RowCellsFinish fin = row_finish(k.data(), max_k, rows);
+    if (fused) {  // (as observe_rows_cuda sets it up)
+      fin.fused = true;
+      fin.part_min = part_min;
+      fin.part_max = part_min + chunks * G;
+      fin.dirty = part_min + 2 * chunks * G;
+      fin.chunks = chunks;
+      fin.est = est;
+      fin.sd = SeedArgs{rc.buf, 1, fc.seed_out};
+    }
     path = run_row_cells_flat<scalar_t>(x, rows, D, G, sms, ci, pm, ps, ws.data(), cells, fin);
   } else {
     const unsigned blocks = unsigned(warp_rows_grid(rows, sms));
-    const RowCellsFinish fin = plain_finish(k.data(), max_k, rows);
+    const RowCellsFinish fin = row_finish(k.data(), max_k, rows);
     launch_simt(blocks, kThreads, [&] {
       row_cells_kernel<scalar_t>(x, r.data(), cells.data(), rows, D, G, pm, ps, ci, ws.data(), fin);
     });
