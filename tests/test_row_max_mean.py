@@ -51,6 +51,12 @@ def test_one_row_and_equal_rows_are_their_value():
         assert R.row_max_mean(r.expand(1000).contiguous()).item() == r.item()
 
 
+def test_no_rows_is_a_one_line_error():
+    with pytest.raises(ValueError, match="at least one row maximum"):
+        R.row_max_mean(torch.empty(0))
+    assert R.row_exponents(torch.empty(0, 5), 1, 64).shape == (0, 1)  # (row_exponents: no rows, no k)
+
+
 def test_degenerate_batches_give_the_float_mean_each_k_zero_with():
     nan, inf = float("nan"), float("inf")
     assert torch.isnan(R.row_max_mean(torch.tensor([1.0, nan, 2.0])))

@@ -406,6 +406,8 @@ def row_max_mean(r: torch.Tensor) -> torch.Tensor:
     0 (:func:`row_exponents`). Under ``torch.compile`` with dynamic shapes ``int(N)``
     specialises on the row count."""
     n = int(r.numel())
+    if n == 0:
+        raise ValueError("row_max_mean: needs at least one row maximum, got an empty tensor")
     r = r.reshape(-1)
     top = r.amax()
     ok = torch.isfinite(top) & (top > 0)
