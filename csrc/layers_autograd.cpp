@@ -190,7 +190,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_wit
 
 // mesa_train.nn.rowscale.compress_rows: x compressed with channel groups over its last dim,
 // its rows far below the others scaled by 2**k when row_scale is on (k undefined otherwise):
-// mesa::row_exponents, then observe and quantize scale the rows themselves (no scaled copy).
+// compress_with_rows (observe_rows + quantize, or row_exponents + quantize_observe for the
+// delayed estimator); the kernels scale the rows themselves (no scaled copy).
 // `other` is the layer's other dtype (max_exponent: 14 with float16 involved).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_rows(
     const at::Tensor& x, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz) {

@@ -1,9 +1,11 @@
-// CUDA kernels of torch.ops.mesa.{observe, quantize, dequantize, group_minmax, update_estimates,
-// quantize_bits, dequantize_bits, softmax_backward, layer_norm_backward}.
+// CUDA kernels of torch.ops.mesa.* (the list: TORCH_LIBRARY_IMPL at the end of this file).
 //
-// Launches per compressed activation: forward observe + quantize = 2, backward dequantize = 1.
-// * Every op is ONE kernel launch and does no host work beyond it: no host sync, no
-//   parameter tables built by a separate kernel, seeds read on the device. Inputs are made
+// Launches per compressed activation: forward observe + quantize = 2 (with row scales
+// observe_rows + quantize: 2 with statistics shared by the batch on the layers' layouts, 3
+// otherwise), backward dequantize = 1.
+// * An op is one kernel launch (quantize_observe and observe_rows' other paths two: a second
+//   launch that finishes or returns at once) and does no host work beyond them: no host sync,
+//   no parameter tables built by a separate kernel, seeds read on the device. Inputs are made
 //   contiguous once (a transient copy for non-contiguous inputs).
 // * 16-element steps per thread: 16-byte loads/stores (one 16-byte store of codes, one or
 //   more 16-byte loads/stores of 16-bit/32-bit data) when the pointers are 16-byte aligned,
@@ -27,7 +29,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/mean.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -2716,7 +2717,8 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws,
       }
     }
   }
-  // ---- stage 2: the last block to arrive finds the mean, k and the scaled cells
+  // ---- stage 2: the last block to arrive finds the mean, k and the scaled cells (fused:
+  // also the group totals, the estimate step and the seed step; row_cells_finish)
   __shared__ bool s_last;
   if (!last_block_to_arrive(ws, s_last)) return;
   row_cells_finish<scalar_t>(r_bits, int64_t(segments / G), int(G), cells, ci, fin, norm);
