@@ -27,13 +27,23 @@ def test_times_both_variants_each_compiled_on_its_own(capsys):
     assert re.search(r"B - A: [+-]\d+\.\d\d ms a step; B / A: \d\.\d{3}", out)
 
 
-def test_skip_guards_times_one_compiled_model_with_and_without_its_guards(capsys):
-    """--skip-guards: one graph, stepped with Dynamo's guards evaluated and skipped; the stance
-    is restored after (a later compile still checks its guards)."""
+def test_skip_guards_times_one_compiled_model_with_and_without_its_guards(capsys, monkeypatch):
+    """--skip-guards: one graph, stepped with Dynamo's guards evaluated and skipped (each timed
+    step under the stance its row names, both orders); the stance is restored after (a later
+    compile still checks its guards)."""
     import torch
     import torch._dynamo
+    import torch._dynamo.eval_frame as eval_frame  # (set_stance rebinds eval_frame._stance: read it there)
 
     ab = load_script("compile_ab")
+    stances = []  # skip_guard_eval_unsafe during each timed step
+    timed = ab._seconds
+
+    def spy(step, compiled, opt):
+        stances.append(bool(eval_frame._stance.skip_guard_eval_unsafe))
+        return timed(step, compiled, opt)
+
+    monkeypatch.setattr(ab, "_seconds", spy)
     torch._dynamo.reset()
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert ab.main(["--depth", "1", "--steps", "2", "--skip-guards", "--stock"]) == 0
@@ -43,9 +53,8 @@ def test_skip_guards_times_one_compiled_model_with_and_without_its_guards(capsys
     assert re.search(r"guards evaluated: \d+\.\d\d ms a step", out)
     assert re.search(r"guards skipped \(skip_guard_eval_unsafe\): \d+\.\d\d ms a step", out)
     assert re.search(r"the guards: [+-]\d+\.\d\d ms a step", out)
-    from torch._dynamo.eval_frame import _stance
-
-    assert not _stance.skip_guard_eval_unsafe
+    assert stances == [True, False, False, True]  # step 0 skipped first, step 1 evaluated first
+    assert not eval_frame._stance.skip_guard_eval_unsafe
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -50,9 +50,9 @@ def test_a_wrong_output_is_a_mismatch(monkeypatch):
 def test_wrong_state_updated_in_place_is_a_mismatch(monkeypatch):
     """observe advances the rounding counter and the estimates in place: a reference that leaves
     the counter where it was disagrees in a written buffer, not in an output."""
-    def no_step(x, alpha_est, beta_est, initialized, rng, *rest):
+    def no_step(x, alpha_est, beta_est, initialized, rng, *rest, **named):
         saved = rng.clone()
-        out = R.observe(x, alpha_est, beta_est, initialized, rng, *rest)
+        out = R.observe(x, alpha_est, beta_est, initialized, rng, *rest, **named)
         rng.copy_(saved)
         return out
 
@@ -62,11 +62,15 @@ def test_wrong_state_updated_in_place_is_a_mismatch(monkeypatch):
         torch.ops.mesa.observe(x, *state, -1, 4, 0.9, False, False)
     verdict = check.verdict()
     assert verdict.startswith("MISMATCH mesa::observe:") and "of 2 elements differ" in verdict
-    # the same with the written buffer passed by name
-    with ReferenceCheck() as by_name:
-        torch.ops.mesa.observe(x, *state[:3], rng=state[3], dim=-1, num_groups=4, decay=0.9, per_sample=False,
-                               symmetric=False)
-    assert by_name.verdict().startswith("MISMATCH mesa::observe:")
+    # the same with the written buffer passed by name. A call through torch.ops reaches the mode
+    # with every argument moved into args (no mesa:: op has keyword-only arguments), so the
+    # by-name path is driven directly, as a caller handing the mode kwargs would
+    by_name = ReferenceCheck()
+    by_name.__torch_dispatch__(torch.ops.mesa.observe.default, (), (x, *state[:3]),
+                               dict(rng=state[3], dim=-1, num_groups=4, decay=0.9, per_sample=False,
+                                    symmetric=False))
+    verdict = by_name.verdict()
+    assert verdict.startswith("MISMATCH mesa::observe:") and "of 2 elements differ" in verdict
 
 
 @pytest.mark.parametrize("dtype,ulps,ok", [(torch.bfloat16, 1, True), (torch.bfloat16, 2, False),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mesa_train.quant import reference as R
-from kernel_marks import DEVICES, needs_ext
+from kernel_marks import DEVICES, EXT_DEVICES, needs_ext
 
 
 def _spread(n: int, seed: int) -> torch.Tensor:
@@ -120,3 +120,65 @@ def test_traced_under_inductor_is_the_eager_definition():
     x = _at_the_boundaries(300, 1, "cpu")
     rows = torch.compile(R.row_exponents, backend="inductor", fullgraph=True)
     assert torch.equal(rows(x, 1, 64), R.row_exponents(x, 1, 64))
+
+
+def _truncation_probe(device) -> torch.Tensor:
+    """(2**20, 4) float32 rows where the fixed point's truncation decides a row's k: one row of
+    max 1, 2**20 - 2 rows of max 0.75 * 2**-40 (below one unit of the sum, b = 62 - 21 = 41 bits
+    under the top's 2**1: each term truncates to 0, would round to 1, 2**-20 of the sum in all;
+    under 2**19 rows that is below a float32 rounding of the mean), and a probe row just above
+    half the mean (found as a fixed point, as _at_the_boundaries does), whose k is 0 with the
+    truncated sum and 1 with any mean larger by more than 2**-23 of it."""
+    n = 2**20
+    r = torch.full((n,), 0.75 * 2.0**-40)
+    r[0] = 1.0
+    mean = R.row_max_mean(r)
+    for _ in range(50):
+        r[-1] = torch.nextafter(mean / 2, torch.tensor(float("inf")))
+        new = R.row_max_mean(r)
+        if torch.equal(new, mean):
+            x = torch.zeros(n, 4)
+            x[:, 1] = r * torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)
+            return x.to(device)
+        mean = new
+    raise AssertionError("no fixed point for the probe row")
+
+
+def _k_of(mean: float, r: float) -> int:
+    return max(0, min(64, int(torch.frexp(torch.tensor(mean / r, dtype=torch.float32)).exponent) - 1))
+
+
+def test_the_fixed_point_terms_are_truncated_not_rounded():
+    """The definition truncates each row maximum to its units (floor): a sum of rounded terms,
+    or a float mean, is larger here by about 2**-20 of the mean, which moves the probe row's k
+    from 0 to 1. The reference, the ops (CPU, CUDA) and observe_rows' pass must all truncate."""
+    x = _truncation_probe("cpu")
+    r = x.abs().amax(1)
+    n, b, e = r.numel(), 62 - (2**20).bit_length(), 1
+    truncated = sum(int(v * 2**(b - e)) for v in r.double().tolist())
+    assert truncated == 2**(b - e) + int(r[-1].double() * 2**(b - e))  # (the small rows add nothing)
+    mean = R.row_max_mean(r).item()
+    assert mean == float(torch.tensor(float(Fraction(truncated, 2**(b - e)) / n), dtype=torch.float32))
+    rounded = sum(round(v * 2**(b - e)) for v in r.double().tolist())
+    rounded_mean = float(torch.tensor(float(Fraction(rounded, 2**(b - e)) / n), dtype=torch.float32))
+    probe = r[-1].item()
+    # the case has teeth: the definition's k for the probe is 0, rounded terms or a float mean give 1
+    assert _k_of(mean, probe) == 0 and _k_of(rounded_mean, probe) == 1 and _k_of(r.mean().item(), probe) == 1
+    want = R.row_exponents(x, 1, 64)
+    assert want[-1].item() == 0 and want[0].item() == 0 and want[1].item() == _k_of(mean, r[1].item())
+
+
+@pytest.mark.parametrize("device", EXT_DEVICES)
+def test_the_ops_truncate_the_fixed_point_terms_too(device):
+    """The same probe through the kernels: row_exponents and observe_rows' one pass (on CUDA the
+    flat row pass's last block sums the terms) give the reference's k, the probe's 0 among them."""
+    x = _truncation_probe("cpu")
+    want = R.row_exponents(x, 1, 64)
+    assert want[-1].item() == 0
+    xd = x.to(device)
+    assert torch.equal(torch.ops.mesa.row_exponents(xd, 1, 64).cpu(), want)
+    state = (torch.zeros(4, device=device), torch.zeros(4, device=device),
+             torch.zeros(1, dtype=torch.bool, device=device))
+    rng = torch.tensor([7, 3], dtype=torch.int64, device=device)
+    *_, k = torch.ops.mesa.observe_rows(xd, *state, rng, 1, 4, 0.9, False, False, 1, 64)
+    assert torch.equal(k.cpu(), want)
