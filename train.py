@@ -50,11 +50,15 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
 
     from mesa_train.train import errors, rundir
+    from mesa_train.train.config import ignored_mesa_overrides
     from mesa_train.train.runner import fit
 
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    ignored = ignored_mesa_overrides(cfg, hydra_cfg.overrides.task)
+    if ignored is not None and distributed.env_rank() == 0:
+        log.warning(ignored)
     accepted = []
     try:
         summary = fit(cfg, run_dir, on_accept=lambda: accepted.append(True))

@@ -192,6 +192,17 @@ def test_unknown_model_is_a_clear_error():
     assert "unknown model 'nope'" in proc.stderr and "deit_ti" in proc.stderr
 
 
+def test_unknown_device_is_a_clear_error():
+    from mesa_train.bench.measure import resolve_device
+    from mesa_train.bench.presets import BenchConfigError
+
+    for name in ("tpu", "cuda:x", "gpu"):
+        with pytest.raises(BenchConfigError, match=f"device='{name}' is not supported; valid choices: auto, cpu, "
+                                                   "cuda, cuda:N"):
+            resolve_device(name)
+    assert resolve_device("cpu").type == "cpu"
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="tests the CPU refusal")
 def test_gpu_preset_on_cpu_is_a_clear_error():
     proc = _run("preset=table9", timeout=120)

@@ -91,6 +91,20 @@ INVALID = [
     ("trainer.nonfinite", "ignore", "stop, skip"),
     ("data.val_size", -1, "data.val_size"),
     ("model.pretrained_path", "/no/such/weights.pth", "no such file"),
+    # numbers torch would take or refuse only once training had begun (a traceback, a run
+    # directory left behind, or a model without blocks)
+    ("optim.base_lr", float("nan"), r"optim.base_lr=nan must be a positive number"),
+    ("optim.base_lr", "abc", r"optim.base_lr='abc' must be a positive number"),
+    ("optim.lr", -0.1, r"optim.lr=-0.1 must be null or a positive number"),
+    ("optim.lr", float("inf"), r"optim.lr=inf must be null or a positive number"),
+    ("optim.base_batch", 0, r"optim.base_batch=0 must be an integer >= 1"),
+    ("optim.weight_decay", "abc", r"optim.weight_decay='abc' must be null or a number >= 0"),
+    ("optim.drop_path", 2.0, r"optim.drop_path=2.0 must be null or a number in \[0, 1\)"),
+    ("optim.mixup_prob", 1.5, r"optim.mixup_prob=1.5 must be null or a number in \[0, 1\]"),
+    ("optim.ema_decay", -1, r"optim.ema_decay=-1 must be null or a number in \[0, 1\]"),
+    ("model.depth", 0, r"model.depth=0 must be null \(the model's own\) or an integer >= 1"),
+    ("model.num_heads", 0, r"model.num_heads=0 must be null"),
+    ("model.embed_dim", 1.5, r"model.embed_dim=1.5 must be null"),
 ]
 
 
@@ -107,6 +121,14 @@ def test_invalid_values_name_valid_choices(compose_train):
     OmegaConf.update(cfg, "trainer.amp", "fp8")
     with pytest.raises(config_lib.ConfigError, match="(?s)mesa.ops.*trainer.amp"):
         config_lib.validate(cfg)
+
+
+def test_per_stage_lists_and_plain_optim_numbers_pass(compose_train):
+    config_lib.validate(compose_train(["model=swin_ti", "model.num_heads=[2,2,4,4]", "model.embed_dim=48"]))
+    config_lib.validate(compose_train(["optim.lr=0.001", "optim.drop_path=0", "optim.momentum=null",
+                                       "optim.base_batch=1"]))
+    with pytest.raises(config_lib.ConfigError, match=r"model.num_heads=\[2, 0\] must be null"):
+        config_lib.validate(compose_train(["model=swin_ti", "model.num_heads=[2,0]"]))
 
 
 def test_any_timm_model_and_shape_errors_before_data(compose_train):
@@ -141,3 +163,16 @@ def test_run_dir_is_shared_under_torchrun(compose_train, monkeypatch):
     monkeypatch.delenv("MESA_RUN_STAMP")
     cfg = compose_train([], return_hydra_config=True)
     assert cfg.hydra.run.dir.startswith("outputs/") and "MESA" not in cfg.hydra.run.dir
+
+
+def test_mesa_overrides_with_mesa_off_are_named(compose_train):
+    """experiment=digits_deit_baseline turns Mesa off: mesa.* options given beside it do nothing,
+    and train.py says so (the run itself is valid: a stock baseline)."""
+    overrides = ["experiment=digits_deit_baseline", "mesa.ops=[gelu,softmax]", "++mesa.decay=0.5"]
+    cfg = compose_train(overrides)
+    assert not cfg.mesa.enabled
+    warning = config_lib.ignored_mesa_overrides(cfg, overrides)
+    assert warning.startswith("mesa.ops, mesa.decay given but mesa.enabled=false") and "mesa.enabled=true" in warning
+    assert config_lib.ignored_mesa_overrides(cfg, ["experiment=digits_deit_baseline", "mesa.enabled=false"]) is None
+    on = compose_train(overrides + ["mesa.enabled=true"])
+    assert config_lib.ignored_mesa_overrides(on, overrides + ["mesa.enabled=true"]) is None

@@ -49,7 +49,8 @@ def test_digits_split(compose_train):
 
 @pytest.mark.parametrize("name,needle", [
     ("cifar100", r"cifar-100-python/\{train,test,meta\}.*data.download=true"),
-    ("imagenet", r"train/<class>/<image>.*image-net.org"),
+    ("imagenet", r"data.root='.*nothing' not found: .*nothing is not a directory"
+                 r".*train/<class>/<image>.*image-net.org"),
 ])
 def test_missing_data_says_layout_and_how_to_get_it(compose_train, tmp_path, name, needle):
     cfg = compose_train([f"data={name}", f"data.root={tmp_path / 'nothing'}"])

@@ -1,14 +1,17 @@
 """``python -m mesa_train.plan``: writes a usable plan, prints the table, one-line errors."""
 from __future__ import annotations
 
+import math
 import sys
 
+import pytest
 import torch
 
 import mesa_train
 from mesa_train.models import build_model
-from mesa_train.plan import load_plan
+from mesa_train.plan import Budget, load_plan
 from mesa_train.plan.measure import activation_bytes, make_batch
+from mesa_train.plan.planfile import PlanError
 
 TINY = ["model.img_size=32", "model.depth=2", "model.embed_dim=32", "model.num_heads=2",
         "+model.kwargs.patch_size=8", "model.fused_attn=false", "trainer.batch_size=8", "trainer.device=cpu",
@@ -39,3 +42,27 @@ def test_cli_budget_below_floor_and_missing_budget_are_one_line_errors(run_cli, 
     assert not (tmp_path / "p.yaml").exists()
     r = run_cli([sys.executable, "-m", "mesa_train.plan", *TINY])
     assert r.returncode == 2 and "give exactly one of budget" in r.stderr
+
+
+def test_cli_checks_the_budget_before_profiling(run_cli, tmp_path):
+    """A budget out of range or not a number fails at once (profiling takes minutes and a stock
+    step's memory: at the defaults, DeiT-tiny at batch 128 on CPU, more than 20 GB)."""
+    for arg, message in [("budget=2", "budget=2 must be a fraction in (0, 1]"),
+                         ("budget=abc", "budget='abc' must be a fraction in (0, 1]")]:
+        r = run_cli([sys.executable, "-m", "mesa_train.plan", arg, f"out={tmp_path / 'p.yaml'}", *TINY])
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert r.stderr.strip() == f"mesa_train.plan: error: {message} of stock activation memory, e.g. 0.6"
+        assert "profiling" not in r.stdout
+
+
+def test_budget_check_names_the_rule():
+    assert Budget(fraction=0.6).check().fraction == 0.6 and Budget(gb=20).check().gb == 20
+    for bad, rule in [(Budget(fraction=0), r"budget=0 must be a fraction in \(0, 1\]"),
+                      (Budget(fraction=float("nan")), r"budget=nan must be a fraction"),
+                      (Budget(fraction=True), r"budget=True must be a fraction"),
+                      (Budget(gb=-1), r"budget_gb=-1 must be a positive number of GB"),
+                      (Budget(gb=math.inf), r"budget_gb=inf must be a positive number"),
+                      (Budget(gb="20"), r"budget_gb='20' must be a positive number"),
+                      (Budget(), "give exactly one of budget"), (Budget(0.5, 20), "give exactly one of budget")]:
+        with pytest.raises(PlanError, match=rule):
+            bad.check()

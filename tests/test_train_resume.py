@@ -51,6 +51,10 @@ def test_finished_run_resumes_to_nothing(compose_train, tmp_path):
     first = fit(cfg, str(tmp_path))
     again = fit(cfg, str(tmp_path))  # resume=auto finds last.pt at step 2 == max_steps
     assert again["step"] == 2 and again["top1"] == first["top1"]
+    # the summary it rewrites is the finished run's: its status and evaluated images, not "done"
+    # with none (FAST_TRAINER stops at max_steps=2 within the first epoch)
+    assert first["status"] == again["status"] == "stopped at max_steps=2"
+    assert first["val_images"] and again["val_images"] == first["val_images"]
 
 
 def test_atomic_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -82,6 +86,17 @@ def test_corrupt_and_foreign_checkpoints_are_clear_errors(tmp_path):
         ckpt_lib.load_checkpoint(foreign)
     with pytest.raises(ckpt_lib.CheckpointError, match="not found"):
         ckpt_lib.load_checkpoint(str(tmp_path / "missing.pt"))
+    # garbage bytes and a pickle of more than plain data: one line, without torch's advice to
+    # load with weights_only=False (running the file's code)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_text("garbage!")
+    code = str(tmp_path / "code.pt")
+    torch.save({"when": __import__("datetime").date(2026, 12, 1)}, code)
+    for bad in (str(garbage), code):
+        with pytest.raises(ckpt_lib.CheckpointError) as info:
+            ckpt_lib.load_checkpoint(bad)
+        message = str(info.value)
+        assert "\n" not in message and "weights_only" not in message and "corrupt or truncated" in message
 
 
 def test_incompatible_checkpoint_is_a_clear_error(compose_train, tmp_path):

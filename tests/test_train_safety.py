@@ -103,6 +103,11 @@ def test_fresh_start_never_replaces_an_earlier_run(compose_train, tmp_path):
     with pytest.raises(RunDirError, match="already holds a run.*trainer.overwrite=true"):
         fit(compose_train(BASE + ["trainer.resume=null"]), str(tmp_path))
     assert _snapshot(tmp_path) == before
+    # overwrite=true while resume=auto finds last.pt: contradictory, refused naming both ways out
+    with pytest.raises(RunDirError, match="trainer.overwrite=true, but trainer.resume=auto found .*last.pt to "
+                                          "continue: add trainer.resume=null to replace that run"):
+        fit(compose_train(BASE + ["trainer.overwrite=true"]), str(tmp_path))
+    assert _snapshot(tmp_path) == before
     # Explicit: replaced, no row of the old run survives.
     summary = fit(compose_train(BASE + ["trainer.resume=null", "trainer.overwrite=true", "trainer.max_steps=1"]),
                   str(tmp_path))

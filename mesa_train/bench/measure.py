@@ -87,7 +87,10 @@ class Measurement:
 def resolve_device(name: str) -> torch.device:
     if name in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:  # (torch's own message lists two dozen device types)
+        raise BenchConfigError(f"device={name!r} is not supported; valid choices: auto, cpu, cuda, cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BenchConfigError(f"device={name!r} requested but no CUDA device is visible; "
                                "valid choices here: auto, cpu")

@@ -51,10 +51,7 @@ def run(cfg: DictConfig) -> str:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
-    budget = Budget(fraction=cfg.budget, gb=cfg.budget_gb)
-    if (budget.fraction is None) == (budget.gb is None):
-        raise ValueError("give exactly one of budget=FRACTION (of stock activation memory, e.g. budget=0.6) "
-                         "or budget_gb=GB (peak memory on the device)")
+    budget = Budget(fraction=cfg.budget, gb=cfg.budget_gb).check()  # (before minutes of profiling)
     device = _device(cfg.trainer.device)
     stock_cfg = OmegaConf.merge(cfg, {"mesa": {"enabled": False}})
     model = build(stock_cfg, num_classes=int(cfg.data.num_classes)).to(device)

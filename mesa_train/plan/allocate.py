@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Set, Tuple
 
@@ -128,15 +129,26 @@ class Budget:
     def describe(self) -> str:
         return f"budget={self.fraction}" if self.fraction is not None else f"budget_gb={self.gb}"
 
+    def check(self) -> "Budget":
+        """Itself, validated (PlanError, one line, otherwise): exactly one of the two, a number,
+        the fraction in (0, 1], the GB positive and finite. Callers check before profiling,
+        which takes minutes and a stock training step's memory."""
+        if (self.fraction is None) == (self.gb is None):
+            raise PlanError("give exactly one of budget (fraction of stock activation memory, e.g. budget=0.6) "
+                            "or budget_gb (peak GB on the device)")
+        value, name = (self.fraction, "budget") if self.fraction is not None else (self.gb, "budget_gb")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name == "budget" and not (number and 0 < value <= 1):
+            raise PlanError(f"budget={value!r} must be a fraction in (0, 1] of stock activation memory, e.g. 0.6")
+        if name == "budget_gb" and not (number and math.isfinite(value) and value > 0):
+            raise PlanError(f"budget_gb={value!r} must be a positive number of GB (peak memory on the device)")
+        return self
+
 
 def budget_bytes(profile: Profile, budget: Budget) -> Tuple[float, str]:
     """(activation bytes a plan may keep, how the budget was read)."""
-    if (budget.fraction is None) == (budget.gb is None):
-        raise PlanError("give exactly one of budget (fraction of stock activation memory, e.g. budget=0.6) "
-                        "or budget_gb (peak GB on the device)")
+    budget.check()
     if budget.fraction is not None:
-        if not 0 < budget.fraction <= 1:
-            raise PlanError(f"budget={budget.fraction} must be a fraction in (0, 1] of stock activation memory")
         return budget.fraction * profile.stock_activation_bytes, (
             f"{budget.fraction:g} x stock activation memory ({profile.stock_activation_bytes / 2**20:.2f} MiB)")
     limit = float(budget.gb) * 2**30

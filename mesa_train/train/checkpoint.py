@@ -17,6 +17,7 @@ Loading uses ``torch.load(weights_only=True)`` (no arbitrary code from a file).
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -156,6 +157,16 @@ def copy_checkpoint(src: str, dst: str) -> None:
         _atomic_write(dst, lambda f: shutil.copyfileobj(source, f, 16 << 20))
 
 
+def _load_failure(err: Exception) -> str:
+    """torch.load's error in one line. An unpickling failure under weights_only is said
+    without torch's text, which advises loading with weights_only=False: running whatever code
+    the file holds, never the remedy for a file that is not a mesa-train checkpoint."""
+    if isinstance(err, pickle.UnpicklingError):
+        return "UnpicklingError: it holds more than tensors and plain data, or is not a pickle at all"
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first[:200]}"
+
+
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint written by ``save_checkpoint``; ``CheckpointError`` otherwise."""
     if not os.path.isfile(path):
@@ -165,7 +176,7 @@ def load_checkpoint(path: str) -> dict:
     except Exception as err:  # truncated zip, garbage bytes, pickle errors ...
         raise CheckpointError(
             f"cannot read checkpoint {path}: the file is corrupt or truncated, or not a "
-            f"torch checkpoint ({type(err).__name__}: {err})"
+            f"torch checkpoint ({_load_failure(err)})"
         ) from err
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a mesa-train checkpoint (no '{FORMAT}' tag)")

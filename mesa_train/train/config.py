@@ -6,7 +6,9 @@ written, and all problems are reported together with the valid choices.
 from __future__ import annotations
 
 import difflib
+import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from mesa_train.compile_scope import SCOPES as COMPILE_SCOPES
@@ -208,6 +210,13 @@ def _check_model(cfg, errors: list[str]) -> None:
         )
     if not isinstance(m.img_size, int) or m.img_size < 1:
         errors.append(f"model.img_size={m.img_size!r} must be a positive integer")
+    for key in ("depth", "embed_dim", "num_heads"):  # (null: the timm model's own; a list: per stage)
+        value = m.get(key)
+        values = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+        if value is not None and not (values and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                                     for v in values)):
+            errors.append(f"model.{key}={value!r} must be null (the model's own) or an integer >= 1 "
+                          "(or a list of them, one per stage)")
     heads, width = m.get("num_heads"), m.get("embed_dim")
     if isinstance(heads, int) and isinstance(width, int) and heads >= 1 and width % heads:
         errors.append(f"model.num_heads={heads} does not divide model.embed_dim={width}: "
@@ -248,6 +257,41 @@ def _check_optim(o, errors: list[str]) -> None:
     decay = o.get("layer_decay")
     if decay is not None and not (isinstance(decay, (int, float)) and 0 < decay <= 1):
         errors.append(f"optim.layer_decay={decay!r} must be null (off) or a number in (0, 1]")
+    for key, ok, rule in _OPTIM_NUMBERS:
+        value = o.get(key)
+        if value is None and key in _OPTIM_NULLABLE:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not (number and ok(value)):
+            errors.append(f"optim.{key}={value!r} must be {'null or ' if key in _OPTIM_NULLABLE else ''}{rule}")
+
+
+# optim.* numbers: (key, test on a finite number, the rule as the error states it). Without
+# these a NaN learning rate or a drop-path rate of 2 surfaced as torch's traceback, some only
+# at the first step, after the run directory was written.
+_OPTIM_NUMBERS = (
+    ("base_lr", lambda v: v > 0, "a positive number (lr at base_batch images a step)"),
+    ("base_batch", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    ("lr", lambda v: v > 0, "a positive number (this learning rate as is)"),
+    ("weight_decay", lambda v: v >= 0, "a number >= 0"),
+    ("momentum", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    ("eps", lambda v: v > 0, "a positive number"),
+    ("warmup_epochs", lambda v: v >= 0, "a number >= 0 (0: no warmup)"),
+    ("warmup_lr", lambda v: v >= 0, "a number >= 0"),
+    ("min_lr", lambda v: v >= 0, "a number >= 0"),
+    ("smoothing", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("drop_path", lambda v: 0 <= v < 1, "a number in [0, 1) (stochastic depth rate)"),
+    ("mixup", lambda v: v >= 0, "a number >= 0 (0: off)"),
+    ("cutmix", lambda v: v >= 0, "a number >= 0 (0: off)"),
+    ("mixup_prob", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    ("mixup_switch_prob", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    ("re_prob", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    ("re_count", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    ("ema_decay", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+)
+_OPTIM_NULLABLE = frozenset({"lr", "momentum", "eps", "warmup_epochs", "warmup_lr", "min_lr", "smoothing",
+                             "drop_path", "mixup", "cutmix", "mixup_prob", "mixup_switch_prob", "re_prob",
+                             "re_count", "ema_decay", "weight_decay"})
 
 
 def _check_wandb(cfg, errors: list[str]) -> None:
@@ -289,6 +333,20 @@ def _check_plan(m, errors: list) -> None:
     if budget_gb is not None and not (isinstance(budget_gb, (int, float)) and not isinstance(budget_gb, bool)
                                       and budget_gb > 0):
         errors.append(f"mesa.budget_gb={budget_gb!r} must be a positive number of GB")
+
+
+def ignored_mesa_overrides(cfg, overrides) -> str | None:
+    """A warning when command-line ``mesa.*`` overrides (Hydra's ``overrides.task``) set Mesa
+    options while ``mesa.enabled`` is false (an ``experiment=`` preset's baseline turns it off):
+    the run trains the stock model and those options do nothing. None otherwise."""
+    if cfg.mesa.enabled:
+        return None
+    keys = [str(o).split("=", 1)[0].lstrip("+~") for o in overrides]
+    given = [k for k in keys if k.startswith("mesa.") and k != "mesa.enabled"]
+    if not given:
+        return None
+    return (f"{', '.join(given)} given but mesa.enabled=false (set by the config or an experiment preset): "
+            "this run trains the stock model; add mesa.enabled=true to compress")
 
 
 def mesa_options(cfg) -> dict:

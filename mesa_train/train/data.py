@@ -206,6 +206,9 @@ def image_folder(root: str, split: str, transform, skip_corrupt: bool = False):
     labels are indices into train/'s sorted class list, so a val/ lacking a class would
     shift every later label."""
     path = os.path.join(root, split)
+    if not os.path.isdir(root):  # (the root itself first: a mistyped data.root names itself)
+        raise DataError(f"data.root={root!r} not found: {os.path.abspath(root)} is not a directory.\n"
+                        + IMAGEFOLDER_HELP.format(root=root))
     if not os.path.isdir(path):
         raise DataError(f"ImageFolder split not found: {os.path.abspath(path)} is not a directory.\n"
                         + IMAGEFOLDER_HELP.format(root=root))

@@ -9,6 +9,7 @@ model, optimizer built -> accepted: ``.hydra/`` written, logs opened, banner pri
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -127,6 +128,10 @@ def _read_resume_checkpoint(cfg, run_dir: str, plain_cfg: dict):
     """The checkpoint to resume (or None), checked against this run's settings; a fresh
     start refuses to replace an earlier run's files unless trainer.overwrite=true."""
     path = resume_path(cfg, run_dir)
+    if path is not None and cfg.trainer.get("overwrite") and cfg.trainer.resume == "auto":
+        # (both read as wishes: continue the run found, and replace it; neither is guessed)
+        raise RunDirError(f"trainer.overwrite=true, but trainer.resume=auto found {path} to continue: add "
+                          "trainer.resume=null to replace that run, or drop trainer.overwrite to continue it")
     if path is None:
         if not cfg.trainer.get("overwrite"):
             _on_rank0(lambda: rundir.refuse_or_clear(run_dir, overwrite=False), dist_utils.rank() == 0,
@@ -403,7 +408,11 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     stock_bytes = last_row.get("stock_saved_bytes")
     timed_images = timed_seconds = 0.0  # this process's epochs, warm-up left out, for the mean images/s
     first_epoch = True
-    status = "done"
+    at_max_steps = t.max_steps is not None and state.step >= t.max_steps
+    status = f"stopped at max_steps={t.max_steps}" if at_max_steps and state.epoch < t.epochs else "done"
+    if main and (at_max_steps or state.epoch >= t.epochs):  # (a finished run resumed: say so, train nothing)
+        log.info("nothing to train: the checkpoint is at step %d, epoch %d (trainer.max_steps=%s, trainer.epochs=%d); "
+                 "raise either to train further", state.step, state.epoch, t.max_steps, t.epochs)
     stop_signal = StopSignal(r.device)
     try:
         with stop_signal:
@@ -500,7 +509,8 @@ def _summary(cfg, run_dir: str, r: _Run, status: str, last_row: dict, saved_byte
         "lr": r.lr, "batch_size_total": t.batch_size * r.world * t.grad_accum, "amp": r.amp,
         "top1": last_row.get("top1"), "top5": last_row.get("top5"),
         "best_top1": state.best_top1 if state.best_top1 >= 0 else None,
-        "val_images": r.val_images,  # (None: no evaluation ran)
+        # (None: no evaluation ran, in this process or, resumed, in the run's last summary)
+        "val_images": r.val_images if r.val_images is not None else _previous_summary(run_dir).get("val_images"),
         "ema_top1": last_row.get("ema_top1"), "train_loss": last_row.get("train_loss"),
         "images_per_s": last_row.get("images_per_s"),
         "images_per_s_mean": images_per_s_mean,
@@ -511,6 +521,16 @@ def _summary(cfg, run_dir: str, r: _Run, status: str, last_row: dict, saved_byte
         "strategy": strategy(cfg),
         "run_dir": os.path.abspath(run_dir),
     }
+
+
+def _previous_summary(run_dir: str) -> dict:
+    """The run directory's summary.json as the last process wrote it ({} if none or unreadable)."""
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            previous = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return previous if isinstance(previous, dict) else {}
 
 
 def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
