@@ -8,7 +8,8 @@ print(meter.summary()); print(meter.table())
 ```
 
 How it counts (``torch.autograd.graph.saved_tensors_hooks``; the pack hook records sizes
-and returns the tensor unchanged, so nothing about training changes):
+and returns the tensor detached, the same storage, so nothing about training changes, and a
+graph dropped without a backward is freed):
 
 * Each *storage* is counted once, with its full size (``untyped_storage().nbytes()``),
   however many views of it are saved or by how many ops. Storages are keyed by data
@@ -217,8 +218,13 @@ def _input_agnostic(hook):
 
 
 def _pack(meter_ref, t: torch.Tensor):
+    # Detached: autograd stores what the pack hook returns. A saved *output* returned as is
+    # carries its grad_fn, the very node that saves it: a cycle through C++ that Python's gc
+    # cannot see, so a graph measured without a backward (plan's activation_bytes, describe)
+    # was never freed (its activations leaked, one forward's worth a measurement). detach()
+    # shares the storage: backward reads the same bytes.
     meter = meter_ref()
-    return t if meter is None else meter._pack(t)
+    return (t if meter is None else meter._pack(t)).detach()
 
 
 def _unpack(t):

@@ -124,3 +124,29 @@ def test_meter_is_not_pinned_by_a_graph_that_never_ran_backward():
     gc.collect()
     assert ref() is None
     out.sum().backward()  # the graph still works after the meter is gone
+
+
+def test_a_graph_measured_without_backward_is_freed():
+    """exp saves its output; the meter's pack hook once returned that tensor as is, its grad_fn
+    the node saving it: a cycle through C++ that gc cannot break, so every forward measured
+    without a backward (the planner's, describe's) leaked its activations."""
+    import gc
+    import weakref
+
+    x = torch.randn(64, 64, requires_grad=True)
+    with SavedTensorMeter() as meter:
+        y = x.exp()
+        loss = y.sum()
+    assert meter.activation_bytes == y.numel() * 4
+    alive = weakref.ref(y)
+    del y, loss
+    gc.collect()
+    assert alive() is None
+
+
+def test_the_meter_keeps_gradients():
+    x = torch.randn(8, 8, requires_grad=True)
+    want = torch.autograd.grad(x.exp().tanh().sum(), x)[0]
+    with SavedTensorMeter() as meter:
+        got = torch.autograd.grad(x.exp().tanh().sum(), x)[0]
+    assert torch.equal(got, want) and meter.activation_bytes == 2 * 8 * 8 * 4  # exp's and tanh's outputs
