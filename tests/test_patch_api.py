@@ -1,5 +1,6 @@
 """patch_model API: validation, re-patching, dtype/device, describe, fallback, checkpoints."""
 import copy
+import re
 import warnings
 
 import pytest
@@ -39,6 +40,32 @@ def test_unknown_names_raise_value_error(kwargs, words):
     # nothing was changed
     assert model.state_dict().keys() == before.keys()
     assert type(model.blocks[0].attn.qkv) is nn.Linear
+
+
+def test_a_patch_that_matches_nothing_says_so():
+    """A user's model the rules do not reach, or a module set without the ops asked, used to
+    come back stock without a word."""
+    with pytest.warns(UserWarning, match=r"no layer of VisionTransformer matched ops=\['gelu'\] "
+                                         r"modules=\['msa'\]: nothing is compressed"):
+        patch_model(build("deit"), ops=["gelu"], modules=["msa"])
+    with pytest.warns(UserWarning, match=r"no layer of Sequential matched ops=\['sdpa'\]"):
+        patch_model(nn.Sequential(nn.Linear(4, 4), nn.GELU()), ops=["sdpa"])
+    with warnings.catch_warnings():  # a patch that compresses, and one that adds nothing new to it
+        warnings.simplefilter("error")
+        model = patch_model(nn.Sequential(nn.Linear(4, 4), nn.GELU()), ops=["gelu"])
+        patch_model(model, ops=["gelu"])
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got NoneType"):
+        patch_model(None)
+
+
+def test_describe_names_a_wrong_example_input():
+    model = patch_model(build("deit"))
+    x = inputs("deit")
+    wrong = x[:, :1]  # one channel
+    with pytest.raises(RuntimeError, match=rf"describe / coverage: VisionTransformer\(example_input\) failed for "
+                                           rf"example_input {re.escape(str(tuple(wrong.shape)))}: "):
+        describe(model, wrong)
+    assert "total:" in describe(model, x)  # (and the model is left usable)
 
 
 def test_returns_same_model_and_keeps_parameters():

@@ -128,6 +128,38 @@ def test_bad_plan_contents_are_one_line_errors(tmp_path):
         mesa_train.patch_model(tiny(), plan=tmp_path / "bad.yaml")
 
 
+def test_plan_arguments_are_checked_before_any_layer_changes():
+    """A plan patches unit by unit: an option wrong for a later unit (a layout only conv
+    activations take; a decay out of range) must leave the earlier ones stock, as patch_model's
+    own validation does; the arguments a plan decides itself are refused beside it."""
+    def types(model):
+        return [type(m) for m in model.modules()]
+
+    plan = {"format": "mesa-train-plan/1", "layers": {OTHER: ["conv"], "blocks.0": ["gelu"]}}
+    model = tiny()
+    before = types(model)
+    with pytest.raises(ValueError, match="layout='patch4x4' applies to conv activations"):
+        mesa_train.patch_model(model, plan=plan, layout="patch4x4")
+    assert types(model) == before
+    recomputed = {"format": "mesa-train-plan/1", "layers": {"blocks.0": ["recompute"], "blocks.1": ["gelu"]}}
+    forward = model.blocks[0].forward
+    with pytest.raises(ValueError, match="decay"):
+        mesa_train.patch_model(model, plan=recomputed, decay=5)
+    assert types(model) == before and model.blocks[0].forward == forward
+    with pytest.raises(ValueError, match=r"plan= gives each layer its ops, so ops, modules, mlp cannot be given "
+                                         r"with it \(got ops=\['bogus'\], modules='bogus', mlp='bogus'\)"):
+        mesa_train.patch_model(model, plan=plan, ops=["bogus"], modules="bogus", mlp="bogus")
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        mesa_train.patch_model(model, plan=plan, attention="flash")
+    assert types(model) == before
+    # a plan's own quant_options are checked on load, even when every layer stays stock
+    with pytest.raises(PlanError, match=r"quant_options: unknown quantization option\(s\) \['bogus'\]"):
+        Plan.from_dict({"format": "mesa-train-plan/1", "quant_options": {"decay": 0.5, "bogus": 1},
+                        "layers": {"blocks.0": []}})
+    with pytest.raises(PlanError, match="quant_options: .*decay"):
+        Plan.from_dict({"format": "mesa-train-plan/1", "quant_options": {"decay": 2.0}, "layers": {}})
+
+
 # ----------------------------------------------------------------------------- profile / cost model
 def test_profile_covers_every_item_with_positive_savings(profile):
     keys = {it.key for it in profile.items}

@@ -388,22 +388,26 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             choices), or an invalid option value.
     """
     # validation first: nothing is changed when an argument is wrong
-    if attention not in ATTENTION_PATHS:
-        raise ValueError(f"unknown attention {attention!r}; valid choices: {', '.join(ATTENTION_PATHS)}")
-    if plan is not None:  # per-layer ops from a plan (mesa_train.plan); ops/modules unused
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch_model: model must be a torch.nn.Module (a timm model, or a DDP / torch.compile "
+                        f"wrapper of one), got {type(model).__name__}")
+    if plan is not None:  # per-layer ops from a plan (mesa_train.plan)
+        given = {k: v for k, v in (("ops", ops), ("modules", modules), ("cancelling_bn", cancelling_bn),
+                                   ("mlp", mlp), ("norm_linear", norm_linear)) if v != _PLAN_FREE_DEFAULTS[k]}
+        if given:
+            raise ValueError(f"patch_model: plan= gives each layer its ops, so {', '.join(given)} cannot be given "
+                             f"with it (got {', '.join(f'{k}={v!r}' for k, v in given.items())}); quantization "
+                             "options and attention can")
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"unknown attention {attention!r}; valid choices: {', '.join(ATTENTION_PATHS)}")
         # imported here: mesa_train.plan builds on this module (OPS, patch_model per unit), so
         # a module-level import would be a cycle
         from mesa_train.plan.apply import apply_plan
 
-        return apply_plan(model, plan, **quant_options)
-    op_names = _resolve(ops, OPS, "ops")
-    set_names = _resolve(modules, MODULE_SETS, "modules")
-    quant_options = _check_options(quant_options)
-    _check_layout(quant_options, op_names)
-    for value, valid, what in ((cancelling_bn, CANCELLING_BN, "cancelling_bn"), (mlp, MLP_COPIES, "mlp"),
-                               (norm_linear, NORM_LINEAR_COPIES, "norm_linear")):
-        if value not in valid:
-            raise ValueError(f"unknown {what} {value!r}; valid choices: {', '.join(valid)}")
+        return apply_plan(model, plan, attention=attention, **quant_options)
+    op_names, set_names, quant_options = check_patch_arguments(ops, modules, quant_options, attention=attention,
+                                                               cancelling_bn=cancelling_bn, mlp=mlp,
+                                                               norm_linear=norm_linear)
     explicit = dict(quant_options)  # (what this call asked for, applied to layers patched before too)
 
     root = _unwrap(model)
@@ -444,7 +448,40 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         warnings.warn(
             f"mesa_train.patch_model: functional ops not reached (they stay uncompressed): {lines}",
             UserWarning, stacklevel=2)
+    if not generic and not any(_compresses(m) for m in root.modules()):  # (a user's own model, a wrong set)
+        warnings.warn(
+            f"mesa_train.patch_model: no layer of {type(root).__name__} matched ops={list(op_names)} "
+            f"modules={list(set_names)}: nothing is compressed (describe(model) lists what was patched)",
+            UserWarning, stacklevel=2)
     return model
+
+
+# patch_model's defaults of the arguments a plan decides itself
+_PLAN_FREE_DEFAULTS = {"ops": ("all",), "modules": ("all",), "cancelling_bn": "stock", "mlp": "shared",
+                       "norm_linear": "shared"}
+
+
+def _compresses(module: nn.Module) -> bool:
+    """A Mesa layer, or an attention module patched onto a compressed path."""
+    return mesa_layer_op(module) is not None or getattr(module, "mesa_attn_path", "stock") != "stock"
+
+
+def check_patch_arguments(ops, modules, quant_options: dict, *, attention: str = "auto",
+                          cancelling_bn: str = "stock", mlp: str = "shared", norm_linear: str = "shared"):
+    """``patch_model``'s arguments validated (``ValueError`` naming the valid choices):
+    ``(op names, module set names, quant options)``. A plan checks every layer's with it
+    before it patches any (``mesa_train.plan.apply``)."""
+    if attention not in ATTENTION_PATHS:
+        raise ValueError(f"unknown attention {attention!r}; valid choices: {', '.join(ATTENTION_PATHS)}")
+    op_names = _resolve(ops, OPS, "ops")
+    set_names = _resolve(modules, MODULE_SETS, "modules")
+    quant_options = _check_options(quant_options)
+    _check_layout(quant_options, op_names)
+    for value, valid, what in ((cancelling_bn, CANCELLING_BN, "cancelling_bn"), (mlp, MLP_COPIES, "mlp"),
+                               (norm_linear, NORM_LINEAR_COPIES, "norm_linear")):
+        if value not in valid:
+            raise ValueError(f"unknown {what} {value!r}; valid choices: {', '.join(valid)}")
+    return op_names, set_names, quant_options
 
 
 # ----------------------------------------------------------------------------- patch_model's passes

@@ -94,7 +94,19 @@ def _set_enabled(model: nn.Module, enabled: bool) -> None:
 def _measure(model: nn.Module, example_input, run: Optional[Callable]):
     model.train()
     with SavedTensorMeter(model) as meter:
-        out = run(model, example_input) if run is not None else model(example_input)
+        try:
+            out = run(model, example_input) if run is not None else model(example_input)
+        except (RuntimeError, ValueError, TypeError, AssertionError) as err:
+            # the model's own error, e.g. timm's size check, said as what it is about
+            shape = (tuple(example_input.shape) if isinstance(example_input, torch.Tensor)
+                     else type(example_input).__name__)
+            how = "run(model, example_input)" if run is not None else f"{type(model).__name__}(example_input)"
+            message = f"describe / coverage: {how} failed for example_input {shape}: {err}"
+            try:
+                wrapped = type(err)(message)
+            except Exception:  # (an exception type whose constructor takes other arguments)
+                wrapped = RuntimeError(message)
+            raise wrapped from err
     del out
     return meter
 

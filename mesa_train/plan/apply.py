@@ -7,7 +7,7 @@ from torch import nn
 
 from mesa_train.models import unwrap_model
 from mesa_train.nn.quantizer import assign_rng_keys
-from mesa_train.patch.core import patch_model
+from mesa_train.patch.core import check_patch_arguments, patch_model
 from mesa_train.patch.table import format_table
 
 from .planfile import RECOMPUTE, Plan, PlanError, as_plan
@@ -38,9 +38,10 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
         raise PlanError(f"plan asks ops these layers do not have: {bad}")
 
 
-def apply_plan(model: nn.Module, plan_or_path: Any, **quant_options) -> nn.Module:
+def apply_plan(model: nn.Module, plan_or_path: Any, attention: str = "auto", **quant_options) -> nn.Module:
     """Patch ``model`` in place as ``plan`` says and return it. ``quant_options`` override
-    the plan's. The plan is kept on the model (:func:`plan_of`)."""
+    the plan's. The plan is kept on the model (:func:`plan_of`). Every layer's arguments are
+    checked before any layer is changed: a wrong option leaves the model as it was."""
     plan = as_plan(plan_or_path)
     check_plan(model, plan)
     root = unwrap_model(model)
@@ -48,17 +49,19 @@ def apply_plan(model: nn.Module, plan_or_path: Any, **quant_options) -> nn.Modul
     # mlp / norm_linear "separate": the planner prices each (layer, op) on its own and adds them
     # up; fc2 taking the GELU's copy or qkv / fc1 the norm's (patch_model's defaults) would
     # make the bytes depend on pairs of items
-    options = {"mlp": "separate", "norm_linear": "separate", **options}
-    other = plan.layers.get(OTHER, ())
-    if other:
-        patch_model(root, ops=other, modules=("other",), **options)
-    for name, ops in plan.layers.items():
-        if name == OTHER or not ops:
+    copies = {"mlp": options.pop("mlp", "separate"), "norm_linear": options.pop("norm_linear", "separate")}
+    calls = [(root, plan.layers.get(OTHER, ()), ("other",))]
+    calls += [(root.get_submodule(name), ops, ("all",)) for name, ops in plan.layers.items() if name != OTHER]
+    for _, ops, modules in calls:  # (validation first, as patch_model's own)
+        if ops and RECOMPUTE not in ops:
+            check_patch_arguments(ops, modules, options, attention=attention, **copies)
+    for unit, ops, modules in calls:
+        if not ops:
             continue
         if RECOMPUTE in ops:  # the plan file check allows nothing beside it
-            recompute_block(root.get_submodule(name))
+            recompute_block(unit)
         else:
-            patch_model(root.get_submodule(name), ops=ops, **options)
+            patch_model(unit, ops=ops, modules=modules, attention=attention, **copies, **options)
     # per-block patching keyed the quantizers by block-relative names: key them by their
     # names in the whole model, as a whole-model patch does
     assign_rng_keys(root)

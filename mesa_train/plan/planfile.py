@@ -22,6 +22,7 @@ from typing import Any, Dict, Tuple, Union
 
 import yaml
 
+from mesa_train.nn.quantizer import QuantOptions
 from mesa_train.patch.core import OPS
 
 __all__ = ["Plan", "PlanError", "FORMAT", "RECOMPUTE", "PLAN_OPS", "load_plan", "save_plan", "as_plan"]
@@ -84,10 +85,17 @@ class Plan:
         if mixed:
             raise PlanError(f"{source}: layers {mixed} both recompute and compress: a recomputed block keeps only "
                             f"its input, so list either [{RECOMPUTE}] or the ops to compress")
+        quant_options = data.get("quant_options") or {}
+        if not isinstance(quant_options, dict):
+            raise PlanError(f"{source}: 'quant_options' must be a mapping of option -> value")
+        try:  # (checked on load: a plan whose layers are all stock never reaches patch_model's check)
+            QuantOptions.from_kwargs(**quant_options)
+        except (TypeError, ValueError) as err:
+            raise PlanError(f"{source}: quant_options: {err}") from None
         model = data.get("model") or {}
         return cls(layers=parsed, architecture=str(model.get("architecture", "")),
                    fingerprints={str(k): str(v) for k, v in (data.get("fingerprints") or {}).items()},
-                   quant_options=dict(data.get("quant_options") or {}),
+                   quant_options=dict(quant_options),
                    budget=dict(data.get("budget") or {}), predicted=dict(data.get("predicted") or {}),
                    measured=dict(data.get("measured") or {}))
 
