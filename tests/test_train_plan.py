@@ -53,6 +53,8 @@ def test_auto_plan_fits_the_budget_and_resume_reuses_the_checkpoint_plan(compose
     (["mesa.plan=auto"], "exactly one of mesa.budget"),
     (["mesa.plan=auto", "mesa.budget=1.5"], r"mesa.budget=1.5 must be a fraction in \(0, 1\]"),
     (["mesa.plan=auto", "mesa.budget_gb=-2"], "must be a positive number of GB"),
+    # the planner's own rule (Budget.check): an infinite budget is not a budget
+    (["mesa.plan=auto", "mesa.budget_gb=inf"], r"mesa.budget_gb=inf must be a positive number of GB"),
     (["mesa.plan=/no/such/plan.yaml"], "no such plan file"),
 ])
 def test_bad_plan_settings_are_config_errors(compose_train, tmp_path, overrides, message):

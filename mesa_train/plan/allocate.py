@@ -129,19 +129,22 @@ class Budget:
     def describe(self) -> str:
         return f"budget={self.fraction}" if self.fraction is not None else f"budget_gb={self.gb}"
 
-    def check(self) -> "Budget":
+    def check(self, prefix: str = "") -> "Budget":
         """Itself, validated (PlanError, one line, otherwise): exactly one of the two, a number,
         the fraction in (0, 1], the GB positive and finite. Callers check before profiling,
-        which takes minutes and a stock training step's memory."""
+        which takes minutes and a stock training step's memory. ``prefix``: the config group
+        the messages name the values by (the trainer's ``mesa.``)."""
         if (self.fraction is None) == (self.gb is None):
-            raise PlanError("give exactly one of budget (fraction of stock activation memory, e.g. budget=0.6) "
-                            "or budget_gb (peak GB on the device)")
+            raise PlanError(f"give exactly one of {prefix}budget (fraction of stock activation memory, e.g. 0.6) "
+                            f"or {prefix}budget_gb (peak GB on the device)")
         value, name = (self.fraction, "budget") if self.fraction is not None else (self.gb, "budget_gb")
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if name == "budget" and not (number and 0 < value <= 1):
-            raise PlanError(f"budget={value!r} must be a fraction in (0, 1] of stock activation memory, e.g. 0.6")
+            raise PlanError(f"{prefix}budget={value!r} must be a fraction in (0, 1] of stock activation memory, "
+                            "e.g. 0.6")
         if name == "budget_gb" and not (number and math.isfinite(value) and value > 0):
-            raise PlanError(f"budget_gb={value!r} must be a positive number of GB (peak memory on the device)")
+            raise PlanError(f"{prefix}budget_gb={value!r} must be a positive number of GB (peak memory on the "
+                            "device)")
         return self
 
 

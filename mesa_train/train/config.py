@@ -17,6 +17,7 @@ from mesa_train.patch import MODULE_SETS, OPS
 from mesa_train.patch.cancellation import CANCELLING_BN
 from mesa_train.patch.block import NORM_LINEAR_COPIES
 from mesa_train.patch.mlp import MLP_COPIES
+from mesa_train.plan import Budget, PlanError
 from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 
 # Valid names, as documented in docs/DESIGN.md (mesa_train.patch).
@@ -258,12 +259,12 @@ def _check_optim(o, errors: list[str]) -> None:
     if decay is not None and not (isinstance(decay, (int, float)) and 0 < decay <= 1):
         errors.append(f"optim.layer_decay={decay!r} must be null (off) or a number in (0, 1]")
     for key, ok, rule in _OPTIM_NUMBERS:
-        value = o.get(key)
-        if value is None and key in _OPTIM_NULLABLE:
+        value, nullable = o.get(key), key not in _OPTIM_REQUIRED
+        if value is None and nullable:
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not (number and ok(value)):
-            errors.append(f"optim.{key}={value!r} must be {'null or ' if key in _OPTIM_NULLABLE else ''}{rule}")
+            errors.append(f"optim.{key}={value!r} must be {'null or ' if nullable else ''}{rule}")
 
 
 # optim.* numbers: (key, test on a finite number, the rule as the error states it). Without
@@ -289,9 +290,8 @@ _OPTIM_NUMBERS = (
     ("re_count", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     ("ema_decay", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
 )
-_OPTIM_NULLABLE = frozenset({"lr", "momentum", "eps", "warmup_epochs", "warmup_lr", "min_lr", "smoothing",
-                             "drop_path", "mixup", "cutmix", "mixup_prob", "mixup_switch_prob", "re_prob",
-                             "re_count", "ema_decay", "weight_decay"})
+# the two the learning rate is computed from; every other one may be null (the library's default)
+_OPTIM_REQUIRED = frozenset({"base_lr", "base_batch"})
 
 
 def _check_wandb(cfg, errors: list[str]) -> None:
@@ -327,12 +327,11 @@ def _check_plan(m, errors: list) -> None:
     if (budget is None) == (budget_gb is None):
         errors.append("mesa.plan=auto needs exactly one of mesa.budget (fraction of stock activation memory, "
                       "e.g. 0.6) or mesa.budget_gb (peak GB on the device)")
-    if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool)
-                                   and 0 < budget <= 1):
-        errors.append(f"mesa.budget={budget!r} must be a fraction in (0, 1] of stock activation memory")
-    if budget_gb is not None and not (isinstance(budget_gb, (int, float)) and not isinstance(budget_gb, bool)
-                                      and budget_gb > 0):
-        errors.append(f"mesa.budget_gb={budget_gb!r} must be a positive number of GB")
+        return
+    try:  # (the planner's own rule for the value)
+        Budget(fraction=budget, gb=budget_gb).check(prefix="mesa.")
+    except PlanError as err:
+        errors.append(str(err))
 
 
 def ignored_mesa_overrides(cfg, overrides) -> str | None:
