@@ -106,6 +106,71 @@ def test_kept_stock_and_gradient_exact():
         patch_model(copy.deepcopy(stock), cancelling_bn="nope")
 
 
+class GroupNormConvAttention(nn.Module):
+    """LowFormer / CPUBone's attention input: an affine GroupNorm(1, C), then a depthwise conv
+    and a BatchNorm (its output scales with each GroupNorm channel's weight and bias, and the
+    BatchNorm undoes it), then a channel-mixing 1x1 conv."""
+
+    def __init__(self, c=8, affine=True):
+        super().__init__()
+        self.norm = nn.GroupNorm(1, c, affine=affine)
+        self.proj = nn.Sequential(nn.Conv2d(c, c, 3, 2, 1, groups=c, bias=False), nn.BatchNorm2d(c))
+        self.pwise = nn.Conv2d(c, 2 * c, 1, bias=False)
+        self.head = nn.Linear(2 * c, 5)
+
+    def forward(self, x):
+        return self.head(self.pwise(self.proj(self.norm(x))).mean((2, 3)))
+
+
+def test_affine_group_norm_starts_a_path():
+    assert cancellation_batchnorms(GroupNormConvAttention()) == {"proj.1"}
+    assert cancellation_batchnorms(GroupNormConvAttention(affine=False)) == set()  # no weight to cancel
+    torch.manual_seed(0)
+    stock = GroupNormConvAttention().train()  # bias 0: the exact weight gradient is BatchNorm's eps term
+    x = torch.randn(4, 8, 16, 16, generator=torch.Generator().manual_seed(1))
+    exact = _grads(stock, x, torch.float64)
+    kept = patch_model(copy.deepcopy(stock))
+    assert type(kept.proj[1]) is nn.BatchNorm2d and kept._mesa_patch_info["stock_batchnorm"] == ("proj.1",)
+    assert _cos(exact["norm.weight"], _grads(kept, x)["norm.weight"]) > 0.999
+    compressed = patch_model(copy.deepcopy(stock), cancelling_bn="compress")  # what the rule prevents
+    assert _cos(exact["norm.weight"], _grads(compressed, x)["norm.weight"]) < 0.9
+
+
+class PooledKeys(nn.Module):
+    """NextViT's attention input: a BatchNorm2d whose tokens feed a query Linear and, pooled
+    (AvgPool1d), a BatchNorm1d before the key Linear (the stock-only end of one branch)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(c)
+        self.q, self.k = nn.Linear(c, c), nn.Linear(c, c)
+        self.sr, self.norm = nn.AvgPool1d(4, 4), nn.BatchNorm1d(c)
+        self.head = nn.Linear(c, 5)
+        with torch.no_grad():
+            self.q.weight.mul_(0.01)  # the keys' branch carries most of the gradient reaching norm1
+
+    def forward(self, x):
+        t = self.norm1(x).flatten(2).transpose(1, 2)  # (B, N, C)
+        q = self.q(t)
+        k = self.k(self.norm(self.sr(t.transpose(1, 2))).transpose(1, 2))
+        attn = (q @ k.transpose(1, 2)).softmax(-1)
+        return self.head((attn @ k).mean(1))
+
+
+def test_branch_into_a_batchnorm1d_keeps_the_start_stock():
+    assert cancellation_batchnorms(PooledKeys()) == {"norm1"}
+    torch.manual_seed(0)
+    stock = PooledKeys().train()
+    x = torch.randn(4, 8, 8, 8, generator=torch.Generator().manual_seed(1))
+    exact = _grads(stock, x, torch.float64)
+    kept = patch_model(copy.deepcopy(stock))
+    assert type(kept.norm1) is nn.BatchNorm2d and kept._mesa_patch_info["stock_batchnorm"] == ("norm1",)
+    assert _cos(exact["norm1.weight"], _grads(kept, x)["norm1.weight"]) > 0.999
+    compressed = patch_model(copy.deepcopy(stock), cancelling_bn="compress")
+    assert isinstance(compressed.norm1, mn.BatchNorm2d)
+    assert _cos(exact["norm1.weight"], _grads(compressed, x)["norm1.weight"]) < 0.99
+
+
 def test_batchnorm_act_is_one_node():
     """timm's BatchNormAct2d (children drop / act) ends a path as a normalisation; with a
     non-homogeneous activation inside it starts none."""

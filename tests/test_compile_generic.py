@@ -79,3 +79,27 @@ def test_gated_backward_closed_form_matches_autograd(act, monkeypatch):
     twin(a, b).backward(g)
     torch.testing.assert_close(closed[0], a.grad, rtol=1e-5, atol=1e-6)
     assert torch.equal(closed[1], b.grad)
+
+
+@pytest.mark.parametrize("padding", ["same", "valid"])
+def test_string_padding_conv_compiles_fullgraph(padding):
+    """A Mesa Conv2d with ``padding='same'`` / ``'valid'`` (ConvMixer's depthwise convs) takes
+    its backward from ``convolution_backward`` with the padding as ints, not from autograd
+    re-derived inside the backward, which torch.compile cannot trace ("tensor creation
+    function with requires_grad=True"); the gradients are eager Mesa's bits."""
+    import mesa_train.nn as mn
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    conv = mn.Conv2d.from_module(torch.nn.Conv2d(8, 8, 5, padding=padding, dilation=2, groups=8), rounding="nearest")
+    eager = copy.deepcopy(conv)
+    x = torch.randn(2, 8, 11, 11)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    out = torch.compile(conv, backend="aot_eager", fullgraph=True)(xs[0])
+    ref = eager(xs[1])
+    _loss(out).backward()
+    _loss(ref).backward()
+    assert torch.equal(out, ref)
+    assert torch.equal(xs[0].grad, xs[1].grad)
+    for p, q in zip(conv.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)

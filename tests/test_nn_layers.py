@@ -71,6 +71,10 @@ CASES = {
     "conv2d": (lambda: nn.Conv2d(8, 16, 3, padding=1), _shape(2, 8, 8, 8)),
     "conv2d_strided_groups": (lambda: nn.Conv2d(8, 8, 3, stride=2, groups=2, bias=False), _shape(2, 8, 9, 9)),
     "conv2d_same_reflect": (lambda: nn.Conv2d(4, 8, 3, padding="same", padding_mode="reflect"), _shape(2, 4, 7, 7)),
+    # string padding resolved to ints for convolution_backward (ConvMixer's depthwise 'same')
+    "conv2d_same_dilated_dw": (lambda: nn.Conv2d(4, 4, 5, padding="same", dilation=2, groups=4), _shape(2, 4, 9, 9)),
+    "conv2d_valid": (lambda: nn.Conv2d(4, 8, 3, padding="valid"), _shape(2, 4, 7, 7)),
+    "conv2d_same_even": (lambda: nn.Conv2d(4, 8, 4, padding="same"), _shape(2, 4, 7, 7)),  # autograd path
     "relu": (lambda: nn.ReLU(), _shape(2, 8, 32)),
 }
 

@@ -68,6 +68,45 @@ def test_rmsnorm_with_a_row_far_below_the_others():
     _compare(stock, mn.RmsNorm.from_module(copy.deepcopy(stock)), x)
 
 
+def test_rmsnorm_without_affine():
+    """timm's ``RmsNorm(affine=False)`` (Gemma 4's ViT norms): converted with ``weight`` a None
+    parameter, as stock's (a plain ``None`` attribute used to block ``register_parameter``)."""
+    from timm.layers import RmsNorm as TimmRmsNorm
+
+    stock = TimmRmsNorm(32, affine=False)
+    mesa = mn.RmsNorm.from_module(copy.deepcopy(stock))
+    assert mesa.weight is None and "weight" in mesa._parameters
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    x = torch.randn(2, 7, 32)
+    x[:, 0] *= 1e-4
+    _compare(stock, mesa, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_fp32(dtype):
+    """timm's ``RmsNormFp32`` (DeepSeek's ViT): float32 arithmetic whatever the input's dtype,
+    the input's dtype out; the Mesa layer gives the same bits."""
+    from timm.layers import RmsNormFp32 as TimmRmsNormFp32
+
+    torch.manual_seed(0)
+    stock = TimmRmsNormFp32(32).to(dtype)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5)
+    mesa = mn.RmsNormFp32.from_module(copy.deepcopy(stock))
+    x = torch.randn(2, 7, 32).to(dtype)
+    if dtype == torch.float32:
+        _compare(stock, mesa, x)
+        return
+    xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ys, ym = stock(xs), mesa(xm)
+    assert ym.dtype == dtype and torch.equal(ys, ym)
+    g = torch.randn_like(ys)
+    ys.backward(g), ym.backward(g)
+    assert _cos(xs.grad, xm.grad) > 0.999 and _cos(stock.weight.grad, mesa.weight.grad) > 0.999
+    with pytest.raises(TypeError, match="RmsNormFp32"):
+        mn.RmsNormFp32.from_module(nn.LayerNorm(32))
+
+
 @pytest.mark.parametrize("kind", ["quick_gelu", "silu"])
 def test_activations(kind):
     from timm.layers.activations import QuickGELU as TimmQuickGELU

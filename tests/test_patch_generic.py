@@ -47,6 +47,37 @@ def test_generic_attention_compressed_and_bitwise(name):
         assert torch.equal(stock(x), patched(x))
 
 
+class TokenMixer(torch.nn.Module):
+    """A user's single-head attention under a name no rule knows (SHViT's ``SHSA``, iFormer's
+    ``SHMA``): found by its forward's softmax and matmuls."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj((q @ k.transpose(-2, -1)).softmax(dim=-1) @ v)
+
+
+@pytest.mark.parametrize("name,owner", [("shvit_s1", "SHSA"), ("iformer_t", "SHMA"), (None, "TokenMixer")])
+def test_attention_found_by_its_forward(name, owner):
+    import warnings
+
+    stock = build(name) if name else torch.nn.Sequential(TokenMixer(), TokenMixer()).train()
+    x = example(name) if name else torch.randn(2, 7, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "functional ops not reached" warning is left
+        patched = patch_model(copy.deepcopy(stock), rounding="nearest")
+    owners = [m for m in patched.modules() if type(m).__name__ == owner]
+    assert owners and all("mesa_qk" in m._modules or "mesa_sdpa" in m._modules for m in owners)
+    torch.manual_seed(0)
+    ref = stock(x)
+    torch.manual_seed(0)
+    assert torch.equal(ref, patched(x))
+    assert _mesa_child_calls(patched, x) > 0
+
+
 def test_generic_attention_saves_less_than_before():
     """EVA saved 0.45x of stock with attention uncovered; now the attention is compressed."""
     stock = build("eva02_tiny_patch14_224")

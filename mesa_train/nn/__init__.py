@@ -31,7 +31,7 @@ from .matmul import MatMul
 from .normalize import Normalize
 from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
 from .relu import ReLU
-from .rmsnorm import RmsNorm
+from .rmsnorm import RmsNorm, RmsNormFp32
 from .softmax import Softmax
 from ._common import MesaLayer
 from .tracing import MesaTracingError, register_fx_leaf
@@ -44,7 +44,7 @@ LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, Q
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "GELU", "LayerNorm", "LayerNorm2d", "Softmax", "MatMul", "Conv2d", "ReLU",
-    "BatchNorm2d", "QuickGELU", "SiLU", "RmsNorm", "GatedActivation", "LayerScale", "ChannelScale", "Normalize",
-    "GlobalResponseNorm",
+    "BatchNorm2d", "QuickGELU", "SiLU", "RmsNorm", "RmsNormFp32", "GatedActivation", "LayerScale", "ChannelScale",
+    "Normalize", "GlobalResponseNorm",
 ]
 from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)

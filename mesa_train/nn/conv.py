@@ -7,6 +7,7 @@ formats, string padding, other padding modes and a scale-branch link, ``_Conv2dF
 from __future__ import annotations
 
 import weakref
+from typing import List, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -91,11 +92,12 @@ class _Conv2dFn(torch.autograd.Function):
             unbatched = xh.dim() == 3
             if unbatched:
                 xh, g = xh.unsqueeze(0), g.unsqueeze(0)
-            if m.padding_mode == "zeros" and not isinstance(m.padding, str):
+            padding = _explicit_padding(m)
+            if padding is not None:
                 gx, gw, gb = torch.ops.aten.convolution_backward(
-                    g, xh, w, [w.shape[0]] if need[2] else None, list(m.stride), list(m.padding),
+                    g, xh, w, [w.shape[0]] if need[2] else None, list(m.stride), padding,
                     list(m.dilation), False, [0, 0], m.groups, need)
-            else:  # 'same'/'valid' padding strings or non-zero padding modes: autograd re-derivation
+            else:  # 'same' with an even kernel, non-zero padding modes: autograd re-derivation
                 gx, gw, gb = _autograd_backward(m, g, xh, w, need)
             if unbatched and gx is not None:
                 gx = gx.squeeze(0)
@@ -107,6 +109,22 @@ class _Conv2dFn(torch.autograd.Function):
         gw = gw.to(ctx.w_dtype) if gw is not None and need[1] else None
         gb = gb.to(ctx.b_dtype) if gb is not None and need[2] else None
         return gx, gw, gb, None, None, None
+
+
+def _explicit_padding(m) -> Optional[List[int]]:
+    """``m``'s zero padding as ints per side for ``convolution_backward``; ``'valid'`` is 0 and
+    ``'same'`` is ``dilation * (k - 1) / 2`` where that is whole (ConvMixer's depthwise convs),
+    which is what ``F.conv2d`` pads. None where only autograd re-derives it (``'same'`` with an
+    even kernel pads one side more; reflect / replicate / circular modes): a path that
+    ``torch.compile`` cannot trace inside a backward."""
+    if m.padding_mode != "zeros":
+        return None
+    if not isinstance(m.padding, str):
+        return list(m.padding)
+    if m.padding == "valid":
+        return [0] * len(m.kernel_size)
+    total = [d * (k - 1) for d, k in zip(m.dilation, m.kernel_size)]
+    return [t // 2 for t in total] if all(t % 2 == 0 for t in total) else None
 
 
 def _autograd_backward(m, g, xh, w, need):

@@ -18,7 +18,7 @@ from torch import nn
 from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
-__all__ = ["RmsNorm"]
+__all__ = ["RmsNorm", "RmsNormFp32"]
 
 
 def _dims(ndim: int):
@@ -78,18 +78,24 @@ class RmsNorm(MesaLayer, nn.Module):
         self.normalized_shape = tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype)) \
-            if elementwise_affine else None
-        if not elementwise_affine:
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        else:  # a None parameter, as timm's (a plain `self.weight = None` attribute would block it)
             self.register_parameter("weight", None)
         self._init_mesa(quant_options, device)
 
+    # timm's stock class this converts (from_module checks it); RmsNormFp32 overrides
+    stock_name = "RmsNorm"
+    # compute in float32 and return the input's dtype (timm's RmsNormFp32)
+    float32_compute = False
+
     @classmethod
     def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "RmsNorm":
-        from timm.layers import RmsNorm as TimmRmsNorm
+        import timm.layers
 
-        if not isinstance(stock, (TimmRmsNorm, RmsNorm)):
-            raise TypeError(f"expected an instance of timm.layers.RmsNorm, got {type(stock).__name__}")
+        stock_cls = getattr(timm.layers, cls.stock_name)
+        if not isinstance(stock, (stock_cls, cls)):
+            raise TypeError(f"expected an instance of timm.layers.{cls.stock_name}, got {type(stock).__name__}")
         w = stock.weight
         new = cls(stock.normalized_shape, eps=stock.eps, elementwise_affine=w is not None, device="meta",
                   dtype=w.dtype if w is not None else None, **inherit_options(stock, quant_options))
@@ -98,9 +104,22 @@ class RmsNorm(MesaLayer, nn.Module):
         return new.train(stock.training)
 
     def forward(self, x):
-        if not self._mesa_active(x, self.weight):
-            return _rms_norm_parts(x, self.normalized_shape, self.weight, self.eps)[0]
-        return _RmsNormFn.apply(x, self.normalized_shape, self.weight, self.eps, self.quantizer)
+        weight, dtype = self.weight, x.dtype
+        if self.float32_compute:  # timm's RmsNormFp32: the same ops on float32 copies
+            x, weight = x.float(), weight.float() if weight is not None else None
+        if not self._mesa_active(x, weight):
+            out = _rms_norm_parts(x, self.normalized_shape, weight, self.eps)[0]
+        else:
+            out = _RmsNormFn.apply(x, self.normalized_shape, weight, self.eps, self.quantizer)
+        return out.to(dtype) if self.float32_compute else out
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, affine={self.elementwise_affine}, {self._mesa_repr()}"
+
+
+class RmsNormFp32(RmsNorm):
+    """timm's ``RmsNormFp32`` (DeepSeek's ViT): :class:`RmsNorm` computed on float32 copies of
+    the input and weight, returned in the input's dtype, as timm does."""
+
+    stock_name = "RmsNormFp32"
+    float32_compute = True

@@ -16,7 +16,7 @@ of the model (``_tracers``: through timm's no-trace modules with data-dependent 
 as False, else with those modules as leaves); a model that does not trace gets none (every
 BatchNorm compressed, as before). Tracing runs the forward on proxies only: no tensor is
 computed and no module state is meant to change (a forward that caches a traced value on
-the module would keep a proxy; the 70 zoo models pass their forward / eval / state_dict
+the module would keep a proxy; the 90 zoo models pass their forward / eval / state_dict
 checks after patching).
 """
 from __future__ import annotations
@@ -35,10 +35,12 @@ __all__ = ["CANCELLING_BN", "cancellation_batchnorms"]
 CANCELLING_BN = ("stock", "compress")
 
 _NORMS = (nn.BatchNorm2d, nn.BatchNorm1d, nn.LayerNorm, nn.GroupNorm)
-_PASS_MODULES = (nn.ReLU, nn.Identity, nn.Dropout, nn.Dropout2d, nn.MaxPool2d, nn.AvgPool2d, nn.ZeroPad2d)
+_PASS_MODULES = (nn.ReLU, nn.Identity, nn.Dropout, nn.Dropout2d, nn.MaxPool2d, nn.AvgPool2d, nn.ZeroPad2d, nn.MaxPool1d,
+                 nn.AvgPool1d)
 _PASS_FUNCTIONS = {F.relu, torch.relu, F.dropout, operator.getitem, torch.cat, torch.split, torch.chunk,
                    torch.flatten, torch.transpose, torch.permute, torch.reshape, F.pad, F.max_pool2d, F.avg_pool2d,
                    operator.add, operator.iadd}  # a residual add: the path goes on through it
+_MERGES = {operator.add, operator.iadd, torch.cat}
 _PASS_METHODS = {"relu", "relu_", "contiguous", "flatten", "transpose", "permute", "reshape", "view", "split",
                  "chunk", "unflatten"}
 
@@ -94,6 +96,13 @@ def _homogeneous_bn(m: nn.Module) -> bool:
     return (act is None or type(act) in (nn.Identity, nn.ReLU)) and (drop is None or type(drop) is nn.Identity)
 
 
+def _affine_group_norm(m: nn.Module) -> bool:
+    """A GroupNorm with its per-channel ``weight`` and ``bias`` (timm's ``GroupNorm1`` before
+    LowFormer's and CPUBone's conv attention): its output is a per-channel affine map too, so a
+    path can start there. Mesa never compresses a GroupNorm; only the ends are kept stock."""
+    return isinstance(m, nn.GroupNorm) and m.affine
+
+
 def _per_channel(m: nn.Module) -> bool:
     if isinstance(m, _PASS_MODULES) or _affine_block(m):
         return True
@@ -108,11 +117,19 @@ def _data_users(node):
 
 
 def cancellation_batchnorms(model: nn.Module) -> Set[str]:
-    """Qualified names (in ``model``) of the BatchNorm2d modules to keep stock: a BatchNorm
-    all of whose output paths end at normalisations through per-channel, positively
-    homogeneous ops (residual adds included), together with the BatchNorms those paths end
-    at; and the BatchNorms every path from a scalar ``LearnableAffineBlock`` ends at (a
-    scalar scale keeps the invariance through channel-mixing convs too)."""
+    """Qualified names (in ``model``) of the BatchNorm2d modules to keep stock:
+
+    * a BatchNorm all of whose output paths end at normalisations through per-channel,
+      positively homogeneous ops (residual adds included), with the BatchNorms those paths
+      end at;
+    * the BatchNorms every path from an affine GroupNorm ends at that way (LowFormer, CPUBone:
+      ``GroupNorm1 -> depthwise conv -> BatchNorm``);
+    * a BatchNorm one of whose branches reaches a BatchNorm1d (never compressed) through
+      single-input per-channel ops (NextViT: ``norm1 -> AvgPool1d -> BatchNorm1d`` beside
+      its query Linear): that branch's gradient is exactly orthogonal to each of its output
+      channels, a large cancelling term in its weight gradient that an 8-bit ``x_hat`` breaks;
+    * the BatchNorms every path from a scalar ``LearnableAffineBlock`` ends at (a scalar
+      scale keeps the invariance through channel-mixing convs too)."""
     graph = _trace(model)
     if graph is None:
         return set()
@@ -120,15 +137,18 @@ def cancellation_batchnorms(model: nn.Module) -> Set[str]:
     found: Set[str] = set()
     for start in graph.nodes:
         m = paths.module(start)
-        lab = m is not None and _affine_block(m)
-        if not (lab or _homogeneous_bn(m)) or not start.users:
+        if m is None or not start.users:
             continue
-        ends = paths.ends_of_users(start, mixing=lab)
-        if not ends:
+        scalar, bn = _affine_block(m), _homogeneous_bn(m)
+        if not (scalar or bn or _affine_group_norm(m)):
             continue
-        if not lab:
+        ends = paths.ends_of_users(start, mixing=scalar)
+        if ends:
+            if bn:
+                found.add(start.target)
+            found.update(n.target for n in ends if isinstance(paths.module(n), nn.BatchNorm2d))
+        elif bn and paths.reaches_exact_norm(start):
             found.add(start.target)
-        found.update(n.target for n in ends if isinstance(paths.module(n), nn.BatchNorm2d))
     return found
 
 
@@ -187,3 +207,21 @@ class _NormPaths:
             else:
                 memo[node] = None
         return memo[node]
+
+    def reaches_exact_norm(self, node) -> bool:
+        """Does some path from ``node`` reach a BatchNorm1d (which Mesa leaves stock) through
+        single-input per-channel ops (no add or concat with other data on the way)? Other
+        paths may escape."""
+        stack, seen = list(_data_users(node)), set()
+        while stack:
+            u = stack.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            m = self.module(u)
+            if type(m) is nn.BatchNorm1d:
+                return True
+            if not isinstance(m, _NORMS) and self.passes(u, False) and not (
+                    u.op == "call_function" and u.target in _MERGES):
+                stack.extend(_data_users(u))
+        return False

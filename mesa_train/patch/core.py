@@ -24,7 +24,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from timm.layers import BatchNormAct2d, ConvNormAct, LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
-from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm
+from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
 from torch import nn
@@ -64,6 +64,7 @@ def _leaf_rules():
         nn.SiLU: ("silu", mnn.SiLU),
         TimmQuickGELU: ("gelu", mnn.QuickGELU),
         TimmRmsNorm: ("rmsnorm", mnn.RmsNorm),
+        TimmRmsNormFp32: ("rmsnorm", mnn.RmsNormFp32),
         nn.Linear: ("linear", mnn.Linear),
         nn.GELU: ("gelu", mnn.GELU),
         nn.LayerNorm: ("layernorm", mnn.LayerNorm),
@@ -276,13 +277,17 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
 def _attention_like(m: nn.Module) -> bool:
     """A module whose own forward may hold an attention core: not a known timm attention
     (patched by class), not torch's MultiheadAttention, not a Mesa layer; named like an
-    attention or carrying a head count."""
+    attention, carrying a head count, or whose forward calls a softmax and a matmul / sdpa
+    (SHViT's ``SHSA``, iFormer's ``SHMA``, EfficientViM's ``HSMSSD``, CSATv2's blocks)."""
     if type(m) in ATTENTION_CLASSES or type(m) in STOCK_ATTENTION_CLASSES or isinstance(m, nn.MultiheadAttention):
         return False
     if isinstance(m, mnn.MesaLayer):
         return False
     cls = type(m).__name__.lower()
-    return "attn" in cls or "attention" in cls or "xca" in cls or isinstance(getattr(m, "num_heads", None), int)
+    if "attn" in cls or "attention" in cls or "xca" in cls or isinstance(getattr(m, "num_heads", None), int):
+        return True
+    found = scan_functional_ops(type(m))
+    return "softmax" in found and ("matmul" in found or "sdpa" in found)
 
 
 # ----------------------------------------------------------------------------- main entry
