@@ -123,16 +123,18 @@ class GroupNormConvAttention(nn.Module):
 
 
 def test_affine_group_norm_starts_a_path():
-    assert cancellation_batchnorms(GroupNormConvAttention()) == {"proj.1"}
+    assert cancellation_batchnorms(GroupNormConvAttention()) == {"norm", "proj.1"}
     assert cancellation_batchnorms(GroupNormConvAttention(affine=False)) == set()  # no weight to cancel
     torch.manual_seed(0)
     stock = GroupNormConvAttention().train()  # bias 0: the exact weight gradient is BatchNorm's eps term
     x = torch.randn(4, 8, 16, 16, generator=torch.Generator().manual_seed(1))
     exact = _grads(stock, x, torch.float64)
     kept = patch_model(copy.deepcopy(stock))
-    assert type(kept.proj[1]) is nn.BatchNorm2d and kept._mesa_patch_info["stock_batchnorm"] == ("proj.1",)
+    assert type(kept.proj[1]) is nn.BatchNorm2d and type(kept.norm) is nn.GroupNorm
+    assert kept._mesa_patch_info["stock_batchnorm"] == ("norm", "proj.1")
     assert _cos(exact["norm.weight"], _grads(kept, x)["norm.weight"]) > 0.999
     compressed = patch_model(copy.deepcopy(stock), cancelling_bn="compress")  # what the rule prevents
+    assert isinstance(compressed.norm, mn.GroupNorm)
     assert _cos(exact["norm.weight"], _grads(compressed, x)["norm.weight"]) < 0.9
 
 

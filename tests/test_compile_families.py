@@ -57,7 +57,10 @@ def test_scale_branches_compile_and_keep_their_exact_gradient(name):
     only the conv left stock), stays close to stock's. What is left is the other layers' rounding
     noise reaching it: on repvit_m1's 23 scale convs, over four model seeds and two rounding
     hashes (session 36), the median relative error was 0.005-0.011 and the largest 0.06-0.39,
-    one draw each (a bound of 0.2 on every conv failed at 5 of those 8 draws: 3 new, 2 old)."""
+    one draw each (a bound of 0.2 on every conv failed at 5 of those 8 draws: 3 new, 2 old).
+    Since timm's BatchNormAct2d is compressed too (2026-12-01), more of that noise reaches
+    fastvit_t8's 5 scale convs: median 0.008 -> 0.067, largest 0.155 -> 0.145 (one draw); the
+    eager path (the BatchNorm's closed form) is not affected."""
     model, _, stock = _compiled_and_eager(name)
     ref = dict(stock.named_parameters())
     scale_convs = [n for n, m in model.named_modules() if m.__dict__.get("_mesa_scale_bn") is not None]
@@ -66,7 +69,7 @@ def test_scale_branches_compile_and_keep_their_exact_gradient(name):
     for n in scale_convs:
         got, want = dict(model.named_parameters())[n + ".weight"].grad, ref[n + ".weight"].grad
         errors[n] = float((got - want).norm() / want.norm())
-    assert sorted(errors.values())[len(errors) // 2] <= 0.05, errors
+    assert sorted(errors.values())[len(errors) // 2] <= 0.1, errors
     assert max(errors.values()) <= 0.5, errors
 
 

@@ -56,6 +56,87 @@ def test_batchnorm2d(affine, track, momentum):
         assert stock.num_batches_tracked == mesa.num_batches_tracked
 
 
+@pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU, None])
+def test_batchnorm_act2d(act):
+    """timm's ``BatchNormAct2d``: the Mesa BatchNorm then its own drop / act children, the
+    same bits forward and the same state_dict keys (plus the quantizer's)."""
+    from timm.layers import BatchNormAct2d as TimmBatchNormAct2d
+
+    torch.manual_seed(0)
+    stock = TimmBatchNormAct2d(6, act_layer=act, apply_act=act is not None)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5), stock.bias.uniform_(-1, 1)
+    mesa = mn.BatchNormAct2d.from_module(copy.deepcopy(stock))
+    assert type(mesa.act) is type(stock.act) and mesa.quantizer.options.num_groups == 6
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    x = torch.randn(4, 6, 5, 5) * torch.logspace(-3, 2, 6).view(1, 6, 1, 1) + 3
+    _compare(stock, mesa, x)
+    assert torch.equal(stock.running_mean, mesa.running_mean) and torch.equal(stock.running_var, mesa.running_var)
+    with pytest.raises(TypeError, match="BatchNormAct2d"):
+        mn.BatchNormAct2d.from_module(nn.BatchNorm2d(6))
+
+
+@pytest.mark.parametrize("act", [nn.GELU, None])
+def test_layernorm_act2d(act):
+    """timm's ``LayerNormAct2d`` (ViTamin's stem): the Mesa LayerNorm2d, then its drop / act."""
+    from timm.layers import LayerNormAct2d as TimmLayerNormAct2d
+
+    torch.manual_seed(0)
+    stock = TimmLayerNormAct2d(6, act_layer=act, apply_act=act is not None)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5), stock.bias.uniform_(-1, 1)
+    mesa = mn.LayerNormAct2d.from_module(copy.deepcopy(stock))
+    assert type(mesa.act) is type(stock.act)
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    _compare(stock, mesa, torch.randn(4, 6, 5, 5) + 3)
+    with pytest.raises(TypeError, match="LayerNormAct2d"):
+        mn.LayerNormAct2d.from_module(nn.LayerNorm(6))
+
+
+def test_patch_model_converts_batchnorm_act_and_its_act():
+    """In a ConvNormAct the BatchNormAct2d becomes the Mesa one and its ReLU, converted after
+    it in the same pass, lands in the new module (not in the replaced one)."""
+    from timm.layers import ConvNormAct
+
+    from mesa_train.patch import patch_model
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(ConvNormAct(3, 8, 3), ConvNormAct(8, 8, 3, groups=8), nn.Flatten(), nn.LazyLinear(5))
+    x = torch.randn(2, 3, 8, 8)
+    stock(x)
+    patched = patch_model(copy.deepcopy(stock), cancelling_bn="compress")
+    for block in patched[:2]:
+        assert isinstance(block.bn, mn.BatchNormAct2d) and isinstance(block.bn.act, mn.ReLU)
+    torch.manual_seed(1)
+    ref = stock(x)
+    torch.manual_seed(1)
+    assert torch.equal(ref, patched(x))
+    with SavedTensorMeter(stock) as a:
+        stock(x)
+    with SavedTensorMeter(patched) as b:
+        patched(x)
+    assert b.activation_bytes < 0.5 * a.activation_bytes, (b.activation_bytes, a.activation_bytes)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_groupnorm(groups):
+    """``nn.GroupNorm`` / timm's ``GroupNorm1`` (PoolFormer): the stock bits forward, 8-bit
+    ``x_hat`` with per-channel groups, gradients of x, weight and bias."""
+    from timm.layers import GroupNorm1
+
+    torch.manual_seed(0)
+    stock = GroupNorm1(6) if groups == 1 else nn.GroupNorm(groups, 6)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5), stock.bias.uniform_(-1, 1)
+    mesa = mn.GroupNorm.from_module(copy.deepcopy(stock))
+    assert mesa.quantizer.options.num_groups == 6 and mesa.num_groups == groups
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    x = torch.randn(4, 6, 5, 5) * torch.logspace(-2, 1, 6).view(1, 6, 1, 1) + 3
+    _compare(stock, mesa, x)
+    stock.train().zero_grad(set_to_none=True)  # a fresh pair: estimates of its own for another input's range
+    _compare(stock, mn.GroupNorm.from_module(copy.deepcopy(stock)), torch.randn(3, 6, 10))  # (N, C, L)
+
+
 def test_rmsnorm_with_a_row_far_below_the_others():
     from timm.layers import RmsNorm as TimmRmsNorm
 
@@ -105,6 +186,73 @@ def test_rmsnorm_fp32(dtype):
     assert _cos(xs.grad, xm.grad) > 0.999 and _cos(stock.weight.grad, mesa.weight.grad) > 0.999
     with pytest.raises(TypeError, match="RmsNormFp32"):
         mn.RmsNormFp32.from_module(nn.LayerNorm(32))
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 16), (2, 6, 5, 5)])
+def test_star_relu(shape):
+    """timm's ``StarReLU`` (``scale * relu(x) ** 2 + bias``, MetaFormer): the stock bits
+    forward, 8-bit ``relu(x)`` instead of two full-size tensors, gradients of x, scale, bias."""
+    from timm.models.metaformer import StarReLU as TimmStarReLU
+
+    torch.manual_seed(0)
+    stock = TimmStarReLU(scale_value=0.8944, bias_value=-0.4472)
+    mesa = mn.StarReLU.from_module(copy.deepcopy(stock))
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    _compare(stock, mesa, torch.randn(*shape))
+    with pytest.raises(TypeError, match="StarReLU"):
+        mn.StarReLU.from_module(nn.ReLU())
+
+
+@pytest.mark.parametrize("use_nchw", [True, False])
+def test_metaformer_scale(use_nchw):
+    """MetaFormer's ``Scale`` (``x * scale.view(shape)``): 8-bit ``x`` for the scale's gradient."""
+    from timm.models.metaformer import Scale as TimmScale
+
+    torch.manual_seed(0)
+    stock = TimmScale(6, init_value=0.5, use_nchw=use_nchw)
+    with torch.no_grad():
+        stock.scale.uniform_(0.5, 1.5)
+    mesa = mn.Scale.from_module(copy.deepcopy(stock))
+    assert mesa.shape == stock.shape and list(mesa.state_dict())[0] == "scale"
+    _compare(stock, mesa, torch.randn(2, 6, 5, 5) if use_nchw else torch.randn(2, 5, 5, 6))
+
+
+def test_subclass_with_only_a_constructor_is_converted_as_its_base():
+    """timm's ``LayerNorm2dNoBias`` (bias None, eps 1e-6) and a user's defaults-only subclass
+    take their base's rule; a subclass with a method of its own does not (its forward may
+    not be the base's)."""
+    import warnings
+
+    from timm.models.metaformer import LayerNorm2dNoBias
+
+    from mesa_train.patch import patch_model
+
+    class Defaults(nn.LayerNorm):
+        def __init__(self, c):
+            super().__init__(c, eps=1e-6)
+
+    class OwnHelper(nn.Conv2d):  # nn.Conv2d.forward calls _conv_forward: overriding it changes the layer
+        def _conv_forward(self, x, weight, bias):
+            return super()._conv_forward(x, weight * 2, bias)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm2d, self.conv = LayerNorm2dNoBias(4), OwnHelper(4, 4, 1)
+            self.norm = Defaults(4)
+
+        def forward(self, x):
+            return self.norm(self.conv(self.norm2d(x)).permute(0, 2, 3, 1))
+
+    stock = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patched = patch_model(copy.deepcopy(stock), ops=["layernorm", "conv"])
+    assert type(patched.norm2d) is mn.LayerNorm2d and patched.norm2d.bias is None and patched.norm2d.eps == 1e-6
+    assert type(patched.norm) is mn.LayerNorm and patched.norm.eps == 1e-6
+    assert type(patched.conv) is OwnHelper
+    x = torch.randn(2, 4, 3, 3)
+    assert torch.equal(stock(x), patched(x))
 
 
 @pytest.mark.parametrize("kind", ["quick_gelu", "silu"])

@@ -20,12 +20,14 @@ memory; see ``docs/DESIGN.md``). Parameter-free layers take ``from_module(stock,
 device=None, ...)``.
 """
 from .activations import GatedActivation, QuickGELU, SiLU
-from .batchnorm import BatchNorm2d
+from .batchnorm import BatchNorm2d, BatchNormAct2d
+from .star_relu import StarReLU
+from .groupnorm import GroupNorm
 from .conv import Conv2d
 from .gelu import GELU
 from .grn import GlobalResponseNorm
-from .layernorm import LayerNorm, LayerNorm2d
-from .layerscale import ChannelScale, LayerScale
+from .layernorm import LayerNorm, LayerNorm2d, LayerNormAct2d
+from .layerscale import ChannelScale, LayerScale, Scale
 from .linear import Linear
 from .matmul import MatMul
 from .normalize import Normalize
@@ -38,13 +40,13 @@ from .tracing import MesaTracingError, register_fx_leaf
 
 register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as nodes (tracing.py)
 
-LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, RmsNorm,
+LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, StarReLU, RmsNorm,
           GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
-    "Linear", "GELU", "LayerNorm", "LayerNorm2d", "Softmax", "MatMul", "Conv2d", "ReLU",
-    "BatchNorm2d", "QuickGELU", "SiLU", "RmsNorm", "RmsNormFp32", "GatedActivation", "LayerScale", "ChannelScale",
-    "Normalize", "GlobalResponseNorm",
+    "Linear", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "Softmax", "MatMul", "Conv2d", "ReLU",
+    "BatchNorm2d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "StarReLU", "RmsNorm", "RmsNormFp32",
+    "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]
 from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)

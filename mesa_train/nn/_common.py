@@ -208,9 +208,36 @@ def stock_device(module: nn.Module, device=None) -> torch.device:
     return torch.device("cpu")
 
 
-def check_stock(stock: nn.Module, base: type) -> None:
+class DropActChildren:
+    """A Mesa norm followed by its own ``drop`` and ``act`` children, as timm's norm-act layers
+    (``BatchNormAct2d``, ``LayerNormAct2d``; ``_timm_name`` names the one converted): the
+    children are the stock module's own objects, which ``patch_model`` converts after it.
+    Put before the Mesa norm in the bases: ``forward`` and ``from_module`` wrap the norm's."""
+
+    _timm_name = ""
+
+    def _set_drop_act(self, drop, act) -> None:
+        self.drop = drop if drop is not None else nn.Identity()
+        self.act = act if act is not None else nn.Identity()
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options):
+        import timm.layers
+
+        check_stock(stock, (getattr(timm.layers, cls._timm_name), cls))
+        new = super().from_module(stock, device=device, **quant_options)
+        new.drop, new.act = stock.drop, stock.act
+        return new
+
+    def forward(self, input):
+        return self.act(self.drop(super().forward(input)))
+
+
+def check_stock(stock: nn.Module, base) -> None:
+    """``base``: a class or a tuple of them (the first one is named in the error)."""
     if not isinstance(stock, base):
-        raise TypeError(f"expected an instance of {base.__module__}.{base.__name__}, got {type(stock).__name__}")
+        first = base[0] if isinstance(base, tuple) else base
+        raise TypeError(f"expected an instance of {first.__module__}.{first.__name__}, got {type(stock).__name__}")
 
 
 def inherit_options(stock: nn.Module, quant_options: dict) -> dict:

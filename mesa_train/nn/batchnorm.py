@@ -25,10 +25,11 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
-from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
+from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, inherit_options, load,
+                      no_autocast, save)
 from .quantizer import decompress
 
-__all__ = ["BatchNorm2d"]
+__all__ = ["BatchNorm2d", "BatchNormAct2d"]
 
 
 def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -151,3 +152,19 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
 
     def extra_repr(self) -> str:
         return f"{nn.BatchNorm2d.extra_repr(self)}, {self._mesa_repr()}"
+
+
+class BatchNormAct2d(DropActChildren, BatchNorm2d):
+    """timm's ``BatchNormAct2d`` (the BatchNorm of its ``ConvNormAct``: EfficientNet, MobileNet,
+    RegNet, ByobNet, the hybrids' stems): the Mesa :class:`BatchNorm2d` (8-bit ``x_hat``, not
+    the 4-byte input stock keeps), then its own ``drop`` and ``act`` children, which are
+    converted on their own (a Mesa ReLU keeps one bit). Same parameters, buffers and
+    ``state_dict`` keys as timm's."""
+
+    _timm_name = "BatchNormAct2d"
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 drop: nn.Module = None, act: nn.Module = None, device=None, dtype=None, **quant_options):
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats, device=device, dtype=dtype, **quant_options)
+        self._set_drop_act(drop, act)

@@ -43,10 +43,11 @@ from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_row_sums
 from mesa_train.quant.reference import LN_MAX_COLS
 
-from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
+from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, inherit_options, load,
+                      no_autocast, save)
 from .rowscale import compress_normalized, decompress_rows, max_exponent
 
-__all__ = ["LayerNorm", "layer_norm_forward", "layer_norm_grads"]
+__all__ = ["LayerNorm", "LayerNorm2d", "LayerNormAct2d", "layer_norm_forward", "layer_norm_grads"]
 
 # Device types whose autocast runs layer_norm in float32 ("fp32" cast policy). On CPU
 # layer_norm is not in any autocast list and runs in the input dtype. The layer tests check
@@ -226,3 +227,17 @@ class LayerNorm2d(LayerNorm):
 
     def forward(self, input):
         return super().forward(input.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class LayerNormAct2d(DropActChildren, LayerNorm2d):
+    """timm's ``LayerNormAct2d`` (ViTamin's and the hybrids' conv stems): the Mesa
+    :class:`LayerNorm2d`, then its own ``drop`` and ``act`` children, converted on their own.
+    Same parameters and ``state_dict`` keys as timm's."""
+
+    _timm_name = "LayerNormAct2d"
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, drop: nn.Module = None,
+                 act: nn.Module = None, device=None, dtype=None, **quant_options):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias, device=device,
+                         dtype=dtype, **quant_options)
+        self._set_drop_act(drop, act)

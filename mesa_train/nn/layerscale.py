@@ -7,6 +7,8 @@ needs only the parameter. In ViTs with layer scale (DeiT3, CaiT, BEiT, EVA, XCiT
 kept in full precision. Two forms:
 
 * ``LayerScale``: timm's ``LayerScale`` module (``x * self.gamma``), converted as a leaf;
+  ``Scale``: MetaFormer's (``x * self.scale.view(dim, 1, 1)`` on NCHW, or ``(dim,)``
+  channels last: ConvFormer, CAFormer, PoolFormerV2's layer and residual scales);
 * ``ChannelScale``: parameter-free, ``forward(x, gamma)`` for blocks that multiply by their
   own ``gamma_1``-style parameter inline (BEiT, CaiT, EVA, XCiT: ``self.gamma_1 * y``); the
   patcher routes that product here (``patch/generic_attention.py``, ``install_scales``).
@@ -27,7 +29,7 @@ from torch import nn
 from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
-__all__ = ["LayerScale", "ChannelScale", "channel_scale"]
+__all__ = ["LayerScale", "ChannelScale", "Scale", "channel_scale"]
 
 
 class _ScaleFn(torch.autograd.Function):
@@ -61,6 +63,39 @@ class _ScaleFn(torch.autograd.Function):
                     gg = (g * xh).sum_to_size(ctx.g_shape)
                 gg = gg.to(ctx.g_dtype)
         return gx, gg, None
+
+
+class Scale(MesaLayer, nn.Module):
+    """timm's MetaFormer ``Scale`` (``x * scale.view(shape)``, shape ``(dim, 1, 1)`` on NCHW
+    or ``(dim,)`` channels last) keeping its 8-bit input; the same ``scale`` parameter."""
+
+    def __init__(self, dim: int, init_value: float = 1.0, trainable: bool = True, use_nchw: bool = True, *,
+                 device=None, dtype=None, **quant_options):
+        super().__init__()
+        self.shape = (dim, 1, 1) if use_nchw else (dim,)
+        self.scale = nn.Parameter(init_value * torch.ones(dim, device=device, dtype=dtype), requires_grad=trainable)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "Scale":
+        from timm.models.metaformer import Scale as TimmScale
+
+        if not isinstance(stock, (TimmScale, Scale)):
+            raise TypeError(f"expected an instance of timm.models.metaformer.Scale, got {type(stock).__name__}")
+        new = cls(stock.scale.shape[0], use_nchw=len(stock.shape) == 3, device="meta",
+                  **inherit_options(stock, quant_options))
+        new.scale = stock.scale  # the same parameter object
+        copy_estimates(stock, new, stock.scale.device)
+        return new.train(stock.training)
+
+    def forward(self, x):
+        gamma = self.scale.view(self.shape)
+        if not self._mesa_active(x, gamma):
+            return x * gamma
+        return _ScaleFn.apply(x, gamma, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}, {self._mesa_repr()}"
 
 
 def channel_scale(x: torch.Tensor, gamma: torch.Tensor, quantizer) -> torch.Tensor:

@@ -99,7 +99,7 @@ def _homogeneous_bn(m: nn.Module) -> bool:
 def _affine_group_norm(m: nn.Module) -> bool:
     """A GroupNorm with its per-channel ``weight`` and ``bias`` (timm's ``GroupNorm1`` before
     LowFormer's and CPUBone's conv attention): its output is a per-channel affine map too, so a
-    path can start there. Mesa never compresses a GroupNorm; only the ends are kept stock."""
+    path can start there (kept stock with its ends, as a BatchNorm start is)."""
     return isinstance(m, nn.GroupNorm) and m.affine
 
 
@@ -117,13 +117,13 @@ def _data_users(node):
 
 
 def cancellation_batchnorms(model: nn.Module) -> Set[str]:
-    """Qualified names (in ``model``) of the BatchNorm2d modules to keep stock:
+    """Qualified names (in ``model``) of the BatchNorm2d (and GroupNorm) modules to keep stock:
 
     * a BatchNorm all of whose output paths end at normalisations through per-channel,
       positively homogeneous ops (residual adds included), with the BatchNorms those paths
       end at;
-    * the BatchNorms every path from an affine GroupNorm ends at that way (LowFormer, CPUBone:
-      ``GroupNorm1 -> depthwise conv -> BatchNorm``);
+    * an affine GroupNorm whose every path ends at normalisations that way, with those
+      BatchNorms (LowFormer, CPUBone: ``GroupNorm1 -> depthwise conv -> BatchNorm``);
     * a BatchNorm one of whose branches reaches a BatchNorm1d (never compressed) through
       single-input per-channel ops (NextViT: ``norm1 -> AvgPool1d -> BatchNorm1d`` beside
       its query Linear): that branch's gradient is exactly orthogonal to each of its output
@@ -139,12 +139,12 @@ def cancellation_batchnorms(model: nn.Module) -> Set[str]:
         m = paths.module(start)
         if m is None or not start.users:
             continue
-        scalar, bn = _affine_block(m), _homogeneous_bn(m)
-        if not (scalar or bn or _affine_group_norm(m)):
+        scalar, bn, gn = _affine_block(m), _homogeneous_bn(m), _affine_group_norm(m)
+        if not (scalar or bn or gn):
             continue
         ends = paths.ends_of_users(start, mixing=scalar)
         if ends:
-            if bn:
+            if bn or gn:
                 found.add(start.target)
             found.update(n.target for n in ends if isinstance(paths.module(n), nn.BatchNorm2d))
         elif bn and paths.reaches_exact_norm(start):

@@ -19,11 +19,14 @@ Any other module whose forward computes one of the requested ops functionally (`
 """
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from timm.layers import BatchNormAct2d, ConvNormAct, LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
+from timm.layers import GroupNorm1 as TimmGroupNorm1, LayerNormAct2d as TimmLayerNormAct2d
+from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
 from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
@@ -49,7 +52,7 @@ from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, sca
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
 OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa",
-       "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize", "grn")
+       "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize", "grn", "groupnorm")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
@@ -61,6 +64,7 @@ def _leaf_rules():
         TimmGELU: ("gelu", _TimmGELU),
         TimmGELUTanh: ("gelu", _TimmGELUTanh),
         nn.BatchNorm2d: ("batchnorm", mnn.BatchNorm2d),
+        BatchNormAct2d: ("batchnorm", mnn.BatchNormAct2d),
         nn.SiLU: ("silu", mnn.SiLU),
         TimmQuickGELU: ("gelu", mnn.QuickGELU),
         TimmRmsNorm: ("rmsnorm", mnn.RmsNorm),
@@ -70,11 +74,16 @@ def _leaf_rules():
         nn.LayerNorm: ("layernorm", mnn.LayerNorm),
         TimmLayerNorm: ("layernorm", mnn.LayerNorm),
         TimmLayerNorm2d: ("layernorm", mnn.LayerNorm2d),
+        TimmLayerNormAct2d: ("layernorm", mnn.LayerNormAct2d),
         nn.Conv2d: ("conv", mnn.Conv2d),
         nn.ReLU: ("relu", mnn.ReLU),
+        TimmStarReLU: ("relu", mnn.StarReLU),
         nn.Softmax: ("softmax", mnn.Softmax),
         TimmLayerScale: ("layerscale", mnn.LayerScale),
+        TimmMetaFormerScale: ("layerscale", mnn.Scale),
         TimmGRN: ("grn", mnn.GlobalResponseNorm),
+        nn.GroupNorm: ("groupnorm", mnn.GroupNorm),
+        TimmGroupNorm1: ("groupnorm", mnn.GroupNorm),
     }
 
 
@@ -95,12 +104,12 @@ class _TimmGELUTanh(_TimmGELU):
 def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
     for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
-                    (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"),
+                    (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"), (mnn.StarReLU, "relu"),
                     (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (ScaledDotProductAttention, "sdpa"),
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.SiLU, "silu"), (mnn.RmsNorm, "rmsnorm"),
                     (mnn.GatedActivation, "glu"), (mnn.LayerScale, "layerscale"),
-                    (mnn.ChannelScale, "layerscale"), (mnn.Normalize, "normalize"),
-                    (mnn.GlobalResponseNorm, "grn")):
+                    (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
+                    (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm")):
         if isinstance(module, cls):
             return op
     return None
@@ -151,6 +160,10 @@ def _module_device(module: nn.Module) -> torch.device:
 def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
     if isinstance(module, nn.BatchNorm2d):
         return module.num_features
+    if isinstance(module, nn.GroupNorm):
+        return module.num_channels
+    if isinstance(module, (TimmMetaFormerScale, mnn.Scale)):
+        return module.scale.numel()
     if hasattr(module, "normalized_shape") and not isinstance(module, nn.LayerNorm):  # RmsNorm
         return int(module.normalized_shape[-1])
     if isinstance(module, nn.Linear):
@@ -162,15 +175,22 @@ def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
     return None
 
 
+# always one quantization group per channel (unless num_groups is given): norms with per-channel
+# statistics or affine maps, and MetaFormer's per-channel scale, whose gradient sums one channel
+_PER_CHANNEL = (nn.BatchNorm2d, nn.GroupNorm, TimmMetaFormerScale, mnn.Scale)
+
+
 def _groups_for(module: Optional[nn.Module], heads: Optional[int], quant_options: dict) -> Optional[int]:
     """Explicit ``num_groups``, else the block's head count, capped at the channel count.
-    Per channel instead: BatchNorm always (its statistics are per channel: every channel
-    of ``x_hat`` has unit variance) and a conv outside any block with a head count (CNN
-    stages and hybrids: one group for all channels let a depthwise conv's small channels
-    fall below the grid; FastViT / EfficientViT-M gradients reached only cosine 0.9)."""
+    Per channel instead: BatchNorm and GroupNorm always (every channel of ``x_hat`` has unit
+    variance), MetaFormer's ``Scale`` (each channel's gradient is a sum over that channel:
+    one group for all left PoolFormer's last-stage scales at cosine 0.006), and a conv
+    outside any block with a head count (CNN stages and hybrids: one group for all channels
+    let a depthwise conv's small channels fall below the grid; FastViT / EfficientViT-M
+    gradients reached only cosine 0.9)."""
     size = _size_of_grouped_dim(module) if module is not None else None
     g = quant_options.get("num_groups")
-    if g is None and size and (isinstance(module, nn.BatchNorm2d)
+    if g is None and size and (isinstance(module, _PER_CHANNEL)
                                or (heads is None and isinstance(module, nn.Conv2d))):
         return size
     if g is None:
@@ -188,9 +208,34 @@ def _options_for(module, heads, quant_options) -> dict:
     return opts
 
 
+def _preceding_width(parents: Dict[int, List[Tuple[nn.Module, str]]], m: nn.Module) -> Optional[int]:
+    """The output width of the layer just before ``m`` among its parent's children (timm's
+    ``Mlp``: ``fc1`` -> ``act``; MetaFormer's ``SepConv``: ``pwconv1`` -> ``act1``): one
+    quantization group per channel for an activation that cannot know its width. A wrong
+    guess only changes the grouping (any count works on any width)."""
+    for parent, key in parents.get(id(m), []):
+        prev = None
+        for k, c in parent._modules.items():
+            if k == key:
+                break
+            prev = c
+        width = getattr(prev, "out_features", None) or getattr(prev, "out_channels", None)
+        if isinstance(width, int):
+            return width
+    return None
+
+
 def _replace_child(parents: Dict[int, List[Tuple[nn.Module, str]]], old: nn.Module, new: nn.Module) -> None:
     for parent, key in parents.get(id(old), []):
         parent._modules[key] = new
+
+
+def _hand_over_children(parents: Dict[int, List[Tuple[nn.Module, str]]], old: nn.Module, new: nn.Module) -> None:
+    """A converted module that took ``old``'s children (``BatchNormAct2d``'s ``drop`` / ``act``)
+    is now their parent: their own conversion, later in the pass, replaces them in ``new``."""
+    for key, child in new._modules.items():
+        entries = parents.get(id(child), [])
+        parents[id(child)] = [(new, k) if p is old else (p, k) for p, k in entries]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -531,13 +576,15 @@ def _check_layout(quant_options: dict, op_names: Tuple[str, ...]) -> None:
 
 def _stock_batchnorms(root: nn.Module, op_names, cancelling_bn: str) -> Tuple[Dict[int, str], Tuple[str, ...]]:
     """The BatchNorms left stock (patch/cancellation.py) as ``{id: name}``, and the names of
-    those that would otherwise have been compressed (a BatchNormAct2d is stock anyway)."""
-    if not (cancelling_bn == "stock" and "batchnorm" in op_names and any(
-            isinstance(m, nn.BatchNorm2d) and not isinstance(m, mnn.BatchNorm2d) for m in root.modules())):
+    those that would otherwise have been compressed."""
+    if not (cancelling_bn == "stock" and ("batchnorm" in op_names or "groupnorm" in op_names) and any(
+            isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) and not isinstance(m, (mnn.BatchNorm2d, mnn.GroupNorm))
+            for m in root.modules())):
         return {}, ()
     mods = dict(root.named_modules())
     keep_stock = {id(mods[n]): n for n in cancellation_batchnorms(root) if n in mods}
-    return keep_stock, tuple(n for n in keep_stock.values() if type(mods[n]) is nn.BatchNorm2d)
+    stock_types = (nn.BatchNorm2d, BatchNormAct2d, nn.GroupNorm, TimmGroupNorm1)
+    return keep_stock, tuple(n for n in keep_stock.values() if type(mods[n]) in stock_types)
 
 
 def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
@@ -622,6 +669,29 @@ def _patch_inline_scales(t: _Target) -> None:
                 m.mesa_norm_shared = False
 
 
+# what a subclass may define and still take its base's rule: construction only
+_INIT_ONLY = {"__init__", "reset_parameters", "extra_repr"}
+
+
+def _inherited_rule(rules: dict, cls: type):
+    """The rule of ``cls``'s nearest base that has one, when the classes between them define
+    no method but construction (timm's ``LayerNorm2dNoBias`` / ``LayerNormNoBias``: bias None,
+    eps 1e-6; a user's subclass that only sets defaults): their forward is the base's, and
+    ``from_module`` reads what they set (eps, bias, weight). A subclass with any other method
+    (its own ``forward``, timm's ``LayerNormFp32``; a helper the forward calls) is not
+    converted: it is reported as functional ops not reached."""
+    mro = cls.__mro__
+    for i, base in enumerate(mro[1:], start=1):
+        if base in rules:
+            for k in mro[:i]:
+                for name, value in vars(k).items():
+                    if name not in _INIT_ONLY and isinstance(value, (types.FunctionType, staticmethod, classmethod,
+                                                                      property)):
+                        return None
+            return rules[base]
+    return None
+
+
 def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dict[int, str]) -> None:
     """Step 2: each leaf module a rule covers becomes its Mesa layer (``from_module``: the same
     Parameters); a Mesa layer patched before takes this call's explicit options instead. Lists
@@ -640,7 +710,7 @@ def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dic
                 if mi.module_set in t.set_names:
                     m.set_quant_options(**explicit)
             continue
-        rule = t.rules.get(type(m))
+        rule = t.rules.get(type(m)) or _inherited_rule(t.rules, type(m))
         if rule is None or id(m) in gated_acts:
             continue
         op, mesa_cls = rule
@@ -656,9 +726,13 @@ def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dic
             # parameter-free layers (GELU, ReLU, Softmax, LayerNorm without affine) cannot
             # know their device: give them the one of the module that holds them
             kw["device"] = _module_device(t.parents.get(id(m), [(t.root, "")])[0][0])
-        new = mesa_cls.from_module(m, **kw, **t.options(m, mi.heads))
+        opts = t.options(m, mi.heads)
+        if mesa_cls is mnn.StarReLU and t.quant_options.get("num_groups") is None:
+            opts["num_groups"] = _preceding_width(t.parents, m) or opts.get("num_groups", 1)
+        new = mesa_cls.from_module(m, **kw, **opts)
         converted[id(m)] = new
         _replace_child(t.parents, m, new)
+        _hand_over_children(t.parents, m, new)
 
 
 def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dict[str, Tuple[str, ...]]:
@@ -714,9 +788,10 @@ def _scale_pair(m: nn.Module):
         conv, bn = kids
     elif type(m) is ConvNormAct and getattr(m, "aa", None) is None:
         conv, bn = m.conv, m.bn
-        if isinstance(bn, BatchNormAct2d) and not (type(bn.drop) is nn.Identity and type(bn.act) is nn.Identity):
-            return None
     else:
+        return None
+    if isinstance(bn, (BatchNormAct2d, mnn.BatchNormAct2d)) and not (
+            type(bn.drop) is nn.Identity and type(bn.act) is nn.Identity):
         return None
     stock_forward = (nn.BatchNorm2d.forward, BatchNormAct2d.forward)
     if not (isinstance(bn, mnn.BatchNorm2d) or (isinstance(bn, nn.BatchNorm2d) and type(bn).forward in stock_forward)):

@@ -1,0 +1,111 @@
+"""Mesa ``GroupNorm`` (``torch.nn.GroupNorm`` and timm's ``GroupNorm1``: PoolFormer's,
+LowFormer's and CPUBone's norms): exact forward; saves the 8-bit *normalised* input per
+channel plus the per-(sample, group) ``rstd``, as the Mesa ``BatchNorm2d`` does per channel.
+
+``x_hat = (x - mean) * rstd`` has zero mean and unit mean square over each (sample, group);
+backward, with means over each (sample, group)::
+
+    dx      = rstd * (w g - mean(w g) - x_hat * mean(w g * x_hat))
+    dweight = sum(g * x_hat)          dbias = sum(g)
+
+computed by ATen's ``native_group_norm_backward`` fed the dequantized ``x_hat``, standardised
+again with its own moments (so that ``dx`` stays orthogonal to the constant and to ``x_hat``
+in each group, as exactly as for the stock norm: a rescaling in front gets no gradient from
+rounding noise), then one multiply per (sample, group) by the real ``rstd``. Stock GroupNorm
+keeps its whole input (fp32: 4 bytes per element); this keeps 1 byte per element plus
+``2 * N * G`` floats.
+
+Eval mode, ``enabled=False`` or no gradient needed: the stock forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch import nn
+
+from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
+from .quantizer import decompress
+
+__all__ = ["GroupNorm"]
+
+
+def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(N, C, *)`` as ``(N, G, C // G * prod(*))``: the elements of each (sample, group)."""
+    return t.reshape(t.shape[0], groups, -1)
+
+
+class _GroupNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, groups, weight, bias, eps, quantizer):
+        n, c = x.shape[0], x.shape[1]
+        hxw = x[0, 0].numel()
+        # what F.group_norm runs (torch.group_norm -> native_group_norm), which also hands
+        # back the per-(sample, group) mean and rstd it normalised with
+        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
+        with no_autocast(x.device.type):
+            mdt = torch.promote_types(x.dtype, torch.float32)
+            x_hat = ((_grouped(x.to(mdt), groups) - mean.to(mdt).unsqueeze(-1))
+                     * rstd.to(mdt).unsqueeze(-1)).view(x.shape)
+        packed = quantizer.compress(x_hat, 1)
+        del x_hat
+        ctx.mdt, ctx.eps, ctx.groups, ctx.nc_hxw = mdt, eps, groups, (n, c, hxw)
+        ctx.x_dtype = x.dtype
+        ctx.w_dtype = weight.dtype if weight is not None else None
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        save(ctx, [packed], rstd, weight)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (packed,), (rstd, weight) = load(ctx)
+        mdt, groups, (n, c, hxw) = ctx.mdt, ctx.groups, ctx.nc_hxw
+        need = [ctx.needs_input_grad[0], ctx.needs_input_grad[2] and weight is not None, ctx.needs_input_grad[3]]
+        with no_autocast(g.device.type):
+            xh = decompress(packed, mdt)
+            # standardise the dequantized x_hat again per (sample, group), to the exact x_hat's
+            # mean square var / (var + eps) = 1 - eps * rstd^2 (the BatchNorm's reasoning)
+            var, xh_mean = torch.var_mean(_grouped(xh, groups), dim=-1, correction=0)
+            target = (1 - ctx.eps * rstd.to(mdt).square()).clamp_min(0)
+            s = torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
+            w = weight.to(mdt) if weight is not None else None
+            dx, dw, db = torch.ops.aten.native_group_norm_backward(
+                g.to(mdt).contiguous(), xh, xh_mean, s, w, n, c, hxw, groups, need)
+            gx = gw = gb = None
+            if need[0]:
+                gx = (_grouped(dx, groups) * (rstd.to(mdt) / s).unsqueeze(-1)).view(dx.shape).to(ctx.x_dtype)
+            if need[1]:
+                gw = dw.to(ctx.w_dtype)
+            if need[2] and db is not None:
+                gb = db.to(ctx.b_dtype)
+        return gx, None, gw, gb, None, None
+
+
+class GroupNorm(MesaLayer, nn.GroupNorm):
+    """``torch.nn.GroupNorm`` (and timm's ``GroupNorm1``, one group) that keeps, in training
+    mode, its normalised input in 8 bits (one quantization group per channel by default)
+    plus the per-(sample, group) ``rstd``. Same parameters and ``state_dict`` keys."""
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None, *,
+                 quant_options: dict = None, **more_quant_options):
+        # ``num_groups`` is the norm's own group count here (nn.GroupNorm's argument); the
+        # quantization's group count goes in ``quant_options`` (default: one per channel)
+        super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
+        options = {"num_groups": num_channels, **(quant_options or {}), **more_quant_options}
+        self._init_mesa(options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.GroupNorm, *, device=None, **quant_options) -> "GroupNorm":
+        check_stock(stock, nn.GroupNorm)
+        ref = stock.weight
+        new = cls(stock.num_groups, stock.num_channels, eps=stock.eps, affine=stock.affine, device="meta",
+                  dtype=ref.dtype if ref is not None else None, quant_options=inherit_options(stock, quant_options))
+        return adopt_parameters(stock, new, device)
+
+    def forward(self, input):
+        if input.dim() < 2 or not self._mesa_active(input, self.weight, self.bias):
+            return super().forward(input)
+        return _GroupNormFn.apply(input, self.num_groups, self.weight, self.bias, self.eps, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"{nn.GroupNorm.extra_repr(self)}, {self._mesa_repr()}"
