@@ -77,7 +77,9 @@ ZOO = {
     "gmlp_s16_224": (dict(img_size=32), 32),
     "resnet18": (dict(), 32),
     "regnetx_002": (dict(), 32),
-    "efficientnet_b0": (dict(), 32),
+    # 64 px: at 32 the last stages are 1x1 maps (a BatchNorm over 2 values per channel); since its
+    # BatchNormAct2d layers are compressed the worst cosine is 0.992-0.994 over seeds (bn1 weights)
+    "efficientnet_b0": (dict(), 64),
     "mobilenetv3_small_050": (dict(), 32),
     "repvit_m1": (dict(), 64),
     "ghostnet_050": (dict(), 32),
