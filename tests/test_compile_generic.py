@@ -103,3 +103,35 @@ def test_string_padding_conv_compiles_fullgraph(padding):
     assert torch.equal(xs[0].grad, xs[1].grad)
     for p, q in zip(conv.parameters(), eager.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_functional_softmax_routed_in_eager_as_under_compile():
+    """``F.softmax(x, dim=-1)`` reaches the capture with its defaults as keywords
+    (``dtype=None``, ``_stacklevel``); eager left it stock while Dynamo's trace routed it, so a
+    compiled model (MobileViTv2's LinearSelfAttention) differed from eager Mesa (2.5e-3 of the
+    largest gradient with round-to-nearest). Now both compress it: the same gradients."""
+    import torch.nn.functional as F
+
+    class FunctionalAttention(torch.nn.Module):
+        def __init__(self, c=16):
+            super().__init__()
+            self.qkv, self.proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return self.proj(F.softmax(q @ k.transpose(-2, -1), dim=-1) @ v)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = FunctionalAttention()
+    model = patch_model(copy.deepcopy(stock), rounding="nearest")
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 7, 16)
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    ref = eager(x)
+    _loss(out).backward()
+    _loss(ref).backward()
+    assert torch.equal(out, ref) and torch.equal(ref, stock(x))
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert eager.mesa_softmax.quantizer.initialized.all(), "eager never compressed the map"

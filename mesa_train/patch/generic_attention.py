@@ -123,7 +123,8 @@ class _Capture(TorchFunctionMode):
                 # it; Dynamo in torch 2.11 gives that output a new identity, and attn @ v
                 # would no longer be handed the softmax's copy
                 return self.probs
-        if (func in _SOFTMAXES and _batched(args[0]) and "dtype" not in kwargs and self.softmaxes == 0
+        # F.softmax hands its defaults on (dtype=None, _stacklevel): only a real dtype stays stock
+        if (func in _SOFTMAXES and _batched(args[0]) and kwargs.get("dtype") is None and self.softmaxes == 0
                 and "mesa_softmax" in owner._modules):
             dim = _softmax_dim(args, kwargs)
             if dim is not None and dim % args[0].dim() == args[0].dim() - 1:
