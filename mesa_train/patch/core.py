@@ -7,8 +7,10 @@ See :func:`patch_model` for the rules. The work is two passes over the model:
    instance's class to a subclass from :mod:`mesa_train.patch.attention`, plus the core
    children (``qk_matmul``, ``softmax``, ``av_matmul`` or ``sdpa``) built with per-head
    groups.
-2. **Leaf modules** (``nn.Linear``, ``nn.GELU``, ``nn.LayerNorm`` incl. timm's
-   ``LayerNorm`` and ``LayerNorm2d``, ``nn.Conv2d``, ``nn.ReLU``, ``nn.Softmax``) in the
+2. **Leaf modules** (``_leaf_rules``: ``nn.Linear``, ``nn.GELU``, ``nn.LayerNorm`` incl. timm's
+   ``LayerNorm``, ``LayerNorm2d`` and ``LayerNormAct2d``, ``nn.Conv2d``, ``nn.BatchNorm2d`` and
+   timm's ``BatchNormAct2d``, ``nn.GroupNorm``, ``nn.ReLU``, ``nn.Softmax``, timm's norms and
+   activations, and a subclass of any of them that defines only its constructor) in the
    selected module sets are replaced by the Mesa layer built with ``from_module`` (weights
    are the same ``Parameter`` objects; ``eps``, dtype and device kept), with channel groups =
    the head count of the block (see :mod:`mesa_train.patch.rules`).
@@ -26,10 +28,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from timm.layers import BatchNormAct2d, ConvNormAct, LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
 from timm.layers import GroupNorm1 as TimmGroupNorm1, LayerNormAct2d as TimmLayerNormAct2d
-from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
 from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
+from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
 from torch import nn
 
 import mesa_train.nn as mnn
