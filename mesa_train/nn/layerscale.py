@@ -26,7 +26,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
-from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
+from ._common import (MesaLayer, check_stock, copy_estimates, inherit_options, load, no_autocast, save,
+                      stock_device)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
 __all__ = ["LayerScale", "ChannelScale", "Scale", "channel_scale"]
@@ -80,8 +81,7 @@ class Scale(MesaLayer, nn.Module):
     def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "Scale":
         from timm.models.metaformer import Scale as TimmScale
 
-        if not isinstance(stock, (TimmScale, Scale)):
-            raise TypeError(f"expected an instance of timm.models.metaformer.Scale, got {type(stock).__name__}")
+        check_stock(stock, (TimmScale, Scale))
         new = cls(stock.scale.shape[0], use_nchw=len(stock.shape) == 3, device="meta",
                   **inherit_options(stock, quant_options))
         new.scale = stock.scale  # the same parameter object

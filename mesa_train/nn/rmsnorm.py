@@ -15,7 +15,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
-from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
+from ._common import (MesaLayer, check_stock, copy_estimates, inherit_options, load, no_autocast, save,
+                      stock_device)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
 __all__ = ["RmsNorm", "RmsNormFp32"]
@@ -84,8 +85,8 @@ class RmsNorm(MesaLayer, nn.Module):
             self.register_parameter("weight", None)
         self._init_mesa(quant_options, device)
 
-    # timm's stock class this converts (from_module checks it); RmsNormFp32 overrides
-    stock_name = "RmsNorm"
+    # the timm.layers class this converts (from_module checks it); RmsNormFp32 overrides
+    _timm_name = "RmsNorm"
     # compute in float32 and return the input's dtype (timm's RmsNormFp32)
     float32_compute = False
 
@@ -93,9 +94,7 @@ class RmsNorm(MesaLayer, nn.Module):
     def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "RmsNorm":
         import timm.layers
 
-        stock_cls = getattr(timm.layers, cls.stock_name)
-        if not isinstance(stock, (stock_cls, cls)):
-            raise TypeError(f"expected an instance of timm.layers.{cls.stock_name}, got {type(stock).__name__}")
+        check_stock(stock, (getattr(timm.layers, cls._timm_name), cls))
         w = stock.weight
         new = cls(stock.normalized_shape, eps=stock.eps, elementwise_affine=w is not None, device="meta",
                   dtype=w.dtype if w is not None else None, **inherit_options(stock, quant_options))
@@ -121,5 +120,5 @@ class RmsNormFp32(RmsNorm):
     """timm's ``RmsNormFp32`` (DeepSeek's ViT): :class:`RmsNorm` computed on float32 copies of
     the input and weight, returned in the input's dtype, as timm does."""
 
-    stock_name = "RmsNormFp32"
+    _timm_name = "RmsNormFp32"
     float32_compute = True

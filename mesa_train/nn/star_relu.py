@@ -27,11 +27,6 @@ from .quantizer import decompress
 __all__ = ["StarReLU"]
 
 
-def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` summed down to ``like``'s shape (a broadcast parameter's gradient)."""
-    return t.sum().reshape(like.shape) if like.numel() == 1 else t.sum_to_size(like.shape)
-
-
 class _StarReLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale, bias, quantizer):
@@ -60,9 +55,9 @@ class _StarReLUFn(torch.autograd.Function):
                 if ctx.needs_input_grad[0]:
                     gx = (g * scale.to(ctx.cdt) * 2 * r).to(ctx.x_dtype)
                 if ctx.needs_input_grad[1]:
-                    gs = _sum_to(g * r * r, scale).to(ctx.p_dtypes[0])
+                    gs = (g * r * r).sum_to_size(scale.shape).to(ctx.p_dtypes[0])
             if ctx.needs_input_grad[2]:
-                gb = _sum_to(g, bias).to(ctx.p_dtypes[1])
+                gb = g.sum_to_size(bias.shape).to(ctx.p_dtypes[1])
         return gx, gs, gb, None
 
 

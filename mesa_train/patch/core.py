@@ -585,8 +585,9 @@ def _stock_batchnorms(root: nn.Module, op_names, cancelling_bn: str) -> Tuple[Di
         return {}, ()
     mods = dict(root.named_modules())
     keep_stock = {id(mods[n]): n for n in cancellation_batchnorms(root) if n in mods}
-    stock_types = (nn.BatchNorm2d, BatchNormAct2d, nn.GroupNorm, TimmGroupNorm1)
-    return keep_stock, tuple(n for n in keep_stock.values() if type(mods[n]) in stock_types)
+    rules = _leaf_rules()  # reported: the kept norms a leaf rule would have converted
+    return keep_stock, tuple(n for n in keep_stock.values()
+                             if (rules.get(type(mods[n])) or _inherited_rule(rules, type(mods[n]))) is not None)
 
 
 def _patch_attention_modules(t: _Target, attention: str) -> List[str]:

@@ -324,14 +324,10 @@ def _check_plan(m, errors: list) -> None:
         if budget is not None or budget_gb is not None:
             errors.append("mesa.budget / mesa.budget_gb apply to mesa.plan=auto only, not to a plan file")
         return
-    if (budget is None) == (budget_gb is None):
-        errors.append("mesa.plan=auto needs exactly one of mesa.budget (fraction of stock activation memory, "
-                      "e.g. 0.6) or mesa.budget_gb (peak GB on the device)")
-        return
-    try:  # (the planner's own rule for the value)
+    try:  # the planner's own rule: exactly one of the two, and its value
         Budget(fraction=budget, gb=budget_gb).check(prefix="mesa.")
     except PlanError as err:
-        errors.append(str(err))
+        errors.append(f"mesa.plan=auto: {err}")
 
 
 def ignored_mesa_overrides(cfg, overrides) -> str | None:
