@@ -140,7 +140,7 @@ def test_affine_group_norm_starts_a_path():
 
 class PooledKeys(nn.Module):
     """NextViT's attention input: a BatchNorm2d whose tokens feed a query Linear and, pooled
-    (AvgPool1d), a BatchNorm1d before the key Linear (the stock-only end of one branch)."""
+    (AvgPool1d), a BatchNorm1d before the key Linear (the end of one branch: kept stock too)."""
 
     def __init__(self, c=8):
         super().__init__()
@@ -160,13 +160,14 @@ class PooledKeys(nn.Module):
 
 
 def test_branch_into_a_batchnorm1d_keeps_the_start_stock():
-    assert cancellation_batchnorms(PooledKeys()) == {"norm1"}
+    assert cancellation_batchnorms(PooledKeys()) == {"norm1", "norm"}
     torch.manual_seed(0)
     stock = PooledKeys().train()
     x = torch.randn(4, 8, 8, 8, generator=torch.Generator().manual_seed(1))
     exact = _grads(stock, x, torch.float64)
     kept = patch_model(copy.deepcopy(stock))
-    assert type(kept.norm1) is nn.BatchNorm2d and kept._mesa_patch_info["stock_batchnorm"] == ("norm1",)
+    assert type(kept.norm1) is nn.BatchNorm2d and kept._mesa_patch_info["stock_batchnorm"] == ("norm", "norm1")
+    assert type(kept.norm) is nn.BatchNorm1d
     assert _cos(exact["norm1.weight"], _grads(kept, x)["norm1.weight"]) > 0.999
     compressed = patch_model(copy.deepcopy(stock), cancelling_bn="compress")
     assert isinstance(compressed.norm1, mn.BatchNorm2d)
@@ -203,3 +204,25 @@ def test_config_cancelling_bn_reaches_patch_model(compose_train):
     OmegaConf.update(cfg, "mesa.cancelling_bn", "keep")
     with pytest.raises(ConfigError, match=r"mesa.cancelling_bn='keep' is not valid; choose one of: stock, compress"):
         validate(cfg)
+
+
+def test_relu6_passes_the_invariance():
+    """MobileNetV2: ``BatchNormAct2d(act=ReLU6) -> depthwise conv -> BatchNorm``. ReLU6 is
+    homogeneous below its cap, where nearly all values are: the first BatchNorm's weight
+    gradient is a near-cancellation (cosine -0.1 compressed, in mobilenetv2_050)."""
+    from timm.layers import BatchNormAct2d
+
+    class M(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.bn1 = BatchNormAct2d(c, act_layer=nn.ReLU6)
+            self.dw = nn.Conv2d(c, c, 3, 1, 1, groups=c)
+            self.bn2 = nn.BatchNorm2d(c)
+            self.act = nn.ReLU6()
+            self.dw2 = nn.Conv2d(c, c, 3, 1, 1, groups=c)
+            self.bn3 = nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            return self.bn3(self.dw2(self.act(self.bn2(self.dw(self.bn1(x))))))
+
+    assert cancellation_batchnorms(M()) == {"bn1", "bn2", "bn3"}

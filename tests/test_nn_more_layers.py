@@ -56,6 +56,28 @@ def test_batchnorm2d(affine, track, momentum):
         assert stock.num_batches_tracked == mesa.num_batches_tracked
 
 
+@pytest.mark.parametrize("shape", [(64, 6), (8, 6, 9)])
+@pytest.mark.parametrize("affine,track,momentum", [(True, True, 0.1), (False, True, None), (True, False, 0.1)])
+def test_batchnorm1d(affine, track, momentum, shape):
+    """``(N, C)`` (LeViT's ``Linear -> BatchNorm1d`` on all tokens) and ``(N, C, L)``: the same
+    per-channel 8-bit normalised input as BatchNorm2d's, channels five decades apart."""
+    torch.manual_seed(0)
+    stock = nn.BatchNorm1d(6, affine=affine, track_running_stats=track, momentum=momentum)
+    if affine:
+        with torch.no_grad():
+            stock.weight.uniform_(0.5, 1.5), stock.bias.uniform_(-1, 1)
+    mesa = mn.BatchNorm1d.from_module(copy.deepcopy(stock))
+    assert mesa.quantizer.options.num_groups == 6
+    x = torch.randn(*shape) * torch.logspace(-3, 2, 6).view((1, 6) + (1,) * (len(shape) - 2)) + 3
+    _compare(stock, mesa, x)
+    if track:
+        assert torch.equal(stock.running_mean, mesa.running_mean) and torch.equal(stock.running_var, mesa.running_var)
+    with pytest.raises(TypeError, match="BatchNorm1d"):
+        mn.BatchNorm1d.from_module(nn.BatchNorm2d(6))
+    with pytest.raises(ValueError, match="expected 2D or 3D input"):
+        mesa.train()(torch.randn(2, 6, 3, 3, requires_grad=True))
+
+
 @pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU, None])
 def test_batchnorm_act2d(act):
     """timm's ``BatchNormAct2d``: the Mesa BatchNorm then its own drop / act children, the
@@ -91,6 +113,39 @@ def test_layernorm_act2d(act):
     _compare(stock, mesa, torch.randn(4, 6, 5, 5) + 3)
     with pytest.raises(TypeError, match="LayerNormAct2d"):
         mn.LayerNormAct2d.from_module(nn.LayerNorm(6))
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_std_conv2d(same):
+    """timm's weight-standardized convs (BiT, the ViT hybrids' stems): timm's forward bit for
+    bit, the 8-bit input in place of stock's, the weight gradient through the standardization."""
+    from timm.layers import StdConv2d as TimmStdConv2d, StdConv2dSame as TimmStdConv2dSame
+
+    torch.manual_seed(0)
+    stock = TimmStdConv2dSame(6, 8, 3, stride=2) if same else TimmStdConv2d(6, 8, 3, stride=2, bias=True)
+    mesa = (mn.StdConv2dSame if same else mn.StdConv2d).from_module(copy.deepcopy(stock))
+    assert mesa.eps == stock.eps and mesa.same_pad == getattr(stock, "same_pad", False)
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    _compare(stock, mesa, torch.randn(4, 6, 9, 9))
+    with pytest.raises(TypeError, match="StdConv2d"):
+        mn.StdConv2d.from_module(nn.Conv2d(6, 8, 3))
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, None])
+def test_group_norm_act(act):
+    """timm's ``GroupNormAct``: the Mesa GroupNorm, then its drop / act (BiT, the hybrids' stems)."""
+    from timm.layers import GroupNormAct as TimmGroupNormAct
+
+    torch.manual_seed(0)
+    stock = TimmGroupNormAct(8, num_groups=4, act_layer=act, apply_act=act is not None, inplace=False)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5), stock.bias.uniform_(-1, 1)
+    mesa = mn.GroupNormAct.from_module(copy.deepcopy(stock))
+    assert type(mesa.act) is type(stock.act) and mesa.num_groups == 4 and mesa.quantizer.options.num_groups == 8
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    _compare(stock, mesa, torch.randn(4, 8, 5, 5) + 3)
+    with pytest.raises(TypeError, match="GroupNormAct"):
+        mn.GroupNormAct.from_module(nn.GroupNorm(4, 8))
 
 
 def test_patch_model_converts_batchnorm_act_and_its_act():

@@ -118,6 +118,11 @@ ZOO = {
     "cpubone_nano": (dict(proj_drop_rate=0.0), 64),
     "lcnetv2_small": (dict(), 64),
     "convmixer_768_32": (dict(), 96),
+    # added 2026-12-01 (session 45) with their layers: BiT's StdConv2d + GroupNormAct, ReLU6,
+    # RegNetY's SEModule
+    "resnetv2_50x1_bit": (dict(), 64),
+    "mobilenetv2_050": (dict(), 64),
+    "regnety_002": (dict(), 64),
 }
 
 # CI subset (2 CPU cores, a few minutes): plain ViT, DeiT3 (low-variance class token),

@@ -1,7 +1,7 @@
 """Drop-in Mesa layers: exact forward, 8-bit activations saved for backward.
 
-Also (issue 10): ``BatchNorm2d`` (per-channel 8-bit normalised input), ``QuickGELU`` (CLIP),
-``SiLU``, ``RmsNorm`` (timm's) and ``GatedActivation`` (``act(gate) * x`` of SwiGLU / GLU
+Also (issue 10): ``BatchNorm2d`` and ``BatchNorm1d`` (per-channel 8-bit normalised input), ``QuickGELU`` (CLIP),
+``SiLU``, ``Hardswish``, ``RmsNorm`` (timm's) and ``GatedActivation`` (``act(gate) * x`` of SwiGLU / GLU
 MLPs); ``Linear`` / ``LayerNorm`` / ``RmsNorm`` add one int8 power-of-two exponent per row
 (``rowscale.py``) so rows far smaller than the rest keep their gradient.
 
@@ -13,16 +13,18 @@ mode, with ``enabled=False`` or when no gradient is needed, the stock forward ru
 
 Estimates live in ``ActivationQuantizer`` submodules: ``<layer>.quantizer`` (``Linear``,
 ``Conv2d``, ``LayerNorm``, ``GELU``, ``Softmax``) and ``<layer>.quantizer_a`` /
-``<layer>.quantizer_b`` (``MatMul``, for the ``operands`` it compresses itself); ``ReLU``
-has none (it saves a 1-bit mask). ``LayerNorm`` keeps its *normalised* input
-``(x - mean) * rstd`` in 8 bits plus per-row rstd (more accurate than the input, same
-memory; see ``docs/DESIGN.md``). Parameter-free layers take ``from_module(stock, *,
-device=None, ...)``.
+``<layer>.quantizer_b`` (``MatMul``, for the ``operands`` it compresses itself); ``ReLU``,
+``ReLU6``, ``Hardtanh`` and ``Hardsigmoid`` have none (they save a 1-bit mask).
+``LayerNorm`` keeps its *normalised* input ``(x - mean) * rstd`` in 8 bits plus per-row
+rstd (more accurate than the input, same memory; see ``docs/DESIGN.md``). Parameter-free
+layers take ``from_module(stock, *, device=None, ...)``.
 """
-from .activations import GatedActivation, QuickGELU, SiLU
-from .batchnorm import BatchNorm2d, BatchNormAct2d
+from .activations import GatedActivation, Hardswish, QuickGELU, SiLU
+from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNormAct2d
+from .channel_gate import ChannelGate
+from .clamp_activations import Hardsigmoid, Hardtanh, ReLU6
 from .star_relu import StarReLU
-from .groupnorm import GroupNorm
+from .groupnorm import GroupNorm, GroupNormAct
 from .conv import Conv2d
 from .gelu import GELU
 from .grn import GlobalResponseNorm
@@ -30,23 +32,28 @@ from .layernorm import LayerNorm, LayerNorm2d, LayerNormAct2d
 from .layerscale import ChannelScale, LayerScale, Scale
 from .linear import Linear
 from .matmul import MatMul
+from .maxpool import MaxPool2d
 from .normalize import Normalize
 from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
 from .relu import ReLU
 from .rmsnorm import RmsNorm, RmsNormFp32
 from .softmax import Softmax
+from .std_conv import StdConv2d, StdConv2dSame
 from ._common import MesaLayer
 from .tracing import MesaTracingError, register_fx_leaf
 
 register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as nodes (tracing.py)
 
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, StarReLU, RmsNorm,
-          GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm)
+          GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm, BatchNorm1d, Hardswish,
+          Hardsigmoid, Hardtanh, ReLU6, ChannelGate, MaxPool2d)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "Softmax", "MatMul", "Conv2d", "ReLU",
-    "BatchNorm2d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "StarReLU", "RmsNorm", "RmsNormFp32",
+    "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
+    "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame",
+    "StarReLU", "RmsNorm", "RmsNormFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]
 from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)

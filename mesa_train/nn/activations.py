@@ -1,10 +1,11 @@
-"""Mesa activations beyond GELU: ``QuickGELU`` (CLIP), ``SiLU`` (Swish), and the gated
-``act(gate) * x`` of SwiGLU / GLU MLPs (``GatedActivation``).
+"""Mesa activations beyond GELU: ``QuickGELU`` (CLIP), ``SiLU`` (Swish), ``Hardswish``
+(MobileNetV3, LeViT, EfficientViT-MIT, LowFormer), and the gated ``act(gate) * x`` of
+SwiGLU / GLU MLPs (``GatedActivation``).
 
 Each keeps its input(s) as 8-bit codes (channel groups, dim 1 for 4-D inputs, like
 ``GELU``) instead of the full-precision tensors the stock autograd graph keeps (QuickGELU:
-``x`` and ``sigmoid(1.702 x)``; SiLU: ``x``; gated: ``act``'s input *and* both operands of
-the product). Forward is bitwise the stock computation; backward evaluates the derivative at
+``x`` and ``sigmoid(1.702 x)``; SiLU, Hardswish: ``x``; gated: ``act``'s input *and* both
+operands of the product). Forward is bitwise the stock computation; backward evaluates the derivative at
 the dequantized input.
 """
 from __future__ import annotations
@@ -16,8 +17,9 @@ from torch import nn
 
 from ._common import MesaLayer, from_nhwc, group_dim_4d, load, nhwc_view, no_autocast, save
 from .quantizer import decompress
+from .relu import pack_bits, unpack_bits
 
-__all__ = ["QuickGELU", "SiLU", "GatedActivation", "quick_gelu"]
+__all__ = ["QuickGELU", "SiLU", "Hardswish", "GatedActivation", "quick_gelu"]
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -102,18 +104,51 @@ class QuickGELU(_ParameterFreeLayer, nn.Module):
         return self._mesa_repr()
 
 
-class SiLU(_ParameterFreeLayer, nn.SiLU):
-    """``torch.nn.SiLU`` keeping its 8-bit input (an ``inplace=True`` stock module computes
-    out of place here: same values, the input is not overwritten)."""
+class _HardswishFn(torch.autograd.Function):
+    """``hardswish(x)`` keeping 8-bit ``x`` plus two 1-bit masks, ``x < -3`` and ``x > 3``.
 
-    _stock_types = (nn.SiLU,)
+    The derivative is 0 below -3, ``x / 3 + 1/2`` on ``[-3, 3]`` and 1 above: it jumps by 1/2
+    at both ends. From the 8-bit input alone, every element within one rounding step of
+    -3 or 3 may land on the wrong side, and those errors all lean one way against the
+    normalised input of the BatchNorm before (large ``|x|``): EfficientViT-B0's BatchNorm
+    weights reached only cosine 0.985. With the two masks the side is exact (outside:
+    stock's gradient, bit for bit), and inside the error is the input's rounding over 3.
+    10 bits an element where stock keeps 32."""
+
+    @staticmethod
+    def forward(ctx, x, quantizer):
+        y = F.hardswish(x)
+        xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.is_default_format)
+        packed = quantizer.compress(xv, dim)
+        ctx.cdt, ctx.x_dtype, ctx.shape = y.dtype, x.dtype, x.shape
+        save(ctx, [packed], pack_bits(x < -3), pack_bits(x > 3))  # hardswish_backward's own comparisons
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (packed,), (below, above) = load(ctx)
+        with no_autocast(g.device.type):
+            xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+            slope = (xh / 3 + 0.5).clamp(-0.5, 1.5)  # a rounded x may leave [-3, 3]: the end's slope
+            slope = slope.masked_fill(unpack_bits(below, ctx.shape), 0).masked_fill(unpack_bits(above, ctx.shape), 1)
+            gx = g.to(ctx.cdt) * slope
+        return gx.to(ctx.x_dtype), None
+
+
+class _InplaceActivation(_ParameterFreeLayer):
+    """A ``torch.nn`` activation with an ``inplace`` flag, keeping its 8-bit input
+    (``_kind`` names it in ``_ElementwiseFn``). ``inplace=True`` computes out of place here:
+    same values, and the input the codes were taken from is not overwritten."""
+
+    _kind = ""
 
     def __init__(self, inplace: bool = False, *, device=None, **quant_options):
         super().__init__(inplace=inplace)
         self._init_mesa(quant_options, device)
 
     @classmethod
-    def from_module(cls, stock: nn.SiLU, *, device=None, **quant_options) -> "SiLU":
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options):
         new = super().from_module(stock, device=device, **quant_options)
         new.inplace = stock.inplace
         return new
@@ -121,11 +156,27 @@ class SiLU(_ParameterFreeLayer, nn.SiLU):
     def forward(self, input):
         if not self._mesa_active(input):
             return super().forward(input)
-        return _ElementwiseFn.apply(input, "silu", self.quantizer)
+        if self._kind == "hardswish":
+            return _HardswishFn.apply(input, self.quantizer)
+        return _ElementwiseFn.apply(input, self._kind, self.quantizer)
 
     def extra_repr(self) -> str:
-        base = nn.SiLU.extra_repr(self)
+        base = self._stock_types[0].extra_repr(self)
         return f"{base}, {self._mesa_repr()}" if base else self._mesa_repr()
+
+
+class SiLU(_InplaceActivation, nn.SiLU):
+    """``torch.nn.SiLU`` keeping its 8-bit input."""
+
+    _stock_types, _kind = (nn.SiLU,), "silu"
+
+
+class Hardswish(_InplaceActivation, nn.Hardswish):
+    """``torch.nn.Hardswish`` (what timm's ``hard_swish`` resolves to) keeping its 8-bit
+    input and which side of -3 and 3 each element is on (``_HardswishFn``). Stock keeps the
+    full-precision input."""
+
+    _stock_types, _kind = (nn.Hardswish,), "hardswish"
 
 
 def _act_vjp(act: nn.Module, x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Mesa ``BatchNorm2d``: exact forward (batch statistics, running-stat update included);
+"""Mesa ``BatchNorm2d`` and ``BatchNorm1d``: exact forward (batch statistics, running-stat update included);
 saves the 8-bit *normalised* input, per channel, plus the per-channel ``invstd``.
 
 Same idea as the Mesa ``LayerNorm`` (see ``layernorm.py``), along the channel dim: in
@@ -29,7 +29,7 @@ from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock,
                       no_autocast, save)
 from .quantizer import decompress
 
-__all__ = ["BatchNorm2d", "BatchNormAct2d"]
+__all__ = ["BatchNorm2d", "BatchNorm1d", "BatchNormAct2d"]
 
 
 def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -102,9 +102,29 @@ class _BatchNormFn(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
-class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
-    """``torch.nn.BatchNorm2d`` that keeps, in training mode, its per-channel normalised
-    input in 8 bits (one group per channel by default) plus the per-channel invstd."""
+def _train_forward(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor, link, stock_forward):
+    """The Mesa BatchNorms' forward: ``_BatchNormFn`` in training with batch statistics, with
+    ``nn.BatchNorm*d``'s momentum bookkeeping; ``stock_forward`` otherwise."""
+    bn_training = bn.training or (bn.running_mean is None and bn.running_var is None)
+    if not (bn_training and bn._mesa_active(input, bn.weight, bn.bias)):
+        return stock_forward(input)
+    bn._check_input_dim(input)
+    # nn.BatchNorm2d's momentum bookkeeping, unchanged
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    track = bn.running_mean is not None and (not bn.training or bn.track_running_stats)
+    return _BatchNormFn.apply(input, bn.weight, bn.bias, bn.running_mean if track else None,
+                              bn.running_var if track else None, factor, bn.eps, bn.quantizer, link)
+
+
+class _MesaBatchNorm(MesaLayer):
+    """Construction and ``from_module`` of the Mesa BatchNorms (``_stock``: the torch class):
+    one quantization group per channel by default; the stock module's parameters and
+    running-statistic buffers (the same tensors)."""
+
+    _stock: type = nn.BatchNorm2d
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  device=None, dtype=None, **quant_options):
@@ -114,8 +134,8 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
         self._init_mesa(quant_options, device)
 
     @classmethod
-    def from_module(cls, stock: nn.BatchNorm2d, *, device=None, **quant_options) -> "BatchNorm2d":
-        check_stock(stock, nn.BatchNorm2d)
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options):
+        check_stock(stock, cls._stock)
         ref = stock.weight if stock.weight is not None else stock.running_mean
         new = cls(stock.num_features, eps=stock.eps, momentum=stock.momentum, affine=stock.affine,
                   track_running_stats=stock.track_running_stats, device="meta",
@@ -124,6 +144,16 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
         new.running_mean, new.running_var = stock.running_mean, stock.running_var
         new.num_batches_tracked = stock.num_batches_tracked
         return adopt_parameters(stock, new, device)
+
+    def extra_repr(self) -> str:
+        return f"{self._stock.extra_repr(self)}, {self._mesa_repr()}"
+
+
+class BatchNorm2d(_MesaBatchNorm, nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d`` that keeps, in training mode, its per-channel normalised
+    input in 8 bits (one group per channel by default) plus the per-channel invstd."""
+
+    _stock = nn.BatchNorm2d
 
     def forward(self, input):
         if torch.compiler.is_compiling():
@@ -135,23 +165,20 @@ class BatchNorm2d(MesaLayer, nn.BatchNorm2d):
         else:
             # taken on every call (never left on the module): a 1x1 depthwise conv in front (conv.ScaleLink)
             link = self.__dict__.pop("_mesa_scale_pending", None)
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        if not (bn_training and self._mesa_active(input, self.weight, self.bias)):
-            return super().forward(input)
-        self._check_input_dim(input)
-        # nn.BatchNorm2d's momentum bookkeeping, unchanged
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        track = self.running_mean is not None and (not self.training or self.track_running_stats)
         if link is not None and link.out() is not input:
             link = None
-        return _BatchNormFn.apply(input, self.weight, self.bias, self.running_mean if track else None,
-                        self.running_var if track else None, factor, self.eps, self.quantizer, link)
+        return _train_forward(self, input, link, super().forward)
 
-    def extra_repr(self) -> str:
-        return f"{nn.BatchNorm2d.extra_repr(self)}, {self._mesa_repr()}"
+
+class BatchNorm1d(_MesaBatchNorm, nn.BatchNorm1d):
+    """``torch.nn.BatchNorm1d`` on ``(N, C)`` or ``(N, C, L)`` (LeViT's ``Linear -> BatchNorm1d``
+    on all tokens, NextViT's pooled keys), kept as :class:`BatchNorm2d` keeps its input: the
+    8-bit normalised input, one group per channel, and the per-channel invstd."""
+
+    _stock = nn.BatchNorm1d
+
+    def forward(self, input):
+        return _train_forward(self, input, None, super().forward)
 
 
 class BatchNormAct2d(DropActChildren, BatchNorm2d):

@@ -166,11 +166,7 @@ class Conv2d(MesaLayer, nn.Conv2d):
             return super().forward(input)
         bn = self.__dict__.get("_mesa_scale_bn")
         if bn is None or not self.weight.requires_grad:
-            fused = self.quantizer.fused_layer_args(input) if self._fused_padding else None
-            if fused is not None:  # eager, paper format: the layer with a C++ autograd node
-                return torch.ops.mesa.conv2d_train(input, self.weight, self.bias, self.stride, self.padding,
-                                                   self.dilation, self.groups, *fused)
-            return _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer)
+            return self._compressed_conv(input, self.weight)
         if torch.compiler.is_compiling():
             # The link is a Python object the two backwards hand over through, which a traced
             # autograd.Function may not mutate (Dynamo: "HOP: Unsafe side effect"; FastViT and
@@ -184,6 +180,15 @@ class Conv2d(MesaLayer, nn.Conv2d):
         link.out = weakref.ref(y)
         bn.__dict__["_mesa_scale_pending"] = link  # taken by the BatchNorm if y is its input
         return y
+
+    def _compressed_conv(self, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``self._conv_forward(input, weight, self.bias)`` keeping the 8-bit input; ``weight``
+        is this layer's own or one derived from it (weight standardization: ``std_conv.py``)."""
+        fused = self.quantizer.fused_layer_args(input) if self._fused_padding else None
+        if fused is not None:  # eager, paper format: the layer with a C++ autograd node
+            return torch.ops.mesa.conv2d_train(input, weight, self.bias, self.stride, self.padding,
+                                               self.dilation, self.groups, *fused)
+        return _Conv2dFn.apply(input, weight, self.bias, self, self.quantizer)
 
     @property
     def _fused_padding(self) -> bool:

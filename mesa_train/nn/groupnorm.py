@@ -23,10 +23,11 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
-from ._common import MesaLayer, adopt_parameters, check_stock, inherit_options, load, no_autocast, save
+from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, inherit_options, load,
+                      no_autocast, save)
 from .quantizer import decompress
 
-__all__ = ["GroupNorm"]
+__all__ = ["GroupNorm", "GroupNormAct"]
 
 
 def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -109,3 +110,17 @@ class GroupNorm(MesaLayer, nn.GroupNorm):
 
     def extra_repr(self) -> str:
         return f"{nn.GroupNorm.extra_repr(self)}, {self._mesa_repr()}"
+
+
+class GroupNormAct(DropActChildren, GroupNorm):
+    """timm's ``GroupNormAct`` (BiT ResNet-V2, the ViT hybrids' stems, RegNet with group norm):
+    the Mesa :class:`GroupNorm`, then its own ``drop`` and ``act`` children, converted on their
+    own (a Mesa ReLU keeps one bit). Same parameters and ``state_dict`` keys as timm's."""
+
+    _timm_name = "GroupNormAct"
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None, *,
+                 drop: nn.Module = None, act: nn.Module = None, quant_options: dict = None, **more_quant_options):
+        super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype,
+                         quant_options=quant_options, **more_quant_options)
+        self._set_drop_act(drop, act)

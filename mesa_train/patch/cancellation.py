@@ -35,9 +35,12 @@ __all__ = ["CANCELLING_BN", "cancellation_batchnorms"]
 CANCELLING_BN = ("stock", "compress")
 
 _NORMS = (nn.BatchNorm2d, nn.BatchNorm1d, nn.LayerNorm, nn.GroupNorm)
-_PASS_MODULES = (nn.ReLU, nn.Identity, nn.Dropout, nn.Dropout2d, nn.MaxPool2d, nn.AvgPool2d, nn.ZeroPad2d, nn.MaxPool1d,
-                 nn.AvgPool1d)
-_PASS_FUNCTIONS = {F.relu, torch.relu, F.dropout, operator.getitem, torch.cat, torch.split, torch.chunk,
+_BATCH_NORMS = (nn.BatchNorm2d, nn.BatchNorm1d)  # the path ends kept stock with the start
+# ReLU6 is homogeneous only below its cap, where nearly every value is: MobileNetV2's
+# BatchNorm -> ReLU6 -> depthwise conv -> BatchNorm gave weight cosines -0.1 compressed
+_PASS_MODULES = (nn.ReLU, nn.ReLU6, nn.Identity, nn.Dropout, nn.Dropout2d, nn.MaxPool2d, nn.AvgPool2d, nn.ZeroPad2d,
+                 nn.MaxPool1d, nn.AvgPool1d)
+_PASS_FUNCTIONS = {F.relu, torch.relu, F.relu6, F.dropout, operator.getitem, torch.cat, torch.split, torch.chunk,
                    torch.flatten, torch.transpose, torch.permute, torch.reshape, F.pad, F.max_pool2d, F.avg_pool2d,
                    operator.add, operator.iadd}  # a residual add: the path goes on through it
 _MERGES = {operator.add, operator.iadd, torch.cat}
@@ -90,17 +93,23 @@ def _affine_block(m: nn.Module) -> bool:
 def _homogeneous_bn(m: nn.Module) -> bool:
     """A BatchNorm2d whose output is its affine output, or that followed by a ReLU (timm's
     ``BatchNormAct2d`` with ``act`` ReLU / identity and no dropout): where a path can start."""
-    if not isinstance(m, nn.BatchNorm2d):
-        return False
+    return isinstance(m, nn.BatchNorm2d) and _homogeneous_children(m)
+
+
+def _homogeneous_children(m: nn.Module) -> bool:
+    """A norm-act module's own ``act`` is ReLU, ReLU6 or identity and its ``drop`` identity (timm's
+    ``BatchNormAct2d``, ``GroupNormAct``); true for a plain norm."""
     act, drop = getattr(m, "act", None), getattr(m, "drop", None)
-    return (act is None or type(act) in (nn.Identity, nn.ReLU)) and (drop is None or type(drop) is nn.Identity)
+    homogeneous = (nn.Identity, nn.ReLU, nn.ReLU6)
+    return (act is None or type(act) in homogeneous) and (drop is None or type(drop) is nn.Identity)
 
 
 def _affine_group_norm(m: nn.Module) -> bool:
     """A GroupNorm with its per-channel ``weight`` and ``bias`` (timm's ``GroupNorm1`` before
     LowFormer's and CPUBone's conv attention): its output is a per-channel affine map too, so a
-    path can start there (kept stock with its ends, as a BatchNorm start is)."""
-    return isinstance(m, nn.GroupNorm) and m.affine
+    path can start there (kept stock with its ends, as a BatchNorm start is); a ``GroupNormAct``
+    only with a ReLU or no activation."""
+    return isinstance(m, nn.GroupNorm) and m.affine and _homogeneous_children(m)
 
 
 def _per_channel(m: nn.Module) -> bool:
@@ -117,17 +126,18 @@ def _data_users(node):
 
 
 def cancellation_batchnorms(model: nn.Module) -> Set[str]:
-    """Qualified names (in ``model``) of the BatchNorm2d (and GroupNorm) modules to keep stock:
+    """Qualified names (in ``model``) of the BatchNorm2d, BatchNorm1d and GroupNorm modules to keep stock:
 
     * a BatchNorm all of whose output paths end at normalisations through per-channel,
       positively homogeneous ops (residual adds included), with the BatchNorms those paths
       end at;
     * an affine GroupNorm whose every path ends at normalisations that way, with those
       BatchNorms (LowFormer, CPUBone: ``GroupNorm1 -> depthwise conv -> BatchNorm``);
-    * a BatchNorm one of whose branches reaches a BatchNorm1d (never compressed) through
-      single-input per-channel ops (NextViT: ``norm1 -> AvgPool1d -> BatchNorm1d`` beside
-      its query Linear): that branch's gradient is exactly orthogonal to each of its output
-      channels, a large cancelling term in its weight gradient that an 8-bit ``x_hat`` breaks;
+    * a BatchNorm one of whose branches reaches a BatchNorm1d through single-input
+      per-channel ops (NextViT: ``norm1 -> AvgPool1d -> BatchNorm1d`` beside its query
+      Linear), with those BatchNorm1d: that branch's gradient is exactly orthogonal to each
+      of its output channels, a large cancelling term in the weight gradient that an 8-bit
+      ``x_hat`` at either end breaks;
     * the BatchNorms every path from a scalar ``LearnableAffineBlock`` ends at (a scalar
       scale keeps the invariance through channel-mixing convs too)."""
     graph = _trace(model)
@@ -146,9 +156,12 @@ def cancellation_batchnorms(model: nn.Module) -> Set[str]:
         if ends:
             if bn or gn:
                 found.add(start.target)
-            found.update(n.target for n in ends if isinstance(paths.module(n), nn.BatchNorm2d))
-        elif bn and paths.reaches_exact_norm(start):
-            found.add(start.target)
+            found.update(n.target for n in ends if isinstance(paths.module(n), _BATCH_NORMS))
+        elif bn:
+            reached = paths.batchnorm1d_reached(start)
+            if reached:
+                found.add(start.target)
+                found.update(n.target for n in reached)
     return found
 
 
@@ -208,20 +221,20 @@ class _NormPaths:
                 memo[node] = None
         return memo[node]
 
-    def reaches_exact_norm(self, node) -> bool:
-        """Does some path from ``node`` reach a BatchNorm1d (which Mesa leaves stock) through
-        single-input per-channel ops (no add or concat with other data on the way)? Other
-        paths may escape."""
-        stack, seen = list(_data_users(node)), set()
+    def batchnorm1d_reached(self, node) -> Set:
+        """The BatchNorm1d nodes some path from ``node`` reaches through single-input
+        per-channel ops (no add or concat with other data on the way). Other paths may escape."""
+        stack, seen, reached = list(_data_users(node)), set(), set()
         while stack:
             u = stack.pop()
             if u in seen:
                 continue
             seen.add(u)
             m = self.module(u)
-            if type(m) is nn.BatchNorm1d:
-                return True
+            if isinstance(m, nn.BatchNorm1d):
+                reached.add(u)
+                continue
             if not isinstance(m, _NORMS) and self.passes(u, False) and not (
                     u.op == "call_function" and u.target in _MERGES):
                 stack.extend(_data_users(u))
-        return False
+        return reached

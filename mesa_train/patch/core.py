@@ -9,8 +9,10 @@ See :func:`patch_model` for the rules. The work is two passes over the model:
    groups.
 2. **Leaf modules** (``_leaf_rules``: ``nn.Linear``, ``nn.GELU``, ``nn.LayerNorm`` incl. timm's
    ``LayerNorm``, ``LayerNorm2d`` and ``LayerNormAct2d``, ``nn.Conv2d``, ``nn.BatchNorm2d`` and
-   timm's ``BatchNormAct2d``, ``nn.GroupNorm``, ``nn.ReLU``, ``nn.Softmax``, timm's norms and
-   activations, and a subclass of any of them that defines only its constructor) in the
+   timm's ``BatchNormAct2d``, ``nn.BatchNorm1d``, ``nn.GroupNorm`` and timm's ``GroupNormAct``,
+   ``nn.ReLU`` / ``ReLU6`` / ``Hardtanh`` / ``Hardswish`` / ``Hardsigmoid``, ``nn.MaxPool2d``,
+   timm's ``StdConv2d``, ``nn.Softmax``, timm's norms and activations, and a subclass of any
+   of them that defines only its constructor) in the
    selected module sets are replaced by the Mesa layer built with ``from_module`` (weights
    are the same ``Parameter`` objects; ``eps``, dtype and device kept), with channel groups =
    the head count of the block (see :mod:`mesa_train.patch.rules`).
@@ -27,7 +29,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from timm.layers import BatchNormAct2d, ConvNormAct, LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
-from timm.layers import GroupNorm1 as TimmGroupNorm1, LayerNormAct2d as TimmLayerNormAct2d
+from timm.layers import GroupNorm1 as TimmGroupNorm1, GroupNormAct as TimmGroupNormAct
+from timm.layers import LayerNormAct2d as TimmLayerNormAct2d
+from timm.layers import StdConv2d as TimmStdConv2d, StdConv2dSame as TimmStdConv2dSame
 from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
@@ -49,12 +53,14 @@ from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STO
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
 from .block import BLOCK_CLASSES, NORM_LINEAR_COPIES, STOCK_BLOCK_CLASSES
+from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channels
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
 OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa",
-       "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize", "grn", "groupnorm")
+       "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize", "grn", "groupnorm", "hardswish", "se",
+       "maxpool")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
@@ -66,6 +72,7 @@ def _leaf_rules():
         TimmGELU: ("gelu", _TimmGELU),
         TimmGELUTanh: ("gelu", _TimmGELUTanh),
         nn.BatchNorm2d: ("batchnorm", mnn.BatchNorm2d),
+        nn.BatchNorm1d: ("batchnorm", mnn.BatchNorm1d),
         BatchNormAct2d: ("batchnorm", mnn.BatchNormAct2d),
         nn.SiLU: ("silu", mnn.SiLU),
         TimmQuickGELU: ("gelu", mnn.QuickGELU),
@@ -79,6 +86,11 @@ def _leaf_rules():
         TimmLayerNormAct2d: ("layernorm", mnn.LayerNormAct2d),
         nn.Conv2d: ("conv", mnn.Conv2d),
         nn.ReLU: ("relu", mnn.ReLU),
+        nn.ReLU6: ("relu", mnn.ReLU6),
+        nn.Hardtanh: ("relu", mnn.Hardtanh),
+        nn.Hardswish: ("hardswish", mnn.Hardswish),
+        nn.Hardsigmoid: ("hardswish", mnn.Hardsigmoid),
+        nn.MaxPool2d: ("maxpool", mnn.MaxPool2d),
         TimmStarReLU: ("relu", mnn.StarReLU),
         nn.Softmax: ("softmax", mnn.Softmax),
         TimmLayerScale: ("layerscale", mnn.LayerScale),
@@ -86,6 +98,9 @@ def _leaf_rules():
         TimmGRN: ("grn", mnn.GlobalResponseNorm),
         nn.GroupNorm: ("groupnorm", mnn.GroupNorm),
         TimmGroupNorm1: ("groupnorm", mnn.GroupNorm),
+        TimmGroupNormAct: ("groupnorm", mnn.GroupNormAct),
+        TimmStdConv2d: ("conv", mnn.StdConv2d),
+        TimmStdConv2dSame: ("conv", mnn.StdConv2dSame),
     }
 
 
@@ -107,11 +122,15 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
     for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
                     (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"), (mnn.StarReLU, "relu"),
+                    (mnn.ReLU6, "relu"), (mnn.Hardtanh, "relu"), (mnn.Hardswish, "hardswish"),
+                    (mnn.Hardsigmoid, "hardswish"),
                     (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (ScaledDotProductAttention, "sdpa"),
-                    (mnn.BatchNorm2d, "batchnorm"), (mnn.SiLU, "silu"), (mnn.RmsNorm, "rmsnorm"),
+                    (mnn.BatchNorm2d, "batchnorm"), (mnn.BatchNorm1d, "batchnorm"), (mnn.SiLU, "silu"),
+                    (mnn.RmsNorm, "rmsnorm"),
                     (mnn.GatedActivation, "glu"), (mnn.LayerScale, "layerscale"),
                     (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
-                    (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm")):
+                    (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"), (mnn.ChannelGate, "se"),
+                    (mnn.MaxPool2d, "maxpool")):
         if isinstance(module, cls):
             return op
     return None
@@ -160,7 +179,7 @@ def _module_device(module: nn.Module) -> torch.device:
 
 
 def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
-    if isinstance(module, nn.BatchNorm2d):
+    if isinstance(module, (nn.BatchNorm2d, nn.BatchNorm1d)):
         return module.num_features
     if isinstance(module, nn.GroupNorm):
         return module.num_channels
@@ -179,7 +198,7 @@ def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
 
 # always one quantization group per channel (unless num_groups is given): norms with per-channel
 # statistics or affine maps, and MetaFormer's per-channel scale, whose gradient sums one channel
-_PER_CHANNEL = (nn.BatchNorm2d, nn.GroupNorm, TimmMetaFormerScale, mnn.Scale)
+_PER_CHANNEL = (nn.BatchNorm2d, nn.BatchNorm1d, nn.GroupNorm, TimmMetaFormerScale, mnn.Scale)
 
 
 def _groups_for(module: Optional[nn.Module], heads: Optional[int], quant_options: dict) -> Optional[int]:
@@ -389,11 +408,11 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             ``torch.compile`` wrapper of one. It may already be on a device or in half
             precision, and may already be patched (patching again adds the newly requested
             ops; explicitly passed options are applied to the layers patched before).
-        ops: any of ``linear, matmul, softmax, gelu, layernorm, conv, relu, sdpa`` or
-            ``all``. ``matmul``/``softmax`` compress the explicit attention path (paper
-            setting); ``sdpa`` the fused ``F.scaled_dot_product_attention`` (int8 q, k, v
-            kept for backward). Which path a timm attention module runs: see
-            ``attention``.
+        ops: any of ``OPS`` (``linear, matmul, softmax, gelu, layernorm, conv, relu, sdpa,
+            batchnorm, ..., hardswish, se, maxpool``) or ``all``. ``matmul``/``softmax``
+            compress the explicit attention path (paper setting); ``sdpa`` the fused
+            ``F.scaled_dot_product_attention`` (int8 q, k, v kept for backward). Which path a
+            timm attention module runs: see ``attention``.
         attention: ``auto`` (default): a module that runs fused attention
             (``fused_attn=True``, timm's ViT default) stays fused when ``sdpa`` is among
             the ops, one that runs the explicit path (``fused_attn=False``, Swin's
@@ -482,6 +501,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 1d. inline layer scales (BEiT/CaiT/EVA/XCiT's self.gamma_1 * y, ConvNeXt's gamma)
     if "layerscale" in op_names:
         _patch_inline_scales(t)
+    # 1e. squeeze-excite: the x * gate product through a ChannelGate child
+    if "se" in op_names:
+        _patch_squeeze_excite(t)
 
     # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne)
     _convert_leaves(t, explicit, gated_acts, keep_stock)
@@ -580,7 +602,8 @@ def _stock_batchnorms(root: nn.Module, op_names, cancelling_bn: str) -> Tuple[Di
     """The BatchNorms left stock (patch/cancellation.py) as ``{id: name}``, and the names of
     those that would otherwise have been compressed."""
     if not (cancelling_bn == "stock" and ("batchnorm" in op_names or "groupnorm" in op_names) and any(
-            isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) and not isinstance(m, (mnn.BatchNorm2d, mnn.GroupNorm))
+            isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d, nn.GroupNorm))
+            and not isinstance(m, (mnn.BatchNorm2d, mnn.BatchNorm1d, mnn.GroupNorm))
             for m in root.modules())):
         return {}, ()
     mods = dict(root.named_modules())
@@ -647,6 +670,21 @@ def _patch_gated_mlps(t: _Target) -> set:
         if getattr(m, "gated", None) is not None:
             gated_acts.add(id(m.act))
     return gated_acts
+
+
+def _patch_squeeze_excite(t: _Target) -> None:
+    """Step 1e: timm's squeeze-excite blocks (patch/squeeze_excite.py) compute their final
+    ``x * gate`` through a ``mesa_gate`` child, one quantization group per channel."""
+    for name, m in t.named:
+        stock_cls = STOCK_SE_CLASSES.get(type(m), type(m))
+        if stock_cls not in SE_CLASSES or t.skipped(name) or t.module_info(name).module_set not in t.set_names:
+            continue
+        if SE_CHILD not in m._modules:
+            channels, dim = gate_channels(m)
+            opts = dict(t.quant_options)
+            opts.setdefault("num_groups", channels)
+            m.__class__ = SE_CLASSES[stock_cls]
+            m.add_module(SE_CHILD, mnn.ChannelGate(dim, device=_module_device(m), **opts))
 
 
 def _patch_inline_scales(t: _Target) -> None:

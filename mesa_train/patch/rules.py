@@ -136,6 +136,10 @@ FUNCTIONAL_OPS = {
     "conv2d": "conv",
     "relu": "relu",
     "relu_": "relu",
+    "relu6": "relu",
+    "hardtanh": "relu",
+    "hardswish": "hardswish",
+    "hardsigmoid": "hardswish",
     "normalize": "normalize",
 }
 

@@ -1,0 +1,122 @@
+"""Mesa ``Hardtanh``, ``ReLU6`` and ``Hardsigmoid``: exact forward, a 1-bit mask saved.
+
+Each is a clamp: its derivative is a constant inside one open interval and zero outside
+(``Hardtanh(lo, hi)`` and ``ReLU6``: 1 on ``(lo, hi)``; ``Hardsigmoid``: 1/6 on ``(-3, 3)``).
+So backward needs only *whether* each element was inside, one bit, where stock keeps the
+whole input (fp32: 4 bytes an element). The gradient is bitwise stock's on finite inputs:
+the mask is taken from the input before an in-place op overwrites it, and ``Hardsigmoid``'s
+backward is ATen's kernel itself, fed a stand-in input that is inside exactly where the mask
+says. A NaN input gets a zero gradient, as in ATen's vectorized CPU kernels (their scalar
+tail, for the last few elements, lets a NaN pass the gradient: stock is not consistent there).
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import MesaLayer, check_stock, inherit_options, load, save
+from .relu import pack_bits, unpack_bits
+
+__all__ = ["Hardtanh", "ReLU6", "Hardsigmoid"]
+
+
+class _ClampMaskFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, kind, lo, hi, inplace):
+        # the derivative's support, open at both ends as in ATen's backward kernels
+        inside = (x > lo) & (x < hi)
+        y = F.hardtanh(x, lo, hi, inplace) if kind == "hardtanh" else F.hardsigmoid(x, inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+            y = x  # the input object itself, as autograd requires of a dirty input (Mesa ReLU)
+        ctx.shape, ctx.kind = y.shape, kind
+        save(ctx, [], pack_bits(inside))
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        _, (bits,) = load(ctx)
+        inside = unpack_bits(bits, ctx.shape)
+        if ctx.kind == "hardtanh":
+            return g.masked_fill(~inside, 0), None, None, None, None
+        # ATen's own kernel (its g * 1/6 rounding), on 0 inside and 3 (outside) elsewhere
+        stand_in = (~inside).to(g.dtype) * 3
+        return torch.ops.aten.hardsigmoid_backward(g, stand_in), None, None, None, None
+
+
+class _ClampActivation(MesaLayer):
+    """Shared by the three: no estimates (a mask has none), ``from_module`` copies the stock
+    constructor's arguments (``_ctor_args``)."""
+
+    _quantizer_names = ()
+    _stock_type: type = nn.Module
+
+    def _clamp_args(self) -> tuple:
+        raise NotImplementedError
+
+    @classmethod
+    def _ctor_args(cls, stock: nn.Module) -> tuple:
+        return (stock.inplace,)
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options):
+        """``device`` is accepted like the other parameter-free layers' (nothing to place)."""
+        check_stock(stock, cls._stock_type)
+        return cls(*cls._ctor_args(stock), **inherit_options(stock, quant_options)).train(stock.training)
+
+    def forward(self, input):
+        if not self._mesa_active(input):
+            return super().forward(input)
+        return _ClampMaskFn.apply(input, *self._clamp_args(), self.inplace)  # no seed: traceable
+
+    def extra_repr(self) -> str:
+        base = self._stock_type.extra_repr(self)
+        return f"{base}, {self._mesa_repr()}" if base else self._mesa_repr()
+
+
+class Hardtanh(_ClampActivation, nn.Hardtanh):
+    """``torch.nn.Hardtanh`` saving a 1-bit mask instead of its input."""
+
+    _stock_type = nn.Hardtanh
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, *, device=None,
+                 **quant_options):
+        super().__init__(min_val, max_val, inplace)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def _ctor_args(cls, stock: nn.Hardtanh) -> tuple:
+        return (stock.min_val, stock.max_val, stock.inplace)
+
+    def _clamp_args(self) -> tuple:
+        return ("hardtanh", self.min_val, self.max_val)
+
+
+class ReLU6(_ClampActivation, nn.ReLU6):
+    """``torch.nn.ReLU6`` (MobileNetV2, timm's ``relu6``) saving a 1-bit mask instead of its input."""
+
+    _stock_type = nn.ReLU6
+
+    def __init__(self, inplace: bool = False, *, device=None, **quant_options):
+        super().__init__(inplace)
+        self._init_mesa(quant_options, device)
+
+    def _clamp_args(self) -> tuple:
+        return ("hardtanh", 0.0, 6.0)
+
+
+class Hardsigmoid(_ClampActivation, nn.Hardsigmoid):
+    """``torch.nn.Hardsigmoid`` (the gate of MobileNetV3's and GhostNet's squeeze-excite, timm's
+    ``hard_sigmoid``) saving a 1-bit mask instead of its input."""
+
+    _stock_type = nn.Hardsigmoid
+
+    def __init__(self, inplace: bool = False, *, device=None, **quant_options):
+        super().__init__(inplace)
+        self._init_mesa(quant_options, device)
+
+    def _clamp_args(self) -> tuple:
+        return ("hardsigmoid", -3.0, 3.0)

@@ -1,0 +1,76 @@
+"""Mesa forwards for timm's squeeze-excite blocks, installed like the gated MLPs (``mlp.py``).
+
+The instance's class is swapped for a subclass whose forward is the stock one line for line,
+except that the final ``x * self.gate(x_se)`` runs through a ``mesa_gate`` child
+(:class:`mesa_train.nn.ChannelGate`: 8-bit ``x``, one group per channel). The convs, norms
+and activations of the squeeze path act on ``(N, C, 1, 1)`` tensors and are converted (or
+not) by the ordinary leaf conversion.
+"""
+from __future__ import annotations
+
+import torch
+from timm.layers.squeeze_excite import EffectiveSEModule as _EffectiveSE, SEModule as _SE
+from timm.layers.squeeze_excite import SqueezeExciteCl as _SECl
+from timm.models._efficientnet_blocks import SqueezeExcite as _EfficientNetSE
+
+__all__ = ["SE_CLASSES", "STOCK_SE_CLASSES", "SE_CHILD", "gate_channels"]
+
+SE_CHILD = "mesa_gate"
+
+
+class MesaEfficientNetSqueezeExcite(_EfficientNetSE):
+    """EfficientNet / MobileNetV3 / GhostNet's ``SqueezeExcite``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_se = x.mean((2, 3), keepdim=True)
+        x_se = self.conv_reduce(x_se)
+        x_se = self.act1(x_se)
+        x_se = self.conv_expand(x_se)
+        return self.mesa_gate(x, self.gate(x_se))
+
+
+class MesaSEModule(_SE):
+    """``timm.layers.SEModule`` (alias ``SqueezeExcite``: RegNetY, LCNetV2, ReXNet, RepViT, SHViT)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_se = x.mean((2, 3), keepdim=True)
+        if self.add_maxpool:
+            x_se = 0.5 * x_se + 0.5 * x.amax((2, 3), keepdim=True)
+        x_se = self.fc1(x_se)
+        x_se = self.act(self.bn(x_se))
+        x_se = self.fc2(x_se)
+        return self.mesa_gate(x, self.gate(x_se))
+
+
+class MesaEffectiveSEModule(_EffectiveSE):
+    """``EffectiveSEModule`` (RDNet, CSPNeXt)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_se = x.mean((2, 3), keepdim=True)
+        if self.add_maxpool:
+            x_se = 0.5 * x_se + 0.5 * x.amax((2, 3), keepdim=True)
+        x_se = self.fc(x_se)
+        return self.mesa_gate(x, self.gate(x_se))
+
+
+class MesaSqueezeExciteCl(_SECl):
+    """``SqueezeExciteCl``: channels-last ``(N, H, W, C)`` tensors (the gate along the last dim)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_se = x.mean((1, 2), keepdims=True)
+        x_se = self.fc1(x_se)
+        x_se = self.act(x_se)
+        x_se = self.fc2(x_se)
+        return self.mesa_gate(x, self.gate(x_se))
+
+
+SE_CLASSES = {_EfficientNetSE: MesaEfficientNetSqueezeExcite, _SE: MesaSEModule, _EffectiveSE: MesaEffectiveSEModule,
+              _SECl: MesaSqueezeExciteCl}
+STOCK_SE_CLASSES = {v: k for k, v in SE_CLASSES.items()}
+
+
+def gate_channels(module) -> tuple:
+    """``(channel count, channel dim)`` of a stock squeeze-excite block's input."""
+    first = getattr(module, "conv_reduce", None) or getattr(module, "fc1", None) or module.fc
+    dim = -1 if isinstance(module, _SECl) else 1
+    return (first.in_features if dim == -1 else first.in_channels), dim

@@ -1,0 +1,127 @@
+"""Squeeze-excite: the Mesa ``ChannelGate`` (``x * s`` keeping 8-bit ``x``, one group per
+channel) and the swapped timm blocks (``patch/squeeze_excite.py``)."""
+import copy
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import mesa_train.nn as mn
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.patch import patch_model
+from mesa_train.patch.squeeze_excite import SE_CLASSES
+
+
+def _cos(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def _run(gate, x, s, g):
+    x, s = x.clone().requires_grad_(), s.clone().requires_grad_()
+    with SavedTensorMeter(gate if isinstance(gate, nn.Module) else nn.Module()) as meter:
+        y = gate(x, s)
+    y.backward(g)
+    return y.detach(), x.grad, s.grad, meter.activation_bytes
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "nhwc_tensor"])
+def test_channel_gate(layout):
+    """Channels three decades apart: per-channel groups keep every gate's gradient; ``dx``
+    is stock's bit for bit (the gate is kept as it is)."""
+    torch.manual_seed(0)
+    c = 12
+    x = torch.randn(4, c, 7, 7) * torch.logspace(-2, 1, c).view(1, c, 1, 1)
+    s = torch.rand(4, c, 1, 1)
+    dim = 1
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "nhwc_tensor":  # timm's SqueezeExciteCl: (N, H, W, C)
+        x, s, dim = x.permute(0, 2, 3, 1).contiguous(), s.permute(0, 2, 3, 1).contiguous(), -1
+    g = torch.randn_like(x * s)
+    ref = _run(lambda a, b: a * b, x, s, g)
+    got = _run(mn.ChannelGate(dim, num_groups=c), x, s, g)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    assert got[0].stride() == ref[0].stride() and got[1].stride() == ref[1].stride()
+    assert _cos(ref[2], got[2]) > 0.9995
+    worst = min(_cos(ref[2][:, i], got[2][:, i]) if dim == 1 else _cos(ref[2][..., i], got[2][..., i])
+                for i in range(c))
+    assert worst > 0.999  # the smallest channel too
+    assert got[3] < 0.3 * x.numel() * 4 + s.numel() * 4 * 2
+
+
+def test_channel_gate_without_gate_gradient_keeps_nothing_of_x():
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    s = torch.rand(2, 4, 1, 1)  # a constant gate: no codes of x needed
+    gate = mn.ChannelGate(num_groups=4)
+    with SavedTensorMeter(gate) as meter:
+        y = gate(x, s)
+    assert meter.activation_bytes == s.numel() * 4
+    y.sum().backward()
+    assert torch.equal(x.grad, s.expand_as(x))
+
+
+@pytest.mark.parametrize("stock_cls", list(SE_CLASSES), ids=lambda c: c.__name__)
+def test_mesa_forward_is_the_stock_source_but_the_product(stock_cls):
+    """Each swapped forward is timm's, line for line, but ``x * self.gate(x_se)``: a timm
+    release that changes one of them fails here (then update ``patch/squeeze_excite.py``)."""
+    def lines(fn):
+        src = inspect.getsource(fn)
+        body = [ln.split("#")[0].rstrip() for ln in src.splitlines()[1:]]
+        return [ln for ln in body if ln.strip() and not ln.strip().startswith(('"""', "'''"))]
+
+    stock = lines(stock_cls.forward)
+    mesa = lines(SE_CLASSES[stock_cls].forward)
+    assert stock[-1].strip() == "return x * self.gate(x_se)"
+    assert mesa[-1].strip() == "return self.mesa_gate(x, self.gate(x_se))"
+    assert [ln.strip() for ln in stock[:-1]] == [ln.strip() for ln in mesa[:-1] if not ln.strip().startswith('"')]
+
+
+def _se_net(se_cls):
+    from timm.layers.squeeze_excite import SqueezeExciteCl
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 16, 3, padding=1)
+            self.act = nn.SiLU()
+            self.se = se_cls(16)
+            self.head = nn.Linear(16, 5)
+
+        def forward(self, x):
+            h = self.act(self.conv(x))
+            if isinstance(self.se, SqueezeExciteCl):
+                return self.head(self.se(h.permute(0, 2, 3, 1)).mean((1, 2)))
+            return self.head(self.se(h).mean((2, 3)))
+
+    return Net()
+
+
+@pytest.mark.parametrize("stock_cls", list(SE_CLASSES), ids=lambda c: c.__name__)
+def test_patch_model_swaps_squeeze_excite(stock_cls):
+    torch.manual_seed(0)
+    stock = _se_net(stock_cls)
+    x = torch.randn(4, 3, 8, 8)
+    patched = patch_model(copy.deepcopy(stock))
+    assert type(patched.se) is SE_CLASSES[stock_cls]
+    gate = patched.se.mesa_gate
+    assert isinstance(gate, mn.ChannelGate) and gate.quantizer.options.num_groups == 16
+    assert type(patch_model(copy.deepcopy(stock), ops=["conv"]).se) is stock_cls  # "se" not asked for
+    extra = {k for k in patched.state_dict() if k.startswith("se.mesa_gate.")}
+    assert set(patched.state_dict()) - extra >= set(stock.state_dict()) and extra
+    ref, got = stock(x), patched(x)
+    assert torch.equal(ref, got)
+    ref.square().sum().backward(), got.square().sum().backward()
+    grads = dict(patched.named_parameters())
+    for name, p in stock.named_parameters():
+        assert _cos(p.grad, grads[name].grad) > 0.999, name
+    with SavedTensorMeter(stock) as a:
+        stock(x)
+    with SavedTensorMeter(patched) as b:
+        patched(x)
+    assert b.activation_bytes < 0.5 * a.activation_bytes
+    patched.eval()
+    stock.eval()
+    with torch.no_grad():
+        assert torch.equal(stock(x), patched(x))
