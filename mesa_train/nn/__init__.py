@@ -22,7 +22,7 @@ layers take ``from_module(stock, *, device=None, ...)``.
 from .activations import GatedActivation, Hardswish, QuickGELU, SiLU
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNormAct2d
 from .channel_gate import ChannelGate
-from .clamp_activations import Hardsigmoid, Hardtanh, ReLU6
+from .clamp_activations import Clamp, Hardsigmoid, Hardtanh, ReLU6
 from .star_relu import StarReLU
 from .groupnorm import GroupNorm, GroupNormAct
 from .conv import Conv2d
@@ -34,6 +34,7 @@ from .linear import Linear
 from .matmul import MatMul
 from .maxpool import MaxPool2d
 from .normalize import Normalize
+from .one_hot_table import OneHotTable
 from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
 from .relu import ReLU
 from .rmsnorm import RmsNorm, RmsNormFp32
@@ -46,13 +47,14 @@ register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as
 
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, StarReLU, RmsNorm,
           GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm, BatchNorm1d, Hardswish,
-          Hardsigmoid, Hardtanh, ReLU6, ChannelGate, MaxPool2d)
+          Hardsigmoid, Hardtanh, ReLU6, ChannelGate, MaxPool2d, Clamp, OneHotTable)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "Softmax", "MatMul", "Conv2d", "ReLU",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
-    "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame",
+    "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "Clamp",
+    "OneHotTable",
     "StarReLU", "RmsNorm", "RmsNormFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]

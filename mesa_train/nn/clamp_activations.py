@@ -1,4 +1,5 @@
-"""Mesa ``Hardtanh``, ``ReLU6`` and ``Hardsigmoid``: exact forward, a 1-bit mask saved.
+"""Mesa ``Hardtanh``, ``ReLU6``, ``Hardsigmoid`` (a 1-bit mask saved) and ``Clamp``
+(``torch.clamp`` with tensor bounds: two 1-bit masks): exact forward.
 
 Each is a clamp: its derivative is a constant inside one open interval and zero outside
 (``Hardtanh(lo, hi)`` and ``ReLU6``: 1 on ``(lo, hi)``; ``Hardsigmoid``: 1/6 on ``(-3, 3)``).
@@ -19,7 +20,7 @@ from torch import nn
 from ._common import MesaLayer, check_stock, inherit_options, load, save
 from .relu import pack_bits, unpack_bits
 
-__all__ = ["Hardtanh", "ReLU6", "Hardsigmoid"]
+__all__ = ["Hardtanh", "ReLU6", "Hardsigmoid", "Clamp"]
 
 
 class _ClampMaskFn(torch.autograd.Function):
@@ -120,3 +121,45 @@ class Hardsigmoid(_ClampActivation, nn.Hardsigmoid):
 
     def _clamp_args(self) -> tuple:
         return ("hardsigmoid", -3.0, 3.0)
+
+
+class _ClampFn(torch.autograd.Function):
+    """``torch.clamp(x, lo, hi)`` with tensor bounds that take no gradient (buffers). Stock's
+    gradient there (measured, torch 2.14): ``g`` strictly inside and for a NaN, ``g / 2`` on a
+    bound (the two sides of a tie share it, as ``maximum`` / ``minimum``), 0 outside: two bits."""
+
+    @staticmethod
+    def forward(ctx, x, lo, hi):
+        y = torch.clamp(x, lo, hi)
+        ctx.shape = x.shape
+        passes = ~((x <= lo) | (x >= hi))  # inside, or NaN
+        ties = (x == lo) | (x == hi)
+        save(ctx, [], pack_bits(passes), pack_bits(ties))
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        _, (passes, ties) = load(ctx)
+        passes, ties = unpack_bits(passes, ctx.shape), unpack_bits(ties, ctx.shape)
+        return torch.where(passes, g, torch.where(ties, g * 0.5, 0)), None, None
+
+
+class Clamp(MesaLayer, nn.Module):
+    """``forward(x, lo, hi) = torch.clamp(x, lo, hi)`` with tensor bounds that take no gradient
+    (Gemma 4's clamp buffers), keeping two 1-bit masks where stock keeps ``x`` itself; the
+    gradient is stock's bit for bit. No estimates (a mask has none)."""
+
+    _quantizer_names = ()
+
+    def __init__(self, *, device=None, **quant_options):
+        super().__init__()
+        self._init_mesa(quant_options, device)
+
+    def forward(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x) or lo.requires_grad or hi.requires_grad:
+            return torch.clamp(x, lo, hi)
+        return _ClampFn.apply(x, lo, hi)
+
+    def extra_repr(self) -> str:
+        return self._mesa_repr()

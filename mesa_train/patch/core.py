@@ -54,6 +54,7 @@ from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASS
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
 from .block import BLOCK_CLASSES, NORM_LINEAR_COPIES, STOCK_BLOCK_CLASSES
 from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channels
+from .gemma4 import GEMMA4_CLASSES, STOCK_GEMMA4_CLASSES
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
@@ -130,7 +131,7 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.GatedActivation, "glu"), (mnn.LayerScale, "layerscale"),
                     (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
                     (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"), (mnn.ChannelGate, "se"),
-                    (mnn.MaxPool2d, "maxpool")):
+                    (mnn.MaxPool2d, "maxpool"), (mnn.Clamp, "linear"), (mnn.OneHotTable, "linear")):
         if isinstance(module, cls):
             return op
     return None
@@ -504,6 +505,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 1e. squeeze-excite: the x * gate product through a ChannelGate child
     if "se" in op_names:
         _patch_squeeze_excite(t)
+    # 1f. class swaps with one Mesa child (Gemma 4's clamped Linears and position table)
+    _swap_classes(t)
 
     # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne)
     _convert_leaves(t, explicit, gated_acts, keep_stock)
@@ -687,6 +690,20 @@ def _patch_squeeze_excite(t: _Target) -> None:
             m.add_module(SE_CHILD, mnn.ChannelGate(dim, device=_module_device(m), **opts))
 
 
+def _swap_classes(t: _Target) -> None:
+    """Step 1f: modules whose Mesa forward calls one parameter-free Mesa child (patch/gemma4.py),
+    swapped where their op and module set are asked for."""
+    for name, m in t.named:
+        stock_cls = STOCK_GEMMA4_CLASSES.get(type(m), type(m))
+        if stock_cls not in GEMMA4_CLASSES or t.skipped(name):
+            continue
+        op, mesa_cls, (child, layer_cls) = GEMMA4_CLASSES[stock_cls]
+        mi = t.module_info(name)
+        if op in t.op_names and mi.module_set in t.set_names and child not in m._modules:
+            m.__class__ = mesa_cls
+            m.add_module(child, layer_cls(device=_module_device(m), **t.options(None, mi.heads)))
+
+
 def _patch_inline_scales(t: _Target) -> None:
     """Step 1d: inline layer scale (``self.gamma_1 * y`` in a block's forward, BEiT/CaiT/EVA/XCiT)
     routed to a ChannelScale child while the block runs (generic_attention.install_scales);
@@ -783,6 +800,7 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(t.rules)
                + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + tuple(STOCK_CONVNEXT_CLASSES)
                + tuple(NORM_ONLY_MLP_CLASSES.values())
+               + tuple(GEMMA4_CLASSES) + tuple(STOCK_GEMMA4_CLASSES)
                + tuple(STOCK_BLOCK_CLASSES)
                + (PlainMatMul, PlainSoftmax))
     unreached: Dict[str, Tuple[str, ...]] = {}

@@ -7,7 +7,7 @@ dwconv, act, drop, fc2``): :class:`MesaMlp` / :class:`MesaMlpWithDepthwiseConv` 
 where the act is a Mesa ``GELU``, ``fc2`` a Mesa ``Linear`` and nothing runs between them;
 otherwise they are the stock forward line for line.
 
-Gated MLPs (``SwiGLU``, ``GluMlp``), installed like the
+Gated MLPs (``SwiGLU``, ``GluMlp``, Gemma 4's ``Gemma4GatedMlp``: ``gemma4.py``), installed like the
 attention ones (``attention.py``): the instance's class is swapped for a subclass whose
 forward is the stock one line for line, except that ``act(gate) * x`` runs through a
 ``gated`` child (:class:`mesa_train.nn.GatedActivation`, 8-bit gate and value). The
@@ -24,6 +24,7 @@ from timm.layers.mlp import GlobalResponseNormMlp as _GrnMlp, GluMlp as _GluMlp,
 from timm.models.pvt_v2 import MlpWithDepthwiseConv as _MlpWithDepthwiseConv
 
 from mesa_train.nn.gelu_linear import can_fuse, gelu_linear
+from .gemma4 import GATED_MLP_CLASSES as GEMMA4_GATED_MLP_CLASSES
 from mesa_train.nn.layernorm_linear import can_fuse_norm, layernorm_linear, layernorm_linears
 
 __all__ = ["MesaSwiGLU", "MesaGluMlp", "MesaMlp", "MesaMlpWithDepthwiseConv", "MLP_CLASSES", "STOCK_MLP_CLASSES",
@@ -144,7 +145,7 @@ class MesaGlobalResponseNormMlp(_GrnMlp):
         return x
 
 
-MLP_CLASSES = {_SwiGLU: MesaSwiGLU, _GluMlp: MesaGluMlp}
+MLP_CLASSES = {_SwiGLU: MesaSwiGLU, _GluMlp: MesaGluMlp, **GEMMA4_GATED_MLP_CLASSES}
 STOCK_MLP_CLASSES = {v: k for k, v in MLP_CLASSES.items()}
 SHARED_MLP_CLASSES = {_Mlp: MesaMlp, _MlpWithDepthwiseConv: MesaMlpWithDepthwiseConv}
 STOCK_SHARED_MLP_CLASSES = {v: k for k, v in SHARED_MLP_CLASSES.items()}
