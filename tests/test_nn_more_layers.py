@@ -349,3 +349,29 @@ def test_linear_row_scales_keep_a_tiny_row():
     assert _cos(grads[0], grads[1]) >= 0.999
     k = row_exponents(x)
     assert (k[:, 0] >= 9).all() and (k[:, 1:] == 0).all()  # only the tiny row is scaled (2**9 ~ 1e3)
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_rms_norm_is_timms_in_bfloat16(autocast, fp32):
+    """timm's RmsNorm calls torch's ``rms_norm``, which computes a bf16 input in float32 and
+    returns bf16 (with a float32 weight too). The Mesa layer wrote the ops out and returned
+    float32 there: Gemma 4 / Qwen3 forwards under bf16 autocast differed from stock."""
+    from timm.layers import RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
+
+    torch.manual_seed(0)
+    stock = (TimmRmsNormFp32 if fp32 else TimmRmsNorm)(64, eps=1e-6)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5)
+    mesa = (mn.RmsNormFp32 if fp32 else mn.RmsNorm).from_module(copy.deepcopy(stock))
+    x = (torch.randn(2, 5, 64) * 3).bfloat16()
+    outs, grads = [], []
+    for m in (stock, mesa):
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = m(leaf)
+        y.float().square().sum().backward()
+        outs.append(y)
+        grads.append(leaf.grad)
+    assert outs[1].dtype == outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
+    assert _cos(grads[0], grads[1]) > 0.999

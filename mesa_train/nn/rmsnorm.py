@@ -18,6 +18,7 @@ from torch import nn
 from ._common import (MesaLayer, check_stock, copy_estimates, inherit_options, load, no_autocast, save,
                       stock_device)
 from .rowscale import compress_rows, decompress_rows, max_exponent
+from timm.layers.norm import rms_norm as timm_rms_norm  # what timm's RmsNorm.forward calls
 
 __all__ = ["RmsNorm", "RmsNormFp32"]
 
@@ -26,26 +27,28 @@ def _dims(ndim: int):
     return tuple(range(-1, -ndim - 1, -1))
 
 
-def _rms_norm_parts(x, normalized_shape, weight, eps):
-    """timm's ``rms_norm`` (non-fast path), the same ops in the same order, also returning
-    ``x * rrms`` and ``rrms``."""
-    v = x.pow(2)
-    v = torch.mean(v, dim=_dims(len(normalized_shape)), keepdim=True)
-    rrms = torch.rsqrt(v + eps)
-    x_hat = x * rrms
-    out = x_hat * weight if weight is not None else x_hat
-    return out, x_hat, rrms
+def _normalised(x: torch.Tensor, nd: int, eps: float):
+    """``(x * rrms, rrms)`` in float32 at least (``torch.rms_norm``'s opmath, which upcasts a
+    half-precision input): what backward needs, computed beside the forward's own call."""
+    with no_autocast(x.device.type):
+        xm = x.to(torch.promote_types(x.dtype, torch.float32))
+        rrms = torch.rsqrt(xm.pow(2).mean(dim=_dims(nd), keepdim=True) + eps)
+        return xm * rrms, rrms
 
 
 class _RmsNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, eps, quantizer):
-        out, x_hat, rrms = _rms_norm_parts(x, normalized_shape, weight, eps)
+        # the function timm's RmsNorm calls (torch's rms_norm where torch has one): stock's
+        # output, dtype and bits; under bf16 it upcasts and returns the input's dtype, which
+        # the ops written out (timm's fallback) did not (they returned float32)
+        out = timm_rms_norm(x, normalized_shape, weight, eps)
         nd = len(normalized_shape)
+        x_hat, rrms = _normalised(x, nd, eps)
         packed, k = compress_rows(quantizer, x_hat, nd, max_exponent(x_hat.dtype))
         del x_hat
         ctx.nd, ctx.x_dtype = nd, x.dtype
-        ctx.mdt = torch.promote_types(out.dtype, torch.float32)
+        ctx.mdt = rrms.dtype
         ctx.w_dtype = weight.dtype if weight is not None else None
         save(ctx, [packed], rrms, weight, k)
         return out
@@ -107,7 +110,7 @@ class RmsNorm(MesaLayer, nn.Module):
         if self.float32_compute:  # timm's RmsNormFp32: the same ops on float32 copies
             x, weight = x.float(), weight.float() if weight is not None else None
         if not self._mesa_active(x, weight):
-            out = _rms_norm_parts(x, self.normalized_shape, weight, self.eps)[0]
+            out = timm_rms_norm(x, self.normalized_shape, weight, self.eps)
         else:
             out = _RmsNormFn.apply(x, self.normalized_shape, weight, self.eps, self.quantizer)
         return out.to(dtype) if self.float32_compute else out
