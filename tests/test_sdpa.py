@@ -110,6 +110,28 @@ def test_bf16_autocast():
         assert a.dtype == b.dtype and _cos(a, b) >= 0.99
 
 
+@pytest.mark.parametrize("shape,mask_shape", [((2, 4, 16, 32), (1, 4, 16, 16)), ((2, 4, 49, 32), (1, 4, 49, 49))])
+def test_bf16_autocast_float32_bias_that_requires_grad(shape, mask_shape):
+    """MaxViT / CoAtNet: bf16 q, k, v and a float32 relative-position bias derived from a
+    parameter. Autocast casts the mask; in the stock call the cast requires grad (math kernel),
+    inside the Mesa forward it did not (the fused CPU kernel: other bits). Now equal."""
+    torch.manual_seed(0)
+    q, k, v = [torch.randn(*shape, requires_grad=True) for _ in range(3)]
+    table = torch.randn(*mask_shape, requires_grad=True)
+    m = ScaledDotProductAttention().train()
+    outs, grads = [], []
+    for fn in (F.scaled_dot_product_attention, m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=table * 1.0)
+        out.float().square().sum().backward()
+        outs.append(out)
+        grads.append(table.grad.clone())
+        table.grad = None
+    assert outs[0].dtype == outs[1].dtype and torch.equal(outs[0], outs[1])
+    cos = (grads[0].double() * grads[1].double()).sum() / (grads[0].double().norm() * grads[1].double().norm())
+    assert cos > 0.99
+
+
 def test_dropout_replays_the_mask():
     m = ScaledDotProductAttention(num_groups=H).train()
     args = _inputs()

@@ -110,6 +110,24 @@ def test_train_forward_bitwise_with_dropout(name, rounding):
     assert torch.equal(ref, out), f"{name}: train forward differs from stock (max |diff| {(ref - out).abs().max()})"
 
 
+# bf16 forwards that once differed from stock (a float32 relative-position bias in sdpa, timm's
+# RmsNorm returning bf16): checked in CI too, beside the quick subset
+BF16_ALWAYS = ("maxvit_nano_rw_256", "gemma4_vit_167m", "qwen3_vit_88m")
+
+
+@pytest.mark.parametrize("name", [p if p.id not in BF16_ALWAYS else pytest.param(p.id, id=p.id) for p in MODELS])
+def test_train_forward_bitwise_under_bf16_autocast(name):
+    """CPU bf16 autocast (as users train): the patched train forward, dropout and drop-path on,
+    is stock's in dtype and bits."""
+    stock = build(name, drop=True)
+    patched = _patched(stock)
+    x = example(name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, out = _seeded(stock, x), _seeded(patched, x)
+    assert ref.dtype == out.dtype, f"{name}: {out.dtype} where stock returns {ref.dtype}"
+    assert torch.equal(ref, out), f"{name}: bf16 forward differs from stock (max |diff| {(ref - out).abs().max()})"
+
+
 # ----------------------------------------------------------------------------- gradients
 def _exact_grads(stock, x):
     """Gradients of a float64 copy of the stock model (the reference for 'exact')."""

@@ -50,7 +50,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from mesa_train.nn import quantizer as quantizer_mod
-from mesa_train.nn._common import MesaLayer
+from mesa_train.nn._common import MesaLayer, autocast_casts
 from mesa_train.nn.quantizer import Packed, decompress
 from mesa_train.nn.sdpa_backward import attention, build_window_mask, recompute_grads, recompute_grads_compiled
 
@@ -165,6 +165,13 @@ class ScaledDotProductAttention(MesaLayer, nn.Module):
                 scale: Optional[float] = None, *, window_mask: Optional[torch.Tensor] = None):
         if not self._mesa_active(q, k, v, attn_mask):
             return attention(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
+        if window_mask is None and attn_mask is not None and autocast_casts(attn_mask):
+            # autocast casts sdpa's mask to its dtype, and in the stock call (grad mode on) the
+            # cast mask requires grad, which rules out the fused CPU kernel; cast inside our
+            # forward (grad mode off) it did not, and a float32 bias (MaxViT's, CoAtNet's relative
+            # position bias) took the fused kernel: other bits. Cast here, as autocast would,
+            # with grad mode on (the mask's gradient flows back through the cast, as in stock).
+            attn_mask = attn_mask.to(torch.get_autocast_dtype(q.device.type))
         return _compressed_sdpa(self, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
 
 
