@@ -224,9 +224,9 @@ def build_for_row(row: RowConfig, device: torch.device | str = "cpu", patch: boo
     with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
         try:
             model = build_model(row.model, fused_attn=fused, **overrides)
-        except ValueError as err:
+        except (ValueError, TypeError) as err:
             if "img_size" in str(err) and "img_size" in overrides and "img_size" not in row.model_kwargs:
-                # resolution-agnostic architectures (PVT-v2) take no img_size
+                # resolution-agnostic architectures (PVT-v2; CNNs such as ResNet: a TypeError) take no img_size
                 overrides.pop("img_size")
                 model = build_model(row.model, fused_attn=fused, **overrides)
             else:
