@@ -245,21 +245,22 @@ def test_compile_pool_only_bitwise():
 
 
 def test_patch_model_converts_max_pools():
-    """``ops=['maxpool']``: ``nn.MaxPool2d`` (ResNet's stem, Hiera's query pooling) becomes the
-    lossless Mesa one; timm's ``MaxPool2dSame`` (its own forward) is left alone; the model's
-    forward and input gradient stay bitwise stock's."""
+    """``ops=['maxpool']``: ``nn.MaxPool2d`` (ResNet's stem, Hiera's query pooling) and timm's
+    ``MaxPool2dSame`` (TF 'SAME' padding by the input's size, -inf) become the lossless Mesa
+    ones; the model's forward and input gradient stay bitwise stock's."""
     import copy
 
     from timm.layers.pool2d_same import MaxPool2dSame
 
+    from mesa_train.nn.same_padding import MaxPool2dSame as MesaMaxPool2dSame
     from mesa_train.patch import patch_model
 
     torch.manual_seed(0)
     stock = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.MaxPool2d(3, 2, 1), MaxPool2dSame(2, 2),
                           nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32, 5))
     patched = patch_model(copy.deepcopy(stock), ops=["maxpool"])
-    assert type(patched[1]) is MaxPool2d and type(patched[3]) is MaxPool2d and type(patched[2]) is MaxPool2dSame
-    x = torch.randn(2, 3, 16, 16)
+    assert type(patched[1]) is MaxPool2d and type(patched[3]) is MaxPool2d and type(patched[2]) is MesaMaxPool2dSame
+    x = torch.randn(2, 3, 15, 15)  # odd: 'SAME' pads one side more
     xs, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
     ys, yp = stock(xs), patched(xp)
     assert torch.equal(ys, yp)

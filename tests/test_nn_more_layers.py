@@ -131,6 +131,21 @@ def test_std_conv2d(same):
         mn.StdConv2d.from_module(nn.Conv2d(6, 8, 3))
 
 
+@pytest.mark.parametrize("stride,kernel", [(2, 3), (1, 4), (2, 5)])
+def test_conv2d_same(stride, kernel):
+    """timm's ``Conv2dSame`` (the ``tf_`` EfficientNets): pad by the input's size, then the
+    Mesa conv on the padded input; odd sizes pad one side more."""
+    from timm.layers import Conv2dSame as TimmConv2dSame
+
+    torch.manual_seed(0)
+    stock = TimmConv2dSame(6, 8, kernel, stride=stride, groups=2)
+    mesa = mn.Conv2dSame.from_module(copy.deepcopy(stock))
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    _compare(stock, mesa, torch.randn(4, 6, 9, 9))
+    with pytest.raises(TypeError, match="Conv2dSame"):
+        mn.Conv2dSame.from_module(nn.Conv2d(6, 8, 3))
+
+
 @pytest.mark.parametrize("act", [nn.ReLU, None])
 def test_group_norm_act(act):
     """timm's ``GroupNormAct``: the Mesa GroupNorm, then its drop / act (BiT, the hybrids' stems)."""

@@ -119,10 +119,11 @@ ZOO = {
     "lcnetv2_small": (dict(), 64),
     "convmixer_768_32": (dict(), 96),
     # added 2026-12-01 (session 45) with their layers: BiT's StdConv2d + GroupNormAct, ReLU6,
-    # RegNetY's SEModule
+    # RegNetY's SEModule, TF 'SAME' padding
     "resnetv2_50x1_bit": (dict(), 64),
     "mobilenetv2_050": (dict(), 64),
     "regnety_002": (dict(), 64),
+    "tf_efficientnet_b0": (dict(), 64),  # timm's Conv2dSame in every block
 }
 
 # CI subset (2 CPU cores, a few minutes): plain ViT, DeiT3 (low-variance class token),

@@ -37,6 +37,7 @@ from .normalize import Normalize
 from .one_hot_table import OneHotTable
 from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
 from .relu import ReLU
+from .same_padding import Conv2dSame, MaxPool2dSame
 from .rmsnorm import RmsNorm, RmsNormFp32
 from .softmax import Softmax
 from .std_conv import StdConv2d, StdConv2dSame
@@ -47,14 +48,14 @@ register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as
 
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, StarReLU, RmsNorm,
           GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm, BatchNorm1d, Hardswish,
-          Hardsigmoid, Hardtanh, ReLU6, ChannelGate, MaxPool2d, Clamp, OneHotTable)
+          Hardsigmoid, Hardtanh, ReLU6, ChannelGate, MaxPool2d, Clamp, OneHotTable, Conv2dSame, MaxPool2dSame)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "Softmax", "MatMul", "Conv2d", "ReLU",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "Clamp",
-    "OneHotTable",
+    "OneHotTable", "Conv2dSame", "MaxPool2dSame",
     "StarReLU", "RmsNorm", "RmsNormFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]

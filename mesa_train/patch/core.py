@@ -11,8 +11,8 @@ See :func:`patch_model` for the rules. The work is two passes over the model:
    ``LayerNorm``, ``LayerNorm2d`` and ``LayerNormAct2d``, ``nn.Conv2d``, ``nn.BatchNorm2d`` and
    timm's ``BatchNormAct2d``, ``nn.BatchNorm1d``, ``nn.GroupNorm`` and timm's ``GroupNormAct``,
    ``nn.ReLU`` / ``ReLU6`` / ``Hardtanh`` / ``Hardswish`` / ``Hardsigmoid``, ``nn.MaxPool2d``,
-   timm's ``StdConv2d``, ``nn.Softmax``, timm's norms and activations, and a subclass of any
-   of them that defines only its constructor) in the
+   timm's ``StdConv2d``, ``Conv2dSame`` and ``MaxPool2dSame``, ``nn.Softmax``, timm's norms
+   and activations, and a subclass of any of them that defines only its constructor) in the
    selected module sets are replaced by the Mesa layer built with ``from_module`` (weights
    are the same ``Parameter`` objects; ``eps``, dtype and device kept), with channel groups =
    the head count of the block (see :mod:`mesa_train.patch.rules`).
@@ -32,6 +32,8 @@ from timm.layers import BatchNormAct2d, ConvNormAct, LayerNorm as TimmLayerNorm,
 from timm.layers import GroupNorm1 as TimmGroupNorm1, GroupNormAct as TimmGroupNormAct
 from timm.layers import LayerNormAct2d as TimmLayerNormAct2d
 from timm.layers import StdConv2d as TimmStdConv2d, StdConv2dSame as TimmStdConv2dSame
+from timm.layers import Conv2dSame as TimmConv2dSame
+from timm.layers.pool2d_same import MaxPool2dSame as TimmMaxPool2dSame
 from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
@@ -92,6 +94,8 @@ def _leaf_rules():
         nn.Hardswish: ("hardswish", mnn.Hardswish),
         nn.Hardsigmoid: ("hardswish", mnn.Hardsigmoid),
         nn.MaxPool2d: ("maxpool", mnn.MaxPool2d),
+        TimmMaxPool2dSame: ("maxpool", mnn.MaxPool2dSame),
+        TimmConv2dSame: ("conv", mnn.Conv2dSame),
         TimmStarReLU: ("relu", mnn.StarReLU),
         nn.Softmax: ("softmax", mnn.Softmax),
         TimmLayerScale: ("layerscale", mnn.LayerScale),
