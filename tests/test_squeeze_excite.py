@@ -34,19 +34,18 @@ def test_channel_gate(layout):
     c = 12
     x = torch.randn(4, c, 7, 7) * torch.logspace(-2, 1, c).view(1, c, 1, 1)
     s = torch.rand(4, c, 1, 1)
-    dim = 1
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     elif layout == "nhwc_tensor":  # timm's SqueezeExciteCl: (N, H, W, C)
-        x, s, dim = x.permute(0, 2, 3, 1).contiguous(), s.permute(0, 2, 3, 1).contiguous(), -1
+        x, s = x.permute(0, 2, 3, 1).contiguous(), s.permute(0, 2, 3, 1).contiguous()
     g = torch.randn_like(x * s)
     ref = _run(lambda a, b: a * b, x, s, g)
-    got = _run(mn.ChannelGate(dim, num_groups=c), x, s, g)
+    got = _run(mn.ChannelGate(num_groups=c), x, s, g)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
     assert got[0].stride() == ref[0].stride() and got[1].stride() == ref[1].stride()
     assert _cos(ref[2], got[2]) > 0.9995
-    worst = min(_cos(ref[2][:, i], got[2][:, i]) if dim == 1 else _cos(ref[2][..., i], got[2][..., i])
-                for i in range(c))
+    last = layout == "nhwc_tensor"  # the gate along the last dim
+    worst = min(_cos(ref[2][..., i], got[2][..., i]) if last else _cos(ref[2][:, i], got[2][:, i]) for i in range(c))
     assert worst > 0.999  # the smallest channel too
     assert got[3] < 0.3 * x.numel() * 4 + s.numel() * 4 * 2
 

@@ -21,7 +21,6 @@ layers take ``from_module(stock, *, device=None, ...)``.
 """
 from .activations import GatedActivation, Hardswish, QuickGELU, SiLU
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNormAct2d
-from .channel_gate import ChannelGate
 from .clamp_activations import Clamp, Hardsigmoid, Hardtanh, ReLU6
 from .star_relu import StarReLU
 from .groupnorm import GroupNorm, GroupNormAct
@@ -29,7 +28,7 @@ from .conv import Conv2d
 from .gelu import GELU
 from .grn import GlobalResponseNorm
 from .layernorm import LayerNorm, LayerNorm2d, LayerNormAct2d
-from .layerscale import ChannelScale, LayerScale, Scale
+from .layerscale import ChannelGate, ChannelScale, LayerScale, Scale
 from .linear import Linear
 from .matmul import MatMul
 from .maxpool import MaxPool2d

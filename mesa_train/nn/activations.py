@@ -138,8 +138,9 @@ class _HardswishFn(torch.autograd.Function):
 
 class _InplaceActivation(_ParameterFreeLayer):
     """A ``torch.nn`` activation with an ``inplace`` flag, keeping its 8-bit input
-    (``_kind`` names it in ``_ElementwiseFn``). ``inplace=True`` computes out of place here:
-    same values, and the input the codes were taken from is not overwritten."""
+    (``_compressed``; by default ``_ElementwiseFn`` for the ``_kind`` it names).
+    ``inplace=True`` computes out of place here: same values, and the input the codes were
+    taken from is not overwritten."""
 
     _kind = ""
 
@@ -156,8 +157,9 @@ class _InplaceActivation(_ParameterFreeLayer):
     def forward(self, input):
         if not self._mesa_active(input):
             return super().forward(input)
-        if self._kind == "hardswish":
-            return _HardswishFn.apply(input, self.quantizer)
+        return self._compressed(input)
+
+    def _compressed(self, input):
         return _ElementwiseFn.apply(input, self._kind, self.quantizer)
 
     def extra_repr(self) -> str:
@@ -176,7 +178,10 @@ class Hardswish(_InplaceActivation, nn.Hardswish):
     input and which side of -3 and 3 each element is on (``_HardswishFn``). Stock keeps the
     full-precision input."""
 
-    _stock_types, _kind = (nn.Hardswish,), "hardswish"
+    _stock_types = (nn.Hardswish,)
+
+    def _compressed(self, input):
+        return _HardswishFn.apply(input, self.quantizer)
 
 
 def _act_vjp(act: nn.Module, x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

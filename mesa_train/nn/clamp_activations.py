@@ -56,7 +56,8 @@ class _ClampActivation(MesaLayer):
     _stock_type: type = nn.Module
 
     def _clamp_args(self) -> tuple:
-        raise NotImplementedError
+        """(kind, lo, hi) for ``_ClampMaskFn``: a ``Hardtanh``'s own bounds (``ReLU6``: 0, 6)."""
+        return ("hardtanh", self.min_val, self.max_val)
 
     @classmethod
     def _ctor_args(cls, stock: nn.Module) -> tuple:
@@ -92,9 +93,6 @@ class Hardtanh(_ClampActivation, nn.Hardtanh):
     def _ctor_args(cls, stock: nn.Hardtanh) -> tuple:
         return (stock.min_val, stock.max_val, stock.inplace)
 
-    def _clamp_args(self) -> tuple:
-        return ("hardtanh", self.min_val, self.max_val)
-
 
 class ReLU6(_ClampActivation, nn.ReLU6):
     """``torch.nn.ReLU6`` (MobileNetV2, timm's ``relu6``) saving a 1-bit mask instead of its input."""
@@ -104,9 +102,6 @@ class ReLU6(_ClampActivation, nn.ReLU6):
     def __init__(self, inplace: bool = False, *, device=None, **quant_options):
         super().__init__(inplace)
         self._init_mesa(quant_options, device)
-
-    def _clamp_args(self) -> tuple:
-        return ("hardtanh", 0.0, 6.0)
 
 
 class Hardsigmoid(_ClampActivation, nn.Hardsigmoid):

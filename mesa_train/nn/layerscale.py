@@ -15,6 +15,9 @@ kept in full precision. Two forms:
   Also the learned per-head logit scale / temperature of cosine attention (SwinV2's
   ``(q_n @ k_n^T) * logit_scale.exp()``, XCiT's ``* self.temperature``, shape ``(heads, 1, 1)``):
   then ``x`` (the logits) is kept with per-head groups and ``dgamma`` is summed to its shape.
+* ``ChannelGate``: a ``ChannelScale`` for squeeze-excite's ``x * gate(x_se)``, the gate
+  ``(N, C, 1, 1)`` (or ``(N, 1, 1, C)``): ``x`` kept with channel groups, ``dgamma`` summed the
+  same way (the dim a broadcast ``gamma`` varies along last is the groups' dim).
 
 The forward is ``x * gamma`` (IEEE multiplication is commutative, so ``gamma * x`` is the same
 bits); the codes use channel groups over the last dim with power-of-two row scales
@@ -26,11 +29,19 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
-from ._common import (MesaLayer, check_stock, copy_estimates, inherit_options, load, no_autocast, save,
-                      stock_device)
+from ._common import (MesaLayer, check_stock, copy_estimates, from_nhwc, inherit_options, load, nhwc_view,
+                      no_autocast, save, stock_device)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
-__all__ = ["LayerScale", "ChannelScale", "Scale", "channel_scale"]
+__all__ = ["LayerScale", "ChannelScale", "ChannelGate", "Scale", "channel_scale"]
+
+
+def _broadcast_dim(x: torch.Tensor, gamma: torch.Tensor) -> int:
+    """The dim of ``x`` that a broadcast ``gamma`` of 2+ dims varies along last (its groups):
+    the heads of a ``(heads, 1, 1)`` logit scale, the channels of a squeeze-excite gate
+    ``(N, C, 1, 1)`` or, channels last, ``(N, 1, 1, C)``; dim 1 if none varies."""
+    varying = [i for i, n in enumerate(gamma.shape) if n > 1]
+    return x.dim() - gamma.dim() + varying[-1] if varying else 1
 
 
 class _ScaleFn(torch.autograd.Function):
@@ -38,11 +49,13 @@ class _ScaleFn(torch.autograd.Function):
     def forward(ctx, x, gamma, quantizer):
         out = x * gamma
         packed = k = None
+        ctx.nhwc = False
         if ctx.needs_input_grad[1]:
             if gamma.dim() <= 1:  # per channel (last dim): channel groups, small rows scaled
                 packed, k = compress_rows(quantizer, x, 1, max_exponent(x.dtype, out.dtype))
-            else:  # per head (a logit scale / temperature of shape (heads, 1, 1)): head groups
-                packed = quantizer.compress(x, 1)
+            else:  # per head or per (sample, channel): groups along the dim gamma varies along
+                xv, dim, ctx.nhwc = nhwc_view(x, _broadcast_dim(x, gamma), quantizer.options.is_default_format)
+                packed = quantizer.compress(xv, dim)
         ctx.cdt, ctx.x_dtype, ctx.g_dtype, ctx.g_shape = out.dtype, x.dtype, gamma.dtype, gamma.shape
         save(ctx, [packed], gamma if ctx.needs_input_grad[0] else None, k)
         return out
@@ -57,7 +70,7 @@ class _ScaleFn(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 gx = (g * gamma.to(ctx.cdt)).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                xh = decompress_rows(packed, ctx.cdt, k)
+                xh = from_nhwc(decompress_rows(packed, ctx.cdt, k), ctx.nhwc)
                 if len(ctx.g_shape) <= 1:
                     gg = (g * xh).reshape(-1, xh.shape[-1]).sum(0).reshape(ctx.g_shape)
                 else:
@@ -116,6 +129,14 @@ class ChannelScale(MesaLayer, nn.Module):
 
     def extra_repr(self) -> str:
         return self._mesa_repr()
+
+
+class ChannelGate(ChannelScale):
+    """``x * s`` of a squeeze-excite block (``patch/squeeze_excite.py``), ``s`` the gate
+    ``(N, C, 1, 1)`` or, channels last, ``(N, 1, 1, C)``: stock keeps ``x``, a whole feature
+    map, for the gate's gradient ``sum_hw(g * x)``; this keeps it in 8 bits along the channel
+    dim (give ``num_groups`` = the channel count: one group per channel) and ``s`` itself.
+    A ``ChannelScale`` reported as its own op, ``se``."""
 
 
 class LayerScale(MesaLayer, nn.Module):

@@ -132,9 +132,10 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (ScaledDotProductAttention, "sdpa"),
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.BatchNorm1d, "batchnorm"), (mnn.SiLU, "silu"),
                     (mnn.RmsNorm, "rmsnorm"),
-                    (mnn.GatedActivation, "glu"), (mnn.LayerScale, "layerscale"),
+                    (mnn.GatedActivation, "glu"), (mnn.ChannelGate, "se"),  # (a ChannelScale: first)
+                    (mnn.LayerScale, "layerscale"),
                     (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
-                    (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"), (mnn.ChannelGate, "se"),
+                    (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"),
                     (mnn.MaxPool2d, "maxpool"), (mnn.Clamp, "linear"), (mnn.OneHotTable, "linear")):
         if isinstance(module, cls):
             return op
@@ -687,11 +688,10 @@ def _patch_squeeze_excite(t: _Target) -> None:
         if stock_cls not in SE_CLASSES or t.skipped(name) or t.module_info(name).module_set not in t.set_names:
             continue
         if SE_CHILD not in m._modules:
-            channels, dim = gate_channels(m)
             opts = dict(t.quant_options)
-            opts.setdefault("num_groups", channels)
+            opts.setdefault("num_groups", gate_channels(m))
             m.__class__ = SE_CLASSES[stock_cls]
-            m.add_module(SE_CHILD, mnn.ChannelGate(dim, device=_module_device(m), **opts))
+            m.add_module(SE_CHILD, mnn.ChannelGate(device=_module_device(m), **opts))
 
 
 def _swap_classes(t: _Target) -> None:

@@ -69,8 +69,7 @@ SE_CLASSES = {_EfficientNetSE: MesaEfficientNetSqueezeExcite, _SE: MesaSEModule,
 STOCK_SE_CLASSES = {v: k for k, v in SE_CLASSES.items()}
 
 
-def gate_channels(module) -> tuple:
-    """``(channel count, channel dim)`` of a stock squeeze-excite block's input."""
+def gate_channels(module) -> int:
+    """The channel count of a stock squeeze-excite block's input."""
     first = getattr(module, "conv_reduce", None) or getattr(module, "fc1", None) or module.fc
-    dim = -1 if isinstance(module, _SECl) else 1
-    return (first.in_features if dim == -1 else first.in_channels), dim
+    return first.in_features if isinstance(module, _SECl) else first.in_channels
