@@ -58,4 +58,4 @@ __all__ = [
     "StarReLU", "RmsNorm", "RmsNormFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]
-from .sdpa import ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, mesa_train/nn/sdpa.py)
+from .sdpa import QueryBias, ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, nn/sdpa.py)

@@ -8,7 +8,10 @@ but keeps only
 * q, k, v as uint8 codes with per-head statistics (groups over the head dim, ``dim=-3``
   of a ``(..., heads, L, E)`` tensor; the last dim for 3-D inputs),
 * the additive attention bias / mask as given (for Swin: the ``(1, heads, N, N)`` relative
-  position bias and the ``(nW, N, N)`` window mask, not their ``(B*nW, heads, N, N)`` sum).
+  position bias and the ``(nW, N, N)`` window mask, not their ``(B*nW, heads, N, N)`` sum);
+  a bias computed from the queries (``query_bias=QueryBias(fn, inputs)``, SAM's decomposed
+  relative positions) is not kept at all, only ``fn``'s small ``inputs``: backward calls
+  ``fn`` again on the dequantized q (``sdpa_query_bias.py``).
 
 Backward dequantizes q, k, v and recomputes the attention from them with autograd
 enabled, then backpropagates ``grad_output`` through that recomputation. The softmax
@@ -51,30 +54,11 @@ from torch.autograd.function import once_differentiable
 
 from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn._common import MesaLayer, autocast_casts
-from mesa_train.nn.quantizer import Packed, decompress
-from mesa_train.nn.sdpa_backward import attention, build_window_mask, recompute_grads, recompute_grads_compiled
+from mesa_train.nn.sdpa_backward import (attention, autocast_state, build_window_mask, capture_rng, operand_group_dim,
+                                         recompute_grads, recompute_grads_compiled, restore_operand)
+from mesa_train.nn.sdpa_query_bias import QueryBias, biased_attention, compressed_query_bias_sdpa
 
-__all__ = ["ScaledDotProductAttention", "build_window_mask"]
-
-
-def _group_dim(x: torch.Tensor) -> int:
-    return x.dim() - 3 if x.dim() >= 4 else x.dim() - 1
-
-
-def _autocast_state(device_type: str):
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except TypeError:  # very old torch
-        enabled = torch.is_autocast_enabled()
-    dtype = torch.get_autocast_dtype(device_type) if enabled else None
-    return enabled, dtype
-
-
-def _restore(codes, alpha, beta, dim, G, fmt, dtype):
-    """Dequantize one operand the way every layer does (any format; traced under compile
-    with traceable kernels), calling the kernel directly: the checking wrapper
-    ``quant.dequantize`` cost ~3 us of Python per operand and backward."""
-    return decompress(Packed(codes, alpha, beta, dim, G, fmt), dtype)
+__all__ = ["QueryBias", "ScaledDotProductAttention", "build_window_mask"]
 
 
 class _MesaSDPA(torch.autograd.Function):
@@ -92,12 +76,8 @@ class _MesaSDPA(torch.autograd.Function):
         with torch.enable_grad():
             mask = build_window_mask(attn_mask, window_mask, q.shape[0], q.shape[-3] if q.dim() >= 4 else 1)
         device_type = q.device.type
-        ctx.autocast = (device_type,) + _autocast_state(device_type)
-        ctx.rng = None
-        if dropout_p > 0.0:
-            cpu_state = torch.get_rng_state()
-            dev_state = torch.cuda.get_rng_state(q.device) if q.is_cuda else None
-            ctx.rng = (cpu_state, dev_state, q.device)
+        ctx.autocast = (device_type,) + autocast_state(device_type)
+        ctx.rng = capture_rng(dropout_p, q)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
         ctx.dims = dims
@@ -124,9 +104,9 @@ class _MesaSDPA(torch.autograd.Function):
         dropout_p, is_causal, scale = ctx.opts
         needs = ctx.needs_input_grad
 
-        q = _restore(qq, qa, qb, dq_, Gq, fq, tq)
-        k = _restore(kq, ka, kb, dk_, Gk, fk, tk)
-        v = _restore(vq, va, vb, dv_, Gv, fv, tv)
+        q = restore_operand(qq, qa, qb, dq_, Gq, fq, tq)
+        k = restore_operand(kq, ka, kb, dk_, Gk, fk, tk)
+        v = restore_operand(vq, va, vb, dv_, Gv, fv, tv)
         mask_needs_grad = attn_mask is not None and needs[3] and attn_mask.is_floating_point()
         wanted = (needs[0], needs[1], needs[2], mask_needs_grad)
         if torch.compiler.is_compiling():  # (dropout_p > 0 never gets here, see _compressed_sdpa)
@@ -142,9 +122,11 @@ class ScaledDotProductAttention(MesaLayer, nn.Module):
     """``F.scaled_dot_product_attention`` that keeps int8 q, k, v for backward.
 
     ``forward(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-    window_mask=None)`` takes the arguments of ``F.scaled_dot_product_attention``; the
-    optional ``window_mask`` (``(nW, N, N)``, additive) is added to ``attn_mask`` per window
-    the way Swin builds its shifted-window mask (see :func:`build_window_mask`).
+    window_mask=None, query_bias=None)`` takes the arguments of
+    ``F.scaled_dot_product_attention``; the optional ``window_mask`` (``(nW, N, N)``, additive)
+    is added to ``attn_mask`` per window the way Swin builds its shifted-window mask (see
+    :func:`build_window_mask`); ``query_bias`` (a :class:`QueryBias`, instead of ``attn_mask``)
+    is a mask computed from the queries, ``fn(q, *inputs)``.
 
     Quantization options are those of :class:`mesa_train.nn.QuantOptions`; ``num_groups``
     is the number of head groups (``patch_model`` sets it to the number of heads). One
@@ -162,7 +144,10 @@ class ScaledDotProductAttention(MesaLayer, nn.Module):
         return self._mesa_repr()
 
     def forward(self, q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-                scale: Optional[float] = None, *, window_mask: Optional[torch.Tensor] = None):
+                scale: Optional[float] = None, *, window_mask: Optional[torch.Tensor] = None,
+                query_bias: Optional[QueryBias] = None):
+        if query_bias is not None:
+            return self._forward_query_bias(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale, query_bias)
         if not self._mesa_active(q, k, v, attn_mask):
             return attention(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
         if window_mask is None and attn_mask is not None and autocast_casts(attn_mask):
@@ -173,6 +158,23 @@ class ScaledDotProductAttention(MesaLayer, nn.Module):
             # with grad mode on (the mask's gradient flows back through the cast, as in stock).
             attn_mask = attn_mask.to(torch.get_autocast_dtype(q.device.type))
         return _compressed_sdpa(self, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
+
+    def _forward_query_bias(self, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale, query_bias):
+        """The call with a bias computed from the queries (``nn/sdpa_query_bias.py``)."""
+        if attn_mask is not None or window_mask is not None:
+            raise ValueError("ScaledDotProductAttention: query_bias is the whole additive mask; attn_mask and "
+                             "window_mask must be None with it")
+        if not isinstance(query_bias, QueryBias):
+            raise TypeError(f"ScaledDotProductAttention: query_bias must be a QueryBias(fn, inputs), got "
+                            f"{type(query_bias).__name__}")
+        if not self._mesa_active(q, k, v, *query_bias.inputs):
+            return biased_attention(q, k, v, query_bias, dropout_p, is_causal, scale)
+        if torch.compiler.is_compiling():
+            # the bias function's backward is not traced: compiled, the bias is built as stock
+            # builds it and kept as an ordinary mask (the path such modules took before)
+            attn_mask = query_bias.fn(q, *query_bias.inputs)
+            return self.forward(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        return compressed_query_bias_sdpa(self, q, k, v, query_bias, dropout_p, is_causal, scale)
 
 
 # whether the extension has the C++ layer (a build older than csrc/sdpa_autograd.cpp has not)
@@ -204,9 +206,9 @@ def _compressed_sdpa(module, q, k, v, attn_mask, window_mask, dropout_p, is_caus
         fused = _fused_args(module, q, k, v)
         if fused is not None:  # eager, paper format: the layer with a C++ autograd node (csrc/sdpa_autograd.cpp)
             return torch.ops.mesa.sdpa_train(q, k, v, attn_mask, window_mask, bool(is_causal), scale, *fused)
-    pq = module.q_quantizer.compress(q.detach(), _group_dim(q))
-    pk = module.k_quantizer.compress(k.detach(), _group_dim(k))
-    pv = module.v_quantizer.compress(v.detach(), _group_dim(v))
+    pq = module.q_quantizer.compress(q.detach(), operand_group_dim(q))
+    pk = module.k_quantizer.compress(k.detach(), operand_group_dim(k))
+    pv = module.v_quantizer.compress(v.detach(), operand_group_dim(v))
     dims = ((pq.dim, pq.num_groups, pq.fmt), (pk.dim, pk.num_groups, pk.fmt), (pv.dim, pv.num_groups, pv.fmt))
     return _MesaSDPA.apply(
         q, k, v, attn_mask, window_mask,

@@ -26,11 +26,37 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "build_window_mask", "recompute_grads", "recompute_grads_compiled"]
+from mesa_train.nn.quantizer import Packed, decompress
+
+__all__ = ["attention", "autocast_state", "build_window_mask", "capture_rng", "grads_through", "operand_group_dim",
+           "recompute_grads", "recompute_grads_compiled", "restore_operand"]
 
 _OP_NAME = "sdpa_recompute_backward"
 _SCHEMA = (f"{_OP_NAME}(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? window_mask, "
            "bool is_causal, float? scale, bool[] output_mask, bool autocast, ScalarType? autocast_dtype) -> Tensor[]")
+
+
+def operand_group_dim(x: torch.Tensor) -> int:
+    """The dim an operand's quantization groups run along: heads of a ``(..., heads, L, E)``
+    tensor, the last dim of a 3-D one."""
+    return x.dim() - 3 if x.dim() >= 4 else x.dim() - 1
+
+
+def autocast_state(device_type: str):
+    """``(enabled, dtype)`` of autocast on ``device_type`` now: the backward recomputes in it."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # very old torch
+        enabled = torch.is_autocast_enabled()
+    dtype = torch.get_autocast_dtype(device_type) if enabled else None
+    return enabled, dtype
+
+
+def restore_operand(codes, alpha, beta, dim, G, fmt, dtype):
+    """Dequantize one operand the way every layer does (any format; traced under compile
+    with traceable kernels), calling the kernel directly: the checking wrapper
+    ``quant.dequantize`` cost ~3 us of Python per operand and backward."""
+    return decompress(Packed(codes, alpha, beta, dim, G, fmt), dtype)
 
 
 def build_window_mask(attn_mask: Optional[torch.Tensor], window_mask: Optional[torch.Tensor],
@@ -59,11 +85,20 @@ def recompute_grads(grad_out, q, k, v, attn_mask, window_mask, dropout_p, is_cau
     autograd through the stock call made again: ``needs`` says which of the four are wanted,
     the result has ``None`` for the others. ``autocast``: ``(device_type, enabled, dtype)`` of
     the forward; ``rng``: ``(cpu_state, device_state, device)`` to replay a dropout mask."""
-    leaves = [t.detach().requires_grad_(bool(n)) if t is not None else None
-              for t, n in zip((q, k, v, attn_mask), needs)]
+    def call(q, k, v, attn_mask):
+        return attention(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
+
+    return grads_through(call, (q, k, v, attn_mask), needs, grad_out, autocast, rng)
+
+
+def grads_through(call, inputs: Sequence, needs: Sequence[bool], grad_out, autocast, rng=None) -> tuple:
+    """Gradients of ``call(*inputs)`` (its output receiving ``grad_out``) with respect to the
+    inputs ``needs`` flags (``None`` for the others), the call made again with autograd on,
+    in the forward's autocast state, and with its dropout mask replayed from ``rng``."""
+    leaves = [t.detach().requires_grad_(bool(n)) if t is not None else None for t, n in zip(inputs, needs)]
     wanted = [t for t, n in zip(leaves, needs) if n]
     if not wanted:
-        return (None,) * 4
+        return (None,) * len(leaves)
     device_type, ac_enabled, ac_dtype = autocast
     with torch.enable_grad(), torch.autocast(device_type, dtype=ac_dtype, enabled=ac_enabled):
         if rng is not None:
@@ -73,11 +108,20 @@ def recompute_grads(grad_out, q, k, v, attn_mask, window_mask, dropout_p, is_cau
                 torch.set_rng_state(cpu_state)
                 if dev_state is not None:
                     torch.cuda.set_rng_state(dev_state, device)
-                out = attention(*leaves, window_mask, dropout_p, is_causal, scale)
+                out = call(*leaves)
         else:
-            out = attention(*leaves, window_mask, dropout_p, is_causal, scale)
+            out = call(*leaves)
         got = torch.autograd.grad(out, wanted, grad_out.to(out.dtype))
     return _per_input(got, needs)
+
+
+def capture_rng(dropout_p: float, x: torch.Tensor):
+    """The RNG state a dropout in the coming call draws from (``grads_through``'s ``rng``),
+    or ``None`` without dropout."""
+    if dropout_p <= 0.0:
+        return None
+    dev_state = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+    return torch.get_rng_state(), dev_state, x.device
 
 
 def recompute_grads_compiled(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, needs: Sequence[bool],

@@ -57,6 +57,7 @@ from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASS
 from .block import BLOCK_CLASSES, NORM_LINEAR_COPIES, STOCK_BLOCK_CLASSES
 from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channels
 from .gemma4 import GEMMA4_CLASSES, STOCK_GEMMA4_CLASSES
+from .sam import swap_sam_attention
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
@@ -658,6 +659,7 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
             install_generic(m, wanted, heads, _module_device(m),
                             lambda h, opts=t.quant_options: _options_for(None, h, opts))
             wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), t.options(None, heads))
+            swap_sam_attention(m)  # SAM's decomposed rel-pos bias: kept as its tables (patch/sam.py)
             generic[name] = wanted
     return generic
 

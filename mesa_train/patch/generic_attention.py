@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["install", "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
+__all__ = ["capture_calls", "install",
+           "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
            "GENERIC_ATTENTION_ATTR", "SCALES_ATTR"]
 
 CHILDREN = ("mesa_sdpa", "mesa_qk", "mesa_softmax", "mesa_av")
@@ -200,6 +201,12 @@ def install_cosine(module: nn.Module, ops, found, heads: Optional[int], device, 
         module.add_module("mesa_logit_scale", ChannelScale(device=device, **options))
         added.append("layerscale")
     return tuple(added)
+
+
+def capture_calls(owner: nn.Module) -> TorchFunctionMode:
+    """The mode that routes ``owner``'s attention calls to its Mesa children while entered (for
+    a swapped class whose forward enters it only where it needs it: ``patch/sam.py``)."""
+    return _Capture(owner)
 
 
 def _mesa_captured_forward(self, *args, **kwargs):

@@ -1,0 +1,189 @@
+"""SAM's decomposed relative-position attention (``patch/sam.py``, ``nn/sdpa_query_bias.py``):
+the forward stays timm's bit for bit, nothing of size N x N is kept for backward, and the
+gradients (the position tables' and the queries' share through the bias included) are those
+of the attention at the dequantized q, k, v."""
+import copy
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from timm.models import vision_transformer_sam as sam
+
+import mesa_train.nn as mn
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn.quantizer import decompress
+from mesa_train.nn import QueryBias
+from mesa_train.patch import patch_model
+from mesa_train.patch.sam import MesaSamAttention
+
+sys.path.insert(0, str(Path(__file__).parent))
+from timm_zoo import build, example  # noqa: E402
+
+DIM, HEADS, GRID = 32, 2, 6  # N = 36 tokens
+
+
+def _cos(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def _lines(fn):
+    src = [ln.split("#")[0].rstrip() for ln in inspect.getsource(fn).splitlines()[1:]]
+    return [ln.strip() for ln in src if ln.strip() and not ln.strip().startswith(('"""', "'''"))]
+
+
+def test_mesa_forward_is_timms_but_the_attention_call():
+    """A timm release that changes SAM's attention forward fails here (then update patch/sam.py)."""
+    stock, mesa = _lines(sam.Attention.forward), _lines(MesaSamAttention.forward)
+    mesa = mesa[mesa.index("return super().forward(x)") + 1:]  # after the branch to the stock forward
+    cut = stock.index("q, k = self.q_norm(q), self.k_norm(k)") + 1
+    resume = stock.index("x = x.view(B, self.num_heads, N, -1).transpose(1, 2).reshape(B, N, -1)")
+    assert mesa[:cut] == stock[:cut]
+    assert mesa[-(len(stock) - resume):] == stock[resume:]
+    middle = " ".join(stock[cut:resume])
+    assert "get_decomposed_rel_pos_bias(q, self.rel_pos_h, self.rel_pos_w, (H, W), (H, W))" in middle
+    assert "dropout_p=self.attn_drop.p if self.training else 0.," in middle
+    assert mesa[cut:-(len(stock) - resume)] == [
+        "bias = QueryBias(functools.partial(_rel_pos_bias, size=(H, W)), (self.rel_pos_h, self.rel_pos_w))",
+        "x = self.mesa_sdpa(q, k, v, dropout_p=self.attn_drop.p if self.training else 0., query_bias=bias)"]
+
+
+def _attention(attn_drop=0.0, seed=0):
+    torch.manual_seed(seed)
+    attn = sam.Attention(DIM, num_heads=HEADS, use_rel_pos=True, input_size=(GRID, GRID), attn_drop=attn_drop)
+    with torch.no_grad():  # timm starts the tables at zero: a bias of zero tests nothing
+        attn.rel_pos_h.normal_(0, 0.5)
+        attn.rel_pos_w.normal_(0, 0.5)
+    return attn.train()
+
+
+def _x(batch=3, seed=1):
+    return torch.randn(batch, GRID, GRID, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attn_drop,fused", [(0.0, True), (0.2, True), (0.0, False)],
+                         ids=["fused", "fused-dropout", "explicit"])
+def test_forward_bitwise_and_gradients_close(attn_drop, fused):
+    """``fused=False``: the explicit path runs timm's forward under the generic routing."""
+    stock = _attention(attn_drop)
+    stock.fused_attn = fused
+    patched = patch_model(copy.deepcopy(stock), ops=["sdpa", "matmul", "softmax"], attention="auto")
+    assert type(patched) is MesaSamAttention
+    x = _x()
+    grad = torch.randn(3, GRID, GRID, DIM, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for model in (stock, patched):
+        torch.manual_seed(5)  # the same dropout mask for both: Mesa draws nothing from the global stream
+        y = model(x)
+        y.backward(grad)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    ran = patched.mesa_sdpa.q_quantizer if fused else patched.mesa_softmax.quantizer  # the path taken
+    assert bool(ran.initialized.all())
+    for (name, p), q in zip(stock.named_parameters(), patched.parameters()):
+        # with a dropout mask the backward must replay it: a fresh mask gives cosines near 0.8
+        assert _cos(p.grad, q.grad) > 0.999, name
+
+
+def test_nothing_of_size_n_by_n_is_kept():
+    stock = _attention()
+    patched = patch_model(copy.deepcopy(stock))  # all ops: the qkv and proj Linears keep int8 inputs too
+    n = GRID * GRID
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        patched(_x())
+    assert shapes and not [s for s in shapes if s[-2:] == (n, n)], shapes
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stock(_x())
+    assert [s for s in shapes if s[-2:] == (n, n)], "the stock bias no longer reaches sdpa: test is moot"
+    with SavedTensorMeter(stock) as s_meter:
+        stock(_x())
+    with SavedTensorMeter(patched) as p_meter:
+        patched(_x())
+    # int8 q, k, v and Linear inputs (plus statistics) against float32 ones, the bias, output and lse
+    assert p_meter.activation_bytes < 0.2 * s_meter.activation_bytes
+
+
+def test_bf16_autocast_forward_bitwise():
+    stock = _attention()
+    patched = patch_model(copy.deepcopy(stock), ops=["sdpa"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys, yp = stock(_x()), patched(_x())
+        yp.float().sum().backward()
+    assert ys.dtype == yp.dtype == torch.bfloat16
+    assert torch.equal(ys, yp)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in patched.parameters())
+
+
+def test_eval_and_disabled_are_stock():
+    stock = _attention()
+    patched = patch_model(copy.deepcopy(stock), ops=["sdpa"], enabled=False)
+    x = _x()
+    stock(x).sum().backward()
+    patched(x).sum().backward()
+    for p, q in zip(stock.parameters(), patched.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with torch.no_grad():
+        assert torch.equal(stock.eval()(x), patched.eval()(x))
+
+
+def test_layer_gradient_is_the_attentions_at_the_dequantized_inputs():
+    """The layer's own gradient, q's share through the bias included: the reference is autograd
+    through the stock call at the q, k, v the backward restores (the same codes, dequantized)."""
+    torch.manual_seed(0)
+    layer = mn.ScaledDotProductAttention(num_groups=2).train()
+    bh, n, d, g = 4, 9, 8, 3
+    q, k, v = (torch.randn(bh, n, d, requires_grad=True) for _ in range(3))
+    table = torch.randn(g, g, d, requires_grad=True)
+
+    def fn(q, table):  # depends on q and on a parameter, like SAM's
+        qr = q.reshape(bh, g, g, d)
+        rel = torch.einsum("bhwc,hkc->bhwk", qr, table)
+        return (rel[..., None] + rel[..., None, :]).reshape(bh, n, g * g)
+
+    before = copy.deepcopy(layer)  # its quantizers' state (estimates, rounding counter) before the call
+    out = layer(q, k, v, query_bias=QueryBias(fn, (table,)))
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    restored = [decompress(quantizer.compress(t.detach(), t.dim() - 1), t.dtype)  # the codes the call kept
+                for quantizer, t in ((before.q_quantizer, q), (before.k_quantizer, k), (before.v_quantizer, v))]
+    leaves = [t.requires_grad_() for t in restored] + [table.detach().requires_grad_()]
+    ref = torch.nn.functional.scaled_dot_product_attention(*leaves[:3], attn_mask=fn(leaves[0], leaves[3]))
+    expected = torch.autograd.grad(ref, leaves, grad)
+    for got, want in zip((q.grad, k.grad, v.grad, table.grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_query_bias_argument_errors():
+    layer = mn.ScaledDotProductAttention(num_groups=1).train()
+    q = torch.randn(2, 4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask and window_mask must be None"):
+        layer(q, q, q, attn_mask=torch.zeros(4, 4), query_bias=QueryBias(lambda q: q[..., :4]))
+    with pytest.raises(TypeError, match=r"QueryBias\(fn, inputs\)"):
+        layer(q, q, q, query_bias=lambda q: q[..., :4])
+
+
+def test_zoo_samvit_patched_forward_equal_and_compiles_fullgraph():
+    """Compiled, the bias is kept as an ordinary mask (the backward through a Python bias
+    function is not traced): no graph break, forward bitwise eager's, gradients eager's."""
+    stock = build("samvit_base_patch16")
+    patched = patch_model(copy.deepcopy(stock))
+    assert sum(type(m) is MesaSamAttention for m in patched.modules()) == 2
+    x = example("samvit_base_patch16")
+    compiled = copy.deepcopy(patched)  # the quantizer state the eager call starts from
+    y = patched(x)
+    assert torch.equal(stock(x), y)
+    y.sum().backward()
+    yc = torch.compile(compiled, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(yc, y)
+    yc.sum().backward()
+    # the same codes; eager rebuilds the bias from the dequantized q, compiled keeps the real one
+    worst = min(_cos(p.grad, c.grad) for p, c in zip(patched.parameters(), compiled.parameters()))
+    assert worst > 0.999
