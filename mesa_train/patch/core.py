@@ -11,7 +11,8 @@ See :func:`patch_model` for the rules. The work is two passes over the model:
    ``LayerNorm``, ``LayerNorm2d`` and ``LayerNormAct2d``, ``nn.Conv2d``, ``nn.BatchNorm2d`` and
    timm's ``BatchNormAct2d``, ``nn.BatchNorm1d``, ``nn.GroupNorm`` and timm's ``GroupNormAct``,
    ``nn.ReLU`` / ``ReLU6`` / ``Hardtanh`` / ``Hardswish`` / ``Hardsigmoid``, ``nn.MaxPool2d``,
-   timm's ``StdConv2d``, ``Conv2dSame`` and ``MaxPool2dSame``, ``nn.Softmax``, timm's norms
+   ``nn.AvgPool2d``, timm's ``StdConv2d``, ``Conv2dSame``, ``MaxPool2dSame`` and ``AvgPool2dSame``,
+   ``nn.Softmax``, timm's norms
    and activations, and a subclass of any of them that defines only its constructor) in the
    selected module sets are replaced by the Mesa layer built with ``from_module`` (weights
    are the same ``Parameter`` objects; ``eps``, dtype and device kept), with channel groups =
@@ -33,7 +34,7 @@ from timm.layers import GroupNorm1 as TimmGroupNorm1, GroupNormAct as TimmGroupN
 from timm.layers import LayerNormAct2d as TimmLayerNormAct2d
 from timm.layers import StdConv2d as TimmStdConv2d, StdConv2dSame as TimmStdConv2dSame
 from timm.layers import Conv2dSame as TimmConv2dSame
-from timm.layers.pool2d_same import MaxPool2dSame as TimmMaxPool2dSame
+from timm.layers.pool2d_same import AvgPool2dSame as TimmAvgPool2dSame, MaxPool2dSame as TimmMaxPool2dSame
 from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
@@ -64,7 +65,7 @@ __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op"
 
 OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa",
        "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize", "grn", "groupnorm", "hardswish", "se",
-       "maxpool")
+       "maxpool", "avgpool")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
@@ -96,6 +97,8 @@ def _leaf_rules():
         nn.Hardsigmoid: ("hardswish", mnn.Hardsigmoid),
         nn.MaxPool2d: ("maxpool", mnn.MaxPool2d),
         TimmMaxPool2dSame: ("maxpool", mnn.MaxPool2dSame),
+        nn.AvgPool2d: ("avgpool", mnn.AvgPool2d),
+        TimmAvgPool2dSame: ("avgpool", mnn.AvgPool2dSame),
         TimmConv2dSame: ("conv", mnn.Conv2dSame),
         TimmStarReLU: ("relu", mnn.StarReLU),
         nn.Softmax: ("softmax", mnn.Softmax),
@@ -137,7 +140,8 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.LayerScale, "layerscale"),
                     (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
                     (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"),
-                    (mnn.MaxPool2d, "maxpool"), (mnn.Clamp, "linear"), (mnn.OneHotTable, "linear")):
+                    (mnn.MaxPool2d, "maxpool"), (mnn.AvgPool2d, "avgpool"), (mnn.Clamp, "linear"),
+                    (mnn.OneHotTable, "linear")):
         if isinstance(module, cls):
             return op
     return None
@@ -416,7 +420,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             precision, and may already be patched (patching again adds the newly requested
             ops; explicitly passed options are applied to the layers patched before).
         ops: any of ``OPS`` (``linear, matmul, softmax, gelu, layernorm, conv, relu, sdpa,
-            batchnorm, ..., hardswish, se, maxpool``) or ``all``. ``matmul``/``softmax``
+            batchnorm, ..., hardswish, se, maxpool, avgpool``) or ``all``. ``matmul``/``softmax``
             compress the explicit attention path (paper setting); ``sdpa`` the fused
             ``F.scaled_dot_product_attention`` (int8 q, k, v kept for backward). Which path a
             timm attention module runs: see ``attention``.
