@@ -46,6 +46,54 @@ def test_layerscale_layer_forward_bitwise_gradient_close():
     assert m_mesa.activation_bytes < 0.4 * m_stock.activation_bytes
 
 
+def _nchw_layer_scales():
+    from timm.layers import LayerScale2d
+    from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
+    from timm.models.swiftformer import LayerScale2d as SwiftFormerLayerScale2d
+
+    return {"timm": LayerScale2d, "fastvit": FastVitLayerScale2d, "swiftformer": SwiftFormerLayerScale2d}
+
+
+@pytest.mark.parametrize("kind", ["timm", "fastvit", "swiftformer"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_layerscale2d_forward_bitwise_gradient_close(kind, inplace):
+    """The NCHW layer scales (timm's ``gamma.view(1, -1, 1, 1)``, FastViT's / SwiftFormer's
+    ``(dim, 1, 1)`` gamma): forward and ``dx`` bitwise stock's, ``dgamma`` from the 8-bit x,
+    one group per channel block; patch_model converts each class (EfficientFormer, FastViT,
+    SwiftFormer), sharing the parameter."""
+    torch.manual_seed(0)
+    stock = _nchw_layer_scales()[kind](8, init_values=0.1, inplace=inplace)
+    with torch.no_grad():
+        stock.gamma.normal_()
+    mesa = patch_model(torch.nn.Sequential(copy.deepcopy(stock)), ops=["layerscale"], num_groups=8)[0]
+    assert type(mesa) is mn.LayerScale2d and mesa.gamma.shape == stock.gamma.shape
+    x = torch.randn(4, 8, 6, 5).to(memory_format=torch.channels_last if inplace else torch.contiguous_format)
+    g = torch.randn(4, 8, 6, 5)
+    xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    # (an in-place stock module needs a non-leaf input)
+    ref, out = stock(xs * 1), mesa(xm * 1)
+    assert torch.equal(ref, out)
+    gx_ref, gg_ref = torch.autograd.grad(ref, (xs, stock.gamma), g)
+    gx, gg = torch.autograd.grad(out, (xm, mesa.gamma), g)
+    assert torch.equal(gx, gx_ref)  # needs only gamma
+    assert gg.shape == gg_ref.shape
+    assert torch.nn.functional.cosine_similarity(gg.flatten(), gg_ref.flatten(), dim=0) > 0.9999
+    with SavedTensorMeter() as m_stock:
+        stock(x.requires_grad_() * 1)
+    with SavedTensorMeter() as m_mesa:
+        mesa(x * 1)
+    assert m_mesa.activation_bytes < 0.3 * m_stock.activation_bytes
+    with torch.no_grad():
+        assert torch.equal(stock.eval()(x * 1), mesa.eval()(x * 1))
+
+
+def test_layerscale2d_rejects_other_gamma_shapes():
+    stock = torch.nn.Module()
+    stock.gamma = torch.nn.Parameter(torch.ones(8, 2, 1))
+    with pytest.raises(TypeError, match=r"\(dim,\) or \(dim, 1, 1\)"):
+        mn.LayerScale2d.from_module(stock)
+
+
 @pytest.mark.parametrize("name,owner,params", [
     ("beit_base_patch16_224", "beit.Block", ("gamma_1", "gamma_2")),
     ("cait_xxs24_224", "cait.LayerScaleBlock", ("gamma_1", "gamma_2")),

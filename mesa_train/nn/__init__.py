@@ -29,7 +29,7 @@ from .avgpool import AvgPool2d, AvgPool2dSame
 from .gelu import GELU
 from .grn import GlobalResponseNorm
 from .layernorm import LayerNorm, LayerNorm2d, LayerNormAct2d
-from .layerscale import ChannelGate, ChannelScale, LayerScale, Scale
+from .layerscale import ChannelGate, ChannelScale, LayerScale, LayerScale2d, Scale
 from .linear import Linear
 from .matmul import MatMul
 from .maxpool import MaxPool2d
@@ -49,7 +49,7 @@ register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, StarReLU, RmsNorm,
           GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm, BatchNorm1d, Hardswish,
           Hardsigmoid, Hardtanh, ReLU6, ChannelGate, MaxPool2d, Clamp, OneHotTable, Conv2dSame, MaxPool2dSame,
-          AvgPool2d, AvgPool2dSame)
+          AvgPool2d, AvgPool2dSame, LayerScale2d)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
@@ -57,6 +57,7 @@ __all__ = [
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "Clamp",
     "OneHotTable", "Conv2dSame", "MaxPool2dSame", "AvgPool2d", "AvgPool2dSame",
+    "LayerScale2d",
     "StarReLU", "RmsNorm", "RmsNormFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]

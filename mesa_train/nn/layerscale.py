@@ -7,6 +7,9 @@ needs only the parameter. In ViTs with layer scale (DeiT3, CaiT, BEiT, EVA, XCiT
 kept in full precision. Two forms:
 
 * ``LayerScale``: timm's ``LayerScale`` module (``x * self.gamma``), converted as a leaf;
+  ``LayerScale2d``: the NCHW forms (timm's ``LayerScale2d``, ``x * gamma.view(1, -1, 1, 1)``:
+  EfficientFormer(-V2), MaxViT's MBConv, CSATv2, FocalNet; SwiftFormer's and FastViT's own,
+  ``x * gamma`` with ``gamma`` of shape ``(dim, 1, 1)``), per-channel groups;
   ``Scale``: MetaFormer's (``x * self.scale.view(dim, 1, 1)`` on NCHW, or ``(dim,)``
   channels last: ConvFormer, CAFormer, PoolFormerV2's layer and residual scales);
 * ``ChannelScale``: parameter-free, ``forward(x, gamma)`` for blocks that multiply by their
@@ -33,7 +36,7 @@ from ._common import (MesaLayer, check_stock, copy_estimates, from_nhwc, inherit
                       no_autocast, save, stock_device)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
-__all__ = ["LayerScale", "ChannelScale", "ChannelGate", "Scale", "channel_scale"]
+__all__ = ["LayerScale", "LayerScale2d", "ChannelScale", "ChannelGate", "Scale", "channel_scale"]
 
 
 def _broadcast_dim(x: torch.Tensor, gamma: torch.Tensor) -> int:
@@ -163,6 +166,42 @@ class LayerScale(MesaLayer, nn.Module):
         if not self._mesa_active(x, self.gamma):
             return x.mul_(self.gamma) if self.inplace else x * self.gamma
         return _ScaleFn.apply(x, self.gamma, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.gamma.shape[0]}, inplace={self.inplace}, {self._mesa_repr()}"
+
+
+class LayerScale2d(MesaLayer, nn.Module):
+    """An NCHW layer scale keeping its 8-bit input, one group per channel block: timm's
+    ``LayerScale2d`` (``gamma`` of shape ``(dim,)``, viewed ``(1, dim, 1, 1)``) and SwiftFormer's
+    / FastViT's (``gamma`` of shape ``(dim, 1, 1)``); the same ``gamma`` parameter. An
+    ``inplace=True`` stock module computes out of place here: same values."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5, inplace: bool = False, *, gamma_shape=None,
+                 device=None, dtype=None, **quant_options):
+        super().__init__()
+        self.inplace = inplace
+        shape = tuple(gamma_shape) if gamma_shape is not None else (dim,)
+        self.gamma = nn.Parameter(torch.full(shape, float(init_values), device=device, dtype=dtype))
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "LayerScale2d":
+        gamma = stock.gamma
+        if gamma.dim() not in (1, 3) or (gamma.dim() == 3 and gamma.shape[1:] != (1, 1)):
+            raise TypeError(f"LayerScale2d.from_module: gamma of shape (dim,) or (dim, 1, 1) expected, got "
+                            f"{tuple(gamma.shape)} ({type(stock).__name__})")
+        new = cls(gamma.shape[0], inplace=getattr(stock, "inplace", False), gamma_shape=gamma.shape, device="meta",
+                  **inherit_options(stock, quant_options))
+        new.gamma = gamma  # the same parameter object (optimizers keep working)
+        copy_estimates(stock, new, gamma.device)
+        return new.train(stock.training)
+
+    def forward(self, x):
+        gamma = self.gamma.view(1, -1, 1, 1) if self.gamma.dim() == 1 else self.gamma
+        if not self._mesa_active(x, gamma):
+            return x.mul_(gamma) if self.inplace else x * gamma
+        return _ScaleFn.apply(x, gamma, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"dim={self.gamma.shape[0]}, inplace={self.inplace}, {self._mesa_repr()}"

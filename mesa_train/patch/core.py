@@ -36,6 +36,9 @@ from timm.layers import StdConv2d as TimmStdConv2d, StdConv2dSame as TimmStdConv
 from timm.layers import Conv2dSame as TimmConv2dSame
 from timm.layers.pool2d_same import AvgPool2dSame as TimmAvgPool2dSame, MaxPool2dSame as TimmMaxPool2dSame
 from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
+from timm.layers import LayerScale2d as TimmLayerScale2d
+from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
+from timm.models.swiftformer import LayerScale2d as SwiftFormerLayerScale2d
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
 from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
@@ -103,6 +106,9 @@ def _leaf_rules():
         TimmStarReLU: ("relu", mnn.StarReLU),
         nn.Softmax: ("softmax", mnn.Softmax),
         TimmLayerScale: ("layerscale", mnn.LayerScale),
+        TimmLayerScale2d: ("layerscale", mnn.LayerScale2d),
+        FastVitLayerScale2d: ("layerscale", mnn.LayerScale2d),
+        SwiftFormerLayerScale2d: ("layerscale", mnn.LayerScale2d),
         TimmMetaFormerScale: ("layerscale", mnn.Scale),
         TimmGRN: ("grn", mnn.GlobalResponseNorm),
         nn.GroupNorm: ("groupnorm", mnn.GroupNorm),
@@ -137,7 +143,7 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.BatchNorm1d, "batchnorm"), (mnn.SiLU, "silu"),
                     (mnn.RmsNorm, "rmsnorm"),
                     (mnn.GatedActivation, "glu"), (mnn.ChannelGate, "se"),  # (a ChannelScale: first)
-                    (mnn.LayerScale, "layerscale"),
+                    (mnn.LayerScale, "layerscale"), (mnn.LayerScale2d, "layerscale"),
                     (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
                     (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"),
                     (mnn.MaxPool2d, "maxpool"), (mnn.AvgPool2d, "avgpool"), (mnn.Clamp, "linear"),
