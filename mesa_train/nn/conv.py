@@ -18,7 +18,7 @@ from ._common import (MesaLayer, adopt_parameters, check_stock, from_nhwc, inher
 
 from .quantizer import decompress
 
-__all__ = ["Conv2d", "ScaleLink", "is_scale_conv"]
+__all__ = ["Conv1d", "Conv2d", "ScaleLink", "is_scale_conv"]
 
 
 class ScaleLink:
@@ -61,7 +61,8 @@ class _Conv2dFn(torch.autograd.Function):
         ctx.channels_last = is_channels_last(x)
         # a channels-last input is kept in its own layout: backward hands convolution_backward
         # a channels-last input, so the input gradient is stock's, layout and bits
-        xv, dim, ctx.nhwc_codes = nhwc_view(x, x.dim() - 3, quantizer.options.is_default_format)
+        spatial = len(module.kernel_size)  # 2 for Conv2d, 1 for Conv1d
+        xv, dim, ctx.nhwc_codes = nhwc_view(x, x.dim() - spatial - 1, quantizer.options.is_default_format)
         packed = quantizer.compress(xv, dim) if ctx.needs_input_grad[1] else None
         ctx.module = module
         ctx.cdt, ctx.x_dtype, ctx.w_dtype = y.dtype, x.dtype, weight.dtype
@@ -89,14 +90,15 @@ class _Conv2dFn(torch.autograd.Function):
             else:  # only the input gradient is needed: the values of x do not matter, its layout does
                 fmt = torch.channels_last if ctx.channels_last else torch.contiguous_format
                 xh = torch.empty(ctx.x_shape, dtype=cdt, device=g.device, memory_format=fmt)
-            unbatched = xh.dim() == 3
+            spatial = len(m.kernel_size)
+            unbatched = xh.dim() == spatial + 1
             if unbatched:
                 xh, g = xh.unsqueeze(0), g.unsqueeze(0)
             padding = _explicit_padding(m)
             if padding is not None:
                 gx, gw, gb = torch.ops.aten.convolution_backward(
                     g, xh, w, [w.shape[0]] if need[2] else None, list(m.stride), padding,
-                    list(m.dilation), False, [0, 0], m.groups, need)
+                    list(m.dilation), False, [0] * spatial, m.groups, need)
             else:  # 'same' with an even kernel, non-zero padding modes: autograd re-derivation
                 gx, gw, gb = _autograd_backward(m, g, xh, w, need)
             if unbatched and gx is not None:
@@ -198,3 +200,43 @@ class Conv2d(MesaLayer, nn.Conv2d):
 
     def extra_repr(self) -> str:
         return f"{nn.Conv2d.extra_repr(self)}, {self._mesa_repr()}"
+
+
+class Conv1d(MesaLayer, nn.Conv1d):
+    """``torch.nn.Conv1d`` whose saved input is 8-bit (channel groups over the channel dim):
+    the Python Function of ``Conv2d`` (``_Conv2dFn``, any number of spatial dims), the
+    stock forward, ``convolution_backward`` on the dequantized input. EfficientViM's
+    token convolutions (16% of what it kept), CoaT's, ECA attention's."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, padding_mode="zeros", device=None, dtype=None, **quant_options):
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
+                         groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
+        self._init_mesa(quant_options, device)
+
+    def _init_mesa(self, quant_options: dict, device=None) -> None:
+        # layout="patch4x4" tiles a (B, C, H, W) feature map: a 1-D conv in a model patched with
+        # it (patch_model(..., ops=["conv"], layout="patch4x4")) keeps the channel layout
+        opts = quant_options.get("options")
+        if quant_options.get("layout") == "patch4x4":
+            quant_options = {**quant_options, "layout": "channel"}
+        elif opts is not None and opts.layout == "patch4x4":
+            quant_options = {**quant_options, "options": opts.replace(layout="channel")}
+        super()._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.Conv1d, **quant_options) -> "Conv1d":
+        check_stock(stock, nn.Conv1d)
+        new = cls(stock.in_channels, stock.out_channels, stock.kernel_size, stride=stock.stride,
+                  padding=stock.padding, dilation=stock.dilation, groups=stock.groups, bias=stock.bias is not None,
+                  padding_mode=stock.padding_mode, device="meta", dtype=stock.weight.dtype,
+                  **inherit_options(stock, quant_options))
+        return adopt_parameters(stock, new)
+
+    def forward(self, input):
+        if not self._mesa_active(input, self.weight, self.bias):
+            return super().forward(input)
+        return _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"{nn.Conv1d.extra_repr(self)}, {self._mesa_repr()}"

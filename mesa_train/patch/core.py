@@ -8,7 +8,7 @@ See :func:`patch_model` for the rules. The work is two passes over the model:
    children (``qk_matmul``, ``softmax``, ``av_matmul`` or ``sdpa``) built with per-head
    groups.
 2. **Leaf modules** (``_leaf_rules``: ``nn.Linear``, ``nn.GELU``, ``nn.LayerNorm`` incl. timm's
-   ``LayerNorm``, ``LayerNorm2d`` and ``LayerNormAct2d``, ``nn.Conv2d``, ``nn.BatchNorm2d`` and
+   ``LayerNorm``, ``LayerNorm2d`` and ``LayerNormAct2d``, ``nn.Conv2d``, ``nn.Conv1d``, ``nn.BatchNorm2d`` and
    timm's ``BatchNormAct2d``, ``nn.BatchNorm1d``, ``nn.GroupNorm`` and timm's ``GroupNormAct``,
    ``nn.ReLU`` / ``ReLU6`` / ``Hardtanh`` / ``Hardswish`` / ``Hardsigmoid``, ``nn.MaxPool2d``,
    ``nn.AvgPool2d``, timm's ``StdConv2d``, ``Conv2dSame``, ``MaxPool2dSame`` and ``AvgPool2dSame``,
@@ -93,6 +93,7 @@ def _leaf_rules():
         TimmLayerNorm2d: ("layernorm", mnn.LayerNorm2d),
         TimmLayerNormAct2d: ("layernorm", mnn.LayerNormAct2d),
         nn.Conv2d: ("conv", mnn.Conv2d),
+        nn.Conv1d: ("conv", mnn.Conv1d),
         nn.ReLU: ("relu", mnn.ReLU),
         nn.ReLU6: ("relu", mnn.ReLU6),
         nn.Hardtanh: ("relu", mnn.Hardtanh),
@@ -136,7 +137,8 @@ class _TimmGELUTanh(_TimmGELU):
 def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
     for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
-                    (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.ReLU, "relu"), (mnn.StarReLU, "relu"),
+                    (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.Conv1d, "conv"), (mnn.ReLU, "relu"),
+                    (mnn.StarReLU, "relu"),
                     (mnn.ReLU6, "relu"), (mnn.Hardtanh, "relu"), (mnn.Hardswish, "hardswish"),
                     (mnn.Hardsigmoid, "hardswish"),
                     (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (ScaledDotProductAttention, "sdpa"),
