@@ -54,7 +54,7 @@ from mesa_train.nn.sdpa import ScaledDotProductAttention
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
-from .generic_attention import install as install_generic, install_cosine, install_linear, install_scales
+from .generic_attention import install as install_generic, install_amax, install_cosine, install_linear, install_scales
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
@@ -148,8 +148,8 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.LayerScale, "layerscale"), (mnn.LayerScale2d, "layerscale"),
                     (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
                     (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"),
-                    (mnn.MaxPool2d, "maxpool"), (mnn.AvgPool2d, "avgpool"), (mnn.Clamp, "linear"),
-                    (mnn.OneHotTable, "linear")):
+                    (mnn.MaxPool2d, "maxpool"), (mnn.Amax, "maxpool"), (mnn.AvgPool2d, "avgpool"),
+                    (mnn.Clamp, "linear"), (mnn.OneHotTable, "linear")):
         if isinstance(module, cls):
             return op
     return None
@@ -835,6 +835,12 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
                 isinstance(c, mnn.Linear) for c in m._modules.values()):
             install_linear(m)
             generic[name] = generic.get(name, ()) + ("linear",)
+        if getattr(m, "add_maxpool", True) is False:  # timm's squeeze-excite: its amax call switched off
+            found = tuple(o for o in found if o != "maxpool")
+        # inline x.amax(...): max pooling as a reduction (Hiera, CBAM-style spatial attention)
+        if "maxpool" in found and "maxpool" in t.op_names:
+            install_amax(m, _module_device(m), t.options(None, t.module_info(name).heads))
+            generic[name] = generic.get(name, ()) + ("maxpool",)
         hit = tuple(o for o in found if o in t.op_names and o not in generic.get(name, ()))
         if hit:
             unreached[name or "<root>"] = hit

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["capture_calls", "install",
+__all__ = ["capture_calls", "install", "install_amax",
            "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
            "GENERIC_ATTENTION_ATTR", "SCALES_ATTR"]
 
@@ -42,6 +42,8 @@ SCALES_ATTR = "_mesa_scales"  # {parameter name: ChannelScale child name}
 _MATMULS = {torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.bmm}
 _SOFTMAXES = {torch.softmax, torch.Tensor.softmax, F.softmax}
 _MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+_AMAXES = {torch.amax, torch.Tensor.amax}
+AMAX_CHILD = "mesa_amax"
 NORMALIZE_CHILDREN = ("mesa_norm_q", "mesa_norm_k")
 
 
@@ -96,6 +98,10 @@ class _Capture(TorchFunctionMode):
                 child = owner._modules[NORMALIZE_CHILDREN[self.normalizes]]
                 self.normalizes += 1
                 return child(x, dim=-1, eps=call.get("eps", 1e-12))
+        if func in _AMAXES and AMAX_CHILD in owner._modules and torch.is_grad_enabled():
+            call = dict(zip(("input", "dim", "keepdim"), args), **kwargs)
+            if call.get("out") is None and isinstance(call.get("input"), torch.Tensor):
+                return owner._modules[AMAX_CHILD](call["input"], call.get("dim", ()), call.get("keepdim", False))
         if func is F.scaled_dot_product_attention and "mesa_sdpa" in owner._modules and not kwargs.get("enable_gqa"):
             q, k, v, *rest = args
             names = ("attn_mask", "dropout_p", "is_causal", "scale")
@@ -268,6 +274,18 @@ def _install_capture(module: nn.Module) -> None:
 def install_linear(module: nn.Module) -> bool:
     """Hook ``module`` so that its functional ``F.linear`` calls with a converted child's
     weight go through that Mesa ``Linear`` (see ``_route_linear``)."""
+    _install_capture(module)
+    return True
+
+
+def install_amax(module: nn.Module, device, options) -> bool:
+    """Route ``module``'s inline ``x.amax(...)`` / ``torch.amax`` calls (max pooling written as
+    a reduction: Hiera, squeeze-excite's ``add_maxpool``) through an ``Amax`` child (a 1-bit
+    mask kept; lossless)."""
+    from mesa_train.nn.amax import Amax
+
+    if AMAX_CHILD not in module._modules:
+        module.add_module(AMAX_CHILD, Amax(device=device, **options))
     _install_capture(module)
     return True
 

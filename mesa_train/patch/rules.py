@@ -141,6 +141,7 @@ FUNCTIONAL_OPS = {
     "hardswish": "hardswish",
     "hardsigmoid": "hardswish",
     "normalize": "normalize",
+    "amax": "maxpool",
 }
 
 
