@@ -192,6 +192,8 @@ def _act_vjp(act: nn.Module, x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) 
     if not _has_closed_form(act):
         (gx,) = torch.autograd.grad(h, x, g)
         return gx
+    if kind is nn.Identity:  # a plain product u * v (patch/gating.py)
+        return g
     if kind is nn.SiLU:
         return torch.ops.aten.silu_backward(g, x)
     if kind is nn.Sigmoid:
@@ -205,7 +207,7 @@ def _act_vjp(act: nn.Module, x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) 
 
 def _has_closed_form(act: nn.Module) -> bool:
     kind = type(act)
-    return kind in (nn.SiLU, nn.Sigmoid, nn.GELU, nn.Tanh, QuickGELU) or kind in _timm_quick_gelu_types()
+    return kind in (nn.SiLU, nn.Sigmoid, nn.GELU, nn.Tanh, nn.Identity, QuickGELU) or kind in _timm_quick_gelu_types()
 
 
 class _GatedFn(torch.autograd.Function):
@@ -243,7 +245,9 @@ class _GatedFn(torch.autograd.Function):
 class GatedActivation(MesaLayer, nn.Module):
     """``act(gate) * x`` of a gated MLP (timm's ``SwiGLU``, ``GluMlp``) as one layer that
     keeps ``gate`` and ``x`` in 8 bits; ``act`` is the MLP's own activation module (run on
-    the dequantized gate in backward), held as a plain attribute, not a child."""
+    the dequantized gate in backward), held as a plain attribute, not a child. ``nn.Identity()``
+    makes it a plain product ``gate * x`` (gMLP, FocalNet: ``patch/gating.py``); the
+    operands may broadcast (autograd sums each gradient to its operand's shape)."""
 
     _quantizer_names = ("quantizer_a", "quantizer_b")
 

@@ -61,6 +61,7 @@ from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASS
 from .block import BLOCK_CLASSES, NORM_LINEAR_COPIES, STOCK_BLOCK_CLASSES
 from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channels
 from .gemma4 import GEMMA4_CLASSES, STOCK_GEMMA4_CLASSES
+from .gating import GATING_CLASSES, STOCK_GATING_CLASSES
 from .sam import swap_sam_attention
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
@@ -523,8 +524,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 1e. squeeze-excite: the x * gate product through a ChannelGate child
     if "se" in op_names:
         _patch_squeeze_excite(t)
-    # 1f. class swaps with one Mesa child (Gemma 4's clamped Linears and position table)
-    _swap_classes(t)
+    # 1f. class swaps with Mesa children (Gemma 4's clamped Linears and position table; the gating
+    # products of gMLP, MambaOut, FocalNet); an act run inside a gating child is not converted in step 2
+    gated_acts |= _swap_classes(t)
 
     # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne)
     _convert_leaves(t, explicit, gated_acts, keep_stock)
@@ -708,18 +710,33 @@ def _patch_squeeze_excite(t: _Target) -> None:
             m.add_module(SE_CHILD, mnn.ChannelGate(device=_module_device(m), **opts))
 
 
-def _swap_classes(t: _Target) -> None:
-    """Step 1f: modules whose Mesa forward calls one parameter-free Mesa child (patch/gemma4.py),
-    swapped where their op and module set are asked for."""
+_SWAP_CLASSES = {**GEMMA4_CLASSES, **GATING_CLASSES}
+_STOCK_SWAP_CLASSES = {**STOCK_GEMMA4_CLASSES, **STOCK_GATING_CLASSES}
+
+
+def _swap_classes(t: _Target) -> set:
+    """Step 1f: modules whose Mesa forward calls parameter-free Mesa children (patch/gemma4.py:
+    one ``(name, layer class)``; patch/gating.py: a function building them), swapped where their
+    op and module set are asked for. Returns the ids of the activations a ``GatedActivation``
+    child runs (MambaOut's ``act``), which the leaf conversion must leave stock."""
+    inside = set()
     for name, m in t.named:
-        stock_cls = STOCK_GEMMA4_CLASSES.get(type(m), type(m))
-        if stock_cls not in GEMMA4_CLASSES or t.skipped(name):
+        stock_cls = _STOCK_SWAP_CLASSES.get(type(m), type(m))
+        if stock_cls not in _SWAP_CLASSES or t.skipped(name):
             continue
-        op, mesa_cls, (child, layer_cls) = GEMMA4_CLASSES[stock_cls]
+        op, mesa_cls, children = _SWAP_CLASSES[stock_cls]
         mi = t.module_info(name)
-        if op in t.op_names and mi.module_set in t.set_names and child not in m._modules:
+        if op in t.op_names and mi.module_set in t.set_names and type(m) is stock_cls:
+            device, opts = _module_device(m), t.options(None, mi.heads)
+            if callable(children):
+                new = children(m, device, opts)
+            else:
+                new = {children[0]: children[1](device=device, **opts)}
             m.__class__ = mesa_cls
-            m.add_module(child, layer_cls(device=_module_device(m), **t.options(None, mi.heads)))
+            for child, layer in new.items():
+                m.add_module(child, layer)
+        inside.update(id(c.act_fn) for c in m.children() if isinstance(c, mnn.GatedActivation))
+    return inside
 
 
 def _patch_inline_scales(t: _Target) -> None:

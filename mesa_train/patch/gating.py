@@ -1,0 +1,131 @@
+"""Mesa forwards for the elementwise gating products that three timm families compute inline,
+installed by class swap like the squeeze-excite blocks (``squeeze_excite.py``). Each forward is
+timm's line for line but for the marked products, which run through
+:class:`mesa_train.nn.GatedActivation` children (op ``glu``: 8-bit operands) where stock keeps
+both operands in full precision; ``tests/test_gating_swaps.py`` pins them to timm's source.
+
+* gMLP's ``SpatialGatingUnit``: ``u * v.transpose(-1, -2)`` (``mesa_gate``, a plain product).
+* MambaOut's ``GatedConvBlock``: ``self.act(g) * torch.cat((i, c), dim=-1)`` (``mesa_gate``,
+  running the block's own ``act``, which is then not converted on its own: stock keeps ``g``,
+  ``act(g)`` and the concatenation, this ``g`` and the concatenation in 8 bits).
+* FocalNet's ``FocalModulation``: ``q * self.h(ctx_all)`` (``mesa_gate``) and each level's
+  ``ctx * gates[:, l:l + 1]`` plus the global ``ctx_global * gates[:, focal_level:]``
+  (``mesa_focal_gates``, one child per product: each keeps its own running estimates, the
+  levels' ranges differ). ``q`` and the gate slices are views of ``self.f``'s output, so a
+  stock product keeps that whole ``2 * dim + focal_level + 1``-channel tensor alive; here
+  nothing keeps it.
+
+The convs, norms, linears and activations inside these modules are converted (or not) by the
+ordinary leaf conversion; the children receive exactly the tensors stock multiplies, so the
+forward is bitwise stock's.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from timm.models.focalnet import FocalModulation as _FocalModulation
+from timm.models.mambaout import GatedConvBlock as _GatedConvBlock
+from timm.models.mlp_mixer import SpatialGatingUnit as _SpatialGatingUnit
+from torch import nn
+
+from mesa_train.nn.activations import GatedActivation
+
+__all__ = ["GATING_CLASSES", "STOCK_GATING_CLASSES", "GATING_CHILD"]
+
+GATING_CHILD = "mesa_gate"
+
+
+class MesaSpatialGatingUnit(_SpatialGatingUnit):
+    """gMLP's spatial gating unit."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, v = x.chunk(2, dim=-1)
+        v = self.norm(v)
+        v = self.proj(v.transpose(-1, -2))
+        return self.mesa_gate(u, v.transpose(-1, -2))  # stock: u * v.transpose(-1, -2)
+
+
+class MesaGatedConvBlock(_GatedConvBlock):
+    """MambaOut's gated CNN block."""
+
+    def forward(self, x):
+        shortcut = x  # [B, H, W, C]
+        x = self.norm(x)
+        x = self.fc1(x)
+        g, i, c = torch.split(x, self.split_indices, dim=-1)
+        c = c.permute(0, 3, 1, 2)  # [B, H, W, C] -> [B, C, H, W]
+        c = self.conv(c)
+        c = c.permute(0, 2, 3, 1)  # [B, C, H, W] -> [B, H, W, C]
+        x = self.fc2(self.mesa_gate(g, torch.cat((i, c), dim=-1)))  # stock: self.act(g) * torch.cat(...)
+        x = self.ls(x)
+        x = self.drop_path(x)
+        return x + shortcut
+
+
+class MesaFocalModulation(_FocalModulation):
+    """FocalNet's focal modulation."""
+
+    def forward(self, x):
+        # pre linear projection
+        x = self.f(x)
+        q, ctx, gates = torch.split(x, self.input_split, 1)
+
+        # context aggregation
+        ctx_all = 0
+        for l, focal_layer in enumerate(self.focal_layers):
+            ctx = focal_layer(ctx)
+            ctx_all = ctx_all + self.mesa_focal_gates[l](ctx, gates[:, l:l + 1])  # stock: ctx * gates[...]
+        ctx_global = self.act(ctx.mean((2, 3), keepdim=True))
+        # stock: ctx_global * gates[:, self.focal_level:]
+        ctx_all = ctx_all + self.mesa_focal_gates[self.focal_level](ctx_global, gates[:, self.focal_level:])
+
+        # normalize context
+        if self.normalize_modulator:
+            ctx_all = ctx_all / (self.focal_level + 1)
+
+        # focal modulation
+        x_out = self.mesa_gate(q, self.h(ctx_all))  # stock: q * self.h(ctx_all)
+        x_out = self.norm(x_out)
+
+        # post linear projection
+        x_out = self.proj(x_out)
+        x_out = self.proj_drop(x_out)
+        return x_out
+
+
+def _product(device, options: dict, channels=None) -> GatedActivation:
+    """``a * b`` keeping 8-bit ``a`` and ``b`` (``GatedActivation`` with no activation), one
+    quantization group per channel unless ``num_groups`` was given: FocalNet's context levels
+    and modulator have channels of very different ranges (one group for all left the gradients
+    of the norms before them at cosine 0.9990 against stock, per channel 0.9997; zoo size, four
+    seeds). gMLP too, as the squeeze-excite gates: its statistics cost 0.2% of the saved bytes at
+    224 px."""
+    if channels:
+        options = {"num_groups": int(channels), **options}
+    return GatedActivation(nn.Identity(), device=device, **options)
+
+
+def _unit_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Module]:
+    shape = getattr(module.norm, "normalized_shape", None)  # (dim // 2,): the channels of u and v
+    return {GATING_CHILD: _product(device, options, shape[-1] if shape else None)}
+
+
+def _block_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Module]:
+    # the block's own act, run inside the child (stock's module object: the same forward). Its
+    # operands are (B, H, W, C): 4-D, grouped along dim 1 (H), so no per-channel groups here
+    return {GATING_CHILD: GatedActivation(module.act, device=device, **options)}
+
+
+def _modulation_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Module]:
+    # a gate slice (B, 1, H, W) has one channel: its quantizer uses one group (capped)
+    levels = nn.ModuleList(_product(device, options, module.dim) for _ in range(module.focal_level + 1))
+    return {GATING_CHILD: _product(device, options, module.dim), "mesa_focal_gates": levels}
+
+
+# stock class -> (op, Mesa class, children(module, device, options) -> {name: Mesa layer}):
+# swapped, the children added (patch/core.py, _swap_classes)
+GATING_CLASSES = {_SpatialGatingUnit: ("glu", MesaSpatialGatingUnit, _unit_children),
+                  _GatedConvBlock: ("glu", MesaGatedConvBlock, _block_children),
+                  _FocalModulation: ("glu", MesaFocalModulation, _modulation_children)}
+STOCK_GATING_CLASSES = {mesa: stock for stock, (_, mesa, _) in GATING_CLASSES.items()}
