@@ -87,6 +87,40 @@ def test_layerscale2d_forward_bitwise_gradient_close(kind, inplace):
         assert torch.equal(stock.eval()(x * 1), mesa.eval()(x * 1))
 
 
+def test_resmlp_affine_bitwise_and_converted():
+    """ResMLP's ``Affine`` (``addcmul(beta, alpha, x)``): forward, ``dx`` and ``dbeta`` bitwise
+    stock's, ``dalpha`` from the 8-bit x; ``patch_model`` converts every one in resmlp."""
+    from timm.models.mlp_mixer import Affine
+
+    torch.manual_seed(0)
+    stock = Affine(16)
+    with torch.no_grad():
+        stock.alpha.normal_()
+        stock.beta.normal_()
+    mesa = mn.Affine.from_module(copy.deepcopy(stock))
+    x = torch.randn(4, 10, 16, requires_grad=True)
+    g = torch.randn(4, 10, 16)
+    ref, out = stock(x), mesa(x)
+    assert torch.equal(ref, out)
+    gx_ref, ga_ref, gb_ref = torch.autograd.grad(ref, (x, stock.alpha, stock.beta), g)
+    gx, ga, gb = torch.autograd.grad(out, (x, mesa.alpha, mesa.beta), g)
+    assert torch.equal(gx, gx_ref) and torch.equal(gb, gb_ref)
+    assert ga.shape == ga_ref.shape
+    assert torch.nn.functional.cosine_similarity(ga.flatten(), ga_ref.flatten(), dim=0) > 0.9999
+    with SavedTensorMeter() as m_stock:
+        stock(x)
+    with SavedTensorMeter() as m_mesa:
+        mesa(x)
+    assert m_mesa.activation_bytes < 0.4 * m_stock.activation_bytes
+
+    model = build("resmlp_12_224")
+    patched = patch_model(copy.deepcopy(model), ops=["layerscale"])
+    affines = [m for m in patched.modules() if type(m).__name__ == "Affine"]
+    assert affines and all(isinstance(m, mn.Affine) for m in affines)
+    xm = example("resmlp_12_224")
+    assert torch.equal(model(xm), patched(xm))
+
+
 def test_layerscale2d_rejects_other_gamma_shapes():
     stock = torch.nn.Module()
     stock.gamma = torch.nn.Parameter(torch.ones(8, 2, 1))

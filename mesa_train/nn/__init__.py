@@ -30,7 +30,7 @@ from .avgpool import AvgPool2d, AvgPool2dSame
 from .gelu import GELU
 from .grn import GlobalResponseNorm
 from .layernorm import LayerNorm, LayerNorm2d, LayerNormAct2d
-from .layerscale import ChannelGate, ChannelScale, LayerScale, LayerScale2d, Scale
+from .layerscale import Affine, ChannelGate, ChannelScale, LayerScale, LayerScale2d, Scale
 from .linear import Linear
 from .matmul import MatMul
 from .maxpool import MaxPool2d
@@ -50,7 +50,7 @@ register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, StarReLU, RmsNorm,
           GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm, BatchNorm1d, Hardswish,
           Hardsigmoid, Hardtanh, ReLU6, ChannelGate, MaxPool2d, Clamp, OneHotTable, Conv2dSame, MaxPool2dSame,
-          AvgPool2d, AvgPool2dSame, LayerScale2d, Conv1d, Amax)
+          AvgPool2d, AvgPool2dSame, LayerScale2d, Conv1d, Amax, Affine)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
@@ -58,7 +58,7 @@ __all__ = [
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "Clamp",
     "OneHotTable", "Conv2dSame", "MaxPool2dSame", "AvgPool2d", "AvgPool2dSame",
-    "LayerScale2d", "Conv1d", "Amax",
+    "LayerScale2d", "Conv1d", "Amax", "Affine",
     "StarReLU", "RmsNorm", "RmsNormFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]

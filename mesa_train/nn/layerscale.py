@@ -12,6 +12,8 @@ kept in full precision. Two forms:
   ``x * gamma`` with ``gamma`` of shape ``(dim, 1, 1)``), per-channel groups;
   ``Scale``: MetaFormer's (``x * self.scale.view(dim, 1, 1)`` on NCHW, or ``(dim,)``
   channels last: ConvFormer, CAFormer, PoolFormerV2's layer and residual scales);
+* ``Affine``: ResMLP's ``torch.addcmul(beta, alpha, x)`` norm (its own class in timm's
+  ``mlp_mixer``; two a block, half of what ResMLP still kept): the same 8-bit ``x``;
 * ``ChannelScale``: parameter-free, ``forward(x, gamma)`` for blocks that multiply by their
   own ``gamma_1``-style parameter inline (BEiT, CaiT, EVA, XCiT: ``self.gamma_1 * y``); the
   patcher routes that product here (``patch/generic_attention.py``, ``install_scales``).
@@ -36,7 +38,7 @@ from ._common import (MesaLayer, check_stock, copy_estimates, from_nhwc, inherit
                       no_autocast, save, stock_device)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
-__all__ = ["LayerScale", "LayerScale2d", "ChannelScale", "ChannelGate", "Scale", "channel_scale"]
+__all__ = ["Affine", "LayerScale", "LayerScale2d", "ChannelScale", "ChannelGate", "Scale", "channel_scale"]
 
 
 def _broadcast_dim(x: torch.Tensor, gamma: torch.Tensor) -> int:
@@ -205,3 +207,60 @@ class LayerScale2d(MesaLayer, nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.gamma.shape[0]}, inplace={self.inplace}, {self._mesa_repr()}"
+
+
+class _AffineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, alpha, beta, quantizer):
+        out = torch.addcmul(beta, alpha, x)  # exactly timm's Affine.forward
+        packed = k = None
+        if ctx.needs_input_grad[1]:  # dalpha = sum(g * x): x kept in 8 bits, channel groups
+            packed, k = compress_rows(quantizer, x, 1, max_exponent(x.dtype, out.dtype))
+        ctx.cdt, ctx.x_dtype = out.dtype, x.dtype
+        ctx.shapes = (alpha.shape, alpha.dtype, beta.shape, beta.dtype)
+        save(ctx, [packed], alpha if ctx.needs_input_grad[0] else None, k)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (packed,), (alpha, k) = load(ctx)
+        a_shape, a_dtype, b_shape, b_dtype = ctx.shapes
+        need = ctx.needs_input_grad
+        gx = ga = gb = None
+        with no_autocast(g.device.type):
+            g = g.to(ctx.cdt)
+            if need[0]:  # addcmul's tensor2 gradient: grad * (tensor1 * value), value 1
+                gx = (g * alpha.to(ctx.cdt)).to(ctx.x_dtype)
+            if need[1]:
+                ga = (g * decompress_rows(packed, ctx.cdt, k)).sum_to_size(a_shape).to(a_dtype)
+            if need[2]:
+                gb = g.sum_to_size(b_shape).to(b_dtype)
+        return gx, ga, gb, None
+
+
+class Affine(MesaLayer, nn.Module):
+    """ResMLP's ``Affine`` (``torch.addcmul(beta, alpha, x)``, ``alpha`` and ``beta`` of shape
+    ``(1, 1, dim)``) keeping its 8-bit input; the same parameters. ``dx`` and ``dbeta`` are
+    stock's (they need no activation)."""
+
+    def __init__(self, dim: int, *, device=None, dtype=None, **quant_options):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones((1, 1, dim), device=device, dtype=dtype))
+        self.beta = nn.Parameter(torch.zeros((1, 1, dim), device=device, dtype=dtype))
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "Affine":
+        new = cls(stock.alpha.shape[-1], device="meta", **inherit_options(stock, quant_options))
+        new.alpha, new.beta = stock.alpha, stock.beta  # the same parameter objects
+        copy_estimates(stock, new, stock.alpha.device)
+        return new.train(stock.training)
+
+    def forward(self, x):
+        if not self._mesa_active(x, self.alpha, self.beta):
+            return torch.addcmul(self.beta, self.alpha, x)
+        return _AffineFn.apply(x, self.alpha, self.beta, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.alpha.shape[-1]}, {self._mesa_repr()}"

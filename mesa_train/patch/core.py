@@ -39,6 +39,7 @@ from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, Rm
 from timm.layers import LayerScale2d as TimmLayerScale2d
 from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
 from timm.models.swiftformer import LayerScale2d as SwiftFormerLayerScale2d
+from timm.models.mlp_mixer import Affine as ResMlpAffine
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
 from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
@@ -111,6 +112,7 @@ def _leaf_rules():
         TimmLayerScale2d: ("layerscale", mnn.LayerScale2d),
         FastVitLayerScale2d: ("layerscale", mnn.LayerScale2d),
         SwiftFormerLayerScale2d: ("layerscale", mnn.LayerScale2d),
+        ResMlpAffine: ("layerscale", mnn.Affine),
         TimmMetaFormerScale: ("layerscale", mnn.Scale),
         TimmGRN: ("grn", mnn.GlobalResponseNorm),
         nn.GroupNorm: ("groupnorm", mnn.GroupNorm),
@@ -146,7 +148,7 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.BatchNorm1d, "batchnorm"), (mnn.SiLU, "silu"),
                     (mnn.RmsNorm, "rmsnorm"),
                     (mnn.GatedActivation, "glu"), (mnn.ChannelGate, "se"),  # (a ChannelScale: first)
-                    (mnn.LayerScale, "layerscale"), (mnn.LayerScale2d, "layerscale"),
+                    (mnn.LayerScale, "layerscale"), (mnn.LayerScale2d, "layerscale"), (mnn.Affine, "layerscale"),
                     (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
                     (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"),
                     (mnn.MaxPool2d, "maxpool"), (mnn.Amax, "maxpool"), (mnn.AvgPool2d, "avgpool"),
