@@ -18,6 +18,7 @@ from mesa_train.patch.gating import GATING_CLASSES
 from timm.models.focalnet import FocalModulation
 from timm.models.mambaout import GatedConvBlock
 from timm.models.mlp_mixer import SpatialGatingUnit
+from timm.models.starnet import Block as StarBlock
 
 from timm_zoo import build, example
 
@@ -32,15 +33,20 @@ PRODUCTS = {
         "ctx_all = ctx_all + ctx_global * gates[:, self.focal_level:]":
             "ctx_all = ctx_all + self.mesa_focal_gates[self.focal_level](ctx_global, gates[:, self.focal_level:])",
         "x_out = q * self.h(ctx_all)": "x_out = self.mesa_gate(q, self.h(ctx_all))"},
+    StarBlock: {"x = self.act(x1) * x2": "x = self.mesa_gate(self.act(x1), x2)"},
 }
-MODELS = {"gmlp_s16_224": SpatialGatingUnit, "mambaout_femto": GatedConvBlock, "focalnet_tiny_srf": FocalModulation}
+MODELS = {"gmlp_s16_224": SpatialGatingUnit, "mambaout_femto": GatedConvBlock, "focalnet_tiny_srf": FocalModulation,
+          "starnet_s1": StarBlock}
 NO_GLU = tuple(o for o in OPS if o != "glu")  # everything but these swaps
+# what a patched model may still keep in full precision: StarNet's BatchNorms after a cancelling
+# scale (patch/cancellation.py) and its head (timm's Linear subclass, reported by patch_model)
+LEFT_BY_DESIGN = {"starnet_s1": {"BatchNorm2d", "Linear"}}
 COSINE_MIN = 0.999
 # fc2's weight gradient (gMLP, MambaOut) is set by fc2's own 8-bit input, the product's output, not by
 # the swap: 0.9989-0.9991 over build seeds with and without it
 FC2_WEIGHT_MIN = 0.998
 # saved bytes with the swaps over without them (zoo size, batch 2); measured 0.555, 0.484, 0.622
-BYTES_MAX = {"gmlp_s16_224": 0.6, "mambaout_femto": 0.52, "focalnet_tiny_srf": 0.66}
+BYTES_MAX = {"gmlp_s16_224": 0.6, "mambaout_femto": 0.52, "focalnet_tiny_srf": 0.66, "starnet_s1": 0.8}
 
 
 def _body(fn):
@@ -145,7 +151,8 @@ def test_zoo_model_swapped_bitwise_and_smaller(name):
     without = patch_model(copy.deepcopy(stock), ops=NO_GLU)
     patched = patch_model(copy.deepcopy(stock))
     assert _bytes(patched, x) < BYTES_MAX[name] * _bytes(without, x)
-    assert coverage(patched, x).uncovered_bytes == 0
+    left = {row[1] for row in coverage(patched, x).rows if row[0] == "left as is"}
+    assert left <= LEFT_BY_DESIGN.get(name, set()), left
 
 
 def _exercised(model):
@@ -161,6 +168,15 @@ def _exercised(model):
     return model
 
 
+def _float64_grads(stock, x):
+    model = copy.deepcopy(stock).double()
+    model.zero_grad(set_to_none=True)
+    out = model(x.double())
+    g = torch.Generator().manual_seed(123)
+    (out * torch.randn(out.shape, generator=g).double()).sum().backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_zoo_model_gradients_close(name):
     """Each parameter's gradient against stock fp32's (same seed), cosine >= 0.999."""
@@ -173,9 +189,15 @@ def test_zoo_model_gradients_close(name):
         out = model(x)
         (out * torch.randn(out.shape, generator=g.manual_seed(123))).sum().backward()
     grads = {n: p.grad for n, p in patched.named_parameters()}
+    exact = _float64_grads(stock, x)
+    scale = max(g.norm().item() for g in exact.values())
     worst = []
     for n, p in stock.named_parameters():
         assert p.grad.any() or n.endswith("bias"), f"{n}: no gradient in stock, nothing to compare"
+        if exact[n].norm() < 1e-9 * scale:
+            # zero in exact arithmetic (a conv bias before a BatchNorm: StarNet): both runs hold
+            # rounding noise there, nothing to compare
+            continue
         floor = FC2_WEIGHT_MIN if n.endswith("fc2.weight") else COSINE_MIN
         c = _cos(p.grad, grads[n])
         if c < floor:

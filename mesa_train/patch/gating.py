@@ -8,6 +8,10 @@ both operands in full precision; ``tests/test_gating_swaps.py`` pins them to tim
 * MambaOut's ``GatedConvBlock``: ``self.act(g) * torch.cat((i, c), dim=-1)`` (``mesa_gate``,
   running the block's own ``act``, which is then not converted on its own: stock keeps ``g``,
   ``act(g)`` and the concatenation, this ``g`` and the concatenation in 8 bits).
+* StarNet's ``Block`` (the "star operation"): ``self.act(x1) * x2`` (``mesa_gate``, a plain
+  product of the activation's output and ``x2``; the ``ReLU6`` stays a child, converted on its
+  own to its 1-bit mask: stock keeps ``x1``, ``act(x1)`` and ``x2``, this a mask and two 8-bit
+  operands).
 * FocalNet's ``FocalModulation``: ``q * self.h(ctx_all)`` (``mesa_gate``) and each level's
   ``ctx * gates[:, l:l + 1]`` plus the global ``ctx_global * gates[:, focal_level:]``
   (``mesa_focal_gates``, one child per product: each keeps its own running estimates, the
@@ -27,6 +31,7 @@ import torch
 from timm.models.focalnet import FocalModulation as _FocalModulation
 from timm.models.mambaout import GatedConvBlock as _GatedConvBlock
 from timm.models.mlp_mixer import SpatialGatingUnit as _SpatialGatingUnit
+from timm.models.starnet import Block as _StarBlock
 from torch import nn
 
 from mesa_train.nn.activations import GatedActivation
@@ -61,6 +66,19 @@ class MesaGatedConvBlock(_GatedConvBlock):
         x = self.ls(x)
         x = self.drop_path(x)
         return x + shortcut
+
+
+class MesaStarBlock(_StarBlock):
+    """StarNet's block."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = x
+        x = self.dwconv(x)
+        x1, x2 = self.f1(x), self.f2(x)
+        x = self.mesa_gate(self.act(x1), x2)  # stock: self.act(x1) * x2
+        x = self.dwconv2(self.g(x))
+        x = residual + self.drop_path(x)
+        return x
 
 
 class MesaFocalModulation(_FocalModulation):
@@ -117,6 +135,11 @@ def _block_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Mo
     return {GATING_CHILD: GatedActivation(module.act, device=device, **options)}
 
 
+def _star_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Module]:
+    # NCHW operands, channels mlp_ratio * dim: one group per channel, as the other products
+    return {GATING_CHILD: _product(device, options, module.f1.conv.out_channels)}
+
+
 def _modulation_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Module]:
     # a gate slice (B, 1, H, W) has one channel: its quantizer uses one group (capped)
     levels = nn.ModuleList(_product(device, options, module.dim) for _ in range(module.focal_level + 1))
@@ -127,5 +150,6 @@ def _modulation_children(module: nn.Module, device, options: dict) -> Dict[str, 
 # swapped, the children added (patch/core.py, _swap_classes)
 GATING_CLASSES = {_SpatialGatingUnit: ("glu", MesaSpatialGatingUnit, _unit_children),
                   _GatedConvBlock: ("glu", MesaGatedConvBlock, _block_children),
-                  _FocalModulation: ("glu", MesaFocalModulation, _modulation_children)}
+                  _FocalModulation: ("glu", MesaFocalModulation, _modulation_children),
+                  _StarBlock: ("glu", MesaStarBlock, _star_children)}
 STOCK_GATING_CLASSES = {mesa: stock for stock, (_, mesa, _) in GATING_CLASSES.items()}
