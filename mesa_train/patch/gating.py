@@ -12,6 +12,8 @@ both operands in full precision; ``tests/test_gating_swaps.py`` pins them to tim
   product of the activation's output and ``x2``; the ``ReLU6`` stays a child, converted on its
   own to its 1-bit mask: stock keeps ``x1``, ``act(x1)`` and ``x2``, this a mask and two 8-bit
   operands).
+* CoaT's ``ConvRelPosEnc``: ``q_img * conv_v_img`` (``mesa_gate``, a plain product, per-head
+  groups; ``q_img`` is a slice of ``q``, so stock kept all of ``q``).
 * FocalNet's ``FocalModulation``: ``q * self.h(ctx_all)`` (``mesa_gate``) and each level's
   ``ctx * gates[:, l:l + 1]`` plus the global ``ctx_global * gates[:, focal_level:]``
   (``mesa_focal_gates``, one child per product: each keeps its own running estimates, the
@@ -25,9 +27,12 @@ forward is bitwise stock's.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
+import torch.nn.functional as F
+from timm.layers import _assert
+from timm.models.coat import ConvRelPosEnc as _ConvRelPosEnc
 from timm.models.focalnet import FocalModulation as _FocalModulation
 from timm.models.mambaout import GatedConvBlock as _GatedConvBlock
 from timm.models.mlp_mixer import SpatialGatingUnit as _SpatialGatingUnit
@@ -79,6 +84,31 @@ class MesaStarBlock(_StarBlock):
         x = self.dwconv2(self.g(x))
         x = residual + self.drop_path(x)
         return x
+
+
+class MesaConvRelPosEnc(_ConvRelPosEnc):
+    """CoaT's convolutional relative position encoding."""
+
+    def forward(self, q, v, size: Tuple[int, int]):
+        B, num_heads, N, C = q.shape
+        H, W = size
+        _assert(N == 1 + H * W, '')
+
+        # Convolutional relative position encoding.
+        q_img = q[:, :, 1:, :]  # [B, h, H*W, Ch]
+        v_img = v[:, :, 1:, :]  # [B, h, H*W, Ch]
+
+        v_img = v_img.transpose(-1, -2).reshape(B, num_heads * C, H, W)
+        v_img_list = torch.split(v_img, self.channel_splits, dim=1)  # Split according to channels
+        conv_v_img_list = []
+        for i, conv in enumerate(self.conv_list):
+            conv_v_img_list.append(conv(v_img_list[i]))
+        conv_v_img = torch.cat(conv_v_img_list, dim=1)
+        conv_v_img = conv_v_img.reshape(B, num_heads, C, H * W).transpose(-1, -2)
+
+        EV_hat = self.mesa_gate(q_img, conv_v_img)  # stock: q_img * conv_v_img
+        EV_hat = F.pad(EV_hat, (0, 0, 1, 0, 0, 0))  # [B, h, N, Ch].
+        return EV_hat
 
 
 class MesaFocalModulation(_FocalModulation):
@@ -140,6 +170,11 @@ def _star_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Mod
     return {GATING_CHILD: _product(device, options, module.f1.conv.out_channels)}
 
 
+def _crpe_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Module]:
+    # (B, heads, N, Ch) operands: one group per head
+    return {GATING_CHILD: _product(device, options, sum(module.head_splits))}
+
+
 def _modulation_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Module]:
     # a gate slice (B, 1, H, W) has one channel: its quantizer uses one group (capped)
     levels = nn.ModuleList(_product(device, options, module.dim) for _ in range(module.focal_level + 1))
@@ -151,5 +186,6 @@ def _modulation_children(module: nn.Module, device, options: dict) -> Dict[str, 
 GATING_CLASSES = {_SpatialGatingUnit: ("glu", MesaSpatialGatingUnit, _unit_children),
                   _GatedConvBlock: ("glu", MesaGatedConvBlock, _block_children),
                   _FocalModulation: ("glu", MesaFocalModulation, _modulation_children),
-                  _StarBlock: ("glu", MesaStarBlock, _star_children)}
+                  _StarBlock: ("glu", MesaStarBlock, _star_children),
+                  _ConvRelPosEnc: ("glu", MesaConvRelPosEnc, _crpe_children)}
 STOCK_GATING_CLASSES = {mesa: stock for stock, (_, mesa, _) in GATING_CLASSES.items()}
