@@ -42,11 +42,15 @@ MODELS = {"gmlp_s16_224": SpatialGatingUnit, "mambaout_femto": GatedConvBlock, "
 NO_GLU = tuple(o for o in OPS if o != "glu")  # everything but these swaps
 # what a patched model may still keep in full precision: StarNet's BatchNorms after a cancelling
 # scale (patch/cancellation.py) and its head (timm's Linear subclass, reported by patch_model)
-LEFT_BY_DESIGN = {"starnet_s1": {"BatchNorm2d", "Linear"}}
+LEFT_BY_DESIGN = {"starnet_s1": {"BatchNorm2d", "Linear"},
+                  # its softmax over the tokens (dim 2, not the last) is not routed
+                  "coat_lite_tiny": {"FactorAttnConvRelPosEnc"}}
 COSINE_MIN = 0.999
 # fc2's weight gradient (gMLP, MambaOut) is set by fc2's own 8-bit input, the product's output, not by
 # the swap: 0.9989-0.9991 over build seeds with and without it
 FC2_WEIGHT_MIN = 0.998
+# CoaT's position-encoding convs: set by their own 8-bit input (v), 0.9972-0.9978 with and without the swap
+CRPE_CONV_MIN = 0.997
 # saved bytes with the swaps over without them (zoo size, batch 2); measured 0.555, 0.484, 0.622,
 # 0.535, 0.642
 BYTES_MAX = {"gmlp_s16_224": 0.6, "mambaout_femto": 0.52, "focalnet_tiny_srf": 0.66, "starnet_s1": 0.58,
@@ -202,7 +206,8 @@ def test_zoo_model_gradients_close(name):
             # zero in exact arithmetic (a conv bias before a BatchNorm: StarNet): both runs hold
             # rounding noise there, nothing to compare
             continue
-        floor = FC2_WEIGHT_MIN if n.endswith("fc2.weight") else COSINE_MIN
+        floor = (FC2_WEIGHT_MIN if n.endswith("fc2.weight") else CRPE_CONV_MIN if ".conv_list." in n
+                 else COSINE_MIN)
         c = _cos(p.grad, grads[n])
         if c < floor:
             worst.append((n, round(c, 5)))
