@@ -161,3 +161,25 @@ def test_generic_capture_survives_deepcopy_and_pickling():
         assert owners and all(m.forward.__self__ is m for m in owners)  # bound to the copy, not the original
         assert torch.equal(model(x), want)
         assert _mesa_child_calls(model, x) == _mesa_child_calls(patched, x) > 0
+
+
+@pytest.mark.parametrize("name", ["starnet_s1", "mobilenetv3_small_050"])
+def test_timm_linear_subclass_converted_without_warning(name):
+    """timm's ``layers.Linear`` (an ``nn.Linear`` subclass whose forward outside TorchScript is
+    ``F.linear(x, self.weight, self.bias)``: StarNet's and MobileNetV3's heads) becomes the Mesa
+    ``Linear``: no "functional ops not reached" warning, the forward bitwise stock's."""
+    import warnings
+
+    from timm.layers import Linear as TimmLinear
+
+    from mesa_train.nn import Linear as MesaLinear
+
+    stock = build(name)
+    heads = [n for n, m in stock.named_modules() if type(m) is TimmLinear]
+    assert heads, f"{name} no longer uses timm's Linear: pick another model"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patched = patch_model(copy.deepcopy(stock))
+    assert all(type(patched.get_submodule(n)) is MesaLinear for n in heads)
+    x = example(name)
+    assert torch.equal(stock(x), patched(x))

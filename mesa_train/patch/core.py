@@ -40,6 +40,7 @@ from timm.layers import LayerScale2d as TimmLayerScale2d
 from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
 from timm.models.swiftformer import LayerScale2d as SwiftFormerLayerScale2d
 from timm.models.mlp_mixer import Affine as ResMlpAffine
+from timm.layers import Linear as TimmLinear
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
 from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
@@ -89,6 +90,7 @@ def _leaf_rules():
         TimmRmsNorm: ("rmsnorm", mnn.RmsNorm),
         TimmRmsNormFp32: ("rmsnorm", mnn.RmsNormFp32),
         nn.Linear: ("linear", mnn.Linear),
+        TimmLinear: ("linear", mnn.Linear),  # F.linear outside TorchScript: nn.Linear's forward
         nn.GELU: ("gelu", mnn.GELU),
         nn.LayerNorm: ("layernorm", mnn.LayerNorm),
         TimmLayerNorm: ("layernorm", mnn.LayerNorm),
