@@ -3,7 +3,6 @@
 the train forward stays bitwise stock's, the gradients close, and the full-precision operands
 stock keeps are gone."""
 import copy
-import inspect
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from timm.models.mambaout import GatedConvBlock
 from timm.models.mlp_mixer import SpatialGatingUnit
 from timm.models.starnet import Block as StarBlock
 
+from source_lines import code_lines
 from timm_zoo import build, example
 
 # stock line -> Mesa line: the products, each of which must occur in timm's forward
@@ -57,26 +57,10 @@ BYTES_MAX = {"gmlp_s16_224": 0.6, "mambaout_femto": 0.52, "focalnet_tiny_srf": 0
              "coat_lite_tiny": 0.68}
 
 
-def _body(fn):
-    """Code lines of ``fn`` without its signature, docstring and comments."""
-    lines = [ln.split("#")[0].rstrip() for ln in inspect.getsource(fn).splitlines()]
-    start = next(i for i, ln in enumerate(lines) if ln.endswith(":")) + 1  # after the signature
-    body, in_doc = [], False
-    for ln in lines[start:]:
-        s = ln.strip()
-        if s.startswith('"""'):
-            in_doc = not (in_doc or (s.count('"""') == 2))
-            continue
-        if in_doc or not s:
-            continue
-        body.append(s)
-    return body
-
-
 @pytest.mark.parametrize("stock_cls", list(GATING_CLASSES), ids=lambda c: c.__name__)
 def test_mesa_forward_is_the_stock_source_but_the_products(stock_cls):
     """A timm release that changes one of these forwards fails here (then update patch/gating.py)."""
-    stock, mesa = _body(stock_cls.forward), _body(GATING_CLASSES[stock_cls][1].forward)
+    stock, mesa = code_lines(stock_cls.forward), code_lines(GATING_CLASSES[stock_cls][1].forward)
     swaps = PRODUCTS[stock_cls]
     assert all(ln in stock for ln in swaps), f"a product line changed in timm's {stock_cls.__name__}.forward"
     assert mesa == [swaps.get(ln, ln) for ln in stock]

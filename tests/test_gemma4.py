@@ -2,7 +2,6 @@
 (``Clamp``), the position table keeps the positions, not the one-hot matrix (``OneHotTable``),
 and the gated MLP runs through a ``GatedActivation``."""
 import copy
-import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -18,28 +17,13 @@ from mesa_train.patch.mlp import MLP_CLASSES
 
 gemma4 = pytest.importorskip("timm.models.gemma4_vit")
 sys.path.insert(0, str(Path(__file__).parent))
+from source_lines import code_lines  # noqa: E402
 from timm_zoo import build, example  # noqa: E402
 
 
 def _cos(a, b):
     a, b = a.double().flatten(), b.double().flatten()
     return (a @ b / (a.norm() * b.norm())).item()
-
-
-def _body(fn):
-    """Code lines of ``fn`` without its signature, docstring and comments."""
-    lines = [ln.split("#")[0].rstrip() for ln in inspect.getsource(fn).splitlines()]
-    start = next(i for i, ln in enumerate(lines) if ln.endswith(":")) + 1  # after the signature
-    body, in_doc = [], False
-    for ln in lines[start:]:
-        s = ln.strip()
-        if s.startswith('"""'):
-            in_doc = not (in_doc or (s.count('"""') == 2))
-            continue
-        if in_doc or not s:
-            continue
-        body.append(s)
-    return body
 
 
 @pytest.mark.parametrize("method", [(gemma4.Gemma4ClippableLinear, "forward"),
@@ -49,7 +33,7 @@ def test_mesa_methods_are_timms_but_the_marked_calls(method):
     """A timm release that changes one of these methods fails here (then update patch/gemma4.py)."""
     stock_cls, name = method
     mesa_cls = GEMMA4_CLASSES[stock_cls][1] if stock_cls in GEMMA4_CLASSES else MLP_CLASSES[stock_cls]
-    stock, mesa = _body(getattr(stock_cls, name)), _body(getattr(mesa_cls, name))
+    stock, mesa = code_lines(getattr(stock_cls, name)), code_lines(getattr(mesa_cls, name))
     swaps = {"torch.clamp(x, self.input_min, self.input_max)": "self.mesa_clamp(x, self.input_min, self.input_max)",
              "torch.clamp(x, self.output_min, self.output_max)": "self.mesa_clamp(x, self.output_min, self.output_max)",
              "self.act(self.gate_proj(x)) * self.up_proj(x)": "self.gated(self.gate_proj(x), self.up_proj(x))"}

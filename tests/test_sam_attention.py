@@ -3,7 +3,6 @@ the forward stays timm's bit for bit, nothing of size N x N is kept for backward
 gradients (the position tables' and the queries' share through the bias included) are those
 of the attention at the dequantized q, k, v."""
 import copy
-import inspect
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from mesa_train.patch import patch_model
 from mesa_train.patch.sam import MesaSamAttention
 
 sys.path.insert(0, str(Path(__file__).parent))
+from source_lines import code_lines  # noqa: E402
 from timm_zoo import build, example  # noqa: E402
 
 DIM, HEADS, GRID = 32, 2, 6  # N = 36 tokens
@@ -29,14 +29,9 @@ def _cos(a, b):
     return (a @ b / (a.norm() * b.norm())).item()
 
 
-def _lines(fn):
-    src = [ln.split("#")[0].rstrip() for ln in inspect.getsource(fn).splitlines()[1:]]
-    return [ln.strip() for ln in src if ln.strip() and not ln.strip().startswith(('"""', "'''"))]
-
-
 def test_mesa_forward_is_timms_but_the_attention_call():
     """A timm release that changes SAM's attention forward fails here (then update patch/sam.py)."""
-    stock, mesa = _lines(sam.Attention.forward), _lines(MesaSamAttention.forward)
+    stock, mesa = code_lines(sam.Attention.forward), code_lines(MesaSamAttention.forward)
     mesa = mesa[mesa.index("return super().forward(x)") + 1:]  # after the branch to the stock forward
     cut = stock.index("q, k = self.q_norm(q), self.k_norm(k)") + 1
     resume = stock.index("x = x.view(B, self.num_heads, N, -1).transpose(1, 2).reshape(B, N, -1)")

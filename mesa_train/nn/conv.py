@@ -140,13 +140,11 @@ def _autograd_backward(m, g, xh, w, need):
     return tuple(next(grads) if n else None for n in need)
 
 
-class Conv2d(MesaLayer, nn.Conv2d):
-    """``torch.nn.Conv2d`` whose saved input is 8-bit (channel groups over dim 1), or with
-    ``layout="patch4x4"`` a min/max per 4x4 spatial block of each channel (DESIGN.md).
-    A 1x1 depthwise conv whose output goes straight into a Mesa ``BatchNorm2d`` (linked by
-    ``patch_model``) takes its weight gradient from that BatchNorm (``ScaleLink``)."""
+class _MesaConv(MesaLayer):
+    """What the Mesa ``Conv2d`` and ``Conv1d`` share: the stock constructor's arguments, and
+    ``from_module`` adopting the stock conv's parameters (``_stock`` is the torch class)."""
 
-    _layouts = ("channel", "patch4x4")
+    _stock: type = nn.Conv2d
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, padding_mode="zeros", device=None, dtype=None, **quant_options):
@@ -155,13 +153,23 @@ class Conv2d(MesaLayer, nn.Conv2d):
         self._init_mesa(quant_options, device)
 
     @classmethod
-    def from_module(cls, stock: nn.Conv2d, **quant_options) -> "Conv2d":
-        check_stock(stock, nn.Conv2d)
+    def from_module(cls, stock: nn.Module, **quant_options):
+        check_stock(stock, cls._stock)
         new = cls(stock.in_channels, stock.out_channels, stock.kernel_size, stride=stock.stride,
                   padding=stock.padding, dilation=stock.dilation, groups=stock.groups, bias=stock.bias is not None,
                   padding_mode=stock.padding_mode, device="meta", dtype=stock.weight.dtype,
                   **inherit_options(stock, quant_options))
         return adopt_parameters(stock, new)
+
+
+class Conv2d(_MesaConv, nn.Conv2d):
+    """``torch.nn.Conv2d`` whose saved input is 8-bit (channel groups over dim 1), or with
+    ``layout="patch4x4"`` a min/max per 4x4 spatial block of each channel (DESIGN.md).
+    A 1x1 depthwise conv whose output goes straight into a Mesa ``BatchNorm2d`` (linked by
+    ``patch_model``) takes its weight gradient from that BatchNorm (``ScaleLink``)."""
+
+    _layouts = ("channel", "patch4x4")
+    _stock = nn.Conv2d
 
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):
@@ -202,17 +210,13 @@ class Conv2d(MesaLayer, nn.Conv2d):
         return f"{nn.Conv2d.extra_repr(self)}, {self._mesa_repr()}"
 
 
-class Conv1d(MesaLayer, nn.Conv1d):
+class Conv1d(_MesaConv, nn.Conv1d):
     """``torch.nn.Conv1d`` whose saved input is 8-bit (channel groups over the channel dim):
     the Python Function of ``Conv2d`` (``_Conv2dFn``, any number of spatial dims), the
     stock forward, ``convolution_backward`` on the dequantized input. EfficientViM's
     token convolutions (16% of what it kept), CoaT's, ECA attention's."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
-                 bias=True, padding_mode="zeros", device=None, dtype=None, **quant_options):
-        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
-                         groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
-        self._init_mesa(quant_options, device)
+    _stock = nn.Conv1d
 
     def _init_mesa(self, quant_options: dict, device=None) -> None:
         # layout="patch4x4" tiles a (B, C, H, W) feature map: a 1-D conv in a model patched with
@@ -223,15 +227,6 @@ class Conv1d(MesaLayer, nn.Conv1d):
         elif opts is not None and opts.layout == "patch4x4":
             quant_options = {**quant_options, "options": opts.replace(layout="channel")}
         super()._init_mesa(quant_options, device)
-
-    @classmethod
-    def from_module(cls, stock: nn.Conv1d, **quant_options) -> "Conv1d":
-        check_stock(stock, nn.Conv1d)
-        new = cls(stock.in_channels, stock.out_channels, stock.kernel_size, stride=stock.stride,
-                  padding=stock.padding, dilation=stock.dilation, groups=stock.groups, bias=stock.bias is not None,
-                  padding_mode=stock.padding_mode, device="meta", dtype=stock.weight.dtype,
-                  **inherit_options(stock, quant_options))
-        return adopt_parameters(stock, new)
 
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):
