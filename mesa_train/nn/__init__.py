@@ -25,6 +25,7 @@ from .clamp_activations import Clamp, Hardsigmoid, Hardtanh, ReLU6
 from .star_relu import StarReLU
 from .groupnorm import GroupNorm, GroupNormAct
 from .conv import Conv1d, Conv2d
+from .einsum import Einsum
 from .amax import Amax
 from .avgpool import AvgPool2d, AvgPool2dSame
 from .gelu import GELU
@@ -50,7 +51,7 @@ register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, StarReLU, RmsNorm,
           GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm, BatchNorm1d, Hardswish,
           Hardsigmoid, Hardtanh, ReLU6, ChannelGate, MaxPool2d, Clamp, OneHotTable, Conv2dSame, MaxPool2dSame,
-          AvgPool2d, AvgPool2dSame, LayerScale2d, Conv1d, Amax, Affine)
+          AvgPool2d, AvgPool2dSame, LayerScale2d, Conv1d, Amax, Affine, Einsum)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
@@ -58,7 +59,7 @@ __all__ = [
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "Clamp",
     "OneHotTable", "Conv2dSame", "MaxPool2dSame", "AvgPool2d", "AvgPool2dSame",
-    "LayerScale2d", "Conv1d", "Amax", "Affine",
+    "LayerScale2d", "Conv1d", "Amax", "Affine", "Einsum",
     "StarReLU", "RmsNorm", "RmsNormFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]

@@ -41,6 +41,8 @@ from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
 from timm.models.swiftformer import LayerScale2d as SwiftFormerLayerScale2d
 from timm.models.mlp_mixer import Affine as ResMlpAffine
 from timm.layers import Linear as TimmLinear
+from timm.models.mvitv2 import MultiScaleAttention as MvitAttention
+from timm.models.vision_transformer_sam import Attention as SamAttention
 from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, QuickGELU as TimmQuickGELU
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
 from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
@@ -56,7 +58,8 @@ from mesa_train.nn.sdpa import ScaledDotProductAttention
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
-from .generic_attention import install as install_generic, install_amax, install_cosine, install_linear, install_scales
+from .generic_attention import (install as install_generic, install_amax, install_cosine, install_einsum,
+                                install_linear, install_scales)
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
@@ -73,6 +76,9 @@ OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa
        "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize", "grn", "groupnorm", "hardswish", "se",
        "maxpool", "avgpool")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
+# attentions whose forward calls module-level functions that contract the queries with position
+# tables by torch.einsum (MViTv2's cal_rel_pos_type, SAM's get_decomposed_rel_pos_bias)
+_EINSUM_ATTENTION = (MvitAttention, SamAttention)
 PATCH_INFO_ATTR = "_mesa_patch_info"
 
 
@@ -153,7 +159,8 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.LayerScale, "layerscale"), (mnn.LayerScale2d, "layerscale"), (mnn.Affine, "layerscale"),
                     (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
                     (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"),
-                    (mnn.MaxPool2d, "maxpool"), (mnn.Amax, "maxpool"), (mnn.AvgPool2d, "avgpool"),
+                    (mnn.MaxPool2d, "maxpool"), (mnn.Amax, "maxpool"),
+                    (mnn.Einsum, "matmul"), (mnn.AvgPool2d, "avgpool"),
                     (mnn.Clamp, "linear"), (mnn.OneHotTable, "linear")):
         if isinstance(module, cls):
             return op
@@ -677,6 +684,8 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
             install_generic(m, wanted, heads, _module_device(m),
                             lambda h, opts=t.quant_options: _options_for(None, h, opts))
             wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), t.options(None, heads))
+            if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
+                install_einsum(m, _module_device(m), t.options(None, heads))
             swap_sam_attention(m)  # SAM's decomposed rel-pos bias: kept as its tables (patch/sam.py)
             generic[name] = wanted
     return generic
@@ -799,7 +808,7 @@ def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dic
             continue
         if isinstance(m, mnn.MesaLayer):
             op = mesa_layer_op(m)
-            if op == "matmul" and not m.operands:
+            if isinstance(m, mnn.MatMul) and not m.operands:
                 op = "softmax"  # the share-only attn @ v follows the softmax whose copy it keeps
             if explicit and op in t.op_names:
                 owner = name.rsplit(".", 1)[0] if "." in name else ""

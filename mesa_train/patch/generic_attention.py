@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["capture_calls", "install", "install_amax",
+__all__ = ["capture_calls", "install", "install_amax", "install_einsum",
            "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
            "GENERIC_ATTENTION_ATTR", "SCALES_ATTR"]
 
@@ -44,6 +44,7 @@ _SOFTMAXES = {torch.softmax, torch.Tensor.softmax, F.softmax}
 _MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 _AMAXES = {torch.amax, torch.Tensor.amax}
 AMAX_CHILD = "mesa_amax"
+EINSUM_CHILD = "mesa_einsum"
 NORMALIZE_CHILDREN = ("mesa_norm_q", "mesa_norm_k")
 
 
@@ -98,6 +99,10 @@ class _Capture(TorchFunctionMode):
                 child = owner._modules[NORMALIZE_CHILDREN[self.normalizes]]
                 self.normalizes += 1
                 return child(x, dim=-1, eps=call.get("eps", 1e-12))
+        if func is torch.einsum and EINSUM_CHILD in owner._modules and torch.is_grad_enabled():
+            operands = args[1:] if len(args) != 2 or isinstance(args[1], torch.Tensor) else tuple(args[1])
+            if len(operands) == 2 and not kwargs and all(isinstance(t, torch.Tensor) for t in operands):
+                return owner._modules[EINSUM_CHILD](args[0], *operands)
         if func in _AMAXES and AMAX_CHILD in owner._modules and torch.is_grad_enabled():
             call = dict(zip(("input", "dim", "keepdim"), args), **kwargs)
             if call.get("out") is None and isinstance(call.get("input"), torch.Tensor):
@@ -288,6 +293,16 @@ def install_amax(module: nn.Module, device, options) -> bool:
         module.add_module(AMAX_CHILD, Amax(device=device, **options))
     _install_capture(module)
     return True
+
+
+def install_einsum(module: nn.Module, device, options) -> None:
+    """Route ``module``'s two-operand ``torch.einsum`` calls (MViTv2's and SAM's relative
+    positions, made in module-level functions its forward calls) through an ``Einsum`` child."""
+    from mesa_train.nn.einsum import Einsum
+
+    if EINSUM_CHILD not in module._modules:
+        module.add_module(EINSUM_CHILD, Einsum(device=device, **options))
+    _install_capture(module)
 
 
 def install_scales(module: nn.Module, names, device, options) -> Tuple[str, ...]:
