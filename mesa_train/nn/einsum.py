@@ -6,23 +6,44 @@ position tables; stock autograd keeps both operands, the queries in full precisi
 28% of what it still kept). This layer keeps an operand as 8-bit codes (groups along dim 1,
 the heads of a ``(B, heads, ...)`` tensor) unless it is under half the size of the other one
 (a position table, derived from parameters: kept as it is, it costs little and its partner's
-gradient stays exact in it). Backward dequantizes and runs autograd through the same einsum
-again, in the forward's autocast state: the exact gradients at the kept operands.
+gradient stays exact in it).
 
-Eager only: ``autograd.grad`` in a backward is not traced, so under ``torch.compile`` the layer
-is the stock einsum (no graph break).
+Backward is the contraction's own closed form, two einsums (``dA = einsum("C,B->A", g, B)``),
+in the forward's autocast state: traceable, so ``torch.compile`` runs the same steps as eager.
+That form holds when no operand repeats a letter, there is no ``...``, and each operand's letters
+all appear in the other operand or the output; any other equation runs the stock einsum.
 """
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._common import MesaLayer, load, save
+from ._common import MesaLayer, load, no_autocast, save
 from .quantizer import decompress
-from .sdpa_backward import autocast_state, grads_through
+from .sdpa_backward import autocast_state
 
 __all__ = ["Einsum"]
+
+
+def contraction(equation: str) -> Optional[Tuple[str, str, str]]:
+    """``(a, b, out)`` subscripts of a two-operand einsum whose gradients are einsums of the
+    same letters, else None (see the module docstring)."""
+    eq = equation.replace(" ", "")
+    if "..." in eq or eq.count("->") != 1:
+        return None
+    inputs, out = eq.split("->")
+    parts = inputs.split(",")
+    if len(parts) != 2:
+        return None
+    a, b = parts
+    if any(len(set(s)) != len(s) for s in (a, b, out)):
+        return None
+    if not (set(a) <= set(b) | set(out) and set(b) <= set(a) | set(out)):
+        return None
+    return a, b, out
 
 
 def _group_dim(x: torch.Tensor) -> int:
@@ -31,7 +52,7 @@ def _group_dim(x: torch.Tensor) -> int:
 
 class _EinsumFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, equation, quantizers, a, b):
+    def forward(ctx, equation, spec, quantizers, a, b):
         out = torch.einsum(equation, a, b)
         packs, raws = [], []
         for x, other, quantizer in ((a, b, quantizers[0]), (b, a, quantizers[1])):
@@ -39,7 +60,7 @@ class _EinsumFn(torch.autograd.Function):
             packs.append(None if small else quantizer.compress(x.detach(), _group_dim(x)))
             raws.append(x.detach() if small else None)
         save(ctx, packs, *raws)
-        ctx.equation, ctx.dtypes = equation, (a.dtype, b.dtype)
+        ctx.spec, ctx.dtypes = spec, (a.dtype, b.dtype)
         device_type = out.device.type
         ctx.autocast = (device_type,) + autocast_state(device_type)
         return out
@@ -48,14 +69,17 @@ class _EinsumFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         packs, raws = load(ctx)
-        operands = [raw if raw is not None else decompress(p, dt) for p, raw, dt in zip(packs, raws, ctx.dtypes)]
-        equation = ctx.equation
-
-        def call(a, b):
-            return torch.einsum(equation, a, b)
-
-        ga, gb = grads_through(call, operands, ctx.needs_input_grad[2:], g, ctx.autocast)
-        return None, None, ga, gb
+        a, b = [raw if raw is not None else decompress(p, dt) for p, raw, dt in zip(packs, raws, ctx.dtypes)]
+        sa, sb, sc = ctx.spec
+        device_type, enabled, dtype = ctx.autocast
+        need = ctx.needs_input_grad
+        ga = gb = None
+        with no_autocast(device_type), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            if need[3]:
+                ga = torch.einsum(f"{sc},{sb}->{sa}", g, b).to(ctx.dtypes[0])
+            if need[4]:
+                gb = torch.einsum(f"{sc},{sa}->{sb}", g, a).to(ctx.dtypes[1])
+        return None, None, None, ga, gb
 
 
 class Einsum(MesaLayer, nn.Module):
@@ -70,10 +94,11 @@ class Einsum(MesaLayer, nn.Module):
         self._init_mesa(quant_options, device)
 
     def forward(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if (not self._mesa_active(a, b) or torch.compiler.is_compiling()
+        spec = contraction(equation)
+        if (spec is None or not self._mesa_active(a, b)
                 or not (a.is_floating_point() and b.is_floating_point())):
             return torch.einsum(equation, a, b)
-        return _EinsumFn.apply(equation, (self.quantizer_a, self.quantizer_b), a, b)
+        return _EinsumFn.apply(equation, spec, (self.quantizer_a, self.quantizer_b), a, b)
 
     def extra_repr(self) -> str:
         return self._mesa_repr()
