@@ -87,6 +87,17 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.get_autocast_dtype(x.device.type)) if autocast_casts(x) else x
 
 
+def autocast_state(device_type: str):
+    """``(enabled, dtype)`` of autocast on ``device_type`` now (a backward that recomputes
+    re-enters it)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # very old torch
+        enabled = torch.is_autocast_enabled()
+    dtype = torch.get_autocast_dtype(device_type) if enabled else None
+    return enabled, dtype
+
+
 def group_dim_4d(x: torch.Tensor) -> int:
     """Per-head groups (dim 1) for 4-D ``(B, H, N, M)`` tensors, channel groups (-1) otherwise."""
     return 1 if x.dim() == 4 else x.dim() - 1

@@ -23,6 +23,7 @@ from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 
 from ._common import MesaLayer, check_stock, inherit_options
+from .maxpool import pool_args
 
 __all__ = ["AvgPool2d", "AvgPool2dSame"]
 
@@ -31,7 +32,9 @@ class _AvgPool2dFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
         out = F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-        ctx.args = (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        # the int[2] forms ATen's backward takes (the stock forward accepted the arguments)
+        kernel, stride, padding, _ = pool_args(kernel_size, stride, padding, 1)
+        ctx.args = (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
         # what the backward kernel reads of the input: sizes, dtype, device and the memory
         # format it gives the gradient (ATen's suggest_memory_format, as its meta function)
         ctx.x_meta = (x.shape, x.dtype, x.device, suggest_memory_format(x))
@@ -41,19 +44,9 @@ class _AvgPool2dFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         shape, dtype, device, fmt = ctx.x_meta
-        kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override = ctx.args
         x_like = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)  # never read, only its sizes
-        gx = torch.ops.aten.avg_pool2d_backward(g, x_like, _pair(kernel_size), _pair(stride or kernel_size),
-                                                _pair(padding), ceil_mode, count_include_pad, divisor_override)
+        gx = torch.ops.aten.avg_pool2d_backward(g, x_like, *ctx.args)
         return gx, None, None, None, None, None, None
-
-
-def _pair(v) -> list:
-    """The ``int[2]`` form ATen's backward takes of an int or a one / two-element sequence."""
-    if isinstance(v, int):
-        return [v, v]
-    v = list(v)
-    return v * 2 if len(v) == 1 else v
 
 
 class AvgPool2d(MesaLayer, nn.AvgPool2d):

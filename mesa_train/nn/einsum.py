@@ -21,9 +21,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._common import MesaLayer, load, no_autocast, save
+from ._common import MesaLayer, autocast_state, load, no_autocast, save
 from .quantizer import decompress
-from .sdpa_backward import autocast_state
 
 __all__ = ["Einsum"]
 

@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from ._common import MesaLayer, check_stock, inherit_options, load, save
 
-__all__ = ["MaxPool2d"]
+__all__ = ["MaxPool2d", "pool_args"]
 
 _MAX_WINDOW = 256  # a uint8 holds the local indices 0 .. 255
 
@@ -38,9 +38,9 @@ def _pair(v) -> tuple:
     return v * 2 if len(v) == 1 else v
 
 
-def _pool_args(kernel_size, stride, padding, dilation) -> tuple | None:
+def pool_args(kernel_size, stride, padding, dilation) -> tuple | None:
     """``(kernel, stride, padding, dilation)`` as 2-tuples (a None or empty stride is the
-    kernel size, as in ``F.max_pool2d``), or None when they are not all pairs (the stock
+    kernel size, as in ``F.max_pool2d`` and ``F.avg_pool2d``), or None when they are not all pairs (the stock
     forward then runs and raises ATen's own error)."""
     k = _pair(kernel_size)
     s = k if stride is None or (not isinstance(stride, int) and len(stride) == 0) else _pair(stride)
@@ -134,7 +134,7 @@ class MaxPool2d(MesaLayer, nn.MaxPool2d):
         elements, or the arguments are malformed (stock raises its error)."""
         if self.return_indices:
             return None
-        args = _pool_args(self.kernel_size, self.stride, self.padding, self.dilation)
+        args = pool_args(self.kernel_size, self.stride, self.padding, self.dilation)
         if args is None or args[0][0] * args[0][1] > _MAX_WINDOW:
             return None
         return args

@@ -53,9 +53,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from mesa_train.nn import quantizer as quantizer_mod
-from mesa_train.nn._common import MesaLayer, autocast_casts
-from mesa_train.nn.sdpa_backward import (attention, autocast_state, build_window_mask, capture_rng, operand_group_dim,
-                                         recompute_grads, recompute_grads_compiled, restore_operand)
+from mesa_train.nn._common import MesaLayer, autocast_input, autocast_state
+from mesa_train.nn.sdpa_backward import (attention, build_window_mask, capture_rng, operand_group_dim, recompute_grads,
+                                         recompute_grads_compiled, restore_operand)
 from mesa_train.nn.sdpa_query_bias import QueryBias, biased_attention, compressed_query_bias_sdpa
 
 __all__ = ["QueryBias", "ScaledDotProductAttention", "build_window_mask"]
@@ -150,13 +150,13 @@ class ScaledDotProductAttention(MesaLayer, nn.Module):
             return self._forward_query_bias(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale, query_bias)
         if not self._mesa_active(q, k, v, attn_mask):
             return attention(q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
-        if window_mask is None and attn_mask is not None and autocast_casts(attn_mask):
+        if window_mask is None and attn_mask is not None:
             # autocast casts sdpa's mask to its dtype, and in the stock call (grad mode on) the
             # cast mask requires grad, which rules out the fused CPU kernel; cast inside our
             # forward (grad mode off) it did not, and a float32 bias (MaxViT's, CoAtNet's relative
             # position bias) took the fused kernel: other bits. Cast here, as autocast would,
             # with grad mode on (the mask's gradient flows back through the cast, as in stock).
-            attn_mask = attn_mask.to(torch.get_autocast_dtype(q.device.type))
+            attn_mask = autocast_input(attn_mask)
         return _compressed_sdpa(self, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
 
     def _forward_query_bias(self, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale, query_bias):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from mesa_train.nn.quantizer import Packed, decompress
 
-__all__ = ["attention", "autocast_state", "build_window_mask", "capture_rng", "grads_through", "operand_group_dim",
+__all__ = ["attention", "build_window_mask", "capture_rng", "grads_through", "operand_group_dim",
            "recompute_grads", "recompute_grads_compiled", "restore_operand"]
 
 _OP_NAME = "sdpa_recompute_backward"
@@ -40,16 +40,6 @@ def operand_group_dim(x: torch.Tensor) -> int:
     """The dim an operand's quantization groups run along: heads of a ``(..., heads, L, E)``
     tensor, the last dim of a 3-D one."""
     return x.dim() - 3 if x.dim() >= 4 else x.dim() - 1
-
-
-def autocast_state(device_type: str):
-    """``(enabled, dtype)`` of autocast on ``device_type`` now: the backward recomputes in it."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except TypeError:  # very old torch
-        enabled = torch.is_autocast_enabled()
-    dtype = torch.get_autocast_dtype(device_type) if enabled else None
-    return enabled, dtype
 
 
 def restore_operand(codes, alpha, beta, dim, G, fmt, dtype):

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from mesa_train.nn._common import autocast_casts
-from mesa_train.nn.sdpa_backward import autocast_state, capture_rng, grads_through, operand_group_dim, restore_operand
+from mesa_train.nn._common import autocast_input, autocast_state
+from mesa_train.nn.sdpa_backward import capture_rng, grads_through, operand_group_dim, restore_operand
 
 __all__ = ["QueryBias", "biased_attention", "compressed_query_bias_sdpa"]
 
@@ -45,9 +45,7 @@ def _bias(q: torch.Tensor, query_bias: QueryBias, inputs) -> torch.Tensor:
     does: a mask that requires grad rules out the fused CPU kernel, so the stock call's backend
     (and bits) follow from it. (Built with grad mode on instead, its einsums' graph held full
     copies of q until the forward returned.)"""
-    bias = query_bias.fn(q, *inputs)
-    if autocast_casts(bias):
-        bias = bias.to(torch.get_autocast_dtype(q.device.type))
+    bias = autocast_input(query_bias.fn(q, *inputs))
     return bias.requires_grad_(q.requires_grad or any(t.requires_grad for t in inputs))
 
 

@@ -58,8 +58,8 @@ from mesa_train.nn.sdpa import ScaledDotProductAttention
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
-from .generic_attention import (install as install_generic, install_amax, install_cosine, install_einsum,
-                                install_linear, install_scales)
+from .generic_attention import (AMAX_CHILD, EINSUM_CHILD, install as install_generic, install_cosine,
+                                install_linear, install_routed, install_scales)
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
@@ -685,7 +685,7 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
                             lambda h, opts=t.quant_options: _options_for(None, h, opts))
             wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), t.options(None, heads))
             if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
-                install_einsum(m, _module_device(m), t.options(None, heads))
+                install_routed(m, EINSUM_CHILD, lambda: mnn.Einsum(device=_module_device(m), **t.options(None, heads)))
             swap_sam_attention(m)  # SAM's decomposed rel-pos bias: kept as its tables (patch/sam.py)
             generic[name] = wanted
     return generic
@@ -869,7 +869,8 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
             found = tuple(o for o in found if o != "maxpool")
         # inline x.amax(...): max pooling as a reduction (Hiera, CBAM-style spatial attention)
         if "maxpool" in found and "maxpool" in t.op_names:
-            install_amax(m, _module_device(m), t.options(None, t.module_info(name).heads))
+            opts = t.options(None, t.module_info(name).heads)
+            install_routed(m, AMAX_CHILD, lambda: mnn.Amax(device=_module_device(m), **opts))
             generic[name] = generic.get(name, ()) + ("maxpool",)
         hit = tuple(o for o in found if o in t.op_names and o not in generic.get(name, ()))
         if hit:

@@ -25,14 +25,14 @@ handler), so nothing is intercepted twice.
 from __future__ import annotations
 
 import types
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["capture_calls", "install", "install_amax", "install_einsum",
+__all__ = ["AMAX_CHILD", "EINSUM_CHILD", "capture_calls", "install", "install_routed",
            "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
            "GENERIC_ATTENTION_ATTR", "SCALES_ATTR"]
 
@@ -283,25 +283,13 @@ def install_linear(module: nn.Module) -> bool:
     return True
 
 
-def install_amax(module: nn.Module, device, options) -> bool:
-    """Route ``module``'s inline ``x.amax(...)`` / ``torch.amax`` calls (max pooling written as
-    a reduction: Hiera, squeeze-excite's ``add_maxpool``) through an ``Amax`` child (a 1-bit
-    mask kept; lossless)."""
-    from mesa_train.nn.amax import Amax
-
-    if AMAX_CHILD not in module._modules:
-        module.add_module(AMAX_CHILD, Amax(device=device, **options))
-    _install_capture(module)
-    return True
-
-
-def install_einsum(module: nn.Module, device, options) -> None:
-    """Route ``module``'s two-operand ``torch.einsum`` calls (MViTv2's and SAM's relative
-    positions, made in module-level functions its forward calls) through an ``Einsum`` child."""
-    from mesa_train.nn.einsum import Einsum
-
-    if EINSUM_CHILD not in module._modules:
-        module.add_module(EINSUM_CHILD, Einsum(device=device, **options))
+def install_routed(module: nn.Module, child: str, make_layer: Callable[[], nn.Module]) -> None:
+    """Route ``module``'s calls that ``_Capture`` hands to ``child`` (``AMAX_CHILD``: inline
+    ``x.amax(...)``, max pooling as a reduction; ``EINSUM_CHILD``: two-operand ``torch.einsum``,
+    also in module-level functions its forward calls) through ``make_layer()``, built unless the
+    module has that child already, and give the module the capturing forward."""
+    if child not in module._modules:
+        module.add_module(child, make_layer())
     _install_capture(module)
 
 
