@@ -43,7 +43,8 @@ the checkpoint inputs plus whatever is saved outside checkpointed regions. Recom
 in backward is never counted (see above), even when backward runs inside the ``with``.
 
 The meter is for eager-mode measurement; under ``torch.compile`` the compiled graph
-decides what to save and the figures are not meaningful.
+decides what to save and the figures are not meaningful: ``memory_compiled.compiled_saved_tensors``
+counts what a compiled forward keeps.
 """
 from __future__ import annotations
 

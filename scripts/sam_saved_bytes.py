@@ -1,6 +1,8 @@
 """Bytes a full SAM ViT keeps for backward at its real input size: stock, Mesa with SAM's
 attention routed generically (the bias kept as a mask), and Mesa with ``patch/sam.py``'s swap
 (the bias rebuilt from the 8-bit q in backward). One fp32 training forward each, on CPU.
+``--compile`` adds stock and Mesa compiled (fullgraph, aot_eager), counted by
+``mesa_train.memory_compiled`` (what the compiled forward graph keeps for backward).
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python scripts/sam_saved_bytes.py --img 1024   # ~10 GiB of RAM
 
@@ -16,6 +18,7 @@ import torch
 
 import mesa_train.patch.core as patch_core
 from mesa_train.memory import SavedTensorMeter, format_bytes
+from mesa_train.memory_compiled import compiled_saved_bytes
 from mesa_train.patch import patch_model
 
 
@@ -40,6 +43,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="samvit_base_patch16", help="a timm samvit_* model name")
     parser.add_argument("--img", type=int, default=512, help="input size in pixels (SAM's own: 1024)")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="add compiled stock and compiled Mesa rows")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     stock = timm.create_model(args.model, img_size=args.img, pretrained=False).train()
@@ -51,6 +55,9 @@ def main(argv=None) -> None:
     rows = [("stock", _saved(stock, x)),
             ("Mesa, bias kept as a mask", _saved(_patched_without_swap(stock), x)),
             ("Mesa, bias rebuilt from q (patch/sam.py)", _saved(patch_model(copy.deepcopy(stock)), x))]
+    if args.compile:
+        rows += [("stock, compiled", compiled_saved_bytes(copy.deepcopy(stock), x)),
+                 ("Mesa (patch/sam.py), compiled", compiled_saved_bytes(patch_model(copy.deepcopy(stock)), x))]
     print(f"{args.model}, {args.img} px, batch {args.batch}, fp32: bytes kept for backward")
     print("| run | saved | vs stock |\n|---|---|---|")
     for label, saved in rows:

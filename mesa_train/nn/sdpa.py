@@ -11,7 +11,7 @@ but keeps only
   position bias and the ``(nW, N, N)`` window mask, not their ``(B*nW, heads, N, N)`` sum);
   a bias computed from the queries (``query_bias=QueryBias(fn, inputs)``, SAM's decomposed
   relative positions) is not kept at all, only ``fn``'s small ``inputs``: backward calls
-  ``fn`` again on the dequantized q (``sdpa_query_bias.py``).
+  ``fn`` again on the dequantized q (``sdpa_query_bias.py``; compiled too).
 
 Backward dequantizes q, k, v and recomputes the attention from them with autograd
 enabled, then backpropagates ``grad_output`` through that recomputation. The softmax
@@ -169,11 +169,6 @@ class ScaledDotProductAttention(MesaLayer, nn.Module):
                             f"{type(query_bias).__name__}")
         if not self._mesa_active(q, k, v, *query_bias.inputs):
             return biased_attention(q, k, v, query_bias, dropout_p, is_causal, scale)
-        if torch.compiler.is_compiling():
-            # the bias function's backward is not traced: compiled, the bias is built as stock
-            # builds it and kept as an ordinary mask (the path such modules took before)
-            attn_mask = query_bias.fn(q, *query_bias.inputs)
-            return self.forward(q, k, v, attn_mask, dropout_p, is_causal, scale)
         return compressed_query_bias_sdpa(self, q, k, v, query_bias, dropout_p, is_causal, scale)
 
 

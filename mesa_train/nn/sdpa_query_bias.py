@@ -15,9 +15,15 @@ backpropagates through bias and attention together: the exact gradient of the wh
 ``(q_hat, k_hat, v_hat)``, the queries' share through the bias included, as the plain layer's
 is at its inputs (``sdpa.py``).
 
-Eager only, and not fused into the C++ layer: the backward runs autograd through a Python
-function. Under ``torch.compile`` the layer builds the bias as stock does and keeps it as an
-ordinary mask (``ScaledDotProductAttention._forward_query_bias``), so the graph does not break.
+Not fused into the C++ layer: the eager backward runs autograd through a Python function.
+Under ``torch.compile`` (``autograd.grad`` cannot be traced) the backward takes the two halves
+apart (``_grads_compiled``): ``torch.func.vjp`` of the bias function at the dequantized q (traced,
+so the compiler sees the bias function's own backward) and the attention's gradients, the
+bias's included, from the op the plain layer's compiled backward calls
+(``mesa::sdpa_recompute_backward``). No graph break and nothing N x N kept, compiled as eager;
+with the ``aot_eager`` backend the gradients are eager's bit for bit
+(``tests/test_sam_attention.py``). With attention dropout the call runs eagerly inside the
+compiled model (one graph break), as the plain layer's does: the mask replay is not traceable.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from mesa_train.nn._common import autocast_input, autocast_state
-from mesa_train.nn.sdpa_backward import capture_rng, grads_through, operand_group_dim, restore_operand
+from mesa_train.nn.sdpa_backward import (capture_rng, grads_through, operand_group_dim, recompute_grads_compiled,
+                                         restore_operand)
 
 __all__ = ["QueryBias", "biased_attention", "compressed_query_bias_sdpa"]
 
@@ -45,6 +52,12 @@ def _bias(q: torch.Tensor, query_bias: QueryBias, inputs) -> torch.Tensor:
     does: a mask that requires grad rules out the fused CPU kernel, so the stock call's backend
     (and bits) follow from it. (Built with grad mode on instead, its einsums' graph held full
     copies of q until the forward returned.)"""
+    if torch.compiler.is_compiling():
+        # (Dynamo breaks the graph at requires_grad_: the bias is built with grad mode on, so
+        # it requires grad exactly when the stock one does; a compiled graph keeps nothing of
+        # a forward's intermediate that its backward does not read)
+        with torch.enable_grad():
+            return autocast_input(query_bias.fn(q, *inputs))
     bias = autocast_input(query_bias.fn(q, *inputs))
     return bias.requires_grad_(q.requires_grad or any(t.requires_grad for t in inputs))
 
@@ -80,18 +93,50 @@ class _MesaQueryBiasSDPA(torch.autograd.Function):
         dropout_p, is_causal, scale = ctx.opts
         query_bias = ctx.query_bias
 
+        needs = ctx.needs_input_grad[12:]
+        if torch.compiler.is_compiling():  # (dropout_p > 0 never gets here, see compressed_query_bias_sdpa)
+            grads = _grads_compiled(grad_out, operands, bias_inputs, query_bias, is_causal, scale, needs, ctx.autocast)
+            return (None,) * 12 + grads
+
         def call(q, k, v, *inputs):
             return biased_attention(q, k, v, query_bias, dropout_p, is_causal, scale, inputs)
 
-        needs = ctx.needs_input_grad[12:]
         grads = grads_through(call, (*operands, *bias_inputs), needs, grad_out, ctx.autocast, ctx.rng)
         return (None,) * 12 + grads
+
+
+def _grads_compiled(grad_out, operands, bias_inputs, query_bias: QueryBias, is_causal, scale, needs, autocast):
+    """The backward's gradients in a graph ``torch.compile`` traces: ``autograd.grad`` through
+    the bias function cannot be traced, so the two halves are taken apart. The bias is rebuilt
+    from the dequantized q with ``torch.func.vjp`` (traced: the compiler sees the bias
+    function's own backward), the attention's gradients, the bias's included, come from the
+    op the plain layer's compiled backward calls (``mesa::sdpa_recompute_backward``: the stock
+    backend at run time), and the bias's gradient goes back through the vjp to q and the
+    bias inputs. The same map as eager's at the same operands; the sums are added in another
+    order."""
+    q, k, v = operands
+    device_type, ac_enabled, ac_dtype = autocast
+    with torch.autocast(device_type, dtype=ac_dtype, enabled=ac_enabled):
+        bias, bias_vjp = torch.func.vjp(query_bias.fn, q, *bias_inputs)
+    need_bias = needs[0] or any(needs[3:])
+    dq, dk, dv, dbias = recompute_grads_compiled(grad_out, q, k, v, bias, None, is_causal, scale,
+                                                 (needs[0], needs[1], needs[2], need_bias), autocast)
+    if not need_bias:
+        return (dq, dk, dv) + (None,) * len(bias_inputs)
+    dq_bias, *d_inputs = bias_vjp(dbias)
+    if needs[0]:
+        dq = dq + dq_bias
+    return (dq, dk, dv) + tuple(d if n else None for d, n in zip(d_inputs, needs[3:]))
 
 
 def compressed_query_bias_sdpa(module, q, k, v, query_bias: QueryBias, dropout_p: float, is_causal: bool,
                                scale: Optional[float]) -> torch.Tensor:
     """The layer's training call with a query bias: q, k, v compressed by ``module``'s
     quantizers (``ScaledDotProductAttention``), the rest as the module docstring says."""
+    if dropout_p > 0.0 and torch.compiler.is_compiling():
+        # the backward replays the forward's dropout mask from the captured RNG state, which
+        # cannot be traced: this call runs eagerly (one graph break per call), as sdpa's does
+        return _compressed_query_bias_sdpa_eager(module, q, k, v, query_bias, dropout_p, is_causal, scale)
     packed = [quantizer.compress(x.detach(), operand_group_dim(x))
               for quantizer, x in ((module.q_quantizer, q), (module.k_quantizer, k), (module.v_quantizer, v))]
     dims = tuple((p.dim, p.num_groups, p.fmt) for p in packed)
@@ -99,3 +144,6 @@ def compressed_query_bias_sdpa(module, q, k, v, query_bias: QueryBias, dropout_p
     return _MesaQueryBiasSDPA.apply(query_bias, dims, (float(dropout_p), bool(is_causal), scale), *codes, q, k, v,
                                     *query_bias.inputs)
 
+
+
+_compressed_query_bias_sdpa_eager = torch.compiler.disable(compressed_query_bias_sdpa)
