@@ -5,6 +5,8 @@ from typing import List, Optional, Tuple
 
 from torch import nn
 
+from mesa_train.nn import Einsum, MatMul
+
 from .attention import STOCK_ATTENTION_CLASSES
 from .block import norm_fed_ids
 from .core import PATCH_INFO_ATTR, _unwrap, mesa_layer_op
@@ -53,7 +55,7 @@ def _state(layer, producer: Optional[str] = None, shared_from: Optional[str] = N
         parts.append(f"{o.bits}-bit" + (" pow2" if o.scale == "pow2" else "")
                      + (" patch4x4" if o.layout == "patch4x4" else ""))
     qs = layer.quantizers()
-    if mesa_layer_op(layer) == "matmul":
+    if isinstance(layer, MatMul):
         operand_parts, counted = _matmul_operands(layer, producer)
         parts.extend(operand_parts)
         qs = [getattr(layer, n) for n in counted]
@@ -80,7 +82,9 @@ def _groups(layer) -> str:
 
 
 def _op_label(layer, op: str) -> str:
-    if op == "matmul" and tuple(layer.operands) != ("a", "b"):
+    if isinstance(layer, Einsum):  # op matmul, its own kind of layer (MViTv2's and SAM's rel-pos einsums)
+        return "matmul[einsum]"
+    if isinstance(layer, MatMul) and tuple(layer.operands) != ("a", "b"):
         return f"matmul[{','.join(layer.operands) or 'share-only'}]"
     return op
 
