@@ -26,7 +26,10 @@ from torch import nn
 
 from mesa_train.bench.report import _git, environment
 
-LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA")
+# the transformer layers, then the convnets' (BatchNorm and below: Python autograd Functions,
+# no C++ layer op; a baseline tree older than a layer leaves its row out)
+LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA",
+          "BatchNorm2d", "ReLU", "SiLU", "Hardswish", "MaxPool2d", "AvgPool2d", "GroupNorm", "LayerNorm2d")
 
 
 class _MatMul(nn.Module):
@@ -40,8 +43,15 @@ class _SDPA(nn.Module):
 
 
 def _cases():
+    """{layer: (stock factory, converter, inputs factory)} for the layers this tree's
+    ``mesa_train.nn`` has (a baseline tree may predate some)."""
     import mesa_train.nn as M
 
+    cases = {**_transformer_cases(M), **_convnet_cases(M)}
+    return {name: case for name, case in cases.items() if case is not None}
+
+
+def _transformer_cases(M):
     x = lambda: torch.randn(2, 4, 8)  # noqa: E731 - tiny: the host time is what is measured
     return {
         "Linear": (lambda: nn.Linear(8, 8), M.Linear.from_module, lambda: (x(),)),
@@ -53,6 +63,27 @@ def _cases():
         # fused attention (the sdpa set): three compressed operands, backward recomputes
         "SDPA": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2),
                  lambda: tuple(torch.randn(2, 2, 4, 4) for _ in range(3))),
+    }
+
+
+def _convnet_cases(M):
+    from timm.layers import LayerNorm2d
+
+    img = lambda: (torch.randn(2, 2, 4, 4),)  # noqa: E731
+
+    def case(cls_name, make_stock):
+        cls = getattr(M, cls_name, None)
+        return None if cls is None else (make_stock, cls.from_module, img)
+
+    return {
+        "BatchNorm2d": case("BatchNorm2d", lambda: nn.BatchNorm2d(2)),
+        "ReLU": case("ReLU", nn.ReLU),
+        "SiLU": case("SiLU", nn.SiLU),
+        "Hardswish": case("Hardswish", nn.Hardswish),
+        "MaxPool2d": case("MaxPool2d", lambda: nn.MaxPool2d(3, 2, 1)),
+        "AvgPool2d": case("AvgPool2d", lambda: nn.AvgPool2d(3, 1, 1, count_include_pad=False)),
+        "GroupNorm": case("GroupNorm", lambda: nn.GroupNorm(1, 2)),
+        "LayerNorm2d": case("LayerNorm2d", lambda: LayerNorm2d(2)),
     }
 
 
@@ -104,6 +135,8 @@ def compare(this_tree: str, baseline_tree: str, reps: int, rounds: int) -> dict[
         runs["this"].append(_run_tree(this_tree, reps))
     table = {}
     for name in LAYERS:
+        if not all(name in r for results in runs.values() for r in results):
+            continue  # a layer one of the trees does not have
         row = {}
         for which, results in runs.items():
             for key in ("stock_us", "added_us"):

@@ -101,10 +101,9 @@ def bias_squared(draws: torch.Tensor, exact: torch.Tensor) -> tuple[float, float
 
 
 def _op_bytes(model, x, names) -> int:
-    """Bytes attributed to ``names`` and their submodules (``"=name"``: that module's own
-    bytes only, not its submodules')."""
+    """Bytes attributed to ``names`` and their submodules."""
     def match(n, k):
-        return n == k[1:] if k.startswith("=") else (n == k or n.startswith(k + "."))
+        return n == k or n.startswith(k + ".")
 
     with SavedTensorMeter(model) as meter:
         model(x).sum()
@@ -120,10 +119,6 @@ def _patched_names(model, op):
                 continue  # share-only attn @ v: its bytes are the softmax's shared copy
             if lop == op:
                 out.append(n)
-                if op == "softmax":
-                    # the attention calls Softmax.forward_with_copy (not the module): the meter
-                    # attributes its copy to the attention module itself (its own bytes)
-                    out.append("=" + n.rpartition(".")[0])
     return out
 
 

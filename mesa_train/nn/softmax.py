@@ -144,10 +144,17 @@ class Softmax(MesaLayer, nn.Softmax):
         """See :func:`rebuild_parameter_free` for where the estimates go."""
         return rebuild_parameter_free(cls, stock, nn.Softmax, (stock.dim,), device, quant_options)
 
-    def forward(self, input):
-        return self.forward_with_copy(input)[0]
+    def forward(self, input, *, with_copy: bool = False, out_dtype: Optional[torch.dtype] = None,
+                dim: Optional[int] = None):
+        """The output, or with ``with_copy=True`` :meth:`forward_with_copy`'s ``(output, copy)``.
+        Callers that hand the copy on call the module this way rather than the method, so
+        that module hooks see the call as this layer's (``SavedTensorMeter`` attributes the
+        copy to the softmax, not to the attention calling it: ``describe`` reported a
+        patched attention's int8 map as "left as is")."""
+        y, copy = self.forward_with_copy(input, out_dtype, dim)
+        return (y, copy) if with_copy else y
 
-    def forward_with_copy(self, input, out_dtype: Optional[torch.dtype] = None
+    def forward_with_copy(self, input, out_dtype: Optional[torch.dtype] = None, dim: Optional[int] = None
                           ) -> tuple[torch.Tensor, Optional[Packed]]:
         """``(output, its 8-bit copy)``; the copy is ``None`` when nothing was compressed
         (eval mode, disabled, or no gradient needed). ``out_dtype``: the output cast to it
@@ -155,11 +162,13 @@ class Softmax(MesaLayer, nn.Softmax):
         (autocast's ``attn @ v``: :func:`autocast_dtype_for`), and the copy is of the map the
         consumer gets. The gradient then arrives in that dtype and backward is one op with no
         cast of the map around it (under CUDA autocast the softmax runs in float32: per block
-        two passes over the float32 map saved in backward, one in forward)."""
+        two passes over the float32 map saved in backward, one in forward). ``dim``: this
+        call's softmax dim instead of the layer's (the generic attention routing's softmax
+        over the tokens, CoaT's ``k.softmax(dim=2)``)."""
         if not self._mesa_active(input):
-            y = super().forward(input)
+            y = super().forward(input) if dim is None else F.softmax(input, dim)
             return (y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)), None
-        dim = self.dim
+        dim = self.dim if dim is None else dim
         if dim is None:
             dim = F._get_softmax_dim("softmax", input.dim(), 5)  # same implicit choice and warning
         dim = dim % input.dim() if input.dim() else 0

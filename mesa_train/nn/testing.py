@@ -51,7 +51,7 @@ class TinyBlock(nn.Module):
         q, k, v = qkv.unbind(0)
         scores = self.qk(q * self.scale, k.transpose(-2, -1))
         if isinstance(self.softmax, Softmax):  # hand the map's 8-bit copy to attn @ v (also compiled)
-            attn, copy = self.softmax.forward_with_copy(scores)
+            attn, copy = self.softmax(scores, with_copy=True)
             o = self.av(attn, v, shared_a=copy)
         else:
             o = self.av(self.softmax(scores), v)

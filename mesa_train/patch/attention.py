@@ -107,7 +107,7 @@ def _explicit_core(module, q, k, v, bias_fn=None):
         # cast, made inside the layer), so that backward needs no cast of the map either
         # way (CUDA autocast: a float32 softmax, a bf16 product; nn/softmax.py)
         passes = _returns_input(module.attn_drop)
-        probs, copy = module.softmax.forward_with_copy(attn, autocast_dtype_for(attn) if passes else None)
+        probs, copy = module.softmax(attn, with_copy=True, out_dtype=autocast_dtype_for(attn) if passes else None)
         attn = module.attn_drop(probs)
         # the copy is the map's only when no dropout was applied. Not just `attn is probs`:
         # Dynamo in torch 2.11 (fixed by 2.14) gives the output of a p=0 dropout a new

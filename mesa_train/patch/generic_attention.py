@@ -10,8 +10,8 @@ class's forward with a ``TorchFunctionMode`` entered (:func:`_mesa_captured_forw
 
 ``mesa_sdpa``     the module's ``F.scaled_dot_product_attention`` call (int8 q, k, v)
 ``mesa_qk``       its first batched (>= 3-D x >= 3-D) matmul of the call: ``q @ k^T``
-``mesa_softmax``  its first softmax over the last dim: the attention map (int8 output,
-                  offered for sharing)
+``mesa_softmax``  its first softmax: the attention map (over the last dim; int8 output,
+                  offered for sharing), or one over another dim (CoaT's keys over the tokens)
 ``mesa_av``       its second batched matmul: ``attn @ v`` (the map is the softmax's shared
                   int8 copy when it comes straight from it; else quantized itself)
 
@@ -139,9 +139,12 @@ class _Capture(TorchFunctionMode):
         if (func in _SOFTMAXES and _batched(args[0]) and kwargs.get("dtype") is None and self.softmaxes == 0
                 and "mesa_softmax" in owner._modules):
             dim = _softmax_dim(args, kwargs)
-            if dim is not None and dim % args[0].dim() == args[0].dim() - 1:
+            if dim is not None:
+                # over the last dim (the attention map), or another (CoaT's factorized
+                # attention normalises its keys over the tokens: k.softmax(dim=2))
+                last = dim % args[0].dim() == args[0].dim() - 1
                 self.softmaxes += 1
-                self.probs, self.probs_copy = owner.mesa_softmax.forward_with_copy(args[0])
+                self.probs, self.probs_copy = owner.mesa_softmax(args[0], with_copy=True, dim=None if last else dim)
                 return self.probs
         return func(*args, **kwargs)
 
