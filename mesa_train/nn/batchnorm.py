@@ -27,6 +27,7 @@ from torch import nn
 
 from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, inherit_options, load,
                       no_autocast, save)
+from .conv import conv_backward, conv_forward, scale_branch_compiled
 from .quantizer import decompress
 
 __all__ = ["BatchNorm2d", "BatchNorm1d", "BatchNormAct2d"]
@@ -36,18 +37,64 @@ def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.view((1, -1) + (1,) * (like.dim() - 2))
 
 
+def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer):
+    """The training forward of the Mesa BatchNorms: ``(out, packed x_hat, invstd, compute dtype)``."""
+    # exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which
+    # also hands back the batch mean and invstd it normalised with
+    out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
+        x, weight, bias, running_mean, running_var, True, momentum, eps, torch.backends.cudnn.enabled)
+    with no_autocast(x.device.type):
+        mdt = torch.promote_types(x.dtype, torch.float32)
+        x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), x)) * _per_channel(invstd.to(mdt), x)
+    packed = quantizer.compress(x_hat, 1)
+    return out, packed, invstd, mdt
+
+
+def bn_backward(g, packed, invstd, weight, mdt, eps, needs, scale_coef: bool):
+    """``(dx, dweight, dbias, coef)`` in the compute dtype ``mdt`` (``needs``: which of the first
+    three are wanted). ``scale_coef``: also ``coef = gamma * dgamma * (1 - mean(x_hat^2))`` per
+    channel, the weight gradient's numerator of a 1x1 depthwise conv in front (``ScaleLink``)."""
+    need_x, need_w, need_b = needs
+    gx = coef = None
+    with no_autocast(g.device.type):
+        xh = decompress(packed, mdt)
+        # The exact x_hat has zero mean and unit mean square per channel, which makes dx
+        # orthogonal to both the constant and x_hat itself over each channel: whatever is
+        # added per channel before the BatchNorm gets an exactly-zero gradient, and so does
+        # a pure rescaling of its input (a conv or BatchNorm weight in front: a cancellation
+        # that 8-bit noise would otherwise swamp; EfficientViT-M's conv1.bn.weight went to
+        # cosine 0.08). The dequantized x_hat is off by rounding noise, so it is
+        # standardised again with its own per-channel moments (to the exact x_hat's mean
+        # square), handed to the kernel as the mean/invstd it normalises with (no extra
+        # pass over the tensor for the scaling).
+        # (The exact mean square is var / (var + eps) = 1 - eps * invstd^2, not 1, for a
+        # channel whose variance is not far above eps.)
+        # (the BatchNorm statistics kernel: 5-28x faster than var_mean over (N, H, W) on
+        # CPU, the same values; EfficientNet-B0's step spent 12% of its time in var_mean)
+        xh_mean, var = torch.batch_norm_update_stats(xh, None, None, 0.0)
+        target = (1 - eps * invstd.to(mdt).square()).clamp_min(0)
+        s = torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
+        w = weight.to(mdt) if weight is not None else None
+        gm = g.to(mdt)
+        dx, dw, db = torch.ops.aten.native_batch_norm_backward(
+            gm, xh, w, None, None, xh_mean, s, True, eps,
+            [need_x, (need_w or scale_coef) and w is not None, need_b])
+        if need_x:
+            gx = dx * _per_channel(invstd.to(mdt) / s, dx)
+        if scale_coef:  # the 1x1 depthwise conv in front takes its weight gradient from here
+            if w is None:  # dgamma = sum(g * x_hat'), x_hat' the re-standardised x_hat
+                dims = [d for d in range(xh.dim()) if d != 1]
+                dgamma = (gm * ((xh - _per_channel(xh_mean, xh)) * _per_channel(s, xh))).sum(dims)
+            else:
+                dgamma = dw
+            coef = (w if w is not None else 1) * dgamma * (1 - target)
+    return gx, (dw if need_w and w is not None else None), (db if need_b else None), coef
+
+
 class _BatchNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer, link=None):
-        # exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which
-        # also hands back the batch mean and invstd it normalised with
-        out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
-            x, weight, bias, running_mean, running_var, True, momentum, eps, torch.backends.cudnn.enabled)
-        with no_autocast(x.device.type):
-            mdt = torch.promote_types(x.dtype, torch.float32)
-            x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), x)) * _per_channel(invstd.to(mdt), x)
-        packed = quantizer.compress(x_hat, 1)
-        del x_hat
+        out, packed, invstd, mdt = bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer)
         ctx.mdt, ctx.eps, ctx.link = mdt, eps, link
         ctx.x_dtype = x.dtype
         ctx.w_dtype = weight.dtype if weight is not None else None
@@ -59,66 +106,91 @@ class _BatchNormFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (packed,), (invstd, weight) = load(ctx)
-        mdt = ctx.mdt
-        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        needs = tuple(ctx.needs_input_grad[:3])
         link, ctx.link = ctx.link, None
-        link = link if need_x else None
-        gx = gw = gb = None
-        with no_autocast(g.device.type):
-            xh = decompress(packed, mdt)
-            # The exact x_hat has zero mean and unit mean square per channel, which makes dx
-            # orthogonal to both the constant and x_hat itself over each channel: whatever is
-            # added per channel before the BatchNorm gets an exactly-zero gradient, and so does
-            # a pure rescaling of its input (a conv or BatchNorm weight in front: a cancellation
-            # that 8-bit noise would otherwise swamp; EfficientViT-M's conv1.bn.weight went to
-            # cosine 0.08). The dequantized x_hat is off by rounding noise, so it is
-            # standardised again with its own per-channel moments (to the exact x_hat's mean
-            # square), handed to the kernel as the mean/invstd it normalises with (no extra
-            # pass over the tensor for the scaling).
-            # (The exact mean square is var / (var + eps) = 1 - eps * invstd^2, not 1, for a
-            # channel whose variance is not far above eps.)
-            # (the BatchNorm statistics kernel: 5-28x faster than var_mean over (N, H, W) on
-            # CPU, the same values; EfficientNet-B0's step spent 12% of its time in var_mean)
-            xh_mean, var = torch.batch_norm_update_stats(xh, None, None, 0.0)
-            target = (1 - ctx.eps * invstd.to(mdt).square()).clamp_min(0)
-            s = torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
-            w = weight.to(mdt) if weight is not None else None
-            gm = g.to(mdt)
-            dx, dw, db = torch.ops.aten.native_batch_norm_backward(
-                gm, xh, w, None, None, xh_mean, s, True, ctx.eps,
-                [need_x, (need_w or link is not None) and w is not None, need_b])
-            if need_x:
-                gx = (dx * _per_channel(invstd.to(mdt) / s, dx)).to(ctx.x_dtype)
-            if link is not None:  # the 1x1 depthwise conv in front takes its weight gradient from here
-                if w is None:  # dgamma = sum(g * x_hat'), x_hat' the re-standardised x_hat
-                    dims = [d for d in range(xh.dim()) if d != 1]
-                    dgamma = (gm * ((xh - _per_channel(xh_mean, xh)) * _per_channel(s, xh))).sum(dims)
-                else:
-                    dgamma = dw
-                link.coef = (w if w is not None else 1) * dgamma * (1 - target)
-                link.gx = gx
-            if need_w and w is not None and dw is not None:
-                gw = dw.to(ctx.w_dtype)
-            if need_b and db is not None:
-                gb = db.to(ctx.b_dtype)
+        link = link if needs[0] else None
+        gx, gw, gb, coef = bn_backward(g, packed, invstd, weight, ctx.mdt, ctx.eps, needs, link is not None)
+        gx = gx.to(ctx.x_dtype) if gx is not None else None
+        if link is not None:
+            link.coef, link.gx = coef, gx
+        gw = gw.to(ctx.w_dtype) if gw is not None else None
+        gb = gb.to(ctx.b_dtype) if gb is not None else None
         return gx, gw, gb, None, None, None, None, None, None
+
+
+class _ScaleBranchFn(torch.autograd.Function):
+    """``bn(conv(x))`` for a 1x1 depthwise Mesa conv feeding a train-mode Mesa BatchNorm, under
+    ``torch.compile``: eager's two Functions and their ``ScaleLink`` hand-over in one (the conv's
+    8-bit input, the BatchNorm's 8-bit ``x_hat``; the conv weight's gradient ``coef / w`` from
+    the BatchNorm's backward, its 8-bit input where ``w == 0``). Same forward ops and the same
+    backward arithmetic as eager's pair."""
+
+    @staticmethod
+    def forward(ctx, x, conv_weight, conv_bias, bn_weight, bn_bias, running_mean, running_var, momentum, eps, conv,
+                bn_quantizer):
+        y, packed_x, ctx.conv_meta = conv_forward(x, conv_weight, conv_bias, conv, conv.quantizer,
+                                                  ctx.needs_input_grad[1])
+        out, packed_xh, invstd, mdt = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
+                                                 bn_quantizer)
+        ctx.conv, ctx.mdt, ctx.eps = conv, mdt, eps
+        ctx.dtypes = (x.dtype, conv_weight.dtype, conv_bias.dtype if conv_bias is not None else None, y.dtype,
+                      bn_weight.dtype if bn_weight is not None else None,
+                      bn_bias.dtype if bn_bias is not None else None)
+        save(ctx, [packed_x, packed_xh], invstd, bn_weight, conv_weight)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (packed_x, packed_xh), (invstd, bn_weight, conv_weight) = load(ctx)
+        need = ctx.needs_input_grad
+        need_conv = tuple(need[:3])
+        x_dtype, cw_dtype, cb_dtype, y_dtype, bw_dtype, bb_dtype = ctx.dtypes
+        gy, gbw, gbb, coef = bn_backward(g, packed_xh, invstd, bn_weight, ctx.mdt, ctx.eps,
+                                         (any(need_conv), need[3], need[4]), need[1])
+        gx = gw = gb = None
+        if gy is not None:  # (as eager's pair: the BatchNorm hands the conv its input's gradient)
+            gx, gw, gb = conv_backward(gy.to(y_dtype), packed_x, conv_weight, ctx.conv, ctx.conv_meta, need_conv,
+                                       y_dtype, coef if need[1] else None)
+        casts = ((gx, x_dtype, need[0]), (gw, cw_dtype, need[1]), (gb, cb_dtype, need[2]), (gbw, bw_dtype, need[3]),
+                 (gbb, bb_dtype, need[4]))
+        grads = tuple(t.to(dtype) if t is not None and wanted else None for t, dtype, wanted in casts)
+        return grads + (None,) * 6
+
+
+def _scale_branch_forward(conv, bn, x: torch.Tensor) -> torch.Tensor:
+    """The linked pair under compile (``_ScaleBranchFn``), with ``bn``'s momentum bookkeeping."""
+    bn._check_input_dim(x)
+    running_mean, running_var, factor = running_stats_step(bn)
+    return _ScaleBranchFn.apply(x, conv.weight, conv.bias, bn.weight, bn.bias, running_mean, running_var, factor,
+                                bn.eps, conv, bn.quantizer)
 
 
 def _train_forward(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor, link, stock_forward):
     """The Mesa BatchNorms' forward: ``_BatchNormFn`` in training with batch statistics, with
     ``nn.BatchNorm*d``'s momentum bookkeeping; ``stock_forward`` otherwise."""
-    bn_training = bn.training or (bn.running_mean is None and bn.running_var is None)
-    if not (bn_training and bn._mesa_active(input, bn.weight, bn.bias)):
+    if not (batch_statistics(bn) and bn._mesa_active(input, bn.weight, bn.bias)):
         return stock_forward(input)
     bn._check_input_dim(input)
-    # nn.BatchNorm2d's momentum bookkeeping, unchanged
+    running_mean, running_var, factor = running_stats_step(bn)
+    return _BatchNormFn.apply(input, bn.weight, bn.bias, running_mean, running_var, factor, bn.eps, bn.quantizer,
+                              link)
+
+
+def batch_statistics(bn: nn.modules.batchnorm._BatchNorm) -> bool:
+    """Whether ``bn`` normalises with the batch's statistics (as ``nn.BatchNorm2d.forward`` decides)."""
+    return bn.training or (bn.running_mean is None and bn.running_var is None)
+
+
+def running_stats_step(bn: nn.modules.batchnorm._BatchNorm):
+    """``nn.BatchNorm*d``'s momentum bookkeeping, unchanged (``num_batches_tracked`` counted
+    here): ``(running_mean, running_var, momentum factor)`` to hand the batch-norm op."""
     factor = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
         bn.num_batches_tracked.add_(1)
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
     track = bn.running_mean is not None and (not bn.training or bn.track_running_stats)
-    return _BatchNormFn.apply(input, bn.weight, bn.bias, bn.running_mean if track else None,
-                              bn.running_var if track else None, factor, bn.eps, bn.quantizer, link)
+    return (bn.running_mean if track else None), (bn.running_var if track else None), factor
 
 
 class _MesaBatchNorm(MesaLayer):
@@ -159,10 +231,12 @@ class BatchNorm2d(_MesaBatchNorm, nn.BatchNorm2d):
 
     def forward(self, input):
         if torch.compiler.is_compiling():
-            # nothing is pending under compile: a scale branch runs stock there, this BatchNorm
-            # too (nn/conv.py); and Dynamo in torch 2.11 cannot trace a pop from a __dict__
-            if getattr(self, "_mesa_scale_conv", None) is not None:
-                return super().forward(input)
+            # nothing is pending under compile (Dynamo in torch 2.11 cannot trace a pop from a
+            # __dict__): a linked scale branch runs here as one Function, its conv having
+            # handed over its own input (conv.scale_branch_compiled)
+            conv = getattr(self, "_mesa_scale_conv", None)
+            if conv is not None and scale_branch_compiled(conv, self):
+                return _scale_branch_forward(conv, self, input)
             link = None
         else:
             # taken on every call (never left on the module): a 1x1 depthwise conv in front (conv.ScaleLink)

@@ -18,7 +18,7 @@ from ._common import (MesaLayer, adopt_parameters, check_stock, from_nhwc, inher
 
 from .quantizer import decompress
 
-__all__ = ["Conv1d", "Conv2d", "ScaleLink", "is_scale_conv"]
+__all__ = ["Conv1d", "Conv2d", "ScaleLink", "conv_backward", "conv_forward", "is_scale_conv", "scale_branch_compiled"]
 
 
 class ScaleLink:
@@ -47,27 +47,77 @@ class ScaleLink:
         self.coef = None  # per channel: gamma * dgamma * (1 - mean(x_hat^2))
 
 
+def scale_branch_compiled(conv: nn.Module, bn: nn.Module) -> bool:
+    """Under ``torch.compile``, whether a linked scale branch (``conv`` -> ``bn``, linked by
+    ``patch_model``) runs as one Function, the BatchNorm's (``batchnorm._ScaleBranchFn``): the
+    link hand-over cannot be traced. Both modules ask it, and both answer alike: the conv then
+    returns its input untouched and the BatchNorm computes the pair. Training, both enabled,
+    the conv weight wanting its gradient, the BatchNorm on batch statistics."""
+    return (torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and conv.training and conv._mesa_options.enabled and conv.weight.requires_grad
+            and bn.training and bn._mesa_options.enabled)
+
+
 def is_scale_conv(m: nn.Module) -> bool:
     """A 1x1 depthwise conv (one output channel per input channel, no padding)."""
     return (isinstance(m, nn.Conv2d) and tuple(m.kernel_size) == (1, 1) and m.groups == m.in_channels == m.out_channels
             and not isinstance(m.padding, str) and tuple(m.padding) == (0, 0) and m.padding_mode == "zeros")
 
 
+def conv_forward(x, weight, bias, module, quantizer, weight_grad: bool):
+    """The Mesa convs' training forward: ``(y, packed input or None, its layout meta)``; the input
+    is compressed only when the weight gradient needs it (``weight_grad``)."""
+    y = module._conv_forward(x, weight, bias)  # exactly nn.Conv2d.forward
+    # a channels-last input is kept in its own layout: backward hands convolution_backward
+    # a channels-last input, so the input gradient is stock's, layout and bits
+    spatial = len(module.kernel_size)  # 2 for Conv2d, 1 for Conv1d
+    xv, dim, nhwc_codes = nhwc_view(x, x.dim() - spatial - 1, quantizer.options.is_default_format)
+    packed = quantizer.compress(xv, dim) if weight_grad else None
+    return y, packed, (is_channels_last(x), nhwc_codes, x.shape)
+
+
+def conv_backward(g, packed, weight, module, meta, need, cdt, scale_coef=None):
+    """``(dx, dweight, dbias)`` in the compute dtype ``cdt`` (``need``: which are wanted).
+    ``scale_coef``: a scale branch's BatchNorm hand-over (``ScaleLink``): the weight gradient is
+    ``coef / w`` where ``w != 0``, from the 8-bit input elsewhere."""
+    channels_last, nhwc_codes, x_shape = meta
+    m = module
+    with no_autocast(g.device.type):
+        g = g.to(cdt)
+        w = weight.to(cdt)
+        if packed is not None:
+            xh = from_nhwc(decompress(packed, cdt), nhwc_codes)
+        else:  # only the input gradient is needed: the values of x do not matter, its layout does
+            fmt = torch.channels_last if channels_last else torch.contiguous_format
+            xh = torch.empty(x_shape, dtype=cdt, device=g.device, memory_format=fmt)
+        spatial = len(m.kernel_size)
+        unbatched = xh.dim() == spatial + 1
+        if unbatched:
+            xh, g = xh.unsqueeze(0), g.unsqueeze(0)
+        padding = _explicit_padding(m)
+        if padding is not None:
+            gx, gw, gb = torch.ops.aten.convolution_backward(
+                g, xh, w, [w.shape[0]] if need[2] else None, list(m.stride), padding,
+                list(m.dilation), False, [0] * spatial, m.groups, list(need))
+        else:  # 'same' with an even kernel, non-zero padding modes: autograd re-derivation
+            gx, gw, gb = _autograd_backward(m, g, xh, w, list(need))
+        if unbatched and gx is not None:
+            gx = gx.squeeze(0)
+        if scale_coef is not None and gw is not None:  # scale branch into a BatchNorm (ScaleLink)
+            nz = w != 0
+            closed = scale_coef.to(cdt).view_as(w) / torch.where(nz, w, torch.ones_like(w))
+            gw = torch.where(nz, closed, gw)
+    return gx, gw, gb
+
+
 class _Conv2dFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module, quantizer, link=None):
-        y = module._conv_forward(x, weight, bias)  # exactly nn.Conv2d.forward
+        y, packed, ctx.meta = conv_forward(x, weight, bias, module, quantizer, ctx.needs_input_grad[1])
         ctx.link = link
-        ctx.channels_last = is_channels_last(x)
-        # a channels-last input is kept in its own layout: backward hands convolution_backward
-        # a channels-last input, so the input gradient is stock's, layout and bits
-        spatial = len(module.kernel_size)  # 2 for Conv2d, 1 for Conv1d
-        xv, dim, ctx.nhwc_codes = nhwc_view(x, x.dim() - spatial - 1, quantizer.options.is_default_format)
-        packed = quantizer.compress(xv, dim) if ctx.needs_input_grad[1] else None
         ctx.module = module
         ctx.cdt, ctx.x_dtype, ctx.w_dtype = y.dtype, x.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
-        ctx.x_shape = x.shape
         save(ctx, [packed], weight)
         return y
 
@@ -75,38 +125,13 @@ class _Conv2dFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (packed,), (weight,) = load(ctx)
-        m = ctx.module
-        cdt = ctx.cdt
-        need = list(ctx.needs_input_grad[:3])
+        need = tuple(ctx.needs_input_grad[:3])
         link, ctx.link = ctx.link, None
         linked = link is not None and link.coef is not None and g is link.gx and need[1]
         if link is not None:
             link.gx = None
-        with no_autocast(g.device.type):
-            g = g.to(cdt)
-            w = weight.to(cdt)
-            if packed is not None:
-                xh = from_nhwc(decompress(packed, cdt), ctx.nhwc_codes)
-            else:  # only the input gradient is needed: the values of x do not matter, its layout does
-                fmt = torch.channels_last if ctx.channels_last else torch.contiguous_format
-                xh = torch.empty(ctx.x_shape, dtype=cdt, device=g.device, memory_format=fmt)
-            spatial = len(m.kernel_size)
-            unbatched = xh.dim() == spatial + 1
-            if unbatched:
-                xh, g = xh.unsqueeze(0), g.unsqueeze(0)
-            padding = _explicit_padding(m)
-            if padding is not None:
-                gx, gw, gb = torch.ops.aten.convolution_backward(
-                    g, xh, w, [w.shape[0]] if need[2] else None, list(m.stride), padding,
-                    list(m.dilation), False, [0] * spatial, m.groups, need)
-            else:  # 'same' with an even kernel, non-zero padding modes: autograd re-derivation
-                gx, gw, gb = _autograd_backward(m, g, xh, w, need)
-            if unbatched and gx is not None:
-                gx = gx.squeeze(0)
-            if linked and gw is not None:  # scale branch into a BatchNorm (ScaleLink)
-                nz = w != 0
-                closed = link.coef.to(cdt).view_as(w) / torch.where(nz, w, torch.ones_like(w))
-                gw = torch.where(nz, closed, gw)
+        gx, gw, gb = conv_backward(g, packed, weight, ctx.module, ctx.meta, need, ctx.cdt,
+                                   link.coef if linked else None)
         gx = gx.to(ctx.x_dtype) if gx is not None and need[0] else None
         gw = gw.to(ctx.w_dtype) if gw is not None and need[1] else None
         gb = gb.to(ctx.b_dtype) if gb is not None and need[2] else None
@@ -179,12 +204,15 @@ class Conv2d(_MesaConv, nn.Conv2d):
             return self._compressed_conv(input, self.weight)
         if torch.compiler.is_compiling():
             # The link is a Python object the two backwards hand over through, which a traced
-            # autograd.Function may not mutate (Dynamo: "HOP: Unsafe side effect"; FastViT and
-            # RepViT did not compile). Without it this conv's weight gradient is a cancellation
-            # that 8-bit noise in the BatchNorm's backward swamps (RepViT: 0.9 relative error),
-            # so under compile the scale branch, this conv and its BatchNorm, runs stock: the
-            # two keep their inputs in full precision (one 1x1 depthwise branch per block).
-            return super().forward(input)
+            # autograd.Function may not mutate (Dynamo: "HOP: Unsafe side effect"). Without it
+            # this conv's weight gradient is a cancellation that 8-bit noise in the BatchNorm's
+            # backward swamps (RepViT: 0.9 relative error). Under compile the BatchNorm runs
+            # the pair as one Function instead (batchnorm._ScaleBranchFn: the same hand-over
+            # inside one backward); this conv hands it its input. (patch_model links only a
+            # pair whose container runs exactly bn(conv(x)).)
+            if scale_branch_compiled(self, bn):
+                return input
+            return self._compressed_conv(input, self.weight)
         link = ScaleLink()
         y = _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer, link)
         link.out = weakref.ref(y)

@@ -931,4 +931,4 @@ def _link_scale_branches(root: nn.Module, parents, quant_options: dict, keep_sto
             _replace_child(parents, bn, new)
             bn = new
         conv.__dict__["_mesa_scale_bn"] = bn  # not a child: state_dict and module tree unchanged
-        bn.__dict__["_mesa_scale_conv"] = conv  # (under torch.compile both run stock: nn/conv.py)
+        bn.__dict__["_mesa_scale_conv"] = conv  # (under torch.compile the BatchNorm runs the pair: nn/batchnorm.py)
