@@ -3,9 +3,10 @@
 ``SavedTensorMeter`` (``memory.py``) counts through autograd's saved-tensor hooks, which Dynamo
 refuses to trace. A compiled model's forward is one graph whose outputs are the model's results,
 the buffers' new values and the tensors its backward will read (the partitioner's choice, which
-may differ from eager autograd's). :func:`compiled_saved_tensors` compiles the model with
-``aot_autograd`` around the eager graph runner (what ``backend="aot_eager"`` does), with a forward
-compiler that takes a weak reference to every output's storage, and reports the storages still
+may differ from eager autograd's). :func:`compiled_saved_tensors` compiles the model with torch's
+``aot_eager`` backend (its min-cut partitioner, Inductor's, which recomputes cheap ops rather
+than keep their outputs) and a forward compiler of its own that takes a weak reference to every
+output's storage, and reports the storages still
 alive when the forward has returned that are neither the model's result nor a parameter or
 buffer: the compiled graph's autograd node holds them for backward (a buffer's new value is
 copied into the buffer and dropped).
@@ -17,6 +18,7 @@ sum(k.nbytes for k in kept)                     # bytes, each storage once
 """
 from __future__ import annotations
 
+import functools
 from typing import List, NamedTuple, Tuple
 
 import torch
@@ -38,8 +40,7 @@ def compiled_saved_tensors(model: nn.Module, *inputs) -> Tuple[object, List[Kept
     """``(output, kept)``: ``model(*inputs)`` compiled (fullgraph, aot_eager), and one
     :class:`KeptStorage` per storage its compiled forward keeps for backward, parameters and
     buffers left out. Builds a fresh compiled wrapper: one call per measurement."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import aot_eager
 
     outputs: List[Tuple[StorageWeakRef, int, KeptStorage]] = []
 
@@ -57,7 +58,8 @@ def compiled_saved_tensors(model: nn.Module, *inputs) -> Tuple[object, List[Kept
         run._boxed_call = True
         return run
 
-    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm))
+    # torch's own aot_eager (its partitioner, Inductor's min-cut one) with a watching forward compiler
+    backend = functools.partial(aot_eager, fw_compiler=forward_compiler)
     output = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
     excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), *_tensors(output))}
     kept = {}

@@ -3,7 +3,7 @@ zoo of ``tests/test_timm_models.py`` (zoo sizes, fp32, ops=all, one thread):
 
 * eager: ``SavedTensorMeter`` activation bytes of one training forward (stock, Mesa);
 * compiled: ``mesa_train.memory_compiled.compiled_saved_bytes`` of the patched model compiled
-  whole (``fullgraph=True``, ``aot_eager``: the partitioner's choice of saved tensors, ATen's
+  whole (``fullgraph=True``, ``aot_eager``: the saved tensors of Inductor's min-cut partitioner, ATen's
   kernels), from the same quantizer state as the eager call.
 
     PYTHONPATH=. python scripts/compiled_saved_sweep.py [--batch 4] [--out results/timm/compiled-saved.md] [MODEL ...]

@@ -66,7 +66,7 @@ def test_scale_branches_compile_bitwise_eager_mesa(name):
 def test_scale_branch_compiled_keeps_what_eager_keeps():
     """The pair keeps the conv's 8-bit input and the BatchNorm's 8-bit x_hat compiled as eager
     (compiled whole, aot_eager: ``mesa_train.memory_compiled``); it kept both inputs in full
-    precision before (FastViT 1.35x of eager's bytes)."""
+    precision before (FastViT 1.35x of eager's bytes, this test failed at 1.35)."""
     from mesa_train.memory import SavedTensorMeter
     from mesa_train.memory_compiled import compiled_saved_bytes
 
@@ -76,7 +76,8 @@ def test_scale_branch_compiled_keeps_what_eager_keeps():
     with SavedTensorMeter(model) as meter:
         model(x)
     torch._dynamo.reset()
-    assert compiled_saved_bytes(twin, x) == meter.activation_bytes
+    # (the min-cut partitioner recomputes a few cheap ops: 0.1% less)
+    assert 0.99 * meter.activation_bytes <= compiled_saved_bytes(twin, x) <= meter.activation_bytes
 
 
 def test_logits_modified_in_place_compile():

@@ -48,9 +48,11 @@ def test_frozen_model_keeps_nothing():
 @pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "resnet18"])
 def test_zoo_stock_and_patched_match_the_eager_meter(name):
     """Stock and Mesa-patched: compiled keeps the eager bytes (the int8 codes and statistics
-    through the Mesa ops' saved outputs), so Mesa's saving holds under compile."""
+    through the Mesa ops' saved outputs), so Mesa's saving holds under compile; the min-cut
+    partitioner may recompute a cheap op instead of keeping it (patched ResNet-18: 3% less)."""
     stock, x = build(name), example(name)
     patched = patch_model(copy.deepcopy(stock))
-    for model in (stock, patched):
-        assert compiled_saved_bytes(copy.deepcopy(model), x) == _eager_bytes(model, x)
+    assert compiled_saved_bytes(copy.deepcopy(stock), x) == _eager_bytes(stock, x)
+    eager = _eager_bytes(patched, x)
+    assert 0.95 * eager <= compiled_saved_bytes(copy.deepcopy(patched), x) <= eager
     assert compiled_saved_bytes(copy.deepcopy(patched), x) < 0.4 * compiled_saved_bytes(copy.deepcopy(stock), x)
