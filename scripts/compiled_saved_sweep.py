@@ -22,22 +22,17 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from timm_zoo import ZOO, build, example  # noqa: E402
 
-from mesa_train.memory import SavedTensorMeter  # noqa: E402
 from mesa_train.memory_compiled import compiled_saved_bytes  # noqa: E402
 from mesa_train.patch import patch_model  # noqa: E402
-
-
-def _eager_bytes(model, x) -> int:
-    with SavedTensorMeter(model) as meter:
-        model(x)
-    return meter.activation_bytes
+from mesa_train.patch.report import measure_saved_bytes  # noqa: E402
 
 
 def measure(name: str, batch: int) -> dict:
     stock, x = build(name), example(name, batch=batch)
     patched = patch_model(copy.deepcopy(stock))
     twin = copy.deepcopy(patched)  # the quantizer state the eager call starts from
-    row = {"model": name, "stock": _eager_bytes(stock, x), "eager": _eager_bytes(patched, x)}
+    row = {"model": name, "stock": measure_saved_bytes(stock, x).activation_bytes,
+           "eager": measure_saved_bytes(patched, x).activation_bytes}
     torch._dynamo.reset()
     row["compiled"] = compiled_saved_bytes(twin, x)
     return row

@@ -17,15 +17,14 @@ import timm
 import torch
 
 import mesa_train.patch.core as patch_core
-from mesa_train.memory import SavedTensorMeter, format_bytes
+from mesa_train.memory import format_bytes
 from mesa_train.memory_compiled import compiled_saved_bytes
 from mesa_train.patch import patch_model
+from mesa_train.patch.report import measure_saved_bytes
 
 
 def _saved(model: torch.nn.Module, x: torch.Tensor) -> int:
-    with SavedTensorMeter(model) as meter:
-        model(x)
-    return meter.activation_bytes
+    return measure_saved_bytes(model, x).activation_bytes
 
 
 def _patched_without_swap(model: torch.nn.Module) -> torch.nn.Module:

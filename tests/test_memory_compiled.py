@@ -9,18 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from mesa_train.memory import SavedTensorMeter
 from mesa_train.memory_compiled import compiled_saved_bytes, compiled_saved_tensors
 from mesa_train.patch import patch_model
+from mesa_train.patch.report import measure_saved_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from timm_zoo import build, example  # noqa: E402
 
 
 def _eager_bytes(model, x):
-    with SavedTensorMeter(model) as meter:
-        model(x)
-    return meter.activation_bytes
+    return measure_saved_bytes(model, x).activation_bytes
 
 
 def _mlp():

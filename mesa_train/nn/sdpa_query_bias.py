@@ -145,5 +145,4 @@ def compressed_query_bias_sdpa(module, q, k, v, query_bias: QueryBias, dropout_p
                                     *query_bias.inputs)
 
 
-
 _compressed_query_bias_sdpa_eager = torch.compiler.disable(compressed_query_bias_sdpa)
