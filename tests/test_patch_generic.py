@@ -202,3 +202,32 @@ def test_softmax_copy_counted_as_the_softmaxs(name, attention):
     softmax_bytes = sum(r[3] for r in cov.rows if r[:2] == ("compressed", "softmax"))
     codes = sum(t.numel() for t in maps[:len(maps) // 2])  # one byte per element (two forwards: Mesa, stock)
     assert codes and codes <= softmax_bytes < 1.1 * codes
+
+
+class KeysNormalisedFirst(torch.nn.Module):
+    """A user's attention that normalises its keys over the heads (a softmax over dim 1) before
+    its attention map: the map, the last-dim softmax, is the one routed to ``mesa_softmax``."""
+
+    def __init__(self, c=16, heads=2):
+        super().__init__()
+        self.num_heads = heads
+        self.qkv, self.proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
+        k = torch.nn.functional.softmax(k, dim=1)
+        attn = (q @ k.transpose(-1, -2)).softmax(-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_softmax_over_another_dim_before_the_map_leaves_the_map_routed():
+    stock = torch.nn.Sequential(KeysNormalisedFirst(), torch.nn.LayerNorm(16)).train()
+    patched = patch_model(copy.deepcopy(stock))
+    x = torch.randn(2, 5, 16)
+    routed = []
+    hook = patched[0].mesa_softmax.register_forward_hook(lambda m, i, out: routed.append(out[0]))
+    out = patched(x)
+    hook.remove()
+    assert torch.equal(stock(x), out)
+    assert [tuple(t.shape) for t in routed] == [(2, 2, 5, 5)]  # the map, not the (2, 2, 5, 8) keys

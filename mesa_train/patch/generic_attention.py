@@ -32,12 +32,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .rules import count_functional_calls
+
 __all__ = ["AMAX_CHILD", "EINSUM_CHILD", "capture_calls", "install", "install_routed",
            "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
            "GENERIC_ATTENTION_ATTR", "SCALES_ATTR"]
 
 CHILDREN = ("mesa_sdpa", "mesa_qk", "mesa_softmax", "mesa_av")
 GENERIC_ATTENTION_ATTR = "_mesa_generic_attention"
+# set when the forward has a single functional softmax: it is routed over any dim
+SOFTMAX_ANY_DIM_ATTR = "_mesa_softmax_any_dim"
 SCALES_ATTR = "_mesa_scales"  # {parameter name: ChannelScale child name}
 _MATMULS = {torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.bmm}
 _SOFTMAXES = {torch.softmax, torch.Tensor.softmax, F.softmax}
@@ -139,10 +143,11 @@ class _Capture(TorchFunctionMode):
         if (func in _SOFTMAXES and _batched(args[0]) and kwargs.get("dtype") is None and self.softmaxes == 0
                 and "mesa_softmax" in owner._modules):
             dim = _softmax_dim(args, kwargs)
-            if dim is not None:
-                # over the last dim (the attention map), or another (CoaT's factorized
-                # attention normalises its keys over the tokens: k.softmax(dim=2))
-                last = dim % args[0].dim() == args[0].dim() - 1
+            last = dim is not None and dim % args[0].dim() == args[0].dim() - 1
+            # over the last dim (the attention map), or over another when that softmax is the
+            # forward's only one (CoaT's factorized attention normalises its keys over the
+            # tokens: k.softmax(dim=2)); otherwise it may precede the map, which is routed
+            if last or (dim is not None and getattr(owner, SOFTMAX_ANY_DIM_ATTR, False)):
                 self.softmaxes += 1
                 self.probs, self.probs_copy = owner.mesa_softmax(args[0], with_copy=True, dim=None if last else dim)
                 return self.probs
@@ -260,6 +265,8 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options) 
     if "softmax" in ops and getattr(module, "mesa_softmax", None) is None:
         module.mesa_softmax = Softmax(dim=-1, device=device, **opts)
         added.append("softmax")
+    if "softmax" in ops:
+        object.__setattr__(module, SOFTMAX_ANY_DIM_ATTR, count_functional_calls(type(module), "softmax") == 1)
     if "softmax" in ops and "matmul" not in ops and getattr(module, "mesa_av", None) is None:
         # the map kept once through the softmax's shared copy, v as stock (share-only)
         module.mesa_qk = _Plain()

@@ -172,7 +172,7 @@ def _methods_reached(cls: type) -> List[Tuple[str, object]]:
     return out
 
 
-_SCAN_CACHE: Dict[object, Tuple[str, ...]] = {}
+_SCAN_CACHE: Dict[object, object] = {}
 
 
 def scan_functional_ops(cls: type) -> Tuple[str, ...]:
@@ -197,6 +197,21 @@ def scan_functional_ops(cls: type) -> Tuple[str, ...]:
     res = tuple(sorted(found))
     _SCAN_CACHE[cls] = res
     return res
+
+
+def count_functional_calls(cls: type, call_name: str) -> int:
+    """How many ``F.<call_name>(...)`` / ``x.<call_name>(...)`` calls the source of ``cls.forward``
+    (and the methods it calls on ``self``) holds; ``self.<call_name>(...)`` (a child module) is
+    not counted. Static, as :func:`scan_functional_ops`."""
+    key = ("count", cls, call_name)
+    if key not in _SCAN_CACHE:
+        _SCAN_CACHE[key] = sum(
+            1 for _, tree in _methods_reached(cls) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == call_name
+                 and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self"))
+                or (isinstance(node.func, ast.Name) and node.func.id == call_name)))
+    return _SCAN_CACHE[key]
 
 
 def scan_inline_scales(cls: type) -> Tuple[str, ...]:
