@@ -13,6 +13,7 @@ import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
 from kernel_marks import DTYPES
+from op_calls import count_calls
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
 
@@ -83,21 +84,8 @@ def test_softmax_copy_and_sharing_match(monkeypatch):
     assert not copy.q.requires_grad and not copy.alpha.requires_grad
 
 
-def _count_calls(monkeypatch, op_name: str) -> list:
-    """A list that gets one entry per call of ``torch.ops.mesa.<op_name>`` (which still runs)."""
-    calls = []
-    real = getattr(torch.ops.mesa, op_name)
-
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(torch.ops.mesa, op_name, spy)
-    return calls
-
-
 def test_the_fast_path_is_used_in_eager_training_only(monkeypatch):
-    calls = _count_calls(monkeypatch, "gelu_train")
+    calls = count_calls(monkeypatch, "gelu_train")
     layer = mnn.GELU()
     layer(torch.randn(4, 6, requires_grad=True)).sum().backward()
     assert calls == [1]
@@ -273,7 +261,7 @@ def test_fused_matmul_keeps_the_softmax_copy(implicit, operands, monkeypatch):
 
 
 def test_fused_matmul_runs_only_in_eager_training_with_the_paper_format(monkeypatch):
-    calls = _count_calls(monkeypatch, "matmul_train")
+    calls = count_calls(monkeypatch, "matmul_train")
     a, b = torch.randn(2, 4, 5, requires_grad=True), torch.randn(2, 5, 3, requires_grad=True)
     mnn.MatMul()(a, b).sum().backward()
     assert calls == [1]
@@ -326,7 +314,7 @@ def test_fused_conv2d_is_bitwise_the_python_function(dtype, autocast, conv_kwarg
 def test_fused_conv2d_only_for_numeric_zero_padding(monkeypatch):
     """'same' padding, other padding modes, the patch4x4 layout and the scale-branch link
     keep the Python Function; numeric zero padding takes the C++ op."""
-    calls = _count_calls(monkeypatch, "conv2d_train")
+    calls = count_calls(monkeypatch, "conv2d_train")
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     mnn.Conv2d(4, 4, 3, padding=1)(x).sum().backward()
     assert calls == [1]
@@ -421,7 +409,7 @@ def _sdpa_inputs(step, dtype, mask, four_d, grads):
 
 def _sdpa_run(fused, monkeypatch, dtype, autocast, mask, four_d, grads):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
-    calls = _count_calls(monkeypatch, "sdpa_train")
+    calls = count_calls(monkeypatch, "sdpa_train")
     torch.manual_seed(0)
     layer = mnn.ScaledDotProductAttention(num_groups=2)
     for i, q in enumerate(layer.quantizers()):
@@ -466,7 +454,7 @@ def test_fused_sdpa_is_bitwise_the_python_function(dtype, autocast, mask, four_d
 def test_fused_sdpa_runs_only_in_eager_training_without_dropout(monkeypatch):
     """dropout_p > 0 (the RNG-state replay), a variant format, eval and a disabled layer keep
     their Python paths; the default layer in eager training takes the C++ op."""
-    calls = _count_calls(monkeypatch, "sdpa_train")
+    calls = count_calls(monkeypatch, "sdpa_train")
     q, k, v = (torch.randn(2, 2, 5, 4, requires_grad=True) for _ in range(3))
     y = mnn.ScaledDotProductAttention()(q, k, v)
     assert calls == [1] and "SdpaTrain" in y.grad_fn.name()
@@ -494,7 +482,7 @@ def test_fused_sdpa_in_patched_models_is_bitwise_the_python_function(name, monke
     runs = []
     for fused in (True, False):
         monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
-        calls = _count_calls(monkeypatch, "sdpa_train")
+        calls = count_calls(monkeypatch, "sdpa_train")
         m = copy.deepcopy(model)
         out = []
         for step in range(2):

@@ -22,6 +22,17 @@ from .relu import pack_bits, unpack_bits
 __all__ = ["QuickGELU", "SiLU", "Hardswish", "GatedActivation", "quick_gelu"]
 
 
+# the kinds of mesa::elementwise_train (csrc/convnet_autograd.cpp)
+_OP_KINDS = {"silu": 0, "quick_gelu": 1, "hardswish": 2}
+
+
+def _fused(x: torch.Tensor, kind: str, quantizer) -> torch.Tensor | None:
+    """``kind(x)`` by the C++ layer op (eager, paper format: the layer with a C++ autograd node,
+    the Python Functions' bits), or ``None`` where the Python Function must run."""
+    fused = quantizer.fused_layer_args(x)
+    return None if fused is None else torch.ops.mesa.elementwise_train(x, _OP_KINDS[kind], *fused)
+
+
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(1.702 * x)``, the same ops in the same order as ``timm.layers.quick_gelu``."""
     return x * torch.sigmoid(1.702 * x)
@@ -98,7 +109,8 @@ class QuickGELU(_ParameterFreeLayer, nn.Module):
     def forward(self, input):
         if not self._mesa_active(input):
             return quick_gelu(input)
-        return _ElementwiseFn.apply(input, "quick_gelu", self.quantizer)
+        y = _fused(input, "quick_gelu", self.quantizer)
+        return y if y is not None else _ElementwiseFn.apply(input, "quick_gelu", self.quantizer)
 
     def extra_repr(self) -> str:
         return self._mesa_repr()
@@ -160,7 +172,8 @@ class _InplaceActivation(_ParameterFreeLayer):
         return self._compressed(input)
 
     def _compressed(self, input):
-        return _ElementwiseFn.apply(input, self._kind, self.quantizer)
+        y = _fused(input, self._kind, self.quantizer)
+        return y if y is not None else _ElementwiseFn.apply(input, self._kind, self.quantizer)
 
     def extra_repr(self) -> str:
         base = self._stock_types[0].extra_repr(self)
@@ -181,7 +194,8 @@ class Hardswish(_InplaceActivation, nn.Hardswish):
     _stock_types = (nn.Hardswish,)
 
     def _compressed(self, input):
-        return _HardswishFn.apply(input, self.quantizer)
+        y = _fused(input, "hardswish", self.quantizer)
+        return y if y is not None else _HardswishFn.apply(input, self.quantizer)
 
 
 def _act_vjp(act: nn.Module, x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options, load, save
 
 __all__ = ["ReLU", "pack_bits", "unpack_bits"]
@@ -82,6 +83,9 @@ class ReLU(MesaLayer, nn.ReLU):
     def forward(self, input):
         if not self._mesa_active(input):
             return super().forward(input)
+        if quantizer_mod._FUSED_LAYERS and not torch.compiler.is_compiling():
+            # eager: the layer with a C++ autograd node (csrc/convnet_autograd.cpp), the same bits
+            return torch.ops.mesa.relu_train_(input) if self.inplace else torch.ops.mesa.relu_train(input)
         return _ReLUFn.apply(input, self.inplace)  # no seed: traceable by torch.compile
 
     def extra_repr(self) -> str:

@@ -1,0 +1,326 @@
+// Eager fast path of the convnet layers: the Mesa BatchNorm (mesa_train/nn/batchnorm.py,
+// _BatchNormFn), GroupNorm (groupnorm.py, _GroupNormFn), ReLU (relu.py, _ReLUFn) and SiLU / QuickGELU / Hardswish (activations.py,
+// _ElementwiseFn, _HardswishFn), each as one op whose autograd node is C++, as
+// layers_autograd.cpp does for the transformer layers.
+//
+// Why: as Python Functions they added 50-150 us of host time per layer and step to stock's
+// 25-45 us (results/overhead/cpu-convnet.md): Function.apply, the ctx bookkeeping and the
+// small ops issued from Python (BatchNorm: some 14). Every block of a convnet has several.
+// Each op does what its Python Function does, op for op (the same aten kernels and
+// mesa::compress / dequantize), so outputs, codes, masks, estimates, running statistics and
+// gradients are bitwise the Python path's (tests/test_convnet_autograd.py). The layers call
+// them only in eager mode with the default 8-bit format (the norms: affine; BatchNorm: no linked
+// 1x1 depthwise conv in front, conv.ScaleLink); otherwise they keep their Python Functions.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/util/accumulate.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "layers_common.h"
+
+#include <optional>
+#include <vector>
+
+namespace mesa {
+namespace {
+
+using namespace layers;  // (layers_common.h)
+
+// a per-channel (C,) tensor shaped to broadcast over `like` (N, C, ...): batchnorm._per_channel
+at::Tensor per_channel(const at::Tensor& t, const at::Tensor& like) {
+  std::vector<int64_t> shape(like.dim(), 1);
+  shape[1] = -1;
+  return t.view(shape);
+}
+
+// What a norm's node keeps beside its codes and statistics: the quantizer's group count, eps,
+// the compute dtype and the dtypes its gradients go back in (the norms are affine here).
+void save_norm_meta(AutogradContext* ctx, int64_t quant_groups, double eps, c10::ScalarType mdt, const at::Tensor& x,
+                    const at::Tensor& weight, const at::Tensor& bias) {
+  ctx->saved_data["quant_groups"] = quant_groups;
+  ctx->saved_data["eps"] = eps;
+  ctx->saved_data["mdt"] = mdt;
+  ctx->saved_data["x_dtype"] = x.scalar_type();
+  ctx->saved_data["w_dtype"] = weight.scalar_type();
+  ctx->saved_data["b_dtype"] = bias.scalar_type();
+}
+
+// The factor that standardises the dequantized x_hat again, from its own variance `var` per
+// channel (BatchNorm) or per (sample, group) (GroupNorm), to the exact x_hat's mean square
+// 1 - eps * invstd^2 (batchnorm.bn_backward says why); 1 where var is 0.
+at::Tensor restandardise(const at::Tensor& var, const at::Tensor& invstd, double eps) {
+  const at::Tensor target = at::rsub(invstd.square().mul(eps), 1).clamp_min(0);
+  return at::where(var.gt(0), target.div(var).sqrt(), at::ones_like(var));
+}
+
+// The gradients in the dtypes of x, weight and bias, each where wanted (else undefined).
+variable_list norm_grads(AutogradContext* ctx, const at::Tensor& gx, const at::Tensor& dw, const at::Tensor& db,
+                         bool need_x, bool need_w, bool need_b) {
+  const at::Tensor none;
+  return {need_x ? gx.to(ctx->saved_data["x_dtype"].toScalarType()) : none,
+          need_w ? dw.to(ctx->saved_data["w_dtype"].toScalarType()) : none,
+          need_b && db.defined() ? db.to(ctx->saved_data["b_dtype"].toScalarType()) : none};
+}
+
+// ----------------------------------------------------------------------------- BatchNorm
+// Keeps x_hat = (x - mean) * invstd in 8 bits (groups along the channel dim) and the per-channel
+// invstd; backward re-standardises the dequantized x_hat per channel and runs ATen's batch-norm
+// backward on it (batchnorm.bn_backward says why).
+struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, const std::optional<at::Tensor>& running_mean,
+                            const std::optional<at::Tensor>& running_var, double momentum, double eps, Quantizer qz) {
+    // exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which also
+    // hands back the batch mean and invstd it normalised with
+    auto [out, mean, invstd, reserve, impl] = at::_batch_norm_impl_index(
+        x, weight, bias, running_mean, running_var, true, momentum, eps, at::globalContext().userEnabledCuDNN());
+    const auto mdt = at::promote_types(x.scalar_type(), at::kFloat);
+    at::Tensor x_hat;
+    {
+      NoAutocast no_autocast;
+      x_hat = (x.to(mdt) - per_channel(mean.to(mdt), x)) * per_channel(invstd.to(mdt), x);
+    }
+    auto [q, alpha, beta, G] = compress(x_hat, 1, qz);
+    ctx->save_for_backward({q, alpha, beta, invstd, weight});
+    save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("BatchNorm");
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &invstd = saved[3], &weight = saved[4];
+    const auto mdt = ctx->saved_data["mdt"].toScalarType();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
+    const at::Tensor xh =
+        call_dequantize(saved[0], saved[1], saved[2], 1, ctx->saved_data["quant_groups"].toInt(), mdt);
+    // (the BatchNorm statistics kernel gives the per-channel moments: batchnorm.bn_backward)
+    auto [xh_mean, var] = at::batch_norm_update_stats(xh, std::nullopt, std::nullopt, 0.0);
+    const at::Tensor invstd_m = invstd.to(mdt);
+    const at::Tensor s = restandardise(var, invstd_m, eps);
+    auto [dx, dw, db] = at::native_batch_norm_backward(grads[0].to(mdt), xh, weight.to(mdt), std::nullopt,
+                                                        std::nullopt, xh_mean, s, true, eps, {need_x, need_w, need_b});
+    variable_list out = norm_grads(ctx, need_x ? dx * per_channel(invstd_m / s, dx) : dx, dw, db, need_x, need_w,
+                                   need_b);
+    out.resize(8);  // (one per argument of forward)
+    return out;
+  }
+};
+
+at::Tensor batch_norm_train(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                            const std::optional<at::Tensor>& running_mean,
+                            const std::optional<at::Tensor>& running_var, double momentum, double eps,
+                            at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
+                            int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
+  TORCH_CHECK_VALUE(x.dim() >= 2, "mesa: batch_norm_train: x must be (N, C, ...), got ", x.dim(), " dims");
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  const auto present = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() ? t : std::nullopt;
+  };
+  return BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz);
+}
+
+// ----------------------------------------------------------------------------- GroupNorm
+// groupnorm._GroupNormFn: x_hat per (sample, group) in 8 bits (groups along the channel dim)
+// and the per-(sample, group) rstd; backward re-standardises the dequantized x_hat per
+// (sample, group) and runs ATen's group-norm backward on it.
+at::Tensor grouped(const at::Tensor& t, int64_t groups) { return t.reshape({t.size(0), groups, -1}); }
+
+struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, int64_t groups, double eps, Quantizer qz) {
+    const int64_t n = x.size(0), c = x.size(1), hxw = c10::multiply_integers(x.sizes().slice(2));
+    // what F.group_norm runs (torch.group_norm -> native_group_norm), which also hands back the
+    // per-(sample, group) mean and rstd it normalised with
+    auto [out, mean, rstd] = at::native_group_norm(x, weight, bias, n, c, hxw, groups, eps);
+    const auto mdt = at::promote_types(x.scalar_type(), at::kFloat);
+    at::Tensor x_hat;
+    {
+      NoAutocast no_autocast;
+      x_hat = ((grouped(x.to(mdt), groups) - mean.to(mdt).unsqueeze(-1)) * rstd.to(mdt).unsqueeze(-1)).view(x.sizes());
+    }
+    auto [q, alpha, beta, G] = compress(x_hat, 1, qz);
+    ctx->save_for_backward({q, alpha, beta, rstd, weight});
+    save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
+    ctx->saved_data["groups"] = groups;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("GroupNorm");
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &rstd = saved[3], &weight = saved[4];
+    const auto mdt = ctx->saved_data["mdt"].toScalarType();
+    const int64_t groups = ctx->saved_data["groups"].toInt();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
+    const at::Tensor xh =
+        call_dequantize(saved[0], saved[1], saved[2], 1, ctx->saved_data["quant_groups"].toInt(), mdt);
+    const int64_t n = xh.size(0), c = xh.size(1), hxw = c10::multiply_integers(xh.sizes().slice(2));
+    auto [var, xh_mean] = at::var_mean(grouped(xh, groups), at::IntArrayRef{-1}, /*correction=*/0, false);
+    const at::Tensor rstd_m = rstd.to(mdt);
+    const at::Tensor s = restandardise(var, rstd_m, eps);  // per (sample, group)
+    auto [dx, dw, db] = at::native_group_norm_backward(grads[0].to(mdt).contiguous(), xh, xh_mean, s, weight.to(mdt),
+                                                       n, c, hxw, groups, {need_x, need_w, need_b});
+    variable_list out = norm_grads(
+        ctx, need_x ? (grouped(dx, groups) * (rstd_m / s).unsqueeze(-1)).view(dx.sizes()) : dx, dw, db, need_x,
+        need_w, need_b);
+    out.resize(6);  // (one per argument of forward)
+    return out;
+  }
+};
+
+at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t groups,
+                            double eps, at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized,
+                            at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator, bool symmetric,
+                            bool stochastic) {
+  TORCH_CHECK_VALUE(x.dim() >= 2, "mesa: group_norm_train: x must be (N, C, ...), got ", x.dim(), " dims");
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  return GroupNormTrain::apply(x, weight, bias, groups, eps, qz);
+}
+
+// ----------------------------------------------------------------------------- 1-bit masks
+// relu.pack_bits / unpack_bits: a boolean tensor as uint8, 8 elements per byte (little-endian
+// bits), flat; the same bytes
+at::Tensor pack_bits(const at::Tensor& mask) {
+  at::Tensor flat = mask.to(at::kByte, false, false, at::MemoryFormat::Contiguous).view(-1);
+  const int64_t pad = (8 - flat.numel() % 8) % 8;
+  if (pad) flat = at::cat({flat, at::zeros({pad}, flat.options())});
+  const at::Tensor shifts = at::arange(8, flat.options());
+  return at::bitwise_left_shift(flat.view({-1, 8}), shifts).sum({-1}, false, at::kByte);
+}
+
+at::Tensor unpack_bits(const at::Tensor& packed, at::IntArrayRef shape) {
+  const at::Tensor bits = at::bitwise_right_shift(packed.unsqueeze(-1), at::arange(8, packed.options())).bitwise_and(1);
+  return bits.reshape(-1).slice(0, 0, c10::multiply_integers(shape)).view(shape).to(at::kBool);
+}
+
+// ----------------------------------------------------------------------------- ReLU
+// Keeps the 1-bit mask y > 0 (no quantizer). In place (nn.ReLU(inplace=True), timm's ResNets):
+// x itself is the output, marked dirty, as the Python Function does.
+struct ReluTrain : public torch::autograd::Function<ReluTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, bool inplace) {
+    at::Tensor y = inplace ? at::relu_(const_cast<at::Tensor&>(x)) : at::relu(x);  // exactly nn.ReLU.forward
+    if (inplace) {
+      ctx->mark_dirty({x});
+      y = x;
+    }
+    ctx->save_for_backward({pack_bits(y.gt(0))});
+    ctx->saved_data["shape"] = y.sizes();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("ReLU");
+    const auto saved = ctx->get_saved_variables();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const at::Tensor mask = unpack_bits(saved[0], shape);
+    return {grads[0].masked_fill(mask.logical_not(), 0), at::Tensor()};  // == threshold_backward(g, y, 0)
+  }
+};
+
+at::Tensor relu_train(const at::Tensor& x) { return ReluTrain::apply(x, false); }
+at::Tensor& relu_train_(at::Tensor& x) {
+  ReluTrain::apply(x, true);  // (returns x itself, its history rebased on the node)
+  return x;
+}
+
+// ----------------------------------------------------------------------------- SiLU, QuickGELU, Hardswish
+// y = f(x) keeping 8-bit x (channel groups, the NHWC view of a channels-last x); Hardswish also
+// keeps which side of -3 and 3 each element is on (two 1-bit masks: activations._HardswishFn)
+enum class Elementwise : int64_t { kSilu = 0, kQuickGelu = 1, kHardswish = 2 };
+
+at::Tensor quick_gelu(const at::Tensor& x) { return x * at::sigmoid(x * 1.702); }  // activations.quick_gelu
+
+struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t kind, Quantizer qz) {
+    const auto k = static_cast<Elementwise>(kind);
+    at::Tensor y = k == Elementwise::kSilu ? at::silu(x) : k == Elementwise::kQuickGelu ? quick_gelu(x)
+                                                                                         : at::hardswish(x);
+    const NhwcView v = nhwc_view(x, group_dim(x));
+    auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
+    if (k == Elementwise::kHardswish) {  // hardswish_backward's own comparisons
+      ctx->save_for_backward({q, alpha, beta, pack_bits(x.lt(-3)), pack_bits(x.gt(3))});
+    } else {
+      ctx->save_for_backward({q, alpha, beta});
+    }
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["nhwc"] = v.permuted;
+    ctx->saved_data["dim"] = v.dim;
+    ctx->saved_data["groups"] = G;
+    ctx->saved_data["shape"] = x.sizes();
+    ctx->saved_data["y_dtype"] = y.scalar_type();
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("activation");
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto k = static_cast<Elementwise>(ctx->saved_data["kind"].toInt());
+    const auto cdt = ctx->saved_data["y_dtype"].toScalarType();
+    const at::Tensor xh = from_nhwc(call_dequantize(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                                    ctx->saved_data["groups"].toInt(), cdt),
+                                    ctx->saved_data["nhwc"].toBool());
+    const at::Tensor g = grads[0].to(cdt);
+    at::Tensor gx;
+    if (k == Elementwise::kSilu) {
+      gx = at::silu_backward(g, xh);
+    } else if (k == Elementwise::kQuickGelu) {  // activations._quick_gelu_grad
+      const at::Tensor s = at::sigmoid(xh * 1.702);
+      gx = g * (s * ((xh * 1.702) * at::rsub(s, 1)).add(1));
+    } else {  // a rounded x may leave [-3, 3]: the end's slope; the masks say the side exactly
+      const auto shape = ctx->saved_data["shape"].toIntVector();
+      const at::Tensor slope = xh.div(3).add(0.5).clamp(-0.5, 1.5);
+      gx = g * slope.masked_fill(unpack_bits(saved[3], shape), 0).masked_fill(unpack_bits(saved[4], shape), 1);
+    }
+    return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor elementwise_train(const at::Tensor& x, int64_t kind, at::Tensor& alpha_est, at::Tensor& beta_est,
+                             at::Tensor& initialized, at::Tensor& rng, int64_t num_groups, double decay,
+                             int64_t estimator, bool symmetric, bool stochastic) {
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "mesa: elementwise_train: kind must be 0 (silu), 1 (quick_gelu) or 2 ",
+                    "(hardswish), got ", kind);
+  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  return ElementwiseTrain::apply(x, kind, qz);
+}
+
+}  // namespace
+}  // namespace mesa
+
+TORCH_LIBRARY_FRAGMENT(mesa, m) {
+  // The running statistics are updated in place (momentum: the factor nn.BatchNorm2d hands
+  // F.batch_norm), the quantizer's buffers as by mesa::observe.
+  m.def(
+      "batch_norm_train(Tensor x, Tensor weight, Tensor bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+      "float momentum, float eps, Tensor(c!) alpha_est, Tensor(d!) beta_est, Tensor(e!) initialized, "
+      "Tensor(f!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
+  // groups: the norm's own group count (nn.GroupNorm's num_groups); num_groups: the quantizer's
+  m.def(
+      "group_norm_train(Tensor x, Tensor weight, Tensor bias, int groups, float eps, Tensor(a!) alpha_est, "
+      "Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, int estimator, "
+      "bool symmetric, bool stochastic) -> Tensor");
+  // The ReLU keeps no estimates; relu_train_ is nn.ReLU(inplace=True): x itself, overwritten.
+  m.def("relu_train(Tensor x) -> Tensor");
+  m.def("relu_train_(Tensor(a!) x) -> Tensor(a!)");
+  // kind: 0 silu, 1 quick_gelu (x * sigmoid(1.702 x)), 2 hardswish
+  m.def(
+      "elementwise_train(Tensor x, int kind, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
+      "Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
+}
+
+// (see layers_autograd.cpp: one kernel for every backend, the node built here)
+TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
+  m.impl("batch_norm_train", &mesa::batch_norm_train);
+  m.impl("group_norm_train", &mesa::group_norm_train);
+  m.impl("relu_train", &mesa::relu_train);
+  m.impl("relu_train_", &mesa::relu_train_);
+  m.impl("elementwise_train", &mesa::elementwise_train);
+}

@@ -1,0 +1,240 @@
+"""The C++ fast path of the convnet layers (``mesa::batch_norm_train``, ``group_norm_train``, ``relu_train``,
+``elementwise_train``; csrc/convnet_autograd.cpp:
+the whole layer with a C++ autograd node) is bitwise the Python Function path: outputs, input and
+parameter gradients, BatchNorm's running statistics, the estimate and rounding-counter buffers afterwards,
+and the bytes kept. Also where it must not run (and the Python Function does)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mesa_train.nn as mnn
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn import quantizer as quantizer_mod
+from kernel_marks import DEVICES
+from op_calls import count_calls
+
+pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+
+
+def _assert_all_equal(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b), i
+
+
+# ----------------------------------------------------------------------------- BatchNorm
+BN_OPTIONS = [dict(), dict(estimator="per_sample"), dict(estimator="delayed"), dict(symmetric=True),
+              dict(rounding="nearest"), dict(num_groups=2)]
+BN_SHAPES = {"2d": (2, 4, 5, 3), "channels_last": (2, 4, 5, 3), "1d_ncl": (3, 4, 7), "1d_nc": (6, 4)}
+BN_MODULES = {"2d": mnn.BatchNorm2d, "channels_last": mnn.BatchNorm2d, "1d_ncl": mnn.BatchNorm1d,
+              "1d_nc": mnn.BatchNorm1d}
+
+
+def _norm_run(fused, monkeypatch, layer, device, shape, channels_last, dtype, grads):
+    """Two training steps of the norm ``layer`` (estimates initialised, then updated; a
+    BatchNorm's running statistics updated twice); ``dtype``: None runs under bf16 autocast."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    if layer.weight is not None:
+        with torch.no_grad():  # not the initial ones and zeros
+            layer.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+            layer.bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
+        layer.weight.requires_grad_(grads[1])
+        layer.bias.requires_grad_(grads[2])
+    layer.quantizer.rng.copy_(torch.tensor([55, 0]))
+    out = []
+    for step in range(2):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(step)) * (step + 1) + 3
+        x = x.to(device, dtype or torch.float32)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_(grads[0])
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype is None), SavedTensorMeter() as meter:
+            y = layer(x)
+        (y.float() * torch.linspace(-1, 2, y.numel(), device=device).view(y.shape)).sum().backward()
+        out += [y.detach(), x.grad, torch.tensor(meter.activation_bytes)]
+    return out + [p.grad for p in layer.parameters()] + [b.clone() for b in layer.buffers()]
+
+
+def _bn_run(fused, monkeypatch, device, layout, dtype, autocast, options, grads, bn_kwargs):
+    layer = BN_MODULES[layout](4, device=device, dtype=None if autocast else dtype, **bn_kwargs, **options)
+    return _norm_run(fused, monkeypatch, layer, device, BN_SHAPES[layout], layout == "channels_last",
+                     None if autocast else dtype, grads)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                            (torch.float32, True)], ids=str)
+@pytest.mark.parametrize("layout", list(BN_SHAPES))
+@pytest.mark.parametrize("options", BN_OPTIONS, ids=str)
+def test_fused_batchnorm_is_bitwise_the_python_function(device, dtype, autocast, layout, options, monkeypatch):
+    if dtype is torch.float16 and device == "cpu" and options:
+        pytest.skip("float16 on CPU: the default options suffice")
+    args = (device, layout, dtype, autocast, options, (True, True, True), {})
+    _assert_all_equal(_bn_run(True, monkeypatch, *args), _bn_run(False, monkeypatch, *args))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grads", [(False, True, True), (True, False, False), (True, True, False),
+                                   (False, False, True)], ids=str)
+@pytest.mark.parametrize("bn_kwargs", [dict(), dict(momentum=None), dict(track_running_stats=False)], ids=str)
+def test_fused_batchnorm_gradients_and_running_statistics(device, grads, bn_kwargs, monkeypatch):
+    """Which gradients are wanted, the cumulative average (momentum None) and no running statistics."""
+    args = (device, "2d", torch.float32, False, {}, grads, bn_kwargs)
+    _assert_all_equal(_bn_run(True, monkeypatch, *args), _bn_run(False, monkeypatch, *args))
+
+
+def test_fused_batchnorm_runs_only_where_it_may(monkeypatch):
+    """The C++ op in eager training with the paper format and an affine BatchNorm; the Python
+    Function for a non-affine one, a variant format, and a linked 1x1 depthwise conv in front
+    (conv.ScaleLink, whose weight gradient the BatchNorm's backward hands over); stock in eval."""
+    calls = count_calls(monkeypatch, "batch_norm_train")
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    mnn.BatchNorm2d(4)(x).sum().backward()
+    mnn.BatchNorm1d(4)(x.flatten(2)).sum().backward()
+    assert calls == [1, 1]
+    mnn.BatchNorm2d(4, affine=False)(x).sum().backward()
+    mnn.BatchNorm2d(4, bits=4)(x).sum().backward()
+    mnn.BatchNorm2d(4).eval()(x).sum().backward()
+    assert calls == [1, 1]
+    stock = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1, groups=4, bias=False), torch.nn.BatchNorm2d(4))
+    from mesa_train.patch import patch_model
+
+    patch_model(stock)(x).sum().backward()
+    assert calls == [1, 1]
+
+
+def test_fused_batchnorm_higher_order_gradients_are_a_clear_error(monkeypatch):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", True)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    bn = mnn.BatchNorm2d(4)
+    with pytest.raises(RuntimeError, match=r"higher-order gradients \(backward with create_graph=True\)"):
+        torch.autograd.grad(bn(x).pow(2).sum(), x, create_graph=True)
+
+
+# ----------------------------------------------------------------------------- GroupNorm
+GN_SHAPES = {"2d": (2, 4, 5, 3), "channels_last": (2, 4, 5, 3), "ncl": (3, 4, 7), "nc": (6, 4)}
+
+
+def _gn_run(fused, monkeypatch, device, layout, groups, dtype, autocast, options, grads):
+    layer = mnn.GroupNorm(groups, 4, device=device, dtype=None if autocast else dtype, quant_options=options)
+    return _norm_run(fused, monkeypatch, layer, device, GN_SHAPES[layout], layout == "channels_last",
+                     None if autocast else dtype, grads)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                            (torch.float32, True)], ids=str)
+@pytest.mark.parametrize("layout", list(GN_SHAPES))
+@pytest.mark.parametrize("groups", [1, 2])
+def test_fused_groupnorm_is_bitwise_the_python_function(device, dtype, autocast, layout, groups, monkeypatch):
+    args = (device, layout, groups, dtype, autocast, {}, (True, True, True))
+    _assert_all_equal(_gn_run(True, monkeypatch, *args), _gn_run(False, monkeypatch, *args))
+
+
+@pytest.mark.parametrize("options", BN_OPTIONS[1:], ids=str)
+@pytest.mark.parametrize("grads", [(True, True, True), (False, True, True), (True, False, False),
+                                   (False, False, True)], ids=str)
+def test_fused_groupnorm_options_and_gradients(options, grads, monkeypatch):
+    args = ("cpu", "2d", 2, torch.float32, False, options, grads)
+    _assert_all_equal(_gn_run(True, monkeypatch, *args), _gn_run(False, monkeypatch, *args))
+
+
+def test_fused_groupnorm_runs_only_where_it_may(monkeypatch):
+    calls = count_calls(monkeypatch, "group_norm_train")
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    mnn.GroupNorm(2, 4)(x).sum().backward()
+    assert calls == [1]
+    mnn.GroupNorm(2, 4, affine=False)(x).sum().backward()
+    mnn.GroupNorm(2, 4, bits=4)(x).sum().backward()
+    mnn.GroupNorm(2, 4).eval()(x).sum().backward()
+    assert calls == [1]
+
+
+# ----------------------------------------------------------------------------- ReLU, SiLU, QuickGELU, Hardswish
+def _activation(kind, options):
+    if kind == "relu":
+        return mnn.ReLU()
+    if kind == "relu_inplace":
+        return mnn.ReLU(inplace=True)
+    return {"silu": mnn.SiLU, "quick_gelu": mnn.QuickGELU, "hardswish": mnn.Hardswish}[kind](**options)
+
+
+ACT_SHAPES = {"4d": (2, 4, 5, 3), "channels_last": (2, 4, 5, 3), "3d": (3, 7, 6), "odd": (3, 5)}
+
+
+def _activation_run(fused, monkeypatch, device, kind, layout, dtype, autocast, options):
+    """Two training steps; for the in-place ReLU the input is a non-leaf it overwrites."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    torch.manual_seed(0)
+    layer = _activation(kind, options)
+    quantizers = [b for b in layer.buffers()]
+    if hasattr(layer, "quantizer"):
+        layer.quantizer.rng.copy_(torch.tensor([55, 0]))
+    out = []
+    for step in range(2):
+        # values on both sides of -3 and 3, and exact zeros and +-3 (the masks' edges)
+        x0 = torch.randn(ACT_SHAPES[layout], generator=torch.Generator().manual_seed(step)) * 3
+        x0.view(-1)[:4] = torch.tensor([0.0, 3.0, -3.0, -0.0])
+        x0 = x0.to(device, dtype)
+        if layout == "channels_last":
+            x0 = x0.contiguous(memory_format=torch.channels_last)
+        leaf = x0.requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
+            x = leaf * 1 if kind == "relu_inplace" else leaf
+            y = layer(x)
+        if kind == "relu_inplace":
+            assert y is x
+        (y.float() * torch.linspace(-1, 2, y.numel(), device=device).view(y.shape)).sum().backward()
+        out += [y.detach(), leaf.grad, torch.tensor(meter.activation_bytes)]
+    return out + [b.clone() for b in quantizers]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                            (torch.float32, True)], ids=str)
+@pytest.mark.parametrize("layout", list(ACT_SHAPES))
+@pytest.mark.parametrize("kind", ["relu", "relu_inplace", "silu", "quick_gelu", "hardswish"])
+def test_fused_activation_is_bitwise_the_python_function(device, dtype, autocast, layout, kind, monkeypatch):
+    args = (device, kind, layout, dtype, autocast, {})
+    _assert_all_equal(_activation_run(True, monkeypatch, *args), _activation_run(False, monkeypatch, *args))
+
+
+@pytest.mark.parametrize("options", BN_OPTIONS[1:], ids=str)
+@pytest.mark.parametrize("kind", ["silu", "quick_gelu", "hardswish"])
+def test_fused_activation_options_are_bitwise_the_python_function(kind, options, monkeypatch):
+    args = ("cpu", kind, "4d", torch.float32, False, options)
+    _assert_all_equal(_activation_run(True, monkeypatch, *args), _activation_run(False, monkeypatch, *args))
+
+
+@pytest.mark.parametrize("kind", ["relu", "silu", "quick_gelu", "hardswish"])
+def test_fused_activation_runs_only_in_eager_training(kind, monkeypatch):
+    op = {"relu": "relu_train"}.get(kind, "elementwise_train")
+    calls = count_calls(monkeypatch, op)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    _activation(kind, {})(x).sum().backward()
+    assert calls == [1]
+    _activation(kind, {}).eval()(x).sum().backward()
+    _activation(kind, {})(x.detach())
+    if kind != "relu":
+        _activation(kind, dict(bits=4))(x).sum().backward()  # a variant format: the Python Function
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("kind", ["relu", "hardswish"])
+def test_fused_activation_higher_order_gradients_are_a_clear_error(kind, monkeypatch):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", True)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"higher-order gradients \(backward with create_graph=True\)"):
+        torch.autograd.grad(_activation(kind, {})(x).pow(2).sum(), x, create_graph=True)
+
+
+def test_fused_inplace_relu_on_a_leaf_is_refused_as_stock_does(monkeypatch):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", True)
+    leaf = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        torch.nn.ReLU(inplace=True)(leaf)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        mnn.ReLU(inplace=True)(leaf)
