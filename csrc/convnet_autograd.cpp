@@ -187,16 +187,22 @@ at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const
 // relu.pack_bits / unpack_bits: a boolean tensor as uint8, 8 elements per byte (little-endian
 // bits), flat; the same bytes
 at::Tensor pack_bits(const at::Tensor& mask) {
-  at::Tensor flat = mask.to(at::kByte, false, false, at::MemoryFormat::Contiguous).view(-1);
+  // the boolean's own 0/1 bytes, in contiguous order (a copy only for a strided mask)
+  at::Tensor flat = (mask.is_contiguous() ? mask : mask.contiguous()).view(at::kByte).view(-1);
   const int64_t pad = (8 - flat.numel() % 8) % 8;
   if (pad) flat = at::cat({flat, at::zeros({pad}, flat.options())});
   const at::Tensor shifts = at::arange(8, flat.options());
   return at::bitwise_left_shift(flat.view({-1, 8}), shifts).sum({-1}, false, at::kByte);
 }
 
+// each element's bit in place: 0 or 2**bit (uint8), nonzero where the mask was set (one pass)
+at::Tensor unpack_bit_bytes(const at::Tensor& packed, at::IntArrayRef shape) {
+  const at::Tensor powers = at::bitwise_left_shift(at::ones({8}, packed.options()), at::arange(8, packed.options()));
+  return at::bitwise_and(packed.unsqueeze(-1), powers).view(-1).slice(0, 0, c10::multiply_integers(shape)).view(shape);
+}
+
 at::Tensor unpack_bits(const at::Tensor& packed, at::IntArrayRef shape) {
-  const at::Tensor bits = at::bitwise_right_shift(packed.unsqueeze(-1), at::arange(8, packed.options())).bitwise_and(1);
-  return bits.reshape(-1).slice(0, 0, c10::multiply_integers(shape)).view(shape).to(at::kBool);
+  return unpack_bit_bytes(packed, shape).to(at::kBool);
 }
 
 // ----------------------------------------------------------------------------- ReLU
@@ -218,8 +224,10 @@ struct ReluTrain : public torch::autograd::Function<ReluTrain> {
     check_first_order("ReLU");
     const auto saved = ctx->get_saved_variables();
     const auto shape = ctx->saved_data["shape"].toIntVector();
-    const at::Tensor mask = unpack_bits(saved[0], shape);
-    return {grads[0].masked_fill(mask.logical_not(), 0), at::Tensor()};  // == threshold_backward(g, y, 0)
+    // stock's own backward, threshold_backward(g, y, 0) (0 where y <= 0, else g), fed the
+    // mask's bytes for y: the same bits, two kernels from the codes where unpacking to a
+    // boolean and masked_fill took six
+    return {at::threshold_backward(grads[0], unpack_bit_bytes(saved[0], shape), 0), at::Tensor()};
   }
 };
 

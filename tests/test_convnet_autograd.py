@@ -17,12 +17,20 @@ from op_calls import count_calls
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
 
 
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A floating tensor's bit patterns (``torch.equal`` takes -0.0 for 0.0 and fails on NaN)."""
+    return t.contiguous().view(_BITS[t.dtype]) if t.dtype in _BITS else t
+
+
 def _assert_all_equal(got: list, want: list) -> None:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert (a is None) == (b is None), i
         if a is not None:
-            assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b), i
+            assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(_bits(a), _bits(b)), i
 
 
 # ----------------------------------------------------------------------------- BatchNorm
