@@ -1,16 +1,18 @@
 // Eager fast path of the convnet layers: the Mesa BatchNorm (mesa_train/nn/batchnorm.py,
-// _BatchNormFn), GroupNorm (groupnorm.py, _GroupNormFn), ReLU (relu.py, _ReLUFn) and SiLU / QuickGELU / Hardswish (activations.py,
-// _ElementwiseFn, _HardswishFn), each as one op whose autograd node is C++, as
+// _BatchNormFn), GroupNorm (groupnorm.py, _GroupNormFn), ReLU (relu.py, _ReLUFn), Hardtanh /
+// ReLU6 / Hardsigmoid (clamp_activations.py, _ClampMaskFn) and SiLU / QuickGELU / Hardswish
+// (activations.py, _ElementwiseFn, _HardswishFn), each as one op whose autograd node is C++, as
 // layers_autograd.cpp does for the transformer layers.
 //
 // Why: as Python Functions they added 50-150 us of host time per layer and step to stock's
 // 25-45 us (results/overhead/cpu-convnet.md): Function.apply, the ctx bookkeeping and the
 // small ops issued from Python (BatchNorm: some 14). Every block of a convnet has several.
-// Each op does what its Python Function does, op for op (the same aten kernels and
-// mesa::compress / dequantize), so outputs, codes, masks, estimates, running statistics and
-// gradients are bitwise the Python path's (tests/test_convnet_autograd.py). The layers call
-// them only in eager mode with the default 8-bit format (the norms: affine; BatchNorm: no linked
-// 1x1 depthwise conv in front, conv.ScaleLink); otherwise they keep their Python Functions.
+// Each op runs the aten kernels and mesa::compress / dequantize its Python Function runs, in
+// the same order (the masked backward: stock's own kernel in place of unpack + masked_fill, the
+// same values), so outputs, codes, masks, estimates, running statistics and gradients are
+// bitwise the Python path's (tests/test_convnet_autograd.py). The layers call them only in
+// eager mode with the default 8-bit format (the norms: affine; BatchNorm: no linked 1x1
+// depthwise conv in front, conv.ScaleLink); otherwise they keep their Python Functions.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/util/accumulate.h>
@@ -205,35 +207,61 @@ at::Tensor unpack_bits(const at::Tensor& packed, at::IntArrayRef shape) {
   return unpack_bit_bytes(packed, shape).to(at::kBool);
 }
 
-// ----------------------------------------------------------------------------- ReLU
-// Keeps the 1-bit mask y > 0 (no quantizer). In place (nn.ReLU(inplace=True), timm's ResNets):
-// x itself is the output, marked dirty, as the Python Function does.
-struct ReluTrain : public torch::autograd::Function<ReluTrain> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, bool inplace) {
-    at::Tensor y = inplace ? at::relu_(const_cast<at::Tensor&>(x)) : at::relu(x);  // exactly nn.ReLU.forward
+// ----------------------------------------------------------------------------- ReLU, Hardtanh, Hardsigmoid
+// One 1-bit mask kept, no quantizer: the ReLU's y > 0 (relu.py, _ReLUFn); for the clamps
+// (clamp_activations.py, _ClampMaskFn: Hardtanh, ReLU6, Hardsigmoid) whether x was inside the
+// open interval (lo, hi) where the derivative is not zero, taken before an in-place op
+// overwrites x. In place: x itself is the output, marked dirty, as the Python Functions do.
+enum class Masked : int64_t { kRelu = 0, kHardtanh = 1, kHardsigmoid = 2 };
+
+struct MaskTrain : public torch::autograd::Function<MaskTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t kind, double lo, double hi,
+                            bool inplace) {
+    const auto k = static_cast<Masked>(kind);
+    at::Tensor& xm = const_cast<at::Tensor&>(x);
+    at::Tensor inside;  // (the clamps: before the op)
+    if (k != Masked::kRelu) inside = at::bitwise_and(x.gt(lo), x.lt(hi));
+    at::Tensor y;  // exactly the stock module's forward
+    if (k == Masked::kRelu) y = inplace ? at::relu_(xm) : at::relu(x);
+    if (k == Masked::kHardtanh) y = inplace ? at::hardtanh_(xm, lo, hi) : at::hardtanh(x, lo, hi);
+    if (k == Masked::kHardsigmoid) y = inplace ? at::hardsigmoid_(xm) : at::hardsigmoid(x);
     if (inplace) {
       ctx->mark_dirty({x});
       y = x;
     }
-    ctx->save_for_backward({pack_bits(y.gt(0))});
+    ctx->save_for_backward({pack_bits(k == Masked::kRelu ? y.gt(0) : inside)});
     ctx->saved_data["shape"] = y.sizes();
+    ctx->saved_data["kind"] = kind;
     return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    check_first_order("ReLU");
+    check_first_order("activation");
     const auto saved = ctx->get_saved_variables();
     const auto shape = ctx->saved_data["shape"].toIntVector();
-    // stock's own backward, threshold_backward(g, y, 0) (0 where y <= 0, else g), fed the
-    // mask's bytes for y: the same bits, two kernels from the codes where unpacking to a
-    // boolean and masked_fill took six
-    return {at::threshold_backward(grads[0], unpack_bit_bytes(saved[0], shape), 0), at::Tensor()};
+    const at::Tensor bytes = unpack_bit_bytes(saved[0], shape);  // nonzero where the mask is set
+    const at::Tensor none;
+    if (static_cast<Masked>(ctx->saved_data["kind"].toInt()) == Masked::kHardsigmoid) {
+      // ATen's own kernel (its g * 1/6 rounding), on 0 inside and 3 (outside) elsewhere
+      return {at::hardsigmoid_backward(grads[0], bytes.eq(0).to(grads[0].scalar_type()).mul(3)), none, none, none,
+              none};
+    }
+    // stock ReLU's own backward, threshold_backward(g, y, 0) (0 where y <= 0, else g), fed the
+    // mask's bytes for y: the Python Functions' bits (their masked_fill(~mask, 0)), two kernels
+    // from the codes where unpacking to a boolean and masked_fill took six
+    return {at::threshold_backward(grads[0], bytes, 0), none, none, none, none};
   }
 };
 
-at::Tensor relu_train(const at::Tensor& x) { return ReluTrain::apply(x, false); }
-at::Tensor& relu_train_(at::Tensor& x) {
-  ReluTrain::apply(x, true);  // (returns x itself, its history rebased on the node)
+at::Tensor mask_train(const at::Tensor& x, int64_t kind, double lo, double hi) {
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "mesa: mask_train: kind must be 0 (relu), 1 (hardtanh) or 2 ",
+                    "(hardsigmoid), got ", kind);
+  return MaskTrain::apply(x, kind, lo, hi, false);
+}
+at::Tensor& mask_train_(at::Tensor& x, int64_t kind, double lo, double hi) {
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "mesa: mask_train_: kind must be 0 (relu), 1 (hardtanh) or 2 ",
+                    "(hardsigmoid), got ", kind);
+  MaskTrain::apply(x, kind, lo, hi, true);  // (returns x itself, its history rebased on the node)
   return x;
 }
 
@@ -315,9 +343,11 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "group_norm_train(Tensor x, Tensor weight, Tensor bias, int groups, float eps, Tensor(a!) alpha_est, "
       "Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, int estimator, "
       "bool symmetric, bool stochastic) -> Tensor");
-  // The ReLU keeps no estimates; relu_train_ is nn.ReLU(inplace=True): x itself, overwritten.
-  m.def("relu_train(Tensor x) -> Tensor");
-  m.def("relu_train_(Tensor(a!) x) -> Tensor(a!)");
+  // ReLU (kind 0), Hardtanh / ReLU6 (1: clamped to [lo, hi]), Hardsigmoid (2: lo, hi = -3, 3),
+  // keeping a 1-bit mask and no estimates; mask_train_ is the inplace=True module: x itself,
+  // overwritten
+  m.def("mask_train(Tensor x, int kind, float lo, float hi) -> Tensor");
+  m.def("mask_train_(Tensor(a!) x, int kind, float lo, float hi) -> Tensor(a!)");
   // kind: 0 silu, 1 quick_gelu (x * sigmoid(1.702 x)), 2 hardswish
   m.def(
       "elementwise_train(Tensor x, int kind, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
@@ -328,7 +358,7 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
 TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("batch_norm_train", &mesa::batch_norm_train);
   m.impl("group_norm_train", &mesa::group_norm_train);
-  m.impl("relu_train", &mesa::relu_train);
-  m.impl("relu_train_", &mesa::relu_train_);
+  m.impl("mask_train", &mesa::mask_train);
+  m.impl("mask_train_", &mesa::mask_train_);
   m.impl("elementwise_train", &mesa::elementwise_train);
 }

@@ -193,11 +193,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_wit
 // compress_with_rows (observe_rows + quantize, or row_exponents + quantize_observe for the
 // delayed estimator); the kernels scale the rows themselves (no scaled copy).
 // `other` is the layer's other dtype (max_exponent: 14 with float16 involved).
+// (In mesa::layers, declared in layers_common.h: scale_autograd.cpp's layer calls it too.)
+}  // namespace
+namespace layers {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_rows(
     const at::Tensor& x, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz) {
   const bool half = x.scalar_type() == at::kHalf || other == at::kHalf;
   return compress_with_rows(x, x.dim() - 1, qz, row_dims, row_scale ? (half ? 14 : 64) : 0);
 }
+}  // namespace layers
+namespace {
 
 // ----------------------------------------------------------------------------- compress
 // mesa::compress: ActivationQuantizer.compress (default format) as one op, for the Python
@@ -227,6 +232,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
   return {q, alpha, beta, k.defined() ? k : at::empty({0}, x.options().dtype(at::kChar))};
 }
 
+}  // namespace
+namespace layers {
 // The saved codes back in dtype `dt`, rows unscaled by 2**-k inside the kernel (k undefined:
 // no row scales).
 at::Tensor decompress_rows(const variable_list& saved, int64_t dim, int64_t groups, c10::ScalarType dt,
@@ -234,6 +241,8 @@ at::Tensor decompress_rows(const variable_list& saved, int64_t dim, int64_t grou
   return call_dequantize(saved[0], saved[1], saved[2], dim, groups, dt,
                               k.defined() ? std::optional<at::Tensor>(k) : std::nullopt, std::nullopt);
 }
+}  // namespace layers
+namespace {
 
 // mesa_train.nn.linear.not_a_view: F.linear's 3-D output is a view of addmm's; autograd
 // forbids in-place use of a custom op's view output, which a stock Linear allows.

@@ -173,6 +173,15 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
   return {q, alpha, beta, G};
 }
 
+// rowscale.compress_rows / decompress_rows (defined in layers_autograd.cpp): x compressed with
+// channel groups over its last dim, its rows far below the others scaled by 2**k when row_scale
+// is on (k undefined otherwise; `other`: the layer's other dtype, float16 caps k at 14); the
+// saved [q, alpha, beta, ...] back in dtype dt with the row scales undone.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_rows(
+    const at::Tensor& x, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz);
+at::Tensor decompress_rows(const variable_list& saved, int64_t dim, int64_t groups, c10::ScalarType dt,
+                           const at::Tensor& k);
+
 // A Mesa backward is not differentiable: it uses the 8-bit copy, a constant, where the stock
 // backward uses the input. With create_graph=True (grad mode on during backward) the
 // gradients it returned used to carry no graph through that copy, i.e. higher-order

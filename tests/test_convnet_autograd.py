@@ -1,4 +1,4 @@
-"""The C++ fast path of the convnet layers (``mesa::batch_norm_train``, ``group_norm_train``, ``relu_train``,
+"""The C++ fast path of the convnet layers (``mesa::batch_norm_train``, ``group_norm_train``, ``mask_train``,
 ``elementwise_train``; csrc/convnet_autograd.cpp:
 the whole layer with a C++ autograd node) is bitwise the Python Function path: outputs, input and
 parameter gradients, BatchNorm's running statistics, the estimate and rounding-counter buffers afterwards,
@@ -162,11 +162,15 @@ def test_fused_groupnorm_runs_only_where_it_may(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- ReLU, SiLU, QuickGELU, Hardswish
+MASKED = {"relu": lambda: mnn.ReLU(), "relu_inplace": lambda: mnn.ReLU(inplace=True),
+          "relu6": lambda: mnn.ReLU6(), "relu6_inplace": lambda: mnn.ReLU6(inplace=True),
+          "hardtanh": lambda: mnn.Hardtanh(-0.5, 2.0), "hardsigmoid": lambda: mnn.Hardsigmoid(),
+          "hardsigmoid_inplace": lambda: mnn.Hardsigmoid(inplace=True)}
+
+
 def _activation(kind, options):
-    if kind == "relu":
-        return mnn.ReLU()
-    if kind == "relu_inplace":
-        return mnn.ReLU(inplace=True)
+    if kind in MASKED:
+        return MASKED[kind]()
     return {"silu": mnn.SiLU, "quick_gelu": mnn.QuickGELU, "hardswish": mnn.Hardswish}[kind](**options)
 
 
@@ -191,9 +195,9 @@ def _activation_run(fused, monkeypatch, device, kind, layout, dtype, autocast, o
             x0 = x0.contiguous(memory_format=torch.channels_last)
         leaf = x0.requires_grad_()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
-            x = leaf * 1 if kind == "relu_inplace" else leaf
+            x = leaf * 1 if kind.endswith("_inplace") else leaf
             y = layer(x)
-        if kind == "relu_inplace":
+        if kind.endswith("_inplace"):
             assert y is x
         (y.float() * torch.linspace(-1, 2, y.numel(), device=device).view(y.shape)).sum().backward()
         out += [y.detach(), leaf.grad, torch.tensor(meter.activation_bytes)]
@@ -204,7 +208,7 @@ def _activation_run(fused, monkeypatch, device, kind, layout, dtype, autocast, o
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
                                             (torch.float32, True)], ids=str)
 @pytest.mark.parametrize("layout", list(ACT_SHAPES))
-@pytest.mark.parametrize("kind", ["relu", "relu_inplace", "silu", "quick_gelu", "hardswish"])
+@pytest.mark.parametrize("kind", list(MASKED) + ["silu", "quick_gelu", "hardswish"])
 def test_fused_activation_is_bitwise_the_python_function(device, dtype, autocast, layout, kind, monkeypatch):
     args = (device, kind, layout, dtype, autocast, {})
     _assert_all_equal(_activation_run(True, monkeypatch, *args), _activation_run(False, monkeypatch, *args))
@@ -217,21 +221,21 @@ def test_fused_activation_options_are_bitwise_the_python_function(kind, options,
     _assert_all_equal(_activation_run(True, monkeypatch, *args), _activation_run(False, monkeypatch, *args))
 
 
-@pytest.mark.parametrize("kind", ["relu", "silu", "quick_gelu", "hardswish"])
+@pytest.mark.parametrize("kind", ["relu", "relu6", "hardsigmoid", "silu", "quick_gelu", "hardswish"])
 def test_fused_activation_runs_only_in_eager_training(kind, monkeypatch):
-    op = {"relu": "relu_train"}.get(kind, "elementwise_train")
+    op = "mask_train" if kind in MASKED else "elementwise_train"
     calls = count_calls(monkeypatch, op)
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
     _activation(kind, {})(x).sum().backward()
     assert calls == [1]
     _activation(kind, {}).eval()(x).sum().backward()
     _activation(kind, {})(x.detach())
-    if kind != "relu":
+    if kind not in MASKED:  # (a mask has no format)
         _activation(kind, dict(bits=4))(x).sum().backward()  # a variant format: the Python Function
     assert calls == [1]
 
 
-@pytest.mark.parametrize("kind", ["relu", "hardswish"])
+@pytest.mark.parametrize("kind", ["relu", "hardsigmoid", "hardswish"])
 def test_fused_activation_higher_order_gradients_are_a_clear_error(kind, monkeypatch):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", True)
     x = torch.randn(2, 4, 5, 5, requires_grad=True)

@@ -26,10 +26,12 @@ from torch import nn
 
 from mesa_train.bench.report import _git, environment
 
-# the transformer layers, then the convnets' (BatchNorm and below: Python autograd Functions,
-# no C++ layer op; a baseline tree older than a layer leaves its row out)
-LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA",
-          "BatchNorm2d", "ReLU", "SiLU", "Hardswish", "MaxPool2d", "AvgPool2d", "GroupNorm", "LayerNorm2d")
+# the transformer layers, then the convnets' (BatchNorm and below; the max pool is a Python
+# autograd Function, the others C++ layer ops or stock's own backward; a baseline tree older
+# than a layer leaves its row out)
+LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", "LayerScale",
+          "BatchNorm2d", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d", "GroupNorm",
+          "LayerNorm2d")
 
 
 class _MatMul(nn.Module):
@@ -52,6 +54,8 @@ def _cases():
 
 
 def _transformer_cases(M):
+    from timm.layers import LayerScale
+
     x = lambda: torch.randn(2, 4, 8)  # noqa: E731 - tiny: the host time is what is measured
     return {
         "Linear": (lambda: nn.Linear(8, 8), M.Linear.from_module, lambda: (x(),)),
@@ -63,6 +67,9 @@ def _transformer_cases(M):
         # fused attention (the sdpa set): three compressed operands, backward recomputes
         "SDPA": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2),
                  lambda: tuple(torch.randn(2, 2, 4, 4) for _ in range(3))),
+        # timm's LayerScale (DeiT3, CaiT, EVA: two a block); the same Function serves the NCHW
+        # layer scales and squeeze-excite's gate
+        "LayerScale": (lambda: LayerScale(8), M.LayerScale.from_module, lambda: (x(),)),
     }
 
 
@@ -80,6 +87,7 @@ def _convnet_cases(M):
         "ReLU": case("ReLU", nn.ReLU),
         "SiLU": case("SiLU", nn.SiLU),
         "Hardswish": case("Hardswish", nn.Hardswish),
+        "Hardsigmoid": case("Hardsigmoid", nn.Hardsigmoid),
         "MaxPool2d": case("MaxPool2d", lambda: nn.MaxPool2d(3, 2, 1)),
         "AvgPool2d": case("AvgPool2d", lambda: nn.AvgPool2d(3, 1, 1, count_include_pad=False)),
         "GroupNorm": case("GroupNorm", lambda: nn.GroupNorm(1, 2)),

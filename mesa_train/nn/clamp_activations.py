@@ -17,8 +17,9 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options, load, save
-from .relu import pack_bits, unpack_bits
+from .relu import MASK_KINDS, pack_bits, unpack_bits
 
 __all__ = ["Hardtanh", "ReLU6", "Hardsigmoid", "Clamp"]
 
@@ -72,7 +73,12 @@ class _ClampActivation(MesaLayer):
     def forward(self, input):
         if not self._mesa_active(input):
             return super().forward(input)
-        return _ClampMaskFn.apply(input, *self._clamp_args(), self.inplace)  # no seed: traceable
+        kind, lo, hi = self._clamp_args()
+        if quantizer_mod._FUSED_LAYERS and not torch.compiler.is_compiling():
+            # eager: the layer with a C++ autograd node (csrc/convnet_autograd.cpp), the same bits
+            op = torch.ops.mesa.mask_train_ if self.inplace else torch.ops.mesa.mask_train
+            return op(input, MASK_KINDS[kind], float(lo), float(hi))
+        return _ClampMaskFn.apply(input, kind, lo, hi, self.inplace)  # no seed: traceable
 
     def extra_repr(self) -> str:
         base = self._stock_type.extra_repr(self)

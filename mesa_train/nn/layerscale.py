@@ -26,7 +26,9 @@ kept in full precision. Two forms:
 
 The forward is ``x * gamma`` (IEEE multiplication is commutative, so ``gamma * x`` is the same
 bits); the codes use channel groups over the last dim with power-of-two row scales
-(``rowscale.py``), like ``Linear``'s input.
+(``rowscale.py``), like ``Linear``'s input. In eager training with the paper's format every form
+runs as one C++ op with a C++ autograd node (``mesa::scale_train``, csrc/scale_autograd.cpp), the
+same bits as ``_ScaleFn``, which runs otherwise (under ``torch.compile``, the variant formats).
 """
 from __future__ import annotations
 
@@ -84,6 +86,16 @@ class _ScaleFn(torch.autograd.Function):
         return gx, gg, None
 
 
+def _scale(x: torch.Tensor, gamma: torch.Tensor, quantizer) -> torch.Tensor:
+    """``x * gamma`` keeping 8-bit ``x``: the C++ layer op in eager training with the paper format
+    (``mesa::scale_train``, csrc/scale_autograd.cpp: a C++ autograd node, the same bits), else
+    ``_ScaleFn``."""
+    fused = quantizer.fused_layer_args(x)
+    if fused is not None:
+        return torch.ops.mesa.scale_train(x, gamma, *fused, quantizer.options.row_scale)
+    return _ScaleFn.apply(x, gamma, quantizer)
+
+
 class Scale(MesaLayer, nn.Module):
     """timm's MetaFormer ``Scale`` (``x * scale.view(shape)``, shape ``(dim, 1, 1)`` on NCHW
     or ``(dim,)`` channels last) keeping its 8-bit input; the same ``scale`` parameter."""
@@ -110,14 +122,14 @@ class Scale(MesaLayer, nn.Module):
         gamma = self.scale.view(self.shape)
         if not self._mesa_active(x, gamma):
             return x * gamma
-        return _ScaleFn.apply(x, gamma, self.quantizer)
+        return _scale(x, gamma, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, {self._mesa_repr()}"
 
 
 def channel_scale(x: torch.Tensor, gamma: torch.Tensor, quantizer) -> torch.Tensor:
-    return _ScaleFn.apply(x, gamma, quantizer)
+    return _scale(x, gamma, quantizer)
 
 
 class ChannelScale(MesaLayer, nn.Module):
@@ -130,7 +142,7 @@ class ChannelScale(MesaLayer, nn.Module):
     def forward(self, x, gamma):
         if not self._mesa_active(x, gamma):
             return x * gamma
-        return _ScaleFn.apply(x, gamma, self.quantizer)
+        return _scale(x, gamma, self.quantizer)
 
     def extra_repr(self) -> str:
         return self._mesa_repr()
@@ -167,7 +179,7 @@ class LayerScale(MesaLayer, nn.Module):
     def forward(self, x):
         if not self._mesa_active(x, self.gamma):
             return x.mul_(self.gamma) if self.inplace else x * self.gamma
-        return _ScaleFn.apply(x, self.gamma, self.quantizer)
+        return _scale(x, self.gamma, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"dim={self.gamma.shape[0]}, inplace={self.inplace}, {self._mesa_repr()}"
@@ -203,7 +215,7 @@ class LayerScale2d(MesaLayer, nn.Module):
         gamma = self.gamma.view(1, -1, 1, 1) if self.gamma.dim() == 1 else self.gamma
         if not self._mesa_active(x, gamma):
             return x.mul_(gamma) if self.inplace else x * gamma
-        return _ScaleFn.apply(x, gamma, self.quantizer)
+        return _scale(x, gamma, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"dim={self.gamma.shape[0]}, inplace={self.inplace}, {self._mesa_repr()}"

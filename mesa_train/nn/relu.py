@@ -12,6 +12,10 @@ from ._common import MesaLayer, check_stock, inherit_options, load, save
 __all__ = ["ReLU", "pack_bits", "unpack_bits"]
 
 
+# the kinds of mesa::mask_train (csrc/convnet_autograd.cpp): the layers that keep one 1-bit mask
+MASK_KINDS = {"relu": 0, "hardtanh": 1, "hardsigmoid": 2}
+
+
 def _shifts(device):
     return torch.arange(8, dtype=torch.uint8, device=device)
 
@@ -85,7 +89,8 @@ class ReLU(MesaLayer, nn.ReLU):
             return super().forward(input)
         if quantizer_mod._FUSED_LAYERS and not torch.compiler.is_compiling():
             # eager: the layer with a C++ autograd node (csrc/convnet_autograd.cpp), the same bits
-            return torch.ops.mesa.relu_train_(input) if self.inplace else torch.ops.mesa.relu_train(input)
+            op = torch.ops.mesa.mask_train_ if self.inplace else torch.ops.mesa.mask_train
+            return op(input, MASK_KINDS["relu"], 0.0, 0.0)
         return _ReLUFn.apply(input, self.inplace)  # no seed: traceable by torch.compile
 
     def extra_repr(self) -> str:
