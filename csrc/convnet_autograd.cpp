@@ -132,11 +132,13 @@ at::Tensor batch_norm_train(const at::Tensor& x, const at::Tensor& weight, const
 at::Tensor grouped(const at::Tensor& t, int64_t groups) { return t.reshape({t.size(0), groups, -1}); }
 
 struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight,
                             const at::Tensor& bias, int64_t groups, double eps, Quantizer qz) {
-    const int64_t n = x.size(0), c = x.size(1), hxw = c10::multiply_integers(x.sizes().slice(2));
-    // what F.group_norm runs (torch.group_norm -> native_group_norm), which also hands back the
-    // per-(sample, group) mean and rstd it normalised with
+    const int64_t n = x_in.size(0), c = x_in.size(1), hxw = c10::multiply_integers(x_in.sizes().slice(2));
+    // what F.group_norm runs (torch.group_norm -> native_group_norm, which also hands back the
+    // per-(sample, group) mean and rstd it normalised with), x made contiguous in its suggested
+    // memory format first as torch.group_norm does (torch 2.11's CPU kernel refuses a strided x)
+    const at::Tensor x = x_in.contiguous(x_in.suggest_memory_format());
     auto [out, mean, rstd] = at::native_group_norm(x, weight, bias, n, c, hxw, groups, eps);
     const auto mdt = at::promote_types(x.scalar_type(), at::kFloat);
     at::Tensor x_hat;

@@ -5,6 +5,8 @@ parameter gradients, BatchNorm's running statistics, the estimate and rounding-c
 and the bytes kept. Also where it must not run (and the Python Function does)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -148,6 +150,29 @@ def test_fused_groupnorm_is_bitwise_the_python_function(device, dtype, autocast,
 def test_fused_groupnorm_options_and_gradients(options, grads, monkeypatch):
     args = ("cpu", "2d", 2, torch.float32, False, options, grads)
     _assert_all_equal(_gn_run(True, monkeypatch, *args), _gn_run(False, monkeypatch, *args))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpp-node", "python"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_groupnorm_takes_a_strided_input_as_stock_does(fused, channels_last, monkeypatch):
+    """A channel slice (SHViT normalises part of its channels): torch.group_norm makes it contiguous
+    before native_group_norm, whose CPU kernel in torch 2.11 (the GPU image's) refused it; both
+    Mesa paths now do the same. Forward bitwise stock's, gradients close, either path."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    base = torch.randn(2, 8, 5, 3)
+    base = (base.contiguous(memory_format=torch.channels_last) if channels_last else base).requires_grad_()
+    x = base[:, :4]
+    assert not x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
+    torch.manual_seed(0)
+    stock = torch.nn.GroupNorm(2, 4)
+    mesa = mnn.GroupNorm.from_module(copy.deepcopy(stock))
+    y_stock = stock(x)
+    w = torch.linspace(-1, 2, y_stock.numel()).view(y_stock.shape)  # (a plain sum of squares has no gradient)
+    (g_stock,) = torch.autograd.grad((y_stock * w).sum(), base)
+    y = mesa(x)
+    (g,) = torch.autograd.grad((y * w).sum(), base)
+    assert torch.equal(y, y_stock)
+    assert torch.nn.functional.cosine_similarity(g.flatten(), g_stock.flatten(), dim=0) > 0.999
 
 
 def test_fused_groupnorm_runs_only_where_it_may(monkeypatch):

@@ -20,6 +20,7 @@ Eval mode, ``enabled=False`` or no gradient needed: the stock forward.
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 from torch import nn
 
@@ -40,8 +41,11 @@ class _GroupNormFn(torch.autograd.Function):
     def forward(ctx, x, groups, weight, bias, eps, quantizer):
         n, c = x.shape[0], x.shape[1]
         hxw = x[0, 0].numel()
-        # what F.group_norm runs (torch.group_norm -> native_group_norm), which also hands
-        # back the per-(sample, group) mean and rstd it normalised with
+        # what F.group_norm runs (torch.group_norm -> native_group_norm, which also hands back
+        # the per-(sample, group) mean and rstd it normalised with), x made contiguous in its
+        # suggested memory format first as torch.group_norm does: torch 2.11's CPU kernel
+        # refuses a strided x (SHViT's channel slice)
+        x = x.contiguous(memory_format=suggest_memory_format(x))
         out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
         with no_autocast(x.device.type):
             mdt = torch.promote_types(x.dtype, torch.float32)
