@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: help install test gpu-results gpu-session gpu-wheels gpu-prebuild gpu-prebuild-base demo bench docker-build clean
+.PHONY: help install test gpu-results gpu-session gpu-wheels gpu-prebuild gpu-prebuild-base gpu-torch-check demo bench docker-build clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -69,6 +69,9 @@ gpu-prebuild: $(GPU_VENV)/.installed  ## build the extension here for the GPU im
 	@# what it was built from: scripts/gpu_session.sh reuses it only for the same sources
 	bash scripts/sources_sha.sh > .gpubuild/sources.sha256
 	@ls -l .gpubuild/_C.abi3.so .gpubuild/sources.sha256
+
+gpu-torch-check:  ## no GPU: the layer and model suites under the GPU image's torch (.venv-gpu) with .gpubuild/, on the CPU
+	bash scripts/gpu_torch_check.sh
 
 # An older build of the extension for the GPU session's kernels-base step: timed right after this
 # tree's, with this tree's Python, so the kernel table's change is measured on one GPU minutes
