@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${GPU_VENV:-.venv-gpu}
-PY="$(pwd)/$VENV/bin/python"
+case "$VENV" in /*) PY="$VENV/bin/python" ;; *) PY="$(pwd)/$VENV/bin/python" ;; esac  # (used after a cd)
 [ -x "$PY" ] || { echo "gpu_torch_check: no $VENV (make gpu-prebuild first)"; exit 1; }
 [ -f .gpubuild/_C.abi3.so ] || { echo "gpu_torch_check: no .gpubuild/_C.abi3.so (make gpu-prebuild first)"; exit 1; }
 if [ "$(cat .gpubuild/sources.sha256 2>/dev/null)" != "$(bash scripts/sources_sha.sh)" ]; then
