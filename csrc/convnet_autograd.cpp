@@ -119,9 +119,6 @@ at::Tensor batch_norm_train(const at::Tensor& x, const at::Tensor& weight, const
                             int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
   TORCH_CHECK_VALUE(x.dim() >= 2, "mesa: batch_norm_train: x must be (N, C, ...), got ", x.dim(), " dims");
   Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
-  const auto present = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() && t->defined() ? t : std::nullopt;
-  };
   return BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz);
 }
 

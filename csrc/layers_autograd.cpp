@@ -321,7 +321,7 @@ at::Tensor linear_train(const at::Tensor& x, const at::Tensor& weight, const std
                         int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                         bool row_scale) {
   Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
-  return LinearTrain::apply(x, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, qz, row_scale);
+  return LinearTrain::apply(x, weight, present(bias), qz, row_scale);
 }
 
 // ----------------------------------------------------------------------------- GELU + fc2
@@ -397,7 +397,7 @@ at::Tensor gelu_linear_train(const at::Tensor& h, const at::Tensor& weight, cons
                              int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                              c10::string_view approximate, bool row_scale) {
   Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
-  return GeluLinearTrain::apply(h, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, qz,
+  return GeluLinearTrain::apply(h, weight, present(bias), qz,
                                 std::string(approximate), row_scale);
 }
 
@@ -526,12 +526,6 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
     return {gx, at::Tensor(), gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-// an optional tensor that is present and defined, else nullopt (Function::apply tracks only
-// present tensors: an undefined one would shift needs_input_grad's indices)
-std::optional<at::Tensor> present(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
-}
 
 at::Tensor layer_norm_train(const at::Tensor& x, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, double eps, at::Tensor& alpha_est,
@@ -859,7 +853,7 @@ at::Tensor conv2d_train(const at::Tensor& x, const at::Tensor& weight, const std
                         at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
                         int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
   Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
-  return Conv2dTrain::apply(x, weight, bias.has_value() && bias->defined() ? bias : std::nullopt, stride.vec(),
+  return Conv2dTrain::apply(x, weight, present(bias), stride.vec(),
                             padding.vec(), dilation.vec(), groups, qz);
 }
 

@@ -1,4 +1,5 @@
-// What the eager fast-path layers (layers_autograd.cpp, sdpa_autograd.cpp) share: the
+// What the eager fast-path layers (layers_autograd.cpp, sdpa_autograd.cpp, convnet_autograd.cpp,
+// scale_autograd.cpp) share: the
 // registered quantization ops looked up once, the quantizer state as the Python
 // ActivationQuantizer passes it, and compress() (ActivationQuantizer.compress, default
 // format) built on them.
@@ -236,6 +237,13 @@ inline at::Tensor from_nhwc(const at::Tensor& xh, bool permuted) {
 }
 // a gradient of the NCHW tensor in the layout of its NHWC codes (a view)
 inline at::Tensor to_nhwc(const at::Tensor& g, bool permuted) { return permuted ? g.permute({0, 2, 3, 1}) : g; }
+
+// An optional tensor that is present and defined, else nullopt: what each layer op hands
+// Function::apply for an optional input. apply tracks only present tensors, so an undefined one
+// passed through would shift needs_input_grad's indices.
+inline std::optional<at::Tensor> present(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
+}
 
 }  // namespace layers
 }  // namespace mesa

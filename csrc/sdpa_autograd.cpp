@@ -192,9 +192,6 @@ at::Tensor sdpa_train(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       at::TensorList state_v, int64_t num_groups_v, double decay_v, int64_t estimator_v,
                       bool symmetric_v, bool stochastic_v) {
   constexpr const char* op = "mesa::sdpa_train";
-  auto present = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
-  };
   return SdpaTrain::apply(
       q, k, v, present(attn_mask), present(window_mask), is_causal, scale,
       quantizer_from_list(state_q, num_groups_q, decay_q, estimator_q, symmetric_q, stochastic_q, op),

@@ -15,24 +15,9 @@ from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
 from kernel_marks import DEVICES
 from op_calls import count_calls
+from bit_patterns import assert_all_same_bits
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
-
-
-_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A floating tensor's bit patterns (``torch.equal`` takes -0.0 for 0.0 and fails on NaN)."""
-    return t.contiguous().view(_BITS[t.dtype]) if t.dtype in _BITS else t
-
-
-def _assert_all_equal(got: list, want: list) -> None:
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None), i
-        if a is not None:
-            assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(_bits(a), _bits(b)), i
 
 
 # ----------------------------------------------------------------------------- BatchNorm
@@ -83,7 +68,7 @@ def test_fused_batchnorm_is_bitwise_the_python_function(device, dtype, autocast,
     if dtype is torch.float16 and device == "cpu" and options:
         pytest.skip("float16 on CPU: the default options suffice")
     args = (device, layout, dtype, autocast, options, (True, True, True), {})
-    _assert_all_equal(_bn_run(True, monkeypatch, *args), _bn_run(False, monkeypatch, *args))
+    assert_all_same_bits(_bn_run(True, monkeypatch, *args), _bn_run(False, monkeypatch, *args))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,7 +78,7 @@ def test_fused_batchnorm_is_bitwise_the_python_function(device, dtype, autocast,
 def test_fused_batchnorm_gradients_and_running_statistics(device, grads, bn_kwargs, monkeypatch):
     """Which gradients are wanted, the cumulative average (momentum None) and no running statistics."""
     args = (device, "2d", torch.float32, False, {}, grads, bn_kwargs)
-    _assert_all_equal(_bn_run(True, monkeypatch, *args), _bn_run(False, monkeypatch, *args))
+    assert_all_same_bits(_bn_run(True, monkeypatch, *args), _bn_run(False, monkeypatch, *args))
 
 
 def test_fused_batchnorm_runs_only_where_it_may(monkeypatch):
@@ -141,7 +126,7 @@ def _gn_run(fused, monkeypatch, device, layout, groups, dtype, autocast, options
 @pytest.mark.parametrize("groups", [1, 2])
 def test_fused_groupnorm_is_bitwise_the_python_function(device, dtype, autocast, layout, groups, monkeypatch):
     args = (device, layout, groups, dtype, autocast, {}, (True, True, True))
-    _assert_all_equal(_gn_run(True, monkeypatch, *args), _gn_run(False, monkeypatch, *args))
+    assert_all_same_bits(_gn_run(True, monkeypatch, *args), _gn_run(False, monkeypatch, *args))
 
 
 @pytest.mark.parametrize("options", BN_OPTIONS[1:], ids=str)
@@ -149,7 +134,7 @@ def test_fused_groupnorm_is_bitwise_the_python_function(device, dtype, autocast,
                                    (False, False, True)], ids=str)
 def test_fused_groupnorm_options_and_gradients(options, grads, monkeypatch):
     args = ("cpu", "2d", 2, torch.float32, False, options, grads)
-    _assert_all_equal(_gn_run(True, monkeypatch, *args), _gn_run(False, monkeypatch, *args))
+    assert_all_same_bits(_gn_run(True, monkeypatch, *args), _gn_run(False, monkeypatch, *args))
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["cpp-node", "python"])
@@ -236,14 +221,14 @@ def _activation_run(fused, monkeypatch, device, kind, layout, dtype, autocast, o
 @pytest.mark.parametrize("kind", list(MASKED) + ["silu", "quick_gelu", "hardswish"])
 def test_fused_activation_is_bitwise_the_python_function(device, dtype, autocast, layout, kind, monkeypatch):
     args = (device, kind, layout, dtype, autocast, {})
-    _assert_all_equal(_activation_run(True, monkeypatch, *args), _activation_run(False, monkeypatch, *args))
+    assert_all_same_bits(_activation_run(True, monkeypatch, *args), _activation_run(False, monkeypatch, *args))
 
 
 @pytest.mark.parametrize("options", BN_OPTIONS[1:], ids=str)
 @pytest.mark.parametrize("kind", ["silu", "quick_gelu", "hardswish"])
 def test_fused_activation_options_are_bitwise_the_python_function(kind, options, monkeypatch):
     args = ("cpu", kind, "4d", torch.float32, False, options)
-    _assert_all_equal(_activation_run(True, monkeypatch, *args), _activation_run(False, monkeypatch, *args))
+    assert_all_same_bits(_activation_run(True, monkeypatch, *args), _activation_run(False, monkeypatch, *args))
 
 
 @pytest.mark.parametrize("kind", ["relu", "relu6", "hardsigmoid", "silu", "quick_gelu", "hardswish"])

@@ -22,10 +22,7 @@ from mesa_train.quant import reference as R
 from mesa_train.quant import traceable as T
 from kernel_marks import DEVICES, needs_ext
 from op_recorder import OpRecorder
-
-
-def _bits(t):
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
+from bit_patterns import bit_pattern
 
 
 def _state(G, device, key=11):
@@ -60,9 +57,9 @@ def test_kernel_is_the_reference_over_batches(device, dtype, shape, dim, G, symm
         got = Q.quantize_observe(x, *ops_state, dim, G, 0.9, symmetric, stochastic, row_exp=k)
         want = R.quantize_observe(x, *ref_state, dim % x.dim(), G, 0.9, symmetric, stochastic, k)
         for a, b in zip(got, want):
-            assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), i
+            assert a.shape == b.shape and torch.equal(bit_pattern(a), bit_pattern(b)), i
         for a, b in zip(ops_state, ref_state):
-            assert torch.equal(_bits(a), _bits(b)), i
+            assert torch.equal(bit_pattern(a), bit_pattern(b)), i
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -155,9 +152,9 @@ def test_delayed_observe_kernel_is_the_reference(device, dtype, shape, dim, G):
         got = Q.delayed_observe(x, *ops_state, dim, G, 0.9, i % 2 == 1)
         want = R.delayed_observe(x, *ref_state, dim % x.dim(), G, 0.9, i % 2 == 1)
         for a, b in zip(got, want):
-            assert a.shape == (1, G) and torch.equal(_bits(a), _bits(b)), i
+            assert a.shape == (1, G) and torch.equal(bit_pattern(a), bit_pattern(b)), i
         for a, b in zip(ops_state, ref_state):
-            assert torch.equal(_bits(a), _bits(b)), i
+            assert torch.equal(bit_pattern(a), bit_pattern(b)), i
     assert int(ops_state[3][1]) == (2**32 - 2 + 4) % 2**32  # one step a batch, across the wrap
 
 

@@ -22,16 +22,13 @@ from mesa_train.nn.layernorm_linear import rebuild_norm_output
 from mesa_train.nn.quantizer import Packed, decompress
 from mesa_train.quant import reference as R
 from kernel_marks import DEVICES, DTYPES, needs_ext
+from bit_patterns import bit_pattern
 
 # (shape, group dim, groups, per-sample): LayerNorm tokens (B, N, C) with channel groups, a
 # last dim that is not a multiple of the 16-element vector step (C = 40, 3, 1), groups along
 # another dim, per-sample statistics, and a row of one element per vector step
 LAYOUTS = [((4, 9, 48), -1, 6, False), ((2, 7, 40), -1, 5, True), ((5, 11, 3), 1, 1, False),
            ((3, 2, 33), 0, 3, False), ((17, 1), -1, 1, False)]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
 
 
 def _case(shape, dim, G, per_sample, device, seed=0, row_exp=False, row_mul=False):
@@ -60,7 +57,7 @@ def test_kernel_gives_the_definitions_bits(device, dtype, shape, dim, G, per_sam
         got = Q.dequantize(q, alpha, beta, dim, G, dtype, k, m, cs, ct)
         want = R.dequantize(q, alpha, beta, dim, G, dtype, k, m, cs, ct)
         assert got.dtype == dtype and got.shape == q.shape
-        assert torch.equal(_bits(got), _bits(want)), (cs is None, ct is None)
+        assert torch.equal(bit_pattern(got), bit_pattern(want)), (cs is None, ct is None)
 
 
 def test_definition_is_the_float32_chain_rounded_once():
@@ -69,11 +66,12 @@ def test_definition_is_the_float32_chain_rounded_once():
     y32 = R.dequantize(q, alpha, beta, -1, 6, torch.float32, k)
     for dtype in DTYPES:
         want = torch.add(torch.mul(y32, scale), shift).to(dtype)
-        assert torch.equal(_bits(R.dequantize(q, alpha, beta, -1, 6, dtype, k, None, scale, shift)), _bits(want))
+        got = R.dequantize(q, alpha, beta, -1, 6, dtype, k, None, scale, shift)
+        assert torch.equal(bit_pattern(got), bit_pattern(want))
     # and not the dtype's own dequantize followed by the affine (that rounds twice)
     twice = (R.dequantize(q, alpha, beta, -1, 6, torch.bfloat16, k).float() * scale + shift).to(torch.bfloat16)
-    assert not torch.equal(_bits(twice), _bits(R.dequantize(q, alpha, beta, -1, 6, torch.bfloat16, k, None, scale,
-                                                             shift)))
+    once = R.dequantize(q, alpha, beta, -1, 6, torch.bfloat16, k, None, scale, shift)
+    assert not torch.equal(bit_pattern(twice), bit_pattern(once))
 
 
 @needs_ext
@@ -144,4 +142,4 @@ def test_rebuild_is_the_chain_it_replaces(casts, affine):
     got = rebuild_norm_output(packed, k, weight, bias, torch.float32, casts)
     want = _chain(packed, k, weight, bias, casts)
     assert got.dtype == want.dtype == casts[-1]
-    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(bit_pattern(got), bit_pattern(want))

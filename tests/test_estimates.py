@@ -18,11 +18,7 @@ from mesa_train.nn import ActivationQuantizer
 from mesa_train.quant import reference as R
 from kernel_marks import EXT_DEVICES as DEVICES, needs_cuda
 from op_recorder import OpRecorder
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit patterns, so NaN == NaN and -0.0 != 0.0 in comparisons."""
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
+from bit_patterns import bit_pattern
 
 
 def _stats(S, G, kind, seed):
@@ -73,7 +69,7 @@ def _check_same(got, want):
     names = ("alpha", "beta", "alpha_est", "beta_est", "initialized")
     for n, g_, w in zip(names, got, want):
         assert g_.shape == w.shape and g_.dtype == w.dtype, n
-        assert torch.equal(_bits(g_), _bits(w)), f"{n}: {g_} != {w}"
+        assert torch.equal(bit_pattern(g_), bit_pattern(w)), f"{n}: {g_} != {w}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -204,7 +200,7 @@ def test_quantizer_matches_step_by_step_reference():
         alpha, beta, G = packed.alpha, packed.beta, packed.num_groups
         mn, mx = R.group_minmax(x, -1, G, False)
         ra, rb = R.update_estimates(mn, mx, a, b, init, 0.8, False, False, True)
-        assert torch.equal(_bits(alpha), _bits(ra)) and torch.equal(_bits(beta), _bits(rb))
+        assert torch.equal(bit_pattern(alpha), bit_pattern(ra)) and torch.equal(bit_pattern(beta), bit_pattern(rb))
         assert torch.equal(aq.alpha, a) and torch.equal(aq.beta, b) and bool(aq.initialized) == bool(init)
 
 
@@ -249,7 +245,7 @@ def test_estimate_and_seed_matches_reference(per_sample, symmetric, init, valid,
     names = ("alpha", "beta", "seed", "alpha_est", "beta_est", "initialized", "rng")
     for n, g_, w in zip(names, got, want):
         assert g_.shape == w.shape and g_.dtype == w.dtype, n
-        assert torch.equal(_bits(g_), _bits(w)), f"{n}: {g_} != {w}"
+        assert torch.equal(bit_pattern(g_), bit_pattern(w)), f"{n}: {g_} != {w}"
 
 
 def test_estimate_and_seed_equals_observe_after_its_minmax():
@@ -261,7 +257,7 @@ def test_estimate_and_seed_equals_observe_after_its_minmax():
     mn, mx = torch.ops.mesa.group_minmax(x, 2, 3, False)
     got = torch.ops.mesa.estimate_and_seed(mn, mx, *s2, 0.9, False, False, True)
     for g_, w in zip([*got, *s2], [*want, *s1]):
-        assert torch.equal(_bits(g_), _bits(w))
+        assert torch.equal(bit_pattern(g_), bit_pattern(w))
 
 
 def test_estimate_and_seed_bad_rng_is_a_one_line_error():

@@ -19,20 +19,10 @@ from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.quant import reference as R
 from kernel_marks import DTYPES
 from op_recorder import OpRecorder
+from bit_patterns import bit_pattern, same_bits_nan_aside
 
 # widths: under one lane pass, partial passes, DeiT-S, the widest the op takes
 WIDTHS = (1, 31, 33, 48, 384, 1024)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """float32 bit for bit, NaNs aside (at the same places, whatever their payload)."""
-    nan = b.isnan()
-    return (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), nan)
-            and torch.equal(_bits(a)[~nan], _bits(b)[~nan]))
 
 
 def _case(shape, G, per_sample, dtype, *, weight=True, row_exp=False, specials=False, seed=0):
@@ -67,14 +57,14 @@ def test_cpu_kernel_is_bitwise_the_reference(dtype, D, per_sample):
     got = torch.ops.mesa.layer_norm_backward(*args)
     want = R.layer_norm_backward(*args)
     for a, b in zip(got, want):
-        assert _same(a, b)
+        assert same_bits_nan_aside(a, b)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 1, 40), (2, 3, 4, 48)], ids=str)
 def test_cpu_kernel_other_shapes(shape):
     args = _case(shape, 3, False, torch.bfloat16, row_exp=True)
     for a, b in zip(torch.ops.mesa.layer_norm_backward(*args), R.layer_norm_backward(*args)):
-        assert _same(a, b)
+        assert same_bits_nan_aside(a, b)
 
 
 def test_nan_inf_in_g():
@@ -83,7 +73,7 @@ def test_nan_inf_in_g():
     want = R.layer_norm_backward(*args)
     assert got[0].isnan().any() and got[1].isnan().any()
     for a, b in zip(got, want):
-        assert _same(a, b)
+        assert same_bits_nan_aside(a, b)
 
 
 def test_empty_and_non_contiguous():
@@ -95,7 +85,7 @@ def test_empty_and_non_contiguous():
     assert not gt.is_contiguous()
     for a, b in zip(torch.ops.mesa.layer_norm_backward(gt, q, alpha, beta, G, rstd, w, k),
                     R.layer_norm_backward(g, q, alpha, beta, G, rstd, w, k)):
-        assert _same(a, b)
+        assert same_bits_nan_aside(a, b)
 
 
 def test_both_column_sums_are_one_reduction():
@@ -106,11 +96,11 @@ def test_both_column_sums_are_one_reduction():
     dx, dparams = torch.ops.mesa.layer_norm_backward(*args)
     assert dparams.shape == (2, 64) and dparams.is_contiguous()
     dx3, dw, db = Q.layer_norm_backward(*args)
-    assert _same(dx3, dx) and _same(dw, dparams[0]) and _same(db, dparams[1])
+    assert same_bits_nan_aside(dx3, dx) and same_bits_nan_aside(dw, dparams[0]) and same_bits_nan_aside(db, dparams[1])
     g, q, alpha, beta, G, rstd, w, k = args
     xh = R.dequantize(q, alpha, beta, 2, G, torch.float32, k).view(-1, 64)
     partials = torch.stack((R.ln_column_partials(g.view(-1, 64) * xh), R.ln_column_partials(g.view(-1, 64))))
-    assert _same(dparams, partials.sum(1))
+    assert same_bits_nan_aside(dparams, partials.sum(1))
 
 
 def test_opcheck():
@@ -161,7 +151,7 @@ def test_order_of_the_column_sums_matters():
     for r in range(300):  # plain sequential row order
         acc_w = acc_w + g.view(300, 64)[r] * xh[r]
         acc_b = acc_b + g.view(300, 64)[r]
-    assert not (torch.equal(_bits(acc_w), _bits(dw)) and torch.equal(_bits(acc_b), _bits(db)))
+    assert not (torch.equal(bit_pattern(acc_w), bit_pattern(dw)) and torch.equal(bit_pattern(acc_b), bit_pattern(db)))
     torch.testing.assert_close(dw, acc_w, rtol=1e-4, atol=1e-3)
 
 
@@ -180,9 +170,9 @@ def test_cuda_op_is_the_reference(dtype, D, per_sample):
     got = [t.cpu() for t in torch.ops.mesa.layer_norm_backward(*cuda)]
     want_cpu = R.layer_norm_backward(*args)
     want_gpu = [t.cpu() for t in R.layer_norm_backward(*cuda)]
-    assert _same(got[0], want_cpu[0])
+    assert same_bits_nan_aside(got[0], want_cpu[0])
     for a, b, c in zip(got[1:], want_gpu[1:], want_cpu[1:]):
-        assert _same(a, b)
+        assert same_bits_nan_aside(a, b)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-4, equal_nan=True)
 
 
@@ -272,4 +262,4 @@ def test_traced_form_is_the_reference(dtype):
     for fn in (traceable.layer_norm_backward, torch.compile(traceable.layer_norm_backward, backend="aot_eager",
                                                             fullgraph=True)):
         for a, b in zip(fn(*args), want):
-            assert _same(a, b)
+            assert same_bits_nan_aside(a, b)

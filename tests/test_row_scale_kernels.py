@@ -18,19 +18,11 @@ from torch.library import opcheck
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
 from kernel_marks import DEVICES, DTYPES, needs_cuda, needs_ext
+from bit_patterns import bit_pattern
 
 # (shape, row_dims): rows of 16 (whole vector steps), 24 and 131 (steps straddle rows, and a tail),
 # two row dims (LayerNorm over (H, W)), one long row
 SHAPES = [((4, 6, 16), 1), ((3, 5, 24), 1), ((2, 7, 131), 1), ((2, 3, 4, 6), 2), ((2, 4100), 1)]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bits (NaN payloads and signed zeros compared too)."""
-    if t.dtype == torch.float32:
-        return t.view(torch.int32)
-    if t.dtype in (torch.float16, torch.bfloat16):
-        return t.view(torch.int16)
-    return t
 
 
 def _rows(shape, dtype, device, case="spread"):
@@ -113,7 +105,7 @@ def test_observe_and_quantize_with_row_exp_are_the_definition(device, dtype, sha
         got = Q.observe(x, *ops_state, dim, G, 0.9, per_sample, False, row_exp=k)
         want = R.observe(x, *ref_state, dim, G, 0.9, per_sample, False, row_exp=k)
         for a, b in zip(got, want):
-            assert torch.equal(_bits(a), _bits(b)), step
+            assert torch.equal(bit_pattern(a), bit_pattern(b)), step
         for a, b in zip(ops_state, ref_state):
             assert torch.equal(a, b), step
     alpha, beta, seed = got
@@ -143,9 +135,9 @@ def test_dequantize_with_row_exp_is_the_definition(device, in_dtype, out_dtype, 
     got = Q.dequantize(q, alpha, beta, dim, G, out_dtype, row_exp=k)
     want = R.dequantize(q, alpha, beta, dim, G, out_dtype, row_exp=k)
     assert got.dtype == want.dtype == out_dtype
-    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(bit_pattern(got), bit_pattern(want))
     plain = Q.dequantize(q, alpha, beta, dim, G, out_dtype)
-    assert torch.equal(_bits(got), _bits(R.unscale_rows(plain, k)))
+    assert torch.equal(bit_pattern(got), bit_pattern(R.unscale_rows(plain, k)))
 
 
 @needs_ext
@@ -184,7 +176,8 @@ def test_row_exp_groups_along_another_dim(device):
         q = Q.quantize(x, got[0], got[1], 1, 2, True, got[2], row_exp=k)
         assert torch.equal(q, R.quantize(x, got[0], got[1], 1, 2, True, got[2], row_exp=k))
         y = Q.dequantize(q, got[0], got[1], 1, 2, torch.bfloat16, row_exp=k)
-        assert torch.equal(_bits(y), _bits(R.dequantize(q, got[0], got[1], 1, 2, torch.bfloat16, row_exp=k)))
+        want = R.dequantize(q, got[0], got[1], 1, 2, torch.bfloat16, row_exp=k)
+        assert torch.equal(bit_pattern(y), bit_pattern(want))
 
 
 @needs_ext
@@ -194,11 +187,12 @@ def test_zero_exponents_change_nothing(device):
     k = torch.zeros(3, 5, 1, dtype=torch.int8, device=device)
     a1, b1, s1 = Q.observe(x, *_state(4, device), -1, 4, 0.9, False, False, row_exp=k)
     a2, b2, s2 = Q.observe(x, *_state(4, device), -1, 4, 0.9, False, False)
-    assert torch.equal(_bits(a1), _bits(a2)) and torch.equal(_bits(b1), _bits(b2)) and torch.equal(s1, s2)
+    assert torch.equal(bit_pattern(a1), bit_pattern(a2)) and torch.equal(bit_pattern(b1), bit_pattern(b2))
+    assert torch.equal(s1, s2)
     q = Q.quantize(x, a1, b1, -1, 4, True, s1, row_exp=k)
     assert torch.equal(q, Q.quantize(x, a1, b1, -1, 4, True, s1))
-    assert torch.equal(_bits(Q.dequantize(q, a1, b1, -1, 4, torch.float16, row_exp=k)),
-                       _bits(Q.dequantize(q, a1, b1, -1, 4, torch.float16)))
+    assert torch.equal(bit_pattern(Q.dequantize(q, a1, b1, -1, 4, torch.float16, row_exp=k)),
+                       bit_pattern(Q.dequantize(q, a1, b1, -1, 4, torch.float16)))
 
 
 # ----------------------------------------------------------------------------- errors
@@ -270,9 +264,9 @@ def _observe_rows_both(x, G, per_sample, symmetric, row_dims, max_k, steps=2, me
         want = R.observe_rows(x, *ref_state, dim, G, 0.9, per_sample, symmetric, row_dims, max_k, mean, rstd)
         for name, a, b in zip(("alpha", "beta", "seed", "k"), got, want):
             assert a.shape == b.shape and a.dtype == b.dtype, (name, step)
-            assert torch.equal(_bits(a), _bits(b)), (name, step)
+            assert torch.equal(bit_pattern(a), bit_pattern(b)), (name, step)
         for a, b in zip(ops_state, ref_state):
-            assert torch.equal(_bits(a), _bits(b)), step
+            assert torch.equal(bit_pattern(a), bit_pattern(b)), step
     return got
 
 
@@ -296,7 +290,7 @@ def test_observe_rows_is_row_exponents_then_observe(device, dtype, shape, row_di
     got = Q.observe_rows(x, *_state(4, device), x.dim() - 1, 4, 0.9, per_sample, case == "specials", row_dims,
                          _top(dtype))
     for a, b in zip(got[:3], want):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bit_pattern(a), bit_pattern(b))
 
 
 @needs_ext
@@ -317,7 +311,7 @@ def test_observe_rows_group_counts_and_layouts(device, G):
     got = Q.observe_rows(x4, *state, 1, min(G, 6), 0.9, True, False, 1, 64)
     want = R.observe_rows(x4, *ref, 1, min(G, 6), 0.9, True, False, 1, 64)
     for a, b in zip(got, want):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bit_pattern(a), bit_pattern(b))
 
 
 def _token_rows(dtype, device, case):
@@ -402,7 +396,7 @@ def test_cuda_row_scaled_compression_launches(per_sample):
         assert torch.equal(k, k_ref)
         assert torch.equal(q, R.quantize(x, a, b, 2, 6, True, seed, k_ref))
         for got_t, want_t in zip(state, ref_state):
-            assert torch.equal(_bits(got_t), _bits(want_t))
+            assert torch.equal(bit_pattern(got_t), bit_pattern(want_t))
 
 
 @needs_ext
@@ -414,7 +408,7 @@ def test_observe_rows_empty_and_bad_arguments(device):
         got = Q.observe_rows(e, *_state(G, device), e.dim() - 1 if shape[-1] else 0, G, 0.9, False, False, 1, 64)
         want = R.observe_rows(e, *_state(G, device), e.dim() - 1 if shape[-1] else 0, G, 0.9, False, False, 1, 64)
         for a, b in zip(got, want):
-            assert torch.equal(_bits(a), _bits(b)), shape
+            assert torch.equal(bit_pattern(a), bit_pattern(b)), shape
     x = _rows((3, 5, 24), torch.float32, device)
     with pytest.raises(ValueError, match=r"max_k must be in \[0, 126\]"):
         torch.ops.mesa.observe_rows(x, *_state(4, device), 2, 4, 0.9, False, False, 1, 127)

@@ -13,10 +13,9 @@ from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
 from kernel_marks import DEVICES
 from op_calls import count_calls
+from bit_patterns import assert_all_same_bits
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
-
-_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 # form: (x shape, gamma shape, channels-last x)
 FORMS = {
@@ -29,10 +28,6 @@ FORMS = {
     "se_gate": ((2, 6, 5, 3), (2, 6, 1, 1), False),     # squeeze-excite x * gate(x)
     "se_gate_channels_last": ((2, 6, 5, 3), (2, 6, 1, 1), True),
 }
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(_BITS[t.dtype]) if t.dtype in _BITS else t
 
 
 def _run(fused, monkeypatch, device, form, dtype, autocast, options, grads):
@@ -61,21 +56,13 @@ def _run(fused, monkeypatch, device, form, dtype, autocast, options, grads):
     return out + [b.clone() for b in layer.buffers()]
 
 
-def _assert_same(got, want):
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None), i
-        if a is not None:
-            assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(_bits(a), _bits(b)), i
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
                                             (torch.float32, True)], ids=str)
 @pytest.mark.parametrize("form", list(FORMS))
 def test_fused_scale_is_bitwise_the_python_function(device, dtype, autocast, form, monkeypatch):
     args = (device, form, dtype, autocast, {}, (True, True))
-    _assert_same(_run(True, monkeypatch, *args), _run(False, monkeypatch, *args))
+    assert_all_same_bits(_run(True, monkeypatch, *args), _run(False, monkeypatch, *args))
 
 
 @pytest.mark.parametrize("options", [dict(row_scale=False), dict(estimator="per_sample"), dict(estimator="delayed"),
@@ -84,7 +71,7 @@ def test_fused_scale_is_bitwise_the_python_function(device, dtype, autocast, for
 @pytest.mark.parametrize("form", ["small_rows", "se_gate"])
 def test_fused_scale_options_and_gradients(form, options, grads, monkeypatch):
     args = ("cpu", form, torch.float32, False, options, grads)
-    _assert_same(_run(True, monkeypatch, *args), _run(False, monkeypatch, *args))
+    assert_all_same_bits(_run(True, monkeypatch, *args), _run(False, monkeypatch, *args))
 
 
 def test_the_layer_scales_take_the_fused_op_in_eager_training_only(monkeypatch):

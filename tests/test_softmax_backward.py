@@ -22,21 +22,9 @@ from mesa_train.quant import reference as R
 from mesa_train.quant import traceable
 from kernel_marks import DTYPES, needs_ext
 from op_recorder import OpRecorder
+from bit_patterns import same_bits_nan_aside
 
 LENGTHS = (1, 31, 32, 33, 197)
-_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(_INT[t.dtype])
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit, NaNs aside: NaN at the same places, whatever their sign and payload (x86
-    and GPUs propagate different NaN bits, and a compiler may commute an add's operands)."""
-    nan = b.isnan()
-    return (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), nan)
-            and torch.equal(_bits(a)[~nan], _bits(b)[~nan]))
 
 
 def _case(shape, dim, G, per_sample, dtype, *, zero_rows=True, specials=False, seed=0):
@@ -70,7 +58,7 @@ def test_cpu_kernel_is_bitwise_the_reference(dtype, L, G, per_sample):
     got = torch.ops.mesa.softmax_backward(g, q, alpha, beta, 1, G)
     want = R.softmax_backward(g, q, alpha, beta, 1, G)
     assert got.dtype == dtype and got.shape == q.shape
-    assert _same(got, want)
+    assert same_bits_nan_aside(got, want)
 
 
 @needs_ext
@@ -85,7 +73,7 @@ def test_cpu_kernel_other_layouts(dtype, shape, dim, G, per_sample):
     g, q, alpha, beta = _case(shape, dim, G, per_sample, dtype)
     got = torch.ops.mesa.softmax_backward(g, q, alpha, beta, dim, G)
     want = R.softmax_backward(g, q, alpha, beta, dim, G)
-    assert _same(got, want)
+    assert same_bits_nan_aside(got, want)
 
 
 @needs_ext
@@ -94,7 +82,7 @@ def test_nan_inf_in_g_and_zero_rows(dtype):
     g, q, alpha, beta = _case((2, 3, 6, 197), 1, 3, True, dtype, specials=True)
     got = torch.ops.mesa.softmax_backward(g, q, alpha, beta, 1, 3)
     want = R.softmax_backward(g, q, alpha, beta, 1, 3)
-    assert _same(got, want)
+    assert same_bits_nan_aside(got, want)
     assert got.isnan().any()  # the NaN rows came through
     # a row of zero codes with beta 0 has y = 0: its gradient is 0 (0 / FLT_MIN), not NaN
     g, q, alpha, beta = _case((2, 3, 6, 197), 1, 3, True, dtype)
@@ -111,7 +99,7 @@ def test_non_contiguous_g():
     gt = g.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, other strides
     assert not gt.is_contiguous()
     got = torch.ops.mesa.softmax_backward(gt, q, alpha, beta, 1, 3)
-    assert _same(got, R.softmax_backward(g, q, alpha, beta, 1, 3))
+    assert same_bits_nan_aside(got, R.softmax_backward(g, q, alpha, beta, 1, 3))
 
 
 # ----------------------------------------------------------------------------- the definition
@@ -156,7 +144,7 @@ def _scalar_definition(g, q, alpha, beta, dim, G):
 def test_reference_is_the_scalar_definition(dtype):
     g, q, alpha, beta = _case((2, 3, 2, 70), 1, 3, False, dtype)
     want = _scalar_definition(g, q, alpha, beta, 1, 3)
-    assert _same(R.softmax_backward(g, q, alpha, beta, 1, 3), want)
+    assert same_bits_nan_aside(R.softmax_backward(g, q, alpha, beta, 1, 3), want)
 
 
 @pytest.mark.parametrize("L", [0, 1, 31, 32, 33, 70, 197, 384])
@@ -200,12 +188,12 @@ def test_traced_form_compiles_to_the_same_bits(dtype):
     for L, per_sample in ((197, True), (33, False)):
         g, q, alpha, beta = _case((2, 3, 5, L), 1, 3, per_sample, dtype)
         got = fn(g, q, alpha, beta, 1, 3)
-        assert _same(got, R.softmax_backward(g, q, alpha, beta, 1, 3)), L
+        assert same_bits_nan_aside(got, R.softmax_backward(g, q, alpha, beta, 1, 3)), L
         if dtype != torch.float32:  # a float32 map with a half g (autocast), the result in g's dtype or float32
             got = fn(g, q, alpha, beta, 1, 3, torch.float32)
-            assert _same(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3).to(dtype)), L
+            assert same_bits_nan_aside(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3).to(dtype)), L
             got = fn(g, q, alpha, beta, 1, 3, torch.float32, torch.float32)
-            assert _same(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3)), L
+            assert same_bits_nan_aside(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3)), L
 
 
 _EDGES = [0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 7e4, 2.0 ** -14, 0.99 * 2.0 ** -14, 2.0 ** -24,
@@ -220,12 +208,13 @@ def test_round_through_is_the_cast(dtype):
     v = torch.randn(200000, generator=gen) * 10.0 ** torch.randint(-9, 6, (200000,), generator=gen).float()
     v = torch.cat([v, torch.tensor(_EDGES), -torch.tensor(_EDGES)])
     v = torch.cat([v, v.to(dtype).float() + v.to(dtype).float().abs() * 2.0 ** -9])  # ties and near ties
-    assert _same(traceable.round_through(v, dtype), v.to(dtype).float())
+    assert same_bits_nan_aside(traceable.round_through(v, dtype), v.to(dtype).float())
 
 
 def test_traced_form_eager_is_the_reference():
     g, q, alpha, beta = _case((2, 3, 5, 40), 1, 3, True, torch.float16, specials=True)
-    assert _same(traceable.softmax_backward(g, q, alpha, beta, 1, 3), R.softmax_backward(g, q, alpha, beta, 1, 3))
+    want = R.softmax_backward(g, q, alpha, beta, 1, 3)
+    assert same_bits_nan_aside(traceable.softmax_backward(g, q, alpha, beta, 1, 3), want)
 
 
 # ----------------------------------------------------------------------------- float32 map, half g
@@ -248,14 +237,15 @@ def test_float_map_with_half_g_is_the_casts_around_the_op(impl, dtype, L):
     for specials in (True, False):
         g, q, alpha, beta = _case((2, 3, 5, L), 1, 3, L % 2 == 1, dtype, specials=specials)
         got = fn(g, q, alpha, beta, 1, 3, torch.float32)
-        assert _same(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3).to(dtype)), specials
+        assert same_bits_nan_aside(got, R.softmax_backward(g.float(), q, alpha, beta, 1, 3).to(dtype)), specials
         # float32 logits (Swin's, with their float32 bias): the result in float32, no cast
         out32 = fn(g, q, alpha, beta, 1, 3, torch.float32, torch.float32)
-        assert _same(out32, R.softmax_backward(g.float(), q, alpha, beta, 1, 3)), specials
+        assert same_bits_nan_aside(out32, R.softmax_backward(g.float(), q, alpha, beta, 1, 3)), specials
         # y_dtype equal to g's dtype is the default
-        assert _same(fn(g, q, alpha, beta, 1, 3, dtype), R.softmax_backward(g, q, alpha, beta, 1, 3)), specials
+        want = R.softmax_backward(g, q, alpha, beta, 1, 3)
+        assert same_bits_nan_aside(fn(g, q, alpha, beta, 1, 3, dtype), want), specials
     # (and the float32 map is not the half one: the argument is read)
-    assert not _same(got, R.softmax_backward(g, q, alpha, beta, 1, 3))
+    assert not same_bits_nan_aside(got, R.softmax_backward(g, q, alpha, beta, 1, 3))
 
 
 def test_opcheck():
@@ -279,7 +269,7 @@ def test_cuda_op_is_the_reference(dtype, L, float_map):
     got = torch.ops.mesa.softmax_backward(g.cuda(), q.cuda(), alpha.cuda(), beta.cuda(), 1, 3, y_dtype,
                                           out_dtype).cpu()
     want = R.softmax_backward(g, q, alpha, beta, 1, 3, y_dtype, out_dtype)
-    assert _same(got, want)  # (a GPU's NaN payloads differ from the host's)
+    assert same_bits_nan_aside(got, want)  # (a GPU's NaN payloads differ from the host's)
 
 
 # ----------------------------------------------------------------------------- errors

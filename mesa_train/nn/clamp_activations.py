@@ -74,7 +74,7 @@ class _ClampActivation(MesaLayer):
         if not self._mesa_active(input):
             return super().forward(input)
         kind, lo, hi = self._clamp_args()
-        if quantizer_mod._FUSED_LAYERS and not torch.compiler.is_compiling():
+        if quantizer_mod.fused_layers_on():
             # eager: the layer with a C++ autograd node (csrc/convnet_autograd.cpp), the same bits
             op = torch.ops.mesa.mask_train_ if self.inplace else torch.ops.mesa.mask_train
             return op(input, MASK_KINDS[kind], float(lo), float(hi))

@@ -196,7 +196,7 @@ def _fused_args(shared: Optional[Packed], quantizer, t: torch.Tensor):
     """The ``mesa::matmul_train`` arguments of one operand (its shared copy, its quantizer),
     or ``None`` when the Python Function must run (a variant format, under compile, no
     extension: see ``ActivationQuantizer.fused_layer_args``)."""
-    if not quantizer_mod._FUSED_LAYERS or torch.compiler.is_compiling() or (shared is not None and shared.fmt):
+    if not quantizer_mod.fused_layers_on() or (shared is not None and shared.fmt):
         return None
     s = _NO_SHARED if shared is None else ([shared.q, shared.alpha, shared.beta], shared.dim, shared.num_groups)
     if quantizer is None:

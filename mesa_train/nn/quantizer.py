@@ -226,11 +226,18 @@ _DEQUANTIZE = torch.ops.mesa.dequantize.default
 _QUANTIZE_OBSERVE = torch.ops.mesa.quantize_observe.default
 _ROW_EXPONENTS = torch.ops.mesa.row_exponents.default
 _COMPRESS = torch.ops.mesa.compress.default
+_QUANTIZE_BITS = torch.ops.mesa.quantize_bits.default
+_DEQUANTIZE_BITS = torch.ops.mesa.dequantize_bits.default
 # Whole-layer C++ ops (csrc/layers_autograd.cpp) exist only in the compiled extension; with
 # the pure-PyTorch fallback the layers keep their Python Functions.
 _FUSED_LAYERS = quant.extension_error is None and hasattr(torch.ops.mesa, "gelu_train")
-_QUANTIZE_BITS = torch.ops.mesa.quantize_bits.default
-_DEQUANTIZE_BITS = torch.ops.mesa.dequantize_bits.default
+
+
+def fused_layers_on() -> bool:
+    """Whether a layer runs its C++ layer op now: the extension has them and this is eager
+    (under ``torch.compile`` the traceable Python Functions run). Reads ``_FUSED_LAYERS`` at
+    call time: the tests switch it off to compare the two paths."""
+    return _FUSED_LAYERS and not torch.compiler.is_compiling()
 
 
 def _dequantize_bits(q, alpha, beta, shape, dim, G, bits, pow2, dtype):
@@ -487,7 +494,7 @@ class ActivationQuantizer(nn.Module):
         under ``torch.compile`` (the traceable path), for the variant formats, or when the
         extension is not loaded (the reference ops)."""
         opts = self.options
-        if not (_FUSED_LAYERS and opts.is_default_format) or torch.compiler.is_compiling():
+        if not (opts.is_default_format and fused_layers_on()):
             return None
         bufs = self._follow_device(x)
         return (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], opts.num_groups, opts.decay,

@@ -87,7 +87,7 @@ class ReLU(MesaLayer, nn.ReLU):
     def forward(self, input):
         if not self._mesa_active(input):
             return super().forward(input)
-        if quantizer_mod._FUSED_LAYERS and not torch.compiler.is_compiling():
+        if quantizer_mod.fused_layers_on():
             # eager: the layer with a C++ autograd node (csrc/convnet_autograd.cpp), the same bits
             op = torch.ops.mesa.mask_train_ if self.inplace else torch.ops.mesa.mask_train
             return op(input, MASK_KINDS["relu"], 0.0, 0.0)
