@@ -120,6 +120,16 @@ def nhwc_view(x: torch.Tensor, dim: int, default_format: bool) -> tuple[torch.Te
     return x, dim, False
 
 
+def save_elementwise_input(ctx, x: torch.Tensor, y: torch.Tensor, quantizer, *extra: torch.Tensor) -> None:
+    """What an elementwise activation's Function keeps of ``y = f(x)``: ``x`` compressed by
+    ``quantizer`` (per-head groups for a 4-D attention map, channel groups otherwise; a
+    channels-last ``x`` through its NHWC view), and ``extra``. Sets ``ctx.nhwc``, ``ctx.cdt``
+    (``y``'s dtype, which backward computes in) and ``ctx.x_dtype`` (its gradient's)."""
+    xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.is_default_format)
+    ctx.cdt, ctx.x_dtype = y.dtype, x.dtype
+    save(ctx, [quantizer.compress(xv, dim)], *extra)
+
+
 def to_nhwc(g: torch.Tensor, permuted: bool) -> torch.Tensor:
     """A gradient of the NCHW tensor in the layout of its NHWC codes (a view; from_nhwc's inverse)."""
     return g.permute(0, 2, 3, 1) if permuted else g

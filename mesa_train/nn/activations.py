@@ -15,7 +15,8 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import MesaLayer, from_nhwc, group_dim_4d, load, nhwc_view, no_autocast, save
+from ._common import (MesaLayer, from_nhwc, group_dim_4d, load, no_autocast, save,
+                      save_elementwise_input)
 from .quantizer import decompress
 from .relu import pack_bits, unpack_bits
 
@@ -49,10 +50,8 @@ class _ElementwiseFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kind, quantizer):
         y = quick_gelu(x) if kind == "quick_gelu" else F.silu(x)
-        xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.is_default_format)
-        packed = quantizer.compress(xv, dim)
-        ctx.cdt, ctx.x_dtype, ctx.kind = y.dtype, x.dtype, kind
-        save(ctx, [packed])
+        ctx.kind = kind
+        save_elementwise_input(ctx, x, y, quantizer)
         return y
 
     @staticmethod
@@ -130,10 +129,9 @@ class _HardswishFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, quantizer):
         y = F.hardswish(x)
-        xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.is_default_format)
-        packed = quantizer.compress(xv, dim)
-        ctx.cdt, ctx.x_dtype, ctx.shape = y.dtype, x.dtype, x.shape
-        save(ctx, [packed], pack_bits(x < -3), pack_bits(x > 3))  # hardswish_backward's own comparisons
+        ctx.shape = x.shape
+        # (the masks: hardswish_backward's own comparisons)
+        save_elementwise_input(ctx, x, y, quantizer, pack_bits(x < -3), pack_bits(x > 3))
         return y
 
     @staticmethod

@@ -37,6 +37,22 @@ def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.view((1, -1) + (1,) * (like.dim() - 2))
 
 
+def restandardise(var: torch.Tensor, invstd: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, s)``: the exact x_hat's mean square ``1 - eps * invstd^2`` and the factor that
+    brings the dequantized x_hat, of variance ``var``, to it (1 where ``var`` is 0); per channel
+    (BatchNorm) or per (sample, group) (GroupNorm). ``bn_backward`` says why. C++ twin:
+    ``restandardise`` in csrc/convnet_autograd.cpp."""
+    target = (1 - eps * invstd.square()).clamp_min(0)
+    return target, torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
+
+
+def remember_dtypes(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """The dtypes a norm's gradients go back in (``None`` for an absent parameter)."""
+    ctx.x_dtype = x.dtype
+    ctx.w_dtype = weight.dtype if weight is not None else None
+    ctx.b_dtype = bias.dtype if bias is not None else None
+
+
 def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer):
     """The training forward of the Mesa BatchNorms: ``(out, packed x_hat, invstd, compute dtype)``."""
     # exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which
@@ -72,8 +88,7 @@ def bn_backward(g, packed, invstd, weight, mdt, eps, needs, scale_coef: bool):
         # (the BatchNorm statistics kernel: 5-28x faster than var_mean over (N, H, W) on
         # CPU, the same values; EfficientNet-B0's step spent 12% of its time in var_mean)
         xh_mean, var = torch.batch_norm_update_stats(xh, None, None, 0.0)
-        target = (1 - eps * invstd.to(mdt).square()).clamp_min(0)
-        s = torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
+        target, s = restandardise(var, invstd.to(mdt), eps)
         w = weight.to(mdt) if weight is not None else None
         gm = g.to(mdt)
         dx, dw, db = torch.ops.aten.native_batch_norm_backward(
@@ -96,9 +111,7 @@ class _BatchNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer, link=None):
         out, packed, invstd, mdt = bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer)
         ctx.mdt, ctx.eps, ctx.link = mdt, eps, link
-        ctx.x_dtype = x.dtype
-        ctx.w_dtype = weight.dtype if weight is not None else None
-        ctx.b_dtype = bias.dtype if bias is not None else None
+        remember_dtypes(ctx, x, weight, bias)
         save(ctx, [packed], invstd, weight)
         return out
 

@@ -9,8 +9,8 @@ from torch import nn
 import mesa_train.quant  # noqa: F401  (registers torch.ops.mesa.gelu_backward)
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 
-from ._common import (MesaLayer, from_nhwc, group_dim_4d, load, nhwc_view, no_autocast, rebuild_parameter_free,
-                      save, to_nhwc)
+from ._common import (MesaLayer, from_nhwc, load, no_autocast, rebuild_parameter_free, save_elementwise_input,
+                      to_nhwc)
 from .quantizer import decompress
 
 __all__ = ["GELU"]
@@ -22,10 +22,8 @@ class _GeluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, approximate, quantizer):
         y = F.gelu(x, approximate=approximate)  # exactly nn.GELU.forward
-        xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.is_default_format)
-        packed = quantizer.compress(xv, dim)
-        ctx.cdt, ctx.x_dtype, ctx.approximate = y.dtype, x.dtype, approximate
-        save(ctx, [packed])
+        ctx.approximate = approximate
+        save_elementwise_input(ctx, x, y, quantizer)
         return y
 
     @staticmethod

@@ -26,6 +26,7 @@ from torch import nn
 
 from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, inherit_options, load,
                       no_autocast, save)
+from .batchnorm import remember_dtypes, restandardise
 from .quantizer import decompress
 
 __all__ = ["GroupNorm", "GroupNormAct"]
@@ -54,9 +55,7 @@ class _GroupNormFn(torch.autograd.Function):
         packed = quantizer.compress(x_hat, 1)
         del x_hat
         ctx.mdt, ctx.eps, ctx.groups, ctx.nc_hxw = mdt, eps, groups, (n, c, hxw)
-        ctx.x_dtype = x.dtype
-        ctx.w_dtype = weight.dtype if weight is not None else None
-        ctx.b_dtype = bias.dtype if bias is not None else None
+        remember_dtypes(ctx, x, weight, bias)
         save(ctx, [packed], rstd, weight)
         return out
 
@@ -71,8 +70,7 @@ class _GroupNormFn(torch.autograd.Function):
             # standardise the dequantized x_hat again per (sample, group), to the exact x_hat's
             # mean square var / (var + eps) = 1 - eps * rstd^2 (the BatchNorm's reasoning)
             var, xh_mean = torch.var_mean(_grouped(xh, groups), dim=-1, correction=0)
-            target = (1 - ctx.eps * rstd.to(mdt).square()).clamp_min(0)
-            s = torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
+            _, s = restandardise(var, rstd.to(mdt), ctx.eps)
             w = weight.to(mdt) if weight is not None else None
             dx, dw, db = torch.ops.aten.native_group_norm_backward(
                 g.to(mdt).contiguous(), xh, xh_mean, s, w, n, c, hxw, groups, need)
