@@ -8,7 +8,7 @@
 // 25-45 us (results/overhead/cpu-convnet.md): Function.apply, the ctx bookkeeping and the
 // small ops issued from Python (BatchNorm: some 14). Every block of a convnet has several.
 // Each op runs the aten kernels and mesa::compress / dequantize its Python Function runs, in
-// the same order (the masked backward: stock's own kernel in place of unpack + masked_fill, the
+// the same order (the masked backward: stock's own kernel in place of unpack + where, the
 // same values), so outputs, codes, masks, estimates, running statistics and gradients are
 // bitwise the Python path's (tests/test_convnet_autograd.py). The layers call them only in
 // eager mode with the default 8-bit format (the norms: affine; BatchNorm: no linked 1x1
@@ -66,9 +66,10 @@ variable_list norm_grads(AutogradContext* ctx, const at::Tensor& gx, const at::T
 }
 
 // ----------------------------------------------------------------------------- BatchNorm
-// Keeps x_hat = (x - mean) * invstd in 8 bits (groups along the channel dim) and the per-channel
-// invstd; backward re-standardises the dequantized x_hat per channel and runs ATen's batch-norm
-// backward on it (batchnorm.bn_backward says why).
+// Keeps x_hat = (x - mean) * invstd in 8 bits (groups along the channel dim; a channels-last
+// x_hat through its NHWC view, batchnorm.bn_forward) and the per-channel invstd; backward
+// re-standardises the dequantized x_hat per channel and runs ATen's batch-norm backward on it
+// (batchnorm.bn_backward says why).
 struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, const std::optional<at::Tensor>& running_mean,
@@ -83,9 +84,11 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
       NoAutocast no_autocast;
       x_hat = (x.to(mdt) - per_channel(mean.to(mdt), x)) * per_channel(invstd.to(mdt), x);
     }
-    auto [q, alpha, beta, G] = compress(x_hat, 1, qz);
+    const NhwcView v = nhwc_view(x_hat, 1);
+    auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
     ctx->save_for_backward({q, alpha, beta, invstd, weight});
     save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
+    ctx->saved_data["nhwc"] = v.permuted;
     return out;
   }
 
@@ -97,8 +100,10 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     const auto mdt = ctx->saved_data["mdt"].toScalarType();
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
-    const at::Tensor xh =
-        call_dequantize(saved[0], saved[1], saved[2], 1, ctx->saved_data["quant_groups"].toInt(), mdt);
+    const bool nhwc = ctx->saved_data["nhwc"].toBool();
+    const at::Tensor xh = from_nhwc(
+        call_dequantize(saved[0], saved[1], saved[2], nhwc ? 3 : 1, ctx->saved_data["quant_groups"].toInt(), mdt),
+        nhwc);
     // (the BatchNorm statistics kernel gives the per-channel moments: batchnorm.bn_backward)
     auto [xh_mean, var] = at::batch_norm_update_stats(xh, std::nullopt, std::nullopt, 0.0);
     const at::Tensor invstd_m = invstd.to(mdt);
@@ -128,6 +133,20 @@ at::Tensor batch_norm_train(const at::Tensor& x, const at::Tensor& weight, const
 // (sample, group) and runs ATen's group-norm backward on it.
 at::Tensor grouped(const at::Tensor& t, int64_t groups) { return t.reshape({t.size(0), groups, -1}); }
 
+// groupnorm._per_channel: a per-(sample, group) (N, G) tensor as (N, C, 1, ...), broadcasting
+// over `like` in its own layout
+at::Tensor per_sample_channel(const at::Tensor& t, int64_t groups, const at::Tensor& like) {
+  std::vector<int64_t> shape(like.dim(), 1);
+  shape[0] = like.size(0);
+  shape[1] = like.size(1);
+  return t.repeat_interleave(like.size(1) / groups, 1).view(shape);
+}
+
+// groupnorm._backward_format: the layout stock's autograd gives native_group_norm_backward
+at::MemoryFormat backward_format(const at::Tensor& x) {
+  return x.is_cpu() ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
+}
+
 struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight,
                             const at::Tensor& bias, int64_t groups, double eps, Quantizer qz) {
@@ -141,12 +160,15 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
     at::Tensor x_hat;
     {
       NoAutocast no_autocast;
-      x_hat = ((grouped(x.to(mdt), groups) - mean.to(mdt).unsqueeze(-1)) * rstd.to(mdt).unsqueeze(-1)).view(x.sizes());
+      x_hat = (x.to(mdt) - per_sample_channel(mean.to(mdt), groups, x)) * per_sample_channel(rstd.to(mdt), groups, x);
     }
-    auto [q, alpha, beta, G] = compress(x_hat, 1, qz);
+    const NhwcView v = nhwc_view(x_hat, 1);
+    auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
     ctx->save_for_backward({q, alpha, beta, rstd, weight});
     save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
     ctx->saved_data["groups"] = groups;
+    ctx->saved_data["nhwc"] = v.permuted;
+    ctx->saved_data["fmt"] = static_cast<int64_t>(backward_format(x));
     return out;
   }
 
@@ -159,17 +181,20 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
     const int64_t groups = ctx->saved_data["groups"].toInt();
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
-    const at::Tensor xh =
-        call_dequantize(saved[0], saved[1], saved[2], 1, ctx->saved_data["quant_groups"].toInt(), mdt);
+    const bool nhwc = ctx->saved_data["nhwc"].toBool();
+    const auto fmt = static_cast<at::MemoryFormat>(ctx->saved_data["fmt"].toInt());
+    const at::Tensor xh = from_nhwc(call_dequantize(saved[0], saved[1], saved[2], nhwc ? 3 : 1,
+                                                    ctx->saved_data["quant_groups"].toInt(), mdt),
+                                    nhwc)
+                              .contiguous(fmt);
     const int64_t n = xh.size(0), c = xh.size(1), hxw = c10::multiply_integers(xh.sizes().slice(2));
     auto [var, xh_mean] = at::var_mean(grouped(xh, groups), at::IntArrayRef{-1}, /*correction=*/0, false);
     const at::Tensor rstd_m = rstd.to(mdt);
     const at::Tensor s = restandardise(var, rstd_m, eps);  // per (sample, group)
-    auto [dx, dw, db] = at::native_group_norm_backward(grads[0].to(mdt).contiguous(), xh, xh_mean, s, weight.to(mdt),
-                                                       n, c, hxw, groups, {need_x, need_w, need_b});
-    variable_list out = norm_grads(
-        ctx, need_x ? (grouped(dx, groups) * (rstd_m / s).unsqueeze(-1)).view(dx.sizes()) : dx, dw, db, need_x,
-        need_w, need_b);
+    auto [dx, dw, db] = at::native_group_norm_backward(grads[0].to(mdt).contiguous(fmt), xh, xh_mean, s,
+                                                       weight.to(mdt), n, c, hxw, groups, {need_x, need_w, need_b});
+    variable_list out = norm_grads(ctx, need_x ? dx * per_sample_channel(rstd_m / s, groups, dx) : dx, dw, db, need_x,
+                                   need_w, need_b);
     out.resize(6);  // (one per argument of forward)
     return out;
   }
@@ -186,24 +211,30 @@ at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const
 
 // ----------------------------------------------------------------------------- 1-bit masks
 // relu.pack_bits / unpack_bits: a boolean tensor as uint8, 8 elements per byte (little-endian
-// bits), flat; the same bytes
+// bits), flat, in NCHW order or a channels-last mask in its own memory order (its NHWC view:
+// unpacked channels-last again, so the gradients keep stock's layout); the same bytes
 at::Tensor pack_bits(const at::Tensor& mask) {
+  const at::Tensor m = is_channels_last(mask) ? mask.permute({0, 2, 3, 1}) : mask;
   // the boolean's own 0/1 bytes, in contiguous order (a copy only for a strided mask)
-  at::Tensor flat = (mask.is_contiguous() ? mask : mask.contiguous()).view(at::kByte).view(-1);
+  at::Tensor flat = (m.is_contiguous() ? m : m.contiguous()).view(at::kByte).view(-1);
   const int64_t pad = (8 - flat.numel() % 8) % 8;
   if (pad) flat = at::cat({flat, at::zeros({pad}, flat.options())});
   const at::Tensor shifts = at::arange(8, flat.options());
   return at::bitwise_left_shift(flat.view({-1, 8}), shifts).sum({-1}, false, at::kByte);
 }
 
-// each element's bit in place: 0 or 2**bit (uint8), nonzero where the mask was set (one pass)
-at::Tensor unpack_bit_bytes(const at::Tensor& packed, at::IntArrayRef shape) {
+// each element's bit in place: 0 or 2**bit (uint8), nonzero where the mask was set (one pass);
+// channels_last: the mask was (is_channels_last when packed), and comes back so
+at::Tensor unpack_bit_bytes(const at::Tensor& packed, at::IntArrayRef shape, bool channels_last) {
   const at::Tensor powers = at::bitwise_left_shift(at::ones({8}, packed.options()), at::arange(8, packed.options()));
-  return at::bitwise_and(packed.unsqueeze(-1), powers).view(-1).slice(0, 0, c10::multiply_integers(shape)).view(shape);
+  const at::Tensor flat =
+      at::bitwise_and(packed.unsqueeze(-1), powers).view(-1).slice(0, 0, c10::multiply_integers(shape));
+  if (!channels_last) return flat.view(shape);
+  return flat.view({shape[0], shape[2], shape[3], shape[1]}).permute({0, 3, 1, 2});
 }
 
-at::Tensor unpack_bits(const at::Tensor& packed, at::IntArrayRef shape) {
-  return unpack_bit_bytes(packed, shape).to(at::kBool);
+at::Tensor unpack_bits(const at::Tensor& packed, at::IntArrayRef shape, bool channels_last) {
+  return unpack_bit_bytes(packed, shape, channels_last).to(at::kBool);
 }
 
 // ----------------------------------------------------------------------------- ReLU, Hardtanh, Hardsigmoid
@@ -228,7 +259,9 @@ struct MaskTrain : public torch::autograd::Function<MaskTrain> {
       ctx->mark_dirty({x});
       y = x;
     }
-    ctx->save_for_backward({pack_bits(k == Masked::kRelu ? y.gt(0) : inside)});
+    const at::Tensor mask = k == Masked::kRelu ? y.gt(0) : inside;
+    ctx->save_for_backward({pack_bits(mask)});
+    ctx->saved_data["cl"] = is_channels_last(mask);
     ctx->saved_data["shape"] = y.sizes();
     ctx->saved_data["kind"] = kind;
     return y;
@@ -238,7 +271,8 @@ struct MaskTrain : public torch::autograd::Function<MaskTrain> {
     check_first_order("activation");
     const auto saved = ctx->get_saved_variables();
     const auto shape = ctx->saved_data["shape"].toIntVector();
-    const at::Tensor bytes = unpack_bit_bytes(saved[0], shape);  // nonzero where the mask is set
+    // nonzero where the mask is set
+    const at::Tensor bytes = unpack_bit_bytes(saved[0], shape, ctx->saved_data["cl"].toBool());
     const at::Tensor none;
     if (static_cast<Masked>(ctx->saved_data["kind"].toInt()) == Masked::kHardsigmoid) {
       // ATen's own kernel (its g * 1/6 rounding), on 0 inside and 3 (outside) elsewhere
@@ -246,7 +280,7 @@ struct MaskTrain : public torch::autograd::Function<MaskTrain> {
               none};
     }
     // stock ReLU's own backward, threshold_backward(g, y, 0) (0 where y <= 0, else g), fed the
-    // mask's bytes for y: the Python Functions' bits (their masked_fill(~mask, 0)), two kernels
+    // mask's bytes for y: the Python Functions' bits (their where(mask, g, 0)), two kernels
     // from the codes where unpacking to a boolean and masked_fill took six
     return {at::threshold_backward(grads[0], bytes, 0), none, none, none, none};
   }
@@ -279,7 +313,10 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
     const NhwcView v = nhwc_view(x, group_dim(x));
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
     if (k == Elementwise::kHardswish) {  // hardswish_backward's own comparisons
-      ctx->save_for_backward({q, alpha, beta, pack_bits(x.lt(-3)), pack_bits(x.gt(3))});
+      const at::Tensor below = x.lt(-3), above = x.gt(3);
+      ctx->save_for_backward({q, alpha, beta, pack_bits(below), pack_bits(above)});
+      ctx->saved_data["cl_below"] = is_channels_last(below);
+      ctx->saved_data["cl_above"] = is_channels_last(above);
     } else {
       ctx->save_for_backward({q, alpha, beta});
     }
@@ -312,7 +349,9 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
     } else {  // a rounded x may leave [-3, 3]: the end's slope; the masks say the side exactly
       const auto shape = ctx->saved_data["shape"].toIntVector();
       const at::Tensor slope = xh.div(3).add(0.5).clamp(-0.5, 1.5);
-      gx = g * slope.masked_fill(unpack_bits(saved[3], shape), 0).masked_fill(unpack_bits(saved[4], shape), 1);
+      const at::Tensor below = unpack_bits(saved[3], shape, ctx->saved_data["cl_below"].toBool());
+      const at::Tensor above = unpack_bits(saved[4], shape, ctx->saved_data["cl_above"].toBool());
+      gx = g * at::where(below, 0, at::where(above, 1, slope));  // (in slope's layout: not masked_fill)
     }
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
   }

@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs" / "bench"
@@ -224,6 +225,7 @@ def test_bad_row_values_name_the_choices():
         ({"label": "a", "paper": "table7/nope"}, ["table7/+ Mesa w/ GELU"]),
         ({"label": "a", "compile": True, "compile_kernels": "fast"}, ["auto", "ops", "traceable"]),
         ({"label": "a", "compile": True, "compile_scope": "layers"}, ["compile_scope='layers'", "model, blocks"]),
+        ({"label": "a", "channels_last": "yes"}, ["channels_last must be true or false"]),
     ]
     for row, words in cases:
         with pytest.raises(BenchConfigError) as info:
@@ -356,6 +358,27 @@ def test_largest_fitting_search():
         assert got == min(limit, 64) and hit == (limit >= 64)
         assert len(calls) <= 12
     assert largest_fitting(lambda u: False, 12, 64) == (0, False)
+
+
+def test_a_channels_last_row_trains_channels_last():
+    """``channels_last: true``: the model's 4-D weights and the step's input are NHWC, the row
+    says so in its description and its table's Layout column."""
+    from mesa_train.bench import measure
+    from mesa_train.bench.presets import make_row
+    from mesa_train.bench.report import DESCRIPTIVE_COLUMNS, build_records
+
+    row = make_row({"model": "resnet18", "batch_size": 2, "img_size": 32, "num_classes": 3, "amp": "fp32"},
+                   {"label": "r", "baseline": True, "channels_last": True})
+    model = measure.build_for_row(row)
+    step = measure.TrainStep(row, model, torch.device("cpu"))
+    nhwc = torch.channels_last
+    assert model.conv1.weight.is_contiguous(memory_format=nhwc) and not model.conv1.weight.is_contiguous()
+    assert step.x.is_contiguous(memory_format=nhwc) and not step.x.is_contiguous()
+    step()
+    assert "channels_last" in row.describe()
+    env = {k: "x" for k in ("device", "torch", "timm", "mesa_train", "cuda", "mesa_extension", "date")}
+    rec = build_records("t", [row], [measure.Measurement(peak_mb=1.0, saved_mb=1.0, throughput=1.0)], env)[0]
+    assert rec["channels_last"] is True and DESCRIPTIVE_COLUMNS["layout"][1](rec) == "channels-last"
 
 
 def test_ratios_without_a_measured_baseline():

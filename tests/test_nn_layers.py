@@ -231,6 +231,13 @@ def test_relu_bit_packing_and_inplace():
         p = pack_bits(m)
         assert p.dtype == torch.uint8 and p.numel() == math.ceil(n / 8)
         assert torch.equal(unpack_bits(p, m.shape), m)
+    # a channels-last mask: packed in its memory order (its NHWC view), unpacked channels-last
+    for shape in ((2, 3, 4, 5), (1, 7, 1, 3)):
+        m = (torch.rand(shape) > 0.5).contiguous(memory_format=torch.channels_last)
+        p = pack_bits(m)
+        assert torch.equal(p, pack_bits(m.permute(0, 2, 3, 1).contiguous()))
+        back = unpack_bits(p, m.shape, channels_last=True)
+        assert torch.equal(back, m) and back.stride() == m.stride()
     x = torch.randn(3, 5, requires_grad=True)
     h0, h1 = x * 1.0, x * 1.0
     y0 = nn.ReLU(inplace=True)(h0)

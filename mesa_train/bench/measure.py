@@ -263,6 +263,8 @@ def build_for_row(row: RowConfig, device: torch.device | str = "cpu", patch: boo
             raise BenchConfigError(f"model {row.model!r} cannot use gradient checkpointing: {err}") from None
     if device.type != "meta":
         model = model.to(device)
+    if row.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     model.train()
     return model
 
@@ -300,7 +302,8 @@ class TrainStep:
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(row.batch_size, 3, row.img_size, row.img_size, generator=gen)
         y = torch.randint(0, row.num_classes, (row.batch_size,), generator=gen)
-        self.x, self.y = x.to(device), y.to(device)
+        fmt = torch.channels_last if row.channels_last else torch.contiguous_format
+        self.x, self.y = x.to(device, memory_format=fmt), y.to(device)
         self.last_loss: torch.Tensor | None = None
 
     def micro_batches(self):

@@ -68,6 +68,9 @@ class RowConfig:
     amp: str = "fp16"
     attention: str = "explicit"
     grad_checkpointing: bool = False
+    # NHWC memory format for the model and its input, as convnets train on a GPU (timm's
+    # train.py --channels-last); every layer's backward then has to keep that layout
+    channels_last: bool = False
     accum_steps: int = 1
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     optimizer: str = "adamw"
@@ -126,6 +129,8 @@ class RowConfig:
                                                          if tuple(self.modules) != ("all",) else "") + "]")
             if self.quant:
                 bits.append("(" + ", ".join(f"{k}={v}" for k, v in sorted(self.quant.items())) + ")")
+        if self.channels_last:
+            bits.append("channels_last")
         if self.grad_checkpointing:
             bits.append("ckpt")
         if self.accum_steps > 1:
@@ -190,8 +195,9 @@ def check_row(row: RowConfig) -> None:
             raise BenchConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
     if not isinstance(row.warmup, int) or row.warmup < 0:
         raise BenchConfigError(f"{where}: warmup must be an integer >= 0, got {row.warmup!r}")
-    if not isinstance(row.compile, bool):
-        raise BenchConfigError(f"{where}: compile must be true or false, got {row.compile!r}")
+    for name in ("compile", "channels_last"):
+        if not isinstance(getattr(row, name), bool):
+            raise BenchConfigError(f"{where}: {name} must be true or false, got {getattr(row, name)!r}")
     if row.compile_backend not in COMPILE_BACKENDS:
         raise BenchConfigError(f"{where}: compile_backend={row.compile_backend!r} is not valid; valid choices: "
                                + ", ".join(COMPILE_BACKENDS))

@@ -15,7 +15,7 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import (MesaLayer, from_nhwc, group_dim_4d, load, no_autocast, save,
+from ._common import (MesaLayer, from_nhwc, group_dim_4d, is_channels_last, load, no_autocast, save,
                       save_elementwise_input)
 from .quantizer import decompress
 from .relu import pack_bits, unpack_bits
@@ -129,9 +129,9 @@ class _HardswishFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, quantizer):
         y = F.hardswish(x)
-        ctx.shape = x.shape
-        # (the masks: hardswish_backward's own comparisons)
-        save_elementwise_input(ctx, x, y, quantizer, pack_bits(x < -3), pack_bits(x > 3))
+        below, above = x < -3, x > 3  # hardswish_backward's own comparisons
+        ctx.shape, ctx.cl = x.shape, (is_channels_last(below), is_channels_last(above))
+        save_elementwise_input(ctx, x, y, quantizer, pack_bits(below), pack_bits(above))
         return y
 
     @staticmethod
@@ -141,7 +141,8 @@ class _HardswishFn(torch.autograd.Function):
         with no_autocast(g.device.type):
             xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
             slope = (xh / 3 + 0.5).clamp(-0.5, 1.5)  # a rounded x may leave [-3, 3]: the end's slope
-            slope = slope.masked_fill(unpack_bits(below, ctx.shape), 0).masked_fill(unpack_bits(above, ctx.shape), 1)
+            below, above = unpack_bits(below, ctx.shape, ctx.cl[0]), unpack_bits(above, ctx.shape, ctx.cl[1])
+            slope = torch.where(below, 0, torch.where(above, 1, slope))  # (in slope's layout: not masked_fill)
             gx = g.to(ctx.cdt) * slope
         return gx.to(ctx.x_dtype), None
 

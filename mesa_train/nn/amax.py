@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._common import MesaLayer, load, save
+from ._common import MesaLayer, is_channels_last, load, save
 from .relu import pack_bits, unpack_bits
 
 __all__ = ["Amax"]
@@ -43,15 +43,16 @@ class _AmaxFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dims, keepdim):
         out = torch.amax(x, dims, keepdim)
-        ctx.dims, ctx.keepdim, ctx.shape = dims, keepdim, x.shape
-        save(ctx, [], pack_bits(x == _restore(out, dims, keepdim)))
+        mask = x == _restore(out, dims, keepdim)
+        ctx.dims, ctx.keepdim, ctx.shape, ctx.cl = dims, keepdim, x.shape, is_channels_last(mask)
+        save(ctx, [], pack_bits(mask))
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
         _, (bits,) = load(ctx)
-        mask = unpack_bits(bits, ctx.shape)
+        mask = unpack_bits(bits, ctx.shape, ctx.cl)
         # ATen's amax backward: scale_grad_by_count(restore_reduced_dims(grad), result == self, dim)
         gx = (_restore(g, ctx.dims, ctx.keepdim) / mask.sum(ctx.dims, keepdim=True)) * mask
         return gx, None, None

@@ -25,8 +25,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
-from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, inherit_options, load,
-                      no_autocast, save)
+from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, load,
+                      nhwc_view, no_autocast, save)
 from .conv import conv_backward, conv_forward, scale_branch_compiled
 from .quantizer import decompress
 
@@ -54,7 +54,11 @@ def remember_dtypes(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: tor
 
 
 def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer):
-    """The training forward of the Mesa BatchNorms: ``(out, packed x_hat, invstd, compute dtype)``."""
+    """The training forward of the Mesa BatchNorms: ``(out, packed x_hat, nhwc, invstd, compute
+    dtype)``; ``nhwc``: a channels-last ``x_hat`` was compressed as its NHWC view (``nhwc_view``:
+    no copy to NCHW, and backward gets ``x_hat`` channels-last again, as ``g`` and stock's
+    ``native_batch_norm_backward`` see it; mixed layouts took ATen's slow path, 4x stock's
+    BatchNorm step on CPU)."""
     # exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which
     # also hands back the batch mean and invstd it normalised with
     out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
@@ -62,18 +66,19 @@ def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quanti
     with no_autocast(x.device.type):
         mdt = torch.promote_types(x.dtype, torch.float32)
         x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), x)) * _per_channel(invstd.to(mdt), x)
-    packed = quantizer.compress(x_hat, 1)
-    return out, packed, invstd, mdt
+    xv, dim, nhwc = nhwc_view(x_hat, 1, quantizer.options.is_default_format)
+    packed = quantizer.compress(xv, dim)
+    return out, packed, nhwc, invstd, mdt
 
 
-def bn_backward(g, packed, invstd, weight, mdt, eps, needs, scale_coef: bool):
+def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bool):
     """``(dx, dweight, dbias, coef)`` in the compute dtype ``mdt`` (``needs``: which of the first
     three are wanted). ``scale_coef``: also ``coef = gamma * dgamma * (1 - mean(x_hat^2))`` per
     channel, the weight gradient's numerator of a 1x1 depthwise conv in front (``ScaleLink``)."""
     need_x, need_w, need_b = needs
     gx = coef = None
     with no_autocast(g.device.type):
-        xh = decompress(packed, mdt)
+        xh = from_nhwc(decompress(packed, mdt), nhwc)
         # The exact x_hat has zero mean and unit mean square per channel, which makes dx
         # orthogonal to both the constant and x_hat itself over each channel: whatever is
         # added per channel before the BatchNorm gets an exactly-zero gradient, and so does
@@ -109,7 +114,8 @@ def bn_backward(g, packed, invstd, weight, mdt, eps, needs, scale_coef: bool):
 class _BatchNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer, link=None):
-        out, packed, invstd, mdt = bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer)
+        out, packed, ctx.nhwc, invstd, mdt = bn_forward(x, weight, bias, running_mean, running_var, momentum, eps,
+                                                        quantizer)
         ctx.mdt, ctx.eps, ctx.link = mdt, eps, link
         remember_dtypes(ctx, x, weight, bias)
         save(ctx, [packed], invstd, weight)
@@ -122,7 +128,7 @@ class _BatchNormFn(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[:3])
         link, ctx.link = ctx.link, None
         link = link if needs[0] else None
-        gx, gw, gb, coef = bn_backward(g, packed, invstd, weight, ctx.mdt, ctx.eps, needs, link is not None)
+        gx, gw, gb, coef = bn_backward(g, packed, ctx.nhwc, invstd, weight, ctx.mdt, ctx.eps, needs, link is not None)
         gx = gx.to(ctx.x_dtype) if gx is not None else None
         if link is not None:
             link.coef, link.gx = coef, gx
@@ -143,8 +149,8 @@ class _ScaleBranchFn(torch.autograd.Function):
                 bn_quantizer):
         y, packed_x, ctx.conv_meta = conv_forward(x, conv_weight, conv_bias, conv, conv.quantizer,
                                                   ctx.needs_input_grad[1])
-        out, packed_xh, invstd, mdt = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
-                                                 bn_quantizer)
+        out, packed_xh, ctx.nhwc, invstd, mdt = bn_forward(y, bn_weight, bn_bias, running_mean, running_var,
+                                                           momentum, eps, bn_quantizer)
         ctx.conv, ctx.mdt, ctx.eps = conv, mdt, eps
         ctx.dtypes = (x.dtype, conv_weight.dtype, conv_bias.dtype if conv_bias is not None else None, y.dtype,
                       bn_weight.dtype if bn_weight is not None else None,
@@ -159,7 +165,7 @@ class _ScaleBranchFn(torch.autograd.Function):
         need = ctx.needs_input_grad
         need_conv = tuple(need[:3])
         x_dtype, cw_dtype, cb_dtype, y_dtype, bw_dtype, bb_dtype = ctx.dtypes
-        gy, gbw, gbb, coef = bn_backward(g, packed_xh, invstd, bn_weight, ctx.mdt, ctx.eps,
+        gy, gbw, gbb, coef = bn_backward(g, packed_xh, ctx.nhwc, invstd, bn_weight, ctx.mdt, ctx.eps,
                                          (any(need_conv), need[3], need[4]), need[1])
         gx = gw = gb = None
         if gy is not None:  # (as eager's pair: the BatchNorm hands the conv its input's gradient)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import quantizer as quantizer_mod
-from ._common import MesaLayer, check_stock, inherit_options, load, save
+from ._common import MesaLayer, check_stock, inherit_options, is_channels_last, load, save
 from .relu import MASK_KINDS, pack_bits, unpack_bits
 
 __all__ = ["Hardtanh", "ReLU6", "Hardsigmoid", "Clamp"]
@@ -33,7 +33,7 @@ class _ClampMaskFn(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
             y = x  # the input object itself, as autograd requires of a dirty input (Mesa ReLU)
-        ctx.shape, ctx.kind = y.shape, kind
+        ctx.shape, ctx.cl, ctx.kind = y.shape, is_channels_last(inside), kind
         save(ctx, [], pack_bits(inside))
         return y
 
@@ -41,9 +41,9 @@ class _ClampMaskFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         _, (bits,) = load(ctx)
-        inside = unpack_bits(bits, ctx.shape)
+        inside = unpack_bits(bits, ctx.shape, ctx.cl)
         if ctx.kind == "hardtanh":
-            return g.masked_fill(~inside, 0), None, None, None, None
+            return torch.where(inside, g, 0), None, None, None, None  # (the ReLU's: in g's layout)
         # ATen's own kernel (its g * 1/6 rounding), on 0 inside and 3 (outside) elsewhere
         stand_in = (~inside).to(g.dtype) * 3
         return torch.ops.aten.hardsigmoid_backward(g, stand_in), None, None, None, None
@@ -132,9 +132,9 @@ class _ClampFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lo, hi):
         y = torch.clamp(x, lo, hi)
-        ctx.shape = x.shape
         passes = ~((x <= lo) | (x >= hi))  # inside, or NaN
         ties = (x == lo) | (x == hi)
+        ctx.shape, ctx.cl = x.shape, (is_channels_last(passes), is_channels_last(ties))
         save(ctx, [], pack_bits(passes), pack_bits(ties))
         return y
 
@@ -142,7 +142,7 @@ class _ClampFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         _, (passes, ties) = load(ctx)
-        passes, ties = unpack_bits(passes, ctx.shape), unpack_bits(ties, ctx.shape)
+        passes, ties = unpack_bits(passes, ctx.shape, ctx.cl[0]), unpack_bits(ties, ctx.shape, ctx.cl[1])
         return torch.where(passes, g, torch.where(ties, g * 0.5, 0)), None, None
 
 

@@ -24,8 +24,8 @@ from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 from torch import nn
 
-from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, inherit_options, load,
-                      no_autocast, save)
+from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, load,
+                      nhwc_view, no_autocast, save)
 from .batchnorm import remember_dtypes, restandardise
 from .quantizer import decompress
 
@@ -35,6 +35,20 @@ __all__ = ["GroupNorm", "GroupNormAct"]
 def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
     """``(N, C, *)`` as ``(N, G, C // G * prod(*))``: the elements of each (sample, group)."""
     return t.reshape(t.shape[0], groups, -1)
+
+
+def _per_channel(t: torch.Tensor, groups: int, like: torch.Tensor) -> torch.Tensor:
+    """A per-(sample, group) ``(N, G)`` tensor as ``(N, C, 1, ...)``, each group's value for each
+    of its channels: it broadcasts over ``like`` in ``like``'s own layout (a grouped reshape of
+    a channels-last tensor is an NCHW copy)."""
+    n, c = like.shape[0], like.shape[1]
+    return t.repeat_interleave(c // groups, dim=1).view((n, c) + (1,) * (like.dim() - 2))
+
+
+def _backward_format(x: torch.Tensor) -> torch.memory_format:
+    """The layout stock's autograd hands ``native_group_norm_backward`` its gradient and input in
+    (torch's derivatives.yaml): the input's suggested format on CPU, contiguous elsewhere."""
+    return suggest_memory_format(x) if x.device.type == "cpu" else torch.contiguous_format
 
 
 class _GroupNormFn(torch.autograd.Function):
@@ -50,11 +64,12 @@ class _GroupNormFn(torch.autograd.Function):
         out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
         with no_autocast(x.device.type):
             mdt = torch.promote_types(x.dtype, torch.float32)
-            x_hat = ((_grouped(x.to(mdt), groups) - mean.to(mdt).unsqueeze(-1))
-                     * rstd.to(mdt).unsqueeze(-1)).view(x.shape)
-        packed = quantizer.compress(x_hat, 1)
-        del x_hat
-        ctx.mdt, ctx.eps, ctx.groups, ctx.nc_hxw = mdt, eps, groups, (n, c, hxw)
+            x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), groups, x)) * _per_channel(rstd.to(mdt), groups, x)
+        # (a channels-last x_hat through its NHWC view: no copy to NCHW, as the BatchNorm's)
+        xv, dim, ctx.nhwc = nhwc_view(x_hat, 1, quantizer.options.is_default_format)
+        packed = quantizer.compress(xv, dim)
+        del x_hat, xv
+        ctx.mdt, ctx.eps, ctx.groups, ctx.nc_hxw, ctx.fmt = mdt, eps, groups, (n, c, hxw), _backward_format(x)
         remember_dtypes(ctx, x, weight, bias)
         save(ctx, [packed], rstd, weight)
         return out
@@ -66,17 +81,17 @@ class _GroupNormFn(torch.autograd.Function):
         mdt, groups, (n, c, hxw) = ctx.mdt, ctx.groups, ctx.nc_hxw
         need = [ctx.needs_input_grad[0], ctx.needs_input_grad[2] and weight is not None, ctx.needs_input_grad[3]]
         with no_autocast(g.device.type):
-            xh = decompress(packed, mdt)
+            xh = from_nhwc(decompress(packed, mdt), ctx.nhwc).contiguous(memory_format=ctx.fmt)
             # standardise the dequantized x_hat again per (sample, group), to the exact x_hat's
             # mean square var / (var + eps) = 1 - eps * rstd^2 (the BatchNorm's reasoning)
             var, xh_mean = torch.var_mean(_grouped(xh, groups), dim=-1, correction=0)
             _, s = restandardise(var, rstd.to(mdt), ctx.eps)
             w = weight.to(mdt) if weight is not None else None
             dx, dw, db = torch.ops.aten.native_group_norm_backward(
-                g.to(mdt).contiguous(), xh, xh_mean, s, w, n, c, hxw, groups, need)
+                g.to(mdt).contiguous(memory_format=ctx.fmt), xh, xh_mean, s, w, n, c, hxw, groups, need)
             gx = gw = gb = None
             if need[0]:
-                gx = (_grouped(dx, groups) * (rstd.to(mdt) / s).unsqueeze(-1)).view(dx.shape).to(ctx.x_dtype)
+                gx = (dx * _per_channel(rstd.to(mdt) / s, groups, dx)).to(ctx.x_dtype)
             if need[1]:
                 gw = dw.to(ctx.w_dtype)
             if need[2] and db is not None:
