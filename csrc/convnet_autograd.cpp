@@ -142,8 +142,8 @@ at::Tensor per_sample_channel(const at::Tensor& t, int64_t groups, const at::Ten
   return t.repeat_interleave(like.size(1) / groups, 1).view(shape);
 }
 
-// groupnorm._backward_format: the layout stock's autograd gives native_group_norm_backward
-at::MemoryFormat backward_format(const at::Tensor& x) {
+// groupnorm._group_norm_format: the layout torch.group_norm makes its input contiguous in
+at::MemoryFormat group_norm_format(const at::Tensor& x) {
   return x.is_cpu() ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
 }
 
@@ -152,9 +152,10 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
                             const at::Tensor& bias, int64_t groups, double eps, Quantizer qz) {
     const int64_t n = x_in.size(0), c = x_in.size(1), hxw = c10::multiply_integers(x_in.sizes().slice(2));
     // what F.group_norm runs (torch.group_norm -> native_group_norm, which also hands back the
-    // per-(sample, group) mean and rstd it normalised with), x made contiguous in its suggested
-    // memory format first as torch.group_norm does (torch 2.11's CPU kernel refuses a strided x)
-    const at::Tensor x = x_in.contiguous(x_in.suggest_memory_format());
+    // per-(sample, group) mean and rstd it normalised with), x made contiguous first as
+    // torch.group_norm does (torch 2.11's CPU kernel refuses a strided x, CUDA's a channels-last one)
+    const auto fmt = group_norm_format(x_in);
+    const at::Tensor x = x_in.contiguous(fmt);
     auto [out, mean, rstd] = at::native_group_norm(x, weight, bias, n, c, hxw, groups, eps);
     const auto mdt = at::promote_types(x.scalar_type(), at::kFloat);
     at::Tensor x_hat;
@@ -168,7 +169,7 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
     save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
     ctx->saved_data["groups"] = groups;
     ctx->saved_data["nhwc"] = v.permuted;
-    ctx->saved_data["fmt"] = static_cast<int64_t>(backward_format(x));
+    ctx->saved_data["fmt"] = static_cast<int64_t>(fmt);
     return out;
   }
 

@@ -110,3 +110,15 @@ def test_a_channels_last_gradient_comes_back_channels_last(layer, fused, monkeyp
     assert got.stride() == want.stride()
     if layer not in ("hardswish", "batchnorm", "groupnorm"):  # (8-bit inputs: close, not equal)
         assert torch.equal(got, want)
+
+
+def test_group_norm_takes_its_input_in_torch_group_norms_layout():
+    """``torch.group_norm`` hands ``native_group_norm`` its input contiguous in the suggested
+    format on CPU and plain contiguous elsewhere (the CUDA kernel refuses a channels-last one);
+    the Mesa GroupNorm does the same (``meta`` stands in for a GPU here)."""
+    from mesa_train.nn.groupnorm import _group_norm_format
+
+    x = torch.empty(2, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+    assert _group_norm_format(x) == torch.channels_last
+    assert _group_norm_format(torch.empty(2, 4, 3, 3)) == torch.contiguous_format
+    assert _group_norm_format(x.to("meta")) == torch.contiguous_format

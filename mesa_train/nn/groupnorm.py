@@ -45,9 +45,10 @@ def _per_channel(t: torch.Tensor, groups: int, like: torch.Tensor) -> torch.Tens
     return t.repeat_interleave(c // groups, dim=1).view((n, c) + (1,) * (like.dim() - 2))
 
 
-def _backward_format(x: torch.Tensor) -> torch.memory_format:
-    """The layout stock's autograd hands ``native_group_norm_backward`` its gradient and input in
-    (torch's derivatives.yaml): the input's suggested format on CPU, contiguous elsewhere."""
+def _group_norm_format(x: torch.Tensor) -> torch.memory_format:
+    """The layout ``torch.group_norm`` makes its input contiguous in before ``native_group_norm``
+    (ATen's group_norm.cpp): the input's suggested format on CPU, plain contiguous elsewhere (the
+    CUDA kernel takes no other). Stock's backward gets that input, so backward uses it too."""
     return suggest_memory_format(x) if x.device.type == "cpu" else torch.contiguous_format
 
 
@@ -57,10 +58,11 @@ class _GroupNormFn(torch.autograd.Function):
         n, c = x.shape[0], x.shape[1]
         hxw = x[0, 0].numel()
         # what F.group_norm runs (torch.group_norm -> native_group_norm, which also hands back
-        # the per-(sample, group) mean and rstd it normalised with), x made contiguous in its
-        # suggested memory format first as torch.group_norm does: torch 2.11's CPU kernel
-        # refuses a strided x (SHViT's channel slice)
-        x = x.contiguous(memory_format=suggest_memory_format(x))
+        # the per-(sample, group) mean and rstd it normalised with), x made contiguous first as
+        # torch.group_norm does: torch 2.11's CPU kernel refuses a strided x (SHViT's channel
+        # slice), and the CUDA kernel a channels-last one
+        fmt = _group_norm_format(x)
+        x = x.contiguous(memory_format=fmt)
         out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
         with no_autocast(x.device.type):
             mdt = torch.promote_types(x.dtype, torch.float32)
@@ -69,7 +71,7 @@ class _GroupNormFn(torch.autograd.Function):
         xv, dim, ctx.nhwc = nhwc_view(x_hat, 1, quantizer.options.is_default_format)
         packed = quantizer.compress(xv, dim)
         del x_hat, xv
-        ctx.mdt, ctx.eps, ctx.groups, ctx.nc_hxw, ctx.fmt = mdt, eps, groups, (n, c, hxw), _backward_format(x)
+        ctx.mdt, ctx.eps, ctx.groups, ctx.nc_hxw, ctx.fmt = mdt, eps, groups, (n, c, hxw), fmt
         remember_dtypes(ctx, x, weight, bias)
         save(ctx, [packed], rstd, weight)
         return out
