@@ -20,8 +20,9 @@ from torch.library import opcheck
 import mesa_train.quant as Q
 from mesa_train.quant import reference as R
 
+from bit_patterns import bit_pattern
 from kernel_marks import DEVICES, DTYPES, needs_ext
-from test_row_scale_kernels import SHAPES, _bits, _rows, _state
+from test_row_scale_kernels import SHAPES, _rows, _state
 from test_row_scale_kernels import _observe_rows_both as _observe_rows_pair
 
 
@@ -61,7 +62,7 @@ def test_observe_rows_and_quantize_take_x_hat_as_defined(device, dtype, shape, r
     want = Q.observe_rows(x, *_state(4, device), dim, 4, 0.9, per_sample, case == "specials", row_dims, 64,
                           mean, rstd)
     for a, b in zip(got, want):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bit_pattern(a), bit_pattern(b))
 
 
 @needs_ext
@@ -79,7 +80,7 @@ def test_x_hat_without_row_scales_and_in_other_layouts(device):
     want = Q.observe(R.normalize_rows(x, mean, rstd), *ref, 2, 5, 0.9, False, False)
     assert int(got[3].abs().max()) == 0
     for a, b in zip(got[:3], want):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bit_pattern(a), bit_pattern(b))
     assert torch.equal(Q.quantize(x, got[0], got[1], 2, 5, True, got[2], got[3], mean, rstd),
                        Q.quantize(R.normalize_rows(x, mean, rstd), got[0], got[1], 2, 5, True, got[2]))
     _observe_rows_both(x, 24, True, False, 1, mean, rstd)
@@ -103,7 +104,7 @@ def test_empty_x_with_statistics(device):
     got = Q.observe_rows(e, *_state(2, device), 1, 2, 0.9, False, False, 1, 64, m, m)
     want = R.observe_rows(e, *_state(2, device), 1, 2, 0.9, False, False, 1, 64, m, m)
     for a, b in zip(got, want):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bit_pattern(a), bit_pattern(b))
     alpha, beta = torch.ones(1, 2, device=device), torch.zeros(1, 2, device=device)
     assert Q.quantize(e, alpha, beta, 1, 2, True, 0, None, m, m).shape == (0, 16)
 
@@ -176,9 +177,9 @@ def test_compress_with_statistics_is_compress_of_x_hat(device, impl, estimator, 
         got = fn(x, *state, 2, 4, 0.9, estimator, False, True, 1, max_k, mean, rstd)
         want = R.compress(x_hat, *ref, 2, 4, 0.9, estimator, False, True, 1, max_k)
         for a, b in zip(got, want):
-            assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), step
+            assert a.dtype == b.dtype and torch.equal(bit_pattern(a), bit_pattern(b)), step
         for a, b in zip(state, ref):
-            assert torch.equal(_bits(a), _bits(b)), step
+            assert torch.equal(bit_pattern(a), bit_pattern(b)), step
     assert got[3].numel() == (0 if max_k == 0 else 24)
 
 
@@ -272,9 +273,10 @@ def test_dequantize_row_mul_is_the_definition(device, dtype, shape, row_dims, wi
     dim = q.dim() - 1
     got = Q.dequantize(q, alpha, beta, dim, 4, dtype, k, m)
     assert got.dtype == dtype
-    assert torch.equal(_bits(got), _bits(R.dequantize(q, alpha, beta, dim, 4, dtype, k, m)))
+    assert torch.equal(bit_pattern(got), bit_pattern(R.dequantize(q, alpha, beta, dim, 4, dtype, k, m)))
     # ... which is the multiply it replaces, after the dequantize it is part of
-    assert torch.equal(_bits(got), _bits(R.multiply_rows(Q.dequantize(q, alpha, beta, dim, 4, dtype, k), m)))
+    replaced = R.multiply_rows(Q.dequantize(q, alpha, beta, dim, 4, dtype, k), m)
+    assert torch.equal(bit_pattern(got), bit_pattern(replaced))
 
 
 @needs_ext
@@ -285,13 +287,13 @@ def test_dequantize_row_mul_other_layouts(device):
     q, alpha, beta = _codes((4, 6, 5, 24), 6, device)
     m = _row_mul((4, 6, 5, 1), device)
     for k in (None, torch.randint(0, 9, (4, 6, 5, 1), dtype=torch.int8).to(device)):
-        assert torch.equal(_bits(Q.dequantize(q, alpha, beta, 1, 6, torch.float32, k, m)),
-                           _bits(R.dequantize(q, alpha, beta, 1, 6, torch.float32, k, m)))
+        assert torch.equal(bit_pattern(Q.dequantize(q, alpha, beta, 1, 6, torch.float32, k, m)),
+                           bit_pattern(R.dequantize(q, alpha, beta, 1, 6, torch.float32, k, m)))
     q, alpha, beta = _codes((4, 6, 5, 24), 4, device)
     m2 = _row_mul((4, 6, 1, 1), device)
     k1 = torch.randint(0, 9, (4, 6, 5, 1), dtype=torch.int8).to(device)
-    assert torch.equal(_bits(Q.dequantize(q, alpha, beta, 3, 4, torch.bfloat16, k1, m2)),
-                       _bits(R.dequantize(q, alpha, beta, 3, 4, torch.bfloat16, k1, m2)))
+    assert torch.equal(bit_pattern(Q.dequantize(q, alpha, beta, 3, 4, torch.bfloat16, k1, m2)),
+                       bit_pattern(R.dequantize(q, alpha, beta, 3, 4, torch.bfloat16, k1, m2)))
     e = torch.zeros(0, 8, dtype=torch.uint8, device=device)
     assert Q.dequantize(e, alpha[:, :2], beta[:, :2], 1, 2, torch.float32, None,
                         torch.zeros(0, 1, device=device)).shape == (0, 8)
