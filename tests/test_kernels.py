@@ -32,6 +32,7 @@ LAYOUTS = [
     ((2, 3, 7, 7), 1, 3),  # (B, H, N, N) one group per head
     ((2, 4, 5, 6), 1, 2),  # two heads per group
     ((3, 10, 4, 5), 1, 4),  # conv (B, C, H, W), uneven: 10 channels, 4 groups
+    ((4, 24, 2, 2), 1, 24),  # conv, 2 x 2 per channel: the CPU kernels' flattened short runs
     ((2, 7, 13), -1, 5),  # uneven channel groups
     ((5, 6), 0, 3),  # grouping over the batch dim
     ((11,), 0, 4),  # 1-D
@@ -80,6 +81,47 @@ def test_cpu_kernels_match_reference(shape, dim, G, dtype, per_sample):
             y = torch.ops.mesa.dequantize(q, alpha, beta, dim, G, out)
             assert y.dtype == out
             assert torch.equal(y, R.dequantize(q, alpha, beta, dim, G, out))
+
+
+@needs_ext
+@pytest.mark.parametrize("G", [512, 48])
+def test_short_runs_match_reference_multithreaded(G):
+    """An NCHW activation with 4 x 4 per channel and channel groups (ResNet's last stages at low
+    resolution), large enough for several parallel chunks: the CPU kernels walk it flattened
+    (quant_cpu.cpp, "Short runs"); statistics, codes, values, estimates and rng are the
+    reference's, NaN, infinities and signed zeros included, for 1 and 2 threads."""
+    x = _randn((8, 512, 4, 4), torch.float32, seed=5)
+    x[1, 3, 2, 1], x[5, 400, 0, 0], x[2, 7] = float("nan"), float("inf"), -0.0
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            mn, mx = torch.ops.mesa.group_minmax(x, 1, G, False)
+            rmn, rmx = R.group_minmax(x, 1, G, False)
+            assert torch.equal(mn.view(torch.int32), rmn.view(torch.int32))
+            assert torch.equal(mx.view(torch.int32), rmx.view(torch.int32))
+            alpha, beta = _params(x, 1, G, False)
+            for stochastic in (False, True):
+                q = torch.ops.mesa.quantize(x, alpha, beta, 1, G, stochastic, R.seed_tensor(31337, x.device))
+                assert torch.equal(q, R.quantize(x, alpha, beta, 1, G, stochastic, 31337))
+                assert torch.equal(torch.ops.mesa.dequantize(q, alpha, beta, 1, G, torch.bfloat16),
+                                   R.dequantize(q, alpha, beta, 1, G, torch.bfloat16))
+            for name in ("observe", "quantize_observe"):
+                ops_state = [torch.zeros(G + 2), torch.zeros(G + 2), torch.zeros(1, dtype=torch.bool),
+                             Q.rng_state(7, 3)]
+                ref_state = [t.clone() for t in ops_state]
+                for _ in range(2):  # (quantize_observe: the first batch initializes, the second uses them)
+                    if name == "observe":
+                        got = Q.observe(x, *ops_state, 1, G, 0.9)
+                        want = R.observe(x, *ref_state, 1, G, 0.9, False, False)
+                    else:
+                        got = Q.quantize_observe(x, *ops_state, 1, G, 0.9, False, True)
+                        want = R.quantize_observe(x, *ref_state, 1, G, 0.9, False, True)
+                    for a, b in zip([*got, *ops_state], [*want, *ref_state]):
+                        assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                                           b.view(torch.int32) if b.dtype == torch.float32 else b), name
+    finally:
+        torch.set_num_threads(old)
 
 
 @needs_ext
