@@ -588,8 +588,9 @@ def test_benchmark_runs_on_cpu(tmp_path):
     # 2 dtypes x (8 rows per layout + 5 row-scale, 2 GELU, 5 LayerNorm, 2 LayerNorm + Linear
     # and 3 GELU + Linear rows on the token layout, 2 softmax rows on the attention layout, and
     # the copy-first forward on the strided q of a qkv), plus bf16's 5 LayerNorm rows with a
-    # float32 input
-    assert len(rows) == 2 * (3 * 8 + 5 + 2 + 5 + 2 + 3 + 2 + 1) + 5
+    # float32 input; the conv layout has the 8 compression rows only (no softmax of a conv)
+    assert len(rows) == 2 * (4 * 8 + 5 + 2 + 5 + 2 + 3 + 2 + 1) + 5
+    assert sum(r.startswith("| conv (2,24,2,2)") for r in rows) == 2 * 8
     for op in ops:
         assert any(f"| {op} |" in r for r in rows), op
     files = list(tmp_path.glob("*.md"))

@@ -66,15 +66,23 @@ GPU_CASES = [
     ("hidden (128,197,1536) C-groups dim -1", (128, 197, 1536), -1, 6),
     ("attn (128,6,197,197) per-head dim 1", (128, 6, 197, 197), 1, 6),
     ("q of qkv (128,6,197,64) per-head dim 1, strided view", (128, 197, 3, 6, 64), 1, 6),
+    # a convnet's NCHW activation grouped per channel (ResNet-50's last stage, its BatchNorms'
+    # x_hat at batch 128): 49 elements after the group dim
+    ("conv (128,2048,7,7) per-channel dim 1", (128, 2048, 7, 7), 1, 2048),
 ]
 CPU_CASES = [
     ("tokens (8,197,384) C-groups dim -1", (8, 197, 384), -1, 6),
     ("attn (8,6,197,197) per-head dim 1", (8, 6, 197, 197), 1, 6),
+    # NCHW per-channel groups with few elements after the group dim (ResNet-50's last stages
+    # at 64x64 and at 224x224): the CPU kernels' short runs (quant_cpu.cpp, "Short runs")
+    ("conv (16,2048,2,2) per-channel dim 1", (16, 2048, 2, 2), 1, 2048),
+    ("conv (16,2048,7,7) per-channel dim 1", (16, 2048, 7, 7), 1, 2048),
 ]
 QUICK_CASES = [
     ("tokens (2,65,96) C-groups dim -1", (2, 65, 96), -1, 3),
     ("attn (2,3,65,65) per-head dim 1", (2, 3, 65, 65), 1, 3),
     ("q of qkv (2,3,65,16) per-head dim 1, strided view", (2, 65, 3, 3, 16), 1, 3),
+    ("conv (2,24,2,2) per-channel dim 1", (2, 24, 2, 2), 1, 24),
 ]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -239,7 +247,7 @@ def _softmax_rows(x, state, dim, G, dtype):
             ("backward softmax, before: dequantize + _softmax_backward_data", (n + n * es) + 3 * n * es, before)]
 
 
-def _case_ops(device: torch.device, shape, dim: int, G: int, dtype) -> tuple[torch.Tensor, list]:
+def _case_ops(device: torch.device, name: str, shape, dim: int, G: int, dtype) -> tuple[torch.Tensor, list]:
     """(x, [(name, bytes read + written, fn)]) of one case: clone (the baseline), the
     compression ops and, by layout, the row-scale, LayerNorm, GELU and softmax ops."""
     x = torch.randn(shape, device=device).to(dtype)
@@ -253,7 +261,7 @@ def _case_ops(device: torch.device, shape, dim: int, G: int, dtype) -> tuple[tor
     ops = _compression_ops(x, q, alpha, beta, seed, state, dim, G, dtype, strided)
     if dim in (-1, x.dim() - 1):  # Linear / LayerNorm inputs: power-of-two row scales in the kernels
         ops += _row_scale_ops(x, q, alpha, beta, state, dim, G, dtype)
-    if x.dim() == 4 and dim == 1 and not strided:  # the attention map: its softmax's backward
+    if name.startswith("attn"):  # the attention map: its softmax's backward
         ops += _softmax_rows(x, state, dim, G, dtype)
     return x, ops
 
@@ -279,7 +287,7 @@ def run_benchmark(device: torch.device, cases, dtypes, warmup: int, repeat: int,
     rows = []
     for name, shape, dim, G in cases:
         for dname in dtypes:
-            x, ops = _case_ops(device, shape, dim, G, DTYPES[dname])
+            x, ops = _case_ops(device, name, shape, dim, G, DTYPES[dname])
             n, es = x.numel(), x.element_size()
             t_clone, k_clone = timeit(lambda: x.clone())
             for op, nbytes, fn in ops:
@@ -304,7 +312,7 @@ def launch_once(device: torch.device, cases, dtypes, ops_pattern: str | None = N
     called = []
     for name, shape, dim, G in cases:
         for dname in dtypes:
-            _, ops = _case_ops(device, shape, dim, G, DTYPES[dname])
+            _, ops = _case_ops(device, name, shape, dim, G, DTYPES[dname])
             for op, _, fn in ops:
                 if _selected(op, ops_pattern):
                     fn()
