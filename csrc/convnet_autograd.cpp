@@ -213,19 +213,21 @@ at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const
 // ----------------------------------------------------------------------------- 1-bit masks
 // relu.pack_bits / unpack_bits: a boolean tensor as uint8, 8 elements per byte (little-endian
 // bits), flat, in NCHW order or a channels-last mask in its own memory order (its NHWC view:
-// unpacked channels-last again, so the gradients keep stock's layout); the same bytes
-at::Tensor pack_bits(const at::Tensor& mask) {
-  const at::Tensor m = is_channels_last(mask) ? mask.permute({0, 2, 3, 1}) : mask;
+// unpacked channels-last again, so the gradients keep stock's layout); the same bytes. With
+// the bytes, whether the mask was channels-last (unpack_bits' channels_last)
+std::pair<at::Tensor, bool> pack_bits(const at::Tensor& mask) {
+  const bool channels_last = is_channels_last(mask);
+  const at::Tensor m = channels_last ? mask.permute({0, 2, 3, 1}) : mask;
   // the boolean's own 0/1 bytes, in contiguous order (a copy only for a strided mask)
   at::Tensor flat = (m.is_contiguous() ? m : m.contiguous()).view(at::kByte).view(-1);
   const int64_t pad = (8 - flat.numel() % 8) % 8;
   if (pad) flat = at::cat({flat, at::zeros({pad}, flat.options())});
   const at::Tensor shifts = at::arange(8, flat.options());
-  return at::bitwise_left_shift(flat.view({-1, 8}), shifts).sum({-1}, false, at::kByte);
+  return {at::bitwise_left_shift(flat.view({-1, 8}), shifts).sum({-1}, false, at::kByte), channels_last};
 }
 
 // each element's bit in place: 0 or 2**bit (uint8), nonzero where the mask was set (one pass);
-// channels_last: the mask was (is_channels_last when packed), and comes back so
+// channels_last: the mask was (pack_bits' flag), and comes back so
 at::Tensor unpack_bit_bytes(const at::Tensor& packed, at::IntArrayRef shape, bool channels_last) {
   const at::Tensor powers = at::bitwise_left_shift(at::ones({8}, packed.options()), at::arange(8, packed.options()));
   const at::Tensor flat =
@@ -261,8 +263,9 @@ struct MaskTrain : public torch::autograd::Function<MaskTrain> {
       y = x;
     }
     const at::Tensor mask = k == Masked::kRelu ? y.gt(0) : inside;
-    ctx->save_for_backward({pack_bits(mask)});
-    ctx->saved_data["cl"] = is_channels_last(mask);
+    const auto [bits, channels_last] = pack_bits(mask);
+    ctx->save_for_backward({bits});
+    ctx->saved_data["cl"] = channels_last;
     ctx->saved_data["shape"] = y.sizes();
     ctx->saved_data["kind"] = kind;
     return y;
@@ -314,10 +317,11 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
     const NhwcView v = nhwc_view(x, group_dim(x));
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
     if (k == Elementwise::kHardswish) {  // hardswish_backward's own comparisons
-      const at::Tensor below = x.lt(-3), above = x.gt(3);
-      ctx->save_for_backward({q, alpha, beta, pack_bits(below), pack_bits(above)});
-      ctx->saved_data["cl_below"] = is_channels_last(below);
-      ctx->saved_data["cl_above"] = is_channels_last(above);
+      const auto [below, cl_below] = pack_bits(x.lt(-3));
+      const auto [above, cl_above] = pack_bits(x.gt(3));
+      ctx->save_for_backward({q, alpha, beta, below, above});
+      ctx->saved_data["cl_below"] = cl_below;
+      ctx->saved_data["cl_above"] = cl_above;
     } else {
       ctx->save_for_backward({q, alpha, beta});
     }

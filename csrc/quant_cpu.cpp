@@ -471,6 +471,18 @@ void expand_tables(const Layout& L, const Layout& W, std::vector<float>& t) {
   t.swap(e);
 }
 
+// The walk layout of L (walk_layout(L, max_flat_d)) with build_tables' tables for it: the one
+// place the kernels that walk L derive both, so the tables always match the walk.
+template <typename F>
+Layout walk_tables(const Layout& L, int64_t max_flat_d, const at::Tensor& alpha, const at::Tensor& beta, F f,
+                   std::vector<float>& t_scale, std::vector<float>& t_beta) {
+  const Layout W = walk_layout(L, max_flat_d);
+  build_tables(L, alpha, beta, f, t_scale, t_beta);
+  expand_tables(L, W, t_scale);
+  expand_tables(L, W, t_beta);
+  return W;
+}
+
 // Walks [begin, end) in runs of constant (s, d) (inner > 1) or of consecutive d
 // (inner == 1). body(i, n, s, d) handles elements i .. i+n-1. The position is derived
 // with divisions once, then advanced incrementally (runs can be short, e.g. D = 192).
@@ -582,11 +594,8 @@ at::Tensor quantize_cpu(const at::Tensor& x_in, const at::Tensor& alpha, const a
   const at::Tensor x = rows_scaled(normalized_rows(x_in, row_mean, row_rstd), row_exp, row_len).contiguous();
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   if (L.numel == 0) return q;
-  const Layout W = walk_layout(L, kMaxFlatCodes);
   std::vector<float> tinv, tbeta;
-  build_tables(L, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
-  expand_tables(L, W, tinv);
-  expand_tables(L, W, tbeta);
+  const Layout W = walk_tables(L, kMaxFlatCodes, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
   uint32_t slo, shi;
   read_seed(seed, slo, shi);
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_cpu", [&] {
@@ -626,11 +635,8 @@ at::Tensor dequantize_cpu(const at::Tensor& q_in, const at::Tensor& alpha, const
   const at::Tensor q = q_in.contiguous();
   at::Tensor y = at::empty(q.sizes(), q.options().dtype(dtype));
   if (L.numel == 0) return y;
-  const Layout W = walk_layout(L, kMaxFlatCodes);
   std::vector<float> tstep, tbeta;
-  build_tables(L, alpha, beta, [](float a) { return dequant_step(a); }, tstep, tbeta);
-  expand_tables(L, W, tstep);
-  expand_tables(L, W, tbeta);
+  const Layout W = walk_tables(L, kMaxFlatCodes, alpha, beta, [](float a) { return dequant_step(a); }, tstep, tbeta);
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cpu", [&] {
     dequantize_kernel<scalar_t>(q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), W, tstep.data(),
                                 tbeta.data());
@@ -666,12 +672,12 @@ void canonicalize(at::Tensor& t) {
 }
 
 // Shared statistics (or per sample over dim 0) of a contiguous x: per-chunk partial per-d
-// min/max, then a reduction into the (S, G) outputs pmn / pmx. The walk is walk_layout(L, kMaxFlatStats)'s:
-// `before(i, n, s, d)` runs on each run first, d in that layout (quantize_observe: the run's
-// codes, so that the run is read from memory once and from cache the second time).
+// min/max, then a reduction into the (S, G) outputs pmn / pmx. The walk is W, L's or its
+// flattened walk_layout(L, kMaxFlatStats) (the caller's, so that `before` and its tables agree):
+// `before(i, n, s, d)` runs on each run first, d in W (quantize_observe: the run's codes, so
+// that the run is read from memory once and from cache the second time).
 template <typename T, typename Before>
-void shared_minmax(const T* xp, const Layout& L, float* pmn, float* pmx, Before before) {
-  const Layout W = walk_layout(L, kMaxFlatStats);
+void shared_minmax(const T* xp, const Layout& L, const Layout& W, float* pmn, float* pmx, Before before) {
   const int64_t D = W.D;
   const bool table = W.inner == 1;
   const int64_t nthreads = at::get_num_threads();
@@ -735,7 +741,7 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_impl(const at::Tensor& x_in, con
         }
       });
     } else {
-      shared_minmax(xp, L, pmn, pmx, [](int64_t, int64_t, int64_t, int64_t) {});
+      shared_minmax(xp, L, walk_layout(L, kMaxFlatStats), pmn, pmx, [](int64_t, int64_t, int64_t, int64_t) {});
     }
   });
   canonicalize(omn);
@@ -890,17 +896,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
   const auto fopts = xc.options().dtype(at::kFloat);
   at::Tensor mn = at::full({1, L.G}, kInf, fopts), mx = at::full({1, L.G}, -kInf, fopts);
   if (L.numel > 0) {
-    const Layout W = walk_layout(L, kMaxFlatStats);  // (shared_minmax walks it: d below is W's)
-    std::vector<float> tinv, tbeta;
-    build_tables(L, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
-    expand_tables(L, W, tinv);
-    expand_tables(L, W, tbeta);
+    std::vector<float> tinv, tbeta;  // (shared_minmax walks W: d below is W's)
+    const Layout W = walk_tables(L, kMaxFlatStats, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
     uint32_t slo, shi;
     read_seed(seed, slo, shi);
     uint8_t* qp = q.mutable_data_ptr<uint8_t>();
     MESA_DISPATCH_FLOAT_TYPES(xc.scalar_type(), "mesa_quantize_observe_cpu", [&] {
       const storage_t<scalar_t>* xp = as_storage(xc.const_data_ptr<scalar_t>());
-      shared_minmax(xp, L, mn.mutable_data_ptr<float>(), mx.mutable_data_ptr<float>(),
+      shared_minmax(xp, L, W, mn.mutable_data_ptr<float>(), mx.mutable_data_ptr<float>(),
                     [&](int64_t i, int64_t n, int64_t s, int64_t d) {
                       quantize_run(xp, qp, W, i, n, s, d, stochastic, tinv.data(), tbeta.data(), slo, shi);
                     });

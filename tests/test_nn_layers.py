@@ -228,14 +228,14 @@ def test_relu_bit_packing_and_inplace():
 
     for n in (1, 7, 8, 9, 100):
         m = torch.rand(n) > 0.5
-        p = pack_bits(m)
-        assert p.dtype == torch.uint8 and p.numel() == math.ceil(n / 8)
+        p, channels_last = pack_bits(m)
+        assert p.dtype == torch.uint8 and p.numel() == math.ceil(n / 8) and not channels_last
         assert torch.equal(unpack_bits(p, m.shape), m)
     # a channels-last mask: packed in its memory order (its NHWC view), unpacked channels-last
     for shape in ((2, 3, 4, 5), (1, 7, 1, 3)):
         m = (torch.rand(shape) > 0.5).contiguous(memory_format=torch.channels_last)
-        p = pack_bits(m)
-        assert torch.equal(p, pack_bits(m.permute(0, 2, 3, 1).contiguous()))
+        p, channels_last = pack_bits(m)
+        assert channels_last and torch.equal(p, pack_bits(m.permute(0, 2, 3, 1).contiguous())[0])
         back = unpack_bits(p, m.shape, channels_last=True)
         assert torch.equal(back, m) and back.stride() == m.stride()
     x = torch.randn(3, 5, requires_grad=True)

@@ -15,8 +15,7 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import (MesaLayer, from_nhwc, group_dim_4d, is_channels_last, load, no_autocast, save,
-                      save_elementwise_input)
+from ._common import MesaLayer, from_nhwc, group_dim_4d, load, no_autocast, save, save_elementwise_input
 from .quantizer import decompress
 from .relu import pack_bits, unpack_bits
 
@@ -129,9 +128,9 @@ class _HardswishFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, quantizer):
         y = F.hardswish(x)
-        below, above = x < -3, x > 3  # hardswish_backward's own comparisons
-        ctx.shape, ctx.cl = x.shape, (is_channels_last(below), is_channels_last(above))
-        save_elementwise_input(ctx, x, y, quantizer, pack_bits(below), pack_bits(above))
+        (below, cl_below), (above, cl_above) = pack_bits(x < -3), pack_bits(x > 3)  # hardswish_backward's own
+        ctx.shape, ctx.cl = x.shape, (cl_below, cl_above)
+        save_elementwise_input(ctx, x, y, quantizer, below, above)
         return y
 
     @staticmethod

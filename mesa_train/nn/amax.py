@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._common import MesaLayer, is_channels_last, load, save
+from ._common import MesaLayer, load, save
 from .relu import pack_bits, unpack_bits
 
 __all__ = ["Amax"]
@@ -44,8 +44,9 @@ class _AmaxFn(torch.autograd.Function):
     def forward(ctx, x, dims, keepdim):
         out = torch.amax(x, dims, keepdim)
         mask = x == _restore(out, dims, keepdim)
-        ctx.dims, ctx.keepdim, ctx.shape, ctx.cl = dims, keepdim, x.shape, is_channels_last(mask)
-        save(ctx, [], pack_bits(mask))
+        bits, ctx.cl = pack_bits(mask)
+        ctx.dims, ctx.keepdim, ctx.shape = dims, keepdim, x.shape
+        save(ctx, [], bits)
         return out
 
     @staticmethod

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import quantizer as quantizer_mod
-from ._common import MesaLayer, check_stock, inherit_options, is_channels_last, load, save
+from ._common import MesaLayer, check_stock, inherit_options, load, save
 from .relu import MASK_KINDS, pack_bits, unpack_bits
 
 __all__ = ["Hardtanh", "ReLU6", "Hardsigmoid", "Clamp"]
@@ -33,8 +33,9 @@ class _ClampMaskFn(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
             y = x  # the input object itself, as autograd requires of a dirty input (Mesa ReLU)
-        ctx.shape, ctx.cl, ctx.kind = y.shape, is_channels_last(inside), kind
-        save(ctx, [], pack_bits(inside))
+        bits, ctx.cl = pack_bits(inside)
+        ctx.shape, ctx.kind = y.shape, kind
+        save(ctx, [], bits)
         return y
 
     @staticmethod
@@ -134,8 +135,9 @@ class _ClampFn(torch.autograd.Function):
         y = torch.clamp(x, lo, hi)
         passes = ~((x <= lo) | (x >= hi))  # inside, or NaN
         ties = (x == lo) | (x == hi)
-        ctx.shape, ctx.cl = x.shape, (is_channels_last(passes), is_channels_last(ties))
-        save(ctx, [], pack_bits(passes), pack_bits(ties))
+        (passes, cl_passes), (ties, cl_ties) = pack_bits(passes), pack_bits(ties)
+        ctx.shape, ctx.cl = x.shape, (cl_passes, cl_ties)
+        save(ctx, [], passes, ties)
         return y
 
     @staticmethod

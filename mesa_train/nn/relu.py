@@ -20,14 +20,16 @@ def _shifts(device):
     return torch.arange(8, dtype=torch.uint8, device=device)
 
 
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+def pack_bits(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Pack a boolean tensor into uint8, 8 elements per byte (little-endian bits), flat: in
     NCHW order, or for a channels-last mask (``is_channels_last``) in its own memory order
-    (its NHWC view), so that :func:`unpack_bits` gives it back channels-last. A mask unpacked
+    (its NHWC view), so that :func:`unpack_bits` gives it back channels-last. Returns the bytes
+    and whether the mask was channels-last (:func:`unpack_bits`' ``channels_last``). A mask unpacked
     NCHW turned the gradient NCHW (``threshold_backward(g, mask)`` takes the layout of both),
     and the BatchNorm backward before it then took ATen's mixed-layout path: ResNet-50
     trained channels-last ran its BatchNorms' backward 10x slower than stock on CPU."""
-    if is_channels_last(mask):
+    channels_last = is_channels_last(mask)
+    if channels_last:
         mask = mask.permute(0, 2, 3, 1)
     # one copy into a contiguous uint8 tensor, then a view: a reshape of the bool mask is
     # traced as a view where the traced strides say contiguous, and a runtime tensor with
@@ -37,12 +39,12 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    return (flat.view(-1, 8) << _shifts(flat.device)).sum(-1, dtype=torch.uint8)
+    return (flat.view(-1, 8) << _shifts(flat.device)).sum(-1, dtype=torch.uint8), channels_last
 
 
 def unpack_bits(packed: torch.Tensor, shape, channels_last: bool = False) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: a boolean tensor of ``shape``, channels-last where the mask
-    was (``channels_last``: ``is_channels_last(mask)`` when it was packed)."""
+    was (``channels_last``: :func:`pack_bits`' flag)."""
     if channels_last:
         n, c, h, w = shape
         return unpack_bits(packed, (n, h, w, c)).permute(0, 3, 1, 2)
@@ -64,8 +66,9 @@ class _ReLUFn(torch.autograd.Function):
             # (MobileNetV3 and GhostNet failed to compile per block or whole)
             y = x
         mask = y > 0
-        ctx.shape, ctx.cl = y.shape, is_channels_last(mask)
-        save(ctx, [], pack_bits(mask))
+        bits, ctx.cl = pack_bits(mask)
+        ctx.shape = y.shape
+        save(ctx, [], bits)
         return y
 
     @staticmethod
