@@ -1,8 +1,8 @@
 // Eager fast path of the convnet layers: the Mesa BatchNorm (mesa_train/nn/batchnorm.py,
 // _BatchNormFn), GroupNorm (groupnorm.py, _GroupNormFn), ReLU (relu.py, _ReLUFn), Hardtanh /
 // ReLU6 / Hardsigmoid (clamp_activations.py, _ClampMaskFn) and SiLU / QuickGELU / Hardswish
-// (activations.py, _ElementwiseFn, _HardswishFn), each as one op whose autograd node is C++, as
-// layers_autograd.cpp does for the transformer layers.
+// (activations.py, _ElementwiseFn, _HardswishFn) and MaxPool2d (maxpool.py, _MaxPool2dFn), each as
+// one op whose autograd node is C++, as layers_autograd.cpp does for the transformer layers.
 //
 // Why: as Python Functions they added 50-150 us of host time per layer and step to stock's
 // 25-45 us (results/overhead/cpu-convnet.md): Function.apply, the ctx bookkeeping and the
@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "layers_common.h"
+#include "maxpool_index.h"
 
 #include <optional>
 #include <vector>
@@ -371,6 +372,58 @@ at::Tensor elementwise_train(const at::Tensor& x, int64_t kind, at::Tensor& alph
   return ElementwiseTrain::apply(x, kind, qz);
 }
 
+// ----------------------------------------------------------------------------- MaxPool2d
+// maxpool._MaxPool2dFn: the stock forward, keeping per output element only which element of
+// its window it took (uint8 lh * kW + lw); backward rebuilds ATen's int64 per-plane index from
+// it and calls the stock backward kernel, so the gradient is bitwise stock's. The index
+// arithmetic (maxpool_index.cpp) is the Python Function's ops on CUDA, one loop on the CPU.
+struct MaxPool2dTrain : public torch::autograd::Function<MaxPool2dTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
+                            at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
+    const auto [out, idx] = at::max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode);
+    ctx->save_for_backward({window_local_index(idx, x.size(-2), x.size(-1), kernel, stride, padding, dilation)});
+    ctx->saved_data["kernel"] = kernel;
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["padding"] = padding;
+    ctx->saved_data["dilation"] = dilation;
+    ctx->saved_data["ceil_mode"] = ceil_mode;
+    // what the backward kernel reads of the input: sizes, dtype and the layout it gives the gradient
+    ctx->saved_data["shape"] = x.sizes();
+    ctx->saved_data["dtype"] = x.scalar_type();
+    ctx->saved_data["format"] = static_cast<int64_t>(x.suggest_memory_format());
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("MaxPool2d");
+    const at::Tensor local = ctx->get_saved_variables()[0];
+    const auto kernel = ctx->saved_data["kernel"].toIntVector(), stride = ctx->saved_data["stride"].toIntVector();
+    const auto padding = ctx->saved_data["padding"].toIntVector();
+    const auto dilation = ctx->saved_data["dilation"].toIntVector();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const at::Tensor idx = global_index(local, shape.back(), kernel, stride, padding, dilation);
+    const at::Tensor x_like =  // never read, only its sizes and layout
+        at::empty(shape, local.options()
+                             .dtype(ctx->saved_data["dtype"].toScalarType())
+                             .memory_format(static_cast<at::MemoryFormat>(ctx->saved_data["format"].toInt())));
+    const at::Tensor gx = at::max_pool2d_with_indices_backward(grads[0], x_like, kernel, stride, padding, dilation,
+                                                               ctx->saved_data["ceil_mode"].toBool(), idx);
+    const at::Tensor none;
+    return {gx, none, none, none, none, none};
+  }
+};
+
+at::Tensor max_pool2d_train(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
+                            at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
+  for (const auto& [name, arg] : {std::pair{"kernel_size", kernel}, std::pair{"stride", stride},
+                                  std::pair{"padding", padding}, std::pair{"dilation", dilation}}) {
+    TORCH_CHECK_VALUE(arg.size() == 2, "mesa: max_pool2d_train: ", name, " must have 2 values, got ", arg);
+  }
+  TORCH_CHECK_VALUE(kernel[0] * kernel[1] <= 256, "mesa: max_pool2d_train: the window (", kernel,
+                    ") must hold at most 256 elements (a uint8 local index); use the stock op");
+  return MaxPool2dTrain::apply(x, kernel, stride, padding, dilation, ceil_mode);
+}
+
 }  // namespace
 }  // namespace mesa
 
@@ -395,6 +448,10 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
   m.def(
       "elementwise_train(Tensor x, int kind, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
       "Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
+  // nn.MaxPool2d (return_indices=False, a window of at most 256 elements), keeping a uint8
+  // window-local index per output element
+  m.def("max_pool2d_train(Tensor x, int[2] kernel, int[2] stride, int[2] padding, int[2] dilation, "
+        "bool ceil_mode) -> Tensor");
 }
 
 // (see layers_autograd.cpp: one kernel for every backend, the node built here)
@@ -404,4 +461,5 @@ TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("mask_train", &mesa::mask_train);
   m.impl("mask_train_", &mesa::mask_train_);
   m.impl("elementwise_train", &mesa::elementwise_train);
+  m.impl("max_pool2d_train", &mesa::max_pool2d_train);
 }

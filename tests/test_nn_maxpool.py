@@ -8,7 +8,10 @@ import torch
 from torch import nn
 
 from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn.maxpool import MaxPool2d
+from kernel_marks import CUDA
+from op_calls import count_calls
 
 CONFIGS = {
     "resnet_stem": dict(kernel_size=3, stride=2, padding=1),
@@ -22,6 +25,16 @@ CONFIGS = {
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 LAYOUTS = ["contiguous", "channels_last", "3d", "one_channel_cl"]
+# the two paths of a training forward: the Python Function, and eager's C++ op (mesa::max_pool2d_train)
+PATHS = [pytest.param(False, id="python"),
+         pytest.param(True, id="cpp", marks=pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS,
+                                                                 reason="needs the compiled extension"))]
+
+
+@pytest.fixture(params=PATHS)
+def fused(request, monkeypatch):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", request.param)
+    return request.param
 
 
 def _input(layout: str, ties: bool, dtype, seed=0) -> torch.Tensor:
@@ -68,7 +81,7 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
-def test_bitwise_stock_and_one_byte_per_output(config, dtype, layout, ties):
+def test_bitwise_stock_and_one_byte_per_output(config, dtype, layout, ties, fused):
     stock = nn.MaxPool2d(**CONFIGS[config])
     mesa = MaxPool2d.from_module(stock)
     x = _input(layout, ties, dtype)
@@ -87,7 +100,24 @@ def test_bitwise_stock_and_one_byte_per_output(config, dtype, layout, ties):
         assert nbytes * (8 + x.element_size()) <= bytes_ref
 
 
-def test_overlapping_windows_accumulate_at_the_argmax():
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", ["resnet_stem", "dilated", "ceil_mode", "window_256"])
+def test_cuda_bitwise_stock(config, dtype, layout, ties, device, fused):
+    """ATen's CUDA kernels (and the index arithmetic on the GPU), both paths."""
+    stock = nn.MaxPool2d(**CONFIGS[config])
+    mesa = MaxPool2d.from_module(stock)
+    x = _input(layout, ties, dtype).to(device)
+    g = torch.randn_like(stock(x))
+    (y_ref, gx_ref, _, _), (y, gx, nbytes, saved) = _run(stock, x, g), _run(mesa, x, g)
+    _assert_same(y, y_ref, "forward")
+    _assert_same(gx, gx_ref, "input gradient")
+    assert saved == [(torch.uint8, tuple(y.shape))] and nbytes == y.numel()
+
+
+def test_overlapping_windows_accumulate_at_the_argmax(fused):
     """Independent of the stock kernel: every output's gradient lands on its window's
     maximum (distinct values, so the argmax is unique), summed where windows overlap; a
     wrong local index (rows and columns swapped, a wrong dilation step) puts it elsewhere."""
@@ -117,7 +147,7 @@ def test_overlapping_windows_accumulate_at_the_argmax():
     assert (want > 0).sum() < x.numel()  # some elements got no gradient, some several
 
 
-def test_ties_pick_stock_element():
+def test_ties_pick_stock_element(fused):
     """All-equal windows: the gradient goes to the element stock's kernel picks."""
     x = torch.ones(1, 2, 6, 6, requires_grad=True)
     stock_x = x.detach().clone().requires_grad_()
@@ -181,7 +211,7 @@ def test_from_module_and_repr():
         MaxPool2d.from_module(nn.AvgPool2d(2))
 
 
-def test_gradcheck_float64():
+def test_gradcheck_float64(fused):
     torch.manual_seed(0)
     x = torch.randperm(2 * 2 * 7 * 8).double().div(10).view(2, 2, 7, 8).requires_grad_()  # no ties
     for kwargs in (dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=(3, 2), stride=(1, 2), dilation=(2, 1),
@@ -266,3 +296,28 @@ def test_patch_model_converts_max_pools():
     assert torch.equal(ys, yp)
     ys.square().sum().backward(), yp.square().sum().backward()
     assert torch.equal(xs.grad, xp.grad)
+
+
+@pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+def test_cpp_op_runs_only_in_eager_training(monkeypatch):
+    calls = count_calls(monkeypatch, "max_pool2d_train")
+    x = torch.randn(2, 3, 9, 9, requires_grad=True)
+    MaxPool2d(3, 2, 1)(x).sum().backward()
+    assert calls == [1]
+    MaxPool2d(3, 2, 1).eval()(x)
+    MaxPool2d(3, 2, 1)(x.detach())
+    MaxPool2d(3, 2, 1, return_indices=True)(x)
+    MaxPool2d(17, 3)(torch.randn(1, 2, 20, 20, requires_grad=True))
+    torch.compile(MaxPool2d(3, 2, 1), backend="aot_eager", fullgraph=True)(x).sum().backward()  # the Function
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+def test_cpp_op_refuses_higher_order_gradients_and_bad_arguments():
+    x = torch.randn(1, 2, 8, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"higher-order gradients \(backward with create_graph=True\)"):
+        torch.autograd.grad(MaxPool2d(3, 2, 1)(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(ValueError, match="kernel_size must have 2 values"):
+        torch.ops.mesa.max_pool2d_train(x, [3], [2, 2], [1, 1], [1, 1], False)
+    with pytest.raises(ValueError, match="at most 256 elements"):
+        torch.ops.mesa.max_pool2d_train(x, [17, 17], [2, 2], [1, 1], [1, 1], False)

@@ -14,7 +14,10 @@ the stock op). Under ``torch.compile`` with Inductor, stock max pooling is alrea
 int8 window offsets; the saving is for eager (and aot_eager) training.
 
 ``return_indices=True`` (the caller keeps the int64 indices anyway) and windows over 256
-elements (no uint8 local index) run the stock forward.
+elements (no uint8 local index) run the stock forward. In eager training with the compiled
+extension the layer is one op, ``mesa::max_pool2d_train`` (csrc/convnet_autograd.cpp), with
+a C++ autograd node and the index arithmetic as one loop each way on the CPU
+(csrc/maxpool_index.cpp): the same bits, at a fifth of this Function's host time.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from torch import nn
 from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 
+from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options, load, save
 
 __all__ = ["MaxPool2d", "pool_args"]
@@ -51,30 +55,54 @@ def pool_args(kernel_size, stride, padding, dilation) -> tuple | None:
 def _window_origins(out: torch.Tensor, stride, padding, dtype=torch.int64):
     """Per output position: the row ``h0`` and column ``w0`` of its window's top-left
     element (negative in the padding), as ``(OH, 1)`` / ``(OW,)`` grids on the output's
-    device (no host sync, traceable; they broadcast over (N, C) or (C,))."""
-    oh = torch.arange(out.shape[-2], device=out.device, dtype=dtype).unsqueeze(-1)
-    ow = torch.arange(out.shape[-1], device=out.device, dtype=dtype)
-    return oh * stride[0] - padding[0], ow * stride[1] - padding[1]
+    device (one ``arange`` each: no host sync, traceable; they broadcast over (N, C) or (C,))."""
+    (oh, ow), (sh, sw), (ph, pw) = out.shape[-2:], stride, padding
+    h0 = torch.arange(-ph, oh * sh - ph, sh, device=out.device, dtype=dtype).unsqueeze(-1)
+    w0 = torch.arange(-pw, ow * sw - pw, sw, device=out.device, dtype=dtype)
+    return h0, w0
+
+
+def _window_local(idx: torch.Tensor, out: torch.Tensor, in_size, kernel, stride, padding, dilation):
+    """The uint8 window-local index ``lh * kW + lw`` of each output's element from ATen's
+    per-plane index ``idx = h * W + w`` on an ``in_size = (H, W)`` input (the output's layout:
+    elementwise ops)."""
+    height, width = in_size
+    # int32 holds h * W + w for any plane under 2**31 elements: CPU divides int32 vectorised,
+    # ~6x faster than int64
+    if height * width < 2 ** 31:
+        idx = idx.int()
+    h0, w0 = _window_origins(out, stride, padding, idx.dtype)
+    h = torch.div(idx, width, rounding_mode="floor")
+    if dilation == (1, 1):
+        # lh = h - h0, lw = idx - h * W - w0, so lh * kW + lw = idx + h * (kW - W) - (h0 * kW + w0):
+        # two ops on the output's size where the written-out form takes five
+        local = torch.add(idx, h, alpha=kernel[1] - width) - torch.add(w0, h0, alpha=kernel[1])
+    else:
+        # the window's row / column of that element is its distance from the window origin
+        # in dilation steps (exact: a window only holds elements on that lattice)
+        lh = torch.div(h - h0, dilation[0], rounding_mode="floor")
+        lw = torch.div(idx - h * width - w0, dilation[1], rounding_mode="floor")
+        local = lh * kernel[1] + lw
+    return local.to(torch.uint8)
+
+
+def _global_index(local: torch.Tensor, width: int, kernel, stride, padding, dilation) -> torch.Tensor:
+    """ATen's int64 per-plane index ``h * W + w`` back from :func:`_window_local`'s: the
+    window origin's plus a kH * kW-entry offset table looked up per output element (no
+    per-element division; transient, like the indices stock keeps)."""
+    h0, w0 = _window_origins(local, stride, padding)
+    rows = torch.arange(0, kernel[0] * dilation[0] * width, dilation[0] * width, device=local.device)
+    cols = torch.arange(0, kernel[1] * dilation[1], dilation[1], device=local.device)
+    offset = (rows.unsqueeze(-1) + cols).view(-1)
+    return torch.add(w0, h0, alpha=width) + offset[local.long()]
 
 
 class _MaxPool2dFn(torch.autograd.Function):
+    # csrc/convnet_autograd.cpp's MaxPool2dTrain (mesa::max_pool2d_train) is this, op for op
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode):
         out, idx = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
-        height, width = x.shape[-2:]
-        # ATen's index is h * W + w within each (n, c) plane, so int32 holds it for any plane
-        # under 2**31 elements: CPU divides int32 vectorised, ~6x faster than int64
-        if height * width < 2 ** 31:
-            idx = idx.int()
-        h0, w0 = _window_origins(out, stride, padding, idx.dtype)
-        h = torch.div(idx, width, rounding_mode="floor")
-        lh, lw = h - h0, idx - h * width - w0
-        if dilation != (1, 1):
-            # the window's row / column of that element is its distance from the window
-            # origin in dilation steps (exact: a window only holds elements on that lattice)
-            lh = torch.div(lh, dilation[0], rounding_mode="floor")
-            lw = torch.div(lw, dilation[1], rounding_mode="floor")
-        local = (lh * kernel[1] + lw).to(torch.uint8)  # keeps the output's layout (elementwise ops)
+        local = _window_local(idx, out, x.shape[-2:], kernel, stride, padding, dilation)
         ctx.args = (kernel, stride, padding, dilation, ceil_mode)
         # what the backward kernel reads of the input: sizes, dtype, device and the memory
         # format it gives the gradient (ATen's suggest_memory_format, as the meta function)
@@ -88,15 +116,7 @@ class _MaxPool2dFn(torch.autograd.Function):
         _, (local,) = load(ctx)
         kernel, stride, padding, dilation, ceil_mode = ctx.args
         shape, dtype, device, fmt = ctx.x_meta
-        width = shape[-1]
-        h0, w0 = _window_origins(local, stride, padding)
-        # global index = window origin + offset of the local index: a kH*kW-entry table
-        # looked up per output element (no per-element division; transient int64, like the
-        # indices stock keeps)
-        steps = torch.arange(kernel[0] * kernel[1], device=local.device)
-        rows = torch.div(steps, kernel[1], rounding_mode="floor")
-        offset = rows * (dilation[0] * width) + steps % kernel[1] * dilation[1]
-        idx = (h0 * width + w0) + offset[local.long()]
+        idx = _global_index(local, shape[-1], kernel, stride, padding, dilation)
         x_like = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)  # never read, only its sizes
         gx = torch.ops.aten.max_pool2d_with_indices_backward(g, x_like, kernel, stride, padding, dilation,
                                                              ceil_mode, idx)
@@ -143,6 +163,9 @@ class MaxPool2d(MesaLayer, nn.MaxPool2d):
         args = self._lossless_args() if self._mesa_active(input) else None
         if args is None:
             return super().forward(input)
+        if quantizer_mod.fused_layers_on():
+            # eager: the layer with a C++ autograd node (csrc/convnet_autograd.cpp), the same bits
+            return torch.ops.mesa.max_pool2d_train(input, *args, self.ceil_mode)
         return _MaxPool2dFn.apply(input, *args, self.ceil_mode)
 
     def extra_repr(self) -> str:
