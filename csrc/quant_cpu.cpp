@@ -445,24 +445,23 @@ void build_tables(const Layout& L, const at::Tensor& alpha, const at::Tensor& be
 // as (outer, D * inner, 1) instead, with per-element tables (each (s, d) entry repeated inner
 // times): the same flat indices (so the same stochastic-rounding hash inputs) and the same
 // per-element parameters, so the same codes, values and statistics; only the loop changes.
-// Shared statistics only (s_eff == 1), and D * inner bounded: quantize and dequantize read
-// tables that long (kMaxFlatCodes), the min/max passes keep per-element accumulators that long
-// per parallel chunk, read and written for every element, so they flatten only while those
-// stay in cache (kMaxFlatStats: 2 x 64 KB; ResNet-50's 2048 x 7 x 7 is 25x that, and its
-// observe ran 1.3x slower flattened, 2 threads).
+// Shared statistics only (s_eff == 1), and D * inner bounded (kMaxFlatCodes): the kernels
+// read tables that long. The min/max passes keep per-element accumulators as long as a row of
+// the walk; shared_minmax splits a row longer than kStatsBlock into column blocks, so that each
+// task's accumulators stay in cache (2 x 64 KB).
 constexpr int64_t kShortRun = 256;  // (inner below: flattened; 15 x 15 and smaller)
 constexpr int64_t kMaxFlatCodes = int64_t{1} << 17;
-constexpr int64_t kMaxFlatStats = int64_t{1} << 14;
+constexpr int64_t kStatsBlock = int64_t{1} << 14;
 
-Layout walk_layout(const Layout& L, int64_t max_flat_d) {
-  if (L.inner == 1 || L.inner >= kShortRun || L.s_eff != 1 || L.D * L.inner > max_flat_d) return L;
+Layout walk_layout(const Layout& L) {
+  if (L.inner == 1 || L.inner >= kShortRun || L.s_eff != 1 || L.D * L.inner > kMaxFlatCodes) return L;
   Layout W = L;
   W.D = L.D * L.inner;
   W.inner = 1;
   return W;
 }
 
-// The (s, d) tables of L for the walk layout W (walk_layout(L, ...)): each entry repeated L.inner
+// The (s, d) tables of L for the walk layout W (walk_layout(L)): each entry repeated L.inner
 // times when W flattened the inner dims, else as they are.
 void expand_tables(const Layout& L, const Layout& W, std::vector<float>& t) {
   if (W.D == L.D) return;
@@ -471,12 +470,12 @@ void expand_tables(const Layout& L, const Layout& W, std::vector<float>& t) {
   t.swap(e);
 }
 
-// The walk layout of L (walk_layout(L, max_flat_d)) with build_tables' tables for it: the one
+// The walk layout of L (walk_layout(L)) with build_tables' tables for it: the one
 // place the kernels that walk L derive both, so the tables always match the walk.
 template <typename F>
-Layout walk_tables(const Layout& L, int64_t max_flat_d, const at::Tensor& alpha, const at::Tensor& beta, F f,
+Layout walk_tables(const Layout& L, const at::Tensor& alpha, const at::Tensor& beta, F f,
                    std::vector<float>& t_scale, std::vector<float>& t_beta) {
-  const Layout W = walk_layout(L, max_flat_d);
+  const Layout W = walk_layout(L);
   build_tables(L, alpha, beta, f, t_scale, t_beta);
   expand_tables(L, W, t_scale);
   expand_tables(L, W, t_beta);
@@ -595,7 +594,7 @@ at::Tensor quantize_cpu(const at::Tensor& x_in, const at::Tensor& alpha, const a
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   if (L.numel == 0) return q;
   std::vector<float> tinv, tbeta;
-  const Layout W = walk_tables(L, kMaxFlatCodes, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
+  const Layout W = walk_tables(L, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
   uint32_t slo, shi;
   read_seed(seed, slo, shi);
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_cpu", [&] {
@@ -636,7 +635,7 @@ at::Tensor dequantize_cpu(const at::Tensor& q_in, const at::Tensor& alpha, const
   at::Tensor y = at::empty(q.sizes(), q.options().dtype(dtype));
   if (L.numel == 0) return y;
   std::vector<float> tstep, tbeta;
-  const Layout W = walk_tables(L, kMaxFlatCodes, alpha, beta, [](float a) { return dequant_step(a); }, tstep, tbeta);
+  const Layout W = walk_tables(L, alpha, beta, [](float a) { return dequant_step(a); }, tstep, tbeta);
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_cpu", [&] {
     dequantize_kernel<scalar_t>(q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), W, tstep.data(),
                                 tbeta.data());
@@ -671,33 +670,60 @@ void canonicalize(at::Tensor& t) {
   for (int64_t i = 0, n = t.numel(); i < n; ++i) p[i] = canonical(p[i]);
 }
 
-// Shared statistics (or per sample over dim 0) of a contiguous x: per-chunk partial per-d
-// min/max, then a reduction into the (S, G) outputs pmn / pmx. The walk is W, L's or its
-// flattened walk_layout(L, kMaxFlatStats) (the caller's, so that `before` and its tables agree):
-// `before(i, n, s, d)` runs on each run first, d in W (quantize_observe: the run's codes, so
-// that the run is read from memory once and from cache the second time).
+// Shared statistics (or per sample over dim 0) of a contiguous x into the (S, G) outputs
+// pmn / pmx. The walk is W, L's or its flattened walk_layout(L) (the caller's, so that
+// `before` and its tables agree): `before(i, n, s, d)` runs on each run first, d in W
+// (quantize_observe: the run's codes, so that the run is read from memory once and from cache
+// the second time). Two ways to split the work:
+// * a row of W (D elements, inner == 1) longer than kStatsBlock: column blocks, each a task
+//   that walks its columns down every row with its own accumulators, final when it ends (no
+//   partials). ResNet-50's NCHW 512 x 8 x 8 and 2048 x 7 x 7 layouts, flattened: the chunked
+//   walk below kept a whole row of accumulators per chunk, out of cache (2048 x 7 x 7: 1.3x
+//   slower than not flattening), and not flattening walks runs of 49-64 elements, each with a
+//   16-lane setup and reduction (3x the NHWC layout's time);
+// * otherwise chunks of the flat index, each with per-d partial min/max, then a reduction.
 template <typename T, typename Before>
 void shared_minmax(const T* xp, const Layout& L, const Layout& W, float* pmn, float* pmx, Before before) {
   const int64_t D = W.D;
   const bool table = W.inner == 1;
   const int64_t nthreads = at::get_num_threads();
-  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>((L.numel + kGrain - 1) / kGrain, 4 * nthreads));
-  std::vector<float> part_mn(nchunks * D, kInf), part_mx(nchunks * D, -kInf);
-  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t b = L.numel * c / nchunks, e = L.numel * (c + 1) / nchunks;
-      float* mn = part_mn.data() + c * D;
-      float* mx = part_mx.data() + c * D;
-      walk(W, b, e, [&](int64_t i, int64_t n, int64_t /*s*/, int64_t d) {
-        before(i, n, int64_t{0}, d);
-        Runs<T>::minmax(table, xp + i, n, mn + d, mx + d);
-      });
-    }
-  });
-  for (int64_t c = 1; c < nchunks; ++c) {
-    for (int64_t d = 0; d < D; ++d) {
-      part_mn[d] = nan_min(part_mn[d], part_mn[c * D + d]);
-      part_mx[d] = nan_max(part_mx[d], part_mx[c * D + d]);
+  std::vector<float> part_mn, part_mx;
+  if (table && D > kStatsBlock) {
+    part_mn.assign(D, kInf);
+    part_mx.assign(D, -kInf);
+    const int64_t rows = L.numel / D;
+    // (at least one block a thread, of 1024 columns or more)
+    const int64_t block = std::clamp<int64_t>((D + nthreads - 1) / nthreads, 1024, kStatsBlock);
+    at::parallel_for(0, (D + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t d0 = b * block, n = std::min(D, d0 + block) - d0;
+        for (int64_t r = 0; r < rows; ++r) {
+          before(r * D + d0, n, int64_t{0}, d0);
+          Runs<T>::minmax(true, xp + r * D + d0, n, part_mn.data() + d0, part_mx.data() + d0);
+        }
+      }
+    });
+  } else {
+    const int64_t nchunks =
+        std::max<int64_t>(1, std::min<int64_t>((L.numel + kGrain - 1) / kGrain, 4 * nthreads));
+    part_mn.assign(nchunks * D, kInf);
+    part_mx.assign(nchunks * D, -kInf);
+    at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t b = L.numel * c / nchunks, e = L.numel * (c + 1) / nchunks;
+        float* mn = part_mn.data() + c * D;
+        float* mx = part_mx.data() + c * D;
+        walk(W, b, e, [&](int64_t i, int64_t n, int64_t /*s*/, int64_t d) {
+          before(i, n, int64_t{0}, d);
+          Runs<T>::minmax(table, xp + i, n, mn + d, mx + d);
+        });
+      }
+    });
+    for (int64_t c = 1; c < nchunks; ++c) {
+      for (int64_t d = 0; d < D; ++d) {
+        part_mn[d] = nan_min(part_mn[d], part_mn[c * D + d]);
+        part_mx[d] = nan_max(part_mx[d], part_mx[c * D + d]);
+      }
     }
   }
   if (W.D != L.D) {  // the flattened walk's per-(d, j) statistics folded to per d (in place: d * inner >= d)
@@ -741,7 +767,7 @@ std::tuple<at::Tensor, at::Tensor> group_minmax_impl(const at::Tensor& x_in, con
         }
       });
     } else {
-      shared_minmax(xp, L, walk_layout(L, kMaxFlatStats), pmn, pmx, [](int64_t, int64_t, int64_t, int64_t) {});
+      shared_minmax(xp, L, walk_layout(L), pmn, pmx, [](int64_t, int64_t, int64_t, int64_t) {});
     }
   });
   canonicalize(omn);
@@ -897,7 +923,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
   at::Tensor mn = at::full({1, L.G}, kInf, fopts), mx = at::full({1, L.G}, -kInf, fopts);
   if (L.numel > 0) {
     std::vector<float> tinv, tbeta;  // (shared_minmax walks W: d below is W's)
-    const Layout W = walk_tables(L, kMaxFlatStats, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
+    const Layout W = walk_tables(L, alpha, beta, [](float a) { return inv_scale(a); }, tinv, tbeta);
     uint32_t slo, shi;
     read_seed(seed, slo, shi);
     uint8_t* qp = q.mutable_data_ptr<uint8_t>();

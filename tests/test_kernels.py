@@ -84,14 +84,21 @@ def test_cpu_kernels_match_reference(shape, dim, G, dtype, per_sample):
 
 
 @needs_ext
-@pytest.mark.parametrize("G", [512, 48])
-def test_short_runs_match_reference_multithreaded(G):
-    """An NCHW activation with 4 x 4 per channel and channel groups (ResNet's last stages at low
-    resolution), large enough for several parallel chunks: the CPU kernels walk it flattened
-    (quant_cpu.cpp, "Short runs"); statistics, codes, values, estimates and rng are the
-    reference's, NaN, infinities and signed zeros included, for 1 and 2 threads."""
-    x = _randn((8, 512, 4, 4), torch.float32, seed=5)
-    x[1, 3, 2, 1], x[5, 400, 0, 0], x[2, 7] = float("nan"), float("inf"), -0.0
+@pytest.mark.parametrize("groups", ["per_channel", 48])
+@pytest.mark.parametrize("shape", [(8, 512, 4, 4), (3, 400, 7, 7), (3, 20000)],
+                         ids=["flat_chunks", "flat_column_blocks", "row_column_blocks"])
+def test_short_runs_match_reference_multithreaded(shape, groups):
+    """NCHW activations with few elements per channel and channel groups (ResNet's later stages
+    at low resolution), and a long row: the CPU kernels walk the first two flattened (quant_cpu.cpp,
+    "Short runs"), the first in parallel chunks of the flat index, the other two in column
+    blocks (a row of the walk longer than kStatsBlock: 400 x 7 x 7 in two blocks, the second
+    partial). Statistics, codes, values, estimates and rng are the reference's, NaN,
+    infinities and signed zeros included, for 1 and 2 threads."""
+    G = shape[1] if groups == "per_channel" else groups
+    x = _randn(shape, torch.float32, seed=5)
+    flat = x.view(-1)
+    flat[flat.numel() // 7], flat[flat.numel() // 3] = float("nan"), float("inf")
+    x[2, 7] = -0.0
     old = torch.get_num_threads()
     try:
         for nt in (1, 2):

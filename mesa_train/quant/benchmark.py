@@ -73,9 +73,11 @@ GPU_CASES = [
 CPU_CASES = [
     ("tokens (8,197,384) C-groups dim -1", (8, 197, 384), -1, 6),
     ("attn (8,6,197,197) per-head dim 1", (8, 6, 197, 197), 1, 6),
-    # NCHW per-channel groups with few elements after the group dim (ResNet-50's last stages
-    # at 64x64 and at 224x224): the CPU kernels' short runs (quant_cpu.cpp, "Short runs")
+    # NCHW per-channel groups with few elements after the group dim (ResNet-50's stages 2 and
+    # 4 at 64x64, stage 4 at 224x224): the CPU kernels' short runs (quant_cpu.cpp, "Short runs";
+    # the last two: column blocks in the min/max passes)
     ("conv (16,2048,2,2) per-channel dim 1", (16, 2048, 2, 2), 1, 2048),
+    ("conv (16,512,8,8) per-channel dim 1", (16, 512, 8, 8), 1, 512),
     ("conv (16,2048,7,7) per-channel dim 1", (16, 2048, 7, 7), 1, 2048),
 ]
 QUICK_CASES = [
