@@ -8,9 +8,10 @@
 // 25-45 us (results/overhead/cpu-convnet.md): Function.apply, the ctx bookkeeping and the
 // small ops issued from Python (BatchNorm: some 14). Every block of a convnet has several.
 // Each op runs the aten kernels and mesa::compress / dequantize its Python Function runs, in
-// the same order (the masked backward: stock's own kernel in place of unpack + where, the
-// same values), so outputs, codes, masks, estimates, running statistics and gradients are
-// bitwise the Python path's (tests/test_convnet_autograd.py). The layers call them only in
+// the same order (the 1-bit masks: bitmask.cpp's loops on the CPU, and backward stock's own
+// kernel or a select from the bits in place of unpack + where, the same values), so outputs,
+// codes, masks, estimates, running statistics and gradients are bitwise the Python path's
+// (tests/test_convnet_autograd.py, test_bitmask_loops.py). The layers call them only in
 // eager mode with the default 8-bit format (the norms: affine; BatchNorm: no linked 1x1
 // depthwise conv in front, conv.ScaleLink); otherwise they keep their Python Functions.
 #include <ATen/ATen.h>
@@ -19,6 +20,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "bitmask.h"
 #include "layers_common.h"
 #include "maxpool_index.h"
 
@@ -211,36 +213,6 @@ at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const
   return GroupNormTrain::apply(x, weight, bias, groups, eps, qz);
 }
 
-// ----------------------------------------------------------------------------- 1-bit masks
-// relu.pack_bits / unpack_bits: a boolean tensor as uint8, 8 elements per byte (little-endian
-// bits), flat, in NCHW order or a channels-last mask in its own memory order (its NHWC view:
-// unpacked channels-last again, so the gradients keep stock's layout); the same bytes. With
-// the bytes, whether the mask was channels-last (unpack_bits' channels_last)
-std::pair<at::Tensor, bool> pack_bits(const at::Tensor& mask) {
-  const bool channels_last = is_channels_last(mask);
-  const at::Tensor m = channels_last ? mask.permute({0, 2, 3, 1}) : mask;
-  // the boolean's own 0/1 bytes, in contiguous order (a copy only for a strided mask)
-  at::Tensor flat = (m.is_contiguous() ? m : m.contiguous()).view(at::kByte).view(-1);
-  const int64_t pad = (8 - flat.numel() % 8) % 8;
-  if (pad) flat = at::cat({flat, at::zeros({pad}, flat.options())});
-  const at::Tensor shifts = at::arange(8, flat.options());
-  return {at::bitwise_left_shift(flat.view({-1, 8}), shifts).sum({-1}, false, at::kByte), channels_last};
-}
-
-// each element's bit in place: 0 or 2**bit (uint8), nonzero where the mask was set (one pass);
-// channels_last: the mask was (pack_bits' flag), and comes back so
-at::Tensor unpack_bit_bytes(const at::Tensor& packed, at::IntArrayRef shape, bool channels_last) {
-  const at::Tensor powers = at::bitwise_left_shift(at::ones({8}, packed.options()), at::arange(8, packed.options()));
-  const at::Tensor flat =
-      at::bitwise_and(packed.unsqueeze(-1), powers).view(-1).slice(0, 0, c10::multiply_integers(shape));
-  if (!channels_last) return flat.view(shape);
-  return flat.view({shape[0], shape[2], shape[3], shape[1]}).permute({0, 3, 1, 2});
-}
-
-at::Tensor unpack_bits(const at::Tensor& packed, at::IntArrayRef shape, bool channels_last) {
-  return unpack_bit_bytes(packed, shape, channels_last).to(at::kBool);
-}
-
 // ----------------------------------------------------------------------------- ReLU, Hardtanh, Hardsigmoid
 // One 1-bit mask kept, no quantizer: the ReLU's y > 0 (relu.py, _ReLUFn); for the clamps
 // (clamp_activations.py, _ClampMaskFn: Hardtanh, ReLU6, Hardsigmoid) whether x was inside the
@@ -253,8 +225,8 @@ struct MaskTrain : public torch::autograd::Function<MaskTrain> {
                             bool inplace) {
     const auto k = static_cast<Masked>(kind);
     at::Tensor& xm = const_cast<at::Tensor&>(x);
-    at::Tensor inside;  // (the clamps: before the op)
-    if (k != Masked::kRelu) inside = at::bitwise_and(x.gt(lo), x.lt(hi));
+    std::pair<at::Tensor, bool> packed;  // (the clamps: whether x is inside (lo, hi), before the op)
+    if (k != Masked::kRelu) packed = pack_compare(x, Compare::kInside, lo, hi);
     at::Tensor y;  // exactly the stock module's forward
     if (k == Masked::kRelu) y = inplace ? at::relu_(xm) : at::relu(x);
     if (k == Masked::kHardtanh) y = inplace ? at::hardtanh_(xm, lo, hi) : at::hardtanh(x, lo, hi);
@@ -263,8 +235,8 @@ struct MaskTrain : public torch::autograd::Function<MaskTrain> {
       ctx->mark_dirty({x});
       y = x;
     }
-    const at::Tensor mask = k == Masked::kRelu ? y.gt(0) : inside;
-    const auto [bits, channels_last] = pack_bits(mask);
+    if (k == Masked::kRelu) packed = pack_compare(y, Compare::kGreater, 0, 0);
+    const auto& [bits, channels_last] = packed;
     ctx->save_for_backward({bits});
     ctx->saved_data["cl"] = channels_last;
     ctx->saved_data["shape"] = y.sizes();
@@ -276,18 +248,19 @@ struct MaskTrain : public torch::autograd::Function<MaskTrain> {
     check_first_order("activation");
     const auto saved = ctx->get_saved_variables();
     const auto shape = ctx->saved_data["shape"].toIntVector();
-    // nonzero where the mask is set
-    const at::Tensor bytes = unpack_bit_bytes(saved[0], shape, ctx->saved_data["cl"].toBool());
+    const bool channels_last = ctx->saved_data["cl"].toBool();
     const at::Tensor none;
     if (static_cast<Masked>(ctx->saved_data["kind"].toInt()) == Masked::kHardsigmoid) {
       // ATen's own kernel (its g * 1/6 rounding), on 0 inside and 3 (outside) elsewhere
+      const at::Tensor bytes = unpack_bit_bytes(saved[0], shape, channels_last);  // (nonzero where set)
       return {at::hardsigmoid_backward(grads[0], bytes.eq(0).to(grads[0].scalar_type()).mul(3)), none, none, none,
               none};
     }
-    // stock ReLU's own backward, threshold_backward(g, y, 0) (0 where y <= 0, else g), fed the
-    // mask's bytes for y: the Python Functions' bits (their where(mask, g, 0)), two kernels
-    // from the codes where unpacking to a boolean and masked_fill took six
-    return {at::threshold_backward(grads[0], bytes, 0), none, none, none, none};
+    // stock ReLU's own backward, threshold_backward(g, y, 0) (0 where y <= 0, else g), with the
+    // mask for y: the Python Functions' bits (their where(mask, g, 0)); one pass from the bits
+    // on the CPU (bitmask.cpp), two kernels elsewhere where unpacking to a boolean and
+    // masked_fill took six
+    return {masked_grad(grads[0], saved[0], shape, channels_last), none, none, none, none};
   }
 };
 
@@ -318,8 +291,8 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
     const NhwcView v = nhwc_view(x, group_dim(x));
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
     if (k == Elementwise::kHardswish) {  // hardswish_backward's own comparisons
-      const auto [below, cl_below] = pack_bits(x.lt(-3));
-      const auto [above, cl_above] = pack_bits(x.gt(3));
+      const auto [below, cl_below] = pack_compare(x, Compare::kLess, 0, -3);
+      const auto [above, cl_above] = pack_compare(x, Compare::kGreater, 3, 0);
       ctx->save_for_backward({q, alpha, beta, below, above});
       ctx->saved_data["cl_below"] = cl_below;
       ctx->saved_data["cl_above"] = cl_above;

@@ -38,21 +38,23 @@ std::pair<at::Tensor, at::Tensor> window_origins(const at::Tensor& out, at::IntA
           at::arange(-padding[1], ow * stride[1] - padding[1], stride[1], opts)};
 }
 
-// Calls f(i0, n, oh, ow) for each run of n elements at memory offsets i0.. of t, in parallel:
-// channels-last, one output position (oh, ow)'s channels; contiguous, one output row oh
-// (n = OW, ow = 0: the k-th element is column k).
+// Calls f(i0, n, h0, w0, w_step) for each run of n elements at memory offsets i0.. of t, in
+// parallel. The k-th element's window origin is row h0, column w0 + k * w_step (negative in the
+// padding): channels-last, a run is one output position's channels (w_step = 0); contiguous, one
+// output row (w_step = the column stride).
 template <typename F>
-void for_runs(Walk walk, const at::Tensor& t, F f) {
+void for_runs(Walk walk, const at::Tensor& t, at::IntArrayRef stride, at::IntArrayRef padding, F f) {
   const int64_t oh_n = t.size(-2), ow_n = t.size(-1);
-  const int64_t run = walk == Walk::kContiguous ? ow_n : t.size(1);  // a row, or a position's channels
+  const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1];
+  const bool contiguous = walk == Walk::kContiguous;
+  const int64_t run = contiguous ? ow_n : t.size(1);  // a row, or a position's channels
   const int64_t runs = run == 0 ? 0 : t.numel() / run;
+  const int64_t w_step = contiguous ? sw : 0;
   at::parallel_for(0, runs, std::max<int64_t>(1, kGrain / std::max<int64_t>(run, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      if (walk == Walk::kContiguous) {
-        f(r * run, run, r % oh_n, int64_t{0});
-      } else {  // (n, oh, ow, c) in memory
-        f(r * run, run, (r / ow_n) % oh_n, r % ow_n);
-      }
+      const int64_t oh = contiguous ? r % oh_n : (r / ow_n) % oh_n;  // (n, oh, ow, c) in memory
+      const int64_t ow = contiguous ? 0 : r % ow_n;
+      f(r * run, run, oh * sh - ph, ow * sw - pw, w_step);
     }
   });
 }
@@ -109,7 +111,7 @@ at::Tensor window_local_index(const at::Tensor& idx, int64_t height, int64_t wid
                               at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
   const Walk walk = walk_of(idx, height * width);
   if (walk == Walk::kAten) {
-    // int32 holds h * W + w for any plane under 2**31 elements (vectorised division on CPU)
+    // int32 holds h * W + w for any plane under 2**31 elements: half the bytes of each pass
     const at::Tensor i = height * width < (int64_t{1} << 31) ? idx.to(at::kInt) : idx;
     const auto [h0, w0] = window_origins(idx, stride, padding, i.scalar_type());
     const at::Tensor h = at::div(i, width, "floor");
@@ -128,9 +130,7 @@ at::Tensor window_local_index(const at::Tensor& idx, int64_t height, int64_t wid
   uint8_t* lp = local.mutable_data_ptr<uint8_t>();
   const LocalArgs args{Divisor(width), Divisor(dilation[0]), Divisor(dilation[1]), width, kernel[1]};
   const bool dilated = dilation[0] != 1 || dilation[1] != 1;
-  const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1];
-  for_runs(walk, idx, [&](int64_t i0, int64_t n, int64_t oh, int64_t ow) {
-    const int64_t h0 = oh * sh - ph, w0 = ow * sw - pw, w_step = walk == Walk::kContiguous ? sw : 0;
+  for_runs(walk, idx, stride, padding, [&](int64_t i0, int64_t n, int64_t h0, int64_t w0, int64_t w_step) {
     if (dilated) {
       local_run<true>(ip + i0, lp + i0, n, h0, w0, w_step, args);
     } else {
@@ -161,10 +161,8 @@ at::Tensor global_index(const at::Tensor& local, int64_t width, at::IntArrayRef 
   at::Tensor idx = at::empty_like(local, local.options().dtype(at::kLong));
   const uint8_t* lp = local.const_data_ptr<uint8_t>();
   int64_t* ip = idx.mutable_data_ptr<int64_t>();
-  const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1];
-  for_runs(walk, local, [&](int64_t i0, int64_t n, int64_t oh, int64_t ow) {
-    const int64_t w_step = walk == Walk::kContiguous ? sw : 0;
-    global_run(lp + i0, ip + i0, n, (oh * sh - ph) * width + ow * sw - pw, w_step, offset.data());
+  for_runs(walk, local, stride, padding, [&](int64_t i0, int64_t n, int64_t h0, int64_t w0, int64_t w_step) {
+    global_run(lp + i0, ip + i0, n, h0 * width + w0, w_step, offset.data());
   });
   return idx;
 }
