@@ -23,6 +23,7 @@
 #include "bitmask.h"
 #include "layers_common.h"
 #include "maxpool_index.h"
+#include "standardise.h"
 
 #include <optional>
 #include <vector>
@@ -85,7 +86,7 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     at::Tensor x_hat;
     {
       NoAutocast no_autocast;
-      x_hat = (x.to(mdt) - per_channel(mean.to(mdt), x)) * per_channel(invstd.to(mdt), x);
+      x_hat = standardise(x, per_channel(mean.to(mdt), x), per_channel(invstd.to(mdt), x));
     }
     const NhwcView v = nhwc_view(x_hat, 1);
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
@@ -111,10 +112,11 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     auto [xh_mean, var] = at::batch_norm_update_stats(xh, std::nullopt, std::nullopt, 0.0);
     const at::Tensor invstd_m = invstd.to(mdt);
     const at::Tensor s = restandardise(var, invstd_m, eps);
-    auto [dx, dw, db] = at::native_batch_norm_backward(grads[0].to(mdt), xh, weight.to(mdt), std::nullopt,
-                                                        std::nullopt, xh_mean, s, true, eps, {need_x, need_w, need_b});
-    variable_list out = norm_grads(ctx, need_x ? dx * per_channel(invstd_m / s, dx) : dx, dw, db, need_x, need_w,
-                                   need_b);
+    // dx's per-channel invstd / s rides in the weight (batchnorm.bn_backward)
+    auto [dx, dw, db] = at::native_batch_norm_backward(grads[0].to(mdt), xh, weight.to(mdt) * (invstd_m / s),
+                                                        std::nullopt, std::nullopt, xh_mean, s, true, eps,
+                                                        {need_x, need_w, need_b});
+    variable_list out = norm_grads(ctx, dx, dw, db, need_x, need_w, need_b);
     out.resize(8);  // (one per argument of forward)
     return out;
   }
@@ -164,7 +166,7 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
     at::Tensor x_hat;
     {
       NoAutocast no_autocast;
-      x_hat = (x.to(mdt) - per_sample_channel(mean.to(mdt), groups, x)) * per_sample_channel(rstd.to(mdt), groups, x);
+      x_hat = standardise(x, per_sample_channel(mean.to(mdt), groups, x), per_sample_channel(rstd.to(mdt), groups, x));
     }
     const NhwcView v = nhwc_view(x_hat, 1);
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);

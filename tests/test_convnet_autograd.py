@@ -171,6 +171,20 @@ def test_fused_groupnorm_runs_only_where_it_may(monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("norm", ["batch", "group"])
+def test_fused_norms_are_bitwise_the_python_function_over_several_tasks(norm, channels_last, dtype, monkeypatch):
+    """(4, 6, 37, 41), 36408 elements: the CPU loop that standardises x (csrc/standardise.cpp)
+    splits it into two parallel tasks, of whole (sample, channel) planes or of positions (the
+    small shapes above fit in one)."""
+    def run(fused):
+        layer = mnn.BatchNorm2d(6, dtype=dtype) if norm == "batch" else mnn.GroupNorm(3, 6, dtype=dtype)
+        return _norm_run(fused, monkeypatch, layer, "cpu", (4, 6, 37, 41), channels_last, dtype, (True, True, True))
+
+    assert_all_same_bits(run(True), run(False))
+
+
 # ----------------------------------------------------------------------------- ReLU, SiLU, QuickGELU, Hardswish
 MASKED = {"relu": lambda: mnn.ReLU(), "relu_inplace": lambda: mnn.ReLU(inplace=True),
           "relu6": lambda: mnn.ReLU6(), "relu6_inplace": lambda: mnn.ReLU6(inplace=True),

@@ -13,7 +13,7 @@ Backward, with means over ``(N, H, W)`` per channel::
     dweight = sum(g * x_hat)          dbias = sum(g)
 
 computed by ATen's ``native_batch_norm_backward`` fed ``x_hat`` with mean 0 and invstd 1,
-then one per-channel multiply by the real ``invstd``. Stock BatchNorm keeps its whole
+the real ``invstd`` folded into the weight it is handed. Stock BatchNorm keeps its whole
 input (fp32: 4 bytes per element); this keeps 1 byte per element plus ``2 * C + C`` floats.
 
 Eval mode with running statistics, ``enabled=False`` or no gradient needed: the stock
@@ -76,7 +76,7 @@ def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bo
     three are wanted). ``scale_coef``: also ``coef = gamma * dgamma * (1 - mean(x_hat^2))`` per
     channel, the weight gradient's numerator of a 1x1 depthwise conv in front (``ScaleLink``)."""
     need_x, need_w, need_b = needs
-    gx = coef = None
+    coef = None
     with no_autocast(g.device.type):
         xh = from_nhwc(decompress(packed, mdt), nhwc)
         # The exact x_hat has zero mean and unit mean square per channel, which makes dx
@@ -96,11 +96,13 @@ def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bo
         target, s = restandardise(var, invstd.to(mdt), eps)
         w = weight.to(mdt) if weight is not None else None
         gm = g.to(mdt)
+        # The kernel's dx is its weight * s * (...) per channel; the real one wants invstd in
+        # place of s, so invstd / s rides in the weight it is handed (the weight and bias
+        # gradients do not read it): no extra pass over dx.
+        w_dx = invstd.to(mdt) / s if w is None else w * (invstd.to(mdt) / s)
         dx, dw, db = torch.ops.aten.native_batch_norm_backward(
-            gm, xh, w, None, None, xh_mean, s, True, eps,
+            gm, xh, w_dx, None, None, xh_mean, s, True, eps,
             [need_x, (need_w or scale_coef) and w is not None, need_b])
-        if need_x:
-            gx = dx * _per_channel(invstd.to(mdt) / s, dx)
         if scale_coef:  # the 1x1 depthwise conv in front takes its weight gradient from here
             if w is None:  # dgamma = sum(g * x_hat'), x_hat' the re-standardised x_hat
                 dims = [d for d in range(xh.dim()) if d != 1]
@@ -108,7 +110,7 @@ def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bo
             else:
                 dgamma = dw
             coef = (w if w is not None else 1) * dgamma * (1 - target)
-    return gx, (dw if need_w and w is not None else None), (db if need_b else None), coef
+    return (dx if need_x else None), (dw if need_w and w is not None else None), (db if need_b else None), coef
 
 
 class _BatchNormFn(torch.autograd.Function):
