@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "bitmask.h"
+#include "code_moments.h"
 #include "layers_common.h"
 #include "maxpool_index.h"
 #include "standardise.h"
@@ -90,7 +91,12 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     }
     const NhwcView v = nhwc_view(x_hat, 1);
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
-    ctx->save_for_backward({q, alpha, beta, invstd, weight});
+    if (q.device().is_cpu() && mdt == at::kFloat && alpha.size(0) == 1) {  // (batchnorm.code_moments)
+      auto [xh_mean, xh_var] = code_moments(q, alpha, beta, v.dim, G);
+      ctx->save_for_backward({q, alpha, beta, invstd, weight, xh_mean, xh_var});
+    } else {
+      ctx->save_for_backward({q, alpha, beta, invstd, weight});
+    }
     save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
     ctx->saved_data["nhwc"] = v.permuted;
     return out;
@@ -108,8 +114,10 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     const at::Tensor xh = from_nhwc(
         call_dequantize(saved[0], saved[1], saved[2], nhwc ? 3 : 1, ctx->saved_data["quant_groups"].toInt(), mdt),
         nhwc);
-    // (the BatchNorm statistics kernel gives the per-channel moments: batchnorm.bn_backward)
-    auto [xh_mean, var] = at::batch_norm_update_stats(xh, std::nullopt, std::nullopt, 0.0);
+    // the per-channel moments: forward's from the codes, else the BatchNorm statistics kernel
+    // (batchnorm.code_moments)
+    auto [xh_mean, var] = saved.size() == 7 ? std::tuple{saved[5], saved[6]}
+                                            : at::batch_norm_update_stats(xh, std::nullopt, std::nullopt, 0.0);
     const at::Tensor invstd_m = invstd.to(mdt);
     const at::Tensor s = restandardise(var, invstd_m, eps);
     // dx's per-channel invstd / s rides in the weight (batchnorm.bn_backward)

@@ -47,10 +47,12 @@ def test_frozen_model_keeps_nothing():
 def test_zoo_stock_and_patched_match_the_eager_meter(name):
     """Stock and Mesa-patched: compiled keeps the eager bytes (the int8 codes and statistics
     through the Mesa ops' saved outputs), so Mesa's saving holds under compile; the min-cut
-    partitioner may recompute a cheap op instead of keeping it (patched ResNet-18: 3% less)."""
+    partitioner may recompute a cheap op instead of keeping it (patched ResNet-18, 2 x 32 x 32:
+    7% less; of it, two per-channel vectors a BatchNorm where eager keeps three, invstd and
+    x_hat's code moments: a sizeable share of so small an input's bytes)."""
     stock, x = build(name), example(name)
     patched = patch_model(copy.deepcopy(stock))
     assert compiled_saved_bytes(copy.deepcopy(stock), x) == _eager_bytes(stock, x)
     eager = _eager_bytes(patched, x)
-    assert 0.95 * eager <= compiled_saved_bytes(copy.deepcopy(patched), x) <= eager
+    assert 0.9 * eager <= compiled_saved_bytes(copy.deepcopy(patched), x) <= eager
     assert compiled_saved_bytes(copy.deepcopy(patched), x) < 0.4 * compiled_saved_bytes(copy.deepcopy(stock), x)

@@ -14,7 +14,8 @@ Backward, with means over ``(N, H, W)`` per channel::
 
 computed by ATen's ``native_batch_norm_backward`` fed ``x_hat`` with mean 0 and invstd 1,
 the real ``invstd`` folded into the weight it is handed. Stock BatchNorm keeps its whole
-input (fp32: 4 bytes per element); this keeps 1 byte per element plus ``2 * C + C`` floats.
+input (fp32: 4 bytes per element); this keeps 1 byte per element plus ``2 * C + C`` floats
+(on the CPU ``2 * C`` more: x_hat's moments from the codes, ``code_moments``).
 
 Eval mode with running statistics, ``enabled=False`` or no gradient needed: the stock
 forward.
@@ -24,6 +25,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
+
+from mesa_train.quant import reference
+from mesa_train.quant.compile_kernels import traced_as_pytorch
 
 from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, load,
                       nhwc_view, no_autocast, save)
@@ -46,6 +50,24 @@ def restandardise(var: torch.Tensor, invstd: torch.Tensor, eps: float) -> tuple[
     return target, torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
 
 
+def code_moments(packed, mdt: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The per-channel ``(mean, var)`` of the values ``packed`` dequantizes to, for the backward's
+    re-standardisation (``bn_backward``), taken in forward: on the CPU, for the paper's format
+    with statistics shared by the batch and a float32 compute dtype, from the codes
+    (``mesa::code_moments``: exact integer sums over a quarter of the bytes; ATen's NCHW
+    statistics loop on the float32 x_hat in backward was the largest cost Mesa added to a
+    ResNet-50 step on the CPU, 13.4 of about 50 ms), or under ``torch.compile``'s traced kernels
+    its pure-PyTorch reference (the same bits: compiled and eager gradients stay equal). In
+    forward because they depend on forward values only: the compiled graph computes them there
+    and keeps them (8 bytes a channel), and so does eager. ``()`` elsewhere (CUDA: backward's
+    statistics kernel on x_hat, one fast kernel). C++ twin: ``BatchNormTrain`` in
+    csrc/convnet_autograd.cpp."""
+    if packed.fmt is None and packed.alpha.shape[0] == 1 and mdt == torch.float32 and packed.q.device.type == "cpu":
+        moments = reference.code_moments if traced_as_pytorch(packed.q) else torch.ops.mesa.code_moments
+        return tuple(moments(packed.q, packed.alpha, packed.beta, packed.dim, packed.num_groups))
+    return ()
+
+
 def remember_dtypes(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
     """The dtypes a norm's gradients go back in (``None`` for an absent parameter)."""
     ctx.x_dtype = x.dtype
@@ -55,7 +77,8 @@ def remember_dtypes(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: tor
 
 def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer):
     """The training forward of the Mesa BatchNorms: ``(out, packed x_hat, nhwc, invstd, compute
-    dtype)``; ``nhwc``: a channels-last ``x_hat`` was compressed as its NHWC view (``nhwc_view``:
+    dtype, moments)`` (``code_moments``: empty, or x_hat's per-channel statistics for
+    backward); ``nhwc``: a channels-last ``x_hat`` was compressed as its NHWC view (``nhwc_view``:
     no copy to NCHW, and backward gets ``x_hat`` channels-last again, as ``g`` and stock's
     ``native_batch_norm_backward`` see it; mixed layouts took ATen's slow path, 4x stock's
     BatchNorm step on CPU)."""
@@ -68,13 +91,14 @@ def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quanti
         x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), x)) * _per_channel(invstd.to(mdt), x)
     xv, dim, nhwc = nhwc_view(x_hat, 1, quantizer.options.is_default_format)
     packed = quantizer.compress(xv, dim)
-    return out, packed, nhwc, invstd, mdt
+    return out, packed, nhwc, invstd, mdt, code_moments(packed, mdt)
 
 
-def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bool):
+def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bool, moments=()):
     """``(dx, dweight, dbias, coef)`` in the compute dtype ``mdt`` (``needs``: which of the first
-    three are wanted). ``scale_coef``: also ``coef = gamma * dgamma * (1 - mean(x_hat^2))`` per
-    channel, the weight gradient's numerator of a 1x1 depthwise conv in front (``ScaleLink``)."""
+    three are wanted; ``moments``: ``bn_forward``'s, else the statistics of the dequantized
+    x_hat). ``scale_coef``: also ``coef = gamma * dgamma * (1 - mean(x_hat^2))`` per channel,
+    the weight gradient's numerator of a 1x1 depthwise conv in front (``ScaleLink``)."""
     need_x, need_w, need_b = needs
     coef = None
     with no_autocast(g.device.type):
@@ -90,9 +114,9 @@ def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bo
         # pass over the tensor for the scaling).
         # (The exact mean square is var / (var + eps) = 1 - eps * invstd^2, not 1, for a
         # channel whose variance is not far above eps.)
-        # (the BatchNorm statistics kernel: 5-28x faster than var_mean over (N, H, W) on
-        # CPU, the same values; EfficientNet-B0's step spent 12% of its time in var_mean)
-        xh_mean, var = torch.batch_norm_update_stats(xh, None, None, 0.0)
+        # (the BatchNorm statistics kernel: 5-28x faster than var_mean over (N, H, W) on CPU,
+        # the same values; EfficientNet-B0's step spent 12% of its time in var_mean)
+        xh_mean, var = moments if moments else torch.batch_norm_update_stats(xh, None, None, 0.0)
         target, s = restandardise(var, invstd.to(mdt), eps)
         w = weight.to(mdt) if weight is not None else None
         gm = g.to(mdt)
@@ -116,21 +140,22 @@ def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bo
 class _BatchNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer, link=None):
-        out, packed, ctx.nhwc, invstd, mdt = bn_forward(x, weight, bias, running_mean, running_var, momentum, eps,
-                                                        quantizer)
+        out, packed, ctx.nhwc, invstd, mdt, moments = bn_forward(x, weight, bias, running_mean, running_var,
+                                                                 momentum, eps, quantizer)
         ctx.mdt, ctx.eps, ctx.link = mdt, eps, link
         remember_dtypes(ctx, x, weight, bias)
-        save(ctx, [packed], invstd, weight)
+        save(ctx, [packed], invstd, weight, *moments)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        (packed,), (invstd, weight) = load(ctx)
+        (packed,), (invstd, weight, *moments) = load(ctx)
         needs = tuple(ctx.needs_input_grad[:3])
         link, ctx.link = ctx.link, None
         link = link if needs[0] else None
-        gx, gw, gb, coef = bn_backward(g, packed, ctx.nhwc, invstd, weight, ctx.mdt, ctx.eps, needs, link is not None)
+        gx, gw, gb, coef = bn_backward(g, packed, ctx.nhwc, invstd, weight, ctx.mdt, ctx.eps, needs, link is not None,
+                                       moments)
         gx = gx.to(ctx.x_dtype) if gx is not None else None
         if link is not None:
             link.coef, link.gx = coef, gx
@@ -151,24 +176,24 @@ class _ScaleBranchFn(torch.autograd.Function):
                 bn_quantizer):
         y, packed_x, ctx.conv_meta = conv_forward(x, conv_weight, conv_bias, conv, conv.quantizer,
                                                   ctx.needs_input_grad[1])
-        out, packed_xh, ctx.nhwc, invstd, mdt = bn_forward(y, bn_weight, bn_bias, running_mean, running_var,
-                                                           momentum, eps, bn_quantizer)
+        out, packed_xh, ctx.nhwc, invstd, mdt, moments = bn_forward(y, bn_weight, bn_bias, running_mean,
+                                                                    running_var, momentum, eps, bn_quantizer)
         ctx.conv, ctx.mdt, ctx.eps = conv, mdt, eps
         ctx.dtypes = (x.dtype, conv_weight.dtype, conv_bias.dtype if conv_bias is not None else None, y.dtype,
                       bn_weight.dtype if bn_weight is not None else None,
                       bn_bias.dtype if bn_bias is not None else None)
-        save(ctx, [packed_x, packed_xh], invstd, bn_weight, conv_weight)
+        save(ctx, [packed_x, packed_xh], invstd, bn_weight, conv_weight, *moments)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        (packed_x, packed_xh), (invstd, bn_weight, conv_weight) = load(ctx)
+        (packed_x, packed_xh), (invstd, bn_weight, conv_weight, *moments) = load(ctx)
         need = ctx.needs_input_grad
         need_conv = tuple(need[:3])
         x_dtype, cw_dtype, cb_dtype, y_dtype, bw_dtype, bb_dtype = ctx.dtypes
         gy, gbw, gbb, coef = bn_backward(g, packed_xh, ctx.nhwc, invstd, bn_weight, ctx.mdt, ctx.eps,
-                                         (any(need_conv), need[3], need[4]), need[1])
+                                         (any(need_conv), need[3], need[4]), need[1], moments)
         gx = gw = gb = None
         if gy is not None:  # (as eager's pair: the BatchNorm hands the conv its input's gradient)
             gx, gw, gb = conv_backward(gy.to(y_dtype), packed_x, conv_weight, ctx.conv, ctx.conv_meta, need_conv,

@@ -132,6 +132,8 @@ _SCHEMAS = {
         "layer_norm_backward(Tensor g, Tensor q, Tensor alpha, Tensor beta, int num_groups, Tensor rstd, "
         "Tensor? weight=None, Tensor? row_exp=None) -> (Tensor dx, Tensor dparams)"
     ),
+    "code_moments": "code_moments(Tensor q, Tensor alpha, Tensor beta, int dim, int num_groups) -> (Tensor mean, "
+                    "Tensor var)",
     # the compiled one calls the registered ops above (csrc/layers_autograd.cpp)
     "compress": (
         "compress(Tensor x, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, "
@@ -262,7 +264,12 @@ def _ref_compress(x, alpha_est, beta_est, initialized, rng, dim, num_groups, dec
                               stochastic, row_dims, max_k, row_mean, row_rstd)
 
 
+def _ref_code_moments(q, alpha, beta, dim, num_groups):
+    return reference.code_moments(q, alpha, beta, dim, num_groups)
+
+
 _REF_IMPLS = {
+    "code_moments": _ref_code_moments,
     "compress": _ref_compress,
     "quantize_bits": _ref_quantize_bits,
     "dequantize_bits": _ref_dequantize_bits,
@@ -449,6 +456,11 @@ def _fake_quantize_bits(x, alpha, beta, dim, num_groups, bits, pow2, stochastic,
     return x.new_empty((reference.packed_bytes(x.numel(), bits),), dtype=torch.uint8)
 
 
+def _fake_code_moments(q, alpha, beta, dim, num_groups):
+    dim = reference.check_code_moments_args(q, alpha, beta, dim, num_groups)
+    return alpha.new_empty((q.shape[dim],)), alpha.new_empty((q.shape[dim],))
+
+
 def _fake_dequantize_bits(q, alpha, beta, shape, dim, num_groups, bits, pow2, dtype):
     shape, _ = reference.check_dequantize_bits_args(q, alpha, beta, shape, dim, num_groups, bits, dtype)
     return q.new_empty(shape, dtype=dtype)
@@ -522,6 +534,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("mesa::layer_norm_backward")(_fake_layer_norm_backward)
     torch.library.register_fake("mesa::gelu_value_and_grad")(_fake_gelu_value_and_grad)
     torch.library.register_fake("mesa::compress")(_fake_compress)
+    torch.library.register_fake("mesa::code_moments")(_fake_code_moments)
 
     # Non-differentiable outputs: the ops never carry gradients (uint8 codes, statistics,
     # and a reconstruction that the layers use inside their own backward). A fallthrough

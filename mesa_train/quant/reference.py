@@ -662,6 +662,40 @@ def dequantize(
     return (t + b).to(dtype).view(q.shape)
 
 
+def check_code_moments_args(q, alpha, beta, dim: int, num_groups: int) -> int:
+    """Validate code_moments' arguments (dequantize's, statistics shared by all samples,
+    codes not empty); return the normalized dim."""
+    dim, S = check_dequantize_args(q, alpha, beta, dim, num_groups, torch.float32)
+    if S != 1:
+        raise ValueError(f"code_moments: alpha and beta must be shared by all samples, shape (1, {num_groups}), "
+                         f"got {tuple(alpha.shape)} (a per-sample estimator: use the dequantized values)")
+    if q.numel() == 0:
+        raise ValueError("code_moments: the codes are empty (no moments)")
+    return dim
+
+
+def code_moments(q: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, dim: int,
+                 num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mesa::code_moments`` (csrc/code_moments.cpp): float32 ``(D,)`` mean and biased variance,
+    per index along ``dim``, of ``q * (alpha / 255) + beta`` (``dequantize``'s values in exact
+    arithmetic; ``alpha``, ``beta`` ``(1, G)``), from the int64 sums of the codes and their
+    squares, then ``m = S1 / n``, ``v = S2 / n - m^2`` (clamped at 0) in float64, ``mean = step
+    * m + beta``, ``var = step^2 * v``, rounded once. A constant index has variance exactly 0
+    (S1 / n and S2 / n are then exact). The Mesa BatchNorm's backward re-standardises x_hat
+    with these (``nn/batchnorm.py``)."""
+    dim = check_code_moments_args(q, alpha, beta, dim, num_groups)
+    outer, D, inner = _layout(q.shape, dim)
+    v = q.reshape(outer, D, inner).to(torch.int64)
+    s1, s2 = v.sum((0, 2)), (v * v).sum((0, 2))
+    n = q.numel() // D
+    m = s1.to(torch.float64) / n
+    var = (s2.to(torch.float64) / n - m.square()).clamp_min(0)
+    group = group_index(D, num_groups, q.device)
+    step = (alpha[0] / 255.0)[group].to(torch.float64)
+    offset = beta[0][group].to(torch.float64)
+    return (step * m + offset).to(torch.float32), (step.square() * var).to(torch.float32)
+
+
 def _range(mn: torch.Tensor, mx: torch.Tensor, symmetric: bool):
     """(alpha, beta): (max - min, min), or symmetric (2m, -m) with m = max(|min|, |max|)."""
     if symmetric:
