@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -104,7 +105,8 @@ at::Tensor code_sums_cpu(const at::Tensor& q, int64_t outer, int64_t D, int64_t 
 // the same sums with ATen reductions (any device, any layout)
 at::Tensor code_sums_aten(const at::Tensor& q, int64_t outer, int64_t D, int64_t inner) {
   const at::Tensor v = q.reshape({outer, D, inner}).to(at::kLong);
-  return at::stack({v.sum({0, 2}), v.mul(v).sum({0, 2})});
+  const std::array<int64_t, 2> dims{0, 2};  // (a braced list: ambiguous for sum in torch 2.11)
+  return at::stack({v.sum(dims), v.mul(v).sum(dims)});
 }
 
 }  // namespace
