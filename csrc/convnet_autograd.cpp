@@ -22,6 +22,7 @@
 
 #include "bitmask.h"
 #include "code_moments.h"
+#include "hardswish_grad.h"
 #include "layers_common.h"
 #include "maxpool_index.h"
 #include "standardise.h"
@@ -224,7 +225,7 @@ at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const
 }
 
 // ----------------------------------------------------------------------------- ReLU, Hardtanh, Hardsigmoid
-// One 1-bit mask kept, no quantizer: the ReLU's y > 0 (relu.py, _ReLUFn); for the clamps
+// One 1-bit mask kept, no quantizer: the ReLU's !(y <= 0) (relu.py, _ReLUFn); for the clamps
 // (clamp_activations.py, _ClampMaskFn: Hardtanh, ReLU6, Hardsigmoid) whether x was inside the
 // open interval (lo, hi) where the derivative is not zero, taken before an in-place op
 // overwrites x. In place: x itself is the output, marked dirty, as the Python Functions do.
@@ -245,7 +246,7 @@ struct MaskTrain : public torch::autograd::Function<MaskTrain> {
       ctx->mark_dirty({x});
       y = x;
     }
-    if (k == Masked::kRelu) packed = pack_compare(y, Compare::kGreater, 0, 0);
+    if (k == Masked::kRelu) packed = pack_compare(y, Compare::kGreaterOrNaN, 0, 0);
     const auto& [bits, channels_last] = packed;
     ctx->save_for_backward({bits});
     ctx->saved_data["cl"] = channels_last;
@@ -266,10 +267,10 @@ struct MaskTrain : public torch::autograd::Function<MaskTrain> {
       return {at::hardsigmoid_backward(grads[0], bytes.eq(0).to(grads[0].scalar_type()).mul(3)), none, none, none,
               none};
     }
-    // stock ReLU's own backward, threshold_backward(g, y, 0) (0 where y <= 0, else g), with the
-    // mask for y: the Python Functions' bits (their where(mask, g, 0)); one pass from the bits
-    // on the CPU (bitmask.cpp), two kernels elsewhere where unpacking to a boolean and
-    // masked_fill took six
+    // stock ReLU's own backward, threshold_backward(g, y, 0) (0 where y <= 0, else g: a NaN's g
+    // passes), with the mask for y: the Python Functions' bits (their where(mask, g, 0)); one pass
+    // from the bits on the CPU (bitmask.cpp), two kernels elsewhere where unpacking to a boolean
+    // and masked_fill took six
     return {masked_grad(grads[0], saved[0], shape, channels_last), none, none, none, none};
   }
 };
@@ -300,12 +301,11 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
                                                                                          : at::hardswish(x);
     const NhwcView v = nhwc_view(x, group_dim(x));
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
-    if (k == Elementwise::kHardswish) {  // hardswish_backward's own comparisons
-      const auto [below, cl_below] = pack_compare(x, Compare::kLess, 0, -3);
-      const auto [above, cl_above] = pack_compare(x, Compare::kGreater, 3, 0);
+    if (k == Elementwise::kHardswish) {  // hardswish_backward's own comparisons (torch 2.14: -3 gets 0, 3 gets g)
+      const auto [below, above, channels_last] = pack_outside(x, -3, 3);
       ctx->save_for_backward({q, alpha, beta, below, above});
-      ctx->saved_data["cl_below"] = cl_below;
-      ctx->saved_data["cl_above"] = cl_above;
+      ctx->saved_data["cl_below"] = channels_last;
+      ctx->saved_data["cl_above"] = channels_last;
     } else {
       ctx->save_for_backward({q, alpha, beta});
     }
@@ -335,12 +335,9 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
     } else if (k == Elementwise::kQuickGelu) {  // activations._quick_gelu_grad
       const at::Tensor s = at::sigmoid(xh * 1.702);
       gx = g * (s * ((xh * 1.702) * at::rsub(s, 1)).add(1));
-    } else {  // a rounded x may leave [-3, 3]: the end's slope; the masks say the side exactly
-      const auto shape = ctx->saved_data["shape"].toIntVector();
-      const at::Tensor slope = xh.div(3).add(0.5).clamp(-0.5, 1.5);
-      const at::Tensor below = unpack_bits(saved[3], shape, ctx->saved_data["cl_below"].toBool());
-      const at::Tensor above = unpack_bits(saved[4], shape, ctx->saved_data["cl_above"].toBool());
-      gx = g * at::where(below, 0, at::where(above, 1, slope));  // (in slope's layout: not masked_fill)
+    } else {  // stock's arithmetic on the masks and xh (hardswish_grad.h)
+      gx = hardswish_masked_grad(g, xh, saved[3], ctx->saved_data["cl_below"].toBool(), saved[4],
+                                 ctx->saved_data["cl_above"].toBool(), ctx->saved_data["shape"].toIntVector());
     }
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
   }

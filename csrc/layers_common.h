@@ -223,6 +223,15 @@ inline int64_t group_dim(const at::Tensor& t) { return t.dim() == 4 ? 1 : t.dim(
 inline bool is_channels_last(const at::Tensor& x) {
   return x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous();
 }
+
+// Whether the CPU loops of bitmask.cpp and standardise.cpp handle t: a non-empty CPU tensor of a
+// floating dtype their dispatch instantiates (float, double, half, bfloat16); the ATen forms
+// handle the rest (other devices, empty tensors)
+inline bool is_cpu_floating(const at::Tensor& t) {
+  const auto dt = t.scalar_type();
+  return t.device().is_cpu() && t.numel() > 0 &&
+         (dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16);
+}
 struct NhwcView {
   at::Tensor x;
   int64_t dim;

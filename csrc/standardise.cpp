@@ -5,6 +5,8 @@
 // builds with -ffp-contract=off).
 #include "standardise.h"
 
+#include "layers_common.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -40,16 +42,14 @@ at::Tensor per_sample_channel_table(const at::Tensor& stat, const at::Tensor& x)
 }
 
 bool loop_applies(const at::Tensor& x, const at::Tensor& stat, bool channels_last) {
-  const auto dt = x.scalar_type(), st = stat.scalar_type();
-  const bool floating = dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16;
-  return x.device().is_cpu() && floating && x.dim() >= 2 && x.numel() > 0 &&
-         st == at::promote_types(dt, at::kFloat) && (channels_last || x.is_contiguous());
+  const bool accumulator_stats = stat.scalar_type() == at::promote_types(x.scalar_type(), at::kFloat);
+  return layers::is_cpu_floating(x) && x.dim() >= 2 && accumulator_stats && (channels_last || x.is_contiguous());
 }
 
 }  // namespace
 
 at::Tensor standardise(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd) {
-  const bool channels_last = x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous();
+  const bool channels_last = layers::is_channels_last(x);
   if (!loop_applies(x, mean, channels_last)) return (x.to(mean.scalar_type()) - mean) * invstd;
   const at::Tensor m_table = per_sample_channel_table(mean, x), s_table = per_sample_channel_table(invstd, x);
   at::Tensor out = at::empty_like(x, x.options().dtype(mean.scalar_type()));  // (x's strides)

@@ -115,20 +115,21 @@ class QuickGELU(_ParameterFreeLayer, nn.Module):
 
 
 class _HardswishFn(torch.autograd.Function):
-    """``hardswish(x)`` keeping 8-bit ``x`` plus two 1-bit masks, ``x < -3`` and ``x > 3``.
+    """``hardswish(x)`` keeping 8-bit ``x`` plus two 1-bit masks, ``x <= -3`` and ``x >= 3``.
 
-    The derivative is 0 below -3, ``x / 3 + 1/2`` on ``[-3, 3]`` and 1 above: it jumps by 1/2
-    at both ends. From the 8-bit input alone, every element within one rounding step of
-    -3 or 3 may land on the wrong side, and those errors all lean one way against the
-    normalised input of the BatchNorm before (large ``|x|``): EfficientViT-B0's BatchNorm
-    weights reached only cosine 0.985. With the two masks the side is exact (outside:
-    stock's gradient, bit for bit), and inside the error is the input's rounding over 3.
-    10 bits an element where stock keeps 32."""
+    The derivative is 0 at and below -3, ``x / 3 + 1/2`` between and 1 from 3 up (stock's
+    ``hardswish_backward``, torch 2.14): it jumps by 1/2 at both ends. From the 8-bit input
+    alone, every element within one rounding step of -3 or 3 may land on the wrong side, and
+    those errors all lean one way against the normalised input of the BatchNorm before (large
+    ``|x|``): EfficientViT-B0's BatchNorm weights reached only cosine 0.985. With the two masks
+    the side is exact (outside: stock's gradient, bit for bit), and inside the gradient is stock's
+    arithmetic on the dequantized input (in float for half types, one rounding at the end), so
+    the error is the input's rounding over 3 alone. 10 bits an element where stock keeps 32."""
 
     @staticmethod
     def forward(ctx, x, quantizer):
         y = F.hardswish(x)
-        (below, cl_below), (above, cl_above) = pack_bits(x < -3), pack_bits(x > 3)  # hardswish_backward's own
+        (below, cl_below), (above, cl_above) = pack_bits(x <= -3), pack_bits(x >= 3)  # hardswish_backward's own
         ctx.shape, ctx.cl = x.shape, (cl_below, cl_above)
         save_elementwise_input(ctx, x, y, quantizer, below, above)
         return y
@@ -139,10 +140,12 @@ class _HardswishFn(torch.autograd.Function):
         (packed,), (below, above) = load(ctx)
         with no_autocast(g.device.type):
             xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
-            slope = (xh / 3 + 0.5).clamp(-0.5, 1.5)  # a rounded x may leave [-3, 3]: the end's slope
+            g = g.to(ctx.cdt)
+            xf = xh.to(torch.promote_types(xh.dtype, torch.float32))  # hardswish_backward's opmath
+            slope = (xf / 3 + 0.5).clamp(-0.5, 1.5)  # a rounded x may leave [-3, 3]: the end's slope
+            inside = (g.to(xf.dtype) * slope).to(ctx.cdt)
             below, above = unpack_bits(below, ctx.shape, ctx.cl[0]), unpack_bits(above, ctx.shape, ctx.cl[1])
-            slope = torch.where(below, 0, torch.where(above, 1, slope))  # (in slope's layout: not masked_fill)
-            gx = g.to(ctx.cdt) * slope
+            gx = torch.where(below, 0, torch.where(above, g, inside))  # (in xh's layout: not masked_fill)
         return gx.to(ctx.x_dtype), None
 
 

@@ -27,8 +27,11 @@ __all__ = ["Hardtanh", "ReLU6", "Hardsigmoid", "Clamp"]
 class _ClampMaskFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kind, lo, hi, inplace):
-        # the derivative's support, open at both ends as in ATen's backward kernels
-        inside = (x > lo) & (x < hi)
+        # the derivative's support, open at both ends and compared as ATen's backward kernels
+        # compare: a half or bfloat16 x in float (x = half(-0.1) is above -0.1, not above
+        # half(-0.1), as gt with a number would take it: Hardtanh(-0.1, 0.7))
+        xc = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        inside = (xc > lo) & (xc < hi)
         y = F.hardtanh(x, lo, hi, inplace) if kind == "hardtanh" else F.hardsigmoid(x, inplace)
         if inplace:
             ctx.mark_dirty(x)
