@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
-#include <type_traits>
 
 namespace mesa {
 namespace {
@@ -99,6 +98,18 @@ MESA_ALWAYS_INLINE float compared(T v) {
   return to_f(v);
 }
 
+// The CPU packs' shared start: the bytes of one mask of t, and body(x, l, h) with t's elements as
+// their storage type and the bounds rounded to the type they are compared in (float for float,
+// half and bfloat16, as ATen's backward kernels take them)
+at::Tensor mask_bytes(const at::Tensor& t) { return at::empty({(t.numel() + 7) / 8}, t.options().dtype(at::kByte)); }
+template <typename Body>
+void with_compared_bounds(const at::Tensor& t, double lo, double hi, Body body) {
+  with_storage(t, [&](const auto* x) {
+    using acc_t = decltype(compared(*x));
+    body(x, static_cast<acc_t>(lo), static_cast<acc_t>(hi));
+  });
+}
+
 // out[i] = g[i] where bit i is set, else +0 (as threshold_backward writes), for the elements of
 // bytes [b0, b1), on the values' bits (word_t: an unsigned integer of their size): g AND all
 // ones or all zeros. Branch-free, each byte loaded once and its 8 elements in a fixed-length
@@ -174,24 +185,18 @@ std::pair<at::Tensor, bool> pack_compare(const at::Tensor& t, Compare cmp, doubl
   // (the comparison's boolean tensor has t's layout when t is dense: the same flag)
   const bool channels_last = is_channels_last(t);
   if (!is_cpu_floating(t) || !in_mask_order(t, channels_last)) return pack_bits(compare_aten(t, cmp, lo, hi));
-  const int64_t n = t.numel();
-  at::Tensor bytes = at::empty({(n + 7) / 8}, t.options().dtype(at::kByte));
+  at::Tensor bytes = mask_bytes(t);
   uint8_t* out = bytes.mutable_data_ptr<uint8_t>();
-  with_storage(t, [&](const auto* x) {
-    // compared as ATen's backward kernels compare: in the op-math type (float for Half and
-    // BFloat16, exactly) against the bounds rounded to it; a NaN compares false
-    using T = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
-    using acc_t = decltype(compared(T{}));
-    const acc_t l = static_cast<acc_t>(lo), h = static_cast<acc_t>(hi);
-    const auto pack = [&](auto pred) { pack_loop(x, n, out, pred, nullptr, pred); };
+  with_compared_bounds(t, lo, hi, [&](const auto* x, auto l, auto h) {  // (a NaN compares false)
+    const auto pack = [&](auto pred) { pack_loop(x, t.numel(), out, pred, nullptr, pred); };
     if (cmp == Compare::kAtMost) {
-      pack([h](T v) { return compared(v) <= h; });
+      pack([h](auto v) { return compared(v) <= h; });
     } else if (cmp == Compare::kAtLeast) {
-      pack([l](T v) { return compared(v) >= l; });
+      pack([l](auto v) { return compared(v) >= l; });
     } else if (cmp == Compare::kGreaterOrNaN) {
-      pack([l](T v) { return !(compared(v) <= l); });
+      pack([l](auto v) { return !(compared(v) <= l); });
     } else {
-      pack([l, h](T v) { return (compared(v) > l) & (compared(v) < h); });
+      pack([l, h](auto v) { return (compared(v) > l) & (compared(v) < h); });
     }
   });
   return {bytes, channels_last};
@@ -203,14 +208,10 @@ std::tuple<at::Tensor, at::Tensor, bool> pack_outside(const at::Tensor& t, doubl
     auto [below, cl] = pack_compare(t, Compare::kAtMost, 0, lo);
     return {below, pack_compare(t, Compare::kAtLeast, hi, 0).first, cl};
   }
-  const int64_t n = t.numel();
-  at::Tensor below = at::empty({(n + 7) / 8}, t.options().dtype(at::kByte)), above = at::empty_like(below);
-  with_storage(t, [&](const auto* x) {
-    using T = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
-    using acc_t = decltype(compared(T{}));
-    const acc_t l = static_cast<acc_t>(lo), h = static_cast<acc_t>(hi);
-    pack_loop(x, n, below.mutable_data_ptr<uint8_t>(), [l](T v) { return compared(v) <= l; },
-              above.mutable_data_ptr<uint8_t>(), [h](T v) { return compared(v) >= h; });
+  at::Tensor below = mask_bytes(t), above = mask_bytes(t);
+  with_compared_bounds(t, lo, hi, [&](const auto* x, auto l, auto h) {
+    pack_loop(x, t.numel(), below.mutable_data_ptr<uint8_t>(), [l](auto v) { return compared(v) <= l; },
+              above.mutable_data_ptr<uint8_t>(), [h](auto v) { return compared(v) >= h; });
   });
   return {below, above, channels_last};
 }

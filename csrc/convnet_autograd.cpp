@@ -304,8 +304,7 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
     if (k == Elementwise::kHardswish) {  // hardswish_backward's own comparisons (torch 2.14: -3 gets 0, 3 gets g)
       const auto [below, above, channels_last] = pack_outside(x, -3, 3);
       ctx->save_for_backward({q, alpha, beta, below, above});
-      ctx->saved_data["cl_below"] = channels_last;
-      ctx->saved_data["cl_above"] = channels_last;
+      ctx->saved_data["cl"] = channels_last;  // (both masks': x's)
     } else {
       ctx->save_for_backward({q, alpha, beta});
     }
@@ -336,8 +335,8 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
       const at::Tensor s = at::sigmoid(xh * 1.702);
       gx = g * (s * ((xh * 1.702) * at::rsub(s, 1)).add(1));
     } else {  // stock's arithmetic on the masks and xh (hardswish_grad.h)
-      gx = hardswish_masked_grad(g, xh, saved[3], ctx->saved_data["cl_below"].toBool(), saved[4],
-                                 ctx->saved_data["cl_above"].toBool(), ctx->saved_data["shape"].toIntVector());
+      gx = hardswish_masked_grad(g, xh, saved[3], saved[4], ctx->saved_data["shape"].toIntVector(),
+                                 ctx->saved_data["cl"].toBool());
     }
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
   }

@@ -26,11 +26,12 @@ constexpr int64_t kGrain = 32768;  // elements per parallel task
 // the ATen ops of activations._HardswishFn.backward: the slope in float for Half and BFloat16
 // (the opmath of ATen's hardswish_backward), the selections in xh's layout (not masked_fill,
 // whose out-of-place result is NCHW)
-at::Tensor aten_grad(const at::Tensor& g, const at::Tensor& xh, const at::Tensor& below, bool cl_below,
-                     const at::Tensor& above, bool cl_above, at::IntArrayRef shape) {
+at::Tensor aten_grad(const at::Tensor& g, const at::Tensor& xh, const at::Tensor& below, const at::Tensor& above,
+                     at::IntArrayRef shape, bool channels_last) {
   const at::Tensor xf = xh.to(at::promote_types(xh.scalar_type(), at::kFloat));
   const at::Tensor inside = g.to(xf.scalar_type()).mul(xf.div(3).add(0.5).clamp(-0.5, 1.5)).to(g.scalar_type());
-  const at::Tensor is_below = unpack_bits(below, shape, cl_below), is_above = unpack_bits(above, shape, cl_above);
+  const at::Tensor is_below = unpack_bits(below, shape, channels_last);
+  const at::Tensor is_above = unpack_bits(above, shape, channels_last);
   return at::where(is_below, 0, at::where(is_above, g, inside));
 }
 
@@ -103,13 +104,13 @@ void grad_loop(const at::Tensor& g, const at::Tensor& xh, const at::Tensor& belo
 
 }  // namespace
 
-at::Tensor hardswish_masked_grad(const at::Tensor& g, const at::Tensor& xh, const at::Tensor& below, bool cl_below,
-                                 const at::Tensor& above, bool cl_above, at::IntArrayRef shape) {
+at::Tensor hardswish_masked_grad(const at::Tensor& g, const at::Tensor& xh, const at::Tensor& below,
+                                 const at::Tensor& above, at::IntArrayRef shape, bool channels_last) {
   const auto dt = g.scalar_type();
-  const bool loop = layers::is_cpu_floating(g) && dt != at::kDouble && dt == xh.scalar_type() && cl_below == cl_above &&
+  const bool loop = layers::is_cpu_floating(g) && dt != at::kDouble && dt == xh.scalar_type() &&
                     below.device().is_cpu() && above.device().is_cpu() && g.sizes() == shape &&
-                    xh.sizes() == shape && in_mask_order(g, cl_below) && in_mask_order(xh, cl_below);
-  if (!loop) return aten_grad(g, xh, below, cl_below, above, cl_above, shape);
+                    xh.sizes() == shape && in_mask_order(g, channels_last) && in_mask_order(xh, channels_last);
+  if (!loop) return aten_grad(g, xh, below, above, shape, channels_last);
   at::Tensor out = at::empty_like(xh);  // (xh's strides: the masks' memory order)
   if (dt == at::kFloat) {
     grad_loop<float>(g, xh, below, above, out, grad_run_f32);

@@ -12,9 +12,9 @@
 
 namespace mesa {
 
-// below / above: the masks' bytes (bitmask.h, pack_compare) and whether each was channels-last;
-// shape: x's sizes
-at::Tensor hardswish_masked_grad(const at::Tensor& g, const at::Tensor& xh, const at::Tensor& below, bool cl_below,
-                                 const at::Tensor& above, bool cl_above, at::IntArrayRef shape);
+// below / above: the masks' bytes (bitmask.h, pack_outside); shape: x's sizes; channels_last:
+// whether the masks were packed channels-last (pack_outside's flag)
+at::Tensor hardswish_masked_grad(const at::Tensor& g, const at::Tensor& xh, const at::Tensor& below,
+                                 const at::Tensor& above, at::IntArrayRef shape, bool channels_last);
 
 }  // namespace mesa

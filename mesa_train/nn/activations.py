@@ -129,8 +129,8 @@ class _HardswishFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, quantizer):
         y = F.hardswish(x)
-        (below, cl_below), (above, cl_above) = pack_bits(x <= -3), pack_bits(x >= 3)  # hardswish_backward's own
-        ctx.shape, ctx.cl = x.shape, (cl_below, cl_above)
+        (below, ctx.cl), (above, _) = pack_bits(x <= -3), pack_bits(x >= 3)  # hardswish_backward's own
+        ctx.shape = x.shape  # (ctx.cl: both masks' channels-last flag, x's)
         save_elementwise_input(ctx, x, y, quantizer, below, above)
         return y
 
@@ -144,7 +144,7 @@ class _HardswishFn(torch.autograd.Function):
             xf = xh.to(torch.promote_types(xh.dtype, torch.float32))  # hardswish_backward's opmath
             slope = (xf / 3 + 0.5).clamp(-0.5, 1.5)  # a rounded x may leave [-3, 3]: the end's slope
             inside = (g.to(xf.dtype) * slope).to(ctx.cdt)
-            below, above = unpack_bits(below, ctx.shape, ctx.cl[0]), unpack_bits(above, ctx.shape, ctx.cl[1])
+            below, above = unpack_bits(below, ctx.shape, ctx.cl), unpack_bits(above, ctx.shape, ctx.cl)
             gx = torch.where(below, 0, torch.where(above, g, inside))  # (in xh's layout: not masked_fill)
         return gx.to(ctx.x_dtype), None
 
