@@ -353,27 +353,65 @@ void build_tables(const Layout& L, const at::Tensor& alpha, const at::Tensor& be
 // per-element parameters, so the same codes, values and statistics; only the loop changes.
 // Shared statistics only (s_eff == 1), and D * inner bounded (kMaxFlatCodes): the kernels
 // read tables that long. The min/max passes keep per-element accumulators as long as a row of
-// the walk; shared_minmax splits a row longer than kStatsBlock into column blocks, so that each
-// task's accumulators stay in cache (2 x 64 KB).
+// the walk; shared_minmax splits a row of kColumnBlocks or more into column blocks (at most
+// kStatsBlock each), so that each task's accumulators stay in cache (2 x 64 KB) and no task
+// keeps partial ones: with partials, the (16, 240, 8, 8) layout (rows of 15360) took 3x its
+// channels-last time to observe, most of it filling and merging 8 chunks' partial rows.
+// Short rows. A row of the walk (D elements, inner == 1) shorter than kTileRun is one call too:
+// a channels-last activation with few channels (NHWC 32 x 32 x 32, viewed as (N*H*W, 32)) or
+// narrow tokens (DeiT-tiny's 192) took 2.7x the time of the same tensor in NCHW to quantize.
+// Such a walk takes m = kTileRun / D rows as one (the tables tiled m times): the same flat
+// indices and per-element parameters again, so the same codes, values and statistics.
 constexpr int64_t kShortRun = 256;  // (inner below: flattened; 15 x 15 and smaller)
+constexpr int64_t kTileRun = 1024;  // (rows below: tiled; tables of 4 KB each)
 constexpr int64_t kMaxFlatCodes = int64_t{1} << 17;
 constexpr int64_t kStatsBlock = int64_t{1} << 14;
+constexpr int64_t kColumnBlocks = 4096;
 
 Layout walk_layout(const Layout& L) {
-  if (L.inner == 1 || L.inner >= kShortRun || L.s_eff != 1 || L.D * L.inner > kMaxFlatCodes) return L;
+  if (L.s_eff != 1) return L;
   Layout W = L;
-  W.D = L.D * L.inner;
-  W.inner = 1;
+  if (L.inner > 1 && L.inner < kShortRun && L.D * L.inner <= kMaxFlatCodes) {  // flatten the inner dims
+    W.D = L.D * L.inner;
+    W.inner = 1;
+  }
+  if (W.inner == 1 && W.D < kTileRun) W.D *= kTileRun / W.D;  // tile short rows
   return W;
 }
 
-// The (s, d) tables of L for the walk layout W (walk_layout(L)): each entry repeated L.inner
-// times when W flattened the inner dims, else as they are.
+// The (s, d) tables of L for the walk layout W (walk_layout(L)): entry k of W's is L's entry
+// (k / L.inner) % L.D (each repeated L.inner times where W flattened the inner dims, the whole
+// row repeated where it tiled rows), else as they are.
 void expand_tables(const Layout& L, const Layout& W, std::vector<float>& t) {
   if (W.D == L.D) return;
   std::vector<float> e(W.D);
+  const int64_t row = L.D * L.inner;  // (W.D is a multiple of it)
   for (int64_t d = 0; d < L.D; ++d) std::fill_n(e.begin() + d * L.inner, L.inner, t[d]);
+  for (int64_t k = row; k < W.D; k += row) std::copy_n(e.begin(), row, e.begin() + k);
   t.swap(e);
+}
+
+// Folds W's per-position statistics (W.D of them, walk_layout(L)) into L's per-d ones, in
+// place in the first L.D entries: the tiled rows first, then each d's run of L.inner.
+// (Any order: min / max are canonicalised after.)
+void fold_walk_statistics(const Layout& L, const Layout& W, std::vector<float>& mn, std::vector<float>& mx) {
+  if (W.D == L.D) return;
+  const int64_t row = L.D * L.inner;  // one row of L, flattened
+  for (int64_t r = row; r < W.D; r += row) {
+    for (int64_t k = 0; k < row; ++k) {
+      mn[k] = nan_min(mn[k], mn[r + k]);
+      mx[k] = nan_max(mx[k], mx[r + k]);
+    }
+  }
+  for (int64_t d = 0; d < L.D; ++d) {  // (in place: d * inner >= d)
+    float a = mn[d * L.inner], b = mx[d * L.inner];
+    for (int64_t j = 1; j < L.inner; ++j) {
+      a = nan_min(a, mn[d * L.inner + j]);
+      b = nan_max(b, mx[d * L.inner + j]);
+    }
+    mn[d] = a;
+    mx[d] = b;
+  }
 }
 
 // The walk layout of L (walk_layout(L)) with build_tables' tables for it: the one
@@ -577,11 +615,11 @@ void canonicalize(at::Tensor& t) {
 }
 
 // Shared statistics (or per sample over dim 0) of a contiguous x into the (S, G) outputs
-// pmn / pmx. The walk is W, L's or its flattened walk_layout(L) (the caller's, so that
+// pmn / pmx. The walk is W, L's or its flattened or tiled walk_layout(L) (the caller's, so that
 // `before` and its tables agree): `before(i, n, s, d)` runs on each run first, d in W
 // (quantize_observe: the run's codes, so that the run is read from memory once and from cache
 // the second time). Two ways to split the work:
-// * a row of W (D elements, inner == 1) longer than kStatsBlock: column blocks, each a task
+// * a row of W (D elements, inner == 1) of kColumnBlocks or more: column blocks, each a task
 //   that walks its columns down every row with its own accumulators, final when it ends (no
 //   partials). ResNet-50's NCHW 512 x 8 x 8 and 2048 x 7 x 7 layouts, flattened: the chunked
 //   walk below kept a whole row of accumulators per chunk, out of cache (2048 x 7 x 7: 1.3x
@@ -594,7 +632,7 @@ void shared_minmax(const T* xp, const Layout& L, const Layout& W, float* pmn, fl
   const bool table = W.inner == 1;
   const int64_t nthreads = at::get_num_threads();
   std::vector<float> part_mn, part_mx;
-  if (table && D > kStatsBlock) {
+  if (table && D >= kColumnBlocks) {
     part_mn.assign(D, kInf);
     part_mx.assign(D, -kInf);
     const int64_t rows = L.numel / D;
@@ -632,17 +670,7 @@ void shared_minmax(const T* xp, const Layout& L, const Layout& W, float* pmn, fl
       }
     }
   }
-  if (W.D != L.D) {  // the flattened walk's per-(d, j) statistics folded to per d (in place: d * inner >= d)
-    for (int64_t d = 0; d < L.D; ++d) {
-      float a = part_mn[d * L.inner], b = part_mx[d * L.inner];
-      for (int64_t j = 1; j < L.inner; ++j) {
-        a = nan_min(a, part_mn[d * L.inner + j]);
-        b = nan_max(b, part_mx[d * L.inner + j]);
-      }
-      part_mn[d] = a;
-      part_mx[d] = b;
-    }
-  }
+  fold_walk_statistics(L, W, part_mn, part_mx);
   reduce_groups(L, part_mn.data(), part_mx.data(), pmn, pmx);
 }
 

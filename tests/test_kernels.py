@@ -84,21 +84,25 @@ def test_cpu_kernels_match_reference(shape, dim, G, dtype, per_sample):
 
 
 @needs_ext
-@pytest.mark.parametrize("groups", ["per_channel", 48])
-@pytest.mark.parametrize("shape", [(8, 512, 4, 4), (3, 400, 7, 7), (3, 20000)],
-                         ids=["flat_chunks", "flat_column_blocks", "row_column_blocks"])
+@pytest.mark.parametrize("groups", ["per_channel", "grouped"])
+@pytest.mark.parametrize("shape", [(8, 200, 4, 4), (8, 512, 4, 4), (3, 400, 7, 7), (3, 20000), (4099, 24),
+                                   (700, 3, 2, 2)],
+                         ids=["flat_chunks", "flat_column_blocks", "flat_column_blocks_partial", "row_column_blocks",
+                              "tiled_rows", "flat_tiled_rows"])
 def test_short_runs_match_reference_multithreaded(shape, groups):
     """NCHW activations with few elements per channel and channel groups (ResNet's later stages
-    at low resolution), and a long row: the CPU kernels walk the first two flattened (quant_cpu.cpp,
-    "Short runs"), the first in parallel chunks of the flat index, the other two in column
-    blocks (a row of the walk longer than kStatsBlock: 400 x 7 x 7 in two blocks, the second
-    partial). Statistics, codes, values, estimates and rng are the reference's, NaN,
-    infinities and signed zeros included, for 1 and 2 threads."""
-    G = shape[1] if groups == "per_channel" else groups
+    at low resolution), a long row, and short rows (a channels-last activation with few
+    channels, viewed as (N*H*W, C)): the CPU kernels walk the NCHW ones flattened (quant_cpu.cpp,
+    "Short runs"), 200 x 4 x 4 in parallel chunks of the flat index, the next three in column
+    blocks (a row of the walk of kColumnBlocks or more: 400 x 7 x 7 in two blocks, the second
+    partial), and the short rows tiled ("Short rows": 24 -> 42 rows a walk row, the last
+    partial; 3 x 2 x 2 flattened, then tiled). Statistics, codes, values, estimates and rng are
+    the reference's, NaN, infinities and signed zeros included, for 1 and 2 threads."""
+    G = shape[1] if groups == "per_channel" else max(1, min(48, shape[1] // 2))
     x = _randn(shape, torch.float32, seed=5)
     flat = x.view(-1)
     flat[flat.numel() // 7], flat[flat.numel() // 3] = float("nan"), float("inf")
-    x[2, 7] = -0.0
+    x[2, min(7, shape[1] - 1)] = -0.0
     old = torch.get_num_threads()
     try:
         for nt in (1, 2):
