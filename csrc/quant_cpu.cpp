@@ -877,11 +877,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
 
 // ----------------------------------------------------------------------------- bit widths
 // quantize_bits / dequantize_bits (DESIGN.md, "Variants"): the codes of one parallel task
-// (a range of whole output bytes) are computed into a task-local buffer with the same walk
-// as quantize, then packed 8/bits per byte, little end first. bits = 8 writes in place.
+// (a range of whole output bytes) are computed into a task-local buffer with quantize's walk
+// (walk_tables: NCHW activations with small planes flattened, short rows tiled), then packed
+// 8/bits per byte, little end first. bits = 8 writes in place. The run kernels are
+// multi-versioned like quantize's; packing and unpacking take whole bytes with a fixed count
+// of codes each (they divided each element's index by 8/bits: 5-18x the 8-bit ops' time).
 template <typename T, bool STOCH, bool TABLE>
-void quant_levels_run(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n, const float* __restrict__ inv,
-                      const float* __restrict__ beta, uint32_t lo0, uint32_t key, float vmax) {
+MESA_ALWAYS_INLINE void quant_levels_body(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n,
+                                          const float* __restrict__ inv, const float* __restrict__ beta,
+                                          uint32_t lo0, uint32_t key, float vmax) {
   float ub[kUniformBlock + 2] = {};  // (zeros: round-to-nearest)
   for (int64_t k0 = 0; k0 < n; k0 += kUniformBlock) {
     const int64_t m = std::min(kUniformBlock, n - k0);
@@ -891,32 +895,80 @@ void quant_levels_run(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t 
                                           u[k - k0] * kUniformUnit, vmax);
   }
 }
-
-template <typename T>
-void quant_levels_dispatch(bool stoch, bool table, const T* x, uint8_t* q, int64_t n, const float* inv,
-                           const float* beta, uint32_t lo0, uint32_t key, float vmax) {
-  if (stoch) {
-    if (table) quant_levels_run<T, true, true>(x, q, n, inv, beta, lo0, key, vmax);
-    else quant_levels_run<T, true, false>(x, q, n, inv, beta, lo0, key, vmax);
-  } else {
-    if (table) quant_levels_run<T, false, true>(x, q, n, inv, beta, lo0, key, vmax);
-    else quant_levels_run<T, false, false>(x, q, n, inv, beta, lo0, key, vmax);
+#define MESA_QUANT_LEVELS_RUN(NAME, T, STOCH, TABLE)                                                              \
+  MESA_CLONES void NAME(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n, const float* __restrict__ inv, \
+                        const float* __restrict__ beta, uint32_t lo0, uint32_t key, float vmax) {                 \
+    quant_levels_body<T, STOCH, TABLE>(x, q, n, inv, beta, lo0, key, vmax);                                       \
   }
-}
+#define MESA_LEVELS_RUNS(SUF, T)                                                                                  \
+  MESA_QUANT_LEVELS_RUN(qlev_sr_tab_##SUF, T, true, true)                                                         \
+  MESA_QUANT_LEVELS_RUN(qlev_sr_one_##SUF, T, true, false)                                                        \
+  MESA_QUANT_LEVELS_RUN(qlev_rn_tab_##SUF, T, false, true)                                                        \
+  MESA_QUANT_LEVELS_RUN(qlev_rn_one_##SUF, T, false, false)                                                       \
+  MESA_ALWAYS_INLINE void quant_levels(bool stoch, bool table, const T* x, uint8_t* q, int64_t n, const float* inv, \
+                                       const float* beta, uint32_t lo0, uint32_t key, float vmax) {               \
+    if (stoch) {                                                                                                  \
+      if (table) qlev_sr_tab_##SUF(x, q, n, inv, beta, lo0, key, vmax);                                           \
+      else qlev_sr_one_##SUF(x, q, n, inv, beta, lo0, key, vmax);                                                 \
+    } else {                                                                                                      \
+      if (table) qlev_rn_tab_##SUF(x, q, n, inv, beta, lo0, key, vmax);                                           \
+      else qlev_rn_one_##SUF(x, q, n, inv, beta, lo0, key, vmax);                                                 \
+    }                                                                                                             \
+  }
+MESA_LEVELS_RUNS(f32, float)
+MESA_LEVELS_RUNS(f16, uint16_t)
+MESA_LEVELS_RUNS(bf16, Bf16Bits)
 
-void pack_codes(const uint8_t* c, int64_t n, int64_t bits, uint8_t* out) {
-  const int64_t per = 8 / bits;
-  for (int64_t b = 0, i = 0; i < n; ++b) {
+// n codes (< 2^bits each) -> ceil(n / kPer) bytes, code k of a byte at bits k * (8 / kPer);
+// a partial last byte is zero-padded.
+template <int kPer>
+MESA_ALWAYS_INLINE void pack_codes_body(const uint8_t* __restrict__ c, int64_t n, uint8_t* __restrict__ out) {
+  constexpr int kBits = 8 / kPer;
+  const int64_t full = n / kPer;
+  for (int64_t b = 0; b < full; ++b) {
     uint32_t v = 0;
-    for (int64_t k = 0; k < per && i < n; ++k, ++i) v |= static_cast<uint32_t>(c[i]) << (k * bits);
+    for (int k = 0; k < kPer; ++k) v |= static_cast<uint32_t>(c[b * kPer + k]) << (k * kBits);
     out[b] = static_cast<uint8_t>(v);
   }
+  if (full * kPer < n) {
+    uint32_t v = 0;
+    for (int64_t i = full * kPer; i < n; ++i) v |= static_cast<uint32_t>(c[i]) << ((i - full * kPer) * kBits);
+    out[full] = static_cast<uint8_t>(v);
+  }
 }
-
+// The n codes of ceil(n / kPer) packed bytes.
+template <int kPer>
+MESA_ALWAYS_INLINE void unpack_codes_body(const uint8_t* __restrict__ p, int64_t n, uint8_t* __restrict__ c) {
+  constexpr int kBits = 8 / kPer;
+  constexpr uint32_t kMask = (1u << kBits) - 1u;
+  const int64_t full = n / kPer;
+  for (int64_t b = 0; b < full; ++b) {
+    const uint32_t v = p[b];
+    for (int k = 0; k < kPer; ++k) c[b * kPer + k] = static_cast<uint8_t>((v >> (k * kBits)) & kMask);
+  }
+  for (int64_t i = full * kPer; i < n; ++i)
+    c[i] = static_cast<uint8_t>((p[full] >> ((i - full * kPer) * kBits)) & kMask);
+}
+MESA_CLONES void pack_codes_2(const uint8_t* __restrict__ c, int64_t n, uint8_t* __restrict__ out) {
+  pack_codes_body<2>(c, n, out);
+}
+MESA_CLONES void pack_codes_4(const uint8_t* __restrict__ c, int64_t n, uint8_t* __restrict__ out) {
+  pack_codes_body<4>(c, n, out);
+}
+MESA_CLONES void unpack_codes_2(const uint8_t* __restrict__ p, int64_t n, uint8_t* __restrict__ c) {
+  unpack_codes_body<2>(p, n, c);
+}
+MESA_CLONES void unpack_codes_4(const uint8_t* __restrict__ p, int64_t n, uint8_t* __restrict__ c) {
+  unpack_codes_body<4>(p, n, c);
+}
+// bits 4 or 2 (8 stores the codes as they are)
+void pack_codes(const uint8_t* c, int64_t n, int64_t bits, uint8_t* out) {
+  if (bits == 4) pack_codes_2(c, n, out);
+  else pack_codes_4(c, n, out);
+}
 void unpack_codes(const uint8_t* p, int64_t n, int64_t bits, uint8_t* c) {
-  const int64_t per = 8 / bits;
-  const uint32_t mask = (1u << bits) - 1u;
-  for (int64_t i = 0; i < n; ++i) c[i] = static_cast<uint8_t>((p[i / per] >> ((i % per) * bits)) & mask);
+  if (bits == 4) unpack_codes_2(p, n, c);
+  else unpack_codes_4(p, n, c);
 }
 
 template <typename scalar_t>
@@ -942,8 +994,8 @@ void quantize_bits_kernel(const scalar_t* x_, uint8_t* q, const Layout& L, int64
         const int64_t m = std::min(n - k, to_wrap);
         const uint32_t key = hash_key(slo, shi, static_cast<uint32_t>(idx >> 32));
         const int64_t off = table ? k : 0;
-        quant_levels_dispatch<T>(stoch, table, x + i + k, codes + (i + k - i0), m, iv + off, bv + off,
-                                 static_cast<uint32_t>(idx), key, vmax);
+        quant_levels(stoch, table, x + i + k, codes + (i + k - i0), m, iv + off, bv + off, static_cast<uint32_t>(idx),
+                     key, vmax);
         k += m;
       }
     });
@@ -959,11 +1011,11 @@ at::Tensor quantize_bits_cpu(const at::Tensor& x_in, const at::Tensor& alpha, co
   if (L.numel == 0) return q;
   std::vector<float> tinv, tbeta;
   const int b = static_cast<int>(bits);
-  build_tables(L, alpha, beta, [b, pow2](float a) { return inv_scale_bits(a, b, pow2); }, tinv, tbeta);
+  const Layout W = walk_tables(L, alpha, beta, [b, pow2](float a) { return inv_scale_bits(a, b, pow2); }, tinv, tbeta);
   uint32_t slo, shi;
   read_seed(seed, slo, shi);
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_quantize_bits_cpu", [&] {
-    quantize_bits_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), L, bits, stochastic,
+    quantize_bits_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), q.mutable_data_ptr<uint8_t>(), W, bits, stochastic,
                                    tinv.data(), tbeta.data(), slo, shi);
   });
   return q;
@@ -1000,9 +1052,10 @@ at::Tensor dequantize_bits_cpu(const at::Tensor& q_in, const at::Tensor& alpha, 
   if (L.numel == 0) return y;
   std::vector<float> tstep, tbeta;
   const int b = static_cast<int>(bits);
-  build_tables(L, alpha, beta, [b, pow2](float a) { return dequant_step_bits(a, b, pow2); }, tstep, tbeta);
+  const Layout W =
+      walk_tables(L, alpha, beta, [b, pow2](float a) { return dequant_step_bits(a, b, pow2); }, tstep, tbeta);
   MESA_DISPATCH_FLOAT_TYPES(dtype, "mesa_dequantize_bits_cpu", [&] {
-    dequantize_bits_kernel<scalar_t>(q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), L, bits,
+    dequantize_bits_kernel<scalar_t>(q.const_data_ptr<uint8_t>(), y.mutable_data_ptr<scalar_t>(), W, bits,
                                      tstep.data(), tbeta.data());
   });
   return y;

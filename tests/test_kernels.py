@@ -85,7 +85,7 @@ def test_cpu_kernels_match_reference(shape, dim, G, dtype, per_sample):
 
 @needs_ext
 @pytest.mark.parametrize("groups", ["per_channel", "grouped"])
-@pytest.mark.parametrize("shape", [(8, 200, 4, 4), (8, 512, 4, 4), (3, 400, 7, 7), (3, 20000), (4099, 24),
+@pytest.mark.parametrize("shape", [(8, 200, 4, 4), (8, 512, 4, 4), (3, 400, 7, 7), (3, 20000), (4099, 23),
                                    (700, 3, 2, 2)],
                          ids=["flat_chunks", "flat_column_blocks", "flat_column_blocks_partial", "row_column_blocks",
                               "tiled_rows", "flat_tiled_rows"])
@@ -95,9 +95,10 @@ def test_short_runs_match_reference_multithreaded(shape, groups):
     channels, viewed as (N*H*W, C)): the CPU kernels walk the NCHW ones flattened (quant_cpu.cpp,
     "Short runs"), 200 x 4 x 4 in parallel chunks of the flat index, the next three in column
     blocks (a row of the walk of kColumnBlocks or more: 400 x 7 x 7 in two blocks, the second
-    partial), and the short rows tiled ("Short rows": 24 -> 42 rows a walk row, the last
-    partial; 3 x 2 x 2 flattened, then tiled). Statistics, codes, values, estimates and rng are
-    the reference's, NaN, infinities and signed zeros included, for 1 and 2 threads."""
+    partial), and the short rows tiled ("Short rows": 23 -> 44 rows a walk row, the last
+    partial; 3 x 2 x 2 flattened, then tiled). Statistics, codes (8, 4 and 2 bits; 4099 x 23
+    elements leave a partial last byte), values, estimates and rng are the reference's, NaN,
+    infinities and signed zeros included, for 1 and 2 threads."""
     G = shape[1] if groups == "per_channel" else max(1, min(48, shape[1] // 2))
     x = _randn(shape, torch.float32, seed=5)
     flat = x.view(-1)
@@ -117,6 +118,12 @@ def test_short_runs_match_reference_multithreaded(shape, groups):
                 assert torch.equal(q, R.quantize(x, alpha, beta, 1, G, stochastic, 31337))
                 assert torch.equal(torch.ops.mesa.dequantize(q, alpha, beta, 1, G, torch.bfloat16),
                                    R.dequantize(q, alpha, beta, 1, G, torch.bfloat16))
+                for bits in (4, 2):
+                    seed = Q.seed_tensor(31337)
+                    qb = Q.quantize_bits(x, alpha, beta, 1, G, bits, False, stochastic, seed)
+                    assert torch.equal(qb, R.quantize_bits(x, alpha, beta, 1, G, bits, False, stochastic, seed)), bits
+                    assert torch.equal(Q.dequantize_bits(qb, alpha, beta, x.shape, 1, G, bits, False, torch.bfloat16),
+                                       R.dequantize_bits(qb, alpha, beta, x.shape, 1, G, bits, False, torch.bfloat16))
             for name in ("observe", "quantize_observe"):
                 ops_state = [torch.zeros(G + 2), torch.zeros(G + 2), torch.zeros(1, dtype=torch.bool),
                              Q.rng_state(7, 3)]
