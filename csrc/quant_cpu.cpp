@@ -353,10 +353,12 @@ void build_tables(const Layout& L, const at::Tensor& alpha, const at::Tensor& be
 // per-element parameters, so the same codes, values and statistics; only the loop changes.
 // Shared statistics only (s_eff == 1), and D * inner bounded (kMaxFlatCodes): the kernels
 // read tables that long. The min/max passes keep per-element accumulators as long as a row of
-// the walk; shared_minmax splits a row of kColumnBlocks or more into column blocks (at most
+// the walk; shared_minmax splits a row longer than kStatsBlock into column blocks (at most
 // kStatsBlock each), so that each task's accumulators stay in cache (2 x 64 KB) and no task
-// keeps partial ones: with partials, the (16, 240, 8, 8) layout (rows of 15360) took 3x its
-// channels-last time to observe, most of it filling and merging 8 chunks' partial rows.
+// keeps partial ones; and a row of kColumnBlocks or more too, where that still gives every
+// thread a block of kMinBlock columns: with partials, the (16, 240, 8, 8) layout (rows of
+// 15360) took 3x its channels-last time to observe on 2 threads, most of it filling and
+// merging 8 chunks' partial rows.
 // Short rows. A row of the walk (D elements, inner == 1) shorter than kTileRun is one call too:
 // a channels-last activation with few channels (NHWC 32 x 32 x 32, viewed as (N*H*W, 32)) or
 // narrow tokens (DeiT-tiny's 192) took 2.7x the time of the same tensor in NCHW to quantize.
@@ -367,6 +369,7 @@ constexpr int64_t kTileRun = 1024;  // (rows below: tiled; tables of 4 KB each)
 constexpr int64_t kMaxFlatCodes = int64_t{1} << 17;
 constexpr int64_t kStatsBlock = int64_t{1} << 14;
 constexpr int64_t kColumnBlocks = 4096;
+constexpr int64_t kMinBlock = 1024;
 
 Layout walk_layout(const Layout& L) {
   if (L.s_eff != 1) return L;
@@ -619,7 +622,8 @@ void canonicalize(at::Tensor& t) {
 // `before` and its tables agree): `before(i, n, s, d)` runs on each run first, d in W
 // (quantize_observe: the run's codes, so that the run is read from memory once and from cache
 // the second time). Two ways to split the work:
-// * a row of W (D elements, inner == 1) of kColumnBlocks or more: column blocks, each a task
+// * a row of W (D elements, inner == 1) longer than kStatsBlock, or of kColumnBlocks or more
+//   with a block of kMinBlock columns or more for every thread: column blocks, each a task
 //   that walks its columns down every row with its own accumulators, final when it ends (no
 //   partials). ResNet-50's NCHW 512 x 8 x 8 and 2048 x 7 x 7 layouts, flattened: the chunked
 //   walk below kept a whole row of accumulators per chunk, out of cache (2048 x 7 x 7: 1.3x
@@ -632,12 +636,12 @@ void shared_minmax(const T* xp, const Layout& L, const Layout& W, float* pmn, fl
   const bool table = W.inner == 1;
   const int64_t nthreads = at::get_num_threads();
   std::vector<float> part_mn, part_mx;
-  if (table && D >= kColumnBlocks) {
+  if (table && (D > kStatsBlock || (D >= kColumnBlocks && D >= kMinBlock * nthreads))) {
     part_mn.assign(D, kInf);
     part_mx.assign(D, -kInf);
     const int64_t rows = L.numel / D;
     // (at least one block a thread, of 1024 columns or more)
-    const int64_t block = std::clamp<int64_t>((D + nthreads - 1) / nthreads, 1024, kStatsBlock);
+    const int64_t block = std::clamp<int64_t>((D + nthreads - 1) / nthreads, kMinBlock, kStatsBlock);
     at::parallel_for(0, (D + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t d0 = b * block, n = std::min(D, d0 + block) - d0;
