@@ -73,11 +73,12 @@ MESA_ALWAYS_INLINE int64_t uniform_units_block(uint32_t lo0, uint32_t key, int64
 // One run of n contiguous elements. TABLE: per-element parameters inv[k], beta[k]
 // (inner == 1); else one (inv, beta) pair for the run. Stochastic runs never cross a 2^32
 // boundary of the flat index, so the hash input is derived from lo0 + k (uint32) and the
-// hash key (hash_key of the seed and the index's high word) is constant.
+// hash key (hash_key of the seed and the index's high word) is constant. vmax: the top code
+// (levels_of(bits): 255 for quantize, quantize_value's; 15 or 3 for quantize_bits).
 template <typename T, bool STOCH, bool TABLE>
 MESA_ALWAYS_INLINE void quant_run_body(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n,
                                        const float* __restrict__ inv, const float* __restrict__ beta,
-                                       uint32_t lo0, uint32_t key) {
+                                       uint32_t lo0, uint32_t key, float vmax) {
   if (STOCH) {
     float ub[kUniformBlock + 2];
     for (int64_t k0 = 0; k0 < n; k0 += kUniformBlock) {
@@ -87,17 +88,18 @@ MESA_ALWAYS_INLINE void quant_run_body(const T* __restrict__ x, uint8_t* __restr
       uint8_t* qb = q + k0;
       if (TABLE) {
         for (int64_t k = 0; k < m; ++k)
-          qb[k] = quantize_value<true>(to_f(xb[k]), beta[k0 + k], inv[k0 + k], u[k] * kUniformUnit);
+          qb[k] = quantize_value_levels<true>(to_f(xb[k]), beta[k0 + k], inv[k0 + k], u[k] * kUniformUnit, vmax);
       } else {
         const float iv = inv[0], bv = beta[0];
-        for (int64_t k = 0; k < m; ++k) qb[k] = quantize_value<true>(to_f(xb[k]), bv, iv, u[k] * kUniformUnit);
+        for (int64_t k = 0; k < m; ++k)
+          qb[k] = quantize_value_levels<true>(to_f(xb[k]), bv, iv, u[k] * kUniformUnit, vmax);
       }
     }
   } else if (TABLE) {
-    for (int64_t k = 0; k < n; ++k) q[k] = quantize_value<false>(to_f(x[k]), beta[k], inv[k], 0.0f);
+    for (int64_t k = 0; k < n; ++k) q[k] = quantize_value_levels<false>(to_f(x[k]), beta[k], inv[k], 0.0f, vmax);
   } else {
     const float iv = inv[0], bv = beta[0];
-    for (int64_t k = 0; k < n; ++k) q[k] = quantize_value<false>(to_f(x[k]), bv, iv, 0.0f);
+    for (int64_t k = 0; k < n; ++k) q[k] = quantize_value_levels<false>(to_f(x[k]), bv, iv, 0.0f, vmax);
   }
 }
 
@@ -175,8 +177,8 @@ MESA_ALWAYS_INLINE void minmax_reduce_body(const T* __restrict__ x, int64_t n, f
 #define MESA_QUANT_RUN(NAME, T, STOCH, TABLE)                                                          \
   MESA_CLONES void NAME(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n,                   \
                         const float* __restrict__ inv, const float* __restrict__ beta, uint32_t lo0,   \
-                        uint32_t key) {                                                                \
-    quant_run_body<T, STOCH, TABLE>(x, q, n, inv, beta, lo0, key);                                     \
+                        uint32_t key, float vmax) {                                                    \
+    quant_run_body<T, STOCH, TABLE>(x, q, n, inv, beta, lo0, key, vmax);                               \
   }
 #define MESA_DEQUANT_RUN(NAME, T, TABLE)                                                          \
   MESA_CLONES void NAME(const uint8_t* __restrict__ q, T* __restrict__ y, int64_t n,              \
@@ -291,13 +293,13 @@ template <typename T> struct Runs;
 #define MESA_RUNS(SUF, T)                                                                          \
   template <> struct Runs<T> {                                                                     \
     static void quant(bool stoch, bool table, const T* x, uint8_t* q, int64_t n, const float* inv, \
-                      const float* beta, uint32_t lo0, uint32_t key) {                             \
+                      const float* beta, uint32_t lo0, uint32_t key, float vmax) {                 \
       if (stoch) {                                                                                 \
-        if (table) quant_sr_tab_##SUF(x, q, n, inv, beta, lo0, key);                               \
-        else quant_sr_one_##SUF(x, q, n, inv, beta, lo0, key);                                     \
+        if (table) quant_sr_tab_##SUF(x, q, n, inv, beta, lo0, key, vmax);                         \
+        else quant_sr_one_##SUF(x, q, n, inv, beta, lo0, key, vmax);                               \
       } else {                                                                                     \
-        if (table) quant_rn_tab_##SUF(x, q, n, inv, beta, lo0, key);                               \
-        else quant_rn_one_##SUF(x, q, n, inv, beta, lo0, key);                                     \
+        if (table) quant_rn_tab_##SUF(x, q, n, inv, beta, lo0, key, vmax);                         \
+        else quant_rn_one_##SUF(x, q, n, inv, beta, lo0, key, vmax);                               \
       }                                                                                            \
     }                                                                                              \
     static void dequant(bool table, const uint8_t* q, T* y, int64_t n, const float* step,          \
@@ -463,10 +465,12 @@ inline void walk(const Layout& L, int64_t begin, int64_t end, Body body) {
 }
 
 // ----------------------------------------------------------------------------- quantize
-// Quantizes the run of n elements at flat index i (constant (s, d) or consecutive d, see walk).
+// Quantizes the run of n elements at flat index i (constant (s, d) or consecutive d, see walk)
+// into out[0 .. n) (out: where element i's code goes), codes 0 .. vmax.
 template <typename T>
-inline void quantize_run(const T* x, uint8_t* q, const Layout& L, int64_t i, int64_t n, int64_t s, int64_t d,
-                         bool stoch, const float* tinv, const float* tbeta, uint32_t slo, uint32_t shi) {
+inline void quantize_run(const T* x, uint8_t* out, const Layout& L, int64_t i, int64_t n, int64_t s, int64_t d,
+                         bool stoch, const float* tinv, const float* tbeta, uint32_t slo, uint32_t shi,
+                         float vmax = levels_of(8)) {
   const bool table = L.inner == 1;
   const float* iv = tinv + s * L.D + d;
   const float* bv = tbeta + s * L.D + d;
@@ -478,7 +482,7 @@ inline void quantize_run(const T* x, uint8_t* q, const Layout& L, int64_t i, int
     const int64_t m = std::min(n - k, to_wrap);
     const uint32_t key = hash_key(slo, shi, static_cast<uint32_t>(idx >> 32));
     const int64_t off = table ? k : 0;
-    Runs<T>::quant(stoch, table, x + i + k, q + i + k, m, iv + off, bv + off, static_cast<uint32_t>(idx), key);
+    Runs<T>::quant(stoch, table, x + i + k, out + k, m, iv + off, bv + off, static_cast<uint32_t>(idx), key, vmax);
     k += m;
   }
 }
@@ -490,7 +494,7 @@ void quantize_kernel(const scalar_t* x_, uint8_t* q, const Layout& L, bool stoch
   const T* x = as_storage(x_);
   at::parallel_for(0, L.numel, kGrain, [&](int64_t begin, int64_t end) {
     walk(L, begin, end, [&](int64_t i, int64_t n, int64_t s, int64_t d) {
-      quantize_run(x, q, L, i, n, s, d, stoch, tinv, tbeta, slo, shi);
+      quantize_run(x, q + i, L, i, n, s, d, stoch, tinv, tbeta, slo, shi);
     });
   });
 }
@@ -869,7 +873,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
       const storage_t<scalar_t>* xp = as_storage(xc.const_data_ptr<scalar_t>());
       shared_minmax(xp, L, W, mn.mutable_data_ptr<float>(), mx.mutable_data_ptr<float>(),
                     [&](int64_t i, int64_t n, int64_t s, int64_t d) {
-                      quantize_run(xp, qp, W, i, n, s, d, stochastic, tinv.data(), tbeta.data(), slo, shi);
+                      quantize_run(xp, qp + i, W, i, n, s, d, stochastic, tinv.data(), tbeta.data(), slo, shi);
                     });
     });
     canonicalize(mn);
@@ -883,46 +887,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_observe_cpu(
 // quantize_bits / dequantize_bits (DESIGN.md, "Variants"): the codes of one parallel task
 // (a range of whole output bytes) are computed into a task-local buffer with quantize's walk
 // (walk_tables: NCHW activations with small planes flattened, short rows tiled), then packed
-// 8/bits per byte, little end first. bits = 8 writes in place. The run kernels are
-// multi-versioned like quantize's; packing and unpacking take whole bytes with a fixed count
-// of codes each (they divided each element's index by 8/bits: 5-18x the 8-bit ops' time).
-template <typename T, bool STOCH, bool TABLE>
-MESA_ALWAYS_INLINE void quant_levels_body(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n,
-                                          const float* __restrict__ inv, const float* __restrict__ beta,
-                                          uint32_t lo0, uint32_t key, float vmax) {
-  float ub[kUniformBlock + 2] = {};  // (zeros: round-to-nearest)
-  for (int64_t k0 = 0; k0 < n; k0 += kUniformBlock) {
-    const int64_t m = std::min(kUniformBlock, n - k0);
-    const float* u = STOCH ? ub + uniform_units_block(lo0 + static_cast<uint32_t>(k0), key, m, ub) : ub;
-    for (int64_t k = k0; k < k0 + m; ++k)
-      q[k] = quantize_value_levels<STOCH>(to_f(x[k]), TABLE ? beta[k] : beta[0], TABLE ? inv[k] : inv[0],
-                                          u[k - k0] * kUniformUnit, vmax);
-  }
-}
-#define MESA_QUANT_LEVELS_RUN(NAME, T, STOCH, TABLE)                                                              \
-  MESA_CLONES void NAME(const T* __restrict__ x, uint8_t* __restrict__ q, int64_t n, const float* __restrict__ inv, \
-                        const float* __restrict__ beta, uint32_t lo0, uint32_t key, float vmax) {                 \
-    quant_levels_body<T, STOCH, TABLE>(x, q, n, inv, beta, lo0, key, vmax);                                       \
-  }
-#define MESA_LEVELS_RUNS(SUF, T)                                                                                  \
-  MESA_QUANT_LEVELS_RUN(qlev_sr_tab_##SUF, T, true, true)                                                         \
-  MESA_QUANT_LEVELS_RUN(qlev_sr_one_##SUF, T, true, false)                                                        \
-  MESA_QUANT_LEVELS_RUN(qlev_rn_tab_##SUF, T, false, true)                                                        \
-  MESA_QUANT_LEVELS_RUN(qlev_rn_one_##SUF, T, false, false)                                                       \
-  MESA_ALWAYS_INLINE void quant_levels(bool stoch, bool table, const T* x, uint8_t* q, int64_t n, const float* inv, \
-                                       const float* beta, uint32_t lo0, uint32_t key, float vmax) {               \
-    if (stoch) {                                                                                                  \
-      if (table) qlev_sr_tab_##SUF(x, q, n, inv, beta, lo0, key, vmax);                                           \
-      else qlev_sr_one_##SUF(x, q, n, inv, beta, lo0, key, vmax);                                                 \
-    } else {                                                                                                      \
-      if (table) qlev_rn_tab_##SUF(x, q, n, inv, beta, lo0, key, vmax);                                           \
-      else qlev_rn_one_##SUF(x, q, n, inv, beta, lo0, key, vmax);                                                 \
-    }                                                                                                             \
-  }
-MESA_LEVELS_RUNS(f32, float)
-MESA_LEVELS_RUNS(f16, uint16_t)
-MESA_LEVELS_RUNS(bf16, Bf16Bits)
-
+// 8/bits per byte, little end first. bits = 8 writes in place. The runs are quantize's
+// (quantize_run, with the top code 2^bits - 1); packing and unpacking take whole bytes with a
+// fixed count of codes each (a copy of the run kernel that was not multi-versioned, and a
+// division of each element's index by 8/bits, took 5-18x the 8-bit ops' time).
 // n codes (< 2^bits each) -> ceil(n / kPer) bytes, code k of a byte at bits k * (8 / kPer);
 // a partial last byte is zero-padded.
 template <int kPer>
@@ -980,7 +948,6 @@ void quantize_bits_kernel(const scalar_t* x_, uint8_t* q, const Layout& L, int64
                           const float* tinv, const float* tbeta, uint32_t slo, uint32_t shi) {
   using T = storage_t<scalar_t>;
   const T* x = as_storage(x_);
-  const bool table = L.inner == 1;
   const int64_t per = 8 / bits;
   const float vmax = levels_of(static_cast<int>(bits));
   const int64_t nbytes = packed_bytes(L.numel, bits);
@@ -989,19 +956,7 @@ void quantize_bits_kernel(const scalar_t* x_, uint8_t* q, const Layout& L, int64
     std::vector<uint8_t> local(per == 1 ? 0 : i1 - i0);
     uint8_t* codes = per == 1 ? q + i0 : local.data();
     walk(L, i0, i1, [&](int64_t i, int64_t n, int64_t s, int64_t d) {
-      const float* iv = tinv + s * L.D + d;
-      const float* bv = tbeta + s * L.D + d;
-      int64_t k = 0;
-      while (k < n) {  // split where the low 32 bits of the flat index wrap (as quantize)
-        const uint64_t idx = static_cast<uint64_t>(i + k);
-        const int64_t to_wrap = static_cast<int64_t>((uint64_t{1} << 32) - (idx & 0xFFFFFFFFu));
-        const int64_t m = std::min(n - k, to_wrap);
-        const uint32_t key = hash_key(slo, shi, static_cast<uint32_t>(idx >> 32));
-        const int64_t off = table ? k : 0;
-        quant_levels(stoch, table, x + i + k, codes + (i + k - i0), m, iv + off, bv + off, static_cast<uint32_t>(idx),
-                     key, vmax);
-        k += m;
-      }
+      quantize_run(x, codes + (i - i0), L, i, n, s, d, stoch, tinv, tbeta, slo, shi, vmax);
     });
     if (per > 1) pack_codes(codes, i1 - i0, bits, q + b0);
   });

@@ -94,8 +94,8 @@ def test_short_runs_match_reference_multithreaded(shape, groups):
     at low resolution), a long row, and short rows (a channels-last activation with few
     channels, viewed as (N*H*W, C)): the CPU kernels walk the NCHW ones flattened (quant_cpu.cpp,
     "Short runs"), 200 x 4 x 4 in parallel chunks of the flat index, the next three in column
-    blocks (a row of the walk of kColumnBlocks or more: 400 x 7 x 7 in two blocks, the second
-    partial), and the short rows tiled ("Short rows": 23 -> 44 rows a walk row, the last
+    blocks (at 1 and 2 threads a row of the walk of kColumnBlocks or more: 400 x 7 x 7 in two
+    blocks, the second partial), and the short rows tiled ("Short rows": 23 -> 44 rows a walk row, the last
     partial; 3 x 2 x 2 flattened, then tiled). Statistics, codes (8, 4 and 2 bits; 4099 x 23
     elements leave a partial last byte), values, estimates and rng are the reference's, NaN,
     infinities and signed zeros included, for 1 and 2 threads."""
