@@ -12,8 +12,9 @@
 // kernel or a select from the bits in place of unpack + where, the same values), so outputs,
 // codes, masks, estimates, running statistics and gradients are bitwise the Python path's
 // (tests/test_convnet_autograd.py, test_bitmask_loops.py). The layers call them only in
-// eager mode with the default 8-bit format (the norms: affine; BatchNorm: no linked 1x1
-// depthwise conv in front, conv.ScaleLink); otherwise they keep their Python Functions.
+// eager mode with a channel format, 8-bit or a variant (layers_common.h, make_quantizer; the
+// norms: affine; BatchNorm: no linked 1x1 depthwise conv in front, conv.ScaleLink); otherwise
+// they keep their Python Functions.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/util/accumulate.h>
@@ -92,7 +93,9 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     }
     const NhwcView v = nhwc_view(x_hat, 1);
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
-    if (q.device().is_cpu() && mdt == at::kFloat && alpha.size(0) == 1) {  // (batchnorm.code_moments)
+    save_code_format(ctx, qz, v.x.sizes());
+    // (batchnorm.code_moments: the default format's codes)
+    if (qz.code_bits == 0 && q.device().is_cpu() && mdt == at::kFloat && alpha.size(0) == 1) {
       auto [xh_mean, xh_var] = code_moments(q, alpha, beta, v.dim, G);
       ctx->save_for_backward({q, alpha, beta, invstd, weight, xh_mean, xh_var});
     } else {
@@ -113,7 +116,7 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
     const bool nhwc = ctx->saved_data["nhwc"].toBool();
     const at::Tensor xh = from_nhwc(
-        call_dequantize(saved[0], saved[1], saved[2], nhwc ? 3 : 1, ctx->saved_data["quant_groups"].toInt(), mdt),
+        dequantize_saved(ctx, saved[0], saved[1], saved[2], nhwc ? 3 : 1, ctx->saved_data["quant_groups"].toInt(), mdt),
         nhwc);
     // the per-channel moments: forward's from the codes, else the BatchNorm statistics kernel
     // (batchnorm.code_moments)
@@ -137,7 +140,8 @@ at::Tensor batch_norm_train(const at::Tensor& x, const at::Tensor& weight, const
                             at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
                             int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
   TORCH_CHECK_VALUE(x.dim() >= 2, "mesa: batch_norm_train: x must be (N, C, ...), got ", x.dim(), " dims");
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::batch_norm_train", true);
   return BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz);
 }
 
@@ -179,6 +183,7 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
     }
     const NhwcView v = nhwc_view(x_hat, 1);
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
+    save_code_format(ctx, qz, v.x.sizes());
     ctx->save_for_backward({q, alpha, beta, rstd, weight});
     save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
     ctx->saved_data["groups"] = groups;
@@ -198,8 +203,8 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
     const bool nhwc = ctx->saved_data["nhwc"].toBool();
     const auto fmt = static_cast<at::MemoryFormat>(ctx->saved_data["fmt"].toInt());
-    const at::Tensor xh = from_nhwc(call_dequantize(saved[0], saved[1], saved[2], nhwc ? 3 : 1,
-                                                    ctx->saved_data["quant_groups"].toInt(), mdt),
+    const at::Tensor xh = from_nhwc(dequantize_saved(ctx, saved[0], saved[1], saved[2], nhwc ? 3 : 1,
+                                                     ctx->saved_data["quant_groups"].toInt(), mdt),
                                     nhwc)
                               .contiguous(fmt);
     const int64_t n = xh.size(0), c = xh.size(1), hxw = c10::multiply_integers(xh.sizes().slice(2));
@@ -220,7 +225,8 @@ at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const
                             at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator, bool symmetric,
                             bool stochastic) {
   TORCH_CHECK_VALUE(x.dim() >= 2, "mesa: group_norm_train: x must be (N, C, ...), got ", x.dim(), " dims");
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::group_norm_train", true);
   return GroupNormTrain::apply(x, weight, bias, groups, eps, qz);
 }
 
@@ -288,7 +294,7 @@ at::Tensor& mask_train_(at::Tensor& x, int64_t kind, double lo, double hi) {
 }
 
 // ----------------------------------------------------------------------------- SiLU, QuickGELU, Hardswish
-// y = f(x) keeping 8-bit x (channel groups, the NHWC view of a channels-last x); Hardswish also
+// y = f(x) keeping a compressed x (channel groups, the NHWC view of a channels-last x); Hardswish also
 // keeps which side of -3 and 3 each element is on (two 1-bit masks: activations._HardswishFn)
 enum class Elementwise : int64_t { kSilu = 0, kQuickGelu = 1, kHardswish = 2 };
 
@@ -301,6 +307,7 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
                                                                                          : at::hardswish(x);
     const NhwcView v = nhwc_view(x, group_dim(x));
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
+    save_code_format(ctx, qz, v.x.sizes());
     if (k == Elementwise::kHardswish) {  // hardswish_backward's own comparisons (torch 2.14: -3 gets 0, 3 gets g)
       const auto [below, above, channels_last] = pack_outside(x, -3, 3);
       ctx->save_for_backward({q, alpha, beta, below, above});
@@ -324,8 +331,8 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
     const auto saved = ctx->get_saved_variables();
     const auto k = static_cast<Elementwise>(ctx->saved_data["kind"].toInt());
     const auto cdt = ctx->saved_data["y_dtype"].toScalarType();
-    const at::Tensor xh = from_nhwc(call_dequantize(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                                    ctx->saved_data["groups"].toInt(), cdt),
+    const at::Tensor xh = from_nhwc(dequantize_saved(ctx, saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                                     ctx->saved_data["groups"].toInt(), cdt),
                                     ctx->saved_data["nhwc"].toBool());
     const at::Tensor g = grads[0].to(cdt);
     at::Tensor gx;
@@ -347,7 +354,8 @@ at::Tensor elementwise_train(const at::Tensor& x, int64_t kind, at::Tensor& alph
                              int64_t estimator, bool symmetric, bool stochastic) {
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "mesa: elementwise_train: kind must be 0 (silu), 1 (quick_gelu) or 2 ",
                     "(hardswish), got ", kind);
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::elementwise_train", true);
   return ElementwiseTrain::apply(x, kind, qz);
 }
 

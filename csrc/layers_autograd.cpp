@@ -7,8 +7,10 @@
 // Python Functions in mesa_train/nn/gelu.py, softmax.py, linear.py, layernorm.py, matmul.py and conv.py do, op for op (the same aten
 // kernels and mesa::observe / quantize / dequantize), so outputs, codes, estimates and
 // gradients are bitwise the Python path's (tests/test_layers_autograd.py). The Python
-// layers call them only in eager mode with the default 8-bit channel format; under
-// torch.compile and for the variant formats they keep their Python Functions.
+// layers call them only in eager mode with the default 8-bit channel format (gelu_train,
+// gelu_linear_train, linear_train and conv2d_train also with the channel variant formats:
+// layers_common.h, make_quantizer); under
+// torch.compile and for the other formats they keep their Python Functions.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -38,6 +40,7 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
     at::Tensor y = at::gelu(x, approximate);  // exactly nn.GELU.forward
     const NhwcView v = nhwc_view(x, group_dim(x));
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
+    save_code_format(ctx, qz, v.x.sizes());
     ctx->save_for_backward({q, alpha, beta});
     ctx->saved_data["nhwc"] = v.permuted;
     ctx->saved_data["dim"] = v.dim;
@@ -57,13 +60,12 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
     const int64_t dim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
     const auto approximate = ctx->saved_data["approximate"].toStringRef();
     at::Tensor gx;
-    if (approximate == "none") {  // one op from the codes (mesa_train/nn/gelu.py)
+    if (approximate == "none" && !ctx->saved_data.count("code_bits")) {  // one op from the 8-bit codes (gelu.py)
       gx = from_nhwc(gelu_backward_op().call(to_nhwc(grads[0].to(cdt), nhwc), saved[0], saved[1], saved[2], dim,
                                              groups, std::nullopt),
                      nhwc);
     } else {
-      at::Tensor xh = from_nhwc(
-          call_dequantize(saved[0], saved[1], saved[2], dim, groups, cdt, std::nullopt, std::nullopt), nhwc);
+      at::Tensor xh = from_nhwc(dequantize_saved(ctx, saved[0], saved[1], saved[2], dim, groups, cdt), nhwc);
       gx = at::gelu_backward(grads[0].to(cdt), xh, approximate);
     }
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
@@ -73,7 +75,8 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
 at::Tensor gelu_train(const at::Tensor& x, at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized,
                       at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator, bool symmetric,
                       bool stochastic, c10::string_view approximate) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::gelu_train", true);
   return GeluTrain::apply(x, qz, std::string(approximate));
 }
 
@@ -149,7 +152,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
     std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK_VALUE(!out_dtype.has_value() || at::isFloatingType(*out_dtype), "mesa: softmax_train: out_dtype ",
                     *out_dtype, " is not a floating dtype; valid: None, torch.float32, torch.bfloat16, torch.float16");
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::softmax_train", false);
   auto out = SoftmaxTrain::apply(x, softmax_dim, qz, out_dtype);
   return {out[0], out[1], out[2], out[3]};
 }
@@ -169,6 +173,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_wit
     const at::Tensor& x_in, int64_t dim, Quantizer& qz, int64_t row_dims, int64_t max_k,
     const at::Tensor& row_mean = at::Tensor(), const at::Tensor& row_rstd = at::Tensor()) {
   const bool norm = row_mean.defined();
+  if (qz.code_bits != 0) {  // a variant format: ActivationQuantizer._compress's order (exponents, scaled copy)
+    TORCH_CHECK(!norm, "mesa: compress: a LayerNorm's x_hat takes the default 8-bit format only");
+    at::Tensor k;
+    if (max_k > 0) k = row_exponents_op().call(x_in, row_dims, max_k);
+    const at::Tensor x = k.defined() ? x_in * at::exp2(k.to(x_in.scalar_type())) : x_in;  // reference.scale_rows
+    auto [q, alpha, beta, G] = compress(x, dim, qz);
+    return {q, alpha, beta, G, k};
+  }
   if ((max_k > 0 || norm) && qz.estimator != kDelayed) {
     const at::Tensor x = x_in.contiguous();
     const int64_t G = capped_groups(qz, x.size(dim));
@@ -226,7 +238,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
   const bool has_rstd = row_rstd.has_value() && row_rstd->defined();
   TORCH_CHECK_VALUE(has_mean == has_rstd, "mesa: compress: row_mean and row_rstd go together (LayerNorm's per-row "
                     "mean and rstd); got only ", has_mean ? "row_mean" : "row_rstd");
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::compress", false);
   auto [q, alpha, beta, G, k] = compress_with_rows(x, dim, qz, row_dims, max_k, has_mean ? *row_mean : at::Tensor(),
                                                    has_rstd ? *row_rstd : at::Tensor());
   return {q, alpha, beta, k.defined() ? k : at::empty({0}, x.options().dtype(at::kChar))};
@@ -236,8 +249,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
 namespace layers {
 // The saved codes back in dtype `dt`, rows unscaled by 2**-k inside the kernel (k undefined:
 // no row scales).
-at::Tensor decompress_rows(const variable_list& saved, int64_t dim, int64_t groups, c10::ScalarType dt,
-                           const at::Tensor& k) {
+at::Tensor decompress_rows(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
+                           c10::ScalarType dt, const at::Tensor& k) {
+  if (ctx->saved_data.count("code_bits")) {  // a variant format: reference.unscale_rows after dequantize_bits
+    const at::Tensor y = dequantize_saved(ctx, saved[0], saved[1], saved[2], dim, groups, dt);
+    return k.defined() ? y * at::exp2(k.to(dt).neg()) : y;
+  }
   return call_dequantize(saved[0], saved[1], saved[2], dim, groups, dt,
                               k.defined() ? std::optional<at::Tensor>(k) : std::nullopt, std::nullopt);
 }
@@ -293,6 +310,7 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
     int64_t G = 0;
     if (weight.requires_grad()) {  // the input copy serves the weight gradient only
       std::tie(q, alpha, beta, G, k) = compress_rows(xc, out.scalar_type(), 1, row_scale, qz);
+      save_code_format(ctx, qz, xc.sizes());
     }
     ctx->save_for_backward({q, alpha, beta, x.requires_grad() ? weight : at::Tensor(), k});
     ctx->saved_data["dim"] = x.dim() - 1;
@@ -309,7 +327,7 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
     auto [gx, gw, gb] = linear_grads(
         ctx, grads[0], saved[3], ctx->saved_data["x_dtype"].toScalarType(), ctx->needs_input_grad(0),
         ctx->needs_input_grad(1), 2, [&] {
-          return decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(),
+          return decompress_rows(ctx, saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(),
                                  ctx->saved_data["cdt"].toScalarType(), saved[4]);
         });
     return {gx, gw, gb, at::Tensor(), at::Tensor()};
@@ -320,7 +338,8 @@ at::Tensor linear_train(const at::Tensor& x, const at::Tensor& weight, const std
                         at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
                         int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                         bool row_scale) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::linear_train", true);
   return LinearTrain::apply(x, weight, present(bias), qz, row_scale);
 }
 
@@ -338,7 +357,10 @@ struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
     const bool need_h = h.requires_grad(), need_w = weight.requires_grad();
     at::Tensor q, alpha, beta, k;
     int64_t G = 0;
-    if (need_h || need_w) std::tie(q, alpha, beta, G, k) = compress_rows(h, out.scalar_type(), 1, row_scale, qz);
+    if (need_h || need_w) {
+      std::tie(q, alpha, beta, G, k) = compress_rows(h, out.scalar_type(), 1, row_scale, qz);
+      save_code_format(ctx, qz, h.sizes());
+    }
     ctx->save_for_backward({q, alpha, beta, need_h ? weight : at::Tensor(), k});
     ctx->saved_data["dim"] = h.dim() - 1;
     ctx->saved_data["groups"] = G;
@@ -357,9 +379,10 @@ struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
     const std::string approximate = ctx->saved_data["approximate"].toStringRef();
     const int64_t dim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
     const std::optional<at::Tensor> k = saved[4].defined() ? std::optional<at::Tensor>(saved[4]) : std::nullopt;
-    // the exact GELU: each backward pass one op from h's codes (on CUDA the dequantized h never
-    // reaches memory; Python twin: _GeluLinearFn.backward); the tanh form dequantizes h once
-    const bool exact = approximate == "none";
+    // the exact GELU from 8-bit codes: each backward pass one op from h's codes (on CUDA the
+    // dequantized h never reaches memory; Python twin: _GeluLinearFn.backward); the tanh form
+    // and the variant formats dequantize h once
+    const bool exact = approximate == "none" && !ctx->saved_data.count("code_bits");
     if (exact && saved[0].defined() && ctx->needs_input_grad(0) && ctx->needs_input_grad(1)) {
       // fc2's input gradient gy first (in h's dtype, as stock casts it), then ONE read of h's
       // codes gives both fc2's input gelu(h) (for its weight gradient) and the GELU's gradient
@@ -372,7 +395,7 @@ struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
       return {gh, gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
     }
     at::Tensor hh;
-    if (saved[0].defined() && !exact) hh = decompress_rows(saved, dim, groups, hdt, saved[4]);
+    if (saved[0].defined() && !exact) hh = decompress_rows(ctx, saved, dim, groups, hdt, saved[4]);
     // fc2's backward, its input recomputed in the stock dtypes (gelu in h's, then the cast);
     // its input gradient comes back in h's dtype, as stock casts it
     auto [gy, gw, gb] = linear_grads(ctx, grads[0], saved[3], hdt, ctx->needs_input_grad(0),
@@ -396,7 +419,8 @@ at::Tensor gelu_linear_train(const at::Tensor& h, const at::Tensor& weight, cons
                              at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
                              int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                              c10::string_view approximate, bool row_scale) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::gelu_linear_train", true);
   return GeluLinearTrain::apply(h, weight, present(bias), qz,
                                 std::string(approximate), row_scale);
 }
@@ -531,7 +555,8 @@ at::Tensor layer_norm_train(const at::Tensor& x, at::IntArrayRef normalized_shap
                             const std::optional<at::Tensor>& bias, double eps, at::Tensor& alpha_est,
                             at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng, int64_t num_groups,
                             double decay, int64_t estimator, bool symmetric, bool stochastic, bool row_scale) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::layer_norm_train", false);
   return LayerNormTrain::apply(x, normalized_shape.vec(), present(weight), present(bias), eps, qz, row_scale);
 }
 
@@ -560,7 +585,7 @@ at::Tensor rebuild_norm_output(AutogradContext* ctx, const variable_list& saved)
                         std::nullopt, w.defined() ? opt(w.to(at::kFloat)) : std::nullopt,
                         b.defined() ? opt(b.to(at::kFloat)) : std::nullopt);
   } else {  // the definition: a multiply, then an add, in the math dtype
-    y = decompress_rows(saved, dim, groups, mdt, k);
+    y = decompress_rows(ctx, saved, dim, groups, mdt, k);
     if (w.defined()) y = y * w.to(mdt);
     if (b.defined()) y = y + b.to(mdt);
   }
@@ -621,7 +646,8 @@ at::Tensor layer_norm_linear_train(const at::Tensor& x, at::IntArrayRef normaliz
                                    at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
                                    int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                                    bool row_scale) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::layer_norm_linear_train", false);
   return LayerNormLinearTrain::apply(x, normalized_shape.vec(), present(ln_weight), present(ln_bias), eps, weight,
                                      present(bias), qz, row_scale);
 }
@@ -780,9 +806,9 @@ at::Tensor matmul_train(const at::Tensor& a, const at::Tensor& b, at::TensorList
 
 // ----------------------------------------------------------------------------- Conv2d
 // mesa_train/nn/conv.py (zeros padding given as numbers, no scale-branch link): the stock
-// F.conv2d forward, the input kept 8-bit with channel groups over dim 1 (only when the
-// weight needs a gradient), backward through ATen's convolution_backward fed the
-// dequantized input.
+// F.conv2d forward, the input kept 8-bit (or in a variant format) with channel groups over
+// dim 1 (only when the weight needs a gradient), backward through ATen's
+// convolution_backward fed the dequantized input.
 struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,
@@ -793,7 +819,10 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     // a channels-last input kept in its own layout: backward hands convolution_backward a
     // channels-last input, so the input gradient is stock's, layout and bits
     const NhwcView v = nhwc_view(x, x.dim() - 3);
-    if (weight.requires_grad()) std::tie(q, alpha, beta, G) = compress(v.x, v.dim, qz);
+    if (weight.requires_grad()) {
+      std::tie(q, alpha, beta, G) = compress(v.x, v.dim, qz);
+      save_code_format(ctx, qz, v.x.sizes());
+    }
     ctx->save_for_backward({q, alpha, beta, weight});
     ctx->saved_data["channels_last"] = is_channels_last(x);
     ctx->saved_data["dim"] = v.dim;
@@ -823,8 +852,8 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     at::Tensor g = grads[0].to(cdt), w = saved[3].to(cdt), xh;
     const bool channels_last = ctx->saved_data["channels_last"].toBool();
     if (saved[0].defined()) {
-      xh = from_nhwc(call_dequantize(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                          ctx->saved_data["groups"].toInt(), cdt, std::nullopt, std::nullopt),
+      xh = from_nhwc(dequantize_saved(ctx, saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+                                      ctx->saved_data["groups"].toInt(), cdt),
                      channels_last);
     } else {  // only the input gradient is needed: the values of x do not matter, its layout does
       xh = at::empty(ctx->saved_data["x_shape"].toIntVector(),
@@ -852,7 +881,8 @@ at::Tensor conv2d_train(const at::Tensor& x, const at::Tensor& weight, const std
                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                         at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
                         int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::conv2d_train", true);
   return Conv2dTrain::apply(x, weight, present(bias), stride.vec(),
                             padding.vec(), dilation.vec(), groups, qz);
 }

@@ -63,6 +63,21 @@ inline at::Tensor call_dequantize(const at::Tensor& q, const at::Tensor& alpha, 
                                   const std::optional<at::Tensor>& col_shift = std::nullopt) {
   return dequantize_op().call(q, alpha, beta, dim, groups, dtype, row_exp, row_mul, col_scale, col_shift);
 }
+// the variant formats' ops (DESIGN.md, "Variants"): packed 8/4/2-bit codes, linear or power-of-two steps
+using QuantizeBitsFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                                  bool, bool, const at::Tensor&);
+using DequantizeBitsFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::IntArrayRef,
+                                    int64_t, int64_t, int64_t, bool, c10::ScalarType);
+inline const c10::TypedOperatorHandle<QuantizeBitsFn>& quantize_bits_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::quantize_bits", "").typed<QuantizeBitsFn>();
+  return op;
+}
+inline const c10::TypedOperatorHandle<DequantizeBitsFn>& dequantize_bits_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mesa::dequantize_bits", "").typed<DequantizeBitsFn>();
+  return op;
+}
 inline const c10::TypedOperatorHandle<RowExponentsFn>& row_exponents_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mesa::row_exponents", "").typed<RowExponentsFn>();
@@ -120,6 +135,8 @@ inline const c10::TypedOperatorHandle<SoftmaxBackwardFn>& softmax_backward_op() 
 
 // The quantizer's state and options, as the Python ActivationQuantizer.compress passes them.
 // estimator: mesa_train.nn.quantizer.ESTIMATOR_CODES (the default-format estimators).
+// code_bits: 0 for the default format (mesa::quantize's 8-bit codes); 8, 4 or 2 for a variant
+// format's packed codes (mesa::quantize_bits, linear or with pow2 power-of-two steps).
 enum Estimator : int64_t { kRunning = 0, kPerSample = 1, kDelayed = 2 };
 struct Quantizer {
   at::Tensor alpha_est, beta_est, initialized, rng;
@@ -127,7 +144,36 @@ struct Quantizer {
   double decay;
   int64_t estimator;
   bool symmetric, stochastic;
+  int64_t code_bits = 0;
+  bool pow2 = false;
 };
+
+// The layer ops that can read their codes back by dequantizing them (gelu, gelu_linear, conv2d,
+// linear, scale, batch_norm, group_norm, elementwise) also take a variant format (DESIGN.md,
+// "Variant formats in the C++ ops"); the others are built with variants = false. The Python layers pass it
+// inside `estimator` (mesa_train.nn.quantizer.layer_op_code): the estimator's code plus
+// kFormatBits * bits plus kFormatPow2 for power-of-two steps; the default format is the
+// estimator's code alone. One int, not two more arguments: every layer op's schema and the
+// Python tuple spliced into each call (ActivationQuantizer.fused_layer_args) stay as they are.
+constexpr int64_t kFormatBits = 4, kFormatPow2 = 64;
+inline Quantizer make_quantizer(const at::Tensor& alpha_est, const at::Tensor& beta_est,
+                                const at::Tensor& initialized, const at::Tensor& rng, int64_t num_groups,
+                                double decay, int64_t code, bool symmetric, bool stochastic, const char* op,
+                                bool variants) {
+  const int64_t estimator = code % kFormatBits, bits = code / kFormatBits % (kFormatPow2 / kFormatBits);
+  const bool pow2 = code / kFormatPow2 == 1;
+  TORCH_CHECK_VALUE(code >= 0 && code < 2 * kFormatPow2 && estimator <= kDelayed &&
+                        (bits == 0 || bits == 8 || bits == 4 || bits == 2) && (bits != 0 || !pow2),
+                    op, ": estimator code ", code, " is not valid: 0 (running), 1 (per_sample) or 2 (delayed), ",
+                    "plus a variant format's ", kFormatBits, " * bits (8, 4 or 2) + ", kFormatPow2,
+                    " * pow2 (mesa_train.nn.quantizer.layer_op_code)");
+  TORCH_CHECK_VALUE(bits == 0 || variants, op, " keeps the default 8-bit format only (estimator code ", code,
+                    " names a variant format); the Python layer runs the variant formats");
+  TORCH_CHECK_VALUE(bits == 0 || estimator != kDelayed, op, ": the delayed estimator takes the default 8-bit format ",
+                    "only (estimator code ", code, ")");
+  return Quantizer{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic,
+                   bits, pow2};
+}
 
 using QuantizeObserveFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
@@ -144,7 +190,8 @@ inline Quantizer quantizer_from_list(at::TensorList state, int64_t num_groups, d
                                      bool symmetric, bool stochastic, const char* op) {
   TORCH_CHECK(state.size() == 4, op, ": a quantizer state is [alpha_est, beta_est, initialized, rng], got ",
               state.size(), " tensors");
-  return Quantizer{state[0], state[1], state[2], state[3], num_groups, decay, estimator, symmetric, stochastic};
+  return make_quantizer(state[0], state[1], state[2], state[3], num_groups, decay, estimator, symmetric, stochastic,
+                        op, false);
 }
 
 // The groups of a compression along a dim of size D: at most one per channel
@@ -162,6 +209,14 @@ inline int64_t capped_groups(const Quantizer& qz, int64_t D) {
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
     const at::Tensor& x_in, int64_t dim, Quantizer& qz, const std::optional<at::Tensor>& row_exp = std::nullopt) {
   const int64_t G = capped_groups(qz, x_in.size(dim));
+  if (qz.code_bits != 0) {  // a variant format: ActivationQuantizer._compress_variant (no row scales here)
+    TORCH_CHECK(!row_exp.has_value(), "mesa: compress: row scales take the default 8-bit format only");
+    const at::Tensor x = x_in.contiguous();
+    auto [alpha, beta, seed] = observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,
+                                                 qz.decay, qz.estimator == kPerSample, qz.symmetric, std::nullopt);
+    at::Tensor q = quantize_bits_op().call(x, alpha, beta, dim, G, qz.code_bits, qz.pow2, qz.stochastic, seed);
+    return {q, alpha, beta, G};
+  }
   const at::Tensor x = reads_in_place(x_in) ? x_in : x_in.contiguous();
   if (qz.estimator == kDelayed) {
     auto [q, alpha, beta] = quantize_observe_op().call(x, qz.alpha_est, qz.beta_est, qz.initialized, qz.rng, dim, G,
@@ -174,14 +229,33 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
   return {q, alpha, beta, G};
 }
 
+// What dequantize_saved needs to read back codes compress() made of a tensor of `shape` with
+// `qz`: nothing for the default format, the packed codes' bits, steps and shape for a variant.
+inline void save_code_format(AutogradContext* ctx, const Quantizer& qz, at::IntArrayRef shape) {
+  if (qz.code_bits == 0) return;
+  ctx->saved_data["code_bits"] = qz.code_bits;
+  ctx->saved_data["code_pow2"] = qz.pow2;
+  ctx->saved_data["code_shape"] = shape;
+}
+
+// The saved codes (q, alpha, beta) back in dtype `dt`: mesa::dequantize, or for a variant
+// format (save_code_format) mesa::dequantize_bits.
+inline at::Tensor dequantize_saved(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& alpha,
+                                   const at::Tensor& beta, int64_t dim, int64_t groups, c10::ScalarType dt) {
+  const auto bits = ctx->saved_data.find("code_bits");
+  if (bits == ctx->saved_data.end()) return call_dequantize(q, alpha, beta, dim, groups, dt);
+  return dequantize_bits_op().call(q, alpha, beta, ctx->saved_data["code_shape"].toIntVector(), dim, groups,
+                                   bits->second.toInt(), ctx->saved_data["code_pow2"].toBool(), dt);
+}
+
 // rowscale.compress_rows / decompress_rows (defined in layers_autograd.cpp): x compressed with
 // channel groups over its last dim, its rows far below the others scaled by 2**k when row_scale
 // is on (k undefined otherwise; `other`: the layer's other dtype, float16 caps k at 14); the
 // saved [q, alpha, beta, ...] back in dtype dt with the row scales undone.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_rows(
     const at::Tensor& x, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz);
-at::Tensor decompress_rows(const variable_list& saved, int64_t dim, int64_t groups, c10::ScalarType dt,
-                           const at::Tensor& k);
+at::Tensor decompress_rows(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
+                           c10::ScalarType dt, const at::Tensor& k);
 
 // A Mesa backward is not differentiable: it uses the 8-bit copy, a constant, where the stock
 // backward uses the input. With create_graph=True (grad mode on during backward) the

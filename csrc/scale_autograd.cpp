@@ -8,7 +8,7 @@
 // Why: the Python Function cost about 100 us of host time per call. The op does what the
 // Function does, op for op (the same aten kernels and mesa::compress / dequantize), so outputs,
 // codes, estimates and gradients are bitwise the Python path's (tests/test_scale_autograd.py).
-// The layers call it only in eager mode with the default 8-bit format.
+// The layers call it only in eager mode with a channel format (8-bit, or a variant: make_quantizer).
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -43,9 +43,11 @@ struct ScaleTrain : public torch::autograd::Function<ScaleTrain> {
       if (gamma.dim() <= 1) {  // per channel (last dim): channel groups, small rows scaled
         dim = x.dim() - 1;
         std::tie(q, alpha, beta, G, k) = compress_rows(x, out.scalar_type(), 1, row_scale, qz);
+        save_code_format(ctx, qz, x.sizes());
       } else {  // per head or per (sample, channel): groups along the dim gamma varies along
         const NhwcView v = nhwc_view(x, broadcast_dim(x, gamma));
         std::tie(q, alpha, beta, G) = compress(v.x, v.dim, qz);
+        save_code_format(ctx, qz, v.x.sizes());
         dim = v.dim;
         nhwc = v.permuted;
       }
@@ -72,7 +74,7 @@ struct ScaleTrain : public torch::autograd::Function<ScaleTrain> {
     if (ctx->needs_input_grad(1)) {
       const auto g_shape = ctx->saved_data["g_shape"].toIntVector();
       const at::Tensor xh = from_nhwc(
-          decompress_rows(saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), cdt, saved[4]),
+          decompress_rows(ctx, saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), cdt, saved[4]),
           ctx->saved_data["nhwc"].toBool());
       gg = g_shape.size() <= 1 ? (g * xh).reshape({-1, xh.size(-1)}).sum(0).reshape(g_shape)
                                : (g * xh).sum_to_size(g_shape);
@@ -85,7 +87,8 @@ struct ScaleTrain : public torch::autograd::Function<ScaleTrain> {
 at::Tensor scale_train(const at::Tensor& x, const at::Tensor& gamma, at::Tensor& alpha_est, at::Tensor& beta_est,
                        at::Tensor& initialized, at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator,
                        bool symmetric, bool stochastic, bool row_scale) {
-  Quantizer qz{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic};
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::scale_train", true);
   return ScaleTrain::apply(x, gamma, qz, row_scale);
 }
 

@@ -23,6 +23,9 @@ pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs t
 # ----------------------------------------------------------------------------- BatchNorm
 BN_OPTIONS = [dict(), dict(estimator="per_sample"), dict(estimator="delayed"), dict(symmetric=True),
               dict(rounding="nearest"), dict(num_groups=2)]
+# the variant formats the C++ ops take (channel groups, min/max ranges; csrc/layers_common.h, make_quantizer)
+VARIANTS = [dict(bits=4), dict(bits=2, scale="pow2"), dict(bits=8, scale="pow2"),
+            dict(bits=4, estimator="per_sample", symmetric=True, rounding="nearest", num_groups=2)]
 BN_SHAPES = {"2d": (2, 4, 5, 3), "channels_last": (2, 4, 5, 3), "1d_ncl": (3, 4, 7), "1d_nc": (6, 4)}
 BN_MODULES = {"2d": mnn.BatchNorm2d, "channels_last": mnn.BatchNorm2d, "1d_ncl": mnn.BatchNorm1d,
               "1d_nc": mnn.BatchNorm1d}
@@ -82,23 +85,25 @@ def test_fused_batchnorm_gradients_and_running_statistics(device, grads, bn_kwar
 
 
 def test_fused_batchnorm_runs_only_where_it_may(monkeypatch):
-    """The C++ op in eager training with the paper format and an affine BatchNorm; the Python
-    Function for a non-affine one, a variant format, and a linked 1x1 depthwise conv in front
-    (conv.ScaleLink, whose weight gradient the BatchNorm's backward hands over); stock in eval."""
+    """The C++ op in eager training with a channel format (8-bit or a variant) and an affine
+    BatchNorm; the Python Function for a non-affine one, learned thresholds, and a linked 1x1
+    depthwise conv in front (conv.ScaleLink, whose weight gradient the BatchNorm's backward
+    hands over); stock in eval."""
     calls = count_calls(monkeypatch, "batch_norm_train")
-    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
     mnn.BatchNorm2d(4)(x).sum().backward()
     mnn.BatchNorm1d(4)(x.flatten(2)).sum().backward()
-    assert calls == [1, 1]
-    mnn.BatchNorm2d(4, affine=False)(x).sum().backward()
     mnn.BatchNorm2d(4, bits=4)(x).sum().backward()
+    assert calls == [1, 1, 1]
+    mnn.BatchNorm2d(4, affine=False)(x).sum().backward()
+    mnn.BatchNorm2d(4, bits=4, estimator="learned")(x).sum().backward()
     mnn.BatchNorm2d(4).eval()(x).sum().backward()
-    assert calls == [1, 1]
+    assert calls == [1, 1, 1]
     stock = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1, groups=4, bias=False), torch.nn.BatchNorm2d(4))
     from mesa_train.patch import patch_model
 
     patch_model(stock)(x).sum().backward()
-    assert calls == [1, 1]
+    assert calls == [1, 1, 1]
 
 
 def test_fused_batchnorm_higher_order_gradients_are_a_clear_error(monkeypatch):
@@ -164,11 +169,12 @@ def test_fused_groupnorm_runs_only_where_it_may(monkeypatch):
     calls = count_calls(monkeypatch, "group_norm_train")
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
     mnn.GroupNorm(2, 4)(x).sum().backward()
-    assert calls == [1]
-    mnn.GroupNorm(2, 4, affine=False)(x).sum().backward()
     mnn.GroupNorm(2, 4, bits=4)(x).sum().backward()
+    assert calls == [1, 1]
+    mnn.GroupNorm(2, 4, affine=False)(x).sum().backward()
+    mnn.GroupNorm(2, 4, bits=4, estimator="learned")(x).sum().backward()
     mnn.GroupNorm(2, 4).eval()(x).sum().backward()
-    assert calls == [1]
+    assert calls == [1, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -255,8 +261,11 @@ def test_fused_activation_runs_only_in_eager_training(kind, monkeypatch):
     _activation(kind, {}).eval()(x).sum().backward()
     _activation(kind, {})(x.detach())
     if kind not in MASKED:  # (a mask has no format)
-        _activation(kind, dict(bits=4))(x).sum().backward()  # a variant format: the Python Function
-    assert calls == [1]
+        _activation(kind, dict(bits=4, estimator="learned"))(x).sum().backward()  # learned: the Python Function
+        assert calls == [1]
+        _activation(kind, dict(bits=4))(x).sum().backward()  # a variant format: the C++ op
+        assert calls == [1, 1]
+    assert calls == [1] * len(calls) and len(calls) == (1 if kind in MASKED else 2)
 
 
 @pytest.mark.parametrize("kind", ["relu", "hardsigmoid", "hardswish"])
@@ -274,3 +283,70 @@ def test_fused_inplace_relu_on_a_leaf_is_refused_as_stock_does(monkeypatch):
         torch.nn.ReLU(inplace=True)(leaf)
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         mnn.ReLU(inplace=True)(leaf)
+
+
+# ----------------------------------------------------------------------------- the variant formats
+VARIANT_LAYERS = {"batchnorm": lambda o: mnn.BatchNorm2d(4, **o), "batchnorm1d": lambda o: mnn.BatchNorm1d(4, **o),
+                  "groupnorm": lambda o: mnn.GroupNorm(2, 4, quant_options=o),
+                  "silu": lambda o: mnn.SiLU(**o), "quick_gelu": lambda o: mnn.QuickGELU(**o),
+                  "hardswish": lambda o: mnn.Hardswish(**o)}
+VARIANT_OPS = {"batchnorm": "batch_norm_train", "batchnorm1d": "batch_norm_train", "groupnorm": "group_norm_train",
+               "silu": "elementwise_train", "quick_gelu": "elementwise_train", "hardswish": "elementwise_train"}
+
+
+def _variant_run(fused, monkeypatch, device, name, options, layout, dtype):
+    """Two training steps of one layer in a variant format; the first input holds NaN-free edge
+    values (0, +-3, -0); returns outputs, gradients, the bytes kept and the buffers after."""
+    calls = count_calls(monkeypatch, VARIANT_OPS[name])
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    torch.manual_seed(0)
+    layer = VARIANT_LAYERS[name](options).to(device, dtype)
+    layer.quantizer.rng.copy_(torch.tensor([55, 0]))
+    shape = {"nchw": (2, 4, 5, 3), "channels_last": (2, 4, 5, 3), "3d": (3, 4, 7)}[layout]
+    out = []
+    for step in range(2):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(step)) * 3 + step
+        x.view(-1)[:4] = torch.tensor([0.0, 3.0, -3.0, -0.0])
+        x = x.to(device, dtype)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        with SavedTensorMeter() as meter:
+            y = layer(x)
+        (y.float() * torch.linspace(-1, 2, y.numel(), device=device).view(y.shape)).sum().backward()
+        out += [y.detach(), x.grad, torch.tensor(meter.activation_bytes)]
+    assert len(calls) == (2 if fused else 0)  # the C++ op ran where asked, and only there
+    return out + [p.grad for p in layer.parameters()] + [b.clone() for b in layer.buffers()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("options", VARIANTS, ids=str)
+@pytest.mark.parametrize("name,layout", [(name, layout) for name in VARIANT_LAYERS
+                                         for layout in ("nchw", "channels_last", "3d")
+                                         if (name == "batchnorm1d") == (layout == "3d") or name != "batchnorm"
+                                         and name != "batchnorm1d"])
+def test_fused_layers_take_the_variant_formats_bitwise_the_python_function(name, layout, options, dtype, device,
+                                                                           monkeypatch):
+    """mesa.bits=4|2 and scale=pow2: the BatchNorm, GroupNorm and elementwise C++ ops keep
+    mesa::quantize_bits' packed codes and read them back with dequantize_bits, the same bits as
+    the Python Functions (a channels-last input through its NHWC view on both paths); also
+    the bytes kept (4 or 2 bits a value)."""
+    args = (device, name, options, layout, dtype)
+    got, want = _variant_run(True, monkeypatch, *args), _variant_run(False, monkeypatch, *args)
+    assert_all_same_bits(got, want)
+
+
+def test_the_layer_ops_name_the_formats_they_take(monkeypatch):
+    """A variant code where an op keeps 8-bit codes only, and a code no format has: one clear
+    error each (the Python layers never pass them: ActivationQuantizer.fused_layer_args)."""
+    q = mnn.Softmax(-1, bits=4).quantizer
+    state = (q.alpha, q.beta, q.initialized, q.rng, 1, 0.9)
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"mesa::softmax_train keeps the default 8-bit format only"):
+        torch.ops.mesa.softmax_train(x, -1, *state, quantizer_mod.layer_op_code(q.options), False, True, None)
+    for bad in (3, 4 * 3, 64, 200):  # estimator 3; 3 bits; pow2 without bits; past the last flag
+        with pytest.raises(ValueError, match=rf"estimator code {bad} is not valid"):
+            torch.ops.mesa.elementwise_train(x, 0, *state, bad, False, True)
+    with pytest.raises(ValueError, match=r"the delayed estimator takes the default 8-bit format only"):
+        torch.ops.mesa.elementwise_train(x, 0, *state, 2 + 4 * 2, False, True)

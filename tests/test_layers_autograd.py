@@ -60,6 +60,29 @@ def test_fused_layer_is_bitwise_the_python_function(kind, dtype, options, monkey
         assert a.dtype == b.dtype and torch.equal(a, b), i
 
 
+@pytest.mark.parametrize("options", [dict(bits=4), dict(bits=2, scale="pow2"), dict(bits=8, scale="pow2"),
+                                     dict(bits=4, estimator="per_sample", rounding="nearest", num_groups=3)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh"])
+def test_fused_gelu_takes_the_variant_formats_bitwise_the_python_function(kind, dtype, options, monkeypatch):
+    """mesa.bits=4|2, scale=pow2: mesa::gelu_train keeps quantize_bits' packed codes and its
+    backward is dequantize_bits + ATen's gelu_backward (the 8-bit one-op backward reads 8-bit
+    codes): the Python Function's bits, on the C++ op each step (a 4-D input: its NHWC view)."""
+    layer_a, shape = _layer(kind, options)
+    layer_b, _ = _layer(kind, options)
+    layer_b.quantizer.rng.copy_(layer_a.quantizer.rng)
+    x = (torch.randn(shape) * 2).to(dtype)
+    if x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    g = torch.randn(shape).to(dtype)
+    calls = count_calls(monkeypatch, "gelu_train")
+    got = _run(layer_a, x, g, True, monkeypatch)
+    assert calls == [1, 1]
+    want = _run(layer_b, x, g, False, monkeypatch)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
 def test_softmax_copy_and_sharing_match(monkeypatch):
     """forward_with_copy hands the same codes to attn @ v on both paths; an unused output
     (only the copy reaches the loss) gives no gradient, as in the Python Function."""
@@ -92,14 +115,14 @@ def test_the_fast_path_is_used_in_eager_training_only(monkeypatch):
     layer.eval()
     layer(torch.randn(4, 6, requires_grad=True))
     layer.train()
-    mnn.GELU(bits=4)(torch.randn(4, 6, requires_grad=True)).sum().backward()  # a variant format: Python path
+    mnn.GELU(bits=4, estimator="learned")(torch.randn(4, 6, requires_grad=True)).sum().backward()  # Python path
     assert calls == [1]
 
 
-def _linear_run(fused, monkeypatch, dtype, bias, row_scale, x_grad, w_grad, autocast, shape):
+def _linear_run(fused, monkeypatch, dtype, bias, row_scale, x_grad, w_grad, autocast, shape, options=None):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     torch.manual_seed(0)
-    layer = mnn.Linear(12, 6, bias=bias, dtype=dtype, num_groups=3, row_scale=row_scale)
+    layer = mnn.Linear(12, 6, bias=bias, dtype=dtype, **{"num_groups": 3, "row_scale": row_scale, **(options or {})})
     layer.quantizer.rng.copy_(torch.tensor([77, 0]))
     layer.weight.requires_grad_(w_grad)
     out = []
@@ -130,6 +153,25 @@ def test_fused_linear_is_bitwise_the_python_function(dtype, autocast, bias, row_
         assert (a is None) == (b is None), i
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=str)
+@pytest.mark.parametrize("row_scale", [True, False])
+@pytest.mark.parametrize("options", [dict(bits=4), dict(bits=2, scale="pow2"), dict(bits=8, scale="pow2"),
+                                     dict(bits=4, estimator="per_sample", rounding="nearest", num_groups=2)], ids=str)
+def test_fused_linear_takes_the_variant_formats_bitwise_the_python_function(dtype, autocast, row_scale, options,
+                                                                            monkeypatch):
+    """mesa.bits=4|2, scale=pow2: mesa::linear_train keeps quantize_bits' packed codes of the
+    input, its small rows scaled by 2**k first (ActivationQuantizer._compress's order) and
+    unscaled after dequantize_bits: the Python Function's bits, on the C++ op each step."""
+    args = (dtype, True, row_scale, True, True, autocast, (4, 5, 12), options)
+    calls = count_calls(monkeypatch, "linear_train")
+    got = _linear_run(True, monkeypatch, *args)
+    assert calls == [1, 1]
+    want = _linear_run(False, monkeypatch, *args)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i
 
 
 def _layernorm_run(fused, monkeypatch, dtype, affine, bias, row_scale, x_grad, w_grad, shape, normalized,
@@ -321,7 +363,43 @@ def test_fused_conv2d_only_for_numeric_zero_padding(monkeypatch):
     mnn.Conv2d(4, 4, 3, padding="same")(x).sum().backward()
     mnn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")(x).sum().backward()
     mnn.Conv2d(4, 4, 3, padding=1, layout="patch4x4", bits=2)(x).sum().backward()
+    mnn.Conv2d(4, 4, 3, padding=1, bits=4, estimator="learned")(x).sum().backward()
     assert calls == [1]
+    mnn.Conv2d(4, 4, 3, padding=1, bits=4)(x).sum().backward()  # a channel variant format: the C++ op
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("conv_kwargs", [dict(kernel_size=3, padding=1), dict(kernel_size=1, groups=2)], ids=str)
+@pytest.mark.parametrize("options", [dict(bits=4), dict(bits=2, scale="pow2"), dict(bits=8, scale="pow2"),
+                                     dict(bits=4, estimator="per_sample", rounding="nearest", num_groups=2)], ids=str)
+def test_fused_conv2d_takes_the_variant_formats_bitwise_the_python_function(dtype, channels_last, conv_kwargs,
+                                                                            options, monkeypatch):
+    """mesa.bits=4|2, scale=pow2: mesa::conv2d_train keeps the input as quantize_bits' packed
+    codes (a channels-last input through its NHWC view) and reads them back with
+    dequantize_bits: outputs, gradients, bytes kept and buffers equal the Python Function's."""
+    def run(fused):
+        calls = count_calls(monkeypatch, "conv2d_train")
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+        torch.manual_seed(0)
+        layer = mnn.Conv2d(4, 6, dtype=dtype, **conv_kwargs, **options)
+        layer.quantizer.rng.copy_(torch.tensor([55, 0]))
+        out = []
+        for step in range(2):
+            x = (torch.randn(2, 4, 9, 7) * (step + 1)).to(dtype)
+            x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+            x.requires_grad_()
+            with SavedTensorMeter() as meter:
+                y = layer(x)
+            (y.float() * torch.linspace(-1, 2, y.numel()).view(y.shape)).sum().backward()
+            out += [y.detach(), x.grad, torch.tensor(meter.activation_bytes)]
+        assert len(calls) == (2 if fused else 0)
+        return out + [p.grad for p in layer.parameters()] + [b.clone() for b in layer.quantizer.buffers()]
+
+    got, want = run(True), run(False)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b), i
 
 
 def _rows_case(case: str, shape, dtype):

@@ -26,6 +26,7 @@ from mesa_train.nn import gelu_linear as gelu_linear_mod
 from mesa_train.patch import patch_model
 from mesa_train.patch import mlp as mlp_mod
 from mesa_train.patch.mlp import MesaMlp, MesaMlpWithDepthwiseConv
+from op_calls import count_calls
 from shared_copies import (assert_shared_as_close_as_separate, check_config_choice, cos, run_step,
                            worst_cosines_by_mode)
 
@@ -205,16 +206,20 @@ def test_fc2_weight_gradient_averages_to_exact():
 
 
 @pytest.mark.skipif(not gelu_linear_mod._OP, reason="needs the extension's mesa::gelu_linear_train")
+@pytest.mark.parametrize("options", [{}, dict(bits=4), dict(bits=2, scale="pow2")], ids=str)
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cpp_node_bitwise_the_python_function(family, autocast, monkeypatch):
+def test_cpp_node_bitwise_the_python_function(family, autocast, options, monkeypatch):
     """Eager runs one C++ op with a C++ autograd node (csrc/layers_autograd.cpp,
-    GeluLinearTrain); the Python Function (torch.compile, variants) must give the same bits
+    GeluLinearTrain), also for the variant formats (h's packed codes dequantized once in
+    backward); the Python Function (torch.compile, learned thresholds) must give the same bits
     (PVT-v2: on a transposed, non-contiguous h)."""
-    patched = patch_model(_model(family))
+    patched = patch_model(_model(family), **options)
     twin = copy.deepcopy(patched)  # same weights and quantizer state (estimates, rounding counters)
     x = _images()
+    op_calls = count_calls(monkeypatch, "gelu_linear_train")
     out_cpp, g_cpp = run_step(patched, x, autocast=autocast)
+    assert len(op_calls) == len(_mlps(patched))
     monkeypatch.setattr(gelu_linear_mod, "_OP", False)
     calls = []
     real = gelu_linear_mod._GeluLinearFn.apply

@@ -82,8 +82,26 @@ def test_the_layer_scales_take_the_fused_op_in_eager_training_only(monkeypatch):
     mnn.ChannelScale()(x, torch.rand(1, 6, 1, 1, requires_grad=True)).sum().backward()
     assert calls == [1, 1, 1]
     mnn.LayerScale(3).eval()(x).sum().backward()
-    mnn.LayerScale(3, bits=4)(x).sum().backward()  # a variant format: the Python Function
+    mnn.LayerScale(3, bits=4, estimator="learned")(x).sum().backward()  # learned thresholds: the Python Function
     assert calls == [1, 1, 1]
+    mnn.LayerScale(3, bits=4)(x).sum().backward()  # a channel variant format: the C++ op
+    assert calls == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("options", [dict(bits=4), dict(bits=2, scale="pow2"),
+                                     dict(bits=8, scale="pow2", row_scale=False),
+                                     dict(bits=4, estimator="per_sample", rounding="nearest")], ids=str)
+@pytest.mark.parametrize("form", ["small_rows", "nchw_channels_last", "logit_scale", "se_gate"])
+def test_fused_scale_takes_the_variant_formats_bitwise_the_python_function(form, options, dtype, monkeypatch):
+    """mesa.bits=4|2, scale=pow2: the packed codes of quantize_bits (the rows scaled first,
+    as ActivationQuantizer._compress does, and unscaled after dequantize_bits), the same bits
+    as _ScaleFn, on the C++ op each step."""
+    args = ("cpu", form, dtype, False, options, (True, True))
+    calls = count_calls(monkeypatch, "scale_train")
+    got = _run(True, monkeypatch, *args)
+    assert calls == [1, 1]
+    assert_all_same_bits(got, _run(False, monkeypatch, *args))
 
 
 def test_fused_scale_higher_order_gradients_are_a_clear_error(monkeypatch):

@@ -108,14 +108,15 @@ def is_channels_last(x: torch.Tensor) -> bool:
     return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
-def nhwc_view(x: torch.Tensor, dim: int, default_format: bool) -> tuple[torch.Tensor, int, bool]:
+def nhwc_view(x: torch.Tensor, dim: int, channel_layout: bool) -> tuple[torch.Tensor, int, bool]:
     """``(x or its NHWC view, the group dim in it, whether it is the view)``: a channels-last
     4-D ``x`` grouped over dim 1 is compressed as ``x.permute(0, 2, 3, 1)`` grouped over its
     last dim (the same groups and statistics, the codes in x's own order): no copy to NCHW,
     and :func:`from_nhwc` hands backward a channels-last tensor again, so the gradients keep
-    stock's layout (DESIGN.md, "Channels-last inputs"). Default format only. C++ twin:
+    stock's layout (DESIGN.md, "Channels-last inputs"). Formats with channel groups only
+    (``QuantOptions.channel_layout``, any bits: patch4x4 blocks are NCHW planes). C++ twin:
     ``nhwc_view`` in csrc/layers_common.h."""
-    if default_format and dim == 1 and is_channels_last(x):
+    if channel_layout and dim == 1 and is_channels_last(x):
         return x.permute(0, 2, 3, 1), 3, True
     return x, dim, False
 
@@ -125,7 +126,7 @@ def save_elementwise_input(ctx, x: torch.Tensor, y: torch.Tensor, quantizer, *ex
     ``quantizer`` (per-head groups for a 4-D attention map, channel groups otherwise; a
     channels-last ``x`` through its NHWC view), and ``extra``. Sets ``ctx.nhwc``, ``ctx.cdt``
     (``y``'s dtype, which backward computes in) and ``ctx.x_dtype`` (its gradient's)."""
-    xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.is_default_format)
+    xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.channel_layout)
     ctx.cdt, ctx.x_dtype = y.dtype, x.dtype
     save(ctx, [quantizer.compress(xv, dim)], *extra)
 

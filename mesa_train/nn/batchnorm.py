@@ -89,7 +89,7 @@ def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quanti
     with no_autocast(x.device.type):
         mdt = torch.promote_types(x.dtype, torch.float32)
         x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), x)) * _per_channel(invstd.to(mdt), x)
-    xv, dim, nhwc = nhwc_view(x_hat, 1, quantizer.options.is_default_format)
+    xv, dim, nhwc = nhwc_view(x_hat, 1, quantizer.options.channel_layout)
     packed = quantizer.compress(xv, dim)
     return out, packed, nhwc, invstd, mdt, code_moments(packed, mdt)
 
@@ -219,9 +219,9 @@ def _train_forward(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor, lin
         return stock_forward(input)
     bn._check_input_dim(input)
     running_mean, running_var, factor = running_stats_step(bn)
-    # eager, paper format, affine, no linked conv in front: the layer with a C++ autograd node
-    fused = bn.quantizer.fused_layer_args(input) if link is None and bn.weight is not None and bn.bias is not None \
-        else None
+    # eager, channel format, affine, no linked conv in front: the layer with a C++ autograd node
+    fused = bn.quantizer.fused_layer_args(input, variants=True) \
+        if link is None and bn.weight is not None and bn.bias is not None else None
     if fused is not None:
         return torch.ops.mesa.batch_norm_train(input, bn.weight, bn.bias, running_mean, running_var, factor, bn.eps,
                                                *fused)

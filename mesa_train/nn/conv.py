@@ -71,7 +71,7 @@ def conv_forward(x, weight, bias, module, quantizer, weight_grad: bool):
     # a channels-last input is kept in its own layout: backward hands convolution_backward
     # a channels-last input, so the input gradient is stock's, layout and bits
     spatial = len(module.kernel_size)  # 2 for Conv2d, 1 for Conv1d
-    xv, dim, nhwc_codes = nhwc_view(x, x.dim() - spatial - 1, quantizer.options.is_default_format)
+    xv, dim, nhwc_codes = nhwc_view(x, x.dim() - spatial - 1, quantizer.options.channel_layout)
     packed = quantizer.compress(xv, dim) if weight_grad else None
     return y, packed, (is_channels_last(x), nhwc_codes, x.shape)
 
@@ -222,8 +222,8 @@ class Conv2d(_MesaConv, nn.Conv2d):
     def _compressed_conv(self, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``self._conv_forward(input, weight, self.bias)`` keeping the 8-bit input; ``weight``
         is this layer's own or one derived from it (weight standardization: ``std_conv.py``)."""
-        fused = self.quantizer.fused_layer_args(input) if self._fused_padding else None
-        if fused is not None:  # eager, paper format: the layer with a C++ autograd node
+        fused = self.quantizer.fused_layer_args(input, variants=True) if self._fused_padding else None
+        if fused is not None:  # eager, channel format: the layer with a C++ autograd node
             return torch.ops.mesa.conv2d_train(input, weight, self.bias, self.stride, self.padding,
                                                self.dilation, self.groups, *fused)
         return _Conv2dFn.apply(input, weight, self.bias, self, self.quantizer)

@@ -68,7 +68,7 @@ class _GroupNormFn(torch.autograd.Function):
             mdt = torch.promote_types(x.dtype, torch.float32)
             x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), groups, x)) * _per_channel(rstd.to(mdt), groups, x)
         # (a channels-last x_hat through its NHWC view: no copy to NCHW, as the BatchNorm's)
-        xv, dim, ctx.nhwc = nhwc_view(x_hat, 1, quantizer.options.is_default_format)
+        xv, dim, ctx.nhwc = nhwc_view(x_hat, 1, quantizer.options.channel_layout)
         packed = quantizer.compress(xv, dim)
         del x_hat, xv
         ctx.mdt, ctx.eps, ctx.groups, ctx.nc_hxw, ctx.fmt = mdt, eps, groups, (n, c, hxw), fmt
@@ -125,8 +125,9 @@ class GroupNorm(MesaLayer, nn.GroupNorm):
     def forward(self, input):
         if input.dim() < 2 or not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
-        # eager, paper format, affine: the layer with a C++ autograd node (csrc/convnet_autograd.cpp)
-        fused = self.quantizer.fused_layer_args(input) if self.weight is not None and self.bias is not None else None
+        # eager, channel format, affine: the layer with a C++ autograd node (csrc/convnet_autograd.cpp)
+        fused = self.quantizer.fused_layer_args(input, variants=True) \
+            if self.weight is not None and self.bias is not None else None
         if fused is not None:
             return torch.ops.mesa.group_norm_train(input, self.weight, self.bias, self.num_groups, self.eps, *fused)
         return _GroupNormFn.apply(input, self.num_groups, self.weight, self.bias, self.eps, self.quantizer)

@@ -61,7 +61,7 @@ class _ScaleFn(torch.autograd.Function):
             if gamma.dim() <= 1:  # per channel (last dim): channel groups, small rows scaled
                 packed, k = compress_rows(quantizer, x, 1, max_exponent(x.dtype, out.dtype))
             else:  # per head or per (sample, channel): groups along the dim gamma varies along
-                xv, dim, ctx.nhwc = nhwc_view(x, _broadcast_dim(x, gamma), quantizer.options.is_default_format)
+                xv, dim, ctx.nhwc = nhwc_view(x, _broadcast_dim(x, gamma), quantizer.options.channel_layout)
                 packed = quantizer.compress(xv, dim)
         ctx.cdt, ctx.x_dtype, ctx.g_dtype, ctx.g_shape = out.dtype, x.dtype, gamma.dtype, gamma.shape
         save(ctx, [packed], gamma if ctx.needs_input_grad[0] else None, k)
@@ -87,10 +87,10 @@ class _ScaleFn(torch.autograd.Function):
 
 
 def _scale(x: torch.Tensor, gamma: torch.Tensor, quantizer) -> torch.Tensor:
-    """``x * gamma`` keeping 8-bit ``x``: the C++ layer op in eager training with the paper format
-    (``mesa::scale_train``, csrc/scale_autograd.cpp: a C++ autograd node, the same bits), else
-    ``_ScaleFn``."""
-    fused = quantizer.fused_layer_args(x)
+    """``x * gamma`` keeping a compressed ``x``: the C++ layer op in eager training with a channel
+    format (``mesa::scale_train``, csrc/scale_autograd.cpp: a C++ autograd node, the same bits),
+    else ``_ScaleFn``."""
+    fused = quantizer.fused_layer_args(x, variants=True)
     if fused is not None:
         return torch.ops.mesa.scale_train(x, gamma, *fused, quantizer.options.row_scale)
     return _ScaleFn.apply(x, gamma, quantizer)

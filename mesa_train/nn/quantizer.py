@@ -143,6 +143,12 @@ class QuantOptions:
         return self.bits == 8 and self.scale == "linear" and self.layout == "channel" and self.estimator != "learned"
 
     @property
+    def channel_layout(self) -> bool:
+        """Codes grouped along the channel dim (any bits and scale): what a channels-last
+        activation may be compressed as through its NHWC view (``_common.nhwc_view``)."""
+        return self.layout == "channel"
+
+    @property
     def format_record(self) -> tuple[int, int, int, int]:
         """What a checkpoint records about the stored format (bits, scale, layout, learned)."""
         return (self.bits, SCALES.index(self.scale), LAYOUTS.index(self.layout), int(self.estimator == "learned"))
@@ -231,6 +237,16 @@ _DEQUANTIZE_BITS = torch.ops.mesa.dequantize_bits.default
 # Whole-layer C++ ops (csrc/layers_autograd.cpp) exist only in the compiled extension; with
 # the pure-PyTorch fallback the layers keep their Python Functions.
 _FUSED_LAYERS = quant.extension_error is None and hasattr(torch.ops.mesa, "gelu_train")
+
+
+def layer_op_code(opts: QuantOptions) -> int:
+    """The ``estimator`` argument of the C++ layer ops for ``opts`` (csrc/layers_common.h,
+    ``make_quantizer``): the estimator's code, plus ``4 * bits + 64 * pow2`` for a variant
+    format (the default format: the code alone)."""
+    code = ESTIMATOR_CODES[opts.estimator]
+    if opts.is_default_format:
+        return code
+    return code + 4 * opts.bits + 64 * (opts.scale == "pow2")
 
 
 def fused_layers_on() -> bool:
@@ -487,18 +503,27 @@ class ActivationQuantizer(nn.Module):
             self._apply(lambda t: t.to(x.device))
         return bufs
 
-    def fused_layer_args(self, x: torch.Tensor) -> tuple | None:
+    def fused_layer_args(self, x: torch.Tensor, variants: bool = False) -> tuple | None:
         """The quantizer arguments of the C++ layer ops (``mesa::gelu_train``,
         ``mesa::softmax_train``: a whole Mesa layer with a C++ autograd node, see
         ``csrc/layers_autograd.cpp``), or ``None`` where a layer must use its Python Function:
-        under ``torch.compile`` (the traceable path), for the variant formats, or when the
-        extension is not loaded (the reference ops)."""
+        under ``torch.compile`` (the traceable path), when the extension is not loaded (the
+        reference ops), and for the variant formats unless ``variants`` (the ops that read
+        their codes back only by dequantizing them: gelu, gelu_linear, conv2d, linear,
+        scale, batch_norm, group_norm, elementwise; DESIGN.md, "Variant formats in the C++ ops") and the format
+        has channel groups and min/max ranges (not patch4x4, not learned thresholds)."""
         opts = self.options
-        if not (opts.is_default_format and fused_layers_on()):
+        if not fused_layers_on():
+            return None
+        if opts.is_default_format:
+            code = ESTIMATOR_CODES[opts.estimator]
+        elif variants and opts.channel_layout and opts.estimator != "learned":
+            code = layer_op_code(opts)
+        else:
             return None
         bufs = self._follow_device(x)
-        return (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], opts.num_groups, opts.decay,
-                ESTIMATOR_CODES[opts.estimator], opts.symmetric, opts.rounding == "stochastic")
+        return (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], opts.num_groups, opts.decay, code,
+                opts.symmetric, opts.rounding == "stochastic")
 
     @torch.no_grad()
     def compress(self, x: torch.Tensor, dim: int, row_exp: torch.Tensor | None = None) -> Packed:

@@ -34,7 +34,7 @@ class _StarReLUFn(torch.autograd.Function):
         y = scale * r ** 2 + bias  # timm's expression, the same ops in the same order
         need_r = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         if need_r:
-            rv, dim, ctx.nhwc = nhwc_view(r, group_dim_4d(r), quantizer.options.is_default_format)
+            rv, dim, ctx.nhwc = nhwc_view(r, group_dim_4d(r), quantizer.options.channel_layout)
             packed = quantizer.compress(rv, dim)
         else:
             packed, ctx.nhwc = None, False
