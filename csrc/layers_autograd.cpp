@@ -7,9 +7,8 @@
 // Python Functions in mesa_train/nn/gelu.py, softmax.py, linear.py, layernorm.py, matmul.py and conv.py do, op for op (the same aten
 // kernels and mesa::observe / quantize / dequantize), so outputs, codes, estimates and
 // gradients are bitwise the Python path's (tests/test_layers_autograd.py). The Python
-// layers call them only in eager mode with the default 8-bit channel format (gelu_train,
-// gelu_linear_train, linear_train and conv2d_train also with the channel variant formats:
-// layers_common.h, make_quantizer); under
+// layers call them only in eager mode with a channel format (8-bit, or a variant but for
+// softmax_train and matmul_train: layers_common.h, make_quantizer); under
 // torch.compile and for the other formats they keep their Python Functions.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -60,7 +59,7 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
     const int64_t dim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
     const auto approximate = ctx->saved_data["approximate"].toStringRef();
     at::Tensor gx;
-    if (approximate == "none" && !ctx->saved_data.count("code_bits")) {  // one op from the 8-bit codes (gelu.py)
+    if (approximate == "none" && !variant_codes(ctx)) {  // one op from the 8-bit codes (gelu.py)
       gx = from_nhwc(gelu_backward_op().call(to_nhwc(grads[0].to(cdt), nhwc), saved[0], saved[1], saved[2], dim,
                                              groups, std::nullopt),
                      nhwc);
@@ -173,11 +172,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_wit
     const at::Tensor& x_in, int64_t dim, Quantizer& qz, int64_t row_dims, int64_t max_k,
     const at::Tensor& row_mean = at::Tensor(), const at::Tensor& row_rstd = at::Tensor()) {
   const bool norm = row_mean.defined();
-  if (qz.code_bits != 0) {  // a variant format: ActivationQuantizer._compress's order (exponents, scaled copy)
-    TORCH_CHECK(!norm, "mesa: compress: a LayerNorm's x_hat takes the default 8-bit format only");
+  if (qz.code_bits != 0) {  // a variant format: rowscale.compress_normalized / ActivationQuantizer._compress's
+    // order: the normalised copy, its row exponents, the scaled copy, then observe + quantize_bits
+    const at::Tensor xn = norm ? normalized_rows(x_in, row_mean, row_rstd) : x_in;
     at::Tensor k;
-    if (max_k > 0) k = row_exponents_op().call(x_in, row_dims, max_k);
-    const at::Tensor x = k.defined() ? x_in * at::exp2(k.to(x_in.scalar_type())) : x_in;  // reference.scale_rows
+    if (max_k > 0) k = row_exponents_op().call(xn, row_dims, max_k);
+    const at::Tensor x = k.defined() ? xn * at::exp2(k.to(xn.scalar_type())) : xn;  // reference.scale_rows
     auto [q, alpha, beta, G] = compress(x, dim, qz);
     return {q, alpha, beta, G, k};
   }
@@ -245,16 +245,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
   return {q, alpha, beta, k.defined() ? k : at::empty({0}, x.options().dtype(at::kChar))};
 }
 
+// A variant format's saved codes (q, alpha, beta first in `saved`) back in dtype `dt`, with
+// what mesa::dequantize does in its kernel for the default format done as ops, in the order
+// and dtypes of mesa_train.nn.quantizer.decompress: the rows unscaled by 2**-k, times row_mul
+// (float32, rounded to dt), or computed in float32 and taken through the column epilogue
+// y * col_scale + col_shift before one rounding to dt (each undefined: not applied).
+at::Tensor decompress_variant(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
+                              c10::ScalarType dt, const at::Tensor& k, const at::Tensor& row_mul = at::Tensor(),
+                              const at::Tensor& col_scale = at::Tensor(), const at::Tensor& col_shift = at::Tensor()) {
+  if (col_scale.defined() || col_shift.defined()) {  // (reference.affine_cols)
+    at::Tensor y = decompress_variant(ctx, saved, dim, groups, at::kFloat, k, row_mul);
+    if (col_scale.defined()) y = y * col_scale;
+    if (col_shift.defined()) y = y + col_shift;
+    return y.to(dt);
+  }
+  at::Tensor y = dequantize_saved(ctx, saved[0], saved[1], saved[2], dim, groups, dt);
+  if (k.defined()) y = y * at::exp2(k.to(dt).neg());                 // (reference.unscale_rows)
+  if (row_mul.defined()) y = (y.to(at::kFloat) * row_mul).to(dt);  // (reference.multiply_rows)
+  return y;
+}
+
 }  // namespace
 namespace layers {
 // The saved codes back in dtype `dt`, rows unscaled by 2**-k inside the kernel (k undefined:
 // no row scales).
 at::Tensor decompress_rows(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
                            c10::ScalarType dt, const at::Tensor& k) {
-  if (ctx->saved_data.count("code_bits")) {  // a variant format: reference.unscale_rows after dequantize_bits
-    const at::Tensor y = dequantize_saved(ctx, saved[0], saved[1], saved[2], dim, groups, dt);
-    return k.defined() ? y * at::exp2(k.to(dt).neg()) : y;
-  }
+  if (variant_codes(ctx)) return decompress_variant(ctx, saved, dim, groups, dt, k);
   return call_dequantize(saved[0], saved[1], saved[2], dim, groups, dt,
                               k.defined() ? std::optional<at::Tensor>(k) : std::nullopt, std::nullopt);
 }
@@ -382,7 +399,7 @@ struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
     // the exact GELU from 8-bit codes: each backward pass one op from h's codes (on CUDA the
     // dequantized h never reaches memory; Python twin: _GeluLinearFn.backward); the tanh form
     // and the variant formats dequantize h once
-    const bool exact = approximate == "none" && !ctx->saved_data.count("code_bits");
+    const bool exact = approximate == "none" && !variant_codes(ctx);
     if (exact && saved[0].defined() && ctx->needs_input_grad(0) && ctx->needs_input_grad(1)) {
       // fc2's input gradient gy first (in h's dtype, as stock casts it), then ONE read of h's
       // codes gives both fc2's input gelu(h) (for its weight gradient) and the GELU's gradient
@@ -434,10 +451,21 @@ at::Tensor autocast_fp32(const at::Tensor& t) {
   return t.to(at::kFloat);
 }
 
-// The stock LayerNorm's output, its x_hat compressed: (out, q, alpha, beta, rstd, k) for
-// save_for_backward (with the weight), dtypes in ctx->saved_data as "ln_*". Shared by
-// LayerNormTrain and LayerNormLinearTrain (Python twin: layer_norm_forward).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(
+// layernorm.pack_rstd: (r16, scale), rstd as float16 r16 = fp16(rstd / scale) with a float32
+// power of two `scale` (0-d) that puts the largest row at [2**14, 2**15) (no host sync)
+std::pair<at::Tensor, at::Tensor> pack_rstd(const at::Tensor& rstd) {
+  const at::Tensor r = rstd.to(at::kFloat);
+  const at::Tensor e = std::get<1>(at::frexp(r.amax()));  // amax = m * 2**e, m in [0.5, 1)
+  const at::Tensor scale = at::exp2((e - 15).clamp(-120, 120).to(at::kFloat));
+  return {(r / scale).to(at::kHalf), scale};
+}
+
+// The stock LayerNorm's output, its x_hat compressed: (out, q, alpha, beta, rstd, k,
+// rstd_scale) for save_for_backward (with the weight), dtypes in ctx->saved_data as "ln_*".
+// At 4 or 2 bits rstd is kept as float16 times one power of two, rstd_scale (pack_rstd),
+// else as it is with rstd_scale undefined. Shared by LayerNormTrain and LayerNormLinearTrain
+// (Python twin: layer_norm_forward).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(
     AutogradContext* ctx, const at::Tensor& x, const std::vector<int64_t>& normalized_shape, const at::Tensor& w,
     const at::Tensor& b, double eps, Quantizer& qz, bool row_scale) {
   // CUDA's autocast runs layer_norm in float32 ("fp32" policy); CPU's has no such rule
@@ -469,14 +497,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   ctx->saved_data["ln_has_bias"] = b.defined();
   ctx->saved_data["ln_w_dtype"] = w.defined() ? w.scalar_type() : mdt;
   ctx->saved_data["ln_b_dtype"] = b.defined() ? b.scalar_type() : mdt;
-  return {out, q, alpha, beta, rstd, k};
+  save_code_format(ctx, qz, xc.sizes());
+  if (qz.code_bits == 2 || qz.code_bits == 4) {
+    auto [r16, scale] = pack_rstd(rstd);
+    ctx->saved_data["rstd_dtype"] = rstd.scalar_type();
+    return {out, q, alpha, beta, r16, k, scale};
+  }
+  return {out, q, alpha, beta, rstd, k, at::Tensor()};
 }
 
-// Whether a LayerNorm's backward runs as mesa::layer_norm_backward (float32 math, one
-// normalised dim of at most kLnMaxCols; Python twin: ln_backward_from_codes in
-// mesa_train/nn/layernorm.py). Else ATen's fused backward on the dequantized input.
-bool ln_backward_from_codes(c10::ScalarType mdt, const std::vector<int64_t>& normalized_shape) {
-  return mdt == at::kFloat && normalized_shape.size() == 1 && normalized_shape[0] <= kLnMaxCols;
+// Whether a LayerNorm's backward runs as mesa::layer_norm_backward (the default format's
+// codes, float32 math, one normalised dim of at most kLnMaxCols; Python twin:
+// ln_backward_from_codes in mesa_train/nn/layernorm.py). Else ATen's fused backward on the
+// dequantized input.
+bool ln_backward_from_codes(AutogradContext* ctx) {
+  const auto normalized_shape = ctx->saved_data["normalized_shape"].toIntVector();
+  return !variant_codes(ctx) && ctx->saved_data["mdt"].toScalarType() == at::kFloat &&
+         normalized_shape.size() == 1 && normalized_shape[0] <= kLnMaxCols;
+}
+
+// The saved rstd (saved[3]), unpacked where layer_norm_forward kept it as float16 and a scale
+// (the saved tensor at index "rstd_scale"; layernorm.unpack_rstd)
+at::Tensor saved_rstd(AutogradContext* ctx, const variable_list& saved) {
+  const auto index = ctx->saved_data.find("rstd_scale");
+  if (index == ctx->saved_data.end()) return saved[3];
+  return (saved[3].to(at::kFloat) * saved[index->second.toInt()]).to(ctx->saved_data["rstd_dtype"].toScalarType());
 }
 
 // The LayerNorm's (gx, gw, gb) from its output's gradient dy and what layer_norm_forward
@@ -496,7 +541,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grads(AutogradContext*
     if (need_w) gw = dw.to(ctx->saved_data["ln_w_dtype"].toScalarType());
     if (need_b) gb = db.to(ctx->saved_data["ln_b_dtype"].toScalarType());
   };
-  if (ln_backward_from_codes(mdt, normalized_shape)) {
+  if (ln_backward_from_codes(ctx)) {
     // all three from the codes in one op: no dequantized copy, no cast of dy (DESIGN.md,
     // "LayerNorm backward from the codes")
     const at::Tensor &k = saved[5], &w = saved[4];
@@ -507,16 +552,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grads(AutogradContext*
     cast_grads(dx, dparams.select(0, 0), dparams.select(0, 1));  // (rows of one tensor: views)
     return {gx, gw, gb};
   }
-  const at::Tensor rstd = saved[3].to(mdt);
+  const at::Tensor rstd = saved_rstd(ctx, saved).to(mdt);
   // x - mean, i.e. x_hat / rstd, from the codes in one kernel (row_mul: 1 / rstd per row),
   // so that ATen's backward, fed it with mean 0 and the real rstd, takes back x_hat and
   // returns dx with rstd applied: no pass over dx after it (DESIGN.md, "LayerNorm's x_hat
-  // inside the kernels")
+  // inside the kernels"); a variant format's codes: the same as ops (decompress_variant)
   const at::Tensor k = saved[5];
-  at::Tensor xs = call_dequantize(saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
-                                       ctx->saved_data["groups"].toInt(), mdt,
-                                       k.defined() ? std::optional<at::Tensor>(k) : std::nullopt,
-                                       at::reciprocal(rstd.to(at::kFloat)));
+  const int64_t dim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
+  at::Tensor xs = variant_codes(ctx)
+                      ? decompress_variant(ctx, saved, dim, groups, mdt, k, at::reciprocal(rstd.to(at::kFloat)))
+                      : call_dequantize(saved[0], saved[1], saved[2], dim, groups, mdt,
+                                        k.defined() ? std::optional<at::Tensor>(k) : std::nullopt,
+                                        at::reciprocal(rstd.to(at::kFloat)));
   std::optional<at::Tensor> w;
   if (saved[4].defined()) w = saved[4].to(mdt);
   std::optional<at::Tensor> bias_stub;  // only its presence matters
@@ -532,10 +579,12 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
                             const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                             double eps, Quantizer qz, bool row_scale) {
     const at::Tensor w = weight.has_value() ? *weight : at::Tensor(), b = bias.has_value() ? *bias : at::Tensor();
-    auto [out, q, alpha, beta, rstd, k] = layer_norm_forward(ctx, x, normalized_shape, w, b, eps, qz, row_scale);
+    auto [out, q, alpha, beta, rstd, k, rstd_scale] =
+        layer_norm_forward(ctx, x, normalized_shape, w, b, eps, qz, row_scale);
     // the weight whenever there is one (a parameter: no activation memory): ATen's backward
     // takes dweight's shape from it even when x needs no gradient
-    ctx->save_for_backward({q, alpha, beta, rstd, w, k});
+    ctx->save_for_backward({q, alpha, beta, rstd, w, k, rstd_scale});
+    if (rstd_scale.defined()) ctx->saved_data["rstd_scale"] = 6;
     return out;
   }
 
@@ -556,7 +605,7 @@ at::Tensor layer_norm_train(const at::Tensor& x, at::IntArrayRef normalized_shap
                             at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng, int64_t num_groups,
                             double decay, int64_t estimator, bool symmetric, bool stochastic, bool row_scale) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::layer_norm_train", false);
+                                stochastic, "mesa::layer_norm_train", true);
   return LayerNormTrain::apply(x, normalized_shape.vec(), present(weight), present(bias), eps, qz, row_scale);
 }
 
@@ -581,9 +630,12 @@ at::Tensor rebuild_norm_output(AutogradContext* ctx, const variable_list& saved)
   int j = 0;
   if (mdt == at::kFloat && (w.defined() || b.defined())) {
     while (j < 3 && casts[j] == at::kFloat) ++j;
-    y = call_dequantize(saved[0], saved[1], saved[2], dim, groups, j < 3 ? casts[j] : at::kFloat, opt(k),
-                        std::nullopt, w.defined() ? opt(w.to(at::kFloat)) : std::nullopt,
-                        b.defined() ? opt(b.to(at::kFloat)) : std::nullopt);
+    const auto dt = j < 3 ? casts[j] : at::kFloat;
+    const at::Tensor w32 = w.defined() ? w.to(at::kFloat) : at::Tensor();
+    const at::Tensor b32 = b.defined() ? b.to(at::kFloat) : at::Tensor();
+    y = variant_codes(ctx) ? decompress_variant(ctx, saved, dim, groups, dt, k, at::Tensor(), w32, b32)
+                           : call_dequantize(saved[0], saved[1], saved[2], dim, groups, dt, opt(k), std::nullopt,
+                                             opt(w32), opt(b32));
   } else {  // the definition: a multiply, then an add, in the math dtype
     y = decompress_rows(ctx, saved, dim, groups, mdt, k);
     if (w.defined()) y = y * w.to(mdt);
@@ -601,10 +653,12 @@ struct LayerNormLinearTrain : public torch::autograd::Function<LayerNormLinearTr
     const at::Tensor lw = ln_weight.has_value() ? *ln_weight : at::Tensor();
     const at::Tensor lb = ln_bias.has_value() ? *ln_bias : at::Tensor();
     // exactly the stock norm (its autocast policy included), then exactly the stock Linear
-    auto [y, q, alpha, beta, rstd, k] = layer_norm_forward(ctx, x, normalized_shape, lw, lb, eps, qz, row_scale);
+    auto [y, q, alpha, beta, rstd, k, rstd_scale] =
+        layer_norm_forward(ctx, x, normalized_shape, lw, lb, eps, qz, row_scale);
     const at::Tensor yc = autocast_input(y);
     at::Tensor out = at::linear(yc, weight, bias);
-    ctx->save_for_backward({q, alpha, beta, rstd, lw, k, lb, weight});
+    ctx->save_for_backward({q, alpha, beta, rstd, lw, k, lb, weight, rstd_scale});
+    if (rstd_scale.defined()) ctx->saved_data["rstd_scale"] = 8;
     ctx->saved_data["y_dtype"] = y.scalar_type();
     ctx->saved_data["yc_dtype"] = yc.scalar_type();
     save_linear_dtypes(ctx, out, weight, bias);
@@ -629,8 +683,7 @@ struct LayerNormLinearTrain : public torch::autograd::Function<LayerNormLinearTr
     // norm's output dtype, as stock casts it (Python twin: rebuild_norm_output), or in its
     // compute dtype where layer_norm_backward reads it (its float32 of it is the cast's,
     // exactly: one pass fewer)
-    const auto mdt = ctx->saved_data["mdt"].toScalarType();
-    const bool from_codes = ln_backward_from_codes(mdt, ctx->saved_data["normalized_shape"].toIntVector());
+    const bool from_codes = ln_backward_from_codes(ctx);
     const auto ydt = ctx->saved_data[from_codes ? "cdt" : "y_dtype"].toScalarType();
     auto [gy, gw, gb] = linear_grads(ctx, grads[0], saved[7], ydt, need_x || need_lw || need_lb,
                                      ctx->needs_input_grad(i), i + 1, [&] { return rebuild_norm_output(ctx, saved); });
@@ -647,7 +700,7 @@ at::Tensor layer_norm_linear_train(const at::Tensor& x, at::IntArrayRef normaliz
                                    int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                                    bool row_scale) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::layer_norm_linear_train", false);
+                                stochastic, "mesa::layer_norm_linear_train", true);
   return LayerNormLinearTrain::apply(x, normalized_shape.vec(), present(ln_weight), present(ln_bias), eps, weight,
                                      present(bias), qz, row_scale);
 }

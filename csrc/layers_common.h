@@ -148,8 +148,8 @@ struct Quantizer {
   bool pow2 = false;
 };
 
-// The layer ops that can read their codes back by dequantizing them (gelu, gelu_linear, conv2d,
-// linear, scale, batch_norm, group_norm, elementwise) also take a variant format (DESIGN.md,
+// The layer ops that can read their codes back by dequantizing them (all but softmax_train,
+// matmul_train, sdpa_train and mesa::compress) also take a variant format (DESIGN.md,
 // "Variant formats in the C++ ops"); the others are built with variants = false. The Python layers pass it
 // inside `estimator` (mesa_train.nn.quantizer.layer_op_code): the estimator's code plus
 // kFormatBits * bits plus kFormatPow2 for power-of-two steps; the default format is the
@@ -237,6 +237,9 @@ inline void save_code_format(AutogradContext* ctx, const Quantizer& qz, at::IntA
   ctx->saved_data["code_pow2"] = qz.pow2;
   ctx->saved_data["code_shape"] = shape;
 }
+
+// Whether the codes a node saved are a variant format's (save_code_format).
+inline bool variant_codes(AutogradContext* ctx) { return ctx->saved_data.count("code_bits") != 0; }
 
 // The saved codes (q, alpha, beta) back in dtype `dt`: mesa::dequantize, or for a variant
 // format (save_code_format) mesa::dequantize_bits.

@@ -175,11 +175,11 @@ def test_fused_linear_takes_the_variant_formats_bitwise_the_python_function(dtyp
 
 
 def _layernorm_run(fused, monkeypatch, dtype, affine, bias, row_scale, x_grad, w_grad, shape, normalized,
-                   cls=mnn.LayerNorm):
+                   cls=mnn.LayerNorm, options=None):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     torch.manual_seed(0)
-    layer = cls(normalized, elementwise_affine=affine, bias=bias, dtype=dtype, num_groups=2,
-                          row_scale=row_scale)
+    layer = cls(normalized, elementwise_affine=affine, bias=bias, dtype=dtype,
+                **{"num_groups": 2, "row_scale": row_scale, **(options or {})})
     layer.quantizer.rng.copy_(torch.tensor([91, 0]))
     if affine:
         layer.weight.requires_grad_(w_grad)
@@ -211,6 +211,30 @@ def test_fused_layernorm_is_bitwise_the_python_function(dtype, affine, bias, row
     got, want = _layernorm_run(True, monkeypatch, *args), _layernorm_run(False, monkeypatch, *args)
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("affine,bias,row_scale", [(True, True, True), (False, False, True), (True, True, False)])
+@pytest.mark.parametrize("shape,normalized,cls", [((6, 5, 8), (8,), mnn.LayerNorm), ((6, 4, 8), (4, 8), mnn.LayerNorm),
+                                                  ((3, 8, 2, 5), (8,), mnn.LayerNorm2d)], ids=str)
+@pytest.mark.parametrize("options", [dict(bits=4), dict(bits=2, scale="pow2"), dict(bits=8, scale="pow2"),
+                                     dict(bits=4, estimator="per_sample", rounding="nearest", num_groups=3)], ids=str)
+def test_fused_layernorm_takes_the_variant_formats_bitwise_the_python_function(dtype, affine, bias, row_scale, shape,
+                                                                               normalized, cls, options, monkeypatch):
+    """mesa.bits=4|2, scale=pow2: mesa::layer_norm_train keeps quantize_bits' packed codes of
+    x_hat (normalised, its tiny-variance row scaled by 2**k first) and, at 4 or 2 bits, rstd
+    as float16 and one power of two (layernorm.pack_rstd); backward dequantizes x_hat / rstd
+    with ops (decompress_variant) for ATen's LayerNorm backward: the Python Function's bits
+    and bytes kept, on the C++ op each step."""
+    args = (dtype, affine, bias, row_scale, True, True, shape, normalized, cls, options)
+    calls = count_calls(monkeypatch, "layer_norm_train")
+    got = _layernorm_run(True, monkeypatch, *args)
+    assert calls == [1, 1]
+    want = _layernorm_run(False, monkeypatch, *args)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert (a is None) == (b is None), i
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), i

@@ -30,6 +30,7 @@ from mesa_train.patch import mlp as mlp_mod
 from mesa_train.patch import patch_model
 from mesa_train.patch.block import MesaViTBlock
 from mesa_train.patch.mlp import MesaMlp
+from op_calls import count_calls
 from shared_copies import (assert_shared_as_close_as_separate, check_config_choice, cos, run_step,
                            worst_cosines_by_mode)
 
@@ -177,19 +178,24 @@ def test_linear_weight_gradient_averages_to_exact():
 
 
 @pytest.mark.skipif(not ll_mod._OP, reason="needs the extension's mesa::layer_norm_linear_train")
+@pytest.mark.parametrize("options", [{}, dict(bits=4), dict(bits=2, scale="pow2")], ids=str)
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("affine", ["affine", "no-bias"])
-def test_cpp_node_bitwise_the_python_function(affine, autocast, monkeypatch):
+def test_cpp_node_bitwise_the_python_function(affine, autocast, options, monkeypatch):
     """Eager runs one C++ op with a C++ autograd node (csrc/layers_autograd.cpp,
-    LayerNormLinearTrain); the Python Function (torch.compile, variants) must give the same
-    bits, also for a norm without bias (apply's tracked-input indices shift)."""
-    patched = _patch(_deit())
+    LayerNormLinearTrain), also for the variant formats (packed codes, a float16 rstd at 4 and
+    2 bits, the Linear's input rebuilt by ops); the Python Function (torch.compile, learned
+    thresholds) must give the same bits, also for a norm without bias (apply's tracked-input
+    indices shift)."""
+    patched = _patch(_deit(), **options)
     if affine == "no-bias":
         for b in patched.blocks:
             b.norm1.bias = None
     twin = copy.deepcopy(patched)  # same weights and quantizer state (estimates, rounding counters)
     x = _images()
+    op_calls = count_calls(monkeypatch, "layer_norm_linear_train")
     out_cpp, g_cpp = run_step(patched, x, autocast=autocast)
+    assert len(op_calls) == 4
     monkeypatch.setattr(ll_mod, "_OP", False)
     calls = []
     real = ll_mod._LayerNormLinearFn.apply

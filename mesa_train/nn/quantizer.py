@@ -508,10 +508,10 @@ class ActivationQuantizer(nn.Module):
         ``mesa::softmax_train``: a whole Mesa layer with a C++ autograd node, see
         ``csrc/layers_autograd.cpp``), or ``None`` where a layer must use its Python Function:
         under ``torch.compile`` (the traceable path), when the extension is not loaded (the
-        reference ops), and for the variant formats unless ``variants`` (the ops that read
-        their codes back only by dequantizing them: gelu, gelu_linear, conv2d, linear,
-        scale, batch_norm, group_norm, elementwise; DESIGN.md, "Variant formats in the C++ ops") and the format
-        has channel groups and min/max ranges (not patch4x4, not learned thresholds)."""
+        reference ops), and for the variant formats unless ``variants`` (the ops that can read
+        their codes back by dequantizing them: all but softmax, matmul and sdpa; DESIGN.md,
+        "Variant formats in the C++ ops") and the format has channel groups and min/max
+        ranges (not patch4x4, not learned thresholds)."""
         opts = self.options
         if not fused_layers_on():
             return None
