@@ -8,6 +8,7 @@ from torch import nn
 
 import mesa_train.nn as mn
 from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn.quantizer import assign_rng_keys
 
 
 def _cos(a, b):
@@ -25,6 +26,10 @@ def _run(module, *inputs, grad):
 
 
 def _compare(stock, mesa, *inputs, min_cos=0.999):
+    # rounding keys from the quantizers' names, as patch_model gives them: a layer built by
+    # from_module is keyed by how many quantizers the process built before, so its one
+    # stochastic draw (and this cosine) depended on which tests ran first
+    assign_rng_keys(mesa)
     torch.manual_seed(0)
     grad = torch.randn_like(copy.deepcopy(stock)(*inputs))  # a copy: BatchNorm stats move
     ref = _run(stock, *inputs, grad=grad)
