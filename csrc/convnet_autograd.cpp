@@ -115,9 +115,8 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
     const bool nhwc = ctx->saved_data["nhwc"].toBool();
-    const at::Tensor xh = from_nhwc(
-        dequantize_saved(ctx, saved[0], saved[1], saved[2], nhwc ? 3 : 1, ctx->saved_data["quant_groups"].toInt(), mdt),
-        nhwc);
+    const at::Tensor xh =
+        from_nhwc(decompress_saved(ctx, saved, nhwc ? 3 : 1, ctx->saved_data["quant_groups"].toInt(), mdt), nhwc);
     // the per-channel moments: forward's from the codes, else the BatchNorm statistics kernel
     // (batchnorm.code_moments)
     auto [xh_mean, var] = saved.size() == 7 ? std::tuple{saved[5], saved[6]}
@@ -203,10 +202,9 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
     const bool nhwc = ctx->saved_data["nhwc"].toBool();
     const auto fmt = static_cast<at::MemoryFormat>(ctx->saved_data["fmt"].toInt());
-    const at::Tensor xh = from_nhwc(dequantize_saved(ctx, saved[0], saved[1], saved[2], nhwc ? 3 : 1,
-                                                     ctx->saved_data["quant_groups"].toInt(), mdt),
-                                    nhwc)
-                              .contiguous(fmt);
+    const int64_t quant_groups = ctx->saved_data["quant_groups"].toInt();
+    const at::Tensor xh =
+        from_nhwc(decompress_saved(ctx, saved, nhwc ? 3 : 1, quant_groups, mdt), nhwc).contiguous(fmt);
     const int64_t n = xh.size(0), c = xh.size(1), hxw = c10::multiply_integers(xh.sizes().slice(2));
     auto [var, xh_mean] = at::var_mean(grouped(xh, groups), at::IntArrayRef{-1}, /*correction=*/0, false);
     const at::Tensor rstd_m = rstd.to(mdt);
@@ -331,7 +329,7 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
     const auto saved = ctx->get_saved_variables();
     const auto k = static_cast<Elementwise>(ctx->saved_data["kind"].toInt());
     const auto cdt = ctx->saved_data["y_dtype"].toScalarType();
-    const at::Tensor xh = from_nhwc(dequantize_saved(ctx, saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+    const at::Tensor xh = from_nhwc(decompress_saved(ctx, saved, ctx->saved_data["dim"].toInt(),
                                                      ctx->saved_data["groups"].toInt(), cdt),
                                     ctx->saved_data["nhwc"].toBool());
     const at::Tensor g = grads[0].to(cdt);

@@ -64,7 +64,7 @@ struct GeluTrain : public torch::autograd::Function<GeluTrain> {
                                              groups, std::nullopt),
                      nhwc);
     } else {
-      at::Tensor xh = from_nhwc(dequantize_saved(ctx, saved[0], saved[1], saved[2], dim, groups, cdt), nhwc);
+      at::Tensor xh = from_nhwc(decompress_saved(ctx, saved, dim, groups, cdt), nhwc);
       gx = at::gelu_backward(grads[0].to(cdt), xh, approximate);
     }
     return {gx.to(ctx->saved_data["x_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
@@ -245,39 +245,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
   return {q, alpha, beta, k.defined() ? k : at::empty({0}, x.options().dtype(at::kChar))};
 }
 
-// A variant format's saved codes (q, alpha, beta first in `saved`) back in dtype `dt`, with
-// what mesa::dequantize does in its kernel for the default format done as ops, in the order
-// and dtypes of mesa_train.nn.quantizer.decompress: the rows unscaled by 2**-k, times row_mul
-// (float32, rounded to dt), or computed in float32 and taken through the column epilogue
-// y * col_scale + col_shift before one rounding to dt (each undefined: not applied).
-at::Tensor decompress_variant(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
-                              c10::ScalarType dt, const at::Tensor& k, const at::Tensor& row_mul = at::Tensor(),
-                              const at::Tensor& col_scale = at::Tensor(), const at::Tensor& col_shift = at::Tensor()) {
-  if (col_scale.defined() || col_shift.defined()) {  // (reference.affine_cols)
-    at::Tensor y = decompress_variant(ctx, saved, dim, groups, at::kFloat, k, row_mul);
-    if (col_scale.defined()) y = y * col_scale;
-    if (col_shift.defined()) y = y + col_shift;
-    return y.to(dt);
-  }
-  at::Tensor y = dequantize_saved(ctx, saved[0], saved[1], saved[2], dim, groups, dt);
-  if (k.defined()) y = y * at::exp2(k.to(dt).neg());                 // (reference.unscale_rows)
-  if (row_mul.defined()) y = (y.to(at::kFloat) * row_mul).to(dt);  // (reference.multiply_rows)
-  return y;
-}
-
-}  // namespace
-namespace layers {
-// The saved codes back in dtype `dt`, rows unscaled by 2**-k inside the kernel (k undefined:
-// no row scales).
-at::Tensor decompress_rows(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
-                           c10::ScalarType dt, const at::Tensor& k) {
-  if (variant_codes(ctx)) return decompress_variant(ctx, saved, dim, groups, dt, k);
-  return call_dequantize(saved[0], saved[1], saved[2], dim, groups, dt,
-                              k.defined() ? std::optional<at::Tensor>(k) : std::nullopt, std::nullopt);
-}
-}  // namespace layers
-namespace {
-
 // mesa_train.nn.linear.not_a_view: F.linear's 3-D output is a view of addmm's; autograd
 // forbids in-place use of a custom op's view output, which a stock Linear allows.
 at::Tensor not_a_view(const at::Tensor& out) {
@@ -344,8 +311,8 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
     auto [gx, gw, gb] = linear_grads(
         ctx, grads[0], saved[3], ctx->saved_data["x_dtype"].toScalarType(), ctx->needs_input_grad(0),
         ctx->needs_input_grad(1), 2, [&] {
-          return decompress_rows(ctx, saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(),
-                                 ctx->saved_data["cdt"].toScalarType(), saved[4]);
+          return decompress_saved(ctx, saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(),
+                                  ctx->saved_data["cdt"].toScalarType(), saved[4]);
         });
     return {gx, gw, gb, at::Tensor(), at::Tensor()};
   }
@@ -412,7 +379,7 @@ struct GeluLinearTrain : public torch::autograd::Function<GeluLinearTrain> {
       return {gh, gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
     }
     at::Tensor hh;
-    if (saved[0].defined() && !exact) hh = decompress_rows(ctx, saved, dim, groups, hdt, saved[4]);
+    if (saved[0].defined() && !exact) hh = decompress_saved(ctx, saved, dim, groups, hdt, saved[4]);
     // fc2's backward, its input recomputed in the stock dtypes (gelu in h's, then the cast);
     // its input gradient comes back in h's dtype, as stock casts it
     auto [gy, gw, gb] = linear_grads(ctx, grads[0], saved[3], hdt, ctx->needs_input_grad(0),
@@ -461,7 +428,8 @@ std::pair<at::Tensor, at::Tensor> pack_rstd(const at::Tensor& rstd) {
 }
 
 // The stock LayerNorm's output, its x_hat compressed: (out, q, alpha, beta, rstd, k,
-// rstd_scale) for save_for_backward (with the weight), dtypes in ctx->saved_data as "ln_*".
+// rstd_scale) for save_for_backward (with the weight; rstd_scale last, where saved_rstd reads
+// it), dtypes in ctx->saved_data as "ln_*".
 // At 4 or 2 bits rstd is kept as float16 times one power of two, rstd_scale (pack_rstd),
 // else as it is with rstd_scale undefined. Shared by LayerNormTrain and LayerNormLinearTrain
 // (Python twin: layer_norm_forward).
@@ -517,11 +485,11 @@ bool ln_backward_from_codes(AutogradContext* ctx) {
 }
 
 // The saved rstd (saved[3]), unpacked where layer_norm_forward kept it as float16 and a scale
-// (the saved tensor at index "rstd_scale"; layernorm.unpack_rstd)
+// ("rstd_dtype" set; the scale saved last by both nodes; layernorm.unpack_rstd)
 at::Tensor saved_rstd(AutogradContext* ctx, const variable_list& saved) {
-  const auto index = ctx->saved_data.find("rstd_scale");
-  if (index == ctx->saved_data.end()) return saved[3];
-  return (saved[3].to(at::kFloat) * saved[index->second.toInt()]).to(ctx->saved_data["rstd_dtype"].toScalarType());
+  const auto dtype = ctx->saved_data.find("rstd_dtype");
+  if (dtype == ctx->saved_data.end()) return saved[3];
+  return (saved[3].to(at::kFloat) * saved.back()).to(dtype->second.toScalarType());
 }
 
 // The LayerNorm's (gx, gw, gb) from its output's gradient dy and what layer_norm_forward
@@ -556,14 +524,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grads(AutogradContext*
   // x - mean, i.e. x_hat / rstd, from the codes in one kernel (row_mul: 1 / rstd per row),
   // so that ATen's backward, fed it with mean 0 and the real rstd, takes back x_hat and
   // returns dx with rstd applied: no pass over dx after it (DESIGN.md, "LayerNorm's x_hat
-  // inside the kernels"); a variant format's codes: the same as ops (decompress_variant)
+  // inside the kernels"); a variant format's codes: the same as ops (decompress_saved)
   const at::Tensor k = saved[5];
   const int64_t dim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
-  at::Tensor xs = variant_codes(ctx)
-                      ? decompress_variant(ctx, saved, dim, groups, mdt, k, at::reciprocal(rstd.to(at::kFloat)))
-                      : call_dequantize(saved[0], saved[1], saved[2], dim, groups, mdt,
-                                        k.defined() ? std::optional<at::Tensor>(k) : std::nullopt,
-                                        at::reciprocal(rstd.to(at::kFloat)));
+  at::Tensor xs = decompress_saved(ctx, saved, dim, groups, mdt, k, at::reciprocal(rstd.to(at::kFloat)));
   std::optional<at::Tensor> w;
   if (saved[4].defined()) w = saved[4].to(mdt);
   std::optional<at::Tensor> bias_stub;  // only its presence matters
@@ -584,7 +548,6 @@ struct LayerNormTrain : public torch::autograd::Function<LayerNormTrain> {
     // the weight whenever there is one (a parameter: no activation memory): ATen's backward
     // takes dweight's shape from it even when x needs no gradient
     ctx->save_for_backward({q, alpha, beta, rstd, w, k, rstd_scale});
-    if (rstd_scale.defined()) ctx->saved_data["rstd_scale"] = 6;
     return out;
   }
 
@@ -625,7 +588,6 @@ at::Tensor rebuild_norm_output(AutogradContext* ctx, const variable_list& saved)
   const c10::ScalarType casts[3] = {ctx->saved_data["y_dtype"].toScalarType(),
                                     ctx->saved_data["yc_dtype"].toScalarType(), ctx->saved_data["cdt"].toScalarType()};
   const at::Tensor &w = saved[4], &b = saved[6], &k = saved[5];
-  const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
   at::Tensor y;
   int j = 0;
   if (mdt == at::kFloat && (w.defined() || b.defined())) {
@@ -633,11 +595,9 @@ at::Tensor rebuild_norm_output(AutogradContext* ctx, const variable_list& saved)
     const auto dt = j < 3 ? casts[j] : at::kFloat;
     const at::Tensor w32 = w.defined() ? w.to(at::kFloat) : at::Tensor();
     const at::Tensor b32 = b.defined() ? b.to(at::kFloat) : at::Tensor();
-    y = variant_codes(ctx) ? decompress_variant(ctx, saved, dim, groups, dt, k, at::Tensor(), w32, b32)
-                           : call_dequantize(saved[0], saved[1], saved[2], dim, groups, dt, opt(k), std::nullopt,
-                                             opt(w32), opt(b32));
+    y = decompress_saved(ctx, saved, dim, groups, dt, k, at::Tensor(), w32, b32);
   } else {  // the definition: a multiply, then an add, in the math dtype
-    y = decompress_rows(ctx, saved, dim, groups, mdt, k);
+    y = decompress_saved(ctx, saved, dim, groups, mdt, k);
     if (w.defined()) y = y * w.to(mdt);
     if (b.defined()) y = y + b.to(mdt);
   }
@@ -658,7 +618,6 @@ struct LayerNormLinearTrain : public torch::autograd::Function<LayerNormLinearTr
     const at::Tensor yc = autocast_input(y);
     at::Tensor out = at::linear(yc, weight, bias);
     ctx->save_for_backward({q, alpha, beta, rstd, lw, k, lb, weight, rstd_scale});
-    if (rstd_scale.defined()) ctx->saved_data["rstd_scale"] = 8;
     ctx->saved_data["y_dtype"] = y.scalar_type();
     ctx->saved_data["yc_dtype"] = yc.scalar_type();
     save_linear_dtypes(ctx, out, weight, bias);
@@ -905,7 +864,7 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     at::Tensor g = grads[0].to(cdt), w = saved[3].to(cdt), xh;
     const bool channels_last = ctx->saved_data["channels_last"].toBool();
     if (saved[0].defined()) {
-      xh = from_nhwc(dequantize_saved(ctx, saved[0], saved[1], saved[2], ctx->saved_data["dim"].toInt(),
+      xh = from_nhwc(decompress_saved(ctx, saved, ctx->saved_data["dim"].toInt(),
                                       ctx->saved_data["groups"].toInt(), cdt),
                      channels_last);
     } else {  // only the input gradient is needed: the values of x do not matter, its layout does

@@ -229,7 +229,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
   return {q, alpha, beta, G};
 }
 
-// What dequantize_saved needs to read back codes compress() made of a tensor of `shape` with
+// What decompress_saved needs to read back codes compress() made of a tensor of `shape` with
 // `qz`: nothing for the default format, the packed codes' bits, steps and shape for a variant.
 inline void save_code_format(AutogradContext* ctx, const Quantizer& qz, at::IntArrayRef shape) {
   if (qz.code_bits == 0) return;
@@ -241,24 +241,41 @@ inline void save_code_format(AutogradContext* ctx, const Quantizer& qz, at::IntA
 // Whether the codes a node saved are a variant format's (save_code_format).
 inline bool variant_codes(AutogradContext* ctx) { return ctx->saved_data.count("code_bits") != 0; }
 
-// The saved codes (q, alpha, beta) back in dtype `dt`: mesa::dequantize, or for a variant
-// format (save_code_format) mesa::dequantize_bits.
-inline at::Tensor dequantize_saved(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& alpha,
-                                   const at::Tensor& beta, int64_t dim, int64_t groups, c10::ScalarType dt) {
+// The saved codes (q, alpha, beta: saved[0..2]) back in dtype `dt`, with what mesa::dequantize
+// can apply inside its kernel: rows unscaled by 2**-k, times row_mul (float32), or the column
+// epilogue y * col_scale + col_shift before one rounding to dt (each undefined: not applied).
+// For a variant format (save_code_format): mesa::dequantize_bits, then the same as ops, in the
+// order and dtypes of mesa_train.nn.quantizer.decompress.
+inline at::Tensor decompress_saved(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
+                                   c10::ScalarType dt, const at::Tensor& k = at::Tensor(),
+                                   const at::Tensor& row_mul = at::Tensor(), const at::Tensor& col_scale = at::Tensor(),
+                                   const at::Tensor& col_shift = at::Tensor()) {
+  const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
   const auto bits = ctx->saved_data.find("code_bits");
-  if (bits == ctx->saved_data.end()) return call_dequantize(q, alpha, beta, dim, groups, dt);
-  return dequantize_bits_op().call(q, alpha, beta, ctx->saved_data["code_shape"].toIntVector(), dim, groups,
-                                   bits->second.toInt(), ctx->saved_data["code_pow2"].toBool(), dt);
+  if (bits == ctx->saved_data.end()) {
+    return call_dequantize(saved[0], saved[1], saved[2], dim, groups, dt, opt(k), opt(row_mul), opt(col_scale),
+                           opt(col_shift));
+  }
+  if (col_scale.defined() || col_shift.defined()) {  // (reference.affine_cols)
+    at::Tensor y = decompress_saved(ctx, saved, dim, groups, at::kFloat, k, row_mul);
+    if (col_scale.defined()) y = y * col_scale;
+    if (col_shift.defined()) y = y + col_shift;
+    return y.to(dt);
+  }
+  at::Tensor y = dequantize_bits_op().call(saved[0], saved[1], saved[2], ctx->saved_data["code_shape"].toIntVector(),
+                                           dim, groups, bits->second.toInt(), ctx->saved_data["code_pow2"].toBool(),
+                                           dt);
+  if (k.defined()) y = y * at::exp2(k.to(dt).neg());                 // (reference.unscale_rows)
+  if (row_mul.defined()) y = (y.to(at::kFloat) * row_mul).to(dt);  // (reference.multiply_rows)
+  return y;
 }
 
-// rowscale.compress_rows / decompress_rows (defined in layers_autograd.cpp): x compressed with
-// channel groups over its last dim, its rows far below the others scaled by 2**k when row_scale
-// is on (k undefined otherwise; `other`: the layer's other dtype, float16 caps k at 14); the
-// saved [q, alpha, beta, ...] back in dtype dt with the row scales undone.
+// rowscale.compress_rows (defined in layers_autograd.cpp): x compressed with channel groups
+// over its last dim, its rows far below the others scaled by 2**k when row_scale is on (k
+// undefined otherwise; `other`: the layer's other dtype, float16 caps k at 14); read back by
+// decompress_saved with k.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor> compress_rows(
     const at::Tensor& x, c10::ScalarType other, int64_t row_dims, bool row_scale, Quantizer& qz);
-at::Tensor decompress_rows(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
-                           c10::ScalarType dt, const at::Tensor& k);
 
 // A Mesa backward is not differentiable: it uses the 8-bit copy, a constant, where the stock
 // backward uses the input. With create_graph=True (grad mode on during backward) the

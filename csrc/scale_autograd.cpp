@@ -73,9 +73,9 @@ struct ScaleTrain : public torch::autograd::Function<ScaleTrain> {
     if (ctx->needs_input_grad(0)) gx = (g * saved[3].to(cdt)).to(ctx->saved_data["x_dtype"].toScalarType());
     if (ctx->needs_input_grad(1)) {
       const auto g_shape = ctx->saved_data["g_shape"].toIntVector();
-      const at::Tensor xh = from_nhwc(
-          decompress_rows(ctx, saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(), cdt, saved[4]),
-          ctx->saved_data["nhwc"].toBool());
+      const at::Tensor xh = from_nhwc(decompress_saved(ctx, saved, ctx->saved_data["dim"].toInt(),
+                                                       ctx->saved_data["groups"].toInt(), cdt, saved[4]),
+                                      ctx->saved_data["nhwc"].toBool());
       gg = g_shape.size() <= 1 ? (g * xh).reshape({-1, xh.size(-1)}).sum(0).reshape(g_shape)
                                : (g * xh).sum_to_size(g_shape);
       gg = gg.to(ctx->saved_data["g_dtype"].toScalarType());

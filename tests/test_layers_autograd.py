@@ -227,7 +227,7 @@ def test_fused_layernorm_takes_the_variant_formats_bitwise_the_python_function(d
     """mesa.bits=4|2, scale=pow2: mesa::layer_norm_train keeps quantize_bits' packed codes of
     x_hat (normalised, its tiny-variance row scaled by 2**k first) and, at 4 or 2 bits, rstd
     as float16 and one power of two (layernorm.pack_rstd); backward dequantizes x_hat / rstd
-    with ops (decompress_variant) for ATen's LayerNorm backward: the Python Function's bits
+    with ops (decompress_saved) for ATen's LayerNorm backward: the Python Function's bits
     and bytes kept, on the C++ op each step."""
     args = (dtype, affine, bias, row_scale, True, True, shape, normalized, cls, options)
     calls = count_calls(monkeypatch, "layer_norm_train")
