@@ -140,7 +140,7 @@ at::Tensor batch_norm_train(const at::Tensor& x, const at::Tensor& weight, const
                             int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
   TORCH_CHECK_VALUE(x.dim() >= 2, "mesa: batch_norm_train: x must be (N, C, ...), got ", x.dim(), " dims");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::batch_norm_train", true);
+                                stochastic, "mesa::batch_norm_train");
   return BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz);
 }
 
@@ -224,7 +224,7 @@ at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const
                             bool stochastic) {
   TORCH_CHECK_VALUE(x.dim() >= 2, "mesa: group_norm_train: x must be (N, C, ...), got ", x.dim(), " dims");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::group_norm_train", true);
+                                stochastic, "mesa::group_norm_train");
   return GroupNormTrain::apply(x, weight, bias, groups, eps, qz);
 }
 
@@ -353,7 +353,7 @@ at::Tensor elementwise_train(const at::Tensor& x, int64_t kind, at::Tensor& alph
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "mesa: elementwise_train: kind must be 0 (silu), 1 (quick_gelu) or 2 ",
                     "(hardswish), got ", kind);
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::elementwise_train", true);
+                                stochastic, "mesa::elementwise_train");
   return ElementwiseTrain::apply(x, kind, qz);
 }
 

@@ -7,9 +7,9 @@
 // Python Functions in mesa_train/nn/gelu.py, softmax.py, linear.py, layernorm.py, matmul.py and conv.py do, op for op (the same aten
 // kernels and mesa::observe / quantize / dequantize), so outputs, codes, estimates and
 // gradients are bitwise the Python path's (tests/test_layers_autograd.py). The Python
-// layers call them only in eager mode with a channel format (8-bit, or a variant but for
-// softmax_train and matmul_train: layers_common.h, make_quantizer); under
-// torch.compile and for the other formats they keep their Python Functions.
+// layers call them only in eager mode with a channel format (8-bit, or a variant:
+// layers_common.h, make_quantizer); under torch.compile and for the other formats
+// (patch4x4, learned thresholds) they keep their Python Functions.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -75,7 +75,7 @@ at::Tensor gelu_train(const at::Tensor& x, at::Tensor& alpha_est, at::Tensor& be
                       at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator, bool symmetric,
                       bool stochastic, c10::string_view approximate) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::gelu_train", true);
+                                stochastic, "mesa::gelu_train");
   return GeluTrain::apply(x, qz, std::string(approximate));
 }
 
@@ -103,6 +103,7 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
     if (out_dtype.has_value() && *out_dtype != y_dtype) y = y.to(*out_dtype);
     auto [q, alpha, beta, G] = compress(y, group_dim(y), qz);
     ctx->save_for_backward({q, alpha, beta});
+    save_code_format(ctx, qz, y.sizes());
     ctx->saved_data["dim"] = group_dim(y);
     ctx->saved_data["groups"] = G;
     ctx->saved_data["softmax_dim"] = softmax_dim;
@@ -123,11 +124,11 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
     const int64_t gdim = ctx->saved_data["dim"].toInt(), groups = ctx->saved_data["groups"].toInt();
     const int64_t sdim = ctx->saved_data["softmax_dim"].toInt(), last = saved[0].dim() - 1;
     const at::Tensor& g = grads[0];
-    // one op where every row has one (alpha, beta) (mesa_train/nn/softmax.py: _fused_backward;
-    // this node only ever holds the default 8-bit format); a half g with a float32 map
+    // one op where every row has one (alpha, beta) and the codes are the default 8-bit format's
+    // (mesa_train/nn/softmax.py: fused_backward, _fused_backward); a half g with a float32 map
     // (autocast) goes in as it is, the result in x's dtype (g's, or float32 logits: Swin's):
     // the op's y_dtype / out_dtype stand for the casts around it
-    if (sdim == last && gdim != last) {
+    if (sdim == last && gdim != last && !variant_codes(ctx)) {
       const auto gdt = g.scalar_type();
       if ((ydt == gdt || ydt == at::kFloat) && (xdt == gdt || (xdt == at::kFloat && ydt == at::kFloat)))
         return {softmax_backward_op().call(g, saved[0], saved[1], saved[2], gdim, groups, ydt, xdt), none, none,
@@ -136,7 +137,7 @@ struct SoftmaxTrain : public torch::autograd::Function<SoftmaxTrain> {
                                                  std::nullopt);
       return {gx.to(xdt), none, none, none};
     }
-    at::Tensor yh = call_dequantize(saved[0], saved[1], saved[2], gdim, groups, ydt, std::nullopt, std::nullopt);
+    at::Tensor yh = decompress_saved(ctx, saved, gdim, groups, ydt);
     // each row rescaled to sum to 1 (mesa_train/nn/softmax.py: keeps the exactly-zero stock
     // gradient of a bias added to a whole row); an all-zero row stays 0 (0 / tiny)
     yh = yh / yh.sum({sdim}, true).clamp_min(smallest_normal(ydt));
@@ -152,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
   TORCH_CHECK_VALUE(!out_dtype.has_value() || at::isFloatingType(*out_dtype), "mesa: softmax_train: out_dtype ",
                     *out_dtype, " is not a floating dtype; valid: None, torch.float32, torch.bfloat16, torch.float16");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::softmax_train", false);
+                                stochastic, "mesa::softmax_train");
   auto out = SoftmaxTrain::apply(x, softmax_dim, qz, out_dtype);
   return {out[0], out[1], out[2], out[3]};
 }
@@ -239,7 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compress_op(
   TORCH_CHECK_VALUE(has_mean == has_rstd, "mesa: compress: row_mean and row_rstd go together (LayerNorm's per-row "
                     "mean and rstd); got only ", has_mean ? "row_mean" : "row_rstd");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::compress", false);
+                                stochastic, "mesa::compress");
   auto [q, alpha, beta, G, k] = compress_with_rows(x, dim, qz, row_dims, max_k, has_mean ? *row_mean : at::Tensor(),
                                                    has_rstd ? *row_rstd : at::Tensor());
   return {q, alpha, beta, k.defined() ? k : at::empty({0}, x.options().dtype(at::kChar))};
@@ -323,7 +324,7 @@ at::Tensor linear_train(const at::Tensor& x, const at::Tensor& weight, const std
                         int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                         bool row_scale) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::linear_train", true);
+                                stochastic, "mesa::linear_train");
   return LinearTrain::apply(x, weight, present(bias), qz, row_scale);
 }
 
@@ -404,7 +405,7 @@ at::Tensor gelu_linear_train(const at::Tensor& h, const at::Tensor& weight, cons
                              int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                              c10::string_view approximate, bool row_scale) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::gelu_linear_train", true);
+                                stochastic, "mesa::gelu_linear_train");
   return GeluLinearTrain::apply(h, weight, present(bias), qz,
                                 std::string(approximate), row_scale);
 }
@@ -568,7 +569,7 @@ at::Tensor layer_norm_train(const at::Tensor& x, at::IntArrayRef normalized_shap
                             at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng, int64_t num_groups,
                             double decay, int64_t estimator, bool symmetric, bool stochastic, bool row_scale) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::layer_norm_train", true);
+                                stochastic, "mesa::layer_norm_train");
   return LayerNormTrain::apply(x, normalized_shape.vec(), present(weight), present(bias), eps, qz, row_scale);
 }
 
@@ -659,18 +660,20 @@ at::Tensor layer_norm_linear_train(const at::Tensor& x, at::IntArrayRef normaliz
                                    int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
                                    bool row_scale) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::layer_norm_linear_train", true);
+                                stochastic, "mesa::layer_norm_linear_train");
   return LayerNormLinearTrain::apply(x, normalized_shape.vec(), present(ln_weight), present(ln_bias), eps, weight,
                                      present(bias), qz, row_scale);
 }
 
 // ----------------------------------------------------------------------------- MatMul
 // mesa_train/nn/matmul.py: `a @ b` exactly; each operand the other's gradient needs is kept
-// as (in this order) a producer's shared 8-bit copy (attn @ v: the Softmax's codes), its own
-// 8-bit copy (a quantizer given), or the operand as the stock matmul keeps it.
-struct SharedCopy {  // a Packed handed over by the caller (default format)
+// as (in this order) a producer's shared copy (attn @ v: the Softmax's codes), its own copy
+// (a quantizer given), or the operand as the stock matmul keeps it. Codes of the default
+// 8-bit format or a variant (bits != 0: packed codes of the operand's shape).
+struct SharedCopy {  // a Packed handed over by the caller
   at::Tensor q, alpha, beta;
-  int64_t dim = 0, groups = 0;
+  int64_t dim = 0, groups = 0, bits = 0;
+  bool pow2 = false;
 };
 
 // mesa_train.nn.matmul._full_copy (eager): the compute dtype, compact when t views a
@@ -682,10 +685,11 @@ at::Tensor full_copy(const at::Tensor& t, c10::ScalarType dt) {
   return t;
 }
 
-// What one operand keeps: codes (q, alpha, beta, dim, groups) or a full tensor, or nothing.
+// What one operand keeps: codes (q, alpha, beta, dim, groups, format) or a full tensor, or nothing.
 struct Kept {
   at::Tensor q, alpha, beta, full;
-  int64_t dim = 0, groups = 0;
+  int64_t dim = 0, groups = 0, bits = 0;
+  bool pow2 = false;
 };
 
 Kept keep_operand(const at::Tensor& t, bool needed, const std::optional<SharedCopy>& shared,
@@ -694,9 +698,11 @@ Kept keep_operand(const at::Tensor& t, bool needed, const std::optional<SharedCo
   if (!needed) return k;
   if (shared.has_value()) {
     k.q = shared->q, k.alpha = shared->alpha, k.beta = shared->beta, k.dim = shared->dim, k.groups = shared->groups;
+    k.bits = shared->bits, k.pow2 = shared->pow2;
   } else if (qz.has_value()) {
     k.dim = group_dim(t);
     std::tie(k.q, k.alpha, k.beta, k.groups) = compress(t, k.dim, *qz);
+    k.bits = qz->code_bits, k.pow2 = qz->pow2;
   } else {
     k.full = full_copy(t, cdt);
   }
@@ -739,8 +745,8 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
     const Kept ka = keep_operand(a, b_in.requires_grad(), shared_a, qa, cdt);
     const Kept kb = keep_operand(b, a_in.requires_grad(), shared_b, qb, cdt);
     ctx->save_for_backward({ka.q, ka.alpha, ka.beta, ka.full, kb.q, kb.alpha, kb.beta, kb.full});
-    ctx->saved_data["a_layout"] = std::vector<int64_t>{ka.dim, ka.groups};
-    ctx->saved_data["b_layout"] = std::vector<int64_t>{kb.dim, kb.groups};
+    ctx->saved_data["a_layout"] = std::vector<int64_t>{ka.dim, ka.groups, ka.bits, ka.pow2};
+    ctx->saved_data["b_layout"] = std::vector<int64_t>{kb.dim, kb.groups, kb.bits, kb.pow2};
     ctx->saved_data["a_shape"] = a.sizes().vec();
     ctx->saved_data["b_shape"] = b.sizes().vec();
     ctx->saved_data["cdt"] = cdt;
@@ -749,12 +755,13 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
     return out;
   }
 
-  // the operand back in the compute dtype: dequantized codes, or the kept tensor
+  // the operand (of `shape`) back in the compute dtype: dequantized codes (layout: dim,
+  // groups, bits, pow2), or the kept tensor
   static at::Tensor restore(const variable_list& saved, size_t first, const std::vector<int64_t>& layout,
-                            c10::ScalarType cdt) {
+                            at::IntArrayRef shape, c10::ScalarType cdt) {
     if (saved[first].defined())
-      return call_dequantize(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], cdt,
-                                  std::nullopt, std::nullopt);
+      return dequantize_codes(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], cdt, layout[2],
+                              layout[3] != 0, shape);
     return saved[first + 3].to(cdt);
   }
 
@@ -772,7 +779,7 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
     if (a_shape.size() == 1) g = g.unsqueeze(-2);
     if (b_shape.size() == 1) g = g.unsqueeze(-1);
     if (ctx->needs_input_grad(0)) {
-      at::Tensor bh = restore(saved, 4, ctx->saved_data["b_layout"].toIntVector(), cdt);
+      at::Tensor bh = restore(saved, 4, ctx->saved_data["b_layout"].toIntVector(), b_shape, cdt);
       if (b_shape.size() == 1) bh = bh.unsqueeze(-1);
       ga = g.matmul(bh.transpose(-1, -2));
       std::vector<int64_t> a2 = a_shape;
@@ -780,7 +787,7 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
       ga = ga.sum_to_size(a2).reshape(a_shape).to(ctx->saved_data["a_dtype"].toScalarType());
     }
     if (ctx->needs_input_grad(1)) {
-      at::Tensor ah = restore(saved, 0, ctx->saved_data["a_layout"].toIntVector(), cdt);
+      at::Tensor ah = restore(saved, 0, ctx->saved_data["a_layout"].toIntVector(), a_shape, cdt);
       if (a_shape.size() == 1) ah = ah.unsqueeze(0);
       gb = ah.transpose(-1, -2).matmul(g);
       std::vector<int64_t> b2 = b_shape;
@@ -791,11 +798,12 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
   }
 };
 
-// A Packed passed as [q, alpha, beta] (empty: none)
-std::optional<SharedCopy> shared_copy(at::TensorList t, int64_t dim, int64_t groups) {
+// A Packed passed as [q, alpha, beta] (empty: none) with its format (shared_format)
+std::optional<SharedCopy> shared_copy(at::TensorList t, int64_t dim, int64_t groups, int64_t format) {
+  const auto [bits, pow2] = shared_format(format, "mesa::matmul_train");
   if (t.empty()) return std::nullopt;
   TORCH_CHECK(t.size() == 3, "mesa::matmul_train: a shared copy is [q, alpha, beta], got ", t.size(), " tensors");
-  return SharedCopy{t[0], t[1], t[2], dim, groups};
+  return SharedCopy{t[0], t[1], t[2], dim, groups, bits, pow2};
 }
 
 // A quantizer's buffers passed as [alpha_est, beta_est, initialized, rng] (empty: none)
@@ -809,9 +817,10 @@ at::Tensor matmul_train(const at::Tensor& a, const at::Tensor& b, at::TensorList
                         int64_t shared_a_groups, at::TensorList shared_b, int64_t shared_b_dim, int64_t shared_b_groups,
                         at::TensorList state_a, int64_t num_groups_a, double decay_a, int64_t estimator_a,
                         bool symmetric_a, bool stochastic_a, at::TensorList state_b, int64_t num_groups_b,
-                        double decay_b, int64_t estimator_b, bool symmetric_b, bool stochastic_b) {
-  return MatMulTrain::apply(a, b, shared_copy(shared_a, shared_a_dim, shared_a_groups),
-                            shared_copy(shared_b, shared_b_dim, shared_b_groups),
+                        double decay_b, int64_t estimator_b, bool symmetric_b, bool stochastic_b,
+                        int64_t shared_a_format, int64_t shared_b_format) {
+  return MatMulTrain::apply(a, b, shared_copy(shared_a, shared_a_dim, shared_a_groups, shared_a_format),
+                            shared_copy(shared_b, shared_b_dim, shared_b_groups, shared_b_format),
                             quantizer(state_a, num_groups_a, decay_a, estimator_a, symmetric_a, stochastic_a),
                             quantizer(state_b, num_groups_b, decay_b, estimator_b, symmetric_b, stochastic_b));
 }
@@ -894,7 +903,7 @@ at::Tensor conv2d_train(const at::Tensor& x, const at::Tensor& weight, const std
                         at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
                         int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::conv2d_train", true);
+                                stochastic, "mesa::conv2d_train");
   return Conv2dTrain::apply(x, weight, present(bias), stride.vec(),
                             padding.vec(), dilation.vec(), groups, qz);
 }
@@ -928,13 +937,15 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "Tensor weight, Tensor? bias, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
       "Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic, "
       "bool row_scale) -> Tensor");
-  // shared_*: a producer's 8-bit copy [q, alpha, beta] (or []); state_*: the operand's
-  // quantizer buffers [alpha_est, beta_est, initialized, rng] (or [], no quantizer)
+  // shared_*: a producer's copy [q, alpha, beta] (or []), shared_*_format its format (0: the
+  // default 8-bit one; shared_format); state_*: the operand's quantizer buffers
+  // [alpha_est, beta_est, initialized, rng] (or [], no quantizer)
   m.def(
       "matmul_train(Tensor a, Tensor b, Tensor[] shared_a, int shared_a_dim, int shared_a_groups, "
       "Tensor[] shared_b, int shared_b_dim, int shared_b_groups, Tensor(a!)[] state_a, int num_groups_a, "
       "float decay_a, int estimator_a, bool symmetric_a, bool stochastic_a, Tensor(b!)[] state_b, "
-      "int num_groups_b, float decay_b, int estimator_b, bool symmetric_b, bool stochastic_b) -> Tensor");
+      "int num_groups_b, float decay_b, int estimator_b, bool symmetric_b, bool stochastic_b, "
+      "int shared_a_format=0, int shared_b_format=0) -> Tensor");
   m.def(
       "conv2d_train(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "

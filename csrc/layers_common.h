@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "mesa_common.h"
 
@@ -148,18 +149,17 @@ struct Quantizer {
   bool pow2 = false;
 };
 
-// The layer ops that can read their codes back by dequantizing them (all but softmax_train,
-// matmul_train, sdpa_train and mesa::compress) also take a variant format (DESIGN.md,
-// "Variant formats in the C++ ops"); the others are built with variants = false. The Python layers pass it
-// inside `estimator` (mesa_train.nn.quantizer.layer_op_code): the estimator's code plus
+// The layer ops, which read their codes back by dequantizing them, also take a variant format
+// (DESIGN.md, "Variant formats in the C++ ops"; mesa::compress, the Python Functions' one-op
+// compression of the default format, checks for the estimator's code alone). The Python layers
+// pass it inside `estimator` (mesa_train.nn.quantizer.layer_op_code): the estimator's code plus
 // kFormatBits * bits plus kFormatPow2 for power-of-two steps; the default format is the
 // estimator's code alone. One int, not two more arguments: every layer op's schema and the
 // Python tuple spliced into each call (ActivationQuantizer.fused_layer_args) stay as they are.
 constexpr int64_t kFormatBits = 4, kFormatPow2 = 64;
 inline Quantizer make_quantizer(const at::Tensor& alpha_est, const at::Tensor& beta_est,
                                 const at::Tensor& initialized, const at::Tensor& rng, int64_t num_groups,
-                                double decay, int64_t code, bool symmetric, bool stochastic, const char* op,
-                                bool variants) {
+                                double decay, int64_t code, bool symmetric, bool stochastic, const char* op) {
   const int64_t estimator = code % kFormatBits, bits = code / kFormatBits % (kFormatPow2 / kFormatBits);
   const bool pow2 = code / kFormatPow2 == 1;
   TORCH_CHECK_VALUE(code >= 0 && code < 2 * kFormatPow2 && estimator <= kDelayed &&
@@ -167,12 +167,23 @@ inline Quantizer make_quantizer(const at::Tensor& alpha_est, const at::Tensor& b
                     op, ": estimator code ", code, " is not valid: 0 (running), 1 (per_sample) or 2 (delayed), ",
                     "plus a variant format's ", kFormatBits, " * bits (8, 4 or 2) + ", kFormatPow2,
                     " * pow2 (mesa_train.nn.quantizer.layer_op_code)");
-  TORCH_CHECK_VALUE(bits == 0 || variants, op, " keeps the default 8-bit format only (estimator code ", code,
-                    " names a variant format); the Python layer runs the variant formats");
   TORCH_CHECK_VALUE(bits == 0 || estimator != kDelayed, op, ": the delayed estimator takes the default 8-bit format ",
                     "only (estimator code ", code, ")");
   return Quantizer{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic,
                    bits, pow2};
+}
+
+// The format of codes handed from one op to another (matmul_train's shared copies), as the
+// Python layer names it (mesa_train.nn.quantizer.format_code): 0 for the default format, else
+// kFormatBits * bits (8, 4 or 2) + kFormatPow2 * pow2, i.e. layer_op_code without the estimator.
+inline std::pair<int64_t, bool> shared_format(int64_t code, const char* op) {
+  const int64_t bits = code % kFormatPow2 / kFormatBits;
+  const bool pow2 = code / kFormatPow2 == 1;
+  TORCH_CHECK_VALUE(code >= 0 && code < 2 * kFormatPow2 && code % kFormatBits == 0 &&
+                        (bits == 0 || bits == 8 || bits == 4 || bits == 2) && (bits != 0 || !pow2),
+                    op, ": shared copy format ", code, " is not valid: 0 (the default 8-bit format) or ", kFormatBits,
+                    " * bits (8, 4 or 2) + ", kFormatPow2, " * pow2 (mesa_train.nn.quantizer.format_code)");
+  return {bits, pow2};
 }
 
 using QuantizeObserveFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
@@ -191,7 +202,7 @@ inline Quantizer quantizer_from_list(at::TensorList state, int64_t num_groups, d
   TORCH_CHECK(state.size() == 4, op, ": a quantizer state is [alpha_est, beta_est, initialized, rng], got ",
               state.size(), " tensors");
   return make_quantizer(state[0], state[1], state[2], state[3], num_groups, decay, estimator, symmetric, stochastic,
-                        op, false);
+                        op);
 }
 
 // The groups of a compression along a dim of size D: at most one per channel
@@ -246,6 +257,15 @@ inline bool variant_codes(AutogradContext* ctx) { return ctx->saved_data.count("
 // epilogue y * col_scale + col_shift before one rounding to dt (each undefined: not applied).
 // For a variant format (save_code_format): mesa::dequantize_bits, then the same as ops, in the
 // order and dtypes of mesa_train.nn.quantizer.decompress.
+// Codes (q, alpha, beta) of a tensor of `shape` back in dtype `dt`: mesa::dequantize for the
+// default format (bits 0), else mesa::dequantize_bits (the packed codes of `bits` bits,
+// power-of-two steps if pow2).
+inline at::Tensor dequantize_codes(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta, int64_t dim,
+                                   int64_t groups, c10::ScalarType dt, int64_t bits, bool pow2, at::IntArrayRef shape) {
+  if (bits == 0) return call_dequantize(q, alpha, beta, dim, groups, dt);
+  return dequantize_bits_op().call(q, alpha, beta, shape, dim, groups, bits, pow2, dt);
+}
+
 inline at::Tensor decompress_saved(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
                                    c10::ScalarType dt, const at::Tensor& k = at::Tensor(),
                                    const at::Tensor& row_mul = at::Tensor(), const at::Tensor& col_scale = at::Tensor(),
@@ -262,9 +282,8 @@ inline at::Tensor decompress_saved(AutogradContext* ctx, const variable_list& sa
     if (col_shift.defined()) y = y + col_shift;
     return y.to(dt);
   }
-  at::Tensor y = dequantize_bits_op().call(saved[0], saved[1], saved[2], ctx->saved_data["code_shape"].toIntVector(),
-                                           dim, groups, bits->second.toInt(), ctx->saved_data["code_pow2"].toBool(),
-                                           dt);
+  at::Tensor y = dequantize_codes(saved[0], saved[1], saved[2], dim, groups, dt, bits->second.toInt(),
+                                  ctx->saved_data["code_pow2"].toBool(), ctx->saved_data["code_shape"].toIntVector());
   if (k.defined()) y = y * at::exp2(k.to(dt).neg());                 // (reference.unscale_rows)
   if (row_mul.defined()) y = (y.to(at::kFloat) * row_mul).to(dt);  // (reference.multiply_rows)
   return y;

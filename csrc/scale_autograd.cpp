@@ -88,7 +88,7 @@ at::Tensor scale_train(const at::Tensor& x, const at::Tensor& gamma, at::Tensor&
                        at::Tensor& initialized, at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator,
                        bool symmetric, bool stochastic, bool row_scale) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
-                                stochastic, "mesa::scale_train", true);
+                                stochastic, "mesa::scale_train");
   return ScaleTrain::apply(x, gamma, qz, row_scale);
 }
 

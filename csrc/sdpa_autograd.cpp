@@ -11,9 +11,11 @@
 // backward that dequantizes, re-enters the forward's autocast state, recomputes the attention
 // with grad mode on and runs autograd through it. Outputs, codes, estimates and gradients are
 // therefore bitwise the Python Function's (tests/test_layers_autograd.py). The layer calls it
-// only in eager mode, with the paper's 8-bit format and dropout_p == 0 (a dropout mask would
-// have to be replayed from a captured RNG state: the Python Function does that); everything
-// else keeps _MesaSDPA. Shared pieces (op handles, Quantizer, compress): layers_common.h.
+// only in eager mode, with a channel format (the paper's 8-bit one or a variant: packed
+// codes read back by dequantize_codes) and dropout_p == 0 (a dropout mask would have to be
+// replayed from a captured RNG state: the Python Function does that); everything else
+// (learned thresholds) keeps _MesaSDPA. Shared pieces (op handles, Quantizer, compress):
+// layers_common.h.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
@@ -94,16 +96,17 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
                             const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& window_mask,
                             bool is_causal, std::optional<double> scale, Quantizer qz_q, Quantizer qz_k,
                             Quantizer qz_v) {
-    // 1. the 8-bit copies, in the Python module's order (it compresses before Function.apply)
+    // 1. the compressed copies (8-bit, or a variant format's packed codes), in the Python
+    // module's order (it compresses before Function.apply)
     std::vector<at::Tensor> saved;
-    std::vector<int64_t> layout;  // (dim, groups) per operand
+    std::vector<int64_t> layout;  // (dim, groups, bits, pow2) per operand
     const std::array<std::pair<const at::Tensor*, Quantizer*>, 3> operands{
         {{&q, &qz_q}, {&k, &qz_k}, {&v, &qz_v}}};
     for (const auto& [x, qz] : operands) {
       const int64_t dim = head_group_dim(*x);
       auto [codes, alpha, beta, G] = compress(*x, dim, *qz);
       saved.insert(saved.end(), {codes, alpha, beta});
-      layout.insert(layout.end(), {dim, G});
+      layout.insert(layout.end(), {dim, G, qz->code_bits, qz->pow2});
     }
     // 2. the stock call. The combined mask is built with grad mode on, as in _MesaSDPA.forward:
     // it requires grad exactly when the stock call's would (attn_mask does), and whether it does
@@ -126,6 +129,7 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
     ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(q.scalar_type()),
                                                      static_cast<int64_t>(k.scalar_type()),
                                                      static_cast<int64_t>(v.scalar_type())};
+    ctx->saved_data["shapes"] = std::vector<std::vector<int64_t>>{q.sizes().vec(), k.sizes().vec(), v.sizes().vec()};
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["device"] = static_cast<int64_t>(dev);
@@ -150,10 +154,11 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
     // 1. the inputs again: dequantized q, k, v (in their input dtypes) and the mask, each
     // requiring grad when its gradient is wanted
     std::array<at::Tensor, 4> inputs;
+    const auto shapes = ctx->saved_data["shapes"].to<std::vector<std::vector<int64_t>>>();
     for (size_t i = 0; i < 3; ++i) {
-      inputs[i] = call_dequantize(saved[3 * i], saved[3 * i + 1], saved[3 * i + 2], layout[2 * i],
-                                       layout[2 * i + 1], static_cast<c10::ScalarType>(dtypes[i]), std::nullopt,
-                                       std::nullopt);
+      inputs[i] = dequantize_codes(saved[3 * i], saved[3 * i + 1], saved[3 * i + 2], layout[4 * i], layout[4 * i + 1],
+                                   static_cast<c10::ScalarType>(dtypes[i]), layout[4 * i + 2], layout[4 * i + 3] != 0,
+                                   shapes[i]);
       inputs[i].requires_grad_(need[i]);
     }
     std::optional<at::Tensor> attn_mask;

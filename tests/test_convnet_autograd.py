@@ -338,13 +338,19 @@ def test_fused_layers_take_the_variant_formats_bitwise_the_python_function(name,
 
 
 def test_the_layer_ops_name_the_formats_they_take(monkeypatch):
-    """A variant code where an op keeps 8-bit codes only, and a code no format has: one clear
-    error each (the Python layers never pass them: ActivationQuantizer.fused_layer_args)."""
+    """A variant code where an op keeps 8-bit codes only (mesa::compress), a code no format
+    has and a shared copy's format no format has (matmul_train): one clear error each (the
+    Python layers never pass them: ActivationQuantizer.fused_layer_args, format_code)."""
     q = mnn.Softmax(-1, bits=4).quantizer
     state = (q.alpha, q.beta, q.initialized, q.rng, 1, 0.9)
     x = torch.randn(4, 6)
-    with pytest.raises(ValueError, match=r"mesa::softmax_train keeps the default 8-bit format only"):
-        torch.ops.mesa.softmax_train(x, -1, *state, quantizer_mod.layer_op_code(q.options), False, True, None)
+    with pytest.raises(RuntimeError, match=r"mesa::compress: estimator must be 0 \(running\), 1 \(per_sample\) or 2"):
+        torch.ops.mesa.compress(x, q.alpha, q.beta, q.initialized, q.rng, 1, 1, 0.9,
+                                quantizer_mod.layer_op_code(q.options), False, True, 0, 0)
+    no_operand = ([], 0, 0.0, 0, False, False)
+    for bad in (1, 4 * 3, 64, 128):  # an estimator's code; 3 bits; pow2 without bits; past the last flag
+        with pytest.raises(ValueError, match=rf"shared copy format {bad} is not valid"):
+            torch.ops.mesa.matmul_train(x, x.t(), [], 0, 0, [], 0, 0, *no_operand, *no_operand, bad, 0)
     for bad in (3, 4 * 3, 64, 200):  # estimator 3; 3 bits; pow2 without bits; past the last flag
         with pytest.raises(ValueError, match=rf"estimator code {bad} is not valid"):
             torch.ops.mesa.elementwise_train(x, 0, *state, bad, False, True)

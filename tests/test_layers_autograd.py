@@ -13,12 +13,15 @@ import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
 from kernel_marks import DTYPES
-from op_calls import count_calls
+from op_calls import assert_op_path_is_the_python_path, count_calls
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
 
 OPTIONS = [dict(), dict(estimator="per_sample"), dict(estimator="delayed"), dict(symmetric=True),
            dict(rounding="nearest"), dict(num_groups=3), dict(estimator="delayed", symmetric=True, rounding="nearest")]
+# the channel variant formats (mesa.bits=4|2, scale=pow2) the C++ ops take
+VARIANT_OPTIONS = [dict(bits=4), dict(bits=2, scale="pow2"), dict(bits=8, scale="pow2"),
+                   dict(bits=4, estimator="per_sample", rounding="nearest", num_groups=3)]
 
 
 def _layer(kind, options):
@@ -81,6 +84,40 @@ def test_fused_gelu_takes_the_variant_formats_bitwise_the_python_function(kind, 
     want = _run(layer_b, x, g, False, monkeypatch)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("options", VARIANT_OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,dim", [((2, 3, 5, 5), -1), ((4, 7), -1), ((2, 3, 5, 5), 2)], ids=str)
+def test_fused_softmax_takes_the_variant_formats_bitwise_the_python_function(shape, dim, dtype, options,
+                                                                             monkeypatch):
+    """mesa.bits=4|2, scale=pow2: mesa::softmax_train keeps quantize_bits' packed codes of the
+    map, and its backward dequantizes them, renormalises the rows and calls ATen's softmax
+    backward (the one-op backward reads 8-bit codes): the Python Function's outputs,
+    gradients, bytes kept and buffers, on the C++ op each step."""
+    def layer():
+        sm = mnn.Softmax(dim, **options)
+        sm.quantizer.rng.copy_(torch.tensor([77, 0]))
+        return sm
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 2).to(dtype)
+    g = torch.randn(shape).to(dtype)
+    calls = count_calls(monkeypatch, "softmax_train")
+    got = _run(layer(), x, g, True, monkeypatch)
+    assert calls == [1, 1]
+    want = _run(layer(), x, g, False, monkeypatch)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+def test_format_code_names_the_formats_matmul_train_takes():
+    """A shared copy's format as mesa::matmul_train takes it (layer_op_code's format part);
+    patch4x4 codes have none (the MatMul keeps its Python Function for them)."""
+    assert quantizer_mod.format_code(None) == 0
+    assert quantizer_mod.format_code(("bits", 4, False, (2, 3))) == 16
+    assert quantizer_mod.format_code(("bits", 2, True, (2, 3))) == 8 + 64
+    with pytest.raises(ValueError, match="only the default format and channel-group formats"):
+        quantizer_mod.format_code(("patch4x4", 2, False, (1, 1, 4, 4)))
 
 
 def test_softmax_copy_and_sharing_match(monkeypatch):
@@ -166,12 +203,7 @@ def test_fused_linear_takes_the_variant_formats_bitwise_the_python_function(dtyp
     input, its small rows scaled by 2**k first (ActivationQuantizer._compress's order) and
     unscaled after dequantize_bits: the Python Function's bits, on the C++ op each step."""
     args = (dtype, True, row_scale, True, True, autocast, (4, 5, 12), options)
-    calls = count_calls(monkeypatch, "linear_train")
-    got = _linear_run(True, monkeypatch, *args)
-    assert calls == [1, 1]
-    want = _linear_run(False, monkeypatch, *args)
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert a.dtype == b.dtype and torch.equal(a, b), i
+    assert_op_path_is_the_python_path(monkeypatch, "linear_train", _linear_run, *args)
 
 
 def _layernorm_run(fused, monkeypatch, dtype, affine, bias, row_scale, x_grad, w_grad, shape, normalized,
@@ -230,14 +262,7 @@ def test_fused_layernorm_takes_the_variant_formats_bitwise_the_python_function(d
     with ops (decompress_saved) for ATen's LayerNorm backward: the Python Function's bits
     and bytes kept, on the C++ op each step."""
     args = (dtype, affine, bias, row_scale, True, True, shape, normalized, cls, options)
-    calls = count_calls(monkeypatch, "layer_norm_train")
-    got = _layernorm_run(True, monkeypatch, *args)
-    assert calls == [1, 1]
-    want = _layernorm_run(False, monkeypatch, *args)
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert (a is None) == (b is None), i
-        if a is not None:
-            assert a.dtype == b.dtype and torch.equal(a, b), i
+    assert_op_path_is_the_python_path(monkeypatch, "layer_norm_train", _layernorm_run, *args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -252,10 +277,11 @@ def test_fused_layernorm2d_is_bitwise_the_python_function(dtype, row_scale, monk
         assert a.dtype == b.dtype and torch.equal(a, b), i
 
 
-def _matmul_run(fused, monkeypatch, dtype, autocast, operands, a_grad, b_grad, a_shape, b_shape, b_view):
+def _matmul_run(fused, monkeypatch, dtype, autocast, operands, a_grad, b_grad, a_shape, b_shape, b_view,
+                options=None):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     torch.manual_seed(0)
-    layer = mnn.MatMul(operands=operands, num_groups=2)
+    layer = mnn.MatMul(operands=operands, **(dict(num_groups=2) | (options or {})))
     for i, q in enumerate(layer.quantizers()):
         q.rng.copy_(torch.tensor([300 + i, 0]))
     out = []
@@ -296,17 +322,36 @@ def test_fused_matmul_is_bitwise_the_python_function(dtype, autocast, operands, 
             assert x.dtype == y.dtype and torch.equal(x, y), i
 
 
+@pytest.mark.parametrize("options", VARIANT_OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=str)
+@pytest.mark.parametrize("operands", [("a", "b"), ("a",)], ids=str)
+@pytest.mark.parametrize("a_shape,b_shape", MATMUL_SHAPES, ids=str)
+def test_fused_matmul_takes_the_variant_formats_bitwise_the_python_function(dtype, autocast, operands, a_shape,
+                                                                            b_shape, options, monkeypatch):
+    """mesa.bits=4|2, scale=pow2: mesa::matmul_train keeps quantize_bits' packed codes of its
+    operands and reads them back with dequantize_bits: the Python Function's outputs,
+    gradients, bytes kept and buffers, on the C++ op each step."""
+    b_view = operands == ("a",) and len(b_shape) > 1
+    args = (dtype, autocast, operands, True, True, a_shape, b_shape, b_view, options)
+    assert_op_path_is_the_python_path(monkeypatch, "matmul_train", _matmul_run, *args)
+
+
+@pytest.mark.parametrize("options", [dict()] + VARIANT_OPTIONS[:2], ids=str)
 @pytest.mark.parametrize("implicit", [False, True], ids=["forward_with_copy", "sharing cache"])
 @pytest.mark.parametrize("operands", [("a", "b"), ()], ids=str)
-def test_fused_matmul_keeps_the_softmax_copy(implicit, operands, monkeypatch):
-    """attn @ v with the Softmax's 8-bit map: handed over explicitly or found in the sharing
-    cache, the C++ MatMul keeps that copy (no second quantization of the map), bitwise the
-    Python path, and stores the map once."""
+def test_fused_matmul_keeps_the_softmax_copy(implicit, operands, options, monkeypatch):
+    """attn @ v with the Softmax's 8-bit map (or its packed codes in a variant format, whose
+    format goes with them): handed over explicitly or found in the sharing cache, the C++
+    MatMul keeps that copy (no second quantization of the map), bitwise the Python path, and
+    stores the map once."""
     res = []
+    calls = count_calls(monkeypatch, "matmul_train")
     for fused in (True, False):
         monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
         torch.manual_seed(0)
-        sm, mm = mnn.Softmax(-1, num_groups=3), mnn.MatMul(operands=operands, num_groups=3)
+        sm = mnn.Softmax(-1, **(dict(num_groups=3) | options))
+        mm = mnn.MatMul(operands=operands, **(dict(num_groups=3) | options))
         for i, q in enumerate(sm.quantizers() + mm.quantizers()):
             q.rng.copy_(torch.tensor([2000 + i, 0]))
         x = torch.randn(2, 3, 5, 5, requires_grad=True)
@@ -321,20 +366,22 @@ def test_fused_matmul_keeps_the_softmax_copy(implicit, operands, monkeypatch):
         res.append([out.detach(), x.grad, v.grad, torch.tensor(meter.activation_bytes)]
                    + [b.clone() for b in mm.buffers()])
         assert mm.last_saved[0] == "shared", mm.last_saved
-    for i, (a, b) in enumerate(zip(*res)):
+    assert calls == [1]  # the C++ op in the fused run only
+    for i, (a, b) in enumerate(zip(*res, strict=True)):
         assert torch.equal(a, b), i
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", True)
 
 
-def test_fused_matmul_runs_only_in_eager_training_with_the_paper_format(monkeypatch):
+def test_fused_matmul_runs_only_in_eager_training_with_a_channel_format(monkeypatch):
     calls = count_calls(monkeypatch, "matmul_train")
     a, b = torch.randn(2, 4, 5, requires_grad=True), torch.randn(2, 5, 3, requires_grad=True)
     mnn.MatMul()(a, b).sum().backward()
-    assert calls == [1]
+    mnn.MatMul(bits=4)(a, b).sum().backward()  # a channel variant format: the C++ op too
+    assert calls == [1, 1]
     mnn.MatMul(operands=())(a, b).sum().backward()  # nothing compressed or shared: the stock op
-    mnn.MatMul(bits=4)(a, b).sum().backward()  # a variant format: the Python Function
+    mnn.MatMul(bits=4, estimator="learned")(a, b).sum().backward()  # learned thresholds: the Python Function
     mnn.MatMul().eval()(a, b)
-    assert calls == [1]
+    assert calls == [1, 1]
 
 
 def _conv_run(fused, monkeypatch, dtype, autocast, conv_kwargs, bias, x_grad, w_grad, unbatched):
@@ -509,11 +556,11 @@ def _sdpa_inputs(step, dtype, mask, four_d, grads):
     return q, k, v, kw
 
 
-def _sdpa_run(fused, monkeypatch, dtype, autocast, mask, four_d, grads):
+def _sdpa_run(fused, monkeypatch, dtype, autocast, mask, four_d, grads, options=None):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     calls = count_calls(monkeypatch, "sdpa_train")
     torch.manual_seed(0)
-    layer = mnn.ScaledDotProductAttention(num_groups=2)
+    layer = mnn.ScaledDotProductAttention(**(dict(num_groups=2) | (options or {})))
     for i, q in enumerate(layer.quantizers()):
         q.rng.copy_(torch.tensor([400 + i, 0]))
     out = []
@@ -553,38 +600,66 @@ def test_fused_sdpa_is_bitwise_the_python_function(dtype, autocast, mask, four_d
             assert a.dtype == b.dtype and torch.equal(a, b), i
 
 
+@pytest.mark.parametrize("options", VARIANT_OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=str)
+@pytest.mark.parametrize("mask", ["none", "window", "causal"])
+@pytest.mark.parametrize("four_d", [True, False], ids=["4-D", "3-D"])
+def test_fused_sdpa_takes_the_variant_formats_bitwise_the_python_function(dtype, autocast, mask, four_d, options,
+                                                                          monkeypatch):
+    """mesa.bits=4|2, scale=pow2: mesa::sdpa_train keeps q, k, v as quantize_bits' packed
+    codes and recomputes the attention from dequantize_bits' values: outputs, gradients, bytes
+    kept and buffers equal _MesaSDPA's, on the C++ op each step (_sdpa_run checks)."""
+    if mask == "window" and not four_d:
+        pytest.skip("Swin's window mask is per head: 4-D operands")
+    args = (dtype, autocast, mask, four_d, ("q", "k", "v"), options)
+    got, want = _sdpa_run(True, monkeypatch, *args), _sdpa_run(False, monkeypatch, *args)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
 def test_fused_sdpa_runs_only_in_eager_training_without_dropout(monkeypatch):
-    """dropout_p > 0 (the RNG-state replay), a variant format, eval and a disabled layer keep
-    their Python paths; the default layer in eager training takes the C++ op."""
+    """dropout_p > 0 (the RNG-state replay), learned thresholds, eval and a disabled layer keep
+    their Python paths; the default layer and a channel variant format in eager training take
+    the C++ op."""
     calls = count_calls(monkeypatch, "sdpa_train")
     q, k, v = (torch.randn(2, 2, 5, 4, requires_grad=True) for _ in range(3))
-    y = mnn.ScaledDotProductAttention()(q, k, v)
-    assert calls == [1] and "SdpaTrain" in y.grad_fn.name()
-    y.sum().backward()
-    for layer, dropout_p in ((mnn.ScaledDotProductAttention(), 0.2), (mnn.ScaledDotProductAttention(bits=4), 0.0)):
+    for layer in (mnn.ScaledDotProductAttention(), mnn.ScaledDotProductAttention(bits=4)):
+        y = layer(q, k, v)
+        assert "SdpaTrain" in y.grad_fn.name()
+        y.sum().backward()
+    assert calls == [1, 1]
+    for layer, dropout_p in ((mnn.ScaledDotProductAttention(), 0.2),
+                             (mnn.ScaledDotProductAttention(bits=4, estimator="learned"), 0.0)):
         y = layer(q, k, v, dropout_p=dropout_p)
         assert y.grad_fn.name() == "_MesaSDPABackward"
         y.sum().backward()
     mnn.ScaledDotProductAttention().eval()(q, k, v)
     mnn.ScaledDotProductAttention(enabled=False)(q, k, v)
-    assert calls == [1]
+    assert calls == [1, 1]
 
 
 @pytest.mark.parametrize("name", ["deit", "swin", "pvt"])
-def test_fused_sdpa_in_patched_models_is_bitwise_the_python_function(name, monkeypatch):
+@pytest.mark.parametrize("ops,options", [(("sdpa",), {}), (("sdpa",), dict(bits=4)), (("all",), dict(bits=4)),
+                                         (("matmul", "softmax"), dict(bits=2, scale="pow2"))], ids=str)
+def test_fused_attention_in_patched_models_is_bitwise_the_python_function(name, ops, options, monkeypatch):
     """The timm call patterns (DeiT's qkv heads, Swin's relative-position bias plus shifted-window
-    mask, PVT-v2's shorter k/v): two training steps of a model patched with the sdpa set give
-    the same outputs, parameter gradients and buffers on both paths."""
+    mask, PVT-v2's shorter k/v): two training steps of a model patched with the sdpa set, or
+    (the explicit attention) every op or the paper's attention ops, give the same outputs,
+    parameter gradients and buffers on both paths, also at 4 or 2 bits."""
     import copy
 
     from mesa_train.patch import patch_model
     from test_patch_helpers import build, grads, inputs, loss_of
 
-    model = patch_model(build(name, fused=True), ops=("sdpa",))
+    explicit = "sdpa" not in ops
+    model = patch_model(build(name, fused=not explicit), ops=ops, **options)
     runs = []
     for fused in (True, False):
         monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
-        calls = count_calls(monkeypatch, "sdpa_train")
+        calls = count_calls(monkeypatch, "matmul_train" if explicit else "sdpa_train")
         m = copy.deepcopy(model)
         out = []
         for step in range(2):

@@ -29,7 +29,7 @@ _OP_KINDS = {"silu": 0, "quick_gelu": 1, "hardswish": 2}
 def _fused(x: torch.Tensor, kind: str, quantizer) -> torch.Tensor | None:
     """``kind(x)`` by the C++ layer op (eager, a channel format: the layer with a C++ autograd
     node, the Python Functions' bits), or ``None`` where the Python Function must run."""
-    fused = quantizer.fused_layer_args(x, variants=True)
+    fused = quantizer.fused_layer_args(x)
     return None if fused is None else torch.ops.mesa.elementwise_train(x, _OP_KINDS[kind], *fused)
 
 

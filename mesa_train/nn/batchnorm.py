@@ -220,7 +220,7 @@ def _train_forward(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor, lin
     bn._check_input_dim(input)
     running_mean, running_var, factor = running_stats_step(bn)
     # eager, channel format, affine, no linked conv in front: the layer with a C++ autograd node
-    fused = bn.quantizer.fused_layer_args(input, variants=True) \
+    fused = bn.quantizer.fused_layer_args(input) \
         if link is None and bn.weight is not None and bn.bias is not None else None
     if fused is not None:
         return torch.ops.mesa.batch_norm_train(input, bn.weight, bn.bias, running_mean, running_var, factor, bn.eps,

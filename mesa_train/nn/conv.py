@@ -222,7 +222,7 @@ class Conv2d(_MesaConv, nn.Conv2d):
     def _compressed_conv(self, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``self._conv_forward(input, weight, self.bias)`` keeping the 8-bit input; ``weight``
         is this layer's own or one derived from it (weight standardization: ``std_conv.py``)."""
-        fused = self.quantizer.fused_layer_args(input, variants=True) if self._fused_padding else None
+        fused = self.quantizer.fused_layer_args(input) if self._fused_padding else None
         if fused is not None:  # eager, channel format: the layer with a C++ autograd node
             return torch.ops.mesa.conv2d_train(input, weight, self.bias, self.stride, self.padding,
                                                self.dilation, self.groups, *fused)

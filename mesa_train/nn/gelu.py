@@ -59,7 +59,7 @@ class GELU(MesaLayer, nn.GELU):
     def forward(self, input):
         if not self._mesa_active(input):
             return super().forward(input)
-        fused = self.quantizer.fused_layer_args(input, variants=True)
+        fused = self.quantizer.fused_layer_args(input)
         if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
             return torch.ops.mesa.gelu_train(input, *fused, self.approximate)
         return _GeluFn.apply(input, self.approximate, self.quantizer)

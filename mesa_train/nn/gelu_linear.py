@@ -125,7 +125,7 @@ def can_fuse(act: nn.Module, drop: nn.Module, norm: Optional[nn.Module], fc2: nn
 def gelu_linear(h: torch.Tensor, act: GELU, fc2: Linear) -> torch.Tensor:
     """``fc2(act(h))`` keeping one 8-bit copy of ``h`` (made by ``act``'s quantizer, whose
     running estimates track ``h``) for both backward passes. Call where :func:`can_fuse`."""
-    fused = act.quantizer.fused_layer_args(h, variants=True) if _OP else None
+    fused = act.quantizer.fused_layer_args(h) if _OP else None
     if fused is not None:  # eager, a channel format: one C++ op with a C++ autograd node
         return torch.ops.mesa.gelu_linear_train(h, fc2.weight, fc2.bias, *fused, act.approximate,
                                                 act.quantizer.options.row_scale)

@@ -126,7 +126,7 @@ class GroupNorm(MesaLayer, nn.GroupNorm):
         if input.dim() < 2 or not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
         # eager, channel format, affine: the layer with a C++ autograd node (csrc/convnet_autograd.cpp)
-        fused = self.quantizer.fused_layer_args(input, variants=True) \
+        fused = self.quantizer.fused_layer_args(input) \
             if self.weight is not None and self.bias is not None else None
         if fused is not None:
             return torch.ops.mesa.group_norm_train(input, self.weight, self.bias, self.num_groups, self.eps, *fused)

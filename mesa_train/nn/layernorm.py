@@ -209,7 +209,7 @@ class LayerNorm(MesaLayer, nn.LayerNorm):
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
-        fused = self.quantizer.fused_layer_args(input, variants=True)
+        fused = self.quantizer.fused_layer_args(input)
         if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
             return torch.ops.mesa.layer_norm_train(input, list(self.normalized_shape), self.weight, self.bias,
                                                    self.eps, *fused, self.quantizer.options.row_scale)

@@ -171,7 +171,7 @@ def can_fuse_norm(norm: nn.Module, fc: nn.Module, x: torch.Tensor) -> bool:
 def layernorm_linear(x: torch.Tensor, norm: LayerNorm, fc: Linear) -> torch.Tensor:
     """``fc(norm(x))`` keeping one 8-bit copy, the norm's ``x_hat`` (made by ``norm``'s
     quantizer), for both backward passes. Call where :func:`can_fuse_norm`."""
-    fused = norm.quantizer.fused_layer_args(x, variants=True) if _OP else None
+    fused = norm.quantizer.fused_layer_args(x) if _OP else None
     if fused is not None:  # eager, a channel format: one C++ op with a C++ autograd node
         return torch.ops.mesa.layer_norm_linear_train(x, list(norm.normalized_shape), norm.weight, norm.bias, norm.eps,
                                                       fc.weight, fc.bias, *fused, norm.quantizer.options.row_scale)

@@ -90,7 +90,7 @@ def _scale(x: torch.Tensor, gamma: torch.Tensor, quantizer) -> torch.Tensor:
     """``x * gamma`` keeping a compressed ``x``: the C++ layer op in eager training with a channel
     format (``mesa::scale_train``, csrc/scale_autograd.cpp: a C++ autograd node, the same bits),
     else ``_ScaleFn``."""
-    fused = quantizer.fused_layer_args(x, variants=True)
+    fused = quantizer.fused_layer_args(x)
     if fused is not None:
         return torch.ops.mesa.scale_train(x, gamma, *fused, quantizer.options.row_scale)
     return _ScaleFn.apply(x, gamma, quantizer)

@@ -102,7 +102,7 @@ class Linear(MesaLayer, nn.Linear):
         bias = self.bias if call_bias is _OWN else call_bias
         if not self._mesa_active(input, self.weight, bias):
             return F.linear(input, self.weight, bias)
-        fused = self.quantizer.fused_layer_args(input, variants=True)
+        fused = self.quantizer.fused_layer_args(input)
         if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
             return torch.ops.mesa.linear_train(input, self.weight, bias, *fused, self.quantizer.options.row_scale)
         return _LinearFn.apply(input, self.weight, bias, self.quantizer)

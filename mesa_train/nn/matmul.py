@@ -22,11 +22,13 @@ So ``MatMul(operands=())`` compresses nothing itself: it is what ``patch_model``
 usual, the paper's Table 7 "Softmax" row). When no operand is compressed or shared in a
 call, it simply runs the stock ``a @ b`` (stock gradients).
 
-In eager training with the paper's format (and the compiled extension) the whole layer
-runs as one op with a C++ autograd node, ``mesa::matmul_train`` (csrc/layers_autograd.cpp:
-the same kernels in the same order as ``_MatMulFn``, bitwise, tests/test_layers_autograd.py),
-which saves the Python ``autograd.Function`` host time; the sharing decisions above stay
-here. Under ``torch.compile`` and for the variant formats ``_MatMulFn`` runs.
+In eager training with a channel format, the paper's 8-bit one or a variant (and the
+compiled extension), the whole layer runs as one op with a C++ autograd node,
+``mesa::matmul_train`` (csrc/layers_autograd.cpp: the same kernels in the same order as
+``_MatMulFn``, bitwise, tests/test_layers_autograd.py), which saves the Python
+``autograd.Function`` host time; a shared copy's format goes with it (``format_code``). The
+sharing decisions above stay here. Under ``torch.compile``, for patch4x4 codes and for
+learned thresholds ``_MatMulFn`` runs.
 
 After each compressed call ``last_saved`` records what was kept per operand
 (``("shared" | "int8" | "full" | None, ...)``, ``None``: not needed for backward), which
@@ -44,7 +46,7 @@ from . import quantizer as quantizer_mod
 from . import sharing
 from ._common import (MesaLayer, autocast_casts, copy_estimates, group_dim_4d, inherit_options, load, no_autocast,
                       save, stock_device)
-from .quantizer import Packed, decompress
+from .quantizer import Packed, decompress, format_code
 
 __all__ = ["MatMul", "OPERANDS"]
 
@@ -193,16 +195,22 @@ _NO_QUANTIZER = ([], 0, 0.0, False, False, False)
 
 
 def _fused_args(shared: Optional[Packed], quantizer, t: torch.Tensor):
-    """The ``mesa::matmul_train`` arguments of one operand (its shared copy, its quantizer),
-    or ``None`` when the Python Function must run (a variant format, under compile, no
-    extension: see ``ActivationQuantizer.fused_layer_args``)."""
-    if not quantizer_mod.fused_layers_on() or (shared is not None and shared.fmt):
+    """``(args, shared_format)``: the ``mesa::matmul_train`` arguments of one operand (its
+    shared copy, its quantizer) and the shared copy's ``format_code``, or ``None`` when the
+    Python Function must run (under compile, no extension, a format the op does not take:
+    see ``ActivationQuantizer.fused_layer_args``; a shared copy not of ``t``'s shape)."""
+    if not quantizer_mod.fused_layers_on():
         return None
-    s = _NO_SHARED if shared is None else ([shared.q, shared.alpha, shared.beta], shared.dim, shared.num_groups)
+    if shared is None:
+        s, fmt = _NO_SHARED, 0
+    elif shared.fmt is None or (shared.fmt[0] == "bits" and tuple(shared.fmt[3]) == tuple(t.shape)):
+        s, fmt = ([shared.q, shared.alpha, shared.beta], shared.dim, shared.num_groups), format_code(shared.fmt)
+    else:
+        return None
     if quantizer is None:
-        return s + _NO_QUANTIZER
+        return s + _NO_QUANTIZER, fmt
     fused = quantizer.fused_layer_args(t)
-    return None if fused is None else s + (list(fused[:4]),) + fused[4:]
+    return None if fused is None else (s + (list(fused[:4]),) + fused[4:], fmt)
 
 
 def _kinds(a, b, sa, sb, qa, qb) -> tuple:
@@ -221,8 +229,9 @@ def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None)
         return torch.matmul(a, b)  # nothing to compress or share: the stock op
     fa = _fused_args(sa, qa, a)
     fb = _fused_args(sb, qb, b) if fa is not None else None
-    if fb is not None:  # eager, paper format: the layer with a C++ autograd node (csrc/layers_autograd.cpp)
-        out = torch.ops.mesa.matmul_train(a, b, *fa[:3], *fb[:3], *fa[3:], *fb[3:])
+    if fb is not None:  # eager, a channel format: the layer with a C++ autograd node (csrc/layers_autograd.cpp)
+        (fa, fmt_a), (fb, fmt_b) = fa, fb
+        out = torch.ops.mesa.matmul_train(a, b, *fa[:3], *fb[:3], *fa[3:], *fb[3:], fmt_a, fmt_b)
         layer.last_saved = _kinds(a, b, sa, sb, qa, qb)
         return out
     record: list = []

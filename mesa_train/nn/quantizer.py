@@ -249,6 +249,20 @@ def layer_op_code(opts: QuantOptions) -> int:
     return code + 4 * opts.bits + 64 * (opts.scale == "pow2")
 
 
+def format_code(fmt: tuple | None) -> int:
+    """The ``shared_*_format`` argument of ``mesa::matmul_train`` for codes of
+    :attr:`Packed.fmt` ``fmt`` (csrc/layers_common.h, ``shared_format``): 0 for the default
+    format, else ``4 * bits + 64 * pow2`` of a ``("bits", ...)`` format, as
+    :func:`layer_op_code` adds it."""
+    if fmt is None:
+        return 0
+    kind, bits, pow2, _ = fmt
+    if kind != "bits":
+        raise ValueError(f"format_code: only the default format and channel-group formats ('bits') have a code, "
+                         f"got {kind!r}")
+    return 4 * bits + 64 * bool(pow2)
+
+
 def fused_layers_on() -> bool:
     """Whether a layer runs its C++ layer op now: the extension has them and this is eager
     (under ``torch.compile`` the traceable Python Functions run). Reads ``_FUSED_LAYERS`` at
@@ -503,21 +517,18 @@ class ActivationQuantizer(nn.Module):
             self._apply(lambda t: t.to(x.device))
         return bufs
 
-    def fused_layer_args(self, x: torch.Tensor, variants: bool = False) -> tuple | None:
+    def fused_layer_args(self, x: torch.Tensor) -> tuple | None:
         """The quantizer arguments of the C++ layer ops (``mesa::gelu_train``,
         ``mesa::softmax_train``: a whole Mesa layer with a C++ autograd node, see
         ``csrc/layers_autograd.cpp``), or ``None`` where a layer must use its Python Function:
         under ``torch.compile`` (the traceable path), when the extension is not loaded (the
-        reference ops), and for the variant formats unless ``variants`` (the ops that can read
-        their codes back by dequantizing them: all but softmax, matmul and sdpa; DESIGN.md,
-        "Variant formats in the C++ ops") and the format has channel groups and min/max
-        ranges (not patch4x4, not learned thresholds)."""
+        reference ops), and for the formats the ops do not take (they take the default one and
+        the variants with channel groups and min/max ranges, in ``layer_op_code``; not
+        patch4x4, not learned thresholds: DESIGN.md, "Variant formats in the C++ ops")."""
         opts = self.options
         if not fused_layers_on():
             return None
-        if opts.is_default_format:
-            code = ESTIMATOR_CODES[opts.estimator]
-        elif variants and opts.channel_layout and opts.estimator != "learned":
+        if opts.is_default_format or (opts.channel_layout and opts.estimator != "learned"):
             code = layer_op_code(opts)
         else:
             return None

@@ -31,13 +31,14 @@ attention dropout 0).
 Autocast: the autocast state of the forward is re-entered for the recomputation, so the
 dtypes match the forward.
 
-Eager fast path: in eager training with the paper's 8-bit format, ``dropout_p == 0`` and
-the compiled extension, the whole layer is one op with a C++ autograd node,
+Eager fast path: in eager training with a channel format (the paper's 8-bit one or a
+variant), ``dropout_p == 0`` and the compiled extension, the whole layer is one op with a
+C++ autograd node,
 ``mesa::sdpa_train`` (``csrc/sdpa_autograd.cpp``): the same compressions, mask, attention
 call and recomputing backward as ``_MesaSDPA``, so outputs, codes, estimates and gradients
 are bitwise this Python path's (``tests/test_layers_autograd.py``), at less than half the
 host time Mesa adds per call (``results/overhead/``). Dropout (the RNG replay),
-``torch.compile`` and the variant formats run ``_MesaSDPA``. Under ``torch.compile`` its
+``torch.compile`` and learned thresholds run ``_MesaSDPA``. Under ``torch.compile`` its
 backward's recomputation is the op ``mesa::sdpa_recompute_backward`` (``sdpa_backward.py``):
 ``autograd.grad`` cannot be traced, the op runs it at run time, on the backend stock picks.
 
@@ -178,8 +179,8 @@ _SDPA_OP = quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "sdpa_train")
 
 def _fused_args(module, q, k, v) -> list | None:
     """The quantizer arguments of ``mesa::sdpa_train`` (per operand: the buffer list, then the
-    options), or ``None`` where ``_MesaSDPA`` must run: under ``torch.compile``, for a variant
-    format, without the extension (see ``ActivationQuantizer.fused_layer_args``)."""
+    options), or ``None`` where ``_MesaSDPA`` must run: under ``torch.compile``, for learned
+    thresholds, without the extension (see ``ActivationQuantizer.fused_layer_args``)."""
     if not _SDPA_OP:
         return None
     quantizers = module._modules  # (not module.q_quantizer: nn.Module.__getattr__ is a slow path)
@@ -199,7 +200,7 @@ def _compressed_sdpa(module, q, k, v, attn_mask, window_mask, dropout_p, is_caus
         return _compressed_sdpa_eager(module, q, k, v, attn_mask, window_mask, dropout_p, is_causal, scale)
     if dropout_p == 0.0:
         fused = _fused_args(module, q, k, v)
-        if fused is not None:  # eager, paper format: the layer with a C++ autograd node (csrc/sdpa_autograd.cpp)
+        if fused is not None:  # eager, a channel format: the layer with a C++ autograd node (csrc/sdpa_autograd.cpp)
             return torch.ops.mesa.sdpa_train(q, k, v, attn_mask, window_mask, bool(is_causal), scale, *fused)
     pq = module.q_quantizer.compress(q.detach(), operand_group_dim(q))
     pk = module.k_quantizer.compress(k.detach(), operand_group_dim(k))

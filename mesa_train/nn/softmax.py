@@ -173,9 +173,9 @@ class Softmax(MesaLayer, nn.Softmax):
             dim = F._get_softmax_dim("softmax", input.dim(), 5)  # same implicit choice and warning
         dim = dim % input.dim() if input.dim() else 0
         fused = self.quantizer.fused_layer_args(input)
-        if fused is not None:  # eager, paper format: the layer with a C++ autograd node
+        if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
             y, q, alpha, beta = torch.ops.mesa.softmax_train(input, dim, *fused, out_dtype)
-            packed = Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1])
+            packed = Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1], self.quantizer.format_of(y))
             sharing.offer(y, packed)
             return y, packed
         y, q, alpha, beta = _SoftmaxFn.apply(input, dim, self.quantizer, out_dtype)
