@@ -12,7 +12,7 @@ import torch
 import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
-from kernel_marks import DTYPES
+from kernel_marks import DEVICES, DTYPES
 from op_calls import assert_op_path_is_the_python_path, count_calls
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
@@ -89,19 +89,20 @@ def test_fused_gelu_takes_the_variant_formats_bitwise_the_python_function(kind, 
 @pytest.mark.parametrize("options", VARIANT_OPTIONS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,dim", [((2, 3, 5, 5), -1), ((4, 7), -1), ((2, 3, 5, 5), 2)], ids=str)
-def test_fused_softmax_takes_the_variant_formats_bitwise_the_python_function(shape, dim, dtype, options,
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_softmax_takes_the_variant_formats_bitwise_the_python_function(device, shape, dim, dtype, options,
                                                                              monkeypatch):
     """mesa.bits=4|2, scale=pow2: mesa::softmax_train keeps quantize_bits' packed codes of the
     map, and its backward dequantizes them, renormalises the rows and calls ATen's softmax
     backward (the one-op backward reads 8-bit codes): the Python Function's outputs,
     gradients, bytes kept and buffers, on the C++ op each step."""
     def layer():
-        sm = mnn.Softmax(dim, **options)
+        sm = mnn.Softmax(dim, device=device, **options)
         sm.quantizer.rng.copy_(torch.tensor([77, 0]))
         return sm
     torch.manual_seed(0)
-    x = (torch.randn(shape) * 2).to(dtype)
-    g = torch.randn(shape).to(dtype)
+    x = (torch.randn(shape) * 2).to(device, dtype)
+    g = torch.randn(shape).to(device, dtype)
     calls = count_calls(monkeypatch, "softmax_train")
     got = _run(layer(), x, g, True, monkeypatch)
     assert calls == [1, 1]
@@ -278,7 +279,7 @@ def test_fused_layernorm2d_is_bitwise_the_python_function(dtype, row_scale, monk
 
 
 def _matmul_run(fused, monkeypatch, dtype, autocast, operands, a_grad, b_grad, a_shape, b_shape, b_view,
-                options=None):
+                options=None, device="cpu"):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     torch.manual_seed(0)
     layer = mnn.MatMul(operands=operands, **(dict(num_groups=2) | (options or {})))
@@ -286,15 +287,15 @@ def _matmul_run(fused, monkeypatch, dtype, autocast, operands, a_grad, b_grad, a
         q.rng.copy_(torch.tensor([300 + i, 0]))
     out = []
     for step in range(2):
-        a = (torch.randn(a_shape) * (step + 1)).to(dtype).requires_grad_(a_grad)
+        a = (torch.randn(a_shape) * (step + 1)).to(device, dtype).requires_grad_(a_grad)
         if b_view:  # b a strided view of a bigger tensor (v of a fused qkv): kept as a compact copy
-            b = torch.randn(b_shape[:-1] + (3 * b_shape[-1],)).to(dtype)[..., 1::3]
+            b = torch.randn(b_shape[:-1] + (3 * b_shape[-1],)).to(device, dtype)[..., 1::3]
         else:
-            b = torch.randn(b_shape).to(dtype)
+            b = torch.randn(b_shape).to(device, dtype)
         b.requires_grad_(b_grad)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
             y = layer(a, b)
-        (y.float() * torch.linspace(-1, 2, y.numel()).view(y.shape)).sum().backward()
+        (y.float() * torch.linspace(-1, 2, y.numel(), device=device).view(y.shape)).sum().backward()
         out += [y.detach(), a.grad, b.grad, torch.tensor(meter.activation_bytes)]
         out.append(torch.tensor([hash(k) for k in layer.last_saved]))
     out += [bf.clone() for bf in layer.buffers()]
@@ -327,13 +328,14 @@ def test_fused_matmul_is_bitwise_the_python_function(dtype, autocast, operands, 
                          ids=str)
 @pytest.mark.parametrize("operands", [("a", "b"), ("a",)], ids=str)
 @pytest.mark.parametrize("a_shape,b_shape", MATMUL_SHAPES, ids=str)
-def test_fused_matmul_takes_the_variant_formats_bitwise_the_python_function(dtype, autocast, operands, a_shape,
-                                                                            b_shape, options, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_matmul_takes_the_variant_formats_bitwise_the_python_function(device, dtype, autocast, operands,
+                                                                            a_shape, b_shape, options, monkeypatch):
     """mesa.bits=4|2, scale=pow2: mesa::matmul_train keeps quantize_bits' packed codes of its
     operands and reads them back with dequantize_bits: the Python Function's outputs,
     gradients, bytes kept and buffers, on the C++ op each step."""
     b_view = operands == ("a",) and len(b_shape) > 1
-    args = (dtype, autocast, operands, True, True, a_shape, b_shape, b_view, options)
+    args = (dtype, autocast, operands, True, True, a_shape, b_shape, b_view, options, device)
     assert_op_path_is_the_python_path(monkeypatch, "matmul_train", _matmul_run, *args)
 
 
