@@ -670,7 +670,7 @@ at::Tensor layer_norm_linear_train(const at::Tensor& x, at::IntArrayRef normaliz
 // as (in this order) a producer's shared copy (attn @ v: the Softmax's codes), its own copy
 // (a quantizer given), or the operand as the stock matmul keeps it. Codes of the default
 // 8-bit format or a variant (bits != 0: packed codes of the operand's shape).
-struct SharedCopy {  // a Packed handed over by the caller
+struct Codes {  // a Packed: a producer's shared copy, or the one compress() made here
   at::Tensor q, alpha, beta;
   int64_t dim = 0, groups = 0, bits = 0;
   bool pow2 = false;
@@ -685,24 +685,23 @@ at::Tensor full_copy(const at::Tensor& t, c10::ScalarType dt) {
   return t;
 }
 
-// What one operand keeps: codes (q, alpha, beta, dim, groups, format) or a full tensor, or nothing.
+// What one operand keeps: codes or a full tensor, or nothing.
 struct Kept {
-  at::Tensor q, alpha, beta, full;
-  int64_t dim = 0, groups = 0, bits = 0;
-  bool pow2 = false;
+  Codes codes;
+  at::Tensor full;
 };
 
-Kept keep_operand(const at::Tensor& t, bool needed, const std::optional<SharedCopy>& shared,
-                  std::optional<Quantizer>& qz, c10::ScalarType cdt) {
+Kept keep_operand(const at::Tensor& t, bool needed, const std::optional<Codes>& shared, std::optional<Quantizer>& qz,
+                  c10::ScalarType cdt) {
   Kept k;
   if (!needed) return k;
   if (shared.has_value()) {
-    k.q = shared->q, k.alpha = shared->alpha, k.beta = shared->beta, k.dim = shared->dim, k.groups = shared->groups;
-    k.bits = shared->bits, k.pow2 = shared->pow2;
+    k.codes = *shared;
   } else if (qz.has_value()) {
-    k.dim = group_dim(t);
-    std::tie(k.q, k.alpha, k.beta, k.groups) = compress(t, k.dim, *qz);
-    k.bits = qz->code_bits, k.pow2 = qz->pow2;
+    Codes& c = k.codes;
+    c.dim = group_dim(t);
+    std::tie(c.q, c.alpha, c.beta, c.groups) = compress(t, c.dim, *qz);
+    c.bits = qz->code_bits, c.pow2 = qz->pow2;
   } else {
     k.full = full_copy(t, cdt);
   }
@@ -735,7 +734,7 @@ std::pair<at::Tensor, at::Tensor> batched_operands(const at::Tensor& a, const at
 
 struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a_in, const at::Tensor& b_in,
-                            std::optional<SharedCopy> shared_a, std::optional<SharedCopy> shared_b,
+                            std::optional<Codes> shared_a, std::optional<Codes> shared_b,
                             std::optional<Quantizer> qa, std::optional<Quantizer> qb) {
     const auto [a, b] = batched_operands(a_in, b_in);  // its copies serve the compression too
     at::Tensor out = at::matmul(a, b);  // autocast applies here, exactly like the stock `a @ b`
@@ -744,9 +743,10 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
     // (the copies are made with grad mode off: ask the inputs what needs a gradient)
     const Kept ka = keep_operand(a, b_in.requires_grad(), shared_a, qa, cdt);
     const Kept kb = keep_operand(b, a_in.requires_grad(), shared_b, qb, cdt);
-    ctx->save_for_backward({ka.q, ka.alpha, ka.beta, ka.full, kb.q, kb.alpha, kb.beta, kb.full});
-    ctx->saved_data["a_layout"] = std::vector<int64_t>{ka.dim, ka.groups, ka.bits, ka.pow2};
-    ctx->saved_data["b_layout"] = std::vector<int64_t>{kb.dim, kb.groups, kb.bits, kb.pow2};
+    const Codes &ca = ka.codes, &cb = kb.codes;
+    ctx->save_for_backward({ca.q, ca.alpha, ca.beta, ka.full, cb.q, cb.alpha, cb.beta, kb.full});
+    ctx->saved_data["a_layout"] = std::vector<int64_t>{ca.dim, ca.groups, ca.bits, ca.pow2};
+    ctx->saved_data["b_layout"] = std::vector<int64_t>{cb.dim, cb.groups, cb.bits, cb.pow2};
     ctx->saved_data["a_shape"] = a.sizes().vec();
     ctx->saved_data["b_shape"] = b.sizes().vec();
     ctx->saved_data["cdt"] = cdt;
@@ -799,11 +799,11 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
 };
 
 // A Packed passed as [q, alpha, beta] (empty: none) with its format (shared_format)
-std::optional<SharedCopy> shared_copy(at::TensorList t, int64_t dim, int64_t groups, int64_t format) {
-  const auto [bits, pow2] = shared_format(format, "mesa::matmul_train");
+std::optional<Codes> shared_copy(at::TensorList t, int64_t dim, int64_t groups, int64_t format) {
+  const CodeFormat f = shared_format(format, "mesa::matmul_train");
   if (t.empty()) return std::nullopt;
   TORCH_CHECK(t.size() == 3, "mesa::matmul_train: a shared copy is [q, alpha, beta], got ", t.size(), " tensors");
-  return SharedCopy{t[0], t[1], t[2], dim, groups, bits, pow2};
+  return Codes{t[0], t[1], t[2], dim, groups, f.bits, f.pow2};
 }
 
 // A quantizer's buffers passed as [alpha_est, beta_est, initialized, rng] (empty: none)

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
-#include <utility>
 
 #include "mesa_common.h"
 
@@ -157,33 +156,45 @@ struct Quantizer {
 // estimator's code alone. One int, not two more arguments: every layer op's schema and the
 // Python tuple spliced into each call (ActivationQuantizer.fused_layer_args) stay as they are.
 constexpr int64_t kFormatBits = 4, kFormatPow2 = 64;
+
+// A format's part of such a code, kFormatBits * bits + kFormatPow2 * pow2 (0: the default
+// format): its bits and pow2, and whether it names a format (bits 8, 4 or 2, pow2 only with them).
+struct CodeFormat {
+  int64_t bits;
+  bool pow2, valid;
+};
+inline CodeFormat decode_format(int64_t part) {
+  const int64_t bits = part % kFormatPow2 / kFormatBits;
+  const bool pow2 = part / kFormatPow2 == 1;
+  const bool valid = part >= 0 && part < 2 * kFormatPow2 && part % kFormatBits == 0 &&
+                     (bits == 0 || bits == 8 || bits == 4 || bits == 2) && (bits != 0 || !pow2);
+  return {bits, pow2, valid};
+}
+
 inline Quantizer make_quantizer(const at::Tensor& alpha_est, const at::Tensor& beta_est,
                                 const at::Tensor& initialized, const at::Tensor& rng, int64_t num_groups,
                                 double decay, int64_t code, bool symmetric, bool stochastic, const char* op) {
-  const int64_t estimator = code % kFormatBits, bits = code / kFormatBits % (kFormatPow2 / kFormatBits);
-  const bool pow2 = code / kFormatPow2 == 1;
-  TORCH_CHECK_VALUE(code >= 0 && code < 2 * kFormatPow2 && estimator <= kDelayed &&
-                        (bits == 0 || bits == 8 || bits == 4 || bits == 2) && (bits != 0 || !pow2),
-                    op, ": estimator code ", code, " is not valid: 0 (running), 1 (per_sample) or 2 (delayed), ",
-                    "plus a variant format's ", kFormatBits, " * bits (8, 4 or 2) + ", kFormatPow2,
+  const int64_t estimator = code % kFormatBits;
+  const CodeFormat format = decode_format(code - estimator);
+  TORCH_CHECK_VALUE(code >= 0 && estimator <= kDelayed && format.valid, op, ": estimator code ", code,
+                    " is not valid: 0 (running), 1 (per_sample) or 2 (delayed), plus a variant format's ",
+                    kFormatBits, " * bits (8, 4 or 2) + ", kFormatPow2,
                     " * pow2 (mesa_train.nn.quantizer.layer_op_code)");
-  TORCH_CHECK_VALUE(bits == 0 || estimator != kDelayed, op, ": the delayed estimator takes the default 8-bit format ",
-                    "only (estimator code ", code, ")");
+  TORCH_CHECK_VALUE(format.bits == 0 || estimator != kDelayed, op,
+                    ": the delayed estimator takes the default 8-bit format only (estimator code ", code, ")");
   return Quantizer{alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric, stochastic,
-                   bits, pow2};
+                   format.bits, format.pow2};
 }
 
 // The format of codes handed from one op to another (matmul_train's shared copies), as the
 // Python layer names it (mesa_train.nn.quantizer.format_code): 0 for the default format, else
 // kFormatBits * bits (8, 4 or 2) + kFormatPow2 * pow2, i.e. layer_op_code without the estimator.
-inline std::pair<int64_t, bool> shared_format(int64_t code, const char* op) {
-  const int64_t bits = code % kFormatPow2 / kFormatBits;
-  const bool pow2 = code / kFormatPow2 == 1;
-  TORCH_CHECK_VALUE(code >= 0 && code < 2 * kFormatPow2 && code % kFormatBits == 0 &&
-                        (bits == 0 || bits == 8 || bits == 4 || bits == 2) && (bits != 0 || !pow2),
-                    op, ": shared copy format ", code, " is not valid: 0 (the default 8-bit format) or ", kFormatBits,
-                    " * bits (8, 4 or 2) + ", kFormatPow2, " * pow2 (mesa_train.nn.quantizer.format_code)");
-  return {bits, pow2};
+inline CodeFormat shared_format(int64_t code, const char* op) {
+  const CodeFormat format = decode_format(code);
+  TORCH_CHECK_VALUE(format.valid, op, ": shared copy format ", code,
+                    " is not valid: 0 (the default 8-bit format) or ", kFormatBits, " * bits (8, 4 or 2) + ",
+                    kFormatPow2, " * pow2 (mesa_train.nn.quantizer.format_code)");
+  return format;
 }
 
 using QuantizeObserveFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
@@ -252,11 +263,6 @@ inline void save_code_format(AutogradContext* ctx, const Quantizer& qz, at::IntA
 // Whether the codes a node saved are a variant format's (save_code_format).
 inline bool variant_codes(AutogradContext* ctx) { return ctx->saved_data.count("code_bits") != 0; }
 
-// The saved codes (q, alpha, beta: saved[0..2]) back in dtype `dt`, with what mesa::dequantize
-// can apply inside its kernel: rows unscaled by 2**-k, times row_mul (float32), or the column
-// epilogue y * col_scale + col_shift before one rounding to dt (each undefined: not applied).
-// For a variant format (save_code_format): mesa::dequantize_bits, then the same as ops, in the
-// order and dtypes of mesa_train.nn.quantizer.decompress.
 // Codes (q, alpha, beta) of a tensor of `shape` back in dtype `dt`: mesa::dequantize for the
 // default format (bits 0), else mesa::dequantize_bits (the packed codes of `bits` bits,
 // power-of-two steps if pow2).
@@ -266,6 +272,11 @@ inline at::Tensor dequantize_codes(const at::Tensor& q, const at::Tensor& alpha,
   return dequantize_bits_op().call(q, alpha, beta, shape, dim, groups, bits, pow2, dt);
 }
 
+// The saved codes (q, alpha, beta: saved[0..2]) back in dtype `dt`, with what mesa::dequantize
+// can apply inside its kernel: rows unscaled by 2**-k, times row_mul (float32), or the column
+// epilogue y * col_scale + col_shift before one rounding to dt (each undefined: not applied).
+// For a variant format (save_code_format): mesa::dequantize_bits, then the same as ops, in the
+// order and dtypes of mesa_train.nn.quantizer.decompress.
 inline at::Tensor decompress_saved(AutogradContext* ctx, const variable_list& saved, int64_t dim, int64_t groups,
                                    c10::ScalarType dt, const at::Tensor& k = at::Tensor(),
                                    const at::Tensor& row_mul = at::Tensor(), const at::Tensor& col_scale = at::Tensor(),

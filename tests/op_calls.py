@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from bit_patterns import assert_all_same_bits
+
 
 def count_calls(monkeypatch, op_name: str) -> list:
     """A list that gets one entry per call of ``torch.ops.mesa.<op_name>`` (which still runs)."""
@@ -22,8 +24,6 @@ def assert_op_path_is_the_python_path(monkeypatch, op_name: str, run, *args) -> 
     """``run(fused, monkeypatch, *args)`` (two training steps; everything observable, ``None``
     for a gradient not asked for) on the C++ layer op, which must run on each step, and on the
     Python Functions: the same dtypes, strides and bits (``bit_patterns.assert_all_same_bits``)."""
-    from bit_patterns import assert_all_same_bits
-
     calls = count_calls(monkeypatch, op_name)
     got = run(True, monkeypatch, *args)
     assert calls == [1, 1], f"mesa::{op_name} ran {len(calls)} times in two steps"

@@ -246,7 +246,7 @@ def layer_op_code(opts: QuantOptions) -> int:
     code = ESTIMATOR_CODES[opts.estimator]
     if opts.is_default_format:
         return code
-    return code + 4 * opts.bits + 64 * (opts.scale == "pow2")
+    return code + _format_part(opts.bits, opts.scale == "pow2")
 
 
 def format_code(fmt: tuple | None) -> int:
@@ -260,6 +260,12 @@ def format_code(fmt: tuple | None) -> int:
     if kind != "bits":
         raise ValueError(f"format_code: only the default format and channel-group formats ('bits') have a code, "
                          f"got {kind!r}")
+    return _format_part(bits, pow2)
+
+
+def _format_part(bits: int, pow2: bool) -> int:
+    """A variant format as the C++ ops take it (csrc/layers_common.h, ``decode_format``:
+    ``kFormatBits * bits + kFormatPow2 * pow2``)."""
     return 4 * bits + 64 * bool(pow2)
 
 
