@@ -29,7 +29,8 @@ from mesa_train.bench.report import _git, environment
 # the transformer layers, then the convnets' (BatchNorm and below; the max pool is a Python
 # autograd Function, the others C++ layer ops or stock's own backward; a baseline tree older
 # than a layer leaves its row out)
-LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", "LayerScale",
+LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", "LayerScale", "GatedSiLU",
+           "GatedProduct",
           "BatchNorm2d", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d", "GroupNorm",
           "LayerNorm2d")
 
@@ -37,6 +38,17 @@ LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", 
 class _MatMul(nn.Module):
     def forward(self, a, b):
         return a @ b
+
+
+class _Gated(nn.Module):
+    """``act(a) * b``: a SwiGLU MLP's gate (act SiLU), or a plain product (gMLP, FocalNet)."""
+
+    def __init__(self, act: nn.Module):
+        super().__init__()
+        self.act = act
+
+    def forward(self, a, b):
+        return self.act(a) * b
 
 
 class _SDPA(nn.Module):
@@ -70,6 +82,10 @@ def _transformer_cases(M):
         # timm's LayerScale (DeiT3, CaiT, EVA: two a block); the same Function serves the NCHW
         # layer scales and squeeze-excite's gate
         "LayerScale": (lambda: LayerScale(8), M.LayerScale.from_module, lambda: (x(),)),
+        # the gated products (two compressed operands): EVA-02's SwiGLU, FocalNet's and gMLP's a * b
+        "GatedSiLU": (lambda: _Gated(nn.SiLU()), lambda s: M.GatedActivation(nn.SiLU()), lambda: (x(), x())),
+        "GatedProduct": (lambda: _Gated(nn.Identity()), lambda s: M.GatedActivation(nn.Identity()),
+                         lambda: (x(), x())),
     }
 
 

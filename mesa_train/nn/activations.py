@@ -220,9 +220,31 @@ def _act_vjp(act: nn.Module, x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) 
     return g * _quick_gelu_grad(x)  # QuickGELU
 
 
+# the activations mesa::gated_train evaluates (csrc/gated_autograd.cpp, GateAct), and the
+# module classes that are them (exact classes: a subclass may override forward; GELU and
+# timm's QuickGELU: _gated_act_code)
+_GATED_ACTS = {"identity": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "sigmoid": 4, "tanh": 5, "quick_gelu": 6}
+_GATED_ACT_CLASSES = {nn.Identity: "identity", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh"}
+
+
 def _has_closed_form(act: nn.Module) -> bool:
     kind = type(act)
     return kind in (nn.SiLU, nn.Sigmoid, nn.GELU, nn.Tanh, nn.Identity, QuickGELU) or kind in _timm_quick_gelu_types()
+
+
+def _gated_act_code(act: nn.Module) -> int | None:
+    """The ``act`` argument of ``mesa::gated_train`` (csrc/gated_autograd.cpp) for the
+    activation modules it evaluates itself, as the Python Function runs and differentiates them
+    (``_act_vjp``'s closed forms), else ``None``: a Mesa ``QuickGELU`` (a layer that compresses
+    on its own), an activation with hooks (the op would skip them) or any other module."""
+    if act._forward_hooks or act._forward_pre_hooks:
+        return None
+    kind = type(act)
+    if kind is nn.GELU:
+        name = "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    else:
+        name = _GATED_ACT_CLASSES.get(kind) or ("quick_gelu" if kind in _timm_quick_gelu_types() else None)
+    return None if name is None else _GATED_ACTS[name]
 
 
 class _GatedFn(torch.autograd.Function):
@@ -275,7 +297,23 @@ class GatedActivation(MesaLayer, nn.Module):
     def forward(self, gate, x):
         if not self._mesa_active(gate, x):
             return x * self.act_fn(gate) if self.gate_last else self.act_fn(gate) * x
+        y = self._fused(gate, x)
+        if y is not None:
+            return y
         return _GatedFn.apply(gate, x, self.act_fn, self.gate_last, self.quantizer_a, self.quantizer_b)
+
+    def _fused(self, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """The product by the C++ layer op (eager, a channel format, an activation it evaluates:
+        ``_gated_act_code``; the Python Function's bits), or ``None`` where that Function must run."""
+        code = _gated_act_code(self.act_fn)
+        if code is None or gate.dim() == 0 or x.dim() == 0:
+            return None
+        fa = self.quantizer_a.fused_layer_args(gate)
+        fb = self.quantizer_b.fused_layer_args(x) if fa is not None else None
+        if fb is None:
+            return None
+        return torch.ops.mesa.gated_train(gate, x, code, self.gate_last, list(fa[:4]), *fa[4:], list(fb[:4]),
+                                          *fb[4:])
 
     def extra_repr(self) -> str:
         return f"act={type(self.act_fn).__name__}, gate_last={self.gate_last}, {self._mesa_repr()}"

@@ -1,0 +1,95 @@
+"""A model's training step with some Mesa layers on their C++ layer ops against the same layers
+on their Python Functions, and against stock, in one process.
+
+``--layers attention`` (the attention core: Softmax, MatMul, fused SDPA) ran its Python
+``autograd.Function`` at 4 or 2 bits before session 55; ``--layers gated`` (the gated products,
+``GatedActivation``: SwiGLU, gMLP, FocalNet, MambaOut, StarNet, CoaT) ran it in every format before
+session 56. The script puts those layers back on that path ("python": their quantizers'
+``fused_layer_args`` answers ``None``, what it answered then) and times it, interleaved with the
+C++ path and the stock model, median of ``--steps`` steps each:
+
+    python scripts/layer_path_ab.py --model deit_tiny_patch16_224 --bits 4 --attention explicit
+    python scripts/layer_path_ab.py --layers gated --model focalnet_tiny_srf --bits 8
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import timm
+import torch
+
+import mesa_train.nn as mnn
+from mesa_train.nn import quantizer as quantizer_mod
+from mesa_train.patch import patch_model
+
+LAYER_SETS = {"attention": (mnn.Softmax, mnn.MatMul, mnn.ScaledDotProductAttention),
+              "gated": (mnn.GatedActivation,)}
+
+
+def python_path_switch(model, classes):
+    """A one-element list: while its item is True, the quantizers of ``classes``' layers answer
+    ``fused_layer_args`` with ``None`` (those layers run the Python Functions)."""
+    chosen = {id(q) for m in model.modules() if isinstance(m, classes) for q in m.quantizers()}
+    real = quantizer_mod.ActivationQuantizer.fused_layer_args
+    switch = [False]
+
+    def fused_layer_args(self, x):
+        return None if switch[0] and id(self) in chosen else real(self, x)
+
+    quantizer_mod.ActivationQuantizer.fused_layer_args = fused_layer_args
+    return switch, len(chosen)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", default="attention", choices=sorted(LAYER_SETS),
+                    help="which layers switch between their C++ ops and Python Functions")
+    ap.add_argument("--model", default="deit_tiny_patch16_224")
+    ap.add_argument("--bits", type=int, default=4, choices=(8, 4, 2))
+    ap.add_argument("--attention", default="explicit", choices=("explicit", "auto"),
+                    help="explicit: Softmax + MatMul (the paper's attention); auto: timm's fused SDPA")
+    ap.add_argument("--img-size", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=12)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    try:
+        stock = timm.create_model(args.model, num_classes=10, img_size=args.img_size).train()
+    except TypeError:  # a convnet-like model (FocalNet, MambaOut) takes any size without being told
+        stock = timm.create_model(args.model, num_classes=10).train()
+    if args.attention == "explicit":  # the stock model on the same path
+        for m in stock.modules():
+            if hasattr(m, "fused_attn"):
+                m.fused_attn = False
+    mesa = patch_model(copy.deepcopy(stock), bits=args.bits, attention=args.attention).train()
+    switch, n_chosen = python_path_switch(mesa, LAYER_SETS[args.layers])
+    x = torch.randn(args.batch, 3, args.img_size, args.img_size)
+
+    def step(model, python_path=False):
+        switch[0] = python_path
+        start = time.perf_counter()
+        model(x).sum().backward()
+        return 1000 * (time.perf_counter() - start)
+
+    runs = {"stock": (stock, False), f"mesa, {args.layers} on Python Functions": (mesa, True),
+            f"mesa, {args.layers} on C++ ops": (mesa, False)}
+    times = {name: [] for name in runs}
+    for i in range(args.steps + 2):  # two warm-up rounds
+        for name, (model, python_path) in runs.items():
+            t = step(model, python_path)
+            if i >= 2:
+                times[name].append(t)
+    base = statistics.median(times["stock"])
+    print(f"{args.model}, {args.bits} bits, attention={args.attention}, {args.img_size}px, batch {args.batch}, "
+          f"{n_chosen} quantizers switched ({args.layers}), median of {args.steps} steps")
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        print(f"  {name:36s} {ms:8.1f} ms  {ms / base:.2f}x stock")
+
+
+if __name__ == "__main__":
+    main()
