@@ -98,16 +98,16 @@ def test_fused_gated_product_keeps_only_what_the_asked_gradients_read(act, gate_
 
 def test_python_function_runs_where_the_op_cannot(monkeypatch):
     """An activation the op does not evaluate (ReLU6: autograd through the module), one with a
-    hook (the op would skip it), a Mesa QuickGELU (a layer of its own), learned thresholds and
-    eval / disabled layers keep their Python paths; the others take the op."""
+    hook (the op would skip it), a Mesa QuickGELU (a layer of its own), a plain function, learned
+    thresholds and eval / disabled layers keep their Python paths; the others take the op."""
     calls = count_calls(monkeypatch, "gated_train")
     a, b = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
     hooked = nn.SiLU()
     hooked.register_forward_hook(lambda *_: None)
-    for act, options in ((nn.ReLU6(), {}), (hooked, {}), (mnn.QuickGELU(), {}),
+    for act, options in ((nn.ReLU6(), {}), (hooked, {}), (mnn.QuickGELU(), {}), (torch.nn.functional.silu, {}),
                          (nn.SiLU(), dict(bits=4, estimator="learned"))):
         y = mnn.GatedActivation(act, **options)(a, b)
-        assert y.grad_fn.name() == "_GatedFnBackward", type(act).__name__
+        assert y.grad_fn.name() == "_GatedFnBackward", act
         y.sum().backward()
     assert calls == []
     mnn.GatedActivation(nn.SiLU()).eval()(a, b)

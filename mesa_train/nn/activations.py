@@ -236,8 +236,9 @@ def _gated_act_code(act: nn.Module) -> int | None:
     """The ``act`` argument of ``mesa::gated_train`` (csrc/gated_autograd.cpp) for the
     activation modules it evaluates itself, as the Python Function runs and differentiates them
     (``_act_vjp``'s closed forms), else ``None``: a Mesa ``QuickGELU`` (a layer that compresses
-    on its own), an activation with hooks (the op would skip them) or any other module."""
-    if act._forward_hooks or act._forward_pre_hooks:
+    on its own), an activation with hooks (the op would skip them), any other module or a plain
+    function."""
+    if not isinstance(act, nn.Module) or act._forward_hooks or act._forward_pre_hooks:
         return None
     kind = type(act)
     if kind is nn.GELU:
