@@ -9,6 +9,10 @@
 // Function does, op for op (the same aten kernels and mesa::compress / dequantize), so outputs,
 // codes, estimates and gradients are bitwise the Python path's (tests/test_scale_autograd.py).
 // The layers call it only in eager mode with a channel format (8-bit, or a variant: make_quantizer).
+//
+// ResMLP's Affine (torch.addcmul(beta, alpha, x), _AffineFn: two a block, 25 Python Functions a
+// step in ResMLP-12 in the session-56 survey) is the same layer with a bias: mesa::affine_train,
+// the per-channel codes of x and the same gradients, plus beta's (sum(g)).
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -32,6 +36,22 @@ int64_t broadcast_dim(const at::Tensor& x, const at::Tensor& gamma) {
   return last >= 0 ? x.dim() - gamma.dim() + last : 1;
 }
 
+// x's codes with channel groups over its last dim, small rows scaled (rowscale.compress_rows),
+// for a per-channel gamma's gradient
+struct RowCodes {
+  at::Tensor q, alpha, beta, k;
+  int64_t dim = 0, groups = 0;
+};
+
+RowCodes keep_rows(AutogradContext* ctx, const at::Tensor& x, c10::ScalarType out_dtype, bool row_scale,
+                   Quantizer& qz) {
+  RowCodes c;
+  c.dim = x.dim() - 1;
+  std::tie(c.q, c.alpha, c.beta, c.groups, c.k) = compress_rows(x, out_dtype, 1, row_scale, qz);
+  save_code_format(ctx, qz, x.sizes());
+  return c;
+}
+
 struct ScaleTrain : public torch::autograd::Function<ScaleTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& gamma, Quantizer qz,
                             bool row_scale) {
@@ -41,9 +61,8 @@ struct ScaleTrain : public torch::autograd::Function<ScaleTrain> {
     bool nhwc = false;
     if (gamma.requires_grad()) {  // the copy of x serves gamma's gradient only
       if (gamma.dim() <= 1) {  // per channel (last dim): channel groups, small rows scaled
-        dim = x.dim() - 1;
-        std::tie(q, alpha, beta, G, k) = compress_rows(x, out.scalar_type(), 1, row_scale, qz);
-        save_code_format(ctx, qz, x.sizes());
+        RowCodes c = keep_rows(ctx, x, out.scalar_type(), row_scale, qz);
+        q = c.q, alpha = c.alpha, beta = c.beta, k = c.k, dim = c.dim, G = c.groups;
       } else {  // per head or per (sample, channel): groups along the dim gamma varies along
         const NhwcView v = nhwc_view(x, broadcast_dim(x, gamma));
         std::tie(q, alpha, beta, G) = compress(v.x, v.dim, qz);
@@ -84,12 +103,65 @@ struct ScaleTrain : public torch::autograd::Function<ScaleTrain> {
   }
 };
 
+// torch.addcmul(beta, alpha, x), alpha and beta of shape (1, 1, C): x kept as ScaleTrain keeps it
+// for a per-channel gamma (its gradient summed to alpha's shape, as _AffineFn sums it)
+struct AffineTrain : public torch::autograd::Function<AffineTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& alpha,
+                            const at::Tensor& beta, Quantizer qz, bool row_scale) {
+    at::Tensor out = at::addcmul(beta, alpha, x);  // exactly timm's Affine.forward
+    RowCodes c;
+    if (alpha.requires_grad()) c = keep_rows(ctx, x, out.scalar_type(), row_scale, qz);
+    ctx->save_for_backward({c.q, c.alpha, c.beta, x.requires_grad() ? alpha : at::Tensor(), c.k});
+    ctx->saved_data["dim"] = c.dim;
+    ctx->saved_data["groups"] = c.groups;
+    ctx->saved_data["cdt"] = out.scalar_type();
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["a_shape"] = alpha.sizes();
+    ctx->saved_data["a_dtype"] = alpha.scalar_type();
+    ctx->saved_data["b_shape"] = beta.sizes();
+    ctx->saved_data["b_dtype"] = beta.scalar_type();
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("Affine");
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto cdt = ctx->saved_data["cdt"].toScalarType();
+    const at::Tensor g = grads[0].to(cdt);
+    at::Tensor gx, ga, gb;
+    // addcmul's tensor2 gradient: grad * (tensor1 * value), value 1
+    if (ctx->needs_input_grad(0)) gx = (g * saved[3].to(cdt)).to(ctx->saved_data["x_dtype"].toScalarType());
+    if (ctx->needs_input_grad(1)) {
+      const at::Tensor xh = decompress_saved(ctx, saved, ctx->saved_data["dim"].toInt(),
+                                             ctx->saved_data["groups"].toInt(), cdt, saved[4]);
+      ga = (g * xh).sum_to_size(ctx->saved_data["a_shape"].toIntVector());
+      ga = ga.to(ctx->saved_data["a_dtype"].toScalarType());
+    }
+    if (ctx->needs_input_grad(2)) {
+      gb = g.sum_to_size(ctx->saved_data["b_shape"].toIntVector()).to(ctx->saved_data["b_dtype"].toScalarType());
+    }
+    return {gx, ga, gb, at::Tensor(), at::Tensor()};
+  }
+};
+
 at::Tensor scale_train(const at::Tensor& x, const at::Tensor& gamma, at::Tensor& alpha_est, at::Tensor& beta_est,
                        at::Tensor& initialized, at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator,
                        bool symmetric, bool stochastic, bool row_scale) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::scale_train");
   return ScaleTrain::apply(x, gamma, qz, row_scale);
+}
+
+at::Tensor affine_train(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, at::TensorList state,
+                        int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
+                        bool row_scale) {
+  TORCH_CHECK_VALUE(x.dim() > 0 && alpha.dim() > 0 && alpha.size(-1) == x.size(-1) && alpha.numel() == x.size(-1),
+                    "mesa::affine_train: alpha must hold one value per channel of x's last dim, got alpha of shape ",
+                    alpha.sizes(), " for x of shape ", x.sizes());
+  return AffineTrain::apply(
+      x, alpha, beta,
+      quantizer_from_list(state, num_groups, decay, estimator, symmetric, stochastic, "mesa::affine_train"), row_scale);
 }
 
 }  // namespace
@@ -101,7 +173,15 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "scale_train(Tensor x, Tensor gamma, Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, "
       "Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic, "
       "bool row_scale) -> Tensor");
+  // torch.addcmul(beta, alpha, x) (ResMLP's Affine); state [alpha_est, beta_est, initialized,
+  // rng] updated as by mesa::observe
+  m.def(
+      "affine_train(Tensor x, Tensor alpha, Tensor beta, Tensor(a!)[] state, int num_groups, float decay, "
+      "int estimator, bool symmetric, bool stochastic, bool row_scale) -> Tensor");
 }
 
 // (see layers_autograd.cpp: one kernel for every backend, the node built here)
-TORCH_LIBRARY_IMPL(mesa, Autograd, m) { m.impl("scale_train", &mesa::scale_train); }
+TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
+  m.impl("scale_train", &mesa::scale_train);
+  m.impl("affine_train", &mesa::affine_train);
+}

@@ -4,12 +4,16 @@ on their Python Functions, and against stock, in one process.
 ``--layers attention`` (the attention core: Softmax, MatMul, fused SDPA) ran its Python
 ``autograd.Function`` at 4 or 2 bits before session 55; ``--layers gated`` (the gated products,
 ``GatedActivation``: SwiGLU, gMLP, FocalNet, MambaOut, StarNet, CoaT) ran it in every format before
-session 56. The script puts those layers back on that path ("python": their quantizers'
-``fused_layer_args`` answers ``None``, what it answered then) and times it, interleaved with the
-C++ path and the stock model, median of ``--steps`` steps each:
+session 56; ``--layers star_relu`` (MetaFormer's StarReLU: ConvFormer, CAFormer), ``--layers affine``
+(ResMLP's Affine), ``--layers normalize`` (cosine attention's F.normalize: XCiT, SwinV2) and
+``--layers grn`` (ConvNeXt-V2's GlobalResponseNorm) before session 57. The script puts those
+layers back on that path ("python": their quantizers' ``fused_layer_args`` answers ``None``, what
+it answered then) and times it, interleaved with the C++ path and the stock model, median of
+``--steps`` steps each:
 
     python scripts/layer_path_ab.py --model deit_tiny_patch16_224 --bits 4 --attention explicit
     python scripts/layer_path_ab.py --layers gated --model focalnet_tiny_srf --bits 8
+    python scripts/layer_path_ab.py --layers star_relu --model caformer_s18 --bits 8
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.patch import patch_model
 
 LAYER_SETS = {"attention": (mnn.Softmax, mnn.MatMul, mnn.ScaledDotProductAttention),
-              "gated": (mnn.GatedActivation,)}
+              "gated": (mnn.GatedActivation,), "star_relu": (mnn.StarReLU,), "affine": (mnn.Affine,),
+              "normalize": (mnn.Normalize,), "grn": (mnn.GlobalResponseNorm,)}
 
 
 def python_path_switch(model, classes):
@@ -59,7 +64,7 @@ def main() -> None:
     torch.manual_seed(0)
     try:
         stock = timm.create_model(args.model, num_classes=10, img_size=args.img_size).train()
-    except TypeError:  # a convnet-like model (FocalNet, MambaOut) takes any size without being told
+    except TypeError:  # a convnet-like model (FocalNet, MambaOut, MetaFormer) takes any size untold
         stock = timm.create_model(args.model, num_classes=10).train()
     if args.attention == "explicit":  # the stock model on the same path
         for m in stock.modules():

@@ -2,6 +2,8 @@
 path (the op still runs)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from bit_patterns import assert_all_same_bits
@@ -35,3 +37,32 @@ def assert_op_path_is_the_python_path(monkeypatch, op_name: str, run, *args) -> 
     got = run(True, monkeypatch, *args)
     assert calls == [1, 1], f"mesa::{op_name} ran {len(calls)} times in two steps"
     assert_all_same_bits(got, run(False, monkeypatch, *args))
+
+
+def assert_patched_model_takes_the_op(monkeypatch, model, example_input, op_name: str, layer_types) -> None:
+    """Two training steps of a patched ``model`` (``example_input(step)`` its input; seeded, so
+    dropout and drop-path draw the same masks) on the C++ layer op ``op_name`` and on the Python
+    Functions: the same outputs, parameter gradients and buffers, and the op called once per
+    forward of a ``layer_types`` layer (counted by pre-hooks: a layer may run several times a
+    step, as CoaT's shared position encodings do) on the first path, never on the second."""
+    from mesa_train.nn import quantizer as quantizer_mod
+
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+        calls = count_calls(monkeypatch, op_name)
+        m = copy.deepcopy(model)
+        layer_calls = []
+        for layer in (mod for mod in m.modules() if isinstance(mod, layer_types)):
+            layer.register_forward_pre_hook(lambda *_: layer_calls.append(1))
+        out = []
+        for step in range(2):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            y = m(example_input(step))
+            (y.float() * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+            out += [y.detach()] + [p.grad for p in m.parameters() if p.grad is not None]
+        runs.append(out + [b.clone() for b in m.buffers()])
+        assert layer_calls and len(calls) == (len(layer_calls) if fused else 0), (op_name, len(calls))
+        monkeypatch.undo()
+    assert_all_same_bits(runs[0], runs[1])

@@ -21,3 +21,41 @@ def test_overhead_table_has_every_layer_and_its_provenance(tmp_path, capsys):
 def test_a_baseline_tree_without_the_package_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="has no mesa_train package"):
         overhead.main(["--baseline-tree", str(tmp_path)])
+
+
+def test_python_functions_compares_both_paths_of_every_layer_and_restores_the_switch(tmp_path, monkeypatch):
+    """``--python-functions``: a row per layer with both paths' columns and their ratio, each
+    path really taken (the C++ layer op's spy counts calls only while the switch is on), and the
+    switch back as it was, also after a failure."""
+    from mesa_train.nn import quantizer as quantizer_mod
+    from op_calls import count_calls
+
+    if not quantizer_mod._FUSED_LAYERS:
+        pytest.skip("needs the compiled extension")
+    calls = count_calls(monkeypatch, "star_relu_train")
+    seen = []
+    real = overhead._interleaved_us
+
+    def spy(runs, inputs, reps, set_fused):
+        seen.append([fused for _, fused in runs])
+        return real(runs, inputs, reps, set_fused)
+
+    monkeypatch.setattr(overhead, "_interleaved_us", spy)
+    out = tmp_path / "paths.md"
+    assert overhead.main(["--python-functions", "--reps", "2", "--rounds", "1", "--output", str(out)]) == 0
+    md = out.read_text()
+    assert "Mesa adds µs (Python Functions) | Mesa adds µs (C++ ops) | ratio |" in md
+    for name in overhead.LAYERS:
+        assert f"| {name} |" in md
+    assert seen and all(s == [True, False, True] for s in seen)
+    assert len(calls) == 22  # StarReLU's op: 20 warm-up + 2 timed passes on the C++ path, none on the Python one
+    assert quantizer_mod._FUSED_LAYERS is True
+    monkeypatch.setattr(overhead, "_cases", lambda: {"boom": (lambda: 1 / 0, None, lambda: ())})
+    with pytest.raises(ZeroDivisionError):
+        overhead.compare_paths(1, 1)
+    assert quantizer_mod._FUSED_LAYERS is True
+
+
+def test_the_two_comparisons_are_one_at_a_time(tmp_path):
+    with pytest.raises(SystemExit, match="two different comparisons: pick one"):
+        overhead.main(["--python-functions", "--baseline-tree", str(tmp_path)])

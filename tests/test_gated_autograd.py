@@ -5,8 +5,6 @@ same outputs, gradients, bytes kept, estimates and seeds, bit for bit; and where
 Function still runs."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from timm.layers.activations import QuickGELU as TimmQuickGELU
@@ -17,9 +15,8 @@ from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.patch import patch_model
 
-from bit_patterns import assert_all_same_bits
 from kernel_marks import DEVICES
-from op_calls import assert_op_path_is_the_python_path, count_calls
+from op_calls import assert_op_path_is_the_python_path, assert_patched_model_takes_the_op, count_calls
 from timm_zoo import build, example
 
 ACTS = {"identity": nn.Identity, "silu": nn.SiLU, "silu_inplace": lambda: nn.SiLU(inplace=True), "gelu": nn.GELU,
@@ -139,22 +136,5 @@ def test_patched_models_run_every_gate_on_the_op_bitwise_the_python_function(nam
     gMLP's transposed v, StarNet, CoaT): two training steps with dropout and drop-path on give
     the same outputs, parameter gradients and buffers on both paths, every gate on the op."""
     model = patch_model(build(name, drop=True), **options)
-    runs = []
-    for fused in (True, False):
-        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
-        calls = count_calls(monkeypatch, "gated_train")
-        m = copy.deepcopy(model)
-        gate_calls = []  # (CoaT runs each of its position encodings' gates in several blocks)
-        for gate in (g for g in m.modules() if isinstance(g, mnn.GatedActivation)):
-            gate.register_forward_pre_hook(lambda *_: gate_calls.append(1))
-        out = []
-        for step in range(2):
-            m.zero_grad(set_to_none=True)
-            torch.manual_seed(step)
-            y = m(example(name, seed=step))
-            (y.float() * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
-            out += [y.detach()] + [p.grad for p in m.parameters() if p.grad is not None]
-        runs.append(out + [b.clone() for b in m.buffers()])
-        assert gate_calls and len(calls) == (len(gate_calls) if fused else 0)
-        monkeypatch.undo()
-    assert_all_same_bits(runs[0], runs[1])
+    assert_patched_model_takes_the_op(monkeypatch, model, lambda step: example(name, seed=step), "gated_train",
+                                      mnn.GatedActivation)

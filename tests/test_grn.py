@@ -15,6 +15,7 @@ from timm.layers.grn import GlobalResponseNorm as TimmGRN
 import mesa_train.nn as mn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import grn as grn_mod
+from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.patch import patch_model
 from shared_copies import cos
 
@@ -65,6 +66,9 @@ def test_backward_formula_exact_with_the_true_input(layout, monkeypatch):
     channel = 1 if layout == "channels_first" else -1
     x.select(channel, 3)[0].zero_()  # one (sample, channel) with norm 0
     monkeypatch.setattr(grn_mod, "decompress", lambda packed, dtype: x.to(dtype))
+    # the Python Function, whose dequantization this swaps (the C++ op is its bits:
+    # tests/test_grn_autograd.py)
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)
     g = torch.randn_like(x)
     ref, got = _grads(stock, x, g), _grads(mesa, x, g)
     for a, b in zip(ref[1:4], got[1:4]):

@@ -9,6 +9,12 @@ one forward + backward minus the stock layer's, in microseconds.
 (with its extension built, e.g. ``git worktree add /tmp/old <commit>`` plus a build), in
 alternating rounds in subprocesses, and prints both side by side with the ratio: a
 before/after comparison taken in one run.
+
+``--python-functions`` compares the two paths of this tree in one process instead: each Mesa
+layer with its C++ layer op, and with the C++ layer ops switched off (``quantizer._FUSED_LAYERS``,
+as the tests switch it: the Python ``autograd.Function`` the layer runs under ``torch.compile``,
+and ran in eager mode before its op existed), and stock, timed in turn pass by pass. The layers without
+a C++ layer op (the pools) run the same path twice: their ratio is the run's noise.
 """
 from __future__ import annotations
 
@@ -26,13 +32,13 @@ from torch import nn
 
 from mesa_train.bench.report import _git, environment
 
-# the transformer layers, then the convnets' (BatchNorm and below; the max pool is a Python
-# autograd Function, the others C++ layer ops or stock's own backward; a baseline tree older
-# than a layer leaves its row out)
-LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", "LayerScale", "GatedSiLU",
-           "GatedProduct",
+# the transformer layers, then the convnets' (BatchNorm and below); each a C++ layer op in eager
+# training but the average pool (a Python autograd Function that keeps nothing); a baseline tree
+# older than a layer leaves its row out
+LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", "LayerScale", "Affine",
+          "StarReLU", "Normalize", "GatedSiLU", "GatedProduct",
           "BatchNorm2d", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d", "GroupNorm",
-          "LayerNorm2d")
+          "LayerNorm2d", "GlobalResponseNorm")
 
 
 class _MatMul(nn.Module):
@@ -51,6 +57,13 @@ class _Gated(nn.Module):
         return self.act(a) * b
 
 
+class _Normalize(nn.Module):
+    """Cosine attention's ``F.normalize`` of q or k (SwinV2, XCiT)."""
+
+    def forward(self, x):
+        return torch.nn.functional.normalize(x, dim=-1)
+
+
 class _SDPA(nn.Module):
     def forward(self, q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
@@ -67,6 +80,8 @@ def _cases():
 
 def _transformer_cases(M):
     from timm.layers import LayerScale
+    from timm.models.metaformer import StarReLU
+    from timm.models.mlp_mixer import Affine
 
     x = lambda: torch.randn(2, 4, 8)  # noqa: E731 - tiny: the host time is what is measured
     return {
@@ -82,6 +97,10 @@ def _transformer_cases(M):
         # timm's LayerScale (DeiT3, CaiT, EVA: two a block); the same Function serves the NCHW
         # layer scales and squeeze-excite's gate
         "LayerScale": (lambda: LayerScale(8), M.LayerScale.from_module, lambda: (x(),)),
+        # ResMLP's Affine (two a block) and MetaFormer's StarReLU (ConvFormer, CAFormer: two a block)
+        "Affine": (lambda: Affine(8), M.Affine.from_module, lambda: (x(),)),
+        "StarReLU": (StarReLU, M.StarReLU.from_module, lambda: (x(),)),
+        "Normalize": (_Normalize, lambda s: M.Normalize(), lambda: (torch.randn(2, 2, 4, 4),)),
         # the gated products (two compressed operands): EVA-02's SwiGLU, FocalNet's and gMLP's a * b
         "GatedSiLU": (lambda: _Gated(nn.SiLU()), lambda s: M.GatedActivation(nn.SiLU()), lambda: (x(), x())),
         "GatedProduct": (lambda: _Gated(nn.Identity()), lambda s: M.GatedActivation(nn.Identity()),
@@ -91,6 +110,7 @@ def _transformer_cases(M):
 
 def _convnet_cases(M):
     from timm.layers import LayerNorm2d
+    from timm.layers.grn import GlobalResponseNorm
 
     img = lambda: (torch.randn(2, 2, 4, 4),)  # noqa: E731
 
@@ -108,6 +128,8 @@ def _convnet_cases(M):
         "AvgPool2d": case("AvgPool2d", lambda: nn.AvgPool2d(3, 1, 1, count_include_pad=False)),
         "GroupNorm": case("GroupNorm", lambda: nn.GroupNorm(1, 2)),
         "LayerNorm2d": case("LayerNorm2d", lambda: LayerNorm2d(2)),
+        # ConvNeXt-V2's MLP norm (NCHW form; its weight 0 at init does not change the work)
+        "GlobalResponseNorm": case("GlobalResponseNorm", lambda: GlobalResponseNorm(2, channels_last=False)),
     }
 
 
@@ -170,7 +192,53 @@ def compare(this_tree: str, baseline_tree: str, reps: int, rounds: int) -> dict[
     return table
 
 
-def markdown(table: dict, baseline_tree: str | None, reps: int, rounds: int) -> str:
+def _interleaved_us(runs, inputs, reps: int, set_fused) -> list[float]:
+    """Median µs of one forward + backward for each ``(module, fused)`` in ``runs``, timed in
+    turn pass by pass (``set_fused(fused)`` before each), so that a drift of the machine's speed
+    falls on every path alike."""
+    xs = [t.clone().requires_grad_() for t in inputs]
+    times: list[list[float]] = [[] for _ in runs]
+    for i in range(20 + reps):  # 20 warm-up passes: lazy state, estimates initialised
+        for k, (module, fused) in enumerate(runs):
+            set_fused(fused)
+            t0 = time.perf_counter()
+            module(*xs).sum().backward()
+            if i >= 20:
+                times[k].append(time.perf_counter() - t0)
+    return [1e6 * statistics.median(t) for t in times]
+
+
+def compare_paths(reps: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Each layer on its Python Function and on its C++ layer op, with stock, pass by pass in
+    this process (see the module doc); median of each figure over ``rounds``, in ``compare``'s
+    row format (the Python Functions as the baseline)."""
+    from mesa_train.nn import quantizer as quantizer_mod
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    real = quantizer_mod._FUSED_LAYERS
+
+    def set_fused(on: bool) -> None:
+        quantizer_mod._FUSED_LAYERS = on
+
+    samples: dict[str, list[list[float]]] = {}
+    try:
+        for _ in range(rounds):
+            for name, (make_stock, convert, inputs) in _cases().items():
+                stock, mesa = make_stock(), convert(make_stock())
+                got = _interleaved_us([(stock, real), (mesa, False), (mesa, real)], inputs(), reps, set_fused)
+                samples.setdefault(name, []).append(got)
+    finally:
+        set_fused(real)
+    table = {}
+    for name, rows in samples.items():
+        stock, python, op = (statistics.median(r[k] for r in rows) for k in range(3))
+        table[name] = {"this_stock_us": stock, "baseline_added_us": python - stock, "this_added_us": op - stock,
+                       "added_ratio": (op - stock) / (python - stock)}
+    return table
+
+
+def markdown(table: dict, baseline_tree: str | None, reps: int, rounds: int, python_functions: bool = False) -> str:
     # the header names the thread count the figures were measured with (measure() sets 1,
     # also in the subprocesses of a comparison), not this process's
     threads = torch.get_num_threads()
@@ -184,18 +252,22 @@ def markdown(table: dict, baseline_tree: str | None, reps: int, rounds: int) -> 
         against = f" against {revision} (the baseline column)"
     else:
         against = ""
+    if python_functions:
+        against = "; each layer on its Python Function (the baseline column) and on its C++ layer op"
+    two = bool(baseline_tree) or python_functions
     lines = [f"Device: {env['device']}; torch {env['torch']}; git {env['git']}{against}; {env['date']}.", ""]
-    lines += ["| layer | stock fwd+bwd µs | Mesa adds µs" + (" (baseline) | Mesa adds µs (this) | ratio |"
-                                                       if baseline_tree else " |")]
-    lines.append("|---" * (5 if baseline_tree else 3) + "|")
+    columns = (" (Python Functions) | Mesa adds µs (C++ ops) | ratio |" if python_functions
+               else " (baseline) | Mesa adds µs (this) | ratio |")
+    lines += ["| layer | stock fwd+bwd µs | Mesa adds µs" + (columns if two else " |")]
+    lines.append("|---" * (5 if two else 3) + "|")
     for name, r in table.items():
-        if baseline_tree:
+        if two:
             lines.append(f"| {name} | {r['this_stock_us']:.0f} | {r['baseline_added_us']:.0f} | "
                          f"{r['this_added_us']:.0f} | {r['added_ratio']:.2f}x |")
         else:
             lines.append(f"| {name} | {r['stock_us']:.0f} | {r['added_us']:.0f} |")
     how = (f"median of {reps} forward+backward passes"
-           + (f", median over {rounds} alternating rounds" if baseline_tree else ""))
+           + (f", median over {rounds} alternating rounds" if two else ""))
     return "\n".join(lines) + f"\n\nTensors of 64 elements, 1 CPU thread, {how}.\n"
 
 
@@ -203,16 +275,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2000, help="timed passes per layer (default 2000)")
     p.add_argument("--baseline-tree", help="another checkout (extension built) to compare with, same run")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds with --baseline-tree (default 3)")
+    p.add_argument("--python-functions", action="store_true",
+                   help="compare each layer's C++ layer op with its Python Function, same process")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating rounds with --baseline-tree or --python-functions (default 3)")
     p.add_argument("--output", help="also write the Markdown table here")
     args = p.parse_args(argv)
-    if args.baseline_tree:
+    if args.baseline_tree and args.python_functions:
+        raise SystemExit("error: --baseline-tree and --python-functions are two different comparisons: pick one")
+    if args.python_functions:
+        table = compare_paths(args.reps, args.rounds)
+    elif args.baseline_tree:
         if not (Path(args.baseline_tree) / "mesa_train").is_dir():
             raise SystemExit(f"error: --baseline-tree {args.baseline_tree} has no mesa_train package")
         table = compare(str(Path(__file__).resolve().parents[2]), args.baseline_tree, args.reps, args.rounds)
     else:
         table = measure(args.reps)
-    md = markdown(table, args.baseline_tree, args.reps, args.rounds)
+    md = markdown(table, args.baseline_tree, args.reps, args.rounds, args.python_functions)
     print(md)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

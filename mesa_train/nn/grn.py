@@ -25,6 +25,10 @@ with ``x`` carry rounding noise: unbiased in ``dweight``, ``t`` and the direct `
 (linear in ``x~``); the last ``dx`` term is a product of ``t`` with ``x~`` and has a bias of
 one element's rounding variance out of ``|S|`` in the sum, far below the noise. The backward
 computes in float32 and casts each gradient to its input's dtype.
+
+In eager training with a channel format the layer is one C++ op with a C++ autograd node
+(``mesa::grn_train``, csrc/grn_autograd.cpp: the same ops, the same bits); ``_GrnFn`` runs
+otherwise (under ``torch.compile``, learned thresholds, patch4x4).
 """
 from __future__ import annotations
 
@@ -107,6 +111,10 @@ class GlobalResponseNorm(MesaLayer, _TimmGRN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x, self.weight, self.bias):
             return _TimmGRN.forward(self, x)
+        fused = self.quantizer.fused_layer_args(x)
+        if fused is not None and x.dim() == 4:  # the C++ layer op (mesa::grn_train): the same bits
+            return torch.ops.mesa.grn_train(x, self.weight, self.bias, self.eps, list(self.spatial_dim),
+                                            self.channel_dim, list(self.wb_shape), list(fused[:4]), *fused[4:])
         return _GrnFn.apply(x, self.weight, self.bias, self.eps, self.spatial_dim, self.channel_dim, self.wb_shape,
                             self.quantizer)
 

@@ -13,7 +13,8 @@ kept in full precision. Two forms:
   ``Scale``: MetaFormer's (``x * self.scale.view(dim, 1, 1)`` on NCHW, or ``(dim,)``
   channels last: ConvFormer, CAFormer, PoolFormerV2's layer and residual scales);
 * ``Affine``: ResMLP's ``torch.addcmul(beta, alpha, x)`` norm (its own class in timm's
-  ``mlp_mixer``; two a block, half of what ResMLP still kept): the same 8-bit ``x``;
+  ``mlp_mixer``; two a block, half of what ResMLP still kept): the same 8-bit ``x``
+  (``mesa::affine_train`` in eager training, as ``mesa::scale_train`` for the others);
 * ``ChannelScale``: parameter-free, ``forward(x, gamma)`` for blocks that multiply by their
   own ``gamma_1``-style parameter inline (BEiT, CaiT, EVA, XCiT: ``self.gamma_1 * y``); the
   patcher routes that product here (``patch/generic_attention.py``, ``install_scales``).
@@ -272,6 +273,12 @@ class Affine(MesaLayer, nn.Module):
     def forward(self, x):
         if not self._mesa_active(x, self.alpha, self.beta):
             return torch.addcmul(self.beta, self.alpha, x)
+        # the C++ layer op (mesa::affine_train, csrc/scale_autograd.cpp: the same bits) in eager
+        # training with a channel format, for x with one channel per alpha (as ResMLP calls it)
+        fused = self.quantizer.fused_layer_args(x)
+        if fused is not None and x.dim() > 0 and x.shape[-1] == self.alpha.shape[-1]:
+            return torch.ops.mesa.affine_train(x, self.alpha, self.beta, list(fused[:4]), *fused[4:],
+                                               self.quantizer.options.row_scale)
         return _AffineFn.apply(x, self.alpha, self.beta, self.quantizer)
 
     def extra_repr(self) -> str:

@@ -10,7 +10,10 @@ and float ``n`` (one value per row, ``1/d`` of the codes). Backward:
 
     dx = (g - y * sum(g * y)) / n     where ||x|| > eps,   dx = g / n   where clamped
 
-The forward is ``F.normalize`` itself (bitwise stock).
+The forward is ``F.normalize`` itself (bitwise stock). In eager training with a channel format
+the layer is one C++ op with a C++ autograd node (``mesa::normalize_train``,
+csrc/normalize_autograd.cpp: the same ops, the same bits); ``_NormalizeFn`` runs otherwise
+(under ``torch.compile``, learned thresholds, patch4x4).
 """
 from __future__ import annotations
 
@@ -59,6 +62,9 @@ class Normalize(MesaLayer, nn.Module):
     def forward(self, input, dim: int = -1, eps: float = 1e-12):
         if not self._mesa_active(input):
             return F.normalize(input, p=2.0, dim=dim, eps=eps)
+        fused = self.quantizer.fused_layer_args(input)
+        if fused is not None:
+            return torch.ops.mesa.normalize_train(input, dim, eps, list(fused[:4]), *fused[4:])
         return _NormalizeFn.apply(input, dim, eps, self.quantizer)
 
     def extra_repr(self) -> str:

@@ -11,7 +11,10 @@ for ``scale``'s gradient (two full-size tensors, plus the ReLU's mask); backward
 
 ``r`` is non-negative, so its 8-bit grid spends no codes on the negative half. Forward is
 the stock expression, op for op (bitwise); an ``inplace=True`` stock module computes out of
-place here (same values, the input is not overwritten).
+place here (same values, the input is not overwritten). In eager training with a channel
+format the layer is one C++ op with a C++ autograd node (``mesa::star_relu_train``,
+csrc/star_relu_autograd.cpp: the same ops, the same bits); ``_StarReLUFn`` runs otherwise
+(under ``torch.compile``, learned thresholds, patch4x4).
 """
 from __future__ import annotations
 
@@ -90,6 +93,9 @@ class StarReLU(MesaLayer, nn.Module):
     def forward(self, x):
         if not self._mesa_active(x, self.scale, self.bias):
             return self.scale * self.relu(x) ** 2 + self.bias
+        fused = self.quantizer.fused_layer_args(x)
+        if fused is not None:
+            return torch.ops.mesa.star_relu_train(x, self.scale, self.bias, list(fused[:4]), *fused[4:])
         return _StarReLUFn.apply(x, self.scale, self.bias, self.quantizer)
 
     def extra_repr(self) -> str:
