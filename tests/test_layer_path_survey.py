@@ -1,0 +1,37 @@
+"""scripts/layer_path_survey.py: the count of a patched model's Mesa nodes by path (C++ layer op or
+Python Function), from its backward graph."""
+from __future__ import annotations
+
+import pytest
+
+import mesa_train.nn as mnn
+from mesa_train.nn import quantizer as quantizer_mod
+from mesa_train.patch import patch_model
+
+from conftest import load_script
+from timm_zoo import build, example
+
+pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+
+
+def test_survey_counts_each_path_and_follows_the_switch(monkeypatch):
+    """Hiera: its Amax on a Python Function, the rest on C++ ops; with the C++ layer ops switched
+    off every node is a Python Function and the total is the same."""
+    survey = load_script("layer_path_survey")
+    model = patch_model(build("hiera_tiny_224"))
+    amax_calls = []  # one autograd node per call of a Mesa Amax (Hiera's pooling)
+    for layer in (m for m in model.modules() if isinstance(m, mnn.Amax)):
+        layer.register_forward_pre_hook(lambda *_: amax_calls.append(1))
+    found = survey.mesa_nodes(model, example("hiera_tiny_224"))
+    assert amax_calls and found["Python"] == {"AmaxFn": len(amax_calls)}
+    assert found["C++"]["LinearTrain"] > 0 and "LayerNormTrain" in found["C++"]
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)
+    off = survey.mesa_nodes(model, example("hiera_tiny_224"))
+    assert not off["C++"] and off["Python"]["LinearFn"] > 0
+    assert sum(off["Python"].values()) >= sum(found["C++"].values()) + 1
+
+
+def test_survey_names_an_unknown_model_in_one_line(capsys):
+    survey = load_script("layer_path_survey")
+    with pytest.raises(SystemExit, match=r"error: no_such_model: Unknown model"):
+        survey.main(["no_such_model"])
