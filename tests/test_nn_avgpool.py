@@ -11,9 +11,11 @@ from torch import nn
 
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import AvgPool2d, AvgPool2dSame
+from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.patch import patch_model
 
 sys.path.insert(0, str(Path(__file__).parent))
+from op_calls import assert_patched_model_takes_the_op, count_calls  # noqa: E402
 from timm_zoo import build, example  # noqa: E402
 
 CONFIGS = {
@@ -33,9 +35,16 @@ def _run(layer, x, g):
     return y, x.grad, meter.activation_bytes
 
 
+@pytest.mark.parametrize("path", ["op", "python"])
 @pytest.mark.parametrize("config", list(CONFIGS), ids=str)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last", "chw", "bf16"])
-def test_bitwise_stock_and_keeps_nothing(config, layout):
+def test_bitwise_stock_and_keeps_nothing(config, layout, path, monkeypatch):
+    """Both paths: the C++ layer op (eager; ``mesa::avg_pool2d_train``, called once) and the
+    Python Function (``torch.compile``'s, and eager's with the C++ layer ops off)."""
+    if path == "op" and not quantizer_mod._FUSED_LAYERS:
+        pytest.skip("needs the compiled extension")
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", path == "op")
+    calls = count_calls(monkeypatch, "avg_pool2d_train") if path == "op" else []
     stock = nn.AvgPool2d(**CONFIGS[config])
     mesa = AvgPool2d.from_module(stock)
     x = torch.randn(2, 5, 9, 8, generator=torch.Generator().manual_seed(0))
@@ -52,6 +61,7 @@ def test_bitwise_stock_and_keeps_nothing(config, layout):
     assert torch.equal(gs, gm) and gs.stride() == gm.stride()
     assert kept_stock >= x.numel() * x.element_size()  # stock keeps its input: the saving is real
     assert kept_mesa == 0
+    assert calls == ([1] if path == "op" else [])
 
 
 def test_same_padding_is_timms():
@@ -114,3 +124,22 @@ def test_patch_model_poolformer_pools_only():
         assert torch.equal(p.grad, q.grad), name
     # exactly the pools' inputs are no longer kept (nothing else keeps them: pool(x) - x)
     assert s_meter.activation_bytes - p_meter.activation_bytes == sum(pool_inputs) > 0
+
+
+@pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+def test_patched_poolformer_runs_every_pool_on_the_op_bitwise_the_python_function(monkeypatch):
+    """PoolFormerV2's token mixers (``pool(x) - x``): two training steps with drop-path on give
+    the same outputs, parameter gradients and buffers on both paths, every pool on the op."""
+    name = "poolformerv2_s12"
+    model = patch_model(build(name, drop=True))
+    assert_patched_model_takes_the_op(monkeypatch, model, lambda step: example(name, seed=step), "avg_pool2d_train",
+                                      AvgPool2d)
+
+
+@pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+def test_the_op_names_its_valid_arguments():
+    x = torch.randn(1, 2, 5, 5, requires_grad=True)
+    with pytest.raises(ValueError, match=r"avg_pool2d_train: stride must have 2 values, got \[1, 1, 1\]"):
+        torch.ops.mesa.avg_pool2d_train(x, [3, 3], [1, 1, 1], [1, 1], False, True, None)
+    with pytest.raises(RuntimeError, match=r"higher-order gradients \(backward with create_graph=True\)"):
+        torch.autograd.grad(AvgPool2d(3, 1, 1)(x).pow(2).sum(), x, create_graph=True)

@@ -13,8 +13,9 @@ before/after comparison taken in one run.
 ``--python-functions`` compares the two paths of this tree in one process instead: each Mesa
 layer with its C++ layer op, and with the C++ layer ops switched off (``quantizer._FUSED_LAYERS``,
 as the tests switch it: the Python ``autograd.Function`` the layer runs under ``torch.compile``,
-and ran in eager mode before its op existed), and stock, timed in turn pass by pass. The layers without
-a C++ layer op (the pools) run the same path twice: their ratio is the run's noise.
+and ran in eager mode before its op existed), and stock, timed in turn pass by pass. (A layer
+without a C++ layer op would run the same path twice, its ratio the run's noise: AvgPool2d read
+1.02x at a8ba8b1, before it had one; results/overhead/README.md, session 57.)
 """
 from __future__ import annotations
 
@@ -33,8 +34,7 @@ from torch import nn
 from mesa_train.bench.report import _git, environment
 
 # the transformer layers, then the convnets' (BatchNorm and below); each a C++ layer op in eager
-# training but the average pool (a Python autograd Function that keeps nothing); a baseline tree
-# older than a layer leaves its row out
+# training; a baseline tree older than a layer leaves its row out
 LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", "LayerScale", "Affine",
           "StarReLU", "Normalize", "GatedSiLU", "GatedProduct",
           "BatchNorm2d", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d", "GroupNorm",

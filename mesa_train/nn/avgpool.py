@@ -6,7 +6,9 @@ output gradient spread over each window, divided by the window's count, so only 
 sizes, dtype, device and memory format matter. This layer runs the stock op in forward (the
 output bits are stock's) and keeps those four facts; backward hands the stock backward
 kernel an uninitialised tensor of that shape as its ``self``. The gradient is bitwise stock's
-(lossless), and the bytes kept are zero.
+(lossless), and the bytes kept are zero. In eager training the layer is one C++ op with a C++
+autograd node (``mesa::avg_pool2d_train``, csrc/avgpool_autograd.cpp: the same bits, a fraction
+of the Python Function's host time); ``_AvgPool2dFn`` runs under ``torch.compile``.
 
 Where it matters: PoolFormer's and EfficientFormer's token mixer (``pool(x) - x``: the
 subtraction keeps nothing, so the pool's copy was the block's only one: 23% and 14% of what
@@ -22,6 +24,7 @@ from torch import nn
 from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 
+from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options
 from .maxpool import pool_args
 
@@ -74,6 +77,11 @@ class AvgPool2d(MesaLayer, nn.AvgPool2d):
     def forward(self, input):
         if not self._mesa_active(input):
             return super().forward(input)
+        args = pool_args(self.kernel_size, self.stride, self.padding, 1)
+        if args is not None and quantizer_mod.fused_layers_on():
+            # eager: the layer with a C++ autograd node (csrc/avgpool_autograd.cpp), the same bits
+            return torch.ops.mesa.avg_pool2d_train(input, *args[:3], self.ceil_mode, self.count_include_pad,
+                                                   self.divisor_override)
         return _AvgPool2dFn.apply(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
                                   self.count_include_pad, self.divisor_override)
 
