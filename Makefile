@@ -62,12 +62,16 @@ $(GPU_VENV)/.installed:
 
 gpu-prebuild: $(GPU_VENV)/.installed  ## build the extension here for the GPU image (torch 2.11, sm_90) into .gpubuild/
 	@command -v nvcc >/dev/null || { echo "gpu-prebuild: nvcc not found (the CUDA kernels need it)"; exit 1; }
-	rm -rf $(GPU_BUILD_TMP) && mkdir -p .gpubuild
+	rm -rf $(GPU_BUILD_TMP) && mkdir -p .gpubuild $(GPU_BUILD_TMP)
+	@# what it is built from, taken before the build: scripts/gpu_session.sh reuses the build only
+	@# for the same sources, so an edit made while it compiles must not be recorded as built
+	rm -f .gpubuild/sources.sha256 && bash scripts/sources_sha.sh > $(GPU_BUILD_TMP)/sources.sha256
 	TORCH_CUDA_ARCH_LIST=$(GPU_ARCH) MAX_JOBS=$$(nproc) $(GPU_VENV)/bin/python setup.py -q build_ext \
 		--build-lib $(GPU_BUILD_TMP)/lib --build-temp $(GPU_BUILD_TMP)/tmp
 	strip --strip-debug -o .gpubuild/_C.abi3.so $(GPU_BUILD_TMP)/lib/mesa_train/_C.abi3.so
-	@# what it was built from: scripts/gpu_session.sh reuses it only for the same sources
-	bash scripts/sources_sha.sh > .gpubuild/sources.sha256
+	@bash scripts/sources_sha.sh | cmp -s - $(GPU_BUILD_TMP)/sources.sha256 || \
+		{ echo "gpu-prebuild: csrc/ or setup.py changed while it built; run it again"; exit 1; }
+	cp $(GPU_BUILD_TMP)/sources.sha256 .gpubuild/sources.sha256
 	@ls -l .gpubuild/_C.abi3.so .gpubuild/sources.sha256
 
 gpu-torch-check:  ## no GPU: the layer and model suites under the GPU image's torch (.venv-gpu) with .gpubuild/, on the CPU
