@@ -52,12 +52,10 @@ struct AvgPool2dTrain : public torch::autograd::Function<AvgPool2dTrain> {
                   at::TensorOptions().dtype(ctx->saved_data["dtype"].toScalarType()).device(
                       ctx->saved_data["device"].toDevice()),
                   fmt);
-    const auto divisor = ctx->saved_data["divisor_override"];
     at::Tensor gx = at::avg_pool2d_backward(
         grads[0], x_like, ctx->saved_data["kernel"].toIntVector(), ctx->saved_data["stride"].toIntVector(),
         ctx->saved_data["padding"].toIntVector(), ctx->saved_data["ceil_mode"].toBool(),
-        ctx->saved_data["count_include_pad"].toBool(),
-        divisor.isNone() ? std::optional<int64_t>() : std::optional<int64_t>(divisor.toInt()));
+        ctx->saved_data["count_include_pad"].toBool(), ctx->saved_data["divisor_override"].toOptional<int64_t>());
     const at::Tensor none;
     return {gx, none, none, none, none, none, none};
   }

@@ -309,12 +309,11 @@ class GatedActivation(MesaLayer, nn.Module):
         code = _gated_act_code(self.act_fn)
         if code is None or gate.dim() == 0 or x.dim() == 0:
             return None
-        fa = self.quantizer_a.fused_layer_args(gate)
-        fb = self.quantizer_b.fused_layer_args(x) if fa is not None else None
+        fa = self.quantizer_a.fused_state_args(gate)
+        fb = self.quantizer_b.fused_state_args(x) if fa is not None else None
         if fb is None:
             return None
-        return torch.ops.mesa.gated_train(gate, x, code, self.gate_last, list(fa[:4]), *fa[4:], list(fb[:4]),
-                                          *fb[4:])
+        return torch.ops.mesa.gated_train(gate, x, code, self.gate_last, *fa, *fb)
 
     def extra_repr(self) -> str:
         return f"act={type(self.act_fn).__name__}, gate_last={self.gate_last}, {self._mesa_repr()}"

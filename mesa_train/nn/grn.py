@@ -111,10 +111,10 @@ class GlobalResponseNorm(MesaLayer, _TimmGRN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x, self.weight, self.bias):
             return _TimmGRN.forward(self, x)
-        fused = self.quantizer.fused_layer_args(x)
+        fused = self.quantizer.fused_state_args(x)
         if fused is not None and x.dim() == 4:  # the C++ layer op (mesa::grn_train): the same bits
             return torch.ops.mesa.grn_train(x, self.weight, self.bias, self.eps, list(self.spatial_dim),
-                                            self.channel_dim, list(self.wb_shape), list(fused[:4]), *fused[4:])
+                                            self.channel_dim, list(self.wb_shape), *fused)
         return _GrnFn.apply(x, self.weight, self.bias, self.eps, self.spatial_dim, self.channel_dim, self.wb_shape,
                             self.quantizer)
 

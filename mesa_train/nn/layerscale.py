@@ -275,10 +275,9 @@ class Affine(MesaLayer, nn.Module):
             return torch.addcmul(self.beta, self.alpha, x)
         # the C++ layer op (mesa::affine_train, csrc/scale_autograd.cpp: the same bits) in eager
         # training with a channel format, for x with one channel per alpha (as ResMLP calls it)
-        fused = self.quantizer.fused_layer_args(x)
+        fused = self.quantizer.fused_state_args(x)
         if fused is not None and x.dim() > 0 and x.shape[-1] == self.alpha.shape[-1]:
-            return torch.ops.mesa.affine_train(x, self.alpha, self.beta, list(fused[:4]), *fused[4:],
-                                               self.quantizer.options.row_scale)
+            return torch.ops.mesa.affine_train(x, self.alpha, self.beta, *fused, self.quantizer.options.row_scale)
         return _AffineFn.apply(x, self.alpha, self.beta, self.quantizer)
 
     def extra_repr(self) -> str:

@@ -209,8 +209,8 @@ def _fused_args(shared: Optional[Packed], quantizer, t: torch.Tensor):
         return None
     if quantizer is None:
         return s + _NO_QUANTIZER, fmt
-    fused = quantizer.fused_layer_args(t)
-    return None if fused is None else (s + (list(fused[:4]),) + fused[4:], fmt)
+    fused = quantizer.fused_state_args(t)
+    return None if fused is None else (s + fused, fmt)
 
 
 def _kinds(a, b, sa, sb, qa, qb) -> tuple:

@@ -62,9 +62,9 @@ class Normalize(MesaLayer, nn.Module):
     def forward(self, input, dim: int = -1, eps: float = 1e-12):
         if not self._mesa_active(input):
             return F.normalize(input, p=2.0, dim=dim, eps=eps)
-        fused = self.quantizer.fused_layer_args(input)
+        fused = self.quantizer.fused_state_args(input)
         if fused is not None:
-            return torch.ops.mesa.normalize_train(input, dim, eps, list(fused[:4]), *fused[4:])
+            return torch.ops.mesa.normalize_train(input, dim, eps, *fused)
         return _NormalizeFn.apply(input, dim, eps, self.quantizer)
 
     def extra_repr(self) -> str:

@@ -542,6 +542,13 @@ class ActivationQuantizer(nn.Module):
         return (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], opts.num_groups, opts.decay, code,
                 opts.symmetric, opts.rounding == "stochastic")
 
+    def fused_state_args(self, x: torch.Tensor) -> tuple | None:
+        """``fused_layer_args`` as the ops with a ``Tensor[] state`` argument take them (gated,
+        StarReLU, Affine, Normalize, GRN, MatMul, SDPA): the four buffers as one list, then the
+        options; ``None`` where the layer must use its Python Function."""
+        fused = self.fused_layer_args(x)
+        return None if fused is None else (list(fused[:4]), *fused[4:])
+
     @torch.no_grad()
     def compress(self, x: torch.Tensor, dim: int, row_exp: torch.Tensor | None = None) -> Packed:
         """Quantize ``x`` with groups along ``dim``; returns fresh tensors (see module doc).

@@ -186,10 +186,10 @@ def _fused_args(module, q, k, v) -> list | None:
     quantizers = module._modules  # (not module.q_quantizer: nn.Module.__getattr__ is a slow path)
     args = []
     for name, x in (("q_quantizer", q), ("k_quantizer", k), ("v_quantizer", v)):
-        fused = quantizers[name].fused_layer_args(x)
+        fused = quantizers[name].fused_state_args(x)
         if fused is None:
             return None
-        args += (list(fused[:4]), *fused[4:])
+        args += fused
     return args
 
 

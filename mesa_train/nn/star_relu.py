@@ -93,9 +93,9 @@ class StarReLU(MesaLayer, nn.Module):
     def forward(self, x):
         if not self._mesa_active(x, self.scale, self.bias):
             return self.scale * self.relu(x) ** 2 + self.bias
-        fused = self.quantizer.fused_layer_args(x)
+        fused = self.quantizer.fused_state_args(x)
         if fused is not None:
-            return torch.ops.mesa.star_relu_train(x, self.scale, self.bias, list(fused[:4]), *fused[4:])
+            return torch.ops.mesa.star_relu_train(x, self.scale, self.bias, *fused)
         return _StarReLUFn.apply(x, self.scale, self.bias, self.quantizer)
 
     def extra_repr(self) -> str:
