@@ -323,6 +323,50 @@ struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
 };
 
+// A forward's autocast state of its device (sdpa.py's and einsum.py's autocast_state), saved for
+// a backward that re-enters it (AutocastScope(ctx))
+inline void save_autocast_state(AutogradContext* ctx, at::DeviceType dev) {
+  const bool available = at::autocast::is_autocast_available(dev);
+  ctx->saved_data["device"] = static_cast<int64_t>(dev);
+  ctx->saved_data["autocast"] = available && at::autocast::is_autocast_enabled(dev);
+  ctx->saved_data["autocast_dtype"] = available ? at::autocast::get_autocast_dtype(dev) : at::kFloat;
+}
+
+// `with torch.autocast(device_type, dtype=..., enabled=...)` as a Python backward enters it
+// (sdpa.py's recomputation, einsum.py's two products): the forward's autocast state of the
+// device, the nesting counter (the cast cache is dropped when the outermost autocast region
+// ends), all restored on exit.
+class AutocastScope {
+ public:
+  // the state save_autocast_state saved
+  explicit AutocastScope(AutogradContext* ctx)
+      : AutocastScope(static_cast<at::DeviceType>(ctx->saved_data["device"].toInt()),
+                      ctx->saved_data["autocast"].toBool(), ctx->saved_data["autocast_dtype"].toScalarType()) {}
+  AutocastScope(at::DeviceType device, bool enabled, at::ScalarType dtype)
+      : device_(device), active_(at::autocast::is_autocast_available(device)) {
+    if (!active_) return;
+    prev_enabled_ = at::autocast::is_autocast_enabled(device);
+    prev_dtype_ = at::autocast::get_autocast_dtype(device);
+    at::autocast::set_autocast_enabled(device, enabled);
+    if (enabled) at::autocast::set_autocast_dtype(device, dtype);  // (disabled: Python keeps the current one)
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (!active_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(device_, prev_enabled_);
+    at::autocast::set_autocast_dtype(device_, prev_dtype_);
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  at::DeviceType device_;
+  bool active_;
+  bool prev_enabled_ = false;
+  at::ScalarType prev_dtype_ = at::kFloat;
+};
+
 // Whether autocast casts x before a matmul / linear (a floating x other than float64 and the
 // autocast dtype, autocast on), and x as so cast (mesa_train.nn._common.autocast_casts /
 // autocast_input): the tensor stock's linear multiplies and its backward keeps, so the one to

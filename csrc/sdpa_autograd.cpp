@@ -56,36 +56,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return at::scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, scale);
 }
 
-// `with torch.autocast(device_type, dtype=..., enabled=...)` as sdpa.py enters it for the
-// recomputation: the forward's autocast state of the device, the nesting counter (the cast
-// cache is dropped when the outermost autocast region ends), all restored on exit.
-class AutocastScope {
- public:
-  AutocastScope(at::DeviceType device, bool enabled, at::ScalarType dtype)
-      : device_(device), active_(at::autocast::is_autocast_available(device)) {
-    if (!active_) return;
-    prev_enabled_ = at::autocast::is_autocast_enabled(device);
-    prev_dtype_ = at::autocast::get_autocast_dtype(device);
-    at::autocast::set_autocast_enabled(device, enabled);
-    if (enabled) at::autocast::set_autocast_dtype(device, dtype);  // (disabled: Python keeps the current one)
-    at::autocast::increment_nesting();
-  }
-  ~AutocastScope() {
-    if (!active_) return;
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(device_, prev_enabled_);
-    at::autocast::set_autocast_dtype(device_, prev_dtype_);
-  }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-
- private:
-  at::DeviceType device_;
-  bool active_;
-  bool prev_enabled_ = false;
-  at::ScalarType prev_dtype_ = at::kFloat;
-};
-
 // Saved tensors: codes, alpha, beta of q, k and v (in that order), then the two masks.
 constexpr size_t kAttnMask = 9, kWindowMask = 10;
 // forward's arguments: q, k, v, attn_mask, window_mask, is_causal, scale, three quantizers
@@ -123,8 +93,6 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
     saved.push_back(attn_mask.value_or(at::Tensor()));
     saved.push_back(window_mask.value_or(at::Tensor()));
     ctx->save_for_backward(saved);
-    const auto dev = q.device().type();
-    const bool ac_available = at::autocast::is_autocast_available(dev);
     ctx->saved_data["layout"] = layout;
     ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(q.scalar_type()),
                                                      static_cast<int64_t>(k.scalar_type()),
@@ -132,9 +100,7 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
     ctx->saved_data["shapes"] = std::vector<std::vector<int64_t>>{q.sizes().vec(), k.sizes().vec(), v.sizes().vec()};
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale;
-    ctx->saved_data["device"] = static_cast<int64_t>(dev);
-    ctx->saved_data["autocast"] = ac_available && at::autocast::is_autocast_enabled(dev);
-    ctx->saved_data["autocast_dtype"] = ac_available ? at::autocast::get_autocast_dtype(dev) : at::kFloat;
+    save_autocast_state(ctx, q.device().type());
     return out;
   }
 
@@ -173,9 +139,7 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
     variable_list got;
     {
       at::AutoGradMode grad_on(true);
-      AutocastScope autocast(static_cast<at::DeviceType>(ctx->saved_data["device"].toInt()),
-                             ctx->saved_data["autocast"].toBool(),
-                             ctx->saved_data["autocast_dtype"].toScalarType());
+      AutocastScope autocast(ctx);
       at::Tensor out = attention(inputs[0], inputs[1], inputs[2], window_mask_sum(attn_mask, window_mask, inputs[0]),
                                  ctx->saved_data["is_causal"].toBool(), ctx->saved_data["scale"].toOptional<double>());
       if (!wanted.empty()) got = torch::autograd::grad({out}, wanted, {grads[0].to(out.scalar_type())});

@@ -6,7 +6,8 @@ on their Python Functions, and against stock, in one process.
 ``GatedActivation``: SwiGLU, gMLP, FocalNet, MambaOut, StarNet, CoaT) ran it in every format before
 session 56; ``--layers star_relu`` (MetaFormer's StarReLU: ConvFormer, CAFormer), ``--layers affine``
 (ResMLP's Affine), ``--layers normalize`` (cosine attention's F.normalize: XCiT, SwinV2) and
-``--layers grn`` (ConvNeXt-V2's GlobalResponseNorm) before session 57. The script puts those
+``--layers grn`` (ConvNeXt-V2's GlobalResponseNorm) before session 57; ``--layers einsum``
+(MViTv2's relative-position einsums) before session 58. The script puts those
 layers back on that path ("python": their quantizers' ``fused_layer_args`` answers ``None``, what
 it answered then) and times it, interleaved with the C++ path and the stock model, median of
 ``--steps`` steps each:
@@ -14,6 +15,7 @@ it answered then) and times it, interleaved with the C++ path and the stock mode
     python scripts/layer_path_ab.py --model deit_tiny_patch16_224 --bits 4 --attention explicit
     python scripts/layer_path_ab.py --layers gated --model focalnet_tiny_srf --bits 8
     python scripts/layer_path_ab.py --layers star_relu --model caformer_s18 --bits 8
+    python scripts/layer_path_ab.py --layers einsum --model mvitv2_tiny --bits 8
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from mesa_train.patch import patch_model
 
 LAYER_SETS = {"attention": (mnn.Softmax, mnn.MatMul, mnn.ScaledDotProductAttention),
               "gated": (mnn.GatedActivation,), "star_relu": (mnn.StarReLU,), "affine": (mnn.Affine,),
-              "normalize": (mnn.Normalize,), "grn": (mnn.GlobalResponseNorm,)}
+              "normalize": (mnn.Normalize,), "grn": (mnn.GlobalResponseNorm,), "einsum": (mnn.Einsum,)}
 
 
 def python_path_switch(model, classes):

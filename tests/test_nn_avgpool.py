@@ -15,6 +15,7 @@ from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.patch import patch_model
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kernel_marks import DEVICES  # noqa: E402
 from op_calls import assert_patched_model_takes_the_op, count_calls  # noqa: E402
 from timm_zoo import build, example  # noqa: E402
 
@@ -35,26 +36,28 @@ def _run(layer, x, g):
     return y, x.grad, meter.activation_bytes
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", ["op", "python"])
 @pytest.mark.parametrize("config", list(CONFIGS), ids=str)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last", "chw", "bf16"])
-def test_bitwise_stock_and_keeps_nothing(config, layout, path, monkeypatch):
+def test_bitwise_stock_and_keeps_nothing(config, layout, path, device, monkeypatch):
     """Both paths: the C++ layer op (eager; ``mesa::avg_pool2d_train``, called once) and the
-    Python Function (``torch.compile``'s, and eager's with the C++ layer ops off)."""
+    Python Function (``torch.compile``'s, and eager's with the C++ layer ops off); on CUDA the
+    backward kernel reads the uninitialised stand-in's layout as the CPU one does."""
     if path == "op" and not quantizer_mod._FUSED_LAYERS:
         pytest.skip("needs the compiled extension")
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", path == "op")
     calls = count_calls(monkeypatch, "avg_pool2d_train") if path == "op" else []
     stock = nn.AvgPool2d(**CONFIGS[config])
     mesa = AvgPool2d.from_module(stock)
-    x = torch.randn(2, 5, 9, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 5, 9, 8, generator=torch.Generator().manual_seed(0)).to(device)
     if layout == "channels_last":
         x = x.to(memory_format=torch.channels_last)
     elif layout == "chw":
         x = x[0]
     elif layout == "bf16":
         x = x.bfloat16()
-    g = torch.randn(stock(x).shape, generator=torch.Generator().manual_seed(1)).to(x.dtype)
+    g = torch.randn(stock(x).shape, generator=torch.Generator().manual_seed(1)).to(device, x.dtype)
     ys, gs, kept_stock = _run(stock, x, g)
     ym, gm, kept_mesa = _run(mesa, x, g)
     assert torch.equal(ys, ym) and ys.stride() == ym.stride()

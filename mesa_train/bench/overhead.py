@@ -36,7 +36,7 @@ from mesa_train.bench.report import _git, environment
 # the transformer layers, then the convnets' (BatchNorm and below); each a C++ layer op in eager
 # training; a baseline tree older than a layer leaves its row out
 LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", "LayerScale", "Affine",
-          "StarReLU", "Normalize", "GatedSiLU", "GatedProduct",
+          "StarReLU", "Normalize", "GatedSiLU", "GatedProduct", "Einsum", "Amax",
           "BatchNorm2d", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d", "GroupNorm",
           "LayerNorm2d", "GlobalResponseNorm")
 
@@ -62,6 +62,28 @@ class _Normalize(nn.Module):
 
     def forward(self, x):
         return torch.nn.functional.normalize(x, dim=-1)
+
+
+class _Einsum(nn.Module):
+    """MViTv2's relative positions: the queries contracted with a position table."""
+
+    def __init__(self, einsum=torch.einsum):
+        super().__init__()
+        self.einsum = einsum
+
+    def forward(self, q, table):
+        return self.einsum("byhwc,hkc->byhwk", q, table)
+
+
+class _Amax(nn.Module):
+    """Hiera's query pooling, ``x.view(B, stride, -1, C).amax(dim=1)``."""
+
+    def __init__(self, amax=torch.amax):
+        super().__init__()
+        self.amax = amax
+
+    def forward(self, x):
+        return self.amax(x, 1)
 
 
 class _SDPA(nn.Module):
@@ -105,6 +127,11 @@ def _transformer_cases(M):
         "GatedSiLU": (lambda: _Gated(nn.SiLU()), lambda s: M.GatedActivation(nn.SiLU()), lambda: (x(), x())),
         "GatedProduct": (lambda: _Gated(nn.Identity()), lambda s: M.GatedActivation(nn.Identity()),
                          lambda: (x(), x())),
+        # MViTv2's relative-position einsums (the query compressed, the table kept as it is) and
+        # Hiera's max pools written as amax (a 1-bit mask kept)
+        "Einsum": (_Einsum, lambda s: _Einsum(M.Einsum()),
+                   lambda: (torch.randn(2, 2, 4, 4, 8), torch.randn(4, 7, 8))),
+        "Amax": (_Amax, lambda s: _Amax(M.Amax()), lambda: (torch.randn(2, 4, 4, 8),)),
     }
 
 

@@ -6,7 +6,9 @@ whole input and the result: the gradient goes to the elements equal to the maxim
 equally between ties (ATen's ``scale_grad_by_count(grad, result == x, dim)``). That needs only
 *which* elements equal the maximum: this layer keeps that mask, 8 elements a byte
 (``relu.pack_bits``), and backward computes ATen's formula on it. Lossless: the gradient is
-bitwise stock's, ties and NaNs included; the forward is the stock call.
+bitwise stock's, ties and NaNs included; the forward is the stock call. In eager training the
+layer is one op with a C++ autograd node (``mesa::amax_train``, csrc/amax_autograd.cpp: the same
+ops, the same bits, less host time); under ``torch.compile`` the Python Function below runs.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from . import quantizer as quantizer_mod
 from ._common import MesaLayer, load, save
 from .relu import pack_bits, unpack_bits
 
@@ -74,6 +77,9 @@ class Amax(MesaLayer, nn.Module):
     def forward(self, x: torch.Tensor, dim: Union[int, Sequence[int]] = (), keepdim: bool = False) -> torch.Tensor:
         if not self._mesa_active(x) or not x.is_floating_point():
             return torch.amax(x, dim, keepdim)
+        if quantizer_mod.fused_layers_on():
+            # eager: the layer with a C++ autograd node (csrc/amax_autograd.cpp), the same bits
+            return torch.ops.mesa.amax_train(x, [dim] if isinstance(dim, int) else list(dim), bool(keepdim))
         return _AmaxFn.apply(x, _reduced_dims(x, dim), bool(keepdim))
 
     def extra_repr(self) -> str:

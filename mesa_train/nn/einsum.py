@@ -10,6 +10,10 @@ gradient stays exact in it).
 
 Backward is the contraction's own closed form, two einsums (``dA = einsum("C,B->A", g, B)``),
 in the forward's autocast state: traceable, so ``torch.compile`` runs the same steps as eager.
+Each operand is kept only where the other one's gradient is asked for. In eager training the
+layer is one op with a C++ autograd node (``mesa::einsum_train``, csrc/einsum_autograd.cpp: the
+same ops in the same order, the same bits, less host time); under ``torch.compile``, with
+learned thresholds or patch4x4, and for a 0-d operand, the Python Function below runs.
 That form holds when no operand repeats a letter, there is no ``...``, and each operand's letters
 all appear in the other operand or the output; any other equation runs the stock einsum.
 """
@@ -54,10 +58,12 @@ class _EinsumFn(torch.autograd.Function):
     def forward(ctx, equation, spec, quantizers, a, b):
         out = torch.einsum(equation, a, b)
         packs, raws = [], []
-        for x, other, quantizer in ((a, b, quantizers[0]), (b, a, quantizers[1])):
+        # each operand is read by the other's gradient only: kept where that one is asked for
+        for x, other, quantizer, read in ((a, b, quantizers[0], ctx.needs_input_grad[4]),
+                                          (b, a, quantizers[1], ctx.needs_input_grad[3])):
             small = 2 * x.numel() < other.numel()  # a position table: kept as it is
-            packs.append(None if small else quantizer.compress(x.detach(), _group_dim(x)))
-            raws.append(x.detach() if small else None)
+            packs.append(quantizer.compress(x.detach(), _group_dim(x)) if read and not small else None)
+            raws.append(x.detach() if read and small else None)
         save(ctx, packs, *raws)
         ctx.spec, ctx.dtypes = spec, (a.dtype, b.dtype)
         device_type = out.device.type
@@ -68,10 +74,11 @@ class _EinsumFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         packs, raws = load(ctx)
-        a, b = [raw if raw is not None else decompress(p, dt) for p, raw, dt in zip(packs, raws, ctx.dtypes)]
+        need = ctx.needs_input_grad
+        a, b = [raw if raw is not None else decompress(p, dt) if p is not None else None
+                for p, raw, dt in zip(packs, raws, ctx.dtypes)]
         sa, sb, sc = ctx.spec
         device_type, enabled, dtype = ctx.autocast
-        need = ctx.needs_input_grad
         ga = gb = None
         with no_autocast(device_type), torch.autocast(device_type, dtype=dtype, enabled=enabled):
             if need[3]:
@@ -97,6 +104,11 @@ class Einsum(MesaLayer, nn.Module):
         if (spec is None or not self._mesa_active(a, b)
                 or not (a.is_floating_point() and b.is_floating_point())):
             return torch.einsum(equation, a, b)
+        if a.dim() and b.dim():
+            fused_a, fused_b = self.quantizer_a.fused_state_args(a), self.quantizer_b.fused_state_args(b)
+            if fused_a is not None and fused_b is not None:
+                # eager: the layer with a C++ autograd node (csrc/einsum_autograd.cpp), the same bits
+                return torch.ops.mesa.einsum_train(equation, a, b, *fused_a, *fused_b)
         return _EinsumFn.apply(equation, spec, (self.quantizer_a, self.quantizer_b), a, b)
 
     def extra_repr(self) -> str:
