@@ -15,7 +15,6 @@
 
 #include <optional>
 
-#include "layers_common.h"
 
 namespace mesa {
 namespace {
@@ -44,7 +43,8 @@ struct AvgPool2dTrain : public torch::autograd::Function<AvgPool2dTrain> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    layers::check_first_order("AvgPool2d");
+    // (no check_first_order: the pool is linear and nothing kept is lossy, so under
+    // create_graph=True avg_pool2d_backward is recorded and differentiates as stock's does)
     const auto fmt =
         ctx->saved_data["channels_last"].toBool() ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
     const at::Tensor x_like =  // never read, only its sizes

@@ -6,6 +6,10 @@ second-order term through that copy. Each backward is ``@once_differentiable``: 
 derivative is unchanged (also with ``create_graph=True``, e.g. for a gradient penalty on
 something else), and differentiating it again is PyTorch's one-line error. The C++ layer
 nodes stop already at the first backward (tests/test_layers_autograd.py).
+
+The exceptions are the layers whose backward reads nothing lossy and is linear in the incoming
+gradient: AvgPool2d (keeps nothing) and Amax (an exact 1-bit mask). Under ``create_graph=True``
+their backward ops are recorded, on both paths, and the second derivative is stock's, bit for bit.
 """
 from __future__ import annotations
 
@@ -76,3 +80,36 @@ def test_matmul_second_derivative_is_an_error(monkeypatch):
     ga, gb = torch.autograd.grad(mm(a, b).pow(2).sum(), (a, b), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         (ga.pow(2).sum() + gb.pow(2).sum()).backward()
+
+
+# (stock module, Mesa module, input shape): the lossless layers whose backward differentiates
+_LOSSLESS = {
+    "AvgPool2d": (lambda: nn.AvgPool2d(3, 2, 1, count_include_pad=False),
+                  lambda: mnn.AvgPool2d(3, 2, 1, count_include_pad=False), (2, 3, 7, 6)),
+    "Amax": (lambda: (lambda x: x.amax((2, 3), keepdim=True)),
+             lambda: (lambda x, amax=mnn.Amax(): amax(x, (2, 3), True)), (2, 3, 4, 5)),
+}
+
+
+@pytest.mark.parametrize("path", ["op", "python"])
+@pytest.mark.parametrize("name", list(_LOSSLESS))
+def test_lossless_layers_second_derivative_is_stocks(name, path, monkeypatch):
+    """A gradient penalty through the layer (the gradient taken with create_graph=True, then
+    differentiated again): the same first and second derivatives as stock, bit for bit, on the
+    C++ layer op and on the Python Function; and gradgradcheck passes in float64."""
+    if path == "op" and not quantizer_mod._FUSED_LAYERS:
+        pytest.skip("needs the compiled extension")
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", path == "op")
+    make_stock, make_mesa, shape = _LOSSLESS[name]
+    x0 = torch.randn(shape, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # ties for Amax
+    got = []
+    for layer in (make_stock(), make_mesa()):
+        x = x0.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(layer(x).pow(3).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+        got.append((gx.detach(), x.grad))
+    (stock_g, stock_gg), (mesa_g, mesa_gg) = got
+    assert torch.equal(stock_g, mesa_g) and torch.equal(stock_gg, mesa_gg)
+    assert stock_gg.abs().sum() > 0  # the second-order term is really there
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # no ties
+    assert torch.autograd.gradgradcheck(make_mesa(), (x.requires_grad_(),))

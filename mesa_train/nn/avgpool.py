@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from timm.layers.padding import pad_same
 from torch import nn
 from torch._prims_common import suggest_memory_format
-from torch.autograd.function import once_differentiable
 
 from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options
@@ -44,8 +43,9 @@ class _AvgPool2dFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g):
+        # not @once_differentiable: the pool is linear and keeps nothing lossy, so this backward,
+        # recorded under create_graph=True, is stock's and differentiates as stock's does
         shape, dtype, device, fmt = ctx.x_meta
         x_like = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)  # never read, only its sizes
         gx = torch.ops.aten.avg_pool2d_backward(g, x_like, *ctx.args)
