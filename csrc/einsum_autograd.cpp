@@ -54,11 +54,11 @@ std::vector<std::string> contraction(c10::string_view equation) {
 // Groups along dim 1 of an operand of 3 dims or more, its last dim otherwise (einsum._group_dim)
 int64_t operand_group_dim(const at::Tensor& x) { return x.dim() >= 3 ? 1 : x.dim() - 1; }
 
-// One operand as kept: its codes and their layout {dim, groups, bits, pow2}, or itself (a
-// position table); nothing where the other operand's gradient is not asked for
+// One operand as kept: its codes (compress_operand), or itself (a position table); nothing
+// where the other operand's gradient is not asked for
 struct Kept {
-  at::Tensor q, alpha, beta, raw;
-  std::vector<int64_t> layout{0, 0, 0, 0};
+  OperandCodes codes;
+  at::Tensor raw;
 };
 
 Kept keep(const at::Tensor& x, const at::Tensor& other, Quantizer& qz) {
@@ -66,12 +66,9 @@ Kept keep(const at::Tensor& x, const at::Tensor& other, Quantizer& qz) {
   if (!other.requires_grad()) return k;  // (grad mode is off here: ask the inputs)
   if (2 * x.numel() < other.numel()) {    // a position table: kept as it is
     k.raw = x;
-    return k;
+  } else {
+    k.codes = compress_operand(x, operand_group_dim(x), qz);
   }
-  const int64_t dim = operand_group_dim(x);
-  int64_t groups = 0;
-  std::tie(k.q, k.alpha, k.beta, groups) = compress(x, dim, qz);
-  k.layout = {dim, groups, qz.code_bits, qz.pow2};
   return k;
 }
 
@@ -81,9 +78,10 @@ struct EinsumTrain : public torch::autograd::Function<EinsumTrain> {
                             Quantizer qb) {
     at::Tensor out = at::einsum(equation, {a, b});
     const Kept ka = keep(a, b, qa), kb = keep(b, a, qb);
-    ctx->save_for_backward({ka.q, ka.alpha, ka.beta, ka.raw, kb.q, kb.alpha, kb.beta, kb.raw});
-    ctx->saved_data["a_layout"] = ka.layout;
-    ctx->saved_data["b_layout"] = kb.layout;
+    const OperandCodes &ca = ka.codes, &cb = kb.codes;
+    ctx->save_for_backward({ca.q, ca.alpha, ca.beta, ka.raw, cb.q, cb.alpha, cb.beta, kb.raw});
+    ctx->saved_data["a_layout"] = ca.layout;
+    ctx->saved_data["b_layout"] = cb.layout;
     ctx->saved_data["a_shape"] = a.sizes();
     ctx->saved_data["b_shape"] = b.sizes();
     ctx->saved_data["a_dtype"] = a.scalar_type();
@@ -96,13 +94,11 @@ struct EinsumTrain : public torch::autograd::Function<EinsumTrain> {
   }
 
   // the operand kept from saved[first]: the codes dequantized in its dtype, or itself
-  static at::Tensor restore(AutogradContext* ctx, const variable_list& saved, size_t first, const char* name) {
-    const std::string n(name);
+  static at::Tensor restore(AutogradContext* ctx, const variable_list& saved, size_t first, const std::string& name) {
     if (saved[first + 3].defined()) return saved[first + 3];
-    const auto layout = ctx->saved_data[n + "_layout"].toIntVector();
-    return dequantize_codes(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1],
-                            ctx->saved_data[n + "_dtype"].toScalarType(), layout[2], layout[3] != 0,
-                            ctx->saved_data[n + "_shape"].toIntVector());
+    return dequantize_operand(saved, first, ctx->saved_data[name + "_layout"].toIntVector(),
+                              ctx->saved_data[name + "_shape"].toIntVector(),
+                              ctx->saved_data[name + "_dtype"].toScalarType());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

@@ -55,28 +55,6 @@ at::Tensor activation_vjp(GateAct act, const at::Tensor& g, const at::Tensor& x,
   }
 }
 
-// One operand's codes (channel groups: group_dim), as quantizer.compress(t, group_dim_4d(t))
-// makes them, and their layout {dim, groups, bits, pow2} for dequantize_codes.
-struct OperandCodes {
-  at::Tensor q, alpha, beta;
-  std::vector<int64_t> layout{0, 0, 0, 0};
-};
-
-OperandCodes keep_codes(const at::Tensor& t, Quantizer& qz) {
-  OperandCodes c;
-  const int64_t dim = group_dim(t);
-  int64_t groups = 0;
-  std::tie(c.q, c.alpha, c.beta, groups) = compress(t, dim, qz);
-  c.layout = {dim, groups, qz.code_bits, qz.pow2};
-  return c;
-}
-
-at::Tensor restore(const variable_list& saved, size_t first, const std::vector<int64_t>& layout,
-                   at::IntArrayRef shape, c10::ScalarType dt) {
-  return dequantize_codes(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], dt, layout[2],
-                          layout[3] != 0, shape);
-}
-
 struct GatedTrain : public torch::autograd::Function<GatedTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b, int64_t act,
                             bool gate_last, Quantizer qa, Quantizer qb) {
@@ -85,8 +63,8 @@ struct GatedTrain : public torch::autograd::Function<GatedTrain> {
     at::Tensor y = gate_last ? b * h : h * b;
     // b's gradient needs act(a), a's needs a and b (grad mode is off here: ask the inputs)
     OperandCodes ca, cb;
-    if (a.requires_grad() || b.requires_grad()) ca = keep_codes(a, qa);
-    if (a.requires_grad()) cb = keep_codes(b, qb);
+    if (a.requires_grad() || b.requires_grad()) ca = compress_operand(a, group_dim(a), qa);
+    if (a.requires_grad()) cb = compress_operand(b, group_dim(b), qb);
     ctx->save_for_backward({ca.q, ca.alpha, ca.beta, cb.q, cb.alpha, cb.beta});
     ctx->saved_data["a_layout"] = ca.layout;
     ctx->saved_data["b_layout"] = cb.layout;
@@ -108,8 +86,8 @@ struct GatedTrain : public torch::autograd::Function<GatedTrain> {
     const auto cdt = ctx->saved_data["cdt"].toScalarType();
     const bool need_a = ctx->needs_input_grad(0), need_b = ctx->needs_input_grad(1);
     const at::Tensor g = grads[0].to(cdt);
-    const at::Tensor ah =
-        restore(saved, 0, ctx->saved_data["a_layout"].toIntVector(), ctx->saved_data["a_shape"].toIntVector(), cdt);
+    const at::Tensor ah = dequantize_operand(saved, 0, ctx->saved_data["a_layout"].toIntVector(),
+                                             ctx->saved_data["a_shape"].toIntVector(), cdt);
     // the activation again at the dequantized gate, where a gradient reads it
     const bool reads_h = need_b || k == GateAct::kSigmoid || k == GateAct::kTanh;
     const at::Tensor h = reads_h ? activation(ah, k) : at::Tensor();
@@ -117,7 +95,8 @@ struct GatedTrain : public torch::autograd::Function<GatedTrain> {
     if (need_b) gb = (g * h).to(ctx->saved_data["b_dtype"].toScalarType());
     if (need_a) {
       const at::Tensor bh =
-          restore(saved, 3, ctx->saved_data["b_layout"].toIntVector(), ctx->saved_data["b_shape"].toIntVector(), cdt);
+          dequantize_operand(saved, 3, ctx->saved_data["b_layout"].toIntVector(),
+                             ctx->saved_data["b_shape"].toIntVector(), cdt);
       ga = activation_vjp(k, g * bh, ah, h).to(ctx->saved_data["a_dtype"].toScalarType());
     }
     return {ga, gb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};

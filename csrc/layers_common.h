@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "mesa_common.h"
 
@@ -251,6 +252,22 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
   return {q, alpha, beta, G};
 }
 
+// One operand's codes with groups along `dim`, as quantizer.compress(t, dim) makes them (the
+// ops with several compressed operands: gated_train, einsum_train), and their layout
+// {dim, groups, bits, pow2}, saved beside them for dequantize_operand; all undefined / 0 when
+// the operand is not kept.
+struct OperandCodes {
+  at::Tensor q, alpha, beta;
+  std::vector<int64_t> layout{0, 0, 0, 0};
+};
+inline OperandCodes compress_operand(const at::Tensor& t, int64_t dim, Quantizer& qz) {
+  OperandCodes c;
+  int64_t groups = 0;
+  std::tie(c.q, c.alpha, c.beta, groups) = compress(t, dim, qz);
+  c.layout = {dim, groups, qz.code_bits, qz.pow2};
+  return c;
+}
+
 // What decompress_saved needs to read back codes compress() made of a tensor of `shape` with
 // `qz`: nothing for the default format, the packed codes' bits, steps and shape for a variant.
 inline void save_code_format(AutogradContext* ctx, const Quantizer& qz, at::IntArrayRef shape) {
@@ -270,6 +287,14 @@ inline at::Tensor dequantize_codes(const at::Tensor& q, const at::Tensor& alpha,
                                    int64_t groups, c10::ScalarType dt, int64_t bits, bool pow2, at::IntArrayRef shape) {
   if (bits == 0) return call_dequantize(q, alpha, beta, dim, groups, dt);
   return dequantize_bits_op().call(q, alpha, beta, shape, dim, groups, bits, pow2, dt);
+}
+
+// An operand's codes saved as saved[first..first+2] with compress_operand's layout, back in
+// dtype `dt` (a tensor of `shape`)
+inline at::Tensor dequantize_operand(const variable_list& saved, size_t first, const std::vector<int64_t>& layout,
+                                     at::IntArrayRef shape, c10::ScalarType dt) {
+  return dequantize_codes(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], dt, layout[2],
+                          layout[3] != 0, shape);
 }
 
 // The saved codes (q, alpha, beta: saved[0..2]) back in dtype `dt`, with what mesa::dequantize
