@@ -14,7 +14,6 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <array>
 #include <set>
 #include <string>
 #include <vector>

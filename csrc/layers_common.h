@@ -253,7 +253,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> compress(
 }
 
 // One operand's codes with groups along `dim`, as quantizer.compress(t, dim) makes them (the
-// ops with several compressed operands: gated_train, einsum_train), and their layout
+// ops with several compressed operands: gated_train, einsum_train, sdpa_train), and their layout
 // {dim, groups, bits, pow2}, saved beside them for dequantize_operand; all undefined / 0 when
 // the operand is not kept.
 struct OperandCodes {
@@ -289,9 +289,9 @@ inline at::Tensor dequantize_codes(const at::Tensor& q, const at::Tensor& alpha,
   return dequantize_bits_op().call(q, alpha, beta, shape, dim, groups, bits, pow2, dt);
 }
 
-// An operand's codes saved as saved[first..first+2] with compress_operand's layout, back in
-// dtype `dt` (a tensor of `shape`)
-inline at::Tensor dequantize_operand(const variable_list& saved, size_t first, const std::vector<int64_t>& layout,
+// An operand's codes saved as saved[first..first+2] with compress_operand's layout (its four
+// values), back in dtype `dt` (a tensor of `shape`)
+inline at::Tensor dequantize_operand(const variable_list& saved, size_t first, at::IntArrayRef layout,
                                      at::IntArrayRef shape, c10::ScalarType dt) {
   return dequantize_codes(saved[first], saved[first + 1], saved[first + 2], layout[0], layout[1], dt, layout[2],
                           layout[3] != 0, shape);

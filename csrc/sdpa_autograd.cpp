@@ -73,10 +73,9 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
     const std::array<std::pair<const at::Tensor*, Quantizer*>, 3> operands{
         {{&q, &qz_q}, {&k, &qz_k}, {&v, &qz_v}}};
     for (const auto& [x, qz] : operands) {
-      const int64_t dim = head_group_dim(*x);
-      auto [codes, alpha, beta, G] = compress(*x, dim, *qz);
-      saved.insert(saved.end(), {codes, alpha, beta});
-      layout.insert(layout.end(), {dim, G, qz->code_bits, qz->pow2});
+      const OperandCodes c = compress_operand(*x, head_group_dim(*x), *qz);
+      saved.insert(saved.end(), {c.q, c.alpha, c.beta});
+      layout.insert(layout.end(), c.layout.begin(), c.layout.end());
     }
     // 2. the stock call. The combined mask is built with grad mode on, as in _MesaSDPA.forward:
     // it requires grad exactly when the stock call's would (attn_mask does), and whether it does
@@ -122,9 +121,8 @@ struct SdpaTrain : public torch::autograd::Function<SdpaTrain> {
     std::array<at::Tensor, 4> inputs;
     const auto shapes = ctx->saved_data["shapes"].to<std::vector<std::vector<int64_t>>>();
     for (size_t i = 0; i < 3; ++i) {
-      inputs[i] = dequantize_codes(saved[3 * i], saved[3 * i + 1], saved[3 * i + 2], layout[4 * i], layout[4 * i + 1],
-                                   static_cast<c10::ScalarType>(dtypes[i]), layout[4 * i + 2], layout[4 * i + 3] != 0,
-                                   shapes[i]);
+      inputs[i] = dequantize_operand(saved, 3 * i, at::IntArrayRef(layout).slice(4 * i, 4), shapes[i],
+                                     static_cast<c10::ScalarType>(dtypes[i]));
       inputs[i].requires_grad_(need[i]);
     }
     std::optional<at::Tensor> attn_mask;
