@@ -13,8 +13,7 @@
 // codes, masks, estimates, running statistics and gradients are bitwise the Python path's
 // (tests/test_convnet_autograd.py, test_bitmask_loops.py). The layers call them only in
 // eager mode with a channel format, 8-bit or a variant (layers_common.h, make_quantizer; the
-// norms: affine; BatchNorm: no linked 1x1 depthwise conv in front, conv.ScaleLink); otherwise
-// they keep their Python Functions.
+// norms: affine); otherwise they keep their Python Functions.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/util/accumulate.h>
@@ -26,6 +25,7 @@
 #include "hardswish_grad.h"
 #include "layers_common.h"
 #include "maxpool_index.h"
+#include "scale_link.h"
 #include "standardise.h"
 
 #include <optional>
@@ -58,9 +58,11 @@ void save_norm_meta(AutogradContext* ctx, int64_t quant_groups, double eps, c10:
 // The factor that standardises the dequantized x_hat again, from its own variance `var` per
 // channel (BatchNorm) or per (sample, group) (GroupNorm), to the exact x_hat's mean square
 // 1 - eps * invstd^2 (batchnorm.bn_backward says why); 1 where var is 0.
+at::Tensor exact_mean_square(const at::Tensor& invstd, double eps) {
+  return at::rsub(invstd.square().mul(eps), 1).clamp_min(0);
+}
 at::Tensor restandardise(const at::Tensor& var, const at::Tensor& invstd, double eps) {
-  const at::Tensor target = at::rsub(invstd.square().mul(eps), 1).clamp_min(0);
-  return at::where(var.gt(0), target.div(var).sqrt(), at::ones_like(var));
+  return at::where(var.gt(0), exact_mean_square(invstd, eps).div(var).sqrt(), at::ones_like(var));
 }
 
 // The gradients in the dtypes of x, weight and bias, each where wanted (else undefined).
@@ -76,7 +78,8 @@ variable_list norm_grads(AutogradContext* ctx, const at::Tensor& gx, const at::T
 // Keeps x_hat = (x - mean) * invstd in 8 bits (groups along the channel dim; a channels-last
 // x_hat through its NHWC view, batchnorm.bn_forward) and the per-channel invstd; backward
 // re-standardises the dequantized x_hat per channel and runs ATen's batch-norm backward on it
-// (batchnorm.bn_backward says why).
+// (batchnorm.bn_backward says why). Fed by a scale branch's conv (scale_link.h), it also hands
+// that conv coef = gamma * dgamma * (1 - mean(x_hat^2)) and the input gradient it returns.
 struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, const std::optional<at::Tensor>& running_mean,
@@ -103,6 +106,7 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     }
     save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
     ctx->saved_data["nhwc"] = v.permuted;
+    if (auto link = scale_link_of(x)) ctx->saved_data["scale_link"] = scale_link_capsule(link);
     return out;
   }
 
@@ -115,6 +119,10 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
     const bool nhwc = ctx->saved_data["nhwc"].toBool();
+    // (batchnorm._BatchNormFn: the link only where x's gradient is asked for)
+    const auto link_it = ctx->saved_data.find("scale_link");
+    const auto link = link_it != ctx->saved_data.end() && need_x ? scale_link_from(link_it->second)
+                                                                 : c10::intrusive_ptr<ScaleLinkState>();
     const at::Tensor xh =
         from_nhwc(decompress_saved(ctx, saved, nhwc ? 3 : 1, ctx->saved_data["quant_groups"].toInt(), mdt), nhwc);
     // the per-channel moments: forward's from the codes, else the BatchNorm statistics kernel
@@ -124,10 +132,15 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     const at::Tensor invstd_m = invstd.to(mdt);
     const at::Tensor s = restandardise(var, invstd_m, eps);
     // dx's per-channel invstd / s rides in the weight (batchnorm.bn_backward)
-    auto [dx, dw, db] = at::native_batch_norm_backward(grads[0].to(mdt), xh, weight.to(mdt) * (invstd_m / s),
-                                                        std::nullopt, std::nullopt, xh_mean, s, true, eps,
-                                                        {need_x, need_w, need_b});
+    const at::Tensor w = weight.to(mdt);
+    auto [dx, dw, db] = at::native_batch_norm_backward(grads[0].to(mdt), xh, w * (invstd_m / s), std::nullopt,
+                                                        std::nullopt, xh_mean, s, true, eps,
+                                                        {need_x, need_w || link, need_b});
     variable_list out = norm_grads(ctx, dx, dw, db, need_x, need_w, need_b);
+    if (link) {  // the conv in front takes its weight gradient from here (batchnorm.bn_backward's coef)
+      link->coef = w.mul(dw).mul(at::rsub(exact_mean_square(invstd_m, eps), 1));
+      link->gx = out[0];
+    }
     out.resize(8);  // (one per argument of forward)
     return out;
   }

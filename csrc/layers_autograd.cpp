@@ -20,6 +20,7 @@
 
 #include "layers_common.h"
 #include "mesa_common.h"
+#include "scale_link.h"
 
 #include <algorithm>
 #include <cmath>
@@ -826,14 +827,16 @@ at::Tensor matmul_train(const at::Tensor& a, const at::Tensor& b, at::TensorList
 }
 
 // ----------------------------------------------------------------------------- Conv2d
-// mesa_train/nn/conv.py (zeros padding given as numbers, no scale-branch link): the stock
-// F.conv2d forward, the input kept 8-bit (or in a variant format) with channel groups over
-// dim 1 (only when the weight needs a gradient), backward through ATen's
-// convolution_backward fed the dequantized input.
+// mesa_train/nn/conv.py (zeros padding given as numbers): the stock F.conv2d forward, the
+// input kept 8-bit (or in a variant format) with channel groups over dim 1 (only when the
+// weight needs a gradient), backward through ATen's convolution_backward fed the dequantized
+// input. scale_link: a scale branch's 1x1 depthwise conv whose BatchNorm runs its C++ op too
+// (scale_link.h): the weight gradient from that BatchNorm's backward where it hands one over.
 struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,
-                            std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups, Quantizer qz) {
+                            std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups, Quantizer qz,
+                            bool scale_link) {
     at::Tensor y = at::conv2d(x, weight, bias, stride, padding, dilation, groups);  // exactly nn.Conv2d.forward
     at::Tensor q, alpha, beta;
     int64_t G = 0;
@@ -858,7 +861,26 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     ctx->saved_data["w_dtype"] = weight.scalar_type();
     ctx->saved_data["has_bias"] = bias.has_value();
     ctx->saved_data["b_dtype"] = bias.has_value() ? bias->scalar_type() : y.scalar_type();
+    // a scale branch's hand-over (scale_link.h): its BatchNorm finds it through y's grad_fn
+    if (scale_link) ctx->saved_data["scale_link"] = scale_link_capsule(c10::make_intrusive<ScaleLinkState>());
     return y;
+  }
+
+  // The linked BatchNorm's coef where it applies (conv._Conv2dFn.backward): the state holds
+  // coef and the gradient that BatchNorm returned is the one received here; the state is
+  // cleared either way (its tensors die with this backward, as the Python link's do).
+  static at::Tensor linked_coef(AutogradContext* ctx, const at::Tensor& g, bool need_w) {
+    const auto it = ctx->saved_data.find("scale_link");
+    if (it == ctx->saved_data.end()) return at::Tensor();
+    const auto link = scale_link_from(it->second);
+    at::Tensor coef;
+    if (link->coef.defined() && link->gx.defined() && need_w &&
+        g.unsafeGetTensorImpl() == link->gx.unsafeGetTensorImpl()) {
+      coef = link->coef;
+    }
+    link->coef.reset();
+    link->gx.reset();
+    return coef;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -870,6 +892,7 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     // (needs_input_grad counts the tensors apply tracked: no index 2 without a bias)
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     const bool need_b = has_b && ctx->needs_input_grad(2);
+    const at::Tensor coef = linked_coef(ctx, grads[0], need_w);
     at::Tensor g = grads[0].to(cdt), w = saved[3].to(cdt), xh;
     const bool channels_last = ctx->saved_data["channels_last"].toBool();
     if (saved[0].defined()) {
@@ -891,24 +914,37 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
         ctx->saved_data["dilation"].toIntVector(), false, {0, 0}, ctx->saved_data["conv_groups"].toInt(),
         {need_x, need_w, need_b});
     if (unbatched && gx.defined()) gx = gx.squeeze(0);
+    if (coef.defined() && gw.defined()) {  // coef / w where w != 0, the 8-bit input's gradient elsewhere
+      const at::Tensor nz = w.ne(0);
+      gw = at::where(nz, coef.to(cdt).view_as(w).div(at::where(nz, w, at::ones_like(w))), gw);
+    }
     at::Tensor rx = need_x && gx.defined() ? gx.to(ctx->saved_data["x_dtype"].toScalarType()) : at::Tensor();
     at::Tensor rw = need_w && gw.defined() ? gw.to(ctx->saved_data["w_dtype"].toScalarType()) : at::Tensor();
     at::Tensor rb = need_b && gb.defined() ? gb.to(ctx->saved_data["b_dtype"].toScalarType()) : at::Tensor();
-    return {rx, rw, rb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {rx, rw, rb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor conv2d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                         at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
-                        int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
+                        int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
+                        bool scale_link) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::conv2d_train");
-  return Conv2dTrain::apply(x, weight, present(bias), stride.vec(),
-                            padding.vec(), dilation.vec(), groups, qz);
+  return Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups, qz,
+                            scale_link);
 }
 
 }  // namespace
+
+c10::intrusive_ptr<ScaleLinkState> scale_link_of(const at::Tensor& y) {
+  const auto* node = dynamic_cast<torch::autograd::CppNode<Conv2dTrain>*>(y.grad_fn().get());
+  if (node == nullptr || y.output_nr() != 0) return {};
+  const auto it = node->ctx_.saved_data.find("scale_link");
+  return it == node->ctx_.saved_data.end() ? c10::intrusive_ptr<ScaleLinkState>() : scale_link_from(it->second);
+}
+
 }  // namespace mesa
 
 TORCH_LIBRARY_FRAGMENT(mesa, m) {
@@ -949,7 +985,7 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
   m.def(
       "conv2d_train(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
-      "float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
+      "float decay, int estimator, bool symmetric, bool stochastic, bool scale_link=False) -> Tensor");
   // estimator: 0 running, 1 per_sample, 2 delayed; max_k > 0: power-of-two row scales over the
   // last row_dims dims (mesa::row_exponents), returned as the fourth output (else empty)
   m.def(

@@ -7,7 +7,9 @@ on their Python Functions, and against stock, in one process.
 session 56; ``--layers star_relu`` (MetaFormer's StarReLU: ConvFormer, CAFormer), ``--layers affine``
 (ResMLP's Affine), ``--layers normalize`` (cosine attention's F.normalize: XCiT, SwinV2) and
 ``--layers grn`` (ConvNeXt-V2's GlobalResponseNorm) before session 57; ``--layers einsum``
-(MViTv2's relative-position einsums) before session 58. The script puts those
+(MViTv2's relative-position einsums) before session 58; ``--layers scale_branch`` (a 1x1
+depthwise conv linked to the BatchNorm after it: FastViT, MobileOne, RepViT) before session 59.
+The script puts those
 layers back on that path ("python": their quantizers' ``fused_layer_args`` answers ``None``, what
 it answered then) and times it, interleaved with the C++ path and the stock model, median of
 ``--steps`` steps each:
@@ -16,6 +18,7 @@ it answered then) and times it, interleaved with the C++ path and the stock mode
     python scripts/layer_path_ab.py --layers gated --model focalnet_tiny_srf --bits 8
     python scripts/layer_path_ab.py --layers star_relu --model caformer_s18 --bits 8
     python scripts/layer_path_ab.py --layers einsum --model mvitv2_tiny --bits 8
+    python scripts/layer_path_ab.py --layers scale_branch --model fastvit_t8 --bits 8
 """
 from __future__ import annotations
 
@@ -31,15 +34,27 @@ import mesa_train.nn as mnn
 from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.patch import patch_model
 
+def linked_scale_branches(model):
+    """The scale-branch convs ``patch_model`` linked to a BatchNorm (conv.ScaleLink), and those BatchNorms."""
+    for m in model.modules():
+        bn = m.__dict__.get("_mesa_scale_bn")
+        if bn is not None:
+            yield from (m, bn)
+
+
+# the layers each --layers choice switches: their classes, or a function that finds them in the model
 LAYER_SETS = {"attention": (mnn.Softmax, mnn.MatMul, mnn.ScaledDotProductAttention),
               "gated": (mnn.GatedActivation,), "star_relu": (mnn.StarReLU,), "affine": (mnn.Affine,),
-              "normalize": (mnn.Normalize,), "grn": (mnn.GlobalResponseNorm,), "einsum": (mnn.Einsum,)}
+              "normalize": (mnn.Normalize,), "grn": (mnn.GlobalResponseNorm,), "einsum": (mnn.Einsum,),
+              "scale_branch": linked_scale_branches}
 
 
-def python_path_switch(model, classes):
-    """A one-element list: while its item is True, the quantizers of ``classes``' layers answer
-    ``fused_layer_args`` with ``None`` (those layers run the Python Functions)."""
-    chosen = {id(q) for m in model.modules() if isinstance(m, classes) for q in m.quantizers()}
+def python_path_switch(model, layers):
+    """A one-element list: while its item is True, the quantizers of the ``layers`` (a
+    ``LAYER_SETS`` entry) answer ``fused_layer_args`` with ``None`` (those layers run the Python
+    Functions)."""
+    found = layers(model) if callable(layers) else (m for m in model.modules() if isinstance(m, layers))
+    chosen = {id(q) for m in found for q in m.quantizers()}
     real = quantizer_mod.ActivationQuantizer.fused_layer_args
     switch = [False]
 
@@ -95,7 +110,7 @@ def main() -> None:
           f"{n_chosen} quantizers switched ({args.layers}), median of {args.steps} steps")
     for name, ts in times.items():
         ms = statistics.median(ts)
-        print(f"  {name:36s} {ms:8.1f} ms  {ms / base:.2f}x stock")
+        print(f"  {name:44s} {ms:8.1f} ms  {ms / base:.2f}x stock")
 
 
 if __name__ == "__main__":

@@ -86,9 +86,9 @@ def test_fused_batchnorm_gradients_and_running_statistics(device, grads, bn_kwar
 
 def test_fused_batchnorm_runs_only_where_it_may(monkeypatch):
     """The C++ op in eager training with a channel format (8-bit or a variant) and an affine
-    BatchNorm; the Python Function for a non-affine one, learned thresholds, and a linked 1x1
-    depthwise conv in front (conv.ScaleLink, whose weight gradient the BatchNorm's backward
-    hands over); stock in eval."""
+    BatchNorm, a linked 1x1 depthwise conv in front included (conv.ScaleLink between the two
+    C++ nodes, csrc/scale_link.h; tests/test_scale_branch.py); the Python Function for a
+    non-affine one and learned thresholds; stock in eval."""
     calls = count_calls(monkeypatch, "batch_norm_train")
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     mnn.BatchNorm2d(4)(x).sum().backward()
@@ -103,7 +103,7 @@ def test_fused_batchnorm_runs_only_where_it_may(monkeypatch):
     from mesa_train.patch import patch_model
 
     patch_model(stock)(x).sum().backward()
-    assert calls == [1, 1, 1]
+    assert calls == [1, 1, 1, 1]
 
 
 def test_fused_batchnorm_higher_order_gradients_are_a_clear_error(monkeypatch):

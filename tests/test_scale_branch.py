@@ -11,7 +11,14 @@ import pytest
 import torch
 from torch import nn
 
+import mesa_train.nn as mnn
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.patch import patch_model
+from bit_patterns import assert_all_same_bits
+from kernel_marks import DEVICES
+from op_calls import assert_patched_model_takes_the_op, count_calls
+from timm_zoo import build, example
 
 
 class ConvNorm(nn.Sequential):  # RepViT's ConvNorm: Sequential(conv, bn)
@@ -126,3 +133,132 @@ def test_link_never_left_on_the_module():
     torch.save(patched, io.BytesIO())
     out.sum().backward()
     assert torch.isfinite(patched.scale.c.weight.grad).all()
+
+
+# ----------------------------------------------------------------------------- the C++ layer ops
+# In eager training, where both layers take their C++ ops (mesa::conv2d_train with scale_link,
+# mesa::batch_norm_train), the hand-over goes between their C++ nodes (csrc/scale_link.h), bitwise
+# the Python Functions' (conv._Conv2dFn and batchnorm._BatchNormFn with a ScaleLink).
+PAIR_OPTIONS = [dict(), dict(rounding="nearest"), dict(estimator="per_sample", symmetric=True),
+                dict(bits=4), dict(bits=2, scale="pow2")]
+
+
+def _pair_run(fused, monkeypatch, model, device, dtype, autocast, grads, channels_last):
+    """Two training steps of the patched ``ConvNorm`` ``model``, on the C++ ops (``fused``) or on
+    the Python Functions; ``grads``: which of x, the conv weight, the BatchNorm weight and bias
+    want a gradient. Everything observable, ``None`` for a gradient not asked for."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    model = copy.deepcopy(model).to(device, None if autocast else dtype)
+    model.c.weight.requires_grad_(grads[1])
+    model.bn.weight.requires_grad_(grads[2])
+    model.bn.bias.requires_grad_(grads[3])
+    out = []
+    for step in range(2):
+        x = torch.randn(4, 8, 6, 5, generator=torch.Generator().manual_seed(step)) * (step + 1) + 1
+        x = x.to(device, torch.float32 if autocast else dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_(grads[0])
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
+            y = model(x)
+        (y.float() * torch.linspace(-1, 2, y.numel(), device=device).view(y.shape)).sum().backward()
+        out += [y.detach(), x.grad, torch.tensor(meter.activation_bytes)]
+    return out + [p.grad for p in model.parameters()] + [b.clone() for b in model.buffers()]
+
+
+def _linked_conv_norm(stride=1, **options):
+    torch.manual_seed(0)
+    stock = ConvNorm(8, stride).train()
+    with torch.no_grad():
+        stock.c.weight.uniform_(0.5, 1.5)
+        stock.c.weight[5] = 0.0  # a channel whose gradient comes from the 8-bit input
+        stock.bn.weight.uniform_(0.5, 1.5)
+        stock.bn.bias.uniform_(-0.5, 0.5)
+    patched = patch_model(stock, **options)
+    assert patched.c.__dict__.get("_mesa_scale_bn") is patched.bn
+    return patched
+
+
+@pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["fp32", "bf16", "autocast"])
+@pytest.mark.parametrize("options", PAIR_OPTIONS, ids=str)
+@pytest.mark.parametrize("stride,channels_last", [(1, False), (2, True)], ids=["s1", "s2-channels_last"])
+def test_linked_pair_on_the_ops_is_bitwise_the_python_functions(device, dtype, autocast, options, stride,
+                                                                channels_last, monkeypatch):
+    model = _linked_conv_norm(stride, **options)
+    conv_calls = count_calls(monkeypatch, "conv2d_train")
+    bn_calls = count_calls(monkeypatch, "batch_norm_train")
+    args = (model, device, dtype, autocast, (True, True, True, True), channels_last)
+    got = _pair_run(True, monkeypatch, *args)
+    assert conv_calls == bn_calls == [1, 1]
+    assert_all_same_bits(got, _pair_run(False, monkeypatch, *args))
+    assert conv_calls == bn_calls == [1, 1]  # (the Python Functions ran the second time)
+
+
+@pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grads", [(False, True, True, True), (True, True, False, False), (False, True, False, True),
+                                   (True, False, True, True)], ids=str)
+def test_linked_pair_on_the_ops_which_gradients(device, grads, monkeypatch):
+    """A frozen input or BatchNorm parameters; a frozen conv weight (no link: no cancellation
+    to avoid)."""
+    args = (_linked_conv_norm(), device, torch.float32, False, grads, False)
+    assert_all_same_bits(_pair_run(True, monkeypatch, *args), _pair_run(False, monkeypatch, *args))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["ops", "python"])
+@pytest.mark.parametrize("bn_options", [dict(), dict(estimator="learned")], ids=["bn-default", "bn-learned"])
+def test_weight_gradient_matches_exact_on_either_path(fused, bn_options, monkeypatch):
+    """The closed form reaches the conv whichever path each layer takes; a BatchNorm on its
+    Python Function (learned thresholds) keeps the conv on its Python Function too (a C++ conv
+    node could not be handed over to), and vice versa."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused and quantizer_mod._FUSED_LAYERS)
+    stock = _model()
+    x = torch.randn(4, 8, 12, 12, generator=torch.Generator().manual_seed(1))
+    patched = patch_model(copy.deepcopy(stock), rounding="nearest")
+    patched.scale.bn.set_quant_options(**bn_options)
+    conv_calls = count_calls(monkeypatch, "conv2d_train")
+    exact, got = _grads(stock, x, torch.float64), _grads(patched, x)
+    name = "scale.c.weight"
+    assert _cos(exact[name], got[name]) > 0.999
+    on_ops = fused and quantizer_mod._FUSED_LAYERS and not bn_options
+    assert len(conv_calls) == (2 if on_ops else 1 if fused and quantizer_mod._FUSED_LAYERS else 0)
+
+
+@pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+def test_op_link_only_for_the_conv_output_itself(monkeypatch):
+    """A BatchNorm fed something else than the linked conv's output (here a copy of it) hands
+    nothing over: the conv's weight gradient is its 8-bit input's, as with the link removed."""
+    class CopyBetween(nn.Module):
+        def __init__(self, pair):
+            super().__init__()
+            self.c, self.bn = pair.c, pair.bn
+
+        def forward(self, x):
+            return self.bn(self.c(x).clone())
+
+    model = _linked_conv_norm(rounding="nearest")
+    x = torch.randn(4, 8, 6, 5, requires_grad=True)
+    copied = CopyBetween(copy.deepcopy(model))
+    unlinked = CopyBetween(copy.deepcopy(model))
+    del unlinked.c.__dict__["_mesa_scale_bn"]
+    for m in (copied, unlinked):
+        m(x).square().sum().backward()
+    assert torch.equal(copied.c.weight.grad, unlinked.c.weight.grad)
+    direct = copy.deepcopy(model)
+    direct(x).square().sum().backward()
+    assert not torch.equal(direct.c.weight.grad, unlinked.c.weight.grad)
+
+
+@pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+@pytest.mark.parametrize("name", ["fastvit_t8", "repvit_m1"])
+def test_patched_models_bitwise_on_the_ops(name, monkeypatch):
+    """FastViT's and RepViT's scale branches: two training steps with drop-path on give the same
+    outputs, gradients and buffers on the C++ ops as on the Python Functions, every BatchNorm
+    (the linked ones included) on its op."""
+    model = patch_model(build(name, drop=True))
+    assert any("_mesa_scale_bn" in m.__dict__ for m in model.modules())
+    assert_patched_model_takes_the_op(monkeypatch, model, lambda step: example(name, seed=step), "batch_norm_train",
+                                      (mnn.BatchNorm2d, mnn.BatchNorm1d))

@@ -32,13 +32,14 @@ import torch
 from torch import nn
 
 from mesa_train.bench.report import _git, environment
+from mesa_train.patch import patch_model
 
 # the transformer layers, then the convnets' (BatchNorm and below); each a C++ layer op in eager
 # training; a baseline tree older than a layer leaves its row out
 LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", "LayerScale", "Affine",
           "StarReLU", "Normalize", "GatedSiLU", "GatedProduct", "Einsum", "Amax",
-          "BatchNorm2d", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d", "GroupNorm",
-          "LayerNorm2d", "GlobalResponseNorm")
+          "BatchNorm2d", "ScaleBranch", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d",
+          "GroupNorm", "LayerNorm2d", "GlobalResponseNorm")
 
 
 class _MatMul(nn.Module):
@@ -145,8 +146,14 @@ def _convnet_cases(M):
         cls = getattr(M, cls_name, None)
         return None if cls is None else (make_stock, cls.from_module, img)
 
+    def scale_branch():  # a 1x1 depthwise conv straight into a BatchNorm (conv.ScaleLink)
+        return nn.Sequential(nn.Conv2d(2, 2, 1, groups=2, bias=False), nn.BatchNorm2d(2))
+
     return {
         "BatchNorm2d": case("BatchNorm2d", lambda: nn.BatchNorm2d(2)),
+        # FastViT / MobileOne / RepViT's scale branch, the pair linked by patch_model: the conv's
+        # weight gradient handed over from the BatchNorm's backward (both layers in the row)
+        "ScaleBranch": (scale_branch, lambda s: patch_model(s, ops=["conv", "batchnorm"]), img),
         "ReLU": case("ReLU", nn.ReLU),
         "SiLU": case("SiLU", nn.SiLU),
         "Hardswish": case("Hardswish", nn.Hardswish),

@@ -219,7 +219,8 @@ def _train_forward(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor, lin
         return stock_forward(input)
     bn._check_input_dim(input)
     running_mean, running_var, factor = running_stats_step(bn)
-    # eager, channel format, affine, no linked conv in front: the layer with a C++ autograd node
+    # eager, channel format, affine, no Python link from a conv in front (a link between C++
+    # nodes the op finds itself, csrc/scale_link.h): the layer with a C++ autograd node
     fused = bn.quantizer.fused_layer_args(input) \
         if link is None and bn.weight is not None and bn.bias is not None else None
     if fused is not None:
@@ -270,6 +271,13 @@ class _MesaBatchNorm(MesaLayer):
         new.running_mean, new.running_var = stock.running_mean, stock.running_var
         new.num_batches_tracked = stock.num_batches_tracked
         return adopt_parameters(stock, new, device)
+
+    def _runs_layer_op(self, x: torch.Tensor) -> bool:
+        """Whether a call on ``x``, an input that needs a gradient, runs ``mesa::batch_norm_train``
+        (``_train_forward``'s test): what a linked scale-branch conv in front asks before it
+        takes its C++ op (conv.Conv2d.forward), whose node only a C++ BatchNorm node hands over to."""
+        return (batch_statistics(self) and self.training and self._mesa_options.enabled and self.weight is not None
+                and self.bias is not None and self.quantizer.fused_layer_args(x) is not None)
 
     def extra_repr(self) -> str:
         return f"{self._stock.extra_repr(self)}, {self._mesa_repr()}"

@@ -1,9 +1,10 @@
 """Mesa ``Conv2d``: exact forward, saves the 8-bit input (channel groups over dim 1).
 
-In eager training with the paper's format and numeric zero padding the layer runs as one op
+In eager training with a channel format and numeric zero padding the layer runs as one op
 with a C++ autograd node, ``mesa::conv2d_train`` (csrc/layers_autograd.cpp: bitwise
-``_Conv2dFn``, tests/test_layers_autograd.py); under ``torch.compile``, for the variant
-formats, string padding, other padding modes and a scale-branch link, ``_Conv2dFn`` runs."""
+``_Conv2dFn``, tests/test_layers_autograd.py), a scale-branch link included where its
+BatchNorm takes its C++ op too (csrc/scale_link.h); under ``torch.compile``, for patch4x4 and
+learned thresholds, string padding and other padding modes, ``_Conv2dFn`` runs."""
 from __future__ import annotations
 
 import weakref
@@ -37,7 +38,9 @@ class ScaleLink:
     The BatchNorm backward stores ``gamma * dgamma * (1 - mean(x_hat^2))`` (from its
     re-standardised ``x_hat``: no cancellation left) and the gradient it hands on; the conv
     backward uses it when the gradient it receives is that very tensor (the BatchNorm is the
-    output's only consumer), and its own 8-bit input where ``w_c == 0``."""
+    output's only consumer), and its own 8-bit input where ``w_c == 0``. This object serves the
+    Python Functions; where both layers run their C++ ops the same hand-over goes between their
+    nodes (csrc/scale_link.h)."""
 
     __slots__ = ("out", "gx", "coef")
 
@@ -213,6 +216,13 @@ class Conv2d(_MesaConv, nn.Conv2d):
             if scale_branch_compiled(self, bn):
                 return input
             return self._compressed_conv(input, self.weight)
+        fused = self.quantizer.fused_layer_args(input) if bn._runs_layer_op(input) else None
+        if fused is not None:
+            # both on their C++ ops: the BatchNorm's node finds this conv's as its input's
+            # grad_fn and hands the weight gradient over there (csrc/scale_link.h); a
+            # BatchNorm on its Python Function could not, so then both run here in Python
+            return torch.ops.mesa.conv2d_train(input, self.weight, self.bias, self.stride, self.padding,
+                                               self.dilation, self.groups, *fused, True)
         link = ScaleLink()
         y = _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer, link)
         link.out = weakref.ref(y)
