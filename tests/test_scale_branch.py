@@ -262,3 +262,20 @@ def test_patched_models_bitwise_on_the_ops(name, monkeypatch):
     assert any("_mesa_scale_bn" in m.__dict__ for m in model.modules())
     assert_patched_model_takes_the_op(monkeypatch, model, lambda step: example(name, seed=step), "batch_norm_train",
                                       (mnn.BatchNorm2d, mnn.BatchNorm1d))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["ops", "python"])
+def test_second_backward_with_retain_graph_hands_over_again(fused, monkeypatch):
+    """``backward(retain_graph=True)`` twice: the second pass gets the closed form too, the same
+    gradients as the first on either path (the Python link used to be dropped after the first
+    backward, so the second took the conv's weight gradient from its 8-bit input)."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused and quantizer_mod._FUSED_LAYERS)
+    model = _linked_conv_norm(rounding="nearest")
+    x = torch.randn(4, 8, 6, 5, generator=torch.Generator().manual_seed(1))
+    loss = (model(x) * torch.linspace(-1, 2, 4 * 8 * 6 * 5).view(4, 8, 6, 5)).sum()
+    grads = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert_all_same_bits(grads[1], grads[0])

@@ -152,8 +152,7 @@ class _BatchNormFn(torch.autograd.Function):
     def backward(ctx, g):
         (packed,), (invstd, weight, *moments) = load(ctx)
         needs = tuple(ctx.needs_input_grad[:3])
-        link, ctx.link = ctx.link, None
-        link = link if needs[0] else None
+        link = ctx.link if needs[0] else None  # (kept: a second backward with retain_graph hands over again)
         gx, gw, gb, coef = bn_backward(g, packed, ctx.nhwc, invstd, weight, ctx.mdt, ctx.eps, needs, link is not None,
                                        moments)
         gx = gx.to(ctx.x_dtype) if gx is not None else None

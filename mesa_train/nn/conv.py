@@ -129,12 +129,14 @@ class _Conv2dFn(torch.autograd.Function):
     def backward(ctx, g):
         (packed,), (weight,) = load(ctx)
         need = tuple(ctx.needs_input_grad[:3])
-        link, ctx.link = ctx.link, None
+        link = ctx.link  # (kept: a second backward with retain_graph hands over again)
         linked = link is not None and link.coef is not None and g is link.gx and need[1]
         if link is not None:
             link.gx = None
         gx, gw, gb = conv_backward(g, packed, weight, ctx.module, ctx.meta, need, ctx.cdt,
                                    link.coef if linked else None)
+        if link is not None:
+            link.coef = None
         gx = gx.to(ctx.x_dtype) if gx is not None and need[0] else None
         gw = gw.to(ctx.w_dtype) if gw is not None and need[1] else None
         gb = gb.to(ctx.b_dtype) if gb is not None and need[2] else None
