@@ -13,7 +13,7 @@
 // codes, masks, estimates, running statistics and gradients are bitwise the Python path's
 // (tests/test_convnet_autograd.py, test_bitmask_loops.py). The layers call them only in
 // eager mode with a channel format, 8-bit or a variant (layers_common.h, make_quantizer; the
-// norms: affine); otherwise they keep their Python Functions.
+// norms: a weight, and BatchNorm a bias); otherwise they keep their Python Functions.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/util/accumulate.h>
@@ -179,7 +179,7 @@ at::MemoryFormat group_norm_format(const at::Tensor& x) {
 
 struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight,
-                            const at::Tensor& bias, int64_t groups, double eps, Quantizer qz) {
+                            const std::optional<at::Tensor>& bias, int64_t groups, double eps, Quantizer qz) {
     const int64_t n = x_in.size(0), c = x_in.size(1), hxw = c10::multiply_integers(x_in.sizes().slice(2));
     // what F.group_norm runs (torch.group_norm -> native_group_norm, which also hands back the
     // per-(sample, group) mean and rstd it normalised with), x made contiguous first as
@@ -197,7 +197,9 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
     auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
     save_code_format(ctx, qz, v.x.sizes());
     ctx->save_for_backward({q, alpha, beta, rstd, weight});
-    save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
+    // (no bias: timm's GroupNorm1NoBias, PoolFormerV2's norms; its dtype then is never read)
+    save_norm_meta(ctx, G, eps, mdt, x, weight, bias.has_value() ? *bias : weight);
+    ctx->saved_data["has_bias"] = bias.has_value();
     ctx->saved_data["groups"] = groups;
     ctx->saved_data["nhwc"] = v.permuted;
     ctx->saved_data["fmt"] = static_cast<int64_t>(fmt);
@@ -212,7 +214,9 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
     const auto mdt = ctx->saved_data["mdt"].toScalarType();
     const int64_t groups = ctx->saved_data["groups"].toInt();
     const double eps = ctx->saved_data["eps"].toDouble();
-    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
+    // (needs_input_grad counts the tensors apply tracked: no index 2 without a bias)
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const bool need_b = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     const bool nhwc = ctx->saved_data["nhwc"].toBool();
     const auto fmt = static_cast<at::MemoryFormat>(ctx->saved_data["fmt"].toInt());
     const int64_t quant_groups = ctx->saved_data["quant_groups"].toInt();
@@ -231,14 +235,14 @@ struct GroupNormTrain : public torch::autograd::Function<GroupNormTrain> {
   }
 };
 
-at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t groups,
-                            double eps, at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized,
-                            at::Tensor& rng, int64_t num_groups, double decay, int64_t estimator, bool symmetric,
-                            bool stochastic) {
+at::Tensor group_norm_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            int64_t groups, double eps, at::Tensor& alpha_est, at::Tensor& beta_est,
+                            at::Tensor& initialized, at::Tensor& rng, int64_t num_groups, double decay,
+                            int64_t estimator, bool symmetric, bool stochastic) {
   TORCH_CHECK_VALUE(x.dim() >= 2, "mesa: group_norm_train: x must be (N, C, ...), got ", x.dim(), " dims");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::group_norm_train");
-  return GroupNormTrain::apply(x, weight, bias, groups, eps, qz);
+  return GroupNormTrain::apply(x, weight, present(bias), groups, eps, qz);
 }
 
 // ----------------------------------------------------------------------------- ReLU, Hardtanh, Hardsigmoid
@@ -434,7 +438,7 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "Tensor(f!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
   // groups: the norm's own group count (nn.GroupNorm's num_groups); num_groups: the quantizer's
   m.def(
-      "group_norm_train(Tensor x, Tensor weight, Tensor bias, int groups, float eps, Tensor(a!) alpha_est, "
+      "group_norm_train(Tensor x, Tensor weight, Tensor? bias, int groups, float eps, Tensor(a!) alpha_est, "
       "Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, int estimator, "
       "bool symmetric, bool stochastic) -> Tensor");
   // ReLU (kind 0), Hardtanh / ReLU6 (1: clamped to [lo, hi]), Hardsigmoid (2: lo, hi = -3, 3),

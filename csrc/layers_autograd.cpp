@@ -832,17 +832,21 @@ at::Tensor matmul_train(const at::Tensor& a, const at::Tensor& b, at::TensorList
 // weight needs a gradient), backward through ATen's convolution_backward fed the dequantized
 // input. scale_link: a scale branch's 1x1 depthwise conv whose BatchNorm runs its C++ op too
 // (scale_link.h): the weight gradient from that BatchNorm's backward where it hands one over.
+// A 3-d weight is the Mesa Conv1d (mesa::conv1d_train; the Python Function is the same one).
 struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,
                             std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups, Quantizer qz,
                             bool scale_link) {
-    at::Tensor y = at::conv2d(x, weight, bias, stride, padding, dilation, groups);  // exactly nn.Conv2d.forward
+    const int64_t spatial = weight.dim() - 2;  // 2: Conv2d, 1: Conv1d
+    // exactly nn.Conv2d.forward / nn.Conv1d.forward
+    at::Tensor y = spatial == 1 ? at::conv1d(x, weight, bias, stride, padding, dilation, groups)
+                                : at::conv2d(x, weight, bias, stride, padding, dilation, groups);
     at::Tensor q, alpha, beta;
     int64_t G = 0;
     // a channels-last input kept in its own layout: backward hands convolution_backward a
     // channels-last input, so the input gradient is stock's, layout and bits
-    const NhwcView v = nhwc_view(x, x.dim() - 3);
+    const NhwcView v = nhwc_view(x, x.dim() - spatial - 1);
     if (weight.requires_grad()) {
       std::tie(q, alpha, beta, G) = compress(v.x, v.dim, qz);
       save_code_format(ctx, qz, v.x.sizes());
@@ -904,14 +908,16 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
                      g.options().memory_format(channels_last ? at::MemoryFormat::ChannelsLast
                                                              : at::MemoryFormat::Contiguous));
     }
-    const bool unbatched = xh.dim() == 3;
+    const int64_t spatial = w.dim() - 2;
+    const bool unbatched = xh.dim() == spatial + 1;
     if (unbatched) xh = xh.unsqueeze(0), g = g.unsqueeze(0);
     std::optional<std::vector<int64_t>> bias_sizes;
     if (need_b) bias_sizes = std::vector<int64_t>{w.size(0)};
     auto [gx, gw, gb] = at::convolution_backward(
         g, xh, w, bias_sizes.has_value() ? at::OptionalIntArrayRef(*bias_sizes) : at::OptionalIntArrayRef(),
         ctx->saved_data["stride"].toIntVector(), ctx->saved_data["padding"].toIntVector(),
-        ctx->saved_data["dilation"].toIntVector(), false, {0, 0}, ctx->saved_data["conv_groups"].toInt(),
+        ctx->saved_data["dilation"].toIntVector(), false, std::vector<int64_t>(spatial, 0),
+        ctx->saved_data["conv_groups"].toInt(),
         {need_x, need_w, need_b});
     if (unbatched && gx.defined()) gx = gx.squeeze(0);
     if (coef.defined() && gw.defined()) {  // coef / w where w != 0, the 8-bit input's gradient elsewhere
@@ -934,6 +940,17 @@ at::Tensor conv2d_train(const at::Tensor& x, const at::Tensor& weight, const std
                                 stochastic, "mesa::conv2d_train");
   return Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups, qz,
                             scale_link);
+}
+
+at::Tensor conv1d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                        at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
+                        int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
+  TORCH_CHECK_VALUE(weight.dim() == 3, "mesa: conv1d_train: weight must be (out, in / groups, k), got ", weight.dim(),
+                    " dims");
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::conv1d_train");
+  return Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups, qz, false);
 }
 
 }  // namespace
@@ -986,6 +1003,10 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "conv2d_train(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
       "float decay, int estimator, bool symmetric, bool stochastic, bool scale_link=False) -> Tensor");
+  m.def(
+      "conv1d_train(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
+      "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
+      "float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
   // estimator: 0 running, 1 per_sample, 2 delayed; max_k > 0: power-of-two row scales over the
   // last row_dims dims (mesa::row_exponents), returned as the fourth output (else empty)
   m.def(
@@ -1013,4 +1034,5 @@ TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("layer_norm_linear_train", &mesa::layer_norm_linear_train);
   m.impl("matmul_train", &mesa::matmul_train);
   m.impl("conv2d_train", &mesa::conv2d_train);
+  m.impl("conv1d_train", &mesa::conv1d_train);
 }

@@ -8,8 +8,10 @@ session 56; ``--layers star_relu`` (MetaFormer's StarReLU: ConvFormer, CAFormer)
 (ResMLP's Affine), ``--layers normalize`` (cosine attention's F.normalize: XCiT, SwinV2) and
 ``--layers grn`` (ConvNeXt-V2's GlobalResponseNorm) before session 57; ``--layers einsum``
 (MViTv2's relative-position einsums) before session 58; ``--layers scale_branch`` (a 1x1
-depthwise conv linked to the BatchNorm after it: FastViT, MobileOne, RepViT) before session 59.
-The script puts those
+depthwise conv linked to the BatchNorm after it: FastViT, MobileOne, RepViT), ``--layers
+padded_conv`` (convs padded 'same' / 'valid': ConvMixer; and every Conv1d: EfficientViM, CoaT) and
+``--layers groupnorm`` (the GroupNorms; PoolFormerV2's have no bias, which kept them off the op)
+before session 59. The script puts those
 layers back on that path ("python": their quantizers' ``fused_layer_args`` answers ``None``, what
 it answered then) and times it, interleaved with the C++ path and the stock model, median of
 ``--steps`` steps each:
@@ -19,6 +21,8 @@ it answered then) and times it, interleaved with the C++ path and the stock mode
     python scripts/layer_path_ab.py --layers star_relu --model caformer_s18 --bits 8
     python scripts/layer_path_ab.py --layers einsum --model mvitv2_tiny --bits 8
     python scripts/layer_path_ab.py --layers scale_branch --model fastvit_t8 --bits 8
+    python scripts/layer_path_ab.py --layers padded_conv --model convmixer_768_32 --bits 8
+    python scripts/layer_path_ab.py --layers groupnorm --model poolformerv2_s12 --bits 8
 """
 from __future__ import annotations
 
@@ -42,11 +46,17 @@ def linked_scale_branches(model):
             yield from (m, bn)
 
 
+def padded_convs(model):
+    """The convs padded by a string ('same', 'valid'), and every Conv1d."""
+    return (m for m in model.modules()
+            if isinstance(m, mnn.Conv1d) or (isinstance(m, mnn.Conv2d) and isinstance(m.padding, str)))
+
+
 # the layers each --layers choice switches: their classes, or a function that finds them in the model
 LAYER_SETS = {"attention": (mnn.Softmax, mnn.MatMul, mnn.ScaledDotProductAttention),
               "gated": (mnn.GatedActivation,), "star_relu": (mnn.StarReLU,), "affine": (mnn.Affine,),
               "normalize": (mnn.Normalize,), "grn": (mnn.GlobalResponseNorm,), "einsum": (mnn.Einsum,),
-              "scale_branch": linked_scale_branches}
+              "scale_branch": linked_scale_branches, "padded_conv": padded_convs, "groupnorm": (mnn.GroupNorm,)}
 
 
 def python_path_switch(model, layers):

@@ -13,8 +13,10 @@ import torch
 import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
+from mesa_train.patch import patch_model
 from kernel_marks import DEVICES
-from op_calls import count_calls
+from op_calls import assert_op_path_is_the_python_path, assert_patched_model_takes_the_op, count_calls
+from timm_zoo import build, example
 from bit_patterns import assert_all_same_bits
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
@@ -38,9 +40,11 @@ def _norm_run(fused, monkeypatch, layer, device, shape, channels_last, dtype, gr
     if layer.weight is not None:
         with torch.no_grad():  # not the initial ones and zeros
             layer.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
-            layer.bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
+            if layer.bias is not None:
+                layer.bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
         layer.weight.requires_grad_(grads[1])
-        layer.bias.requires_grad_(grads[2])
+        if layer.bias is not None:
+            layer.bias.requires_grad_(grads[2])
     layer.quantizer.rng.copy_(torch.tensor([55, 0]))
     out = []
     for step in range(2):
@@ -100,8 +104,6 @@ def test_fused_batchnorm_runs_only_where_it_may(monkeypatch):
     mnn.BatchNorm2d(4).eval()(x).sum().backward()
     assert calls == [1, 1, 1]
     stock = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1, groups=4, bias=False), torch.nn.BatchNorm2d(4))
-    from mesa_train.patch import patch_model
-
     patch_model(stock)(x).sum().backward()
     assert calls == [1, 1, 1, 1]
 
@@ -118,8 +120,10 @@ def test_fused_batchnorm_higher_order_gradients_are_a_clear_error(monkeypatch):
 GN_SHAPES = {"2d": (2, 4, 5, 3), "channels_last": (2, 4, 5, 3), "ncl": (3, 4, 7), "nc": (6, 4)}
 
 
-def _gn_run(fused, monkeypatch, device, layout, groups, dtype, autocast, options, grads):
+def _gn_run(fused, monkeypatch, device, layout, groups, dtype, autocast, options, grads, bias=True):
     layer = mnn.GroupNorm(groups, 4, device=device, dtype=None if autocast else dtype, quant_options=options)
+    if not bias:  # as timm's GroupNorm1NoBias (PoolFormerV2) has it
+        layer.bias = None
     return _norm_run(fused, monkeypatch, layer, device, GN_SHAPES[layout], layout == "channels_last",
                      None if autocast else dtype, grads)
 
@@ -140,6 +144,28 @@ def test_fused_groupnorm_is_bitwise_the_python_function(device, dtype, autocast,
 def test_fused_groupnorm_options_and_gradients(options, grads, monkeypatch):
     args = ("cpu", "2d", 2, torch.float32, False, options, grads)
     assert_all_same_bits(_gn_run(True, monkeypatch, *args), _gn_run(False, monkeypatch, *args))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=str)
+@pytest.mark.parametrize("layout", ["2d", "channels_last", "ncl"])
+@pytest.mark.parametrize("grads", [(True, True), (False, True), (True, False)], ids=str)
+def test_fused_groupnorm_without_bias_is_bitwise_the_python_function(device, dtype, autocast, layout, grads,
+                                                                     monkeypatch):
+    """A weight and no bias (timm's GroupNorm1NoBias: PoolFormerV2's 24 norms a step in the S12)."""
+    args = (device, layout, 1, dtype, autocast, {}, (*grads, False), False)
+    assert_op_path_is_the_python_path(monkeypatch, "group_norm_train", _gn_run, *args)
+
+
+def test_poolformerv2_runs_every_groupnorm_on_the_op(monkeypatch):
+    """PoolFormerV2 patched, two training steps with drop-path on: the same outputs, gradients and
+    buffers on the op as on the Python Function, every GroupNorm (none has a bias) on the op."""
+    model = patch_model(build("poolformerv2_s12", drop=True))
+    norms = [m for m in model.modules() if isinstance(m, mnn.GroupNorm)]
+    assert norms and all(m.bias is None for m in norms)
+    assert_patched_model_takes_the_op(monkeypatch, model, lambda step: example("poolformerv2_s12", seed=step),
+                                      "group_norm_train", mnn.GroupNorm)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["cpp-node", "python"])
@@ -170,11 +196,14 @@ def test_fused_groupnorm_runs_only_where_it_may(monkeypatch):
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
     mnn.GroupNorm(2, 4)(x).sum().backward()
     mnn.GroupNorm(2, 4, bits=4)(x).sum().backward()
-    assert calls == [1, 1]
+    no_bias = mnn.GroupNorm(2, 4)
+    no_bias.bias = None
+    no_bias(x).sum().backward()
+    assert calls == [1, 1, 1]
     mnn.GroupNorm(2, 4, affine=False)(x).sum().backward()
     mnn.GroupNorm(2, 4, bits=4, estimator="learned")(x).sum().backward()
     mnn.GroupNorm(2, 4).eval()(x).sum().backward()
-    assert calls == [1, 1]
+    assert calls == [1, 1, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

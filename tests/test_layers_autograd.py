@@ -12,8 +12,10 @@ import torch
 import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
+from mesa_train.patch import patch_model
 from kernel_marks import DEVICES, DTYPES
-from op_calls import assert_op_path_is_the_python_path, count_calls
+from op_calls import assert_op_path_is_the_python_path, assert_patched_model_takes_the_op, count_calls
+from timm_zoo import build, example
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
 
@@ -386,16 +388,17 @@ def test_fused_matmul_runs_only_in_eager_training_with_a_channel_format(monkeypa
     assert calls == [1, 1]
 
 
-def _conv_run(fused, monkeypatch, dtype, autocast, conv_kwargs, bias, x_grad, w_grad, unbatched):
+def _conv_run(fused, monkeypatch, dtype, autocast, conv_kwargs, bias, x_grad, w_grad, unbatched, cls=mnn.Conv2d):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     torch.manual_seed(0)
-    layer = mnn.Conv2d(4, 6 if conv_kwargs.get("groups", 1) != 4 else 4, bias=bias, dtype=dtype, num_groups=2,
-                       **conv_kwargs)
+    layer = cls(4, 6 if conv_kwargs.get("groups", 1) != 4 else 4, bias=bias, dtype=dtype, num_groups=2, **conv_kwargs)
     layer.quantizer.rng.copy_(torch.tensor([55, 0]))
     layer.weight.requires_grad_(w_grad)
+    spatial = (9, 9) if cls is mnn.Conv2d else (9,)
     out = []
     for step in range(2):
-        x = (torch.randn((4, 9, 9) if unbatched else (2, 4, 9, 9)) * (step + 1)).to(dtype).requires_grad_(x_grad)
+        x = (torch.randn((4, *spatial) if unbatched else (2, 4, *spatial)) * (step + 1)).to(dtype)
+        x.requires_grad_(x_grad)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter() as meter:
             y = layer(x)
         (y.float() * torch.linspace(-1, 2, y.numel()).view(y.shape)).sum().backward()
@@ -426,20 +429,60 @@ def test_fused_conv2d_is_bitwise_the_python_function(dtype, autocast, conv_kwarg
             assert a.dtype == b.dtype and torch.equal(a, b), i
 
 
-def test_fused_conv2d_only_for_numeric_zero_padding(monkeypatch):
-    """'same' padding, other padding modes, the patch4x4 layout and the scale-branch link
-    keep the Python Function; numeric zero padding takes the C++ op."""
+# string padding ('valid', an odd 'same': ConvMixer's depthwise convs) handed to the op as numbers,
+# and the Conv1d op (mesa::conv1d_train: EfficientViM's token convs, CoaT's, ECA's)
+STRING_PADDING_AND_1D = [(mnn.Conv2d, dict(kernel_size=3, padding="same")),
+                         (mnn.Conv2d, dict(kernel_size=3, padding="same", dilation=2, groups=4)),
+                         (mnn.Conv2d, dict(kernel_size=(1, 5), padding="same", groups=2)),
+                         (mnn.Conv2d, dict(kernel_size=3, stride=2, padding="valid")),
+                         (mnn.Conv1d, dict(kernel_size=1)), (mnn.Conv1d, dict(kernel_size=3, padding=1, groups=2)),
+                         (mnn.Conv1d, dict(kernel_size=3, stride=2)),
+                         (mnn.Conv1d, dict(kernel_size=5, padding="same", dilation=2, groups=4))]
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=str)
+@pytest.mark.parametrize("cls,conv_kwargs", STRING_PADDING_AND_1D, ids=str)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_grad,w_grad", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_fused_conv_string_padding_and_conv1d_bitwise_the_python_function(dtype, autocast, cls, conv_kwargs, bias,
+                                                                          x_grad, w_grad, unbatched, monkeypatch):
+    op = "conv2d_train" if cls is mnn.Conv2d else "conv1d_train"
+    args = (dtype, autocast, conv_kwargs, bias, x_grad, w_grad, unbatched, cls)
+    assert_op_path_is_the_python_path(monkeypatch, op, lambda fused, mp: _conv_run(fused, mp, *args))
+
+
+@pytest.mark.parametrize("name,op,layer", [("convmixer_768_32", "conv2d_train", mnn.Conv2d),
+                                           ("efficientvim_m1", "conv1d_train", mnn.Conv1d),
+                                           ("coat_tiny", "conv1d_train", mnn.Conv1d)], ids=str)
+def test_patched_models_run_every_conv_on_the_op(name, op, layer, monkeypatch):
+    """ConvMixer's 'same' depthwise convs, EfficientViM's and CoaT's Conv1d: two training steps
+    with drop-path on give the same outputs, gradients and buffers on the op as on the Python
+    Function, every such conv on the op."""
+    model = patch_model(build(name, drop=True))
+    assert_patched_model_takes_the_op(monkeypatch, model, lambda step: example(name, seed=step), op, layer)
+
+
+def test_fused_conv2d_only_for_zero_padding_it_can_name(monkeypatch):
+    """An even 'same' (one side pads more), other padding modes, the patch4x4 layout and
+    learned thresholds keep the Python Function; numbers, 'valid' and an odd 'same' take the
+    C++ op."""
     calls = count_calls(monkeypatch, "conv2d_train")
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     mnn.Conv2d(4, 4, 3, padding=1)(x).sum().backward()
-    assert calls == [1]
     mnn.Conv2d(4, 4, 3, padding="same")(x).sum().backward()
+    mnn.Conv2d(4, 4, 3, padding="valid")(x).sum().backward()
+    assert calls == [1, 1, 1]
+    calls.clear()
+    with pytest.warns(UserWarning, match="even kernel lengths"):  # (stock's own warning)
+        mnn.Conv2d(4, 4, 4, padding="same")(x).sum().backward()
     mnn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")(x).sum().backward()
     mnn.Conv2d(4, 4, 3, padding=1, layout="patch4x4", bits=2)(x).sum().backward()
     mnn.Conv2d(4, 4, 3, padding=1, bits=4, estimator="learned")(x).sum().backward()
-    assert calls == [1]
+    assert calls == []
     mnn.Conv2d(4, 4, 3, padding=1, bits=4)(x).sum().backward()  # a channel variant format: the C++ op
-    assert calls == [1, 1]
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -653,7 +696,6 @@ def test_fused_attention_in_patched_models_is_bitwise_the_python_function(name, 
     parameter gradients and buffers on both paths, also at 4 or 2 bits."""
     import copy
 
-    from mesa_train.patch import patch_model
     from test_patch_helpers import build, grads, inputs, loss_of
 
     explicit = "sdpa" not in ops

@@ -36,7 +36,7 @@ from mesa_train.patch import patch_model
 
 # the transformer layers, then the convnets' (BatchNorm and below); each a C++ layer op in eager
 # training; a baseline tree older than a layer leaves its row out
-LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "SDPA", "LayerScale", "Affine",
+LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "Conv1d", "SDPA", "LayerScale", "Affine",
           "StarReLU", "Normalize", "GatedSiLU", "GatedProduct", "Einsum", "Amax",
           "BatchNorm2d", "ScaleBranch", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d",
           "GroupNorm", "LayerNorm2d", "GlobalResponseNorm")
@@ -114,6 +114,8 @@ def _transformer_cases(M):
         "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 4, 4),)),
         "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4))),
         "Conv2d": (lambda: nn.Conv2d(2, 4, 3, padding=1), M.Conv2d.from_module, lambda: (torch.randn(2, 2, 4, 4),)),
+        # EfficientViM's and CoaT's token convs, ECA attention's
+        "Conv1d": (lambda: nn.Conv1d(2, 4, 3, padding=1), M.Conv1d.from_module, lambda: (torch.randn(2, 2, 16),)),
         # fused attention (the sdpa set): three compressed operands, backward recomputes
         "SDPA": (_SDPA, lambda s: M.ScaledDotProductAttention(num_groups=2),
                  lambda: tuple(torch.randn(2, 2, 4, 4) for _ in range(3))),

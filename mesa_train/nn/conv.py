@@ -1,10 +1,11 @@
 """Mesa ``Conv2d``: exact forward, saves the 8-bit input (channel groups over dim 1).
 
-In eager training with a channel format and numeric zero padding the layer runs as one op
-with a C++ autograd node, ``mesa::conv2d_train`` (csrc/layers_autograd.cpp: bitwise
-``_Conv2dFn``, tests/test_layers_autograd.py), a scale-branch link included where its
-BatchNorm takes its C++ op too (csrc/scale_link.h); under ``torch.compile``, for patch4x4 and
-learned thresholds, string padding and other padding modes, ``_Conv2dFn`` runs."""
+In eager training with a channel format and zero padding (numbers, 'valid', an odd 'same') the
+layer runs as one op with a C++ autograd node, ``mesa::conv2d_train`` / ``conv1d_train``
+(csrc/layers_autograd.cpp: bitwise ``_Conv2dFn``, tests/test_layers_autograd.py), a scale-branch
+link included where its BatchNorm takes its C++ op too (csrc/scale_link.h); under
+``torch.compile``, for patch4x4 and learned thresholds, an even 'same' and the other padding
+modes, ``_Conv2dFn`` runs."""
 from __future__ import annotations
 
 import weakref
@@ -175,6 +176,7 @@ class _MesaConv(MesaLayer):
     ``from_module`` adopting the stock conv's parameters (``_stock`` is the torch class)."""
 
     _stock: type = nn.Conv2d
+    _train_op: str = "conv2d_train"  # the C++ layer op, torch.ops.mesa.<_train_op>
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, padding_mode="zeros", device=None, dtype=None, **quant_options):
@@ -190,6 +192,20 @@ class _MesaConv(MesaLayer):
                   padding_mode=stock.padding_mode, device="meta", dtype=stock.weight.dtype,
                   **inherit_options(stock, quant_options))
         return adopt_parameters(stock, new)
+
+    def _compressed_conv(self, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``self._conv_forward(input, weight, self.bias)`` keeping the 8-bit input; ``weight``
+        is this layer's own or one derived from it (weight standardization: ``std_conv.py``)."""
+        padding = _explicit_padding(self)
+        # eager, a channel format, zero padding the op can be given as numbers (numbers, 'valid',
+        # an odd 'same': what F.conv2d pads; ConvMixer's depthwise convs): the layer with a C++
+        # autograd node; otherwise (compile, patch4x4, learned thresholds, an even 'same', the
+        # other padding modes) the Python Function
+        fused = self.quantizer.fused_layer_args(input) if padding is not None else None
+        if fused is not None:
+            return getattr(torch.ops.mesa, self._train_op)(input, weight, self.bias, self.stride, padding,
+                                                           self.dilation, self.groups, *fused)
+        return _Conv2dFn.apply(input, weight, self.bias, self, self.quantizer)
 
 
 class Conv2d(_MesaConv, nn.Conv2d):
@@ -231,32 +247,19 @@ class Conv2d(_MesaConv, nn.Conv2d):
         bn.__dict__["_mesa_scale_pending"] = link  # taken by the BatchNorm if y is its input
         return y
 
-    def _compressed_conv(self, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``self._conv_forward(input, weight, self.bias)`` keeping the 8-bit input; ``weight``
-        is this layer's own or one derived from it (weight standardization: ``std_conv.py``)."""
-        fused = self.quantizer.fused_layer_args(input) if self._fused_padding else None
-        if fused is not None:  # eager, channel format: the layer with a C++ autograd node
-            return torch.ops.mesa.conv2d_train(input, weight, self.bias, self.stride, self.padding,
-                                               self.dilation, self.groups, *fused)
-        return _Conv2dFn.apply(input, weight, self.bias, self, self.quantizer)
-
-    @property
-    def _fused_padding(self) -> bool:
-        """Zero padding given as numbers: what the C++ op (``mesa::conv2d_train``) handles;
-        'same'/'valid' and the other padding modes keep the Python Function."""
-        return self.padding_mode == "zeros" and not isinstance(self.padding, str)
-
     def extra_repr(self) -> str:
         return f"{nn.Conv2d.extra_repr(self)}, {self._mesa_repr()}"
 
 
 class Conv1d(_MesaConv, nn.Conv1d):
     """``torch.nn.Conv1d`` whose saved input is 8-bit (channel groups over the channel dim):
-    the Python Function of ``Conv2d`` (``_Conv2dFn``, any number of spatial dims), the
-    stock forward, ``convolution_backward`` on the dequantized input. EfficientViM's
-    token convolutions (16% of what it kept), CoaT's, ECA attention's."""
+    in eager training ``mesa::conv1d_train`` (``Conv2d``'s C++ node, one spatial dim), else the
+    Python Function of ``Conv2d`` (``_Conv2dFn``, any number of spatial dims); the stock
+    forward, ``convolution_backward`` on the dequantized input. EfficientViM's token
+    convolutions (16% of what it kept; 18 a step in EfficientViM-M1), CoaT's, ECA attention's."""
 
     _stock = nn.Conv1d
+    _train_op = "conv1d_train"
 
     def _init_mesa(self, quant_options: dict, device=None) -> None:
         # layout="patch4x4" tiles a (B, C, H, W) feature map: a 1-D conv in a model patched with
@@ -271,7 +274,7 @@ class Conv1d(_MesaConv, nn.Conv1d):
     def forward(self, input):
         if not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
-        return _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer)
+        return self._compressed_conv(input, self.weight)
 
     def extra_repr(self) -> str:
         return f"{nn.Conv1d.extra_repr(self)}, {self._mesa_repr()}"

@@ -125,9 +125,9 @@ class GroupNorm(MesaLayer, nn.GroupNorm):
     def forward(self, input):
         if input.dim() < 2 or not self._mesa_active(input, self.weight, self.bias):
             return super().forward(input)
-        # eager, channel format, affine: the layer with a C++ autograd node (csrc/convnet_autograd.cpp)
-        fused = self.quantizer.fused_layer_args(input) \
-            if self.weight is not None and self.bias is not None else None
+        # eager, channel format, a weight (a bias or none: timm's GroupNorm1NoBias, PoolFormerV2's):
+        # the layer with a C++ autograd node (csrc/convnet_autograd.cpp)
+        fused = self.quantizer.fused_layer_args(input) if self.weight is not None else None
         if fused is not None:
             return torch.ops.mesa.group_norm_train(input, self.weight, self.bias, self.num_groups, self.eps, *fused)
         return _GroupNormFn.apply(input, self.num_groups, self.weight, self.bias, self.eps, self.quantizer)
