@@ -10,8 +10,8 @@ session 56; ``--layers star_relu`` (MetaFormer's StarReLU: ConvFormer, CAFormer)
 (MViTv2's relative-position einsums) before session 58; ``--layers scale_branch`` (a 1x1
 depthwise conv linked to the BatchNorm after it: FastViT, MobileOne, RepViT), ``--layers
 padded_conv`` (convs padded 'same' / 'valid': ConvMixer; and every Conv1d: EfficientViM, CoaT) and
-``--layers groupnorm`` (the GroupNorms; PoolFormerV2's have no bias, which kept them off the op)
-before session 59. The script puts those
+``--layers groupnorm`` (the GroupNorms; PoolFormerV2's have no bias, which kept them off the op) and
+``--layers rmsnorm`` (timm's RmsNorm: ViT-XP, Gemma-4, DeepSeek's ViT) before session 59. The script puts those
 layers back on that path ("python": their quantizers' ``fused_layer_args`` answers ``None``, what
 it answered then) and times it, interleaved with the C++ path and the stock model, median of
 ``--steps`` steps each:
@@ -56,7 +56,8 @@ def padded_convs(model):
 LAYER_SETS = {"attention": (mnn.Softmax, mnn.MatMul, mnn.ScaledDotProductAttention),
               "gated": (mnn.GatedActivation,), "star_relu": (mnn.StarReLU,), "affine": (mnn.Affine,),
               "normalize": (mnn.Normalize,), "grn": (mnn.GlobalResponseNorm,), "einsum": (mnn.Einsum,),
-              "scale_branch": linked_scale_branches, "padded_conv": padded_convs, "groupnorm": (mnn.GroupNorm,)}
+              "scale_branch": linked_scale_branches, "padded_conv": padded_convs, "groupnorm": (mnn.GroupNorm,),
+              "rmsnorm": (mnn.RmsNorm,)}
 
 
 def python_path_switch(model, layers):

@@ -36,8 +36,8 @@ from mesa_train.patch import patch_model
 
 # the transformer layers, then the convnets' (BatchNorm and below); each a C++ layer op in eager
 # training; a baseline tree older than a layer leaves its row out
-LAYERS = ("Linear", "GELU", "LayerNorm", "Softmax", "MatMul", "Conv2d", "Conv1d", "SDPA", "LayerScale", "Affine",
-          "StarReLU", "Normalize", "GatedSiLU", "GatedProduct", "Einsum", "Amax",
+LAYERS = ("Linear", "GELU", "LayerNorm", "RmsNorm", "Softmax", "MatMul", "Conv2d", "Conv1d", "SDPA", "LayerScale",
+          "Affine", "StarReLU", "Normalize", "GatedSiLU", "GatedProduct", "Einsum", "Amax",
           "BatchNorm2d", "ScaleBranch", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d",
           "GroupNorm", "LayerNorm2d", "GlobalResponseNorm")
 
@@ -102,7 +102,7 @@ def _cases():
 
 
 def _transformer_cases(M):
-    from timm.layers import LayerScale
+    from timm.layers import LayerScale, RmsNorm
     from timm.models.metaformer import StarReLU
     from timm.models.mlp_mixer import Affine
 
@@ -111,6 +111,8 @@ def _transformer_cases(M):
         "Linear": (lambda: nn.Linear(8, 8), M.Linear.from_module, lambda: (x(),)),
         "GELU": (nn.GELU, M.GELU.from_module, lambda: (x(),)),
         "LayerNorm": (lambda: nn.LayerNorm(8), M.LayerNorm.from_module, lambda: (x(),)),
+        # timm's RmsNorm (ViT-XP, Gemma-4's and DeepSeek's ViTs)
+        "RmsNorm": (lambda: RmsNorm(8), M.RmsNorm.from_module, lambda: (x(),)),
         "Softmax": (lambda: nn.Softmax(-1), M.Softmax.from_module, lambda: (torch.randn(2, 2, 4, 4),)),
         "MatMul": (_MatMul, lambda s: M.MatMul(), lambda: (torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4))),
         "Conv2d": (lambda: nn.Conv2d(2, 4, 3, padding=1), M.Conv2d.from_module, lambda: (torch.randn(2, 2, 4, 4),)),

@@ -15,12 +15,19 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import nn
 
+from . import quantizer as quantizer_mod
 from ._common import (MesaLayer, check_stock, copy_estimates, inherit_options, load, no_autocast, save,
                       stock_device)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 from timm.layers.norm import rms_norm as timm_rms_norm  # what timm's RmsNorm.forward calls
 
 __all__ = ["RmsNorm", "RmsNormFp32"]
+
+# The C++ layer op (mesa::rms_norm_train, csrc/rmsnorm_autograd.cpp) runs torch's rms_norm: the
+# stock forward only where timm's RmsNorm calls that very function (timm 1.0.31 does; an older
+# timm wrote the ops out, and its RmsNorm keeps the Python Function here)
+_OP = (quantizer_mod._FUSED_LAYERS and hasattr(torch.ops.mesa, "rms_norm_train")
+       and timm_rms_norm is getattr(torch.nn.functional, "rms_norm", None))
 
 
 def _dims(ndim: int):
@@ -112,7 +119,12 @@ class RmsNorm(MesaLayer, nn.Module):
         if not self._mesa_active(x, weight):
             out = timm_rms_norm(x, self.normalized_shape, weight, self.eps)
         else:
-            out = _RmsNormFn.apply(x, self.normalized_shape, weight, self.eps, self.quantizer)
+            fused = self.quantizer.fused_layer_args(x) if _OP else None
+            if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
+                out = torch.ops.mesa.rms_norm_train(x, list(self.normalized_shape), weight, self.eps, *fused,
+                                                    self.quantizer.options.row_scale)
+            else:
+                out = _RmsNormFn.apply(x, self.normalized_shape, weight, self.eps, self.quantizer)
         return out.to(dtype) if self.float32_compute else out
 
     def extra_repr(self) -> str:
