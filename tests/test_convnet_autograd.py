@@ -19,6 +19,7 @@ from op_calls import assert_op_path_is_the_python_path, assert_patched_model_tak
 from timm_zoo import build, example
 from bit_patterns import assert_all_same_bits
 
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
 
 
@@ -154,6 +155,10 @@ def test_fused_groupnorm_options_and_gradients(options, grads, monkeypatch):
 def test_fused_groupnorm_without_bias_is_bitwise_the_python_function(device, dtype, autocast, layout, grads,
                                                                      monkeypatch):
     """A weight and no bias (timm's GroupNorm1NoBias: PoolFormerV2's 24 norms a step in the S12)."""
+    if device == "cpu" and layout == "channels_last" and not grads[0] and _TORCH < (2, 14):
+        # (stock nn.GroupNorm too: torch 2.11's CPU native_group_norm_backward crashes on a
+        # channels-last input whose gradient is not asked for; torch 2.14 does not)
+        pytest.skip("torch 2.11's CPU group-norm backward segfaults on a channels-last input without its gradient")
     args = (device, layout, 1, dtype, autocast, {}, (*grads, False), False)
     assert_op_path_is_the_python_path(monkeypatch, "group_norm_train", _gn_run, *args)
 
