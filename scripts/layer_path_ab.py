@@ -11,10 +11,12 @@ session 56; ``--layers star_relu`` (MetaFormer's StarReLU: ConvFormer, CAFormer)
 depthwise conv linked to the BatchNorm after it: FastViT, MobileOne, RepViT), ``--layers
 padded_conv`` (convs padded 'same' / 'valid': ConvMixer; and every Conv1d: EfficientViM, CoaT) and
 ``--layers groupnorm`` (the GroupNorms; PoolFormerV2's have no bias, which kept them off the op) and
-``--layers rmsnorm`` (timm's RmsNorm: ViT-XP, Gemma-4, DeepSeek's ViT) before session 59. The script puts those
-layers back on that path ("python": their quantizers' ``fused_layer_args`` answers ``None``, what
-it answered then) and times it, interleaved with the C++ path and the stock model, median of
-``--steps`` steps each:
+``--layers rmsnorm`` (timm's RmsNorm: ViT-XP, Gemma-4, DeepSeek's ViT) before session 59;
+``--layers gemma4`` (Gemma 4's Clamp and OneHotTable, layers with no quantizer) before session 60.
+The script puts those layers back on that path ("python": their quantizers' ``fused_layer_args``
+answers ``None``, what it answered then; a layer with no quantizer runs with the C++ layer ops
+off) and times it, interleaved with the C++ path and the stock model, median of ``--steps``
+steps each:
 
     python scripts/layer_path_ab.py --model deit_tiny_patch16_224 --bits 4 --attention explicit
     python scripts/layer_path_ab.py --layers gated --model focalnet_tiny_srf --bits 8
@@ -23,6 +25,7 @@ it answered then) and times it, interleaved with the C++ path and the stock mode
     python scripts/layer_path_ab.py --layers scale_branch --model fastvit_t8 --bits 8
     python scripts/layer_path_ab.py --layers padded_conv --model convmixer_768_32 --bits 8
     python scripts/layer_path_ab.py --layers groupnorm --model poolformerv2_s12 --bits 8
+    python scripts/layer_path_ab.py --layers gemma4 --model gemma4_vit_167m --bits 8
 """
 from __future__ import annotations
 
@@ -57,14 +60,15 @@ LAYER_SETS = {"attention": (mnn.Softmax, mnn.MatMul, mnn.ScaledDotProductAttenti
               "gated": (mnn.GatedActivation,), "star_relu": (mnn.StarReLU,), "affine": (mnn.Affine,),
               "normalize": (mnn.Normalize,), "grn": (mnn.GlobalResponseNorm,), "einsum": (mnn.Einsum,),
               "scale_branch": linked_scale_branches, "padded_conv": padded_convs, "groupnorm": (mnn.GroupNorm,),
-              "rmsnorm": (mnn.RmsNorm,)}
+              "rmsnorm": (mnn.RmsNorm,), "gemma4": (mnn.Clamp, mnn.OneHotTable)}
 
 
 def python_path_switch(model, layers):
     """A one-element list: while its item is True, the quantizers of the ``layers`` (a
-    ``LAYER_SETS`` entry) answer ``fused_layer_args`` with ``None`` (those layers run the Python
-    Functions)."""
-    found = layers(model) if callable(layers) else (m for m in model.modules() if isinstance(m, layers))
+    ``LAYER_SETS`` entry) answer ``fused_layer_args`` with ``None``, and those layers that have
+    no quantizer (Gemma 4's Clamp and OneHotTable: masks and positions) run with the C++ layer
+    ops switched off: those layers run the Python Functions. Also the number switched."""
+    found = list(layers(model) if callable(layers) else (m for m in model.modules() if isinstance(m, layers)))
     chosen = {id(q) for m in found for q in m.quantizers()}
     real = quantizer_mod.ActivationQuantizer.fused_layer_args
     switch = [False]
@@ -73,7 +77,24 @@ def python_path_switch(model, layers):
         return None if switch[0] and id(self) in chosen else real(self, x)
 
     quantizer_mod.ActivationQuantizer.fused_layer_args = fused_layer_args
-    return switch, len(chosen)
+    plain = [m for m in found if not list(m.quantizers())]
+    for layer in plain:
+        layer.forward = _on_python_path_while(switch, layer.forward)
+    return switch, len(chosen) + len(plain)
+
+
+def _on_python_path_while(switch, forward):
+    """``forward`` run with the C++ layer ops off (``quantizer._FUSED_LAYERS``) while ``switch[0]``."""
+    def switched(*args, **kwargs):
+        if not switch[0]:
+            return forward(*args, **kwargs)
+        real = quantizer_mod._FUSED_LAYERS
+        quantizer_mod._FUSED_LAYERS = False
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            quantizer_mod._FUSED_LAYERS = real
+    return switched
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ something else), and differentiating it again is PyTorch's one-line error. The C
 nodes stop already at the first backward (tests/test_layers_autograd.py).
 
 The exceptions are the layers whose backward reads nothing lossy and is linear in the incoming
-gradient: AvgPool2d (keeps nothing) and Amax (an exact 1-bit mask). Under ``create_graph=True``
+gradient: AvgPool2d (keeps nothing), Amax and Clamp (exact 1-bit masks). Under ``create_graph=True``
 their backward ops are recorded, on both paths, and the second derivative is stock's, bit for bit.
 """
 from __future__ import annotations
@@ -88,6 +88,10 @@ _LOSSLESS = {
                   lambda: mnn.AvgPool2d(3, 2, 1, count_include_pad=False), (2, 3, 7, 6)),
     "Amax": (lambda: (lambda x: x.amax((2, 3), keepdim=True)),
              lambda: (lambda x, amax=mnn.Amax(): amax(x, (2, 3), True)), (2, 3, 4, 5)),
+    # Gemma 4's clamp with buffer bounds: x rounded to 0.1 meets both bounds (ties: g / 2)
+    "Clamp": (lambda: (lambda x: torch.clamp(x, torch.tensor(-0.5, dtype=x.dtype), torch.tensor(0.7, dtype=x.dtype))),
+              lambda: (lambda x, clamp=mnn.Clamp(): clamp(x, torch.tensor(-0.5, dtype=x.dtype),
+                                                          torch.tensor(0.7, dtype=x.dtype))), (2, 3, 4, 5)),
 }
 
 

@@ -38,6 +38,7 @@ from mesa_train.patch import patch_model
 # training; a baseline tree older than a layer leaves its row out
 LAYERS = ("Linear", "GELU", "LayerNorm", "RmsNorm", "Softmax", "MatMul", "Conv2d", "Conv1d", "SDPA", "LayerScale",
           "Affine", "StarReLU", "Normalize", "GatedSiLU", "GatedProduct", "Einsum", "Amax",
+          "Clamp", "OneHotTable",
           "BatchNorm2d", "ScaleBranch", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d",
           "GroupNorm", "LayerNorm2d", "GlobalResponseNorm")
 
@@ -85,6 +86,34 @@ class _Amax(nn.Module):
 
     def forward(self, x):
         return self.amax(x, 1)
+
+
+class _Clamp(nn.Module):
+    """Gemma 4's clamped projections: ``torch.clamp(x, lo, hi)`` with buffer bounds."""
+
+    def __init__(self, clamp=torch.clamp):
+        super().__init__()
+        self.clamp = clamp
+        self.register_buffer("lo", torch.tensor(-1.0))
+        self.register_buffer("hi", torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.clamp(x, self.lo, self.hi)
+
+
+class _OneHotTable(nn.Module):
+    """Gemma 4's position embeddings, ``one_hot(positions) @ table`` on fixed (B, N, 2) positions;
+    the input is the table (the gradient's only target)."""
+
+    def __init__(self, lookup=None):
+        super().__init__()
+        self.lookup = lookup
+        self.register_buffer("positions", torch.randint(0, 16, (2, 4, 2), generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, table):
+        if self.lookup is not None:
+            return self.lookup(self.positions, table)
+        return torch.nn.functional.one_hot(self.positions, table.shape[1]).permute(0, 2, 1, 3).to(table) @ table
 
 
 class _SDPA(nn.Module):
@@ -137,6 +166,11 @@ def _transformer_cases(M):
         "Einsum": (_Einsum, lambda s: _Einsum(M.Einsum()),
                    lambda: (torch.randn(2, 2, 4, 4, 8), torch.randn(4, 7, 8))),
         "Amax": (_Amax, lambda s: _Amax(M.Amax()), lambda: (torch.randn(2, 4, 4, 8),)),
+        # Gemma 4's clamps with buffer bounds (two 1-bit masks) and its position-table lookup
+        # (the positions kept); a baseline tree without the layer leaves the row out
+        "Clamp": (_Clamp, lambda s: _Clamp(M.Clamp()), lambda: (x(),)) if hasattr(M, "Clamp") else None,
+        "OneHotTable": ((_OneHotTable, lambda s: _OneHotTable(M.OneHotTable()), lambda: (torch.randn(2, 16, 4),))
+                        if hasattr(M, "OneHotTable") else None),
     }
 
 

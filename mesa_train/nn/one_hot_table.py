@@ -6,7 +6,9 @@ stock autograd keeps that one-hot matrix for the table's gradient: ``P`` floats 
 axis, the largest tensor a stock step of that model keeps. This runs the same matmul (the
 forward is stock's bit for bit) and keeps only the positions; the table's gradient is an
 ``index_add`` of the output gradient's rows (the same sums as ``one_hot^T @ g``, in another
-order).
+order). In eager training the layer is one op with a C++ autograd node
+(``mesa::one_hot_table_train``, csrc/one_hot_table_autograd.cpp: the same ops, the same bits,
+less host time); under ``torch.compile`` the Python Function below runs.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from . import quantizer as quantizer_mod
 from ._common import MesaLayer
 
 __all__ = ["OneHotTable"]
@@ -55,6 +58,9 @@ class OneHotTable(MesaLayer, nn.Module):
     def forward(self, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(table):
             return F.one_hot(positions, num_classes=table.shape[1]).permute(0, 2, 1, 3).to(table) @ table
+        if quantizer_mod.fused_layers_on():
+            # eager: the layer with a C++ autograd node (csrc/one_hot_table_autograd.cpp), the same bits
+            return torch.ops.mesa.one_hot_table_train(positions, table)
         return _OneHotTableFn.apply(positions, table)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,64 @@
+// Eager fast path of the Mesa Clamp (mesa_train/nn/clamp_activations.py, _ClampFn: torch.clamp(x,
+// lo, hi) with tensor bounds that take no gradient, Gemma 4's clamped projections) as one op
+// whose autograd node is C++, as convnet_autograd.cpp does for the clamps with number bounds.
+//
+// Why: the session-59 zoo survey found it one of the last two Mesa layers on a Python Function
+// (Gemma 4's vision encoder, 28 a step: an input and an output clamp on every projection). The op
+// runs the aten ops of that Function in its order: the stock clamp, then two 1-bit masks
+// (bitmask.h, relu.pack_bits' bytes) of where stock's gradient passes g (strictly inside, or a
+// NaN) and where it halves it (x on a bound: maximum / minimum share a tie), and in backward
+// where(passes, g, where(ties, g * 0.5, 0)). Output and gradient are bitwise the Python
+// Function's and stock's (tests/test_clamp_table_autograd.py). The backward is linear in g and
+// its masks exact, so under create_graph=True its ops are recorded and differentiate as stock's
+// clamp backward does.
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "bitmask.h"
+#include "layers_common.h"
+
+namespace mesa {
+namespace {
+
+using namespace layers;  // (layers_common.h)
+
+struct ClampTrain : public torch::autograd::Function<ClampTrain> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi) {
+    at::Tensor y = at::clamp(x, lo, hi);
+    auto [passes, cl_passes] = pack_bits(at::bitwise_not(at::bitwise_or(at::le(x, lo), at::ge(x, hi))));
+    auto [ties, cl_ties] = pack_bits(at::bitwise_or(at::eq(x, lo), at::eq(x, hi)));
+    ctx->save_for_backward({passes, ties});
+    ctx->saved_data["shape"] = x.sizes();
+    ctx->saved_data["cl_passes"] = cl_passes;
+    ctx->saved_data["cl_ties"] = cl_ties;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const at::Tensor passes = unpack_bits(saved[0], shape, ctx->saved_data["cl_passes"].toBool());
+    const at::Tensor ties = unpack_bits(saved[1], shape, ctx->saved_data["cl_ties"].toBool());
+    const at::Tensor& g = grads[0];
+    return {at::where(passes, g, at::where(ties, g * 0.5, 0)), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor clamp_train(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi) {
+  TORCH_CHECK_VALUE(!lo.requires_grad() && !hi.requires_grad(),
+                    "mesa::clamp_train: the bounds take no gradient (buffers); run torch.clamp for learned bounds");
+  return ClampTrain::apply(x, lo, hi);
+}
+
+}  // namespace
+}  // namespace mesa
+
+TORCH_LIBRARY_FRAGMENT(mesa, m) {
+  // torch.clamp(x, lo, hi) with bounds that take no gradient, keeping two 1-bit masks
+  m.def("clamp_train(Tensor x, Tensor lo, Tensor hi) -> Tensor");
+}
+
+// (see layers_autograd.cpp: one kernel for every backend, the node built here)
+TORCH_LIBRARY_IMPL(mesa, Autograd, m) { m.impl("clamp_train", &mesa::clamp_train); }
