@@ -139,7 +139,7 @@ def main() -> None:
                 times[name].append(t)
     base = statistics.median(times["stock"])
     print(f"{args.model}, {args.bits} bits, attention={args.attention}, {args.img_size}px, batch {args.batch}, "
-          f"{n_chosen} quantizers switched ({args.layers}), median of {args.steps} steps")
+          f"{n_chosen} layers/quantizers switched ({args.layers}), median of {args.steps} steps")
     for name, ts in times.items():
         ms = statistics.median(ts)
         print(f"  {name:44s} {ms:8.1f} ms  {ms / base:.2f}x stock")

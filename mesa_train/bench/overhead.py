@@ -113,7 +113,10 @@ class _OneHotTable(nn.Module):
     def forward(self, table):
         if self.lookup is not None:
             return self.lookup(self.positions, table)
-        return torch.nn.functional.one_hot(self.positions, table.shape[1]).permute(0, 2, 1, 3).to(table) @ table
+        # stock's expression written out, not nn.one_hot_table.one_hot_lookup: this file also runs
+        # in a --baseline-tree checkout that may predate that module
+        one_hot = torch.nn.functional.one_hot(self.positions, table.shape[1]).permute(0, 2, 1, 3)
+        return one_hot.to(table) @ table
 
 
 class _SDPA(nn.Module):

@@ -20,14 +20,21 @@ from torch import nn
 from . import quantizer as quantizer_mod
 from ._common import MesaLayer
 
-__all__ = ["OneHotTable"]
+__all__ = ["OneHotTable", "one_hot_lookup"]
+
+
+def one_hot_lookup(positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Stock Gemma 4's lookup: ``(B, N, axes)`` positions, ``(axes, P, D)`` table -> ``(B, axes, N, D)``.
+    A float one-hot ``(B, axes, N, P)`` matmul with the table, kept as stock writes it (the layer's
+    forward must be stock's bit for bit)."""
+    one_hot = F.one_hot(positions, num_classes=table.shape[1]).permute(0, 2, 1, 3).to(table)
+    return one_hot @ table
 
 
 class _OneHotTableFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, positions, table):
-        one_hot = F.one_hot(positions, num_classes=table.shape[1]).permute(0, 2, 1, 3).to(table)
-        out = one_hot @ table  # (B, 2, N, P) @ (2, P, D): stock's own matmul
+        out = one_hot_lookup(positions, table)  # stock's own matmul
         ctx.save_for_backward(positions)
         ctx.table_shape, ctx.table_dtype = table.shape, table.dtype
         return out
@@ -46,8 +53,8 @@ class _OneHotTableFn(torch.autograd.Function):
 
 
 class OneHotTable(MesaLayer, nn.Module):
-    """``forward(positions, table)``: ``F.one_hot(positions, table.shape[1]).permute(0, 2, 1, 3)
-    .to(table) @ table`` for ``positions`` ``(B, N, axes)`` and ``table`` ``(axes, P, D)``."""
+    """``forward(positions, table)``: ``one_hot_lookup(positions, table)`` for ``positions``
+    ``(B, N, axes)`` and ``table`` ``(axes, P, D)``, keeping only the positions for backward."""
 
     _quantizer_names = ()
 
@@ -57,7 +64,7 @@ class OneHotTable(MesaLayer, nn.Module):
 
     def forward(self, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(table):
-            return F.one_hot(positions, num_classes=table.shape[1]).permute(0, 2, 1, 3).to(table) @ table
+            return one_hot_lookup(positions, table)
         if quantizer_mod.fused_layers_on():
             # eager: the layer with a C++ autograd node (csrc/one_hot_table_autograd.cpp), the same bits
             return torch.ops.mesa.one_hot_table_train(positions, table)
