@@ -216,6 +216,27 @@ std::tuple<at::Tensor, at::Tensor, bool> pack_outside(const at::Tensor& t, doubl
   return {below, above, channels_last};
 }
 
+std::tuple<at::Tensor, at::Tensor, bool> pack_clamp(const at::Tensor& t, const at::Tensor& lo, const at::Tensor& hi) {
+  const bool channels_last = is_channels_last(t);
+  const bool numbers = lo.dim() == 0 && hi.dim() == 0 && lo.device().is_cpu() && hi.device().is_cpu();
+  if (!numbers || !is_cpu_floating(t) || !in_mask_order(t, channels_last)) {
+    auto [passes, cl] = pack_bits(at::bitwise_not(at::bitwise_or(at::le(t, lo), at::ge(t, hi))));
+    return {passes, pack_bits(at::bitwise_or(at::eq(t, lo), at::eq(t, hi))).first, cl};
+  }
+  // a 0-dim bound takes t's dtype in the comparison (type promotion: a dimensioned tensor's dtype
+  // wins within a category), so it is compared as its value rounded to that dtype: x = bf16(0.1)
+  // is below a float 0.1 but ties bf16(0.1), the bound the comparison sees
+  const double l = lo.to(t.scalar_type()).item<double>(), h = hi.to(t.scalar_type()).item<double>();
+  at::Tensor passes = mask_bytes(t), ties = mask_bytes(t);
+  with_compared_bounds(t, l, h, [&](const auto* x, auto lc, auto hc) {
+    pack_loop(
+        x, t.numel(), passes.mutable_data_ptr<uint8_t>(),
+        [lc, hc](auto v) { return !((compared(v) <= lc) | (compared(v) >= hc)); },
+        ties.mutable_data_ptr<uint8_t>(), [lc, hc](auto v) { return (compared(v) == lc) | (compared(v) == hc); });
+  });
+  return {passes, ties, channels_last};
+}
+
 at::Tensor unpack_bit_bytes(const at::Tensor& packed, at::IntArrayRef shape, bool channels_last) {
   const at::Tensor powers = at::bitwise_left_shift(at::ones({8}, packed.options()), at::arange(8, packed.options()));
   const at::Tensor flat =

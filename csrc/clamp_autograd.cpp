@@ -26,12 +26,11 @@ using namespace layers;  // (layers_common.h)
 struct ClampTrain : public torch::autograd::Function<ClampTrain> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi) {
     at::Tensor y = at::clamp(x, lo, hi);
-    auto [passes, cl_passes] = pack_bits(at::bitwise_not(at::bitwise_or(at::le(x, lo), at::ge(x, hi))));
-    auto [ties, cl_ties] = pack_bits(at::bitwise_or(at::eq(x, lo), at::eq(x, hi)));
+    // (on the CPU, for number bounds: one pass over x for both masks, bitmask.cpp)
+    auto [passes, ties, channels_last] = pack_clamp(x, lo, hi);
     ctx->save_for_backward({passes, ties});
     ctx->saved_data["shape"] = x.sizes();
-    ctx->saved_data["cl_passes"] = cl_passes;
-    ctx->saved_data["cl_ties"] = cl_ties;
+    ctx->saved_data["channels_last"] = channels_last;
     return y;
   }
 
@@ -39,9 +38,17 @@ struct ClampTrain : public torch::autograd::Function<ClampTrain> {
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto shape = ctx->saved_data["shape"].toIntVector();
-    const at::Tensor passes = unpack_bits(saved[0], shape, ctx->saved_data["cl_passes"].toBool());
-    const at::Tensor ties = unpack_bits(saved[1], shape, ctx->saved_data["cl_ties"].toBool());
+    const bool channels_last = ctx->saved_data["channels_last"].toBool();
     const at::Tensor& g = grads[0];
+    // No element on a bound (the usual case: a tie needs x equal to a bound), on the CPU and not
+    // recorded for a second derivative (masked_grad's loop is not differentiable): where(passes,
+    // g, 0), the same values and layout, as the ReLU's one pass from the bits (bitmask.h). The
+    // check reads n / 8 bytes; a host sync only where the data is on the host anyway.
+    if (g.is_cpu() && !at::GradMode::is_enabled() && !saved[1].any().item<bool>()) {
+      return {masked_grad(g, saved[0], shape, channels_last), at::Tensor(), at::Tensor()};
+    }
+    const at::Tensor passes = unpack_bits(saved[0], shape, channels_last);
+    const at::Tensor ties = unpack_bits(saved[1], shape, channels_last);
     return {at::where(passes, g, at::where(ties, g * 0.5, 0)), at::Tensor(), at::Tensor()};
   }
 };

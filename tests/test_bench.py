@@ -82,7 +82,8 @@ def test_every_row_present_and_ok(quick):
         for key in ("saved_mb", "peak_mb", "step_rss_mb", "throughput", "params_m"):
             assert _float(r[key]) is not None and _float(r[key]) > 0, (r["label"], key)
         assert r["peak_kind"] == "cpu_peak_rss"
-        assert int(r["timed_steps"]) == 5
+        # the preset's steps, timed round-robin with the group (interleave: true)
+        assert int(r["timed_steps"]) == _preset_dict("cpu-quick")["common"]["steps"]
 
 
 def test_ratios_consistent_with_raw_numbers(quick):

@@ -36,7 +36,10 @@ CLAMP_CASES = {
 }
 
 
-def _clamp_inputs(case: str, step: int, device, dtype):
+def _clamp_inputs(case: str, step: int, device, dtype, ties: bool = True):
+    """x with a NaN and elements outside both bounds; ``ties``: two elements on a bound (g / 2),
+    else none (the op's CPU backward then takes its one pass from the bits): the elements on a
+    bound as the comparison sees it (a bf16 x against the bound rounded to bf16) set to 0."""
     shape, bound_shape = CLAMP_CASES[case]
     g = torch.Generator().manual_seed(step)
     x = (torch.randn(shape, generator=g) * 2).round(decimals=1)
@@ -44,17 +47,20 @@ def _clamp_inputs(case: str, step: int, device, dtype):
     hi = torch.full(bound_shape, 2.0)
     x.view(-1)[:4] = torch.tensor([-1.5 - 0.1 * step, 2.0, float("nan"), 0.0])  # ties (g / 2) and a NaN (g)
     x = x.to(device, dtype)
+    lo, hi = lo.to(device), hi.to(device)
+    if not ties:
+        x = torch.where((x == lo) | (x == hi), 0, x)
     if case == "channels-last":
         x = x.contiguous(memory_format=torch.channels_last)
-    return x, lo.to(device), hi.to(device)
+    return x, lo, hi
 
 
-def _run_clamp(fused, monkeypatch, device, case, dtype):
+def _run_clamp(fused, monkeypatch, device, case, dtype, ties=True):
     """Two calls: outputs, gradients (strides included) and the bytes kept."""
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     out = []
     for step in range(2):
-        x, lo, hi = _clamp_inputs(case, step, device, DTYPES[dtype])
+        x, lo, hi = _clamp_inputs(case, step, device, DTYPES[dtype], ties)
         x.requires_grad_()
         with SavedTensorMeter() as meter:
             y = mnn.Clamp()(x, lo, hi)
@@ -65,15 +71,17 @@ def _run_clamp(fused, monkeypatch, device, case, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "no-ties"])
 @pytest.mark.parametrize("case", list(CLAMP_CASES))
-def test_clamp_op_is_bitwise_the_python_function(case, dtype, device, monkeypatch):
-    assert_op_path_is_the_python_path(monkeypatch, "clamp_train", _run_clamp, device, case, dtype)
+def test_clamp_op_is_bitwise_the_python_function(case, ties, dtype, device, monkeypatch):
+    assert_op_path_is_the_python_path(monkeypatch, "clamp_train", _run_clamp, device, case, dtype, ties)
 
 
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "no-ties"])
 @pytest.mark.parametrize("case", list(CLAMP_CASES))
-def test_clamp_op_is_bitwise_stock_and_keeps_two_bits_an_element(case):
+def test_clamp_op_is_bitwise_stock_and_keeps_two_bits_an_element(case, ties):
     """The op against torch.clamp itself: ties share g, a NaN passes it, strides as stock's."""
-    x, lo, hi = _clamp_inputs(case, 1, "cpu", torch.float32)
+    x, lo, hi = _clamp_inputs(case, 1, "cpu", torch.float32, ties)
     xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
     ys = torch.clamp(xs, lo, hi)
     with SavedTensorMeter() as meter:
@@ -85,8 +93,10 @@ def test_clamp_op_is_bitwise_stock_and_keeps_two_bits_an_element(case):
     assert torch.equal(ys.nan_to_num(), ym.nan_to_num()) and torch.equal(ys.isnan(), ym.isnan())
     assert torch.equal(xs.grad, xm.grad) and xs.grad.stride() == xm.grad.stride()
     flat_g, flat_x = g.permute(0, 2, 3, 1).reshape(-1) if x.dim() == 4 else g.reshape(-1), xm.grad.reshape(-1)
-    if x.dim() < 4:  # the first elements: a tie with lo, with hi, a NaN, inside
+    if x.dim() < 4 and ties:  # the first elements: a tie with lo, with hi, a NaN, inside
         assert flat_x[0] == flat_g[0] / 2 and flat_x[1] == flat_g[1] / 2 and flat_x[2] == flat_g[2]
+    if not ties:  # (none on a bound: the op's one-pass backward on the CPU)
+        assert not ((x == lo) | (x == hi)).any()
     assert meter.activation_bytes == 2 * ((x.numel() + 7) // 8)
 
 
@@ -238,3 +248,24 @@ def test_layer_path_ab_switches_the_gemma4_layers_to_their_python_functions(monk
     assert not on_ops["Python"] and on_python["C++"]["LinearTrain"] == on_ops["C++"]["LinearTrain"]
     # each clamped projection clamps twice (input and output): one node a call on either path
     assert on_python["Python"]["ClampFn"] == on_ops["C++"]["ClampTrain"] == 2 * clamps
+
+
+def test_gemma4_layers_bench_times_each_layer_on_three_paths(monkeypatch, capsys):
+    """``scripts/gemma4_layers_bench.py`` (here at toy sizes, one round): a row per layer with
+    stock's, the op's and the Python Function's times and both ratios; the C++ layer ops are on
+    again after it."""
+    bench = load_script("gemma4_layers_bench")
+    for name, value in {"BATCH": 2, "TOKENS": 3, "WIDTH": 8, "MLP_WIDTH": 16, "POSITIONS": 12}.items():
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr("sys.argv", ["gemma4_layers_bench.py", "--rounds", "1", "--threads", "1"])
+    threads = torch.get_num_threads()
+    try:
+        bench.main()
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| Clamp", "| OneHotTable"))]
+    assert [r.split(" (")[0] for r in rows] == ["| Clamp", "| Clamp", "| OneHotTable"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[1:4]) and all(c.endswith("x") for c in cells[4:])
+    assert quantizer_mod._FUSED_LAYERS
