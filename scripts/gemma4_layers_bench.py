@@ -4,8 +4,9 @@ Python Function, forward + backward, in one process.
 ``Clamp`` (``torch.clamp(x, lo, hi)`` with 0-dim buffer bounds, on the token projections'
 inputs and outputs) and ``OneHotTable`` (the position lookup ``one_hot(positions) @ table``).
 The per-layer overhead bench (``mesa_train.bench.overhead``) times 64-element tensors, where
-only host time counts; here the data passes count too. Rounds alternate stock / op / Python,
-``--reps`` passes each, and the figure is the median over rounds of each round's median.
+only host time counts; here the data passes count too. Rounds alternate stock / op / Python
+(200 passes each for a Clamp, 10 for the table), and the figure is the median over rounds of
+each round's median.
 A whole Gemma 4 step (``scripts/layer_path_ab.py --layers gemma4``) is dominated by its
 matmuls and on a 2-core VM varies by more than these layers cost, so this is the measure of
 them.
