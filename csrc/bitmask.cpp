@@ -216,22 +216,47 @@ std::tuple<at::Tensor, at::Tensor, bool> pack_outside(const at::Tensor& t, doubl
   return {below, above, channels_last};
 }
 
-std::tuple<at::Tensor, at::Tensor, bool> pack_clamp(const at::Tensor& t, const at::Tensor& lo, const at::Tensor& hi) {
+std::tuple<at::Tensor, at::Tensor, bool> pack_clamp(const at::Tensor& t, const at::Tensor& lo, const at::Tensor& hi,
+                                                    bool split_ties) {
   const bool channels_last = is_channels_last(t);
   const bool numbers = lo.dim() == 0 && hi.dim() == 0 && lo.device().is_cpu() && hi.device().is_cpu();
-  if (!numbers || !is_cpu_floating(t) || !in_mask_order(t, channels_last)) {
-    auto [passes, cl] = pack_bits(at::bitwise_not(at::bitwise_or(at::le(t, lo), at::ge(t, hi))));
-    return {passes, pack_bits(at::bitwise_or(at::eq(t, lo), at::eq(t, hi))).first, cl};
+  if (!numbers || !is_cpu_floating(t) || !in_mask_order(t, channels_last)) {  // (clamp_masks' ops)
+    if (!split_ties) {
+      auto [passes, cl] = pack_bits(at::bitwise_and(at::ge(t, lo), at::le(t, hi)));
+      return {passes, at::Tensor(), cl};
+    }
+    const at::Tensor ties = at::bitwise_and(at::bitwise_or(at::eq(t, lo), at::eq(t, hi)), at::lt(lo, hi));
+    auto [passes, cl] = pack_bits(at::bitwise_not(at::bitwise_or(at::bitwise_or(at::lt(t, lo), at::gt(t, hi)), ties)));
+    return {passes, pack_bits(ties).first, cl};
   }
   // a 0-dim bound takes t's dtype in the comparison (type promotion: a dimensioned tensor's dtype
   // wins within a category), so it is compared as its value rounded to that dtype: x = bf16(0.1)
   // is below a float 0.1 but ties bf16(0.1), the bound the comparison sees
   const double l = lo.to(t.scalar_type()).item<double>(), h = hi.to(t.scalar_type()).item<double>();
-  at::Tensor passes = mask_bytes(t), ties = mask_bytes(t);
+  at::Tensor passes = mask_bytes(t);
+  uint8_t* p = passes.mutable_data_ptr<uint8_t>();
+  if (!split_ties) {
+    with_compared_bounds(t, l, h, [&](const auto* x, auto lc, auto hc) {
+      const auto inside = [lc, hc](auto v) { return (compared(v) >= lc) & (compared(v) <= hc); };
+      pack_loop(x, t.numel(), p, inside, nullptr, inside);
+    });
+    return {passes, at::Tensor(), channels_last};
+  }
+  at::Tensor ties = mask_bytes(t);
+  // (whether the interval is proper is asked of the bounds themselves, as stock's lo < hi is: a
+  // bf16 x can meet both of two bounds that round to one bf16 value and still split its tie)
+  if (!(lo.item<double>() < hi.item<double>())) {  // lo >= hi or a NaN bound: no ties; g unless x < lo or x > hi
+    ties.zero_();
+    with_compared_bounds(t, l, h, [&](const auto* x, auto lc, auto hc) {
+      const auto kept = [lc, hc](auto v) { return !((compared(v) < lc) | (compared(v) > hc)); };
+      pack_loop(x, t.numel(), p, kept, nullptr, kept);
+    });
+    return {passes, ties, channels_last};
+  }
+  // lo < hi: g strictly inside or for a NaN x, g / 2 on a bound (either, where the rounded bounds meet)
   with_compared_bounds(t, l, h, [&](const auto* x, auto lc, auto hc) {
     pack_loop(
-        x, t.numel(), passes.mutable_data_ptr<uint8_t>(),
-        [lc, hc](auto v) { return !((compared(v) <= lc) | (compared(v) >= hc)); },
+        x, t.numel(), p, [lc, hc](auto v) { return !((compared(v) <= lc) | (compared(v) >= hc)); },
         ties.mutable_data_ptr<uint8_t>(), [lc, hc](auto v) { return (compared(v) == lc) | (compared(v) == hc); });
   });
   return {passes, ties, channels_last};

@@ -27,12 +27,16 @@ std::pair<at::Tensor, bool> pack_compare(const at::Tensor& t, Compare cmp, doubl
 // bytes and flag), on the CPU in one pass over t: (below, above, channels_last)
 std::tuple<at::Tensor, at::Tensor, bool> pack_outside(const at::Tensor& t, double lo, double hi);
 
-// The Mesa Clamp's two masks (clamp_autograd.cpp) of torch.clamp(t, lo, hi) with tensor bounds:
-// passes = !(t <= lo || t >= hi) (strictly inside, or a NaN: where stock's gradient is g) and
-// ties = (t == lo || t == hi) (where it is g / 2), compared as ATen compares t with the bounds,
-// each pack_bits' bytes, and the shared flag: (passes, ties, channels_last). On the CPU, for
+// The Mesa Clamp's masks (clamp_autograd.cpp) of torch.clamp(t, lo, hi) with tensor bounds, as
+// clamp_activations.clamp_masks builds them for the running torch's rule (split_ties: its
+// STOCK_CLAMP_SPLITS_TIES), compared as ATen compares t with the bounds:
+// * split_ties: passes = !(t < lo || t > hi || ties) (where stock's gradient is g: inside, a NaN)
+//   and ties = (t == lo || t == hi) && lo < hi (where it is g / 2);
+// * else passes = lo <= t <= hi, ties undefined (none).
+// Each pack_bits' bytes, and the shared flag: (passes, ties, channels_last). On the CPU, for
 // number bounds (0-dim) and a floating t in mask order, one pass over t; else the ATen ops
-std::tuple<at::Tensor, at::Tensor, bool> pack_clamp(const at::Tensor& t, const at::Tensor& lo, const at::Tensor& hi);
+std::tuple<at::Tensor, at::Tensor, bool> pack_clamp(const at::Tensor& t, const at::Tensor& lo, const at::Tensor& hi,
+                                                    bool split_ties);
 
 // Each element's bit in place: 0 or 2**bit (uint8), nonzero where the mask was set, in `shape`
 // (channels-last where the mask was)

@@ -12,7 +12,7 @@ import torch
 
 import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
-from mesa_train.nn import quantizer as quantizer_mod
+from mesa_train.nn import clamp_activations, quantizer as quantizer_mod
 from mesa_train.patch import patch_model
 
 from conftest import load_script
@@ -37,15 +37,16 @@ CLAMP_CASES = {
 
 
 def _clamp_inputs(case: str, step: int, device, dtype, ties: bool = True):
-    """x with a NaN and elements outside both bounds; ``ties``: two elements on a bound (g / 2),
-    else none (the op's CPU backward then takes its one pass from the bits): the elements on a
-    bound as the comparison sees it (a bf16 x against the bound rounded to bf16) set to 0."""
+    """x with a NaN and elements outside both bounds; ``ties``: two elements on a bound (g / 2
+    under a torch that splits ties, else g), else none (the op's CPU backward then takes its one
+    pass from the bits): the elements on a bound as the comparison sees it (a bf16 x against the
+    bound rounded to bf16) set to 0."""
     shape, bound_shape = CLAMP_CASES[case]
     g = torch.Generator().manual_seed(step)
     x = (torch.randn(shape, generator=g) * 2).round(decimals=1)
     lo = torch.full(bound_shape, -1.5) - 0.1 * step
     hi = torch.full(bound_shape, 2.0)
-    x.view(-1)[:4] = torch.tensor([-1.5 - 0.1 * step, 2.0, float("nan"), 0.0])  # ties (g / 2) and a NaN (g)
+    x.view(-1)[:4] = torch.tensor([-1.5 - 0.1 * step, 2.0, float("nan"), 0.0])  # ties and a NaN
     x = x.to(device, dtype)
     lo, hi = lo.to(device), hi.to(device)
     if not ties:
@@ -77,10 +78,16 @@ def test_clamp_op_is_bitwise_the_python_function(case, ties, dtype, device, monk
     assert_op_path_is_the_python_path(monkeypatch, "clamp_train", _run_clamp, device, case, dtype, ties)
 
 
+def _clamp_bytes(numel: int) -> int:
+    """The bytes the Clamp keeps: two masks (passes, ties), or one under a torch without ties."""
+    return (2 if clamp_activations.STOCK_CLAMP_SPLITS_TIES else 1) * ((numel + 7) // 8)
+
+
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "no-ties"])
 @pytest.mark.parametrize("case", list(CLAMP_CASES))
-def test_clamp_op_is_bitwise_stock_and_keeps_two_bits_an_element(case, ties):
-    """The op against torch.clamp itself: ties share g, a NaN passes it, strides as stock's."""
+def test_clamp_op_is_bitwise_stock_and_keeps_a_bit_a_mask(case, ties):
+    """The op against the running torch's torch.clamp itself, strides included: 2.14 gives a tie
+    g / 2 and a NaN g; 2.11 a tie g and a NaN 0 (pytorch PR 191142)."""
     x, lo, hi = _clamp_inputs(case, 1, "cpu", torch.float32, ties)
     xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
     ys = torch.clamp(xs, lo, hi)
@@ -94,17 +101,93 @@ def test_clamp_op_is_bitwise_stock_and_keeps_two_bits_an_element(case, ties):
     assert torch.equal(xs.grad, xm.grad) and xs.grad.stride() == xm.grad.stride()
     flat_g, flat_x = g.permute(0, 2, 3, 1).reshape(-1) if x.dim() == 4 else g.reshape(-1), xm.grad.reshape(-1)
     if x.dim() < 4 and ties:  # the first elements: a tie with lo, with hi, a NaN, inside
-        assert flat_x[0] == flat_g[0] / 2 and flat_x[1] == flat_g[1] / 2 and flat_x[2] == flat_g[2]
+        split = clamp_activations.STOCK_CLAMP_SPLITS_TIES
+        tie, nan = (flat_g[:2] / 2, flat_g[2]) if split else (flat_g[:2], 0)
+        assert torch.equal(flat_x[:2], tie) and flat_x[2] == nan and flat_x[3] == flat_g[3]
     if not ties:  # (none on a bound: the op's one-pass backward on the CPU)
         assert not ((x == lo) | (x == hi)).any()
-    assert meter.activation_bytes == 2 * ((x.numel() + 7) // 8)
+    assert meter.activation_bytes == _clamp_bytes(x.numel())
+
+
+# Every order of x, lo and hi, with infinities and NaNs (8 ** 3 triples): lo == hi, lo > hi and
+# NaN bounds are where the rules of 2.11 and 2.14 part, and where a mask built only for lo < hi
+# went wrong (x == lo == hi: stock g, it gave g / 2)
+_GRID = (float("-inf"), -2.0, -1.0, 0.0, 1.0, 2.0, float("inf"), float("nan"))
+
+
+def _clamp_grid(dtype):
+    """x, lo, hi: every triple of _GRID, element-wise (x's order: x fastest)."""
+    v = torch.tensor(_GRID)
+    lo, hi, x = (t.reshape(-1) for t in torch.meshgrid(v, v, v, indexing="ij"))
+    return x.to(dtype), lo, hi
+
+
+def _clamp_grads(fn, x, lo, hi, g):
+    leaf = x.clone().requires_grad_()
+    fn(leaf, lo, hi).backward(g)
+    return leaf.grad
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("fused", [True, False], ids=["op", "python"])
+def test_clamp_is_stocks_gradient_for_every_order_of_x_and_the_bounds(fused, dtype, monkeypatch):
+    """The running torch's stock on the grid: element-wise bounds (the ATen masks) and, for each
+    (lo, hi) pair, number bounds (on the CPU the op's one-pass pack), both paths."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    x, lo, hi = _clamp_grid(DTYPES[dtype])
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x.dtype)
+    assert torch.equal(_clamp_grads(mnn.Clamp(), x, lo, hi, g), _clamp_grads(torch.clamp, x, lo, hi, g))
+    n = len(_GRID)
+    for k in range(0, x.numel(), n):  # (x runs over the grid for one number pair)
+        xs, gs, bounds = x[k:k + n], g[k:k + n], (lo[k].clone(), hi[k].clone())
+        got, want = _clamp_grads(mnn.Clamp(), xs, *bounds, gs), _clamp_grads(torch.clamp, xs, *bounds, gs)
+        assert torch.equal(got, want), f"lo={bounds[0].item()} hi={bounds[1].item()}: {got} vs stock {want}"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["op", "python"])
+def test_clamp_splits_a_tie_of_bounds_that_round_to_one_value(fused, monkeypatch):
+    """A bf16 x against float bounds 1.0 < 1.001, both bf16(1.0) as the comparison sees them: x
+    = 1.0 meets both, and whether the tie splits is asked of the bounds (lo < hi), as stock does."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    x = torch.tensor([0.5, 1.0, 1.5, float("nan")], dtype=torch.bfloat16)
+    lo, hi = torch.tensor(1.0), torch.tensor(1.001)
+    g = torch.ones(4, dtype=torch.bfloat16)
+    assert torch.equal(_clamp_grads(mnn.Clamp(), x, lo, hi, g), _clamp_grads(torch.clamp, x, lo, hi, g))
+
+
+@pytest.mark.parametrize("split_ties", [True, False], ids=["2.14-rule", "2.11-rule"])
+@pytest.mark.parametrize("fused", [True, False], ids=["op", "python"])
+def test_clamp_builds_either_torchs_rule(split_ties, fused, monkeypatch):
+    """Both rules on any torch (the running one's is also checked against stock above), on the
+    grid, both paths, against the rules as measured: torch 2.11 gives g where lo <= x <= hi
+    (a NaN anywhere: 0); 2.14 zero where x < lo or x > hi, g / 2 on a bound of lo < hi, else g
+    (inside, a NaN, x == lo == hi). One mask kept under the first, two under the second."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    monkeypatch.setattr(clamp_activations, "STOCK_CLAMP_SPLITS_TIES", split_ties)
+    x, lo, hi = _clamp_grid(torch.float32)
+    g = torch.ones_like(x)
+    if split_ties:
+        tie = ((x == lo) | (x == hi)) & (lo < hi)
+        want = torch.where((x < lo) | (x > hi), 0.0, torch.where(tie, 0.5, 1.0))
+    else:
+        want = ((x >= lo) & (x <= hi)).float()
+    n = len(_GRID)
+    for k in (None, *range(0, x.numel(), n)):  # element-wise bounds, then each number pair
+        part = slice(None) if k is None else slice(k, k + n)
+        bounds = (lo, hi) if k is None else (lo[k].clone(), hi[k].clone())
+        with SavedTensorMeter() as meter:
+            leaf = x[part].clone().requires_grad_()
+            y = mnn.Clamp()(leaf, *bounds)
+        y.backward(g[part])
+        assert torch.equal(leaf.grad, want[part]), f"bounds {bounds}"
+        assert meter.activation_bytes == (2 if split_ties else 1) * ((leaf.numel() + 7) // 8)
 
 
 def test_clamp_op_refuses_learned_bounds_in_one_line():
     x = torch.randn(4, 5, requires_grad=True)
     lo = torch.tensor(-1.0, requires_grad=True)
     with pytest.raises(ValueError, match="bounds take no gradient"):
-        torch.ops.mesa.clamp_train(x, lo, torch.tensor(1.0))
+        torch.ops.mesa.clamp_train(x, lo, torch.tensor(1.0), True)
     # the layer itself runs stock's clamp there, which differentiates the bounds
     y = mnn.Clamp()(x, lo, torch.tensor(1.0))
     y.sum().backward()

@@ -88,7 +88,7 @@ _LOSSLESS = {
                   lambda: mnn.AvgPool2d(3, 2, 1, count_include_pad=False), (2, 3, 7, 6)),
     "Amax": (lambda: (lambda x: x.amax((2, 3), keepdim=True)),
              lambda: (lambda x, amax=mnn.Amax(): amax(x, (2, 3), True)), (2, 3, 4, 5)),
-    # Gemma 4's clamp with buffer bounds: x rounded to 0.1 meets both bounds (ties: g / 2)
+    # Gemma 4's clamp with buffer bounds: x rounded to 0.1 meets both bounds (ties: g / 2 on 2.14)
     "Clamp": (lambda: (lambda x: torch.clamp(x, torch.tensor(-0.5, dtype=x.dtype), torch.tensor(0.7, dtype=x.dtype))),
               lambda: (lambda x, clamp=mnn.Clamp(): clamp(x, torch.tensor(-0.5, dtype=x.dtype),
                                                           torch.tensor(0.7, dtype=x.dtype))), (2, 3, 4, 5)),

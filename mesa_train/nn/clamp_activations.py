@@ -128,36 +128,67 @@ class Hardsigmoid(_ClampActivation, nn.Hardsigmoid):
         return ("hardsigmoid", -3.0, 3.0)
 
 
+def _stock_clamp_splits_ties() -> bool:
+    """Whether this torch's ``clamp`` with tensor bounds gives an element on a bound ``g / 2``
+    (as ``maximum`` / ``minimum`` share a tie: pytorch PR 191142, 2026-07, in 2.14) rather than
+    ``g`` (torch 2.11: ``g`` where ``lo <= x <= hi``). Asked of stock once, at import, with a
+    3-element call: the rule is then this torch's, whichever release it is."""
+    # (explicit device and dtype: an import under `with torch.device("meta")` or another default
+    # dtype still asks the CPU kernels' autograd formula, which is the device-independent one)
+    cpu = {"device": "cpu", "dtype": torch.float32}
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.tensor([1.0, 1.5, 3.0], requires_grad=True, **cpu)
+        torch.clamp(x, torch.tensor(1.0, **cpu), torch.tensor(2.0, **cpu)).sum().backward()
+    return bool(x.grad[0] == 0.5)
+
+
+# (a module constant: the probe's autograd call must not run inside a compiled or traced region)
+STOCK_CLAMP_SPLITS_TIES = _stock_clamp_splits_ties()
+
+
+def clamp_masks(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, split_ties: bool):
+    """Stock's clamp gradient with tensor bounds as masks: ``(passes, ties)``, where it is ``g``
+    and where ``g / 2`` (``ties`` None where the rule has none), elsewhere 0. Probed over every
+    order of x, lo and hi with NaNs and infinities (tests/test_clamp_table_autograd.py):
+    * split ties (2.14): 0 where ``x < lo`` or ``x > hi``; ``g / 2`` where x is on a bound of a
+      proper interval (``lo < hi``); else ``g``: inside, a NaN x or bound, ``x == lo == hi``;
+    * else (2.11): ``g`` where ``lo <= x <= hi`` (a NaN anywhere: 0)."""
+    if not split_ties:
+        return (x >= lo) & (x <= hi), None
+    ties = ((x == lo) | (x == hi)) & (lo < hi)
+    return ~((x < lo) | (x > hi) | ties), ties
+
+
 class _ClampFn(torch.autograd.Function):
-    """``torch.clamp(x, lo, hi)`` with tensor bounds that take no gradient (buffers). Stock's
-    gradient there (measured, torch 2.14): ``g`` strictly inside and for a NaN, ``g / 2`` on a
-    bound (the two sides of a tie share it, as ``maximum`` / ``minimum``), 0 outside: two bits.
-    Eager training runs the same ops as ``mesa::clamp_train`` (csrc/clamp_autograd.cpp), a C++
-    autograd node: the same bits, less host time."""
+    """``torch.clamp(x, lo, hi)`` with tensor bounds that take no gradient (buffers), keeping
+    ``clamp_masks``' bits (two, or one where the running torch has no ties) for stock's
+    gradient. Eager training runs the same ops as ``mesa::clamp_train``
+    (csrc/clamp_autograd.cpp), a C++ autograd node: the same bits, less host time."""
 
     @staticmethod
-    def forward(ctx, x, lo, hi):
+    def forward(ctx, x, lo, hi, split_ties):
         y = torch.clamp(x, lo, hi)
-        passes = ~((x <= lo) | (x >= hi))  # inside, or NaN
-        ties = (x == lo) | (x == hi)
-        (passes, cl_passes), (ties, cl_ties) = pack_bits(passes), pack_bits(ties)
-        ctx.shape, ctx.cl = x.shape, (cl_passes, cl_ties)
-        save(ctx, [], passes, ties)
+        passes, ties = clamp_masks(x, lo, hi, split_ties)
+        passes, ctx.cl = pack_bits(passes)
+        ctx.shape = x.shape
+        save(ctx, [], passes, *([] if ties is None else [pack_bits(ties)[0]]))
         return y
 
     @staticmethod
     def backward(ctx, g):
         # not @once_differentiable: the masks are exact and the gradient linear in g, so this
         # backward, recorded under create_graph=True, differentiates as stock's does
-        _, (passes, ties) = load(ctx)
-        passes, ties = unpack_bits(passes, ctx.shape, ctx.cl[0]), unpack_bits(ties, ctx.shape, ctx.cl[1])
-        return torch.where(passes, g, torch.where(ties, g * 0.5, 0)), None, None
+        _, masks = load(ctx)
+        passes, *ties = (unpack_bits(m, ctx.shape, ctx.cl) for m in masks)
+        other = torch.where(ties[0], g * 0.5, 0) if ties else 0
+        return torch.where(passes, g, other), None, None, None
 
 
 class Clamp(MesaLayer, nn.Module):
     """``forward(x, lo, hi) = torch.clamp(x, lo, hi)`` with tensor bounds that take no gradient
-    (Gemma 4's clamp buffers), keeping two 1-bit masks where stock keeps ``x`` itself; the
-    gradient is stock's bit for bit. No estimates (a mask has none)."""
+    (Gemma 4's clamp buffers), keeping two 1-bit masks where stock keeps ``x`` itself (one under
+    a torch whose clamp has no ties: ``STOCK_CLAMP_SPLITS_TIES``); the gradient is the running
+    torch's stock's bit for bit. No estimates (a mask has none)."""
 
     _quantizer_names = ()
 
@@ -170,8 +201,8 @@ class Clamp(MesaLayer, nn.Module):
             return torch.clamp(x, lo, hi)
         if quantizer_mod.fused_layers_on():
             # eager: the layer with a C++ autograd node (csrc/clamp_autograd.cpp), the same bits
-            return torch.ops.mesa.clamp_train(x, lo, hi)
-        return _ClampFn.apply(x, lo, hi)
+            return torch.ops.mesa.clamp_train(x, lo, hi, STOCK_CLAMP_SPLITS_TIES)
+        return _ClampFn.apply(x, lo, hi, STOCK_CLAMP_SPLITS_TIES)
 
     def extra_repr(self) -> str:
         return self._mesa_repr()
