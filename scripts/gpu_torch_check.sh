@@ -31,6 +31,9 @@ trap 'rm -rf "$tree"' EXIT
 git ls-files -z | xargs -0 tar -cf - | tar -x -C "$tree"
 cp .gpubuild/_C.abi3.so "$tree/mesa_train/"
 cd "$tree"
+# (the tests that run a script in a subprocess import mesa_train from this copy, as an installed
+# checkout would: .venv-gpu has no mesa_train of its own)
+export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch, mesa_train.quant as Q; print('torch', torch.__version__, '| extension:', Q.BACKEND)"
 if [ $# -eq 0 ]; then
   set -- tests/test_convnet_autograd.py tests/test_scale_autograd.py tests/test_layers_autograd.py \
