@@ -176,3 +176,20 @@ def test_mesa_overrides_with_mesa_off_are_named(compose_train):
     assert config_lib.ignored_mesa_overrides(cfg, ["experiment=digits_deit_baseline", "mesa.enabled=false"]) is None
     on = compose_train(overrides + ["mesa.enabled=true"])
     assert config_lib.ignored_mesa_overrides(on, overrides + ["mesa.enabled=true"]) is None
+
+
+def test_a_model_kwarg_that_a_named_setting_overrides_is_refused(compose_train):
+    """``+model.kwargs.depth=2`` beside ``model.depth=4``: timm would get 4 (the named setting
+    wins in train/model.py), so the config says so instead of dropping the 2; the kwargs that
+    no named setting passes (Swin's ``depths``, ``num_heads`` under a null model.num_heads) pass."""
+    cfg = compose_train(["model.depth=4", "+model.kwargs.depth=2", "optim.drop_path=0.1",
+                         "+model.kwargs.drop_path_rate=0.2", "+model.kwargs.num_classes=7"])
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.validate(cfg)
+    message = str(err.value)
+    assert "model.kwargs.depth=2 conflicts with model.depth=4" in message and "set model.depth" in message
+    assert "model.kwargs.drop_path_rate=0.2 conflicts with optim.drop_path=0.1" in message
+    assert "model.kwargs.num_classes=7 is never used" in message
+    config_lib.validate(compose_train(["model.depth=null", "+model.kwargs.depth=2"]))
+    config_lib.validate(compose_train(["model.depth=2", "+model.kwargs.depth=2"]))  # (no conflict)
+    config_lib.validate(compose_train(["model=swin_ti", "+model.kwargs.depths=[1,1]", "+model.kwargs.num_heads=[1,2]"]))

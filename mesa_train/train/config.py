@@ -225,6 +225,28 @@ def _check_model(cfg, errors: list[str]) -> None:
     path = m.get("pretrained_path")
     if path is not None and not os.path.isfile(str(path)):
         errors.append(f"model.pretrained_path={path!r}: no such file")
+    _check_model_kwargs(cfg, errors)
+
+
+def _check_model_kwargs(cfg, errors: list[str]) -> None:
+    """A ``model.kwargs`` key that a named setting also passes to timm (train/model.py's
+    ``_overrides``, where the named one wins): refused where the two differ, instead of the
+    kwargs value being dropped without a word (``+model.kwargs.depth=2`` beside an experiment's
+    ``model.depth=4`` built 4 blocks)."""
+    m, kwargs = cfg.model, cfg.model.get("kwargs") or {}
+    if "num_classes" in kwargs:  # (always the data's: data.num_classes, or the data set's own)
+        errors.append(f"model.kwargs.num_classes={kwargs['num_classes']!r} is never used: the class count "
+                      "comes from data.num_classes (or the data set's own)")
+    owners = {"depth": "model.depth", "embed_dim": "model.embed_dim", "num_heads": "model.num_heads",
+              "drop_path_rate": "optim.drop_path"}
+    if m.get("img_size_kwarg"):
+        owners["img_size"] = "model.img_size"
+    for key, owner in owners.items():
+        group, name = owner.split(".")
+        named = cfg[group].get(name)
+        if key in kwargs and named is not None and kwargs[key] != named:
+            errors.append(f"model.kwargs.{key}={kwargs[key]!r} conflicts with {owner}={named!r}, which timm "
+                          f"would get: set {owner} (or null it to use model.kwargs.{key})")
 
 
 def _check_data(d, errors: list[str]) -> None:
