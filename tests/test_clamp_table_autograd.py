@@ -78,9 +78,9 @@ def test_clamp_op_is_bitwise_the_python_function(case, ties, dtype, device, monk
     assert_op_path_is_the_python_path(monkeypatch, "clamp_train", _run_clamp, device, case, dtype, ties)
 
 
-def _clamp_bytes(numel: int) -> int:
-    """The bytes the Clamp keeps: two masks (passes, ties), or one under a torch without ties."""
-    return (2 if clamp_activations.STOCK_CLAMP_SPLITS_TIES else 1) * ((numel + 7) // 8)
+def _clamp_bytes(numel: int, split_ties: bool) -> int:
+    """The bytes the Clamp keeps: two masks (passes, ties), or one under a rule without ties."""
+    return (2 if split_ties else 1) * ((numel + 7) // 8)
 
 
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "no-ties"])
@@ -106,7 +106,7 @@ def test_clamp_op_is_bitwise_stock_and_keeps_a_bit_a_mask(case, ties):
         assert torch.equal(flat_x[:2], tie) and flat_x[2] == nan and flat_x[3] == flat_g[3]
     if not ties:  # (none on a bound: the op's one-pass backward on the CPU)
         assert not ((x == lo) | (x == hi)).any()
-    assert meter.activation_bytes == _clamp_bytes(x.numel())
+    assert meter.activation_bytes == _clamp_bytes(x.numel(), clamp_activations.STOCK_CLAMP_SPLITS_TIES)
 
 
 # Every order of x, lo and hi, with infinities and NaNs (8 ** 3 triples): lo == hi, lo > hi and
@@ -180,7 +180,7 @@ def test_clamp_builds_either_torchs_rule(split_ties, fused, monkeypatch):
             y = mnn.Clamp()(leaf, *bounds)
         y.backward(g[part])
         assert torch.equal(leaf.grad, want[part]), f"bounds {bounds}"
-        assert meter.activation_bytes == (2 if split_ties else 1) * ((leaf.numel() + 7) // 8)
+        assert meter.activation_bytes == _clamp_bytes(leaf.numel(), split_ties)
 
 
 def test_clamp_op_refuses_learned_bounds_in_one_line():
