@@ -193,3 +193,20 @@ def test_a_model_kwarg_that_a_named_setting_overrides_is_refused(compose_train):
     config_lib.validate(compose_train(["model.depth=null", "+model.kwargs.depth=2"]))
     config_lib.validate(compose_train(["model.depth=2", "+model.kwargs.depth=2"]))  # (no conflict)
     config_lib.validate(compose_train(["model=swin_ti", "+model.kwargs.depths=[1,1]", "+model.kwargs.num_heads=[1,2]"]))
+
+
+def test_the_build_overrides_model_kwargs_with_exactly_the_checked_settings(compose_train):
+    """train/model.py's overrides and the config check read one table (``named_model_kwargs``):
+    the model.kwargs keys the build replaces by a named setting are exactly the ones the check
+    compares, so none is dropped without the error above."""
+    from mesa_train.train.model import _overrides
+
+    cfg = compose_train(["model.depth=4", "model.embed_dim=64", "model.num_heads=2", "optim.drop_path=0.1"])
+    named = config_lib.named_model_kwargs(cfg)
+    assert set(named) == {"depth", "embed_dim", "num_heads", "drop_path_rate", "img_size"}
+    candidates = ["depth", "embed_dim", "num_heads", "drop_path_rate", "img_size", "mlp_ratio", "patch_size"]
+    OmegaConf.update(cfg, "model.kwargs", {key: 999 for key in candidates}, force_add=True)
+    built = _overrides(cfg, num_classes=10, drop_path=cfg.optim.drop_path)
+    assert {key for key in candidates if built[key] != 999} == set(named)
+    assert {key: built[key] for key in named} == {key: value for key, (_, value) in named.items()}
+    assert built["num_classes"] == 10

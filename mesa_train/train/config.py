@@ -228,23 +228,36 @@ def _check_model(cfg, errors: list[str]) -> None:
     _check_model_kwargs(cfg, errors)
 
 
-def _check_model_kwargs(cfg, errors: list[str]) -> None:
-    """A ``model.kwargs`` key that a named setting also passes to timm (train/model.py's
-    ``_overrides``, where the named one wins): refused where the two differ, instead of the
-    kwargs value being dropped without a word (``+model.kwargs.depth=2`` beside an experiment's
-    ``model.depth=4`` built 4 blocks)."""
-    m, kwargs = cfg.model, cfg.model.get("kwargs") or {}
-    if "num_classes" in kwargs:  # (always the data's: data.num_classes, or the data set's own)
-        errors.append(f"model.kwargs.num_classes={kwargs['num_classes']!r} is never used: the class count "
-                      "comes from data.num_classes (or the data set's own)")
+def named_model_kwargs(cfg) -> dict[str, tuple[str, Any]]:
+    """The timm keyword arguments that named settings pass, each as ``key: (setting, value)``
+    for the settings that are set: train/model.py builds with these over ``model.kwargs``, and
+    ``validate`` refuses a ``model.kwargs`` key that one of them would silently override. (The
+    one table both read, so the check cannot drift from the build.)"""
+    m = cfg.model
     owners = {"depth": "model.depth", "embed_dim": "model.embed_dim", "num_heads": "model.num_heads",
               "drop_path_rate": "optim.drop_path"}
     if m.get("img_size_kwarg"):
         owners["img_size"] = "model.img_size"
+    named = {}
     for key, owner in owners.items():
         group, name = owner.split(".")
-        named = cfg[group].get(name)
-        if key in kwargs and named is not None and kwargs[key] != named:
+        value = cfg[group].get(name)
+        if value is not None:
+            named[key] = (owner, value)
+    return named
+
+
+def _check_model_kwargs(cfg, errors: list[str]) -> None:
+    """A ``model.kwargs`` key that a named setting also passes to timm (``named_model_kwargs``,
+    where the named one wins): refused where the two differ, instead of the kwargs value being
+    dropped without a word (``+model.kwargs.depth=2`` beside an experiment's ``model.depth=4``
+    built 4 blocks)."""
+    kwargs = cfg.model.get("kwargs") or {}
+    if "num_classes" in kwargs:  # (always the data's: data.num_classes, or the data set's own)
+        errors.append(f"model.kwargs.num_classes={kwargs['num_classes']!r} is never used: the class count "
+                      "comes from data.num_classes (or the data set's own)")
+    for key, (owner, named) in named_model_kwargs(cfg).items():
+        if key in kwargs and kwargs[key] != named:
             errors.append(f"model.kwargs.{key}={kwargs[key]!r} conflicts with {owner}={named!r}, which timm "
                           f"would get: set {owner} (or null it to use model.kwargs.{key})")
 

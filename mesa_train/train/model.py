@@ -17,18 +17,16 @@ import torch
 import torch.nn as nn
 
 from mesa_train.models import build_model
-from mesa_train.train.config import ConfigError, mesa_options
+from mesa_train.train.config import ConfigError, mesa_options, named_model_kwargs
 
 log = logging.getLogger("mesa_train.train")
 
 
 def _overrides(cfg, num_classes: int, drop_path: float | None) -> dict:
-    m = cfg.model
-    overrides = dict(m.kwargs or {})
-    named = dict(depth=m.depth, embed_dim=m.embed_dim, num_heads=m.num_heads, drop_path_rate=drop_path)
+    overrides = dict(cfg.model.kwargs or {})
+    named = {key: value for key, (_, value) in named_model_kwargs(cfg).items()}
+    named["drop_path_rate"] = drop_path  # the caller's (optim.drop_path; evaluation builds without)
     overrides.update({k: v for k, v in named.items() if v is not None}, num_classes=num_classes)
-    if m.img_size_kwarg:
-        overrides["img_size"] = m.img_size
     # OmegaConf lists -> tuples (timm compares/iterates them).
     return {k: tuple(v) if isinstance(v, (list,)) or type(v).__name__ == "ListConfig" else v
             for k, v in overrides.items()}
