@@ -270,6 +270,40 @@ def test_state_dict_round_trips(name):
     assert set(full) == set(sd)
 
 
+
+FORMATS = [dict(bits=4), dict(bits=2), dict(scale="pow2"), dict(ops=("conv",), layout="patch4x4", bits=2),
+           dict(estimator="learned")]
+
+
+@pytest.mark.parametrize("options", FORMATS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items() if k != "ops"))
+def test_state_dict_round_trips_in_every_format(options):
+    """The converters know every entry a quantizer writes, not only the estimates: a variant
+    format's ``format`` record and the learned thresholds (``clip_*``) are Mesa state too
+    (before: left in the stock dict, "Unexpected key(s)"; a stock dict completed with a zero
+    record, "saved with bits=8 ... patched with bits=4")."""
+    x = inputs("deit")
+    stock = build("deit", fused=False)
+    patched = patch_model(copy.deepcopy(stock), **options)
+    _train_step(patched, x)
+    sd, keys = patched.state_dict(), mesa_state_keys(patched)
+    assert set(sd) == set(stock.state_dict()) | keys
+    assert any(k.rsplit(".", 1)[-1] in ("format", "clip_log") for k in keys)
+    for without_mesa in (patched_to_stock_state_dict(sd), patched_to_stock_state_dict(sd, patched)):
+        assert set(without_mesa) == set(stock.state_dict())
+    fresh_stock = build("deit", fused=False, seed=7)
+    load_patched_checkpoint(fresh_stock, sd)  # strict
+    other = patch_model(build("deit", fused=False, seed=9), **options)
+    other(x)  # stale estimates
+    load_stock_checkpoint(other, fresh_stock.state_dict())  # strict, the model's own format records
+    assert all(not bool(t) for k, t in other.state_dict().items() if k.endswith("initialized"))
+    other.eval(), fresh_stock.eval()
+    with torch.no_grad():
+        assert torch.equal(other(x), fresh_stock(x))
+    again = patch_model(build("deit", fused=False, seed=3), **options)
+    again.load_state_dict(sd)  # patched -> patched keeps the Mesa state exactly
+    assert all(torch.equal(again.state_dict()[k], sd[k]) for k in keys)
+
+
 def test_state_dict_ddp_prefix():
     model = patch_model(build("deit"))
     sd = {"module." + k: v for k, v in model.state_dict().items()}

@@ -31,6 +31,23 @@ def test_finetune_from_our_checkpoint_reinitialises_a_new_head(compose_train, tm
     assert summary["step"] == 2
 
 
+
+@pytest.mark.parametrize("fmt", ["mesa.bits=4", "mesa.estimator=learned"])
+def test_finetune_from_a_checkpoint_of_another_format(compose_train, tmp_path, fmt):
+    """A run trained in a variant format (its quantizers' state_dicts carry a ``format`` record,
+    learned thresholds ``clip_*``) is a starting point too: its Mesa state is dropped like the
+    estimates, for a run in the same format and for a stock one (before, both were refused with
+    "unexpected: ...quantizer.format")."""
+    fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ["mesa.enabled=true", fmt]), str(tmp_path / "pre"))
+    path = tmp_path / "pre" / "checkpoints" / "last.pt"
+    trained = ckpt_lib.load_checkpoint(str(path))["model"]
+    assert any(k.endswith((".format", ".clip_log")) for k in trained)  # (what the fix is about)
+    for mesa in (["mesa.enabled=true", fmt], ["mesa.enabled=false"]):
+        cfg = compose_train(TINY_MODELS["deit"] + FAST_TRAINER + mesa + [f"model.pretrained_path={path}"])
+        state = build(cfg, 10).state_dict()
+        assert all(torch.equal(state[k], v) for k, v in _backbone(trained).items())
+
+
 def test_finetune_from_a_timm_weights_file(compose_train, tmp_path):
     import timm
 

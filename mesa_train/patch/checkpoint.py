@@ -1,9 +1,11 @@
 """Move checkpoints between stock and Mesa-patched models.
 
 A patched model's ``state_dict`` is the stock one (same keys, same tensors: weights are the
-same ``Parameter`` objects) plus the Mesa buffers (``alpha``, ``beta``, ``initialized`` and
-the rounding ``rng``) of every ``ActivationQuantizer``, e.g. ``blocks.0.attn.qkv.quantizer.alpha``
-or ``blocks.0.attn.qk_matmul.quantizer_a.beta``.
+same ``Parameter`` objects) plus the Mesa state of every ``ActivationQuantizer``, e.g.
+``blocks.0.attn.qkv.quantizer.alpha`` or ``blocks.0.attn.qk_matmul.quantizer_a.beta``: the
+buffers ``alpha``, ``beta``, ``initialized`` and the rounding ``rng``; with
+``estimator="learned"`` the thresholds ``clip_*``; and for a format other than the paper's
+8-bit one (``bits``, ``scale``, ``layout``) the record ``format`` its loader checks.
 
 * :func:`stock_to_patched_state_dict` completes a stock checkpoint with *fresh* estimates
   (``initialized = False``), so a patched model loads it strictly and the estimates start
@@ -19,7 +21,7 @@ from typing import Mapping, Optional, Set
 import torch
 from torch import nn
 
-from mesa_train.nn.quantizer import STATE_BUFFERS
+from mesa_train.nn.quantizer import FORMAT_KEY, LEARNED_BUFFERS, STATE_BUFFERS
 
 from .core import _unwrap
 
@@ -31,7 +33,8 @@ __all__ = [
     "load_patched_checkpoint",
 ]
 
-_QUANTIZER_BUFFERS = STATE_BUFFERS
+# every entry a quantizer can write into a state dict (the format record is no buffer)
+_QUANTIZER_KEYS = (*STATE_BUFFERS, *LEARNED_BUFFERS, FORMAT_KEY)
 
 
 def _strip(key: str) -> str:
@@ -52,25 +55,26 @@ def mesa_state_keys(model: nn.Module) -> Set[str]:
     # once per name (CoaT shares one ConvPosEnc between blocks), named_modules() only once
     for name, m in root.named_modules(remove_duplicate=False):
         if isinstance(m, ActivationQuantizer):
-            for b in _QUANTIZER_BUFFERS:
-                if b in m._buffers:
-                    keys.add(f"{name}.{b}" if name else b)
+            # (its own state_dict: the format record is written by _save_to_state_dict)
+            keys.update(f"{name}.{k}" if name else k for k in m.state_dict(keep_vars=True))
     return keys
 
 
 def _is_mesa_key_by_name(key: str) -> bool:
     parts = key.split(".")
-    return len(parts) >= 2 and parts[-1] in _QUANTIZER_BUFFERS and "quantizer" in parts[-2]
+    return len(parts) >= 2 and parts[-1] in _QUANTIZER_KEYS and "quantizer" in parts[-2]
 
 
 def patched_to_stock_state_dict(state_dict: Mapping[str, torch.Tensor],
                                 model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
-    """A copy of ``state_dict`` without the Mesa estimate buffers.
+    """A copy of ``state_dict`` without the Mesa state (estimates, learned thresholds, format
+    records).
 
     With ``model`` (the patched model the checkpoint came from, or any model patched the
     same way), exactly its quantizer keys are dropped; without it, keys ending in
-    ``<...quantizer...>.alpha|beta|initialized`` are. DDP/``torch.compile`` key prefixes are
-    kept as they are."""
+    ``<...quantizer...>.<entry>`` for every entry a quantizer writes (``alpha``, ``beta``,
+    ``initialized``, ``rng``, ``clip_*``, ``format``) are. DDP/``torch.compile`` key prefixes
+    are kept as they are."""
     drop = mesa_state_keys(model) if model is not None else None
     out = OrderedDict()
     for k, v in state_dict.items():
@@ -87,8 +91,9 @@ def patched_to_stock_state_dict(state_dict: Mapping[str, torch.Tensor],
 def stock_to_patched_state_dict(state_dict: Mapping[str, torch.Tensor],
                                 model: nn.Module) -> "OrderedDict[str, torch.Tensor]":
     """``state_dict`` (stock) completed with fresh Mesa estimates for ``model`` (patched):
-    ``alpha = beta = 0`` and ``initialized = False`` for every quantizer, so the estimates
-    start from the first training batch. Mesa keys already in ``state_dict`` are kept."""
+    ``alpha = beta = 0`` and ``initialized = False`` for every quantizer (learned thresholds
+    zero too), so the estimates start from the first training batch; the format records are
+    ``model``'s own. Mesa keys already in ``state_dict`` are kept."""
     root = _unwrap(model)
     own = root.state_dict()
     out = OrderedDict(state_dict)
@@ -96,7 +101,8 @@ def stock_to_patched_state_dict(state_dict: Mapping[str, torch.Tensor],
         if k in out:
             continue
         t = own[k]
-        out[k] = torch.zeros_like(t)  # zeros: alpha/beta 0, initialized False
+        # zeros: alpha/beta 0, initialized False; a format record is what the model was patched with
+        out[k] = t.clone() if k.rsplit(".", 1)[-1] == FORMAT_KEY else torch.zeros_like(t)
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:
         out._metadata = meta  # type: ignore[attr-defined]
