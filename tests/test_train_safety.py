@@ -1,6 +1,7 @@
 """Nothing lost, nothing silently wrong (issue 11): non-finite states never reach a
 checkpoint, a run directory has one owner and is never overwritten by accident, resumed
 runs keep their settings, and a resumed epoch's numbers cover the whole epoch."""
+import csv
 import os
 import signal
 
@@ -82,6 +83,22 @@ def test_nonfinite_skip_gives_up_after_too_many(compose_train, tmp_path, monkeyp
     with pytest.raises(NonFiniteError, match="2 steps in a row"):
         fit(cfg, str(tmp_path))
     assert not (tmp_path / "checkpoints" / "last.pt").exists()
+
+
+
+def test_the_skip_limit_counts_across_epochs(compose_train, tmp_path, monkeypatch):
+    """Epochs of 2 steps, a limit of 4: steps 2 to 5 skipped in a row (over two epochs' ends)
+    stop the run. Before, the count restarted every epoch and a run whose every step was
+    non-finite trained to max_steps; the epochs without a finite batch logged train_loss 0."""
+    _poison_loss_from_call(monkeypatch, 2)
+    cfg = compose_train(BASE + ["data.train_size=8", "trainer.nonfinite=skip", "trainer.max_nonfinite_skips=4",
+                                "trainer.max_steps=8"])
+    with pytest.raises(NonFiniteError, match=r"4 steps in a row .*last: step 5\).*trainer.max_nonfinite_skips") as err:
+        fit(cfg, str(tmp_path))
+    assert "trainer.nonfinite=skip" not in str(err.value)  # (it is on: not advised again)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [row["train_loss"] for row in rows][1:] == [""]  # epoch 2: every step skipped, no loss
+    assert float(rows[0]["train_loss"]) > 0  # epoch 1: step 1's loss
 
 
 def test_second_live_run_is_refused_naming_the_owner(compose_train, tmp_path):

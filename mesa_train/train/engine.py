@@ -35,6 +35,8 @@ class TrainState:
     epoch_loss_sum: float = 0.0
     epoch_batches: int = 0
     skipped_steps: int = 0   # steps not applied: non-finite loss/gradient (trainer.nonfinite=skip)
+    # the latest of them in a row, across epochs and resumes (trainer.max_nonfinite_skips)
+    skipped_in_a_row: int = 0
 
 
 @dataclass
@@ -65,6 +67,9 @@ class Parts:
 
 NONFINITE_HINT = ("lower the learning rate (optim.lr / optim.base_lr), clip gradients (trainer.clip_grad=1.0), "
                   "or skip such steps (trainer.nonfinite=skip)")
+# (skip mode is what stopped: the last way out is a longer streak)
+SKIP_LIMIT_HINT = ("lower the learning rate (optim.lr / optim.base_lr), clip gradients (trainer.clip_grad=1.0), "
+                   "or allow more skipped steps in a row (trainer.max_nonfinite_skips)")
 
 
 def epoch_totals(parts: Parts, state: TrainState) -> None:
@@ -173,7 +178,6 @@ class _EpochTally:
     num_images: int = 0
     timed_images: int = 0
     run_batches: int = 0           # batches of this call so far
-    consecutive_skips: int = 0
     saved_bytes: int | None = None
     loss_text: str = ""            # the last logged loss, for the progress bar
 
@@ -261,18 +265,18 @@ def _finish_update(parts: Parts, model: nn.Module, state: TrainState, tally: _Ep
     state.step += 1
     parts.extra["step"] = state.step
     if applied:
-        tally.consecutive_skips = 0
+        state.skipped_in_a_row = 0
         if parts.ema is not None:
             parts.ema.update(unwrap(model), step=state.step)
     else:
         state.skipped_steps += 1
-        tally.consecutive_skips += 1
+        state.skipped_in_a_row += 1  # (in the state: an epoch shorter than the limit cannot reset it)
         logging.getLogger("mesa_train.train").warning(
             "step %d skipped: non-finite loss or gradient (%d skipped in total)", state.step, state.skipped_steps)
-        if tally.consecutive_skips >= parts.max_nonfinite_skips:
+        if state.skipped_in_a_row >= parts.max_nonfinite_skips:
             raise NonFiniteError(
-                f"{tally.consecutive_skips} steps in a row had a non-finite loss or gradient (last: step "
-                f"{state.step}); stopped. The last checkpoint is unaffected; {NONFINITE_HINT}")
+                f"{state.skipped_in_a_row} steps in a row had a non-finite loss or gradient (last: step "
+                f"{state.step}); stopped. The last checkpoint is unaffected; {SKIP_LIMIT_HINT}")
     if parts.scheduler is not None:
         parts.scheduler.step_update(num_updates=state.step)
 
@@ -290,7 +294,8 @@ def _epoch_result(parts: Parts, state: TrainState, tally: _EpochTally, interrupt
         [float(tally.loss_sum), float(tally.batches), float(tally.num_images), float(timed_images)], device)
     state.epoch_loss_sum, state.epoch_batches = totals[0], int(round(totals[1]))
     out = {
-        "train_loss": totals[0] / max(totals[1], 1.0),
+        # (no finite batch, every step skipped: no loss to report, logged empty rather than 0)
+        "train_loss": totals[0] / totals[1] if totals[1] > 0 else float("nan"),
         "lr": parts.optimizer.param_groups[0]["lr"],
         "images_per_s": totals[3] / timed_elapsed if timed_elapsed > 0 else float("nan"),
         "train_images": int(totals[2]),
