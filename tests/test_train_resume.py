@@ -115,3 +115,23 @@ def test_incompatible_checkpoint_is_a_clear_error(compose_train, tmp_path):
     stock = ckpt_lib.load_checkpoint(str(tmp_path / "checkpoints" / "last.pt"))["model"]
     with pytest.raises(ckpt_lib.CheckpointError, match="missing keys"):
         ckpt_lib.load_model_state(model, stock, "last.pt")
+
+
+def test_a_run_of_another_process_count_is_not_resumed(compose_train, tmp_path):
+    """The global batch is batch_size x processes x grad_accum: a checkpoint written by 2
+    processes (one RNG state each) resumed by 1 would halve it while the saved schedule kept
+    the old learning rate (the banner printing the new one) and the data position meant
+    batches per rank of 2. Refused, naming the count to resume with; nothing is written."""
+    from conftest import FAST_TRAINER
+
+    base = TINY_MODELS["deit"] + FAST_TRAINER + ["mesa.enabled=false"]
+    fit(compose_train(base), str(tmp_path))
+    path = tmp_path / "checkpoints" / "last.pt"
+    ckpt = ckpt_lib.load_checkpoint(str(path))
+    ckpt["rng"] = ckpt["rng"] * 2  # as torchrun --nproc_per_node=2 writes it
+    ckpt_lib.save_checkpoint({k: v for k, v in ckpt.items() if k not in ("format", "version")}, str(path))
+    before = path.read_bytes()
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"with 1 process\(es\): it was written by 2 \(global batch "
+                                                       r"8 = 4 x 2 x 1 accumulation, now 4\).*Resume with 2 processes"):
+        fit(compose_train(base + ["trainer.max_steps=4"]), str(tmp_path))
+    assert path.read_bytes() == before

@@ -271,6 +271,23 @@ def check_same_settings(saved_cfg: dict, cfg: dict, path: str) -> None:
         )
 
 
+
+def check_same_world(ckpt: dict, world: int, trainer_cfg, path: str) -> None:
+    """Resuming keeps the checkpoint's process count: the global batch is ``batch_size x
+    processes x grad_accum``, and the saved schedule (its learning rate was scaled by that
+    batch) and data position (batches per rank) follow it. A checkpoint records one RNG state
+    per process; one without any (older) is not checked."""
+    saved = len(ckpt.get("rng") or [])
+    if saved and saved != world:
+        per_rank, accum = int(trainer_cfg.batch_size), int(trainer_cfg.grad_accum)
+        raise CheckpointError(
+            f"cannot resume from {path} with {world} process(es): it was written by {saved} (global batch "
+            f"{per_rank * saved * accum} = {per_rank} x {saved} x {accum} accumulation, now "
+            f"{per_rank * world * accum}), and its learning-rate schedule and data position follow that batch. "
+            f"Resume with {saved} processes in all (torchrun), or start a new run directory from these weights "
+            f"with model.pretrained_path={path}")
+
+
 def load_model_state(model: torch.nn.Module, state_dict: dict, path: str, what: str = "model") -> None:
     """``load_state_dict(strict=True)`` with a readable error on missing/unexpected keys
     or shape mismatches (e.g. a stock checkpoint loaded into a Mesa model)."""

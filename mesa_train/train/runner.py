@@ -140,6 +140,7 @@ def _read_resume_checkpoint(cfg, run_dir: str, plain_cfg: dict):
     ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
     ckpt_lib.check_compatible(ckpt["config"], plain_cfg, path)
     ckpt_lib.check_same_settings(ckpt["config"], plain_cfg, path)
+    ckpt_lib.check_same_world(ckpt, dist_utils.world_size(), cfg.trainer, path)
     return path, ckpt
 
 
@@ -331,8 +332,8 @@ def _restore(ckpt, path, model, optimizer, scheduler, scaler, ema, o, rank, worl
     rngs = ckpt.get("rng") or []
     if len(rngs) == world:
         ckpt_lib.set_rng_state(rngs[rank])
-    else:
-        log.warning("checkpoint was written by %d ranks, now %d: RNG streams restart", len(rngs), world)
+    else:  # (a checkpoint from before the RNG states were saved; another count is refused earlier)
+        log.warning("checkpoint has no RNG states for %d process(es): RNG streams restart", world)
     return ema
 
 
