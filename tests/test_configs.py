@@ -105,6 +105,12 @@ INVALID = [
     ("model.depth", 0, r"model.depth=0 must be null \(the model's own\) or an integer >= 1"),
     ("model.num_heads", 0, r"model.num_heads=0 must be null"),
     ("model.embed_dim", 1.5, r"model.embed_dim=1.5 must be null"),
+    # (int('abc') failed in the runner with a traceback; 1.5 was taken as 1)
+    ("trainer.seed", "abc", r"trainer.seed='abc' must be an integer from 0 to 2\*\*31 - 1"),
+    ("trainer.seed", 1.5, r"trainer.seed=1.5 must be an integer"),
+    ("trainer.seed", -1, r"trainer.seed=-1 must be an integer"),
+    ("mesa.ops", [], r"mesa.ops is empty; name at least one \(valid ops: .*gelu.*\), or train stock"),
+    ("mesa.modules", [], r"mesa.modules is empty; name at least one \(valid modules: .*ffn"),
 ]
 
 

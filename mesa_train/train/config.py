@@ -84,10 +84,16 @@ def _check_mesa(m, errors: list[str]) -> None:
         errors.append(f"mesa.enabled={m.enabled!r} must be true or false")
     ops, modules = _as_list(m.ops), _as_list(m.modules)
     bad_ops = [o for o in ops if o not in MESA_OPS]
-    if bad_ops or not ops:
+    if not ops:  # (nothing to compress: say so, not "unknown ops []")
+        errors.append(f"mesa.ops is empty; name at least one (valid ops: {', '.join(MESA_OPS)}), "
+                      "or train stock with mesa.enabled=false")
+    elif bad_ops:
         errors.append(f"mesa.ops={ops} has unknown ops {bad_ops}; valid ops: {', '.join(MESA_OPS)}")
     bad_modules = [x for x in modules if x not in MESA_MODULES]
-    if bad_modules or not modules:
+    if not modules:
+        errors.append(f"mesa.modules is empty; name at least one (valid modules: {', '.join(MESA_MODULES)}), "
+                      "or train stock with mesa.enabled=false")
+    elif bad_modules:
         errors.append(
             f"mesa.modules={modules} has unknown modules {bad_modules}; "
             f"valid modules: {', '.join(MESA_MODULES)}"
@@ -146,6 +152,10 @@ def _check_trainer(t, errors: list[str]) -> None:
     skips = t.get("max_nonfinite_skips", 1)
     if not (isinstance(skips, int) and skips >= 1):
         errors.append(f"trainer.max_nonfinite_skips={skips!r} must be an integer >= 1")
+    seed = t.get("seed", 0)
+    # (each rank seeds with seed + rank; NumPy's generator takes 0 <= seed < 2**32)
+    if isinstance(seed, bool) or not (isinstance(seed, int) and 0 <= seed < 2**31):
+        errors.append(f"trainer.seed={seed!r} must be an integer from 0 to 2**31 - 1")
 
 
 def _check_compile_mode(t, errors: list[str]) -> None:
