@@ -38,6 +38,7 @@ def test_group_option_composes(compose_train, group, option):
 def test_experiment_composes(compose_train, name):
     cfg = compose_train([f"experiment={name}"])
     config_lib.validate(cfg)
+    config_lib.check_known_settings(cfg)  # (a preset sets only settings that exist)
     plain = OmegaConf.to_container(cfg, resolve=True)
     assert plain["name"] == name  # presets name their runs
     assert cfg.data.name in config_lib.DATASETS
@@ -45,6 +46,23 @@ def test_experiment_composes(compose_train, name):
         assert cfg.mesa.enabled
     if name.endswith("_baseline"):
         assert not cfg.mesa.enabled
+
+
+
+def test_a_setting_added_with_plus_must_exist(compose_train):
+    """Hydra refuses an unknown key given without '+', but '+mesa.decya=0.5' is added and was
+    then ignored: refused for a new run, naming the close setting; dicts given to a setting
+    whose default is null (mesa.plan), and every default, pass."""
+    config_lib.check_known_settings(compose_train([]))
+    cfg = compose_train(["+mesa.decya=0.5", "+trainer.fsdp.cpu_ofload=true", "+trainer.bogus=1"])
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.check_known_settings(cfg)
+    lines = str(err.value).splitlines()[1:]
+    assert lines == ["  - trainer.fsdp.cpu_ofload is not a setting (close: fsdp.cpu_offload); all: "
+                     "configs/trainer/default.yaml",
+                     "  - trainer.bogus is not a setting; all: configs/trainer/default.yaml",
+                     "  - mesa.decya is not a setting (close: decay); all: configs/mesa/default.yaml"]
+    config_lib.check_known_settings(compose_train(["mesa.plan={layers: {}}", "trainer.fsdp={}"]))
 
 
 def test_paper_experiment_settings(compose_train):

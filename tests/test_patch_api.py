@@ -150,6 +150,19 @@ def test_patch_half_precision_model(dtype):
     assert all(p.grad is not None and p.grad.dtype == dtype for p in model.parameters())
 
 
+
+def test_a_float64_model_is_refused_at_patch_time():
+    """Mesa's kernels take float32/16 and bfloat16 activations: a double model used to be
+    patched and then fail inside a layer at its first forward."""
+    model = build("deit").double()
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"float64 parameters \(e.g. 'cls_token'\).*patch model.float\(\)"):
+        patch_model(model)
+    assert str(model) == str(before)  # nothing patched
+    out = patch_model(model.float())(inputs("deit"))  # the one-call fix
+    assert out.dtype == torch.float32
+
+
 def test_patch_model_then_move_and_patched_on_device():
     # devices: the new modules are created on the device of the module they patch; here the
     # "device" is the meta device (no GPU in CI), where parameters and buffers must follow

@@ -428,6 +428,16 @@ def _share_norm_copies(named, info, set_names, shared: bool) -> None:
             m.mesa_norm_shared = shared
 
 
+def _check_dtype(root: nn.Module) -> None:
+    """Mesa's kernels take float32, float16 and bfloat16 activations: a float64 model is
+    refused here, where the fix is one call, not at its first forward (``observe`` then
+    refused the Double input from inside a layer)."""
+    name = next((n for n, p in root.named_parameters() if p.dtype == torch.float64), None)
+    if name is not None:
+        raise ValueError(f"patch_model: the model has float64 parameters (e.g. {name!r}); Mesa compresses float32, "
+                         "float16 and bfloat16 activations: patch model.float() (or .half() / .bfloat16())")
+
+
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
                 *, attention: str = "auto", plan=None, cancelling_bn: str = "stock", mlp: str = "shared",
                 norm_linear: str = "shared", **quant_options) -> nn.Module:
@@ -513,6 +523,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     explicit = dict(quant_options)  # (what this call asked for, applied to layers patched before too)
 
     root = _unwrap(model)
+    _check_dtype(root)
     keep_stock, kept_names = _stock_batchnorms(root, op_names, cancelling_bn)
     t = _Target(root, op_names, set_names, quant_options)
 

@@ -73,6 +73,41 @@ def validate(cfg) -> None:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
+# Groups whose every setting is in their default file: a key there that is none of them is a
+# typo that Hydra lets through when given with '+' ('+mesa.decya=0.5' would be ignored).
+# (Checked for a new run only: an older checkpoint's config may hold a setting since removed.)
+_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+SETTING_GROUPS = ("trainer", "mesa")
+
+
+def _leaf_keys(tree, prefix: str = "") -> list[str]:
+    if isinstance(tree, dict) and tree:
+        return [k for key, value in tree.items() for k in _leaf_keys(value, f"{prefix}{key}.")]
+    return [prefix[:-1]]
+
+
+def check_known_settings(cfg) -> None:
+    """Raise ``ConfigError`` for a ``trainer.*`` / ``mesa.*`` key that is no setting of the
+    group's default file (``configs/<group>/default.yaml``), naming the close ones."""
+    from omegaconf import OmegaConf
+
+    errors = []
+    for group in SETTING_GROUPS:
+        path = os.path.join(_CONFIG_DIR, group, "default.yaml")
+        if not os.path.exists(path):  # (a package installed without its configs: nothing to compare)
+            continue
+        known = set(_leaf_keys(OmegaConf.to_container(OmegaConf.load(path))))
+        given = _leaf_keys(OmegaConf.to_container(cfg[group], resolve=False))
+        for key in given:
+            # (a known key, inside one whose default is null (a dict given to it), or a dict of them)
+            if key not in known and not any(key.startswith(k + ".") or k.startswith(key + ".") for k in known):
+                close = difflib.get_close_matches(key, sorted(known), n=3)
+                errors.append(f"{group}.{key} is not a setting" + (f" (close: {', '.join(close)})" if close else "")
+                              + f"; all: configs/{group}/default.yaml")
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
 def _choice(errors: list[str], path: str, value, valid) -> None:
     if value not in valid:
         errors.append(f"{path}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")

@@ -24,7 +24,7 @@ from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 from mesa_train.train import rundir
 from mesa_train.train import sharded
-from mesa_train.train.config import ConfigError, learning_rate, validate
+from mesa_train.train.config import ConfigError, check_known_settings, learning_rate, validate
 from mesa_train.train.data import build_loaders, build_mixup, worker_count
 from mesa_train.train.engine import Parts, TrainState, build_criterion, evaluate, train_one_epoch
 from mesa_train.train.estimates import EstimateSync, buffers_identical
@@ -150,6 +150,7 @@ def fit(cfg, run_dir: str, on_accept=None) -> dict:
     ``on_accept()`` runs once the run passed every start-up check (train.py records its
     Hydra config there)."""
     validate(cfg)  # before anything is built or written
+    check_known_settings(cfg)
     check_buildable(cfg, int(cfg.data.num_classes or 10))
     plain_cfg = ckpt_lib.to_plain(cfg)
     dist_utils.init_from_env()
