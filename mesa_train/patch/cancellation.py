@@ -3,7 +3,8 @@
 A train-mode BatchNorm makes its output invariant to a positive rescaling of its input (but
 for ``eps``). When the output of BatchNorm ``A`` reaches another normalisation ``B`` through
 per-channel, positively homogeneous ops only (ReLU, a depthwise conv, identity, pooling,
-channel split / concat, residual adds, a scalar affine) on every path, rescaling ``A``'s ``weight`` and ``bias`` of one
+channel split / concat, a scalar affine, a residual add none of whose summands comes from elsewhere
+than ``A``) on every path, rescaling ``A``'s ``weight`` and ``bias`` of one
 channel together leaves ``B``'s output unchanged, so ``A``'s exact ``weight`` gradient is
 ``-bias * dbias / weight`` plus an ``eps`` term: zero at initialisation (bias 0), a tiny
 difference of large sums later. 8-bit noise of ``A``'s ``x_hat`` (its weight gradient is
@@ -21,6 +22,7 @@ checks after patching).
 """
 from __future__ import annotations
 
+import heapq
 import operator
 import warnings
 from typing import Dict, Optional, Set
@@ -42,8 +44,14 @@ _PASS_MODULES = (nn.ReLU, nn.ReLU6, nn.Identity, nn.Dropout, nn.Dropout2d, nn.Ma
                  nn.MaxPool1d, nn.AvgPool1d)
 _PASS_FUNCTIONS = {F.relu, torch.relu, F.relu6, F.dropout, operator.getitem, torch.cat, torch.split, torch.chunk,
                    torch.flatten, torch.transpose, torch.permute, torch.reshape, F.pad, F.max_pool2d, F.avg_pool2d,
-                   operator.add, operator.iadd}  # a residual add: the path goes on through it
-_MERGES = {operator.add, operator.iadd, torch.cat}
+                   operator.add, operator.iadd}
+# An add passes a path from A on only where each operand is a tensor computed from A: reached along
+# the path (x + dwconv(relu(x)): rescaled with it, an exact invariance) or through a normalisation the
+# path ends at (a residual branch x + f(norm(x)), small at init: layer scale, small weights, so a near
+# cancellation; TinyViT, InceptionNeXt). A sibling branch or a constant stops it: MobileOne's
+# identity-BN + conv-BN + scale-BN sums, whose summands are alike in size, kept all 222 BatchNorms stock
+_ADDS = {operator.add, operator.iadd}
+_MERGES = _ADDS | {torch.cat}
 _PASS_METHODS = {"relu", "relu_", "contiguous", "flatten", "transpose", "permute", "reshape", "view", "split",
                  "chunk", "unflatten"}
 
@@ -125,12 +133,17 @@ def _data_users(node):
             and not (u.op == "call_method" and u.target in ("size", "dim"))]
 
 
+def _literal_zero(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and a == 0
+
+
 def cancellation_batchnorms(model: nn.Module) -> Set[str]:
     """Qualified names (in ``model``) of the BatchNorm2d, BatchNorm1d and GroupNorm modules to keep stock:
 
     * a BatchNorm all of whose output paths end at normalisations through per-channel,
-      positively homogeneous ops (residual adds included), with the BatchNorms those paths
-      end at;
+      positively homogeneous ops (a residual add only where all its summands are computed from
+      that BatchNorm: along those ops, or through a normalisation a path ends at), with the
+      BatchNorms those paths end at;
     * an affine GroupNorm whose every path ends at normalisations that way, with those
       BatchNorms (LowFormer, CPUBone: ``GroupNorm1 -> depthwise conv -> BatchNorm``);
     * a BatchNorm one of whose branches reaches a BatchNorm1d through single-input
@@ -143,7 +156,7 @@ def cancellation_batchnorms(model: nn.Module) -> Set[str]:
     graph = _trace(model)
     if graph is None:
         return set()
-    paths = _NormPaths(dict(model.named_modules()))
+    paths = _NormPaths(dict(model.named_modules()), graph)
     found: Set[str] = set()
     for start in graph.nodes:
         m = paths.module(start)
@@ -180,11 +193,12 @@ def _trace(model: nn.Module):
 class _NormPaths:
     """Where the paths out of a graph node end: the normalisations reached through ops that
     keep the invariance (per-channel, positively homogeneous; channel-mixing ones too when
-    ``mixing``, i.e. from a scalar scale). Memoised per ``mixing``."""
+    ``mixing``, i.e. from a scalar scale). Judged per start: whether an add passes depends on
+    where its other summands come from."""
 
-    def __init__(self, mods: Dict[str, nn.Module]):
+    def __init__(self, mods: Dict[str, nn.Module], graph):
         self.mods = mods
-        self.memos: Dict[bool, Dict] = {False: {}, True: {}}
+        self.order = {n: i for i, n in enumerate(graph.nodes)}  # a topological order
 
     def module(self, node) -> Optional[nn.Module]:
         return self.mods.get(node.target) if node.op == "call_module" else None
@@ -199,27 +213,55 @@ class _NormPaths:
             return node.target in _PASS_METHODS
         return False
 
-    def ends_of_users(self, node, mixing: bool) -> Optional[Set]:
-        """The union of the users' ends; None as soon as one path escapes."""
-        out: Set = set()
-        for u in _data_users(node):
-            e = self.ends_of(u, mixing)
-            if e is None:
-                return None
-            out |= e
-        return out
-
-    def ends_of(self, node, mixing: bool) -> Optional[Set]:
-        """The normalisations every path from ``node`` ends at; None if one escapes."""
-        memo = self.memos[mixing]
-        if node not in memo:
+    def ends_of_users(self, start, mixing: bool) -> Optional[Set]:
+        """The normalisations every path from ``start`` ends at; None as soon as one escapes.
+        Nodes are visited in graph order, so an add is judged after every summand that ``start``
+        reaches has been."""
+        reached, ends, queued, heap, below = {start}, set(), set(), [], set()
+        self._queue_users(start, queued, heap)
+        while heap:
+            _, node = heapq.heappop(heap)
             if isinstance(self.module(node), _NORMS):
-                memo[node] = {node}
-            elif node.users and self.passes(node, mixing):
-                memo[node] = self.ends_of_users(node, mixing)
-            else:
-                memo[node] = None
-        return memo[node]
+                ends.add(node)
+                continue
+            if not (node.users and self.passes(node, mixing) and self._summands_from(node, start, reached, below)):
+                return None
+            reached.add(node)
+            self._queue_users(node, queued, heap)
+        return ends
+
+    def _summands_from(self, node, start, reached: Set, below: Set) -> bool:
+        """An add's operands all come from ``start`` (``_ADDS``): reached along the path, or
+        below it (``below``: its descendants, filled on first need); any other node: true."""
+        if not (node.op == "call_function" and node.target in _ADDS):
+            return True
+        # a literal 0 adds nothing (timm's MobileOne sums its branches onto 0); another constant
+        # is not rescaled with the start
+        summands = [a for a in node.args if not _literal_zero(a)]
+        if node.kwargs or not all(isinstance(a, torch.fx.Node) for a in summands):
+            return False
+        if all(a in reached for a in summands):
+            return True
+        if not below:
+            below |= self._descendants(start)
+        return all(a in reached or a in below for a in summands)
+
+    def _descendants(self, start) -> Set:
+        """Every node computed from ``start``'s values. Past the path's reached nodes (whose
+        users all pass or end it, else the path escaped first) only through its ends."""
+        seen, stack = set(), [start]
+        while stack:
+            for u in _data_users(stack.pop()):
+                if u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+        return seen
+
+    def _queue_users(self, node, queued: Set, heap: list) -> None:
+        for u in _data_users(node):
+            if u not in queued:
+                queued.add(u)
+                heapq.heappush(heap, (self.order[u], u))
 
     def batchnorm1d_reached(self, node) -> Set:
         """The BatchNorm1d nodes some path from ``node`` reaches through single-input

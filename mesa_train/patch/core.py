@@ -654,8 +654,24 @@ def _stock_batchnorms(root: nn.Module, op_names, cancelling_bn: str) -> Tuple[Di
     mods = dict(root.named_modules())
     keep_stock = {id(mods[n]): n for n in cancellation_batchnorms(root) if n in mods}
     rules = _leaf_rules()  # reported: the kept norms a leaf rule would have converted
-    return keep_stock, tuple(n for n in keep_stock.values()
-                             if (rules.get(type(mods[n])) or _inherited_rule(rules, type(mods[n]))) is not None)
+    kept_names = tuple(n for n in keep_stock.values()
+                       if (rules.get(type(mods[n])) or _inherited_rule(rules, type(mods[n]))) is not None)
+    keep_stock.update(_scale_convs_of(root, keep_stock))
+    return keep_stock, kept_names
+
+
+def _scale_convs_of(root: nn.Module, kept: Dict[int, str]) -> Dict[int, str]:
+    """The scale-branch convs (``_scale_pair``) whose BatchNorm stays stock, as ``{id: name}``: a stock
+    BatchNorm cannot hand its conv the closed-form weight gradient, and that gradient is a
+    cancellation the 8-bit input swamps (MobileOne-S1's ``conv_scale`` after a single-branch block),
+    so the conv stays stock too: its full input gives stock's gradient."""
+    names = {id(m): n for n, m in root.named_modules()}
+    out = {}
+    for m in root.modules():
+        pair = _scale_pair(m)
+        if pair is not None and id(pair[1]) in kept and is_scale_conv(pair[0]):
+            out[id(pair[0])] = names[id(pair[0])]
+    return out
 
 
 def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
