@@ -38,6 +38,7 @@ from timm.layers.pool2d_same import AvgPool2dSame as TimmAvgPool2dSame, MaxPool2
 from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
 from timm.layers import LayerScale2d as TimmLayerScale2d
 from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
+from timm.models.ghostnet import ConvBnAct as GhostConvBnAct
 from timm.models.swiftformer import LayerScale2d as SwiftFormerLayerScale2d
 from timm.models.mlp_mixer import Affine as ResMlpAffine
 from timm.layers import Linear as TimmLinear
@@ -920,15 +921,28 @@ def _record_patch(root: nn.Module, op_names, set_names, explicit: dict, unreache
     object.__setattr__(root, PATCH_INFO_ATTR, record)
 
 
+def _conv_norm_attrs(m: nn.Module) -> Optional[Tuple[str, str]]:
+    """The ``(conv, norm)`` attribute names of a timm module whose forward feeds its conv's output
+    to its norm and to nothing else: ``ConvNormAct`` with no anti-aliasing (FastViT / MobileOne
+    ``conv_scale``) and ghostnet's ``ConvBnAct`` (GhostNetV3 ``cheap_rpr_scale`` /
+    ``dw_rpr_scale``: ``aa`` and the optional skip add come after ``bn1``)."""
+    if type(m) is ConvNormAct and getattr(m, "aa", None) is None:
+        return "conv", "bn"
+    if type(m) is GhostConvBnAct:
+        return "conv", "bn1"
+    return None
+
+
 def _scale_pair(m: nn.Module):
-    """``(conv, bn)`` when ``m`` runs exactly ``bn(conv(x))``: an ``nn.Sequential`` of those two
-    (RepViT ``ConvNorm``) or timm's ``ConvNormAct`` with no anti-aliasing, whose
-    ``BatchNormAct2d`` has no dropout / activation (FastViT / MobileOne ``conv_scale``)."""
+    """``(conv, bn)`` when ``m`` runs ``bn(conv(x))`` (then maybe more on the BatchNorm's output):
+    an ``nn.Sequential`` of those two (RepViT ``ConvNorm``) or a timm conv-norm module
+    (``_conv_norm_attrs``), whose ``BatchNormAct2d`` has no dropout / activation."""
     kids = list(m._modules.values())
+    attrs = _conv_norm_attrs(m)
     if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward and len(kids) == 2:
         conv, bn = kids
-    elif type(m) is ConvNormAct and getattr(m, "aa", None) is None:
-        conv, bn = m.conv, m.bn
+    elif attrs is not None:
+        conv, bn = (getattr(m, a) for a in attrs)
     else:
         return None
     if isinstance(bn, (BatchNormAct2d, mnn.BatchNormAct2d)) and not (
