@@ -286,7 +286,8 @@ def named_model_kwargs(cfg) -> dict[str, tuple[str, Any]]:
     named = {}
     for key, owner in owners.items():
         group, name = owner.split(".")
-        value = cfg[group].get(name)
+        section = cfg.get(group)  # (the plan CLI's config has no optim group)
+        value = section.get(name) if section is not None else None
         if value is not None:
             named[key] = (owner, value)
     return named
