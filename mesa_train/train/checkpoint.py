@@ -271,7 +271,6 @@ def check_same_settings(saved_cfg: dict, cfg: dict, path: str) -> None:
         )
 
 
-
 def check_same_world(ckpt: dict, world: int, trainer_cfg, path: str) -> None:
     """Resuming keeps the checkpoint's process count: the global batch is ``batch_size x
     processes x grad_accum``, and the saved schedule (its learning rate was scaled by that
