@@ -196,7 +196,7 @@ for s in $STEPS; do
     host)    step host-deit-s ${HOST_LIMIT:-400} $BENCH preset=host "skip=[C++ wrapper,Mesa compiled]" profile=true ;;
     cppwrapper) step host-cpp-wrapper ${CPP_WRAPPER_LIMIT:-240} $BENCH preset=host "only=C++ wrapper" profile=true output_dir=results/host-cpp-wrapper ;;
     tests)   step cuda-tests ${TESTS_LIMIT:-300} $PY -m pytest -q -m cuda -p no:cacheprovider -rfE --durations=10 $XDIST ${TESTS:-$KERNEL_TESTS_FIRST tests} ;;
-    kernels) step kernel-bandwidth 180 $PY -m mesa_train.quant.benchmark ;;
+    kernels) step kernel-bandwidth ${KERNELS_LIMIT:-180} $PY -m mesa_train.quant.benchmark ;;
     kernels-base) kernels_base ;;
     ncu)     step ncu-kernels ${NCU_LIMIT:-150} $PY scripts/ncu_kernels.py ;;
     grids)   step kernel-grid-full 90 $PY -m mesa_train.quant.benchmark --grid full

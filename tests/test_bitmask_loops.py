@@ -137,4 +137,9 @@ def test_mask_layers_give_the_stock_gradient_bit_for_bit(device, dtype, x_layout
     y = stock(leaf * 1 if kind.endswith("_inplace") else leaf)
     (gx,) = torch.autograd.grad(y, leaf, g)
     _assert_same_bits(mesa_y, y.detach())
-    _assert_same_bits(mesa_gx, gx)
+    # ATen's CUDA hardtanh_backward computes a half or bfloat16 g in float and converts back,
+    # and the GPU's conversion writes its canonical NaN (0x7FFF) for any NaN g; Mesa's select
+    # passes g's own bits (0x7E00 here). NaN in the same places, every other bit the same (the
+    # H200 run of 2026-12-04: these 12 cases failed on the payload alone)
+    gpu_nan = kind == "hardtanh" and x.is_cuda and dtype in (torch.float16, torch.bfloat16)
+    _assert_same_bits(mesa_gx, gx, any_nan_payload=gpu_nan)

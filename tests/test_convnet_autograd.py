@@ -34,15 +34,20 @@ BN_MODULES = {"2d": mnn.BatchNorm2d, "channels_last": mnn.BatchNorm2d, "1d_ncl":
               "1d_nc": mnn.BatchNorm1d}
 
 
+def _uniform(param: torch.Tensor, low: float, high: float, seed: int) -> torch.Tensor:
+    """Values drawn on the CPU (a CPU generator cannot fill a CUDA tensor), the same on every device."""
+    return torch.empty(param.shape).uniform_(low, high, generator=torch.Generator().manual_seed(seed))
+
+
 def _norm_run(fused, monkeypatch, layer, device, shape, channels_last, dtype, grads):
     """Two training steps of the norm ``layer`` (estimates initialised, then updated; a
     BatchNorm's running statistics updated twice); ``dtype``: None runs under bf16 autocast."""
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     if layer.weight is not None:
         with torch.no_grad():  # not the initial ones and zeros
-            layer.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+            layer.weight.copy_(_uniform(layer.weight, 0.5, 1.5, seed=0))
             if layer.bias is not None:
-                layer.bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
+                layer.bias.copy_(_uniform(layer.bias, -0.5, 0.5, seed=1))
         layer.weight.requires_grad_(grads[1])
         if layer.bias is not None:
             layer.bias.requires_grad_(grads[2])

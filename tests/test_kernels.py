@@ -627,6 +627,21 @@ def test_benchmark_runs_on_cpu(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_every_gpu_case_builds_and_checks_its_rows_on_cpu():
+    """The GPU table's layouts (batch cut to 2, widths and groups kept), each op run once and
+    checked against the reference on the CPU: a layout one op refuses must leave that op out,
+    not stop the table (the H200 run of 2026-12-04 lost its whole table to the MLP hidden's
+    1536-wide rows, which layer_norm_backward refuses)."""
+    from mesa_train.quant import benchmark
+
+    cases = [(name, (2,) + shape[1:], dim, groups) for name, shape, dim, groups in benchmark.GPU_CASES]
+    rows = benchmark.run_benchmark(torch.device("cpu"), cases, ["bf16"], 0, 1)
+    assert {r["case"] for r in rows} == {name for name, *_ in cases}
+    assert {r["reference"] for r in rows if not r["op"].startswith("clone")} == {"equal"}
+    hidden = [r["op"] for r in rows if r["case"].startswith("hidden")]
+    assert "observe_rows" in hidden and not any("LayerNorm x_hat" in op for op in hidden)
+
+
 def test_benchmark_device_is_one_line_when_wrong_or_absent(tmp_path, capsys):
     from mesa_train.quant import benchmark
 

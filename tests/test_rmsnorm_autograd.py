@@ -31,7 +31,7 @@ def _run(fused, monkeypatch, device, shape, dtype, autocast, options, grads, aff
     layer = cls(normalized_shape, elementwise_affine=affine, device=device, dtype=dtype, **options)
     if affine:
         with torch.no_grad():
-            layer.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+            layer.weight.copy_(torch.empty(layer.weight.shape).uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0)))
         layer.weight.requires_grad_(grads[1])
     layer.quantizer.rng.copy_(torch.tensor([55, 0]))
     out = []

@@ -52,6 +52,7 @@ import torch
 
 from mesa_train import quant as Q
 from mesa_train.device_info import device_name
+from mesa_train.quant.reference import LN_MAX_COLS
 from mesa_train.quant.reference_check import ReferenceCheck
 
 # MESA_CUDA_GRID's values (csrc/cuda/quant_cuda.cu, elementwise_grid): how many blocks the
@@ -389,9 +390,10 @@ def _row_scale_ops(x, q, alpha, beta, state, dim: int, G: int, dtype) -> list:
     ]
     ops += _rebuild_rows(q, alpha, beta, k, dim, G, dtype)
     ops += _gelu_linear_rows(q, alpha, beta, k, dim, G, g)
-    ops += _layer_norm_rows(x, state, dim, G, "")
-    if dtype != torch.float32:  # under autocast a LayerNorm's input is the float32 residual stream
-        ops += _layer_norm_rows(x.float(), state, dim, G, " (float32 input, as under autocast)")
+    if x.shape[-1] <= LN_MAX_COLS:  # (wider rows are no LayerNorm's: the op refuses them)
+        ops += _layer_norm_rows(x, state, dim, G, "")
+        if dtype != torch.float32:  # under autocast a LayerNorm's input is the float32 residual stream
+            ops += _layer_norm_rows(x.float(), state, dim, G, " (float32 input, as under autocast)")
     ops += [
         ("row_exponents", n * es, lambda: torch.ops.mesa.row_exponents(x, 1, 64)),
         ("observe_rows", n * es, observe_rows),
