@@ -31,7 +31,8 @@ def _run(fused, monkeypatch, device, shape, dtype, autocast, options, grads, aff
     layer = cls(normalized_shape, elementwise_affine=affine, device=device, dtype=dtype, **options)
     if affine:
         with torch.no_grad():
-            layer.weight.copy_(torch.empty(layer.weight.shape).uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0)))
+            gen = torch.Generator().manual_seed(0)  # (on the CPU: a CPU generator cannot fill a CUDA tensor)
+            layer.weight.copy_(torch.empty(layer.weight.shape).uniform_(0.5, 1.5, generator=gen))
         layer.weight.requires_grad_(grads[1])
     layer.quantizer.rng.copy_(torch.tensor([55, 0]))
     out = []
