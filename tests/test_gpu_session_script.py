@@ -139,9 +139,9 @@ def test_the_cuda_tests_spread_over_workers_where_the_image_has_xdist(fake_check
     proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), FAKE_XDIST="1", STEP_SECONDS="0", STEPS="tests")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (pytest_call,) = [c for c in log.read_text().splitlines() if c.startswith("-m pytest")]
-    assert " -n 4 " in pytest_call and pytest_call.endswith(" tests")
+    assert " -n 12 " in pytest_call and pytest_call.endswith(" tests")
     # the changed kernels' tests first, each an existing file (a limit cuts the rest)
-    files = pytest_call.split(" -n 4 ", 1)[1].split()[:-1]
+    files = pytest_call.split(" -n 12 ", 1)[1].split()[:-1]
     assert files[:3] == ["tests/test_kernels.py", "tests/test_row_max_mean.py", "tests/test_row_scale_kernels.py"]
     assert len(files) == len(set(files)) == 9
     assert all((Path(__file__).parent.parent / f).is_file() for f in files), files
