@@ -2270,6 +2270,29 @@ template <> struct AbsBits<c10::Half> {
   }
 };
 
+// Rows a thread of a row pass's finishing block reads before it uses any. That block walks
+// every row's maximum three times (their top, the sum, k), one block on its own, so its loops
+// wait on L2 latency, not bandwidth: with one load in flight a thread, row_exponents took
+// 103 us on DeiT-S's (128, 197, 384) tokens on the H200 (2026-12-04, 25,216 rows, about 100
+// loads in turn a loop), against 12.7 us when a separate grid did it (before session 36).
+// Four in flight in the mean's two loops and two in k's should cut those waits about 4x and
+// 2x; not yet timed on a GPU (the session's device time ran out first). More spilled
+// registers in the flat row pass (48 a thread, 5 blocks an SM: tests/test_sass_audit.py):
+// k's loop at four spilled 8-12 bytes, and row_absmax went from 32 registers to 48 at eight.
+constexpr int kFinishRows = 4;
+constexpr int kFinishKRows = 2;
+
+// v[u] = the bits of r[i0 + u * blockDim.x] (0 past `rows`), read through L2 (__ldcg), all
+// loads issued before any is used
+template <int N>
+__device__ __forceinline__ void finish_load_rows(const uint32_t* r_bits, int64_t rows, int64_t i0, uint32_t (&v)[N]) {
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    const int64_t i = i0 + int64_t(u) * blockDim.x;
+    v[u] = i < rows ? __ldcg(r_bits + i) : 0u;
+  }
+}
+
 // The mean of the row maxima r[0..rows) (their float32 bits; reference.row_max_mean) taken
 // by one block, returned to each of its threads: mesa_common.h's three steps with thread t on
 // rows t, t + blockDim.x, ...; the max and the int64 sum are order-free, so any split gives
@@ -2282,7 +2305,12 @@ __device__ float block_row_max_mean(const uint32_t* r_bits, int64_t rows, int bi
   if (threadIdx.x == 0) s_top = 0u;
   __syncthreads();
   uint32_t top = 0u;
-  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) top = umax(top, __ldcg(r_bits + i) & 0x7FFFFFFFu);
+  for (int64_t i0 = threadIdx.x; i0 < rows; i0 += kFinishRows * int64_t(blockDim.x)) {
+    uint32_t v[kFinishRows];
+    finish_load_rows(r_bits, rows, i0, v);
+#pragma unroll
+    for (int u = 0; u < kFinishRows; ++u) top = umax(top, v[u] & 0x7FFFFFFFu);
+  }
   atomicMax(&s_top, top);
   __syncthreads();
   top = s_top;
@@ -2290,7 +2318,12 @@ __device__ float block_row_max_mean(const uint32_t* r_bits, int64_t rows, int bi
   const int e = mean_top_exponent(top);
   const double up = pow2_f64(bits - e);
   int64_t sum = 0;
-  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) sum += mean_term(__uint_as_float(__ldcg(r_bits + i)), up);
+  for (int64_t i0 = threadIdx.x; i0 < rows; i0 += kFinishRows * int64_t(blockDim.x)) {
+    uint32_t v[kFinishRows];
+    finish_load_rows(r_bits, rows, i0, v);  // (0 past the end: a term of 0)
+#pragma unroll
+    for (int u = 0; u < kFinishRows; ++u) sum += mean_term(__uint_as_float(v[u]), up);
+  }
   s_sum[threadIdx.x] = sum;
   __syncthreads();
   for (int off = kThreads / 2; off > 0; off /= 2) {
@@ -2384,17 +2417,32 @@ template <typename scalar_t>
 __device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, int G, float* cells, CellIndex ci,
                                               const RowCellsFinish& fin, bool norm) {
   const float mean = block_row_max_mean(r_bits, rows, fin.mean_bits, fin.recip_n);
-  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
-    const int kk = row_k(mean, __uint_as_float(__ldcg(r_bits + i)), fin.max_k);
-    fin.k[i] = static_cast<int8_t>(kk);
-    r_bits[i] = 0u;
-    if (kk == 0) continue;
-    if (fin.fused) fin.dirty[i / kRowChunk] = 1u;
-    const float f = pow2i(kk);
-    for (int j = 0; j < 2 * G; ++j) {
-      float* c = cells + ci.at(i, j);
-      const float v = f_mul(__ldcg(c), f);
-      *c = norm ? v : round_to<scalar_t>(v);
+  for (int64_t i0 = threadIdx.x; i0 < rows; i0 += kFinishKRows * int64_t(blockDim.x)) {
+    uint32_t r[kFinishKRows];
+    finish_load_rows(r_bits, rows, i0, r);
+    int kk[kFinishKRows];
+#pragma unroll
+    for (int u = 0; u < kFinishKRows; ++u) {  // (k of the rows past the end: never stored)
+      kk[u] = row_k(mean, __uint_as_float(r[u]), fin.max_k);
+      const int64_t i = i0 + int64_t(u) * blockDim.x;
+      if (i < rows) {
+        fin.k[i] = static_cast<int8_t>(kk[u]);
+        r_bits[i] = 0u;
+      }
+    }
+    // the cells of the rows with k > 0 (few: rows far below the mean), one row at a time
+#pragma unroll 1
+    for (int u = 0; u < kFinishKRows; ++u) {
+      const int64_t i = i0 + int64_t(u) * blockDim.x;
+      const int ku = kk[u];
+      if (i >= rows || ku == 0) continue;
+      if (fin.fused) fin.dirty[i / kRowChunk] = 1u;
+      const float f = pow2i(ku);
+      for (int j = 0; j < 2 * G; ++j) {
+        float* c = cells + ci.at(i, j);
+        const float v = f_mul(__ldcg(c), f);
+        *c = norm ? v : round_to<scalar_t>(v);
+      }
     }
   }
   if (!fin.fused) return;

@@ -1706,9 +1706,11 @@ int check_row_exponents(int64_t rows, int64_t len, int sms) {
 int row_exponents_checks(int ncases) {
   int errs = 0;
   // rows of whole vector chunks (8/16/24/64 elements), odd lengths, one element, long rows
-  // (several 32-lane passes), and rows = 300 on one SM (warps stride over rows)
+  // (several 32-lane passes), rows = 300 on one SM (warps stride over rows), and 2600 rows: the
+  // finishing block's loops over more than kFinishRows * 256 rows, a partial round last
   const std::vector<std::pair<int64_t, int64_t>> fixed = {{1, 1},   {3, 8},    {5, 16},  {9, 24}, {17, 31},
-                                                           {8, 64},  {33, 100}, {4, 131}, {2, 1100}, {300, 12}};
+                                                           {8, 64},  {33, 100}, {4, 131}, {2, 1100}, {300, 12},
+                                                           {2600, 8}};
   for (const auto& [rows, len] : fixed)
     for (int sms : {1, 132}) {
       errs += check_row_exponents<float>(rows, len, sms);
@@ -1977,10 +1979,12 @@ int observe_rows_checks(int ncases) {
   // on one SM (warps stride over rows), more groups than the kernel's table of bounds holds
   // (600 / 300: computed in each pass); for the flat pass, segments of 6 / 3 chunks (144 / 6:
   // idle lanes) and of 60 / 30 (1200 / 5: further rounds, a partial one), 40 DeiT rows, 100 rows of
-  // 16 floats a segment (the fused finish: several chunks of 32 rows)
+  // 16 floats a segment (the fused finish: several chunks of 32 rows), 1300 rows (the finish's
+  // loops over more than kFinishRows * 256 rows)
   const std::vector<std::tuple<int64_t, int64_t, int>> fixed = {
       {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4},
-      {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}, {3, 144, 6}, {2, 1200, 5}, {40, 384, 6}, {100, 64, 4}};
+      {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}, {3, 144, 6}, {2, 1200, 5}, {40, 384, 6}, {100, 64, 4},
+      {1300, 16, 2}};
   // (flat-pass sub-warps of 1, 2, 4 and 8 lanes and 1, 2 and 4 chunks a lane across the dtypes)
   // (each layout with one dtype per SM count, rotating: the warp emulation is slow)
   int turn = 0;
