@@ -626,7 +626,6 @@ def test_benchmark_runs_on_cpu(tmp_path):
         benchmark.main(["--device", "cpu", "--quick", "--dtypes", "fp64", "--out-dir", str(tmp_path)])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_every_gpu_case_builds_and_checks_its_rows_on_cpu():
     """The GPU table's layouts (batch cut to 2, widths and groups kept), each op run once and
     checked against the reference on the CPU: a layout one op refuses must leave that op out,
@@ -642,6 +641,7 @@ def test_every_gpu_case_builds_and_checks_its_rows_on_cpu():
     assert "observe_rows" in hidden and not any("LayerNorm x_hat" in op for op in hidden)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_benchmark_device_is_one_line_when_wrong_or_absent(tmp_path, capsys):
     from mesa_train.quant import benchmark
 
