@@ -24,3 +24,9 @@ EXT_DEVICES = [pytest.param("cpu", marks=needs_ext), CUDA]
 # The activation dtypes every kernel takes, and short ids for them in test names
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DT_IDS = ("fp32", "fp16", "bf16")
+
+
+def cpu_uniform(shape, low: float, high: float, seed: int) -> torch.Tensor:
+    """Uniform values from a seeded CPU generator, to copy onto any device (a CPU generator
+    cannot fill a CUDA tensor in place): the same values on every device."""
+    return torch.empty(shape).uniform_(low, high, generator=torch.Generator().manual_seed(seed))

@@ -14,7 +14,7 @@ import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.patch import patch_model
-from kernel_marks import DEVICES
+from kernel_marks import DEVICES, cpu_uniform
 from op_calls import assert_op_path_is_the_python_path, assert_patched_model_takes_the_op, count_calls
 from timm_zoo import build, example
 from bit_patterns import assert_all_same_bits
@@ -34,20 +34,15 @@ BN_MODULES = {"2d": mnn.BatchNorm2d, "channels_last": mnn.BatchNorm2d, "1d_ncl":
               "1d_nc": mnn.BatchNorm1d}
 
 
-def _uniform(param: torch.Tensor, low: float, high: float, seed: int) -> torch.Tensor:
-    """Values drawn on the CPU (a CPU generator cannot fill a CUDA tensor), the same on every device."""
-    return torch.empty(param.shape).uniform_(low, high, generator=torch.Generator().manual_seed(seed))
-
-
 def _norm_run(fused, monkeypatch, layer, device, shape, channels_last, dtype, grads):
     """Two training steps of the norm ``layer`` (estimates initialised, then updated; a
     BatchNorm's running statistics updated twice); ``dtype``: None runs under bf16 autocast."""
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
     if layer.weight is not None:
         with torch.no_grad():  # not the initial ones and zeros
-            layer.weight.copy_(_uniform(layer.weight, 0.5, 1.5, seed=0))
+            layer.weight.copy_(cpu_uniform(layer.weight.shape, 0.5, 1.5, seed=0))
             if layer.bias is not None:
-                layer.bias.copy_(_uniform(layer.bias, -0.5, 0.5, seed=1))
+                layer.bias.copy_(cpu_uniform(layer.bias.shape, -0.5, 0.5, seed=1))
         layer.weight.requires_grad_(grads[1])
         if layer.bias is not None:
             layer.bias.requires_grad_(grads[2])

@@ -11,7 +11,7 @@ from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn import rmsnorm
 from mesa_train.patch import patch_model
-from kernel_marks import DEVICES
+from kernel_marks import DEVICES, cpu_uniform
 from op_calls import assert_op_path_is_the_python_path, assert_patched_model_takes_the_op, count_calls
 from timm_zoo import build, example
 
@@ -31,8 +31,7 @@ def _run(fused, monkeypatch, device, shape, dtype, autocast, options, grads, aff
     layer = cls(normalized_shape, elementwise_affine=affine, device=device, dtype=dtype, **options)
     if affine:
         with torch.no_grad():
-            gen = torch.Generator().manual_seed(0)  # (on the CPU: a CPU generator cannot fill a CUDA tensor)
-            layer.weight.copy_(torch.empty(layer.weight.shape).uniform_(0.5, 1.5, generator=gen))
+            layer.weight.copy_(cpu_uniform(layer.weight.shape, 0.5, 1.5, seed=0))
         layer.weight.requires_grad_(grads[1])
     layer.quantizer.rng.copy_(torch.tensor([55, 0]))
     out = []
