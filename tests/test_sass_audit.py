@@ -118,19 +118,29 @@ def test_row_cells_reads_its_segment_bounds_from_shared_memory(kernels, dtype):
 @pytest.mark.parametrize("index", ["unsigned int", "unsigned long"])
 def test_flat_row_pass_keeps_a_round_in_flight_at_five_blocks(kernels, dtype, cpl, index):
     """The layers' row pass (observe_rows on whole-chunk segments): each lane's round of 4
-    16-byte loads issued before any is used, 5 blocks an SM without spilling, and in the pass
-    itself no barrier, shared memory, nor with 32-bit indices a division call (the warp-a-row
-    pass it replaced held 63 registers, 4 blocks an SM, and a barrier a block: 25 us on the
-    H200 for 19 MB of bf16 rows). The pass ends at the ticket's fence (MEMBAR): what follows is
-    the last block's mean, k and cell scaling (row_cells_finish, not inlined), which has them."""
+    16-byte loads issued before any is used, 5 blocks an SM, and in its loop (from the first
+    16-byte load to the last) no barrier, no spill, nor with 32-bit indices a division call (the
+    warp-a-row pass it replaced held 63 registers, 4 blocks an SM, and a barrier a block: 25 us
+    on the H200 for 19 MB of bf16 rows). Around the loop, one barrier each side: the block's
+    largest max |x| folded in shared memory (a warp's REDUX, one ATOMS) and published with one
+    global atomic, so that the finish need not walk the rows for it. The pass ends at the
+    ticket's fence (MEMBAR): what follows is the last block's mean, k and cell scaling
+    (row_cells_finish, not inlined). No spill with 32-bit indices; with 64-bit ones (tensors of
+    2^30+ elements) ptxas keeps a word or two on the stack across the loop (8 bytes at most,
+    outside it: sm_90, nvcc 13.0, 2026-12-04)."""
     row = kernels[f"row_cells_flat_kernel<{dtype}, {cpl}, {index}>"]
     ops = _opcodes(row)
     assert row["in_flight"] >= 4, row["in_flight"]
-    assert row["blocks_per_sm"] >= 5 and row["spill"] == 0, (row["registers"], row["spill"])
+    assert row["blocks_per_sm"] >= 5, row["registers"]
+    assert row["spill"] <= (0 if index == "unsigned int" else 8), row["spill"]
     fence = next(n for n, o in enumerate(ops) if o.startswith("MEMBAR"))
     rows_pass, finish = ops[:fence], ops[fence:]
-    assert sum(o.startswith("LDG") and ".128" in o for o in rows_pass) >= 4
-    assert not any(o.startswith(("BAR", "LDS", "STS")) for o in rows_pass), sorted(set(rows_pass))
+    wide = [n for n, o in enumerate(rows_pass) if o.startswith("LDG") and ".128" in o]
+    assert len(wide) >= 4
+    loop = rows_pass[wide[0]:wide[-1] + 1]
+    assert not any(o.startswith(("BAR", "LDS", "STS", "LDL", "STL")) for o in loop), sorted(set(loop))
+    assert sum(o.startswith("BAR") for o in rows_pass) == 2, sorted(set(rows_pass))
+    assert any(o.startswith("ATOMS.MAX") for o in rows_pass) and any(o.startswith("REDUX.MAX") for o in rows_pass)
     if index == "unsigned int":  # (64-bit: a segment's row by the division routine, tensors of 2^30+ elements)
         assert not any(o.startswith("CALL") for o in rows_pass)
     assert any(o.startswith("ATOMG.E.ADD") for o in finish) and any(o.startswith("CALL") for o in finish)

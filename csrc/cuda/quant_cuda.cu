@@ -1477,8 +1477,10 @@ __device__ __forceinline__ float dec_min(uint32_t e) {
 
 // ----------------------------------------------------------------------------- workspace
 // observe / group_minmax reduce into a zero-initialised uint32 workspace
-//   [ticket, 31 words padding, min[cap], max[cap]]
-// that the last block of each launch resets to zero. Choice: ONE WORKSPACE PER (device,
+//   [ticket, 31 words header, min[cap], max[cap]]
+// that the last block of each launch resets to zero (in the header, ws[1] is quantize_observe's
+// flag and ws[kWsRowTop] = ws[2] a row pass's largest row maximum; the row passes keep their row
+// maxima and partial totals where min / max would be). Choice: ONE WORKSPACE PER (device,
 // stream), created zeroed on first use and grown on demand (both one-time). Launches on
 // one stream run in order, so they never share it concurrently, and two streams never
 // share one. While the stream is being captured into a CUDA graph a workspace is taken
@@ -2270,60 +2272,89 @@ template <> struct AbsBits<c10::Half> {
   }
 };
 
-// Rows a thread of a row pass's finishing block reads before it uses any. That block walks
-// every row's maximum three times (their top, the sum, k), one block on its own, so its loops
-// wait on L2 latency, not bandwidth: with one load in flight a thread, row_exponents took
-// 103 us on DeiT-S's (128, 197, 384) tokens on the H200 (2026-12-04, 25,216 rows, about 100
-// loads in turn a loop), against 12.7 us when a separate grid did it (before session 36).
-// Four in flight in the mean's two loops and two in k's should cut those waits about 4x and
-// 2x; not yet timed on a GPU (the session's device time ran out first). More spilled
-// registers in the flat row pass (48 a thread, 5 blocks an SM: tests/test_sass_audit.py):
-// k's loop at four spilled 8-12 bytes, and row_absmax went from 32 registers to 48 at eight.
-constexpr int kFinishRows = 4;
-constexpr int kFinishKRows = 2;
+// The finishing block of a row pass (below) reads the row maxima as 16-byte quads, four rows a
+// load, kFinishQuads quads a thread in flight in the mean's walk and kFinishKQuads in k's; the
+// largest row maximum (the mean's first step) comes from the pass itself (ws[kWsRowTop], each
+// block's largest folded in with one atomicMax). Why: that block walks every row alone, so its
+// loops wait on memory latency, not bandwidth. With a row a load and one load in flight it
+// walked the 25,216 rows of DeiT-S's (128, 197, 384) tokens three times (their top, the sum,
+// k), about 100 loads in turn a walk: row_exponents took 103 us on the H200 (2026-12-04),
+// against 12.7 us when a separate grid did it (before session 36); four rows in flight (two in
+// k's walk) took it to 76 us (2026-12-04, the same GPU, minutes apart), about 0.7 us a round,
+// more than an L2 hit (the pass streams 19-77 MB through the 50 MB L2, so the maxima may come
+// from DRAM by then: not measured). Here the walks are two, of about 7 rounds (the sum: four
+// quads in flight) and 25 (k, after the sum's walk has brought the maxima into L2). Two quads
+// in k's walk spilled 20 bytes in the flat pass's 64-bit index instantiations.
+constexpr int kFinishQuads = 4;
+constexpr int kFinishKQuads = 1;
+// ws[kWsRowTop] (in the header, which the row passes otherwise leave to the ticket): the largest
+// row maximum of a row pass (float bits, sign cleared), zero on entry and zero again on exit
+constexpr int kWsRowTop = 2;
 
-// v[u] = the bits of r[i0 + u * blockDim.x] (0 past `rows`), read through L2 (__ldcg), all
-// loads issued before any is used
+// The block's largest row maximum, s_top (shared, every thread's atomicMax done), folded into
+// *top with one global atomicMax. Called by every thread of the block, converged.
+__device__ __forceinline__ void publish_block_top(uint32_t* top, const uint32_t& s_top) {
+  __syncthreads();
+  if (threadIdx.x == 0 && s_top != 0u) atomicMax(top, s_top);
+}
+
+// The same from each thread's own largest, `mine` (a warp's xor butterfly, then the warps' in
+// shared memory)
+__device__ __forceinline__ void block_top_to(uint32_t* top, uint32_t mine) {
+  __shared__ uint32_t s_top;
+  if (threadIdx.x == 0) s_top = 0u;
+  __syncthreads();
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) mine = umax(mine, __shfl_xor_sync(0xFFFFFFFFu, mine, off));
+  if (threadIdx.x % 32 == 0 && mine != 0u) atomicMax(&s_top, mine);
+  publish_block_top(top, s_top);
+}
+
+// Quads of 16-byte-aligned row maxima: rows [0, 4 quads) as quads, the rest one at a time
+__device__ __forceinline__ int64_t finish_quads(const uint32_t* r_bits, int64_t rows) {
+  return (reinterpret_cast<uintptr_t>(r_bits) & 15u) == 0u ? rows / 4 : 0;
+}
+
+// v[u] = quad q0 + u * blockDim.x of r (zeros past `quads`), read through L2 (__ldcg: other
+// blocks wrote r), all loads issued before any is used
 template <int N>
-__device__ __forceinline__ void finish_load_rows(const uint32_t* r_bits, int64_t rows, int64_t i0, uint32_t (&v)[N]) {
+__device__ __forceinline__ void finish_load_quads(const uint32_t* r_bits, int64_t quads, int64_t q0, uint4 (&v)[N]) {
+  const uint4* rq = reinterpret_cast<const uint4*>(r_bits);
 #pragma unroll
   for (int u = 0; u < N; ++u) {
-    const int64_t i = i0 + int64_t(u) * blockDim.x;
-    v[u] = i < rows ? __ldcg(r_bits + i) : 0u;
+    const int64_t q = q0 + int64_t(u) * blockDim.x;
+    if (q < quads) {
+      v[u] = __ldcg(rq + q);
+    } else {
+      v[u].x = v[u].y = v[u].z = v[u].w = 0u;
+    }
   }
 }
 
 // The mean of the row maxima r[0..rows) (their float32 bits; reference.row_max_mean) taken
-// by one block, returned to each of its threads: mesa_common.h's three steps with thread t on
-// rows t, t + blockDim.x, ...; the max and the int64 sum are order-free, so any split gives
-// the bits of the sequential row_max_mean. `bits` = mean_sum_bits(rows) and recip_n = 1.0 /
-// rows come from the host. r is read through L2 (__ldcg): in the flat row pass's last block
-// other blocks wrote it with atomics. Called by every thread of the block, once a launch.
-__device__ float block_row_max_mean(const uint32_t* r_bits, int64_t rows, int bits, double recip_n) {
-  __shared__ uint32_t s_top;
+// by one block, returned to each of its threads: mesa_common.h's steps 2 and 3 with the
+// threads on interleaved quads of rows; `top`, step 1's largest row maximum (bits, sign
+// cleared), from the pass. The int64 sum is order-free, so any split gives the bits of the
+// sequential row_max_mean. `bits` = mean_sum_bits(rows) and recip_n = 1.0 / rows come from the
+// host. Called by every thread of the block, once a launch.
+__device__ float block_row_max_mean(const uint32_t* r_bits, int64_t rows, uint32_t top, int bits, double recip_n) {
   __shared__ int64_t s_sum[kThreads];
-  if (threadIdx.x == 0) s_top = 0u;
-  __syncthreads();
-  uint32_t top = 0u;
-  for (int64_t i0 = threadIdx.x; i0 < rows; i0 += kFinishRows * int64_t(blockDim.x)) {
-    uint32_t v[kFinishRows];
-    finish_load_rows(r_bits, rows, i0, v);
-#pragma unroll
-    for (int u = 0; u < kFinishRows; ++u) top = umax(top, v[u] & 0x7FFFFFFFu);
-  }
-  atomicMax(&s_top, top);
-  __syncthreads();
-  top = s_top;
   if (!mean_top_ok(top)) return __uint_as_float(top);  // (NaN, inf or 0: the same for every thread)
   const int e = mean_top_exponent(top);
   const double up = pow2_f64(bits - e);
   int64_t sum = 0;
-  for (int64_t i0 = threadIdx.x; i0 < rows; i0 += kFinishRows * int64_t(blockDim.x)) {
-    uint32_t v[kFinishRows];
-    finish_load_rows(r_bits, rows, i0, v);  // (0 past the end: a term of 0)
+  const int64_t quads = finish_quads(r_bits, rows);
+  for (int64_t q0 = threadIdx.x; q0 < quads; q0 += kFinishQuads * int64_t(blockDim.x)) {
+    uint4 v[kFinishQuads];
+    finish_load_quads(r_bits, quads, q0, v);  // (zeros past the end: terms of 0)
 #pragma unroll
-    for (int u = 0; u < kFinishRows; ++u) sum += mean_term(__uint_as_float(v[u]), up);
+    for (int u = 0; u < kFinishQuads; ++u) {
+      sum += mean_term(__uint_as_float(v[u].x), up) + mean_term(__uint_as_float(v[u].y), up);
+      sum += mean_term(__uint_as_float(v[u].z), up) + mean_term(__uint_as_float(v[u].w), up);
+    }
   }
+  for (int64_t i = 4 * quads + threadIdx.x; i < rows; i += blockDim.x)
+    sum += mean_term(__uint_as_float(__ldcg(r_bits + i)), up);
   s_sum[threadIdx.x] = sum;
   __syncthreads();
   for (int off = kThreads / 2; off > 0; off /= 2) {
@@ -2406,44 +2437,57 @@ __device__ void row_cells_totals(uint32_t* part_min, uint32_t* part_max, uint32_
   for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) dirty[c] = 0u;
 }
 
-// A row pass's stage 2, in the last block to finish (the row maxima r_bits all final): the mean
-// of the row maxima, then per row k and its 2G cells (none for row_absmax_kernel: G = 0) times
-// 2**k rounded to the dtype the elements are taken in (x_hat's float32 with `norm`, else
-// scalar_t); fused, then the group totals, observe's estimate step and seed step. Each row
-// maximum is zeroed once read and every workspace word it used is zero again for the next
-// launch on the stream (the ticket is the caller's). Not inlined: its int64 and double
-// registers stay out of the row loops (48 in the flat pass).
+// Row i's k (fin.k) from its maximum's bits rb and, for k > 0 (few rows: far below the mean),
+// its 2G cells times 2**k rounded to the dtype the elements are taken in (x_hat's float32 with
+// `norm`, else scalar_t), and its chunk flagged dirty when fused
 template <typename scalar_t>
-__device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, int G, float* cells, CellIndex ci,
-                                              const RowCellsFinish& fin, bool norm) {
-  const float mean = block_row_max_mean(r_bits, rows, fin.mean_bits, fin.recip_n);
-  for (int64_t i0 = threadIdx.x; i0 < rows; i0 += kFinishKRows * int64_t(blockDim.x)) {
-    uint32_t r[kFinishKRows];
-    finish_load_rows(r_bits, rows, i0, r);
-    int kk[kFinishKRows];
-#pragma unroll
-    for (int u = 0; u < kFinishKRows; ++u) {  // (k of the rows past the end: never stored)
-      kk[u] = row_k(mean, __uint_as_float(r[u]), fin.max_k);
-      const int64_t i = i0 + int64_t(u) * blockDim.x;
-      if (i < rows) {
-        fin.k[i] = static_cast<int8_t>(kk[u]);
-        r_bits[i] = 0u;
-      }
-    }
-    // the cells of the rows with k > 0 (few: rows far below the mean), one row at a time
+__device__ __forceinline__ void finish_row(int64_t i, uint32_t rb, float mean, int G, float* cells, CellIndex ci,
+                                           const RowCellsFinish& fin, bool norm) {
+  const int k = row_k(mean, __uint_as_float(rb), fin.max_k);
+  fin.k[i] = static_cast<int8_t>(k);
+  if (k == 0) return;
+  if (fin.fused) fin.dirty[i / kRowChunk] = 1u;
+  const float f = pow2i(k);
 #pragma unroll 1
-    for (int u = 0; u < kFinishKRows; ++u) {
-      const int64_t i = i0 + int64_t(u) * blockDim.x;
-      const int ku = kk[u];
-      if (i >= rows || ku == 0) continue;
-      if (fin.fused) fin.dirty[i / kRowChunk] = 1u;
-      const float f = pow2i(ku);
-      for (int j = 0; j < 2 * G; ++j) {
-        float* c = cells + ci.at(i, j);
-        const float v = f_mul(__ldcg(c), f);
-        *c = norm ? v : round_to<scalar_t>(v);
-      }
+  for (int j = 0; j < 2 * G; ++j) {
+    float* c = cells + ci.at(i, j);
+    const float v = f_mul(__ldcg(c), f);
+    *c = norm ? v : round_to<scalar_t>(v);
+  }
+}
+
+// A row pass's stage 2, in the last block to finish (the row maxima r_bits all final, `top`
+// their largest): the mean of the row maxima, then per row k and its 2G cells (none for
+// row_absmax_kernel: G = 0) scaled (finish_row); fused, then the group totals, observe's
+// estimate step and seed step. Each row maximum is zeroed once read and every workspace word
+// it used is zero again for the next launch on the stream (the ticket and ws[kWsRowTop] are the
+// caller's). Not inlined: its int64 and double registers stay out of the row loops (48 in the
+// flat pass).
+template <typename scalar_t>
+__device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, uint32_t top, int G, float* cells,
+                                              CellIndex ci, const RowCellsFinish& fin, bool norm) {
+  const float mean = block_row_max_mean(r_bits, rows, top, fin.mean_bits, fin.recip_n);
+  const int64_t quads = finish_quads(r_bits, rows);
+  for (int64_t q0 = threadIdx.x; q0 < quads; q0 += kFinishKQuads * int64_t(blockDim.x)) {
+    uint4 v[kFinishKQuads];
+    finish_load_quads(r_bits, quads, q0, v);
+#pragma unroll
+    for (int u = 0; u < kFinishKQuads; ++u) {
+      const int64_t q = q0 + int64_t(u) * blockDim.x;
+      if (q >= quads) break;
+      uint4 zero;
+      zero.x = zero.y = zero.z = zero.w = 0u;
+      reinterpret_cast<uint4*>(r_bits)[q] = zero;
+      finish_row<scalar_t>(4 * q, v[u].x, mean, G, cells, ci, fin, norm);
+      finish_row<scalar_t>(4 * q + 1, v[u].y, mean, G, cells, ci, fin, norm);
+      finish_row<scalar_t>(4 * q + 2, v[u].z, mean, G, cells, ci, fin, norm);
+      finish_row<scalar_t>(4 * q + 3, v[u].w, mean, G, cells, ci, fin, norm);
     }
+  }
+  for (int64_t i = 4 * quads + threadIdx.x; i < rows; i += blockDim.x) {
+    const uint32_t rb = __ldcg(r_bits + i);
+    r_bits[i] = 0u;
+    finish_row<scalar_t>(i, rb, mean, G, cells, ci, fin, norm);
   }
   if (!fin.fused) return;
   __shared__ uint32_t s_min[kSlots], s_max[kSlots];
@@ -2453,13 +2497,15 @@ __device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, in
 }
 
 // r[row] = max |x| of each row of L elements (VEC: rows of whole, 16-byte aligned chunks), then
-// in the last block the mean and k (fin.k; r zeroed by then, ws the ticket)
+// in the last block the mean and k (fin.k; r zeroed by then; ws the ticket and ws[kWsRowTop],
+// the largest row maximum, each block's folded in with block_top_to)
 template <typename scalar_t, bool VEC>
 __global__ void __launch_bounds__(kThreads)
 row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t rows, int64_t L,
                   uint32_t* __restrict__ ws, RowCellsFinish fin) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  uint32_t top = 0u;  // the largest of this lane's rows' maxima (float bits)
   for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const scalar_t* xr = x + row * L;
     uint32_t m = 0u;
@@ -2485,13 +2531,17 @@ row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t
     }
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) m = umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-    if (lane == 0) r[row] = AbsBits<scalar_t>::to_float(m);
+    const float rm = AbsBits<scalar_t>::to_float(m);
+    top = umax(top, __float_as_uint(rm));
+    if (lane == 0) r[row] = rm;
   }
+  block_top_to(ws + kWsRowTop, top);
   __shared__ bool s_last;
   if (!last_block_to_arrive(ws, s_last)) return;
-  row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, 0, nullptr, CellIndex{}, fin, true);
+  row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, __ldcg(ws + kWsRowTop), 0, nullptr, CellIndex{},
+                             fin, true);
   __syncthreads();
-  if (threadIdx.x == 0) ws[0] = 0u;  // the ticket, for the next launch on the stream
+  if (threadIdx.x == 0) ws[0] = ws[kWsRowTop] = 0u;  // the ticket and the top, for the next launch on the stream
 }
 
 
@@ -2576,6 +2626,7 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
   }
   __syncthreads();
   auto bound = [&](int g) -> int64_t { return bound_table ? s_bound[g] : ceil_bound(g); };
+  uint32_t top = 0u;  // the largest of this lane's rows' maxima (float bits)
   for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const scalar_t* xr = x + row * D;
     const bool norm = row_mean != nullptr;  // (uniform across the launch)
@@ -2622,14 +2673,17 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
     }
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) am = umax(am, __shfl_xor_sync(0xFFFFFFFFu, am, off));
+    top = umax(top, am);
     if (lane == 0) r[row] = __uint_as_float(am);
   }
   // stage 2: the last block finds the mean, k and the scaled cells (not fused: observe follows)
+  block_top_to(ws + kWsRowTop, top);
   __shared__ bool s_last;
   if (!last_block_to_arrive(ws, s_last)) return;
-  row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, G, cells, ci, fin, row_mean != nullptr);
+  row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, __ldcg(ws + kWsRowTop), G, cells, ci, fin,
+                             row_mean != nullptr);
   __syncthreads();
-  if (threadIdx.x == 0) ws[0] = 0u;
+  if (threadIdx.x == 0) ws[0] = ws[kWsRowTop] = 0u;
 }
 
 // The flat row pass (every segment whole 16-byte chunks):
@@ -2696,6 +2750,12 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws,
   const IdxT subs = IdxT(32 / W), per_warp = subs * K;
   const IdxT warps = IdxT(gridDim.x) * (blockDim.x / 32);
   const bool norm = row_mean != nullptr;  // (uniform across the launch)
+  // the block's largest segment max |x| (float bits), for ws[kWsRowTop]: in shared memory, which
+  // the segments' leaders fold theirs into (a register across the loop spilled 4-12 bytes in the
+  // 64-bit index instantiations)
+  __shared__ uint32_t s_top;
+  if (threadIdx.x == 0) s_top = 0u;
+  __syncthreads();
   // the round's segments: k-th of this sub-warp w0 + k * subs + lane / W (a load instruction
   // reads subs whole neighbouring segments' chunks)
   for (IdxT w0 = (IdxT(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * per_warp; w0 < segments;
@@ -2756,7 +2816,9 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws,
         const IdxT g = s - row * G;
         cells[ci.at(int64_t(row), int64_t(g))] = mn;
         cells[ci.at(int64_t(row), int64_t(G + g))] = mx;
-        atomicMax(r_bits + row, umax(__float_as_uint(mn) & 0x7FFFFFFFu, __float_as_uint(mx) & 0x7FFFFFFFu));
+        const uint32_t am = umax(__float_as_uint(mn) & 0x7FFFFFFFu, __float_as_uint(mx) & 0x7FFFFFFFu);
+        atomicMax(r_bits + row, am);
+        atomicMax(&s_top, am);
         if (fin.fused) {  // (uniform) the chunk's partial totals, encoded as observe encodes the cells
           const IdxT p = (row / IdxT(kRowChunk)) * G + g;
           atomicMax(fin.part_min + p, umax(enc_min(mn), enc_min(mx)));
@@ -2767,11 +2829,12 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws,
   }
   // ---- stage 2: the last block to arrive finds the mean, k and the scaled cells (fused:
   // also the group totals, the estimate step and the seed step; row_cells_finish)
+  publish_block_top(ws + kWsRowTop, s_top);
   __shared__ bool s_last;
   if (!last_block_to_arrive(ws, s_last)) return;
-  row_cells_finish<scalar_t>(r_bits, int64_t(segments / G), int(G), cells, ci, fin, norm);
+  row_cells_finish<scalar_t>(r_bits, int64_t(segments / G), __ldcg(ws + kWsRowTop), int(G), cells, ci, fin, norm);
   __syncthreads();
-  if (threadIdx.x == 0) ws[0] = 0u;  // the ticket, for the next launch on the stream
+  if (threadIdx.x == 0) ws[0] = ws[kWsRowTop] = 0u;  // the ticket and the top, for the next launch on the stream
 }
 
 // The flat row pass over `segments` segments of S elements (S * sizeof(scalar_t) % 16 == 0, x

@@ -105,6 +105,7 @@ template <typename T>
 inline T __ldg(const T* p) { return *p; }
 inline unsigned __ldcg(const unsigned* p) { return *p; }
 inline float __ldcg(const float* p) { return *p; }
+inline uint4 __ldcg(const uint4* p) { return *p; }
 inline uint32_t __umulhi(uint32_t a, uint32_t b) { return uint32_t((uint64_t(a) * b) >> 32); }
 inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -1661,23 +1662,36 @@ int check_row_absmax(const scalar_t* x, int64_t rows, int64_t len, int sms, int 
   return errs;
 }
 
-// block_row_max_mean (one block, rows strided over its threads, the int64 sum reduced as a tree)
-// against the sequential row_max_mean of mesa_common.h, bit for bit (NaN: any NaN); the
-// definition itself is checked against the reference in tests/test_row_max_mean.py
-int check_row_mean(const std::vector<float>& r) {
-  const int64_t rows = int64_t(r.size());
-  float got[2] = {7.0f, 7.0f};
-  launch_simt(1, kThreads, [&] {
-    const float m = block_row_max_mean(reinterpret_cast<const uint32_t*>(r.data()), rows, mean_sum_bits(rows),
-                                       1.0 / double(rows));
-    if (threadIdx.x == 0) got[0] = m;
-  });
-  const float want = row_max_mean(r.data(), rows);
-  const bool ok = std::isnan(want) ? std::isnan(got[0]) : same_bits(got[0], want);
-  g_checked["row_mean"]++;
-  if (ok && same_bits(got[1], 7.0f)) return 0;
-  fprintf(stderr, "row_mean mismatch rows=%ld got %a exp %a (or wrote past the end)\n", (long)rows, got[0], want);
-  return 1;
+// block_row_max_mean (one block, quads of rows interleaved over its threads, the int64 sum
+// reduced as a tree; `top`, the largest row maximum, as a row pass leaves it in ws[kWsRowTop])
+// against the sequential row_max_mean of mesa_common.h, bit for bit (NaN: any NaN); on a
+// 16-byte-aligned r (quads and the last rows % 4 one at a time) and one row further on (rows
+// one at a time). The definition itself is checked against the reference in
+// tests/test_row_max_mean.py
+int check_row_mean(const std::vector<float>& r_in) {
+  int errs = 0;
+  for (int shift = 0; shift < 2; ++shift) {
+    std::vector<float> buf(r_in.size() + 4);
+    float* r = buf.data() + shift;  // (vector storage: 16-byte aligned)
+    std::copy(r_in.begin(), r_in.end(), r);
+    const int64_t rows = int64_t(r_in.size());
+    uint32_t top = 0u;
+    for (int64_t i = 0; i < rows; ++i) top = std::max(top, __float_as_uint(r[i]) & 0x7FFFFFFFu);
+    float got[2] = {7.0f, 7.0f};
+    launch_simt(1, kThreads, [&] {
+      const float m = block_row_max_mean(reinterpret_cast<const uint32_t*>(r), rows, top, mean_sum_bits(rows),
+                                         1.0 / double(rows));
+      if (threadIdx.x == 0) got[0] = m;
+    });
+    const float want = row_max_mean(r, rows);
+    const bool ok = std::isnan(want) ? std::isnan(got[0]) : same_bits(got[0], want);
+    g_checked["row_mean"]++;
+    if (ok && same_bits(got[1], 7.0f)) continue;
+    fprintf(stderr, "row_mean mismatch rows=%ld shift=%d got %a exp %a (or wrote past the end)\n", (long)rows, shift,
+            got[0], want);
+    ++errs;
+  }
+  return errs;
 }
 
 // row_absmax on the vector path (16-byte aligned rows of whole 16-byte chunks, as the op picks
@@ -1706,11 +1720,12 @@ int check_row_exponents(int64_t rows, int64_t len, int sms) {
 int row_exponents_checks(int ncases) {
   int errs = 0;
   // rows of whole vector chunks (8/16/24/64 elements), odd lengths, one element, long rows
-  // (several 32-lane passes), rows = 300 on one SM (warps stride over rows), and 2600 rows: the
-  // finishing block's loops over more than kFinishRows * 256 rows, a partial round last
+  // (several 32-lane passes), rows = 300 on one SM (warps stride over rows), and 4103 rows: the
+  // finishing block's walks over quads of rows (kFinishQuads / kFinishKQuads a thread a round:
+  // several rounds, a partial one last) and the 3 rows after the last quad
   const std::vector<std::pair<int64_t, int64_t>> fixed = {{1, 1},   {3, 8},    {5, 16},  {9, 24}, {17, 31},
                                                            {8, 64},  {33, 100}, {4, 131}, {2, 1100}, {300, 12},
-                                                           {2600, 8}};
+                                                           {4103, 8}};
   for (const auto& [rows, len] : fixed)
     for (int sms : {1, 132}) {
       errs += check_row_exponents<float>(rows, len, sms);
@@ -1979,12 +1994,12 @@ int observe_rows_checks(int ncases) {
   // on one SM (warps stride over rows), more groups than the kernel's table of bounds holds
   // (600 / 300: computed in each pass); for the flat pass, segments of 6 / 3 chunks (144 / 6:
   // idle lanes) and of 60 / 30 (1200 / 5: further rounds, a partial one), 40 DeiT rows, 100 rows of
-  // 16 floats a segment (the fused finish: several chunks of 32 rows), 1300 rows (the finish's
-  // loops over more than kFinishRows * 256 rows)
+  // 16 floats a segment (the fused finish: several chunks of 32 rows), 1301 rows (the finish's
+  // walks over several rounds of quads of rows, then a last row on its own)
   const std::vector<std::tuple<int64_t, int64_t, int>> fixed = {
       {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4},
       {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}, {3, 144, 6}, {2, 1200, 5}, {40, 384, 6}, {100, 64, 4},
-      {1300, 16, 2}};
+      {1301, 16, 2}};
   // (flat-pass sub-warps of 1, 2, 4 and 8 lanes and 1, 2 and 4 chunks a lane across the dtypes)
   // (each layout with one dtype per SM count, rotating: the warp emulation is slow)
   int turn = 0;
