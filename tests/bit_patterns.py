@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+             torch.bfloat16: torch.int16}
 
 
 def bit_pattern(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 import mesa_train.nn as mnn
 from mesa_train.nn import quantizer as quantizer_mod
+from bit_patterns import bit_pattern, same_bits_nan_aside
 from kernel_marks import DEVICES
 
 pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
@@ -74,10 +75,9 @@ def _run(fused, monkeypatch, kind, x, g):
 def _assert_same_bits(a, b, any_nan_payload=False):
     assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
     if any_nan_payload:  # NaN in the same places, the same bits elsewhere
-        nan = a.isnan()
-        assert torch.equal(nan, b.isnan())
-        a, b = a.masked_fill(nan, 0), b.masked_fill(nan, 0)
-    assert torch.equal(a.contiguous().view(_WORD[a.dtype]), b.contiguous().view(_WORD[b.dtype]))
+        assert same_bits_nan_aside(a, b)
+    else:
+        assert torch.equal(bit_pattern(a), bit_pattern(b))
 
 
 @pytest.mark.parametrize("device", DEVICES)
