@@ -21,6 +21,9 @@
 #              codes predate this tree's reference), then both tables side
 #              by side (scripts/compare_kernel_tables.py): the kernel changes made without a GPU,
 #              measured on one GPU minutes apart; skipped without .gpubuild-base/
+#   kernels-grid  the same table with MESA_ROW_FINISH=grid (the row passes' finish as a launch of
+#              its own; each row still checked against the reference), side by side with the
+#              kernels step's table of this call, then the row passes' CUDA tests under it
 #   ncu        python scripts/ncu_kernels.py: Nsight Compute's counters (throughput, occupancy,
 #              warp stalls) of the kernels holding Mesa's GPU time, into results/ncu/
 #   grids      the same table under the other grid policies of the quantize / dequantize launches
@@ -179,6 +182,25 @@ kernels_base() {
   pack
 }
 
+# The row passes' other finish (MESA_ROW_FINISH=grid: a launch of its own after each pass)
+# against the default (the pass's last block): the kernel table under it, each row's ops checked
+# against the reference, side by side with the default's table of this call, then the row
+# passes' CUDA tests under it
+kernels_grid() {
+  local variant=row-finish-grid
+  step kernel-bandwidth-$variant 120 env MESA_ROW_FINISH=grid $PY -m mesa_train.quant.benchmark --variant "$variant"
+  local t
+  for t in results/kernels/*."$variant".md; do
+    local before="${t%."$variant".md}.md"
+    [ -f "$before" ] && [ "$before" -nt "$STARTED" ] && [ "$t" -nt "$STARTED" ] || continue
+    $PY scripts/compare_kernel_tables.py "$before" "$t" -o "${before%.md}.vs-$variant.md" \
+      > "$LOG_DIR/kernel-compare-$variant.log" 2>&1 && echo "=== compared: ${before%.md}.vs-$variant.md"
+  done
+  step cuda-tests-$variant ${GRID_TESTS_LIMIT:-90} env MESA_ROW_FINISH=grid $PY -m pytest -q -m cuda \
+    -p no:cacheprovider -rfE $XDIST tests/test_row_scale_kernels.py tests/test_layernorm_x_hat.py \
+    tests/test_row_max_mean.py tests/test_observe.py
+}
+
 # 3. the work, most important first
 TEST_WORKERS=${TEST_WORKERS:-12}  # (16 cores there; 12 workers ran 2,814 CUDA tests in 250 s in session 64)
 XDIST=""
@@ -202,6 +224,7 @@ for s in $STEPS; do
     tests)   step cuda-tests ${TESTS_LIMIT:-300} $PY -m pytest -q -m cuda -p no:cacheprovider -rfE --durations=10 $XDIST ${TESTS:-$KERNEL_TESTS_FIRST tests} ;;
     kernels) step kernel-bandwidth ${KERNELS_LIMIT:-180} $PY -m mesa_train.quant.benchmark ;;
     kernels-base) kernels_base ;;
+    kernels-grid) kernels_grid ;;
     ncu)     step ncu-kernels ${NCU_LIMIT:-150} $PY scripts/ncu_kernels.py ;;
     grids)   step kernel-grid-full 90 $PY -m mesa_train.quant.benchmark --grid full
              step kernel-grid-resident 90 $PY -m mesa_train.quant.benchmark --grid resident

@@ -474,6 +474,21 @@ std::optional<GridPolicy> grid_override() {
   return policy;
 }
 
+// MESA_ROW_FINISH=block|grid, read once a process: where a row pass (row_exponents,
+// observe_rows) finishes. block (the default): the pass's last block alone; grid: a launch of
+// its own, row_finish_grid_kernel (one more launch a row pass, k's walk spread over the blocks).
+// Both give the same bits; the kernel benchmark under each says which is faster.
+bool row_finish_on_grid() {
+  static const bool on_grid = [] {
+    const char* env = std::getenv("MESA_ROW_FINISH");
+    const std::string v = env == nullptr ? "" : env;
+    TORCH_CHECK(v.empty() || v == "block" || v == "grid", "MESA_ROW_FINISH='", v,
+                "' is not a row-pass finish; valid: block, grid");
+    return v == "grid";
+  }();
+  return on_grid;
+}
+
 // Blocks of kThreads threads of `kernel` that an SM of the current device holds at once
 // (cached per device and kernel: the occupancy query is a host call, not free at every launch,
 // and two GPUs of one machine may differ)
@@ -2315,14 +2330,15 @@ __device__ __forceinline__ int64_t finish_quads(const uint32_t* r_bits, int64_t 
   return (reinterpret_cast<uintptr_t>(r_bits) & 15u) == 0u ? rows / 4 : 0;
 }
 
-// v[u] = quad q0 + u * blockDim.x of r (zeros past `quads`), read through L2 (__ldcg: other
-// blocks wrote r), all loads issued before any is used
+// v[u] = quad q0 + u * stride of r (zeros past `quads`), read through L2 (__ldcg: other blocks
+// wrote r), all loads issued before any is used
 template <int N>
-__device__ __forceinline__ void finish_load_quads(const uint32_t* r_bits, int64_t quads, int64_t q0, uint4 (&v)[N]) {
+__device__ __forceinline__ void finish_load_quads(const uint32_t* r_bits, int64_t quads, int64_t q0, int64_t stride,
+                                                  uint4 (&v)[N]) {
   const uint4* rq = reinterpret_cast<const uint4*>(r_bits);
 #pragma unroll
   for (int u = 0; u < N; ++u) {
-    const int64_t q = q0 + int64_t(u) * blockDim.x;
+    const int64_t q = q0 + int64_t(u) * stride;
     if (q < quads) {
       v[u] = __ldcg(rq + q);
     } else {
@@ -2346,7 +2362,7 @@ __device__ float block_row_max_mean(const uint32_t* r_bits, int64_t rows, uint32
   const int64_t quads = finish_quads(r_bits, rows);
   for (int64_t q0 = threadIdx.x; q0 < quads; q0 += kFinishQuads * int64_t(blockDim.x)) {
     uint4 v[kFinishQuads];
-    finish_load_quads(r_bits, quads, q0, v);  // (zeros past the end: terms of 0)
+    finish_load_quads(r_bits, quads, q0, blockDim.x, v);  // (zeros past the end: terms of 0)
 #pragma unroll
     for (int u = 0; u < kFinishQuads; ++u) {
       sum += mean_term(__uint_as_float(v[u].x), up) + mean_term(__uint_as_float(v[u].y), up);
@@ -2388,6 +2404,7 @@ struct RowCellsFinish {
   int max_k, mean_bits;
   double recip_n;
   bool fused;
+  bool on_grid;  // the pass leaves the finish to row_finish_grid_kernel (MESA_ROW_FINISH=grid)
   uint32_t *part_min, *part_max, *dirty;  // (fused) in the workspace after the row maxima
   int64_t chunks;
   EstimateArgs est;  // (fused) observe's estimate step and seed step, as observe_cuda sets them
@@ -2397,7 +2414,7 @@ struct RowCellsFinish {
 // The finish of `rows` rows into k (int8, one per row), not fused (the fused one sets the rest)
 RowCellsFinish row_finish(int8_t* k, int64_t max_k, int64_t rows) {
   return RowCellsFinish{k, static_cast<int>(max_k), mean_sum_bits(rows), 1.0 / static_cast<double>(rows), false,
-                        nullptr, nullptr, nullptr, 0, EstimateArgs{}, SeedArgs{}};
+                        false, nullptr, nullptr, nullptr, 0, EstimateArgs{}, SeedArgs{}};
 }
 
 // The batch statistics of the estimate step from shared-memory totals (the fused finish)
@@ -2456,44 +2473,96 @@ __device__ __forceinline__ void finish_row(int64_t i, uint32_t rb, float mean, i
   }
 }
 
-// A row pass's stage 2, in the last block to finish (the row maxima r_bits all final, `top`
-// their largest): the mean of the row maxima, then per row k and its 2G cells (none for
-// row_absmax_kernel: G = 0) scaled (finish_row); fused, then the group totals, observe's
-// estimate step and seed step. Each row maximum is zeroed once read and every workspace word
-// it used is zero again for the next launch on the stream (the ticket and ws[kWsRowTop] are the
-// caller's). Not inlined: its int64 and double registers stay out of the row loops (48 in the
-// flat pass).
-template <typename scalar_t>
-__device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, uint32_t top, int G, float* cells,
-                                              CellIndex ci, const RowCellsFinish& fin, bool norm) {
-  const float mean = block_row_max_mean(r_bits, rows, top, fin.mean_bits, fin.recip_n);
+// k and the scaled cells (finish_row) of the rows of quads first, first + stride, ... (N quads
+// in flight a thread), then of the rows after the last quad, first, first + stride, ...: with
+// `zero`, each row maximum zeroed once read (the block finish: nobody reads them after it)
+template <typename scalar_t, int N>
+__device__ __forceinline__ void finish_rows(uint32_t* r_bits, int64_t rows, float mean, int64_t first, int64_t stride,
+                                            bool zero, int G, float* cells, CellIndex ci, const RowCellsFinish& fin,
+                                            bool norm) {
   const int64_t quads = finish_quads(r_bits, rows);
-  for (int64_t q0 = threadIdx.x; q0 < quads; q0 += kFinishKQuads * int64_t(blockDim.x)) {
-    uint4 v[kFinishKQuads];
-    finish_load_quads(r_bits, quads, q0, v);
+  for (int64_t q0 = first; q0 < quads; q0 += N * stride) {
+    uint4 v[N];
+    finish_load_quads(r_bits, quads, q0, stride, v);
 #pragma unroll
-    for (int u = 0; u < kFinishKQuads; ++u) {
-      const int64_t q = q0 + int64_t(u) * blockDim.x;
+    for (int u = 0; u < N; ++u) {
+      const int64_t q = q0 + int64_t(u) * stride;
       if (q >= quads) break;
-      uint4 zero;
-      zero.x = zero.y = zero.z = zero.w = 0u;
-      reinterpret_cast<uint4*>(r_bits)[q] = zero;
+      if (zero) {
+        uint4 z;
+        z.x = z.y = z.z = z.w = 0u;
+        reinterpret_cast<uint4*>(r_bits)[q] = z;
+      }
       finish_row<scalar_t>(4 * q, v[u].x, mean, G, cells, ci, fin, norm);
       finish_row<scalar_t>(4 * q + 1, v[u].y, mean, G, cells, ci, fin, norm);
       finish_row<scalar_t>(4 * q + 2, v[u].z, mean, G, cells, ci, fin, norm);
       finish_row<scalar_t>(4 * q + 3, v[u].w, mean, G, cells, ci, fin, norm);
     }
   }
-  for (int64_t i = 4 * quads + threadIdx.x; i < rows; i += blockDim.x) {
+  for (int64_t i = 4 * quads + first; i < rows; i += stride) {
     const uint32_t rb = __ldcg(r_bits + i);
-    r_bits[i] = 0u;
+    if (zero) r_bits[i] = 0u;
     finish_row<scalar_t>(i, rb, mean, G, cells, ci, fin, norm);
   }
-  if (!fin.fused) return;
+}
+
+// The fused finish's end, in one block once every row's k and cells are written: the group
+// totals, observe's estimate step and seed step
+__device__ __forceinline__ void finish_fused_totals(const RowCellsFinish& fin, int64_t rows, int G, const float* cells,
+                                                    CellIndex ci) {
   __shared__ uint32_t s_min[kSlots], s_max[kSlots];
   row_cells_totals(fin.part_min, fin.part_max, fin.dirty, fin.chunks, rows, G, cells, ci, s_min, s_max);
   estimate_update(SharedStats{s_min, s_max}, 1, G, fin.est, nullptr, nullptr);
   if (threadIdx.x == 0) seed_step_device(fin.sd);
+}
+
+// A row pass's stage 2, in the last block to finish (the row maxima r_bits all final, `top`
+// their largest): the mean of the row maxima, then per row k and its 2G cells (none for
+// row_absmax_kernel: G = 0) scaled (finish_row); fused, then the group totals, observe's
+// estimate step and seed step. Each row maximum is zeroed once read and every workspace word
+// it used is zero again for the next launch on the stream (the ticket and ws[kWsRowTop] are the
+// caller's). Not inlined: its int64 and double registers stay out of the row loops (48 in the
+// flat pass). With fin.on_grid the passes skip it for row_finish_grid_kernel, a launch of its own.
+template <typename scalar_t>
+__device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, uint32_t top, int G, float* cells,
+                                              CellIndex ci, const RowCellsFinish& fin, bool norm) {
+  const float mean = block_row_max_mean(r_bits, rows, top, fin.mean_bits, fin.recip_n);
+  finish_rows<scalar_t, kFinishKQuads>(r_bits, rows, mean, threadIdx.x, blockDim.x, true, G, cells, ci, fin, norm);
+  if (fin.fused) finish_fused_totals(fin, rows, G, cells, ci);
+}
+
+// The finish on a grid of its own (MESA_ROW_FINISH=grid; the pass before it left the row maxima
+// in r_bits, their largest in ws[kWsRowTop] and, fused, its partial totals): every block takes
+// the whole mean (block_row_max_mean: the int64 sum is order-free, so each block has the same
+// bits), then k and the scaled cells of its share of the rows, one quad a thread; the last block
+// to arrive zeroes the row maxima (only then has every block read them all), then, fused, the
+// totals, the estimate step and the seed step, and leaves the workspace zero. Why: the block
+// finish walks every row in one block, latency-bound; here k's walk is one round a thread, and
+// the mean's walk costs each block what it costs the one block there (4 quads in flight).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+row_finish_grid_kernel(uint32_t* __restrict__ r_bits, uint32_t* __restrict__ ws, int64_t rows, int G,
+                       float* __restrict__ cells, CellIndex ci, RowCellsFinish fin, bool norm) {
+  const float mean = block_row_max_mean(r_bits, rows, __ldcg(ws + kWsRowTop), fin.mean_bits, fin.recip_n);
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  finish_rows<scalar_t, 1>(r_bits, rows, mean, first, stride, false, G, cells, ci, fin, norm);
+  __shared__ bool s_last;
+  if (!last_block_to_arrive(ws, s_last)) return;
+  const int64_t quads = finish_quads(r_bits, rows);
+  uint4 z;
+  z.x = z.y = z.z = z.w = 0u;
+  for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) reinterpret_cast<uint4*>(r_bits)[q] = z;
+  for (int64_t i = 4 * quads + threadIdx.x; i < rows; i += blockDim.x) r_bits[i] = 0u;
+  if (fin.fused) finish_fused_totals(fin, rows, G, cells, ci);
+  __syncthreads();
+  if (threadIdx.x == 0) ws[0] = ws[kWsRowTop] = 0u;  // the ticket and the top, for the next launch on the stream
+}
+
+// Blocks of row_finish_grid_kernel: a quad a thread, at most one block an SM (each block reads
+// every row maximum for the mean: more blocks, more of those reads)
+int row_finish_grid_blocks(int64_t rows, int sms) {
+  const int64_t blocks = (rows / 4 + kThreads - 1) / kThreads;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, sms)));
 }
 
 // r[row] = max |x| of each row of L elements (VEC: rows of whole, 16-byte aligned chunks), then
@@ -2536,6 +2605,7 @@ row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t
     if (lane == 0) r[row] = rm;
   }
   block_top_to(ws + kWsRowTop, top);
+  if (fin.on_grid) return;  // (uniform) row_finish_grid_kernel follows
   __shared__ bool s_last;
   if (!last_block_to_arrive(ws, s_last)) return;
   row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, __ldcg(ws + kWsRowTop), 0, nullptr, CellIndex{},
@@ -2560,13 +2630,19 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
   const int blocks = warp_rows_grid(rows, sms);
   const at::Tensor ws_t = workspace(x, 1, stream);  // (its ticket)
   uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
-  const RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
+  RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
+  fin.on_grid = row_finish_on_grid();
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_row_absmax_cuda", [&] {
     const bool vec = aligned16(x.const_data_ptr()) && (L * int64_t(sizeof(scalar_t))) % 16 == 0;
     auto kernel = vec ? row_absmax_kernel<scalar_t, true> : row_absmax_kernel<scalar_t, false>;
     kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), rows, L, ws,
                                             fin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (fin.on_grid) {
+      row_finish_grid_kernel<scalar_t><<<row_finish_grid_blocks(rows, sms), kThreads, 0, stream>>>(
+          reinterpret_cast<uint32_t*>(r.mutable_data_ptr<float>()), ws, rows, 0, nullptr, CellIndex{}, fin, true);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });
   return k;
 }
@@ -2678,6 +2754,7 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
   }
   // stage 2: the last block finds the mean, k and the scaled cells (not fused: observe follows)
   block_top_to(ws + kWsRowTop, top);
+  if (fin.on_grid) return;  // (uniform) row_finish_grid_kernel follows
   __shared__ bool s_last;
   if (!last_block_to_arrive(ws, s_last)) return;
   row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, __ldcg(ws + kWsRowTop), G, cells, ci, fin,
@@ -2830,6 +2907,7 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws,
   // ---- stage 2: the last block to arrive finds the mean, k and the scaled cells (fused:
   // also the group totals, the estimate step and the seed step; row_cells_finish)
   publish_block_top(ws + kWsRowTop, s_top);
+  if (fin.on_grid) return;  // (uniform) row_finish_grid_kernel follows
   __shared__ bool s_last;
   if (!last_block_to_arrive(ws, s_last)) return;
   row_cells_finish<scalar_t>(r_bits, int64_t(segments / G), __ldcg(ws + kWsRowTop), int(G), cells, ci, fin, norm);
@@ -2866,6 +2944,11 @@ void launch_row_cells_flat(const at::Tensor& x, uint32_t* ws, at::Tensor& cells,
   };
   if (small) pick(uint32_t(0));
   else pick(uint64_t(0));
+  if (fin.on_grid) {
+    const int64_t rows = segments / G;
+    row_finish_grid_kernel<scalar_t><<<row_finish_grid_blocks(rows, sm_count()), kThreads, 0, stream>>>(
+        ws + kWsHeader, ws, rows, static_cast<int>(G), cells.mutable_data_ptr<float>(), ci, fin, row_mean != nullptr);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
@@ -2931,6 +3014,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
       const at::Tensor ws_t = workspace(x, (words + 1) / 2, stream);
       uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
       RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
+      fin.on_grid = row_finish_on_grid();
       if (fused) {  // (after the row maxima: part_min, part_max, dirty)
         fin.fused = true;
         fin.part_min = ws + kWsHeader + rows;
@@ -2948,11 +3032,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
     // scaled cells; observe over the cells below
     at::Tensor r = at::empty(kshape, x.options().dtype(at::kFloat));
     const at::Tensor ws_t = workspace(x, 1, stream);  // (its ticket)
-    const RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
+    RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
+    fin.on_grid = row_finish_on_grid();
+    uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
     row_cells_kernel<scalar_t><<<warp_rows_grid(rows, sms), kThreads, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
-        static_cast<int>(G), pm, ps, ci, reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>()), fin);
+        static_cast<int>(G), pm, ps, ci, ws, fin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (fin.on_grid) {
+      row_finish_grid_kernel<scalar_t><<<row_finish_grid_blocks(rows, sms), kThreads, 0, stream>>>(
+          reinterpret_cast<uint32_t*>(r.mutable_data_ptr<float>()), ws, rows, static_cast<int>(G),
+          cells.mutable_data_ptr<float>(), ci, fin, norm);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });
   if (fused) return {alpha, beta, seed, k};
   auto [a, b, sd_out] = observe_cuda(cells, alpha_est, beta_est, initialized, rng, per_sample ? cells.dim() - 1 : 1,
