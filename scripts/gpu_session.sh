@@ -70,7 +70,7 @@ PY=${PY:-python3}
 # (kernels-base right after kernels, session 38: three sessions of kernel changes made without a
 # GPU, timed against the build before them on the same GPU in the same call)
 STEPS=${STEPS:-"kernels kernels-base ncu host tests modern fused speed cppwrapper"}
-VALID_STEPS="host cppwrapper tests kernels kernels-base ncu grids modern fused speed table1 traceable"
+VALID_STEPS="host cppwrapper tests kernels kernels-base kernels-grid ncu grids modern fused speed table1 traceable"
 DEADLINE=${DEADLINE:-540}  # seconds from the start of this script; the device tool's limit is 600
 MIN_STEP=${MIN_STEP:-45}   # a step with less time than this left is skipped, not started
 GRACE=${GRACE:-15}         # seconds a step gets after its interrupt (SIGINT) before it is killed
@@ -172,14 +172,22 @@ kernels_base() {
   fi
   step kernel-bandwidth-base 120 bash -c 'cd "$1" && shift && exec "$@"' _ "$shadow" \
     $PY -m mesa_train.quant.benchmark --variant "$variant" --out-dir "$PWD/results/kernels" --no-check
-  local t
-  for t in results/kernels/*."$variant".md; do
-    local after="${t%."$variant".md}.md"
-    [ -f "$t" ] && [ "$after" -nt "$STARTED" ] && [ "$t" -nt "$STARTED" ] || continue
-    $PY scripts/compare_kernel_tables.py "$t" "$after" -o "${after%.md}.vs-$variant.md" \
-      > "$LOG_DIR/kernel-compare.log" 2>&1 && echo "=== compared: ${after%.md}.vs-$variant.md"
-  done
+  compare_with_default "$variant" variant-first
   pack
+}
+
+# Each table of `variant` made in this call (<device>.<variant>.md) beside this call's default
+# table (<device>.md), into <device>.vs-<variant>.md: variant-first (an older build: before ->
+# after) or default-first (another mode of this build)
+compare_with_default() {
+  local variant=$1 order=$2 t
+  for t in results/kernels/*."$variant".md; do
+    local main="${t%."$variant".md}.md"
+    [ -f "$main" ] && [ "$main" -nt "$STARTED" ] && [ "$t" -nt "$STARTED" ] || continue
+    if [ "$order" = variant-first ]; then set -- "$t" "$main"; else set -- "$main" "$t"; fi
+    $PY scripts/compare_kernel_tables.py "$1" "$2" -o "${main%.md}.vs-$variant.md" \
+      > "$LOG_DIR/kernel-compare-$variant.log" 2>&1 && echo "=== compared: ${main%.md}.vs-$variant.md"
+  done
 }
 
 # The row passes' other finish (MESA_ROW_FINISH=grid: a launch of its own after each pass)
@@ -188,14 +196,9 @@ kernels_base() {
 # passes' CUDA tests under it
 kernels_grid() {
   local variant=row-finish-grid
-  step kernel-bandwidth-$variant 120 env MESA_ROW_FINISH=grid $PY -m mesa_train.quant.benchmark --variant "$variant"
-  local t
-  for t in results/kernels/*."$variant".md; do
-    local before="${t%."$variant".md}.md"
-    [ -f "$before" ] && [ "$before" -nt "$STARTED" ] && [ "$t" -nt "$STARTED" ] || continue
-    $PY scripts/compare_kernel_tables.py "$before" "$t" -o "${before%.md}.vs-$variant.md" \
-      > "$LOG_DIR/kernel-compare-$variant.log" 2>&1 && echo "=== compared: ${before%.md}.vs-$variant.md"
-  done
+  step kernel-bandwidth-$variant 120 env MESA_ROW_FINISH=grid $PY -m mesa_train.quant.benchmark --variant "$variant" \
+    --out-dir "$PWD/results/kernels"
+  compare_with_default "$variant" default-first
   step cuda-tests-$variant ${GRID_TESTS_LIMIT:-90} env MESA_ROW_FINISH=grid $PY -m pytest -q -m cuda \
     -p no:cacheprovider -rfE $XDIST tests/test_row_scale_kernels.py tests/test_layernorm_x_hat.py \
     tests/test_row_max_mean.py tests/test_observe.py

@@ -35,7 +35,7 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    valid = "host cppwrapper tests kernels kernels-base ncu grids modern fused speed table1 traceable"
+    valid = "host cppwrapper tests kernels kernels-base kernels-grid ncu grids modern fused speed table1 traceable"
     assert f"unknown step 'bogus'; valid: {valid}" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 
@@ -57,7 +57,7 @@ def test_a_deadline_that_is_not_a_number_is_a_one_line_error(tmp_path):
 # would, loads "the carried build", and spends STEP_SECONDS on each step's command instead of
 # running it (each call is logged, so the test sees which steps ran with which arguments).
 FAKE_PY = r"""#!/usr/bin/env bash
-echo "$*" >> "$FAKE_LOG"
+echo "${MESA_ROW_FINISH:+MESA_ROW_FINISH=$MESA_ROW_FINISH }$*" >> "$FAKE_LOG"
 case "$*" in
   *get_device_capability*) echo 9.0 ;;
   *get_device_name*) echo "Fake H100" ;;
@@ -167,6 +167,27 @@ def test_the_grids_step_runs_each_policy_then_its_test(fake_checkout, tmp_path):
     ran = [c for c in log.read_text().splitlines() if c.startswith("-m pytest") or c.startswith("-m mesa_train")]
     assert ran == ["-m mesa_train.quant.benchmark --grid full", "-m mesa_train.quant.benchmark --grid resident",
                    "-m pytest -q -m cuda -p no:cacheprovider -rfE tests/test_kernels_cuda_extra.py -k grid"]
+
+
+def test_kernels_grid_times_the_grid_finish_beside_the_default_then_runs_its_tests(fake_checkout, tmp_path):
+    """MESA_ROW_FINISH=grid (the row passes' finish as a launch of its own): the kernel table of
+    this build under it (each row still checked against the reference), set beside the default
+    table of this call (the default first), then the row passes' CUDA tests under it."""
+    root, fake, out = fake_checkout
+    log = tmp_path / "calls.log"
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), STEP_SECONDS="0", STEPS="kernels kernels-grid")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    assert (f"MESA_ROW_FINISH=grid -m mesa_train.quant.benchmark --variant row-finish-grid "
+            f"--out-dir {root}/results/kernels") in calls, calls
+    compare = [c for c in calls if c.startswith("scripts/compare_kernel_tables.py")]
+    assert compare == ["scripts/compare_kernel_tables.py results/kernels/Fake-H100.md "
+                       "results/kernels/Fake-H100.row-finish-grid.md "
+                       "-o results/kernels/Fake-H100.vs-row-finish-grid.md"]
+    tests = [c for c in calls if "-m pytest" in c]
+    assert len(tests) == 1 and tests[0].startswith("MESA_ROW_FINISH=grid -m pytest -q -m cuda"), tests
+    assert "tests/test_row_scale_kernels.py" in tests[0]
+    assert "-m mesa_train.quant.benchmark" in calls  # (the default table: no MESA_ROW_FINISH)
 
 
 def test_kernels_base_is_skipped_without_an_older_build(fake_checkout, tmp_path):
