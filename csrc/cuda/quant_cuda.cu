@@ -2531,6 +2531,13 @@ __device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, ui
   if (fin.fused) finish_fused_totals(fin, rows, G, cells, ci);
 }
 
+// The ticket and the top zero again for the next launch on the stream, once the last block's
+// finish is done. Called by every thread of that block.
+__device__ __forceinline__ void reset_row_pass_ws(uint32_t* ws) {
+  __syncthreads();
+  if (threadIdx.x == 0) ws[0] = ws[kWsRowTop] = 0u;
+}
+
 // The finish on a grid of its own (MESA_ROW_FINISH=grid; the pass before it left the row maxima
 // in r_bits, their largest in ws[kWsRowTop] and, fused, its partial totals): every block takes
 // the whole mean (block_row_max_mean: the int64 sum is order-free, so each block has the same
@@ -2554,8 +2561,7 @@ row_finish_grid_kernel(uint32_t* __restrict__ r_bits, uint32_t* __restrict__ ws,
   for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) reinterpret_cast<uint4*>(r_bits)[q] = z;
   for (int64_t i = 4 * quads + threadIdx.x; i < rows; i += blockDim.x) r_bits[i] = 0u;
   if (fin.fused) finish_fused_totals(fin, rows, G, cells, ci);
-  __syncthreads();
-  if (threadIdx.x == 0) ws[0] = ws[kWsRowTop] = 0u;  // the ticket and the top, for the next launch on the stream
+  reset_row_pass_ws(ws);
 }
 
 // Blocks of row_finish_grid_kernel: a quad a thread, at most one block an SM (each block reads
@@ -2610,10 +2616,20 @@ row_absmax_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, int64_t
   if (!last_block_to_arrive(ws, s_last)) return;
   row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, __ldcg(ws + kWsRowTop), 0, nullptr, CellIndex{},
                              fin, true);
-  __syncthreads();
-  if (threadIdx.x == 0) ws[0] = ws[kWsRowTop] = 0u;  // the ticket and the top, for the next launch on the stream
+  reset_row_pass_ws(ws);
 }
 
+
+// The row passes' finish as a launch of its own after a pass run with fin.on_grid (nothing
+// otherwise): r_bits the row maxima the pass left, ws its workspace
+template <typename scalar_t>
+void launch_row_finish_grid(uint32_t* r_bits, uint32_t* ws, int64_t rows, int G, float* cells, CellIndex ci,
+                            const RowCellsFinish& fin, bool norm, cudaStream_t stream) {
+  if (!fin.on_grid) return;
+  row_finish_grid_kernel<scalar_t><<<row_finish_grid_blocks(rows, sm_count()), kThreads, 0, stream>>>(
+      r_bits, ws, rows, G, cells, ci, fin, norm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t max_k) {
   const int64_t L = check_row_exponents(x_in, row_dims, max_k);
@@ -2638,11 +2654,8 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
     kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), rows, L, ws,
                                             fin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (fin.on_grid) {
-      row_finish_grid_kernel<scalar_t><<<row_finish_grid_blocks(rows, sms), kThreads, 0, stream>>>(
-          reinterpret_cast<uint32_t*>(r.mutable_data_ptr<float>()), ws, rows, 0, nullptr, CellIndex{}, fin, true);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    launch_row_finish_grid<scalar_t>(reinterpret_cast<uint32_t*>(r.mutable_data_ptr<float>()), ws, rows, 0, nullptr,
+                                     CellIndex{}, fin, true, stream);
   });
   return k;
 }
@@ -2759,8 +2772,7 @@ row_cells_kernel(const scalar_t* __restrict__ x, float* __restrict__ r, float* _
   if (!last_block_to_arrive(ws, s_last)) return;
   row_cells_finish<scalar_t>(reinterpret_cast<uint32_t*>(r), rows, __ldcg(ws + kWsRowTop), G, cells, ci, fin,
                              row_mean != nullptr);
-  __syncthreads();
-  if (threadIdx.x == 0) ws[0] = ws[kWsRowTop] = 0u;
+  reset_row_pass_ws(ws);
 }
 
 // The flat row pass (every segment whole 16-byte chunks):
@@ -2911,8 +2923,7 @@ row_cells_flat_kernel(const scalar_t* __restrict__ x, uint32_t* __restrict__ ws,
   __shared__ bool s_last;
   if (!last_block_to_arrive(ws, s_last)) return;
   row_cells_finish<scalar_t>(r_bits, int64_t(segments / G), __ldcg(ws + kWsRowTop), int(G), cells, ci, fin, norm);
-  __syncthreads();
-  if (threadIdx.x == 0) ws[0] = ws[kWsRowTop] = 0u;  // the ticket and the top, for the next launch on the stream
+  reset_row_pass_ws(ws);
 }
 
 // The flat row pass over `segments` segments of S elements (S * sizeof(scalar_t) % 16 == 0, x
@@ -2944,11 +2955,8 @@ void launch_row_cells_flat(const at::Tensor& x, uint32_t* ws, at::Tensor& cells,
   };
   if (small) pick(uint32_t(0));
   else pick(uint64_t(0));
-  if (fin.on_grid) {
-    const int64_t rows = segments / G;
-    row_finish_grid_kernel<scalar_t><<<row_finish_grid_blocks(rows, sm_count()), kThreads, 0, stream>>>(
-        ws + kWsHeader, ws, rows, static_cast<int>(G), cells.mutable_data_ptr<float>(), ci, fin, row_mean != nullptr);
-  }
+  launch_row_finish_grid<scalar_t>(ws + kWsHeader, ws, segments / G, static_cast<int>(G),
+                                   cells.mutable_data_ptr<float>(), ci, fin, row_mean != nullptr, stream);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
@@ -3039,12 +3047,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
         x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
         static_cast<int>(G), pm, ps, ci, ws, fin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (fin.on_grid) {
-      row_finish_grid_kernel<scalar_t><<<row_finish_grid_blocks(rows, sms), kThreads, 0, stream>>>(
-          reinterpret_cast<uint32_t*>(r.mutable_data_ptr<float>()), ws, rows, static_cast<int>(G),
-          cells.mutable_data_ptr<float>(), ci, fin, norm);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    launch_row_finish_grid<scalar_t>(reinterpret_cast<uint32_t*>(r.mutable_data_ptr<float>()), ws, rows,
+                                     static_cast<int>(G), cells.mutable_data_ptr<float>(), ci, fin, norm, stream);
   });
   if (fused) return {alpha, beta, seed, k};
   auto [a, b, sd_out] = observe_cuda(cells, alpha_est, beta_est, initialized, rng, per_sample ? cells.dim() - 1 : 1,
