@@ -26,6 +26,8 @@
 #              kernels step's table of this call, then the row passes' CUDA tests under it
 #   ncu        python scripts/ncu_kernels.py: Nsight Compute's counters (throughput, occupancy,
 #              warp stalls) of the kernels holding Mesa's GPU time, into results/ncu/
+#              (NCU_OPS, NCU_CASES: regexes over the kernel table's ops and cases)
+#   ncu-grid   the same under MESA_ROW_FINISH=grid, into results/ncu/<device>.row-finish-grid.md
 #   grids      the same table under the other grid policies of the quantize / dequantize launches
 #              (--grid full, --grid resident: MESA_CUDA_GRID), then the CUDA test that each policy
 #              gives the reference's codes: which grid the kernels should launch by default
@@ -70,7 +72,7 @@ PY=${PY:-python3}
 # (kernels-base right after kernels, session 38: three sessions of kernel changes made without a
 # GPU, timed against the build before them on the same GPU in the same call)
 STEPS=${STEPS:-"kernels kernels-base ncu host tests modern fused speed cppwrapper"}
-VALID_STEPS="host cppwrapper tests kernels kernels-base kernels-grid ncu grids modern fused speed table1 traceable"
+VALID_STEPS="host cppwrapper tests kernels kernels-base kernels-grid ncu ncu-grid grids modern fused speed table1 traceable"
 DEADLINE=${DEADLINE:-540}  # seconds from the start of this script; the device tool's limit is 600
 MIN_STEP=${MIN_STEP:-45}   # a step with less time than this left is skipped, not started
 GRACE=${GRACE:-15}         # seconds a step gets after its interrupt (SIGINT) before it is killed
@@ -191,9 +193,9 @@ compare_with_default() {
 }
 
 # The row passes' other finish (MESA_ROW_FINISH=grid: a launch of its own after each pass)
-# against the default (the pass's last block): the kernel table under it, each row's ops checked
-# against the reference, side by side with the default's table of this call, then the row
-# passes' CUDA tests under it
+# against the default outside a CUDA graph (auto: the pass's last block): the kernel table
+# under it, each row's ops checked against the reference, side by side with the default's
+# table of this call, then the row passes' CUDA tests under it
 kernels_grid() {
   local variant=row-finish-grid
   step kernel-bandwidth-$variant 120 env MESA_ROW_FINISH=grid $PY -m mesa_train.quant.benchmark --variant "$variant" \
@@ -228,7 +230,10 @@ for s in $STEPS; do
     kernels) step kernel-bandwidth ${KERNELS_LIMIT:-180} $PY -m mesa_train.quant.benchmark ;;
     kernels-base) kernels_base ;;
     kernels-grid) kernels_grid ;;
-    ncu)     step ncu-kernels ${NCU_LIMIT:-150} $PY scripts/ncu_kernels.py ;;
+    # NCU_OPS / NCU_CASES: regexes over the kernel table's ops and cases (default: the script's)
+    ncu)     step ncu-kernels ${NCU_LIMIT:-150} $PY scripts/ncu_kernels.py ${NCU_OPS:+--ops "$NCU_OPS"} ${NCU_CASES:+--cases "$NCU_CASES"} ;;
+    # the same counters under the grid finish of the row passes (results/ncu/<device>.row-finish-grid.md)
+    ncu-grid) step ncu-kernels-row-finish-grid ${NCU_LIMIT:-150} env MESA_ROW_FINISH=grid $PY scripts/ncu_kernels.py --variant row-finish-grid ${NCU_OPS:+--ops "$NCU_OPS"} ${NCU_CASES:+--cases "$NCU_CASES"} ;;
     grids)   step kernel-grid-full 90 $PY -m mesa_train.quant.benchmark --grid full
              step kernel-grid-resident 90 $PY -m mesa_train.quant.benchmark --grid resident
              step grid-tests 120 $PY -m pytest -q -m cuda -p no:cacheprovider -rfE tests/test_kernels_cuda_extra.py -k grid ;;

@@ -35,7 +35,8 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    valid = "host cppwrapper tests kernels kernels-base kernels-grid ncu grids modern fused speed table1 traceable"
+    valid = ("host cppwrapper tests kernels kernels-base kernels-grid ncu ncu-grid grids modern fused speed table1 "
+             "traceable")
     assert f"unknown step 'bogus'; valid: {valid}" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 
@@ -188,6 +189,22 @@ def test_kernels_grid_times_the_grid_finish_beside_the_default_then_runs_its_tes
     assert len(tests) == 1 and tests[0].startswith("MESA_ROW_FINISH=grid -m pytest -q -m cuda"), tests
     assert "tests/test_row_scale_kernels.py" in tests[0]
     assert "-m mesa_train.quant.benchmark" in calls  # (the default table: no MESA_ROW_FINISH)
+
+
+def test_ncu_steps_pass_the_selection_and_the_grid_one_its_finish(fake_checkout, tmp_path):
+    """NCU_OPS / NCU_CASES reach scripts/ncu_kernels.py (a regex with a "|" and a "$" kept whole);
+    ncu-grid runs it under MESA_ROW_FINISH=grid into a report of its own."""
+    root, fake, out = fake_checkout
+    log = tmp_path / "calls.log"
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), STEP_SECONDS="0", STEPS="ncu ncu-grid",
+                NCU_OPS="^(row_exponents|observe_rows)$", NCU_CASES="^(tokens|hidden)")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ncu = [c for c in log.read_text().splitlines() if "scripts/ncu_kernels.py" in c]
+    select = "--ops ^(row_exponents|observe_rows)$ --cases ^(tokens|hidden)"
+    assert ncu == [f"scripts/ncu_kernels.py {select}",
+                   f"MESA_ROW_FINISH=grid scripts/ncu_kernels.py --variant row-finish-grid {select}"], ncu
+    proc = _run(out, cwd=root, PY=str(fake), FAKE_LOG=str(log), STEP_SECONDS="0", STEPS="ncu")
+    assert log.read_text().splitlines()[-1] == "scripts/ncu_kernels.py"  # (no selection: the script's own)
 
 
 def test_kernels_base_is_skipped_without_an_older_build(fake_checkout, tmp_path):

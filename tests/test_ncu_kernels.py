@@ -150,6 +150,15 @@ def test_the_summary_reads_each_launch_of_ncu_text(ncu_kernels):
             "| – |") in table
 
 
+def test_kernel_names_lose_the_anonymous_namespace_as_ncu_2025_prints_it(ncu_kernels):
+    """The H200's ncu (2026-12-04) printed "void unnamed>::k<...>(const T1 *, unnamed>::S<T2>)": the
+    summary then kept the whole signature, its brackets unbalanced."""
+    name = "void unnamed>::row_finish_grid_kernel<c10::BFloat16>(unsigned int *, unnamed>::CellIndex, bool)"
+    assert ncu_kernels.short_name(name) == "row_finish_grid_kernel<c10::BFloat16>"
+    bracketed = "void <unnamed>::quantize_kernel<float, 1>(const T1 *)"
+    assert ncu_kernels.short_name(bracketed) == "quantize_kernel<float, 1>"
+
+
 def test_report_counts_the_profiled_launches_and_says_when_ncu_failed(ncu_kernels, monkeypatch):
     output = ("==PROF== Connected to process 1\n"
               "  row_cells_kernel<c10::BFloat16, true> (3152, 1, 1)x(256, 1, 1), Context 1, Stream 7, CC 9.0\n"

@@ -11,6 +11,8 @@ use, rows that straddle a 16-element vector step included.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -367,7 +369,10 @@ def test_cuda_row_scaled_compression_launches(per_sample):
     the flat row pass alone (its last block finds the mean, k, the totals, the estimate and seed
     steps), then quantize; per sample, observe over the cells comes between. No memset, no ATen
     mean, no host sync; captured in a CUDA graph (the workspace then a memset node of its own),
-    each replay equals the reference chain."""
+    each replay equals the reference chain. The finish (MESA_ROW_FINISH, default auto): in the
+    pass's last block outside a capture, unless grid; row_finish_grid_kernel after the pass in
+    the graph, unless block (a replay launches nothing from the host, so the faster finish)."""
+    mode = os.environ.get("MESA_ROW_FINISH", "auto")
     x = _token_rows(torch.bfloat16, "cuda", "class")
     state = _state(6, "cuda")
 
@@ -375,8 +380,12 @@ def test_cuda_row_scaled_compression_launches(per_sample):
         a, b, seed, k = torch.ops.mesa.observe_rows(x, *state, 2, 6, 0.9, per_sample, False, 1, 64)
         return torch.ops.mesa.quantize(x, a, b, 2, 6, True, seed, k), k
 
+    def launches(on_grid: bool) -> list[str]:
+        return (["row_cells_flat_kernel"] + (["row_finish_grid_kernel"] if on_grid else [])
+                + (["observe_kernel"] if per_sample else []) + ["quantize_kernel"])
+
     names = _cuda_kernels(forward)
-    want = ["row_cells_flat_kernel"] + (["observe_kernel"] if per_sample else []) + ["quantize_kernel"]
+    want = launches(mode == "grid")
     assert len(names) == len(want) and all(w in n for w, n in zip(want, names)), names
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -397,6 +406,9 @@ def test_cuda_row_scaled_compression_launches(per_sample):
         assert torch.equal(q, R.quantize(x, a, b, 2, 6, True, seed, k_ref))
         for got_t, want_t in zip(state, ref_state):
             assert torch.equal(bit_pattern(got_t), bit_pattern(want_t))
+    replayed = [n for n in _cuda_kernels(graph.replay) if "kernel" in n]  # (not the workspace's memset)
+    want = launches(mode != "block")
+    assert len(replayed) == len(want) and all(w in n for w, n in zip(want, replayed)), replayed
 
 
 @needs_ext

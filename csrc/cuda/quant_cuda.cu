@@ -474,19 +474,35 @@ std::optional<GridPolicy> grid_override() {
   return policy;
 }
 
-// MESA_ROW_FINISH=block|grid, read once a process: where a row pass (row_exponents,
-// observe_rows) finishes. block (the default): the pass's last block alone; grid: a launch of
-// its own, row_finish_grid_kernel (one more launch a row pass, k's walk spread over the blocks).
-// Both give the same bits; the kernel benchmark under each says which is faster.
-bool row_finish_on_grid() {
-  static const bool on_grid = [] {
+// MESA_ROW_FINISH=auto|block|grid, read once a process: where a row pass (row_exponents,
+// observe_rows) finishes. block: the pass's last block alone; grid: a launch of its own,
+// row_finish_grid_kernel (one more launch a row pass, k's walk spread over the blocks); auto
+// (the default): grid while the stream is being captured into a CUDA graph, block otherwise.
+// Both give the same bits. Why auto: on the H200 (2026-12-04, one call, every row equal to the
+// reference) the grid finish took 14-17 us less a row pass (row_exponents on DeiT-S's bf16
+// tokens 48.2 -> 33.7 us, observe_rows 54.4 -> 40.0; results/kernels/NVIDIA-H200.vs-row-finish-grid.md),
+// about 0.75 ms of GPU time over a step's 50; but the launch it adds costs the host 6-14 us, 50
+// of them a step, and the eager rows of that call were host-bound (results/modern). A graph's
+// replay launches nothing from the host, so there the faster kernels win outright.
+enum class RowFinish { kAuto, kBlock, kGrid };
+
+RowFinish row_finish_mode() {
+  static const RowFinish mode = [] {
     const char* env = std::getenv("MESA_ROW_FINISH");
     const std::string v = env == nullptr ? "" : env;
-    TORCH_CHECK(v.empty() || v == "block" || v == "grid", "MESA_ROW_FINISH='", v,
-                "' is not a row-pass finish; valid: block, grid");
-    return v == "grid";
+    TORCH_CHECK(v.empty() || v == "auto" || v == "block" || v == "grid", "MESA_ROW_FINISH='", v,
+                "' is not a row-pass finish; valid: auto, block, grid");
+    return v == "grid" ? RowFinish::kGrid : v == "block" ? RowFinish::kBlock : RowFinish::kAuto;
   }();
-  return on_grid;
+  return mode;
+}
+
+bool row_finish_on_grid(cudaStream_t stream) {
+  const RowFinish mode = row_finish_mode();
+  if (mode != RowFinish::kAuto) return mode == RowFinish::kGrid;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return capture != cudaStreamCaptureStatusNone;
 }
 
 // Blocks of kThreads threads of `kernel` that an SM of the current device holds at once
@@ -2404,7 +2420,7 @@ struct RowCellsFinish {
   int max_k, mean_bits;
   double recip_n;
   bool fused;
-  bool on_grid;  // the pass leaves the finish to row_finish_grid_kernel (MESA_ROW_FINISH=grid)
+  bool on_grid;  // the pass leaves the finish to row_finish_grid_kernel (row_finish_on_grid)
   uint32_t *part_min, *part_max, *dirty;  // (fused) in the workspace after the row maxima
   int64_t chunks;
   EstimateArgs est;  // (fused) observe's estimate step and seed step, as observe_cuda sets them
@@ -2647,7 +2663,7 @@ at::Tensor row_exponents_cuda(const at::Tensor& x_in, int64_t row_dims, int64_t 
   const at::Tensor ws_t = workspace(x, 1, stream);  // (its ticket)
   uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
   RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
-  fin.on_grid = row_finish_on_grid();
+  fin.on_grid = row_finish_on_grid(stream);
   MESA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "mesa_row_absmax_cuda", [&] {
     const bool vec = aligned16(x.const_data_ptr()) && (L * int64_t(sizeof(scalar_t))) % 16 == 0;
     auto kernel = vec ? row_absmax_kernel<scalar_t, true> : row_absmax_kernel<scalar_t, false>;
@@ -3022,7 +3038,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
       const at::Tensor ws_t = workspace(x, (words + 1) / 2, stream);
       uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
       RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
-      fin.on_grid = row_finish_on_grid();
+      fin.on_grid = row_finish_on_grid(stream);
       if (fused) {  // (after the row maxima: part_min, part_max, dirty)
         fin.fused = true;
         fin.part_min = ws + kWsHeader + rows;
@@ -3041,7 +3057,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> observe_rows_cuda(
     at::Tensor r = at::empty(kshape, x.options().dtype(at::kFloat));
     const at::Tensor ws_t = workspace(x, 1, stream);  // (its ticket)
     RowCellsFinish fin = row_finish(k.mutable_data_ptr<int8_t>(), max_k, rows);
-    fin.on_grid = row_finish_on_grid();
+    fin.on_grid = row_finish_on_grid(stream);
     uint32_t* ws = reinterpret_cast<uint32_t*>(ws_t.mutable_data_ptr<int32_t>());
     row_cells_kernel<scalar_t><<<warp_rows_grid(rows, sms), kThreads, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), r.mutable_data_ptr<float>(), cells.mutable_data_ptr<float>(), rows, D,
