@@ -3,7 +3,8 @@
 ``F.scaled_dot_product_attention`` at run time, so the backend is the stock dispatcher's
 choice (cuDNN on an H100, where the traced memory-efficient pair it replaced took twice as
 long), masks and their gradients included. Checked against autograd through the stock call,
-bit for bit; the fake kernel against the real one; PyTorch's opcheck."""
+bit for bit; the fake kernel against the real one; PyTorch's opcheck; the C++ kernel (the
+extension's) against the Python one it replaced."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mesa_train.nn.sdpa  # noqa: F401  (registers the op)
+from mesa_train.nn import sdpa_backward
 from mesa_train.nn.sdpa_backward import build_window_mask
+from kernel_marks import needs_ext
 
 _OP = torch.ops.mesa.sdpa_recompute_backward.default
 
@@ -160,3 +163,30 @@ def test_op_under_a_dispatch_mode():
         got = _OP(*args)
     for a, b in zip(got, _autograd(q, k, v, g, bias, mask_grad=True)):
         assert torch.equal(a, b)
+
+
+@needs_ext
+def test_the_extension_serves_the_op_in_cpp():
+    """With the extension the op's kernel is C++ (csrc/sdpa_autograd.cpp: about a third of the
+    Python kernel's host time); the fake kernel stays Python's."""
+    dump = torch._C._dispatch_dump("mesa::sdpa_recompute_backward")
+    kernels = {line.split(":")[0]: line for line in dump.splitlines() if "registered at" in line}
+    assert "sdpa_autograd.cpp" in kernels["CompositeExplicitAutograd[alias]"], dump
+    assert "fallthrough" in kernels["Autograd[alias]"], dump
+    assert "sdpa_backward.py" in kernels["Meta"], dump
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "windows"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_python_fallback_kernel_equals_the_op(mask, autocast):
+    """The Python kernel (the op where the extension lacks it) gives the op's gradients, bit for
+    bit, masks and autocast included."""
+    q, k, v, g = _qkvg("cpu", torch.float32)
+    attn_mask, window_mask, mask_grad = _masks(mask, q, 13)
+    args = (g, q, k, v, attn_mask, window_mask, False, None, [True, False, True, mask_grad], autocast,
+            torch.bfloat16 if autocast else None)
+    want = _OP(*args)
+    got = sdpa_backward._op_kernel(*args)
+    assert len(got) == len(want) == 2 + mask_grad
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b)

@@ -7,7 +7,9 @@ the output gradient through that call (``mesa_train/nn/sdpa.py`` explains why). 
 it in :func:`recompute_grads` (or in C++, ``csrc/sdpa_autograd.cpp``: the same steps).
 
 Under ``torch.compile`` ``autograd.grad`` cannot be traced, so the compiled backward calls the
-op ``mesa::sdpa_recompute_backward``, opaque to the compiler, which does the same at run time.
+op ``mesa::sdpa_recompute_backward``, opaque to the compiler, which does the same at run time
+(its kernel in C++, ``csrc/sdpa_autograd.cpp``, the one SdpaTrain's backward uses; the Python
+kernel below where the extension lacks it).
 Why an op rather than a traced kernel pair: the backend is then chosen at run time by the stock
 dispatcher, exactly as for the stock model and for eager Mesa (cuDNN on an H100, flash or
 memory-efficient elsewhere, the CPU flash kernel on CPU), masks and their gradients included.
@@ -172,17 +174,22 @@ def _op_fake(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, output
 
 
 def _register() -> None:
-    if hasattr(torch.ops.mesa, _OP_NAME):  # (a reloaded module: registered once per process)
+    """The op's fake kernel, and the op itself in Python where the extension lacks it (a build
+    from before the C++ kernel, ``csrc/sdpa_autograd.cpp``, or none): the same steps, at about
+    three times the host time a call."""
+    if getattr(torch.ops.mesa, "_mesa_sdpa_backward_registered", False):  # (a reloaded module)
         return
     lib = torch.library.Library("mesa", "FRAGMENT")
-    lib.define(_SCHEMA)
-    lib.impl(_OP_NAME, _op_kernel, "CompositeExplicitAutograd")
-    # The kernel runs autograd itself: the dispatcher must reach it with autograd still on
-    # (a fallthrough sets no below-autograd guard). Its results carry no graph: the op is a
-    # backward, never differentiated.
-    lib.impl(_OP_NAME, torch.library.fallthrough_kernel, "Autograd")
+    if not hasattr(torch.ops.mesa, _OP_NAME):
+        lib.define(_SCHEMA)
+        lib.impl(_OP_NAME, _op_kernel, "CompositeExplicitAutograd")
+        # The kernel runs autograd itself: the dispatcher must reach it with autograd still on
+        # (a fallthrough sets no below-autograd guard). Its results carry no graph: the op is a
+        # backward, never differentiated.
+        lib.impl(_OP_NAME, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"mesa::{_OP_NAME}", _op_fake, lib=lib)
     _LIBS.append(lib)
+    torch.ops.mesa._mesa_sdpa_backward_registered = True
 
 
 _LIBS: list = []  # the Library object owns the registrations: kept alive
