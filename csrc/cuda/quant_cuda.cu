@@ -2445,26 +2445,87 @@ struct SharedStats {
 // cells (both slots, as observe over the cells reduces them), chunk by chunk: a chunk whose rows
 // all have k = 0 from the pass's partial totals (its cells unscaled), another from its cells as
 // now scaled; each partial and flag zeroed once read. s_min / s_max: G shared words each.
+// One block walks all chunks * G partials (4,728 for DeiT-S's tokens, 19 a thread), so the walk
+// waits on L2 latency: N partials a thread a round, and a dirty chunk's cells N rows at a time,
+// their loads issued before any is used. The grid finish (row_finish_grid_kernel, 40 registers)
+// takes kTotalsInFlight; the pass's own last block keeps one (the flat pass's 64-bit index
+// kernels spilled 4-8 bytes at 48 registers with 2 or 4, measured by tests/test_sass_audit.py).
+// The maxima are order-free: the same bits either way.
+constexpr int kTotalsInFlight = 4;
+
+// umax of the encoded min / max of the cells of rows [i0, end) of group g into emn / emx
+template <int N>
+__device__ __forceinline__ void dirty_chunk_totals(int64_t i0, int64_t end, int G, int g, const float* cells,
+                                                   CellIndex ci, uint32_t& emn, uint32_t& emx) {
+  emn = emx = 0u;
+  for (; i0 < end; i0 += N) {
+    float lo[N], hi[N];
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      const int64_t i = i0 + u < end ? i0 + u : i0;  // (past the end: row i0 again, a no-op for a max)
+      lo[u] = __ldcg(cells + ci.at(i, g));
+      hi[u] = __ldcg(cells + ci.at(i, G + g));
+    }
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      emn = umax(emn, umax(enc_min(lo[u]), enc_min(hi[u])));
+      emx = umax(emx, umax(enc_max(lo[u]), enc_max(hi[u])));
+    }
+  }
+}
+
+template <int N>
 __device__ void row_cells_totals(uint32_t* part_min, uint32_t* part_max, uint32_t* dirty, int64_t chunks,
                                  int64_t rows, int G, const float* cells, CellIndex ci, uint32_t* s_min,
                                  uint32_t* s_max) {
   for (int g = threadIdx.x; g < G; g += blockDim.x) s_min[g] = s_max[g] = 0u;
   __syncthreads();  // (also: every k, scaled cell and dirty flag of this block written)
-  for (int64_t p = threadIdx.x; p < chunks * G; p += blockDim.x) {
-    const int64_t c = p / G;
-    const int g = static_cast<int>(p - c * G);
-    uint32_t emn = __ldcg(part_min + p), emx = __ldcg(part_max + p);
-    if (__ldcg(dirty + c) != 0u) {
-      emn = emx = 0u;
-      for (int64_t i = c * kRowChunk; i < rows && i < (c + 1) * kRowChunk; ++i) {
-        const float lo = __ldcg(cells + ci.at(i, g)), hi = __ldcg(cells + ci.at(i, G + g));
-        emn = umax(emn, umax(enc_min(lo), enc_min(hi)));
-        emx = umax(emx, umax(enc_max(lo), enc_max(hi)));
+  const int64_t parts = chunks * G;
+  if constexpr (N == 1) {  // (the form before N: any change here made the flat pass's 64-bit kernels spill)
+    for (int64_t p = threadIdx.x; p < parts; p += blockDim.x) {
+      const int64_t c = p / G;
+      const int g = static_cast<int>(p - c * G);
+      uint32_t emn = __ldcg(part_min + p), emx = __ldcg(part_max + p);
+      if (__ldcg(dirty + c) != 0u) {
+        emn = emx = 0u;
+        for (int64_t i = c * kRowChunk; i < rows && i < (c + 1) * kRowChunk; ++i) {
+          const float lo = __ldcg(cells + ci.at(i, g)), hi = __ldcg(cells + ci.at(i, G + g));
+          emn = umax(emn, umax(enc_min(lo), enc_min(hi)));
+          emx = umax(emx, umax(enc_max(lo), enc_max(hi)));
+        }
+      }
+      part_min[p] = part_max[p] = 0u;
+      atomicMax(s_min + g, emn);
+      atomicMax(s_max + g, emx);
+    }
+  } else {
+    for (int64_t p0 = threadIdx.x; p0 < parts; p0 += N * int64_t(blockDim.x)) {
+      uint32_t emn[N], emx[N], flag[N];
+#pragma unroll
+      for (int u = 0; u < N; ++u) {
+        const int64_t p = p0 + int64_t(u) * blockDim.x;
+        emn[u] = emx[u] = flag[u] = 0u;
+        if (p < parts) {
+          emn[u] = __ldcg(part_min + p);
+          emx[u] = __ldcg(part_max + p);
+          flag[u] = __ldcg(dirty + p / G);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < N; ++u) {
+        const int64_t p = p0 + int64_t(u) * blockDim.x;
+        if (p >= parts) break;
+        const int64_t c = p / G;
+        const int g = static_cast<int>(p - c * G);
+        if (flag[u] != 0u) {
+          const int64_t end = (c + 1) * kRowChunk < rows ? (c + 1) * kRowChunk : rows;
+          dirty_chunk_totals<N>(c * kRowChunk, end, G, g, cells, ci, emn[u], emx[u]);
+        }
+        part_min[p] = part_max[p] = 0u;
+        atomicMax(s_min + g, emn[u]);
+        atomicMax(s_max + g, emx[u]);
       }
     }
-    part_min[p] = part_max[p] = 0u;
-    atomicMax(s_min + g, emn);
-    atomicMax(s_max + g, emx);
   }
   __syncthreads();  // every flag read
   for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) dirty[c] = 0u;
@@ -2523,11 +2584,12 @@ __device__ __forceinline__ void finish_rows(uint32_t* r_bits, int64_t rows, floa
 }
 
 // The fused finish's end, in one block once every row's k and cells are written: the group
-// totals, observe's estimate step and seed step
+// totals (N partials a thread in flight: row_cells_totals), observe's estimate step and seed step
+template <int N>
 __device__ __forceinline__ void finish_fused_totals(const RowCellsFinish& fin, int64_t rows, int G, const float* cells,
                                                     CellIndex ci) {
   __shared__ uint32_t s_min[kSlots], s_max[kSlots];
-  row_cells_totals(fin.part_min, fin.part_max, fin.dirty, fin.chunks, rows, G, cells, ci, s_min, s_max);
+  row_cells_totals<N>(fin.part_min, fin.part_max, fin.dirty, fin.chunks, rows, G, cells, ci, s_min, s_max);
   estimate_update(SharedStats{s_min, s_max}, 1, G, fin.est, nullptr, nullptr);
   if (threadIdx.x == 0) seed_step_device(fin.sd);
 }
@@ -2544,7 +2606,7 @@ __device__ __noinline__ void row_cells_finish(uint32_t* r_bits, int64_t rows, ui
                                               CellIndex ci, const RowCellsFinish& fin, bool norm) {
   const float mean = block_row_max_mean(r_bits, rows, top, fin.mean_bits, fin.recip_n);
   finish_rows<scalar_t, kFinishKQuads>(r_bits, rows, mean, threadIdx.x, blockDim.x, true, G, cells, ci, fin, norm);
-  if (fin.fused) finish_fused_totals(fin, rows, G, cells, ci);
+  if (fin.fused) finish_fused_totals<1>(fin, rows, G, cells, ci);
 }
 
 // The ticket and the top zero again for the next launch on the stream, once the last block's
@@ -2576,7 +2638,7 @@ row_finish_grid_kernel(uint32_t* __restrict__ r_bits, uint32_t* __restrict__ ws,
   z.x = z.y = z.z = z.w = 0u;
   for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) reinterpret_cast<uint4*>(r_bits)[q] = z;
   for (int64_t i = 4 * quads + threadIdx.x; i < rows; i += blockDim.x) r_bits[i] = 0u;
-  if (fin.fused) finish_fused_totals(fin, rows, G, cells, ci);
+  if (fin.fused) finish_fused_totals<kTotalsInFlight>(fin, rows, G, cells, ci);
   reset_row_pass_ws(ws);
 }
 

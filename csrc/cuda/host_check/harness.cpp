@@ -1866,7 +1866,9 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
                     const RowExp* norm = nullptr) {
   std::vector<float> r(rows + 1, 7.0f), cells(rows * 2 * G + 1, 7.0f);
   std::vector<int8_t> k(rows + 1, int8_t(-99));
-  const int max_k = int(rng() % (max_row_k<scalar_t>() + 1));
+  // (over 2,000 rows the largest max_k: most rows then scaled, most chunks dirty, so the fused
+  // totals' dirty walk runs in every round of the large case; a random max_k is often 0)
+  const int max_k = rows > 2000 ? max_row_k<scalar_t>() : int(rng() % (max_row_k<scalar_t>() + 1));
   const CellIndex ci = slot_major ? CellIndex{1, rows} : CellIndex{2 * G, 1};
   const float* pm = norm != nullptr ? norm->mean.data() : nullptr;
   const float* ps = norm != nullptr ? norm->rstd.data() : nullptr;
@@ -1890,7 +1892,9 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     const EstimateArgs est{fc.est_a.data(), fc.est_b.data(), &fc.init, 0.9f, static_cast<float>(1.0 - 0.9), false,
                            fc.symmetric, true, fc.out_a.data(), fc.out_b.data()};
     RowCellsFinish fin = row_finish(k.data(), max_k, rows);
-    fin.on_grid = next_finish_on_grid();
+    // (over 2,000 rows each finish on one SM count, not by turn: the large case runs once a
+    // count, and the two finishes walk the fused totals with different numbers in flight)
+    fin.on_grid = rows > 2000 ? sms % 2 == 0 : next_finish_on_grid();
     if (fused) {  // (as observe_rows_cuda sets it up)
       fin.fused = true;
       fin.part_min = part_min;
@@ -1985,16 +1989,23 @@ int check_observe_rows(int64_t rows, int64_t D, int G, int sms) {
   scalar_t* xa = alloc<scalar_t>(rows * D, 0);
   scalar_t* xu = alloc<scalar_t>(rows * D, off);
   fill_rows(xa, rows, D);
-  if (rng() % 3 == 0) {
+  // (over 2,000 rows: the slot-major cells, the fused finish, every time, and rows of one scale
+  // with a small row in about half the chunks: the fused totals' walk over many rounds of
+  // partials, clean and dirty mixed, so that a partial read with another's flag is caught)
+  const bool big = rows > 2000;
+  if (big || rng() % 3 == 0) {
     // rows of one scale, one far below (DeiT3's class token): chunks of rows all with k = 0
     // beside one with a scaled row, the fused finish's two sources of group totals. The rows'
     // second halves are 1/64 of their first, the small row's the other way round, so that scaled
     // it holds the extremes of the groups there (the totals differ from its unscaled cells')
     std::normal_distribution<float> nd;
-    const int64_t small = rng() % rows;
+    std::vector<bool> small(rows, false);
+    small[rng() % rows] = true;
+    for (int64_t c = 0; big && c * kRowChunk < rows; ++c)
+      if (rng() % 2) small[std::min(rows - 1, c * kRowChunk + int64_t(rng() % kRowChunk))] = true;
     for (int64_t i = 0; i < rows * D; ++i) {
       const bool second = i % D >= D / 2;
-      const float f = i / D == small ? (second ? 0x1p-10f : 0x1p-16f) : (second ? 0x1p-6f : 1.0f);
+      const float f = small[i / D] ? (second ? 0x1p-10f : 0x1p-16f) : (second ? 0x1p-6f : 1.0f);
       xa[i] = static_cast<scalar_t>(nd(rng) * f);
     }
   }
@@ -2005,8 +2016,8 @@ int check_observe_rows(int64_t rows, int64_t D, int G, int sms) {
   add_row_norm(norm, xa, rows * D);
   // each call one of the two cell layouts (both are checked over the cases)
   if (D % G == 0 && ((D / G) * int64_t(sizeof(scalar_t))) % 16 == 0) {
-    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms, rng() % 2);
-    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms, rng() % 2, &norm);
+    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms, big || rng() % 2);
+    errs += check_row_cells<scalar_t, true>(xa, rows, D, G, sms, big || rng() % 2, &norm);
   }
   errs += check_row_cells<scalar_t, false>(xu, rows, D, G, sms, rng() % 2);
   errs += check_row_cells<scalar_t, false>(xu, rows, D, G, sms, rng() % 2, &norm);
@@ -2025,11 +2036,14 @@ int observe_rows_checks(int ncases) {
   // (600 / 300: computed in each pass); for the flat pass, segments of 6 / 3 chunks (144 / 6:
   // idle lanes) and of 60 / 30 (1200 / 5: further rounds, a partial one), 40 DeiT rows, 100 rows of
   // 16 floats a segment (the fused finish: several chunks of 32 rows), 1301 rows (the finish's
-  // walks over several rounds of quads of rows, then a last row on its own)
+  // walks over several rounds of quads of rows, then a last row on its own), 2085 rows of 16
+  // groups (the fused totals' walk: 66 chunks * 16 = 1,056 partials, over 4 a thread in flight
+  // at 256 threads, so a second round; a last chunk of 5 rows, not a whole number of the dirty
+  // walk's rounds of 4; 8 elements a segment: the flat pass, fused, in every dtype)
   const std::vector<std::tuple<int64_t, int64_t, int>> fixed = {
       {5, 384, 6}, {3, 1536, 6}, {4, 16, 1}, {3, 8, 8}, {6, 131, 4}, {7, 24, 5}, {2, 1100, 2}, {300, 64, 4},
       {4, 384, 12}, {3, 96, 3}, {2, 768, 2}, {2, 600, 300}, {3, 144, 6}, {2, 1200, 5}, {40, 384, 6}, {100, 64, 4},
-      {1301, 16, 2}};
+      {1301, 16, 2}, {2085, 128, 16}};
   // (flat-pass sub-warps of 1, 2, 4 and 8 lanes and 1, 2 and 4 chunks a lane across the dtypes)
   // (each layout with one dtype per SM count, rotating: the warp emulation is slow)
   int turn = 0;
