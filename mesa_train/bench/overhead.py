@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mesa_train.bench.report import _git, environment
+from mesa_train.bench.report import _git, environment, print_and_save
 from mesa_train.patch import patch_model
 
 # the transformer layers, then the convnets' (BatchNorm and below); each a C++ layer op in eager
@@ -366,11 +366,7 @@ def main(argv=None) -> int:
         table = compare(str(Path(__file__).resolve().parents[2]), args.baseline_tree, args.reps, args.rounds)
     else:
         table = measure(args.reps)
-    md = markdown(table, args.baseline_tree, args.reps, args.rounds, args.python_functions)
-    print(md)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(md)
+    print_and_save(markdown(table, args.baseline_tree, args.reps, args.rounds, args.python_functions), args.output)
     return 0
 
 

@@ -411,6 +411,15 @@ def index_text(root: Path) -> str:
             "| preset | device | date | table |\n|---|---|---|---|\n" + "\n".join(entries) + "\n")
 
 
+def print_and_save(text: str, output: str | None) -> None:
+    """A command's Markdown table: printed, and written to ``output`` when given (its folder
+    made)."""
+    print(text)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text)
+
+
 def relpath(path: Path, start: Path) -> str:
     return os.path.relpath(path, start).replace(os.sep, "/")
 

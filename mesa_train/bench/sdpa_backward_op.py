@@ -20,12 +20,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from mesa_train import quant
-from mesa_train.bench.report import environment
+from mesa_train.bench.report import environment, print_and_save
 from mesa_train.nn import sdpa_backward
 
 _PY_NAMESPACE = "mesa_pyref"
@@ -107,11 +106,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if quant.BACKEND != "extension":
         p.error(f"the compiled extension is not loaded ({quant.extension_error}): there is no C++ kernel to time")
-    md = markdown(compare(args.reps, args.rounds), args.reps, args.rounds)
-    print(md)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(md)
+    print_and_save(markdown(compare(args.reps, args.rounds), args.reps, args.rounds), args.output)
     return 0
 
 
