@@ -497,12 +497,16 @@ RowFinish row_finish_mode() {
   return mode;
 }
 
-bool row_finish_on_grid(cudaStream_t stream) {
-  const RowFinish mode = row_finish_mode();
-  if (mode != RowFinish::kAuto) return mode == RowFinish::kGrid;
+// Whether `stream` is being captured into a CUDA graph
+bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   return capture != cudaStreamCaptureStatusNone;
+}
+
+bool row_finish_on_grid(cudaStream_t stream) {
+  const RowFinish mode = row_finish_mode();
+  return mode == RowFinish::kAuto ? capturing(stream) : mode == RowFinish::kGrid;
 }
 
 // Blocks of kThreads threads of `kernel` that an SM of the current device holds at once
@@ -1528,10 +1532,8 @@ struct WsKey {
 
 at::Tensor workspace(const at::Tensor& like, int64_t params, cudaStream_t stream) {
   const int64_t need = kWsHeader + 2 * std::max<int64_t>(params, 1);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   auto opts = like.options().dtype(at::kInt);
-  if (capture != cudaStreamCaptureStatusNone) {
+  if (capturing(stream)) {
     at::Tensor ws = at::empty({need}, opts);
     C10_CUDA_CHECK(cudaMemsetAsync(ws.mutable_data_ptr(), 0, need * sizeof(int32_t), stream));
     return ws;

@@ -35,9 +35,7 @@ def python_op():
     """The Python kernel as an op of its own (registered once a process)."""
     if not hasattr(getattr(torch.ops, _PY_NAMESPACE), sdpa_backward._OP_NAME):
         lib = torch.library.Library(_PY_NAMESPACE, "DEF")
-        lib.define(sdpa_backward._SCHEMA)
-        lib.impl(sdpa_backward._OP_NAME, sdpa_backward._op_kernel, "CompositeExplicitAutograd")
-        lib.impl(sdpa_backward._OP_NAME, torch.library.fallthrough_kernel, "Autograd")
+        sdpa_backward.define_python_op(lib)
         _libs.append(lib)
     return getattr(getattr(torch.ops, _PY_NAMESPACE), sdpa_backward._OP_NAME).default
 

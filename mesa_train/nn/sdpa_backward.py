@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from mesa_train.nn.quantizer import Packed, decompress
 
-__all__ = ["attention", "build_window_mask", "capture_rng", "grads_through", "operand_group_dim",
+__all__ = ["attention", "build_window_mask", "capture_rng", "define_python_op", "grads_through", "operand_group_dim",
            "recompute_grads", "recompute_grads_compiled", "restore_operand"]
 
 _OP_NAME = "sdpa_recompute_backward"
@@ -173,6 +173,17 @@ def _op_fake(grad_out, q, k, v, attn_mask, window_mask, is_causal, scale, output
             for t, n in zip((q, k, v, attn_mask), output_mask) if n]
 
 
+def define_python_op(lib) -> None:
+    """The op, with the Python kernel, in ``lib``'s namespace (``mesa`` without the extension's
+    C++ kernel; the bench times it beside that one under a namespace of its own)."""
+    lib.define(_SCHEMA)
+    lib.impl(_OP_NAME, _op_kernel, "CompositeExplicitAutograd")
+    # The kernel runs autograd itself: the dispatcher must reach it with autograd still on (a
+    # fallthrough sets no below-autograd guard). Its results carry no graph: the op is a
+    # backward, never differentiated.
+    lib.impl(_OP_NAME, torch.library.fallthrough_kernel, "Autograd")
+
+
 def _register() -> None:
     """The op's fake kernel, and the op itself in Python where the extension lacks it (a build
     from before the C++ kernel, ``csrc/sdpa_autograd.cpp``, or none): the same steps, at about
@@ -181,12 +192,7 @@ def _register() -> None:
         return
     lib = torch.library.Library("mesa", "FRAGMENT")
     if not hasattr(torch.ops.mesa, _OP_NAME):
-        lib.define(_SCHEMA)
-        lib.impl(_OP_NAME, _op_kernel, "CompositeExplicitAutograd")
-        # The kernel runs autograd itself: the dispatcher must reach it with autograd still on
-        # (a fallthrough sets no below-autograd guard). Its results carry no graph: the op is a
-        # backward, never differentiated.
-        lib.impl(_OP_NAME, torch.library.fallthrough_kernel, "Autograd")
+        define_python_op(lib)
     torch.library.register_fake(f"mesa::{_OP_NAME}", _op_fake, lib=lib)
     _LIBS.append(lib)
     torch.ops.mesa._mesa_sdpa_backward_registered = True

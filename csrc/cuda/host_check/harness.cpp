@@ -1861,6 +1861,10 @@ int check_fused_finish(const FusedCase& before, const FusedCase& after, const Rn
 // normalized_value first, the cells then scaled in float32 (x_hat's dtype)
 // slot_major: the cells as observe_rows_cuda lays them out for shared statistics, (2, G, rows);
 // else per sample's (rows, 2, G)
+// The large fixed case of observe_rows (2,085 rows) is there for the fused totals' walk: over
+// this many rows its data, cell layout, max_k and finish are chosen for that, not at random
+bool large_row_case(int64_t rows) { return rows > 2000; }
+
 template <typename scalar_t, bool VEC>
 int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, bool slot_major,
                     const RowExp* norm = nullptr) {
@@ -1868,7 +1872,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
   std::vector<int8_t> k(rows + 1, int8_t(-99));
   // (over 2,000 rows the largest max_k: most rows then scaled, most chunks dirty, so the fused
   // totals' dirty walk runs in every round of the large case; a random max_k is often 0)
-  const int max_k = rows > 2000 ? max_row_k<scalar_t>() : int(rng() % (max_row_k<scalar_t>() + 1));
+  const int max_k = large_row_case(rows) ? max_row_k<scalar_t>() : int(rng() % (max_row_k<scalar_t>() + 1));
   const CellIndex ci = slot_major ? CellIndex{1, rows} : CellIndex{2 * G, 1};
   const float* pm = norm != nullptr ? norm->mean.data() : nullptr;
   const float* ps = norm != nullptr ? norm->rstd.data() : nullptr;
@@ -1894,7 +1898,7 @@ int check_row_cells(const scalar_t* x, int64_t rows, int64_t D, int G, int sms, 
     RowCellsFinish fin = row_finish(k.data(), max_k, rows);
     // (over 2,000 rows each finish on one SM count, not by turn: the large case runs once a
     // count, and the two finishes walk the fused totals with different numbers in flight)
-    fin.on_grid = rows > 2000 ? sms % 2 == 0 : next_finish_on_grid();
+    fin.on_grid = large_row_case(rows) ? sms % 2 == 0 : next_finish_on_grid();
     if (fused) {  // (as observe_rows_cuda sets it up)
       fin.fused = true;
       fin.part_min = part_min;
@@ -1992,7 +1996,7 @@ int check_observe_rows(int64_t rows, int64_t D, int G, int sms) {
   // (over 2,000 rows: the slot-major cells, the fused finish, every time, and rows of one scale
   // with a small row in about half the chunks: the fused totals' walk over many rounds of
   // partials, clean and dirty mixed, so that a partial read with another's flag is caught)
-  const bool big = rows > 2000;
+  const bool big = large_row_case(rows);
   if (big || rng() % 3 == 0) {
     // rows of one scale, one far below (DeiT3's class token): chunks of rows all with k = 0
     // beside one with a scaled row, the fused finish's two sources of group totals. The rows'
