@@ -138,6 +138,35 @@ __device__ __forceinline__ bool one_param(const KLayout<IdxT>& k, IdxT i0, IdxT 
   return V > 1 && k.min_run >= IdxT(V) && param_of(k, i0 + IdxT(V - 1)) == p0;
 }
 
+// Whether a step of V that crosses a parameter boundary meets exactly two runs: every run is
+// at least V long. Then its elements [0, at) have the first element's parameter p0 and [at, V)
+// the last one's (second_run_at). Else (runs shorter than a step: a channels-last per-channel
+// layout) each element takes its own parameter.
+template <typename IdxT, int V>
+__device__ __forceinline__ bool two_runs(const KLayout<IdxT>& k) {
+  return V > 1 && k.min_run >= IdxT(V);
+}
+
+// The first element of the second run of a step at i0 that meets two (two_runs, and the last
+// element's parameter is not p0), by bisection: log2(V) param_of where taking each element's
+// own made V - 1. Why: a layout whose runs are not whole steps (a conv's channel of 7 x 7 = 49
+// elements, per-channel groups: 15 of every 49 steps) spent those steps in V - 1 parameter
+// lookups and V fetches in turn (quantize of (128, 2048, 7, 7) bf16 took 2.8x clone's time on
+// the H200 where steps in one run take 1.0x; results/kernels/NVIDIA-H200.md)
+template <typename IdxT, int V>
+__device__ __forceinline__ int second_run_at(const KLayout<IdxT>& k, IdxT i0, IdxT p0) {
+  int lo = 0, hi = V - 1;  // param_of(i0 + lo) == p0, param_of(i0 + hi) != p0
+#pragma unroll
+  for (int span = 1; span < V; span *= 2) {
+    if (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (param_of(k, i0 + IdxT(mid)) == p0) lo = mid;
+      else hi = mid;
+    }
+  }
+  return hi;
+}
+
 // Where element i of x lies (mesa_common.h, "strided inputs"): i itself for contiguous x,
 // else from its index (c3, c2, c1, c0) in x's four StridedRows dims
 template <typename IdxT>
@@ -675,7 +704,15 @@ quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ q, const f
       pc.fetch<true>(alpha, beta, p0);
 #pragma unroll
       for (int e = 0; e < V; ++e) out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u[e]);
-    } else {  // the step crosses a group / sample boundary: per element
+    } else if (two_runs<IdxT, V>(k)) {  // the step crosses one boundary: [0, at) the first run's
+      const int at = second_run_at<IdxT, V>(k, i0, p0);
+      const IdxT p1 = param_of(k, i0 + IdxT(V - 1));
+#pragma unroll
+      for (int e = 0; e < V; ++e) {  // (element by element, as below: both runs' fetches live at once
+        pc.fetch<true>(alpha, beta, e < at ? p0 : p1);  // took the float32 kernel past 64 registers)
+        out[e] = quantize_code<STOCH>(xv[e], pc.beta, pc.scale, u[e]);
+      }
+    } else {  // runs shorter than a step: per element
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         pc.fetch<true>(alpha, beta, e == 0 ? p0 : param_of(k, i0 + IdxT(e)));
@@ -1805,6 +1842,12 @@ constexpr int kStepsInFlight = (V > 1 && V * int(sizeof(scalar_t)) < 64) ? 64 / 
 template <typename scalar_t, int V>
 constexpr int kObserveBlocks = kStepsInFlight<scalar_t, V> > 1 ? 4 : 0;
 
+// reduce_chunk's `code` for observe and group_minmax, which write no codes
+struct NoCodes {
+  template <typename IdxT>
+  __device__ __forceinline__ uint8_t operator()(float, float, IdxT) const { return 0; }
+};
+
 // Stage 1 of observe, group_minmax and quantize_observe: the chunk's per-parameter min/max
 // (of the row-scaled values) into t: shared window, then global totals. With `quant`, each
 // element is also coded by code(value, units, parameter) into q (quantize_observe: the same
@@ -1817,6 +1860,9 @@ __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uin
                                              const KRows<IdxT>& rows, const ReduceTarget& t, const bool quant,
                                              const KStrides<IdxT>& in, const RoundingKey& rk, Code&& code) {
   constexpr int P = kHashServes<STOCH, IdxT, V>;
+  // observe's reduction alone (no codes): steps that meet two runs take second_run_at (with codes,
+  // quantize_observe_kernel spilled 8 bytes)
+  constexpr bool kNoCodes = std::is_same_v<std::decay_t<Code>, NoCodes>;
   RunAcc r;
   // the step at i0 (its values xv, as loaded)
   auto take = [&](const IdxT i0, float (&xv)[V]) {
@@ -1836,7 +1882,21 @@ __device__ __forceinline__ void reduce_chunk(const scalar_t* __restrict__ x, uin
           for (int j = 0; j < P; ++j) out[e + j] = code(xv[e + j], u[j], p0);
         }
       }
-    } else {  // the step crosses a group / sample boundary: per element
+    } else if (kNoCodes && two_runs<IdxT, V>(k)) {  // one boundary in the step: [0, at) the first run's
+      const int at = second_run_at<IdxT, V>(k, i0, p0);
+      const IdxT p1 = param_of(k, i0 + IdxT(V - 1));
+#pragma unroll
+      for (int e = 0; e < V; e += P) {
+        float u[P];
+        if (quant) step_units<STOCH, IdxT, P>(rk, i0 + IdxT(e), u);
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+          const IdxT p = e + j < at ? p0 : p1;
+          t.add(r, p, xv[e + j], xv[e + j]);
+          if (quant) out[e + j] = code(xv[e + j], u[j], p);
+        }
+      }
+    } else {  // runs shorter than a step: per element
 #pragma unroll
       for (int e = 0; e < V; e += P) {
         float u[P];
@@ -1951,8 +2011,7 @@ observe_kernel(const scalar_t* __restrict__ x, const KLayout<IdxT> k, const IdxT
   for (int i = threadIdx.x; i < int(t.n); i += blockDim.x) s_min[i] = s_max[i] = 0u;
   __syncthreads();
   reduce_chunk<scalar_t, IdxT, V, kStepsInFlight<scalar_t, V>, false>(x, nullptr, k, numel, c, rows, t, false, in,
-                                                                       RoundingKey(0u, 0u),
-                                                                       [](float, float, IdxT) -> uint8_t { return 0; });
+                                                                       RoundingKey(0u, 0u), NoCodes{});
 
   // ---- stage 2: the last block to arrive finishes (threadfence + ticket)
   if (!last_block_to_arrive(ws, s_last)) return;

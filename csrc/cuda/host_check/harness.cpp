@@ -2241,6 +2241,9 @@ int fixed_layout_checks(bool quick) {
       {{7000, 3}, 1, 3},      {{40, 25}, 1, 5},        {{64, 64}, 1, 4},       {{7, 3000}, 0, 7},
       {{2, 2, 1030}, 2, 3},   {{1, 4097}, 1, 7},       {{40, 3, 3}, 0, 7},     {{16, 197, 96}, 2, 6},
       {{3, 1500}, 1, 1500},   {{2000, 2}, 0, 2},       {{0, 8}, 1, 2},         {{3, 0, 4}, 1, 2},
+      // a conv's last stages, per-channel: runs of 49 and 196 elements, so steps of 16 meet two
+      // (second_run_at), the first with more channels than observe's shared slots
+      {{2, 1100, 7, 7}, 1, 1100}, {{2, 24, 14, 14}, 1, 24},
   };
   constexpr int kSms[3] = {132, 3, 1};
   int fe = 0;
