@@ -50,7 +50,7 @@ def test_python_functions_compares_both_paths_of_every_layer_and_restores_the_sw
     assert seen and all(s == [True, False, True] for s in seen)
     assert len(calls) == 22  # StarReLU's op: 20 warm-up + 2 timed passes on the C++ path, none on the Python one
     assert quantizer_mod._FUSED_LAYERS is True
-    monkeypatch.setattr(overhead, "_cases", lambda: {"boom": (lambda: 1 / 0, None, lambda: ())})
+    monkeypatch.setattr(overhead, "_cases", lambda layers=None: {"boom": (lambda: 1 / 0, None, lambda: ())})
     with pytest.raises(ZeroDivisionError):
         overhead.compare_paths(1, 1)
     assert quantizer_mod._FUSED_LAYERS is True
@@ -59,3 +59,15 @@ def test_python_functions_compares_both_paths_of_every_layer_and_restores_the_sw
 def test_the_two_comparisons_are_one_at_a_time(tmp_path):
     with pytest.raises(SystemExit, match="two different comparisons: pick one"):
         overhead.main(["--python-functions", "--baseline-tree", str(tmp_path)])
+
+
+def test_layers_picks_rows_and_an_unknown_name_is_a_one_line_error(tmp_path, capsys):
+    """``--layers``: only the named rows (a whole ViT block among them); a name that is not a row
+    is refused with the valid names, before anything is measured."""
+    out = tmp_path / "some.md"
+    assert overhead.main(["--reps", "2", "--layers", "Linear,ViTBlock", "--output", str(out)]) == 0
+    rows = [line.split("|")[1].strip() for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert rows == ["layer", "Linear", "ViTBlock"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match=r"--layers 'Linear,Nope': unknown Nope; valid: Linear, GELU, .*ViTBlock"):
+        overhead.main(["--layers", "Linear,Nope"])

@@ -101,6 +101,10 @@ REDUCTION_LAYOUTS = [
     ((5, 33, 96), -1, 6),  # inner = 1 (channels last): one atomic pair per thread
     ((1, 1, 100000), -1, 7),  # one row, many columns
     ((100000, 2), -1, 2),  # many rows, two columns: many row chunks
+    # a conv's last stage per channel: runs of 49, so steps of 16 meet two (second_run_at), and
+    # more groups than observe's 1,024 shared slots (a window per chunk inside one sample)
+    ((8, 1100, 7, 7), 1, 1100),
+    ((4, 64, 14, 14), 1, 64),  # runs of 196
 ]
 
 

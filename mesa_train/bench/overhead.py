@@ -16,6 +16,11 @@ as the tests switch it: the Python ``autograd.Function`` the layer runs under ``
 and ran in eager mode before its op existed), and stock, timed in turn pass by pass. (A layer
 without a C++ layer op would run the same path twice, its ratio the run's noise: AvgPool2d read
 1.02x at a8ba8b1, before it had one; results/overhead/README.md, session 57.)
+
+The last two rows are a whole timm ViT ``Block`` (DeiT's), fused attention with the sdpa set and
+explicit attention with every transformer op: what Mesa adds per block, the figure by which an
+eager step's host time grows per block where the host sets the pace (the H200's eager DeiT-S
+rows were host-bound, stock's too). ``--layers Linear,ViTBlock`` measures only those rows.
 """
 from __future__ import annotations
 
@@ -40,7 +45,10 @@ LAYERS = ("Linear", "GELU", "LayerNorm", "RmsNorm", "Softmax", "MatMul", "Conv2d
           "Affine", "StarReLU", "Normalize", "GatedSiLU", "GatedProduct", "Einsum", "Amax",
           "Clamp", "OneHotTable",
           "BatchNorm2d", "ScaleBranch", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d",
-          "GroupNorm", "LayerNorm2d", "GlobalResponseNorm")
+          "GroupNorm", "LayerNorm2d", "GlobalResponseNorm",
+          # a whole timm ViT Block (DeiT's): what Mesa adds to one block, the figure an eager step's
+          # host time grows by per block where the host sets the pace (the H200's DeiT-S rows)
+          "ViTBlock", "ViTBlockExplicit")
 
 
 class _MatMul(nn.Module):
@@ -124,13 +132,33 @@ class _SDPA(nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
-def _cases():
+def _cases(layers=None):
     """{layer: (stock factory, converter, inputs factory)} for the layers this tree's
-    ``mesa_train.nn`` has (a baseline tree may predate some)."""
+    ``mesa_train.nn`` has (a baseline tree may predate some), or only ``layers`` of them."""
     import mesa_train.nn as M
 
-    cases = {**_transformer_cases(M), **_convnet_cases(M)}
-    return {name: case for name, case in cases.items() if case is not None}
+    cases = {**_transformer_cases(M), **_convnet_cases(M), **_block_cases()}
+    return {name: case for name, case in cases.items() if case is not None and (layers is None or name in layers)}
+
+
+def _block_cases():
+    """A timm ViT ``Block`` of width 8 and two heads, patched as DeiT is: fused attention with
+    the sdpa set, and explicit attention with every transformer op (the paper's setting)."""
+    from timm.models.vision_transformer import Block
+
+    def block(fused: bool):
+        def make():
+            b = Block(dim=8, num_heads=2)
+            b.attn.fused_attn = fused
+            return b
+        return make
+
+    x = lambda: (torch.randn(2, 4, 8),)  # noqa: E731
+    return {
+        "ViTBlock": (block(True), lambda s: patch_model(s, ops=["linear", "gelu", "layernorm", "sdpa"]), x),
+        "ViTBlockExplicit": (block(False), lambda s: patch_model(s, ops=["linear", "gelu", "layernorm", "matmul",
+                                                                         "softmax"], attention="explicit"), x),
+    }
 
 
 def _transformer_cases(M):
@@ -220,12 +248,12 @@ def _median_us(module: nn.Module, inputs, reps: int) -> float:
     return 1e6 * statistics.median(times)
 
 
-def measure(reps: int) -> dict[str, dict[str, float]]:
-    """{layer: {stock_us, mesa_us, added_us}} for this process's mesa_train."""
+def measure(reps: int, layers=None) -> dict[str, dict[str, float]]:
+    """{layer: {stock_us, mesa_us, added_us}} for this process's mesa_train (``layers``: only those)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     out = {}
-    for name, (make_stock, convert, inputs) in _cases().items():
+    for name, (make_stock, convert, inputs) in _cases(layers).items():
         stock = make_stock()
         mesa = convert(make_stock())
         xs = inputs()
@@ -235,12 +263,12 @@ def measure(reps: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _run_tree(tree: str, reps: int) -> dict:
+def _run_tree(tree: str, reps: int, layers=None) -> dict:
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
     # this file, loaded by path: `import mesa_train` inside it then resolves to `tree`
     code = ("import importlib.util, json; spec = importlib.util.spec_from_file_location('overhead', %r); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-            "print(json.dumps(m.measure(%d)))") % (str(Path(__file__).resolve()), reps)
+            "print(json.dumps(m.measure(%d, %r)))") % (str(Path(__file__).resolve()), reps, layers)
     proc = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True,
                           timeout=600)
     if proc.returncode != 0:
@@ -248,12 +276,12 @@ def _run_tree(tree: str, reps: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def compare(this_tree: str, baseline_tree: str, reps: int, rounds: int) -> dict[str, dict[str, float]]:
+def compare(this_tree: str, baseline_tree: str, reps: int, rounds: int, layers=None) -> dict[str, dict[str, float]]:
     """Alternate subprocess rounds between the two trees; median of each figure over rounds."""
     runs: dict[str, list[dict]] = {"this": [], "baseline": []}
     for _ in range(rounds):
-        runs["baseline"].append(_run_tree(baseline_tree, reps))
-        runs["this"].append(_run_tree(this_tree, reps))
+        runs["baseline"].append(_run_tree(baseline_tree, reps, layers))
+        runs["this"].append(_run_tree(this_tree, reps, layers))
     table = {}
     for name in LAYERS:
         if not all(name in r for results in runs.values() for r in results):
@@ -283,7 +311,7 @@ def _interleaved_us(runs, inputs, reps: int, set_fused) -> list[float]:
     return [1e6 * statistics.median(t) for t in times]
 
 
-def compare_paths(reps: int, rounds: int) -> dict[str, dict[str, float]]:
+def compare_paths(reps: int, rounds: int, layers=None) -> dict[str, dict[str, float]]:
     """Each layer on its Python Function and on its C++ layer op, with stock, pass by pass in
     this process (see the module doc); median of each figure over ``rounds``, in ``compare``'s
     row format (the Python Functions as the baseline)."""
@@ -299,7 +327,7 @@ def compare_paths(reps: int, rounds: int) -> dict[str, dict[str, float]]:
     samples: dict[str, list[list[float]]] = {}
     try:
         for _ in range(rounds):
-            for name, (make_stock, convert, inputs) in _cases().items():
+            for name, (make_stock, convert, inputs) in _cases(layers).items():
                 stock, mesa = make_stock(), convert(make_stock())
                 got = _interleaved_us([(stock, real), (mesa, False), (mesa, real)], inputs(), reps, set_fused)
                 samples.setdefault(name, []).append(got)
@@ -355,17 +383,25 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3,
                    help="alternating rounds with --baseline-tree or --python-functions (default 3)")
     p.add_argument("--output", help="also write the Markdown table here")
+    p.add_argument("--layers", help="only these rows, comma-separated (default: every layer)")
     args = p.parse_args(argv)
+    layers = None
+    if args.layers:
+        layers = [name.strip() for name in args.layers.split(",") if name.strip()]
+        unknown = [name for name in layers if name not in LAYERS]
+        if unknown or not layers:
+            raise SystemExit(f"error: --layers {args.layers!r}: unknown {', '.join(unknown) or '(none given)'}; "
+                             f"valid: {', '.join(LAYERS)}")
     if args.baseline_tree and args.python_functions:
         raise SystemExit("error: --baseline-tree and --python-functions are two different comparisons: pick one")
     if args.python_functions:
-        table = compare_paths(args.reps, args.rounds)
+        table = compare_paths(args.reps, args.rounds, layers)
     elif args.baseline_tree:
         if not (Path(args.baseline_tree) / "mesa_train").is_dir():
             raise SystemExit(f"error: --baseline-tree {args.baseline_tree} has no mesa_train package")
-        table = compare(str(Path(__file__).resolve().parents[2]), args.baseline_tree, args.reps, args.rounds)
+        table = compare(str(Path(__file__).resolve().parents[2]), args.baseline_tree, args.reps, args.rounds, layers)
     else:
-        table = measure(args.reps)
+        table = measure(args.reps, layers)
     print_and_save(markdown(table, args.baseline_tree, args.reps, args.rounds, args.python_functions), args.output)
     return 0
 
