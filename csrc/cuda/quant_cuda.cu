@@ -130,14 +130,6 @@ __device__ __forceinline__ IdxT param_of(const KLayout<IdxT>& k, IdxT i) {
   return g;
 }
 
-// Whether elements i0 .. i0 + V - 1 share one parameter index. Exact when every run of
-// one p is at least V long (min_run >= V): the window then meets at most two runs, and two
-// adjacent runs have different p.
-template <typename IdxT, int V>
-__device__ __forceinline__ bool one_param(const KLayout<IdxT>& k, IdxT i0, IdxT p0) {
-  return V > 1 && k.min_run >= IdxT(V) && param_of(k, i0 + IdxT(V - 1)) == p0;
-}
-
 // Whether a step of V that crosses a parameter boundary meets exactly two runs: every run is
 // at least V long. Then its elements [0, at) have the first element's parameter p0 and [at, V)
 // the last one's (second_run_at). Else (runs shorter than a step: a channels-last per-channel
@@ -145,6 +137,14 @@ __device__ __forceinline__ bool one_param(const KLayout<IdxT>& k, IdxT i0, IdxT 
 template <typename IdxT, int V>
 __device__ __forceinline__ bool two_runs(const KLayout<IdxT>& k) {
   return V > 1 && k.min_run >= IdxT(V);
+}
+
+// Whether elements i0 .. i0 + V - 1 share one parameter index. Exact when every run of
+// one p is at least V long (min_run >= V): the window then meets at most two runs, and two
+// adjacent runs have different p.
+template <typename IdxT, int V>
+__device__ __forceinline__ bool one_param(const KLayout<IdxT>& k, IdxT i0, IdxT p0) {
+  return two_runs<IdxT, V>(k) && param_of(k, i0 + IdxT(V - 1)) == p0;
 }
 
 // The first element of the second run of a step at i0 that meets two (two_runs, and the last

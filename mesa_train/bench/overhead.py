@@ -46,9 +46,7 @@ LAYERS = ("Linear", "GELU", "LayerNorm", "RmsNorm", "Softmax", "MatMul", "Conv2d
           "Clamp", "OneHotTable",
           "BatchNorm2d", "ScaleBranch", "ReLU", "SiLU", "Hardswish", "Hardsigmoid", "MaxPool2d", "AvgPool2d",
           "GroupNorm", "LayerNorm2d", "GlobalResponseNorm",
-          # a whole timm ViT Block (DeiT's): what Mesa adds to one block, the figure an eager step's
-          # host time grows by per block where the host sets the pace (the H200's DeiT-S rows)
-          "ViTBlock", "ViTBlockExplicit")
+          "ViTBlock", "ViTBlockExplicit")  # (a whole timm ViT Block: the module doc)
 
 
 class _MatMul(nn.Module):
