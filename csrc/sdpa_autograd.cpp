@@ -20,6 +20,8 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include "layers_common.h"
@@ -59,6 +61,61 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return at::scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, scale);
 }
 
+// The gradients of the recomputed attention `out` with respect to the wanted inputs by calling
+// its backward node directly, where that node is the whole graph back to them: out is its
+// output, each of its valid next edges leads to a wanted input's accumulator (one backend
+// node: flash, memory-efficient or cuDNN attention, the CPU flash kernel, when no padding,
+// cast or mask arithmetic requiring grad sits in between) and no outer graph task limits which
+// outputs a node computes (an outer torch.autograd.grad / backward(inputs=...) does: its
+// exec_info would tell this node, which it does not know, to compute nothing). The call is the
+// nested engine run's, node for node: the same apply on the same gradient with grad mode off,
+// then the engine's validate_outputs; what it skips is the run itself (a GraphTask, the walk
+// that fills its exec_info, the ready queue, the input buffers), which cost 16 of 31 us a call
+// on CPU (results/overhead/). nullopt: the caller runs autograd::grad.
+std::optional<variable_list> grads_by_node(const at::Tensor& out, const std::array<at::Tensor, 4>& inputs,
+                                           const std::array<bool, 4>& need, const at::Tensor& grad) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info != nullptr && !exec_info->empty()) return std::nullopt;
+  const auto& fn = out.grad_fn();  // (a shared_ptr in torch 2.11, an intrusive_ptr in 2.14)
+  if (!fn) return std::nullopt;
+  // which wanted input each of the node's outputs (its next edges) belongs to
+  std::vector<int> input_of(fn->num_outputs(), -1);
+  std::array<bool, 4> found{};
+  for (size_t j = 0; j < fn->num_outputs(); ++j) {
+    const torch::autograd::Edge& e = fn->next_edge(j);
+    if (!e.is_valid()) continue;
+    for (size_t i = 0; i < 4 && input_of[j] < 0; ++i) {
+      if (!need[i]) continue;
+      const auto acc = torch::autograd::impl::try_get_grad_accumulator(inputs[i]);
+      if (acc && acc.get() == e.function.get()) input_of[j] = static_cast<int>(i);
+    }
+    if (input_of[j] < 0) return std::nullopt;  // an edge into more graph: the engine walks it
+    found[input_of[j]] = true;
+  }
+  for (size_t i = 0; i < 4; ++i)
+    if (need[i] && !found[i]) return std::nullopt;
+  variable_list grads_in(fn->num_inputs());
+  grads_in.at(out.output_nr()) = grad;
+  variable_list got;
+  {
+    at::AutoGradMode grad_off(false);  // the engine runs a node with grad mode = create_graph (false)
+    got = (*fn)(std::move(grads_in));
+  }
+  torch::autograd::validate_outputs(fn->next_edges(), got, [](const std::string& msg) {
+    return "mesa: ScaledDotProductAttention backward: " + msg;
+  });
+  variable_list result;
+  for (size_t i = 0; i < 4; ++i) {
+    if (!need[i]) continue;
+    for (size_t j = 0; j < input_of.size(); ++j)
+      if (input_of[j] == static_cast<int>(i)) {
+        if (!got[j].defined()) return std::nullopt;  // (autograd::grad raises its own error)
+        result.push_back(got[j]);
+      }
+  }
+  return result;
+}
+
 // The gradients `need` asks for (of q, k, v, attn_mask: `inputs`, each requiring grad when
 // wanted) by recomputing the attention with grad mode on and running autograd through it: the
 // exact gradient of attention at the inputs, softmax statistics included. The caller sets the
@@ -76,7 +133,9 @@ variable_list grads_by_recompute(const std::array<at::Tensor, 4>& inputs, const 
   if (inputs[3].defined()) attn_mask = inputs[3];
   at::Tensor out =
       attention(inputs[0], inputs[1], inputs[2], window_mask_sum(attn_mask, window_mask, inputs[0]), is_causal, scale);
-  return torch::autograd::grad({out}, wanted, {grad_out.to(out.scalar_type())});
+  const at::Tensor grad = grad_out.to(out.scalar_type());
+  if (auto direct = grads_by_node(out, inputs, need, grad)) return std::move(*direct);
+  return torch::autograd::grad({out}, wanted, {grad});
 }
 
 // Saved tensors: codes, alpha, beta of q, k and v (in that order), then the two masks.

@@ -686,6 +686,101 @@ def test_fused_sdpa_runs_only_in_eager_training_without_dropout(monkeypatch):
     assert calls == [1, 1]
 
 
+def _sdpa_backward_nodes(run, node: str = "ScaledDotProductFlashAttentionForCpuBackward0") -> set[str]:
+    """The autograd events of the recomputed attention's backward ``node`` while ``run()`` runs:
+    its own record (``node``) and, where the engine ran it, the engine's
+    (``autograd::engine::evaluate_function: node``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return {e.name for e in prof.events() if e.name.endswith(node)}
+
+
+@pytest.mark.parametrize("mask,grads", [(m, ("q", "k", "v")) for m in SDPA_MASKS]
+                         + [(m, ("q", "k", "v", "mask")) for m in ("bias", "window", "scale")], ids=str)
+def test_fused_sdpa_backward_calls_the_attention_node_directly(mask, grads):
+    """mesa::sdpa_train's backward calls the recomputed attention's backend node itself
+    (grads_by_node, csrc/sdpa_autograd.cpp) under ``backward()``, and runs the nested engine
+    under ``torch.autograd.grad`` (whose exec_info a node outside its graph must not meet) or
+    where a mask needs a gradient (the math backend: more than one node). The gradients are
+    bitwise the same either way."""
+    q, k, v, kw = _sdpa_inputs(0, torch.float32, mask, True, grads)
+    wanted = [q, k, v] + ([kw["attn_mask"]] if "mask" in grads else [])
+    layer = mnn.ScaledDotProductAttention(num_groups=2)
+    start = {n: b.clone() for n, b in layer.state_dict().items()}
+    weight = torch.linspace(-1, 2, q.numel()).view(q.shape)
+    got = {}
+    for how in ("backward", "grad"):
+        layer.load_state_dict(start)  # (the same estimates and rounding for both)
+        for t in wanted:
+            t.grad = None
+
+        def run():
+            loss = (layer(q, k, v, **kw) * weight).sum()
+            if how == "backward":
+                loss.backward()
+                got[how] = [t.grad for t in wanted]
+            else:
+                got[how] = torch.autograd.grad(loss, wanted)
+
+        nodes = _sdpa_backward_nodes(run)
+        if "mask" not in grads:  # one CPU flash node: called directly under backward() only
+            engine = "autograd::engine::evaluate_function: ScaledDotProductFlashAttentionForCpuBackward0"
+            assert nodes and (engine in nodes) == (how == "grad"), (how, nodes)
+        else:
+            assert not nodes, nodes  # (the math backend)
+    for a, b in zip(got["backward"], got["grad"], strict=True):
+        assert a is not None and torch.equal(a, b)
+
+
+# the CUDA backends the recomputation can take, with the backward node each records
+SDPA_CUDA_BACKENDS = {"FLASH_ATTENTION": "ScaledDotProductFlashAttentionBackward0",
+                      "EFFICIENT_ATTENTION": "ScaledDotProductEfficientAttentionBackward0",
+                      "CUDNN_ATTENTION": "ScaledDotProductCudnnAttentionBackward0"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", sorted(SDPA_CUDA_BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_sdpa_backward_calls_the_cuda_attention_node_directly(backend, dtype):
+    """On each CUDA backend (DeiT-S's head shape, 64): under ``backward()`` the backward calls the
+    backend's node itself (no engine event for it), under ``torch.autograd.grad`` the engine
+    runs it, and q, k, v's gradients are bitwise the same (grads_by_node, csrc/sdpa_autograd.cpp)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 6, 197, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    layer = mnn.ScaledDotProductAttention().cuda()
+    start = {n: b.clone() for n, b in layer.state_dict().items()}
+    weight = torch.randn(q.shape, device="cuda", dtype=dtype)
+    node, got = SDPA_CUDA_BACKENDS[backend], {}
+    for how in ("backward", "grad"):
+        layer.load_state_dict(start)
+        for t in (q, k, v):
+            t.grad = None
+
+        def run():
+            loss = (layer(q, k, v) * weight).float().sum()
+            if how == "backward":
+                loss.backward()
+                got[how] = [t.grad for t in (q, k, v)]
+            else:
+                got[how] = torch.autograd.grad(loss, (q, k, v))
+            torch.cuda.synchronize()
+
+        try:
+            with sdpa_kernel([getattr(SDPBackend, backend)]):  # (the recomputation in backward too)
+                nodes = _sdpa_backward_nodes(run, node)
+        except RuntimeError as e:  # a backend this GPU or build lacks
+            pytest.skip(f"{backend}: {str(e).splitlines()[0]}")
+        engine = "autograd::engine::evaluate_function: " + node
+        assert nodes and (engine in nodes) == (how == "grad"), (how, nodes)
+    for a, b in zip(got["backward"], got["grad"], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name", ["deit", "swin", "pvt"])
 @pytest.mark.parametrize("ops,options", [(("sdpa",), {}), (("sdpa",), dict(bits=4)), (("all",), dict(bits=4)),
                                          (("matmul", "softmax"), dict(bits=2, scale="pow2"))], ids=str)

@@ -19,7 +19,7 @@ from .quantizer import ActivationQuantizer, Packed, QuantOptions
 from .tracing import refuse_fx_proxy, refuse_script
 
 __all__ = ["MesaLayer", "save", "load", "no_autocast", "group_dim_4d", "grad_to", "is_channels_last", "nhwc_view",
-           "from_nhwc"]
+           "from_nhwc", "active_with_params"]
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -150,6 +150,14 @@ def needs_grad(*tensors) -> bool:
     return False
 
 
+def active_with_params(layer, x: torch.Tensor) -> bool:
+    """``layer._mesa_active(x, layer.weight, layer.bias)``, reading the parameters only when
+    ``x`` needs no gradient (in training it almost always does): each read is a
+    ``nn.Module.__getattr__``, a slow path, and the fused pairs' checks ask this of two layers
+    a call (``can_fuse_norm``, ``can_fuse``)."""
+    return layer._mesa_active(x) or layer._mesa_active(x, layer.weight, layer.bias)
+
+
 # ----------------------------------------------------------------------------- layer mixin
 class MesaLayer:
     """Mixin for the Mesa layers: options, quantizers, repr, train/eval dispatch."""
@@ -196,9 +204,16 @@ class MesaLayer:
         return [getattr(self, n) for n in self._quantizer_names]
 
     def _mesa_active(self, *tensors) -> bool:
-        """True when this call must compress (training, enabled, and a gradient is needed)."""
-        refuse_fx_proxy(self, tensors)  # never a silently stock torch.fx graph (nn/tracing.py)
-        return self.training and self._mesa_options.enabled and needs_grad(*tensors)
+        """True when this call must compress (training, enabled, and a gradient is needed).
+        Every Mesa layer asks this at every call: one pass over ``tensors`` does both the
+        gradient test and the torch.fx guard (was two, ``refuse_fx_proxy`` then ``needs_grad``)."""
+        grad = False
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                grad = grad or t.requires_grad
+            elif isinstance(t, torch.fx.Proxy):
+                refuse_fx_proxy(self, (t,))  # never a silently stock torch.fx graph (nn/tracing.py)
+        return grad and self.training and self._mesa_options.enabled and torch.is_grad_enabled()
 
     def __prepare_scriptable__(self):  # torch.jit.script: a clear error (nn/tracing.py)
         refuse_script(self)

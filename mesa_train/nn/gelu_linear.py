@@ -33,7 +33,7 @@ import mesa_train.quant  # noqa: F401  (registers torch.ops.mesa.gelu_backward /
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 
 from . import quantizer as quantizer_mod
-from ._common import autocast_input, load, no_autocast, save
+from ._common import active_with_params, autocast_input, load, no_autocast, save
 from .gelu import GELU
 from .linear import Linear, linear_grads, not_a_view, save_linear_dtypes
 from .quantizer import same_options
@@ -119,14 +119,15 @@ def can_fuse(act: nn.Module, drop: nn.Module, norm: Optional[nn.Module], fc2: nn
         return False
     return (type(act) is GELU and type(fc2) is Linear and (norm is None or type(norm) is nn.Identity)
             and _dropout_is_identity(drop) and same_options(act.quant_options, fc2.quant_options)
-            and act._mesa_active(h) and fc2._mesa_active(h, fc2.weight, fc2.bias))
+            and act._mesa_active(h) and active_with_params(fc2, h))
 
 
 def gelu_linear(h: torch.Tensor, act: GELU, fc2: Linear) -> torch.Tensor:
     """``fc2(act(h))`` keeping one 8-bit copy of ``h`` (made by ``act``'s quantizer, whose
     running estimates track ``h``) for both backward passes. Call where :func:`can_fuse`."""
-    fused = act.quantizer.fused_layer_args(h) if _OP else None
+    quantizer = act.quantizer
+    fused = quantizer.fused_layer_args(h) if _OP else None
     if fused is not None:  # eager, a channel format: one C++ op with a C++ autograd node
         return torch.ops.mesa.gelu_linear_train(h, fc2.weight, fc2.bias, *fused, act.approximate,
-                                                act.quantizer.options.row_scale)
-    return _GeluLinearFn.apply(h, act.approximate, fc2.weight, fc2.bias, act.quantizer)
+                                                quantizer.options.row_scale)
+    return _GeluLinearFn.apply(h, act.approximate, fc2.weight, fc2.bias, quantizer)

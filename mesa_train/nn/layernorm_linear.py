@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 from mesa_train.memory import INPUT_AGNOSTIC_HOOK
 
 from . import quantizer as quantizer_mod
-from ._common import autocast_input, load, no_autocast, save
+from ._common import active_with_params, autocast_input, load, no_autocast, save
 from .layernorm import LayerNorm, layer_norm_forward, layer_norm_grads, ln_backward_from_codes
 from .linear import Linear, linear_grads, not_a_view, save_linear_dtypes
 from .quantizer import decompress, same_options
@@ -145,6 +145,8 @@ def plain_call(m: nn.Module) -> bool:
     track which module runs)."""
     if m._backward_hooks or m._backward_pre_hooks:
         return False
+    if not m._forward_pre_hooks and not m._forward_hooks:
+        return True  # (the common case, asked a few times a block: no tuple of hooks built)
     hooks = (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
     return all(getattr(h, INPUT_AGNOSTIC_HOOK, False) for h in hooks)
 
@@ -165,17 +167,18 @@ def can_fuse_norm(norm: nn.Module, fc: nn.Module, x: torch.Tensor) -> bool:
     if isinstance(x, torch.fx.Proxy):
         return False
     return (norm_pair_fits(norm, fc) and plain_call(norm) and plain_call(fc)
-            and norm._mesa_active(x, norm.weight, norm.bias) and fc._mesa_active(x, fc.weight, fc.bias))
+            and active_with_params(norm, x) and active_with_params(fc, x))
 
 
 def layernorm_linear(x: torch.Tensor, norm: LayerNorm, fc: Linear) -> torch.Tensor:
     """``fc(norm(x))`` keeping one 8-bit copy, the norm's ``x_hat`` (made by ``norm``'s
     quantizer), for both backward passes. Call where :func:`can_fuse_norm`."""
-    fused = norm.quantizer.fused_layer_args(x) if _OP else None
+    quantizer = norm.quantizer
+    fused = quantizer.fused_layer_args(x) if _OP else None
     if fused is not None:  # eager, a channel format: one C++ op with a C++ autograd node
         return torch.ops.mesa.layer_norm_linear_train(x, list(norm.normalized_shape), norm.weight, norm.bias, norm.eps,
-                                                      fc.weight, fc.bias, *fused, norm.quantizer.options.row_scale)
-    return _LayerNormLinearFn.apply(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps, norm.quantizer,
+                                                      fc.weight, fc.bias, *fused, quantizer.options.row_scale)
+    return _LayerNormLinearFn.apply(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps, quantizer,
                                     fc.weight, fc.bias)
 
 

@@ -99,13 +99,15 @@ class Linear(MesaLayer, nn.Linear):
         """``call_bias``: a bias given at call time instead of ``self.bias`` (BEiT's and
         SwinV2's ``F.linear(x, self.qkv.weight, cat(q_bias, 0, v_bias))``, routed here by the
         generic attention so that the qkv input is compressed and attributed to this layer)."""
-        bias = self.bias if call_bias is _OWN else call_bias
-        if not self._mesa_active(input, self.weight, bias):
-            return F.linear(input, self.weight, bias)
-        fused = self.quantizer.fused_layer_args(input)
+        # (each read once: a read is nn.Module.__getattr__, a slow path)
+        weight, bias = self.weight, self.bias if call_bias is _OWN else call_bias
+        if not self._mesa_active(input, weight, bias):
+            return F.linear(input, weight, bias)
+        quantizer = self.quantizer
+        fused = quantizer.fused_layer_args(input)
         if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
-            return torch.ops.mesa.linear_train(input, self.weight, bias, *fused, self.quantizer.options.row_scale)
-        return _LinearFn.apply(input, self.weight, bias, self.quantizer)
+            return torch.ops.mesa.linear_train(input, weight, bias, *fused, quantizer.options.row_scale)
+        return _LinearFn.apply(input, weight, bias, quantizer)
 
     def extra_repr(self) -> str:
         return f"{nn.Linear.extra_repr(self)}, {self._mesa_repr()}"

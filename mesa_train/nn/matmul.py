@@ -213,10 +213,14 @@ def _fused_args(shared: Optional[Packed], quantizer, t: torch.Tensor):
     return None if fused is None else (s + fused, fmt)
 
 
+def _kind(shared, quantizer, needed: bool) -> str | None:
+    return None if not needed else "shared" if shared is not None else "int8" if quantizer is not None else "full"
+
+
 def _kinds(a, b, sa, sb, qa, qb) -> tuple:
-    """What each operand keeps (``last_saved``), as ``_MatMulFn`` records it."""
-    return tuple(None if not needed else "shared" if s is not None else "int8" if q is not None else "full"
-                 for s, q, needed in ((sa, qa, b.requires_grad), (sb, qb, a.requires_grad)))
+    """What each operand keeps (``last_saved``), as ``_MatMulFn`` records it (a pair, not a
+    generator: this runs at every eager call)."""
+    return _kind(sa, qa, b.requires_grad), _kind(sb, qb, a.requires_grad)
 
 
 def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None):

@@ -172,14 +172,15 @@ class Softmax(MesaLayer, nn.Softmax):
         if dim is None:
             dim = F._get_softmax_dim("softmax", input.dim(), 5)  # same implicit choice and warning
         dim = dim % input.dim() if input.dim() else 0
-        fused = self.quantizer.fused_layer_args(input)
+        quantizer = self.quantizer  # (read once: nn.Module.__getattr__ is a slow path)
+        fused = quantizer.fused_layer_args(input)
         if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
             y, q, alpha, beta = torch.ops.mesa.softmax_train(input, dim, *fused, out_dtype)
-            packed = Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1], self.quantizer.format_of(y))
+            packed = Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1], quantizer.format_of(y))
             sharing.offer(y, packed)
             return y, packed
-        y, q, alpha, beta = _SoftmaxFn.apply(input, dim, self.quantizer, out_dtype)
-        return y, Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1], self.quantizer.format_of(y))
+        y, q, alpha, beta = _SoftmaxFn.apply(input, dim, quantizer, out_dtype)
+        return y, Packed(q, alpha, beta, group_dim_4d(y) % y.dim(), alpha.shape[1], quantizer.format_of(y))
 
     def extra_repr(self) -> str:
         return f"{nn.Softmax.extra_repr(self)}, {self._mesa_repr()}"

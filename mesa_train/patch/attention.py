@@ -137,15 +137,15 @@ class MesaViTAttention(_TimmAttention):
     ) -> torch.Tensor:
         """``pre_norm``: ``x`` is the block's input before its norm (``patch/block.py``), and
         ``qkv(pre_norm(x))`` keeps one 8-bit copy where it can (``can_fuse_norm``)."""
-        path = self.mesa_attn_path
+        path, qkv_layer = self.mesa_attn_path, self.qkv  # (qkv read once: nn.Module.__getattr__ is slow)
         if pre_norm is not None and (path == "stock" or self.gate is not None
-                                     or not can_fuse_norm(pre_norm, self.qkv, x)):
+                                     or not can_fuse_norm(pre_norm, qkv_layer, x)):
             x, pre_norm = pre_norm(x), None  # the stock order: the norm, then this module
         if path == "stock":
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, C = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = layernorm_linear(x, pre_norm, self.qkv) if pre_norm is not None else self.qkv(x)
+        qkv = layernorm_linear(x, pre_norm, qkv_layer) if pre_norm is not None else qkv_layer(x)
         qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)

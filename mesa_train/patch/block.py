@@ -55,10 +55,11 @@ class MesaViTBlock(NormSharingBlock, _Block):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        if self.mesa_norm_shared and type(self.attn) is MesaViTAttention and plain_call(self.attn):
-            y = self.attn(x, attn_mask=attn_mask, is_causal=is_causal, pre_norm=self.norm1)
+        attn = self.attn  # (once: each read is nn.Module.__getattr__, a slow path)
+        if self.mesa_norm_shared and type(attn) is MesaViTAttention and plain_call(attn):
+            y = attn(x, attn_mask=attn_mask, is_causal=is_causal, pre_norm=self.norm1)
         else:
-            y = self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)
+            y = attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(mlp_after_norm(self, x)))
         return x

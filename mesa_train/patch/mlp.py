@@ -39,9 +39,10 @@ MLP_COPIES = ("shared", "separate")
 def _act_to_fc2(mlp, h: torch.Tensor, drop, norm=None) -> torch.Tensor:
     """``mlp.fc2(norm(drop(mlp.act(h))))``: one Function keeping one copy of ``h`` where it
     can (``can_fuse``; ``mesa_shared = False`` on the instance: never), else the stock lines."""
-    if getattr(mlp, "mesa_shared", True) and can_fuse(mlp.act, drop, norm, mlp.fc2, h):
-        return gelu_linear(h, mlp.act, mlp.fc2)
-    return _norm_to_fc2(mlp, drop(mlp.act(h)), norm)
+    act, fc2 = mlp.act, mlp.fc2  # (once: each read is nn.Module.__getattr__, a slow path)
+    if getattr(mlp, "mesa_shared", True) and can_fuse(act, drop, norm, fc2, h):
+        return gelu_linear(h, act, fc2)
+    return _norm_to_fc2(mlp, drop(act(h)), norm)
 
 
 def _norm_to_fc2(mlp, h: torch.Tensor, norm: Optional[nn.Module]) -> torch.Tensor:

@@ -37,7 +37,7 @@ class NormSharingBlock:
 def mlp_after_norm(block: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
     """``block.mlp(norm(x), *args)`` (``norm``: the block's ``mesa_mlp_norm``), fc1 taking the
     norm's copy where it can (the MLP checks ``can_fuse_norm`` at every call)."""
-    norm = getattr(block, block.mesa_mlp_norm)
-    if block.mesa_norm_shared and type(block.mlp) in NORM_MLPS and plain_call(block.mlp):
-        return block.mlp(x, *args, pre_norm=norm)
-    return block.mlp(norm(x), *args)
+    norm, mlp = getattr(block, block.mesa_mlp_norm), block.mlp
+    if block.mesa_norm_shared and type(mlp) in NORM_MLPS and plain_call(mlp):
+        return mlp(x, *args, pre_norm=norm)
+    return mlp(norm(x), *args)
