@@ -20,6 +20,7 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
@@ -65,17 +66,19 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // its backward node directly, where that node is the whole graph back to them: out is its
 // output, each of its valid next edges leads to a wanted input's accumulator (one backend
 // node: flash, memory-efficient or cuDNN attention, the CPU flash kernel, when no padding,
-// cast or mask arithmetic requiring grad sits in between) and no outer graph task limits which
+// cast or mask arithmetic requiring grad sits in between), no outer graph task limits which
 // outputs a node computes (an outer torch.autograd.grad / backward(inputs=...) does: its
-// exec_info would tell this node, which it does not know, to compute nothing). The call is the
-// nested engine run's, node for node: the same apply on the same gradient with grad mode off,
-// then the engine's validate_outputs; what it skips is the run itself (a GraphTask, the walk
-// that fills its exec_info, the ready queue, the input buffers), which cost 16 of 31 us a call
-// on CPU (results/overhead/). nullopt: the caller runs autograd::grad.
+// exec_info would tell this node, which it does not know, to compute nothing) and anomaly mode
+// is off (the engine's NaN check of each node's outputs). The call is the nested engine run's,
+// node for node: the same apply on the same gradient with grad mode off, then the engine's
+// validate_outputs; what it skips is the run itself (a GraphTask, the walk that fills its
+// exec_info, the ready queue, the input buffers): the SDPA layer's Mesa-added host time 54 -> 44
+// us a call on CPU (results/overhead/cpu-vs-2ae6e99.md). nullopt: the caller runs autograd::grad.
 std::optional<variable_list> grads_by_node(const at::Tensor& out, const std::array<at::Tensor, 4>& inputs,
                                            const std::array<bool, 4>& need, const at::Tensor& grad) {
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   if (exec_info != nullptr && !exec_info->empty()) return std::nullopt;
+  if (torch::autograd::AnomalyMode::is_enabled()) return std::nullopt;
   const auto& fn = out.grad_fn();  // (a shared_ptr in torch 2.11, an intrusive_ptr in 2.14)
   if (!fn) return std::nullopt;
   // which wanted input each of the node's outputs (its next edges) belongs to

@@ -702,36 +702,38 @@ def _sdpa_backward_nodes(run, node: str = "ScaledDotProductFlashAttentionForCpuB
 def test_fused_sdpa_backward_calls_the_attention_node_directly(mask, grads):
     """mesa::sdpa_train's backward calls the recomputed attention's backend node itself
     (grads_by_node, csrc/sdpa_autograd.cpp) under ``backward()``, and runs the nested engine
-    under ``torch.autograd.grad`` (whose exec_info a node outside its graph must not meet) or
-    where a mask needs a gradient (the math backend: more than one node). The gradients are
-    bitwise the same either way."""
+    under ``torch.autograd.grad`` (whose exec_info a node outside its graph must not meet), in
+    anomaly mode (the engine's NaN check of the node) or where a mask needs a gradient (the math
+    backend: more than one node). The gradients are bitwise the same every way."""
     q, k, v, kw = _sdpa_inputs(0, torch.float32, mask, True, grads)
     wanted = [q, k, v] + ([kw["attn_mask"]] if "mask" in grads else [])
     layer = mnn.ScaledDotProductAttention(num_groups=2)
     start = {n: b.clone() for n, b in layer.state_dict().items()}
     weight = torch.linspace(-1, 2, q.numel()).view(q.shape)
     got = {}
-    for how in ("backward", "grad"):
-        layer.load_state_dict(start)  # (the same estimates and rounding for both)
+    for how in ("backward", "grad", "anomaly"):
+        layer.load_state_dict(start)  # (the same estimates and rounding for each)
         for t in wanted:
             t.grad = None
 
         def run():
             loss = (layer(q, k, v, **kw) * weight).sum()
-            if how == "backward":
-                loss.backward()
-                got[how] = [t.grad for t in wanted]
-            else:
+            if how == "grad":
                 got[how] = torch.autograd.grad(loss, wanted)
+                return
+            with torch.autograd.set_detect_anomaly(how == "anomaly"):
+                loss.backward()
+            got[how] = [t.grad for t in wanted]
 
         nodes = _sdpa_backward_nodes(run)
         if "mask" not in grads:  # one CPU flash node: called directly under backward() only
             engine = "autograd::engine::evaluate_function: ScaledDotProductFlashAttentionForCpuBackward0"
-            assert nodes and (engine in nodes) == (how == "grad"), (how, nodes)
+            assert nodes and (engine in nodes) == (how != "backward"), (how, nodes)
         else:
             assert not nodes, nodes  # (the math backend)
-    for a, b in zip(got["backward"], got["grad"], strict=True):
-        assert a is not None and torch.equal(a, b)
+    for how in ("grad", "anomaly"):
+        for a, b in zip(got["backward"], got[how], strict=True):
+            assert a is not None and torch.equal(a, b), how
 
 
 # the CUDA backends the recomputation can take, with the backward node each records

@@ -206,7 +206,7 @@ class MesaLayer:
     def _mesa_active(self, *tensors) -> bool:
         """True when this call must compress (training, enabled, and a gradient is needed).
         Every Mesa layer asks this at every call: one pass over ``tensors`` does both the
-        gradient test and the torch.fx guard (was two, ``refuse_fx_proxy`` then ``needs_grad``)."""
+        gradient test and the torch.fx guard."""
         grad = False
         for t in tensors:
             if isinstance(t, torch.Tensor):
