@@ -27,6 +27,7 @@
 
 #include "layers_common.h"
 
+#include <algorithm>
 #include <array>
 #include <optional>
 #include <string>
@@ -81,22 +82,20 @@ std::optional<variable_list> grads_by_node(const at::Tensor& out, const std::arr
   if (torch::autograd::AnomalyMode::is_enabled()) return std::nullopt;
   const auto& fn = out.grad_fn();  // (a shared_ptr in torch 2.11, an intrusive_ptr in 2.14)
   if (!fn) return std::nullopt;
-  // which wanted input each of the node's outputs (its next edges) belongs to
-  std::vector<int> input_of(fn->num_outputs(), -1);
-  std::array<bool, 4> found{};
+  // each wanted input's accumulator, and the node's output (its next edge) that reaches it
+  std::array<torch::autograd::Node*, 4> acc{};
+  for (size_t i = 0; i < 4; ++i)
+    if (need[i]) acc[i] = torch::autograd::impl::try_get_grad_accumulator(inputs[i]).get();
+  std::array<int64_t, 4> edge_of{-1, -1, -1, -1};
   for (size_t j = 0; j < fn->num_outputs(); ++j) {
     const torch::autograd::Edge& e = fn->next_edge(j);
     if (!e.is_valid()) continue;
-    for (size_t i = 0; i < 4 && input_of[j] < 0; ++i) {
-      if (!need[i]) continue;
-      const auto acc = torch::autograd::impl::try_get_grad_accumulator(inputs[i]);
-      if (acc && acc.get() == e.function.get()) input_of[j] = static_cast<int>(i);
-    }
-    if (input_of[j] < 0) return std::nullopt;  // an edge into more graph: the engine walks it
-    found[input_of[j]] = true;
+    const auto hit = std::find(acc.begin(), acc.end(), e.function.get());  // (a valid edge's is not null)
+    if (hit == acc.end()) return std::nullopt;  // an edge into more graph: the engine walks it
+    edge_of[hit - acc.begin()] = static_cast<int64_t>(j);
   }
   for (size_t i = 0; i < 4; ++i)
-    if (need[i] && !found[i]) return std::nullopt;
+    if (need[i] && edge_of[i] < 0) return std::nullopt;
   variable_list grads_in(fn->num_inputs());
   grads_in.at(out.output_nr()) = grad;
   variable_list got;
@@ -110,11 +109,8 @@ std::optional<variable_list> grads_by_node(const at::Tensor& out, const std::arr
   variable_list result;
   for (size_t i = 0; i < 4; ++i) {
     if (!need[i]) continue;
-    for (size_t j = 0; j < input_of.size(); ++j)
-      if (input_of[j] == static_cast<int>(i)) {
-        if (!got[j].defined()) return std::nullopt;  // (autograd::grad raises its own error)
-        result.push_back(got[j]);
-      }
+    if (!got[edge_of[i]].defined()) return std::nullopt;  // (autograd::grad raises its own error)
+    result.push_back(got[edge_of[i]]);
   }
   return result;
 }

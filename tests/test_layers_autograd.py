@@ -686,15 +686,32 @@ def test_fused_sdpa_runs_only_in_eager_training_without_dropout(monkeypatch):
     assert calls == [1, 1]
 
 
-def _sdpa_backward_nodes(run, node: str = "ScaledDotProductFlashAttentionForCpuBackward0") -> set[str]:
-    """The autograd events of the recomputed attention's backward ``node`` while ``run()`` runs:
-    its own record (``node``) and, where the engine ran it, the engine's
-    (``autograd::engine::evaluate_function: node``)."""
+_ENGINE = "autograd::engine::evaluate_function: "  # (the engine's event around each node it runs)
+
+
+def _sdpa_backward_ways(layer, loss_of, wanted, node: str, ways=("backward", "grad", "anomaly")) -> dict:
+    """``{way: (gradients of wanted, events)}`` for each way of running backward from the same
+    estimates and rounding: ``backward()``, ``torch.autograd.grad``, ``backward()`` in anomaly
+    mode. ``events``: the autograd events of the recomputed attention's backward ``node``, its
+    own record and, where the engine ran it, the engine's (``_ENGINE + node``)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run()
-    return {e.name for e in prof.events() if e.name.endswith(node)}
+    start = {n: b.clone() for n, b in layer.state_dict().items()}
+    out = {}
+    for way in ways:
+        layer.load_state_dict(start)
+        for t in wanted:
+            t.grad = None
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss = loss_of()
+            if way == "grad":
+                grads = torch.autograd.grad(loss, wanted)
+            else:
+                with torch.autograd.set_detect_anomaly(way == "anomaly"):
+                    loss.backward()
+                grads = [t.grad for t in wanted]
+        out[way] = (grads, {e.name for e in prof.events() if e.name.endswith(node)})
+    return out
 
 
 @pytest.mark.parametrize("mask,grads", [(m, ("q", "k", "v")) for m in SDPA_MASKS]
@@ -706,34 +723,18 @@ def test_fused_sdpa_backward_calls_the_attention_node_directly(mask, grads):
     anomaly mode (the engine's NaN check of the node) or where a mask needs a gradient (the math
     backend: more than one node). The gradients are bitwise the same every way."""
     q, k, v, kw = _sdpa_inputs(0, torch.float32, mask, True, grads)
-    wanted = [q, k, v] + ([kw["attn_mask"]] if "mask" in grads else [])
     layer = mnn.ScaledDotProductAttention(num_groups=2)
-    start = {n: b.clone() for n, b in layer.state_dict().items()}
     weight = torch.linspace(-1, 2, q.numel()).view(q.shape)
-    got = {}
-    for how in ("backward", "grad", "anomaly"):
-        layer.load_state_dict(start)  # (the same estimates and rounding for each)
-        for t in wanted:
-            t.grad = None
-
-        def run():
-            loss = (layer(q, k, v, **kw) * weight).sum()
-            if how == "grad":
-                got[how] = torch.autograd.grad(loss, wanted)
-                return
-            with torch.autograd.set_detect_anomaly(how == "anomaly"):
-                loss.backward()
-            got[how] = [t.grad for t in wanted]
-
-        nodes = _sdpa_backward_nodes(run)
+    node = "ScaledDotProductFlashAttentionForCpuBackward0"
+    got = _sdpa_backward_ways(layer, lambda: (layer(q, k, v, **kw) * weight).sum(),
+                              [q, k, v] + ([kw["attn_mask"]] if "mask" in grads else []), node)
+    for way, (way_grads, events) in got.items():
         if "mask" not in grads:  # one CPU flash node: called directly under backward() only
-            engine = "autograd::engine::evaluate_function: ScaledDotProductFlashAttentionForCpuBackward0"
-            assert nodes and (engine in nodes) == (how != "backward"), (how, nodes)
+            assert events and (_ENGINE + node in events) == (way != "backward"), (way, events)
         else:
-            assert not nodes, nodes  # (the math backend)
-    for how in ("grad", "anomaly"):
-        for a, b in zip(got["backward"], got[how], strict=True):
-            assert a is not None and torch.equal(a, b), how
+            assert not events, events  # (the math backend)
+        for a, b in zip(got["backward"][0], way_grads, strict=True):
+            assert a is not None and torch.equal(a, b), way
 
 
 # the CUDA backends the recomputation can take, with the backward node each records
@@ -755,32 +756,18 @@ def test_fused_sdpa_backward_calls_the_cuda_attention_node_directly(backend, dty
     torch.manual_seed(0)
     q, k, v = (torch.randn(4, 6, 197, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     layer = mnn.ScaledDotProductAttention().cuda()
-    start = {n: b.clone() for n, b in layer.state_dict().items()}
     weight = torch.randn(q.shape, device="cuda", dtype=dtype)
-    node, got = SDPA_CUDA_BACKENDS[backend], {}
-    for how in ("backward", "grad"):
-        layer.load_state_dict(start)
-        for t in (q, k, v):
-            t.grad = None
-
-        def run():
-            loss = (layer(q, k, v) * weight).float().sum()
-            if how == "backward":
-                loss.backward()
-                got[how] = [t.grad for t in (q, k, v)]
-            else:
-                got[how] = torch.autograd.grad(loss, (q, k, v))
-            torch.cuda.synchronize()
-
-        try:
-            with sdpa_kernel([getattr(SDPBackend, backend)]):  # (the recomputation in backward too)
-                nodes = _sdpa_backward_nodes(run, node)
-        except RuntimeError as e:  # a backend this GPU or build lacks
-            pytest.skip(f"{backend}: {str(e).splitlines()[0]}")
-        engine = "autograd::engine::evaluate_function: " + node
-        assert nodes and (engine in nodes) == (how == "grad"), (how, nodes)
-    for a, b in zip(got["backward"], got["grad"], strict=True):
-        assert torch.equal(a, b)
+    node = SDPA_CUDA_BACKENDS[backend]
+    try:
+        with sdpa_kernel([getattr(SDPBackend, backend)]):  # (the recomputation in backward too)
+            got = _sdpa_backward_ways(layer, lambda: (layer(q, k, v) * weight).float().sum(), [q, k, v], node,
+                                      ways=("backward", "grad"))
+    except RuntimeError as e:  # a backend this GPU or build lacks
+        pytest.skip(f"{backend}: {str(e).splitlines()[0]}")
+    for way, (way_grads, events) in got.items():
+        assert events and (_ENGINE + node in events) == (way == "grad"), (way, events)
+        for a, b in zip(got["backward"][0], way_grads, strict=True):
+            assert torch.equal(a, b), way
 
 
 @pytest.mark.parametrize("name", ["deit", "swin", "pvt"])

@@ -141,15 +141,6 @@ def from_nhwc(xh: torch.Tensor, permuted: bool) -> torch.Tensor:
     return xh.permute(0, 3, 1, 2) if permuted else xh
 
 
-def needs_grad(*tensors) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    for t in tensors:  # a plain loop: no generator object per call on the hot path
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            return True
-    return False
-
-
 def active_with_params(layer, x: torch.Tensor) -> bool:
     """``layer._mesa_active(x, layer.weight, layer.bias)``, reading the parameters only when
     ``x`` needs no gradient (in training it almost always does): each read is a
