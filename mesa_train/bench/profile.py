@@ -16,8 +16,8 @@ stock layer does). That needs the event tree, so the events are aggregated here 
 than with ``prof.key_averages()``, which flattens it (the totals are the same).
 
 Outputs: ``<device>.profile.md`` (per-category table, extra time vs the group's baseline,
-top ops of each Mesa row, the rules) and ``<device>.profile.csv`` (one line per row, op
-and category).
+top ops of each Mesa row; on a GPU also the host's side and who set the pace, `pace`; the
+rules) and ``<device>.profile.csv`` (one line per row, op and category).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from mesa_train.bench import pace
 from mesa_train.bench.measure import is_oom, release, synchronize, warm_step
 from mesa_train.bench.presets import RowConfig
 
@@ -337,8 +338,10 @@ def _cell(text: str) -> str:
 
 
 def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: int,
-                    rows: list[RowConfig], profiles: list[RowProfile], partial_of: int | None = None) -> str:
-    """``partial_of``: the run's row count while only ``profiles`` (its first rows) exist."""
+                    rows: list[RowConfig], profiles: list[RowProfile], partial_of: int | None = None,
+                    step_ms: dict[str, float | None] | None = None) -> str:
+    """``partial_of``: the run's row count while only ``profiles`` (its first rows) exist;
+    ``step_ms``: each row's measured median step (no profiler), for the pace table."""
     cuda = env.get("device_type") == "cuda"
     time_name = "self CUDA time per step" if cuda else "self CPU time per step"
     by_label = {p.label: p for p in profiles}
@@ -359,6 +362,7 @@ def render_markdown(*, preset: str, env: dict[str, Any], command: str, steps: in
     _render_deltas(w, ok, by_label, cats, shown, baseline)
     _render_top_ops(w, ok, by_label, cats, baseline)
     _render_host_time(w, ok, baseline)
+    _render_pace(w, ok, baseline, step_ms or {})
     w("\n## Categories (first matching rule wins)\n\n| Category | Rule |\n|---|---|\n")
     for cat, text, _ in RULES:
         w(f"| {cat or '(enclosing op)'} | {text} |\n")
@@ -444,6 +448,28 @@ def _render_host_time(w: Callable[[str], Any], ok: list[tuple[RowConfig, RowProf
         _top_ops_table(w, p.host_ops, bops, per_call=True)
 
 
+def _render_pace(w: Callable[[str], Any], ok: list[tuple[RowConfig, RowProfile]], baseline: dict[str, str],
+                 step_ms: dict[str, float | None]) -> None:
+    """On a GPU, each Mesa row's measured throughput ratio beside the GPU-time ratio (its ceiling
+    where both steps run GPU-bound) and the host-time ratio (mesa_train.bench.pace); a row whose
+    baseline was not profiled has none."""
+    profiled = {r.label: p for r, p in ok if p.host_ops}
+
+    def host_total(p: RowProfile) -> float:
+        return sum(ms for ms, _ in p.host_ops.values())
+
+    times = []
+    for r, p in ok:
+        b = baseline.get(r.group_name)
+        if r.baseline or r.label not in profiled or b not in profiled:
+            continue
+        times.append(pace.RowTimes(r.label, b, p.total_ms, profiled[b].total_ms, host_total(p),
+                                   host_total(profiled[b]), step_ms.get(r.label), step_ms.get(b)))
+    if times:
+        w("\n## Who set the pace: measured throughput ratio against the GPU-time ratio\n\n"
+          + pace.pace_table(times) + "\n\n" + pace.EXPLANATION + "\n")
+
+
 def _shown_categories(cats: dict[str, dict[str, float]]) -> list[str]:
     """The categories some row spends time in (the others are only noise in a table)."""
     return [c for c in CATEGORIES if any(c_ms[c] > 0.005 for c_ms in cats.values())] or ["other"]
@@ -475,10 +501,11 @@ def _top_ops_table(w: Callable[[str], Any], ops: dict[tuple[str, str], tuple[flo
 
 def write_files(md_path: Path, csv_path: Path, *, preset: str, env: dict[str, Any],
                 command: str, steps: int, rows: list[RowConfig],
-                profiles: list[RowProfile], partial_of: int | None = None) -> str:
+                profiles: list[RowProfile], partial_of: int | None = None,
+                step_ms: dict[str, float | None] | None = None) -> str:
     """Writes ``<device>.profile.md`` and ``.profile.csv``; returns the Markdown."""
     md = render_markdown(preset=preset, env=env, command=command, steps=steps, rows=rows,
-                         profiles=profiles, partial_of=partial_of)
+                         profiles=profiles, partial_of=partial_of, step_ms=step_ms)
     md_path.write_text(md)
     kind = "self_cuda" if env.get("device_type") == "cuda" else "self_cpu"
     with open(csv_path, "w", newline="") as f:

@@ -234,9 +234,11 @@ def _profile_rows(name: str, device: torch.device, rows: list[RowConfig], result
     rewritten after each; the labels of the rows whose profile failed."""
     paths = [run.out_dir / f"{run.slug}.profile.md", run.out_dir / f"{run.slug}.profile.csv"]
 
+    step_ms = {row.label: m.step_ms_median for row, m in zip(rows, results)}  # (the pace table's measured side)
+
     def write_profiles(profiles, partial_of=None):
         return _profile.write_files(*paths, preset=name, env=run.env, command=run.command, steps=profile_steps,
-                                    rows=rows, profiles=profiles, partial_of=partial_of)
+                                    rows=rows, profiles=profiles, partial_of=partial_of, step_ms=step_ms)
 
     profiles = _profile.run_profiles(
         rows, [m.status for m in results], device, steps=profile_steps, seed=seed,
