@@ -33,6 +33,9 @@
 #              gives the reference's codes: which grid the kernels should launch by default
 #   modern     the DeiT-S rows of the modern preset (bf16: explicit and fused attention, eager
 #              and compiled; issue 9's target table) with profile=true
+#   graphs     the graphs preset: the eager DeiT-S steps (explicit and fused attention) captured
+#              whole in one CUDA graph and replayed, beside the plain eager pairs, with
+#              profile=true (its pace table): the eager ratios without the host
 #   fused      the speed preset's fused-attention eager rows (stock, the sdpa set, sdpa alone,
 #              the set without sdpa): which layers hold the fused Mesa step (H100: 52 ms a step
 #              against 32.5 ms of GPU time), by host_ms_median; no profile (about a minute)
@@ -72,7 +75,7 @@ PY=${PY:-python3}
 # (kernels-base right after kernels, session 38: three sessions of kernel changes made without a
 # GPU, timed against the build before them on the same GPU in the same call)
 STEPS=${STEPS:-"kernels kernels-base ncu host tests modern fused speed cppwrapper"}
-VALID_STEPS="host cppwrapper tests kernels kernels-base kernels-grid ncu ncu-grid grids modern fused speed table1 traceable"
+VALID_STEPS="host cppwrapper tests kernels kernels-base kernels-grid ncu ncu-grid grids modern graphs fused speed table1 traceable"
 DEADLINE=${DEADLINE:-540}  # seconds from the start of this script; the device tool's limit is 600
 MIN_STEP=${MIN_STEP:-45}   # a step with less time than this left is skipped, not started
 GRACE=${GRACE:-15}         # seconds a step gets after its interrupt (SIGINT) before it is killed
@@ -242,6 +245,9 @@ for s in $STEPS; do
     # (MODERN_SKIP="[whole model,per block]": the eight eager and one-graph rows only, which
     # leaves their profile the time the three per-block rows took, ~40 s on the H200)
     modern)  step modern-deit-s ${MODERN_LIMIT:-330} $BENCH preset=modern only=DeiT-S "skip=${MODERN_SKIP:-whole model}" profile=true ;;
+    # the eager DeiT-S steps captured whole in one CUDA graph beside the plain eager ones (the
+    # ratio without the host; session 69), with the profile's pace table
+    graphs)  step graphs-deit-s ${GRAPHS_LIMIT:-240} $BENCH preset=graphs profile=true ;;
     fused)   step speed-fused ${FUSED_LIMIT:-120} $BENCH preset=speed only=fused output_dir=results/speed-fused ;;
     # (its fused and traceable rows are the fused and traceable steps')
     speed)   step speed-deit-s ${SPEED_LIMIT:-480} $BENCH preset=speed "skip=[traceable,fused]" profile=true ;;

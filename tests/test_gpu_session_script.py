@@ -35,8 +35,8 @@ def test_the_script_parses():
 def test_an_unknown_step_names_the_valid_ones(tmp_path):
     proc = _run(tmp_path, STEPS="tests bogus")
     assert proc.returncode == 2
-    valid = ("host cppwrapper tests kernels kernels-base kernels-grid ncu ncu-grid grids modern fused speed table1 "
-             "traceable")
+    valid = ("host cppwrapper tests kernels kernels-base kernels-grid ncu ncu-grid grids modern graphs fused speed "
+             "table1 traceable")
     assert f"unknown step 'bogus'; valid: {valid}" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing installed, built or written
 

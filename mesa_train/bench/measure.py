@@ -271,16 +271,18 @@ def build_for_row(row: RowConfig, device: torch.device | str = "cpu", patch: boo
 
 def make_optimizer(row: RowConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    if row.optimizer == "sgd":
+    if row.optimizer == "sgd":  # (tensor ops only: capturable as it is)
         return torch.optim.SGD(params, lr=row.lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=row.lr, weight_decay=0.05)
+    # capturable: its step count stays on the device, where a CUDA graph's replay advances it
+    return torch.optim.AdamW(params, lr=row.lr, weight_decay=0.05, capturable=row.cuda_graph)
 
 
 def amp_context(row: RowConfig, device: torch.device):
     if row.amp == "fp32":
         return torch.autocast(device.type, enabled=False)
     dtype = torch.float16 if row.amp == "fp16" else torch.bfloat16
-    return torch.autocast(device.type, dtype=dtype)
+    # (a captured step cannot keep autocast's cast cache: its casts must run in every replay)
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False if row.cuda_graph else None)
 
 
 class TrainStep:
@@ -305,6 +307,7 @@ class TrainStep:
         fmt = torch.channels_last if row.channels_last else torch.contiguous_format
         self.x, self.y = x.to(device, memory_format=fmt), y.to(device)
         self.last_loss: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None  # row.cuda_graph: the captured step (capture)
 
     def micro_batches(self):
         m = self.row.micro_batch
@@ -319,11 +322,29 @@ class TrainStep:
             return F.cross_entropy(self.forward_model(x), y) / self.row.accum_steps
 
     def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()  # the whole step, launched by the GPU's own graph executor
+            return
         if self.row.compile:
             # a training step's boundary for CUDA-graph trees (mode="reduce-overhead"): the
             # last step's graph outputs may be overwritten from here on (a no-op otherwise)
             torch.compiler.cudagraph_mark_step_begin()
         self.optimizer.zero_grad(set_to_none=True)
+        self.accumulate_and_step()
+
+    def capture(self) -> None:
+        """row.cuda_graph: records one step (not run) in a CUDA graph that every later call
+        replays. The gradients start from None, so the recorded backward writes them afresh
+        (in the graph's memory) rather than adding to the last step's; the warm-up before it ran
+        on a side stream, as torch.cuda.graph asks (cuBLAS workspaces, autograd's streams)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.accumulate_and_step()
+        self.graph = graph
+
+    def accumulate_and_step(self) -> None:
+        """forward + backward of every micro-batch (gradients added up), then the optimizer."""
         for x, y in self.micro_batches():
             loss = self.forward_loss(x, y)
             if self.scaler is not None:
@@ -368,26 +389,48 @@ def warm_step(row: RowConfig, device: torch.device, *, seed: int, fresh_cache: b
         torch._dynamo.reset()  # a fresh cache (and counters) per row: its graphs alone
         torch._dynamo.utils.counters.clear()
     step = TrainStep(row, build_for_row(row, device), device, seed=seed)
-    warm = max(row.warmup, 1 if row.compile else 0)  # compiling is not timed
-    i = 0
-    while i < warm:
-        t0 = time.perf_counter()
-        step()
-        if i == 0:
-            synchronize(device)
-            step.first_step_s = time.perf_counter() - t0  # compiled rows: compilation included
-            if row.compile and mark_estimates_ready(step.model):
-                # estimator=delayed: its traced one-pass form from now on, a rebuild in the next step
-                warm = max(warm, 2)
-        i += 1
+    # compiling is not timed; a captured step needs warm eager steps first (lazy state, the
+    # estimates initialized, cuBLAS workspaces), on a side stream as torch.cuda.graph asks
+    warm = max(row.warmup, 1 if row.compile else 3 if row.cuda_graph else 0)
+    with _warm_stream(row, device):
+        i = 0
+        while i < warm:
+            t0 = time.perf_counter()
+            step()
+            if i == 0:
+                synchronize(device)
+                step.first_step_s = time.perf_counter() - t0  # compiled rows: compilation included
+                if row.compile and mark_estimates_ready(step.model):
+                    # estimator=delayed: its traced one-pass form from now on, a rebuild in the next step
+                    warm = max(warm, 2)
+            i += 1
+    if row.cuda_graph:
+        step.capture()
     synchronize(device)
     return step
 
 
+@contextlib.contextmanager
+def _warm_stream(row: RowConfig, device: torch.device):
+    """row.cuda_graph: the warm-up on a side stream, ordered after and before the current one."""
+    if not row.cuda_graph:
+        yield
+        return
+    if device.type != "cuda":
+        raise BenchConfigError(f"row {row.label!r}: cuda_graph=true captures the step in a CUDA graph and needs a "
+                               f"CUDA device (device={device}); run it on a GPU or leave the row out (skip=...)")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
 def cuda_graph_peak(row: RowConfig, device: torch.device) -> bool:
-    """Whether the row's peak must be read from before its warm-up: a CUDA-graph row
-    (torch.compile mode reduce-overhead / max-autotune) on CUDA."""
-    return device.type == "cuda" and bool(row.compile) and row.compile_mode in CUDA_GRAPH_COMPILE_MODES
+    """Whether the row's peak must be read from before its warm-up: a CUDA-graph row on CUDA
+    (a captured eager step, or torch.compile mode reduce-overhead / max-autotune)."""
+    return device.type == "cuda" and (row.cuda_graph or (bool(row.compile)
+                                                         and row.compile_mode in CUDA_GRAPH_COMPILE_MODES))
 
 
 def dynamo_graphs() -> tuple[int, int]:

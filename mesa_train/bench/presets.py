@@ -86,6 +86,12 @@ class RowConfig:
     # Inductor options for this row's compile (torch._inductor.config names; another backend
     # ignores them), e.g. {coordinate_descent_tuning: true}: stock tuned as traced Mesa models are
     compile_options: dict[str, Any] = field(default_factory=dict)
+    # the whole eager step (forward, backward, optimizer) captured once in one CUDA graph and
+    # replayed (PyTorch's whole-network capture, torch.cuda.graph): the host launches nothing
+    # per step, so an eager row's ratio becomes its GPU time's. Needs CUDA, bf16 or fp32 (the
+    # fp16 GradScaler checks for inf on the host) and no compile (compile_mode=reduce-overhead is
+    # the compiled counterpart); the optimizer is made capturable
+    cuda_graph: bool = False
 
     def compile_tags(self) -> list[str]:
         """The compile options that differ from the defaults, as a table names them
@@ -135,6 +141,8 @@ class RowConfig:
             bits.append("ckpt")
         if self.accum_steps > 1:
             bits.append(f"accum{self.accum_steps}")
+        if self.cuda_graph:
+            bits.append("cuda-graph")
         if self.compile:
             bits.append("compiled" + (f"({self.compile_mode})" if self.compile_mode else "")
                         + "".join(f"[{tag}]" for tag in self.compile_tags()))
@@ -195,7 +203,7 @@ def check_row(row: RowConfig) -> None:
             raise BenchConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
     if not isinstance(row.warmup, int) or row.warmup < 0:
         raise BenchConfigError(f"{where}: warmup must be an integer >= 0, got {row.warmup!r}")
-    for name in ("compile", "channels_last"):
+    for name in ("compile", "channels_last", "cuda_graph"):
         if not isinstance(getattr(row, name), bool):
             raise BenchConfigError(f"{where}: {name} must be true or false, got {getattr(row, name)!r}")
     if row.compile_backend not in COMPILE_BACKENDS:
@@ -216,6 +224,12 @@ def check_row(row: RowConfig) -> None:
         raise BenchConfigError(f"{where}: compile_mode={row.compile_mode!r} captures CUDA graphs, whose "
                                "gradient outputs the next micro-batch overwrites; use accum_steps=1 or "
                                "compile_mode=default")
+    if row.cuda_graph and row.compile:
+        raise BenchConfigError(f"{where}: cuda_graph=true captures an eager step; a compiled step is captured by "
+                               "compile_mode=reduce-overhead (use one or the other)")
+    if row.cuda_graph and row.amp == "fp16":
+        raise BenchConfigError(f"{where}: cuda_graph=true cannot capture fp16's GradScaler (it checks for inf on the "
+                               "host every step); valid amp with cuda_graph: bf16, fp32")
     if row.batch_size % row.accum_steps:
         raise BenchConfigError(f"{where}: batch_size={row.batch_size} is not divisible by "
                                f"accum_steps={row.accum_steps} (micro-batches must be equal)")

@@ -25,8 +25,8 @@ from mesa_train.bench.presets import RowConfig
 CSV_COLUMNS = [
     "preset", "label", "group", "baseline", "model", "mesa", "ops", "modules",
     "batch_size", "micro_batch", "accum_steps", "img_size", "amp", "attention",
-    "grad_checkpointing", "channels_last", "compile", "graphs", "graph_breaks", "compile_s", "num_classes", "status",
-    "error",
+    "grad_checkpointing", "channels_last", "compile", "cuda_graph", "graphs", "graph_breaks", "compile_s",
+    "num_classes", "status", "error",
     "params_m", "saved_mb", "saved_ratio", "peak_mb", "peak_ratio", "peak_kind", "step_rss_mb",
     "step_rss_ratio", "reserved_mb", "throughput", "throughput_ratio", "throughput_mean",
     "step_ms_median", "host_ms_median", "timed_steps", "wall_s", "paper_row", "paper_memory_mb", "paper_memory_ratio",
@@ -118,7 +118,7 @@ def build_records(preset: str, rows: list[RowConfig], results: list[Measurement]
             "batch_size": row.batch_size, "micro_batch": row.micro_batch, "accum_steps": row.accum_steps,
             "img_size": row.img_size, "amp": row.amp, "attention": row.attention,
             "grad_checkpointing": row.grad_checkpointing, "channels_last": row.channels_last,
-            "num_classes": row.num_classes,
+            "num_classes": row.num_classes, "cuda_graph": row.cuda_graph,
             "compile": ((row.compile_mode or "default") + "".join(f", {tag}" for tag in row.compile_tags())
                         if row.compile else ""),
             "graphs": m.graphs, "graph_breaks": m.graph_breaks, "compile_s": m.compile_s,
@@ -193,7 +193,7 @@ DESCRIPTIVE_COLUMNS = {
     "compile": ("torch.compile (graphs / breaks, first step s)",
                 lambda r: (f"{r['compile']} ({r['graphs']} / {r['graph_breaks']}"
                            + ("" if r.get("compile_s") is None else f", {r['compile_s']:.0f} s") + ")")
-                if r["compile"] else "eager"),
+                if r["compile"] else ("eager, one CUDA graph" if r.get("cuda_graph") else "eager")),
 }
 
 

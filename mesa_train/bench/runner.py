@@ -62,6 +62,11 @@ def prepare(cfg: Any) -> tuple[dict, torch.device, list[RowConfig], Any]:
             "Run preset=cpu-quick on CPU, or force this preset with allow_cpu=true (slow; shrink it "
             "with e.g. preset.common.batch_size=2 preset.common.img_size=64).")
     rows = expand_preset(preset, only=_get(cfg, "only"), skip=_get(cfg, "skip"))
+    graphed = [r.label for r in rows if r.cuda_graph]
+    if graphed and device.type != "cuda":
+        raise BenchConfigError(f"preset {name!r}: rows {graphed} capture the step in a CUDA graph (cuda_graph=true) "
+                               f"and need a CUDA device (device={device}); leave them out with skip=..., "
+                               "or run on a GPU")
     search = parse_search(preset.get("search"), dict(preset.get("common") or {}))
     if search is not None and device.type == "cpu" and not search.emulate_on_cpu:
         raise BenchConfigError(
