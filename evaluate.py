@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
     from mesa_train.train import errors
-    from mesa_train.train.evaluation import evaluate_checkpoint
+    from mesa_train.train.evaluation import check_eval_settings, evaluate_checkpoint
 
     if OmegaConf.is_missing(cfg, "checkpoint") or not cfg.checkpoint:
         print("error: evaluate.py needs checkpoint=PATH (a last.pt or best.pt written by train.py, e.g. "
@@ -38,6 +38,7 @@ def main(cfg: DictConfig) -> float:
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     log.info("evaluating %s (%s weights)", cfg.checkpoint, "EMA" if cfg.ema else "model")
     try:
+        check_eval_settings(cfg)
         metrics = evaluate_checkpoint(cfg.checkpoint, data=data, ema=cfg.ema, trainer=trainer)
         os.makedirs(output, exist_ok=True)
         path = os.path.join(output, "eval.json")

@@ -65,6 +65,28 @@ def test_a_setting_added_with_plus_must_exist(compose_train):
     config_lib.check_known_settings(compose_train(["mesa.plan={layers: {}}", "trainer.fsdp={}"]))
 
 
+def test_every_group_and_the_top_level_refuse_a_setting_that_does_not_exist(compose_train):
+    """'+model.pretrained_pth=w.pt' was added and ignored: the run trained from random weights
+    while its user thought it fine-tuned. Every setting group is checked against all its option
+    files (a key of another option passes), and the top level against the groups; timm's free
+    model.kwargs and every option's own keys pass."""
+    cfg = compose_train(["+model.pretrained_pth=w.pt", "+optim.lrr=0.5", "+data.rooot=x",
+                         "+logger.wandb_projet=x", "+seed=5"])
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.check_known_settings(cfg)
+    lines = str(err.value).splitlines()[1:]
+    assert lines[0] == "  - seed is not a setting; top-level keys: name, trainer, mesa, model, data, optim, logger"
+    assert "  - model.pretrained_pth is not a setting (close: pretrained_path); all: configs/model/*.yaml" in lines
+    assert any(line.startswith("  - optim.lrr is not a setting (close: lr") for line in lines)
+    assert any(line.startswith("  - data.rooot is not a setting (close: root") for line in lines)
+    assert any(line.startswith("  - logger.wandb_projet is not a setting") for line in lines)
+    assert len(lines) == 5
+    for ok in (["+model.kwargs.patch_size=8", "+model.kwargs.depths=[2,2]"],
+               ["data=cifar100", "data.root=x"], ["data=imagenet"], ["logger=wandb"], ["optim=simple"],
+               ["model=swin_ti", "+model.kwargs.window_size=4"]):
+        config_lib.check_known_settings(compose_train(ok))
+
+
 def test_paper_experiment_settings(compose_train):
     cfg = compose_train(["experiment=cifar100_deit_ti_mesa"])
     assert cfg.model.name == "deit_ti" and cfg.data.name == "cifar100" and cfg.optim.name == "cifar100"

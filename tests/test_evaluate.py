@@ -48,3 +48,48 @@ def test_evaluate_cli_prints_and_writes(trained, tmp_path, run_cli):
     metrics = json.load(open(out_dir / "eval.json"))
     assert metrics["top1"] == summary["ema_top1"] and metrics["images"] == 8
     assert f"top1 {metrics['top1']:.2f}" in result.stdout
+
+
+def test_non_finite_weights_are_refused_where_a_checkpoint_is_loaded(trained, compose_train, tmp_path):
+    """A checkpoint written after a run diverged (a NaN weight) is refused, naming the file and
+    the tensor, by evaluate, by resume and as pretrained weights, not evaluated to garbage or
+    blamed on the learning rate; the EMA weights are checked too."""
+    import torch
+
+    _, path = trained
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    key = next(k for k, v in ckpt["model"].items() if k.endswith("head.weight"))
+    bad = dict(ckpt, model={**ckpt["model"], key: ckpt["model"][key].clone().fill_(float("nan"))})
+    nan_path = tmp_path / "nan.pt"
+    torch.save(bad, nan_path)
+    message = f"{nan_path} holds non-finite weights: {key} has"
+    with pytest.raises(CheckpointError, match=message):
+        evaluate_checkpoint(str(nan_path), num_workers=0, device="cpu")
+    with pytest.raises(CheckpointError, match=f"model.pretrained_path={nan_path} holds non-finite weights"):
+        fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + [f"model.pretrained_path={nan_path}"]),
+            str(tmp_path / "finetune"))
+    with pytest.raises(CheckpointError, match=message):
+        fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ["optim.ema=true", "optim.ema_decay=0.5",
+                                                                  f"trainer.resume={nan_path}", "trainer.max_steps=4"]),
+            str(tmp_path / "resumed"))
+    ema_bad = dict(ckpt, ema={**ckpt["ema"], key: ckpt["ema"][key].clone().fill_(float("inf"))})
+    torch.save(ema_bad, tmp_path / "ema.pt")
+    assert evaluate_checkpoint(str(tmp_path / "ema.pt"), num_workers=0, device="cpu")["ema"] is False
+    with pytest.raises(CheckpointError, match="the EMA weights in .* holds non-finite weights"):
+        evaluate_checkpoint(str(tmp_path / "ema.pt"), num_workers=0, device="cpu", ema=True)
+
+
+def test_evaluate_refuses_settings_it_would_ignore(trained, tmp_path, run_cli):
+    """'+model.name=deit_s' (the model is the checkpoint's), '+foo=1' and '+data.rooot=x' were
+    added by Hydra and ignored, the metrics printed as if they had applied: refused, exit 2."""
+    _, path = trained
+    result = run_cli([sys.executable, REPO / "evaluate.py", f"checkpoint={path}", "data=synthetic",
+                      "data.val_size=8", "trainer.num_workers=0", "trainer.device=cpu", "+model.name=deit_s",
+                      "+foo=1", "+data.rooot=x", f"hydra.run.dir={tmp_path / 'hydra'}"])
+    assert result.returncode == 2, result.stdout[-1000:] + result.stderr[-2000:]
+    err = result.stderr
+    assert "Traceback" not in err
+    assert "model is not a setting of evaluate.py (settings: checkpoint, ema, output, data, trainer;" in err
+    assert "foo is not a setting of evaluate.py" in err
+    assert "data.rooot is not a setting (close: root" in err
+    assert not (tmp_path / "hydra" / "eval.json").exists()

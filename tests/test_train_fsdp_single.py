@@ -34,11 +34,36 @@ def test_bad_strategy_settings_are_one_line_errors(compose_train, override, mess
 
 def test_resume_path_must_match_the_strategy(compose_train, tmp_path):
     (tmp_path / "a.dcp").mkdir()
+    (tmp_path / "a.dcp" / "meta.pt").write_bytes(b"x")
     (tmp_path / "b.pt").write_bytes(b"x")
     with pytest.raises(ckpt_lib.CheckpointError, match="python -m mesa_train.train.convert .*b.pt .*b.dcp"):
         resume_path(compose_train(FSDP + [f"trainer.resume={tmp_path / 'b.pt'}"]), str(tmp_path))
     with pytest.raises(ckpt_lib.CheckpointError, match="resume it with trainer.strategy=fsdp"):
         resume_path(compose_train(TINY_MODELS["deit"] + [f"trainer.resume={tmp_path / 'a.dcp'}"]), str(tmp_path))
+
+
+@pytest.mark.parametrize("strategy, inside, named", [
+    ("ddp", ["checkpoints/last.pt", "checkpoints/best.pt"], "checkpoints/last.pt"),
+    ("fsdp", ["checkpoints/last.dcp/meta.pt"], "checkpoints/last.dcp"),
+    ("ddp", ["last.pt"], "last.pt"),
+    ("ddp", ["train.log"], None),
+])
+def test_resume_from_a_folder_that_is_not_a_checkpoint(compose_train, tmp_path, strategy, inside, named):
+    """A run directory (or its checkpoints/) given as trainer.resume is not called a sharded
+    checkpoint: the error names the checkpoint inside it to resume from instead, if any."""
+    run = tmp_path / "run"
+    for rel in inside:
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_bytes(b"x")
+    cfg = compose_train((FSDP if strategy == "fsdp" else TINY_MODELS["deit"]) + [f"trainer.resume={run}"])
+    with pytest.raises(ckpt_lib.CheckpointError) as err:
+        resume_path(cfg, str(tmp_path / "new"))
+    text = str(err.value)
+    assert text.startswith(f"trainer.resume='{run}' is a folder, not a checkpoint") and "\n" not in text
+    if named:
+        assert text.endswith(f"did you mean trainer.resume={run / named}?")
+    else:
+        assert "last.pt, or a sharded folder, last.dcp/, with meta.pt inside" in text
 
 
 def _tensors_equal(a: dict, b: dict) -> bool:
@@ -95,6 +120,51 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     assert "not a complete DCP checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("src, dst, message", [
+    ("a.dcp", "kept.pt", "kept.pt already exists (a file); convert never writes over a path"),
+    ("a.pt", "kept.dcp", "kept.dcp already exists (a directory); convert never writes over a path"),
+    ("a.pt", "out.pt", "out.pt: a single-file checkpoint becomes a DCP directory; name it e.g. last.dcp"),
+    ("a.dcp", "out.dcp", "out.dcp: a sharded checkpoint becomes one file; name it e.g. last.pt"),
+    ("a.pt", "no/such/dir/out.dcp", "no such directory: "),
+])
+def test_convert_never_writes_over_or_beside_a_checkpoint(tmp_path, capsys, src, dst, message):
+    """A destination that exists is refused and left as it was (a checkpoint there would be
+    lost), as are a name of the other format and a folder that does not exist (no tree of
+    folders made where a typo pointed)."""
+    (tmp_path / "a.dcp").mkdir()
+    (tmp_path / "a.pt").write_bytes(b"source")
+    (tmp_path / "kept.pt").write_bytes(b"an earlier checkpoint")
+    (tmp_path / "kept.dcp").mkdir()
+    (tmp_path / "kept.dcp" / "meta.pt").write_bytes(b"an earlier checkpoint")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert convert_main([str(tmp_path / src), str(tmp_path / dst)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "kept.pt").read_bytes() == b"an earlier checkpoint"
+
+
+def test_a_convert_that_runs_out_of_disk_leaves_nothing_behind(tmp_path, capsys, monkeypatch):
+    """DCP wraps a rank's failed write in a CheckpointException of many lines: convert says the
+    file system's reason in one line and removes DCP's temporary folder."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mesa_train.train import convert as convert_mod
+
+    def full_disk(src, dst):
+        folder, name = os.path.split(dst)
+        os.makedirs(os.path.join(folder, f".{name}.tmp"))
+        raise CheckpointException("save", {0: (OSError(28, "No space left on device"), traceback.StackSummary())})
+
+    monkeypatch.setattr(convert_mod, "file_to_sharded", full_disk)
+    (tmp_path / "a.pt").write_bytes(b"source")
+    assert convert_main([str(tmp_path / "a.pt"), str(tmp_path / "out.dcp")]) == 2
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'out.dcp'}: No space left on device\n"
+    assert sorted(os.listdir(tmp_path)) == ["a.pt"]
+
+
 def test_checkpoints_from_before_the_strategy_setting_still_resume(compose_train):
     cfg = ckpt_lib.to_plain(compose_train(TINY_MODELS["deit"]))
     old = {**cfg, "trainer": {k: v for k, v in cfg["trainer"].items() if k not in ("strategy", "fsdp")}}
@@ -147,3 +217,42 @@ def test_fsdp_trains_with_blocks_compiled(compose_train, tmp_path, aot_eager_com
     assert not torch._dynamo.utils.counters["graph_break"]
     assert sorted(os.listdir(run / "checkpoints" / "last.dcp")) == [".metadata", "__0_0.distcp", "meta.pt"]
 
+
+
+def test_a_sharded_save_that_runs_out_of_disk_raises_the_os_error(tmp_path, monkeypatch):
+    """Under FSDP a full disk inside DCP's save (its CheckpointException, a BaseException that the
+    trainer's error handling would not see) comes out as the OSError it wraps, as a .pt save's
+    does, with the temporary folder removed and the previous checkpoint kept."""
+    import traceback
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mesa_train.train import sharded
+
+    def full_disk(state, checkpoint_id):
+        raise CheckpointException("save", {0: (OSError(28, "No space left on device"), traceback.StackSummary())})
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    (tmp_path / "last.dcp").mkdir()
+    (tmp_path / "last.dcp" / "meta.pt").write_bytes(b"the previous checkpoint")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(OSError, match="No space left on device"):
+        sharded.save_sharded(str(tmp_path / "last.dcp"), model, None, {})
+    assert sorted(os.listdir(tmp_path)) == ["last.dcp"]
+    assert (tmp_path / "last.dcp" / "meta.pt").read_bytes() == b"the previous checkpoint"
+
+
+def test_damaged_shards_are_a_checkpoint_error(tmp_path):
+    """A shard file cut short (a copy interrupted, a disk error) is a one-line CheckpointError
+    naming the checkpoint, not DCP's multi-rank traceback."""
+    from mesa_train.train import sharded
+
+    torch.manual_seed(0)
+    sharded.save_sharded(str(tmp_path / "last.dcp"), torch.nn.Linear(64, 64), None, {})
+    shard = next(p for p in (tmp_path / "last.dcp").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ckpt_lib.CheckpointError) as err:
+        sharded.load_sharded(str(tmp_path / "last.dcp"), torch.nn.Linear(64, 64))
+    assert str(tmp_path / "last.dcp") in str(err.value) and "\n" not in str(err.value)
+    assert "shards damaged" in str(err.value)

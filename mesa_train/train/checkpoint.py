@@ -287,9 +287,24 @@ def check_same_world(ckpt: dict, world: int, trainer_cfg, path: str) -> None:
             f"with model.pretrained_path={path}")
 
 
+def check_finite_weights(state_dict: dict, names, source: str) -> None:
+    """``CheckpointError`` where a parameter among ``names`` holds NaN or inf: a file written by a
+    run that had already diverged would otherwise evaluate to garbage or restart the divergence
+    with a misleading cause. Only parameters: a buffer may hold an infinity on purpose."""
+    bad = [(k, int((~torch.isfinite(state_dict[k])).sum())) for k in names
+           if k in state_dict and torch.is_tensor(state_dict[k]) and state_dict[k].is_floating_point()
+           and not bool(torch.isfinite(state_dict[k]).all())]
+    if bad:
+        first, count = bad[0]
+        more = f" (+{len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{source} holds non-finite weights: {first} has {count} NaN/inf values{more}; "
+                              "the run that wrote it had diverged: use an earlier checkpoint")
+
+
 def load_model_state(model: torch.nn.Module, state_dict: dict, path: str, what: str = "model") -> None:
     """``load_state_dict(strict=True)`` with a readable error on missing/unexpected keys
-    or shape mismatches (e.g. a stock checkpoint loaded into a Mesa model)."""
+    or shape mismatches (e.g. a stock checkpoint loaded into a Mesa model), or on non-finite
+    parameters."""
     own = model.state_dict()
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
@@ -313,6 +328,7 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, path: str, what: 
             f"the {what} weights in {path} do not fit the model ({'; '.join(parts)}). "
             "Was it trained with another model or Mesa setting (mesa.enabled/ops/modules)?"
         )
+    check_finite_weights(state_dict, [k for k, _ in model.named_parameters()], f"the {what} weights in {path}")
     model.load_state_dict(state_dict, strict=True)
 
 

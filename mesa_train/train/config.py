@@ -6,6 +6,7 @@ written, and all problems are reported together with the valid choices.
 from __future__ import annotations
 
 import difflib
+import glob
 import math
 import os
 from collections.abc import Sequence
@@ -73,11 +74,15 @@ def validate(cfg) -> None:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
-# Groups whose every setting is in their default file: a key there that is none of them is a
-# typo that Hydra lets through when given with '+' ('+mesa.decya=0.5' would be ignored).
+# Groups whose every setting is in their option files: a key there that is in none of them is
+# a typo that Hydra lets through when given with '+' ('+mesa.decya=0.5', '+model.pretrained_pth=x'
+# would be ignored: a fine-tune from random weights). The known keys of a group with several
+# options (model, data, optim, logger) are those of all its files: another option's key is a
+# setting, if not this option's. Top level: the run name and the groups.
 # (Checked for a new run only: an older checkpoint's config may hold a setting since removed.)
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-SETTING_GROUPS = ("trainer", "mesa")
+SETTING_GROUPS = ("trainer", "mesa", "model", "data", "optim", "logger")
+TOP_LEVEL = ("name", *SETTING_GROUPS)
 
 
 def _leaf_keys(tree, prefix: str = "") -> list[str]:
@@ -86,24 +91,53 @@ def _leaf_keys(tree, prefix: str = "") -> list[str]:
     return [prefix[:-1]]
 
 
+def _group_settings(group: str) -> tuple[set[str], str] | None:
+    """The leaf keys of every option file of ``group`` and where they are written (None: a
+    package installed without its configs, nothing to compare)."""
+    from omegaconf import OmegaConf
+
+    files = sorted(glob.glob(os.path.join(_CONFIG_DIR, group, "*.yaml")))
+    if not files:
+        return None
+    known = set()
+    for path in files:
+        tree = OmegaConf.to_container(OmegaConf.load(path))
+        known.update(_leaf_keys({k: v for k, v in (tree or {}).items() if k != "defaults"}))
+    where = f"configs/{group}/{os.path.basename(files[0])}" if len(files) == 1 else f"configs/{group}/*.yaml"
+    return known, where
+
+
+def group_errors(group: str, values) -> list[str]:
+    """One line for each key of ``values`` (a group's settings as given) that no option file of
+    ``group`` has, naming the close ones."""
+    settings = _group_settings(group)
+    if settings is None:
+        return []
+    known, where = settings
+    errors = []
+    for key in _leaf_keys(values):
+        # (a known key, inside one whose default is null or {} (a dict given to it), or a dict of them)
+        if key not in known and not any(key.startswith(k + ".") or k.startswith(key + ".") for k in known):
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            errors.append(f"{group}.{key} is not a setting" + (f" (close: {', '.join(close)})" if close else "")
+                          + f"; all: {where}")
+    return errors
+
+
 def check_known_settings(cfg) -> None:
-    """Raise ``ConfigError`` for a ``trainer.*`` / ``mesa.*`` key that is no setting of the
-    group's default file (``configs/<group>/default.yaml``), naming the close ones."""
+    """Raise ``ConfigError`` for a key of a setting group (``trainer.*``, ``model.*``, ...) that
+    no option file of the group has, or a top-level key that is no group, naming the close ones."""
     from omegaconf import OmegaConf
 
     errors = []
+    for key in cfg:
+        if key not in TOP_LEVEL:
+            close = difflib.get_close_matches(str(key), TOP_LEVEL, n=3)
+            errors.append(f"{key} is not a setting" + (f" (close: {', '.join(close)})" if close else "")
+                          + f"; top-level keys: {', '.join(TOP_LEVEL)}")
     for group in SETTING_GROUPS:
-        path = os.path.join(_CONFIG_DIR, group, "default.yaml")
-        if not os.path.exists(path):  # (a package installed without its configs: nothing to compare)
-            continue
-        known = set(_leaf_keys(OmegaConf.to_container(OmegaConf.load(path))))
-        given = _leaf_keys(OmegaConf.to_container(cfg[group], resolve=False))
-        for key in given:
-            # (a known key, inside one whose default is null (a dict given to it), or a dict of them)
-            if key not in known and not any(key.startswith(k + ".") or k.startswith(key + ".") for k in known):
-                close = difflib.get_close_matches(key, sorted(known), n=3)
-                errors.append(f"{group}.{key} is not a setting" + (f" (close: {', '.join(close)})" if close else "")
-                              + f"; all: configs/{group}/default.yaml")
+        if group in cfg:
+            errors += group_errors(group, OmegaConf.to_container(cfg[group], resolve=False))
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 

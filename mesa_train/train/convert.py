@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import sharded
@@ -74,24 +76,56 @@ def file_to_sharded(src: str, dst: str) -> None:
     sharded.save_sharded(dst, model, optimizer, meta)
 
 
+def _check_destination(src: str, dst: str) -> None:
+    """Where the other format may be written: never over a path that exists (a checkpoint
+    there would be lost), into a folder that exists, and under a name that does not say the
+    other format (``last.pt`` for a directory, ``last.dcp`` for a file)."""
+    to_file = os.path.isdir(src)
+    if os.path.lexists(dst):
+        kind = "a directory" if os.path.isdir(dst) else "a file"
+        raise ckpt_lib.CheckpointError(f"{dst} already exists ({kind}); convert never writes over a path: "
+                                       "remove it first or choose another destination")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise ckpt_lib.CheckpointError(f"no such directory: {parent} (the destination's folder must exist)")
+    suffix = os.path.splitext(dst)[1]
+    if to_file and suffix == ".dcp":
+        raise ckpt_lib.CheckpointError(f"{dst}: a sharded checkpoint becomes one file; name it e.g. last.pt")
+    if not to_file and suffix in (".pt", ".pth"):
+        raise ckpt_lib.CheckpointError(f"{dst}: a single-file checkpoint becomes a DCP directory; name it e.g. "
+                                       "last.dcp")
+
+
+def _write_failure(err: BaseException) -> str:
+    """A failed write in one line: the file system's reason where it has one."""
+    err = sharded.dcp_failure(err)
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
 def convert(src: str, dst: str) -> str:
-    """Convert ``src`` to ``dst``; returns the direction as text."""
+    """Convert ``src`` to ``dst``; returns the direction as text. A write that fails (a full
+    disk) leaves nothing behind: not the half-written destination, not DCP's temporary folder."""
     src, dst = src.rstrip("/"), dst.rstrip("/")
     if not os.path.exists(src):
         raise ckpt_lib.CheckpointError(f"no such checkpoint: {src}")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ckpt_lib.CheckpointError("source and destination are the same path")
-    if os.path.isdir(src):
-        if os.path.isdir(dst):
-            raise ckpt_lib.CheckpointError(f"{dst} is a directory; a sharded checkpoint becomes one file "
-                                           "(e.g. last.pt)")
-        sharded_to_file(src, dst)
-        return "sharded -> single file"
-    if os.path.isfile(dst):
-        raise ckpt_lib.CheckpointError(f"{dst} is a file; a single-file checkpoint becomes a DCP directory "
-                                       "(e.g. last.dcp)")
-    file_to_sharded(src, dst)
-    return "single file -> sharded"
+    _check_destination(src, dst)
+    to_file = os.path.isdir(src)
+    try:
+        if to_file:
+            sharded_to_file(src, dst)
+        else:
+            file_to_sharded(src, dst)
+    except ckpt_lib.CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # OSError (a full disk), or DCP's wrapper of one
+        folder, name = os.path.split(os.path.abspath(dst))
+        shutil.rmtree(os.path.join(folder, f".{name}.tmp"), ignore_errors=True)
+        raise ckpt_lib.CheckpointError(f"cannot write {dst}: {_write_failure(err)}") from err
+    return "sharded -> single file" if to_file else "single file -> sharded"
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,7 @@ import os
 
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import sharded
-from mesa_train.train.config import ConfigError, validate
+from mesa_train.train.config import ConfigError, group_errors, validate
 from mesa_train.train.data import build_loaders
 from mesa_train.train.engine import evaluate
 from mesa_train.train.model import build as build_model_from_cfg
@@ -16,6 +16,21 @@ from mesa_train.train.runner import AMP_DTYPES, resolve_amp, resolve_device
 
 # trainer.* values evaluate.py takes from its own command line (train.py's names)
 TRAINER_KEYS = ("batch_size", "num_workers", "device", "amp", "pin_memory", "channels_last")
+# evaluate.py's own top-level settings (configs/eval.yaml); the model comes from the checkpoint
+EVAL_KEYS = ("checkpoint", "ema", "output", "data", "trainer")
+
+
+def check_eval_settings(cfg) -> None:
+    """``ConfigError`` for a key evaluate.py would ignore: one no setting of configs/eval.yaml
+    ('+model.name=deit_s': the model is the checkpoint's), or a ``data.*`` / ``trainer.*`` key
+    no option file of the group has ('+data.rooot=x')."""
+    errors = [f"{key} is not a setting of evaluate.py (settings: {', '.join(EVAL_KEYS)}; the model and "
+              "its Mesa layout come from the checkpoint)" for key in cfg if key not in EVAL_KEYS]
+    for group in ("data", "trainer"):
+        if cfg.get(group) is not None:
+            errors += group_errors(group, OmegaConf.to_container(cfg[group], resolve=False))
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
 def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, batch_size: int = 128,

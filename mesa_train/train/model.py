@@ -111,7 +111,7 @@ def _classifier_keys(model: nn.Module) -> list[str]:
 
 def load_pretrained(model: nn.Module, path: str) -> None:
     """Load ``path`` into the (stock, unpatched) ``model`` as described in the module docstring."""
-    from mesa_train.train.checkpoint import CheckpointError
+    from mesa_train.train.checkpoint import CheckpointError, check_finite_weights
 
     state = read_weights(path)
     filter_fn = getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
@@ -138,6 +138,7 @@ def load_pretrained(model: nn.Module, path: str) -> None:
                  (("missing", missing), ("unexpected", unexpected), ("shape mismatches", shapes)) if items]
         raise CheckpointError(f"model.pretrained_path={path} does not fit model {type(model).__name__} "
                               f"({'; '.join(parts)})")
+    check_finite_weights(state, [k for k, _ in model.named_parameters()], f"model.pretrained_path={path}")
     model.load_state_dict(state, strict=False)
     if reinit:
         log.info("pretrained weights from %s; classifier re-initialised (%s: other class count)",

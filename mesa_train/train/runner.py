@@ -95,6 +95,8 @@ def resume_path(cfg, run_dir: str) -> str | None:
     resume = str(resume)
     if not os.path.exists(resume):
         raise ckpt_lib.CheckpointError(f"trainer.resume={resume!r}: no such checkpoint")
+    if os.path.isdir(resume) and not sharded.is_sharded(resume):
+        _not_a_checkpoint_dir(resume, last_checkpoint_name(cfg))
     convert = "python -m mesa_train.train.convert"
     if fsdp and not os.path.isdir(resume):
         raise ckpt_lib.CheckpointError(
@@ -105,6 +107,17 @@ def resume_path(cfg, run_dir: str) -> str | None:
             f"trainer.resume={resume!r} is a sharded (FSDP) checkpoint; resume it with trainer.strategy=fsdp, or "
             f"make a single file of it: {convert} {resume} {resume.rstrip('/').removesuffix('.dcp')}.pt")
     return resume
+
+
+def _not_a_checkpoint_dir(path: str, last: str) -> None:
+    """trainer.resume named a folder that is no sharded checkpoint (a run directory, its
+    checkpoints/ folder): the checkpoints inside it, if any, as the value to give instead."""
+    inside = [os.path.join(path, *parts) for parts in (("checkpoints", last), (last,), ("checkpoints", "last.pt"),
+                                                       ("checkpoints", "last.dcp"), ("last.pt",), ("last.dcp",))]
+    found = list(dict.fromkeys(p for p in inside if os.path.isfile(p) or sharded.is_sharded(p)))
+    hint = (f"; did you mean trainer.resume={found[0]}?" if found else
+            " (a checkpoint is a file, last.pt, or a sharded folder, last.dcp/, with meta.pt inside)")
+    raise ckpt_lib.CheckpointError(f"trainer.resume={path!r} is a folder, not a checkpoint{hint}")
 
 
 def _on_rank0(fn, main: bool, world: int):

@@ -26,11 +26,22 @@ import warnings
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 
 META = "meta.pt"
+
+
+def dcp_failure(err: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (a BaseException whose
+    text is every rank's traceback), so that a full disk reads as the OSError it is."""
+    for failure in (getattr(err, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, Exception):
+            return inner
+    return err
 
 
 def is_sharded(path: str) -> bool:
@@ -75,8 +86,12 @@ def save_sharded(path: str, model: nn.Module, optimizer, meta: dict, copy_to: st
             copy_sharded(path, copy_to)
 
     _on_rank0(prepare)
-    with _quiet_single_process():
-        dcp.save(_state_dicts(model, optimizer), checkpoint_id=tmp)  # raises on every rank if one fails
+    try:
+        with _quiet_single_process():
+            dcp.save(_state_dicts(model, optimizer), checkpoint_id=tmp)  # raises on every rank if one fails
+    except CheckpointException as err:  # (a full disk: the OSError inside, as a .pt save raises it)
+        _on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        raise dcp_failure(err) from None
     _on_rank0(finish)
 
 
@@ -137,11 +152,13 @@ def load_sharded(path: str, model: nn.Module, optimizer=None) -> None:
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=path)
-    except Exception as err:  # keys or shapes of another model
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except (Exception, CheckpointException) as err:  # keys or shapes of another model, damaged shards
+        inner = dcp_failure(err)
+        first = (str(inner).strip().splitlines() or [type(inner).__name__])[0]
         raise ckpt_lib.CheckpointError(
-            f"the sharded checkpoint {path} does not fit the model ({first[:300]}). Was it trained with another "
-            "model or Mesa setting (mesa.enabled/ops/modules)?") from err
+            f"the sharded checkpoint {path} cannot be loaded into the model ({type(inner).__name__}: {first[:300]}). "
+            "Was it trained with another model or Mesa setting (mesa.enabled/ops/modules), or are its shards "
+            "damaged?") from None
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
