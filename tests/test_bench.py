@@ -194,6 +194,22 @@ def test_unknown_model_is_a_clear_error():
     assert "unknown model 'nope'" in proc.stderr and "deit_ti" in proc.stderr
 
 
+@pytest.mark.parametrize("override, message", [
+    ("threads=-3", "threads=-3: must be a positive integer (CPU threads), or null for torch's default"),
+    ("threads=0", "threads=0: must be a positive integer"),
+    ("output_dir={file}", "output_dir: cannot write results to {file}/cpu-quick"),
+])
+def test_bad_threads_and_an_unwritable_output_are_refused_before_measuring(tmp_path, override, message):
+    """threads=-3 was torch's traceback; an output_dir that is a file lost the measurement made
+    before writing it. Refused first, in one line."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    proc = _run("preset=cpu-quick", "only=Swin", "progress=false", override.format(file=blocker), timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message.format(file=blocker) in proc.stderr and "Traceback" not in proc.stderr
+    assert "measured" not in proc.stdout + proc.stderr
+
+
 def test_unknown_device_is_a_clear_error():
     from mesa_train.bench.measure import resolve_device
     from mesa_train.bench.presets import BenchConfigError

@@ -3,6 +3,8 @@ Markdown file; a wrong baseline tree is a one-line error. (Timings are not check
 belong to the benchmark's output, not to a unit test.)"""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mesa_train.bench import overhead
@@ -18,9 +20,19 @@ def test_overhead_table_has_every_layer_and_its_provenance(tmp_path, capsys):
     assert md == capsys.readouterr().out.rstrip("\n") + "\n"
 
 
-def test_a_baseline_tree_without_the_package_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="has no mesa_train package"):
-        overhead.main(["--baseline-tree", str(tmp_path)])
+def _usage_error(capsys, argv) -> str:
+    """The one stderr line and exit 2 of a refused command line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        overhead.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_a_baseline_tree_without_the_package_is_a_clear_error(tmp_path, capsys):
+    assert "has no mesa_train package" in _usage_error(capsys, ["--baseline-tree", str(tmp_path)])
 
 
 def test_python_functions_compares_both_paths_of_every_layer_and_restores_the_switch(tmp_path, monkeypatch):
@@ -56,9 +68,25 @@ def test_python_functions_compares_both_paths_of_every_layer_and_restores_the_sw
     assert quantizer_mod._FUSED_LAYERS is True
 
 
-def test_the_two_comparisons_are_one_at_a_time(tmp_path):
-    with pytest.raises(SystemExit, match="two different comparisons: pick one"):
-        overhead.main(["--python-functions", "--baseline-tree", str(tmp_path)])
+def test_the_two_comparisons_are_one_at_a_time(tmp_path, capsys):
+    err = _usage_error(capsys, ["--python-functions", "--baseline-tree", str(tmp_path)])
+    assert "two different comparisons: pick one" in err
+
+
+def test_bad_numbers_and_outputs_are_refused_before_any_timing(tmp_path, capsys, monkeypatch):
+    """--reps 0 timed nothing and died on an empty median; --rounds 0 printed an empty table; an
+    --output under a file or at a folder failed after the timing. All refused first."""
+    monkeypatch.setattr(overhead, "measure", lambda *a, **k: pytest.fail("measured despite a bad argument"))
+    for argv, message in ((["--reps", "0"], "argument --reps: 0 must be at least 1"),
+                          (["--rounds", "0"], "argument --rounds: 0 must be at least 1"),
+                          (["--reps", "-5"], "argument --reps: -5 must be at least 1"),
+                          (["--reps", "many"], "argument --reps: 'many' is not a whole number")):
+        with pytest.raises(SystemExit) as exit_:
+            overhead.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("x")
+    assert "cannot make its folder" in _usage_error(capsys, ["--output", str(tmp_path / "a_file" / "x.md")])
+    assert "is a folder" in _usage_error(capsys, ["--output", str(tmp_path)])
 
 
 def test_layers_picks_rows_and_an_unknown_name_is_a_one_line_error(tmp_path, capsys):
@@ -68,6 +96,5 @@ def test_layers_picks_rows_and_an_unknown_name_is_a_one_line_error(tmp_path, cap
     assert overhead.main(["--reps", "2", "--layers", "Linear,ViTBlock", "--output", str(out)]) == 0
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines() if line.startswith("| ")]
     assert rows == ["layer", "Linear", "ViTBlock"]
-    capsys.readouterr()
-    with pytest.raises(SystemExit, match=r"--layers 'Linear,Nope': unknown Nope; valid: Linear, GELU, .*ViTBlock"):
-        overhead.main(["--layers", "Linear,Nope"])
+    err = _usage_error(capsys, ["--layers", "Linear,Nope"])
+    assert re.search(r"--layers 'Linear,Nope': unknown Nope; valid: Linear, GELU, .*ViTBlock", err)

@@ -140,3 +140,14 @@ def test_an_older_run_pairs_by_model_and_has_no_host_side(tmp_path):
     (row,) = _table("## t\n" + pace.pace_table([times]), "## t")
     assert (row["GPU-time ratio (GPU-bound ceiling)"], row["Host-time ratio (profiled)"],
             row["Host ms/step, profiled (baseline -> row)"]) == ("**0.80x**", "–", "–")
+
+
+def test_an_output_that_cannot_be_written_is_refused(tmp_path, capsys):
+    """--output under a file was a NotADirectoryError traceback after the table was made."""
+    rows, profiles = _rows(), _profiles()
+    results, csv_path = _committed_run(tmp_path, rows, profiles, [30.0, 40.0, 60.0, 5.0])
+    with pytest.raises(SystemExit) as exit_:
+        pace.main([str(results), str(csv_path), "--output", str(csv_path / "pace.md")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --output") and "cannot make its folder" in err and err.count("\n") == 1

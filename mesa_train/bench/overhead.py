@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mesa_train.bench.cli import check_output, fail, positive_int
 from mesa_train.bench.report import _git, environment, print_and_save
 from mesa_train.patch import patch_model
 
@@ -374,29 +375,30 @@ def markdown(table: dict, baseline_tree: str | None, reps: int, rounds: int, pyt
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=2000, help="timed passes per layer (default 2000)")
+    p.add_argument("--reps", type=positive_int, default=2000, help="timed passes per layer (default 2000)")
     p.add_argument("--baseline-tree", help="another checkout (extension built) to compare with, same run")
     p.add_argument("--python-functions", action="store_true",
                    help="compare each layer's C++ layer op with its Python Function, same process")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="alternating rounds with --baseline-tree or --python-functions (default 3)")
     p.add_argument("--output", help="also write the Markdown table here")
     p.add_argument("--layers", help="only these rows, comma-separated (default: every layer)")
     args = p.parse_args(argv)
+    check_output(args.output)
     layers = None
     if args.layers:
         layers = [name.strip() for name in args.layers.split(",") if name.strip()]
         unknown = [name for name in layers if name not in LAYERS]
         if unknown or not layers:
-            raise SystemExit(f"error: --layers {args.layers!r}: unknown {', '.join(unknown) or '(none given)'}; "
-                             f"valid: {', '.join(LAYERS)}")
+            fail(f"--layers {args.layers!r}: unknown {', '.join(unknown) or '(none given)'}; "
+                 f"valid: {', '.join(LAYERS)}")
     if args.baseline_tree and args.python_functions:
-        raise SystemExit("error: --baseline-tree and --python-functions are two different comparisons: pick one")
+        fail("--baseline-tree and --python-functions are two different comparisons: pick one")
     if args.python_functions:
         table = compare_paths(args.reps, args.rounds, layers)
     elif args.baseline_tree:
         if not (Path(args.baseline_tree) / "mesa_train").is_dir():
-            raise SystemExit(f"error: --baseline-tree {args.baseline_tree} has no mesa_train package")
+            fail(f"--baseline-tree {args.baseline_tree} has no mesa_train package")
         table = compare(str(Path(__file__).resolve().parents[2]), args.baseline_tree, args.reps, args.rounds, layers)
     else:
         table = measure(args.reps, layers)

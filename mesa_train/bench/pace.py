@@ -25,6 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from mesa_train.bench.cli import check_output
+
 
 class PaceError(ValueError):
     """Files that cannot give the table (missing, corrupt, or a CPU profile); one line."""
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("profile_csv", type=Path, help="the same run's <device>.profile.csv (profile=true)")
     parser.add_argument("--output", type=Path, help="also write the table (and its explanation) here")
     args = parser.parse_args(argv)
+    check_output(None if args.output is None else str(args.output))
     try:
         table = pace_table(times_from_files(args.results_json, args.profile_csv))
     except PaceError as err:

@@ -90,9 +90,9 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     """Returns the exit status: 0 ok, 1 when a row failed with an error (OOM is a result,
     not a failure). Raises BenchConfigError / MesaUnavailable for bad configurations."""
     # 1. validate everything before running anything
-    threads = _get(cfg, "threads")
+    threads = _threads(cfg)
     if threads:
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
     preset, device, rows, search = prepare(cfg)
     name = preset["name"]
     search, mesa_error = _mesa_availability(cfg, rows, search)
@@ -106,6 +106,7 @@ def run_app(cfg: Any, command: str = "python -m mesa_train.bench") -> int:
     show = bool(_get(cfg, "progress", True))
     run = _RunFiles(out_dir=Path(_get(cfg, "output_dir", "results")) / name, slug=report.device_slug(device),
                     env=report.environment(device), command=command, started=time.perf_counter())
+    _check_writable(run.out_dir)  # (before minutes of measuring, not after)
     results = _measure_rows(cfg, preset, device, rows, mesa_error, seed, show, run)
     rows_s = time.perf_counter() - run.started
     search_summary: list[dict[str, Any]] = []
@@ -145,6 +146,29 @@ class _RunFiles:
     env: dict
     command: str
     started: float
+
+
+def _threads(cfg: Any) -> int | None:
+    """``threads``: CPU threads for the run (null: torch's default)."""
+    value = _get(cfg, "threads")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BenchConfigError(f"threads={value!r}: must be a positive integer (CPU threads), or null for "
+                               "torch's default")
+    return value
+
+
+def _check_writable(out_dir: Path) -> None:
+    """The run's output folder exists or can be made, and takes a file."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise BenchConfigError(f"output_dir: cannot write results to {out_dir} "
+                               f"({err.strerror or type(err).__name__}); choose a writable output_dir") from None
 
 
 def _mesa_availability(cfg: Any, rows: list[RowConfig], search):

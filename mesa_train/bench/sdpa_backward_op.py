@@ -24,6 +24,7 @@ import time
 import torch
 
 from mesa_train import quant
+from mesa_train.bench.cli import check_output, positive_int
 from mesa_train.bench.report import environment, print_and_save
 from mesa_train.nn import sdpa_backward
 
@@ -98,10 +99,11 @@ def markdown(table: dict, reps: int, rounds: int) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=2000, help="timed calls per case and round (default 2000)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--reps", type=positive_int, default=2000, help="timed calls per case and round (default 2000)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="rounds (default 3)")
     p.add_argument("--output", help="also write the Markdown table here")
     args = p.parse_args(argv)
+    check_output(args.output)
     if quant.BACKEND != "extension":
         p.error(f"the compiled extension is not loaded ({quant.extension_error}): there is no C++ kernel to time")
     print_and_save(markdown(compare(args.reps, args.rounds), args.reps, args.rounds), args.output)
