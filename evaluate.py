@@ -22,6 +22,18 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger("evaluate")
 
 
+def _write_json(data: dict, path: str) -> None:
+    """``path`` whole or not at all: a full disk leaves no empty eval.json behind."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 @hydra.main(config_path="configs", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
@@ -42,8 +54,7 @@ def main(cfg: DictConfig) -> float:
         metrics = evaluate_checkpoint(cfg.checkpoint, data=data, ema=cfg.ema, trainer=trainer)
         os.makedirs(output, exist_ok=True)
         path = os.path.join(output, "eval.json")
-        with open(path, "w") as f:
-            json.dump(metrics, f, indent=2)
+        _write_json(metrics, path)
     except Exception as err:  # noqa: BLE001
         described = errors.describe(err)
         if described is None:
@@ -59,4 +70,7 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    # (a full disk under the run directory fails every log record's write: the one error line
+    # below says so, not logging's traceback for each record)
+    logging.raiseExceptions = False
     main()

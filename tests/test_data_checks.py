@@ -20,6 +20,20 @@ def test_val_split_lacking_a_class_is_refused(compose_train, tmp_path):
         data_lib.build_loaders(cfg)
 
 
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_split_without_class_folders_is_refused(compose_train, tmp_path, split):
+    """Images put straight into train/ or val/ (no class folders) were torchvision's traceback
+    about 'class_to_index'; now the split and the layout are named."""
+    root = write_image_folder(tmp_path / "imgs")
+    for folder in (root / split).iterdir():
+        for f in folder.iterdir():
+            f.rename(root / split / f"{folder.name}-{f.name}")
+        folder.rmdir()
+    cfg = compose_train(["data=imagenet", f"data.root={root}", "model.img_size=32", "trainer.num_workers=0"])
+    with pytest.raises(data_lib.DataError, match=f"(?s){root / split} has no class folders: .*train/<class>/<image>"):
+        data_lib.build_loaders(cfg)
+
+
 def test_val_labels_follow_train_classes(compose_train, tmp_path):
     root = write_image_folder(tmp_path / "imgs")
     cfg = compose_train(["data=imagenet", f"data.root={root}", "model.img_size=32"])

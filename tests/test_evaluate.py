@@ -93,3 +93,25 @@ def test_evaluate_refuses_settings_it_would_ignore(trained, tmp_path, run_cli):
     assert "foo is not a setting of evaluate.py" in err
     assert "data.rooot is not a setting (close: root" in err
     assert not (tmp_path / "hydra" / "eval.json").exists()
+
+
+def test_a_full_disk_leaves_no_empty_metrics_file(tmp_path, monkeypatch):
+    """eval.json is written whole or not at all: a write that fails half-way (a full disk)
+    removes what it wrote, where a plain open() left an empty eval.json that looks like a
+    result."""
+    import errno
+    import importlib.util
+    import json as json_mod
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", REPO / "evaluate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def full_disk(obj, f, **kwargs):
+        f.write("{")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json_mod, "dump", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        script._write_json({"top1": 1.0}, str(tmp_path / "eval.json"))
+    assert list(tmp_path.iterdir()) == []

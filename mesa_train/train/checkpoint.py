@@ -164,6 +164,8 @@ def _load_failure(err: Exception) -> str:
     if isinstance(err, pickle.UnpicklingError):
         return "UnpicklingError: it holds more than tensors and plain data, or is not a pickle at all"
     first = (str(err).strip().splitlines() or [""])[0]
+    # (torch's zip errors go on for sentences of advice; the first says what is wrong, whole)
+    first = first.split(". ")[0].rstrip(".")
     return f"{type(err).__name__}: {first[:200]}"
 
 

@@ -212,8 +212,12 @@ def image_folder(root: str, split: str, transform, skip_corrupt: bool = False):
     if not os.path.isdir(path):
         raise DataError(f"ImageFolder split not found: {os.path.abspath(path)} is not a directory.\n"
                         + IMAGEFOLDER_HELP.format(root=root))
-    classes = None
     train_path = os.path.join(root, "train")
+    for where in dict.fromkeys(p for p in (train_path, path) if os.path.isdir(p)):
+        if not _folder_classes(where):  # (torchvision's ImageFolder: a ValueError about 'class_to_index')
+            raise DataError(f"{os.path.abspath(where)} has no class folders: its images go in one folder per "
+                            "class.\n" + IMAGEFOLDER_HELP.format(root=root))
+    classes = None
     if split != "train" and os.path.isdir(train_path):
         classes = _folder_classes(train_path)
         own = _folder_classes(path)
