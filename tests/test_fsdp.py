@@ -95,7 +95,8 @@ def _single_file(run_dir, tmp_path, strategy):
     if strategy == "ddp":
         return os.path.join(ckpt_dir, "last.pt")
     out = str(tmp_path / f"{os.path.basename(run_dir)}-{strategy}.pt")
-    convert(os.path.join(ckpt_dir, "last.dcp"), out)
+    if not os.path.exists(out):  # (converted once: convert never writes over a path)
+        convert(os.path.join(ckpt_dir, "last.dcp"), out)
     return out
 
 
