@@ -19,6 +19,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from mesa_train.hydra_cli import exit_on_bad_overrides
+
 log = logging.getLogger("evaluate")
 
 
@@ -73,4 +75,5 @@ if __name__ == "__main__":
     # (a full disk under the run directory fails every log record's write: the one error line
     # below says so, not logging's traceback for each record)
     logging.raiseExceptions = False
+    exit_on_bad_overrides(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"), "eval")
     main()

@@ -18,14 +18,19 @@ for the codes). In a sweep (-m) a failed job is recorded (failed.json) and the s
 on; the summary table marks it with its error and the sweep exits 1.
 """
 import logging
+import os
+import re
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig
 
 from mesa_train.train import distributed
+from mesa_train.hydra_cli import exit_on_bad_overrides
 
 log = logging.getLogger("train")
+_STARTED = time.time()  # (a run directory made after this is this process's)
 
 
 def _prepare_ranks() -> None:
@@ -35,6 +40,26 @@ def _prepare_ranks() -> None:
         distributed.share_run_stamp()
         if distributed.env_rank() != 0:
             sys.argv += ["hydra.output_subdir=null", "hydra.job_logging.root.handlers=[console]"]
+
+
+def _remove_if_left_empty(run_dir: str) -> None:
+    """A run refused at start-up writes nothing (.hydra/ comes after the checks), but Hydra has
+    made its directory by then: remove it when it is empty and this process made it (a folder
+    made earlier, even empty, stays), and in the default layout outputs/<date>/ and outputs/
+    when those are left empty and new too. Under torchrun every rank tries; an error (another
+    rank was first) is ignored."""
+    folders = [run_dir]
+    date_folder = os.path.dirname(run_dir)
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", os.path.basename(date_folder)):  # (the default layout's)
+        folders += [date_folder] + ([os.path.dirname(date_folder)]
+                                    if os.path.basename(os.path.dirname(date_folder)) == "outputs" else [])
+    for folder in folders:
+        try:
+            if os.listdir(folder) or os.stat(folder).st_ctime < _STARTED - 1:
+                return
+            os.rmdir(folder)
+        except OSError:
+            return
 
 
 def _log_to_file(message: str) -> None:
@@ -73,6 +98,8 @@ def main(cfg: DictConfig) -> float | None:
         if accepted:
             _log_to_file(f"error: {message}")
         if not multirun:
+            if not accepted:
+                _remove_if_left_empty(run_dir)
             sys.exit(code)
         rundir.write_failure(run_dir, message)
         if code in (130, 143):  # Ctrl-C / SIGTERM ends the sweep, with its summary so far
@@ -85,6 +112,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # (model=bogus, trainer.epochz=3: one line and exit 2, before Hydra makes a run directory)
+    exit_on_bad_overrides(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"), "train")
     _prepare_ranks()
     try:
         main()

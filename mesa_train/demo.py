@@ -124,13 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     (as train.py; mesa_train/train/errors.py), never a traceback."""
     from hydra.errors import HydraException
 
+    from mesa_train.hydra_cli import override_error
     from mesa_train.train import errors
 
     args = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in args):
         print(__doc__.strip())
         return 0
-    message = bad_override(args)
+    # (an unknown key or config group: one line naming the valid ones, before anything trains)
+    message = bad_override(args) or override_error(str(CONFIGS), "train", [f"experiment={RUNS[0][1]}", *args])
     if message is None:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         try:

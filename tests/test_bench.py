@@ -582,6 +582,12 @@ def test_skip_drops_rows_but_keeps_baselines():
     assert [r.label for r in expand_preset(speed, skip="")] == every
     with pytest.raises(BenchConfigError, match="skip='nothing' matches no"):
         expand_preset(speed, skip=["fused", "nothing"])
+    # only= and skip= naming the same rows left nothing, and the run said the preset had no rows
+    with pytest.raises(BenchConfigError, match=r"skip='DeiT-S' drops every row of the rows only='DeiT-S' kept: "
+                                               r"nothing left to measure; rows: DeiT-S explicit, "):
+        expand_preset(modern, only="DeiT-S", skip="DeiT-S")
+    with pytest.raises(BenchConfigError, match=r"skip=\['Mesa', 'stock'\] drops every row: nothing left"):
+        expand_preset(speed, skip=["Mesa", "stock"])
 
 
 def test_speed_preset_runs_every_knob(tmp_path):

@@ -85,7 +85,7 @@ def test_bad_numbers_and_outputs_are_refused_before_any_timing(tmp_path, capsys,
             overhead.main(argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
     (tmp_path / "a_file").write_text("x")
-    assert "cannot make its folder" in _usage_error(capsys, ["--output", str(tmp_path / "a_file" / "x.md")])
+    assert "cannot make the folder" in _usage_error(capsys, ["--output", str(tmp_path / "a_file" / "x.md")])
     assert "is a folder" in _usage_error(capsys, ["--output", str(tmp_path)])
 
 
@@ -93,7 +93,7 @@ def test_layers_picks_rows_and_an_unknown_name_is_a_one_line_error(tmp_path, cap
     """``--layers``: only the named rows (a whole ViT block among them); a name that is not a row
     is refused with the valid names, before anything is measured."""
     out = tmp_path / "some.md"
-    assert overhead.main(["--reps", "2", "--layers", "Linear,ViTBlock", "--output", str(out)]) == 0
+    assert overhead.main(["--reps", "2", "--layers", "linear,VITBLOCK", "--output", str(out)]) == 0
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines() if line.startswith("| ")]
     assert rows == ["layer", "Linear", "ViTBlock"]
     err = _usage_error(capsys, ["--layers", "Linear,Nope"])

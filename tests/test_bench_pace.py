@@ -107,6 +107,9 @@ def test_the_table_is_rebuilt_from_a_committed_run(tmp_path, capsys):
     ("cpu profile", "no self_cuda times (a CPU profile)"),
     ("corrupt csv", "not a bench profile CSV"),
     ("no pair", "no Mesa row profiled together with its baseline"),
+    # the same preset's profile from another GPU, or from the same GPU on another day
+    ("another gpu", "gpu.profile.csv is another run's profile (H100, d) than "),
+    ("another day", "gpu.profile.csv is another run's profile (GPU, e) than "),
 ])
 def test_files_that_cannot_give_the_table_are_one_line_errors(tmp_path, capsys, case, message):
     rows, profiles = _rows(), _profiles()
@@ -119,6 +122,10 @@ def test_files_that_cannot_give_the_table_are_one_line_errors(tmp_path, capsys, 
         csv_path.write_text(csv_path.read_text().replace("self_cuda", "self_cpu"))
     elif case == "corrupt csv":
         csv_path.write_text("preset,label\np,stock\n")
+    elif case in ("another gpu", "another day"):
+        env = {**GPU_ENV, "device": "H100"} if case == "another gpu" else {**GPU_ENV, "date": "e"}
+        write_files(tmp_path / "gpu.profile.md", csv_path, preset="p", env=env, command="c", steps=1, rows=rows,
+                    profiles=profiles)
     else:  # only the baselines profiled
         write_files(tmp_path / "gpu.profile.md", csv_path, preset="p", env=GPU_ENV, command="c", steps=1, rows=rows,
                     profiles=[profiles[0], profiles[3]])
@@ -150,4 +157,4 @@ def test_an_output_that_cannot_be_written_is_refused(tmp_path, capsys):
         pace.main([str(results), str(csv_path), "--output", str(csv_path / "pace.md")])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --output") and "cannot make its folder" in err and err.count("\n") == 1
+    assert err.startswith("error: --output") and "cannot make the folder" in err and err.count("\n") == 1

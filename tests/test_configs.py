@@ -190,6 +190,14 @@ def test_any_timm_model_and_shape_errors_before_data(compose_train):
     config_lib.validate(cfg)
     with pytest.raises(config_lib.ConfigError, match="cannot be built"):
         check_buildable(cfg)
+    # an image side that is not a multiple of the patch size: timm's stride-p convolution
+    # dropped the last pixels without a word (img_size=30, patch 16: 16 of 30 used)
+    cfg = compose_train(["model.name=vit_small_patch16_224", "model.img_size=30"])
+    with pytest.raises(config_lib.ConfigError, match=r"model.img_size=30 is not a multiple of the patch size 16: "
+                                                     r"the patch embedding would drop the last 14 pixels of each "
+                                                     r"image side; use model.img_size=16 or 32"):
+        check_buildable(cfg)
+    check_buildable(compose_train(["model=pvt_v2_b1", "model.img_size=30"]))  # (overlapping convolutions: no loss)
 
 
 def test_wandb_online_without_a_key_is_refused(compose_train, monkeypatch, tmp_path):

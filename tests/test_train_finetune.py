@@ -67,6 +67,27 @@ def test_finetune_from_a_timm_weights_file(compose_train, tmp_path):
         build(cfg, 10)
 
 
+def test_an_unreadable_weights_file_is_one_line_without_torchs_advice(compose_train, tmp_path):
+    """A truncated or foreign weights file: one line naming the file and what is wrong, with the
+    same wording as a torn checkpoint (checkpoint.load_failure). torch's own text for a pickle
+    holding code advises weights_only=False, i.e. running the file's code: never passed on."""
+    import pickle
+
+    truncated = tmp_path / "truncated.pth"
+    torch.save({"w": torch.zeros(64)}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:40])
+    with_code = tmp_path / "code.pth"
+    with open(with_code, "wb") as f:
+        pickle.dump({"w": ckpt_lib.CheckpointError("x")}, f)  # (a class instance: not plain data)
+    for path, says in ((truncated, "cannot read weights (RuntimeError: "), (with_code, "UnpicklingError: it holds")):
+        cfg = compose_train(TINY_MODELS["deit"] + FAST_TRAINER + [f"model.pretrained_path={path}"])
+        with pytest.raises(ckpt_lib.CheckpointError) as err:
+            build(cfg, 10)
+        text = str(err.value)
+        assert text.startswith(f"model.pretrained_path={path}: ") and says in text, text
+        assert "\n" not in text and "weights_only=False" not in text, text
+
+
 def test_layer_decay_scales_the_lr_per_block(compose_train, tmp_path):
     fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ["optim.layer_decay=0.5"]), str(tmp_path))
     groups = ckpt_lib.load_checkpoint(str(tmp_path / "checkpoints" / "last.pt"))["optimizer"]["param_groups"]

@@ -18,6 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from mesa_train.bench import CONFIG_DIR
+from mesa_train.hydra_cli import exit_on_bad_overrides
 
 
 def _error(msg: str, code: int) -> None:
@@ -75,4 +76,5 @@ def _resolve_auto(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 
 if __name__ == "__main__":
+    exit_on_bad_overrides(CONFIG_DIR, "config", prefix="mesa_train.bench: error: ")
     main()

@@ -26,17 +26,32 @@ def positive_int(text: str) -> int:
     return value
 
 
+def folder_write_problem(folder: str) -> str | None:
+    """Why files cannot be written into ``folder`` (made first when missing), or None: a probe
+    file is written and removed, which also catches a read-only mount or a full disk that
+    ``os.access`` reports as writable. The bench runner's output_dir and the commands'
+    ``--output`` both go through here."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        return f"cannot make the folder {folder} ({err.strerror or type(err).__name__})"
+    probe = os.path.join(folder, f".write-check-{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        return f"cannot write into {folder} ({err.strerror or type(err).__name__})"
+    return None
+
+
 def check_output(path: str | None, option: str = "--output") -> None:
     """``fail`` unless ``path`` (a file to write; None: none) can be written: not a folder,
-    its folder a folder that exists or can be made, and writable."""
+    and its folder (made when missing) takes a file."""
     if path is None:
         return
     if os.path.isdir(path):
         fail(f"{option} {path} is a folder; give a file name (e.g. {os.path.join(path, 'table.md')})")
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as err:
-        fail(f"{option} {path}: cannot make its folder {folder} ({err.strerror or type(err).__name__})")
-    if not os.access(folder, os.W_OK):
-        fail(f"{option} {path}: its folder {folder} is not writable")
+    problem = folder_write_problem(os.path.dirname(os.path.abspath(path)))
+    if problem is not None:
+        fail(f"{option} {path}: {problem}")

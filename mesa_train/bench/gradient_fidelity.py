@@ -399,7 +399,10 @@ def main() -> None:
 
     import hydra
 
+    from mesa_train.hydra_cli import exit_on_bad_overrides
+
     config_dir = str(Path(__file__).resolve().parents[2] / "configs" / "bench" / "gradients")
+    exit_on_bad_overrides(config_dir, "config", prefix="mesa_train.bench.gradient_fidelity: error: ")
 
     @hydra.main(version_base="1.3", config_path=config_dir, config_name="config")
     def _app(cfg) -> None:

@@ -382,14 +382,17 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="alternating rounds with --baseline-tree or --python-functions (default 3)")
     p.add_argument("--output", help="also write the Markdown table here")
-    p.add_argument("--layers", help="only these rows, comma-separated (default: every layer)")
+    p.add_argument("--layers", help="only these rows, comma-separated, any case (default: every layer)")
     args = p.parse_args(argv)
     check_output(args.output)
     layers = None
     if args.layers:
-        layers = [name.strip() for name in args.layers.split(",") if name.strip()]
-        unknown = [name for name in layers if name not in LAYERS]
-        if unknown or not layers:
+        # (case-insensitive: gelu, GeLU and GELU name one row; the table keeps the row's own spelling)
+        by_lower = {name.lower(): name for name in LAYERS}
+        given = [name.strip() for name in args.layers.split(",") if name.strip()]
+        unknown = [name for name in given if name.lower() not in by_lower]
+        layers = [by_lower[name.lower()] for name in given if name.lower() in by_lower]
+        if unknown or not given:
             fail(f"--layers {args.layers!r}: unknown {', '.join(unknown) or '(none given)'}; "
                  f"valid: {', '.join(LAYERS)}")
     if args.baseline_tree and args.python_functions:

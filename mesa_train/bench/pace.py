@@ -94,26 +94,45 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _read_totals(path: Path) -> dict[tuple[str, str], float]:
-    """{(label, "self_cuda" | "self_cpu"): ms per step} summed over a profile CSV's ops."""
+def _read_totals(path: Path) -> tuple[dict[tuple[str, str], float], set[tuple[str, str]]]:
+    """{(label, "self_cuda" | "self_cpu"): ms per step} summed over a profile CSV's ops, and the
+    (device, date) runs its lines name (none in a CSV written before those columns)."""
     totals: dict[tuple[str, str], float] = defaultdict(float)  # (a profile before the host side: no self_cpu)
+    runs: set[tuple[str, str]] = set()
     try:
         with open(path, newline="") as f:
             for line in csv.DictReader(f):
                 totals[(line["label"], line["time"])] += float(line["ms_per_step"])
+                if line.get("date"):
+                    runs.add((line.get("device") or "", line["date"]))
     except FileNotFoundError:
         raise PaceError(f"{path}: no such file (profile=true writes <device>.profile.csv)") from None
     except (OSError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise PaceError(f"{path}: not a bench profile CSV ({type(err).__name__}: {err})") from None
     if not any(kind == "self_cuda" for _, kind in totals):
         raise PaceError(f"{path}: no self_cuda times (a CPU profile); the GPU-time ratio needs a GPU run")
-    return totals
+    return totals, runs
+
+
+def _check_same_run(results_json: Path, data: dict, profile_csv: Path, runs: set[tuple[str, str]]) -> None:
+    """A profile of another run (another GPU, or the same preset another day) read against these
+    results would pair their step times with its kernel times: refused where the CSV names its run."""
+    env = data.get("environment") or {}
+    this = (str(env.get("device", "")), str(env.get("date", "")))
+    other = sorted(run for run in runs if run != this)
+    if other:
+        device, date = other[0]
+        raise PaceError(f"{profile_csv} is another run's profile ({device}, {date}) than {results_json} "
+                        f"({this[0] or 'no device'}, {this[1] or 'no date'}); give the profile.csv written "
+                        "beside that JSON")
 
 
 def times_from_files(results_json: Path, profile_csv: Path) -> list[RowTimes]:
     """Each Mesa row of a bench run with its group's baseline, both profiled."""
-    rows = _read_json(results_json)["rows"]
-    totals = _read_totals(profile_csv)
+    data = _read_json(results_json)
+    rows = data["rows"]
+    totals, runs = _read_totals(profile_csv)
+    _check_same_run(results_json, data, profile_csv, runs)
     try:
         # (the bench's pairing: RowConfig.group_name, the group or else the model)
         configs = [(r["config"]["label"], r["config"].get("group") or r["config"].get("model") or r["config"]["label"],

@@ -312,7 +312,12 @@ def expand_preset(preset: dict, only: str | None = None,
     kept = [r for r in rows if r.baseline or not any(text in r.label for text in skips)]
     # a baseline whose every other row was skipped has nothing left to be compared with
     emptied = {r.group_name for r in rows if not r.baseline} - {r.group_name for r in kept if not r.baseline}
-    return [r for r in kept if r.group_name not in emptied]
+    left = [r for r in kept if r.group_name not in emptied]
+    if rows and skips and not left:
+        kept_by = f" of the rows only={only!r} kept" if only else ""
+        raise BenchConfigError(f"skip={skips if many else skips[0]!r} drops every row{kept_by}: nothing left to "
+                               f"measure; rows: {', '.join(r.label for r in rows)}")
+    return left
 
 
 __all__ = ["AMP_CHOICES", "ATTENTION_CHOICES", "BenchConfigError", "MODEL_NAMES", "RowConfig",

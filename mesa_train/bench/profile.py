@@ -322,7 +322,9 @@ def run_profiles(rows: list[RowConfig], statuses: list[str], device: torch.devic
 
 # --------------------------------------------------------------------------- files
 
-CSV_COLUMNS = ["preset", "label", "op", "category", "ms_per_step", "calls_per_step", "time"]
+# (device and date: the run's, as in its results JSON's environment, so that a profile is never
+# read against another run's results: mesa_train.bench.pace checks them)
+CSV_COLUMNS = ["preset", "label", "op", "category", "ms_per_step", "calls_per_step", "time", "device", "date"]
 
 
 def _ms(value: float | None, signed: bool = False) -> str:
@@ -516,5 +518,5 @@ def write_files(md_path: Path, csv_path: Path, *, preset: str, env: dict[str, An
                 for (op, cat), (ms, n) in sorted(ops.items(), key=lambda kv: -kv[1][0]):
                     writer.writerow({"preset": preset, "label": p.label, "op": op, "category": cat,
                                      "ms_per_step": f"{ms:.4f}", "calls_per_step": f"{n:g}",
-                                     "time": time_kind})
+                                     "time": time_kind, "device": env.get("device", ""), "date": env.get("date", "")})
     return md

@@ -15,6 +15,7 @@ import torch
 from mesa_train.bench import measure as _measure
 from mesa_train.bench import profile as _profile
 from mesa_train.bench import report
+from mesa_train.bench.cli import folder_write_problem
 from mesa_train.bench.measure import Measurement, MesaUnavailable, resolve_device, run_row
 from mesa_train.bench.plot import tradeoff_plot
 from mesa_train.bench.model_check import check_model
@@ -161,14 +162,10 @@ def _threads(cfg: Any) -> int | None:
 
 def _check_writable(out_dir: Path) -> None:
     """The run's output folder exists or can be made, and takes a file."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".write-check"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise BenchConfigError(f"output_dir: cannot write results to {out_dir} "
-                               f"({err.strerror or type(err).__name__}); choose a writable output_dir") from None
+    problem = folder_write_problem(str(out_dir))
+    if problem is not None:
+        raise BenchConfigError(f"output_dir: cannot write results to {out_dir}: {problem}; "
+                               "choose a writable output_dir")
 
 
 def _mesa_availability(cfg: Any, rows: list[RowConfig], search):

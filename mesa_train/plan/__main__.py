@@ -9,6 +9,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from mesa_train.hydra_cli import exit_on_bad_overrides
+
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 _AMP = {"none": None, "fp32": None, "bf16": "bfloat16", "fp16": "float16"}
@@ -83,4 +85,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_bad_overrides(CONFIG_DIR, "plan", prefix="mesa_train.plan: error: ")
     main()

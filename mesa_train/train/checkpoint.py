@@ -157,7 +157,7 @@ def copy_checkpoint(src: str, dst: str) -> None:
         _atomic_write(dst, lambda f: shutil.copyfileobj(source, f, 16 << 20))
 
 
-def _load_failure(err: Exception) -> str:
+def load_failure(err: Exception) -> str:
     """torch.load's error in one line. An unpickling failure under weights_only is said
     without torch's text, which advises loading with weights_only=False: running whatever code
     the file holds, never the remedy for a file that is not a mesa-train checkpoint."""
@@ -178,7 +178,7 @@ def load_checkpoint(path: str) -> dict:
     except Exception as err:  # truncated zip, garbage bytes, pickle errors ...
         raise CheckpointError(
             f"cannot read checkpoint {path}: the file is corrupt or truncated, or not a "
-            f"torch checkpoint ({_load_failure(err)})"
+            f"torch checkpoint ({load_failure(err)})"
         ) from err
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a mesa-train checkpoint (no '{FORMAT}' tag)")
@@ -293,9 +293,13 @@ def check_finite_weights(state_dict: dict, names, source: str) -> None:
     """``CheckpointError`` where a parameter among ``names`` holds NaN or inf: a file written by a
     run that had already diverged would otherwise evaluate to garbage or restart the divergence
     with a misleading cause. Only parameters: a buffer may hold an infinity on purpose."""
-    bad = [(k, int((~torch.isfinite(state_dict[k])).sum())) for k in names
-           if k in state_dict and torch.is_tensor(state_dict[k]) and state_dict[k].is_floating_point()
-           and not bool(torch.isfinite(state_dict[k]).all())]
+    bad = []
+    for k in names:
+        value = state_dict.get(k)
+        if torch.is_tensor(value) and value.is_floating_point():
+            not_finite = int((~torch.isfinite(value)).sum())
+            if not_finite:
+                bad.append((k, not_finite))
     if bad:
         first, count = bad[0]
         more = f" (+{len(bad) - 1} more tensors)" if len(bad) > 1 else ""

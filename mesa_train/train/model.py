@@ -15,6 +15,7 @@ import sys
 
 import torch
 import torch.nn as nn
+from timm.layers import PatchEmbed
 
 from mesa_train.models import build_model
 from mesa_train.train.config import ConfigError, mesa_options, named_model_kwargs
@@ -37,14 +38,32 @@ def check_buildable(cfg, num_classes: int = 10) -> None:
     cannot take fails at start-up as a ``ConfigError``, not after the data is loaded."""
     try:
         with torch.device("meta"):
-            build_model(cfg.model.name, fused_attn=cfg.model.fused_attn,
-                        **_overrides(cfg, num_classes, cfg.optim.drop_path))
+            model = build_model(cfg.model.name, fused_attn=cfg.model.fused_attn,
+                                **_overrides(cfg, num_classes, cfg.optim.drop_path))
     except Exception as err:  # timm raises assertion/type/value errors for bad shapes
         hint = ""
         if "img_size" in str(err) and cfg.model.img_size_kwarg:
             hint = " (a model without an img_size argument needs model.img_size_kwarg=false)"
         raise ConfigError(f"model {cfg.model.name!r} cannot be built with these model.* settings: "
                           f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}{hint}") from None
+    check_patch_grid(model)
+
+
+def check_patch_grid(model: nn.Module) -> None:
+    """``ConfigError`` where timm's patch embedding would drop pixels: its convolution has
+    stride = kernel = patch size and no padding, so an image side that is not a multiple of the
+    patch size loses its last pixels without a word (model.img_size=30, patch 8: 24 used). A
+    model that pads (``dynamic_img_pad``) or embeds with overlapping convolutions (PVT-v2) is fine."""
+    embed = getattr(model, "patch_embed", None)
+    if not isinstance(embed, PatchEmbed) or embed.img_size is None or embed.dynamic_img_pad:
+        return
+    for side, patch in zip(embed.img_size, embed.patch_size):
+        if side % patch:
+            lower, upper = side - side % patch, side - side % patch + patch
+            valid = f"{lower} or {upper}" if lower else f"{upper}"
+            raise ConfigError(f"model.img_size={side} is not a multiple of the patch size {patch}: the patch "
+                              f"embedding would drop the last {side % patch} pixels of each image side; "
+                              f"use model.img_size={valid}")
 
 
 def build(cfg, num_classes: int, drop_path: float | None = None, pretrained: bool = True) -> nn.Module:
@@ -71,7 +90,7 @@ def read_weights(path: str) -> dict:
     """The model weights in ``path`` (timm/PyTorch file or mesa-train checkpoint), without
     Mesa estimate buffers and wrapper prefixes."""
     from mesa_train.patch import patched_to_stock_state_dict
-    from mesa_train.train.checkpoint import FORMAT, CheckpointError
+    from mesa_train.train.checkpoint import FORMAT, CheckpointError, load_failure
 
     try:
         if path.endswith(".safetensors"):
@@ -81,8 +100,7 @@ def read_weights(path: str) -> dict:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise CheckpointError(f"model.pretrained_path={path}: cannot read weights ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        raise CheckpointError(f"model.pretrained_path={path}: cannot read weights ({load_failure(err)})") from None
     if isinstance(state, dict) and state.get("format") == FORMAT:
         state = state["model"]
     else:

@@ -112,9 +112,10 @@ def resume_path(cfg, run_dir: str) -> str | None:
 def _not_a_checkpoint_dir(path: str, last: str) -> None:
     """trainer.resume named a folder that is no sharded checkpoint (a run directory, its
     checkpoints/ folder): the checkpoints inside it, if any, as the value to give instead."""
-    inside = [os.path.join(path, *parts) for parts in (("checkpoints", last), (last,), ("checkpoints", "last.pt"),
-                                                       ("checkpoints", "last.dcp"), ("last.pt",), ("last.dcp",))]
-    found = list(dict.fromkeys(p for p in inside if os.path.isfile(p) or sharded.is_sharded(p)))
+    # the run's own checkpoint name first, then either format's, inside checkpoints/ or here
+    names = [last] + [name for name in ("last.pt", "last.dcp") if name != last]
+    inside = [os.path.join(path, "checkpoints", name) for name in names] + [os.path.join(path, name) for name in names]
+    found = [p for p in inside if os.path.isfile(p) or sharded.is_sharded(p)]
     hint = (f"; did you mean trainer.resume={found[0]}?" if found else
             " (a checkpoint is a file, last.pt, or a sharded folder, last.dcp/, with meta.pt inside)")
     raise ckpt_lib.CheckpointError(f"trainer.resume={path!r} is a folder, not a checkpoint{hint}")

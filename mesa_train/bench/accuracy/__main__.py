@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from mesa_train.bench.accuracy import CONFIG_DIR
+from mesa_train.hydra_cli import exit_on_bad_overrides
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
@@ -34,4 +35,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_bad_overrides(CONFIG_DIR, "config", prefix="mesa_train.bench.accuracy: error: ")
     main()

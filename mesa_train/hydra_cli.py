@@ -1,0 +1,167 @@
+"""The Hydra entry points' first step: command-line mistakes caught before Hydra runs, as one
+line that names the valid choices. (Imported by the commands only, never by the library.)
+
+Hydra reports an unknown config option (``model=bogus``), a key that is not a setting
+(``trainer.epochz=3``) or an override it cannot parse (``'mesa.ops=[gelu'``) in five to fifteen
+lines (its config search path, a stack-trace hint) with exit status 1, and only after it has
+made the run directory. ``override_error`` composes the command line's config first, with
+Hydra's own compose API and grammar, and turns the failure into one line:
+
+    error: model=bogus: no such option in configs/model; valid: deit_b, deit_s, deit_ti, ...
+    error: trainer.epochz=3: trainer has no setting 'epochz' (close: epochs); a new key needs +trainer.epochz=3
+
+Entry points (train.py, evaluate.py, ``python -m mesa_train.bench`` and its accuracy,
+gradients and plan commands) call ``exit_on_bad_overrides`` first: exit status 2, no run
+directory. In a sweep (``-m``), every option of a config group's sweep is checked, and the
+rest is composed with each sweep's first value. What it does not understand (Hydra's flags
+other than -m/--multirun, ``glob(...)`` sweeps) it leaves to Hydra.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, Override, RangeSweep
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+# the flags that keep the command's config what its overrides say (others: Hydra's to handle)
+_RUN_FLAGS = {"-m", "--multirun", "-r", "--run"}
+# Hydra's error text that is advice about Hydra itself, not about the mistake
+_NOISE = re.compile(r"^(Config search path|\s*provider=|\s*full_key:|\s*object_type=|Set the environment variable"
+                    r"|See https?://)")
+
+# what else a group's value can be (train.py's model group: its files are presets of timm models)
+_GROUP_HINTS = {"model": "; or any timm model by name: model.name={option}"}
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip() and not _NOISE.match(line)]
+    return "; ".join(lines)
+
+
+def _close(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=3)
+    return f" (close: {', '.join(close)})" if close else ""
+
+
+def _first_job(parsed: list[Override], config_dir: str) -> tuple[list[str], list[list[str]]] | None:
+    """The first job's overrides (each sweep at its first value) and, per value of each config
+    group's choice sweep, that job's overrides (the other sweeps at their first values); None
+    where a sweep is of a kind this check does not expand (glob)."""
+    first, group_sweeps = [], []
+    for i, ov in enumerate(parsed):
+        if ov.is_hydra_override():
+            continue  # (hydra.run.dir=..., hydra/launcher=...: Hydra's own settings)
+        if ov.is_sweep_override():
+            if not isinstance(ov.value(), (ChoiceSweep, RangeSweep)):
+                return None
+            values = list(ov.sweep_string_iterator())
+            if not values:
+                return None
+            first.append(f"{ov.get_key_element()}={values[0]}")
+            if os.path.isdir(os.path.join(config_dir, ov.key_or_group)):
+                group_sweeps.append((len(first) - 1, ov, values[1:]))
+        else:
+            first.append(ov.input_line)
+    jobs = []
+    for position, ov, rest in group_sweeps:
+        for value in rest:
+            job = list(first)
+            job[position] = f"{ov.get_key_element()}={value}"
+            jobs.append(job)
+    return first, jobs
+
+
+def _not_a_setting(message: str, cfg: DictConfig | None) -> str | None:
+    """Hydra's "Could not override 'a.b'" (a key the config lacks) as the setting's parent and
+    its close names."""
+    match = re.search(r"Could not override '([^']+)'", message)
+    if match is None:
+        return None
+    key = match.group(1)
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if (cfg is not None and parent) else cfg
+    if not isinstance(node, DictConfig):
+        return None
+    where = parent or "the config"
+    return f"{where} has no setting {leaf!r}{_close(leaf, node.keys())}; a new key needs +{key}=..."
+
+
+def _missing_option(err: Exception) -> tuple[str, str] | None:
+    """(group, option) of Hydra's "Could not find 'group/option'", or None."""
+    match = re.search(r"Could not find '([^']+)/([^'/]+)'", str(err))
+    return (match.group(1), match.group(2)) if match else None
+
+
+def _describe(err: Exception, config_dir: str, base: DictConfig | None) -> str:
+    missing = _missing_option(err)
+    if isinstance(err, MissingConfigException) and err.options and missing is not None:
+        group, option = missing
+        parts = os.path.normpath(config_dir).split(os.sep)
+        # (from the project's configs/ on: configs/bench/preset, not a long absolute path)
+        start = len(parts) - 1 - parts[::-1].index("configs") if "configs" in parts else len(parts) - 1
+        folder = "/".join(parts[start:] + [group])
+        hint = _GROUP_HINTS.get(group, "").format(option=option)
+        return f"no such option in {folder}{_close(option, err.options)}; valid: {', '.join(err.options)}{hint}"
+    text = str(err)
+    return _not_a_setting(text, base) or _one_line(text)
+
+
+def override_error(config_dir: str, config_name: str, args: list[str]) -> str | None:
+    """Why Hydra would refuse ``args`` (a command line's arguments) for ``config_name`` in
+    ``config_dir``, in one line, or None (accepted, or a form left to Hydra)."""
+    if any(a.startswith("-") and a not in _RUN_FLAGS for a in args):
+        return None  # (--cfg job, -cn NAME, --help ...: Hydra's)
+    overrides = [a for a in args if not a.startswith("-")]
+    parser = OverridesParser.create()
+    parsed = []
+    for arg in overrides:
+        try:
+            parsed += parser.parse_overrides([arg])
+        except OverrideParseException as err:
+            return f"cannot read the override {arg!r}: {_one_line(err)}"
+    jobs = _first_job(parsed, config_dir)
+    if jobs is None:
+        return None
+    first, others = jobs
+    config_dir = os.path.abspath(config_dir)
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="override_check"):
+        try:
+            base = compose(config_name)
+        except (HydraException, OmegaConfBaseException):
+            base = None  # (the config itself is broken: Hydra says so)
+        for job in [first] + others:
+            try:
+                compose(config_name, overrides=job)
+            except (HydraException, OmegaConfBaseException) as err:
+                missing = _missing_option(err)
+                # (the option itself where one is missing: model=bogus of model=deit_s,bogus)
+                culprit = "=".join(missing) if missing else _culprit(err, overrides)
+                described = _describe(err, config_dir, base)
+                return f"{culprit}: {described}" if culprit else described
+    return None
+
+
+def _culprit(err: Exception, overrides: list[str]) -> str | None:
+    """The override (as the command line gave it) the error is about, where its text names it."""
+    text = str(err)
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if f"'{key}'" in text or f"'{key}/" in text:
+            return override
+    return None
+
+
+def exit_on_bad_overrides(config_dir: str, config_name: str, prefix: str = "error: ") -> None:
+    """``override_error`` for this process's command line: printed as ``<prefix><line>`` on
+    stderr and exit status 2 (a usage error) when there is one."""
+    problem = override_error(config_dir, config_name, sys.argv[1:])
+    if problem is not None:
+        print(f"{prefix}{problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)

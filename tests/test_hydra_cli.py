@@ -1,0 +1,75 @@
+"""Command-line mistakes before Hydra runs (mesa_train/hydra_cli.py): an unknown config option,
+a key that is not a setting, an override that does not parse, each one line naming the valid
+choices, exit status 2, and no run directory made. Before, Hydra printed 5-15 lines (its
+search path, a stack-trace hint) with exit status 1 after making the directory."""
+import sys
+
+import pytest
+
+from conftest import REPO
+from mesa_train.hydra_cli import override_error
+
+CONFIGS = str(REPO / "configs")
+MODELS = "deit_b, deit_s, deit_ti, pvt_v2_b0, pvt_v2_b1, pvt_v2_b2, swin_b, swin_l, swin_s, swin_ti"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["model=bogus"], f"model=bogus: no such option in configs/model; valid: {MODELS}; "
+                      "or any timm model by name: model.name=bogus"),
+    (["data=imagenett"], "data=imagenett: no such option in configs/data (close: imagenet); "
+                         "valid: cifar100, digits, imagenet, synthetic"),
+    (["trainer.epochz=3"], "trainer.epochz=3: trainer has no setting 'epochz' (close: epochs); "
+                           "a new key needs +trainer.epochz=..."),
+    (["epochs=3"], "epochs=3: the config has no setting 'epochs'; a new key needs +epochs=..."),
+    (["mesa.ops=[gelu"], "cannot read the override 'mesa.ops=[gelu': no viable alternative at input '[gelu'"),
+    # a sweep: each option of a config group's sweep, the rest at its first value
+    (["-m", "model=deit_s,bogus2", "mesa.decay=0,0.9"], f"model=bogus2: no such option in configs/model; "
+                                                         f"valid: {MODELS}; or any timm model by name: "
+                                                         "model.name=bogus2"),
+    (["-m", "mesa.decayy=0,0.9"], "mesa.decayy=0,0.9: mesa has no setting 'decayy' (close: decay); "
+                                  "a new key needs +mesa.decayy=..."),
+])
+def test_a_mistake_is_one_line_naming_the_valid_choices(args, expected):
+    assert override_error(CONFIGS, "train", args) == expected
+
+
+@pytest.mark.parametrize("args", [
+    [], ["model=deit_s", "trainer.epochs=2", "mesa.ops=[gelu,softmax]"], ["+model.kwargs.foo=1"],
+    ["~trainer.checkpoint_every"], ["-m", "model=deit_ti,deit_s", "mesa.decay=0,0.9", "trainer.epochs=range(1,3)"],
+    ["hydra.run.dir=/tmp/x", "hydra/job_logging=default"],  # (Hydra's own settings: Hydra's to check)
+    ["trainer.epochs=abc"],  # (a bad value is config.validate's, with its own line)
+    ["--cfg", "job", "model=bogus"],  # (a flag other than -m: Hydra's)
+    ["-m", "model=glob(deit_*)"],  # (a glob sweep: Hydra's)
+])
+def test_what_hydra_accepts_or_handles_itself_passes(args):
+    assert override_error(CONFIGS, "train", args) is None
+
+
+def test_each_command_exits_2_with_one_line_and_no_run_directory(tmp_path, run_cli):
+    commands = [
+        ([sys.executable, str(REPO / "train.py"), "model=bogus"], "error: model=bogus: no such option"),
+        ([sys.executable, str(REPO / "evaluate.py"), "checkpointt=x.pt"],
+         "error: checkpointt=x.pt: the config has no setting 'checkpointt' (close: checkpoint)"),
+        ([sys.executable, "-m", "mesa_train.bench", "preset=cpu-quik"],
+         "mesa_train.bench: error: preset=cpu-quik: no such option in configs/bench/preset (close: cpu-quick"),
+        ([sys.executable, "-m", "mesa_train.plan", "budgett=0.5"],
+         "mesa_train.plan: error: budgett=0.5: the config has no setting 'budgett' (close: budget"),
+    ]
+    for args, expected in commands:
+        result = run_cli(args, cwd=tmp_path, PYTHONPATH=str(REPO))
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        assert result.stderr.startswith(expected) and result.stderr.count("\n") == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # (Hydra made outputs/<date>/<time> first)
+
+
+def test_a_run_refused_at_start_up_leaves_no_directory_it_made(tmp_path, run_cli):
+    """A bad value passes Hydra and is refused by the run's checks: the run directory Hydra made
+    (outputs/<date>/<time>, empty: .hydra/ is written after the checks) is removed with the
+    folders it made; a folder that existed before, even empty, stays."""
+    (tmp_path / "outputs" / "2026-01-01" / "old").mkdir(parents=True)
+    (tmp_path / "mine").mkdir()
+    for extra in ([], ["hydra.run.dir=mine"]):
+        result = run_cli([sys.executable, str(REPO / "train.py"), "trainer.epochs=abc", *extra], cwd=tmp_path)
+        assert result.returncode == 2 and "trainer.epochs='abc' must be an integer >= 1" in result.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "mine", "outputs", "outputs/2026-01-01", "outputs/2026-01-01/old"]
