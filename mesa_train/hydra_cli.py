@@ -55,7 +55,7 @@ def _first_job(parsed: list[Override], config_dir: str) -> tuple[list[str], list
     group's choice sweep, that job's overrides (the other sweeps at their first values); None
     where a sweep is of a kind this check does not expand (glob)."""
     first, group_sweeps = [], []
-    for i, ov in enumerate(parsed):
+    for ov in parsed:
         if ov.is_hydra_override():
             continue  # (hydra.run.dir=..., hydra/launcher=...: Hydra's own settings)
         if ov.is_sweep_override():
@@ -126,6 +126,11 @@ def override_error(config_dir: str, config_name: str, args: list[str]) -> str | 
             parsed += parser.parse_overrides([arg])
         except OverrideParseException as err:
             return f"cannot read the override {arg!r}: {_one_line(err)}"
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    for ov in parsed:
+        if ov.is_sweep_override() and not multirun and not ov.is_hydra_override():
+            return (f"{ov.input_line}: several values sweep only with -m (--multirun); a list is written "
+                    f"{ov.get_key_element()}=[...], a text with a comma quoted: {ov.get_key_element()}='...'")
     jobs = _first_job(parsed, config_dir)
     if jobs is None:
         return None

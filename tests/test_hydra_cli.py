@@ -26,6 +26,8 @@ MODELS = "deit_b, deit_s, deit_ti, pvt_v2_b0, pvt_v2_b1, pvt_v2_b2, swin_b, swin
     (["-m", "model=deit_s,bogus2", "mesa.decay=0,0.9"], f"model=bogus2: no such option in configs/model; "
                                                          f"valid: {MODELS}; or any timm model by name: "
                                                          "model.name=bogus2"),
+    (["mesa.decay=0,0.9"], "mesa.decay=0,0.9: several values sweep only with -m (--multirun); a list is written "
+                           "mesa.decay=[...], a text with a comma quoted: mesa.decay='...'"),
     (["-m", "mesa.decayy=0,0.9"], "mesa.decayy=0,0.9: mesa has no setting 'decayy' (close: decay); "
                                   "a new key needs +mesa.decayy=..."),
 ])
