@@ -137,10 +137,6 @@ def override_error(config_dir: str, config_name: str, args: list[str]) -> str | 
     first, others = jobs
     config_dir = os.path.abspath(config_dir)
     with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="override_check"):
-        try:
-            base = compose(config_name)
-        except (HydraException, OmegaConfBaseException):
-            base = None  # (the config itself is broken: Hydra says so)
         for job in [first] + others:
             try:
                 compose(config_name, overrides=job)
@@ -148,9 +144,18 @@ def override_error(config_dir: str, config_name: str, args: list[str]) -> str | 
                 missing = _missing_option(err)
                 # (the option itself where one is missing: model=bogus of model=deit_s,bogus)
                 culprit = "=".join(missing) if missing else _culprit(err, overrides)
-                described = _describe(err, config_dir, base)
+                described = _describe(err, config_dir, _plain_config(config_name))
                 return f"{culprit}: {described}" if culprit else described
     return None
+
+
+def _plain_config(config_name: str) -> DictConfig | None:
+    """The config without overrides (for a missing key's close names; composed only when one is
+    reported, not on every launch), or None where it does not compose itself."""
+    try:
+        return compose(config_name)
+    except (HydraException, OmegaConfBaseException):
+        return None
 
 
 def _culprit(err: Exception, overrides: list[str]) -> str | None:
