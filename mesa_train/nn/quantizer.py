@@ -363,8 +363,9 @@ def assign_rng_keys(model: nn.Module, prefix: str = "") -> None:
     not depend on how many quantizers the process built before (``patch_model`` calls it)."""
     for name, m in model.named_modules(prefix=prefix):
         if isinstance(m, ActivationQuantizer):
+            m._rng_key = rng_key(name)  # (kept on the host too: a meta buffer holds no value)
             with torch.no_grad():
-                m.rng[0] = rng_key(name)
+                m.rng[0] = m._rng_key
 
 
 class ActivationQuantizer(nn.Module):
@@ -405,8 +406,8 @@ class ActivationQuantizer(nn.Module):
             # device from these (mesa::observe), never from torch's global generator, so
             # a patched model draws the same dropout masks as the stock one. The key is
             # replaced by one derived from the module's name when patch_model runs.
-            key = rng_key(f"mesa-quantizer-{next(_construction_count)}")
-            self.register_buffer("rng", torch.tensor([key, 0], dtype=torch.int64, device=device))
+            self._rng_key = rng_key(f"mesa-quantizer-{next(_construction_count)}")
+            self.register_buffer("rng", torch.tensor([self._rng_key, 0], dtype=torch.int64, device=device))
         self._make_learned_buffers(G, device)
 
     def _make_learned_buffers(self, G: int, device=None) -> None:
@@ -449,8 +450,24 @@ class ActivationQuantizer(nn.Module):
         for n, t in old.items():
             new = self._buffers[n]
             if new is not None and new.dtype != t.dtype:
-                self._buffers[n] = t.to(device=new.device)
+                self._buffers[n] = t.to(device=new.device) if not t.is_meta else torch.empty_like(t, device=new.device)
+        if old["alpha"].is_meta and not self._buffers["alpha"].is_meta:
+            # off the meta device (to_empty, after building under torch.device("meta")): the
+            # buffers are uninitialized memory, and a meta tensor held no state to keep, so
+            # start afresh as a new quantizer does, with this module's own rounding key
+            self._start_afresh()
         return out
+
+    @torch.no_grad()
+    def _start_afresh(self) -> None:
+        self.reset_estimates()
+        self.rng.copy_(torch.tensor([self.rounding_key(), 0], dtype=torch.int64))
+
+    def rounding_key(self) -> int:
+        """The stochastic-rounding key (``rng[0]``): set from the module's name by
+        ``assign_rng_keys``, known on the host even while the buffers are on meta."""
+        key = getattr(self, "_rng_key", None)  # (a quantizer pickled before it was kept)
+        return int(self.rng[0]) if key is None else key
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -487,7 +504,11 @@ class ActivationQuantizer(nn.Module):
             if loaded.shape != (2,):
                 error_msgs.append(f"{k}: expected an int64 tensor of shape (2,), got {tuple(loaded.shape)}")
                 return
-            state_dict[k] = torch.stack([self.rng[0], loaded[1].to(self.rng.device, torch.int64)])
+            # (the key from the host: on meta, rng holds none, and load_state_dict(assign=True)
+            # then installs this tensor as it is)
+            device = loaded.device if self.rng.is_meta else self.rng.device
+            counter = loaded[1:].to(device, torch.int64)
+            state_dict[k] = torch.cat([torch.tensor([self.rounding_key()], dtype=torch.int64, device=device), counter])
         n_missing = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
@@ -520,7 +541,8 @@ class ActivationQuantizer(nn.Module):
         directly: ``nn.Module.__getattr__`` is a slow path, several lookups per call."""
         bufs = self._buffers
         if bufs["alpha"].device != x.device:
-            self._apply(lambda t: t.to(x.device))
+            # (from meta, a fresh start: _apply; a meta tensor has no value to copy)
+            self._apply(lambda t: torch.empty_like(t, device=x.device) if t.is_meta else t.to(x.device))
         return bufs
 
     def fused_layer_args(self, x: torch.Tensor) -> tuple | None:
