@@ -80,3 +80,14 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+def unwrap_module(model, caller: str) -> nn.Module:
+    """``unwrap_model(model)`` for the library's public functions: a ``TypeError`` naming
+    ``caller`` when ``model`` is no ``nn.Module`` (``None``, a state dict, a class), not an
+    ``AttributeError`` from deep inside."""
+    if not isinstance(model, nn.Module):
+        kind = f"the class {model.__name__} (build it first)" if isinstance(model, type) else type(model).__name__
+        raise TypeError(f"{caller}: model must be a torch.nn.Module (a timm model, or a DDP / torch.compile "
+                        f"wrapper of one), got {kind}")
+    return unwrap_model(model)

@@ -4,15 +4,19 @@ import re
 import warnings
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import mesa_train
+import mesa_train.nn as mnn
 from mesa_train.patch import (describe, load_patched_checkpoint, load_stock_checkpoint, mesa_state_keys,
                               patch_model, patched_to_stock_state_dict, stock_to_patched_state_dict)
+from mesa_train.patch.coverage import coverage
+from mesa_train.patch.describe import describe_rows
 
-from test_patch_helpers import build, inputs, loss_of
+from test_patch_helpers import TINY, build, inputs, loss_of
 
 
 def test_lazy_reexports():
@@ -56,6 +60,75 @@ def test_a_patch_that_matches_nothing_says_so():
         patch_model(model, ops=["gelu"])
     with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got NoneType"):
         patch_model(None)
+
+
+def _grads_of_one_step(model, x) -> dict:
+    torch.manual_seed(1)  # (dropout and drop-path on: the same masks in both models)
+    loss_of(model(x)).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["deit", "swin", "pvt"])
+def test_a_model_built_on_meta_trains_as_one_built_on_the_cpu(name):
+    """Build under torch.device("meta"), patch, to_empty, load weights, train (the large-model
+    and FSDP flow). The quantizers came off meta with to_empty's uninitialized memory: most
+    started "initialized" with garbage ranges (non-finite gradients in the first step) and
+    shared rounding keys. Now they start as a model patched on the CPU does."""
+    kwargs = {**TINY[name][0], "drop_rate": 0.1, "drop_path_rate": 0.1}
+    torch.manual_seed(0)
+    ref = patch_model(timm.create_model(**kwargs).train())
+    with torch.device("meta"):
+        model = timm.create_model(**kwargs).train()
+    patch_model(model)
+    model.to_empty(device="cpu")
+    for m in model.modules():  # (timm's own step of this flow: Swin's relative-position index)
+        if hasattr(m, "init_non_persistent_buffers"):
+            m.init_non_persistent_buffers()
+    mesa_keys, ref_state, state = mesa_state_keys(ref), ref.state_dict(), model.state_dict()
+    for k in mesa_keys:  # alpha/beta zero, not initialized, rng = [key of the name, 0]
+        assert torch.equal(state[k], ref_state[k]), k
+    model.load_state_dict({k: v for k, v in ref_state.items() if k not in mesa_keys}, strict=False)
+    x = inputs(name)
+    want, got = _grads_of_one_step(ref, x), _grads_of_one_step(model, x)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    # a checkpoint loaded by assignment into a meta model (load_state_dict(assign=True)) keeps
+    # each quantizer's own key and the checkpoint's counter, on the checkpoint's device
+    with torch.device("meta"):
+        loaded = timm.create_model(**kwargs).train()
+    patch_model(loaded).load_state_dict(ref.state_dict(), assign=True)
+    loaded_state, trained_state = loaded.state_dict(), ref.state_dict()
+    for k in mesa_keys:
+        assert not loaded_state[k].is_meta and torch.equal(loaded_state[k], trained_state[k]), k
+
+
+def test_a_mesa_layer_built_on_meta_starts_afresh_on_its_first_input():
+    """A parameter-free layer follows its input's device; from meta that was "Cannot copy out
+    of meta tensor" (NotImplementedError) on the first training call."""
+    built_here, built_on_meta = mnn.GELU(), mnn.GELU(device="meta")
+    x = torch.randn(4, 8, requires_grad=True)
+    for layer in (built_here, built_on_meta):
+        torch.manual_seed(0)
+        layer(x).sum().backward()
+    here, meta = built_here.quantizer, built_on_meta.quantizer
+    assert meta.initialized and torch.equal(meta.alpha, here.alpha) and torch.equal(meta.beta, here.beta)
+    assert meta.rng.tolist() == [meta.rounding_key(), 1]
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: patch_model(m), lambda m: describe(m), lambda m: describe_rows(m),
+    lambda m: coverage(m, torch.zeros(1)), lambda m: mesa_state_keys(m),
+    lambda m: stock_to_patched_state_dict({}, m), lambda m: load_stock_checkpoint(m, {}),
+    lambda m: load_patched_checkpoint(m, {}),
+], ids=["patch_model", "describe", "describe_rows", "coverage", "mesa_state_keys", "stock_to_patched_state_dict",
+        "load_stock_checkpoint", "load_patched_checkpoint"])
+@pytest.mark.parametrize("model, kind", [(None, "NoneType"), ({"w": 1}, "dict"),
+                                         (nn.Linear, r"the class Linear \(build it first\)")])
+def test_every_public_function_names_a_model_that_is_no_module(call, model, kind):
+    """describe(None) was an AttributeError from patch/rules.py; each function now says
+    which call got what."""
+    with pytest.raises(TypeError, match=rf"^\w+: model must be a torch.nn.Module .* got {kind}$"):
+        call(model)
 
 
 def test_describe_names_a_wrong_example_input():

@@ -21,9 +21,8 @@ from typing import Mapping, Optional, Set
 import torch
 from torch import nn
 
+from mesa_train.models import unwrap_module
 from mesa_train.nn.quantizer import FORMAT_KEY, LEARNED_BUFFERS, STATE_BUFFERS
-
-from .core import _unwrap
 
 __all__ = [
     "mesa_state_keys",
@@ -49,7 +48,7 @@ def mesa_state_keys(model: nn.Module) -> Set[str]:
     """The ``state_dict`` keys of ``model`` (unwrapped) that belong to Mesa quantizers."""
     from mesa_train.nn.quantizer import ActivationQuantizer
 
-    root = _unwrap(model)
+    root = unwrap_module(model, "mesa_state_keys")
     keys = set()
     # every name a module is registered under: state_dict() lists a shared module's buffers
     # once per name (CoaT shares one ConvPosEnc between blocks), named_modules() only once
@@ -94,7 +93,7 @@ def stock_to_patched_state_dict(state_dict: Mapping[str, torch.Tensor],
     ``alpha = beta = 0`` and ``initialized = False`` for every quantizer (learned thresholds
     zero too), so the estimates start from the first training batch; the format records are
     ``model``'s own. Mesa keys already in ``state_dict`` are kept."""
-    root = _unwrap(model)
+    root = unwrap_module(model, "stock_to_patched_state_dict")
     own = root.state_dict()
     out = OrderedDict(state_dict)
     for k in sorted(mesa_state_keys(root)):
@@ -111,13 +110,13 @@ def stock_to_patched_state_dict(state_dict: Mapping[str, torch.Tensor],
 
 def load_stock_checkpoint(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
     """Load a stock checkpoint into a patched model; estimates restart from the next batch."""
-    root = _unwrap(model)
+    root = unwrap_module(model, "load_stock_checkpoint")
     return root.load_state_dict(stock_to_patched_state_dict({_strip(k): v for k, v in state_dict.items()}, root),
                                 strict=strict)
 
 
 def load_patched_checkpoint(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
     """Load a patched model's checkpoint into a stock (unpatched) model."""
-    root = _unwrap(model)
+    root = unwrap_module(model, "load_patched_checkpoint")
     return root.load_state_dict(patched_to_stock_state_dict({_strip(k): v for k, v in state_dict.items()}),
                                 strict=strict)

@@ -50,7 +50,7 @@ from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as Tim
 from torch import nn
 
 import mesa_train.nn as mnn
-from mesa_train.models import unwrap_model as _unwrap
+from mesa_train.models import unwrap_model as _unwrap, unwrap_module
 from mesa_train.nn._common import stock_device
 from mesa_train.nn.conv import is_scale_conv
 from mesa_train.nn.quantizer import QuantOptions, assign_rng_keys
@@ -501,9 +501,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             choices), or an invalid option value.
     """
     # validation first: nothing is changed when an argument is wrong
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"patch_model: model must be a torch.nn.Module (a timm model, or a DDP / torch.compile "
-                        f"wrapper of one), got {type(model).__name__}")
+    unwrap_module(model, "patch_model")
     if plan is not None:  # per-layer ops from a plan (mesa_train.plan)
         given = {k: v for k, v in (("ops", ops), ("modules", modules), ("cancelling_bn", cancelling_bn),
                                    ("mlp", mlp), ("norm_linear", norm_linear)) if v != _PLAN_FREE_DEFAULTS[k]}

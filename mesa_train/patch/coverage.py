@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mesa_train.memory import SavedTensorMeter, format_bytes
-from mesa_train.models import unwrap_model as _unwrap
+from mesa_train.models import unwrap_module
 from mesa_train.nn import MesaLayer
 
 from .attention import MesaViTAttention
@@ -115,7 +115,7 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     """Saved bytes per op type of one training forward, compressed vs left as is, and the
     ratio to stock. ``run(model, example_input)`` replaces ``model(example_input)`` for
     models that take more than one tensor."""
-    root = _unwrap(model)
+    root = unwrap_module(model, "coverage")
     modules: Dict[str, nn.Module] = dict(root.named_modules())
     norm_fed = norm_fed_ids(root)
     with _untouched(root):

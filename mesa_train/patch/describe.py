@@ -9,7 +9,9 @@ from mesa_train.nn import Einsum, MatMul
 
 from .attention import STOCK_ATTENTION_CLASSES
 from .block import norm_fed_ids
-from .core import PATCH_INFO_ATTR, _unwrap, mesa_layer_op
+from mesa_train.models import unwrap_module
+
+from .core import PATCH_INFO_ATTR, mesa_layer_op
 from .coverage import coverage, format_coverage
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
@@ -94,7 +96,7 @@ def describe_rows(model: nn.Module) -> List[List[str]]:
     attention module. A ``MatMul`` that does not compress both operands itself is labelled
     ``matmul[a]``, ``matmul[b]`` or ``matmul[share-only]`` (``operands=()``: the
     ``attn @ v`` of a softmax-only patch); its state says per operand what is kept."""
-    root = _unwrap(model)
+    root = unwrap_module(model, "describe_rows")
     info = classify(root)
     norm_fed = norm_fed_ids(root)
     rows = []
@@ -137,14 +139,13 @@ def describe(model: nn.Module, example_input=None, *, run=None) -> str:
     coverage (:func:`mesa_train.patch.coverage.coverage`: one training forward, saved bytes
     per op type, compressed vs left as is, total ratio to stock; the model is left as it
     was)."""
-    text = _describe_layers(model)
+    text = _describe_layers(unwrap_module(model, "describe"))
     if example_input is None:
         return text
     return text + "\n" + format_coverage(coverage(model, example_input, run=run))
 
 
-def _describe_layers(model: nn.Module) -> str:
-    root = _unwrap(model)
+def _describe_layers(root: nn.Module) -> str:
     rows = describe_rows(root)
     record = getattr(root, PATCH_INFO_ATTR, None) or {}
     title = f"Mesa patch of {type(root).__name__}"
