@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from mesa_train.hydra_cli import exit_on_bad_overrides
 
 log = logging.getLogger("evaluate")
+_STARTED = time.time()  # (a run directory made after this is this call's)
 
 
 def _write_json(data: dict, path: str) -> None:
@@ -40,8 +42,9 @@ def _write_json(data: dict, path: str) -> None:
 def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
-    from mesa_train.train import errors
+    from mesa_train.train import errors, rundir
     from mesa_train.train.evaluation import check_eval_settings, evaluate_checkpoint
+    from mesa_train.train.logfile import log_to_file
 
     if OmegaConf.is_missing(cfg, "checkpoint") or not cfg.checkpoint:
         print("error: evaluate.py needs checkpoint=PATH (a last.pt or best.pt written by train.py, e.g. "
@@ -50,10 +53,17 @@ def main(cfg: DictConfig) -> float:
     output = cfg.output or HydraConfig.get().runtime.output_dir
     data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") is not None else None
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
-    log.info("evaluating %s (%s weights)", cfg.checkpoint, "EMA" if cfg.ema else "model")
+    run_dir = HydraConfig.get().runtime.output_dir
+    accepted = []
+
+    def on_accept(run_cfg, images: int) -> None:  # (the first record opens evaluate.log)
+        accepted.append(True)
+        log.info("evaluating %s (%s weights, model %s) on %d images of %s", cfg.checkpoint,
+                 "EMA" if cfg.ema else "model", run_cfg.model.name, images, run_cfg.data.name)
+
     try:
         check_eval_settings(cfg)
-        metrics = evaluate_checkpoint(cfg.checkpoint, data=data, ema=cfg.ema, trainer=trainer)
+        metrics = evaluate_checkpoint(cfg.checkpoint, data=data, ema=cfg.ema, trainer=trainer, on_accept=on_accept)
         os.makedirs(output, exist_ok=True)
         path = os.path.join(output, "eval.json")
         _write_json(metrics, path)
@@ -62,6 +72,10 @@ def main(cfg: DictConfig) -> float:
         if described is None:
             raise
         print(f"error: {described[1]}", file=sys.stderr)
+        if accepted:
+            log_to_file("evaluate", f"error: {described[1]}")  # (how the evaluation ended)
+        else:  # refused before it began: no log, no directory left behind
+            rundir.remove_if_left_empty(run_dir, _STARTED)
         sys.exit(described[0])
     log.info("top1 %.2f  top5 %.2f  loss %.4f  (%d images of %s, step %d, amp %s) -> %s", metrics["top1"],
              metrics["top5"], metrics["loss"], metrics["images"], metrics["data"], metrics["step"],

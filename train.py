@@ -19,7 +19,6 @@ on; the summary table marks it with its error and the sweep exits 1.
 """
 import logging
 import os
-import re
 import sys
 import time
 
@@ -42,39 +41,13 @@ def _prepare_ranks() -> None:
             sys.argv += ["hydra.output_subdir=null", "hydra.job_logging.root.handlers=[console]"]
 
 
-def _remove_if_left_empty(run_dir: str) -> None:
-    """A run refused at start-up writes nothing (.hydra/ comes after the checks), but Hydra has
-    made its directory by then: remove it when it is empty and this process made it (a folder
-    made earlier, even empty, stays), and in the default layout outputs/<date>/ and outputs/
-    when those are left empty and new too. Under torchrun every rank tries; an error (another
-    rank was first) is ignored."""
-    folders = [run_dir]
-    date_folder = os.path.dirname(run_dir)
-    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", os.path.basename(date_folder)):  # (the default layout's)
-        folders += [date_folder] + ([os.path.dirname(date_folder)]
-                                    if os.path.basename(os.path.dirname(date_folder)) == "outputs" else [])
-    for folder in folders:
-        try:
-            if os.listdir(folder) or os.stat(folder).st_ctime < _STARTED - 1:
-                return
-            os.rmdir(folder)
-        except OSError:
-            return
-
-
-def _log_to_file(message: str) -> None:
-    """Put the final error into the run's log file too (the console already shows it)."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.emit(logging.LogRecord("train", logging.ERROR, __file__, 0, message, None, None))
-
-
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from mesa_train.train import errors, rundir
+    from mesa_train.train.logfile import log_to_file
     from mesa_train.train.config import ignored_mesa_overrides
     from mesa_train.train.runner import fit
 
@@ -96,10 +69,10 @@ def main(cfg: DictConfig) -> float | None:
             log.exception("job failed")
         print(f"error: {message}", file=sys.stderr, flush=True)
         if accepted:
-            _log_to_file(f"error: {message}")
+            log_to_file("train", f"error: {message}")
         if not multirun:
             if not accepted:
-                _remove_if_left_empty(run_dir)
+                rundir.remove_if_left_empty(run_dir, _STARTED)
             sys.exit(code)
         rundir.write_failure(run_dir, message)
         if code in (130, 143):  # Ctrl-C / SIGTERM ends the sweep, with its summary so far

@@ -48,6 +48,8 @@ def test_evaluate_cli_prints_and_writes(trained, tmp_path, run_cli):
     metrics = json.load(open(out_dir / "eval.json"))
     assert metrics["top1"] == summary["ema_top1"] and metrics["images"] == 8
     assert f"top1 {metrics['top1']:.2f}" in result.stdout
+    log = (tmp_path / "hydra" / "evaluate.log").read_text()
+    assert f"evaluating {path} (EMA weights, model " in log and "on 8 images of synthetic" in log, log
 
 
 def test_non_finite_weights_are_refused_where_a_checkpoint_is_loaded(trained, compose_train, tmp_path):
@@ -92,7 +94,17 @@ def test_evaluate_refuses_settings_it_would_ignore(trained, tmp_path, run_cli):
     assert "model is not a setting of evaluate.py (settings: checkpoint, ema, output, data, trainer;" in err
     assert "foo is not a setting of evaluate.py" in err
     assert "data.rooot is not a setting (close: root" in err
-    assert not (tmp_path / "hydra" / "eval.json").exists()
+    assert not (tmp_path / "hydra").exists()  # (refused before it began: no log, no directory)
+
+
+def test_a_call_refused_before_it_began_leaves_no_directory(tmp_path, run_cli):
+    """A missing checkpoint used to leave outputs/<date>/<time>/evaluate.log (its one line,
+    "evaluating nope.pt") behind each try; a directory that existed before stays."""
+    (tmp_path / "mine").mkdir()
+    for extra in ([], ["hydra.run.dir=mine"]):
+        result = run_cli([sys.executable, REPO / "evaluate.py", "checkpoint=nope.pt", *extra], cwd=tmp_path)
+        assert result.returncode == 2 and result.stderr == "error: checkpoint not found: nope.pt\n", result.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["mine"]
 
 
 def test_a_full_disk_leaves_no_empty_metrics_file(tmp_path, monkeypatch):

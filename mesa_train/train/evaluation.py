@@ -35,11 +35,13 @@ def check_eval_settings(cfg) -> None:
 
 def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, batch_size: int = 128,
                         num_workers: int = 4, device: str = "auto", amp: str = "auto",
-                        trainer: dict | None = None) -> dict:
+                        trainer: dict | None = None, on_accept=None) -> dict:
     """Top-1/top-5/loss of checkpoint ``path``. ``data``: a whole data group (with a
     ``name``), or single values (no ``name``, nulls ignored) applied to the checkpoint's
     own data config. ``trainer`` (train.py's ``trainer.*`` names) wins over the keyword
-    defaults ``batch_size``, ``num_workers``, ``device``, ``amp``."""
+    defaults ``batch_size``, ``num_workers``, ``device``, ``amp``. ``on_accept(cfg, images)``
+    is called once the checkpoint, data and weights are in place, before the pass over the
+    data (evaluate.py logs from there on, so a call refused before leaves no log file)."""
     # A sharded FSDP checkpoint (last.dcp/) is read whole into this one process.
     ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
     cfg = OmegaConf.create(ckpt["config"])
@@ -76,6 +78,8 @@ def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, 
     dev = resolve_device(cfg.trainer.device)
     model.to(dev)
     amp_mode = resolve_amp(cfg.trainer.amp, dev)
+    if on_accept is not None:
+        on_accept(cfg, len(loaders.val.dataset))
     metrics = evaluate(model, loaders.val, dev, AMP_DTYPES[amp_mode], num_classes, bool(cfg.trainer.channels_last))
     metrics.update(checkpoint=str(path), ema=bool(ema), data=cfg.data.name, amp=amp_mode,
                    model=cfg.model.name, step=int(ckpt["state"].get("step", 0)))

@@ -27,3 +27,11 @@ class SafeFileHandler(logging.FileHandler):
                 print(f"warning: cannot write the log file {self.baseFilename} ({err.strerror})", file=sys.stderr)
                 return
         super().emit(record)
+
+
+def log_to_file(name: str, message: str) -> None:
+    """``message`` as an ERROR record of logger ``name`` in the run's log file only (the
+    console has already shown it): how a run that had begun ended."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.emit(logging.LogRecord(name, logging.ERROR, __file__, 0, message, None, None))

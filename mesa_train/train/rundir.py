@@ -11,12 +11,14 @@
 * ``record_config``: the ``.hydra/`` files, written only once a run is accepted (Hydra's
   own copy is off: ``hydra.output_subdir: null``), so a run rejected at start-up leaves an
   existing directory as it was.
+* ``remove_if_left_empty``: and a new one it made is removed (train.py, evaluate.py).
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -184,3 +186,23 @@ def write_failure(run_dir: str, message: str) -> None:
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "failed.json"), "w") as f:
         json.dump({"status": "failed", "error": message, "overrides": overrides}, f, indent=2)
+
+
+def remove_if_left_empty(run_dir: str, started: float) -> None:
+    """A run refused at start-up writes nothing (``.hydra/`` and the log file come after the
+    checks), but Hydra has made its directory by then: remove it when it is empty and was made
+    after ``started`` (this process's start; a folder made earlier, even empty, stays), and in
+    the default layout ``outputs/<date>/`` and ``outputs/`` when those are left empty and new
+    too. Under torchrun every rank tries; an error (another rank was first) is ignored."""
+    folders = [run_dir]
+    date_folder = os.path.dirname(run_dir)
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", os.path.basename(date_folder)):  # (the default layout's)
+        folders += [date_folder] + ([os.path.dirname(date_folder)]
+                                    if os.path.basename(os.path.dirname(date_folder)) == "outputs" else [])
+    for folder in folders:
+        try:
+            if os.listdir(folder) or os.stat(folder).st_ctime < started - 1:
+                return
+            os.rmdir(folder)
+        except OSError:
+            return
