@@ -292,13 +292,16 @@ def test_generic_fallback_reports_functional_ops():
     with pytest.warns(UserWarning, match="not reached") as rec:
         patch_model(model)
     msg = str(rec[0].message)
-    assert "<root>" in msg and "matmul" in msg and "softmax" in msg and "gelu" in msg and "mha" in msg
+    # (its q @ k^T, softmax and @ v are intercepted; nn.MultiheadAttention has its Mesa forward,
+    # tests/test_mha.py)
+    assert msg.endswith("not reached (they stay uncompressed): <root> (_Custom: gelu)"), msg
     assert hasattr(model.fc, "quantizer") and hasattr(model.act, "quantizer") and hasattr(model.norm, "quantizer")
-    assert type(model.mha.out_proj).__name__ == "NonDynamicallyQuantizableLinear"  # left alone
+    assert hasattr(model.mha.mesa_in_proj, "quantizer") and hasattr(model.mha.out_proj, "quantizer")
     text = describe(model)
-    assert "NOT reached" in text and "MultiheadAttention" in text
+    assert "NOT reached" in text and "<root> (_Custom)" in text
     x = torch.randn(2, 5, 8)
-    assert torch.equal(model(x), ref(x))
+    with pytest.warns(UserWarning, match="need_weights=True"):  # (a stock call, in training: said once)
+        assert torch.equal(model(x), ref(x))
     # only the requested ops are reported, and a timm model reports nothing
     with warnings.catch_warnings():
         warnings.simplefilter("error")

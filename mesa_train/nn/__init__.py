@@ -32,7 +32,7 @@ from .gelu import GELU
 from .grn import GlobalResponseNorm
 from .layernorm import LayerNorm, LayerNorm2d, LayerNormAct2d
 from .layerscale import Affine, ChannelGate, ChannelScale, LayerScale, LayerScale2d, Scale
-from .linear import Linear
+from .linear import Linear, LinearOf
 from .matmul import MatMul
 from .maxpool import MaxPool2d
 from .normalize import Normalize
@@ -55,7 +55,7 @@ LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, Q
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
-    "Linear", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "Softmax", "MatMul", "Conv2d", "ReLU",
+    "Linear", "LinearOf", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "Softmax", "MatMul", "Conv2d", "ReLU",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "Clamp",
     "OneHotTable", "Conv2dSame", "MaxPool2dSame", "AvgPool2d", "AvgPool2dSame",

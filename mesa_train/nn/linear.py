@@ -103,12 +103,34 @@ class Linear(MesaLayer, nn.Linear):
         weight, bias = self.weight, self.bias if call_bias is _OWN else call_bias
         if not self._mesa_active(input, weight, bias):
             return F.linear(input, weight, bias)
-        quantizer = self.quantizer
-        fused = quantizer.fused_layer_args(input)
-        if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
-            return torch.ops.mesa.linear_train(input, weight, bias, *fused, quantizer.options.row_scale)
-        return _LinearFn.apply(input, weight, bias, quantizer)
+        return _compressed_linear(self.quantizer, input, weight, bias)
 
     def extra_repr(self) -> str:
         return f"{nn.Linear.extra_repr(self)}, {self._mesa_repr()}"
+
+
+def _compressed_linear(quantizer, input, weight, bias):
+    fused = quantizer.fused_layer_args(input)
+    if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
+        return torch.ops.mesa.linear_train(input, weight, bias, *fused, quantizer.options.row_scale)
+    return _LinearFn.apply(input, weight, bias, quantizer)
+
+
+class LinearOf(MesaLayer, nn.Module):
+    """``F.linear(input, weight, bias)`` with the weight and bias given at call time, its input
+    saved in 8 bits as :class:`Linear` saves it: a projection whose parameters belong to the
+    module that calls it (``nn.MultiheadAttention``'s packed ``in_proj_weight``), so that its
+    ``state_dict`` keys stay the stock ones."""
+
+    def __init__(self, *, device=None, **quant_options):
+        super().__init__()
+        self._init_mesa(quant_options, device)
+
+    def forward(self, input, weight, bias=None):
+        if not self._mesa_active(input, weight, bias):
+            return F.linear(input, weight, bias)
+        return _compressed_linear(self.quantizer, input, weight, bias)
+
+    def extra_repr(self) -> str:
+        return self._mesa_repr()
 

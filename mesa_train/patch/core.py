@@ -69,6 +69,7 @@ from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channel
 from .gemma4 import GEMMA4_CLASSES, STOCK_GEMMA4_CLASSES
 from .gating import GATING_CLASSES, STOCK_GATING_CLASSES
 from .sam import swap_sam_attention
+from . import mha as mha_patch
 from .rules import MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, scan_functional_ops, scan_inline_scales
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
@@ -162,7 +163,7 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"),
                     (mnn.MaxPool2d, "maxpool"), (mnn.Amax, "maxpool"),
                     (mnn.Einsum, "matmul"), (mnn.AvgPool2d, "avgpool"),
-                    (mnn.Clamp, "linear"), (mnn.OneHotTable, "linear")):
+                    (mnn.Clamp, "linear"), (mnn.OneHotTable, "linear"), (mnn.LinearOf, "linear")):
         if isinstance(module, cls):
             return op
     return None
@@ -548,6 +549,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 1f. class swaps with Mesa children (Gemma 4's clamped Linears and position table; the gating
     # products of gMLP, MambaOut, FocalNet); an act run inside a gating child is not converted in step 2
     gated_acts |= _swap_classes(t)
+    # 1g. torch's nn.MultiheadAttention: its projections and sdpa through Mesa children
+    if "linear" in op_names or "sdpa" in op_names:
+        _patch_multihead_attention(t)
 
     # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne)
     _convert_leaves(t, explicit, gated_acts, keep_stock)
@@ -749,6 +753,20 @@ def _patch_squeeze_excite(t: _Target) -> None:
             m.add_module(SE_CHILD, mnn.ChannelGate(device=_module_device(m), **opts))
 
 
+def _patch_multihead_attention(t: _Target) -> None:
+    """Step 1g: each stock ``nn.MultiheadAttention`` the rules can replicate (patch/mha.py)
+    gets the Mesa forward, with a packed-projection and an sdpa child as the ops ask."""
+    for name, m in t.named:
+        if not mha_patch.supported(m) or t.skipped(name) or t.module_info(name).module_set not in t.set_names:
+            continue
+        device, opts = _module_device(m), t.options(None, m.num_heads)
+        linear = "linear" in t.op_names
+        mha_patch.install(
+            m, (lambda: mnn.LinearOf(device=device, **opts)) if linear else None,
+            (lambda: ScaledDotProductAttention(device=device, **opts)) if "sdpa" in t.op_names else None,
+            (lambda out_proj: mnn.Linear.from_module(out_proj, **t.options(out_proj, m.num_heads))) if linear else None)
+
+
 _SWAP_CLASSES = {**GEMMA4_CLASSES, **GATING_CLASSES}
 _STOCK_SWAP_CLASSES = {**STOCK_GEMMA4_CLASSES, **STOCK_GATING_CLASSES}
 
@@ -876,7 +894,7 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
                + tuple(NORM_ONLY_MLP_CLASSES.values())
                + tuple(GEMMA4_CLASSES) + tuple(STOCK_GEMMA4_CLASSES)
                + tuple(STOCK_BLOCK_CLASSES)
-               + (PlainMatMul, PlainSoftmax))
+               + (PlainMatMul, PlainSoftmax, mha_patch.MesaMultiheadAttention))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in t.root.named_modules():
         if type(m) in handled or isinstance(m, mnn.MesaLayer) or t.skipped(name):

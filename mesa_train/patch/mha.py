@@ -1,0 +1,102 @@
+"""``torch.nn.MultiheadAttention`` (torchvision's ViT, ``nn.TransformerEncoderLayer``, many
+hand-written ViTs): its whole computation is one call, ``F.multi_head_attention_forward``,
+which no leaf rule and no intercepted functional call reaches (a ``TorchFunctionMode`` sees
+that call only, not the ``linear`` and ``scaled_dot_product_attention`` inside it).
+
+``install`` swaps the module's class for :class:`MesaMultiheadAttention` and gives it two
+Mesa children; the parameters stay where they are, so the ``state_dict`` keys are the stock
+ones plus the quantizers':
+
+``mesa_in_proj``  the packed q/k/v projection ``F.linear(x, in_proj_weight, in_proj_bias)``
+                  (a :class:`~mesa_train.nn.LinearOf`: int8 ``x``)
+``mesa_sdpa``     ``F.scaled_dot_product_attention`` on the heads (int8 q, k, v)
+
+and ``out_proj`` becomes a Mesa ``Linear`` (the same Parameters). In a training call of the
+form those users make, self-attention (``query is key is value``, batched) with
+``need_weights=False`` and no mask, its forward is the steps of ``F.multi_head_attention_forward``
+on that path, in its order, with those layers: the output is bitwise the stock one. Any other
+call (eval or no grad, cross-attention, ``need_weights=True``, a mask, an unbatched input)
+runs the stock forward uncompressed; in training a warning says why, once per module.
+Modules built with separate q/k/v weights (``kdim`` / ``vdim``), ``add_bias_kv`` or
+``add_zero_attn`` are left stock and reported as not reached.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["MesaMultiheadAttention", "install", "supported"]
+
+
+def supported(m: nn.Module) -> bool:
+    """A stock ``nn.MultiheadAttention`` whose training path the Mesa forward replicates."""
+    return (type(m) is nn.MultiheadAttention and m._qkv_same_embed_dim and m.bias_k is None
+            and not m.add_zero_attn)
+
+
+def install(m: nn.Module, make_linear: Optional[Callable[[], nn.Module]],
+            make_sdpa: Optional[Callable[[], nn.Module]], convert_linear: Optional[Callable]) -> None:
+    """Swap ``m``'s class and add the children the ops asked for build (``None``: that part
+    stays stock)."""
+    m.__class__ = MesaMultiheadAttention
+    m.mesa_in_proj = make_linear() if make_linear is not None else None
+    m.mesa_sdpa = make_sdpa() if make_sdpa is not None else None
+    if convert_linear is not None:
+        m.out_proj = convert_linear(m.out_proj)
+    m._mesa_warned = False
+
+
+class MesaMultiheadAttention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` whose self-attention training calls compress (module doc)."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
+                average_attn_weights: bool = True, is_causal: bool = False):
+        why = self._stock_because(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        if why is None:
+            return self._compressed_forward(query), None
+        if why and not self._mesa_warned:
+            self._mesa_warned = True
+            warnings.warn(f"mesa_train: an nn.MultiheadAttention ran uncompressed in training: {why}", UserWarning,
+                          stacklevel=2)
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                               attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
+
+    def _stock_because(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+        """None when this call takes the Mesa path; '' when it is stock by design (eval, no
+        gradient); else the reason, for the warning."""
+        if not (self.training and torch.is_grad_enabled()):
+            return ""
+        if query is not key or key is not value:
+            return "cross-attention (query, key and value are not one tensor); only self-attention is compressed"
+        if query.dim() != 3:
+            return f"an unbatched {query.dim()}-D input; pass (batch, tokens, dim) or (tokens, batch, dim)"
+        if need_weights:
+            return ("need_weights=True computes the attention map explicitly; pass need_weights=False (the same "
+                    "output, through scaled_dot_product_attention) to compress it")
+        if attn_mask is not None or key_padding_mask is not None or is_causal:
+            return "a mask (attn_mask, key_padding_mask or is_causal); only unmasked attention is compressed"
+        return None
+
+    def _compressed_forward(self, query):
+        """``F.multi_head_attention_forward``'s self-attention path without weights or mask:
+        the same ops on the same tensors, the projections and sdpa through the Mesa children."""
+        x = query.transpose(1, 0) if self.batch_first else query  # (tokens, batch, dim)
+        tgt_len, bsz, embed_dim = x.shape
+        heads, head_dim = self.num_heads, self.head_dim
+        in_proj = self.mesa_in_proj
+        if in_proj is not None:
+            proj = in_proj(x, self.in_proj_weight, self.in_proj_bias)
+        else:
+            proj = nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias)
+        proj = proj.unflatten(-1, (3, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+        q, k, v = (t.view(tgt_len, bsz * heads, head_dim).transpose(0, 1).view(bsz, heads, tgt_len, head_dim)
+                   for t in (proj[0], proj[1], proj[2]))
+        sdpa = self.mesa_sdpa if self.mesa_sdpa is not None else nn.functional.scaled_dot_product_attention
+        out = sdpa(q, k, v, None, self.dropout, False)
+        out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
+        out = self.out_proj(out)
+        out = out.view(tgt_len, bsz, out.size(1))
+        return out.transpose(1, 0) if self.batch_first else out
