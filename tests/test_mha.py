@@ -162,3 +162,34 @@ def test_compiles_whole_and_matches_eager():
     torch.testing.assert_close(got, want)
     for n, p in twin.named_parameters():
         torch.testing.assert_close(p.grad, want_grads[n])
+
+
+def test_torch_fx_keeps_it_a_leaf_or_says_how():
+    """Stock nn.MultiheadAttention is a leaf to torch.fx (a torch.nn module); the Mesa one is
+    traced into unless told: one clear error, and as a leaf the graph runs it (compressing)."""
+    import torch.fx as fx
+
+    from mesa_train.nn import MesaLayer
+    from mesa_train.nn.tracing import MesaTracingError
+    from mesa_train.patch.mha import MesaMultiheadAttention
+
+    class _Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    model = patch_model(_Block(), ops=["linear", "sdpa"])
+    with pytest.raises(MesaTracingError, match=r"leaf_modules=\[mesa_train.nn.MesaLayer, mesa_train.patch.mha"):
+        fx.symbolic_trace(model)
+
+    class _Leaves(fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, (MesaLayer, MesaMultiheadAttention)) or super().is_leaf_module(m, qualname)
+
+    graph = fx.GraphModule(model, _Leaves().trace(model))
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    graph(x).sum().backward()
+    assert model.attn.mesa_in_proj.quantizer.initialized

@@ -28,6 +28,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from mesa_train.nn.tracing import MesaTracingError, register_fx_leaf
+
 __all__ = ["MesaMultiheadAttention", "install", "supported"]
 
 
@@ -54,6 +56,11 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False):
+        if isinstance(query, torch.fx.Proxy):  # (the stock module is a leaf to torch.fx; this one must be told)
+            raise MesaTracingError(
+                "torch.fx traced into MesaMultiheadAttention: the graph would run the stock attention. Treat it as a "
+                "leaf with the Mesa layers (leaf_modules=[mesa_train.nn.MesaLayer, "
+                "mesa_train.patch.mha.MesaMultiheadAttention]; timm's create_feature_extractor does)")
         why = self._stock_because(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         if why is None:
             return self._compressed_forward(query), None
@@ -100,3 +107,6 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
         out = self.out_proj(out)
         out = out.view(tgt_len, bsz, out.size(1))
         return out.transpose(1, 0) if self.batch_first else out
+
+
+register_fx_leaf(MesaMultiheadAttention)  # timm's FX feature extraction keeps it one node (nn/tracing.py)
