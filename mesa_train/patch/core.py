@@ -706,7 +706,7 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
         mi = t.module_info(name)
         if mi.module_set not in t.set_names:
             continue
-        found = scan_functional_ops(type(m))
+        found = scan_functional_ops(type(m), functions=True)  # (torchvision's shifted_window_attention)
         wanted = tuple(o for o in t.core_ops if o in found)
         if wanted:
             heads = mi.heads or getattr(m, "num_heads", None)

@@ -266,7 +266,8 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options) 
         module.mesa_softmax = Softmax(dim=-1, device=device, **opts)
         added.append("softmax")
     if "softmax" in ops:
-        object.__setattr__(module, SOFTMAX_ANY_DIM_ATTR, count_functional_calls(type(module), "softmax") == 1)
+        single = count_functional_calls(type(module), "softmax", functions=True) == 1
+        object.__setattr__(module, SOFTMAX_ANY_DIM_ATTR, single)
     if "softmax" in ops and "matmul" not in ops and getattr(module, "mesa_av", None) is None:
         # the map kept once through the softmax's shared copy, v as stock (share-only)
         module.mesa_qk = _Plain()

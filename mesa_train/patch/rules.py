@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 import textwrap
+import types
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -145,17 +147,25 @@ FUNCTIONAL_OPS = {
 }
 
 
-def _methods_reached(cls: type) -> List[Tuple[str, object]]:
-    """``forward`` and the methods of ``cls`` it calls as ``self.name(...)``, transitively."""
-    todo, seen, out = ["forward"], set(), []
+def _methods_reached(cls: type, functions: bool = False) -> List[Tuple[str, object]]:
+    """``forward`` and the methods of ``cls`` it calls as ``self.name(...)``, transitively; with
+    ``functions``, also the functions of ``cls``'s own module they call by name (torchvision's
+    ``ShiftedWindowAttention.forward`` is one call to ``shifted_window_attention(x,
+    self.qkv.weight, ...)``, where its linear, matmul and softmax are). Only the attention
+    scan follows functions: a whole model's forward reaches helpers (timm's
+    ``global_pool_nlc``) whose ops are no attention core."""
+    module_globals = getattr(sys.modules.get(cls.__module__), "__dict__", {})
+    todo, seen, out = [("self", "forward")], set(), []
     while todo:
-        name = todo.pop()
-        if name in seen:
+        key = todo.pop()
+        if key in seen:
             continue
-        seen.add(name)
-        fn = getattr(cls, name, None)
+        seen.add(key)
+        fn = getattr(cls, key[1], None) if key[0] == "self" else module_globals.get(key[1])
         if fn is None or not callable(fn) or isinstance(fn, type):
             continue
+        if key[0] == "module" and not (isinstance(fn, types.FunctionType) and fn.__module__ == cls.__module__):
+            continue  # (only plain functions written beside the class)
         fn = inspect.unwrap(fn)
         if getattr(fn, "__module__", "").startswith("torch.nn.modules.module"):
             continue
@@ -164,25 +174,30 @@ def _methods_reached(cls: type) -> List[Tuple[str, object]]:
             tree = ast.parse(src)
         except (OSError, TypeError, SyntaxError, IndentationError):
             continue
-        out.append((name, tree))
+        out.append((key[1], tree))
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
-                todo.append(node.func.attr)
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                todo.append(("self", f.attr))
+            elif functions and isinstance(f, ast.Name) and f.id in module_globals:
+                todo.append(("module", f.id))
     return out
 
 
 _SCAN_CACHE: Dict[object, object] = {}
 
 
-def scan_functional_ops(cls: type) -> Tuple[str, ...]:
+def scan_functional_ops(cls: type, functions: bool = False) -> Tuple[str, ...]:
     """Ops (``matmul``, ``softmax``, ``sdpa``, ...) that ``cls.forward`` (and the methods it
-    calls on ``self``) computes functionally, i.e. not through a child module. Static: the
-    source is parsed, nothing runs."""
-    if cls in _SCAN_CACHE:
-        return _SCAN_CACHE[cls]
+    calls on ``self``; with ``functions``, the functions of its module it calls) computes
+    functionally, i.e. not through a child module. Static: the source is parsed, nothing runs."""
+    key = (cls, functions)
+    if key in _SCAN_CACHE:
+        return _SCAN_CACHE[key]
     found = set()
-    for _, tree in _methods_reached(cls):
+    for _, tree in _methods_reached(cls, functions):
         for node in ast.walk(tree):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
                 found.add("matmul")
@@ -195,18 +210,18 @@ def scan_functional_ops(cls: type) -> Tuple[str, ...]:
                 if name in FUNCTIONAL_OPS:
                     found.add(FUNCTIONAL_OPS[name])
     res = tuple(sorted(found))
-    _SCAN_CACHE[cls] = res
+    _SCAN_CACHE[key] = res
     return res
 
 
-def count_functional_calls(cls: type, call_name: str) -> int:
+def count_functional_calls(cls: type, call_name: str, functions: bool = False) -> int:
     """How many ``F.<call_name>(...)`` / ``x.<call_name>(...)`` calls the source of ``cls.forward``
     (and the methods it calls on ``self``) holds; ``self.<call_name>(...)`` (a child module) is
     not counted. Static, as :func:`scan_functional_ops`."""
-    key = ("count", cls, call_name)
+    key = ("count", cls, call_name, functions)
     if key not in _SCAN_CACHE:
         _SCAN_CACHE[key] = sum(
-            1 for _, tree in _methods_reached(cls) for node in ast.walk(tree)
+            1 for _, tree in _methods_reached(cls, functions) for node in ast.walk(tree)
             if isinstance(node, ast.Call) and (
                 (isinstance(node.func, ast.Attribute) and node.func.attr == call_name
                  and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self"))
