@@ -1,4 +1,5 @@
-"""Mesa forwards for timm's squeeze-excite blocks, installed like the gated MLPs (``mlp.py``).
+"""Mesa forwards for timm's and torchvision's squeeze-excite blocks, installed like the gated
+MLPs (``mlp.py``).
 
 The instance's class is swapped for a subclass whose forward is the stock one line for line,
 except that the final ``x * self.gate(x_se)`` runs through a ``mesa_gate`` child
@@ -12,6 +13,7 @@ import torch
 from timm.layers.squeeze_excite import EffectiveSEModule as _EffectiveSE, SEModule as _SE
 from timm.layers.squeeze_excite import SqueezeExciteCl as _SECl
 from timm.models._efficientnet_blocks import SqueezeExcite as _EfficientNetSE
+from torchvision.ops.misc import SqueezeExcitation as _TorchvisionSE
 
 __all__ = ["SE_CLASSES", "STOCK_SE_CLASSES", "SE_CHILD", "gate_channels"]
 
@@ -64,8 +66,16 @@ class MesaSqueezeExciteCl(_SECl):
         return self.mesa_gate(x, self.gate(x_se))
 
 
+class MesaTorchvisionSqueezeExcitation(_TorchvisionSE):
+    """torchvision's ``SqueezeExcitation`` (its EfficientNet, MobileNetV3, RegNetY, MaxViT):
+    ``scale * input``, a product that is commutative bit for bit."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.mesa_gate(input, self._scale(input))
+
+
 SE_CLASSES = {_EfficientNetSE: MesaEfficientNetSqueezeExcite, _SE: MesaSEModule, _EffectiveSE: MesaEffectiveSEModule,
-              _SECl: MesaSqueezeExciteCl}
+              _SECl: MesaSqueezeExciteCl, _TorchvisionSE: MesaTorchvisionSqueezeExcitation}
 STOCK_SE_CLASSES = {v: k for k, v in SE_CLASSES.items()}
 
 
