@@ -48,6 +48,7 @@ from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, 
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
 from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
 from torch import nn
+from torchvision.models.convnext import LayerNorm2d as TorchvisionLayerNorm2d
 
 import mesa_train.nn as mnn
 from mesa_train.models import unwrap_model as _unwrap, unwrap_module
@@ -103,6 +104,7 @@ def _leaf_rules():
         nn.LayerNorm: ("layernorm", mnn.LayerNorm),
         TimmLayerNorm: ("layernorm", mnn.LayerNorm),
         TimmLayerNorm2d: ("layernorm", mnn.LayerNorm2d),
+        TorchvisionLayerNorm2d: ("layernorm", mnn.LayerNorm2d),  # (the same permute, F.layer_norm, permute)
         TimmLayerNormAct2d: ("layernorm", mnn.LayerNormAct2d),
         nn.Conv2d: ("conv", mnn.Conv2d),
         nn.Conv1d: ("conv", mnn.Conv1d),
@@ -796,6 +798,13 @@ def _swap_classes(t: _Target) -> set:
     return inside
 
 
+def _per_channel_shape(p: torch.Tensor, m: nn.Module) -> bool:
+    """``(C,)`` (channels last) or, outside attentions, ``(C, 1, 1)`` (NCHW: torchvision's ConvNeXt
+    ``layer_scale``; in XCiT's and EdgeNeXt's attention a ``(heads, 1, 1)`` temperature scales the
+    logits, which stay stock)."""
+    return p.dim() == 1 or (p.dim() == 3 and p.shape[1] == p.shape[2] == 1 and not _attention_like(m))
+
+
 def _patch_inline_scales(t: _Target) -> None:
     """Step 1d: inline layer scale (``self.gamma_1 * y`` in a block's forward, BEiT/CaiT/EVA/XCiT)
     routed to a ChannelScale child while the block runs (generic_attention.install_scales);
@@ -807,7 +816,7 @@ def _patch_inline_scales(t: _Target) -> None:
         if mi.module_set not in t.set_names:
             continue
         params = [p for p in scan_inline_scales(type(m))
-                  if isinstance(m._parameters.get(p), nn.Parameter) and m._parameters[p].dim() == 1]
+                  if isinstance(m._parameters.get(p), nn.Parameter) and _per_channel_shape(m._parameters[p], m)]
         if params:
             install_scales(m, params, _module_device(m), t.options(None, mi.heads))
         stock_cls = STOCK_CONVNEXT_CLASSES.get(type(m), type(m))

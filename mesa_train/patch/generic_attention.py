@@ -172,8 +172,9 @@ def _route_linear(owner, args, kwargs):
 
 
 def _route_scale(owner, a, b):
-    """``self.gamma_1 * y`` with a direct 1-D parameter of ``owner`` (inline layer scale):
-    through its ``ChannelScale`` child (int8 ``y``)."""
+    """``self.gamma_1 * y`` with a direct ``(C,)`` parameter of ``owner`` (inline layer scale), or
+    ``self.layer_scale * y`` with a ``(C, 1, 1)`` one on NCHW (torchvision's ConvNeXt): through
+    its ``ChannelScale`` child (int8 ``y``)."""
     scales = getattr(owner, SCALES_ATTR, None)
     if not scales:
         return None
@@ -182,7 +183,9 @@ def _route_scale(owner, a, b):
         if not isinstance(gamma, nn.Parameter) or not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter):
             continue
         for pname, child in scales.items():
-            if params.get(pname) is gamma and x.dim() >= 2 and x.shape[-1] == gamma.numel():
+            if params.get(pname) is gamma and (
+                    (gamma.dim() == 1 and x.dim() >= 2 and x.shape[-1] == gamma.numel())
+                    or (gamma.dim() == 3 and x.dim() == 4 and x.shape[1] == gamma.shape[0])):  # (C, 1, 1): NCHW
                 return owner._modules[child](x, gamma)
     return None
 
