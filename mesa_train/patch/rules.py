@@ -214,6 +214,28 @@ def scan_functional_ops(cls: type, functions: bool = False) -> Tuple[str, ...]:
     return res
 
 
+def matmul_kinds(cls: type, functions: bool = False) -> Tuple[str, ...]:
+    """How ``cls.forward`` multiplies batched tensors: ``@`` and the calls ``matmul``, ``bmm``,
+    ``baddbmm``, ``einsum`` it makes (a ``self.<name>`` child excluded). Static, as
+    :func:`scan_functional_ops`."""
+    key = ("kinds", cls, functions)
+    if key not in _SCAN_CACHE:
+        kinds = set()
+        for _, tree in _methods_reached(cls, functions):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+                    kinds.add("@")
+                elif isinstance(node, ast.Call):
+                    f = node.func
+                    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                        continue
+                    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                    if name in ("matmul", "bmm", "baddbmm", "einsum"):
+                        kinds.add(name)
+        _SCAN_CACHE[key] = tuple(sorted(kinds))
+    return _SCAN_CACHE[key]
+
+
 def count_functional_calls(cls: type, call_name: str, functions: bool = False) -> int:
     """How many ``F.<call_name>(...)`` / ``x.<call_name>(...)`` calls the source of ``cls.forward``
     (and the methods it calls on ``self``) holds; ``self.<call_name>(...)`` (a child module) is
