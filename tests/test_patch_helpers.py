@@ -64,3 +64,23 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
 
 def grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def step_and_compare(stock, mesa, x, seed: int = 3, min_cosine: float = 0.99) -> None:
+    """One training step of each model on ``x`` (the same seed: the same dropout and drop-path
+    masks): the outputs bitwise equal, every non-zero parameter gradient of ``mesa`` at cosine
+    ``> min_cosine`` to ``stock``'s."""
+    import torch.nn.functional as F
+
+    outs, all_grads = [], []
+    for model in (stock, mesa):
+        torch.manual_seed(seed)
+        out = model(x)
+        loss_of(out).backward()
+        outs.append(out)
+        all_grads.append(grads(model))
+    assert torch.equal(outs[0], outs[1])
+    for n, g in all_grads[0].items():
+        if g.norm() > 0:
+            cos = float(F.cosine_similarity(all_grads[1][n].flatten().double(), g.flatten().double(), dim=0))
+            assert cos > min_cosine, (n, cos)

@@ -7,11 +7,12 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torchvision
 
 from mesa_train.patch import patch_model
 from mesa_train.patch.coverage import coverage
+
+from test_patch_helpers import step_and_compare
 
 
 @pytest.mark.parametrize("name, size", [("googlenet", 64), ("inception_v3", 75)])
@@ -26,16 +27,7 @@ def test_basic_conv_relu_is_a_mesa_relu_and_the_forward_is_stock(name, size):
         warnings.simplefilter("error")  # (each BasicConv2d was reported: relu not reached)
         patch_model(mesa)
     x = torch.randn(2, 3, size, size)
-    outs, grads = [], []
-    for model in (stock, mesa):
-        out = model(x)
-        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(7))).sum().backward()
-        outs.append(out)
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    assert torch.equal(outs[0], outs[1])
-    worst = min(float(F.cosine_similarity(grads[1][n].flatten().double(), g.flatten().double(), dim=0))
-                for n, g in grads[0].items() if g.norm() > 0)
-    assert worst > 0.99
+    step_and_compare(stock, mesa, x)
     report = coverage(mesa, x)
     # (Inception's blocks keep their functional max-pool indices: not this test's subject)
     assert "BasicConv2d" not in {r[1] for r in report.rows if r[0] != "compressed"}, report

@@ -189,29 +189,30 @@ def _methods_reached(cls: type, functions: bool = False) -> List[Tuple[str, obje
 _SCAN_CACHE: Dict[object, object] = {}
 
 
+def _functional_names(cls: type, functions: bool):
+    """``"@"`` for each ``a @ b`` and the called name of each call (``F.softmax`` -> ``softmax``)
+    in ``cls.forward`` and what it reaches, but calls of ``self.<name>`` (child modules, handled
+    by the leaf conversion)."""
+    for _, tree in _methods_reached(cls, functions):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+                yield "@"
+            elif isinstance(node, ast.Call):
+                f = node.func
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                    continue
+                yield f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+
+
 def scan_functional_ops(cls: type, functions: bool = False) -> Tuple[str, ...]:
     """Ops (``matmul``, ``softmax``, ``sdpa``, ...) that ``cls.forward`` (and the methods it
     calls on ``self``; with ``functions``, the functions of its module it calls) computes
     functionally, i.e. not through a child module. Static: the source is parsed, nothing runs."""
     key = (cls, functions)
-    if key in _SCAN_CACHE:
-        return _SCAN_CACHE[key]
-    found = set()
-    for _, tree in _methods_reached(cls, functions):
-        for node in ast.walk(tree):
-            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-                found.add("matmul")
-            elif isinstance(node, ast.Call):
-                f = node.func
-                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-                # self.softmax(...) etc. are child modules, handled by the leaf conversion
-                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
-                    continue
-                if name in FUNCTIONAL_OPS:
-                    found.add(FUNCTIONAL_OPS[name])
-    res = tuple(sorted(found))
-    _SCAN_CACHE[key] = res
-    return res
+    if key not in _SCAN_CACHE:
+        found = {"matmul" if name == "@" else FUNCTIONAL_OPS.get(name) for name in _functional_names(cls, functions)}
+        _SCAN_CACHE[key] = tuple(sorted(found - {None}))
+    return _SCAN_CACHE[key]
 
 
 def matmul_kinds(cls: type, functions: bool = False) -> Tuple[str, ...]:
@@ -220,19 +221,8 @@ def matmul_kinds(cls: type, functions: bool = False) -> Tuple[str, ...]:
     :func:`scan_functional_ops`."""
     key = ("kinds", cls, functions)
     if key not in _SCAN_CACHE:
-        kinds = set()
-        for _, tree in _methods_reached(cls, functions):
-            for node in ast.walk(tree):
-                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-                    kinds.add("@")
-                elif isinstance(node, ast.Call):
-                    f = node.func
-                    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
-                        continue
-                    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-                    if name in ("matmul", "bmm", "baddbmm", "einsum"):
-                        kinds.add(name)
-        _SCAN_CACHE[key] = tuple(sorted(kinds))
+        kinds = {"@", "matmul", "bmm", "baddbmm", "einsum"}
+        _SCAN_CACHE[key] = tuple(sorted(set(_functional_names(cls, functions)) & kinds))
     return _SCAN_CACHE[key]
 
 
