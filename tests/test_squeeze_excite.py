@@ -6,6 +6,7 @@ import inspect
 import pytest
 import torch
 from torch import nn
+from torchvision.ops.misc import SqueezeExcitation as TorchvisionSE
 
 import mesa_train.nn as mn
 from mesa_train.memory import SavedTensorMeter
@@ -69,8 +70,9 @@ def test_channel_gate_without_gate_gradient_keeps_nothing_of_x():
 
 @pytest.mark.parametrize("stock_cls", list(SE_CLASSES), ids=lambda c: c.__name__)
 def test_mesa_forward_is_the_stock_source_but_the_product(stock_cls):
-    """Each swapped forward is timm's, line for line, but ``x * self.gate(x_se)``: a timm
-    release that changes one of them fails here (then update ``patch/squeeze_excite.py``)."""
+    """Each swapped forward is timm's (torchvision's), line for line, but ``x * self.gate(x_se)``
+    (``scale * input``): a release that changes one of them fails here (then update
+    ``patch/squeeze_excite.py``)."""
     def lines(fn):
         src = inspect.getsource(fn)
         body = [ln.split("#")[0].rstrip() for ln in src.splitlines()[1:]]
@@ -78,6 +80,11 @@ def test_mesa_forward_is_the_stock_source_but_the_product(stock_cls):
 
     stock = lines(stock_cls.forward)
     mesa = lines(SE_CLASSES[stock_cls].forward)
+    if stock_cls is TorchvisionSE:  # (two lines: the scale, then the product)
+        assert [ln.strip() for ln in stock] == ["scale = self._scale(input)", "return scale * input"]
+        assert [ln.strip() for ln in mesa if not ln.strip().startswith('"')] == [
+            "return self.mesa_gate(input, self._scale(input))"]
+        return
     assert stock[-1].strip() == "return x * self.gate(x_se)"
     assert mesa[-1].strip() == "return self.mesa_gate(x, self.gate(x_se))"
     assert [ln.strip() for ln in stock[:-1]] == [ln.strip() for ln in mesa[:-1] if not ln.strip().startswith('"')]
@@ -91,7 +98,7 @@ def _se_net(se_cls):
             super().__init__()
             self.conv = nn.Conv2d(3, 16, 3, padding=1)
             self.act = nn.SiLU()
-            self.se = se_cls(16)
+            self.se = se_cls(16, 4) if se_cls is TorchvisionSE else se_cls(16)
             self.head = nn.Linear(16, 5)
 
         def forward(self, x):
