@@ -50,10 +50,10 @@ def main(cfg: DictConfig) -> float:
         print("error: evaluate.py needs checkpoint=PATH (a last.pt or best.pt written by train.py, e.g. "
               "outputs/<date>/<time>/checkpoints/best.pt); see python evaluate.py --help", file=sys.stderr)
         sys.exit(2)
-    output = cfg.output or HydraConfig.get().runtime.output_dir
+    run_dir = HydraConfig.get().runtime.output_dir
+    output = cfg.output or run_dir
     data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") is not None else None
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
-    run_dir = HydraConfig.get().runtime.output_dir
     accepted = []
 
     def on_accept(run_cfg, images: int) -> None:  # (the first record opens evaluate.log)

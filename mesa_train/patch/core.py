@@ -51,7 +51,7 @@ from torch import nn
 from torchvision.models.convnext import LayerNorm2d as TorchvisionLayerNorm2d
 
 import mesa_train.nn as mnn
-from mesa_train.models import unwrap_model as _unwrap, unwrap_module
+from mesa_train.models import unwrap_module
 from mesa_train.nn._common import stock_device
 from mesa_train.nn.conv import is_scale_conv
 from mesa_train.nn.quantizer import QuantOptions, assign_rng_keys
@@ -506,7 +506,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             choices), or an invalid option value.
     """
     # validation first: nothing is changed when an argument is wrong
-    unwrap_module(model, "patch_model")
+    root = unwrap_module(model, "patch_model")
     if plan is not None:  # per-layer ops from a plan (mesa_train.plan)
         given = {k: v for k, v in (("ops", ops), ("modules", modules), ("cancelling_bn", cancelling_bn),
                                    ("mlp", mlp), ("norm_linear", norm_linear)) if v != _PLAN_FREE_DEFAULTS[k]}
@@ -526,7 +526,6 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
                                                                norm_linear=norm_linear)
     explicit = dict(quant_options)  # (what this call asked for, applied to layers patched before too)
 
-    root = _unwrap(model)
     _check_dtype(root)
     keep_stock, kept_names = _stock_batchnorms(root, op_names, cancelling_bn)
     t = _Target(root, op_names, set_names, quant_options)

@@ -232,12 +232,7 @@ def count_functional_calls(cls: type, call_name: str, functions: bool = False) -
     not counted. Static, as :func:`scan_functional_ops`."""
     key = ("count", cls, call_name, functions)
     if key not in _SCAN_CACHE:
-        _SCAN_CACHE[key] = sum(
-            1 for _, tree in _methods_reached(cls, functions) for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and (
-                (isinstance(node.func, ast.Attribute) and node.func.attr == call_name
-                 and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self"))
-                or (isinstance(node.func, ast.Name) and node.func.id == call_name)))
+        _SCAN_CACHE[key] = sum(1 for name in _functional_names(cls, functions) if name == call_name)
     return _SCAN_CACHE[key]
 
 
