@@ -57,12 +57,15 @@ void save_norm_meta(AutogradContext* ctx, int64_t quant_groups, double eps, c10:
 
 // The factor that standardises the dequantized x_hat again, from its own variance `var` per
 // channel (BatchNorm) or per (sample, group) (GroupNorm), to the exact x_hat's mean square
-// 1 - eps * invstd^2 (batchnorm.bn_backward says why); 1 where var is 0.
+// 1 - eps * invstd^2 (batchnorm.bn_backward says why); 1 where var is 0; at least
+// batchnorm.RESTANDARDISE_FLOOR (backward divides by it: a channel of variance far below eps).
+constexpr double kRestandardiseFloor = 1e-6;
 at::Tensor exact_mean_square(const at::Tensor& invstd, double eps) {
   return at::rsub(invstd.square().mul(eps), 1).clamp_min(0);
 }
 at::Tensor restandardise(const at::Tensor& var, const at::Tensor& invstd, double eps) {
-  return at::where(var.gt(0), exact_mean_square(invstd, eps).div(var).sqrt(), at::ones_like(var));
+  return at::where(var.gt(0), exact_mean_square(invstd, eps).div(var).sqrt().clamp_min(kRestandardiseFloor),
+                   at::ones_like(var));
 }
 
 // The gradients in the dtypes of x, weight and bias, each where wanted (else undefined).

@@ -41,13 +41,24 @@ def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.view((1, -1) + (1,) * (like.dim() - 2))
 
 
+# The least re-standardising factor. Backward divides by it (dx's invstd / s), so an s of 0
+# gave inf * 0 = NaN: a channel whose variance is far below eps (a std of 1e-6 under eps 1e-3,
+# torchvision's MobileNetV3 and EfficientNet, timm's tf_* ports) has an exact mean square
+# var / (var + eps) under float32's resolution, computed as 0, while rounding noise leaves its
+# dequantized x_hat a variance above 0. Such a channel's exact x_hat is ~0, and the x_hat term
+# of dx is of the order of that mean square against dx's g - mean(g): any s between 0 and the
+# exact one gives dx to float32's resolution, and this floor keeps dx finite.
+RESTANDARDISE_FLOOR = 1e-6
+
+
 def restandardise(var: torch.Tensor, invstd: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(target, s)``: the exact x_hat's mean square ``1 - eps * invstd^2`` and the factor that
-    brings the dequantized x_hat, of variance ``var``, to it (1 where ``var`` is 0); per channel
-    (BatchNorm) or per (sample, group) (GroupNorm). ``bn_backward`` says why. C++ twin:
-    ``restandardise`` in csrc/convnet_autograd.cpp."""
+    brings the dequantized x_hat, of variance ``var``, to it (1 where ``var`` is 0; at least
+    ``RESTANDARDISE_FLOOR``); per channel (BatchNorm) or per (sample, group) (GroupNorm).
+    ``bn_backward`` says why. C++ twin: ``restandardise`` in csrc/convnet_autograd.cpp."""
     target = (1 - eps * invstd.square()).clamp_min(0)
-    return target, torch.where(var > 0, (target / var).sqrt(), torch.ones_like(var))
+    s = (target / var).sqrt().clamp_min(RESTANDARDISE_FLOOR)
+    return target, torch.where(var > 0, s, torch.ones_like(var))
 
 
 def code_moments(packed, mdt: torch.dtype) -> tuple[torch.Tensor, ...]:
