@@ -58,11 +58,13 @@ from torch import nn
 from mesa_train import inductor_backports
 from mesa_train.models import unwrap_model
 from mesa_train.nn._common import MesaLayer
+from mesa_train.nn.sdpa import ScaledDotProductAttention
+from mesa_train.nn.sdpa_backward import DROPOUT_WHY
 from mesa_train.quant.compile_kernels import traced_when_compiled
 from mesa_train.quant.save_codes import SaveCodes
 
-__all__ = ["SCOPES", "TRACED_INDUCTOR_OPTIONS", "WRAPPER_INDUCTOR_OPTIONS", "close_inductor_options", "compile_model",
-           "inductor_kwargs", "repeated_blocks", "unknown_option_message"]
+__all__ = ["SCOPES", "TRACED_INDUCTOR_OPTIONS", "WRAPPER_INDUCTOR_OPTIONS", "attention_dropout_modules",
+           "close_inductor_options", "compile_model", "inductor_kwargs", "repeated_blocks", "unknown_option_message"]
 
 SCOPES = ("model", "blocks")
 
@@ -175,6 +177,24 @@ def _called_modules(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]
     return [found for i, child in module.named_children() for found in _called_modules(f"{name}.{i}", child)]
 
 
+def _attention_dropout(module: nn.Module) -> float:
+    """The dropout probability ``module`` hands its attention call in training: timm's
+    ``attn_drop`` (an ``nn.Dropout``, or a float in some models) or ``nn.MultiheadAttention``'s
+    ``dropout``."""
+    if isinstance(module, nn.MultiheadAttention):
+        return float(module.dropout)
+    drop = getattr(module, "attn_drop", None)
+    return float(drop.p if isinstance(drop, nn.Dropout) else drop if isinstance(drop, (int, float)) else 0.0)
+
+
+def attention_dropout_modules(model: nn.Module) -> list[str]:
+    """The modules in training mode whose Mesa fused attention gets a dropout > 0: under
+    ``torch.compile`` each of their calls runs eagerly (``DROPOUT_UNTRACEABLE``), a graph break."""
+    return [name for name, m in unwrap_model(model).named_modules()
+            if m.training and _attention_dropout(m) > 0
+            and any(isinstance(c, ScaledDotProductAttention) for c in m.children())]
+
+
 def compile_model(model: nn.Module, scope: str = "model", *, fullgraph: bool = True, **compile_kwargs) -> nn.Module:
     """Compile ``model`` as ``scope`` says and return what to call in its place.
 
@@ -188,6 +208,11 @@ def compile_model(model: nn.Module, scope: str = "model", *, fullgraph: bool = T
     """
     if scope not in SCOPES:
         raise ValueError(f"compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    dropping = attention_dropout_modules(model) if fullgraph else []
+    if dropping:  # (refused here, naming the modules, not by Dynamo's error at the first step)
+        raise ValueError(f"fullgraph compile of a model whose Mesa attention has dropout > 0 ({len(dropping)} "
+                         f"modules: {', '.join(dropping[:2])}{', ...' if len(dropping) > 2 else ''}): "
+                         f"{DROPOUT_WHY}")
     inductor_backports.install()  # (stock or Mesa: the same Inductor for both)
     compile_kwargs = inductor_kwargs(model, compile_kwargs)
     if scope == "model":

@@ -46,6 +46,19 @@ def test_scope_errors_name_the_choices():
     assert SCOPES == ("model", "blocks")
 
 
+def test_blocks_scope_refuses_attention_dropout_naming_the_modules():
+    """Each block compiles with fullgraph=True, which Mesa's attention with dropout > 0 breaks
+    (its backward replays the mask): refused before compiling, in one line; stock attention,
+    or eval mode, compiles."""
+    kwargs = dict(TINY["deit"][0], attn_drop_rate=0.1)
+    mesa = patch_model(timm.create_model(pretrained=False, **kwargs).train())
+    with pytest.raises(ValueError, match=r"dropout > 0 \(2 modules: blocks.0.attn, blocks.1.attn\)") as err:
+        compile_model(mesa, "blocks", backend="aot_eager")
+    assert "\n" not in str(err.value)
+    compile_model(timm.create_model(pretrained=False, **kwargs).train(), "blocks", backend="aot_eager")
+    compile_model(mesa.eval(), "blocks", backend="aot_eager")
+
+
 def _deep_deit():
     kwargs = dict(TINY["deit"][0], depth=4)
     torch.manual_seed(0)

@@ -164,6 +164,31 @@ def test_compiles_whole_and_matches_eager():
         torch.testing.assert_close(p.grad, want_grads[n])
 
 
+def test_attention_dropout_compiles_with_breaks_and_fullgraph_says_why():
+    """nn.TransformerEncoderLayer's default dropout 0.1 reaches the attention: its compressed
+    call replays the dropout mask in backward, so under torch.compile it runs eagerly (a graph
+    break; the step equals eager's), and fullgraph=True fails on a message that says why and
+    names the choices; compile_model refuses before compiling, naming the module."""
+    from mesa_train.compile_scope import compile_model
+
+    torch.manual_seed(0)
+    model = patch_model(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True))
+    twin, whole = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    want, want_grads = _step(model, x)
+    got, _ = _step(torch.compile(twin, backend="aot_eager"), x)
+    torch.testing.assert_close(got, want)
+    for n, p in twin.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="attention dropout > 0 under torch.compile.*fullgraph=False"):
+        _step(torch.compile(whole, backend="aot_eager", fullgraph=True), x)
+    with pytest.raises(ValueError, match=r"dropout > 0 \(1 modules: self_attn\).*set the attention dropout to 0"):
+        compile_model(whole, fullgraph=True, backend="aot_eager")
+    compile_model(whole, fullgraph=False, backend="aot_eager")  # (breaks allowed: accepted)
+    compile_model(whole.eval(), fullgraph=True, backend="aot_eager")  # (no dropout in eval)
+
+
 def test_torch_fx_keeps_it_a_leaf_or_says_how():
     """Stock nn.MultiheadAttention is a leaf to torch.fx (a torch.nn module); the Mesa one is
     traced into unless told: one clear error, and as a leaf the graph runs it (compressing)."""

@@ -55,8 +55,8 @@ from torch.autograd.function import once_differentiable
 
 from mesa_train.nn import quantizer as quantizer_mod
 from mesa_train.nn._common import MesaLayer, autocast_input, autocast_state
-from mesa_train.nn.sdpa_backward import (attention, build_window_mask, capture_rng, operand_group_dim, recompute_grads,
-                                         recompute_grads_compiled, restore_operand)
+from mesa_train.nn.sdpa_backward import (DROPOUT_UNTRACEABLE, attention, build_window_mask, capture_rng,
+                                         operand_group_dim, recompute_grads, recompute_grads_compiled, restore_operand)
 from mesa_train.nn.sdpa_query_bias import QueryBias, biased_attention, compressed_query_bias_sdpa
 
 __all__ = ["QueryBias", "ScaledDotProductAttention", "build_window_mask"]
@@ -212,4 +212,4 @@ def _compressed_sdpa(module, q, k, v, attn_mask, window_mask, dropout_p, is_caus
         dims, float(dropout_p), bool(is_causal), scale)
 
 
-_compressed_sdpa_eager = torch.compiler.disable(_compressed_sdpa)
+_compressed_sdpa_eager = torch.compiler.disable(_compressed_sdpa, reason=DROPOUT_UNTRACEABLE)

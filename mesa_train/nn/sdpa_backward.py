@@ -30,8 +30,18 @@ import torch.nn.functional as F
 
 from mesa_train.nn.quantizer import Packed, decompress
 
-__all__ = ["attention", "build_window_mask", "capture_rng", "define_python_op", "grads_through", "operand_group_dim",
-           "recompute_grads", "recompute_grads_compiled", "restore_operand"]
+__all__ = ["DROPOUT_UNTRACEABLE", "DROPOUT_WHY", "attention", "build_window_mask", "capture_rng", "define_python_op",
+           "grads_through", "operand_group_dim", "recompute_grads", "recompute_grads_compiled", "restore_operand"]
+
+# Why a compressed attention call with dropout runs eagerly under torch.compile: the reason
+# given to torch.compiler.disable, which Dynamo's graph-break message (under fullgraph=True,
+# its error) names. compile_scope.compile_model refuses such a model before compiling.
+DROPOUT_WHY = (
+    "Mesa's attention replays its dropout mask in backward from the RNG state captured in forward, which Dynamo "
+    "cannot trace, so each such call runs eagerly (a graph break). With fullgraph=True: set the attention dropout to "
+    "0 (DeiT, Swin and PVT-v2 train with 0), compile with fullgraph=False (still compressed), or leave 'sdpa' out of "
+    "the Mesa ops")
+DROPOUT_UNTRACEABLE = f"mesa_train: attention dropout > 0 under torch.compile: {DROPOUT_WHY}"
 
 _OP_NAME = "sdpa_recompute_backward"
 _SCHEMA = (f"{_OP_NAME}(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? window_mask, "

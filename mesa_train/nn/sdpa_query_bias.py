@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from mesa_train.nn._common import autocast_input, autocast_state
-from mesa_train.nn.sdpa_backward import (capture_rng, grads_through, operand_group_dim, recompute_grads_compiled,
-                                         restore_operand)
+from mesa_train.nn.sdpa_backward import (DROPOUT_UNTRACEABLE, capture_rng, grads_through, operand_group_dim,
+                                         recompute_grads_compiled, restore_operand)
 
 __all__ = ["QueryBias", "biased_attention", "compressed_query_bias_sdpa"]
 
@@ -145,4 +145,4 @@ def compressed_query_bias_sdpa(module, q, k, v, query_bias: QueryBias, dropout_p
                                     *query_bias.inputs)
 
 
-_compressed_query_bias_sdpa_eager = torch.compiler.disable(compressed_query_bias_sdpa)
+_compressed_query_bias_sdpa_eager = torch.compiler.disable(compressed_query_bias_sdpa, reason=DROPOUT_UNTRACEABLE)
