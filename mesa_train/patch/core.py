@@ -71,9 +71,10 @@ from .gemma4 import GEMMA4_CLASSES, STOCK_GEMMA4_CLASSES
 from .gating import GATING_CLASSES, STOCK_GATING_CLASSES
 from .sam import swap_sam_attention
 from . import mha as mha_patch
+from .torch_transformer import activations_as_modules
 from .torchvision_blocks import STOCK_TORCHVISION_CLASSES, TORCHVISION_CLASSES
-from .rules import (MODULE_SETS, ModuleInfo, classify, is_position_table_mlp, matmul_kinds, scan_functional_ops,
-                    scan_inline_scales)
+from .rules import (MODULE_SETS, ModuleInfo, classify, function_attributes, is_position_table_mlp, matmul_kinds,
+                    scan_functional_ops, scan_inline_scales)
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
@@ -527,6 +528,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     explicit = dict(quant_options)  # (what this call asked for, applied to layers patched before too)
 
     _check_dtype(root)
+    # 0. torch transformer layers built with activation="gelu" hold F.gelu itself: the stock
+    # module in its place, for the leaf conversion (patch/torch_transformer.py)
+    activations_as_modules(root, op_names)
     keep_stock, kept_names = _stock_batchnorms(root, op_names, cancelling_bn)
     t = _Target(root, op_names, set_names, quant_options)
 
@@ -918,8 +922,9 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
             continue
         if isinstance(m, nn.MultiheadAttention):  # F.multi_head_attention_forward: all inside
             found = ("linear", "matmul", "softmax", "sdpa")
-        else:
+        else:  # (and the torch functions held as attributes: self.act = F.gelu, then self.act(x))
             found = scan_functional_ops(type(m))
+            found += tuple(o for o in function_attributes(m).values() if o not in found)
         if "linear" in found and "linear" in t.op_names and any(
                 isinstance(c, mnn.Linear) for c in m._modules.values()):
             install_linear(m)

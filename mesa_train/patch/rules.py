@@ -33,8 +33,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-__all__ = ["ModuleInfo", "classify", "scan_functional_ops", "scan_inline_scales", "FUNCTIONAL_OPS",
-           "is_position_table_mlp"]
+__all__ = ["ModuleInfo", "classify", "function_attributes", "scan_functional_ops", "scan_inline_scales",
+           "FUNCTIONAL_OPS", "is_position_table_mlp"]
 
 MODULE_SETS = ("msa", "ffn", "other")
 
@@ -145,6 +145,17 @@ FUNCTIONAL_OPS = {
     "normalize": "normalize",
     "amax": "maxpool",
 }
+
+
+def function_attributes(m: nn.Module) -> Dict[str, str]:
+    """``{attribute: op}`` for the torch functions ``m`` holds as instance attributes (torch's
+    ``nn.TransformerEncoderLayer(activation="gelu")`` keeps ``self.activation = F.gelu`` and
+    calls ``self.activation(x)``): a call the source scan reads as a method call, so the op
+    would be neither compressed nor reported."""
+    return {name: FUNCTIONAL_OPS[fn.__name__] for name, fn in vars(m).items()
+            if callable(fn) and not isinstance(fn, (nn.Module, type))
+            and (getattr(fn, "__module__", None) or "").startswith("torch")
+            and getattr(fn, "__name__", None) in FUNCTIONAL_OPS}
 
 
 def _methods_reached(cls: type, functions: bool = False) -> List[Tuple[str, object]]:
