@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformer, SwinTransformerBlockV2
 
+from mesa_train.nn.quantizer import ActivationQuantizer
 from mesa_train.patch import patch_model
 from mesa_train.patch.coverage import coverage
 
@@ -44,6 +45,10 @@ def test_torchvision_swin_attention_is_compressed_and_forward_is_stock(v2):
     got, got_grads = _step(mesa, x)
     assert torch.equal(got, want)
     assert attn.mesa_softmax.quantizer.initialized and attn.qkv.quantizer.initialized
+    # every Mesa layer ran (Swin V1 had mesa_norm_q / mesa_norm_k for V2's cosine branch)
+    idle = [n for n, q in mesa.named_modules() if isinstance(q, ActivationQuantizer) and not q.initialized]
+    assert not idle, idle
+    assert ("mesa_norm_q" in attn._modules) == v2
     for n, g in want_grads.items():
         cos = F.cosine_similarity(got_grads[n].flatten().double(), g.flatten().double(), dim=0)
         assert cos > 0.99, (n, float(cos))

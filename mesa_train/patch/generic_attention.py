@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .rules import count_functional_calls
+from .rules import count_functional_calls, scan_functional_ops
 
 __all__ = ["AMAX_CHILD", "EINSUM_CHILD", "capture_calls", "install", "install_routed",
            "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
@@ -208,17 +208,23 @@ def install_cosine(module: nn.Module, ops, found, heads: Optional[int], device, 
     """Cosine attention (SwinV2, SwinV2-CR, XCiT): ``mesa_norm_q`` / ``mesa_norm_k`` for its
     first two ``F.normalize(., dim=-1)`` calls (op ``normalize``) and ``mesa_logit_scale`` for
     a learned per-head scale of the logits (op ``layerscale``; only when the module holds a
-    parameter with one value per head). Needs the ``mesa_qk`` routing (op ``matmul``)."""
+    parameter with one value per head). Needs the ``mesa_qk`` routing (op ``matmul``).
+
+    An ``F.normalize`` found only in a module-level function the forward calls counts where
+    the module holds that per-head scale: torchvision's ``shifted_window_attention`` serves
+    Swin V1 and V2 and normalizes only when handed V2's ``logit_scale`` (V1 got two children
+    that never ran, which ``describe`` counted)."""
     from mesa_train.nn import ChannelScale, Normalize
 
     if "mesa_qk" not in module._modules:
         return ()
     added = []
-    if "normalize" in ops and "normalize" in found and "mesa_norm_q" not in module._modules:
+    per_head = heads is not None and any(p.numel() == heads and p.dim() >= 1 for p in module.parameters(recurse=False))
+    normalizes = "normalize" in found and (per_head or "normalize" in scan_functional_ops(type(module)))
+    if "normalize" in ops and normalizes and "mesa_norm_q" not in module._modules:
         for n in NORMALIZE_CHILDREN:
             module.add_module(n, Normalize(device=device, **options))
         added.append("normalize")
-    per_head = heads is not None and any(p.numel() == heads and p.dim() >= 1 for p in module.parameters(recurse=False))
     if "layerscale" in ops and per_head and "mesa_logit_scale" not in module._modules:
         module.add_module("mesa_logit_scale", ChannelScale(device=device, **options))
         added.append("layerscale")
