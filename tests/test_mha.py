@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+import mesa_train.nn as mnn
 from mesa_train.patch import (mesa_state_keys, patch_model, patched_to_stock_state_dict,
                               stock_to_patched_state_dict)
 from mesa_train.patch.coverage import coverage
@@ -134,6 +135,15 @@ def test_a_module_the_mesa_forward_does_not_replicate_is_reported_and_left_stock
     with pytest.warns(UserWarning, match=r"functional ops not reached .*attn \(MultiheadAttention: "):
         patch_model(holder, ops=["linear", "sdpa"])
     assert type(holder.attn) is nn.MultiheadAttention
+    assert type(holder.attn.out_proj) is not mnn.Linear  # (its forward never calls out_proj)
+    # the same module as the model itself: reported as <root>, no Mesa out_proj left unused
+    bare = nn.MultiheadAttention(16, 2, kdim=8, vdim=8)
+    with pytest.warns(UserWarning, match=r"functional ops not reached .*<root> \(MultiheadAttention: "):
+        patch_model(bare, ops=["linear", "sdpa"])
+    assert type(bare) is nn.MultiheadAttention and type(bare.out_proj) is not mnn.Linear
+    # a supported one as the model itself is patched as inside a model
+    root = patch_model(nn.MultiheadAttention(16, 2), ops=["linear", "sdpa"])
+    assert type(root) is MesaMultiheadAttention and type(root.out_proj) is mnn.Linear
 
 
 def test_only_the_ops_asked_for_are_compressed():

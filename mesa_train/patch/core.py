@@ -636,7 +636,8 @@ class _Target:
         return self.info.get(name, _OTHER)
 
     def skipped(self, name: str) -> bool:
-        return any(name.startswith(p) for p in self.skip_prefixes)
+        # (the root's prefix is "": it skips every module but the root itself)
+        return any(name.startswith(p) for p in self.skip_prefixes if p or name)
 
     def options(self, module: Optional[nn.Module], heads: Optional[int]) -> dict:
         return _options_for(module, heads, self.quant_options)
@@ -695,7 +696,7 @@ def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
             _patch_attention(m, t.core_ops, mi.heads, t.quant_options, attention)
             patched.append(name)
         if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
-            t.skip_prefixes.append(name + ".")
+            t.skip_prefixes.append(f"{name}." if name else "")
             if is_position_table_mlp(name, m) and "linear" in t.op_names and mi.module_set in t.set_names:
                 make_recomputed(getattr(m, "mlp", None) if type(m).__name__ == "RelPosMlp" else m)
     return patched
