@@ -356,9 +356,8 @@ struct ElementwiseTrain : public torch::autograd::Function<ElementwiseTrain> {
     at::Tensor gx;
     if (k == Elementwise::kSilu) {
       gx = at::silu_backward(g, xh);
-    } else if (k == Elementwise::kQuickGelu) {  // activations._quick_gelu_grad
-      const at::Tensor s = at::sigmoid(xh * 1.702);
-      gx = g * (s * ((xh * 1.702) * at::rsub(s, 1)).add(1));
+    } else if (k == Elementwise::kQuickGelu) {
+      gx = g * quick_gelu_grad(xh);
     } else {  // stock's arithmetic on the masks and xh (hardswish_grad.h)
       gx = hardswish_masked_grad(g, xh, saved[3], saved[4], ctx->saved_data["shape"].toIntVector(),
                                  ctx->saved_data["cl"].toBool());

@@ -48,10 +48,7 @@ at::Tensor activation_vjp(GateAct act, const at::Tensor& g, const at::Tensor& x,
     case GateAct::kGeluTanh: return at::gelu_backward(g, x, "tanh");
     case GateAct::kSigmoid: return at::sigmoid_backward(g, h);
     case GateAct::kTanh: return at::tanh_backward(g, h);
-    default: {  // activations._quick_gelu_grad: s * (1 + 1.702 x (1 - s))
-      const at::Tensor s = at::sigmoid(x * 1.702);
-      return g * (s * ((x * 1.702) * at::rsub(s, 1)).add(1));
-    }
+    default: return g * quick_gelu_grad(x);
   }
 }
 

@@ -447,5 +447,14 @@ inline std::optional<at::Tensor> present(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
 }
 
+// QuickGELU's derivative s * (1 + 1.702 x (1 - s)), s = sigmoid(1.702 x), in x's dtype and
+// computed in at least float32 (in Half 1.702 x overflows past |x| ~ 38.5k, and inf * 0 was
+// NaN): activations._quick_gelu_grad, the same ops
+inline at::Tensor quick_gelu_grad(const at::Tensor& x) {
+  const at::Tensor xf = x.to(at::promote_types(x.scalar_type(), at::kFloat));
+  const at::Tensor s = at::sigmoid(xf * 1.702);
+  return (s * ((xf * 1.702) * at::rsub(s, 1)).add(1)).to(x.scalar_type());
+}
+
 }  // namespace layers
 }  // namespace mesa

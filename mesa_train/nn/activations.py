@@ -39,8 +39,12 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _quick_gelu_grad(x: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(1.702 * x)
-    return s * (1 + 1.702 * x * (1 - s))
+    """QuickGELU's derivative in ``x``'s dtype, computed in at least float32: in float16
+    ``1.702 * x`` overflows past |x| ~ 38.5k and ``inf * (1 - s) = inf * 0`` was NaN where stock's
+    autograd gives 0 or 1. C++ twins: csrc/convnet_autograd.cpp, csrc/gated_autograd.cpp."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    s = torch.sigmoid(1.702 * xf)
+    return (s * (1 + 1.702 * xf * (1 - s))).to(x.dtype)
 
 
 class _ElementwiseFn(torch.autograd.Function):
