@@ -75,15 +75,20 @@ class AvgPool2d(MesaLayer, nn.AvgPool2d):
                    stock.divisor_override, **inherit_options(stock, quant_options)).train(stock.training)
 
     def forward(self, input):
+        return self.pool(input, self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
+                         self.divisor_override)
+
+    def pool(self, input, kernel_size, stride=None, padding=0, ceil_mode: bool = False, count_include_pad: bool = True,
+             divisor_override=None):
+        """``F.avg_pool2d(input, ...)`` through this layer (also a functional call a module's
+        forward makes: patch/functional_calls.py)."""
         if not self._mesa_active(input):
-            return super().forward(input)
-        args = pool_args(self.kernel_size, self.stride, self.padding, 1)
+            return F.avg_pool2d(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        args = pool_args(kernel_size, stride, padding, 1)
         if args is not None and quantizer_mod.fused_layers_on():
             # eager: the layer with a C++ autograd node (csrc/avgpool_autograd.cpp), the same bits
-            return torch.ops.mesa.avg_pool2d_train(input, *args[:3], self.ceil_mode, self.count_include_pad,
-                                                   self.divisor_override)
-        return _AvgPool2dFn.apply(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                                  self.count_include_pad, self.divisor_override)
+            return torch.ops.mesa.avg_pool2d_train(input, *args[:3], ceil_mode, count_include_pad, divisor_override)
+        return _AvgPool2dFn.apply(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
     def extra_repr(self) -> str:
         return f"{nn.AvgPool2d.extra_repr(self)}, {self._mesa_repr()}"

@@ -57,12 +57,17 @@ class GELU(MesaLayer, nn.GELU):
         return rebuild_parameter_free(cls, stock, nn.GELU, (stock.approximate,), device, quant_options)
 
     def forward(self, input):
+        return self.call(input, self.approximate)
+
+    def call(self, input, approximate: str):
+        """``F.gelu(input, approximate=approximate)`` through this layer (also a functional
+        call a module's forward makes: patch/functional_calls.py)."""
         if not self._mesa_active(input):
-            return super().forward(input)
+            return F.gelu(input, approximate=approximate)
         fused = self.quantizer.fused_layer_args(input)
         if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
-            return torch.ops.mesa.gelu_train(input, *fused, self.approximate)
-        return _GeluFn.apply(input, self.approximate, self.quantizer)
+            return torch.ops.mesa.gelu_train(input, *fused, approximate)
+        return _GeluFn.apply(input, approximate, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"{nn.GELU.extra_repr(self)}, {self._mesa_repr()}"

@@ -22,6 +22,7 @@ a C++ autograd node and the index arithmetic as one loop each way on the CPU
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
@@ -148,25 +149,23 @@ class MaxPool2d(MesaLayer, nn.MaxPool2d):
         return cls(stock.kernel_size, stock.stride, stock.padding, stock.dilation, stock.return_indices,
                    stock.ceil_mode, **inherit_options(stock, quant_options)).train(stock.training)
 
-    def _lossless_args(self) -> tuple | None:
-        """The pooling arguments as pairs when the uint8 path applies, else None: the caller
-        wants the int64 indices (``return_indices``), the window has more than 256
-        elements, or the arguments are malformed (stock raises its error)."""
-        if self.return_indices:
-            return None
-        args = pool_args(self.kernel_size, self.stride, self.padding, self.dilation)
-        if args is None or args[0][0] * args[0][1] > _MAX_WINDOW:
-            return None
-        return args
-
     def forward(self, input):
-        args = self._lossless_args() if self._mesa_active(input) else None
-        if args is None:
+        if self.return_indices:  # (the caller keeps the int64 indices anyway)
             return super().forward(input)
+        return self.pool(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+
+    def pool(self, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False):
+        """``F.max_pool2d(input, ...)`` (no indices returned) through this layer (also a
+        functional call a module's forward makes: patch/functional_calls.py). The stock op
+        where the window has more than 256 elements or the arguments are malformed (stock
+        raises its error)."""
+        args = pool_args(kernel_size, stride, padding, dilation) if self._mesa_active(input) else None
+        if args is None or args[0][0] * args[0][1] > _MAX_WINDOW:
+            return F.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode)
         if quantizer_mod.fused_layers_on():
             # eager: the layer with a C++ autograd node (csrc/convnet_autograd.cpp), the same bits
-            return torch.ops.mesa.max_pool2d_train(input, *args, self.ceil_mode)
-        return _MaxPool2dFn.apply(input, *args, self.ceil_mode)
+            return torch.ops.mesa.max_pool2d_train(input, *args, ceil_mode)
+        return _MaxPool2dFn.apply(input, *args, ceil_mode)
 
     def extra_repr(self) -> str:
         return f"{nn.MaxPool2d.extra_repr(self)}, {self._mesa_repr()}"

@@ -104,13 +104,18 @@ class ReLU(MesaLayer, nn.ReLU):
         return cls(stock.inplace, **inherit_options(stock, quant_options)).train(stock.training)
 
     def forward(self, input):
+        return self.call(input, self.inplace)
+
+    def call(self, input, inplace: bool):
+        """``F.relu(input, inplace)`` through this layer (also a functional call a module's
+        forward makes: patch/functional_calls.py)."""
         if not self._mesa_active(input):
-            return super().forward(input)
+            return F.relu(input, inplace=inplace)
         if quantizer_mod.fused_layers_on():
             # eager: the layer with a C++ autograd node (csrc/convnet_autograd.cpp), the same bits
-            op = torch.ops.mesa.mask_train_ if self.inplace else torch.ops.mesa.mask_train
+            op = torch.ops.mesa.mask_train_ if inplace else torch.ops.mesa.mask_train
             return op(input, MASK_KINDS["relu"], 0.0, 0.0)
-        return _ReLUFn.apply(input, self.inplace)  # no seed: traceable by torch.compile
+        return _ReLUFn.apply(input, inplace)  # no seed: traceable by torch.compile
 
     def extra_repr(self) -> str:
         base = nn.ReLU.extra_repr(self)

@@ -60,7 +60,8 @@ from mesa_train.nn.sdpa import ScaledDotProductAttention
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
-from .generic_attention import (AMAX_CHILD, EINSUM_CHILD, install as install_generic, install_cosine,
+from .functional_calls import ROUTED_OPS, routable_sites
+from .generic_attention import (AMAX_CHILD, EINSUM_CHILD, install as install_generic, install_calls, install_cosine,
                                 install_linear, install_routed, install_scales)
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
@@ -73,8 +74,8 @@ from .sam import swap_sam_attention
 from . import mha as mha_patch
 from .torch_transformer import activations_as_modules
 from .torchvision_blocks import STOCK_TORCHVISION_CLASSES, TORCHVISION_CLASSES
-from .rules import (MODULE_SETS, ModuleInfo, classify, function_attributes, is_position_table_mlp, matmul_kinds,
-                    scan_functional_ops, scan_inline_scales)
+from .rules import (FUNCTIONAL_OPS, MODULE_SETS, ModuleInfo, classify, count_functional_calls, function_attributes,
+                    is_position_table_mlp, matmul_kinds, scan_functional_ops, scan_inline_scales)
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
@@ -932,15 +933,42 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
             generic[name] = generic.get(name, ()) + ("linear",)
         if getattr(m, "add_maxpool", True) is False:  # timm's squeeze-excite: its amax call switched off
             found = tuple(o for o in found if o != "maxpool")
-        # inline x.amax(...): max pooling as a reduction (Hiera, CBAM-style spatial attention)
-        if "maxpool" in found and "maxpool" in t.op_names:
-            opts = t.options(None, t.module_info(name).heads)
-            install_routed(m, AMAX_CHILD, lambda: mnn.Amax(device=_module_device(m), **opts))
-            generic[name] = generic.get(name, ()) + ("maxpool",)
+        reached = _route_calls(t, name, m, found)
+        if reached:
+            generic[name] = generic.get(name, ()) + reached
         hit = tuple(o for o in found if o in t.op_names and o not in generic.get(name, ()))
         if hit:
             unreached[name or "<root>"] = hit
     return unreached
+
+
+# op -> every call name the source scan maps to it (an op counts as reached when all are routed)
+_CALL_NAMES = {op: tuple(n for n, o in FUNCTIONAL_OPS.items() if o == op) for op in set(FUNCTIONAL_OPS.values())}
+
+
+def _route_calls(t: _Target, name: str, m: nn.Module, found: Tuple[str, ...]) -> Tuple[str, ...]:
+    """Step 3's routes for ``m``'s functional calls through Mesa children; returns the ops all of
+    whose calls are routed: inline ``x.amax(...)`` (max pooling as a reduction: Hiera, CBAM-style
+    spatial attention) through ``mesa_amax``; ``F.relu`` / ``F.gelu`` / ``F.silu`` /
+    ``F.max_pool2d`` / ``F.avg_pool2d`` through a child per call site (patch/functional_calls.py)."""
+    wanted = [o for o in found if o in t.op_names]
+    if not wanted:
+        return ()
+    opts = t.options(None, t.module_info(name).heads)
+    reached = []
+    amax = "maxpool" in wanted and count_functional_calls(type(m), "amax") > 0
+    if amax:
+        install_routed(m, AMAX_CHILD, lambda: mnn.Amax(device=_module_device(m), **opts))
+    for op in wanted:
+        if op not in ROUTED_OPS:
+            continue
+        names = tuple(n for n in _CALL_NAMES[op] if n != "amax")
+        sites = routable_sites(type(m), op, names)
+        if sites:
+            install_calls(m, op, sites, _module_device(m), opts)
+        if sites or (op == "maxpool" and amax and not sum(count_functional_calls(type(m), n) for n in names)):
+            reached.append(op)
+    return tuple(reached)
 
 
 def _record_patch(root: nn.Module, op_names, set_names, explicit: dict, unreached: dict, kept_names) -> None:

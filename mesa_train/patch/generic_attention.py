@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import functional_calls
 from .rules import count_functional_calls, scan_functional_ops
 
 __all__ = ["AMAX_CHILD", "EINSUM_CHILD", "capture_calls", "install", "install_routed",
@@ -74,6 +75,7 @@ class _Capture(TorchFunctionMode):
         self.matmuls = 0
         self.softmaxes = 0
         self.normalizes = 0
+        self.calls: dict = {}  # functional activation / pooling calls per op (functional_calls.route)
         self.logits = None  # the q @ k^T output, for a logit scale multiplying it
         # the softmax's output and its 8-bit copy, handed to `attn @ v` when that multiplies
         # the output itself: unlike the eager-only sharing cache this holds under torch.compile
@@ -86,6 +88,10 @@ class _Capture(TorchFunctionMode):
         # and x * gamma are never routed again)
         if func is F.linear and torch.is_grad_enabled():
             routed = _route_linear(owner, args, kwargs)
+            if routed is not None:
+                return routed
+        if torch.is_grad_enabled():
+            routed = functional_calls.route(owner, self.calls, func, args, kwargs)
             if routed is not None:
                 return routed
         if func in _MULS and len(args) == 2 and not kwargs and torch.is_grad_enabled():
@@ -310,6 +316,13 @@ def install_routed(module: nn.Module, child: str, make_layer: Callable[[], nn.Mo
     module has that child already, and give the module the capturing forward."""
     if child not in module._modules:
         module.add_module(child, make_layer())
+    _install_capture(module)
+
+
+def install_calls(module: nn.Module, op: str, sites: int, device, options: dict) -> None:
+    """Route ``module``'s functional ``op`` calls (``F.relu``, ``F.max_pool2d``, ...) through a
+    Mesa child per call site (patch/functional_calls.py) under the capturing forward."""
+    functional_calls.install(module, op, sites, device, options)
     _install_capture(module)
 
 

@@ -144,6 +144,9 @@ FUNCTIONAL_OPS = {
     "hardsigmoid": "hardswish",
     "normalize": "normalize",
     "amax": "maxpool",
+    "max_pool2d": "maxpool",
+    "avg_pool2d": "avgpool",
+    "silu": "silu",
 }
 
 

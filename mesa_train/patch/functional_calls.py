@@ -1,0 +1,119 @@
+"""Activations and pooling that a module's forward calls functionally, compressed through Mesa
+children: ``F.relu(self.conv1(x))``, ``F.max_pool2d(x, 2)``, ``F.gelu(h)``, ``F.silu(h)``,
+``F.avg_pool2d(x, 3, 1, 1)`` (hand-written CNNs, torchvision's Inception-v3 blocks, GoogLeNet's
+auxiliary heads, DenseNet's last ReLU). There is no module for the leaf conversion to reach, so
+stock autograd kept each call's input or output whole; before, those calls were reported as
+"functional ops not reached" (ReLU, GELU) or not even reported (SiLU, pooling).
+
+``install`` gives the module one child per call site the source scan counts (``rules``; the
+calls in ``forward`` and the methods it reaches on ``self``): ``mesa_call_relu_0``,
+``mesa_call_relu_1``, ... The module's forward then runs under the capture mode of
+``generic_attention``, which hands the n-th such call of a forward to the n-th child with the
+call's own arguments (``ReLU.call``, ``GELU.call``, ``MaxPool2d.pool``, ``AvgPool2d.pool``): the
+same op, so the forward stays bitwise stock's. One child per site because the GELU's and SiLU's
+estimates are per tensor (sites of different scales must not share them); the ReLU and the pools
+keep no estimates, but the same naming keeps the rule one. ``F.silu(x, inplace=True)``: Mesa's
+SiLU computes out of place, and the result is copied into ``x`` (code may rely on ``x`` being
+overwritten). Calls past the counted ones (a call in a loop) and ``F.max_pool2d(...,
+return_indices=True)`` (the caller keeps the int64 indices anyway) run stock. An op with any
+call of another form (``relu6``, ``hardtanh`` map to ``relu`` too) stays reported.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rules import count_functional_calls
+
+__all__ = ["FUNCTION_CHILDREN_ATTR", "ROUTED_OPS", "install", "route", "routable_sites"]
+
+# set on a module given call children: {op: (child name, ...)} in call order
+FUNCTION_CHILDREN_ATTR = "_mesa_function_children"
+
+# the functions the capture mode sees for each routed op (F.relu_ is torch.relu_; x.relu() is
+# Tensor.relu), and whether that function works in place
+_FUNCTIONS = {
+    F.relu: ("relu", False), torch.relu: ("relu", False), torch.Tensor.relu: ("relu", False),
+    torch.relu_: ("relu", True), torch.Tensor.relu_: ("relu", True),
+    F.gelu: ("gelu", False), F.silu: ("silu", False),
+    F.max_pool2d: ("maxpool", False), torch.max_pool2d: ("maxpool", False), F.avg_pool2d: ("avgpool", False),
+}
+# op -> the call names (as the source scan reads them) a child computes
+ROUTED_OPS = {"relu": ("relu", "relu_"), "gelu": ("gelu",), "silu": ("silu",), "maxpool": ("max_pool2d",),
+              "avgpool": ("avg_pool2d",)}
+
+
+def _layer_factories() -> Dict[str, Callable[..., nn.Module]]:
+    import mesa_train.nn as mnn  # (mesa_train.nn imports nothing of patch/; imported when patching)
+
+    return {"relu": mnn.ReLU, "gelu": mnn.GELU, "silu": mnn.SiLU, "maxpool": lambda **kw: mnn.MaxPool2d(1, **kw),
+            "avgpool": lambda **kw: mnn.AvgPool2d(1, **kw)}
+
+
+def routable_sites(cls: type, op: str, all_names: Tuple[str, ...]) -> int:
+    """The call sites of ``op`` in ``cls``'s forward a child can take: 0 unless every call the
+    scan maps to ``op`` (``all_names``: those call names) is one of ``ROUTED_OPS[op]``'s."""
+    routed = sum(count_functional_calls(cls, name) for name in ROUTED_OPS.get(op, ()))
+    total = sum(count_functional_calls(cls, name) for name in all_names)
+    return routed if routed == total else 0
+
+
+def install(module: nn.Module, op: str, sites: int, device, options: dict) -> None:
+    """Give ``module`` ``sites`` children for ``op``'s functional calls (kept where present)."""
+    make = _layer_factories()[op]
+    names = tuple(f"mesa_call_{op}_{i}" for i in range(sites))
+    for name in names:
+        if name not in module._modules:
+            module.add_module(name, make(device=device, **options))
+    children = dict(getattr(module, FUNCTION_CHILDREN_ATTR, None) or {})
+    children[op] = names
+    object.__setattr__(module, FUNCTION_CHILDREN_ATTR, children)
+
+
+def _call(op: str, inplace: bool, args, kwargs) -> Optional[dict]:
+    """The call's arguments by name, or None for a form no child computes."""
+    if op == "relu":
+        call = dict(zip(("input", "inplace"), args), **kwargs)
+        call["inplace"] = inplace or call.get("inplace", False)
+    elif op == "gelu":
+        call = dict(zip(("input", "approximate"), args), **kwargs)
+    elif op == "silu":
+        call = dict(zip(("input", "inplace"), args), **kwargs)
+    elif op == "maxpool":
+        call = dict(zip(("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
+                        args), **kwargs)
+        if call.pop("return_indices", False):
+            return None
+    else:  # avgpool
+        call = dict(zip(("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+                         "divisor_override"), args), **kwargs)
+    x = call.get("input")
+    return call if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) else None
+
+
+def route(owner: nn.Module, counts: Dict[str, int], func, args, kwargs):
+    """The result of the functional call ``func(*args, **kwargs)`` through ``owner``'s child for
+    its site (``counts``: this forward's calls per op so far), or None where it runs stock."""
+    entry = _FUNCTIONS.get(func)
+    children = getattr(owner, FUNCTION_CHILDREN_ATTR, None)
+    if entry is None or not children or entry[0] not in children:
+        return None
+    op, inplace = entry
+    site = counts.get(op, 0)
+    counts[op] = site + 1  # (every call counts: the n-th call keeps the n-th child, step after step)
+    names = children[op]
+    call = _call(op, inplace, args, kwargs) if site < len(names) else None
+    if call is None:
+        return None
+    child = owner._modules[names[site]]
+    x = call.pop("input")
+    if op == "relu":
+        return child.call(x, call["inplace"])
+    if op == "gelu":
+        return child.call(x, call.get("approximate", "none"))
+    if op == "silu":  # (Mesa's SiLU computes out of place; an in-place call's input takes the result)
+        return x.copy_(child(x)) if call.get("inplace", False) else child(x)
+    return child.pool(x, **call)
