@@ -283,7 +283,7 @@ class _Custom(nn.Module):
     def forward(self, x):
         h = self.norm(self.act(self.fc(x)))
         a = (h @ h.transpose(-1, -2)).softmax(-1) @ h
-        return F.gelu(a) + self.mha(h, h, h)[0]
+        return F.relu6(a) + self.mha(h, h, h)[0]  # (relu6: no Mesa child computes it, F.gelu has one)
 
 
 def test_generic_fallback_reports_functional_ops():
@@ -294,7 +294,7 @@ def test_generic_fallback_reports_functional_ops():
     msg = str(rec[0].message)
     # (its q @ k^T, softmax and @ v are intercepted; nn.MultiheadAttention has its Mesa forward,
     # tests/test_mha.py)
-    assert msg.endswith("not reached (they stay uncompressed): <root> (_Custom: gelu)"), msg
+    assert msg.endswith("not reached (they stay uncompressed): <root> (_Custom: relu)"), msg
     assert hasattr(model.fc, "quantizer") and hasattr(model.act, "quantizer") and hasattr(model.norm, "quantizer")
     assert hasattr(model.mha.mesa_in_proj, "quantizer") and hasattr(model.mha.out_proj, "quantizer")
     text = describe(model)

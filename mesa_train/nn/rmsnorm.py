@@ -102,9 +102,12 @@ class RmsNorm(MesaLayer, nn.Module):
 
     @classmethod
     def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "RmsNorm":
+        """timm's class, or torch's ``nn.RMSNorm`` (its forward is the same ``F.rms_norm`` call;
+        its ``eps=None`` is the compute dtype's machine epsilon, as ATen's)."""
         import timm.layers
 
-        check_stock(stock, (getattr(timm.layers, cls._timm_name), cls))
+        torch_rms = (nn.RMSNorm,) if cls._timm_name == "RmsNorm" and hasattr(nn, "RMSNorm") else ()
+        check_stock(stock, (getattr(timm.layers, cls._timm_name), cls) + torch_rms)
         w = stock.weight
         new = cls(stock.normalized_shape, eps=stock.eps, elementwise_affine=w is not None, device="meta",
                   dtype=w.dtype if w is not None else None, **inherit_options(stock, quant_options))
@@ -119,12 +122,14 @@ class RmsNorm(MesaLayer, nn.Module):
         if not self._mesa_active(x, weight):
             out = timm_rms_norm(x, self.normalized_shape, weight, self.eps)
         else:
+            # (torch's nn.RMSNorm: eps None is the machine epsilon of rms_norm's compute dtype)
+            eps = self.eps if self.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
             fused = self.quantizer.fused_layer_args(x) if _OP else None
             if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
-                out = torch.ops.mesa.rms_norm_train(x, list(self.normalized_shape), weight, self.eps, *fused,
+                out = torch.ops.mesa.rms_norm_train(x, list(self.normalized_shape), weight, eps, *fused,
                                                     self.quantizer.options.row_scale)
             else:
-                out = _RmsNormFn.apply(x, self.normalized_shape, weight, self.eps, self.quantizer)
+                out = _RmsNormFn.apply(x, self.normalized_shape, weight, eps, self.quantizer)
         return out.to(dtype) if self.float32_compute else out
 
     def extra_repr(self) -> str:

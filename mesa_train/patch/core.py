@@ -61,8 +61,8 @@ from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTEN
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
 from .functional_calls import ROUTED_OPS, routable_sites
-from .generic_attention import (AMAX_CHILD, EINSUM_CHILD, install as install_generic, install_calls, install_cosine,
-                                install_linear, install_routed, install_scales)
+from .generic_attention import (AMAX_CHILD, EINSUM_CHILD, PassThroughMatMul, install as install_generic, install_calls,
+                                install_cosine, install_linear, install_routed, install_scales)
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
@@ -102,6 +102,7 @@ def _leaf_rules():
         TimmQuickGELU: ("gelu", mnn.QuickGELU),
         TimmRmsNorm: ("rmsnorm", mnn.RmsNorm),
         TimmRmsNormFp32: ("rmsnorm", mnn.RmsNormFp32),
+        nn.RMSNorm: ("rmsnorm", mnn.RmsNorm),  # (the same F.rms_norm call as timm's)
         nn.Linear: ("linear", mnn.Linear),
         TimmLinear: ("linear", mnn.Linear),  # F.linear outside TorchScript: nn.Linear's forward
         nn.GELU: ("gelu", mnn.GELU),
@@ -731,6 +732,8 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
             if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
                 install_routed(m, EINSUM_CHILD, lambda: mnn.Einsum(device=_module_device(m), **t.options(None, heads)))
             swap_sam_attention(m)  # SAM's decomposed rel-pos bias: kept as its tables (patch/sam.py)
+            if "baddbmm" in matmul_kinds(type(m), functions=True):  # (its q @ k^T runs stock: reported)
+                wanted = tuple(o for o in wanted if o != "matmul")
             generic[name] = wanted
     return generic
 
@@ -915,7 +918,7 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
                + tuple(NORM_ONLY_MLP_CLASSES.values())
                + tuple(GEMMA4_CLASSES) + tuple(STOCK_GEMMA4_CLASSES)
                + tuple(STOCK_BLOCK_CLASSES)
-               + (PlainMatMul, PlainSoftmax, mha_patch.MesaMultiheadAttention))
+               + (PlainMatMul, PlainSoftmax, PassThroughMatMul, mha_patch.MesaMultiheadAttention))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in t.root.named_modules():
         if type(m) in handled or isinstance(m, mnn.MesaLayer) or t.skipped(name):

@@ -16,8 +16,9 @@ class's forward with a ``TorchFunctionMode`` entered (:func:`_mesa_captured_forw
                   int8 copy when it comes straight from it; else quantized itself)
 
 Each is the Mesa layer computing exactly the intercepted call, so the forward stays bitwise
-the stock one. Anything else (a third matmul, a softmax with ``dtype=``, ``enable_gqa``,
-einsum, non-batched products with weights) runs unchanged. Groups are per head (dim 1 of
+the stock one (a softmax with ``dtype=``, Hugging Face's eager attention: its input cast
+first, as ATen does). Anything else (a third matmul, ``enable_gqa``, einsum, non-batched
+products with weights) runs unchanged. Groups are per head (dim 1 of
 ``(B, heads, N, d)`` tensors). The Mesa layers fall back to stock in eval mode or without
 grad, and the mode is popped while their own ops run (a mode is never re-entered from its
 handler), so nothing is intercepted twice.
@@ -64,6 +65,18 @@ def _batched(t) -> bool:
 def _softmax_dim(args, kwargs) -> Optional[int]:
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     return dim if isinstance(dim, int) else None
+
+
+def _softmax_input(func, args, kwargs) -> torch.Tensor:
+    """The tensor the softmax call normalises: its input, cast to the call's ``dtype`` where one
+    is given (Hugging Face's eager attention, ``F.softmax(w, dim=-1, dtype=torch.float32)``:
+    ATen casts the input first, then takes the softmax, the same bits). ``F.softmax`` hands its
+    defaults on (``_stacklevel`` third, ``dtype=None``); ``torch.softmax`` and
+    ``Tensor.softmax`` take the dtype third."""
+    dtype = kwargs.get("dtype")
+    if dtype is None and func is not F.softmax and len(args) > 2:
+        dtype = args[2]
+    return args[0] if dtype is None else args[0].to(dtype)
 
 
 class _Capture(TorchFunctionMode):
@@ -122,6 +135,13 @@ class _Capture(TorchFunctionMode):
             names = ("attn_mask", "dropout_p", "is_causal", "scale")
             call = dict(zip(names, rest), **kwargs)
             return owner.mesa_sdpa(q, k, v, **call)
+        if func is torch.baddbmm and self.matmuls == 0 and "mesa_qk" in owner._modules:
+            # q @ k^T fused with its scale and bias (diffusers' attention: baddbmm(empty, q, k^T,
+            # beta=0, alpha=scale)), which no MatMul computes bit for bit: stock (reported as a
+            # matmul not reached), counted as the first product, so attn @ v still reaches mesa_av
+            self.matmuls += 1
+            self.logits = func(*args, **kwargs)
+            return self.logits
         if (func in _MATMULS and len(args) == 2 and _batched(args[0]) and _batched(args[1]) and not kwargs
                 and "mesa_qk" in owner._modules):
             self.matmuls += 1
@@ -145,9 +165,7 @@ class _Capture(TorchFunctionMode):
                 # it; Dynamo in torch 2.11 gives that output a new identity, and attn @ v
                 # would no longer be handed the softmax's copy
                 return self.probs
-        # F.softmax hands its defaults on (dtype=None, _stacklevel): only a real dtype stays stock
-        if (func in _SOFTMAXES and _batched(args[0]) and kwargs.get("dtype") is None and self.softmaxes == 0
-                and "mesa_softmax" in owner._modules):
+        if func in _SOFTMAXES and _batched(args[0]) and self.softmaxes == 0 and "mesa_softmax" in owner._modules:
             dim = _softmax_dim(args, kwargs)
             last = dim is not None and dim % args[0].dim() == args[0].dim() - 1
             # over the last dim (the attention map), or over another when that softmax is the
@@ -155,7 +173,8 @@ class _Capture(TorchFunctionMode):
             # tokens: k.softmax(dim=2)); otherwise it may precede the map, which is routed
             if last or (dim is not None and getattr(owner, SOFTMAX_ANY_DIM_ATTR, False)):
                 self.softmaxes += 1
-                self.probs, self.probs_copy = owner.mesa_softmax(args[0], with_copy=True, dim=None if last else dim)
+                x = _softmax_input(func, args, kwargs)
+                self.probs, self.probs_copy = owner.mesa_softmax(x, with_copy=True, dim=None if last else dim)
                 return self.probs
         return func(*args, **kwargs)
 
@@ -273,7 +292,8 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options) 
     if "sdpa" in ops and getattr(module, "mesa_sdpa", None) is None:
         module.mesa_sdpa = ScaledDotProductAttention(device=device, **opts)
         added.append("sdpa")
-    if "matmul" in ops and getattr(module, "mesa_qk", None) is None:
+    if "matmul" in ops and (getattr(module, "mesa_qk", None) is None or isinstance(module.mesa_qk, PassThroughMatMul)):
+        # (replacing a softmax-only patch's pass-through q @ k^T and share-only attn @ v)
         module.mesa_qk = MatMul(device=device, **opts)
         module.mesa_av = MatMul(device=device, **opts)
         added.append("matmul")
@@ -285,7 +305,7 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options) 
         object.__setattr__(module, SOFTMAX_ANY_DIM_ATTR, single)
     if "softmax" in ops and "matmul" not in ops and getattr(module, "mesa_av", None) is None:
         # the map kept once through the softmax's shared copy, v as stock (share-only)
-        module.mesa_qk = _Plain()
+        module.mesa_qk = PassThroughMatMul()
         module.mesa_av = MatMul(operands=(), device=device, **opts)
     if not any(n in module._modules for n in CHILDREN):
         return None
@@ -343,7 +363,7 @@ def install_scales(module: nn.Module, names, device, options) -> Tuple[str, ...]
     return tuple(scales)
 
 
-class _Plain(nn.Module):
+class PassThroughMatMul(nn.Module):
     """``a @ b`` unchanged (the ``q @ k^T`` of a softmax-only patch)."""
 
     def forward(self, a, b):

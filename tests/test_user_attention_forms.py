@@ -1,0 +1,177 @@
+"""Attention and layers as users write them outside timm, each once left uncompressed without
+a word (session 73's review):
+
+* Hugging Face's eager attention, ``F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)``:
+  the softmax with ``dtype=`` ran stock (0.76x of stock bytes against 0.31x without it);
+* diffusers' ``torch.baddbmm(empty, q, k^T, beta=0, alpha=scale)``: no MatMul computes it bit for
+  bit, so it runs stock and is reported, and ``torch.bmm(probs, v)`` reaches the attn @ v child
+  (it went to the q @ k^T one);
+* ``patch_model(ops=["softmax"])`` then ``ops=["matmul"]``: the products stayed pass-through;
+* ``nn.Conv3d``, ``nn.ConvTranspose2d``, ``nn.BatchNorm3d`` and functional ``F.conv1d``,
+  ``F.group_norm``, ``F.batch_norm`` are reported; torch's ``nn.RMSNorm`` is converted (its
+  forward is timm's ``F.rms_norm`` call).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mesa_train.nn as mnn
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn.quantizer import ActivationQuantizer
+from mesa_train.patch import patch_model
+
+
+class HFEagerAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (p(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        w = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim)
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        w = F.dropout(w, 0.1, self.training)
+        return self.o_proj(torch.matmul(w, v).transpose(1, 2).reshape(b, n, c))
+
+
+class DiffusersAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def head_to_batch_dim(self, t):
+        b, n, c = t.shape
+        return t.reshape(b, n, self.heads, c // self.heads).permute(0, 2, 1, 3).reshape(b * self.heads, n, -1)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (self.head_to_batch_dim(p(x)) for p in (self.to_q, self.to_k, self.to_v))
+        empty = torch.empty(q.shape[0], q.shape[1], k.shape[1], dtype=q.dtype, device=q.device)
+        probs = torch.baddbmm(empty, q, k.transpose(-1, -2), beta=0, alpha=self.scale).softmax(dim=-1)
+        h = torch.bmm(probs, v).reshape(b, self.heads, n, -1).permute(0, 2, 1, 3).reshape(b, n, c)
+        return self.to_out(h)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (lin(x).view(b, n, self.h, self.d).permute(0, 2, 1, 3) for lin in (self.query, self.key, self.value))
+        p = F.softmax(torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.d), dim=-1)
+        return torch.matmul(p, v).permute(0, 2, 1, 3).reshape(b, n, c)
+
+
+def _step(model, x):
+    torch.manual_seed(3)  # (dropout on: the same masks)
+    with SavedTensorMeter() as meter:
+        out = model(x)
+    out.float().square().sum().backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}, meter.activation_bytes
+
+
+def _compare(stock, mesa, x, min_cos=0.99):
+    """The forward bitwise stock's, gradients close to float64 stock's (a key projection's bias
+    gets an exactly-zero gradient, softmax being blind to a per-row constant: compared only
+    where float64's gradient is not ~0), and the bytes kept over stock's."""
+    want, _, stock_bytes = _step(stock, x)
+    got, got_grads, mesa_bytes = _step(mesa, x)
+    assert torch.equal(got, want)
+    _, exact, _ = _step(copy.deepcopy(stock).double(), x.double())
+    scale = max(g.norm() for g in exact.values())
+    for n, g in exact.items():
+        if g.norm() > 1e-6 * scale:
+            cos = F.cosine_similarity(got_grads[n].double().flatten(), g.flatten(), dim=0)
+            assert cos > min_cos, (n, float(cos))
+    return mesa_bytes / stock_bytes
+
+
+def _idle(model):
+    return [n for n, q in model.named_modules() if isinstance(q, ActivationQuantizer) and not q.initialized]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_hugging_face_softmax_with_dtype_is_compressed(dtype):
+    torch.manual_seed(0)
+    stock = HFEagerAttention().to(dtype).train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(mesa)
+    ratio = _compare(stock, mesa, torch.randn(2, 16, 32, dtype=dtype))
+    # (bf16: the float32 map's codes, and attn @ v's own of its bf16 cast)
+    assert not _idle(mesa) and ratio < (0.45 if dtype == torch.float32 else 0.65), (_idle(mesa), ratio)
+
+
+def test_diffusers_baddbmm_is_reported_and_attn_v_compressed():
+    torch.manual_seed(0)
+    stock = DiffusersAttention().train()
+    mesa = copy.deepcopy(stock)
+    with pytest.warns(UserWarning, match=r"not reached .*<root> \(DiffusersAttention: matmul\)"):
+        patch_model(mesa)
+    _compare(stock, mesa, torch.randn(2, 16, 32))
+    assert mesa.mesa_av.quantizer_b.initialized and mesa.mesa_softmax.quantizer.initialized
+
+
+def test_softmax_then_matmul_in_two_calls_is_one_call():
+    torch.manual_seed(0)
+    stock = BertSelfAttention().train()
+    one, two = copy.deepcopy(stock), copy.deepcopy(stock)
+    patch_model(one, ops=["softmax", "matmul"])
+    patch_model(two, ops=["softmax"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(two, ops=["matmul"])
+    x = torch.randn(2, 16, 32)
+    assert _compare(stock, two, x) == _compare(stock, one, x)
+    # (attn @ v's quantizer_a stays idle by design: the map is the softmax's shared copy)
+    assert type(two.mesa_qk) is mnn.MatMul and _idle(two) == _idle(one) == ["mesa_av.quantizer_a"]
+
+
+class Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.gn_w = nn.Parameter(torch.randn(4, 3, 3)), nn.Parameter(torch.ones(4))
+        self.rm, self.rv = torch.zeros(4), torch.ones(4)
+
+    def forward(self, x):
+        x = F.conv1d(x, self.w1, padding=1)
+        x = F.group_norm(x, 2, self.gn_w)
+        return F.batch_norm(x, self.rm, self.rv, training=self.training)
+
+
+@pytest.mark.parametrize("make,shape,found", [
+    (lambda: nn.Sequential(nn.Conv3d(2, 4, 3), nn.BatchNorm3d(4)), (2, 2, 5, 5, 5),
+     r"0 \(Conv3d: conv\), 1 \(BatchNorm3d: batchnorm\)"),
+    (lambda: nn.Sequential(nn.ConvTranspose2d(2, 4, 2, stride=2)), (2, 2, 4, 4), r"0 \(ConvTranspose2d: conv\)"),
+    (Functional, (2, 3, 8), r"<root> \(Functional: batchnorm/conv/groupnorm\)"),
+], ids=["conv3d_batchnorm3d", "conv_transpose2d", "functional_norms"])
+def test_stock_layers_mesa_does_not_compress_are_reported(make, shape, found):
+    model = make()
+    with pytest.warns(UserWarning, match=f"not reached .*{found}"):
+        patch_model(model)
+
+
+@pytest.mark.parametrize("eps", [None, 1e-6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_rmsnorm_is_converted(eps, dtype):
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(16, 32), nn.RMSNorm(32, eps=eps), nn.Linear(32, 4)).to(dtype).train()
+    mesa = patch_model(copy.deepcopy(stock))
+    assert type(mesa[1]) is mnn.RmsNorm and mesa[1].weight is mesa[1].weight
+    _compare(stock, mesa, torch.randn(8, 16, dtype=dtype))
+    assert not _idle(mesa)
