@@ -175,3 +175,33 @@ def test_torch_rmsnorm_is_converted(eps, dtype):
     assert type(mesa[1]) is mnn.RmsNorm and mesa[1].weight is mesa[1].weight
     _compare(stock, mesa, torch.randn(8, 16, dtype=dtype))
     assert not _idle(mesa)
+
+
+def test_second_attention_core_in_one_forward_is_said_once():
+    """A DETR-style decoder layer with its self- and cross-attention inline in one forward: the
+    children compress the first core; the second runs stock and a warning says so, once per
+    class (coverage shows its bytes); torch.compile runs without it (no graph break)."""
+    class DecoderLayer(nn.Module):
+        def __init__(self, dim=32):
+            super().__init__()
+            self.q1, self.k1, self.v1, self.q2, self.k2, self.v2 = (nn.Linear(dim, dim) for _ in range(6))
+
+        def forward(self, x, memory):
+            a = torch.softmax(self.q1(x) @ self.k1(x).transpose(-1, -2), dim=-1) @ self.v1(x)
+            b = torch.softmax(self.q2(a) @ self.k2(memory).transpose(-1, -2), dim=-1) @ self.v2(memory)
+            return a + b
+
+    torch.manual_seed(0)
+    stock = DecoderLayer().train()
+    mesa = patch_model(copy.deepcopy(stock))
+    x, memory = torch.randn(2, 6, 32), torch.randn(2, 9, 32)
+    compiled = torch.compile(copy.deepcopy(mesa), backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled(x, memory)
+    with pytest.warns(UserWarning, match=r"DecoderLayer's forward ran a third batched product after the attention"):
+        got = mesa(x, memory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (said once)
+        again = mesa(x, memory)
+    assert torch.equal(got, stock(x, memory)) and torch.equal(again, got)

@@ -26,6 +26,7 @@ handler), so nothing is intercepted twice.
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -45,6 +46,7 @@ GENERIC_ATTENTION_ATTR = "_mesa_generic_attention"
 # set when the forward has a single functional softmax: it is routed over any dim
 SOFTMAX_ANY_DIM_ATTR = "_mesa_softmax_any_dim"
 SCALES_ATTR = "_mesa_scales"  # {parameter name: ChannelScale child name}
+_SECOND_CORE_SAID: set = set()  # the module classes whose second attention core was reported
 _MATMULS = {torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.bmm}
 _SOFTMAXES = {torch.softmax, torch.Tensor.softmax, F.softmax}
 _MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
@@ -65,6 +67,19 @@ def _batched(t) -> bool:
 def _softmax_dim(args, kwargs) -> Optional[int]:
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     return dim if isinstance(dim, int) else None
+
+
+def _second_core(owner: nn.Module, what: str) -> None:
+    """Say once per module class, in eager training, that its forward ran ``what`` after the
+    attention core the children compress (a decoder layer's cross-attention after its
+    self-attention, EfficientViT-M's cascade of heads, ConViT's positional softmax): that part
+    runs stock. (Not under torch.compile: a warning would break the graph.)"""
+    if type(owner) in _SECOND_CORE_SAID or torch.compiler.is_compiling():
+        return
+    _SECOND_CORE_SAID.add(type(owner))
+    warnings.warn(f"mesa_train: {type(owner).__name__}'s forward ran {what} after the attention core its Mesa "
+                  "children compress (q @ k^T, one softmax, attn @ v): that part stays uncompressed. A module per "
+                  "attention (as timm's blocks have) compresses each", UserWarning, stacklevel=2)
 
 
 def _softmax_input(func, args, kwargs) -> torch.Tensor:
@@ -158,6 +173,7 @@ class _Capture(TorchFunctionMode):
                 self.logits = None
                 shared = self.probs_copy if args[0] is self.probs else None
                 return owner.mesa_av(args[0], args[1], shared_a=shared)
+            _second_core(owner, "a third batched product")
         if func is F.dropout and self.probs is not None and args and args[0] is self.probs:
             call = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
             if call.get("p", 0.5) == 0 or not call.get("training", True):
@@ -176,6 +192,9 @@ class _Capture(TorchFunctionMode):
                 x = _softmax_input(func, args, kwargs)
                 self.probs, self.probs_copy = owner.mesa_softmax(x, with_copy=True, dim=None if last else dim)
                 return self.probs
+        if (func in _SOFTMAXES and self.softmaxes and "mesa_softmax" in owner._modules and _batched(args[0])
+                and torch.is_grad_enabled() and owner.training):
+            _second_core(owner, "a second softmax")
         return func(*args, **kwargs)
 
 
