@@ -205,3 +205,51 @@ def test_second_attention_core_in_one_forward_is_said_once():
         warnings.simplefilter("error")  # (said once)
         again = mesa(x, memory)
     assert torch.equal(got, stock(x, memory)) and torch.equal(again, got)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim=32, hidden=64):
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Attention(nn.Module):  # lucidrains' vit-pytorch: `heads`, an nn.Softmax, to_qkv / to_out
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.norm, self.attend = nn.LayerNorm(dim), nn.Softmax(dim=-1)
+        self.to_qkv, self.to_out = nn.Linear(dim, dim * 3, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(self.norm(x)).chunk(3, -1))
+        out = torch.matmul(self.attend(torch.matmul(q, k.transpose(-1, -2)) * self.scale), v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class ListViT(nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleList([Attention(dim), FeedForward(dim)]) for _ in range(2)])
+        self.mlp_head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        for attn, ff in self.layers:
+            x = attn(x) + x
+            x = ff(x) + x
+        return self.mlp_head(x.mean(1))
+
+
+@pytest.mark.parametrize("sets,want", [(["ffn"], ("1.net.",)), (["msa"], ("0.",))])
+def test_module_sets_follow_class_names_in_module_lists(sets, want):
+    """Blocks as ``nn.ModuleList([Attention, FeedForward])`` (names are list indices): the sets
+    follow the class names; the classifier ``mlp_head`` is no MLP block; the attention's
+    ``heads`` gives its quantization groups."""
+    model = patch_model(ListViT(), modules=sets)
+    patched = [n for n, m in model.named_modules() if isinstance(m, mnn.MesaLayer)]
+    assert patched and all(n.startswith("layers.") and n[len("layers.0."):].startswith(want) for n in patched), patched
+    if sets == ["msa"]:
+        assert model.layers[0][0].mesa_qk.quantizer_a.options.num_groups == 4

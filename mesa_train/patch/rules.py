@@ -17,9 +17,13 @@ containing ``attn`` are MSA, ``norm2`` or containing ``mlp``/``ffn`` are FFN, an
 the next block in module order (patch embedding, downsampling) or, after the last block,
 of the previous one (final norms, head).
 
-Models without such blocks fall back to names: a module path containing ``attn`` /
-``attention`` is MSA, ``mlp`` / ``ffn`` is FFN, the rest is ``other``; head counts come from
-a ``num_heads`` attribute on the way up, else the layers' default (1 group).
+Models without such blocks fall back to names: the innermost module on a module's path whose
+class name or attribute name contains ``attn`` / ``attention`` is MSA, ``mlp`` / ``ffn`` /
+``feedforward`` (but not ``head``: lucidrains' classifier ``mlp_head``) is FFN, the rest is
+``other`` (so ``nn.ModuleList([Attention(...), FeedForward(...)])`` blocks, whose names are
+indices, are classified by their classes); head counts come from a ``num_heads`` (timm),
+``heads`` (vit-pytorch, timm's Hiera), ``n_heads`` or ``n_head`` attribute on the way up, else
+the layers' default (1 group).
 """
 from __future__ import annotations
 
@@ -46,11 +50,24 @@ class ModuleInfo:
     block: Optional[str]  # name of the owning block, if any
 
 
+# where modules keep their head count: timm's num_heads; heads (lucidrains' vit-pytorch),
+# n_heads / n_head (nanoGPT-style code)
+_HEAD_ATTRS = ("num_heads", "heads", "n_heads", "n_head")
+
+
+def _head_count(m: nn.Module) -> Optional[int]:
+    for attr in _HEAD_ATTRS:
+        h = getattr(m, attr, None)
+        if isinstance(h, int) and not isinstance(h, bool) and h > 0:
+            return h
+    return None
+
+
 def _heads_of(module: nn.Module) -> Optional[int]:
     attn = getattr(module, "attn", None)
     for m in (attn, module):
-        h = getattr(m, "num_heads", None) if m is not None else None
-        if isinstance(h, int) and h > 0:
+        h = _head_count(m) if m is not None else None
+        if h is not None:
             return h
     return None
 
@@ -68,13 +85,26 @@ def _child_set(child_name: str) -> str:
     return "other"
 
 
-def _name_set(path: str) -> str:
-    parts = [p.lower() for p in path.split(".")]
-    for p in reversed(parts):
-        if "attn" in p or "attention" in p:
-            return "msa"
-        if "mlp" in p or "ffn" in p:
-            return "ffn"
+def _part_set(text: str) -> Optional[str]:
+    """The set a module's name or class name says: msa, ffn, or None. ``head`` is a
+    classifier (lucidrains' ``mlp_head``), not a block's MLP."""
+    t = text.lower()
+    if "attn" in t or "attention" in t:
+        return "msa"
+    if ("mlp" in t or "ffn" in t or "feedforward" in t) and "head" not in t:
+        return "ffn"
+    return None
+
+
+def _name_set(model: nn.Module, path: str) -> str:
+    """Outside timm-style blocks: the innermost module on ``path`` whose class name or name says
+    attention or MLP (user code's ``Attention`` / ``FeedForward`` classes in a ModuleList, as
+    lucidrains' vit-pytorch has them, where the names are list indices)."""
+    parts = path.split(".")
+    for k in range(len(parts), 0, -1):
+        found = _part_set(type(model.get_submodule(".".join(parts[:k]))).__name__) or _part_set(parts[k - 1])
+        if found:
+            return found
     return "other"
 
 
@@ -94,11 +124,10 @@ def classify(model: nn.Module) -> Dict[str, ModuleInfo]:
             parts = name.split(".") if name else []
             for k in range(len(parts), -1, -1):
                 owner = model.get_submodule(".".join(parts[:k])) if k else model
-                h = getattr(owner, "num_heads", None)
-                if isinstance(h, int) and h > 0:
-                    heads = h
+                heads = _head_count(owner)
+                if heads is not None:
                     break
-            info[name] = ModuleInfo(_name_set(name) if name else "other", heads, None)
+            info[name] = ModuleInfo(_name_set(model, name) if name else "other", heads, None)
         return info
 
     block_names = [b for _, b, _ in blocks]
