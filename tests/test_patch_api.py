@@ -58,6 +58,12 @@ def test_a_patch_that_matches_nothing_says_so():
         warnings.simplefilter("error")
         model = patch_model(nn.Sequential(nn.Linear(4, 4), nn.GELU()), ops=["gelu"])
         patch_model(model, ops=["gelu"])
+    # a bare layer as the model: it would be replaced inside its parent, and has none
+    with pytest.warns(UserWarning, match=r"the model is a single Linear, .* Use mesa_train.nn.Linear.from_module"):
+        bare = patch_model(nn.Linear(4, 4))
+    assert type(bare) is nn.Linear
+    with pytest.warns(UserWarning, match=r"no layer of GELU matched ops=\['linear'\]"):
+        patch_model(nn.GELU(), ops=["linear"])
     with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got NoneType"):
         patch_model(None)
 

@@ -579,7 +579,14 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         warnings.warn(
             f"mesa_train.patch_model: functional ops not reached (they stay uncompressed): {lines}",
             UserWarning, stacklevel=2)
-    if not generic and not any(_compresses(m) for m in root.modules()):  # (a user's own model, a wrong set)
+    rule = t.rules.get(type(root)) or _inherited_rule(t.rules, type(root))
+    if rule is not None and rule[0] in op_names and not isinstance(root, mnn.MesaLayer):  # (replaced in its parent)
+        warnings.warn(
+            f"mesa_train.patch_model: the model is a single {type(root).__name__}, which patch_model would "
+            f"replace inside its parent and cannot replace in place: nothing is compressed. Use "
+            f"mesa_train.nn.{rule[1].__name__}.from_module(layer), or patch a model holding it",
+            UserWarning, stacklevel=2)
+    elif not generic and not any(_compresses(m) for m in root.modules()):  # (a user's own model, a wrong set)
         warnings.warn(
             f"mesa_train.patch_model: no layer of {type(root).__name__} matched ops={list(op_names)} "
             f"modules={list(set_names)}: nothing is compressed (describe(model) lists what was patched)",

@@ -1,9 +1,10 @@
 """Activations and pooling that a module's forward calls functionally, compressed through Mesa
 children: ``F.relu(self.conv1(x))``, ``F.max_pool2d(x, 2)``, ``F.gelu(h)``, ``F.silu(h)``,
 ``F.avg_pool2d(x, 3, 1, 1)`` (hand-written CNNs, torchvision's Inception-v3 blocks: 0.367 ->
-0.258 of stock bytes; GoogLeNet's auxiliary heads, DenseNet's last ReLU). There is no module for the leaf conversion to reach, so
-stock autograd kept each call's input or output whole; before, those calls were reported as
-"functional ops not reached" (ReLU, GELU) or not even reported (SiLU, pooling).
+0.258 of stock bytes; GoogLeNet's auxiliary heads, DenseNet's last ReLU). There is no module
+for the leaf conversion to reach, so stock autograd kept each call's input or output whole;
+before, those calls were reported as "functional ops not reached" (ReLU, GELU) or not even
+reported (SiLU, pooling).
 
 ``install`` gives the module one child per call site the source scan counts (``rules``; the
 calls in ``forward`` and the methods it reaches on ``self``): ``mesa_call_relu_0``,
