@@ -13,6 +13,7 @@ import torchvision
 from torch import nn
 
 import mesa_train.nn as mnn
+from mesa_train.memory import SavedTensorMeter
 from mesa_train.patch import (mesa_state_keys, patch_model, patched_to_stock_state_dict,
                               stock_to_patched_state_dict)
 from mesa_train.patch.coverage import coverage
@@ -106,7 +107,8 @@ def _patched_mha(**kwargs):
 
 
 @pytest.mark.parametrize("call, reason", [
-    (lambda m, x, y: m(x, x, x), "need_weights=True computes the attention map explicitly; pass need_weights=False"),
+    (lambda m, x, y: m(x, x, x), "need_weights=True computes the attention map explicitly, and the ops asked for "
+                                 "leave its matmul or softmax stock; pass need_weights=False"),
     (lambda m, x, y: m(x, y, y, need_weights=False), "cross-attention"),
     (lambda m, x, y: m(x, x, x, need_weights=False, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)),
      "a mask"),
@@ -126,6 +128,35 @@ def test_a_call_the_mesa_path_does_not_replicate_runs_stock_and_says_why_once(ca
     want = call(stock, x, y)
     assert torch.equal(got[0], want[0])
     assert not mesa.mesa_in_proj.quantizer.initialized  # (it ran stock)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("average", [True, False])
+def test_need_weights_true_runs_the_explicit_core_compressed(dropout, average):
+    """torch's default call, ``attn(x, x, x)`` (need_weights=True: the map computed with bmm,
+    softmax, dropout, bmm, and returned averaged over the heads): the same steps through Mesa
+    MatMul / Softmax children; the output and the weights bitwise stock's."""
+    torch.manual_seed(0)
+    stock = nn.MultiheadAttention(16, 2, dropout=dropout, batch_first=True).train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "ran uncompressed" warning)
+        patch_model(mesa)
+        x = torch.randn(2, 5, 16)
+        outs = []
+        for m in (stock, mesa):
+            torch.manual_seed(1)
+            with SavedTensorMeter() as meter:
+                out, weights = m(x, x, x, average_attn_weights=average)
+            (out.square().sum() + weights.sum()).backward()
+            outs.append((out, weights, meter.activation_bytes, {n: p.grad for n, p in m.named_parameters()}))
+    (want, want_w, stock_bytes, want_grads), (got, got_w, mesa_bytes, got_grads) = outs
+    assert torch.equal(got, want) and torch.equal(got_w, want_w)
+    for n, g in want_grads.items():
+        assert F.cosine_similarity(got_grads[n].flatten(), g.flatten(), dim=0) > 0.99, n
+    assert mesa_bytes < 0.4 * stock_bytes
+    assert mesa.mesa_qk.quantizer_a.initialized and mesa.mesa_softmax.quantizer.initialized
+    assert mesa.mesa_av.quantizer_b.initialized and not mesa.mesa_sdpa.q_quantizer.initialized
 
 
 def test_a_module_the_mesa_forward_does_not_replicate_is_reported_and_left_stock():

@@ -306,7 +306,8 @@ def test_generic_fallback_reports_functional_ops():
     text = describe(model)
     assert "NOT reached" in text and "<root> (_Custom)" in text
     x = torch.randn(2, 5, 8)
-    with pytest.warns(UserWarning, match="need_weights=True"):  # (a stock call, in training: said once)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (need_weights=True, the default: the explicit core, compressed)
         assert torch.equal(model(x), ref(x))
     # only the requested ops are reported, and a timm model reports nothing
     with warnings.catch_warnings():

@@ -10,18 +10,25 @@ ones plus the quantizers':
 ``mesa_in_proj``  the packed q/k/v projection ``F.linear(x, in_proj_weight, in_proj_bias)``
                   (a :class:`~mesa_train.nn.LinearOf`: int8 ``x``)
 ``mesa_sdpa``     ``F.scaled_dot_product_attention`` on the heads (int8 q, k, v)
+``mesa_qk``, ``mesa_softmax``, ``mesa_av``
+                  the explicit core of a ``need_weights=True`` call (torch's default:
+                  ``bmm(q_scaled, k^T)``, softmax, dropout, ``bmm(., v)``; the map's int8 copy
+                  shared with ``attn @ v`` where no dropout comes between)
 
 and ``out_proj`` becomes a Mesa ``Linear`` (the same Parameters). In a training call of the
-form those users make, self-attention (``query is key is value``, batched) with
-``need_weights=False`` and no mask, its forward is the steps of ``F.multi_head_attention_forward``
-on that path, in its order, with those layers: the output is bitwise the stock one. Any other
-call (eval or no grad, cross-attention, ``need_weights=True``, a mask, an unbatched input)
-runs the stock forward uncompressed; in training a warning says why, once per module.
+form those users make, self-attention (``query is key is value``, batched) without a mask,
+its forward is the steps of ``F.multi_head_attention_forward`` on that path
+(``need_weights=False``: sdpa; ``True``: the explicit core, the weights returned averaged or
+not), in its order, with those layers: the output and the weights are bitwise the stock ones.
+Any other call (eval or no grad, cross-attention, a mask, an unbatched input, or
+``need_weights=True`` without ``matmul`` and ``softmax`` among the ops) runs the stock forward
+uncompressed; in training a warning says why, once per module.
 Modules built with separate q/k/v weights (``kdim`` / ``vdim``), ``add_bias_kv`` or
 ``add_zero_attn`` are left stock and reported as not reached.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable, Optional
 
@@ -40,12 +47,15 @@ def supported(m: nn.Module) -> bool:
 
 
 def install(m: nn.Module, make_linear: Optional[Callable[[], nn.Module]],
-            make_sdpa: Optional[Callable[[], nn.Module]], convert_linear: Optional[Callable]) -> None:
+            make_sdpa: Optional[Callable[[], nn.Module]], convert_linear: Optional[Callable],
+            make_core: Optional[Callable[[], tuple]] = None) -> None:
     """Swap ``m``'s class and add the children the ops asked for build (``None``: that part
-    stays stock)."""
+    stays stock); ``make_core``: the explicit core's ``(q @ k^T MatMul, Softmax, attn @ v
+    MatMul)`` for ``need_weights=True`` calls (``matmul`` and ``softmax`` asked for)."""
     m.__class__ = MesaMultiheadAttention
     m.mesa_in_proj = make_linear() if make_linear is not None else None
     m.mesa_sdpa = make_sdpa() if make_sdpa is not None else None
+    m.mesa_qk, m.mesa_softmax, m.mesa_av = make_core() if make_core is not None else (None, None, None)
     if convert_linear is not None:
         m.out_proj = convert_linear(m.out_proj)
     m._mesa_warned = False
@@ -63,7 +73,7 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
                 "mesa_train.patch.mha.MesaMultiheadAttention]; timm's create_feature_extractor does)")
         why = self._stock_because(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         if why is None:
-            return self._compressed_forward(query), None
+            return self._compressed_forward(query, need_weights, average_attn_weights)
         if why and not self._mesa_warned:
             self._mesa_warned = True
             warnings.warn(f"mesa_train: an nn.MultiheadAttention ran uncompressed in training: {why}", UserWarning,
@@ -80,16 +90,19 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
             return "cross-attention (query, key and value are not one tensor); only self-attention is compressed"
         if query.dim() != 3:
             return f"an unbatched {query.dim()}-D input; pass (batch, tokens, dim) or (tokens, batch, dim)"
-        if need_weights:
-            return ("need_weights=True computes the attention map explicitly; pass need_weights=False (the same "
-                    "output, through scaled_dot_product_attention) to compress it")
+        if need_weights and self.mesa_softmax is None:
+            return ("need_weights=True computes the attention map explicitly, and the ops asked for leave its "
+                    "matmul or softmax stock; pass need_weights=False (the same output, through "
+                    "scaled_dot_product_attention) to compress it")
         if attn_mask is not None or key_padding_mask is not None or is_causal:
             return "a mask (attn_mask, key_padding_mask or is_causal); only unmasked attention is compressed"
         return None
 
-    def _compressed_forward(self, query):
-        """``F.multi_head_attention_forward``'s self-attention path without weights or mask:
-        the same ops on the same tensors, the projections and sdpa through the Mesa children."""
+    def _compressed_forward(self, query, need_weights: bool, average_attn_weights: bool):
+        """``F.multi_head_attention_forward``'s self-attention path without a mask: the same ops
+        on the same tensors, the projections, sdpa (``need_weights=False``) or the explicit
+        core (``need_weights=True``, torch's default) through the Mesa children; returns
+        ``(output, weights or None)``."""
         x = query.transpose(1, 0) if self.batch_first else query  # (tokens, batch, dim)
         tgt_len, bsz, embed_dim = x.shape
         heads, head_dim = self.num_heads, self.head_dim
@@ -99,14 +112,27 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
         else:
             proj = nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias)
         proj = proj.unflatten(-1, (3, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
-        q, k, v = (t.view(tgt_len, bsz * heads, head_dim).transpose(0, 1).view(bsz, heads, tgt_len, head_dim)
-                   for t in (proj[0], proj[1], proj[2]))
-        sdpa = self.mesa_sdpa if self.mesa_sdpa is not None else nn.functional.scaled_dot_product_attention
-        out = sdpa(q, k, v, None, self.dropout, False)
-        out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
+        q, k, v = (t.view(tgt_len, bsz * heads, head_dim).transpose(0, 1) for t in (proj[0], proj[1], proj[2]))
+        weights = None
+        if need_weights:  # torch's explicit path: bmm, softmax, dropout, bmm
+            q_scaled = q * math.sqrt(1.0 / float(head_dim))
+            scores = self.mesa_qk(q_scaled, k.transpose(-2, -1))
+            weights, copy = self.mesa_softmax(scores, with_copy=True)
+            if self.dropout > 0.0:
+                weights, copy = nn.functional.dropout(weights, p=self.dropout), None
+            out = self.mesa_av(weights, v, shared_a=copy)
+            out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+            weights = weights.view(bsz, heads, tgt_len, tgt_len)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+        else:
+            q, k, v = (t.view(bsz, heads, tgt_len, head_dim) for t in (q, k, v))
+            sdpa = self.mesa_sdpa if self.mesa_sdpa is not None else nn.functional.scaled_dot_product_attention
+            out = sdpa(q, k, v, None, self.dropout, False)
+            out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
         out = self.out_proj(out)
         out = out.view(tgt_len, bsz, out.size(1))
-        return out.transpose(1, 0) if self.batch_first else out
+        return (out.transpose(1, 0) if self.batch_first else out), weights
 
 
 register_fx_leaf(MesaMultiheadAttention)  # timm's FX feature extraction keeps it one node (nn/tracing.py)
