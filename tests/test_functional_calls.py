@@ -59,6 +59,17 @@ def _cos(a, b):
     return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
+def _same_forward_close_gradients(stock, mesa, x):
+    """One step of each: the forward bitwise stock's, each gradient's cosine to stock's > 0.99;
+    returns the bytes each kept ``(stock, mesa)``."""
+    want, want_grads, stock_bytes = _step(stock, x)
+    got, got_grads, mesa_bytes = _step(mesa, x)
+    assert torch.equal(got, want)
+    for n, g in got_grads.items():
+        assert _cos(g, want_grads[n]) > 0.99, n
+    return stock_bytes, mesa_bytes
+
+
 def test_functional_calls_are_compressed_and_the_forward_is_stock():
     torch.manual_seed(0)
     stock = HandWrittenNet().train()
@@ -121,12 +132,7 @@ def test_in_place_forms_and_calls_past_the_sites():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mesa = patch_model(copy.deepcopy(stock))
-    x = torch.randn(2, 3, 8, 8)
-    want, want_grads, _ = _step(stock, x)
-    got, got_grads, _ = _step(mesa, x)
-    assert torch.equal(got, want)
-    for n, g in got_grads.items():
-        assert _cos(g, want_grads[n]) > 0.99, n
+    _same_forward_close_gradients(stock, mesa, torch.randn(2, 3, 8, 8))
     assert mesa.mesa_call_gelu_0.quantizer.initialized and mesa.mesa_call_silu_0.quantizer.initialized
     assert not hasattr(mesa, "mesa_call_gelu_1")  # (the return_indices pool ran stock: it returned them)
 
@@ -176,10 +182,5 @@ def test_torchvision_inception_v3_blocks():
         patch_model(mesa)
     assert isinstance(mesa[0].mesa_call_avgpool_0, mnn.AvgPool2d)
     assert isinstance(mesa[1].mesa_call_maxpool_0, mnn.MaxPool2d)
-    x = torch.randn(2, 8, 11, 11)
-    want, want_grads, stock_bytes = _step(stock, x)
-    got, got_grads, mesa_bytes = _step(mesa, x)
-    assert torch.equal(got, want)
-    for n, g in got_grads.items():
-        assert _cos(g, want_grads[n]) > 0.99, n
+    stock_bytes, mesa_bytes = _same_forward_close_gradients(stock, mesa, torch.randn(2, 8, 11, 11))
     assert mesa_bytes < 0.35 * stock_bytes
