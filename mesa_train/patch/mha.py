@@ -16,11 +16,13 @@ ones plus the quantizers':
                   shared with ``attn @ v`` where no dropout comes between)
 
 and ``out_proj`` becomes a Mesa ``Linear`` (the same Parameters). In a training call of the
-form those users make, self-attention (``query is key is value``, batched) without a mask,
-its forward is the steps of ``F.multi_head_attention_forward`` on that path
-(``need_weights=False``: sdpa; ``True``: the explicit core, the weights returned averaged or
-not), in its order, with those layers: the output and the weights are bitwise the stock ones.
-Any other call (eval or no grad, cross-attention, a mask, an unbatched input, or
+form those users make, self-attention (``query is key is value``, batched), its forward is
+the steps of ``F.multi_head_attention_forward`` on that path (``need_weights=False``: sdpa,
+with the key padding and attention masks made additive, spread over the heads and merged as
+torch does, an ``is_causal`` hint kept where torch keeps it; ``True``, unmasked: the explicit
+core, the weights returned averaged or not), in its order, with those layers: the output and
+the weights are bitwise the stock ones. Any other call (eval or no grad, cross-attention, an
+unbatched input, a mask with ``need_weights=True``: torch adds it inside ``baddbmm``, or
 ``need_weights=True`` without ``matmul`` and ``softmax`` among the ops) runs the stock forward
 uncompressed; in training a warning says why, once per module.
 Modules built with separate q/k/v weights (``kdim`` / ``vdim``), ``add_bias_kv`` or
@@ -33,6 +35,7 @@ import warnings
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mesa_train.nn.tracing import MesaTracingError, register_fx_leaf
@@ -73,7 +76,8 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
                 "mesa_train.patch.mha.MesaMultiheadAttention]; timm's create_feature_extractor does)")
         why = self._stock_because(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         if why is None:
-            return self._compressed_forward(query, need_weights, average_attn_weights)
+            mask, is_causal = self._sdpa_mask(query, key_padding_mask, attn_mask, is_causal)
+            return self._compressed_forward(query, need_weights, average_attn_weights, mask, is_causal)
         if why and not self._mesa_warned:
             self._mesa_warned = True
             warnings.warn(f"mesa_train: an nn.MultiheadAttention ran uncompressed in training: {why}", UserWarning,
@@ -94,11 +98,51 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
             return ("need_weights=True computes the attention map explicitly, and the ops asked for leave its "
                     "matmul or softmax stock; pass need_weights=False (the same output, through "
                     "scaled_dot_product_attention) to compress it")
-        if attn_mask is not None or key_padding_mask is not None or is_causal:
-            return "a mask (attn_mask, key_padding_mask or is_causal); only unmasked attention is compressed"
+        masked = attn_mask is not None or key_padding_mask is not None or is_causal
+        if masked and (need_weights or self.mesa_sdpa is None):
+            return ("a mask (attn_mask, key_padding_mask or is_causal) with need_weights=True (torch adds it inside "
+                    "baddbmm) or without 'sdpa' among the ops; pass need_weights=False to compress it")
+        if masked and not self._mask_shapes_expected(query, key_padding_mask, attn_mask, is_causal):
+            return ""  # (stock raises torch's own error on them)
         return None
 
-    def _compressed_forward(self, query, need_weights: bool, average_attn_weights: bool):
+    def _mask_shapes_expected(self, query, key_padding_mask, attn_mask, is_causal) -> bool:
+        """The masks torch's function takes without an error: key_padding_mask (batch, tokens),
+        attn_mask (tokens, tokens) or (batch * heads, tokens, tokens), is_causal with an attn_mask."""
+        tokens, bsz = (query.shape[1], query.shape[0]) if self.batch_first else (query.shape[0], query.shape[1])
+        if is_causal and attn_mask is None:
+            return False
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (bsz, tokens):
+            return False
+        return attn_mask is None or tuple(attn_mask.shape) in ((tokens, tokens), (bsz * self.num_heads, tokens, tokens))
+
+    def _sdpa_mask(self, query, key_padding_mask, attn_mask, is_causal):
+        """``(attn_mask, is_causal)`` as ``F.multi_head_attention_forward`` hands them to
+        ``scaled_dot_product_attention`` on its ``need_weights=False`` path: boolean masks made
+        additive float ones (``F._canonical_mask``, as ``nn.MultiheadAttention.forward`` and the
+        function each do), the key padding mask spread over the heads and added, an is_causal
+        hint kept only where no key padding mask is given."""
+        if key_padding_mask is None and attn_mask is None:
+            return None, is_causal
+        dtype, heads = query.dtype, self.num_heads
+        tokens, bsz = (query.shape[1], query.shape[0]) if self.batch_first else (query.shape[0], query.shape[1])
+        kpm = F._canonical_mask(mask=key_padding_mask, mask_name="key_padding_mask",
+                                other_type=F._none_or_dtype(attn_mask), other_name="attn_mask", target_type=dtype)
+        mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                                 target_type=dtype, check_other=False)
+        if is_causal and kpm is None:
+            return None, True  # (torch drops the mask and passes the hint)
+        if mask is not None and mask.dim() == 2:
+            mask = mask.unsqueeze(0)
+        if kpm is not None:
+            kpm = kpm.view(bsz, 1, 1, tokens).expand(-1, heads, -1, -1).reshape(bsz * heads, 1, tokens)
+            mask = kpm if mask is None else mask + kpm
+            is_causal = False
+        mask = mask.unsqueeze(0) if mask.size(0) == 1 and mask.dim() == 3 else mask.view(bsz, heads, -1, tokens)
+        return mask, is_causal
+
+    def _compressed_forward(self, query, need_weights: bool, average_attn_weights: bool, mask=None,
+                            is_causal: bool = False):
         """``F.multi_head_attention_forward``'s self-attention path without a mask: the same ops
         on the same tensors, the projections, sdpa (``need_weights=False``) or the explicit
         core (``need_weights=True``, torch's default) through the Mesa children; returns
@@ -128,7 +172,7 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
         else:
             q, k, v = (t.view(bsz, heads, tgt_len, head_dim) for t in (q, k, v))
             sdpa = self.mesa_sdpa if self.mesa_sdpa is not None else nn.functional.scaled_dot_product_attention
-            out = sdpa(q, k, v, None, self.dropout, False)
+            out = sdpa(q, k, v, mask, self.dropout, is_causal)
             out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
         out = self.out_proj(out)
         out = out.view(tgt_len, bsz, out.size(1))
