@@ -179,17 +179,17 @@ def _called_modules(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]
 
 def _attention_dropout(module: nn.Module) -> float:
     """The dropout probability ``module`` hands its attention call in training: timm's
-    ``attn_drop`` (an ``nn.Dropout``, or a float in some models) or ``nn.MultiheadAttention``'s
-    ``dropout``."""
-    if isinstance(module, nn.MultiheadAttention):
-        return float(module.dropout)
+    ``attn_drop`` (an ``nn.Dropout``, or a float in some models). Not ``nn.MultiheadAttention``'s
+    ``dropout``: its default call (``need_weights=True``) runs the explicit core, which traces,
+    and only a ``need_weights=False`` call reaches the sdpa (Dynamo's message then says why)."""
     drop = getattr(module, "attn_drop", None)
     return float(drop.p if isinstance(drop, nn.Dropout) else drop if isinstance(drop, (int, float)) else 0.0)
 
 
 def attention_dropout_modules(model: nn.Module) -> list[str]:
-    """The modules in training mode whose Mesa fused attention gets a dropout > 0: under
-    ``torch.compile`` each of their calls runs eagerly (``DROPOUT_UNTRACEABLE``), a graph break."""
+    """The modules in training mode whose Mesa fused attention gets a dropout > 0 (timm's
+    ``attn_drop``): under ``torch.compile`` each of their calls runs eagerly
+    (``DROPOUT_UNTRACEABLE``), a graph break."""
     return [name for name, m in unwrap_model(model).named_modules()
             if m.training and _attention_dropout(m) > 0
             and any(isinstance(c, ScaledDotProductAttention) for c in m.children())]

@@ -184,3 +184,51 @@ def test_torchvision_inception_v3_blocks():
     assert isinstance(mesa[1].mesa_call_maxpool_0, mnn.MaxPool2d)
     stock_bytes, mesa_bytes = _same_forward_close_gradients(stock, mesa, torch.randn(2, 8, 11, 11))
     assert mesa_bytes < 0.35 * stock_bytes
+
+
+def test_a_site_keeps_its_child_and_child_modules_calls_are_not_the_modules():
+    """Sites are places in the module's own code: a site in a branch skipped on one step keeps
+    its child; a site in a loop runs its one child each time; a call a child module's forward
+    makes (a stock nn.GELU of a module set not asked for) is not the parent's."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.mlp = nn.Sequential(nn.Linear(16, 16), nn.GELU())  # (an "ffn" set module)
+
+        def forward(self, x, flag=True):
+            if flag:
+                x = F.gelu(self.a(x) * 300.0) / 300.0
+            for _ in range(3):
+                x = F.gelu(self.b(x))
+            return self.mlp(x)
+
+    torch.manual_seed(0)
+    stock = Net()
+    mesa = patch_model(copy.deepcopy(stock), modules=["other"])
+    assert type(mesa.mlp[1]) is nn.GELU  # (not asked for)
+    assert [n for n in mesa._modules if n.startswith("mesa_call")] == ["mesa_call_gelu_0", "mesa_call_gelu_1"]
+    mesa(torch.randn(8, 16), True).sum().backward()
+    before = [mesa.get_submodule(f"mesa_call_gelu_{i}").quantizer.alpha.clone() for i in range(2)]
+    x = torch.randn(8, 16) * 3
+    with SavedTensorMeter() as meter:
+        out = mesa(x, False)
+    out.sum().backward()
+    with SavedTensorMeter() as stock_meter:
+        want = stock(x, False)
+    assert torch.equal(out, want)
+    # the branch's child did not run; the loop's did (it was child 1 on the first step too)
+    assert torch.equal(mesa.mesa_call_gelu_0.quantizer.alpha, before[0])
+    assert not torch.equal(mesa.mesa_call_gelu_1.quantizer.alpha, before[1])
+    # the loop's three calls kept 8-bit copies (3 x 128 bytes and their statistics, against 3 x 512)
+    # and the mlp's stock GELU its float32 input (512), as stock does
+    assert stock_meter.activation_bytes - meter.activation_bytes >= 3 * 8 * 16 * 3
+
+
+def test_coverage_credits_the_call_children():
+    from mesa_train.patch.coverage import coverage
+
+    torch.manual_seed(0)
+    model = patch_model(HandWrittenNet().train())
+    ops = {row[1] for row in coverage(model, torch.randn(2, 3, 16, 16)).rows if row[0] == "compressed"}
+    assert {"relu", "gelu", "silu", "maxpool"} <= ops, ops

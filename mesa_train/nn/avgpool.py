@@ -17,6 +17,8 @@ downsampling of ResNet-D style shortcuts.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from timm.layers.padding import pad_same
@@ -74,7 +76,11 @@ class AvgPool2d(MesaLayer, nn.AvgPool2d):
         return cls(stock.kernel_size, stock.stride, stock.padding, stock.ceil_mode, stock.count_include_pad,
                    stock.divisor_override, **inherit_options(stock, quant_options)).train(stock.training)
 
-    def forward(self, input):
+    def forward(self, input, call: Optional[dict] = None):
+        """``call``: this call's pooling arguments (a functional call routed here:
+        patch/functional_calls.py), else the module's."""
+        if call is not None:
+            return self.pool(input, **call)
         return self.pool(input, self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
                          self.divisor_override)
 

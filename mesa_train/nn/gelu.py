@@ -1,6 +1,8 @@
 """Mesa ``GELU`` (erf and tanh forms): exact forward, saves the 8-bit input."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
@@ -56,8 +58,9 @@ class GELU(MesaLayer, nn.GELU):
         """See :func:`rebuild_parameter_free` for where the estimates go."""
         return rebuild_parameter_free(cls, stock, nn.GELU, (stock.approximate,), device, quant_options)
 
-    def forward(self, input):
-        return self.call(input, self.approximate)
+    def forward(self, input, approximate: Optional[str] = None):
+        """``approximate``: this call's (a functional call routed here: patch/functional_calls.py)."""
+        return self.call(input, self.approximate if approximate is None else approximate)
 
     def call(self, input, approximate: str):
         """``F.gelu(input, approximate=approximate)`` through this layer (also a functional

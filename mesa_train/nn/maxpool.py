@@ -21,6 +21,8 @@ a C++ autograd node and the index arithmetic as one loop each way on the CPU
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -149,7 +151,11 @@ class MaxPool2d(MesaLayer, nn.MaxPool2d):
         return cls(stock.kernel_size, stock.stride, stock.padding, stock.dilation, stock.return_indices,
                    stock.ceil_mode, **inherit_options(stock, quant_options)).train(stock.training)
 
-    def forward(self, input):
+    def forward(self, input, call: Optional[dict] = None):
+        """``call``: this call's pooling arguments (a functional call routed here:
+        patch/functional_calls.py), else the module's."""
+        if call is not None:
+            return self.pool(input, **call)
         if self.return_indices:  # (the caller keeps the int64 indices anyway)
             return super().forward(input)
         return self.pool(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)

@@ -1,6 +1,8 @@
 """Mesa ``ReLU``: exact forward, saves a 1-bit mask (8 booleans per byte)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
@@ -103,8 +105,9 @@ class ReLU(MesaLayer, nn.ReLU):
         check_stock(stock, nn.ReLU)
         return cls(stock.inplace, **inherit_options(stock, quant_options)).train(stock.training)
 
-    def forward(self, input):
-        return self.call(input, self.inplace)
+    def forward(self, input, inplace: Optional[bool] = None):
+        """``inplace``: this call's (a functional call routed here: patch/functional_calls.py)."""
+        return self.call(input, self.inplace if inplace is None else inplace)
 
     def call(self, input, inplace: bool):
         """``F.relu(input, inplace)`` through this layer (also a functional call a module's

@@ -559,7 +559,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # products of gMLP, MambaOut, FocalNet); an act run inside a gating child is not converted in step 2
     gated_acts |= _swap_classes(t)
     # 1g. torch's nn.MultiheadAttention: its projections and sdpa through Mesa children
-    if "linear" in op_names or "sdpa" in op_names:
+    if {"linear", "sdpa", "matmul", "softmax"} & set(op_names):
         _patch_multihead_attention(t)
 
     # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne)

@@ -9,11 +9,20 @@ reported (SiLU, pooling).
 ``install`` gives the module one child per call site the source scan counts (``rules``; the
 calls in ``forward`` and the methods it reaches on ``self``): ``mesa_call_relu_0``,
 ``mesa_call_relu_1``, ... The module's forward then runs under the capture mode of
-``generic_attention``, which hands the n-th such call of a forward to the n-th child with the
-call's own arguments (``ReLU.call``, ``GELU.call``, ``MaxPool2d.pool``, ``AvgPool2d.pool``): the
-same op, so the forward stays bitwise stock's. One child per site because the GELU's and SiLU's
-estimates are per tensor (sites of different scales must not share them); the ReLU and the pools
-keep no estimates, but the same naming keeps the rule one. ``F.silu(x, inplace=True)``: Mesa's
+``generic_attention``, which hands each such call to its site's child with the call's own
+arguments (the layers' ``forward`` takes them: ``inplace``, ``approximate``, the pooling
+arguments): the same op, so the forward stays bitwise stock's. One child per site because the
+GELU's and SiLU's estimates are per tensor (sites of different scales must not share them); the
+ReLU and the pools keep no estimates, but the same naming keeps the rule one.
+
+A site is the place in the module's own code that makes the call (its frame's code object and
+instruction), found by walking up from the capture: a call made by a child module's forward (a
+stock ``nn.GELU`` of a module set not asked for, a frozen sub-network's stock fallbacks) is not
+the module's and runs as it would; a site is given the next free child the first time it runs,
+and keeps it (a site in a branch taken on some steps keeps its estimates; a site in a loop runs
+its one child each time, as a module called in a loop does). Under ``torch.compile`` there are
+no frames to read: the n-th call of a forward takes the n-th child, the same assignment for
+code without branches. ``F.silu(x, inplace=True)``: Mesa's
 SiLU computes out of place, and the result is copied into ``x`` (code may rely on ``x`` being
 overwritten). Calls past the counted ones (a call in a loop) and ``F.max_pool2d(...,
 return_indices=True)`` (the caller keeps the int64 indices anyway) run stock. An op with any
@@ -21,18 +30,27 @@ call of another form (``relu6``, ``hardtanh`` map to ``relu`` too) stays reporte
 """
 from __future__ import annotations
 
+import os
+import sys
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rules import count_functional_calls
+from .rules import count_functional_calls, methods_reached_code
 
 __all__ = ["FUNCTION_CHILDREN_ATTR", "ROUTED_OPS", "install", "route", "routable_sites"]
 
 # set on a module given call children: {op: (child name, ...)} in call order
 FUNCTION_CHILDREN_ATTR = "_mesa_function_children"
+# set on such a module as its sites run: {op: {(code, instruction): child index}}
+FUNCTION_SITES_ATTR = "_mesa_function_sites"
+# the files between a module's own call and the capture's handler: torch's Python functions
+# (F.relu, F.silu; F.max_pool2d through torch._jit_internal's boolean dispatch), its dispatch to
+# the mode, and this package's handler (generic_attention._Capture)
+_PASSED_FILES = {torch.nn.functional.__file__, torch.overrides.__file__, torch._jit_internal.__file__, __file__,
+                 os.path.join(os.path.dirname(__file__), "generic_attention.py")}
 
 # the functions the capture mode sees for each routed op (F.relu_ is torch.relu_; x.relu() is
 # Tensor.relu), and whether that function works in place
@@ -95,26 +113,43 @@ def _call(op: str, inplace: bool, args, kwargs) -> Optional[dict]:
     return call if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) else None
 
 
+def _site(owner: nn.Module, op: str, counts: Dict[str, int]) -> Optional[int]:
+    """The child index of this call's site (module doc), or None for a call that is not the
+    module's own. ``counts``: this forward's calls per op so far (under torch.compile)."""
+    if torch.compiler.is_compiling():
+        site = counts.get(op, 0)
+        counts[op] = site + 1
+        return site
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _PASSED_FILES:
+        frame = frame.f_back
+    if frame is None or frame.f_code not in methods_reached_code(type(owner)):
+        return None
+    sites = owner.__dict__.setdefault(FUNCTION_SITES_ATTR, {}).setdefault(op, {})
+    return sites.setdefault((frame.f_code, frame.f_lasti), len(sites))
+
+
 def route(owner: nn.Module, counts: Dict[str, int], func, args, kwargs):
     """The result of the functional call ``func(*args, **kwargs)`` through ``owner``'s child for
-    its site (``counts``: this forward's calls per op so far), or None where it runs stock."""
+    its site, or None where it runs stock (a call not the module's own, a site past the children,
+    a form no child computes)."""
     entry = _FUNCTIONS.get(func)
     children = getattr(owner, FUNCTION_CHILDREN_ATTR, None)
     if entry is None or not children or entry[0] not in children:
         return None
     op, inplace = entry
-    site = counts.get(op, 0)
-    counts[op] = site + 1  # (every call counts: the n-th call keeps the n-th child, step after step)
+    site = _site(owner, op, counts)
     names = children[op]
-    call = _call(op, inplace, args, kwargs) if site < len(names) else None
+    call = _call(op, inplace, args, kwargs) if site is not None and site < len(names) else None
     if call is None:
         return None
     child = owner._modules[names[site]]
     x = call.pop("input")
+    # (through the module call: hooks and the saved-bytes meter see the child's own call)
     if op == "relu":
-        return child.call(x, call["inplace"])
+        return child(x, call["inplace"])
     if op == "gelu":
-        return child.call(x, call.get("approximate", "none"))
+        return child(x, call.get("approximate", "none"))
     if op == "silu":  # (Mesa's SiLU computes out of place; an in-place call's input takes the result)
         return x.copy_(child(x)) if call.get("inplace", False) else child(x)
-    return child.pool(x, **call)
+    return child(x, call)

@@ -255,6 +255,26 @@ def _functional_names(cls: type, functions: bool):
                 yield f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
 
 
+def methods_reached_code(cls: type) -> frozenset:
+    """The code objects of ``cls.forward`` and the methods it reaches on ``self`` (what
+    :func:`scan_functional_ops` reads), with the code nested in them (comprehensions, lambdas,
+    inner functions): where a call the scan counted runs. Cached per class."""
+    key = ("code", cls)
+    if key not in _SCAN_CACHE:
+        codes, todo = set(), []
+        for name, _ in _methods_reached(cls):
+            fn = inspect.unwrap(getattr(cls, name, None) or (lambda: None))
+            if isinstance(getattr(fn, "__code__", None), types.CodeType):
+                todo.append(fn.__code__)
+        while todo:
+            code = todo.pop()
+            if code not in codes:
+                codes.add(code)
+                todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        _SCAN_CACHE[key] = frozenset(codes)
+    return _SCAN_CACHE[key]
+
+
 def scan_functional_ops(cls: type, functions: bool = False) -> Tuple[str, ...]:
     """Ops (``matmul``, ``softmax``, ``sdpa``, ...) that ``cls.forward`` (and the methods it
     calls on ``self``; with ``functions``, the functions of its module it calls) computes
