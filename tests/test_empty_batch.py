@@ -25,6 +25,7 @@ MODELS = {
     "linear_batchnorm1d": (lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), (0, 8)),
     "linear_layernorm_gelu": (lambda: nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4)),
                               (0, 5, 8)),
+    "linear_without_outputs": (lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 0)), (3, 8)),
 }
 PATHS = [pytest.param(True, id="cpp", marks=pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS,
                                                                  reason="needs the compiled extension")),

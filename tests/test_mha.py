@@ -336,3 +336,17 @@ def test_torch_fx_keeps_it_a_leaf_or_says_how():
     x = torch.randn(2, 5, 16, requires_grad=True)
     graph(x).sum().backward()
     assert model.attn.mesa_in_proj.quantizer.initialized
+
+
+def test_matmul_and_softmax_ops_alone_compress_the_default_call():
+    """ops=['matmul', 'softmax'] (no linear, no sdpa): the default need_weights=True call runs the
+    explicit core through the Mesa children (it stayed stock: the swap needed linear or sdpa)."""
+    torch.manual_seed(0)
+    stock = nn.MultiheadAttention(16, 2, batch_first=True).train()
+    mesa = patch_model(copy.deepcopy(stock), ops=["matmul", "softmax"])
+    assert mesa.mesa_in_proj is None and mesa.mesa_sdpa is None and type(mesa.out_proj) is not mnn.Linear
+    x = torch.randn(2, 5, 16)
+    got, want = mesa(x, x, x), stock(x, x, x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got[0].sum().backward()
+    assert mesa.mesa_softmax.quantizer.initialized

@@ -195,19 +195,19 @@ class MesaLayer:
         return [getattr(self, n) for n in self._quantizer_names]
 
     def _mesa_active(self, *tensors) -> bool:
-        """True when this call must compress (training, enabled, a gradient is needed, and the
-        first tensor, the input, is not empty: an empty batch, as a detection head without
-        RoIs or an expert without tokens gets, has nothing to keep, and the norms' grouped
-        statistics cannot be taken of it). Every Mesa layer asks this at every call: one
-        pass over ``tensors`` does both the gradient test and the torch.fx guard."""
-        grad = False
+        """True when this call must compress (training, enabled, a gradient is needed, and no
+        tensor is empty: an empty batch, as a detection head without RoIs or an expert without
+        tokens gets, or a Linear with no outputs has nothing to keep, and the norms' grouped
+        statistics cannot be taken of it). Every Mesa layer asks this at every call: one pass
+        over ``tensors`` does the gradient test, the emptiness test and the torch.fx guard."""
+        grad, empty = False, False
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 grad = grad or t.requires_grad
+                empty = empty or t.numel() == 0
             elif isinstance(t, torch.fx.Proxy):
                 refuse_fx_proxy(self, (t,))  # never a silently stock torch.fx graph (nn/tracing.py)
-        return (grad and self.training and self._mesa_options.enabled and torch.is_grad_enabled()
-                and tensors[0].numel() > 0)
+        return grad and not empty and self.training and self._mesa_options.enabled and torch.is_grad_enabled()
 
     def __prepare_scriptable__(self):  # torch.jit.script: a clear error (nn/tracing.py)
         refuse_script(self)
