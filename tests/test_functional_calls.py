@@ -232,3 +232,23 @@ def test_coverage_credits_the_call_children():
     model = patch_model(HandWrittenNet().train())
     ops = {row[1] for row in coverage(model, torch.randn(2, 3, 16, 16)).rows if row[0] == "compressed"}
     assert {"relu", "gelu", "silu", "maxpool"} <= ops, ops
+
+
+def test_a_model_that_has_run_pickles_with_its_sites():
+    """The sites a module has seen are plain values: torch.save of the whole model after a step
+    (it failed: code objects do not pickle), and the copy keeps each site's child."""
+    import io
+
+    torch.manual_seed(0)
+    model = patch_model(HandWrittenNet().train())
+    x = torch.randn(2, 3, 16, 16)
+    model(x).sum().backward()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded._mesa_function_sites == model._mesa_function_sites
+    torch.manual_seed(3)
+    want = model(x)
+    torch.manual_seed(3)
+    assert torch.equal(loaded(x), want)

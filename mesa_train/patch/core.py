@@ -975,11 +975,10 @@ def _route_calls(t: _Target, name: str, m: nn.Module, found: Tuple[str, ...]) ->
     for op in wanted:
         if op not in ROUTED_OPS:
             continue
-        names = tuple(n for n in _CALL_NAMES[op] if n != "amax")
-        sites = routable_sites(type(m), op, names)
+        sites = routable_sites(type(m), op, tuple(n for n in _CALL_NAMES[op] if n != "amax"))  # (amax: above)
         if sites:
             install_calls(m, op, sites, _module_device(m), opts)
-        if sites or (op == "maxpool" and amax and not sum(count_functional_calls(type(m), n) for n in names)):
+        if sites or (sites == 0 and op == "maxpool" and amax):  # (an amax its only max pooling)
             reached.append(op)
     return tuple(reached)
 

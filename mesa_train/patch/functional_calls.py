@@ -22,9 +22,9 @@ the module's and runs as it would; a site is given the next free child the first
 and keeps it (a site in a branch taken on some steps keeps its estimates; a site in a loop runs
 its one child each time, as a module called in a loop does). Under ``torch.compile`` there are
 no frames to read: the n-th call of a forward takes the n-th child, the same assignment for
-code without branches. ``F.silu(x, inplace=True)``: Mesa's
-SiLU computes out of place, and the result is copied into ``x`` (code may rely on ``x`` being
-overwritten). Calls past the counted ones (a call in a loop) and ``F.max_pool2d(...,
+code without branches. ``F.silu(x, inplace=True)``: Mesa's SiLU computes out of place, and the
+result is copied into ``x`` (code may rely on ``x`` being overwritten). Calls from code the
+scan does not read (a plain function outside the class) and ``F.max_pool2d(...,
 return_indices=True)`` (the caller keeps the int64 indices anyway) run stock. An op with any
 call of another form (``relu6``, ``hardtanh`` map to ``relu`` too) stays reported.
 """
@@ -44,7 +44,9 @@ __all__ = ["FUNCTION_CHILDREN_ATTR", "ROUTED_OPS", "install", "route", "routable
 
 # set on a module given call children: {op: (child name, ...)} in call order
 FUNCTION_CHILDREN_ATTR = "_mesa_function_children"
-# set on such a module as its sites run: {op: {(code, instruction): child index}}
+# set on such a module as its sites run: {op: {site: child index}}, a site being its code's
+# (file, first line, name) and the call's instruction offset: plain values, so a module that has
+# run still pickles (torch.save of the whole model) and deep-copies with its sites
 FUNCTION_SITES_ATTR = "_mesa_function_sites"
 # the files between a module's own call and the capture's handler: torch's Python functions
 # (F.relu, F.silu; F.max_pool2d through torch._jit_internal's boolean dispatch), its dispatch to
@@ -72,12 +74,13 @@ def _layer_factories() -> Dict[str, Callable[..., nn.Module]]:
             "avgpool": lambda **kw: mnn.AvgPool2d(1, **kw)}
 
 
-def routable_sites(cls: type, op: str, all_names: Tuple[str, ...]) -> int:
-    """The call sites of ``op`` in ``cls``'s forward a child can take: 0 unless every call the
-    scan maps to ``op`` (``all_names``: those call names) is one of ``ROUTED_OPS[op]``'s."""
+def routable_sites(cls: type, op: str, all_names: Tuple[str, ...]) -> Optional[int]:
+    """The call sites of ``op`` in ``cls``'s forward a child can take (0: there are none), or None
+    where a call the scan maps to ``op`` (``all_names``: those call names) is of a form no child
+    computes (``relu6`` for ``relu``)."""
     routed = sum(count_functional_calls(cls, name) for name in ROUTED_OPS.get(op, ()))
     total = sum(count_functional_calls(cls, name) for name in all_names)
-    return routed if routed == total else 0
+    return routed if routed == total else None
 
 
 def install(module: nn.Module, op: str, sites: int, device, options: dict) -> None:
@@ -125,8 +128,9 @@ def _site(owner: nn.Module, op: str, counts: Dict[str, int]) -> Optional[int]:
         frame = frame.f_back
     if frame is None or frame.f_code not in methods_reached_code(type(owner)):
         return None
+    code = frame.f_code
     sites = owner.__dict__.setdefault(FUNCTION_SITES_ATTR, {}).setdefault(op, {})
-    return sites.setdefault((frame.f_code, frame.f_lasti), len(sites))
+    return sites.setdefault((code.co_filename, code.co_firstlineno, code.co_name, frame.f_lasti), len(sites))
 
 
 def route(owner: nn.Module, counts: Dict[str, int], func, args, kwargs):
