@@ -59,12 +59,9 @@ class GELU(MesaLayer, nn.GELU):
         return rebuild_parameter_free(cls, stock, nn.GELU, (stock.approximate,), device, quant_options)
 
     def forward(self, input, approximate: Optional[str] = None):
-        """``approximate``: this call's (a functional call routed here: patch/functional_calls.py)."""
-        return self.call(input, self.approximate if approximate is None else approximate)
-
-    def call(self, input, approximate: str):
-        """``F.gelu(input, approximate=approximate)`` through this layer (also a functional
-        call a module's forward makes: patch/functional_calls.py)."""
+        """``approximate``: this call's, else the module's (a functional ``F.gelu`` a module's
+        forward makes is routed here: patch/functional_calls.py)."""
+        approximate = self.approximate if approximate is None else approximate
         if not self._mesa_active(input):
             return F.gelu(input, approximate=approximate)
         fused = self.quantizer.fused_layer_args(input)

@@ -106,12 +106,9 @@ class ReLU(MesaLayer, nn.ReLU):
         return cls(stock.inplace, **inherit_options(stock, quant_options)).train(stock.training)
 
     def forward(self, input, inplace: Optional[bool] = None):
-        """``inplace``: this call's (a functional call routed here: patch/functional_calls.py)."""
-        return self.call(input, self.inplace if inplace is None else inplace)
-
-    def call(self, input, inplace: bool):
-        """``F.relu(input, inplace)`` through this layer (also a functional call a module's
-        forward makes: patch/functional_calls.py)."""
+        """``inplace``: this call's, else the module's (a functional ``F.relu(x, inplace)`` a
+        module's forward makes is routed here: patch/functional_calls.py)."""
+        inplace = self.inplace if inplace is None else inplace
         if not self._mesa_active(input):
             return F.relu(input, inplace=inplace)
         if quantizer_mod.fused_layers_on():

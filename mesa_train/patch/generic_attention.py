@@ -73,8 +73,10 @@ def _second_core(owner: nn.Module, what: str) -> None:
     """Say once per module class, in eager training, that its forward ran ``what`` after the
     attention core the children compress (a decoder layer's cross-attention after its
     self-attention, EfficientViT-M's cascade of heads, ConViT's positional softmax): that part
-    runs stock. (Not under torch.compile: a warning would break the graph.)"""
-    if type(owner) in _SECOND_CORE_SAID or torch.compiler.is_compiling():
+    runs stock. (Not under torch.compile: a warning would break the graph; not in eval or
+    without gradients, where the whole module runs stock anyway.)"""
+    if (type(owner) in _SECOND_CORE_SAID or torch.compiler.is_compiling() or not owner.training
+            or not torch.is_grad_enabled()):
         return
     _SECOND_CORE_SAID.add(type(owner))
     warnings.warn(f"mesa_train: {type(owner).__name__}'s forward ran {what} after the attention core its Mesa "
@@ -192,8 +194,7 @@ class _Capture(TorchFunctionMode):
                 x = _softmax_input(func, args, kwargs)
                 self.probs, self.probs_copy = owner.mesa_softmax(x, with_copy=True, dim=None if last else dim)
                 return self.probs
-        if (func in _SOFTMAXES and self.softmaxes and "mesa_softmax" in owner._modules and _batched(args[0])
-                and torch.is_grad_enabled() and owner.training):
+        if func in _SOFTMAXES and self.softmaxes and "mesa_softmax" in owner._modules and _batched(args[0]):
             _second_core(owner, "a second softmax")
         return func(*args, **kwargs)
 
