@@ -1,8 +1,8 @@
 """torch's nn.MultiheadAttention (torchvision's ViT, nn.TransformerEncoderLayer, hand-written
 blocks): its projections and sdpa are compressed (patch/mha.py), the forward stays bitwise the
 stock one with dropout on, and every call the Mesa path does not replicate runs stock and says
-why. Before, the whole module was reported as "functional ops not reached" and left as is:
-65% of a torchvision ViT's saved bytes."""
+why (cross-attention: tests/test_mha_cross_attention.py). Before, the whole module was reported
+as "functional ops not reached" and left as is: 65% of a torchvision ViT's saved bytes."""
 import copy
 import warnings
 
@@ -109,9 +109,8 @@ def _patched_mha(**kwargs):
 @pytest.mark.parametrize("call, reason", [
     (lambda m, x, y: m(x, x, x), "need_weights=True computes the attention map explicitly, and the ops asked for "
                                  "leave its matmul or softmax stock; pass need_weights=False"),
-    (lambda m, x, y: m(x, y, y, need_weights=False), "cross-attention"),
     (lambda m, x, y: (lambda u: m(u, u, u, need_weights=False))(x[0]), "an unbatched 2-D input"),
-], ids=["need_weights", "cross", "unbatched"])
+], ids=["need_weights", "unbatched"])
 def test_a_call_the_mesa_path_does_not_replicate_runs_stock_and_says_why_once(call, reason):
     stock, mesa = _patched_mha()
     x, y = torch.randn(2, 5, 16, requires_grad=True), torch.randn(2, 7, 16)
@@ -174,15 +173,50 @@ def test_masked_self_attention_goes_through_the_mesa_sdpa(mask, batch_first):
     assert mesa.mesa_sdpa.q_quantizer.initialized and mesa_bytes < 0.4 * stock_bytes
 
 
-def test_masked_call_with_weights_runs_stock_and_says_why():
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_masked_call_with_weights_adds_the_mask_inside_the_mesa_product(mask, batch_first):
+    """A mask with torch's default need_weights=True: torch adds it inside ``baddbmm(mask,
+    q_scaled, k^T)``; the Mesa q @ k^T computes that very op (the output and the weights bitwise
+    stock's). Before, the call ran stock with a warning."""
+    torch.manual_seed(0)
+    stock = nn.MultiheadAttention(16, 2, dropout=0.1, batch_first=batch_first).train()
+    mesa = copy.deepcopy(stock)
+    x = torch.randn(3, 7, 16) if batch_first else torch.randn(7, 3, 16)
+    kwargs = MASKS[mask](3, 7, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "ran uncompressed" warning)
+        patch_model(mesa)
+        outs = []
+        for m in (stock, mesa):
+            torch.manual_seed(1)
+            with SavedTensorMeter() as meter:
+                out, weights = m(x, x, x, **kwargs)
+            (out.square().sum() + weights.nan_to_num().sum()).backward()
+            outs.append((out, weights, meter.activation_bytes, {n: p.grad for n, p in m.named_parameters()}))
+    (want, want_w, stock_bytes, want_grads), (got, got_w, mesa_bytes, got_grads) = outs
+    assert torch.equal(got, want) and torch.equal(got_w, want_w)
+    for n, g in want_grads.items():
+        assert F.cosine_similarity(got_grads[n].flatten(), g.flatten(), dim=0) > 0.99, n
+    assert mesa.mesa_qk.quantizer_a.initialized and mesa.mesa_softmax.quantizer.initialized
+    assert mesa_bytes < 0.5 * stock_bytes, (mesa_bytes, stock_bytes)
+
+
+def test_a_learned_float_mask_gets_its_gradient():
+    """A float attn_mask that requires grad (a learned bias) with need_weights=True: its
+    gradient flows through the Mesa baddbmm as through torch's (the product's gradient summed
+    over the dims the mask broadcasts)."""
     torch.manual_seed(0)
     stock = nn.MultiheadAttention(16, 2, batch_first=True).train()
     mesa = patch_model(copy.deepcopy(stock))
     x = torch.randn(3, 7, 16)
-    with pytest.warns(UserWarning, match=r"a mask .* with need_weights=True \(torch adds it inside baddbmm\)"):
-        got = mesa(x, x, x, key_padding_mask=_padding(3, 7))
-    assert torch.equal(got[0], stock(x, x, x, key_padding_mask=_padding(3, 7))[0])
-    assert not mesa.mesa_softmax.quantizer.initialized
+    grads, learned = [], torch.randn(7, 7)
+    for m in (stock, mesa):
+        bias = learned.clone().requires_grad_()
+        out, _ = m(x, x, x, attn_mask=bias)
+        out.square().sum().backward()
+        grads.append(bias.grad)
+    assert F.cosine_similarity(grads[0].flatten(), grads[1].flatten(), dim=0) > 0.99
 
 
 def test_encoder_with_padding_and_causal_masks():
@@ -237,13 +271,13 @@ def test_need_weights_true_runs_the_explicit_core_compressed(dropout, average):
 def test_a_module_the_mesa_forward_does_not_replicate_is_reported_and_left_stock():
     torch.manual_seed(0)
     holder = nn.Sequential()
-    holder.add_module("attn", nn.MultiheadAttention(16, 2, kdim=8, vdim=8))
+    holder.add_module("attn", nn.MultiheadAttention(16, 2, add_bias_kv=True))
     with pytest.warns(UserWarning, match=r"functional ops not reached .*attn \(MultiheadAttention: "):
         patch_model(holder, ops=["linear", "sdpa"])
     assert type(holder.attn) is nn.MultiheadAttention
     assert type(holder.attn.out_proj) is not mnn.Linear  # (its forward never calls out_proj)
     # the same module as the model itself: reported as <root>, no Mesa out_proj left unused
-    bare = nn.MultiheadAttention(16, 2, kdim=8, vdim=8)
+    bare = nn.MultiheadAttention(16, 2, add_zero_attn=True)
     with pytest.warns(UserWarning, match=r"functional ops not reached .*<root> \(MultiheadAttention: "):
         patch_model(bare, ops=["linear", "sdpa"])
     assert type(bare) is nn.MultiheadAttention and type(bare.out_proj) is not mnn.Linear

@@ -125,9 +125,11 @@ def _batch_dims_flatten(t: torch.Tensor) -> bool:
 
 class _MatMulFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, shared_a: Optional[Packed], shared_b: Optional[Packed], quantizer_a, quantizer_b, record):
+    def forward(ctx, a, b, shared_a: Optional[Packed], shared_b: Optional[Packed], quantizer_a, quantizer_b, record,
+                addend=None):
         a, b = batched_operands(a, b)  # before the product: its copies serve the compression too
-        out = torch.matmul(a, b)  # autocast applies here, exactly like the stock `a @ b`
+        # autocast applies here, exactly like the stock `a @ b` (or `baddbmm(addend, a, b)`)
+        out = torch.matmul(a, b) if addend is None else torch.baddbmm(addend, a, b)
         cdt = out.dtype
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         kept = []
@@ -144,6 +146,9 @@ class _MatMulFn(torch.autograd.Function):
         record[:] = [ka, kb]
         ctx.cdt, ctx.a_dtype, ctx.b_dtype = cdt, a.dtype, b.dtype
         ctx.a_shape, ctx.b_shape = a.shape, b.shape
+        ctx.addend_shape = ctx.addend_dtype = None
+        if addend is not None:
+            ctx.addend_shape, ctx.addend_dtype = addend.shape, addend.dtype
         save(ctx, [pa, pb], ra, rb)
         return out
 
@@ -151,7 +156,7 @@ class _MatMulFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (pa, pb), (ra, rb) = load(ctx)
-        ga = gb = None
+        ga = gb = gc = None
         a_shape, b_shape = ctx.a_shape, ctx.b_shape
         cdt = ctx.cdt
         with no_autocast(g.device.type):
@@ -177,7 +182,9 @@ class _MatMulFn(torch.autograd.Function):
                 gb = ah.transpose(-1, -2).matmul(g)
                 b2 = tuple(b_shape) + (1,) if len(b_shape) == 1 else tuple(b_shape)
                 gb = gb.sum_to_size(b2).reshape(b_shape).to(ctx.b_dtype)
-        return ga, gb, None, None, None, None, None
+            if ctx.needs_input_grad[7]:  # (a learned bias added by baddbmm: broadcast over the batch or rows)
+                gc = g.sum_to_size(ctx.addend_shape).to(ctx.addend_dtype)
+        return ga, gb, None, None, None, None, None, gc
 
 
 def _take_shared(layer: "MatMul", t: torch.Tensor, quantizer) -> Optional[Packed]:
@@ -223,15 +230,15 @@ def _kinds(a, b, sa, sb, qa, qb) -> tuple:
     return _kind(sa, qa, b.requires_grad), _kind(sb, qb, a.requires_grad)
 
 
-def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None):
+def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None, addend=None):
     qa = getattr(layer, "quantizer_a", None)
     qb = getattr(layer, "quantizer_b", None)
     sa = shared_a if shared_a is not None else (_take_shared(layer, a, qa) if a.dim() else None)
     sb = _take_shared(layer, b, qb) if b.dim() else None
     if qa is None and qb is None and sa is None and sb is None:
         layer.last_saved = ("full", "full")
-        return torch.matmul(a, b)  # nothing to compress or share: the stock op
-    fa = _fused_args(sa, qa, a)
+        return _stock(a, b, addend)  # nothing to compress or share: the stock op
+    fa = _fused_args(sa, qa, a) if addend is None else None  # (mesa::matmul_train adds nothing)
     fb = _fused_args(sb, qb, b) if fa is not None else None
     if fb is not None:  # eager, a channel format: the layer with a C++ autograd node (csrc/layers_autograd.cpp)
         (fa, fmt_a), (fb, fmt_b) = fa, fb
@@ -239,9 +246,13 @@ def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None)
         layer.last_saved = _kinds(a, b, sa, sb, qa, qb)
         return out
     record: list = []
-    out = _MatMulFn.apply(a, b, sa, sb, qa, qb, record)
+    out = _MatMulFn.apply(a, b, sa, sb, qa, qb, record, addend)
     layer.last_saved = tuple(record) if record else None
     return out
+
+
+def _stock(a, b, addend):
+    return torch.matmul(a, b) if addend is None else torch.baddbmm(addend, a, b)
 
 
 class MatMul(MesaLayer, nn.Module):
@@ -271,12 +282,15 @@ class MatMul(MesaLayer, nn.Module):
         copy_estimates(stock, new, dev)
         return new.train(stock.training) if isinstance(stock, nn.Module) else new
 
-    def forward(self, a, b, shared_a: Optional[Packed] = None):
+    def forward(self, a, b, shared_a: Optional[Packed] = None, addend: Optional[torch.Tensor] = None):
         """``a @ b``; ``shared_a``: an 8-bit copy of ``a`` its producer already keeps (see
-        :meth:`mesa_train.nn.Softmax.forward_with_copy`), kept instead of quantizing ``a``."""
+        :meth:`mesa_train.nn.Softmax.forward_with_copy`), kept instead of quantizing ``a``;
+        ``addend``: ``torch.baddbmm(addend, a, b)`` instead, for 3-D operands (the masked
+        scores of ``nn.MultiheadAttention``'s explicit path: the stock op's bits, as adding
+        the mask after the product would not be)."""
         if not self._mesa_active(a, b):
-            return torch.matmul(a, b)
-        return _compressed_matmul(self, a, b, shared_a)
+            return _stock(a, b, addend)
+        return _compressed_matmul(self, a, b, shared_a, addend)
 
     def extra_repr(self) -> str:
         ops = "" if self.operands == OPERANDS else f"operands={self.operands}, "

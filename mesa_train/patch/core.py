@@ -779,7 +779,8 @@ def _patch_squeeze_excite(t: _Target) -> None:
 
 def _patch_multihead_attention(t: _Target) -> None:
     """Step 1g: each stock ``nn.MultiheadAttention`` the rules can replicate (patch/mha.py)
-    gets the Mesa forward, with a packed-projection and an sdpa child as the ops ask."""
+    gets the Mesa forward, with projection, sdpa and explicit-core children as the ops ask
+    (the key's and value's projections where its parents may call it as cross-attention)."""
     for name, m in t.named:
         if not mha_patch.supported(m) or t.skipped(name) or t.module_info(name).module_set not in t.set_names:
             continue
@@ -791,7 +792,8 @@ def _patch_multihead_attention(t: _Target) -> None:
             (lambda: ScaledDotProductAttention(device=device, **opts)) if "sdpa" in t.op_names else None,
             (lambda out_proj: mnn.Linear.from_module(out_proj, **t.options(out_proj, m.num_heads))) if linear else None,
             (lambda: (mnn.MatMul(device=device, **opts), mnn.Softmax(dim=-1, device=device, **opts),
-                      mnn.MatMul(device=device, **opts))) if core else None)
+                      mnn.MatMul(device=device, **opts))) if core else None,
+            mha_patch.input_roles(m, t.parents.get(id(m), [])))
 
 
 _SWAP_CLASSES = {**GEMMA4_CLASSES, **GATING_CLASSES, **TORCHVISION_CLASSES}
