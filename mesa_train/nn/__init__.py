@@ -29,6 +29,7 @@ from .einsum import Einsum
 from .amax import Amax
 from .avgpool import AvgPool2d, AvgPool2dSame
 from .gelu import GELU
+from .gated_softmax import GatedPositionalSoftmax
 from .grn import GlobalResponseNorm
 from .layernorm import LayerNorm, LayerNorm2d, LayerNormAct2d
 from .layerscale import Affine, ChannelGate, ChannelScale, LayerScale, LayerScale2d, Scale
@@ -51,7 +52,7 @@ register_fx_leaf(MesaLayer)  # timm's FX feature extraction keeps Mesa layers as
 LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, QuickGELU, SiLU, StarReLU, RmsNorm,
           GatedActivation, LayerScale, ChannelScale, Normalize, GlobalResponseNorm, BatchNorm1d, Hardswish,
           Hardsigmoid, Hardtanh, ReLU6, ChannelGate, MaxPool2d, Clamp, OneHotTable, Conv2dSame, MaxPool2dSame,
-          AvgPool2d, AvgPool2dSame, LayerScale2d, Conv1d, Amax, Affine, Einsum)
+          AvgPool2d, AvgPool2dSame, LayerScale2d, Conv1d, Amax, Affine, Einsum, GatedPositionalSoftmax)
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
@@ -59,7 +60,7 @@ __all__ = [
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "Clamp",
     "OneHotTable", "Conv2dSame", "MaxPool2dSame", "AvgPool2d", "AvgPool2dSame",
-    "LayerScale2d", "Conv1d", "Amax", "Affine", "Einsum",
+    "LayerScale2d", "Conv1d", "Amax", "Affine", "Einsum", "GatedPositionalSoftmax",
     "StarReLU", "RmsNorm", "RmsNormFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]

@@ -71,6 +71,7 @@ from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channel
 from .gemma4 import GEMMA4_CLASSES, STOCK_GEMMA4_CLASSES
 from .gating import GATING_CLASSES, STOCK_GATING_CLASSES
 from .sam import swap_sam_attention
+from . import convit as convit_patch
 from . import mha as mha_patch
 from .torch_transformer import activations_as_modules
 from .torchvision_blocks import STOCK_TORCHVISION_CLASSES, TORCHVISION_CLASSES
@@ -161,7 +162,7 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.StarReLU, "relu"),
                     (mnn.ReLU6, "relu"), (mnn.Hardtanh, "relu"), (mnn.Hardswish, "hardswish"),
                     (mnn.Hardsigmoid, "hardswish"),
-                    (mnn.Softmax, "softmax"), (mnn.MatMul, "matmul"), (ScaledDotProductAttention, "sdpa"),
+                    (mnn.Softmax, "softmax"), (mnn.GatedPositionalSoftmax, "softmax"), (mnn.MatMul, "matmul"), (ScaledDotProductAttention, "sdpa"),
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.BatchNorm1d, "batchnorm"), (mnn.SiLU, "silu"),
                     (mnn.RmsNorm, "rmsnorm"),
                     (mnn.GatedActivation, "glu"), (mnn.ChannelGate, "se"),  # (a ChannelScale: first)
@@ -562,7 +563,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     if {"linear", "sdpa", "matmul", "softmax"} & set(op_names):
         _patch_multihead_attention(t)
 
-    # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne)
+    # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne); ConViT's
+    # pos_proj runs inside its GPSA's gated softmax (patch/convit.py) and stays stock
+    gated_acts |= convit_patch.stock_position_linears(root)
     _convert_leaves(t, explicit, gated_acts, keep_stock)
     if "conv" in op_names and "batchnorm" in op_names:
         _link_scale_branches(root, t.parents, quant_options, keep_stock)
@@ -704,6 +707,11 @@ def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
         if stock_cls in ATTENTION_CLASSES and mi.module_set in t.set_names and t.core_ops:
             _patch_attention(m, t.core_ops, mi.heads, t.quant_options, attention)
             patched.append(name)
+        elif (type(m) in convit_patch.GPSA_CLASSES and "softmax" in t.core_ops and mi.module_set in t.set_names
+              and not t.skipped(name)):
+            heads = mi.heads or m.num_heads
+            if convit_patch.install(m, "matmul" in t.op_names, _module_device(m), t.options(None, heads)):
+                patched.append(name)
         if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
             t.skip_prefixes.append(f"{name}." if name else "")
             if is_position_table_mlp(name, m) and "linear" in t.op_names and mi.module_set in t.set_names:
