@@ -25,7 +25,8 @@ from source_lines import code_lines
 from timm_zoo import build, example
 
 # stock line -> Mesa line
-SWAPS = {"x = (attn @ v).transpose(1, 2).reshape(B, N, C)": "x = self.mesa_av(attn, v).transpose(1, 2).reshape(B, N, C)"}
+SWAPS = {"x = (attn @ v).transpose(1, 2).reshape(B, N, C)":
+         "x = self.mesa_av(attn, v).transpose(1, 2).reshape(B, N, C)"}
 QK = ("patch_score = (q @ k.transpose(-2, -1)) * self.scale",
       "patch_score = self.mesa_qk(q, k.transpose(-2, -1)) * self.scale")
 # the stock lines mesa_gated_softmax computes around q @ k^T (nn/gated_softmax.py follows them op for op)

@@ -162,7 +162,8 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.StarReLU, "relu"),
                     (mnn.ReLU6, "relu"), (mnn.Hardtanh, "relu"), (mnn.Hardswish, "hardswish"),
                     (mnn.Hardsigmoid, "hardswish"),
-                    (mnn.Softmax, "softmax"), (mnn.GatedPositionalSoftmax, "softmax"), (mnn.MatMul, "matmul"), (ScaledDotProductAttention, "sdpa"),
+                    (mnn.Softmax, "softmax"), (mnn.GatedPositionalSoftmax, "softmax"), (mnn.MatMul, "matmul"),
+                    (ScaledDotProductAttention, "sdpa"),
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.BatchNorm1d, "batchnorm"), (mnn.SiLU, "silu"),
                     (mnn.RmsNorm, "rmsnorm"),
                     (mnn.GatedActivation, "glu"), (mnn.ChannelGate, "se"),  # (a ChannelScale: first)
