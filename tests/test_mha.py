@@ -107,8 +107,8 @@ def _patched_mha(**kwargs):
 
 
 @pytest.mark.parametrize("call, reason", [
-    (lambda m, x, y: m(x, x, x), "need_weights=True computes the attention map explicitly, and the ops asked for "
-                                 "leave its matmul or softmax stock; pass need_weights=False"),
+    (lambda m, x, y: m(x, x, x), "need_weights=True computes the attention map explicitly, and this module has no "
+                                 "Mesa children for it (the ops asked for leave its matmul or softmax stock"),
     (lambda m, x, y: (lambda u: m(u, u, u, need_weights=False))(x[0]), "an unbatched 2-D input"),
 ], ids=["need_weights", "unbatched"])
 def test_a_call_the_mesa_path_does_not_replicate_runs_stock_and_says_why_once(call, reason):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.patch import patch_model
 from mesa_train.patch.mha import MesaMultiheadAttention
@@ -132,12 +133,12 @@ def test_transformer_decoder_trains_bitwise_stock_with_every_child_run(batch_fir
     assert torch.equal(got, want)
     for layer in mesa.layers:
         assert layer.self_attn.mesa_in_proj_k is None and layer.self_attn.mesa_in_proj_v is None
-        assert layer.multihead_attn.mesa_in_proj_v is None
-        for attn in (layer.self_attn, layer.multihead_attn):  # (the decoder calls need_weights=False: sdpa)
-            projections = [c for c in (attn.mesa_in_proj, attn.mesa_in_proj_k, attn.mesa_in_proj_v, attn.out_proj)
-                           if c is not None]
-            assert all(c.quantizer.initialized for c in projections) and attn.mesa_sdpa.q_quantizer.initialized
-        assert layer.multihead_attn.mesa_in_proj_k is not None
+        assert layer.multihead_attn.mesa_in_proj_v is None and layer.multihead_attn.mesa_in_proj_k is not None
+        for attn in (layer.self_attn, layer.multihead_attn):  # (need_weights=False calls: no explicit core)
+            assert attn.mesa_qk is None and attn.mesa_softmax is None and attn.mesa_av is None
+            layers = [c for c in attn.modules() if isinstance(c, mnn.MesaLayer)]
+            idle = [type(c).__name__ for c in layers if not all(q.initialized for q in c.quantizers())]
+            assert layers and not idle, idle
     for name, p in mesa.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     assert mesa_bytes < 0.45 * stock_bytes, (mesa_bytes, stock_bytes)
@@ -216,3 +217,39 @@ def test_mismatched_shapes_raise_torchs_own_error():
         mesa(x, memory, memory, key_padding_mask=_padding(2, 5), need_weights=False)
     with pytest.raises((RuntimeError, AssertionError)):
         mesa(x, memory, torch.randn(2, 6, 16), need_weights=False)
+
+
+def test_a_self_attention_module_called_as_cross_attention_says_so():
+    """An encoder layer's self_attn (built without key/value children: its layer calls it as
+    self-attention) called by other code with a memory: the output is stock's, the key/value
+    projection runs uncompressed, and a warning says so once."""
+    class _Reuse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)
+
+        def forward(self, x, memory):
+            return self.enc.self_attn(self.enc(x), memory, memory, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    stock = _Reuse().train()
+    mesa = patch_model(copy.deepcopy(stock))
+    x, memory = torch.randn(5, 3, 16), torch.randn(7, 3, 16)
+    with pytest.warns(UserWarning, match="ran a cross-attention call: its key projection ran uncompressed"):
+        got = mesa(x, memory)
+    assert torch.equal(got, stock(x, memory))
+
+
+def test_a_placeholder_mask_with_the_causal_hint_is_compressed():
+    """need_weights=False, is_causal=True, no key padding: torch drops attn_mask unread (any
+    shape will do, and callers pass placeholders); the call is compressed, not run stock."""
+    torch.manual_seed(0)
+    stock = nn.MultiheadAttention(16, 2, batch_first=True).train()
+    mesa = patch_model(copy.deepcopy(stock))
+    x = torch.randn(2, 6, 16)
+    kwargs = dict(need_weights=False, is_causal=True, attn_mask=torch.ones(1, 1, dtype=torch.bool).triu(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = mesa(x, x, x, **kwargs)[0]
+    assert torch.equal(got, stock(x, x, x, **kwargs)[0])
+    assert mesa.mesa_sdpa.q_quantizer.initialized

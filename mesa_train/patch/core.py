@@ -795,14 +795,16 @@ def _patch_multihead_attention(t: _Target) -> None:
             continue
         device, opts = _module_device(m), t.options(None, m.num_heads)
         linear = "linear" in t.op_names
-        core = "matmul" in t.op_names and "softmax" in t.op_names  # (need_weights=True: the explicit core)
+        roles, weights = mha_patch.call_forms(m, t.parents.get(id(m), []))
+        # need_weights=True (where its callers may ask for the weights): the explicit core
+        core = "matmul" in t.op_names and "softmax" in t.op_names and weights
         mha_patch.install(
             m, (lambda: mnn.LinearOf(device=device, **opts)) if linear else None,
             (lambda: ScaledDotProductAttention(device=device, **opts)) if "sdpa" in t.op_names else None,
             (lambda out_proj: mnn.Linear.from_module(out_proj, **t.options(out_proj, m.num_heads))) if linear else None,
             (lambda: (mnn.MatMul(device=device, **opts), mnn.Softmax(dim=-1, device=device, **opts),
                       mnn.MatMul(device=device, **opts))) if core else None,
-            mha_patch.input_roles(m, t.parents.get(id(m), [])))
+            roles)
 
 
 _SWAP_CLASSES = {**GEMMA4_CLASSES, **GATING_CLASSES, **TORCHVISION_CLASSES}

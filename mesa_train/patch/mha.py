@@ -13,7 +13,7 @@ plus the quantizers':
                     (a :class:`~mesa_train.nn.LinearOf`: int8 input)
 ``mesa_in_proj_k``  the key's projection in cross-attention (the packed k/v rows where ``key
                     is value``, a decoder reading its memory); built unless the module's
-                    parent is known to call it as self-attention only (:func:`input_roles`)
+                    parent is known to call it as self-attention only (:func:`call_forms`)
 ``mesa_in_proj_v``  the value's projection where the value is a third tensor (DETR's
                     ``attn(q, k=q, v=x)``, or separate ``kdim`` / ``vdim`` weights)
 ``mesa_sdpa``       ``F.scaled_dot_product_attention`` on the heads (int8 q, k, v)
@@ -46,16 +46,17 @@ from torch import nn
 
 from mesa_train.nn.tracing import MesaTracingError, register_fx_leaf
 
-__all__ = ["MesaMultiheadAttention", "input_roles", "install", "supported"]
+__all__ = ["MesaMultiheadAttention", "call_forms", "install", "supported"]
 
-# Parents whose (unsubclassed) forward calls the attention in one form only: the cross-attention
-# children they would never run are not built. The value: the inputs besides the query that
-# the call projects separately ("k": the key, with the value where ``key is value``).
+# Parents whose (unsubclassed) forward calls the attention in one form only: the children
+# they would never run are not built. The value: the inputs besides the query that the call
+# projects separately ("k": the key, with the value where ``key is value``), and whether it
+# asks for the weights (need_weights=True: the explicit core's children).
 _KNOWN_CALLS = {
-    ("torch.nn.modules.transformer", "TransformerEncoderLayer", "self_attn"): (),
-    ("torch.nn.modules.transformer", "TransformerDecoderLayer", "self_attn"): (),
-    ("torch.nn.modules.transformer", "TransformerDecoderLayer", "multihead_attn"): ("k",),  # (x, memory, memory)
-    ("torchvision.models.vision_transformer", "EncoderBlock", "self_attention"): (),
+    ("torch.nn.modules.transformer", "TransformerEncoderLayer", "self_attn"): ((), False),
+    ("torch.nn.modules.transformer", "TransformerDecoderLayer", "self_attn"): ((), False),
+    ("torch.nn.modules.transformer", "TransformerDecoderLayer", "multihead_attn"): (("k",), False),  # (x, mem, mem)
+    ("torchvision.models.vision_transformer", "EncoderBlock", "self_attention"): ((), False),
 }
 
 
@@ -64,21 +65,27 @@ def supported(m: nn.Module) -> bool:
     return type(m) is nn.MultiheadAttention and m.bias_k is None and not m.add_zero_attn
 
 
-def input_roles(m: nn.Module, parents: Sequence[Tuple[nn.Module, str]]) -> Tuple[str, ...]:
-    """The inputs besides the query whose projection needs its own child: ``("k", "v")`` for
-    a module with separate ``kdim`` / ``vdim`` weights (three projections always) or called
-    from code this module does not know (a user's decoder may pass ``(q, memory, memory)`` or
-    DETR's ``(q, q, x)``), fewer for the torch and torchvision layers that call it one way."""
-    if not m._qkv_same_embed_dim or not parents:
-        return ("k", "v")
-    roles = set()
-    for parent, key in parents:
+def call_forms(m: nn.Module, parents: Sequence[Tuple[nn.Module, str]]) -> Tuple[Tuple[str, ...], bool]:
+    """``(roles, weights)``: the inputs besides the query whose projection needs its own child,
+    and whether calls may ask for the weights (``need_weights=True``, torch's default: the
+    explicit core). All of it (``("k", "v")``, True) for a module called from code this module
+    does not know (a user's decoder may pass ``(q, memory, memory)`` or DETR's ``(q, q, x)``,
+    with the default ``need_weights``) or as the model itself; less for the torch and
+    torchvision layers that call it one way. The key and value roles always for separate
+    ``kdim`` / ``vdim`` weights (three projections in every call)."""
+    roles, weights = set(), False
+    for parent, key in parents or [(None, "")]:
         cls = type(parent)
-        known = _KNOWN_CALLS.get((cls.__module__, cls.__qualname__, key))
+        known = _KNOWN_CALLS.get((cls.__module__, cls.__qualname__, key)) if parent is not None else None
         if known is None:
-            return ("k", "v")
-        roles.update(known)
-    return tuple(r for r in ("k", "v") if r in roles)
+            roles.update(("k", "v"))
+            weights = True
+        else:
+            roles.update(known[0])
+            weights = weights or known[1]
+    if not m._qkv_same_embed_dim:
+        roles.update(("k", "v"))
+    return tuple(r for r in ("k", "v") if r in roles), weights
 
 
 def install(m: nn.Module, make_linear: Optional[Callable[[], nn.Module]],
@@ -88,7 +95,7 @@ def install(m: nn.Module, make_linear: Optional[Callable[[], nn.Module]],
     stays stock); ``make_core``: the explicit core's ``(q @ k^T MatMul, Softmax, attn @ v
     MatMul)`` for ``need_weights=True`` calls (``matmul`` and ``softmax`` asked for);
     ``roles``: the cross-attention inputs that get their own projection child
-    (:func:`input_roles`)."""
+    (:func:`call_forms`)."""
     m.__class__ = MesaMultiheadAttention
     m.mesa_in_proj = make_linear() if make_linear is not None else None
     m.mesa_in_proj_k = make_linear() if make_linear is not None and "k" in roles else None
@@ -98,6 +105,7 @@ def install(m: nn.Module, make_linear: Optional[Callable[[], nn.Module]],
     if convert_linear is not None:
         m.out_proj = convert_linear(m.out_proj)
     m._mesa_warned = False
+    m._mesa_warned_roles = False
 
 
 def _linear(layer: Optional[nn.Module], x, weight, bias):
@@ -142,14 +150,15 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
         if query.dim() != 3:
             return f"an unbatched {query.dim()}-D input; pass (batch, tokens, dim) or (tokens, batch, dim)"
         if need_weights and self.mesa_softmax is None:
-            return ("need_weights=True computes the attention map explicitly, and the ops asked for leave its "
-                    "matmul or softmax stock; pass need_weights=False (the same output, through "
+            return ("need_weights=True computes the attention map explicitly, and this module has no Mesa children "
+                    "for it (the ops asked for leave its matmul or softmax stock, or the torch layer holding it calls "
+                    "it with need_weights=False only); pass need_weights=False (the same output, through "
                     "scaled_dot_product_attention) to compress it")
-        if not self._shapes_expected(query, key, value, key_padding_mask, attn_mask, is_causal):
+        if not self._shapes_expected(query, key, value, key_padding_mask, attn_mask, is_causal, need_weights):
             return ""
         return None
 
-    def _shapes_expected(self, query, key, value, key_padding_mask, attn_mask, is_causal) -> bool:
+    def _shapes_expected(self, query, key, value, key_padding_mask, attn_mask, is_causal, need_weights) -> bool:
         """The batched inputs and masks torch's function takes without an error: key and value
         3-D with the query's batch, of ``kdim`` / ``vdim`` features, one length between them;
         key_padding_mask (batch, source tokens); attn_mask (target, source) or (batch * heads,
@@ -167,6 +176,8 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
             return False
         if key_padding_mask is not None and tuple(key_padding_mask.shape) != (bsz, src):
             return False
+        if is_causal and key_padding_mask is None and not need_weights:
+            return True  # (torch drops the mask for the hint, unread: a placeholder mask is fine)
         return attn_mask is None or tuple(attn_mask.shape) in ((tgt, src), (bsz * self.num_heads, tgt, src))
 
     def _sequence_first(self, query, key, value):
@@ -214,6 +225,8 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
         ``kdim`` / ``vdim`` weights) computes them, each input through its own child."""
         q_proj, k_proj, v_proj = self.mesa_in_proj, self.mesa_in_proj_k, self.mesa_in_proj_v
         bias = self.in_proj_bias
+        if q_proj is not None and (k_proj is None or v_proj is None) and not (key is value and query is key):
+            self._say_missing_roles(k_proj is None, v_proj is None and key is not value)
         if not self._qkv_same_embed_dim:
             b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
             return (_linear(q_proj, query, self.q_proj_weight, b_q), _linear(k_proj, key, self.k_proj_weight, b_k),
@@ -231,6 +244,18 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
         w_q, w_k, w_v = weight.chunk(3)
         b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
         return _linear(q_proj, query, w_q, b_q), _linear(k_proj, key, w_k, b_k), _linear(v_proj, value, w_v, b_v)
+
+    def _say_missing_roles(self, key: bool, value: bool) -> None:
+        """Once per module, in eager training: a cross-attention call reached a module whose
+        parent, a torch layer, calls it as self-attention only, so the key/value projection
+        children were not built (``call_forms``): those projections run uncompressed."""
+        if self._mesa_warned_roles or torch.compiler.is_compiling() or not (key or value):
+            return
+        self._mesa_warned_roles = True
+        which = " and ".join(n for n, missing in (("key", key), ("value", value)) if missing)
+        warnings.warn(f"mesa_train: an nn.MultiheadAttention held by a torch layer that calls it as self-attention "
+                      f"ran a cross-attention call: its {which} projection ran uncompressed (no Mesa child was "
+                      "built for it). Use a module of its own for the cross-attention", UserWarning, stacklevel=4)
 
     def _compressed_forward(self, query, key, value, need_weights: bool, average_attn_weights: bool, mask=None,
                             is_causal: bool = False):
