@@ -18,7 +18,7 @@ from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn.gated_softmax import gated_positional_softmax
 from mesa_train.nn.quantizer import assign_rng_keys
 from mesa_train.patch import patch_model
-from mesa_train.patch.convit import POSITIONAL_FORM, MesaGPSA
+from mesa_train.patch.convit import SWAPPABLE, MesaGPSA
 from mesa_train.patch.describe import describe_rows
 
 from source_lines import code_lines
@@ -30,10 +30,8 @@ SWAPS = {"x = (attn @ v).transpose(1, 2).reshape(B, N, C)":
 QK = ("patch_score = (q @ k.transpose(-2, -1)) * self.scale",
       "patch_score = self.mesa_qk(q, k.transpose(-2, -1)) * self.scale")
 # the stock lines mesa_gated_softmax computes around q @ k^T (nn/gated_softmax.py follows them op for op)
-POSITIONAL = {False: ["pos_score = self.rel_indices.expand(B, -1, -1, -1)",
-                      "pos_score = self.pos_proj(pos_score).permute(0, 3, 1, 2)"],
-              True: ["pos_score = self.pos_proj(self.rel_indices).expand(B, -1, -1, -1)",
-                     "pos_score = pos_score.permute(0, 3, 1, 2)"]}
+POSITIONAL = ["pos_score = self.rel_indices.expand(B, -1, -1, -1)",
+              "pos_score = self.pos_proj(pos_score).permute(0, 3, 1, 2)"]
 GATE = ["patch_score = patch_score.softmax(dim=-1)", "pos_score = pos_score.softmax(dim=-1)",
         "gating = self.gating_param.view(1, -1, 1, 1)",
         "attn = (1. - torch.sigmoid(gating)) * patch_score + torch.sigmoid(gating) * pos_score",
@@ -45,10 +43,10 @@ CORE_CALL = ["attn = self.mesa_gated_softmax(patch_score, self.rel_indices, self
 def test_mesa_forward_is_the_stock_source_but_the_core():
     """A timm release that changes GPSA fails here (then update patch/convit.py and
     nn/gated_softmax.py)."""
-    assert POSITIONAL_FORM is not None, "timm's GPSA.get_attention has neither known positional form"
+    assert SWAPPABLE, "timm's GPSA.get_attention computes its positional map otherwise"
     assert code_lines(MesaGPSA.forward) == [SWAPS.get(ln, ln) for ln in code_lines(GPSA.forward)]
     stock = code_lines(GPSA.get_attention)
-    core = POSITIONAL[POSITIONAL_FORM] + [QK[0]] + GATE
+    core = POSITIONAL + [QK[0]] + GATE
     start = stock.index(core[0])
     assert stock[start:start + len(core)] == core
     assert code_lines(MesaGPSA.get_attention) == stock[:start] + [QK[1]] + CORE_CALL + stock[start + len(core):]
@@ -71,21 +69,29 @@ def _grads(fn, logits, rel, weight, bias, gating):
     return (out,) + torch.autograd.grad((out * w).sum(), (logits, weight, gating))
 
 
-@pytest.mark.parametrize("pos_first", [False, True], ids=["expand_first", "linear_first"])
-def test_layer_is_the_stock_lines_with_gradients_of_float64(pos_first):
-    layer = mnn.GatedPositionalSoftmax(pos_first=pos_first, num_groups=4)
+def test_layer_is_the_stock_lines_with_gradients_of_float64():
+    layer = mnn.GatedPositionalSoftmax(num_groups=4)
     assign_rng_keys(layer)
     inputs = _inputs()
     got = _grads(layer, *inputs)
-    want = _grads(lambda *a: gated_positional_softmax(*a, pos_first=pos_first), *inputs)
-    exact = _grads(lambda *a: gated_positional_softmax(*a, pos_first=pos_first),
-                   *[t.detach().double().requires_grad_(t.requires_grad) for t in inputs])
+    want = _grads(gated_positional_softmax, *inputs)
+    exact = _grads(gated_positional_softmax, *[t.detach().double().requires_grad_(t.requires_grad) for t in inputs])
     assert torch.equal(got[0], want[0])
     for g, w, e in zip(got[1:], want[1:], exact[1:]):
         assert g.shape == w.shape and g.dtype == w.dtype
         # (the 8-bit map's error against the float32 stock gradient's, both to float64 autograd)
         assert F.cosine_similarity(g.double().flatten(), e.flatten(), dim=0) > 0.999
     assert layer.quantizer.initialized
+
+
+def test_the_map_is_never_clipped_by_learned_thresholds():
+    """estimator="learned": the softmax map keeps its running range (no learned clipping of
+    the large probabilities, as nn.Softmax)."""
+    holder = nn.Sequential()
+    holder.add_module("attn", GPSA(32, 4))
+    patch_model(holder, estimator="learned")
+    assert not holder.attn.mesa_gated_softmax.quantizer.clippable
+    assert mnn.Softmax(dim=-1, estimator="learned").quantizer.clippable is False
 
 
 def test_positional_bias_gradient_is_zero_as_stock():
@@ -176,3 +182,44 @@ def test_compiles_whole_and_matches_eager():
     torch.testing.assert_close(got, want)
     for n, p in twin.named_parameters():
         torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("first", [["matmul"], ["linear"]])
+def test_patched_in_two_steps_is_the_one_step_model(first):
+    """ops=[...] then ops=["softmax"]: the swap replaces the generic routing an earlier matmul
+    patch installed (its capturing forward and children) and turns a converted pos_proj back
+    into a stock Linear; every Mesa layer runs, the forward is stock's."""
+    torch.manual_seed(0)
+    stock = nn.Sequential()
+    stock.add_module("attn", GPSA(32, 4))
+    mesa = copy.deepcopy(stock)
+    patch_model(mesa, ops=first)
+    patch_model(mesa, ops=["softmax"])
+    attn = mesa.attn
+    assert type(attn) is MesaGPSA and type(attn.pos_proj) is nn.Linear and "forward" not in vars(attn)
+    assert attn.pos_proj.weight is stock.attn.pos_proj.weight or torch.equal(attn.pos_proj.weight,
+                                                                             stock.attn.pos_proj.weight)
+    x = torch.randn(2, 16, 32)
+    want, _ = _step(stock, x)
+    got, _ = _step(mesa, x)
+    assert torch.equal(got, want)
+    idle = [n for n, m in mesa.named_modules() if isinstance(m, mnn.MesaLayer)
+            and not all(q.initialized for q in m.quantizers())]
+    assert not idle, idle
+
+
+def test_a_checkpoint_of_the_generic_routing_loads():
+    """A patched ConViT checkpoint from before the swap (the generic routing's mesa_softmax,
+    mesa_logit_scale and Mesa pos_proj estimates) loads strictly: the patch softmax's estimates
+    become the gated layer's, the others are dropped."""
+    holder = nn.Sequential()
+    holder.add_module("attn", GPSA(32, 4))
+    patch_model(holder)
+    state = holder.state_dict()
+    old = {k.replace("mesa_gated_softmax.", "mesa_softmax."): v for k, v in state.items()}
+    old.update({"attn.mesa_logit_scale.quantizer.alpha": torch.zeros(4, 1), "attn.pos_proj.quantizer.beta":
+                torch.zeros(3, 1)})
+    old["attn.mesa_softmax.quantizer.alpha"] = torch.full_like(state["attn.mesa_gated_softmax.quantizer.alpha"], 0.5)
+    holder.load_state_dict(old)
+    assert torch.equal(holder.attn.mesa_gated_softmax.quantizer.alpha,
+                       old["attn.mesa_softmax.quantizer.alpha"])

@@ -376,3 +376,26 @@ def test_predictions_are_exact_for_any_plan_once_pairs_are_profiled(family):
         assert predict(profile, chosen).activation_bytes == measured, sorted(chosen)
         additive_off += profile.stock_activation_bytes - sum(profile.item(*k).saved_bytes for k in chosen) != measured
     assert additive_off > 0
+
+
+def test_convit_blocks_offer_their_attention_ops_and_the_plan_swaps_gpsa():
+    """ConViT's GPSA and MHSA carry no fused_attn flag: their blocks still offer matmul and
+    softmax (the products their forwards call), so a plan reaches the GPSA swap
+    (patch/convit.py) as a whole-model patch does."""
+    import timm
+
+    from mesa_train.patch.convit import MesaGPSA
+
+    def convit():
+        torch.manual_seed(0)
+        return timm.create_model("convit_tiny", num_classes=10, img_size=32, patch_size=8, depth=2,
+                                 local_up_to_layer=1)
+
+    units = find_units(convit())
+    assert all({"matmul", "softmax"} <= set(u.ops) for u in units if u.name != OTHER), [u.ops for u in units]
+    planned, whole = convit(), convit()
+    plan = {"format": "mesa-train-plan/1", "layers": {u.name: list(u.ops) for u in units}}
+    mesa_train.patch_model(planned, plan=plan)
+    mesa_train.patch_model(whole, ops=("all",), mlp="separate", norm_linear="separate")
+    assert type(planned.blocks[0].attn) is MesaGPSA
+    assert [(n, type(m)) for n, m in planned.named_modules()] == [(n, type(m)) for n, m in whole.named_modules()]

@@ -21,9 +21,8 @@ backward, in float32 (``out``'s rows renormalised, then the gate, the two softma
     dQ = s * sum_batch(dA)  ->  d_pos = Q * (dQ - rowsum(dQ * Q))  ->  pos_proj's dW, db
     dg = s (1 - s) * sum((Q - P) * dA)
 
-``pos_first``: the timm form in which the positional Linear runs before the batch expansion
-(``pos_proj(R).expand(B, ...)``, releases before 1.0.16) instead of after it; the forward
-follows the given form op for op, so it is bitwise the stock module's either way.
+The 8-bit map is quantized with its running range also under ``estimator="learned"`` (no
+learned clipping of a softmax map: ``nn.Softmax``'s reason).
 """
 from __future__ import annotations
 
@@ -41,10 +40,9 @@ from .quantizer import decompress
 __all__ = ["GatedPositionalSoftmax", "gated_positional_softmax"]
 
 
-def _positional_logits(rel, weight, bias, batch: int, pos_first: bool) -> torch.Tensor:
-    """``(B, heads, N, N)`` positional logits, as timm computes them."""
-    if pos_first:
-        return F.linear(rel, weight, bias).expand(batch, -1, -1, -1).permute(0, 3, 1, 2)
+def _positional_logits(rel, weight, bias, batch: int) -> torch.Tensor:
+    """``(B, heads, N, N)`` positional logits, as timm computes them (the Linear over the
+    batch-expanded table)."""
     return F.linear(rel.expand(batch, -1, -1, -1), weight, bias).permute(0, 3, 1, 2)
 
 
@@ -56,9 +54,9 @@ def _mix(patch_score, pos_score, gating_param):
     return attn
 
 
-def gated_positional_softmax(patch_logits, rel, weight, bias, gating_param, pos_first: bool = False):
+def gated_positional_softmax(patch_logits, rel, weight, bias, gating_param):
     """The stock computation (module doc), op for op."""
-    pos_score = _positional_logits(rel, weight, bias, patch_logits.shape[0], pos_first)
+    pos_score = _positional_logits(rel, weight, bias, patch_logits.shape[0])
     patch_score = patch_logits.softmax(dim=-1)
     pos_score = pos_score.softmax(dim=-1)
     return _mix(patch_score, pos_score, gating_param)
@@ -66,8 +64,8 @@ def gated_positional_softmax(patch_logits, rel, weight, bias, gating_param, pos_
 
 class _GatedPositionalSoftmaxFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, patch_logits, rel, weight, bias, gating_param, quantizer, pos_first):
-        pos_score = _positional_logits(rel, weight, bias, patch_logits.shape[0], pos_first)
+    def forward(ctx, patch_logits, rel, weight, bias, gating_param, quantizer):
+        pos_score = _positional_logits(rel, weight, bias, patch_logits.shape[0])
         patch_score = patch_logits.softmax(dim=-1)
         pos_score = pos_score.softmax(dim=-1)
         gating = gating_param.view(1, -1, 1, 1)
@@ -115,15 +113,18 @@ class _GatedPositionalSoftmaxFn(torch.autograd.Function):
                     d_weight = d_pos.t().matmul(rel.to(f32).reshape(-1, rel.shape[-1])).to(ctx.dtypes[1])
                 if need_b:
                     d_bias = d_pos.sum(0).to(ctx.dtypes[2])
-        return d_logits, None, d_weight, d_bias, d_gating, None, None
+        return d_logits, None, d_weight, d_bias, d_gating, None
 
 
 class GatedPositionalSoftmax(MesaLayer, nn.Module):
     """ConViT's gated positional attention map with one 8-bit map kept (module doc)."""
 
-    def __init__(self, *, pos_first: bool = False, device=None, **quant_options):
+    # (a softmax map: quantized with its running range under estimator="learned" too, as
+    # nn.Softmax is: learned thresholds clip the few large probabilities attention's gradient rides on)
+    _learned_clipping = False
+
+    def __init__(self, *, device=None, **quant_options):
         super().__init__()
-        self.pos_first = pos_first
         self._init_mesa(quant_options, device)
 
     def forward(self, patch_logits, rel, weight, bias, gating_param):
@@ -131,9 +132,8 @@ class GatedPositionalSoftmax(MesaLayer, nn.Module):
         relative positions ``(1, N, N, 3)``, the positional Linear's parameters and the gate
         parameter ``(heads,)``."""
         if not self._mesa_active(patch_logits, weight, bias, gating_param) or rel.shape[0] != 1:
-            return gated_positional_softmax(patch_logits, rel, weight, bias, gating_param, self.pos_first)
-        return _GatedPositionalSoftmaxFn.apply(patch_logits, rel, weight, bias, gating_param, self.quantizer,
-                                               self.pos_first)
+            return gated_positional_softmax(patch_logits, rel, weight, bias, gating_param)
+        return _GatedPositionalSoftmaxFn.apply(patch_logits, rel, weight, bias, gating_param, self.quantizer)
 
     def extra_repr(self) -> str:
-        return f"pos_first={self.pos_first}, {self._mesa_repr()}"
+        return self._mesa_repr()

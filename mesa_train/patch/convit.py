@@ -13,10 +13,13 @@ installed timm's source) but for:
                         the positional map recomputed from ``pos_proj``'s parameters)
 ``mesa_av``             ``attn @ v`` (Mesa ``MatMul``, int8 map and ``v``)
 
-``pos_proj`` is called through ``mesa_gated_softmax`` with its parameters and is left a stock
-``nn.Linear`` (its input is the expanded position table, which the layer does not keep). A
-timm release whose ``get_attention`` has neither known positional form is not swapped: the
-generic routing takes the module as before.
+``pos_proj`` is called through ``mesa_gated_softmax`` with its parameters and stays a stock
+``nn.Linear`` (its input is the expanded position table, which the layer does not keep; one
+an earlier ``ops=["linear"]`` patch converted is turned back). A timm release whose
+``get_attention`` computes the positional map otherwise is not swapped: the generic routing
+takes the module as before. A checkpoint of the generic routing's children (before session
+74) loads: its patch softmax's estimates become ``mesa_gated_softmax``'s, the positional
+Linear's and the logit scale's are dropped.
 """
 from __future__ import annotations
 
@@ -24,26 +27,24 @@ import inspect
 
 import torch
 from timm.models.convit import GPSA as _GPSA
+from torch import nn
 
 from mesa_train.nn.gated_softmax import GatedPositionalSoftmax
+from mesa_train.nn.linear import Linear as MesaLinear
 from mesa_train.nn.matmul import MatMul
 
-__all__ = ["GPSA_CLASSES", "MesaGPSA", "POSITIONAL_FORM", "install", "stock_position_linears"]
+from .generic_attention import GENERIC_ATTENTION_ATTR, SOFTMAX_ANY_DIM_ATTR
 
+__all__ = ["GPSA_CLASSES", "MesaGPSA", "SWAPPABLE", "install", "stock_position_linears"]
 
-def _positional_form():
-    """``False``: timm's positional Linear runs on the expanded table (timm >= 1.0.16), ``True``:
-    before the expansion (older releases), ``None``: neither form (no swap)."""
-    src = inspect.getsource(_GPSA.get_attention)
-    if "pos_score = self.rel_indices.expand(B, -1, -1, -1)" in src and \
-            "pos_score = self.pos_proj(pos_score).permute(0, 3, 1, 2)" in src:
-        return False
-    if "pos_score = self.pos_proj(self.rel_indices).expand(B, -1, -1, -1)" in src:
-        return True
-    return None
-
-
-POSITIONAL_FORM = _positional_form()
+_POSITIONAL_LINES = ("pos_score = self.rel_indices.expand(B, -1, -1, -1)",
+                     "pos_score = self.pos_proj(pos_score).permute(0, 3, 1, 2)")
+# whether the installed timm computes the positional map as nn/gated_softmax.py does
+SWAPPABLE = all(line in inspect.getsource(_GPSA.get_attention) for line in _POSITIONAL_LINES)
+_CHILD = "mesa_gated_softmax"
+# the generic routing's children (before session 74) -> what became of their estimates
+_OLD_KEYS = {"mesa_softmax.quantizer.": f"{_CHILD}.quantizer.", "mesa_logit_scale.quantizer.": None,
+             "pos_proj.quantizer.": None}
 
 
 class MesaGPSA(_GPSA):
@@ -70,8 +71,27 @@ class MesaGPSA(_GPSA):
         attn = self.attn_drop(attn)
         return attn
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a checkpoint of the generic routing (module doc): rename or drop its children's keys
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            for old, new in _OLD_KEYS.items():
+                if key.startswith(prefix + old):
+                    value = state_dict.pop(key)
+                    if new is not None:
+                        state_dict.setdefault(prefix + new + key[len(prefix + old):], value)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
 
 GPSA_CLASSES = (_GPSA, MesaGPSA)
+
+
+def _stock_linear(m: nn.Module) -> nn.Module:
+    """A Mesa ``Linear`` turned back into a stock ``nn.Linear`` with the same Parameters."""
+    if not isinstance(m, MesaLinear):
+        return m
+    stock = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+    stock.weight, stock.bias = m.weight, m.bias
+    return stock.train(m.training)
 
 
 def install(m: _GPSA, matmul: bool, device, options: dict) -> bool:
@@ -79,16 +99,21 @@ def install(m: _GPSA, matmul: bool, device, options: dict) -> bool:
     children compress their operands when ``matmul`` is asked for, else none (the stock
     products' operands, as stock keeps them). False where the installed timm's form is
     unknown (nothing done)."""
-    if POSITIONAL_FORM is None or type(m) not in GPSA_CLASSES:
+    if not SWAPPABLE or type(m) not in GPSA_CLASSES:
         return False
     operands = ("a", "b") if matmul else ()
     for name in ("mesa_qk", "mesa_av"):
         cur = m._modules.get(name)
         if not isinstance(cur, MatMul) or (matmul and cur.operands != operands):
             m.add_module(name, MatMul.from_module(cur, operands=operands, device=device, **options))
-    if not isinstance(m._modules.get("mesa_gated_softmax"), GatedPositionalSoftmax):
-        m.add_module("mesa_gated_softmax", GatedPositionalSoftmax(pos_first=POSITIONAL_FORM, device=device,
-                                                                  **options))
+    if not isinstance(m._modules.get(_CHILD), GatedPositionalSoftmax):
+        m.add_module(_CHILD, GatedPositionalSoftmax(device=device, **options))
+    # (an earlier patch's generic routing: its capturing forward and the children this swap replaces)
+    for stale in ("mesa_softmax", "mesa_logit_scale"):
+        m._modules.pop(stale, None)
+    for attr in ("forward", GENERIC_ATTENTION_ATTR, SOFTMAX_ANY_DIM_ATTR):
+        m.__dict__.pop(attr, None)
+    m.pos_proj = _stock_linear(m.pos_proj)
     m.__class__ = MesaGPSA
     return True
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from mesa_train.models import unwrap_model
 from mesa_train.patch.core import OPS, _leaf_rules, mesa_layer_op  # the rules patch_model applies
-from mesa_train.patch.rules import classify
+from mesa_train.patch.rules import classify, scan_functional_ops
 
 __all__ = ["OTHER", "Unit", "find_units", "unit_ops", "fingerprint", "model_architecture"]
 
@@ -72,6 +72,9 @@ def _present_ops(modules, candidates: Tuple[str, ...]) -> Tuple[str, ...]:
             found.add(op)
         if hasattr(m, "fused_attn") and hasattr(m, "num_heads"):  # a timm attention
             found.update(("sdpa",) if m.fused_attn else ("matmul", "softmax"))
+        elif isinstance(getattr(m, "num_heads", None), int) and not isinstance(m, nn.MultiheadAttention):
+            # an attention without the flag (ConViT's GPSA and MHSA): the products its forward calls
+            found.update(o for o in ("matmul", "softmax") if o in scan_functional_ops(type(m)))
         for op in getattr(m, "mesa_core_ops", ()):
             found.add(op)
     return tuple(o for o in candidates if o in found)
