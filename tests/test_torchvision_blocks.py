@@ -1,7 +1,7 @@
 """torchvision's GoogLeNet / Inception-v3 ``BasicConv2d`` (a functional ``F.relu`` after the
 BatchNorm: its output kept whole, 27% of GoogLeNet's stock bytes, reported) gets a Mesa ReLU
-child; MaxViT's einsum attention, which nothing routes, is reported instead of getting Mesa
-children that never ran (its softmax's codes only added bytes beside the einsum's copy)."""
+child; MaxViT's einsum attention gets Mesa children by class swap (patch/torchvision_attention.py:
+it was reported and kept whole, 0.107 of maxvit_t's stock bytes)."""
 import copy
 import warnings
 
@@ -33,9 +33,65 @@ def test_basic_conv_relu_is_a_mesa_relu_and_the_forward_is_stock(name, size):
     assert "BasicConv2d" not in {r[1] for r in report.rows if r[0] != "compressed"}, report
 
 
-def test_einsum_only_attention_is_reported_not_half_patched():
+# stock line -> Mesa line (patch/torchvision_attention.py)
+MAXVIT_SWAPS = {
+    'dot_prod = torch.einsum("B G H I D, B G H J D -> B G H I J", q, k)':
+        'dot_prod = self.mesa_qk("B G H I D, B G H J D -> B G H I J", q, k)',
+    "dot_prod = F.softmax(dot_prod + pos_bias, dim=-1)": "dot_prod = self.mesa_softmax(dot_prod + pos_bias)",
+    'out = torch.einsum("B G H I J, B G H J D -> B G H I D", dot_prod, v)':
+        'out = self.mesa_av("B G H I J, B G H J D -> B G H I D", dot_prod, v)',
+}
+
+
+def test_maxvit_attention_forward_is_torchvisions_source_but_the_core():
+    """A torchvision release that changes the attention fails here (then update the swap)."""
+    from torchvision.models.maxvit import RelativePositionalMultiHeadAttention
+
+    from mesa_train.patch.torchvision_attention import MesaMaxVitAttention
+    from source_lines import code_lines
+
+    stock = code_lines(RelativePositionalMultiHeadAttention.forward)
+    assert all(line in stock for line in MAXVIT_SWAPS)
+    assert code_lines(MesaMaxVitAttention.forward) == [MAXVIT_SWAPS.get(ln, ln) for ln in stock]
+
+
+def _maxvit():
     torch.manual_seed(0)
-    model = torchvision.models.maxvit_t(num_classes=10)
-    with pytest.warns(UserWarning, match=r"attn_layer.1 \(RelativePositionalMultiHeadAttention: matmul/softmax\)"):
-        patch_model(model)
-    assert not [n for n, _ in model.named_modules() if n.endswith(("mesa_qk", "mesa_av", "mesa_softmax"))]
+    return torchvision.models.MaxVit(input_size=(32, 32), stem_channels=16, partition_size=2, block_channels=[16, 32],
+                                     block_layers=[1, 1], head_dim=8, stochastic_depth_prob=0.2,
+                                     num_classes=10).train()
+
+
+def test_maxvit_attention_is_compressed_and_the_forward_is_stock():
+    from mesa_train.patch.torchvision_attention import MesaMaxVitAttention
+
+    stock = _maxvit()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (it was reported: matmul/softmax not reached)
+        patch_model(mesa)
+    attns = [m for m in mesa.modules() if type(m) is MesaMaxVitAttention]
+    assert attns
+    x = torch.randn(2, 3, 32, 32)
+    # (stochastic depth on: the same draws; MBConv's pre_norm bias feeds a conv and a BatchNorm: zero)
+    step_and_compare(stock, mesa, x, rounding_noise=1e-4)
+    for m in attns:
+        assert m.mesa_qk.quantizer_a.initialized and m.mesa_softmax.quantizer.initialized
+        assert m.mesa_av.quantizer_b.initialized
+    report = coverage(mesa, x)
+    kept = {r[1]: r[3] for r in report.rows if r[0] != "compressed"}
+    # (what stays: the relative-position index its bias gather saves, a buffer)
+    assert kept.get("MesaMaxVitAttention", 0) < 0.01 * report.stock_total, report
+
+
+@pytest.mark.parametrize("ops", [["softmax"], ["matmul"]])
+def test_maxvit_attention_takes_only_the_ops_asked_for(ops):
+    import mesa_train.nn as mnn
+
+    stock = _maxvit()
+    mesa = copy.deepcopy(stock)
+    patch_model(mesa, ops=ops)
+    attn = next(m for m in mesa.modules() if hasattr(m, "mesa_qk"))
+    assert isinstance(attn.mesa_qk, mnn.Einsum) == ("matmul" in ops)
+    assert isinstance(attn.mesa_softmax, mnn.Softmax) == ("softmax" in ops)
+    step_and_compare(stock, mesa, torch.randn(2, 3, 32, 32), rounding_noise=1e-4)

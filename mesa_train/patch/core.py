@@ -72,6 +72,7 @@ from .gemma4 import GEMMA4_CLASSES, STOCK_GEMMA4_CLASSES
 from .gating import GATING_CLASSES, STOCK_GATING_CLASSES
 from .sam import swap_sam_attention
 from . import convit as convit_patch
+from . import torchvision_attention as maxvit_patch
 from . import mha as mha_patch
 from .torch_transformer import activations_as_modules
 from .torchvision_blocks import STOCK_TORCHVISION_CLASSES, TORCHVISION_CLASSES
@@ -712,6 +713,10 @@ def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
               and not t.skipped(name)):
             heads = mi.heads or m.num_heads
             if convit_patch.install(m, "matmul" in t.op_names, _module_device(m), t.options(None, heads)):
+                patched.append(name)
+        elif (type(m) in maxvit_patch.MAXVIT_ATTENTION_CLASSES and mi.module_set in t.set_names
+              and not t.skipped(name)):
+            if maxvit_patch.install(m, t.core_ops, _module_device(m), t.quant_options):
                 patched.append(name)
         if isinstance(m, nn.MultiheadAttention) or is_position_table_mlp(name, m):
             t.skip_prefixes.append(f"{name}." if name else "")
