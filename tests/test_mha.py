@@ -145,12 +145,15 @@ MASKS = {
 }
 
 
+@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "weights"])
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_masked_self_attention_goes_through_the_mesa_sdpa(mask, batch_first):
-    """Masks on the need_weights=False path (nn.TransformerEncoderLayer's call: padding masks,
-    causal masks): made additive, spread over the heads and merged as torch's function does,
-    then the Mesa sdpa; the output bitwise stock's."""
+def test_masked_self_attention_is_stock_forward_and_compressed(mask, batch_first, need_weights):
+    """Masks (nn.TransformerEncoderLayer's padding and causal masks, a float bias): with
+    need_weights=False made additive, spread over the heads and merged as torch's function
+    does, then the Mesa sdpa; with torch's default need_weights=True added inside
+    ``baddbmm(mask, q_scaled, k^T)``, which the Mesa q @ k^T computes itself (before, that call
+    ran stock with a warning). The output and the weights bitwise stock's."""
     torch.manual_seed(0)
     stock = nn.MultiheadAttention(16, 2, dropout=0.1, batch_first=batch_first).train()
     mesa = copy.deepcopy(stock)
@@ -163,43 +166,18 @@ def test_masked_self_attention_goes_through_the_mesa_sdpa(mask, batch_first):
         for m in (stock, mesa):
             torch.manual_seed(1)
             with SavedTensorMeter() as meter:
-                out = m(x, x, x, need_weights=False, **kwargs)[0]
-            out.square().sum().backward()
-            outs.append((out, meter.activation_bytes, {n: p.grad for n, p in m.named_parameters()}))
-    (want, stock_bytes, want_grads), (got, mesa_bytes, got_grads) = outs
-    assert torch.equal(got, want)
-    for n, g in want_grads.items():
-        assert F.cosine_similarity(got_grads[n].flatten(), g.flatten(), dim=0) > 0.99, n
-    assert mesa.mesa_sdpa.q_quantizer.initialized and mesa_bytes < 0.4 * stock_bytes
-
-
-@pytest.mark.parametrize("batch_first", [True, False])
-@pytest.mark.parametrize("mask", list(MASKS))
-def test_masked_call_with_weights_adds_the_mask_inside_the_mesa_product(mask, batch_first):
-    """A mask with torch's default need_weights=True: torch adds it inside ``baddbmm(mask,
-    q_scaled, k^T)``; the Mesa q @ k^T computes that very op (the output and the weights bitwise
-    stock's). Before, the call ran stock with a warning."""
-    torch.manual_seed(0)
-    stock = nn.MultiheadAttention(16, 2, dropout=0.1, batch_first=batch_first).train()
-    mesa = copy.deepcopy(stock)
-    x = torch.randn(3, 7, 16) if batch_first else torch.randn(7, 3, 16)
-    kwargs = MASKS[mask](3, 7, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # (no "ran uncompressed" warning)
-        patch_model(mesa)
-        outs = []
-        for m in (stock, mesa):
-            torch.manual_seed(1)
-            with SavedTensorMeter() as meter:
-                out, weights = m(x, x, x, **kwargs)
-            (out.square().sum() + weights.nan_to_num().sum()).backward()
+                out, weights = m(x, x, x, need_weights=need_weights, **kwargs)
+            (out.square().sum() + (weights.nan_to_num().sum() if need_weights else 0)).backward()
             outs.append((out, weights, meter.activation_bytes, {n: p.grad for n, p in m.named_parameters()}))
     (want, want_w, stock_bytes, want_grads), (got, got_w, mesa_bytes, got_grads) = outs
-    assert torch.equal(got, want) and torch.equal(got_w, want_w)
+    assert torch.equal(got, want) and (not need_weights or torch.equal(got_w, want_w))
     for n, g in want_grads.items():
         assert F.cosine_similarity(got_grads[n].flatten(), g.flatten(), dim=0) > 0.99, n
-    assert mesa.mesa_qk.quantizer_a.initialized and mesa.mesa_softmax.quantizer.initialized
-    assert mesa_bytes < 0.5 * stock_bytes, (mesa_bytes, stock_bytes)
+    if need_weights:
+        assert mesa.mesa_qk.quantizer_a.initialized and mesa.mesa_softmax.quantizer.initialized
+        assert mesa_bytes < 0.5 * stock_bytes, (mesa_bytes, stock_bytes)
+    else:
+        assert mesa.mesa_sdpa.q_quantizer.initialized and mesa_bytes < 0.4 * stock_bytes
 
 
 def test_a_learned_float_mask_gets_its_gradient():
