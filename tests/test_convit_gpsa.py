@@ -184,8 +184,9 @@ def test_compiles_whole_and_matches_eager():
         torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("first", [["matmul"], ["linear"]])
-def test_patched_in_two_steps_is_the_one_step_model(first):
+@pytest.mark.parametrize("first, then", [(["matmul"], ["softmax"]), (["linear"], ["softmax"]),
+                                         (["softmax"], ["matmul"])])
+def test_patched_in_two_steps_is_the_one_step_model(first, then):
     """ops=[...] then ops=["softmax"]: the swap replaces the generic routing an earlier matmul
     patch installed (its capturing forward and children) and turns a converted pos_proj back
     into a stock Linear; every Mesa layer runs, the forward is stock's."""
@@ -194,7 +195,7 @@ def test_patched_in_two_steps_is_the_one_step_model(first):
     stock.add_module("attn", GPSA(32, 4))
     mesa = copy.deepcopy(stock)
     patch_model(mesa, ops=first)
-    patch_model(mesa, ops=["softmax"])
+    patch_model(mesa, ops=then)
     attn = mesa.attn
     assert type(attn) is MesaGPSA and type(attn.pos_proj) is nn.Linear and "forward" not in vars(attn)
     assert attn.pos_proj.weight is stock.attn.pos_proj.weight or torch.equal(attn.pos_proj.weight,
@@ -206,6 +207,8 @@ def test_patched_in_two_steps_is_the_one_step_model(first):
     idle = [n for n, m in mesa.named_modules() if isinstance(m, mnn.MesaLayer)
             and not all(q.initialized for q in m.quantizers())]
     assert not idle, idle
+    if "matmul" in first + then:  # (softmax then matmul: the products compress too)
+        assert attn.mesa_qk.operands == ("a", "b") and attn.mesa_qk.quantizer_a.initialized
 
 
 def test_a_checkpoint_of_the_generic_routing_loads():
@@ -223,3 +226,22 @@ def test_a_checkpoint_of_the_generic_routing_loads():
     holder.load_state_dict(old)
     assert torch.equal(holder.attn.mesa_gated_softmax.quantizer.alpha,
                        old["attn.mesa_softmax.quantizer.alpha"])
+
+
+def test_a_checkpoint_of_the_generic_routing_resumes_through_the_trainer():
+    """The trainer compares keys before loading (train/checkpoint.load_model_state): the old
+    keys are moved first (patch/checkpoint.upgrade_state_dict), so the patch softmax's
+    estimates carry over without a warning."""
+    from mesa_train.train.checkpoint import load_model_state
+
+    holder = nn.Sequential()
+    holder.add_module("attn", GPSA(32, 4))
+    patch_model(holder)
+    state = holder.state_dict()
+    old = {k.replace("mesa_gated_softmax.", "mesa_softmax."): v for k, v in state.items()}
+    old["attn.pos_proj.quantizer.alpha"] = torch.zeros(3, 1)
+    old["attn.mesa_softmax.quantizer.alpha"] = torch.full_like(state["attn.mesa_gated_softmax.quantizer.alpha"], 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model_state(holder, old, "old.pt")
+    assert torch.equal(holder.attn.mesa_gated_softmax.quantizer.alpha, old["attn.mesa_softmax.quantizer.alpha"])

@@ -84,14 +84,35 @@ def test_maxvit_attention_is_compressed_and_the_forward_is_stock():
     assert kept.get("MesaMaxVitAttention", 0) < 0.01 * report.stock_total, report
 
 
-@pytest.mark.parametrize("ops", [["softmax"], ["matmul"]])
-def test_maxvit_attention_takes_only_the_ops_asked_for(ops):
+@pytest.mark.parametrize("steps, softmax", [([["matmul"]], False), ([["softmax"], ["matmul"]], False),
+                                            ([["matmul"], ["softmax"]], True)])
+def test_maxvit_attention_takes_only_the_ops_asked_for(steps, softmax):
+    """``matmul``: the Einsum children, the softmax stock; ``softmax`` alone swaps nothing (a
+    Mesa copy beside the stock product's full map only adds bytes: reported), so it is not
+    remembered; a swapped module takes ``softmax`` later."""
     import mesa_train.nn as mnn
+    from mesa_train.memory import SavedTensorMeter
 
     stock = _maxvit()
     mesa = copy.deepcopy(stock)
-    patch_model(mesa, ops=ops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (softmax alone: reported as not reached)
+        for ops in steps:
+            patch_model(mesa, ops=ops)
     attn = next(m for m in mesa.modules() if hasattr(m, "mesa_qk"))
-    assert isinstance(attn.mesa_qk, mnn.Einsum) == ("matmul" in ops)
-    assert isinstance(attn.mesa_softmax, mnn.Softmax) == ("softmax" in ops)
-    step_and_compare(stock, mesa, torch.randn(2, 3, 32, 32), rounding_noise=1e-4)
+    assert isinstance(attn.mesa_qk, mnn.Einsum) and isinstance(attn.mesa_softmax, mnn.Softmax) == softmax
+    x = torch.randn(2, 3, 32, 32)
+    step_and_compare(stock, mesa, x, rounding_noise=1e-4)
+    sizes = []
+    for m in (stock, mesa):
+        with SavedTensorMeter(m) as meter:
+            m(x)
+        sizes.append(meter.activation_bytes)
+    assert sizes[1] < sizes[0]
+
+
+def test_maxvit_softmax_alone_is_not_swapped():
+    stock = _maxvit()
+    with pytest.warns(UserWarning, match=r"RelativePositionalMultiHeadAttention: softmax"):
+        patch_model(stock, ops=["softmax"])
+    assert not [n for n, _ in stock.named_modules() if n.endswith(("mesa_qk", "mesa_av", "mesa_softmax"))]

@@ -138,3 +138,37 @@ def test_a_run_of_another_process_count_is_not_resumed(compose_train, tmp_path):
                                                        r"8 = 4 x 2 x 1 accumulation, now 4\).*Resume with 2 processes"):
         fit(compose_train(base + ["trainer.max_steps=4"]), str(tmp_path))
     assert path.read_bytes() == before
+
+
+def test_mesa_estimates_alone_not_matching_load_with_one_warning():
+    """A checkpoint whose Mesa estimates do not match the model's layers (a layer a newer
+    version compresses: MHA cross-attention children, MaxViT's attention; one it no longer
+    has) loads: the missing estimates start from the next batch (initialized False), the
+    stale ones are dropped, one warning names them. A missing weight is still an error."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from mesa_train.patch import patch_model
+
+    def model():
+        torch.manual_seed(0)
+        return patch_model(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)))
+
+    trained = model()
+    trained(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    state = trained.state_dict()
+    old = {k: v for k, v in state.items() if not k.startswith("1.quantizer.")}  # (written before GELU was)
+    old["3.quantizer.alpha"] = torch.zeros(1, 1)  # (a layer this model does not have)
+    fresh = model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt_lib.load_model_state(fresh, old, "old.pt")
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "lack the Mesa estimates of 1 layers (1) and hold those of 1" in messages[0], messages
+    assert not bool(fresh[1].quantizer.initialized) and bool(fresh[0].quantizer.initialized)
+    assert torch.equal(fresh[0].weight, trained[0].weight)
+    del old["0.weight"]
+    with pytest.raises(ckpt_lib.CheckpointError, match="missing keys: 0.weight"):
+        ckpt_lib.load_model_state(model(), old, "old.pt")

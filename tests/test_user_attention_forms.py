@@ -253,3 +253,69 @@ def test_module_sets_follow_class_names_in_module_lists(sets, want):
     assert patched and all(n.startswith("layers.") and n[len("layers.0."):].startswith(want) for n in patched), patched
     if sets == ["msa"]:
         assert model.layers[0][0].mesa_qk.quantizer_a.options.num_groups == 4
+
+
+class EinsumAttention(nn.Module):
+    """lucidrains' CaiT / PiT / NesT / CrossViT attention: the products are ``torch.einsum``,
+    the softmax an ``nn.Softmax`` child; ``talking_heads`` adds DeepViT's re-attention, an
+    einsum of the map with a parameter between the two products."""
+
+    def __init__(self, dim=32, heads=4, talking_heads=False):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.attend, self.dropout = nn.Softmax(dim=-1), nn.Dropout(0.1)
+        self.to_qkv, self.to_out = nn.Linear(dim, dim * 3, bias=False), nn.Linear(dim, dim)
+        self.mix = nn.Parameter(torch.randn(heads, heads)) if talking_heads else None
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, -1))
+        dots = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        attn = self.dropout(self.attend(dots))
+        if self.mix is not None:
+            attn = torch.einsum("b h i j, h g -> b g i j", attn, self.mix)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class LSA(nn.Module):
+    """lucidrains' locality self-attention (ViT for small datasets): a class named neither
+    attention nor with ``num_heads``, ``torch.matmul`` products, the diagonal masked, the
+    softmax an ``nn.Softmax`` child."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.temperature = nn.Parameter(torch.log(torch.tensor((dim // heads) ** -0.5)))
+        self.attend = nn.Softmax(dim=-1)
+        self.to_qkv, self.to_out = nn.Linear(dim, dim * 3, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, -1))
+        dots = torch.matmul(q, k.transpose(-1, -2)) * self.temperature.exp()
+        mask = torch.eye(dots.shape[-1], dtype=torch.bool)
+        attn = self.attend(dots.masked_fill(mask, -torch.finfo(dots.dtype).max))
+        return self.to_out(torch.matmul(attn, v).transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("make, bound", [(EinsumAttention, 0.45), (lambda: EinsumAttention(talking_heads=True), 0.55),
+                                         (LSA, 0.45)], ids=["einsum", "einsum_talking_heads", "lsa"])
+def test_hand_written_attention_forms_are_compressed(make, bound):
+    """Before: "functional ops not reached (matmul)", the map and q, k, v kept whole (an einsum
+    core was left stock on purpose: one shared Einsum child would mix the two products'
+    estimates; LSA was not recognised as an attention). Now each einsum product has its own
+    child (a product with a parameter, re-attention, runs as it is), LSA its MatMul children."""
+    torch.manual_seed(0)
+    stock = make().train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reported unreached
+        patch_model(mesa)
+    ratio = _compare(stock, mesa, torch.randn(2, 16, 32))
+    # (LSA's attn @ v keeps the nn.Softmax child's shared 8-bit map: its own quantizer rests)
+    av = getattr(mesa, "mesa_av", None)
+    shared = ["mesa_av.quantizer_a"] if av is not None and av.last_saved[0] == "shared" else []
+    assert _idle(mesa) == shared, _idle(mesa)
+    # (the re-attention product keeps the map whole, as stock's does: a parameter's product)
+    assert ratio < bound, ratio

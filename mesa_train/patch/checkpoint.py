@@ -12,6 +12,10 @@ buffers ``alpha``, ``beta``, ``initialized`` and the rounding ``rng``; with
   from the first training batch. :func:`load_stock_checkpoint` does both steps.
 * :func:`patched_to_stock_state_dict` drops the Mesa buffers, so a stock model loads it
   strictly. :func:`load_patched_checkpoint` does both steps.
+* :func:`upgrade_state_dict` renames the Mesa keys a module's earlier patch wrote where a
+  later version moved them (a module class's ``mesa_key_upgrades``, ``{old child prefix: new
+  prefix or None}``: ConViT's GPSA, whose generic routing's patch softmax became its gated
+  layer); :func:`is_mesa_key` tells a quantizer's entry by its name.
 """
 from __future__ import annotations
 
@@ -25,7 +29,10 @@ from mesa_train.models import unwrap_module
 from mesa_train.nn.quantizer import FORMAT_KEY, LEARNED_BUFFERS, STATE_BUFFERS
 
 __all__ = [
+    "is_mesa_key",
     "mesa_state_keys",
+    "rename_mesa_keys",
+    "upgrade_state_dict",
     "stock_to_patched_state_dict",
     "patched_to_stock_state_dict",
     "load_stock_checkpoint",
@@ -59,9 +66,37 @@ def mesa_state_keys(model: nn.Module) -> Set[str]:
     return keys
 
 
-def _is_mesa_key_by_name(key: str) -> bool:
+def is_mesa_key(key: str) -> bool:
+    """Whether ``key`` names a quantizer's entry (``<...quantizer...>.<alpha|beta|...>``)."""
     parts = key.split(".")
     return len(parts) >= 2 and parts[-1] in _QUANTIZER_KEYS and "quantizer" in parts[-2]
+
+
+def rename_mesa_keys(state_dict, prefix: str, upgrades: Mapping[str, Optional[str]]) -> None:
+    """In place: the keys under ``prefix + old`` moved to ``prefix + new`` (dropped where ``new``
+    is None), for each ``old: new`` of ``upgrades``; a key already at the new name wins."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        for old, new in upgrades.items():
+            if key.startswith(prefix + old):
+                value = state_dict.pop(key)
+                if new is not None:
+                    state_dict.setdefault(prefix + new + key[len(prefix + old):], value)
+                break
+
+
+def upgrade_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+    """A copy of ``state_dict`` with the Mesa keys of earlier patches renamed as ``model``'s
+    modules declare (``mesa_key_upgrades``: module doc); keys are ``model``'s (unwrapped)."""
+    root = unwrap_module(model, "upgrade_state_dict")
+    out = OrderedDict(state_dict)
+    for name, m in root.named_modules():
+        upgrades = getattr(type(m), "mesa_key_upgrades", None)
+        if upgrades:
+            rename_mesa_keys(out, f"{name}." if name else "", upgrades)
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        out._metadata = meta  # type: ignore[attr-defined]
+    return out
 
 
 def patched_to_stock_state_dict(state_dict: Mapping[str, torch.Tensor],
@@ -75,10 +110,12 @@ def patched_to_stock_state_dict(state_dict: Mapping[str, torch.Tensor],
     ``initialized``, ``rng``, ``clip_*``, ``format``) are. DDP/``torch.compile`` key prefixes
     are kept as they are."""
     drop = mesa_state_keys(model) if model is not None else None
+    if model is not None:
+        state_dict = upgrade_state_dict(model, state_dict)
     out = OrderedDict()
     for k, v in state_dict.items():
         bare = _strip(k)
-        if (bare in drop) if drop is not None else _is_mesa_key_by_name(bare):
+        if (bare in drop) if drop is not None else is_mesa_key(bare):
             continue
         out[k] = v
     meta = getattr(state_dict, "_metadata", None)

@@ -33,6 +33,7 @@ from mesa_train.nn.gated_softmax import GatedPositionalSoftmax
 from mesa_train.nn.linear import Linear as MesaLinear
 from mesa_train.nn.matmul import MatMul
 
+from .checkpoint import rename_mesa_keys
 from .generic_attention import GENERIC_ATTENTION_ATTR, SOFTMAX_ANY_DIM_ATTR
 
 __all__ = ["GPSA_CLASSES", "MesaGPSA", "SWAPPABLE", "install", "stock_position_linears"]
@@ -71,14 +72,12 @@ class MesaGPSA(_GPSA):
         attn = self.attn_drop(attn)
         return attn
 
+    # a checkpoint of the generic routing (module doc): its children's keys renamed or dropped,
+    # here and where the trainer compares keys first (patch/checkpoint.py, upgrade_state_dict)
+    mesa_key_upgrades = _OLD_KEYS
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # a checkpoint of the generic routing (module doc): rename or drop its children's keys
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            for old, new in _OLD_KEYS.items():
-                if key.startswith(prefix + old):
-                    value = state_dict.pop(key)
-                    if new is not None:
-                        state_dict.setdefault(prefix + new + key[len(prefix + old):], value)
+        rename_mesa_keys(state_dict, prefix, _OLD_KEYS)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

@@ -61,8 +61,8 @@ from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTEN
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
 from .functional_calls import ROUTED_OPS, routable_sites
-from .generic_attention import (AMAX_CHILD, EINSUM_CHILD, PassThroughMatMul, install as install_generic, install_calls,
-                                install_cosine, install_linear, install_routed, install_scales)
+from .generic_attention import (AMAX_CHILD, EINSUM_CHILD, EINSUM_CORE, PassThroughMatMul, install as install_generic,
+                                install_calls, install_cosine, install_linear, install_routed, install_scales)
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
@@ -396,7 +396,9 @@ def _attention_like(m: nn.Module) -> bool:
     if "attn" in cls or "attention" in cls or "xca" in cls or isinstance(getattr(m, "num_heads", None), int):
         return True
     found = scan_functional_ops(type(m))
-    return "softmax" in found and ("matmul" in found or "sdpa" in found)
+    # (a softmax child module counts: lucidrains' LSA, `self.attend = nn.Softmax(dim=-1)`)
+    softmax = "softmax" in found or any(isinstance(c, nn.Softmax) for c in m.children())
+    return softmax and ("matmul" in found or "sdpa" in found)
 
 
 # ----------------------------------------------------------------------------- main entry
@@ -709,8 +711,9 @@ def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
         if stock_cls in ATTENTION_CLASSES and mi.module_set in t.set_names and t.core_ops:
             _patch_attention(m, t.core_ops, mi.heads, t.quant_options, attention)
             patched.append(name)
-        elif (type(m) in convit_patch.GPSA_CLASSES and "softmax" in t.core_ops and mi.module_set in t.set_names
-              and not t.skipped(name)):
+        elif (type(m) in convit_patch.GPSA_CLASSES and mi.module_set in t.set_names and not t.skipped(name)
+              and ("softmax" in t.core_ops or (type(m) is convit_patch.MesaGPSA and "matmul" in t.core_ops))):
+            # (swapped for softmax; a swapped one takes matmul later too, as timm's attentions do)
             heads = mi.heads or m.num_heads
             if convit_patch.install(m, "matmul" in t.op_names, _module_device(m), t.options(None, heads)):
                 patched.append(name)
@@ -738,20 +741,24 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
         if mi.module_set not in t.set_names:
             continue
         found = scan_functional_ops(type(m), functions=True)  # (torchvision's shifted_window_attention)
-        if matmul_kinds(type(m), functions=True) == ("einsum",) and not isinstance(m, _EINSUM_ATTENTION):
-            # products by einsum only (torchvision's MaxViT attention): no q @ k^T to intercept (one
-            # shared Einsum child would mix two products' estimates), and a Mesa softmax beside an
-            # einsum that keeps the map whole adds its codes: the core is reported, not reached
+        # products by einsum only (lucidrains' vit-pytorch: CaiT, PiT, LeViT, CvT, NesT, CrossViT): the
+        # first two batched einsums go to two Einsum children, q.k and attn.v (generic_attention.py)
+        einsum_core = matmul_kinds(type(m), functions=True) == ("einsum",) and not isinstance(m, _EINSUM_ATTENTION)
+        if einsum_core and "matmul" not in t.core_ops:
+            # a Mesa softmax beside an einsum that keeps the map whole only adds its codes: reported
             found = tuple(o for o in found if o not in ("matmul", "softmax"))
         wanted = tuple(o for o in t.core_ops if o in found)
         if wanted:
             heads = mi.heads or getattr(m, "num_heads", None)
             heads = heads if isinstance(heads, int) else None
-            install_generic(m, wanted, heads, _module_device(m),
-                            lambda h, opts=t.quant_options: _options_for(None, h, opts))
+            install_generic(m, tuple(o for o in wanted if not (einsum_core and o == "matmul")), heads,
+                            _module_device(m), lambda h, opts=t.quant_options: _options_for(None, h, opts))
             wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), t.options(None, heads))
             if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
                 install_routed(m, EINSUM_CHILD, lambda: mnn.Einsum(device=_module_device(m), **t.options(None, heads)))
+            if "matmul" in wanted and einsum_core:
+                for child in EINSUM_CORE:
+                    install_routed(m, child, lambda: mnn.Einsum(device=_module_device(m), **t.options(None, heads)))
             swap_sam_attention(m)  # SAM's decomposed rel-pos bias: kept as its tables (patch/sam.py)
             if "baddbmm" in matmul_kinds(type(m), functions=True):  # (its q @ k^T runs stock: reported)
                 wanted = tuple(o for o in wanted if o != "matmul")

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from . import functional_calls
 from .rules import count_functional_calls, scan_functional_ops
 
-__all__ = ["AMAX_CHILD", "EINSUM_CHILD", "capture_calls", "install", "install_routed",
+__all__ = ["AMAX_CHILD", "EINSUM_CHILD", "EINSUM_CORE", "capture_calls", "install", "install_routed",
            "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
            "GENERIC_ATTENTION_ATTR", "SCALES_ATTR"]
 
@@ -53,6 +53,8 @@ _MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul_
 _AMAXES = {torch.amax, torch.Tensor.amax}
 AMAX_CHILD = "mesa_amax"
 EINSUM_CHILD = "mesa_einsum"
+# an attention whose products are einsums only: its first two batched einsums, q.k and attn.v
+EINSUM_CORE = ("mesa_einsum_qk", "mesa_einsum_av")
 NORMALIZE_CHILDREN = ("mesa_norm_q", "mesa_norm_k")
 
 
@@ -103,6 +105,7 @@ class _Capture(TorchFunctionMode):
         super().__init__()
         self.owner = owner
         self.matmuls = 0
+        self.einsums = 0  # (an einsum-only core's products: EINSUM_CORE)
         self.softmaxes = 0
         self.normalizes = 0
         self.calls: dict = {}  # functional activation / pooling calls per op (functional_calls.route)
@@ -110,6 +113,21 @@ class _Capture(TorchFunctionMode):
         # the softmax's output and its 8-bit copy, handed to `attn @ v` when that multiplies
         # the output itself: unlike the eager-only sharing cache this holds under torch.compile
         self.probs = self.probs_copy = None
+
+    def _einsum_core(self, args, kwargs):
+        """An einsum-only attention's products (lucidrains' ``einsum('b h i d, b h j d -> b h i
+        j', q, k)`` and ``einsum('b h i j, b h j d -> b h i d', attn, v)``): the first batched
+        einsum through ``mesa_einsum_qk``, the second through ``mesa_einsum_av``, each with its
+        own estimates; an einsum with a parameter (DeepViT's re-attention mixing the heads) or a
+        small operand is not one of them. None: the call runs as it is."""
+        operands = _einsum_operands(args, kwargs)
+        if operands is None or not all(_batched(t) for t in operands):
+            return None
+        self.einsums += 1
+        if self.einsums > len(EINSUM_CORE):
+            _second_core(self.owner, "a third batched product")
+            return None
+        return self.owner._modules[EINSUM_CORE[self.einsums - 1]](args[0], *operands)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -139,6 +157,10 @@ class _Capture(TorchFunctionMode):
                 child = owner._modules[NORMALIZE_CHILDREN[self.normalizes]]
                 self.normalizes += 1
                 return child(x, dim=-1, eps=call.get("eps", 1e-12))
+        if func is torch.einsum and EINSUM_CORE[0] in owner._modules and torch.is_grad_enabled():
+            routed = self._einsum_core(args, kwargs)
+            if routed is not None:
+                return routed
         if func is torch.einsum and EINSUM_CHILD in owner._modules and torch.is_grad_enabled():
             operands = args[1:] if len(args) != 2 or isinstance(args[1], torch.Tensor) else tuple(args[1])
             if len(operands) == 2 and not kwargs and all(isinstance(t, torch.Tensor) for t in operands):
@@ -197,6 +219,15 @@ class _Capture(TorchFunctionMode):
         if func in _SOFTMAXES and self.softmaxes and "mesa_softmax" in owner._modules and _batched(args[0]):
             _second_core(owner, "a second softmax")
         return func(*args, **kwargs)
+
+
+def _einsum_operands(args, kwargs):
+    """The two tensor operands of ``torch.einsum(equation, a, b)`` (or ``(equation, [a, b])``),
+    else None."""
+    if kwargs or len(args) < 2 or not isinstance(args[0], str):
+        return None
+    operands = args[1:] if len(args) != 2 or isinstance(args[1], torch.Tensor) else tuple(args[1])
+    return operands if len(operands) == 2 and all(isinstance(t, torch.Tensor) for t in operands) else None
 
 
 def _route_linear(owner, args, kwargs):

@@ -10,7 +10,10 @@ installed source) but for three children, each the Mesa layer of the stock call:
 ``mesa_softmax``  ``F.softmax(dot_prod + pos_bias, dim=-1)`` (Mesa ``Softmax``: int8 map), with ``softmax``
 ``mesa_av``       ``torch.einsum(attn v)`` (Mesa ``Einsum``: int8 map and ``v``), with ``matmul``
 
-A child not asked for is the stock call (``_StockEinsum``, ``PlainSoftmax``). The map's two
+A child not asked for is the stock call (``_StockEinsum``, ``PlainSoftmax``); ``softmax`` alone
+does not swap a stock module (its Mesa copy would sit beside the stock product's full map). The
+groups are the layers' own: ``Einsum`` along dim 1 (the windows), the 5-D softmax along the last
+dim, not per head (gradients at cosine >= 0.9999 to stock's all the same). The map's two
 int8 copies (the softmax's and the product's) are not shared: ``Einsum`` groups along dim 1
 (the windows of these 5-D tensors), the softmax along the last.
 """
@@ -66,8 +69,12 @@ MAXVIT_ATTENTION_CLASSES = (_MaxVitAttention, MesaMaxVitAttention)
 
 def install(m: nn.Module, ops, device, options: dict) -> bool:
     """Swap ``m`` for :class:`MesaMaxVitAttention` with the children ``ops`` ask for (module
-    doc); False (nothing done) where neither ``matmul`` nor ``softmax`` is asked for."""
+    doc); False (nothing done) for a stock module without ``matmul`` among them: a Mesa
+    softmax beside a stock ``attn @ v`` einsum, which keeps the map whole, only adds its codes
+    (reported as not reached, as before)."""
     if type(m) not in MAXVIT_ATTENTION_CLASSES or not ({"matmul", "softmax"} & set(ops)):
+        return False
+    if type(m) is not MesaMaxVitAttention and "matmul" not in ops:
         return False
     opts = dict(options, num_groups=m.n_heads)
     for name in ("mesa_qk", "mesa_av"):

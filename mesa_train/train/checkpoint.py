@@ -21,10 +21,13 @@ import pickle
 import random
 import shutil
 import tempfile
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
+
+from mesa_train.patch.checkpoint import is_mesa_key, mesa_state_keys, stock_to_patched_state_dict, upgrade_state_dict
 
 FORMAT = "mesa-train-checkpoint"
 VERSION = 1
@@ -309,11 +312,25 @@ def check_finite_weights(state_dict: dict, names, source: str) -> None:
 
 def load_model_state(model: torch.nn.Module, state_dict: dict, path: str, what: str = "model") -> None:
     """``load_state_dict(strict=True)`` with a readable error on missing/unexpected keys
-    or shape mismatches (e.g. a stock checkpoint loaded into a Mesa model), or on non-finite
-    parameters."""
+    or shape mismatches (e.g. a checkpoint of another model), or on non-finite parameters.
+    Mesa estimates alone not matching (a layer this version compresses that the writing one
+    did not, or the reverse; a stock checkpoint in a patched model) is no error: one warning
+    line, and the estimates missing start from the next batch (running statistics, not
+    weights). Mesa keys an earlier version wrote elsewhere are moved first
+    (``upgrade_state_dict``)."""
+    state_dict = upgrade_state_dict(model, state_dict)
     own = model.state_dict()
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
+    mesa_keys = mesa_state_keys(model)
+    if (missing or unexpected) and all(k in mesa_keys for k in missing) and all(is_mesa_key(k) for k in unexpected):
+        layers = sorted({k.rsplit(".", 2)[0] for k in missing}), sorted({k.rsplit(".", 2)[0] for k in unexpected})
+        warnings.warn(f"the {what} weights in {path} lack the Mesa estimates of {len(layers[0])} layers "
+                      f"({', '.join(layers[0][:3])}{', ...' if len(layers[0]) > 3 else ''}) and hold those of "
+                      f"{len(layers[1])} this model does not have: the missing ones start from the next batch",
+                      UserWarning, stacklevel=2)
+        state_dict = stock_to_patched_state_dict({k: v for k, v in state_dict.items() if k not in unexpected}, model)
+        missing, unexpected = [], []
     shapes = [
         f"{k}: checkpoint {tuple(state_dict[k].shape)}, model {tuple(v.shape)}"
         for k, v in own.items()
