@@ -160,15 +160,26 @@ def test_mesa_estimates_alone_not_matching_load_with_one_warning():
     trained(torch.randn(4, 8, requires_grad=True)).sum().backward()
     state = trained.state_dict()
     old = {k: v for k, v in state.items() if not k.startswith("1.quantizer.")}  # (written before GELU was)
-    old["3.quantizer.alpha"] = torch.zeros(1, 1)  # (a layer this model does not have)
+    for entry in ("alpha", "beta", "initialized"):  # (a layer this model does not have)
+        old[f"3.quantizer.{entry}"] = state[f"2.quantizer.{entry}"]
     fresh = model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckpt_lib.load_model_state(fresh, old, "old.pt")
     messages = [str(w.message) for w in caught]
-    assert len(messages) == 1 and "lack the Mesa estimates of 1 layers (1) and hold those of 1" in messages[0], messages
+    assert len(messages) == 1 and "1 Mesa layers of this model have no estimates in it (1.quantizer)" in messages[0]
+    assert "the estimates of 1 layers this model does not have (3.quantizer) are dropped" in messages[0], messages
     assert not bool(fresh[1].quantizer.initialized) and bool(fresh[0].quantizer.initialized)
     assert torch.equal(fresh[0].weight, trained[0].weight)
     del old["0.weight"]
     with pytest.raises(ckpt_lib.CheckpointError, match="missing keys: 0.weight"):
         ckpt_lib.load_model_state(model(), old, "old.pt")
+    # not estimates that may start afresh: a lone `*quantizer*.alpha` (a user's own quantization-aware
+    # clip, PACT / LSQ) and a format record (another bit width) are errors as before
+    lone = dict(state, **{"act_quantizer.alpha": torch.tensor(6.0)})
+    with pytest.raises(ckpt_lib.CheckpointError, match="unexpected keys: act_quantizer.alpha"):
+        ckpt_lib.load_model_state(model(), lone, "qat.pt")
+    four = patch_model(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)), bits=4)
+    four(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    with pytest.raises(ckpt_lib.CheckpointError, match="unexpected keys: .*quantizer.format"):
+        ckpt_lib.load_model_state(model(), four.state_dict(), "four.pt")

@@ -55,13 +55,13 @@ def _group_dim(x: torch.Tensor) -> int:
 
 class _EinsumFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, equation, spec, quantizers, a, b):
+    def forward(ctx, equation, spec, quantizers, a, b, tables=True):
         out = torch.einsum(equation, a, b)
         packs, raws = [], []
         # each operand is read by the other's gradient only: kept where that one is asked for
         for x, other, quantizer, read in ((a, b, quantizers[0], ctx.needs_input_grad[4]),
                                           (b, a, quantizers[1], ctx.needs_input_grad[3])):
-            small = 2 * x.numel() < other.numel()  # a position table: kept as it is
+            small = tables and 2 * x.numel() < other.numel()  # a position table: kept as it is
             packs.append(quantizer.compress(x.detach(), _group_dim(x)) if read and not small else None)
             raws.append(x.detach() if read and small else None)
         save(ctx, packs, *raws)
@@ -85,7 +85,7 @@ class _EinsumFn(torch.autograd.Function):
                 ga = torch.einsum(f"{sc},{sb}->{sa}", g, b).to(ctx.dtypes[0])
             if need[4]:
                 gb = torch.einsum(f"{sc},{sa}->{sb}", g, a).to(ctx.dtypes[1])
-        return None, None, None, ga, gb
+        return None, None, None, ga, gb, None
 
 
 class Einsum(MesaLayer, nn.Module):
@@ -95,8 +95,12 @@ class Einsum(MesaLayer, nn.Module):
 
     _quantizer_names = ("quantizer_a", "quantizer_b")
 
-    def __init__(self, *, device=None, **quant_options):
+    def __init__(self, *, tables: bool = True, device=None, **quant_options):
+        """``tables=False``: no operand is taken for a position table, both are kept 8-bit (an
+        attention's ``attn . v``, whose ``v`` is under half the map's size when the tokens
+        outnumber twice the head width)."""
         super().__init__()
+        self.tables = tables
         self._init_mesa(quant_options, device)
 
     def forward(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -104,12 +108,12 @@ class Einsum(MesaLayer, nn.Module):
         if (spec is None or not self._mesa_active(a, b)
                 or not (a.is_floating_point() and b.is_floating_point())):
             return torch.einsum(equation, a, b)
-        if a.dim() and b.dim():
+        if a.dim() and b.dim() and self.tables:  # (the C++ op keeps a small operand as it is)
             fused_a, fused_b = self.quantizer_a.fused_state_args(a), self.quantizer_b.fused_state_args(b)
             if fused_a is not None and fused_b is not None:
                 # eager: the layer with a C++ autograd node (csrc/einsum_autograd.cpp), the same bits
                 return torch.ops.mesa.einsum_train(equation, a, b, *fused_a, *fused_b)
-        return _EinsumFn.apply(equation, spec, (self.quantizer_a, self.quantizer_b), a, b)
+        return _EinsumFn.apply(equation, spec, (self.quantizer_a, self.quantizer_b), a, b, self.tables)
 
     def extra_repr(self) -> str:
         return self._mesa_repr()

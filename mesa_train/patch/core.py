@@ -396,8 +396,10 @@ def _attention_like(m: nn.Module) -> bool:
     if "attn" in cls or "attention" in cls or "xca" in cls or isinstance(getattr(m, "num_heads", None), int):
         return True
     found = scan_functional_ops(type(m))
-    # (a softmax child module counts: lucidrains' LSA, `self.attend = nn.Softmax(dim=-1)`)
-    softmax = "softmax" in found or any(isinstance(c, nn.Softmax) for c in m.children())
+    # (a softmax child module counts with a head count: lucidrains' LSA, `self.heads` and
+    # `self.attend = nn.Softmax(dim=-1)`; a classifier head with a softmax child is no attention)
+    heads = any(isinstance(getattr(m, a, None), int) for a in ("heads", "n_heads", "n_head"))
+    softmax = "softmax" in found or (heads and any(isinstance(c, nn.Softmax) for c in m.children()))
     return softmax and ("matmul" in found or "sdpa" in found)
 
 
@@ -743,8 +745,10 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
         found = scan_functional_ops(type(m), functions=True)  # (torchvision's shifted_window_attention)
         # products by einsum only (lucidrains' vit-pytorch: CaiT, PiT, LeViT, CvT, NesT, CrossViT): the
         # first two batched einsums go to two Einsum children, q.k and attn.v (generic_attention.py)
-        einsum_core = matmul_kinds(type(m), functions=True) == ("einsum",) and not isinstance(m, _EINSUM_ATTENTION)
-        if einsum_core and "matmul" not in t.core_ops:
+        # (not a container of attentions, CCT's TransformerClassifier: its own einsum is no core)
+        einsum_only = matmul_kinds(type(m), functions=True) == ("einsum",) and not isinstance(m, _EINSUM_ATTENTION)
+        einsum_core = einsum_only and not any(_attention_like(c) for c in m.modules() if c is not m)
+        if einsum_only and not (einsum_core and "matmul" in t.core_ops):
             # a Mesa softmax beside an einsum that keeps the map whole only adds its codes: reported
             found = tuple(o for o in found if o not in ("matmul", "softmax"))
         wanted = tuple(o for o in t.core_ops if o in found)
@@ -757,8 +761,9 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
             if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
                 install_routed(m, EINSUM_CHILD, lambda: mnn.Einsum(device=_module_device(m), **t.options(None, heads)))
             if "matmul" in wanted and einsum_core:
-                for child in EINSUM_CORE:
-                    install_routed(m, child, lambda: mnn.Einsum(device=_module_device(m), **t.options(None, heads)))
+                for child in EINSUM_CORE:  # (both operands activations: none kept as a position table)
+                    install_routed(m, child, lambda: mnn.Einsum(tables=False, device=_module_device(m),
+                                                                **t.options(None, heads)))
             swap_sam_attention(m)  # SAM's decomposed rel-pos bias: kept as its tables (patch/sam.py)
             if "baddbmm" in matmul_kinds(type(m), functions=True):  # (its q @ k^T runs stock: reported)
                 wanted = tuple(o for o in wanted if o != "matmul")

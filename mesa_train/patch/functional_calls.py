@@ -40,7 +40,7 @@ from torch import nn
 
 from .rules import count_functional_calls, methods_reached_code
 
-__all__ = ["FUNCTION_CHILDREN_ATTR", "ROUTED_OPS", "install", "route", "routable_sites"]
+__all__ = ["FUNCTION_CHILDREN_ATTR", "ROUTED_OPS", "install", "own_call", "route", "routable_sites"]
 
 # set on a module given call children: {op: (child name, ...)} in call order
 FUNCTION_CHILDREN_ATTR = "_mesa_function_children"
@@ -49,9 +49,10 @@ FUNCTION_CHILDREN_ATTR = "_mesa_function_children"
 # run still pickles (torch.save of the whole model) and deep-copies with its sites
 FUNCTION_SITES_ATTR = "_mesa_function_sites"
 # the files between a module's own call and the capture's handler: torch's Python functions
-# (F.relu, F.silu; F.max_pool2d through torch._jit_internal's boolean dispatch), its dispatch to
+# (F.relu, F.silu, torch.einsum; F.max_pool2d through torch._jit_internal's boolean dispatch), its dispatch to
 # the mode, and this package's handler (generic_attention._Capture)
 _PASSED_FILES = {torch.nn.functional.__file__, torch.overrides.__file__, torch._jit_internal.__file__, __file__,
+                 torch.functional.__file__,  # (torch.einsum's Python wrapper)
                  os.path.join(os.path.dirname(__file__), "generic_attention.py")}
 
 # the functions the capture mode sees for each routed op (F.relu_ is torch.relu_; x.relu() is
@@ -131,6 +132,18 @@ def _site(owner: nn.Module, op: str, counts: Dict[str, int]) -> Optional[int]:
     code = frame.f_code
     sites = owner.__dict__.setdefault(FUNCTION_SITES_ATTR, {}).setdefault(op, {})
     return sites.setdefault((code.co_filename, code.co_firstlineno, code.co_name, frame.f_lasti), len(sites))
+
+
+def own_call(owner: nn.Module) -> bool:
+    """Whether the call being captured is made by ``owner``'s own code (its forward, the
+    methods it reaches and the functions of its module they call), not by a module nested in
+    it; True under torch.compile, where there are no frames to read (call order decides)."""
+    if torch.compiler.is_compiling():
+        return True
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _PASSED_FILES:
+        frame = frame.f_back
+    return frame is not None and frame.f_code in methods_reached_code(type(owner), functions=True)
 
 
 def route(owner: nn.Module, counts: Dict[str, int], func, args, kwargs):

@@ -121,7 +121,10 @@ class _Capture(TorchFunctionMode):
         own estimates; an einsum with a parameter (DeepViT's re-attention mixing the heads) or a
         small operand is not one of them. None: the call runs as it is."""
         operands = _einsum_operands(args, kwargs)
-        if operands is None or not all(_batched(t) for t in operands):
+        # (two batched activations of one batch: a position table indexed to 3-D is not one)
+        if operands is None or not all(_batched(t) for t in operands) or operands[0].shape[0] != operands[1].shape[0]:
+            return None
+        if not functional_calls.own_call(self.owner):  # (an attention nested in this module runs its own)
             return None
         self.einsums += 1
         if self.einsums > len(EINSUM_CORE):

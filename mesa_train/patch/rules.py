@@ -255,15 +255,18 @@ def _functional_names(cls: type, functions: bool):
                 yield f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
 
 
-def methods_reached_code(cls: type) -> frozenset:
+def methods_reached_code(cls: type, functions: bool = False) -> frozenset:
     """The code objects of ``cls.forward`` and the methods it reaches on ``self`` (what
-    :func:`scan_functional_ops` reads), with the code nested in them (comprehensions, lambdas,
-    inner functions): where a call the scan counted runs. Cached per class."""
-    key = ("code", cls)
+    :func:`scan_functional_ops` reads; with ``functions``, the functions of its module too),
+    with the code nested in them (comprehensions, lambdas, inner functions): where a call the
+    scan counted runs. Cached per class."""
+    key = ("code", cls, functions)
     if key not in _SCAN_CACHE:
         codes, todo = set(), []
-        for name, _ in _methods_reached(cls):
-            fn = inspect.unwrap(getattr(cls, name, None) or (lambda: None))
+        module_globals = getattr(sys.modules.get(cls.__module__), "__dict__", {})
+        for name, _ in _methods_reached(cls, functions):
+            fn = getattr(cls, name, None) or (module_globals.get(name) if functions else None)
+            fn = inspect.unwrap(fn or (lambda: None))
             if isinstance(getattr(fn, "__code__", None), types.CodeType):
                 todo.append(fn.__code__)
         while todo:

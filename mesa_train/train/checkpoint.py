@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mesa_train.patch.checkpoint import is_mesa_key, mesa_state_keys, stock_to_patched_state_dict, upgrade_state_dict
+from mesa_train.nn.quantizer import STATE_BUFFERS
+from mesa_train.patch.checkpoint import is_mesa_key, stock_to_patched_state_dict, upgrade_state_dict
 
 FORMAT = "mesa-train-checkpoint"
 VERSION = 1
@@ -310,6 +311,49 @@ def check_finite_weights(state_dict: dict, names, source: str) -> None:
                               "the run that wrote it had diverged: use an earlier checkpoint")
 
 
+def _estimate_layers(keys, by_layer) -> list:
+    """The quantizers (key prefixes) of ``keys`` if every key is a Mesa running estimate
+    (``alpha``, ``beta``, ``initialized``, ``rng``) of a quantizer whose whole estimate set is
+    there (``by_layer``: prefix -> the entries present), else None: a format record, learned
+    thresholds or a lone ``*quantizer*.alpha`` (a user's own quantization-aware module) is no
+    estimate that may start afresh."""
+    layers = set()
+    for k in keys:
+        prefix, _, entry = k.rpartition(".")
+        if entry not in STATE_BUFFERS or not is_mesa_key(k) or set(STATE_BUFFERS[:3]) - by_layer.get(prefix, set()):
+            return None
+        layers.add(prefix)
+    return sorted(layers)
+
+
+def _fresh_estimates(model, state_dict: dict, missing: list, unexpected: list, path: str, what: str):
+    """``(state_dict, missing, unexpected)``: where only Mesa running estimates do not match (a
+    layer this version compresses and the writing one did not, or the reverse; a stock
+    checkpoint in a patched model), the missing ones fresh and the stale ones dropped, with one
+    warning line; otherwise as given (the caller's error names them)."""
+    own_entries: dict = {}
+    for k in model.state_dict():
+        prefix, _, entry = k.rpartition(".")
+        own_entries.setdefault(prefix, set()).add(entry)
+    given_entries: dict = {}
+    for k in state_dict:
+        prefix, _, entry = k.rpartition(".")
+        given_entries.setdefault(prefix, set()).add(entry)
+    new, stale = _estimate_layers(missing, own_entries), _estimate_layers(unexpected, given_entries)
+    if new is None or stale is None:
+        return state_dict, missing, unexpected
+
+    def named(layers):
+        return ", ".join(layers[:3]) + (f" (+{len(layers) - 3} more)" if len(layers) > 3 else "")
+
+    said = ([f"{len(new)} Mesa layers of this model have no estimates in it ({named(new)}): they start from the "
+             "next batch"] if new else []) + ([f"the estimates of {len(stale)} layers this model does not have "
+                                               f"({named(stale)}) are dropped"] if stale else [])
+    warnings.warn(f"the {what} weights in {path}: " + "; ".join(said), UserWarning, stacklevel=3)
+    kept = {k: v for k, v in state_dict.items() if k not in set(unexpected)}
+    return stock_to_patched_state_dict(kept, model), [], []
+
+
 def load_model_state(model: torch.nn.Module, state_dict: dict, path: str, what: str = "model") -> None:
     """``load_state_dict(strict=True)`` with a readable error on missing/unexpected keys
     or shape mismatches (e.g. a checkpoint of another model), or on non-finite parameters.
@@ -322,15 +366,8 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, path: str, what: 
     own = model.state_dict()
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
-    mesa_keys = mesa_state_keys(model)
-    if (missing or unexpected) and all(k in mesa_keys for k in missing) and all(is_mesa_key(k) for k in unexpected):
-        layers = sorted({k.rsplit(".", 2)[0] for k in missing}), sorted({k.rsplit(".", 2)[0] for k in unexpected})
-        warnings.warn(f"the {what} weights in {path} lack the Mesa estimates of {len(layers[0])} layers "
-                      f"({', '.join(layers[0][:3])}{', ...' if len(layers[0]) > 3 else ''}) and hold those of "
-                      f"{len(layers[1])} this model does not have: the missing ones start from the next batch",
-                      UserWarning, stacklevel=2)
-        state_dict = stock_to_patched_state_dict({k: v for k, v in state_dict.items() if k not in unexpected}, model)
-        missing, unexpected = [], []
+    if missing or unexpected:
+        state_dict, missing, unexpected = _fresh_estimates(model, state_dict, missing, unexpected, path, what)
     shapes = [
         f"{k}: checkpoint {tuple(state_dict[k].shape)}, model {tuple(v.shape)}"
         for k, v in own.items()
