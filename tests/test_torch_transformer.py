@@ -1,8 +1,9 @@
 """torch's transformer layers built with a string activation (``activation="gelu"``) hold the
 function itself; patch_model gives them the stock module in its place, which the leaf
 conversion compresses (patch/torch_transformer.py). Before, the MLP's activation stayed
-uncompressed and unreported. Also: any other module holding a torch function as an attribute
-(``self.act = F.gelu``) is reported as not reached."""
+uncompressed and unreported. Also: any other module holding ``F.gelu`` / ``F.relu`` as an
+attribute called only with the input (``self.act = F.gelu``, then ``self.act(x)``) gets the same
+swap; other calls of a function attribute are reported as not reached."""
 import copy
 import warnings
 
@@ -61,14 +62,42 @@ def test_decoder_layer_and_ops_without_the_activation():
     assert untouched.activation is F.gelu
 
 
-def test_other_function_attributes_are_reported():
-    class Held(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc, self.act = nn.Linear(8, 8), F.gelu
+class _Held(nn.Module):
+    """A module holding ``F.gelu`` as an attribute (vit-pytorch's CCT: ``self.activation = F.gelu``)."""
 
-        def forward(self, x):
-            return self.act(self.fc(x))
+    def __init__(self, approximate=None):
+        super().__init__()
+        self.fc, self.act, self.out, self.approximate = nn.Linear(8, 32), F.gelu, nn.Linear(32, 8), approximate
 
-    with pytest.warns(UserWarning, match=r"functional ops not reached .*<root> \(Held: gelu\)"):
-        patch_model(Held())
+    def forward(self, x):
+        return self.out(self.act(self.fc(x)))
+
+
+class _HeldWithKeyword(_Held):
+    def forward(self, x):
+        return self.out(self.act(self.fc(x), approximate="tanh"))
+
+
+def test_a_function_attribute_called_with_the_input_alone_is_compressed():
+    """``self.act = F.gelu`` called only as ``self.act(x)``: the stock module in its place, then
+    compressed by the leaf conversion; the forward bitwise stock's."""
+    torch.manual_seed(0)
+    stock = _Held().train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (it was reported: gelu not reached)
+        patch_model(mesa)
+    assert isinstance(mesa.act, mnn.GELU)
+    x = torch.randn(4, 8)
+    (want, stock_bytes), (got, mesa_bytes) = _run(stock, x), _run(mesa, x)
+    assert torch.equal(got, want) and mesa_bytes < stock_bytes
+    got.sum().backward()
+    assert mesa.act.quantizer.initialized
+
+
+def test_other_function_attribute_calls_are_reported():
+    """A call with a keyword (``approximate=``) would not fit the module's ``forward(input)``:
+    the function stays, reported as not reached."""
+    with pytest.warns(UserWarning, match=r"functional ops not reached .*<root> \(_HeldWithKeyword: gelu\)"):
+        model = patch_model(_HeldWithKeyword())
+    assert model.act is F.gelu

@@ -198,6 +198,24 @@ def function_attributes(m: nn.Module) -> Dict[str, str]:
             and getattr(fn, "__name__", None) in FUNCTIONAL_OPS}
 
 
+def plain_attribute_calls(cls: type, attr: str) -> bool:
+    """Whether ``cls``'s forward (and the methods it reaches) uses ``self.<attr>`` at least once
+    and only ever as ``self.<attr>(x)``: one positional argument, no keywords (so a module
+    computing ``attr(x)`` can stand in for it). Static."""
+    uses = plain = 0
+    for _, tree in _methods_reached(cls):
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                    and node.attr == attr):
+                uses += 1
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                    and node.func.attr == attr and len(node.args) == 1 and not node.keywords
+                    and not isinstance(node.args[0], ast.Starred)):
+                plain += 1
+    return plain > 0 and uses == plain
+
+
 def _methods_reached(cls: type, functions: bool = False) -> List[Tuple[str, object]]:
     """``forward`` and the methods of ``cls`` it calls as ``self.name(...)``, transitively; with
     ``functions``, also the functions of ``cls``'s own module they call by name (torchvision's

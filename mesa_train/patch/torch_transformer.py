@@ -9,7 +9,9 @@ stock's bytes; 0.301 built with ``activation=nn.GELU()``, as now with ``"gelu"``
 (``nn.GELU()`` calls ``F.gelu(x)``, ``nn.ReLU()`` ``F.relu(x)``: the same bits), which the
 leaf conversion then makes a Mesa layer with the layer's module set and options. The
 inference fast path (``activation_relu_or_gelu``) reads a flag set at construction, which the
-swap keeps; stock's own ``isinstance(activation, nn.GELU)`` sets the same flag.
+swap keeps; stock's own ``isinstance(activation, nn.GELU)`` sets the same flag. Since session 74
+any module holding ``F.gelu`` / ``F.relu`` as an attribute that its forward only calls with the
+input (vit-pytorch's CCT encoder layer: 0.407 -> 0.356 of stock bytes) gets the same swap.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Iterable
 
 import torch.nn.functional as F
 from torch import nn
+
+from .rules import plain_attribute_calls
 
 __all__ = ["activations_as_modules"]
 
@@ -27,10 +31,18 @@ _LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 def activations_as_modules(root: nn.Module, op_names: Iterable[str]) -> None:
     """Give each torch transformer layer under ``root`` whose ``activation`` is ``F.gelu`` or
-    ``F.relu`` the stock module instead, where that op is among ``op_names``."""
+    ``F.relu`` the stock module instead, where that op is among ``op_names``; and any other
+    module holding one of them as an attribute its forward only calls as ``self.<attr>(x)``
+    (vit-pytorch's CCT: ``self.activation = F.gelu``), checked on its source
+    (``rules.plain_attribute_calls``: a call with ``approximate=`` or ``inplace=`` would not fit
+    the module's ``forward(input)``)."""
     ops = set(op_names)
     for m in root.modules():
-        fn = vars(m).get("activation") if isinstance(m, _LAYERS) else None
-        made = _AS_MODULE.get(fn) if fn is not None and not isinstance(fn, nn.Module) else None
-        if made is not None and made[1] in ops:
-            m.activation = made[0]()  # (nn.Module's __setattr__ drops the plain attribute)
+        names = ("activation",) if isinstance(m, _LAYERS) else tuple(vars(m))
+        for name in names:
+            fn = vars(m).get(name)
+            made = next((v for f, v in _AS_MODULE.items() if fn is f), None)  # (identity: fn may be unhashable)
+            if made is None or made[1] not in ops:
+                continue
+            if isinstance(m, _LAYERS) or plain_attribute_calls(type(m), name):
+                setattr(m, name, made[0]())  # (nn.Module's __setattr__ drops the plain attribute)
