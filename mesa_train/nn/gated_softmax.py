@@ -71,7 +71,9 @@ class _GatedPositionalSoftmaxFn(torch.autograd.Function):
         gating = gating_param.view(1, -1, 1, 1)
         attn = (1. - torch.sigmoid(gating)) * patch_score + torch.sigmoid(gating) * pos_score
         sums = attn.sum(dim=-1).unsqueeze(-1)
-        attn /= sums
+        # (out of place, the same bits as timm's `attn /=`: under torch.compile in torch 2.11 the
+        # Function's output divided in place reached the traced backward as zeros)
+        attn = attn / sums
         pd = patch_score.detach()
         if traced_as_pytorch(pd) and quantizer.options.estimator != "delayed":
             pd = traceable.stored_here(pd)  # (as the Mesa Softmax: the map stored before both passes read it)
