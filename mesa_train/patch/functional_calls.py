@@ -117,6 +117,19 @@ def _call(op: str, inplace: bool, args, kwargs) -> Optional[dict]:
     return call if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) else None
 
 
+def _own_frame(owner: nn.Module, functions: bool = False):
+    """The frame of ``owner``'s own code that made the call being captured (its forward, the
+    methods it reaches; with ``functions``, the functions of its module they call), found by
+    walking up past torch's Python functions and this package's handler; None for a call made
+    by other code (a module nested in it). Eager only: there are no frames under compile."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _PASSED_FILES:
+        frame = frame.f_back
+    if frame is None or frame.f_code not in methods_reached_code(type(owner), functions):
+        return None
+    return frame
+
+
 def _site(owner: nn.Module, op: str, counts: Dict[str, int]) -> Optional[int]:
     """The child index of this call's site (module doc), or None for a call that is not the
     module's own. ``counts``: this forward's calls per op so far (under torch.compile)."""
@@ -124,10 +137,8 @@ def _site(owner: nn.Module, op: str, counts: Dict[str, int]) -> Optional[int]:
         site = counts.get(op, 0)
         counts[op] = site + 1
         return site
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in _PASSED_FILES:
-        frame = frame.f_back
-    if frame is None or frame.f_code not in methods_reached_code(type(owner)):
+    frame = _own_frame(owner)
+    if frame is None:
         return None
     code = frame.f_code
     sites = owner.__dict__.setdefault(FUNCTION_SITES_ATTR, {}).setdefault(op, {})
@@ -138,12 +149,7 @@ def own_call(owner: nn.Module) -> bool:
     """Whether the call being captured is made by ``owner``'s own code (its forward, the
     methods it reaches and the functions of its module they call), not by a module nested in
     it; True under torch.compile, where there are no frames to read (call order decides)."""
-    if torch.compiler.is_compiling():
-        return True
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in _PASSED_FILES:
-        frame = frame.f_back
-    return frame is not None and frame.f_code in methods_reached_code(type(owner), functions=True)
+    return torch.compiler.is_compiling() or _own_frame(owner, functions=True) is not None
 
 
 def route(owner: nn.Module, counts: Dict[str, int], func, args, kwargs):

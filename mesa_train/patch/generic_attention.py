@@ -165,8 +165,8 @@ class _Capture(TorchFunctionMode):
             if routed is not None:
                 return routed
         if func is torch.einsum and EINSUM_CHILD in owner._modules and torch.is_grad_enabled():
-            operands = args[1:] if len(args) != 2 or isinstance(args[1], torch.Tensor) else tuple(args[1])
-            if len(operands) == 2 and not kwargs and all(isinstance(t, torch.Tensor) for t in operands):
+            operands = _einsum_operands(args, kwargs)
+            if operands is not None:
                 return owner._modules[EINSUM_CHILD](args[0], *operands)
         if func in _AMAXES and AMAX_CHILD in owner._modules and torch.is_grad_enabled():
             call = dict(zip(("input", "dim", "keepdim"), args), **kwargs)

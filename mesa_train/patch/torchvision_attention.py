@@ -10,8 +10,9 @@ installed source) but for three children, each the Mesa layer of the stock call:
 ``mesa_softmax``  ``F.softmax(dot_prod + pos_bias, dim=-1)`` (Mesa ``Softmax``: int8 map), with ``softmax``
 ``mesa_av``       ``torch.einsum(attn v)`` (Mesa ``Einsum``: int8 map and ``v``), with ``matmul``
 
-A child not asked for is the stock call (``_StockEinsum``, ``PlainSoftmax``); ``softmax`` alone
-does not swap a stock module (its Mesa copy would sit beside the stock product's full map). The
+The softmax not asked for is the stock call (``PlainSoftmax``); ``softmax`` alone does not swap
+a stock module (its Mesa copy would sit beside the stock product's full map), so the products
+are always compressed. The
 groups are the layers' own: ``Einsum`` along dim 1 (the windows), the 5-D softmax along the last
 dim, not per head (gradients at cosine >= 0.9999 to stock's all the same). The map's two
 int8 copies (the softmax's and the product's) are not shared: ``Einsum`` groups along dim 1
@@ -28,13 +29,6 @@ import mesa_train.nn as mnn
 from .attention import PlainSoftmax
 
 __all__ = ["MAXVIT_ATTENTION_CLASSES", "MesaMaxVitAttention", "install"]
-
-
-class _StockEinsum(nn.Module):
-    """``torch.einsum(equation, a, b)`` as a module: the stand-in for a product not compressed."""
-
-    def forward(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.einsum(equation, a, b)
 
 
 class MesaMaxVitAttention(_MaxVitAttention):
@@ -77,11 +71,9 @@ def install(m: nn.Module, ops, device, options: dict) -> bool:
     if type(m) is not MesaMaxVitAttention and "matmul" not in ops:
         return False
     opts = dict(options, num_groups=m.n_heads)
-    for name in ("mesa_qk", "mesa_av"):
-        if "matmul" in ops and not isinstance(m._modules.get(name), mnn.Einsum):
+    for name in ("mesa_qk", "mesa_av"):  # (a stock module is swapped with matmul only: they are there after)
+        if not isinstance(m._modules.get(name), mnn.Einsum):
             m.add_module(name, mnn.Einsum(device=device, **opts))
-        elif name not in m._modules:
-            m.add_module(name, _StockEinsum())
     if "softmax" in ops and not isinstance(m._modules.get("mesa_softmax"), mnn.Softmax):
         m.add_module("mesa_softmax", mnn.Softmax(dim=-1, device=device, **opts))
     elif "mesa_softmax" not in m._modules:

@@ -326,20 +326,22 @@ def _estimate_layers(keys, by_layer) -> list:
     return sorted(layers)
 
 
-def _fresh_estimates(model, state_dict: dict, missing: list, unexpected: list, path: str, what: str):
+def _entries(keys) -> dict:
+    """``{key prefix (a module's name): the entries under it}`` of state-dict ``keys``."""
+    out: dict = {}
+    for k in keys:
+        prefix, _, entry = k.rpartition(".")
+        out.setdefault(prefix, set()).add(entry)
+    return out
+
+
+def _fresh_estimates(model, own, state_dict: dict, missing: list, unexpected: list, path: str, what: str):
     """``(state_dict, missing, unexpected)``: where only Mesa running estimates do not match (a
     layer this version compresses and the writing one did not, or the reverse; a stock
     checkpoint in a patched model), the missing ones fresh and the stale ones dropped, with one
-    warning line; otherwise as given (the caller's error names them)."""
-    own_entries: dict = {}
-    for k in model.state_dict():
-        prefix, _, entry = k.rpartition(".")
-        own_entries.setdefault(prefix, set()).add(entry)
-    given_entries: dict = {}
-    for k in state_dict:
-        prefix, _, entry = k.rpartition(".")
-        given_entries.setdefault(prefix, set()).add(entry)
-    new, stale = _estimate_layers(missing, own_entries), _estimate_layers(unexpected, given_entries)
+    warning line; otherwise as given (the caller's error names them). ``own``: the model's
+    state dict."""
+    new, stale = _estimate_layers(missing, _entries(own)), _estimate_layers(unexpected, _entries(state_dict))
     if new is None or stale is None:
         return state_dict, missing, unexpected
 
@@ -350,7 +352,8 @@ def _fresh_estimates(model, state_dict: dict, missing: list, unexpected: list, p
              "next batch"] if new else []) + ([f"the estimates of {len(stale)} layers this model does not have "
                                                f"({named(stale)}) are dropped"] if stale else [])
     warnings.warn(f"the {what} weights in {path}: " + "; ".join(said), UserWarning, stacklevel=3)
-    kept = {k: v for k, v in state_dict.items() if k not in set(unexpected)}
+    dropped = set(unexpected)
+    kept = {k: v for k, v in state_dict.items() if k not in dropped}
     return stock_to_patched_state_dict(kept, model), [], []
 
 
@@ -367,7 +370,7 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, path: str, what: 
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     if missing or unexpected:
-        state_dict, missing, unexpected = _fresh_estimates(model, state_dict, missing, unexpected, path, what)
+        state_dict, missing, unexpected = _fresh_estimates(model, own, state_dict, missing, unexpected, path, what)
     shapes = [
         f"{k}: checkpoint {tuple(state_dict[k].shape)}, model {tuple(v.shape)}"
         for k, v in own.items()
