@@ -60,6 +60,7 @@ from mesa_train.nn.sdpa import ScaledDotProductAttention
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
+from .reuse import calls_repeat_one_input, watch_reuse
 from .functional_calls import ROUTED_OPS, routable_sites
 from .generic_attention import (AMAX_CHILD, EINSUM_CHILD, EINSUM_CORE, PassThroughMatMul, install as install_generic,
                                 install_calls, install_cosine, install_linear, install_routed, install_scales)
@@ -582,6 +583,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # rounding seeds keyed by each quantizer's name: the same model patched in any process,
     # in any order, draws the same rounding noise (and none from torch's global generator)
     assign_rng_keys(root)
+    # a layer the first training forward calls twice gets per-sample ranges (patch/reuse.py)
+    watch_reuse(root)
     if unreached:
         lines = ", ".join(f"{n} ({type(root.get_submodule(n) if n != '<root>' else root).__name__}: "
                           f"{'/'.join(o)})" for n, o in unreached.items())
@@ -759,7 +762,8 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
                             _module_device(m), lambda h, opts=t.quant_options: _options_for(None, h, opts))
             wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), t.options(None, heads))
             if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
-                install_routed(m, EINSUM_CHILD, lambda: mnn.Einsum(device=_module_device(m), **t.options(None, heads)))
+                install_routed(m, EINSUM_CHILD, lambda: calls_repeat_one_input(  # (q with rel_h, then with rel_w)
+                    mnn.Einsum(device=_module_device(m), **t.options(None, heads))))
             if "matmul" in wanted and einsum_core:
                 for child in EINSUM_CORE:  # (both operands activations: none kept as a position table)
                     install_routed(m, child, lambda: mnn.Einsum(tables=False, device=_module_device(m),

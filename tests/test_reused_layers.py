@@ -1,0 +1,206 @@
+"""A module that one forward calls twice: its Mesa layers take per-sample ranges (patch/reuse.py).
+
+One running range per quantizer averages the two calls' inputs, and the larger ones were
+clamped (RegionViT's attention: a LayerNorm weight gradient at cosine 0.43). These tests
+check the switch (at the second call, before it compresses), the gradients it gives, the one
+warning, and that the watch lasts one training forward and no longer.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mesa_train.patch import patch_model
+from mesa_train.patch.reuse import _start
+
+from timm_zoo import build, example
+
+
+class TwiceCalled(nn.Module):
+    """One ``blk`` run on the input, then on a 30x larger copy of its output (the second
+    call's Linear inputs lie far beyond the first call's range)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blk = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.blk(30 * self.blk(x)))
+
+
+class CalledOnce(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+        self.b = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+
+    def forward(self, x):
+        return self.b(30 * self.a(x))
+
+
+def _grads(model, x, steps=1):
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(step))).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _worst_cosine(got, want):
+    return min(F.cosine_similarity(got[n].flatten().double(), want[n].flatten().double(), dim=0).item()
+               for n in want)
+
+
+def _watched(m):
+    return any(h is _start for h in m._forward_pre_hooks.values())
+
+
+def _estimators(model):
+    return {n: m.quant_options.estimator for n, m in model.named_modules() if hasattr(m, "quant_options")}
+
+
+def test_a_layer_called_twice_takes_per_sample_ranges_and_its_gradients_stay_close():
+    torch.manual_seed(0)
+    stock, x = TwiceCalled().train(), torch.randn(64, 32)
+    want = _grads(copy.deepcopy(stock), x, steps=3)
+    patched = patch_model(copy.deepcopy(stock), ops=["linear"])
+    said = r"blk \(Sequential, 2 calls\).*their 1 Mesa layer\(s\) now use estimator='per_sample'"
+    with pytest.warns(UserWarning, match=said):
+        got = _grads(patched, x, steps=3)
+    assert patched.blk[0].quant_options.estimator == "per_sample"
+    assert patched.blk[0].quantizer.options.estimator == "per_sample"
+    assert patched.head.quant_options.estimator == "running"
+    assert _worst_cosine(got, want) > 0.999
+
+
+def test_the_running_range_clamps_the_second_call_without_the_switch(monkeypatch):
+    """What the switch prevents, measured on the same model (keeps the test above honest)."""
+    import mesa_train.patch.core as core
+
+    monkeypatch.setattr(core, "watch_reuse", lambda root: None)
+    torch.manual_seed(0)
+    stock, x = TwiceCalled().train(), torch.randn(64, 32)
+    want = _grads(copy.deepcopy(stock), x, steps=3)
+    got = _grads(patch_model(copy.deepcopy(stock), ops=["linear"]), x, steps=3)
+    assert _worst_cosine(got, want) < 0.99  # one running range: the second call's inputs clamped
+
+
+def test_layers_called_once_keep_running_ranges_and_nothing_is_said():
+    torch.manual_seed(0)
+    model = patch_model(CalledOnce().train())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(8, 32)).sum().backward()
+    assert set(_estimators(model).values()) == {"running"}
+    assert not _watched(model)  # the watch ends with the first training forward
+
+
+def test_the_watch_waits_for_a_training_forward_with_gradients():
+    torch.manual_seed(0)
+    model = patch_model(TwiceCalled(), ops=["gelu"])
+    x = torch.randn(8, 32)
+    model.eval()(x)
+    with torch.no_grad():
+        model.train()(x)
+    assert _watched(model) and model.blk[1].quant_options.estimator == "running"
+    with pytest.warns(UserWarning, match="ran more than once"):
+        model(x)
+    assert not _watched(model) and model.blk[1].quant_options.estimator == "per_sample"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()  # said once
+
+
+def test_a_forward_that_raises_ends_the_watch_and_the_next_one_starts_afresh():
+    torch.manual_seed(0)
+    model = patch_model(TwiceCalled(), ops=["gelu"])
+    with pytest.raises(RuntimeError):
+        model(torch.randn(8, 31))
+    assert not any(len(m._forward_pre_hooks) for m in model.modules() if m is not model)  # (counters gone)
+    assert not _watched(model)
+
+
+def test_a_deep_copy_watches_on_its_own():
+    """ModelEmaV3 deep-copies the model: the copy's watch must not remove the original's hooks."""
+    torch.manual_seed(0)
+    model = patch_model(TwiceCalled(), ops=["gelu"])
+    twin = copy.deepcopy(model)
+    with pytest.warns(UserWarning):
+        twin(torch.randn(8, 32))
+    assert not _watched(twin) and _watched(model)
+    assert model.blk[1].quant_options.estimator == "running"
+
+
+def test_patching_again_and_patching_parts_first_give_one_watch():
+    torch.manual_seed(0)
+    model = TwiceCalled()
+    patch_model(model.blk, ops=["gelu"])  # a part on its own: a call of it is one forward of it
+    patch_model(model, ops=["linear"])
+    patch_model(model, ops=["linear"])
+    assert sum(h is _start for h in model._forward_pre_hooks.values()) == 1
+    with pytest.warns(UserWarning) as said:
+        model(torch.randn(8, 32))
+    assert len([w for w in said if "ran more than once" in str(w.message)]) == 1
+    assert not _watched(model) and not _watched(model.blk)
+    assert model.blk[0].quant_options.estimator == model.blk[1].quant_options.estimator == "per_sample"
+    assert model.head.quant_options.estimator == "running"
+
+
+def test_learned_thresholds_are_left_as_they_are():
+    torch.manual_seed(0)
+    model = patch_model(TwiceCalled(), ops=["gelu"], estimator="learned")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(8, 32))
+    assert model.blk[1].quant_options.estimator == "learned"
+
+
+def test_a_plan_watches_the_whole_model():
+    from mesa_train.plan import OTHER, Plan
+
+    torch.manual_seed(0)
+    model = TwiceCalled()
+    patch_model(model, plan=Plan(layers={OTHER: ("linear",)}))
+    assert _watched(model)
+    with pytest.warns(UserWarning, match=r"blk \(Sequential, 2 calls\)"):
+        model(torch.randn(8, 32))
+    assert not _watched(model) and not _watched(model.blk)
+
+
+def test_timm_coat_shared_position_encodings_take_per_sample_ranges():
+    """CoaT's serial blocks share one convolutional position encoding per stage (``cpe1``,
+    ``crpe1``), called by each block."""
+    model = patch_model(build("coat_lite_tiny")).train()
+    with pytest.warns(UserWarning, match=r"cpe1 \(ConvPosEnc, 2 calls\)"):
+        model(example("coat_lite_tiny"))
+    assert model.cpe1.proj.quant_options.estimator == "per_sample"
+    assert model.serial_blocks1[0].mlp.fc1.quant_options.estimator == "running"
+
+
+def test_mvitv2_rel_pos_einsum_called_for_rel_h_and_rel_w_is_not_reuse():
+    """patch_model's own einsum child takes the same q twice (rel_h, then rel_w): one input,
+    nothing to say, running ranges kept."""
+    model = patch_model(build("mvitv2_tiny")).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(example("mvitv2_tiny"))
+    assert model.stages[0].blocks[0].attn.mesa_einsum.quant_options.estimator == "running"
+
+
+def test_the_first_forward_saves_what_later_ones_do_under_activation_checkpointing():
+    """The counting hooks read no argument, so a patched ViT block still runs norm + qkv as
+    one op in the watched forward: checkpointing's recomputation (no hooks then) saves the
+    same tensors (it raised CheckpointError when the hooks turned the fused path off)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = patch_model(timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2)).train()
+    model.set_grad_checkpointing(True)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert not _watched(model)
