@@ -9,7 +9,7 @@ import pytest
 import torch
 import torchvision
 
-from mesa_train.patch import patch_model
+from mesa_train.patch import describe, patch_model
 from mesa_train.patch.coverage import coverage
 
 from test_patch_helpers import step_and_compare
@@ -84,12 +84,12 @@ def test_maxvit_attention_is_compressed_and_the_forward_is_stock():
     assert kept.get("MesaMaxVitAttention", 0) < 0.01 * report.stock_total, report
 
 
-@pytest.mark.parametrize("steps, softmax", [([["matmul"]], False), ([["softmax"], ["matmul"]], False),
+@pytest.mark.parametrize("steps, softmax", [([["matmul"]], False), ([["softmax"], ["matmul"]], True),
                                             ([["matmul"], ["softmax"]], True)])
 def test_maxvit_attention_takes_only_the_ops_asked_for(steps, softmax):
     """``matmul``: the Einsum children, the softmax stock; ``softmax`` alone swaps nothing (a
-    Mesa copy beside the stock product's full map only adds bytes: reported), so it is not
-    remembered; a swapped module takes ``softmax`` later."""
+    Mesa copy beside the stock product's full map only adds bytes: reported) but is remembered
+    for a later ``matmul`` call; a swapped module takes ``softmax`` later."""
     import mesa_train.nn as mnn
     from mesa_train.memory import SavedTensorMeter
 
@@ -116,3 +116,18 @@ def test_maxvit_softmax_alone_is_not_swapped():
     with pytest.warns(UserWarning, match=r"RelativePositionalMultiHeadAttention: softmax"):
         patch_model(stock, ops=["softmax"])
     assert not [n for n, _ in stock.named_modules() if n.endswith(("mesa_qk", "mesa_av", "mesa_softmax"))]
+
+
+def test_maxvit_softmax_asked_for_first_keeps_its_options():
+    """Per-op settings: the softmax's options are those of the call that asked for it."""
+    mesa = _maxvit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch_model(mesa, ops=["softmax"], decay=0.5)
+    patch_model(mesa, ops=["matmul"])
+    attn = next(m for m in mesa.modules() if hasattr(m, "mesa_qk"))
+    assert attn.mesa_softmax.quant_options.decay == 0.5 and attn.mesa_qk.quant_options.decay == 0.9
+    assert attn.mesa_softmax.quant_options.num_groups == attn.n_heads
+    assert "_mesa_pending_softmax" not in attn.__dict__
+    # the first call's report of the softmax as not reached is dropped: it is compressed now
+    assert "not reached" not in describe(mesa).lower()

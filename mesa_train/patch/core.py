@@ -578,8 +578,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
         _link_scale_branches(root, t.parents, quant_options, keep_stock)
 
     # 3. functional ops no rule reaches: recorded, warned about, left stock
-    unreached = _functional_ops_left(t, generic)
-    _record_patch(root, op_names, set_names, explicit, unreached, kept_names)
+    scanned: Dict[str, Tuple[str, ...]] = {}
+    unreached = _functional_ops_left(t, generic, scanned)
+    _record_patch(root, op_names, set_names, explicit, unreached, kept_names, scanned)
     # rounding seeds keyed by each quantizer's name: the same model patched in any process,
     # in any order, draws the same rounding noise (and none from torch's global generator)
     assign_rng_keys(root)
@@ -953,10 +954,12 @@ def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dic
         _hand_over_children(t.parents, m, new)
 
 
-def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dict[str, Tuple[str, ...]]:
+def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]],
+                         scanned: Dict[str, Tuple[str, ...]]) -> Dict[str, Tuple[str, ...]]:
     """Step 3: requested ops that a selected module's forward computes functionally and no
     rule reached, ``{name: ops}``; ``F.linear(x, self.qkv.weight, bias)`` (BEiT, SwinV2) is
-    routed through the converted child instead (and added to ``generic``)."""
+    routed through the converted child instead (and added to ``generic``). ``scanned`` gets
+    the functional ops each selected module still computes (none for a handled one)."""
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(t.rules)
                + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + tuple(STOCK_CONVNEXT_CLASSES)
                + tuple(NORM_ONLY_MLP_CLASSES.values())
@@ -965,9 +968,10 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
                + (PlainMatMul, PlainSoftmax, PassThroughMatMul, mha_patch.MesaMultiheadAttention))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in t.root.named_modules():
-        if type(m) in handled or isinstance(m, mnn.MesaLayer) or t.skipped(name):
+        if t.skipped(name) or t.module_info(name).module_set not in t.set_names:
             continue
-        if t.module_info(name).module_set not in t.set_names:
+        if type(m) in handled or isinstance(m, mnn.MesaLayer):
+            scanned[name or "<root>"] = ()
             continue
         if isinstance(m, nn.MultiheadAttention):  # F.multi_head_attention_forward: all inside
             found = ("linear", "matmul", "softmax", "sdpa")
@@ -983,6 +987,7 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]]) -> Dic
         reached = _route_calls(t, name, m, found)
         if reached:
             generic[name] = generic.get(name, ()) + reached
+        scanned[name or "<root>"] = tuple(o for o in found if o not in generic.get(name, ()))
         hit = tuple(o for o in found if o in t.op_names and o not in generic.get(name, ()))
         if hit:
             unreached[name or "<root>"] = hit
@@ -1017,15 +1022,23 @@ def _route_calls(t: _Target, name: str, m: nn.Module, found: Tuple[str, ...]) ->
     return tuple(reached)
 
 
-def _record_patch(root: nn.Module, op_names, set_names, explicit: dict, unreached: dict, kept_names) -> None:
+def _record_patch(root: nn.Module, op_names, set_names, explicit: dict, unreached: dict, kept_names,
+                  scanned: dict) -> None:
     """What the calls so far patched, on the model (``PATCH_INFO_ATTR``; patch/describe.py,
-    checkpoints): this call's request merged into the previous calls'."""
+    checkpoints): this call's request merged into the previous calls'. An op an earlier call
+    left unreached is dropped where this call found the module no longer computes it (a class
+    swapped since: MaxViT's attention asked for softmax, then matmul)."""
     prev = getattr(root, PATCH_INFO_ATTR, None) or {}
+    earlier = {}
+    for name, ops in prev.get("unreached", {}).items():
+        left = tuple(o for o in ops if o in scanned[name]) if name in scanned else ops
+        if left:
+            earlier[name] = left
     record = {
         "ops": tuple(o for o in OPS if o in set(op_names) | set(prev.get("ops", ()))),
         "modules": tuple(s for s in MODULE_SETS if s in set(set_names) | set(prev.get("modules", ()))),
         "options": {**prev.get("options", {}), **explicit},
-        "unreached": {**prev.get("unreached", {}), **unreached},
+        "unreached": {**earlier, **unreached},
         "stock_batchnorm": tuple(sorted(set(prev.get("stock_batchnorm", ())) | set(kept_names))),
         "calls": prev.get("calls", 0) + 1,
     }

@@ -12,7 +12,8 @@ installed source) but for three children, each the Mesa layer of the stock call:
 
 The softmax not asked for is the stock call (``PlainSoftmax``); ``softmax`` alone does not swap
 a stock module (its Mesa copy would sit beside the stock product's full map), so the products
-are always compressed. The
+are always compressed; it is remembered, with its options, and a later ``patch_model`` call with
+``matmul`` adds the Mesa softmax too (per-op settings: softmax first, then matmul). The
 groups are the layers' own: ``Einsum`` along dim 1 (the windows), the 5-D softmax along the last
 dim, not per head (gradients at cosine >= 0.9999 to stock's all the same). The map's two
 int8 copies (the softmax's and the product's) are not shared: ``Einsum`` groups along dim 1
@@ -59,6 +60,8 @@ class MesaMaxVitAttention(_MaxVitAttention):
 
 
 MAXVIT_ATTENTION_CLASSES = (_MaxVitAttention, MesaMaxVitAttention)
+# on a stock module asked for softmax alone: that call's options, for the call that brings matmul
+PENDING_SOFTMAX = "_mesa_pending_softmax"
 
 
 def install(m: nn.Module, ops, device, options: dict) -> bool:
@@ -69,13 +72,20 @@ def install(m: nn.Module, ops, device, options: dict) -> bool:
     if type(m) not in MAXVIT_ATTENTION_CLASSES or not ({"matmul", "softmax"} & set(ops)):
         return False
     if type(m) is not MesaMaxVitAttention and "matmul" not in ops:
+        # remembered with its options: a later call with matmul (per-op settings) adds it
+        m.__dict__[PENDING_SOFTMAX] = dict(options)
         return False
     opts = dict(options, num_groups=m.n_heads)
     for name in ("mesa_qk", "mesa_av"):  # (a stock module is swapped with matmul only: they are there after)
         if not isinstance(m._modules.get(name), mnn.Einsum):
             m.add_module(name, mnn.Einsum(device=device, **opts))
+    pending = m.__dict__.pop(PENDING_SOFTMAX, None)
+    if "softmax" not in ops and pending is not None:
+        ops, opts_softmax = (*ops, "softmax"), dict(pending, num_groups=m.n_heads)
+    else:
+        opts_softmax = opts
     if "softmax" in ops and not isinstance(m._modules.get("mesa_softmax"), mnn.Softmax):
-        m.add_module("mesa_softmax", mnn.Softmax(dim=-1, device=device, **opts))
+        m.add_module("mesa_softmax", mnn.Softmax(dim=-1, device=device, **opts_softmax))
     elif "mesa_softmax" not in m._modules:
         m.add_module("mesa_softmax", PlainSoftmax(-1))
     m.__class__ = MesaMaxVitAttention
