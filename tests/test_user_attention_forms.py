@@ -302,7 +302,7 @@ class LSA(nn.Module):
 
 
 @pytest.mark.parametrize("make, bound", [(EinsumAttention, 0.5), (lambda: EinsumAttention(talking_heads=True), 0.6),
-                                         (LSA, 0.6)], ids=["einsum", "einsum_talking_heads", "lsa"])
+                                         (LSA, 0.3)], ids=["einsum", "einsum_talking_heads", "lsa"])
 def test_hand_written_attention_forms_are_compressed(make, bound):
     """Before: "functional ops not reached (matmul)", the map and q, k, v kept whole (an einsum
     core was left stock on purpose: one shared Einsum child would mix the two products'
@@ -320,9 +320,44 @@ def test_hand_written_attention_forms_are_compressed(make, bound):
     av = getattr(mesa, "mesa_av", None)
     shared = ["mesa_av.quantizer_a"] if av is not None and av.last_saved[0] == "shared" else []
     assert _idle(mesa) == shared, _idle(mesa)
-    # (the re-attention product and LSA's learned temperature, `dots * t.exp()`, keep a map whole,
-    # as stock's do: a product with a parameter's value)
+    # (the re-attention product keeps a map whole, as stock's does: a product with a parameter's
+    # value; LSA's learned temperature, `dots * t.exp()`, goes through mesa_logit_scale: 0.54 -> 0.26)
     assert ratio < bound, ratio
+
+
+class ScalarNotRead(LSA):
+    """LSA with a fixed temperature (a buffer) and a 0-d parameter its forward never reads."""
+
+    def __init__(self):
+        super().__init__()
+        fixed = self.temperature.detach().clone()
+        del self.temperature
+        self.register_buffer("temperature", fixed)
+        self.unused = nn.Parameter(torch.tensor(1.0))
+
+
+def test_a_learned_scalar_logit_scale_keeps_int8_logits_and_its_gradient():
+    """LSA's ``dots * self.temperature.exp()``: the 0-d scale is expanded per head for
+    ``mesa_logit_scale`` (the same products, so the forward is stock's bits), and its gradient,
+    summed over the heads, stays close to float64 stock's."""
+    torch.manual_seed(0)
+    stock = LSA().train()
+    mesa = patch_model(copy.deepcopy(stock))
+    assert "mesa_logit_scale" in mesa._modules
+    x = torch.randn(2, 64, 32)
+    _compare(stock, mesa, x)  # (forward bitwise, every gradient at cosine > 0.99)
+    assert mesa.mesa_logit_scale.quantizer.initialized
+    mesa.zero_grad()
+    _, got, _ = _step(mesa, x)
+    _, exact, _ = _step(copy.deepcopy(stock).double(), x.double())
+    assert got["temperature"].shape == () and abs(got["temperature"].item() / exact["temperature"].item() - 1) < 0.01
+
+
+def test_a_scalar_parameter_the_forward_never_reads_gets_no_logit_scale_child():
+    """(a child that never runs: ``describe`` would count it, its estimates never start)"""
+    model = patch_model(ScalarNotRead().train())
+    assert "mesa_logit_scale" not in model._modules and "mesa_qk" in model._modules
+    model(torch.randn(2, 16, 32)).sum().backward()
 
 
 class RelPosEinsumAttention(EinsumAttention):

@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import functional_calls
-from .rules import count_functional_calls, scan_functional_ops
+from .rules import count_functional_calls, methods_reached_code, scan_functional_ops
 
 __all__ = ["AMAX_CHILD", "EINSUM_CHILD", "EINSUM_CORE", "capture_calls", "install", "install_routed",
            "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
@@ -271,16 +271,29 @@ def _route_scale(owner, a, b):
 
 def _route_logit_scale(owner, logits, a, b):
     """``(q @ k^T) * scale`` with a learned per-head scale (SwinV2's ``logit_scale.exp()``,
-    XCiT's ``temperature``: ``(heads, 1, 1)``-like, requires grad): through ``mesa_logit_scale``
-    (int8 logits, per-head groups), so the full-precision logits are not kept for its gradient."""
+    XCiT's ``temperature``: ``(heads, 1, 1)``-like, requires grad) or one learned scalar
+    (lucidrains' LSA: ``dots * self.temperature.exp()``, 0-d): through ``mesa_logit_scale``
+    (int8 logits, per-head groups), so the full-precision logits are not kept for its gradient.
+    A scalar goes in expanded to ``(heads, 1, 1)``: each product is the same float product as
+    stock's, and the expand's backward sums the per-head gradients into the scalar's."""
     child = owner._modules.get("mesa_logit_scale")
     if child is None:
         return None
     for x, s in ((a, b), (b, a)):
-        if (x is logits and isinstance(s, torch.Tensor) and s.requires_grad and x.dim() == 4
-                and s.dim() >= 2 and s.numel() == x.shape[1] and s.shape[-1] == 1 and s.shape[-2] == 1):
+        if x is not logits or not isinstance(s, torch.Tensor) or not s.requires_grad or x.dim() != 4:
+            continue
+        if s.dim() >= 2 and s.numel() == x.shape[1] and s.shape[-1] == 1 and s.shape[-2] == 1:
             return child(x, s)
+        if s.dim() == 0 and s.dtype == x.dtype:
+            return child(x, s.expand(x.shape[1], 1, 1))
     return None
+
+
+def _scalar_scale(module: nn.Module) -> bool:
+    """A learned scalar the module's forward reads (LSA's ``temperature``): a candidate logit
+    scale (a 0-d parameter it never names would give a child that never runs)."""
+    names = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 0 and p.requires_grad]
+    return bool(names) and any(n in code.co_names for code in methods_reached_code(type(module)) for n in names)
 
 
 def install_cosine(module: nn.Module, ops, found, heads: Optional[int], device, options) -> Tuple[str, ...]:
@@ -304,7 +317,7 @@ def install_cosine(module: nn.Module, ops, found, heads: Optional[int], device, 
         for n in NORMALIZE_CHILDREN:
             module.add_module(n, Normalize(device=device, **options))
         added.append("normalize")
-    if "layerscale" in ops and per_head and "mesa_logit_scale" not in module._modules:
+    if "layerscale" in ops and (per_head or _scalar_scale(module)) and "mesa_logit_scale" not in module._modules:
         module.add_module("mesa_logit_scale", ChannelScale(device=device, **options))
         added.append("layerscale")
     return tuple(added)
