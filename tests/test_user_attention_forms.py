@@ -436,3 +436,51 @@ def test_a_softmax_head_without_heads_is_no_attention():
     with pytest.warns(UserWarning, match=r"SoftmaxHead: matmul"):
         model = patch_model(nn.Sequential(SoftmaxHead()))
     assert "mesa_qk" not in model[0]._modules
+
+
+class MixedEinsumFirst(nn.Module):
+    """q.k by einsum, attn.v by ``@`` (a hand-written mix of the two forms)."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.to_qkv, self.to_out = nn.Linear(dim, dim * 3, bias=False), nn.Linear(dim, dim)
+
+    def heads_of(self, x):
+        b, n, _ = x.shape
+        return [t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, -1)]
+
+    def forward(self, x):
+        q, k, v = self.heads_of(x)
+        attn = (torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale).softmax(dim=-1)
+        return self.to_out((attn @ v).transpose(1, 2).flatten(2))
+
+
+class MixedMatmulFirst(MixedEinsumFirst):
+    """q.k by ``@``, attn.v by einsum."""
+
+    def forward(self, x):
+        q, k, v = self.heads_of(x)
+        attn = ((q @ k.transpose(-1, -2)) * self.scale).softmax(dim=-1)
+        return self.to_out(torch.einsum("b h i j, b h j d -> b h i d", attn, v).transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("make, children, bound", [
+    (MixedEinsumFirst, ("mesa_einsum_qk", "mesa_av"), 0.3),
+    (MixedMatmulFirst, ("mesa_qk", "mesa_einsum_av"), 0.45)], ids=["einsum_then_matmul", "matmul_then_einsum"])
+def test_a_mixed_core_gives_each_product_the_child_of_its_kind(make, children, bound):
+    """Before: the one ``@`` went to ``mesa_qk`` whatever its role, and the einsum ran stock
+    (einsum q.k: 0.37 of stock's bytes; einsum attn.v, the map kept whole: 0.93). Now the two
+    products take roles in the order they run, each through a child of its own kind."""
+    torch.manual_seed(0)
+    stock = make().train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reported unreached, no third product
+        patch_model(mesa)
+    core = {n for n in mesa._modules if n.startswith("mesa_") and n != "mesa_softmax"}
+    assert core == set(children)
+    ratio = _compare(stock, mesa, torch.randn(2, 64, 32))
+    # (attn @ v keeps the softmax's shared 8-bit map: that MatMul's own quantizer rests)
+    assert _idle(mesa) == (["mesa_av.quantizer_a"] if "mesa_av" in children else [])
+    assert ratio < bound, ratio

@@ -78,7 +78,7 @@ from . import mha as mha_patch
 from .torch_transformer import activations_as_modules
 from .torchvision_blocks import STOCK_TORCHVISION_CLASSES, TORCHVISION_CLASSES
 from .rules import (FUNCTIONAL_OPS, MODULE_SETS, ModuleInfo, classify, count_functional_calls, function_attributes,
-                    is_position_table_mlp, matmul_kinds, scan_functional_ops, scan_inline_scales)
+                    is_position_table_mlp, matmul_kinds, product_order, scan_functional_ops, scan_inline_scales)
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
@@ -751,29 +751,46 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
         # first two batched einsums go to two Einsum children, q.k and attn.v (generic_attention.py)
         # (not a container of attentions, CCT's TransformerClassifier: its own einsum is no core)
         einsum_only = matmul_kinds(type(m), functions=True) == ("einsum",) and not isinstance(m, _EINSUM_ATTENTION)
-        einsum_core = einsum_only and not any(_attention_like(c) for c in m.modules() if c is not m)
-        if einsum_only and not (einsum_core and "matmul" in t.core_ops):
+        # (a mixed core: einsum for q.k and @ for attn.v, or the other way round; which is einsum)
+        einsum_role = _mixed_einsum_role(m)
+        einsum_core = ((einsum_only or einsum_role is not None)
+                       and not any(_attention_like(c) for c in m.modules() if c is not m))
+        if (einsum_only or einsum_role is not None) and not (einsum_core and "matmul" in t.core_ops):
             # a Mesa softmax beside an einsum that keeps the map whole only adds its codes: reported
             found = tuple(o for o in found if o not in ("matmul", "softmax"))
         wanted = tuple(o for o in t.core_ops if o in found)
         if wanted:
             heads = mi.heads or getattr(m, "num_heads", None)
             heads = heads if isinstance(heads, int) else None
-            install_generic(m, tuple(o for o in wanted if not (einsum_core and o == "matmul")), heads,
-                            _module_device(m), lambda h, opts=t.quant_options: _options_for(None, h, opts))
+            install_generic(m, tuple(o for o in wanted if not (einsum_core and einsum_only and o == "matmul")), heads,
+                            _module_device(m), lambda h, opts=t.quant_options: _options_for(None, h, opts),
+                            einsum_role=einsum_role)
             wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), t.options(None, heads))
             if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
                 install_routed(m, EINSUM_CHILD, lambda: calls_repeat_one_input(  # (q with rel_h, then with rel_w)
                     mnn.Einsum(device=_module_device(m), **t.options(None, heads))))
             if "matmul" in wanted and einsum_core:
-                for child in EINSUM_CORE:  # (both operands activations: none kept as a position table)
-                    install_routed(m, child, lambda: mnn.Einsum(tables=False, device=_module_device(m),
-                                                                **t.options(None, heads)))
+                for role, child in enumerate(EINSUM_CORE):  # (both operands activations: no position table)
+                    if einsum_role is None or role == einsum_role:
+                        install_routed(m, child, lambda: mnn.Einsum(tables=False, device=_module_device(m),
+                                                                    **t.options(None, heads)))
             swap_sam_attention(m)  # SAM's decomposed rel-pos bias: kept as its tables (patch/sam.py)
             if "baddbmm" in matmul_kinds(type(m), functions=True):  # (its q @ k^T runs stock: reported)
                 wanted = tuple(o for o in wanted if o != "matmul")
             generic[name] = wanted
     return generic
+
+
+def _mixed_einsum_role(m: nn.Module) -> Optional[int]:
+    """Which of the two products of a mixed core is the einsum (0: q.k, 1: attn.v): the
+    forward makes exactly two batched products in its own code, one ``torch.einsum`` and one
+    ``@`` / ``matmul`` (``rules.product_order``); else None."""
+    if isinstance(m, _EINSUM_ATTENTION):
+        return None
+    order = product_order(type(m))
+    if order is None or len(order) != 2 or order.count("einsum") != 1 or not set(order) & {"@", "matmul", "bmm"}:
+        return None
+    return order.index("einsum")
 
 
 def _patch_gated_mlps(t: _Target) -> set:

@@ -53,6 +53,7 @@ _MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul_
 _AMAXES = {torch.amax, torch.Tensor.amax}
 AMAX_CHILD = "mesa_amax"
 EINSUM_CHILD = "mesa_einsum"
+MATMUL_ROLES = ("mesa_qk", "mesa_av")  # the core's q @ k^T and attn @ v, in the order they run
 # an attention whose products are einsums only: its first two batched einsums, q.k and attn.v
 EINSUM_CORE = ("mesa_einsum_qk", "mesa_einsum_av")
 NORMALIZE_CHILDREN = ("mesa_norm_q", "mesa_norm_k")
@@ -104,8 +105,9 @@ class _Capture(TorchFunctionMode):
     def __init__(self, owner: nn.Module):
         super().__init__()
         self.owner = owner
-        self.matmuls = 0
-        self.einsums = 0  # (an einsum-only core's products: EINSUM_CORE)
+        # the core's products so far, @ and einsum alike: the first is q.k, the second attn.v
+        # (a mixed core, einsum for one and @ for the other, has one child of each kind)
+        self.products = 0
         self.softmaxes = 0
         self.normalizes = 0
         self.calls: dict = {}  # functional activation / pooling calls per op (functional_calls.route)
@@ -126,11 +128,13 @@ class _Capture(TorchFunctionMode):
             return None
         if not functional_calls.own_call(self.owner):  # (an attention nested in this module runs its own)
             return None
-        self.einsums += 1
-        if self.einsums > len(EINSUM_CORE):
+        role = self.products
+        self.products += 1
+        if role >= len(EINSUM_CORE):
             _second_core(self.owner, "a third batched product")
             return None
-        return self.owner._modules[EINSUM_CORE[self.einsums - 1]](args[0], *operands)
+        child = self.owner._modules.get(EINSUM_CORE[role])
+        return None if child is None else child(args[0], *operands)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -160,7 +164,8 @@ class _Capture(TorchFunctionMode):
                 child = owner._modules[NORMALIZE_CHILDREN[self.normalizes]]
                 self.normalizes += 1
                 return child(x, dim=-1, eps=call.get("eps", 1e-12))
-        if func is torch.einsum and EINSUM_CORE[0] in owner._modules and torch.is_grad_enabled():
+        if func is torch.einsum and torch.is_grad_enabled() and (EINSUM_CORE[0] in owner._modules
+                                                                 or EINSUM_CORE[1] in owner._modules):
             routed = self._einsum_core(args, kwargs)
             if routed is not None:
                 return routed
@@ -177,17 +182,17 @@ class _Capture(TorchFunctionMode):
             names = ("attn_mask", "dropout_p", "is_causal", "scale")
             call = dict(zip(names, rest), **kwargs)
             return owner.mesa_sdpa(q, k, v, **call)
-        if func is torch.baddbmm and self.matmuls == 0 and "mesa_qk" in owner._modules:
+        if func is torch.baddbmm and self.products == 0 and "mesa_qk" in owner._modules:
             # q @ k^T fused with its scale and bias (diffusers' attention: baddbmm(empty, q, k^T,
             # beta=0, alpha=scale)), which no MatMul computes bit for bit: stock (reported as a
             # matmul not reached), counted as the first product, so attn @ v still reaches mesa_av
-            self.matmuls += 1
+            self.products += 1
             self.logits = func(*args, **kwargs)
             return self.logits
         if (func in _MATMULS and len(args) == 2 and _batched(args[0]) and _batched(args[1]) and not kwargs
-                and "mesa_qk" in owner._modules):
-            self.matmuls += 1
-            if self.matmuls == 1:
+                and ("mesa_qk" in owner._modules or "mesa_av" in owner._modules)):
+            self.products += 1
+            if self.products == 1 and "mesa_qk" in owner._modules:
                 logits = owner.mesa_qk(args[0], args[1])
                 if torch.compiler.is_compiling():
                     # a new tensor, not the traced Function's output: Dynamo treats that as a
@@ -196,11 +201,12 @@ class _Capture(TorchFunctionMode):
                     logits = logits.clone()
                 self.logits = logits
                 return logits
-            if self.matmuls == 2:
+            if self.products == 2 and "mesa_av" in owner._modules:
                 self.logits = None
                 shared = self.probs_copy if args[0] is self.probs else None
                 return owner.mesa_av(args[0], args[1], shared_a=shared)
-            _second_core(owner, "a third batched product")
+            if self.products > 2:
+                _second_core(owner, "a third batched product")
         if func is F.dropout and self.probs is not None and args and args[0] is self.probs:
             call = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
             if call.get("p", 0.5) == 0 or not call.get("training", True):
@@ -348,9 +354,12 @@ def _mesa_captured_forward(self, *args, **kwargs):
 _CAPTURED_FORWARD = _mesa_captured_forward.__name__
 
 
-def install(module: nn.Module, ops, heads: Optional[int], device, make_options) -> Optional[str]:
+def install(module: nn.Module, ops, heads: Optional[int], device, make_options,
+            einsum_role: Optional[int] = None) -> Optional[str]:
     """Give ``module`` the Mesa children for the requested ``ops`` (``sdpa``, ``matmul``,
-    ``softmax``) and the capturing forward; returns what was installed (for ``describe``)."""
+    ``softmax``) and the capturing forward; returns what was installed (for ``describe``).
+    ``einsum_role``: a mixed core whose q.k (0) or attn.v (1) is an einsum (its ``EINSUM_CORE``
+    child is installed by the caller): no ``MatMul`` child for that product."""
     from mesa_train.nn import MatMul, Softmax
     from mesa_train.nn.sdpa import ScaledDotProductAttention
 
@@ -359,7 +368,12 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options) 
     if "sdpa" in ops and getattr(module, "mesa_sdpa", None) is None:
         module.mesa_sdpa = ScaledDotProductAttention(device=device, **opts)
         added.append("sdpa")
-    if "matmul" in ops and (getattr(module, "mesa_qk", None) is None or isinstance(module.mesa_qk, PassThroughMatMul)):
+    if "matmul" in ops and einsum_role is not None:
+        name = MATMUL_ROLES[1 - einsum_role]
+        if not isinstance(module._modules.get(name), MatMul) or name == "mesa_av" and not module.mesa_av.operands:
+            setattr(module, name, MatMul(device=device, **opts))
+            added.append("matmul")
+    elif "matmul" in ops and (module._modules.get("mesa_qk") is None or isinstance(module.mesa_qk, PassThroughMatMul)):
         # (replacing a softmax-only patch's pass-through q @ k^T and share-only attn @ v)
         module.mesa_qk = MatMul(device=device, **opts)
         module.mesa_av = MatMul(device=device, **opts)

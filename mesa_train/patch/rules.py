@@ -318,6 +318,40 @@ def matmul_kinds(cls: type, functions: bool = False) -> Tuple[str, ...]:
     return _SCAN_CACHE[key]
 
 
+_PRODUCT_CALLS = ("matmul", "bmm", "einsum")
+
+
+def product_order(cls: type) -> Optional[Tuple[str, ...]]:
+    """The batched products of ``cls.forward`` in the order they complete (``"@"``,
+    ``"matmul"``, ``"bmm"``, ``"einsum"``; ``self.<name>`` children excluded), or None when the
+    methods it calls make products too (no order from the source then). By each node's end in
+    the source: an inner product completes before the one around it. Static, cached."""
+    key = ("order", cls)
+    if key not in _SCAN_CACHE:
+        trees = _methods_reached(cls)
+        found = [(name, _products(tree)) for name, tree in trees]
+        order = None
+        if found and found[0][0] == "forward" and not any(p for _, p in found[1:]):
+            order = tuple(kind for _, kind in sorted(found[0][1]))
+        _SCAN_CACHE[key] = order
+    return _SCAN_CACHE[key]
+
+
+def _products(tree) -> List[Tuple[Tuple[int, int], str]]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            out.append(((node.end_lineno, node.end_col_offset), "@"))
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                continue
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in _PRODUCT_CALLS:
+                out.append(((node.end_lineno, node.end_col_offset), name))
+    return out
+
+
 def count_functional_calls(cls: type, call_name: str, functions: bool = False) -> int:
     """How many ``F.<call_name>(...)`` / ``x.<call_name>(...)`` calls the source of ``cls.forward``
     (and the methods it calls on ``self``) holds; ``self.<call_name>(...)`` (a child module) is
