@@ -484,3 +484,28 @@ def test_a_mixed_core_gives_each_product_the_child_of_its_kind(make, children, b
     # (attn @ v keeps the softmax's shared 8-bit map: that MatMul's own quantizer rests)
     assert _idle(mesa) == (["mesa_av.quantizer_a"] if "mesa_av" in children else [])
     assert ratio < bound, ratio
+
+
+def test_a_core_run_once_per_head_in_a_loop_compresses_every_head():
+    """timm's EfficientViT-M ``CascadedGroupAttention`` runs q^T @ k, softmax and v @ attn^T
+    once per head in a ``for`` loop. Before, the first head's core went through the children
+    and the others ran stock (warned: "a third batched product"); now the products take the
+    q.k and attn.v roles in turn, and the children, serving every head, take per-sample
+    ranges (each head its own input)."""
+    import timm
+
+    torch.manual_seed(0)
+    stock = timm.create_model("efficientvit_m0", img_size=128).train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "third batched product", no reuse warning
+        patch_model(mesa)
+        attn = mesa.stages[0].blocks[0].mixer.m.attn
+        assert {n: attn._modules[n].quant_options.estimator for n in ("mesa_qk", "mesa_softmax", "mesa_av")} == {
+            "mesa_qk": "per_sample", "mesa_softmax": "per_sample", "mesa_av": "per_sample"}
+        heads = len(attn.qkvs)
+        calls = []
+        attn.mesa_qk.register_forward_pre_hook(lambda m, a: calls.append(1))
+        ratio = _compare(stock, mesa, torch.randn(2, 3, 128, 128), min_cos=0.995)
+    assert len(calls) == heads  # (one Mesa step in _compare: every head's q^T @ k)
+    assert ratio < 0.38, ratio  # (0.355; 0.426 with the first head's core only)

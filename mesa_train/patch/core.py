@@ -60,10 +60,11 @@ from mesa_train.nn.sdpa import ScaledDotProductAttention
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
-from .reuse import calls_repeat_one_input, watch_reuse
+from .reuse import RANGE_ESTIMATORS, calls_repeat_one_input, watch_reuse
 from .functional_calls import ROUTED_OPS, routable_sites
-from .generic_attention import (AMAX_CHILD, EINSUM_CHILD, EINSUM_CORE, PassThroughMatMul, install as install_generic,
-                                install_calls, install_cosine, install_linear, install_routed, install_scales)
+from .generic_attention import (AMAX_CHILD, CORE_REPEATS_ATTR, EINSUM_CHILD, EINSUM_CORE, PassThroughMatMul,
+                                install as install_generic, install_calls, install_cosine, install_linear,
+                                install_routed, install_scales)
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
@@ -78,7 +79,8 @@ from . import mha as mha_patch
 from .torch_transformer import activations_as_modules
 from .torchvision_blocks import STOCK_TORCHVISION_CLASSES, TORCHVISION_CLASSES
 from .rules import (FUNCTIONAL_OPS, MODULE_SETS, ModuleInfo, classify, count_functional_calls, function_attributes,
-                    is_position_table_mlp, matmul_kinds, product_order, scan_functional_ops, scan_inline_scales)
+                    is_position_table_mlp, matmul_kinds, product_order, core_in_loop, scan_functional_ops,
+                    scan_inline_scales)
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
@@ -762,8 +764,13 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
         if wanted:
             heads = mi.heads or getattr(m, "num_heads", None)
             heads = heads if isinstance(heads, int) else None
+            # a core run once per head (EfficientViT-M's cascade): its children serve every head,
+            # each call its own input, so they take per-sample ranges (patch/reuse.py)
+            repeats = core_in_loop(type(m))
+            if repeats:
+                object.__setattr__(m, CORE_REPEATS_ATTR, True)
             install_generic(m, tuple(o for o in wanted if not (einsum_core and einsum_only and o == "matmul")), heads,
-                            _module_device(m), lambda h, opts=t.quant_options: _options_for(None, h, opts),
+                            _module_device(m), lambda h, opts=t.quant_options: _core_options(h, opts, repeats),
                             einsum_role=einsum_role)
             wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), t.options(None, heads))
             if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
@@ -779,6 +786,15 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
                 wanted = tuple(o for o in wanted if o != "matmul")
             generic[name] = wanted
     return generic
+
+
+def _core_options(heads, quant_options, repeats: bool) -> dict:
+    """The core children's options: per-sample ranges where one child serves every head of a
+    cascade (``repeats``) and the estimator is a moving range."""
+    opts = _options_for(None, heads, quant_options)
+    if repeats and opts.get("estimator", "running") in RANGE_ESTIMATORS:
+        opts["estimator"] = "per_sample"
+    return opts
 
 
 def _mixed_einsum_role(m: nn.Module) -> Optional[int]:

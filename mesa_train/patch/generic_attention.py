@@ -37,14 +37,18 @@ from torch.overrides import TorchFunctionMode
 from . import functional_calls
 from .rules import count_functional_calls, methods_reached_code, scan_functional_ops
 
-__all__ = ["AMAX_CHILD", "EINSUM_CHILD", "EINSUM_CORE", "capture_calls", "install", "install_routed",
-           "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
+__all__ = ["AMAX_CHILD", "CORE_REPEATS_ATTR", "EINSUM_CHILD", "EINSUM_CORE", "capture_calls", "install",
+           "install_routed", "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
            "GENERIC_ATTENTION_ATTR", "SCALES_ATTR"]
 
 CHILDREN = ("mesa_sdpa", "mesa_qk", "mesa_softmax", "mesa_av")
 GENERIC_ATTENTION_ATTR = "_mesa_generic_attention"
 # set when the forward has a single functional softmax: it is routed over any dim
 SOFTMAX_ANY_DIM_ATTR = "_mesa_softmax_any_dim"
+# set on a module whose forward runs its core once per head in a loop (rules.core_in_loop:
+# EfficientViT-M's cascade): the products take the q.k and attn.v roles in turn, every softmax
+# is the core's, and the children (per-sample ranges: each head its own input) serve every head
+CORE_REPEATS_ATTR = "_mesa_core_repeats"
 SCALES_ATTR = "_mesa_scales"  # {parameter name: ChannelScale child name}
 _SECOND_CORE_SAID: set = set()  # the module classes whose second attention core was reported
 _MATMULS = {torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.bmm}
@@ -192,7 +196,10 @@ class _Capture(TorchFunctionMode):
         if (func in _MATMULS and len(args) == 2 and _batched(args[0]) and _batched(args[1]) and not kwargs
                 and ("mesa_qk" in owner._modules or "mesa_av" in owner._modules)):
             self.products += 1
-            if self.products == 1 and "mesa_qk" in owner._modules:
+            role = self.products - 1
+            if role > 1 and getattr(owner, CORE_REPEATS_ATTR, False):
+                role %= 2  # (the next head's core)
+            if role == 0 and "mesa_qk" in owner._modules:
                 logits = owner.mesa_qk(args[0], args[1])
                 if torch.compiler.is_compiling():
                     # a new tensor, not the traced Function's output: Dynamo treats that as a
@@ -201,11 +208,11 @@ class _Capture(TorchFunctionMode):
                     logits = logits.clone()
                 self.logits = logits
                 return logits
-            if self.products == 2 and "mesa_av" in owner._modules:
+            if role == 1 and "mesa_av" in owner._modules:
                 self.logits = None
                 shared = self.probs_copy if args[0] is self.probs else None
                 return owner.mesa_av(args[0], args[1], shared_a=shared)
-            if self.products > 2:
+            if role > 1:
                 _second_core(owner, "a third batched product")
         if func is F.dropout and self.probs is not None and args and args[0] is self.probs:
             call = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
@@ -214,7 +221,8 @@ class _Capture(TorchFunctionMode):
                 # it; Dynamo in torch 2.11 gives that output a new identity, and attn @ v
                 # would no longer be handed the softmax's copy
                 return self.probs
-        if func in _SOFTMAXES and _batched(args[0]) and self.softmaxes == 0 and "mesa_softmax" in owner._modules:
+        if (func in _SOFTMAXES and _batched(args[0]) and "mesa_softmax" in owner._modules
+                and (self.softmaxes == 0 or getattr(owner, CORE_REPEATS_ATTR, False))):
             dim = _softmax_dim(args, kwargs)
             last = dim is not None and dim % args[0].dim() == args[0].dim() - 1
             # over the last dim (the attention map), or over another when that softmax is the

@@ -352,6 +352,31 @@ def _products(tree) -> List[Tuple[Tuple[int, int], str]]:
     return out
 
 
+def core_in_loop(cls: type) -> bool:
+    """Whether ``cls.forward`` runs its attention core once per head in a loop (timm's
+    EfficientViT-M ``CascadedGroupAttention``: ``for head_idx, ...: attn = q^T @ k ...;
+    attn.softmax(-1); v @ attn^T``): one ``for``/``while`` in ``forward`` itself holds its two
+    batched products and a softmax, and no product is outside it. Static, cached."""
+    key = ("loop", cls)
+    if key not in _SCAN_CACHE:
+        trees = _methods_reached(cls)
+        found = False
+        if trees and trees[0][0] == "forward" and not any(_products(t) for _, t in trees[1:]):
+            tree = trees[0][1]
+            total = len(_products(tree))
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.For, ast.While)):
+                    inner = ast.Module(body=node.body, type_ignores=[])
+                    softmax = any(isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
+                                  and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) == "softmax"
+                                  for n in ast.walk(inner))
+                    if softmax and len(_products(inner)) == total == 2:
+                        found = True
+                        break
+        _SCAN_CACHE[key] = found
+    return _SCAN_CACHE[key]
+
+
 def count_functional_calls(cls: type, call_name: str, functions: bool = False) -> int:
     """How many ``F.<call_name>(...)`` / ``x.<call_name>(...)`` calls the source of ``cls.forward``
     (and the methods it calls on ``self``) holds; ``self.<call_name>(...)`` (a child module) is
