@@ -2,8 +2,9 @@
 
 One running range per quantizer averages the two calls' inputs, and the larger ones were
 clamped (RegionViT's attention: a LayerNorm weight gradient at cosine 0.43). These tests
-check the switch (at the second call, before it compresses), the gradients it gives, the one
-warning, and that the watch lasts one training forward and no longer.
+check the switch (found in the first training forward, made at the start of the next), the
+gradients it gives, the one warning, activation checkpointing around it, and that the watch
+lasts until the switch and no longer.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mesa_train.patch import patch_model
-from mesa_train.patch.reuse import _start
+from mesa_train.patch.reuse import _start, keep_running_ranges
 
 from timm_zoo import build, example
 
@@ -25,13 +27,19 @@ class TwiceCalled(nn.Module):
     """One ``blk`` run on the input, then on a 30x larger copy of its output (the second
     call's Linear inputs lie far beyond the first call's range)."""
 
-    def __init__(self):
+    def __init__(self, checkpointed=False):
         super().__init__()
         self.blk = nn.Sequential(nn.Linear(32, 32), nn.GELU())
         self.head = nn.Linear(32, 4)
+        self.checkpointed = checkpointed
+
+    def run(self, x):
+        if self.checkpointed:  # (non-reentrant: its recomputation must save what the forward saved)
+            return checkpoint(self.blk, x, use_reentrant=False)
+        return self.blk(x)
 
     def forward(self, x):
-        return self.head(self.blk(30 * self.blk(x)))
+        return self.head(self.run(30 * self.run(x)))
 
 
 class CalledOnce(nn.Module):
@@ -65,29 +73,36 @@ def _estimators(model):
     return {n: m.quant_options.estimator for n, m in model.named_modules() if hasattr(m, "quant_options")}
 
 
-def test_a_layer_called_twice_takes_per_sample_ranges_and_its_gradients_stay_close():
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_a_module_called_twice_takes_per_sample_ranges_from_the_second_step(checkpointed):
+    torch.manual_seed(0)
+    stock, x = TwiceCalled(checkpointed).train(), torch.randn(64, 32)
+    want = _grads(copy.deepcopy(stock), x, steps=2)  # (no optimizer: every step's weights are the same)
+    patched = patch_model(copy.deepcopy(stock), ops=["linear"])
+    said = (r"blk \(Sequential, 2 calls\).*from the next training step their 1 Mesa layer\(s\) use "
+            "estimator='per_sample'")
+    with pytest.warns(UserWarning, match=said):
+        _grads(patched, x, steps=1)
+    # (the first step keeps its running ranges: a checkpoint recomputes its segments in backward)
+    assert patched.blk[0].quant_options.estimator == "running" and _watched(patched)
+    got = _grads(patched, x, steps=2)  # (steps 2 and 3, the switch at the start of step 2)
+    assert patched.blk[0].quant_options.estimator == "per_sample"
+    assert patched.blk[0].quantizer.options.estimator == "per_sample"
+    assert patched.head.quant_options.estimator == "running" and not _watched(patched)
+    assert _worst_cosine(got, want) > 0.999
+
+
+def test_the_running_range_clamps_the_second_call_without_the_switch():
+    """What the switch prevents, measured on the same model (keeps the test above honest)."""
     torch.manual_seed(0)
     stock, x = TwiceCalled().train(), torch.randn(64, 32)
     want = _grads(copy.deepcopy(stock), x, steps=3)
     patched = patch_model(copy.deepcopy(stock), ops=["linear"])
-    said = r"blk \(Sequential, 2 calls\).*their 1 Mesa layer\(s\) now use estimator='per_sample'"
-    with pytest.warns(UserWarning, match=said):
+    keep_running_ranges(patched)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         got = _grads(patched, x, steps=3)
-    assert patched.blk[0].quant_options.estimator == "per_sample"
-    assert patched.blk[0].quantizer.options.estimator == "per_sample"
-    assert patched.head.quant_options.estimator == "running"
-    assert _worst_cosine(got, want) > 0.999
-
-
-def test_the_running_range_clamps_the_second_call_without_the_switch(monkeypatch):
-    """What the switch prevents, measured on the same model (keeps the test above honest)."""
-    import mesa_train.patch.core as core
-
-    monkeypatch.setattr(core, "watch_reuse", lambda root: None)
-    torch.manual_seed(0)
-    stock, x = TwiceCalled().train(), torch.randn(64, 32)
-    want = _grads(copy.deepcopy(stock), x, steps=3)
-    got = _grads(patch_model(copy.deepcopy(stock), ops=["linear"]), x, steps=3)
+    assert set(_estimators(patched).values()) == {"running"}
     assert _worst_cosine(got, want) < 0.99  # one running range: the second call's inputs clamped
 
 
@@ -111,19 +126,43 @@ def test_the_watch_waits_for_a_training_forward_with_gradients():
     assert _watched(model) and model.blk[1].quant_options.estimator == "running"
     with pytest.warns(UserWarning, match="ran more than once"):
         model(x)
-    assert not _watched(model) and model.blk[1].quant_options.estimator == "per_sample"
+    model.eval()(x)  # (an evaluation between the steps switches nothing)
+    assert _watched(model) and model.blk[1].quant_options.estimator == "running"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model(x).sum().backward()  # said once
+        model.train()(x).sum().backward()  # said once
+    assert not _watched(model) and model.blk[1].quant_options.estimator == "per_sample"
 
 
-def test_a_forward_that_raises_ends_the_watch_and_the_next_one_starts_afresh():
+def test_a_forward_that_raises_keeps_the_watch_for_the_next_one():
     torch.manual_seed(0)
     model = patch_model(TwiceCalled(), ops=["gelu"])
     with pytest.raises(RuntimeError):
         model(torch.randn(8, 31))
     assert not any(len(m._forward_pre_hooks) for m in model.modules() if m is not model)  # (counters gone)
-    assert not _watched(model)
+    assert _watched(model)
+    with pytest.warns(UserWarning, match="ran more than once"):
+        model(torch.randn(8, 32))
+
+
+class Interrupted(nn.Module):
+    def forward(self, x):
+        raise KeyboardInterrupt  # (Ctrl-C: torch's always-call hooks run for Exception only)
+
+
+def test_an_interrupted_forward_leaves_no_session_behind():
+    torch.manual_seed(0)
+    model = patch_model(nn.Sequential(nn.Linear(32, 32), nn.GELU(), Interrupted()), ops=["gelu"])
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(8, 32))
+    model[2] = nn.Identity()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the stale session's counts are not this forward's: nothing reused
+        model(torch.randn(8, 32))
+    assert model[1].quant_options.estimator == "running" and not _watched(model)
+    other = patch_model(TwiceCalled(), ops=["gelu"])
+    with pytest.warns(UserWarning, match="ran more than once"):  # (another model is watched as usual)
+        other(torch.randn(8, 32))
 
 
 def test_a_deep_copy_watches_on_its_own():
@@ -133,8 +172,9 @@ def test_a_deep_copy_watches_on_its_own():
     twin = copy.deepcopy(model)
     with pytest.warns(UserWarning):
         twin(torch.randn(8, 32))
-    assert not _watched(twin) and _watched(model)
-    assert model.blk[1].quant_options.estimator == "running"
+    twin(torch.randn(8, 32))
+    assert not _watched(twin) and twin.blk[1].quant_options.estimator == "per_sample"
+    assert _watched(model) and model.blk[1].quant_options.estimator == "running"
 
 
 def test_patching_again_and_patching_parts_first_give_one_watch():
@@ -147,6 +187,7 @@ def test_patching_again_and_patching_parts_first_give_one_watch():
     with pytest.warns(UserWarning) as said:
         model(torch.randn(8, 32))
     assert len([w for w in said if "ran more than once" in str(w.message)]) == 1
+    model(torch.randn(8, 32))
     assert not _watched(model) and not _watched(model.blk)
     assert model.blk[0].quant_options.estimator == model.blk[1].quant_options.estimator == "per_sample"
     assert model.head.quant_options.estimator == "running"
@@ -161,6 +202,16 @@ def test_learned_thresholds_are_left_as_they_are():
     assert model.blk[1].quant_options.estimator == "learned"
 
 
+def test_keep_running_ranges_cancels_a_switch_found_already():
+    torch.manual_seed(0)
+    model = patch_model(TwiceCalled(), ops=["gelu"])
+    with pytest.warns(UserWarning, match="keep_running_ranges"):
+        model(torch.randn(8, 32))
+    keep_running_ranges(model)
+    model(torch.randn(8, 32))
+    assert model.blk[1].quant_options.estimator == "running" and not _watched(model)
+
+
 def test_a_plan_watches_the_whole_model():
     from mesa_train.plan import OTHER, Plan
 
@@ -170,7 +221,9 @@ def test_a_plan_watches_the_whole_model():
     assert _watched(model)
     with pytest.warns(UserWarning, match=r"blk \(Sequential, 2 calls\)"):
         model(torch.randn(8, 32))
+    model(torch.randn(8, 32))
     assert not _watched(model) and not _watched(model.blk)
+    assert model.blk[0].quant_options.estimator == "per_sample"
 
 
 def test_timm_coat_shared_position_encodings_take_per_sample_ranges():
@@ -179,6 +232,7 @@ def test_timm_coat_shared_position_encodings_take_per_sample_ranges():
     model = patch_model(build("coat_lite_tiny")).train()
     with pytest.warns(UserWarning, match=r"cpe1 \(ConvPosEnc, 2 calls\)"):
         model(example("coat_lite_tiny"))
+    model(example("coat_lite_tiny"))
     assert model.cpe1.proj.quant_options.estimator == "per_sample"
     assert model.serial_blocks1[0].mlp.fc1.quant_options.estimator == "running"
 
@@ -193,14 +247,20 @@ def test_mvitv2_rel_pos_einsum_called_for_rel_h_and_rel_w_is_not_reuse():
     assert model.stages[0].blocks[0].attn.mesa_einsum.quant_options.estimator == "running"
 
 
-def test_the_first_forward_saves_what_later_ones_do_under_activation_checkpointing():
-    """The counting hooks read no argument, so a patched ViT block still runs norm + qkv as
-    one op in the watched forward: checkpointing's recomputation (no hooks then) saves the
-    same tensors (it raised CheckpointError when the hooks turned the fused path off)."""
+@pytest.mark.parametrize("part_first", [False, True], ids=["model", "attention_patched_first"])
+def test_the_watched_forward_saves_what_later_ones_do_under_activation_checkpointing(part_first):
+    """The hooks read no argument, so a patched ViT block still runs norm + qkv as one op in
+    the watched forward: checkpointing's recomputation (no hooks then) saves the same tensors
+    (it raised CheckpointError when the hooks turned the fused path off). Also when the
+    attention was patched on its own first and holds a watch of its own."""
     import timm
 
     torch.manual_seed(0)
-    model = patch_model(timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2)).train()
+    model = timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2).train()
+    if part_first:
+        patch_model(model.blocks[0].attn)
+    patch_model(model)
     model.set_grad_checkpointing(True)
-    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    for _ in range(2):
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
     assert not _watched(model)

@@ -5,48 +5,72 @@ A quantizer's running range (``estimator="running"``, the paper's, or ``"delayed
 twice on different inputs averages two distributions into one range: RegionViT's attention
 runs on the 16 region tokens, then on 50-token windows whose attention maps peak 4-5x higher,
 and the windows' maps were clamped to the regions' range (a block's LayerNorm weight gradient
-at cosine 0.43 against stock's). timm has such modules too: CoaT's shared convolutional
-position encodings and ``mlp2``, EfficientViT's ``PatchMerging.act`` and ``LiteMLA.kernel_func``,
-MViTv2's relative-position einsum, Gemma 4's clamps.
+at cosine 0.43 against stock's). In timm: CoaT's shared convolutional position encodings
+(``cpe*``, ``crpe*``) and ``coat_tiny``'s ``mlp2`` (also its ``mlp3``, ``mlp4``).
 
 ``watch_reuse(root)`` (installed by ``patch_model``) counts, during the first eager training
-forward of ``root``, how often each Mesa layer that keeps a running range is called. A layer
-is switched to ``estimator="per_sample"`` (each call's own statistics: the paper's Table 2
-ablation, nothing clamped) at its second call, before that call compresses: its first call
-started the running range from its own batch, so no call of the first step is clamped. One
-warning at the end of that forward lists the layers. The counting hooks
-exist for that one forward only (no cost afterwards). Not under ``torch.compile``: a compiled
-first forward is traced, so the check waits for an eager one (give such models
-``estimator="per_sample"`` yourself).
+forward of ``root``, the calls of each module that holds Mesa layers with a moving range. The
+layers of a module called more than once switch to ``estimator="per_sample"`` (each call's own
+statistics: the paper's Table 2 ablation, nothing clamped) at the start of the next training
+forward, and one warning says so at the end of the first. Not at once: activation
+checkpointing recomputes the first step's segments in its backward, and they must save what
+the forward saved (same estimator, same shapes), so the first step keeps its running ranges
+(its second call clamped, as without this module). The hooks read no argument (the memory
+meter's input-agnostic mark: a patched block still fuses norm + Linear while watched) and go
+with the switch: no cost afterwards.
+
+Not watched: a forward under ``torch.compile`` (traced: the check waits for an eager one; blocks
+compiled in place end it, their hooks would be traced into each block's graph), a reentrant
+checkpoint's segment (its forward runs without gradients), ``nn.DataParallel`` replicas (they
+share the model's hook dicts). A resumed run detects again (the estimator is not in the
+format record): its first step keeps running ranges. :func:`keep_running_ranges` turns the
+check off for a model.
 """
 from __future__ import annotations
 
 import collections
+import sys
 import warnings
+import weakref
 
 import torch
 from torch import nn
 
 from mesa_train.memory import INPUT_AGNOSTIC_HOOK
+from mesa_train.models import unwrap_module
 from mesa_train.nn import MesaLayer
 
-__all__ = ["watch_reuse", "reused_layers", "calls_repeat_one_input", "RANGE_ESTIMATORS"]
+__all__ = ["watch_reuse", "keep_running_ranges", "reused_layers", "calls_repeat_one_input", "RANGE_ESTIMATORS"]
 
 # the estimators whose range is one moving average over the calls (what a second call disturbs)
 RANGE_ESTIMATORS = ("running", "delayed")
 # set on a layer that patch_model calls several times a forward on one tensor by design (MViTv2's
 # and SAM's rel-pos einsum child: the same q with rel_h, then rel_w): one distribution, not counted
 REPEATS_ONE_INPUT = "mesa_calls_repeat_one_input"
-_active: list = []  # the session under way: [root, {layer name: calls}, layer hook handles]
+# on the root between its first training forward and the next: the modules found called again
+PENDING = "_mesa_reuse_pending"
+# the session under way: (weak reference to its root, {module name: calls}, counting hook
+# handles, holders); weak and checked at each start, so an interrupted forward (Ctrl-C skips the
+# always-call hook) neither keeps its model alive nor blocks the next model's watch
+_active: list = []
 
 
 def watch_reuse(root: nn.Module) -> None:
-    """Count the Mesa layers' calls in ``root``'s next eager training forward (see the module
-    doc); once per root, again after a later ``patch_model`` of it."""
+    """Count the calls in ``root``'s next eager training forward (see the module doc); once per
+    root, again after a later ``patch_model`` of it."""
     if _watched(root):
         return
     root.register_forward_pre_hook(_start, prepend=True)
     root.register_forward_hook(_finish, always_call=True)
+
+
+def keep_running_ranges(model: nn.Module) -> None:
+    """Turn the check off for ``model``: reused modules keep one running range per layer (the
+    paper's estimator as it is). Before its second training forward, this also cancels a switch
+    the first one found."""
+    root = unwrap_module(model, "keep_running_ranges")
+    _stop_watching(root)
+    root.__dict__.pop(PENDING, None)
 
 
 def _watched(m: nn.Module) -> bool:
@@ -72,21 +96,38 @@ def reused_layers(root: nn.Module) -> dict[str, MesaLayer]:
 
 def _holders(root: nn.Module) -> dict[str, tuple[nn.Module, list]]:
     """Each module below ``root`` that holds range-keeping Mesa layers (itself or inside it),
-    with them. Modules, not only the layers, are counted: a patched block may run its layers
-    inside one op without calling them (the norm and qkv of a shared copy)."""
+    with the names of those layers. Modules, not only the layers, are counted: a patched block
+    may run its layers inside one op without calling them (the norm and qkv of a shared copy)."""
     layers = reused_layers(root)
     holders: dict[str, tuple[nn.Module, list]] = {}
     for name, module in root.named_modules():
         if name and not getattr(module, REPEATS_ONE_INPUT, False):
-            inside = [m for n, m in layers.items() if n == name or n.startswith(name + ".")]
+            inside = [n for n in layers if n == name or n.startswith(name + ".")]
             if inside:
                 holders[name] = (module, inside)
     return holders
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running (a checkpoint recomputing a segment)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _start(root: nn.Module, args) -> None:
-    if torch.compiler.is_compiling() or _active or not (root.training and torch.is_grad_enabled()):
-        return  # (traced; an inner root's forward within the session under way; eval)
+    if torch.compiler.is_compiling() or not (root.training and torch.is_grad_enabled()) or _in_backward():
+        return  # (traced; eval; a recomputation)
+    if getattr(root, "_is_replica", False):
+        return  # (nn.DataParallel: a replica shares the model's hook dicts, its options are its own)
+    if _active:
+        session_root = _active[0][0]()
+        if session_root is not None and session_root is not root and any(m is root for m in session_root.modules()):
+            return  # an inner root's forward within the session under way
+        _end_session()  # left by an interrupted forward
+    pending = root.__dict__.pop(PENDING, None)
+    if pending is not None:  # the first forward found reuse: switch now, before anything compresses
+        _switch(root, pending)
+        _stop_watching(root)
+        return
     if any(getattr(m, "_compiled_call_impl", None) is not None for m in root.modules()):
         _stop_watching(root)  # blocks compiled in place (compile_scope "blocks"): hooks would be traced
         return
@@ -95,43 +136,55 @@ def _start(root: nn.Module, args) -> None:
         _stop_watching(root)
         return
     calls: collections.Counter = collections.Counter()
-    hooks = [m.register_forward_pre_hook(_counter(calls, name, inside)) for name, (m, inside) in holders.items()]
-    _active.append((root, calls, hooks, holders))
+    hooks = [m.register_forward_pre_hook(_counter(calls, name)) for name, (m, _) in holders.items()]
+    _active.append((weakref.ref(root), calls, hooks, holders))
 
 
-def _counter(calls, name, inside):
+def _counter(calls, name):
     def count(module, args):
-        if not torch.is_grad_enabled():  # (a call under no_grad keeps nothing)
-            return
-        calls[name] += 1
-        if calls[name] == 2:  # before this call compresses: the first step's second call is not clamped either
-            for layer in inside:
-                if layer.quant_options.estimator in RANGE_ESTIMATORS:
-                    layer.set_quant_options(estimator="per_sample")
-    # reads no argument: a patched block still runs norm + Linear as one call (layernorm_linear.plain_call),
-    # so the first forward saves what every later one does (activation checkpointing compares them)
+        if torch.is_grad_enabled():  # (a call under no_grad keeps nothing)
+            calls[name] += 1
     setattr(count, INPUT_AGNOSTIC_HOOK, True)
     return count
 
 
-def _finish(root: nn.Module, args, output) -> None:
-    if torch.compiler.is_compiling() or not _active or _active[0][0] is not root:
-        return
+def _end_session():
     _, calls, hooks, holders = _active.pop()
     for h in hooks:
         h.remove()
-    _stop_watching(root)
+    return calls, holders
+
+
+def _finish(root: nn.Module, args, output) -> None:
+    if torch.compiler.is_compiling() or not _active or _active[0][0]() is not root:
+        return
+    calls, holders = _end_session()
+    if sys.exc_info()[0] is not None:
+        return  # the forward raised: the watch stays for the next one
     reused = [name for name, n in calls.items() if n > 1]
     # the outermost modules called again (their children ran again with them)
     outer = [n for n in reused if not any(n.startswith(o + ".") for o in reused)]
-    if outer:
-        switched = {id(m) for n in outer for m in holders[n][1]}
-        names = ", ".join(f"{n} ({type(holders[n][0]).__name__}, {calls[n]} calls)" for n in outer)
-        warnings.warn(
-            f"mesa_train: module(s) of {type(root).__name__} ran more than once in one forward: {names}. One "
-            "running range cannot follow each call's inputs (the larger ones were clamped), so their "
-            f"{len(switched)} Mesa layer(s) now use estimator='per_sample' (each call's own ranges). To keep "
-            "running ranges, give each call its own module", UserWarning, stacklevel=2)
+    if not outer:
+        _stop_watching(root)
+        return
+    layers = sorted({layer for n in outer for layer in holders[n][1]})
+    root.__dict__[PENDING] = layers
+    names = ", ".join(f"{n} ({type(holders[n][0]).__name__}, {calls[n]} calls)" for n in outer)
+    warnings.warn(
+        f"mesa_train: module(s) of {type(root).__name__} ran more than once in one forward: {names}. One "
+        "running range per layer would clamp the larger calls' values, so from the next training step their "
+        f"{len(layers)} Mesa layer(s) use estimator='per_sample' (each call's own ranges); "
+        "mesa_train.patch.reuse.keep_running_ranges(model) keeps the running ranges", UserWarning, stacklevel=2)
+
+
+def _switch(root: nn.Module, names) -> None:
+    for name in names:
+        try:
+            layer = root.get_submodule(name)
+        except AttributeError:
+            continue  # (patched again since, or removed)
+        if isinstance(layer, MesaLayer) and layer.quant_options.estimator in RANGE_ESTIMATORS:
+            layer.set_quant_options(estimator="per_sample")
 
 
 def _stop_watching(root: nn.Module) -> None:
@@ -144,3 +197,9 @@ def _stop_watching(root: nn.Module) -> None:
         for key in [k for k, h in m._forward_hooks.items() if h is _finish]:
             del m._forward_hooks[key]
             m._forward_hooks_always_called.pop(key, None)
+
+
+# the root's own hooks read no argument either (a root patched on its own, an attention inside a
+# model patched after it, must not turn its block's norm + qkv fusion off while watched)
+setattr(_start, INPUT_AGNOSTIC_HOOK, True)
+setattr(_finish, INPUT_AGNOSTIC_HOOK, True)
