@@ -772,7 +772,8 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
             install_generic(m, tuple(o for o in wanted if not (einsum_core and einsum_only and o == "matmul")), heads,
                             _module_device(m), lambda h, opts=t.quant_options: _core_options(h, opts, repeats),
                             einsum_role=einsum_role)
-            wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), t.options(None, heads))
+            wanted += install_cosine(m, t.op_names, found, heads, _module_device(m),
+                                     _core_options(heads, t.options(None, heads), repeats))
             if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
                 install_routed(m, EINSUM_CHILD, lambda: calls_repeat_one_input(  # (q with rel_h, then with rel_w)
                     mnn.Einsum(device=_module_device(m), **t.options(None, heads))))
@@ -780,7 +781,8 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
                 for role, child in enumerate(EINSUM_CORE):  # (both operands activations: no position table)
                     if einsum_role is None or role == einsum_role:
                         install_routed(m, child, lambda: mnn.Einsum(tables=False, device=_module_device(m),
-                                                                    **t.options(None, heads)))
+                                                                    **_core_options(heads, t.options(None, heads),
+                                                                                    repeats)))
             swap_sam_attention(m)  # SAM's decomposed rel-pos bias: kept as its tables (patch/sam.py)
             if "baddbmm" in matmul_kinds(type(m), functions=True):  # (its q @ k^T runs stock: reported)
                 wanted = tuple(o for o in wanted if o != "matmul")

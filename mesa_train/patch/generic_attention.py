@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import functional_calls
-from .rules import count_functional_calls, methods_reached_code, scan_functional_ops
+from .rules import count_functional_calls, matmul_kinds, scalar_product_scales, scan_functional_ops
 
 __all__ = ["AMAX_CHILD", "CORE_REPEATS_ATTR", "EINSUM_CHILD", "EINSUM_CORE", "capture_calls", "install",
            "install_routed", "install_cosine", "install_linear", "install_scales", "is_generic_attention", "CHILDREN",
@@ -49,6 +49,10 @@ SOFTMAX_ANY_DIM_ATTR = "_mesa_softmax_any_dim"
 # EfficientViT-M's cascade): the products take the q.k and attn.v roles in turn, every softmax
 # is the core's, and the children (per-sample ranges: each head its own input) serve every head
 CORE_REPEATS_ATTR = "_mesa_core_repeats"
+# set where a module nested in the attention multiplies batched tensors itself (a relative-position
+# child's q @ table^T): a captured product is then the core's only when the attention's own code
+# made it (functional_calls.own_call, a walk up the frames, spared to every other attention)
+NESTED_PRODUCTS_ATTR = "_mesa_nested_products"
 SCALES_ATTR = "_mesa_scales"  # {parameter name: ChannelScale child name}
 _SECOND_CORE_SAID: set = set()  # the module classes whose second attention core was reported
 _MATMULS = {torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.bmm}
@@ -134,6 +138,8 @@ class _Capture(TorchFunctionMode):
             return None
         role = self.products
         self.products += 1
+        if role > 1 and getattr(self.owner, CORE_REPEATS_ATTR, False):
+            role %= 2  # (the next head's core)
         if role >= len(EINSUM_CORE):
             _second_core(self.owner, "a third batched product")
             return None
@@ -194,7 +200,8 @@ class _Capture(TorchFunctionMode):
             self.logits = func(*args, **kwargs)
             return self.logits
         if (func in _MATMULS and len(args) == 2 and _batched(args[0]) and _batched(args[1]) and not kwargs
-                and ("mesa_qk" in owner._modules or "mesa_av" in owner._modules)):
+                and ("mesa_qk" in owner._modules or "mesa_av" in owner._modules)
+                and (not owner.__dict__.get(NESTED_PRODUCTS_ATTR) or functional_calls.own_call(owner))):
             self.products += 1
             role = self.products - 1
             if role > 1 and getattr(owner, CORE_REPEATS_ATTR, False):
@@ -304,10 +311,11 @@ def _route_logit_scale(owner, logits, a, b):
 
 
 def _scalar_scale(module: nn.Module) -> bool:
-    """A learned scalar the module's forward reads (LSA's ``temperature``): a candidate logit
-    scale (a 0-d parameter it never names would give a child that never runs)."""
-    names = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 0 and p.requires_grad]
-    return bool(names) and any(n in code.co_names for code in methods_reached_code(type(module)) for n in names)
+    """A learned scalar that the forward multiplies a product by (LSA's ``matmul(q, k^T) *
+    self.temperature.exp()``, ``rules.scalar_product_scales``): a candidate logit scale. Any
+    other use (ReZero's ``x + self.alpha * out``, a division) would give a child that never runs."""
+    names = scalar_product_scales(type(module))
+    return any(p.dim() == 0 and p.requires_grad for n, p in module.named_parameters(recurse=False) if n in names)
 
 
 def install_cosine(module: nn.Module, ops, found, heads: Optional[int], device, options) -> Tuple[str, ...]:
@@ -398,6 +406,9 @@ def install(module: nn.Module, ops, heads: Optional[int], device, make_options,
         module.mesa_av = MatMul(operands=(), device=device, **opts)
     if not any(n in module._modules for n in CHILDREN):
         return None
+    module.__dict__[NESTED_PRODUCTS_ATTR] = any(
+        matmul_kinds(type(c), functions=True) for c in module.modules()
+        if c is not module and type(c).__module__.split(".")[0] not in ("torch", "mesa_train"))
     _install_capture(module)
     return ",".join(o for o in ("sdpa", "matmul", "softmax") if o in ops)
 

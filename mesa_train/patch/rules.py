@@ -35,6 +35,7 @@ import types
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+import torch
 from torch import nn
 
 __all__ = ["ModuleInfo", "classify", "function_attributes", "scan_functional_ops", "scan_inline_scales",
@@ -328,8 +329,8 @@ def product_order(cls: type) -> Optional[Tuple[str, ...]]:
     the source: an inner product completes before the one around it. Static, cached."""
     key = ("order", cls)
     if key not in _SCAN_CACHE:
-        trees = _methods_reached(cls)
-        found = [(name, _products(tree)) for name, tree in trees]
+        trees = _methods_reached(cls, functions=True)
+        found = [(name, _products(tree, cls)) for name, tree in trees]
         order = None
         if found and found[0][0] == "forward" and not any(p for _, p in found[1:]):
             order = tuple(kind for _, kind in sorted(found[0][1]))
@@ -337,7 +338,11 @@ def product_order(cls: type) -> Optional[Tuple[str, ...]]:
     return _SCAN_CACHE[key]
 
 
-def _products(tree) -> List[Tuple[Tuple[int, int], str]]:
+def _products(tree, cls: type) -> List[Tuple[Tuple[int, int], str]]:
+    """The batched products in ``tree`` with where each ends. An ``einsum`` counts only where it
+    is torch's (``torch.einsum``, or a name bound to it in ``cls``'s module): ``einops.einsum``
+    calls torch's from einops' own code, which the capture does not route."""
+    module_globals = getattr(sys.modules.get(cls.__module__), "__dict__", {})
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
@@ -347,9 +352,57 @@ def _products(tree) -> List[Tuple[Tuple[int, int], str]]:
             if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
                 continue
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name == "einsum" and not _is_torch_einsum(f, module_globals):
+                continue
             if name in _PRODUCT_CALLS:
                 out.append(((node.end_lineno, node.end_col_offset), name))
     return out
+
+
+def _is_torch_einsum(f, module_globals: dict) -> bool:
+    if isinstance(f, ast.Name):
+        return module_globals.get(f.id) is torch.einsum
+    return isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and module_globals.get(f.value.id) is torch
+
+
+def scalar_product_scales(cls: type) -> frozenset:
+    """Attributes ``p`` that ``cls.forward`` multiplies a batched product by, as ``product *
+    self.p`` or ``product * self.p.exp()`` (either side): LSA's learned temperature. Static."""
+    key = ("scalar_scales", cls)
+    if key not in _SCAN_CACHE:
+        found = set()
+        for _, tree in _methods_reached(cls):
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+                    continue
+                for side, other in ((node.left, node.right), (node.right, node.left)):
+                    name = _self_attribute(side.func.value if _is_exp_call(side) else side)
+                    if name is not None and _is_product(other, cls):
+                        found.add(name)
+        _SCAN_CACHE[key] = frozenset(found)
+    return _SCAN_CACHE[key]
+
+
+def _is_product(node, cls: type) -> bool:
+    """``node`` is a batched product, or a product times or over other factors (``q @ k^T *
+    self.scale``); not a call around one (``self.to_out(attn @ v)``)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+        return _is_product(node.left, cls) or _is_product(node.right, cls)
+    if isinstance(node, (ast.BinOp, ast.Call)):
+        found = _products(node, cls)
+        return bool(found) and max(found)[0] == (node.end_lineno, node.end_col_offset)
+    return False
+
+
+def _is_exp_call(node) -> bool:
+    return (isinstance(node, ast.Call) and not node.args and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "exp")
+
+
+def _self_attribute(node) -> Optional[str]:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
 
 
 def core_in_loop(cls: type) -> bool:
@@ -359,18 +412,18 @@ def core_in_loop(cls: type) -> bool:
     batched products and a softmax, and no product is outside it. Static, cached."""
     key = ("loop", cls)
     if key not in _SCAN_CACHE:
-        trees = _methods_reached(cls)
+        trees = _methods_reached(cls, functions=True)
         found = False
-        if trees and trees[0][0] == "forward" and not any(_products(t) for _, t in trees[1:]):
+        if trees and trees[0][0] == "forward" and not any(_products(t, cls) for _, t in trees[1:]):
             tree = trees[0][1]
-            total = len(_products(tree))
+            total = len(_products(tree, cls))
             for node in ast.walk(tree):
                 if isinstance(node, (ast.For, ast.While)):
                     inner = ast.Module(body=node.body, type_ignores=[])
                     softmax = any(isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
                                   and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) == "softmax"
                                   for n in ast.walk(inner))
-                    if softmax and len(_products(inner)) == total == 2:
+                    if softmax and len(_products(inner, cls)) == total == 2:
                         found = True
                         break
         _SCAN_CACHE[key] = found
