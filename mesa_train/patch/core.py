@@ -769,11 +769,10 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
             repeats = core_in_loop(type(m))
             if repeats:
                 object.__setattr__(m, CORE_REPEATS_ATTR, True)
+            core_opts = _core_options(heads, t.quant_options, repeats)
             install_generic(m, tuple(o for o in wanted if not (einsum_core and einsum_only and o == "matmul")), heads,
-                            _module_device(m), lambda h, opts=t.quant_options: _core_options(h, opts, repeats),
-                            einsum_role=einsum_role)
-            wanted += install_cosine(m, t.op_names, found, heads, _module_device(m),
-                                     _core_options(heads, t.options(None, heads), repeats))
+                            _module_device(m), lambda _heads: core_opts, einsum_role=einsum_role)
+            wanted += install_cosine(m, t.op_names, found, heads, _module_device(m), core_opts)
             if "matmul" in wanted and isinstance(m, _EINSUM_ATTENTION):
                 install_routed(m, EINSUM_CHILD, lambda: calls_repeat_one_input(  # (q with rel_h, then with rel_w)
                     mnn.Einsum(device=_module_device(m), **t.options(None, heads))))
@@ -781,8 +780,7 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
                 for role, child in enumerate(EINSUM_CORE):  # (both operands activations: no position table)
                     if einsum_role is None or role == einsum_role:
                         install_routed(m, child, lambda: mnn.Einsum(tables=False, device=_module_device(m),
-                                                                    **_core_options(heads, t.options(None, heads),
-                                                                                    repeats)))
+                                                                    **core_opts))
             swap_sam_attention(m)  # SAM's decomposed rel-pos bias: kept as its tables (patch/sam.py)
             if "baddbmm" in matmul_kinds(type(m), functions=True):  # (its q @ k^T runs stock: reported)
                 wanted = tuple(o for o in wanted if o != "matmul")
@@ -1022,10 +1020,11 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]],
         reached = _route_calls(t, name, m, found)
         if reached:
             generic[name] = generic.get(name, ()) + reached
-        scanned[name or "<root>"] = tuple(o for o in found if o not in generic.get(name, ()))
-        hit = tuple(o for o in found if o in t.op_names and o not in generic.get(name, ()))
+        key = name or "<root>"
+        scanned[key] = tuple(o for o in found if o not in generic.get(name, ()))
+        hit = tuple(o for o in scanned[key] if o in t.op_names)
         if hit:
-            unreached[name or "<root>"] = hit
+            unreached[key] = hit
     return unreached
 
 

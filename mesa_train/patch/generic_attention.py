@@ -124,6 +124,16 @@ class _Capture(TorchFunctionMode):
         # the output itself: unlike the eager-only sharing cache this holds under torch.compile
         self.probs = self.probs_copy = None
 
+    def _next_role(self) -> int:
+        """The role of the core product being captured: 0 for q.k, 1 for attn.v, 2 and on for
+        products past the core; in a core run once per head (``CORE_REPEATS_ATTR``) the roles
+        come round again for the next head."""
+        role = self.products
+        self.products += 1
+        if role > 1 and getattr(self.owner, CORE_REPEATS_ATTR, False):
+            role %= 2
+        return role
+
     def _einsum_core(self, args, kwargs):
         """An einsum-only attention's products (lucidrains' ``einsum('b h i d, b h j d -> b h i
         j', q, k)`` and ``einsum('b h i j, b h j d -> b h i d', attn, v)``): the first batched
@@ -136,10 +146,7 @@ class _Capture(TorchFunctionMode):
             return None
         if not functional_calls.own_call(self.owner):  # (an attention nested in this module runs its own)
             return None
-        role = self.products
-        self.products += 1
-        if role > 1 and getattr(self.owner, CORE_REPEATS_ATTR, False):
-            role %= 2  # (the next head's core)
+        role = self._next_role()
         if role >= len(EINSUM_CORE):
             _second_core(self.owner, "a third batched product")
             return None
@@ -202,10 +209,7 @@ class _Capture(TorchFunctionMode):
         if (func in _MATMULS and len(args) == 2 and _batched(args[0]) and _batched(args[1]) and not kwargs
                 and ("mesa_qk" in owner._modules or "mesa_av" in owner._modules)
                 and (not owner.__dict__.get(NESTED_PRODUCTS_ATTR) or functional_calls.own_call(owner))):
-            self.products += 1
-            role = self.products - 1
-            if role > 1 and getattr(owner, CORE_REPEATS_ATTR, False):
-                role %= 2  # (the next head's core)
+            role = self._next_role()
             if role == 0 and "mesa_qk" in owner._modules:
                 logits = owner.mesa_qk(args[0], args[1])
                 if torch.compiler.is_compiling():

@@ -40,7 +40,7 @@ from mesa_train.memory import INPUT_AGNOSTIC_HOOK
 from mesa_train.models import unwrap_module
 from mesa_train.nn import MesaLayer
 
-__all__ = ["watch_reuse", "keep_running_ranges", "reused_layers", "calls_repeat_one_input", "RANGE_ESTIMATORS"]
+__all__ = ["watch_reuse", "keep_running_ranges", "range_layers", "calls_repeat_one_input", "RANGE_ESTIMATORS"]
 
 # the estimators whose range is one moving average over the calls (what a second call disturbs)
 RANGE_ESTIMATORS = ("running", "delayed")
@@ -86,7 +86,7 @@ def calls_repeat_one_input(layer: MesaLayer) -> MesaLayer:
     return layer
 
 
-def reused_layers(root: nn.Module) -> dict[str, MesaLayer]:
+def range_layers(root: nn.Module) -> dict[str, MesaLayer]:
     """The Mesa layers of ``root`` whose range a second call would disturb: running or delayed
     estimates on channel groups, at least one quantizer (a ReLU's bit mask has no range)."""
     return {name: m for name, m in root.named_modules()
@@ -98,14 +98,13 @@ def _holders(root: nn.Module) -> dict[str, tuple[nn.Module, list]]:
     """Each module below ``root`` that holds range-keeping Mesa layers (itself or inside it),
     with the names of those layers. Modules, not only the layers, are counted: a patched block
     may run its layers inside one op without calling them (the norm and qkv of a shared copy)."""
-    layers = reused_layers(root)
-    holders: dict[str, tuple[nn.Module, list]] = {}
-    for name, module in root.named_modules():
-        if name and not getattr(module, REPEATS_ONE_INPUT, False):
-            inside = [n for n in layers if n == name or n.startswith(name + ".")]
-            if inside:
-                holders[name] = (module, inside)
-    return holders
+    inside: dict[str, list] = collections.defaultdict(list)
+    for layer in range_layers(root):  # (each layer to itself and every module above it)
+        parts = layer.split(".")
+        for depth in range(1, len(parts) + 1):
+            inside[".".join(parts[:depth])].append(layer)
+    return {name: (module, inside[name]) for name, module in root.named_modules()
+            if name and name in inside and not getattr(module, REPEATS_ONE_INPUT, False)}
 
 
 def _in_backward() -> bool:

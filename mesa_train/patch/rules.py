@@ -267,11 +267,15 @@ def _functional_names(cls: type, functions: bool):
         for node in ast.walk(tree):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
                 yield "@"
-            elif isinstance(node, ast.Call):
-                f = node.func
-                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
-                    continue
-                yield f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            elif isinstance(node, ast.Call) and not _self_attribute(node.func):
+                yield _called_name(node)
+
+
+def _called_name(call: ast.Call) -> Optional[str]:
+    """The name a call calls: ``F.softmax(...)``, ``x.softmax(...)`` and ``softmax(...)`` ->
+    ``softmax``; None for anything else (a call of a call's result, a subscript)."""
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
 
 
 def methods_reached_code(cls: type, functions: bool = False) -> frozenset:
@@ -329,13 +333,18 @@ def product_order(cls: type) -> Optional[Tuple[str, ...]]:
     the source: an inner product completes before the one around it. Static, cached."""
     key = ("order", cls)
     if key not in _SCAN_CACHE:
-        trees = _methods_reached(cls, functions=True)
-        found = [(name, _products(tree, cls)) for name, tree in trees]
-        order = None
-        if found and found[0][0] == "forward" and not any(p for _, p in found[1:]):
-            order = tuple(kind for _, kind in sorted(found[0][1]))
-        _SCAN_CACHE[key] = order
+        tree = _forward_holding_products(cls)
+        _SCAN_CACHE[key] = None if tree is None else tuple(kind for _, kind in sorted(_products(tree, cls)))
     return _SCAN_CACHE[key]
+
+
+def _forward_holding_products(cls: type):
+    """The syntax tree of ``cls.forward`` when no method or module-level function it calls makes
+    a batched product of its own (the products' order and place are then the forward's), else None."""
+    trees = _methods_reached(cls, functions=True)
+    if not trees or trees[0][0] != "forward" or any(_products(tree, cls) for _, tree in trees[1:]):
+        return None
+    return trees[0][1]
 
 
 def _products(tree, cls: type) -> List[Tuple[Tuple[int, int], str]]:
@@ -347,12 +356,9 @@ def _products(tree, cls: type) -> List[Tuple[Tuple[int, int], str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
             out.append(((node.end_lineno, node.end_col_offset), "@"))
-        elif isinstance(node, ast.Call):
-            f = node.func
-            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
-                continue
-            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-            if name == "einsum" and not _is_torch_einsum(f, module_globals):
+        elif isinstance(node, ast.Call) and not _self_attribute(node.func):
+            name = _called_name(node)
+            if name == "einsum" and not _is_torch_einsum(node.func, module_globals):
                 continue
             if name in _PRODUCT_CALLS:
                 out.append(((node.end_lineno, node.end_col_offset), name))
@@ -412,18 +418,14 @@ def core_in_loop(cls: type) -> bool:
     batched products and a softmax, and no product is outside it. Static, cached."""
     key = ("loop", cls)
     if key not in _SCAN_CACHE:
-        trees = _methods_reached(cls, functions=True)
+        tree = _forward_holding_products(cls)
         found = False
-        if trees and trees[0][0] == "forward" and not any(_products(t, cls) for _, t in trees[1:]):
-            tree = trees[0][1]
-            total = len(_products(tree, cls))
+        if tree is not None and len(_products(tree, cls)) == 2:
             for node in ast.walk(tree):
                 if isinstance(node, (ast.For, ast.While)):
                     inner = ast.Module(body=node.body, type_ignores=[])
-                    softmax = any(isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
-                                  and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) == "softmax"
-                                  for n in ast.walk(inner))
-                    if softmax and len(_products(inner, cls)) == total == 2:
+                    softmax = any(isinstance(n, ast.Call) and _called_name(n) == "softmax" for n in ast.walk(inner))
+                    if softmax and len(_products(inner, cls)) == 2:
                         found = True
                         break
         _SCAN_CACHE[key] = found
