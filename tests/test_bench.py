@@ -691,3 +691,22 @@ def test_results_index_lists_every_committed_table():
     root = REPO / "results"
     assert (root / "README.md").read_text() == index_text(root), \
         "results/README.md is not the list of results/*/*.md: run python -m mesa_train.bench.report"
+
+
+def test_a_mesa_row_of_a_model_with_reused_modules_takes_per_sample_ranges_from_its_first_step():
+    """The bench probes as training does (mesa_train/patch/reuse.py): CoaT's shared position
+    encodings are switched before the first (warm-up, compiled or eager) step."""
+    import warnings
+
+    from mesa_train.bench import measure
+    from mesa_train.bench.presets import make_row
+
+    row = make_row({"model": "coat_lite_tiny", "batch_size": 2, "img_size": 32, "num_classes": 3, "amp": "fp32",
+                    "model_kwargs": {"embed_dims": [8, 16, 16, 16], "serial_depths": [2, 1, 1, 1]}},
+                   {"label": "m", "mesa": True})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = measure.build_for_row(row)
+    assert any("cpe1 (ConvPosEnc, 2 calls)" in str(w.message) for w in said)
+    assert model.cpe1.proj.quant_options.estimator == "per_sample" and model.training
+    assert model.serial_blocks1[0].mlp.fc1.quant_options.estimator == "running"

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mesa_train.patch import patch_model
-from mesa_train.patch.reuse import _start, keep_running_ranges
+from mesa_train.patch.reuse import _start, keep_running_ranges, probe_reuse
 
 from timm_zoo import build, example
 
@@ -57,7 +57,7 @@ def _grads(model, x, steps=1):
         model.zero_grad(set_to_none=True)
         out = model(x)
         (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(step))).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _worst_cosine(got, want):
@@ -264,3 +264,109 @@ def test_the_watched_forward_saves_what_later_ones_do_under_activation_checkpoin
     for _ in range(2):
         model(torch.randn(2, 3, 32, 32)).sum().backward()
     assert not _watched(model)
+
+
+# ---------------------------------------------------------------- the probe before training
+
+
+class TwiceCalledWithNorm(TwiceCalled):
+    """``TwiceCalled`` with a BatchNorm (its running statistics must not move in the probe),
+    a dropout (no draw from the generator), a frozen part (its eval flag kept) and, optionally,
+    a reentrant checkpoint (its segments run without gradients: the watch misses them)."""
+
+    def __init__(self, reentrant=False):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.1)
+        self.reentrant = reentrant
+
+    def run(self, x):
+        if self.reentrant:
+            return checkpoint(self.blk, x, use_reentrant=True)
+        return self.blk(x)
+
+    def forward(self, x):
+        return self.head(self.drop(self.run(30 * self.run(self.bn(x)))))
+
+
+def test_the_probe_switches_before_the_first_step_and_changes_nothing_else():
+    torch.manual_seed(0)
+    stock, x = TwiceCalledWithNorm().train(), torch.randn(64, 32)
+    patched = patch_model(copy.deepcopy(stock), ops=["linear"])
+    patched.bn.eval()  # (frozen: the probe gives each module its own flag back)
+    before = {k: v.clone() for k, v in patched.state_dict().items()}
+    rng = torch.get_rng_state()
+    with pytest.warns(UserWarning, match=r"blk \(Sequential, 2 calls\).*from the first training step"):
+        assert probe_reuse(patched, x[:1]) == ["blk.0"]
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, before[k]) for k, v in patched.state_dict().items())
+    assert patched.training and not patched.bn.training and patched.blk.training
+    assert patched.blk[0].quant_options.estimator == "per_sample" and not _watched(patched)
+    assert patched.head.quant_options.estimator == "running"
+    stock.bn.eval()
+    torch.manual_seed(1)  # (the same dropout masks: Mesa draws nothing from the generator)
+    want = _grads(stock, x)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (said once, by the probe)
+        got = _grads(patched, x)
+    assert _worst_cosine(got, want) > 0.999  # the first step too (the watch's is clamped: < 0.99 above)
+
+
+def test_the_probe_finds_reuse_inside_a_reentrant_checkpoint():
+    torch.manual_seed(0)
+    model = patch_model(TwiceCalledWithNorm(reentrant=True).train(), ops=["linear"])
+    x = torch.randn(8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the training watch misses it: the segments run under no_grad
+        model(x).sum().backward()
+    assert model.blk[0].quant_options.estimator == "running" and not _watched(model)
+    model = patch_model(TwiceCalledWithNorm(reentrant=True).train(), ops=["linear"])
+    with pytest.warns(UserWarning, match="ran more than once"):
+        assert probe_reuse(model, x) == ["blk.0"]
+
+
+def test_the_probe_under_torch_compile_switches_what_the_watch_cannot():
+    """A compiled model's forwards are traced, so the watch never counts: the probe, run before
+    compiling, gives the compiled training its per-sample ranges from the first step."""
+    torch.manual_seed(0)
+    stock, x = TwiceCalled().train(), torch.randn(64, 32)
+    want = _grads(copy.deepcopy(stock), x)
+    unprobed = torch.compile(patch_model(copy.deepcopy(stock), ops=["linear"]), backend="aot_eager")
+    probed = patch_model(copy.deepcopy(stock), ops=["linear"])
+    with pytest.warns(UserWarning, match="ran more than once"):
+        probe_reuse(probed, x[:1])
+    probed = torch.compile(probed, backend="aot_eager")
+    torch._dynamo.reset()
+    for _ in range(2):
+        assert _worst_cosine(_grads(unprobed, x), want) < 0.99  # no switch, step after step
+    torch._dynamo.reset()
+    assert _worst_cosine(_grads(probed, x), want) > 0.999
+    assert probed._orig_mod.blk[0].quant_options.estimator == "per_sample"
+
+
+def test_a_probe_that_finds_nothing_keeps_the_watch_and_keep_running_ranges_stops_it():
+    torch.manual_seed(0)
+    x = torch.randn(8, 32)
+    model = patch_model(CalledOnce().train())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert probe_reuse(model, x) == []
+    assert _watched(model)  # (a module reused in training only is still found by the first step)
+    model = patch_model(TwiceCalled().train(), ops=["linear"])
+    keep_running_ranges(model)
+    assert probe_reuse(model, x) == [] and model.blk[0].quant_options.estimator == "running"
+
+
+def test_the_training_run_probes_a_compiled_timm_coat(compose_train, tmp_path, aot_eager_compile):
+    """trainer.compile=true on CoaT: the runner's probe switches the shared position encodings
+    before the compiled steps (the watch alone left them on running ranges)."""
+    from conftest import FAST_TRAINER
+    from mesa_train.train.runner import fit
+
+    model = ["model=deit_ti", "model.name=coat_lite_tiny", "model.img_size=32",
+             "+model.kwargs.embed_dims=[8,16,16,16]", "+model.kwargs.serial_depths=[2,1,1,1]"]
+    cfg = compose_train(model + FAST_TRAINER + ["mesa.enabled=true", "trainer.compile=true"])
+    with pytest.warns(UserWarning, match=r"cpe1 \(ConvPosEnc, 2 calls\).*from the first training step"):
+        summary = fit(cfg, str(tmp_path))
+    assert summary["step"] == 2 and aot_eager_compile

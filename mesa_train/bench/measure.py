@@ -265,6 +265,13 @@ def build_for_row(row: RowConfig, device: torch.device | str = "cpu", patch: boo
         model = model.to(device)
     if row.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if row.mesa and patch and device.type != "meta":
+        # modules called more than once a forward: per-sample ranges from the first step, compiled
+        # or not, as in training (mesa_train/patch/reuse.py; imported here, as patch_model is:
+        # stock rows run where the package cannot be imported)
+        from mesa_train.patch.reuse import probe_reuse
+
+        probe_reuse(model, torch.zeros(1, 3, row.img_size, row.img_size, device=device))
     model.train()
     return model
 

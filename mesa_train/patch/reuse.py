@@ -22,9 +22,12 @@ with the switch: no cost afterwards.
 Not watched: a forward under ``torch.compile`` (traced: the check waits for an eager one; blocks
 compiled in place end it, their hooks would be traced into each block's graph), a reentrant
 checkpoint's segment (its forward runs without gradients), ``nn.DataParallel`` replicas (they
-share the model's hook dicts). A resumed run detects again (the estimator is not in the
-format record): its first step keeps running ranges. :func:`keep_running_ranges` turns the
-check off for a model.
+share the model's hook dicts). :func:`probe_reuse` covers those and the clamped first step: one
+forward of an example input in eval mode without gradients, before training, that switches at
+once. The training runner and the bench call it after patching (a blank image of the run's
+size), so a compiled run, a resumed run (the estimator is not in the format record) and the
+first step of any run get the per-sample ranges. :func:`keep_running_ranges` turns the check
+off for a model.
 """
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ from mesa_train.memory import INPUT_AGNOSTIC_HOOK
 from mesa_train.models import unwrap_module
 from mesa_train.nn import MesaLayer
 
-__all__ = ["watch_reuse", "keep_running_ranges", "range_layers", "calls_repeat_one_input", "RANGE_ESTIMATORS"]
+__all__ = ["watch_reuse", "probe_reuse", "keep_running_ranges", "range_layers", "calls_repeat_one_input",
+           "RANGE_ESTIMATORS"]
 
 # the estimators whose range is one moving average over the calls (what a second call disturbs)
 RANGE_ESTIMATORS = ("running", "delayed")
@@ -139,9 +143,9 @@ def _start(root: nn.Module, args) -> None:
     _active.append((weakref.ref(root), calls, hooks, holders))
 
 
-def _counter(calls, name):
+def _counter(calls, name, under_no_grad: bool = False):
     def count(module, args):
-        if torch.is_grad_enabled():  # (a call under no_grad keeps nothing)
+        if under_no_grad or torch.is_grad_enabled():  # (in training, a call under no_grad keeps nothing)
             calls[name] += 1
     setattr(count, INPUT_AGNOSTIC_HOOK, True)
     return count
@@ -160,20 +164,88 @@ def _finish(root: nn.Module, args, output) -> None:
     calls, holders = _end_session()
     if sys.exc_info()[0] is not None:
         return  # the forward raised: the watch stays for the next one
-    reused = [name for name, n in calls.items() if n > 1]
-    # the outermost modules called again (their children ran again with them)
-    outer = [n for n in reused if not any(n.startswith(o + ".") for o in reused)]
+    outer, layers = _reused(calls, holders)
     if not outer:
         _stop_watching(root)
         return
-    layers = sorted({layer for n in outer for layer in holders[n][1]})
     root.__dict__[PENDING] = layers
+    _warn(root, outer, calls, holders, len(layers), "from the next training step")
+
+
+def probe_reuse(model: nn.Module, *example_args, **example_kwargs) -> list[str]:
+    """Find the reused modules of ``model`` with one forward of the example inputs, before
+    training, and switch their Mesa layers to ``estimator="per_sample"`` at once; returns the
+    names of the layers switched.
+
+    For what the first-training-forward watch cannot see: a model trained under
+    ``torch.compile`` (whose forwards are traced), a reentrant checkpoint's segments, and the
+    first step of every run and resumed run (clamped by the watch). The probe runs in eval mode
+    without gradients, so nothing is compressed and nothing changes: no Mesa estimate, no
+    BatchNorm statistic, no draw from torch's generators (forked). Each module's train/eval flag
+    is restored. Call it after ``patch_model`` and before compiling or wrapping; an input of one
+    sample is enough (the calls a forward makes do not depend on the batch). Where it finds
+    nothing, the watch of the first training forward stays (a module reused in training only);
+    where it switches, the watch ends. After :func:`keep_running_ranges` it does nothing."""
+    root = unwrap_module(model, "probe_reuse")
+    if not any(_watched(m) for m in root.modules()):
+        return []  # (kept running ranges, or switched already)
+    holders = _holders(root)
+    if not holders:
+        _stop_watching(root)
+        return []
+    calls: collections.Counter = collections.Counter()
+    hooks = [m.register_forward_pre_hook(_counter(calls, name, under_no_grad=True))
+             for name, (m, _) in holders.items()]
+    try:
+        _forward_unchanged(root, example_args, example_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    outer, layers = _reused(calls, holders)
+    if not outer:
+        return []
+    _switch(root, layers)
+    root.__dict__.pop(PENDING, None)
+    _stop_watching(root)
+    _warn(root, outer, calls, holders, len(layers), "from the first training step")
+    return layers
+
+
+def _forward_unchanged(root: nn.Module, args, kwargs) -> None:
+    """One forward of ``root`` in eval mode without gradients, leaving every module's flag as
+    it was and torch's generators where they were."""
+    flags = {m: m.training for m in root.modules()}
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    cuda = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad(), warnings.catch_warnings():
+            # (a reentrant checkpoint warns that no input requires a gradient: none does here)
+            warnings.filterwarnings("ignore", "None of the inputs have requires_grad", UserWarning)
+            root.eval()
+            root(*args, **kwargs)
+    finally:
+        # train() first: a module's own train() clears what its eval forward cached (LeViT's
+        # attention-bias cache); then the flags of modules that were in the other mode (frozen ones)
+        root.train(flags[root])
+        for m, training in flags.items():
+            m.training = training
+
+
+def _reused(calls, holders) -> tuple[list[str], list[str]]:
+    """The outermost modules called more than once (their children ran again with them), and
+    the names of the Mesa layers they hold."""
+    reused = [name for name, n in calls.items() if n > 1]
+    outer = [n for n in reused if not any(n.startswith(o + ".") for o in reused)]
+    return outer, sorted({layer for n in outer for layer in holders[n][1]})
+
+
+def _warn(root, outer, calls, holders, num_layers: int, when: str) -> None:
     names = ", ".join(f"{n} ({type(holders[n][0]).__name__}, {calls[n]} calls)" for n in outer)
     warnings.warn(
         f"mesa_train: module(s) of {type(root).__name__} ran more than once in one forward: {names}. One "
-        "running range per layer would clamp the larger calls' values, so from the next training step their "
-        f"{len(layers)} Mesa layer(s) use estimator='per_sample' (each call's own ranges); "
-        "mesa_train.patch.reuse.keep_running_ranges(model) keeps the running ranges", UserWarning, stacklevel=2)
+        f"running range per layer would clamp the larger calls' values, so {when} their "
+        f"{num_layers} Mesa layer(s) use estimator='per_sample' (each call's own ranges); "
+        "mesa_train.patch.reuse.keep_running_ranges(model) keeps the running ranges", UserWarning, stacklevel=3)
 
 
 def _switch(root: nn.Module, names) -> None:

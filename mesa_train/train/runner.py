@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from mesa_train.compile_scope import compile_model
+from mesa_train.patch.reuse import probe_reuse
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 from mesa_train.train import rundir
@@ -228,6 +229,8 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
     _apply_plan(cfg, model, device, amp_dtype, loaders.num_classes, ckpt)
     if t.channels_last:
         model.to(memory_format=torch.channels_last)
+    if cfg.mesa.enabled:
+        _probe_reuse(cfg, model, device)
 
     ema = None
     if o.ema:
@@ -284,6 +287,18 @@ def _apply_plan(cfg, model, device, amp_dtype, num_classes, ckpt) -> None:
         apply_plan_from_config(cfg, model, device, amp_dtype, num_classes, saved_plan=saved)
     except PlanError as err:
         raise ConfigError(f"mesa.plan: {err}") from None
+
+
+def _probe_reuse(cfg, model, device) -> None:
+    """Modules a forward calls more than once get per-sample ranges from the first step, also
+    compiled and resumed (one eval forward of a blank image: mesa_train/patch/reuse.py)."""
+    x = torch.zeros(1, 3, cfg.model.img_size, cfg.model.img_size, device=device)
+    if cfg.trainer.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    layers = probe_reuse(model, x)
+    if layers:
+        log.info("estimator=per_sample for %d Mesa layer(s) of modules called more than once a forward",
+                 len(layers))
 
 
 def _wrap(cfg, model, device, amp_dtype, world):
