@@ -235,8 +235,9 @@ def test_a_self_attention_module_called_as_cross_attention_says_so():
     stock = _Reuse().train()
     mesa = patch_model(copy.deepcopy(stock))
     x, memory = torch.randn(5, 3, 16), torch.randn(7, 3, 16)
-    with pytest.warns(UserWarning, match="ran a cross-attention call: its key projection ran uncompressed"):
+    with pytest.warns(UserWarning, match="ran a cross-attention call: its key projection ran uncompressed") as said:
         got = mesa(x, memory)
+    assert {w.filename for w in said} == {__file__}  # (the line calling the attention, not torch's)
     assert torch.equal(got, stock(x, memory))
 
 

@@ -370,3 +370,14 @@ def test_the_training_run_probes_a_compiled_timm_coat(compose_train, tmp_path, a
     with pytest.warns(UserWarning, match=r"cpe1 \(ConvPosEnc, 2 calls\).*from the first training step"):
         summary = fit(cfg, str(tmp_path))
     assert summary["step"] == 2 and aot_eager_compile
+
+
+def test_the_warning_points_at_the_users_call():
+    """Raised from a hook inside torch's Module call, it names the line calling the model (or
+    the probe), not torch's module.py."""
+    x = torch.randn(2, 32)
+    for call in (lambda m: m(x), lambda m: probe_reuse(m, x)):
+        model = patch_model(TwiceCalled().train(), ops=["linear"])
+        with pytest.warns(UserWarning, match="ran more than once") as said:
+            call(model)
+        assert [w.filename for w in said] == [__file__]

@@ -202,8 +202,10 @@ def test_second_attention_core_in_one_forward_is_said_once():
         # torch 2.11, the GPU image's, raises while tracing an autograd.Function)
         warnings.simplefilter("error", UserWarning)
         compiled(x, memory)
-    with pytest.warns(UserWarning, match=r"DecoderLayer's forward ran a third batched product after the attention"):
+    said = r"DecoderLayer's forward ran a third batched product after the attention"
+    with pytest.warns(UserWarning, match=said) as said:
         got = mesa(x, memory)
+    assert [w.filename for w in said] == [__file__]  # (the line calling the layer, not mesa_train's)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (said once)
         again = mesa(x, memory)

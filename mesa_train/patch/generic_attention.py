@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mesa_train.warning_site import outside_stacklevel
+
 from . import functional_calls
 from .rules import count_functional_calls, matmul_kinds, scalar_product_scales, scan_functional_ops
 
@@ -92,7 +94,7 @@ def _second_core(owner: nn.Module, what: str) -> None:
     _SECOND_CORE_SAID.add(type(owner))
     warnings.warn(f"mesa_train: {type(owner).__name__}'s forward ran {what} after the attention core its Mesa "
                   "children compress (q @ k^T, one softmax, attn @ v): that part stays uncompressed. A module per "
-                  "attention (as timm's blocks have) compresses each", UserWarning, stacklevel=2)
+                  "attention (as timm's blocks have) compresses each", UserWarning, stacklevel=outside_stacklevel())
 
 
 def _softmax_input(func, args, kwargs) -> torch.Tensor:

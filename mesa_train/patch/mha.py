@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesa_train.nn.tracing import MesaTracingError, register_fx_leaf
+from mesa_train.warning_site import outside_stacklevel
 
 __all__ = ["MesaMultiheadAttention", "call_forms", "install", "supported"]
 
@@ -137,7 +138,7 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
         if why and not self._mesa_warned:
             self._mesa_warned = True
             warnings.warn(f"mesa_train: an nn.MultiheadAttention ran uncompressed in training: {why}", UserWarning,
-                          stacklevel=2)
+                          stacklevel=outside_stacklevel())
         return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
 
@@ -255,7 +256,8 @@ class MesaMultiheadAttention(nn.MultiheadAttention):
         which = " and ".join(n for n, missing in (("key", key), ("value", value)) if missing)
         warnings.warn(f"mesa_train: an nn.MultiheadAttention held by a torch layer that calls it as self-attention "
                       f"ran a cross-attention call: its {which} projection ran uncompressed (no Mesa child was "
-                      "built for it). Use a module of its own for the cross-attention", UserWarning, stacklevel=4)
+                      "built for it). Use a module of its own for the cross-attention", UserWarning,
+                      stacklevel=outside_stacklevel())
 
     def _compressed_forward(self, query, key, value, need_weights: bool, average_attn_weights: bool, mask=None,
                             is_causal: bool = False):

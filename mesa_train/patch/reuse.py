@@ -42,6 +42,7 @@ from torch import nn
 from mesa_train.memory import INPUT_AGNOSTIC_HOOK
 from mesa_train.models import unwrap_module
 from mesa_train.nn import MesaLayer
+from mesa_train.warning_site import outside_stacklevel
 
 __all__ = ["watch_reuse", "probe_reuse", "keep_running_ranges", "range_layers", "calls_repeat_one_input",
            "RANGE_ESTIMATORS"]
@@ -245,7 +246,9 @@ def _warn(root, outer, calls, holders, num_layers: int, when: str) -> None:
         f"mesa_train: module(s) of {type(root).__name__} ran more than once in one forward: {names}. One "
         f"running range per layer would clamp the larger calls' values, so {when} their "
         f"{num_layers} Mesa layer(s) use estimator='per_sample' (each call's own ranges); "
-        "mesa_train.patch.reuse.keep_running_ranges(model) keeps the running ranges", UserWarning, stacklevel=3)
+        "mesa_train.patch.reuse.keep_running_ranges(model) keeps the running ranges", UserWarning,
+        stacklevel=outside_stacklevel())
+
 
 
 def _switch(root: nn.Module, names) -> None:
