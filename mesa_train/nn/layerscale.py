@@ -20,7 +20,8 @@ kept in full precision. Two forms:
   patcher routes that product here (``patch/generic_attention.py``, ``install_scales``).
   Also the learned per-head logit scale / temperature of cosine attention (SwinV2's
   ``(q_n @ k_n^T) * logit_scale.exp()``, XCiT's ``* self.temperature``, shape ``(heads, 1, 1)``):
-  then ``x`` (the logits) is kept with per-head groups and ``dgamma`` is summed to its shape.
+  then ``x`` (the logits) is kept with per-head groups and ``dgamma`` is summed to its shape;
+  also a 0-d scale (lucidrains' LSA, ``dots * self.temperature.exp()``), groups along dim 1.
 * ``ChannelGate``: a ``ChannelScale`` for squeeze-excite's ``x * gate(x_se)``, the gate
   ``(N, C, 1, 1)`` (or ``(N, 1, 1, C)``): ``x`` kept with channel groups, ``dgamma`` summed the
   same way (the dim a broadcast ``gamma`` varies along last is the groups' dim).
@@ -59,9 +60,10 @@ class _ScaleFn(torch.autograd.Function):
         packed = k = None
         ctx.nhwc = False
         if ctx.needs_input_grad[1]:
-            if gamma.dim() <= 1:  # per channel (last dim): channel groups, small rows scaled
+            if gamma.dim() == 1:  # per channel (last dim): channel groups, small rows scaled
                 packed, k = compress_rows(quantizer, x, 1, max_exponent(x.dtype, out.dtype))
-            else:  # per head or per (sample, channel): groups along the dim gamma varies along
+            else:  # per head or per (sample, channel), or one scalar: groups along the dim gamma
+                # varies along (a scalar's: dim 1, the heads of attention logits)
                 xv, dim, ctx.nhwc = nhwc_view(x, _broadcast_dim(x, gamma), quantizer.options.channel_layout)
                 packed = quantizer.compress(xv, dim)
         ctx.cdt, ctx.x_dtype, ctx.g_dtype, ctx.g_shape = out.dtype, x.dtype, gamma.dtype, gamma.shape
@@ -76,10 +78,12 @@ class _ScaleFn(torch.autograd.Function):
         with no_autocast(g.device.type):
             g = g.to(ctx.cdt)
             if ctx.needs_input_grad[0]:
-                gx = (g * gamma.to(ctx.cdt)).to(ctx.x_dtype)
+                # (a 0-d scale as stock's autograd takes it: a bf16 gradient times the float32
+                # scalar, the scalar not rounded to bf16 first)
+                gx = (g * (gamma if gamma.dim() == 0 else gamma.to(ctx.cdt))).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 xh = from_nhwc(decompress_rows(packed, ctx.cdt, k), ctx.nhwc)
-                if len(ctx.g_shape) <= 1:
+                if len(ctx.g_shape) == 1:
                     gg = (g * xh).reshape(-1, xh.shape[-1]).sum(0).reshape(ctx.g_shape)
                 else:
                     gg = (g * xh).sum_to_size(ctx.g_shape)
@@ -91,7 +95,9 @@ def _scale(x: torch.Tensor, gamma: torch.Tensor, quantizer) -> torch.Tensor:
     """``x * gamma`` keeping a compressed ``x``: the C++ layer op in eager training with a channel
     format (``mesa::scale_train``, csrc/scale_autograd.cpp: a C++ autograd node, the same bits),
     else ``_ScaleFn``."""
-    fused = quantizer.fused_layer_args(x)
+    # (a 0-d scale, LSA's learned temperature, runs the Function: the C++ op takes per-channel
+    # and broadcast scales only)
+    fused = quantizer.fused_layer_args(x) if gamma.dim() else None
     if fused is not None:
         return torch.ops.mesa.scale_train(x, gamma, *fused, quantizer.options.row_scale)
     return _ScaleFn.apply(x, gamma, quantizer)

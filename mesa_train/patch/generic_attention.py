@@ -301,8 +301,9 @@ def _route_logit_scale(owner, logits, a, b):
     XCiT's ``temperature``: ``(heads, 1, 1)``-like, requires grad) or one learned scalar
     (lucidrains' LSA: ``dots * self.temperature.exp()``, 0-d): through ``mesa_logit_scale``
     (int8 logits, per-head groups), so the full-precision logits are not kept for its gradient.
-    A scalar goes in expanded to ``(heads, 1, 1)``: each product is the same float product as
-    stock's, and the expand's backward sums the per-head gradients into the scalar's."""
+    A scalar goes in as it is, whatever its dtype: ``x * s`` is stock's own product (under
+    autocast bf16 logits times the float32 scalar, a bf16 product), the logits are kept with
+    per-head groups and the scalar's gradient is ``sum(g * logits_hat)``."""
     child = owner._modules.get("mesa_logit_scale")
     if child is None:
         return None
@@ -311,8 +312,9 @@ def _route_logit_scale(owner, logits, a, b):
             continue
         if s.dim() >= 2 and s.numel() == x.shape[1] and s.shape[-1] == 1 and s.shape[-2] == 1:
             return child(x, s)
-        if s.dim() == 0 and s.dtype == x.dtype:
-            return child(x, s.expand(x.shape[1], 1, 1))
+        if s.dim() == 0:  # (as it is: x * s is stock's own product, also under autocast, where
+            # bf16 logits meet the float32 scalar and the product stays bf16)
+            return child(x, s)
     return None
 
 
