@@ -301,7 +301,7 @@ def test_the_probe_switches_before_the_first_step_and_changes_nothing_else():
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, before[k]) for k, v in patched.state_dict().items())
     assert patched.training and not patched.bn.training and patched.blk.training
-    assert patched.blk[0].quant_options.estimator == "per_sample" and not _watched(patched)
+    assert patched.blk[0].quant_options.estimator == "per_sample" and _watched(patched)
     assert patched.head.quant_options.estimator == "running"
     stock.bn.eval()
     torch.manual_seed(1)  # (the same dropout masks: Mesa draws nothing from the generator)
@@ -311,6 +311,51 @@ def test_the_probe_switches_before_the_first_step_and_changes_nothing_else():
         warnings.simplefilter("error")  # (said once, by the probe)
         got = _grads(patched, x)
     assert _worst_cosine(got, want) > 0.999  # the first step too (the watch's is clamped: < 0.99 above)
+    assert not _watched(patched)  # (the watch found nothing more in the first training forward)
+
+
+class ReusedInTrainingOnly(nn.Module):
+    """``shared`` reused in every mode, ``aux`` only in training (an auxiliary branch): the
+    probe sees the first, the watch of the first training forward the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.aux, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        x = self.shared(30 * self.shared(x))
+        if self.training:
+            x = x + self.aux(30 * self.aux(x)).mean()
+        return self.head(x)
+
+
+def test_after_the_probe_the_watch_still_finds_reuse_in_training_only():
+    torch.manual_seed(0)
+    model = patch_model(ReusedInTrainingOnly().train(), ops=["linear"])
+    x = torch.randn(8, 32)
+    with pytest.warns(UserWarning, match=r"shared \(Linear, 2 calls\).*from the first training step"):
+        assert probe_reuse(model, x[:1]) == ["shared"]
+    with pytest.warns(UserWarning, match=r"ran more than once in one forward: aux \(Linear, 2 calls\)\. "):
+        _grads(model, x)
+    _grads(model, x)
+    assert _estimators(model) == {"shared": "per_sample", "aux": "per_sample", "head": "running"}
+    # (one eager step first, then the probe: the step's finding is kept for the next)
+    model = patch_model(ReusedInTrainingOnly().train(), ops=["linear"])
+    with pytest.warns(UserWarning, match="from the next training step"):
+        _grads(model, x)
+    probe_reuse(model, x[:1])
+    _grads(model, x)
+    assert _estimators(model) == {"shared": "per_sample", "aux": "per_sample", "head": "running"}
+
+
+def test_a_part_of_a_patched_model_can_be_probed_and_keep_running_ranges_reaches_it():
+    torch.manual_seed(0)
+    model = patch_model(nn.Sequential(TwiceCalled(), nn.Linear(4, 2)).train(), ops=["linear"])
+    with pytest.warns(UserWarning, match="ran more than once"):
+        assert probe_reuse(model[0], torch.randn(1, 32)) == ["blk.0"]
+    model = patch_model(nn.Sequential(TwiceCalled(), nn.Linear(4, 2)).train(), ops=["linear"])
+    keep_running_ranges(model)
+    assert probe_reuse(model[0], torch.randn(1, 32)) == [] and model[0].blk[0].quant_options.estimator == "running"
 
 
 def test_the_probe_finds_reuse_inside_a_reentrant_checkpoint():

@@ -54,6 +54,8 @@ RANGE_ESTIMATORS = ("running", "delayed")
 REPEATS_ONE_INPUT = "mesa_calls_repeat_one_input"
 # on the root between its first training forward and the next: the modules found called again
 PENDING = "_mesa_reuse_pending"
+# on every module of a model given to keep_running_ranges (a probe of a part of it sees it too)
+KEEP = "_mesa_keep_running_ranges"
 # the session under way: (weak reference to its root, {module name: calls}, counting hook
 # handles, holders); weak and checked at each start, so an interrupted forward (Ctrl-C skips the
 # always-call hook) neither keeps its model alive nor blocks the next model's watch
@@ -63,6 +65,8 @@ _active: list = []
 def watch_reuse(root: nn.Module) -> None:
     """Count the calls in ``root``'s next eager training forward (see the module doc); once per
     root, again after a later ``patch_model`` of it."""
+    for m in root.modules():  # (patched again: checked again, as the watch below)
+        m.__dict__.pop(KEEP, None)
     if _watched(root):
         return
     root.register_forward_pre_hook(_start, prepend=True)
@@ -76,6 +80,8 @@ def keep_running_ranges(model: nn.Module) -> None:
     root = unwrap_module(model, "keep_running_ranges")
     _stop_watching(root)
     root.__dict__.pop(PENDING, None)
+    for m in root.modules():
+        m.__dict__[KEEP] = True
 
 
 def _watched(m: nn.Module) -> bool:
@@ -184,15 +190,18 @@ def probe_reuse(model: nn.Module, *example_args, **example_kwargs) -> list[str]:
     without gradients, so nothing is compressed and nothing changes: no Mesa estimate, no
     BatchNorm statistic, no draw from torch's generators (forked). Each module's train/eval flag
     is restored. Call it after ``patch_model`` and before compiling or wrapping; an input of one
-    sample is enough (the calls a forward makes do not depend on the batch). Where it finds
-    nothing, the watch of the first training forward stays (a module reused in training only);
-    where it switches, the watch ends. After :func:`keep_running_ranges` it does nothing."""
+    sample is enough (the calls a forward makes do not depend on the batch). The watch of the
+    first eager training forward stays for the layers still on running ranges: a module reused
+    in training only, or a Mesa child that a forward reaches only with gradients on (a routed
+    functional call), is switched from the second step, as without the probe. Calls under
+    ``no_grad`` inside the forward count here (the watch skips them): such a module gets
+    per-sample ranges it did not need. A part of a patched model can be probed on its own.
+    After :func:`keep_running_ranges` it does nothing."""
     root = unwrap_module(model, "probe_reuse")
-    if not any(_watched(m) for m in root.modules()):
-        return []  # (kept running ranges, or switched already)
-    holders = _holders(root)
+    if root.__dict__.get(KEEP):
+        return []
+    holders = _holders(root)  # (layers on running ranges only: none switched before)
     if not holders:
-        _stop_watching(root)
         return []
     calls: collections.Counter = collections.Counter()
     hooks = [m.register_forward_pre_hook(_counter(calls, name, under_no_grad=True))
@@ -206,8 +215,6 @@ def probe_reuse(model: nn.Module, *example_args, **example_kwargs) -> list[str]:
     if not outer:
         return []
     _switch(root, layers)
-    root.__dict__.pop(PENDING, None)
-    _stop_watching(root)
     _warn(root, outer, calls, holders, len(layers), "from the first training step")
     return layers
 
