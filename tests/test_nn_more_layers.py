@@ -121,6 +121,24 @@ def test_layernorm_act2d(act):
 
 
 @pytest.mark.parametrize("same", [False, True])
+def test_scaled_std_conv2d(same):
+    """timm's NFNet convs: the learned gain inside the standardization, the same parameter, its
+    gradient close to stock's; timm's forward bit for bit."""
+    from timm.layers import ScaledStdConv2d as TimmScaled, ScaledStdConv2dSame as TimmScaledSame
+
+    torch.manual_seed(0)
+    stock = TimmScaledSame(6, 8, 3, stride=2, gamma=1.7) if same else TimmScaled(6, 8, 3, stride=2, gamma=1.7)
+    with torch.no_grad():
+        stock.gain.uniform_(0.5, 1.5)
+    mesa = (mn.ScaledStdConv2dSame if same else mn.ScaledStdConv2d).from_module(copy.deepcopy(stock))
+    assert mesa.scale == stock.scale and mesa.same_pad == getattr(stock, "same_pad", False)
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    _compare(stock, mesa, torch.randn(4, 6, 9, 9))
+    with pytest.raises(TypeError, match="ScaledStdConv2d"):
+        mn.ScaledStdConv2d.from_module(nn.Conv2d(6, 8, 3))
+
+
+@pytest.mark.parametrize("same", [False, True])
 def test_std_conv2d(same):
     """timm's weight-standardized convs (BiT, the ViT hybrids' stems): timm's forward bit for
     bit, the 8-bit input in place of stock's, the weight gradient through the standardization."""

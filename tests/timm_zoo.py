@@ -124,6 +124,9 @@ ZOO = {
     "mobilenetv2_050": (dict(), 64),
     "regnety_002": (dict(), 64),
     "tf_efficientnet_b0": (dict(), 64),  # timm's Conv2dSame in every block
+    # added 2026-12-06 (session 76) with ScaledStdConv2d: the NF family's weight-standardized
+    # convs with a learned gain (they ran stock, reported as batchnorm/conv; 0.65x -> 0.31x)
+    "test_nfnet": (dict(), 64),
 }
 
 # CI subset (2 CPU cores, a few minutes): plain ViT, DeiT3 (low-variance class token),

@@ -43,7 +43,7 @@ from .relu import ReLU
 from .same_padding import Conv2dSame, MaxPool2dSame
 from .rmsnorm import RmsNorm, RmsNormFp32
 from .softmax import Softmax
-from .std_conv import StdConv2d, StdConv2dSame
+from .std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
 from ._common import MesaLayer
 from .tracing import MesaTracingError, register_fx_leaf
 
@@ -58,7 +58,8 @@ __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "LinearOf", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "Softmax", "MatMul", "Conv2d", "ReLU",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
-    "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "Clamp",
+    "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "ScaledStdConv2d",
+    "ScaledStdConv2dSame", "Clamp",
     "OneHotTable", "Conv2dSame", "MaxPool2dSame", "AvgPool2d", "AvgPool2dSame",
     "LayerScale2d", "Conv1d", "Amax", "Affine", "Einsum", "GatedPositionalSoftmax",
     "StarReLU", "RmsNorm", "RmsNormFp32",

