@@ -1,6 +1,7 @@
 """Mesa layers added for timm models beyond DeiT/Swin/PVT (issue 10): BatchNorm2d, RmsNorm,
 QuickGELU, SiLU, GatedActivation (SwiGLU / GLU), and the power-of-two row scales."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -118,6 +119,71 @@ def test_layernorm_act2d(act):
     _compare(stock, mesa, torch.randn(4, 6, 5, 5) + 3)
     with pytest.raises(TypeError, match="LayerNormAct2d"):
         mn.LayerNormAct2d.from_module(nn.LayerNorm(6))
+
+
+@pytest.mark.parametrize("affine,fast,amp,channels_last", [(True, False, False, False), (False, False, False, False),
+                                                         (True, True, False, False), (True, False, True, False),
+                                                         (True, True, True, True)],
+                         ids=["affine", "no_affine", "fast_norm", "autocast", "fast_autocast_channels_last"])
+def test_rms_norm2d(affine, fast, amp, channels_last):
+    """timm's NCHW RMS norm (MobileNetV5): timm's own function for the output (its fast path
+    where the stock module took it: under autocast it casts to bf16 first), the 8-bit x_hat
+    with channel groups and the per-pixel rrms for backward."""
+    from timm.layers import RmsNorm2d as TimmRmsNorm2d
+
+    torch.manual_seed(0)
+    stock = TimmRmsNorm2d(6, affine=affine)
+    stock._fast_norm = fast
+    if affine:
+        with torch.no_grad():
+            stock.weight.uniform_(0.5, 1.5)
+    mesa = mn.RmsNorm2d.from_module(copy.deepcopy(stock))
+    assert mesa._fast_norm == fast
+    assert [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == list(stock.state_dict())
+    x = torch.randn(4, 6, 5, 5) * torch.logspace(-1, 1, 6).view(1, 6, 1, 1) + 0.5
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        _compare(stock, mesa, x, min_cos=0.99 if amp else 0.999)
+    with pytest.raises(TypeError, match="RmsNorm2d"):
+        mn.RmsNorm2d.from_module(nn.LayerNorm(6))
+
+
+def test_rms_norm_act2d_keeps_its_drop_and_act_children():
+    from timm.layers import RmsNormAct2d as TimmRmsNormAct2d
+
+    torch.manual_seed(0)
+    stock = TimmRmsNormAct2d(6, act_layer=nn.GELU)
+    mesa = mn.RmsNormAct2d.from_module(copy.deepcopy(stock))
+    assert type(mesa.act) is nn.GELU and [k for k in mesa.state_dict() if not k.startswith("quantizer.")] == \
+        list(stock.state_dict())
+    _compare(stock, mesa, torch.randn(4, 6, 5, 5))
+    with pytest.raises(TypeError, match="RmsNormAct2d"):
+        mn.RmsNormAct2d.from_module(mn.RmsNorm2d(6))
+
+
+def test_patch_model_converts_timms_rms_norm2d_layers_and_they_compile():
+    """MobileNetV5's norms as patch_model finds them (the act converted on its own): the train
+    forward stock's bits, eager and under torch.compile (fullgraph, forward and backward)."""
+    from timm.layers import RmsNorm2d as TimmRmsNorm2d, RmsNormAct2d as TimmRmsNormAct2d
+
+    from mesa_train.patch import patch_model
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3), TimmRmsNormAct2d(8, act_layer=nn.GELU), nn.Conv2d(8, 8, 1),
+                          TimmRmsNorm2d(8)).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing reported unreached)
+        mesa = patch_model(copy.deepcopy(stock))
+    assert [type(m) for m in mesa] == [mn.Conv2d, mn.RmsNormAct2d, mn.Conv2d, mn.RmsNorm2d]
+    assert type(mesa[1].act) is mn.GELU
+    x = torch.randn(2, 3, 9, 9)
+    want = stock(x)
+    assert torch.equal(mesa(x), want)
+    compiled = torch.compile(mesa, backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    out.square().sum().backward()
+    assert torch.equal(out, want) and all(p.grad is not None for p in mesa.parameters())
 
 
 @pytest.mark.parametrize("same", [False, True])
