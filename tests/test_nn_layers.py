@@ -247,6 +247,50 @@ def test_relu_bit_packing_and_inplace():
     assert torch.equal(torch.autograd.grad(y0, x, g)[0], torch.autograd.grad(y1, x, g)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("inplace,channels_last", [(False, False), (True, False), (True, True)],
+                         ids=["out_of_place", "inplace", "inplace_channels_last"])
+def test_leaky_relu_is_stock_in_value_and_gradient_with_a_one_bit_mask(inplace, channels_last, dtype):
+    """TResNet's LeakyReLU: stock's output and input gradient bit for bit (zeros, NaN and +-inf
+    included), one bit kept per element; in place it writes into its input, as stock does."""
+    from mesa_train.memory import SavedTensorMeter
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 7, generator=g).to(dtype)
+    x.view(-1)[:4] = torch.tensor([0.0, float("nan"), float("inf"), -float("inf")])
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    head = torch.randn(x.shape, generator=g).to(dtype)
+
+    def run(layer):
+        xi = x.clone().requires_grad_()
+        h = xi * 1.0  # (a non-leaf: in place needs one)
+        with SavedTensorMeter() as meter:
+            y = layer(h)
+        assert (y is h) == inplace
+        (gx,) = torch.autograd.grad(y, xi, head)
+        return y.detach(), gx, meter.activation_bytes
+
+    y_ref, g_ref, _ = run(nn.LeakyReLU(0.2, inplace=inplace))
+    y, gx, saved = run(mn.LeakyReLU.from_module(nn.LeakyReLU(0.2, inplace=inplace)))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16  # (NaN's bits too)
+    assert torch.equal(y.view(bits), y_ref.view(bits)) and torch.equal(gx.view(bits), g_ref.view(bits))
+    assert saved == math.ceil(x.numel() / 8)
+
+
+def test_patch_model_converts_leaky_relu_and_it_compiles():
+    from mesa_train.patch import patch_model
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.LeakyReLU(0.1, inplace=True), nn.Conv2d(8, 4, 1))
+    mesa = patch_model(copy.deepcopy(stock).train())
+    assert type(mesa[2]) is mn.LeakyReLU and mesa[2].negative_slope == 0.1 and mesa[2].inplace
+    x = torch.randn(2, 3, 9, 9)
+    compiled = torch.compile(mesa, backend="aot_eager", fullgraph=True)
+    assert torch.equal(stock.train()(x), mesa(x)) and torch.equal(compiled(x), mesa(x))
+    compiled(x).sum().backward()
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_unbiased(name):
     """Mean of K stochastic-rounding backward passes converges to the exact gradient."""

@@ -39,7 +39,7 @@ from .maxpool import MaxPool2d
 from .normalize import Normalize
 from .one_hot_table import OneHotTable
 from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
-from .relu import ReLU
+from .relu import LeakyReLU, ReLU
 from .same_padding import Conv2dSame, MaxPool2dSame
 from .rmsnorm import RmsNorm, RmsNormFp32
 from .rmsnorm2d import RmsNorm2d, RmsNormAct2d
@@ -58,6 +58,7 @@ LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, Q
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "LinearOf", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "Softmax", "MatMul", "Conv2d", "ReLU",
+    "LeakyReLU",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "ScaledStdConv2d",
     "ScaledStdConv2dSame", "Clamp",

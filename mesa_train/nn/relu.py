@@ -1,4 +1,4 @@
-"""Mesa ``ReLU``: exact forward, saves a 1-bit mask (8 booleans per byte)."""
+"""Mesa ``ReLU`` and ``LeakyReLU``: exact forward, saves a 1-bit mask (8 booleans per byte)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -11,7 +11,7 @@ from torch import nn
 from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options, is_channels_last, load, save
 
-__all__ = ["ReLU", "pack_bits", "unpack_bits"]
+__all__ = ["ReLU", "LeakyReLU", "pack_bits", "unpack_bits"]
 
 
 # the kinds of mesa::mask_train (csrc/convnet_autograd.cpp): the layers that keep one 1-bit mask
@@ -120,3 +120,53 @@ class ReLU(MesaLayer, nn.ReLU):
     def extra_repr(self) -> str:
         base = nn.ReLU.extra_repr(self)
         return f"{base}, {self._mesa_repr()}" if base else self._mesa_repr()
+
+
+class _LeakyReLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, negative_slope, inplace):
+        # where leaky_relu_backward(g, x, slope) passes g unscaled: x > 0 (a NaN is not), from the
+        # input before an in-place call overwrites it (stock reads the result then, the same set
+        # for the positive slopes in-place allows)
+        mask = x > 0
+        y = F.leaky_relu(x, negative_slope, inplace=inplace)  # exactly nn.LeakyReLU.forward
+        if inplace:
+            ctx.mark_dirty(x)
+            y = x  # (the input object itself: see _ReLUFn)
+        bits, ctx.cl = pack_bits(mask)
+        ctx.shape, ctx.slope = y.shape, negative_slope
+        save(ctx, [], bits)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        _, (bits,) = load(ctx)
+        mask = unpack_bits(bits, ctx.shape, ctx.cl)
+        return torch.where(mask, g, g * ctx.slope), None, None
+
+
+class LeakyReLU(MesaLayer, nn.LeakyReLU):
+    """``torch.nn.LeakyReLU`` (TResNet, DarkNet-style CNNs) that saves a 1-bit mask of
+    ``x > 0`` instead of its input (out of place) or output (in place). The Python Function
+    in eager and compiled training alike (the C++ mask op knows ReLU, Hardtanh and
+    Hardsigmoid). Op ``relu``."""
+
+    _quantizer_names = ()
+
+    def __init__(self, negative_slope: float = 1e-2, inplace: bool = False, *, device=None, **quant_options):
+        super().__init__(negative_slope=negative_slope, inplace=inplace)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.LeakyReLU, *, device=None, **quant_options) -> "LeakyReLU":
+        check_stock(stock, nn.LeakyReLU)
+        return cls(stock.negative_slope, stock.inplace, **inherit_options(stock, quant_options)).train(stock.training)
+
+    def forward(self, input):
+        if not self._mesa_active(input):
+            return F.leaky_relu(input, self.negative_slope, self.inplace)
+        return _LeakyReLUFn.apply(input, self.negative_slope, self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"{nn.LeakyReLU.extra_repr(self)}, {self._mesa_repr()}"

@@ -125,6 +125,7 @@ def _leaf_rules():
         nn.Conv1d: ("conv", mnn.Conv1d),
         nn.ReLU: ("relu", mnn.ReLU),
         nn.ReLU6: ("relu", mnn.ReLU6),
+        nn.LeakyReLU: ("relu", mnn.LeakyReLU),  # (TResNet; a 1-bit mask of x > 0)
         nn.Hardtanh: ("relu", mnn.Hardtanh),
         nn.Hardswish: ("hardswish", mnn.Hardswish),
         nn.Hardsigmoid: ("hardswish", mnn.Hardsigmoid),
@@ -170,7 +171,7 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
     for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
                     (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.Conv1d, "conv"), (mnn.ReLU, "relu"),
-                    (mnn.StarReLU, "relu"),
+                    (mnn.StarReLU, "relu"), (mnn.LeakyReLU, "relu"),
                     (mnn.ReLU6, "relu"), (mnn.Hardtanh, "relu"), (mnn.Hardswish, "hardswish"),
                     (mnn.Hardsigmoid, "hardswish"),
                     (mnn.Softmax, "softmax"), (mnn.GatedPositionalSoftmax, "softmax"), (mnn.MatMul, "matmul"),
