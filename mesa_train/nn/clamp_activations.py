@@ -19,7 +19,7 @@ from torch import nn
 
 from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options, load, save
-from .relu import MASK_KINDS, pack_bits, unpack_bits
+from .relu import MASK_KINDS, keep_mask, kept_mask, pack_bits, unpack_bits
 
 __all__ = ["Hardtanh", "ReLU6", "Hardsigmoid", "Clamp"]
 
@@ -33,19 +33,13 @@ class _ClampMaskFn(torch.autograd.Function):
         xc = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         inside = (xc > lo) & (xc < hi)
         y = F.hardtanh(x, lo, hi, inplace) if kind == "hardtanh" else F.hardsigmoid(x, inplace)
-        if inplace:
-            ctx.mark_dirty(x)
-            y = x  # the input object itself, as autograd requires of a dirty input (Mesa ReLU)
-        bits, ctx.cl = pack_bits(inside)
-        ctx.shape, ctx.kind = y.shape, kind
-        save(ctx, [], bits)
-        return y
+        ctx.kind = kind
+        return keep_mask(ctx, x, y, inside, inplace)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        _, (bits,) = load(ctx)
-        inside = unpack_bits(bits, ctx.shape, ctx.cl)
+        inside = kept_mask(ctx)
         if ctx.kind == "hardtanh":
             return torch.where(inside, g, 0), None, None, None, None  # (the ReLU's: in g's layout)
         # ATen's own kernel (its g * 1/6 rounding), on 0 inside and 3 (outside) elsewhere

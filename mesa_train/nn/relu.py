@@ -11,7 +11,7 @@ from torch import nn
 from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options, is_channels_last, load, save
 
-__all__ = ["ReLU", "LeakyReLU", "pack_bits", "unpack_bits"]
+__all__ = ["ReLU", "LeakyReLU", "pack_bits", "unpack_bits", "keep_mask", "kept_mask"]
 
 
 # the kinds of mesa::mask_train (csrc/convnet_autograd.cpp): the layers that keep one 1-bit mask
@@ -57,32 +57,40 @@ def unpack_bits(packed: torch.Tensor, shape, channels_last: bool = False) -> tor
     return bits.reshape(-1)[:n].view(shape).bool()
 
 
+def keep_mask(ctx, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Save ``mask`` for backward, one bit an element (:func:`kept_mask` gives it back), and
+    return the Function's output: ``y``, or where the op ran in place the input object itself,
+    marked dirty, as autograd requires (Dynamo gives an in-place functional's result a new
+    identity and refused the Function otherwise: MobileNetV3 and GhostNet failed to compile)."""
+    if inplace:
+        ctx.mark_dirty(x)
+        y = x
+    bits, ctx.cl = pack_bits(mask)
+    ctx.shape = y.shape
+    save(ctx, [], bits)
+    return y
+
+
+def kept_mask(ctx) -> torch.Tensor:
+    """The boolean mask :func:`keep_mask` saved, in its layout."""
+    _, (bits,) = load(ctx)
+    return unpack_bits(bits, ctx.shape, ctx.cl)
+
+
 class _ReLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, inplace):
         y = F.relu(x, inplace=inplace)  # exactly nn.ReLU.forward
-        if inplace:
-            ctx.mark_dirty(x)
-            # the input object itself, as autograd requires of a dirty input: Dynamo gives
-            # F.relu's in-place result a new identity and refused the Function otherwise
-            # (MobileNetV3 and GhostNet failed to compile per block or whole)
-            y = x
         # where threshold_backward(g, y, 0) passes g: y > 0, and a NaN (y <= 0 is false), as stock
         # gives on every device and dtype (measured, torch 2.14)
-        mask = ~(y <= 0)
-        bits, ctx.cl = pack_bits(mask)
-        ctx.shape = y.shape
-        save(ctx, [], bits)
-        return y
+        return keep_mask(ctx, x, y, ~(y <= 0), inplace)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        _, (bits,) = load(ctx)
-        mask = unpack_bits(bits, ctx.shape, ctx.cl)
         # == threshold_backward(g, y, 0), in g's and the mask's layout (masked_fill's out-of-place
         # result is NCHW, whatever its inputs' layout)
-        return torch.where(mask, g, 0), None
+        return torch.where(kept_mask(ctx), g, 0), None
 
 
 class ReLU(MesaLayer, nn.ReLU):
@@ -129,21 +137,13 @@ class _LeakyReLUFn(torch.autograd.Function):
         # input before an in-place call overwrites it (stock reads the result then, the same set
         # for the positive slopes in-place allows)
         mask = x > 0
-        y = F.leaky_relu(x, negative_slope, inplace=inplace)  # exactly nn.LeakyReLU.forward
-        if inplace:
-            ctx.mark_dirty(x)
-            y = x  # (the input object itself: see _ReLUFn)
-        bits, ctx.cl = pack_bits(mask)
-        ctx.shape, ctx.slope = y.shape, negative_slope
-        save(ctx, [], bits)
-        return y
+        ctx.slope = negative_slope
+        return keep_mask(ctx, x, F.leaky_relu(x, negative_slope, inplace=inplace), mask, inplace)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        _, (bits,) = load(ctx)
-        mask = unpack_bits(bits, ctx.shape, ctx.cl)
-        return torch.where(mask, g, g * ctx.slope), None, None
+        return torch.where(kept_mask(ctx), g, g * ctx.slope), None, None
 
 
 class LeakyReLU(MesaLayer, nn.LeakyReLU):
