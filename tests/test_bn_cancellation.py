@@ -318,3 +318,29 @@ def test_mobileone_keeps_no_batchnorm_stock():
     with SavedTensorMeter(patched) as m1:
         patched(x)
     assert m1.activation_bytes < 0.75 * m0.activation_bytes
+
+
+def test_leaky_relu_passes_the_invariance_and_a_patched_act_still_counts():
+    """LeakyReLU is positively homogeneous as ReLU is (TResNet, DarkNet-style nets): BatchNorm ->
+    LeakyReLU -> depthwise conv -> BatchNorm is a cancellation path (the first weight gradient
+    at cosine -0.02 compressed, a review found). And a model patched for ``relu`` first holds
+    Mesa ReLUs, subclasses of nn.ReLU: its BatchNormAct2d still starts a path (cosine 0.34)."""
+    from timm.layers import BatchNormAct2d
+
+    def net(act_module, bn_act):
+        torch.manual_seed(0)
+        first = BatchNormAct2d(8, act_layer=act_module) if bn_act else nn.Sequential(nn.BatchNorm2d(8), act_module())
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), first, nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                             nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    assert cancellation_batchnorms(net(nn.LeakyReLU, bn_act=False)) == {"1.0", "3"}
+    assert cancellation_batchnorms(net(nn.LeakyReLU, bn_act=True)) == {"1", "3"}
+    relu_first = patch_model(net(nn.ReLU, bn_act=True), ops=["relu"])
+    assert type(relu_first[1].act) is mn.ReLU and cancellation_batchnorms(relu_first) == {"1", "3"}
+    for stock in (net(nn.LeakyReLU, bn_act=True), relu_first):
+        mesa = patch_model(copy.deepcopy(stock).train())
+        assert type(mesa[1]) is type(stock[1])  # (kept stock)
+        x = torch.randn(4, 3, 8, 8)
+        want = torch.autograd.grad(stock.train()(x).square().sum(), stock[1].weight)[0]
+        got = torch.autograd.grad(mesa(x).square().sum(), mesa[1].weight)[0]
+        assert torch.nn.functional.cosine_similarity(got, want, 0) > 0.999

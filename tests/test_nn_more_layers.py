@@ -149,6 +149,43 @@ def test_rms_norm2d(affine, fast, amp, channels_last):
         mn.RmsNorm2d.from_module(nn.LayerNorm(6))
 
 
+@pytest.mark.parametrize("act", [False, True], ids=["norm", "norm_act"])
+def test_rms_norm2d_fp32_forms_compute_in_float32_and_return_the_inputs_dtype(act):
+    """timm's ``RmsNorm2dFp32`` / ``RmsNormAct2dFp32`` (``norm_layer="rmsnorm2dfp32"``): float32
+    copies in, the input's dtype out, bit for bit; a bf16 model's norm keeps 8-bit codes."""
+    from timm.layers import RmsNorm2dFp32 as TimmFp32, RmsNormAct2dFp32 as TimmActFp32
+
+    torch.manual_seed(0)
+    stock = (TimmActFp32(6, act_layer=nn.GELU) if act else TimmFp32(6)).bfloat16()
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5)
+    mesa = (mn.RmsNormAct2dFp32 if act else mn.RmsNorm2dFp32).from_module(copy.deepcopy(stock))
+    x = torch.randn(4, 6, 5, 5).bfloat16()
+    assert stock(x).dtype == torch.bfloat16
+    _compare(stock, mesa, x, min_cos=0.99)
+
+
+def test_scaled_std_conv2d_compresses_when_only_its_gain_trains():
+    """A gain-only fine-tune of an NFNet's stem (the image needs no gradient, weight and bias
+    frozen): the gain's gradient still needs the input, kept in 8 bits (it ran stock, a review
+    found: the layer asked only the weight and bias whether a gradient was wanted)."""
+    from timm.layers import ScaledStdConv2d as TimmScaled
+
+    torch.manual_seed(0)
+    stock = TimmScaled(3, 8, 3)
+    stock.weight.requires_grad_(False), stock.bias.requires_grad_(False)
+    mesa = mn.ScaledStdConv2d.from_module(copy.deepcopy(stock))
+    x = torch.randn(4, 3, 9, 9)  # (no gradient wanted)
+    grads, saved = [], []
+    for layer in (stock, mesa):
+        with SavedTensorMeter(layer) as meter:
+            y = layer(x)
+        grads.append(torch.autograd.grad(y.square().sum(), layer.gain)[0])
+        saved.append(meter.activation_bytes)
+    assert saved[1] < saved[0] / 2, saved
+    assert torch.nn.functional.cosine_similarity(grads[0].flatten(), grads[1].flatten(), 0) > 0.999
+
+
 def test_rms_norm_act2d_keeps_its_drop_and_act_children():
     from timm.layers import RmsNormAct2d as TimmRmsNormAct2d
 

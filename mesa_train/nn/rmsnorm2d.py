@@ -1,5 +1,5 @@
 """Mesa ``RmsNorm2d`` / ``RmsNormAct2d`` (timm's NCHW RMS norms: MobileNetV5, Gemma 3n's vision
-tower, ConvNeXt's ``rms`` variants): the forward is timm's own function (``rms_norm2d``, or
+tower; the ``Fp32`` forms): the forward is timm's own function (``rms_norm2d``, or
 ``fast_rms_norm2d`` where the stock module took the fast path), so the output is stock's in
 bits and dtype; backward needs the 8-bit normalised input ``x_hat = x * rrms`` (channel groups
 over dim 1, as a conv's input) and the per-pixel ``rrms``. With ``gw = grad_out * weight`` and
@@ -23,7 +23,7 @@ from ._common import DropActChildren, from_nhwc, load, nhwc_view, no_autocast, s
 from .quantizer import decompress
 from .rmsnorm import RmsNorm
 
-__all__ = ["RmsNorm2d", "RmsNormAct2d"]
+__all__ = ["RmsNorm2d", "RmsNormAct2d", "RmsNorm2dFp32", "RmsNormAct2dFp32"]
 
 
 class _RmsNorm2dFn(torch.autograd.Function):
@@ -71,10 +71,16 @@ class RmsNorm2d(RmsNorm):
         return new
 
     def forward(self, x):
-        stock_fn = fast_rms_norm2d if getattr(self, "_fast_norm", False) else rms_norm2d
-        if not self._mesa_active(x, self.weight):
-            return stock_fn(x, self.normalized_shape, self.weight, self.eps)
-        return _RmsNorm2dFn.apply(x, stock_fn, self.normalized_shape, self.weight, self.eps, self.quantizer)
+        weight, dtype = self.weight, x.dtype
+        if self.float32_compute:  # timm's Fp32 forms: rms_norm2d on float32 copies, the input's dtype out
+            x, weight = x.float(), weight.float() if weight is not None else None
+        fast = getattr(self, "_fast_norm", False) and not self.float32_compute
+        stock_fn = fast_rms_norm2d if fast else rms_norm2d
+        if not self._mesa_active(x, weight):
+            out = stock_fn(x, self.normalized_shape, weight, self.eps)
+        else:
+            out = _RmsNorm2dFn.apply(x, stock_fn, self.normalized_shape, weight, self.eps, self.quantizer)
+        return out.to(dtype) if self.float32_compute else out
 
 
 class RmsNormAct2d(DropActChildren, RmsNorm2d):
@@ -82,3 +88,17 @@ class RmsNormAct2d(DropActChildren, RmsNorm2d):
     ``drop`` and ``act`` children, converted on their own. Same parameters and keys as timm's."""
 
     _timm_name = "RmsNormAct2d"
+
+
+class RmsNorm2dFp32(RmsNorm2d):
+    """timm's ``RmsNorm2dFp32`` (``norm_layer="rmsnorm2dfp32"``): computed on float32 copies of
+    the input and weight, returned in the input's dtype, as timm's."""
+
+    _timm_name = "RmsNorm2dFp32"
+    float32_compute = True
+
+
+class RmsNormAct2dFp32(DropActChildren, RmsNorm2dFp32):
+    """timm's ``RmsNormAct2dFp32``: :class:`RmsNorm2dFp32`, then its ``drop`` and ``act``."""
+
+    _timm_name = "RmsNormAct2dFp32"

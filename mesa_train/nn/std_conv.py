@@ -45,7 +45,8 @@ class StdConv2d(Conv2d):
         if self.same_pad:
             x = pad_same(x, self.kernel_size, self.stride, self.dilation)
         weight = self._standardized_weight()
-        if not self._mesa_active(x, self.weight, self.bias):
+        # (ScaledStdConv2d's gain too: a gain-only fine-tune still needs the input for its gradient)
+        if not self._mesa_active(x, self.weight, self.bias, getattr(self, "gain", None)):
             return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
         if autocast_casts(weight):
             # what stock's conv keeps under autocast: the autocast dtype's copy of the standardized

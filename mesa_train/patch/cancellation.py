@@ -2,7 +2,7 @@
 
 A train-mode BatchNorm makes its output invariant to a positive rescaling of its input (but
 for ``eps``). When the output of BatchNorm ``A`` reaches another normalisation ``B`` through
-per-channel, positively homogeneous ops only (ReLU, a depthwise conv, identity, pooling,
+per-channel, positively homogeneous ops only (ReLU, LeakyReLU, a depthwise conv, identity, pooling,
 channel split / concat, a scalar affine, a residual add none of whose summands comes from elsewhere
 than ``A``) on every path, rescaling ``A``'s ``weight`` and ``bias`` of one
 channel together leaves ``B``'s output unchanged, so ``A``'s exact ``weight`` gradient is
@@ -40,11 +40,13 @@ _NORMS = (nn.BatchNorm2d, nn.BatchNorm1d, nn.LayerNorm, nn.GroupNorm)
 _BATCH_NORMS = (nn.BatchNorm2d, nn.BatchNorm1d)  # the path ends kept stock with the start
 # ReLU6 is homogeneous only below its cap, where nearly every value is: MobileNetV2's
 # BatchNorm -> ReLU6 -> depthwise conv -> BatchNorm gave weight cosines -0.1 compressed
-_PASS_MODULES = (nn.ReLU, nn.ReLU6, nn.Identity, nn.Dropout, nn.Dropout2d, nn.MaxPool2d, nn.AvgPool2d, nn.ZeroPad2d,
-                 nn.MaxPool1d, nn.AvgPool1d)
-_PASS_FUNCTIONS = {F.relu, torch.relu, F.relu6, F.dropout, operator.getitem, torch.cat, torch.split, torch.chunk,
-                   torch.flatten, torch.transpose, torch.permute, torch.reshape, F.pad, F.max_pool2d, F.avg_pool2d,
-                   operator.add, operator.iadd}
+# (LeakyReLU, any slope, is positively homogeneous as ReLU is: f(a x) = a f(x) for a > 0)
+_HOMOGENEOUS_ACTS = (nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU)
+_PASS_MODULES = _HOMOGENEOUS_ACTS + (nn.Dropout, nn.Dropout2d, nn.MaxPool2d, nn.AvgPool2d, nn.ZeroPad2d,
+                                     nn.MaxPool1d, nn.AvgPool1d)
+_PASS_FUNCTIONS = {F.relu, torch.relu, F.relu6, F.leaky_relu, F.dropout, operator.getitem, torch.cat, torch.split,
+                   torch.chunk, torch.flatten, torch.transpose, torch.permute, torch.reshape, F.pad, F.max_pool2d,
+                   F.avg_pool2d, operator.add, operator.iadd}
 # An add passes a path from A on only where each operand is a tensor computed from A: reached along
 # the path (x + dwconv(relu(x)): rescaled with it, an exact invariance) or through a normalisation the
 # path ends at (a residual branch x + f(norm(x)), small at init: layer scale, small weights, so a near
@@ -105,11 +107,12 @@ def _homogeneous_bn(m: nn.Module) -> bool:
 
 
 def _homogeneous_children(m: nn.Module) -> bool:
-    """A norm-act module's own ``act`` is ReLU, ReLU6 or identity and its ``drop`` identity (timm's
-    ``BatchNormAct2d``, ``GroupNormAct``); true for a plain norm."""
+    """A norm-act module's own ``act`` is ReLU, ReLU6, LeakyReLU or identity and its ``drop``
+    identity (timm's ``BatchNormAct2d``, ``GroupNormAct``); true for a plain norm. Subclasses
+    count: a model patched for ``relu`` first holds Mesa ReLUs (a review found its cancelling
+    BatchNorm compressed then, weight gradient at cosine 0.34)."""
     act, drop = getattr(m, "act", None), getattr(m, "drop", None)
-    homogeneous = (nn.Identity, nn.ReLU, nn.ReLU6)
-    return (act is None or type(act) in homogeneous) and (drop is None or type(drop) is nn.Identity)
+    return (act is None or isinstance(act, _HOMOGENEOUS_ACTS)) and (drop is None or isinstance(drop, nn.Identity))
 
 
 def _affine_group_norm(m: nn.Module) -> bool:

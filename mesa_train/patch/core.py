@@ -39,6 +39,7 @@ from timm.layers import Conv2dSame as TimmConv2dSame
 from timm.layers.pool2d_same import AvgPool2dSame as TimmAvgPool2dSame, MaxPool2dSame as TimmMaxPool2dSame
 from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
 from timm.layers import RmsNorm2d as TimmRmsNorm2d, RmsNormAct2d as TimmRmsNormAct2d
+from timm.layers import RmsNorm2dFp32 as TimmRmsNorm2dFp32, RmsNormAct2dFp32 as TimmRmsNormAct2dFp32
 from timm.layers import LayerScale2d as TimmLayerScale2d
 from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
 from timm.models.ghostnet import ConvBnAct as GhostConvBnAct
@@ -112,6 +113,8 @@ def _leaf_rules():
         TimmRmsNormFp32: ("rmsnorm", mnn.RmsNormFp32),
         TimmRmsNorm2d: ("rmsnorm", mnn.RmsNorm2d),  # (MobileNetV5's NCHW norms)
         TimmRmsNormAct2d: ("rmsnorm", mnn.RmsNormAct2d),
+        TimmRmsNorm2dFp32: ("rmsnorm", mnn.RmsNorm2dFp32),
+        TimmRmsNormAct2dFp32: ("rmsnorm", mnn.RmsNormAct2dFp32),
         nn.RMSNorm: ("rmsnorm", mnn.RmsNorm),  # (the same F.rms_norm call as timm's)
         nn.Linear: ("linear", mnn.Linear),
         TimmLinear: ("linear", mnn.Linear),  # F.linear outside TorchScript: nn.Linear's forward
