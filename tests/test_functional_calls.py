@@ -151,6 +151,23 @@ def test_relu6_keeps_the_op_reported():
     assert not hasattr(mesa, "mesa_call_relu_0")
 
 
+def test_inline_leaky_relu_and_timms_rms_norm2d_are_reported():
+    """Functions the patch does not route, called inline: said, not silently kept whole (the
+    modules, nn.LeakyReLU and timm's RmsNorm2d, are converted)."""
+    from timm.layers.fast_norm import rms_norm2d
+
+    class Inline(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.weight = nn.Conv2d(3, 4, 1), nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return rms_norm2d(F.leaky_relu(self.conv(x), 0.1), [4], self.weight, 1e-6)
+
+    with pytest.warns(UserWarning, match=r"not reached .*<root> \(Inline: relu/rmsnorm\)"):
+        patch_model(Inline())
+
+
 def test_ops_not_asked_for_are_left_alone():
     mesa = patch_model(HandWrittenNet(), ops=["conv", "linear"])
     assert not [n for n in mesa._modules if n.startswith("mesa_call_")]

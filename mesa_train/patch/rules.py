@@ -174,9 +174,13 @@ FUNCTIONAL_OPS = {
     "batch_norm": "batchnorm",
     "group_norm": "groupnorm",
     "rms_norm": "rmsnorm",
+    "rms_norm2d": "rmsnorm",  # (timm's NCHW forms, called inline by a module of its own)
+    "fast_rms_norm2d": "rmsnorm",
     "relu": "relu",
     "relu_": "relu",
     "relu6": "relu",
+    "leaky_relu": "relu",  # (reported, not routed: the leaky_relu module is converted)
+    "leaky_relu_": "relu",
     "hardtanh": "relu",
     "hardswish": "hardswish",
     "hardsigmoid": "hardswish",
