@@ -186,6 +186,57 @@ def test_scaled_std_conv2d_compresses_when_only_its_gain_trains():
     assert torch.nn.functional.cosine_similarity(grads[0].flatten(), grads[1].flatten(), 0) > 0.999
 
 
+@pytest.mark.parametrize("channels,pad_mode,channels_last,amp", [
+    (6, "reflect", False, False), (None, "reflect", False, False), (6, "constant", True, False),
+    (6, "reflect", True, True)],
+                         ids=["reflect", "expanded_filter", "constant_channels_last", "autocast_channels_last"])
+def test_blur_pool2d_keeps_nothing_of_its_input(channels, pad_mode, channels_last, amp):
+    """timm's anti-aliasing BlurPool2d (TResNet): a fixed depthwise filter, so the input gradient
+    needs only the filter and the input's shape; stock kept the whole padded input. The forward
+    is timm's calls, bit for bit; the input gradient equals stock's."""
+    from timm.layers import BlurPool2d as TimmBlurPool2d
+
+    from mesa_train.memory import SavedTensorMeter
+
+    stock = TimmBlurPool2d(channels, filt_size=3, stride=2, pad_mode=pad_mode)
+    mesa = mn.BlurPool2d.from_module(stock)
+    assert mesa.filt is stock.filt and mesa.stride == 2 and mesa.pad_mode == pad_mode
+    x = torch.randn(2, 6, 9, 9)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    head = torch.randn(2, 6, 5, 5)
+    outs = []
+    for layer in (stock, mesa):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), SavedTensorMeter() as meter:
+            y = layer(xi)
+        (gx,) = torch.autograd.grad(y, xi, head.to(y.dtype))
+        outs.append((y, gx, meter.activation_bytes))
+    (y0, g0, b0), (y1, g1, b1) = outs
+    assert torch.equal(y0, y1) and y0.dtype == y1.dtype and g1.dtype == g0.dtype == x.dtype
+    assert torch.equal(g0, g1), (g0 - g1).abs().max()
+    assert g1.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert b0 > 0 and b1 <= 6 * 9 * 4, (b0, b1)  # (the filter at most)
+
+
+def test_patch_model_converts_timms_blur_pool2d_and_it_compiles():
+    from timm.layers import BlurPool2d as TimmBlurPool2d
+
+    from mesa_train.patch import patch_model
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), TimmBlurPool2d(8), nn.Conv2d(8, 4, 1)).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (it was reported: functional conv not reached)
+        mesa = patch_model(copy.deepcopy(stock))
+    assert type(mesa[2]) is mn.BlurPool2d
+    x = torch.randn(2, 3, 11, 11)
+    compiled = torch.compile(mesa, backend="aot_eager", fullgraph=True)
+    assert torch.equal(stock(x), mesa(x)) and torch.equal(compiled(x), mesa(x))
+    compiled(x).square().sum().backward()
+    assert mesa[0].weight.grad is not None
+
+
 def test_rms_norm_act2d_keeps_its_drop_and_act_children():
     from timm.layers import RmsNormAct2d as TimmRmsNormAct2d
 

@@ -40,6 +40,7 @@ from .normalize import Normalize
 from .one_hot_table import OneHotTable
 from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
 from .relu import LeakyReLU, ReLU
+from .blur_pool import BlurPool2d
 from .same_padding import Conv2dSame, MaxPool2dSame
 from .rmsnorm import RmsNorm, RmsNormFp32
 from .rmsnorm2d import RmsNorm2d, RmsNorm2dFp32, RmsNormAct2d, RmsNormAct2dFp32
@@ -61,7 +62,7 @@ __all__ = [
     "LeakyReLU",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "ScaledStdConv2d",
-    "ScaledStdConv2dSame", "Clamp",
+    "ScaledStdConv2dSame", "BlurPool2d", "Clamp",
     "OneHotTable", "Conv2dSame", "MaxPool2dSame", "AvgPool2d", "AvgPool2dSame",
     "LayerScale2d", "Conv1d", "Amax", "Affine", "Einsum", "GatedPositionalSoftmax",
     "StarReLU", "RmsNorm", "RmsNormFp32", "RmsNorm2d", "RmsNormAct2d",

@@ -35,7 +35,7 @@ from timm.layers import GroupNorm1 as TimmGroupNorm1, GroupNormAct as TimmGroupN
 from timm.layers import LayerNormAct2d as TimmLayerNormAct2d
 from timm.layers import ScaledStdConv2d as TimmScaledStdConv2d, ScaledStdConv2dSame as TimmScaledStdConv2dSame
 from timm.layers import StdConv2d as TimmStdConv2d, StdConv2dSame as TimmStdConv2dSame
-from timm.layers import Conv2dSame as TimmConv2dSame
+from timm.layers import BlurPool2d as TimmBlurPool2d, Conv2dSame as TimmConv2dSame
 from timm.layers.pool2d_same import AvgPool2dSame as TimmAvgPool2dSame, MaxPool2dSame as TimmMaxPool2dSame
 from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, RmsNormFp32 as TimmRmsNormFp32
 from timm.layers import RmsNorm2d as TimmRmsNorm2d, RmsNormAct2d as TimmRmsNormAct2d
@@ -153,6 +153,7 @@ def _leaf_rules():
         TimmStdConv2dSame: ("conv", mnn.StdConv2dSame),
         TimmScaledStdConv2d: ("conv", mnn.ScaledStdConv2d),
         TimmScaledStdConv2dSame: ("conv", mnn.ScaledStdConv2dSame),
+        TimmBlurPool2d: ("conv", mnn.BlurPool2d),  # (a fixed depthwise filter: nothing of x kept)
     }
 
 
@@ -174,6 +175,7 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
     for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
                     (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.Conv1d, "conv"), (mnn.ReLU, "relu"),
+                    (mnn.BlurPool2d, "conv"),
                     (mnn.StarReLU, "relu"), (mnn.LeakyReLU, "relu"),
                     (mnn.ReLU6, "relu"), (mnn.Hardtanh, "relu"), (mnn.Hardswish, "hardswish"),
                     (mnn.Hardsigmoid, "hardswish"),
