@@ -237,6 +237,27 @@ def test_patch_model_converts_timms_blur_pool2d_and_it_compiles():
     assert mesa[0].weight.grad is not None
 
 
+@pytest.mark.parametrize("fp32,fast,amp", [(False, False, False), (False, True, True), (True, False, False)],
+                         ids=["plain", "fast_autocast", "fp32_form"])
+def test_simple_norm2d(fp32, fast, amp):
+    """timm's SimpleNorm2d (ConvNeXt's *_rms variants: x / std_c(x) * weight, torch.var's unbiased
+    variance over the channels of the channels-last view): timm's calls for the output, bit for
+    bit; the 8-bit x_hat and per-pixel 1/std for backward, with the variance's mean path."""
+    from timm.layers import SimpleNorm2d as TimmSimple, SimpleNorm2dFp32 as TimmSimpleFp32
+
+    torch.manual_seed(0)
+    stock = TimmSimpleFp32(6) if fp32 else TimmSimple(6)
+    stock._fast_norm = fast
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5)
+    mesa = (mn.SimpleNorm2dFp32 if fp32 else mn.SimpleNorm2d).from_module(copy.deepcopy(stock))
+    x = torch.randn(4, 6, 5, 5) * torch.logspace(-1, 1, 6).view(1, 6, 1, 1) + 0.5
+    if fp32:
+        stock, mesa, x = stock.bfloat16(), mesa.bfloat16(), x.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        _compare(stock, mesa, x, min_cos=0.99 if (amp or fp32) else 0.999)
+
+
 def test_rms_norm_act2d_keeps_its_drop_and_act_children():
     from timm.layers import RmsNormAct2d as TimmRmsNormAct2d
 

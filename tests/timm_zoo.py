@@ -127,6 +127,8 @@ ZOO = {
     # added 2026-12-06 (session 76) with ScaledStdConv2d: the NF family's weight-standardized
     # convs with a learned gain (they ran stock, reported as batchnorm/conv; 0.65x -> 0.31x)
     "test_nfnet": (dict(), 64),
+    # (session 76) timm's SimpleNorm2d, x / std_c(x): it ran stock without a word (0.42x -> 0.23x)
+    "convnext_zepto_rms": (dict(), 64),
 }
 
 # CI subset (2 CPU cores, a few minutes): plain ViT, DeiT3 (low-variance class token),

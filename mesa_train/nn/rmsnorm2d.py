@@ -17,34 +17,42 @@ from __future__ import annotations
 
 import torch
 from torch.autograd.function import once_differentiable
-from timm.layers.fast_norm import fast_rms_norm2d, rms_norm2d
+from timm.layers.fast_norm import fast_rms_norm2d, fast_simple_norm, rms_norm2d, simple_norm
 
 from ._common import DropActChildren, from_nhwc, load, nhwc_view, no_autocast, save
 from .quantizer import decompress
 from .rmsnorm import RmsNorm
 
-__all__ = ["RmsNorm2d", "RmsNormAct2d", "RmsNorm2dFp32", "RmsNormAct2dFp32"]
+__all__ = ["RmsNorm2d", "RmsNormAct2d", "RmsNorm2dFp32", "RmsNormAct2dFp32", "SimpleNorm2d", "SimpleNorm2dFp32"]
 
 
-class _RmsNorm2dFn(torch.autograd.Function):
+class _Norm2dFn(torch.autograd.Function):
+    """``centered=False``: the RMS norm (``r = rsqrt(mean_c(x^2) + eps)``); ``True``: timm's
+    SimpleNorm (``r = rsqrt(var_c(x) + eps)``, torch.var's unbiased variance, no mean taken off
+    ``x`` itself), whose backward adds the mean's path::
+
+        dx = r * (gw - (x_hat - mean_c(x_hat)) * sum_c(gw * x_hat) / (C - 1))
+    """
+
     @staticmethod
-    def forward(ctx, x, stock_fn, normalized_shape, weight, eps, quantizer):
+    def forward(ctx, x, stock_fn, normalized_shape, weight, eps, quantizer, centered: bool):
         out = stock_fn(x, normalized_shape, weight, eps)  # timm's own call: stock's bits and dtype
         with no_autocast(x.device.type):  # (float32 at least, beside the forward's own ops)
             mdt = torch.promote_types(x.dtype, torch.float32)
             xm = x.to(mdt)
-            rrms = torch.rsqrt(xm.pow(2).mean(dim=1, keepdim=True) + eps)
-            xv, dim, ctx.nhwc = nhwc_view(xm * rrms, 1, quantizer.options.channel_layout)
+            spread = xm.var(dim=1, keepdim=True) if centered else xm.pow(2).mean(dim=1, keepdim=True)
+            r = torch.rsqrt(spread + eps)
+            xv, dim, ctx.nhwc = nhwc_view(xm * r, 1, quantizer.options.channel_layout)
             packed = quantizer.compress(xv, dim)
-        ctx.mdt, ctx.x_dtype = mdt, x.dtype
+        ctx.mdt, ctx.x_dtype, ctx.centered = mdt, x.dtype, centered
         ctx.w_dtype = weight.dtype if weight is not None else None
-        save(ctx, [packed], rrms, weight)
+        save(ctx, [packed], r, weight)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        (packed,), (rrms, weight) = load(ctx)
+        (packed,), (r, weight) = load(ctx)
         mdt = ctx.mdt
         gx = gw = None
         with no_autocast(g.device.type):
@@ -52,10 +60,15 @@ class _RmsNorm2dFn(torch.autograd.Function):
             g = g.to(mdt)
             gwt = g * weight.to(mdt).view(1, -1, 1, 1) if weight is not None else g
             if ctx.needs_input_grad[0]:
-                gx = (rrms * (gwt - xh * (gwt * xh).mean(dim=1, keepdim=True))).to(ctx.x_dtype)
+                if ctx.centered:
+                    c = xh.shape[1]
+                    along = (xh - xh.mean(dim=1, keepdim=True)) * ((gwt * xh).sum(dim=1, keepdim=True) / (c - 1))
+                else:
+                    along = xh * (gwt * xh).mean(dim=1, keepdim=True)
+                gx = (r * (gwt - along)).to(ctx.x_dtype)
             if weight is not None and ctx.needs_input_grad[3]:
                 gw = (g * xh).sum(dim=(0, 2, 3)).to(ctx.w_dtype)
-        return gx, None, None, gw, None, None
+        return gx, None, None, gw, None, None, None
 
 
 class RmsNorm2d(RmsNorm):
@@ -63,6 +76,9 @@ class RmsNorm2d(RmsNorm):
     Same parameters and ``state_dict`` keys (the op is ``rmsnorm``, as for :class:`RmsNorm`)."""
 
     _timm_name = "RmsNorm2d"
+    # timm's functions for the output, (plain, fast); the statistic backward assumes
+    _stock_functions = (rms_norm2d, fast_rms_norm2d)
+    centered = False
 
     @classmethod
     def from_module(cls, stock, *, device=None, **quant_options) -> "RmsNorm2d":
@@ -75,11 +91,12 @@ class RmsNorm2d(RmsNorm):
         if self.float32_compute:  # timm's Fp32 forms: rms_norm2d on float32 copies, the input's dtype out
             x, weight = x.float(), weight.float() if weight is not None else None
         fast = getattr(self, "_fast_norm", False) and not self.float32_compute
-        stock_fn = fast_rms_norm2d if fast else rms_norm2d
+        stock_fn = self._stock_functions[fast]
         if not self._mesa_active(x, weight):
             out = stock_fn(x, self.normalized_shape, weight, self.eps)
         else:
-            out = _RmsNorm2dFn.apply(x, stock_fn, self.normalized_shape, weight, self.eps, self.quantizer)
+            out = _Norm2dFn.apply(x, stock_fn, self.normalized_shape, weight, self.eps, self.quantizer,
+                                  self.centered)
         return out.to(dtype) if self.float32_compute else out
 
 
@@ -102,3 +119,28 @@ class RmsNormAct2dFp32(DropActChildren, RmsNorm2dFp32):
     """timm's ``RmsNormAct2dFp32``: :class:`RmsNorm2dFp32`, then its ``drop`` and ``act``."""
 
     _timm_name = "RmsNormAct2dFp32"
+
+
+def _simple_norm2d(x, normalized_shape, weight, eps):
+    """timm's ``SimpleNorm2d.forward``: the channels-last view normalised over its last dim."""
+    return simple_norm(x.permute(0, 2, 3, 1), normalized_shape, weight, eps).permute(0, 3, 1, 2)
+
+
+def _fast_simple_norm2d(x, normalized_shape, weight, eps):
+    return fast_simple_norm(x.permute(0, 2, 3, 1), normalized_shape, weight, eps).permute(0, 3, 1, 2)
+
+
+class SimpleNorm2d(RmsNorm2d):
+    """timm's ``SimpleNorm2d`` (``x / std_c(x) * weight``: ConvNeXt's ``*_rms`` variants), kept as
+    :class:`RmsNorm2d` keeps its input (op ``rmsnorm``), with the variance's backward."""
+
+    _timm_name = "SimpleNorm2d"
+    _stock_functions = (_simple_norm2d, _fast_simple_norm2d)
+    centered = True
+
+
+class SimpleNorm2dFp32(SimpleNorm2d):
+    """timm's ``SimpleNorm2dFp32``: float32 copies in, the input's dtype out."""
+
+    _timm_name = "SimpleNorm2dFp32"
+    float32_compute = True
