@@ -92,7 +92,17 @@ _LOSSLESS = {
     "Clamp": (lambda: (lambda x: torch.clamp(x, torch.tensor(-0.5, dtype=x.dtype), torch.tensor(0.7, dtype=x.dtype))),
               lambda: (lambda x, clamp=mnn.Clamp(): clamp(x, torch.tensor(-0.5, dtype=x.dtype),
                                                           torch.tensor(0.7, dtype=x.dtype))), (2, 3, 4, 5)),
+    # timm's anti-aliasing BlurPool2d (a fixed filter: nothing kept, both backwards on stand-ins);
+    # the filter, a buffer, follows the input's dtype
+    "BlurPool2d": (lambda: (lambda x, m=_timm_blur(): m.to(x.dtype)(x)),
+                   lambda: (lambda x, m=mnn.BlurPool2d.from_module(_timm_blur()): m.to(x.dtype)(x)), (2, 3, 9, 8)),
 }
+
+
+def _timm_blur():
+    from timm.layers import BlurPool2d
+
+    return BlurPool2d(3)
 
 
 @pytest.mark.parametrize("path", ["op", "python"])

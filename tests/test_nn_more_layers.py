@@ -235,6 +235,9 @@ def test_patch_model_converts_timms_blur_pool2d_and_it_compiles():
     assert torch.equal(stock(x), mesa(x)) and torch.equal(compiled(x), mesa(x))
     compiled(x).square().sum().backward()
     assert mesa[0].weight.grad is not None
+    # (nothing quantized: a layout the convs take is fine here too; a review found patch4x4 refused)
+    spatial = patch_model(copy.deepcopy(stock), ops=["conv"], layout="patch4x4", bits=2)
+    assert type(spatial[2]) is mn.BlurPool2d and torch.equal(spatial(x), stock(x))
 
 
 @pytest.mark.parametrize("fp32,fast,amp", [(False, False, False), (False, True, True), (True, False, False)],
@@ -256,6 +259,25 @@ def test_simple_norm2d(fp32, fast, amp):
         stock, mesa, x = stock.bfloat16(), mesa.bfloat16(), x.bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
         _compare(stock, mesa, x, min_cos=0.99 if (amp or fp32) else 0.999)
+
+
+def test_simple_norm2d_input_gradient_where_the_mean_outweighs_the_spread():
+    """SimpleNorm leaves each pixel's mean in its output: 8-bit codes of x / std itself lost the
+    input gradient where |mean| >> std (a review measured cosine 0.96 at 30 std, 0.68 at 100),
+    since backward takes the mean off again. The centred codes plus a per-pixel mean keep it;
+    a pixel of no spread at all (every channel equal) keeps its exact zero term."""
+    from timm.layers import SimpleNorm2d as TimmSimple
+
+    torch.manual_seed(0)
+    stock = TimmSimple(32)
+    mesa = mn.SimpleNorm2d.from_module(copy.deepcopy(stock))
+    _compare(stock, mesa, torch.randn(2, 32, 8, 8) + 100 * torch.randn(2, 1, 8, 8), min_cos=0.999)
+    x = torch.randn(2, 32, 8, 8)
+    x[:, :, :2] = 0.7  # (no spread: the gradient 1/sqrt(eps) times stock's there)
+    stock = TimmSimple(32)  # (fresh: _compare left the first pair in eval, gradients accumulated)
+    _compare(stock, mn.SimpleNorm2d.from_module(copy.deepcopy(stock)), x, min_cos=0.999)
+    with pytest.raises(TypeError, match="RmsNorm2d"):  # (a SimpleNorm2d is not an RmsNorm2d's stock)
+        mn.RmsNorm2d.from_module(mesa)
 
 
 def test_rms_norm_act2d_keeps_its_drop_and_act_children():

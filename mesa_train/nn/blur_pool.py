@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from timm.layers import BlurPool2d as TimmBlurPool2d
 
 from ._common import MesaLayer, check_stock, inherit_options, is_channels_last, load, no_autocast, save
+from .quantizer import LAYOUTS
 
 __all__ = ["BlurPool2d"]
 
@@ -25,38 +25,44 @@ __all__ = ["BlurPool2d"]
 class _BlurFn(torch.autograd.Function):
     """timm's ``F.pad`` then ``F.conv2d`` with the fixed filter, as one Function: the reflect
     padding's own backward keeps its input as well (``reflection_pad2d_backward`` reads only
-    its shape), so both steps' backwards run here on stand-ins."""
+    its shape), so both steps' backwards run here on stand-ins, each in the memory format its
+    real input had (CUDA's reflect pad returns NCHW for a channels-last input, the CPU's keeps
+    it). The backward is differentiable (both ATen backwards have derivatives): nothing is
+    lost, so a second derivative is stock's, as for the other lossless layers."""
 
     @staticmethod
     def forward(ctx, x, weight, padding, pad_mode: str, stride: int, groups: int):
-        ctx.shape, ctx.channels_last, ctx.x_dtype = x.shape, is_channels_last(x), x.dtype
+        ctx.shape, ctx.x_format, ctx.x_dtype = x.shape, _format(x), x.dtype
         ctx.padding, ctx.pad_mode, ctx.stride, ctx.groups = padding, pad_mode, stride, groups
         padded = F.pad(x, padding, mode=pad_mode)  # timm's calls
-        ctx.padded_shape = padded.shape
+        ctx.padded_shape, ctx.padded_format = padded.shape, _format(padded)
         out = F.conv2d(padded, weight, stride=stride, groups=groups)
         ctx.cdt = out.dtype  # (the autocast dtype where autocast cast the input and the filter)
         save(ctx, [], weight)
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g):
         _, (weight,) = load(ctx)
-        fmt = torch.channels_last if ctx.channels_last else torch.contiguous_format
         with no_autocast(g.device.type):
             g = g.to(ctx.cdt)
-            stand_in = torch.empty(ctx.padded_shape, dtype=ctx.cdt, device=g.device, memory_format=fmt)
+            stand_in = torch.empty(ctx.padded_shape, dtype=ctx.cdt, device=g.device, memory_format=ctx.padded_format)
             gp = torch.ops.aten.convolution_backward(
                 g, stand_in, weight.to(ctx.cdt), None, [ctx.stride] * 2, [0, 0], [1, 1], False, [0, 0],
                 ctx.groups, [True, False, False])[0]
             gp = gp.to(ctx.x_dtype)  # (as stock: autocast's cast of the padded input sits after the pad)
             if ctx.pad_mode == "reflect":
-                stand_in = torch.empty(ctx.shape, dtype=gp.dtype, device=g.device, memory_format=fmt)
+                stand_in = torch.empty(ctx.shape, dtype=gp.dtype, device=g.device, memory_format=ctx.x_format)
                 gx = torch.ops.aten.reflection_pad2d_backward(gp, stand_in, list(ctx.padding))
-            else:  # constant: the padded gradient's inner window
+            else:  # constant: the padded gradient's inner window (constant_pad_nd's backward)
                 left, _, top, _ = ctx.padding
-                gx = gp[:, :, top:top + ctx.shape[2], left:left + ctx.shape[3]].contiguous(memory_format=fmt)
+                gx = gp[:, :, top:top + ctx.shape[2], left:left + ctx.shape[3]].contiguous(
+                    memory_format=ctx.x_format)
         return gx, None, None, None, None, None
+
+
+def _format(t: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if is_channels_last(t) else torch.contiguous_format
 
 
 class BlurPool2d(MesaLayer, TimmBlurPool2d):
@@ -64,6 +70,8 @@ class BlurPool2d(MesaLayer, TimmBlurPool2d):
     Op ``conv``; no estimates (nothing is quantized)."""
 
     _quantizer_names = ()
+    # (nothing is quantized: any layout an ops=["conv"] patch asks for is fine here)
+    _layouts = LAYOUTS
 
     def __init__(self, channels=None, filt_size: int = 3, stride: int = 2, pad_mode: str = "reflect", *,
                  device=None, dtype=None, **quant_options):

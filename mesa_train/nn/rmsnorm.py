@@ -107,7 +107,10 @@ class RmsNorm(MesaLayer, nn.Module):
         import timm.layers
 
         torch_rms = (nn.RMSNorm,) if cls._timm_name == "RmsNorm" and hasattr(nn, "RMSNorm") else ()
-        check_stock(stock, (getattr(timm.layers, cls._timm_name), cls) + torch_rms)
+        # (a Mesa layer of this class only, not a subclass: SimpleNorm2d is a RmsNorm2d computing
+        # another function)
+        mesa_self = (cls,) if type(stock) is cls else ()
+        check_stock(stock, (getattr(timm.layers, cls._timm_name),) + mesa_self + torch_rms)
         w = stock.weight
         new = cls(stock.normalized_shape, eps=stock.eps, elementwise_affine=w is not None, device="meta",
                   dtype=w.dtype if w is not None else None, **inherit_options(stock, quant_options))
