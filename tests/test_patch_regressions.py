@@ -149,3 +149,24 @@ def test_attention_path_auto_keeps_the_stock_default_forward():
     assert explicit.blocks[0].attn.mesa_attn_path == "explicit"
     with pytest.raises(ValueError, match="auto, explicit, fused"):
         patch_model(copy.deepcopy(stock), attention="flash")
+
+
+def test_a_timm_fx_feature_extractor_is_patched():
+    """``timm.create_model(..., features_only=True, feature_cls="fx")`` is a torch.fx
+    GraphModule, whose generated forward has ``__module__`` None: the functional-call scan
+    raised AttributeError (a review found it). Now it patches: features stock's, less kept."""
+    import timm
+
+    torch.manual_seed(0)
+    stock = timm.create_model("resnet18", features_only=True, feature_cls="fx", pretrained=False).train()
+    mesa = patch_model(copy.deepcopy(stock))
+    assert any(isinstance(m, MesaLayer) for m in mesa.modules())
+    x = torch.randn(2, 3, 32, 32)
+    kept = []
+    for model in (stock, mesa):
+        torch.manual_seed(1)
+        with SavedTensorMeter() as meter:
+            feats = model(x)
+        kept.append((feats, meter.activation_bytes))
+    assert all(torch.equal(a, b) for a, b in zip(kept[0][0], kept[1][0]))
+    assert kept[1][1] < kept[0][1] / 2

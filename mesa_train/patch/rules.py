@@ -241,7 +241,8 @@ def _methods_reached(cls: type, functions: bool = False) -> List[Tuple[str, obje
         if key[0] == "module" and not (isinstance(fn, types.FunctionType) and fn.__module__ == cls.__module__):
             continue  # (only plain functions written beside the class)
         fn = inspect.unwrap(fn)
-        if getattr(fn, "__module__", "").startswith("torch.nn.modules.module"):
+        # (a __module__ of None: an fx GraphModule's generated forward, timm's feature_cls="fx")
+        if (getattr(fn, "__module__", None) or "").startswith("torch.nn.modules.module"):
             continue
         try:
             src = textwrap.dedent(inspect.getsource(fn))
