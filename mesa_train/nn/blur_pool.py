@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from timm.layers import BlurPool2d as TimmBlurPool2d
+from torch._prims_common import suggest_memory_format
 
-from ._common import MesaLayer, check_stock, inherit_options, is_channels_last, load, no_autocast, save
+from ._common import MesaLayer, check_stock, inherit_options, load, no_autocast, save
 from .quantizer import LAYOUTS
 
 __all__ = ["BlurPool2d"]
@@ -32,10 +33,10 @@ class _BlurFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, padding, pad_mode: str, stride: int, groups: int):
-        ctx.shape, ctx.x_format, ctx.x_dtype = x.shape, _format(x), x.dtype
+        ctx.shape, ctx.x_format, ctx.x_dtype = x.shape, suggest_memory_format(x), x.dtype
         ctx.padding, ctx.pad_mode, ctx.stride, ctx.groups = padding, pad_mode, stride, groups
         padded = F.pad(x, padding, mode=pad_mode)  # timm's calls
-        ctx.padded_shape, ctx.padded_format = padded.shape, _format(padded)
+        ctx.padded_shape, ctx.padded_format = padded.shape, suggest_memory_format(padded)
         out = F.conv2d(padded, weight, stride=stride, groups=groups)
         ctx.cdt = out.dtype  # (the autocast dtype where autocast cast the input and the filter)
         save(ctx, [], weight)
@@ -59,10 +60,6 @@ class _BlurFn(torch.autograd.Function):
                 gx = gp[:, :, top:top + ctx.shape[2], left:left + ctx.shape[3]].contiguous(
                     memory_format=ctx.x_format)
         return gx, None, None, None, None, None
-
-
-def _format(t: torch.Tensor) -> torch.memory_format:
-    return torch.channels_last if is_channels_last(t) else torch.contiguous_format
 
 
 class BlurPool2d(MesaLayer, TimmBlurPool2d):

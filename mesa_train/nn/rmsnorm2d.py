@@ -95,19 +95,19 @@ class RmsNorm2d(RmsNorm):
     # timm's functions for the output, (plain, fast); the statistic backward assumes
     _stock_functions = (rms_norm2d, fast_rms_norm2d)
     centered = False
+    _fast_norm = False  # (from_module takes the stock module's: timm's choice, made at its build)
 
     @classmethod
     def from_module(cls, stock, *, device=None, **quant_options) -> "RmsNorm2d":
         new = super().from_module(stock, device=device, **quant_options)
-        new._fast_norm = bool(getattr(stock, "_fast_norm", False))  # (timm's choice, made at its build)
+        new._fast_norm = bool(getattr(stock, "_fast_norm", False))
         return new
 
     def forward(self, x):
         weight, dtype = self.weight, x.dtype
         if self.float32_compute:  # timm's Fp32 forms: rms_norm2d on float32 copies, the input's dtype out
             x, weight = x.float(), weight.float() if weight is not None else None
-        fast = getattr(self, "_fast_norm", False) and not self.float32_compute
-        stock_fn = self._stock_functions[fast]
+        stock_fn = self._stock_functions[self._fast_norm and not self.float32_compute]
         if not self._mesa_active(x, weight):
             out = stock_fn(x, self.normalized_shape, weight, self.eps)
         else:

@@ -145,17 +145,23 @@ def _start(root: nn.Module, args) -> None:
     if not holders:
         _stop_watching(root)
         return
-    calls: collections.Counter = collections.Counter()
-    hooks = [m.register_forward_pre_hook(_counter(calls, name)) for name, (m, _) in holders.items()]
+    calls, hooks = _count_calls(holders)
     _active.append((weakref.ref(root), calls, hooks, holders))
 
 
-def _counter(calls, name, under_no_grad: bool = False):
-    def count(module, args):
-        if under_no_grad or torch.is_grad_enabled():  # (in training, a call under no_grad keeps nothing)
-            calls[name] += 1
-    setattr(count, INPUT_AGNOSTIC_HOOK, True)
-    return count
+def _count_calls(holders, under_no_grad: bool = False):
+    """``(calls, hook handles)``: a pre-hook on each holder counting its calls into ``calls``
+    (in training, a call under no_grad keeps nothing and is not counted; the probe counts all)."""
+    calls: collections.Counter = collections.Counter()
+
+    def counter(name):
+        def count(module, args):
+            if under_no_grad or torch.is_grad_enabled():
+                calls[name] += 1
+        setattr(count, INPUT_AGNOSTIC_HOOK, True)
+        return count
+
+    return calls, [m.register_forward_pre_hook(counter(name)) for name, (m, _) in holders.items()]
 
 
 def _end_session():
@@ -203,9 +209,7 @@ def probe_reuse(model: nn.Module, *example_args, **example_kwargs) -> list[str]:
     holders = _holders(root)  # (layers on running ranges only: none switched before)
     if not holders:
         return []
-    calls: collections.Counter = collections.Counter()
-    hooks = [m.register_forward_pre_hook(_counter(calls, name, under_no_grad=True))
-             for name, (m, _) in holders.items()]
+    calls, hooks = _count_calls(holders, under_no_grad=True)
     try:
         _forward_unchanged(root, example_args, example_kwargs)
     finally:
@@ -255,7 +259,6 @@ def _warn(root, outer, calls, holders, num_layers: int, when: str) -> None:
         f"{num_layers} Mesa layer(s) use estimator='per_sample' (each call's own ranges); "
         "mesa_train.patch.reuse.keep_running_ranges(model) keeps the running ranges", UserWarning,
         stacklevel=outside_stacklevel())
-
 
 
 def _switch(root: nn.Module, names) -> None:
