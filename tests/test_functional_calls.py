@@ -1,8 +1,9 @@
 """Activations and pooling a module's forward calls functionally (``F.relu(self.conv1(x))``,
-``F.max_pool2d``, ``F.avg_pool2d``, ``F.gelu``, ``F.silu``: hand-written CNNs, torchvision's
-Inception-v3) go through a Mesa child per call site (patch/functional_calls.py). Before, ReLU
-and GELU calls were reported as not reached and SiLU and pooling calls not even reported; all
-kept their tensors whole. Checks: nothing reported, the forward bitwise stock's with dropout
+``F.max_pool2d``, ``F.avg_pool2d``, ``F.gelu``, ``F.silu``, ``F.leaky_relu``: hand-written
+CNNs, torchvision's Inception-v3) go through a Mesa child per call site
+(patch/functional_calls.py). Before, ReLU and GELU calls were reported as not reached and SiLU
+and pooling calls not even reported; all kept their tensors whole (``F.leaky_relu`` was
+reported until 2026-12-06). Checks: nothing reported, the forward bitwise stock's with dropout
 on, gradients close to exact, fewer bytes, each child run; in-place calls overwrite their
 input as stock's do; pooling with indices and calls past the counted sites run stock, ReLU6
 stays reported; ``torch.compile(fullgraph=True)`` agrees with eager."""
@@ -151,9 +152,9 @@ def test_relu6_keeps_the_op_reported():
     assert not hasattr(mesa, "mesa_call_relu_0")
 
 
-def test_inline_leaky_relu_and_timms_rms_norm2d_are_reported():
-    """Functions the patch does not route, called inline: said, not silently kept whole (the
-    modules, nn.LeakyReLU and timm's RmsNorm2d, are converted)."""
+def test_inline_timms_rms_norm2d_is_reported():
+    """A function the patch does not route, called inline: said, not silently kept whole (the
+    module, timm's RmsNorm2d, is converted); the F.leaky_relu beside it is routed."""
     from timm.layers.fast_norm import rms_norm2d
 
     class Inline(nn.Module):
@@ -164,8 +165,54 @@ def test_inline_leaky_relu_and_timms_rms_norm2d_are_reported():
         def forward(self, x):
             return rms_norm2d(F.leaky_relu(self.conv(x), 0.1), [4], self.weight, 1e-6)
 
-    with pytest.warns(UserWarning, match=r"not reached .*<root> \(Inline: relu/rmsnorm\)"):
-        patch_model(Inline())
+    with pytest.warns(UserWarning, match=r"not reached .*<root> \(Inline: rmsnorm\)"):
+        mesa = patch_model(Inline())
+    assert isinstance(mesa.mesa_call_leaky_relu_0, mnn.LeakyReLU)
+
+
+class LeakyNet(nn.Module):
+    """A GAN discriminator's style: F.leaky_relu with its own slopes, in place too, beside F.relu."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8, 4)
+
+    def forward(self, x):
+        x = F.leaky_relu(self.conv1(x), 0.2)
+        y = self.conv2(x)
+        F.leaky_relu_(y, 0.1)  # (the result unused: y itself is overwritten)
+        x = F.relu(F.leaky_relu(y + x, negative_slope=0.3, inplace=True))
+        return self.fc(F.dropout(F.leaky_relu(x).flatten(1), 0.2, self.training))
+
+
+def test_leaky_relu_calls_take_leaky_children_with_their_slopes():
+    """``F.leaky_relu`` / ``F.leaky_relu_`` calls (reported as not reached before, their inputs
+    kept whole) go through a Mesa LeakyReLU child per site with the call's slope and in-place
+    flag, ``F.relu`` beside them through a ReLU child: forward and gradients bitwise stock's
+    (1-bit masks), far fewer bytes, and the same under torch.compile."""
+    torch.manual_seed(0)
+    stock = LeakyNet().train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reported as not reached
+        patch_model(mesa, ops=["relu"])
+    assert sorted(n for n in mesa._modules if n.startswith("mesa_call_")) == [
+        f"mesa_call_leaky_relu_{i}" for i in range(4)] + ["mesa_call_relu_0"]
+    x = torch.randn(2, 3, 8, 8)
+    want, want_grads, stock_bytes = _step(stock, x)
+    got, got_grads, mesa_bytes = _step(mesa, x)
+    assert torch.equal(got, want)
+    for n, g in got_grads.items():
+        assert torch.equal(g, want_grads[n]), n
+    # stock keeps each leaky call's float32 input (or output in place); Mesa a bit each
+    assert mesa_bytes < stock_bytes - 3 * 2 * 8 * 8 * 8 * 4, (mesa_bytes, stock_bytes)
+    twin = copy.deepcopy(mesa)
+    got, _, _ = _step(torch.compile(twin, backend="aot_eager", fullgraph=True), x)
+    assert torch.equal(got, want)
+    for n, p in twin.named_parameters():
+        assert torch.equal(p.grad, want_grads[n]), n
 
 
 def test_ops_not_asked_for_are_left_alone():

@@ -163,10 +163,14 @@ class LeakyReLU(MesaLayer, nn.LeakyReLU):
         check_stock(stock, nn.LeakyReLU)
         return cls(stock.negative_slope, stock.inplace, **inherit_options(stock, quant_options)).train(stock.training)
 
-    def forward(self, input):
+    def forward(self, input, negative_slope: Optional[float] = None, inplace: Optional[bool] = None):
+        """``negative_slope``, ``inplace``: this call's, else the module's (a functional
+        ``F.leaky_relu(x, 0.2)`` a module's forward makes is routed here: patch/functional_calls.py)."""
+        slope = self.negative_slope if negative_slope is None else negative_slope
+        inplace = self.inplace if inplace is None else inplace
         if not self._mesa_active(input):
-            return F.leaky_relu(input, self.negative_slope, self.inplace)
-        return _LeakyReLUFn.apply(input, self.negative_slope, self.inplace)
+            return F.leaky_relu(input, slope, inplace)
+        return _LeakyReLUFn.apply(input, slope, inplace)
 
     def extra_repr(self) -> str:
         return f"{nn.LeakyReLU.extra_repr(self)}, {self._mesa_repr()}"

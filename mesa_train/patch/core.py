@@ -66,7 +66,7 @@ from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTEN
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
 from .reuse import RANGE_ESTIMATORS, calls_repeat_one_input, watch_reuse
-from .functional_calls import ROUTED_OPS, routable_sites
+from .functional_calls import CALL_KINDS, routable_sites
 from .generic_attention import (AMAX_CHILD, CORE_REPEATS_ATTR, EINSUM_CHILD, EINSUM_CORE, PassThroughMatMul,
                                 install as install_generic, install_calls, install_cosine, install_linear,
                                 install_routed, install_scales)
@@ -1051,7 +1051,7 @@ _CALL_NAMES = {op: tuple(n for n, o in FUNCTIONAL_OPS.items() if o == op) for op
 def _route_calls(t: _Target, name: str, m: nn.Module, found: Tuple[str, ...]) -> Tuple[str, ...]:
     """Step 3's routes for ``m``'s functional calls through Mesa children; returns the ops all of
     whose calls are routed: inline ``x.amax(...)`` (max pooling as a reduction: Hiera, CBAM-style
-    spatial attention) through ``mesa_amax``; ``F.relu`` / ``F.gelu`` / ``F.silu`` /
+    spatial attention) through ``mesa_amax``; ``F.relu`` / ``F.leaky_relu`` / ``F.gelu`` / ``F.silu`` /
     ``F.max_pool2d`` / ``F.avg_pool2d`` through a child per call site (patch/functional_calls.py)."""
     wanted = [o for o in found if o in t.op_names]
     if not wanted:
@@ -1062,12 +1062,15 @@ def _route_calls(t: _Target, name: str, m: nn.Module, found: Tuple[str, ...]) ->
     if amax:
         install_routed(m, AMAX_CHILD, lambda: mnn.Amax(device=_module_device(m), **opts))
     for op in wanted:
-        if op not in ROUTED_OPS:
+        if not any(kind_op == op for kind_op, _ in CALL_KINDS.values()):
             continue
         sites = routable_sites(type(m), op, tuple(n for n in _CALL_NAMES[op] if n != "amax"))  # (amax: above)
-        if sites:
-            install_calls(m, op, sites, _module_device(m), opts)
-        if sites or (sites == 0 and op == "maxpool" and amax):  # (an amax its only max pooling)
+        if sites is None:
+            continue
+        for kind, n in sites.items():
+            if n:
+                install_calls(m, kind, n, _module_device(m), opts)
+        if any(sites.values()) or (op == "maxpool" and amax):  # (an amax its only max pooling)
             reached.append(op)
     return tuple(reached)
 

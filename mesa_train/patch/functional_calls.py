@@ -10,8 +10,11 @@ reported (SiLU, pooling).
 calls in ``forward`` and the methods it reaches on ``self``): ``mesa_call_relu_0``,
 ``mesa_call_relu_1``, ... The module's forward then runs under the capture mode of
 ``generic_attention``, which hands each such call to its site's child with the call's own
-arguments (the layers' ``forward`` takes them: ``inplace``, ``approximate``, the pooling
-arguments): the same op, so the forward stays bitwise stock's. One child per site because the
+arguments (the layers' ``forward`` takes them: ``inplace``, ``approximate``, ``negative_slope``,
+the pooling arguments): the same op, so the forward stays bitwise stock's. A kind of call is one
+family of children: ``F.leaky_relu`` belongs to op ``relu`` but takes ``mesa_call_leaky_relu_<i>``
+children (Mesa ``LeakyReLU``: GAN discriminators, DarkNet-style CNNs), ``F.relu`` the
+``mesa_call_relu_<i>`` ones. One child per site because the
 GELU's and SiLU's estimates are per tensor (sites of different scales must not share them); the
 ReLU and the pools keep no estimates, but the same naming keeps the rule one.
 
@@ -40,9 +43,9 @@ from torch import nn
 
 from .rules import count_functional_calls, methods_reached_code
 
-__all__ = ["FUNCTION_CHILDREN_ATTR", "ROUTED_OPS", "install", "own_call", "route", "routable_sites"]
+__all__ = ["CALL_KINDS", "FUNCTION_CHILDREN_ATTR", "install", "own_call", "route", "routable_sites"]
 
-# set on a module given call children: {op: (child name, ...)} in call order
+# set on a module given call children: {kind: (child name, ...)} in call order
 FUNCTION_CHILDREN_ATTR = "_mesa_function_children"
 # set on such a module as its sites run: {op: {site: child index}}, a site being its code's
 # (file, first line, name) and the call's instruction offset: plain values, so a module that has
@@ -55,57 +58,63 @@ _PASSED_FILES = {torch.nn.functional.__file__, torch.overrides.__file__, torch._
                  torch.functional.__file__,  # (torch.einsum's Python wrapper)
                  os.path.join(os.path.dirname(__file__), "generic_attention.py")}
 
-# the functions the capture mode sees for each routed op (F.relu_ is torch.relu_; x.relu() is
-# Tensor.relu), and whether that function works in place
+# the functions the capture mode sees for each kind of routed call (F.relu_ is torch.relu_;
+# x.relu() is Tensor.relu; F.leaky_relu_ is torch._C._nn.leaky_relu_), and whether that function
+# works in place
 _FUNCTIONS = {
     F.relu: ("relu", False), torch.relu: ("relu", False), torch.Tensor.relu: ("relu", False),
     torch.relu_: ("relu", True), torch.Tensor.relu_: ("relu", True),
+    F.leaky_relu: ("leaky_relu", False), F.leaky_relu_: ("leaky_relu", True),
     F.gelu: ("gelu", False), F.silu: ("silu", False),
     F.max_pool2d: ("maxpool", False), torch.max_pool2d: ("maxpool", False), F.avg_pool2d: ("avgpool", False),
 }
-# op -> the call names (as the source scan reads them) a child computes
-ROUTED_OPS = {"relu": ("relu", "relu_"), "gelu": ("gelu",), "silu": ("silu",), "maxpool": ("max_pool2d",),
-              "avgpool": ("avg_pool2d",)}
+# kind -> (the op it belongs to, the call names, as the source scan reads them, its children compute)
+CALL_KINDS = {"relu": ("relu", ("relu", "relu_")), "leaky_relu": ("relu", ("leaky_relu", "leaky_relu_")),
+              "gelu": ("gelu", ("gelu",)), "silu": ("silu", ("silu",)), "maxpool": ("maxpool", ("max_pool2d",)),
+              "avgpool": ("avgpool", ("avg_pool2d",))}
 
 
 def _layer_factories() -> Dict[str, Callable[..., nn.Module]]:
     import mesa_train.nn as mnn  # (mesa_train.nn imports nothing of patch/; imported when patching)
 
-    return {"relu": mnn.ReLU, "gelu": mnn.GELU, "silu": mnn.SiLU, "maxpool": lambda **kw: mnn.MaxPool2d(1, **kw),
-            "avgpool": lambda **kw: mnn.AvgPool2d(1, **kw)}
+    return {"relu": mnn.ReLU, "leaky_relu": mnn.LeakyReLU, "gelu": mnn.GELU, "silu": mnn.SiLU,
+            "maxpool": lambda **kw: mnn.MaxPool2d(1, **kw), "avgpool": lambda **kw: mnn.AvgPool2d(1, **kw)}
 
 
-def routable_sites(cls: type, op: str, all_names: Tuple[str, ...]) -> Optional[int]:
-    """The call sites of ``op`` in ``cls``'s forward a child can take (0: there are none), or None
-    where a call the scan maps to ``op`` (``all_names``: those call names) is of a form no child
-    computes (``relu6`` for ``relu``)."""
-    routed = sum(count_functional_calls(cls, name) for name in ROUTED_OPS.get(op, ()))
+def routable_sites(cls: type, op: str, all_names: Tuple[str, ...]) -> Optional[Dict[str, int]]:
+    """The call sites of ``op`` in ``cls``'s forward a child can take, per kind of call
+    (``{kind: sites}``, every kind of ``op``; all 0: there are none), or None where a call the
+    scan maps to ``op`` (``all_names``: those call names) is of a form no child computes
+    (``relu6`` for ``relu``)."""
+    sites = {kind: sum(count_functional_calls(cls, name) for name in names)
+             for kind, (kind_op, names) in CALL_KINDS.items() if kind_op == op}
     total = sum(count_functional_calls(cls, name) for name in all_names)
-    return routed if routed == total else None
+    return sites if sum(sites.values()) == total else None
 
 
-def install(module: nn.Module, op: str, sites: int, device, options: dict) -> None:
-    """Give ``module`` ``sites`` children for ``op``'s functional calls (kept where present)."""
-    make = _layer_factories()[op]
-    names = tuple(f"mesa_call_{op}_{i}" for i in range(sites))
+def install(module: nn.Module, kind: str, sites: int, device, options: dict) -> None:
+    """Give ``module`` ``sites`` children for its functional calls of ``kind`` (kept where present)."""
+    make = _layer_factories()[kind]
+    names = tuple(f"mesa_call_{kind}_{i}" for i in range(sites))
     for name in names:
         if name not in module._modules:
             module.add_module(name, make(device=device, **options))
     children = dict(getattr(module, FUNCTION_CHILDREN_ATTR, None) or {})
-    children[op] = names
+    children[kind] = names
     object.__setattr__(module, FUNCTION_CHILDREN_ATTR, children)
 
 
-def _call(op: str, inplace: bool, args, kwargs) -> Optional[dict]:
+def _call(kind: str, inplace: bool, args, kwargs) -> Optional[dict]:
     """The call's arguments by name, or None for a form no child computes."""
-    if op == "relu":
-        call = dict(zip(("input", "inplace"), args), **kwargs)
+    if kind in ("relu", "leaky_relu"):
+        names = ("input", "inplace") if kind == "relu" else ("input", "negative_slope", "inplace")
+        call = dict(zip(names, args), **kwargs)
         call["inplace"] = inplace or call.get("inplace", False)
-    elif op == "gelu":
+    elif kind == "gelu":
         call = dict(zip(("input", "approximate"), args), **kwargs)
-    elif op == "silu":
+    elif kind == "silu":
         call = dict(zip(("input", "inplace"), args), **kwargs)
-    elif op == "maxpool":
+    elif kind == "maxpool":
         call = dict(zip(("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
                         args), **kwargs)
         if call.pop("return_indices", False):
@@ -130,18 +139,18 @@ def _own_frame(owner: nn.Module, functions: bool = False):
     return frame
 
 
-def _site(owner: nn.Module, op: str, counts: Dict[str, int]) -> Optional[int]:
+def _site(owner: nn.Module, kind: str, counts: Dict[str, int]) -> Optional[int]:
     """The child index of this call's site (module doc), or None for a call that is not the
-    module's own. ``counts``: this forward's calls per op so far (under torch.compile)."""
+    module's own. ``counts``: this forward's calls per kind so far (under torch.compile)."""
     if torch.compiler.is_compiling():
-        site = counts.get(op, 0)
-        counts[op] = site + 1
+        site = counts.get(kind, 0)
+        counts[kind] = site + 1
         return site
     frame = _own_frame(owner)
     if frame is None:
         return None
     code = frame.f_code
-    sites = owner.__dict__.setdefault(FUNCTION_SITES_ATTR, {}).setdefault(op, {})
+    sites = owner.__dict__.setdefault(FUNCTION_SITES_ATTR, {}).setdefault(kind, {})
     return sites.setdefault((code.co_filename, code.co_firstlineno, code.co_name, frame.f_lasti), len(sites))
 
 
@@ -160,19 +169,21 @@ def route(owner: nn.Module, counts: Dict[str, int], func, args, kwargs):
     children = getattr(owner, FUNCTION_CHILDREN_ATTR, None)
     if entry is None or not children or entry[0] not in children:
         return None
-    op, inplace = entry
-    site = _site(owner, op, counts)
-    names = children[op]
-    call = _call(op, inplace, args, kwargs) if site is not None and site < len(names) else None
+    kind, inplace = entry
+    site = _site(owner, kind, counts)
+    names = children[kind]
+    call = _call(kind, inplace, args, kwargs) if site is not None and site < len(names) else None
     if call is None:
         return None
     child = owner._modules[names[site]]
     x = call.pop("input")
     # (through the module call: hooks and the saved-bytes meter see the child's own call)
-    if op == "relu":
+    if kind == "relu":
         return child(x, call["inplace"])
-    if op == "gelu":
+    if kind == "leaky_relu":
+        return child(x, call.get("negative_slope", 0.01), call["inplace"])
+    if kind == "gelu":
         return child(x, call.get("approximate", "none"))
-    if op == "silu":  # (Mesa's SiLU computes out of place; an in-place call's input takes the result)
+    if kind == "silu":  # (Mesa's SiLU computes out of place; an in-place call's input takes the result)
         return x.copy_(child(x)) if call.get("inplace", False) else child(x)
     return child(x, call)

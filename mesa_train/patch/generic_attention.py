@@ -447,10 +447,11 @@ def install_routed(module: nn.Module, child: str, make_layer: Callable[[], nn.Mo
     _install_capture(module)
 
 
-def install_calls(module: nn.Module, op: str, sites: int, device, options: dict) -> None:
-    """Route ``module``'s functional ``op`` calls (``F.relu``, ``F.max_pool2d``, ...) through a
-    Mesa child per call site (patch/functional_calls.py) under the capturing forward."""
-    functional_calls.install(module, op, sites, device, options)
+def install_calls(module: nn.Module, kind: str, sites: int, device, options: dict) -> None:
+    """Route ``module``'s functional calls of ``kind`` (``F.relu``, ``F.leaky_relu``,
+    ``F.max_pool2d``, ...) through a Mesa child per call site (patch/functional_calls.py) under
+    the capturing forward."""
+    functional_calls.install(module, kind, sites, device, options)
     _install_capture(module)
 
 

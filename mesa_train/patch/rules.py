@@ -179,7 +179,7 @@ FUNCTIONAL_OPS = {
     "relu": "relu",
     "relu_": "relu",
     "relu6": "relu",
-    "leaky_relu": "relu",  # (reported, not routed: the leaky_relu module is converted)
+    "leaky_relu": "relu",  # (routed through a Mesa LeakyReLU child: patch/functional_calls.py)
     "leaky_relu_": "relu",
     "hardtanh": "relu",
     "hardswish": "hardswish",
