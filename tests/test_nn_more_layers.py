@@ -280,6 +280,69 @@ def test_simple_norm2d_input_gradient_where_the_mean_outweighs_the_spread():
         mn.RmsNorm2d.from_module(mesa)
 
 
+@pytest.mark.parametrize("shape,fp32,fast,amp", [
+    ((4, 7, 6), False, False, False), ((2, 3, 4, 6), False, True, True), ((4, 7, 6), True, False, False),
+    ((5, 6), False, False, False)], ids=["tokens", "nhwc_fast_autocast", "fp32_form", "pooled_head"])
+def test_simple_norm_over_the_last_dim(shape, fp32, fast, amp):
+    """timm's 1-D SimpleNorm (x / std(x) * weight over the last dim: ConvNeXt *_rms heads, blocks
+    with conv_mlp=False, models built with norm_layer="simplenorm"; ran stock silently before):
+    timm's call for the output, bit for bit; 8-bit centred codes, channel groups over the last
+    dim, the mean's path in backward; the same where each row's mean outweighs its spread."""
+    from timm.layers import SimpleNorm as TimmSimple, SimpleNormFp32 as TimmSimpleFp32
+
+    torch.manual_seed(0)
+    c = shape[-1]
+    stock = TimmSimpleFp32(c) if fp32 else TimmSimple(c)
+    stock._fast_norm = fast
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5)
+    mesa = (mn.SimpleNormFp32 if fp32 else mn.SimpleNorm).from_module(copy.deepcopy(stock))
+    x = torch.randn(shape) * torch.logspace(-1, 1, c) + 0.5
+    if fp32:
+        stock, mesa, x = stock.bfloat16(), mesa.bfloat16(), x.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        _compare(stock, mesa, x, min_cos=0.99 if (amp or fp32) else 0.999)
+    if not (fp32 or amp):
+        stock = TimmSimple(32)
+        far = torch.randn(4, 9, 32) + 100 * torch.randn(4, 9, 1)
+        _compare(stock, mn.SimpleNorm.from_module(copy.deepcopy(stock)), far, min_cos=0.999)
+    with pytest.raises(TypeError, match="SimpleNorm2d"):  # (a 1-D SimpleNorm is not a SimpleNorm2d's stock)
+        mn.SimpleNorm2d.from_module(mesa)
+
+
+def test_patch_model_converts_a_simplenorm_vit_and_it_compiles():
+    """A timm ViT built with norm_layer="simplenorm" (every block's norms and the final norm are
+    timm's 1-D SimpleNorm): converted, nothing reported, the train forward stock's bits with
+    drop-path on, eager and compiled (fullgraph, forward and backward); fewer bytes kept."""
+    import timm
+
+    from mesa_train.patch import patch_model
+
+    torch.manual_seed(0)
+    stock = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5,
+                              norm_layer="simplenorm", drop_path_rate=0.1).train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing reported unreached)
+        patch_model(mesa)
+    assert type(mesa.blocks[0].norm1) is mn.SimpleNorm and type(mesa.norm) is mn.SimpleNorm
+    x = torch.randn(2, 3, 32, 32)
+    with SavedTensorMeter() as stock_meter:
+        torch.manual_seed(1)
+        want = stock(x)
+    with SavedTensorMeter() as meter:
+        torch.manual_seed(1)
+        got = mesa(x)
+    assert torch.equal(got, want)
+    assert meter.activation_bytes < 0.4 * stock_meter.activation_bytes, (meter.activation_bytes,
+                                                                         stock_meter.activation_bytes)
+    compiled = torch.compile(mesa, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(1)
+    out = compiled(x)
+    out.square().sum().backward()
+    assert torch.equal(out, want) and all(p.grad is not None for p in mesa.parameters())
+
+
 def test_rms_norm_act2d_keeps_its_drop_and_act_children():
     from timm.layers import RmsNormAct2d as TimmRmsNormAct2d
 

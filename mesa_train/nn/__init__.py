@@ -43,7 +43,8 @@ from .relu import LeakyReLU, ReLU
 from .blur_pool import BlurPool2d
 from .same_padding import Conv2dSame, MaxPool2dSame
 from .rmsnorm import RmsNorm, RmsNormFp32
-from .rmsnorm2d import RmsNorm2d, RmsNorm2dFp32, RmsNormAct2d, RmsNormAct2dFp32, SimpleNorm2d, SimpleNorm2dFp32
+from .rmsnorm2d import (RmsNorm2d, RmsNorm2dFp32, RmsNormAct2d, RmsNormAct2dFp32, SimpleNorm, SimpleNorm2d,
+                        SimpleNorm2dFp32, SimpleNormFp32)
 from .softmax import Softmax
 from .std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
 from ._common import MesaLayer
@@ -66,7 +67,7 @@ __all__ = [
     "OneHotTable", "Conv2dSame", "MaxPool2dSame", "AvgPool2d", "AvgPool2dSame",
     "LayerScale2d", "Conv1d", "Amax", "Affine", "Einsum", "GatedPositionalSoftmax",
     "StarReLU", "RmsNorm", "RmsNormFp32", "RmsNorm2d", "RmsNormAct2d",
-    "RmsNorm2dFp32", "RmsNormAct2dFp32", "SimpleNorm2d", "SimpleNorm2dFp32",
+    "RmsNorm2dFp32", "RmsNormAct2dFp32", "SimpleNorm", "SimpleNormFp32", "SimpleNorm2d", "SimpleNorm2dFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
 ]
 from .sdpa import QueryBias, ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, nn/sdpa.py)

@@ -41,6 +41,7 @@ from timm.layers import LayerScale as TimmLayerScale, RmsNorm as TimmRmsNorm, Rm
 from timm.layers import RmsNorm2d as TimmRmsNorm2d, RmsNormAct2d as TimmRmsNormAct2d
 from timm.layers import RmsNorm2dFp32 as TimmRmsNorm2dFp32, RmsNormAct2dFp32 as TimmRmsNormAct2dFp32
 from timm.layers import SimpleNorm2d as TimmSimpleNorm2d, SimpleNorm2dFp32 as TimmSimpleNorm2dFp32
+from timm.layers import SimpleNorm as TimmSimpleNorm, SimpleNormFp32 as TimmSimpleNormFp32
 from timm.layers import LayerScale2d as TimmLayerScale2d
 from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
 from timm.models.ghostnet import ConvBnAct as GhostConvBnAct
@@ -118,6 +119,8 @@ def _leaf_rules():
         TimmRmsNormAct2dFp32: ("rmsnorm", mnn.RmsNormAct2dFp32),
         TimmSimpleNorm2d: ("rmsnorm", mnn.SimpleNorm2d),  # (ConvNeXt's *_rms variants: x / std_c(x))
         TimmSimpleNorm2dFp32: ("rmsnorm", mnn.SimpleNorm2dFp32),
+        TimmSimpleNorm: ("rmsnorm", mnn.SimpleNorm),  # (their heads; norm_layer="simplenorm" models)
+        TimmSimpleNormFp32: ("rmsnorm", mnn.SimpleNormFp32),
         nn.RMSNorm: ("rmsnorm", mnn.RmsNorm),  # (the same F.rms_norm call as timm's)
         nn.Linear: ("linear", mnn.Linear),
         TimmLinear: ("linear", mnn.Linear),  # F.linear outside TorchScript: nn.Linear's forward
