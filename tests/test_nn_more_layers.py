@@ -343,6 +343,59 @@ def test_patch_model_converts_a_simplenorm_vit_and_it_compiles():
     assert torch.equal(out, want) and all(p.grad is not None for p in mesa.parameters())
 
 
+@pytest.mark.parametrize("two_d", [False, True], ids=["tokens", "nchw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_fp32_forms_compute_in_float32_and_return_the_inputs_dtype(two_d, dtype):
+    """timm's LayerNormFp32 / LayerNorm2dFp32 (norm_layer="layernormfp32": their own forward, so
+    they were reported as not reached and kept whole): F.layer_norm on float32 copies, the
+    input's dtype out, stock's bits; the Mesa LayerNorm's 8-bit x_hat for backward."""
+    from timm.layers import LayerNorm2dFp32 as Timm2d, LayerNormFp32 as Timm1d
+
+    torch.manual_seed(0)
+    stock = (Timm2d if two_d else Timm1d)(6)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5), stock.bias.uniform_(-0.5, 0.5)
+    mesa = (mn.LayerNorm2dFp32 if two_d else mn.LayerNormFp32).from_module(copy.deepcopy(stock))
+    x = torch.randn((4, 6, 5, 5) if two_d else (4, 7, 6)) + 0.5
+    stock, mesa, x = stock.to(dtype), mesa.to(dtype), x.to(dtype)
+    assert mesa(x).dtype == dtype
+    _compare(stock, mesa, x, min_cos=0.999 if dtype == torch.float32 else 0.99)
+    with pytest.raises(TypeError, match="LayerNormFp32"):  # (a 2-D form is not the 1-D one's stock)
+        mn.LayerNormFp32.from_module(mn.LayerNorm2dFp32(6))
+
+
+def test_patch_model_converts_a_layernormfp32_vit():
+    """A timm ViT built with norm_layer="layernormfp32": every norm converted, nothing reported,
+    the train forward stock's bits with drop-path on, fewer bytes, compiled whole."""
+    import timm
+
+    from mesa_train.patch import patch_model
+
+    torch.manual_seed(0)
+    stock = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5,
+                              norm_layer="layernormfp32", drop_path_rate=0.1).train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing reported unreached)
+        patch_model(mesa)
+    assert type(mesa.blocks[0].norm1) is mn.LayerNormFp32 and type(mesa.norm) is mn.LayerNormFp32
+    x = torch.randn(2, 3, 32, 32)
+    with SavedTensorMeter() as stock_meter:
+        torch.manual_seed(1)
+        want = stock(x)
+    with SavedTensorMeter() as meter:
+        torch.manual_seed(1)
+        got = mesa(x)
+    assert torch.equal(got, want)
+    assert meter.activation_bytes < 0.3 * stock_meter.activation_bytes, (meter.activation_bytes,
+                                                                         stock_meter.activation_bytes)
+    compiled = torch.compile(mesa, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(1)
+    out = compiled(x)
+    out.square().sum().backward()
+    assert torch.equal(out, want) and all(p.grad is not None for p in mesa.parameters())
+
+
 def test_rms_norm_act2d_keeps_its_drop_and_act_children():
     from timm.layers import RmsNormAct2d as TimmRmsNormAct2d
 

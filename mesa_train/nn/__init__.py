@@ -31,7 +31,7 @@ from .avgpool import AvgPool2d, AvgPool2dSame
 from .gelu import GELU
 from .gated_softmax import GatedPositionalSoftmax
 from .grn import GlobalResponseNorm
-from .layernorm import LayerNorm, LayerNorm2d, LayerNormAct2d
+from .layernorm import LayerNorm, LayerNorm2d, LayerNorm2dFp32, LayerNormAct2d, LayerNormFp32
 from .layerscale import Affine, ChannelGate, ChannelScale, LayerScale, LayerScale2d, Scale
 from .linear import Linear, LinearOf
 from .matmul import MatMul
@@ -59,7 +59,8 @@ LAYERS = (Linear, GELU, LayerNorm, Softmax, MatMul, Conv2d, ReLU, BatchNorm2d, Q
 
 __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
-    "Linear", "LinearOf", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "Softmax", "MatMul", "Conv2d", "ReLU",
+    "Linear", "LinearOf", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "LayerNormFp32",
+    "LayerNorm2dFp32", "Softmax", "MatMul", "Conv2d", "ReLU",
     "LeakyReLU",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "ScaledStdConv2d",

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 from torch.autograd.function import once_differentiable
+import torch.nn.functional as F
 from torch import nn
 
 from mesa_train.quant import traceable
@@ -47,7 +48,8 @@ from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock,
                       no_autocast, save)
 from .rowscale import compress_normalized, decompress_rows, max_exponent
 
-__all__ = ["LayerNorm", "LayerNorm2d", "LayerNormAct2d", "layer_norm_forward", "layer_norm_grads"]
+__all__ = ["LayerNorm", "LayerNorm2d", "LayerNorm2dFp32", "LayerNormAct2d", "LayerNormFp32",
+           "layer_norm_forward", "layer_norm_grads"]
 
 # Device types whose autocast runs layer_norm in float32 ("fp32" cast policy). On CPU
 # layer_norm is not in any autocast list and runs in the input dtype. The layer tests check
@@ -207,13 +209,18 @@ class LayerNorm(MesaLayer, nn.LayerNorm):
         return adopt_parameters(stock, new, device)
 
     def forward(self, input):
-        if not self._mesa_active(input, self.weight, self.bias):
-            return super().forward(input)
+        return self._norm(input, self.weight, self.bias)
+
+    def _norm(self, input, weight, bias):
+        """The norm of ``input`` with these parameters (the module's, or their float32 copies:
+        :class:`LayerNormFp32`)."""
+        if not self._mesa_active(input, weight, bias):
+            return F.layer_norm(input, self.normalized_shape, weight, bias, self.eps)  # (nn.LayerNorm.forward)
         fused = self.quantizer.fused_layer_args(input)
         if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
-            return torch.ops.mesa.layer_norm_train(input, list(self.normalized_shape), self.weight, self.bias,
+            return torch.ops.mesa.layer_norm_train(input, list(self.normalized_shape), weight, bias,
                                                    self.eps, *fused, self.quantizer.options.row_scale)
-        return _LayerNormFn.apply(input, self.normalized_shape, self.weight, self.bias, self.eps, self.quantizer)
+        return _LayerNormFn.apply(input, self.normalized_shape, weight, bias, self.eps, self.quantizer)
 
     def extra_repr(self) -> str:
         return f"{nn.LayerNorm.extra_repr(self)}, {self._mesa_repr()}"
@@ -224,6 +231,37 @@ class LayerNorm2d(LayerNorm):
     normalised by permuting them last, ``F.layer_norm``, and permuting back) with the Mesa
     ``LayerNorm``'s 8-bit ``x_hat``, which is kept in the permuted (N, H, W, C) layout: its
     channel groups and rows are the normalised dims, as for any LayerNorm."""
+
+    def forward(self, input):
+        return super().forward(input.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class LayerNormFp32(LayerNorm):
+    """timm's ``LayerNormFp32`` (``norm_layer="layernormfp32"``): the Mesa :class:`LayerNorm` on
+    float32 copies of the input and parameters, returned in the input's dtype, as timm's; its
+    ``x_hat`` is kept as the LayerNorm's (not shared with a Linear after it)."""
+
+    _timm_name = "LayerNormFp32"
+
+    @classmethod
+    def from_module(cls, stock: nn.LayerNorm, *, device=None, **quant_options) -> "LayerNormFp32":
+        import timm.layers
+
+        # (a Mesa layer of this very class, not a subclass: LayerNorm2dFp32 permutes first)
+        check_stock(stock, (getattr(timm.layers, cls._timm_name),) + ((cls,) if type(stock) is cls else ()))
+        return super().from_module(stock, device=device, **quant_options)
+
+    def forward(self, input):
+        weight = self.weight.float() if self.weight is not None else None
+        bias = self.bias.float() if self.bias is not None else None
+        return self._norm(input.float(), weight, bias).to(input.dtype)
+
+
+class LayerNorm2dFp32(LayerNormFp32):
+    """timm's ``LayerNorm2dFp32``: :class:`LayerNormFp32` over the channels of an NCHW tensor
+    (permuted last, as :class:`LayerNorm2d`)."""
+
+    _timm_name = "LayerNorm2dFp32"
 
     def forward(self, input):
         return super().forward(input.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)

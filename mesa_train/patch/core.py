@@ -42,6 +42,7 @@ from timm.layers import RmsNorm2d as TimmRmsNorm2d, RmsNormAct2d as TimmRmsNormA
 from timm.layers import RmsNorm2dFp32 as TimmRmsNorm2dFp32, RmsNormAct2dFp32 as TimmRmsNormAct2dFp32
 from timm.layers import SimpleNorm2d as TimmSimpleNorm2d, SimpleNorm2dFp32 as TimmSimpleNorm2dFp32
 from timm.layers import SimpleNorm as TimmSimpleNorm, SimpleNormFp32 as TimmSimpleNormFp32
+from timm.layers import LayerNormFp32 as TimmLayerNormFp32, LayerNorm2dFp32 as TimmLayerNorm2dFp32
 from timm.layers import LayerScale2d as TimmLayerScale2d
 from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
 from timm.models.ghostnet import ConvBnAct as GhostConvBnAct
@@ -128,6 +129,8 @@ def _leaf_rules():
         nn.LayerNorm: ("layernorm", mnn.LayerNorm),
         TimmLayerNorm: ("layernorm", mnn.LayerNorm),
         TimmLayerNorm2d: ("layernorm", mnn.LayerNorm2d),
+        TimmLayerNormFp32: ("layernorm", mnn.LayerNormFp32),  # (norm_layer="layernormfp32")
+        TimmLayerNorm2dFp32: ("layernorm", mnn.LayerNorm2dFp32),
         TorchvisionLayerNorm2d: ("layernorm", mnn.LayerNorm2d),  # (the same permute, F.layer_norm, permute)
         TimmLayerNormAct2d: ("layernorm", mnn.LayerNormAct2d),
         nn.Conv2d: ("conv", mnn.Conv2d),
