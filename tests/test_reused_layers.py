@@ -299,7 +299,9 @@ def test_the_probe_switches_before_the_first_step_and_changes_nothing_else():
     with pytest.warns(UserWarning, match=r"blk \(Sequential, 2 calls\).*from the first training step"):
         assert probe_reuse(patched, x[:1]) == ["blk.0"]
     assert torch.equal(torch.get_rng_state(), rng)
-    assert all(torch.equal(v, before[k]) for k, v in patched.state_dict().items())
+    after = patched.state_dict()  # (only the switch is new: written for a resume to take)
+    assert set(after) - set(before) == {"blk.0.quantizer.per_sample_by_reuse"}
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
     assert patched.training and not patched.bn.training and patched.blk.training
     assert patched.blk[0].quant_options.estimator == "per_sample" and _watched(patched)
     assert patched.head.quant_options.estimator == "running"
@@ -426,3 +428,39 @@ def test_the_warning_points_at_the_users_call():
         with pytest.warns(UserWarning, match="ran more than once") as said:
             call(model)
         assert [w.filename for w in said] == [__file__]
+
+
+def test_a_resume_through_load_state_dict_takes_the_switch():
+    """The switch is written in the quantizers' state_dict: a model patched afresh that loads
+    the checkpoint runs the next step as the uninterrupted model does, bit for bit (it ran on
+    clamped running ranges and warned again); the stock conversion drops the entry, a model
+    that keeps running ranges does not take it, and a model without reuse writes none."""
+    from mesa_train.patch.checkpoint import patched_to_stock_state_dict
+
+    torch.manual_seed(0)
+    stock, x = TwiceCalled().train(), torch.randn(3, 16, 32)
+    model = patch_model(copy.deepcopy(stock))
+    with pytest.warns(UserWarning, match="keep_running_ranges"):
+        _grads(model, x[0])
+    _grads(model, x[1])
+    state = copy.deepcopy(model.state_dict())
+    assert [k for k in state if k.endswith("per_sample_by_reuse")] == ["blk.0.quantizer.per_sample_by_reuse",
+                                                                        "blk.1.quantizer.per_sample_by_reuse"]
+    resumed = patch_model(copy.deepcopy(stock))
+    resumed.load_state_dict(state)
+    assert _estimators(resumed) == _estimators(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing found again: the layers are per-sample already)
+        got = _grads(resumed, x[2])
+    want = _grads(model, x[2])
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert resumed.state_dict().keys() == model.state_dict().keys()
+    for fresh in (None, patch_model(copy.deepcopy(stock))):
+        TwiceCalled().load_state_dict(patched_to_stock_state_dict(state, fresh))
+    kept = patch_model(copy.deepcopy(stock))
+    keep_running_ranges(kept)
+    kept.load_state_dict(state)
+    assert kept.blk[0].quant_options.estimator == "running"
+    once = patch_model(CalledOnce())
+    _grads(once, x[0])
+    assert not [k for k in once.state_dict() if k.endswith("per_sample_by_reuse")]

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .quantizer import ActivationQuantizer, Packed, QuantOptions
+from .quantizer import REUSE_KEY, ActivationQuantizer, Packed, QuantOptions
 from .tracing import refuse_fx_proxy, refuse_script
 
 __all__ = ["MesaLayer", "save", "load", "no_autocast", "group_dim_4d", "grad_to", "is_channels_last", "nhwc_view",
@@ -150,6 +150,11 @@ def active_with_params(layer, x: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- layer mixin
+# set on every module of a model given to patch.reuse.keep_running_ranges: its reused layers keep
+# one running range (a checkpoint's reuse switch is not taken either)
+KEEP_RUNNING_RANGES = "_mesa_keep_running_ranges"
+
+
 class MesaLayer:
     """Mixin for the Mesa layers: options, quantizers, repr, train/eval dispatch."""
 
@@ -193,6 +198,22 @@ class MesaLayer:
 
     def quantizers(self) -> list[ActivationQuantizer]:
         return [getattr(self, n) for n in self._quantizer_names]
+
+    def switch_to_per_sample_for_reuse(self) -> None:
+        """``estimator="per_sample"``, marked as the reuse check's switch (patch/reuse.py): the
+        quantizers' ``state_dict`` says so, and a layer loading it switches too."""
+        self.set_quant_options(estimator="per_sample")
+        for q in self.quantizers():
+            q.__dict__[REUSE_KEY] = True
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a checkpoint of a layer the reuse check switched (its quantizers' REUSE_KEY entries):
+        # switch this one too, unless its model keeps running ranges (keep_running_ranges) or
+        # it was patched with another estimator
+        if (self._mesa_options.estimator in ("running", "delayed") and not self.__dict__.get(KEEP_RUNNING_RANGES)
+                and any(bool(state_dict.get(f"{prefix}{n}.{REUSE_KEY}", False)) for n in self._quantizer_names)):
+            self.switch_to_per_sample_for_reuse()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _mesa_active(self, *tensors) -> bool:
         """True when this call must compress (training, enabled, a gradient is needed, and no

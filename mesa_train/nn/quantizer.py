@@ -324,6 +324,11 @@ LEARNED_BUFFERS = ("clip_center", "clip_log", "clip_m", "clip_v", "clip_steps")
 # loading into a quantizer with another format is an error (convert_format converts).
 FORMAT_KEY = "format"
 _DEFAULT_RECORD = (8, 0, 0, 0)
+# ``<prefix>per_sample_by_reuse`` = True: the quantizer's layer was switched to per-sample
+# ranges because one forward calls it more than once (patch/reuse.py); a model patched afresh
+# takes the switch when it loads the checkpoint (MesaLayer._load_from_state_dict), as a resumed
+# run must to equal an uninterrupted one
+REUSE_KEY = "per_sample_by_reuse"
 
 # Adam on the log2 thresholds of estimator="learned" (per group, lower and upper)
 LEARNED_LR = 0.05
@@ -474,9 +479,14 @@ class ActivationQuantizer(nn.Module):
         rec = self.options.format_record
         if rec != _DEFAULT_RECORD:
             destination[prefix + FORMAT_KEY] = torch.tensor(rec, dtype=torch.int64)
+        if self.__dict__.get(REUSE_KEY) and self.options.estimator == "per_sample":
+            destination[prefix + REUSE_KEY] = torch.ones((), dtype=torch.bool)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        # (read by the layer above, which loads first: MesaLayer._load_from_state_dict)
+        if bool(state_dict.pop(prefix + REUSE_KEY, False)):
+            self.__dict__[REUSE_KEY] = True
         fk = prefix + FORMAT_KEY
         saved = tuple(int(v) for v in state_dict.pop(fk).tolist()) if fk in state_dict else _DEFAULT_RECORD
         if saved != self.options.format_record and (prefix + "alpha") in state_dict:

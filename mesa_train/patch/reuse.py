@@ -26,8 +26,10 @@ share the model's hook dicts). :func:`probe_reuse` covers those and the clamped 
 forward of an example input in eval mode without gradients, before training, that switches at
 once. The training runner and the bench call it after patching (a blank image of the run's
 size), so a compiled run, a resumed run (the estimator is not in the format record) and the
-first step of any run get the per-sample ranges. :func:`keep_running_ranges` turns the check
-off for a model.
+first step of any run get the per-sample ranges. The switch is written in the quantizers'
+``state_dict`` (``per_sample_by_reuse``), so a model patched afresh takes it when it loads a
+checkpoint (``load_state_dict``, no probe needed to resume). :func:`keep_running_ranges` turns
+the check off for a model.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from torch import nn
 from mesa_train.memory import INPUT_AGNOSTIC_HOOK
 from mesa_train.models import unwrap_module
 from mesa_train.nn import MesaLayer
+from mesa_train.nn._common import KEEP_RUNNING_RANGES
 from mesa_train.warning_site import outside_stacklevel
 
 __all__ = ["watch_reuse", "probe_reuse", "keep_running_ranges", "range_layers", "calls_repeat_one_input",
@@ -55,7 +58,7 @@ REPEATS_ONE_INPUT = "mesa_calls_repeat_one_input"
 # on the root between its first training forward and the next: the modules found called again
 PENDING = "_mesa_reuse_pending"
 # on every module of a model given to keep_running_ranges (a probe of a part of it sees it too)
-KEEP = "_mesa_keep_running_ranges"
+KEEP = KEEP_RUNNING_RANGES
 # the session under way: (weak reference to its root, {module name: calls}, counting hook
 # handles, holders); weak and checked at each start, so an interrupted forward (Ctrl-C skips the
 # always-call hook) neither keeps its model alive nor blocks the next model's watch
@@ -268,7 +271,7 @@ def _switch(root: nn.Module, names) -> None:
         except AttributeError:
             continue  # (patched again since, or removed)
         if isinstance(layer, MesaLayer) and layer.quant_options.estimator in RANGE_ESTIMATORS:
-            layer.set_quant_options(estimator="per_sample")
+            layer.switch_to_per_sample_for_reuse()  # (marked in its state_dict: a resume takes it)
 
 
 def _stop_watching(root: nn.Module) -> None:
