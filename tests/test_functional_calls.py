@@ -316,3 +316,33 @@ def test_a_model_that_has_run_pickles_with_its_sites():
     want = model(x)
     torch.manual_seed(3)
     assert torch.equal(loaded(x), want)
+
+
+def test_a_lora_adapters_functional_linear_beside_a_linear_child_is_reported():
+    """A module with a converted Linear child counted its whole ``linear`` op as reached; but
+    only ``F.linear`` calls that pass a child's weight are routed through it: a LoRA adapter's
+    ``F.linear(x, self.lora_A)`` ran stock without a word. Now said; the base Linear is still
+    converted, and a call on the child's weight (BEiT's form) still counts as reached."""
+    class LoRALinear(nn.Module):
+        def __init__(self, d=16, r=4):
+            super().__init__()
+            self.base = nn.Linear(d, d)
+            self.lora_a, self.lora_b = nn.Parameter(torch.randn(r, d)), nn.Parameter(torch.zeros(d, r))
+
+        def forward(self, x):
+            return self.base(x) + F.linear(F.linear(x, self.lora_a), self.lora_b)
+
+    class ChildWeight(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.qkv, self.q_bias = nn.Linear(d, d, bias=False), nn.Parameter(torch.zeros(d))
+
+        def forward(self, x):
+            return F.linear(x, weight=self.qkv.weight, bias=self.q_bias)
+
+    with pytest.warns(UserWarning, match=r"not reached .*1 \(LoRALinear: linear\)"):
+        mesa = patch_model(nn.Sequential(nn.Linear(16, 16), LoRALinear()))
+    assert isinstance(mesa[1].base, mnn.Linear)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(ChildWeight())

@@ -86,8 +86,8 @@ from . import mha as mha_patch
 from .torch_transformer import activations_as_modules
 from .torchvision_blocks import STOCK_TORCHVISION_CLASSES, TORCHVISION_CLASSES
 from .rules import (FUNCTIONAL_OPS, MODULE_SETS, ModuleInfo, classify, count_functional_calls, function_attributes,
-                    is_position_table_mlp, matmul_kinds, product_order, core_in_loop, scan_functional_ops,
-                    scan_inline_scales)
+                    is_position_table_mlp, linear_call_weights, matmul_kinds, product_order, core_in_loop,
+                    scan_functional_ops, scan_inline_scales)
 
 __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op", "PATCH_INFO_ATTR"]
 
@@ -1036,7 +1036,11 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]],
         if "linear" in found and "linear" in t.op_names and any(
                 isinstance(c, mnn.Linear) for c in m._modules.values()):
             install_linear(m)
-            generic[name] = generic.get(name, ()) + ("linear",)
+            # reached where every F.linear call passes a converted child's weight; a call with
+            # another weight (a LoRA adapter's F.linear(x, self.lora_A)) runs stock: said
+            weights = linear_call_weights(type(m))
+            if weights is not None and all(isinstance(m._modules.get(c), mnn.Linear) for c in weights):
+                generic[name] = generic.get(name, ()) + ("linear",)
         if getattr(m, "add_maxpool", True) is False:  # timm's squeeze-excite: its amax call switched off
             found = tuple(o for o in found if o != "maxpool")
         reached = _route_calls(t, name, m, found)

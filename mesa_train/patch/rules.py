@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 __all__ = ["ModuleInfo", "classify", "function_attributes", "scan_functional_ops", "scan_inline_scales",
-           "FUNCTIONAL_OPS", "is_position_table_mlp"]
+           "FUNCTIONAL_OPS", "is_position_table_mlp", "linear_call_weights"]
 
 MODULE_SETS = ("msa", "ffn", "other")
 
@@ -408,6 +408,33 @@ def _is_product(node, cls: type) -> bool:
 def _is_exp_call(node) -> bool:
     return (isinstance(node, ast.Call) and not node.args and isinstance(node.func, ast.Attribute)
             and node.func.attr == "exp")
+
+
+def linear_call_weights(cls: type) -> Optional[Tuple[str, ...]]:
+    """The children whose weight each ``F.linear(x, self.<child>.weight, ...)`` call of
+    ``cls.forward`` (and the methods it reaches) passes, or None where a call passes another
+    weight (a LoRA adapter's ``F.linear(x, self.lora_A)``, a weight built at call time): only a
+    child's weight is routed through its Mesa ``Linear`` (``generic_attention._route_linear``)."""
+    key = ("linear_weights", cls)
+    if key not in _SCAN_CACHE:
+        children = []
+        for _, tree in _methods_reached(cls):
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.Call) and not _self_attribute(node.func)
+                        and _called_name(node) == "linear"):
+                    continue
+                weight = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == "weight"), None)
+                child = (_self_attribute(weight.value) if isinstance(weight, ast.Attribute) and weight.attr == "weight"
+                         else None)
+                if child is None:
+                    children = None
+                    break
+                children.append(child)
+            if children is None:
+                break
+        _SCAN_CACHE[key] = None if children is None else tuple(children)
+    return _SCAN_CACHE[key]
 
 
 def _self_attribute(node) -> Optional[str]:
