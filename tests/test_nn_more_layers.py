@@ -656,6 +656,70 @@ def test_activations(kind):
     _compare(stock, mesa, torch.randn(2, 7, 32) * 3)
 
 
+_ELU_FAMILY = {"elu": lambda: nn.ELU(0.5), "celu": lambda: nn.CELU(2.0), "selu": nn.SELU, "mish": nn.Mish}
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", list(_ELU_FAMILY))
+def test_elu_family_and_mish_keep_their_8_bit_input(kind, dtype, channels_last):
+    """torch's ELU, CELU, SELU and Mish (timm's act_layer="elu" / "celu" / "selu" / "mish"; they
+    ran stock without a word, keeping their full input): stock's output bit for bit, the 8-bit
+    input for backward; the ELU family also a 1-bit mask of the side of 0, so the positive side's
+    gradient is stock's exactly (SELU's slope jumps 1.05 -> 1.76 there)."""
+    torch.manual_seed(0)
+    stock = _ELU_FAMILY[kind]()
+    mesa = getattr(mn, type(stock).__name__).from_module(stock)
+    assert isinstance(mesa, type(stock)) and getattr(mesa, "alpha", None) == getattr(stock, "alpha", None)
+    x = (torch.randn(4, 8, 5, 5) * 2).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    _compare(stock, mesa, x, min_cos=0.999 if dtype == torch.float32 else 0.99)
+    if kind != "mish":
+        mesa.train()
+        g = torch.randn_like(x)
+        xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        stock(xs).backward(g), mesa(xm).backward(g)
+        positive = x > 0
+        assert torch.equal(xm.grad[positive], xs.grad[positive])
+        assert xm.grad.is_contiguous(memory_format=torch.channels_last) == channels_last
+    with pytest.raises(TypeError):
+        getattr(mn, type(stock).__name__).from_module(nn.GELU())
+
+
+@pytest.mark.parametrize("act_layer", ["selu", "mish"])
+def test_patch_model_converts_a_vits_act_layer_and_it_compiles(act_layer):
+    """A timm ViT built with act_layer="selu" / "mish": every MLP's activation converted, nothing
+    reported, the train forward stock's bits, gradients close, compiled whole (fullgraph,
+    forward and backward) with eager's outputs."""
+    import timm
+
+    from mesa_train.patch import patch_model
+
+    torch.manual_seed(0)
+    stock = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5,
+                              act_layer=act_layer).train()
+    mesa = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing reported unreached)
+        patch_model(mesa)
+    assert type(mesa.blocks[1].mlp.act) is (mn.SELU if act_layer == "selu" else mn.Mish)
+    x = torch.randn(2, 3, 32, 32)
+    want = stock(x)
+    want.square().sum().backward()
+    twin = copy.deepcopy(mesa)
+    got = mesa(x)
+    got.square().sum().backward()
+    assert torch.equal(got, want)
+    for (n, p), q in zip(mesa.named_parameters(), stock.parameters()):
+        assert _cos(p.grad, q.grad) > 0.99, n
+    out = torch.compile(twin, backend="aot_eager", fullgraph=True)(x)
+    out.square().sum().backward()
+    assert torch.equal(out, want)
+    for (n, p), q in zip(twin.named_parameters(), mesa.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
 @pytest.mark.parametrize("gate_last", [False, True])
 def test_gated_activation(gate_last):
     act = nn.SiLU()

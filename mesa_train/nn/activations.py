@@ -1,4 +1,4 @@
-"""Mesa activations beyond GELU: ``QuickGELU`` (CLIP), ``SiLU`` (Swish), ``Hardswish``
+"""Mesa activations beyond GELU: ``QuickGELU`` (CLIP), ``SiLU`` (Swish), ``Mish``, ``Hardswish``
 (MobileNetV3, LeViT, EfficientViT-MIT, LowFormer), and the gated ``act(gate) * x`` of
 SwiGLU / GLU MLPs (``GatedActivation``).
 
@@ -19,7 +19,7 @@ from ._common import MesaLayer, from_nhwc, group_dim_4d, load, no_autocast, save
 from .quantizer import decompress
 from .relu import pack_bits, unpack_bits
 
-__all__ = ["QuickGELU", "SiLU", "Hardswish", "GatedActivation", "quick_gelu"]
+__all__ = ["QuickGELU", "SiLU", "Mish", "Hardswish", "GatedActivation", "quick_gelu"]
 
 
 # the kinds of mesa::elementwise_train (csrc/convnet_autograd.cpp)
@@ -52,7 +52,7 @@ class _ElementwiseFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kind, quantizer):
-        y = quick_gelu(x) if kind == "quick_gelu" else F.silu(x)
+        y = quick_gelu(x) if kind == "quick_gelu" else F.mish(x) if kind == "mish" else F.silu(x)
         ctx.kind = kind
         save_elementwise_input(ctx, x, y, quantizer)
         return y
@@ -66,6 +66,8 @@ class _ElementwiseFn(torch.autograd.Function):
             g = g.to(ctx.cdt)
             if ctx.kind == "quick_gelu":
                 gx = g * _quick_gelu_grad(xh)
+            elif ctx.kind == "mish":
+                gx = torch.ops.aten.mish_backward(g, xh)
             else:
                 gx = torch.ops.aten.silu_backward(g, xh)
         return gx.to(ctx.x_dtype), None, None
@@ -189,6 +191,17 @@ class SiLU(_InplaceActivation, nn.SiLU):
     """``torch.nn.SiLU`` keeping its 8-bit input."""
 
     _stock_types, _kind = (nn.SiLU,), "silu"
+
+
+class Mish(_InplaceActivation, nn.Mish):
+    """``torch.nn.Mish`` (``x * tanh(softplus(x))``: timm's ``act_layer="mish"``, CSP-DarkNet-style
+    nets) keeping its 8-bit input; the Python Function in eager and compiled training alike (the
+    C++ elementwise op has no Mish kind). Op ``silu``."""
+
+    _stock_types, _kind = (nn.Mish,), "mish"
+
+    def _compressed(self, input):
+        return _ElementwiseFn.apply(input, "mish", self.quantizer)
 
 
 class Hardswish(_InplaceActivation, nn.Hardswish):

@@ -111,6 +111,10 @@ def _leaf_rules():
         nn.BatchNorm1d: ("batchnorm", mnn.BatchNorm1d),
         BatchNormAct2d: ("batchnorm", mnn.BatchNormAct2d),
         nn.SiLU: ("silu", mnn.SiLU),
+        nn.Mish: ("silu", mnn.Mish),  # (timm's act_layer="mish")
+        nn.ELU: ("relu", mnn.ELU),  # (the ELU family: 8-bit input and a 1-bit side mask)
+        nn.CELU: ("relu", mnn.CELU),
+        nn.SELU: ("relu", mnn.SELU),
         TimmQuickGELU: ("gelu", mnn.QuickGELU),
         TimmRmsNorm: ("rmsnorm", mnn.RmsNorm),
         TimmRmsNormFp32: ("rmsnorm", mnn.RmsNormFp32),
@@ -185,7 +189,8 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
     for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
                     (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.Conv1d, "conv"), (mnn.ReLU, "relu"),
                     (mnn.BlurPool2d, "conv"),
-                    (mnn.StarReLU, "relu"), (mnn.LeakyReLU, "relu"),
+                    (mnn.StarReLU, "relu"), (mnn.LeakyReLU, "relu"), (mnn.ELU, "relu"), (mnn.CELU, "relu"),
+                    (mnn.SELU, "relu"), (mnn.Mish, "silu"),
                     (mnn.ReLU6, "relu"), (mnn.Hardtanh, "relu"), (mnn.Hardswish, "hardswish"),
                     (mnn.Hardsigmoid, "hardswish"),
                     (mnn.Softmax, "softmax"), (mnn.GatedPositionalSoftmax, "softmax"), (mnn.MatMul, "matmul"),
