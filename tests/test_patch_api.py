@@ -276,6 +276,28 @@ def test_describe_table():
     assert "uninitialized" not in describe(model)
 
 
+def test_describe_header_gives_each_calls_options_with_its_ops():
+    """Patched twice, the second call with bits=4 for the GELUs: the header said
+    ``options={'bits': 4}`` beside every op, as if all were 4-bit."""
+    model = patch_model(build("deit", fused=False))
+    assert "options" not in describe(model).splitlines()[0]
+    patch_model(model, ops=["gelu"], bits=4)
+    head = describe(model).splitlines()[0]
+    assert head.endswith("; options by call: all {}; gelu {'bits': 4}"), head
+    assert "options={'bits': 4}" in describe(patch_model(build("deit", fused=False), bits=4)).splitlines()[0]
+
+
+def test_describe_before_a_call_knows_attention_dropout_keeps_its_own_map():
+    """With attention dropout on, attn @ v keeps the dropped map itself: before any call the
+    table said "a: int8 shared with softmax" (after one, what ran)."""
+    for rate, want in ((0.0, "a: int8 shared with softmax"), (0.2, "a: int8, b: int8")):
+        model = timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=3,
+                                  attn_drop_rate=rate)
+        patch_model(model, attention="explicit")
+        row = next(line for line in describe(model).splitlines() if line.startswith("blocks.0.attn.av_matmul"))
+        assert want in row, row
+
+
 class _Custom(nn.Module):
     """A model no rule knows, with functional ops inside."""
 

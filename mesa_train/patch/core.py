@@ -1109,6 +1109,9 @@ def _record_patch(root: nn.Module, op_names, set_names, explicit: dict, unreache
         "unreached": {**earlier, **unreached},
         "stock_batchnorm": tuple(sorted(set(prev.get("stock_batchnorm", ())) | set(kept_names))),
         "calls": prev.get("calls", 0) + 1,
+        # each call's ops and explicit options (describe's header: a later call's bits=4 for its
+        # ops only must not read as the options of every op)
+        "requests": tuple(prev.get("requests", ())) + ((tuple(o for o in OPS if o in set(op_names)), dict(explicit)),),
     }
     object.__setattr__(root, PATCH_INFO_ATTR, record)
 

@@ -11,7 +11,7 @@ from .attention import STOCK_ATTENTION_CLASSES
 from .block import norm_fed_ids
 from mesa_train.models import unwrap_module
 
-from .core import PATCH_INFO_ATTR, mesa_layer_op
+from .core import OPS, PATCH_INFO_ATTR, mesa_layer_op
 from .coverage import coverage, format_coverage
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
@@ -119,7 +119,11 @@ def describe_rows(model: nn.Module) -> List[List[str]]:
         producer = None
         parent = root.get_submodule(owner) if "." in name else None
         if op == "matmul" and name.endswith(".av_matmul"):
-            if mesa_layer_op(getattr(parent, "softmax", None)) == "softmax":
+            # (before a call: with attention dropout on, attn @ v takes the dropped map, which
+            # it keeps itself; what the last call kept says so after one)
+            drop = getattr(parent, "attn_drop", None)
+            if mesa_layer_op(getattr(parent, "softmax", None)) == "softmax" and not (
+                    isinstance(drop, nn.Dropout) and drop.p > 0):
                 producer = "softmax"
         # fc2 of a shared-copy MLP: its weight gradient comes from the act's copy of h
         shared = (op == "linear" and name.endswith(".fc2") and type(parent) in STOCK_SHARED_MLP_CLASSES
@@ -150,8 +154,13 @@ def _describe_layers(root: nn.Module) -> str:
     record = getattr(root, PATCH_INFO_ATTR, None) or {}
     title = f"Mesa patch of {type(root).__name__}"
     if record:
-        title += (f": ops={','.join(record.get('ops', ()))} modules={','.join(record.get('modules', ()))}"
-                  + (f" options={record['options']}" if record.get("options") else ""))
+        title += f": ops={','.join(record.get('ops', ()))} modules={','.join(record.get('modules', ()))}"
+        requests = record.get("requests", ())
+        if len(requests) > 1 and any(opts for _, opts in requests):  # (each call's options for its ops)
+            title += "; options by call: " + "; ".join(
+                f"{'all' if set(ops) == set(OPS) else ','.join(ops)} {opts or '{}'}" for ops, opts in requests)
+        elif record.get("options"):
+            title += f" options={record['options']}"
     else:
         title += " (not patched by patch_model)"
     lines = [title, format_table(["layer", "op", "set", "groups", "state"], rows)]
