@@ -20,7 +20,7 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from mesa_train.hydra_cli import exit_on_bad_overrides
+from mesa_train.hydra_cli import directory_problem, exit_on_bad_overrides
 
 log = logging.getLogger("evaluate")
 _STARTED = time.time()  # (a run directory made after this is this call's)
@@ -46,11 +46,12 @@ def main(cfg: DictConfig) -> float:
     from mesa_train.train.evaluation import check_eval_settings, evaluate_checkpoint
     from mesa_train.train.logfile import log_to_file
 
+    run_dir = HydraConfig.get().runtime.output_dir
     if OmegaConf.is_missing(cfg, "checkpoint") or not cfg.checkpoint:
         print("error: evaluate.py needs checkpoint=PATH (a last.pt or best.pt written by train.py, e.g. "
               "outputs/<date>/<time>/checkpoints/best.pt); see python evaluate.py --help", file=sys.stderr)
+        rundir.remove_if_left_empty(run_dir, _STARTED)  # (Hydra made it: nothing is left behind)
         sys.exit(2)
-    run_dir = HydraConfig.get().runtime.output_dir
     output = cfg.output or run_dir
     data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") is not None else None
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -61,6 +62,11 @@ def main(cfg: DictConfig) -> float:
         log.info("evaluating %s (%s weights, model %s) on %d images of %s", cfg.checkpoint,
                  "EMA" if cfg.ema else "model", run_cfg.model.name, images, run_cfg.data.name)
 
+    problem = directory_problem(output, "the output folder")  # (before the pass over the data, not after)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        rundir.remove_if_left_empty(run_dir, _STARTED)
+        sys.exit(1)
     try:
         check_eval_settings(cfg)
         metrics = evaluate_checkpoint(cfg.checkpoint, data=data, ema=cfg.ema, trainer=trainer, on_accept=on_accept)

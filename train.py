@@ -58,8 +58,14 @@ def main(cfg: DictConfig) -> float | None:
     if ignored is not None and distributed.env_rank() == 0:
         log.warning(ignored)
     accepted = []
+
+    def on_accept():
+        accepted.append(True)
+        if multirun:  # (a refusal of an earlier sweep over this job's directory is history now)
+            rundir.remove_file(rundir.refusal_record(run_dir))
+
     try:
-        summary = fit(cfg, run_dir, on_accept=lambda: accepted.append(True))
+        summary = fit(cfg, run_dir, on_accept=on_accept)
     except BaseException as err:  # noqa: BLE001 - every failure gets its line and exit code
         described = errors.describe(err)
         if described is None and not multirun:
@@ -74,7 +80,10 @@ def main(cfg: DictConfig) -> float | None:
             if not accepted:
                 rundir.remove_if_left_empty(run_dir, _STARTED)
             sys.exit(code)
-        rundir.write_failure(run_dir, message)
+        if not accepted and rundir.existing_run(run_dir):  # (refused over an earlier run: leave it as it was)
+            rundir.write_failure(run_dir, message, path=rundir.refusal_record(run_dir))
+        else:
+            rundir.write_failure(run_dir, message)
         if code in (130, 143):  # Ctrl-C / SIGTERM ends the sweep, with its summary so far
             from mesa_train.train.sweep import write_summary
 

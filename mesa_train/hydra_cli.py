@@ -168,10 +168,49 @@ def _culprit(err: Exception, overrides: list[str]) -> str | None:
     return None
 
 
+def run_dir_error(config_dir: str, config_name: str, args: list[str]) -> str | None:
+    """Why Hydra could not make the run (or sweep) directory ``args`` lead to, in one line, or
+    None: Hydra makes it before the job runs, so a parent that is a file, a read-only file
+    system or a folder without write permission surfaced as Hydra's traceback."""
+    if any(a.startswith("-") and a not in _RUN_FLAGS for a in args):
+        return None
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    overrides = [a for a in args if not a.startswith("-") and a.startswith("hydra.")]
+    try:
+        with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3",
+                                   job_name="run_dir_check"):
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+            path = str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir)
+    except (HydraException, OmegaConfBaseException):
+        return None  # (Hydra says what is wrong with its own settings)
+    return directory_problem(path, "the run directory")
+
+
+def directory_problem(path: str, what: str) -> str | None:
+    """Why the folder ``path`` could not be made, in one line naming it as ``what``, or None
+    (it is there, or its first existing parent is a folder this process may write to)."""
+    path = os.path.abspath(path)
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent == path and os.path.isdir(path):
+        return None  # (there already: the run checks what it may write)
+    if not os.path.isdir(parent):
+        return f"cannot create {what} {path}: {parent} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {what} {path}: {parent} is not writable (read-only or no permission)"
+    return None
+
+
 def exit_on_bad_overrides(config_dir: str, config_name: str, prefix: str = "error: ") -> None:
     """``override_error`` for this process's command line: printed as ``<prefix><line>`` on
-    stderr and exit status 2 (a usage error) when there is one."""
+    stderr and exit status 2 (a usage error) when there is one; a run directory Hydra could not
+    make (``run_dir_error``): exit status 1, as a write error of the run."""
     problem = override_error(config_dir, config_name, sys.argv[1:])
     if problem is not None:
         print(f"{prefix}{problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)
+    problem = run_dir_error(config_dir, config_name, sys.argv[1:])
+    if problem is not None:
+        print(f"{prefix}{problem}", file=sys.stderr, flush=True)
+        raise SystemExit(1)

@@ -156,7 +156,7 @@ def save_checkpoint(payload: dict, path: str) -> None:
 
 
 def copy_checkpoint(src: str, dst: str) -> None:
-    """Atomically copy a written checkpoint (last.pt -> best.pt)."""
+    """Atomically copy a written checkpoint (best.pt -> last.pt)."""
     with open(src, "rb") as source:
         _atomic_write(dst, lambda f: shutil.copyfileobj(source, f, 16 << 20))
 
@@ -246,9 +246,21 @@ def _flatten(tree, prefix: str = "") -> dict:
     return {prefix[:-1]: tree}
 
 
-# Settings added after checkpoints were already being written: one that a checkpoint does
-# not have was this value then (so older runs still resume).
-ADDED_SETTINGS = {"trainer.strategy": "ddp"}
+# Settings added after checkpoints were already being written (configs/ history from the first
+# commit, 2026-11-21): one that a checkpoint does not have was this value then, the behaviour
+# of the code that wrote it (so older runs still resume, and a changed default is named: an old
+# run resumes with mesa.mlp=separate, as it trained; a review found every key but the first
+# missing, so no run from before 2026-11-25 could resume)
+ADDED_SETTINGS = {
+    "trainer.strategy": "ddp",
+    "mesa.row_scale": True,  # (2026-11-23: the library's default before the key)
+    "mesa.scale": "linear", "mesa.bits": 8, "mesa.layout": "channel",  # (2026-11-23: the variants)
+    "mesa.plan": None, "mesa.budget": None, "mesa.budget_gb": None,  # (2026-11-23: the planner)
+    "mesa.cancelling_bn": "stock",  # (2026-11-24: patch_model's default when the key came)
+    "mesa.clip_horizon": 1,  # (2026-11-24)
+    "mesa.mlp": "separate", "mesa.norm_linear": "separate",  # (2026-11-25: the shared copies came)
+    "optim.layer_decay": None,  # (2026-11-23)
+}
 
 
 def changed_settings(saved_cfg: dict, cfg: dict) -> list[str]:
@@ -263,6 +275,25 @@ def changed_settings(saved_cfg: dict, cfg: dict) -> list[str]:
 
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
             if not allowed(k) and old.get(k) != new.get(k)]
+
+
+def check_same_classes(ckpt: dict, num_classes: int, classes, data_root, path: str, what: str) -> None:
+    """The data's classes are the checkpoint's: the same count (else its head does not fit, which
+    read as another model) and, where both name them, the same names in the same order (class
+    folders renamed or reordered trained or scored the wrong labels without a word). ``what``:
+    the refused action ("resume", "evaluate")."""
+    where = f" (data.root={data_root})" if data_root else ""
+    saved_n = ckpt.get("num_classes")
+    if saved_n is not None and int(saved_n) != int(num_classes):
+        raise CheckpointError(f"cannot {what} {path}: it was trained on {saved_n} classes, the data{where} has "
+                              f"{num_classes}; use the data it was trained on (model.pretrained_path starts a new "
+                              "run from its weights with another head)")
+    saved = ckpt.get("classes")
+    if saved and classes and list(saved) != list(classes):
+        diff = [f"{i}: {a!r} -> {b!r}" for i, (a, b) in enumerate(zip(saved, classes)) if a != b]
+        raise CheckpointError(f"cannot {what} {path}: the data's classes{where} differ from the ones it was trained "
+                              f"on (label: checkpoint -> data: {', '.join(diff[:5])}"
+                              f"{', ...' if len(diff) > 5 else ''}); the labels would not mean the same")
 
 
 def check_same_settings(saved_cfg: dict, cfg: dict, path: str) -> None:

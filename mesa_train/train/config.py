@@ -54,9 +54,56 @@ def _as_list(value: Any) -> list:
     return list(value)
 
 
+def is_int(value) -> bool:
+    """An integer and not a bool (``True`` is an ``int`` to Python: ``trainer.epochs=true``
+    trained one epoch)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """An int or float and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def bool_errors(cfg, keys) -> list[str]:
+    """One line for each of ``keys`` (dotted) whose value in ``cfg`` is set but not true or false:
+    YAML's words reach OmegaConf as strings, and ``trainer.overwrite=no`` was truthy (it deleted
+    the run it was meant to keep)."""
+    from omegaconf import OmegaConf
+
+    errors = []
+    for key in keys:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and not isinstance(value, bool):
+            errors.append(f"{key}={value!r} must be true or false")
+    return errors
+
+
+def bool_settings() -> tuple[str, ...]:
+    """The settings whose value is true or false in an option file of their group (each must
+    stay true or false), and ``model.fused_attn`` (null: timm's default)."""
+    from omegaconf import OmegaConf
+
+    keys = {"model.fused_attn"}
+    for group in SETTING_GROUPS:
+        for path in glob.glob(os.path.join(_CONFIG_DIR, group, "*.yaml")):
+            tree = OmegaConf.to_container(OmegaConf.load(path)) or {}
+            flat = _leaf_values({k: v for k, v in tree.items() if k != "defaults"})
+            keys.update(f"{group}.{k}" for k, v in flat.items() if isinstance(v, bool))
+    return tuple(sorted(keys))
+
+
+def _leaf_values(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, value in tree.items() for k, v in _leaf_values(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
 def validate(cfg) -> None:
     """Raise ``ConfigError`` listing every invalid value of ``cfg``."""
     errors: list[str] = []
+    # (those mesa and fsdp flags are checked with their group below)
+    errors += bool_errors(cfg, [k for k in bool_settings() if k not in _CHECKED_BOOLS])
     _check_model(cfg, errors)
     _choice(errors, "data.name", cfg.data.name, DATASETS)
     _check_data(cfg.data, errors)
@@ -82,6 +129,8 @@ def validate(cfg) -> None:
 # (Checked for a new run only: an older checkpoint's config may hold a setting since removed.)
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 SETTING_GROUPS = ("trainer", "mesa", "model", "data", "optim", "logger")
+_CHECKED_BOOLS = ("mesa.enabled", "mesa.row_scale", "mesa.symmetric", "trainer.fsdp.reshard_after_forward",
+                  "trainer.fsdp.cpu_offload")
 TOP_LEVEL = ("name", *SETTING_GROUPS)
 
 
@@ -192,9 +241,9 @@ def _check_mesa(m, errors: list[str]) -> None:
         errors.append(f"mesa.row_scale={m.row_scale!r} must be true or false")
     if not isinstance(m.symmetric, bool):
         errors.append(f"mesa.symmetric={m.symmetric!r} must be true or false")
-    if not (isinstance(m.decay, (int, float)) and 0.0 <= m.decay < 1.0):
+    if not (is_number(m.decay) and 0.0 <= m.decay < 1.0):
         errors.append(f"mesa.decay={m.decay!r} must be a number in [0, 1)")
-    if m.num_groups is not None and not (isinstance(m.num_groups, int) and m.num_groups >= 1):
+    if m.num_groups is not None and not (is_int(m.num_groups) and m.num_groups >= 1):
         errors.append(f"mesa.num_groups={m.num_groups!r} must be null (one per head) or an integer >= 1")
     _check_plan(m, errors)
 
@@ -205,25 +254,25 @@ def _check_trainer(t, errors: list[str]) -> None:
     _choice(errors, "trainer.device", t.device, DEVICES)
     for key in ("epochs", "batch_size", "grad_accum", "eval_every"):
         value = t[key]
-        if not (isinstance(value, int) and value >= 1):
+        if not (is_int(value) and value >= 1):
             errors.append(f"trainer.{key}={value!r} must be an integer >= 1")
     for key, meaning in (("checkpoint_every", "0: only at the end of each epoch"),
                          ("log_every", "0: no steps.csv rows"), ("num_workers", "0: load in the main process")):
         value = t.get(key, 0)
-        if not (isinstance(value, int) and value >= 0):
+        if not (is_int(value) and value >= 0):
             errors.append(f"trainer.{key}={value!r} must be an integer >= 0 ({meaning})")
-    if t.max_steps is not None and not (isinstance(t.max_steps, int) and t.max_steps >= 1):
+    if t.max_steps is not None and not (is_int(t.max_steps) and t.max_steps >= 1):
         errors.append(f"trainer.max_steps={t.max_steps!r} must be null or an integer >= 1")
-    if t.clip_grad is not None and not (isinstance(t.clip_grad, (int, float)) and t.clip_grad > 0):
+    if t.clip_grad is not None and not (is_number(t.clip_grad) and t.clip_grad > 0):
         errors.append(f"trainer.clip_grad={t.clip_grad!r} must be null or a positive number")
     _choice(errors, "trainer.nonfinite", t.get("nonfinite", "stop"), NONFINITE_MODES)
     _check_compile_mode(t, errors)
     skips = t.get("max_nonfinite_skips", 1)
-    if not (isinstance(skips, int) and skips >= 1):
+    if not (is_int(skips) and skips >= 1):
         errors.append(f"trainer.max_nonfinite_skips={skips!r} must be an integer >= 1")
     seed = t.get("seed", 0)
     # (each rank seeds with seed + rank; NumPy's generator takes 0 <= seed < 2**32)
-    if isinstance(seed, bool) or not (isinstance(seed, int) and 0 <= seed < 2**31):
+    if not (is_int(seed) and 0 <= seed < 2**31):
         errors.append(f"trainer.seed={seed!r} must be an integer from 0 to 2**31 - 1")
 
 
@@ -288,12 +337,12 @@ def _check_model(cfg, errors: list[str]) -> None:
             f"model.name={m.name!r} is neither a short name ({', '.join(MODEL_NAMES)}) nor a timm "
             "model name (see timm.list_models(), e.g. vit_small_patch16_224)"
         )
-    if not isinstance(m.img_size, int) or m.img_size < 1:
+    if not is_int(m.img_size) or m.img_size < 1:
         errors.append(f"model.img_size={m.img_size!r} must be a positive integer")
     for key in ("depth", "embed_dim", "num_heads"):  # (null: the timm model's own; a list: per stage)
         value = m.get(key)
         values = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value]
-        if value is not None and not (values and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        if value is not None and not (values and all(is_int(v) and v >= 1
                                                      for v in values)):
             errors.append(f"model.{key}={value!r} must be null (the model's own) or an integer >= 1 "
                           "(or a list of them, one per stage)")
@@ -345,15 +394,15 @@ def _check_model_kwargs(cfg, errors: list[str]) -> None:
 def _check_data(d, errors: list[str]) -> None:
     for key in ("mean", "std"):
         values = list(d.get(key) or [])
-        if len(values) != 3 or not all(isinstance(v, (int, float)) for v in values):
+        if len(values) != 3 or not all(is_number(v) for v in values):
             errors.append(f"data.{key}={values} must be three numbers (one per RGB channel)")
         elif key == "std" and not all(v > 0 for v in values):
             errors.append(f"data.std={values} must be positive (images are divided by it)")
     for key, low in (("train_size", 1), ("val_size", 0)):
         value = d.get(key)
-        if value is not None and not (isinstance(value, int) and value >= low):
+        if value is not None and not (is_int(value) and value >= low):
             errors.append(f"data.{key}={value!r} must be null (all) or an integer >= {low}")
-    if d.get("num_classes") is not None and not (isinstance(d.num_classes, int) and d.num_classes >= 1):
+    if d.get("num_classes") is not None and not (is_int(d.num_classes) and d.num_classes >= 1):
         errors.append(f"data.num_classes={d.num_classes!r} must be null or an integer >= 1")
 
 
@@ -371,7 +420,7 @@ def _check_optim(o, errors: list[str]) -> None:
     if o.sched not in SCHEDULERS:
         errors.append(f"optim.sched={o.sched!r} is not valid; choose one of: {', '.join(SCHEDULERS)}")
     decay = o.get("layer_decay")
-    if decay is not None and not (isinstance(decay, (int, float)) and 0 < decay <= 1):
+    if decay is not None and not (is_number(decay) and 0 < decay <= 1):
         errors.append(f"optim.layer_decay={decay!r} must be null (off) or a number in (0, 1]")
     for key, ok, rule in _OPTIM_NUMBERS:
         value, nullable = o.get(key), key not in _OPTIM_REQUIRED
@@ -387,7 +436,7 @@ def _check_optim(o, errors: list[str]) -> None:
 # at the first step, after the run directory was written.
 _OPTIM_NUMBERS = (
     ("base_lr", lambda v: v > 0, "a positive number (lr at base_batch images a step)"),
-    ("base_batch", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    ("base_batch", lambda v: is_int(v) and v >= 1, "an integer >= 1"),
     ("lr", lambda v: v > 0, "a positive number (this learning rate as is)"),
     ("weight_decay", lambda v: v >= 0, "a number >= 0"),
     ("momentum", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
@@ -402,7 +451,7 @@ _OPTIM_NUMBERS = (
     ("mixup_prob", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     ("mixup_switch_prob", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     ("re_prob", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    ("re_count", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    ("re_count", lambda v: is_int(v) and v >= 1, "an integer >= 1"),
     ("ema_decay", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
 )
 # the two the learning rate is computed from; every other one may be null (the library's default)

@@ -143,6 +143,32 @@ IMAGEFOLDER_HELP = (
 )
 
 
+# PIL's modes of more than 8 bits a channel: convert("RGB") clips their values at 255 (a 16-bit
+# PNG became an almost white image, without a word)
+_WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+
+
+def _to_8_bit(image):
+    """``image`` with a wide grey mode (16-bit PNGs, 32-bit integer or float TIFFs) scaled to 8
+    bits: 16-bit ones by their depth (also mode ``I`` with values past 255, as PIL may open a
+    16-bit PNG), 8-bit values in mode ``I`` as they are, floats in [0, 1] times 255, anything else
+    by its own range; other modes as they are."""
+    if image.mode not in _WIDE_MODES:
+        return image
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(image).astype(np.float64)
+    lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+    if image.mode.startswith("I;16") or (image.mode == "I" and lo >= 0 and 255 < hi <= 65535):
+        a = a / 257.0  # (the 16-bit depth: 0..65535 -> 0..255)
+    elif image.mode == "F" and lo >= 0 and hi <= 1:
+        a = a * 255.0
+    elif not (image.mode == "I" and lo >= 0 and hi <= 255):  # (8-bit values in an I image: as they are)
+        a = (a - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(a)
+    return Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
+
+
 class _NamedImageLoader:
     """ImageFolder's image reader: an unreadable file becomes a ``DataError`` naming it, or,
     with ``skip``, ``None`` (``SkippingImageFolder`` then takes the next readable image)."""
@@ -156,7 +182,7 @@ class _NamedImageLoader:
         try:
             with open(path, "rb") as f:
                 image = Image.open(f)
-                return image.convert("RGB")
+                return _to_8_bit(image).convert("RGB")
         except Exception as err:  # truncated, not an image, unreadable ...
             if self.skip:
                 import logging
@@ -467,6 +493,9 @@ class Loaders:
     val: DataLoader
     num_classes: int
     train_batches: int  # full-epoch batches per rank (independent of a mid-epoch start)
+    # the class names in label order (an ImageFolder's folders, a torchvision set's names), or
+    # None: checkpoints keep them, and a resume or evaluation on other class folders is refused
+    classes: list | None = None
 
 
 def usable_cpus() -> int:
@@ -534,7 +563,9 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1, train: bool = True) -
         val_set, int(cfg.trainer.batch_size), ShardSampler(len(val_set), rank, world_size), cfg, False, seed,
         world_size,
     )
-    return Loaders(train_loader, val_loader, num_classes, train_batches)
+    named = getattr(train_set if train else val_set, "classes", None)
+    classes = [str(c) for c in named] if named else None
+    return Loaders(train_loader, val_loader, num_classes, train_batches, classes)
 
 
 def build_mixup(cfg, num_classes: int):

@@ -65,11 +65,14 @@ class Parts:
     estimate_sync: Any = None
 
 
-NONFINITE_HINT = ("lower the learning rate (optim.lr / optim.base_lr), clip gradients (trainer.clip_grad=1.0), "
-                  "or skip such steps (trainer.nonfinite=skip)")
-# (skip mode is what stopped: the last way out is a longer streak)
-SKIP_LIMIT_HINT = ("lower the learning rate (optim.lr / optim.base_lr), clip gradients (trainer.clip_grad=1.0), "
-                   "or allow more skipped steps in a row (trainer.max_nonfinite_skips)")
+# (what a resume may change is the checkpoint's RESUME_MAY_CHANGE: not the learning rate or the
+# clipping, so those go with a new run from the weights; a review found the advice refused)
+_NEW_RUN_HINT = ("or start a new run (another hydra.run.dir) from the kept weights "
+                 "(model.pretrained_path=<its checkpoint>) with a lower learning rate (optim.lr / optim.base_lr) "
+                 "or clipped gradients (trainer.clip_grad=1.0), which a resume cannot change")
+NONFINITE_HINT = f"resume skipping such steps (trainer.nonfinite=skip), {_NEW_RUN_HINT}"
+# (skip mode is what stopped: the way out on resume is a longer streak)
+SKIP_LIMIT_HINT = f"resume allowing more skipped steps in a row (trainer.max_nonfinite_skips), {_NEW_RUN_HINT}"
 
 
 def epoch_totals(parts: Parts, state: TrainState) -> None:

@@ -36,10 +36,12 @@ _OS_ERRORS = {
     errno.EROFS: "cannot write to {path}: read-only file system",
     errno.EACCES: "cannot write to {path}: permission denied",
     errno.EPERM: "cannot write to {path}: operation not permitted",
+    errno.ENOTDIR: "cannot write to {path}: a part of the path is a file",
+    errno.EEXIST: "cannot write to {path}: a file is in the way of that folder",
 }
 
 
-def _unwrap_worker_message(text: str) -> str:
+def unwrap_worker_message(text: str) -> str:
     """A DataLoader worker's exception comes back as 'Caught X in DataLoader worker ...
     Original Traceback ...'; keep only the original message."""
     if text.startswith("Caught ") and "Original Traceback" in text:
@@ -62,7 +64,7 @@ def describe(err: BaseException) -> tuple[int, str] | None:
     if isinstance(err, NonFiniteError):
         return 3, str(err)
     if isinstance(err, (ConfigError, DataError, CheckpointError, RunDirError)):
-        return 2, _unwrap_worker_message(str(err))
+        return 2, unwrap_worker_message(str(err))
     if isinstance(err, OSError) and err.errno in _OS_ERRORS:
         path = err.filename or "the run directory"
         return 1, _OS_ERRORS[err.errno].format(path=path)

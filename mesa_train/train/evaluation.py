@@ -8,7 +8,7 @@ import os
 
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import sharded
-from mesa_train.train.config import ConfigError, group_errors, validate
+from mesa_train.train.config import ConfigError, bool_errors, bool_settings, group_errors, validate
 from mesa_train.train.data import build_loaders
 from mesa_train.train.engine import evaluate
 from mesa_train.train.model import build as build_model_from_cfg
@@ -29,6 +29,8 @@ def check_eval_settings(cfg) -> None:
     for group in ("data", "trainer"):
         if cfg.get(group) is not None:
             errors += group_errors(group, OmegaConf.to_container(cfg[group], resolve=False))
+    # (ema=no was truthy: the EMA weights evaluated)
+    errors += bool_errors(cfg, ["ema", *(k for k in bool_settings() if k.split(".")[0] in ("data", "trainer"))])
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -43,6 +45,10 @@ def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, 
     is called once the checkpoint, data and weights are in place, before the pass over the
     data (evaluate.py logs from there on, so a call refused before leaves no log file)."""
     # A sharded FSDP checkpoint (last.dcp/) is read whole into this one process.
+    if os.path.isdir(path) and not sharded.is_sharded(path):  # (a run directory: its checkpoints named)
+        from mesa_train.train.runner import not_a_checkpoint_dir
+
+        not_a_checkpoint_dir(path, "best.pt", key="checkpoint")
     ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
     cfg = OmegaConf.create(ckpt["config"])
     if data:
@@ -63,6 +69,7 @@ def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, 
             f"the checkpoint's model has {num_classes} classes, data {cfg.data.name!r} has "
             f"{loaders.num_classes}; evaluate on data with the same classes"
         )
+    ckpt_lib.check_same_classes(ckpt, loaders.num_classes, loaders.classes, cfg.data.get("root"), path, "evaluate")
     if len(loaders.val.dataset) == 0:
         raise ConfigError(f"data {cfg.data.name!r} has no validation images (data.val_size=0?)")
     cfg.model.pretrained_path = None  # the checkpoint's own weights are loaded below

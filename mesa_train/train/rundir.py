@@ -71,10 +71,16 @@ class RunDirLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
         self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                     "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        except OSError as err:  # (a full disk: no empty .lock left behind, the folder named)
+            self.release()
+            if not existed_dir:
+                _remove_empty(self.run_dir)
+            raise OSError(err.errno, err.strerror, self.run_dir) from err
 
     def release(self) -> None:
         """Drop the lock and remove the lock file (nothing is left behind, and a run
@@ -118,12 +124,20 @@ def existing_run(run_dir: str) -> list[str]:
     return [name for name in ARTIFACTS if os.path.exists(os.path.join(run_dir, name))]
 
 
-def refuse_or_clear(run_dir: str, overwrite: bool) -> None:
-    """A fresh start in ``run_dir``: refuse when it holds an earlier run's files, unless
-    ``overwrite`` (then they are removed, so no old best.pt or log row survives)."""
+def refuse_or_clear(run_dir: str, overwrite: bool, resume: str | None = None) -> None:
+    """A fresh start in ``run_dir`` (or a resume from ``resume``, a checkpoint outside it):
+    refuse when it holds an earlier run's files, unless ``overwrite`` (then they are removed, so
+    no old best.pt or log row survives)."""
     found = existing_run(run_dir)
     if not found:
         return
+    if not overwrite and resume is not None:
+        raise RunDirError(
+            f"run directory {os.path.abspath(run_dir)} already holds a run ({', '.join(found)}), and "
+            f"trainer.resume={resume} is a checkpoint from elsewhere: resuming it here would mix the two runs' "
+            "logs and best.pt. Choose another directory (hydra.run.dir=...), continue this directory's own run "
+            "with trainer.resume=auto, or replace it with trainer.overwrite=true"
+        )
     if not overwrite:
         raise RunDirError(
             f"run directory {os.path.abspath(run_dir)} already holds a run ({', '.join(found)}) and this one "
@@ -172,9 +186,24 @@ def record_config(run_dir: str, cfg) -> None:
     OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), os.path.join(folder, "overrides.yaml"))
 
 
-def write_failure(run_dir: str, message: str) -> None:
-    """A failed sweep job's record (``failed.json``), read by the sweep summary. The job's
-    overrides are kept in it too: a job rejected at start-up has no ``.hydra/``."""
+def refusal_record(run_dir: str) -> str:
+    """Where a sweep job refused at start-up over an earlier run's directory records its failure:
+    beside the job directories (``<sweep dir>/failed-<job>.json``), since the refused run must
+    leave that directory as it was (its ``failed.json`` marked the earlier, finished run failed)."""
+    return os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"failed-{os.path.basename(run_dir)}.json")
+
+
+def remove_file(path: str) -> None:
+    """Remove ``path`` if it is there."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def write_failure(run_dir: str, message: str, path: str | None = None) -> None:
+    """A failed sweep job's record (``failed.json``, or ``path``), read by the sweep summary.
+    The job's overrides are kept in it too: a job rejected at start-up has no ``.hydra/``."""
     overrides: list[str] = []
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -183,8 +212,9 @@ def write_failure(run_dir: str, message: str) -> None:
             overrides = list(HydraConfig.get().overrides.task)
     except ImportError:  # pragma: no cover
         pass
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "failed.json"), "w") as f:
+    path = path or os.path.join(run_dir, "failed.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         json.dump({"status": "failed", "error": message, "overrides": overrides}, f, indent=2)
 
 

@@ -26,9 +26,10 @@ from mesa_train.train import distributed as dist_utils
 from mesa_train.train import rundir
 from mesa_train.train import sharded
 from mesa_train.train.config import ConfigError, check_known_settings, learning_rate, validate
-from mesa_train.train.data import build_loaders, build_mixup, worker_count
+from mesa_train.train.data import DataError, build_loaders, build_mixup, worker_count
 from mesa_train.train.engine import Parts, TrainState, build_criterion, evaluate, train_one_epoch
 from mesa_train.train.estimates import EstimateSync, buffers_identical
+from mesa_train.train import errors
 from mesa_train.train.errors import Interrupted, RunDirError
 from mesa_train.train.loggers import RunLogger
 from mesa_train.train.model import build as build_model_from_cfg
@@ -90,14 +91,17 @@ def resume_path(cfg, run_dir: str) -> str | None:
     if resume == "auto":
         path = os.path.join(checkpoint_dir(run_dir), last_checkpoint_name(cfg))
         if not fsdp:
-            return path if os.path.isfile(path) else None
+            # (best.pt alone: a save that failed between writing it and copying it to last.pt,
+            # RunSaver.save; it is the newer state then)
+            best = os.path.join(checkpoint_dir(run_dir), "best.pt")
+            return path if os.path.isfile(path) else best if os.path.isfile(best) else None
         # A crash between the two renames of sharded.save_sharded leaves only last.dcp.old.
         return next((p for p in (path, path + ".old") if sharded.is_sharded(p)), None)
     resume = str(resume)
     if not os.path.exists(resume):
         raise ckpt_lib.CheckpointError(f"trainer.resume={resume!r}: no such checkpoint")
     if os.path.isdir(resume) and not sharded.is_sharded(resume):
-        _not_a_checkpoint_dir(resume, last_checkpoint_name(cfg))
+        not_a_checkpoint_dir(resume, last_checkpoint_name(cfg))
     convert = "python -m mesa_train.train.convert"
     if fsdp and not os.path.isdir(resume):
         raise ckpt_lib.CheckpointError(
@@ -110,16 +114,17 @@ def resume_path(cfg, run_dir: str) -> str | None:
     return resume
 
 
-def _not_a_checkpoint_dir(path: str, last: str) -> None:
-    """trainer.resume named a folder that is no sharded checkpoint (a run directory, its
-    checkpoints/ folder): the checkpoints inside it, if any, as the value to give instead."""
+def not_a_checkpoint_dir(path: str, last: str, key: str = "trainer.resume") -> None:
+    """``key`` (trainer.resume; evaluate.py's checkpoint) named a folder that is no sharded
+    checkpoint (a run directory, its checkpoints/ folder): the checkpoints inside it, if any,
+    as the value to give instead."""
     # the run's own checkpoint name first, then either format's, inside checkpoints/ or here
     names = [last] + [name for name in ("last.pt", "last.dcp") if name != last]
     inside = [os.path.join(path, "checkpoints", name) for name in names] + [os.path.join(path, name) for name in names]
     found = [p for p in inside if os.path.isfile(p) or sharded.is_sharded(p)]
-    hint = (f"; did you mean trainer.resume={found[0]}?" if found else
+    hint = (f"; did you mean {key}={found[0]}?" if found else
             " (a checkpoint is a file, last.pt, or a sharded folder, last.dcp/, with meta.pt inside)")
-    raise ckpt_lib.CheckpointError(f"trainer.resume={path!r} is a folder, not a checkpoint{hint}")
+    raise ckpt_lib.CheckpointError(f"{key}={path!r} is a folder, not a checkpoint{hint}")
 
 
 def _on_rank0(fn, main: bool, world: int):
@@ -139,6 +144,17 @@ def _on_rank0(fn, main: bool, world: int):
         raise error
 
 
+def _replaces_run(cfg, run_dir: str, path: str | None) -> bool:
+    """Whether this run writes over what ``run_dir`` holds instead of continuing it: a fresh
+    start, or a resume from a checkpoint outside it (another run's: its metrics.csv rows past
+    that step and its best.pt would be mixed with this one's; a review found such a run wiped
+    without a word)."""
+    if path is None:
+        return True
+    inside = os.path.realpath(path).startswith(os.path.realpath(run_dir) + os.sep)
+    return cfg.trainer.resume != "auto" and not inside
+
+
 def _read_resume_checkpoint(cfg, run_dir: str, plain_cfg: dict):
     """The checkpoint to resume (or None), checked against this run's settings; a fresh
     start refuses to replace an earlier run's files unless trainer.overwrite=true."""
@@ -147,11 +163,12 @@ def _read_resume_checkpoint(cfg, run_dir: str, plain_cfg: dict):
         # (both read as wishes: continue the run found, and replace it; neither is guessed)
         raise RunDirError(f"trainer.overwrite=true, but trainer.resume=auto found {path} to continue: add "
                           "trainer.resume=null to replace that run, or drop trainer.overwrite to continue it")
-    if path is None:
+    if _replaces_run(cfg, run_dir, path):
         if not cfg.trainer.get("overwrite"):
-            _on_rank0(lambda: rundir.refuse_or_clear(run_dir, overwrite=False), dist_utils.rank() == 0,
-                      dist_utils.world_size())
-        return None, None
+            _on_rank0(lambda: rundir.refuse_or_clear(run_dir, overwrite=False, resume=path),
+                      dist_utils.rank() == 0, dist_utils.world_size())
+        if path is None:
+            return None, None
     ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
     ckpt_lib.check_compatible(ckpt["config"], plain_cfg, path)
     ckpt_lib.check_same_settings(ckpt["config"], plain_cfg, path)
@@ -187,7 +204,7 @@ def _fit(cfg, run_dir: str, plain_cfg: dict, on_accept) -> dict:
         path, ckpt = _read_resume_checkpoint(cfg, run_dir, plain_cfg)
         run = _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt)
         if main:
-            if path is None:
+            if _replaces_run(cfg, run_dir, path):
                 rundir.refuse_or_clear(run_dir, overwrite=True)  # trainer.overwrite=true (or nothing there)
             for stale in rundir.clean_stale_temporaries(checkpoint_dir(run_dir)):
                 log.info("removed %s (left by an interrupted checkpoint write)", stale)
@@ -222,6 +239,8 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
 
     # Data first: a missing dataset fails before the (possibly large) model is built.
     loaders = build_loaders(cfg, rank=rank, world_size=world, train=True)
+    if ckpt is not None:
+        ckpt_lib.check_same_classes(ckpt, loaders.num_classes, loaders.classes, cfg.data.get("root"), path, "resume")
     model = build_model_from_cfg(cfg, loaders.num_classes, drop_path=o.drop_path, pretrained=ckpt is None)
     if t.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -442,8 +461,12 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     at_max_steps = t.max_steps is not None and state.step >= t.max_steps
     status = f"stopped at max_steps={t.max_steps}" if at_max_steps and state.epoch < t.epochs else "done"
     if main and (at_max_steps or state.epoch >= t.epochs):  # (a finished run resumed: say so, train nothing)
+        # (a resume may raise max_steps, not epochs: the schedule was built from them)
+        how = ("raise trainer.max_steps to train further" if state.epoch < t.epochs else
+               "the run has trained its trainer.epochs, which a resume cannot change: to train longer, start a new "
+               "run (another hydra.run.dir) from its weights with model.pretrained_path=<its last checkpoint>")
         log.info("nothing to train: the checkpoint is at step %d, epoch %d (trainer.max_steps=%s, trainer.epochs=%d); "
-                 "raise either to train further", state.step, state.epoch, t.max_steps, t.epochs)
+                 "%s", state.step, state.epoch, t.max_steps, t.epochs, how)
     stop_signal = StopSignal(r.device)
     try:
         with stop_signal:
@@ -495,6 +518,8 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                 if stopped:
                     status = f"stopped at max_steps={t.max_steps}"
                     break
+    except DataError as err:
+        _save_after_data_error(err, cfg, r, saver)
     finally:
         logger.close()
 
@@ -508,6 +533,23 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                           f"saved {os.path.join(ckpt_dir, last_checkpoint_name(cfg))}; run the same command to resume",
                           stop_signal.signum)
     return summary
+
+
+def _save_after_data_error(err, cfg, r: _Run, saver: RunSaver):
+    """A corrupt image met mid-run (training or evaluation): keep the training done so far in
+    last.pt, as a stop signal does, then stop with the data's error and how to go on (it threw
+    away the epoch, hours on ImageNet). One process only: the ranks that read fine would wait in
+    the save's collectives for the one that stopped. A step cut off mid-accumulation is taken
+    back (its micro-batches run again on resume)."""
+    if r.world > 1 or r.state.step == saver.step or r.state.step == 0:
+        raise err  # (several ranks; or nothing trained since the last save)
+    accum = int(cfg.trainer.grad_accum)
+    r.state.batch_in_epoch -= r.state.batch_in_epoch % accum
+    saver.save(None, best=False)
+    # (a worker's error arrives wrapped with its traceback: its own message, then ours)
+    raise DataError(f"{errors.unwrap_worker_message(str(err))} (checkpoints/{last_checkpoint_name(cfg)} keeps the "
+                    f"training up to step {r.state.step}: run the same command to resume once the data is "
+                    "fixed)") from None
 
 
 def _evaluate_into(row: dict, cfg, r: _Run, fsdp: bool) -> bool:

@@ -57,6 +57,7 @@ class RunSaver:
             "rng": rngs,
             "config": r.plain_cfg,
             "num_classes": r.loaders.num_classes,
+            "classes": r.loaders.classes,  # (a resume or evaluation on other class folders is refused)
             "metrics": metrics or {},
             "mesa_plan": plan_for_checkpoint(r.model),  # a resumed run applies this plan again
         }
@@ -67,8 +68,11 @@ class RunSaver:
         elif r.rank == 0:
             ema = r.parts.ema.module.state_dict() if r.parts.ema is not None else None
             payload = {"model": r.model.state_dict(), "optimizer": r.optimizer.state_dict(), **common, "ema": ema}
-            last = os.path.join(self.ckpt_dir, "last.pt")
-            ckpt_lib.save_checkpoint(payload, last)
+            last, best_path = os.path.join(self.ckpt_dir, "last.pt"), os.path.join(self.ckpt_dir, "best.pt")
+            # best first: a write that fails between the two (a full disk) leaves last.pt at the
+            # step before, so a resume redoes this epoch and writes both; last.pt first left a
+            # last.pt that counted this best while best.pt was never written (a review's case)
+            ckpt_lib.save_checkpoint(payload, best_path if best else last)
             if best:
-                ckpt_lib.copy_checkpoint(last, os.path.join(self.ckpt_dir, "best.pt"))
+                ckpt_lib.copy_checkpoint(best_path, last)
         self.step = r.state.step

@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from mesa_train.train.rundir import refusal_record
+
 COLUMNS = ["job", "overrides", "status", "epochs", "step", "top1", "top5", "best_top1", "ema_top1",
            "train_loss", "images_per_s_mean", "saved_bytes", "peak_memory_bytes", "error", "run_dir"]
 
@@ -42,10 +44,13 @@ def collect(sweep_dir: str) -> tuple[list[dict], list[str]]:
     rows, per_job = [], []
     for job_dir in sorted(glob.glob(os.path.join(sweep_dir, "*", "")), key=_job_key):
         job_dir = job_dir.rstrip(os.sep)
-        failure = _read_json(os.path.join(job_dir, "failed.json"))
+        # (a job refused over an earlier run's directory: its record beside it, its own overrides)
+        refused = _read_json(refusal_record(job_dir))
+        failure = refused or _read_json(os.path.join(job_dir, "failed.json"))
         if not os.path.isdir(os.path.join(job_dir, ".hydra")) and failure is None:
             continue
-        overrides = _overrides(job_dir) or list((failure or {}).get("overrides") or [])
+        own = list((failure or {}).get("overrides") or [])
+        overrides = own if refused else _overrides(job_dir) or own
         per_job.append(overrides)
         row = {"job": os.path.basename(job_dir), "run_dir": job_dir}
         summary = _read_json(os.path.join(job_dir, "summary.json"))

@@ -1,0 +1,219 @@
+"""What a review of train.py / evaluate.py as a demanding user found (session 77), each a run
+that went on doing the wrong thing: boolean settings written as words (``trainer.overwrite=no``
+was truthy and deleted the run), a resume from another run's checkpoint wiping this directory's
+run, class folders renamed under a checkpoint, 16-bit PNGs read as white, best.pt lost to a
+full disk, a corrupt image throwing away the epoch, checkpoints from before 2026-11-25 refused
+for settings they did not have, and advice the pipeline then refused."""
+import errno
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import FAST_TRAINER, TINY_MODELS, write_image_folder
+from mesa_train.train import checkpoint as ckpt_lib
+from mesa_train.train.config import ConfigError, validate
+from mesa_train.train.data import DataError, _NamedImageLoader
+from mesa_train.train.errors import RunDirError
+from mesa_train.train.evaluation import check_eval_settings, evaluate_checkpoint
+from mesa_train.train.runner import fit
+
+BASE = TINY_MODELS["deit"] + FAST_TRAINER + ["mesa.enabled=false"]
+
+
+def _snapshot(folder):
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("override,said", [
+    ("trainer.overwrite=no", "trainer.overwrite='no' must be true or false"),
+    ("optim.ema=off", "optim.ema='off' must be true or false"),
+    ("trainer.compile=off", "trainer.compile='off' must be true or false"),
+    ("trainer.epochs=true", "trainer.epochs=True must be an integer >= 1"),
+    ("trainer.batch_size=true", "trainer.batch_size=True must be an integer >= 1"),
+    ("trainer.clip_grad=true", "trainer.clip_grad=True must be null or a positive number"),
+    ("model.img_size=true", "model.img_size=True must be a positive integer"),
+])
+def test_a_boolean_is_true_or_false_and_a_number_is_not_a_boolean(compose_train, override, said):
+    with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        validate(compose_train(BASE + [override]))
+
+
+def test_evaluate_refuses_a_word_for_ema(compose_train):
+    with pytest.raises(ConfigError, match="ema='no' must be true or false"):
+        check_eval_settings(compose_train(["checkpoint=x.pt", "ema=no"], config_name="eval"))
+    check_eval_settings(compose_train(["checkpoint=x.pt", "ema=true"], config_name="eval"))
+
+
+def test_a_resume_from_another_runs_checkpoint_never_wipes_this_directorys_run(compose_train, tmp_path):
+    other, here, fresh = tmp_path / "other", tmp_path / "here", tmp_path / "fresh"
+    fit(compose_train(BASE), str(other))
+    fit(compose_train(BASE + ["trainer.max_steps=1"]), str(here))
+    before = _snapshot(here)
+    foreign = ["trainer.max_steps=3", f"trainer.resume={other / 'checkpoints' / 'last.pt'}"]
+    with pytest.raises(RunDirError, match="already holds a run .* is a checkpoint from elsewhere"):
+        fit(compose_train(BASE + foreign), str(here))
+    assert _snapshot(here) == before
+    assert fit(compose_train(BASE + foreign), str(fresh))["step"] == 3  # (an empty directory: continued there)
+    assert fit(compose_train(BASE + foreign + ["trainer.overwrite=true"]), str(here))["step"] == 3
+    steps = (here / "steps.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in steps[1:]] == ["3"]  # (the old run's step-1 row went with it)
+    # its own checkpoint, named: continued as resume=auto is
+    own = [f"trainer.resume={here / 'checkpoints' / 'last.pt'}", "trainer.max_steps=4"]
+    assert fit(compose_train(BASE + own), str(here))["step"] == 4
+
+
+def test_other_class_folders_are_refused_on_resume_and_evaluation(compose_train, tmp_path):
+    data = write_image_folder(tmp_path / "data")
+    run = tmp_path / "run"
+    on = ["data=imagenet", "data.num_classes=null"]
+    fit(compose_train(BASE + on + [f"data.root={data}"]), str(run))
+    last = str(run / "checkpoints" / "last.pt")
+    assert ckpt_lib.load_checkpoint(last)["classes"] == ["cat", "dog", "fish"]
+    renamed = tmp_path / "renamed"  # (cat -> zebra: sorted, the labels move by one)
+    shutil.copytree(data, renamed)
+    for split in ("train", "val"):
+        (renamed / split / "cat").rename(renamed / split / "zebra")
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"cannot resume .*classes \(data.root=.*renamed\) differ "
+                                                       r"from the ones it was trained on .*0: 'cat' -> 'dog'"):
+        fit(compose_train(BASE + on + [f"data.root={renamed}", "trainer.max_steps=3"]), str(run))
+    with pytest.raises(ckpt_lib.CheckpointError, match="cannot evaluate .*classes"):
+        evaluate_checkpoint(last, data={"root": str(renamed)}, batch_size=4, num_workers=0, device="cpu")
+    two = write_image_folder(tmp_path / "two", classes=("cat", "dog"))
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"trained on 3 classes, the data \(data.root=.*two\) has 2"):
+        fit(compose_train(BASE + on + [f"data.root={two}", "trainer.max_steps=3"]), str(run))
+    assert evaluate_checkpoint(last, data={"root": str(data)}, batch_size=4, num_workers=0, device="cpu")["images"] == 8
+
+
+@pytest.mark.parametrize("mode,dtype,top", [("I;16", np.uint16, 65535), ("I", np.int32, 65535),
+                                            ("I", np.int32, 255), ("F", np.float32, 1.0)])
+def test_wide_grey_images_are_scaled_to_8_bits(tmp_path, mode, dtype, top):
+    """A 16-bit PNG (PIL mode I;16, or I) was converted to RGB by clipping at 255: an almost white
+    image. Now scaled by its depth: a ramp over the full range reads as a mid-grey mean."""
+    from PIL import Image
+
+    ramp = np.linspace(0, top, 32 * 32).reshape(32, 32).astype(dtype)
+    path = tmp_path / ("ramp.png" if mode == "I;16" else "ramp.tiff")
+    Image.fromarray(ramp).save(path)
+    assert Image.open(path).mode == mode
+    got = np.asarray(_NamedImageLoader(False)(str(path)))
+    assert got.shape == (32, 32, 3) and got.min() == 0 and got.max() == 255
+    assert abs(float(got.mean()) - 127.5) < 2
+
+
+def test_a_failed_copy_to_last_keeps_best_and_the_run_resumes_from_it(compose_train, tmp_path, monkeypatch):
+    """best.pt is written first: a full disk between the two files left a last.pt counting a
+    best.pt that was never written; now best.pt holds the step and resume=auto takes it."""
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", dst)
+
+    monkeypatch.setattr(ckpt_lib, "copy_checkpoint", full)
+    with pytest.raises(OSError):
+        fit(compose_train(BASE), str(tmp_path))
+    monkeypatch.undo()
+    assert not (tmp_path / "checkpoints" / "last.pt").exists()
+    assert ckpt_lib.load_checkpoint(str(tmp_path / "checkpoints" / "best.pt"))["state"]["step"] == 2
+    assert fit(compose_train(BASE + ["trainer.max_steps=3"]), str(tmp_path))["step"] == 3
+
+
+def test_a_corrupt_image_met_mid_run_keeps_the_training_done(compose_train, tmp_path):
+    """The first evaluation met a corrupt file after an epoch of training: the run stopped with
+    nothing saved. Now last.pt keeps the steps, and the run resumes once the data is fixed."""
+    data = write_image_folder(tmp_path / "data")
+    bad = data / "val" / "dog" / "1.png"
+    good = bad.read_bytes()
+    bad.write_bytes(b"not an image")
+    run = tmp_path / "run"
+    epochs = ["data=imagenet", "data.num_classes=null", f"data.root={data}", "trainer.max_steps=null",
+              "trainer.epochs=2", "data.train_size=null", "data.val_size=null"]
+    with pytest.raises(DataError, match=r"cannot read image .*1.png.* keeps the training up to step 4: run the same"):
+        fit(compose_train(BASE + epochs), str(run))
+    assert ckpt_lib.load_checkpoint(str(run / "checkpoints" / "last.pt"))["state"]["step"] == 4
+    bad.write_bytes(good)
+    assert fit(compose_train(BASE + epochs), str(run))["step"] == 8
+
+
+def test_a_checkpoint_from_before_the_newer_mesa_settings_resumes_as_it_trained():
+    """Settings added to configs/ after checkpoints existed read, where a checkpoint lacks them,
+    as the behaviour of the code that wrote it: an old run resumes with mesa.mlp=separate (and
+    norm_linear) as it trained, and a changed default is named, not None."""
+    now = {"mesa": {"enabled": True, "row_scale": True, "scale": "linear", "bits": 8, "layout": "channel",
+                    "plan": None, "budget": None, "budget_gb": None, "cancelling_bn": "stock", "clip_horizon": 1,
+                    "mlp": "shared", "norm_linear": "shared"},
+           "optim": {"lr": 1.0, "layer_decay": None}, "trainer": {"epochs": 2, "strategy": "ddp"}}
+    old = {"mesa": {"enabled": True}, "optim": {"lr": 1.0}, "trainer": {"epochs": 2}}
+    assert ckpt_lib.changed_settings(old, now) == ["mesa.mlp: 'separate' -> 'shared'",
+                                                   "mesa.norm_linear: 'separate' -> 'shared'"]
+    now["mesa"].update(mlp="separate", norm_linear="separate")
+    assert ckpt_lib.changed_settings(old, now) == []
+
+
+def test_a_sweep_run_again_over_finished_jobs_leaves_them_as_they_were(tmp_path, run_cli):
+    """Jobs refused over a finished sweep's job directories wrote failed.json into them: the
+    summary then showed the finished runs as failed, with their old overrides beside the new
+    error. Now the refusal is recorded beside them (failed-<job>.json) and the table shows this
+    sweep's overrides; a later accepted job clears the record."""
+    import csv
+    import sys
+
+    from conftest import REPO
+
+    sweep, train = tmp_path / "sweep", str(REPO / "train.py")
+    args = [sys.executable, train, "-m", f"hydra.sweep.dir={sweep}", *TINY_MODELS["deit"], *FAST_TRAINER,
+            "trainer.max_steps=1", "mesa.enabled=false"]
+    assert run_cli(args + ["optim.lr=1e-3"], cwd=tmp_path, timeout=300).returncode == 0
+    before = _snapshot(sweep / "0")
+    result = run_cli(args + ["optim.lr=5e-4"], cwd=tmp_path, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert _snapshot(sweep / "0") == before and (sweep / "failed-0.json").exists()
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert rows[0]["status"] == "failed" and "optim.lr: 0.001 -> 0.0005" in rows[0]["error"]
+    assert "optim.lr=0.0005" in (sweep / "summary.md").read_text()  # (this sweep's, not the finished job's)
+    assert run_cli(args + ["optim.lr=1e-3", "trainer.max_steps=2"], cwd=tmp_path, timeout=300).returncode == 0
+    assert not (sweep / "failed-0.json").exists()
+    assert list(csv.DictReader(open(sweep / "summary.csv")))[0]["step"] == "2"
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, run_cli):
+    """Hydra makes the run directory before the job: a parent that is a file (or a read-only
+    one) gave its traceback; evaluate.py's output= failed only after the whole evaluation, and a
+    missing checkpoint= left an empty run directory, a run directory named as checkpoint= a
+    DCP message."""
+    import sys
+
+    from conftest import REPO
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    result = run_cli([sys.executable, str(REPO / "train.py"), f"hydra.run.dir={blocker / 'run'}",
+                      *TINY_MODELS["deit"], *FAST_TRAINER], cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"error: cannot create the run directory {blocker / 'run'}: {blocker} is a file" in result.stderr
+    evaluate = [sys.executable, str(REPO / "evaluate.py")]
+    run = tmp_path / "ev"
+    result = run_cli(evaluate + [f"checkpoint={tmp_path}", f"output={blocker / 'sub'}", f"hydra.run.dir={run}"],
+                     cwd=tmp_path)
+    assert result.returncode == 1 and "cannot create the output folder" in result.stderr, result.stderr[-2000:]
+    result = run_cli(evaluate + [f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert result.returncode == 2 and "needs checkpoint=PATH" in result.stderr and not run.exists()
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "old" / "checkpoints" / "last.pt").write_bytes(b"")
+    result = run_cli(evaluate + [f"checkpoint={tmp_path / 'old'}", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert result.returncode == 2 and "is a folder, not a checkpoint; did you mean checkpoint=" in result.stderr, \
+        result.stderr[-2000:]
+    assert not run.exists()
+
+
+def test_a_full_disk_while_taking_the_lock_leaves_no_lock_and_names_the_folder(tmp_path, monkeypatch):
+    from mesa_train.train import rundir
+    from mesa_train.train.errors import describe
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "write", full)
+    run = tmp_path / "run"
+    with pytest.raises(OSError) as info:
+        rundir.RunDirLock(str(run)).acquire()
+    assert describe(info.value) == (1, f"no space left on {run}")
+    assert not run.exists()  # (made for the lock, removed with it)
