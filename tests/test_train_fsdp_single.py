@@ -104,8 +104,11 @@ def test_fsdp_one_process_sharded_checkpoint_converts_both_ways(compose_train, t
 
     with pytest.raises(RunDirError, match="checkpoints/last.dcp"):  # a fresh start never replaces it ...
         fit(compose_train(FSDP + ["trainer.resume=null"]), str(run))
-    with pytest.raises(RunDirError, match="checkpoints/last.dcp"):  # ... nor resumes it under DDP
-        fit(compose_train(FSDP[:-1]), str(run))
+    with pytest.raises(RunDirError, match="Continue it with trainer.strategy=fsdp"):  # ... nor resumes it
+        fit(compose_train(FSDP[:-1]), str(run))  # under DDP (it said to resume=auto, which needs a last.pt)
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"model.pretrained_path=.*last.pt \(a file: make it with "
+                                                        r"python -m mesa_train.train.convert .*last.dcp"):
+        fit(compose_train(FSDP + ["optim.lr=1e-4"]), str(run))  # (a .dcp is no pretrained_path)
 
     from_file = evaluate_checkpoint(str(tmp_path / "one.pt"), device="cpu", num_workers=0)
     from_dcp = evaluate_checkpoint(str(last), device="cpu", num_workers=0)

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .quantizer import REUSE_KEY, ActivationQuantizer, Packed, QuantOptions
+from .quantizer import REUSE_FLAG, REUSE_KEY, ActivationQuantizer, Packed, QuantOptions
 from .tracing import refuse_fx_proxy, refuse_script
 
 __all__ = ["MesaLayer", "save", "load", "no_autocast", "group_dim_4d", "grad_to", "is_channels_last", "nhwc_view",
@@ -204,7 +204,7 @@ class MesaLayer:
         quantizers' ``state_dict`` says so, and a layer loading it switches too."""
         self.set_quant_options(estimator="per_sample")
         for q in self.quantizers():
-            q.__dict__[REUSE_KEY] = True
+            q.__dict__[REUSE_FLAG] = True
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a checkpoint of a layer the reuse check switched (its quantizers' REUSE_KEY entries):

@@ -296,6 +296,16 @@ def check_same_classes(ckpt: dict, num_classes: int, classes, data_root, path: s
                               f"{', ...' if len(diff) > 5 else ''}); the labels would not mean the same")
 
 
+def pretrained_from(path: str) -> str:
+    """How to start a new run from the weights of checkpoint ``path``: model.pretrained_path
+    takes a file, so a sharded (FSDP) checkpoint is made one first."""
+    if not os.path.isdir(path):
+        return f"model.pretrained_path={path}"
+    single = path.rstrip("/").removesuffix(".dcp") + ".pt"
+    return (f"model.pretrained_path={single} (a file: make it with python -m mesa_train.train.convert {path} "
+            f"{single})")
+
+
 def check_same_settings(saved_cfg: dict, cfg: dict, path: str) -> None:
     """Resuming keeps the checkpoint's hyper-parameters: refuse, listing the changes."""
     changes = changed_settings(saved_cfg, cfg)
@@ -304,7 +314,7 @@ def check_same_settings(saved_cfg: dict, cfg: dict, path: str) -> None:
             f"cannot resume from {path} with changed settings (its optimizer, schedule and data order "
             "follow the old ones):\n  - " + "\n  - ".join(changes)
             + "\nrestore them to continue this run, or start a new run directory from these weights "
-            f"with model.pretrained_path={path}"
+            f"with {pretrained_from(path)}"
         )
 
 
@@ -321,7 +331,7 @@ def check_same_world(ckpt: dict, world: int, trainer_cfg, path: str) -> None:
             f"{per_rank * saved * accum} = {per_rank} x {saved} x {accum} accumulation, now "
             f"{per_rank * world * accum}), and its learning-rate schedule and data position follow that batch. "
             f"Resume with {saved} processes in all (torchrun), or start a new run directory from these weights "
-            f"with model.pretrained_path={path}")
+            f"with {pretrained_from(path)}")
 
 
 def check_finite_weights(state_dict: dict, names, source: str) -> None:

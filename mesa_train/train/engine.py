@@ -435,6 +435,12 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp_dtype=None,
     criterion = nn.CrossEntropyLoss(reduction="sum")
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, images
     batches = 0
+    most = None
+    if lockstep_shape is not None and dist_utils.world_size() > 1:
+        # (agreed before the loop: a collective after it met the longer rank's next sharded
+        # forward, and the run hung; a review's 129 images over 2 ranks)
+        most = torch.tensor([len(loader)], device=device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
     for images, targets in loader:
         batches += 1
         images = images.to(device, non_blocking=True)
@@ -448,9 +454,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp_dtype=None,
         acc1, acc5 = accuracy(outputs, targets, topk=topk)
         sums += torch.stack([criterion(outputs, targets).double(), acc1.double() * n / 100,
                              acc5.double() * n / 100, torch.tensor(float(n), device=device, dtype=torch.float64)])
-    if lockstep_shape is not None and dist_utils.world_size() > 1:
-        most = torch.tensor([batches], device=device)
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    if most is not None:
         for _ in range(int(most) - batches):
             with autocast(device, amp_dtype):
                 model(torch.zeros(tuple(lockstep_shape), device=device))

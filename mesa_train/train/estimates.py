@@ -21,7 +21,8 @@ The stochastic-rounding state ``rng = [key, counter]`` is not averaged: the key 
 from the module's name and the counter advances once per compression, so it is identical
 on all ranks that ran the same number of steps; ``buffers_identical`` checks it.
 BatchNorm-style ``running_mean``/``running_var`` buffers (none in the ViT families here)
-are averaged the same way, so a model that has them stays consistent too.
+and the learned clipping thresholds (``estimator="learned"``: ``clip_*``, with their Adam
+moments) are averaged the same way, so a model that has them stays consistent too.
 """
 from __future__ import annotations
 
@@ -39,7 +40,13 @@ def _quantizers(model: nn.Module) -> list[nn.Module]:
 
 
 def _running_stats(model: nn.Module) -> list[torch.Tensor]:
-    out = []
+    """Buffers each rank updates from its own data and the ranks average: BatchNorm-style
+    running statistics, and the learned clipping thresholds of ``estimator="learned"`` with
+    their Adam moments (they drifted apart per rank, and a resume took rank 0's)."""
+    from mesa_train.nn.quantizer import LEARNED_BUFFERS
+
+    out = [b for q in _quantizers(model) for n in LEARNED_BUFFERS
+           if isinstance(b := q._buffers.get(n), torch.Tensor) and b.is_floating_point()]
     for m in model.modules():
         for name in ("running_mean", "running_var"):
             buf = getattr(m, name, None)

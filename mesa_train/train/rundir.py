@@ -139,11 +139,14 @@ def refuse_or_clear(run_dir: str, overwrite: bool, resume: str | None = None) ->
             "with trainer.resume=auto, or replace it with trainer.overwrite=true"
         )
     if not overwrite:
+        # (a sharded run relaunched without its strategy finds no last.pt: say what it needs)
+        sharded = os.path.isdir(os.path.join(run_dir, "checkpoints", "last.dcp"))
+        how = ("trainer.strategy=fsdp (it holds a sharded checkpoint, checkpoints/last.dcp)" if sharded else
+               "trainer.resume=auto (it needs checkpoints/last.pt)")
         raise RunDirError(
             f"run directory {os.path.abspath(run_dir)} already holds a run ({', '.join(found)}) and this one "
-            "would start from scratch over it. Continue it with trainer.resume=auto (it needs "
-            "checkpoints/last.pt), choose another directory (hydra.run.dir=...), or replace it with "
-            "trainer.overwrite=true"
+            f"would start from scratch over it. Continue it with {how}, choose another directory "
+            "(hydra.run.dir=...), or replace it with trainer.overwrite=true"
         )
     for name in found:
         path = os.path.join(run_dir, name)

@@ -493,7 +493,8 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                 timed_images += train_out.pop("timed_images")
                 timed_seconds += train_out.pop("timed_seconds")
                 saved_bytes = train_out.get("saved_bytes", saved_bytes)
-                if train_out.pop("interrupted", False):
+                # (at the epoch's end too: a signal since the last check stops before evaluating)
+                if train_out.pop("interrupted", False) or stop_signal.agreed_now():
                     saver.save(None, best=False)
                     status = f"interrupted at step {state.step}"
                     break

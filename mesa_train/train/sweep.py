@@ -121,8 +121,8 @@ class SweepSummary:
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = str(config.hydra.sweep.dir)
-        if not os.path.isdir(sweep_dir):
-            return
+        if not os.path.isdir(sweep_dir) or int(os.environ.get("RANK", "0")) != 0:
+            return  # (under torchrun every rank runs the sweep: rank 0 writes its summary)
         rows = write_summary(sweep_dir)
         print(f"sweep summary ({len(rows)} jobs): {os.path.join(sweep_dir, 'summary.md')}")
         failed = [r for r in rows if str(r.get("status", "")).startswith("failed")]
