@@ -340,9 +340,21 @@ def test_a_lora_adapters_functional_linear_beside_a_linear_child_is_reported():
         def forward(self, x):
             return F.linear(x, weight=self.qkv.weight, bias=self.q_bias)
 
+    class LocalName(nn.Module):  # (the child's weight through a local name: routed by identity, reached)
+        def __init__(self, d=16):
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+        def forward(self, x):
+            w = self.fc.weight
+            return F.linear(x, w, self.fc.bias)
+
     with pytest.warns(UserWarning, match=r"not reached .*1 \(LoRALinear: linear\)"):
         mesa = patch_model(nn.Sequential(nn.Linear(16, 16), LoRALinear()))
     assert isinstance(mesa[1].base, mnn.Linear)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         patch_model(ChildWeight())
+        local = patch_model(LocalName())
+    local(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert local.fc.quantizer.initialized  # (its F.linear went through the Mesa Linear)

@@ -299,9 +299,7 @@ def test_the_probe_switches_before_the_first_step_and_changes_nothing_else():
     with pytest.warns(UserWarning, match=r"blk \(Sequential, 2 calls\).*from the first training step"):
         assert probe_reuse(patched, x[:1]) == ["blk.0"]
     assert torch.equal(torch.get_rng_state(), rng)
-    after = patched.state_dict()  # (only the switch is new: written for a resume to take)
-    assert set(after) - set(before) == {"blk.0.quantizer.per_sample_by_reuse"}
-    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    assert all(torch.equal(v, before[k]) for k, v in patched.state_dict().items())
     assert patched.training and not patched.bn.training and patched.blk.training
     assert patched.blk[0].quant_options.estimator == "per_sample" and _watched(patched)
     assert patched.head.quant_options.estimator == "running"
@@ -431,21 +429,31 @@ def test_the_warning_points_at_the_users_call():
 
 
 def test_a_resume_through_load_state_dict_takes_the_switch():
-    """The switch is written in the quantizers' state_dict: a model patched afresh that loads
-    the checkpoint runs the next step as the uninterrupted model does, bit for bit (it ran on
-    clamped running ranges and warned again); the stock conversion drops the entry, a model
-    that keeps running ranges does not take it, and a model without reuse writes none."""
+    """The switch is written in the layers' state_dict metadata (no tensor entry: the keys
+    stay those of the model before the switch): a model patched afresh that loads the checkpoint,
+    also through torch.save / torch.load(weights_only=True), runs the next step as the
+    uninterrupted model does, bit for bit (it ran on clamped running ranges and warned again);
+    a checkpoint from before (no switch) loads into a probed model and the other way round, the
+    stock conversion loads into the stock model, and a model that keeps running ranges does not
+    take the switch."""
+    import io
+
     from mesa_train.patch.checkpoint import patched_to_stock_state_dict
+    from mesa_train.train.checkpoint import load_model_state
 
     torch.manual_seed(0)
     stock, x = TwiceCalled().train(), torch.randn(3, 16, 32)
     model = patch_model(copy.deepcopy(stock))
+    fresh_keys = set(model.state_dict())
     with pytest.warns(UserWarning, match="keep_running_ranges"):
         _grads(model, x[0])
     _grads(model, x[1])
-    state = copy.deepcopy(model.state_dict())
-    assert [k for k in state if k.endswith("per_sample_by_reuse")] == ["blk.0.quantizer.per_sample_by_reuse",
-                                                                        "blk.1.quantizer.per_sample_by_reuse"]
+    assert set(model.state_dict()) == fresh_keys  # (timm's ModelEmaV3 pairs state_dicts by position)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert state._metadata["blk.0"]["per_sample_by_reuse"] is True
     resumed = patch_model(copy.deepcopy(stock))
     resumed.load_state_dict(state)
     assert _estimators(resumed) == _estimators(model)
@@ -454,13 +462,33 @@ def test_a_resume_through_load_state_dict_takes_the_switch():
         got = _grads(resumed, x[2])
     want = _grads(model, x[2])
     assert all(torch.equal(got[n], want[n]) for n in want)
-    assert resumed.state_dict().keys() == model.state_dict().keys()
+    older = patch_model(copy.deepcopy(stock)).state_dict()  # (no switch in it)
+    load_model_state(resumed, older, "older.pt")
+    load_model_state(patch_model(copy.deepcopy(stock)), state, "new.pt")
     for fresh in (None, patch_model(copy.deepcopy(stock))):
         TwiceCalled().load_state_dict(patched_to_stock_state_dict(state, fresh))
     kept = patch_model(copy.deepcopy(stock))
     keep_running_ranges(kept)
     kept.load_state_dict(state)
     assert kept.blk[0].quant_options.estimator == "running"
-    once = patch_model(CalledOnce())
-    _grads(once, x[0])
-    assert not [k for k in once.state_dict() if k.endswith("per_sample_by_reuse")]
+
+
+def test_an_ema_copy_follows_a_model_whose_reused_layers_switched():
+    """timm's ModelEmaV3 pairs the two state_dicts' values by position: a tensor entry added at
+    the switch misaligned every later one (a shape error, or silently the wrong averages)."""
+    from timm.utils import ModelEmaV3
+
+    torch.manual_seed(0)
+    model = patch_model(TwiceCalled()).train()
+    ema = ModelEmaV3(model, decay=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="keep_running_ranges"):
+        for _ in range(3):
+            loss = model(torch.randn(8, 32)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ema.update(model)
+    assert model.blk[0].quant_options.estimator == "per_sample"
+    for (n, p), q in zip(model.named_parameters(), ema.module.parameters()):
+        assert q.shape == p.shape and not torch.equal(q, p), n  # (an average, of the right tensor)

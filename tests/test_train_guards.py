@@ -131,6 +131,23 @@ def test_a_corrupt_image_met_mid_run_keeps_the_training_done(compose_train, tmp_
     assert ckpt_lib.load_checkpoint(str(run / "checkpoints" / "last.pt"))["state"]["step"] == 4
     bad.write_bytes(good)
     assert fit(compose_train(BASE + epochs), str(run))["step"] == 8
+    # the epoch whose evaluation failed is evaluated on resume: both epochs have their row
+    rows = (run / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["0", "1"] and "top1" in rows[0]
+
+
+def test_the_advice_to_resume_works_for_a_run_started_from_elsewhere(compose_train, tmp_path):
+    """A run started with trainer.resume=<another run's checkpoint> was told to "run the same
+    command to resume", which then refused (that path lies outside a directory holding a run)."""
+    from mesa_train.train.runner import _resume_advice
+
+    other, here = tmp_path / "other", tmp_path / "here"
+    fit(compose_train(BASE), str(other))
+    cfg = compose_train(BASE + ["trainer.max_steps=3", f"trainer.resume={other / 'checkpoints' / 'last.pt'}"])
+    fit(cfg, str(here))
+    assert _resume_advice(cfg, str(here)) == "run the same command with trainer.resume=auto to resume"
+    assert fit(compose_train(BASE + ["trainer.max_steps=4", "trainer.resume=auto"]), str(here))["step"] == 4
+    assert _resume_advice(compose_train(BASE), str(here)) == "run the same command to resume"
 
 
 def test_a_checkpoint_from_before_the_newer_mesa_settings_resumes_as_it_trained():

@@ -201,19 +201,26 @@ class MesaLayer:
 
     def switch_to_per_sample_for_reuse(self) -> None:
         """``estimator="per_sample"``, marked as the reuse check's switch (patch/reuse.py): the
-        quantizers' ``state_dict`` says so, and a layer loading it switches too."""
+        quantizers' ``state_dict`` metadata says so, and a layer loading it switches too."""
         self.set_quant_options(estimator="per_sample")
         for q in self.quantizers():
             q.__dict__[REUSE_FLAG] = True
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # a checkpoint of a layer the reuse check switched (its quantizers' REUSE_KEY entries):
-        # switch this one too, unless its model keeps running ranges (keep_running_ranges) or
-        # it was patched with another estimator
-        if (self._mesa_options.estimator in ("running", "delayed") and not self.__dict__.get(KEEP_RUNNING_RANGES)
-                and any(bool(state_dict.get(f"{prefix}{n}.{REUSE_KEY}", False)) for n in self._quantizer_names)):
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        meta = getattr(destination, "_metadata", None)  # (state_dict() made this module's dict there)
+        if meta is not None and self._mesa_options.estimator == "per_sample" and any(
+                q.__dict__.get(REUSE_FLAG) for q in self.quantizers()):
+            meta.setdefault(prefix[:-1], {})[REUSE_KEY] = True
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        # a checkpoint of a layer the reuse check switched (its state_dict metadata): switch
+        # this one too, unless its model keeps running ranges (keep_running_ranges) or it was
+        # patched with another estimator
+        if ((local_metadata or {}).get(REUSE_KEY) and self._mesa_options.estimator in ("running", "delayed")
+                and not self.__dict__.get(KEEP_RUNNING_RANGES)):
             self.switch_to_per_sample_for_reuse()
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def _mesa_active(self, *tensors) -> bool:
         """True when this call must compress (training, enabled, a gradient is needed, and no

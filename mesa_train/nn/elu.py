@@ -38,7 +38,8 @@ class _EluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, function, alpha: float, scale: float, input_scale: float, quantizer):
         y = function(x)  # (the stock function, out of place, inside: autograd keeps none of its tensors)
-        # where elu_backward passes g * scale: not x <= 0, a NaN included, as stock's
+        # the positive side, elu_backward's own test (not x <= 0); a NaN input lands there and
+        # gets g * scale, where stock's gradient is NaN
         positive, ctx.cl = pack_bits(~(x <= 0))
         ctx.shape, ctx.coefs = x.shape, (alpha, scale, input_scale)
         save_elementwise_input(ctx, x, y, quantizer, positive)

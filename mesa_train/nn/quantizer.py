@@ -324,12 +324,15 @@ LEARNED_BUFFERS = ("clip_center", "clip_log", "clip_m", "clip_v", "clip_steps")
 # loading into a quantizer with another format is an error (convert_format converts).
 FORMAT_KEY = "format"
 _DEFAULT_RECORD = (8, 0, 0, 0)
-# ``<prefix>per_sample_by_reuse`` = True: the quantizer's layer was switched to per-sample
-# ranges because one forward calls it more than once (patch/reuse.py); a model patched afresh
-# takes the switch when it loads the checkpoint (MesaLayer._load_from_state_dict), as a resumed
-# run must to equal an uninterrupted one
+# ``per_sample_by_reuse: True`` in a Mesa layer's state_dict metadata (``_metadata[prefix]``,
+# beside ``version``): the layer was switched to per-sample ranges because one forward calls it
+# more than once (patch/reuse.py); a model patched afresh takes the switch when it loads the
+# checkpoint (MesaLayer._load_from_state_dict), as a resumed run must to equal an uninterrupted
+# one. Metadata, not a tensor entry: the keys stay those of the model before the switch (an
+# entry broke timm's ModelEmaV3, which pairs two state_dicts by position, and the key checks of
+# checkpoint loading; a review)
 REUSE_KEY = "per_sample_by_reuse"
-# (the instance flag behind it; the entry itself is a property, as ``format`` is)
+# (the flag on the layer's quantizers)
 REUSE_FLAG = "_per_sample_by_reuse"
 
 # Adam on the log2 thresholds of estimator="learned" (per group, lower and upper)
@@ -476,29 +479,21 @@ class ActivationQuantizer(nn.Module):
         key = getattr(self, "_rng_key", None)  # (a quantizer pickled before it was kept)
         return int(self.rng[0]) if key is None else key
 
-    # The two entries written beside the buffers read as attributes too: DCP (FSDP's sharded
-    # checkpoints) resolves every state_dict key by getattr, and failed on them (a review: any
+    # The entry written beside the buffers reads as an attribute too: DCP (FSDP's sharded
+    # checkpoints) resolves every state_dict key by getattr, and failed on it (a review: any
     # non-default format crashed an FSDP run at its first checkpoint)
     @property
     def format(self) -> torch.Tensor:
         return torch.tensor(self.options.format_record, dtype=torch.int64)
 
-    @property
-    def per_sample_by_reuse(self) -> torch.Tensor:
-        return torch.tensor(bool(self.__dict__.get(REUSE_FLAG)), dtype=torch.bool)
-
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.options.format_record != _DEFAULT_RECORD:
             destination[prefix + FORMAT_KEY] = self.format
-        if self.__dict__.get(REUSE_FLAG) and self.options.estimator == "per_sample":
-            destination[prefix + REUSE_KEY] = self.per_sample_by_reuse
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # (read by the layer above, which loads first: MesaLayer._load_from_state_dict)
-        if bool(state_dict.pop(prefix + REUSE_KEY, False)):
-            self.__dict__[REUSE_FLAG] = True
         fk = prefix + FORMAT_KEY
         saved = tuple(int(v) for v in state_dict.pop(fk).tolist()) if fk in state_dict else _DEFAULT_RECORD
         if saved != self.options.format_record and (prefix + "alpha") in state_dict:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from mesa_train.models import unwrap_module
-from mesa_train.nn.quantizer import FORMAT_KEY, LEARNED_BUFFERS, REUSE_KEY, STATE_BUFFERS
+from mesa_train.nn.quantizer import FORMAT_KEY, LEARNED_BUFFERS, STATE_BUFFERS
 
 __all__ = [
     "is_mesa_key",
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 # every entry a quantizer can write into a state dict (the format record is no buffer)
-_QUANTIZER_KEYS = (*STATE_BUFFERS, *LEARNED_BUFFERS, FORMAT_KEY, REUSE_KEY)
+_QUANTIZER_KEYS = (*STATE_BUFFERS, *LEARNED_BUFFERS, FORMAT_KEY)
 
 
 def _strip(key: str) -> str:
@@ -107,7 +107,7 @@ def patched_to_stock_state_dict(state_dict: Mapping[str, torch.Tensor],
     With ``model`` (the patched model the checkpoint came from, or any model patched the
     same way), exactly its quantizer keys are dropped; without it, keys ending in
     ``<...quantizer...>.<entry>`` for every entry a quantizer writes (``alpha``, ``beta``,
-    ``initialized``, ``rng``, ``clip_*``, ``format``, ``per_sample_by_reuse``) are. DDP/``torch.compile`` key prefixes
+    ``initialized``, ``rng``, ``clip_*``, ``format``) are. DDP/``torch.compile`` key prefixes
     are kept as they are."""
     drop = mesa_state_keys(model) if model is not None else None
     if model is not None:
@@ -115,11 +115,7 @@ def patched_to_stock_state_dict(state_dict: Mapping[str, torch.Tensor],
     out = OrderedDict()
     for k, v in state_dict.items():
         bare = _strip(k)
-        if drop is None:
-            mesa = is_mesa_key(bare)
-        else:  # (a reuse switch the checkpoint has and a model patched afresh not yet: dropped too)
-            mesa = bare in drop or (bare.endswith("." + REUSE_KEY) and is_mesa_key(bare))
-        if mesa:
+        if (bare in drop) if drop is not None else is_mesa_key(bare):
             continue
         out[k] = v
     meta = getattr(state_dict, "_metadata", None)

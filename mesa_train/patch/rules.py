@@ -419,14 +419,20 @@ def linear_call_weights(cls: type) -> Optional[Tuple[str, ...]]:
     if key not in _SCAN_CACHE:
         children = []
         for _, tree in _methods_reached(cls):
+            # names bound to a child's weight (w = self.fc.weight; F.linear(x, w)); a name bound
+            # to anything else as well is no child's
+            local: dict = {}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    name, bound = node.targets[0].id, _child_weight(node.value)
+                    local[name] = bound if local.get(name, bound) == bound else None
             for node in ast.walk(tree):
                 if not (isinstance(node, ast.Call) and not _self_attribute(node.func)
                         and _called_name(node) == "linear"):
                     continue
                 weight = node.args[1] if len(node.args) > 1 else next(
                     (k.value for k in node.keywords if k.arg == "weight"), None)
-                child = (_self_attribute(weight.value) if isinstance(weight, ast.Attribute) and weight.attr == "weight"
-                         else None)
+                child = local.get(weight.id) if isinstance(weight, ast.Name) else _child_weight(weight)
                 if child is None:
                     children = None
                     break
@@ -435,6 +441,11 @@ def linear_call_weights(cls: type) -> Optional[Tuple[str, ...]]:
                 break
         _SCAN_CACHE[key] = None if children is None else tuple(children)
     return _SCAN_CACHE[key]
+
+
+def _child_weight(node) -> Optional[str]:
+    """``child`` for ``self.<child>.weight``, else None."""
+    return _self_attribute(node.value) if isinstance(node, ast.Attribute) and node.attr == "weight" else None
 
 
 def _self_attribute(node) -> Optional[str]:

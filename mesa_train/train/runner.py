@@ -468,6 +468,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
         log.info("nothing to train: the checkpoint is at step %d, epoch %d (trainer.max_steps=%s, trainer.epochs=%d); "
                  "%s", state.step, state.epoch, t.max_steps, t.epochs, how)
     stop_signal = StopSignal(r.device)
+    evaluating: list = []  # [the epoch] while its end-of-epoch evaluation runs
     try:
         with stop_signal:
             while state.epoch < t.epochs:
@@ -509,7 +510,9 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                     state.epoch, state.batch_in_epoch = epoch + 1, 0
                 evaluate_now = len(loaders.val.dataset) > 0 and (
                     stopped or state.epoch >= t.epochs or (epoch_done and state.epoch % t.eval_every == 0))
+                evaluating[:] = [epoch] if epoch_done else []  # (a corrupt image there: _save_after_data_error)
                 best = _evaluate_into(row, cfg, r, fsdp) if evaluate_now else False
+                evaluating.clear()
                 row["epoch_time_s"] = time.perf_counter() - epoch_start
                 if main:
                     log.info(format_row(row))
@@ -520,7 +523,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                     status = f"stopped at max_steps={t.max_steps}"
                     break
     except DataError as err:
-        _save_after_data_error(err, cfg, r, saver)
+        _save_after_data_error(err, cfg, run_dir, r, saver, evaluating)
     finally:
         logger.close()
 
@@ -531,26 +534,38 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     dist_utils.barrier()
     if stop_signal.signum is not None:
         raise Interrupted(f"interrupted at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch}): "
-                          f"saved {os.path.join(ckpt_dir, last_checkpoint_name(cfg))}; run the same command to resume",
+                          f"saved {os.path.join(ckpt_dir, last_checkpoint_name(cfg))}; {_resume_advice(cfg, run_dir)}",
                           stop_signal.signum)
     return summary
 
 
-def _save_after_data_error(err, cfg, r: _Run, saver: RunSaver):
+def _save_after_data_error(err, cfg, run_dir: str, r: _Run, saver: RunSaver, evaluating: list):
     """A corrupt image met mid-run (training or evaluation): keep the training done so far in
     last.pt, as a stop signal does, then stop with the data's error and how to go on (it threw
     away the epoch, hours on ImageNet). One process only: the ranks that read fine would wait in
     the save's collectives for the one that stopped. A step cut off mid-accumulation is taken
-    back (its micro-batches run again on resume)."""
+    back (its micro-batches run again on resume); an epoch whose evaluation failed is saved at
+    its last batch, not past it, so the resumed run evaluates it (and logs its row)."""
     if r.world > 1 or r.state.step == saver.step or r.state.step == 0:
         raise err  # (several ranks; or nothing trained since the last save)
-    accum = int(cfg.trainer.grad_accum)
-    r.state.batch_in_epoch -= r.state.batch_in_epoch % accum
+    if evaluating:
+        r.state.epoch, r.state.batch_in_epoch = evaluating[0], r.loaders.train_batches
+    if r.state.batch_in_epoch < r.loaders.train_batches:  # (mid-epoch: back to the last whole step)
+        r.state.batch_in_epoch -= r.state.batch_in_epoch % int(cfg.trainer.grad_accum)
     saver.save(None, best=False)
     # (a worker's error arrives wrapped with its traceback: its own message, then ours)
     raise DataError(f"{errors.unwrap_worker_message(str(err))} (checkpoints/{last_checkpoint_name(cfg)} keeps the "
-                    f"training up to step {r.state.step}: run the same command to resume once the data is "
+                    f"training up to step {r.state.step}: {_resume_advice(cfg, run_dir)} once the data is "
                     "fixed)") from None
+
+
+def _resume_advice(cfg, run_dir: str) -> str:
+    """How to continue this run: the same command, unless it started from a checkpoint
+    elsewhere (that command would now refuse: the directory holds this run), then resume=auto."""
+    resume = cfg.trainer.resume
+    if resume not in (None, False, "", "null", "none", "auto") and _replaces_run(cfg, run_dir, str(resume)):
+        return "run the same command with trainer.resume=auto to resume"
+    return "run the same command to resume"
 
 
 def _evaluate_into(row: dict, cfg, r: _Run, fsdp: bool) -> bool:
