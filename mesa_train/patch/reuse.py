@@ -26,9 +26,9 @@ share the model's hook dicts). :func:`probe_reuse` covers those and the clamped 
 forward of an example input in eval mode without gradients, before training, that switches at
 once. The training runner and the bench call it after patching (a blank image of the run's
 size), so a compiled run, a resumed run (the estimator is not in the format record) and the
-first step of any run get the per-sample ranges. The switch is written in the quantizers'
-``state_dict`` (``per_sample_by_reuse``), so a model patched afresh takes it when it loads a
-checkpoint (``load_state_dict``, no probe needed to resume). :func:`keep_running_ranges` turns
+first step of any run get the per-sample ranges. The switch is written in each layer's
+``state_dict`` metadata (``per_sample_by_reuse``), so a model patched afresh takes it when it
+loads a checkpoint (``load_state_dict``, no probe needed to resume). :func:`keep_running_ranges` turns
 the check off for a model.
 """
 from __future__ import annotations
