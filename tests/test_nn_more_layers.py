@@ -687,9 +687,37 @@ def test_elu_family_and_mish_keep_their_8_bit_input(kind, dtype, channels_last):
         getattr(mn, type(stock).__name__).from_module(nn.GELU())
 
 
-@pytest.mark.parametrize("act_layer", ["selu", "mish"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_parameters", [1, 8])
+def test_prelu_keeps_a_mask_and_its_8_bit_input(num_parameters, dtype, channels_last):
+    """torch's PReLU (timm's act_layer="prelu"; it ran stock without a word): stock's output and
+    input gradient bit for bit (a 1-bit mask of x > 0 and the weight), the weight's gradient from
+    the 8-bit input's negative side; one weight or one per channel (dim 1)."""
+    torch.manual_seed(0)
+    stock = nn.PReLU(num_parameters, init=0.2)
+    with torch.no_grad():
+        stock.weight.uniform_(0.05, 0.5)
+    mesa = mn.PReLU.from_module(copy.deepcopy(stock))
+    assert mesa.weight is not stock.weight and torch.equal(mesa.weight, stock.weight)
+    x = (torch.randn(4, 8, 5, 5) * 2).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    stock, mesa = stock.to(dtype), mesa.to(dtype)
+    _compare(stock, mesa, x, min_cos=0.999 if dtype == torch.float32 else 0.99)
+    mesa.train(), stock.train()
+    g = torch.randn_like(x)
+    xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    stock(xs).backward(g), mesa(xm).backward(g)
+    assert torch.equal(xm.grad, xs.grad)
+    assert xm.grad.is_contiguous(memory_format=torch.channels_last) == channels_last
+    with pytest.raises(TypeError):
+        mn.PReLU.from_module(nn.ReLU())
+
+
+@pytest.mark.parametrize("act_layer", ["selu", "mish", "prelu"])
 def test_patch_model_converts_a_vits_act_layer_and_it_compiles(act_layer):
-    """A timm ViT built with act_layer="selu" / "mish": every MLP's activation converted, nothing
+    """A timm ViT built with act_layer="selu" / "mish" / "prelu": every MLP's activation converted, nothing
     reported, the train forward stock's bits, gradients close, compiled whole (fullgraph,
     forward and backward) with eager's outputs."""
     import timm
@@ -703,7 +731,7 @@ def test_patch_model_converts_a_vits_act_layer_and_it_compiles(act_layer):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (nothing reported unreached)
         patch_model(mesa)
-    assert type(mesa.blocks[1].mlp.act) is (mn.SELU if act_layer == "selu" else mn.Mish)
+    assert type(mesa.blocks[1].mlp.act) is {"selu": mn.SELU, "mish": mn.Mish, "prelu": mn.PReLU}[act_layer]
     x = torch.randn(2, 3, 32, 32)
     want = stock(x)
     want.square().sum().backward()

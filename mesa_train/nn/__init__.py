@@ -40,7 +40,7 @@ from .maxpool import MaxPool2d
 from .normalize import Normalize
 from .one_hot_table import OneHotTable
 from .quantizer import ActivationQuantizer, Packed, QuantOptions, decompress
-from .relu import LeakyReLU, ReLU
+from .relu import LeakyReLU, PReLU, ReLU
 from .blur_pool import BlurPool2d
 from .same_padding import Conv2dSame, MaxPool2dSame
 from .rmsnorm import RmsNorm, RmsNormFp32
@@ -62,7 +62,7 @@ __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "LinearOf", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "LayerNormFp32",
     "LayerNorm2dFp32", "Softmax", "MatMul", "Conv2d", "ReLU",
-    "LeakyReLU", "ELU", "CELU", "SELU", "Mish",
+    "LeakyReLU", "PReLU", "ELU", "CELU", "SELU", "Mish",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "ScaledStdConv2d",
     "ScaledStdConv2dSame", "BlurPool2d", "Clamp",

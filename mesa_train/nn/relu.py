@@ -1,4 +1,5 @@
-"""Mesa ``ReLU`` and ``LeakyReLU``: exact forward, saves a 1-bit mask (8 booleans per byte)."""
+"""Mesa ``ReLU`` and ``LeakyReLU``: exact forward, saves a 1-bit mask (8 booleans per byte);
+``PReLU``: the mask and its 8-bit input (for its weight's gradient)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,9 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import quantizer as quantizer_mod
-from ._common import MesaLayer, check_stock, inherit_options, is_channels_last, load, save
+from ._common import (MesaLayer, check_stock, copy_estimates, from_nhwc, inherit_options, is_channels_last, load,
+                      no_autocast, save, save_elementwise_input)
+from .quantizer import decompress
 
-__all__ = ["ReLU", "LeakyReLU", "pack_bits", "unpack_bits", "keep_mask", "kept_mask"]
+__all__ = ["ReLU", "LeakyReLU", "PReLU", "pack_bits", "unpack_bits", "keep_mask", "kept_mask"]
 
 
 # the kinds of mesa::mask_train (csrc/convnet_autograd.cpp): the layers that keep one 1-bit mask
@@ -174,3 +177,65 @@ class LeakyReLU(MesaLayer, nn.LeakyReLU):
 
     def extra_repr(self) -> str:
         return f"{nn.LeakyReLU.extra_repr(self)}, {self._mesa_repr()}"
+
+
+class _PReLUFn(torch.autograd.Function):
+    """``prelu(x, weight)`` keeping 8-bit ``x`` and a 1-bit mask of ``x > 0`` (stock keeps ``x``):
+    the input gradient from the mask and the weight, exact (stock's ``where(x > 0, g, w * g)``);
+    the weight's, ``sum(g * x)`` over the negative side, from the codes clamped to <= 0."""
+
+    @staticmethod
+    def forward(ctx, x, weight, quantizer):
+        y = F.prelu(x, weight)
+        positive, ctx.cl = pack_bits(x > 0)  # (prelu_backward's test: a NaN is not positive, as stock's)
+        ctx.shape = x.shape
+        save_elementwise_input(ctx, x, y, quantizer, positive, weight)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (packed,), (positive, weight) = load(ctx)
+        with no_autocast(g.device.type):
+            positive = unpack_bits(positive, ctx.shape, ctx.cl)
+            g = g.to(ctx.cdt)
+            # the weight over dim 1 (channels) where it has more than one entry, as F.prelu's
+            shape = [1] * g.dim()
+            if weight.numel() > 1:
+                shape[1] = -1
+            w = weight.to(ctx.cdt).view(shape)
+            gx = torch.where(positive, g, g * w)
+            gw = None
+            if ctx.needs_input_grad[1]:
+                xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+                part = g.float() * torch.where(positive, 0.0, xh.clamp(max=0).float())
+                dims = [d for d in range(g.dim()) if not (weight.numel() > 1 and d == 1)]
+                gw = part.sum(dim=dims).reshape(weight.shape).to(weight.dtype)
+        return gx.to(ctx.x_dtype), gw, None
+
+
+class PReLU(MesaLayer, nn.PReLU):
+    """``torch.nn.PReLU`` (timm's ``act_layer="prelu"``) keeping its 8-bit input and a 1-bit
+    mask of ``x > 0``: input gradients bitwise stock's, the weight's from the codes. The Python
+    Function in eager and compiled training alike. Op ``relu``."""
+
+    def __init__(self, num_parameters: int = 1, init: float = 0.25, *, device=None, dtype=None, **quant_options):
+        super().__init__(num_parameters=num_parameters, init=init, device=device, dtype=dtype)
+        self._init_mesa(quant_options, device)
+
+    @classmethod
+    def from_module(cls, stock: nn.PReLU, *, device=None, **quant_options) -> "PReLU":
+        check_stock(stock, nn.PReLU)
+        new = cls(stock.num_parameters, device="meta", dtype=stock.weight.dtype,
+                  **inherit_options(stock, quant_options))
+        new.weight = stock.weight  # (the same Parameter: optimizers keep it)
+        copy_estimates(stock, new, stock.weight.device)
+        return new.train(stock.training)
+
+    def forward(self, input):
+        if not self._mesa_active(input, self.weight) or input.dim() < 2:
+            return F.prelu(input, self.weight)
+        return _PReLUFn.apply(input, self.weight, self.quantizer)
+
+    def extra_repr(self) -> str:
+        return f"{nn.PReLU.extra_repr(self)}, {self._mesa_repr()}"

@@ -43,6 +43,7 @@ from timm.layers import RmsNorm2dFp32 as TimmRmsNorm2dFp32, RmsNormAct2dFp32 as 
 from timm.layers import SimpleNorm2d as TimmSimpleNorm2d, SimpleNorm2dFp32 as TimmSimpleNorm2dFp32
 from timm.layers import SimpleNorm as TimmSimpleNorm, SimpleNormFp32 as TimmSimpleNormFp32
 from timm.layers import LayerNormFp32 as TimmLayerNormFp32, LayerNorm2dFp32 as TimmLayerNorm2dFp32
+from timm.layers.activations import PReLU as TimmPReLU
 from timm.layers import LayerScale2d as TimmLayerScale2d
 from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
 from timm.models.ghostnet import ConvBnAct as GhostConvBnAct
@@ -115,6 +116,8 @@ def _leaf_rules():
         nn.ELU: ("relu", mnn.ELU),  # (the ELU family: 8-bit input and a 1-bit side mask)
         nn.CELU: ("relu", mnn.CELU),
         nn.SELU: ("relu", mnn.SELU),
+        nn.PReLU: ("relu", mnn.PReLU),  # (1-bit mask and 8-bit input)
+        TimmPReLU: ("relu", mnn.PReLU),  # (act_layer="prelu": the same F.prelu call, an inplace argument ignored)
         TimmQuickGELU: ("gelu", mnn.QuickGELU),
         TimmRmsNorm: ("rmsnorm", mnn.RmsNorm),
         TimmRmsNormFp32: ("rmsnorm", mnn.RmsNormFp32),
@@ -190,7 +193,7 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.Conv1d, "conv"), (mnn.ReLU, "relu"),
                     (mnn.BlurPool2d, "conv"),
                     (mnn.StarReLU, "relu"), (mnn.LeakyReLU, "relu"), (mnn.ELU, "relu"), (mnn.CELU, "relu"),
-                    (mnn.SELU, "relu"), (mnn.Mish, "silu"),
+                    (mnn.SELU, "relu"), (mnn.PReLU, "relu"), (mnn.Mish, "silu"),
                     (mnn.ReLU6, "relu"), (mnn.Hardtanh, "relu"), (mnn.Hardswish, "hardswish"),
                     (mnn.Hardsigmoid, "hardswish"),
                     (mnn.Softmax, "softmax"), (mnn.GatedPositionalSoftmax, "softmax"), (mnn.MatMul, "matmul"),
