@@ -28,7 +28,10 @@ _OP_KINDS = {"silu": 0, "quick_gelu": 1, "hardswish": 2}
 
 def _fused(x: torch.Tensor, kind: str, quantizer) -> torch.Tensor | None:
     """``kind(x)`` by the C++ layer op (eager, a channel format: the layer with a C++ autograd
-    node, the Python Functions' bits), or ``None`` where the Python Function must run."""
+    node, the Python Functions' bits), or ``None`` where the Python Function must run (also for
+    a kind the op does not compute: Mish)."""
+    if kind not in _OP_KINDS:
+        return None
     fused = quantizer.fused_layer_args(x)
     return None if fused is None else torch.ops.mesa.elementwise_train(x, _OP_KINDS[kind], *fused)
 
@@ -199,9 +202,6 @@ class Mish(_InplaceActivation, nn.Mish):
     C++ elementwise op has no Mish kind). Op ``silu``."""
 
     _stock_types, _kind = (nn.Mish,), "mish"
-
-    def _compressed(self, input):
-        return _ElementwiseFn.apply(input, "mish", self.quantizer)
 
 
 class Hardswish(_InplaceActivation, nn.Hardswish):

@@ -69,7 +69,7 @@ from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTEN
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .recompute import make_recomputed
 from .reuse import RANGE_ESTIMATORS, calls_repeat_one_input, watch_reuse
-from .functional_calls import CALL_KINDS, routable_sites
+from .functional_calls import routable_sites
 from .generic_attention import (AMAX_CHILD, CORE_REPEATS_ATTR, EINSUM_CHILD, EINSUM_CORE, PassThroughMatMul,
                                 install as install_generic, install_calls, install_cosine, install_linear,
                                 install_routed, install_scales)
@@ -1080,8 +1080,7 @@ def _route_calls(t: _Target, name: str, m: nn.Module, found: Tuple[str, ...]) ->
     if amax:
         install_routed(m, AMAX_CHILD, lambda: mnn.Amax(device=_module_device(m), **opts))
     for op in wanted:
-        if not any(kind_op == op for kind_op, _ in CALL_KINDS.values()):
-            continue
+        # (None also for an op no kind of call computes: its calls are not all routable)
         sites = routable_sites(type(m), op, tuple(n for n in _CALL_NAMES[op] if n != "amax"))  # (amax: above)
         if sites is None:
             continue

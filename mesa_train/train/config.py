@@ -6,6 +6,7 @@ written, and all problems are reported together with the valid choices.
 from __future__ import annotations
 
 import difflib
+import functools
 import glob
 import math
 import os
@@ -79,9 +80,11 @@ def bool_errors(cfg, keys) -> list[str]:
     return errors
 
 
+@functools.lru_cache(maxsize=None)
 def bool_settings() -> tuple[str, ...]:
     """The settings whose value is true or false in an option file of their group (each must
-    stay true or false), and ``model.fused_attn`` (null: timm's default)."""
+    stay true or false), and ``model.fused_attn`` (null: timm's default). The files are read
+    once a process (validate runs for every run, evaluation and sweep job)."""
     from omegaconf import OmegaConf
 
     keys = {"model.fused_attn"}
@@ -91,12 +94,6 @@ def bool_settings() -> tuple[str, ...]:
             flat = _leaf_values({k: v for k, v in tree.items() if k != "defaults"})
             keys.update(f"{group}.{k}" for k, v in flat.items() if isinstance(v, bool))
     return tuple(sorted(keys))
-
-
-def _leaf_values(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict) and tree:
-        return {k: v for key, value in tree.items() for k, v in _leaf_values(value, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: tree}
 
 
 def validate(cfg) -> None:
@@ -135,9 +132,14 @@ TOP_LEVEL = ("name", *SETTING_GROUPS)
 
 
 def _leaf_keys(tree, prefix: str = "") -> list[str]:
+    return list(_leaf_values(tree, prefix))
+
+
+def _leaf_values(tree, prefix: str = "") -> dict:
+    """``{dotted key: value}`` of ``tree``'s leaves (an empty dict is a leaf)."""
     if isinstance(tree, dict) and tree:
-        return [k for key, value in tree.items() for k in _leaf_keys(value, f"{prefix}{key}.")]
-    return [prefix[:-1]]
+        return {k: v for key, value in tree.items() for k, v in _leaf_values(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
 
 
 def _group_settings(group: str) -> tuple[set[str], str] | None:
