@@ -715,10 +715,60 @@ def test_prelu_keeps_a_mask_and_its_8_bit_input(num_parameters, dtype, channels_
         mn.PReLU.from_module(nn.ReLU())
 
 
-@pytest.mark.parametrize("act_layer", ["selu", "mish", "prelu"])
+def _timm_hard_mish(me: bool, inplace: bool = False):
+    from timm.layers.activations import HardMish
+    from timm.layers.activations_me import HardMishMe
+
+    return (HardMishMe if me else HardMish)(inplace=inplace)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("me", [False, True], ids=["HardMish", "HardMishMe"])
+def test_hard_mish_keeps_its_8_bit_input_and_the_side_of_minus_2(me, dtype, channels_last):
+    """timm's HardMish / HardMishMe (act_layer="hard_mish"; they ran stock without a word,
+    HardMish's graph keeping three full tensors): stock's output bit for bit, the 8-bit input and
+    a 1-bit mask of x < -2 for backward, so below -2 the gradient is stock's 0 exactly (the
+    derivative jumps from 0 to -1 there) and well above 0 it is stock's g."""
+    torch.manual_seed(0)
+    stock = _timm_hard_mish(me)
+    mesa = mn.HardMish.from_module(stock)
+    assert type(mesa) is mn.HardMish and not mesa.inplace
+    x = (torch.randn(4, 8, 5, 5) * 2).to(dtype)
+    x[0, 0, 0, :3] = torch.tensor([-2.0, 0.0, -1.0])  # (on the jump, on the knee, the minimum)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    _compare(stock, mesa, x, min_cos=0.999 if dtype == torch.float32 else 0.99)
+    mesa.train()
+    g = torch.randn_like(x)
+    xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    stock(xs).backward(g), mesa(xm).backward(g)
+    assert torch.equal(xm.grad[x < -2], xs.grad[x < -2]) and not xm.grad[x < -2].any()
+    at = x == -2  # (HardMishMe: g * -1; HardMish: its clamp's rule at a bound, 0 in torch 2.14)
+    assert torch.equal(xm.grad[at] == 0, xs.grad[at] == 0)
+    assert torch.equal(xm.grad[x > 1], xs.grad[x > 1])  # (more than a rounding step above the knee)
+    assert xm.grad.is_contiguous(memory_format=torch.channels_last) == channels_last
+
+
+@pytest.mark.parametrize("me", [False, True], ids=["HardMish", "HardMishMe"])
+def test_hard_mish_in_place_flag_and_eval(me):
+    """``inplace`` carried over where timm's module has one (HardMishMe takes the argument and
+    keeps none); out of training the layer is timm's function, in place where asked."""
+    mesa = mn.HardMish.from_module(_timm_hard_mish(me, inplace=True))
+    assert mesa.inplace is (not me)
+    x = torch.randn(2, 4, 3, 3) * 3
+    want = _timm_hard_mish(me)(x)
+    with torch.no_grad():
+        mesa.eval()
+        assert torch.equal(mesa(x.clone()), want)
+    with pytest.raises(TypeError):
+        mn.HardMish.from_module(nn.Mish())
+
+
+@pytest.mark.parametrize("act_layer", ["selu", "mish", "prelu", "hard_mish"])
 def test_patch_model_converts_a_vits_act_layer_and_it_compiles(act_layer):
-    """A timm ViT built with act_layer="selu" / "mish" / "prelu": every MLP's activation converted, nothing
-    reported, the train forward stock's bits, gradients close, compiled whole (fullgraph,
+    """A timm ViT built with act_layer="selu" / "mish" / "prelu" / "hard_mish": every MLP's activation converted,
+    nothing reported, the train forward stock's bits, gradients close, compiled whole (fullgraph,
     forward and backward) with eager's outputs."""
     import timm
 
@@ -731,7 +781,8 @@ def test_patch_model_converts_a_vits_act_layer_and_it_compiles(act_layer):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (nothing reported unreached)
         patch_model(mesa)
-    assert type(mesa.blocks[1].mlp.act) is {"selu": mn.SELU, "mish": mn.Mish, "prelu": mn.PReLU}[act_layer]
+    assert type(mesa.blocks[1].mlp.act) is {"selu": mn.SELU, "mish": mn.Mish, "prelu": mn.PReLU,
+                                           "hard_mish": mn.HardMish}[act_layer]
     x = torch.randn(2, 3, 32, 32)
     want = stock(x)
     want.square().sum().backward()

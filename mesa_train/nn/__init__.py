@@ -23,6 +23,7 @@ from .activations import GatedActivation, Hardswish, Mish, QuickGELU, SiLU
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNormAct2d
 from .clamp_activations import Clamp, Hardsigmoid, Hardtanh, ReLU6
 from .elu import CELU, ELU, SELU
+from .hard_mish import HardMish
 from .star_relu import StarReLU
 from .groupnorm import GroupNorm, GroupNormAct
 from .conv import Conv1d, Conv2d
@@ -62,7 +63,7 @@ __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "LinearOf", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "LayerNormFp32",
     "LayerNorm2dFp32", "Softmax", "MatMul", "Conv2d", "ReLU",
-    "LeakyReLU", "PReLU", "ELU", "CELU", "SELU", "Mish",
+    "LeakyReLU", "PReLU", "ELU", "CELU", "SELU", "Mish", "HardMish",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "ScaledStdConv2d",
     "ScaledStdConv2dSame", "BlurPool2d", "Clamp",

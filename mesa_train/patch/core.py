@@ -43,7 +43,8 @@ from timm.layers import RmsNorm2dFp32 as TimmRmsNorm2dFp32, RmsNormAct2dFp32 as 
 from timm.layers import SimpleNorm2d as TimmSimpleNorm2d, SimpleNorm2dFp32 as TimmSimpleNorm2dFp32
 from timm.layers import SimpleNorm as TimmSimpleNorm, SimpleNormFp32 as TimmSimpleNormFp32
 from timm.layers import LayerNormFp32 as TimmLayerNormFp32, LayerNorm2dFp32 as TimmLayerNorm2dFp32
-from timm.layers.activations import PReLU as TimmPReLU
+from timm.layers.activations import HardMish as TimmHardMish, PReLU as TimmPReLU
+from timm.layers.activations_me import HardMishMe as TimmHardMishMe
 from timm.layers import LayerScale2d as TimmLayerScale2d
 from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
 from timm.models.ghostnet import ConvBnAct as GhostConvBnAct
@@ -148,6 +149,8 @@ def _leaf_rules():
         nn.Hardtanh: ("relu", mnn.Hardtanh),
         nn.Hardswish: ("hardswish", mnn.Hardswish),
         nn.Hardsigmoid: ("hardswish", mnn.Hardsigmoid),
+        TimmHardMish: ("hardswish", mnn.HardMish),  # (act_layer="hard_mish", timm exportable or scriptable)
+        TimmHardMishMe: ("hardswish", mnn.HardMish),  # (act_layer="hard_mish" by default)
         nn.MaxPool2d: ("maxpool", mnn.MaxPool2d),
         TimmMaxPool2dSame: ("maxpool", mnn.MaxPool2dSame),
         nn.AvgPool2d: ("avgpool", mnn.AvgPool2d),
@@ -195,7 +198,7 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.StarReLU, "relu"), (mnn.LeakyReLU, "relu"), (mnn.ELU, "relu"), (mnn.CELU, "relu"),
                     (mnn.SELU, "relu"), (mnn.PReLU, "relu"), (mnn.Mish, "silu"),
                     (mnn.ReLU6, "relu"), (mnn.Hardtanh, "relu"), (mnn.Hardswish, "hardswish"),
-                    (mnn.Hardsigmoid, "hardswish"),
+                    (mnn.Hardsigmoid, "hardswish"), (mnn.HardMish, "hardswish"),
                     (mnn.Softmax, "softmax"), (mnn.GatedPositionalSoftmax, "softmax"), (mnn.MatMul, "matmul"),
                     (ScaledDotProductAttention, "sdpa"),
                     (mnn.BatchNorm2d, "batchnorm"), (mnn.BatchNorm1d, "batchnorm"), (mnn.SiLU, "silu"),
