@@ -168,10 +168,10 @@ def _culprit(err: Exception, overrides: list[str]) -> str | None:
     return None
 
 
-def run_dir_error(config_dir: str, config_name: str, args: list[str]) -> str | None:
-    """Why Hydra could not make the run (or sweep) directory ``args`` lead to, in one line, or
-    None: Hydra makes it before the job runs, so a parent that is a file, a read-only file
-    system or a folder without write permission surfaced as Hydra's traceback."""
+def _planned_dir(config_dir: str, config_name: str, args: tuple[str, ...]) -> str | None:
+    """The run (or, with -m, sweep) directory Hydra will make for ``args``, or None where this
+    cannot tell (flags it leaves to Hydra, Hydra's own settings at fault). ``${now:...}`` reads
+    this moment, so the last folders' names may differ from Hydra's by a second; not its parents."""
     if any(a.startswith("-") and a not in _RUN_FLAGS for a in args):
         return None
     multirun = any(a in ("-m", "--multirun") for a in args)
@@ -180,10 +180,32 @@ def run_dir_error(config_dir: str, config_name: str, args: list[str]) -> str | N
         with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3",
                                    job_name="run_dir_check"):
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
-            path = str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir)
+            return str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir)
     except (HydraException, OmegaConfBaseException):
         return None  # (Hydra says what is wrong with its own settings)
-    return directory_problem(path, "the run directory")
+
+
+def run_dir_error(config_dir: str, config_name: str, args: list[str]) -> str | None:
+    """Why Hydra could not make the run (or sweep) directory ``args`` lead to, in one line, or
+    None: Hydra makes it before the job runs, so a parent that is a file, a read-only file
+    system or a folder without write permission surfaced as Hydra's traceback."""
+    path = _planned_dir(config_dir, config_name, tuple(args))
+    return None if path is None else directory_problem(path, "the run directory")
+
+
+def existing_part_of_run_dir(config_dir: str, config_name: str, args: list[str] | None = None) -> str | None:
+    """The deepest folder that exists now on the way to the run directory Hydra will make for
+    ``args`` (this process's command line by default; the run directory itself where it exists),
+    as an absolute path, or None where that cannot be told. Call it before Hydra starts: the
+    folders below it are the ones this run makes, which a refused run removes again
+    (``rundir.remove_if_left_empty``), however deep ``hydra.run.dir`` is."""
+    path = _planned_dir(config_dir, config_name, tuple(sys.argv[1:] if args is None else args))
+    if path is None:
+        return None
+    parent = os.path.abspath(path)
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    return parent
 
 
 def directory_problem(path: str, what: str) -> str | None:

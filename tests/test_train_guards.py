@@ -221,6 +221,29 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, run_cli):
     assert not run.exists()
 
 
+def test_a_refused_run_removes_every_folder_it_made_and_no_other(tmp_path, run_cli):
+    """hydra.run.dir=deep/a/b refused at start-up: b went, but deep/a stayed behind. Now every
+    folder below the deepest one that existed before the run goes, and that one stays, even
+    empty (its time stamps moved when Hydra made the run's folder in it)."""
+    import sys
+
+    from conftest import REPO
+    from mesa_train.train import rundir
+
+    evaluate = [sys.executable, str(REPO / "evaluate.py")]
+    result = run_cli(evaluate + [f"hydra.run.dir={tmp_path / 'deep' / 'a' / 'b'}"], cwd=tmp_path)
+    assert result.returncode == 2 and "needs checkpoint=PATH" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "deep").exists()
+    (tmp_path / "kept").mkdir()
+    result = run_cli(evaluate + ["hydra.run.dir=kept/a/b"], cwd=tmp_path)  # (relative to the cwd)
+    assert result.returncode == 2 and (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "a").exists()
+    # (train.py's refusal takes the same call; a folder with something in it stops the walk)
+    (tmp_path / "x" / "y" / "run").mkdir(parents=True)
+    (tmp_path / "x" / "note.txt").write_text("")
+    rundir.remove_if_left_empty(str(tmp_path / "x" / "y" / "run"), 0.0, str(tmp_path))
+    assert not (tmp_path / "x" / "y").exists() and (tmp_path / "x" / "note.txt").exists()
+
+
 def test_a_full_disk_while_taking_the_lock_leaves_no_lock_and_names_the_folder(tmp_path, monkeypatch):
     from mesa_train.train import rundir
     from mesa_train.train.errors import describe

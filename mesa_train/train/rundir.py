@@ -221,12 +221,21 @@ def write_failure(run_dir: str, message: str, path: str | None = None) -> None:
         json.dump({"status": "failed", "error": message, "overrides": overrides}, f, indent=2)
 
 
-def remove_if_left_empty(run_dir: str, started: float) -> None:
+def remove_if_left_empty(run_dir: str, started: float, made_below: str | None = None) -> None:
     """A run refused at start-up writes nothing (``.hydra/`` and the log file come after the
-    checks), but Hydra has made its directory by then: remove it when it is empty and was made
-    after ``started`` (this process's start; a folder made earlier, even empty, stays), and in
-    the default layout ``outputs/<date>/`` and ``outputs/`` when those are left empty and new
-    too. Under torchrun every rank tries; an error (another rank was first) is ignored."""
+    checks), but Hydra has made its directory by then: remove it when it is empty, and the
+    folders above it that this run made and it leaves empty. ``made_below``: the deepest folder
+    on the way to the run directory that existed before Hydra started (the run directory itself
+    where it did; ``hydra_cli.existing_part_of_run_dir``): every empty folder below it goes
+    (``hydra.run.dir=a/b/c`` left ``a/b`` behind before). Without it: the run directory when it
+    was made after ``started`` (this process's start; a folder made earlier, even empty, stays),
+    and in the default layout ``outputs/<date>/`` and ``outputs/`` when left empty and new too.
+    Under torchrun every rank tries; an error (another rank was first) is ignored."""
+    if made_below is not None:
+        folder, stop = os.path.abspath(run_dir), os.path.abspath(made_below)
+        while folder.startswith(stop + os.sep) and _removed_if_empty(folder):
+            folder = os.path.dirname(folder)
+        return
     folders = [run_dir]
     date_folder = os.path.dirname(run_dir)
     if re.fullmatch(r"\d{4}-\d{2}-\d{2}", os.path.basename(date_folder)):  # (the default layout's)
@@ -234,8 +243,17 @@ def remove_if_left_empty(run_dir: str, started: float) -> None:
                                     if os.path.basename(os.path.dirname(date_folder)) == "outputs" else [])
     for folder in folders:
         try:
-            if os.listdir(folder) or os.stat(folder).st_ctime < started - 1:
+            if os.stat(folder).st_ctime < started - 1 or not _removed_if_empty(folder):
                 return
-            os.rmdir(folder)
         except OSError:
             return
+
+
+def _removed_if_empty(folder: str) -> bool:
+    try:
+        if os.listdir(folder):
+            return False
+        os.rmdir(folder)
+    except OSError:
+        return False
+    return True
