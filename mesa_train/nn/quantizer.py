@@ -32,6 +32,7 @@ from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 from mesa_train.quant import reference
 from mesa_train.quant.reference import affine_cols, multiply_rows, scale_rows, unscale_rows
+from mesa_train.nn.recompute import recomputing
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
            "LEARNED_BUFFERS", "convert_format", "mark_estimates_ready", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS",
@@ -562,6 +563,19 @@ class ActivationQuantizer(nn.Module):
             self._apply(lambda t: torch.empty_like(t, device=x.device) if t.is_meta else t.to(x.device))
         return bufs
 
+    def _state(self, x: torch.Tensor) -> dict:
+        """The buffers this call's ops read and update in place: the module's own (on ``x``'s
+        device), or in a non-reentrant checkpoint's recomputation (``nn/recompute.py``) scratch
+        copies, their rounding counter one step back, so the recomputed segment draws the seed
+        its forward drew and the state is updated once a step, as without checkpointing."""
+        bufs = self._follow_device(x)
+        if not recomputing():
+            return bufs
+        scratch = {name: t.clone() for name, t in bufs.items() if t is not None}
+        rng = scratch["rng"]
+        rng[1:].copy_(((rng[1:] & 0xFFFFFFFF) - 1) & 0xFFFFFFFF)  # (the counter modulo 2**32, as the ops keep it)
+        return scratch
+
     def fused_layer_args(self, x: torch.Tensor) -> tuple | None:
         """The quantizer arguments of the C++ layer ops (``mesa::gelu_train``,
         ``mesa::softmax_train``: a whole Mesa layer with a C++ autograd node, see
@@ -577,7 +591,7 @@ class ActivationQuantizer(nn.Module):
             code = layer_op_code(opts)
         else:
             return None
-        bufs = self._follow_device(x)
+        bufs = self._state(x)
         return (bufs["alpha"], bufs["beta"], bufs["initialized"], bufs["rng"], opts.num_groups, opts.decay, code,
                 opts.symmetric, opts.rounding == "stochastic")
 
@@ -641,7 +655,7 @@ class ActivationQuantizer(nn.Module):
                   row_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[Packed, torch.Tensor | None]:
         """``row_norm``: a LayerNorm's (mean, rstd), for the one-op path only (``takes_row_norm``)."""
         opts = self.options
-        bufs = self._follow_device(x)
+        bufs = self._state(x)
         traced = traced_as_pytorch(x)
         one_op = not traced and opts.is_default_format and row_exp is None
         if rows is not None and not one_op:  # the row exponents first, as their own op
@@ -650,7 +664,7 @@ class ActivationQuantizer(nn.Module):
         if row_exp is not None and (traced or not opts.is_default_format):
             x, row_exp = scale_rows(x, row_exp), None  # (Inductor fuses the multiply when traced)
         if not opts.is_default_format:
-            return self._compress_variant(x, dim), k
+            return self._compress_variant(x, dim, bufs), k
         dim = dim % x.dim()
         G = reference.capped_groups(opts.num_groups, x.shape[dim])
         stochastic = opts.rounding == "stochastic"
@@ -690,8 +704,7 @@ class ActivationQuantizer(nn.Module):
             return None
         return ("bits", o.bits, o.scale == "pow2", tuple(x.shape))
 
-    def _observe(self, x, dim, G, per_sample):
-        b = self._buffers
+    def _observe(self, x, dim, G, per_sample, b: dict):
         o = self.options
         args = (x, b["alpha"], b["beta"], b["initialized"], b["rng"], dim, G, o.decay, per_sample, o.symmetric)
         return traceable.observe(*args) if traced_as_pytorch(x) else _OBSERVE(*args)
@@ -701,20 +714,20 @@ class ActivationQuantizer(nn.Module):
         args = (x, alpha, beta, dim, G, o.bits, o.scale == "pow2", o.rounding == "stochastic", seed)
         return traceable.quantize_bits(*args) if traced_as_pytorch(x) else _QUANTIZE_BITS(*args)
 
-    def _compress_variant(self, x: torch.Tensor, dim: int) -> Packed:
+    def _compress_variant(self, x: torch.Tensor, dim: int, bufs: dict) -> Packed:
         o = self.options
         dim = dim % x.dim()
         if o.layout == "patch4x4":
-            return self._compress_patch4x4(x, dim)
+            return self._compress_patch4x4(x, dim, bufs)
         G = reference.capped_groups(o.num_groups, x.shape[dim])
         x = x.contiguous()
-        alpha, beta, seed = self._observe(x, dim, G, o.estimator == "per_sample")
+        alpha, beta, seed = self._observe(x, dim, G, o.estimator == "per_sample", bufs)
         if o.estimator == "learned" and self.clippable:
-            alpha, beta = learned_thresholds(self, x, dim, G, alpha, beta)
+            alpha, beta = learned_thresholds(self, x, dim, G, alpha, beta, bufs)
         q = self._quantize_bits(x, alpha, beta, dim, G, seed)
         return Packed(q, alpha, beta, dim, G, ("bits", o.bits, o.scale == "pow2", tuple(x.shape)))
 
-    def _compress_patch4x4(self, x: torch.Tensor, dim: int) -> Packed:
+    def _compress_patch4x4(self, x: torch.Tensor, dim: int, bufs: dict) -> Packed:
         """min/max per 4x4 spatial block of each channel (DESIGN.md, "patch4x4")."""
         o = self.options
         if x.dim() != 4 or dim != 1:
@@ -727,7 +740,7 @@ class ActivationQuantizer(nn.Module):
             x = torch.nn.functional.pad(x, (0, Wb * 4 - W, 0, Hb * 4 - H), mode="replicate")
         xb = x.reshape(B, C, Hb, 4, Wb, 4).permute(0, 1, 2, 4, 3, 5).reshape(B * C * Hb * Wb, 16)
         # per "sample" (= block) statistics, one group: the buffers keep the envelope for logs
-        alpha, beta, seed = self._observe(xb, 1, 1, True)
+        alpha, beta, seed = self._observe(xb, 1, 1, True, bufs)
         lo, hi = _f16_bounds(beta, beta + alpha)
         lo32 = lo.float()
         q = self._quantize_bits(xb, hi.float() - lo32, lo32, 1, 1, seed)
@@ -749,7 +762,8 @@ def _f16_bounds(lo: torch.Tensor, hi: torch.Tensor):
     return l16, h16
 
 
-def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: int, run_alpha, run_beta):
+def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: int, run_alpha, run_beta,
+                       b: dict | None = None):
     """estimator="learned" (DESIGN.md, "Learned clipping"): this batch's ``(alpha, beta)`` =
     ``(hi - lo, lo)`` from the per-group thresholds ``lo = c - 2**t_lo``, ``hi = c + 2**t_hi``,
     then one Adam step on ``(t_lo, t_hi)`` against the expected squared error of the stored
@@ -761,8 +775,9 @@ def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: in
     over the position inside a step; the other terms are the clipping error). ``c`` follows
     the group mean (EMA with the quantizer's ``decay``). The first call starts from the
     batch's min/max (``run_alpha``, ``run_beta``: the running estimate, first batch = its range).
-    Only tensor ops (no host sync)."""
-    b = qz._buffers
+    Only tensor ops (no host sync). ``b``: the buffers to read and step (``qz._state``), by
+    default the quantizer's own."""
+    b = qz._buffers if b is None else b
     lam = qz.options.decay
     levels = float((1 << qz.options.bits) - 1)
     xf = x.float()
