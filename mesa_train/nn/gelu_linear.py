@@ -34,6 +34,7 @@ from mesa_train.quant.compile_kernels import traced_as_pytorch
 
 from . import quantizer as quantizer_mod
 from ._common import active_with_params, autocast_input, load, no_autocast, save
+from .layernorm_linear import plain_call
 from .gelu import GELU
 from .linear import Linear, linear_grads, not_a_view, save_linear_dtypes
 from .quantizer import same_options
@@ -113,12 +114,15 @@ def can_fuse(act: nn.Module, drop: nn.Module, norm: Optional[nn.Module], fc2: nn
     a Mesa ``Linear`` that would both compress now, with the same quantization options (the
     copy is made with them), nothing between them (no dropout mask, no norm: ``norm`` is
     ``None`` for an MLP without one) and the default row layout (channels last: the
-    Linear's). Under torch.fx tracing: no (the separate layers are the graph's leaf nodes,
-    nn/tracing.py)."""
+    Linear's), and no hook on any of them that would miss its call (``plain_call``: a
+    forward hook on ``fc2`` that changed the output was skipped, as were timm's feature hooks
+    and pruning's pre-hook). Under torch.fx tracing: no (the separate layers are the graph's
+    leaf nodes, nn/tracing.py)."""
     if isinstance(h, torch.fx.Proxy):
         return False
     return (type(act) is GELU and type(fc2) is Linear and (norm is None or type(norm) is nn.Identity)
             and _dropout_is_identity(drop) and same_options(act.quant_options, fc2.quant_options)
+            and plain_call(act) and plain_call(fc2) and plain_call(drop) and (norm is None or plain_call(norm))
             and act._mesa_active(h) and active_with_params(fc2, h))
 
 

@@ -325,9 +325,31 @@ def _preceding_width(parents: Dict[int, List[Tuple[nn.Module, str]]], m: nn.Modu
     return None
 
 
+# the hook tables of nn.Module (forward, backward, state_dict), each an ordered dict of id -> hook
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks",
+                "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
 def _replace_child(parents: Dict[int, List[Tuple[nn.Module, str]]], old: nn.Module, new: nn.Module) -> None:
     for parent, key in parents.get(id(old), []):
         parent._modules[key] = new
+    _carry_hooks(old, new)
+
+
+def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """The hooks registered on ``old`` go on with ``new``: its tables become ``old``'s (with
+    ``new``'s own entries after them), so a handle taken before patching still removes its hook.
+    Before, they were dropped without a word: timm's ``FeatureHookNet`` lost a feature map, a
+    user's forward or backward hook on a Linear or activation never ran again."""
+    for table in _HOOK_TABLES:
+        hooks = getattr(old, table, None)
+        if not hooks:
+            continue
+        hooks.update(getattr(new, table))
+        object.__setattr__(new, table, hooks)
+    if getattr(old, "_is_full_backward_hook", None) is not None:
+        object.__setattr__(new, "_is_full_backward_hook", old._is_full_backward_hook)
 
 
 def _hand_over_children(parents: Dict[int, List[Tuple[nn.Module, str]]], old: nn.Module, new: nn.Module) -> None:
@@ -490,6 +512,62 @@ def _check_dtype(root: nn.Module) -> None:
                          "float16 and bfloat16 activations: patch model.float() (or .half() / .bfloat16())")
 
 
+def _check_not_pruned(root: nn.Module) -> None:
+    """A layer pruned with ``torch.nn.utils.prune`` holds its weight as a plain tensor that a
+    forward pre-hook recomputes from ``weight_orig``: refused before anything changes (its
+    conversion failed half-way, inside torch, leaving the model half patched). Pruning after
+    patching works: the hook goes on with the Mesa layer."""
+    from torch.nn.utils.prune import BasePruningMethod
+
+    rules = _leaf_rules()
+    for name, m in root.named_modules():
+        hooks = [h for h in m._forward_pre_hooks.values() if isinstance(h, BasePruningMethod)]
+        if hooks and type(m) in rules:
+            what = ", ".join(sorted({h._tensor_name for h in hooks}))
+            raise ValueError(f"patch_model: {name or 'the model'} ({type(m).__name__}) is pruned with "
+                             f"torch.nn.utils.prune ({what} recomputed from {what}_orig by a forward pre-hook); "
+                             f"patch the model before pruning it, or make the pruning permanent first "
+                             f"(torch.nn.utils.prune.remove(module, {hooks[0]._tensor_name!r}))")
+
+
+def _ddp_wrapper(model: nn.Module) -> Optional[nn.Module]:
+    """The DistributedDataParallel wrapper in ``model``'s wrapper chain (``unwrap_model``'s), if any."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            return model
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, nn.DataParallel):
+            model = model.module
+        else:
+            return None
+
+
+def _check_wrapper(model: nn.Module, root: nn.Module) -> Optional[set]:
+    """DistributedDataParallel records a model's buffers when it is built and broadcasts only
+    those: patched inside it, the quantizers' estimates were never synced across ranks, without a
+    word. A DDP-wrapped model with no Mesa layer yet is refused; one patched before is accepted
+    (patching it again with the same ops changes nothing), and the ids of its buffers are
+    returned for :func:`_warn_new_buffers`."""
+    if _ddp_wrapper(model) is None:
+        return None
+    if not any(isinstance(m, mnn.MesaLayer) for m in root.modules()):
+        raise ValueError("patch_model: the model is already wrapped in DistributedDataParallel, which syncs only "
+                         "the buffers it found when it was built (the quantizers' estimates would differ across "
+                         "ranks); patch the model first, then wrap it: DDP(patch_model(model))")
+    return {id(b) for b in root.buffers()}
+
+
+def _warn_new_buffers(root: nn.Module, before: Optional[set]) -> None:
+    if before is None:
+        return
+    added = [n for n, b in root.named_buffers() if id(b) not in before]
+    if added:
+        warnings.warn(f"mesa_train.patch_model: added {len(added)} buffers (e.g. {added[0]}) to a model "
+                      "DistributedDataParallel wraps, which syncs only the buffers it found when built: wrap the "
+                      "patched model anew (DDP(ddp.module, ...))", UserWarning, stacklevel=3)
+
+
 def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterable[str] = ("all",),
                 *, attention: str = "auto", plan=None, cancelling_bn: str = "stock", mlp: str = "shared",
                 norm_linear: str = "shared", **quant_options) -> nn.Module:
@@ -497,10 +575,13 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
 
     Args:
         model: a timm model (ViT/DeiT, Swin, PVT-v2 get full support, incl. the attention
-            core; any other model gets the generic leaf conversion) or a DDP /
-            ``torch.compile`` wrapper of one. It may already be on a device or in half
+            core; any other model gets the generic leaf conversion) or a ``torch.compile``
+            wrapper of one, or a DDP wrapper of one patched before wrapping (DDP syncs only
+            the buffers it found when built). It may already be on a device or in half
             precision, and may already be patched (patching again adds the newly requested
-            ops; explicitly passed options are applied to the layers patched before).
+            ops; explicitly passed options are applied to the layers patched before). Hooks
+            on the layers it replaces go on with their Mesa layers; a layer pruned with
+            ``torch.nn.utils.prune`` is refused (prune after patching).
         ops: any of ``OPS`` (``linear, matmul, softmax, gelu, layernorm, conv, relu, sdpa,
             batchnorm, ..., hardswish, se, maxpool, avgpool``) or ``all``. ``matmul``/``softmax``
             compress the explicit attention path (paper setting); ``sdpa`` the fused
@@ -553,6 +634,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     """
     # validation first: nothing is changed when an argument is wrong
     root = unwrap_module(model, "patch_model")
+    _check_not_pruned(root)
+    buffers_before = _check_wrapper(model, root)
     if plan is not None:  # per-layer ops from a plan (mesa_train.plan)
         given = {k: v for k, v in (("ops", ops), ("modules", modules), ("cancelling_bn", cancelling_bn),
                                    ("mlp", mlp), ("norm_linear", norm_linear)) if v != _PLAN_FREE_DEFAULTS[k]}
@@ -639,6 +722,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             f"mesa_train.patch_model: no layer of {type(root).__name__} matched ops={list(op_names)} "
             f"modules={list(set_names)}: nothing is compressed (describe(model) lists what was patched)",
             UserWarning, stacklevel=2)
+    _warn_new_buffers(root, buffers_before)
     return model
 
 
