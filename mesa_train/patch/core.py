@@ -31,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from timm.layers import BatchNormAct2d, ConvNormAct, LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
-from timm.layers import GroupNorm1 as TimmGroupNorm1, GroupNormAct as TimmGroupNormAct
+from timm.layers import GroupNorm as TimmGroupNorm, GroupNorm1 as TimmGroupNorm1, GroupNormAct as TimmGroupNormAct
 from timm.layers import LayerNormAct2d as TimmLayerNormAct2d
 from timm.layers import ScaledStdConv2d as TimmScaledStdConv2d, ScaledStdConv2dSame as TimmScaledStdConv2dSame
 from timm.layers import StdConv2d as TimmStdConv2d, StdConv2dSame as TimmStdConv2dSame
@@ -167,6 +167,7 @@ def _leaf_rules():
         TimmGRN: ("grn", mnn.GlobalResponseNorm),
         nn.GroupNorm: ("groupnorm", mnn.GroupNorm),
         TimmGroupNorm1: ("groupnorm", mnn.GroupNorm),
+        TimmGroupNorm: ("groupnorm", mnn.GroupNorm),  # (norm_layer="groupnorm": ResNet *_gn; the same F.group_norm)
         TimmGroupNormAct: ("groupnorm", mnn.GroupNormAct),
         TimmStdConv2d: ("conv", mnn.StdConv2d),
         TimmStdConv2dSame: ("conv", mnn.StdConv2dSame),
@@ -321,6 +322,23 @@ def _preceding_width(parents: Dict[int, List[Tuple[nn.Module, str]]], m: nn.Modu
             prev = c
         width = getattr(prev, "out_features", None) or getattr(prev, "out_channels", None)
         if isinstance(width, int):
+            return width
+    return None
+
+
+def _input_width(parents: Dict[int, List[Tuple[nn.Module, str]]], m: nn.Module) -> Optional[int]:
+    """The channel count of ``m``'s input where ``m`` does not record it (ECA): the width of the
+    last earlier sibling that has one (a conv's or Linear's output, a norm's features; timm's
+    ResNet blocks: ``bn2`` / ``bn3`` before ``se``). A wrong guess only changes the grouping."""
+    for parent, key in parents.get(id(m), []):
+        width = None
+        for k, c in parent._modules.items():
+            if k == key:
+                break
+            found = (getattr(c, "out_channels", None) or getattr(c, "out_features", None)
+                     or getattr(c, "num_features", None))
+            width = found if isinstance(found, int) else width
+        if width is not None:
             return width
     return None
 
@@ -953,7 +971,9 @@ def _patch_squeeze_excite(t: _Target) -> None:
             continue
         if SE_CHILD not in m._modules:
             opts = dict(t.quant_options)
-            opts.setdefault("num_groups", gate_channels(m))
+            width = gate_channels(m) or _input_width(t.parents, m)
+            if width is not None:
+                opts.setdefault("num_groups", width)
             m.__class__ = SE_CLASSES[stock_cls]
             m.add_module(SE_CHILD, mnn.ChannelGate(device=_module_device(m), **opts))
 

@@ -10,8 +10,10 @@ not) by the ordinary leaf conversion.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from timm.layers.squeeze_excite import EffectiveSEModule as _EffectiveSE, SEModule as _SE
 from timm.layers.squeeze_excite import SqueezeExciteCl as _SECl
+from timm.layers.eca import CecaModule as _Ceca, EcaModule as _Eca
 from timm.models._efficientnet_blocks import SqueezeExcite as _EfficientNetSE
 from torchvision.ops.misc import SqueezeExcitation as _TorchvisionSE
 
@@ -74,12 +76,41 @@ class MesaTorchvisionSqueezeExcitation(_TorchvisionSE):
         return self.mesa_gate(input, self._scale(input))
 
 
+class MesaEcaModule(_Eca):
+    """``EcaModule`` (ECA-Net: timm's ``eca*`` ResNets and NFNets, ``attn_layer="eca"``): a 1-D conv
+    across the pooled channels; ``x * y.expand_as(x)`` (the same products as ``x * y``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.mean((2, 3)).view(x.shape[0], 1, -1)
+        y = self.conv(y)
+        if self.conv2 is not None:
+            y = self.act(y)
+            y = self.conv2(y)
+        y = self.gate(y).view(x.shape[0], -1, 1, 1)
+        return self.mesa_gate(x, y)
+
+
+class MesaCecaModule(_Ceca):
+    """``CecaModule`` (``attn_layer="ceca"``): ECA with circular padding."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.mean((2, 3)).view(x.shape[0], 1, -1)
+        y = F.pad(y, (self.padding, self.padding), mode='circular')
+        y = self.conv(y)
+        y = self.gate(y).view(x.shape[0], -1, 1, 1)
+        return self.mesa_gate(x, y)
+
+
 SE_CLASSES = {_EfficientNetSE: MesaEfficientNetSqueezeExcite, _SE: MesaSEModule, _EffectiveSE: MesaEffectiveSEModule,
-              _SECl: MesaSqueezeExciteCl, _TorchvisionSE: MesaTorchvisionSqueezeExcitation}
+              _SECl: MesaSqueezeExciteCl, _TorchvisionSE: MesaTorchvisionSqueezeExcitation,
+              _Eca: MesaEcaModule, _Ceca: MesaCecaModule}
 STOCK_SE_CLASSES = {v: k for k, v in SE_CLASSES.items()}
 
 
-def gate_channels(module) -> int:
-    """The channel count of a stock squeeze-excite block's input."""
+def gate_channels(module) -> int | None:
+    """The channel count of a stock squeeze-excite block's input, or None where the block does
+    not record it (ECA: its conv runs across the pooled channels, whatever their count)."""
+    if isinstance(module, (_Eca, _Ceca)):
+        return None
     first = getattr(module, "conv_reduce", None) or getattr(module, "fc1", None) or module.fc
     return first.in_features if isinstance(module, _SECl) else first.in_channels
