@@ -5,7 +5,9 @@ The instance's class is swapped for a subclass whose forward is the stock one li
 except that the final ``x * self.gate(x_se)`` runs through a ``mesa_gate`` child
 (:class:`mesa_train.nn.ChannelGate`: 8-bit ``x``, one group per channel). The convs, norms
 and activations of the squeeze path act on ``(N, C, 1, 1)`` tensors and are converted (or
-not) by the ordinary leaf conversion.
+not) by the ordinary leaf conversion. The same for the channel gates of ECA, legacy SENet,
+Selective Kernel and ResNeSt's split attention (session 78; the last two weigh stacked paths
+``(B, P, C, H, W)``, gated as ``(B, P * C, H, W)``: the same products).
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import torch.nn.functional as F
 from timm.layers.squeeze_excite import EffectiveSEModule as _EffectiveSE, SEModule as _SE
 from timm.layers.squeeze_excite import SqueezeExciteCl as _SECl
 from timm.layers.eca import CecaModule as _Ceca, EcaModule as _Eca
+from timm.layers.selective_kernel import SelectiveKernel as _SelectiveKernel
+from timm.layers.split_attn import SplitAttn as _SplitAttn
+from timm.models.senet import SEModule as _LegacySE
 from timm.models._efficientnet_blocks import SqueezeExcite as _EfficientNetSE
 from torchvision.ops.misc import SqueezeExcitation as _TorchvisionSE
 
@@ -101,9 +106,71 @@ class MesaCecaModule(_Ceca):
         return self.mesa_gate(x, y)
 
 
+class MesaLegacySEModule(_LegacySE):
+    """``timm.models.senet.SEModule`` (the ``legacy_se*`` / ``legacy_senet`` models): ``module_input * x``."""
+
+    def forward(self, x):
+        module_input = x
+        x = x.mean((2, 3), keepdim=True)
+        x = self.fc1(x)
+        x = self.relu(x)
+        x = self.fc2(x)
+        x = self.sigmoid(x)
+        return self.mesa_gate(module_input, x)
+
+
+class MesaSelectiveKernel(_SelectiveKernel):
+    """``SelectiveKernel`` (SKNet: ``skresnet*``): the paths stacked ``(B, P, C, H, W)`` times their
+    softmax weights ``(B, P, C, 1, 1)``, as ``(B, P * C, H, W)`` times ``(B, P * C, 1, 1)`` (the same
+    products, one group per path and channel)."""
+
+    def forward(self, x):
+        if self.split_input:
+            x_split = torch.split(x, self.in_channels // self.num_paths, 1)
+            x_paths = [op(x_split[i]) for i, op in enumerate(self.paths)]
+        else:
+            x_paths = [op(x) for op in self.paths]
+        x = torch.stack(x_paths, dim=1)
+        x_attn = self.attn(x)
+        x = self.mesa_gate(x.flatten(1, 2), x_attn.flatten(1, 2)).view(x.shape)
+        x = torch.sum(x, dim=1)
+        return x
+
+
+class MesaSplitAttn(_SplitAttn):
+    """``SplitAttn`` (ResNeSt): the radix groups times their attention, as ``(B, R * C, H, W)``
+    times ``(B, R * C, 1, 1)`` (the same products), then summed over the radix as stock sums."""
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = self.bn0(x)
+        x = self.drop(x)
+        x = self.act0(x)
+
+        B, RC, H, W = x.shape
+        if self.radix > 1:
+            x = x.reshape((B, self.radix, RC // self.radix, H, W))
+            x_gap = x.sum(dim=1)
+        else:
+            x_gap = x
+        x_gap = x_gap.mean((2, 3), keepdim=True)
+        x_gap = self.fc1(x_gap)
+        x_gap = self.bn1(x_gap)
+        x_gap = self.act1(x_gap)
+        x_attn = self.fc2(x_gap)
+
+        x_attn = self.rsoftmax(x_attn).view(B, -1, 1, 1)
+        if self.radix > 1:
+            out = self.mesa_gate(x.flatten(1, 2), x_attn).view(x.shape).sum(dim=1)
+        else:
+            out = self.mesa_gate(x, x_attn)
+        return out.contiguous()
+
+
 SE_CLASSES = {_EfficientNetSE: MesaEfficientNetSqueezeExcite, _SE: MesaSEModule, _EffectiveSE: MesaEffectiveSEModule,
               _SECl: MesaSqueezeExciteCl, _TorchvisionSE: MesaTorchvisionSqueezeExcitation,
-              _Eca: MesaEcaModule, _Ceca: MesaCecaModule}
+              _Eca: MesaEcaModule, _Ceca: MesaCecaModule, _LegacySE: MesaLegacySEModule,
+              _SelectiveKernel: MesaSelectiveKernel, _SplitAttn: MesaSplitAttn}
 STOCK_SE_CLASSES = {v: k for k, v in SE_CLASSES.items()}
 
 
@@ -112,5 +179,9 @@ def gate_channels(module) -> int | None:
     not record it (ECA: its conv runs across the pooled channels, whatever their count)."""
     if isinstance(module, (_Eca, _Ceca)):
         return None
+    if isinstance(module, _SelectiveKernel):
+        return module.attn.fc_select.out_channels  # (paths x channels)
+    if isinstance(module, _SplitAttn):
+        return module.fc2.out_channels  # (radix x channels)
     first = getattr(module, "conv_reduce", None) or getattr(module, "fc1", None) or module.fc
     return first.in_features if isinstance(module, _SECl) else first.in_channels
