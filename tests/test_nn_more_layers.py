@@ -855,3 +855,40 @@ def test_rms_norm_is_timms_in_bfloat16(autocast, fp32):
         grads.append(leaf.grad)
     assert outs[1].dtype == outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
     assert _cos(grads[0], grads[1]) > 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hgnet_learnable_affine_block_keeps_its_8_bit_input(dtype):
+    """HGNetV2's LearnableAffineBlock (scale * x + bias, (1,)-shaped parameters) kept its full
+    input for the scale's gradient without a word: now 8-bit, stock's output bit for bit (a
+    bfloat16 x times the float32 (1,) scale is a float32 product, as stock's)."""
+    from timm.models.hgnet import LearnableAffineBlock as TimmLab
+
+    torch.manual_seed(0)
+    stock = TimmLab(1.3, 0.2)
+    mesa = mn.LearnableAffineBlock.from_module(copy.deepcopy(stock))
+    _compare(stock, mesa, (torch.randn(2, 8, 5, 5) * 2).to(dtype))
+    x = torch.randn(2, 8, 5, 5).to(dtype)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(stock(x), mesa(x))
+    with pytest.raises(TypeError):
+        mn.LearnableAffineBlock.from_module(nn.Identity())
+
+
+def test_hgnetv2_patched_keeps_less():
+    import timm
+
+    from mesa_train.patch import patch_model
+
+    torch.manual_seed(0)
+    stock = timm.create_model("hgnetv2_b0", num_classes=5).train()
+    mesa = patch_model(copy.deepcopy(stock))
+    assert type(mesa.stem.stem1.lab) is mn.LearnableAffineBlock
+    x = torch.randn(2, 3, 64, 64)
+    with SavedTensorMeter(stock) as a:
+        want = stock(x)
+    with SavedTensorMeter(mesa) as b:
+        got = mesa(x)
+    assert torch.equal(got, want) and b.activation_bytes < 0.5 * a.activation_bytes  # (0.66x before)
+    compiled = torch.compile(copy.deepcopy(mesa), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), mesa(x))
