@@ -510,3 +510,46 @@ def test_convnext_compiles_in_one_graph():
     eager_out, compiled_out = patched(x), compiled(x)
     assert torch.allclose(eager_out, compiled_out, rtol=1e-5, atol=1e-6)
     compiled_out.square().sum().backward()
+
+
+def test_inception_next_layer_scale_keeps_an_8_bit_copy():
+    """InceptionNeXt's MetaNeXtBlock scales its branch inline, x.mul(gamma.reshape(1, -1, 1, 1)),
+    as ConvNeXt does: it kept the MLP's output whole without a word (0.37x -> 0.32x of stock's
+    bytes at 64 px). Its forward is the stock source but that line (a timm release that moves
+    it fails here), stock's bits, eager and compiled."""
+    import inspect
+
+    from timm.models.inception_next import MetaNeXtBlock
+
+    from mesa_train.memory import SavedTensorMeter
+    from mesa_train.patch.convnext import SCALE_CHILD, MesaMetaNeXtBlock
+
+    def lines(fn):
+        return [ln.strip() for ln in inspect.getsource(fn).splitlines()[1:] if ln.strip()
+                and not ln.strip().startswith('"')]
+
+    product = "x = x.mul(self.gamma.reshape(1, -1, 1, 1))"
+    stock_lines, mesa_lines = lines(MetaNeXtBlock.forward), lines(MesaMetaNeXtBlock.forward)
+    assert product in stock_lines
+    child = ["if SCALE_CHILD in self._modules:", "x = self._modules[SCALE_CHILD](x, self.gamma.reshape(1, -1, 1, 1))",
+             "else:", product]
+    i = stock_lines.index(product)
+    assert mesa_lines == stock_lines[:i] + child + stock_lines[i + 1:]
+    torch.manual_seed(0)
+    stock = timm.create_model("inception_next_atto", num_classes=5).train()
+    patched = patch_model(copy.deepcopy(stock))
+    blocks = [b for b in patched.modules() if isinstance(b, MetaNeXtBlock)]
+    assert blocks and all(type(b) is MesaMetaNeXtBlock and SCALE_CHILD in b._modules for b in blocks)
+    x = torch.randn(2, 3, 64, 64)
+    with SavedTensorMeter(stock) as a:
+        torch.manual_seed(1)
+        want = stock(x)
+    with SavedTensorMeter(patched) as b:
+        torch.manual_seed(1)
+        got = patched(x)
+    assert torch.equal(got, want) and b.activation_bytes < 0.34 * a.activation_bytes
+    compiled = torch.compile(copy.deepcopy(patched), backend="aot_eager", fullgraph=True)
+    torch.manual_seed(1)
+    out = compiled(x)
+    torch.manual_seed(1)
+    assert torch.equal(out, patched(x))

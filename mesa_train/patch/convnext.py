@@ -12,6 +12,9 @@ from the stock forward, which it otherwise follows line for line:
 - **The norm shares its copy with fc1** (``norm_linear="shared"``, ``patch/norm_share.py``):
   where the MLP is Linear (``conv_mlp=False``: ConvNeXt-T and up; the small variants use
   1x1 convolutions), ``mlp.fc1(norm(x))`` keeps the norm's ``x_hat`` only.
+
+InceptionNeXt's ``MetaNeXtBlock`` scales its branch the same way and gets the same child
+(session 78; its norm is a BatchNorm, nothing shared).
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ from typing import List, Tuple
 
 import torch
 from timm.models.convnext import ConvNeXtBlock as _ConvNeXtBlock
+from timm.models.inception_next import MetaNeXtBlock as _MetaNeXtBlock
 from torch import nn
 
 from .norm_share import NormSharingBlock, mlp_after_norm
 
-__all__ = ["MesaConvNeXtBlock", "CONVNEXT_CLASSES", "STOCK_CONVNEXT_CLASSES", "SCALE_CHILD"]
+__all__ = ["MesaConvNeXtBlock", "MesaMetaNeXtBlock", "CONVNEXT_CLASSES", "STOCK_CONVNEXT_CLASSES", "SCALE_CHILD"]
 
 SCALE_CHILD = "mesa_scale_gamma"
 
@@ -56,5 +60,23 @@ class MesaConvNeXtBlock(NormSharingBlock, _ConvNeXtBlock):
         return [] if self.use_conv_mlp else super().mesa_norm_pairs()
 
 
-CONVNEXT_CLASSES = {_ConvNeXtBlock: MesaConvNeXtBlock}
+class MesaMetaNeXtBlock(_MetaNeXtBlock):
+    """InceptionNeXt's ``MetaNeXtBlock``: the same inline ``x.mul(self.gamma.reshape(1, -1, 1, 1))``
+    through the ``ChannelScale`` child (it kept the MLP's output whole without a word)."""
+
+    def forward(self, x):
+        shortcut = x
+        x = self.token_mixer(x)
+        x = self.norm(x)
+        x = self.mlp(x)
+        if self.gamma is not None:
+            if SCALE_CHILD in self._modules:
+                x = self._modules[SCALE_CHILD](x, self.gamma.reshape(1, -1, 1, 1))
+            else:
+                x = x.mul(self.gamma.reshape(1, -1, 1, 1))
+        x = self.drop_path(x) + shortcut
+        return x
+
+
+CONVNEXT_CLASSES = {_ConvNeXtBlock: MesaConvNeXtBlock, _MetaNeXtBlock: MesaMetaNeXtBlock}
 STOCK_CONVNEXT_CLASSES = {v: k for k, v in CONVNEXT_CLASSES.items()}
