@@ -190,3 +190,38 @@ def test_timm_models_with_channel_gates_or_timm_group_norm(name, most):
     grads = dict(patched.named_parameters())
     for n, p in stock.named_parameters():  # (zero_init_last: a block's branch has no gradient yet)
         assert _cos(p.grad, grads[n].grad) > 0.99 if p.grad.any() else not grads[n].grad.any(), n
+
+
+@pytest.mark.parametrize("act_type,inplace", [("gelu", False), ("gelu_tanh", False), ("relu", True), ("silu", True),
+                                              ("quick_gelu", False)])
+def test_nfnet_gamma_act_runs_its_activation_through_a_mesa_layer(act_type, inplace):
+    """NFNet's GammaAct (act_fn(x).mul_(gamma): every activation of dm_nfnet_*) kept the
+    activation's full input without a word; now a Mesa child runs the act (``quick_gelu``: not in
+    the table, stays stock). Nothing reported unreached; stock's bits eager and compiled."""
+    import warnings
+
+    from timm.models.nfnet import GammaAct
+
+    from mesa_train.patch.gamma_act import MesaGammaAct
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), GammaAct(act_type, gamma=1.7, inplace=inplace),
+                          nn.Conv2d(8, 4, 3, padding=1)).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patched = patch_model(copy.deepcopy(stock))
+    swapped = act_type != "quick_gelu"
+    assert (type(patched[1]) is MesaGammaAct) == swapped and (type(patched[1]) is GammaAct) != swapped
+    x = torch.randn(2, 3, 8, 8)
+    with SavedTensorMeter(stock) as a:
+        want = stock(x)
+    with SavedTensorMeter(patched) as b:
+        got = patched(x)
+    assert torch.equal(got, want)
+    if swapped:
+        assert b.activation_bytes < 0.5 * a.activation_bytes
+    want.square().sum().backward(), got.square().sum().backward()
+    for (n, p), q in zip(stock.named_parameters(), patched.parameters()):
+        assert _cos(p.grad, q.grad) > 0.999, n
+    compiled = torch.compile(copy.deepcopy(patched), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), patched(x))

@@ -75,6 +75,7 @@ from .functional_calls import routable_sites
 from .generic_attention import (AMAX_CHILD, CORE_REPEATS_ATTR, EINSUM_CHILD, EINSUM_CORE, PassThroughMatMul,
                                 install as install_generic, install_calls, install_cosine, install_linear,
                                 install_routed, install_scales)
+from .gamma_act import GAMMA_ACT_CHILD, MesaGammaAct, STOCK_GAMMA_ACT, gamma_act_layer
 from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
@@ -705,6 +706,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 1f. class swaps with Mesa children (Gemma 4's clamped Linears and position table; the gating
     # products of gMLP, MambaOut, FocalNet); an act run inside a gating child is not converted in step 2
     gated_acts |= _swap_classes(t)
+    # 1f'. NFNet's GammaAct: its activation function through a Mesa layer child
+    _patch_gamma_acts(t)
     # 1g. torch's nn.MultiheadAttention: its projections and sdpa through Mesa children
     if {"linear", "sdpa", "matmul", "softmax"} & set(op_names):
         _patch_multihead_attention(t)
@@ -1031,6 +1034,20 @@ def _swap_classes(t: _Target) -> set:
     return inside
 
 
+def _patch_gamma_acts(t: _Target) -> None:
+    """Step 1f': NFNet's ``GammaAct`` (``act_fn(x).mul_(gamma)``, patch/gamma_act.py) runs its
+    activation through a ``mesa_act`` child where its op and module set are asked for."""
+    for name, m in t.named:
+        if type(m) is not STOCK_GAMMA_ACT or t.skipped(name):
+            continue
+        layer = gamma_act_layer(m)
+        mi = t.module_info(name)
+        if layer is None or layer[0] not in t.op_names or mi.module_set not in t.set_names:
+            continue
+        m.__class__ = MesaGammaAct
+        m.add_module(GAMMA_ACT_CHILD, layer[1](device=_module_device(m), **t.options(None, mi.heads)))
+
+
 def _per_channel_shape(p: torch.Tensor, m: nn.Module) -> bool:
     """``(C,)`` (channels last) or, outside attentions, ``(C, 1, 1)`` (NCHW: torchvision's ConvNeXt
     ``layer_scale``; in XCiT's and EdgeNeXt's attention a ``(heads, 1, 1)`` temperature scales the
@@ -1138,7 +1155,7 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]],
                + tuple(NORM_ONLY_MLP_CLASSES.values())
                + tuple(GEMMA4_CLASSES) + tuple(STOCK_GEMMA4_CLASSES)
                + tuple(STOCK_BLOCK_CLASSES)
-               + (PlainMatMul, PlainSoftmax, PassThroughMatMul, mha_patch.MesaMultiheadAttention))
+               + (PlainMatMul, PlainSoftmax, PassThroughMatMul, mha_patch.MesaMultiheadAttention, MesaGammaAct))
     unreached: Dict[str, Tuple[str, ...]] = {}
     for name, m in t.root.named_modules():
         if t.skipped(name) or t.module_info(name).module_set not in t.set_names:
