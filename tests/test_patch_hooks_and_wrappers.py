@@ -11,6 +11,7 @@ import pytest
 import timm
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.utils import prune
 
 import mesa_train
@@ -98,12 +99,37 @@ def test_pruning_after_patching_trains():
     assert bool((fc2.weight[fc2.weight_mask == 0] == 0).all())
 
 
-def test_a_model_pruned_before_patching_is_refused_unchanged():
+@pytest.mark.parametrize("how", ["prune", "spectral_norm", "weight_norm"])
+def test_a_layer_whose_weight_a_hook_recomputes_is_refused_unchanged(how):
+    """Pruning, the hook-based spectral_norm and weight_norm before patching: the conversion
+    failed inside torch and left the model half patched; now refused in one line before anything
+    changes. A call that would leave that layer alone (another op) goes on."""
     model = _vit()
-    prune.l1_unstructured(model.blocks[1].mlp.fc2, "weight", 0.5)
-    with pytest.raises(ValueError, match=r"blocks\.1\.mlp\.fc2 \(Linear\) is pruned .*prune\.remove"):
+    fc2 = model.blocks[1].mlp.fc2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (weight_norm's deprecation)
+        {"prune": lambda: prune.l1_unstructured(fc2, "weight", 0.5),
+         "spectral_norm": lambda: nn.utils.spectral_norm(fc2), "weight_norm": lambda: nn.utils.weight_norm(fc2)}[how]()
+    with pytest.raises(ValueError, match=r"blocks\.1\.mlp\.fc2 \(Linear\) holds weight as a tensor a forward pre-hook "
+                                         r"recomputes .*patch the model before applying it"):
         mesa_train.patch_model(model)
     assert not any(isinstance(m, mnn.MesaLayer) for m in model.modules())  # (it was left half patched)
+    mesa_train.patch_model(model, ops=["gelu"])
+    assert type(model.blocks[1].mlp.act) is mnn.GELU
+
+
+def test_a_load_state_dict_hook_is_called_with_the_mesa_layer():
+    """torch wraps a load_state_dict pre-hook with a weak reference to its module: handed over
+    as it was, it called the hook with the stock layer, or failed once that was collected."""
+    import gc
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    seen = []
+    model[0].register_load_state_dict_pre_hook(lambda module, *args: seen.append(module))
+    mesa_train.patch_model(model)
+    gc.collect()
+    model.load_state_dict(model.state_dict())
+    assert len(seen) == 1 and seen[0] is model[0] and type(model[0]) is mnn.Linear
 
 
 def _free_port() -> int:

@@ -58,6 +58,7 @@ from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, 
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
 from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
 from torch import nn
+from torch.nn.modules.module import _WrappedHook
 from torchvision.models.convnext import LayerNorm2d as TorchvisionLayerNorm2d
 
 import mesa_train.nn as mnn
@@ -368,6 +369,9 @@ def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
         hooks = getattr(old, table, None)
         if not hooks:
             continue
+        for key, hook in hooks.items():  # (a wrapper bound to the old module: the new one's)
+            if isinstance(hook, _WrappedHook) and hook.with_module and hook.module() is old:
+                hooks[key] = _WrappedHook(hook.hook, new)
         hooks.update(getattr(new, table))
         object.__setattr__(new, table, hooks)
     if getattr(old, "_is_full_backward_hook", None) is not None:
@@ -534,22 +538,25 @@ def _check_dtype(root: nn.Module) -> None:
                          "float16 and bfloat16 activations: patch model.float() (or .half() / .bfloat16())")
 
 
-def _check_not_pruned(root: nn.Module) -> None:
-    """A layer pruned with ``torch.nn.utils.prune`` holds its weight as a plain tensor that a
-    forward pre-hook recomputes from ``weight_orig``: refused before anything changes (its
-    conversion failed half-way, inside torch, leaving the model half patched). Pruning after
-    patching works: the hook goes on with the Mesa layer."""
-    from torch.nn.utils.prune import BasePruningMethod
-
-    rules = _leaf_rules()
+def _check_recomputed_weights(root: nn.Module, op_names, set_names) -> None:
+    """A layer this call would convert whose weight (or bias) is a plain tensor that a forward
+    pre-hook recomputes each call (``torch.nn.utils.prune``: from ``weight_orig``; the hook-based
+    ``spectral_norm`` and ``weight_norm``) is refused before anything changes: its conversion
+    failed half-way, inside torch, leaving the model half patched. Applying them after patching
+    works: the hook goes on with the Mesa layer. Layers the call would leave alone (another op,
+    another module set) are not asked about."""
+    rules, info = _leaf_rules(), classify(root)
     for name, m in root.named_modules():
-        hooks = [h for h in m._forward_pre_hooks.values() if isinstance(h, BasePruningMethod)]
-        if hooks and type(m) in rules:
-            what = ", ".join(sorted({h._tensor_name for h in hooks}))
-            raise ValueError(f"patch_model: {name or 'the model'} ({type(m).__name__}) is pruned with "
-                             f"torch.nn.utils.prune ({what} recomputed from {what}_orig by a forward pre-hook); "
-                             f"patch the model before pruning it, or make the pruning permanent first "
-                             f"(torch.nn.utils.prune.remove(module, {hooks[0]._tensor_name!r}))")
+        rule = rules.get(type(m)) or _inherited_rule(rules, type(m))
+        if rule is None or rule[0] not in op_names or info.get(name, _OTHER).module_set not in set_names:
+            continue
+        computed = [p for p in ("weight", "bias")
+                    if p not in m._parameters and isinstance(m.__dict__.get(p), torch.Tensor)]
+        if computed:
+            raise ValueError(f"patch_model: {name or 'the model'} ({type(m).__name__}) holds {computed[0]} as a tensor "
+                             f"a forward pre-hook recomputes (torch.nn.utils.prune, spectral_norm or weight_norm), not "
+                             f"as a parameter; patch the model before applying it, or make it permanent first (e.g. "
+                             f"torch.nn.utils.prune.remove(module, {computed[0]!r}))")
 
 
 def _ddp_wrapper(model: nn.Module) -> Optional[nn.Module]:
@@ -602,8 +609,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             the buffers it found when built). It may already be on a device or in half
             precision, and may already be patched (patching again adds the newly requested
             ops; explicitly passed options are applied to the layers patched before). Hooks
-            on the layers it replaces go on with their Mesa layers; a layer pruned with
-            ``torch.nn.utils.prune`` is refused (prune after patching).
+            on the layers it replaces go on with their Mesa layers; a layer to convert whose
+            weight a pre-hook recomputes (``torch.nn.utils.prune``, ``spectral_norm``,
+            ``weight_norm``) is refused (apply them after patching).
         ops: any of ``OPS`` (``linear, matmul, softmax, gelu, layernorm, conv, relu, sdpa,
             batchnorm, ..., hardswish, se, maxpool, avgpool``) or ``all``. ``matmul``/``softmax``
             compress the explicit attention path (paper setting); ``sdpa`` the fused
@@ -656,7 +664,6 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     """
     # validation first: nothing is changed when an argument is wrong
     root = unwrap_module(model, "patch_model")
-    _check_not_pruned(root)
     buffers_before = _check_wrapper(model, root)
     if plan is not None:  # per-layer ops from a plan (mesa_train.plan)
         given = {k: v for k, v in (("ops", ops), ("modules", modules), ("cancelling_bn", cancelling_bn),
@@ -678,6 +685,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     explicit = dict(quant_options)  # (what this call asked for, applied to layers patched before too)
 
     _check_dtype(root)
+    _check_recomputed_weights(root, op_names, set_names)
     # 0. torch transformer layers built with activation="gelu" hold F.gelu itself: the stock
     # module in its place, for the leaf conversion (patch/torch_transformer.py)
     activations_as_modules(root, op_names)
