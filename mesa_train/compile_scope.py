@@ -195,6 +195,20 @@ def attention_dropout_modules(model: nn.Module) -> list[str]:
             and any(isinstance(c, ScaledDotProductAttention) for c in m.children())]
 
 
+def _refuse_checkpointed_mesa_blocks(model: nn.Module) -> None:
+    """A block compiled on its own inside timm's (eager) activation checkpointing runs its whole
+    compiled graph again in the recomputation, and that graph writes the Mesa quantizers' state:
+    every step would update the estimates and rounding counters twice (``nn/recompute.py``
+    tells an eager recomputation apart; a compiled graph cannot ask). Compiled as one model, the
+    graph recomputes what it saves and updates the state once."""
+    modules = list(unwrap_model(model).modules())
+    if any(getattr(m, "grad_checkpointing", False) is True for m in modules) and any(
+            isinstance(m, MesaLayer) for m in modules):
+        raise ValueError("compile scope 'blocks' with activation checkpointing (set_grad_checkpointing) on a Mesa "
+                         "model: each block's compiled graph would run again in the recomputation and update the "
+                         "Mesa estimates twice a step; valid choices: compile scope 'model', or no checkpointing")
+
+
 def compile_model(model: nn.Module, scope: str = "model", *, fullgraph: bool = True, **compile_kwargs) -> nn.Module:
     """Compile ``model`` as ``scope`` says and return what to call in its place.
 
@@ -217,6 +231,7 @@ def compile_model(model: nn.Module, scope: str = "model", *, fullgraph: bool = T
     compile_kwargs = inductor_kwargs(model, compile_kwargs)
     if scope == "model":
         return torch.compile(model, fullgraph=fullgraph, **compile_kwargs)
+    _refuse_checkpointed_mesa_blocks(model)
     blocks = repeated_blocks(model)
     if not blocks:
         raise ValueError(f"compile scope 'blocks': {type(unwrap_model(model)).__name__} has no '{_BLOCK_CONTAINER}' "

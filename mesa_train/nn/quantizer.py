@@ -18,6 +18,7 @@ that the layer saves with ``ctx.save_for_backward``; backward calls :func:`decom
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -26,13 +27,14 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from mesa_train import quant  # noqa: F401  (importing it registers torch.ops.mesa.*)
 from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 from mesa_train.quant import reference
 from mesa_train.quant.reference import affine_cols, multiply_rows, scale_rows, unscale_rows
-from mesa_train.nn.recompute import recomputing
+from mesa_train.nn.recompute import FORWARD, checkpoint_phase
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
            "LEARNED_BUFFERS", "convert_format", "mark_estimates_ready", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS",
@@ -318,6 +320,9 @@ def _decompress_format(p: Packed, dtype: torch.dtype) -> torch.Tensor:
 # The buffers that make up a quantizer's state (``state_dict`` entries; the checkpoint
 # converters in mesa_train.patch.checkpoint read this list).
 STATE_BUFFERS = ("alpha", "beta", "initialized", "rng")
+# rounding counters a quantizer keeps from checkpointed forwards for their recomputations
+# (consumed in backward; the bound only matters where a checkpointed forward has no backward)
+_KEPT_COUNTERS = 64
 # estimator="learned" adds these (DESIGN.md, "Learned clipping")
 LEARNED_BUFFERS = ("clip_center", "clip_log", "clip_m", "clip_v", "clip_steps")
 # Checkpoints of a quantizer whose stored format is not the paper's 8-bit one carry
@@ -566,14 +571,28 @@ class ActivationQuantizer(nn.Module):
     def _state(self, x: torch.Tensor) -> dict:
         """The buffers this call's ops read and update in place: the module's own (on ``x``'s
         device), or in a non-reentrant checkpoint's recomputation (``nn/recompute.py``) scratch
-        copies, their rounding counter one step back, so the recomputed segment draws the seed
-        its forward drew and the state is updated once a step, as without checkpointing."""
+        copies, so the state is updated once a step, as without checkpointing. The scratch
+        counter is the one the matching call of the checkpoint's first pass found (kept in
+        order, a few per quantizer), so a recomputed call draws its forward's seed, also for a
+        module called twice in a segment; without one (a second backward through a retained
+        graph), the counter one step back."""
         bufs = self._follow_device(x)
-        if not recomputing():
+        phase = checkpoint_phase()
+        if not phase:
             return bufs
-        scratch = {name: t.clone() for name, t in bufs.items() if t is not None}
-        rng = scratch["rng"]
-        rng[1:].copy_(((rng[1:] & 0xFFFFFFFF) - 1) & 0xFFFFFFFF)  # (the counter modulo 2**32, as the ops keep it)
+        # (outside torch's dispatch modes: selective checkpointing replays the forward's ops
+        # exactly, and these copies are not among them)
+        with _disable_current_modes():
+            seeds = self.__dict__.setdefault("_checkpoint_counters", collections.deque(maxlen=_KEPT_COUNTERS))
+            if phase == FORWARD:
+                seeds.append(bufs["rng"][1:].clone())
+                return bufs
+            scratch = {name: t.clone() for name, t in bufs.items() if t is not None}
+            counter = scratch["rng"][1:]
+            if seeds:
+                counter.copy_(seeds.popleft())
+            else:  # (the counter modulo 2**32, as the ops keep it)
+                counter.copy_(((counter & 0xFFFFFFFF) - 1) & 0xFFFFFFFF)
         return scratch
 
     def fused_layer_args(self, x: torch.Tensor) -> tuple | None:
