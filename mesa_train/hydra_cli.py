@@ -19,6 +19,7 @@ other than -m/--multirun, ``glob(...)`` sweeps) it leaves to Hydra.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 import sys
@@ -168,21 +169,27 @@ def _culprit(err: Exception, overrides: list[str]) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=8)  # (asked twice a start: the run directory check, the cleanup's)
 def _planned_dir(config_dir: str, config_name: str, args: tuple[str, ...]) -> str | None:
     """The run (or, with -m, sweep) directory Hydra will make for ``args``, or None where this
-    cannot tell (flags it leaves to Hydra, Hydra's own settings at fault). ``${now:...}`` reads
-    this moment, so the last folders' names may differ from Hydra's by a second; not its parents."""
+    cannot tell (flags it leaves to Hydra, Hydra's own settings at fault). Composed with every
+    override and the job's name, as Hydra composes it: ``hydra.run.dir=runs/bs${trainer.batch_size}``
+    reads the command line's batch size (a sweep's lists: the ``hydra.`` overrides alone).
+    ``${now:...}`` reads this moment, so the last folders' names may differ from Hydra's by a
+    second; not its parents."""
     if any(a.startswith("-") and a not in _RUN_FLAGS for a in args):
         return None
     multirun = any(a in ("-m", "--multirun") for a in args)
-    overrides = [a for a in args if not a.startswith("-") and a.startswith("hydra.")]
-    try:
-        with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3",
-                                   job_name="run_dir_check"):
-            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
-            return str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir)
-    except (HydraException, OmegaConfBaseException):
-        return None  # (Hydra says what is wrong with its own settings)
+    given = [a for a in args if not a.startswith("-")]
+    job = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "app"  # (Hydra's job name: the script's)
+    for overrides in (given, [a for a in given if a.startswith("hydra.")]):
+        try:
+            with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3", job_name=job):
+                cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+                return str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir)
+        except (HydraException, OmegaConfBaseException):
+            continue  # (a sweep's lists do not compose; Hydra says what is wrong with its own settings)
+    return None
 
 
 def run_dir_error(config_dir: str, config_name: str, args: list[str]) -> str | None:

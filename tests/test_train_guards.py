@@ -6,6 +6,7 @@ full disk, a corrupt image throwing away the epoch, checkpoints from before 2026
 for settings they did not have, and advice the pipeline then refused."""
 import errno
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -237,11 +238,22 @@ def test_a_refused_run_removes_every_folder_it_made_and_no_other(tmp_path, run_c
     (tmp_path / "kept").mkdir()
     result = run_cli(evaluate + ["hydra.run.dir=kept/a/b"], cwd=tmp_path)  # (relative to the cwd)
     assert result.returncode == 2 and (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "a").exists()
+    # the run folder named by a setting of the command line (it was composed with defaults: the
+    # folder of batch size 128 was taken for the one made, and bs8/x stayed behind)
+    (tmp_path / "runs" / "bs128").mkdir(parents=True)
+    (tmp_path / "runs" / "bs8").mkdir()
+    result = run_cli(evaluate + ["hydra.run.dir=runs/bs${trainer.batch_size}/x", "trainer.batch_size=8"],
+                     cwd=tmp_path)
+    assert result.returncode == 2 and (tmp_path / "runs" / "bs8").is_dir(), result.stderr[-2000:]
+    assert not (tmp_path / "runs" / "bs8" / "x").exists()
     # (train.py's refusal takes the same call; a folder with something in it stops the walk)
     (tmp_path / "x" / "y" / "run").mkdir(parents=True)
     (tmp_path / "x" / "note.txt").write_text("")
     rundir.remove_if_left_empty(str(tmp_path / "x" / "y" / "run"), 0.0, str(tmp_path))
     assert not (tmp_path / "x" / "y").exists() and (tmp_path / "x" / "note.txt").exists()
+    (tmp_path / "mine" / "run").mkdir(parents=True)  # (a planned folder not on the way: the time rule)
+    rundir.remove_if_left_empty(str(tmp_path / "mine" / "run"), time.time() + 60, str(tmp_path / "other"))
+    assert (tmp_path / "mine" / "run").is_dir()
 
 
 def test_a_full_disk_while_taking_the_lock_leaves_no_lock_and_names_the_folder(tmp_path, monkeypatch):

@@ -227,15 +227,19 @@ def remove_if_left_empty(run_dir: str, started: float, made_below: str | None = 
     folders above it that this run made and it leaves empty. ``made_below``: the deepest folder
     on the way to the run directory that existed before Hydra started (the run directory itself
     where it did; ``hydra_cli.existing_part_of_run_dir``): every empty folder below it goes
-    (``hydra.run.dir=a/b/c`` left ``a/b`` behind before). Without it: the run directory when it
+    (``hydra.run.dir=a/b/c`` left ``a/b`` behind before). Without it, or where it is not on the
+    way to ``run_dir`` (the planned directory was another): the run directory when it
     was made after ``started`` (this process's start; a folder made earlier, even empty, stays),
     and in the default layout ``outputs/<date>/`` and ``outputs/`` when left empty and new too.
     Under torchrun every rank tries; an error (another rank was first) is ignored."""
-    if made_below is not None:
-        folder, stop = os.path.abspath(run_dir), os.path.abspath(made_below)
+    folder = os.path.abspath(run_dir)
+    stop = None if made_below is None else os.path.abspath(made_below)
+    if stop is not None and (folder == stop or folder.startswith(stop + os.sep)):
         while folder.startswith(stop + os.sep) and _removed_if_empty(folder):
             folder = os.path.dirname(folder)
         return
+    # (no such folder, or one not on the way to run_dir: the planned run directory was not this
+    # one, and the rule below, which removes only what was made after `started`, applies)
     folders = [run_dir]
     date_folder = os.path.dirname(run_dir)
     if re.fullmatch(r"\d{4}-\d{2}-\d{2}", os.path.basename(date_folder)):  # (the default layout's)
