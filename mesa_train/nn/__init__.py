@@ -35,7 +35,6 @@ from .gated_softmax import GatedPositionalSoftmax
 from .grn import GlobalResponseNorm
 from .layernorm import LayerNorm, LayerNorm2d, LayerNorm2dFp32, LayerNormAct2d, LayerNormFp32
 from .layerscale import Affine, ChannelGate, ChannelScale, LayerScale, LayerScale2d, Scale
-from .learnable_affine import LearnableAffineBlock
 from .linear import Linear, LinearOf
 from .matmul import MatMul
 from .maxpool import MaxPool2d
@@ -64,7 +63,7 @@ __all__ = [
     "ActivationQuantizer", "Packed", "MesaTracingError", "QuantOptions", "decompress", "MesaLayer", "LAYERS",
     "Linear", "LinearOf", "GELU", "LayerNorm", "LayerNorm2d", "LayerNormAct2d", "LayerNormFp32",
     "LayerNorm2dFp32", "Softmax", "MatMul", "Conv2d", "ReLU",
-    "LeakyReLU", "PReLU", "ELU", "CELU", "SELU", "Mish", "HardMish", "LearnableAffineBlock",
+    "LeakyReLU", "PReLU", "ELU", "CELU", "SELU", "Mish", "HardMish",
     "BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "GroupNorm", "QuickGELU", "SiLU", "Hardswish", "Hardsigmoid",
     "Hardtanh", "ReLU6", "ChannelGate", "MaxPool2d", "GroupNormAct", "StdConv2d", "StdConv2dSame", "ScaledStdConv2d",
     "ScaledStdConv2dSame", "BlurPool2d", "Clamp",

@@ -50,7 +50,6 @@ from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
 from timm.models.ghostnet import ConvBnAct as GhostConvBnAct
 from timm.models.swiftformer import LayerScale2d as SwiftFormerLayerScale2d
 from timm.models.mlp_mixer import Affine as ResMlpAffine
-from timm.models.hgnet import LearnableAffineBlock as HgnetLearnableAffine
 from timm.layers import Linear as TimmLinear
 from timm.models.mvitv2 import MultiScaleAttention as MvitAttention
 from timm.models.vision_transformer_sam import Attention as SamAttention
@@ -166,7 +165,6 @@ def _leaf_rules():
         FastVitLayerScale2d: ("layerscale", mnn.LayerScale2d),
         SwiftFormerLayerScale2d: ("layerscale", mnn.LayerScale2d),
         ResMlpAffine: ("layerscale", mnn.Affine),
-        HgnetLearnableAffine: ("layerscale", mnn.LearnableAffineBlock),  # (HGNetV2's scale * x + bias)
         TimmMetaFormerScale: ("layerscale", mnn.Scale),
         TimmGRN: ("grn", mnn.GlobalResponseNorm),
         nn.GroupNorm: ("groupnorm", mnn.GroupNorm),
@@ -210,7 +208,6 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.RmsNorm, "rmsnorm"),
                     (mnn.GatedActivation, "glu"), (mnn.ChannelGate, "se"),  # (a ChannelScale: first)
                     (mnn.LayerScale, "layerscale"), (mnn.LayerScale2d, "layerscale"), (mnn.Affine, "layerscale"),
-                    (mnn.LearnableAffineBlock, "layerscale"),
                     (mnn.ChannelScale, "layerscale"), (mnn.Scale, "layerscale"), (mnn.Normalize, "normalize"),
                     (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"),
                     (mnn.MaxPool2d, "maxpool"), (mnn.Amax, "maxpool"),
