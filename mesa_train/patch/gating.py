@@ -14,6 +14,10 @@ both operands in full precision; ``tests/test_gating_swaps.py`` pins them to tim
   operands).
 * CoaT's ``ConvRelPosEnc``: ``q_img * conv_v_img`` (``mesa_gate``, a plain product, per-head
   groups; ``q_img`` is a slice of ``q``, so stock kept all of ``q``).
+* GhostNetV2's ``GhostModuleV2`` and GhostNetV3's ``GhostModuleV3`` (its ``shortcut`` mode): the
+  ghost features times their upsampled DFC-attention gate,
+  ``out[:, :out_chs] * F.interpolate(self.gate_fn(res), ...)`` (``mesa_gate``, a plain product,
+  one group per channel; the slice keeps all of ``out`` alive in stock; session 78).
 * FocalNet's ``FocalModulation``: ``q * self.h(ctx_all)`` (``mesa_gate``) and each level's
   ``ctx * gates[:, l:l + 1]`` plus the global ``ctx_global * gates[:, focal_level:]``
   (``mesa_focal_gates``, one child per product: each keeps its own running estimates, the
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 from timm.layers import _assert
 from timm.models.coat import ConvRelPosEnc as _ConvRelPosEnc
 from timm.models.focalnet import FocalModulation as _FocalModulation
+from timm.models.ghostnet import GhostModuleV2 as _GhostModuleV2, GhostModuleV3 as _GhostModuleV3
 from timm.models.mambaout import GatedConvBlock as _GatedConvBlock
 from timm.models.mlp_mixer import SpatialGatingUnit as _SpatialGatingUnit
 from timm.models.starnet import Block as _StarBlock
@@ -181,11 +186,58 @@ def _modulation_children(module: nn.Module, device, options: dict) -> Dict[str, 
     return {GATING_CHILD: _product(device, options, module.dim), "mesa_focal_gates": levels}
 
 
+class MesaGhostModuleV2(_GhostModuleV2):
+    """GhostNetV2's ghost module with its DFC attention: the kept half of the ghost features
+    times the upsampled sigmoid gate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        res = self.short_conv(F.avg_pool2d(x, kernel_size=2, stride=2))
+        x1 = self.primary_conv(x)
+        x2 = self.cheap_operation(x1)
+        out = torch.cat([x1, x2], dim=1)
+        return self.mesa_gate(out[:, :self.out_chs, :, :], F.interpolate(
+            self.gate_fn(res), size=(out.shape[-2], out.shape[-1]), mode='nearest'))
+
+
+class MesaGhostModuleV3(_GhostModuleV3):
+    """GhostNetV3's ghost module: in its ``shortcut`` mode the same gate as V2's."""
+
+    def forward(self, x):
+        if self.infer_mode:
+            x1 = self.primary_conv(x)
+            x2 = self.cheap_operation(x1)
+        else:
+            x1 = 0
+            for primary_rpr_conv in self.primary_rpr_conv:
+                x1 += primary_rpr_conv(x)
+            x1 = self.primary_activation(x1)
+
+            x2 = self.cheap_rpr_scale(x1) + self.cheap_rpr_skip(x1)
+            for cheap_rpr_conv in self.cheap_rpr_conv:
+                x2 += cheap_rpr_conv(x1)
+            x2 = self.cheap_activation(x2)
+
+        out = torch.cat([x1,x2], dim=1)
+        if self.mode not in ['shortcut']:
+            return out
+        else:
+            res = self.short_conv(F.avg_pool2d(x, kernel_size=2, stride=2))
+            return self.mesa_gate(out[:,:self.out_chs,:,:], F.interpolate(
+                self.gate_fn(res), size=(out.shape[-2], out.shape[-1]), mode='nearest'))
+
+
+def _ghost_children(module: nn.Module, device, options: dict) -> Dict[str, nn.Module]:
+    # NCHW operands, the module's output channels: one group per channel
+    return {GATING_CHILD: _product(device, options, module.out_chs)}
+
+
 # stock class -> (op, Mesa class, children(module, device, options) -> {name: Mesa layer}):
 # swapped, the children added (patch/core.py, _swap_classes)
 GATING_CLASSES = {_SpatialGatingUnit: ("glu", MesaSpatialGatingUnit, _unit_children),
                   _GatedConvBlock: ("glu", MesaGatedConvBlock, _block_children),
                   _FocalModulation: ("glu", MesaFocalModulation, _modulation_children),
                   _StarBlock: ("glu", MesaStarBlock, _star_children),
-                  _ConvRelPosEnc: ("glu", MesaConvRelPosEnc, _crpe_children)}
+                  _ConvRelPosEnc: ("glu", MesaConvRelPosEnc, _crpe_children),
+                  _GhostModuleV2: ("glu", MesaGhostModuleV2, _ghost_children),
+                  _GhostModuleV3: ("glu", MesaGhostModuleV3, _ghost_children)}
 STOCK_GATING_CLASSES = {mesa: stock for stock, (_, mesa, _) in GATING_CLASSES.items()}
