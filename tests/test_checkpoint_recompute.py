@@ -17,6 +17,8 @@ import mesa_train
 from mesa_train.nn.quantizer import ActivationQuantizer
 from mesa_train.nn.recompute import recomputing
 
+from kernel_marks import DEVICES
+
 
 def test_the_recomputation_is_told_apart_on_this_torch():
     """Pins how torch marks a non-reentrant recomputation (its saved-tensor hooks): a torch that
@@ -113,18 +115,19 @@ def test_scratch_state_leaves_the_quantizer_alone():
     assert int(q.rng[1]) == int(before["rng"][1]) + 1
 
 
-def _mlp(**options):
+def _mlp(device="cpu", **options):
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).to(device)
     return mesa_train.patch_model(net, **options).train()
 
 
-def test_a_module_called_twice_in_a_segment_draws_each_calls_seed():
+@pytest.mark.parametrize("device", DEVICES)  # (on a GPU: the scratch state and kept counters on the device)
+def test_a_module_called_twice_in_a_segment_draws_each_calls_seed(device):
     """The recomputation used the counter one step back for every call, so both calls of a module
     used twice in a checkpointed segment drew the second call's seed (gradients off by 0.4%)."""
-    plain = _mlp(estimator="per_sample")
+    plain = _mlp(device, estimator="per_sample")
     ckpt = copy.deepcopy(plain)
-    x = torch.randn(8, 16)
+    x = torch.randn(8, 16, device=device)
     plain(plain(x)).square().sum().backward()
     checkpoint(lambda t: ckpt(ckpt(t)), x, use_reentrant=False).square().sum().backward()
     for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
@@ -134,7 +137,8 @@ def test_a_module_called_twice_in_a_segment_draws_each_calls_seed():
         assert torch.equal(_state(ckpt)[name], t), name
 
 
-def test_selective_checkpointing_replays_the_forward():
+@pytest.mark.parametrize("device", DEVICES)
+def test_selective_checkpointing_replays_the_forward(device):
     """torch's selective activation checkpointing (context_fn) replays the forward's ops exactly:
     the scratch copies made in the recomputation failed it ("aten.clone.default encountered
     during backward but not found in storage")."""
@@ -143,9 +147,9 @@ def test_selective_checkpointing_replays_the_forward():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     for policy in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE):
-        plain = _mlp()
+        plain = _mlp(device)
         ckpt = copy.deepcopy(plain)
-        x = torch.randn(8, 16)
+        x = torch.randn(8, 16, device=device)
         plain(x).square().sum().backward()
         context = functools.partial(create_selective_checkpoint_contexts, lambda *args, **kwargs: policy)
         checkpoint(ckpt, x, use_reentrant=False, context_fn=context).square().sum().backward()
