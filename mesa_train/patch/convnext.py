@@ -27,7 +27,8 @@ from torch import nn
 
 from .norm_share import NormSharingBlock, mlp_after_norm
 
-__all__ = ["MesaConvNeXtBlock", "MesaMetaNeXtBlock", "CONVNEXT_CLASSES", "STOCK_CONVNEXT_CLASSES", "SCALE_CHILD"]
+__all__ = ["MesaConvNeXtBlock", "MesaMetaNeXtBlock", "CONVNEXT_CLASSES", "SCALED_BLOCK_CLASSES",
+           "STOCK_SCALED_BLOCK_CLASSES", "SCALE_CHILD"]
 
 SCALE_CHILD = "mesa_scale_gamma"
 
@@ -78,5 +79,8 @@ class MesaMetaNeXtBlock(_MetaNeXtBlock):
         return x
 
 
-CONVNEXT_CLASSES = {_ConvNeXtBlock: MesaConvNeXtBlock, _MetaNeXtBlock: MesaMetaNeXtBlock}
-STOCK_CONVNEXT_CLASSES = {v: k for k, v in CONVNEXT_CLASSES.items()}
+# the blocks whose norm shares fc1's copy (patch/block.py: norm-sharing blocks), and all the
+# blocks with the inline layer-scale swap (core._patch_inline_scales)
+CONVNEXT_CLASSES = {_ConvNeXtBlock: MesaConvNeXtBlock}
+SCALED_BLOCK_CLASSES = {**CONVNEXT_CLASSES, _MetaNeXtBlock: MesaMetaNeXtBlock}
+STOCK_SCALED_BLOCK_CLASSES = {v: k for k, v in SCALED_BLOCK_CLASSES.items()}

@@ -76,7 +76,7 @@ from .generic_attention import (AMAX_CHILD, CORE_REPEATS_ATTR, EINSUM_CHILD, EIN
                                 install as install_generic, install_calls, install_cosine, install_linear,
                                 install_routed, install_scales)
 from .gamma_act import GAMMA_ACT_CHILD, MesaGammaAct, STOCK_GAMMA_ACT, gamma_act_layer
-from .convnext import CONVNEXT_CLASSES, SCALE_CHILD as CONVNEXT_SCALE_CHILD, STOCK_CONVNEXT_CLASSES
+from .convnext import SCALE_CHILD as CONVNEXT_SCALE_CHILD, SCALED_BLOCK_CLASSES, STOCK_SCALED_BLOCK_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
 from .block import BLOCK_CLASSES, NORM_LINEAR_COPIES, STOCK_BLOCK_CLASSES
@@ -1074,12 +1074,12 @@ def _patch_inline_scales(t: _Target) -> None:
                   if isinstance(m._parameters.get(p), nn.Parameter) and _per_channel_shape(m._parameters[p], m)]
         if params:
             install_scales(m, params, _module_device(m), t.options(None, mi.heads))
-        stock_cls = STOCK_CONVNEXT_CLASSES.get(type(m), type(m))
-        if stock_cls in CONVNEXT_CLASSES and m.gamma is not None and CONVNEXT_SCALE_CHILD not in m._modules:
+        stock_cls = STOCK_SCALED_BLOCK_CLASSES.get(type(m), type(m))
+        if stock_cls in SCALED_BLOCK_CLASSES and m.gamma is not None and CONVNEXT_SCALE_CHILD not in m._modules:
             m.add_module(CONVNEXT_SCALE_CHILD, mnn.ChannelScale(device=_module_device(m),
                                                                   **t.options(None, mi.heads)))
             if type(m) is stock_cls:  # not swapped by step 1c': its norm keeps its own copy
-                m.__class__ = CONVNEXT_CLASSES[stock_cls]
+                m.__class__ = SCALED_BLOCK_CLASSES[stock_cls]
                 m.mesa_norm_shared = False
 
 
@@ -1156,7 +1156,7 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]],
     routed through the converted child instead (and added to ``generic``). ``scanned`` gets
     the functional ops each selected module still computes (none for a handled one)."""
     handled = (tuple(ATTENTION_CLASSES) + tuple(STOCK_ATTENTION_CLASSES) + tuple(t.rules)
-               + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + tuple(STOCK_CONVNEXT_CLASSES)
+               + tuple(STOCK_MLP_CLASSES) + tuple(STOCK_SHARED_MLP_CLASSES) + tuple(STOCK_SCALED_BLOCK_CLASSES)
                + tuple(NORM_ONLY_MLP_CLASSES.values())
                + tuple(GEMMA4_CLASSES) + tuple(STOCK_GEMMA4_CLASSES)
                + tuple(STOCK_BLOCK_CLASSES)
