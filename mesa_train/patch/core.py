@@ -311,19 +311,32 @@ def _options_for(module, heads, quant_options) -> dict:
     return opts
 
 
+def _earlier_siblings(parents: Dict[int, List[Tuple[nn.Module, str]]], m: nn.Module):
+    """For each parent that holds ``m``: its children registered before ``m``, in order."""
+    for parent, key in parents.get(id(m), []):
+        before = []
+        for k, c in parent._modules.items():
+            if k == key:
+                break
+            before.append(c)
+        yield before
+
+
+def _output_width(c: nn.Module, norms: bool = False) -> Optional[int]:
+    """A Linear's or conv's output width (a norm's features too, with ``norms``), else None."""
+    width = (getattr(c, "out_features", None) or getattr(c, "out_channels", None)
+             or (getattr(c, "num_features", None) if norms else None))
+    return width if isinstance(width, int) else None
+
+
 def _preceding_width(parents: Dict[int, List[Tuple[nn.Module, str]]], m: nn.Module) -> Optional[int]:
     """The output width of the layer just before ``m`` among its parent's children (timm's
     ``Mlp``: ``fc1`` -> ``act``; MetaFormer's ``SepConv``: ``pwconv1`` -> ``act1``): one
     quantization group per channel for an activation that cannot know its width. A wrong
     guess only changes the grouping (any count works on any width)."""
-    for parent, key in parents.get(id(m), []):
-        prev = None
-        for k, c in parent._modules.items():
-            if k == key:
-                break
-            prev = c
-        width = getattr(prev, "out_features", None) or getattr(prev, "out_channels", None)
-        if isinstance(width, int):
+    for before in _earlier_siblings(parents, m):
+        width = _output_width(before[-1]) if before else None
+        if width is not None:
             return width
     return None
 
@@ -332,14 +345,8 @@ def _input_width(parents: Dict[int, List[Tuple[nn.Module, str]]], m: nn.Module) 
     """The channel count of ``m``'s input where ``m`` does not record it (ECA): the width of the
     last earlier sibling that has one (a conv's or Linear's output, a norm's features; timm's
     ResNet blocks: ``bn2`` / ``bn3`` before ``se``). A wrong guess only changes the grouping."""
-    for parent, key in parents.get(id(m), []):
-        width = None
-        for k, c in parent._modules.items():
-            if k == key:
-                break
-            found = (getattr(c, "out_channels", None) or getattr(c, "out_features", None)
-                     or getattr(c, "num_features", None))
-            width = found if isinstance(found, int) else width
+    for before in _earlier_siblings(parents, m):
+        width = next((w for w in (_output_width(c, norms=True) for c in reversed(before)) if w is not None), None)
         if width is not None:
             return width
     return None
