@@ -198,7 +198,7 @@ def attention_dropout_modules(model: nn.Module) -> list[str]:
 def _refuse_checkpointed_mesa_blocks(model: nn.Module) -> None:
     """A block compiled on its own inside timm's (eager) activation checkpointing runs its whole
     compiled graph again in the recomputation, and that graph writes the Mesa quantizers' state:
-    every step would update the estimates and rounding counters twice (``nn/recompute.py``
+    every step would update the estimates and rounding counters twice (``nn/checkpoint_phase.py``
     tells an eager recomputation apart; a compiled graph cannot ask). Compiled as one model, the
     graph recomputes what it saves and updates the state once."""
     modules = list(unwrap_model(model).modules())

@@ -1,6 +1,6 @@
 """Activation checkpointing (timm's ``set_grad_checkpointing``, ``torch.utils.checkpoint``):
 a checkpointed step updates every quantizer's state once, as the same step without
-checkpointing does (``mesa_train/nn/recompute.py``).
+checkpointing does (``mesa_train/nn/checkpoint_phase.py``).
 
 Before, a non-reentrant checkpoint's recomputation in backward compressed again with the
 quantizers' own state: the running estimates took each batch twice (decay 0.81 where 0.9 was
@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import mesa_train
 from mesa_train.nn.quantizer import ActivationQuantizer
-from mesa_train.nn.recompute import recomputing
+from mesa_train.nn.checkpoint_phase import recomputing
 
 from kernel_marks import DEVICES
 

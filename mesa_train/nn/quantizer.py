@@ -34,7 +34,7 @@ from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 from mesa_train.quant import reference
 from mesa_train.quant.reference import affine_cols, multiply_rows, scale_rows, unscale_rows
-from mesa_train.nn.recompute import FORWARD, checkpoint_phase
+from mesa_train.nn.checkpoint_phase import FORWARD, checkpoint_phase
 
 __all__ = ["QuantOptions", "ActivationQuantizer", "Packed", "decompress", "assign_rng_keys", "STATE_BUFFERS",
            "LEARNED_BUFFERS", "convert_format", "mark_estimates_ready", "BITS", "SCALES", "LAYOUTS", "ESTIMATORS",
@@ -570,7 +570,7 @@ class ActivationQuantizer(nn.Module):
 
     def _state(self, x: torch.Tensor) -> dict:
         """The buffers this call's ops read and update in place: the module's own (on ``x``'s
-        device), or in a non-reentrant checkpoint's recomputation (``nn/recompute.py``) scratch
+        device), or in a non-reentrant checkpoint's recomputation (``nn/checkpoint_phase.py``) scratch
         copies, so the state is updated once a step, as without checkpointing. The scratch
         counter is the one the matching call of the checkpoint's first pass found (kept in
         order, a few per quantizer), so a recomputed call draws its forward's seed, also for a
