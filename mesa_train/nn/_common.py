@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .quantizer import REUSE_FLAG, REUSE_KEY, ActivationQuantizer, Packed, QuantOptions
+from .quantizer import REUSE_FLAG, REUSE_KEY, ActivationQuantizer, Packed, QuantOptions, decompress
 from .tracing import refuse_fx_proxy, refuse_script
 
 __all__ = ["MesaLayer", "save", "load", "no_autocast", "group_dim_4d", "grad_to", "is_channels_last", "nhwc_view",
@@ -129,6 +129,12 @@ def save_elementwise_input(ctx, x: torch.Tensor, y: torch.Tensor, quantizer, *ex
     xv, dim, ctx.nhwc = nhwc_view(x, group_dim_4d(x), quantizer.options.channel_layout)
     ctx.cdt, ctx.x_dtype = y.dtype, x.dtype
     save(ctx, [quantizer.compress(xv, dim)], *extra)
+
+
+def kept_input(ctx, packed: Packed) -> torch.Tensor:
+    """What :func:`save_elementwise_input` compressed, dequantized in ``ctx.cdt`` and in the
+    input's layout (NCHW order, a channels-last view where it was channels last)."""
+    return from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
 
 
 def to_nhwc(g: torch.Tensor, permuted: bool) -> torch.Tensor:

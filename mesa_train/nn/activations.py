@@ -15,7 +15,7 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import MesaLayer, from_nhwc, group_dim_4d, load, no_autocast, save, save_elementwise_input
+from ._common import MesaLayer, group_dim_4d, kept_input, load, no_autocast, save, save_elementwise_input
 from .quantizer import decompress
 from .relu import pack_bits, unpack_bits
 
@@ -65,7 +65,7 @@ class _ElementwiseFn(torch.autograd.Function):
     def backward(ctx, g):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
-            xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+            xh = kept_input(ctx, packed)
             g = g.to(ctx.cdt)
             if ctx.kind == "quick_gelu":
                 gx = g * _quick_gelu_grad(xh)
@@ -148,7 +148,7 @@ class _HardswishFn(torch.autograd.Function):
     def backward(ctx, g):
         (packed,), (below, above) = load(ctx)
         with no_autocast(g.device.type):
-            xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+            xh = kept_input(ctx, packed)
             g = g.to(ctx.cdt)
             xf = xh.to(torch.promote_types(xh.dtype, torch.float32))  # hardswish_backward's opmath
             slope = (xf / 3 + 0.5).clamp(-0.5, 1.5)  # a rounded x may leave [-3, 3]: the end's slope

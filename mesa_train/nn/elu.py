@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .activations import _InplaceActivation
-from ._common import from_nhwc, load, no_autocast, save_elementwise_input
-from .quantizer import decompress
+from ._common import kept_input, load, no_autocast, save_elementwise_input
 from .relu import pack_bits, unpack_bits
 
 __all__ = ["ELU", "CELU", "SELU"]
@@ -51,7 +50,7 @@ class _EluFn(torch.autograd.Function):
         (packed,), (positive,) = load(ctx)
         alpha, scale, input_scale = ctx.coefs
         with no_autocast(g.device.type):
-            xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+            xh = kept_input(ctx, packed)
             positive = unpack_bits(positive, ctx.shape, ctx.cl)
             # the side from the mask: 1 on the positive side, the input clamped to <= 0 elsewhere
             side = torch.where(positive, 1.0, xh.clamp(max=0)).to(ctx.cdt)

@@ -11,9 +11,8 @@ from torch import nn
 import mesa_train.quant  # noqa: F401  (registers torch.ops.mesa.gelu_backward)
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 
-from ._common import (MesaLayer, from_nhwc, load, no_autocast, rebuild_parameter_free, save_elementwise_input,
-                      to_nhwc)
-from .quantizer import decompress
+from ._common import (MesaLayer, from_nhwc, kept_input, load, no_autocast, rebuild_parameter_free,
+                      save_elementwise_input, to_nhwc)
 
 __all__ = ["GELU"]
 
@@ -41,7 +40,7 @@ class _GeluFn(torch.autograd.Function):
                 gx = from_nhwc(_GELU_BACKWARD(gv, packed.q, packed.alpha, packed.beta, packed.dim,
                                               packed.num_groups), ctx.nhwc)
             else:
-                xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+                xh = kept_input(ctx, packed)
                 gx = torch.ops.aten.gelu_backward.default(g.to(ctx.cdt), xh, approximate=ctx.approximate)
         return gx.to(ctx.x_dtype), None, None
 

@@ -23,8 +23,7 @@ from torch.autograd.function import once_differentiable
 from torch import nn
 
 from .activations import _InplaceActivation
-from ._common import from_nhwc, load, no_autocast, save_elementwise_input
-from .quantizer import decompress
+from ._common import kept_input, load, no_autocast, save_elementwise_input
 from .relu import pack_bits, unpack_bits
 
 __all__ = ["HardMish", "hard_mish", "timm_hard_mish_types"]
@@ -72,7 +71,7 @@ class _HardMishFn(torch.autograd.Function):
     def backward(ctx, g):
         (packed,), (below,) = load(ctx)
         with no_autocast(g.device.type):
-            xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+            xh = kept_input(ctx, packed)
             xf = xh.to(torch.promote_types(xh.dtype, torch.float32))  # (one rounding at the end for half types)
             slope = (xf + 1).clamp(-1, 1)  # a rounded x may leave [-2, 0]: the end's slope
             gx = (g.to(xf.dtype) * slope).to(ctx.cdt)

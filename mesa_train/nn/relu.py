@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import quantizer as quantizer_mod
-from ._common import (MesaLayer, check_stock, copy_estimates, from_nhwc, inherit_options, is_channels_last, load,
+from ._common import (MesaLayer, check_stock, copy_estimates, inherit_options, is_channels_last, kept_input, load,
                       no_autocast, save, save_elementwise_input)
-from .quantizer import decompress
 
 __all__ = ["ReLU", "LeakyReLU", "PReLU", "pack_bits", "unpack_bits", "keep_mask", "kept_mask"]
 
@@ -207,7 +206,7 @@ class _PReLUFn(torch.autograd.Function):
             gx = torch.where(positive, g, g * w)
             gw = None
             if ctx.needs_input_grad[1]:
-                xh = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+                xh = kept_input(ctx, packed)
                 part = g.float() * torch.where(positive, 0.0, xh.clamp(max=0).float())
                 dims = [d for d in range(g.dim()) if not (weight.numel() > 1 and d == 1)]
                 gw = part.sum(dim=dims).reshape(weight.shape).to(weight.dtype)

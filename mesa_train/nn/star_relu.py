@@ -23,9 +23,8 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import (MesaLayer, check_stock, copy_estimates, from_nhwc, group_dim_4d, inherit_options, load,
+from ._common import (MesaLayer, check_stock, copy_estimates, group_dim_4d, inherit_options, kept_input, load,
                       nhwc_view, no_autocast, save)
-from .quantizer import decompress
 
 __all__ = ["StarReLU"]
 
@@ -54,7 +53,7 @@ class _StarReLUFn(torch.autograd.Function):
         with no_autocast(g.device.type):
             g = g.to(ctx.cdt)
             if packed is not None:
-                r = from_nhwc(decompress(packed, ctx.cdt), ctx.nhwc)
+                r = kept_input(ctx, packed)
                 if ctx.needs_input_grad[0]:
                     gx = (g * scale.to(ctx.cdt) * 2 * r).to(ctx.x_dtype)
                 if ctx.needs_input_grad[1]:
