@@ -833,11 +833,14 @@ at::Tensor matmul_train(const at::Tensor& a, const at::Tensor& b, at::TensorList
 // input. scale_link: a scale branch's 1x1 depthwise conv whose BatchNorm runs its C++ op too
 // (scale_link.h): the weight gradient from that BatchNorm's backward where it hands one over.
 // A 3-d weight is the Mesa Conv1d (mesa::conv1d_train; the Python Function is the same one).
+// shared: the codes another Mesa conv made of this very input (conv.py, input_copy.py: parallel
+// branches on one tensor keep one copy), saved here instead of compressing again; otherwise the
+// codes made here are returned beside y, for the next branch (empty where none were made).
 struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,
-                            std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups, Quantizer qz,
-                            bool scale_link) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,
+                               std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+                               Quantizer qz, bool scale_link, std::optional<Codes> shared) {
     const int64_t spatial = weight.dim() - 2;  // 2: Conv2d, 1: Conv1d
     // exactly nn.Conv2d.forward / nn.Conv1d.forward
     at::Tensor y = spatial == 1 ? at::conv1d(x, weight, bias, stride, padding, dilation, groups)
@@ -847,10 +850,13 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     // a channels-last input kept in its own layout: backward hands convolution_backward a
     // channels-last input, so the input gradient is stock's, layout and bits
     const NhwcView v = nhwc_view(x, x.dim() - spatial - 1);
-    if (weight.requires_grad()) {
+    const bool made_here = weight.requires_grad() && !shared.has_value();
+    if (made_here) {
       std::tie(q, alpha, beta, G) = compress(v.x, v.dim, qz);
-      save_code_format(ctx, qz, v.x.sizes());
+    } else if (weight.requires_grad()) {  // (the producer's options are this quantizer's: same format)
+      q = shared->q, alpha = shared->alpha, beta = shared->beta, G = capped_groups(qz, v.x.size(v.dim));
     }
+    if (weight.requires_grad()) save_code_format(ctx, qz, v.x.sizes());
     ctx->save_for_backward({q, alpha, beta, weight});
     ctx->saved_data["channels_last"] = is_channels_last(x);
     ctx->saved_data["dim"] = v.dim;
@@ -867,7 +873,13 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     ctx->saved_data["b_dtype"] = bias.has_value() ? bias->scalar_type() : y.scalar_type();
     // a scale branch's hand-over (scale_link.h): its BatchNorm finds it through y's grad_fn
     if (scale_link) ctx->saved_data["scale_link"] = scale_link_capsule(c10::make_intrusive<ScaleLinkState>());
-    return y;
+    if (!made_here) {  // (an autograd node's outputs must be defined: empty ones say "none made here")
+      const auto none = [&] { return at::empty({0}, x.options().dtype(at::kByte)); };
+      q = none(), alpha = none(), beta = none();
+    }
+    ctx->mark_non_differentiable({q, alpha, beta});
+    ctx->set_materialize_grads(false);  // no zero-filled gradients for the codes
+    return {y, q, alpha, beta};
   }
 
   // The linked BatchNorm's coef where it applies (conv._Conv2dFn.backward): the state holds
@@ -897,6 +909,8 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     const bool need_b = has_b && ctx->needs_input_grad(2);
     const at::Tensor coef = linked_coef(ctx, grads[0], need_w);
+    const size_t num_inputs = 10;  // x, weight, bias, stride, padding, dilation, groups, qz, scale_link, shared
+    if (!grads[0].defined()) return variable_list(num_inputs);  // (materialize off: y took no gradient)
     at::Tensor g = grads[0].to(cdt), w = saved[3].to(cdt), xh;
     const bool channels_last = ctx->saved_data["channels_last"].toBool();
     if (saved[0].defined()) {
@@ -927,30 +941,45 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     at::Tensor rx = need_x && gx.defined() ? gx.to(ctx->saved_data["x_dtype"].toScalarType()) : at::Tensor();
     at::Tensor rw = need_w && gw.defined() ? gw.to(ctx->saved_data["w_dtype"].toScalarType()) : at::Tensor();
     at::Tensor rb = need_b && gb.defined() ? gb.to(ctx->saved_data["b_dtype"].toScalarType()) : at::Tensor();
-    return {rx, rw, rb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    variable_list out(num_inputs);
+    out[0] = rx, out[1] = rw, out[2] = rb;
+    return out;
   }
 };
 
-at::Tensor conv2d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+// A conv's shared copy passed as [q, alpha, beta] (empty: none)
+std::optional<Codes> shared_input(at::TensorList t, const char* op) {
+  if (t.empty()) return std::nullopt;
+  TORCH_CHECK_VALUE(t.size() == 3, op, ": a shared copy is [q, alpha, beta], got ", t.size(), " tensors");
+  return Codes{t[0], t[1], t[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> as_tuple4(const variable_list& v) {
+  return {v[0], v[1], v[2], v[3]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv2d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                         at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
                         int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
-                        bool scale_link) {
+                        bool scale_link, at::TensorList shared_x) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::conv2d_train");
-  return Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups, qz,
-                            scale_link);
+  return as_tuple4(Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups,
+                                      qz, scale_link, shared_input(shared_x, "mesa::conv2d_train")));
 }
 
-at::Tensor conv1d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv1d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                         at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
-                        int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic) {
+                        int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
+                        at::TensorList shared_x) {
   TORCH_CHECK_VALUE(weight.dim() == 3, "mesa: conv1d_train: weight must be (out, in / groups, k), got ", weight.dim(),
                     " dims");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::conv1d_train");
-  return Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups, qz, false);
+  return as_tuple4(Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups,
+                                      qz, false, shared_input(shared_x, "mesa::conv1d_train")));
 }
 
 }  // namespace
@@ -1002,11 +1031,13 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
   m.def(
       "conv2d_train(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
-      "float decay, int estimator, bool symmetric, bool stochastic, bool scale_link=False) -> Tensor");
+      "float decay, int estimator, bool symmetric, bool stochastic, bool scale_link, Tensor[] shared_x) "
+      "-> (Tensor y, Tensor q, Tensor alpha, Tensor beta)");
   m.def(
       "conv1d_train(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups, "
       "Tensor(a!) alpha_est, Tensor(b!) beta_est, Tensor(c!) initialized, Tensor(d!) rng, int num_groups, "
-      "float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
+      "float decay, int estimator, bool symmetric, bool stochastic, Tensor[] shared_x) "
+      "-> (Tensor y, Tensor q, Tensor alpha, Tensor beta)");
   // estimator: 0 running, 1 per_sample, 2 delayed; max_k > 0: power-of-two row scales over the
   // last row_dims dims (mesa::row_exponents), returned as the fourth output (else empty)
   m.def(

@@ -5,7 +5,9 @@ layer runs as one op with a C++ autograd node, ``mesa::conv2d_train`` / ``conv1d
 (csrc/layers_autograd.cpp: bitwise ``_Conv2dFn``, tests/test_layers_autograd.py), a scale-branch
 link included where its BatchNorm takes its C++ op too (csrc/scale_link.h); under
 ``torch.compile``, for patch4x4 and learned thresholds, an even 'same' and the other padding
-modes, ``_Conv2dFn`` runs."""
+modes, ``_Conv2dFn`` runs. In eager training, parallel convs handed the same tensor (RepVGG's,
+MobileOne's and Inception's branches, a ResNet block's ``conv1`` and ``downsample``) keep one copy
+of it between them (``input_copy.py``)."""
 from __future__ import annotations
 
 import weakref
@@ -18,6 +20,7 @@ from torch import nn
 from ._common import (MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, is_channels_last, load,
                       nhwc_view, no_autocast, save)
 
+from . import input_copy
 from .quantizer import decompress
 
 __all__ = ["Conv1d", "Conv2d", "ScaleLink", "conv_backward", "conv_forward", "is_scale_conv", "scale_branch_compiled"]
@@ -70,13 +73,22 @@ def is_scale_conv(m: nn.Module) -> bool:
 
 def conv_forward(x, weight, bias, module, quantizer, weight_grad: bool):
     """The Mesa convs' training forward: ``(y, packed input or None, its layout meta)``; the input
-    is compressed only when the weight gradient needs it (``weight_grad``)."""
+    is compressed only when the weight gradient needs it (``weight_grad``), and only once for
+    the parallel convs given the same tensor (``input_copy.py``)."""
     y = module._conv_forward(x, weight, bias)  # exactly nn.Conv2d.forward
     # a channels-last input is kept in its own layout: backward hands convolution_backward
     # a channels-last input, so the input gradient is stock's, layout and bits
     spatial = len(module.kernel_size)  # 2 for Conv2d, 1 for Conv1d
     xv, dim, nhwc_codes = nhwc_view(x, x.dim() - spatial - 1, quantizer.options.channel_layout)
-    packed = quantizer.compress(xv, dim) if weight_grad else None
+    packed = None
+    if weight_grad:
+        # (learned thresholds learn from their own codes: those convs keep their own)
+        signature = ("function", spatial, quantizer.options) if quantizer.options.estimator != "learned" else None
+        packed = input_copy.take(x, signature) if signature is not None else None
+        if packed is None:
+            packed = quantizer.compress(xv, dim)
+            if signature is not None:
+                input_copy.offer(x, signature, packed)
     return y, packed, (is_channels_last(x), nhwc_codes, x.shape)
 
 
@@ -203,9 +215,21 @@ class _MesaConv(MesaLayer):
         # other padding modes) the Python Function
         fused = self.quantizer.fused_layer_args(input) if padding is not None else None
         if fused is not None:
-            return getattr(torch.ops.mesa, self._train_op)(input, weight, self.bias, self.stride, padding,
-                                                           self.dilation, self.groups, *fused)
+            return self._conv_op(input, weight, padding, fused)
         return _Conv2dFn.apply(input, weight, self.bias, self, self.quantizer)
+
+    def _conv_op(self, input, weight, padding, fused, scale_link: bool = False) -> torch.Tensor:
+        """The C++ layer op; the input's codes are made once for the parallel convs given the
+        same tensor (``input_copy.py``): taken where another left them, else left for the next."""
+        signature = ("op", len(self.kernel_size), self.quantizer.options)
+        shared = input_copy.take(input, signature) if weight.requires_grad else None
+        link = (scale_link,) if self._train_op == "conv2d_train" else ()
+        y, q, alpha, beta = getattr(torch.ops.mesa, self._train_op)(
+            input, weight, self.bias, self.stride, padding, self.dilation, self.groups, *fused, *link,
+            () if shared is None else shared)
+        if q.numel():  # (made here: empty when shared or when the weight wants no gradient)
+            input_copy.offer(input, signature, (q, alpha, beta))
+        return y
 
 
 class Conv2d(_MesaConv, nn.Conv2d):
@@ -239,8 +263,7 @@ class Conv2d(_MesaConv, nn.Conv2d):
             # both on their C++ ops: the BatchNorm's node finds this conv's as its input's
             # grad_fn and hands the weight gradient over there (csrc/scale_link.h); a
             # BatchNorm on its Python Function could not, so then both run here in Python
-            return torch.ops.mesa.conv2d_train(input, self.weight, self.bias, self.stride, self.padding,
-                                               self.dilation, self.groups, *fused, True)
+            return self._conv_op(input, self.weight, list(self.padding), fused, scale_link=True)
         link = ScaleLink()
         y = _Conv2dFn.apply(input, self.weight, self.bias, self, self.quantizer, link)
         link.out = weakref.ref(y)

@@ -1,0 +1,249 @@
+"""Parallel Mesa convs given one tensor keep one compressed copy of it (``nn/input_copy.py``):
+RepVGG / MobileOne branches, Inception branch heads, ResNet ``conv1`` + ``downsample``.
+
+Each check fails on the code before: every conv kept its own 8-bit copy."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import mesa_train.nn as mnn
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn import input_copy, sharing
+from mesa_train.nn import quantizer as quantizer_mod
+from mesa_train.patch import patch_model
+from op_calls import assert_patched_model_takes_the_op
+
+PATHS = [pytest.param(True, id="cpp", marks=pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS,
+                                                                reason="needs the compiled extension")),
+         pytest.param(False, id="python")]
+
+
+class Branches(nn.Module):
+    """RepVGG's block: a 3x3 and a 1x1 conv on one input (and a third on it where ``three``),
+    optionally with an in-place change of the input between them."""
+
+    def __init__(self, c=8, three=False, modify_between=False):
+        super().__init__()
+        self.kxk = nn.Conv2d(c, c, 3, 1, 1)
+        self.one = nn.Conv2d(c, c, 1)
+        self.third = nn.Conv2d(c, c, 3, 1, 1, groups=c) if three else None
+        self.modify_between = modify_between
+
+    def forward(self, x):
+        x = x * 1.0  # (an intermediate, as a block input is: x must want a gradient)
+        y = self.kxk(x)
+        if self.modify_between:
+            x.mul_(2.0)
+        y = y + self.one(x)
+        if self.third is not None:
+            y = y + self.third(x)
+        return y
+
+
+def _saved(model, x):
+    with SavedTensorMeter() as meter:
+        model(x).sum().backward()
+    return meter
+
+
+def _cos(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+@pytest.mark.parametrize("fused", PATHS)
+def test_parallel_convs_keep_one_copy(monkeypatch, fused):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused and quantizer_mod._FUSED_LAYERS)
+    torch.manual_seed(0)
+    stock = Branches(three=True)
+    mesa = patch_model(copy.deepcopy(stock), ops=["conv"])
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)
+    shared = _saved(mesa, x)
+    with sharing.disabled():
+        apart = _saved(copy.deepcopy(mesa), x)
+    per_copy = x.numel()  # one byte per element
+    # three convs, one copy of x instead of three: two copies fewer (their statistics too)
+    assert apart.activation_bytes - shared.activation_bytes >= 2 * per_copy
+    assert shared.activation_bytes < 1.5 * per_copy
+    # the forward is stock's, bit for bit; each weight gradient is the 8-bit input's
+    torch.testing.assert_close(mesa(x), stock(x), rtol=0, atol=0)
+    stock(x).sum().backward()
+    for (name, p), q in zip(mesa.named_parameters(), stock.parameters()):
+        assert _cos(p.grad, q.grad) > 0.999, name
+
+
+def test_the_branches_read_the_same_codes(monkeypatch):
+    torch.manual_seed(0)
+    mesa = patch_model(Branches(three=True), ops=["conv"])
+    seen = []
+    real = input_copy.take
+
+    def spy(x, signature):
+        got = real(x, signature)
+        seen.append(got)
+        return got
+
+    monkeypatch.setattr(input_copy, "take", spy)
+    mesa(torch.randn(2, 8, 8, 8, requires_grad=True)).sum().backward()
+    assert seen[0] is None and seen[1] is not None and seen[2] is seen[1]
+
+
+def test_a_changed_input_is_compressed_again():
+    torch.manual_seed(0)
+    mesa = patch_model(Branches(modify_between=True), ops=["conv"])
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)
+    changed = _saved(mesa, x)
+    with sharing.disabled():
+        apart = _saved(copy.deepcopy(mesa), x)
+    assert changed.activation_bytes == apart.activation_bytes
+
+
+def test_convs_compressing_differently_keep_their_own():
+    torch.manual_seed(0)
+    model = Branches()
+    mesa = patch_model(copy.deepcopy(model), ops=["conv"])
+    mesa.one = mnn.Conv2d.from_module(model.one, bits=4)
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)
+    mixed = _saved(mesa, x)
+    with sharing.disabled():
+        apart = _saved(copy.deepcopy(mesa), x)
+    assert mixed.activation_bytes == apart.activation_bytes
+
+
+class Parallel(nn.Module):
+    """Two convs on the module's own input (no intermediate inside)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.a = nn.Conv2d(c, c, 3, 1, 1)
+        self.b = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+def test_a_leaf_hands_no_codes_on():
+    """A batch reused for several steps or given to two models: each conv compresses it, every
+    step (codes carried over would repeat one step's rounding noise; the quantizer would never
+    take a batch)."""
+    torch.manual_seed(0)
+    first = patch_model(Parallel(), ops=["conv"])
+    second = copy.deepcopy(first)
+    x = torch.randn(2, 8, 8, 8)
+    for model in (first, second):
+        model(x).sum().backward()
+        assert bool(model.a.quantizer.initialized) and bool(model.b.quantizer.initialized)
+    assert getattr(x, input_copy.ATTRIBUTE, None) is None
+    # the same input with gradients (an intermediate): shared
+    shared = patch_model(Parallel(), ops=["conv"])
+    shared(x.requires_grad_() * 1.0).sum().backward()
+    assert bool(shared.a.quantizer.initialized) != bool(shared.b.quantizer.initialized)
+
+
+def test_a_checkpoint_first_pass_leaves_nothing_on_its_input():
+    """The first pass drops its saved tensors; codes left on the segment's input would outlive
+    them. The recomputation shares (per-sample ranges: bitwise the unchecked run's gradients)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    mesa = patch_model(Parallel(), ops=["conv"], estimator="per_sample")
+    checked = copy.deepcopy(mesa)
+    leaf = torch.randn(2, 8, 8, 8, requires_grad=True)
+    torch.manual_seed(1)
+    mesa(leaf * 1.0).sum().backward()
+    x = leaf * 1.0
+    torch.manual_seed(1)
+    y = checkpoint(checked, x, use_reentrant=False)
+    assert getattr(x, input_copy.ATTRIBUTE, None) is None
+    y.sum().backward()
+    for (name, a), b in zip(mesa.named_parameters(), checked.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+
+
+def test_the_copy_dies_with_its_tensor():
+    torch.manual_seed(0)
+    conv = patch_model(Branches(), ops=["conv"]).kxk
+    x = torch.randn(2, 8, 8, 8, requires_grad=True) * 1.0
+    conv(x).sum().backward()
+    assert getattr(x, input_copy.ATTRIBUTE, None) is not None
+    with torch.no_grad():  # nothing compressed: nothing left
+        y = torch.randn(2, 8, 8, 8)
+        conv(y)
+    assert getattr(y, input_copy.ATTRIBUTE, None) is None
+
+
+def test_compiled_convs_keep_their_own_copies():
+    # under torch.compile nothing is left on tensors: the traced graph cannot carry it
+    torch.manual_seed(0)
+    mesa = patch_model(Branches(), ops=["conv"])
+    x = torch.randn(2, 8, 8, 8)
+    compiled = torch.compile(mesa, backend="eager", fullgraph=True)
+    compiled(x).sum().backward()
+    assert getattr(x, input_copy.ATTRIBUTE, None) is None
+    # a tensor an eager forward left codes on is not read either (tracing its version failed)
+    held = torch.randn(2, 8, 8, 8, requires_grad=True) * 1.0
+    mesa.kxk(held)
+    assert getattr(held, input_copy.ATTRIBUTE, None) is not None
+    torch.compile(mesa.one, backend="eager", fullgraph=True)(held).sum().backward()
+
+
+def test_op_path_is_the_python_path_with_shared_copies(monkeypatch):
+    if not quantizer_mod._FUSED_LAYERS:
+        pytest.skip("needs the compiled extension")
+    torch.manual_seed(0)
+    mesa = patch_model(Branches(three=True), ops=["conv"])
+    assert_patched_model_takes_the_op(monkeypatch, mesa, lambda step: torch.randn(2, 8, 8, 8, requires_grad=True),
+                                      "conv2d_train",
+                                      mnn.Conv2d)
+
+
+def test_checkpointed_branches_equal_the_unchecked_run():
+    """The recomputation shares as the forward did (a different count or shape of saved tensors
+    would fail torch's check). Per-sample ranges: the recomputed codes are the forward's bit for
+    bit (running estimates are read after the forward's update: close, tests/test_checkpoint_recompute.py)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    mesa = patch_model(Branches(three=True), ops=["conv"], estimator="per_sample")
+    checked = copy.deepcopy(mesa)
+    x = torch.randn(2, 8, 8, 8, requires_grad=True)
+    for step in range(2):
+        torch.manual_seed(step)
+        mesa(x).sum().backward()
+        torch.manual_seed(step)
+        checkpoint(checked, x, use_reentrant=False).sum().backward()
+    for (name, a), b in zip(mesa.named_parameters(), checked.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+    # the producer's state; the consumers' took the first pass's batch (it shares nothing: see
+    # test_a_checkpoint_first_pass_leaves_nothing_on_its_input), unused while they share
+    for (name, a), b in zip(mesa.kxk.named_buffers(), checked.kxk.buffers()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+# timm's models with parallel convs on one input: fp32 saved bytes over stock's, one train
+# forward (stock keeps each shared input once; Mesa kept one 8-bit copy per branch before)
+MODELS = {
+    # name: (create_model kwargs, image size, bound on Mesa / stock saved bytes)
+    "mobileone_s0": (dict(), 64, 0.40),
+    "repvgg_a0": (dict(), 64, 0.40),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_timm_branches_share_one_copy(name):
+    kwargs, size, bound = MODELS[name]
+    torch.manual_seed(0)
+    stock = timm.create_model(name, pretrained=False, num_classes=10, **kwargs).train()
+    mesa = patch_model(copy.deepcopy(stock), ops=["all"])
+    x = torch.randn(2, 3, size, size)
+    base = _saved(stock, x)
+    got = _saved(mesa, x)
+    with sharing.disabled():
+        apart = _saved(copy.deepcopy(mesa), x)
+    ratio, before = got.activation_bytes / base.activation_bytes, apart.activation_bytes / base.activation_bytes
+    assert ratio < bound < before, (ratio, before)
