@@ -286,28 +286,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_grads(AutogradContext* ctx
   return {gx, gw, gb};
 }
 
+// A parallel layer's codes of the same input (input_copy.py): [q, alpha, beta, k] (k empty
+// without row scales), or none
+struct SharedRows {
+  at::Tensor q, alpha, beta, k;
+};
+
+std::optional<SharedRows> shared_rows(at::TensorList t, const char* op) {
+  if (t.empty()) return std::nullopt;
+  TORCH_CHECK_VALUE(t.size() == 4, op, ": a shared copy is [q, alpha, beta, k], got ", t.size(), " tensors");
+  return SharedRows{t[0], t[1], t[2], t[3].numel() ? t[3] : at::Tensor()};
+}
+
+// An empty tensor: an autograd node's outputs must be defined, and empty codes say "none made here"
+at::Tensor no_codes(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kByte)); }
+
+// shared: the codes another Mesa Linear made of this very input (parallel projections of one
+// tensor keep one copy: nn/input_copy.py), saved here instead of compressing again; otherwise
+// the codes made here are returned beside the output for the next one (empty where none were made).
 struct LinearTrain : public torch::autograd::Function<LinearTrain> {
   // (bias optional, not an undefined Tensor: Function::apply tracks only present tensors)
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, Quantizer qz, bool row_scale) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, Quantizer qz, bool row_scale,
+                               std::optional<SharedRows> shared) {
     const at::Tensor xc = autocast_input(x);  // (under autocast: half the bytes to compress)
     at::Tensor out = at::linear(xc, weight, bias);
     at::Tensor q, alpha, beta, k;
     int64_t G = 0;
-    if (weight.requires_grad()) {  // the input copy serves the weight gradient only
+    const bool made_here = weight.requires_grad() && !shared.has_value();
+    if (made_here) {  // the input copy serves the weight gradient only
       std::tie(q, alpha, beta, G, k) = compress_rows(xc, out.scalar_type(), 1, row_scale, qz);
-      save_code_format(ctx, qz, xc.sizes());
+    } else if (weight.requires_grad()) {  // (the producer's options, dtypes and autocast are this call's)
+      q = shared->q, alpha = shared->alpha, beta = shared->beta, k = shared->k;
+      G = capped_groups(qz, xc.size(-1));
     }
+    if (weight.requires_grad()) save_code_format(ctx, qz, xc.sizes());
     ctx->save_for_backward({q, alpha, beta, x.requires_grad() ? weight : at::Tensor(), k});
     ctx->saved_data["dim"] = x.dim() - 1;
     ctx->saved_data["groups"] = G;
     ctx->saved_data["x_dtype"] = x.scalar_type();
     save_linear_dtypes(ctx, out, weight, bias);
-    return not_a_view(out);
+    if (!made_here) {
+      q = no_codes(x), alpha = no_codes(x), beta = no_codes(x), k = no_codes(x);
+    } else if (!k.defined()) {
+      k = no_codes(x);
+    }
+    ctx->mark_non_differentiable({q, alpha, beta, k});
+    ctx->set_materialize_grads(false);  // no zero-filled gradients for the codes
+    return {not_a_view(out), q, alpha, beta, k};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order("Linear");
+    if (!grads[0].defined()) return variable_list(6);  // (materialize off: the output took no gradient)
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     auto [gx, gw, gb] = linear_grads(
@@ -316,17 +347,19 @@ struct LinearTrain : public torch::autograd::Function<LinearTrain> {
           return decompress_saved(ctx, saved, ctx->saved_data["dim"].toInt(), ctx->saved_data["groups"].toInt(),
                                   ctx->saved_data["cdt"].toScalarType(), saved[4]);
         });
-    return {gx, gw, gb, at::Tensor(), at::Tensor()};
+    return {gx, gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor linear_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                        at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
-                        int64_t num_groups, double decay, int64_t estimator, bool symmetric, bool stochastic,
-                        bool row_scale) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_train(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, at::Tensor& alpha_est,
+    at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng, int64_t num_groups, double decay,
+    int64_t estimator, bool symmetric, bool stochastic, bool row_scale, at::TensorList shared_x) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::linear_train");
-  return LinearTrain::apply(x, weight, present(bias), qz, row_scale);
+  const variable_list r =
+      LinearTrain::apply(x, weight, present(bias), qz, row_scale, shared_rows(shared_x, "mesa::linear_train"));
+  return {r[0], r[1], r[2], r[3], r[4]};
 }
 
 // ----------------------------------------------------------------------------- GELU + fc2
@@ -873,10 +906,7 @@ struct Conv2dTrain : public torch::autograd::Function<Conv2dTrain> {
     ctx->saved_data["b_dtype"] = bias.has_value() ? bias->scalar_type() : y.scalar_type();
     // a scale branch's hand-over (scale_link.h): its BatchNorm finds it through y's grad_fn
     if (scale_link) ctx->saved_data["scale_link"] = scale_link_capsule(c10::make_intrusive<ScaleLinkState>());
-    if (!made_here) {  // (an autograd node's outputs must be defined: empty ones say "none made here")
-      const auto none = [&] { return at::empty({0}, x.options().dtype(at::kByte)); };
-      q = none(), alpha = none(), beta = none();
-    }
+    if (!made_here) q = no_codes(x), alpha = no_codes(x), beta = no_codes(x);
     ctx->mark_non_differentiable({q, alpha, beta});
     ctx->set_materialize_grads(false);  // no zero-filled gradients for the codes
     return {y, q, alpha, beta};
@@ -1005,7 +1035,8 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
   m.def(
       "linear_train(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
       "Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, "
-      "bool stochastic, bool row_scale) -> Tensor");
+      "bool stochastic, bool row_scale, Tensor[] shared_x) -> (Tensor y, Tensor q, Tensor alpha, Tensor beta, "
+      "Tensor k)");
   m.def(
       "gelu_linear_train(Tensor h, Tensor weight, Tensor? bias, Tensor(a!) alpha_est, Tensor(b!) beta_est, "
       "Tensor(c!) initialized, Tensor(d!) rng, int num_groups, float decay, int estimator, bool symmetric, "

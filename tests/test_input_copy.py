@@ -83,14 +83,20 @@ def test_the_branches_read_the_same_codes(monkeypatch):
     seen = []
     real = input_copy.take
 
-    def spy(x, signature):
-        got = real(x, signature)
+    def spy(x, signature, quantizer):
+        got = real(x, signature, quantizer)
         seen.append(got)
         return got
 
     monkeypatch.setattr(input_copy, "take", spy)
     mesa(torch.randn(2, 8, 8, 8, requires_grad=True)).sum().backward()
     assert seen[0] is None and seen[1] is not None and seen[2] is seen[1]
+    # describe says where the consumers' inputs are kept (not "uninitialized")
+    from mesa_train.patch import describe
+    rows = {line.split()[0]: line for line in describe(mesa).splitlines() if line.startswith(("kxk", "one", "third"))}
+    assert "initialized" in rows["kxk"] and "parallel layer's copy" not in rows["kxk"]
+    for name in ("one", "third"):
+        assert "input from a parallel layer's copy" in rows[name] and "uninitialized" not in rows[name], rows[name]
 
 
 def test_a_changed_input_is_compressed_again():
@@ -247,3 +253,60 @@ def test_timm_branches_share_one_copy(name):
         apart = _saved(copy.deepcopy(mesa), x)
     ratio, before = got.activation_bytes / base.activation_bytes, apart.activation_bytes / base.activation_bytes
     assert ratio < bound < before, (ratio, before)
+
+
+class SeparateQKV(nn.Module):
+    """HF-style attention: separate q / k / v projections of one normed input."""
+
+    def __init__(self, d=32, heads=2):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.heads = heads
+
+    def forward(self, x):
+        b, n, d = x.shape
+        y = self.norm(x)
+        q, k, v = (proj(y).view(b, n, self.heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        attn = (q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5).softmax(-1)
+        return x + self.o((attn @ v).transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize("fused", PATHS)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_separate_projections_keep_one_copy(monkeypatch, fused, autocast):
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused and quantizer_mod._FUSED_LAYERS)
+    torch.manual_seed(0)
+    stock = SeparateQKV()
+    mesa = patch_model(copy.deepcopy(stock), ops=["linear"])
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        shared = _saved(mesa, x)
+        with sharing.disabled():
+            apart = _saved(copy.deepcopy(mesa), x)
+        out, want = mesa(x), stock(x)
+    per_copy = x.numel() * (2 if autocast else 4) // 4  # one byte per element (the cast's, under autocast)
+    # q, k and v: one copy of the norm's output instead of three
+    assert apart.activation_bytes - shared.activation_bytes >= 2 * per_copy
+    torch.testing.assert_close(out, want, rtol=0, atol=0)  # stock's forward, bit for bit
+    assert sum(m.quantizer.initialized.item() for m in (mesa.q, mesa.k, mesa.v)) == 1
+
+
+def test_separate_projections_op_path_is_the_python_path(monkeypatch):
+    if not quantizer_mod._FUSED_LAYERS:
+        pytest.skip("needs the compiled extension")
+    torch.manual_seed(0)
+    mesa = patch_model(SeparateQKV(), ops=["linear"])
+    assert_patched_model_takes_the_op(monkeypatch, mesa, lambda step: torch.randn(2, 8, 32, requires_grad=True),
+                                      "linear_train", mnn.Linear)
+
+
+def test_projections_under_other_autocast_keep_their_own():
+    """A Linear under autocast compresses the cast input: one outside it does not share that copy."""
+    torch.manual_seed(0)
+    model = patch_model(SeparateQKV(), ops=["linear"])
+    y = torch.randn(2, 8, 32, requires_grad=True) * 1.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.q(y).float().sum().backward(retain_graph=True)
+    model.k(y).sum().backward()
+    assert model.q.quantizer.initialized.item() and model.k.quantizer.initialized.item()

@@ -84,7 +84,7 @@ def conv_forward(x, weight, bias, module, quantizer, weight_grad: bool):
     if weight_grad:
         # (learned thresholds learn from their own codes: those convs keep their own)
         signature = ("function", spatial, quantizer.options) if quantizer.options.estimator != "learned" else None
-        packed = input_copy.take(x, signature) if signature is not None else None
+        packed = input_copy.take(x, signature, quantizer) if signature is not None else None
         if packed is None:
             packed = quantizer.compress(xv, dim)
             if signature is not None:
@@ -222,7 +222,7 @@ class _MesaConv(MesaLayer):
         """The C++ layer op; the input's codes are made once for the parallel convs given the
         same tensor (``input_copy.py``): taken where another left them, else left for the next."""
         signature = ("op", len(self.kernel_size), self.quantizer.options)
-        shared = input_copy.take(input, signature) if weight.requires_grad else None
+        shared = input_copy.take(input, signature, self.quantizer) if weight.requires_grad else None
         link = (scale_link,) if self._train_op == "conv2d_train" else ()
         y, q, alpha, beta = getattr(torch.ops.mesa, self._train_op)(
             input, weight, self.bias, self.stride, padding, self.dilation, self.groups, *fused, *link,

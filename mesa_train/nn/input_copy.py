@@ -1,30 +1,33 @@
-"""One compressed copy of a tensor that several Mesa convs take as input (parallel branches).
+"""One compressed copy of a tensor that several Mesa convs, or several Mesa Linears, take as input.
 
 Stock autograd keeps one tensor however many layers save it: the branches of a RepVGG or
 MobileOne block (a k x k conv, a 1 x 1 conv, MobileOne's over-parameterised k x k copies), an
 Inception module's branch heads, a ResNet block's ``conv1`` and ``downsample`` all save the same
-``x``. Each Mesa conv compressing it alone kept one 8-bit copy per branch: ``mobileone_s0``
-kept six of each block input where stock keeps one fp32 tensor (0.53x of stock's bytes).
+``x``; so do separate q / k / v projections of one normed input (HF-style attention, EVA with
+``qkv_fused=False``, ``nn.MultiheadAttention``'s self-attention). Each Mesa layer compressing it
+alone kept one 8-bit copy per consumer: ``mobileone_s0`` kept six of each block input where
+stock keeps one fp32 tensor (0.53x of stock's bytes).
 
-Here the first Mesa conv that compresses ``x`` leaves its codes on the tensor object, and a
-later Mesa conv given the same object, unmodified since (``x._version``) and compressing it
-alike (the same :class:`~mesa_train.nn.quantizer.QuantOptions`, the same number of spatial
-dims, the same path: C++ op or Python Function), saves those codes instead of making its own.
-Any valid copy of ``x`` serves a conv's weight gradient; the branches' stochastic rounding is
+Here the first Mesa layer that compresses ``x`` leaves its codes on the tensor object, and a
+later one given the same object, unmodified since (``x._version``) and compressing it alike
+(its ``signature``: the same kind of layer and path, C++ op or Python Function, equal
+:class:`~mesa_train.nn.quantizer.QuantOptions`, and what else decides the codes: a conv's
+spatial dims, a Linear's weight dtype and autocast state), saves those codes instead of making
+its own. Any valid copy of ``x`` serves a weight gradient; the consumers' stochastic rounding is
 then shared (each gradient stays unbiased). The consumer's quantizer takes no batch into its
 estimates while it reads another's copy; its state is the producer's business.
 
 Why an attribute of the tensor and not a cache keyed by its memory (``sharing.py``): the
-branches are handed the very same Python object (``self.conv_kxk(x)``, ``self.conv_1x1(x)``),
-the lookup is one attribute read (a miss is the common case: most convs are the only consumer),
-and the codes live as long as ``x`` does, which stock's saved ``x`` does too.
+consumers are handed the very same Python object (``self.conv_kxk(x)``, ``self.conv_1x1(x)``),
+the lookup is one attribute read (a miss is the common case: most layers are the only
+consumer), and the codes live as long as ``x`` does, which stock's saved ``x`` does too.
 
 Only a tensor computed with gradients (not a leaf) takes codes: it is a new object every
 forward, so codes are never carried into the next step or into another model's forward. A
 leaf, as a batch of images reused for several steps or handed to two models, would hand the
 first step's codes on: the same rounding noise every step (no longer averaging out) and a
 quantizer that never takes a batch. Eager only: under ``torch.compile`` (``sharing.is_enabled``)
-each conv compresses its own copy, as before, and so within :func:`sharing.disabled`.
+each layer compresses its own copy, as before, and so within :func:`sharing.disabled`.
 """
 from __future__ import annotations
 
@@ -33,24 +36,27 @@ import torch
 from . import sharing
 from .checkpoint_phase import FORWARD, checkpoint_phase
 
-__all__ = ["take", "offer", "ATTRIBUTE"]
+__all__ = ["take", "offer", "ATTRIBUTE", "READ_ANOTHERS"]
 
 ATTRIBUTE = "_mesa_input_copy"
+# set on a quantizer whose layer saved another layer's codes (describe: not "uninitialized")
+READ_ANOTHERS = "reads_parallel_copy"
 
 
-def take(x: torch.Tensor, signature: tuple):
-    """The codes a conv compressing alike (``signature``) left on ``x``, if ``x`` is unchanged
-    since; else ``None``."""
+def take(x: torch.Tensor, signature: tuple, quantizer):
+    """The codes a layer compressing alike (``signature``) left on ``x``, if ``x`` is unchanged
+    since; else ``None``. ``quantizer``: the taking layer's, marked when it takes."""
     if not sharing.is_enabled():  # (first: under torch.compile nothing of x is read)
         return None
     entry = getattr(x, ATTRIBUTE, None)
     if entry is None or entry[0] != x._version or entry[1] != signature:
         return None
+    quantizer.__dict__[READ_ANOTHERS] = True  # (a plain attribute: nn.Module.__setattr__ is slow)
     return entry[2]
 
 
 def offer(x: torch.Tensor, signature: tuple, codes) -> None:
-    """Leave ``codes`` (made from ``x`` as it is now) on ``x`` for the next conv compressing
+    """Leave ``codes`` (made from ``x`` as it is now) on ``x`` for the next layer compressing
     alike: only on a tensor this forward computed (see the module doc), and not in an
     activation checkpoint's first pass (its saved tensors are dropped: codes left on the
     segment's input would outlive them)."""

@@ -1,5 +1,7 @@
 """Mesa ``Linear``: exact forward, saves the 8-bit input (plus the weight, a parameter) and one
-int8 power-of-two exponent per row (``rowscale.py``: rows far smaller than the rest)."""
+int8 power-of-two exponent per row (``rowscale.py``: rows far smaller than the rest). In eager
+training, parallel Linear layers handed the same tensor (separate q / k / v projections) keep one
+copy of it between them (``input_copy.py``)."""
 from __future__ import annotations
 
 import torch
@@ -7,11 +9,12 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import (MesaLayer, adopt_parameters, autocast_input, check_stock, inherit_options, load, no_autocast,
-                      save)
+from . import input_copy
+from ._common import (MesaLayer, adopt_parameters, autocast_input, autocast_state, check_stock, inherit_options, load,
+                      no_autocast, save)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
-__all__ = ["Linear", "linear_grads", "not_a_view", "save_linear_dtypes"]
+__all__ = ["Linear", "copy_signature", "linear_grads", "not_a_view", "save_linear_dtypes"]
 
 
 def not_a_view(out: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,13 @@ def linear_grads(ctx, g, weight, x_dtype, need_x, need_w, need_b, input_of):
     return gx, gw, gb
 
 
+def copy_signature(path: str, quantizer, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """What two Linear layers given the same ``x`` must agree on to keep one copy of it
+    (``input_copy.py``): the path, the options, and what decides the compressed tensor and its
+    row scales: autocast (its cast of ``x``) and the weight's dtype (the output's)."""
+    return (path, quantizer.options, weight.dtype, autocast_state(x.device.type))
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizer):
@@ -61,8 +71,17 @@ class _LinearFn(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         packed = k = None
         if need_w:
-            # rows far smaller than the others (DeiT3's class token) scaled by 2**k first
-            packed, k = compress_rows(quantizer, xc, 1, max_exponent(xc.dtype, out.dtype))
+            # (learned thresholds learn from their own codes: those layers keep their own)
+            signature = (copy_signature("function", quantizer, x, weight)
+                         if quantizer.options.estimator != "learned" else None)
+            shared = input_copy.take(x, signature, quantizer) if signature is not None else None
+            if shared is not None:
+                packed, k = shared
+            else:
+                # rows far smaller than the others (DeiT3's class token) scaled by 2**k first
+                packed, k = compress_rows(quantizer, xc, 1, max_exponent(xc.dtype, out.dtype))
+                if signature is not None:
+                    input_copy.offer(x, signature, (packed, k))
         ctx.x_dtype = x.dtype
         save_linear_dtypes(ctx, out, weight, bias)
         save(ctx, [packed], weight if need_x else None, k)
@@ -111,9 +130,18 @@ class Linear(MesaLayer, nn.Linear):
 
 def _compressed_linear(quantizer, input, weight, bias):
     fused = quantizer.fused_layer_args(input)
-    if fused is not None:  # eager, a channel format: the layer with a C++ autograd node
-        return torch.ops.mesa.linear_train(input, weight, bias, *fused, quantizer.options.row_scale)
-    return _LinearFn.apply(input, weight, bias, quantizer)
+    if fused is None:
+        return _LinearFn.apply(input, weight, bias, quantizer)
+    # eager, a channel format: the layer with a C++ autograd node; the input's codes are made
+    # once for the parallel layers given the same tensor (input_copy.py: separate q / k / v
+    # projections of one normed input), taken where another left them, else left for the next
+    signature = copy_signature("op", quantizer, input, weight) if weight.requires_grad else None
+    shared = input_copy.take(input, signature, quantizer) if signature is not None else None
+    out, q, alpha, beta, k = torch.ops.mesa.linear_train(input, weight, bias, *fused, quantizer.options.row_scale,
+                                                         () if shared is None else shared)
+    if q.numel():  # (made here: empty when shared or when the weight wants no gradient)
+        input_copy.offer(input, signature, (q, alpha, beta, k))
+    return out
 
 
 class LinearOf(MesaLayer, nn.Module):

@@ -5,7 +5,7 @@ from typing import List, Optional, Tuple
 
 from torch import nn
 
-from mesa_train.nn import Einsum, MatMul
+from mesa_train.nn import Einsum, MatMul, input_copy
 
 from .attention import STOCK_ATTENTION_CLASSES
 from .block import norm_fed_ids
@@ -64,6 +64,10 @@ def _state(layer, producer: Optional[str] = None, shared_from: Optional[str] = N
     if shared_from:  # its own quantizer runs only where the MLP / block falls back
         parts.append(shared_from)
         qs = [q for q in qs if q.initialized]
+    borrowed = [q for q in qs if not q.initialized and q.__dict__.get(input_copy.READ_ANOTHERS)]
+    if borrowed:  # it saved the codes a parallel layer made of the same input (nn/input_copy.py)
+        parts.append("input from a parallel layer's copy")
+        qs = [q for q in qs if q not in borrowed]
     if qs:
         n_init = sum(bool(q.initialized) for q in qs)
         parts.append("initialized" if n_init == len(qs) else f"uninitialized ({len(qs) - n_init}/{len(qs)})")
