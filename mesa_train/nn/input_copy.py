@@ -26,15 +26,22 @@ Only a tensor computed with gradients (not a leaf) takes codes: it is a new obje
 forward, so codes are never carried into the next step or into another model's forward. A
 leaf, as a batch of images reused for several steps or handed to two models, would hand the
 first step's codes on: the same rounding noise every step (no longer averaging out) and a
-quantizer that never takes a batch. Eager only: under ``torch.compile`` (``sharing.is_enabled``)
-each layer compresses its own copy, as before, and so within :func:`sharing.disabled`.
+quantizer that never takes a batch.
+
+Nothing is shared inside a non-reentrant activation checkpoint, in its first pass or in its
+recomputation: the two passes must make the same calls (selective checkpointing replays the
+first pass's cached ops in order, and a recomputation that took a copy where the first pass
+made one handed the next layer another tensor's codes), and codes left on the segment's input
+in the first pass would outlive the saved tensors the checkpoint drops. Eager only: under
+``torch.compile`` (``sharing.is_enabled``) each layer compresses its own copy, as before, and so
+within :func:`sharing.disabled`.
 """
 from __future__ import annotations
 
 import torch
 
 from . import sharing
-from .checkpoint_phase import FORWARD, checkpoint_phase
+from .checkpoint_phase import checkpoint_phase
 
 __all__ = ["take", "offer", "ATTRIBUTE", "READ_ANOTHERS"]
 
@@ -49,7 +56,7 @@ def take(x: torch.Tensor, signature: tuple, quantizer):
     if not sharing.is_enabled():  # (first: under torch.compile nothing of x is read)
         return None
     entry = getattr(x, ATTRIBUTE, None)
-    if entry is None or entry[0] != x._version or entry[1] != signature:
+    if entry is None or entry[0] != x._version or entry[1] != signature or checkpoint_phase():
         return None
     quantizer.__dict__[READ_ANOTHERS] = True  # (a plain attribute: nn.Module.__setattr__ is slow)
     return entry[2]
@@ -57,9 +64,8 @@ def take(x: torch.Tensor, signature: tuple, quantizer):
 
 def offer(x: torch.Tensor, signature: tuple, codes) -> None:
     """Leave ``codes`` (made from ``x`` as it is now) on ``x`` for the next layer compressing
-    alike: only on a tensor this forward computed (see the module doc), and not in an
-    activation checkpoint's first pass (its saved tensors are dropped: codes left on the
-    segment's input would outlive them)."""
-    if x.is_leaf or not sharing.is_enabled() or checkpoint_phase() == FORWARD:
+    alike: only on a tensor this forward computed (see the module doc), and not inside an
+    activation checkpoint (see the module doc)."""
+    if x.is_leaf or not sharing.is_enabled() or checkpoint_phase():
         return
     setattr(x, ATTRIBUTE, (x._version, signature, codes))
