@@ -151,6 +151,20 @@ def test_a_leaf_hands_no_codes_on():
     assert bool(shared.a.quantizer.initialized) != bool(shared.b.quantizer.initialized)
 
 
+def test_a_tensor_detached_in_place_hands_no_codes_on():
+    """Truncated backprop through time: the carried state is ``detach_()``-ed after the step (a
+    leaf now, the same version): the next step's convs compress it themselves."""
+    torch.manual_seed(0)
+    model = patch_model(Parallel(), ops=["conv"])
+    h = torch.randn(2, 8, 8, 8, requires_grad=True) * 1.0
+    model(h).sum().backward()
+    assert getattr(h, input_copy.ATTRIBUTE, None) is not None
+    h.detach_()
+    fresh = patch_model(Parallel(), ops=["conv"])
+    fresh(h).sum().backward()
+    assert bool(fresh.a.quantizer.initialized) and bool(fresh.b.quantizer.initialized)
+
+
 def test_the_copy_dies_with_its_tensor():
     torch.manual_seed(0)
     conv = patch_model(Branches(), ops=["conv"]).kxk

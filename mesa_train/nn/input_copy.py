@@ -20,7 +20,11 @@ estimates while it reads another's copy; its state is the producer's business.
 Why an attribute of the tensor and not a cache keyed by its memory (``sharing.py``): the
 consumers are handed the very same Python object (``self.conv_kxk(x)``, ``self.conv_1x1(x)``),
 the lookup is one attribute read (a miss is the common case: most layers are the only
-consumer), and the codes live as long as ``x`` does, which stock's saved ``x`` does too.
+consumer), and the codes live as long as ``x``'s Python object: in training an intermediate dies with
+its graph, as stock's saved ``x`` does, but one a caller keeps past backward (features held for
+the next step) keeps its 8-bit copy too. Changes autograd does not see (``x.data = ...``,
+``x.data.mul_(...)``) do not change ``x._version``: a later layer would save the codes of the
+old values, as such changes leave autograd's own saved tensors stale.
 
 Only a tensor computed with gradients (not a leaf) takes codes: it is a new object every
 forward, so codes are never carried into the next step or into another model's forward. A
@@ -56,7 +60,9 @@ def take(x: torch.Tensor, signature: tuple, quantizer):
     if not sharing.is_enabled():  # (first: under torch.compile nothing of x is read)
         return None
     entry = getattr(x, ATTRIBUTE, None)
-    if entry is None or entry[0] != x._version or entry[1] != signature or checkpoint_phase():
+    # (a leaf: detach_() makes one of a tensor with codes, as truncated backprop through time
+    # does with a carried state, without a new version: its codes are last step's)
+    if entry is None or entry[0] != x._version or entry[1] != signature or x.is_leaf or checkpoint_phase():
         return None
     quantizer.__dict__[READ_ANOTHERS] = True  # (a plain attribute: nn.Module.__setattr__ is slow)
     return entry[2]
