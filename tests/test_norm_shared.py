@@ -24,6 +24,7 @@ from timm.models.vision_transformer import Block
 
 import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn import input_copy
 from mesa_train.nn import layernorm_linear as ll_mod
 from mesa_train.patch import attention as attention_mod
 from mesa_train.patch import mlp as mlp_mod
@@ -351,7 +352,9 @@ def test_other_blocks_fc1_takes_the_mlp_norm_copy(family, monkeypatch):
         if mode == "shared":
             calls = _count_fused(monkeypatch)
         torch.manual_seed(3)
-        with SavedTensorMeter(model) as meter:
+        # (separate: each fc1 its own copy; SwiGLU's fc1_g and fc1_x, given one tensor, would
+        # otherwise keep one between them, nn/input_copy.py)
+        with SavedTensorMeter(model) as meter, input_copy.disabled():
             out = model(x)
             out.sum().backward()
         bytes_[mode] = meter.activation_bytes

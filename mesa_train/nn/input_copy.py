@@ -42,22 +42,43 @@ within :func:`sharing.disabled`.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from . import sharing
 from .checkpoint_phase import checkpoint_phase
 
-__all__ = ["take", "offer", "ATTRIBUTE", "READ_ANOTHERS"]
+__all__ = ["take", "offer", "disabled", "ATTRIBUTE", "READ_ANOTHERS"]
 
 ATTRIBUTE = "_mesa_input_copy"
 # set on a quantizer whose layer saved another layer's codes (describe: not "uninitialized")
 READ_ANOTHERS = "reads_parallel_copy"
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Every layer compresses its own copy in this thread, as under ``torch.compile``: an eager
+    run that is a compiled run's twin bit for bit (``sharing.disabled`` also turns off the
+    Softmax -> MatMul hand-over, which the compiled attention keeps)."""
+    _local.off = getattr(_local, "off", 0) + 1
+    try:
+        yield
+    finally:
+        _local.off -= 1
+
+
+def _enabled() -> bool:
+    return sharing.is_enabled() and not getattr(_local, "off", 0)
+
 
 def take(x: torch.Tensor, signature: tuple, quantizer):
     """The codes a layer compressing alike (``signature``) left on ``x``, if ``x`` is unchanged
     since; else ``None``. ``quantizer``: the taking layer's, marked when it takes."""
-    if not sharing.is_enabled():  # (first: under torch.compile nothing of x is read)
+    if not _enabled():  # (first: under torch.compile nothing of x is read)
         return None
     entry = getattr(x, ATTRIBUTE, None)
     # (a leaf: detach_() makes one of a tensor with codes, as truncated backprop through time
@@ -72,6 +93,6 @@ def offer(x: torch.Tensor, signature: tuple, codes) -> None:
     """Leave ``codes`` (made from ``x`` as it is now) on ``x`` for the next layer compressing
     alike: only on a tensor this forward computed (see the module doc), and not inside an
     activation checkpoint (see the module doc)."""
-    if x.is_leaf or not sharing.is_enabled() or checkpoint_phase():
+    if x.is_leaf or not _enabled() or checkpoint_phase():
         return
     setattr(x, ATTRIBUTE, (x._version, signature, codes))
