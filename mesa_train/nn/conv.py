@@ -84,11 +84,7 @@ def conv_forward(x, weight, bias, module, quantizer, weight_grad: bool):
     if weight_grad:
         # (learned thresholds learn from their own codes: those convs keep their own)
         signature = ("function", spatial, quantizer.options) if quantizer.options.estimator != "learned" else None
-        packed = input_copy.take(x, signature, quantizer) if signature is not None else None
-        if packed is None:
-            packed = quantizer.compress(xv, dim)
-            if signature is not None:
-                input_copy.offer(x, signature, packed)
+        packed = input_copy.take_or_make(x, signature, quantizer, lambda: quantizer.compress(xv, dim))
     return y, packed, (is_channels_last(x), nhwc_codes, x.shape)
 
 

@@ -50,7 +50,7 @@ import torch
 from . import sharing
 from .checkpoint_phase import checkpoint_phase
 
-__all__ = ["take", "offer", "disabled", "ATTRIBUTE", "READ_ANOTHERS"]
+__all__ = ["take", "offer", "take_or_make", "disabled", "ATTRIBUTE", "READ_ANOTHERS"]
 
 ATTRIBUTE = "_mesa_input_copy"
 # set on a quantizer whose layer saved another layer's codes (describe: not "uninitialized")
@@ -87,6 +87,17 @@ def take(x: torch.Tensor, signature: tuple, quantizer):
         return None
     quantizer.__dict__[READ_ANOTHERS] = True  # (a plain attribute: nn.Module.__setattr__ is slow)
     return entry[2]
+
+
+def take_or_make(x: torch.Tensor, signature: tuple | None, quantizer, make):
+    """The Python Functions' form: the codes another layer left on ``x`` (``take``), else
+    ``make()``'s, left for the next (``offer``); ``signature`` None: ``make()``'s, not shared."""
+    codes = take(x, signature, quantizer) if signature is not None else None
+    if codes is None:
+        codes = make()
+        if signature is not None:
+            offer(x, signature, codes)
+    return codes
 
 
 def offer(x: torch.Tensor, signature: tuple, codes) -> None:

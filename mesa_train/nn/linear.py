@@ -74,14 +74,9 @@ class _LinearFn(torch.autograd.Function):
             # (learned thresholds learn from their own codes: those layers keep their own)
             signature = (copy_signature("function", quantizer, x, weight)
                          if quantizer.options.estimator != "learned" else None)
-            shared = input_copy.take(x, signature, quantizer) if signature is not None else None
-            if shared is not None:
-                packed, k = shared
-            else:
-                # rows far smaller than the others (DeiT3's class token) scaled by 2**k first
-                packed, k = compress_rows(quantizer, xc, 1, max_exponent(xc.dtype, out.dtype))
-                if signature is not None:
-                    input_copy.offer(x, signature, (packed, k))
+            # rows far smaller than the others (DeiT3's class token) scaled by 2**k first
+            packed, k = input_copy.take_or_make(
+                x, signature, quantizer, lambda: compress_rows(quantizer, xc, 1, max_exponent(xc.dtype, out.dtype)))
         ctx.x_dtype = x.dtype
         save_linear_dtypes(ctx, out, weight, bias)
         save(ctx, [packed], weight if need_x else None, k)
