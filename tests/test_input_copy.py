@@ -77,6 +77,32 @@ def test_parallel_convs_keep_one_copy(monkeypatch, fused):
         assert _cos(p.grad, q.grad) > 0.999, name
 
 
+@pytest.mark.parametrize("switch", [input_copy.disabled, sharing.disabled])
+def test_the_off_switches_hold_in_their_own_thread_only(switch):
+    """``input_copy.disabled()`` and ``sharing.disabled()`` turn sharing off in the thread that
+    enters them, nested, and back on at the exit; another thread, running meanwhile, still
+    shares (the switches are thread-local counters with class defaults: an unset thread reads 0)."""
+    import threading
+
+    x = torch.randn(2, 3, requires_grad=True) * 1
+    seen = {}
+
+    def other_thread():
+        seen["other"] = input_copy.may_share(x)
+
+    assert input_copy.may_share(x)
+    with switch():
+        with switch():
+            assert not input_copy.may_share(x)
+        assert not input_copy.may_share(x)
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+    assert seen == {"other": True}
+    assert input_copy.may_share(x)
+    assert not input_copy.may_share(torch.randn(2, 3, requires_grad=True))  # a leaf never
+
+
 def test_the_branches_read_the_same_codes(monkeypatch):
     torch.manual_seed(0)
     mesa = patch_model(Branches(three=True), ops=["conv"])

@@ -2,8 +2,9 @@
 
 On a GPU, eager Mesa's cost on small and medium tensors is mostly host time: Python in the
 layer and the quantizer, and one dispatcher call per op. This measures it on CPU with tiny
-tensors (so the data itself costs next to nothing): for each Mesa layer, the median time of
-one forward + backward minus the stock layer's, in microseconds.
+tensors (so the data itself costs next to nothing): for each Mesa layer, the median over
+passes of one forward + backward minus the stock layer's pass just before it, in
+microseconds, each pass on a fresh input computed with gradients, as a layer in a model gets.
 
 ``--baseline-tree DIR`` runs the same measurement on another checkout of the project
 (with its extension built, e.g. ``git worktree add /tmp/old <commit>`` plus a build), in
@@ -235,31 +236,41 @@ def _convnet_cases(M):
     }
 
 
-def _median_us(module: nn.Module, inputs, reps: int) -> float:
+def _fresh(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each pass's inputs, made before its clock starts: a layer in a model is handed a tensor
+    computed with gradients (not a leaf), a new one every step, and Mesa does for such a tensor
+    what it does not for a leaf (leaves one copy of it for a parallel layer: nn/input_copy.py);
+    a leaf given pass after pass left that out of the measured time."""
+    return [x * 1 for x in xs]
+
+
+def _paired_us(stock: nn.Module, mesa: nn.Module, inputs, reps: int) -> dict[str, float]:
+    """``{stock_us, mesa_us, added_us}``: one stock pass, then one Mesa pass, rep by rep; the
+    medians of each and of the per-rep differences. Paired, so that a drift of the machine's
+    speed (a shared VM's CPU swings by a third between seconds) falls on both alike: the
+    difference of two medians taken one after the other swung by as much as Mesa adds."""
     xs = [t.clone().requires_grad_() for t in inputs]
-    for _ in range(20):  # warm-up: lazy state, estimates initialised
-        module(*xs).sum().backward()
-    times = []
-    for _ in range(reps):
+    times: dict[str, list[float]] = {"stock_us": [], "mesa_us": [], "added_us": []}
+    for i in range(20 + reps):  # 20 warm-up passes: lazy state, estimates initialised
+        a, b = _fresh(xs), _fresh(xs)
         t0 = time.perf_counter()
-        module(*xs).sum().backward()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+        stock(*a).sum().backward()
+        t1 = time.perf_counter()
+        mesa(*b).sum().backward()
+        t2 = time.perf_counter()
+        if i >= 20:
+            times["stock_us"].append(t1 - t0)
+            times["mesa_us"].append(t2 - t1)
+            times["added_us"].append((t2 - t1) - (t1 - t0))
+    return {key: 1e6 * statistics.median(t) for key, t in times.items()}
 
 
 def measure(reps: int, layers=None) -> dict[str, dict[str, float]]:
     """{layer: {stock_us, mesa_us, added_us}} for this process's mesa_train (``layers``: only those)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    out = {}
-    for name, (make_stock, convert, inputs) in _cases(layers).items():
-        stock = make_stock()
-        mesa = convert(make_stock())
-        xs = inputs()
-        s = _median_us(stock, xs, reps)
-        m = _median_us(mesa, xs, reps)
-        out[name] = {"stock_us": s, "mesa_us": m, "added_us": m - s}
-    return out
+    return {name: _paired_us(make_stock(), convert(make_stock()), inputs(), reps)
+            for name, (make_stock, convert, inputs) in _cases(layers).items()}
 
 
 def _run_tree(tree: str, reps: int, layers=None) -> dict:
@@ -303,8 +314,9 @@ def _interleaved_us(runs, inputs, reps: int, set_fused) -> list[float]:
     for i in range(20 + reps):  # 20 warm-up passes: lazy state, estimates initialised
         for k, (module, fused) in enumerate(runs):
             set_fused(fused)
+            ys = _fresh(xs)
             t0 = time.perf_counter()
-            module(*xs).sum().backward()
+            module(*ys).sum().backward()
             if i >= 20:
                 times[k].append(time.perf_counter() - t0)
     return [1e6 * statistics.median(t) for t in times]
@@ -368,7 +380,8 @@ def markdown(table: dict, baseline_tree: str | None, reps: int, rounds: int, pyt
                          f"{r['this_added_us']:.0f} | {r['added_ratio']:.2f}x |")
         else:
             lines.append(f"| {name} | {r['stock_us']:.0f} | {r['added_us']:.0f} |")
-    how = (f"median of {reps} forward+backward passes"
+    how = (f"medians of {reps} forward+backward passes on fresh non-leaf inputs"
+           + ("" if python_functions else ", Mesa adds: of the per-pass differences to a stock pass just before")
            + (f", median over {rounds} alternating rounds" if two else ""))
     return "\n".join(lines) + f"\n\nTensors of 64 elements, 1 CPU thread, {how}.\n"
 

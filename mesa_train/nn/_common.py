@@ -87,6 +87,12 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.get_autocast_dtype(x.device.type)) if autocast_casts(x) else x
 
 
+def device_type(x: torch.Tensor) -> str:
+    """``x.device.type``, without building a ``torch.device`` for the two common cases (0.1 us
+    against 0.65 us a call on CPU: a per-layer cost in eager)."""
+    return "cuda" if x.is_cuda else "cpu" if x.is_cpu else x.device.type
+
+
 def autocast_state(device_type: str):
     """``(enabled, dtype)`` of autocast on ``device_type`` now (a backward that recomputes
     re-enters it)."""

@@ -83,7 +83,8 @@ def conv_forward(x, weight, bias, module, quantizer, weight_grad: bool):
     packed = None
     if weight_grad:
         # (learned thresholds learn from their own codes: those convs keep their own)
-        signature = ("function", spatial, quantizer.options) if quantizer.options.estimator != "learned" else None
+        signature = (("function", spatial, quantizer.options)
+                     if quantizer.options.estimator != "learned" and input_copy.may_share(x) else None)
         packed = input_copy.take_or_make(x, signature, quantizer, lambda: quantizer.compress(xv, dim))
     return y, packed, (is_channels_last(x), nhwc_codes, x.shape)
 
@@ -217,13 +218,15 @@ class _MesaConv(MesaLayer):
     def _conv_op(self, input, weight, padding, fused, scale_link: bool = False) -> torch.Tensor:
         """The C++ layer op; the input's codes are made once for the parallel convs given the
         same tensor (``input_copy.py``): taken where another left them, else left for the next."""
-        signature = ("op", len(self.kernel_size), self.quantizer.options)
-        shared = input_copy.take(input, signature, self.quantizer) if weight.requires_grad else None
+        quantizer = self.quantizer
+        signature = (("op", len(self.kernel_size), quantizer.options)
+                     if weight.requires_grad and input_copy.may_share(input) else None)
+        shared = input_copy.take(input, signature, quantizer) if signature is not None else None
         link = (scale_link,) if self._train_op == "conv2d_train" else ()
         y, q, alpha, beta = getattr(torch.ops.mesa, self._train_op)(
             input, weight, self.bias, self.stride, padding, self.dilation, self.groups, *fused, *link,
             () if shared is None else shared)
-        if q.numel():  # (made here: empty when shared or when the weight wants no gradient)
+        if signature is not None and shared is None and q.numel():  # (made here: left for the next)
             input_copy.offer(input, signature, (q, alpha, beta))
         return y
 

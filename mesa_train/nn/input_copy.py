@@ -50,13 +50,18 @@ import torch
 from . import sharing
 from .checkpoint_phase import checkpoint_phase
 
-__all__ = ["take", "offer", "take_or_make", "disabled", "ATTRIBUTE", "READ_ANOTHERS"]
+__all__ = ["may_share", "take", "offer", "take_or_make", "disabled", "ATTRIBUTE", "READ_ANOTHERS"]
 
 ATTRIBUTE = "_mesa_input_copy"
 # set on a quantizer whose layer saved another layer's codes (describe: not "uninitialized")
 READ_ANOTHERS = "reads_parallel_copy"
 
-_local = threading.local()
+
+class _Local(threading.local):
+    off = 0  # (a class default: an unset thread's read finds it instead of raising inside getattr)
+
+
+_local = _Local()
 
 
 @contextlib.contextmanager
@@ -64,46 +69,48 @@ def disabled():
     """Every layer compresses its own copy in this thread, as under ``torch.compile``: an eager
     run that is a compiled run's twin bit for bit (``sharing.disabled`` also turns off the
     Softmax -> MatMul hand-over, which the compiled attention keeps)."""
-    _local.off = getattr(_local, "off", 0) + 1
+    _local.off += 1
     try:
         yield
     finally:
         _local.off -= 1
 
 
-def _enabled() -> bool:
-    return sharing.is_enabled() and not getattr(_local, "off", 0)
+def may_share(x: torch.Tensor) -> bool:
+    """Whether ``x`` may take or carry codes now: a tensor this forward computed (not a leaf; a
+    ``detach_()`` makes a leaf of a tensor with codes without a new version, as truncated
+    backprop through time does with a carried state: its codes would be last step's), eager
+    with sharing on, and not inside an activation checkpoint (see the module doc). A layer asks
+    once per call and builds its ``signature`` only then: most layers are the only consumer of
+    their input, and this is the host time every one of them pays."""
+    return not _local.off and sharing.is_enabled() and not x.is_leaf and not checkpoint_phase()
 
 
 def take(x: torch.Tensor, signature: tuple, quantizer):
     """The codes a layer compressing alike (``signature``) left on ``x``, if ``x`` is unchanged
-    since; else ``None``. ``quantizer``: the taking layer's, marked when it takes."""
-    if not _enabled():  # (first: under torch.compile nothing of x is read)
-        return None
+    since; else ``None``. Only where :func:`may_share` said yes. ``quantizer``: the taking
+    layer's, marked when it takes."""
     entry = getattr(x, ATTRIBUTE, None)
-    # (a leaf: detach_() makes one of a tensor with codes, as truncated backprop through time
-    # does with a carried state, without a new version: its codes are last step's)
-    if entry is None or entry[0] != x._version or entry[1] != signature or x.is_leaf or checkpoint_phase():
+    if entry is None or entry[0] != x._version or entry[1] != signature:
         return None
     quantizer.__dict__[READ_ANOTHERS] = True  # (a plain attribute: nn.Module.__setattr__ is slow)
     return entry[2]
 
 
-def take_or_make(x: torch.Tensor, signature: tuple | None, quantizer, make):
-    """The Python Functions' form: the codes another layer left on ``x`` (``take``), else
-    ``make()``'s, left for the next (``offer``); ``signature`` None: ``make()``'s, not shared."""
-    codes = take(x, signature, quantizer) if signature is not None else None
-    if codes is None:
-        codes = make()
-        if signature is not None:
-            offer(x, signature, codes)
-    return codes
-
-
 def offer(x: torch.Tensor, signature: tuple, codes) -> None:
     """Leave ``codes`` (made from ``x`` as it is now) on ``x`` for the next layer compressing
-    alike: only on a tensor this forward computed (see the module doc), and not inside an
-    activation checkpoint (see the module doc)."""
-    if x.is_leaf or not _enabled() or checkpoint_phase():
-        return
+    alike. Only where :func:`may_share` said yes."""
     setattr(x, ATTRIBUTE, (x._version, signature, codes))
+
+
+def take_or_make(x: torch.Tensor, signature: tuple | None, quantizer, make):
+    """The Python Functions' form: the codes another layer left on ``x`` (``take``), else
+    ``make()``'s, left for the next (``offer``); ``signature`` None (:func:`may_share` said no,
+    or the layer keeps its own copy): ``make()``'s, not shared."""
+    if signature is None:
+        return make()
+    codes = take(x, signature, quantizer)
+    if codes is None:
+        codes = make()
+        offer(x, signature, codes)
+    return codes

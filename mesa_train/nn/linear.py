@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import input_copy
-from ._common import (MesaLayer, adopt_parameters, autocast_input, autocast_state, check_stock, inherit_options, load,
-                      no_autocast, save)
+from ._common import (MesaLayer, adopt_parameters, autocast_input, autocast_state, check_stock, device_type,
+                      inherit_options, load, no_autocast, save)
 from .rowscale import compress_rows, decompress_rows, max_exponent
 
 __all__ = ["Linear", "copy_signature", "linear_grads", "not_a_view", "save_linear_dtypes"]
@@ -60,7 +60,7 @@ def copy_signature(path: str, quantizer, x: torch.Tensor, weight: torch.Tensor) 
     """What two Linear layers given the same ``x`` must agree on to keep one copy of it
     (``input_copy.py``): the path, the options, and what decides the compressed tensor and its
     row scales: autocast (its cast of ``x``) and the weight's dtype (the output's)."""
-    return (path, quantizer.options, weight.dtype, autocast_state(x.device.type))
+    return (path, quantizer.options, weight.dtype, autocast_state(device_type(x)))
 
 
 class _LinearFn(torch.autograd.Function):
@@ -73,7 +73,7 @@ class _LinearFn(torch.autograd.Function):
         if need_w:
             # (learned thresholds learn from their own codes: those layers keep their own)
             signature = (copy_signature("function", quantizer, x, weight)
-                         if quantizer.options.estimator != "learned" else None)
+                         if quantizer.options.estimator != "learned" and input_copy.may_share(x) else None)
             # rows far smaller than the others (DeiT3's class token) scaled by 2**k first
             packed, k = input_copy.take_or_make(
                 x, signature, quantizer, lambda: compress_rows(quantizer, xc, 1, max_exponent(xc.dtype, out.dtype)))
@@ -130,11 +130,12 @@ def _compressed_linear(quantizer, input, weight, bias):
     # eager, a channel format: the layer with a C++ autograd node; the input's codes are made
     # once for the parallel layers given the same tensor (input_copy.py: separate q / k / v
     # projections of one normed input), taken where another left them, else left for the next
-    signature = copy_signature("op", quantizer, input, weight) if weight.requires_grad else None
+    signature = (copy_signature("op", quantizer, input, weight)
+                 if weight.requires_grad and input_copy.may_share(input) else None)
     shared = input_copy.take(input, signature, quantizer) if signature is not None else None
     out, q, alpha, beta, k = torch.ops.mesa.linear_train(input, weight, bias, *fused, quantizer.options.row_scale,
                                                          () if shared is None else shared)
-    if q.numel():  # (made here: empty when shared or when the weight wants no gradient)
+    if signature is not None and shared is None and q.numel():  # (made here: left for the next)
         input_copy.offer(input, signature, (q, alpha, beta, k))
     return out
 

@@ -25,11 +25,18 @@ from .quantizer import Packed
 
 __all__ = ["offer", "take", "clear", "size", "disabled", "is_enabled"]
 
-_local = threading.local()
+class _Local(threading.local):
+    # class-level defaults: reading a thread's unset attribute then finds these instead of
+    # raising inside getattr(_local, name, default) (~0.8 us a read; is_enabled runs per layer)
+    off = 0
+    cache = None
+
+
+_local = _Local()
 
 
 def _cache() -> dict:
-    c = getattr(_local, "cache", None)
+    c = _local.cache
     if c is None:
         c = _local.cache = {}
     return c
@@ -37,7 +44,7 @@ def _cache() -> dict:
 
 def is_enabled() -> bool:
     """Sharing is on unless inside :func:`disabled` (this thread) or while compiling."""
-    return not getattr(_local, "off", 0) and not torch.compiler.is_compiling()
+    return not _local.off and not torch.compiler.is_compiling()
 
 
 _enabled = is_enabled
@@ -46,7 +53,7 @@ _enabled = is_enabled
 @contextlib.contextmanager
 def disabled():
     """Turn sharing off in this thread (every consumer quantizes its own copy)."""
-    _local.off = getattr(_local, "off", 0) + 1
+    _local.off += 1
     try:
         yield
     finally:
