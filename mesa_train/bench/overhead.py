@@ -5,6 +5,9 @@ layer and the quantizer, and one dispatcher call per op. This measures it on CPU
 tensors (so the data itself costs next to nothing): for each Mesa layer, the median over
 passes of one forward + backward minus the stock layer's pass just before it, in
 microseconds, each pass on a fresh input computed with gradients, as a layer in a model gets.
+(Since session 80; the stock column now includes that input's ``x * 1`` backward and the
+leaf's gradient accumulation, which cancel in "Mesa adds": older tables' stock columns are
+a few microseconds lower.)
 
 ``--baseline-tree DIR`` runs the same measurement on another checkout of the project
 (with its extension built, e.g. ``git worktree add /tmp/old <commit>`` plus a build), in
@@ -14,7 +17,8 @@ before/after comparison taken in one run.
 ``--python-functions`` compares the two paths of this tree in one process instead: each Mesa
 layer with its C++ layer op, and with the C++ layer ops switched off (``quantizer._FUSED_LAYERS``,
 as the tests switch it: the Python ``autograd.Function`` the layer runs under ``torch.compile``,
-and ran in eager mode before its op existed), and stock, timed in turn pass by pass. (A layer
+and ran in eager mode before its op existed), and stock, timed in turn pass by pass ("Mesa
+adds" there is the difference of the medians). (A layer
 without a C++ layer op would run the same path twice, its ratio the run's noise: AvgPool2d read
 1.02x at a8ba8b1, before it had one; results/overhead/README.md, session 57.)
 

@@ -25,6 +25,7 @@ from .quantizer import Packed
 
 __all__ = ["offer", "take", "clear", "size", "disabled", "is_enabled"]
 
+
 class _Local(threading.local):
     # class-level defaults: reading a thread's unset attribute then finds these instead of
     # raising inside getattr(_local, name, default) (~0.8 us a read; is_enabled runs per layer)
