@@ -29,7 +29,7 @@ def bookkeeping(quantizer, weight, codes):
             sig = (linear.copy_signature("op", quantizer, x, weight)
                    if weight.requires_grad and input_copy.may_share(x) else None)
             shared = input_copy.take(x, sig, quantizer) if sig is not None else None
-            if sig is not None and shared is None:
+            if sig is not None and shared is None:  # (the op's empty codes where it took some)
                 input_copy.offer(x, sig, codes)
     else:  # f9a4f15: take and offer checked the tensor and the mode each
         def call(x):

@@ -135,7 +135,7 @@ def _compressed_linear(quantizer, input, weight, bias):
     shared = input_copy.take(input, signature, quantizer) if signature is not None else None
     out, q, alpha, beta, k = torch.ops.mesa.linear_train(input, weight, bias, *fused, quantizer.options.row_scale,
                                                          () if shared is None else shared)
-    if signature is not None and shared is None and q.numel():  # (made here: left for the next)
+    if signature is not None and q.numel():  # (made here, not taken: empty when shared)
         input_copy.offer(input, signature, (q, alpha, beta, k))
     return out
 
