@@ -20,11 +20,11 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from mesa_train.hydra_cli import directory_problem, existing_part_of_run_dir, exit_on_bad_overrides
+from mesa_train.hydra_cli import directory_problem, run_dir_before_hydra, exit_on_bad_overrides
 
 log = logging.getLogger("evaluate")
 _STARTED = time.time()  # (a run directory made after this is this call's)
-_MADE_BELOW = None  # (the deepest folder on the way to the run directory before Hydra: __main__)
+_BEFORE_HYDRA = None  # (the way to the run directory before Hydra made it: __main__)
 
 
 def _write_json(data: dict, path: str) -> None:
@@ -51,7 +51,7 @@ def main(cfg: DictConfig) -> float:
     if OmegaConf.is_missing(cfg, "checkpoint") or not cfg.checkpoint:
         print("error: evaluate.py needs checkpoint=PATH (a last.pt or best.pt written by train.py, e.g. "
               "outputs/<date>/<time>/checkpoints/best.pt); see python evaluate.py --help", file=sys.stderr)
-        rundir.remove_if_left_empty(run_dir, _STARTED, _MADE_BELOW)  # (Hydra made it: nothing is left behind)
+        rundir.remove_if_left_empty(run_dir, _STARTED, _BEFORE_HYDRA)  # (Hydra made it: nothing is left behind)
         sys.exit(2)
     output = cfg.output or run_dir
     data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") is not None else None
@@ -66,7 +66,7 @@ def main(cfg: DictConfig) -> float:
     problem = directory_problem(output, "the output folder")  # (before the pass over the data, not after)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
-        rundir.remove_if_left_empty(run_dir, _STARTED, _MADE_BELOW)
+        rundir.remove_if_left_empty(run_dir, _STARTED, _BEFORE_HYDRA)
         sys.exit(1)
     try:
         check_eval_settings(cfg)
@@ -82,7 +82,7 @@ def main(cfg: DictConfig) -> float:
         if accepted:
             log_to_file("evaluate", f"error: {described[1]}")  # (how the evaluation ended)
         else:  # refused before it began: no log, no directory left behind
-            rundir.remove_if_left_empty(run_dir, _STARTED, _MADE_BELOW)
+            rundir.remove_if_left_empty(run_dir, _STARTED, _BEFORE_HYDRA)
         sys.exit(described[0])
     log.info("top1 %.2f  top5 %.2f  loss %.4f  (%d images of %s, step %d, amp %s) -> %s", metrics["top1"],
              metrics["top5"], metrics["loss"], metrics["images"], metrics["data"], metrics["step"],
@@ -98,5 +98,5 @@ if __name__ == "__main__":
     logging.raiseExceptions = False
     configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
     exit_on_bad_overrides(configs, "eval")
-    _MADE_BELOW = existing_part_of_run_dir(configs, "eval")
+    _BEFORE_HYDRA = run_dir_before_hydra(configs, "eval")
     main()

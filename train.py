@@ -26,11 +26,11 @@ import hydra
 from omegaconf import DictConfig
 
 from mesa_train.train import distributed
-from mesa_train.hydra_cli import existing_part_of_run_dir, exit_on_bad_overrides
+from mesa_train.hydra_cli import run_dir_before_hydra, exit_on_bad_overrides
 
 log = logging.getLogger("train")
 _STARTED = time.time()  # (a run directory made after this is this process's)
-_MADE_BELOW = None  # (the deepest folder on the way to the run directory before Hydra: __main__)
+_BEFORE_HYDRA = None  # (the way to the run directory before Hydra made it: __main__)
 
 
 def _prepare_ranks() -> None:
@@ -79,7 +79,7 @@ def main(cfg: DictConfig) -> float | None:
             log_to_file("train", f"error: {message}")
         if not multirun:
             if not accepted:
-                rundir.remove_if_left_empty(run_dir, _STARTED, _MADE_BELOW)
+                rundir.remove_if_left_empty(run_dir, _STARTED, _BEFORE_HYDRA)
             sys.exit(code)
         if not accepted and rundir.existing_run(run_dir):  # (refused over an earlier run: leave it as it was)
             rundir.write_failure(run_dir, message, path=rundir.refusal_record(run_dir))
@@ -98,7 +98,7 @@ if __name__ == "__main__":
     # (model=bogus, trainer.epochz=3: one line and exit 2, before Hydra makes a run directory)
     configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
     exit_on_bad_overrides(configs, "train")
-    _MADE_BELOW = existing_part_of_run_dir(configs, "train")
+    _BEFORE_HYDRA = run_dir_before_hydra(configs, "train")
     _prepare_ranks()
     try:
         main()

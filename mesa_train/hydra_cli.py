@@ -23,6 +23,7 @@ import functools
 import os
 import re
 import sys
+from typing import NamedTuple
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -200,19 +201,41 @@ def run_dir_error(config_dir: str, config_name: str, args: list[str]) -> str | N
     return None if path is None else directory_problem(path, "the run directory")
 
 
-def existing_part_of_run_dir(config_dir: str, config_name: str, args: list[str] | None = None) -> str | None:
-    """The deepest folder that exists now on the way to the run directory Hydra will make for
-    ``args`` (this process's command line by default; the run directory itself where it exists),
-    as an absolute path, or None where that cannot be told. Call it before Hydra starts: the
-    folders below it are the ones this run makes, which a refused run removes again
-    (``rundir.remove_if_left_empty``), however deep ``hydra.run.dir`` is."""
+class RunDirBefore(NamedTuple):
+    """The way to the run directory as it stood before Hydra made it (``run_dir_before_hydra``)."""
+
+    existing: str  # the deepest folder that existed on the way (the run directory itself where it did)
+    made: tuple  # every folder Hydra's mkdir makes, first made first (side ones of a ".." too)
+
+
+def run_dir_before_hydra(config_dir: str, config_name: str, args: list[str] | None = None) -> RunDirBefore | None:
+    """The run directory Hydra will make for ``args`` (this process's command line by default)
+    as the file system has it now, absolute paths, or None where that cannot be told. Call it
+    before Hydra starts: the folders it lists are the ones this run makes, which a refused run
+    removes again (``rundir.remove_if_left_empty``), however deep ``hydra.run.dir`` is."""
     path = _planned_dir(config_dir, config_name, tuple(sys.argv[1:] if args is None else args))
     if path is None:
         return None
     parent = os.path.abspath(path)
     while not os.path.isdir(parent):
         parent = os.path.dirname(parent)
-    return parent
+    return RunDirBefore(parent, folders_mkdir_makes(path))
+
+
+def folders_mkdir_makes(path: str) -> tuple:
+    """The folders ``Path(path).mkdir(parents=True)`` (Hydra's) would make now, first made first,
+    walked over ``path`` as written: ``x/../y/z`` makes ``x`` as well as ``y`` and ``y/z``, where
+    ``os.path.abspath`` drops the ``x``. (``realpath`` resolves a ``..`` after a folder that
+    exists as the kernel does, through a link; the new ones are plain folders.)"""
+    made, walked = [], os.sep if os.path.isabs(path) else ""
+    for part in path.split(os.sep):
+        if part in ("", "."):
+            continue
+        walked = os.path.join(walked, part)
+        folder = os.path.realpath(walked)
+        if not os.path.isdir(folder) and folder not in made:
+            made.append(folder)
+    return tuple(made)
 
 
 def directory_problem(path: str, what: str) -> str | None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import FAST_TRAINER, TINY_MODELS, write_image_folder
+from mesa_train.hydra_cli import RunDirBefore, folders_mkdir_makes
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train.config import ConfigError, validate
 from mesa_train.train.data import DataError, _NamedImageLoader
@@ -249,11 +250,34 @@ def test_a_refused_run_removes_every_folder_it_made_and_no_other(tmp_path, run_c
     # (train.py's refusal takes the same call; a folder with something in it stops the walk)
     (tmp_path / "x" / "y" / "run").mkdir(parents=True)
     (tmp_path / "x" / "note.txt").write_text("")
-    rundir.remove_if_left_empty(str(tmp_path / "x" / "y" / "run"), 0.0, str(tmp_path))
+    rundir.remove_if_left_empty(str(tmp_path / "x" / "y" / "run"), 0.0, RunDirBefore(str(tmp_path), ()))
     assert not (tmp_path / "x" / "y").exists() and (tmp_path / "x" / "note.txt").exists()
     (tmp_path / "mine" / "run").mkdir(parents=True)  # (a planned folder not on the way: the time rule)
-    rundir.remove_if_left_empty(str(tmp_path / "mine" / "run"), time.time() + 60, str(tmp_path / "other"))
+    rundir.remove_if_left_empty(str(tmp_path / "mine" / "run"), time.time() + 60,
+                                RunDirBefore(str(tmp_path / "other"), ()))
     assert (tmp_path / "mine" / "run").is_dir()
+
+
+def test_a_refused_run_removes_the_folders_a_dot_dot_made(tmp_path, run_cli):
+    """hydra.run.dir=./x/../y/z: Hydra's mkdir makes x on the way (the path as written), and a
+    refused run left it behind; os.path.abspath's y/z never named it."""
+    import sys
+
+    from conftest import REPO
+
+    assert folders_mkdir_makes(str(tmp_path / "x" / ".." / "y" / "z")) == tuple(
+        str(tmp_path / p) for p in ("x", "y", "y/z"))
+    (tmp_path / "y").mkdir()
+    assert folders_mkdir_makes(str(tmp_path / "y" / "." / "z")) == (str(tmp_path / "y" / "z"),)
+    (tmp_path / "y").rmdir()
+    result = run_cli([sys.executable, str(REPO / "evaluate.py"), "hydra.run.dir=./x/../y/z"], cwd=tmp_path)
+    assert result.returncode == 2 and "needs checkpoint=PATH" in result.stderr, result.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+    (tmp_path / "x" / "keep").mkdir(parents=True)  # (made before the run: stays; so does what holds a file)
+    result = run_cli([sys.executable, str(REPO / "evaluate.py"), "hydra.run.dir=./w/../x/keep/../y/z"],
+                     cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["x", "x/keep"]
 
 
 def test_a_full_disk_while_taking_the_lock_leaves_no_lock_and_names_the_folder(tmp_path, monkeypatch):

@@ -9,7 +9,12 @@ buffers ``alpha``, ``beta``, ``initialized`` and the rounding ``rng``; with
 
 * :func:`stock_to_patched_state_dict` completes a stock checkpoint with *fresh* estimates
   (``initialized = False``), so a patched model loads it strictly and the estimates start
-  from the first training batch. :func:`load_stock_checkpoint` does both steps.
+  from the first training batch. :func:`load_stock_checkpoint` does both steps, and so does a
+  patched model's own ``load_state_dict`` (``patch_model`` gives its root the pre-hook
+  :func:`accept_stock_checkpoints`) when the checkpoint has no Mesa entry at all: timm's
+  ``load_checkpoint`` and a user's ``model.load_state_dict(stock_sd)`` work on a patched model.
+  A checkpoint with some Mesa entries is a patched one and is loaded as given (strictly, a
+  missing estimate is an error there).
 * :func:`patched_to_stock_state_dict` drops the Mesa buffers, so a stock model loads it
   strictly. :func:`load_patched_checkpoint` does both steps.
 * :func:`upgrade_state_dict` renames the Mesa keys a module's earlier patch wrote where a
@@ -19,6 +24,8 @@ buffers ``alpha``, ``beta``, ``initialized`` and the rounding ``rng``; with
 """
 from __future__ import annotations
 
+import sys
+import warnings
 from collections import OrderedDict
 from typing import Mapping, Optional, Set
 
@@ -37,6 +44,7 @@ __all__ = [
     "patched_to_stock_state_dict",
     "load_stock_checkpoint",
     "load_patched_checkpoint",
+    "accept_stock_checkpoints",
 ]
 
 # every entry a quantizer can write into a state dict (the format record is no buffer)
@@ -131,18 +139,65 @@ def stock_to_patched_state_dict(state_dict: Mapping[str, torch.Tensor],
     zero too), so the estimates start from the first training batch; the format records are
     ``model``'s own. Mesa keys already in ``state_dict`` are kept."""
     root = unwrap_module(model, "stock_to_patched_state_dict")
-    own = root.state_dict()
     out = OrderedDict(state_dict)
-    for k in sorted(mesa_state_keys(root)):
-        if k in out:
-            continue
-        t = own[k]
-        # zeros: alpha/beta 0, initialized False; a format record is what the model was patched with
-        out[k] = t.clone() if k.rsplit(".", 1)[-1] == FORMAT_KEY else torch.zeros_like(t)
+    for k, v in _fresh_mesa_entries(root, exclude=out).items():
+        out[k] = v
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:
         out._metadata = meta  # type: ignore[attr-defined]
     return out
+
+
+def _fresh_mesa_entries(root: nn.Module, exclude=()) -> "OrderedDict[str, torch.Tensor]":
+    """Every Mesa key of ``root`` not in ``exclude``, with the value of a quantizer that has
+    seen no batch: zeros (alpha/beta 0, initialized False, learned thresholds 0), and the
+    format record the model was patched with."""
+    own = root.state_dict()
+    return OrderedDict((k, own[k].clone() if k.rsplit(".", 1)[-1] == FORMAT_KEY else torch.zeros_like(own[k]))
+                       for k in sorted(mesa_state_keys(root)) if k not in exclude)
+
+
+def _complete_stock_checkpoint(module: nn.Module, state_dict, prefix: str, local_metadata, strict: bool,
+                               missing_keys, unexpected_keys, error_msgs) -> None:
+    """``load_state_dict`` pre-hook of a patched model (:func:`accept_stock_checkpoints`):
+    a checkpoint without any Mesa entry under ``prefix`` gets fresh estimates, in the dict
+    torch is loading from (its own copy; the children load from it after this hook). Also
+    with ``strict=False``, which torch does not pass on to the hooks (``strict`` is always
+    True here); new weights call for new estimates either way."""
+    if any(k.startswith(prefix) and is_mesa_key(k[len(prefix):]) for k in state_dict):
+        return  # a patched checkpoint (maybe under an earlier patch's names): loaded as given
+    fresh = _fresh_mesa_entries(module)
+    if not fresh:
+        return
+    for k, v in fresh.items():
+        state_dict[prefix + k] = v
+    layers = sorted({k.rsplit(".", 1)[0] for k in fresh})
+    warnings.warn(f"load_state_dict: a checkpoint without Mesa estimates (a stock model's) in "
+                  f"{type(module).__name__}: its {len(layers)} Mesa quantizers start their estimates from the "
+                  f"next batch (as mesa_train.patch.load_stock_checkpoint does)", UserWarning,
+                  stacklevel=_stacklevel_of_caller())
+
+
+def _stacklevel_of_caller() -> int:
+    """The ``stacklevel`` naming the first frame outside this file and torch's ``Module``
+    (the line that called ``load_state_dict``, however deep the hook's module sits)."""
+    inside = {__file__, nn.modules.module.__file__}
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in inside:
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def accept_stock_checkpoints(root: nn.Module) -> None:
+    """Let ``root.load_state_dict`` take a stock checkpoint, as :func:`load_stock_checkpoint`
+    does (``patch_model`` calls it). One hook per patched model: a part patched on its own
+    first (a plan patches block by block) gives its hook to ``root``, so a checkpoint is judged
+    stock or patched as a whole, never part by part."""
+    for m in root.modules():
+        hooks = m._load_state_dict_pre_hooks
+        for hook_id in [i for i, h in hooks.items() if getattr(h, "hook", None) is _complete_stock_checkpoint]:
+            del hooks[hook_id]
+    root.register_load_state_dict_pre_hook(_complete_stock_checkpoint)
 
 
 def load_stock_checkpoint(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):

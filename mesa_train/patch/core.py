@@ -69,6 +69,7 @@ from mesa_train.nn.sdpa import ScaledDotProductAttention
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
+from .checkpoint import accept_stock_checkpoints
 from .recompute import make_recomputed
 from .reuse import RANGE_ESTIMATORS, calls_repeat_one_input, watch_reuse
 from .functional_calls import routable_sites
@@ -738,6 +739,8 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # rounding seeds keyed by each quantizer's name: the same model patched in any process,
     # in any order, draws the same rounding noise (and none from torch's global generator)
     assign_rng_keys(root)
+    # root.load_state_dict(stock checkpoint) completes it with fresh estimates (patch/checkpoint.py)
+    accept_stock_checkpoints(root)
     # a layer the first training forward calls twice gets per-sample ranges (patch/reuse.py)
     watch_reuse(root)
     if unreached:

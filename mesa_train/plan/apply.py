@@ -7,6 +7,7 @@ from torch import nn
 
 from mesa_train.models import unwrap_model
 from mesa_train.nn.quantizer import assign_rng_keys
+from mesa_train.patch.checkpoint import accept_stock_checkpoints
 from mesa_train.patch.core import check_patch_arguments, patch_model
 from mesa_train.patch.reuse import watch_reuse
 from mesa_train.patch.table import format_table
@@ -66,6 +67,8 @@ def apply_plan(model: nn.Module, plan_or_path: Any, attention: str = "auto", **q
     # per-block patching keyed the quantizers by block-relative names: key them by their
     # names in the whole model, as a whole-model patch does
     assign_rng_keys(root)
+    # one stock-checkpoint hook, the whole model's, in place of the units' (patch/checkpoint.py)
+    accept_stock_checkpoints(root)
     # (the units' own watches end with the whole model's: a unit called twice is one unit forward each)
     watch_reuse(root)
     object.__setattr__(root, PLAN_ATTR, plan)

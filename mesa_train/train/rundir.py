@@ -221,22 +221,25 @@ def write_failure(run_dir: str, message: str, path: str | None = None) -> None:
         json.dump({"status": "failed", "error": message, "overrides": overrides}, f, indent=2)
 
 
-def remove_if_left_empty(run_dir: str, started: float, made_below: str | None = None) -> None:
+def remove_if_left_empty(run_dir: str, started: float, before=None) -> None:
     """A run refused at start-up writes nothing (``.hydra/`` and the log file come after the
     checks), but Hydra has made its directory by then: remove it when it is empty, and the
-    folders above it that this run made and it leaves empty. ``made_below``: the deepest folder
-    on the way to the run directory that existed before Hydra started (the run directory itself
-    where it did; ``hydra_cli.existing_part_of_run_dir``): every empty folder below it goes
-    (``hydra.run.dir=a/b/c`` left ``a/b`` behind before). Without it, or where it is not on the
-    way to ``run_dir`` (the planned directory was another): the run directory when it
+    folders this run made on the way and leaves empty. ``before``: the way to the run directory
+    as it stood before Hydra started (``hydra_cli.run_dir_before_hydra``): every empty folder
+    below its ``existing`` one on the way to ``run_dir`` goes (``hydra.run.dir=a/b/c`` left
+    ``a/b`` behind before), and so does each of its ``made`` ones left empty
+    (``hydra.run.dir=x/../y/z`` makes ``x`` too). Without it, or where ``run_dir`` is not below
+    its ``existing`` one (the planned directory was another): the run directory when it
     was made after ``started`` (this process's start; a folder made earlier, even empty, stays),
     and in the default layout ``outputs/<date>/`` and ``outputs/`` when left empty and new too.
     Under torchrun every rank tries; an error (another rank was first) is ignored."""
     folder = os.path.abspath(run_dir)
-    stop = None if made_below is None else os.path.abspath(made_below)
+    stop = None if before is None else os.path.abspath(before.existing)
     if stop is not None and (folder == stop or folder.startswith(stop + os.sep)):
         while folder.startswith(stop + os.sep) and _removed_if_empty(folder):
             folder = os.path.dirname(folder)
+        for made in reversed(before.made):  # (last made first: a folder's own new ones went before it)
+            _removed_if_empty(made)
         return
     # (no such folder, or one not on the way to run_dir: the planned run directory was not this
     # one, and the rule below, which removes only what was made after `started`, applies)
