@@ -33,6 +33,8 @@ from .avgpool import AvgPool2d, AvgPool2dSame
 from .gelu import GELU
 from .gated_softmax import GatedPositionalSoftmax
 from .grn import GlobalResponseNorm
+from .evo_norm import (EvoNorm2dB0, EvoNorm2dB1, EvoNorm2dB2, EvoNorm2dS0, EvoNorm2dS0a, EvoNorm2dS1,
+                       EvoNorm2dS1a, EvoNorm2dS2, EvoNorm2dS2a, FilterResponseNormAct2d, FilterResponseNormTlu2d)
 from .layernorm import LayerNorm, LayerNorm2d, LayerNorm2dFp32, LayerNormAct2d, LayerNormFp32
 from .layerscale import Affine, ChannelGate, ChannelScale, LayerScale, LayerScale2d, Scale
 from .linear import Linear, LinearOf
@@ -72,5 +74,7 @@ __all__ = [
     "StarReLU", "RmsNorm", "RmsNormFp32", "RmsNorm2d", "RmsNormAct2d",
     "RmsNorm2dFp32", "RmsNormAct2dFp32", "SimpleNorm", "SimpleNormFp32", "SimpleNorm2d", "SimpleNorm2dFp32",
     "GatedActivation", "LayerScale", "ChannelScale", "Scale", "Normalize", "GlobalResponseNorm",
+    "EvoNorm2dB0", "EvoNorm2dB1", "EvoNorm2dB2", "EvoNorm2dS0", "EvoNorm2dS0a", "EvoNorm2dS1", "EvoNorm2dS1a",
+    "EvoNorm2dS2", "EvoNorm2dS2a", "FilterResponseNormTlu2d", "FilterResponseNormAct2d",
 ]
 from .sdpa import QueryBias, ScaledDotProductAttention  # noqa: E402,F401  (issue 3: Mesa fused attention, nn/sdpa.py)

@@ -64,6 +64,8 @@ import mesa_train.nn as mnn
 from mesa_train.models import unwrap_module
 from mesa_train.nn._common import stock_device
 from mesa_train.nn.conv import is_scale_conv
+from mesa_train.nn.evo_norm import EVO_NORM_CLASSES, EVO_NORM_OPS, evo_norm_op
+from mesa_train.nn.evo_norm import acts_inside as evo_norm_acts_inside
 from mesa_train.nn.quantizer import QuantOptions, assign_rng_keys
 from mesa_train.nn.sdpa import ScaledDotProductAttention
 
@@ -98,7 +100,7 @@ __all__ = ["patch_model", "OPS", "MODULE_SETS", "ATTENTION_OPS", "mesa_layer_op"
 
 OPS = ("linear", "matmul", "softmax", "gelu", "layernorm", "conv", "relu", "sdpa",
        "batchnorm", "silu", "rmsnorm", "glu", "layerscale", "normalize", "grn", "groupnorm", "hardswish", "se",
-       "maxpool", "avgpool")
+       "maxpool", "avgpool", "evonorm")
 ATTENTION_OPS = ("matmul", "softmax", "sdpa")
 # attentions whose forward calls module-level functions that contract the queries with position
 # tables by torch.einsum (MViTv2's cal_rel_pos_type, SAM's get_decomposed_rel_pos_bias)
@@ -177,6 +179,8 @@ def _leaf_rules():
         TimmScaledStdConv2d: ("conv", mnn.ScaledStdConv2d),
         TimmScaledStdConv2dSame: ("conv", mnn.ScaledStdConv2dSame),
         TimmBlurPool2d: ("conv", mnn.BlurPool2d),  # (a fixed depthwise filter: nothing of x kept)
+        # EvoNorm B/S, FRN: 8-bit input, the stock forward re-run in backward (nn/evo_norm.py)
+        **{stock: (EVO_NORM_OPS[stock], mesa) for stock, mesa in EVO_NORM_CLASSES.items()},
     }
 
 
@@ -196,6 +200,9 @@ class _TimmGELUTanh(_TimmGELU):
 
 def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
+    op = evo_norm_op(module)
+    if op is not None:
+        return op
     for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
                     (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.Conv1d, "conv"), (mnn.ReLU, "relu"),
                     (mnn.BlurPool2d, "conv"),
@@ -268,6 +275,8 @@ def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
         return module.num_channels
     if isinstance(module, (TimmMetaFormerScale, mnn.Scale)):
         return module.scale.numel()
+    if isinstance(module, tuple(EVO_NORM_CLASSES)):
+        return module.weight.shape[0]
     if hasattr(module, "normalized_shape") and not isinstance(module, nn.LayerNorm):  # RmsNorm
         return int(module.normalized_shape[-1])
     if isinstance(module, nn.Linear):
@@ -281,13 +290,13 @@ def _size_of_grouped_dim(module: nn.Module) -> Optional[int]:
 
 # always one quantization group per channel (unless num_groups is given): norms with per-channel
 # statistics or affine maps, and MetaFormer's per-channel scale, whose gradient sums one channel
-_PER_CHANNEL = (nn.BatchNorm2d, nn.BatchNorm1d, nn.GroupNorm, TimmMetaFormerScale, mnn.Scale)
+_PER_CHANNEL = (nn.BatchNorm2d, nn.BatchNorm1d, nn.GroupNorm, TimmMetaFormerScale, mnn.Scale, *EVO_NORM_CLASSES)
 
 
 def _groups_for(module: Optional[nn.Module], heads: Optional[int], quant_options: dict) -> Optional[int]:
     """Explicit ``num_groups``, else the block's head count, capped at the channel count.
-    Per channel instead: BatchNorm and GroupNorm always (every channel of ``x_hat`` has unit
-    variance), MetaFormer's ``Scale`` (each channel's gradient is a sum over that channel:
+    Per channel instead: BatchNorm, GroupNorm, EvoNorm and FRN always (every channel of ``x_hat``
+    has unit variance), MetaFormer's ``Scale`` (each channel's gradient is a sum over that channel:
     one group for all left PoolFormer's last-stage scales at cosine 0.006), and a conv
     outside any block with a head count (CNN stages and hybrids: one group for all channels
     let a depthwise conv's small channels fall below the grid; FastViT / EfficientViT-M
@@ -618,7 +627,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             weight a pre-hook recomputes (``torch.nn.utils.prune``, ``spectral_norm``,
             ``weight_norm``) is refused (apply them after patching).
         ops: any of ``OPS`` (``linear, matmul, softmax, gelu, layernorm, conv, relu, sdpa,
-            batchnorm, ..., hardswish, se, maxpool, avgpool``) or ``all``. ``matmul``/``softmax``
+            batchnorm, ..., hardswish, se, maxpool, avgpool, evonorm``) or ``all``. ``matmul``/``softmax``
             compress the explicit attention path (paper setting); ``sdpa`` the fused
             ``F.scaled_dot_product_attention`` (int8 q, k, v kept for backward). Which path a
             timm attention module runs: see ``attention``.
@@ -728,6 +737,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # 2. leaf modules, then the scale branches that feed a BatchNorm (RepVGG / MobileOne); ConViT's
     # pos_proj runs inside its GPSA's gated softmax (patch/convit.py) and stays stock
     gated_acts |= convit_patch.stock_position_linears(root)
+    gated_acts |= evo_norm_acts_inside(root)  # (EvoNorm S1/S2 apply theirs to x inside the norm)
     _convert_leaves(t, explicit, gated_acts, keep_stock)
     if "conv" in op_names and "batchnorm" in op_names:
         _link_scale_branches(root, t.parents, quant_options, keep_stock)
