@@ -221,3 +221,83 @@ def test_tlu_ties_split_the_gradient_as_torch_maximum():
         layer(x.clone().requires_grad_(True)).backward(g)
         taus.append(layer.tau.grad)
     torch.testing.assert_close(taus[1], taus[0], rtol=1e-6, atol=1e-5)
+
+
+def _grads_of(model, x, g, params=None):
+    """Input and parameter gradients of ``(model(x) * g).sum()``; with ``params`` through
+    ``torch.func.functional_call`` (the gradients of those tensors)."""
+    xi = x.clone().requires_grad_(True)
+    y = torch.func.functional_call(model, params, (xi,)) if params is not None else model(xi)
+    (y * g).sum().backward()
+    out = {"input": xi.grad}
+    out.update({n: t.grad for n, t in (params.items() if params is not None else model.named_parameters())})
+    return out
+
+
+@pytest.mark.parametrize("cls,kw", [c for c in CASES if c[0] in (evo.EvoNorm2dS0, evo.EvoNorm2dB0,
+                                                                  frn.FilterResponseNormTlu2d)][::2],
+                         ids=["S0", "B0", "TLU"])
+def test_functional_call_gradients_reach_the_given_tensors(cls, kw):
+    """Under ``torch.func.functional_call`` the forward reads the given tensors: the backward's
+    re-run must too (it read the module's own, and the given tensors got no gradient)."""
+    stock = torch.nn.Sequential(_stock(cls, kw))
+    mesa = patch_model(copy.deepcopy(stock), rounding="nearest")
+    assert isinstance(mesa[0], mnn.MesaLayer)
+    x, g = _input(), torch.randn(4, C, 6, 5)
+    grads = []
+    for model in (stock, mesa):
+        params = {n: (p.detach() * 1.5 + 0.2).requires_grad_(True) for n, p in model.named_parameters()}
+        grads.append(_grads_of(model, x, g, params))
+    assert all(v is not None for v in grads[1].values()), grads[1]
+    assert min(_cosines(*grads).values()) > 0.999
+
+
+def test_a_parametrization_added_after_patching_gets_its_gradient():
+    """patch_model's doc says: apply parametrizations after patching. The weight is then
+    computed from ``parametrizations.weight.original``, which must get its gradient."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    stock = torch.nn.Sequential(_stock(evo.EvoNorm2dS0, _GROUPED))
+    mesa = patch_model(copy.deepcopy(stock), rounding="nearest")
+    for model in (stock, mesa):
+        parametrize.register_parametrization(model[0], "weight", Doubled())
+    x, g = _input(), torch.randn(4, C, 6, 5)
+    grads = [_grads_of(m, x, g) for m in (stock, mesa)]
+    assert grads[1]["0.parametrizations.weight.original"] is not None
+    assert min(_cosines(*grads).values()) > 0.999
+
+
+def test_s1_with_a_parametric_act_inside():
+    """S1's act is called inside the norm: its parameters (a PReLU's weight) get their gradient,
+    and a hook on it fires once per step, as in stock (the re-run calls the act without hooks)."""
+    stock = evo.EvoNorm2dS1(C, act_layer=torch.nn.PReLU, **_GROUPED).train()
+    mesa = mnn.EvoNorm2dS1.from_module(copy.deepcopy(stock), rounding="nearest")
+    calls = []
+    for layer in (stock, mesa):
+        layer.act.register_forward_hook(lambda *a: calls.append(1))
+    x, g = _input(), torch.randn(4, C, 6, 5)
+    grads = [_grads_of(m, x, g) for m in (stock, mesa)]
+    assert len(calls) == 2
+    assert grads[1]["act.weight"] is not None
+    assert min(_cosines(*grads).values()) > 0.999
+
+
+def test_eval_between_forward_and_backward_keeps_the_forward_branch():
+    """B0's forward in train mode divides by the batch variance; a model.eval() before backward
+    must not turn the re-run to the running variance."""
+    stock = _stock(evo.EvoNorm2dB0, {})
+    mesa = mnn.EvoNorm2dB0.from_module(copy.deepcopy(stock), rounding="nearest")
+    x, g = _input(), torch.randn(4, C, 6, 5)
+    grads = []
+    for layer in (stock, mesa):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        layer.eval()
+        (y * g).sum().backward()
+        grads.append({"input": xi.grad, **{n: p.grad for n, p in layer.named_parameters()}})
+        assert not layer.training
+    assert min(_cosines(*grads).values()) > 0.999

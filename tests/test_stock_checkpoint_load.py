@@ -90,6 +90,29 @@ def test_a_non_strict_load_restarts_the_estimates_too():
     assert not any(bool(v.any()) for k, v in _estimates(patched).items() if k.endswith(".initialized"))
 
 
+def test_a_partial_load_leaves_the_estimates_as_they_are():
+    """A head alone (``strict=False``) is no stock checkpoint: the trained estimates stay, rng
+    counters too, and torch lists them missing as every key the load lacks."""
+    patched = _trained_patched()
+    before = _estimates(patched)
+    head = {k: v for k, v in build("deit", fused=False, seed=3).state_dict().items() if k.startswith("head.")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = patched.load_state_dict(head, strict=False)
+    assert {k for k in before if not k.endswith(".rng")} <= set(result.missing_keys)  # (rng: optional, older files)
+    for k, v in _estimates(patched).items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_stock_checkpoint_in_a_non_default_format():
+    """The format record (bits=4) is the model's own in the fresh entries."""
+    source = build("deit", fused=False, seed=3)
+    patched = patch_model(build("deit", fused=False), bits=4)
+    with pytest.warns(UserWarning, match="without Mesa estimates"):
+        patched.load_state_dict(source.state_dict())
+    patched(inputs("deit")).sum().backward()
+
+
 def test_a_patched_checkpoint_keeps_its_estimates():
     trained = _trained_patched()
     other = patch_model(build("deit", fused=False, seed=5))

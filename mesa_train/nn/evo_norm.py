@@ -17,11 +17,17 @@ GELU's is, and so are the statistics inside it (a group's std from 8-bit values:
 of about one rounding step over ``sqrt(12 N)`` standard deviations, N the group's size).
 
 What happens once: the forward runs in the autograd Function's forward only. The re-run in
-backward computes on scratch copies of the buffers (the B variants' training forward updates
-``running_var``), under the forward's autocast state. ``S1``/``S2``'s ``act`` (SiLU by default)
+backward reads what the forward read (the tensors given to the Function: under
+``torch.func.functional_call`` the caller's, a parametrization's ``original``), computes on
+scratch copies of the buffers (the B variants' training forward updates ``running_var``), in
+train mode, under the forward's autocast state, and calls no hook. Like ``functional_call``, it
+puts these in the module's place while it runs: a forward of the same module in another thread
+at that moment would see them. ``S1``/``S2``'s ``act`` (SiLU by default)
 is applied to ``x`` inside the layer: it runs stock in both runs (``patch_model`` leaves it
 unconverted). ``FilterResponseNormAct2d``'s ``act`` is applied to the layer's output: it stays a
 child of its own, converted like any activation (its input is this layer's output, not ``x``).
+An ``act`` inside that draws random numbers (``nn.RReLU``) would draw again in the re-run: none
+of timm's EvoNorm configurations uses one.
 
 Under ``torch.compile`` these layers run stock, traced into the graph: Dynamo does not trace the
 backward's ``torch.autograd.grad`` (``trace_autograd_ops`` is off), and the graph break at every
@@ -36,6 +42,7 @@ from timm.layers import evo_norm as _evo
 from timm.layers import filter_response_norm as _frn
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.utils.stateless import _reparametrize_module  # (torch.func.functional_call's substitution)
 
 from ._common import MesaLayer, autocast_state, copy_estimates, inherit_options, kept_input, load, no_autocast
 from ._common import save_elementwise_input, stock_device
@@ -47,49 +54,72 @@ __all__ = ["EvoNorm2dB0", "EvoNorm2dB1", "EvoNorm2dB2", "EvoNorm2dS0", "EvoNorm2
 
 
 @contextlib.contextmanager
-def _scratch_buffers(layer: nn.Module):
-    """The layer's own buffers replaced by copies while the re-run writes to them (the B
-    variants' ``running_var.copy_``): the forward's update stays the only one."""
-    own = dict(layer._buffers)
+def _rerun_state(layer: nn.Module, tensors: dict):
+    """The layer as its forward saw it, for the backward's re-run: the tensors that forward read
+    (``layer._rerun_inputs``: under ``torch.func.functional_call`` or a parametrization, not the
+    module's own parameters) in their places, its buffers replaced by scratch copies (the B
+    variants' ``running_var.copy_``: the forward's update stays the only one) and train mode
+    (the re-run follows the forward's branch even after ``model.eval()``). Through torch's own
+    substitution (``torch.func.functional_call``'s), without calling the module: its hooks, and
+    its ``act``'s, do not fire again."""
+    scratch = {n: b.clone() for n, b in layer.named_buffers() if not n.startswith("quantizer.")}
+    training, act = layer.training, layer._modules.get("act")
     try:
-        for name, buf in own.items():
-            if buf is not None:
-                layer._buffers[name] = buf.clone()
-        yield
+        layer.training = True
+        with _reparametrize_module(layer, {**tensors, **scratch}):
+            if act is not None:  # (S1/S2 call theirs inside: its hooks fired in the forward)
+                layer._modules["act"] = _WithoutHooks(act)
+            yield
     finally:
-        layer._buffers.update(own)
+        layer.training = training
+        if act is not None:
+            layer._modules["act"] = act
+
+
+class _WithoutHooks(nn.Module):
+    """``module``'s forward without its hooks (the re-run's ``act``)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "inner", module)  # (not a child: nothing registered twice)
+
+    def forward(self, x):
+        return self.inner.forward(x)
 
 
 class _RerunFn(torch.autograd.Function):
     """``y = layer's forward(x)`` keeping 8-bit ``x`` (and what ``layer._forward_keeping`` adds,
     e.g. a side mask); backward differentiates ``layer._rerun`` at the dequantized input
-    (module doc). ``params``: the layer's parameters (their gradients come back in order)."""
+    (module doc). ``names`` / ``tensors``: what the forward read besides ``x``
+    (``layer._rerun_inputs``); their gradients come back in that order."""
 
     @staticmethod
-    def forward(ctx, x, layer, quantizer, *params):
+    def forward(ctx, x, layer, quantizer, names, *tensors):
         y, kept, ctx.info = layer._forward_keeping(x)
-        ctx.layer, ctx.n_kept = layer, len(kept)
+        ctx.layer, ctx.names, ctx.n_kept = layer, names, len(kept)
         device_type = x.device.type
         ctx.autocast = (device_type,) + autocast_state(device_type)
-        save_elementwise_input(ctx, x, y, quantizer, *kept, *params)
+        save_elementwise_input(ctx, x, y, quantizer, *kept, *tensors)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
         (packed,), rest = load(ctx)
-        kept, params = rest[:ctx.n_kept], rest[ctx.n_kept:]
+        kept, tensors = rest[:ctx.n_kept], rest[ctx.n_kept:]
         layer, need = ctx.layer, ctx.needs_input_grad
         device_type, enabled, dtype = ctx.autocast
-        with torch.enable_grad(), _scratch_buffers(layer):
+        leaves = [t.detach().requires_grad_(n) for t, n in zip(tensors, need[4:])]
+        with torch.enable_grad(), _rerun_state(layer, dict(zip(ctx.names, leaves))):
             with no_autocast(device_type), torch.autocast(device_type, dtype=dtype, enabled=enabled):
                 xr = kept_input(ctx, packed).to(ctx.x_dtype).detach().requires_grad_(True)
                 y = layer._rerun(xr, kept, ctx.info)
-            wanted = [xr] + [p for p, n in zip(params, need[3:]) if n]
+            wanted = [xr] + [t for t, n in zip(leaves, need[4:]) if n]
+            # (allow_unused: a tensor the forward read on a branch it did not take this time)
             grads = list(torch.autograd.grad(y, wanted, g, allow_unused=True))
         gx = grads.pop(0)
-        gparams = [grads.pop(0) if n else None for n in need[3:]]
-        return (gx if need[0] else None, None, None, *gparams)
+        gtensors = [grads.pop(0) if n else None for n in need[4:]]
+        return (gx if need[0] else None, None, None, None, *gtensors)
 
 
 class _EvoNormLayer(MesaLayer):
@@ -132,19 +162,28 @@ class _EvoNormLayer(MesaLayer):
         """The forward backward differentiates, at the dequantized ``x``."""
         return self._stock_forward(x)
 
-    def _params(self) -> tuple:
-        return tuple(p for p in self._parameters.values() if p is not None)
+    def _rerun_inputs(self) -> tuple:
+        """``(names, tensors)`` the forward reads besides ``x``, as it reads them now: the weight,
+        bias, ``v`` / ``tau`` (a parametrized one's original; under ``torch.func.functional_call``
+        the tensors given there), and the parameters of an ``act`` child applied inside the norm
+        (S1/S2: a PReLU's weight)."""
+        # (named_parameters: under functional_call the tensors given there; a parametrized weight
+        # as its ``parametrizations.weight.original``, which the re-run maps again)
+        inside = isinstance(self, STOCK_ACT_INSIDE)
+        items = [(n, p) for n, p in self.named_parameters()
+                 if not n.startswith("quantizer.") and (inside or not n.startswith("act."))]
+        return tuple(n for n, _ in items), [p for _, p in items]
 
-    def _compresses(self, x: torch.Tensor, params: tuple) -> bool:
+    def _compresses(self, x: torch.Tensor, tensors: list) -> bool:
         # (under torch.compile stock: Dynamo does not trace the backward's autograd.grad, and a
         # graph break at every norm cost more than the bytes, module doc)
-        return x.dim() == 4 and not torch.compiler.is_compiling() and self._mesa_active(x, *params)
+        return x.dim() == 4 and not torch.compiler.is_compiling() and self._mesa_active(x, *tensors)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = self._params()
-        if not self._compresses(x, params):
+        names, tensors = self._rerun_inputs()
+        if not self._compresses(x, tensors):
             return self._stock.forward(self, x)
-        return _RerunFn.apply(x, self, self.quantizer, *params)
+        return _RerunFn.apply(x, self, self.quantizer, names, *tensors)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, {self._mesa_repr()}"
@@ -204,10 +243,10 @@ class _FrnActLayer(_EvoNormLayer):
         return x * self.weight.view(v_shape).to(dtype=x.dtype) + self.bias.view(v_shape).to(dtype=x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = self._params()
-        if not self._compresses(x, params):
+        names, tensors = self._rerun_inputs()
+        if not self._compresses(x, tensors):
             return self._stock.forward(self, x)
-        return self.act(_RerunFn.apply(x, self, self.quantizer, *params))
+        return self.act(_RerunFn.apply(x, self, self.quantizer, names, *tensors))
 
 
 FilterResponseNormAct2d = type("FilterResponseNormAct2d", (_FrnActLayer, _frn.FilterResponseNormAct2d),

@@ -11,8 +11,9 @@ buffers ``alpha``, ``beta``, ``initialized`` and the rounding ``rng``; with
   (``initialized = False``), so a patched model loads it strictly and the estimates start
   from the first training batch. :func:`load_stock_checkpoint` does both steps, and so does a
   patched model's own ``load_state_dict`` (``patch_model`` gives its root the pre-hook
-  :func:`accept_stock_checkpoints`) when the checkpoint has no Mesa entry at all: timm's
-  ``load_checkpoint`` and a user's ``model.load_state_dict(stock_sd)`` work on a patched model.
+  :func:`accept_stock_checkpoints`) when the checkpoint has no Mesa entry at all and at least
+  half of the model's other entries: timm's ``load_checkpoint`` and a user's
+  ``model.load_state_dict(stock_sd)`` work on a patched model.
   A checkpoint with some Mesa entries is a patched one and is loaded as given (strictly, a
   missing estimate is an error there).
 * :func:`patched_to_stock_state_dict` drops the Mesa buffers, so a stock model loads it
@@ -148,27 +149,33 @@ def stock_to_patched_state_dict(state_dict: Mapping[str, torch.Tensor],
     return out
 
 
-def _fresh_mesa_entries(root: nn.Module, exclude=()) -> "OrderedDict[str, torch.Tensor]":
+def _fresh_mesa_entries(root: nn.Module, exclude=(), own=None, keys=None) -> "OrderedDict[str, torch.Tensor]":
     """Every Mesa key of ``root`` not in ``exclude``, with the value of a quantizer that has
     seen no batch: zeros (alpha/beta 0, initialized False, learned thresholds 0), and the
-    format record the model was patched with."""
-    own = root.state_dict()
+    format record the model was patched with. (``own``, ``keys``: ``root``'s state dict and
+    Mesa keys where the caller has them.)"""
+    own = root.state_dict() if own is None else own
+    keys = mesa_state_keys(root) if keys is None else keys
     return OrderedDict((k, own[k].clone() if k.rsplit(".", 1)[-1] == FORMAT_KEY else torch.zeros_like(own[k]))
-                       for k in sorted(mesa_state_keys(root)) if k not in exclude)
+                       for k in sorted(keys) if k not in exclude)
 
 
 def _complete_stock_checkpoint(module: nn.Module, state_dict, prefix: str, local_metadata, strict: bool,
                                missing_keys, unexpected_keys, error_msgs) -> None:
-    """``load_state_dict`` pre-hook of a patched model (:func:`accept_stock_checkpoints`):
-    a checkpoint without any Mesa entry under ``prefix`` gets fresh estimates, in the dict
-    torch is loading from (its own copy; the children load from it after this hook). Also
-    with ``strict=False``, which torch does not pass on to the hooks (``strict`` is always
-    True here); new weights call for new estimates either way."""
+    """``load_state_dict`` pre-hook of a patched model (:func:`accept_stock_checkpoints`): a
+    stock model's checkpoint gets fresh estimates, in the dict torch is loading from (its own
+    copy; the children load from it after this hook). Stock: no Mesa entry under ``prefix``,
+    and at least half of the model's other entries (new weights call for new estimates; a
+    partial load, a head alone, leaves the estimates as they are and torch lists them missing,
+    as it does every key a ``strict=False`` load lacks). ``strict`` is always True here: torch
+    does not pass the caller's on to the hooks."""
     if any(k.startswith(prefix) and is_mesa_key(k[len(prefix):]) for k in state_dict):
         return  # a patched checkpoint (maybe under an earlier patch's names): loaded as given
-    fresh = _fresh_mesa_entries(module)
-    if not fresh:
+    own, keys = module.state_dict(), mesa_state_keys(module)
+    others = [k for k in own if k not in keys]
+    if not keys or 2 * sum(prefix + k in state_dict for k in others) < len(others):
         return
+    fresh = _fresh_mesa_entries(module, own=own, keys=keys)
     for k, v in fresh.items():
         state_dict[prefix + k] = v
     layers = sorted({k.rsplit(".", 1)[0] for k in fresh})
