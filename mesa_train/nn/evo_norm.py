@@ -62,7 +62,8 @@ def _rerun_state(layer: nn.Module, tensors: dict):
     (the re-run follows the forward's branch even after ``model.eval()``). Through torch's own
     substitution (``torch.func.functional_call``'s), without calling the module: its hooks, and
     its ``act``'s, do not fire again."""
-    scratch = {n: b.clone() for n, b in layer.named_buffers() if not n.startswith("quantizer.")}
+    scratch = {n: b.clone() for n, b in layer.named_buffers()  # (not the quantizers': the re-run leaves them)
+               if not any(part.startswith("quantizer") for part in n.split("."))}
     training, act = layer.training, layer._modules.get("act")
     try:
         layer.training = True
