@@ -272,18 +272,80 @@ def test_a_parametrization_added_after_patching_gets_its_gradient():
 
 
 def test_s1_with_a_parametric_act_inside():
-    """S1's act is called inside the norm: its parameters (a PReLU's weight) get their gradient,
-    and a hook on it fires once per step, as in stock (the re-run calls the act without hooks)."""
+    """S1's act is called inside the norm: its parameters (a PReLU's weight) get their gradient."""
     stock = evo.EvoNorm2dS1(C, act_layer=torch.nn.PReLU, **_GROUPED).train()
     mesa = mnn.EvoNorm2dS1.from_module(copy.deepcopy(stock), rounding="nearest")
-    calls = []
-    for layer in (stock, mesa):
-        layer.act.register_forward_hook(lambda *a: calls.append(1))
     x, g = _input(), torch.randn(4, C, 6, 5)
     grads = [_grads_of(m, x, g) for m in (stock, mesa)]
-    assert len(calls) == 2
     assert grads[1]["act.weight"] is not None
+    assert min(_cosines(*grads).values()) > 0.995  # (PReLU's kink from the 8-bit input: no side mask)
+
+
+def _saved_bytes(layer, x):
+    with SavedTensorMeter(layer) as meter:
+        layer(x.clone().requires_grad_(True)).sum().backward()
+    layer.zero_grad(set_to_none=True)
+    return meter.activation_bytes
+
+
+def test_hooks_and_pruning():
+    """A forward hook on the inside act that changes its output is part of the function: the
+    re-run calls it too (skipping it gave input gradients off by 1.37 of 2.74). prune after
+    patching (its pre-hook sets self.weight from weight_orig, which a re-run from weight_orig
+    misses: weight_orig got no gradient): the layer runs stock, gradients bitwise stock's; on
+    the inside act's weight the act's own pre-hook runs in the re-run."""
+    from torch.nn.utils import prune
+
+    x, g = _input(), torch.randn(4, C, 6, 5)
+    stock = evo.EvoNorm2dS1(C, act_layer=torch.nn.PReLU, **_GROUPED).train()
+    mesa = mnn.EvoNorm2dS1.from_module(copy.deepcopy(stock), rounding="nearest")
+    compressed = _saved_bytes(mesa, x)
+    for layer in (stock, mesa):
+        layer.act.register_forward_hook(lambda m, i, o: o * 2)
+        prune.l1_unstructured(layer.act, "weight", amount=0.5)
+    grads = [_grads_of(m, x, g) for m in (stock, mesa)]
+    assert grads[1]["act.weight_orig"] is not None
+    assert min(_cosines(*grads).values()) > 0.995
+    assert _saved_bytes(mesa, x) == compressed  # (still compressed)
+    stock = _stock(evo.EvoNorm2dS0, _GROUPED)
+    mesa = mnn.EvoNorm2dS0.from_module(copy.deepcopy(stock))
+    for layer in (stock, mesa):
+        prune.l1_unstructured(layer, "weight", amount=0.25)
+    grads = [_grads_of(m, x, g) for m in (stock, mesa)]
+    assert grads[1]["weight_orig"] is not None
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_a_tensor_under_two_names_gets_both_shares():
+    """A bias tied to the weight (or one tensor given for both to functional_call): the re-run
+    substitutes both names, so the gradient is the sum of both uses, as stock's."""
+    stock = _stock(evo.EvoNorm2dS0, _GROUPED)
+    stock.bias = stock.weight
+    mesa = mnn.EvoNorm2dS0.from_module(copy.deepcopy(stock), rounding="nearest")
+    assert mesa.bias is mesa.weight
+    x, g = _input(), torch.randn(4, C, 6, 5)
+    grads = [_grads_of(m, x, g) for m in (stock, mesa)]
     assert min(_cosines(*grads).values()) > 0.999
+    untied = torch.nn.Sequential(_stock(evo.EvoNorm2dS0, _GROUPED))
+    both = [untied, patch_model(copy.deepcopy(untied), rounding="nearest")]
+    grads, shared = [], torch.rand(C) + 0.5
+    for model in both:
+        t = shared.clone().requires_grad_(True)
+        params = {"0.weight": t, "0.bias": t, "0.v": torch.ones(C, requires_grad=True)}
+        grads.append(_grads_of(model, x, g, params))
+    assert min(_cosines(*grads).values()) > 0.999
+
+
+def test_higher_order_gradients_are_refused_in_one_line():
+    """A gradient penalty through the layer: its backward is not differentiable (it re-runs from
+    the 8-bit copy), and create_graph=True lost the second-order term without a word."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, C, 1), evo.EvoNorm2dS0(C, **_GROUPED)).train()
+    patch_model(model, ops=["evonorm"])
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    out = model(x).sum()
+    with pytest.raises(RuntimeError, match=r"higher-order gradients \(backward with create_graph=True\) through "
+                                           r"a Mesa EvoNorm2dS0 are not supported"):
+        torch.autograd.grad(out, x, create_graph=True)
 
 
 def test_eval_between_forward_and_backward_keeps_the_forward_branch():

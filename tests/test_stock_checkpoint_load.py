@@ -104,6 +104,19 @@ def test_a_partial_load_leaves_the_estimates_as_they_are():
         assert torch.equal(v, before[k]), k
 
 
+def test_half_of_a_small_model_is_no_stock_checkpoint():
+    """Two of four weights (a conv + GELU + conv model's head): more than half is the rule."""
+    model = patch_model(nn.Sequential(nn.Conv2d(3, 8, 3), nn.GELU(), nn.Conv2d(8, 4, 1)))
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    before = _estimates(model)
+    head = {k: v for k, v in model.state_dict().items() if k.startswith("2.") and "quantizer" not in k}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.load_state_dict(head, strict=False)
+    for k, v in _estimates(model).items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_a_stock_checkpoint_in_a_non_default_format():
     """The format record (bits=4) is the model's own in the fresh entries."""
     source = build("deit", fused=False, seed=3)

@@ -27,7 +27,10 @@ is applied to ``x`` inside the layer: it runs stock in both runs (``patch_model`
 unconverted). ``FilterResponseNormAct2d``'s ``act`` is applied to the layer's output: it stays a
 child of its own, converted like any activation (its input is this layer's output, not ``x``).
 An ``act`` inside that draws random numbers (``nn.RReLU``) would draw again in the re-run: none
-of timm's EvoNorm configurations uses one.
+of timm's EvoNorm configurations uses one; the inside ``act``'s hooks run again in the re-run (as
+part of the function: a hook may change its output). A layer whose weight a forward pre-hook
+computes (``prune``, the hook-based ``weight_norm``) runs stock. Higher-order gradients
+(``create_graph=True``) are refused with one line, as the other Mesa layers refuse them.
 
 Under ``torch.compile`` these layers run stock, traced into the graph: Dynamo does not trace the
 backward's ``torch.autograd.grad`` (``trace_autograd_ops`` is off), and the graph break at every
@@ -41,7 +44,6 @@ import torch
 from timm.layers import evo_norm as _evo
 from timm.layers import filter_response_norm as _frn
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn.utils.stateless import _reparametrize_module  # (torch.func.functional_call's substitution)
 
 from ._common import MesaLayer, autocast_state, copy_estimates, inherit_options, kept_input, load, no_autocast
@@ -60,32 +62,18 @@ def _rerun_state(layer: nn.Module, tensors: dict):
     module's own parameters) in their places, its buffers replaced by scratch copies (the B
     variants' ``running_var.copy_``: the forward's update stays the only one) and train mode
     (the re-run follows the forward's branch even after ``model.eval()``). Through torch's own
-    substitution (``torch.func.functional_call``'s), without calling the module: its hooks, and
-    its ``act``'s, do not fire again."""
+    substitution (``torch.func.functional_call``'s), without calling the module: its hooks do
+    not fire again. An inside ``act`` is called as the forward called it, hooks included (a hook
+    that changes its output, or prune's that computes its weight, is part of the function)."""
     scratch = {n: b.clone() for n, b in layer.named_buffers()  # (not the quantizers': the re-run leaves them)
                if not any(part.startswith("quantizer") for part in n.split("."))}
-    training, act = layer.training, layer._modules.get("act")
+    training = layer.training
     try:
         layer.training = True
         with _reparametrize_module(layer, {**tensors, **scratch}):
-            if act is not None:  # (S1/S2 call theirs inside: its hooks fired in the forward)
-                layer._modules["act"] = _WithoutHooks(act)
             yield
     finally:
         layer.training = training
-        if act is not None:
-            layer._modules["act"] = act
-
-
-class _WithoutHooks(nn.Module):
-    """``module``'s forward without its hooks (the re-run's ``act``)."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        object.__setattr__(self, "inner", module)  # (not a child: nothing registered twice)
-
-    def forward(self, x):
-        return self.inner.forward(x)
 
 
 class _RerunFn(torch.autograd.Function):
@@ -104,8 +92,14 @@ class _RerunFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g):
+        # (not once_differentiable: that refuses only a g that requires grad, and a gradient
+        # penalty through this layer lost its second-order term without a word)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"mesa: higher-order gradients (backward with create_graph=True) through a Mesa "
+                f"{type(ctx.layer).__name__} are not supported: its backward uses the saved 8-bit copy, not a "
+                "differentiable graph. Run that part of the model stock (enabled=False, or unpatched) for them.")
         (packed,), rest = load(ctx)
         kept, tensors = rest[:ctx.n_kept], rest[ctx.n_kept:]
         layer, need = ctx.layer, ctx.needs_input_grad
@@ -171,14 +165,20 @@ class _EvoNormLayer(MesaLayer):
         # (named_parameters: under functional_call the tensors given there; a parametrized weight
         # as its ``parametrizations.weight.original``, which the re-run maps again)
         inside = isinstance(self, STOCK_ACT_INSIDE)
-        items = [(n, p) for n, p in self.named_parameters()
+        # (remove_duplicate=False: a tensor under two names, tied or given twice, is read twice)
+        items = [(n, p) for n, p in self.named_parameters(remove_duplicate=False)
                  if not n.startswith("quantizer.") and (inside or not n.startswith("act."))]
         return tuple(n for n, _ in items), [p for _, p in items]
 
     def _compresses(self, x: torch.Tensor, tensors: list) -> bool:
-        # (under torch.compile stock: Dynamo does not trace the backward's autograd.grad, and a
-        # graph break at every norm cost more than the bytes, module doc)
-        return x.dim() == 4 and not torch.compiler.is_compiling() and self._mesa_active(x, *tensors)
+        # Stock instead: under torch.compile (Dynamo does not trace the backward's autograd.grad,
+        # and a graph break at every norm cost more than the bytes); with a weight a forward
+        # pre-hook computes into a plain tensor (prune, the hook-based weight_norm and
+        # spectral_norm, from weight_orig: the re-run, which substitutes weight_orig, would read
+        # the stale one). Module doc.
+        if x.dim() != 4 or torch.compiler.is_compiling() or not self._mesa_active(x, *tensors):
+            return False
+        return not any(isinstance(self.__dict__.get(n), torch.Tensor) for n in ("weight", "bias", "v", "tau"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         names, tensors = self._rerun_inputs()

@@ -11,7 +11,7 @@ buffers ``alpha``, ``beta``, ``initialized`` and the rounding ``rng``; with
   (``initialized = False``), so a patched model loads it strictly and the estimates start
   from the first training batch. :func:`load_stock_checkpoint` does both steps, and so does a
   patched model's own ``load_state_dict`` (``patch_model`` gives its root the pre-hook
-  :func:`accept_stock_checkpoints`) when the checkpoint has no Mesa entry at all and at least
+  :func:`accept_stock_checkpoints`) when the checkpoint has no Mesa entry at all and more than
   half of the model's other entries: timm's ``load_checkpoint`` and a user's
   ``model.load_state_dict(stock_sd)`` work on a patched model.
   A checkpoint with some Mesa entries is a patched one and is loaded as given (strictly, a
@@ -165,7 +165,7 @@ def _complete_stock_checkpoint(module: nn.Module, state_dict, prefix: str, local
     """``load_state_dict`` pre-hook of a patched model (:func:`accept_stock_checkpoints`): a
     stock model's checkpoint gets fresh estimates, in the dict torch is loading from (its own
     copy; the children load from it after this hook). Stock: no Mesa entry under ``prefix``,
-    and at least half of the model's other entries (new weights call for new estimates; a
+    and more than half of the model's other entries (new weights call for new estimates; a
     partial load, a head alone, leaves the estimates as they are and torch lists them missing,
     as it does every key a ``strict=False`` load lacks). ``strict`` is always True here: torch
     does not pass the caller's on to the hooks."""
@@ -173,7 +173,7 @@ def _complete_stock_checkpoint(module: nn.Module, state_dict, prefix: str, local
         return  # a patched checkpoint (maybe under an earlier patch's names): loaded as given
     own, keys = module.state_dict(), mesa_state_keys(module)
     others = [k for k in own if k not in keys]
-    if not keys or 2 * sum(prefix + k in state_dict for k in others) < len(others):
+    if not keys or 2 * sum(prefix + k in state_dict for k in others) <= len(others):
         return
     fresh = _fresh_mesa_entries(module, own=own, keys=keys)
     for k, v in fresh.items():
