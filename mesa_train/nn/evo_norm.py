@@ -52,7 +52,7 @@ from .relu import pack_bits, unpack_bits
 
 __all__ = ["EvoNorm2dB0", "EvoNorm2dB1", "EvoNorm2dB2", "EvoNorm2dS0", "EvoNorm2dS0a", "EvoNorm2dS1", "EvoNorm2dS1a",
            "EvoNorm2dS2", "EvoNorm2dS2a", "FilterResponseNormTlu2d", "FilterResponseNormAct2d",
-           "EVO_NORM_CLASSES", "EVO_NORM_OPS", "STOCK_ACT_INSIDE", "acts_inside", "evo_norm_op"]
+           "EVO_NORM_CLASSES", "STOCK_ACT_INSIDE", "acts_inside"]
 
 
 @contextlib.contextmanager
@@ -180,22 +180,35 @@ class _EvoNormLayer(MesaLayer):
             return False
         return not any(isinstance(self.__dict__.get(n), torch.Tensor) for n in ("weight", "bias", "v", "tau"))
 
+    def _after(self, y: torch.Tensor) -> torch.Tensor:
+        """What the forward applies to the Function's output outside it (FRN-Act: its act)."""
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         names, tensors = self._rerun_inputs()
         if not self._compresses(x, tensors):
             return self._stock.forward(self, x)
-        return _RerunFn.apply(x, self, self.quantizer, names, *tensors)
+        return self._after(_RerunFn.apply(x, self, self.quantizer, names, *tensors))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, {self._mesa_repr()}"
 
 
-def _twin(stock: type) -> type:
-    """``Mesa<stock>``: a subclass of ``_EvoNormLayer`` and of ``stock`` (isinstance checks and
-    the attributes of timm's class keep working), named after it."""
-    return type(stock.__name__, (_EvoNormLayer, stock),
+def _twin(stock: type, base: type = None, kept: str = "its 8-bit input") -> type:
+    """``Mesa<stock>``: a subclass of ``base`` (``_EvoNormLayer`` or one of its own) and of
+    ``stock`` (isinstance checks and the attributes of timm's class keep working), named after it."""
+    return type(stock.__name__, (base or _EvoNormLayer, stock),
                 {"_stock": stock, "__module__": __name__,
-                 "__doc__": f"timm's ``{stock.__name__}`` keeping its 8-bit input (module doc)."})
+                 "__doc__": f"timm's ``{stock.__name__}`` keeping {kept} (module doc)."})
+
+
+def _frn_affine(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's FRN forwards (TLU's, Act's) up to their last line, op for op: ``x`` over its
+    instance RMS, then the affine map."""
+    x_dtype = x.dtype
+    v_shape = (1, -1, 1, 1)
+    x = x * _frn.inv_instance_rms(x, layer.eps)
+    return x * layer.weight.view(v_shape).to(dtype=x_dtype) + layer.bias.view(v_shape).to(dtype=x_dtype)
 
 
 class _TluLayer(_EvoNormLayer):
@@ -208,12 +221,8 @@ class _TluLayer(_EvoNormLayer):
     gradient)."""
 
     def _z_tau(self, x: torch.Tensor) -> tuple:
-        # FilterResponseNormTlu2d.forward up to its last line, op for op
-        x_dtype = x.dtype
-        v_shape = (1, -1, 1, 1)
-        x = x * _frn.inv_instance_rms(x, self.eps)
-        x = x * self.weight.view(v_shape).to(dtype=x_dtype) + self.bias.view(v_shape).to(dtype=x_dtype)
-        return x, self.tau.reshape(v_shape).to(dtype=x_dtype)
+        # (FilterResponseNormTlu2d.forward's last line: torch.maximum(z, tau))
+        return _frn_affine(self, x), self.tau.reshape(1, -1, 1, 1).to(dtype=x.dtype)
 
     def _forward_keeping(self, x: torch.Tensor) -> tuple:
         if self.tau is None:
@@ -238,25 +247,14 @@ class _FrnActLayer(_EvoNormLayer):
     it as its own child (a converted activation keeps what it needs of this layer's output)."""
 
     def _stock_forward(self, x: torch.Tensor) -> torch.Tensor:
-        # FilterResponseNormAct2d.forward without its last line (self.act)
-        v_shape = (1, -1, 1, 1)
-        x = x * _frn.inv_instance_rms(x, self.eps)
-        return x * self.weight.view(v_shape).to(dtype=x.dtype) + self.bias.view(v_shape).to(dtype=x.dtype)
+        return _frn_affine(self, x)  # (FilterResponseNormAct2d.forward without its last line, self.act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        names, tensors = self._rerun_inputs()
-        if not self._compresses(x, tensors):
-            return self._stock.forward(self, x)
-        return self.act(_RerunFn.apply(x, self, self.quantizer, names, *tensors))
+    def _after(self, y: torch.Tensor) -> torch.Tensor:
+        return self.act(y)
 
 
-FilterResponseNormAct2d = type("FilterResponseNormAct2d", (_FrnActLayer, _frn.FilterResponseNormAct2d),
-                               {"_stock": _frn.FilterResponseNormAct2d, "__module__": __name__,
-                                "__doc__": "timm's ``FilterResponseNormAct2d`` keeping its 8-bit input."})
-
-FilterResponseNormTlu2d = type("FilterResponseNormTlu2d", (_TluLayer, _frn.FilterResponseNormTlu2d),
-                               {"_stock": _frn.FilterResponseNormTlu2d, "__module__": __name__,
-                                "__doc__": "timm's ``FilterResponseNormTlu2d`` keeping its 8-bit input, side masks."})
+FilterResponseNormAct2d = _twin(_frn.FilterResponseNormAct2d, _FrnActLayer)
+FilterResponseNormTlu2d = _twin(_frn.FilterResponseNormTlu2d, _TluLayer, "its 8-bit input and side masks")
 
 EvoNorm2dB0 = _twin(_evo.EvoNorm2dB0)
 EvoNorm2dB1 = _twin(_evo.EvoNorm2dB1)
@@ -276,17 +274,7 @@ EVO_NORM_CLASSES = {cls._stock: cls for cls in (
 # the classes that apply their ``act`` child to ``x`` inside the norm: it stays stock
 STOCK_ACT_INSIDE = (_evo.EvoNorm2dS1, _evo.EvoNorm2dS2)  # (S1a and S2a are subclasses)
 
-# the op these layers are converted under (patch_model's ops): their own, since the re-run costs
-# step time (a user may keep them stock and fast, and still compress GroupNorm or BatchNorm)
-EVO_NORM_OPS = {stock: "evonorm" for stock in EVO_NORM_CLASSES}
-
-
 def acts_inside(root: nn.Module) -> set:
     """``id``s of the ``act`` children that EvoNorm S1/S2 layers in ``root`` apply to their input
     inside the norm: left stock by the leaf conversion (module doc)."""
     return {id(m.act) for m in root.modules() if isinstance(m, STOCK_ACT_INSIDE) and isinstance(m.act, nn.Module)}
-
-
-def evo_norm_op(module: nn.Module):
-    """The op name of a Mesa EvoNorm / FRN layer, else None."""
-    return EVO_NORM_OPS.get(module._stock) if isinstance(module, _EvoNormLayer) else None

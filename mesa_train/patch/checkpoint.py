@@ -25,7 +25,6 @@ buffers ``alpha``, ``beta``, ``initialized`` and the rounding ``rng``; with
 """
 from __future__ import annotations
 
-import sys
 import warnings
 from collections import OrderedDict
 from typing import Mapping, Optional, Set
@@ -35,6 +34,7 @@ from torch import nn
 
 from mesa_train.models import unwrap_module
 from mesa_train.nn.quantizer import FORMAT_KEY, LEARNED_BUFFERS, STATE_BUFFERS
+from mesa_train.warning_site import outside_stacklevel
 
 __all__ = [
     "is_mesa_key",
@@ -182,17 +182,7 @@ def _complete_stock_checkpoint(module: nn.Module, state_dict, prefix: str, local
     warnings.warn(f"load_state_dict: a checkpoint without Mesa estimates (a stock model's) in "
                   f"{type(module).__name__}: its {len(layers)} Mesa quantizers start their estimates from the "
                   f"next batch (as mesa_train.patch.load_stock_checkpoint does)", UserWarning,
-                  stacklevel=_stacklevel_of_caller())
-
-
-def _stacklevel_of_caller() -> int:
-    """The ``stacklevel`` naming the first frame outside this file and torch's ``Module``
-    (the line that called ``load_state_dict``, however deep the hook's module sits)."""
-    inside = {__file__, nn.modules.module.__file__}
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in inside:
-        level, frame = level + 1, frame.f_back
-    return level
+                  stacklevel=outside_stacklevel())  # (the line that called load_state_dict)
 
 
 def accept_stock_checkpoints(root: nn.Module) -> None:

@@ -64,7 +64,7 @@ import mesa_train.nn as mnn
 from mesa_train.models import unwrap_module
 from mesa_train.nn._common import stock_device
 from mesa_train.nn.conv import is_scale_conv
-from mesa_train.nn.evo_norm import EVO_NORM_CLASSES, EVO_NORM_OPS, evo_norm_op
+from mesa_train.nn.evo_norm import EVO_NORM_CLASSES
 from mesa_train.nn.evo_norm import acts_inside as evo_norm_acts_inside
 from mesa_train.nn.quantizer import QuantOptions, assign_rng_keys
 from mesa_train.nn.sdpa import ScaledDotProductAttention
@@ -179,8 +179,9 @@ def _leaf_rules():
         TimmScaledStdConv2d: ("conv", mnn.ScaledStdConv2d),
         TimmScaledStdConv2dSame: ("conv", mnn.ScaledStdConv2dSame),
         TimmBlurPool2d: ("conv", mnn.BlurPool2d),  # (a fixed depthwise filter: nothing of x kept)
-        # EvoNorm B/S, FRN: 8-bit input, the stock forward re-run in backward (nn/evo_norm.py)
-        **{stock: (EVO_NORM_OPS[stock], mesa) for stock, mesa in EVO_NORM_CLASSES.items()},
+        # EvoNorm B/S, FRN: 8-bit input, the stock forward re-run in backward (nn/evo_norm.py); their
+        # own op, since the re-run costs step time (ops without it: stock and fast, GroupNorm compressed)
+        **{stock: ("evonorm", mesa) for stock, mesa in EVO_NORM_CLASSES.items()},
     }
 
 
@@ -200,9 +201,6 @@ class _TimmGELUTanh(_TimmGELU):
 
 def mesa_layer_op(module: nn.Module) -> Optional[str]:
     """The op name of a Mesa layer (``linear``, ..., ``sdpa``), else None."""
-    op = evo_norm_op(module)
-    if op is not None:
-        return op
     for cls, op in ((mnn.Linear, "linear"), (mnn.GELU, "gelu"), (mnn.QuickGELU, "gelu"),
                     (mnn.LayerNorm, "layernorm"), (mnn.Conv2d, "conv"), (mnn.Conv1d, "conv"), (mnn.ReLU, "relu"),
                     (mnn.BlurPool2d, "conv"),
@@ -220,7 +218,8 @@ def mesa_layer_op(module: nn.Module) -> Optional[str]:
                     (mnn.GlobalResponseNorm, "grn"), (mnn.GroupNorm, "groupnorm"),
                     (mnn.MaxPool2d, "maxpool"), (mnn.Amax, "maxpool"),
                     (mnn.Einsum, "matmul"), (mnn.AvgPool2d, "avgpool"),
-                    (mnn.Clamp, "linear"), (mnn.OneHotTable, "linear"), (mnn.LinearOf, "linear")):
+                    (mnn.Clamp, "linear"), (mnn.OneHotTable, "linear"), (mnn.LinearOf, "linear"),
+                    (tuple(EVO_NORM_CLASSES.values()), "evonorm")):
         if isinstance(module, cls):
             return op
     return None
