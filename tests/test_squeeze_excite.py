@@ -9,6 +9,7 @@ from torch import nn
 from timm.layers.eca import CecaModule, EcaModule
 from timm.layers.selective_kernel import SelectiveKernel
 from timm.layers.split_attn import SplitAttn
+from timm.models.hgnet import EseModule
 from timm.models.senet import SEModule as LegacySEModule
 from torchvision.ops.misc import SqueezeExcitation as TorchvisionSE
 
@@ -102,6 +103,7 @@ _PRODUCT_LINES = {
     EcaModule: {"return x * y.expand_as(x)": "return self.mesa_gate(x, y)"},
     CecaModule: {"return x * y.expand_as(x)": "return self.mesa_gate(x, y)"},
     LegacySEModule: {"return module_input * x": "return self.mesa_gate(module_input, x)"},
+    EseModule: {"return torch.mul(identity, x)": "return self.mesa_gate(identity, x)"},
     SelectiveKernel: {"x = x * x_attn": "x = self.mesa_gate(x.flatten(1, 2), x_attn.flatten(1, 2)).view(x.shape)"},
     SplitAttn: {"out = (x * x_attn.reshape((B, self.radix, RC // self.radix, 1, 1))).sum(dim=1)":
                 "out = self.mesa_gate(x.flatten(1, 2), x_attn).view(x.shape).sum(dim=1)",
@@ -160,13 +162,14 @@ def test_patch_model_swaps_squeeze_excite(stock_cls):
 
 
 @pytest.mark.parametrize("name,most", [("ecaresnet26t", 0.30), ("resnet50_gn", 0.32), ("skresnet18", 0.27),
-                                       ("resnest14d", 0.29), ("legacy_seresnet18", 0.30)])
+                                       ("resnest14d", 0.29), ("legacy_seresnet18", 0.30), ("hgnet_tiny", 0.27)])
 def test_timm_models_with_channel_gates_or_timm_group_norm(name, most):
     """The channel gates of ECA (``x * y.expand_as(x)``: eca* ResNets, NFNets), Selective Kernel,
-    ResNeSt's split attention and legacy SENet, and timm's own ``GroupNorm`` (a subclass with its
-    own forward: ResNet *_gn) kept their full input, the gates without a word. 64 px, stock's
-    bytes before -> after: ecaresnet26t 0.40x -> 0.28x, resnet50_gn 0.67x -> 0.30x, skresnet18
-    0.35x -> 0.24x, resnest14d 0.35x -> 0.26x, legacy_seresnet18 0.36x -> 0.28x."""
+    ResNeSt's split attention, legacy SENet and HGNet's ``EseModule`` (session 82), and timm's own
+    ``GroupNorm`` (a subclass with its own forward: ResNet *_gn) kept their full input, the gates
+    without a word. 64 px, stock's bytes before -> after: ecaresnet26t 0.40x -> 0.28x, resnet50_gn
+    0.67x -> 0.30x, skresnet18 0.35x -> 0.24x, resnest14d 0.35x -> 0.26x, legacy_seresnet18 0.36x
+    -> 0.28x, hgnet_tiny 0.307x -> 0.256x."""
     import timm
     import warnings
 
@@ -189,7 +192,16 @@ def test_timm_models_with_channel_gates_or_timm_group_norm(name, most):
     want.square().sum().backward(), got.square().sum().backward()
     grads = dict(patched.named_parameters())
     for n, p in stock.named_parameters():  # (zero_init_last: a block's branch has no gradient yet)
-        assert _cos(p.grad, grads[n].grad) > 0.99 if p.grad.any() else not grads[n].grad.any(), n
+        assert _cos(p.grad, grads[n].grad) > _cosine_floor(name, n) if p.grad.any() else not grads[n].grad.any(), n
+
+
+def _cosine_floor(model: str, parameter: str) -> float:
+    """HGNet's first two aggregations (a ConvBNAct, then the ESE gate, before the next stage's
+    depthwise conv + BatchNorm) are near scale-invariance cancellations: the BatchNorm's weight and
+    the gate's conv bias have gradients 50-100x below the stem's, which 8-bit noise shifts (cosines
+    0.92 / 0.94 with the gate swapped, 0.92 / 0.96 before it, against float64; float32 stock reads
+    1.0000). The gate is not positively homogeneous, so ``patch/cancellation.py`` does not pass it."""
+    return 0.9 if model == "hgnet_tiny" and ".aggregation." in parameter else 0.99
 
 
 @pytest.mark.parametrize("act_type,inplace", [("gelu", False), ("gelu_tanh", False), ("relu", True), ("silu", True),

@@ -7,7 +7,8 @@ except that the final ``x * self.gate(x_se)`` runs through a ``mesa_gate`` child
 and activations of the squeeze path act on ``(N, C, 1, 1)`` tensors and are converted (or
 not) by the ordinary leaf conversion. The same for the channel gates of ECA, legacy SENet,
 Selective Kernel and ResNeSt's split attention (session 78; the last two weigh stacked paths
-``(B, P, C, H, W)``, gated as ``(B, P * C, H, W)``: the same products).
+``(B, P, C, H, W)``, gated as ``(B, P * C, H, W)``: the same products) and HGNet's ``EseModule``
+(session 82).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from timm.layers.squeeze_excite import SqueezeExciteCl as _SECl
 from timm.layers.eca import CecaModule as _Ceca, EcaModule as _Eca
 from timm.layers.selective_kernel import SelectiveKernel as _SelectiveKernel
 from timm.layers.split_attn import SplitAttn as _SplitAttn
+from timm.models.hgnet import EseModule as _HGNetEse
 from timm.models.senet import SEModule as _LegacySE
 from timm.models._efficientnet_blocks import SqueezeExcite as _EfficientNetSE
 from torchvision.ops.misc import SqueezeExcitation as _TorchvisionSE
@@ -119,6 +121,18 @@ class MesaLegacySEModule(_LegacySE):
         return self.mesa_gate(module_input, x)
 
 
+class MesaHGNetEseModule(_HGNetEse):
+    """HGNet's ``EseModule`` (PP-HGNet V1: ``hgnet_tiny`` / ``small`` / ``base``, each block's
+    aggregation): ``torch.mul(identity, x)``."""
+
+    def forward(self, x):
+        identity = x
+        x = x.mean((2, 3), keepdim=True)
+        x = self.conv(x)
+        x = self.sigmoid(x)
+        return self.mesa_gate(identity, x)
+
+
 class MesaSelectiveKernel(_SelectiveKernel):
     """``SelectiveKernel`` (SKNet: ``skresnet*``): the paths stacked ``(B, P, C, H, W)`` times their
     softmax weights ``(B, P, C, 1, 1)``, as ``(B, P * C, H, W)`` times ``(B, P * C, 1, 1)`` (the same
@@ -169,7 +183,7 @@ class MesaSplitAttn(_SplitAttn):
 
 SE_CLASSES = {_EfficientNetSE: MesaEfficientNetSqueezeExcite, _SE: MesaSEModule, _EffectiveSE: MesaEffectiveSEModule,
               _SECl: MesaSqueezeExciteCl, _TorchvisionSE: MesaTorchvisionSqueezeExcitation,
-              _Eca: MesaEcaModule, _Ceca: MesaCecaModule, _LegacySE: MesaLegacySEModule,
+              _Eca: MesaEcaModule, _Ceca: MesaCecaModule, _LegacySE: MesaLegacySEModule, _HGNetEse: MesaHGNetEseModule,
               _SelectiveKernel: MesaSelectiveKernel, _SplitAttn: MesaSplitAttn}
 STOCK_SE_CLASSES = {v: k for k, v in SE_CLASSES.items()}
 
@@ -183,5 +197,7 @@ def gate_channels(module) -> int | None:
         return module.attn.fc_select.out_channels  # (paths x channels)
     if isinstance(module, _SplitAttn):
         return module.fc2.out_channels  # (radix x channels)
+    if isinstance(module, _HGNetEse):
+        return module.conv.in_channels
     first = getattr(module, "conv_reduce", None) or getattr(module, "fc1", None) or module.fc
     return first.in_features if isinstance(module, _SECl) else first.in_channels
