@@ -83,7 +83,7 @@ from .convnext import SCALE_CHILD as CONVNEXT_SCALE_CHILD, SCALED_BLOCK_CLASSES,
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
 from .block import BLOCK_CLASSES, NORM_LINEAR_COPIES, STOCK_BLOCK_CLASSES
-from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channels
+from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channels, swaps
 from .gemma4 import GEMMA4_CLASSES, STOCK_GEMMA4_CLASSES
 from .gating import GATING_CLASSES, STOCK_GATING_CLASSES
 from .sam import swap_sam_attention
@@ -999,7 +999,7 @@ def _patch_squeeze_excite(t: _Target) -> None:
         stock_cls = STOCK_SE_CLASSES.get(type(m), type(m))
         if stock_cls not in SE_CLASSES or t.skipped(name) or t.module_info(name).module_set not in t.set_names:
             continue
-        if SE_CHILD not in m._modules:
+        if SE_CHILD not in m._modules and swaps(m):
             opts = dict(t.quant_options)
             width = gate_channels(m) or _input_width(t.parents, m)
             if width is not None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from timm.layers.squeeze_excite import EffectiveSEModule as _EffectiveSE, SEModule as _SE
 from timm.layers.squeeze_excite import SqueezeExciteCl as _SECl
 from timm.layers.eca import CecaModule as _Ceca, EcaModule as _Eca
+from timm.layers.global_context import GlobalContext as _GlobalContext
 from timm.layers.selective_kernel import SelectiveKernel as _SelectiveKernel
 from timm.layers.split_attn import SplitAttn as _SplitAttn
 from timm.models.hgnet import EseModule as _HGNetEse
@@ -24,7 +25,7 @@ from timm.models.senet import SEModule as _LegacySE
 from timm.models._efficientnet_blocks import SqueezeExcite as _EfficientNetSE
 from torchvision.ops.misc import SqueezeExcitation as _TorchvisionSE
 
-__all__ = ["SE_CLASSES", "STOCK_SE_CLASSES", "SE_CHILD", "gate_channels"]
+__all__ = ["SE_CLASSES", "STOCK_SE_CLASSES", "SE_CHILD", "gate_channels", "swaps"]
 
 SE_CHILD = "mesa_gate"
 
@@ -133,6 +134,33 @@ class MesaHGNetEseModule(_HGNetEse):
         return self.mesa_gate(identity, x)
 
 
+class MesaGlobalContext(_GlobalContext):
+    """``GlobalContext`` (GCNet: ``gcresnet*``, ``gcresnext*``, ``gc_efficientnetv2_rw_t``,
+    ``attn_layer="gc"``): with ``fuse_scale``, ``x * self.gate(mlp_x)`` through ``mesa_gate``. Its
+    attention pooling (``x @ softmax(conv_attn(x))`` over the positions) is the generic attention
+    capture's, as before (``patch/generic_attention.py``: a q.k product and its softmax)."""
+
+    def forward(self, x):
+        B, C, H, W = x.shape
+
+        if self.conv_attn is not None:
+            attn = self.conv_attn(x).reshape(B, 1, H * W)  # (B, 1, H * W)
+            attn = F.softmax(attn, dim=-1).unsqueeze(3)  # (B, 1, H * W, 1)
+            context = x.reshape(B, C, H * W).unsqueeze(1) @ attn
+            context = context.view(B, C, 1, 1)
+        else:
+            context = x.mean(dim=(2, 3), keepdim=True)
+
+        if self.mlp_scale is not None:
+            mlp_x = self.mlp_scale(context)
+            x = self.mesa_gate(x, self.gate(mlp_x))
+        if self.mlp_add is not None:
+            mlp_x = self.mlp_add(context)
+            x = x + mlp_x
+
+        return x
+
+
 class MesaSelectiveKernel(_SelectiveKernel):
     """``SelectiveKernel`` (SKNet: ``skresnet*``): the paths stacked ``(B, P, C, H, W)`` times their
     softmax weights ``(B, P, C, 1, 1)``, as ``(B, P * C, H, W)`` times ``(B, P * C, 1, 1)`` (the same
@@ -184,7 +212,7 @@ class MesaSplitAttn(_SplitAttn):
 SE_CLASSES = {_EfficientNetSE: MesaEfficientNetSqueezeExcite, _SE: MesaSEModule, _EffectiveSE: MesaEffectiveSEModule,
               _SECl: MesaSqueezeExciteCl, _TorchvisionSE: MesaTorchvisionSqueezeExcitation,
               _Eca: MesaEcaModule, _Ceca: MesaCecaModule, _LegacySE: MesaLegacySEModule, _HGNetEse: MesaHGNetEseModule,
-              _SelectiveKernel: MesaSelectiveKernel, _SplitAttn: MesaSplitAttn}
+              _SelectiveKernel: MesaSelectiveKernel, _SplitAttn: MesaSplitAttn, _GlobalContext: MesaGlobalContext}
 STOCK_SE_CLASSES = {v: k for k, v in SE_CLASSES.items()}
 
 
@@ -199,5 +227,14 @@ def gate_channels(module) -> int | None:
         return module.fc2.out_channels  # (radix x channels)
     if isinstance(module, _HGNetEse):
         return module.conv.in_channels
+    if isinstance(module, _GlobalContext):
+        return module.mlp_scale.fc1.in_channels
     first = getattr(module, "conv_reduce", None) or getattr(module, "fc1", None) or module.fc
     return first.in_features if isinstance(module, _SECl) else first.in_channels
+
+
+
+def swaps(module) -> bool:
+    """Whether a stock block's swapped forward has a product to take: all but a ``GlobalContext``
+    without ``fuse_scale`` (timm's ``"gca"``: it adds its context, no gate)."""
+    return not isinstance(module, _GlobalContext) or module.mlp_scale is not None
