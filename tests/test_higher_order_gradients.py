@@ -2,10 +2,12 @@
 
 Their backward reads the 8-bit copy of the input, so it has no graph back to the input: a
 gradient taken with ``create_graph=True`` and differentiated again would silently miss every
-second-order term through that copy. Each backward is ``@once_differentiable``: the first
-derivative is unchanged (also with ``create_graph=True``, e.g. for a gradient penalty on
-something else), and differentiating it again is PyTorch's one-line error. The C++ layer
-nodes stop already at the first backward (tests/test_layers_autograd.py).
+second-order term through that copy. Each backward is ``@first_order`` (``nn/first_order.py``):
+a backward with ``create_graph=True`` is refused in one line, at the first derivative, as the
+C++ layer nodes refuse it (tests/test_layers_autograd.py). Until session 82 it was
+``@once_differentiable``, which refused only an incoming gradient that required grad: with a
+constant one the gradient came back without its second-order term, without a word
+(tests/test_first_order.py).
 
 The exceptions are the layers whose backward reads nothing lossy and is linear in the incoming
 gradient: AvgPool2d (keeps nothing), Amax and Clamp (exact 1-bit masks). Under ``create_graph=True``
@@ -58,18 +60,16 @@ def _loss(module, x):
 
 
 @pytest.mark.parametrize("name,make,shape", _cases(), ids=[c[0] for c in _cases()])
-def test_second_derivative_is_an_error_and_first_is_unchanged(name, make, shape, monkeypatch):
+def test_create_graph_is_refused_in_one_line_and_first_order_is_unchanged(name, make, shape, monkeypatch):
     monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)  # the Python Function path
     torch.manual_seed(0)
     module = make().train()
     twin = copy.deepcopy(module)  # the same estimates and rounding seeds: the same codes
     x = torch.randn(shape, requires_grad=True)
-    (plain,) = torch.autograd.grad(_loss(module, x), x)
-    (with_graph,) = torch.autograd.grad(_loss(twin, x), x, create_graph=True)
-    assert torch.equal(plain, with_graph.detach()), name
-    assert with_graph.requires_grad, name  # the graph exists up to the Mesa layer ...
-    with pytest.raises(RuntimeError, match="once_differentiable"):  # ... and stops there
-        with_graph.pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"^mesa: higher-order gradients \(backward with create_graph=True\)"):
+        torch.autograd.grad(_loss(module, x), x, create_graph=True)
+    (plain,) = torch.autograd.grad(_loss(twin, x), x)  # first order: as before
+    assert torch.isfinite(plain).all() and plain.abs().sum() > 0, name
 
 
 def test_matmul_second_derivative_is_an_error(monkeypatch):
@@ -77,9 +77,8 @@ def test_matmul_second_derivative_is_an_error(monkeypatch):
     a = torch.randn(2, 3, 5, 8, requires_grad=True)
     b = torch.randn(2, 3, 8, 5, requires_grad=True)
     mm = mnn.MatMul().train()
-    ga, gb = torch.autograd.grad(mm(a, b).pow(2).sum(), (a, b), create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        (ga.pow(2).sum() + gb.pow(2).sum()).backward()
+    with pytest.raises(RuntimeError, match="mesa: higher-order gradients .* through a Mesa MatMul "):
+        torch.autograd.grad(mm(a, b).pow(2).sum(), (a, b), create_graph=True)
 
 
 # (stock module, Mesa module, input shape): the lossless layers whose backward differentiates

@@ -11,10 +11,10 @@ the dequantized input.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from .first_order import first_order
 from ._common import MesaLayer, group_dim_4d, kept_input, load, no_autocast, save, save_elementwise_input
 from .quantizer import decompress
 from .relu import pack_bits, unpack_bits
@@ -61,7 +61,7 @@ class _ElementwiseFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):
@@ -144,7 +144,7 @@ class _HardswishFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (below, above) = load(ctx)
         with no_autocast(g.device.type):
@@ -279,7 +279,7 @@ class _GatedFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (pa, pb), _ = load(ctx)
         ga = gb = None

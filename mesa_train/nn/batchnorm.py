@@ -23,12 +23,12 @@ forward.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import nn
 
 from mesa_train.quant import reference
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 
+from .first_order import first_order
 from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, load,
                       nhwc_view, no_autocast, save)
 from .conv import conv_backward, conv_forward, scale_branch_compiled
@@ -159,7 +159,7 @@ class _BatchNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (invstd, weight, *moments) = load(ctx)
         needs = tuple(ctx.needs_input_grad[:3])
@@ -196,7 +196,7 @@ class _ScaleBranchFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed_x, packed_xh), (invstd, bn_weight, conv_weight, *moments) = load(ctx)
         need = ctx.needs_input_grad

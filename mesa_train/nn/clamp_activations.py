@@ -13,10 +13,10 @@ tail, for the last few elements, lets a NaN pass the gradient: stock is not cons
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from .first_order import first_order
 from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options, load, save
 from .relu import MASK_KINDS, keep_mask, kept_mask, pack_bits, unpack_bits
@@ -37,7 +37,7 @@ class _ClampMaskFn(torch.autograd.Function):
         return keep_mask(ctx, x, y, inside, inplace)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         inside = kept_mask(ctx)
         if ctx.kind == "hardtanh":

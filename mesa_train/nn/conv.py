@@ -14,9 +14,9 @@ import weakref
 from typing import List, Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import nn
 
+from .first_order import first_order
 from ._common import (MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, is_channels_last, load,
                       nhwc_view, no_autocast, save)
 
@@ -135,7 +135,7 @@ class _Conv2dFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (weight,) = load(ctx)
         need = tuple(ctx.needs_input_grad[:3])

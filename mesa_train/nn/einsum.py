@@ -23,8 +23,8 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
+from .first_order import first_order
 from ._common import MesaLayer, autocast_state, load, no_autocast, save
 from .quantizer import decompress
 
@@ -71,7 +71,7 @@ class _EinsumFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         packs, raws = load(ctx)
         need = ctx.needs_input_grad

@@ -18,10 +18,10 @@ at the dequantized input, clamped to it. The Python Function runs eager and comp
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from .first_order import first_order
 from .activations import _InplaceActivation
 from ._common import kept_input, load, no_autocast, save_elementwise_input
 from .relu import pack_bits, unpack_bits
@@ -45,7 +45,7 @@ class _EluFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (positive,) = load(ctx)
         alpha, scale, input_scale = ctx.coefs

@@ -46,6 +46,7 @@ from timm.layers import filter_response_norm as _frn
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module  # (torch.func.functional_call's substitution)
 
+from .first_order import refuse_higher_order
 from ._common import MesaLayer, autocast_state, copy_estimates, inherit_options, kept_input, load, no_autocast
 from ._common import save_elementwise_input, stock_device
 from .relu import pack_bits, unpack_bits
@@ -94,12 +95,9 @@ class _RerunFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         # (not once_differentiable: that refuses only a g that requires grad, and a gradient
-        # penalty through this layer lost its second-order term without a word)
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"mesa: higher-order gradients (backward with create_graph=True) through a Mesa "
-                f"{type(ctx.layer).__name__} are not supported: its backward uses the saved 8-bit copy, not a "
-                "differentiable graph. Run that part of the model stock (enabled=False, or unpatched) for them.")
+        # penalty through this layer lost its second-order term without a word; nn/first_order.py)
+        if torch.is_grad_enabled():  # (first_order's check, with the layer's own name)
+            refuse_higher_order(type(ctx.layer).__name__)
         (packed,), rest = load(ctx)
         kept, tensors = rest[:ctx.n_kept], rest[ctx.n_kept:]
         layer, need = ctx.layer, ctx.needs_input_grad

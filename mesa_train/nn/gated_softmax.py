@@ -27,13 +27,13 @@ learned clipping of a softmax map: ``nn.Softmax``'s reason).
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
 from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 
+from .first_order import first_order
 from ._common import MesaLayer, group_dim_4d, load, no_autocast, save
 from .quantizer import decompress
 
@@ -84,7 +84,7 @@ class _GatedPositionalSoftmaxFn(torch.autograd.Function):
         return attn
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (sums, rel, weight, bias, gating_param) = load(ctx)
         f32 = torch.float32

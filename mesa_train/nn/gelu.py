@@ -4,13 +4,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
 import mesa_train.quant  # noqa: F401  (registers torch.ops.mesa.gelu_backward)
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 
+from .first_order import first_order
 from ._common import (MesaLayer, from_nhwc, kept_input, load, no_autocast, rebuild_parameter_free,
                       save_elementwise_input, to_nhwc)
 
@@ -28,7 +28,7 @@ class _GeluFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), _ = load(ctx)
         with no_autocast(g.device.type):

@@ -25,13 +25,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
 import mesa_train.quant  # noqa: F401  (registers torch.ops.mesa.gelu_backward / dequantize_gelu)
 from mesa_train.quant.compile_kernels import traced_as_pytorch
 
+from .first_order import first_order
 from . import quantizer as quantizer_mod
 from ._common import active_with_params, autocast_input, load, no_autocast, save
 from .layernorm_linear import plain_call
@@ -67,7 +67,7 @@ class _GeluLinearFn(torch.autograd.Function):
         return not_a_view(out)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (weight, k) = load(ctx)
         gh = None

@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 from timm.layers.grn import GlobalResponseNorm as _TimmGRN
 from torch import nn
-from torch.autograd.function import once_differentiable
 
+from .first_order import first_order
 from ._common import MesaLayer, copy_estimates, inherit_options, load, no_autocast, save, stock_device
 from .quantizer import decompress
 
@@ -63,7 +63,7 @@ class _GrnFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (x_g, d, weight) = load(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[0:3]

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch.autograd.function import once_differentiable
 from torch import nn
 
+from .first_order import first_order
 from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, load,
                       nhwc_view, no_autocast, save)
 from .batchnorm import remember_dtypes, restandardise
@@ -77,7 +77,7 @@ class _GroupNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (rstd, weight) = load(ctx)
         mdt, groups, (n, c, hxw) = ctx.mdt, ctx.groups, ctx.nc_hxw

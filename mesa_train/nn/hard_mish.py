@@ -19,9 +19,9 @@ dequantized input, clamped to [-1, 1], stays within one rounding step of stock's
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import nn
 
+from .first_order import first_order
 from .activations import _InplaceActivation
 from ._common import kept_input, load, no_autocast, save_elementwise_input
 from .relu import pack_bits, unpack_bits
@@ -67,7 +67,7 @@ class _HardMishFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (below,) = load(ctx)
         with no_autocast(g.device.type):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
@@ -44,6 +43,7 @@ from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_row_sums
 from mesa_train.quant.reference import LN_MAX_COLS
 
+from .first_order import first_order
 from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, inherit_options, load,
                       no_autocast, save)
 from .rowscale import compress_normalized, decompress_rows, max_exponent
@@ -178,7 +178,7 @@ class _LayerNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), extra = load(ctx)
         need = ctx.needs_input_grad  # (x, normalized_shape, weight, bias, eps, quantizer)

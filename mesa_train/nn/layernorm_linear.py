@@ -28,10 +28,10 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from mesa_train.memory import INPUT_AGNOSTIC_HOOK
 
+from .first_order import first_order
 from . import quantizer as quantizer_mod
 from ._common import active_with_params, autocast_input, load, no_autocast, save
 from .layernorm import LayerNorm, layer_norm_forward, layer_norm_grads, ln_backward_from_codes
@@ -101,7 +101,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, *grads):
         n = len(grads)
         (packed,), saved = load(ctx)

@@ -35,9 +35,9 @@ same bits as ``_ScaleFn``, which runs otherwise (under ``torch.compile``, the va
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import nn
 
+from .first_order import first_order
 from ._common import (MesaLayer, check_stock, copy_estimates, from_nhwc, inherit_options, load, nhwc_view,
                       no_autocast, save, stock_device)
 from .rowscale import compress_rows, decompress_rows, max_exponent
@@ -71,7 +71,7 @@ class _ScaleFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (gamma, k) = load(ctx)
         gx = gg = None
@@ -241,7 +241,7 @@ class _AffineFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (alpha, k) = load(ctx)
         a_shape, a_dtype, b_shape, b_dtype = ctx.shapes

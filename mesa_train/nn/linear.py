@@ -5,10 +5,10 @@ copy of it between them (``input_copy.py``)."""
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from .first_order import first_order
 from . import input_copy
 from ._common import (MesaLayer, adopt_parameters, autocast_input, autocast_state, check_stock, device_type,
                       inherit_options, load, no_autocast, save)
@@ -83,7 +83,7 @@ class _LinearFn(torch.autograd.Function):
         return not_a_view(out)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (weight, k) = load(ctx)
         with no_autocast(g.device.type):

@@ -39,9 +39,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import nn
 
+from .first_order import first_order
 from . import quantizer as quantizer_mod
 from . import sharing
 from ._common import (MesaLayer, autocast_casts, copy_estimates, group_dim_4d, inherit_options, load, no_autocast,
@@ -153,7 +153,7 @@ class _MatMulFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (pa, pb), (ra, rb) = load(ctx)
         ga = gb = gc = None

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._prims_common import suggest_memory_format
-from torch.autograd.function import once_differentiable
 
+from .first_order import first_order
 from . import quantizer as quantizer_mod
 from ._common import MesaLayer, check_stock, inherit_options, load, save
 
@@ -114,7 +114,7 @@ class _MaxPool2dFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         _, (local,) = load(ctx)
         kernel, stride, padding, dilation, ceil_mode = ctx.args

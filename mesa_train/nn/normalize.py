@@ -18,10 +18,10 @@ csrc/normalize_autograd.cpp: the same ops, the same bits); ``_NormalizeFn`` runs
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from .first_order import first_order
 from ._common import MesaLayer, group_dim_4d, load, no_autocast, save
 from .quantizer import decompress
 
@@ -40,7 +40,7 @@ class _NormalizeFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (n,) = load(ctx)
         with no_autocast(g.device.type):

@@ -13,10 +13,10 @@ less host time); under ``torch.compile`` the Python Function below runs.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from .first_order import first_order
 from . import quantizer as quantizer_mod
 from ._common import MesaLayer
 
@@ -40,7 +40,7 @@ class _OneHotTableFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (positions,) = ctx.saved_tensors
         axes, size, dim = ctx.table_shape

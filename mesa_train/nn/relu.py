@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from .first_order import first_order
 from . import quantizer as quantizer_mod
 from ._common import (MesaLayer, check_stock, copy_estimates, inherit_options, is_channels_last, kept_input, load,
                       no_autocast, save, save_elementwise_input)
@@ -88,7 +88,7 @@ class _ReLUFn(torch.autograd.Function):
         return keep_mask(ctx, x, y, ~(y <= 0), inplace)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         # == threshold_backward(g, y, 0), in g's and the mask's layout (masked_fill's out-of-place
         # result is NCHW, whatever its inputs' layout)
@@ -143,7 +143,7 @@ class _LeakyReLUFn(torch.autograd.Function):
         return keep_mask(ctx, x, F.leaky_relu(x, negative_slope, inplace=inplace), mask, inplace)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         return torch.where(kept_mask(ctx), g, g * ctx.slope), None, None
 
@@ -192,7 +192,7 @@ class _PReLUFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (positive, weight) = load(ctx)
         with no_autocast(g.device.type):

@@ -12,9 +12,9 @@ this keeps one byte per element plus two small per-row tensors.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import nn
 
+from .first_order import first_order
 from . import quantizer as quantizer_mod
 from ._common import (MesaLayer, check_stock, copy_estimates, inherit_options, load, no_autocast, save,
                       stock_device)
@@ -61,7 +61,7 @@ class _RmsNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (rrms, weight, k) = load(ctx)
         mdt, dims = ctx.mdt, _dims(ctx.nd)

@@ -19,9 +19,9 @@ Function over the trailing dims.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 from timm.layers.fast_norm import fast_rms_norm2d, fast_simple_norm, rms_norm2d, simple_norm
 
+from .first_order import first_order
 from ._common import DropActChildren, from_nhwc, load, nhwc_view, no_autocast, save
 from .quantizer import decompress
 from .rmsnorm import RmsNorm
@@ -71,7 +71,7 @@ class _Norm2dFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (r, m, weight) = load(ctx)
         mdt, dims = ctx.mdt, ctx.dims

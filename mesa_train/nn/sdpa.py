@@ -51,9 +51,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from mesa_train.nn import quantizer as quantizer_mod
+from mesa_train.nn.first_order import first_order
 from mesa_train.nn._common import MesaLayer, autocast_input, autocast_state
 from mesa_train.nn.sdpa_backward import (DROPOUT_UNTRACEABLE, attention, build_window_mask, capture_rng,
                                          operand_group_dim, recompute_grads, recompute_grads_compiled, restore_operand)
@@ -94,7 +94,7 @@ class _MesaSDPA(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad_out):
         saved = list(ctx.saved_tensors)
         (qq, qa, qb, kq, ka, kb, vq, va, vb), rest = saved[:9], saved[9:]

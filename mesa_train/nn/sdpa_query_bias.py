@@ -31,8 +31,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
+from mesa_train.nn.first_order import first_order
 from mesa_train.nn._common import autocast_input, autocast_state
 from mesa_train.nn.sdpa_backward import (DROPOUT_UNTRACEABLE, capture_rng, grads_through, operand_group_dim,
                                          recompute_grads_compiled, restore_operand)
@@ -85,7 +85,7 @@ class _MesaQueryBiasSDPA(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         codes, bias_inputs = saved[:9], saved[9:]

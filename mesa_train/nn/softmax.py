@@ -19,13 +19,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
 from mesa_train.quant import traceable
 from mesa_train.quant.compile_kernels import traced_as_pytorch, traced_row_sums
 
+from .first_order import first_order
 from . import sharing
 from ._common import MesaLayer, group_dim_4d, load, no_autocast, rebuild_parameter_free, save
 from .quantizer import Packed, decompress
@@ -106,7 +106,7 @@ class _SoftmaxFn(torch.autograd.Function):
         return y, packed.q, packed.alpha, packed.beta
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g, *_):
         if g is None:  # y itself did not reach the loss
             return None, None, None, None

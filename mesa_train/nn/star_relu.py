@@ -19,10 +19,10 @@ csrc/star_relu_autograd.cpp: the same ops, the same bits); ``_StarReLUFn`` runs 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
+from .first_order import first_order
 from ._common import (MesaLayer, check_stock, copy_estimates, group_dim_4d, inherit_options, kept_input, load,
                       nhwc_view, no_autocast, save)
 
@@ -46,7 +46,7 @@ class _StarReLUFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, g):
         (packed,), (scale, bias) = load(ctx)
         gx = gs = gb = None
