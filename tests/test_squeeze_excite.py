@@ -156,6 +156,8 @@ def test_patch_model_swaps_squeeze_excite(stock_cls):
     ref.square().sum().backward(), got.square().sum().backward()
     grads = dict(patched.named_parameters())
     for name, p in stock.named_parameters():
+        if name == "se.conv_attn.bias":  # (exactly zero, a softmax is shift invariant: both read rounding noise)
+            continue
         assert _cos(p.grad, grads[name].grad) > 0.999, name
     with SavedTensorMeter(stock) as a:
         stock(x)
@@ -210,7 +212,8 @@ def _cosine_floor(model: str, parameter: str) -> float:
     the gate's conv bias have gradients 50-100x below the stem's, which 8-bit noise shifts (cosines
     0.92 / 0.94 with the gate swapped, 0.92 / 0.96 before it, against float64; float32 stock reads
     1.0000). The gate is not positively homogeneous, so ``patch/cancellation.py`` does not pass it."""
-    return 0.9 if model == "hgnet_tiny" and ".aggregation." in parameter else 0.99
+    first_two = parameter.startswith(("stages.0.", "stages.1.")) and ".aggregation." in parameter
+    return 0.9 if model == "hgnet_tiny" and first_two else 0.99
 
 
 @pytest.mark.parametrize("act_type,inplace", [("gelu", False), ("gelu_tanh", False), ("relu", True), ("silu", True),

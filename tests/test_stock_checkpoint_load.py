@@ -181,3 +181,53 @@ def test_timm_load_checkpoint(tmp_path):
     x = inputs("deit")
     with torch.no_grad():
         assert torch.equal(patched(x), source(x))
+
+
+def test_a_load_started_at_a_part_takes_a_stock_checkpoint_of_that_part():
+    """A stock backbone's weights into a patched detector's backbone (here: one block of a
+    patched DeiT): before session 82 only the root had the hook, and this strict load raised
+    torch's list of missing ``quantizer.*`` keys. The part's estimates restart; the rest stay."""
+    source = build("deit", fused=False, seed=3)
+    patched = _trained_patched()
+    before = _estimates(patched)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = patched.blocks[0].load_state_dict(source.blocks[0].state_dict())  # strict
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert len(caught) == 1 and "without Mesa estimates" in str(caught[0].message)
+    assert caught[0].filename == __file__
+    assert torch.equal(patched.blocks[0].attn.qkv.weight, source.blocks[0].attn.qkv.weight)
+    for k, v in _estimates(patched).items():
+        if k.startswith("blocks.0."):
+            assert not k.endswith(".initialized") or not v.any(), k  # restarted
+        else:
+            assert torch.equal(v, before[k]), k  # untouched
+
+
+def test_a_whole_model_load_warns_once_and_a_part_s_partial_load_is_left_alone():
+    patched = _trained_patched()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patched.load_state_dict(build("deit", fused=False, seed=3).state_dict())
+    assert len(caught) == 1  # the root's hook; the parts' hooks see a prefix and stand aside
+    patched = _trained_patched()
+    before = _estimates(patched)
+    qkv_only = {k: v for k, v in build("deit", fused=False, seed=3).blocks[0].state_dict().items()
+                if k.startswith("attn.qkv.")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patched.blocks[0].load_state_dict(qkv_only, strict=False)  # 2 of the block's weights: partial
+    for k, v in _estimates(patched).items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_repatching_keeps_one_part_hook_per_part():
+    from mesa_train.patch.checkpoint import _complete_stock_part
+
+    patched = patch_model(build("deit", fused=False), ops=["gelu"])
+    patch_model(patched, ops=["softmax"])
+    for name, m in patched.named_modules():
+        n = sum(getattr(h, "hook", None) is _complete_stock_part for h in m._load_state_dict_pre_hooks.values())
+        assert n <= 1, name
+    assert sum(getattr(h, "hook", None) is _complete_stock_part
+               for h in patched.blocks[0]._load_state_dict_pre_hooks.values()) == 1

@@ -13,7 +13,8 @@ buffers ``alpha``, ``beta``, ``initialized`` and the rounding ``rng``; with
   patched model's own ``load_state_dict`` (``patch_model`` gives its root the pre-hook
   :func:`accept_stock_checkpoints`) when the checkpoint has no Mesa entry at all and more than
   half of the model's other entries: timm's ``load_checkpoint`` and a user's
-  ``model.load_state_dict(stock_sd)`` work on a patched model.
+  ``model.load_state_dict(stock_sd)`` work on a patched model, and so does a load started at a
+  part of it (``patched.backbone.load_state_dict(stock_backbone_sd)``, session 82).
   A checkpoint with some Mesa entries is a patched one and is loaded as given (strictly, a
   missing estimate is an error there).
 * :func:`patched_to_stock_state_dict` drops the Mesa buffers, so a stock model loads it
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from mesa_train.models import unwrap_module
-from mesa_train.nn.quantizer import FORMAT_KEY, LEARNED_BUFFERS, STATE_BUFFERS
+from mesa_train.nn.quantizer import FORMAT_KEY, LEARNED_BUFFERS, STATE_BUFFERS, ActivationQuantizer
 from mesa_train.warning_site import outside_stacklevel
 
 __all__ = [
@@ -185,16 +186,37 @@ def _complete_stock_checkpoint(module: nn.Module, state_dict, prefix: str, local
                   stacklevel=outside_stacklevel())  # (the line that called load_state_dict)
 
 
+def _complete_stock_part(module: nn.Module, state_dict, prefix: str, *rest) -> None:
+    """The pre-hook of a patched model's parts (:func:`accept_stock_checkpoints`): a load started
+    at the part itself (``patched.backbone.load_state_dict(stock_backbone_sd)``: ``prefix`` empty)
+    is judged as the root's hook judges a whole model's load. Within a load of the whole model
+    (a ``prefix``) the root's hook has judged the checkpoint as a whole: nothing here."""
+    if not prefix:
+        _complete_stock_checkpoint(module, state_dict, prefix, *rest)
+
+
+_HOOKS = (_complete_stock_checkpoint, _complete_stock_part)
+
+
 def accept_stock_checkpoints(root: nn.Module) -> None:
     """Let ``root.load_state_dict`` take a stock checkpoint, as :func:`load_stock_checkpoint`
-    does (``patch_model`` calls it). One hook per patched model: a part patched on its own
-    first (a plan patches block by block) gives its hook to ``root``, so a checkpoint is judged
-    stock or patched as a whole, never part by part."""
-    for m in root.modules():
+    does (``patch_model`` calls it), and so every part of ``root`` that holds a quantizer (a
+    load started there: a stock backbone's weights into a patched detector's backbone). One
+    whole-model hook per patched model: a part patched on its own first (a plan patches block
+    by block) gives its hook to ``root``, so a checkpoint of the whole model is judged stock or
+    patched as a whole, never part by part."""
+    holders = set()  # the qualified names of every module with a quantizer under it
+    for name, m in root.named_modules():
         hooks = m._load_state_dict_pre_hooks
-        for hook_id in [i for i, h in hooks.items() if getattr(h, "hook", None) is _complete_stock_checkpoint]:
+        for hook_id in [i for i, h in hooks.items() if getattr(h, "hook", None) in _HOOKS]:
             del hooks[hook_id]
+        if isinstance(m, ActivationQuantizer):
+            parts = name.split(".")
+            holders.update(".".join(parts[:i]) for i in range(1, len(parts)))
     root.register_load_state_dict_pre_hook(_complete_stock_checkpoint)
+    for name, m in root.named_modules():
+        if name in holders:
+            m.register_load_state_dict_pre_hook(_complete_stock_part)
 
 
 def load_stock_checkpoint(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):

@@ -135,8 +135,9 @@ class MesaHGNetEseModule(_HGNetEse):
 
 
 class MesaGlobalContext(_GlobalContext):
-    """``GlobalContext`` (GCNet: ``gcresnet*``, ``gcresnext*``, ``gc_efficientnetv2_rw_t``,
-    ``attn_layer="gc"``): with ``fuse_scale``, ``x * self.gate(mlp_x)`` through ``mesa_gate``. Its
+    """``GlobalContext`` with ``fuse_scale`` (``attn_layer="gc"``: ``gc_efficientnetv2_rw_t``, a
+    model built with ``attn_layer="gc"``; timm's ``gcresnet*`` / ``gcresnext*`` use ``"gca"``, no
+    gate, and are not swapped): ``x * self.gate(mlp_x)`` through ``mesa_gate``. Its
     attention pooling (``x @ softmax(conv_attn(x))`` over the positions) is the generic attention
     capture's, as before (``patch/generic_attention.py``: a q.k product and its softmax)."""
 
