@@ -83,7 +83,7 @@ from .convnext import SCALE_CHILD as CONVNEXT_SCALE_CHILD, SCALED_BLOCK_CLASSES,
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
                   STOCK_MLP_CLASSES, STOCK_SHARED_MLP_CLASSES)
 from .block import BLOCK_CLASSES, NORM_LINEAR_COPIES, STOCK_BLOCK_CLASSES
-from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channels, swaps
+from .squeeze_excite import SE_CHILD, SE_CLASSES, STOCK_SE_CLASSES, gate_channels, stock_position_softmax, swaps
 from .gemma4 import GEMMA4_CLASSES, STOCK_GEMMA4_CLASSES
 from .gating import GATING_CLASSES, STOCK_GATING_CLASSES
 from .sam import swap_sam_attention
@@ -926,6 +926,8 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
             # a Mesa softmax beside an einsum that keeps the map whole only adds its codes: reported
             found = tuple(o for o in found if o not in ("matmul", "softmax"))
         wanted = tuple(o for o in t.core_ops if o in found)
+        if stock_position_softmax(m):  # (GlobalContext's pooling weights: small, often saturated)
+            wanted = tuple(o for o in wanted if o != "softmax")
         if wanted:
             heads = mi.heads or getattr(m, "num_heads", None)
             heads = heads if isinstance(heads, int) else None
@@ -1202,6 +1204,8 @@ def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]],
                 generic[name] = generic.get(name, ()) + ("linear",)
         if getattr(m, "add_maxpool", True) is False:  # timm's squeeze-excite: its amax call switched off
             found = tuple(o for o in found if o != "maxpool")
+        if stock_position_softmax(m):  # stock on purpose (squeeze_excite.stock_position_softmax)
+            found = tuple(o for o in found if o != "softmax")
         reached = _route_calls(t, name, m, found)
         if reached:
             generic[name] = generic.get(name, ()) + reached
