@@ -66,3 +66,34 @@ def test_the_learned_estimator_s_python_gelu_no_longer_drops_the_second_order_te
     y = mesa(x).sum()
     with pytest.raises(RuntimeError, match="higher-order gradients"):
         torch.autograd.grad(y, x, create_graph=True)
+
+
+def test_a_penalty_under_compiled_autograd_is_refused_too(monkeypatch):
+    """The first ``first_order`` let a compiling backward through: under compiled autograd the
+    Python backward is traced with grad mode on, and the penalty's weight gradient read 51.6
+    where stock's is 121.5, without a word (the review's case). Now the same line as eager."""
+    ca = pytest.importorskip("torch._dynamo.compiled_autograd")
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", False)
+    torch.manual_seed(0)
+    mesa = patch_model(nn.Sequential(nn.Linear(8, 16), nn.GELU()), ops=["gelu"]).train()
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="higher-order gradients .* through a Mesa GELU "):
+        with ca._enable(torch.compile(backend="aot_eager")):
+            _penalty(mesa, x)
+
+
+def test_error_lines_name_the_layer():
+    from mesa_train.nn.first_order import _layer_name
+
+    class _LinearFn:  # (stand-ins for the Functions' backward classes: the name is all it reads)
+        pass
+
+    class _ElementwiseFn:
+        pass
+
+    class Ctx:
+        _forward_cls = _LinearFn
+
+    assert _layer_name(Ctx()) == "Linear"
+    Ctx._forward_cls = _ElementwiseFn
+    assert _layer_name(Ctx()) == "activation"

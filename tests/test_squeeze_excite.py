@@ -2,6 +2,7 @@
 channel) and the swapped timm blocks (``patch/squeeze_excite.py``)."""
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -305,3 +306,24 @@ def test_global_context_s_softmax_over_the_positions_stays_stock():
     cosines = [_cos(mesa[n], exact[n]) for n in exact if _cos(fp32[n], exact[n]) > 0.999]
     assert len(cosines) > 20
     assert sum(c < 0.5 for c in cosines) <= 2 and statistics.median(cosines) > 0.995
+
+
+def test_a_checkpoint_with_global_context_s_old_softmax_estimates_loads():
+    """Before session 82 the generic capture gave every GlobalContext a ``mesa_softmax``: its
+    estimates in a patched checkpoint are dropped on load (``declare_key_upgrades``), by a plain
+    strict ``load_state_dict`` and by ``upgrade_state_dict`` (the trainer's key comparison)."""
+    from mesa_train.patch.checkpoint import upgrade_state_dict
+
+    torch.manual_seed(0)
+    for variant in ({}, dict(fuse_add=True, fuse_scale=False)):  # swapped ("gc") and stock ("gca") classes
+        net = nn.Sequential(nn.Conv2d(3, 16, 3), GlobalContext(16, rd_ratio=1 / 2, **variant))
+        patched = patch_model(net)
+        patched(torch.randn(2, 3, 8, 8)).sum().backward()
+        old = dict(patched.state_dict())
+        quantizer = patched[1].mesa_qk.quantizer_a.state_dict()
+        old.update({f"1.mesa_softmax.quantizer.{k}": v.clone() for k, v in quantizer.items()})
+        assert set(upgrade_state_dict(patched, old)) == set(patched.state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            result = patched.load_state_dict(old)  # strict
+        assert not result.unexpected_keys and not result.missing_keys

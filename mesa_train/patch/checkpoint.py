@@ -47,6 +47,7 @@ __all__ = [
     "load_stock_checkpoint",
     "load_patched_checkpoint",
     "accept_stock_checkpoints",
+    "declare_key_upgrades",
 ]
 
 # every entry a quantizer can write into a state dict (the format record is no buffer)
@@ -94,13 +95,28 @@ def rename_mesa_keys(state_dict, prefix: str, upgrades: Mapping[str, Optional[st
                 break
 
 
+def _apply_key_upgrades(module: nn.Module, state_dict, prefix: str, *rest) -> None:
+    """The load pre-hook :func:`declare_key_upgrades` registers: the old keys renamed or dropped."""
+    rename_mesa_keys(state_dict, prefix, module.mesa_key_upgrades)
+
+
+def declare_key_upgrades(module: nn.Module, upgrades: Mapping[str, Optional[str]]) -> None:
+    """Give one module instance (a stock class: no class attribute to set) ``mesa_key_upgrades``:
+    its plain ``load_state_dict`` and :func:`upgrade_state_dict` rename or drop the Mesa keys an
+    earlier patch wrote there (GlobalContext's softmax child, before session 82)."""
+    object.__setattr__(module, "mesa_key_upgrades", dict(upgrades))
+    hooks = module._load_state_dict_pre_hooks
+    if not any(getattr(h, "hook", None) is _apply_key_upgrades for h in hooks.values()):
+        module.register_load_state_dict_pre_hook(_apply_key_upgrades)
+
+
 def upgrade_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
     """A copy of ``state_dict`` with the Mesa keys of earlier patches renamed as ``model``'s
     modules declare (``mesa_key_upgrades``: module doc); keys are ``model``'s (unwrapped)."""
     root = unwrap_module(model, "upgrade_state_dict")
     out = OrderedDict(state_dict)
     for name, m in root.named_modules():
-        upgrades = getattr(type(m), "mesa_key_upgrades", None)
+        upgrades = getattr(m, "mesa_key_upgrades", None)  # (the class's, or one declare_key_upgrades set)
         if upgrades:
             rename_mesa_keys(out, f"{name}." if name else "", upgrades)
     meta = getattr(state_dict, "_metadata", None)

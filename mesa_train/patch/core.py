@@ -71,7 +71,7 @@ from mesa_train.nn.sdpa import ScaledDotProductAttention
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
-from .checkpoint import accept_stock_checkpoints
+from .checkpoint import accept_stock_checkpoints, declare_key_upgrades
 from .recompute import make_recomputed
 from .reuse import RANGE_ESTIMATORS, calls_repeat_one_input, watch_reuse
 from .functional_calls import routable_sites
@@ -928,6 +928,8 @@ def _patch_other_attention(t: _Target, patched_attn: List[str]) -> Dict[str, Tup
         wanted = tuple(o for o in t.core_ops if o in found)
         if stock_position_softmax(m):  # (GlobalContext's pooling weights: small, often saturated)
             wanted = tuple(o for o in wanted if o != "softmax")
+            # (a checkpoint patched before session 82 has that softmax's estimates: dropped on load)
+            declare_key_upgrades(m, {"mesa_softmax.quantizer.": None})
         if wanted:
             heads = mi.heads or getattr(m, "num_heads", None)
             heads = heads if isinstance(heads, int) else None
