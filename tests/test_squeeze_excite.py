@@ -27,6 +27,19 @@ def _cos(a, b):
     return (a @ b / (a.norm() * b.norm())).item()
 
 
+def _metered(stock, patched, x, seed=None):
+    """``(stock's output, patched's, stock's saved activation bytes, patched's)``, each forward
+    from the same ``seed`` when given (the same dropout masks)."""
+    out = []
+    for model in (stock, patched):
+        if seed is not None:
+            torch.manual_seed(seed)
+        with SavedTensorMeter(model) as meter:
+            y = model(x)
+        out.append((y, meter.activation_bytes))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
 def _run(gate, x, s, g):
     x, s = x.clone().requires_grad_(), s.clone().requires_grad_()
     with SavedTensorMeter(gate if isinstance(gate, nn.Module) else nn.Module()) as meter:
@@ -193,14 +206,9 @@ def test_timm_models_with_channel_gates_or_timm_group_norm(name, most):
         warnings.filterwarnings("ignore", message=r".*\(RadixSoftmax: softmax\)")
         patch_model(patched)
     x = torch.randn(2, 3, 64, 64)
-    torch.manual_seed(1)  # (the same dropout masks: legacy SENet's head)
-    with SavedTensorMeter(stock) as a:
-        want = stock(x)
-    torch.manual_seed(1)
-    with SavedTensorMeter(patched) as b:
-        got = patched(x)
+    want, got, a, b = _metered(stock, patched, x, seed=1)  # (the same dropout masks: legacy SENet's head)
     assert torch.equal(got, want)
-    assert b.activation_bytes < most * a.activation_bytes
+    assert b < most * a
     want.square().sum().backward(), got.square().sum().backward()
     grads = dict(patched.named_parameters())
     for n, p in stock.named_parameters():  # (zero_init_last: a block's branch has no gradient yet)
@@ -238,13 +246,10 @@ def test_nfnet_gamma_act_runs_its_activation_through_a_mesa_layer(act_type, inpl
     swapped = act_type != "quick_gelu"
     assert (type(patched[1]) is MesaGammaAct) == swapped and (type(patched[1]) is GammaAct) != swapped
     x = torch.randn(2, 3, 8, 8)
-    with SavedTensorMeter(stock) as a:
-        want = stock(x)
-    with SavedTensorMeter(patched) as b:
-        got = patched(x)
+    want, got, a, b = _metered(stock, patched, x)
     assert torch.equal(got, want)
     if swapped:
-        assert b.activation_bytes < 0.5 * a.activation_bytes
+        assert b < 0.5 * a
     want.square().sum().backward(), got.square().sum().backward()
     for (n, p), q in zip(stock.named_parameters(), patched.parameters()):
         assert _cos(p.grad, q.grad) > 0.999, n
@@ -255,7 +260,7 @@ def test_nfnet_gamma_act_runs_its_activation_through_a_mesa_layer(act_type, inpl
 def test_global_context_gates_through_mesa_and_pools_through_the_generic_capture():
     """GCNet's ``GlobalContext`` (``attn_layer="gc"``): its ``x * gate`` kept ``x`` in float32
     without a word (session 82: a ``mesa_gate``); its attention pooling stays the generic
-    attention capture's (q.k and softmax children). ``gc_efficientnetv2_rw_t``, 64 px, fp32:
+    attention capture's (a q.k child; its softmax stock, below). ``gc_efficientnetv2_rw_t``, 64 px, fp32:
     0.439x -> 0.390x of stock's saved bytes. ``"gca"`` (no gate) is not swapped."""
     import timm
     import warnings
@@ -269,13 +274,9 @@ def test_global_context_gates_through_mesa_and_pools_through_the_generic_capture
     blocks = [m for m in patched.modules() if isinstance(m, GlobalContext)]
     assert blocks and all(type(m) is SE_CLASSES[GlobalContext] for m in blocks)
     assert all(isinstance(m.mesa_gate, mn.ChannelGate) and "mesa_qk" in m._modules for m in blocks)
-    x = torch.randn(2, 3, 64, 64)
-    with SavedTensorMeter(stock) as a:
-        want = stock(x)
-    with SavedTensorMeter(patched) as b:
-        got = patched(x)
+    want, got, a, b = _metered(stock, patched, torch.randn(2, 3, 64, 64))
     assert torch.equal(got, want)
-    assert b.activation_bytes < 0.41 * a.activation_bytes
+    assert b < 0.41 * a
     gca = patch_model(GlobalContext(16, fuse_add=True, fuse_scale=False))
     assert type(gca) is GlobalContext and "mesa_gate" not in gca._modules
 
