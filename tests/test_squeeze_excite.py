@@ -196,7 +196,6 @@ def test_timm_models_with_channel_gates_or_timm_group_norm(name, most):
     0.67x -> 0.30x, skresnet18 0.35x -> 0.24x, resnest14d 0.35x -> 0.26x, legacy_seresnet18 0.36x
     -> 0.28x, hgnet_tiny 0.307x -> 0.256x."""
     import timm
-    import warnings
 
     torch.manual_seed(0)
     stock = timm.create_model(name, num_classes=5).train()
@@ -231,7 +230,6 @@ def test_nfnet_gamma_act_runs_its_activation_through_a_mesa_layer(act_type, inpl
     """NFNet's GammaAct (act_fn(x).mul_(gamma): every activation of dm_nfnet_*) kept the
     activation's full input without a word; now a Mesa child runs the act (``quick_gelu``: not in
     the table, stays stock). Nothing reported unreached; stock's bits eager and compiled."""
-    import warnings
 
     from timm.models.nfnet import GammaAct
 
@@ -263,7 +261,6 @@ def test_global_context_gates_through_mesa_and_pools_through_the_generic_capture
     attention capture's (a q.k child; its softmax stock, below). ``gc_efficientnetv2_rw_t``, 64 px, fp32:
     0.439x -> 0.390x of stock's saved bytes. ``"gca"`` (no gate) is not swapped."""
     import timm
-    import warnings
 
     torch.manual_seed(0)
     stock = timm.create_model("gc_efficientnetv2_rw_t", num_classes=5).train()

@@ -272,6 +272,7 @@ EVO_NORM_CLASSES = {cls._stock: cls for cls in (
 # the classes that apply their ``act`` child to ``x`` inside the norm: it stays stock
 STOCK_ACT_INSIDE = (_evo.EvoNorm2dS1, _evo.EvoNorm2dS2)  # (S1a and S2a are subclasses)
 
+
 def acts_inside(root: nn.Module) -> set:
     """``id``s of the ``act`` children that EvoNorm S1/S2 layers in ``root`` apply to their input
     inside the norm: left stock by the leaf conversion (module doc)."""

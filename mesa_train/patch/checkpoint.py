@@ -221,8 +221,9 @@ def accept_stock_checkpoints(root: nn.Module) -> None:
     whole-model hook per patched model: a part patched on its own first (a plan patches block
     by block) gives its hook to ``root``, so a checkpoint of the whole model is judged stock or
     patched as a whole, never part by part."""
+    modules = list(root.named_modules())
     holders = set()  # the qualified names of every module with a quantizer under it
-    for name, m in root.named_modules():
+    for name, m in modules:
         hooks = m._load_state_dict_pre_hooks
         for hook_id in [i for i, h in hooks.items() if getattr(h, "hook", None) in _HOOKS]:
             del hooks[hook_id]
@@ -230,7 +231,7 @@ def accept_stock_checkpoints(root: nn.Module) -> None:
             parts = name.split(".")
             holders.update(".".join(parts[:i]) for i in range(1, len(parts)))
     root.register_load_state_dict_pre_hook(_complete_stock_checkpoint)
-    for name, m in root.named_modules():
+    for name, m in modules:
         if name in holders:
             m.register_load_state_dict_pre_hook(_complete_stock_part)
 

@@ -7,8 +7,9 @@ except that the final ``x * self.gate(x_se)`` runs through a ``mesa_gate`` child
 and activations of the squeeze path act on ``(N, C, 1, 1)`` tensors and are converted (or
 not) by the ordinary leaf conversion. The same for the channel gates of ECA, legacy SENet,
 Selective Kernel and ResNeSt's split attention (session 78; the last two weigh stacked paths
-``(B, P, C, H, W)``, gated as ``(B, P * C, H, W)``: the same products) and HGNet's ``EseModule``
-(session 82).
+``(B, P, C, H, W)``, gated as ``(B, P * C, H, W)``: the same products), HGNet's ``EseModule`` and
+GCNet's ``GlobalContext`` with ``fuse_scale`` (session 82; its softmax over the positions stays
+stock: ``stock_position_softmax``).
 """
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ class MesaGlobalContext(_GlobalContext):
     model built with ``attn_layer="gc"``; timm's ``gcresnet*`` / ``gcresnext*`` use ``"gca"``, no
     gate, and are not swapped): ``x * self.gate(mlp_x)`` through ``mesa_gate``. Its
     attention pooling (``x @ softmax(conv_attn(x))`` over the positions) is the generic attention
-    capture's, as before (``patch/generic_attention.py``: a q.k product and its softmax)."""
+    capture's q.k product, as before (``patch/generic_attention.py``); the softmax stays stock
+    (``stock_position_softmax``)."""
 
     def forward(self, x):
         B, C, H, W = x.shape
@@ -232,7 +234,6 @@ def gate_channels(module) -> int | None:
         return module.mlp_scale.fc1.in_channels
     first = getattr(module, "conv_reduce", None) or getattr(module, "fc1", None) or module.fc
     return first.in_features if isinstance(module, _SECl) else first.in_channels
-
 
 
 def swaps(module) -> bool:
