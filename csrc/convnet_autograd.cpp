@@ -308,6 +308,7 @@ at::Tensor& mask_train_(at::Tensor& x, int64_t kind, double lo, double hi) {
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "mesa: mask_train_: kind must be 0 (relu), 1 (hardtanh) or 2 ",
                     "(hardsigmoid), got ", kind);
   MaskTrain::apply(x, kind, lo, hi, true);  // (returns x itself, its history rebased on the node)
+  forget_forward_marks<MaskTrain>(x);
   return x;
 }
 

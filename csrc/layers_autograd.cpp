@@ -156,6 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::softmax_train");
   auto out = SoftmaxTrain::apply(x, softmax_dim, qz, out_dtype);
+  forget_forward_marks<SoftmaxTrain>(out[0]);
   return {out[0], out[1], out[2], out[3]};
 }
 
@@ -359,6 +360,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tr
                                 stochastic, "mesa::linear_train");
   const variable_list r =
       LinearTrain::apply(x, weight, present(bias), qz, row_scale, shared_rows(shared_x, "mesa::linear_train"));
+  forget_forward_marks<LinearTrain>(r[0]);
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 
@@ -984,7 +986,9 @@ std::optional<Codes> shared_input(at::TensorList t, const char* op) {
   return Codes{t[0], t[1], t[2]};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> as_tuple4(const variable_list& v) {
+// (y, q, alpha, beta) of Conv2dTrain::apply, its node rid of the marks compiled autograd refuses
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_outputs(const variable_list& v) {
+  forget_forward_marks<Conv2dTrain>(v[0]);
   return {v[0], v[1], v[2], v[3]};
 }
 
@@ -995,8 +999,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv2d_train(const at
                         bool scale_link, at::TensorList shared_x) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::conv2d_train");
-  return as_tuple4(Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups,
-                                      qz, scale_link, shared_input(shared_x, "mesa::conv2d_train")));
+  return conv_outputs(Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups,
+                                        qz, scale_link, shared_input(shared_x, "mesa::conv2d_train")));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv1d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -1008,8 +1012,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv1d_train(const at
                     " dims");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::conv1d_train");
-  return as_tuple4(Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups,
-                                      qz, false, shared_input(shared_x, "mesa::conv1d_train")));
+  return conv_outputs(Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups,
+                                        qz, false, shared_input(shared_x, "mesa::conv1d_train")));
 }
 
 }  // namespace

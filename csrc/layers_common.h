@@ -343,6 +343,21 @@ inline void check_first_order(const char* layer) {
               "differentiable graph. Run that part of the model stock (enabled=False, or unpatched) for them.");
 }
 
+// Compiled autograd (torch._dynamo.compiled_autograd: torch._dynamo.config.compiled_autograd,
+// torchtitan's option) refuses a C++ node whose context still lists non-differentiable outputs
+// or dirty inputs: an internal assert in CppNode::compiled_args, a crash in the user's backward.
+// Function::apply reads both sets once, when it wraps the outputs, and never again, so the node
+// forgets them as soon as apply returns: eager autograd is unchanged, and a backward through the
+// node compiles (tests/test_compiled_autograd.py). `output`: an output of the node (for a
+// mark_dirty node, the input it overwrote), whose grad_fn it is where the call was recorded.
+template <class Node>
+void forget_forward_marks(const at::Tensor& output) {
+  if (auto* node = dynamic_cast<torch::autograd::CppNode<Node>*>(output.grad_fn().get())) {
+    node->ctx_.mark_non_differentiable({});
+    node->ctx_.mark_dirty({});
+  }
+}
+
 // Backward computes in explicit dtypes with autocast off (mesa_train.nn._common.no_autocast).
 struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};

@@ -14,7 +14,9 @@ import weakref
 from typing import List, Optional
 
 import torch
+import torch._dynamo.config
 from torch import nn
+from torch._dynamo import compiled_autograd
 
 from .first_order import first_order
 from ._common import (MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, is_channels_last, load,
@@ -52,6 +54,16 @@ class ScaleLink:
         self.out = None   # weakref to the conv output
         self.gx = None    # the gradient the BatchNorm backward returned for it
         self.coef = None  # per channel: gamma * dgamma * (1 - mean(x_hat^2))
+
+
+def compiled_autograd_may_run() -> bool:
+    """Whether this step's backward may run under compiled autograd: inside
+    ``compiled_autograd._enable`` (which ``torch.compile`` enters around a compiled function
+    when ``torch._dynamo.config.compiled_autograd`` is set, its eager parts included), or with
+    that flag set. The C++ scale-branch link keeps its state in the nodes' saved data as a
+    capsule, a value compiled autograd cannot key its cache on ("unhashable type: 'Capsule'"),
+    so the pair takes the Python ``ScaleLink`` then (tests/test_compiled_autograd.py)."""
+    return compiled_autograd.compiled_autograd_enabled or bool(torch._dynamo.config.compiled_autograd)
 
 
 def scale_branch_compiled(conv: nn.Module, bn: nn.Module) -> bool:
@@ -257,7 +269,8 @@ class Conv2d(_MesaConv, nn.Conv2d):
             if scale_branch_compiled(self, bn):
                 return input
             return self._compressed_conv(input, self.weight)
-        fused = self.quantizer.fused_layer_args(input) if bn._runs_layer_op(input) else None
+        fused = (self.quantizer.fused_layer_args(input)
+                 if bn._runs_layer_op(input) and not compiled_autograd_may_run() else None)
         if fused is not None:
             # both on their C++ ops: the BatchNorm's node finds this conv's as its input's
             # grad_fn and hands the weight gradient over there (csrc/scale_link.h); a
