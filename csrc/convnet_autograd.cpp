@@ -83,10 +83,18 @@ variable_list norm_grads(AutogradContext* ctx, const at::Tensor& gx, const at::T
 // re-standardises the dequantized x_hat per channel and runs ATen's batch-norm backward on it
 // (batchnorm.bn_backward says why). Fed by a scale branch's conv (scale_link.h), it also hands
 // that conv coef = gamma * dgamma * (1 - mean(x_hat^2)) and the input gradient it returns.
+// offer_x (mesa::batch_norm_train_offer: RepVGG's / MobileOne's identity BatchNorm, whose input
+// the block's convs take next, nn/input_copy.py): the outputs are (y, q, alpha_x, beta_x), the
+// x_hat codes read as codes of x itself. With one group per channel the default format's
+// x_hat = q * alpha / 255 + beta is, per channel, x = q * (alpha / invstd) / 255 + (beta /
+// invstd + mean): the same codes, each group's range and offset in x's units. Empty where
+// that does not hold (a variant format, groups spanning channels, a layout of x_hat's codes
+// that is not x's): the convs then compress x themselves.
 struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& bias, const std::optional<at::Tensor>& running_mean,
-                            const std::optional<at::Tensor>& running_var, double momentum, double eps, Quantizer qz) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& bias, const std::optional<at::Tensor>& running_mean,
+                               const std::optional<at::Tensor>& running_var, double momentum, double eps, Quantizer qz,
+                               bool offer_x) {
     // exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which also
     // hands back the batch mean and invstd it normalised with
     auto [out, mean, invstd, reserve, impl] = at::_batch_norm_impl_index(
@@ -110,11 +118,22 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     save_norm_meta(ctx, G, eps, mdt, x, weight, bias);
     ctx->saved_data["nhwc"] = v.permuted;
     if (auto link = scale_link_of(x)) ctx->saved_data["scale_link"] = scale_link_capsule(link);
-    return out;
+    if (!offer_x) return {out};
+    ctx->set_materialize_grads(false);  // no zero-filled gradients for the codes (backward: an undefined g)
+    if (qz.code_bits != 0 || G != x.size(1) || nhwc_view(x, 1).permuted != v.permuted) {
+      const at::Tensor q0 = no_codes(x), alpha0 = no_codes(x), beta0 = no_codes(x);
+      ctx->mark_non_differentiable({q0, alpha0, beta0});
+      return {out, q0, alpha0, beta0};
+    }
+    const at::Tensor alpha_x = alpha.div(invstd.to(alpha.scalar_type()));
+    const at::Tensor beta_x = beta.div(invstd.to(beta.scalar_type())).add(mean.to(beta.scalar_type()));
+    ctx->mark_non_differentiable({q, alpha_x, beta_x});
+    return {out, q, alpha_x, beta_x};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order("BatchNorm");
+    if (!grads[0].defined()) return variable_list(9);  // (offer_x: materialize off, y took no gradient)
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &invstd = saved[3], &weight = saved[4];
@@ -144,7 +163,7 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
       link->coef = w.mul(dw).mul(at::rsub(exact_mean_square(invstd_m, eps), 1));
       link->gx = out[0];
     }
-    out.resize(8);  // (one per argument of forward)
+    out.resize(9);  // (one per argument of forward)
     return out;
   }
 };
@@ -157,7 +176,22 @@ at::Tensor batch_norm_train(const at::Tensor& x, const at::Tensor& weight, const
   TORCH_CHECK_VALUE(x.dim() >= 2, "mesa: batch_norm_train: x must be (N, C, ...), got ", x.dim(), " dims");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::batch_norm_train");
-  return BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz);
+  return BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz,
+                               false)[0];
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_train_offer(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, double momentum, double eps, at::Tensor& alpha_est,
+    at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng, int64_t num_groups, double decay,
+    int64_t estimator, bool symmetric, bool stochastic) {
+  TORCH_CHECK_VALUE(x.dim() == 4, "mesa: batch_norm_train_offer: x must be (N, C, H, W), got ", x.dim(), " dims");
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::batch_norm_train_offer");
+  const variable_list r =
+      BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz, true);
+  forget_forward_marks<BatchNormTrain>(r[0]);
+  return {r[0], r[1], r[2], r[3]};
 }
 
 // ----------------------------------------------------------------------------- GroupNorm
@@ -439,6 +473,12 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "batch_norm_train(Tensor x, Tensor weight, Tensor bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
       "float momentum, float eps, Tensor(c!) alpha_est, Tensor(d!) beta_est, Tensor(e!) initialized, "
       "Tensor(f!) rng, int num_groups, float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
+  // the same, x's codes returned beside y for the convs that take x next (empty where it has none)
+  m.def(
+      "batch_norm_train_offer(Tensor x, Tensor weight, Tensor bias, Tensor(a!)? running_mean, "
+      "Tensor(b!)? running_var, float momentum, float eps, Tensor(c!) alpha_est, Tensor(d!) beta_est, "
+      "Tensor(e!) initialized, Tensor(f!) rng, int num_groups, float decay, int estimator, bool symmetric, "
+      "bool stochastic) -> (Tensor y, Tensor q, Tensor alpha, Tensor beta)");
   // groups: the norm's own group count (nn.GroupNorm's num_groups); num_groups: the quantizer's
   m.def(
       "group_norm_train(Tensor x, Tensor weight, Tensor? bias, int groups, float eps, Tensor(a!) alpha_est, "
@@ -462,6 +502,7 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
 // (see layers_autograd.cpp: one kernel for every backend, the node built here)
 TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("batch_norm_train", &mesa::batch_norm_train);
+  m.impl("batch_norm_train_offer", &mesa::batch_norm_train_offer);
   m.impl("group_norm_train", &mesa::group_norm_train);
   m.impl("mask_train", &mesa::mask_train);
   m.impl("mask_train_", &mesa::mask_train_);

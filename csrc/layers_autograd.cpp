@@ -299,9 +299,6 @@ std::optional<SharedRows> shared_rows(at::TensorList t, const char* op) {
   return SharedRows{t[0], t[1], t[2], t[3].numel() ? t[3] : at::Tensor()};
 }
 
-// An empty tensor: an autograd node's outputs must be defined, and empty codes say "none made here"
-at::Tensor no_codes(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kByte)); }
-
 // shared: the codes another Mesa Linear made of this very input (parallel projections of one
 // tensor keep one copy: nn/input_copy.py), saved here instead of compressing again; otherwise
 // the codes made here are returned beside the output for the next one (empty where none were made).

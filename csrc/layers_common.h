@@ -343,6 +343,9 @@ inline void check_first_order(const char* layer) {
               "differentiable graph. Run that part of the model stock (enabled=False, or unpatched) for them.");
 }
 
+// An empty tensor: an autograd node's outputs must be defined, and empty codes say "none made here"
+inline at::Tensor no_codes(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kByte)); }
+
 // Compiled autograd (torch._dynamo.compiled_autograd: torch._dynamo.config.compiled_autograd,
 // torchtitan's option) refuses a C++ node whose context still lists non-differentiable outputs
 // or dirty inputs: an internal assert in CppNode::compiled_args, a crash in the user's backward.

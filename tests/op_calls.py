@@ -39,18 +39,21 @@ def assert_op_path_is_the_python_path(monkeypatch, op_name: str, run, *args) -> 
     assert_all_same_bits(got, run(False, monkeypatch, *args))
 
 
-def assert_patched_model_takes_the_op(monkeypatch, model, example_input, op_name: str, layer_types) -> None:
+def assert_patched_model_takes_the_op(monkeypatch, model, example_input, op_name, layer_types) -> None:
     """Two training steps of a patched ``model`` (``example_input(step)`` its input; seeded, so
     dropout and drop-path draw the same masks) on the C++ layer op ``op_name`` and on the Python
     Functions: the same outputs, parameter gradients and buffers, and the op called once per
     forward of a ``layer_types`` layer (counted by pre-hooks: a layer may run several times a
-    step, as CoaT's shared position encodings do) on the first path, never on the second."""
+    step, as CoaT's shared position encodings do) on the first path, never on the second.
+    ``op_name``: a name, or a tuple of the names one layer type calls (a BatchNorm's
+    ``batch_norm_train`` or, on an identity branch, ``batch_norm_train_offer``)."""
     from mesa_train.nn import quantizer as quantizer_mod
 
     runs = []
     for fused in (True, False):
         monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
-        calls = count_calls(monkeypatch, op_name)
+        names = (op_name,) if isinstance(op_name, str) else tuple(op_name)
+        calls = [count_calls(monkeypatch, name) for name in names]
         m = copy.deepcopy(model)
         layer_calls = []
         for layer in (mod for mod in m.modules() if isinstance(mod, layer_types)):
@@ -63,6 +66,7 @@ def assert_patched_model_takes_the_op(monkeypatch, model, example_input, op_name
             (y.float() * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
             out += [y.detach()] + [p.grad for p in m.parameters() if p.grad is not None]
         runs.append(out + [b.clone() for b in m.buffers()])
-        assert layer_calls and len(calls) == (len(layer_calls) if fused else 0), (op_name, len(calls))
+        ran = sum(len(c) for c in calls)
+        assert layer_calls and ran == (len(layer_calls) if fused else 0), (names, ran)
         monkeypatch.undo()
     assert_all_same_bits(runs[0], runs[1])

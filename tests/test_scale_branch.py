@@ -260,7 +260,9 @@ def test_patched_models_bitwise_on_the_ops(name, monkeypatch):
     (the linked ones included) on its op."""
     model = patch_model(build(name, drop=True))
     assert any("_mesa_scale_bn" in m.__dict__ for m in model.modules())
-    assert_patched_model_takes_the_op(monkeypatch, model, lambda step: example(name, seed=step), "batch_norm_train",
+    # (FastViT's identity branches take batch_norm_train_offer: patch/identity_norm.py)
+    assert_patched_model_takes_the_op(monkeypatch, model, lambda step: example(name, seed=step),
+                                      ("batch_norm_train", "batch_norm_train_offer"),
                                       (mnn.BatchNorm2d, mnn.BatchNorm1d))
 
 

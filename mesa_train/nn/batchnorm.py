@@ -32,9 +32,14 @@ from .first_order import first_order
 from ._common import (DropActChildren, MesaLayer, adopt_parameters, check_stock, from_nhwc, inherit_options, load,
                       nhwc_view, no_autocast, save)
 from .conv import conv_backward, conv_forward, scale_branch_compiled
+from . import input_copy
 from .quantizer import decompress
 
-__all__ = ["BatchNorm2d", "BatchNorm1d", "BatchNormAct2d"]
+__all__ = ["BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "OFFERS_INPUT"]
+
+# set (in its __dict__, by patch/identity_norm.py) on the identity-branch BatchNorm of a RepVGG /
+# MobileOne block, whose input the block's convs take next: it leaves its codes on that input
+OFFERS_INPUT = "_mesa_offers_input"
 
 
 def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -86,13 +91,14 @@ def remember_dtypes(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: tor
     ctx.b_dtype = bias.dtype if bias is not None else None
 
 
-def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer):
+def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer, offer: bool = False):
     """The training forward of the Mesa BatchNorms: ``(out, packed x_hat, nhwc, invstd, compute
     dtype, moments)`` (``code_moments``: empty, or x_hat's per-channel statistics for
     backward); ``nhwc``: a channels-last ``x_hat`` was compressed as its NHWC view (``nhwc_view``:
     no copy to NCHW, and backward gets ``x_hat`` channels-last again, as ``g`` and stock's
     ``native_batch_norm_backward`` see it; mixed layouts took ATen's slow path, 4x stock's
-    BatchNorm step on CPU)."""
+    BatchNorm step on CPU). ``offer``: an identity branch's (``OFFERS_INPUT``), which leaves
+    x_hat's codes on ``x`` as codes of ``x`` for the block's convs (``_codes_of_input``)."""
     # exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which
     # also hands back the batch mean and invstd it normalised with
     out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
@@ -102,7 +108,25 @@ def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quanti
         x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), x)) * _per_channel(invstd.to(mdt), x)
     xv, dim, nhwc = nhwc_view(x_hat, 1, quantizer.options.channel_layout)
     packed = quantizer.compress(xv, dim)
+    if offer:
+        codes = _codes_of_input(x, packed, nhwc, mean, invstd, quantizer)
+        if codes is not None:
+            input_copy.offer(x, ("function", 2, quantizer.options), codes)
     return out, packed, nhwc, invstd, mdt, code_moments(packed, mdt)
+
+
+def _codes_of_input(x, packed, nhwc: bool, mean, invstd, quantizer):
+    """x_hat's codes read as codes of ``x`` (``mesa::batch_norm_train_offer``'s arithmetic):
+    with one group per channel, the default format's ``x_hat = q * alpha / 255 + beta`` is
+    ``x = q * (alpha / invstd) / 255 + (beta / invstd + mean)``. ``None`` where that does not
+    hold (a variant format, groups spanning channels) or where a conv would view ``x`` in
+    another layout than the codes'."""
+    if packed.fmt is not None or packed.num_groups != x.shape[1] or \
+            nhwc_view(x, 1, quantizer.options.channel_layout)[2] != nhwc:
+        return None
+    alpha = packed.alpha / invstd.to(packed.alpha.dtype)
+    beta = packed.beta / invstd.to(packed.beta.dtype) + mean.to(packed.beta.dtype)
+    return packed._replace(alpha=alpha, beta=beta)
 
 
 def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bool, moments=()):
@@ -150,9 +174,9 @@ def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bo
 
 class _BatchNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer, link=None):
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer, link=None, offer=False):
         out, packed, ctx.nhwc, invstd, mdt, moments = bn_forward(x, weight, bias, running_mean, running_var,
-                                                                 momentum, eps, quantizer)
+                                                                 momentum, eps, quantizer, offer)
         ctx.mdt, ctx.eps, ctx.link = mdt, eps, link
         remember_dtypes(ctx, x, weight, bias)
         save(ctx, [packed], invstd, weight, *moments)
@@ -171,7 +195,7 @@ class _BatchNormFn(torch.autograd.Function):
             link.coef, link.gx = coef, gx
         gw = gw.to(ctx.w_dtype) if gw is not None else None
         gb = gb.to(ctx.b_dtype) if gb is not None else None
-        return gx, gw, gb, None, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None, None
 
 
 class _ScaleBranchFn(torch.autograd.Function):
@@ -233,11 +257,27 @@ def _train_forward(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor, lin
     # nodes the op finds itself, csrc/scale_link.h): the layer with a C++ autograd node
     fused = bn.quantizer.fused_layer_args(input) \
         if link is None and bn.weight is not None and bn.bias is not None else None
+    # an identity branch's (RepVGG, MobileOne) leaves its codes on the input for the block's convs
+    offer = bool(bn.__dict__.get(OFFERS_INPUT)) and input.dim() == 4 and input_copy.may_share(input)
     if fused is not None:
+        if offer:
+            return _offer_input(bn, input, running_mean, running_var, factor, fused)
         return torch.ops.mesa.batch_norm_train(input, bn.weight, bn.bias, running_mean, running_var, factor, bn.eps,
                                                *fused)
     return _BatchNormFn.apply(input, bn.weight, bn.bias, running_mean, running_var, factor, bn.eps, bn.quantizer,
-                              link)
+                              link, offer)
+
+
+def _offer_input(bn, input: torch.Tensor, running_mean, running_var, factor: float, fused) -> torch.Tensor:
+    """An identity-branch BatchNorm's C++ op (``OFFERS_INPUT``): its 8-bit x_hat, read as codes
+    of ``input`` itself (one group per channel: each group's range and offset in the input's
+    units, csrc/convnet_autograd.cpp), left on ``input`` for the block's convs, which take it
+    next (``input_copy``) instead of keeping a second copy of the block input."""
+    y, q, alpha, beta = torch.ops.mesa.batch_norm_train_offer(input, bn.weight, bn.bias, running_mean, running_var,
+                                                              factor, bn.eps, *fused)
+    if q.numel():  # (empty where its codes are not x's: a variant format, groups across channels)
+        input_copy.offer(input, input_copy.conv_op_signature(2, bn.quantizer.options), (q, alpha, beta))
+    return y
 
 
 def batch_statistics(bn: nn.modules.batchnorm._BatchNorm) -> bool:

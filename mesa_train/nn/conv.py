@@ -231,7 +231,7 @@ class _MesaConv(MesaLayer):
         """The C++ layer op; the input's codes are made once for the parallel convs given the
         same tensor (``input_copy.py``): taken where another left them, else left for the next."""
         quantizer = self.quantizer
-        signature = (("op", len(self.kernel_size), quantizer.options)
+        signature = (input_copy.conv_op_signature(len(self.kernel_size), quantizer.options)
                      if weight.requires_grad and input_copy.may_share(input) else None)
         shared = input_copy.take(input, signature, quantizer) if signature is not None else None
         link = (scale_link,) if self._train_op == "conv2d_train" else ()

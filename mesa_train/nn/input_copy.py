@@ -50,7 +50,7 @@ import torch
 from . import sharing
 from .checkpoint_phase import checkpoint_phase
 
-__all__ = ["may_share", "take", "offer", "take_or_make", "disabled", "ATTRIBUTE", "READ_ANOTHERS"]
+__all__ = ["may_share", "take", "offer", "take_or_make", "disabled", "conv_op_signature", "ATTRIBUTE", "READ_ANOTHERS"]
 
 ATTRIBUTE = "_mesa_input_copy"
 # set on a quantizer whose layer saved another layer's codes (describe: not "uninitialized")
@@ -84,6 +84,13 @@ def may_share(x: torch.Tensor) -> bool:
     once per call and builds its ``signature`` only then: most layers are the only consumer of
     their input, and this is the host time every one of them pays."""
     return not _local.off and sharing.is_enabled() and not x.is_leaf and not checkpoint_phase()
+
+
+def conv_op_signature(spatial_dims: int, options) -> tuple:
+    """The signature of codes a conv's C++ layer op (``mesa::conv2d_train`` / ``conv1d_train``)
+    takes: its spatial dims and its quantizer's options. An identity-branch BatchNorm offers its
+    codes of x under it too (``batchnorm._offer_input``)."""
+    return ("op", spatial_dims, options)
 
 
 def take(x: torch.Tensor, signature: tuple, quantizer):

@@ -78,6 +78,7 @@ from .functional_calls import routable_sites
 from .generic_attention import (AMAX_CHILD, CORE_REPEATS_ATTR, EINSUM_CHILD, EINSUM_CORE, PassThroughMatMul,
                                 install as install_generic, install_calls, install_cosine, install_linear,
                                 install_routed, install_scales)
+from .identity_norm import mark_identity_norms
 from .gamma_act import GAMMA_ACT_CHILD, MesaGammaAct, STOCK_GAMMA_ACT, gamma_act_layer
 from .convnext import SCALE_CHILD as CONVNEXT_SCALE_CHILD, SCALED_BLOCK_CLASSES, STOCK_SCALED_BLOCK_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
@@ -740,6 +741,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     _convert_leaves(t, explicit, gated_acts, keep_stock)
     if "conv" in op_names and "batchnorm" in op_names:
         _link_scale_branches(root, t.parents, quant_options, keep_stock)
+        # RepVGG / MobileOne: the identity branch's BatchNorm leaves its copy of the block input
+        # for the block's convs (patch/identity_norm.py)
+        mark_identity_norms(root)
 
     # 3. functional ops no rule reaches: recorded, warned about, left stock
     scanned: Dict[str, Tuple[str, ...]] = {}

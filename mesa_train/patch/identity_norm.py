@@ -1,0 +1,35 @@
+"""RepVGG's and MobileOne's identity-branch BatchNorm hands its copy of the block input to the convs.
+
+A RepVGG block (timm's ``RepVggBlock``, ``MobileOneBlock`` in byobnet and FastViT; the official
+RepVGG's ``rbr_identity``, MobileOne's ``rbr_skip``) sums ``bn(x)`` and convs of the same ``x``,
+the BatchNorm called first. The convs keep one 8-bit copy of ``x`` between them
+(``nn/input_copy.py``), and the BatchNorm kept a second, its 8-bit ``x_hat``. With one
+quantization group per channel, the BatchNorm's codes of ``x_hat`` are codes of ``x`` itself,
+each group's range and offset rescaled (``csrc/convnet_autograd.cpp``, ``batch_norm_train_offer``),
+so a marked BatchNorm leaves them on ``x`` for the convs: one copy of the block input where there
+were two. The convs take them only where their quantizer's options equal the BatchNorm's and
+``x`` is unchanged since (``input_copy.take``); otherwise each compresses ``x`` as before.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+import mesa_train.nn as mnn
+from mesa_train.nn.batchnorm import OFFERS_INPUT
+
+__all__ = ["IDENTITY_NAMES", "mark_identity_norms"]
+
+# the identity branch's attribute in timm's RepVggBlock / MobileOneBlock, the official RepVGG's
+# and MobileOne's blocks
+IDENTITY_NAMES = ("identity", "rbr_identity", "rbr_skip")
+
+
+def mark_identity_norms(root: nn.Module) -> None:
+    """Mark each Mesa ``BatchNorm2d`` held under one of ``IDENTITY_NAMES`` by a module that also
+    holds Mesa convs (a plain attribute: ``state_dict`` and the module tree are unchanged)."""
+    for parent in root.modules():
+        norms = [parent._modules.get(name) for name in IDENTITY_NAMES]
+        norms = [bn for bn in norms if isinstance(bn, mnn.BatchNorm2d)]
+        if norms and any(isinstance(m, mnn.Conv2d) for m in parent.modules()):
+            for bn in norms:
+                bn.__dict__[OFFERS_INPUT] = True

@@ -1,0 +1,190 @@
+"""RepVGG's and MobileOne's identity-branch BatchNorm hands its 8-bit copy of the block input to
+the block's convs (``patch/identity_norm.py``, ``mesa::batch_norm_train_offer``).
+
+Before, the BatchNorm kept its 8-bit ``x_hat`` and the convs one more 8-bit copy of ``x``."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mesa_train.nn as mnn
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.nn import input_copy
+from mesa_train.nn import quantizer as quantizer_mod
+from mesa_train.nn.batchnorm import OFFERS_INPUT
+from mesa_train.patch import patch_model
+from mesa_train.quant import reference
+from op_calls import assert_patched_model_takes_the_op
+
+pytestmark = pytest.mark.skipif(not quantizer_mod._FUSED_LAYERS, reason="needs the compiled extension")
+
+
+def _offer_args(bn: nn.Module, x: torch.Tensor) -> tuple:
+    """The arguments after ``x`` of ``mesa::batch_norm_train`` / ``batch_norm_train_offer``."""
+    return (bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.momentum, bn.eps,
+            *bn.quantizer.fused_layer_args(x))
+
+
+def _codes_of_x(x: torch.Tensor, **options):
+    """The offer op on ``x`` (a Mesa BatchNorm2d over its channels): y, and x's codes read back."""
+    bn = mnn.BatchNorm2d(x.shape[1], **options).train()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 2), bn.bias.uniform_(-1, 1)
+    y, q, alpha, beta = torch.ops.mesa.batch_norm_train_offer(x, *_offer_args(bn, x))
+    return bn, y, q, alpha, beta
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_offered_codes_are_codes_of_x(channels_last):
+    """Read back with the conv's own dequantization (channel groups over dim 1), each element is
+    within one rounding step of ``x``: the channels here are orders of magnitude apart, and
+    have offsets far from 0."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 5, 5) * torch.logspace(-2, 2, 6).view(1, 6, 1, 1) + torch.arange(6.).view(1, 6, 1, 1) * 10
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    _, _, q, alpha, beta = _codes_of_x(x)
+    assert q.numel() == x.numel()
+    view = x.permute(0, 2, 3, 1) if channels_last else x
+    dim = 3 if channels_last else 1
+    x_back = reference.dequantize(q, alpha, beta, dim, 6)
+    step = (alpha.reshape(-1) / 255).view((1, 1, 1, 6) if channels_last else (1, 6, 1, 1))
+    assert ((x_back - view).abs() <= step * 1.001 + 1e-6).all()
+    assert (x_back - view).abs().max() > 0  # (it is a copy at 8 bits, not x)
+
+
+def test_offering_changes_nothing_else():
+    """y, the running statistics and every gradient as ``batch_norm_train``'s, bit for bit."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6, 6)
+    results, bn0 = [], mnn.BatchNorm2d(4).train()
+    for offer in (False, True):
+        bn = copy.deepcopy(bn0)  # (the same rounding draws)
+        xx = x.clone().requires_grad_()
+        op = torch.ops.mesa.batch_norm_train_offer if offer else torch.ops.mesa.batch_norm_train
+        out = op(xx, *_offer_args(bn, xx))
+        y = out[0] if offer else out
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        results.append((y, bn.running_mean, bn.running_var, xx.grad, bn.weight.grad, bn.bias.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_no_codes_where_they_would_not_be_x_s():
+    """A variant format (4 bits), and quantization groups spanning channels: empty codes."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6, 6)
+    assert _codes_of_x(x, bits=4)[2].numel() == 0
+    assert _codes_of_x(x, num_groups=2)[2].numel() == 0
+
+
+class OfficialRepVGGBlock(nn.Module):
+    """The official RepVGG block's train-time form (DingXiaoH/RepVGG): ``rbr_identity`` first."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.rbr_identity = nn.BatchNorm2d(c)
+        self.rbr_dense = nn.Sequential(nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c))
+        self.rbr_1x1 = nn.Sequential(nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        x = x * 1.0  # (a block input is an intermediate)
+        id_out = self.rbr_identity(x)
+        return F.relu(self.rbr_dense(x) + self.rbr_1x1(x) + id_out)
+
+
+def _marked(model) -> list:
+    return [n for n, m in model.named_modules() if m.__dict__.get(OFFERS_INPUT)]
+
+
+def test_patch_model_marks_the_identity_norms():
+    assert _marked(patch_model(OfficialRepVGGBlock())) == ["rbr_identity"]
+    marked = _marked(patch_model(timm.create_model("repvgg_a0", num_classes=4)))
+    assert marked and all(n.endswith(".identity") for n in marked)
+    # a BatchNorm called identity with no conv beside it, and one not converted, stay unmarked
+    lone = nn.Sequential()
+    lone.add_module("identity", nn.BatchNorm2d(4))
+    assert _marked(patch_model(lone)) == []
+    assert _marked(patch_model(OfficialRepVGGBlock(), ops=["conv"])) == []
+
+
+def _saved_bytes(model, x) -> int:
+    with SavedTensorMeter() as meter:
+        model(x).sum().backward()
+    return meter.activation_bytes
+
+
+def _unmarked(model):
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        m.__dict__.pop(OFFERS_INPUT, None)
+    return model
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpp", "python"])
+def test_the_block_s_convs_take_the_norm_s_codes(monkeypatch, fused):
+    """One 8-bit copy of the block input (the BatchNorm's), read by both convs, on the C++ ops
+    and on the Python Functions alike."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    torch.manual_seed(0)
+    mesa = patch_model(OfficialRepVGGBlock()).train()
+    x = torch.randn(2, 8, 6, 6, requires_grad=True)  # (x * 1.0 in the block: an intermediate)
+    taken = []
+    original_take = input_copy.take
+
+    def recording_take(t, signature, quantizer):
+        got = original_take(t, signature, quantizer)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(input_copy, "take", recording_take)
+    with_offer = _saved_bytes(mesa, x)
+    monkeypatch.setattr(input_copy, "take", original_take)
+    assert taken == [True, True]
+    assert with_offer + x.numel() == _saved_bytes(_unmarked(mesa), x)  # (one byte an element)
+
+
+def test_the_op_path_is_the_python_path(monkeypatch):
+    """A RepVGG with its identity branches offering: two steps on the C++ ops and on the Python
+    Functions give the same outputs, gradients and buffers, bit for bit."""
+    model = patch_model(timm.create_model("repvgg_a0", num_classes=4, drop_path_rate=0.1))
+    assert _marked(model)
+    assert_patched_model_takes_the_op(
+        monkeypatch, model, lambda step: torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(step)),
+        ("batch_norm_train", "batch_norm_train_offer"), (mnn.BatchNorm2d,))
+
+
+# at 64 px, before: mobileone_s0 0.348x, repvgg_a0 0.357x, fastvit_t8 0.318x of stock's saved bytes
+MODELS = {"mobileone_s0": 0.33, "repvgg_a0": 0.34, "fastvit_t8": 0.31}
+
+
+def _bytes_and_gradient(model, x) -> tuple:
+    """Saved bytes of a training step, and all parameter gradients of its loss, concatenated."""
+    torch.manual_seed(1)
+    with SavedTensorMeter() as meter:
+        model(x).square().sum().backward()
+    return meter.activation_bytes, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_timm_reparameterizable_models_keep_one_copy_per_block_input(name):
+    """Saved bytes under the bound (the unmarked model, measured in the same run, above it),
+    outputs equal to stock's, and all parameter gradients together as close to stock's as the
+    unmarked model's."""
+    torch.manual_seed(0)
+    stock = timm.create_model(name, num_classes=10).train()
+    mesa = patch_model(copy.deepcopy(stock)).train()
+    before = _unmarked(mesa)
+    x = torch.randn(2, 3, 64, 64)
+    assert torch.equal(copy.deepcopy(mesa)(x), copy.deepcopy(stock)(x))
+    stock_bytes, exact = _bytes_and_gradient(stock, x)
+    (now, g_now), (then, g_then) = _bytes_and_gradient(mesa, x), _bytes_and_gradient(before, x)
+    assert now / stock_bytes < MODELS[name] < then / stock_bytes, (now / stock_bytes, then / stock_bytes)
+    cos_now = F.cosine_similarity(g_now, exact, dim=0).item()
+    cos_before = F.cosine_similarity(g_then, exact, dim=0).item()
+    assert cos_now > 0.99 and cos_now > cos_before - 0.005, (cos_now, cos_before)
