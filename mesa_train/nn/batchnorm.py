@@ -111,7 +111,7 @@ def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quanti
     if offer:
         codes = _codes_of_input(x, packed, nhwc, mean, invstd, quantizer)
         if codes is not None:
-            input_copy.offer(x, ("function", 2, quantizer.options), codes)
+            input_copy.offer(x, input_copy.conv_function_signature(2, quantizer.options), codes)
     return out, packed, nhwc, invstd, mdt, code_moments(packed, mdt)
 
 

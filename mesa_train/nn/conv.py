@@ -95,7 +95,7 @@ def conv_forward(x, weight, bias, module, quantizer, weight_grad: bool):
     packed = None
     if weight_grad:
         # (learned thresholds learn from their own codes: those convs keep their own)
-        signature = (("function", spatial, quantizer.options)
+        signature = (input_copy.conv_function_signature(spatial, quantizer.options)
                      if quantizer.options.estimator != "learned" and input_copy.may_share(x) else None)
         packed = input_copy.take_or_make(x, signature, quantizer, lambda: quantizer.compress(xv, dim))
     return y, packed, (is_channels_last(x), nhwc_codes, x.shape)

@@ -50,7 +50,8 @@ import torch
 from . import sharing
 from .checkpoint_phase import checkpoint_phase
 
-__all__ = ["may_share", "take", "offer", "take_or_make", "disabled", "conv_op_signature", "ATTRIBUTE", "READ_ANOTHERS"]
+__all__ = ["may_share", "take", "offer", "take_or_make", "disabled", "conv_op_signature", "conv_function_signature",
+           "ATTRIBUTE", "READ_ANOTHERS"]
 
 ATTRIBUTE = "_mesa_input_copy"
 # set on a quantizer whose layer saved another layer's codes (describe: not "uninitialized")
@@ -91,6 +92,12 @@ def conv_op_signature(spatial_dims: int, options) -> tuple:
     takes: its spatial dims and its quantizer's options. An identity-branch BatchNorm offers its
     codes of x under it too (``batchnorm._offer_input``)."""
     return ("op", spatial_dims, options)
+
+
+def conv_function_signature(spatial_dims: int, options) -> tuple:
+    """:func:`conv_op_signature` for the convs' Python Function (``conv.conv_forward``), whose
+    codes are a ``Packed`` (``batchnorm.bn_forward`` offers under it on that path)."""
+    return ("function", spatial_dims, options)
 
 
 def take(x: torch.Tensor, signature: tuple, quantizer):
