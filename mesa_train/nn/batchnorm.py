@@ -275,7 +275,7 @@ def _offer_input(bn, input: torch.Tensor, running_mean, running_var, factor: flo
     next (``input_copy``) instead of keeping a second copy of the block input."""
     y, q, alpha, beta = torch.ops.mesa.batch_norm_train_offer(input, bn.weight, bn.bias, running_mean, running_var,
                                                               factor, bn.eps, *fused)
-    if q.numel():  # (empty where its codes are not x's: a variant format, groups across channels)
+    if q.numel():  # (empty where its codes are not x's: a variant format, groups across channels, another layout)
         input_copy.offer(input, input_copy.conv_op_signature(2, bn.quantizer.options), (q, alpha, beta))
     return y
 

@@ -7,8 +7,9 @@ the BatchNorm called first. The convs keep one 8-bit copy of ``x`` between them
 quantization group per channel, the BatchNorm's codes of ``x_hat`` are codes of ``x`` itself,
 each group's range and offset rescaled (``csrc/convnet_autograd.cpp``, ``batch_norm_train_offer``),
 so a marked BatchNorm leaves them on ``x`` for the convs: one copy of the block input where there
-were two. The convs take them only where their quantizer's options equal the BatchNorm's and
-``x`` is unchanged since (``input_copy.take``); otherwise each compresses ``x`` as before.
+were two. The convs take them only where their quantizer's options equal the BatchNorm's, they
+run on the same path (C++ layer ops or Python Functions) and ``x`` is unchanged since
+(``input_copy.take``); otherwise each compresses ``x`` as before.
 """
 from __future__ import annotations
 
