@@ -352,7 +352,9 @@ inline at::Tensor no_codes(const at::Tensor& like) { return at::empty({0}, like.
 // Function::apply reads both sets once, when it wraps the outputs, and never again, so the node
 // forgets them as soon as apply returns: eager autograd is unchanged, and a backward through the
 // node compiles (tests/test_compiled_autograd.py). `output`: an output of the node (for a
-// mark_dirty node, the input it overwrote), whose grad_fn it is where the call was recorded.
+// mark_dirty node, the input it overwrote), whose grad_fn it is where the call was recorded;
+// not for an in-place call on a view, whose node sits inside its base's CopySlices (not looked
+// into here: compiled autograd still asserts there).
 template <class Node>
 void forget_forward_marks(const at::Tensor& output) {
   if (auto* node = dynamic_cast<torch::autograd::CppNode<Node>*>(output.grad_fn().get())) {

@@ -2,11 +2,14 @@
 
 ``torch._dynamo.config.compiled_autograd = True`` (torchtitan's option) compiles the backward
 of every step run inside a compiled function, and the parts of the forward that ran eagerly
-(graph breaks) hold the C++ layer ops' nodes. Three of those nodes crashed the backward with a
+(graph breaks) hold the C++ layer ops' nodes. Four of those nodes crashed the backward with a
 PyTorch internal assert (``ctx_.non_differentiable_.empty()``: Linear, Softmax, Conv2d/Conv1d;
 ``dirty_inputs_``: the in-place ReLU / ReLU6 / Hardsigmoid), and the scale-branch link with
 "unhashable type: 'Capsule'". Each layer here runs its eager forward, then its backward under
-compiled autograd, and must give the plain backward's gradients bit for bit.
+compiled autograd, and must give the plain backward's gradients bit for bit. (The layers
+whose nodes never held those marks pass on the code before too: a sweep that catches a mark
+or a capsule a node gains later. An in-place activation on a view still asserts: its node sits
+inside the base's CopySlices, which forget_forward_marks does not look into.)
 """
 from __future__ import annotations
 
