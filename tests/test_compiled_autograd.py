@@ -13,6 +13,7 @@ inside the base's CopySlices, which forget_forward_marks does not look into.)
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -25,7 +26,7 @@ from mesa_train.patch import patch_model
 
 compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
 
-_LAYER_CASES = {name: case for name, case in _cases().items()}
+_LAYER_CASES = dict(_cases())
 # the in-place activations (mesa::mask_train_, a node that marks its input dirty), as timm's
 # ResNets and MobileNets build them
 _IMAGE = lambda: (torch.randn(2, 2, 4, 4),)  # noqa: E731
@@ -40,26 +41,17 @@ def _compiled():
     return compiled_autograd._enable(torch.compile(backend="aot_eager"))
 
 
-def _gradients(model: nn.Module, inputs, *, forward_in=None, backward_in=None) -> list:
-    """The inputs' and parameters' gradients of a weighted sum of ``model``'s output: forward
-    and backward each inside the context given (none: plain eager)."""
+def _gradients(model: nn.Module, inputs, *, backward_in=None) -> list:
+    """The inputs' and parameters' gradients of a weighted sum of ``model``'s output, the
+    backward inside the context given (none: plain eager)."""
     torch.manual_seed(1)  # (the same rounding draws each run)
     model = copy.deepcopy(model)
     xs = [x.detach().clone().requires_grad_() for x in inputs]
-    with forward_in or _nothing():
-        out = model(*[x * 1 for x in xs])  # (a tensor computed with gradients, as in a model)
-        loss = (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
-    with backward_in or _nothing():
+    out = model(*[x * 1 for x in xs])  # (a tensor computed with gradients, as in a model)
+    loss = (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+    with backward_in or contextlib.nullcontext():
         loss.backward()
     return [x.grad for x in xs] + [p.grad for p in model.parameters()]
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _assert_same(expected: list, got: list) -> None:
@@ -79,8 +71,7 @@ def test_a_step_run_under_compiled_autograd_gives_eager_gradients(name):
     mesa = convert(make_stock()).train()
     xs = inputs()
     expected = _gradients(mesa, xs)
-    ctx = _compiled()
-    with ctx:
+    with _compiled():
         got = _gradients(mesa, xs)
     _assert_same(expected, got)
 

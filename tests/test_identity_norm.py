@@ -113,10 +113,12 @@ def test_patch_model_marks_the_identity_norms():
     assert _marked(patch_model(OfficialRepVGGBlock(), ops=["conv"])) == []
 
 
-def _saved_bytes(model, x) -> int:
+def _bytes_and_gradient(model, x) -> tuple:
+    """Saved bytes of a training step, and all parameter gradients of its loss, concatenated."""
+    torch.manual_seed(1)
     with SavedTensorMeter() as meter:
-        model(x).sum().backward()
-    return meter.activation_bytes
+        model(x).square().sum().backward()
+    return meter.activation_bytes, torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 def _unmarked(model):
@@ -143,10 +145,10 @@ def test_the_block_s_convs_take_the_norm_s_codes(monkeypatch, fused):
         return got
 
     monkeypatch.setattr(input_copy, "take", recording_take)
-    with_offer = _saved_bytes(mesa, x)
+    with_offer = _bytes_and_gradient(mesa, x)[0]
     monkeypatch.setattr(input_copy, "take", original_take)
     assert taken == [True, True]
-    assert with_offer + x.numel() == _saved_bytes(_unmarked(mesa), x)  # (one byte an element)
+    assert with_offer + x.numel() == _bytes_and_gradient(_unmarked(mesa), x)[0]  # (one byte an element)
 
 
 def test_the_op_path_is_the_python_path(monkeypatch):
@@ -161,14 +163,6 @@ def test_the_op_path_is_the_python_path(monkeypatch):
 
 # at 64 px, before: mobileone_s0 0.348x, repvgg_a0 0.357x, fastvit_t8 0.318x of stock's saved bytes
 MODELS = {"mobileone_s0": 0.33, "repvgg_a0": 0.34, "fastvit_t8": 0.31}
-
-
-def _bytes_and_gradient(model, x) -> tuple:
-    """Saved bytes of a training step, and all parameter gradients of its loss, concatenated."""
-    torch.manual_seed(1)
-    with SavedTensorMeter() as meter:
-        model(x).square().sum().backward()
-    return meter.activation_bytes, torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
