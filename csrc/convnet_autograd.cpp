@@ -188,9 +188,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_train_offe
   TORCH_CHECK_VALUE(x.dim() == 4, "mesa: batch_norm_train_offer: x must be (N, C, H, W), got ", x.dim(), " dims");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::batch_norm_train_offer");
-  const variable_list r =
-      BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz, true);
-  forget_forward_marks<BatchNormTrain>(r[0]);
+  const variable_list r = apply_forgetting_marks<BatchNormTrain>(x, weight, bias, present(running_mean),
+                                                                 present(running_var), momentum, eps, qz, true);
   return {r[0], r[1], r[2], r[3]};
 }
 
@@ -341,8 +340,7 @@ at::Tensor mask_train(const at::Tensor& x, int64_t kind, double lo, double hi) {
 at::Tensor& mask_train_(at::Tensor& x, int64_t kind, double lo, double hi) {
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "mesa: mask_train_: kind must be 0 (relu), 1 (hardtanh) or 2 ",
                     "(hardsigmoid), got ", kind);
-  MaskTrain::apply(x, kind, lo, hi, true);  // (returns x itself, its history rebased on the node)
-  forget_forward_marks<MaskTrain>(x);
+  apply_forgetting_marks<MaskTrain>(x, kind, lo, hi, true);  // (returns x itself, its history rebased on the node)
   return x;
 }
 

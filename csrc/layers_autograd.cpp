@@ -155,8 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_train(
                     *out_dtype, " is not a floating dtype; valid: None, torch.float32, torch.bfloat16, torch.float16");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::softmax_train");
-  auto out = SoftmaxTrain::apply(x, softmax_dim, qz, out_dtype);
-  forget_forward_marks<SoftmaxTrain>(out[0]);
+  auto out = apply_forgetting_marks<SoftmaxTrain>(x, softmax_dim, qz, out_dtype);
   return {out[0], out[1], out[2], out[3]};
 }
 
@@ -355,9 +354,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tr
     int64_t estimator, bool symmetric, bool stochastic, bool row_scale, at::TensorList shared_x) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::linear_train");
-  const variable_list r =
-      LinearTrain::apply(x, weight, present(bias), qz, row_scale, shared_rows(shared_x, "mesa::linear_train"));
-  forget_forward_marks<LinearTrain>(r[0]);
+  const variable_list r = apply_forgetting_marks<LinearTrain>(x, weight, present(bias), qz, row_scale,
+                                                               shared_rows(shared_x, "mesa::linear_train"));
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 
@@ -984,8 +982,9 @@ std::optional<Codes> shared_input(at::TensorList t, const char* op) {
 }
 
 // (y, q, alpha, beta) of Conv2dTrain::apply, its node rid of the marks compiled autograd refuses
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_outputs(const variable_list& v) {
-  forget_forward_marks<Conv2dTrain>(v[0]);
+template <class... Args>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_outputs(Args&&... args) {
+  const variable_list v = apply_forgetting_marks<Conv2dTrain>(std::forward<Args>(args)...);
   return {v[0], v[1], v[2], v[3]};
 }
 
@@ -996,8 +995,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv2d_train(const at
                         bool scale_link, at::TensorList shared_x) {
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::conv2d_train");
-  return conv_outputs(Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups,
-                                        qz, scale_link, shared_input(shared_x, "mesa::conv2d_train")));
+  return conv_outputs(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups, qz, scale_link,
+                      shared_input(shared_x, "mesa::conv2d_train"));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv1d_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -1009,8 +1008,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv1d_train(const at
                     " dims");
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::conv1d_train");
-  return conv_outputs(Conv2dTrain::apply(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups,
-                                        qz, false, shared_input(shared_x, "mesa::conv1d_train")));
+  return conv_outputs(x, weight, present(bias), stride.vec(), padding.vec(), dilation.vec(), groups, qz, false,
+                      shared_input(shared_x, "mesa::conv1d_train"));
 }
 
 }  // namespace

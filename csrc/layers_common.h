@@ -11,10 +11,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/tensor.h>  // CopySlices (forget_forward_marks)
 
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "mesa_common.h"
@@ -351,16 +353,34 @@ inline at::Tensor no_codes(const at::Tensor& like) { return at::empty({0}, like.
 // or dirty inputs: an internal assert in CppNode::compiled_args, a crash in the user's backward.
 // Function::apply reads both sets once, when it wraps the outputs, and never again, so the node
 // forgets them as soon as apply returns: eager autograd is unchanged, and a backward through the
-// node compiles (tests/test_compiled_autograd.py). `output`: an output of the node (for a
-// mark_dirty node, the input it overwrote), whose grad_fn it is where the call was recorded;
-// not for an in-place call on a view, whose node sits inside its base's CopySlices (not looked
-// into here: compiled autograd still asserts there).
+// node compiles (tests/test_compiled_autograd.py; the layers reach it only from a forward run
+// outside compiled autograd's context, quantizer.fused_layers_on). `output`: an output of the
+// node (for a mark_dirty node, the input it overwrote), whose grad_fn it is where the call was
+// recorded; for an in-place call on a view the node is the `fn` of the base's CopySlices.
 template <class Node>
 void forget_forward_marks(const at::Tensor& output) {
-  if (auto* node = dynamic_cast<torch::autograd::CppNode<Node>*>(output.grad_fn().get())) {
-    node->ctx_.mark_non_differentiable({});
-    node->ctx_.mark_dirty({});
+  torch::autograd::Node* node = output.grad_fn().get();
+  if (!dynamic_cast<torch::autograd::CppNode<Node>*>(node) && output.is_view()) {
+    if (auto* slices = dynamic_cast<torch::autograd::CopySlices*>(output._base().grad_fn().get())) {
+      node = slices->fn.get();
+    }
   }
+  if (auto* cpp = dynamic_cast<torch::autograd::CppNode<Node>*>(node)) {
+    cpp->ctx_.mark_non_differentiable({});
+    cpp->ctx_.mark_dirty({});
+  }
+}
+
+inline const at::Tensor& first_output(const at::Tensor& out) { return out; }
+inline const at::Tensor& first_output(const torch::autograd::variable_list& out) { return out[0]; }
+
+// Node::apply(args...) for the nodes that mark outputs non-differentiable or inputs dirty, the
+// marks forgotten once it returns (forget_forward_marks, on the first output)
+template <class Node, class... Args>
+auto apply_forgetting_marks(Args&&... args) {
+  auto out = Node::apply(std::forward<Args>(args)...);
+  forget_forward_marks<Node>(first_output(out));
+  return out;
 }
 
 // Backward computes in explicit dtypes with autocast off (mesa_train.nn._common.no_autocast).

@@ -2,14 +2,16 @@
 
 ``torch._dynamo.config.compiled_autograd = True`` (torchtitan's option) compiles the backward
 of every step run inside a compiled function, and the parts of the forward that ran eagerly
-(graph breaks) hold the C++ layer ops' nodes. Four of those nodes crashed the backward with a
-PyTorch internal assert (``ctx_.non_differentiable_.empty()``: Linear, Softmax, Conv2d/Conv1d;
-``dirty_inputs_``: the in-place ReLU / ReLU6 / Hardsigmoid), and the scale-branch link with
-"unhashable type: 'Capsule'". Each layer here runs its eager forward, then its backward under
-compiled autograd, and must give the plain backward's gradients bit for bit. (The layers
-whose nodes never held those marks pass on the code before too: a sweep that catches a mark
-or a capsule a node gains later. An in-place activation on a view still asserts: its node sits
-inside the base's CopySlices, which forget_forward_marks does not look into.)
+(graph breaks) are eager layers. Inside compiled autograd's context those record their Python
+Functions, whose backward compiled autograd traces into its graph; outside it (a forward run
+plain, its backward compiled) they record their C++ layer ops' nodes, which compiled autograd
+calls as opaque functions. Four of those nodes crashed the backward with a PyTorch internal
+assert (``ctx_.non_differentiable_.empty()``: Linear, Softmax, Conv2d/Conv1d;
+``dirty_inputs_``: the in-place ReLU / ReLU6 / Hardsigmoid, also on a view, where the node
+sits inside the base's CopySlices), and the scale-branch link with "unhashable type:
+'Capsule'". Each layer here runs its forward, then its backward under compiled autograd, and
+must give the plain backward's gradients bit for bit. (The layers whose nodes never held those
+marks pass on the code before too: a sweep that catches a mark or a capsule a node gains later.)
 """
 from __future__ import annotations
 
@@ -35,6 +37,26 @@ _LAYER_CASES.update({
     "ReLU6(inplace)": (lambda: nn.ReLU6(inplace=True), lambda s: patch_model(nn.Sequential(s)), _IMAGE),
     "Hardsigmoid(inplace)": (lambda: nn.Hardsigmoid(inplace=True), lambda s: patch_model(nn.Sequential(s)), _IMAGE),
 })
+
+
+class _HalfReLU(nn.Module):
+    """An in-place ReLU on a view, half the channels of a fresh tensor: its node sits inside
+    the base's CopySlices node."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = x * 1
+        self.act(y[:, :2])
+        return y
+
+
+# layers whose C++ node the autograd graph does not list (it sits inside another node)
+_HIDDEN_NODE_CASES = {
+    "ReLU(inplace) on a view": (_HalfReLU, patch_model, lambda: (torch.randn(2, 4, 4, 4),)),
+}
 
 
 def _compiled():
@@ -65,7 +87,8 @@ def _assert_same(expected: list, got: list) -> None:
 @pytest.mark.parametrize("name", sorted(_LAYER_CASES))
 def test_a_step_run_under_compiled_autograd_gives_eager_gradients(name):
     """The step as ``torch.compile`` runs it with the flag set: the eager forward inside
-    compiled autograd's context too (so the scale branch takes its Python link)."""
+    compiled autograd's context too, so every layer runs its Python Function (the scale
+    branch its Python link), and the gradients are the plain step's on the C++ nodes."""
     make_stock, convert, inputs = _LAYER_CASES[name]
     torch.manual_seed(0)
     mesa = convert(make_stock()).train()
@@ -76,12 +99,44 @@ def test_a_step_run_under_compiled_autograd_gives_eager_gradients(name):
     _assert_same(expected, got)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in _LAYER_CASES if n != "ScaleBranch"))
+def _cpp_layer_nodes(out: torch.Tensor) -> set:
+    """The names of the C++ layer ops' nodes (``torch::autograd::CppNode<mesa::...>``) in the
+    autograd graph behind ``out``."""
+    names, seen, stack = set(), set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name().startswith("torch::autograd::CppNode<mesa::"):
+            names.add(node.name())
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("name", sorted(_LAYER_CASES))
+def test_inside_compiled_autograd_the_layers_record_their_python_functions(name):
+    """Compiled autograd calls a C++ node as an opaque function, a graph break each (a resnet10t
+    backward compiled 10x slower than with the Python Functions, a mobileone_s0 not at all in
+    25 min), and traces a Python Function's backward into its graph: inside its context every
+    layer records its Python Function (``quantizer.fused_layers_on``), outside its C++ node."""
+    make_stock, convert, inputs = _LAYER_CASES[name]
+    torch.manual_seed(0)
+    mesa = convert(make_stock()).train()
+    xs = [x.requires_grad_() for x in inputs()]
+    assert _cpp_layer_nodes(mesa(*[x * 1 for x in xs])), "no C++ layer node outside the context"
+    with _compiled():
+        inside = _cpp_layer_nodes(mesa(*[x * 1 for x in xs]))
+    assert not inside
+
+
+@pytest.mark.parametrize("name", sorted(n for n in [*_LAYER_CASES, *_HIDDEN_NODE_CASES] if n != "ScaleBranch"))
 def test_an_eager_forward_s_backward_compiles(name):
     """The forward run plain, its backward alone under compiled autograd: the C++ nodes made
-    outside the context (the internal asserts fired here). The scale branch is the exception:
-    its forward cannot know, and its C++ link stays one compiled autograd cannot key on."""
-    make_stock, convert, inputs = _LAYER_CASES[name]
+    outside the context (the internal asserts fired here; for the in-place ReLU on a view,
+    inside the base's CopySlices). The scale branch is the exception: its forward cannot
+    know, and its C++ link stays one compiled autograd cannot key on."""
+    make_stock, convert, inputs = {**_LAYER_CASES, **_HIDDEN_NODE_CASES}[name]
     torch.manual_seed(0)
     mesa = convert(make_stock()).train()
     xs = inputs()
@@ -129,16 +184,19 @@ def test_a_convnet_trains_under_the_compiled_autograd_flag():
         assert torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.parametrize("forward_inside", [False, True], ids=["cpp-node", "python-function"])
 @pytest.mark.parametrize("op,act,layer", [("linear", nn.Tanh, "Linear"),
                                           ("softmax", lambda: nn.Softmax(-1), "Softmax")])
-def test_a_penalty_through_a_cpp_node_under_compiled_autograd_is_refused(op, act, layer):
-    """Now that compiled autograd reaches these nodes, a gradient penalty through them must
-    still stop with the one line (their backward checks grad mode under compiled autograd
-    too), not come back wrong."""
+def test_a_penalty_under_compiled_autograd_is_refused(op, act, layer, forward_inside):
+    """A gradient penalty through a Mesa layer under compiled autograd must stop with the one
+    line (the backward checks grad mode there too), not come back wrong: through the C++ node
+    (a forward run outside the context) and through the Python Function (one run inside)."""
     torch.manual_seed(0)
     mesa = patch_model(nn.Sequential(nn.Linear(8, 16), act(), nn.Linear(16, 4)), ops=[op]).train()
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match=f"higher-order gradients .* through a Mesa {layer} "):
+        with _compiled() if forward_inside else contextlib.nullcontext():
+            y = mesa(x * 1)
         with _compiled():
-            (g,) = torch.autograd.grad(mesa(x * 1).sum(), x, create_graph=True)
+            (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
             g.pow(2).sum().backward()

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch._dynamo import compiled_autograd
 from torch.utils._python_dispatch import _disable_current_modes
 
 from mesa_train import quant  # noqa: F401  (importing it registers torch.ops.mesa.*)
@@ -273,10 +274,17 @@ def _format_part(bits: int, pow2: bool) -> int:
 
 
 def fused_layers_on() -> bool:
-    """Whether a layer runs its C++ layer op now: the extension has them and this is eager
-    (under ``torch.compile`` the traceable Python Functions run). Reads ``_FUSED_LAYERS`` at
-    call time: the tests switch it off to compare the two paths."""
-    return _FUSED_LAYERS and not torch.compiler.is_compiling()
+    """Whether a layer runs its C++ layer op now: the extension has them, this is eager (under
+    ``torch.compile`` the traceable Python Functions run), and outside compiled autograd's
+    context (which ``torch.compile`` enters around a compiled function when
+    ``torch._dynamo.config.compiled_autograd`` is set, its graph breaks included). Compiled
+    autograd calls a C++ node as an opaque function, a graph break each (a resnet10t backward
+    took 144 s to compile against 13.8 s with the Python Functions, a mobileone_s0 did not finish
+    in 25 min), while it traces a Python Function's backward into its graph. The context is one
+    module attribute (under 10 ns a call); the flag itself, a config lookup of about 1.5 us, is
+    left to the scale branch, which needs it for correctness (conv.compiled_autograd_may_run). Reads
+    ``_FUSED_LAYERS`` at call time: the tests switch it off to compare the two paths."""
+    return _FUSED_LAYERS and not torch.compiler.is_compiling() and not compiled_autograd.compiled_autograd_enabled
 
 
 def _dequantize_bits(q, alpha, beta, shape, dim, G, bits, pow2, dtype):
