@@ -113,6 +113,14 @@ def test_patch_model_marks_the_identity_norms():
     assert _marked(patch_model(OfficialRepVGGBlock(), ops=["conv"])) == []
 
 
+@pytest.mark.parametrize("first,second", [("batchnorm", "conv"), ("conv", "batchnorm")])
+def test_a_model_patched_in_two_calls_is_marked(first, second):
+    """Patching again adds the newly asked ops: the call that completes the pair marks."""
+    once = patch_model(OfficialRepVGGBlock(), ops=[first])
+    assert _marked(once) == []
+    assert _marked(patch_model(once, ops=[second])) == ["rbr_identity"]
+
+
 def _bytes_and_gradient(model, x) -> tuple:
     """Saved bytes of a training step, and all parameter gradients of its loss, concatenated."""
     torch.manual_seed(1)

@@ -741,8 +741,10 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     _convert_leaves(t, explicit, gated_acts, keep_stock)
     if "conv" in op_names and "batchnorm" in op_names:
         _link_scale_branches(root, t.parents, quant_options, keep_stock)
+    if "conv" in op_names or "batchnorm" in op_names:
         # RepVGG / MobileOne: the identity branch's BatchNorm leaves its copy of the block input
-        # for the block's convs (patch/identity_norm.py)
+        # for the block's convs (patch/identity_norm.py); on the whole model, so that a model
+        # patched in two calls (ops=["batchnorm"], then ops=["conv"]) is marked by the second
         mark_identity_norms(root)
 
     # 3. functional ops no rule reaches: recorded, warned about, left stock
