@@ -26,6 +26,33 @@ def _force_thresholds(qz: ActivationQuantizer, center: float, lo_dist: float, hi
         qz.clip_steps.fill_(5.0)
 
 
+def test_more_groups_than_channels_learn_in_the_first_entries():
+    """num_groups above the grouped dim's size (a BatchNorm2d of 4 channels asked for 8, as one
+    built directly can be): ``min(num_groups, D)`` groups, as for the running estimator, the
+    codes and the first entries of the thresholds' buffers bit for bit those of a quantizer
+    asked for exactly D groups, the rest untouched (this raised a size mismatch before)."""
+    torch.manual_seed(0)
+    wide, exact = _learned(num_groups=8), _learned(num_groups=4)
+    exact.rng.copy_(wide.rng)  # (the same rounding draws)
+    for step in range(3):
+        x = torch.randn(2, 4, 5, 5) * torch.tensor([1.0, 3.0, 0.1, 10.0]).view(1, 4, 1, 1)
+        got, want = wide.compress(x, 1), exact.compress(x, 1)
+        assert torch.equal(got.q, want.q) and torch.equal(got.alpha, want.alpha), step
+    for name in ("clip_center", "clip_log", "clip_m", "clip_v"):
+        w, e = getattr(wide, name), getattr(exact, name)
+        assert torch.equal(w[..., :4], e), name
+        assert not w[..., 4:].any(), name
+    assert wide.clip_steps.item() == exact.clip_steps.item() == 3
+
+
+def test_a_batch_norm_with_more_groups_than_channels_trains():
+    torch.manual_seed(0)
+    bn = mn.BatchNorm2d.from_module(torch.nn.BatchNorm2d(4), num_groups=8, estimator="learned").train()
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    bn(x * 1).sum().backward()
+    assert torch.isfinite(x.grad).all() and bn.quantizer.clip_steps.item() == 1
+
+
 def test_thresholds_are_projected_onto_the_running_range():
     """Thresholds beyond the data's min/max clip nothing and only coarsen the step: the batch is
     quantized with them projected onto the running range (here [0, 1))."""

@@ -805,6 +805,10 @@ def learned_thresholds(qz: ActivationQuantizer, x: torch.Tensor, dim: int, G: in
     Only tensor ops (no host sync). ``b``: the buffers to read and step (``qz._state``), by
     default the quantizer's own."""
     b = qz._buffers if b is None else b
+    if b["clip_center"].shape[0] != G:
+        # num_groups above the grouped dim's size: G groups, kept in the buffers' first G entries
+        # as the running estimates are (module doc)
+        b = {**b, "clip_center": b["clip_center"][:G], **{n: b[n][:, :G] for n in ("clip_log", "clip_m", "clip_v")}}
     lam = qz.options.decay
     levels = float((1 << qz.options.bits) - 1)
     xf = x.float()
