@@ -84,6 +84,27 @@ def test_scale_conv_weight_gradient_matches_exact(stride, rounding):
         assert _cos(exact[n], got[n]) > 0.99, n
 
 
+@pytest.mark.parametrize("first,second", [("batchnorm", "conv"), ("conv", "batchnorm")])
+def test_a_model_patched_in_two_calls_is_linked(first, second):
+    """Patching again adds the newly asked ops: the call that completes the pair links it, and
+    the gradients are the one-call model's bit for bit (unlinked, the scale conv's weight
+    gradient, a cancellation, is its 8-bit input's noise, many times the exact gradient).
+    A call that converts no BatchNorm (ops=["conv"]) links none of a stock one."""
+    stock = _model()
+    x = torch.randn(4, 8, 12, 12, generator=torch.Generator().manual_seed(1))
+    once = patch_model(copy.deepcopy(stock))
+    first_call = patch_model(copy.deepcopy(stock), ops=[first])
+    assert first_call.scale.c.__dict__.get("_mesa_scale_bn") is None
+    twice = patch_model(first_call, ops=[second])
+    assert twice.scale.c.__dict__.get("_mesa_scale_bn") is twice.scale.bn
+    torch.manual_seed(0)
+    want = _grads(once, x)
+    torch.manual_seed(0)
+    got = _grads(twice, x)
+    for n in want:
+        assert torch.equal(want[n], got[n]), n
+
+
 def test_unlinked_without_the_pattern_and_state_dict_unchanged():
     stock = _model()
     patched = patch_model(copy.deepcopy(stock))

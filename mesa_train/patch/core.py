@@ -739,12 +739,12 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     gated_acts |= convit_patch.stock_position_linears(root)
     gated_acts |= evo_norm_acts_inside(root)  # (EvoNorm S1/S2 apply theirs to x inside the norm)
     _convert_leaves(t, explicit, gated_acts, keep_stock)
-    if "conv" in op_names and "batchnorm" in op_names:
-        _link_scale_branches(root, t.parents, quant_options, keep_stock)
     if "conv" in op_names or "batchnorm" in op_names:
+        # on the whole model whenever either is asked, so that a model patched in two calls
+        # (ops=["batchnorm"], then ops=["conv"], or the reverse) is linked and marked by the second
+        _link_scale_branches(root, t.parents, quant_options, keep_stock, convert_norms="batchnorm" in op_names)
         # RepVGG / MobileOne: the identity branch's BatchNorm leaves its copy of the block input
-        # for the block's convs (patch/identity_norm.py); on the whole model, so that a model
-        # patched in two calls (ops=["batchnorm"], then ops=["conv"]) is marked by the second
+        # for the block's convs (patch/identity_norm.py)
         mark_identity_norms(root)
 
     # 3. functional ops no rule reaches: recorded, warned about, left stock
@@ -1314,10 +1314,13 @@ def _scale_pair(m: nn.Module):
     return conv, bn
 
 
-def _link_scale_branches(root: nn.Module, parents, quant_options: dict, keep_stock=()) -> None:
+def _link_scale_branches(root: nn.Module, parents, quant_options: dict, keep_stock=(),
+                         convert_norms: bool = True) -> None:
     """Link each converted 1x1 depthwise conv that feeds a train-mode BatchNorm directly to
     that BatchNorm (a stock ``BatchNormAct2d`` without activation becomes a Mesa
-    ``BatchNorm2d``: same forward, and its 8-bit x_hat replaces the 4-byte input it kept)."""
+    ``BatchNorm2d``: same forward, and its 8-bit x_hat replaces the 4-byte input it kept; only
+    with ``convert_norms``, the call asking for op ``batchnorm``: otherwise only the pairs whose
+    BatchNorm an earlier call converted are linked)."""
     for m in list(root.modules()):
         pair = _scale_pair(m)
         if pair is None:
@@ -1326,8 +1329,8 @@ def _link_scale_branches(root: nn.Module, parents, quant_options: dict, keep_sto
         if not (isinstance(conv, mnn.Conv2d) and is_scale_conv(conv) and bn.num_features == conv.out_channels):
             continue
         if not isinstance(bn, mnn.BatchNorm2d):
-            if type(bn) is nn.BatchNorm2d or id(bn) in keep_stock:
-                continue  # batchnorm not converted here (module set not selected)
+            if type(bn) is nn.BatchNorm2d or id(bn) in keep_stock or not convert_norms:
+                continue  # batchnorm not converted here (op or module set not selected)
             new = mnn.BatchNorm2d.from_module(bn, **_options_for(bn, None, quant_options))
             _replace_child(parents, bn, new)
             bn = new
