@@ -7,7 +7,8 @@ against the C++ layer ops' nodes (session 83's behaviour, forced here), and the 
     python scripts/compiled_autograd_time.py [model ...]   (default: resnet10t mobileone_s0)
 
 fp32, batch 2, 64 px, backend aot_eager, CPU. Each row: seconds of the first step (capture and
-compile of the backward included) and of a second step (cached), the graphs Dynamo compiled
+compile of the backward included), of a second step (Dynamo compiles once more there) and of a
+third (cached: the steady step), the graphs Dynamo compiled
 (``counters["stats"]["unique_graphs"]``: the step's own pieces around the eager forward, and
 the backward's, one more per opaque C++ node it calls), and the cosine of all the gradients
 together against the stock model's (in its own run; the same seeds). A row reads "> limit" when
@@ -54,7 +55,7 @@ def _run(name: str, way: str, grads_file: str, queue) -> None:
     seconds = []
     with torch._dynamo.config.patch(compiled_autograd=True):  # (read when torch.compile is called)
         compiled = torch.compile(step, backend="aot_eager")
-        for _ in range(2):
+        for _ in range(3):
             start = time.perf_counter()
             compiled()
             seconds.append(time.perf_counter() - start)
@@ -63,7 +64,7 @@ def _run(name: str, way: str, grads_file: str, queue) -> None:
 
 
 def _timed(name: str, way: str, limit: float):
-    """``(seconds of both steps, graphs, gradients)`` of one way, or ``None`` past ``limit``."""
+    """``(seconds of the three steps, graphs, gradients)`` of one way, or ``None`` past ``limit``."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,19 +87,21 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=900.0, help="seconds a way may run (default 900)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, CPU, fp32, batch 2, 64 px, aot_eager")
-    print("| model | way | first step (s) | second step (s) | graphs compiled | gradients' cosine to stock |")
-    print("|---|---|---|---|---|---|")
+    print("| model | way | first step (s) | second step (s) | third step (s) | graphs compiled "
+          "| gradients' cosine to stock |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.models:
         stock_grads = None
         for way in WAYS:
             got = _timed(name, way, args.limit)
             if got is None:
-                print(f"| `{name}` | {way} | > {args.limit:.0f} | - | - | - |", flush=True)
+                print(f"| `{name}` | {way} | > {args.limit:.0f} | - | - | - | - |", flush=True)
                 continue
-            (first, second), graphs, grads = got
+            (first, second, third), graphs, grads = got
             stock_grads = grads if way == "stock" else stock_grads
             cos = F.cosine_similarity(grads.double(), stock_grads.double(), 0).item()
-            print(f"| `{name}` | {way} | {first:.1f} | {second:.2f} | {graphs} | {cos:.5f} |", flush=True)
+            print(f"| `{name}` | {way} | {first:.1f} | {second:.2f} | {third:.3f} | {graphs} | {cos:.5f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
