@@ -704,6 +704,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # module in its place, for the leaf conversion (patch/torch_transformer.py)
     activations_as_modules(root, op_names)
     keep_stock, kept_names = _stock_batchnorms(root, op_names, cancelling_bn)
+    keep_stock.update(_scale_pairs_kept_whole(root, op_names))
     t = _Target(root, op_names, set_names, quant_options)
 
     # 1. attention modules: known timm classes, then any other attention-like module's calls
@@ -864,6 +865,33 @@ def _stock_batchnorms(root: nn.Module, op_names, cancelling_bn: str) -> Tuple[Di
                        if (rules.get(type(mods[n])) or _inherited_rule(rules, type(mods[n]))) is not None)
     keep_stock.update(_scale_convs_of(root, keep_stock))
     return keep_stock, kept_names
+
+
+def _scale_pairs_kept_whole(root: nn.Module, op_names) -> Dict[int, str]:
+    """A scale branch (``_scale_pair``: a 1x1 depthwise conv into a BatchNorm) is converted as a
+    pair or not at all: the conv's weight gradient is a cancellation that only the link's closed
+    form gets right (``_link_scale_branches``). An 8-bit input swamps it under a stock BatchNorm
+    (mobileone_s0 with ``ops=["conv"]``: its scale-conv weight gradients at cosine 0.45 to float64
+    stock's, at worst), and so does a Mesa BatchNorm's 8-bit ``x_hat`` above a stock conv (0.68
+    on a test block). So with ``conv`` asked and ``batchnorm`` not, the scale convs whose
+    BatchNorm is stock stay stock, and the reverse; as ``{id: name}``. Few bytes: the convs
+    beside them in a RepVGG / MobileOne block read the same input. A model patched in two
+    calls, one op each, keeps its scale branches stock."""
+    convs, norms = "conv" in op_names, "batchnorm" in op_names
+    if convs == norms:
+        return {}
+    names = {id(m): n for n, m in root.named_modules()}
+    kept = {}
+    for m in root.modules():
+        pair = _scale_pair(m)
+        if pair is None or not is_scale_conv(pair[0]) or pair[1].num_features != pair[0].out_channels:
+            continue
+        conv, bn = pair
+        if convs and not isinstance(bn, mnn.BatchNorm2d):
+            kept[id(conv)] = names[id(conv)]
+        if norms and not isinstance(conv, mnn.Conv2d):
+            kept[id(bn)] = names[id(bn)]
+    return kept
 
 
 def _scale_convs_of(root: nn.Module, kept: Dict[int, str]) -> Dict[int, str]:
