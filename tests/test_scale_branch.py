@@ -89,8 +89,9 @@ def test_a_scale_branch_is_converted_as_a_pair_or_not_at_all(op):
     """The scale conv's weight gradient is a cancellation only the link gets right: an 8-bit
     input under a stock BatchNorm, or a Mesa BatchNorm's 8-bit x_hat above a stock conv, swamps
     it. With one of the two ops asked, the pair stays stock (the conv's weight gradient is
-    stock's bit for bit) and the rest is converted; a second call asking for the other op
-    leaves it so (a model patched in two calls keeps its scale branches stock)."""
+    stock's bit for bit; with ``conv`` the block's 3x3 conv is converted) and a second call
+    asking for the other op leaves it so (a model patched in two calls keeps its scale branches
+    stock)."""
     stock = _model()
     x = torch.randn(4, 8, 12, 12, generator=torch.Generator().manual_seed(1))
     if op == "conv":
