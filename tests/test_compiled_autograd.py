@@ -118,8 +118,8 @@ def _cpp_layer_nodes(out: torch.Tensor) -> set:
 @pytest.mark.parametrize("name", sorted(_LAYER_CASES))
 def test_inside_compiled_autograd_the_layers_record_their_python_functions(name):
     """Compiled autograd calls a C++ node as an opaque function, a graph break each (a resnet10t's
-    first compiled step 13x slower than on the Python Functions, repvgg_a0's and mobileone_s0's
-    past 600 s: results/compiled-autograd), and traces a Python Function's backward into its
+    first compiled step 12x slower than on the Python Functions, repvgg_a0's and mobileone_s0's
+    past 400 s: results/compiled-autograd), and traces a Python Function's backward into its
     graph: inside its context every layer records its Python Function
     (``quantizer.fused_layers_on``), outside its C++ node."""
     make_stock, convert, inputs = _LAYER_CASES[name]

@@ -279,7 +279,7 @@ def fused_layers_on() -> bool:
     context (which ``torch.compile`` enters around a compiled function when
     ``torch._dynamo.config.compiled_autograd`` is set, its graph breaks included). Compiled
     autograd calls a C++ node as an opaque function, a graph break each (a resnet10t's first
-    compiled step 123 s against 9.4 s with the Python Functions, results/compiled-autograd),
+    compiled step 69 s against 5.7 s with the Python Functions, results/compiled-autograd),
     while it traces a Python Function's backward into its graph. The context is one module
     attribute (under 10 ns a call); the flag itself, a config lookup of about 1.5 us, is left to
     the scale branch, which needs it for correctness (conv.compiled_autograd_may_run). Reads
