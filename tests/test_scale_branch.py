@@ -14,7 +14,7 @@ from torch import nn
 import mesa_train.nn as mnn
 from mesa_train.memory import SavedTensorMeter
 from mesa_train.nn import quantizer as quantizer_mod
-from mesa_train.patch import patch_model
+from mesa_train.patch import describe, patch_model
 from bit_patterns import assert_all_same_bits
 from kernel_marks import DEVICES
 from op_calls import assert_patched_model_takes_the_op, count_calls
@@ -89,25 +89,56 @@ def test_a_scale_branch_is_converted_as_a_pair_or_not_at_all(op):
     """The scale conv's weight gradient is a cancellation only the link gets right: an 8-bit
     input under a stock BatchNorm, or a Mesa BatchNorm's 8-bit x_hat above a stock conv, swamps
     it. With one of the two ops asked, the pair stays stock (the conv's weight gradient is
-    stock's bit for bit; with ``conv`` the block's 3x3 conv is converted) and a second call
-    asking for the other op leaves it so (a model patched in two calls keeps its scale branches
-    stock)."""
+    stock's bit for bit; with ``conv`` the block's 3x3 conv is converted), its half waiting; the
+    second call, asking for the other op, converts and links both: the one-call model's
+    gradients bit for bit."""
     stock = _model()
     x = torch.randn(4, 8, 12, 12, generator=torch.Generator().manual_seed(1))
     if op == "conv":
         once = patch_model(copy.deepcopy(stock), ops=[op])
-    else:  # (the block's one BatchNorm is the pair's)
-        with pytest.warns(UserWarning, match="nothing is compressed"):
+    else:  # (the block's one BatchNorm is the pair's: the warning says why nothing is compressed)
+        with pytest.warns(UserWarning, match=r"nothing is compressed; 1 scale-branch layers \(scale.bn\) wait"):
             once = patch_model(copy.deepcopy(stock), ops=[op])
     assert type(once.scale.c) is nn.Conv2d and type(once.scale.bn) is nn.BatchNorm2d
     if op == "conv":
         assert isinstance(once.conv, mnn.Conv2d)
+    waiting = "scale.c" if op == "conv" else "scale.bn"
+    assert f"until a call asks for their pair's other op (conv / batchnorm): 1: {waiting}" in describe(once)
     torch.manual_seed(0)
     want = _grads(stock, x)["scale.c.weight"]
     torch.manual_seed(0)
     assert torch.equal(want, _grads(once, x)["scale.c.weight"])
+
     twice = patch_model(once, ops=["batchnorm" if op == "conv" else "conv"])
-    assert type(twice.scale.c) is nn.Conv2d and type(twice.scale.bn) is nn.BatchNorm2d
+    assert isinstance(twice.scale.c, mnn.Conv2d) and isinstance(twice.scale.bn, mnn.BatchNorm2d)
+    assert twice.scale.c.__dict__.get("_mesa_scale_bn") is twice.scale.bn
+    assert "until a call asks" not in describe(twice)
+    one_call = patch_model(copy.deepcopy(stock))
+    torch.manual_seed(0)
+    want = _grads(one_call, x)
+    torch.manual_seed(0)
+    got = _grads(twice, x)
+    for n in ("scale.c.weight", "scale.bn.weight", "scale.bn.bias"):
+        assert torch.equal(want[n], got[n]), n
+
+
+def test_a_waiting_half_keeps_the_options_of_its_own_call():
+    """``ops=["conv"], bits=4`` then ``ops=["batchnorm"]``: the scale conv is converted with 4 bits
+    (its call's), its BatchNorm with the default 8; a later call asking for conv again replaces
+    the options it waits with. A BatchNorm outside the asked module set is not converted, so its
+    conv goes on waiting."""
+    model = patch_model(_model(), ops=["conv"], bits=4)
+    patch_model(model, ops=["conv"], bits=2)
+    patch_model(model, ops=["batchnorm"])
+    assert model.scale.c.quant_options.bits == 2 and model.conv.quant_options.bits == 2
+    assert model.scale.bn.quant_options.bits == 8
+    assert model.scale.c.__dict__.get("_mesa_scale_bn") is model.scale.bn
+    held = patch_model(_model(), ops=["conv"])  # (all of this model is module set "other")
+    patch_model(held, ops=["batchnorm"], modules=["msa"])
+    assert type(held.scale.c) is nn.Conv2d and type(held.scale.bn) is nn.BatchNorm2d
+    assert "_mesa_pair_waiting" in held.scale.c.__dict__
+    patch_model(held, ops=["batchnorm"], modules=["other"])
+    assert held.scale.c.__dict__.get("_mesa_scale_bn") is held.scale.bn
 
 
 def test_a_pair_an_earlier_call_left_half_converted_is_linked():
@@ -345,3 +376,44 @@ def test_ghostnetv3_scale_branches_linked():
     assert len(branches) == 36
     for n, m in branches:
         assert m.conv.__dict__.get("_mesa_scale_bn") is m.bn1, n
+
+
+@pytest.mark.parametrize("first", ["conv", "batchnorm"])
+@pytest.mark.parametrize("name", ["fastvit_t8", "repvit_m1"])
+def test_two_calls_one_op_each_equal_one_call(name, first):
+    """A model patched ``ops=[conv]`` then ``ops=[batchnorm]`` (or the reverse) converts and links
+    every scale branch, and trains as one call asking for both: gradients bit for bit, with
+    drop-path on (before, every pair stayed stock: FastViT 11, RepViT 23)."""
+    stock = build(name, drop=True)
+    one = patch_model(copy.deepcopy(stock), ops=["conv", "batchnorm"])
+    two = patch_model(copy.deepcopy(stock), ops=[first])
+    patch_model(two, ops=["batchnorm" if first == "conv" else "conv"])
+    linked = [n for n, m in two.named_modules() if "_mesa_scale_bn" in m.__dict__]
+    assert linked and linked == [n for n, m in one.named_modules() if "_mesa_scale_bn" in m.__dict__]
+    x = example(name, seed=1)
+    grads = []
+    for model in (one, two):
+        torch.manual_seed(0)
+        model(x).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for n, g in grads[0].items():
+        assert torch.equal(g, grads[1][n]), n
+
+
+def test_the_link_converts_no_batchnorm_outside_the_asked_modules():
+    """A scale conv made Mesa by hand beside a stock ``BatchNormAct2d`` (timm ``ConvNormAct``): a
+    call asking for batchnorm in a module set the BatchNorm is not in leaves it stock and
+    unlinked (the link used to convert it), and one asking in its set links the two."""
+    from timm.layers import BatchNormAct2d, ConvNormAct
+
+    def half():
+        torch.manual_seed(0)
+        block = nn.Sequential(ConvNormAct(8, 8, 1, groups=8, apply_act=False)).train()
+        block[0].conv = mnn.Conv2d.from_module(block[0].conv)
+        return block
+
+    outside = patch_model(half(), ops=["batchnorm"], modules=["msa"])
+    assert type(outside[0].bn) is BatchNormAct2d and "_mesa_scale_bn" not in outside[0].conv.__dict__
+    inside = patch_model(half(), ops=["batchnorm"])
+    assert isinstance(inside[0].bn, mnn.BatchNorm2d) and inside[0].conv.__dict__["_mesa_scale_bn"] is inside[0].bn

@@ -30,7 +30,7 @@ import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from timm.layers import BatchNormAct2d, ConvNormAct, LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
+from timm.layers import BatchNormAct2d, LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
 from timm.layers import GroupNorm as TimmGroupNorm, GroupNorm1 as TimmGroupNorm1, GroupNormAct as TimmGroupNormAct
 from timm.layers import LayerNormAct2d as TimmLayerNormAct2d
 from timm.layers import ScaledStdConv2d as TimmScaledStdConv2d, ScaledStdConv2dSame as TimmScaledStdConv2dSame
@@ -47,7 +47,6 @@ from timm.layers.activations import HardMish as TimmHardMish, PReLU as TimmPReLU
 from timm.layers.activations_me import HardMishMe as TimmHardMishMe
 from timm.layers import LayerScale2d as TimmLayerScale2d
 from timm.models.fastvit import LayerScale2d as FastVitLayerScale2d
-from timm.models.ghostnet import ConvBnAct as GhostConvBnAct
 from timm.models.swiftformer import LayerScale2d as SwiftFormerLayerScale2d
 from timm.models.mlp_mixer import Affine as ResMlpAffine
 from timm.layers import Linear as TimmLinear
@@ -57,13 +56,11 @@ from timm.layers.activations import GELU as TimmGELU, GELUTanh as TimmGELUTanh, 
 from timm.layers.grn import GlobalResponseNorm as TimmGRN
 from timm.models.metaformer import Scale as TimmMetaFormerScale, StarReLU as TimmStarReLU
 from torch import nn
-from torch.nn.modules.module import _WrappedHook
 from torchvision.models.convnext import LayerNorm2d as TorchvisionLayerNorm2d
 
 import mesa_train.nn as mnn
 from mesa_train.models import unwrap_module
 from mesa_train.nn._common import stock_device
-from mesa_train.nn.conv import is_scale_conv
 from mesa_train.nn.evo_norm import EVO_NORM_CLASSES
 from mesa_train.nn.evo_norm import acts_inside as evo_norm_acts_inside
 from mesa_train.nn.quantizer import QuantOptions, assign_rng_keys
@@ -73,12 +70,14 @@ from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTEN
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .checkpoint import accept_stock_checkpoints, declare_key_upgrades
 from .recompute import make_recomputed
+from .replace import hand_over_children, replace_child
 from .reuse import RANGE_ESTIMATORS, calls_repeat_one_input, watch_reuse
 from .functional_calls import routable_sites
 from .generic_attention import (AMAX_CHILD, CORE_REPEATS_ATTR, EINSUM_CHILD, EINSUM_CORE, PassThroughMatMul,
                                 install as install_generic, install_calls, install_cosine, install_linear,
                                 install_routed, install_scales)
 from .identity_norm import mark_identity_norms
+from .scale_branch import WAITING_ATTR, convs_of_kept_norms, halves_to_wait, link_scale_branches, waiting_halves
 from .gamma_act import GAMMA_ACT_CHILD, MesaGammaAct, STOCK_GAMMA_ACT, gamma_act_layer
 from .convnext import SCALE_CHILD as CONVNEXT_SCALE_CHILD, SCALED_BLOCK_CLASSES, STOCK_SCALED_BLOCK_CLASSES
 from .mlp import (MLP_CLASSES, MLP_COPIES, NORM_MLP_CLASSES, NORM_ONLY_MLP_CLASSES, SHARED_MLP_CLASSES,
@@ -362,44 +361,6 @@ def _input_width(parents: Dict[int, List[Tuple[nn.Module, str]]], m: nn.Module) 
     return None
 
 
-# the hook tables of nn.Module (forward, backward, state_dict), each an ordered dict of id -> hook
-_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks",
-                "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-
-
-def _replace_child(parents: Dict[int, List[Tuple[nn.Module, str]]], old: nn.Module, new: nn.Module) -> None:
-    for parent, key in parents.get(id(old), []):
-        parent._modules[key] = new
-    _carry_hooks(old, new)
-
-
-def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
-    """The hooks registered on ``old`` go on with ``new``: its tables become ``old``'s (with
-    ``new``'s own entries after them), so a handle taken before patching still removes its hook.
-    Before, they were dropped without a word: timm's ``FeatureHookNet`` lost a feature map, a
-    user's forward or backward hook on a Linear or activation never ran again."""
-    for table in _HOOK_TABLES:
-        hooks = getattr(old, table, None)
-        if not hooks:
-            continue
-        for key, hook in hooks.items():  # (a wrapper bound to the old module: the new one's)
-            if isinstance(hook, _WrappedHook) and hook.with_module and hook.module() is old:
-                hooks[key] = _WrappedHook(hook.hook, new)
-        hooks.update(getattr(new, table))
-        object.__setattr__(new, table, hooks)
-    if getattr(old, "_is_full_backward_hook", None) is not None:
-        object.__setattr__(new, "_is_full_backward_hook", old._is_full_backward_hook)
-
-
-def _hand_over_children(parents: Dict[int, List[Tuple[nn.Module, str]]], old: nn.Module, new: nn.Module) -> None:
-    """A converted module that took ``old``'s children (``BatchNormAct2d``'s ``drop`` / ``act``)
-    is now their parent: their own conversion, later in the pass, replaces them in ``new``."""
-    for key, child in new._modules.items():
-        entries = parents.get(id(child), [])
-        parents[id(child)] = [(new, k) if p is old else (p, k) for p, k in entries]
-
-
 # ----------------------------------------------------------------------------- attention
 def _matmul_operands(attn: nn.Module, name: str) -> Tuple[str, ...]:
     """Operands a Mesa attention matmul quantizes itself. ``q @ k^T``: both. ``attn @ v``:
@@ -668,8 +629,10 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             (``linear``, ``pow2``), ``layout`` (``channel``; ``patch4x4`` with
             ``ops=["conv"]`` only) (see :class:`mesa_train.nn.QuantOptions`). Per-op settings:
             call again with other ops and options (explicit options apply to those ops' layers;
-            a scale branch, a 1x1 depthwise conv into a BatchNorm, is converted only by a call
-            asking for both ``conv`` and ``batchnorm``: ``_scale_pairs_kept_whole``). Without
+            a scale branch, a 1x1 depthwise conv into a BatchNorm, is converted as a pair: a call
+            asking for one of ``conv`` and ``batchnorm`` leaves it stock, its half waiting with
+            this call's options, and the call asking for the other converts both:
+            ``patch/scale_branch.py``). Without
             ``num_groups``, each layer uses the head count of its block: per head for
             attention tensors, that many channel blocks otherwise (capped at the channel
             count, e.g. 3 for an RGB patch embedding).
@@ -706,7 +669,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # module in its place, for the leaf conversion (patch/torch_transformer.py)
     activations_as_modules(root, op_names)
     keep_stock, kept_names = _stock_batchnorms(root, op_names, cancelling_bn)
-    keep_stock.update(_scale_pairs_kept_whole(root, op_names))
+    waiting = halves_to_wait(root, op_names)  # (a scale branch is converted as a pair: patch/scale_branch.py)
     t = _Target(root, op_names, set_names, quant_options)
 
     # 1. attention modules: known timm classes, then any other attention-like module's calls
@@ -741,13 +704,12 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
     # pos_proj runs inside its GPSA's gated softmax (patch/convit.py) and stays stock
     gated_acts |= convit_patch.stock_position_linears(root)
     gated_acts |= evo_norm_acts_inside(root)  # (EvoNorm S1/S2 apply theirs to x inside the norm)
-    _convert_leaves(t, explicit, gated_acts, keep_stock)
+    _convert_leaves(t, explicit, gated_acts, keep_stock, waiting)
     if "conv" in op_names or "batchnorm" in op_names:
-        # on the whole model whenever either is asked: a pair an earlier call left half converted
-        # (a Mesa conv beside a stock BatchNorm) is linked by the call converting the BatchNorm
-        # (new calls keep a pair whole: _scale_pairs_kept_whole), and a model patched in two calls
+        # on the whole model whenever either is asked: the halves an earlier call left waiting
+        # are converted beside the partners this call converted, and a model patched in two calls
         # (ops=["batchnorm"], then ops=["conv"]) gets its identity-BatchNorm marks from the second
-        _link_scale_branches(root, t.parents, quant_options, keep_stock, convert_norms="batchnorm" in op_names)
+        link_scale_branches(root, t.parents, keep_stock)
         # RepVGG / MobileOne: the identity branch's BatchNorm leaves its copy of the block input
         # for the block's convs (patch/identity_norm.py)
         mark_identity_norms(root)
@@ -777,9 +739,13 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             f"mesa_train.nn.{rule[1].__name__}.from_module(layer), or patch a model holding it",
             UserWarning, stacklevel=2)
     elif not generic and not any(_compresses(m) for m in root.modules()):  # (a user's own model, a wrong set)
+        kept = waiting_halves(root)
+        why = (f"; {len(kept)} scale-branch layers ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) wait "
+               "for a call asking for their pair's other op (a 1x1 depthwise conv into a BatchNorm is converted "
+               "with both conv and batchnorm)" if kept else "")
         warnings.warn(
             f"mesa_train.patch_model: no layer of {type(root).__name__} matched ops={list(op_names)} "
-            f"modules={list(set_names)}: nothing is compressed (describe(model) lists what was patched)",
+            f"modules={list(set_names)}: nothing is compressed{why} (describe(model) lists what was patched)",
             UserWarning, stacklevel=2)
     _warn_new_buffers(root, buffers_before)
     return model
@@ -867,51 +833,8 @@ def _stock_batchnorms(root: nn.Module, op_names, cancelling_bn: str) -> Tuple[Di
     rules = _leaf_rules()  # reported: the kept norms a leaf rule would have converted
     kept_names = tuple(n for n in keep_stock.values()
                        if (rules.get(type(mods[n])) or _inherited_rule(rules, type(mods[n]))) is not None)
-    keep_stock.update(_scale_convs_of(root, keep_stock))
+    keep_stock.update(convs_of_kept_norms(root, keep_stock))
     return keep_stock, kept_names
-
-
-def _scale_pairs_kept_whole(root: nn.Module, op_names) -> Dict[int, str]:
-    """A scale branch (``_scale_pair``: a 1x1 depthwise conv into a BatchNorm) is converted as a
-    pair or not at all: the conv's weight gradient is a cancellation that only the link's closed
-    form gets right (``_link_scale_branches``). An 8-bit input swamps it under a stock BatchNorm
-    (mobileone_s0 with ``ops=["conv"]``: its scale-conv weight gradients at cosine 0.45 to float64
-    stock's, at worst), and so does a Mesa BatchNorm's 8-bit ``x_hat`` above a stock conv (0.68
-    on a test block). So with ``conv`` asked and ``batchnorm`` not, the scale convs whose
-    BatchNorm is stock stay stock, and the reverse; as ``{id: name}``. With ``conv`` few bytes
-    (the convs beside them in a RepVGG / MobileOne block read the same input; mobileone_s0 the
-    same bytes); with ``batchnorm`` the stock BatchNorm keeps its input (mobileone_s0: 0.536x of
-    stock's bytes against 0.481x). A model patched in two calls, one op each, keeps its scale
-    branches stock."""
-    convs, norms = "conv" in op_names, "batchnorm" in op_names
-    if convs == norms:
-        return {}
-    names = {id(m): n for n, m in root.named_modules()}
-    kept = {}
-    for m in root.modules():
-        pair = _scale_pair(m)
-        if pair is None or not is_scale_conv(pair[0]) or pair[1].num_features != pair[0].out_channels:
-            continue
-        conv, bn = pair
-        if convs and not isinstance(bn, mnn.BatchNorm2d):
-            kept[id(conv)] = names[id(conv)]
-        if norms and not isinstance(conv, mnn.Conv2d):
-            kept[id(bn)] = names[id(bn)]
-    return kept
-
-
-def _scale_convs_of(root: nn.Module, kept: Dict[int, str]) -> Dict[int, str]:
-    """The scale-branch convs (``_scale_pair``) whose BatchNorm stays stock, as ``{id: name}``: a stock
-    BatchNorm cannot hand its conv the closed-form weight gradient, and that gradient is a
-    cancellation the 8-bit input swamps (MobileOne-S1's ``conv_scale`` after a single-branch block),
-    so the conv stays stock too: its full input gives stock's gradient."""
-    names = {id(m): n for n, m in root.named_modules()}
-    out = {}
-    for m in root.modules():
-        pair = _scale_pair(m)
-        if pair is not None and id(pair[1]) in kept and is_scale_conv(pair[0]):
-            out[id(pair[0])] = names[id(pair[0])]
-    return out
 
 
 def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
@@ -1169,10 +1092,12 @@ def _inherited_rule(rules: dict, cls: type):
     return None
 
 
-def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dict[int, str]) -> None:
+def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dict[int, str],
+                    waiting: Dict[int, str]) -> None:
     """Step 2: each leaf module a rule covers becomes its Mesa layer (``from_module``: the same
     Parameters); a Mesa layer patched before takes this call's explicit options instead. Lists
-    the modules again: the attention pass may have added children."""
+    the modules again: the attention pass may have added children. A scale-branch half in
+    ``waiting`` stays stock and keeps what it would have become (``patch/scale_branch.py``)."""
     converted: Dict[int, nn.Module] = {}
     for name, m in list(t.root.named_modules()):
         if t.skipped(name):
@@ -1206,10 +1131,13 @@ def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dic
         opts = t.options(m, mi.heads)
         if mesa_cls is mnn.StarReLU and t.quant_options.get("num_groups") is None:
             opts["num_groups"] = _preceding_width(t.parents, m) or opts.get("num_groups", 1)
+        if id(m) in waiting:  # (converted by the call that converts its partner)
+            m.__dict__[WAITING_ATTR] = (mesa_cls, {**kw, **opts})
+            continue
         new = mesa_cls.from_module(m, **kw, **opts)
         converted[id(m)] = new
-        _replace_child(t.parents, m, new)
-        _hand_over_children(t.parents, m, new)
+        replace_child(t.parents, m, new)
+        hand_over_children(t.parents, m, new)
 
 
 def _functional_ops_left(t: _Target, generic: Dict[str, Tuple[str, ...]],
@@ -1313,60 +1241,3 @@ def _record_patch(root: nn.Module, op_names, set_names, explicit: dict, unreache
         "requests": tuple(prev.get("requests", ())) + ((tuple(o for o in OPS if o in set(op_names)), dict(explicit)),),
     }
     object.__setattr__(root, PATCH_INFO_ATTR, record)
-
-
-def _conv_norm_attrs(m: nn.Module) -> Optional[Tuple[str, str]]:
-    """The ``(conv, norm)`` attribute names of a timm module whose forward feeds its conv's output
-    to its norm and to nothing else: ``ConvNormAct`` with no anti-aliasing (FastViT / MobileOne
-    ``conv_scale``) and ghostnet's ``ConvBnAct`` (GhostNetV3 ``cheap_rpr_scale`` /
-    ``dw_rpr_scale``: ``aa`` and the optional skip add come after ``bn1``)."""
-    if type(m) is ConvNormAct and getattr(m, "aa", None) is None:
-        return "conv", "bn"
-    if type(m) is GhostConvBnAct:
-        return "conv", "bn1"
-    return None
-
-
-def _scale_pair(m: nn.Module):
-    """``(conv, bn)`` when ``m`` runs ``bn(conv(x))`` (then maybe more on the BatchNorm's output):
-    an ``nn.Sequential`` of those two (RepViT ``ConvNorm``) or a timm conv-norm module
-    (``_conv_norm_attrs``), whose ``BatchNormAct2d`` has no dropout / activation."""
-    kids = list(m._modules.values())
-    attrs = _conv_norm_attrs(m)
-    if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward and len(kids) == 2:
-        conv, bn = kids
-    elif attrs is not None:
-        conv, bn = (getattr(m, a) for a in attrs)
-    else:
-        return None
-    if isinstance(bn, (BatchNormAct2d, mnn.BatchNormAct2d)) and not (
-            type(bn.drop) is nn.Identity and type(bn.act) is nn.Identity):
-        return None
-    stock_forward = (nn.BatchNorm2d.forward, BatchNormAct2d.forward)
-    if not (isinstance(bn, mnn.BatchNorm2d) or (isinstance(bn, nn.BatchNorm2d) and type(bn).forward in stock_forward)):
-        return None
-    return conv, bn
-
-
-def _link_scale_branches(root: nn.Module, parents, quant_options: dict, keep_stock=(),
-                         convert_norms: bool = True) -> None:
-    """Link each converted 1x1 depthwise conv that feeds a train-mode BatchNorm directly to
-    that BatchNorm (a stock ``BatchNormAct2d`` without activation becomes a Mesa
-    ``BatchNorm2d``: same forward, and its 8-bit x_hat replaces the 4-byte input it kept; only
-    with ``convert_norms``, the call asking for op ``batchnorm``: otherwise only the pairs whose
-    BatchNorm an earlier call converted are linked)."""
-    for m in list(root.modules()):
-        pair = _scale_pair(m)
-        if pair is None:
-            continue
-        conv, bn = pair
-        if not (isinstance(conv, mnn.Conv2d) and is_scale_conv(conv) and bn.num_features == conv.out_channels):
-            continue
-        if not isinstance(bn, mnn.BatchNorm2d):
-            if type(bn) is nn.BatchNorm2d or id(bn) in keep_stock or not convert_norms:
-                continue  # batchnorm not converted here (op or module set not selected)
-            new = mnn.BatchNorm2d.from_module(bn, **_options_for(bn, None, quant_options))
-            _replace_child(parents, bn, new)
-            bn = new
-        conv.__dict__["_mesa_scale_bn"] = bn  # not a child: state_dict and module tree unchanged
-        bn.__dict__["_mesa_scale_conv"] = conv  # (under torch.compile the BatchNorm runs the pair: nn/batchnorm.py)

@@ -15,6 +15,7 @@ from .core import OPS, PATCH_INFO_ATTR, mesa_layer_op
 from .coverage import coverage, format_coverage
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
+from .scale_branch import waiting_halves
 from .table import format_table
 
 __all__ = ["describe", "describe_rows"]
@@ -183,6 +184,10 @@ def _describe_layers(root: nn.Module) -> str:
     if kept:  # patch/cancellation.py: their gradients would be cancellations that 8 bits swamp
         lines.append(f"BatchNorms kept stock (scale-invariance cancellations; cancelling_bn='compress' "
                      f"compresses them): {len(kept)}: {', '.join(kept)}")
+    waiting = waiting_halves(root)
+    if waiting:  # patch/scale_branch.py: a 1x1 depthwise conv into a BatchNorm is converted as a pair
+        lines.append(f"scale-branch layers kept stock until a call asks for their pair's other op (conv / batchnorm): "
+                     f"{len(waiting)}: {', '.join(waiting)}")
     # a model patched from a plan (patch_model(plan=), mesa.plan=): which layer compresses what
     from mesa_train.plan.apply import describe_plan  # here: mesa_train.plan imports this package
 
