@@ -24,7 +24,8 @@ graph dropped without a backward is freed):
   means ``activation_bytes``.
 * ``per_module``: activation bytes attributed to the innermost module of ``model`` whose
   forward was running when the tensor was saved (forward pre/post hooks); bytes saved
-  outside any module go to ``"<outside>"``; the root module is ``""``.
+  outside any module go to ``"<outside>"``; the root module is ``""``. ``savers_of(t)``: every
+  module that saved the storage of ``t``, while the storage lives.
 * Tensors packed while autograd is running a backward pass (e.g. the recomputation of
   reentrant activation checkpointing) are not counted.
 
@@ -112,6 +113,7 @@ class SavedTensorMeter:
         self.num_storages = 0  # distinct storages counted
         self.num_saved = 0  # pack-hook calls (tensors saved), duplicates included
         self._seen: dict[int, weakref.ref] = {}
+        self._savers: dict[int, set[str]] = {}  # activation storage's data pointer -> savers_of
 
     @property
     def total_bytes(self) -> int:
@@ -134,6 +136,16 @@ class SavedTensorMeter:
 
     def __repr__(self) -> str:
         return f"SavedTensorMeter({self.summary()})"
+
+    def savers_of(self, t: torch.Tensor) -> frozenset:
+        """The modules (``per_module``'s keys) that saved ``t``'s storage as an activation,
+        every one (a storage is counted once, for the first), while the storage lives: coverage's
+        test of whether a Mesa layer's copy duplicates a tensor another module keeps in full.
+        Empty for a storage nobody saved, or one freed since (whatever now has its address)."""
+        ptr = t.untyped_storage().data_ptr()
+        ref = self._seen.get(ptr)
+        alive = ref is not None and ref() is not None
+        return frozenset(self._savers.get(ptr, ())) if alive else frozenset()
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> "SavedTensorMeter":
@@ -191,18 +203,23 @@ class SavedTensorMeter:
             ptr, nbytes = storage.data_ptr(), storage.nbytes()
         except Exception:  # tensors without a plain storage (fake, sparse, subclasses, ...)
             storage, ptr, nbytes = None, None, t.numel() * t.element_size()
+        key = self._stack[-1] if self._stack else OUTSIDE
         if ptr is not None and nbytes > 0:
             ref = self._seen.get(ptr)
             if ref is not None and ref() is not None:
+                if ptr in self._savers:  # (an activation storage already counted)
+                    self._savers[ptr].add(key)
                 return t  # this storage is already counted
             self._seen[ptr] = weakref.ref(storage)
+            self._savers.pop(ptr, None)  # (a freed storage's address, taken by a new one)
         self.num_storages += 1
         if self._is_parameter(t, ptr):
             self.parameter_bytes += nbytes
         else:
             self.activation_bytes += nbytes
-            key = self._stack[-1] if self._stack else OUTSIDE
             self.per_module[key] = self.per_module.get(key, 0) + nbytes
+            if ptr is not None and nbytes > 0:
+                self._savers[ptr] = {key}
         return t
 
 

@@ -1,0 +1,93 @@
+"""``coverage``'s duplicated copies: a Mesa layer whose compressed tensor another module keeps
+in full anyway adds bytes instead of saving them (``ops=["conv"]`` alone on a ReLU convnet:
+stock ReLUs keep their outputs, the convs' inputs). The report names those layers, what keeps
+their tensors, and the ops that would compress it."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.patch import describe, patch_model
+from mesa_train.patch.coverage import coverage
+from timm_zoo import build, example
+
+
+def _convnet():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1)).train()
+
+
+def _x():
+    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+def test_convs_after_stock_relus_are_reported_with_the_op_to_ask():
+    """Two of the three convs read a stock ReLU's output (the first reads the image, which
+    nothing keeps): their copies are duplicates, all their bytes, and the model keeps more
+    than stock. Asking for relu too, or for all ops, leaves none."""
+    model = patch_model(_convnet(), ops=["conv"])
+    cov = coverage(model, _x())
+    assert cov.ratio > 1
+    assert len(cov.duplicated) == 1
+    op, layers, nbytes, keepers, ops = cov.duplicated[0]
+    assert (op, layers, keepers, ops) == ("conv", 2, {"ReLU": 2}, ("relu",))
+    with SavedTensorMeter(model) as meter:
+        model(_x())
+    assert nbytes == meter.per_module["3"] + meter.per_module["6"]  # the two convs' own bytes
+    assert "duplicated: 2 conv layers keep" in describe(model, _x())
+    assert "(ReLU 2): ask for relu too" in describe(model, _x())
+    for ops in (["conv", "relu"], ["all"]):
+        cov = coverage(patch_model(_convnet(), ops=ops), _x())
+        assert not [r for r in cov.duplicated if r[0] == "conv"], ops
+        assert cov.ratio < 1
+
+
+def test_an_op_already_asked_is_not_suggested():
+    """The ReLUs patched in a first call: the conv rows of a later ``coverage`` cannot be their
+    duplicates, and a stock keeper whose op the patch asked (a scale conv waiting for its
+    BatchNorm) is named without being suggested."""
+    model = patch_model(_convnet(), ops=["relu"])
+    patch_model(model, ops=["conv"])
+    assert not coverage(model, _x()).duplicated
+
+
+def test_savers_of_names_every_saver_while_the_storage_lives():
+    """``savers_of``: every module that saved a storage (the meter counts it once), ``<outside>``
+    for a function called in no module, none for a storage nobody saved; a freed storage is
+    nobody's, whatever tensor takes its address later (new tensors of its size, one likely at
+    that address, read none)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with SavedTensorMeter(model) as meter:
+        x = torch.randn(3, 4)
+        h = model[0](x)
+        model[1](h)  # (saves h, its input)
+        y = torch.sigmoid(h)  # saves y, in no module
+        assert meter.savers_of(x) == {"0"} and meter.savers_of(h) == {"1"}
+        assert meter.savers_of(y) == {"<outside>"}
+        z = model[1](y)  # a second saver of y
+        assert meter.savers_of(y) == {"<outside>", "1"}
+        assert meter.savers_of(torch.randn(3, 4)) == set()
+        del x, h, y, z  # (the graph with them)
+        later = [torch.randn(3, 4) for _ in range(8)]
+        assert [meter.savers_of(t) for t in later] == [set()] * 8
+
+
+def test_vit_with_linear_only_reports_its_proj_under_fused_attention():
+    """With ``ops=["linear"]`` a ViT's stock attention runs fused SDPA, which keeps its output;
+    the attention's proj Linear reads that very storage when the output's transpose is
+    contiguous: its 8-bit copy is a duplicate, and ``sdpa`` is the op to ask."""
+    stock = build("vit_tiny_patch16_224")
+    x = example("vit_tiny_patch16_224")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = patch_model(copy.deepcopy(stock), ops=["linear"])
+    rows = {r[0]: r for r in coverage(model, x).duplicated}
+    if "linear" in rows:  # (where this CPU's SDPA kernel lays its output out so)
+        assert rows["linear"][4] == ("sdpa",) and set(rows["linear"][3]) == {"Attention"}
+    assert not coverage(patch_model(copy.deepcopy(stock)), x).duplicated
