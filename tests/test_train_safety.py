@@ -1,6 +1,7 @@
 """Nothing lost, nothing silently wrong (issue 11): non-finite states never reach a
 checkpoint, a run directory has one owner and is never overwritten by accident, resumed
 runs keep their settings, and a resumed epoch's numbers cover the whole epoch."""
+import copy
 import csv
 import os
 import signal
@@ -303,3 +304,46 @@ def test_unwritable_run_dir_is_refused_before_anything_runs(compose_train, tmp_p
     with pytest.raises(OSError) as info:
         fit(compose_train(BASE), str(tmp_path / "run"))
     assert describe(info.value) == (1, f"cannot write to {tmp_path / 'run'}: read-only file system")
+
+
+def test_a_model_keeping_more_than_stock_is_warned_about(compose_train, tmp_path, caplog):
+    """``mesa.ops=[conv]`` on a ReLU convnet: each stock ReLU keeps its output, the next conv's
+    input, so the convs' 8-bit copies come on top (resnet18 at 64 px: 1.026x of stock's bytes).
+    The run says so once, and names the tool; with relu too it keeps less than stock and says
+    nothing."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="mesa_train.train")
+    model = ["model.name=resnet18", "model.img_size=32", "model.img_size_kwarg=false"]
+    fit(compose_train(model + FAST_TRAINER + ["mesa.enabled=true", "mesa.ops=[conv]"]), str(tmp_path / "conv"))
+    warned = [r.getMessage() for r in caplog.records if "keeps more for backward than stock" in r.getMessage()]
+    assert len(warned) == 1 and "describe(model, example_input)" in warned[0], warned
+    caplog.clear()
+    fit(compose_train(model + FAST_TRAINER + ["mesa.enabled=true", "mesa.ops=[conv,relu]"]),
+        str(tmp_path / "conv_relu"))
+    assert "keeps more for backward" not in caplog.text
+
+
+def test_stock_saved_bytes_estimate_is_exact_and_leaves_the_buffers():
+    """The stock figure beside ``kept_for_backward``: from 2 and 4 images, extrapolated, it is
+    the batch's own figure (saved bytes are affine in the batch: the BatchNorm statistics stay;
+    one image scaled overstated it), and the BatchNorms' running statistics are as before."""
+    from types import SimpleNamespace
+
+    import timm
+    from mesa_train.memory import SavedTensorMeter
+    from mesa_train.patch import patch_model
+    from mesa_train.train.runner import _stock_saved_bytes
+
+    torch.manual_seed(0)
+    stock = timm.create_model("resnet18", num_classes=10).train()
+    with SavedTensorMeter(stock) as meter:
+        stock(torch.zeros(8, 3, 32, 32))
+    model = patch_model(copy.deepcopy(stock), ops=["conv"])
+    before = {k: b.clone() for k, b in model.named_buffers()}
+    cfg = SimpleNamespace(trainer=SimpleNamespace(batch_size=8), model=SimpleNamespace(img_size=32))
+    run = SimpleNamespace(device=torch.device("cpu"), amp_dtype=None)
+    assert _stock_saved_bytes(model, cfg, run) == meter.activation_bytes
+    for k, b in model.named_buffers():
+        assert torch.equal(before[k], b), k
+    assert all(m.quant_options.enabled for m in model.modules() if hasattr(m, "quant_options"))
