@@ -90,11 +90,16 @@ variable_list norm_grads(AutogradContext* ctx, const at::Tensor& gx, const at::T
 // invstd + mean): the same codes, each group's range and offset in x's units. Empty where
 // that does not hold (a variant format, groups spanning channels, a layout of x_hat's codes
 // that is not x's): the convs then compress x themselves.
+// x_q, x_alpha, x_beta (mesa::batch_norm_train_take: FastViT's RepMixer normalises x again after
+// its mixer's identity BatchNorm offered x's codes): the reverse, x's codes read as x_hat's,
+// alpha = alpha_x * invstd and beta = (beta_x - mean) * invstd, kept instead of compressing
+// x_hat again where they fit (codes_of_x_fit).
 struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias, const std::optional<at::Tensor>& running_mean,
                                const std::optional<at::Tensor>& running_var, double momentum, double eps, Quantizer qz,
-                               bool offer_x) {
+                               bool offer_x, const std::optional<at::Tensor>& x_q,
+                               const std::optional<at::Tensor>& x_alpha, const std::optional<at::Tensor>& x_beta) {
     // exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which also
     // hands back the batch mean and invstd it normalised with
     auto [out, mean, invstd, reserve, impl] = at::_batch_norm_impl_index(
@@ -106,7 +111,16 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
       x_hat = standardise(x, per_channel(mean.to(mdt), x), per_channel(invstd.to(mdt), x));
     }
     const NhwcView v = nhwc_view(x_hat, 1);
-    auto [q, alpha, beta, G] = compress(v.x, v.dim, qz);
+    at::Tensor q, alpha, beta;
+    int64_t G = 0;
+    if (x_q.has_value() && codes_of_x_fit(*x_q, *x_alpha, *x_beta, v, qz)) {
+      q = *x_q;
+      G = x.size(1);
+      alpha = x_alpha->mul(invstd.to(x_alpha->scalar_type()));
+      beta = x_beta->sub(mean.to(x_beta->scalar_type())).mul(invstd.to(x_beta->scalar_type()));
+    } else {
+      std::tie(q, alpha, beta, G) = compress(v.x, v.dim, qz);
+    }
     save_code_format(ctx, qz, v.x.sizes());
     // (batchnorm.code_moments: the default format's codes)
     if (qz.code_bits == 0 && q.device().is_cpu() && mdt == at::kFloat && alpha.size(0) == 1) {
@@ -133,7 +147,7 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order("BatchNorm");
-    if (!grads[0].defined()) return variable_list(9);  // (offer_x: materialize off, y took no gradient)
+    if (!grads[0].defined()) return variable_list(12);  // (offer_x: materialize off, y took no gradient)
     NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &invstd = saved[3], &weight = saved[4];
@@ -163,8 +177,19 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
       link->coef = w.mul(dw).mul(at::rsub(exact_mean_square(invstd_m, eps), 1));
       link->gx = out[0];
     }
-    out.resize(9);  // (one per argument of forward)
+    out.resize(12);  // (one per argument of forward)
     return out;
+  }
+
+  // Whether x's codes (batch_norm_train_take) can be x_hat's: the default format with one group
+  // per channel (each group a channel, whose range and offset invstd and mean map), made of
+  // x_hat's view (v: the same shape, so the same NCHW or NHWC order) on its device
+  static bool codes_of_x_fit(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta, const NhwcView& v,
+                             const Quantizer& qz) {
+    const int64_t C = v.x.size(v.dim);
+    return qz.code_bits == 0 && q.scalar_type() == at::kByte && q.sizes() == v.x.sizes() &&
+           q.device() == v.x.device() && alpha.dim() == 2 && alpha.size(1) == C && beta.sizes() == alpha.sizes() &&
+           capped_groups(qz, C) == C;
   }
 };
 
@@ -177,7 +202,7 @@ at::Tensor batch_norm_train(const at::Tensor& x, const at::Tensor& weight, const
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::batch_norm_train");
   return BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz,
-                               false)[0];
+                               false, std::nullopt, std::nullopt, std::nullopt)[0];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_train_offer(
@@ -189,8 +214,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_train_offe
   Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
                                 stochastic, "mesa::batch_norm_train_offer");
   const variable_list r = apply_forgetting_marks<BatchNormTrain>(x, weight, bias, present(running_mean),
-                                                                 present(running_var), momentum, eps, qz, true);
+                                                                 present(running_var), momentum, eps, qz, true,
+                                                                 std::nullopt, std::nullopt, std::nullopt);
   return {r[0], r[1], r[2], r[3]};
+}
+
+at::Tensor batch_norm_train_take(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                 const std::optional<at::Tensor>& running_mean,
+                                 const std::optional<at::Tensor>& running_var, double momentum, double eps,
+                                 const at::Tensor& x_q, const at::Tensor& x_alpha, const at::Tensor& x_beta,
+                                 at::Tensor& alpha_est, at::Tensor& beta_est, at::Tensor& initialized, at::Tensor& rng,
+                                 int64_t num_groups, double decay, int64_t estimator, bool symmetric,
+                                 bool stochastic) {
+  TORCH_CHECK_VALUE(x.dim() == 4, "mesa: batch_norm_train_take: x must be (N, C, H, W), got ", x.dim(), " dims");
+  Quantizer qz = make_quantizer(alpha_est, beta_est, initialized, rng, num_groups, decay, estimator, symmetric,
+                                stochastic, "mesa::batch_norm_train_take");
+  return BatchNormTrain::apply(x, weight, bias, present(running_mean), present(running_var), momentum, eps, qz,
+                               false, std::optional<at::Tensor>(x_q), std::optional<at::Tensor>(x_alpha),
+                               std::optional<at::Tensor>(x_beta))[0];
 }
 
 // ----------------------------------------------------------------------------- GroupNorm
@@ -477,6 +518,13 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
       "Tensor(b!)? running_var, float momentum, float eps, Tensor(c!) alpha_est, Tensor(d!) beta_est, "
       "Tensor(e!) initialized, Tensor(f!) rng, int num_groups, float decay, int estimator, bool symmetric, "
       "bool stochastic) -> (Tensor y, Tensor q, Tensor alpha, Tensor beta)");
+  // batch_norm_train keeping x's codes another layer made (x_q, x_alpha, x_beta: the offer's
+  // outputs, or a conv's) as x_hat's where they fit, else compressing x_hat itself
+  m.def(
+      "batch_norm_train_take(Tensor x, Tensor weight, Tensor bias, Tensor(a!)? running_mean, "
+      "Tensor(b!)? running_var, float momentum, float eps, Tensor x_q, Tensor x_alpha, Tensor x_beta, "
+      "Tensor(c!) alpha_est, Tensor(d!) beta_est, Tensor(e!) initialized, Tensor(f!) rng, int num_groups, "
+      "float decay, int estimator, bool symmetric, bool stochastic) -> Tensor");
   // groups: the norm's own group count (nn.GroupNorm's num_groups); num_groups: the quantizer's
   m.def(
       "group_norm_train(Tensor x, Tensor weight, Tensor? bias, int groups, float eps, Tensor(a!) alpha_est, "
@@ -501,6 +549,7 @@ TORCH_LIBRARY_FRAGMENT(mesa, m) {
 TORCH_LIBRARY_IMPL(mesa, Autograd, m) {
   m.impl("batch_norm_train", &mesa::batch_norm_train);
   m.impl("batch_norm_train_offer", &mesa::batch_norm_train_offer);
+  m.impl("batch_norm_train_take", &mesa::batch_norm_train_take);
   m.impl("group_norm_train", &mesa::group_norm_train);
   m.impl("mask_train", &mesa::mask_train);
   m.impl("mask_train_", &mesa::mask_train_);

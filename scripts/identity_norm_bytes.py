@@ -1,8 +1,10 @@
 """Saved bytes of the timm models whose identity-branch BatchNorm session 83 made hand its copy
 of the block input to the block's convs (``patch/identity_norm.py``), against the same patched
 model with those BatchNorms unmarked (each conv then keeps, between them, a second copy).
+``--take``: FastViT's, against the same model with only its RepMixer norms unmarked (session 85:
+they keep the codes the mixer's identity BatchNorm offered, ``TAKES_INPUT``).
 
-    python scripts/identity_norm_bytes.py
+    python scripts/identity_norm_bytes.py [--take]
 
 fp32, train mode, batch 2, 64 px, ``SavedTensorMeter`` bytes over the stock model's, in the same
 run; one markdown row per model, with the cosine of all parameter gradients together against
@@ -11,6 +13,7 @@ over the parameters whose float32 stock gradient agrees with float64 (cosine > 0
 """
 from __future__ import annotations
 
+import argparse
 import copy
 
 import timm
@@ -18,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mesa_train.memory import SavedTensorMeter
-from mesa_train.nn.batchnorm import OFFERS_INPUT
+from mesa_train.nn.batchnorm import OFFERS_INPUT, TAKES_INPUT
 from mesa_train.patch import patch_model
 
 MODELS = ("mobileone_s0", "mobileone_s1", "repvgg_a0", "repvgg_b0", "fastvit_t8", "fastvit_sa12")
@@ -32,23 +35,28 @@ def step(model, x) -> tuple[int, dict]:
     return meter.activation_bytes, {n: p.grad.double().flatten() for n, p in model.named_parameters()}
 
 
-def unmarked(model):
+def unmarked(model, flags=(OFFERS_INPUT, TAKES_INPUT)):
     model = copy.deepcopy(model)
     for m in model.modules():
-        m.__dict__.pop(OFFERS_INPUT, None)
+        for flag in flags:
+            m.__dict__.pop(flag, None)
     return model
 
 
 def main() -> None:
-    print("| model | identity BatchNorms | bytes before | bytes after | all gradients' cosine before | after "
-          "| worst tensor's cosine (float64) before | after |")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--take", action="store_true", help="FastViT: before = its RepMixer norms unmarked only")
+    args = parser.parse_args()
+    flags = (TAKES_INPUT,) if args.take else (OFFERS_INPUT, TAKES_INPUT)
+    print(f"| model | {'RepMixer norms' if args.take else 'identity BatchNorms'} | bytes before | bytes after "
+          "| all gradients' cosine before | after | worst tensor's cosine (float64) before | after |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in MODELS:
+    for name in (m for m in MODELS if m.startswith("fastvit") or not args.take):
         torch.manual_seed(0)
         stock = timm.create_model(name, num_classes=10).train()
         after = patch_model(copy.deepcopy(stock)).train()
-        before = unmarked(after)
-        marked = sum(bool(m.__dict__.get(OFFERS_INPUT)) for m in after.modules())
+        before = unmarked(after, flags)
+        marked = sum(bool(m.__dict__.get(flags[0])) for m in after.modules())
         x = torch.randn(2, 3, 64, 64)
         _, exact = step(copy.deepcopy(stock).double(), x.double())
         stock_bytes, fp32 = step(stock, x)

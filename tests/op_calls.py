@@ -46,7 +46,7 @@ def assert_patched_model_takes_the_op(monkeypatch, model, example_input, op_name
     forward of a ``layer_types`` layer (counted by pre-hooks: a layer may run several times a
     step, as CoaT's shared position encodings do) on the first path, never on the second.
     ``op_name``: a name, or a tuple of the names one layer type calls (a BatchNorm's
-    ``batch_norm_train`` or, on an identity branch, ``batch_norm_train_offer``)."""
+    ``batch_norm_train`` or, on an identity branch, ``batch_norm_train_offer`` or ``batch_norm_train_take``)."""
     from mesa_train.nn import quantizer as quantizer_mod
 
     runs = []

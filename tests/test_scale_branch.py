@@ -340,7 +340,7 @@ def test_patched_models_bitwise_on_the_ops(name, monkeypatch):
     assert any("_mesa_scale_bn" in m.__dict__ for m in model.modules())
     # (FastViT's identity branches take batch_norm_train_offer: patch/identity_norm.py)
     assert_patched_model_takes_the_op(monkeypatch, model, lambda step: example(name, seed=step),
-                                      ("batch_norm_train", "batch_norm_train_offer"),
+                                      ("batch_norm_train", "batch_norm_train_offer", "batch_norm_train_take"),
                                       (mnn.BatchNorm2d, mnn.BatchNorm1d))
 
 

@@ -40,6 +40,10 @@ __all__ = ["BatchNorm2d", "BatchNorm1d", "BatchNormAct2d", "OFFERS_INPUT"]
 # set (in its __dict__, by patch/identity_norm.py) on the identity-branch BatchNorm of a RepVGG /
 # MobileOne block, whose input the block's convs take next: it leaves its codes on that input
 OFFERS_INPUT = "_mesa_offers_input"
+# set (likewise) on an identity-branch BatchNorm in a block without convs (FastViT's RepMixer
+# norm, run on the input its mixer's identity BatchNorm offered codes of): it keeps those codes
+# as its x_hat's where they fit, instead of compressing x_hat again
+TAKES_INPUT = "_mesa_takes_input"
 
 
 def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -91,14 +95,17 @@ def remember_dtypes(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: tor
     ctx.b_dtype = bias.dtype if bias is not None else None
 
 
-def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer, offer: bool = False):
+def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quantizer, offer: bool = False,
+               codes_of_x=None):
     """The training forward of the Mesa BatchNorms: ``(out, packed x_hat, nhwc, invstd, compute
     dtype, moments)`` (``code_moments``: empty, or x_hat's per-channel statistics for
     backward); ``nhwc``: a channels-last ``x_hat`` was compressed as its NHWC view (``nhwc_view``:
     no copy to NCHW, and backward gets ``x_hat`` channels-last again, as ``g`` and stock's
     ``native_batch_norm_backward`` see it; mixed layouts took ATen's slow path, 4x stock's
     BatchNorm step on CPU). ``offer``: an identity branch's (``OFFERS_INPUT``), which leaves
-    x_hat's codes on ``x`` as codes of ``x`` for the block's convs (``_codes_of_input``)."""
+    x_hat's codes on ``x`` as codes of ``x`` for the block's convs (``_codes_of_input``).
+    ``codes_of_x``: codes of ``x`` another layer left (``TAKES_INPUT``), kept as x_hat's where
+    they fit (``_codes_of_x_hat``)."""
     # exactly what F.batch_norm runs (torch.batch_norm -> _batch_norm_impl_index), which
     # also hands back the batch mean and invstd it normalised with
     out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
@@ -107,7 +114,9 @@ def bn_forward(x, weight, bias, running_mean, running_var, momentum, eps, quanti
         mdt = torch.promote_types(x.dtype, torch.float32)
         x_hat = (x.to(mdt) - _per_channel(mean.to(mdt), x)) * _per_channel(invstd.to(mdt), x)
     xv, dim, nhwc = nhwc_view(x_hat, 1, quantizer.options.channel_layout)
-    packed = quantizer.compress(xv, dim)
+    packed = _codes_of_x_hat(codes_of_x, xv, dim, mean, invstd) if codes_of_x is not None else None
+    if packed is None:
+        packed = quantizer.compress(xv, dim)
     if offer:
         codes = _codes_of_input(x, packed, nhwc, mean, invstd, quantizer)
         if codes is not None:
@@ -127,6 +136,19 @@ def _codes_of_input(x, packed, nhwc: bool, mean, invstd, quantizer):
     alpha = packed.alpha / invstd.to(packed.alpha.dtype)
     beta = packed.beta / invstd.to(packed.beta.dtype) + mean.to(packed.beta.dtype)
     return packed._replace(alpha=alpha, beta=beta)
+
+
+def _codes_of_x_hat(codes, xv: torch.Tensor, dim: int, mean, invstd):
+    """``x``'s codes read as x_hat's (``mesa::batch_norm_train_take``'s arithmetic, the reverse of
+    ``_codes_of_input``): ``alpha * invstd`` and ``(beta - mean) * invstd`` per group, a group a
+    channel. ``None`` where they do not fit: a variant format, groups spanning channels, codes of
+    another view than ``xv``, x_hat's (NCHW or NHWC)."""
+    C = xv.shape[dim]
+    if codes.fmt is not None or codes.num_groups != C or codes.dim != dim or codes.q.shape != xv.shape:
+        return None
+    alpha = codes.alpha * invstd.to(codes.alpha.dtype)
+    beta = (codes.beta - mean.to(codes.beta.dtype)) * invstd.to(codes.beta.dtype)
+    return codes._replace(alpha=alpha, beta=beta)
 
 
 def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bool, moments=()):
@@ -174,9 +196,10 @@ def bn_backward(g, packed, nhwc, invstd, weight, mdt, eps, needs, scale_coef: bo
 
 class _BatchNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer, link=None, offer=False):
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quantizer, link=None, offer=False,
+                codes_of_x=None):
         out, packed, ctx.nhwc, invstd, mdt, moments = bn_forward(x, weight, bias, running_mean, running_var,
-                                                                 momentum, eps, quantizer, offer)
+                                                                 momentum, eps, quantizer, offer, codes_of_x)
         ctx.mdt, ctx.eps, ctx.link = mdt, eps, link
         remember_dtypes(ctx, x, weight, bias)
         save(ctx, [packed], invstd, weight, *moments)
@@ -195,7 +218,7 @@ class _BatchNormFn(torch.autograd.Function):
             link.coef, link.gx = coef, gx
         gw = gw.to(ctx.w_dtype) if gw is not None else None
         gb = gb.to(ctx.b_dtype) if gb is not None else None
-        return gx, gw, gb, None, None, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None, None, None
 
 
 class _ScaleBranchFn(torch.autograd.Function):
@@ -257,15 +280,25 @@ def _train_forward(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor, lin
     # nodes the op finds itself, csrc/scale_link.h): the layer with a C++ autograd node
     fused = bn.quantizer.fused_layer_args(input) \
         if link is None and bn.weight is not None and bn.bias is not None else None
-    # an identity branch's (RepVGG, MobileOne) leaves its codes on the input for the block's convs
-    offer = bool(bn.__dict__.get(OFFERS_INPUT)) and input.dim() == 4 and input_copy.may_share(input)
+    # an identity branch's (RepVGG, MobileOne) leaves its codes on the input for the block's convs;
+    # one in a block without convs (FastViT's RepMixer norm) takes codes another left there
+    offer, take = (bool(bn.__dict__.get(flag)) and input.dim() == 4 and input_copy.may_share(input)
+                   for flag in (OFFERS_INPUT, TAKES_INPUT))
+    take = take and bn.quantizer.options.is_default_format  # (a variant format's codes are never x_hat's)
     if fused is not None:
         if offer:
             return _offer_input(bn, input, running_mean, running_var, factor, fused)
+        codes = input_copy.take(input, input_copy.conv_op_signature(2, bn.quantizer.options), bn.quantizer) \
+            if take else None
+        if codes is not None:
+            return torch.ops.mesa.batch_norm_train_take(input, bn.weight, bn.bias, running_mean, running_var, factor,
+                                                        bn.eps, *codes, *fused)
         return torch.ops.mesa.batch_norm_train(input, bn.weight, bn.bias, running_mean, running_var, factor, bn.eps,
                                                *fused)
+    codes = input_copy.take(input, input_copy.conv_function_signature(2, bn.quantizer.options), bn.quantizer) \
+        if take else None
     return _BatchNormFn.apply(input, bn.weight, bn.bias, running_mean, running_var, factor, bn.eps, bn.quantizer,
-                              link, offer)
+                              link, offer, codes)
 
 
 def _offer_input(bn, input: torch.Tensor, running_mean, running_var, factor: float, fused) -> torch.Tensor:

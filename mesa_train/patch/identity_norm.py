@@ -10,13 +10,20 @@ so a marked BatchNorm leaves them on ``x`` for the convs: one copy of the block 
 were two. The convs take them only where their quantizer's options equal the BatchNorm's, they
 run on the same path (C++ layer ops or Python Functions) and ``x`` is unchanged since
 (``input_copy.take``); otherwise each compresses ``x`` as before.
+
+FastViT's ``RepMixer`` computes ``mixer(x) - norm(x)``, ``norm`` a MobileOne block with no conv:
+its identity BatchNorm normalises the ``x`` the mixer's identity BatchNorm just offered codes
+of, with the same batch statistics. Marked ``TAKES_INPUT``, it keeps those codes as its own
+``x_hat``'s (``mesa::batch_norm_train_take``: each channel's range and offset mapped back by its
+mean and invstd) instead of an 8-bit copy of its own: one copy of the mixer's input where
+there were two.
 """
 from __future__ import annotations
 
 from torch import nn
 
 import mesa_train.nn as mnn
-from mesa_train.nn.batchnorm import OFFERS_INPUT
+from mesa_train.nn.batchnorm import OFFERS_INPUT, TAKES_INPUT
 
 __all__ = ["IDENTITY_NAMES", "mark_identity_norms"]
 
@@ -26,11 +33,13 @@ IDENTITY_NAMES = ("identity", "rbr_identity", "rbr_skip")
 
 
 def mark_identity_norms(root: nn.Module) -> None:
-    """Mark each Mesa ``BatchNorm2d`` held under one of ``IDENTITY_NAMES`` by a module that also
-    holds Mesa convs (a plain attribute: ``state_dict`` and the module tree are unchanged)."""
+    """Mark each Mesa ``BatchNorm2d`` held under one of ``IDENTITY_NAMES``: ``OFFERS_INPUT`` by a
+    module that also holds Mesa convs, else ``TAKES_INPUT`` (plain attributes: ``state_dict``
+    and the module tree are unchanged)."""
     for parent in root.modules():
         norms = [parent._modules.get(name) for name in IDENTITY_NAMES]
         norms = [bn for bn in norms if isinstance(bn, mnn.BatchNorm2d)]
-        if norms and any(isinstance(m, mnn.Conv2d) for m in parent.modules()):
-            for bn in norms:
-                bn.__dict__[OFFERS_INPUT] = True
+        offers = any(isinstance(m, mnn.Conv2d) for m in parent.modules())
+        for bn in norms:
+            bn.__dict__.pop(TAKES_INPUT if offers else OFFERS_INPUT, None)  # (convs converted since)
+            bn.__dict__[OFFERS_INPUT if offers else TAKES_INPUT] = True
