@@ -25,7 +25,7 @@ graph dropped without a backward is freed):
 * ``per_module``: activation bytes attributed to the innermost module of ``model`` whose
   forward was running when the tensor was saved (forward pre/post hooks); bytes saved
   outside any module go to ``"<outside>"``; the root module is ``""``. ``savers_of(t)``: every
-  module that saved the storage of ``t``, while the storage lives.
+  module that saved the storage of ``t`` with its present values, while the storage lives.
 * Tensors packed while autograd is running a backward pass (e.g. the recomputation of
   reentrant activation checkpointing) are not counted.
 
@@ -113,7 +113,8 @@ class SavedTensorMeter:
         self.num_storages = 0  # distinct storages counted
         self.num_saved = 0  # pack-hook calls (tensors saved), duplicates included
         self._seen: dict[int, weakref.ref] = {}
-        self._savers: dict[int, set[str]] = {}  # activation storage's data pointer -> savers_of
+        # activation storage's data pointer -> {(module, the tensor's _version when saved)}: savers
+        self._savers: dict[int, set[tuple[str, int]]] = {}
 
     @property
     def total_bytes(self) -> int:
@@ -138,14 +139,19 @@ class SavedTensorMeter:
         return f"SavedTensorMeter({self.summary()})"
 
     def savers_of(self, t: torch.Tensor) -> frozenset:
-        """The modules (``per_module``'s keys) that saved ``t``'s storage as an activation,
-        every one (a storage is counted once, for the first), while the storage lives: coverage's
-        test of whether a Mesa layer's copy duplicates a tensor another module keeps in full.
-        Empty for a storage nobody saved, or one freed since (whatever now has its address)."""
-        ptr = t.untyped_storage().data_ptr()
+        """The modules (``per_module``'s keys) that saved ``t``'s storage as an activation with
+        its values as they are now (``t._version``), every one (a storage is counted once, for
+        the first), while the storage lives: coverage's test of whether a Mesa layer's copy
+        duplicates a tensor another module keeps in full. Empty for a storage nobody saved, or
+        one freed since (whatever has its address now)."""
+        return self.savers(t.untyped_storage().data_ptr(), t._version)
+
+    def savers(self, ptr: int, version: int) -> frozenset:
+        """``savers_of`` by the storage's data pointer and the tensor version."""
         ref = self._seen.get(ptr)
-        alive = ref is not None and ref() is not None
-        return frozenset(self._savers.get(ptr, ())) if alive else frozenset()
+        if ref is None or ref() is None:
+            return frozenset()
+        return frozenset(k for k, v in self._savers.get(ptr, ()) if v == version)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> "SavedTensorMeter":
@@ -208,7 +214,7 @@ class SavedTensorMeter:
             ref = self._seen.get(ptr)
             if ref is not None and ref() is not None:
                 if ptr in self._savers:  # (an activation storage already counted)
-                    self._savers[ptr].add(key)
+                    self._savers[ptr].add((key, t._version))
                 return t  # this storage is already counted
             self._seen[ptr] = weakref.ref(storage)
             self._savers.pop(ptr, None)  # (a freed storage's address, taken by a new one)
@@ -219,7 +225,7 @@ class SavedTensorMeter:
             self.activation_bytes += nbytes
             self.per_module[key] = self.per_module.get(key, 0) + nbytes
             if ptr is not None and nbytes > 0:
-                self._savers[ptr] = {key}
+                self._savers[ptr] = {(key, t._version)}
         return t
 
 

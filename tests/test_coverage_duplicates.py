@@ -91,3 +91,27 @@ def test_vit_with_linear_only_reports_its_proj_under_fused_attention():
     if "linear" in rows:  # (where this CPU's SDPA kernel lays its output out so)
         assert rows["linear"][4] == ("sdpa",) and set(rows["linear"][3]) == {"Attention"}
     assert not coverage(patch_model(copy.deepcopy(stock)), x).duplicated
+
+
+class ChangedInPlaceAfter(nn.Module):
+    """The conv's input is changed in place after the conv read it; the ReLU then keeps the new
+    values: the conv's copy (of the old ones) duplicates nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.conv = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.pre(x)
+        y = self.conv(h)
+        h.add_(1)
+        return y + self.act(h)
+
+
+def test_values_changed_in_place_since_are_no_duplicate():
+    """The review's find: storage identity alone called the conv's copy a duplicate of the
+    ReLU's output; the tensor version tells them apart."""
+    torch.manual_seed(0)
+    model = patch_model(ChangedInPlaceAfter().train(), ops=["conv"])
+    assert not coverage(model, _x()).duplicated

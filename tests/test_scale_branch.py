@@ -417,3 +417,49 @@ def test_the_link_converts_no_batchnorm_outside_the_asked_modules():
     assert type(outside[0].bn) is BatchNormAct2d and "_mesa_scale_bn" not in outside[0].conv.__dict__
     inside = patch_model(half(), ops=["batchnorm"])
     assert isinstance(inside[0].bn, mnn.BatchNorm2d) and inside[0].conv.__dict__["_mesa_scale_bn"] is inside[0].bn
+
+
+def test_a_waiting_half_keeps_its_options_through_later_calls():
+    """The review's find: a waiting half marked again, or converted by a call asking for both ops,
+    took that call's full options (the defaults over ``bits=4``); it takes only the explicit ones
+    over its own, as a layer converted before does."""
+    m = patch_model(_model(), ops=["conv"], bits=4)
+    patch_model(m, ops=["conv"], rounding="nearest")
+    patch_model(m, ops=["batchnorm"])
+    assert (m.scale.c.quant_options.bits, m.scale.c.quant_options.rounding) == (4, "nearest")
+    assert (m.conv.quant_options.bits, m.conv.quant_options.rounding) == (4, "nearest")
+    m = patch_model(_model(), ops=["conv"], bits=4)
+    patch_model(m, ops=["conv", "batchnorm"])
+    assert m.scale.c.quant_options.bits == 4 and m.conv.quant_options.bits == 4
+    assert m.scale.c.__dict__.get("_mesa_scale_bn") is m.scale.bn
+
+
+def test_a_parameter_free_waiting_half_takes_the_model_s_device_then():
+    """A BatchNorm without affine waiting for its conv, the model moved since: converted on the
+    device the model is on then (the mark stored the device it had)."""
+    block = _model()
+    block.scale.bn = nn.BatchNorm2d(8, affine=False)
+    patch_model(block, ops=["batchnorm"])
+    assert type(block.scale.bn) is nn.BatchNorm2d and "_mesa_pair_waiting" in block.scale.bn.__dict__
+    block.to("meta")
+    patch_model(block, ops=["conv"])
+    assert isinstance(block.scale.bn, mnn.BatchNorm2d)
+    assert {b.device.type for b in block.scale.bn.buffers()} == {"meta"}
+
+
+def test_describe_lists_no_pair_the_cancellation_analysis_keeps():
+    """mobileone_s1 patched conv, then batchnorm: three scale convs stay stock because their
+    BatchNorms are cancellation BatchNorms (listed as such), not for a missing op; describe
+    does not list them as waiting (their marks stay: a cancelling_bn="compress" call converts
+    them)."""
+    import timm
+
+    model = timm.create_model("mobileone_s1", num_classes=4).train()
+    patch_model(model, ops=["conv"])
+    patch_model(model, ops=["batchnorm"])
+    waiting = [n for n, m in model.named_modules() if "_mesa_pair_waiting" in m.__dict__]
+    assert waiting
+    text = describe(model)
+    assert "BatchNorms kept stock" in text and "until a call asks" not in text
+    patch_model(model, ops=["batchnorm"], cancelling_bn="compress")
+    assert all(isinstance(model.get_submodule(n), mnn.Conv2d) for n in waiting)

@@ -739,7 +739,7 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             f"mesa_train.nn.{rule[1].__name__}.from_module(layer), or patch a model holding it",
             UserWarning, stacklevel=2)
     elif not generic and not any(_compresses(m) for m in root.modules()):  # (a user's own model, a wrong set)
-        kept = waiting_halves(root)
+        kept = waiting_halves(root, getattr(root, PATCH_INFO_ATTR, {}).get("stock_batchnorm", ()))
         why = (f"; {len(kept)} scale-branch layers ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) wait "
                "for a call asking for their pair's other op (a 1x1 depthwise conv into a BatchNorm is converted "
                "with both conv and batchnorm)" if kept else "")
@@ -1131,8 +1131,11 @@ def _convert_leaves(t: _Target, explicit: dict, gated_acts: set, keep_stock: Dic
         opts = t.options(m, mi.heads)
         if mesa_cls is mnn.StarReLU and t.quant_options.get("num_groups") is None:
             opts["num_groups"] = _preceding_width(t.parents, m) or opts.get("num_groups", 1)
-        if id(m) in waiting:  # (converted by the call that converts its partner)
-            m.__dict__[WAITING_ATTR] = (mesa_cls, {**kw, **opts})
+        earlier = m.__dict__.get(WAITING_ATTR)
+        if earlier is not None:  # kept for its pair before: its options, this call's explicit ones over them (as
+            opts = {**earlier[1], **explicit}  # a layer converted before takes them)
+        if id(m) in waiting:  # (converted by the call that converts its partner; the device then, as here)
+            m.__dict__[WAITING_ATTR] = (mesa_cls, opts)
             continue
         new = mesa_cls.from_module(m, **kw, **opts)
         converted[id(m)] = new

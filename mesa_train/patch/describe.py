@@ -184,7 +184,7 @@ def _describe_layers(root: nn.Module) -> str:
     if kept:  # patch/cancellation.py: their gradients would be cancellations that 8 bits swamp
         lines.append(f"BatchNorms kept stock (scale-invariance cancellations; cancelling_bn='compress' "
                      f"compresses them): {len(kept)}: {', '.join(kept)}")
-    waiting = waiting_halves(root)
+    waiting = waiting_halves(root, kept)
     if waiting:  # patch/scale_branch.py: a 1x1 depthwise conv into a BatchNorm is converted as a pair
         lines.append(f"scale-branch layers kept stock until a call asks for their pair's other op (conv / batchnorm): "
                      f"{len(waiting)}: {', '.join(waiting)}")

@@ -26,8 +26,9 @@ from .replace import Parents, replace_child
 __all__ = ["WAITING_ATTR", "convs_of_kept_norms", "halves_to_wait", "link_scale_branches", "scale_pairs",
            "waiting_halves"]
 
-# on a stock half kept for its pair: (Mesa class, from_module keyword arguments); in __dict__ only,
-# so the module tree and state_dict are stock's
+# on a stock half kept for its pair: (Mesa class, its quantization options); in __dict__ only, so
+# the module tree and state_dict are stock's. A later call asking for its op again puts its
+# explicit options over them, as over a layer converted before
 WAITING_ATTR = "_mesa_pair_waiting"
 
 
@@ -111,25 +112,35 @@ def link_scale_branches(root: nn.Module, parents: Parents, keep_stock=()) -> Non
     pair converted by hand."""
     for conv, bn in list(scale_pairs(root)):
         if isinstance(conv, mnn.Conv2d) and not isinstance(bn, mnn.BatchNorm2d):
-            bn = _convert_waiting(parents, bn, keep_stock)
+            bn = _convert_waiting(parents, bn, conv, keep_stock)
         elif isinstance(bn, mnn.BatchNorm2d) and not isinstance(conv, mnn.Conv2d):
-            conv = _convert_waiting(parents, conv, keep_stock)
+            conv = _convert_waiting(parents, conv, bn, keep_stock)
         if isinstance(conv, mnn.Conv2d) and isinstance(bn, mnn.BatchNorm2d):
             conv.__dict__["_mesa_scale_bn"] = bn  # not a child: state_dict and module tree unchanged
             bn.__dict__["_mesa_scale_conv"] = conv  # (under torch.compile the BatchNorm runs the pair: nn/batchnorm.py)
 
 
-def _convert_waiting(parents: Parents, half: nn.Module, keep_stock) -> nn.Module:
-    """``half`` converted as its call would have, if it waits for its partner; else ``half``."""
+def _convert_waiting(parents: Parents, half: nn.Module, partner: nn.Module, keep_stock) -> nn.Module:
+    """``half`` converted as its call would have, if it waits for its partner; else ``half``. A
+    parameter-free half (a BatchNorm without affine) gets its partner's device, where the model
+    is now."""
     waiting = half.__dict__.get(WAITING_ATTR)
     if waiting is None or id(half) in keep_stock:
         return half
-    mesa_cls, kwargs = waiting
-    new = mesa_cls.from_module(half, **kwargs)
+    mesa_cls, options = waiting
+    kw = {}
+    if not any(True for _ in half.parameters(recurse=False)):
+        kw["device"] = next(partner.parameters()).device
+    new = mesa_cls.from_module(half, **kw, **options)
     replace_child(parents, half, new)
     return new
 
 
-def waiting_halves(root: nn.Module) -> List[str]:
-    """The names of the stock halves still waiting for their partner's op (``describe``)."""
-    return [n for n, m in root.named_modules() if WAITING_ATTR in m.__dict__ and not isinstance(m, mnn.MesaLayer)]
+def waiting_halves(root: nn.Module, kept_for_good=()) -> List[str]:
+    """The names of the stock halves still waiting for their partner's op (``describe``); not
+    those whose partner is in ``kept_for_good`` (names: the BatchNorms the cancellation analysis
+    keeps stock, which no op converts; the mark stays, for a ``cancelling_bn="compress"`` call)."""
+    names = {id(m): n for n, m in root.named_modules()}
+    return [names[id(half)] for conv, bn in scale_pairs(root) for half, partner in ((conv, bn), (bn, conv))
+            if WAITING_ATTR in half.__dict__ and not isinstance(half, mnn.MesaLayer)
+            and names[id(partner)] not in kept_for_good]
