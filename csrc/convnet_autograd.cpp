@@ -113,7 +113,7 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     const NhwcView v = nhwc_view(x_hat, 1);
     at::Tensor q, alpha, beta;
     int64_t G = 0;
-    if (x_q.has_value() && codes_of_x_fit(*x_q, *x_alpha, *x_beta, v, qz)) {
+    if (x_q.has_value() && codes_of_x_fit(*x_q, *x_alpha, *x_beta, x, v, qz)) {
       q = *x_q;
       G = x.size(1);
       alpha = x_alpha->mul(invstd.to(x_alpha->scalar_type()));
@@ -182,14 +182,16 @@ struct BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
   }
 
   // Whether x's codes (batch_norm_train_take) can be x_hat's: the default format with one group
-  // per channel (each group a channel, whose range and offset invstd and mean map), made of
-  // x_hat's view (v: the same shape, so the same NCHW or NHWC order) on its device
-  static bool codes_of_x_fit(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta, const NhwcView& v,
-                             const Quantizer& qz) {
+  // per channel (each group a channel, whose range and offset invstd and mean map), of x_hat's
+  // shape on its device, and in x_hat's order: a conv leaves codes in x's own (NCHW or NHWC,
+  // nhwc_view), and x_hat can be channels-last where a strided x is not (empty_like); the shape
+  // alone cannot tell them apart where C == H == W (the review's find: dweight 177% off)
+  static bool codes_of_x_fit(const at::Tensor& q, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& x,
+                             const NhwcView& v, const Quantizer& qz) {
     const int64_t C = v.x.size(v.dim);
     return qz.code_bits == 0 && q.scalar_type() == at::kByte && q.sizes() == v.x.sizes() &&
-           q.device() == v.x.device() && alpha.dim() == 2 && alpha.size(1) == C && beta.sizes() == alpha.sizes() &&
-           capped_groups(qz, C) == C;
+           nhwc_view(x, 1).permuted == v.permuted && q.device() == v.x.device() && alpha.dim() == 2 &&
+           alpha.size(1) == C && beta.sizes() == alpha.sizes() && capped_groups(qz, C) == C;
   }
 };
 

@@ -1,8 +1,9 @@
 """Saved bytes of the timm models whose identity-branch BatchNorm session 83 made hand its copy
 of the block input to the block's convs (``patch/identity_norm.py``), against the same patched
 model with those BatchNorms unmarked (each conv then keeps, between them, a second copy).
-``--take``: FastViT's, against the same model with only its RepMixer norms unmarked (session 85:
-they keep the codes the mixer's identity BatchNorm offered, ``TAKES_INPUT``).
+``--take``: FastViT and GhostNetV3, against the same model with only its taking BatchNorms
+unmarked (session 85, ``TAKES_INPUT``: FastViT's RepMixer norms keep the codes the mixer's identity
+BatchNorm offered, GhostNetV3's ``cheap_rpr_skip`` those its scale conv made).
 
     python scripts/identity_norm_bytes.py [--take]
 
@@ -25,6 +26,7 @@ from mesa_train.nn.batchnorm import OFFERS_INPUT, TAKES_INPUT
 from mesa_train.patch import patch_model
 
 MODELS = ("mobileone_s0", "mobileone_s1", "repvgg_a0", "repvgg_b0", "fastvit_t8", "fastvit_sa12")
+TAKERS = ("ghostnetv3_050",)  # (--take only, beside FastViT: GhostNetV3's cheap_rpr_skip)
 
 
 def step(model, x) -> tuple[int, dict]:
@@ -48,10 +50,11 @@ def main() -> None:
     parser.add_argument("--take", action="store_true", help="FastViT: before = its RepMixer norms unmarked only")
     args = parser.parse_args()
     flags = (TAKES_INPUT,) if args.take else (OFFERS_INPUT, TAKES_INPUT)
-    print(f"| model | {'RepMixer norms' if args.take else 'identity BatchNorms'} | bytes before | bytes after "
+    print(f"| model | {'taking BatchNorms' if args.take else 'identity BatchNorms'} | bytes before | bytes after "
           "| all gradients' cosine before | after | worst tensor's cosine (float64) before | after |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in (m for m in MODELS if m.startswith("fastvit") or not args.take):
+    names = [m for m in MODELS if m.startswith("fastvit")] + list(TAKERS) if args.take else list(MODELS)
+    for name in names:
         torch.manual_seed(0)
         stock = timm.create_model(name, num_classes=10).train()
         after = patch_model(copy.deepcopy(stock)).train()

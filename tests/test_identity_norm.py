@@ -329,3 +329,52 @@ def test_the_repmixer_op_path_is_the_python_path(monkeypatch):
     assert_patched_model_takes_the_op(
         monkeypatch, model, lambda step: torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(step)),
         ("batch_norm_train", "batch_norm_train_offer", "batch_norm_train_take"), (mnn.BatchNorm2d,))
+
+
+def test_ghostnetv3_s_skip_norm_takes_its_scale_conv_s_codes(monkeypatch):
+    """GhostNetV3's ``cheap_rpr_skip`` BatchNorm runs after the scale conv of the same input
+    (``cheap_rpr_scale(x1) + cheap_rpr_skip(x1)``): marked to take, it keeps that conv's codes,
+    one 8-bit copy of ``x1`` fewer per module (unmarked: the same model with the marks
+    removed, in the same run); the C++ ops and the Python Functions agree bit for bit."""
+    model = patch_model(timm.create_model("ghostnetv3_050", num_classes=4)).train()
+    takers = [n for n, m in model.named_modules() if m.__dict__.get(TAKES_INPUT)]
+    assert takers and all(n.endswith(".cheap_rpr_skip") for n in takers)
+    not_taking = copy.deepcopy(model)
+    for n in takers:
+        not_taking.get_submodule(n).__dict__.pop(TAKES_INPUT)
+    x = torch.randn(2, 3, 64, 64)
+    assert _bytes_and_gradient(model, x)[0] < _bytes_and_gradient(not_taking, x)[0]
+    assert_patched_model_takes_the_op(
+        monkeypatch, model, lambda step: torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(step)),
+        ("batch_norm_train", "batch_norm_train_offer", "batch_norm_train_take"), (mnn.BatchNorm2d,))
+
+
+class StridedRepMixerBlock(RepMixerBlock):
+    """The RepMixer on a strided slice of a channels-last tensor, (2, 8, 8, 8): x is not
+    channels-last, its x_hat (``empty_like``) is, and C == H == W, so the conv's codes of x
+    (NCHW) have x_hat's NHWC view's shape."""
+
+    def forward(self, y):
+        return self.mixer((y * 1.0)[..., ::2])
+
+
+def test_codes_in_another_order_are_not_taken(monkeypatch):
+    """The review's find: the C++ op took NCHW codes as x_hat's NHWC ones (same shape), and the
+    norm's weight gradient was 177% off; now it compresses x_hat itself, as the Python Function
+    does: both paths' gradients bit for bit."""
+    torch.manual_seed(0)
+    y = torch.randn(2, 8, 8, 16).contiguous(memory_format=torch.channels_last) * torch.logspace(-1, 1, 8).view(
+        1, 8, 1, 1)
+    x = (y * 1.0)[..., ::2]
+    assert not x.is_contiguous(memory_format=torch.channels_last)
+    assert torch.empty_like(x).is_contiguous(memory_format=torch.channels_last)
+    model = patch_model(StridedRepMixerBlock())
+    grads = []
+    for fused in (True, False):
+        monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+        m = copy.deepcopy(model)
+        torch.manual_seed(1)
+        (m(y.clone().requires_grad_()) * torch.linspace(-1, 1, 2 * 8 * 8 * 8).view(2, 8, 8, 8)).sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -239,10 +239,12 @@ def _forward_backward(parts: Parts, model: nn.Module, images, targets, update: b
         except ImportError:  # the meter is optional for training
             pass
     with sync:
-        with meter as m:
-            with autocast(parts.device, parts.amp_dtype):
+        with autocast(parts.device, parts.amp_dtype):
+            # the model's forward only, as the stock figure beside it (runner._stock_saved_bytes):
+            # the loss's own saved tensors do not grow with Mesa
+            with meter as m:
                 outputs = model(images)
-                loss = parts.criterion(outputs, targets)
+            loss = parts.criterion(outputs, targets)
         if m is not None and tally.saved_bytes is None:
             tally.saved_bytes = int(m.activation_bytes)
         scaled = loss / parts.grad_accum

@@ -494,7 +494,7 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
                 timed_images += train_out.pop("timed_images")
                 timed_seconds += train_out.pop("timed_seconds")
                 saved_bytes = train_out.get("saved_bytes", saved_bytes)
-                if measure and cfg.mesa.enabled:
+                if measure and cfg.mesa.enabled and main:
                     _warn_if_more_than_stock(saved_bytes, stock_bytes)
                 # (at the epoch's end too: a signal since the last check stops before evaluating)
                 if train_out.pop("interrupted", False) or stop_signal.agreed_now():
@@ -659,7 +659,7 @@ def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
             two, four = saved(2), saved(4)
             return two + (four - two) * (batch - 2) // 2
     except Exception as err:  # a figure for the log only: never stop training for it
-        log.debug("stock saved-bytes estimate failed: %s", err)
+        log.info("no stock saved-bytes figure beside kept_for_backward: its forward failed: %s", err)
         return None
     finally:
         for m, enabled in zip(layers, before):
@@ -674,7 +674,7 @@ def _warn_if_more_than_stock(saved_bytes, stock_bytes) -> None:
     """The patched model keeping more for backward than stock would: some Mesa layers copy a
     tensor another module keeps in full anyway (``mesa.ops=[conv]`` without ``relu``: each stock
     ReLU keeps its output, the next conv's input). Said once, at the first measured epoch."""
-    if saved_bytes and stock_bytes and saved_bytes > stock_bytes:
+    if saved_bytes and stock_bytes and saved_bytes > stock_bytes:  # (both the model's forward alone)
         log.warning("the Mesa model keeps more for backward than stock would (%.1f MiB against ~%.1f MiB): some "
                     "Mesa layers copy tensors other modules keep in full (e.g. mesa.ops=[conv] without relu). "
                     "mesa_train.describe(model, example_input) names them and the ops that would remove them",
