@@ -113,11 +113,16 @@ def test_a_scale_branch_is_converted_as_a_pair_or_not_at_all(op):
     assert isinstance(twice.scale.c, mnn.Conv2d) and isinstance(twice.scale.bn, mnn.BatchNorm2d)
     assert twice.scale.c.__dict__.get("_mesa_scale_bn") is twice.scale.bn
     assert "until a call asks" not in describe(twice)
-    one_call = patch_model(copy.deepcopy(stock))
+    _assert_pair_as_one_call(stock, twice, x)
+
+
+def _assert_pair_as_one_call(stock, patched, x):
+    """The scale pair's gradients of ``patched`` are those of ``stock`` patched in one call, bit
+    for bit."""
     torch.manual_seed(0)
-    want = _grads(one_call, x)
+    want = _grads(patch_model(copy.deepcopy(stock)), x)
     torch.manual_seed(0)
-    got = _grads(twice, x)
+    got = _grads(patched, x)
     for n in ("scale.c.weight", "scale.bn.weight", "scale.bn.bias"):
         assert torch.equal(want[n], got[n]), n
 
@@ -153,13 +158,7 @@ def test_a_pair_an_earlier_call_left_half_converted_is_linked():
     half.conv = mnn.Conv2d.from_module(half.conv)
     twice = patch_model(half, ops=["batchnorm"])
     assert twice.scale.c.__dict__.get("_mesa_scale_bn") is twice.scale.bn
-    once = patch_model(copy.deepcopy(stock))
-    torch.manual_seed(0)
-    want = _grads(once, x)
-    torch.manual_seed(0)
-    got = _grads(twice, x)
-    for n in ("scale.c.weight", "scale.bn.weight", "scale.bn.bias"):
-        assert torch.equal(want[n], got[n]), n
+    _assert_pair_as_one_call(stock, twice, x)
 
 
 def test_unlinked_without_the_pattern_and_state_dict_unchanged():
