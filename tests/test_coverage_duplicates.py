@@ -115,3 +115,34 @@ def test_values_changed_in_place_since_are_no_duplicate():
     torch.manual_seed(0)
     model = patch_model(ChangedInPlaceAfter().train(), ops=["conv"])
     assert not coverage(model, _x()).duplicated
+
+
+def _vit(fused: bool):
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=4).train()
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = fused
+    return model
+
+
+def test_the_stock_figure_is_the_model_as_built():
+    """``ops=["softmax"]`` puts a fused timm attention on the explicit path (patch_model warns);
+    coverage's stock figure is the fused model's bytes as built, not the explicit path's (which
+    keeps an N x N map the stock model does not), and the attentions are back on their path
+    afterwards; a model built explicit (the paper's baseline) is measured explicit."""
+    x = torch.randn(2, 3, 32, 32)
+    for fused in (True, False):
+        stock = _vit(fused)
+        with SavedTensorMeter(stock) as meter:
+            stock(x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = patch_model(copy.deepcopy(stock), ops=["softmax"])
+        moved = [w for w in caught if "now run the explicit path" in str(w.message)]
+        assert len(moved) == (1 if fused else 0)
+        assert coverage(model, x).stock_total == meter.activation_bytes, fused
+        assert all(m.mesa_attn_path == "explicit" and not m.fused_attn for m in model.modules()
+                   if hasattr(m, "mesa_attn_path"))

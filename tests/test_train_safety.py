@@ -349,3 +349,26 @@ def test_stock_saved_bytes_estimate_is_exact_and_leaves_the_buffers():
     for k, b in model.named_buffers():
         assert torch.equal(before[k], b), k
     assert all(m.quant_options.enabled for m in model.modules() if hasattr(m, "quant_options"))
+
+
+def test_stock_saved_bytes_is_the_model_as_built():
+    """``mesa.ops=[softmax]`` on a fused ViT runs its attention explicit; the stock figure is the
+    fused model's (as built), not the explicit path's with its N x N map."""
+    import warnings
+    from types import SimpleNamespace
+
+    import timm
+    from mesa_train.memory import SavedTensorMeter
+    from mesa_train.patch import patch_model
+    from mesa_train.train.runner import _stock_saved_bytes
+
+    torch.manual_seed(0)
+    stock = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=4).train()
+    with SavedTensorMeter(stock) as meter:
+        stock(torch.zeros(2, 3, 32, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the attentions moved to the explicit path: said elsewhere)
+        model = patch_model(copy.deepcopy(stock), ops=["softmax"])
+    cfg = SimpleNamespace(trainer=SimpleNamespace(batch_size=2), model=SimpleNamespace(img_size=32))
+    run = SimpleNamespace(device=torch.device("cpu"), amp_dtype=None)
+    assert _stock_saved_bytes(model, cfg, run) == meter.activation_bytes

@@ -66,7 +66,7 @@ from mesa_train.nn.evo_norm import acts_inside as evo_norm_acts_inside
 from mesa_train.nn.quantizer import QuantOptions, assign_rng_keys
 from mesa_train.nn.sdpa import ScaledDotProductAttention
 
-from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES
+from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES, STOCK_FUSED_ATTR
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .checkpoint import accept_stock_checkpoints, declare_key_upgrades
 from .recompute import make_recomputed
@@ -394,18 +394,21 @@ def _wants_fused(attn: nn.Module, requested: set, attention: str) -> bool:
 
 
 def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional[int], quant_options: dict,
-                     attention: str = "auto") -> None:
-    """Give a known timm attention module its Mesa forward and core children.
+                     attention: str = "auto") -> bool:
+    """Give a known timm attention module its Mesa forward and core children; whether this moved
+    an attention built fused onto the explicit path (``patch_model`` warns).
 
     ``core_ops`` (subset of matmul/softmax/sdpa) are added to what was patched before; see
     :func:`_wants_fused` for the path."""
     stock_cls = STOCK_ATTENTION_CLASSES.get(type(attn), type(attn))
     requested = set(getattr(attn, "mesa_core_ops", ())) | set(core_ops)
     if not requested:
-        return
+        return False
+    path_before = getattr(attn, "mesa_attn_path", "stock")
     device = _module_device(attn)
     opts = _options_for(None, heads or getattr(attn, "num_heads", None), quant_options)
     fused = _wants_fused(attn, requested, attention)
+    attn.__dict__.setdefault(STOCK_FUSED_ATTR, bool(getattr(attn, "fused_attn", False)))  # (attention_as_built)
     attn.__class__ = ATTENTION_CLASSES[stock_cls]
 
     if not fused and ("matmul" in requested or "softmax" in requested):
@@ -440,6 +443,7 @@ def _patch_attention(attn: nn.Module, core_ops: Tuple[str, ...], heads: Optional
     # the core ops in effect (sdpa is idle on the explicit path)
     attn.mesa_core_ops = tuple(o for o in ATTENTION_OPS if o in requested
                                and ((o == "sdpa") == (attn.mesa_attn_path == "fused")))
+    return attn.__dict__[STOCK_FUSED_ATTR] and path_before != "explicit" and attn.mesa_attn_path == "explicit"
 
 
 def _attention_like(m: nn.Module) -> bool:
@@ -747,6 +751,14 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             f"mesa_train.patch_model: no layer of {type(root).__name__} matched ops={list(op_names)} "
             f"modules={list(set_names)}: nothing is compressed{why} (describe(model) lists what was patched)",
             UserWarning, stacklevel=2)
+    if t.unfused:
+        warnings.warn(
+            f"mesa_train.patch_model: {len(t.unfused)} attentions built fused ({t.unfused[0]}, ...) now run the "
+            f"explicit path (ops {', '.join(o for o in ('matmul', 'softmax') if o in op_names)} without sdpa), "
+            "which keeps an N x N attention map the fused path does not: ops=['softmax'] alone keeps 1.046x of the "
+            "fused stock's bytes on deit_tiny at 224 px. Add 'sdpa' to compress the fused path, or build the model "
+            "with fused_attn=False (the paper's baseline) to compare on the explicit path",
+            UserWarning, stacklevel=2)
     _warn_new_buffers(root, buffers_before)
     return model
 
@@ -797,6 +809,7 @@ class _Target:
                     self.parents.setdefault(id(child), []).append((parent, key))
         self.named = list(root.named_modules())
         self.skip_prefixes: List[str] = []  # children of modules whose forward does not call them
+        self.unfused: List[str] = []  # attentions built fused that this call put on the explicit path
 
     def module_info(self, name: str) -> ModuleInfo:
         return self.info.get(name, _OTHER)
@@ -845,7 +858,8 @@ def _patch_attention_modules(t: _Target, attention: str) -> List[str]:
         mi = t.module_info(name)
         stock_cls = STOCK_ATTENTION_CLASSES.get(type(m), type(m))
         if stock_cls in ATTENTION_CLASSES and mi.module_set in t.set_names and t.core_ops:
-            _patch_attention(m, t.core_ops, mi.heads, t.quant_options, attention)
+            if _patch_attention(m, t.core_ops, mi.heads, t.quant_options, attention):
+                t.unfused.append(name)
             patched.append(name)
         elif (type(m) in convit_patch.GPSA_CLASSES and mi.module_set in t.set_names and not t.skipped(name)
               and ("softmax" in t.core_ops or (type(m) is convit_patch.MesaGPSA and "matmul" in t.core_ops))):

@@ -16,8 +16,10 @@ attributed to the innermost module running when it was saved, and grouped by op 
   64 px; 0.773x with ``relu`` too). The report names the modules that keep the tensors and their ops.
 
 The stock figure is the same forward with every Mesa layer switched to its stock
-computation (``enabled=False``: bitwise the stock forward and stock saved tensors; a patched
-attention keeps its path, so the comparison is with stock on the same path). The model's
+computation (``enabled=False``: bitwise the stock forward and stock saved tensors), and each
+patched attention on the path it was built with (``attention_as_built``: a fused timm attention
+that ``ops=["softmax"]`` put on the explicit path is measured fused, as the stock model runs it;
+until session 85 it was measured explicit, keeping an N x N map stock does not). The model's
 buffers (running estimates, BatchNorm statistics), its Mesa options and the global RNG are
 restored afterwards: measuring changes nothing.
 """
@@ -35,7 +37,7 @@ from mesa_train.memory import INPUT_AGNOSTIC_HOOK, SavedTensorMeter, format_byte
 from mesa_train.models import unwrap_module
 from mesa_train.nn import MesaLayer
 
-from .attention import ATTENTION_CLASSES, MesaViTAttention
+from .attention import ATTENTION_CLASSES, MesaViTAttention, attention_as_built
 from .block import norm_fed_ids
 from .core import PATCH_INFO_ATTR, _leaf_rules, mesa_layer_op
 from .mlp import NORM_MLP_CLASSES
@@ -210,7 +212,8 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
         meter, duplicated = _measure(root, example_input, run, duplicates=True)  # as the user set it up
     with _untouched(root):
         _set_enabled(root, False)
-        stock = _measure(root, example_input, run)
+        with attention_as_built(root):  # (the attention path the model was built with)
+            stock = _measure(root, example_input, run)
     groups: Dict[tuple, list] = {}
     for name, nbytes in meter.per_module.items():
         mod = modules.get(name)

@@ -626,13 +626,15 @@ def _previous_summary(run_dir: str) -> dict:
 
 def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
     """Bytes the stock model would keep for backward for one training batch, from forwards with
-    every Mesa layer switched off: of the batch itself up to 4 images, else of 2 and 4 images
+    every Mesa layer switched off and the attentions on the path the model was built with
+    (``attention_as_built``): of the batch itself up to 4 images, else of 2 and 4 images
     extrapolated to the batch (a BatchNorm's statistics do not grow with it: scaling one image's
     figure overstated resnet18's at 32 px by 4%, and a train-mode BatchNorm over a 1x1 map
     refuses a batch of one). The RNG and the buffers (BatchNorm running statistics: zero images
     moved them before) are restored, so training is unaffected."""
     try:
         from mesa_train.memory import SavedTensorMeter
+        from mesa_train.patch.attention import attention_as_built
         from mesa_train.train.engine import autocast
     except ImportError:
         return None
@@ -652,7 +654,9 @@ def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
     try:
         for m in layers:
             m.set_quant_options(enabled=False)
-        with torch.random.fork_rng(devices=devices):
+        # (each patched attention on the path the model was built with: mesa.ops=[gelu,softmax] runs a
+        # fused timm attention explicit, whose N x N map a stock run keeps but the stock model does not)
+        with torch.random.fork_rng(devices=devices), attention_as_built(model):
             model.train()
             if batch <= 4:
                 return saved(batch)
