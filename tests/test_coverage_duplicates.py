@@ -141,8 +141,12 @@ def test_the_stock_figure_is_the_model_as_built():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = patch_model(copy.deepcopy(stock), ops=["softmax"])
-        moved = [w for w in caught if "now run the explicit path" in str(w.message)]
+        moved = [w for w in caught if "the explicit path (ops softmax without sdpa)" in str(w.message)]
         assert len(moved) == (1 if fused else 0)
+        with warnings.catch_warnings(record=True) as caught:  # (asked for: the paper's setting, no warning)
+            warnings.simplefilter("always")
+            patch_model(copy.deepcopy(stock), ops=["softmax", "sdpa"], attention="explicit")
+        assert not [w for w in caught if "the explicit path" in str(w.message)]
         assert coverage(model, x).stock_total == meter.activation_bytes, fused
         assert all(m.mesa_attn_path == "explicit" and not m.fused_attn for m in model.modules()
                    if hasattr(m, "mesa_attn_path"))

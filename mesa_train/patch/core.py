@@ -751,10 +751,12 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             f"mesa_train.patch_model: no layer of {type(root).__name__} matched ops={list(op_names)} "
             f"modules={list(set_names)}: nothing is compressed{why} (describe(model) lists what was patched)",
             UserWarning, stacklevel=2)
-    if t.unfused:
+    if t.unfused and attention != "explicit":  # (attention="explicit" asks for it: the paper's setting)
+        n = len(t.unfused)
         warnings.warn(
-            f"mesa_train.patch_model: {len(t.unfused)} attentions built fused ({t.unfused[0]}, ...) now run the "
-            f"explicit path (ops {', '.join(o for o in ('matmul', 'softmax') if o in op_names)} without sdpa), "
+            f"mesa_train.patch_model: {n} attention{'s' if n > 1 else ''} built fused ({t.unfused[0]}"
+            f"{', ...' if n > 1 else ''}) now run{'' if n > 1 else 's'} the explicit path (ops "
+            f"{', '.join(o for o in ('matmul', 'softmax') if o in op_names)} without sdpa), "
             "which keeps an N x N attention map the fused path does not: ops=['softmax'] alone keeps 1.046x of the "
             "fused stock's bytes on deit_tiny at 224 px. Add 'sdpa' to compress the fused path, or build the model "
             "with fused_attn=False (the paper's baseline) to compare on the explicit path",
