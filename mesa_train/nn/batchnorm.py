@@ -282,9 +282,10 @@ def _train_forward(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor, lin
         if link is None and bn.weight is not None and bn.bias is not None else None
     # an identity branch's (RepVGG, MobileOne) leaves its codes on the input for the block's convs;
     # one in a block without convs (FastViT's RepMixer norm) takes codes another left there
-    offer, take = (bool(bn.__dict__.get(flag)) and input.dim() == 4 and input_copy.may_share(input)
-                   for flag in (OFFERS_INPUT, TAKES_INPUT))
-    take = take and bn.quantizer.options.is_default_format  # (a variant format's codes are never x_hat's)
+    offer = bool(bn.__dict__.get(OFFERS_INPUT)) and input.dim() == 4 and input_copy.may_share(input)
+    # (a variant format's codes are never x_hat's)
+    take = (not offer and bool(bn.__dict__.get(TAKES_INPUT)) and bn.quantizer.options.is_default_format
+            and input.dim() == 4 and input_copy.may_share(input))
     if fused is not None:
         if offer:
             return _offer_input(bn, input, running_mean, running_var, factor, fused)

@@ -44,7 +44,7 @@ from .mlp import NORM_MLP_CLASSES
 from .recompute import set_recompute
 from .table import format_table
 
-__all__ = ["Coverage", "coverage", "format_coverage"]
+__all__ = ["Coverage", "coverage", "format_coverage", "stock_forwards"]
 
 
 @dataclass
@@ -101,6 +101,18 @@ def _set_enabled(model: nn.Module, enabled: bool) -> None:
     for m in model.modules():
         if isinstance(m, MesaLayer):
             m.set_quant_options(enabled=enabled)
+
+
+@contextlib.contextmanager
+def stock_forwards(model: nn.Module):
+    """Inside, ``model`` runs as the stock model it was patched from: every Mesa layer on its
+    stock computation, recomputation off, each patched attention on the path it was built with
+    (``attention_as_built``); after, its buffers, Mesa options, train flags and the RNG are as
+    before. The stock figures of ``coverage`` and of training (``runner._stock_saved_bytes``)."""
+    with _untouched(model):
+        _set_enabled(model, False)
+        with attention_as_built(model):
+            yield
 
 
 class _CompressedTensors:
@@ -169,18 +181,18 @@ def _duplicated(modules: Dict[str, nn.Module], meter: SavedTensorMeter, held: Di
 
 
 def _measure(model: nn.Module, example_input, run: Optional[Callable], duplicates: bool = False):
-    """The meter of one training forward; with ``duplicates``, also ``_duplicated``'s rows."""
+    """The meter of one training forward, and with ``duplicates`` ``_duplicated``'s rows (else [])."""
     model.train()
     held = _CompressedTensors(model) if duplicates else None
     try:
         meter, out = _metered_forward(model, example_input, run)
         # (while out holds the graph, and so the saved tensors)
-        found = _duplicated(dict(model.named_modules()), meter, held.held) if held is not None else None
+        found = _duplicated(dict(model.named_modules()), meter, held.held) if held is not None else []
         del out
     finally:
         if held is not None:
             held.close()
-    return meter if held is None else (meter, found)
+    return meter, found
 
 
 def _metered_forward(model: nn.Module, example_input, run: Optional[Callable]):
@@ -210,10 +222,8 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     norm_fed = norm_fed_ids(root)
     with _untouched(root):
         meter, duplicated = _measure(root, example_input, run, duplicates=True)  # as the user set it up
-    with _untouched(root):
-        _set_enabled(root, False)
-        with attention_as_built(root):  # (the attention path the model was built with)
-            stock = _measure(root, example_input, run)
+    with stock_forwards(root):
+        stock, _ = _measure(root, example_input, run)
     groups: Dict[tuple, list] = {}
     for name, nbytes in meter.per_module.items():
         mod = modules.get(name)

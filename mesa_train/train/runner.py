@@ -625,24 +625,20 @@ def _previous_summary(run_dir: str) -> dict:
 
 
 def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
-    """Bytes the stock model would keep for backward for one training batch, from forwards with
-    every Mesa layer switched off and the attentions on the path the model was built with
-    (``attention_as_built``): of the batch itself up to 4 images, else of 2 and 4 images
+    """Bytes the stock model would keep for backward for one training batch, from forwards of the
+    model as the stock one it was patched from (``coverage.stock_forwards``: Mesa layers off, the
+    attentions on the path the model was built with; buffers, options and the RNG restored after,
+    so training is unaffected): of the batch itself up to 4 images, else of 2 and 4 images
     extrapolated to the batch (a BatchNorm's statistics do not grow with it: scaling one image's
     figure overstated resnet18's at 32 px by 4%, and a train-mode BatchNorm over a 1x1 map
-    refuses a batch of one). The RNG and the buffers (BatchNorm running statistics: zero images
-    moved them before) are restored, so training is unaffected."""
+    refuses a batch of one)."""
     try:
         from mesa_train.memory import SavedTensorMeter
-        from mesa_train.patch.attention import attention_as_built
+        from mesa_train.patch.coverage import stock_forwards
         from mesa_train.train.engine import autocast
     except ImportError:
         return None
-    layers = [m for m in model.modules() if hasattr(m, "set_quant_options") and hasattr(m, "quant_options")]
-    before = [m.quant_options.enabled for m in layers]
-    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
     batch = int(cfg.trainer.batch_size)
-    devices = [r.device] if r.device.type == "cuda" else []
 
     def saved(n: int) -> int:
         x = torch.zeros(n, 3, cfg.model.img_size, cfg.model.img_size, device=r.device)
@@ -652,11 +648,7 @@ def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
         return int(meter.activation_bytes)
 
     try:
-        for m in layers:
-            m.set_quant_options(enabled=False)
-        # (each patched attention on the path the model was built with: mesa.ops=[gelu,softmax] runs a
-        # fused timm attention explicit, whose N x N map a stock run keeps but the stock model does not)
-        with torch.random.fork_rng(devices=devices), attention_as_built(model):
+        with stock_forwards(model):
             model.train()
             if batch <= 4:
                 return saved(batch)
@@ -665,13 +657,6 @@ def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
     except Exception as err:  # a figure for the log only: never stop training for it
         log.info("no stock saved-bytes figure beside kept_for_backward: its forward failed: %s", err)
         return None
-    finally:
-        for m, enabled in zip(layers, before):
-            m.set_quant_options(enabled=enabled)
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                if k in buffers and b.shape == buffers[k].shape:
-                    b.copy_(buffers[k])
 
 
 def _warn_if_more_than_stock(saved_bytes, stock_bytes) -> None:
