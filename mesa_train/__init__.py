@@ -7,6 +7,7 @@ The compression core (``mesa_train.quant``, ``mesa_train.nn``, ``mesa_train.patc
     model = timm.create_model("deit_tiny_patch16_224")
     mesa_train.patch_model(model, ops=("all",))
     print(mesa_train.describe(model, example_input))   # + measured coverage of one training forward
+    mesa_train.skip_duplicated(model, example_input)   # layers whose copies other modules keep anyway: stock
 """
 __version__ = "0.1.0"
 
@@ -15,7 +16,8 @@ __version__ = "0.1.0"
 # mesa_train.bench), so `import mesa_train` stays usable on any timm model without them.
 from mesa_train import nn, quant
 from mesa_train.memory import SavedTensorMeter
-from mesa_train.patch import describe, patch_model, patched_to_stock_state_dict, stock_to_patched_state_dict
+from mesa_train.patch import (describe, patch_model, patched_to_stock_state_dict, skip_duplicated,
+                              stock_to_patched_state_dict)
 from mesa_train.patch.coverage import coverage
 from mesa_train.quant.compile_kernels import set_compile_kernels
 
@@ -28,5 +30,6 @@ __all__ = [
     "patched_to_stock_state_dict",
     "quant",
     "set_compile_kernels",
+    "skip_duplicated",
     "stock_to_patched_state_dict",
 ]

@@ -2,6 +2,8 @@
 the test-zoo models (``tests/timm_zoo.py``) patched with all ops, then op subsets on a few full
 timm models. Such a copy adds bytes instead of saving them; with a subset (``ops=["conv"]`` on a
 ReLU convnet) the patched model can keep more than stock. Train mode, fp32, the zoo's inputs.
+The last column: the same model after ``skip_duplicated`` (``patch/duplicates.py``: the layers
+every copy of which another module keeps in full go stock where that lowers the bytes).
 
     PYTHONPATH=.:tests python scripts/duplicated_copies.py [--zoo] [--subsets] > results/timm/duplicated.md
 """
@@ -17,6 +19,7 @@ import torch
 from mesa_train.memory import format_bytes
 from mesa_train.patch import patch_model
 from mesa_train.patch.coverage import coverage
+from mesa_train.patch.duplicates import skip_duplicated
 from timm_zoo import ZOO, build, example
 
 # (model, image side, op subsets): a ReLU convnet, a RepVGG-style one, a ViT on fused attention
@@ -34,7 +37,12 @@ def _row(name: str, ops, model: torch.nn.Module, x: torch.Tensor) -> str:
     found = "; ".join(f"{n} {op} layers, {format_bytes(b)} ({', '.join(f'{k} {c}' for k, c in kinds.items())}"
                       f"{'; ask ' + ', '.join(asks) if asks else ''})" for op, n, b, kinds, asks in cov.duplicated)
     share = sum(r[2] for r in cov.duplicated) / max(cov.stock_total, 1)
-    return f"| {name} | {','.join(ops)} | {cov.ratio:.3f} | {share:.4f} | {found or '-'} |"
+    skipped = "-"
+    if cov.duplicated:
+        result = skip_duplicated(model, x)
+        left = ", ".join(f"{op} {len(names)}" for op, names in sorted(result.layers.items())) or "none"
+        skipped = f"{coverage(model, x).ratio:.3f} ({left})"
+    return f"| {name} | {','.join(ops)} | {cov.ratio:.3f} | {share:.4f} | {found or '-'} | {skipped} |"
 
 
 def main() -> None:
@@ -44,7 +52,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="batch of the subsets' inputs")
     args = parser.parse_args()
     header = ("| model | ops | saved bytes / stock | duplicated / stock | duplicated copies (kept in full by; "
-              "ops to ask) |\n|---|---|---|---|---|")
+              "ops to ask) | after skip_duplicated (layers left stock) |\n|---|---|---|---|---|---|")
     if args.subsets or not args.zoo:
         print(f"Op subsets (batch {args.batch}):\n\n{header}")
         for name, size, subsets in SUBSETS:
@@ -57,7 +65,7 @@ def main() -> None:
         print(f"\nThe test zoo ({len(ZOO)} models), all ops; the models with duplicated copies:\n\n{header}")
         for name in ZOO:
             line = _row(name, ["all"], build(name), example(name))
-            if not line.endswith("| - |"):
+            if not line.endswith("| - | - |"):
                 print(line, flush=True)
 
 

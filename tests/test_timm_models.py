@@ -272,6 +272,35 @@ def test_no_mesa_copy_duplicates_a_kept_tensor(name):
     assert share <= KNOWN_DUPLICATES.get(name, 0.0), (name, share, cov.duplicated)
 
 
+@pytest.mark.parametrize("name", sorted(KNOWN_DUPLICATES))
+def test_skip_duplicated_on_the_models_with_duplicates(name):
+    """``skip_duplicated`` on them: no more bytes, no layer left whose every copy is a duplicate
+    (unless leaving it stock kept more), the train forward still stock's bit for bit (dropout
+    on), gradients finite and their worst cosine to exact no lower than before."""
+    from mesa_train.patch.coverage import coverage, measured_copies
+    from mesa_train.patch.duplicates import skip_duplicated
+
+    stock = build(name, drop=True)
+    x = example(name)
+    before = _patched(stock, rounding="nearest")
+    after = copy.deepcopy(before)
+    result = skip_duplicated(after, x)
+    assert result.after <= result.before
+    assert result.after == measured_copies(after, x, copies=False)[0]
+    assert not [n for n, (_, copied, dup, _) in measured_copies(after, x)[1].items() if dup == copied and
+                n not in {k for v in result.kept.values() for k in v}], name
+    assert coverage(after, x).total == result.after
+    assert torch.equal(_seeded(stock, x), _seeded(after, x)), f"{name}: train forward differs from stock"
+    exact = _exact_grads(stock, x)
+    worst = {}
+    for label, model in (("before", before), ("after", after)):
+        _loss(_seeded(model, x)).backward()
+        got = _grads(model)
+        assert all(torch.isfinite(g).all() for g in got.values()), (name, label)
+        worst[label] = _worst_cosines(exact, got)[0][1]
+    assert worst["after"] >= worst["before"] - 1e-4, (name, worst)  # (mobilevitv2's worst moves by 5e-6)
+
+
 # ----------------------------------------------------------------------------- timm API
 @pytest.mark.parametrize("name", MODELS)
 def test_timm_api_on_patched_model(name):

@@ -155,15 +155,16 @@ def test_the_advice_to_resume_works_for_a_run_started_from_elsewhere(compose_tra
 def test_a_checkpoint_from_before_the_newer_mesa_settings_resumes_as_it_trained():
     """Settings added to configs/ after checkpoints existed read, where a checkpoint lacks them,
     as the behaviour of the code that wrote it: an old run resumes with mesa.mlp=separate (and
-    norm_linear) as it trained, and a changed default is named, not None."""
+    norm_linear, and mesa.duplicates=keep) as it trained, and a changed default is named, not None."""
     now = {"mesa": {"enabled": True, "row_scale": True, "scale": "linear", "bits": 8, "layout": "channel",
                     "plan": None, "budget": None, "budget_gb": None, "cancelling_bn": "stock", "clip_horizon": 1,
-                    "mlp": "shared", "norm_linear": "shared"},
+                    "mlp": "shared", "norm_linear": "shared", "duplicates": "skip"},
            "optim": {"lr": 1.0, "layer_decay": None}, "trainer": {"epochs": 2, "strategy": "ddp"}}
     old = {"mesa": {"enabled": True}, "optim": {"lr": 1.0}, "trainer": {"epochs": 2}}
-    assert ckpt_lib.changed_settings(old, now) == ["mesa.mlp: 'separate' -> 'shared'",
+    assert ckpt_lib.changed_settings(old, now) == ["mesa.duplicates: 'keep' -> 'skip'",
+                                                   "mesa.mlp: 'separate' -> 'shared'",
                                                    "mesa.norm_linear: 'separate' -> 'shared'"]
-    now["mesa"].update(mlp="separate", norm_linear="separate")
+    now["mesa"].update(mlp="separate", norm_linear="separate", duplicates="keep")
     assert ckpt_lib.changed_settings(old, now) == []
 
 

@@ -307,23 +307,28 @@ def test_unwritable_run_dir_is_refused_before_anything_runs(compose_train, tmp_p
 
 
 def test_a_model_keeping_more_than_stock_is_warned_about(compose_train, tmp_path, caplog):
-    """``mesa.ops=[conv]`` on a ReLU convnet: each stock ReLU keeps its output, the next conv's
-    input, so the convs' 8-bit copies come on top (resnet18 at 64 px: 1.026x of stock's bytes).
-    The run says so once, and names the tool; with relu too it keeps less than stock and says
-    nothing, nor with nothing patched (the review's find: the loss's saved tensors were counted
-    on Mesa's side only)."""
+    """``mesa.ops=[conv]`` on a ReLU convnet with ``mesa.duplicates=keep``: each stock ReLU keeps
+    its output, the next conv's input, so the convs' 8-bit copies come on top (resnet18 at 64 px:
+    1.026x of stock's bytes). The run says so once, and names the tool. With the default
+    ``duplicates=skip`` those convs go stock at start-up (logged) and it keeps less than stock;
+    with relu too, or with nothing patched (the review's find: the loss's saved tensors were
+    counted on Mesa's side only), it says nothing either."""
     import logging
 
-    caplog.set_level(logging.WARNING, logger="mesa_train.train")
+    caplog.set_level(logging.INFO, logger="mesa_train.train")
     model = ["model.name=resnet18", "model.img_size=32", "model.img_size_kwarg=false"]
-    fit(compose_train(model + FAST_TRAINER + ["mesa.enabled=true", "mesa.ops=[conv]"]), str(tmp_path / "conv"))
+    fit(compose_train(model + FAST_TRAINER + ["mesa.enabled=true", "mesa.ops=[conv]", "mesa.duplicates=keep"]),
+        str(tmp_path / "keep"))
     warned = [r.getMessage() for r in caplog.records if "keeps more for backward than stock" in r.getMessage()]
     assert len(warned) == 1 and "describe(model, example_input)" in warned[0], warned
-    for ops in ("[conv,relu]", "[grn]"):  # (grn: nothing patched, the same bytes; the loss's once counted)
+    assert "left 18 Mesa layer(s) stock" not in caplog.text
+    for ops in ("[conv]", "[conv,relu]", "[grn]"):  # (grn: nothing patched, the same bytes; the loss's once counted)
         caplog.clear()
         run_dir = tmp_path / ops.strip("[]").replace(",", "_")
         fit(compose_train(model + FAST_TRAINER + ["mesa.enabled=true", f"mesa.ops={ops}"]), str(run_dir))
         assert "keeps more for backward" not in caplog.text, ops
+        assert ("left 18 Mesa layer(s) stock whose copies other modules keep in full anyway (conv 18)"
+                in caplog.text) == (ops == "[conv]"), ops
 
 
 def test_stock_saved_bytes_estimate_is_exact_and_leaves_the_buffers():

@@ -15,6 +15,7 @@ functional ops it could not reach. Module map and contracts: ``docs/DESIGN.md``.
 """
 from .core import ATTENTION_OPS, MODULE_SETS, OPS, patch_model
 from .describe import describe
+from .duplicates import skip_duplicated
 from .checkpoint import (
     load_patched_checkpoint,
     load_stock_checkpoint,
@@ -26,6 +27,7 @@ from .checkpoint import (
 __all__ = [
     "patch_model",
     "describe",
+    "skip_duplicated",
     "stock_to_patched_state_dict",
     "patched_to_stock_state_dict",
     "load_stock_checkpoint",

@@ -129,6 +129,8 @@ class _CompressedTensors:
 
     def _hook(self, name: str):
         def hold(module, args, output):
+            if not module.quant_options.enabled:  # (stock: it copies nothing; skip_duplicated's switches)
+                return
             if mesa_layer_op(module) == "softmax":
                 kept = [output] if isinstance(output, torch.Tensor) else []
             else:
@@ -146,15 +148,13 @@ class _CompressedTensors:
             h.remove()
 
 
-def _duplicated(modules: Dict[str, nn.Module], meter: SavedTensorMeter, held: Dict[str, List[tuple]]):
-    """``Coverage.duplicated``: per op, the Mesa layers whose copy of a tensor duplicates another
-    module's full one, what those modules are, and the ops that would compress them which the
-    patch did not ask for. A layer's held tensors that it saved itself (kept in full: shared,
-    no bytes added) are not its copies; its bytes are shared among the others by their sizes,
-    and the duplicated ones' share is reported."""
-    rules = _leaf_rules()
-    asked = set((getattr(modules[""], PATCH_INFO_ATTR, None) or {}).get("ops", ()))
-    out: Dict[str, list] = {}
+def duplicated_layers(meter: SavedTensorMeter, held: Dict[str, List[tuple]]) -> Dict[str, tuple]:
+    """Per Mesa layer that copied a tensor: ``(its own bytes, the bytes of the tensors it copied,
+    of those the bytes another module keeps in full, those modules' names)``. A layer's held
+    tensors that it saved itself (kept in full: shared, no bytes added) are not its copies; a
+    layer that took a parallel layer's copy (``nn/input_copy.py``) has no bytes of its own.
+    ``skip_duplicated`` leaves stock the layers whose copies are all duplicates."""
+    out: Dict[str, tuple] = {}
     for name, tensors in held.items():
         own = meter.per_module.get(name, 0)
         copied = {}  # data pointer -> (elements' bytes, the other modules keeping it in full)
@@ -162,13 +162,28 @@ def _duplicated(modules: Dict[str, nn.Module], meter: SavedTensorMeter, held: Di
             savers = meter.savers(ptr, version) if storage() is not None else frozenset()
             if not any(k == name or k.startswith(f"{name}.") for k in savers):
                 copied[ptr] = (size, sorted(savers))
-        duplicated = sum(size for size, keepers in copied.values() if keepers)
+        if copied:
+            out[name] = (own, sum(size for size, _ in copied.values()),
+                         sum(size for size, keepers in copied.values() if keepers),
+                         sorted({k for _, keepers in copied.values() for k in keepers}))
+    return out
+
+
+def _duplicated(modules: Dict[str, nn.Module], meter: SavedTensorMeter, held: Dict[str, List[tuple]]):
+    """``Coverage.duplicated``: per op, the Mesa layers whose copy of a tensor duplicates another
+    module's full one, what those modules are, and the ops that would compress them which the
+    patch did not ask for. A layer's bytes are shared among its copies by their sizes, and the
+    duplicated ones' share is reported."""
+    rules = _leaf_rules()
+    asked = set((getattr(modules[""], PATCH_INFO_ATTR, None) or {}).get("ops", ()))
+    out: Dict[str, list] = {}
+    for name, (own, copied, duplicated, keepers) in duplicated_layers(meter, held).items():
         if not own or not duplicated:
             continue
         entry = out.setdefault(mesa_layer_op(modules[name]), [0, 0, {}, set()])
         entry[0] += 1
-        entry[1] += own * duplicated // sum(size for size, _ in copied.values())
-        for k in {k for _, keepers in copied.values() for k in keepers}:
+        entry[1] += own * duplicated // copied
+        for k in keepers:
             keeper = modules.get(k)
             kind = type(keeper).__name__ if keeper is not None else k
             entry[2][kind] = entry[2].get(kind, 0) + 1
@@ -193,6 +208,23 @@ def _measure(model: nn.Module, example_input, run: Optional[Callable], duplicate
         if held is not None:
             held.close()
     return meter, found
+
+
+def measured_copies(model: nn.Module, example_input, run: Optional[Callable] = None,
+                    copies: bool = True) -> Tuple[int, Dict[str, tuple]]:
+    """The bytes one training forward of ``model`` (the root, not a wrapper) keeps, and with
+    ``copies`` its ``duplicated_layers``; the model left as it was (``_untouched``)."""
+    with _untouched(model):
+        model.train()
+        held = _CompressedTensors(model) if copies else None
+        try:
+            meter, out = _metered_forward(model, example_input, run)
+            layers = duplicated_layers(meter, held.held) if held is not None else {}  # (while out holds the graph)
+            del out
+        finally:
+            if held is not None:
+                held.close()
+    return meter.activation_bytes, layers
 
 
 def _metered_forward(model: nn.Module, example_input, run: Optional[Callable]):

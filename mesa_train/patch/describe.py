@@ -13,6 +13,7 @@ from mesa_train.models import unwrap_module
 
 from .core import OPS, PATCH_INFO_ATTR, mesa_layer_op
 from .coverage import coverage, format_coverage
+from .duplicates import LEFT_STOCK_ATTR, left_stock_duplicates
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
 from .scale_branch import waiting_halves
@@ -50,6 +51,8 @@ def _state(layer, producer: Optional[str] = None, shared_from: Optional[str] = N
         return ""
     o = layer.quant_options
     if not o.enabled:
+        if layer.__dict__.get(LEFT_STOCK_ATTR):  # patch/duplicates.py
+            return "stock: other modules keep its input in full (skip_duplicated)"
         return "disabled (stock)"
     parts = [o.estimator + (f" decay={o.decay:g}" if o.estimator == "running" else ""), o.rounding]
     if o.symmetric:
@@ -188,6 +191,10 @@ def _describe_layers(root: nn.Module) -> str:
     if waiting:  # patch/scale_branch.py: a 1x1 depthwise conv into a BatchNorm is converted as a pair
         lines.append(f"scale-branch layers kept stock until a call asks for their pair's other op (conv / batchnorm): "
                      f"{len(waiting)}: {', '.join(waiting)}")
+    skipped = left_stock_duplicates(root)
+    if skipped:  # patch/duplicates.py: their copies would only add bytes
+        lines.append(f"layers left stock, as other modules keep their inputs in full (skip_duplicated): "
+                     f"{len(skipped)}: {', '.join(skipped)}")
     # a model patched from a plan (patch_model(plan=), mesa.plan=): which layer compresses what
     from mesa_train.plan.apply import describe_plan  # here: mesa_train.plan imports this package
 

@@ -259,6 +259,7 @@ ADDED_SETTINGS = {
     "mesa.cancelling_bn": "stock",  # (2026-11-24: patch_model's default when the key came)
     "mesa.clip_horizon": 1,  # (2026-11-24)
     "mesa.mlp": "separate", "mesa.norm_linear": "separate",  # (2026-11-25: the shared copies came)
+    "mesa.duplicates": "keep",  # (2026-12-07: patch/duplicates.py; an older run resumes with mesa.duplicates=keep)
     "optim.layer_decay": None,  # (2026-11-23)
 }
 

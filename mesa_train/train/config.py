@@ -19,6 +19,7 @@ from mesa_train.patch import MODULE_SETS, OPS
 from mesa_train.patch.cancellation import CANCELLING_BN
 from mesa_train.patch.block import NORM_LINEAR_COPIES
 from mesa_train.patch.mlp import MLP_COPIES
+from mesa_train.patch.duplicates import DUPLICATES
 from mesa_train.plan import Budget, PlanError
 from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 
@@ -228,6 +229,7 @@ def _check_mesa(m, errors: list[str]) -> None:
     _choice(errors, "mesa.cancelling_bn", m.get("cancelling_bn", "stock"), CANCELLING_BN)
     _choice(errors, "mesa.mlp", m.get("mlp", "shared"), MLP_COPIES)
     _choice(errors, "mesa.norm_linear", m.get("norm_linear", "shared"), NORM_LINEAR_COPIES)
+    _choice(errors, "mesa.duplicates", m.get("duplicates", "skip"), DUPLICATES)
     if m.get("layout", "channel") == "patch4x4" and [o for o in ops if o != "conv"]:
         errors.append(f"mesa.layout=patch4x4 applies to conv activations only: it needs mesa.ops=[conv], got {ops}")
     if not errors:

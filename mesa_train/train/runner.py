@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from mesa_train.compile_scope import compile_model
+from mesa_train.patch.duplicates import skip_duplicated
 from mesa_train.patch.reuse import probe_reuse
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
@@ -27,7 +28,7 @@ from mesa_train.train import rundir
 from mesa_train.train import sharded
 from mesa_train.train.config import ConfigError, check_known_settings, learning_rate, validate
 from mesa_train.train.data import DataError, build_loaders, build_mixup, worker_count
-from mesa_train.train.engine import Parts, TrainState, build_criterion, evaluate, train_one_epoch
+from mesa_train.train.engine import Parts, TrainState, autocast, build_criterion, evaluate, train_one_epoch
 from mesa_train.train.estimates import EstimateSync, buffers_identical
 from mesa_train.train import errors
 from mesa_train.train.errors import Interrupted, RunDirError
@@ -250,6 +251,7 @@ def _build(cfg, run_dir, plain_cfg, rank, world, path, ckpt) -> _Run:
         model.to(memory_format=torch.channels_last)
     if cfg.mesa.enabled:
         _probe_reuse(cfg, model, device)
+        _skip_duplicates(cfg, model, device, amp_dtype, rank)
 
     ema = None
     if o.ema:
@@ -318,6 +320,33 @@ def _probe_reuse(cfg, model, device) -> None:
     if layers:
         log.info("estimator=per_sample for %d Mesa layer(s) of modules called more than once a forward",
                  len(layers))
+
+
+def _skip_duplicates(cfg, model, device, amp_dtype, rank: int) -> None:
+    """``mesa.duplicates=skip``: the Mesa layers whose every copy another module keeps in full
+    anyway go stock, where that lowers the bytes a training forward of two random images keeps
+    under the run's autocast (mesa_train/patch/duplicates.py). Before DDP / FSDP / compile; every
+    rank and a resumed run find the same layers (the data flow is the model's, not the data's)."""
+    if cfg.mesa.get("duplicates", "skip") != "skip":
+        return
+    size = cfg.model.img_size
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device)
+    if cfg.trainer.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+
+    def run(m, images):
+        with autocast(device, amp_dtype):
+            return m(images)
+
+    try:
+        result = skip_duplicated(model, x, run=run)
+    except Exception as err:  # (a model whose forward refuses two random images: train as asked)
+        if rank == 0:
+            log.warning("mesa.duplicates=skip measured nothing, its forward of two random images failed (%s); the "
+                        "layers the ops ask for stay compressed", err)
+        return
+    if (result.count or result.kept) and rank == 0:
+        log.info("%s (mesa.duplicates=keep compresses them all)", result.summary())
 
 
 def _wrap(cfg, model, device, amp_dtype, world):
@@ -635,7 +664,6 @@ def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
     try:
         from mesa_train.memory import SavedTensorMeter
         from mesa_train.patch.coverage import stock_forwards
-        from mesa_train.train.engine import autocast
     except ImportError:
         return None
     batch = int(cfg.trainer.batch_size)
@@ -667,7 +695,8 @@ def _warn_if_more_than_stock(saved_bytes, stock_bytes) -> None:
     once, at the first measured epoch."""
     if saved_bytes and stock_bytes and saved_bytes > stock_bytes:  # (both the model's forward alone)
         log.warning("the Mesa model keeps more for backward than stock would (%.1f MiB against ~%.1f MiB): some "
-                    "Mesa layers copy tensors other modules keep in full (e.g. mesa.ops=[conv] without relu; "
+                    "Mesa layers copy tensors other modules keep in full (e.g. mesa.ops=[conv] without relu under "
+                    "mesa.duplicates=keep, or layers only part of whose copies are duplicates; "
                     "mesa_train.describe(model, example_input) names them and the ops that would remove them), or "
                     "the attention left its fused path (softmax or matmul without sdpa keeps an N x N map the fused "
                     "stock does not: add sdpa, or set model.fused_attn=false for the paper's baseline)",

@@ -1,0 +1,166 @@
+"""Leave stock the Mesa layers whose copies only duplicate what other modules keep in full:
+``skip_duplicated(model, example_input)``.
+
+A Mesa layer saves memory by keeping 8-bit codes of a tensor *instead of* the tensor. Where
+another module keeps that very tensor in full anyway, the codes come on top: a conv after a
+stock ReLU (which keeps its output, the conv's input) with ``ops=["conv"]``, a ViT's ``attn.proj``
+after timm's fused attention (which keeps its output) with ``ops=["linear"]``, a conv beside a
+scale conv the cancellation analysis keeps stock. Such a layer adds bytes and gradient noise
+and saves nothing: ``coverage`` reports it (``Coverage.duplicated``), and ``resnet18`` with
+``ops=["conv"]`` keeps 1.026x of stock's bytes (results/timm/duplicated.md).
+
+``skip_duplicated`` measures one training forward (``coverage.measured_copies``), finds the
+layers *every* copy of which another module keeps in full, switches them to their stock
+computation (``enabled=False``: the stock forward and gradient, and the stock layer keeps a
+reference to the tensor the other module keeps, no new bytes), and measures again. It goes op
+by op and keeps a switch only where the measured bytes went down: under autocast a stock conv
+keeps its own 16-bit cast of the ReLU's fp32 output, more than Mesa's codes, and the switch is
+undone. Switching a layer can make another one's copy a duplicate (a Mesa ReLU left stock keeps
+its output in full, the next conv's input), so it measures again until nothing changes.
+
+Measured forwards are on ``example_input`` with the model restored after each (buffers, RNG,
+train flags: ``coverage._untouched``); the switches are the only change, each layer marked with
+``LEFT_STOCK_ATTR`` so ``describe`` names them. Training calls it at start-up with
+``mesa.duplicates=skip`` (the default; ``keep`` compresses what the ops ask, as an ablation may
+want). The data flow it reads is the model's, not the values': a model whose forward takes other
+paths for other inputs is measured on the path ``example_input`` takes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+from torch import nn
+
+from mesa_train.models import unwrap_module
+
+from .core import mesa_layer_op
+from .coverage import measured_copies
+
+__all__ = ["DUPLICATES", "LEFT_STOCK_ATTR", "SkippedDuplicates", "skip_duplicated", "left_stock_duplicates"]
+
+# mesa.duplicates: skip (leave such layers stock, the default) | keep (compress what the ops ask)
+DUPLICATES = ("skip", "keep")
+
+# (in the layer's __dict__: True where skip_duplicated switched it to stock)
+LEFT_STOCK_ATTR = "_mesa_left_stock_duplicate"
+
+
+@dataclass
+class SkippedDuplicates:
+    """``layers``: the Mesa layers switched to stock, by op; ``kept``: those whose copies are all
+    duplicates but whose stock computation keeps more (a switch undone), by op; ``before`` /
+    ``after``: the bytes one training forward on the example input kept before and after."""
+
+    layers: Dict[str, List[str]] = field(default_factory=dict)
+    kept: Dict[str, List[str]] = field(default_factory=dict)
+    before: int = 0
+    after: int = 0
+
+    @property
+    def count(self) -> int:
+        return sum(len(v) for v in self.layers.values())
+
+    def summary(self) -> str:
+        """One line for a log: what was left stock and what it saved."""
+        kept = sum(len(v) for v in self.kept.values())
+        text = "no Mesa layer left stock" if not self.count else (
+            f"left {self.count} Mesa layer(s) stock whose copies other modules keep in full anyway "
+            f"({_by_op(self.layers)}): kept bytes {self.after / max(self.before, 1):.3f}x of before")
+        if kept:
+            text += (f"; {kept} layer(s) whose copies other modules keep in full would keep more as stock "
+                     f"({_by_op(self.kept)}: e.g. autocast's 16-bit casts) and stay compressed")
+        return text
+
+
+def _by_op(layers: Dict[str, List[str]]) -> str:
+    return ", ".join(f"{op} {len(names)}" for op, names in sorted(layers.items()))
+
+
+def skip_duplicated(model: nn.Module, example_input, *, run: Optional[Callable] = None,
+                    max_rounds: int = 8) -> SkippedDuplicates:
+    """Switch to stock the Mesa layers of ``model`` whose every copy another module keeps in
+    full, where that lowers the bytes one training forward keeps (module doc). ``run(model,
+    example_input)`` replaces ``model(example_input)`` (several inputs, autocast)."""
+    root = unwrap_module(model, "skip_duplicated")
+    modules = dict(root.named_modules())
+    total, layers = measured_copies(root, example_input, run)
+    result = SkippedDuplicates(before=total, after=total)
+    for _ in range(max_rounds):
+        by_op: Dict[str, List[str]] = {}
+        for name, (_own, copied, duplicated, _keepers) in layers.items():
+            # (with the layers that took its copy: nn/input_copy.py, no bytes of their own)
+            if duplicated == copied and not modules[name].__dict__.get(LEFT_STOCK_ATTR):
+                by_op.setdefault(mesa_layer_op(modules[name]), []).append(name)
+        switched = False
+        for op, names in sorted(by_op.items(), key=lambda kv: -sum(layers[n][0] for n in kv[1])):
+            # a linked scale branch's halves go together, in a try of their own (it costs the
+            # BatchNorm's copy, which the other layers' switch need not pay for)
+            paired = [n for n in names if _scale_partner(modules[n]) is not None]
+            for group in ([n for n in names if n not in paired], _with_scale_partners(modules, paired)):
+                if not group:
+                    continue
+                _switch(modules, group, stock=True)
+                try:
+                    after, _ = measured_copies(root, example_input, run, copies=False)
+                except BaseException:
+                    _switch(modules, group, stock=False)  # (never half a try left behind)
+                    raise
+                if after < total:
+                    total, switched = after, True
+                    _add(result.layers, modules, group)
+                else:  # (the stock layers keep copies of their own, e.g. autocast's casts)
+                    _switch(modules, group, stock=False)
+                    _add(result.kept, modules, [n for n in group if n in names])  # (not the partners)
+        if not switched:
+            break
+        total, layers = measured_copies(root, example_input, run)
+    result.after = total
+    switched_names = {n for names in result.layers.values() for n in names}
+    result.kept = {op: kept for op, names in result.kept.items()
+                   if (kept := [n for n in names if n not in switched_names])}
+    return result
+
+
+def _add(by_op: Dict[str, List[str]], modules: Dict[str, nn.Module], names: List[str]) -> None:
+    for name in names:
+        listed = by_op.setdefault(mesa_layer_op(modules[name]), [])
+        if name not in listed:
+            listed.append(name)
+
+
+def _scale_partner(layer: nn.Module) -> Optional[nn.Module]:
+    return layer.__dict__.get("_mesa_scale_bn") or layer.__dict__.get("_mesa_scale_conv")
+
+
+def _with_scale_partners(modules: Dict[str, nn.Module], names: List[str]) -> List[str]:
+    """``names`` and the other half of each linked scale branch among them (patch/scale_branch.py):
+    a stock conv beside a Mesa BatchNorm takes its weight gradient from the BatchNorm's 8-bit
+    input gradient, the cancellation the link exists to avoid (mobileone_s0's ``conv_scale``
+    weights at cosine -0.89 with the conv alone switched), so a pair goes stock whole or not at
+    all."""
+    ids = {id(m): n for n, m in modules.items()}
+    out = list(names)
+    for name in names:
+        layer = modules[name]
+        partner = _scale_partner(layer)
+        if partner is not None and id(partner) in ids and ids[id(partner)] not in out:
+            out.append(ids[id(partner)])
+    return out
+
+
+def left_stock_duplicates(model: nn.Module) -> List[str]:
+    """The names of the layers ``skip_duplicated`` switched to stock and that are still so."""
+    root = unwrap_module(model, "left_stock_duplicates")
+    return [name for name, m in root.named_modules()
+            if m.__dict__.get(LEFT_STOCK_ATTR) and not m.quant_options.enabled]
+
+
+def _switch(modules: Dict[str, nn.Module], names: List[str], stock: bool) -> None:
+    for name in names:
+        layer = modules[name]
+        layer.set_quant_options(enabled=not stock)
+        if stock:
+            layer.__dict__[LEFT_STOCK_ATTR] = True
+        else:
+            layer.__dict__.pop(LEFT_STOCK_ATTR, None)

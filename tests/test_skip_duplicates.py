@@ -1,0 +1,192 @@
+"""``skip_duplicated``: Mesa layers whose every copy another module keeps in full anyway (a conv
+after a stock ReLU with ``ops=["conv"]``) go stock where that lowers the measured bytes; the
+forward stays stock's, their gradients become stock's, and a switch that would keep more (a
+stock layer's own autocast cast) is undone."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from mesa_train.memory import SavedTensorMeter
+from mesa_train.patch import describe, patch_model
+from mesa_train.patch import duplicates as duplicates_mod
+from mesa_train.patch.coverage import coverage, measured_copies
+from mesa_train.patch.duplicates import LEFT_STOCK_ATTR, left_stock_duplicates, skip_duplicated
+
+
+def _convnet():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1)).train()
+
+
+def _x(*shape):
+    return torch.randn(*(shape or (2, 3, 16, 16)), generator=torch.Generator().manual_seed(1))
+
+
+def _grads(model, x):
+    torch.manual_seed(3)
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+class ParallelConvs(nn.Module):
+    """Two convs read a stock ReLU's output; the second takes the first's copy (nn/input_copy.py),
+    so it keeps no bytes of its own, and only both going stock removes the copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.act = nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()
+        self.a, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        h = self.act(self.pre(x))
+        return self.a(h) + self.b(h)
+
+
+class ScaledLinear(nn.Module):
+    """A stock ReLU keeps its fp32 output, the Linear's input. Under bf16 autocast the stock
+    Linear keeps its own bf16 cast of it (2 bytes an element), Mesa's 8-bit codes 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale, self.act, self.fc = nn.Parameter(torch.ones(64)), nn.ReLU(), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc(self.act(x * self.scale))
+
+
+def _bf16(model, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x)
+
+
+def test_convs_after_stock_relus_go_stock_with_stock_forward_and_gradients():
+    """The two convs reading a ReLU's output go stock (the first reads the image, kept by
+    nobody, and stays compressed); the model then keeps less than stock, where it kept more;
+    the forward is stock's bit for bit and the two convs' gradients are stock's."""
+    stock = _convnet()
+    model = patch_model(copy.deepcopy(stock), ops=["conv"])
+    assert coverage(model, _x()).ratio > 1
+    result = skip_duplicated(model, _x())
+    assert result.layers == {"conv": ["3", "6"]} and not result.kept
+    assert result.after < result.before
+    assert result.after == measured_copies(model, _x(), copies=False)[0]
+    cov = coverage(model, _x())
+    assert cov.ratio < 1 and not cov.duplicated
+    assert [m.quant_options.enabled for m in (model[0], model[3], model[6])] == [True, False, False]
+    assert left_stock_duplicates(model) == ["3", "6"]
+    out, grads = _grads(model, _x())
+    stock_out, stock_grads = _grads(stock, _x())
+    assert torch.equal(out, stock_out)
+    for name in ("3.weight", "3.bias", "6.weight", "6.bias"):
+        torch.testing.assert_close(grads[name], stock_grads[name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(grads["0.weight"], stock_grads["0.weight"])  # (still compressed: noise)
+    text = describe(model)
+    assert "stock: other modules keep its input in full (skip_duplicated)" in text
+    assert "(skip_duplicated): 2: 3, 6" in text
+
+
+def test_a_second_call_changes_nothing_and_all_ops_have_nothing_to_skip():
+    model = patch_model(_convnet(), ops=["conv"])
+    skip_duplicated(model, _x())
+    again = skip_duplicated(model, _x())
+    assert again.count == 0 and again.before == again.after
+    assert left_stock_duplicates(model) == ["3", "6"]
+    everything = patch_model(_convnet(), ops=["all"])
+    assert skip_duplicated(everything, _x()).count == 0
+    assert all(m.quant_options.enabled for m in everything.modules() if hasattr(m, "quant_options"))
+
+
+def test_a_layer_that_took_a_parallel_layers_copy_goes_stock_with_it():
+    """``b`` took ``a``'s copy (no bytes of its own): switching ``a`` alone would leave ``b``
+    making the copy; both go, in one try."""
+    model = patch_model(ParallelConvs().train(), ops=["conv"])
+    layers = measured_copies(model, _x())[1]
+    assert layers["b"][0] == 0 and layers["b"][2] == layers["b"][1] > 0  # (own bytes, copied, duplicated)
+    result = skip_duplicated(model, _x())
+    assert sorted(result.layers["conv"]) == ["a", "b"]
+    with SavedTensorMeter(model) as meter:
+        model(_x())
+    assert meter.per_module.get("a", 0) == 0 and meter.per_module.get("b", 0) == 0  # (the ReLU's output, shared)
+
+
+def test_a_switch_that_would_keep_more_is_undone():
+    """Under bf16 autocast the stock Linear keeps a bf16 cast of the ReLU's fp32 output, more
+    than Mesa's codes: the Linear stays compressed, and the summary says why. In fp32 it goes."""
+    x = _x(4, 16, 64)
+    model = patch_model(ScaledLinear().train(), ops=["linear"])
+    result = skip_duplicated(model, x, run=_bf16)
+    assert result.count == 0 and result.kept == {"linear": ["fc"]} and result.after == result.before
+    assert model.fc.quant_options.enabled and LEFT_STOCK_ATTR not in model.fc.__dict__
+    assert "would keep more as stock (linear 1" in result.summary()
+    result = skip_duplicated(model, x)
+    assert result.layers == {"linear": ["fc"]} and result.after < result.before
+
+
+def test_a_failing_measurement_leaves_no_switch_behind(monkeypatch):
+    model = patch_model(_convnet(), ops=["conv"])
+    real, calls = measured_copies, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # (the first try's measurement)
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(duplicates_mod, "measured_copies", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        skip_duplicated(model, _x())
+    assert all(m.quant_options.enabled for m in model.modules() if hasattr(m, "quant_options"))
+    assert not left_stock_duplicates(model)
+
+
+def test_measuring_changes_no_buffer_and_no_rng():
+    model = patch_model(_convnet(), ops=["conv"])
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    state = torch.random.get_rng_state()
+    skip_duplicated(model, _x())
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for k, b in model.named_buffers():
+        assert torch.equal(b, buffers[k]), k
+
+
+@pytest.mark.parametrize("name,ops", [("resnet18", ["conv"]), ("resnet18", ["conv", "batchnorm"]),
+                                      ("mobileone_s0", ["conv"]), ("mobileone_s0", ["conv", "relu"]),
+                                      ("mobileone_s0", ["batchnorm"]), ("mobileone_s0", ["conv", "batchnorm"])])
+def test_op_subsets_keep_less_and_gradients_no_worse(name, ops):
+    """Full timm convnets with op subsets (results/timm/duplicated.md): fewer bytes, the train
+    forward stock's, the worst parameter gradient no further from exact, and a linked scale
+    branch (MobileOne's ``conv_scale``) never half stock: a stock conv beside its Mesa BatchNorm
+    took its weight gradient from the BatchNorm's 8-bit input gradient (cosine -0.89)."""
+    import timm
+    from test_timm_models import _exact_grads, _loss, _seeded, _worst_cosines
+
+    torch.manual_seed(0)
+    stock = timm.create_model(name, num_classes=10).train()
+    x = _x(2, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (functional ops not reached: describe's business)
+        before = patch_model(copy.deepcopy(stock), ops=ops)
+    after = copy.deepcopy(before)
+    result = skip_duplicated(after, x)
+    assert result.count and result.after < result.before
+    modules = dict(after.named_modules())
+    for layer in modules.values():
+        partner = layer.__dict__.get("_mesa_scale_bn")
+        if partner is not None:
+            assert layer.quant_options.enabled == partner.quant_options.enabled
+    exact = _exact_grads(stock, x)
+    worst = {}
+    for label, model in (("before", before), ("after", after)):
+        out = _seeded(model, x)
+        assert torch.equal(out, _seeded(stock, x)), label
+        _loss(out).backward()
+        worst[label] = _worst_cosines(exact, {n: p.grad for n, p in model.named_parameters()})[0][1]
+    assert worst["after"] >= worst["before"] - 1e-4, worst
