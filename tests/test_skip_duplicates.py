@@ -190,3 +190,70 @@ def test_op_subsets_keep_less_and_gradients_no_worse(name, ops):
         _loss(out).backward()
         worst[label] = _worst_cosines(exact, {n: p.grad for n, p in model.named_parameters()})[0][1]
     assert worst["after"] >= worst["before"] - 1e-4, worst
+
+
+def _vit(fused: bool, drop: float = 0.0):
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=4,
+                              drop_rate=drop, proj_drop_rate=drop, drop_path_rate=drop).train()
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = fused
+    return model
+
+
+def _patched_quietly(model, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (patch_model's warning on the explicit path: tested elsewhere)
+        return patch_model(model, **kwargs)
+
+
+def test_fused_attentions_go_back_where_the_explicit_path_keeps_more():
+    """``ops=["gelu", "softmax"]`` (the README's example) moved timm's fused attentions to the
+    explicit path, whose N x N map the fused stock never keeps: they go back on the fused path
+    they were built with (fewer bytes, the train forward stock's with dropout on, gradients
+    close) and ``describe`` says so. With ``matmul`` the explicit path's 8-bit q, k, v
+    keep less than the fused path's full ones and it stays; an attention built explicit (the
+    paper's baseline) is never moved."""
+    x = _x(2, 3, 32, 32)
+    stock = _vit(True, drop=0.1)
+    model = _patched_quietly(copy.deepcopy(stock), ops=["gelu", "softmax"])
+    before = coverage(model, x).ratio
+    result = skip_duplicated(model, x)
+    assert result.fused_back == ["blocks.0.attn", "blocks.1.attn"] and not result.count
+    assert coverage(model, x).ratio < before
+    attns = [m for m in model.modules() if hasattr(m, "mesa_attn_path")]
+    assert all(a.mesa_attn_path == "stock" and a.fused_attn for a in attns)
+    assert "fused as built" in describe(model) and "put 2 attention(s) back" in result.summary()
+    out, grads = _grads(model, x)
+    stock_out, stock_grads = _grads(stock, x)
+    assert torch.equal(out, stock_out)
+    for name, g in grads.items():  # (the GELUs' 8-bit copies stay: close, not equal)
+        assert torch.nn.functional.cosine_similarity(g.flatten(), stock_grads[name].flatten(), 0) > 0.99, name
+    kept = _patched_quietly(_vit(True), ops=["softmax", "matmul"])
+    assert not skip_duplicated(kept, x).fused_back
+    assert all(m.mesa_attn_path == "explicit" for m in kept.modules() if hasattr(m, "mesa_attn_path"))
+    built_explicit = _patched_quietly(_vit(False), ops=["softmax"])
+    assert not skip_duplicated(built_explicit, x).fused_back
+    assert all(m.mesa_attn_path == "explicit" for m in built_explicit.modules() if hasattr(m, "mesa_attn_path"))
+
+
+def test_a_rejected_attention_try_restores_the_explicit_path(monkeypatch):
+    """A try whose bytes do not go down (here: measured so) leaves the attentions on the path and
+    flag ``patch_model`` gave them, with no mark."""
+    x = _x(2, 3, 32, 32)
+    model = _patched_quietly(_vit(True), ops=["softmax"])
+    real = measured_copies
+
+    def no_gain(root, example_input, run=None, copies=True):
+        total, layers = real(root, example_input, run, copies)
+        return (total + 10**9 if not copies else total), layers
+
+    monkeypatch.setattr(duplicates_mod, "measured_copies", no_gain)
+    assert not skip_duplicated(model, x).fused_back
+    for m in model.modules():
+        if hasattr(m, "mesa_attn_path"):
+            assert m.mesa_attn_path == "explicit" and not m.fused_attn
+            assert duplicates_mod.FUSED_BACK_ATTR not in m.__dict__

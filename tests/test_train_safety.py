@@ -331,6 +331,24 @@ def test_a_model_keeping_more_than_stock_is_warned_about(compose_train, tmp_path
                 in caplog.text) == (ops == "[conv]"), ops
 
 
+def test_the_readme_example_puts_the_fused_attentions_back(compose_train, tmp_path, caplog):
+    """``mesa.ops=[gelu,softmax]`` on timm's fused DeiT moves its attentions to the explicit path,
+    which keeps an N x N map: at start-up (``mesa.duplicates=skip``) they go back on their fused
+    path, logged, and the run keeps less than stock; ``keep`` leaves them explicit."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="mesa_train.train")
+    # (at 96 px, 145 tokens: two heads' 1-byte maps outweigh the 32-channel output the fused path
+    # keeps; at the tiny model's 32 px, 17 tokens, the explicit path keeps less and stays)
+    ops = ["mesa.enabled=true", "mesa.ops=[gelu,softmax]", "model.img_size=96"]
+    fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ops), str(tmp_path / "skip"))
+    assert "put 2 attention(s) back on the fused path they were built with" in caplog.text
+    assert "keeps more for backward" not in caplog.text
+    caplog.clear()
+    fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ops + ["mesa.duplicates=keep"]), str(tmp_path / "keep"))
+    assert "attention(s) back" not in caplog.text
+
+
 def test_stock_saved_bytes_estimate_is_exact_and_leaves_the_buffers():
     """The stock figure beside ``kept_for_backward``: from 2 and 4 images, extrapolated, it is
     the batch's own figure (saved bytes are affine in the batch: the BatchNorm statistics stay;

@@ -13,7 +13,7 @@ from mesa_train.models import unwrap_module
 
 from .core import OPS, PATCH_INFO_ATTR, mesa_layer_op
 from .coverage import coverage, format_coverage
-from .duplicates import LEFT_STOCK_ATTR, left_stock_duplicates
+from .duplicates import FUSED_BACK_ATTR, LEFT_STOCK_ATTR, fused_back_attentions, left_stock_duplicates
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
 from .scale_branch import waiting_halves
@@ -118,6 +118,8 @@ def describe_rows(model: nn.Module) -> List[List[str]]:
             detail = {"explicit": "softmax(q@k^T)@v via qk_matmul/softmax/av_matmul",
                       "fused": "F.scaled_dot_product_attention via sdpa (int8 q,k,v)",
                       "stock": "stock forward"}[path]
+            if path == "stock" and FUSED_BACK_ATTR in m.__dict__:  # patch/duplicates.py
+                detail = "stock forward, fused as built: the explicit path kept an N x N map (skip_duplicated)"
             rows.append([name, f"attention[{path}]", mset, str(getattr(m, "num_heads", "")),
                          f"core ops: {core}; {detail}"])
             continue
@@ -195,6 +197,10 @@ def _describe_layers(root: nn.Module) -> str:
     if skipped:  # patch/duplicates.py: their copies would only add bytes
         lines.append(f"layers left stock, as other modules keep their inputs in full (skip_duplicated): "
                      f"{len(skipped)}: {', '.join(skipped)}")
+    fused_back = fused_back_attentions(root)
+    if fused_back:  # patch/duplicates.py: their explicit path kept more than the fused one
+        lines.append(f"attentions back on the fused path they were built with (skip_duplicated): {len(fused_back)}: "
+                     f"{', '.join(fused_back)}")
     # a model patched from a plan (patch_model(plan=), mesa.plan=): which layer compresses what
     from mesa_train.plan.apply import describe_plan  # here: mesa_train.plan imports this package
 

@@ -18,6 +18,14 @@ keeps its own 16-bit cast of the ReLU's fp32 output, more than Mesa's codes, and
 undone. Switching a layer can make another one's copy a duplicate (a Mesa ReLU left stock keeps
 its output in full, the next conv's input), so it measures again until nothing changes.
 
+The same goes for a timm attention built fused that ``ops`` with ``softmax`` or ``matmul`` but not
+``sdpa`` moved to the explicit path (``patch_model`` warns): that path keeps an N x N map the fused
+one never does, so ``ops=["softmax"]`` keeps 1.046x of deit_tiny's stock bytes and the README's
+``ops=["gelu", "softmax"]`` 0.864x, where ``["gelu"]`` alone keeps 0.819x. Those attentions are one
+more try: back on the fused path they were built with (the stock forward, ``qkv`` / ``proj`` still
+Mesa where asked; ``FUSED_BACK_ATTR``), kept where the bytes go down (with ``matmul`` the explicit
+path's 8-bit q, k, v keep less than the fused path's, and it stays).
+
 Measured forwards are on ``example_input`` with the model restored after each (buffers, RNG,
 train flags: ``coverage._untouched``); the switches are the only change, each layer marked with
 ``LEFT_STOCK_ATTR`` so ``describe`` names them. Training calls it at start-up with
@@ -34,16 +42,21 @@ from torch import nn
 
 from mesa_train.models import unwrap_module
 
+from .attention import STOCK_FUSED_ATTR
 from .core import mesa_layer_op
 from .coverage import measured_copies
 
-__all__ = ["DUPLICATES", "LEFT_STOCK_ATTR", "SkippedDuplicates", "skip_duplicated", "left_stock_duplicates"]
+__all__ = ["DUPLICATES", "FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "SkippedDuplicates", "fused_back_attentions",
+           "left_stock_duplicates", "skip_duplicated"]
 
 # mesa.duplicates: skip (leave such layers stock, the default) | keep (compress what the ops ask)
 DUPLICATES = ("skip", "keep")
 
 # (in the layer's __dict__: True where skip_duplicated switched it to stock)
 LEFT_STOCK_ATTR = "_mesa_left_stock_duplicate"
+# (in an attention's __dict__: its explicit path and fused_attn, where skip_duplicated put it back fused)
+FUSED_BACK_ATTR = "_mesa_fused_back"
+_ATTENTIONS = "attention"  # (the try of the attentions moved to the explicit path)
 
 
 @dataclass
@@ -56,6 +69,8 @@ class SkippedDuplicates:
     kept: Dict[str, List[str]] = field(default_factory=dict)
     before: int = 0
     after: int = 0
+    # the attentions put back on the fused path they were built with
+    fused_back: List[str] = field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -64,9 +79,16 @@ class SkippedDuplicates:
     def summary(self) -> str:
         """One line for a log: what was left stock and what it saved."""
         kept = sum(len(v) for v in self.kept.values())
-        text = "no Mesa layer left stock" if not self.count else (
-            f"left {self.count} Mesa layer(s) stock whose copies other modules keep in full anyway "
-            f"({_by_op(self.layers)}): kept bytes {self.after / max(self.before, 1):.3f}x of before")
+        parts = []
+        if self.count:
+            parts.append(f"left {self.count} Mesa layer(s) stock whose copies other modules keep in full anyway "
+                         f"({_by_op(self.layers)})")
+        if self.fused_back:
+            parts.append(f"put {len(self.fused_back)} attention(s) back on the fused path they were built with "
+                         f"(the explicit path that softmax / matmul without sdpa chose kept an N x N map; add "
+                         f"sdpa to compress the fused one)")
+        text = (" and ".join(parts) + f": kept bytes {self.after / max(self.before, 1):.3f}x of before" if parts
+                else "no Mesa layer left stock")
         if kept:
             text += (f"; {kept} layer(s) whose copies other modules keep in full would keep more as stock "
                      f"({_by_op(self.kept)}: e.g. autocast's 16-bit casts) and stay compressed")
@@ -93,25 +115,23 @@ def skip_duplicated(model: nn.Module, example_input, *, run: Optional[Callable] 
             if duplicated == copied and not modules[name].__dict__.get(LEFT_STOCK_ATTR):
                 by_op.setdefault(mesa_layer_op(modules[name]), []).append(name)
         switched = False
-        for op, names in sorted(by_op.items(), key=lambda kv: -sum(layers[n][0] for n in kv[1])):
-            # a linked scale branch's halves go together, in a try of their own (it costs the
-            # BatchNorm's copy, which the other layers' switch need not pay for)
-            paired = [n for n in names if _scale_partner(modules[n]) is not None]
-            for group in ([n for n in names if n not in paired], _with_scale_partners(modules, paired)):
-                if not group:
-                    continue
-                _switch(modules, group, stock=True)
-                try:
-                    after, _ = measured_copies(root, example_input, run, copies=False)
-                except BaseException:
-                    _switch(modules, group, stock=False)  # (never half a try left behind)
-                    raise
-                if after < total:
-                    total, switched = after, True
+        for op, group, switch in _tries(modules, layers, by_op):
+            switch(modules, group, stock=True)
+            try:
+                after, _ = measured_copies(root, example_input, run, copies=False)
+            except BaseException:
+                switch(modules, group, stock=False)  # (never half a try left behind)
+                raise
+            if after < total:
+                total, switched = after, True
+                if op == _ATTENTIONS:
+                    result.fused_back.extend(group)
+                else:
                     _add(result.layers, modules, group)
-                else:  # (the stock layers keep copies of their own, e.g. autocast's casts)
-                    _switch(modules, group, stock=False)
-                    _add(result.kept, modules, [n for n in group if n in names])  # (not the partners)
+            else:  # (the stock layers keep copies of their own, e.g. autocast's casts)
+                switch(modules, group, stock=False)
+                if op != _ATTENTIONS:
+                    _add(result.kept, modules, [n for n in group if n in by_op[op]])  # (not the partners)
         if not switched:
             break
         total, layers = measured_copies(root, example_input, run)
@@ -120,6 +140,40 @@ def skip_duplicated(model: nn.Module, example_input, *, run: Optional[Callable] 
     result.kept = {op: kept for op, names in result.kept.items()
                    if (kept := [n for n in names if n not in switched_names])}
     return result
+
+
+def _tries(modules: Dict[str, nn.Module], layers: Dict[str, tuple], by_op: Dict[str, List[str]]):
+    """``(op, names, switch)`` per try: each op's layers, then its linked scale branches whole, in
+    a try of their own (it costs the BatchNorm's copy, which the other layers' switch need not pay
+    for), then the attentions built fused now on the explicit path."""
+    for op, names in sorted(by_op.items(), key=lambda kv: -sum(layers[n][0] for n in kv[1])):
+        paired = [n for n in names if _scale_partner(modules[n]) is not None]
+        for group in ([n for n in names if n not in paired], _with_scale_partners(modules, paired)):
+            if group:
+                yield op, group, _switch
+    explicit = [n for n, m in modules.items()
+                if m.__dict__.get(STOCK_FUSED_ATTR) and getattr(m, "mesa_attn_path", "stock") == "explicit"]
+    if explicit:
+        yield _ATTENTIONS, explicit, _fuse_back
+
+
+def _fuse_back(modules: Dict[str, nn.Module], names: List[str], stock: bool) -> None:
+    """The attentions ``names`` on the fused path they were built with (``stock``), or back on
+    the explicit path ``patch_model`` gave them."""
+    for name in names:
+        attn = modules[name]
+        if stock:
+            attn.__dict__[FUSED_BACK_ATTR] = (attn.mesa_attn_path, attn.fused_attn)
+            attn.mesa_attn_path, attn.fused_attn = "stock", attn.__dict__[STOCK_FUSED_ATTR]
+        else:
+            attn.mesa_attn_path, attn.fused_attn = attn.__dict__.pop(FUSED_BACK_ATTR)
+
+
+def fused_back_attentions(model: nn.Module) -> List[str]:
+    """The attentions ``skip_duplicated`` put back on their fused path and that are still there."""
+    root = unwrap_module(model, "fused_back_attentions")
+    return [name for name, m in root.named_modules()
+            if FUSED_BACK_ATTR in m.__dict__ and getattr(m, "mesa_attn_path", None) == "stock"]
 
 
 def _add(by_op: Dict[str, List[str]], modules: Dict[str, nn.Module], names: List[str]) -> None:

@@ -324,8 +324,9 @@ def _probe_reuse(cfg, model, device) -> None:
 
 def _skip_duplicates(cfg, model, device, amp_dtype, rank: int) -> None:
     """``mesa.duplicates=skip``: the Mesa layers whose every copy another module keeps in full
-    anyway go stock, where that lowers the bytes a training forward of two random images keeps
-    under the run's autocast (mesa_train/patch/duplicates.py). Before DDP / FSDP / compile; every
+    anyway go stock, and fused attentions the ops moved to the explicit path go back, where that
+    lowers the bytes a training forward of two random images keeps under the run's autocast
+    (mesa_train/patch/duplicates.py). Before DDP / FSDP / compile; every
     rank and a resumed run find the same layers (the data flow is the model's, not the data's)."""
     if cfg.mesa.get("duplicates", "skip") != "skip":
         return
@@ -345,7 +346,7 @@ def _skip_duplicates(cfg, model, device, amp_dtype, rank: int) -> None:
             log.warning("mesa.duplicates=skip measured nothing, its forward of two random images failed (%s); the "
                         "layers the ops ask for stay compressed", err)
         return
-    if (result.count or result.kept) and rank == 0:
+    if (result.count or result.kept or result.fused_back) and rank == 0:
         log.info("%s (mesa.duplicates=keep compresses them all)", result.summary())
 
 
