@@ -93,11 +93,12 @@ def test_convs_after_stock_relus_go_stock_with_stock_forward_and_gradients():
     assert "(skip_duplicated): 2: 3, 6" in text
 
 
-def test_a_second_call_changes_nothing_and_all_ops_have_nothing_to_skip():
+def test_a_second_call_measures_afresh_and_all_ops_have_nothing_to_skip():
+    """A second call undoes the first's switches and finds them again (the same figures)."""
     model = patch_model(_convnet(), ops=["conv"])
-    skip_duplicated(model, _x())
+    first = skip_duplicated(model, _x())
     again = skip_duplicated(model, _x())
-    assert again.count == 0 and again.before == again.after
+    assert (again.layers, again.before, again.after) == (first.layers, first.before, first.after)
     assert left_stock_duplicates(model) == ["3", "6"]
     everything = patch_model(_convnet(), ops=["all"])
     assert skip_duplicated(everything, _x()).count == 0
@@ -125,18 +126,21 @@ def test_a_switch_that_would_keep_more_is_undone():
     result = skip_duplicated(model, x, run=_bf16)
     assert result.count == 0 and result.kept == {"linear": ["fc"]} and result.after == result.before
     assert model.fc.quant_options.enabled and LEFT_STOCK_ATTR not in model.fc.__dict__
-    assert "would keep more as stock (linear 1" in result.summary()
+    assert "stay compressed, as leaving them stock kept as much or more (linear 1" in result.summary()
     result = skip_duplicated(model, x)
     assert result.layers == {"linear": ["fc"]} and result.after < result.before
 
 
-def test_a_failing_measurement_leaves_no_switch_behind(monkeypatch):
+@pytest.mark.parametrize("failing_call", [2, 3])
+def test_a_failing_measurement_leaves_no_switch_behind(monkeypatch, failing_call):
+    """The first try's measurement failing, or the measurement after a round (the review's find:
+    the switches kept before it stayed while training said nothing was switched)."""
     model = patch_model(_convnet(), ops=["conv"])
     real, calls = measured_copies, []
 
     def failing(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:  # (the first try's measurement)
+        if len(calls) == failing_call:
             raise RuntimeError("out of memory")
         return real(*args, **kwargs)
 
@@ -248,8 +252,8 @@ def test_a_rejected_attention_try_restores_the_explicit_path(monkeypatch):
     real = measured_copies
 
     def no_gain(root, example_input, run=None, copies=True):
-        total, layers = real(root, example_input, run, copies)
-        return (total + 10**9 if not copies else total), layers
+        total, layers, per_module = real(root, example_input, run, copies)
+        return (total + 10**9 if not copies else total), layers, per_module
 
     monkeypatch.setattr(duplicates_mod, "measured_copies", no_gain)
     assert not skip_duplicated(model, x).fused_back
@@ -257,3 +261,62 @@ def test_a_rejected_attention_try_restores_the_explicit_path(monkeypatch):
         if hasattr(m, "mesa_attn_path"):
             assert m.mesa_attn_path == "explicit" and not m.fused_attn
             assert duplicates_mod.FUSED_BACK_ATTR not in m.__dict__
+
+
+class MixedLinears(nn.Module):
+    """Under bf16 autocast ``fc1`` reads ``fc0``'s bf16 output, which its ReLU keeps (stock
+    ``fc1`` keeps a reference: switching it saves), while ``fc2`` reads an fp32 product its ReLU
+    keeps (stock ``fc2`` keeps its own bf16 cast: switching it costs). One try for both gained
+    less than ``fc1`` alone (the review's find): a try that gains less than its layers' own bytes
+    is split."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(64))
+        self.fc0, self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.act0, self.act1 = nn.ReLU(), nn.ReLU()
+
+    def forward(self, x):
+        return self.fc1(self.act0(self.fc0(x * self.scale))) + self.fc2(self.act1(x * self.scale))
+
+
+def test_a_try_that_gains_less_than_its_layers_bytes_is_split():
+    x = _x(4, 16, 64)
+    model = patch_model(MixedLinears().train(), ops=["linear"])
+    result = skip_duplicated(model, x, run=_bf16)
+    assert result.layers == {"linear": ["fc1"]} and result.kept == {"linear": ["fc2"]}
+    model.fc2.set_quant_options(enabled=False)  # (both: more than fc1 alone)
+    assert measured_copies(model, x, _bf16, copies=False)[0] > result.after
+
+
+def test_a_later_patch_model_call_undoes_the_switches():
+    """``ops=["relu"]`` after ``["conv"]``: the ReLUs keep 1-bit masks, no longer the convs'
+    inputs, so the convs switched for them are compressed again (the review's find: they stayed
+    stock, keeping their inputs in full), and a new call finds what a fresh patch finds."""
+    model = patch_model(_convnet(), ops=["conv"])
+    skip_duplicated(model, _x())
+    patch_model(model, ops=["relu"])
+    assert all(m.quant_options.enabled for m in model.modules() if hasattr(m, "quant_options"))
+    assert not left_stock_duplicates(model)
+    fresh = patch_model(_convnet(), ops=["conv", "relu"])
+    assert measured_copies(model, _x(), copies=False)[0] == measured_copies(fresh, _x(), copies=False)[0]
+    assert skip_duplicated(model, _x()).layers == skip_duplicated(fresh, _x()).layers
+
+
+def test_layers_the_user_switched_off_stay_off_and_unmarked():
+    """A scale branch's BatchNorm switched off by hand: a try of its pair neither switches it
+    back on when undone nor credits itself with it (the review's find)."""
+    import timm
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = patch_model(timm.create_model("mobileone_s0", num_classes=10).train(), ops=["conv", "batchnorm"])
+    off = [n for n, m in model.named_modules() if m.__dict__.get("_mesa_scale_conv") is not None][:3]
+    for name in off:
+        model.get_submodule(name).set_quant_options(enabled=False)
+    skip_duplicated(model, _x(2, 3, 32, 32))
+    for name in off:
+        layer = model.get_submodule(name)
+        assert not layer.quant_options.enabled and LEFT_STOCK_ATTR not in layer.__dict__, name
+    assert not set(off) & set(left_stock_duplicates(model))

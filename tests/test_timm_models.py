@@ -287,7 +287,7 @@ def test_skip_duplicated_on_the_models_with_duplicates(name):
     result = skip_duplicated(after, x)
     assert result.after <= result.before
     assert result.after == measured_copies(after, x, copies=False)[0]
-    assert not [n for n, (_, copied, dup, _) in measured_copies(after, x)[1].items() if dup == copied and
+    assert not [n for n, (_, copied, dup, *_) in measured_copies(after, x)[1].items() if dup == copied and
                 n not in {k for v in result.kept.values() for k in v}], name
     assert coverage(after, x).total == result.after
     assert torch.equal(_seeded(stock, x), _seeded(after, x)), f"{name}: train forward differs from stock"

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -150,7 +150,8 @@ class _CompressedTensors:
 
 def duplicated_layers(meter: SavedTensorMeter, held: Dict[str, List[tuple]]) -> Dict[str, tuple]:
     """Per Mesa layer that copied a tensor: ``(its own bytes, the bytes of the tensors it copied,
-    of those the bytes another module keeps in full, those modules' names)``. A layer's held
+    of those the bytes another module keeps in full, those modules' names, the copied storages'
+    data pointers)`` (layers that copied the same storages took one copy: ``nn/input_copy.py``). A layer's held
     tensors that it saved itself (kept in full: shared, no bytes added) are not its copies; a
     layer that took a parallel layer's copy (``nn/input_copy.py``) has no bytes of its own.
     ``skip_duplicated`` leaves stock the layers whose copies are all duplicates."""
@@ -165,7 +166,7 @@ def duplicated_layers(meter: SavedTensorMeter, held: Dict[str, List[tuple]]) -> 
         if copied:
             out[name] = (own, sum(size for size, _ in copied.values()),
                          sum(size for size, keepers in copied.values() if keepers),
-                         sorted({k for _, keepers in copied.values() for k in keepers}))
+                         sorted({k for _, keepers in copied.values() for k in keepers}), frozenset(copied))
     return out
 
 
@@ -177,7 +178,7 @@ def _duplicated(modules: Dict[str, nn.Module], meter: SavedTensorMeter, held: Di
     rules = _leaf_rules()
     asked = set((getattr(modules[""], PATCH_INFO_ATTR, None) or {}).get("ops", ()))
     out: Dict[str, list] = {}
-    for name, (own, copied, duplicated, keepers) in duplicated_layers(meter, held).items():
+    for name, (own, copied, duplicated, keepers, _tensors) in duplicated_layers(meter, held).items():
         if not own or not duplicated:
             continue
         entry = out.setdefault(mesa_layer_op(modules[name]), [0, 0, {}, set()])
@@ -210,10 +211,17 @@ def _measure(model: nn.Module, example_input, run: Optional[Callable], duplicate
     return meter, found
 
 
+class Measured(NamedTuple):
+    total: int  # bytes one training forward keeps
+    layers: Dict[str, tuple]  # duplicated_layers (empty without copies=True)
+    per_module: Dict[str, int]  # SavedTensorMeter.per_module: each storage counted for its first saver
+
+
 def measured_copies(model: nn.Module, example_input, run: Optional[Callable] = None,
-                    copies: bool = True) -> Tuple[int, Dict[str, tuple]]:
-    """The bytes one training forward of ``model`` (the root, not a wrapper) keeps, and with
-    ``copies`` its ``duplicated_layers``; the model left as it was (``_untouched``)."""
+                    copies: bool = True) -> Measured:
+    """The bytes one training forward of ``model`` (the root, not a wrapper) keeps, with
+    ``copies`` its ``duplicated_layers``, and the bytes per module; the model left as it was
+    (``_untouched``)."""
     with _untouched(model):
         model.train()
         held = _CompressedTensors(model) if copies else None
@@ -224,7 +232,7 @@ def measured_copies(model: nn.Module, example_input, run: Optional[Callable] = N
         finally:
             if held is not None:
                 held.close()
-    return meter.activation_bytes, layers
+    return Measured(meter.activation_bytes, layers, dict(meter.per_module))
 
 
 def _metered_forward(model: nn.Module, example_input, run: Optional[Callable]):

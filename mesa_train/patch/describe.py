@@ -13,7 +13,8 @@ from mesa_train.models import unwrap_module
 
 from .core import OPS, PATCH_INFO_ATTR, mesa_layer_op
 from .coverage import coverage, format_coverage
-from .duplicates import FUSED_BACK_ATTR, LEFT_STOCK_ATTR, fused_back_attentions, left_stock_duplicates
+from .duplicates import fused_back_attentions, left_stock_duplicates
+from .skip_marks import FUSED_BACK_ATTR, LEFT_STOCK_ATTR
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
 from .scale_branch import waiting_halves

@@ -45,6 +45,7 @@ from mesa_train.models import unwrap_module
 from .attention import STOCK_FUSED_ATTR
 from .core import mesa_layer_op
 from .coverage import measured_copies
+from .skip_marks import FUSED_BACK_ATTR, LEFT_STOCK_ATTR, undo_skips
 
 __all__ = ["DUPLICATES", "FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "SkippedDuplicates", "fused_back_attentions",
            "left_stock_duplicates", "skip_duplicated"]
@@ -52,10 +53,6 @@ __all__ = ["DUPLICATES", "FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "SkippedDuplicate
 # mesa.duplicates: skip (leave such layers stock, the default) | keep (compress what the ops ask)
 DUPLICATES = ("skip", "keep")
 
-# (in the layer's __dict__: True where skip_duplicated switched it to stock)
-LEFT_STOCK_ATTR = "_mesa_left_stock_duplicate"
-# (in an attention's __dict__: its explicit path and fused_attn, where skip_duplicated put it back fused)
-FUSED_BACK_ATTR = "_mesa_fused_back"
 _ATTENTIONS = "attention"  # (the try of the attentions moved to the explicit path)
 
 
@@ -90,8 +87,9 @@ class SkippedDuplicates:
         text = (" and ".join(parts) + f": kept bytes {self.after / max(self.before, 1):.3f}x of before" if parts
                 else "no Mesa layer left stock")
         if kept:
-            text += (f"; {kept} layer(s) whose copies other modules keep in full would keep more as stock "
-                     f"({_by_op(self.kept)}: e.g. autocast's 16-bit casts) and stay compressed")
+            text += (f"; {kept} layer(s) whose copies other modules keep in full stay compressed, as leaving "
+                     f"them stock kept as much or more ({_by_op(self.kept)}: e.g. autocast's 16-bit casts of "
+                     f"their inputs, a scale branch's BatchNorm input)")
         return text
 
 
@@ -102,39 +100,70 @@ def _by_op(layers: Dict[str, List[str]]) -> str:
 def skip_duplicated(model: nn.Module, example_input, *, run: Optional[Callable] = None,
                     max_rounds: int = 8) -> SkippedDuplicates:
     """Switch to stock the Mesa layers of ``model`` whose every copy another module keeps in
-    full, where that lowers the bytes one training forward keeps (module doc). ``run(model,
-    example_input)`` replaces ``model(example_input)`` (several inputs, autocast)."""
+    full, and put attentions built fused back on that path, where that lowers the bytes one
+    training forward keeps (module doc). ``run(model, example_input)`` replaces
+    ``model(example_input)`` (several inputs, autocast). The switches of an earlier call are
+    undone first (the model may have been patched since: ``skip_marks``); if a measuring forward
+    fails, every switch is undone before the error goes on."""
     root = unwrap_module(model, "skip_duplicated")
     modules = dict(root.named_modules())
-    total, layers = measured_copies(root, example_input, run)
+    undo_skips(root)
+    try:
+        return _skip(root, modules, example_input, run, max_rounds)
+    except BaseException:
+        undo_skips(root)  # (a half-measured model keeps nothing of this call)
+        raise
+
+
+def _skip(root: nn.Module, modules: Dict[str, nn.Module], example_input, run, max_rounds: int) -> SkippedDuplicates:
+    total, layers, _ = measured_copies(root, example_input, run)
     result = SkippedDuplicates(before=total, after=total)
-    for _ in range(max_rounds):
-        by_op: Dict[str, List[str]] = {}
-        for name, (_own, copied, duplicated, _keepers) in layers.items():
-            # (with the layers that took its copy: nn/input_copy.py, no bytes of their own)
-            if duplicated == copied and not modules[name].__dict__.get(LEFT_STOCK_ATTR):
-                by_op.setdefault(mesa_layer_op(modules[name]), []).append(name)
-        switched = False
-        for op, group, switch in _tries(modules, layers, by_op):
-            switch(modules, group, stock=True)
-            try:
-                after, _ = measured_copies(root, example_input, run, copies=False)
-            except BaseException:
-                switch(modules, group, stock=False)  # (never half a try left behind)
-                raise
-            if after < total:
-                total, switched = after, True
-                if op == _ATTENTIONS:
-                    result.fused_back.extend(group)
+
+    def measure() -> tuple:
+        after, _, per_module = measured_copies(root, example_input, run, copies=False)
+        return after, per_module
+
+    def attempt(op: str, units: List[List[str]], switch, whole: bool) -> None:
+        """Switch ``units`` (lists of names that go together) and keep what lowers the bytes.
+        A stock layer that keeps bytes of its own (autocast's cast of its input: the meter credits
+        a storage to its first saver, and one only referenced is the keeper's) is an adder: where
+        some units have adders and some not, the adders go back on and that is measured too (the
+        review's find: one try for both gained less than the good one alone, or nothing)."""
+        nonlocal total
+        group = [n for unit in units for n in unit]
+        switch(modules, group, stock=True)
+        try:
+            after, per_module = measure()
+            adders = [u for u in units if any(per_module.get(n, 0) for n in u)] if not whole else []
+            if adders and len(adders) < len(units):
+                switch(modules, [n for u in adders for n in u], stock=False)
+                fewer, _ = measure()
+                if fewer < min(after, total):
+                    after, group = fewer, [n for u in units if u not in adders for n in u]
+                    _add(result.kept, modules, [n for u in adders for n in u if n in layers])
                 else:
-                    _add(result.layers, modules, group)
-            else:  # (the stock layers keep copies of their own, e.g. autocast's casts)
-                switch(modules, group, stock=False)
-                if op != _ATTENTIONS:
-                    _add(result.kept, modules, [n for n in group if n in by_op[op]])  # (not the partners)
-        if not switched:
+                    switch(modules, [n for u in adders for n in u], stock=True)
+        except BaseException:
+            switch(modules, [n for unit in units for n in unit], stock=False)  # (never half a try left behind)
+            raise
+        if after < total:
+            total = after
+            if op == _ATTENTIONS:
+                result.fused_back.extend(group)
+            else:
+                _add(result.layers, modules, group)
+            return
+        switch(modules, group, stock=False)
+        if op != _ATTENTIONS:  # (the stock layers keep copies of their own, e.g. autocast's casts)
+            _add(result.kept, modules, [n for n in group if n in layers])  # (not a scale partner)
+
+    for _ in range(max_rounds):
+        count = (result.count, len(result.fused_back))
+        for op, units, switch, whole in _tries(modules, layers):
+            attempt(op, units, switch, whole)
+        if (result.count, len(result.fused_back)) == count:
             break
-        total, layers = measured_copies(root, example_input, run)
+        total, layers, _ = measured_copies(root, example_input, run)
     result.after = total
     switched_names = {n for names in result.layers.values() for n in names}
     result.kept = {op: kept for op, names in result.kept.items()
@@ -142,19 +171,28 @@ def skip_duplicated(model: nn.Module, example_input, *, run: Optional[Callable] 
     return result
 
 
-def _tries(modules: Dict[str, nn.Module], layers: Dict[str, tuple], by_op: Dict[str, List[str]]):
-    """``(op, names, switch)`` per try: each op's layers, then its linked scale branches whole, in
-    a try of their own (it costs the BatchNorm's copy, which the other layers' switch need not pay
-    for), then the attentions built fused now on the explicit path."""
-    for op, names in sorted(by_op.items(), key=lambda kv: -sum(layers[n][0] for n in kv[1])):
-        paired = [n for n in names if _scale_partner(modules[n]) is not None]
-        for group in ([n for n in names if n not in paired], _with_scale_partners(modules, paired)):
-            if group:
-                yield op, group, _switch
+def _tries(modules: Dict[str, nn.Module], layers: Dict[str, tuple]):
+    """``(op, units, switch, whole)`` per try. The candidates: the layers every copy of which
+    another module keeps in full, by op, largest first, in units of the layers that copy the same
+    tensors (one made the copy, the others took it: ``nn/input_copy.py``; they go together, or
+    the copy stays). Each op's linked scale branches go whole, partner included, in a try of their
+    own kept if the bytes drop at all (the stock BatchNorm keeps its input, which the other
+    layers' try need not pay for). Last, the attentions built fused now on the explicit path."""
+    by_op: Dict[str, Dict[frozenset, List[str]]] = {}
+    for name, (_own, copied, duplicated, _keepers, tensors) in layers.items():
+        if duplicated == copied and not modules[name].__dict__.get(LEFT_STOCK_ATTR):
+            by_op.setdefault(mesa_layer_op(modules[name]), {}).setdefault(tensors, []).append(name)
+    for op, units in sorted(by_op.items(), key=lambda kv: -sum(layers[n][0] for u in kv[1].values() for n in u)):
+        plain = [u for u in units.values() if not any(_scale_partner(modules[n]) is not None for n in u)]
+        paired = [_with_scale_partners(modules, u) for u in units.values() if u not in plain]
+        if plain:
+            yield op, plain, _switch, False
+        if paired:
+            yield op, paired, _switch, True
     explicit = [n for n, m in modules.items()
                 if m.__dict__.get(STOCK_FUSED_ATTR) and getattr(m, "mesa_attn_path", "stock") == "explicit"]
     if explicit:
-        yield _ATTENTIONS, explicit, _fuse_back
+        yield _ATTENTIONS, [explicit], _fuse_back, True
 
 
 def _fuse_back(modules: Dict[str, nn.Module], names: List[str], stock: bool) -> None:
@@ -198,7 +236,9 @@ def _with_scale_partners(modules: Dict[str, nn.Module], names: List[str]) -> Lis
     for name in names:
         layer = modules[name]
         partner = _scale_partner(layer)
-        if partner is not None and id(partner) in ids and ids[id(partner)] not in out:
+        # (a partner the user switched off stays as it is: both halves are then stock)
+        if (partner is not None and id(partner) in ids and ids[id(partner)] not in out
+                and partner.quant_options.enabled):
             out.append(ids[id(partner)])
     return out
 

@@ -1,0 +1,33 @@
+"""The marks ``skip_duplicated`` (patch/duplicates.py) leaves on a model, and their undoing.
+
+A switch is a measurement of the model as it was patched: a later ``patch_model`` call changes
+what the other modules keep (``ops=["relu"]`` after ``["conv"]``: the ReLUs keep 1-bit masks,
+no longer the convs' inputs), so it undoes every switch first (``undo_skips``), and so does
+``skip_duplicated`` itself before it measures again. Apart from ``duplicates.py`` so that
+``patch/core.py`` can undo them without importing the measuring code (which imports it).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "undo_skips"]
+
+# (in a Mesa layer's __dict__: True where skip_duplicated switched it to stock)
+LEFT_STOCK_ATTR = "_mesa_left_stock_duplicate"
+# (in an attention's __dict__: its explicit path and fused_attn, where skip_duplicated put it back fused)
+FUSED_BACK_ATTR = "_mesa_fused_back"
+
+
+def undo_skips(root: nn.Module) -> int:
+    """Switch back on the layers ``skip_duplicated`` left stock and put its fused-back
+    attentions on the explicit path again; the number of modules changed."""
+    changed = 0
+    for m in root.modules():
+        if m.__dict__.pop(LEFT_STOCK_ATTR, None):
+            m.set_quant_options(enabled=True)
+            changed += 1
+        back = m.__dict__.pop(FUSED_BACK_ATTR, None)
+        if back is not None:
+            m.mesa_attn_path, m.fused_attn = back
+            changed += 1
+    return changed
