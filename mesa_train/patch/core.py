@@ -761,8 +761,10 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
             f"{', ...' if n > 1 else ''}) now run{'' if n > 1 else 's'} the explicit path (ops "
             f"{', '.join(o for o in ('matmul', 'softmax') if o in op_names)} without sdpa), "
             "which keeps an N x N attention map the fused path does not: ops=['softmax'] alone keeps 1.046x of the "
-            "fused stock's bytes on deit_tiny at 224 px. Add 'sdpa' to compress the fused path, or build the model "
-            "with fused_attn=False (the paper's baseline) to compare on the explicit path",
+            "fused stock's bytes on deit_tiny at 224 px. Add 'sdpa' to compress the fused path, build the model "
+            "with fused_attn=False (the paper's baseline) to compare on the explicit path, or let "
+            "skip_duplicated(model, example_input) put them back where that keeps less (training does: "
+            "mesa.duplicates=skip)",
             UserWarning, stacklevel=2)
     _warn_new_buffers(root, buffers_before)
     return model
