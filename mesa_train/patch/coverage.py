@@ -151,9 +151,9 @@ class _CompressedTensors:
 def duplicated_layers(meter: SavedTensorMeter, held: Dict[str, List[tuple]]) -> Dict[str, tuple]:
     """Per Mesa layer that copied a tensor: ``(its own bytes, the bytes of the tensors it copied,
     of those the bytes another module keeps in full, those modules' names, the copied storages'
-    data pointers)`` (layers that copied the same storages took one copy: ``nn/input_copy.py``). A layer's held
-    tensors that it saved itself (kept in full: shared, no bytes added) are not its copies; a
-    layer that took a parallel layer's copy (``nn/input_copy.py``) has no bytes of its own.
+    data pointers)``. A layer's held tensors that it saved itself (kept in full: shared, no bytes
+    added) are not its copies; layers that copied the same storages made one copy between them,
+    and the ones that took it (``nn/input_copy.py``) have no bytes of their own.
     ``skip_duplicated`` leaves stock the layers whose copies are all duplicates."""
     out: Dict[str, tuple] = {}
     for name, tensors in held.items():

@@ -347,7 +347,8 @@ def _skip_duplicates(cfg, model, device, amp_dtype, rank: int) -> None:
                         "layers the ops ask for stay compressed", err)
         return
     if (result.count or result.kept or result.fused_back) and rank == 0:
-        log.info("%s (mesa.duplicates=keep compresses them all)", result.summary())
+        log.info("%s%s", result.summary(),
+                 " (mesa.duplicates=keep: as the ops ask)" if result.count or result.fused_back else "")
 
 
 def _wrap(cfg, model, device, amp_dtype, world):
