@@ -320,3 +320,20 @@ def test_layers_the_user_switched_off_stay_off_and_unmarked():
         layer = model.get_submodule(name)
         assert not layer.quant_options.enabled and LEFT_STOCK_ATTR not in layer.__dict__, name
     assert not set(off) & set(left_stock_duplicates(model))
+
+
+def test_patching_a_submodule_or_applying_a_plan_undoes_the_whole_models_switches():
+    """The review's find: ``patch_model`` on one block, or a plan's per-unit calls, undid only the
+    switches inside what they patched; a sibling's stayed, measured for a model that changed."""
+    from mesa_train.plan import Plan
+
+    model = patch_model(_convnet(), ops=["conv"])
+    skip_duplicated(model, _x())
+    patch_model(model[5], ops=["relu"])  # (the second ReLU alone)
+    assert not left_stock_duplicates(model)
+    assert all(m.quant_options.enabled for m in model.modules() if hasattr(m, "quant_options"))
+    vit = _patched_quietly(_vit(True), ops=["gelu", "softmax"])
+    assert skip_duplicated(vit, _x(2, 3, 32, 32)).fused_back == ["blocks.0.attn", "blocks.1.attn"]
+    _patched_quietly(vit, plan=Plan(layers={"blocks.0": ("linear",)}))  # (blocks.1 is no unit of it)
+    assert not duplicates_mod.fused_back_attentions(vit)
+    assert vit.blocks[1].attn.mesa_attn_path == "explicit"

@@ -5,6 +5,7 @@ import copy
 import csv
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -341,12 +342,19 @@ def test_the_readme_example_puts_the_fused_attentions_back(compose_train, tmp_pa
     # (at 96 px, 145 tokens: two heads' 1-byte maps outweigh the 32-channel output the fused path
     # keeps; at the tiny model's 32 px, 17 tokens, the explicit path keeps less and stays)
     ops = ["mesa.enabled=true", "mesa.ops=[gelu,softmax]", "model.img_size=96"]
-    fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ops), str(tmp_path / "skip"))
+    with warnings.catch_warnings(record=True) as caught:  # (patch_model's explicit-path warning: said
+        warnings.simplefilter("always")                     # by the start-up line instead, with skip)
+        fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ops), str(tmp_path / "skip"))
     assert "put 2 attention(s) back on the fused path they were built with" in caplog.text
     assert "keeps more for backward" not in caplog.text
+    assert not [w for w in caught if "now run the explicit path" in str(w.message)]
     caplog.clear()
-    fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ops + ["mesa.duplicates=keep"]), str(tmp_path / "keep"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ops + ["mesa.duplicates=keep"]),
+            str(tmp_path / "keep"))
     assert "attention(s) back" not in caplog.text
+    assert [w for w in caught if "now run the explicit path" in str(w.message)]
 
 
 def test_stock_saved_bytes_estimate_is_exact_and_leaves_the_buffers():

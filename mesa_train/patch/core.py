@@ -67,7 +67,7 @@ from mesa_train.nn.quantizer import QuantOptions, assign_rng_keys
 from mesa_train.nn.sdpa import ScaledDotProductAttention
 
 from .attention import ATTENTION_CLASSES, PlainMatMul, PlainSoftmax, STOCK_ATTENTION_CLASSES, STOCK_FUSED_ATTR
-from .skip_marks import undo_skips
+from .skip_marks import undo_skips_around
 from .cancellation import CANCELLING_BN, cancellation_batchnorms
 from .checkpoint import accept_stock_checkpoints, declare_key_upgrades
 from .recompute import make_recomputed
@@ -670,8 +670,9 @@ def patch_model(model: nn.Module, ops: Iterable[str] = ("all",), modules: Iterab
 
     _check_dtype(root)
     _check_recomputed_weights(root, op_names, set_names)
-    # skip_duplicated's switches measured the model as patched before this call: undone (skip_marks.py)
-    undo_skips(root)
+    # skip_duplicated's switches measured the model as patched before this call: undone, in the
+    # whole model that holds root (skip_marks.py)
+    undo_skips_around(root)
     # 0. torch transformer layers built with activation="gelu" hold F.gelu itself: the stock
     # module in its place, for the leaf conversion (patch/torch_transformer.py)
     activations_as_modules(root, op_names)

@@ -45,7 +45,7 @@ from mesa_train.models import unwrap_module
 from .attention import STOCK_FUSED_ATTR
 from .core import mesa_layer_op
 from .coverage import measured_copies
-from .skip_marks import FUSED_BACK_ATTR, LEFT_STOCK_ATTR, undo_skips
+from .skip_marks import FUSED_BACK_ATTR, LEFT_STOCK_ATTR, record_skipped_root, undo_skips
 
 __all__ = ["DUPLICATES", "FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "SkippedDuplicates", "fused_back_attentions",
            "left_stock_duplicates", "skip_duplicated"]
@@ -82,8 +82,8 @@ class SkippedDuplicates:
                          f"({_by_op(self.layers)})")
         if self.fused_back:
             parts.append(f"put {len(self.fused_back)} attention(s) back on the fused path they were built with "
-                         f"(the explicit path that softmax / matmul without sdpa chose kept an N x N map; add "
-                         f"sdpa to compress the fused one)")
+                         f"(the explicit path that softmax / matmul without sdpa chose kept an N x N map; sdpa in "
+                         f"the ops compresses the fused path)")
         text = (" and ".join(parts) + f": kept bytes {self.after / max(self.before, 1):.3f}x of before" if parts
                 else "no Mesa layer left stock")
         if kept:
@@ -108,6 +108,7 @@ def skip_duplicated(model: nn.Module, example_input, *, run: Optional[Callable] 
     root = unwrap_module(model, "skip_duplicated")
     modules = dict(root.named_modules())
     undo_skips(root)
+    record_skipped_root(root)
     try:
         return _skip(root, modules, example_input, run, max_rounds)
     except BaseException:

@@ -8,14 +8,35 @@ no longer the convs' inputs), so it undoes every switch first (``undo_skips``), 
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
-__all__ = ["FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "undo_skips"]
+__all__ = ["FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "record_skipped_root", "undo_skips", "undo_skips_around"]
 
 # (in a Mesa layer's __dict__: True where skip_duplicated switched it to stock)
 LEFT_STOCK_ATTR = "_mesa_left_stock_duplicate"
 # (in an attention's __dict__: its explicit path and fused_attn, where skip_duplicated put it back fused)
 FUSED_BACK_ATTR = "_mesa_fused_back"
+
+
+# the models skip_duplicated switched layers in (weakly: a model dropped is forgotten), so that a
+# later patch_model call on one of their submodules, or a plan's per-unit calls, undoes the
+# switches of the whole model it changes (the review's find: a sibling's stayed)
+_SKIPPED_ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def record_skipped_root(root: nn.Module) -> None:
+    _SKIPPED_ROOTS.add(root)
+
+
+def undo_skips_around(module: nn.Module) -> int:
+    """``undo_skips`` of ``module`` and of every model ``skip_duplicated`` switched that holds it."""
+    changed = undo_skips(module)
+    for root in list(_SKIPPED_ROOTS):
+        if root is not module and any(m is module for m in root.modules()):
+            changed += undo_skips(root)
+    return changed
 
 
 def undo_skips(root: nn.Module) -> int:

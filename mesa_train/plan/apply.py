@@ -10,6 +10,7 @@ from mesa_train.nn.quantizer import assign_rng_keys
 from mesa_train.patch.checkpoint import accept_stock_checkpoints
 from mesa_train.patch.core import check_patch_arguments, patch_model
 from mesa_train.patch.reuse import watch_reuse
+from mesa_train.patch.skip_marks import undo_skips_around
 from mesa_train.patch.table import format_table
 
 from .planfile import RECOMPUTE, Plan, PlanError, as_plan
@@ -57,6 +58,9 @@ def apply_plan(model: nn.Module, plan_or_path: Any, attention: str = "auto", **q
     for _, ops, modules in calls:  # (validation first, as patch_model's own)
         if ops and RECOMPUTE not in ops:
             check_patch_arguments(ops, modules, options, attention=attention, **copies)
+    # skip_duplicated's switches measured the model before this plan (patch/skip_marks.py): every
+    # one undone, not only the units' the plan patches
+    undo_skips_around(root)
     for unit, ops, modules in calls:
         if not ops:
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 import torch
 import torch.nn as nn
@@ -79,7 +80,12 @@ def build(cfg, num_classes: int, drop_path: float | None = None, pretrained: boo
     if cfg.mesa.enabled and cfg.mesa.get("plan") is None:
         from mesa_train import patch_model
 
-        model = patch_model(model, **mesa_options(cfg))
+        with warnings.catch_warnings():
+            if cfg.mesa.get("duplicates", "skip") == "skip":
+                # patch_model's word on attentions moved to the explicit path: training measures
+                # it at start-up and puts them back where that keeps less (runner._skip_duplicates)
+                warnings.filterwarnings("ignore", message=r"mesa_train\.patch_model: \d+ attentions? built fused")
+            model = patch_model(model, **mesa_options(cfg))
     return model
 
 
