@@ -170,15 +170,15 @@ def duplicated_layers(meter: SavedTensorMeter, held: Dict[str, List[tuple]]) -> 
     return out
 
 
-def _duplicated(modules: Dict[str, nn.Module], meter: SavedTensorMeter, held: Dict[str, List[tuple]]):
+def _duplicated(modules: Dict[str, nn.Module], layers: Dict[str, tuple]):
     """``Coverage.duplicated``: per op, the Mesa layers whose copy of a tensor duplicates another
-    module's full one, what those modules are, and the ops that would compress them which the
-    patch did not ask for. A layer's bytes are shared among its copies by their sizes, and the
-    duplicated ones' share is reported."""
+    module's full one (``duplicated_layers``), what those modules are, and the ops that would
+    compress them which the patch did not ask for. A layer's bytes are shared among its copies by
+    their sizes, and the duplicated ones' share is reported."""
     rules = _leaf_rules()
     asked = set((getattr(modules[""], PATCH_INFO_ATTR, None) or {}).get("ops", ()))
     out: Dict[str, list] = {}
-    for name, (own, copied, duplicated, keepers, _tensors) in duplicated_layers(meter, held).items():
+    for name, (own, copied, duplicated, keepers, _tensors) in layers.items():
         if not own or not duplicated:
             continue
         entry = out.setdefault(mesa_layer_op(modules[name]), [0, 0, {}, set()])
@@ -196,19 +196,19 @@ def _duplicated(modules: Dict[str, nn.Module], meter: SavedTensorMeter, held: Di
                   key=lambda r: -r[2])
 
 
-def _measure(model: nn.Module, example_input, run: Optional[Callable], duplicates: bool = False):
-    """The meter of one training forward, and with ``duplicates`` ``_duplicated``'s rows (else [])."""
+def _measure(model: nn.Module, example_input, run: Optional[Callable], copies: bool = False):
+    """The meter of one training forward, and with ``copies`` its ``duplicated_layers`` (else {}),
+    read while the graph still holds the saved tensors."""
     model.train()
-    held = _CompressedTensors(model) if duplicates else None
+    held = _CompressedTensors(model) if copies else None
     try:
         meter, out = _metered_forward(model, example_input, run)
-        # (while out holds the graph, and so the saved tensors)
-        found = _duplicated(dict(model.named_modules()), meter, held.held) if held is not None else []
+        layers = duplicated_layers(meter, held.held) if held is not None else {}
         del out
     finally:
         if held is not None:
             held.close()
-    return meter, found
+    return meter, layers
 
 
 class Measured(NamedTuple):
@@ -223,15 +223,7 @@ def measured_copies(model: nn.Module, example_input, run: Optional[Callable] = N
     ``copies`` its ``duplicated_layers``, and the bytes per module; the model left as it was
     (``_untouched``)."""
     with _untouched(model):
-        model.train()
-        held = _CompressedTensors(model) if copies else None
-        try:
-            meter, out = _metered_forward(model, example_input, run)
-            layers = duplicated_layers(meter, held.held) if held is not None else {}  # (while out holds the graph)
-            del out
-        finally:
-            if held is not None:
-                held.close()
+        meter, layers = _measure(model, example_input, run, copies)
     return Measured(meter.activation_bytes, layers, dict(meter.per_module))
 
 
@@ -261,7 +253,7 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
     modules: Dict[str, nn.Module] = dict(root.named_modules())
     norm_fed = norm_fed_ids(root)
     with _untouched(root):
-        meter, duplicated = _measure(root, example_input, run, duplicates=True)  # as the user set it up
+        meter, layers = _measure(root, example_input, run, copies=True)  # as the user set it up
     with stock_forwards(root):
         stock, _ = _measure(root, example_input, run)
     groups: Dict[tuple, list] = {}
@@ -282,7 +274,7 @@ def coverage(model: nn.Module, example_input, *, run: Optional[Callable] = None)
         entry[1] += 1
     rows = sorted(((k[0], k[1], n, b) for k, (b, n) in groups.items()), key=lambda r: -r[3])
     return Coverage(rows=rows, total=meter.activation_bytes, stock_total=stock.activation_bytes,
-                    duplicated=duplicated)
+                    duplicated=_duplicated(modules, layers))
 
 
 def format_coverage(cov: Coverage) -> str:

@@ -310,13 +310,16 @@ def _apply_plan(cfg, model, device, amp_dtype, num_classes, ckpt) -> None:
         raise ConfigError(f"mesa.plan: {err}") from None
 
 
+def _as_trained(cfg, images: torch.Tensor) -> torch.Tensor:
+    """Start-up probe images in the memory format training feeds the model (trainer.channels_last)."""
+    return images.contiguous(memory_format=torch.channels_last) if cfg.trainer.channels_last else images
+
+
 def _probe_reuse(cfg, model, device) -> None:
     """Modules a forward calls more than once get per-sample ranges from the first step, also
     compiled and resumed (one eval forward of a blank image: mesa_train/patch/reuse.py)."""
-    x = torch.zeros(1, 3, cfg.model.img_size, cfg.model.img_size, device=device)
-    if cfg.trainer.channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    layers = probe_reuse(model, x)
+    size = cfg.model.img_size
+    layers = probe_reuse(model, _as_trained(cfg, torch.zeros(1, 3, size, size, device=device)))
     if layers:
         log.info("estimator=per_sample for %d Mesa layer(s) of modules called more than once a forward",
                  len(layers))
@@ -331,9 +334,7 @@ def _skip_duplicates(cfg, model, device, amp_dtype, rank: int) -> None:
     if cfg.mesa.get("duplicates", "skip") != "skip":
         return
     size = cfg.model.img_size
-    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device)
-    if cfg.trainer.channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
+    x = _as_trained(cfg, torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device))
 
     def run(m, images):
         with autocast(device, amp_dtype):
