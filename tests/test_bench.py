@@ -243,6 +243,7 @@ def test_bad_row_values_name_the_choices():
         ({"label": "a", "compile": True, "compile_kernels": "fast"}, ["auto", "ops", "traceable"]),
         ({"label": "a", "compile": True, "compile_scope": "layers"}, ["compile_scope='layers'", "model, blocks"]),
         ({"label": "a", "channels_last": "yes"}, ["channels_last must be true or false"]),
+        ({"label": "a", "mesa": True, "duplicates": "drop"}, ["duplicates='drop'", "skip, keep"]),
     ]
     for row, words in cases:
         with pytest.raises(BenchConfigError) as info:
@@ -710,3 +711,33 @@ def test_a_mesa_row_of_a_model_with_reused_modules_takes_per_sample_ranges_from_
     assert any("cpe1 (ConvPosEnc, 2 calls)" in str(w.message) for w in said)
     assert model.cpe1.proj.quant_options.estimator == "per_sample" and model.training
     assert model.serial_blocks1[0].mlp.fc1.quant_options.estimator == "running"
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_mesa_row_leaves_duplicated_layers_stock_as_training_does(channels_last):
+    """``duplicates: skip`` (the default, train.py's mesa.duplicates): a fused DeiT row whose ops
+    leave out sdpa keeps each attention's output in the stock SDPA, so its ``proj`` copy only adds
+    bytes and goes stock; the row's saved bytes drop, its notes say so, the data and the RNG are
+    untouched (the step's input is the keep row's), and ``duplicates: keep`` compresses every layer."""
+    from mesa_train.bench import measure
+    from mesa_train.bench.presets import make_row
+    from mesa_train.patch.duplicates import left_stock_duplicates
+
+    common = {"model": "deit_ti", "batch_size": 2, "img_size": 32, "num_classes": 3, "amp": "fp32",
+              "attention": "fused", "mesa": True, "ops": ["linear", "gelu", "layernorm"], "warmup": 0,
+              "model_kwargs": {"depth": 2}, "channels_last": channels_last}
+    saved, notes, inputs = {}, {}, {}
+    for mode in ("skip", "keep"):
+        row = make_row(common, {"label": mode, "duplicates": mode})
+        torch.manual_seed(0)
+        model = measure.build_for_row(row)
+        step = measure.TrainStep(row, model, torch.device("cpu"))
+        inputs[mode] = (step.x.clone(), torch.randn(3))
+        stock = left_stock_duplicates(model)
+        assert stock == (["blocks.0.attn.proj", "blocks.1.attn.proj"] if mode == "skip" else []), (mode, stock)
+        saved[mode] = measure.saved_bytes(step)[0]
+        notes[mode] = measure.skipped_duplicates_note(row, model)
+    assert saved["skip"] < saved["keep"], saved
+    assert notes["skip"].startswith("duplicates=skip: 2 Mesa layer(s) left stock") and notes["keep"] == ""
+    assert all(torch.equal(a, b) for a, b in zip(inputs["skip"], inputs["keep"]))
+    assert "duplicates=keep" in make_row(common, {"label": "k", "duplicates": "keep"}).describe()

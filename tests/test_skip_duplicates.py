@@ -337,3 +337,26 @@ def test_patching_a_submodule_or_applying_a_plan_undoes_the_whole_models_switche
     _patched_quietly(vit, plan=Plan(layers={"blocks.0": ("linear",)}))  # (blocks.1 is no unit of it)
     assert not duplicates_mod.fused_back_attentions(vit)
     assert vit.blocks[1].attn.mesa_attn_path == "explicit"
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_training_start_up_forwards_feed_the_memory_format_training_feeds(channels_last):
+    """train.py's start-up forwards (the reuse probe, mesa.duplicates=skip's measurement, the stock
+    saved-bytes figure beside kept_for_backward) see images in trainer.channels_last's format, as
+    the epochs' batches are: a layout can change what a forward keeps."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from mesa_train.train import runner
+
+    seen = []
+    model = patch_model(_convnet(), ops=["conv"])
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous()))
+    cfg = OmegaConf.create({"model": {"img_size": 8}, "mesa": {"duplicates": "skip"},
+                            "trainer": {"channels_last": channels_last, "batch_size": 6}})
+    cpu = torch.device("cpu")
+    runner._probe_reuse(cfg, model, cpu)
+    runner._skip_duplicates(cfg, model, cpu, None, rank=0)
+    assert runner._stock_saved_bytes(model, cfg, SimpleNamespace(device=cpu, amp_dtype=None)) > 0
+    assert len(seen) >= 4 and set(seen) == {not channels_last}, seen

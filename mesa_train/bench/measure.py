@@ -271,9 +271,50 @@ def build_for_row(row: RowConfig, device: torch.device | str = "cpu", patch: boo
         # stock rows run where the package cannot be imported)
         from mesa_train.patch.reuse import probe_reuse
 
-        probe_reuse(model, torch.zeros(1, 3, row.img_size, row.img_size, device=device))
+        probe_reuse(model, _row_images(row, 1, device, random=False))
+        if row.duplicates == "skip":
+            _skip_duplicates(row, model, device)
     model.train()
     return model
+
+
+def _row_images(row: RowConfig, n: int, device: torch.device, *, random: bool) -> torch.Tensor:
+    """``n`` start-up probe images in the row's size and memory format (seeded when random)."""
+    shape = (n, 3, row.img_size, row.img_size)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) if random else torch.zeros(shape)
+    return x.to(device, memory_format=torch.channels_last if row.channels_last else torch.contiguous_format)
+
+
+def _skip_duplicates(row: RowConfig, model: torch.nn.Module, device: torch.device) -> None:
+    """row.duplicates=skip: the Mesa layers whose every copy another module keeps in full anyway
+    go stock, and attentions the ops moved off their fused path go back, where that lowers the
+    bytes a training forward of two random images keeps under the row's amp: what train.py's
+    start-up does (mesa.duplicates=skip), so a row measures the model training runs. The forwards
+    restore the RNG and the buffers (mesa_train/patch/duplicates.py); `_measure` notes what went."""
+    from mesa_train.patch.duplicates import skip_duplicated
+
+    def run(m, images):
+        with amp_context(row, device):
+            return m(images)
+
+    try:
+        skip_duplicated(model, _row_images(row, 2, device, random=True), run=run)
+    except Exception as err:  # (a forward that refuses two random images: the row fails on its own)
+        raise BenchConfigError(f"duplicates=skip: its measuring forward failed ({err}); "
+                               "valid duplicates choices: skip, keep") from None
+
+
+def skipped_duplicates_note(row: RowConfig, model: torch.nn.Module) -> str:
+    """What row.duplicates=skip left stock or put back on the fused path ("" if nothing)."""
+    if not (row.mesa and row.duplicates == "skip"):
+        return ""
+    from mesa_train.patch.duplicates import fused_back_attentions, left_stock_duplicates
+
+    layers, fused = len(left_stock_duplicates(model)), len(fused_back_attentions(model))
+    parts = [f"{layers} Mesa layer(s) left stock"] * bool(layers) + \
+        [f"{fused} attention(s) back on their fused path"] * bool(fused)
+    return ("duplicates=skip: " + " and ".join(parts) + " (their copies duplicated what other modules keep)"
+            if parts else "")
 
 
 def make_optimizer(row: RowConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -462,6 +503,9 @@ def _measure(row: RowConfig, device: torch.device, *, seed: int, measure_saved: 
         result.graphs, result.graph_breaks = dynamo_graphs()
         result.compile_s = step.first_step_s
     result.n_params = sum(p.numel() for p in step.model.parameters())
+    skipped = skipped_duplicates_note(row, step.model)
+    if skipped:
+        result.notes.append(skipped)
     if row.warmup and not step.optimizer.state:
         result.notes.append("optimizer state not allocated after warm-up (GradScaler skipped "
                             "every step): the peak lacks it")

@@ -17,6 +17,7 @@ from mesa_train.bench.paper_numbers import paper_row
 from mesa_train.compile_scope import SCOPES as COMPILE_SCOPES, close_inductor_options
 from mesa_train.models import MODEL_NAMES, timm_name
 from mesa_train.patch import MODULE_SETS, OPS as PATCH_OPS
+from mesa_train.patch.duplicates import DUPLICATES
 from mesa_train.quant.compile_kernels import CHOICES as COMPILE_KERNELS
 from mesa_train.train.config import COMPILE_MODES as TRAIN_COMPILE_MODES
 from mesa_train.train.config import CUDA_GRAPH_COMPILE_MODES
@@ -61,6 +62,10 @@ class RowConfig:
     ops: tuple[str, ...] = ("all",)
     modules: tuple[str, ...] = ("all",)
     quant: dict[str, Any] = field(default_factory=dict)  # extra patch_model options
+    # skip: after patching, the Mesa layers that only duplicate what other modules keep go stock
+    # (mesa_train.skip_duplicated on two random images under the row's amp, as train.py's start-up
+    # does); keep: every layer the ops name stays compressed
+    duplicates: str = "skip"
     short: str | None = None  # plot label (defaults to the ops, Figure 6 style)
     batch_size: int = 128
     img_size: int = 224
@@ -135,6 +140,8 @@ class RowConfig:
                                                          if tuple(self.modules) != ("all",) else "") + "]")
             if self.quant:
                 bits.append("(" + ", ".join(f"{k}={v}" for k, v in sorted(self.quant.items())) + ")")
+            if self.duplicates != "skip":
+                bits.append(f"duplicates={self.duplicates}")
         if self.channels_last:
             bits.append("channels_last")
         if self.grad_checkpointing:
@@ -186,7 +193,8 @@ def check_row(row: RowConfig) -> None:
         raise BenchConfigError(f"{where}: {err}") from None
     for name, value, choices in (("amp", row.amp, AMP_CHOICES),
                                  ("attention", row.attention, ATTENTION_CHOICES),
-                                 ("optimizer", row.optimizer, OPTIMIZER_CHOICES)):
+                                 ("optimizer", row.optimizer, OPTIMIZER_CHOICES),
+                                 ("duplicates", row.duplicates, DUPLICATES)):
         if value not in choices:
             raise BenchConfigError(f"{where}: {name}={value!r} is not valid; valid choices: "
                                    f"{', '.join(choices)}")

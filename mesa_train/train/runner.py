@@ -672,7 +672,7 @@ def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
     batch = int(cfg.trainer.batch_size)
 
     def saved(n: int) -> int:
-        x = torch.zeros(n, 3, cfg.model.img_size, cfg.model.img_size, device=r.device)
+        x = _as_trained(cfg, torch.zeros(n, 3, cfg.model.img_size, cfg.model.img_size, device=r.device))
         with SavedTensorMeter(model) as meter:
             with autocast(r.device, r.amp_dtype):
                 model(x)
