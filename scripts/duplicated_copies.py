@@ -42,6 +42,7 @@ def _row(name: str, ops, model: torch.nn.Module, x: torch.Tensor) -> tuple:
     result = skip_duplicated(model, x)
     left = [f"{op} {len(names)}" for op, names in sorted(result.layers.items())]
     left += [f"{len(result.fused_back)} attentions fused as built"] if result.fused_back else []
+    left += [f"{len(result.full_operands)} matmul operands in full"] if result.full_operands else []
     skipped = f"{coverage(model, x).ratio:.3f} ({', '.join(left) or 'none'})"
     return (f"| {name} | {','.join(ops)} | {cov.ratio:.3f} | {share:.4f} | {found or '-'} | {skipped} |",
             bool(cov.duplicated))

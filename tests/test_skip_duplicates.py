@@ -15,7 +15,8 @@ from mesa_train.memory import SavedTensorMeter
 from mesa_train.patch import describe, patch_model
 from mesa_train.patch import duplicates as duplicates_mod
 from mesa_train.patch.coverage import coverage, measured_copies
-from mesa_train.patch.duplicates import LEFT_STOCK_ATTR, left_stock_duplicates, skip_duplicated
+from mesa_train.nn import MatMul
+from mesa_train.patch.duplicates import LEFT_STOCK_ATTR, full_operand_duplicates, left_stock_duplicates, skip_duplicated
 
 
 def _convnet():
@@ -360,3 +361,56 @@ def test_training_start_up_forwards_feed_the_memory_format_training_feeds(channe
     runner._skip_duplicates(cfg, model, cpu, None, rank=0)
     assert runner._stock_saved_bytes(model, cfg, SimpleNamespace(device=cpu, amp_dtype=None)) > 0
     assert len(seen) >= 4 and set(seen) == {not channels_last}, seen
+
+
+class PartlyKeptProduct(nn.Module):
+    """``a @ b`` where a stock ReLU keeps ``a`` (its output) in full and nothing keeps ``b`` (a
+    Linear's output, transposed): only ``a``'s 8-bit copy is a duplicate."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.act, self.other = nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)
+        self.mm = MatMul()
+
+    def forward(self, x):
+        return self.mm(self.act(self.pre(x)), self.other(x).transpose(-1, -2))
+
+
+def test_a_matmul_keeps_in_full_only_the_operand_another_module_keeps():
+    """The MatMul keeps ``a`` as the stock product does (a reference to the ReLU's output) and
+    ``b`` 8-bit: fewer bytes by ``a``'s codes, the forward unchanged, ``other``'s weight gradient
+    (from ``a``) stock's, ``describe`` names it; a later ``patch_model`` quantizes ``a`` again."""
+    torch.manual_seed(0)
+    model, x = PartlyKeptProduct().train(), torch.randn(2, 8, 16)
+    stock = copy.deepcopy(model)
+    stock.mm = nn.Identity()
+    stock.forward = lambda t: stock.act(stock.pre(t)) @ stock.other(t).transpose(-1, -2)
+    layers = measured_copies(model, x)[1]
+    assert layers["mm"][2] < layers["mm"][1] and layers["mm"][5] == frozenset({"a"}), layers
+    want, want_grads = _grads(stock, x)
+    before_out, before_grads = _grads(model, x)
+    result = skip_duplicated(model, x)
+    assert result.full_operands == {"mm": ("a",)} and not result.count, result
+    assert result.after < result.before and "1 Mesa MatMul" in result.summary()
+    assert result.after == measured_copies(model, x, copies=False)[0]
+    assert model.mm.last_saved == ("full", "int8")
+    model.zero_grad(set_to_none=True)
+    out, grads = _grads(model, x)
+    assert torch.equal(out, want) and torch.equal(out, before_out)
+    torch.testing.assert_close(grads["other.weight"], want_grads["other.weight"], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(before_grads["other.weight"], want_grads["other.weight"], rtol=1e-6, atol=1e-7)
+    assert "mm (a)" in describe(model)
+    patch_model(model, ops=["relu"])  # (the ReLU keeps a 1-bit mask from now on: a is nobody's)
+    assert not full_operand_duplicates(model) and "_mesa_full_operands" not in model.mm.__dict__
+    assert measured_copies(model, x)[1]["mm"][5] == frozenset()
+
+
+def test_a_matmul_switched_whole_later_is_not_listed_as_keeping_an_operand():
+    """Once ``b`` is a duplicate too (``other``'s output through a stock ReLU), the whole MatMul
+    goes stock and is listed there only."""
+    torch.manual_seed(0)
+    model, x = PartlyKeptProduct().train(), torch.randn(2, 8, 16)
+    model.other = nn.Sequential(model.other, nn.ReLU())
+    result = skip_duplicated(model, x)
+    assert result.layers == {"matmul": ["mm"]} and result.full_operands == {}, result
+    assert left_stock_duplicates(model) == ["mm"] and not full_operand_duplicates(model)

@@ -48,9 +48,13 @@ from ._common import (MesaLayer, autocast_casts, copy_estimates, group_dim_4d, i
                       save, stock_device)
 from .quantizer import Packed, decompress, format_code
 
-__all__ = ["MatMul", "OPERANDS"]
+__all__ = ["FULL_OPERANDS_ATTR", "MatMul", "OPERANDS"]
 
 OPERANDS = ("a", "b")
+# (in a MatMul's __dict__: the operands kept as the stock a @ b keeps them although the layer has a
+# quantizer for them, because another module keeps those very tensors in full anyway:
+# mesa_train.patch.duplicates.skip_duplicated. Not in state_dict: the quantizers' buffers stay.)
+FULL_OPERANDS_ATTR = "_mesa_full_operands"
 
 
 def _check_operands(operands) -> Tuple[str, ...]:
@@ -233,6 +237,9 @@ def _kinds(a, b, sa, sb, qa, qb) -> tuple:
 def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None, addend=None):
     qa = getattr(layer, "quantizer_a", None)
     qb = getattr(layer, "quantizer_b", None)
+    full = layer.__dict__.get(FULL_OPERANDS_ATTR)
+    if full:  # (another module keeps them in full: a reference, as the stock op keeps, adds no bytes)
+        qa, qb = (None if "a" in full else qa), (None if "b" in full else qb)
     sa = shared_a if shared_a is not None else (_take_shared(layer, a, qa) if a.dim() else None)
     sb = _take_shared(layer, b, qb) if b.dim() else None
     if qa is None and qb is None and sa is None and sb is None:

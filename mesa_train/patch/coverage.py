@@ -36,6 +36,7 @@ from torch import nn
 from mesa_train.memory import INPUT_AGNOSTIC_HOOK, SavedTensorMeter, format_bytes
 from mesa_train.models import unwrap_module
 from mesa_train.nn import MesaLayer
+from mesa_train.nn.matmul import OPERANDS, MatMul
 
 from .attention import ATTENTION_CLASSES, MesaViTAttention, attention_as_built
 from .block import norm_fed_ids
@@ -132,12 +133,14 @@ class _CompressedTensors:
             if not module.quant_options.enabled:  # (stock: it copies nothing; skip_duplicated's switches)
                 return
             if mesa_layer_op(module) == "softmax":
-                kept = [output] if isinstance(output, torch.Tensor) else []
+                kept = [(output, None)] if isinstance(output, torch.Tensor) else []
+            elif isinstance(module, MatMul):  # (a, b by name, for a per-operand switch; not baddbmm's addend)
+                kept = list(zip(args[:2], OPERANDS))
             else:
-                kept = [a for a in args if isinstance(a, torch.Tensor)]
+                kept = [(a, None) for a in args if isinstance(a, torch.Tensor)]
             self.held.setdefault(name, []).extend(
                 (weakref.ref(t.untyped_storage()), t.untyped_storage().data_ptr(), t.numel() * t.element_size(),
-                 t._version) for t in kept if t.numel())
+                 t._version, label) for t, label in kept if isinstance(t, torch.Tensor) and t.numel())
         # it reads the arguments only to hold them, changes nothing and need not be called: the
         # fused paths (a block's norm + qkv in one call, patch/block.py) stay on
         setattr(hold, INPUT_AGNOSTIC_HOOK, True)
@@ -151,22 +154,27 @@ class _CompressedTensors:
 def duplicated_layers(meter: SavedTensorMeter, held: Dict[str, List[tuple]]) -> Dict[str, tuple]:
     """Per Mesa layer that copied a tensor: ``(its own bytes, the bytes of the tensors it copied,
     of those the bytes another module keeps in full, those modules' names, the copied storages'
-    data pointers)``. A layer's held tensors that it saved itself (kept in full: shared, no bytes
-    added) are not its copies; layers that copied the same storages made one copy between them,
-    and the ones that took it (``nn/input_copy.py``) have no bytes of their own.
-    ``skip_duplicated`` leaves stock the layers whose copies are all duplicates."""
+    data pointers, the MatMul operands every copy of which is such a duplicate)``. A layer's held
+    tensors that it saved itself (kept in full: shared, no bytes added) are not its copies; layers
+    that copied the same storages made one copy between them, and the ones that took it
+    (``nn/input_copy.py``) have no bytes of their own. ``skip_duplicated`` leaves stock the layers
+    whose copies are all duplicates, and a MatMul's duplicated operands where only some are."""
     out: Dict[str, tuple] = {}
     for name, tensors in held.items():
         own = meter.per_module.get(name, 0)
         copied = {}  # data pointer -> (elements' bytes, the other modules keeping it in full)
-        for storage, ptr, size, version in tensors:
+        labels: Dict[str, bool] = {}  # MatMul operand -> every copy of it duplicated
+        for storage, ptr, size, version, label in tensors:
             savers = meter.savers(ptr, version) if storage() is not None else frozenset()
             if not any(k == name or k.startswith(f"{name}.") for k in savers):
                 copied[ptr] = (size, sorted(savers))
+                if label is not None:
+                    labels[label] = labels.get(label, True) and bool(savers)
         if copied:
             out[name] = (own, sum(size for size, _ in copied.values()),
                          sum(size for size, keepers in copied.values() if keepers),
-                         sorted({k for _, keepers in copied.values() for k in keepers}), frozenset(copied))
+                         sorted({k for _, keepers in copied.values() for k in keepers}), frozenset(copied),
+                         frozenset(label for label, all_kept in labels.items() if all_kept))
     return out
 
 
@@ -178,7 +186,7 @@ def _duplicated(modules: Dict[str, nn.Module], layers: Dict[str, tuple]):
     rules = _leaf_rules()
     asked = set((getattr(modules[""], PATCH_INFO_ATTR, None) or {}).get("ops", ()))
     out: Dict[str, list] = {}
-    for name, (own, copied, duplicated, keepers, _tensors) in layers.items():
+    for name, (own, copied, duplicated, keepers, *_) in layers.items():
         if not own or not duplicated:
             continue
         entry = out.setdefault(mesa_layer_op(modules[name]), [0, 0, {}, set()])

@@ -13,7 +13,7 @@ from mesa_train.models import unwrap_module
 
 from .core import OPS, PATCH_INFO_ATTR, mesa_layer_op
 from .coverage import coverage, format_coverage
-from .duplicates import fused_back_attentions, left_stock_duplicates
+from .duplicates import full_operand_duplicates, fused_back_attentions, left_stock_duplicates
 from .skip_marks import FUSED_BACK_ATTR, LEFT_STOCK_ATTR
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
@@ -198,6 +198,10 @@ def _describe_layers(root: nn.Module) -> str:
     if skipped:  # patch/duplicates.py: their copies would only add bytes
         lines.append(f"layers left stock, as other modules keep their inputs in full (skip_duplicated): "
                      f"{len(skipped)}: {', '.join(skipped)}")
+    full = full_operand_duplicates(root)
+    if full:  # patch/duplicates.py: those operands' copies would only add bytes
+        lines.append(f"MatMul operands kept as the stock product keeps them, as other modules keep them in full "
+                     f"(skip_duplicated): {len(full)}: " + ", ".join(f"{n} ({', '.join(o)})" for n, o in full.items()))
     fused_back = fused_back_attentions(root)
     if fused_back:  # patch/duplicates.py: their explicit path kept more than the fused one
         lines.append(f"attentions back on the fused path they were built with (skip_duplicated): {len(fused_back)}: "

@@ -35,25 +35,28 @@ paths for other inputs is measured on the path ``example_input`` takes.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
 from mesa_train.models import unwrap_module
+from mesa_train.nn.matmul import MatMul
 
 from .attention import STOCK_FUSED_ATTR
 from .core import mesa_layer_op
 from .coverage import measured_copies
-from .skip_marks import FUSED_BACK_ATTR, LEFT_STOCK_ATTR, record_skipped_root, undo_skips
+from .skip_marks import FULL_OPERANDS_ATTR, FUSED_BACK_ATTR, LEFT_STOCK_ATTR, record_skipped_root, undo_skips
 
-__all__ = ["DUPLICATES", "FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "SkippedDuplicates", "fused_back_attentions",
-           "left_stock_duplicates", "skip_duplicated"]
+__all__ = ["DUPLICATES", "FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "SkippedDuplicates", "full_operand_duplicates",
+           "fused_back_attentions", "left_stock_duplicates", "skip_duplicated"]
 
 # mesa.duplicates: skip (leave such layers stock, the default) | keep (compress what the ops ask)
 DUPLICATES = ("skip", "keep")
 
 _ATTENTIONS = "attention"  # (the try of the attentions moved to the explicit path)
+_OPERANDS = "operands"  # (the try of the MatMul operands other modules keep in full)
 
 
 @dataclass
@@ -68,10 +71,16 @@ class SkippedDuplicates:
     after: int = 0
     # the attentions put back on the fused path they were built with
     fused_back: List[str] = field(default_factory=list)
+    # the MatMuls that keep an operand as the stock product does (another module keeps it in full)
+    # and quantize the other: name -> those operands
+    full_operands: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
         return sum(len(v) for v in self.layers.values())
+
+    def _progress(self) -> tuple:
+        return self.count, len(self.fused_back), len(self.full_operands)
 
     def summary(self) -> str:
         """One line for a log: what was left stock and what it saved."""
@@ -80,6 +89,10 @@ class SkippedDuplicates:
         if self.count:
             parts.append(f"left {self.count} Mesa layer(s) stock whose copies other modules keep in full anyway "
                          f"({_by_op(self.layers)})")
+        if self.full_operands:
+            parts.append(f"kept {sum(map(len, self.full_operands.values()))} operand(s) of "
+                         f"{len(self.full_operands)} Mesa MatMul(s) as the stock product does, other modules keeping "
+                         f"them in full anyway (their other operands stay 8-bit)")
         if self.fused_back:
             parts.append(f"put {len(self.fused_back)} attention(s) back on the fused path they were built with "
                          f"(the explicit path that softmax / matmul without sdpa chose kept an N x N map; sdpa in "
@@ -151,24 +164,28 @@ def _skip(root: nn.Module, modules: Dict[str, nn.Module], example_input, run, ma
             total = after
             if op == _ATTENTIONS:
                 result.fused_back.extend(group)
+            elif op == _OPERANDS:
+                result.full_operands.update((n, modules[n].__dict__[FULL_OPERANDS_ATTR]) for n in group)
             else:
                 _add(result.layers, modules, group)
             return
         switch(modules, group, stock=False)
-        if op != _ATTENTIONS:  # (the stock layers keep copies of their own, e.g. autocast's casts)
+        if op not in (_ATTENTIONS, _OPERANDS):  # (the stock layers keep copies of their own, e.g. autocast's casts)
             _add(result.kept, modules, [n for n in group if n in layers])  # (not a scale partner)
 
     for _ in range(max_rounds):
-        count = (result.count, len(result.fused_back))
+        progress = result._progress()
         for op, units, switch, whole in _tries(modules, layers):
             attempt(op, units, switch, whole)
-        if (result.count, len(result.fused_back)) == count:
+        if result._progress() == progress:
             break
         total, layers, _ = measured_copies(root, example_input, run)
     result.after = total
     switched_names = {n for names in result.layers.values() for n in names}
     result.kept = {op: kept for op, names in result.kept.items()
                    if (kept := [n for n in names if n not in switched_names])}
+    # (a MatMul whose other operand became a duplicate too went stock whole in a later round)
+    result.full_operands = {n: ops for n, ops in result.full_operands.items() if n not in switched_names}
     return result
 
 
@@ -178,11 +195,18 @@ def _tries(modules: Dict[str, nn.Module], layers: Dict[str, tuple]):
     tensors (one made the copy, the others took it: ``nn/input_copy.py``; they go together, or
     the copy stays). Each op's linked scale branches go whole, partner included, in a try of their
     own kept if the bytes drop at all (the stock BatchNorm keeps its input, which the other
-    layers' try need not pay for). Last, the attentions built fused now on the explicit path."""
+    layers' try need not pay for). Then the MatMuls only some of whose operands are duplicates:
+    those operands kept as the stock product keeps them (a reference), in one try. Last, the
+    attentions built fused now on the explicit path."""
     by_op: Dict[str, Dict[frozenset, List[str]]] = {}
-    for name, (_own, copied, duplicated, _keepers, tensors) in layers.items():
-        if duplicated == copied and not modules[name].__dict__.get(LEFT_STOCK_ATTR):
+    partial: Dict[str, Tuple[str, ...]] = {}
+    for name, (_own, copied, duplicated, _keepers, tensors, operands) in layers.items():
+        if modules[name].__dict__.get(LEFT_STOCK_ATTR):
+            continue
+        if duplicated == copied:
             by_op.setdefault(mesa_layer_op(modules[name]), {}).setdefault(tensors, []).append(name)
+        elif operands and isinstance(modules[name], MatMul):
+            partial[name] = tuple(sorted(operands | set(modules[name].__dict__.get(FULL_OPERANDS_ATTR, ()))))
     for op, units in sorted(by_op.items(), key=lambda kv: -sum(layers[n][0] for u in kv[1].values() for n in u)):
         plain = [u for u in units.values() if not any(_scale_partner(modules[n]) is not None for n in u)]
         paired = [_with_scale_partners(modules, u) for u in units.values() if u not in plain]
@@ -190,6 +214,8 @@ def _tries(modules: Dict[str, nn.Module], layers: Dict[str, tuple]):
             yield op, plain, _switch, False
         if paired:
             yield op, paired, _switch, True
+    if partial:
+        yield _OPERANDS, [[n] for n in partial], functools.partial(_keep_full, partial), True
     explicit = [n for n, m in modules.items()
                 if m.__dict__.get(STOCK_FUSED_ATTR) and getattr(m, "mesa_attn_path", "stock") == "explicit"]
     if explicit:
@@ -206,6 +232,24 @@ def _fuse_back(modules: Dict[str, nn.Module], names: List[str], stock: bool) -> 
             attn.mesa_attn_path, attn.fused_attn = "stock", attn.__dict__[STOCK_FUSED_ATTR]
         else:
             attn.mesa_attn_path, attn.fused_attn = attn.__dict__.pop(FUSED_BACK_ATTR)
+
+
+def _keep_full(operands: Dict[str, Tuple[str, ...]], modules: Dict[str, nn.Module], names: List[str],
+               stock: bool) -> None:
+    """The MatMuls ``names`` keep ``operands[name]`` as the stock product does (``stock``), or
+    quantize every operand of theirs again."""
+    for name in names:
+        if stock:
+            modules[name].__dict__[FULL_OPERANDS_ATTR] = operands[name]
+        else:
+            modules[name].__dict__.pop(FULL_OPERANDS_ATTR, None)
+
+
+def full_operand_duplicates(model: nn.Module) -> Dict[str, Tuple[str, ...]]:
+    """The MatMuls ``skip_duplicated`` left keeping some operands in full, and those operands."""
+    root = unwrap_module(model, "full_operand_duplicates")
+    return {name: m.__dict__[FULL_OPERANDS_ATTR] for name, m in root.named_modules()
+            if m.__dict__.get(FULL_OPERANDS_ATTR) and m.quant_options.enabled}
 
 
 def fused_back_attentions(model: nn.Module) -> List[str]:

@@ -12,7 +12,10 @@ import weakref
 
 from torch import nn
 
-__all__ = ["FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "record_skipped_root", "undo_skips", "undo_skips_around"]
+from mesa_train.nn.matmul import FULL_OPERANDS_ATTR
+
+__all__ = ["FULL_OPERANDS_ATTR", "FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "record_skipped_root", "undo_skips",
+           "undo_skips_around"]
 
 # (in a Mesa layer's __dict__: True where skip_duplicated switched it to stock)
 LEFT_STOCK_ATTR = "_mesa_left_stock_duplicate"
@@ -40,12 +43,15 @@ def undo_skips_around(module: nn.Module) -> int:
 
 
 def undo_skips(root: nn.Module) -> int:
-    """Switch back on the layers ``skip_duplicated`` left stock and put its fused-back
-    attentions on the explicit path again; the number of modules changed."""
+    """Switch back on the layers ``skip_duplicated`` left stock, quantize again the MatMul
+    operands it left in full and put its fused-back attentions on the explicit path again; the
+    number of modules changed."""
     changed = 0
     for m in root.modules():
         if m.__dict__.pop(LEFT_STOCK_ATTR, None):
             m.set_quant_options(enabled=True)
+            changed += 1
+        if m.__dict__.pop(FULL_OPERANDS_ATTR, None):
             changed += 1
         back = m.__dict__.pop(FUSED_BACK_ATTR, None)
         if back is not None:
