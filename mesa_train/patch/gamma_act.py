@@ -32,7 +32,11 @@ class MesaGammaAct(_GammaAct):
     """``GammaAct`` whose activation is the ``mesa_act`` child (module doc)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mesa_act(x).mul_(self.gamma)
+        y = self.mesa_act(x)
+        # Traced, out of place (the same bits; the compiler plans the buffers itself): torch 2.11's
+        # Dynamo, the GPU image's, refuses mul_ on the output of the in-place Mesa ReLU's Function
+        # (marked dirty: "a view ... of a function that returns multiple views"); 2.14 takes it
+        return y * self.gamma if torch.compiler.is_compiling() else y.mul_(self.gamma)
 
 
 # act function -> (op, Mesa layer built from (inplace, options)); the same bits as the function
