@@ -741,3 +741,43 @@ def test_a_mesa_row_leaves_duplicated_layers_stock_as_training_does(channels_las
     assert notes["skip"].startswith("duplicates=skip: 2 Mesa layer(s) left stock") and notes["keep"] == ""
     assert all(torch.equal(a, b) for a, b in zip(inputs["skip"], inputs["keep"]))
     assert "duplicates=keep" in make_row(common, {"label": "k", "duplicates": "keep"}).describe()
+
+
+def test_a_failing_skip_measurement_warns_and_measures_the_row_as_patched(monkeypatch):
+    """As training does: a row whose skip forward fails is measured with every layer compressed,
+    says so in a warning and its notes (the bench goes on); out of memory stays the row's oom."""
+    from mesa_train.bench import measure
+    from mesa_train.bench.presets import make_row
+    from mesa_train.patch import duplicates
+
+    row = make_row({"model": "deit_ti", "batch_size": 2, "img_size": 32, "num_classes": 3, "amp": "fp32",
+                    "model_kwargs": {"depth": 1}}, {"label": "m", "mesa": True})
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(duplicates, "skip_duplicated", boom)
+    with pytest.warns(UserWarning, match=r"row 'm': duplicates=skip measured nothing.*\(boom\)"):
+        model = measure.build_for_row(row)
+    assert "failed (boom)" in measure.skipped_duplicates_note(row, model)
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(duplicates, "skip_duplicated", oom)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        measure.build_for_row(row)
+
+
+def test_a_rows_notes_name_the_matmuls_keeping_an_operand_in_full():
+    from test_skip_duplicates import PartlyKeptProduct
+
+    from mesa_train.bench import measure
+    from mesa_train.bench.presets import make_row
+    from mesa_train.patch.duplicates import skip_duplicated
+
+    torch.manual_seed(0)
+    model = PartlyKeptProduct().train()
+    skip_duplicated(model, torch.randn(2, 8, 16))
+    row = make_row({"model": "deit_ti"}, {"label": "m", "mesa": True})
+    assert measure.skipped_duplicates_note(row, model).startswith("duplicates=skip: 1 MatMul(s) keeping an operand")

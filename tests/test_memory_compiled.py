@@ -52,7 +52,9 @@ def test_zoo_stock_and_patched_match_the_eager_meter(name):
     x_hat's code moments: a sizeable share of so small an input's bytes)."""
     stock, x = build(name), example(name)
     patched = patch_model(copy.deepcopy(stock))
-    assert compiled_saved_bytes(copy.deepcopy(stock), x) == _eager_bytes(stock, x)
+    # (equal under torch 2.14; 2.11's partitioner, the GPU image's, recomputes a little of stock
+    # vit_tiny's forward instead: 889 984 against 914 560 bytes, make gpu-torch-check)
+    assert 0.95 * _eager_bytes(stock, x) <= compiled_saved_bytes(copy.deepcopy(stock), x) <= _eager_bytes(stock, x)
     eager = _eager_bytes(patched, x)
     assert 0.9 * eager <= compiled_saved_bytes(copy.deepcopy(patched), x) <= eager
     assert compiled_saved_bytes(copy.deepcopy(patched), x) < 0.4 * compiled_saved_bytes(copy.deepcopy(stock), x)

@@ -414,3 +414,55 @@ def test_a_matmul_switched_whole_later_is_not_listed_as_keeping_an_operand():
     result = skip_duplicated(model, x)
     assert result.layers == {"matmul": ["mm"]} and result.full_operands == {}, result
     assert left_stock_duplicates(model) == ["mm"] and not full_operand_duplicates(model)
+
+
+class TwoProducts(nn.Module):
+    """Two MatMuls whose ``a`` other modules keep in full: ``mm1``'s a bf16 ReLU output under
+    autocast (kept in full: a reference), ``mm2``'s an fp32 softmax output (kept in full: a new
+    bf16 cast, more than its 8-bit codes). ``n2`` sizes ``mm2``'s loss."""
+
+    def __init__(self, n2: int):
+        super().__init__()
+        self.pre, self.act, self.o1 = nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)
+        self.pre2, self.sm, self.o2 = nn.Linear(64, n2), nn.Softmax(-1), nn.Linear(64, n2)
+        self.mm1, self.mm2 = MatMul(), MatMul()
+
+    def forward(self, x):
+        y1 = self.mm1(self.act(self.pre(x)), self.o1(x).transpose(-1, -2))
+        y2 = self.mm2(self.sm(self.pre2(x).float()).transpose(-1, -2), self.o2(x))
+        return y1.sum() + y2.sum()
+
+
+@pytest.mark.parametrize("n2", [16, 256])
+def test_the_operand_try_keeps_the_matmuls_that_gain_without_the_ones_that_add(n2):
+    """The review's find: one try for both MatMuls kept ``mm2``'s loss beside ``mm1``'s gain (n2=16),
+    or lost ``mm1``'s gain to a larger loss (n2=256). ``mm2`` keeps more in full (its own bytes do not
+    drop): it is measured apart and left 8-bit."""
+    torch.manual_seed(0)
+    model, x = TwoProducts(n2).train(), torch.randn(4, 32, 64)
+    before = measured_copies(model, x, _bf16, copies=False)[0]
+    result = skip_duplicated(model, x, run=_bf16)
+    assert result.full_operands == {"mm1": ("a",)}, result.summary()
+    assert result.after == measured_copies(model, x, _bf16, copies=False)[0] < before
+
+
+def test_training_logs_matmuls_keeping_an_operand_in_full(caplog):
+    """The start-up line also names an operand switch alone (LambdaNet's only change)."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from mesa_train.train import runner
+
+    class OnImages(PartlyKeptProduct):
+        def forward(self, x):
+            return super().forward(x.flatten(1, 2))
+
+    torch.manual_seed(0)
+    model = OnImages().train()
+    cfg = OmegaConf.create({"model": {"img_size": 16}, "mesa": {"duplicates": "skip"},
+                            "trainer": {"channels_last": False, "batch_size": 2}})
+    with caplog.at_level(logging.INFO, logger=runner.log.name):
+        runner._skip_duplicates(cfg, model, torch.device("cpu"), None, rank=0)
+    assert full_operand_duplicates(model) == {"mm": ("a",)}
+    assert any("1 Mesa MatMul" in r.getMessage() and "mesa.duplicates=keep" in r.getMessage() for r in caplog.records)

@@ -290,8 +290,8 @@ def test_skip_duplicated_on_the_models_with_duplicates(name):
     assert not [n for n, (_, copied, dup, *_) in measured_copies(after, x)[1].items() if dup == copied and
                 n not in {k for v in result.kept.values() for k in v}], name
     # a MatMul only one of whose operands another module keeps: that operand kept as the stock product
-    # keeps it, a reference (LambdaNet's k.softmax(-1), which its stock Conv3d keeps). Not EfficientViM's:
-    # its operand is a strided view the product copies, so keeping it in full adds a compact copy
+    # keeps it, a reference (LambdaNet's values, norm_v's output, which its stock conv_lambda keeps). Not
+    # EfficientViM's: its operand is a strided view the product copies, so keeping it in full adds a compact copy
     partial = {n for n, (*_, operands) in measured_copies(after, x)[1].items() if operands}
     assert not partial & set(result.full_operands), name
     if name == "lambda_resnet26t":

@@ -31,6 +31,7 @@ import os
 import statistics
 import time
 import warnings
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -299,21 +300,33 @@ def _skip_duplicates(row: RowConfig, model: torch.nn.Module, device: torch.devic
 
     try:
         skip_duplicated(model, _row_images(row, 2, device, random=True), run=run)
-    except Exception as err:  # (a forward that refuses two random images: the row fails on its own)
-        raise BenchConfigError(f"duplicates=skip: its measuring forward failed ({err}); "
-                               "valid duplicates choices: skip, keep") from None
+    except torch.cuda.OutOfMemoryError:
+        raise  # (the row's status: oom, as its own step's would be)
+    except Exception as err:  # (a forward that refuses two random images: measure the row as patched, as training does)
+        said = (f"duplicates=skip measured nothing, its forward of two random images failed ({err}); the layers "
+                "the ops ask for stay compressed")
+        _SKIP_FAILED[model] = said
+        warnings.warn(f"row {row.label!r}: {said}", stacklevel=2)
+
+
+# model -> why row.duplicates=skip measured nothing (for the row's notes; weak: rows are built and dropped)
+_SKIP_FAILED: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
 def skipped_duplicates_note(row: RowConfig, model: torch.nn.Module) -> str:
-    """What row.duplicates=skip left stock or put back on the fused path ("" if nothing)."""
+    """What row.duplicates=skip left stock, kept in full or put back on the fused path ("" if nothing)."""
     if not (row.mesa and row.duplicates == "skip"):
         return ""
-    from mesa_train.patch.duplicates import fused_back_attentions, left_stock_duplicates
+    if model in _SKIP_FAILED:
+        return _SKIP_FAILED[model]
+    from mesa_train.patch.duplicates import fused_back_attentions, full_operand_duplicates, left_stock_duplicates
 
     layers, fused = len(left_stock_duplicates(model)), len(fused_back_attentions(model))
+    operands = len(full_operand_duplicates(model))
     parts = [f"{layers} Mesa layer(s) left stock"] * bool(layers) + \
+        [f"{operands} MatMul(s) keeping an operand in full"] * bool(operands) + \
         [f"{fused} attention(s) back on their fused path"] * bool(fused)
-    return ("duplicates=skip: " + " and ".join(parts) + " (their copies duplicated what other modules keep)"
+    return ("duplicates=skip: " + ", ".join(parts) + " (their copies duplicated what other modules keep)"
             if parts else "")
 
 

@@ -142,19 +142,28 @@ def _skip(root: nn.Module, modules: Dict[str, nn.Module], example_input, run, ma
         A stock layer that keeps bytes of its own (autocast's cast of its input: the meter credits
         a storage to its first saver, and one only referenced is the keeper's) is an adder: where
         some units have adders and some not, the adders go back on and that is measured too (the
-        review's find: one try for both gained less than the good one alone, or nothing)."""
+        review's find: one try for both gained less than the good one alone, or nothing). A MatMul
+        keeping an operand in full still keeps the other's codes: it is an adder where its own bytes
+        did not drop (under autocast, a 16-bit cast of an fp32 operand instead of its 8-bit codes)."""
         nonlocal total
         group = [n for unit in units for n in unit]
         switch(modules, group, stock=True)
+
+        def adds(unit: List[str], per_module: Dict[str, int]) -> bool:
+            if op == _OPERANDS:
+                return any(per_module.get(n, 0) >= layers[n][0] for n in unit)
+            return any(per_module.get(n, 0) for n in unit)
+
         try:
             after, per_module = measure()
-            adders = [u for u in units if any(per_module.get(n, 0) for n in u)] if not whole else []
+            adders = [u for u in units if adds(u, per_module)] if not whole else []
             if adders and len(adders) < len(units):
                 switch(modules, [n for u in adders for n in u], stock=False)
                 fewer, _ = measure()
                 if fewer < min(after, total):
                     after, group = fewer, [n for u in units if u not in adders for n in u]
-                    _add(result.kept, modules, [n for u in adders for n in u if n in layers])
+                    if op != _OPERANDS:
+                        _add(result.kept, modules, [n for u in adders for n in u if n in layers])
                 else:
                     switch(modules, [n for u in adders for n in u], stock=True)
         except BaseException:
@@ -196,8 +205,8 @@ def _tries(modules: Dict[str, nn.Module], layers: Dict[str, tuple]):
     the copy stays). Each op's linked scale branches go whole, partner included, in a try of their
     own kept if the bytes drop at all (the stock BatchNorm keeps its input, which the other
     layers' try need not pay for). Then the MatMuls only some of whose operands are duplicates:
-    those operands kept as the stock product keeps them (a reference), in one try. Last, the
-    attentions built fused now on the explicit path."""
+    those operands kept as the stock product keeps them (a reference), in one try whose adders are
+    measured apart. Last, the attentions built fused now on the explicit path."""
     by_op: Dict[str, Dict[frozenset, List[str]]] = {}
     partial: Dict[str, Tuple[str, ...]] = {}
     for name, (_own, copied, duplicated, _keepers, tensors, operands) in layers.items():
@@ -215,7 +224,7 @@ def _tries(modules: Dict[str, nn.Module], layers: Dict[str, tuple]):
         if paired:
             yield op, paired, _switch, True
     if partial:
-        yield _OPERANDS, [[n] for n in partial], functools.partial(_keep_full, partial), True
+        yield _OPERANDS, [[n] for n in partial], functools.partial(_keep_full, partial), False
     explicit = [n for n, m in modules.items()
                 if m.__dict__.get(STOCK_FUSED_ATTR) and getattr(m, "mesa_attn_path", "stock") == "explicit"]
     if explicit:

@@ -347,9 +347,9 @@ def _skip_duplicates(cfg, model, device, amp_dtype, rank: int) -> None:
             log.warning("mesa.duplicates=skip measured nothing, its forward of two random images failed (%s); the "
                         "layers the ops ask for stay compressed", err)
         return
-    if (result.count or result.kept or result.fused_back) and rank == 0:
-        log.info("%s%s", result.summary(),
-                 " (mesa.duplicates=keep: as the ops ask)" if result.count or result.fused_back else "")
+    changed = result.count or result.fused_back or result.full_operands
+    if (changed or result.kept) and rank == 0:
+        log.info("%s%s", result.summary(), " (mesa.duplicates=keep: as the ops ask)" if changed else "")
 
 
 def _wrap(cfg, model, device, amp_dtype, world):
