@@ -399,7 +399,7 @@ def test_a_matmul_keeps_in_full_only_the_operand_another_module_keeps():
     assert torch.equal(out, want) and torch.equal(out, before_out)
     torch.testing.assert_close(grads["other.weight"], want_grads["other.weight"], rtol=1e-6, atol=1e-7)
     assert not torch.allclose(before_grads["other.weight"], want_grads["other.weight"], rtol=1e-6, atol=1e-7)
-    assert "mm (a)" in describe(model)
+    assert "mm (a)" in describe(model) and "a: full precision, as another module keeps it" in describe(model)
     patch_model(model, ops=["relu"])  # (the ReLU keeps a 1-bit mask from now on: a is nobody's)
     assert not full_operand_duplicates(model) and "_mesa_full_operands" not in model.mm.__dict__
     assert measured_copies(model, x)[1]["mm"][5] == frozenset()

@@ -14,7 +14,7 @@ from mesa_train.models import unwrap_module
 from .core import OPS, PATCH_INFO_ATTR, mesa_layer_op
 from .coverage import coverage, format_coverage
 from .duplicates import full_operand_duplicates, fused_back_attentions, left_stock_duplicates
-from .skip_marks import FUSED_BACK_ATTR, LEFT_STOCK_ATTR
+from .skip_marks import FULL_OPERANDS_ATTR, FUSED_BACK_ATTR, LEFT_STOCK_ATTR
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
 from .scale_branch import waiting_halves
@@ -42,6 +42,8 @@ def _matmul_operands(layer, producer: Optional[str]) -> Tuple[List[str], List[st
         elif kind == "int8":
             parts.append(f"{o}: int8")
             counted.append(f"quantizer_{o}")
+        elif o in layer.__dict__.get(FULL_OPERANDS_ATTR, ()):
+            parts.append(f"{o}: full precision, as another module keeps it (skip_duplicated)")
         else:
             parts.append(f"{o}: full precision (stock)")
     return parts, counted
