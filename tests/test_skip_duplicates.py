@@ -377,7 +377,7 @@ class PartlyKeptProduct(nn.Module):
 
 
 def test_a_matmul_keeps_in_full_only_the_operand_another_module_keeps():
-    """The MatMul keeps ``a`` as the stock product does (a reference to the ReLU's output) and
+    """The MatMul keeps ``a`` in full (a reference to the ReLU's output) and
     ``b`` 8-bit: fewer bytes by ``a``'s codes, the forward unchanged, ``other``'s weight gradient
     (from ``a``) stock's, ``describe`` names it; a later ``patch_model`` quantizes ``a`` again."""
     torch.manual_seed(0)
@@ -466,3 +466,42 @@ def test_training_logs_matmuls_keeping_an_operand_in_full(caplog):
         runner._skip_duplicates(cfg, model, torch.device("cpu"), None, rank=0)
     assert full_operand_duplicates(model) == {"mm": ("a",)}
     assert any("1 Mesa MatMul" in r.getMessage() and "mesa.duplicates=keep" in r.getMessage() for r in caplog.records)
+
+
+class StockMatMul(nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+class HeadsProduct(nn.Module):
+    """Per-head ``q @ v``: ``v`` is a strided per-head view of a stock ReLU's output (kept in full by
+    the ReLU), which the batched product copies compactly; ``q`` is nobody's."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.v, self.act = nn.Linear(16, 16), nn.Linear(16, 16), nn.ReLU()
+        self.mm = MatMul()
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).reshape(b, n, 4, 4).permute(0, 2, 3, 1)  # (b, heads, 4, n)
+        v = self.act(self.v(x)).reshape(b, n, 4, 4).transpose(1, 2)  # (b, heads, n, 4), a strided view
+        return self.mm(q, v)
+
+
+def test_a_strided_operand_kept_in_full_is_a_view_of_the_keepers_tensor():
+    """Keeping ``v`` as the product's compact copy would add 4 bytes an element (more than its
+    codes); kept as given it adds none: the bytes drop, ``q``'s gradient (from ``v``) is exact."""
+    torch.manual_seed(0)
+    model, x = HeadsProduct().train(), torch.randn(2, 8, 16)
+    exact = copy.deepcopy(model).double()
+    exact.mm = StockMatMul()
+    want = _grads(exact, x.double())[1]["q.weight"]
+    before = measured_copies(model, x, copies=False)[0]
+    result = skip_duplicated(model, x)
+    assert result.full_operands == {"mm": ("b",)}, result.summary()
+    assert result.after < before
+    own = measured_copies(model, x)[2]["mm"]  # (q's 8-bit codes and its statistics only)
+    assert own <= 2 * 8 * 16 + 64, own  # (a compact fp32 copy of v: 4 x 256 bytes more)
+    model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(_grads(model, x)[1]["q.weight"].double(), want, rtol=1e-5, atol=1e-6)

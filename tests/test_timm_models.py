@@ -289,13 +289,12 @@ def test_skip_duplicated_on_the_models_with_duplicates(name):
     assert result.after == measured_copies(after, x, copies=False)[0]
     assert not [n for n, (_, copied, dup, *_) in measured_copies(after, x)[1].items() if dup == copied and
                 n not in {k for v in result.kept.values() for k in v}], name
-    # a MatMul only one of whose operands another module keeps: that operand kept as the stock product
-    # keeps it, a reference (LambdaNet's values, norm_v's output, which its stock conv_lambda keeps). Not
-    # EfficientViM's: its operand is a strided view the product copies, so keeping it in full adds a compact copy
-    partial = {n for n, (*_, operands) in measured_copies(after, x)[1].items() if operands}
-    assert not partial & set(result.full_operands), name
-    if name == "lambda_resnet26t":
-        assert len(result.full_operands) == 3 and not partial and result.after < result.before, result.summary()
+    # a MatMul only one of whose operands another module keeps: that operand kept as a reference to the
+    # keeper's tensor (LambdaNet's values, norm_v's output, which its stock conv_lambda keeps; EfficientViM's
+    # HSMSSD operand, a strided view: a reference, not the compact copy the product makes)
+    assert not [n for n, (*_, operands) in measured_copies(after, x)[1].items() if operands], name
+    if name in ("lambda_resnet26t", "efficientvim_m1"):
+        assert len(result.full_operands) in (3, 6) and result.after < result.before, result.summary()
     assert coverage(after, x).total == result.after
     assert torch.equal(_seeded(stock, x), _seeded(after, x)), f"{name}: train forward differs from stock"
     exact = _exact_grads(stock, x)

@@ -51,9 +51,10 @@ from .quantizer import Packed, decompress, format_code
 __all__ = ["FULL_OPERANDS_ATTR", "MatMul", "OPERANDS"]
 
 OPERANDS = ("a", "b")
-# (in a MatMul's __dict__: the operands kept as the stock a @ b keeps them although the layer has a
-# quantizer for them, because another module keeps those very tensors in full anyway:
-# mesa_train.patch.duplicates.skip_duplicated. Not in state_dict: the quantizers' buffers stay.)
+# (in a MatMul's __dict__: the operands kept in full, as given (a view of the keeper's storage, not
+# the product's compact copy), although the layer has a quantizer for them, because another module
+# keeps those very tensors in full anyway: mesa_train.patch.duplicates.skip_duplicated. Not in
+# state_dict: the quantizers' buffers stay.)
 FULL_OPERANDS_ATTR = "_mesa_full_operands"
 
 
@@ -130,20 +131,26 @@ def _batch_dims_flatten(t: torch.Tensor) -> bool:
 class _MatMulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, shared_a: Optional[Packed], shared_b: Optional[Packed], quantizer_a, quantizer_b, record,
-                addend=None):
+                addend=None, as_given=()):
+        given = (a, b)
         a, b = batched_operands(a, b)  # before the product: its copies serve the compression too
         # autocast applies here, exactly like the stock `a @ b` (or `baddbmm(addend, a, b)`)
         out = torch.matmul(a, b) if addend is None else torch.baddbmm(addend, a, b)
         cdt = out.dtype
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         kept = []
-        for t, shared, qz, needed in ((a, shared_a, quantizer_a, need_b), (b, shared_b, quantizer_b, need_a)):
+        for t, shared, qz, needed, o, arg in ((a, shared_a, quantizer_a, need_b, "a", given[0]),
+                                              (b, shared_b, quantizer_b, need_a, "b", given[1])):
             if not needed:  # the gradient of a needs b and vice versa
                 kept.append((None, None, None))
             elif shared is not None:
                 kept.append((shared, None, "shared"))
             elif qz is not None:
                 kept.append((qz.compress(t, group_dim_4d(t)), None, "int8"))
+            elif o in as_given and arg.dtype == cdt:
+                # another module keeps this very tensor: a view of its storage adds no bytes, where
+                # the compact copy the product made (a strided view's) would (FULL_OPERANDS_ATTR)
+                kept.append((None, arg, "full"))
             else:
                 kept.append((None, _full_copy(t, cdt), "full"))
         (pa, ra, ka), (pb, rb, kb) = kept
@@ -188,7 +195,7 @@ class _MatMulFn(torch.autograd.Function):
                 gb = gb.sum_to_size(b2).reshape(b_shape).to(ctx.b_dtype)
             if ctx.needs_input_grad[7]:  # (a learned bias added by baddbmm: broadcast over the batch or rows)
                 gc = g.sum_to_size(ctx.addend_shape).to(ctx.addend_dtype)
-        return ga, gb, None, None, None, None, None, gc
+        return ga, gb, None, None, None, None, None, gc, None
 
 
 def _take_shared(layer: "MatMul", t: torch.Tensor, quantizer) -> Optional[Packed]:
@@ -237,15 +244,16 @@ def _kinds(a, b, sa, sb, qa, qb) -> tuple:
 def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None, addend=None):
     qa = getattr(layer, "quantizer_a", None)
     qb = getattr(layer, "quantizer_b", None)
-    full = layer.__dict__.get(FULL_OPERANDS_ATTR)
-    if full:  # (another module keeps them in full: a reference, as the stock op keeps, adds no bytes)
+    full = layer.__dict__.get(FULL_OPERANDS_ATTR) or ()
+    if full:  # (another module keeps them in full: a reference to its tensor adds no bytes)
         qa, qb = (None if "a" in full else qa), (None if "b" in full else qb)
     sa = shared_a if shared_a is not None else (_take_shared(layer, a, qa) if a.dim() else None)
     sb = _take_shared(layer, b, qb) if b.dim() else None
     if qa is None and qb is None and sa is None and sb is None:
         layer.last_saved = ("full", "full")
         return _stock(a, b, addend)  # nothing to compress or share: the stock op
-    fa = _fused_args(sa, qa, a) if addend is None else None  # (mesa::matmul_train adds nothing)
+    # (mesa::matmul_train adds nothing, and keeps a full operand as the product's compact copy)
+    fa = _fused_args(sa, qa, a) if addend is None and not full else None
     fb = _fused_args(sb, qb, b) if fa is not None else None
     if fb is not None:  # eager, a channel format: the layer with a C++ autograd node (csrc/layers_autograd.cpp)
         (fa, fmt_a), (fb, fmt_b) = fa, fb
@@ -253,7 +261,7 @@ def _compressed_matmul(layer: "MatMul", a, b, shared_a: Optional[Packed] = None,
         layer.last_saved = _kinds(a, b, sa, sb, qa, qb)
         return out
     record: list = []
-    out = _MatMulFn.apply(a, b, sa, sb, qa, qb, record, addend)
+    out = _MatMulFn.apply(a, b, sa, sb, qa, qb, record, addend, full)
     layer.last_saved = tuple(record) if record else None
     return out
 

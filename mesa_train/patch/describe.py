@@ -202,7 +202,7 @@ def _describe_layers(root: nn.Module) -> str:
                      f"{len(skipped)}: {', '.join(skipped)}")
     full = full_operand_duplicates(root)
     if full:  # patch/duplicates.py: those operands' copies would only add bytes
-        lines.append(f"MatMul operands kept as the stock product keeps them, as other modules keep them in full "
+        lines.append(f"MatMul operands kept in full, as other modules keep them anyway "
                      f"(skip_duplicated): {len(full)}: " + ", ".join(f"{n} ({', '.join(o)})" for n, o in full.items()))
     fused_back = fused_back_attentions(root)
     if fused_back:  # patch/duplicates.py: their explicit path kept more than the fused one

@@ -71,7 +71,7 @@ class SkippedDuplicates:
     after: int = 0
     # the attentions put back on the fused path they were built with
     fused_back: List[str] = field(default_factory=list)
-    # the MatMuls that keep an operand as the stock product does (another module keeps it in full)
+    # the MatMuls that keep an operand in full, a reference to the tensor another module keeps anyway
     # and quantize the other: name -> those operands
     full_operands: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
 
@@ -91,8 +91,8 @@ class SkippedDuplicates:
                          f"({_by_op(self.layers)})")
         if self.full_operands:
             parts.append(f"kept {sum(map(len, self.full_operands.values()))} operand(s) of "
-                         f"{len(self.full_operands)} Mesa MatMul(s) as the stock product does, other modules keeping "
-                         f"them in full anyway (their other operands stay 8-bit)")
+                         f"{len(self.full_operands)} Mesa MatMul(s) in full, as references to the tensors other modules "
+                         f"keep in full anyway (their other operands stay 8-bit)")
         if self.fused_back:
             parts.append(f"put {len(self.fused_back)} attention(s) back on the fused path they were built with "
                          f"(the explicit path that softmax / matmul without sdpa chose kept an N x N map; sdpa in "
@@ -205,7 +205,7 @@ def _tries(modules: Dict[str, nn.Module], layers: Dict[str, tuple]):
     the copy stays). Each op's linked scale branches go whole, partner included, in a try of their
     own kept if the bytes drop at all (the stock BatchNorm keeps its input, which the other
     layers' try need not pay for). Then the MatMuls only some of whose operands are duplicates:
-    those operands kept as the stock product keeps them (a reference), in one try whose adders are
+    those operands kept in full (a reference to the keeper's tensor), in one try whose adders are
     measured apart. Last, the attentions built fused now on the explicit path."""
     by_op: Dict[str, Dict[frozenset, List[str]]] = {}
     partial: Dict[str, Tuple[str, ...]] = {}
@@ -245,7 +245,7 @@ def _fuse_back(modules: Dict[str, nn.Module], names: List[str], stock: bool) -> 
 
 def _keep_full(operands: Dict[str, Tuple[str, ...]], modules: Dict[str, nn.Module], names: List[str],
                stock: bool) -> None:
-    """The MatMuls ``names`` keep ``operands[name]`` as the stock product does (``stock``), or
+    """The MatMuls ``names`` keep ``operands[name]`` in full, as given (``stock``), or
     quantize every operand of theirs again."""
     for name in names:
         if stock:
