@@ -807,8 +807,13 @@ struct MatMulTrain : public torch::autograd::Function<MatMulTrain> {
     // g feeds up to two products: copy it once where each would (the stock matmul's
     // backward gets its own reshape's contiguous copy once, too)
     if (same_batch(a_shape, b_shape)) g = batch_copy(g);
-    if (a_shape.size() == 1) g = g.unsqueeze(-2);
-    if (b_shape.size() == 1) g = g.unsqueeze(-1);
+    if (a_shape.size() == 1 && b_shape.size() == 1) {
+      g = g.reshape({1, 1});  // a dot product: g is 0-dim (as _MatMulFn's backward)
+    } else if (a_shape.size() == 1) {
+      g = g.unsqueeze(-2);
+    } else if (b_shape.size() == 1) {
+      g = g.unsqueeze(-1);
+    }
     if (ctx->needs_input_grad(0)) {
       at::Tensor bh = restore(saved, 4, ctx->saved_data["b_layout"].toIntVector(), b_shape, cdt);
       if (b_shape.size() == 1) bh = bh.unsqueeze(-1);

@@ -305,7 +305,7 @@ def _matmul_run(fused, monkeypatch, dtype, autocast, operands, a_grad, b_grad, a
 
 
 MATMUL_SHAPES = [((2, 3, 5, 4), (2, 3, 4, 6)), ((4, 5, 6), (4, 6, 3)), ((5, 6), (6, 3)), ((6,), (6, 3)),
-                 ((4, 5, 6), (6,)), ((4, 5, 6), (6, 3))]
+                 ((4, 5, 6), (6,)), ((4, 5, 6), (6, 3)), ((6,), (6,))]
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
@@ -885,3 +885,16 @@ def test_activation_channels_last_input_keeps_its_layout(kind, monkeypatch):
         cos = torch.nn.functional.cosine_similarity(gx.flatten(), runs["stock"][1].flatten(), dim=0)
         assert cos > 0.999, name
     assert torch.equal(runs["cpp-node"][1], runs["python"][1])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_dot_product_has_its_gradients(fused, monkeypatch):
+    """1-D @ 1-D (the review's find: both backwards unsqueezed a 0-dim gradient and raised)."""
+    monkeypatch.setattr(quantizer_mod, "_FUSED_LAYERS", fused)
+    layer = mnn.MatMul(rounding="nearest").train()
+    a, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+    y = layer(a, b)
+    assert torch.equal(y, a.detach() @ b.detach())
+    (3 * y).backward()
+    torch.testing.assert_close(a.grad, 3 * b.detach(), rtol=0, atol=0.06)  # (3 x half an 8-bit step of randn(64))
+    torch.testing.assert_close(b.grad, 3 * a.detach(), rtol=0, atol=0.06)  # (3 x half an 8-bit step of randn(64))

@@ -505,3 +505,35 @@ def test_a_strided_operand_kept_in_full_is_a_view_of_the_keepers_tensor():
     assert own <= 2 * 8 * 16 + 64, own  # (a compact fp32 copy of v: 4 x 256 bytes more)
     model.zero_grad(set_to_none=True)
     torch.testing.assert_close(_grads(model, x)[1]["q.weight"].double(), want, rtol=1e-5, atol=1e-6)
+
+
+class MutatedAfterProduct(nn.Module):
+    """``q @ v`` with ``v`` a strided per-head view of a tensor changed in place after the product
+    (``mutate``), or rebuilt out of place (the reference): the product's gradients are the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.v, self.mm, self.mutate = nn.Linear(16, 16), nn.Linear(16, 16), MatMul(), True
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        v0 = self.v(x) * 1.0
+        out = self.mm(self.q(x).reshape(b, n, 4, 4).permute(0, 2, 3, 1), v0.reshape(b, n, 4, 4).transpose(1, 2))
+        v0 = v0.mul_(3.0) if self.mutate else v0 * 3.0
+        return out.flatten(1).sum(1) + v0.sum()
+
+
+def test_a_compiled_operand_kept_in_full_is_not_the_argument_a_later_in_place_change_reaches():
+    """The review's find: a traced Function's saved input is rebuilt from its base, so the kept view
+    saw the later ``mul_`` (q's gradient 3x) where eager raises; compiled, the layer keeps its copy."""
+    from mesa_train.nn.matmul import FULL_OPERANDS_ATTR
+
+    torch.manual_seed(0)
+    model, x = MutatedAfterProduct().train(), torch.randn(2, 8, 16)
+    model.mm.__dict__[FULL_OPERANDS_ATTR] = ("b",)
+    reference = copy.deepcopy(model)
+    reference.mutate = False
+    want = torch.autograd.grad(reference(x).square().sum(), reference.q.weight)[0]
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(x).square().sum(), model.q.weight)[0]
+    torch.testing.assert_close(got, want)

@@ -147,9 +147,13 @@ class _MatMulFn(torch.autograd.Function):
                 kept.append((shared, None, "shared"))
             elif qz is not None:
                 kept.append((qz.compress(t, group_dim_4d(t)), None, "int8"))
-            elif o in as_given and arg.dtype == cdt:
+            elif o in as_given and arg.dtype == cdt and not torch.compiler.is_compiling():
                 # another module keeps this very tensor: a view of its storage adds no bytes, where
-                # the compact copy the product made (a strided view's) would (FULL_OPERANDS_ATTR)
+                # the compact copy the product made (a strided view's) would (FULL_OPERANDS_ATTR).
+                # Eager only: a traced Function rebuilds a saved input from its base, so an in-place
+                # change after the product reached the compiled backward silently (the review's
+                # find; torch 2.14, also for a plain Function); what a compiled step keeps is the
+                # partitioner's choice anyway
                 kept.append((None, arg, "full"))
             else:
                 kept.append((None, _full_copy(t, cdt), "full"))
@@ -177,9 +181,11 @@ class _MatMulFn(torch.autograd.Function):
             # under autocast, a cast before and after every op; the compiler lays g out itself.)
             if _same_batch(a_shape, b_shape) and not torch.compiler.is_compiling():
                 g = _batch_copy(g)
-            if len(a_shape) == 1:
+            if len(a_shape) == 1 and len(b_shape) == 1:
+                g = g.reshape(1, 1)  # (a dot product: g is 0-dim, the review's find)
+            elif len(a_shape) == 1:
                 g = g.unsqueeze(-2)
-            if len(b_shape) == 1:
+            elif len(b_shape) == 1:
                 g = g.unsqueeze(-1)
             if ctx.needs_input_grad[0]:
                 bh = decompress(pb, cdt) if pb is not None else rb.to(cdt)

@@ -91,8 +91,8 @@ class SkippedDuplicates:
                          f"({_by_op(self.layers)})")
         if self.full_operands:
             parts.append(f"kept {sum(map(len, self.full_operands.values()))} operand(s) of "
-                         f"{len(self.full_operands)} Mesa MatMul(s) in full, as references to the tensors other modules "
-                         f"keep in full anyway (their other operands stay 8-bit)")
+                         f"{len(self.full_operands)} Mesa MatMul(s) in full, as references to the tensors other "
+                         f"modules keep in full anyway (their other operands stay 8-bit)")
         if self.fused_back:
             parts.append(f"put {len(self.fused_back)} attention(s) back on the fused path they were built with "
                          f"(the explicit path that softmax / matmul without sdpa chose kept an N x N map; sdpa in "
