@@ -374,7 +374,8 @@ def test_stock_saved_bytes_estimate_is_exact_and_leaves_the_buffers():
         stock(torch.zeros(8, 3, 32, 32))
     model = patch_model(copy.deepcopy(stock), ops=["conv"])
     before = {k: b.clone() for k, b in model.named_buffers()}
-    cfg = SimpleNamespace(trainer=SimpleNamespace(batch_size=8), model=SimpleNamespace(img_size=32))
+    cfg = SimpleNamespace(trainer=SimpleNamespace(batch_size=8, channels_last=False),
+                          model=SimpleNamespace(img_size=32))
     run = SimpleNamespace(device=torch.device("cpu"), amp_dtype=None)
     assert _stock_saved_bytes(model, cfg, run) == meter.activation_bytes
     for k, b in model.named_buffers():
@@ -400,6 +401,7 @@ def test_stock_saved_bytes_is_the_model_as_built():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the attentions moved to the explicit path: said elsewhere)
         model = patch_model(copy.deepcopy(stock), ops=["softmax"])
-    cfg = SimpleNamespace(trainer=SimpleNamespace(batch_size=2), model=SimpleNamespace(img_size=32))
+    cfg = SimpleNamespace(trainer=SimpleNamespace(batch_size=2, channels_last=False),
+                          model=SimpleNamespace(img_size=32))
     run = SimpleNamespace(device=torch.device("cpu"), amp_dtype=None)
     assert _stock_saved_bytes(model, cfg, run) == meter.activation_bytes
