@@ -748,7 +748,7 @@ def test_a_failing_skip_measurement_warns_and_measures_the_row_as_patched(monkey
     says so in a warning and its notes (the bench goes on); out of memory stays the row's oom."""
     from mesa_train.bench import measure
     from mesa_train.bench.presets import make_row
-    from mesa_train.patch import duplicates
+    from mesa_train.patch import start_up
 
     row = make_row({"model": "deit_ti", "batch_size": 2, "img_size": 32, "num_classes": 3, "amp": "fp32",
                     "model_kwargs": {"depth": 1}}, {"label": "m", "mesa": True})
@@ -756,7 +756,7 @@ def test_a_failing_skip_measurement_warns_and_measures_the_row_as_patched(monkey
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(duplicates, "skip_duplicated", boom)
+    monkeypatch.setattr(start_up, "skip_duplicated", boom)
     with pytest.warns(UserWarning, match=r"row 'm': duplicates=skip measured nothing.*\(boom\)"):
         model = measure.build_for_row(row)
     assert "failed (boom)" in measure.skipped_duplicates_note(row, model)
@@ -764,7 +764,7 @@ def test_a_failing_skip_measurement_warns_and_measures_the_row_as_patched(monkey
     def oom(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(duplicates, "skip_duplicated", oom)
+    monkeypatch.setattr(start_up, "skip_duplicated", oom)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         measure.build_for_row(row)
 

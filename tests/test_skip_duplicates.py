@@ -537,3 +537,47 @@ def test_a_compiled_operand_kept_in_full_is_not_the_argument_a_later_in_place_ch
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     got = torch.autograd.grad(compiled(x).square().sum(), model.q.weight)[0]
     torch.testing.assert_close(got, want)
+
+
+def test_a_start_up_measurement_that_fails_trains_as_patched_and_says_why(monkeypatch, caplog):
+    """train.py's start-up (and a bench row's, the same helper): a forward that refuses the random
+    images leaves every layer compressed, training goes on with one warning, ``describe`` names
+    the failure, and a later measurement or patch clears the mark; out of memory goes on."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from mesa_train.patch import start_up
+    from mesa_train.train import runner
+
+    model = patch_model(_convnet(), ops=["conv"])
+    real = duplicates_mod.measured_copies
+
+    def refuses(*args, **kwargs):
+        raise ValueError("expected 4 channels")
+
+    monkeypatch.setattr(duplicates_mod, "measured_copies", refuses)
+    cfg = OmegaConf.create({"model": {"img_size": 8}, "mesa": {"duplicates": "skip"},
+                            "trainer": {"channels_last": False, "batch_size": 2}})
+    with caplog.at_level(logging.INFO, logger=runner.log.name):
+        runner._skip_duplicates(cfg, model, torch.device("cpu"), None, rank=0)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "mesa.duplicates=skip measured nothing" in warned[0].getMessage()
+    assert "(expected 4 channels)" in warned[0].getMessage()
+    assert all(m.quant_options.enabled for m in model.modules() if hasattr(m, "quant_options"))
+    assert "(expected 4 channels)" in start_up.skip_failure(model)
+    assert "skip_duplicated at start-up measured nothing" in describe(model)
+
+    monkeypatch.setattr(duplicates_mod, "measured_copies", real)
+    assert start_up.skip_duplicated_at_start_up(model, _x()).count == 2 and not start_up.skip_failure(model)
+    start_up.skip_duplicated_at_start_up(model, torch.randn(2, 4, 8, 8))  # (the model's own forward refuses it)
+    assert start_up.skip_failure(model) and not left_stock_duplicates(model)
+    patch_model(model, ops=["conv"])
+    assert not start_up.skip_failure(model)
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(duplicates_mod, "measured_copies", oom)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        start_up.skip_duplicated_at_start_up(model, _x())

@@ -31,7 +31,6 @@ import os
 import statistics
 import time
 import warnings
-import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -280,46 +279,39 @@ def build_for_row(row: RowConfig, device: torch.device | str = "cpu", patch: boo
 
 
 def _row_images(row: RowConfig, n: int, device: torch.device, *, random: bool) -> torch.Tensor:
-    """``n`` start-up probe images in the row's size and memory format (seeded when random)."""
-    shape = (n, 3, row.img_size, row.img_size)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) if random else torch.zeros(shape)
-    return x.to(device, memory_format=torch.channels_last if row.channels_last else torch.contiguous_format)
+    """``n`` start-up images in the row's size and memory format, as training makes them."""
+    from mesa_train.patch.start_up import start_up_images
+
+    return start_up_images(n, row.img_size, channels_last=row.channels_last, device=device, random=random)
 
 
 def _skip_duplicates(row: RowConfig, model: torch.nn.Module, device: torch.device) -> None:
     """row.duplicates=skip: the Mesa layers whose every copy another module keeps in full anyway
     go stock, and attentions the ops moved off their fused path go back, where that lowers the
-    bytes a training forward of two random images keeps under the row's amp: what train.py's
-    start-up does (mesa.duplicates=skip), so a row measures the model training runs. The forwards
-    restore the RNG and the buffers (mesa_train/patch/duplicates.py); `_measure` notes what went."""
-    from mesa_train.patch.duplicates import skip_duplicated
+    bytes a training forward of two random images keeps under the row's amp: train.py's start-up
+    (mesa.duplicates=skip, the same helper), so a row measures the model training runs. A failing
+    forward leaves the row as patched, as training does, with a warning; out of memory stays the
+    row's oom (mesa_train/patch/start_up.py). `skipped_duplicates_note` says what went."""
+    from mesa_train.patch.start_up import skip_duplicated_at_start_up
 
     def run(m, images):
         with amp_context(row, device):
             return m(images)
 
-    try:
-        skip_duplicated(model, _row_images(row, 2, device, random=True), run=run)
-    except torch.cuda.OutOfMemoryError:
-        raise  # (the row's status: oom, as its own step's would be)
-    except Exception as err:  # (a forward that refuses two random images: measure the row as patched, as training does)
-        said = (f"duplicates=skip measured nothing, its forward of two random images failed ({err}); the layers "
-                "the ops ask for stay compressed")
-        _SKIP_FAILED[model] = said
-        warnings.warn(f"row {row.label!r}: {said}", stacklevel=2)
-
-
-# model -> why row.duplicates=skip measured nothing (for the row's notes; weak: rows are built and dropped)
-_SKIP_FAILED: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+    result = skip_duplicated_at_start_up(model, _row_images(row, 2, device, random=True), run=run)
+    if result.failed:
+        warnings.warn(f"row {row.label!r}: duplicates=skip {result.failed}", stacklevel=2)
 
 
 def skipped_duplicates_note(row: RowConfig, model: torch.nn.Module) -> str:
     """What row.duplicates=skip left stock, kept in full or put back on the fused path ("" if nothing)."""
     if not (row.mesa and row.duplicates == "skip"):
         return ""
-    if model in _SKIP_FAILED:
-        return _SKIP_FAILED[model]
     from mesa_train.patch.duplicates import fused_back_attentions, full_operand_duplicates, left_stock_duplicates
+    from mesa_train.patch.start_up import skip_failure
+
+    if skip_failure(model):
+        return "duplicates=skip " + skip_failure(model)
 
     layers, fused = len(left_stock_duplicates(model)), len(fused_back_attentions(model))
     operands = len(full_operand_duplicates(model))

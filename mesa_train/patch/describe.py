@@ -15,6 +15,7 @@ from .core import OPS, PATCH_INFO_ATTR, mesa_layer_op
 from .coverage import coverage, format_coverage
 from .duplicates import full_operand_duplicates, fused_back_attentions, left_stock_duplicates
 from .skip_marks import FULL_OPERANDS_ATTR, FUSED_BACK_ATTR, LEFT_STOCK_ATTR
+from .start_up import skip_failure
 from .mlp import STOCK_SHARED_MLP_CLASSES
 from .rules import classify
 from .scale_branch import waiting_halves
@@ -208,6 +209,8 @@ def _describe_layers(root: nn.Module) -> str:
     if fused_back:  # patch/duplicates.py: their explicit path kept more than the fused one
         lines.append(f"attentions back on the fused path they were built with (skip_duplicated): {len(fused_back)}: "
                      f"{', '.join(fused_back)}")
+    if skip_failure(root):  # patch/start_up.py: training's (or a bench row's) start-up measurement
+        lines.append(f"skip_duplicated at start-up {skip_failure(root)}")
     # a model patched from a plan (patch_model(plan=), mesa.plan=): which layer compresses what
     from mesa_train.plan.apply import describe_plan  # here: mesa_train.plan imports this package
 

@@ -74,6 +74,8 @@ class SkippedDuplicates:
     # the MatMuls that keep an operand in full, a reference to the tensor another module keeps anyway
     # and quantize the other: name -> those operands
     full_operands: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    # why nothing was measured: a start-up call whose forward failed (patch/start_up.py; "" otherwise)
+    failed: str = ""
 
     @property
     def count(self) -> int:
@@ -84,6 +86,8 @@ class SkippedDuplicates:
 
     def summary(self) -> str:
         """One line for a log: what was left stock and what it saved."""
+        if self.failed:
+            return self.failed
         kept = sum(len(v) for v in self.kept.values())
         parts = []
         if self.count:

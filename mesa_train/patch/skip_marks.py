@@ -14,13 +14,15 @@ from torch import nn
 
 from mesa_train.nn.matmul import FULL_OPERANDS_ATTR
 
-__all__ = ["FULL_OPERANDS_ATTR", "FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "record_skipped_root", "undo_skips",
-           "undo_skips_around"]
+__all__ = ["FULL_OPERANDS_ATTR", "FUSED_BACK_ATTR", "LEFT_STOCK_ATTR", "SKIP_FAILED_ATTR", "record_skipped_root",
+           "undo_skips", "undo_skips_around"]
 
 # (in a Mesa layer's __dict__: True where skip_duplicated switched it to stock)
 LEFT_STOCK_ATTR = "_mesa_left_stock_duplicate"
 # (in an attention's __dict__: its explicit path and fused_attn, where skip_duplicated put it back fused)
 FUSED_BACK_ATTR = "_mesa_fused_back"
+# (in a model's __dict__: why a start-up skip_duplicated measured nothing, patch/start_up.py)
+SKIP_FAILED_ATTR = "_mesa_skip_failed"
 
 
 # the models skip_duplicated switched layers in (weakly: a model dropped is forgotten), so that a
@@ -45,8 +47,10 @@ def undo_skips_around(module: nn.Module) -> int:
 def undo_skips(root: nn.Module) -> int:
     """Switch back on the layers ``skip_duplicated`` left stock, quantize again the MatMul
     operands it left in full and put its fused-back attentions on the explicit path again; the
-    number of modules changed."""
+    number of modules changed. A failed start-up measurement's mark goes too (it was of the model
+    as it was patched)."""
     changed = 0
+    root.__dict__.pop(SKIP_FAILED_ATTR, None)
     for m in root.modules():
         if m.__dict__.pop(LEFT_STOCK_ATTR, None):
             m.set_quant_options(enabled=True)

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from mesa_train.compile_scope import compile_model
-from mesa_train.patch.duplicates import skip_duplicated
 from mesa_train.patch.reuse import probe_reuse
+from mesa_train.patch.start_up import skip_duplicated_at_start_up, start_up_images
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 from mesa_train.train import rundir
@@ -310,16 +310,16 @@ def _apply_plan(cfg, model, device, amp_dtype, num_classes, ckpt) -> None:
         raise ConfigError(f"mesa.plan: {err}") from None
 
 
-def _as_trained(cfg, images: torch.Tensor) -> torch.Tensor:
-    """Start-up probe images in the memory format training feeds the model (trainer.channels_last)."""
-    return images.contiguous(memory_format=torch.channels_last) if cfg.trainer.channels_last else images
+def _start_up_images(cfg, n: int, device, *, random: bool = False) -> torch.Tensor:
+    """Start-up images in the size and memory format training feeds the model (trainer.channels_last)."""
+    return start_up_images(n, cfg.model.img_size, channels_last=cfg.trainer.channels_last, device=device,
+                           random=random)
 
 
 def _probe_reuse(cfg, model, device) -> None:
     """Modules a forward calls more than once get per-sample ranges from the first step, also
     compiled and resumed (one eval forward of a blank image: mesa_train/patch/reuse.py)."""
-    size = cfg.model.img_size
-    layers = probe_reuse(model, _as_trained(cfg, torch.zeros(1, 3, size, size, device=device)))
+    layers = probe_reuse(model, _start_up_images(cfg, 1, device))
     if layers:
         log.info("estimator=per_sample for %d Mesa layer(s) of modules called more than once a forward",
                  len(layers))
@@ -333,22 +333,19 @@ def _skip_duplicates(cfg, model, device, amp_dtype, rank: int) -> None:
     rank and a resumed run find the same layers (the data flow is the model's, not the data's)."""
     if cfg.mesa.get("duplicates", "skip") != "skip":
         return
-    size = cfg.model.img_size
-    x = _as_trained(cfg, torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device))
 
     def run(m, images):
         with autocast(device, amp_dtype):
             return m(images)
 
-    try:
-        result = skip_duplicated(model, x, run=run)
-    except Exception as err:  # (a model whose forward refuses two random images: train as asked)
-        if rank == 0:
-            log.warning("mesa.duplicates=skip measured nothing, its forward of two random images failed (%s); the "
-                        "layers the ops ask for stay compressed", err)
+    result = skip_duplicated_at_start_up(model, _start_up_images(cfg, 2, device, random=True), run=run)
+    if rank != 0:
+        return
+    if result.failed:  # (a model whose forward refuses two random images: train as asked)
+        log.warning("mesa.duplicates=skip %s", result.failed)
         return
     changed = result.count or result.fused_back or result.full_operands
-    if (changed or result.kept) and rank == 0:
+    if changed or result.kept:
         log.info("%s%s", result.summary(), " (mesa.duplicates=keep: as the ops ask)" if changed else "")
 
 
@@ -672,7 +669,7 @@ def _stock_saved_bytes(model, cfg, r: _Run) -> int | None:
     batch = int(cfg.trainer.batch_size)
 
     def saved(n: int) -> int:
-        x = _as_trained(cfg, torch.zeros(n, 3, cfg.model.img_size, cfg.model.img_size, device=r.device))
+        x = _start_up_images(cfg, n, r.device)
         with SavedTensorMeter(model) as meter:
             with autocast(r.device, r.amp_dtype):
                 model(x)

@@ -1,0 +1,54 @@
+"""The start-up forwards that ``train.py`` and the bench's rows make on a patched model, shared so
+that a bench row measures the model training runs.
+
+- ``start_up_images``: the example images, in the size and memory format training feeds (a layout
+  can change what a forward keeps: a channels-last conv keeps its input channels-last);
+- ``skip_duplicated_at_start_up``: ``skip_duplicated`` (patch/duplicates.py) for a run that goes on
+  whatever it finds. A measuring forward that fails (a model that refuses two random images) leaves
+  the layers the ops ask for compressed, as patched; the result's ``failed`` says why and so does a
+  mark on the model (``skip_failure``, read by ``describe`` and a bench row's notes). Out of memory
+  goes on: the run's own, larger forwards would not fit either.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from mesa_train.models import unwrap_module
+
+from .duplicates import SkippedDuplicates, skip_duplicated
+from .skip_marks import SKIP_FAILED_ATTR
+
+__all__ = ["skip_duplicated_at_start_up", "skip_failure", "start_up_images"]
+
+
+def start_up_images(n: int, img_size: int, *, channels_last: bool, device: torch.device | str,
+                    random: bool = False) -> torch.Tensor:
+    """``n`` RGB images of ``img_size``: zeros (the reuse probe, a stock figure), or normal noise from
+    a fixed seed (``random``: a measurement every rank and a resumed run repeat), leaving the global
+    RNG untouched; channels-last where training feeds that."""
+    shape = (n, 3, img_size, img_size)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) if random else torch.zeros(shape)
+    return x.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def skip_duplicated_at_start_up(model: nn.Module, example_input, *,
+                                run: Optional[Callable] = None) -> SkippedDuplicates:
+    """``skip_duplicated(model, example_input, run=run)``, or, where a measuring forward fails, the
+    model as patched and a result whose ``failed`` (also ``skip_failure(model)``) says why."""
+    try:
+        return skip_duplicated(model, example_input, run=run)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:  # (skip_duplicated undid its switches before the error came here)
+        why = (f"measured nothing, its forward of the example input failed ({err}); the layers the ops ask for "
+               "stay compressed")
+        unwrap_module(model, "skip_duplicated").__dict__[SKIP_FAILED_ATTR] = why
+        return SkippedDuplicates(failed=why)
+
+
+def skip_failure(model: nn.Module) -> str:
+    """Why the last ``skip_duplicated_at_start_up`` of ``model`` measured nothing ("" if it did)."""
+    return unwrap_module(model, "skip_failure").__dict__.get(SKIP_FAILED_ATTR, "")
