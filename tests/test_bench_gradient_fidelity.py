@@ -117,3 +117,26 @@ def test_bad_presets_are_clear_errors():
         assert label in proc.stdout
     proc = _run("preset=gradients-quick", "preset.models.0.kwargs.num_heads=5", timeout=120)
     assert proc.returncode == 2 and "cannot take" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_row_measures_the_model_training_runs():
+    """duplicates: skip (the default, as mesa.duplicates): PVT-v2's attn.q with ops=[linear] reads
+    the input the stock sr conv keeps in full, so training leaves it stock and so does the row,
+    which says so; ``keep`` compresses it. A bad value is a one-line error naming the choices."""
+    from mesa_train.bench.gradient_fidelity import GradRow, digits_batches, gradient, measure_row, parse_spec
+    from mesa_train.bench.presets import BenchConfigError
+    from mesa_train.models import build_model
+
+    torch.manual_seed(0)
+    stock = build_model("pvt_v2_b0", fused_attn=False, num_classes=10, drop_path_rate=0.0, depths=[1, 1, 1, 1],
+                        embed_dims=[16, 32, 32, 64], num_heads=[1, 2, 2, 4]).train()
+    test, warm = digits_batches(2, 2, 32, seed=0)
+    exact, sizes, logits = gradient(stock, test)
+    names = [n for n, _ in stock.named_parameters()]
+    row = GradRow("Linear", ops=("linear",))
+    skip = measure_row(stock, exact, logits, sizes, names, row, test, [warm], passes=2)
+    keep = measure_row(stock, exact, logits, sizes, names, row, test, [warm], passes=2, duplicates="keep")
+    assert skip["skipped"].startswith("duplicates=skip: 3 Mesa layer(s) left stock"), skip["skipped"]
+    assert keep["skipped"] == "" and skip["forward_exact"] and keep["forward_exact"]
+    with pytest.raises(BenchConfigError, match="duplicates must be one of skip, keep, got 'drop'"):
+        parse_spec({**_preset("gradients-quick"), "duplicates": "drop"})

@@ -16,6 +16,12 @@ seed each pass). Measured, over all parameters concatenated:
   infinitely many passes. The noise alone would leave ``noise / sqrt(N)``;
 - the worst parameter tensor: the lowest cosine of the mean gradient over single tensors;
 - the forward check: the Mesa model's logits equal the stock ones bit for bit.
+
+Each Mesa copy is the model ``train.py`` would train with those ops: ``skip_duplicated`` leaves
+stock the layers whose every copy another module keeps in full anyway (``duplicates: skip``, the
+default, as ``mesa.duplicates``; PVT-v2's ``attn.q`` with ``ops=[linear]``, beside the stock ``sr``
+conv on the same input), and the row's record names them (``skipped``). ``duplicates: keep``
+measures every layer the ops ask for, as ``mesa.duplicates=keep`` trains.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ QUANT_KEYS = ("num_groups", "decay", "estimator", "symmetric", "rounding", "mlp"
 CSV_COLUMNS = ["preset", "model", "label", "ops", "modules", "quant", "paper", "status", "error", "passes",
                "cos_single", "rel_err_single", "cos_mean", "rel_err_mean", "bias_rel", "noise_rel",
                "noise_rel_over_sqrt_n", "worst_tensor", "worst_tensor_cos_mean", "forward_exact",
-               "batch_size", "img_size", "params_m", "seconds", "device", "torch", "timm", "git", "date"]
+               "skipped", "batch_size", "img_size", "params_m", "seconds", "device", "torch", "timm", "git", "date"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class GradSpec:
     warmup_batches: int
     seed: int
     notes: list[str]
+    duplicates: str = "skip"  # as mesa.duplicates: skip (what training runs) | keep (every layer the ops ask)
 
 
 # --------------------------------------------------------------------------- preset
@@ -81,9 +88,10 @@ class GradSpec:
 def parse_spec(preset: dict) -> GradSpec:
     from mesa_train.bench.presets import valid_modules, valid_ops
     from mesa_train.models import timm_name
+    from mesa_train.patch.duplicates import DUPLICATES
 
     known = {"name", "title", "description", "models", "rows", "batch_size", "img_size", "passes",
-             "warmup_batches", "seed", "notes"}
+             "warmup_batches", "seed", "notes", "duplicates"}
     unknown = sorted(set(preset) - known)
     if unknown:
         raise BenchConfigError(f"gradients preset: unknown key(s) {unknown}; valid: {', '.join(sorted(known))}")
@@ -128,9 +136,12 @@ def parse_spec(preset: dict) -> GradSpec:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise BenchConfigError(f"{key} must be an integer >= {low}, got {value!r}")
         ints[key] = value
+    duplicates = preset.get("duplicates", "skip")
+    if duplicates not in DUPLICATES:
+        raise BenchConfigError(f"duplicates must be one of {', '.join(DUPLICATES)}, got {duplicates!r}")
     return GradSpec(name=str(preset["name"]), title=str(preset.get("title") or preset["name"]),
                     description=str(preset.get("description") or "").strip(), models=models, rows=rows,
-                    notes=[str(n) for n in preset.get("notes") or []], **ints)
+                    notes=[str(n) for n in preset.get("notes") or []], duplicates=duplicates, **ints)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -194,10 +205,18 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure_row(stock: torch.nn.Module, exact: torch.Tensor, exact_logits: torch.Tensor, sizes: list[int],
-                names: list[str], row: GradRow, test: tuple, warm: list[tuple], passes: int) -> dict[str, Any]:
+                names: list[str], row: GradRow, test: tuple, warm: list[tuple], passes: int,
+                duplicates: str = "skip") -> dict[str, Any]:
     from mesa_train import patch_model
+    from mesa_train.patch.start_up import skip_duplicated_at_start_up, skipped_note, start_up_images
 
     model = patch_model(copy.deepcopy(stock), **row.options()).train()
+    skipped = ""
+    if duplicates == "skip":  # (as train.py's start-up: two random images; the RNG and buffers restored)
+        images = test[0]
+        skip_duplicated_at_start_up(model, start_up_images(2, images.shape[-1], channels_last=False,
+                                                           device=images.device, random=True))
+        skipped = skipped_note(model)
     for batch in warm:  # running estimates as after a few training steps
         gradient(model, batch)
     norm = float(exact.norm())
@@ -225,7 +244,8 @@ def measure_row(stock: torch.nn.Module, exact: torch.Tensor, exact_logits: torch
             "cos_mean": _cos(mean, exact), "rel_err_mean": math.sqrt(err2) / norm,
             "bias_rel": math.sqrt(max(0.0, err2 - var / passes)) / norm, "noise_rel": noise,
             "noise_rel_over_sqrt_n": noise / math.sqrt(passes), "worst_tensor": worst_name,
-            "worst_tensor_cos_mean": worst_cos, "forward_exact": forward_exact, "passes": passes}
+            "worst_tensor_cos_mean": worst_cos, "forward_exact": forward_exact, "passes": passes,
+            "skipped": skipped}
 
 
 def rows_of(spec: GradSpec, m: ModelSpec) -> list[GradRow]:
@@ -256,7 +276,7 @@ def measure_all(spec: GradSpec, show: bool, say) -> list[dict[str, Any]]:
                 torch.manual_seed(spec.seed + 1)  # the rounding seeds of every row's passes
                 try:
                     rec.update(status="ok", error="", **measure_row(stock, exact, exact_logits, sizes, names, row,
-                                                                   test, warm, spec.passes))
+                                                                   test, warm, spec.passes, spec.duplicates))
                 except Exception as err:  # noqa: BLE001 - e.g. an op the model does not have
                     rec.update(status="error", error=f"{type(err).__name__}: {err}")
                     say(f"{m.label} / {row.label}: {rec['error']}", bar)
@@ -312,8 +332,15 @@ def markdown(spec: GradSpec, records: list[dict[str, Any]], env: dict[str, Any],
                 "yes" if r["forward_exact"] else "**no**",
             ]) + " |")
         lines.append("")
+        skipped = [f"- {r['label']}: {r['skipped']}" for r in rows if r.get("skipped")]
+        if skipped:  # (what training with those ops leaves stock: measured as it trains)
+            lines += ["Left as training leaves them (mesa.duplicates=skip):", "", *skipped, ""]
     lines += ["## How to read it", "",
               "- rel. err = |g_Mesa - g_exact| / |g_exact| over all parameters; cos = their cosine.",
+              ("- Each row is the model train.py trains with its ops (mesa.duplicates=skip): a layer whose every "
+               "8-bit copy duplicates what another module keeps in full is left stock, listed under the table."
+               if spec.duplicates == "skip" else "- duplicates: keep: every layer the ops ask for is compressed, "
+               "also those whose copies duplicate what another module keeps in full (mesa.duplicates=keep)."),
               "- bias (∞ passes) estimates |E[g_Mesa] - g_exact| / |g_exact| from the passes: the mean's "
               "squared error minus the part the pass-to-pass noise explains (s²/N). An unbiased "
               "estimator has bias ≈ 0 and rel. err (mean) ≈ noise/√N; a biased one keeps rel. err "

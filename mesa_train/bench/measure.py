@@ -307,19 +307,9 @@ def skipped_duplicates_note(row: RowConfig, model: torch.nn.Module) -> str:
     """What row.duplicates=skip left stock, kept in full or put back on the fused path ("" if nothing)."""
     if not (row.mesa and row.duplicates == "skip"):
         return ""
-    from mesa_train.patch.duplicates import fused_back_attentions, full_operand_duplicates, left_stock_duplicates
-    from mesa_train.patch.start_up import skip_failure
+    from mesa_train.patch.start_up import skipped_note
 
-    if skip_failure(model):
-        return "duplicates=skip " + skip_failure(model)
-
-    layers, fused = len(left_stock_duplicates(model)), len(fused_back_attentions(model))
-    operands = len(full_operand_duplicates(model))
-    parts = [f"{layers} Mesa layer(s) left stock"] * bool(layers) + \
-        [f"{operands} MatMul(s) keeping an operand in full"] * bool(operands) + \
-        [f"{fused} attention(s) back on their fused path"] * bool(fused)
-    return ("duplicates=skip: " + ", ".join(parts) + " (their copies duplicated what other modules keep)"
-            if parts else "")
+    return skipped_note(model)
 
 
 def make_optimizer(row: RowConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

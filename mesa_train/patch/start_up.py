@@ -18,10 +18,11 @@ from torch import nn
 
 from mesa_train.models import unwrap_module
 
-from .duplicates import SkippedDuplicates, skip_duplicated
+from .duplicates import (SkippedDuplicates, full_operand_duplicates, fused_back_attentions, left_stock_duplicates,
+                         skip_duplicated)
 from .skip_marks import SKIP_FAILED_ATTR
 
-__all__ = ["skip_duplicated_at_start_up", "skip_failure", "start_up_images"]
+__all__ = ["skip_duplicated_at_start_up", "skip_failure", "skipped_note", "start_up_images"]
 
 
 def start_up_images(n: int, img_size: int, *, channels_last: bool, device: torch.device | str,
@@ -52,3 +53,18 @@ def skip_duplicated_at_start_up(model: nn.Module, example_input, *,
 def skip_failure(model: nn.Module) -> str:
     """Why the last ``skip_duplicated_at_start_up`` of ``model`` measured nothing ("" if it did)."""
     return unwrap_module(model, "skip_failure").__dict__.get(SKIP_FAILED_ATTR, "")
+
+
+def skipped_note(model: nn.Module) -> str:
+    """One short note of what the last start-up ``skip_duplicated`` of ``model`` left stock, kept in
+    full or put back on the fused path, or why it measured nothing ("" if it changed nothing): a
+    bench row's notes, a gradient-fidelity row's."""
+    if skip_failure(model):
+        return "duplicates=skip " + skip_failure(model)
+    layers, fused = len(left_stock_duplicates(model)), len(fused_back_attentions(model))
+    operands = len(full_operand_duplicates(model))
+    parts = [f"{layers} Mesa layer(s) left stock"] * bool(layers) + \
+        [f"{operands} MatMul(s) keeping an operand in full"] * bool(operands) + \
+        [f"{fused} attention(s) back on their fused path"] * bool(fused)
+    return ("duplicates=skip: " + ", ".join(parts) + " (their copies duplicated what other modules keep)"
+            if parts else "")
