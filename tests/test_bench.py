@@ -591,6 +591,34 @@ def test_skip_drops_rows_but_keeps_baselines():
         expand_preset(speed, skip=["Mesa", "stock"])
 
 
+def test_only_takes_one_text_or_several():
+    """only=[A,B] (a list, as skip= takes) keeps the rows matching any text; it crashed on a list."""
+    from mesa_train.bench.presets import BenchConfigError, expand_preset
+
+    modern = _preset_dict("modern")
+    one = [r.label for r in expand_preset(modern, only="DeiT-S")]
+    both = [r.label for r in expand_preset(modern, only=["DeiT-S", "Swin"])]
+    assert one and set(one) < set(both) and any("Swin" in label for label in both)
+    assert both == [r.label for r in expand_preset(modern) if r.label in both]  # (the preset's order)
+    with pytest.raises(BenchConfigError, match="only='nothing' matches no row"):
+        expand_preset(modern, only=["DeiT-S", "nothing"])
+
+
+def test_the_apps_switches_are_true_or_false():
+    """dry_run=no was read as true (a non-empty text): a dry run nobody asked for, exit 0. Each
+    bench app refuses a switch that is not true or false, in one line, exit 2."""
+    proc = _run("preset=cpu-quick", "dry_run=no")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == \
+        "mesa_train.bench: error: dry_run='no' must be true or false", proc.stderr
+    assert "Traceback" not in proc.stderr and "validated, not run" not in proc.stdout
+    for module, switch in (("mesa_train.bench.gradient_fidelity", "progress=no"),
+                           ("mesa_train.bench.accuracy", "dry_run=yes")):
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, "-m", module, switch], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 2 and "must be true or false" in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
 def test_speed_preset_runs_every_knob(tmp_path):
     """The speed preset's knobs (row scales off, nearest rounding, ops vs traceable under
     compile, CUDA graphs) each reach the measured model: shrunk onto the CPU (aot_eager)."""

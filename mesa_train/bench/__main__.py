@@ -2,7 +2,7 @@
 
 Presets: see ``configs/bench/preset/`` (``preset=auto``, the default, picks ``table1``
 when CUDA is available and ``cpu-quick`` otherwise). Useful overrides: ``device=cpu``,
-``output_dir=DIR``, ``only=SUBSTRING``, ``skip=SUBSTRING``, ``dry_run=true``, ``allow_cpu=true``,
+``output_dir=DIR``, ``only=SUBSTRING`` (or ``[A,B]``), ``skip=SUBSTRING`` (or ``[A,B]``), ``dry_run=true``, ``allow_cpu=true``,
 ``preset.common.batch_size=N``, ``preset.search.cap_gb=24``, ``profile=true`` (also
 write ``<device>.profile.{md,csv}``: where the time of each row's step goes).
 Exit status: 0 ok, 1 a configuration failed while running, 2 a bad configuration (the
@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from mesa_train.bench.measure import MesaUnavailable
-    from mesa_train.bench.presets import BenchConfigError
+    from mesa_train.bench.presets import BenchConfigError, check_switches
     from mesa_train.bench.runner import run_app
 
     overrides = list(HydraConfig.get().overrides.task)
@@ -49,6 +49,7 @@ def main(cfg: DictConfig) -> None:
         overrides = [o for o in overrides if not o.startswith("preset=")] + [f"preset={cfg.preset.name}"]
     command = _environment_prefix() + "python -m mesa_train.bench " + " ".join(shlex.quote(o) for o in overrides)
     try:
+        check_switches(cfg, ("allow_cpu", "dry_run", "progress", "process_warmup", "profile"))
         if cfg.preset.get("kind") == "planner":  # the planner's frontier (mesa_train/bench/planner.py)
             from mesa_train.bench.planner import run_planner
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mesa_train.bench.presets import BenchConfigError
+from mesa_train.bench.presets import BenchConfigError, check_switches
 
 QUANT_KEYS = ("num_groups", "decay", "estimator", "symmetric", "rounding", "mlp", "norm_linear")
 CSV_COLUMNS = ["preset", "model", "label", "ops", "modules", "quant", "paper", "status", "error", "passes",
@@ -378,6 +378,7 @@ def run_app(cfg: Any, command: str) -> int:
 
     from mesa_train.bench import report as bench_report
 
+    check_switches(cfg, ("dry_run", "progress"))
     preset = cfg.preset if isinstance(cfg.preset, dict) else OmegaConf.to_container(cfg.preset, resolve=True)
     spec = parse_spec(dict(preset))
     check_models(spec)

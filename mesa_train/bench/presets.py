@@ -284,13 +284,29 @@ def validate_groups(rows: list[RowConfig]) -> None:
                 f"among {[r.label for r in members]}")
 
 
-def expand_preset(preset: dict, only: str | None = None,
+def check_switches(cfg: Any, names: Sequence[str]) -> None:
+    """The app settings ``names`` are true or false, not a text (YAML reads ``dry_run=no`` as the
+    string 'no', which Python's truth would take as true: a dry run that was not asked for)."""
+    for name in names:
+        value = cfg.get(name) if hasattr(cfg, "get") else getattr(cfg, name, None)
+        if value is not None and not isinstance(value, bool):
+            raise BenchConfigError(f"{name}={value!r} must be true or false")
+
+
+def _texts(value: str | Sequence[str] | None) -> list[str]:
+    """One text (``only=Swin``) or several (``only=[Swin,PVT]``) as a list; empty ones dropped."""
+    many = isinstance(value, Iterable) and not isinstance(value, str)
+    return [str(t) for t in (value if many else [value]) if t not in (None, "")]
+
+
+def expand_preset(preset: dict, only: str | Sequence[str] | None = None,
                   skip: str | Sequence[str] | None = None) -> list[RowConfig]:
     """The preset's rows as validated RowConfigs (names only; their models are built by
     `mesa_train.bench.model_check.check_model`).
-    ``only`` keeps rows whose label contains it, plus their groups' baselines; ``skip`` (one
-    text or several) then drops the non-baseline rows whose label contains it (a time-bounded
-    session's cut), and the baselines of groups it empties; each text must match such a row."""
+    ``only`` (one text or several) keeps rows whose label contains one, plus their groups'
+    baselines; ``skip`` (one text or several) then drops the non-baseline rows whose label
+    contains one (a time-bounded session's cut), and the baselines of groups it empties; each
+    text must match such a row."""
     common = dict(preset.get("common") or {})
     rows = [make_row(common, r) for r in (preset.get("rows") or [])]
     for row in rows:
@@ -304,15 +320,16 @@ def expand_preset(preset: dict, only: str | None = None,
         if unknown:
             raise BenchConfigError(f"target {target!r}: unknown keys {sorted(unknown)}; valid: "
                                    "row, memory_ratio_max, throughput_ratio_min")
-    if only:
-        keep = {r.group_name for r in rows if only in r.label}
-        if not keep:
-            raise BenchConfigError(f"only={only!r} matches no row; rows: "
-                                   f"{', '.join(r.label for r in rows)}")
-        rows = [r for r in rows if r.group_name in keep and (r.baseline or only in r.label)]
+    onlys = _texts(only)
+    for text in onlys:
+        if not any(text in r.label for r in rows):
+            raise BenchConfigError(f"only={text!r} matches no row; rows: {', '.join(r.label for r in rows)}")
+    if onlys:
+        keep = {r.group_name for r in rows if any(text in r.label for text in onlys)}
+        rows = [r for r in rows if r.group_name in keep and (r.baseline or any(text in r.label for text in onlys))]
     # one text (skip=traceable) or a list (skip=[traceable,fused]); an empty one skips nothing
     many = isinstance(skip, Iterable) and not isinstance(skip, str)
-    skips = [str(t) for t in (skip if many else [skip]) if t not in (None, "")]
+    skips = _texts(skip)
     for text in skips:
         if not any(text in r.label and not r.baseline for r in rows):
             raise BenchConfigError(f"skip={text!r} matches no (non-baseline) row; rows: "

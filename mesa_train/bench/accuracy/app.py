@@ -18,7 +18,7 @@ from mesa_train.bench import report as bench_report
 from mesa_train.bench.accuracy import plot, report
 from mesa_train.bench.accuracy.spec import AccuracySpec, check_training_configs, parse_spec
 from mesa_train.bench.accuracy.train import Task, run_task, set_threads
-from mesa_train.bench.presets import BenchConfigError
+from mesa_train.bench.presets import BenchConfigError, check_switches
 
 SLUG = "digits"
 
@@ -101,6 +101,7 @@ def train_all(spec: AccuracySpec, tasks: list[Task], show: bool) -> dict[str, li
 
 def run_app(cfg: Any, command: str) -> int:
     """Exit status 0, or 1 when a run failed. Raises BenchConfigError for a bad preset."""
+    check_switches(cfg, ("dry_run", "progress"))
     spec = prepare(cfg)
     if _get(cfg, "dry_run", False):
         print(f"preset {spec.name}: {len(spec.rows)} rows x {len(spec.seeds)} seeds, {spec.jobs} job(s), "
