@@ -2,8 +2,9 @@
 
 Presets: see ``configs/bench/preset/`` (``preset=auto``, the default, picks ``table1``
 when CUDA is available and ``cpu-quick`` otherwise). Useful overrides: ``device=cpu``,
-``output_dir=DIR``, ``only=SUBSTRING`` (or ``[A,B]``), ``skip=SUBSTRING`` (or ``[A,B]``), ``dry_run=true``, ``allow_cpu=true``,
-``preset.common.batch_size=N``, ``preset.search.cap_gb=24``, ``profile=true`` (also
+``output_dir=DIR``, ``only=SUBSTRING`` (or ``[A,B]``), ``skip=SUBSTRING`` (or ``[A,B]``),
+``dry_run=true``, ``allow_cpu=true``, ``preset.common.batch_size=N``,
+``preset.search.cap_gb=24``, ``profile=true`` (also
 write ``<device>.profile.{md,csv}``: where the time of each row's step goes).
 Exit status: 0 ok, 1 a configuration failed while running, 2 a bad configuration (the
 message names the valid choices), 3 Mesa is not importable.
