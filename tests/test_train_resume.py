@@ -55,6 +55,18 @@ def test_finished_run_resumes_to_nothing(compose_train, tmp_path):
     # with none (FAST_TRAINER stops at max_steps=2 within the first epoch)
     assert first["status"] == again["status"] == "stopped at max_steps=2"
     assert first["val_images"] and again["val_images"] == first["val_images"]
+    # rerun with a lower max_steps: still the run's status, not "stopped at max_steps=1" at step 2
+    lower = fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ["trainer.max_steps=1"]), str(tmp_path))
+    assert lower["step"] == 2 and lower["status"] == first["status"]
+
+
+def test_a_finished_runs_summary_keeps_its_mean_speed(compose_train, tmp_path):
+    """Run again over a finished two-epoch run: the mean images/s is the run's, not its last epoch's."""
+    first = fit(compose_train(RESUME), str(tmp_path))
+    assert first["images_per_s_mean"] != first["images_per_s"]  # (else the check below could not fail)
+    again = fit(compose_train(RESUME), str(tmp_path))
+    assert again["step"] == first["step"] == 6 and again["status"] == first["status"] == "done"
+    assert again["images_per_s_mean"] == first["images_per_s_mean"]
 
 
 def test_atomic_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -489,6 +489,13 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     first_epoch = True
     at_max_steps = t.max_steps is not None and state.step >= t.max_steps
     status = f"stopped at max_steps={t.max_steps}" if at_max_steps and state.epoch < t.epochs else "done"
+    # a finished run resumed trains nothing: its summary stays the run's (status, mean speed), not
+    # this process's reading of it ("stopped at max_steps=2" for a run at step 6; the last epoch's
+    # images/s as the run's mean), where the summary there is of this checkpoint's step (a process
+    # killed after its last save wrote none)
+    previous = _previous_summary(run_dir) if at_max_steps or state.epoch >= t.epochs else {}
+    previous = previous if previous.get("step") == state.step else {}
+    status = previous.get("status") or status
     if main and (at_max_steps or state.epoch >= t.epochs):  # (a finished run resumed: say so, train nothing)
         # (a resume may raise max_steps, not epochs: the schedule was built from them)
         how = ("raise trainer.max_steps to train further" if state.epoch < t.epochs else
@@ -560,7 +567,8 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
 
     # 3. the run's summary (summary.json, wandb)
     summary = _summary(cfg, run_dir, r, status, last_row, saved_bytes, stock_bytes,
-                       timed_images / timed_seconds if timed_seconds else last_row.get("images_per_s"))
+                       timed_images / timed_seconds if timed_seconds else
+                       previous.get("images_per_s_mean", last_row.get("images_per_s")))
     logger.write_summary(summary)
     dist_utils.barrier()
     if stop_signal.signum is not None:
