@@ -6,6 +6,8 @@ same size (about 13-14M parameters).
 """
 from __future__ import annotations
 
+import re
+
 import torch.nn as nn
 
 # short name -> timm model name
@@ -42,6 +44,12 @@ def timm_name(name: str) -> str:
     )
 
 
+def rejected_argument(err: BaseException) -> str | None:
+    """The keyword argument a constructor's ``TypeError`` says it does not take (None if another error)."""
+    found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+    return found.group(1) if found else None
+
+
 def build_model(name: str, *, fused_attn: bool | None = None, **overrides) -> nn.Module:
     """``timm.create_model`` with our short names. ``overrides`` (``num_classes``,
     ``img_size``, ``depth``, ``embed_dim``, ``num_heads``, ``drop_path_rate``, ...) are passed
@@ -53,6 +61,9 @@ def build_model(name: str, *, fused_attn: bool | None = None, **overrides) -> nn
     try:
         model = timm.create_model(timm_name(name), **kwargs)
     except TypeError as err:  # an override the architecture does not take
+        bad = rejected_argument(err)
+        if bad is not None:  # (name it, not every override: the rest were never looked at)
+            raise ValueError(f"model {name!r} ({timm_name(name)}) takes no argument {bad!r}: {err}") from err
         raise ValueError(f"model {name!r} cannot take overrides {sorted(kwargs)}: {err}") from err
     if fused_attn is not None:
         set_fused_attention(model, fused_attn)

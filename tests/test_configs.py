@@ -200,6 +200,27 @@ def test_any_timm_model_and_shape_errors_before_data(compose_train):
     check_buildable(compose_train(["model=pvt_v2_b1", "model.img_size=30"]))  # (overlapping convolutions: no loss)
 
 
+def test_an_argument_the_model_does_not_take_names_its_setting(compose_train):
+    """The error named every override and blamed img_size ('needs model.img_size_kwarg=false')
+    whatever was rejected; it names the one argument and the setting that passed it. A model
+    that takes no img_size (a CNN) builds without it: model.img_size sizes the images."""
+    from mesa_train.train.model import build, check_buildable
+
+    with pytest.raises(config_lib.ConfigError, match=r"^model 'deit_ti' \(deit_tiny_patch16_224\) takes no argument "
+                                                     r"'foo': remove model.kwargs.foo$"):
+        check_buildable(compose_train(["+model.kwargs.foo=1"]))
+    with pytest.raises(config_lib.ConfigError, match=r"takes no argument 'depth', which model.depth passes: set "
+                                                     r"model.depth=null; hierarchical models take one depth per "
+                                                     r"stage: '\+model.kwargs.depths=\[2,2,6,2\]'$"):
+        check_buildable(compose_train(["model=swin_ti", "model.depth=[1,1,1,1]"]))
+    cfg = compose_train(["model.name=resnet18", "model.img_size=32", "mesa.enabled=false"])
+    check_buildable(cfg)
+    assert type(build(cfg, 10)).__name__ == "ResNet"
+    with pytest.raises(config_lib.ConfigError, match="takes no argument 'img_size': remove model.kwargs.img_size"):
+        check_buildable(compose_train(["model.name=resnet18", "model.img_size_kwarg=false",
+                                       "+model.kwargs.img_size=32"]))
+
+
 def test_wandb_online_without_a_key_is_refused(compose_train, monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc

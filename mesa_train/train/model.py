@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from timm.layers import PatchEmbed
 
-from mesa_train.models import build_model
+from mesa_train.models import build_model, rejected_argument, timm_name
 from mesa_train.train.config import ConfigError, mesa_options, named_model_kwargs
 
 log = logging.getLogger("mesa_train.train")
@@ -34,19 +34,44 @@ def _overrides(cfg, num_classes: int, drop_path: float | None) -> dict:
             for k, v in overrides.items()}
 
 
+def _create(cfg, num_classes: int, drop_path: float | None) -> nn.Module:
+    """``build_model`` with the ``model`` group's overrides. A model whose constructor takes no
+    ``img_size`` (a CNN, PVT-v2: size-agnostic) is built without it where ``model.img_size``
+    passed it (``model.img_size_kwarg``, true by default): the images are still that size, as
+    the transforms make them (``model.name=resnet18 model.img_size=32`` failed without
+    ``model.img_size_kwarg=false``)."""
+    overrides = _overrides(cfg, num_classes, drop_path)
+    try:
+        return build_model(cfg.model.name, fused_attn=cfg.model.fused_attn, **overrides)
+    except ValueError as err:
+        if rejected_argument(err.__cause__) != "img_size" or "img_size" in (cfg.model.kwargs or {}):
+            raise
+    overrides.pop("img_size")
+    return build_model(cfg.model.name, fused_attn=cfg.model.fused_attn, **overrides)
+
+
+# what to set instead, where a named setting passes an argument the model does not take
+_PER_STAGE = {"depth": "; hierarchical models take one depth per stage: '+model.kwargs.depths=[2,2,6,2]'",
+              "embed_dim": "; PVT-v2 takes one width per stage: '+model.kwargs.embed_dims=[64,128,320,512]'"}
+
+
 def check_buildable(cfg, num_classes: int = 10) -> None:
     """Build the architecture on the meta device (no memory, no data needed): a value timm
     cannot take fails at start-up as a ``ConfigError``, not after the data is loaded."""
     try:
         with torch.device("meta"):
-            model = build_model(cfg.model.name, fused_attn=cfg.model.fused_attn,
-                                **_overrides(cfg, num_classes, cfg.optim.drop_path))
+            model = _create(cfg, num_classes, cfg.optim.drop_path)
     except Exception as err:  # timm raises assertion/type/value errors for bad shapes
-        hint = ""
-        if "img_size" in str(err) and cfg.model.img_size_kwarg:
-            hint = " (a model without an img_size argument needs model.img_size_kwarg=false)"
+        bad = rejected_argument(err.__cause__) if isinstance(err, ValueError) else None
+        owner = named_model_kwargs(cfg).get(bad, (None,))[0] if bad else None
+        if owner is not None:  # (model.depth on a Swin: name the setting, not every override)
+            raise ConfigError(f"model {cfg.model.name!r} ({timm_name(cfg.model.name)}) takes no argument {bad!r}, "
+                              f"which {owner} passes: set {owner}=null{_PER_STAGE.get(bad, '')}") from None
+        if bad is not None and bad in (cfg.model.kwargs or {}):
+            raise ConfigError(f"model {cfg.model.name!r} ({timm_name(cfg.model.name)}) takes no argument {bad!r}: "
+                              f"remove model.kwargs.{bad}") from None
         raise ConfigError(f"model {cfg.model.name!r} cannot be built with these model.* settings: "
-                          f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}{hint}") from None
+                          f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}") from None
     check_patch_grid(model)
 
 
@@ -73,7 +98,7 @@ def build(cfg, num_classes: int, drop_path: float | None = None, pretrained: boo
     from the checkpoint), then ``mesa_train.patch_model`` when ``mesa.enabled`` (and no
     ``mesa.plan``: the runner applies a plan after moving the stock model to its device)."""
     m = cfg.model
-    model = build_model(m.name, fused_attn=m.fused_attn, **_overrides(cfg, num_classes, drop_path))
+    model = _create(cfg, num_classes, drop_path)
     if pretrained and m.get("pretrained_path"):
         load_pretrained(model, str(m.pretrained_path))
     # A plan (mesa.plan) patches later, on the device: planning profiles the stock model there.
