@@ -118,6 +118,24 @@ def test_a_failed_copy_to_last_keeps_best_and_the_run_resumes_from_it(compose_tr
     assert fit(compose_train(BASE + ["trainer.max_steps=3"]), str(tmp_path))["step"] == 3
 
 
+def test_an_unreadable_last_checkpoint_points_to_the_runs_best(compose_train, tmp_path):
+    """A truncated last.pt beside a readable best.pt stopped the resume with no way forward; the
+    error names best.pt, its step, and the setting that resumes from it, which works."""
+    fit(compose_train(BASE), str(tmp_path))
+    last, best = tmp_path / "checkpoints" / "last.pt", tmp_path / "checkpoints" / "best.pt"
+    last.write_bytes(last.read_bytes()[:1000])
+    with pytest.raises(ckpt_lib.CheckpointError, match=rf"cannot read checkpoint .*last.pt: .*; the run's best.pt "
+                                                       rf"\(step 2\) can be read: resume from it with "
+                                                       rf"trainer.resume={best}, or start again"):
+        fit(compose_train(BASE + ["trainer.max_steps=3"]), str(tmp_path))
+    assert fit(compose_train(BASE + ["trainer.max_steps=3", f"trainer.resume={best}"]), str(tmp_path))["step"] == 3
+    best.write_bytes(b"garbage")
+    last.write_bytes(b"garbage")
+    with pytest.raises(ckpt_lib.CheckpointError, match="best.pt cannot be read either: start again with "
+                                                       "trainer.overwrite=true trainer.resume=null"):
+        fit(compose_train(BASE + ["trainer.max_steps=4"]), str(tmp_path))
+
+
 def test_a_corrupt_image_met_mid_run_keeps_the_training_done(compose_train, tmp_path):
     """The first evaluation met a corrupt file after an epoch of training: the run stopped with
     nothing saved. Now last.pt keeps the steps, and the run resumes once the data is fixed."""

@@ -170,11 +170,29 @@ def _read_resume_checkpoint(cfg, run_dir: str, plain_cfg: dict):
                       dist_utils.rank() == 0, dist_utils.world_size())
         if path is None:
             return None, None
-    ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
+    try:
+        ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
+    except ckpt_lib.CheckpointError as err:
+        raise ckpt_lib.CheckpointError(f"{err}{_other_checkpoint_advice(cfg, run_dir, path)}") from None
     ckpt_lib.check_compatible(ckpt["config"], plain_cfg, path)
     ckpt_lib.check_same_settings(ckpt["config"], plain_cfg, path)
     ckpt_lib.check_same_world(ckpt, dist_utils.world_size(), cfg.trainer, path)
     return path, ckpt
+
+
+def _other_checkpoint_advice(cfg, run_dir: str, unreadable: str) -> str:
+    """Where the run's own last checkpoint cannot be read (a truncated copy, a disk that failed):
+    how to go on from the run's best.pt, if it is there and readable, or to start again."""
+    best = os.path.join(checkpoint_dir(run_dir), "best.pt")
+    if (cfg.trainer.resume != "auto" or not os.path.isfile(best)
+            or os.path.realpath(unreadable) == os.path.realpath(best)):
+        return ""
+    try:
+        step = ckpt_lib.load_checkpoint(best)["state"].get("step")
+    except ckpt_lib.CheckpointError:
+        return "; the run's best.pt cannot be read either: start again with trainer.overwrite=true trainer.resume=null"
+    return (f"; the run's best.pt (step {step}) can be read: resume from it with trainer.resume={best}, or "
+            "start again with trainer.overwrite=true trainer.resume=null")
 
 
 def fit(cfg, run_dir: str, on_accept=None) -> dict:
