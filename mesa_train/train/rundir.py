@@ -24,6 +24,7 @@ import socket
 import time
 
 from mesa_train.train.errors import RunDirError
+from mesa_train.train.logfile import drop_replaced_log
 
 LOCK_NAME = ".lock"
 # Files a training run writes; their presence means "a run lived here".
@@ -154,6 +155,7 @@ def refuse_or_clear(run_dir: str, overwrite: bool, resume: str | None = None) ->
             shutil.rmtree(path)
         else:
             os.remove(path)
+    drop_replaced_log(run_dir)
 
 
 def clean_stale_temporaries(checkpoint_dir: str) -> list[str]:
