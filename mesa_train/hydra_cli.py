@@ -23,6 +23,7 @@ import functools
 import os
 import re
 import sys
+import tempfile
 from typing import NamedTuple
 
 from hydra import compose, initialize_config_dir
@@ -249,8 +250,12 @@ def directory_problem(path: str, what: str) -> str | None:
         return None  # (there already: the run checks what it may write)
     if not os.path.isdir(parent):
         return f"cannot create {what} {path}: {parent} is a file"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot create {what} {path}: {parent} is not writable (read-only or no permission)"
+    # a real try, not os.access: root passes every permission check, and /proc or /sys still refuse
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mesa-write-check-", dir=parent))
+    except OSError as err:
+        return (f"cannot create {what} {path}: {parent} is not writable "
+                f"({err.strerror or 'read-only or no permission'})")
     return None
 
 

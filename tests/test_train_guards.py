@@ -5,6 +5,7 @@ run, class folders renamed under a checkpoint, 16-bit PNGs read as white, best.p
 full disk, a corrupt image throwing away the epoch, checkpoints from before 2026-11-25 refused
 for settings they did not have, and advice the pipeline then refused."""
 import errno
+import os
 import shutil
 import time
 
@@ -240,6 +241,25 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, run_cli):
     assert result.returncode == 2 and "is a folder, not a checkpoint; did you mean checkpoint=" in result.stderr, \
         result.stderr[-2000:]
     assert not run.exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_folder_that_refuses_new_folders_is_one_line_also_for_root(tmp_path, run_cli):
+    """The check asked os.access, which says yes to root everywhere: /proc (or a read-only mount)
+    then failed in Hydra's mkdir with a traceback. It now tries to make a folder there."""
+    import sys
+
+    from conftest import REPO
+    from mesa_train.hydra_cli import directory_problem
+
+    assert directory_problem(str(tmp_path / "new" / "run"), "the run directory") is None
+    assert directory_problem("/proc/x/run", "the run directory").startswith(
+        "cannot create the run directory /proc/x/run: /proc is not writable (")
+    result = run_cli([sys.executable, str(REPO / "train.py"), "hydra.run.dir=/proc/x", *TINY_MODELS["deit"],
+                      *FAST_TRAINER], cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: cannot create the run directory /proc/x")
+    assert not [p for p in tmp_path.iterdir()]  # (the probe folder went)
 
 
 def test_a_refused_run_removes_every_folder_it_made_and_no_other(tmp_path, run_cli):
