@@ -221,6 +221,15 @@ def test_an_argument_the_model_does_not_take_names_its_setting(compose_train):
                                        "+model.kwargs.img_size=32"]))
 
 
+@pytest.mark.parametrize("data", ["digits", "synthetic"])
+def test_a_data_root_the_data_set_does_not_read_is_refused(compose_train, data):
+    """data=digits data.root=/my/images trained on the digits without a word."""
+    with pytest.raises(config_lib.ConfigError, match=rf"data.root='/my/images' is not read by data={data} .*: drop "
+                                                     r"it, or choose the data set in that folder: data=imagenet"):
+        config_lib.validate(compose_train([f"data={data}", "data.root=/my/images"]))
+    config_lib.validate(compose_train([f"data={data}"]))
+
+
 def test_wandb_online_without_a_key_is_refused(compose_train, monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
