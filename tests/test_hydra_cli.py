@@ -22,6 +22,11 @@ MODELS = "deit_b, deit_s, deit_ti, pvt_v2_b0, pvt_v2_b1, pvt_v2_b2, swin_b, swin
                            "a new key needs +trainer.epochz=..."),
     (["epochs=3"], "epochs=3: the config has no setting 'epochs'; a new key needs +epochs=..."),
     (["mesa.ops=[gelu"], "cannot read the override 'mesa.ops=[gelu': no viable alternative at input '[gelu'"),
+    # a path with '=' (a sweep job's folder): how to quote it (a list typed wrong above gets no such advice)
+    (["trainer.resume=/runs/ops=[gelu],x/last.pt"],
+     "cannot read the override 'trainer.resume=/runs/ops=[gelu],x/last.pt': mismatched input '=' expecting <EOF>; "
+     "a value with = , [ ] ( ) { } or spaces is quoted: trainer.resume='/runs/ops=[gelu],x/last.pt' (in a shell: "
+     "\"trainer.resume='/runs/ops=[gelu],x/last.pt'\")"),
     # a sweep: each option of a config group's sweep, the rest at its first value
     (["-m", "model=deit_s,bogus2", "mesa.decay=0,0.9"], f"model=bogus2: no such option in configs/model; "
                                                          f"valid: {MODELS}; or any timm model by name: "
