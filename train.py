@@ -81,14 +81,15 @@ def main(cfg: DictConfig) -> float | None:
             if not accepted:
                 rundir.remove_if_left_empty(run_dir, _STARTED, _BEFORE_HYDRA)
             sys.exit(code)
+        stopped = code in (130, 143)  # Ctrl-C / SIGTERM: this job is interrupted (it resumes), not failed
         if not accepted and rundir.existing_run(run_dir):  # (refused over an earlier run: leave it as it was)
             rundir.write_failure(run_dir, message, path=rundir.refusal_record(run_dir))
         else:
-            rundir.write_failure(run_dir, message)
-        if code in (130, 143):  # Ctrl-C / SIGTERM ends the sweep, with its summary so far
+            rundir.write_failure(run_dir, message, status="interrupted" if stopped else "failed")
+        if stopped:  # the signal ends the sweep, with its summary so far
             from mesa_train.train.sweep import write_summary
 
-            write_summary(str(hydra_cfg.sweep.dir))
+            write_summary(str(hydra_cfg.sweep.dir), interrupted=True)
             sys.exit(code)
         return None
     return summary.get("top1")  # the objective for Hydra sweepers (e.g. Optuna)

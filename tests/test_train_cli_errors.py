@@ -53,6 +53,29 @@ def test_ctrl_c_saves_last_pt_and_exits_130_with_one_line(tmp_path):
     assert f"interrupted at step {step} " in last_line and step >= 2
 
 
+def test_ctrl_c_in_a_sweep_marks_the_job_interrupted_and_the_table_says_so(tmp_path):
+    """The summary showed the interrupted job as failed and read like a whole sweep (its
+    'overrides of every job' those of the jobs that had run)."""
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, TRAIN, "-m", f"hydra.sweep.dir={sweep}", *TINY_MODELS["deit"], *FAST_TRAINER,
+            "trainer.max_steps=100000", "data.train_size=4096", "trainer.epochs=1", "mesa.decay=0.9,0.5"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    steps = sweep / "0" / "steps.csv"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not steps.exists() or len(steps.read_text().splitlines()) < 3):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "interrupted")], rows
+    assert rows[0]["error"].startswith("interrupted at step ")
+    table = (sweep / "summary.md").read_text()
+    assert table.startswith("**Interrupted**: a stop signal ended the sweep; the jobs after the last row did not run")
+    assert "Overrides of every job so far: `" in table and "| interrupted |" in table
+
+
 def test_evaluate_without_checkpoint_and_the_help_texts(tmp_path):
     runs = {
         "no_checkpoint": [sys.executable, EVALUATE, f"hydra.run.dir={tmp_path / 'e'}"],

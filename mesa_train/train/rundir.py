@@ -206,8 +206,9 @@ def remove_file(path: str) -> None:
         pass
 
 
-def write_failure(run_dir: str, message: str, path: str | None = None) -> None:
-    """A failed sweep job's record (``failed.json``, or ``path``), read by the sweep summary.
+def write_failure(run_dir: str, message: str, path: str | None = None, status: str = "failed") -> None:
+    """A failed sweep job's record (``failed.json``, or ``path``), read by the sweep summary;
+    ``status`` "interrupted" for a job a stop signal ended (its checkpoint resumes it).
     The job's overrides are kept in it too: a job rejected at start-up has no ``.hydra/``."""
     overrides: list[str] = []
     try:
@@ -220,7 +221,7 @@ def write_failure(run_dir: str, message: str, path: str | None = None) -> None:
     path = path or os.path.join(run_dir, "failed.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"status": "failed", "error": message, "overrides": overrides}, f, indent=2)
+        json.dump({"status": status, "error": message, "overrides": overrides}, f, indent=2)
 
 
 def remove_if_left_empty(run_dir: str, started: float, before=None) -> None:

@@ -55,7 +55,7 @@ def collect(sweep_dir: str) -> tuple[list[dict], list[str]]:
         row = {"job": os.path.basename(job_dir), "run_dir": job_dir}
         summary = _read_json(os.path.join(job_dir, "summary.json"))
         if failure is not None:
-            row.update(status="failed", error=failure.get("error"))
+            row.update(status=failure.get("status") or "failed", error=failure.get("error"))
         elif summary is not None:
             row.update({k: v for k, v in summary.items() if k in COLUMNS and k not in row})
         else:
@@ -80,7 +80,9 @@ def _fmt(value) -> str:
     return " ".join(str(value).split()).replace("|", "\\|")  # one table cell
 
 
-def write_summary(sweep_dir: str) -> list[dict]:
+def write_summary(sweep_dir: str, interrupted: bool = False) -> list[dict]:
+    """``summary.csv`` and ``summary.md`` of the jobs so far; ``interrupted``: a stop signal ended
+    the sweep, and the table says the jobs after the last row did not run."""
     rows, common = collect(sweep_dir)
     with open(os.path.join(sweep_dir, "summary.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
@@ -91,8 +93,12 @@ def write_summary(sweep_dir: str) -> list[dict]:
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(_fmt(row.get(c)) for c in shown) + " |" for row in rows]
     with open(os.path.join(sweep_dir, "summary.md"), "w") as f:
+        if interrupted:
+            f.write("**Interrupted**: a stop signal ended the sweep; the jobs after the last row did not run. Run "
+                    "the same command to go on (finished jobs are left as they are, the interrupted one "
+                    "resumes).\n\n")
         if common:
-            f.write(f"Overrides of every job: `{' '.join(common)}`\n\n")
+            f.write(f"Overrides of every job{' so far' if interrupted else ''}: `{' '.join(common)}`\n\n")
         f.write("\n".join(lines) + "\n")
     return rows
 
