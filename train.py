@@ -74,7 +74,11 @@ def main(cfg: DictConfig) -> float | None:
         code, message = described if described is not None else (1, errors.one_line(err))
         if described is None:
             log.exception("job failed")
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        rank = distributed.env_rank()
+        if rank == 0 or code == 1:  # (a config error or a stop signal is every rank's alike: said once)
+            # one write, so that two ranks' lines do not run together
+            sys.stderr.write(f"{f'[rank {rank}] ' if rank else ''}error: {message}\n")
+            sys.stderr.flush()
         if accepted:
             log_to_file("train", f"error: {message}")
         if not multirun:

@@ -271,9 +271,16 @@ def exit_on_bad_overrides(config_dir: str, config_name: str, prefix: str = "erro
     make (``run_dir_error``): exit status 1, as a write error of the run."""
     problem = override_error(config_dir, config_name, sys.argv[1:])
     if problem is not None:
-        print(f"{prefix}{problem}", file=sys.stderr, flush=True)
+        _say_once(f"{prefix}{problem}")
         raise SystemExit(2)
     problem = run_dir_error(config_dir, config_name, sys.argv[1:])
     if problem is not None:
-        print(f"{prefix}{problem}", file=sys.stderr, flush=True)
+        _say_once(f"{prefix}{problem}")
         raise SystemExit(1)
+
+
+def _say_once(line: str) -> None:
+    """``line`` on stderr from one process: under torchrun every rank finds the same mistake."""
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()

@@ -69,6 +69,21 @@ def test_each_command_exits_2_with_one_line_and_no_run_directory(tmp_path, run_c
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # (Hydra made outputs/<date>/<time> first)
 
 
+def test_under_torchrun_one_rank_says_a_mistake_every_rank_makes(tmp_path, run_cli):
+    """Each rank printed the same line (twice for 2 processes, run together at times); rank 0
+    alone says a mistake of the command line or the config, every rank exits 2."""
+    for rank, said in (("0", True), ("1", False)):
+        result = run_cli([sys.executable, str(REPO / "train.py"), "model=bogus"], cwd=tmp_path, RANK=rank)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert (result.stderr.startswith("error: model=bogus") if said else result.stderr == ""), result.stderr
+    result = run_cli([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(REPO / "train.py"),
+                      "trainer.epochs=abc", "trainer.device=cpu", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path,
+                     timeout=300)
+    assert result.returncode != 0
+    said = [line for line in result.stderr.splitlines() if "trainer.epochs='abc' must be an integer" in line]
+    assert len(said) == 1, result.stderr[-3000:]
+
+
 def test_a_run_refused_at_start_up_leaves_no_directory_it_made(tmp_path, run_cli):
     """A bad value passes Hydra and is refused by the run's checks: the run directory Hydra made
     (outputs/<date>/<time>, empty: .hydra/ is written after the checks) is removed with the
