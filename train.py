@@ -74,7 +74,7 @@ def main(cfg: DictConfig) -> float | None:
         code, message = described if described is not None else (1, errors.one_line(err))
         if described is None:
             log.exception("job failed")
-        rank = distributed.env_rank()
+        rank = distributed.env_rank() if distributed.env_world_size() > 1 else 0
         if rank == 0 or code == 1:  # (a config error or a stop signal is every rank's alike: said once)
             # one write, so that two ranks' lines do not run together
             sys.stderr.write(f"{f'[rank {rank}] ' if rank else ''}error: {message}\n")

@@ -281,6 +281,6 @@ def exit_on_bad_overrides(config_dir: str, config_name: str, prefix: str = "erro
 
 def _say_once(line: str) -> None:
     """``line`` on stderr from one process: under torchrun every rank finds the same mistake."""
-    if int(os.environ.get("RANK", "0") or 0) == 0:
+    if int(os.environ.get("RANK", "0") or 0) == 0 or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()

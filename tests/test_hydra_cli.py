@@ -73,9 +73,13 @@ def test_under_torchrun_one_rank_says_a_mistake_every_rank_makes(tmp_path, run_c
     """Each rank printed the same line (twice for 2 processes, run together at times); rank 0
     alone says a mistake of the command line or the config, every rank exits 2."""
     for rank, said in (("0", True), ("1", False)):
-        result = run_cli([sys.executable, str(REPO / "train.py"), "model=bogus"], cwd=tmp_path, RANK=rank)
+        result = run_cli([sys.executable, str(REPO / "train.py"), "model=bogus"], cwd=tmp_path, RANK=rank,
+                         WORLD_SIZE="2")
         assert result.returncode == 2, result.stderr[-2000:]
         assert (result.stderr.startswith("error: model=bogus") if said else result.stderr == ""), result.stderr
+    # (RANK set outside torchrun, by some other launcher, with no WORLD_SIZE: the line is said)
+    result = run_cli([sys.executable, str(REPO / "train.py"), "model=bogus"], cwd=tmp_path, RANK="3")
+    assert result.returncode == 2 and result.stderr.startswith("error: model=bogus"), result.stderr
     result = run_cli([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(REPO / "train.py"),
                       "trainer.epochs=abc", "trainer.device=cpu", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path,
                      timeout=300)
