@@ -48,6 +48,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
 
     from mesa_train.train import errors, rundir
+    from mesa_train.train.config import ConfigError
     from mesa_train.train.logfile import log_to_file
     from mesa_train.train.config import ignored_mesa_overrides
     from mesa_train.train.runner import fit
@@ -75,7 +76,10 @@ def main(cfg: DictConfig) -> float | None:
         if described is None:
             log.exception("job failed")
         rank = distributed.env_rank() if distributed.env_world_size() > 1 else 0
-        if rank == 0 or code == 1:  # (a config error or a stop signal is every rank's alike: said once)
+        # a config mistake or a stop signal is every rank's alike: said once; a rank's own failure (a
+        # corrupt image in its shard, its checkpoint shard) by that rank
+        alike = isinstance(err, (ConfigError, errors.Interrupted, KeyboardInterrupt))
+        if rank == 0 or not alike:
             # one write, so that two ranks' lines do not run together
             sys.stderr.write(f"{f'[rank {rank}] ' if rank else ''}error: {message}\n")
             sys.stderr.flush()
@@ -86,10 +90,12 @@ def main(cfg: DictConfig) -> float | None:
                 rundir.remove_if_left_empty(run_dir, _STARTED, _BEFORE_HYDRA)
             sys.exit(code)
         stopped = code in (130, 143)  # Ctrl-C / SIGTERM: this job is interrupted (it resumes), not failed
-        if not accepted and rundir.existing_run(run_dir):  # (refused over an earlier run: leave it as it was)
+        if stopped:  # (also one resuming its own run, stopped before it was accepted: not a refusal)
+            rundir.write_failure(run_dir, message, status="interrupted")
+        elif not accepted and rundir.existing_run(run_dir):  # (refused over an earlier run: leave it as it was)
             rundir.write_failure(run_dir, message, path=rundir.refusal_record(run_dir))
         else:
-            rundir.write_failure(run_dir, message, status="interrupted" if stopped else "failed")
+            rundir.write_failure(run_dir, message)
         if stopped:  # the signal ends the sweep, with its summary so far
             from mesa_train.train.sweep import write_summary
 

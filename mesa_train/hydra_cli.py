@@ -131,7 +131,7 @@ def override_error(config_dir: str, config_name: str, args: list[str]) -> str | 
             # (a path with '=' or brackets, e.g. a sweep job's folder: quoting reads it as one text;
             # not said for a list typed wrong, mesa.ops=[gelu, which quoting would make a text)
             key, _, value = arg.partition("=")
-            path_like = ("=" in value or "/" in value or " " in value) and not value.startswith(("'", '"'))
+            path_like = ("=" in value or "/" in value or " " in value) and not set("'\"") & set(value)
             hint = (f"; a value with = , [ ] ( ) {{ }} or spaces is quoted: {key}='{value}' (in a shell: "
                     f"\"{key}='{value}'\")" if path_like else "")
             return f"cannot read the override {arg!r}: {_one_line(err)}{hint}"

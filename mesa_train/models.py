@@ -46,7 +46,9 @@ def timm_name(name: str) -> str:
 
 def rejected_argument(err: BaseException) -> str | None:
     """The keyword argument a constructor's ``TypeError`` says it does not take (None if another error)."""
-    found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+    # (Python's "got an unexpected keyword argument 'x'"; timm's MetaFormer: "got unexpected keyword
+    # argument(s): ['x']")
+    found = re.search(r"unexpected keyword argument(?:\(s\): \[)? ?'(\w+)'", str(err))
     return found.group(1) if found else None
 
 

@@ -210,12 +210,18 @@ def test_an_argument_the_model_does_not_take_names_its_setting(compose_train):
                                                      r"'foo': remove model.kwargs.foo$"):
         check_buildable(compose_train(["+model.kwargs.foo=1"]))
     with pytest.raises(config_lib.ConfigError, match=r"takes no argument 'depth', which model.depth passes: set "
-                                                     r"model.depth=null; hierarchical models take one depth per "
+                                                     r"model.depth=null; Swin takes one depth per "
                                                      r"stage: '\+model.kwargs.depths=\[2,2,6,2\]'$"):
         check_buildable(compose_train(["model=swin_ti", "model.depth=[1,1,1,1]"]))
     cfg = compose_train(["model.name=resnet18", "model.img_size=32", "mesa.enabled=false"])
     check_buildable(cfg)
     assert type(build(cfg, 10)).__name__ == "ResNet"
+    # timm's MetaFormer says it its own way ("unexpected keyword argument(s): ['img_size']")
+    check_buildable(compose_train(["model.name=poolformer_s12", "model.img_size=32"]))
+    # the per-stage advice is for the models that take per-stage lists only
+    with pytest.raises(config_lib.ConfigError, match=r"takes no argument 'depth', which model.depth passes: set "
+                                                     r"model.depth=null$"):
+        check_buildable(compose_train(["model.name=resnet18", "model.depth=4"]))
     with pytest.raises(config_lib.ConfigError, match="takes no argument 'img_size': remove model.kwargs.img_size"):
         check_buildable(compose_train(["model.name=resnet18", "model.img_size_kwarg=false",
                                        "+model.kwargs.img_size=32"]))

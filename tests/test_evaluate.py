@@ -27,6 +27,24 @@ def test_evaluate_checkpoint_matches_training(trained):
     assert ema["top1"] == summary["ema_top1"] and ema["ema"] is True
 
 
+def test_a_checkpoint_of_data_without_files_with_a_data_root_still_evaluates(trained, tmp_path):
+    """data.root with data=digits / synthetic is refused since session 88; a checkpoint written before kept
+    one (never read) and evaluate.py refused it, with advice it could not follow (data.root=null
+    is ignored). Its own root is dropped; one given now is still refused."""
+    import torch
+
+    summary, path = trained
+    ckpt = torch.load(str(path), weights_only=True)
+    name = ckpt["config"]["data"]["name"]
+    assert name in ("digits", "synthetic")
+    ckpt["config"]["data"]["root"] = "data/my_images"
+    old = tmp_path / "old.pt"
+    torch.save(ckpt, str(old))
+    assert evaluate_checkpoint(str(old), num_workers=0, device="cpu")["top1"] == summary["top1"]
+    with pytest.raises(ConfigError, match=f"data.root='/x' is not read by data={name}"):
+        evaluate_checkpoint(str(old), data={"root": "/x"}, num_workers=0, device="cpu")
+
+
 def test_evaluate_on_other_data_checks_classes(trained, cifar100_root):
     _, path = trained
     with pytest.raises(ConfigError, match="10 classes"):

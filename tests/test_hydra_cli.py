@@ -27,6 +27,9 @@ MODELS = "deit_b, deit_s, deit_ti, pvt_v2_b0, pvt_v2_b1, pvt_v2_b2, swin_b, swin
      "cannot read the override 'trainer.resume=/runs/ops=[gelu],x/last.pt': mismatched input '=' expecting <EOF>; "
      "a value with = , [ ] ( ) { } or spaces is quoted: trainer.resume='/runs/ops=[gelu],x/last.pt' (in a shell: "
      "\"trainer.resume='/runs/ops=[gelu],x/last.pt'\")"),
+    # (a quote in it: quoting with ' would not read either; no advice)
+    (["data.root=/data/it's=x"], "cannot read the override \"data.root=/data/it's=x\": LexerNoViableAltException: "
+                                 "data.root=/data/it's=x; ^"),
     # a sweep: each option of a config group's sweep, the rest at its first value
     (["-m", "model=deit_s,bogus2", "mesa.decay=0,0.9"], f"model=bogus2: no such option in configs/model; "
                                                          f"valid: {MODELS}; or any timm model by name: "

@@ -579,5 +579,11 @@ def test_a_start_up_measurement_that_fails_trains_as_patched_and_says_why(monkey
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(duplicates_mod, "measured_copies", oom)
-    with pytest.raises(torch.cuda.OutOfMemoryError):
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # (a bench row: its status is oom)
         start_up.skip_duplicated_at_start_up(model, _x())
+    # training goes on: its batch may be smaller than the two example images (the review's find)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=runner.log.name):
+        runner._skip_duplicates(cfg, model, torch.device("cpu"), None, rank=0)
+    assert any("its forward of the example input ran out of memory" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.WARNING)

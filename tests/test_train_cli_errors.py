@@ -72,7 +72,8 @@ def test_ctrl_c_in_a_sweep_marks_the_job_interrupted_and_the_table_says_so(tmp_p
     assert [(r["job"], r["status"]) for r in rows] == [("0", "interrupted")], rows
     assert rows[0]["error"].startswith("interrupted at step ")
     table = (sweep / "summary.md").read_text()
-    assert table.startswith("**Interrupted**: a stop signal ended the sweep; the jobs after the last row did not run")
+    assert table.startswith("**Interrupted**: a stop signal ended the sweep; the jobs after the last row did not run. "
+                            f"To go on, run the same command with hydra.sweep.dir={sweep} ")
     assert "Overrides of every job so far: `" in table and "| interrupted |" in table
 
 

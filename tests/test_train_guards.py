@@ -130,6 +130,15 @@ def test_an_unreadable_last_checkpoint_points_to_the_runs_best(compose_train, tm
                                                        rf"trainer.resume={best}, or start again"):
         fit(compose_train(BASE + ["trainer.max_steps=3"]), str(tmp_path))
     assert fit(compose_train(BASE + ["trainer.max_steps=3", f"trainer.resume={best}"]), str(tmp_path))["step"] == 3
+    # a checkpoint that reads but is refused (a newer format) gets no advice to start again: update
+    import torch
+
+    good = torch.load(str(best), weights_only=True)
+    for path in (last, best):
+        torch.save({**good, "version": 999}, str(path))
+    with pytest.raises(ckpt_lib.CheckpointError) as info:
+        fit(compose_train(BASE + ["trainer.max_steps=4"]), str(tmp_path))
+    assert str(info.value).endswith("update mesa-train"), str(info.value)
     best.write_bytes(b"garbage")
     last.write_bytes(b"garbage")
     with pytest.raises(ckpt_lib.CheckpointError, match="best.pt cannot be read either: start again with "

@@ -58,6 +58,13 @@ def test_finished_run_resumes_to_nothing(compose_train, tmp_path):
     # rerun with a lower max_steps: still the run's status, not "stopped at max_steps=1" at step 2
     lower = fit(compose_train(TINY_MODELS["deit"] + FAST_TRAINER + ["trainer.max_steps=1"]), str(tmp_path))
     assert lower["step"] == 2 and lower["status"] == first["status"]
+    # a run interrupted at its last step, run again with max_steps at that step: stopped there, not
+    # "interrupted" for ever (the review's find: the earlier summary's status was copied)
+    import json
+
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "status": "interrupted at step 2"}))
+    assert fit(cfg, str(tmp_path))["status"] == "stopped at max_steps=2"
 
 
 def test_a_finished_runs_summary_keeps_its_mean_speed(compose_train, tmp_path):

@@ -7,7 +7,8 @@ that a bench row measures the model training runs.
   whatever it finds. A measuring forward that fails (a model that refuses two random images) leaves
   the layers the ops ask for compressed, as patched; the result's ``failed`` says why and so does a
   mark on the model (``skip_failure``, read by ``describe`` and a bench row's notes). Out of memory
-  goes on: the run's own, larger forwards would not fit either.
+  stops a bench row (its status: oom) and is one more such failure in training (a batch of one may
+  fit where the two example images do not).
 """
 from __future__ import annotations
 
@@ -35,19 +36,27 @@ def start_up_images(n: int, img_size: int, *, channels_last: bool, device: torch
     return x.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
-def skip_duplicated_at_start_up(model: nn.Module, example_input, *,
-                                run: Optional[Callable] = None) -> SkippedDuplicates:
+def skip_duplicated_at_start_up(model: nn.Module, example_input, *, run: Optional[Callable] = None,
+                                stop_on_oom: bool = True) -> SkippedDuplicates:
     """``skip_duplicated(model, example_input, run=run)``, or, where a measuring forward fails, the
-    model as patched and a result whose ``failed`` (also ``skip_failure(model)``) says why."""
+    model as patched and a result whose ``failed`` (also ``skip_failure(model)``) says why. Out of
+    memory goes on where ``stop_on_oom`` (a bench row: its status is oom); training passes False:
+    its batch may be smaller than the example's two images and fit."""
     try:
         return skip_duplicated(model, example_input, run=run)
     except torch.cuda.OutOfMemoryError:
-        raise
+        if stop_on_oom:
+            raise
+        torch.cuda.empty_cache()
+        return _failed(model, "ran out of memory")
     except Exception as err:  # (skip_duplicated undid its switches before the error came here)
-        why = (f"measured nothing, its forward of the example input failed ({err}); the layers the ops ask for "
-               "stay compressed")
-        unwrap_module(model, "skip_duplicated").__dict__[SKIP_FAILED_ATTR] = why
-        return SkippedDuplicates(failed=why)
+        return _failed(model, f"failed ({err})")
+
+
+def _failed(model: nn.Module, how: str) -> SkippedDuplicates:
+    why = f"measured nothing, its forward of the example input {how}; the layers the ops ask for stay compressed"
+    unwrap_module(model, "skip_duplicated").__dict__[SKIP_FAILED_ATTR] = why
+    return SkippedDuplicates(failed=why)
 
 
 def skip_failure(model: nn.Module) -> str:

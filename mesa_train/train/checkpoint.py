@@ -173,6 +173,10 @@ def load_failure(err: Exception) -> str:
     return f"{type(err).__name__}: {first[:200]}"
 
 
+# how the error of a file torch cannot read begins (runner's advice tells it from a refused one)
+UNREADABLE = "cannot read checkpoint"
+
+
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint written by ``save_checkpoint``; ``CheckpointError`` otherwise."""
     if not os.path.isfile(path):
@@ -181,7 +185,7 @@ def load_checkpoint(path: str) -> dict:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, garbage bytes, pickle errors ...
         raise CheckpointError(
-            f"cannot read checkpoint {path}: the file is corrupt or truncated, or not a "
+            f"{UNREADABLE} {path}: the file is corrupt or truncated, or not a "
             f"torch checkpoint ({load_failure(err)})"
         ) from err
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:

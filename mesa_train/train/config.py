@@ -396,12 +396,12 @@ def _check_model_kwargs(cfg, errors: list[str]) -> None:
 
 
 # the data sets that read no files: a data.root given with them was trained past without a word
-_NO_ROOT = {"digits": "its images ship with scikit-learn", "synthetic": "its images are generated"}
+NO_ROOT_DATA = {"digits": "its images ship with scikit-learn", "synthetic": "its images are generated"}
 
 
 def _check_data(d, errors: list[str]) -> None:
-    if d.get("name") in _NO_ROOT and d.get("root") is not None:
-        errors.append(f"data.root={d.root!r} is not read by data={d.name} ({_NO_ROOT[d.name]}): drop it, or "
+    if d.get("name") in NO_ROOT_DATA and d.get("root") is not None:
+        errors.append(f"data.root={d.root!r} is not read by data={d.name} ({NO_ROOT_DATA[d.name]}): drop it, or "
                       "choose the data set in that folder: data=imagenet (class folders) or data=cifar100")
     for key in ("mean", "std"):
         values = list(d.get(key) or [])

@@ -8,7 +8,7 @@ import os
 
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import sharded
-from mesa_train.train.config import ConfigError, bool_errors, bool_settings, group_errors, validate
+from mesa_train.train.config import NO_ROOT_DATA, ConfigError, bool_errors, bool_settings, group_errors, validate
 from mesa_train.train.data import build_loaders
 from mesa_train.train.engine import evaluate
 from mesa_train.train.model import build as build_model_from_cfg
@@ -51,6 +51,8 @@ def evaluate_checkpoint(path: str, data: dict | None = None, ema: bool = False, 
         not_a_checkpoint_dir(path, "best.pt", key="checkpoint")
     ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
     cfg = OmegaConf.create(ckpt["config"])
+    if cfg.data.get("name") in NO_ROOT_DATA:  # (a checkpoint from before data.root was refused there: unread)
+        cfg.data.root = None
     if data:
         values = {k: v for k, v in data.items() if v is not None}
         if values.get("name") is not None:

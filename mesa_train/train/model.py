@@ -50,9 +50,18 @@ def _create(cfg, num_classes: int, drop_path: float | None) -> nn.Module:
     return build_model(cfg.model.name, fused_attn=cfg.model.fused_attn, **overrides)
 
 
-# what to set instead, where a named setting passes an argument the model does not take
-_PER_STAGE = {"depth": "; hierarchical models take one depth per stage: '+model.kwargs.depths=[2,2,6,2]'",
-              "embed_dim": "; PVT-v2 takes one width per stage: '+model.kwargs.embed_dims=[64,128,320,512]'"}
+# what to set instead, where a named setting passes an argument the model does not take: the
+# hierarchical models of configs/model (timm name prefix -> argument -> advice)
+_PER_STAGE = {
+    "swin": {"depth": "; Swin takes one depth per stage: '+model.kwargs.depths=[2,2,6,2]'"},
+    "pvt_v2": {"depth": "; PVT-v2 takes one depth per stage: '+model.kwargs.depths=[2,2,2,2]'",
+               "embed_dim": "; PVT-v2 takes one width per stage: '+model.kwargs.embed_dims=[64,128,320,512]'"},
+}
+
+
+def _per_stage_advice(name: str, argument: str) -> str:
+    family = next((f for f in _PER_STAGE if timm_name(name).startswith(f)), None)
+    return _PER_STAGE.get(family, {}).get(argument, "")
 
 
 def check_buildable(cfg, num_classes: int = 10) -> None:
@@ -65,8 +74,9 @@ def check_buildable(cfg, num_classes: int = 10) -> None:
         bad = rejected_argument(err.__cause__) if isinstance(err, ValueError) else None
         owner = named_model_kwargs(cfg).get(bad, (None,))[0] if bad else None
         if owner is not None:  # (model.depth on a Swin: name the setting, not every override)
+            advice = _per_stage_advice(cfg.model.name, bad)
             raise ConfigError(f"model {cfg.model.name!r} ({timm_name(cfg.model.name)}) takes no argument {bad!r}, "
-                              f"which {owner} passes: set {owner}=null{_PER_STAGE.get(bad, '')}") from None
+                              f"which {owner} passes: set {owner}=null{advice}") from None
         if bad is not None and bad in (cfg.model.kwargs or {}):
             raise ConfigError(f"model {cfg.model.name!r} ({timm_name(cfg.model.name)}) takes no argument {bad!r}: "
                               f"remove model.kwargs.{bad}") from None

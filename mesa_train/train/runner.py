@@ -173,23 +173,26 @@ def _read_resume_checkpoint(cfg, run_dir: str, plain_cfg: dict):
     try:
         ckpt = sharded.load_meta(path) if os.path.isdir(path) else ckpt_lib.load_checkpoint(path)
     except ckpt_lib.CheckpointError as err:
-        raise ckpt_lib.CheckpointError(f"{err}{_other_checkpoint_advice(cfg, run_dir, path)}") from None
+        raise ckpt_lib.CheckpointError(f"{err}{_other_checkpoint_advice(cfg, run_dir, path, err)}") from None
     ckpt_lib.check_compatible(ckpt["config"], plain_cfg, path)
     ckpt_lib.check_same_settings(ckpt["config"], plain_cfg, path)
     ckpt_lib.check_same_world(ckpt, dist_utils.world_size(), cfg.trainer, path)
     return path, ckpt
 
 
-def _other_checkpoint_advice(cfg, run_dir: str, unreadable: str) -> str:
+def _other_checkpoint_advice(cfg, run_dir: str, unreadable: str, err: Exception) -> str:
     """Where the run's own last checkpoint cannot be read (a truncated copy, a disk that failed):
-    how to go on from the run's best.pt, if it is there and readable, or to start again."""
+    how to go on from the run's best.pt, if it is there and readable, or to start again. Not for
+    a checkpoint that reads but is refused (a newer format: update mesa-train, wipe nothing)."""
     best = os.path.join(checkpoint_dir(run_dir), "best.pt")
-    if (cfg.trainer.resume != "auto" or not os.path.isfile(best)
+    if (not str(err).startswith(ckpt_lib.UNREADABLE) or cfg.trainer.resume != "auto" or not os.path.isfile(best)
             or os.path.realpath(unreadable) == os.path.realpath(best)):
         return ""
     try:
         step = ckpt_lib.load_checkpoint(best)["state"].get("step")
-    except ckpt_lib.CheckpointError:
+    except ckpt_lib.CheckpointError as best_err:
+        if not str(best_err).startswith(ckpt_lib.UNREADABLE):
+            return ""
         return "; the run's best.pt cannot be read either: start again with trainer.overwrite=true trainer.resume=null"
     return (f"; the run's best.pt (step {step}) can be read: resume from it with trainer.resume={best}, or "
             "start again with trainer.overwrite=true trainer.resume=null")
@@ -356,7 +359,8 @@ def _skip_duplicates(cfg, model, device, amp_dtype, rank: int) -> None:
         with autocast(device, amp_dtype):
             return m(images)
 
-    result = skip_duplicated_at_start_up(model, _start_up_images(cfg, 2, device, random=True), run=run)
+    result = skip_duplicated_at_start_up(model, _start_up_images(cfg, 2, device, random=True), run=run,
+                                         stop_on_oom=False)
     if rank != 0:
         return
     if result.failed:  # (a model whose forward refuses two random images: train as asked)
@@ -513,7 +517,8 @@ def _train(cfg, run_dir: str, r: _Run) -> dict:
     # killed after its last save wrote none)
     previous = _previous_summary(run_dir) if at_max_steps or state.epoch >= t.epochs else {}
     previous = previous if previous.get("step") == state.step else {}
-    status = previous.get("status") or status
+    if at_max_steps and state.step > t.max_steps:  # (a lower max_steps than the run has: not where it stopped)
+        status = previous.get("status") or f"stopped at step {state.step}"
     if main and (at_max_steps or state.epoch >= t.epochs):  # (a finished run resumed: say so, train nothing)
         # (a resume may raise max_steps, not epochs: the schedule was built from them)
         how = ("raise trainer.max_steps to train further" if state.epoch < t.epochs else

@@ -94,9 +94,9 @@ def write_summary(sweep_dir: str, interrupted: bool = False) -> list[dict]:
     lines += ["| " + " | ".join(_fmt(row.get(c)) for c in shown) + " |" for row in rows]
     with open(os.path.join(sweep_dir, "summary.md"), "w") as f:
         if interrupted:
-            f.write("**Interrupted**: a stop signal ended the sweep; the jobs after the last row did not run. Run "
-                    "the same command to go on (finished jobs are left as they are, the interrupted one "
-                    "resumes).\n\n")
+            f.write(f"**Interrupted**: a stop signal ended the sweep; the jobs after the last row did not run. To go "
+                    f"on, run the same command with hydra.sweep.dir={os.path.abspath(sweep_dir)} (finished jobs are "
+                    f"left as they are, the interrupted one resumes).\n\n")
         if common:
             f.write(f"Overrides of every job{' so far' if interrupted else ''}: `{' '.join(common)}`\n\n")
         f.write("\n".join(lines) + "\n")
