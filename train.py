@@ -90,12 +90,12 @@ def main(cfg: DictConfig) -> float | None:
                 rundir.remove_if_left_empty(run_dir, _STARTED, _BEFORE_HYDRA)
             sys.exit(code)
         stopped = code in (130, 143)  # Ctrl-C / SIGTERM: this job is interrupted (it resumes), not failed
-        if stopped:  # (also one resuming its own run, stopped before it was accepted: not a refusal)
-            rundir.write_failure(run_dir, message, status="interrupted")
-        elif not accepted and rundir.existing_run(run_dir):  # (refused over an earlier run: leave it as it was)
-            rundir.write_failure(run_dir, message, path=rundir.refusal_record(run_dir))
+        status = "interrupted" if stopped else "failed"
+        if not accepted and rundir.existing_run(run_dir):  # (refused, or stopped before it was accepted, over
+            # an earlier run: that run's folder is left as it was, the record goes beside it)
+            rundir.write_failure(run_dir, message, path=rundir.refusal_record(run_dir), status=status)
         else:
-            rundir.write_failure(run_dir, message)
+            rundir.write_failure(run_dir, message, status=status)
         if stopped:  # the signal ends the sweep, with its summary so far
             from mesa_train.train.sweep import write_summary
 
