@@ -52,10 +52,15 @@ def rejected_argument(err: BaseException) -> str | None:
     return found.group(1) if found else None
 
 
-def build_model(name: str, *, fused_attn: bool | None = None, **overrides) -> nn.Module:
+def build_model(name: str, *, fused_attn: bool | None = None, img_size_optional: bool = False,
+                **overrides) -> nn.Module:
     """``timm.create_model`` with our short names. ``overrides`` (``num_classes``,
     ``img_size``, ``depth``, ``embed_dim``, ``num_heads``, ``drop_path_rate``, ...) are passed
-    to timm when not None. ``fused_attn`` forces timm's fused (sdpa) or explicit attention."""
+    to timm when not None. ``fused_attn`` forces timm's fused (sdpa) or explicit attention.
+    ``img_size_optional``: a model whose constructor takes no ``img_size`` (a CNN; PVT-v2,
+    which takes any size) is built without it; set it where the image size comes from a
+    general setting (``model.img_size``, a bench row's size), not from the user naming the
+    argument for this model."""
     import timm
 
     kwargs = {k: v for k, v in overrides.items() if v is not None}
@@ -64,6 +69,8 @@ def build_model(name: str, *, fused_attn: bool | None = None, **overrides) -> nn
         model = timm.create_model(timm_name(name), **kwargs)
     except TypeError as err:  # an override the architecture does not take
         bad = rejected_argument(err)
+        if bad == "img_size" and img_size_optional:
+            return build_model(name, fused_attn=fused_attn, **{k: v for k, v in overrides.items() if k != bad})
         if bad is not None:  # (name it, not every override: the rest were never looked at)
             raise ValueError(f"model {name!r} ({timm_name(name)}) takes no argument {bad!r}: {err}") from err
         raise ValueError(f"model {name!r} cannot take overrides {sorted(kwargs)}: {err}") from err

@@ -334,6 +334,11 @@ def test_config_the_model_cannot_take():
                                                r"'no_such_arg': VisionTransformer"):
         check_model(make_row(common, {"label": "kw", "model_kwargs": {"no_such_arg": 1}}))
     check_model(make_row(common, {"label": "ok", "model_kwargs": {"depth": 1}}))
+    # the row's img_size is optional for a CNN; named in its model_kwargs it is not
+    cnn = {**common, "model": "resnet18"}
+    check_model(make_row(cnn, {"label": "cnn"}))
+    with pytest.raises(BenchConfigError, match=r"takes no argument 'img_size'"):
+        check_model(make_row(cnn, {"label": "cnn-kw", "model_kwargs": {"img_size": 32}}))
 
 
 def test_every_preset_is_valid():

@@ -140,3 +140,18 @@ def test_a_row_measures_the_model_training_runs():
     assert keep["skipped"] == "" and skip["forward_exact"] and keep["forward_exact"]
     with pytest.raises(BenchConfigError, match="duplicates must be one of skip, keep, got 'drop'"):
         parse_spec({**_preset("gradients-quick"), "duplicates": "drop"})
+
+
+def test_a_size_agnostic_model_is_built_without_img_size():
+    """The preset's img_size is optional for a model whose constructor takes none (a CNN; PVT-v2
+    was a special case by name): resnet18 failed with "takes no argument 'img_size'". Named in
+    the model's own kwargs, it is the user's argument and still refused."""
+    from mesa_train.bench.gradient_fidelity import build_stock, check_models, parse_spec
+    from mesa_train.bench.presets import BenchConfigError
+
+    spec = parse_spec({**_preset("gradients-quick"), "models": [{"model": "resnet18"}]})
+    check_models(spec)
+    assert type(build_stock(spec, spec.models[0])).__name__ == "ResNet"
+    spec = parse_spec({**_preset("gradients-quick"), "models": [{"model": "resnet18", "kwargs": {"img_size": 32}}]})
+    with pytest.raises(BenchConfigError, match="takes no argument 'img_size'"):
+        check_models(spec)

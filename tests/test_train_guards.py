@@ -200,7 +200,8 @@ def test_a_sweep_run_again_over_finished_jobs_leaves_them_as_they_were(tmp_path,
     """Jobs refused over a finished sweep's job directories wrote failed.json into them: the
     summary then showed the finished runs as failed, with their old overrides beside the new
     error. Now the refusal is recorded beside them (failed-<job>.json) and the table shows this
-    sweep's overrides; a later accepted job clears the record."""
+    sweep's overrides, then the finished run as "<job> (earlier run)"; a later accepted job
+    clears the record."""
     import csv
     import sys
 
@@ -216,10 +217,15 @@ def test_a_sweep_run_again_over_finished_jobs_leaves_them_as_they_were(tmp_path,
     assert _snapshot(sweep / "0") == before and (sweep / "failed-0.json").exists()
     rows = list(csv.DictReader(open(sweep / "summary.csv")))
     assert rows[0]["status"] == "failed" and "optim.lr: 0.001 -> 0.0005" in rows[0]["error"]
-    assert "optim.lr=0.0005" in (sweep / "summary.md").read_text()  # (this sweep's, not the finished job's)
+    assert rows[0]["overrides"] == "optim.lr=0.0005"  # (this sweep's, not the finished job's)
+    # the finished run in the folder keeps its row (the refused sweep's table replaced it)
+    assert [r["job"] for r in rows] == ["0", "0 (earlier run)"] and rows[1]["step"] == "1"
+    assert rows[1]["overrides"] == "optim.lr=0.001" and not rows[1]["status"].startswith("failed")
+    assert "choose a new hydra.sweep.dir" in (sweep / "summary.md").read_text()
     assert run_cli(args + ["optim.lr=1e-3", "trainer.max_steps=2"], cwd=tmp_path, timeout=300).returncode == 0
     assert not (sweep / "failed-0.json").exists()
-    assert list(csv.DictReader(open(sweep / "summary.csv")))[0]["step"] == "2"
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert [r["job"] for r in rows] == ["0"] and rows[0]["step"] == "2"
 
 
 def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, run_cli):

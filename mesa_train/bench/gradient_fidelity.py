@@ -163,15 +163,13 @@ def digits_batches(count: int, batch: int, img_size: int, seed: int) -> list[tup
 
 def build_stock(spec: GradSpec, m: ModelSpec) -> torch.nn.Module:
     """The stock model, seeded, train mode, explicit attention, no dropout / drop-path.
-    DeiT and Swin are built for ``img_size``; PVT-v2 takes any size (no img_size argument)."""
-    from mesa_train.models import build_model, timm_name
+    DeiT and Swin are built for ``img_size``; PVT-v2 and CNNs take any size (no img_size argument)."""
+    from mesa_train.models import build_model
 
     torch.manual_seed(spec.seed)
-    kwargs = {"num_classes": 10, "drop_path_rate": 0.0, "drop_rate": 0.0, **m.kwargs}
-    if not timm_name(m.model).startswith("pvt_v2"):
-        kwargs.setdefault("img_size", spec.img_size)
+    kwargs = {"num_classes": 10, "drop_path_rate": 0.0, "drop_rate": 0.0, "img_size": spec.img_size, **m.kwargs}
     try:
-        return build_model(m.model, fused_attn=False, **kwargs).train()
+        return build_model(m.model, fused_attn=False, img_size_optional="img_size" not in m.kwargs, **kwargs).train()
     except (ValueError, AssertionError, TypeError) as err:  # timm asserts on impossible shapes
         raise BenchConfigError(f"model {m.label!r} cannot take {m.kwargs}: {type(err).__name__}: {err}") from None
 

@@ -222,15 +222,11 @@ def build_for_row(row: RowConfig, device: torch.device | str = "cpu", patch: boo
     device = torch.device(device)
     # On a GPU, initialise the weights there (a CPU init of a 40-block DeiT-B takes seconds)
     with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        try:
-            model = build_model(row.model, fused_attn=fused, **overrides)
+        try:  # (the row's img_size is optional for size-agnostic models: PVT-v2, CNNs)
+            model = build_model(row.model, fused_attn=fused, img_size_optional="img_size" not in row.model_kwargs,
+                                **overrides)
         except (ValueError, TypeError) as err:
-            if "img_size" in str(err) and "img_size" in overrides and "img_size" not in row.model_kwargs:
-                # resolution-agnostic architectures (PVT-v2; CNNs such as ResNet: a TypeError) take no img_size
-                overrides.pop("img_size")
-                model = build_model(row.model, fused_attn=fused, **overrides)
-            else:
-                raise BenchConfigError(str(err)) from None
+            raise BenchConfigError(str(err)) from None
     n_attn = set_fused_attention(model, fused)
     if fused and n_attn == 0:
         raise BenchConfigError(f"model {row.model!r} has no timm attention module with a fused "

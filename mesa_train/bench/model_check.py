@@ -12,8 +12,9 @@ __all__ = ["check_model"]
 
 
 def _shape_key(row: RowConfig) -> tuple:
-    return (row.model, repr(sorted(row.model_overrides().items())), row.attention,
-            row.grad_checkpointing, row.micro_batch)
+    # (the row's own model_kwargs too: an img_size named there is required, the row's is optional)
+    return (row.model, repr(sorted(row.model_overrides().items())), "img_size" in row.model_kwargs,
+            row.attention, row.grad_checkpointing, row.micro_batch)
 
 
 _CHECKED: set[tuple] = set()

@@ -282,6 +282,7 @@ def run_planner(cfg, command: str = "python -m mesa_train.bench preset=planner")
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(_get(cfg, "seed", 0)))
     model = build_model(preset["model"], fused_attn=preset.get("fused_attn"), img_size=preset["img_size"],
+                        img_size_optional=True,  # (a size-agnostic model, PVT-v2 or a CNN, takes none)
                         num_classes=preset["num_classes"], **dict(preset.get("model_kwargs") or {})).to(device)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(preset.get("amp", "fp32")))
     batch = make_batch(int(preset["batch_size"]), int(preset["img_size"]), int(preset["num_classes"]), device, amp)

@@ -35,19 +35,13 @@ def _overrides(cfg, num_classes: int, drop_path: float | None) -> dict:
 
 
 def _create(cfg, num_classes: int, drop_path: float | None) -> nn.Module:
-    """``build_model`` with the ``model`` group's overrides. A model whose constructor takes no
-    ``img_size`` (a CNN, PVT-v2: size-agnostic) is built without it where ``model.img_size``
-    passed it (``model.img_size_kwarg``, true by default): the images are still that size, as
-    the transforms make them (``model.name=resnet18 model.img_size=32`` failed without
-    ``model.img_size_kwarg=false``)."""
-    overrides = _overrides(cfg, num_classes, drop_path)
-    try:
-        return build_model(cfg.model.name, fused_attn=cfg.model.fused_attn, **overrides)
-    except ValueError as err:
-        if rejected_argument(err.__cause__) != "img_size" or "img_size" in (cfg.model.kwargs or {}):
-            raise
-    overrides.pop("img_size")
-    return build_model(cfg.model.name, fused_attn=cfg.model.fused_attn, **overrides)
+    """``build_model`` with the ``model`` group's overrides. ``model.img_size`` (passed by
+    ``model.img_size_kwarg``, true by default) is optional for the constructor: a CNN or PVT-v2
+    is built without it and the images are still that size, as the transforms make them
+    (``model.name=resnet18 model.img_size=32`` trains). ``+model.kwargs.img_size`` is not."""
+    return build_model(cfg.model.name, fused_attn=cfg.model.fused_attn,
+                       img_size_optional="img_size" not in (cfg.model.kwargs or {}),
+                       **_overrides(cfg, num_classes, drop_path))
 
 
 # what to set instead, where a named setting passes an argument the model does not take: the

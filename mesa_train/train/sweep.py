@@ -35,34 +35,48 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
+EARLIER = " (earlier run)"  # a job folder's row, where this sweep's job was refused over the run in it
+
+
+def _folder_row(job_dir: str, failure: dict | None) -> dict:
+    """The run in ``job_dir``: its ``summary.json``, or the failure it recorded."""
+    row = {"job": os.path.basename(job_dir), "run_dir": job_dir}
+    summary = _read_json(os.path.join(job_dir, "summary.json"))
+    if failure is not None:
+        row.update(status=failure.get("status") or "failed", error=failure.get("error"))
+    elif summary is not None:
+        row.update({k: v for k, v in summary.items() if k in COLUMNS and k not in row})
+    else:
+        row["status"] = "failed (no summary.json)"
+    return row
+
+
 def collect(sweep_dir: str) -> tuple[list[dict], list[str]]:
     """One row per job directory under ``sweep_dir``, failed jobs included: a job that
     recorded its failure (``failed.json``, written by train.py) shows ``failed`` and its
-    one-line error; a job without any record shows ``failed (no summary.json)``.
-    A row's ``overrides`` are those that differ between jobs; the second value lists the
-    overrides every job shares."""
-    rows, per_job = [], []
+    one-line error; a job without any record shows ``failed (no summary.json)``. A job refused
+    over an earlier run's folder shows its refusal (its record beside the folder), and the run in
+    that folder follows as ``<job> (earlier run)``: its results stay in the table.
+    A row's ``overrides`` are those that differ between rows; the second value lists the
+    overrides every row shares."""
+    rows, per_row = [], []
     for job_dir in sorted(glob.glob(os.path.join(sweep_dir, "*", "")), key=_job_key):
         job_dir = job_dir.rstrip(os.sep)
-        # (a job refused over an earlier run's directory: its record beside it, its own overrides)
         refused = _read_json(refusal_record(job_dir))
-        failure = refused or _read_json(os.path.join(job_dir, "failed.json"))
+        if refused is not None:
+            rows.append({"job": os.path.basename(job_dir), "run_dir": job_dir,
+                         "status": refused.get("status") or "failed", "error": refused.get("error")})
+            per_row.append(list(refused.get("overrides") or []))
+        failure = _read_json(os.path.join(job_dir, "failed.json"))
         if not os.path.isdir(os.path.join(job_dir, ".hydra")) and failure is None:
             continue
-        own = list((failure or {}).get("overrides") or [])
-        overrides = own if refused else _overrides(job_dir) or own
-        per_job.append(overrides)
-        row = {"job": os.path.basename(job_dir), "run_dir": job_dir}
-        summary = _read_json(os.path.join(job_dir, "summary.json"))
-        if failure is not None:
-            row.update(status=failure.get("status") or "failed", error=failure.get("error"))
-        elif summary is not None:
-            row.update({k: v for k, v in summary.items() if k in COLUMNS and k not in row})
-        else:
-            row["status"] = "failed (no summary.json)"
+        row = _folder_row(job_dir, failure)
+        if refused is not None:
+            row["job"] += EARLIER
         rows.append(row)
-    common = [o for o in per_job[0] if all(o in job for job in per_job)] if per_job else []
-    for row, overrides in zip(rows, per_job):
+        per_row.append(_overrides(job_dir) or list((failure or {}).get("overrides") or []))
+    common = [o for o in per_row[0] if all(o in job for job in per_row)] if per_row else []
+    for row, overrides in zip(rows, per_row):
         row["overrides"] = " ".join(o for o in overrides if o not in common)
     return rows, common
 
@@ -99,6 +113,10 @@ def write_summary(sweep_dir: str, interrupted: bool = False) -> list[dict]:
                     f"left as they are, the interrupted one resumes).\n\n")
         if common:
             f.write(f"Overrides of every job{' so far' if interrupted else ''}: `{' '.join(common)}`\n\n")
+        if any(row["job"].endswith(EARLIER) for row in rows):
+            f.write(f"Rows marked *{EARLIER.strip()}* are the runs already in the job folders this sweep's jobs "
+                    f"were refused over (left as they were); to run the refused values, choose a new "
+                    f"hydra.sweep.dir.\n\n")
         f.write("\n".join(lines) + "\n")
     return rows
 
@@ -130,10 +148,11 @@ class SweepSummary:
         if not os.path.isdir(sweep_dir) or int(os.environ.get("RANK", "0")) != 0:
             return  # (under torchrun every rank runs the sweep: rank 0 writes its summary)
         rows = write_summary(sweep_dir)
-        print(f"sweep summary ({len(rows)} jobs): {os.path.join(sweep_dir, 'summary.md')}")
-        failed = [r for r in rows if str(r.get("status", "")).startswith("failed")]
+        jobs = [r for r in rows if not r["job"].endswith(EARLIER)]
+        print(f"sweep summary ({len(jobs)} jobs): {os.path.join(sweep_dir, 'summary.md')}")
+        failed = [r for r in jobs if str(r.get("status", "")).startswith("failed")]
         if failed:
-            print(f"error: {len(failed)} of {len(rows)} jobs failed: "
+            print(f"error: {len(failed)} of {len(jobs)} jobs failed: "
                   + "; ".join(f"job {r['job']}: {r.get('error') or r['status']}" for r in failed),
                   file=sys.stderr, flush=True)
             sys.exit(1)
