@@ -67,3 +67,26 @@ def test_torchrun_two_cpu_processes_share_one_run_dir(tmp_path, run_cli):
     steps = list(csv.DictReader(open(os.path.join(run_dir, "steps.csv"))))
     assert [r["step"] for r in steps] == ["1", "2"]  # only rank 0 logs
     assert open(os.path.join(run_dir, "train.log")).read().count("run directory:") == 1
+
+
+def test_under_torchrun_a_rank_says_its_own_failure(tmp_path, run_cli):
+    """A corrupt image read by one rank's shard only: that rank says it, prefixed with its rank
+    when it is not rank 0, once and in one line (rank 0 alone says a config mistake; this
+    failure rank 0 never saw was silenced by that rule at first)."""
+    from conftest import write_image_folder
+
+    data = write_image_folder(tmp_path / "data")
+    (data / "train" / "cat" / "0.jpg").write_bytes(b"not an image")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    result = run_cli([torchrun, "--standalone", "--nproc_per_node=2", TRAIN, *TINY_MODELS["deit"], *FAST_TRAINER,
+                      "data=imagenet", f"data.root={data}", "data.num_classes=null", "data.train_size=null",
+                      "data.val_size=null", "trainer.max_steps=null", "trainer.epochs=1", "trainer.batch_size=2",
+                      f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=300)
+    assert result.returncode != 0
+    said = [line for line in result.stderr.splitlines() if "cannot read image" in line]
+    assert len(said) == 1, result.stderr[-3000:]
+    assert said[0].startswith(("error: cannot read image", "[rank 1] error: cannot read image")), said
+    assert "0.jpg" in said[0]
+    # (the other rank, when its collective fails before torchrun stops it, says so in one line)
+    assert "Error executing job" not in result.stderr and "RuntimeError: [" not in result.stderr, \
+        result.stderr[-3000:]

@@ -220,6 +220,23 @@ def test_full_disk_is_one_line_naming_the_folder(tmp_path, monkeypatch):
     assert describe(info.value) == (1, f"no space left on {tmp_path}")
 
 
+def test_a_rank_that_lost_its_peer_is_one_line():
+    """Under torchrun, the rank whose shard held a corrupt image says so; the other rank's next
+    collective then failed (gloo: "Connection closed by peer", NCCL: a DistBackendError) and
+    Hydra dumped that rank's traceback, burying the real error."""
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed "
+                        "by peer [127.0.0.1]:24492. This is typically caused by a remote worker crashing.")
+    nccl = torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or "
+                                              "there was a network error, NCCL version 2.21.5\nncclRemoteError: x")
+    for err, gist in ((gloo, "Connection closed by peer [127.0.0.1]:24492"),
+                      (nccl, "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a "
+                             "network error, NCCL version 2.21.5")):
+        assert describe(err) == (1, f"lost contact with another process of this run ({gist}): it failed or was "
+                                    f"stopped, and its own error is printed above or in its log; or the network "
+                                    f"between them failed")
+    assert describe(RuntimeError("shape mismatch")) is None  # (a bug stays a traceback)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_read_only_run_dir_is_one_line(compose_train, tmp_path):
     run_dir = tmp_path / "run"

@@ -51,6 +51,23 @@ def unwrap_worker_message(text: str) -> str:
     return text
 
 
+# gloo's words when the process at the other end of a collective is gone (it raises a plain RuntimeError)
+_GLOO_LOST_PEER = re.compile(r"gloo.*(closed by peer|reset by peer|Broken pipe)", re.S | re.I)
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """The gist of a collective that failed because another rank of the run died or was stopped
+    (its own error is what matters), or None. torch raises ``DistError`` subclasses for NCCL and
+    the store; gloo a ``RuntimeError`` naming its transport."""
+    import torch.distributed as dist
+
+    text = str(err)
+    if not isinstance(err, dist.DistError) and not _GLOO_LOST_PEER.search(text):
+        return None
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.strip())  # gloo's "[.../pair.cc:561] " source location
+    return text.split(". ")[0].splitlines()[0] if text else type(err).__name__
+
+
 def describe(err: BaseException) -> tuple[int, str] | None:
     """``(exit code, message)`` for an expected failure, ``None`` for a bug."""
     from mesa_train.train.checkpoint import CheckpointError
@@ -65,6 +82,10 @@ def describe(err: BaseException) -> tuple[int, str] | None:
         return 3, str(err)
     if isinstance(err, (ConfigError, DataError, CheckpointError, RunDirError)):
         return 2, unwrap_worker_message(str(err))
+    peer = lost_peer(err)
+    if peer is not None:  # (said by every rank it reaches: the one that failed says why)
+        return 1, (f"lost contact with another process of this run ({peer}): it failed or was stopped, and "
+                   f"its own error is printed above or in its log; or the network between them failed")
     if isinstance(err, OSError) and err.errno in _OS_ERRORS:
         path = err.filename or "the run directory"
         return 1, _OS_ERRORS[err.errno].format(path=path)
