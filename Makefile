@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help install test gpu-results gpu-session gpu-wheels gpu-prebuild gpu-prebuild-base gpu-torch-check demo bench docker-build clean
 
 help:  ## list the targets
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-18s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ test: $(STAMP)  ## run the test suite (installs first when .venv is missing)
 gpu-session:  ## on a lent GPU machine (own torch, no registry): scripts/gpu_session.sh (make gpu-wheels gpu-prebuild here first)
 	bash scripts/gpu_session.sh
 
-gpu-results: $(STAMP)  ## on a GPU machine: CUDA tests, kernel bandwidth and every GPU benchmark preset into results/
+gpu-results: $(STAMP)  ## on a GPU machine: CUDA tests, kernel bandwidth and the presets table1, table7-9, table13-14, modern and speed into results/
 	$(PY) -m pytest -q -m cuda tests
 	$(PY) -m mesa_train.quant.benchmark
 	@# table1 and modern also write <device>.profile.md: where Mesa's extra time goes
@@ -105,5 +105,5 @@ bench: $(STAMP)  ## run the default benchmark preset (see configs/bench)
 docker-build:  ## build the CUDA Docker image (needs a Docker engine)
 	docker build -f docker/Dockerfile -t mesa-train:latest .
 
-clean:  ## remove build outputs (keeps .venv)
-	rm -rf build *.egg-info mesa_train/*.so
+clean:  ## remove build outputs (keeps .venv; the next install rebuilds the extension)
+	rm -rf build *.egg-info mesa_train/*.so $(STAMP)

@@ -611,6 +611,23 @@ def test_only_takes_one_text_or_several():
         expand_preset(modern, only=["DeiT-S", "nothing"])
 
 
+def test_a_dry_run_validates_a_gpu_preset_on_a_cpu(capsys):
+    """dry_run builds every model on the meta device, yet a GPU preset's dry run on a laptop
+    stopped at "is a GPU preset" (exit 2) until allow_cpu=true. It now notes each thing that
+    needs a GPU (the preset, the CUDA-graph rows, the capped search) and validates; a real run
+    is still refused."""
+    from mesa_train.bench.presets import BenchConfigError
+    from mesa_train.bench.runner import run_app
+
+    for preset, needs in (("graphs", "capture the step in a CUDA graph"), ("table9", "search needs a CUDA GPU")):
+        assert run_app(_compose(preset, "device=cpu", "dry_run=true")) == 0
+        out, err = capsys.readouterr()
+        assert f"preset {preset}: " in out and "(validated, not run)" in out
+        assert f"note: preset '{preset}' is a GPU preset and no CUDA device is in use" in err and needs in err, err
+        with pytest.raises(BenchConfigError, match="is a GPU preset"):
+            run_app(_compose(preset, "device=cpu"))
+
+
 def test_the_apps_switches_are_true_or_false():
     """dry_run=no was read as true (a non-empty text): a dry run nobody asked for, exit 0. Each
     bench app refuses a switch that is not true or false, in one line, exit 2."""

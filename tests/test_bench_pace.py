@@ -3,6 +3,7 @@
 profile's Markdown, and the command that rebuilds it from a committed run's JSON and CSV."""
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -158,3 +159,24 @@ def test_an_output_that_cannot_be_written_is_refused(tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --output") and "cannot make the folder" in err and err.count("\n") == 1
+
+
+def test_a_profile_that_does_not_name_its_run_is_noted(tmp_path, capsys):
+    """A committed CSV from before the device and date columns was paired with any results JSON
+    without a word (the H200's JSON with the H100's profile gave a mixed table): it is now noted,
+    with the file names where they differ; a CSV that names its run is not."""
+    rows, profiles = _rows(), _profiles()
+    results, csv_path = _committed_run(tmp_path, rows, profiles, [30.0, 40.0, 60.0, 5.0])
+    pace.times_from_files(results, csv_path)
+    assert "note:" not in capsys.readouterr().err
+    with open(csv_path, newline="") as f:
+        lines = list(csv.DictReader(f))
+    old = tmp_path / "h100.profile.csv"
+    with open(old, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[k for k in lines[0] if k not in ("device", "date")],
+                                extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(lines)
+    pace.times_from_files(results, old)
+    err = capsys.readouterr().err
+    assert err.startswith(f"note: {old} does not name its run") and "their names differ (gpu vs h100)" in err, err

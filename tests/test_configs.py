@@ -227,6 +227,28 @@ def test_an_argument_the_model_does_not_take_names_its_setting(compose_train):
                                        "+model.kwargs.img_size=32"]))
 
 
+def test_a_head_count_the_model_cannot_take_names_the_valid_ones(compose_train):
+    """model.num_heads=5 got timm's "AssertionError: dim should be divisible by num_heads", and
+    on a Swin "TypeError: 'int' object is not subscriptable": now the divisors of the width, or
+    the per-stage list the family takes."""
+    from mesa_train.train.model import check_buildable
+
+    with pytest.raises(config_lib.ConfigError, match=r"^model.num_heads=5 does not divide the width 192 \(the "
+                                                     r"model's\): valid head counts: 1, 2, 3, 4, 6, 8, 12, 16, 24, "
+                                                     r"32, 48, 64, 96, 192$"):
+        check_buildable(compose_train(["model.num_heads=5"]))
+    with pytest.raises(config_lib.ConfigError, match=r"width 40 \(model.embed_dim's\): valid head counts: 1, 2, 4, "
+                                                     r"5, 8, 10, 20, 40$"):
+        check_buildable(compose_train(["model.num_heads=3", "model.embed_dim=40"]))
+    with pytest.raises(config_lib.ConfigError, match=r"^model 'swin_ti' cannot be built with model.num_heads=5 "
+                                                     r"\(TypeError: 'int' object is not subscriptable\): set "
+                                                     r"model.num_heads=null; Swin takes one head count per stage: "
+                                                     r"'\+model.kwargs.num_heads=\[3,6,12,24\]'$"):
+        check_buildable(compose_train(["model=swin_ti", "model.num_heads=5"]))
+    with pytest.raises(config_lib.ConfigError, match=r"PVT-v2 takes one head count per stage"):
+        check_buildable(compose_train(["model=pvt_v2_b0", "model.num_heads=5"]))
+
+
 @pytest.mark.parametrize("data", ["digits", "synthetic"])
 def test_a_data_root_the_data_set_does_not_read_is_refused(compose_train, data):
     """data=digits data.root=/my/images trained on the digits without a word."""

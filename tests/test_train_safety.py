@@ -56,6 +56,20 @@ def test_nonfinite_loss_never_reaches_a_checkpoint(compose_train, tmp_path, monk
     assert describe(info.value)[0] == 3
     ckpt = _last(tmp_path)
     assert ckpt["state"]["step"] == 3 and _all_finite(ckpt["model"]) and _all_finite(ckpt["optimizer"]["state"][0])
+    assert "resume skipping such steps" in str(info.value)
+
+
+def test_nonfinite_before_any_checkpoint_says_to_run_again(compose_train, tmp_path, monkeypatch):
+    """With no checkpoint written yet the advice was to resume, or to start from "the kept
+    weights" (model.pretrained_path=<its checkpoint>): there were none. Running again starts
+    afresh in the same directory, which the advice now says."""
+    _poison_loss_from_call(monkeypatch, 1)
+    with pytest.raises(NonFiniteError, match=r"no checkpoint was written\. To go on: run again \(the same run "
+                                             r"directory starts afresh\)") as info:
+        fit(compose_train(BASE), str(tmp_path))
+    assert "pretrained_path" not in str(info.value)
+    monkeypatch.undo()
+    assert fit(compose_train(BASE), str(tmp_path))["step"] == 2
 
 
 def test_nonfinite_steps_can_be_skipped(compose_train, tmp_path, monkeypatch):

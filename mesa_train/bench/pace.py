@@ -119,6 +119,11 @@ def _check_same_run(results_json: Path, data: dict, profile_csv: Path, runs: set
     results would pair their step times with its kernel times: refused where the CSV names its run."""
     env = data.get("environment") or {}
     this = (str(env.get("device", "")), str(env.get("date", "")))
+    if not runs:  # (a CSV written before the device and date columns: nothing to check against)
+        stems = (results_json.name.removesuffix(".json"), profile_csv.name.removesuffix(".profile.csv"))
+        differ = f"; their names differ ({stems[0]} vs {stems[1]})" if stems[0] != stems[1] else ""
+        print(f"note: {profile_csv} does not name its run (written before profiles carried device and date): "
+              f"it cannot be checked to be the profile of {results_json}{differ}", file=sys.stderr)
     other = sorted(run for run in runs if run != this)
     if other:
         device, date = other[0]

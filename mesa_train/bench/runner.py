@@ -42,6 +42,33 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _device_problems(cfg: Any, preset: dict, device: torch.device, rows: list[RowConfig], search) -> list[str]:
+    """Why the preset cannot be measured on ``device`` (a GPU preset, CUDA-graph rows, the
+    capped search on a CPU), each with the way out."""
+    name, problems = preset["name"], []
+    if device.type == "cpu" and preset.get("requires_cuda") and not _get(cfg, "allow_cpu", False):
+        extra = ""
+        if search is not None:
+            extra = (" Its search enforces the memory cap with torch.cuda.set_per_process_memory_fraction "
+                     "and treats CUDA out-of-memory as 'does not fit'; on CPU add "
+                     "allow_cpu=true preset.search.emulate_on_cpu=true to emulate it with the "
+                     "saved-bytes budget (an estimate), or see the emulated search in preset=cpu-quick.")
+        problems.append(
+            f"preset {name!r} is a GPU preset and no CUDA device is in use (device={device}).{extra} "
+            "Run preset=cpu-quick on CPU, or force this preset with allow_cpu=true (slow; shrink it "
+            "with e.g. preset.common.batch_size=2 preset.common.img_size=64).")
+    graphed = [r.label for r in rows if r.cuda_graph]
+    if graphed and device.type != "cuda":
+        problems.append(f"preset {name!r}: rows {graphed} capture the step in a CUDA graph (cuda_graph=true) "
+                        f"and need a CUDA device (device={device}); leave them out with skip=..., or run on a GPU")
+    if search is not None and device.type == "cpu" and not search.emulate_on_cpu:
+        problems.append(
+            f"preset {name!r}: the largest-model search needs a CUDA GPU (the cap is enforced with "
+            "torch.cuda.set_per_process_memory_fraction); set preset.search.emulate_on_cpu=true "
+            "to emulate it on CPU with the saved-bytes budget")
+    return problems
+
+
 def prepare(cfg: Any) -> tuple[dict, torch.device, list[RowConfig], Any]:
     """Everything that can fail before measuring: device, rows, search, model shapes."""
     from omegaconf import OmegaConf
@@ -51,29 +78,13 @@ def prepare(cfg: Any) -> tuple[dict, torch.device, list[RowConfig], Any]:
     if not name:
         raise BenchConfigError("the preset has no name")
     device = resolve_device(_get(cfg, "device") or preset.get("device") or "auto")
-    if device.type == "cpu" and preset.get("requires_cuda") and not _get(cfg, "allow_cpu", False):
-        extra = ""
-        if preset.get("search"):
-            extra = (" Its search enforces the memory cap with torch.cuda.set_per_process_memory_fraction "
-                     "and treats CUDA out-of-memory as 'does not fit'; on CPU add "
-                     "allow_cpu=true preset.search.emulate_on_cpu=true to emulate it with the "
-                     "saved-bytes budget (an estimate), or see the emulated search in preset=cpu-quick.")
-        raise BenchConfigError(
-            f"preset {name!r} is a GPU preset and no CUDA device is in use (device={device}).{extra} "
-            "Run preset=cpu-quick on CPU, or force this preset with allow_cpu=true (slow; shrink it "
-            "with e.g. preset.common.batch_size=2 preset.common.img_size=64).")
     rows = expand_preset(preset, only=_get(cfg, "only"), skip=_get(cfg, "skip"))
-    graphed = [r.label for r in rows if r.cuda_graph]
-    if graphed and device.type != "cuda":
-        raise BenchConfigError(f"preset {name!r}: rows {graphed} capture the step in a CUDA graph (cuda_graph=true) "
-                               f"and need a CUDA device (device={device}); leave them out with skip=..., "
-                               "or run on a GPU")
     search = parse_search(preset.get("search"), dict(preset.get("common") or {}))
-    if search is not None and device.type == "cpu" and not search.emulate_on_cpu:
-        raise BenchConfigError(
-            f"preset {name!r}: the largest-model search needs a CUDA GPU (the cap is enforced with "
-            "torch.cuda.set_per_process_memory_fraction); set preset.search.emulate_on_cpu=true "
-            "to emulate it on CPU with the saved-bytes budget")
+    for problem in _device_problems(cfg, preset, device, rows, search):
+        if not _get(cfg, "dry_run", False):
+            raise BenchConfigError(problem)
+        # (a dry run builds every model on the meta device: it validates a GPU preset on a laptop)
+        _say(f"note: {problem} (a dry run validates it here all the same)")
     if search is not None and _get(cfg, "only"):
         search = None  # only= narrows the table rows; skip the search
     if not rows and search is None:

@@ -47,9 +47,11 @@ def _create(cfg, num_classes: int, drop_path: float | None) -> nn.Module:
 # what to set instead, where a named setting passes an argument the model does not take: the
 # hierarchical models of configs/model (timm name prefix -> argument -> advice)
 _PER_STAGE = {
-    "swin": {"depth": "; Swin takes one depth per stage: '+model.kwargs.depths=[2,2,6,2]'"},
+    "swin": {"depth": "; Swin takes one depth per stage: '+model.kwargs.depths=[2,2,6,2]'",
+             "num_heads": "; Swin takes one head count per stage: '+model.kwargs.num_heads=[3,6,12,24]'"},
     "pvt_v2": {"depth": "; PVT-v2 takes one depth per stage: '+model.kwargs.depths=[2,2,2,2]'",
-               "embed_dim": "; PVT-v2 takes one width per stage: '+model.kwargs.embed_dims=[64,128,320,512]'"},
+               "embed_dim": "; PVT-v2 takes one width per stage: '+model.kwargs.embed_dims=[64,128,320,512]'",
+               "num_heads": "; PVT-v2 takes one head count per stage: '+model.kwargs.num_heads=[1,2,5,8]'"},
 }
 
 
@@ -74,9 +76,42 @@ def check_buildable(cfg, num_classes: int = 10) -> None:
         if bad is not None and bad in (cfg.model.kwargs or {}):
             raise ConfigError(f"model {cfg.model.name!r} ({timm_name(cfg.model.name)}) takes no argument {bad!r}: "
                               f"remove model.kwargs.{bad}") from None
+        staged = [(owner, value, _per_stage_advice(cfg.model.name, arg))
+                  for arg, (owner, value) in named_model_kwargs(cfg).items()
+                  if isinstance(value, int) and _per_stage_advice(cfg.model.name, arg)]
+        if staged:  # (one number where the family takes a list: Swin's model.num_heads=5, "'int' object is not
+            # subscriptable")
+            owner, value, advice = staged[0]
+            cause = err.__cause__ or err  # (timm's own words, not build_model's list of every override)
+            raise ConfigError(f"model {cfg.model.name!r} cannot be built with {owner}={value} ({type(cause).__name__}: "
+                              f"{str(cause).strip()}): set {owner}=null{advice}") from None
+        heads = _head_count_advice(cfg, num_classes, err)
+        if heads:
+            raise ConfigError(heads) from None
         raise ConfigError(f"model {cfg.model.name!r} cannot be built with these model.* settings: "
                           f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}") from None
     check_patch_grid(model)
+
+
+def _head_count_advice(cfg, num_classes: int, err: Exception) -> str:
+    """timm's "dim should be divisible by num_heads" for ``model.num_heads``, as the valid
+    choices: the divisors of the width (``model.embed_dim``, or the model's own where that is
+    not set). Empty where the error is another, or the width cannot be read."""
+    heads = cfg.model.num_heads
+    if "divisible by num_heads" not in str(err) or not isinstance(heads, int):
+        return ""
+    width = cfg.model.embed_dim
+    if width is None:
+        try:
+            with torch.device("meta"):
+                width = getattr(build_model(cfg.model.name, num_classes=num_classes), "embed_dim", None)
+        except Exception:  # noqa: BLE001 - no advice then; the caller's message stands
+            return ""
+    if not isinstance(width, int) or width <= 0:
+        return ""
+    valid = ", ".join(str(d) for d in range(1, width + 1) if width % d == 0)
+    return (f"model.num_heads={heads} does not divide the width {width} "
+            f"({'model.embed_dim' if cfg.model.embed_dim is not None else 'the model'}'s): valid head counts: {valid}")
 
 
 def check_patch_grid(model: nn.Module) -> None:

@@ -14,7 +14,7 @@ from mesa_train.plan.train_hook import plan_for_checkpoint
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import distributed as dist_utils
 from mesa_train.train import sharded
-from mesa_train.train.engine import NONFINITE_HINT, epoch_totals, first_nonfinite_step
+from mesa_train.train.engine import NONFINITE_FIRST_HINT, NONFINITE_HINT, epoch_totals, first_nonfinite_step
 from mesa_train.train.errors import NonFiniteError
 
 
@@ -36,8 +36,9 @@ class RunSaver:
             kept = (f"checkpoints/{self.last_name} still holds step {self.step}" if self.step is not None
                     else "no checkpoint was written")
             where = f"at step {bad}" if bad is not None else "on another rank"
+            hint = NONFINITE_HINT if self.step is not None else NONFINITE_FIRST_HINT
             raise NonFiniteError(f"non-finite loss or gradient {where} (epoch {r.state.epoch}); stopped without "
-                                 f"saving it: {kept}. To go on: {NONFINITE_HINT}")
+                                 f"saving it: {kept}. To go on: {hint}")
 
     def save(self, metrics: dict | None, best: bool) -> None:
         """Write ``last`` (and copy it to ``best``). Every rank takes part (RNG states are
