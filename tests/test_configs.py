@@ -227,6 +227,26 @@ def test_an_argument_the_model_does_not_take_names_its_setting(compose_train):
                                        "+model.kwargs.img_size=32"]))
 
 
+def test_images_the_model_cannot_run_on_are_one_line(compose_train, monkeypatch):
+    """A model built for model.img_size that still cannot run on it (LeViT's grid at 30 px), or
+    one given in_chans=1 for the RGB images the data gives, failed in the start-up measurement
+    with a traceback (exit 1): one line at the start-up checks now, exit 2. A model the meta
+    device cannot run is confirmed on a real image before it is refused."""
+    from mesa_train.train import model as model_lib
+
+    with pytest.raises(config_lib.ConfigError, match=r"^model 'levit_128s' cannot run on 3x30x30 images "
+                                                     r"\(model.img_size=30\): RuntimeError: shape"):
+        model_lib.check_buildable(compose_train(["model.name=levit_128s", "model.img_size=30"]))
+    with pytest.raises(config_lib.ConfigError, match=r"^model 'resnet18' cannot run on 3x32x32 images .* to have 1 "
+                                                     r"channels, but got 3 channels instead$"):
+        model_lib.check_buildable(compose_train(["model.name=resnet18", "model.img_size=32",
+                                                 "+model.kwargs.in_chans=1"]))
+    model_lib.check_buildable(compose_train(["model.name=levit_128s", "model.img_size=32"]))
+    # a model the meta device cannot run is tried on a real image, and runs: not refused
+    monkeypatch.setattr(model_lib, "_runs_on_meta", lambda *args: False)
+    model_lib.check_buildable(compose_train(["model.depth=1", "model.img_size=32", "+model.kwargs.patch_size=8"]))
+
+
 def test_a_head_count_the_model_cannot_take_names_the_valid_ones(compose_train):
     """model.num_heads=5 got timm's "AssertionError: dim should be divisible by num_heads", and
     on a Swin "TypeError: 'int' object is not subscriptable": now the divisors of the width, or

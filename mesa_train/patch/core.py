@@ -166,7 +166,7 @@ def _leaf_rules():
         nn.Softmax: ("softmax", mnn.Softmax),
         TimmLayerScale: ("layerscale", mnn.LayerScale),
         TimmLayerScale2d: ("layerscale", mnn.LayerScale2d),
-        FastVitLayerScale2d: ("layerscale", mnn.LayerScale2d),
+        FastVitLayerScale2d: ("layerscale", _FastVitLayerScale2d),
         SwiftFormerLayerScale2d: ("layerscale", mnn.LayerScale2d),
         ResMlpAffine: ("layerscale", mnn.Affine),
         TimmMetaFormerScale: ("layerscale", mnn.Scale),
@@ -184,6 +184,19 @@ def _leaf_rules():
         # own op, since the re-run costs step time (ops without it: stock and fast, GroupNorm compressed)
         **{stock: ("evonorm", mesa) for stock, mesa in EVO_NORM_CLASSES.items()},
     }
+
+
+class _FastVitLayerScale2d(mnn.LayerScale2d, FastVitLayerScale2d):
+    """Mesa's ``LayerScale2d`` that is still a FastViT ``LayerScale2d``: timm's
+    ``RepMixer.reparameterize`` folds ``gamma`` into the inference conv only where
+    ``isinstance(self.layer_scale, LayerScale2d)``; a plain Mesa layer took the other branch and
+    the reparameterized model's outputs were off by 3e-2 without a word."""
+
+    @classmethod
+    def from_module(cls, stock: nn.Module, *, device=None, **quant_options) -> "_FastVitLayerScale2d":
+        new = mnn.LayerScale2d.from_module.__func__(mnn.LayerScale2d, stock, device=device, **quant_options)
+        new.__class__ = cls  # (FastViT's own __init__ never runs: the Mesa layer holds the same gamma)
+        return new
 
 
 class _TimmGELU:

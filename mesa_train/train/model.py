@@ -91,6 +91,59 @@ def check_buildable(cfg, num_classes: int = 10) -> None:
         raise ConfigError(f"model {cfg.model.name!r} cannot be built with these model.* settings: "
                           f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}") from None
     check_patch_grid(model)
+    check_image_size(cfg, model, num_classes)
+
+
+def check_image_size(cfg, meta_model: nn.Module, num_classes: int) -> None:
+    """``ConfigError`` where the model cannot run on the images the data gives (RGB,
+    ``model.img_size`` square): a Swin window, a LeViT or CrossViT grid, a model built without
+    ``img_size`` that only runs at its own size, ``in_chans=1``. Found by one forward on the meta
+    device (no memory, no time); a failure there is confirmed by a real forward of one image
+    (a model doing data-dependent work cannot run on meta), so the check never refuses a model
+    that runs. Before, the start-up measurement's forward failed with a traceback."""
+    size = int(cfg.model.img_size)
+    if _runs_on_meta(meta_model, (size, size)):
+        return
+    try:  # (confirmed on a real image)
+        with torch.no_grad():
+            _create(cfg, num_classes, None).eval()(torch.zeros(1, 3, size, size))
+    except Exception as err:  # noqa: BLE001 - timm asserts, shape and channel errors
+        text = " ".join(str(err).split()) or "no message"
+        own = _own_size(cfg)
+        advice = ""
+        if own is not None and own != (size, size) and _runs_on_meta(meta_model, own):
+            advice = (f"; it takes no img_size argument and runs at its own size: model.img_size={own[0]}"
+                      if own[0] == own[1] else f"; it takes no img_size argument and runs at {own[0]}x{own[1]}")
+        raise ConfigError(f"model {cfg.model.name!r} cannot run on 3x{size}x{size} images "
+                          f"(model.img_size={size}): {type(err).__name__}: {text[:300]}{advice}") from None
+
+
+def _runs_on_meta(meta_model: nn.Module, size: tuple) -> bool:
+    try:
+        with torch.device("meta"), torch.no_grad():
+            meta_model.eval()(torch.empty(1, 3, *size))
+        return True
+    except Exception:  # noqa: BLE001 - any failure: the caller confirms or gives no advice
+        return False
+
+
+def _own_size(cfg) -> tuple | None:
+    """The input size of a model whose constructor takes no ``img_size`` (timm's default
+    config), where ``model.img_size`` was dropped for it; None otherwise."""
+    if "img_size" in (cfg.model.kwargs or {}) or not cfg.model.get("img_size_kwarg"):
+        return None
+    try:
+        with torch.device("meta"):
+            build_model(cfg.model.name, num_classes=1, img_size=int(cfg.model.img_size))
+        return None  # (it takes img_size)
+    except ValueError:
+        pass
+    try:
+        import timm
+
+        return tuple(timm.get_pretrained_cfg(timm_name(cfg.model.name)).input_size[1:])
+    except Exception:  # noqa: BLE001 - no pretrained config: no advice
+        return None
 
 
 def _head_count_advice(cfg, num_classes: int, err: Exception) -> str:
