@@ -247,6 +247,20 @@ def test_images_the_model_cannot_run_on_are_one_line(compose_train, monkeypatch)
     model_lib.check_buildable(compose_train(["model.depth=1", "model.img_size=32", "+model.kwargs.patch_size=8"]))
 
 
+def test_fused_attention_on_a_model_without_attention_is_said(compose_train, caplog):
+    """model.fused_attn=false on resnet18 trained without a word; it now warns that the setting
+    changes nothing (and says nothing where the model has a timm attention)."""
+    from mesa_train.train.model import check_buildable
+
+    with caplog.at_level("WARNING", logger="mesa_train.train"):
+        check_buildable(compose_train(["model.name=resnet18", "model.img_size=32", "model.fused_attn=false"]))
+        check_buildable(compose_train(["model.depth=1", "model.img_size=32", "+model.kwargs.patch_size=8",
+                                       "model.fused_attn=false"]))
+    said = [r.getMessage() for r in caplog.records if "fused_attn" in r.getMessage()]
+    assert said == ["model.fused_attn=False changes nothing: resnet18 has no timm attention module with a fused "
+                    "(sdpa) switch"], said
+
+
 def test_a_head_count_the_model_cannot_take_names_the_valid_ones(compose_train):
     """model.num_heads=5 got timm's "AssertionError: dim should be divisible by num_heads", and
     on a Swin "TypeError: 'int' object is not subscriptable": now the divisors of the width, or

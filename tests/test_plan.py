@@ -52,6 +52,17 @@ def test_units_are_blocks_plus_other_with_the_ops_of_their_attention_path():
 
 
 # ----------------------------------------------------------------------------- apply
+def test_a_model_without_blocks_is_planned_over_all_its_layers(tmp_path):
+    """ConvNeXt has no transformer block (attn + mlp), so all of it is the one (other) unit; its
+    MLPs are module set ffn, which the unit's modules=other never reached: the planner could
+    not compress them and refused budgets the default patch meets ("every op compressed")."""
+    model = build_model("convnext_atto", num_classes=5, depths=(1, 1, 1, 1), dims=(8, 16, 16, 16))
+    assert [u.name for u in find_units(model)] == [OTHER] and "gelu" in find_units(model)[0].ops
+    mesa_train.patch_model(model, plan={"format": "mesa-train-plan/1", "architecture": "convnext",
+                                        "layers": {OTHER: ["gelu", "conv"]}})
+    assert mesa_ops_in(model, "stages.0.blocks.0.mlp") == {"gelu", "conv"}  # (its fc1, fc2: 1x1 convs)
+
+
 def test_patch_model_with_a_plan_patches_exactly_the_planned_layers(tmp_path, batch):
     model = tiny()
     stock = copy.deepcopy(model)

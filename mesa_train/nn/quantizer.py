@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import warnings
 import zlib
 from typing import NamedTuple
 
@@ -521,6 +522,10 @@ class ActivationQuantizer(nn.Module):
         key = prefix + "alpha"
         if key in state_dict and state_dict[key].shape != self.alpha.shape:
             G = state_dict[key].shape[0]
+            # (said: an explicit patch_model(num_groups=...) is replaced; one text, so one warning a load site)
+            warnings.warn("mesa_train: a checkpoint's estimates were saved with another num_groups: the layers now "
+                          "use the checkpoint's groups, not those patch_model was given (describe(model) lists them)",
+                          stacklevel=2)
             self.options = self.options.replace(num_groups=int(G)).interned()
             self._make_buffers(int(G), self.alpha.device)
         for n in ("alpha", "beta"):

@@ -53,7 +53,10 @@ def apply_plan(model: nn.Module, plan_or_path: Any, attention: str = "auto", **q
     # up; fc2 taking the GELU's copy or qkv / fc1 the norm's (patch_model's defaults) would
     # make the bytes depend on pairs of items
     copies = {"mlp": options.pop("mlp", "separate"), "norm_linear": options.pop("norm_linear", "separate")}
-    calls = [(root, plan.layers.get(OTHER, ()), ("other",))]
+    # the outside-blocks unit: the layers of modules=other; in a model with no transformer block
+    # (ConvNeXt, a CNN) every layer is outside, its MLPs (module set ffn) too, so all sets
+    blockless = all(u.name == OTHER for u in find_units(root))
+    calls = [(root, plan.layers.get(OTHER, ()), ("all",) if blockless else ("other",))]
     calls += [(root.get_submodule(name), ops, ("all",)) for name, ops in plan.layers.items() if name != OTHER]
     for _, ops, modules in calls:  # (validation first, as patch_model's own)
         if ops and RECOMPUTE not in ops:

@@ -4,7 +4,8 @@ A *unit* is one transformer block (a module with ``attn`` and ``mlp`` children, 
 :func:`mesa_train.patch.rules.classify`), named by its qualified module name
 (``blocks.0``, ``layers.1.blocks.0``), plus one unit for everything outside the blocks
 (patch embedding, downsampling, final norm, head), named :data:`OTHER`. A unit is patched
-by calling ``patch_model`` on the block itself (or on the model with ``modules=other``),
+by calling ``patch_model`` on the block itself (or on the model with ``modules=other``; every
+module set in a model with no block, such as ConvNeXt, whose MLPs are outside any block),
 so it gets exactly the layers, groups and options a whole-model patch would give it.
 
 An *item* is one (unit, op) pair: the planner's decision variable. A block unit has one

@@ -92,6 +92,10 @@ def check_buildable(cfg, num_classes: int = 10) -> None:
                           f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}") from None
     check_patch_grid(model)
     check_image_size(cfg, model, num_classes)
+    if cfg.model.fused_attn is not None and not any(hasattr(m, "fused_attn") for m in model.modules()):
+        # (a setting that changes nothing is said, not silently ignored)
+        log.warning("model.fused_attn=%s changes nothing: %s has no timm attention module with a fused (sdpa) "
+                    "switch", cfg.model.fused_attn, cfg.model.name)
 
 
 def check_image_size(cfg, meta_model: nn.Module, num_classes: int) -> None:
