@@ -8,7 +8,12 @@ made the run directory. ``override_error`` composes the command line's config fi
 Hydra's own compose API and grammar, and turns the failure into one line:
 
     error: model=bogus: no such option in configs/model; valid: deit_b, deit_s, deit_ti, ...
-    error: trainer.epochz=3: trainer has no setting 'epochz' (close: epochs); a new key needs +trainer.epochz=3
+    error: trainer.epochz=3: trainer has no setting 'epochz' (close: epochs)
+    error: dta.root=x: the config has no group or setting 'dta' (close: data)
+
+A new key is advised with '+' (``+model.kwargs.foo=...``) only where the command takes it:
+train.py and evaluate.py refuse a key no option file of its group has (the valid keys are
+named instead), and evaluate.py says that the model and Mesa settings are the checkpoint's.
 
 Entry points (train.py, evaluate.py, ``python -m mesa_train.bench`` and its accuracy,
 gradients and plan commands) call ``exit_on_bad_overrides`` first: exit status 2, no run
@@ -30,7 +35,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Override, RangeSweep
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 # the flags that keep the command's config what its overrides say (others: Hydra's to handle)
@@ -40,7 +45,7 @@ _NOISE = re.compile(r"^(Config search path|\s*provider=|\s*full_key:|\s*object_t
                     r"|See https?://)")
 
 # what else a group's value can be (train.py's model group: its files are presets of timm models)
-_GROUP_HINTS = {"model": "; or any timm model by name: model.name={option}"}
+_GROUP_HINTS = {"model": "; or any timm model by name: model.name={option}{close}"}
 
 
 def _one_line(text: str) -> str:
@@ -81,19 +86,54 @@ def _first_job(parsed: list[Override], config_dir: str) -> tuple[list[str], list
     return first, jobs
 
 
-def _not_a_setting(message: str, cfg: DictConfig | None) -> str | None:
-    """Hydra's "Could not override 'a.b'" (a key the config lacks) as the setting's parent and
-    its close names."""
+def _not_a_setting(message: str, cfg: DictConfig | None, config_name: str) -> str | None:
+    """Hydra's "Could not override 'a.b'" (a key the config lacks) as the first part of it the
+    config lacks ('dta' of dta.root, where Hydra named the whole key), its close names, and '+'
+    where the command would take the key added with it (else the valid keys, where none is close)."""
     match = re.search(r"Could not override '([^']+)'", message)
     if match is None:
         return None
     key = match.group(1)
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(cfg, parent) if (cfg is not None and parent) else cfg
-    if not isinstance(node, DictConfig):
+    from_checkpoint = _checkpoint_setting(config_name, key)
+    if from_checkpoint is not None:
+        return from_checkpoint
+    parts, node = key.split("."), cfg
+    for depth, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return None
+        if part not in node:
+            break
+        node = node[part]
+    else:
         return None
-    where = parent or "the config"
-    return f"{where} has no setting {leaf!r}{_close(leaf, node.keys())}; a new key needs +{key}=..."
+    where = ".".join(parts[:depth]) or "the config"
+    kind = "group or setting" if depth == 0 and len(parts) > 1 else "setting"
+    said, close = f"{where} has no {kind} {part!r}", _close(part, node.keys())
+    if _refuses_new_key(config_name, key):  # ('+' then refused too: advising it sent the user in a circle)
+        return said + (close or f"; valid: {', '.join(map(str, node.keys()))}")
+    return f"{said}{close}; a new key needs +{key}=..."
+
+
+def _refuses_new_key(config_name: str, key: str) -> bool:
+    """Whether the command of ``config_name`` refuses ``+key=...`` itself, once Hydra composed
+    it: train.py (and the demo) and evaluate.py a key no option file of its group has, or a
+    top-level key not theirs; the other commands' configs take a new key."""
+    if config_name == "train":
+        from mesa_train.train.config import refuses_new_key
+    elif config_name == "eval":
+        from mesa_train.train.evaluation import refuses_new_key
+    else:
+        return False
+    return refuses_new_key(key)
+
+
+def _checkpoint_setting(config_name: str, key: str) -> str | None:
+    """Why ``key`` is no setting of evaluate.py where the checkpoint holds it (model.*, mesa.*), or None."""
+    if config_name != "eval":
+        return None
+    from mesa_train.train.evaluation import checkpoint_setting
+
+    return checkpoint_setting(key)
 
 
 def _missing_option(err: Exception) -> tuple[str, str] | None:
@@ -102,7 +142,7 @@ def _missing_option(err: Exception) -> tuple[str, str] | None:
     return (match.group(1), match.group(2)) if match else None
 
 
-def _describe(err: Exception, config_dir: str, base: DictConfig | None) -> str:
+def _describe(err: Exception, config_dir: str, config_name: str, base: DictConfig | None) -> str:
     missing = _missing_option(err)
     if isinstance(err, MissingConfigException) and err.options and missing is not None:
         group, option = missing
@@ -110,10 +150,20 @@ def _describe(err: Exception, config_dir: str, base: DictConfig | None) -> str:
         # (from the project's configs/ on: configs/bench/preset, not a long absolute path)
         start = len(parts) - 1 - parts[::-1].index("configs") if "configs" in parts else len(parts) - 1
         folder = "/".join(parts[start:] + [group])
-        hint = _GROUP_HINTS.get(group, "").format(option=option)
+        hint = _GROUP_HINTS.get(group, "").format(option=option, close=_close_model(group, option))
         return f"no such option in {folder}{_close(option, err.options)}; valid: {', '.join(err.options)}{hint}"
     text = str(err)
-    return _not_a_setting(text, base) or _one_line(text)
+    return _not_a_setting(text, base, config_name) or _one_line(text)
+
+
+def _close_model(group: str, option: str) -> str:
+    """The timm models close to a model option that is no preset (model=convnext_attto: a typo of
+    convnext_atto, which model.name= takes), or ""."""
+    if group != "model":
+        return ""
+    from mesa_train.train.config import close_model_names
+
+    return close_model_names(option)
 
 
 def override_error(config_dir: str, config_name: str, args: list[str]) -> str | None:
@@ -153,7 +203,7 @@ def override_error(config_dir: str, config_name: str, args: list[str]) -> str | 
                 missing = _missing_option(err)
                 # (the option itself where one is missing: model=bogus of model=deit_s,bogus)
                 culprit = "=".join(missing) if missing else _culprit(err, overrides)
-                described = _describe(err, config_dir, _plain_config(config_name))
+                described = _describe(err, config_dir, config_name, _plain_config(config_name))
                 return f"{culprit}: {described}" if culprit else described
     return None
 

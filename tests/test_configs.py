@@ -169,6 +169,20 @@ def test_invalid_values_name_valid_choices(compose_train):
         config_lib.validate(cfg)
 
 
+@pytest.mark.parametrize("name, said", [
+    # a typo of a timm model: its close names (only the short names were listed)
+    ("convnext_attto", r"model.name='convnext_attto' is neither a short name .* \(close: convnext_atto, "),
+    ("deit_tt", r"model.name='deit_tt' is neither .* \(close: deit_ti\)$"),
+    # (null: is_known_model's name.split raised AttributeError, a traceback)
+    (None, r"model.name=None must be a model name: a short name \(deit_ti, .*\) or a timm model name"),
+])
+def test_a_model_name_that_is_no_model_names_the_close_ones(compose_train, name, said):
+    cfg = compose_train([])
+    OmegaConf.update(cfg, "model.name", name)
+    with pytest.raises(config_lib.ConfigError, match=said):
+        config_lib.validate(cfg)
+
+
 def test_per_stage_lists_and_plain_optim_numbers_pass(compose_train):
     config_lib.validate(compose_train(["model=swin_ti", "model.num_heads=[2,2,4,4]", "model.embed_dim=48"]))
     config_lib.validate(compose_train(["optim.lr=0.001", "optim.drop_path=0", "optim.momentum=null",

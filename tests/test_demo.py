@@ -25,7 +25,7 @@ def test_demo_help_and_bad_overrides_are_one_line(capsys):
     assert demo.main(["--help"]) == 0
     assert "python -m mesa_train.demo trainer.epochs=3" in capsys.readouterr().out
     cases = [(["--foo"], "'--foo' is not a Hydra override"),
-             (["trainer.nope=3"], "trainer.nope=3: trainer has no setting 'nope'; a new key needs +trainer.nope=..."),
+             (["trainer.nope=3"], "trainer.nope=3: trainer has no setting 'nope'; valid: epochs, "),
              (["model=bogus"], "model=bogus: no such option in configs/model; valid: deit_b, deit_s, deit_ti, "),
              (["trainer.epochs=abc"], "trainer.epochs='abc' must be an integer >= 1")]
     for args, needle in cases:

@@ -176,6 +176,22 @@ def group_errors(group: str, values) -> list[str]:
     return errors
 
 
+def key_tree(key: str) -> dict:
+    """``{"a": {"b": None}}`` of the dotted ``key`` "a.b"."""
+    head, _, rest = key.partition(".")
+    return {head: key_tree(rest) if rest else None}
+
+
+def refuses_new_key(key: str) -> bool:
+    """Whether ``check_known_settings`` refuses the dotted ``key`` added with '+' (``+mesa.bitz=4``,
+    ``+epochs=3``); a key inside a setting whose default is null or {} passes (``+model.kwargs.foo=1``).
+    (hydra_cli advises '+' for a key the config lacks only where it would pass.)"""
+    group, _, rest = key.partition(".")
+    if group not in SETTING_GROUPS:
+        return group not in TOP_LEVEL
+    return bool(rest) and bool(group_errors(group, key_tree(rest)))
+
+
 def check_known_settings(cfg) -> None:
     """Raise ``ConfigError`` for a key of a setting group (``trainer.*``, ``model.*``, ...) that
     no option file of the group has, or a top-level key that is no group, naming the close ones."""
@@ -334,12 +350,24 @@ def _check_strategy(cfg, errors: list[str]) -> None:
                       "trainer.device=cpu)")
 
 
+def close_model_names(name: str) -> str:
+    """`` (close: ...)`` naming the timm models ``name`` is likely a typo of
+    (``convnext_attto``: convnext_atto), or "" where none is close."""
+    import timm
+
+    close = difflib.get_close_matches(name, [*MODEL_NAMES, *timm.list_models()], n=3, cutoff=0.8)
+    return f" (close: {', '.join(close)})" if close else ""
+
+
 def _check_model(cfg, errors: list[str]) -> None:
     m = cfg.model
-    if not is_known_model(m.name):
+    if not isinstance(m.name, str):  # (model.name=null: is_known_model's name.split failed, a traceback)
+        errors.append(f"model.name={m.name!r} must be a model name: a short name ({', '.join(MODEL_NAMES)}) "
+                      "or a timm model name (e.g. vit_small_patch16_224)")
+    elif not is_known_model(m.name):
         errors.append(
             f"model.name={m.name!r} is neither a short name ({', '.join(MODEL_NAMES)}) nor a timm "
-            "model name (see timm.list_models(), e.g. vit_small_patch16_224)"
+            f"model name (see timm.list_models(), e.g. vit_small_patch16_224){close_model_names(m.name)}"
         )
     if not is_int(m.img_size) or m.img_size < 1:
         errors.append(f"model.img_size={m.img_size!r} must be a positive integer")

@@ -8,7 +8,8 @@ import os
 
 from mesa_train.train import checkpoint as ckpt_lib
 from mesa_train.train import sharded
-from mesa_train.train.config import NO_ROOT_DATA, ConfigError, bool_errors, bool_settings, group_errors, validate
+from mesa_train.train.config import (NO_ROOT_DATA, ConfigError, bool_errors, bool_settings, group_errors, key_tree,
+                                     validate)
 from mesa_train.train.data import build_loaders
 from mesa_train.train.engine import evaluate
 from mesa_train.train.model import build as build_model_from_cfg
@@ -18,6 +19,27 @@ from mesa_train.train.runner import AMP_DTYPES, resolve_amp, resolve_device
 TRAINER_KEYS = ("batch_size", "num_workers", "device", "amp", "pin_memory", "channels_last")
 # evaluate.py's own top-level settings (configs/eval.yaml); the model comes from the checkpoint
 EVAL_KEYS = ("checkpoint", "ema", "output", "data", "trainer")
+
+
+# train.py's groups that evaluate.py takes from the checkpoint's config, never from its command line
+CHECKPOINT_GROUPS = ("model", "mesa")
+
+
+def checkpoint_setting(key: str) -> str | None:
+    """Why the dotted ``key`` is no setting of evaluate.py where it is one of train.py's that the
+    checkpoint holds (``model.img_size``, ``mesa.bits``), in one line, or None."""
+    if key.partition(".")[0] not in CHECKPOINT_GROUPS:
+        return None
+    return f"evaluate.py takes the model and Mesa settings from the checkpoint; valid keys: {', '.join(EVAL_KEYS)}"
+
+
+def refuses_new_key(key: str) -> bool:
+    """Whether ``check_eval_settings`` refuses the dotted ``key`` added with '+': any but evaluate.py's
+    own and the data / trainer keys of their option files. (hydra_cli advises '+' only where it passes.)"""
+    group, _, rest = key.partition(".")
+    if group not in EVAL_KEYS:
+        return True
+    return group in ("data", "trainer") and bool(rest) and bool(group_errors(group, key_tree(rest)))
 
 
 def check_eval_settings(cfg) -> None:
