@@ -202,7 +202,7 @@ def test_any_timm_model_and_shape_errors_before_data(compose_train):
         config_lib.validate(cfg)
     cfg = compose_train(["model.num_heads=5"])  # DeiT-Ti's default width 192
     config_lib.validate(cfg)
-    with pytest.raises(config_lib.ConfigError, match="cannot be built"):
+    with pytest.raises(config_lib.ConfigError, match="num_heads=5 does not divide the width 192"):
         check_buildable(cfg)
     # an image side that is not a multiple of the patch size: timm's stride-p convolution
     # dropped the last pixels without a word (img_size=30, patch 16: 16 of 30 used)
