@@ -62,40 +62,46 @@ def _per_stage_advice(name: str, argument: str) -> str:
 
 def check_buildable(cfg, num_classes: int = 10) -> None:
     """Build the architecture on the meta device (no memory, no data needed): a value timm
-    cannot take fails at start-up as a ``ConfigError``, not after the data is loaded."""
+    cannot take fails at start-up as a ``ConfigError``, not after the data is loaded; then the
+    patch grid, the image size (one meta forward) and a ``model.fused_attn`` with no effect."""
     try:
         with torch.device("meta"):
             model = _create(cfg, num_classes, cfg.optim.drop_path)
     except Exception as err:  # timm raises assertion/type/value errors for bad shapes
-        bad = rejected_argument(err.__cause__) if isinstance(err, ValueError) else None
-        owner = named_model_kwargs(cfg).get(bad, (None,))[0] if bad else None
-        if owner is not None:  # (model.depth on a Swin: name the setting, not every override)
-            advice = _per_stage_advice(cfg.model.name, bad)
-            raise ConfigError(f"model {cfg.model.name!r} ({timm_name(cfg.model.name)}) takes no argument {bad!r}, "
-                              f"which {owner} passes: set {owner}=null{advice}") from None
-        if bad is not None and bad in (cfg.model.kwargs or {}):
-            raise ConfigError(f"model {cfg.model.name!r} ({timm_name(cfg.model.name)}) takes no argument {bad!r}: "
-                              f"remove model.kwargs.{bad}") from None
-        staged = [(owner, value, _per_stage_advice(cfg.model.name, arg))
-                  for arg, (owner, value) in named_model_kwargs(cfg).items()
-                  if isinstance(value, int) and _per_stage_advice(cfg.model.name, arg)]
-        if staged:  # (one number where the family takes a list: Swin's model.num_heads=5, "'int' object is not
-            # subscriptable")
-            owner, value, advice = staged[0]
-            cause = err.__cause__ or err  # (timm's own words, not build_model's list of every override)
-            raise ConfigError(f"model {cfg.model.name!r} cannot be built with {owner}={value} ({type(cause).__name__}: "
-                              f"{str(cause).strip()}): set {owner}=null{advice}") from None
-        heads = _head_count_advice(cfg, num_classes, err)
-        if heads:
-            raise ConfigError(heads) from None
-        raise ConfigError(f"model {cfg.model.name!r} cannot be built with these model.* settings: "
-                          f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}") from None
+        raise _build_error(cfg, num_classes, err) from None
     check_patch_grid(model)
     check_image_size(cfg, model, num_classes)
     if cfg.model.fused_attn is not None and not any(hasattr(m, "fused_attn") for m in model.modules()):
         # (a setting that changes nothing is said, not silently ignored)
         log.warning("model.fused_attn=%s changes nothing: %s has no timm attention module with a fused (sdpa) "
                     "switch", cfg.model.fused_attn, cfg.model.name)
+
+
+def _build_error(cfg, num_classes: int, err: Exception) -> ConfigError:
+    """The one line for a model timm cannot build with these settings, naming the setting to
+    change where it can be told: an argument the model takes not, one number where the family
+    takes one per stage, a head count that does not divide the width; else timm's words."""
+    name = cfg.model.name
+    bad = rejected_argument(err.__cause__) if isinstance(err, ValueError) else None
+    owner = named_model_kwargs(cfg).get(bad, (None,))[0] if bad else None
+    if owner is not None:  # (model.depth on a Swin: name the setting, not every override)
+        return ConfigError(f"model {name!r} ({timm_name(name)}) takes no argument {bad!r}, which {owner} passes: "
+                           f"set {owner}=null{_per_stage_advice(name, bad)}")
+    if bad is not None and bad in (cfg.model.kwargs or {}):
+        return ConfigError(f"model {name!r} ({timm_name(name)}) takes no argument {bad!r}: remove model.kwargs.{bad}")
+    staged = [(owner, value, _per_stage_advice(name, arg)) for arg, (owner, value) in named_model_kwargs(cfg).items()
+              if isinstance(value, int) and _per_stage_advice(name, arg)]
+    if staged:  # (one number where the family takes a list: Swin's model.num_heads=5, "'int' object is not
+        # subscriptable")
+        owner, value, advice = staged[0]
+        cause = err.__cause__ or err  # (timm's own words, not build_model's list of every override)
+        return ConfigError(f"model {name!r} cannot be built with {owner}={value} ({type(cause).__name__}: "
+                           f"{str(cause).strip()}): set {owner}=null{advice}")
+    heads = _head_count_advice(cfg, num_classes, err)
+    if heads:
+        return ConfigError(heads)
+    return ConfigError(f"model {name!r} cannot be built with these model.* settings: "
+                       f"{type(err).__name__}: {str(err).strip() or 'invalid shape'}")
 
 
 def check_image_size(cfg, meta_model: nn.Module, num_classes: int) -> None:
