@@ -66,3 +66,21 @@ def test_budget_check_names_the_rule():
                       (Budget(), "give exactly one of budget"), (Budget(0.5, 20), "give exactly one of budget")]:
         with pytest.raises(PlanError, match=rule):
             bad.check()
+
+
+def test_the_mesa_settings_the_plan_reads_and_refuses(run_cli, tmp_path):
+    """mesa.bits=4 (and the other variants) were left out of the plan without a word: planned at
+    8 bits. +mesa.bitz=4 was ignored too; it is refused as train.py refuses it, before profiling."""
+    from hydra import compose, initialize_config_dir
+
+    from conftest import REPO
+    from mesa_train.plan.__main__ import _quant_options
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("plan", overrides=["mesa.bits=4", "mesa.scale=pow2", "mesa.decay=0.5"])
+    assert {k: _quant_options(cfg)[k] for k in ("bits", "scale", "decay")} == {"bits": 4, "scale": "pow2",
+                                                                              "decay": 0.5}
+    r = run_cli([sys.executable, "-m", "mesa_train.plan", "budget=0.6", "+mesa.bitz=4", *TINY])
+    assert r.returncode == 2 and r.stderr.strip() == ("mesa_train.plan: error: invalid config: mesa.bitz is not a "
+                                                      "setting (close: bits); all: configs/mesa/default.yaml"), r.stderr
+    assert "profiling" not in r.stdout + r.stderr
