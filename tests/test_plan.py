@@ -410,3 +410,25 @@ def test_convit_blocks_offer_their_attention_ops_and_the_plan_swaps_gpsa():
     mesa_train.patch_model(whole, ops=("all",), mlp="separate", norm_linear="separate")
     assert type(planned.blocks[0].attn) is MesaGPSA
     assert [(n, type(m)) for n, m in planned.named_modules()] == [(n, type(m)) for n, m in whole.named_modules()]
+
+
+def test_a_plan_is_trained_with_the_copy_sizes_it_was_made_with():
+    """train.py passed the plan only num_groups ... row_scale: mesa.bits=4 trained a plan at 8
+    bits. The variants go to the plan now, and a plan made at other copy sizes (bits, layout) than
+    the run asks is refused, naming the settings (its memory was planned at its own)."""
+    from omegaconf import OmegaConf
+
+    from mesa_train.plan.train_hook import apply_plan_from_config, quant_options
+
+    mesa = {"enabled": True, "plan": None, "bits": 4, "scale": "pow2", "layout": "channel", "decay": 0.5}
+    assert quant_options(OmegaConf.create(mesa)) == {"bits": 4, "scale": "pow2", "layout": "channel", "decay": 0.5}
+    model = tiny()
+    plan = Plan(layers={OTHER: (), "blocks.0": ("gelu",), "blocks.1": ()}, architecture="deit",
+                fingerprints={u.name: u.fingerprint for u in find_units(model)}, quant_options={"bits": 4})
+    with pytest.raises(PlanError, match=r"^the plan was made with bits=4, but mesa.bits=8: its memory was planned "
+                                        r"at the plan's sizes; set mesa.bits=4, or make a plan with these settings$"):
+        apply_plan_from_config(OmegaConf.create({"mesa": {**mesa, "bits": 8}}), model, torch.device("cpu"), None, 5,
+                               saved_plan=plan.to_dict())
+    apply_plan_from_config(OmegaConf.create({"mesa": mesa}), model, torch.device("cpu"), None, 5,
+                           saved_plan=plan.to_dict())
+    assert model.blocks[0].mlp.act.quantizer.options.bits == 4 and model.blocks[0].mlp.act.quantizer.options.decay == 0.5

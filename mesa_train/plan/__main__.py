@@ -16,10 +16,6 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pat
 _AMP = {"none": None, "fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 # train.py's groups this command reads (configs/plan.yaml's defaults)
 TRAIN_GROUPS = ("model", "data", "mesa", "trainer")
-# the mesa group's quantizer options that go into the plan (mesa.bits=4 and the other variants were
-# left out without a word: the plan was made at 8 bits); ops and modules are the plan's own choice
-QUANT_KEYS = ("num_groups", "decay", "estimator", "symmetric", "rounding", "row_scale", "bits", "scale", "layout",
-              "clip_horizon")
 
 
 def _device(name: str):
@@ -43,9 +39,9 @@ def _amp(mode: str, device):
 
 
 def _quant_options(cfg: DictConfig) -> dict:
-    m = cfg.mesa
-    opts = {k: m.get(k) for k in QUANT_KEYS}
-    return {k: v for k, v in opts.items() if v is not None}
+    from .train_hook import quant_options  # (the same options as train.py's mesa.plan)
+
+    return quant_options(cfg.mesa)
 
 
 def _check_settings(cfg: DictConfig) -> None:

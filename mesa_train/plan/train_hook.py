@@ -30,8 +30,17 @@ def _get(node: Any, key: str, default=None):
     return default if value is None else value
 
 
-def _quant_options(mesa) -> dict:
-    opts = {k: _get(mesa, k) for k in ("num_groups", "decay", "estimator", "symmetric", "rounding", "row_scale")}
+# the mesa group's quantizer options a plan is made and applied with (mesa.bits=4 and the other
+# variants were left out without a word: planned and trained at 8 bits); ops and modules are the
+# plan's own choice
+QUANT_KEYS = ("num_groups", "decay", "estimator", "symmetric", "rounding", "row_scale", "bits", "scale", "layout",
+              "clip_horizon")
+
+
+def quant_options(mesa) -> dict:
+    """``patch_model``'s quantizer options from a ``mesa`` config group (train.py's, or the plan
+    command's), the unset ones left to the library's defaults."""
+    opts = {k: _get(mesa, k) for k in QUANT_KEYS}
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -63,7 +72,7 @@ def plan_from_config(cfg, model: nn.Module, device: torch.device, amp_dtype: Opt
         try:
             budget = Budget(fraction=_get(mesa, "budget"), gb=_get(mesa, "budget_gb"))
             batch = make_batch(int(cfg.trainer.batch_size), int(cfg.model.img_size), num_classes, device, amp_dtype)
-            plan, profile, _ = make_plan(model, batch, budget, rounds=3, quant_options=_quant_options(mesa),
+            plan, profile, _ = make_plan(model, batch, budget, rounds=3, quant_options=quant_options(mesa),
                                          measure=False, log=log.info)
             log.info("mesa.plan=auto (%s):\n%s", plan.budget.get("read_as"), plan_table(plan, profile))
         except PlanError as err:
@@ -81,8 +90,27 @@ def apply_plan_from_config(cfg, model: nn.Module, device: torch.device, amp_dtyp
     else:
         plan = plan_from_config(cfg, model, device, amp_dtype, num_classes)
     if plan is not None:
-        apply_plan(model, plan, **_quant_options(cfg.mesa))
+        options = quant_options(cfg.mesa)
+        _check_sizes(plan, options)
+        apply_plan(model, plan, **options)
     return plan
+
+
+# the options that set how many bytes a copy takes: a plan's memory was predicted with its own
+# (the others, such as decay, may differ from the plan's and override them)
+_SIZE_KEYS = ("bits", "layout")
+
+
+def _check_sizes(plan: Plan, options: dict) -> None:
+    """``PlanError`` where the config asks another copy size than the plan was made with
+    (a plan made at mesa.bits=4, trained at 8, keeps twice the bytes it was planned to)."""
+    differ = [f"{k}={plan.quant_options[k]!r}, but mesa.{k}={options[k]!r}" for k in _SIZE_KEYS
+              if k in plan.quant_options and k in options and plan.quant_options[k] != options[k]]
+    if differ:
+        fix = " ".join(f"mesa.{k}={plan.quant_options[k]}" for k in _SIZE_KEYS
+                       if k in plan.quant_options and k in options and plan.quant_options[k] != options[k])
+        raise PlanError(f"the plan was made with {'; '.join(differ)}: its memory was planned at the plan's "
+                        f"sizes; set {fix}, or make a plan with these settings")
 
 
 def plan_for_checkpoint(model: nn.Module) -> Optional[dict]:
