@@ -122,11 +122,8 @@ def _refuses_new_key(config_name: str, key: str) -> bool:
         from mesa_train.train.config import refuses_new_key
     elif config_name == "eval":
         from mesa_train.train.evaluation import refuses_new_key
-    elif config_name == "plan":  # (train.py's groups it reads refuse a new key; its own top-level keys not)
-        from mesa_train.plan.__main__ import TRAIN_GROUPS
-        from mesa_train.train.config import refuses_new_key
-
-        return key.partition(".")[0] in TRAIN_GROUPS and refuses_new_key(key)
+    elif config_name == "plan":
+        from mesa_train.plan.__main__ import refuses_new_key
     else:
         return False
     return refuses_new_key(key)

@@ -256,6 +256,8 @@ def test_images_the_model_cannot_run_on_are_one_line(compose_train, monkeypatch)
         model_lib.check_buildable(compose_train(["model.name=resnet18", "model.img_size=32",
                                                  "+model.kwargs.in_chans=1"]))
     model_lib.check_buildable(compose_train(["model.name=levit_128s", "model.img_size=32"]))
+    with pytest.raises(config_lib.ConfigError, match=r"set model.img_size_kwarg=true to build it for this size$"):
+        model_lib.check_buildable(compose_train(["model.img_size=32", "model.img_size_kwarg=false", "model.depth=1"]))
     # a model the meta device cannot run is tried on a real image, and runs: not refused
     monkeypatch.setattr(model_lib, "_runs_on_meta", lambda *args: False)
     model_lib.check_buildable(compose_train(["model.depth=1", "model.img_size=32", "+model.kwargs.patch_size=8"]))
@@ -295,6 +297,12 @@ def test_a_head_count_the_model_cannot_take_names_the_valid_ones(compose_train):
         check_buildable(compose_train(["model=swin_ti", "model.num_heads=5"]))
     with pytest.raises(config_lib.ConfigError, match=r"PVT-v2 takes one head count per stage"):
         check_buildable(compose_train(["model=pvt_v2_b0", "model.num_heads=5"]))
+    # (a review: the width of +model.kwargs.embed_dim; a per-stage setting blamed only where the error is its)
+    with pytest.raises(config_lib.ConfigError, match=r"does not divide the width 100 \(model.kwargs.embed_dim's\): "
+                                                     r"valid head counts: 1, 2, 4, 5, 10, 20, 25, 50, 100$"):
+        check_buildable(compose_train(["+model.kwargs.embed_dim=100", "model.num_heads=3"]))
+    with pytest.raises(config_lib.ConfigError, match=r"cannot be built with these model.\* settings: IndexError"):
+        check_buildable(compose_train(["model=pvt_v2_b0", "model.num_heads=2", "+model.kwargs.sr_ratios=[8,4,2]"]))
 
 
 @pytest.mark.parametrize("data", ["digits", "synthetic"])

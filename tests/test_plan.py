@@ -431,4 +431,5 @@ def test_a_plan_is_trained_with_the_copy_sizes_it_was_made_with():
                                saved_plan=plan.to_dict())
     apply_plan_from_config(OmegaConf.create({"mesa": mesa}), model, torch.device("cpu"), None, 5,
                            saved_plan=plan.to_dict())
-    assert model.blocks[0].mlp.act.quantizer.options.bits == 4 and model.blocks[0].mlp.act.quantizer.options.decay == 0.5
+    options = model.blocks[0].mlp.act.quantizer.options
+    assert options.bits == 4 and options.decay == 0.5

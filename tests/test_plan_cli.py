@@ -84,3 +84,12 @@ def test_the_mesa_settings_the_plan_reads_and_refuses(run_cli, tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == ("mesa_train.plan: error: invalid config: mesa.bitz is not a "
                                                       "setting (close: bits); all: configs/mesa/default.yaml"), r.stderr
     assert "profiling" not in r.stdout + r.stderr
+    # its own keys: a typo is refused, not ignored, and '+' is not advised for it (nor for a group it does not read)
+    from mesa_train.hydra_cli import override_error
+
+    configs = str(REPO / "configs")
+    assert override_error(configs, "plan", ["budgetz=0.5"]) == ("budgetz=0.5: the config has no setting 'budgetz' "
+                                                                "(close: budget, budget_gb)")
+    assert "a new key needs" not in override_error(configs, "plan", ["optim.lr=1"])
+    r = run_cli([sys.executable, "-m", "mesa_train.plan", "budget=0.6", "+budgetz=0.5", *TINY])
+    assert r.returncode == 2 and "budgetz is not a setting; top-level keys: budget, budget_gb" in r.stderr, r.stderr

@@ -221,7 +221,7 @@ def test_a_sweep_run_again_over_finished_jobs_leaves_them_as_they_were(tmp_path,
     # the finished run in the folder keeps its row (the refused sweep's table replaced it)
     assert [r["job"] for r in rows] == ["0", "0 (earlier run)"] and rows[1]["step"] == "1"
     assert rows[1]["overrides"] == "optim.lr=0.001" and not rows[1]["status"].startswith("failed")
-    assert "choose a new hydra.sweep.dir" in (sweep / "summary.md").read_text()
+    assert "runs in a new hydra.sweep.dir" in (sweep / "summary.md").read_text()
     assert run_cli(args + ["optim.lr=1e-3", "trainer.max_steps=2"], cwd=tmp_path, timeout=300).returncode == 0
     assert not (sweep / "failed-0.json").exists()
     rows = list(csv.DictReader(open(sweep / "summary.csv")))

@@ -70,6 +70,15 @@ def test_nonfinite_before_any_checkpoint_says_to_run_again(compose_train, tmp_pa
     assert "pretrained_path" not in str(info.value)
     monkeypatch.undo()
     assert fit(compose_train(BASE), str(tmp_path))["step"] == 2
+    # after a steps.csv row (log_every=1) the directory holds a run a fresh start refuses to replace:
+    # the advice is overwrite, and it works
+    run = tmp_path / "logged"
+    _poison_loss_from_call(monkeypatch, 2)
+    with pytest.raises(NonFiniteError, match=r"To go on: run again with trainer.overwrite=true \(it replaces this "
+                                             r"run's steps.csv; no checkpoint\)") as info:
+        fit(compose_train(BASE + ["trainer.max_steps=3", "trainer.log_every=1"]), str(run))
+    monkeypatch.undo()
+    assert fit(compose_train(BASE + ["trainer.overwrite=true"]), str(run))["step"] == 2
 
 
 def test_nonfinite_steps_can_be_skipped(compose_train, tmp_path, monkeypatch):
@@ -249,6 +258,12 @@ def test_a_rank_that_lost_its_peer_is_one_line():
                                     f"stopped, and its own error is printed above or in its log; or the network "
                                     f"between them failed")
     assert describe(RuntimeError("shape mismatch")) is None  # (a bug stays a traceback)
+    # a rank's own NCCL failure or a timeout is not a lost peer: their whole text stays (a traceback)
+    for own in (torch.distributed.DistBackendError("NCCL error in: x.cpp:1, unhandled cuda error\nCuda failure "
+                                                   "'out of memory'"),
+                torch.distributed.DistStoreError("Timed out after 901 seconds waiting for clients. 1/2 joined."),
+                torch.distributed.DistBackendError("[Rank 0] Watchdog caught collective operation timeout")):
+        assert describe(own) is None, own
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")

@@ -14,8 +14,22 @@ from mesa_train.hydra_cli import exit_on_bad_overrides
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 _AMP = {"none": None, "fp32": None, "bf16": "bfloat16", "fp16": "float16"}
-# train.py's groups this command reads (configs/plan.yaml's defaults)
+# train.py's groups this command reads (configs/plan.yaml's defaults), and its own settings
 TRAIN_GROUPS = ("model", "data", "mesa", "trainer")
+OWN_KEYS = ("budget", "budget_gb", "out", "rounds", "measure", "threads", "seed")
+
+
+def refuses_new_key(key: str) -> bool:
+    """Whether '+key' would be refused or do nothing here (hydra_cli advises '+' only where it
+    does something): a top-level key other than this command's own and the groups it reads
+    (train.py's optim or name pass ``_check_settings``, as an experiment= preset brings them, but
+    are not read), or a key of those groups that no option file has."""
+    from mesa_train.train.config import refuses_new_key as train_refuses
+
+    group = key.partition(".")[0]
+    if group not in (*OWN_KEYS, *TRAIN_GROUPS):
+        return True
+    return group in TRAIN_GROUPS and train_refuses(key)
 
 
 def _device(name: str):
@@ -47,10 +61,12 @@ def _quant_options(cfg: DictConfig) -> dict:
 def _check_settings(cfg: DictConfig) -> None:
     """A key of train.py's groups that no option file has (``+mesa.bitz=4``) was ignored without a
     word: refused, naming the close ones, as train.py refuses it."""
-    from mesa_train.train.config import group_errors
+    from mesa_train.train.config import TOP_LEVEL, group_errors
 
-    errors = [e for group in TRAIN_GROUPS if group in cfg
-              for e in group_errors(group, OmegaConf.to_container(cfg[group], resolve=False))]
+    errors = [f"{key} is not a setting; top-level keys: {', '.join(OWN_KEYS)}, {', '.join(TRAIN_GROUPS)}"
+              for key in cfg if key not in (*OWN_KEYS, *TOP_LEVEL)]
+    errors += [e for group in TRAIN_GROUPS if group in cfg
+               for e in group_errors(group, OmegaConf.to_container(cfg[group], resolve=False))]
     if errors:
         raise ValueError("invalid config: " + "; ".join(errors))
 

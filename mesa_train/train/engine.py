@@ -71,10 +71,10 @@ _NEW_RUN_HINT = ("or start a new run (another hydra.run.dir) from the kept weigh
                  "(model.pretrained_path=<its checkpoint>) with a lower learning rate (optim.lr / optim.base_lr) "
                  "or clipped gradients (trainer.clip_grad=1.0), which a resume cannot change")
 NONFINITE_HINT = f"resume skipping such steps (trainer.nonfinite=skip), {_NEW_RUN_HINT}"
-# (before the first checkpoint there is nothing to resume or start from: the run starts afresh)
-NONFINITE_FIRST_HINT = ("run again (the same run directory starts afresh) skipping such steps "
-                        "(trainer.nonfinite=skip), with a lower learning rate (optim.lr / optim.base_lr) or "
-                        "clipped gradients (trainer.clip_grad=1.0)")
+# (before the first checkpoint there is nothing to resume or start from: the run starts afresh,
+# over its own logs where it wrote some: {again} says how)
+NONFINITE_FIRST_HINT = ("{again} skipping such steps (trainer.nonfinite=skip), with a lower learning rate "
+                        "(optim.lr / optim.base_lr) or clipped gradients (trainer.clip_grad=1.0)")
 # (skip mode is what stopped: the way out on resume is a longer streak)
 SKIP_LIMIT_HINT = f"resume allowing more skipped steps in a row (trainer.max_nonfinite_skips), {_NEW_RUN_HINT}"
 

@@ -51,18 +51,19 @@ def unwrap_worker_message(text: str) -> str:
     return text
 
 
-# gloo's words when the process at the other end of a collective is gone (it raises a plain RuntimeError)
-_GLOO_LOST_PEER = re.compile(r"gloo.*(closed by peer|reset by peer|Broken pipe)", re.S | re.I)
+# the words of a collective whose other end is gone: gloo (a plain RuntimeError naming its transport),
+# NCCL (a DistBackendError: "remote process exited", ncclRemoteError) and the store (a DistError).
+# Only these: a rank's own NCCL or CUDA error, a rendezvous or watchdog timeout keep their whole text
+_LOST_PEER = re.compile(r"closed by peer|reset by peer|Broken pipe|remote process exited|ncclRemoteError", re.I)
 
 
 def lost_peer(err: BaseException) -> str | None:
     """The gist of a collective that failed because another rank of the run died or was stopped
-    (its own error is what matters), or None. torch raises ``DistError`` subclasses for NCCL and
-    the store; gloo a ``RuntimeError`` naming its transport."""
+    (its own error is what matters), or None."""
     import torch.distributed as dist
 
     text = str(err)
-    if not isinstance(err, dist.DistError) and not _GLOO_LOST_PEER.search(text):
+    if not _LOST_PEER.search(text) or not (isinstance(err, dist.DistError) or "gloo" in text):
         return None
     text = re.sub(r"^\[[^\]]*\]\s*", "", text.strip())  # gloo's "[.../pair.cc:561] " source location
     return text.split(". ")[0].splitlines()[0] if text else type(err).__name__

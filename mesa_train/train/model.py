@@ -11,6 +11,7 @@ is re-initialised when its shape differs (another class count). Mesa patches aft
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import warnings
 
@@ -77,6 +78,10 @@ def check_buildable(cfg, num_classes: int = 10) -> None:
                     "switch", cfg.model.fused_attn, cfg.model.name)
 
 
+# Python's words for one number given where a list is indexed or iterated
+_ONE_FOR_A_LIST = re.compile(r"'int' object is not (subscriptable|iterable)|object of type 'int' has no len")
+
+
 def _build_error(cfg, num_classes: int, err: Exception) -> ConfigError:
     """The one line for a model timm cannot build with these settings, naming the setting to
     change where it can be told: an argument the model takes not, one number where the family
@@ -89,12 +94,13 @@ def _build_error(cfg, num_classes: int, err: Exception) -> ConfigError:
                            f"set {owner}=null{_per_stage_advice(name, bad)}")
     if bad is not None and bad in (cfg.model.kwargs or {}):
         return ConfigError(f"model {name!r} ({timm_name(name)}) takes no argument {bad!r}: remove model.kwargs.{bad}")
+    cause = err.__cause__ or err  # (timm's own words, not build_model's list of every override)
     staged = [(owner, value, _per_stage_advice(name, arg)) for arg, (owner, value) in named_model_kwargs(cfg).items()
-              if isinstance(value, int) and _per_stage_advice(name, arg)]
+              if isinstance(value, int) and _per_stage_advice(name, arg)
+              and (arg in str(cause) or _ONE_FOR_A_LIST.search(str(cause)))]
     if staged:  # (one number where the family takes a list: Swin's model.num_heads=5, "'int' object is not
-        # subscriptable")
+        # subscriptable"; PVT-v2's "dim 32 should be divided by num_heads 5")
         owner, value, advice = staged[0]
-        cause = err.__cause__ or err  # (timm's own words, not build_model's list of every override)
         return ConfigError(f"model {name!r} cannot be built with {owner}={value} ({type(cause).__name__}: "
                            f"{str(cause).strip()}): set {owner}=null{advice}")
     heads = _head_count_advice(cfg, num_classes, err)
@@ -119,13 +125,29 @@ def check_image_size(cfg, meta_model: nn.Module, num_classes: int) -> None:
             _create(cfg, num_classes, None).eval()(torch.zeros(1, 3, size, size))
     except Exception as err:  # noqa: BLE001 - timm asserts, shape and channel errors
         text = " ".join(str(err).split()) or "no message"
-        own = _own_size(cfg)
-        advice = ""
-        if own is not None and own != (size, size) and _runs_on_meta(meta_model, own):
-            advice = (f"; it takes no img_size argument and runs at its own size: model.img_size={own[0]}"
-                      if own[0] == own[1] else f"; it takes no img_size argument and runs at {own[0]}x{own[1]}")
+        advice = _image_size_advice(cfg, meta_model, num_classes, size)
         raise ConfigError(f"model {cfg.model.name!r} cannot run on 3x{size}x{size} images "
                           f"(model.img_size={size}): {type(err).__name__}: {text[:300]}{advice}") from None
+
+
+def _image_size_advice(cfg, meta_model: nn.Module, num_classes: int, size: int) -> str:
+    """What would run: the model built for ``model.img_size`` where ``model.img_size_kwarg=false``
+    kept the argument from it, or its pretrained size where its constructor takes none."""
+    if not cfg.model.get("img_size_kwarg") and "img_size" not in (cfg.model.kwargs or {}):
+        try:
+            with torch.device("meta"):
+                sized = build_model(cfg.model.name, num_classes=num_classes, img_size=size)
+            if _runs_on_meta(sized, (size, size)):
+                return "; set model.img_size_kwarg=true to build it for this size"
+        except Exception:  # noqa: BLE001 - it takes no img_size either: no advice
+            pass
+        return ""
+    own = _own_size(cfg)
+    if own is None or own == (size, size) or not _runs_on_meta(meta_model, own):
+        return ""
+    return (f"; it takes no img_size argument, and it runs at its pretrained size: model.img_size={own[0]}"
+            if own[0] == own[1] else f"; it takes no img_size argument, and it runs at its pretrained size "
+                                     f"{own[0]}x{own[1]}")
 
 
 def _runs_on_meta(meta_model: nn.Module, size: tuple) -> bool:
@@ -146,7 +168,7 @@ def _own_size(cfg) -> tuple | None:
         with torch.device("meta"):
             build_model(cfg.model.name, num_classes=1, img_size=int(cfg.model.img_size))
         return None  # (it takes img_size)
-    except ValueError:
+    except Exception:  # noqa: BLE001 - it takes none (or cannot be built so: the pretrained size is tried)
         pass
     try:
         import timm
@@ -163,18 +185,19 @@ def _head_count_advice(cfg, num_classes: int, err: Exception) -> str:
     heads = cfg.model.num_heads
     if "divisible by num_heads" not in str(err) or not isinstance(heads, int):
         return ""
-    width = cfg.model.embed_dim
+    width = cfg.model.embed_dim if cfg.model.embed_dim is not None else (cfg.model.kwargs or {}).get("embed_dim")
     if width is None:
         try:
             with torch.device("meta"):
                 width = getattr(build_model(cfg.model.name, num_classes=num_classes), "embed_dim", None)
         except Exception:  # noqa: BLE001 - no advice then; the caller's message stands
             return ""
-    if not isinstance(width, int) or width <= 0:
+    if not isinstance(width, int) or width <= 0 or width % heads == 0:  # (then another width failed: timm's words)
         return ""
     valid = ", ".join(str(d) for d in range(1, width + 1) if width % d == 0)
-    return (f"model.num_heads={heads} does not divide the width {width} "
-            f"({'model.embed_dim' if cfg.model.embed_dim is not None else 'the model'}'s): valid head counts: {valid}")
+    whose = ("model.embed_dim" if cfg.model.embed_dim is not None
+             else "model.kwargs.embed_dim" if "embed_dim" in (cfg.model.kwargs or {}) else "the model")
+    return f"model.num_heads={heads} does not divide the width {width} ({whose}'s): valid head counts: {valid}"
 
 
 def check_patch_grid(model: nn.Module) -> None:

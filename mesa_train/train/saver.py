@@ -16,6 +16,7 @@ from mesa_train.train import distributed as dist_utils
 from mesa_train.train import sharded
 from mesa_train.train.engine import NONFINITE_FIRST_HINT, NONFINITE_HINT, epoch_totals, first_nonfinite_step
 from mesa_train.train.errors import NonFiniteError
+from mesa_train.train.rundir import existing_run
 
 
 class RunSaver:
@@ -36,9 +37,17 @@ class RunSaver:
             kept = (f"checkpoints/{self.last_name} still holds step {self.step}" if self.step is not None
                     else "no checkpoint was written")
             where = f"at step {bad}" if bad is not None else "on another rank"
-            hint = NONFINITE_HINT if self.step is not None else NONFINITE_FIRST_HINT
+            hint = NONFINITE_HINT if self.step is not None else NONFINITE_FIRST_HINT.format(again=self._again())
             raise NonFiniteError(f"non-finite loss or gradient {where} (epoch {r.state.epoch}); stopped without "
                                  f"saving it: {kept}. To go on: {hint}")
+
+    def _again(self) -> str:
+        """How to start this run again when it wrote no checkpoint: in its directory, over the logs
+        it wrote (steps.csv, metrics: a run a fresh start refuses to replace) where there are some."""
+        logs = existing_run(os.path.dirname(os.path.abspath(self.ckpt_dir)))
+        if logs:
+            return f"run again with trainer.overwrite=true (it replaces this run's {', '.join(logs)}; no checkpoint)"
+        return "run again (the same run directory starts afresh)"
 
     def save(self, metrics: dict | None, best: bool) -> None:
         """Write ``last`` (and copy it to ``best``). Every rank takes part (RNG states are

@@ -114,9 +114,10 @@ def write_summary(sweep_dir: str, interrupted: bool = False) -> list[dict]:
         if common:
             f.write(f"Overrides of every job{' so far' if interrupted else ''}: `{' '.join(common)}`\n\n")
         if any(row["job"].endswith(EARLIER) for row in rows):
-            f.write(f"Rows marked *{EARLIER.strip()}* are the runs already in the job folders this sweep's jobs "
-                    f"were refused over (left as they were); to run the refused values, choose a new "
-                    f"hydra.sweep.dir.\n\n")
+            f.write(f"Rows marked *{EARLIER.strip()}* are the runs already in the folders of this sweep's jobs "
+                    f"that stopped before they started (refused over that run, or failed at start-up); those "
+                    f"folders were left as they were. A job refused because its folder holds another run "
+                    f"runs in a new hydra.sweep.dir.\n\n")
         f.write("\n".join(lines) + "\n")
     return rows
 
