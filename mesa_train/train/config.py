@@ -355,7 +355,10 @@ def close_model_names(name: str) -> str:
     (``convnext_attto``: convnext_atto), or "" where none is close."""
     import timm
 
-    close = difflib.get_close_matches(name, [*MODEL_NAMES, *timm.list_models()], n=3, cutoff=0.8)
+    names = [*MODEL_NAMES, *timm.list_models()]
+    if name in names:  # (model=vgg16: a timm name, which the hint model.name=vgg16 already gives)
+        return ""
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.8)
     return f" (close: {', '.join(close)})" if close else ""
 
 
