@@ -384,11 +384,16 @@ def _check_model(cfg, errors: list[str]) -> None:
     heads, width = m.get("num_heads"), m.get("embed_dim")
     if isinstance(heads, int) and isinstance(width, int) and heads >= 1 and width % heads:
         errors.append(f"model.num_heads={heads} does not divide model.embed_dim={width}: "
-                      "every head needs embed_dim / num_heads channels")
+                      f"every head needs embed_dim / num_heads channels; valid head counts: {head_counts(width)}")
     path = m.get("pretrained_path")
     if path is not None and not os.path.isfile(str(path)):
         errors.append(f"model.pretrained_path={path!r}: no such file")
     _check_model_kwargs(cfg, errors)
+
+
+def head_counts(width: int) -> str:
+    """The head counts a width of ``width`` channels takes (its divisors), as a list to print."""
+    return ", ".join(str(d) for d in range(1, width + 1) if width % d == 0)
 
 
 def named_model_kwargs(cfg) -> dict[str, tuple[str, Any]]:

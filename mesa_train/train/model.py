@@ -20,7 +20,7 @@ import torch.nn as nn
 from timm.layers import PatchEmbed
 
 from mesa_train.models import build_model, rejected_argument, timm_name
-from mesa_train.train.config import ConfigError, mesa_options, named_model_kwargs
+from mesa_train.train.config import ConfigError, head_counts, mesa_options, named_model_kwargs
 
 log = logging.getLogger("mesa_train.train")
 
@@ -132,18 +132,27 @@ def check_image_size(cfg, meta_model: nn.Module, num_classes: int) -> None:
 
 def _image_size_advice(cfg, meta_model: nn.Module, num_classes: int, size: int) -> str:
     """What would run: the model built for ``model.img_size`` where ``model.img_size_kwarg=false``
-    kept the argument from it, or its pretrained size where its constructor takes none."""
-    if not cfg.model.get("img_size_kwarg") and "img_size" not in (cfg.model.kwargs or {}):
-        try:
-            with torch.device("meta"):
-                sized = build_model(cfg.model.name, num_classes=num_classes, img_size=size)
-            if _runs_on_meta(sized, (size, size)):
-                return "; set model.img_size_kwarg=true to build it for this size"
-        except Exception:  # noqa: BLE001 - it takes no img_size either: no advice
-            pass
+    kept the argument from it, or its pretrained size where its constructor takes none (then
+    ``model.img_size`` was dropped for it)."""
+    if "img_size" in (cfg.model.kwargs or {}):
         return ""
-    own = _own_size(cfg)
-    if own is None or own == (size, size) or not _runs_on_meta(meta_model, own):
+    try:  # (one build tells both: whether the constructor takes img_size, and whether that runs)
+        with torch.device("meta"):
+            sized = build_model(cfg.model.name, num_classes=num_classes, img_size=size)
+    except Exception:  # noqa: BLE001 - it takes none (or cannot be built so)
+        sized = None
+    if not cfg.model.get("img_size_kwarg"):
+        runs = sized is not None and _runs_on_meta(sized, (size, size))
+        return "; set model.img_size_kwarg=true to build it for this size" if runs else ""
+    if sized is not None:
+        return ""
+    try:
+        import timm
+
+        own = tuple(timm.get_pretrained_cfg(timm_name(cfg.model.name)).input_size[1:])
+    except Exception:  # noqa: BLE001 - no pretrained config: no advice
+        return ""
+    if own == (size, size) or not _runs_on_meta(meta_model, own):
         return ""
     return (f"; it takes no img_size argument, and it runs at its pretrained size: model.img_size={own[0]}"
             if own[0] == own[1] else f"; it takes no img_size argument, and it runs at its pretrained size "
@@ -157,25 +166,6 @@ def _runs_on_meta(meta_model: nn.Module, size: tuple) -> bool:
         return True
     except Exception:  # noqa: BLE001 - any failure: the caller confirms or gives no advice
         return False
-
-
-def _own_size(cfg) -> tuple | None:
-    """The input size of a model whose constructor takes no ``img_size`` (timm's default
-    config), where ``model.img_size`` was dropped for it; None otherwise."""
-    if "img_size" in (cfg.model.kwargs or {}) or not cfg.model.get("img_size_kwarg"):
-        return None
-    try:
-        with torch.device("meta"):
-            build_model(cfg.model.name, num_classes=1, img_size=int(cfg.model.img_size))
-        return None  # (it takes img_size)
-    except Exception:  # noqa: BLE001 - it takes none (or cannot be built so: the pretrained size is tried)
-        pass
-    try:
-        import timm
-
-        return tuple(timm.get_pretrained_cfg(timm_name(cfg.model.name)).input_size[1:])
-    except Exception:  # noqa: BLE001 - no pretrained config: no advice
-        return None
 
 
 def _head_count_advice(cfg, num_classes: int, err: Exception) -> str:
@@ -194,10 +184,10 @@ def _head_count_advice(cfg, num_classes: int, err: Exception) -> str:
             return ""
     if not isinstance(width, int) or width <= 0 or width % heads == 0:  # (then another width failed: timm's words)
         return ""
-    valid = ", ".join(str(d) for d in range(1, width + 1) if width % d == 0)
     whose = ("model.embed_dim" if cfg.model.embed_dim is not None
              else "model.kwargs.embed_dim" if "embed_dim" in (cfg.model.kwargs or {}) else "the model")
-    return f"model.num_heads={heads} does not divide the width {width} ({whose}'s): valid head counts: {valid}"
+    return (f"model.num_heads={heads} does not divide the width {width} ({whose}'s): valid head counts: "
+            f"{head_counts(width)}")
 
 
 def check_patch_grid(model: nn.Module) -> None:
