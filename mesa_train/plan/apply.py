@@ -22,9 +22,10 @@ __all__ = ["apply_plan", "check_plan", "PLAN_ATTR", "plan_of", "describe_plan"]
 PLAN_ATTR = "_mesa_plan"
 
 
-def check_plan(model: nn.Module, plan: Plan) -> None:
+def check_plan(model: nn.Module, plan: Plan) -> dict:
     """Refuse a plan made for another model: unknown layer names, a layer whose parameter
-    shapes differ, or an op a layer does not have. Raises :class:`PlanError`."""
+    shapes differ, or an op a layer does not have. Raises :class:`PlanError`. Returns the
+    model's units by name (``find_units``), which the caller need not find again."""
     units = {u.name: u for u in find_units(model)}
     arch = model_architecture(model)
     unknown = [n for n in plan.layers if n not in units]
@@ -39,6 +40,7 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
            if o not in units[n].ops and not (o == RECOMPUTE and units[n].recomputable)]
     if bad:
         raise PlanError(f"plan asks ops these layers do not have: {bad}")
+    return units
 
 
 def apply_plan(model: nn.Module, plan_or_path: Any, attention: str = "auto", **quant_options) -> nn.Module:
@@ -46,7 +48,7 @@ def apply_plan(model: nn.Module, plan_or_path: Any, attention: str = "auto", **q
     the plan's. The plan is kept on the model (:func:`plan_of`). Every layer's arguments are
     checked before any layer is changed: a wrong option leaves the model as it was."""
     plan = as_plan(plan_or_path)
-    check_plan(model, plan)
+    units = check_plan(model, plan)
     root = unwrap_model(model)
     options = {**plan.quant_options, **quant_options}
     # mlp / norm_linear "separate": the planner prices each (layer, op) on its own and adds them
@@ -55,7 +57,7 @@ def apply_plan(model: nn.Module, plan_or_path: Any, attention: str = "auto", **q
     copies = {"mlp": options.pop("mlp", "separate"), "norm_linear": options.pop("norm_linear", "separate")}
     # the outside-blocks unit: the layers of modules=other; in a model with no transformer block
     # (ConvNeXt, a CNN) every layer is outside, its MLPs (module set ffn) too, so all sets
-    blockless = all(u.name == OTHER for u in find_units(root))
+    blockless = list(units) == [OTHER]
     calls = [(root, plan.layers.get(OTHER, ()), ("all",) if blockless else ("other",))]
     calls += [(root.get_submodule(name), ops, ("all",)) for name, ops in plan.layers.items() if name != OTHER]
     for _, ops, modules in calls:  # (validation first, as patch_model's own)

@@ -104,13 +104,13 @@ _SIZE_KEYS = ("bits", "layout")
 def _check_sizes(plan: Plan, options: dict) -> None:
     """``PlanError`` where the config asks another copy size than the plan was made with
     (a plan made at mesa.bits=4, trained at 8, keeps twice the bytes it was planned to)."""
-    differ = [f"{k}={plan.quant_options[k]!r}, but mesa.{k}={options[k]!r}" for k in _SIZE_KEYS
-              if k in plan.quant_options and k in options and plan.quant_options[k] != options[k]]
+    made = plan.quant_options
+    differ = [k for k in _SIZE_KEYS if k in made and k in options and made[k] != options[k]]
     if differ:
-        fix = " ".join(f"mesa.{k}={plan.quant_options[k]}" for k in _SIZE_KEYS
-                       if k in plan.quant_options and k in options and plan.quant_options[k] != options[k])
-        raise PlanError(f"the plan was made with {'; '.join(differ)}: its memory was planned at the plan's "
-                        f"sizes; set {fix}, or make a plan with these settings")
+        said = "; ".join(f"{k}={made[k]!r}, but mesa.{k}={options[k]!r}" for k in differ)
+        fix = " ".join(f"mesa.{k}={made[k]}" for k in differ)
+        raise PlanError(f"the plan was made with {said}: its memory was planned at the plan's sizes; set {fix}, "
+                        f"or make a plan with these settings")
 
 
 def plan_for_checkpoint(model: nn.Module) -> Optional[dict]:
